@@ -1,0 +1,48 @@
+//! The vocabulary and the wire of decode-to-prefill KV reuse.
+//!
+//! This crate owns every type that crosses a process boundary: KV layout
+//! geometry ([`KvLayout`]), GPU identity ([`GpuIdentity`]), owner lifetime
+//! ([`OwnerLease`]), one rank's retained bank ([`BankDescriptor`]), a TP group's
+//! banks ([`BankManifest`]), block identity ([`SequenceHash`], Dynamo-compatible),
+//! the fetch hint `kv.fetch_gpu@1.0` ([`FetchGpuHint`] in a [`HintEnvelope`])
+//! and KV events ([`KvEvent`]). All of them encode as MessagePack ([`Wire`]).
+//!
+//! # Invariants
+//! - A value of a validated type ([`KvLayout`], [`BankDescriptor`],
+//!   [`BankManifest`]) is valid: the only ways to get one are its checking
+//!   constructor and the wire decoder, which runs the same checks. Nothing is
+//!   published half-built.
+//! - Decoders never panic, whatever the bytes.
+//! - Block hashes equal Dynamo's for the same tokens and block size.
+//! - Unknown hint actions and unknown storage tiers are errors, never ignored.
+//!
+//! Deliberately absent: any I/O, memory mapping, CUDA or NIXL. This crate is
+//! pure data so that every other crate (and fuzzers) can depend on it.
+
+#![deny(missing_docs)]
+
+mod bank;
+mod block_hash;
+mod error;
+mod event;
+mod hint;
+mod identity;
+mod layout;
+mod manifest;
+mod wire;
+
+pub use bank::{BankDescriptor, BankParts, ExportHandle, MemoryLocation, CUDA_HANDLE_BYTES, MAX_NIXL_METADATA_BYTES, MAX_SLOTS};
+pub use block_hash::{chain_sequence_hash, sequence_hashes, token_block_hash, token_block_hashes, SequenceHash, TokenBlockHash};
+pub use error::DescriptorError;
+pub use event::{KvEvent, KvEventData, StorageTier, StoredBlock};
+pub use hint::{
+    FetchGpuHint, FetchPart, HintAction, HintEnvelope, FETCH_GPU_ACTION_TYPE, FETCH_GPU_ACTION_VERSION,
+    HINT_PROTOCOL_VERSION, MAX_HINT_BLOCKS,
+};
+pub use identity::{EngineId, GpuIdentity, NvlinkFabric, OwnerLease, Role};
+pub use layout::{DType, KvLayout, LayoutFingerprint, TensorOrder, MAX_RANK_BLOCK_BYTES};
+pub use manifest::{BankManifest, MAX_MANIFEST_BYTES};
+pub use wire::Wire;
+
+/// XXH3 seed of block hashes and fingerprints; Dynamo's `XXH3_SEED`.
+pub const XXH3_SEED: u64 = 1337;

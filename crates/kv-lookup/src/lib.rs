@@ -1,0 +1,1 @@
+//! kv-lookup (in progress).

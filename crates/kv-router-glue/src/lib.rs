@@ -1,0 +1,1 @@
+//! kv-router-glue (in progress).

@@ -1,0 +1,1 @@
+//! kv-testkit (in progress).

@@ -1,0 +1,1 @@
+//! kv-transfer (in progress).
