@@ -1,6 +1,12 @@
 //! Memory behind a bank (or behind a native KV cache): one trait, several kinds.
+//!
+//! Implementations in this crate: [`crate::HostShmMemory`] (POSIX shared
+//! memory, CPU profile) and, with a CUDA driver present,
+//! [`crate::CudaDeviceMemory`] (owner) and [`crate::CudaIpcImport`] (importer).
 
 use kv_descriptor::ExportHandle;
+
+use crate::BankError;
 
 /// Which address space [`BankMemory::base_addr`] belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -14,12 +20,38 @@ pub enum MemoryKind {
     },
 }
 
+impl std::fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MemoryKind::Host => f.write_str("host"),
+            MemoryKind::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
 /// A contiguous region of memory mapped into this process.
 ///
 /// Implementations own (or hold a mapping of) `len()` bytes starting at
 /// `base_addr()`; the address stays valid for as long as the value lives.
 /// Transfers read and write through these addresses, so an implementation
 /// must not move or unmap the region while it is alive.
+///
+/// [`BankMemory::write_bytes`] and [`BankMemory::read_bytes`] are synchronous
+/// copies between this region and host buffers (a device memory does a
+/// blocking host-to-device / device-to-host copy). They are for filling and
+/// checking slots, not for the transfer data path. Their default is
+/// [`BankError::Unsupported`], so implementing the trait needs no unsafe code.
+///
+/// ```
+/// use kv_bank::{BankMemory, HostShmMemory, MemoryKind};
+/// let m = HostShmMemory::create_unique("kvbank-doc", 4096).unwrap();
+/// assert_eq!(m.kind(), MemoryKind::Host);
+/// m.write_bytes(100, b"abc").unwrap();
+/// let mut back = [0u8; 3];
+/// m.read_bytes(100, &mut back).unwrap();
+/// assert_eq!(&back, b"abc");
+/// assert!(m.write_bytes(4095, b"ab").is_err()); // past the end
+/// ```
 pub trait BankMemory: Send + Sync + std::fmt::Debug {
     /// Address space of [`BankMemory::base_addr`].
     fn kind(&self) -> MemoryKind;
@@ -33,4 +65,48 @@ pub trait BankMemory: Send + Sync + std::fmt::Debug {
     fn base_addr(&self) -> u64;
     /// How another process on the same host maps this region, if it can.
     fn export_handle(&self) -> Option<ExportHandle>;
+
+    /// Copies `src` into the region at byte `offset`.
+    ///
+    /// # Errors
+    /// [`BankError::OutOfRange`] if `offset + src.len()` exceeds `len()`;
+    /// [`BankError::Unsupported`] for memory without host copy support;
+    /// [`BankError::Cuda`] when a device copy fails.
+    fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
+        let _ = (offset, src);
+        Err(BankError::Unsupported {
+            op: "write_bytes",
+            kind: self.kind().to_string(),
+        })
+    }
+
+    /// Copies `dst.len()` bytes of the region at byte `offset` into `dst`.
+    ///
+    /// # Errors
+    /// As [`BankMemory::write_bytes`].
+    fn read_bytes(&self, offset: usize, dst: &mut [u8]) -> Result<(), BankError> {
+        let _ = (offset, dst);
+        Err(BankError::Unsupported {
+            op: "read_bytes",
+            kind: self.kind().to_string(),
+        })
+    }
+}
+
+/// Checks that `[offset, offset + len)` lies inside a region of `region_len` bytes.
+pub(crate) fn check_range(
+    field: &'static str,
+    offset: usize,
+    len: usize,
+    region_len: usize,
+) -> Result<(), BankError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= region_len => Ok(()),
+        _ => Err(BankError::OutOfRange {
+            field,
+            offset: offset as u64,
+            len: len as u64,
+            region_len: region_len as u64,
+        }),
+    }
 }

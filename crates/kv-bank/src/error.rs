@@ -1,0 +1,175 @@
+//! The one error type of this crate.
+
+use kv_descriptor::{DescriptorError, SequenceHash};
+
+/// Why a bank, memory, store, pin or reservation operation was refused.
+///
+/// Every variant names the offending field or handle so that an operator can
+/// find it without reading source code. Whenever an operation returns an
+/// error, it has left nothing half-registered: allocations are freed, slots
+/// are rolled back, no event was emitted.
+#[derive(Debug, thiserror::Error)]
+pub enum BankError {
+    /// An argument had a value outside its allowed range.
+    #[error("invalid `{field}`: {reason}")]
+    InvalidArgument {
+        /// Name of the argument or field, e.g. `len`, `shm.name`.
+        field: &'static str,
+        /// Human-readable reason, including the value seen.
+        reason: String,
+    },
+    /// A host system call on shared memory failed.
+    #[error("host shared memory `{name}`: {op} failed: {source}")]
+    HostMemory {
+        /// Shared-memory object name (`/...`).
+        name: String,
+        /// The failing call (`shm_open`, `ftruncate`, `mmap`, `fstat`).
+        op: &'static str,
+        /// OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// No usable CUDA driver or device: GPU memory cannot be used here.
+    #[error("CUDA unavailable: {reason}")]
+    CudaUnavailable {
+        /// Why (no `libcuda`, no device with that ordinal, ...).
+        reason: String,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA {op} failed: {reason}")]
+    Cuda {
+        /// Driver API call (`cuMemAlloc`, `cuIpcOpenMemHandle`, ...).
+        op: &'static str,
+        /// Driver error name and message.
+        reason: String,
+    },
+    /// A memory region does not support the requested operation.
+    #[error("memory of kind {kind} does not support {op}")]
+    Unsupported {
+        /// The operation (`write_bytes`, `export`, ...).
+        op: &'static str,
+        /// Memory kind as text.
+        kind: String,
+    },
+    /// Byte range outside a memory region.
+    #[error("range `{field}` [{offset}, {offset}+{len}) exceeds region of {region_len} bytes")]
+    OutOfRange {
+        /// Which range (`offset`, `slot`).
+        field: &'static str,
+        /// Start in bytes.
+        offset: u64,
+        /// Length in bytes.
+        len: u64,
+        /// Region length in bytes.
+        region_len: u64,
+    },
+    /// A descriptor could not be built or was invalid.
+    #[error("descriptor: {0}")]
+    Descriptor(#[from] DescriptorError),
+    /// The bank's budget leaves no room: every slot is pinned or being written.
+    #[error("bank full: need {needed} slots, {available} free or evictable of {slot_count} (the rest are pinned or pending)")]
+    BankFull {
+        /// Slots the store needs.
+        needed: usize,
+        /// Slots free or evictable now.
+        available: usize,
+        /// Total slots.
+        slot_count: u32,
+    },
+    /// A block's sequence hash does not chain from its parent and token hash.
+    #[error("`blocks[{index}].sequence_hash` {got:#018x} does not chain from its parent (expected {expected:#018x})")]
+    BrokenChain {
+        /// Index of the first bad block.
+        index: usize,
+        /// Hash given.
+        got: u64,
+        /// Hash computed from the parent and token hash.
+        expected: u64,
+    },
+    /// A block is not retained (or not ready yet).
+    #[error("block {0:?} is not retained and ready")]
+    NotRetained(SequenceHash),
+    /// A pending store id that does not exist (already ready, rolled back or never made).
+    #[error("`store_id` {0} is not pending")]
+    UnknownStore(u64),
+    /// A rank number outside `0..tp_size`.
+    #[error("`tp_rank` {rank} is not below tp_size {tp_size}")]
+    BadRank {
+        /// Rank given.
+        rank: u32,
+        /// TP size.
+        tp_size: u32,
+    },
+    /// A pending store passed its deadline before every rank acknowledged; it was rolled back.
+    #[error("store {store_id} timed out after {waited_ms} ms waiting for ranks {missing:?}; rolled back")]
+    StoreTimedOut {
+        /// Store id.
+        store_id: u64,
+        /// Milliseconds since the store began.
+        waited_ms: u64,
+        /// Ranks that had not acknowledged.
+        missing: Vec<u32>,
+    },
+    /// The bank is closing or closed: no new pins or stores.
+    #[error("bank generation {generation} is closed")]
+    Closed {
+        /// Generation of the closed bank.
+        generation: u64,
+    },
+    /// A request named another owner or a dead generation.
+    #[error("`{field}` mismatch: request names {requested}, bank is {actual}")]
+    StaleOwner {
+        /// Field (`engine_id`, `bank_generation`, `layout_fingerprint`, `tp_size`).
+        field: &'static str,
+        /// Value in the request.
+        requested: String,
+        /// Value of this bank.
+        actual: String,
+    },
+    /// A fetch request names a slot that does not hold the expected block.
+    #[error("`parts[{rank}].slot_ids[{index}]` = {slot} does not hold block {expected:?}")]
+    SlotMismatch {
+        /// Rank part.
+        rank: u32,
+        /// Index in the slot list.
+        index: usize,
+        /// Slot id given.
+        slot: u32,
+        /// Block the request expects there.
+        expected: SequenceHash,
+    },
+    /// Close waited for pins to drain and gave up.
+    #[error("close timed out after {waited_ms} ms with {pins} pins outstanding; memory is freed when they drop")]
+    CloseTimedOut {
+        /// Pins still held.
+        pins: usize,
+        /// Milliseconds waited.
+        waited_ms: u64,
+    },
+    /// Destination blocks already reserved by another fetch.
+    #[error("destination block {block} is already reserved")]
+    AlreadyReserved {
+        /// Native block id.
+        block: u32,
+    },
+    /// Not enough free destination blocks.
+    #[error("destination pool has {free} free blocks, {needed} requested")]
+    DestinationFull {
+        /// Blocks requested.
+        needed: usize,
+        /// Blocks free.
+        free: usize,
+    },
+    /// A child process of a cross-process check failed.
+    #[error("child process: {0}")]
+    Child(String),
+}
+
+impl BankError {
+    pub(crate) fn arg(field: &'static str, reason: impl Into<String>) -> Self {
+        Self::InvalidArgument {
+            field,
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! Host memory shareable between processes: a POSIX shared-memory object
+//! (`shm_open`) mapped with `mmap`.
+//!
+//! The creating process owns the name and unlinks it on drop; importers open
+//! the same name and map it. Every unsafe call of this crate's host path lives
+//! in this module.
+
+use std::fs::File;
+use std::os::fd::FromRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kv_descriptor::ExportHandle;
+use memmap2::{MmapOptions, MmapRaw};
+
+use crate::memory::check_range;
+use crate::{BankError, BankMemory, MemoryKind};
+
+/// A mapped POSIX shared-memory object (`/dev/shm/<name>` on Linux).
+///
+/// Created zero-filled by [`HostShmMemory::create`] (the owner, which
+/// `shm_unlink`s the name when dropped: importers that already mapped it keep
+/// their mapping, later opens fail), or opened by [`HostShmMemory::open`] in
+/// another process. Exported as [`ExportHandle::HostShm`].
+///
+/// ```
+/// use kv_bank::{BankMemory, HostShmMemory};
+/// let owner = HostShmMemory::create_unique("kvbank-doc", 1 << 16).unwrap();
+/// let name = owner.name().to_string();
+/// owner.write_bytes(0, &[7; 16]).unwrap();
+/// let other = HostShmMemory::open(&name, 1 << 16).unwrap(); // normally another process
+/// let mut b = [0u8; 16];
+/// other.read_bytes(0, &mut b).unwrap();
+/// assert_eq!(b, [7; 16]);
+/// drop(other);
+/// drop(owner);
+/// assert!(HostShmMemory::open(&name, 1 << 16).is_err()); // unlinked
+/// ```
+#[derive(Debug)]
+pub struct HostShmMemory {
+    name: String,
+    map: MmapRaw,
+    owner: bool,
+}
+
+static UNIQUE: AtomicU64 = AtomicU64::new(0);
+
+fn check_name(name: &str) -> Result<std::ffi::CString, BankError> {
+    if !name.starts_with('/') || name.len() < 2 || name.len() > 255 || name[1..].contains('/') {
+        return Err(BankError::arg(
+            "shm.name",
+            format!("must be `/` followed by 1..=254 bytes without `/`, got {name:?}"),
+        ));
+    }
+    std::ffi::CString::new(name)
+        .map_err(|_| BankError::arg("shm.name", format!("contains a NUL byte: {name:?}")))
+}
+
+fn os_err(name: &str, op: &'static str) -> BankError {
+    BankError::HostMemory {
+        name: name.to_string(),
+        op,
+        source: std::io::Error::last_os_error(),
+    }
+}
+
+impl HostShmMemory {
+    /// Creates a new shared-memory object `name` of `len` bytes (zero-filled)
+    /// and maps it read-write. Fails if the name exists (`O_EXCL`): two owners
+    /// never share a name.
+    ///
+    /// # Errors
+    /// [`BankError::InvalidArgument`] for a bad `shm.name` or `len` 0;
+    /// [`BankError::HostMemory`] naming the failing call (`shm_open`,
+    /// `ftruncate`, `mmap`). On error the object is unlinked again.
+    pub fn create(name: &str, len: usize) -> Result<Self, BankError> {
+        let cname = check_name(name)?;
+        if len == 0 {
+            return Err(BankError::arg("len", "must be at least 1 byte, got 0"));
+        }
+        // SAFETY: `cname` is a valid NUL-terminated string; the flags and mode are plain ints.
+        let fd = unsafe {
+            libc::shm_open(
+                cname.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
+                0o600 as libc::mode_t,
+            )
+        };
+        if fd < 0 {
+            return Err(os_err(name, "shm_open"));
+        }
+        // SAFETY: `fd` was just returned by shm_open and is owned by nobody else;
+        // `File` closes it on drop (the mapping stays valid after close).
+        let file = unsafe { File::from_raw_fd(fd) };
+        let unlink = || {
+            // SAFETY: same valid C string; unlinking a name we created.
+            unsafe { libc::shm_unlink(cname.as_ptr()) };
+        };
+        if let Err(source) = file.set_len(len as u64) {
+            unlink();
+            return Err(BankError::HostMemory {
+                name: name.to_string(),
+                op: "ftruncate",
+                source,
+            });
+        }
+        match MmapOptions::new().len(len).map_raw(&file) {
+            Ok(map) => Ok(Self {
+                name: name.to_string(),
+                map,
+                owner: true,
+            }),
+            Err(source) => {
+                unlink();
+                Err(BankError::HostMemory {
+                    name: name.to_string(),
+                    op: "mmap",
+                    source,
+                })
+            }
+        }
+    }
+
+    /// [`HostShmMemory::create`] with a fresh name
+    /// `/<prefix>-<pid>-<counter>-<random>`, unique on this host.
+    ///
+    /// # Errors
+    /// As [`HostShmMemory::create`]; `shm.name` if `prefix` contains `/` or is too long.
+    pub fn create_unique(prefix: &str, len: usize) -> Result<Self, BankError> {
+        let n = UNIQUE.fetch_add(1, Ordering::Relaxed);
+        let rnd = uuid::Uuid::new_v4().as_u128() as u32;
+        Self::create(
+            &format!("/{prefix}-{}-{n}-{rnd:08x}", std::process::id()),
+            len,
+        )
+    }
+
+    /// Opens and maps an existing object created by another process. `len`
+    /// is the length the importer expects (from the bank descriptor); the
+    /// object must be at least that large.
+    ///
+    /// # Errors
+    /// [`BankError::HostMemory`] (`shm_open` fails when the name does not exist,
+    /// e.g. the owner already dropped it); [`BankError::OutOfRange`] when the
+    /// object is smaller than `len`.
+    pub fn open(name: &str, len: usize) -> Result<Self, BankError> {
+        let cname = check_name(name)?;
+        if len == 0 {
+            return Err(BankError::arg("len", "must be at least 1 byte, got 0"));
+        }
+        // SAFETY: valid C string; opening without O_CREAT never creates anything.
+        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(os_err(name, "shm_open"));
+        }
+        // SAFETY: `fd` is freshly opened and owned only here.
+        let file = unsafe { File::from_raw_fd(fd) };
+        let size = file
+            .metadata()
+            .map_err(|source| BankError::HostMemory {
+                name: name.to_string(),
+                op: "fstat",
+                source,
+            })?
+            .len();
+        check_range("len", 0, len, size as usize)?;
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw(&file)
+            .map_err(|source| BankError::HostMemory {
+                name: name.to_string(),
+                op: "mmap",
+                source,
+            })?;
+        Ok(Self {
+            name: name.to_string(),
+            map,
+            owner: false,
+        })
+    }
+
+    /// The shared-memory name (`/...`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// True for the creating process (which unlinks the name on drop).
+    pub fn is_owner(&self) -> bool {
+        self.owner
+    }
+}
+
+impl BankMemory for HostShmMemory {
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Host
+    }
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+    fn base_addr(&self) -> u64 {
+        self.map.as_mut_ptr() as u64
+    }
+    fn export_handle(&self) -> Option<ExportHandle> {
+        Some(ExportHandle::HostShm {
+            name: self.name.clone(),
+        })
+    }
+    fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
+        check_range("offset", offset, src.len(), self.map.len())?;
+        // SAFETY: the range was checked to lie inside the live mapping, and `src`
+        // is a distinct Rust buffer, so the regions do not overlap. Concurrent
+        // writers of the same bytes (other processes) are excluded by the bank's
+        // slot protocol (a slot is written only while it is pending).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                self.map.as_mut_ptr().add(offset),
+                src.len(),
+            )
+        };
+        Ok(())
+    }
+    fn read_bytes(&self, offset: usize, dst: &mut [u8]) -> Result<(), BankError> {
+        check_range("offset", offset, dst.len(), self.map.len())?;
+        // SAFETY: range checked inside the mapping; `dst` is a distinct buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.map.as_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
+        Ok(())
+    }
+}
+
+impl Drop for HostShmMemory {
+    fn drop(&mut self) {
+        if self.owner {
+            if let Ok(c) = std::ffi::CString::new(self.name.as_str()) {
+                // SAFETY: valid C string; the name was created by this value.
+                unsafe { libc::shm_unlink(c.as_ptr()) };
+            }
+        }
+    }
+}
