@@ -1,1 +1,139 @@
-fn main() {}
+//! `cargo xtask`: the project's automation entry point.
+//!
+//! Owns: installing what the build and tests need from outside cargo (NIXL
+//! runtime wheel, nats-server, libclang), the workspace test run with its
+//! closing `N passed, N failed` line, the layering check, and driving the
+//! `kvq` binary (kv-testkit) for qualification, benchmarks and the GPU bundle.
+//!
+//! Invariant: xtask depends on no workspace crate and nothing that needs
+//! libclang or CUDA, so `cargo xtask` starts on a fresh machine and installs
+//! the rest before anything heavy is compiled. Deliberately absent: any
+//! qualification logic (it lives in kvq, which also runs on GPU machines
+//! without a toolchain).
+
+mod apt;
+mod bench;
+mod bundle;
+mod command;
+mod elf;
+mod error;
+mod kvq;
+mod layering;
+mod libclang;
+mod nats;
+mod nixl;
+mod pip;
+mod prerequisites;
+mod qualify;
+mod test_suite;
+mod workspace;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::error::Result;
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Project automation (see README.md)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install the NIXL runtime, nats-server and libclang when missing; print the environment.
+    Install,
+    /// Check that workspace crates depend only downward (cargo metadata).
+    Deps,
+    /// Prerequisites, layering check, every workspace test, kv-descriptor docs.
+    Test {
+        /// Extra arguments for `cargo test` (e.g. `-- --nocapture`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        cargo_args: Vec<String>,
+    },
+    /// The main job: build kvq and run every qualification section.
+    Qualify {
+        /// `cpu` here, `gpu` on GPU machines; `auto` picks by `nvidia-smi -L`.
+        #[arg(long, value_enum, default_value = "auto")]
+        profile: qualify::Profile,
+        /// Output directory (default `target/qualify/<profile>`).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Build kvq with the dev profile instead of `--release` (faster build, slower run).
+        #[arg(long)]
+        dev: bool,
+        /// Extra arguments for `kvq qualify` (e.g. `--trace-requests 500`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        kvq_args: Vec<String>,
+    },
+    /// Run a benchmark: `transfer` (kv-transfer) or `lookup` (kv-lookup).
+    Bench {
+        /// Which benchmark.
+        #[arg(value_enum)]
+        which: bench::Bench,
+        /// Write the JSON result here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Build `.bundle/` (kvq + NIXL libraries) for a GPU machine and print the command.
+    GpuBundle {
+        /// Also bundle release test binaries of the crates with GPU tests.
+        #[arg(long)]
+        with_tests: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    match dispatch(Cli::parse().cmd) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn dispatch(cmd: Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Install => {
+            let p = prerequisites::Prerequisites::ensure()?;
+            for (k, v) in p.env() {
+                println!("export {k}={}", v.to_string_lossy());
+            }
+            Ok(())
+        }
+        Cmd::Deps => {
+            let json = command::capture(workspace::cargo().args([
+                "metadata",
+                "--format-version",
+                "1",
+                "--no-deps",
+            ]))?;
+            let edges = layering::check(&json)?;
+            println!(
+                "layering ok: {edges} internal edges, order {}",
+                layering::ORDER.join(" <- ")
+            );
+            Ok(())
+        }
+        Cmd::Test { cargo_args } => test_suite::run(&cargo_args),
+        Cmd::Qualify {
+            profile,
+            out,
+            dev,
+            kvq_args,
+        } => {
+            let build = if dev {
+                kvq::BuildProfile::Dev
+            } else {
+                kvq::BuildProfile::Release
+            };
+            qualify::run(profile, out, build, &kvq_args)
+        }
+        Cmd::Bench { which, json } => bench::run(which, json.as_deref()),
+        Cmd::GpuBundle { with_tests } => bundle::run(with_tests),
+    }
+}

@@ -1,0 +1,54 @@
+//! `cargo xtask bench {transfer|lookup}`: dispatch to the benchmark each
+//! crate owns. Both print ratios against a baseline measured in the same run.
+
+use std::path::Path;
+
+use crate::error::Result;
+use crate::kvq::{self, BuildProfile};
+use crate::prerequisites::Prerequisites;
+use crate::{command, workspace};
+
+/// Which benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Bench {
+    /// `kv_transfer::bench::run` through `kvq bench transfer`.
+    Transfer,
+    /// The kv-lookup criterion-free bench target `lookup`.
+    Lookup,
+}
+
+/// Runs one benchmark, writing its JSON result to `json` when given.
+///
+/// # Errors
+/// A failed build or a failed benchmark run.
+pub fn run(which: Bench, json: Option<&Path>) -> Result<()> {
+    let prereq = Prerequisites::ensure()?;
+    match which {
+        Bench::Transfer => {
+            let (exe, line) = kvq::build(BuildProfile::Release)?;
+            let mut c = kvq::command(&exe, &line, &prereq);
+            c.args(["bench", "transfer"]);
+            if let Some(j) = json {
+                c.arg("--json").arg(absolute_from_caller(j));
+            }
+            command::run(&mut c)
+        }
+        Bench::Lookup => {
+            let mut c = workspace::cargo();
+            c.args(["bench", "-p", "kv-lookup", "--bench", "lookup", "--"]);
+            if let Some(j) = json {
+                c.arg("--json").arg(absolute_from_caller(j));
+            }
+            prereq.apply(&mut c);
+            command::run(&mut c)
+        }
+    }
+}
+
+/// Children run in the workspace root (or deeper, for cargo bench): make a
+/// relative path given by the user absolute against the caller's directory.
+fn absolute_from_caller(p: &Path) -> std::path::PathBuf {
+    std::env::current_dir()
+        .map(|d| d.join(p))
+        .unwrap_or_else(|_| p.to_path_buf())
+}

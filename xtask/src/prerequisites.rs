@@ -1,0 +1,148 @@
+//! Everything the build and the tests need from outside cargo, and the
+//! environment that hands it to child processes.
+//!
+//! Policy: libclang is always required (nixl-sys does not build without it).
+//! A missing NIXL runtime or nats-server is a failure in CI (`CI=true`) and a
+//! printed warning elsewhere; the tests that need them then skip with a reason.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::Command;
+
+use crate::error::Result;
+use crate::nixl::NixlRuntime;
+use crate::{libclang, nats, workspace};
+
+/// Variable naming the nats-server binary for tests.
+pub const NATS_ENV: &str = "KV_NATS_SERVER";
+/// Variable naming the NIXL core library folder (holds `libnixl_capi.so`).
+pub const NIXL_LIB_ENV: &str = "KV_NIXL_LIB_DIR";
+
+/// What [`Prerequisites::ensure`] found or installed.
+#[derive(Debug, Clone, Default)]
+pub struct Prerequisites {
+    /// NIXL runtime, when available.
+    pub nixl: Option<NixlRuntime>,
+    /// nats-server binary, when available.
+    pub nats_server: Option<PathBuf>,
+}
+
+/// True when running under CI (`CI=true` or `CI=1`).
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+impl Prerequisites {
+    /// Ensures libclang, the NIXL runtime and nats-server, installing what is missing.
+    ///
+    /// # Errors
+    /// libclang unavailable; NIXL or nats-server unavailable under CI.
+    pub fn ensure() -> Result<Self> {
+        libclang::ensure()?;
+        let strict = in_ci();
+        let tools = workspace::tools_dir();
+        let nixl = tolerate(
+            strict,
+            "NIXL runtime",
+            NixlRuntime::ensure(&tools.join("nixl")),
+        )?;
+        let nats_server = tolerate(strict, "nats-server", nats::ensure(&tools))?;
+        let me = Self { nixl, nats_server };
+        me.print();
+        Ok(me)
+    }
+
+    /// Sets `LD_LIBRARY_PATH` (NIXL folders prepended), `NIXL_PLUGIN_DIR`,
+    /// `KV_NIXL_LIB_DIR` and `KV_NATS_SERVER` on `cmd` for what is available.
+    pub fn apply(&self, cmd: &mut Command) {
+        for (k, v) in self.env() {
+            cmd.env(k, v);
+        }
+    }
+
+    /// The variables [`Prerequisites::apply`] sets, in order.
+    pub fn env(&self) -> Vec<(String, OsString)> {
+        let mut env = Vec::new();
+        if let Some(rt) = &self.nixl {
+            let old = std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default();
+            let dirs = rt.lib_dirs().into_iter().chain(std::env::split_paths(&old));
+            let joined = std::env::join_paths(dirs).expect("library paths hold no ':'");
+            env.push(("LD_LIBRARY_PATH".into(), joined));
+            env.push(("NIXL_PLUGIN_DIR".into(), rt.plugin_dir().into()));
+            env.push((NIXL_LIB_ENV.into(), rt.lib_dirs()[0].clone().into()));
+        }
+        if let Some(n) = &self.nats_server {
+            env.push((NATS_ENV.into(), n.clone().into()));
+        }
+        env
+    }
+
+    fn print(&self) {
+        match &self.nixl {
+            Some(rt) => eprintln!("prerequisite: NIXL runtime at {}", rt.root.display()),
+            None => eprintln!("prerequisite: NIXL runtime MISSING (NIXL tests will skip)"),
+        }
+        match &self.nats_server {
+            Some(p) => eprintln!("prerequisite: nats-server at {}", p.display()),
+            None => eprintln!("prerequisite: nats-server MISSING (NATS tests will skip)"),
+        }
+    }
+}
+
+/// Under `strict`, an error stays an error; otherwise it is printed and
+/// becomes `None`.
+fn tolerate<T>(strict: bool, what: &str, r: Result<T>) -> Result<Option<T>> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if strict => Err(e),
+        Err(e) => {
+            eprintln!("warning: {what} unavailable (fatal only with CI=true): {e}");
+            Ok(None)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_names_nixl_folders_first_and_nats_server() {
+        let p = Prerequisites {
+            nixl: Some(NixlRuntime {
+                root: "/x/nixl".into(),
+            }),
+            nats_server: Some("/x/nats-server".into()),
+        };
+        let env = p.env();
+        let get = |k: &str| {
+            env.iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.to_string_lossy().into_owned())
+        };
+        let ld = get("LD_LIBRARY_PATH").unwrap();
+        assert!(
+            ld.starts_with("/x/nixl/.nixl_cu13.mesonpy.libs:/x/nixl/nixl_cu13.libs"),
+            "{ld}"
+        );
+        assert_eq!(
+            get("NIXL_PLUGIN_DIR").unwrap(),
+            "/x/nixl/.nixl_cu13.mesonpy.libs/plugins"
+        );
+        assert_eq!(get(NATS_ENV).unwrap(), "/x/nats-server");
+        assert!(Prerequisites::default().env().is_empty());
+    }
+
+    #[test]
+    fn tolerate_keeps_errors_only_when_strict() {
+        let err = || -> Result<u8> {
+            Err(crate::error::XtaskError::Prerequisite {
+                what: "nats-server",
+                reason: "test".into(),
+            })
+        };
+        assert!(tolerate(true, "x", err()).is_err());
+        assert_eq!(tolerate(false, "x", err()).unwrap(), None);
+        assert_eq!(tolerate(true, "x", Ok(3)).unwrap(), Some(3));
+    }
+}

@@ -1,0 +1,183 @@
+//! `cargo xtask test`: every test of the workspace, after the prerequisites
+//! and the layering check, closing with one `N passed, N failed, N skipped` line.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+
+use crate::error::{Result, XtaskError};
+use crate::prerequisites::Prerequisites;
+use crate::{command, layering, workspace};
+
+/// Test counts summed over every `test result:` line of libtest's output
+/// (unit, integration and doc tests; `ignored` counts as skipped).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// Tests that passed.
+    pub passed: u64,
+    /// Tests that failed.
+    pub failed: u64,
+    /// Tests marked `#[ignore]`.
+    pub skipped: u64,
+}
+
+impl Tally {
+    /// Adds the counts of one libtest summary line; other lines are ignored.
+    /// Returns true when the line was a summary.
+    ///
+    /// The line format is libtest's: `test result: ok. 12 passed; 0 failed;
+    /// 1 ignored; 0 measured; 0 filtered out; finished in 0.01s`.
+    pub fn add_line(&mut self, line: &str) -> bool {
+        let Some(rest) = line.trim().strip_prefix("test result: ") else {
+            return false;
+        };
+        let Some((_, counts)) = rest.split_once(". ") else {
+            return false;
+        };
+        let mut any = false;
+        for part in counts.split(';') {
+            let mut words = part.split_whitespace();
+            let (Some(n), Some(what)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let Ok(n) = n.parse::<u64>() else { continue };
+            let slot = match what {
+                "passed" => &mut self.passed,
+                "failed" => &mut self.failed,
+                "ignored" => &mut self.skipped,
+                _ => continue,
+            };
+            *slot += n;
+            any = true;
+        }
+        any
+    }
+
+    /// The closing line: `N passed, N failed, N skipped`.
+    pub fn closing_line(&self) -> String {
+        format!(
+            "{} passed, {} failed, {} skipped",
+            self.passed, self.failed, self.skipped
+        )
+    }
+}
+
+/// Runs prerequisites, the layering check, `cargo test --workspace
+/// --no-fail-fast [extra]`, and `cargo doc -p kv-descriptor --no-deps` with
+/// `-D warnings`; every step runs even after an earlier one failed, so one
+/// run shows every problem.
+///
+/// # Errors
+/// [`XtaskError::TestsFailed`] when any test or step failed; prerequisite
+/// errors (before anything is built) as they are.
+pub fn run(extra: &[String]) -> Result<()> {
+    let prereq = Prerequisites::ensure()?;
+    let mut step_failures = Vec::new();
+
+    match layering_check() {
+        Ok(edges) => eprintln!("layering: {edges} internal dependency edges, all downward"),
+        Err(e) => step_failures.push(format!("layering: {e}")),
+    }
+
+    let mut test = workspace::cargo();
+    test.args(["test", "--workspace", "--no-fail-fast"])
+        .args(extra);
+    prereq.apply(&mut test);
+    let (tally, status) = tee_and_tally(&mut test)?;
+    if !status.success() && tally.failed == 0 {
+        step_failures.push(format!(
+            "`{}` exited with {status} (build failure?)",
+            command::describe(&test)
+        ));
+    }
+
+    let mut doc = workspace::cargo();
+    doc.args(["doc", "-p", "kv-descriptor", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    if let Err(e) = command::run(&mut doc) {
+        step_failures.push(format!("doc: {e}"));
+    }
+
+    for f in &step_failures {
+        println!("step failed: {f}");
+    }
+    println!("{}", tally.closing_line());
+    if tally.failed > 0 || !step_failures.is_empty() {
+        return Err(XtaskError::TestsFailed {
+            passed: tally.passed,
+            failed: tally.failed,
+            build_failed: !step_failures.is_empty(),
+        });
+    }
+    Ok(())
+}
+
+fn layering_check() -> Result<usize> {
+    let json = command::capture(workspace::cargo().args([
+        "metadata",
+        "--format-version",
+        "1",
+        "--no-deps",
+    ]))?;
+    layering::check(&json)
+}
+
+/// Runs `cmd`, copying its stdout to ours line by line while counting
+/// libtest summaries; stderr (cargo's build output) passes straight through.
+fn tee_and_tally(cmd: &mut Command) -> Result<(Tally, std::process::ExitStatus)> {
+    eprintln!("$ {}", command::describe(cmd));
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|source| XtaskError::Spawn {
+            program: "cargo".into(),
+            source,
+        })?;
+    let mut tally = Tally::default();
+    let stdout = child.stdout.take().expect("stdout was piped");
+    let mut out = std::io::stdout().lock();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.map_err(XtaskError::io("<cargo test stdout>"))?;
+        tally.add_line(&line);
+        // A closed stdout (`| head`) must not abort the count.
+        let _ = writeln!(out, "{line}");
+    }
+    drop(out);
+    let status = child.wait().map_err(XtaskError::io("<cargo test>"))?;
+    Ok((tally, status))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_libtest_summaries_and_ignores_other_lines() {
+        let mut t = Tally::default();
+        assert!(t.add_line("test result: ok. 12 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.01s"));
+        assert!(t.add_line("test result: FAILED. 3 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1.20s"));
+        assert!(!t.add_line("test kv::x ... ok"));
+        assert!(!t.add_line("   Doc-tests kv_descriptor"));
+        assert!(!t.add_line("test result: garbage"));
+        assert_eq!(
+            t,
+            Tally {
+                passed: 15,
+                failed: 2,
+                skipped: 1
+            }
+        );
+        assert_eq!(t.closing_line(), "15 passed, 2 failed, 1 skipped");
+    }
+
+    #[test]
+    fn tee_counts_a_real_child_and_reports_its_status() {
+        let mut c = Command::new("sh");
+        c.args([
+            "-c",
+            "echo 'test result: ok. 4 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0s'; exit 1",
+        ]);
+        let (t, status) = tee_and_tally(&mut c).unwrap();
+        assert_eq!((t.passed, t.failed), (4, 0));
+        assert!(!status.success());
+    }
+}
