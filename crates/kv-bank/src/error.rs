@@ -89,6 +89,9 @@ pub enum BankError {
     /// A block is not retained (or not ready yet).
     #[error("block {0:?} is not retained and ready")]
     NotRetained(SequenceHash),
+    /// A block in the multimodal exclusion lineage: never exported.
+    #[error("block {0:?} depends on excluded multimodal input and is never exported")]
+    Excluded(SequenceHash),
     /// A pending store id that does not exist (already ready, rolled back or never made).
     #[error("`store_id` {0} is not pending")]
     UnknownStore(u64),

@@ -1,9 +1,68 @@
-//! Retained KV banks (in progress).
+//! Retained KV banks: memory a decode worker keeps its finished KV blocks in,
+//! so that a later prefill can fetch them instead of recomputing.
+//!
+//! This crate owns:
+//! - **memory behind one trait** ([`BankMemory`]): host memory shareable
+//!   between processes ([`HostShmMemory`], POSIX shared memory mapped by
+//!   name) and CUDA device memory ([`CudaDeviceMemory`], exported by CUDA IPC
+//!   handle; [`CudaIpcImport`] maps it in another process through a
+//!   process-wide cache, so each donor allocation is opened once per process);
+//! - **bank managers** ([`BankManager`]): one role's retained bank, TP1 or one
+//!   rank-local [`RankBank`] per TP rank sharing logical slot ids, with the
+//!   byte budget divided across ranks;
+//! - **destination reservations** ([`DestinationPool`]) on the fetching side;
+//! - **checks runnable elsewhere**: [`gpu_check`] (two-process CUDA IPC check
+//!   for a GPU machine) and [`qualify_section`] (CPU bank lifecycle for
+//!   `cargo xtask qualify`).
+//!
+//! # Invariants
+//! - A slot holds one rank's part of one sealed (full) block. A store is
+//!   *ready* (visible to lookups, pins, inventory and events) only after
+//!   every rank acknowledged its part; a failed or timed-out rank rolls it
+//!   back on all ranks, with no event.
+//! - Eviction is LRU over ready, unpinned slots and never touches a pinned or
+//!   pending slot. Pins are RAII guards ([`ManagerPin`]).
+//! - Retained blocks are copies, independent of the engine's native cache; the
+//!   inventory ([`BankManager::inventory`]) and the events say exactly what is
+//!   retained.
+//! - Blocks in the [`ExclusionLineage`] (multimodal-dependent) are never
+//!   stored or pinned for export; the lineage outlives native clears and bank
+//!   generations.
+//! - A closed generation is dead: pins, stores and descriptors naming it are
+//!   refused; memory is freed once pins drained.
+//! - Every failing operation leaves nothing half-registered.
+//!
+//! Deliberately absent: moving bytes between banks (kv-transfer), deciding
+//! what to fetch (kv-lookup, kv-router-glue), NIXL registration, and the
+//! fabric-handle (multi-node NVLink) export path, which is only probed
+//! ([`CudaDeviceInfo::fabric_supported`]).
 
+#![deny(missing_docs)]
+
+mod cuda;
 mod error;
+pub mod gpu_check;
+mod lineage;
+mod manager;
 pub mod memory;
+mod qualify;
+mod rank;
+mod reservation;
 mod shm;
+mod slots;
 
+pub use cuda::{
+    cuda_probe, gpu_location, ipc_cache_stats, CudaDeviceInfo, CudaDeviceMemory, CudaIpcImport,
+    IpcCacheStats,
+};
 pub use error::BankError;
+pub use lineage::ExclusionLineage;
+pub use manager::{
+    sealed_blocks, BankConfig, BankManager, BankStats, Inventory, ManagerPin, PendingStore,
+    StoreStatus,
+};
 pub use memory::{BankMemory, MemoryKind};
+pub use qualify::{qualify_section, QualifyCheck, QualifySection};
+pub use rank::{RankBank, RankMemory};
+pub use reservation::{CancelledReservation, DestinationPool, DestinationReservation};
 pub use shm::HostShmMemory;

@@ -1,0 +1,480 @@
+//! CUDA device memory through the driver API (cudarc, loaded dynamically).
+//!
+//! The owner allocates with `cuMemAlloc` and exports a CUDA IPC handle
+//! (`cuIpcGetMemHandle`, 64 bytes); an importer in another process on the same
+//! host opens it with `cuIpcOpenMemHandle`. Opening costs 0.1-3 ms and grows
+//! with the allocation (ANCHORS.md), so imports go through a process-wide
+//! mapping cache keyed by the handle bytes: each donor allocation is opened
+//! once per importing process and shared, refcounted, by every
+//! [`CudaIpcImport`] of it; the last one closes the mapping.
+//!
+//! Every call first probes for `libcuda` ([`cuda_probe`]): cudarc panics when
+//! the library is missing, this module returns [`BankError::CudaUnavailable`]
+//! instead. All operations use the device's primary context, made current on
+//! the calling thread. Every CUDA unsafe call of this crate lives here.
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use cudarc::driver::{result, sys};
+use kv_descriptor::{ExportHandle, GpuIdentity, MemoryLocation, CUDA_HANDLE_BYTES};
+use parking_lot::Mutex;
+
+use crate::memory::check_range;
+use crate::{BankError, BankMemory, MemoryKind};
+
+fn cuda_err(op: &'static str) -> impl Fn(result::DriverError) -> BankError {
+    move |e| BankError::Cuda {
+        op,
+        reason: format!("{e:?}"),
+    }
+}
+
+/// Facts about one CUDA device, from [`cuda_probe`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CudaDeviceInfo {
+    /// Device ordinal in this process.
+    pub ordinal: u32,
+    /// Driver UUID of the GPU.
+    pub uuid: uuid::Uuid,
+    /// Marketing name (`NVIDIA H200`).
+    pub name: String,
+    /// Total device memory in bytes.
+    pub total_bytes: u64,
+    /// Devices visible to this process.
+    pub device_count: u32,
+    /// True when the device supports `CU_MEM_HANDLE_TYPE_FABRIC` (multi-node NVLink export).
+    pub fabric_supported: bool,
+}
+
+static DRIVER: OnceLock<Result<(), String>> = OnceLock::new();
+
+fn driver() -> Result<(), BankError> {
+    DRIVER
+        .get_or_init(|| {
+            // SAFETY: only tries to dlopen libcuda; no CUDA symbol is called.
+            if !unsafe { sys::is_culib_present() } {
+                return Err(
+                    "libcuda (the CUDA driver library) is not present on this machine".into(),
+                );
+            }
+            result::init().map_err(|e| format!("cuInit failed: {e:?}"))
+        })
+        .clone()
+        .map_err(|reason| BankError::CudaUnavailable { reason })
+}
+
+/// Primary contexts retained by this process, by ordinal. Retained once and
+/// never released: a context lives as long as the process (creating one costs
+/// ~120-155 ms, ANCHORS.md), and memory of this module may outlive any scope.
+static CONTEXTS: OnceLock<Mutex<HashMap<u32, usize>>> = OnceLock::new();
+
+/// Makes device `ordinal`'s primary context current on this thread.
+fn bind(ordinal: u32) -> Result<sys::CUdevice, BankError> {
+    driver()?;
+    let count = result::device::get_count().map_err(cuda_err("cuDeviceGetCount"))?;
+    if ordinal as i64 >= i64::from(count) {
+        return Err(BankError::CudaUnavailable {
+            reason: format!("device ordinal {ordinal} requested, {count} devices visible"),
+        });
+    }
+    let dev = result::device::get(ordinal as i32).map_err(cuda_err("cuDeviceGet"))?;
+    let mut ctxs = CONTEXTS.get_or_init(|| Mutex::new(HashMap::new())).lock();
+    let ctx = match ctxs.get(&ordinal) {
+        Some(&c) => c as sys::CUcontext,
+        None => {
+            // SAFETY: `dev` came from cuDeviceGet for a valid ordinal.
+            let c = unsafe { result::primary_ctx::retain(dev) }
+                .map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+            ctxs.insert(ordinal, c as usize);
+            c
+        }
+    };
+    // SAFETY: `ctx` is a retained primary context that is never released.
+    unsafe { result::ctx::set_current(ctx) }.map_err(cuda_err("cuCtxSetCurrent"))?;
+    Ok(dev)
+}
+
+/// Probes the CUDA driver and device `ordinal` without allocating.
+///
+/// # Errors
+/// [`BankError::CudaUnavailable`] when `libcuda` is missing, `cuInit` fails
+/// or the ordinal does not exist; [`BankError::Cuda`] for a failing query.
+///
+/// ```
+/// // On a machine without a GPU this is an error that says why.
+/// match kv_bank::cuda_probe(0) {
+///     Ok(info) => assert!(info.total_bytes > 0),
+///     Err(e) => assert!(e.to_string().contains("CUDA")),
+/// }
+/// ```
+pub fn cuda_probe(ordinal: u32) -> Result<CudaDeviceInfo, BankError> {
+    let dev = bind(ordinal)?;
+    let count = result::device::get_count().map_err(cuda_err("cuDeviceGetCount"))?;
+    let uuid = result::device::get_uuid(dev).map_err(cuda_err("cuDeviceGetUuid"))?;
+    let bytes: [u8; 16] = uuid.bytes.map(|b| b as u8);
+    let name = result::device::get_name(dev).map_err(cuda_err("cuDeviceGetName"))?;
+    // SAFETY: `dev` is valid (from bind).
+    let total = unsafe { result::device::total_mem(dev) }.map_err(cuda_err("cuDeviceTotalMem"))?;
+    // SAFETY: `dev` is valid; the attribute exists in every CUDA 12.3+ driver.
+    let fabric = unsafe {
+        result::device::get_attribute(
+            dev,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED,
+        )
+    }
+    .unwrap_or(0);
+    Ok(CudaDeviceInfo {
+        ordinal,
+        uuid: uuid::Uuid::from_bytes(bytes),
+        name,
+        total_bytes: total as u64,
+        device_count: count as u32,
+        fabric_supported: fabric != 0,
+    })
+}
+
+/// The [`MemoryLocation`] of device `ordinal` on host `host_id` (UUID from the driver).
+///
+/// # Errors
+/// As [`cuda_probe`]; [`BankError::Descriptor`] for an empty `host_id`.
+pub fn gpu_location(ordinal: u32, host_id: &str) -> Result<MemoryLocation, BankError> {
+    let info = cuda_probe(ordinal)?;
+    Ok(MemoryLocation::Gpu(GpuIdentity::new(
+        info.uuid, ordinal, host_id,
+    )?))
+}
+
+fn htod(ordinal: u32, base: u64, len: usize, offset: usize, src: &[u8]) -> Result<(), BankError> {
+    check_range("offset", offset, src.len(), len)?;
+    bind(ordinal)?;
+    // SAFETY: the destination range lies inside a live allocation of `len`
+    // bytes (checked above) in the bound context; `src` is a host buffer that
+    // stays borrowed for the whole synchronous copy.
+    unsafe { result::memcpy_htod_sync(base + offset as u64, src) }.map_err(cuda_err("cuMemcpyHtoD"))
+}
+
+fn dtoh(
+    ordinal: u32,
+    base: u64,
+    len: usize,
+    offset: usize,
+    dst: &mut [u8],
+) -> Result<(), BankError> {
+    check_range("offset", offset, dst.len(), len)?;
+    bind(ordinal)?;
+    // SAFETY: as in `htod`, source range inside the live allocation, `dst` a
+    // host buffer mutably borrowed for the synchronous copy.
+    unsafe { result::memcpy_dtoh_sync(dst, base + offset as u64) }.map_err(cuda_err("cuMemcpyDtoH"))
+}
+
+/// One device allocation owned by this process, exported by CUDA IPC handle.
+///
+/// Freed (`cuMemFree`) on drop. Importers must have closed their mappings
+/// first; a bank guarantees it by freeing only after every pin drained.
+#[derive(Debug)]
+pub struct CudaDeviceMemory {
+    ordinal: u32,
+    ptr: u64,
+    len: usize,
+    handle: [u8; CUDA_HANDLE_BYTES],
+}
+
+impl CudaDeviceMemory {
+    /// Allocates `len` bytes on device `ordinal` and gets its IPC handle.
+    ///
+    /// # Errors
+    /// [`BankError::CudaUnavailable`] without driver or device;
+    /// [`BankError::Cuda`] naming `cuMemAlloc` (out of memory) or
+    /// `cuIpcGetMemHandle`. If exporting fails the allocation is freed again.
+    pub fn new(ordinal: u32, len: usize) -> Result<Self, BankError> {
+        if len == 0 {
+            return Err(BankError::arg("len", "must be at least 1 byte, got 0"));
+        }
+        bind(ordinal)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer; a context is current.
+        unsafe { sys::cuMemAlloc_v2(&mut ptr, len) }
+            .result()
+            .map_err(cuda_err("cuMemAlloc"))?;
+        let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+        // SAFETY: `h` is a valid out-pointer; `ptr` is the base of a live allocation.
+        let got = unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) }.result();
+        if let Err(e) = got {
+            // SAFETY: freeing the allocation made above, never exported.
+            unsafe { sys::cuMemFree_v2(ptr) };
+            return Err(cuda_err("cuIpcGetMemHandle")(e));
+        }
+        // SAFETY: cuIpcGetMemHandle succeeded, so `h` is initialised.
+        let h = unsafe { h.assume_init() };
+        Ok(Self {
+            ordinal,
+            ptr,
+            len,
+            handle: h.reserved.map(|b| b as u8),
+        })
+    }
+
+    /// The 64 IPC handle bytes.
+    pub fn ipc_handle(&self) -> &[u8; CUDA_HANDLE_BYTES] {
+        &self.handle
+    }
+}
+
+impl BankMemory for CudaDeviceMemory {
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Cuda {
+            ordinal: self.ordinal,
+        }
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn base_addr(&self) -> u64 {
+        self.ptr
+    }
+    fn export_handle(&self) -> Option<ExportHandle> {
+        Some(ExportHandle::CudaIpc {
+            handle: self.handle.to_vec(),
+        })
+    }
+    fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
+        htod(self.ordinal, self.ptr, self.len, offset, src)
+    }
+    fn read_bytes(&self, offset: usize, dst: &mut [u8]) -> Result<(), BankError> {
+        dtoh(self.ordinal, self.ptr, self.len, offset, dst)
+    }
+}
+
+impl Drop for CudaDeviceMemory {
+    fn drop(&mut self) {
+        if bind(self.ordinal).is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc in this process and is freed once.
+            let r = unsafe { sys::cuMemFree_v2(self.ptr) }.result();
+            if let Err(e) = r {
+                tracing::warn!(ordinal = self.ordinal, "cuMemFree failed: {e:?}");
+            }
+        }
+    }
+}
+
+/// Counters of the process-wide IPC mapping cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct IpcCacheStats {
+    /// `cuIpcOpenMemHandle` calls made (cache misses).
+    pub opens: u64,
+    /// Imports served from an existing mapping.
+    pub hits: u64,
+    /// `cuIpcCloseMemHandle` calls made (last import of a mapping dropped).
+    pub closes: u64,
+    /// Mappings open now.
+    pub live: u64,
+}
+
+struct Mapping {
+    ptr: u64,
+    ordinal: u32,
+    len: usize,
+    refs: usize,
+}
+
+#[derive(Default)]
+struct IpcCache {
+    maps: HashMap<[u8; CUDA_HANDLE_BYTES], Mapping>,
+    stats: IpcCacheStats,
+}
+
+static IPC_CACHE: OnceLock<Mutex<IpcCache>> = OnceLock::new();
+
+fn ipc_cache() -> &'static Mutex<IpcCache> {
+    IPC_CACHE.get_or_init(|| Mutex::new(IpcCache::default()))
+}
+
+/// Counters of this process's IPC mapping cache.
+pub fn ipc_cache_stats() -> IpcCacheStats {
+    let c = ipc_cache().lock();
+    IpcCacheStats {
+        live: c.maps.len() as u64,
+        ..c.stats
+    }
+}
+
+/// A mapping of another process's device allocation, through the
+/// process-wide cache (see the module docs).
+#[derive(Debug)]
+pub struct CudaIpcImport {
+    key: [u8; CUDA_HANDLE_BYTES],
+    ordinal: u32,
+    ptr: u64,
+    len: usize,
+    cache_hit: bool,
+    open_us: u64,
+}
+
+impl CudaIpcImport {
+    /// Maps the allocation behind `handle` (64 bytes) on device `ordinal`;
+    /// `len` is the region length the importer expects (from the descriptor).
+    /// A second import of the same handle in this process reuses the mapping.
+    ///
+    /// # Errors
+    /// [`BankError::InvalidArgument`] for a handle that is not 64 bytes, a
+    /// `len` of 0, or a `len`/`ordinal` that disagrees with an existing
+    /// mapping of the same handle; [`BankError::CudaUnavailable`];
+    /// [`BankError::Cuda`] naming `cuIpcOpenMemHandle` (e.g. the owner freed
+    /// it, or the handle is from this same process).
+    pub fn open(handle: &[u8], ordinal: u32, len: usize) -> Result<Self, BankError> {
+        let key: [u8; CUDA_HANDLE_BYTES] = handle.try_into().map_err(|_| {
+            BankError::arg(
+                "handle",
+                format!("must be {CUDA_HANDLE_BYTES} bytes, got {}", handle.len()),
+            )
+        })?;
+        if len == 0 {
+            return Err(BankError::arg("len", "must be at least 1 byte, got 0"));
+        }
+        let t0 = Instant::now();
+        let mut cache = ipc_cache().lock();
+        if let Some(m) = cache.maps.get_mut(&key) {
+            if m.ordinal != ordinal || len > m.len {
+                return Err(BankError::arg(
+                    "len",
+                    format!(
+                        "handle already mapped on device {} with {} bytes; asked device {ordinal}, {len} bytes",
+                        m.ordinal, m.len
+                    ),
+                ));
+            }
+            m.refs += 1;
+            let ptr = m.ptr;
+            cache.stats.hits += 1;
+            return Ok(Self {
+                key,
+                ordinal,
+                ptr,
+                len,
+                cache_hit: true,
+                open_us: t0.elapsed().as_micros() as u64,
+            });
+        }
+        bind(ordinal)?;
+        let h = sys::CUipcMemHandle {
+            reserved: key.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer, `h` a handle value; the driver
+        // validates the handle and fails cleanly for a stale or foreign one.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        }
+        .result()
+        .map_err(cuda_err("cuIpcOpenMemHandle"))?;
+        cache.stats.opens += 1;
+        cache.maps.insert(
+            key,
+            Mapping {
+                ptr,
+                ordinal,
+                len,
+                refs: 1,
+            },
+        );
+        Ok(Self {
+            key,
+            ordinal,
+            ptr,
+            len,
+            cache_hit: false,
+            open_us: t0.elapsed().as_micros() as u64,
+        })
+    }
+
+    /// True when this import reused a mapping already open in this process.
+    pub fn cache_hit(&self) -> bool {
+        self.cache_hit
+    }
+
+    /// Microseconds this import took (the `cuIpcOpenMemHandle` call on a miss).
+    pub fn open_us(&self) -> u64 {
+        self.open_us
+    }
+}
+
+impl BankMemory for CudaIpcImport {
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Cuda {
+            ordinal: self.ordinal,
+        }
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn base_addr(&self) -> u64 {
+        self.ptr
+    }
+    /// Imports are not re-exported: consumers reach the owner's allocation directly.
+    fn export_handle(&self) -> Option<ExportHandle> {
+        None
+    }
+    fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
+        htod(self.ordinal, self.ptr, self.len, offset, src)
+    }
+    fn read_bytes(&self, offset: usize, dst: &mut [u8]) -> Result<(), BankError> {
+        dtoh(self.ordinal, self.ptr, self.len, offset, dst)
+    }
+}
+
+impl Drop for CudaIpcImport {
+    fn drop(&mut self) {
+        let mut cache = ipc_cache().lock();
+        let Some(m) = cache.maps.get_mut(&self.key) else {
+            return;
+        };
+        m.refs -= 1;
+        if m.refs > 0 {
+            return;
+        }
+        let ptr = m.ptr;
+        cache.maps.remove(&self.key);
+        cache.stats.closes += 1;
+        if bind(self.ordinal).is_ok() {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and this was its last user.
+            let r = unsafe { sys::cuIpcCloseMemHandle(ptr) }.result();
+            if let Err(e) = r {
+                tracing::warn!(ordinal = self.ordinal, "cuIpcCloseMemHandle failed: {e:?}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_gpu_every_entry_point_says_why() {
+        // SAFETY: only a dlopen probe.
+        if unsafe { sys::is_culib_present() } {
+            eprintln!("skipped: libcuda present, the no-GPU path is not exercised here");
+            return;
+        }
+        for e in [
+            cuda_probe(0).unwrap_err(),
+            CudaDeviceMemory::new(0, 1024).unwrap_err(),
+            CudaIpcImport::open(&[0u8; 64], 0, 1024).unwrap_err(),
+        ] {
+            assert!(matches!(e, BankError::CudaUnavailable { .. }), "{e}");
+            assert!(e.to_string().contains("libcuda"), "{e}");
+        }
+    }
+
+    #[test]
+    fn bad_handle_length_is_refused_before_any_cuda_call() {
+        let e = CudaIpcImport::open(&[0u8; 10], 0, 1024).unwrap_err();
+        assert!(e.to_string().contains("`handle`"), "{e}");
+    }
+}

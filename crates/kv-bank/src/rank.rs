@@ -1,0 +1,97 @@
+//! One TP rank's part of a retained bank: its memory and its descriptor.
+
+use std::sync::Arc;
+
+use kv_descriptor::{BankDescriptor, MemoryLocation};
+
+use crate::memory::check_range;
+use crate::{BankError, BankMemory};
+
+/// Memory for one rank, as returned by a bank manager's allocator.
+#[derive(Debug, Clone)]
+pub struct RankMemory {
+    /// The region; at least `slot_count x slot_bytes` long, and exportable.
+    pub memory: Arc<dyn BankMemory>,
+    /// Where it lives (host, or which GPU): goes into the rank's descriptor.
+    pub location: MemoryLocation,
+}
+
+/// One rank's retained bank: `slot_count` fixed-size slots of one block part
+/// each (`slot_bytes` = the layout's rank block bytes), slot `s` at byte
+/// offset `s x slot_bytes` of the memory. Which block a slot holds is decided
+/// by the owning [`crate::BankManager`], identically for every rank.
+#[derive(Debug, Clone)]
+pub struct RankBank {
+    descriptor: BankDescriptor,
+    memory: Arc<dyn BankMemory>,
+}
+
+impl RankBank {
+    pub(crate) fn new(descriptor: BankDescriptor, memory: Arc<dyn BankMemory>) -> Self {
+        Self { descriptor, memory }
+    }
+    /// The published descriptor of this rank.
+    pub fn descriptor(&self) -> &BankDescriptor {
+        &self.descriptor
+    }
+    /// The memory behind the slots.
+    pub fn memory(&self) -> &Arc<dyn BankMemory> {
+        &self.memory
+    }
+    fn slot_offset(&self, slot: u32) -> Result<usize, BankError> {
+        if slot >= self.descriptor.slot_count() {
+            return Err(BankError::arg(
+                "slot",
+                format!(
+                    "{slot} is not below slot_count {}",
+                    self.descriptor.slot_count()
+                ),
+            ));
+        }
+        Ok(slot as usize * self.descriptor.slot_bytes() as usize)
+    }
+    /// Address of slot `slot` in this process (host pointer or `CUdeviceptr`).
+    ///
+    /// # Errors
+    /// `slot` not below `slot_count`.
+    pub fn slot_addr(&self, slot: u32) -> Result<u64, BankError> {
+        Ok(self.memory.base_addr() + self.slot_offset(slot)? as u64)
+    }
+    /// Copies `bytes` (exactly `slot_bytes` long) into slot `slot`.
+    ///
+    /// # Errors
+    /// `slot` out of range, `bytes` of the wrong length, or the memory's copy error.
+    pub fn write_slot(&self, slot: u32, bytes: &[u8]) -> Result<(), BankError> {
+        let off = self.slot_offset(slot)?;
+        if bytes.len() as u64 != self.descriptor.slot_bytes() {
+            return Err(BankError::arg(
+                "bytes",
+                format!(
+                    "{} bytes given, a slot holds {}",
+                    bytes.len(),
+                    self.descriptor.slot_bytes()
+                ),
+            ));
+        }
+        check_range("slot", off, bytes.len(), self.memory.len())?;
+        self.memory.write_bytes(off, bytes)
+    }
+    /// Copies slot `slot` into `out` (exactly `slot_bytes` long).
+    ///
+    /// # Errors
+    /// As [`RankBank::write_slot`].
+    pub fn read_slot(&self, slot: u32, out: &mut [u8]) -> Result<(), BankError> {
+        let off = self.slot_offset(slot)?;
+        if out.len() as u64 != self.descriptor.slot_bytes() {
+            return Err(BankError::arg(
+                "out",
+                format!(
+                    "{} bytes given, a slot holds {}",
+                    out.len(),
+                    self.descriptor.slot_bytes()
+                ),
+            ));
+        }
+        self.memory.read_bytes(off, out)
+    }
+}

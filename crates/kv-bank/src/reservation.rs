@@ -1,0 +1,222 @@
+//! Destination reservations on the fetching side: native cache blocks that
+//! an incoming fetch writes into.
+//!
+//! A reserved block cannot be handed out again until its fetch either
+//! completed, or was cancelled *and* quiesced (the transfer engine confirmed
+//! no write to it is still in flight). Cancelling alone is not enough: a copy
+//! already queued on a GPU stream could still land in a block that was
+//! reused, corrupting another request's KV.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::BankError;
+
+#[derive(Debug)]
+struct PoolState {
+    free: BTreeSet<u32>,
+    /// Reserved by a live or cancelled-not-quiesced reservation.
+    reserved: BTreeSet<u32>,
+    /// Blocks of reservations dropped without complete/cancel+quiesce.
+    orphaned: BTreeSet<u32>,
+}
+
+/// The destination blocks of one fetching engine (or rank): block ids
+/// `0..capacity` of its native cache, each free, reserved, or orphaned.
+///
+/// ```
+/// use kv_bank::DestinationPool;
+/// let pool = DestinationPool::new(8);
+/// let r = pool.reserve(3).unwrap();
+/// assert_eq!(r.blocks(), &[0, 1, 2]);
+/// assert_eq!(pool.free_blocks(), 5);
+/// let c = r.cancel();            // fetch abandoned, copies may still be in flight
+/// assert_eq!(pool.free_blocks(), 5);
+/// c.quiesced();                  // the transfer engine drained its streams
+/// assert_eq!(pool.free_blocks(), 8);
+/// ```
+#[derive(Debug, Clone)]
+pub struct DestinationPool {
+    state: Arc<Mutex<PoolState>>,
+}
+
+impl DestinationPool {
+    /// A pool of `capacity` free blocks, ids `0..capacity`.
+    pub fn new(capacity: u32) -> Self {
+        Self {
+            state: Arc::new(Mutex::new(PoolState {
+                free: (0..capacity).collect(),
+                reserved: BTreeSet::new(),
+                orphaned: BTreeSet::new(),
+            })),
+        }
+    }
+
+    /// Reserves the `n` lowest free blocks.
+    ///
+    /// # Errors
+    /// [`BankError::DestinationFull`] when fewer than `n` are free (nothing reserved).
+    pub fn reserve(&self, n: usize) -> Result<DestinationReservation, BankError> {
+        let mut st = self.state.lock();
+        if st.free.len() < n {
+            return Err(BankError::DestinationFull {
+                needed: n,
+                free: st.free.len(),
+            });
+        }
+        let blocks: Vec<u32> = st.free.iter().take(n).copied().collect();
+        for b in &blocks {
+            st.free.remove(b);
+            st.reserved.insert(*b);
+        }
+        Ok(self.handle(blocks))
+    }
+
+    /// Reserves exactly `blocks` (e.g. blocks the engine's allocator chose).
+    ///
+    /// # Errors
+    /// [`BankError::AlreadyReserved`] naming the first block that is not free
+    /// (reserved, orphaned, duplicated in `blocks`, or out of range); nothing reserved.
+    pub fn reserve_exact(&self, blocks: &[u32]) -> Result<DestinationReservation, BankError> {
+        let mut st = self.state.lock();
+        let mut seen = BTreeSet::new();
+        for &b in blocks {
+            if !st.free.contains(&b) || !seen.insert(b) {
+                return Err(BankError::AlreadyReserved { block: b });
+            }
+        }
+        for b in blocks {
+            st.free.remove(b);
+            st.reserved.insert(*b);
+        }
+        Ok(self.handle(blocks.to_vec()))
+    }
+
+    fn handle(&self, blocks: Vec<u32>) -> DestinationReservation {
+        DestinationReservation {
+            pool: self.clone(),
+            blocks,
+            settled: false,
+        }
+    }
+
+    fn release(&self, blocks: &[u32]) {
+        let mut st = self.state.lock();
+        for b in blocks {
+            st.reserved.remove(b);
+            st.free.insert(*b);
+        }
+    }
+
+    /// Free blocks now.
+    pub fn free_blocks(&self) -> usize {
+        self.state.lock().free.len()
+    }
+    /// True when `block` is held by a reservation (live, cancelled-not-quiesced, or orphaned).
+    pub fn is_reserved(&self, block: u32) -> bool {
+        let st = self.state.lock();
+        st.reserved.contains(&block) || st.orphaned.contains(&block)
+    }
+    /// Blocks of reservations dropped without an outcome.
+    pub fn orphaned_blocks(&self) -> usize {
+        self.state.lock().orphaned.len()
+    }
+    /// Frees orphaned blocks. Call only once the transfer engine quiesced
+    /// every transfer that may have targeted them (e.g. after draining its streams).
+    pub fn reclaim_orphans_after_quiesce(&self) -> usize {
+        let mut st = self.state.lock();
+        let orphans = std::mem::take(&mut st.orphaned);
+        let n = orphans.len();
+        st.free.extend(orphans);
+        n
+    }
+}
+
+/// Blocks reserved for one incoming fetch.
+///
+/// End it with [`DestinationReservation::complete`] (the fetch delivered:
+/// the blocks now hold valid KV and belong to the native cache, which is
+/// the caller's to track) or [`DestinationReservation::cancel`] followed by
+/// [`CancelledReservation::quiesced`]. Dropped without either, its blocks
+/// become orphaned: still unusable until
+/// [`DestinationPool::reclaim_orphans_after_quiesce`].
+#[derive(Debug)]
+pub struct DestinationReservation {
+    pool: DestinationPool,
+    blocks: Vec<u32>,
+    settled: bool,
+}
+
+impl DestinationReservation {
+    /// Reserved block ids, in fetch order.
+    pub fn blocks(&self) -> &[u32] {
+        &self.blocks
+    }
+    /// The fetch delivered every byte: the blocks leave the pool's
+    /// reservation and return to it free for the caller's native cache to own.
+    /// Returns the block ids.
+    pub fn complete(mut self) -> Vec<u32> {
+        self.settled = true;
+        self.pool.release(&self.blocks);
+        std::mem::take(&mut self.blocks)
+    }
+    /// The fetch was abandoned; blocks stay reserved until quiesced.
+    pub fn cancel(mut self) -> CancelledReservation {
+        self.settled = true;
+        CancelledReservation {
+            pool: self.pool.clone(),
+            blocks: std::mem::take(&mut self.blocks),
+            released: false,
+        }
+    }
+}
+
+impl Drop for DestinationReservation {
+    fn drop(&mut self) {
+        if !self.settled {
+            let mut st = self.pool.state.lock();
+            for b in &self.blocks {
+                st.reserved.remove(b);
+                st.orphaned.insert(*b);
+            }
+            tracing::warn!(
+                blocks = self.blocks.len(),
+                "destination reservation dropped without outcome; orphaned"
+            );
+        }
+    }
+}
+
+/// A cancelled fetch whose writes may still be in flight.
+#[derive(Debug)]
+pub struct CancelledReservation {
+    pool: DestinationPool,
+    blocks: Vec<u32>,
+    released: bool,
+}
+
+impl CancelledReservation {
+    /// Block ids still reserved.
+    pub fn blocks(&self) -> &[u32] {
+        &self.blocks
+    }
+    /// The transfer engine confirmed no write is in flight: blocks are free again.
+    pub fn quiesced(mut self) {
+        self.released = true;
+        self.pool.release(&self.blocks);
+    }
+}
+
+impl Drop for CancelledReservation {
+    fn drop(&mut self) {
+        if !self.released {
+            let mut st = self.pool.state.lock();
+            for b in &self.blocks {
+                st.reserved.remove(b);
+                st.orphaned.insert(*b);
+            }
+        }
+    }
+}

@@ -1,0 +1,263 @@
+//! The logical slot table of one bank: which sequence hash lives in which
+//! slot, which slots are pending, pinned, or evictable, in LRU order.
+//!
+//! One table serves all TP ranks of a bank manager (logical slot ids are
+//! shared), so the ranks can never disagree about a slot. Pure bookkeeping:
+//! no memory, no clock, which keeps it easy to test against a model.
+
+use std::collections::{BTreeMap, HashMap};
+
+use kv_descriptor::SequenceHash;
+
+/// State of one logical slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SlotState {
+    /// Holds nothing.
+    Free,
+    /// Reserved for a store that not every rank acknowledged yet: invisible to
+    /// lookups and pins, never evicted.
+    Pending { store: u64, hash: SequenceHash },
+    /// Holds a sealed block on every rank; `stamp` orders eviction (smaller first).
+    Ready { hash: SequenceHash, stamp: u64 },
+}
+
+/// Slot bookkeeping. Invariants (checked by `check` in tests):
+/// - `by_hash` maps exactly the hashes of `Ready` slots;
+/// - `lru` holds exactly the `Ready` slots with zero pins, keyed by stamp;
+/// - `free` holds exactly the `Free` slots;
+/// - pins are only ever non-zero on `Ready` slots.
+#[derive(Debug)]
+pub(crate) struct SlotTable {
+    slots: Vec<SlotState>,
+    pins: Vec<u32>,
+    by_hash: HashMap<SequenceHash, u32>,
+    lru: BTreeMap<u64, u32>,
+    free: Vec<u32>,
+    next_stamp: u64,
+}
+
+impl SlotTable {
+    pub(crate) fn new(slot_count: u32) -> Self {
+        Self {
+            slots: vec![SlotState::Free; slot_count as usize],
+            pins: vec![0; slot_count as usize],
+            by_hash: HashMap::new(),
+            lru: BTreeMap::new(),
+            // Reversed so that `pop` hands out slot 0 first.
+            free: (0..slot_count).rev().collect(),
+            next_stamp: 1,
+        }
+    }
+
+    pub(crate) fn slot_count(&self) -> u32 {
+        self.slots.len() as u32
+    }
+    pub(crate) fn state(&self, slot: u32) -> Option<SlotState> {
+        self.slots.get(slot as usize).copied()
+    }
+    pub(crate) fn lookup(&self, hash: &SequenceHash) -> Option<u32> {
+        self.by_hash.get(hash).copied()
+    }
+    pub(crate) fn free_count(&self) -> usize {
+        self.free.len()
+    }
+    #[cfg(test)]
+    pub(crate) fn evictable_count(&self) -> usize {
+        self.lru.len()
+    }
+    pub(crate) fn pinned_slots(&self) -> usize {
+        self.pins.iter().filter(|&&p| p > 0).count()
+    }
+    pub(crate) fn total_pins(&self) -> u64 {
+        self.pins.iter().map(|&p| u64::from(p)).sum()
+    }
+    /// Ready hashes, in slot order.
+    pub(crate) fn ready_hashes(&self) -> Vec<SequenceHash> {
+        self.slots
+            .iter()
+            .filter_map(|s| match s {
+                SlotState::Ready { hash, .. } => Some(*hash),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Takes `hashes.len()` slots for pending store `store`: free slots first,
+    /// then the least recently used unpinned ready slots, whose hashes are
+    /// returned as evicted. All or nothing: `Err(available)` changes nothing.
+    pub(crate) fn allocate(
+        &mut self,
+        store: u64,
+        hashes: &[SequenceHash],
+    ) -> Result<(Vec<u32>, Vec<SequenceHash>), usize> {
+        let available = self.free.len() + self.lru.len();
+        if hashes.len() > available {
+            return Err(available);
+        }
+        let mut slots = Vec::with_capacity(hashes.len());
+        let mut evicted = Vec::new();
+        for &hash in hashes {
+            let slot = match self.free.pop() {
+                Some(s) => s,
+                None => {
+                    let (_, s) = self.lru.pop_first().expect("availability checked above");
+                    if let SlotState::Ready { hash: old, .. } = self.slots[s as usize] {
+                        self.by_hash.remove(&old);
+                        evicted.push(old);
+                    }
+                    s
+                }
+            };
+            self.slots[slot as usize] = SlotState::Pending { store, hash };
+            slots.push(slot);
+        }
+        Ok((slots, evicted))
+    }
+
+    /// Makes pending slots ready. `slots` is in prefix order (root first):
+    /// ancestors get larger stamps than descendants, so eviction takes the
+    /// tail of a prefix before its root and retained prefixes stay usable.
+    pub(crate) fn commit(&mut self, slots: &[u32]) {
+        let n = slots.len() as u64;
+        for (i, &slot) in slots.iter().enumerate() {
+            if let SlotState::Pending { hash, .. } = self.slots[slot as usize] {
+                let stamp = self.next_stamp + (n - 1 - i as u64);
+                self.slots[slot as usize] = SlotState::Ready { hash, stamp };
+                self.by_hash.insert(hash, slot);
+                self.lru.insert(stamp, slot);
+            }
+        }
+        self.next_stamp += n;
+    }
+
+    /// Frees pending slots (a store rolled back).
+    pub(crate) fn rollback(&mut self, slots: &[u32]) {
+        for &slot in slots {
+            if matches!(self.slots[slot as usize], SlotState::Pending { .. }) {
+                self.slots[slot as usize] = SlotState::Free;
+                self.free.push(slot);
+            }
+        }
+    }
+
+    /// Frees a ready, unpinned slot (explicit removal); false if it is pinned or not ready.
+    pub(crate) fn remove(&mut self, slot: u32) -> bool {
+        match self.slots[slot as usize] {
+            SlotState::Ready { hash, stamp } if self.pins[slot as usize] == 0 => {
+                self.lru.remove(&stamp);
+                self.by_hash.remove(&hash);
+                self.slots[slot as usize] = SlotState::Free;
+                self.free.push(slot);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Pins ready slots (caller checked readiness); a pinned slot leaves the LRU.
+    pub(crate) fn pin(&mut self, slots: &[u32]) {
+        for &slot in slots {
+            let SlotState::Ready { stamp, .. } = self.slots[slot as usize] else {
+                panic!("pin of slot {slot} that is not ready");
+            };
+            if self.pins[slot as usize] == 0 {
+                self.lru.remove(&stamp);
+            }
+            self.pins[slot as usize] += 1;
+        }
+    }
+
+    /// Releases pins taken by `pin(slots)`; slots whose last pin went are
+    /// used-recently again (same prefix-order stamping as `commit`).
+    pub(crate) fn unpin(&mut self, slots: &[u32]) {
+        let n = slots.len() as u64;
+        for (i, &slot) in slots.iter().enumerate() {
+            let p = &mut self.pins[slot as usize];
+            *p -= 1;
+            if *p == 0 {
+                if let SlotState::Ready { hash, .. } = self.slots[slot as usize] {
+                    let stamp = self.next_stamp + (n - 1 - i as u64);
+                    self.slots[slot as usize] = SlotState::Ready { hash, stamp };
+                    self.lru.insert(stamp, slot);
+                }
+            }
+        }
+        self.next_stamp += n;
+    }
+
+    /// Asserts every invariant listed on the type (test support).
+    #[cfg(test)]
+    pub(crate) fn check(&self) {
+        let mut free = self.free.clone();
+        free.sort_unstable();
+        let mut expect_free = Vec::new();
+        for (i, s) in self.slots.iter().enumerate() {
+            let slot = i as u32;
+            match *s {
+                SlotState::Free => expect_free.push(slot),
+                SlotState::Pending { .. } => {
+                    assert_eq!(self.pins[i], 0, "pending slot {slot} pinned")
+                }
+                SlotState::Ready { hash, stamp } => {
+                    assert_eq!(self.by_hash.get(&hash), Some(&slot));
+                    assert_eq!(
+                        self.pins[i] == 0,
+                        self.lru.get(&stamp) == Some(&slot),
+                        "lru/pin mismatch at {slot}"
+                    );
+                }
+            }
+            if !matches!(s, SlotState::Ready { .. }) {
+                assert_eq!(self.pins[i], 0);
+            }
+        }
+        assert_eq!(free, expect_free);
+        assert_eq!(
+            self.by_hash.len(),
+            self.slots
+                .iter()
+                .filter(|s| matches!(s, SlotState::Ready { .. }))
+                .count()
+        );
+        assert_eq!(
+            self.lru.len(),
+            self.slots
+                .iter()
+                .enumerate()
+                .filter(|(i, s)| matches!(s, SlotState::Ready { .. }) && self.pins[*i] == 0)
+                .count()
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(i: u64) -> SequenceHash {
+        SequenceHash(i)
+    }
+
+    #[test]
+    fn eviction_takes_prefix_tails_first_and_skips_pins() {
+        let mut t = SlotTable::new(4);
+        let (a, ev) = t.allocate(1, &[h(1), h(2), h(3)]).unwrap();
+        assert_eq!((a.clone(), ev), (vec![0, 1, 2], vec![]));
+        t.commit(&a);
+        t.pin(&[a[2]]); // the tail is pinned
+                        // One free slot, then the LRU: the unpinned tail-most block (h2) goes first.
+        let (b, ev) = t.allocate(2, &[h(10), h(11)]).unwrap();
+        assert_eq!(b, vec![3, 1]);
+        assert_eq!(ev, vec![h(2)]);
+        assert_eq!(t.lookup(&h(2)), None);
+        assert_eq!(t.lookup(&h(3)), Some(2));
+        // Pending slots and pinned slots are not available.
+        assert_eq!(t.allocate(3, &[h(20), h(21)]), Err(1));
+        t.check();
+        t.rollback(&b);
+        assert_eq!(t.free_count(), 2);
+        t.unpin(&[a[2]]);
+        assert_eq!(t.evictable_count(), 2);
+        t.check();
+    }
+}
