@@ -1,0 +1,79 @@
+//! A TP1 bank in CUDA device memory: store, byte round trip, allocation
+//! failure leaves nothing behind. Skips, saying why, without a CUDA driver.
+
+use std::time::Duration;
+
+use kv_bank::{sealed_blocks, BankConfig, BankError, BankManager, StoreStatus};
+use kv_descriptor::{DType, KvLayout, OwnerLease, Role, TensorOrder};
+
+fn gpu() -> bool {
+    // SAFETY: only a dlopen probe.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        eprintln!("skipped: no CUDA driver (libcuda) on this machine");
+        return false;
+    }
+    match kv_bank::cuda_probe(0) {
+        Ok(i) => {
+            eprintln!(
+                "device: {} {} fabric_supported={}",
+                i.name, i.uuid, i.fabric_supported
+            );
+            true
+        }
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            false
+        }
+    }
+}
+
+#[test]
+fn device_bank_stores_and_reads_back() {
+    if !gpu() {
+        return;
+    }
+    let layout = KvLayout::new(32, 8, 128, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+    let cfg = BankConfig::new(
+        layout,
+        OwnerLease::fresh(Role::Decode),
+        64 * layout.block_bytes() as u64,
+    );
+    let bank = BankManager::new_cuda(cfg, "gpu-host", &[0]).unwrap();
+    assert!(bank.manifest().parts()[0].location().is_gpu());
+    let blocks = sealed_blocks(None, &(0..16 * 8).collect::<Vec<u32>>(), 16);
+    let p = bank.store(None, &blocks).unwrap();
+    let rb = bank.rank(0).unwrap();
+    for (i, (_, slot)) in p.entries.iter().enumerate() {
+        rb.write_slot(*slot, &vec![i as u8 + 1; layout.rank_block_bytes()])
+            .unwrap();
+    }
+    assert_eq!(bank.ack(p.store_id, 0).unwrap(), StoreStatus::Ready);
+    let mut out = vec![0u8; layout.rank_block_bytes()];
+    rb.read_slot(p.entries[5].1, &mut out).unwrap();
+    assert!(out.iter().all(|&b| b == 6));
+    drop(rb);
+    bank.close(Duration::from_secs(1)).unwrap();
+}
+
+#[test]
+fn impossible_device_allocation_is_an_error_and_registers_nothing() {
+    if !gpu() {
+        return;
+    }
+    // 4 TiB per rank cannot be allocated on any current GPU.
+    let layout = KvLayout::new(32, 8, 128, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+    let cfg = BankConfig::new(layout, OwnerLease::fresh(Role::Decode), 4 << 40);
+    let e = BankManager::new_cuda(cfg, "gpu-host", &[0]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            BankError::Cuda {
+                op: "cuMemAlloc",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let (free, _) = cudarc::driver::result::mem_get_info().unwrap();
+    assert!(free > 0);
+}
