@@ -104,19 +104,19 @@ pub fn run(exe: &Path, child_args_prefix: &[String]) -> Result<GpuCheckReport, B
         .output()
         .map_err(|e| BankError::Child(format!("cannot start {}: {e}", exe.display())))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
+    // The JSON line may follow other text on its line (a test harness prints
+    // `test name ... ` before the child's output), so parse from the first `{`.
+    let child: ChildReport = stdout
         .lines()
         .rev()
-        .find(|l| l.trim_start().starts_with('{'))
+        .find_map(|l| serde_json::from_str(&l[l.find('{')?..]).ok())
         .ok_or_else(|| {
             BankError::Child(format!(
-                "exit {:?}, no JSON line; stderr: {}",
+                "exit {:?}, no report line; stdout: {stdout}; stderr: {}",
                 out.status.code(),
                 String::from_utf8_lossy(&out.stderr)
             ))
         })?;
-    let child: ChildReport = serde_json::from_str(line)
-        .map_err(|e| BankError::Child(format!("bad report {line:?}: {e}")))?;
     // The child has exited, so its mappings are closed before `mem` is freed here.
     drop(mem);
     let ok = out.status.success()
