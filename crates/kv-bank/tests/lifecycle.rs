@@ -1,0 +1,544 @@
+//! Lifecycle tests of the bank manager, one per point of the issue.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use kv_bank::*;
+use kv_descriptor::*;
+
+#[test]
+fn store_is_ready_only_after_every_rank_acked_and_then_emits_one_event() {
+    let bank = bank(4, 8);
+    let blocks = chain(0, 3);
+    let p = bank.store(None, &blocks).unwrap();
+    assert_eq!(
+        p.entries.iter().map(|e| e.1).collect::<Vec<_>>(),
+        vec![0, 1, 2]
+    );
+    for r in 0..3 {
+        assert!(matches!(
+            write_and_ack(&bank, &p, r),
+            StoreStatus::Waiting { .. }
+        ));
+        assert!(
+            bank.inventory().ready.is_empty(),
+            "visible before rank 3 acked"
+        );
+        assert!(bank.lookup(&blocks[0].sequence_hash).is_none());
+        assert!(matches!(
+            bank.pin_prefix(&hashes(&blocks)),
+            Err(BankError::NotRetained(_))
+        ));
+        assert!(bank.drain_events().is_empty());
+    }
+    assert_eq!(bank.inventory().pending_slots, 3);
+    assert_eq!(write_and_ack(&bank, &p, 3), StoreStatus::Ready);
+    assert_eq!(bank.inventory().ready, hashes(&blocks));
+    let ev = bank.drain_events();
+    assert_eq!(ev.len(), 1);
+    assert_eq!(ev[0].event_id, 1);
+    assert_eq!(ev[0].tier, StorageTier::RetainedGpuDirect);
+    assert_eq!(ev[0].publisher, bank.owner().engine_id);
+    assert_eq!(ev[0].tp_size, 4);
+    assert_eq!(ev[0].layout_fingerprint, layout(4).fingerprint());
+    assert_eq!(
+        ev[0].data,
+        KvEventData::Stored {
+            parent: None,
+            blocks: blocks.clone()
+        }
+    );
+    // Every rank holds its own part in the shared logical slot.
+    for r in 0..4 {
+        let rb = bank.rank(r).unwrap();
+        let mut out = vec![0u8; rb.descriptor().slot_bytes() as usize];
+        rb.read_slot(2, &mut out).unwrap();
+        assert_eq!(out, pattern(blocks[2].sequence_hash, r, out.len()));
+    }
+    // Re-storing a longer prefix writes only the new block, chained to the old tail.
+    let longer = chain(0, 4);
+    let q = store_ready(&bank, None, &longer);
+    assert_eq!((q.entries.len(), q.already_retained), (1, 3));
+    let ev = bank.drain_events();
+    assert_eq!(ev[0].event_id, 2);
+    assert_eq!(
+        ev[0].data,
+        KvEventData::Stored {
+            parent: Some(blocks[2].sequence_hash),
+            blocks: vec![longer[3]]
+        }
+    );
+}
+
+#[test]
+fn failed_rank_rolls_back_the_store_on_all_ranks() {
+    let bank = bank(2, 4);
+    let blocks = chain(10, 4);
+    let p = bank.store(None, &blocks).unwrap();
+    write_and_ack(&bank, &p, 0);
+    bank.fail(p.store_id, 1).unwrap();
+    let inv = bank.inventory();
+    assert_eq!(
+        (inv.ready.len(), inv.pending_slots, inv.free_slots),
+        (0, 0, 4)
+    );
+    assert!(matches!(
+        bank.ack(p.store_id, 1),
+        Err(BankError::UnknownStore(_))
+    ));
+    assert!(
+        bank.drain_events().is_empty(),
+        "a rolled-back store never appears in events"
+    );
+    assert_eq!(bank.stats().stores_rolled_back, 1);
+    // The slots are usable again.
+    store_ready(&bank, None, &blocks);
+    assert_eq!(bank.inventory().ready.len(), 4);
+}
+
+#[test]
+fn timed_out_rank_rolls_the_store_back() {
+    let l = layout(2);
+    let mut cfg = BankConfig::new(
+        l,
+        OwnerLease::fresh(Role::Decode),
+        4 * l.block_bytes() as u64,
+    );
+    cfg.store_timeout = Duration::from_millis(30);
+    let bank = BankManager::new_host_shm(cfg, "h").unwrap();
+    let p = bank.store(None, &chain(0, 2)).unwrap();
+    write_and_ack(&bank, &p, 0);
+    std::thread::sleep(Duration::from_millis(40));
+    match bank.ack(p.store_id, 1) {
+        Err(BankError::StoreTimedOut { missing, .. }) => assert_eq!(missing, vec![1]),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert_eq!(bank.inventory().free_slots, 4);
+    // A store nobody acks is expired by the sweep as well.
+    let q = bank.store(None, &chain(100, 2)).unwrap();
+    std::thread::sleep(Duration::from_millis(40));
+    assert_eq!(bank.expire_overdue(), vec![q.store_id]);
+    assert_eq!(bank.inventory().free_slots, 4);
+    assert!(bank.drain_events().is_empty());
+}
+
+#[test]
+fn lru_eviction_skips_pinned_slots_and_pins_are_raii() {
+    let bank = bank(2, 4);
+    let a = chain(0, 2);
+    let b = chain(1000, 2);
+    store_ready(&bank, None, &a);
+    store_ready(&bank, None, &b);
+    bank.drain_events();
+    let pin_a = bank.pin_prefix(&hashes(&a)).unwrap();
+    assert_eq!(pin_a.slots(), &[0, 1]);
+    // b is older in use than a? a was pinned (not in LRU), so b is evicted.
+    let c = chain(5000, 2);
+    store_ready(&bank, None, &c);
+    assert_eq!(bank.ready_prefix_len(&hashes(&a)), 2);
+    assert_eq!(bank.ready_prefix_len(&hashes(&b)), 0);
+    let ev = bank.drain_events();
+    assert_eq!(
+        ev[0].data,
+        KvEventData::Removed {
+            sequence_hashes: vec![b[1].sequence_hash, b[0].sequence_hash]
+        },
+        "the tail of a prefix is evicted before its root"
+    );
+    // With a and c both pinned nothing is evictable.
+    let pin_c = bank.pin_prefix(&hashes(&c)).unwrap();
+    let err = bank.store(None, &chain(9000, 1)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            BankError::BankFull {
+                needed: 1,
+                available: 0,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(bank.inventory().pinned_slots, 4);
+    // The pinned bytes are intact.
+    let rb = pin_a.rank(1).unwrap();
+    let mut out = vec![0u8; rb.descriptor().slot_bytes() as usize];
+    rb.read_slot(pin_a.slots()[1], &mut out).unwrap();
+    assert_eq!(out, pattern(a[1].sequence_hash, 1, out.len()));
+    drop(pin_a);
+    drop(pin_c);
+    assert_eq!(bank.pins_outstanding(), 0);
+    store_ready(&bank, None, &chain(9000, 1));
+    assert_eq!(bank.inventory().ready.len(), 4);
+}
+
+#[test]
+fn budget_is_divided_across_ranks() {
+    let l = layout(2);
+    let cfg = BankConfig::new(
+        l,
+        OwnerLease::fresh(Role::Decode),
+        10 * l.block_bytes() as u64 + 5,
+    );
+    assert_eq!(cfg.slot_count(), 10);
+    let sizes = Arc::new(Mutex::new(Vec::new()));
+    let s2 = sizes.clone();
+    let bank = BankManager::new(cfg, move |rank, bytes| {
+        s2.lock().unwrap().push((rank, bytes));
+        Ok(RankMemory {
+            memory: Arc::new(HostShmMemory::create_unique("kvbank-test", bytes)?),
+            location: MemoryLocation::Host {
+                host_id: "h".into(),
+            },
+        })
+    })
+    .unwrap();
+    let rank_bytes = 10 * l.rank_block_bytes();
+    assert_eq!(
+        *sizes.lock().unwrap(),
+        vec![(0, rank_bytes), (1, rank_bytes)]
+    );
+    assert_eq!(bank.manifest().parts()[1].region_bytes(), rank_bytes as u64);
+    let small = BankConfig::new(
+        l,
+        OwnerLease::fresh(Role::Decode),
+        l.block_bytes() as u64 - 1,
+    );
+    let e = BankManager::new_host_shm(small, "h").unwrap_err();
+    assert!(e.to_string().contains("`budget_bytes`"), "{e}");
+}
+
+#[test]
+fn allocation_failure_on_a_later_rank_leaves_nothing_behind() {
+    let l = layout(2);
+    let cfg = BankConfig::new(
+        l,
+        OwnerLease::fresh(Role::Decode),
+        4 * l.block_bytes() as u64,
+    );
+    let names = Arc::new(Mutex::new(Vec::new()));
+    let n2 = names.clone();
+    let e = BankManager::new(cfg, move |rank, bytes| {
+        if rank == 1 {
+            return Err(BankError::HostMemory {
+                name: "/rank1".into(),
+                op: "mmap",
+                source: std::io::Error::from_raw_os_error(libc_enomem()),
+            });
+        }
+        let m = HostShmMemory::create_unique("kvbank-test", bytes)?;
+        n2.lock().unwrap().push(m.name().to_string());
+        Ok(RankMemory {
+            memory: Arc::new(m),
+            location: MemoryLocation::Host {
+                host_id: "h".into(),
+            },
+        })
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("mmap"), "{e}");
+    let names = names.lock().unwrap();
+    assert_eq!(names.len(), 1);
+    assert!(
+        !std::path::Path::new(&format!("/dev/shm{}", names[0])).exists(),
+        "rank 0 memory must be freed"
+    );
+    // A real host allocation failure: an absurd size is refused by the OS.
+    let e = HostShmMemory::create_unique("kvbank-test", 1 << 50).unwrap_err();
+    assert!(matches!(e, BankError::HostMemory { .. }), "{e}");
+}
+
+fn libc_enomem() -> i32 {
+    12
+}
+
+#[test]
+fn retained_blocks_are_copies_independent_of_the_native_cache() {
+    let bank = bank(1, 4);
+    let n = layout(1).rank_block_bytes();
+    // The engine's native cache, with one block of KV in native block 3.
+    let native = HostShmMemory::create_unique("kvbank-native", 8 * n).unwrap();
+    let kv: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+    native.write_bytes(3 * n, &kv).unwrap();
+    let blocks = chain(0, 1);
+    let p = bank.store(None, &blocks).unwrap();
+    let mut buf = vec![0u8; n];
+    native.read_bytes(3 * n, &mut buf).unwrap();
+    bank.rank(0)
+        .unwrap()
+        .write_slot(p.entries[0].1, &buf)
+        .unwrap();
+    bank.ack(p.store_id, 0).unwrap();
+    let before = bank.inventory();
+    // Native clear: the engine wipes and reuses its blocks.
+    native.write_bytes(0, &vec![0xEE; 8 * n]).unwrap();
+    assert_eq!(bank.native_cleared(), before);
+    let mut out = vec![0u8; n];
+    bank.rank(0)
+        .unwrap()
+        .read_slot(p.entries[0].1, &mut out)
+        .unwrap();
+    assert_eq!(out, kv);
+    assert!(bank.pin_prefix(&hashes(&blocks)).is_ok());
+}
+
+#[test]
+fn multimodal_lineage_is_never_exported_and_survives_native_clears_and_generations() {
+    let l = layout(1);
+    let lineage = Arc::new(ExclusionLineage::default());
+    let owner = OwnerLease::fresh(Role::Decode);
+    let mut cfg = BankConfig::new(l, owner, 8 * l.block_bytes() as u64);
+    cfg.lineage = lineage.clone();
+    let bank = BankManager::new_host_shm(cfg.clone(), "h").unwrap();
+    // Request: 2 text blocks, then a block holding an excluded image, then 2 more.
+    let blocks = chain(0, 5);
+    lineage.mark(&[blocks[2].sequence_hash]);
+    let p = store_ready(&bank, None, &blocks);
+    assert_eq!((p.entries.len(), p.excluded), (2, 3));
+    assert!(
+        lineage.is_excluded(&blocks[4].sequence_hash),
+        "descendants join the lineage"
+    );
+    bank.native_cleared();
+    // Stored again later from the parent: still refused.
+    let q = bank
+        .store(Some(blocks[1].sequence_hash), &blocks[2..])
+        .unwrap();
+    assert!(q.is_empty() && q.excluded == 3);
+    // A block marked after it was stored is removed and can no longer be pinned.
+    bank.drain_events();
+    bank.exclude(&[blocks[1].sequence_hash]);
+    assert_eq!(
+        bank.drain_events()[0].data,
+        KvEventData::Removed {
+            sequence_hashes: vec![blocks[1].sequence_hash]
+        }
+    );
+    assert!(matches!(
+        bank.pin_prefix(&hashes(&blocks[1..2])),
+        Err(BankError::Excluded(_))
+    ));
+    // The next bank generation shares the engine's lineage.
+    bank.close(Duration::from_secs(1)).unwrap();
+    cfg.owner = owner.next_generation();
+    let gen2 = BankManager::new_host_shm(cfg, "h").unwrap();
+    let r = gen2.store(None, &blocks).unwrap();
+    assert_eq!((r.entries.len(), r.excluded), (1, 4));
+}
+
+#[test]
+fn only_sealed_chained_blocks_are_accepted() {
+    let bank = bank(1, 4);
+    let tokens: Vec<u32> = (0..11).collect();
+    let b = sealed_blocks(None, &tokens, 4);
+    assert_eq!(b.len(), 2, "11 tokens hold 2 sealed blocks of 4");
+    let mut broken = b.clone();
+    broken[1].sequence_hash = SequenceHash(broken[1].sequence_hash.0 ^ 1);
+    let e = bank.store(None, &broken).unwrap_err();
+    assert!(matches!(e, BankError::BrokenChain { index: 1, .. }), "{e}");
+    // The wrong parent also breaks the chain.
+    assert!(bank.store(Some(SequenceHash(5)), &b).is_err());
+    assert_eq!(
+        bank.inventory().free_slots,
+        4,
+        "a refused store changes nothing"
+    );
+}
+
+fn hint_for(bank: &BankManager, blocks: &[StoredBlock], slots: Vec<u32>) -> FetchGpuHint {
+    let tp = bank.manifest().tp_size();
+    let n = bank.manifest().parts()[0].slot_bytes();
+    FetchGpuHint {
+        donor_engine_id: bank.owner().engine_id,
+        bank_generation: bank.owner().generation,
+        layout_fingerprint: bank.manifest().layout().fingerprint(),
+        tp_size: tp,
+        sequence_hashes: hashes(blocks),
+        fetch_from: 1,
+        parts: (0..tp)
+            .map(|r| FetchPart {
+                tp_rank: r,
+                slot_ids: slots.clone(),
+                expected_bytes: slots.len() as u64 * n,
+            })
+            .collect(),
+        donor_control_endpoint: "local".into(),
+    }
+}
+
+#[test]
+fn pin_hint_checks_owner_generation_layout_and_slots() {
+    let bank = bank(2, 4);
+    let blocks = chain(0, 3);
+    store_ready(&bank, None, &blocks);
+    let good = hint_for(&bank, &blocks, vec![1, 2]);
+    let pin = bank.pin_hint(&good).unwrap();
+    assert_eq!(pin.hashes(), &hashes(&blocks)[1..]);
+    assert_eq!(bank.inventory().pinned_slots, 2);
+    drop(pin);
+    let swapped = hint_for(&bank, &blocks, vec![2, 1]);
+    assert!(matches!(
+        bank.pin_hint(&swapped),
+        Err(BankError::SlotMismatch {
+            index: 0,
+            slot: 2,
+            ..
+        })
+    ));
+    let mut stale = good.clone();
+    stale.bank_generation += 1;
+    assert!(matches!(
+        bank.pin_hint(&stale),
+        Err(BankError::StaleOwner {
+            field: "bank_generation",
+            ..
+        })
+    ));
+    let mut other = good.clone();
+    other.layout_fingerprint = LayoutFingerprint(1);
+    assert!(matches!(
+        bank.pin_hint(&other),
+        Err(BankError::StaleOwner {
+            field: "layout_fingerprint",
+            ..
+        })
+    ));
+    let mut uneven = good.clone();
+    uneven.parts[1].slot_ids = vec![1];
+    assert!(bank.pin_hint(&uneven).is_err());
+    assert_eq!(bank.pins_outstanding(), 0, "refused hints pin nothing");
+}
+
+#[test]
+fn close_waits_for_pins_refuses_new_ones_and_kills_the_generation() {
+    let bank = bank(2, 4);
+    let blocks = chain(0, 2);
+    store_ready(&bank, None, &blocks);
+    let pending = bank.store(None, &chain(50, 1)).unwrap();
+    let hint = hint_for(&bank, &blocks, vec![1]);
+    let pin = bank.pin_prefix(&hashes(&blocks)).unwrap();
+    let name = match bank.manifest().parts()[0].export() {
+        ExportHandle::HostShm { name } => name.clone(),
+        other => panic!("{other:?}"),
+    };
+    // A transfer releases its pin 50 ms into the close.
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        drop(pin);
+    });
+    let t0 = std::time::Instant::now();
+    bank.close(Duration::from_secs(5)).unwrap();
+    assert!(
+        t0.elapsed() >= Duration::from_millis(45),
+        "close returned before the pin drained"
+    );
+    t.join().unwrap();
+    assert!(bank.is_closed());
+    assert!(matches!(
+        bank.pin_prefix(&hashes(&blocks)),
+        Err(BankError::Closed { .. })
+    ));
+    assert!(matches!(
+        bank.pin_hint(&hint),
+        Err(BankError::Closed { .. })
+    ));
+    assert!(bank.store(None, &chain(70, 1)).is_err());
+    assert!(
+        matches!(
+            bank.ack(pending.store_id, 0),
+            Err(BankError::UnknownStore(_))
+        ),
+        "pending stores rolled back"
+    );
+    assert!(bank.check_descriptor(&bank.manifest().parts()[0]).is_err());
+    assert!(bank.rank(0).is_err());
+    assert!(
+        !std::path::Path::new(&format!("/dev/shm{name}")).exists(),
+        "memory freed"
+    );
+    let ev = bank.drain_events();
+    assert_eq!(ev.last().unwrap().data, KvEventData::Cleared);
+    // Bounded: a pin that never drains makes close time out, not hang.
+    let bank2 = common::bank(1, 2);
+    store_ready(&bank2, None, &chain(0, 1));
+    let stuck = bank2.pin_prefix(&hashes(&chain(0, 1))).unwrap();
+    let e = bank2.close(Duration::from_millis(20)).unwrap_err();
+    assert!(matches!(e, BankError::CloseTimedOut { pins: 1, .. }), "{e}");
+    assert!(bank2.pin_prefix(&hashes(&chain(0, 1))).is_err());
+    // The memory stays valid for the pin holder, and goes with the last pin.
+    let rb = stuck.rank(0).unwrap().clone();
+    let mut out = vec![0u8; rb.descriptor().slot_bytes() as usize];
+    rb.read_slot(0, &mut out).unwrap();
+    assert_eq!(out, pattern(chain(0, 1)[0].sequence_hash, 0, out.len()));
+    drop(rb);
+    drop(stuck);
+    assert!(bank2.rank(0).is_err());
+}
+
+#[test]
+fn destination_reservations_hold_blocks_until_complete_or_quiesced() {
+    let pool = DestinationPool::new(6);
+    let a = pool.reserve(4).unwrap();
+    assert_eq!(a.blocks(), &[0, 1, 2, 3]);
+    assert!(matches!(
+        pool.reserve(3),
+        Err(BankError::DestinationFull { needed: 3, free: 2 })
+    ));
+    assert!(matches!(
+        pool.reserve_exact(&[4, 2]),
+        Err(BankError::AlreadyReserved { block: 2 })
+    ));
+    assert!(pool.reserve_exact(&[4, 4]).is_err(), "duplicates refused");
+    assert_eq!(
+        pool.free_blocks(),
+        2,
+        "refused reservations reserve nothing"
+    );
+    let c = a.cancel();
+    assert!(
+        pool.is_reserved(0),
+        "cancelled but not quiesced: still reserved"
+    );
+    assert!(pool.reserve(3).is_err());
+    c.quiesced();
+    assert_eq!(pool.free_blocks(), 6);
+    let b = pool.reserve_exact(&[5, 1]).unwrap();
+    assert_eq!(b.complete(), vec![5, 1]);
+    assert!(!pool.is_reserved(5));
+    // Dropped without an outcome: orphaned until the transfer engine quiesced.
+    let d = pool.reserve(2).unwrap();
+    drop(d);
+    assert_eq!((pool.orphaned_blocks(), pool.free_blocks()), (2, 4));
+    assert!(pool.is_reserved(0));
+    assert_eq!(pool.reclaim_orphans_after_quiesce(), 2);
+    assert_eq!(pool.free_blocks(), 6);
+    let e = pool.reserve(1).unwrap().cancel();
+    drop(e);
+    assert_eq!(
+        pool.orphaned_blocks(),
+        1,
+        "a cancelled reservation dropped unquiesced stays held"
+    );
+}
+
+#[test]
+fn manifest_round_trips_and_names_each_rank() {
+    let bank = bank(2, 3);
+    let m = bank.manifest();
+    let back = BankManifest::from_wire(&m.to_wire().unwrap()).unwrap();
+    assert_eq!(&back, m);
+    for (r, d) in m.parts().iter().enumerate() {
+        assert_eq!(d.tp_rank(), r as u32);
+        assert_eq!(d.slot_count(), 3);
+        bank.check_descriptor(d).unwrap();
+        let ExportHandle::HostShm { name } = d.export() else {
+            panic!()
+        };
+        // An importer maps the rank's region by name and sees the same bytes.
+        let imp = HostShmMemory::open(name, d.region_bytes() as usize).unwrap();
+        assert_eq!(imp.len() as u64, d.region_bytes());
+    }
+}
