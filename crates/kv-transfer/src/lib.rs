@@ -1,1 +1,53 @@
-//! kv-transfer (in progress).
+//! Moving KV bytes from a donor's retained bank to a target's blocks.
+//!
+//! This crate owns the copy path of a decode-to-prefill fetch:
+//! - [`plan`]: from donor slots per rank to target blocks per rank, identical
+//!   geometry only (TP-N to TP-N; anything else is refused before a byte
+//!   moves), adjacent rows coalesced into runs;
+//! - backends behind [`CopyBackend`]: [`HostCopyBackend`] (host shared memory,
+//!   CPU profile), [`cuda::CudaCopyBackend`] (CUDA IPC-mapped memory: device
+//!   copies for runs, an NVRTC gather kernel for scattered blocks) and
+//!   [`nixl::NixlBackend`] (NIXL/UCX, DRAM and VRAM, prepared descriptor lists);
+//! - [`deliver`]: one part per rank, complete only when every part delivered
+//!   exactly its expected bytes, with counters (bytes, copies, host-payload
+//!   bytes, backend, transport);
+//! - [`oracle`] and [`bench`]: the native oracle and the ratio benchmark that
+//!   `cargo xtask oracle` / `cargo xtask bench transfer` call.
+//!
+//! # Invariants
+//! - Never a false completion: [`DeliveryReport::is_complete`] is true only if
+//!   no key was missing and every rank delivered its expected bytes, with no
+//!   cancellation, deadline or donor loss observed after the last byte. Any
+//!   failing part fails the whole delivery.
+//! - Missing keys are reported and their destination rows are never written.
+//! - Nothing in flight on return: every backend waits for (or aborts and
+//!   quiesces) its copies before returning, so the caller may release
+//!   destination reservations and donor pins as soon as `deliver` returns.
+//! - On a GPU destination, payload bytes never pass through host memory
+//!   (`host_payload_bytes == 0`, enforced by [`deliver`]).
+//!
+//! Deliberately absent: pin and reservation bookkeeping (kv-bank), IPC handle
+//! import and its mapping cache (kv-bank), deciding whether to fetch
+//! (kv-router-glue), resharding between different TP sizes.
+
+#![deny(missing_docs)]
+
+pub mod bench;
+mod control;
+pub mod cuda;
+mod delivery;
+mod error;
+mod host;
+pub mod nixl;
+pub mod oracle;
+pub mod plan;
+mod region;
+
+pub use control::{CancelToken, DeliveryControl, LivenessProbe};
+pub use delivery::{
+    deliver, CopyBackend, DeliveryCounters, DeliveryReport, DeliveryStatus, NixlRemoteRegion,
+    PartOutcome, PartReport, RankIo, SourceRegion,
+};
+pub use error::TransferError;
+pub use host::HostCopyBackend;
+pub use region::HostBuffer;

@@ -1,0 +1,118 @@
+//! The one error type of this crate.
+
+use kv_descriptor::LayoutFingerprint;
+
+/// Why a plan was refused or a delivery failed.
+///
+/// Every variant that is caused by input names the offending field or rank so
+/// that the caller can log it and fall back to recompute. No variant is ever
+/// returned after a delivery has been reported complete: an error means "do
+/// not use the destination rows".
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    /// Donor and target geometry differ (fingerprint covers every layout field,
+    /// TP size included); nothing was copied.
+    #[error("layout mismatch: donor fingerprint {donor}, target fingerprint {target} (resharding is not supported)")]
+    LayoutMismatch {
+        /// Donor layout fingerprint.
+        donor: LayoutFingerprint,
+        /// Target layout fingerprint.
+        target: LayoutFingerprint,
+    },
+    /// A plan or delivery input was out of range or inconsistent.
+    #[error("invalid `{field}`: {reason}")]
+    InvalidInput {
+        /// Dotted path of the field, e.g. `moves[3].dst_block`.
+        field: &'static str,
+        /// Human-readable reason, including the value seen.
+        reason: String,
+    },
+    /// The backend cannot move bytes between these kinds of memory.
+    #[error("backend `{backend}` cannot copy {src} -> {dst} for rank {rank}")]
+    UnsupportedMemory {
+        /// Backend name.
+        backend: &'static str,
+        /// TP rank.
+        rank: u32,
+        /// Source memory kind, as text.
+        src: String,
+        /// Destination memory kind, as text.
+        dst: String,
+    },
+    /// The caller's cancellation token fired.
+    #[error("delivery cancelled")]
+    Cancelled,
+    /// The deadline passed before every part finished.
+    #[error("delivery deadline exceeded after {elapsed_us} µs")]
+    DeadlineExceeded {
+        /// Time spent when the deadline was observed, in µs.
+        elapsed_us: u64,
+    },
+    /// The donor died, lost its lease, or cannot be reached.
+    #[error("donor unreachable for rank {rank}: {reason}")]
+    DonorUnreachable {
+        /// TP rank whose source could not be read.
+        rank: u32,
+        /// What was observed.
+        reason: String,
+    },
+    /// One part moved a different number of bytes than planned.
+    #[error("rank {rank} delivered {got} bytes, expected {expected}")]
+    ShortPart {
+        /// TP rank.
+        rank: u32,
+        /// Bytes the backend reports as moved.
+        got: u64,
+        /// Bytes the plan requires.
+        expected: u64,
+    },
+    /// Payload bytes went through host memory on a path whose destination is
+    /// GPU memory: refused, the GPU path carries only control traffic on the host.
+    #[error("rank {rank} staged {bytes} payload bytes through host memory on the GPU path")]
+    HostStaged {
+        /// TP rank.
+        rank: u32,
+        /// Host payload bytes reported by the backend.
+        bytes: u64,
+    },
+    /// One part failed; the whole delivery failed with it.
+    #[error("rank {rank} failed: {source}")]
+    PartFailed {
+        /// TP rank of the first failing part.
+        rank: u32,
+        /// The part's error.
+        #[source]
+        source: Box<TransferError>,
+    },
+    /// The NIXL runtime (`libnixl_capi.so`) could not be loaded.
+    #[error("NIXL runtime not loadable: {0}")]
+    NixlUnavailable(String),
+    /// A NIXL call failed.
+    #[error("NIXL `{op}` failed: {reason}")]
+    Nixl {
+        /// Which call (`register_memory`, `post_xfer_req`, ...).
+        op: &'static str,
+        /// NIXL's error text.
+        reason: String,
+    },
+    /// No CUDA driver, or a CUDA / NVRTC call failed.
+    #[error("CUDA `{op}` failed: {reason}")]
+    Cuda {
+        /// Which call (`cuMemcpyDtoDAsync`, `nvrtc`, ...).
+        op: &'static str,
+        /// Driver error text.
+        reason: String,
+    },
+    /// Host memory could not be allocated or mapped.
+    #[error("host memory: {0}")]
+    Host(String),
+}
+
+impl TransferError {
+    pub(crate) fn input(field: &'static str, reason: impl Into<String>) -> Self {
+        Self::InvalidInput {
+            field,
+            reason: reason.into(),
+        }
+    }
+}

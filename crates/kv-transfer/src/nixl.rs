@@ -1,0 +1,1 @@
+//! nixl (in progress).
