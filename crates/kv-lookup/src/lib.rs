@@ -1,1 +1,57 @@
-//! kv-lookup (in progress).
+//! Inventory index of KV holders and bounded decode-donor lookup.
+//!
+//! This crate owns the router's view of *who holds which KV block where*:
+//! an [`InventoryIndex`] fed by [`kv_descriptor::KvEvent`]s (stored / removed /
+//! cleared, per storage tier), and [`InventoryIndex::lookup`], which for a
+//! request already routed to a prefill target finds the decode worker whose
+//! retained bank covers the longest prefix of the request from the root, plus
+//! the target's own baseline.
+//!
+//! # Invariants
+//! - Per publisher, events apply in `event_id` order: a repeated or older id
+//!   is ignored ([`EventOutcome::Duplicate`]); a skipped id is applied but
+//!   reported ([`EventOutcome::Gap`]) and the worker is never offered as a
+//!   donor until [`InventoryIndex::resync_worker`] replaces its inventory.
+//! - A worker's new incarnation (same [`WorkerKey`], new `EngineId`) drops
+//!   every entry of the old one at once; the old one's late events are ignored.
+//! - A refused event or registration changes nothing.
+//! - A donor is a live decode worker with the target's layout fingerprint and
+//!   TP size that holds blocks `0..k` in [`kv_descriptor::StorageTier::RetainedGpuDirect`];
+//!   the target must be a prefill worker. The target's retained blocks are
+//!   baseline only.
+//! - A lookup never exceeds its probe budget, overruns its time budget by at
+//!   most [`CLOCK_CHECK_INTERVAL`] probes, and reserves nothing.
+//! - Event application and lookups may run concurrently from any threads
+//!   (one `RwLock`: events write, lookups read; a lookup waits for the lock
+//!   at most its time budget).
+//!
+//! # Deliberately absent
+//! Cost decisions (kv-router-glue), choosing the prefill target, pinning or
+//! fetching blocks (kv-bank, kv-transfer), any I/O. Stored events' `parent`
+//! is not used: chained sequence hashes already name their whole prefix.
+//!
+//! # Data layout
+//! Workers occupy slots; 64 slots form a group with one open-addressing
+//! table from sequence hash to one `u64` holder bitset per tier, so a donor
+//! walk is one (prefetched) probe and one `AND` per block.
+//! Benchmark against `dynamo-kv-router`'s `RadixTree`:
+//! `cargo bench -p kv-lookup --bench lookup -- [--json FILE]`.
+
+#![deny(missing_docs)]
+
+mod error;
+mod holder_table;
+mod index;
+mod lookup;
+mod prefetch;
+pub mod reference;
+mod worker;
+
+pub use error::LookupError;
+pub use index::{
+    EventBatchReport, EventOutcome, IndexStats, InventoryIndex, Registration, MAX_WORKERS,
+};
+pub use lookup::{
+    DonorMatch, LookupBudget, LookupOutcome, NoDonorReason, TargetBaseline, CLOCK_CHECK_INTERVAL,
+};
+pub use worker::{WorkerInfo, WorkerKey};

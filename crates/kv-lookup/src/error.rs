@@ -1,0 +1,91 @@
+//! The error type of this crate: why an event or a registration was refused.
+
+use kv_descriptor::{EngineId, LayoutFingerprint, Role};
+
+/// Why the index refused an event, a registration or a resync.
+///
+/// A refused call changes nothing: the index checks everything it can before
+/// it touches any holder set.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LookupError {
+    /// An event or registration disagrees with what the index knows about
+    /// that engine incarnation (an engine never changes role, layout or TP
+    /// size without restarting under a new [`EngineId`]).
+    #[error("engine {engine}: `{field}` is {got} but the registered value is {registered}")]
+    IdentityMismatch {
+        /// Engine incarnation.
+        engine: EngineId,
+        /// Which field disagrees: `role`, `layout_fingerprint` or `tp_size`.
+        field: &'static str,
+        /// Value known to the index.
+        registered: String,
+        /// Value carried by the refused call.
+        got: String,
+    },
+    /// `event_id` 0 is not a valid event id (ids start at 1).
+    #[error("engine {engine}: `event_id` must be at least 1, got 0")]
+    ZeroEventId {
+        /// Publisher of the event.
+        engine: EngineId,
+    },
+    /// `tp_size` 0 is not a valid TP size.
+    #[error("engine {engine}: `tp_size` must be at least 1, got 0")]
+    ZeroTpSize {
+        /// Engine incarnation.
+        engine: EngineId,
+    },
+    /// The engine id belongs to an incarnation that was replaced or removed;
+    /// its events and registrations are refused forever.
+    #[error("engine {engine}: `publisher` is a retired incarnation")]
+    RetiredIncarnation {
+        /// The retired incarnation.
+        engine: EngineId,
+    },
+    /// A call names an engine the index does not know.
+    #[error("engine {engine}: `publisher` is not registered")]
+    UnknownEngine {
+        /// Engine incarnation.
+        engine: EngineId,
+    },
+    /// The index already tracks its maximum number of workers.
+    #[error("cannot register engine {engine}: `workers` is at the limit of {limit}")]
+    TooManyWorkers {
+        /// Engine that could not be registered.
+        engine: EngineId,
+        /// [`crate::MAX_WORKERS`].
+        limit: usize,
+    },
+}
+
+impl LookupError {
+    pub(crate) fn role_mismatch(engine: EngineId, registered: Role, got: Role) -> Self {
+        Self::IdentityMismatch {
+            engine,
+            field: "role",
+            registered: format!("{registered:?}"),
+            got: format!("{got:?}"),
+        }
+    }
+
+    pub(crate) fn fingerprint_mismatch(
+        engine: EngineId,
+        registered: LayoutFingerprint,
+        got: LayoutFingerprint,
+    ) -> Self {
+        Self::IdentityMismatch {
+            engine,
+            field: "layout_fingerprint",
+            registered: registered.to_string(),
+            got: got.to_string(),
+        }
+    }
+
+    pub(crate) fn tp_mismatch(engine: EngineId, registered: u32, got: u32) -> Self {
+        Self::IdentityMismatch {
+            engine,
+            field: "tp_size",
+            registered: registered.to_string(),
+            got: got.to_string(),
+        }
+    }
+}

@@ -1,0 +1,650 @@
+//! [`InventoryIndex`]: who holds which sequence hash in which tier, fed by KV events.
+
+use std::collections::{HashMap, HashSet};
+
+use kv_descriptor::{
+    EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, SequenceHash, StorageTier,
+};
+use parking_lot::RwLock;
+
+use crate::holder_table::{tier_index, HolderTable, ALL_TIERS, TIERS};
+use crate::worker::{WorkerInfo, WorkerKey, WorkerRecord};
+use crate::LookupError;
+
+/// Most workers (live incarnations) one index tracks: 64 groups of 64.
+pub const MAX_WORKERS: usize = 4096;
+
+/// Workers per holder-table group (bits of a `u64`).
+pub(crate) const GROUP_WIDTH: usize = 64;
+
+/// What applying one event did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventOutcome {
+    /// Applied in order; `changed` block entries were added or dropped.
+    Applied {
+        /// Holder bits that actually flipped (re-storing a held block or
+        /// removing an absent one changes nothing).
+        changed: u64,
+    },
+    /// `event_id` at or below the last applied id of this publisher: ignored.
+    Duplicate {
+        /// Last applied event id of the publisher.
+        last_event_id: u64,
+    },
+    /// Applied, but `event_id` skipped ids: events `expected..got` were lost.
+    /// The worker is excluded as a donor until
+    /// [`InventoryIndex::resync_worker`] replaces its inventory.
+    Gap {
+        /// The id that should have come next.
+        expected: u64,
+        /// The id that came.
+        got: u64,
+        /// Holder bits that flipped.
+        changed: u64,
+    },
+    /// The publisher is an incarnation that was replaced or removed: ignored.
+    FromRetiredIncarnation,
+}
+
+/// Totals of [`InventoryIndex::apply_events`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EventBatchReport {
+    /// Events applied (in order or after a gap).
+    pub applied: u64,
+    /// Holder bits that flipped over the whole batch.
+    pub changed: u64,
+    /// Duplicates ignored.
+    pub duplicates: u64,
+    /// Events of retired incarnations ignored.
+    pub from_retired: u64,
+    /// Gaps seen: `(publisher, expected id, received id)`; each one is a resync need.
+    pub gaps: Vec<(EngineId, u64, u64)>,
+    /// Refused events: index in the batch and why. Nothing of them was applied.
+    pub refused: Vec<(usize, LookupError)>,
+}
+
+/// Result of [`InventoryIndex::register_worker`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Registration {
+    /// A new worker.
+    Registered,
+    /// The incarnation was already known with the same identity (idempotent).
+    AlreadyRegistered,
+    /// The key belonged to an older incarnation, which was retired and whose
+    /// entries were all dropped.
+    Replaced {
+        /// The retired incarnation.
+        old: EngineId,
+    },
+}
+
+/// Counters and sizes of an index, for metrics and benchmarks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Live worker incarnations.
+    pub workers: usize,
+    /// Workers excluded as donors until resynced.
+    pub workers_needing_resync: usize,
+    /// Distinct (sequence hash, worker group) entries.
+    pub entries: usize,
+    /// Held (worker, block) pairs per tier, in the order Device, HostPinned,
+    /// Disk, External, RetainedGpuDirect.
+    pub held_blocks: [u64; TIERS],
+    /// Bytes of the holder tables.
+    pub table_bytes: usize,
+    /// Events applied since creation.
+    pub events_applied: u64,
+    /// Duplicate events ignored since creation.
+    pub duplicates: u64,
+    /// Gaps detected since creation.
+    pub gaps: u64,
+    /// Events of retired incarnations ignored since creation.
+    pub from_retired: u64,
+}
+
+/// Donor candidates for one (layout fingerprint, TP size): per group, the
+/// bitset of decode workers that are not waiting for a resync.
+pub(crate) struct DonorMask {
+    pub(crate) fingerprint: LayoutFingerprint,
+    pub(crate) tp_size: u32,
+    pub(crate) groups: Vec<u64>,
+}
+
+/// Everything behind the index's lock.
+pub(crate) struct State {
+    pub(crate) groups: Vec<HolderTable>,
+    /// Worker records by slot (`slot = 64 * group + bit`).
+    pub(crate) workers: Vec<Option<WorkerRecord>>,
+    pub(crate) by_engine: HashMap<EngineId, u32>,
+    by_key: HashMap<WorkerKey, u32>,
+    retired: HashSet<EngineId>,
+    free_slots: Vec<u32>,
+    pub(crate) donor_masks: Vec<DonorMask>,
+    /// Capacity hint for new groups' tables (entries).
+    group_capacity: usize,
+    events_applied: u64,
+    duplicates: u64,
+    gaps: u64,
+    from_retired: u64,
+}
+
+/// Inventory index: for every sequence hash, which workers hold it in which
+/// tier; plus each worker's identity and event-stream position.
+///
+/// All methods take `&self`: event application takes the write lock, lookups
+/// ([`InventoryIndex::lookup`]) the read lock, so an `Arc<InventoryIndex>` can
+/// be shared by event threads and request threads.
+///
+/// ```
+/// use kv_descriptor::*;
+/// use kv_lookup::{InventoryIndex, EventOutcome};
+///
+/// let index = InventoryIndex::new();
+/// let decode = EngineId::fresh();
+/// let tokens: Vec<u32> = (0..64).collect();
+/// let hashes = sequence_hashes(&tokens, 16);
+/// let stored = KvEvent {
+///     publisher: decode,
+///     event_id: 1,
+///     role: Role::Decode,
+///     layout_fingerprint: LayoutFingerprint(9),
+///     tp_size: 1,
+///     tier: StorageTier::RetainedGpuDirect,
+///     data: KvEventData::Stored {
+///         parent: None,
+///         blocks: hashes.iter().map(|&h| StoredBlock { sequence_hash: h, token_hash: TokenBlockHash(0) }).collect(),
+///     },
+/// };
+/// assert_eq!(index.apply_event(&stored).unwrap(), EventOutcome::Applied { changed: 4 });
+/// // Replaying the same event is a duplicate and changes nothing.
+/// assert!(matches!(index.apply_event(&stored).unwrap(), EventOutcome::Duplicate { .. }));
+/// assert_eq!(index.stats().held_blocks[4], 4);
+/// ```
+pub struct InventoryIndex {
+    pub(crate) state: RwLock<State>,
+}
+
+impl Default for InventoryIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl InventoryIndex {
+    /// An empty index with small tables (they grow by doubling).
+    pub fn new() -> Self {
+        Self::with_capacity(0)
+    }
+
+    /// An empty index whose first worker group holds `blocks` distinct
+    /// sequence hashes without rehashing (a rehash holds the write lock for
+    /// time linear in the table size, ~tens of ms at a million blocks).
+    pub fn with_capacity(blocks: usize) -> Self {
+        Self {
+            state: RwLock::new(State {
+                groups: Vec::new(),
+                workers: Vec::new(),
+                by_engine: HashMap::new(),
+                by_key: HashMap::new(),
+                retired: HashSet::new(),
+                free_slots: Vec::new(),
+                donor_masks: Vec::new(),
+                group_capacity: blocks,
+                events_applied: 0,
+                duplicates: 0,
+                gaps: 0,
+                from_retired: 0,
+            }),
+        }
+    }
+
+    /// Registers a worker incarnation under its stable `key`.
+    ///
+    /// If `key` belonged to another incarnation, that one is retired: its
+    /// entries are dropped and its later events are ignored. If the engine was
+    /// first seen through an event (keyed by [`WorkerKey::of_engine`]), it is
+    /// re-keyed. Registration before the first event is optional but is the
+    /// only way a restart is recognized.
+    ///
+    /// # Errors
+    /// [`LookupError::RetiredIncarnation`], [`LookupError::ZeroTpSize`],
+    /// [`LookupError::IdentityMismatch`] when the engine is known with another
+    /// role, layout fingerprint or TP size, [`LookupError::TooManyWorkers`].
+    pub fn register_worker(
+        &self,
+        key: WorkerKey,
+        info: WorkerInfo,
+    ) -> Result<Registration, LookupError> {
+        self.state.write().register(key, info)
+    }
+
+    /// Retires an incarnation: drops all its entries and ignores its later
+    /// events. Returns false when the engine was not live.
+    pub fn remove_worker(&self, engine: EngineId) -> bool {
+        let mut st = self.state.write();
+        match st.by_engine.get(&engine).copied() {
+            Some(slot) => {
+                st.retire(slot);
+                st.rebuild_donor_masks();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Applies one event (see [`InventoryIndex::apply_events`] for batches).
+    ///
+    /// An event of an unknown publisher registers it (keyed by
+    /// [`WorkerKey::of_engine`]). Stored blocks are indexed by their sequence
+    /// hash alone; `parent` is not needed because a chained hash already names
+    /// its whole prefix, and coverage from the root is checked by lookups.
+    ///
+    /// # Errors
+    /// [`LookupError::ZeroEventId`], [`LookupError::ZeroTpSize`],
+    /// [`LookupError::IdentityMismatch`], [`LookupError::TooManyWorkers`];
+    /// nothing is applied then.
+    pub fn apply_event(&self, event: &KvEvent) -> Result<EventOutcome, LookupError> {
+        self.state.write().apply(event)
+    }
+
+    /// Applies events in order under one lock acquisition (cheaper per event
+    /// than [`InventoryIndex::apply_event`]); a refused event does not stop
+    /// the batch.
+    pub fn apply_events(&self, events: &[KvEvent]) -> EventBatchReport {
+        let mut report = EventBatchReport::default();
+        let mut st = self.state.write();
+        for (i, e) in events.iter().enumerate() {
+            match st.apply(e) {
+                Ok(EventOutcome::Applied { changed }) => {
+                    report.applied += 1;
+                    report.changed += changed;
+                }
+                Ok(EventOutcome::Gap {
+                    expected,
+                    got,
+                    changed,
+                }) => {
+                    report.applied += 1;
+                    report.changed += changed;
+                    report.gaps.push((e.publisher, expected, got));
+                }
+                Ok(EventOutcome::Duplicate { .. }) => report.duplicates += 1,
+                Ok(EventOutcome::FromRetiredIncarnation) => report.from_retired += 1,
+                Err(err) => report.refused.push((i, err)),
+            }
+        }
+        report
+    }
+
+    /// Replaces a worker's whole inventory with a snapshot taken at
+    /// `last_event_id` (events up to it are then duplicates) and makes it a
+    /// donor candidate again. This is how a gap is repaired.
+    ///
+    /// # Errors
+    /// [`LookupError::UnknownEngine`] when the engine is not live.
+    pub fn resync_worker(
+        &self,
+        engine: EngineId,
+        last_event_id: u64,
+        inventory: &[(StorageTier, Vec<SequenceHash>)],
+    ) -> Result<(), LookupError> {
+        let mut st = self.state.write();
+        let slot = *st
+            .by_engine
+            .get(&engine)
+            .ok_or(LookupError::UnknownEngine { engine })?;
+        st.drop_entries(slot);
+        for (tier, hashes) in inventory {
+            st.store(slot, tier_index(*tier), hashes.iter().copied());
+        }
+        let rec = st.workers[slot as usize]
+            .as_mut()
+            .expect("slot of a live engine");
+        rec.last_event_id = last_event_id;
+        rec.needs_resync = false;
+        st.rebuild_donor_masks();
+        Ok(())
+    }
+
+    /// Live incarnations that saw a gap and wait for
+    /// [`InventoryIndex::resync_worker`].
+    pub fn workers_needing_resync(&self) -> Vec<EngineId> {
+        let st = self.state.read();
+        st.workers
+            .iter()
+            .flatten()
+            .filter(|w| w.needs_resync)
+            .map(|w| w.info.engine)
+            .collect()
+    }
+
+    /// Identity of a live incarnation.
+    pub fn worker(&self, engine: EngineId) -> Option<(WorkerKey, WorkerInfo)> {
+        let st = self.state.read();
+        let slot = *st.by_engine.get(&engine)?;
+        st.workers[slot as usize].as_ref().map(|w| (w.key, w.info))
+    }
+
+    /// Tiers in which `engine` holds `hash` (empty for unknown engines).
+    pub fn holds(&self, engine: EngineId, hash: SequenceHash) -> Vec<StorageTier> {
+        let st = self.state.read();
+        let Some(&slot) = st.by_engine.get(&engine) else {
+            return Vec::new();
+        };
+        let (g, bit) = split(slot);
+        let bits = st.groups[g].get(hash);
+        ALL_TIERS
+            .iter()
+            .copied()
+            .filter(|&t| bits[tier_index(t)] >> bit & 1 == 1)
+            .collect()
+    }
+
+    /// Counters and sizes.
+    pub fn stats(&self) -> IndexStats {
+        let st = self.state.read();
+        let mut held = [0u64; TIERS];
+        for w in st.workers.iter().flatten() {
+            for (h, l) in held.iter_mut().zip(w.live) {
+                *h += l;
+            }
+        }
+        IndexStats {
+            workers: st.by_engine.len(),
+            workers_needing_resync: st
+                .workers
+                .iter()
+                .flatten()
+                .filter(|w| w.needs_resync)
+                .count(),
+            entries: st.groups.iter().map(HolderTable::len).sum(),
+            held_blocks: held,
+            table_bytes: st.groups.iter().map(HolderTable::memory_bytes).sum(),
+            events_applied: st.events_applied,
+            duplicates: st.duplicates,
+            gaps: st.gaps,
+            from_retired: st.from_retired,
+        }
+    }
+}
+
+/// Group index and bit of a worker slot.
+#[inline]
+pub(crate) fn split(slot: u32) -> (usize, u32) {
+    (slot as usize / GROUP_WIDTH, slot % GROUP_WIDTH as u32)
+}
+
+impl State {
+    fn register(&mut self, key: WorkerKey, info: WorkerInfo) -> Result<Registration, LookupError> {
+        let engine = info.engine;
+        if self.retired.contains(&engine) {
+            return Err(LookupError::RetiredIncarnation { engine });
+        }
+        if info.tp_size == 0 {
+            return Err(LookupError::ZeroTpSize { engine });
+        }
+        if let Some(&slot) = self.by_engine.get(&engine) {
+            let rec = self.workers[slot as usize]
+                .as_ref()
+                .expect("slot of a live engine");
+            check_identity(&rec.info, info.role, info.layout_fingerprint, info.tp_size)?;
+            if rec.key == key {
+                return Ok(Registration::AlreadyRegistered);
+            }
+            // Re-key (the engine was first seen through an event); whoever
+            // held the new key before is an older incarnation.
+            let old_key = rec.key;
+            let replaced = self.by_key.get(&key).copied().map(|old_slot| {
+                let old = self.workers[old_slot as usize]
+                    .as_ref()
+                    .expect("live")
+                    .info
+                    .engine;
+                self.retire(old_slot);
+                old
+            });
+            self.by_key.remove(&old_key);
+            self.by_key.insert(key, slot);
+            self.workers[slot as usize].as_mut().expect("live").key = key;
+            self.rebuild_donor_masks();
+            return Ok(match replaced {
+                Some(old) => Registration::Replaced { old },
+                None => Registration::AlreadyRegistered,
+            });
+        }
+        let replaced = self.by_key.get(&key).copied().map(|old_slot| {
+            let old = self.workers[old_slot as usize]
+                .as_ref()
+                .expect("live")
+                .info
+                .engine;
+            self.retire(old_slot);
+            old
+        });
+        self.insert_worker(key, info)?;
+        Ok(match replaced {
+            Some(old) => Registration::Replaced { old },
+            None => Registration::Registered,
+        })
+    }
+
+    fn insert_worker(&mut self, key: WorkerKey, info: WorkerInfo) -> Result<u32, LookupError> {
+        let slot = match self.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                let s = self.workers.len();
+                if s >= MAX_WORKERS {
+                    return Err(LookupError::TooManyWorkers {
+                        engine: info.engine,
+                        limit: MAX_WORKERS,
+                    });
+                }
+                self.workers.push(None);
+                s as u32
+            }
+        };
+        let (g, _) = split(slot);
+        while self.groups.len() <= g {
+            let cap = if self.groups.is_empty() {
+                self.group_capacity
+            } else {
+                0
+            };
+            self.groups.push(HolderTable::with_capacity(cap));
+        }
+        self.workers[slot as usize] = Some(WorkerRecord::new(key, info));
+        self.by_engine.insert(info.engine, slot);
+        self.by_key.insert(key, slot);
+        self.rebuild_donor_masks();
+        Ok(slot)
+    }
+
+    /// Drops every entry of `slot`, frees it and remembers the engine as retired.
+    pub(crate) fn retire(&mut self, slot: u32) {
+        self.drop_entries(slot);
+        let rec = self.workers[slot as usize]
+            .take()
+            .expect("retiring a live slot");
+        self.by_engine.remove(&rec.info.engine);
+        if self.by_key.get(&rec.key) == Some(&slot) {
+            self.by_key.remove(&rec.key);
+        }
+        self.retired.insert(rec.info.engine);
+        self.free_slots.push(slot);
+    }
+
+    /// Clears every tier of `slot` using its logs (exact, no table scan).
+    fn drop_entries(&mut self, slot: u32) {
+        for t in 0..TIERS {
+            self.clear_tier(slot, t);
+        }
+    }
+
+    fn clear_tier(&mut self, slot: u32, tier: usize) -> u64 {
+        let (g, bit) = split(slot);
+        let rec = self.workers[slot as usize].as_mut().expect("live slot");
+        let log = std::mem::take(&mut rec.logs[tier]);
+        let mut changed = 0;
+        for h in log {
+            changed += u64::from(self.groups[g].clear(h, tier, bit));
+        }
+        rec.live[tier] = 0;
+        changed
+    }
+
+    fn store(&mut self, slot: u32, tier: usize, hashes: impl Iterator<Item = SequenceHash>) -> u64 {
+        let (g, bit) = split(slot);
+        let table = &mut self.groups[g];
+        let rec = self.workers[slot as usize].as_mut().expect("live slot");
+        let mut changed = 0;
+        for h in hashes {
+            if table.set(h, tier, bit) {
+                rec.logs[tier].push(h);
+                changed += 1;
+            }
+        }
+        rec.live[tier] += changed;
+        if rec.log_needs_compaction(tier) {
+            compact_log(table, rec, tier, bit);
+        }
+        changed
+    }
+
+    fn remove(&mut self, slot: u32, tier: usize, hashes: &[SequenceHash]) -> u64 {
+        let (g, bit) = split(slot);
+        let table = &mut self.groups[g];
+        let rec = self.workers[slot as usize].as_mut().expect("live slot");
+        let mut changed = 0;
+        for &h in hashes {
+            changed += u64::from(table.clear(h, tier, bit));
+        }
+        rec.live[tier] -= changed;
+        if rec.log_needs_compaction(tier) {
+            compact_log(table, rec, tier, bit);
+        }
+        changed
+    }
+
+    pub(crate) fn apply(&mut self, e: &KvEvent) -> Result<EventOutcome, LookupError> {
+        let engine = e.publisher;
+        if e.event_id == 0 {
+            return Err(LookupError::ZeroEventId { engine });
+        }
+        if e.tp_size == 0 {
+            return Err(LookupError::ZeroTpSize { engine });
+        }
+        let slot = match self.by_engine.get(&engine) {
+            Some(&slot) => slot,
+            None if self.retired.contains(&engine) => {
+                self.from_retired += 1;
+                return Ok(EventOutcome::FromRetiredIncarnation);
+            }
+            None => {
+                let info = WorkerInfo {
+                    engine,
+                    role: e.role,
+                    layout_fingerprint: e.layout_fingerprint,
+                    tp_size: e.tp_size,
+                };
+                self.insert_worker(WorkerKey::of_engine(engine), info)?
+            }
+        };
+        let rec = self.workers[slot as usize]
+            .as_mut()
+            .expect("slot of a live engine");
+        check_identity(&rec.info, e.role, e.layout_fingerprint, e.tp_size)?;
+        let last = rec.last_event_id;
+        if e.event_id <= last {
+            self.duplicates += 1;
+            return Ok(EventOutcome::Duplicate {
+                last_event_id: last,
+            });
+        }
+        let gap = e.event_id != last + 1;
+        rec.last_event_id = e.event_id;
+        let tier = tier_index(e.tier);
+        let changed = match &e.data {
+            KvEventData::Stored { blocks, .. } => {
+                self.store(slot, tier, blocks.iter().map(|b| b.sequence_hash))
+            }
+            KvEventData::Removed { sequence_hashes } => self.remove(slot, tier, sequence_hashes),
+            KvEventData::Cleared => self.clear_tier(slot, tier),
+        };
+        self.events_applied += 1;
+        if gap {
+            self.gaps += 1;
+            let rec = self.workers[slot as usize].as_mut().expect("live");
+            if !rec.needs_resync {
+                rec.needs_resync = true;
+                self.rebuild_donor_masks();
+            }
+            tracing::warn!(%engine, expected = last + 1, got = e.event_id, "kv event gap: worker needs resync");
+            return Ok(EventOutcome::Gap {
+                expected: last + 1,
+                got: e.event_id,
+                changed,
+            });
+        }
+        Ok(EventOutcome::Applied { changed })
+    }
+
+    /// Recomputes the donor candidate bitsets; called on every membership or
+    /// resync-state change (rare), so lookups read them without work.
+    pub(crate) fn rebuild_donor_masks(&mut self) {
+        let groups = self.groups.len();
+        let mut masks: Vec<DonorMask> = Vec::new();
+        for (slot, rec) in self.workers.iter().enumerate() {
+            let Some(rec) = rec else { continue };
+            if rec.info.role != Role::Decode || rec.needs_resync {
+                continue;
+            }
+            let (g, bit) = split(slot as u32);
+            let i = match masks.iter().position(|m| {
+                m.fingerprint == rec.info.layout_fingerprint && m.tp_size == rec.info.tp_size
+            }) {
+                Some(i) => i,
+                None => {
+                    masks.push(DonorMask {
+                        fingerprint: rec.info.layout_fingerprint,
+                        tp_size: rec.info.tp_size,
+                        groups: vec![0; groups],
+                    });
+                    masks.len() - 1
+                }
+            };
+            masks[i].groups[g] |= 1 << bit;
+        }
+        self.donor_masks = masks;
+    }
+}
+
+fn check_identity(
+    known: &WorkerInfo,
+    role: Role,
+    fp: LayoutFingerprint,
+    tp: u32,
+) -> Result<(), LookupError> {
+    if known.role != role {
+        return Err(LookupError::role_mismatch(known.engine, known.role, role));
+    }
+    if known.layout_fingerprint != fp {
+        return Err(LookupError::fingerprint_mismatch(
+            known.engine,
+            known.layout_fingerprint,
+            fp,
+        ));
+    }
+    if known.tp_size != tp {
+        return Err(LookupError::tp_mismatch(known.engine, known.tp_size, tp));
+    }
+    Ok(())
+}
+
+/// Drops log entries the worker no longer holds, and duplicates.
+fn compact_log(table: &HolderTable, rec: &mut WorkerRecord, tier: usize, bit: u32) {
+    let log = &mut rec.logs[tier];
+    log.retain(|&h| table.get(h)[tier] >> bit & 1 == 1);
+    log.sort_unstable();
+    log.dedup();
+    debug_assert_eq!(log.len() as u64, rec.live[tier]);
+}

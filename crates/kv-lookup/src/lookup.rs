@@ -1,0 +1,416 @@
+//! Bounded donor lookup: the best decode donor for a request on a chosen
+//! prefill target, and the target's own baseline.
+
+use std::time::{Duration, Instant};
+
+use kv_descriptor::{EngineId, Role, SequenceHash};
+
+use crate::holder_table::{tier_index, HolderTable};
+use crate::index::{split, State};
+use crate::worker::WorkerKey;
+use crate::InventoryIndex;
+use kv_descriptor::StorageTier;
+
+const DEVICE: usize = tier_index(StorageTier::Device);
+const RETAINED: usize = tier_index(StorageTier::RetainedGpuDirect);
+
+/// Probes between two clock reads. Reading the clock costs about as much as
+/// a cached probe, so checking every probe would halve lookup speed; the
+/// time budget can therefore be overrun by at most this many probes
+/// (well under a microsecond with prefetching).
+pub const CLOCK_CHECK_INTERVAL: u32 = 16;
+
+/// How far ahead of the walk (in blocks) slots are prefetched: enough
+/// outstanding misses to cover DRAM latency, few enough not to waste
+/// bandwidth when the walk stops early.
+const PREFETCH_DISTANCE: usize = 8;
+
+/// Work and time a lookup may spend.
+///
+/// ```
+/// use kv_lookup::LookupBudget;
+/// let b = LookupBudget::new(500, 4096);
+/// assert_eq!(b.time.as_micros(), 500);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LookupBudget {
+    /// Wall time, including waiting for the index's read lock.
+    pub time: Duration,
+    /// Most holder-table probes (one probe = one sequence hash in one worker group).
+    pub max_probes: u32,
+}
+
+impl LookupBudget {
+    /// `time_us` microseconds and `max_probes` probes.
+    pub const fn new(time_us: u64, max_probes: u32) -> Self {
+        Self {
+            time: Duration::from_micros(time_us),
+            max_probes,
+        }
+    }
+}
+
+impl Default for LookupBudget {
+    /// 1 ms and 16,384 probes (a 256k-token prompt at 16 tokens per block).
+    fn default() -> Self {
+        Self::new(1_000, 16_384)
+    }
+}
+
+/// A donor that holds the request's prefix from the root in its retained bank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DonorMatch {
+    /// Donor incarnation (decode role, same layout and TP as the target).
+    pub engine: EngineId,
+    /// Donor's stable worker key.
+    pub worker: WorkerKey,
+    /// Blocks `0..blocks` of the request are in the donor's retained tier.
+    pub blocks: u32,
+    /// Donors with the same coverage (the chosen one included); the choice
+    /// among them is spread by the request's first hash.
+    pub tied: u32,
+}
+
+/// What the target already has: the donor must beat this to be worth a fetch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TargetBaseline {
+    /// Root-prefix blocks in the target's native device cache.
+    pub native_blocks: u32,
+    /// Root-prefix blocks in the target's own retained bank. Baseline only:
+    /// it raises the bar for donors but earns the target no execution credit.
+    pub retained_blocks: u32,
+}
+
+impl TargetBaseline {
+    /// Blocks the target does not need from a donor: the longer of both.
+    pub fn blocks(&self) -> u32 {
+        self.native_blocks.max(self.retained_blocks)
+    }
+}
+
+/// Why a lookup returned no donor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NoDonorReason {
+    /// The request has no full block.
+    #[error("`sequence_hashes` is empty")]
+    EmptyRequest,
+    /// The target is not a live incarnation known to the index.
+    #[error("`target` {0} is not a known live worker")]
+    UnknownTarget(EngineId),
+    /// Only a prefill worker can be a fetch target.
+    #[error("`target` {0} has role {1:?}, not Prefill")]
+    TargetNotPrefill(EngineId, Role),
+    /// No live decode worker with the target's layout fingerprint and TP
+    /// size (workers waiting for a resync do not count).
+    #[error("no decode worker matches the target's `layout_fingerprint` and `tp_size`")]
+    NoCompatibleDonor,
+    /// No compatible donor holds the request's first block.
+    #[error("no compatible donor holds the first block of `sequence_hashes`")]
+    NoRootCoverage,
+    /// The best donor covers no more than the target already has.
+    #[error("best donor covers {donor_blocks} blocks, not beyond the target's baseline of {baseline_blocks}")]
+    NotBeyondBaseline {
+        /// Best donor's coverage in blocks.
+        donor_blocks: u32,
+        /// [`TargetBaseline::blocks`].
+        baseline_blocks: u32,
+    },
+    /// The budget ran out before any donor beyond the baseline was found
+    /// (also when the read lock was not obtained within the time budget).
+    #[error("`budget` exhausted after {probes} probes before a donor was found")]
+    BudgetExhausted {
+        /// Probes spent.
+        probes: u32,
+    },
+}
+
+/// Result of [`InventoryIndex::lookup`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LookupOutcome {
+    /// Best donor, or why there is none.
+    pub donor: Result<DonorMatch, NoDonorReason>,
+    /// Target's own coverage. Lower bounds when `budget_exhausted`.
+    pub baseline: TargetBaseline,
+    /// True when the walk stopped on its budget: `donor` is the best found
+    /// so far (its true coverage may be longer).
+    pub budget_exhausted: bool,
+    /// Holder-table probes spent.
+    pub probes: u32,
+    /// Wall time spent, lock wait included.
+    pub elapsed: Duration,
+}
+
+/// Probe and clock accounting of one lookup.
+struct Meter {
+    probes: u32,
+    max_probes: u32,
+    deadline: Instant,
+    exhausted: bool,
+}
+
+impl Meter {
+    /// Charges one probe; false (and `exhausted`) when the budget is spent.
+    #[inline]
+    fn charge(&mut self) -> bool {
+        if self.probes >= self.max_probes
+            || (self.probes % CLOCK_CHECK_INTERVAL == 0 && Instant::now() >= self.deadline)
+        {
+            self.exhausted = true;
+            return false;
+        }
+        self.probes += 1;
+        true
+    }
+}
+
+/// Walk result over one worker group.
+#[derive(Default)]
+struct GroupWalk {
+    /// Donors with the longest coverage, and that coverage.
+    best: u64,
+    best_blocks: u32,
+    native_blocks: u32,
+    retained_blocks: u32,
+}
+
+/// Walks `hashes` from the root in one group: `donors` lose their bit at the
+/// first block missing from their retained tier; the target's native and
+/// retained runs are tracked the same way. Stops when nobody is left.
+fn walk_group(
+    table: &HolderTable,
+    hashes: &[SequenceHash],
+    donors: u64,
+    target: u64,
+    meter: &mut Meter,
+) -> GroupWalk {
+    let n = hashes.len();
+    let mut out = GroupWalk::default();
+    let (mut active, mut native, mut retained) = (donors, target, target);
+    for h in hashes.iter().take(PREFETCH_DISTANCE) {
+        table.prefetch(*h);
+    }
+    let mut i = 0;
+    while i < n && (active | native | retained) != 0 {
+        if !meter.charge() {
+            break;
+        }
+        if let Some(h) = hashes.get(i + PREFETCH_DISTANCE) {
+            table.prefetch(*h);
+        }
+        let bits = table.get(hashes[i]);
+        let next = active & bits[RETAINED];
+        if next == 0 && active != 0 {
+            out.best = active;
+            out.best_blocks = i as u32;
+        }
+        active = next;
+        if native != 0 && bits[DEVICE] & native == 0 {
+            native = 0;
+            out.native_blocks = i as u32;
+        }
+        if retained != 0 && bits[RETAINED] & retained == 0 {
+            retained = 0;
+            out.retained_blocks = i as u32;
+        }
+        i += 1;
+    }
+    if active != 0 {
+        out.best = active;
+        out.best_blocks = i as u32;
+    }
+    if native != 0 {
+        out.native_blocks = i as u32;
+    }
+    if retained != 0 {
+        out.retained_blocks = i as u32;
+    }
+    out
+}
+
+/// Position of the `n`-th set bit of `mask` (`n < mask.count_ones()`).
+fn nth_set_bit(mut mask: u64, n: u32) -> u32 {
+    for _ in 0..n {
+        mask &= mask - 1;
+    }
+    mask.trailing_zeros()
+}
+
+impl InventoryIndex {
+    /// Finds the best donor for a request that the router already sent to
+    /// prefill worker `target`, within `budget`.
+    ///
+    /// `sequence_hashes` are the request's chained block hashes, root first
+    /// ([`kv_descriptor::sequence_hashes`] at the engine's block size). A
+    /// donor must be a live decode worker, not waiting for a resync, with the
+    /// target's layout fingerprint and TP size, holding blocks `0..k` in its
+    /// retained tier (announced only once every rank acknowledged the store,
+    /// so it is ready inventory); the longest `k` wins, and it must exceed the
+    /// target's baseline. The lookup reads only: it reserves and pins nothing,
+    /// so the donor may drop the blocks before a fetch, which then falls back.
+    ///
+    /// Cost: one probe per block and worker group, stopping as soon as no
+    /// donor and no target run is left; never more than `budget.max_probes`
+    /// probes, and never more than `budget.time` plus
+    /// [`CLOCK_CHECK_INTERVAL`] probes. On exhaustion the best donor found so
+    /// far is returned with `budget_exhausted` set.
+    ///
+    /// ```
+    /// use kv_descriptor::*;
+    /// use kv_lookup::{InventoryIndex, LookupBudget, WorkerInfo, WorkerKey};
+    ///
+    /// let index = InventoryIndex::new();
+    /// let fp = LayoutFingerprint(42);
+    /// let (decode, prefill) = (EngineId::fresh(), EngineId::fresh());
+    /// for (k, engine, role) in [(1, decode, Role::Decode), (2, prefill, Role::Prefill)] {
+    ///     index.register_worker(WorkerKey(k), WorkerInfo { engine, role, layout_fingerprint: fp, tp_size: 1 }).unwrap();
+    /// }
+    /// let hashes = sequence_hashes(&(0..128).collect::<Vec<u32>>(), 16); // 8 blocks
+    /// let stored = |engine, tier, n: usize| KvEvent {
+    ///     publisher: engine, event_id: 1, role: if engine == decode { Role::Decode } else { Role::Prefill },
+    ///     layout_fingerprint: fp, tp_size: 1, tier,
+    ///     data: KvEventData::Stored { parent: None, blocks: hashes[..n].iter()
+    ///         .map(|&h| StoredBlock { sequence_hash: h, token_hash: TokenBlockHash(0) }).collect() },
+    /// };
+    /// index.apply_event(&stored(decode, StorageTier::RetainedGpuDirect, 6)).unwrap();
+    /// index.apply_event(&stored(prefill, StorageTier::Device, 2)).unwrap();
+    ///
+    /// let out = index.lookup(&hashes, prefill, LookupBudget::default());
+    /// let donor = out.donor.unwrap();
+    /// assert_eq!((donor.engine, donor.blocks), (decode, 6));
+    /// assert_eq!(out.baseline.native_blocks, 2);
+    /// assert!(!out.budget_exhausted);
+    /// ```
+    pub fn lookup(
+        &self,
+        sequence_hashes: &[SequenceHash],
+        target: EngineId,
+        budget: LookupBudget,
+    ) -> LookupOutcome {
+        let start = Instant::now();
+        let mut outcome = LookupOutcome {
+            donor: Err(NoDonorReason::EmptyRequest),
+            baseline: TargetBaseline::default(),
+            budget_exhausted: false,
+            probes: 0,
+            elapsed: Duration::ZERO,
+        };
+        if sequence_hashes.is_empty() {
+            outcome.elapsed = start.elapsed();
+            return outcome;
+        }
+        let Some(state) = self.state.try_read_for(budget.time) else {
+            outcome.donor = Err(NoDonorReason::BudgetExhausted { probes: 0 });
+            outcome.budget_exhausted = true;
+            outcome.elapsed = start.elapsed();
+            return outcome;
+        };
+        let mut meter = Meter {
+            probes: 0,
+            max_probes: budget.max_probes,
+            deadline: start + budget.time,
+            exhausted: false,
+        };
+        outcome.donor = lookup_locked(
+            &state,
+            sequence_hashes,
+            target,
+            &mut meter,
+            &mut outcome.baseline,
+        );
+        drop(state);
+        outcome.budget_exhausted = meter.exhausted;
+        outcome.probes = meter.probes;
+        outcome.elapsed = start.elapsed();
+        outcome
+    }
+}
+
+fn lookup_locked(
+    st: &State,
+    hashes: &[SequenceHash],
+    target: EngineId,
+    meter: &mut Meter,
+    baseline: &mut TargetBaseline,
+) -> Result<DonorMatch, NoDonorReason> {
+    let Some(&target_slot) = st.by_engine.get(&target) else {
+        return Err(NoDonorReason::UnknownTarget(target));
+    };
+    let info = st.workers[target_slot as usize]
+        .as_ref()
+        .expect("slot of a live engine")
+        .info;
+    if info.role != Role::Prefill {
+        return Err(NoDonorReason::TargetNotPrefill(target, info.role));
+    }
+    let donors = st
+        .donor_masks
+        .iter()
+        .find(|m| m.fingerprint == info.layout_fingerprint && m.tp_size == info.tp_size);
+    let (target_group, target_bit) = split(target_slot);
+    let mut best: Option<(usize, u64, u32)> = None; // (group, donor bits, blocks)
+    let mut tied = 0u32;
+    for (g, table) in st.groups.iter().enumerate() {
+        let donor_bits = donors.and_then(|m| m.groups.get(g).copied()).unwrap_or(0);
+        let target_bits = if g == target_group {
+            1u64 << target_bit
+        } else {
+            0
+        };
+        if donor_bits | target_bits == 0 {
+            continue;
+        }
+        let w = walk_group(table, hashes, donor_bits, target_bits, meter);
+        if g == target_group {
+            baseline.native_blocks = w.native_blocks;
+            baseline.retained_blocks = w.retained_blocks;
+        }
+        if w.best != 0 {
+            match best {
+                Some((_, _, b)) if b > w.best_blocks => {}
+                Some((_, _, b)) if b == w.best_blocks => tied += w.best.count_ones(),
+                _ => {
+                    best = Some((g, w.best, w.best_blocks));
+                    tied = w.best.count_ones();
+                }
+            }
+        }
+        if meter.exhausted {
+            break;
+        }
+    }
+    let Some((g, bits, blocks)) = best.filter(|b| b.2 > 0) else {
+        return Err(if meter.exhausted {
+            NoDonorReason::BudgetExhausted {
+                probes: meter.probes,
+            }
+        } else if donors.is_none_or(|m| m.groups.iter().all(|&b| b == 0)) {
+            NoDonorReason::NoCompatibleDonor
+        } else {
+            NoDonorReason::NoRootCoverage
+        });
+    };
+    if blocks <= baseline.blocks() {
+        return Err(if meter.exhausted {
+            NoDonorReason::BudgetExhausted {
+                probes: meter.probes,
+            }
+        } else {
+            NoDonorReason::NotBeyondBaseline {
+                donor_blocks: blocks,
+                baseline_blocks: baseline.blocks(),
+            }
+        });
+    }
+    // Spread ties over donors, stably per prefix.
+    let pick = nth_set_bit(bits, (hashes[0].0 % u64::from(bits.count_ones())) as u32);
+    let slot = (g * crate::index::GROUP_WIDTH) as u32 + pick;
+    let rec = st.workers[slot as usize]
+        .as_ref()
+        .expect("donor bit of a live worker");
+    Ok(DonorMatch {
+        engine: rec.info.engine,
+        worker: rec.key,
+        blocks,
+        tied,
+    })
+}

@@ -1,0 +1,419 @@
+//! A naive reference model of the index and a randomized cross-check.
+//!
+//! [`NaiveIndex`] implements the same rules as [`crate::InventoryIndex`]
+//! with plain hash sets and a linear walk, no budget and no bitsets, so that
+//! it is obviously right. The property tests compare both, and
+//! [`cross_check`] does the same from a seed so that `cargo xtask qualify`
+//! can run it and record the result.
+
+use std::collections::{HashMap, HashSet};
+
+use kv_descriptor::{
+    EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, SequenceHash, StorageTier,
+    StoredBlock, TokenBlockHash,
+};
+
+use crate::holder_table::{tier_index, ALL_TIERS, TIERS};
+use crate::{EventOutcome, InventoryIndex, LookupBudget, WorkerInfo, WorkerKey};
+
+#[derive(Debug, Clone)]
+struct NaiveWorker {
+    info: WorkerInfo,
+    last_event_id: u64,
+    needs_resync: bool,
+    tiers: [HashSet<SequenceHash>; TIERS],
+}
+
+/// Reference model: the rules of [`crate::InventoryIndex`], written plainly.
+#[derive(Debug, Clone, Default)]
+pub struct NaiveIndex {
+    workers: HashMap<EngineId, NaiveWorker>,
+    keys: HashMap<WorkerKey, EngineId>,
+    retired: HashSet<EngineId>,
+}
+
+/// What the reference lookup found (no budget, so never flagged).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NaiveLookup {
+    /// Every donor with the longest root coverage, and that coverage in
+    /// blocks; empty when no compatible donor covers block 0.
+    pub best_donors: Vec<EngineId>,
+    /// Coverage of `best_donors`.
+    pub donor_blocks: u32,
+    /// Target's native (device tier) root coverage.
+    pub native_blocks: u32,
+    /// Target's retained-tier root coverage.
+    pub retained_blocks: u32,
+}
+
+impl NaiveIndex {
+    /// Registers `info` under `key`, retiring the key's previous incarnation.
+    /// Returns false (and changes nothing) for a retired engine.
+    pub fn register(&mut self, key: WorkerKey, info: WorkerInfo) -> bool {
+        if self.retired.contains(&info.engine) {
+            return false;
+        }
+        if let Some(old) = self.keys.get(&key).copied() {
+            if old != info.engine {
+                self.remove(old);
+            }
+        }
+        self.keys.retain(|_, e| *e != info.engine);
+        self.keys.insert(key, info.engine);
+        self.workers
+            .entry(info.engine)
+            .or_insert_with(|| NaiveWorker {
+                info,
+                last_event_id: 0,
+                needs_resync: false,
+                tiers: Default::default(),
+            });
+        true
+    }
+
+    /// Retires an incarnation.
+    pub fn remove(&mut self, engine: EngineId) {
+        if self.workers.remove(&engine).is_some() {
+            self.retired.insert(engine);
+            self.keys.retain(|_, e| *e != engine);
+        }
+    }
+
+    /// Applies an event; `None` when the event would be refused (identity
+    /// mismatch or zero ids), otherwise what happened.
+    pub fn apply(&mut self, e: &KvEvent) -> Option<EventOutcome> {
+        if e.event_id == 0 || e.tp_size == 0 {
+            return None;
+        }
+        if self.retired.contains(&e.publisher) {
+            return Some(EventOutcome::FromRetiredIncarnation);
+        }
+        if !self.workers.contains_key(&e.publisher) {
+            let info = WorkerInfo {
+                engine: e.publisher,
+                role: e.role,
+                layout_fingerprint: e.layout_fingerprint,
+                tp_size: e.tp_size,
+            };
+            self.register(WorkerKey::of_engine(e.publisher), info);
+        }
+        let w = self
+            .workers
+            .get_mut(&e.publisher)
+            .expect("registered above");
+        if w.info.role != e.role
+            || w.info.layout_fingerprint != e.layout_fingerprint
+            || w.info.tp_size != e.tp_size
+        {
+            return None;
+        }
+        if e.event_id <= w.last_event_id {
+            return Some(EventOutcome::Duplicate {
+                last_event_id: w.last_event_id,
+            });
+        }
+        let expected = w.last_event_id + 1;
+        w.last_event_id = e.event_id;
+        let set = &mut w.tiers[tier_index(e.tier)];
+        let changed = match &e.data {
+            KvEventData::Stored { blocks, .. } => blocks
+                .iter()
+                .filter(|b| set.insert(b.sequence_hash))
+                .count(),
+            KvEventData::Removed { sequence_hashes } => {
+                sequence_hashes.iter().filter(|h| set.remove(h)).count()
+            }
+            KvEventData::Cleared => std::mem::take(set).len(),
+        } as u64;
+        if e.event_id != expected {
+            w.needs_resync = true;
+            return Some(EventOutcome::Gap {
+                expected,
+                got: e.event_id,
+                changed,
+            });
+        }
+        Some(EventOutcome::Applied { changed })
+    }
+
+    /// Replaces a worker's inventory (see [`crate::InventoryIndex::resync_worker`]).
+    pub fn resync(
+        &mut self,
+        engine: EngineId,
+        last_event_id: u64,
+        inventory: &[(StorageTier, Vec<SequenceHash>)],
+    ) {
+        if let Some(w) = self.workers.get_mut(&engine) {
+            w.tiers = Default::default();
+            for (t, hs) in inventory {
+                w.tiers[tier_index(*t)].extend(hs.iter().copied());
+            }
+            w.last_event_id = last_event_id;
+            w.needs_resync = false;
+        }
+    }
+
+    /// Tiers in which `engine` holds `hash`.
+    pub fn holds(&self, engine: EngineId, hash: SequenceHash) -> Vec<StorageTier> {
+        let Some(w) = self.workers.get(&engine) else {
+            return Vec::new();
+        };
+        ALL_TIERS
+            .iter()
+            .copied()
+            .filter(|&t| w.tiers[tier_index(t)].contains(&hash))
+            .collect()
+    }
+
+    /// Unbounded lookup by the same rules; `None` when the target is unknown
+    /// or not a prefill worker.
+    pub fn lookup(&self, hashes: &[SequenceHash], target: EngineId) -> Option<NaiveLookup> {
+        let t = self.workers.get(&target)?;
+        if t.info.role != Role::Prefill {
+            return None;
+        }
+        let run = |set: &HashSet<SequenceHash>| {
+            hashes.iter().take_while(|h| set.contains(h)).count() as u32
+        };
+        let mut out = NaiveLookup {
+            best_donors: Vec::new(),
+            donor_blocks: 0,
+            native_blocks: run(&t.tiers[tier_index(StorageTier::Device)]),
+            retained_blocks: run(&t.tiers[tier_index(StorageTier::RetainedGpuDirect)]),
+        };
+        for (engine, w) in &self.workers {
+            if w.info.role != Role::Decode || w.needs_resync || !w.info.compatible_with(&t.info) {
+                continue;
+            }
+            let k = run(&w.tiers[tier_index(StorageTier::RetainedGpuDirect)]);
+            if k == 0 || k < out.donor_blocks {
+                continue;
+            }
+            if k > out.donor_blocks {
+                out.best_donors.clear();
+                out.donor_blocks = k;
+            }
+            out.best_donors.push(*engine);
+        }
+        Some(out)
+    }
+}
+
+/// Summary of a passing [`cross_check`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CrossCheckReport {
+    /// Events applied to both.
+    pub events: u64,
+    /// Lookups compared.
+    pub lookups: u64,
+    /// Lookups that found a donor.
+    pub donors_found: u64,
+}
+
+/// SplitMix64: a tiny deterministic generator so that the cross-check needs
+/// no dependency and reproduces from its seed.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Drives [`crate::InventoryIndex`] and [`NaiveIndex`] with the same random
+/// workload (`steps` operations from `seed`: stores, removals, clears,
+/// duplicates, gaps, restarts, resyncs, lookups over 12 workers and 8
+/// conversations sharing prefixes) and compares every outcome.
+///
+/// # Errors
+/// A description of the first disagreement, with the step number and seed.
+///
+/// ```
+/// let r = kv_lookup::reference::cross_check(7, 2_000).unwrap();
+/// assert!(r.lookups > 0 && r.donors_found > 0);
+/// ```
+pub fn cross_check(seed: u64, steps: u64) -> Result<CrossCheckReport, String> {
+    let mut rng = SplitMix(seed);
+    let fast = InventoryIndex::new();
+    let mut naive = NaiveIndex::default();
+    let fps = [LayoutFingerprint(1), LayoutFingerprint(2)];
+    // Conversations: chains of 24 blocks; conversation c shares its first c/2 blocks with c-1.
+    let mut convs: Vec<Vec<SequenceHash>> = Vec::new();
+    for c in 0..8u64 {
+        let mut chain = Vec::new();
+        for i in 0..24u64 {
+            let h = match convs.last() {
+                Some(prev) if i < c / 2 => prev[i as usize],
+                _ => SequenceHash(rng.next()),
+            };
+            chain.push(h);
+        }
+        convs.push(chain);
+    }
+    struct Live {
+        info: WorkerInfo,
+        next_id: u64,
+    }
+    let mut live: Vec<Live> = Vec::new();
+    for k in 0..12u64 {
+        let info = WorkerInfo {
+            engine: EngineId(uuid_from(rng.next(), k)),
+            role: if k % 3 == 0 {
+                Role::Prefill
+            } else {
+                Role::Decode
+            },
+            layout_fingerprint: fps[(k % 5 == 4) as usize],
+            tp_size: 1 + (k % 7 == 6) as u32,
+        };
+        fast.register_worker(WorkerKey(k), info)
+            .map_err(|e| e.to_string())?;
+        naive.register(WorkerKey(k), info);
+        live.push(Live { info, next_id: 1 });
+    }
+    let mut report = CrossCheckReport {
+        events: 0,
+        lookups: 0,
+        donors_found: 0,
+    };
+    for step in 0..steps {
+        let k = rng.below(live.len() as u64) as usize;
+        let op = rng.below(100);
+        if op < 3 {
+            // Restart: new incarnation under the same key.
+            let info = WorkerInfo {
+                engine: EngineId(uuid_from(rng.next(), step)),
+                ..live[k].info
+            };
+            fast.register_worker(WorkerKey(k as u64), info)
+                .map_err(|e| e.to_string())?;
+            naive.register(WorkerKey(k as u64), info);
+            live[k] = Live { info, next_id: 1 };
+            continue;
+        }
+        if op < 5 {
+            let engine = live[k].info.engine;
+            let snapshot: Vec<(StorageTier, Vec<SequenceHash>)> = ALL_TIERS
+                .iter()
+                .map(|&t| {
+                    let c = &convs[rng.below(convs.len() as u64) as usize];
+                    (t, c[..rng.below(c.len() as u64) as usize].to_vec())
+                })
+                .collect();
+            let last = live[k].next_id - 1;
+            fast.resync_worker(engine, last, &snapshot)
+                .map_err(|e| e.to_string())?;
+            naive.resync(engine, last, &snapshot);
+            continue;
+        }
+        if op < 40 {
+            let c = &convs[rng.below(convs.len() as u64) as usize];
+            let target = live[rng.below(live.len() as u64) as usize].info.engine;
+            let want = naive.lookup(c, target);
+            let got = fast.lookup(c, target, LookupBudget::new(1_000_000, u32::MAX));
+            report.lookups += 1;
+            let mismatch = |what: &str| {
+                format!("seed {seed} step {step}: {what}: fast {got:?} naive {want:?}")
+            };
+            match &want {
+                None => {
+                    if got.donor.is_ok() {
+                        return Err(mismatch("donor for an unknown or non-prefill target"));
+                    }
+                }
+                Some(w) => {
+                    if (got.baseline.native_blocks, got.baseline.retained_blocks)
+                        != (w.native_blocks, w.retained_blocks)
+                    {
+                        return Err(mismatch("baseline"));
+                    }
+                    let base = w.native_blocks.max(w.retained_blocks);
+                    match got.donor {
+                        Ok(d) => {
+                            report.donors_found += 1;
+                            if d.blocks != w.donor_blocks
+                                || d.blocks <= base
+                                || !w.best_donors.contains(&d.engine)
+                            {
+                                return Err(mismatch("donor"));
+                            }
+                            if d.tied as usize != w.best_donors.len() {
+                                return Err(mismatch("tie count"));
+                            }
+                        }
+                        Err(_) => {
+                            if w.donor_blocks > base {
+                                return Err(mismatch("missed donor"));
+                            }
+                        }
+                    }
+                }
+            }
+            continue;
+        }
+        // An event: mostly in order, sometimes duplicated or with a gap.
+        let l = &mut live[k];
+        let id = match rng.below(20) {
+            0 => l.next_id.saturating_sub(1).max(1),
+            1 => l.next_id + 1,
+            _ => l.next_id,
+        };
+        l.next_id = l.next_id.max(id + 1);
+        let tier = if rng.below(3) == 0 {
+            ALL_TIERS[rng.below(TIERS as u64) as usize]
+        } else if l.info.role == Role::Decode {
+            StorageTier::RetainedGpuDirect
+        } else {
+            StorageTier::Device
+        };
+        let c = &convs[rng.below(convs.len() as u64) as usize];
+        let lo = rng.below(c.len() as u64) as usize;
+        let hi = lo + rng.below((c.len() - lo) as u64 + 1) as usize;
+        let data = match rng.below(10) {
+            0 => KvEventData::Cleared,
+            1..=3 => KvEventData::Removed {
+                sequence_hashes: c[lo..hi].to_vec(),
+            },
+            _ => KvEventData::Stored {
+                parent: None,
+                blocks: c[..hi]
+                    .iter()
+                    .map(|&h| StoredBlock {
+                        sequence_hash: h,
+                        token_hash: TokenBlockHash(h.0 >> 1),
+                    })
+                    .collect(),
+            },
+        };
+        let e = KvEvent {
+            publisher: l.info.engine,
+            event_id: id,
+            role: l.info.role,
+            layout_fingerprint: l.info.layout_fingerprint,
+            tp_size: l.info.tp_size,
+            tier,
+            data,
+        };
+        let got = fast.apply_event(&e).ok();
+        let want = naive.apply(&e);
+        if got != want {
+            return Err(format!(
+                "seed {seed} step {step}: event {e:?}: fast {got:?} naive {want:?}"
+            ));
+        }
+        report.events += 1;
+    }
+    Ok(report)
+}
+
+fn uuid_from(a: u64, b: u64) -> uuid::Uuid {
+    // `| 1` keeps the id non-nil.
+    uuid::Uuid::from_u64_pair(a | 1, b)
+}

@@ -1,0 +1,556 @@
+//! Event application, donor rules, budgets and concurrency of `InventoryIndex`.
+
+use std::sync::Arc;
+
+use kv_descriptor::{
+    sequence_hashes, EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, SequenceHash,
+    StorageTier, StoredBlock, TokenBlockHash,
+};
+use kv_lookup::{
+    EventOutcome, InventoryIndex, LookupBudget, LookupError, NoDonorReason, Registration,
+    WorkerInfo, WorkerKey,
+};
+
+const FP: LayoutFingerprint = LayoutFingerprint(0xABCD);
+const RET: StorageTier = StorageTier::RetainedGpuDirect;
+const DEV: StorageTier = StorageTier::Device;
+
+fn chain(seed: u32, blocks: usize) -> Vec<SequenceHash> {
+    let tokens: Vec<u32> = (0..blocks as u32 * 16)
+        .map(|t| t.wrapping_mul(2654435761).wrapping_add(seed))
+        .collect();
+    sequence_hashes(&tokens, 16)
+}
+
+fn info(role: Role) -> WorkerInfo {
+    WorkerInfo {
+        engine: EngineId::fresh(),
+        role,
+        layout_fingerprint: FP,
+        tp_size: 1,
+    }
+}
+
+fn event(w: &WorkerInfo, id: u64, tier: StorageTier, data: KvEventData) -> KvEvent {
+    KvEvent {
+        publisher: w.engine,
+        event_id: id,
+        role: w.role,
+        layout_fingerprint: w.layout_fingerprint,
+        tp_size: w.tp_size,
+        tier,
+        data,
+    }
+}
+
+fn stored(hashes: &[SequenceHash]) -> KvEventData {
+    KvEventData::Stored {
+        parent: None,
+        blocks: hashes
+            .iter()
+            .map(|&h| StoredBlock {
+                sequence_hash: h,
+                token_hash: TokenBlockHash(h.0 ^ 1),
+            })
+            .collect(),
+    }
+}
+
+fn removed(hashes: &[SequenceHash]) -> KvEventData {
+    KvEventData::Removed {
+        sequence_hashes: hashes.to_vec(),
+    }
+}
+
+fn registered(index: &InventoryIndex, key: u64, role: Role) -> WorkerInfo {
+    let w = info(role);
+    assert_eq!(
+        index.register_worker(WorkerKey(key), w).unwrap(),
+        Registration::Registered
+    );
+    w
+}
+
+const BIG: LookupBudget = LookupBudget::new(1_000_000, u32::MAX);
+
+#[test]
+fn stored_removed_cleared_change_holdings() {
+    let index = InventoryIndex::new();
+    let d = registered(&index, 1, Role::Decode);
+    let h = chain(1, 6);
+    assert_eq!(
+        index.apply_event(&event(&d, 1, RET, stored(&h))).unwrap(),
+        EventOutcome::Applied { changed: 6 }
+    );
+    assert_eq!(
+        index
+            .apply_event(&event(&d, 2, DEV, stored(&h[..2])))
+            .unwrap(),
+        EventOutcome::Applied { changed: 2 }
+    );
+    assert_eq!(index.holds(d.engine, h[0]), vec![DEV, RET]);
+    assert_eq!(index.holds(d.engine, h[5]), vec![RET]);
+    // Removing two held and one absent hash flips two bits.
+    let mut gone = h[4..].to_vec();
+    gone.push(SequenceHash(12345));
+    assert_eq!(
+        index
+            .apply_event(&event(&d, 3, RET, removed(&gone)))
+            .unwrap(),
+        EventOutcome::Applied { changed: 2 }
+    );
+    assert_eq!(index.holds(d.engine, h[4]), Vec::<StorageTier>::new());
+    assert_eq!(index.stats().held_blocks, [2, 0, 0, 0, 4]);
+    // Clearing the retained tier leaves the device tier alone.
+    assert_eq!(
+        index
+            .apply_event(&event(&d, 4, RET, KvEventData::Cleared))
+            .unwrap(),
+        EventOutcome::Applied { changed: 4 }
+    );
+    assert_eq!(index.holds(d.engine, h[0]), vec![DEV]);
+    let s = index.stats();
+    assert_eq!(
+        (s.held_blocks, s.entries, s.events_applied),
+        ([2, 0, 0, 0, 0], 2, 4)
+    );
+}
+
+#[test]
+fn duplicates_are_ignored_and_gaps_need_a_resync() {
+    let index = InventoryIndex::new();
+    let d = registered(&index, 1, Role::Decode);
+    let p = registered(&index, 2, Role::Prefill);
+    let h = chain(2, 8);
+    index.apply_event(&event(&d, 1, RET, stored(&h))).unwrap();
+    // A replayed older event must not undo anything.
+    assert_eq!(
+        index.apply_event(&event(&d, 1, RET, removed(&h))).unwrap(),
+        EventOutcome::Duplicate { last_event_id: 1 }
+    );
+    assert_eq!(index.lookup(&h, p.engine, BIG).donor.unwrap().blocks, 8);
+
+    // Event 3 after 1: event 2 was lost.
+    assert_eq!(
+        index
+            .apply_event(&event(&d, 3, RET, removed(&h[6..])))
+            .unwrap(),
+        EventOutcome::Gap {
+            expected: 2,
+            got: 3,
+            changed: 2
+        }
+    );
+    assert_eq!(index.workers_needing_resync(), vec![d.engine]);
+    assert_eq!(
+        index.lookup(&h, p.engine, BIG).donor,
+        Err(NoDonorReason::NoCompatibleDonor)
+    );
+    assert_eq!(index.stats().gaps, 1);
+
+    index
+        .resync_worker(d.engine, 5, &[(RET, h[..5].to_vec())])
+        .unwrap();
+    assert!(index.workers_needing_resync().is_empty());
+    assert_eq!(index.lookup(&h, p.engine, BIG).donor.unwrap().blocks, 5);
+    // Events up to the snapshot's id are duplicates, the next one applies.
+    assert!(matches!(
+        index.apply_event(&event(&d, 5, RET, stored(&h))).unwrap(),
+        EventOutcome::Duplicate { .. }
+    ));
+    assert_eq!(
+        index.apply_event(&event(&d, 6, RET, stored(&h))).unwrap(),
+        EventOutcome::Applied { changed: 3 }
+    );
+
+    // A publisher first seen at id 4 missed 1..=3.
+    let late = info(Role::Decode);
+    assert_eq!(
+        index
+            .apply_event(&event(&late, 4, RET, stored(&h)))
+            .unwrap(),
+        EventOutcome::Gap {
+            expected: 1,
+            got: 4,
+            changed: 8
+        }
+    );
+}
+
+#[test]
+fn new_incarnation_drops_old_entries_and_late_events() {
+    let index = InventoryIndex::new();
+    let old = registered(&index, 7, Role::Decode);
+    let p = registered(&index, 8, Role::Prefill);
+    let h = chain(3, 4);
+    index.apply_event(&event(&old, 1, RET, stored(&h))).unwrap();
+    let new = info(Role::Decode);
+    assert_eq!(
+        index.register_worker(WorkerKey(7), new).unwrap(),
+        Registration::Replaced { old: old.engine }
+    );
+    assert!(index.holds(old.engine, h[0]).is_empty());
+    assert_eq!(index.stats().entries, 0);
+    assert_eq!(
+        index.lookup(&h, p.engine, BIG).donor,
+        Err(NoDonorReason::NoRootCoverage)
+    );
+    assert_eq!(
+        index.apply_event(&event(&old, 2, RET, stored(&h))).unwrap(),
+        EventOutcome::FromRetiredIncarnation
+    );
+    assert_eq!(index.stats().entries, 0);
+    assert_eq!(
+        index.register_worker(WorkerKey(9), old),
+        Err(LookupError::RetiredIncarnation { engine: old.engine })
+    );
+    // The new incarnation starts its own id sequence at 1.
+    assert_eq!(
+        index.apply_event(&event(&new, 1, RET, stored(&h))).unwrap(),
+        EventOutcome::Applied { changed: 4 }
+    );
+    assert_eq!(
+        index.lookup(&h, p.engine, BIG).donor.unwrap().engine,
+        new.engine
+    );
+}
+
+#[test]
+fn an_event_that_contradicts_the_registration_is_refused_whole() {
+    let index = InventoryIndex::new();
+    let d = registered(&index, 1, Role::Decode);
+    let h = chain(4, 3);
+    let mut e = event(&d, 1, RET, stored(&h));
+    e.role = Role::Prefill;
+    let err = index.apply_event(&e).unwrap_err();
+    assert!(err.to_string().contains("`role`"), "{err}");
+    e.role = Role::Decode;
+    e.tp_size = 2;
+    assert!(index
+        .apply_event(&e)
+        .unwrap_err()
+        .to_string()
+        .contains("`tp_size`"));
+    e.tp_size = 1;
+    e.event_id = 0;
+    assert_eq!(
+        index.apply_event(&e),
+        Err(LookupError::ZeroEventId { engine: d.engine })
+    );
+    assert_eq!(index.stats().entries, 0);
+    // Refused events did not consume ids.
+    e.event_id = 1;
+    assert_eq!(
+        index.apply_event(&e).unwrap(),
+        EventOutcome::Applied { changed: 3 }
+    );
+}
+
+#[test]
+fn donor_must_be_compatible_decode_with_retained_root_coverage() {
+    let index = InventoryIndex::new();
+    let target = registered(&index, 1, Role::Prefill);
+    let h = chain(5, 10);
+    // A prefill worker's retained blocks never make it a donor.
+    let other_prefill = registered(&index, 2, Role::Prefill);
+    index
+        .apply_event(&event(&other_prefill, 1, RET, stored(&h)))
+        .unwrap();
+    assert_eq!(
+        index.lookup(&h, target.engine, BIG).donor,
+        Err(NoDonorReason::NoCompatibleDonor)
+    );
+    // A decode worker holding the prefix only in its device cache is no donor.
+    let d_dev = registered(&index, 3, Role::Decode);
+    index
+        .apply_event(&event(&d_dev, 1, DEV, stored(&h)))
+        .unwrap();
+    assert_eq!(
+        index.lookup(&h, target.engine, BIG).donor,
+        Err(NoDonorReason::NoRootCoverage)
+    );
+    // Holding everything but the root block is no coverage.
+    let d_hole = registered(&index, 4, Role::Decode);
+    index
+        .apply_event(&event(&d_hole, 1, RET, stored(&h[1..])))
+        .unwrap();
+    assert_eq!(
+        index.lookup(&h, target.engine, BIG).donor,
+        Err(NoDonorReason::NoRootCoverage)
+    );
+    // Other layout or other TP: incompatible even with full coverage.
+    for (k, w) in [
+        (
+            5,
+            WorkerInfo {
+                layout_fingerprint: LayoutFingerprint(1),
+                ..info(Role::Decode)
+            },
+        ),
+        (
+            6,
+            WorkerInfo {
+                tp_size: 2,
+                ..info(Role::Decode)
+            },
+        ),
+    ] {
+        index.register_worker(WorkerKey(k), w).unwrap();
+        index.apply_event(&event(&w, 1, RET, stored(&h))).unwrap();
+    }
+    assert_eq!(
+        index.lookup(&h, target.engine, BIG).donor,
+        Err(NoDonorReason::NoRootCoverage)
+    );
+    // A hole in the middle cuts coverage there.
+    let good = registered(&index, 7, Role::Decode);
+    let mut with_hole = h.clone();
+    with_hole.remove(6);
+    index
+        .apply_event(&event(&good, 1, RET, stored(&with_hole)))
+        .unwrap();
+    let d = index.lookup(&h, target.engine, BIG).donor.unwrap();
+    assert_eq!(
+        (d.engine, d.worker, d.blocks, d.tied),
+        (good.engine, WorkerKey(7), 6, 1)
+    );
+    // The longest of several donors wins.
+    let longer = registered(&index, 8, Role::Decode);
+    index
+        .apply_event(&event(&longer, 1, RET, stored(&h[..9])))
+        .unwrap();
+    assert_eq!(
+        index.lookup(&h, target.engine, BIG).donor.unwrap().engine,
+        longer.engine
+    );
+}
+
+#[test]
+fn target_rules_and_baseline() {
+    let index = InventoryIndex::new();
+    let t = registered(&index, 1, Role::Prefill);
+    let d = registered(&index, 2, Role::Decode);
+    let h = chain(6, 10);
+    assert_eq!(
+        index.lookup(&[], t.engine, BIG).donor,
+        Err(NoDonorReason::EmptyRequest)
+    );
+    let stranger = EngineId::fresh();
+    assert_eq!(
+        index.lookup(&h, stranger, BIG).donor,
+        Err(NoDonorReason::UnknownTarget(stranger))
+    );
+    assert_eq!(
+        index.lookup(&h, d.engine, BIG).donor,
+        Err(NoDonorReason::TargetNotPrefill(d.engine, Role::Decode))
+    );
+
+    index
+        .apply_event(&event(&d, 1, RET, stored(&h[..6])))
+        .unwrap();
+    index
+        .apply_event(&event(&t, 1, DEV, stored(&h[..3])))
+        .unwrap();
+    index
+        .apply_event(&event(&t, 2, RET, stored(&h[..4])))
+        .unwrap();
+    let out = index.lookup(&h, t.engine, BIG);
+    assert_eq!(
+        (
+            out.baseline.native_blocks,
+            out.baseline.retained_blocks,
+            out.baseline.blocks()
+        ),
+        (3, 4, 4)
+    );
+    assert_eq!(out.donor.unwrap().blocks, 6);
+    // The target's own retained inventory raises the bar but is never a donor.
+    index
+        .apply_event(&event(&t, 3, RET, stored(&h[..8])))
+        .unwrap();
+    let out = index.lookup(&h, t.engine, BIG);
+    assert_eq!(out.baseline.retained_blocks, 8);
+    assert_eq!(
+        out.donor,
+        Err(NoDonorReason::NotBeyondBaseline {
+            donor_blocks: 6,
+            baseline_blocks: 8
+        })
+    );
+}
+
+#[test]
+fn budget_exhaustion_returns_best_so_far_flagged() {
+    let index = InventoryIndex::new();
+    let t = registered(&index, 1, Role::Prefill);
+    let d = registered(&index, 2, Role::Decode);
+    let h = chain(7, 40);
+    index.apply_event(&event(&d, 1, RET, stored(&h))).unwrap();
+    let out = index.lookup(&h, t.engine, LookupBudget::new(1_000_000, 5));
+    assert!(out.budget_exhausted);
+    assert_eq!((out.probes, out.donor.unwrap().blocks), (5, 5));
+    let out = index.lookup(&h, t.engine, LookupBudget::new(1_000_000, 0));
+    assert_eq!(
+        (out.budget_exhausted, out.donor),
+        (true, Err(NoDonorReason::BudgetExhausted { probes: 0 }))
+    );
+    let out = index.lookup(&h, t.engine, LookupBudget::new(0, u32::MAX));
+    assert!(out.budget_exhausted && out.donor.is_err(), "{out:?}");
+    let out = index.lookup(&h, t.engine, BIG);
+    assert_eq!(
+        (out.budget_exhausted, out.probes, out.donor.unwrap().blocks),
+        (false, 40, 40)
+    );
+}
+
+#[test]
+fn lookup_waits_for_a_writer_no_longer_than_its_budget() {
+    // A large batch under the write lock must not make a lookup overrun.
+    let index = Arc::new(InventoryIndex::new());
+    let t = registered(&index, 1, Role::Prefill);
+    let d = registered(&index, 2, Role::Decode);
+    let h = chain(8, 4);
+    let many: Vec<KvEvent> = (1..=400u64)
+        .map(|i| event(&d, i, RET, stored(&chain(i as u32 + 100, 64))))
+        .collect();
+    let writer = {
+        let index = index.clone();
+        std::thread::spawn(move || index.apply_events(&many))
+    };
+    let mut worst = std::time::Duration::ZERO;
+    while !writer.is_finished() {
+        let out = index.lookup(&h, t.engine, LookupBudget::new(200, 1_000));
+        worst = worst.max(out.elapsed);
+    }
+    let report = writer.join().unwrap();
+    assert_eq!(report.applied, 400);
+    // Budget plus generous scheduling slack on a loaded 2-core machine.
+    assert!(
+        worst < std::time::Duration::from_millis(50),
+        "worst lookup {worst:?}"
+    );
+}
+
+#[test]
+fn more_than_64_workers_span_groups() {
+    let index = InventoryIndex::new();
+    let h = chain(9, 12);
+    let t = registered(&index, 0, Role::Prefill);
+    let mut donors = Vec::new();
+    for k in 1..150u64 {
+        let w = registered(
+            &index,
+            k,
+            if k % 2 == 0 {
+                Role::Prefill
+            } else {
+                Role::Decode
+            },
+        );
+        let n = if k == 131 { 11 } else { (k % 9) as usize };
+        index
+            .apply_event(&event(&w, 1, RET, stored(&h[..n])))
+            .unwrap();
+        donors.push(w);
+    }
+    let out = index.lookup(&h, t.engine, BIG);
+    let d = out.donor.unwrap();
+    assert_eq!((d.engine, d.blocks, d.tied), (donors[130].engine, 11, 1));
+    // Removing the best one falls back to the 8-block donors (k % 9 == 8, odd k).
+    assert!(index.remove_worker(donors[130].engine));
+    let d = index.lookup(&h, t.engine, BIG).donor.unwrap();
+    let expect: Vec<u64> = (1..150u64).filter(|k| k % 2 == 1 && k % 9 == 8).collect();
+    assert_eq!((d.blocks, d.tied as usize), (8, expect.len()));
+}
+
+#[test]
+fn churn_then_clear_leaves_nothing_behind() {
+    // Store/remove cycles grow the worker's log; compaction must keep clears exact.
+    let index = InventoryIndex::new();
+    let d = registered(&index, 1, Role::Decode);
+    let h = chain(10, 50);
+    let mut id = 0;
+    for round in 0..200 {
+        id += 1;
+        index.apply_event(&event(&d, id, RET, stored(&h))).unwrap();
+        id += 1;
+        let keep = round % 50;
+        index
+            .apply_event(&event(&d, id, RET, removed(&h[keep..])))
+            .unwrap();
+    }
+    assert_eq!(index.stats().held_blocks[4], 49);
+    id += 1;
+    assert_eq!(
+        index
+            .apply_event(&event(&d, id, RET, KvEventData::Cleared))
+            .unwrap(),
+        EventOutcome::Applied { changed: 49 }
+    );
+    assert_eq!(index.stats().entries, 0);
+}
+
+#[test]
+fn concurrent_events_and_lookups() {
+    // Writers only grow decode chains block by block, so every lookup must see
+    // a coverage between the previous one it saw and the full chain.
+    let index = Arc::new(InventoryIndex::new());
+    let t = registered(&index, 0, Role::Prefill);
+    let h = Arc::new(chain(11, 64));
+    let writers: Vec<_> = (1..=3u64)
+        .map(|k| {
+            let w = registered(&index, k, Role::Decode);
+            let (index, h) = (index.clone(), h.clone());
+            std::thread::spawn(move || {
+                for (i, b) in h.iter().enumerate() {
+                    index
+                        .apply_event(&event(&w, 2 * i as u64 + 1, RET, stored(&[*b])))
+                        .unwrap();
+                    // Unrelated churn in between.
+                    let noise = chain(1000 + i as u32, 4);
+                    index
+                        .apply_event(&event(&w, 2 * i as u64 + 2, DEV, stored(&noise)))
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (index, h) = (index.clone(), h.clone());
+            std::thread::spawn(move || {
+                let mut seen = 0;
+                for _ in 0..5_000 {
+                    let out = index.lookup(&h, t.engine, BIG);
+                    if let Ok(d) = out.donor {
+                        assert!(
+                            d.blocks >= seen && d.blocks <= 64,
+                            "{} after {seen}",
+                            d.blocks
+                        );
+                        seen = d.blocks;
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().unwrap();
+    }
+    for r in readers {
+        r.join().unwrap();
+    }
+    let d = index.lookup(&h, t.engine, BIG).donor.unwrap();
+    assert_eq!((d.blocks, d.tied), (64, 3));
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 24, ..Default::default() })]
+    /// The index agrees with the naive reference model on random workloads
+    /// with restarts, resyncs, duplicates and gaps.
+    #[test]
+    fn agrees_with_reference_model(seed in proptest::prelude::any::<u64>()) {
+        let r = kv_lookup::reference::cross_check(seed, 1_500);
+        proptest::prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+    }
+}
