@@ -8,6 +8,12 @@
 //! once per importing process and shared, refcounted, by every
 //! [`CudaIpcImport`] of it; the last one closes the mapping.
 //!
+//! Where the device supports it (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED`
+//! and an IMEX channel), [`CudaDeviceMemory::new_fabric`] allocates through
+//! the virtual memory API (`cuMemCreate` with `CU_MEM_HANDLE_TYPE_FABRIC`)
+//! and exports a fabric handle instead, which multi-node NVLink peers can
+//! import; [`CudaIpcImport::open_export`] maps either kind.
+//!
 //! Every call first probes for `libcuda` ([`cuda_probe`]): cudarc panics when
 //! the library is missing, this module returns [`BankError::CudaUnavailable`]
 //! instead. All operations use the device's primary context, made current on
@@ -169,16 +175,117 @@ fn dtoh(
     unsafe { result::memcpy_dtoh_sync(dst, base + offset as u64) }.map_err(cuda_err("cuMemcpyDtoH"))
 }
 
-/// One device allocation owned by this process, exported by CUDA IPC handle.
+/// A virtual-memory allocation (`cuMemCreate` + `cuMemAddressReserve` +
+/// `cuMemMap`), undone in reverse order by `Drop` as far as it got, so that a
+/// failure half-way leaves nothing behind.
+#[derive(Debug)]
+struct VmmRegion {
+    handle: Option<sys::CUmemGenericAllocationHandle>,
+    ptr: u64,
+    size: usize,
+    mapped: bool,
+    ordinal: u32,
+}
+
+impl VmmRegion {
+    fn prop(ordinal: u32) -> sys::CUmemAllocationProp {
+        // SAFETY: a plain C struct for which all-zero is a valid (default) value.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = ordinal as i32;
+        prop
+    }
+
+    /// `len` rounded up to the allocation granularity of device `ordinal`.
+    fn granular_size(ordinal: u32, len: usize) -> Result<usize, BankError> {
+        let prop = Self::prop(ordinal);
+        let mut g = 0usize;
+        // SAFETY: valid out-pointer and property struct.
+        unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        }
+        .result()
+        .map_err(cuda_err("cuMemGetAllocationGranularity"))?;
+        let g = g.max(1);
+        Ok(len.div_ceil(g) * g)
+    }
+
+    /// Reserves an address range for `handle` and maps it read-write on the device.
+    fn map(
+        handle: sys::CUmemGenericAllocationHandle,
+        ordinal: u32,
+        size: usize,
+    ) -> Result<Self, BankError> {
+        let mut r = Self {
+            handle: Some(handle),
+            ptr: 0,
+            size,
+            mapped: false,
+            ordinal,
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer; no fixed address or alignment requested.
+        unsafe { sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0) }
+            .result()
+            .map_err(cuda_err("cuMemAddressReserve"))?;
+        r.ptr = ptr;
+        // SAFETY: `ptr..ptr+size` was just reserved; `handle` is a live allocation of `size` bytes.
+        unsafe { sys::cuMemMap(ptr, size, 0, handle, 0) }
+            .result()
+            .map_err(cuda_err("cuMemMap"))?;
+        r.mapped = true;
+        // SAFETY: a plain C struct; all-zero then filled.
+        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        desc.location.id = ordinal as i32;
+        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: the range is mapped; one descriptor.
+        unsafe { sys::cuMemSetAccess(ptr, size, &desc, 1) }
+            .result()
+            .map_err(cuda_err("cuMemSetAccess"))?;
+        Ok(r)
+    }
+}
+
+impl Drop for VmmRegion {
+    fn drop(&mut self) {
+        if bind(self.ordinal).is_err() {
+            return;
+        }
+        // SAFETY: each step undoes one that succeeded in `map`/`new_fabric`, in reverse order.
+        unsafe {
+            if self.mapped {
+                sys::cuMemUnmap(self.ptr, self.size);
+            }
+            if self.ptr != 0 {
+                sys::cuMemAddressFree(self.ptr, self.size);
+            }
+            if let Some(h) = self.handle {
+                sys::cuMemRelease(h);
+            }
+        }
+    }
+}
+
+/// One device allocation owned by this process, exported by CUDA IPC handle
+/// ([`CudaDeviceMemory::new`]) or fabric handle ([`CudaDeviceMemory::new_fabric`]).
 ///
-/// Freed (`cuMemFree`) on drop. Importers must have closed their mappings
-/// first; a bank guarantees it by freeing only after every pin drained.
+/// Freed on drop. Importers must have closed their mappings first; a bank
+/// guarantees it by freeing only after every pin drained.
 #[derive(Debug)]
 pub struct CudaDeviceMemory {
     ordinal: u32,
     ptr: u64,
     len: usize,
     handle: [u8; CUDA_HANDLE_BYTES],
+    /// `Some` for a fabric (VMM) allocation, `None` for `cuMemAlloc`.
+    vmm: Option<VmmRegion>,
 }
 
 impl CudaDeviceMemory {
@@ -213,12 +320,66 @@ impl CudaDeviceMemory {
             ptr,
             len,
             handle: h.reserved.map(|b| b as u8),
+            vmm: None,
         })
     }
 
-    /// The 64 IPC handle bytes.
-    pub fn ipc_handle(&self) -> &[u8; CUDA_HANDLE_BYTES] {
+    /// Allocates `len` bytes (rounded up to the allocation granularity) on
+    /// device `ordinal` with a fabric handle (multi-node NVLink export).
+    ///
+    /// # Errors
+    /// [`BankError::CudaUnavailable`] when the device does not support fabric
+    /// handles; [`BankError::Cuda`] naming the failing call (`cuMemCreate`
+    /// fails with `CUDA_ERROR_NOT_PERMITTED` when no IMEX channel is set up).
+    /// Whatever was created before the failure is released.
+    pub fn new_fabric(ordinal: u32, len: usize) -> Result<Self, BankError> {
+        if len == 0 {
+            return Err(BankError::arg("len", "must be at least 1 byte, got 0"));
+        }
+        if !cuda_probe(ordinal)?.fabric_supported {
+            return Err(BankError::CudaUnavailable {
+                reason: format!("device {ordinal} does not support fabric handles"),
+            });
+        }
+        let size = VmmRegion::granular_size(ordinal, len)?;
+        let prop = VmmRegion::prop(ordinal);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out-pointer and property struct; context bound by cuda_probe.
+        unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) }
+            .result()
+            .map_err(cuda_err("cuMemCreate(fabric)"))?;
+        // On error, `map`'s partial region releases `handle` as it drops.
+        let region = VmmRegion::map(handle, ordinal, size)?;
+        // SAFETY: a plain byte array, all-zero valid.
+        let mut fh: sys::CUmemFabricHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: `fh` is a 64-byte out-buffer for the fabric handle type; `handle` is live.
+        unsafe {
+            sys::cuMemExportToShareableHandle(
+                &mut fh as *mut sys::CUmemFabricHandle as *mut std::ffi::c_void,
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+                0,
+            )
+        }
+        .result()
+        .map_err(cuda_err("cuMemExportToShareableHandle(fabric)"))?;
+        Ok(Self {
+            ordinal,
+            ptr: region.ptr,
+            len,
+            handle: fh.data,
+            vmm: Some(region),
+        })
+    }
+
+    /// The 64 export handle bytes (IPC or fabric, see [`CudaDeviceMemory::is_fabric`]).
+    pub fn handle_bytes(&self) -> &[u8; CUDA_HANDLE_BYTES] {
         &self.handle
+    }
+
+    /// True when exported by fabric handle.
+    pub fn is_fabric(&self) -> bool {
+        self.vmm.is_some()
     }
 }
 
@@ -235,8 +396,11 @@ impl BankMemory for CudaDeviceMemory {
         self.ptr
     }
     fn export_handle(&self) -> Option<ExportHandle> {
-        Some(ExportHandle::CudaIpc {
-            handle: self.handle.to_vec(),
+        let handle = self.handle.to_vec();
+        Some(if self.is_fabric() {
+            ExportHandle::CudaFabric { handle }
+        } else {
+            ExportHandle::CudaIpc { handle }
         })
     }
     fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
@@ -249,6 +413,9 @@ impl BankMemory for CudaDeviceMemory {
 
 impl Drop for CudaDeviceMemory {
     fn drop(&mut self) {
+        if self.vmm.is_some() {
+            return; // the region's own Drop unmaps and releases it
+        }
         if bind(self.ordinal).is_ok() {
             // SAFETY: `ptr` came from cuMemAlloc in this process and is freed once.
             let r = unsafe { sys::cuMemFree_v2(self.ptr) }.result();
@@ -277,11 +444,16 @@ struct Mapping {
     ordinal: u32,
     len: usize,
     refs: usize,
+    /// `Some` for an imported fabric handle, `None` for a CUDA IPC mapping.
+    vmm: Option<VmmRegion>,
 }
+
+/// Cache key: (is fabric, handle bytes).
+type MapKey = (bool, [u8; CUDA_HANDLE_BYTES]);
 
 #[derive(Default)]
 struct IpcCache {
-    maps: HashMap<[u8; CUDA_HANDLE_BYTES], Mapping>,
+    maps: HashMap<MapKey, Mapping>,
     stats: IpcCacheStats,
 }
 
@@ -304,7 +476,7 @@ pub fn ipc_cache_stats() -> IpcCacheStats {
 /// process-wide cache (see the module docs).
 #[derive(Debug)]
 pub struct CudaIpcImport {
-    key: [u8; CUDA_HANDLE_BYTES],
+    key: MapKey,
     ordinal: u32,
     ptr: u64,
     len: usize,
@@ -313,9 +485,10 @@ pub struct CudaIpcImport {
 }
 
 impl CudaIpcImport {
-    /// Maps the allocation behind `handle` (64 bytes) on device `ordinal`;
-    /// `len` is the region length the importer expects (from the descriptor).
-    /// A second import of the same handle in this process reuses the mapping.
+    /// Maps the allocation behind CUDA IPC `handle` (64 bytes) on device
+    /// `ordinal`; `len` is the region length the importer expects (from the
+    /// descriptor). A second import of the same handle in this process reuses
+    /// the mapping.
     ///
     /// # Errors
     /// [`BankError::InvalidArgument`] for a handle that is not 64 bytes, a
@@ -324,7 +497,35 @@ impl CudaIpcImport {
     /// [`BankError::Cuda`] naming `cuIpcOpenMemHandle` (e.g. the owner freed
     /// it, or the handle is from this same process).
     pub fn open(handle: &[u8], ordinal: u32, len: usize) -> Result<Self, BankError> {
-        let key: [u8; CUDA_HANDLE_BYTES] = handle.try_into().map_err(|_| {
+        Self::open_kind(false, handle, ordinal, len)
+    }
+
+    /// As [`CudaIpcImport::open`] for a fabric handle
+    /// (`cuMemImportFromShareableHandle` + map), cached the same way.
+    ///
+    /// # Errors
+    /// As [`CudaIpcImport::open`], naming the failing VMM call.
+    pub fn open_fabric(handle: &[u8], ordinal: u32, len: usize) -> Result<Self, BankError> {
+        Self::open_kind(true, handle, ordinal, len)
+    }
+
+    /// Maps a descriptor's export handle ([`ExportHandle::CudaIpc`] or [`ExportHandle::CudaFabric`]).
+    ///
+    /// # Errors
+    /// [`BankError::Unsupported`] for host or NIXL handles; otherwise as above.
+    pub fn open_export(export: &ExportHandle, ordinal: u32, len: usize) -> Result<Self, BankError> {
+        match export {
+            ExportHandle::CudaIpc { handle } => Self::open(handle, ordinal, len),
+            ExportHandle::CudaFabric { handle } => Self::open_fabric(handle, ordinal, len),
+            other => Err(BankError::Unsupported {
+                op: "CUDA import",
+                kind: format!("{other:?}").chars().take(40).collect(),
+            }),
+        }
+    }
+
+    fn open_kind(fabric: bool, handle: &[u8], ordinal: u32, len: usize) -> Result<Self, BankError> {
+        let bytes: [u8; CUDA_HANDLE_BYTES] = handle.try_into().map_err(|_| {
             BankError::arg(
                 "handle",
                 format!("must be {CUDA_HANDLE_BYTES} bytes, got {}", handle.len()),
@@ -333,6 +534,7 @@ impl CudaIpcImport {
         if len == 0 {
             return Err(BankError::arg("len", "must be at least 1 byte, got 0"));
         }
+        let key = (fabric, bytes);
         let t0 = Instant::now();
         let mut cache = ipc_cache().lock();
         if let Some(m) = cache.maps.get_mut(&key) {
@@ -358,21 +560,11 @@ impl CudaIpcImport {
             });
         }
         bind(ordinal)?;
-        let h = sys::CUipcMemHandle {
-            reserved: key.map(|b| b as std::ffi::c_char),
+        let (ptr, vmm) = if fabric {
+            import_fabric(&bytes, ordinal, len)?
+        } else {
+            (import_ipc(&bytes)?, None)
         };
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: `ptr` is a valid out-pointer, `h` a handle value; the driver
-        // validates the handle and fails cleanly for a stale or foreign one.
-        unsafe {
-            sys::cuIpcOpenMemHandle_v2(
-                &mut ptr,
-                h,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-            )
-        }
-        .result()
-        .map_err(cuda_err("cuIpcOpenMemHandle"))?;
         cache.stats.opens += 1;
         cache.maps.insert(
             key,
@@ -381,6 +573,7 @@ impl CudaIpcImport {
                 ordinal,
                 len,
                 refs: 1,
+                vmm,
             },
         );
         Ok(Self {
@@ -402,6 +595,47 @@ impl CudaIpcImport {
     pub fn open_us(&self) -> u64 {
         self.open_us
     }
+}
+
+fn import_ipc(bytes: &[u8; CUDA_HANDLE_BYTES]) -> Result<u64, BankError> {
+    let h = sys::CUipcMemHandle {
+        reserved: bytes.map(|b| b as std::ffi::c_char),
+    };
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: `ptr` is a valid out-pointer, `h` a handle value; the driver
+    // validates the handle and fails cleanly for a stale or foreign one.
+    unsafe {
+        sys::cuIpcOpenMemHandle_v2(
+            &mut ptr,
+            h,
+            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+        )
+    }
+    .result()
+    .map_err(cuda_err("cuIpcOpenMemHandle"))?;
+    Ok(ptr)
+}
+
+fn import_fabric(
+    bytes: &[u8; CUDA_HANDLE_BYTES],
+    ordinal: u32,
+    len: usize,
+) -> Result<(u64, Option<VmmRegion>), BankError> {
+    let size = VmmRegion::granular_size(ordinal, len)?;
+    let mut fh = sys::CUmemFabricHandle { data: *bytes };
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: `fh` is a 64-byte fabric handle buffer, `handle` a valid out-pointer.
+    unsafe {
+        sys::cuMemImportFromShareableHandle(
+            &mut handle,
+            &mut fh as *mut sys::CUmemFabricHandle as *mut std::ffi::c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+        )
+    }
+    .result()
+    .map_err(cuda_err("cuMemImportFromShareableHandle(fabric)"))?;
+    let region = VmmRegion::map(handle, ordinal, size)?;
+    Ok((region.ptr, Some(region)))
 }
 
 impl BankMemory for CudaIpcImport {
@@ -439,9 +673,11 @@ impl Drop for CudaIpcImport {
             return;
         }
         let ptr = m.ptr;
-        cache.maps.remove(&self.key);
+        let m = cache.maps.remove(&self.key).expect("present above");
         cache.stats.closes += 1;
-        if bind(self.ordinal).is_ok() {
+        if m.vmm.is_some() {
+            drop(m); // the region's Drop unmaps and releases the imported handle
+        } else if bind(self.ordinal).is_ok() {
             // SAFETY: `ptr` came from cuIpcOpenMemHandle and this was its last user.
             let r = unsafe { sys::cuIpcCloseMemHandle(ptr) }.result();
             if let Err(e) = r {

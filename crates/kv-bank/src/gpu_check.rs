@@ -43,6 +43,19 @@ pub struct ChildReport {
     pub same_mapping: bool,
 }
 
+/// Outcome of the optional fabric-handle round of the check.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct FabricOutcome {
+    /// True when the device reports fabric support and a round was attempted.
+    pub attempted: bool,
+    /// True when the child imported the fabric handle byte-exact with a cache hit on re-import.
+    pub ok: bool,
+    /// Why it was skipped or failed, or `imported` on success.
+    pub detail: String,
+    /// The child's measurements, when it ran.
+    pub child: Option<ChildReport>,
+}
+
 /// Result of [`run`], serializable for the GPU bundle's record.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GpuCheckReport {
@@ -54,10 +67,13 @@ pub struct GpuCheckReport {
     pub alloc_export_us: u64,
     /// Parent: host-to-device pattern fill in µs.
     pub fill_us: u64,
-    /// The child's measurements.
+    /// The child's measurements (CUDA IPC handle).
     pub child: ChildReport,
     /// True when bytes matched, the first import opened and the second hit the cache.
     pub ok: bool,
+    /// The same round with a fabric handle, where the device supports it
+    /// (needs an IMEX channel; informative, not part of `ok`).
+    pub fabric: FabricOutcome,
 }
 
 fn pattern_byte(i: usize) -> u8 {
@@ -81,26 +97,26 @@ fn unhex(s: &str) -> Result<Vec<u8>, BankError> {
         .collect()
 }
 
-/// Parent side: runs the check on device `0`.
-///
-/// # Errors
-/// [`BankError::CudaUnavailable`] without a GPU (says why); a CUDA error of
-/// the parent; [`BankError::Child`] when the child cannot start, fails, or
-/// prints no report.
-pub fn run(exe: &Path, child_args_prefix: &[String]) -> Result<GpuCheckReport, BankError> {
-    let info = cuda_probe(0)?;
-    let t = Instant::now();
-    let mem = CudaDeviceMemory::new(0, CHECK_BYTES)?;
-    let alloc_export_us = t.elapsed().as_micros() as u64;
-    let data: Vec<u8> = (0..CHECK_BYTES).map(pattern_byte).collect();
-    let t = Instant::now();
-    mem.write_bytes(0, &data)?;
-    let fill_us = t.elapsed().as_micros() as u64;
-    let out = Command::new(exe)
-        .args(child_args_prefix)
+fn child_ok(c: &ChildReport) -> bool {
+    c.mismatched_bytes == 0 && c.first_was_miss && c.second_was_hit && c.same_mapping
+}
+
+/// Spawns the child on `mem`'s handle and returns its report; `mem` must
+/// outlive the child (it does: the child has exited when this returns).
+fn spawn_child(
+    exe: &Path,
+    prefix: &[String],
+    mem: &CudaDeviceMemory,
+) -> Result<ChildReport, BankError> {
+    let mut cmd = Command::new(exe);
+    cmd.args(prefix)
         .arg(CHILD_SUBCOMMAND)
-        .arg(hex(mem.ipc_handle()))
-        .arg(CHECK_BYTES.to_string())
+        .arg(hex(mem.handle_bytes()))
+        .arg(CHECK_BYTES.to_string());
+    if mem.is_fabric() {
+        cmd.arg("fabric");
+    }
+    let out = cmd
         .output()
         .map_err(|e| BankError::Child(format!("cannot start {}: {e}", exe.display())))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -117,33 +133,80 @@ pub fn run(exe: &Path, child_args_prefix: &[String]) -> Result<GpuCheckReport, B
                 String::from_utf8_lossy(&out.stderr)
             ))
         })?;
-    // The child has exited, so its mappings are closed before `mem` is freed here.
+    if !out.status.success() && child_ok(&child) {
+        return Err(BankError::Child(format!(
+            "exit {:?} despite a good report",
+            out.status.code()
+        )));
+    }
+    Ok(child)
+}
+
+/// Parent side: runs the check on device `0`.
+///
+/// # Errors
+/// [`BankError::CudaUnavailable`] without a GPU (says why); a CUDA error of
+/// the parent; [`BankError::Child`] when the child cannot start, fails, or
+/// prints no report. A failing fabric round is reported in
+/// [`GpuCheckReport::fabric`], not as an error.
+pub fn run(exe: &Path, child_args_prefix: &[String]) -> Result<GpuCheckReport, BankError> {
+    let info = cuda_probe(0)?;
+    let data: Vec<u8> = (0..CHECK_BYTES).map(pattern_byte).collect();
+    let t = Instant::now();
+    let mem = CudaDeviceMemory::new(0, CHECK_BYTES)?;
+    let alloc_export_us = t.elapsed().as_micros() as u64;
+    let t = Instant::now();
+    mem.write_bytes(0, &data)?;
+    let fill_us = t.elapsed().as_micros() as u64;
+    let child = spawn_child(exe, child_args_prefix, &mem)?;
     drop(mem);
-    let ok = out.status.success()
-        && child.mismatched_bytes == 0
-        && child.first_was_miss
-        && child.second_was_hit
-        && child.same_mapping
-        && child.bytes == CHECK_BYTES as u64;
+    let fabric = if !info.fabric_supported {
+        FabricOutcome {
+            attempted: false,
+            ok: false,
+            detail: "device does not report fabric handle support".into(),
+            child: None,
+        }
+    } else {
+        let round = CudaDeviceMemory::new_fabric(0, CHECK_BYTES).and_then(|m| {
+            m.write_bytes(0, &data)?;
+            spawn_child(exe, child_args_prefix, &m)
+        });
+        match round {
+            Ok(c) => FabricOutcome {
+                attempted: true,
+                ok: child_ok(&c),
+                detail: "imported".into(),
+                child: Some(c),
+            },
+            Err(e) => FabricOutcome {
+                attempted: true,
+                ok: false,
+                detail: e.to_string(),
+                child: None,
+            },
+        }
+    };
     Ok(GpuCheckReport {
         device: format!("{} {}", info.name, info.uuid),
         bytes: CHECK_BYTES as u64,
         alloc_export_us,
         fill_us,
+        ok: child_ok(&child) && child.bytes == CHECK_BYTES as u64,
         child,
-        ok,
+        fabric,
     })
 }
 
-/// Child side: `args` are what follows `bank-ipc-child` (the hex handle and
-/// the byte length). Prints one JSON [`ChildReport`] line; returns the exit
+/// Child side: `args` are what follows `bank-ipc-child` (the hex handle,
+/// the byte length, and `fabric` for a fabric handle). Prints one JSON [`ChildReport`] line; returns the exit
 /// code (0 when every byte matched and the cache behaved, 1 on a mismatch,
 /// 2 on an error, printed to stderr).
 pub fn child_main(args: &[String]) -> i32 {
     match child(args) {
         Ok(r) => {
             println!("{}", serde_json::to_string(&r).unwrap_or_default());
-            if r.mismatched_bytes == 0 && r.first_was_miss && r.second_was_hit && r.same_mapping {
+            if child_ok(&r) {
                 0
             } else {
                 1
@@ -161,11 +224,20 @@ fn child(args: &[String]) -> Result<ChildReport, BankError> {
         .iter()
         .filter(|a| a.as_str() != CHILD_SUBCOMMAND)
         .collect();
-    let [handle, len] = args.as_slice() else {
-        return Err(BankError::arg(
-            "args",
-            format!("expected <hex handle> <bytes>, got {args:?}"),
-        ));
+    let (handle, len, fabric) = match args.as_slice() {
+        [h, l] => (h, l, false),
+        [h, l, f] if f.as_str() == "fabric" => (h, l, true),
+        _ => {
+            return Err(BankError::arg(
+                "args",
+                format!("expected <hex handle> <bytes> [fabric], got {args:?}"),
+            ))
+        }
+    };
+    let open = if fabric {
+        CudaIpcImport::open_fabric
+    } else {
+        CudaIpcImport::open
     };
     let handle = unhex(handle)?;
     let len: usize = len
@@ -175,7 +247,7 @@ fn child(args: &[String]) -> Result<ChildReport, BankError> {
     cuda_probe(0)?;
     let context_us = t.elapsed().as_micros() as u64;
     let t = Instant::now();
-    let first = CudaIpcImport::open(&handle, 0, len)?;
+    let first = open(&handle, 0, len)?;
     let first_import_us = t.elapsed().as_micros() as u64;
     let mut back = vec![0u8; len];
     first.read_bytes(0, &mut back)?;
@@ -185,7 +257,7 @@ fn child(args: &[String]) -> Result<ChildReport, BankError> {
         .filter(|(i, &b)| b != pattern_byte(*i))
         .count();
     let t = Instant::now();
-    let second = CudaIpcImport::open(&handle, 0, len)?;
+    let second = open(&handle, 0, len)?;
     let second_import_us = t.elapsed().as_micros() as u64;
     let stats = crate::ipc_cache_stats();
     Ok(ChildReport {
