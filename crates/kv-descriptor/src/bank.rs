@@ -37,6 +37,10 @@ impl MemoryLocation {
 }
 
 /// How another process reaches the bank's memory.
+///
+/// Byte fields travel as MessagePack `bin` (one byte per byte), not as arrays
+/// of integers, so that NIXL metadata near [`MAX_NIXL_METADATA_BYTES`] still
+/// fits a [`crate::BankManifest`]; decoders also accept the array form.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ExportHandle {
@@ -44,11 +48,13 @@ pub enum ExportHandle {
     /// Same-host only; the default GPU export.
     CudaIpc {
         /// The 64 handle bytes.
+        #[serde(with = "serde_bytes")]
         handle: Vec<u8>,
     },
     /// `CU_MEM_HANDLE_TYPE_FABRIC` handle bytes (64), for multi-node NVLink.
     CudaFabric {
         /// The 64 handle bytes.
+        #[serde(with = "serde_bytes")]
         handle: Vec<u8>,
     },
     /// POSIX shared-memory object name (`/name`), host banks only.
@@ -62,6 +68,7 @@ pub enum ExportHandle {
         /// NIXL agent name.
         agent_name: String,
         /// Opaque agent metadata.
+        #[serde(with = "serde_bytes")]
         metadata: Vec<u8>,
     },
 }
@@ -88,7 +95,11 @@ impl ExportHandle {
                 }
             }
             ExportHandle::HostShm { name } => {
-                if !name.starts_with('/') || name.len() < 2 || name.len() > 255 || name[1..].contains('/') {
+                if !name.starts_with('/')
+                    || name.len() < 2
+                    || name.len() > 255
+                    || name[1..].contains('/')
+                {
                     return Err(DescriptorError::field(
                         "export.name",
                         format!("must be `/` followed by 1..=254 bytes without `/`, got {name:?}"),
@@ -101,7 +112,10 @@ impl ExportHandle {
                     ));
                 }
             }
-            ExportHandle::NixlAgent { agent_name, metadata } => {
+            ExportHandle::NixlAgent {
+                agent_name,
+                metadata,
+            } => {
                 if agent_name.is_empty() || agent_name.len() > 255 {
                     return Err(DescriptorError::field(
                         "export.agent_name",
@@ -217,7 +231,11 @@ impl BankDescriptor {
         if parts.tp_rank >= parts.layout.tp_size() {
             return Err(DescriptorError::field(
                 "tp_rank",
-                format!("{} is not below tp_size {}", parts.tp_rank, parts.layout.tp_size()),
+                format!(
+                    "{} is not below tp_size {}",
+                    parts.tp_rank,
+                    parts.layout.tp_size()
+                ),
             ));
         }
         if parts.slot_count == 0 || parts.slot_count > MAX_SLOTS {
@@ -230,12 +248,18 @@ impl BankDescriptor {
         if parts.slot_bytes != expect {
             return Err(DescriptorError::field(
                 "slot_bytes",
-                format!("{} does not match the layout's rank block bytes {expect}", parts.slot_bytes),
+                format!(
+                    "{} does not match the layout's rank block bytes {expect}",
+                    parts.slot_bytes
+                ),
             ));
         }
         match &parts.location {
             MemoryLocation::Host { host_id } if host_id.is_empty() || host_id.len() > 255 => {
-                return Err(DescriptorError::field("location.host_id", "must be 1..=255 bytes"));
+                return Err(DescriptorError::field(
+                    "location.host_id",
+                    "must be 1..=255 bytes",
+                ));
             }
             MemoryLocation::Gpu(g) => g.validate()?,
             _ => {}
@@ -293,5 +317,8 @@ fn checksum_of(parts: &BankParts) -> Result<u64, DescriptorError> {
         what: "bank_descriptor",
         reason: e.to_string(),
     })?;
-    Ok(xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, crate::XXH3_SEED))
+    Ok(xxhash_rust::xxh3::xxh3_64_with_seed(
+        &bytes,
+        crate::XXH3_SEED,
+    ))
 }

@@ -60,7 +60,10 @@ pub fn chain_sequence_hash(parent: Option<SequenceHash>, block: TokenBlockHash) 
 /// ```
 pub fn token_block_hashes(tokens: &[u32], tokens_per_block: usize) -> Vec<TokenBlockHash> {
     assert!(tokens_per_block > 0, "tokens_per_block must be > 0");
-    tokens.chunks_exact(tokens_per_block).map(token_block_hash).collect()
+    tokens
+        .chunks_exact(tokens_per_block)
+        .map(token_block_hash)
+        .collect()
 }
 
 /// Chained sequence hashes of every full block of `tokens`, root first.

@@ -35,7 +35,9 @@ pub enum DescriptorError {
         limit: usize,
     },
     /// A hint action that this reader does not implement.
-    #[error("unsupported hint action `{action_type}@{action_version}` (this reader knows {known})")]
+    #[error(
+        "unsupported hint action `{action_type}@{action_version}` (this reader knows {known})"
+    )]
     UnsupportedAction {
         /// `action_type` as received.
         action_type: String,

@@ -81,7 +81,9 @@ pub const MAX_HINT_BLOCKS: usize = 1 << 20;
 impl FetchGpuHint {
     /// Number of blocks the fetch moves.
     pub fn fetch_blocks(&self) -> usize {
-        self.sequence_hashes.len().saturating_sub(self.fetch_from as usize)
+        self.sequence_hashes
+            .len()
+            .saturating_sub(self.fetch_from as usize)
     }
 
     /// Checks internal consistency given one rank's block bytes.
@@ -89,11 +91,17 @@ impl FetchGpuHint {
     /// # Errors
     /// Names the field: `tp_size` 0 or not equal to the part count, parts out of
     /// rank order, `fetch_from` not below the block count, a part whose slot
-    /// count differs from the fetched blocks or whose `expected_bytes` is not
-    /// `slots x rank_block_bytes`, too many blocks, empty endpoint, generation 0.
+    /// count differs from the fetched blocks, that names a slot twice or a slot
+    /// at or above [`crate::MAX_SLOTS`], or whose `expected_bytes` is not
+    /// `slots x rank_block_bytes` (bytes), too many blocks, empty endpoint,
+    /// generation 0. Slot ids are not checked against a bank's `slot_count`
+    /// here: the fetch executor does that against the donor's manifest.
     pub fn validate(&self, rank_block_bytes: u64) -> Result<(), DescriptorError> {
         if self.bank_generation == 0 {
-            return Err(DescriptorError::field("hint.bank_generation", "must be at least 1"));
+            return Err(DescriptorError::field(
+                "hint.bank_generation",
+                "must be at least 1",
+            ));
         }
         if self.tp_size == 0 || self.parts.len() != self.tp_size as usize {
             return Err(DescriptorError::field(
@@ -104,36 +112,76 @@ impl FetchGpuHint {
         if self.sequence_hashes.is_empty() || self.sequence_hashes.len() > MAX_HINT_BLOCKS {
             return Err(DescriptorError::field(
                 "hint.sequence_hashes",
-                format!("must hold 1..={MAX_HINT_BLOCKS} hashes, got {}", self.sequence_hashes.len()),
+                format!(
+                    "must hold 1..={MAX_HINT_BLOCKS} hashes, got {}",
+                    self.sequence_hashes.len()
+                ),
             ));
         }
         if self.fetch_from as usize >= self.sequence_hashes.len() {
             return Err(DescriptorError::field(
                 "hint.fetch_from",
-                format!("{} is not below the {} covered blocks", self.fetch_from, self.sequence_hashes.len()),
+                format!(
+                    "{} is not below the {} covered blocks",
+                    self.fetch_from,
+                    self.sequence_hashes.len()
+                ),
             ));
         }
         let n = self.fetch_blocks();
         for (i, p) in self.parts.iter().enumerate() {
             if p.tp_rank as usize != i {
-                return Err(DescriptorError::field("hint.parts.tp_rank", format!("part {i} is rank {}", p.tp_rank)));
+                return Err(DescriptorError::field(
+                    "hint.parts.tp_rank",
+                    format!("part {i} is rank {}", p.tp_rank),
+                ));
             }
             if p.slot_ids.len() != n {
                 return Err(DescriptorError::field(
                     "hint.parts.slot_ids",
-                    format!("rank {i} lists {} slots for {n} fetched blocks", p.slot_ids.len()),
+                    format!(
+                        "rank {i} lists {} slots for {n} fetched blocks",
+                        p.slot_ids.len()
+                    ),
                 ));
             }
-            let want = n as u64 * rank_block_bytes;
-            if p.expected_bytes != want {
+            if let Some(&bad) = p.slot_ids.iter().find(|&&s| s >= crate::MAX_SLOTS) {
+                return Err(DescriptorError::field(
+                    "hint.parts.slot_ids",
+                    format!(
+                        "rank {i} names slot {bad}, not below MAX_SLOTS {}",
+                        crate::MAX_SLOTS
+                    ),
+                ));
+            }
+            // One slot holds one block: a repeated slot would copy one block into
+            // two positions and silently corrupt the prefix.
+            let mut sorted = p.slot_ids.clone();
+            sorted.sort_unstable();
+            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+                return Err(DescriptorError::field(
+                    "hint.parts.slot_ids",
+                    format!("rank {i} names slot {} twice", w[0]),
+                ));
+            }
+            // Checked: `rank_block_bytes` is caller input and may be absurd.
+            let want = (n as u64).checked_mul(rank_block_bytes);
+            if want != Some(p.expected_bytes) {
                 return Err(DescriptorError::field(
                     "hint.parts.expected_bytes",
-                    format!("rank {i} expects {} bytes, geometry gives {want}", p.expected_bytes),
+                    format!(
+                        "rank {i} expects {} bytes, geometry gives {}",
+                        p.expected_bytes,
+                        want.map_or_else(|| "an overflowing u64".to_owned(), |w| w.to_string())
+                    ),
                 ));
             }
         }
         if self.donor_control_endpoint.is_empty() {
-            return Err(DescriptorError::field("hint.donor_control_endpoint", "must not be empty"));
+            return Err(DescriptorError::field(
+                "hint.donor_control_endpoint",
+                "must not be empty",
+            ));
         }
         Ok(())
     }
@@ -174,12 +222,24 @@ impl HintEnvelope {
         action_id: impl Into<String>,
         hint: &FetchGpuHint,
     ) -> Result<Self, DescriptorError> {
-        let value = rmpv::ext::to_value(hint).map_err(|e| DescriptorError::Encode {
+        // A named-field encoding read back as a value gives a string-keyed map,
+        // the shape Dynamo's `KvHintAction::payload` expects. (`rmpv::ext::to_value`
+        // would write structs as arrays, which a Dynamo reader cannot take.)
+        let named = rmp_serde::to_vec_named(hint).map_err(|e| DescriptorError::Encode {
             what: "fetch_gpu_hint",
             reason: e.to_string(),
         })?;
+        let value = rmpv::decode::read_value(&mut named.as_slice()).map_err(|e| {
+            DescriptorError::Encode {
+                what: "fetch_gpu_hint",
+                reason: e.to_string(),
+            }
+        })?;
         let rmpv::Value::Map(entries) = value else {
-            unreachable!("a struct encodes as a map")
+            return Err(DescriptorError::Encode {
+                what: "fetch_gpu_hint",
+                reason: "payload did not encode as a map".into(),
+            });
         };
         let payload = entries
             .into_iter()
@@ -207,13 +267,18 @@ impl HintEnvelope {
         if self.protocol_version != HINT_PROTOCOL_VERSION {
             return Err(DescriptorError::field(
                 "hint.protocol_version",
-                format!("{:?} is not {HINT_PROTOCOL_VERSION:?}", self.protocol_version),
+                format!(
+                    "{:?} is not {HINT_PROTOCOL_VERSION:?}",
+                    self.protocol_version
+                ),
             ));
         }
         self.actions
             .iter()
             .map(|a| {
-                if a.action_type != FETCH_GPU_ACTION_TYPE || a.action_version != FETCH_GPU_ACTION_VERSION {
+                if a.action_type != FETCH_GPU_ACTION_TYPE
+                    || a.action_version != FETCH_GPU_ACTION_VERSION
+                {
                     return Err(DescriptorError::UnsupportedAction {
                         action_type: a.action_type.clone(),
                         action_version: a.action_version.clone(),
@@ -226,10 +291,16 @@ impl HintEnvelope {
                         .map(|(k, v)| (rmpv::Value::from(k.as_str()), v.clone()))
                         .collect(),
                 );
-                rmpv::ext::from_value(map).map_err(|e| DescriptorError::Decode {
-                    what: "fetch_gpu_hint",
-                    reason: e.to_string(),
-                })
+                // Re-encode and go through the crate's one bounded decoder, so the
+                // payload is read exactly like a top-level wire value.
+                let mut bytes = Vec::new();
+                rmpv::encode::write_value(&mut bytes, &map).map_err(|e| {
+                    DescriptorError::Decode {
+                        what: "fetch_gpu_hint",
+                        reason: e.to_string(),
+                    }
+                })?;
+                crate::wire::decode_bounded("fetch_gpu_hint", &bytes)
             })
             .collect()
     }

@@ -42,7 +42,11 @@ impl GpuIdentity {
     ///
     /// # Errors
     /// `gpu.host_id` empty, or `gpu.uuid` nil.
-    pub fn new(uuid: Uuid, ordinal: u32, host_id: impl Into<String>) -> Result<Self, DescriptorError> {
+    pub fn new(
+        uuid: Uuid,
+        ordinal: u32,
+        host_id: impl Into<String>,
+    ) -> Result<Self, DescriptorError> {
         let g = Self {
             uuid,
             ordinal,
@@ -65,7 +69,10 @@ impl GpuIdentity {
             ));
         }
         if self.uuid.is_nil() {
-            return Err(DescriptorError::field("gpu.uuid", "must not be the nil UUID"));
+            return Err(DescriptorError::field(
+                "gpu.uuid",
+                "must not be the nil UUID",
+            ));
         }
         Ok(())
     }
@@ -146,10 +153,16 @@ impl OwnerLease {
 
     pub(crate) fn validate(&self) -> Result<(), DescriptorError> {
         if self.engine_id.0.is_nil() {
-            return Err(DescriptorError::field("owner.engine_id", "must not be the nil UUID"));
+            return Err(DescriptorError::field(
+                "owner.engine_id",
+                "must not be the nil UUID",
+            ));
         }
         if self.generation == 0 {
-            return Err(DescriptorError::field("owner.generation", "must be at least 1, got 0"));
+            return Err(DescriptorError::field(
+                "owner.generation",
+                "must be at least 1, got 0",
+            ));
         }
         Ok(())
     }

@@ -163,7 +163,9 @@ impl KvLayout {
         if bytes > MAX_RANK_BLOCK_BYTES {
             return Err(DescriptorError::field(
                 "layout",
-                format!("one rank's block part would be {bytes} bytes, above {MAX_RANK_BLOCK_BYTES}"),
+                format!(
+                    "one rank's block part would be {bytes} bytes, above {MAX_RANK_BLOCK_BYTES}"
+                ),
             ));
         }
         Ok(l)

@@ -12,7 +12,10 @@
 //!   [`BankManifest`]) is valid: the only ways to get one are its checking
 //!   constructor and the wire decoder, which runs the same checks. Nothing is
 //!   published half-built.
-//! - Decoders never panic, whatever the bytes.
+//! - Decoders never panic, whatever the bytes: nesting is bounded
+//!   ([`MAX_WIRE_DEPTH`]), declared lengths never allocate beyond the input,
+//!   trailing bytes are refused, and a manifest input above
+//!   [`MAX_MANIFEST_BYTES`] is refused before decoding.
 //! - Block hashes equal Dynamo's for the same tokens and block size.
 //! - Unknown hint actions and unknown storage tiers are errors, never ignored.
 //!
@@ -31,18 +34,24 @@ mod layout;
 mod manifest;
 mod wire;
 
-pub use bank::{BankDescriptor, BankParts, ExportHandle, MemoryLocation, CUDA_HANDLE_BYTES, MAX_NIXL_METADATA_BYTES, MAX_SLOTS};
-pub use block_hash::{chain_sequence_hash, sequence_hashes, token_block_hash, token_block_hashes, SequenceHash, TokenBlockHash};
+pub use bank::{
+    BankDescriptor, BankParts, ExportHandle, MemoryLocation, CUDA_HANDLE_BYTES,
+    MAX_NIXL_METADATA_BYTES, MAX_SLOTS,
+};
+pub use block_hash::{
+    chain_sequence_hash, sequence_hashes, token_block_hash, token_block_hashes, SequenceHash,
+    TokenBlockHash,
+};
 pub use error::DescriptorError;
 pub use event::{KvEvent, KvEventData, StorageTier, StoredBlock};
 pub use hint::{
-    FetchGpuHint, FetchPart, HintAction, HintEnvelope, FETCH_GPU_ACTION_TYPE, FETCH_GPU_ACTION_VERSION,
-    HINT_PROTOCOL_VERSION, MAX_HINT_BLOCKS,
+    FetchGpuHint, FetchPart, HintAction, HintEnvelope, FETCH_GPU_ACTION_TYPE,
+    FETCH_GPU_ACTION_VERSION, HINT_PROTOCOL_VERSION, MAX_HINT_BLOCKS,
 };
 pub use identity::{EngineId, GpuIdentity, NvlinkFabric, OwnerLease, Role};
 pub use layout::{DType, KvLayout, LayoutFingerprint, TensorOrder, MAX_RANK_BLOCK_BYTES};
 pub use manifest::{BankManifest, MAX_MANIFEST_BYTES};
-pub use wire::Wire;
+pub use wire::{Wire, MAX_WIRE_DEPTH};
 
 /// XXH3 seed of block hashes and fingerprints; Dynamo's `XXH3_SEED`.
 pub const XXH3_SEED: u64 = 1337;

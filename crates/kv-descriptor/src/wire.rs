@@ -4,10 +4,23 @@
 //! that other readers (Dynamo's, Python's `msgpack`) see named fields, and so
 //! that the format is stable under field reordering. Decoding validates: the
 //! types' `serde(try_from)` run the same checks as their constructors.
+//!
+//! The decoder is hardened for hostile input: nesting deeper than
+//! [`MAX_WIRE_DEPTH`] is refused before it can exhaust the stack, declared
+//! lengths never allocate more than the input holds (the reader copies at most
+//! the bytes present), and trailing bytes after the value are an error so that
+//! one encoding has exactly one meaning.
 
 use serde::{de::DeserializeOwned, Serialize};
 
 use crate::DescriptorError;
+
+/// Deepest MessagePack nesting (maps and arrays) a decoder accepts.
+///
+/// Our own types nest at most 8 levels (envelope -> actions -> action ->
+/// payload -> parts -> part -> slot ids); 32 leaves room for foreign hint
+/// payloads while keeping recursion far from the 2 MiB stack of a test thread.
+pub const MAX_WIRE_DEPTH: usize = 32;
 
 /// A type with a MessagePack wire form.
 pub trait Wire: Serialize + DeserializeOwned {
@@ -28,13 +41,32 @@ pub trait Wire: Serialize + DeserializeOwned {
     /// Decodes and validates. Never panics on arbitrary input.
     ///
     /// # Errors
-    /// [`DescriptorError::Decode`] wrapping the decoder's or validator's message.
+    /// [`DescriptorError::Decode`] wrapping the decoder's or validator's
+    /// message (a validation failure keeps its field name in `reason`), for
+    /// nesting deeper than [`MAX_WIRE_DEPTH`], and for trailing bytes.
     fn from_wire(bytes: &[u8]) -> Result<Self, DescriptorError> {
-        rmp_serde::from_slice(bytes).map_err(|e| DescriptorError::Decode {
-            what: Self::WHAT,
-            reason: e.to_string(),
-        })
+        decode_bounded(Self::WHAT, bytes)
     }
+}
+
+/// The one MessagePack decoder of the crate: bounded depth, no trailing bytes.
+pub(crate) fn decode_bounded<T: DeserializeOwned>(
+    what: &'static str,
+    bytes: &[u8],
+) -> Result<T, DescriptorError> {
+    let decode_err = |reason: String| DescriptorError::Decode { what, reason };
+    let mut de = rmp_serde::Deserializer::new(std::io::Cursor::new(bytes));
+    de.set_max_depth(MAX_WIRE_DEPTH);
+    let value = T::deserialize(&mut de).map_err(|e| decode_err(e.to_string()))?;
+    let used = de.position();
+    if used != bytes.len() as u64 {
+        return Err(decode_err(format!(
+            "{} trailing bytes after the value (read {used} of {})",
+            bytes.len() as u64 - used,
+            bytes.len()
+        )));
+    }
+    Ok(value)
 }
 
 impl Wire for crate::BankDescriptor {
@@ -42,6 +74,19 @@ impl Wire for crate::BankDescriptor {
 }
 impl Wire for crate::BankManifest {
     const WHAT: &'static str = "bank_manifest";
+
+    /// Refuses input above [`crate::MAX_MANIFEST_BYTES`] before decoding it,
+    /// then decodes and validates like every other type.
+    fn from_wire(bytes: &[u8]) -> Result<Self, DescriptorError> {
+        if bytes.len() > crate::MAX_MANIFEST_BYTES {
+            return Err(DescriptorError::TooLarge {
+                what: Self::WHAT,
+                size: bytes.len(),
+                limit: crate::MAX_MANIFEST_BYTES,
+            });
+        }
+        decode_bounded(Self::WHAT, bytes)
+    }
 }
 impl Wire for crate::HintEnvelope {
     const WHAT: &'static str = "hint_envelope";
