@@ -103,6 +103,9 @@ pub enum TransferError {
         /// Driver error text.
         reason: String,
     },
+    /// A bank operation (store, pin, import, close) failed.
+    #[error("bank: {0}")]
+    Bank(#[from] kv_bank::BankError),
     /// Host memory could not be allocated or mapped.
     #[error("host memory: {0}")]
     Host(String),

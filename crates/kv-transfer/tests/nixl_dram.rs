@@ -174,3 +174,16 @@ fn nixl_dram_tp2_fetch_in_all_modes() {
         other => panic!("expected an unreachable donor, got {other}"),
     }
 }
+
+#[test]
+fn nixl_oracle_cpu_passes() {
+    if !runtime_or_skip() {
+        return;
+    }
+    use kv_transfer::oracle::{run_backend, OracleBackend, Profile};
+    let r = run_backend(Profile::Cpu, OracleBackend::Nixl).unwrap();
+    assert!(r.passed(), "{r:#?}");
+    assert_eq!(r.backend, "nixl");
+    assert_eq!(r.transport, "unknown");
+    assert_eq!(r.bytes, 2 * 7 * 65_536);
+}
