@@ -1,0 +1,183 @@
+//! `kvq`: the qualification runner. `cargo xtask qualify` builds and runs it
+//! here; on a GPU machine without a toolchain it runs from the GPU bundle
+//! (`bash .bundle/run.sh qualify --profile gpu --out $OUT`).
+//!
+//! Owns: the section framework (a failed, erroring, panicking or check-less
+//! section fails the run; skips carry a reason), the reproduction record
+//! (`record.json`), the report (`REPORT.md`, TTFT CDF plot), the first
+//! section (`descriptor_wire`), and hidden child roles for multi-process
+//! checks. The checks themselves belong to the crates they qualify; this
+//! binary only calls their library functions.
+//!
+//! Exit codes: 0 all sections passed or skipped; 1 a check failed; 2 usage or
+//! output errors.
+
+mod child;
+mod descriptor_wire;
+mod record;
+mod report;
+mod section;
+mod sections;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use clap::{Parser, Subcommand};
+
+use crate::record::Record;
+use crate::section::{Ctx, Profile, Status};
+
+#[derive(Parser)]
+#[command(
+    name = "kvq",
+    about = "Decode-to-prefill KV reuse qualification runner"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the qualification sections; write record.json and REPORT.md.
+    Qualify {
+        /// `cpu` (host memory) or `gpu` (CUDA memory, IPC, NIXL VRAM).
+        #[arg(long, value_enum, default_value = "cpu")]
+        profile: Profile,
+        /// Output directory (created).
+        #[arg(long, default_value = "target/qualify/cpu")]
+        out: PathBuf,
+        /// Mooncake JSONL trace (default: the project's copy).
+        #[arg(long)]
+        trace: Option<PathBuf>,
+        /// Use only the first N requests of the trace.
+        #[arg(long)]
+        trace_requests: Option<usize>,
+        /// Run only these sections (repeatable).
+        #[arg(long)]
+        only: Vec<String>,
+    },
+    /// List sections and the profiles they run in.
+    List,
+    /// Run a benchmark and print ratios against its in-run baseline.
+    Bench {
+        /// `transfer` (kv_transfer::bench).
+        which: String,
+        /// Also write the result as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Second process of a multi-process check (started by sections).
+    #[command(hide = true)]
+    Child {
+        /// Child role, e.g. `bank-ipc-child`.
+        role: String,
+        /// Role arguments.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().cmd {
+        Cmd::Qualify {
+            profile,
+            out,
+            trace,
+            trace_requests,
+            only,
+        } => qualify(profile, out, trace, trace_requests, &only),
+        Cmd::List => {
+            for s in sections::ALL {
+                println!("{:<24} {:?}", s.name, s.profiles);
+            }
+            ExitCode::SUCCESS
+        }
+        Cmd::Bench { which, json } => {
+            eprintln!(
+                "kvq bench {which}{}: no benchmark is wired yet (kv_transfer::bench::run lands with kv-transfer)",
+                json.map(|j| format!(" --json {}", j.display())).unwrap_or_default()
+            );
+            ExitCode::from(2)
+        }
+        Cmd::Child { role, args } => ExitCode::from(child::main(&role, &args).clamp(0, 255) as u8),
+    }
+}
+
+fn qualify(
+    profile: Profile,
+    out: PathBuf,
+    trace: Option<PathBuf>,
+    trace_requests: Option<usize>,
+    only: &[String],
+) -> ExitCode {
+    if let Err(e) = std::fs::create_dir_all(&out) {
+        eprintln!("kvq: cannot create {}: {e}", out.display());
+        return ExitCode::from(2);
+    }
+    let selected = sections::selected(profile, only);
+    if let Some(unknown) = only
+        .iter()
+        .find(|o| !sections::ALL.iter().any(|s| s.name == o.as_str()))
+    {
+        eprintln!("kvq: unknown section {unknown:?} (see `kvq list`)");
+        return ExitCode::from(2);
+    }
+    let ctx = Ctx {
+        profile,
+        trace_path: trace.unwrap_or_else(kv_testkit::trace::default_trace_path),
+        trace_requests,
+        out_dir: out.clone(),
+        exe: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("kvq")),
+    };
+    let started = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let t0 = Instant::now();
+    let mut results = Vec::new();
+    for s in selected {
+        println!("== {} ...", s.name);
+        let r = section::run(s, &ctx);
+        match r.status {
+            Status::Passed => println!(
+                "== {}: passed ({} checks, {:.0} ms)",
+                r.name,
+                r.checks.len(),
+                r.duration_ms
+            ),
+            Status::Skipped => println!(
+                "== {}: skipped: {}",
+                r.name,
+                r.skip_reason.as_deref().unwrap_or("")
+            ),
+            Status::Failed => {
+                println!("== {}: FAILED", r.name);
+                for c in r.failed_checks() {
+                    println!("   {}: {}", c.name, c.detail);
+                }
+            }
+        }
+        results.push(r);
+    }
+    let record = Record::new(profile, started, t0.elapsed().as_secs_f64(), results);
+    print!("\n{}", report::summary_table(&record));
+    let written = record
+        .write(&out)
+        .and_then(|()| report::write(&record, &out));
+    if let Err(e) = written {
+        eprintln!("kvq: {e}");
+        return ExitCode::from(2);
+    }
+    println!(
+        "record: {}\nreport: {}",
+        out.join("record.json").display(),
+        out.join("REPORT.md").display()
+    );
+    if record.passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}

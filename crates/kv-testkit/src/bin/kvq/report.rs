@@ -1,0 +1,275 @@
+//! Human-readable output of a qualification: the summary table printed at
+//! the end of a run, `REPORT.md`, and the TTFT CDF plot (`ttft_cdf.svg`,
+//! reuse OFF against ON) once a section produced replay samples.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::record::Record;
+use crate::section::{Profile, Status, TtftSamples};
+
+/// File name of the TTFT CDF plot inside the output directory.
+pub const TTFT_PLOT: &str = "ttft_cdf.svg";
+
+/// Fixed-width table: section, status, checks passed/total, wall time.
+pub fn summary_table(r: &Record) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<28} {:<8} {:>9} {:>11}",
+        "section", "status", "checks", "time"
+    );
+    for sec in &r.sections {
+        let ok = sec.checks.iter().filter(|c| c.passed).count();
+        let _ = writeln!(
+            s,
+            "{:<28} {:<8} {:>9} {:>9.0}ms",
+            sec.name,
+            status_word(sec.status),
+            format!("{ok}/{}", sec.checks.len()),
+            sec.duration_ms
+        );
+    }
+    let _ = writeln!(
+        s,
+        "{} in {:.1}s: {} section(s), {} failure(s)",
+        if r.passed { "PASSED" } else { "FAILED" },
+        r.duration_s,
+        r.sections.len(),
+        r.failures.len()
+    );
+    s
+}
+
+fn status_word(s: Status) -> &'static str {
+    match s {
+        Status::Passed => "passed",
+        Status::Failed => "FAILED",
+        Status::Skipped => "skipped",
+    }
+}
+
+/// Value at quantile `q` (0..=1) of ascending `sorted` (nearest rank); NaN when empty.
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn sorted(v: &[f64]) -> Vec<f64> {
+    let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+/// Writes `REPORT.md` (and the TTFT plot when replay samples exist) into `dir`.
+///
+/// # Errors
+/// The failed write, naming the file.
+pub fn write(r: &Record, dir: &Path) -> Result<(), String> {
+    let mut md = String::new();
+    let profile = match r.profile {
+        Profile::Cpu => "cpu",
+        Profile::Gpu => "gpu",
+    };
+    let _ = writeln!(md, "# Qualification report ({profile} profile)\n");
+    let _ = writeln!(
+        md,
+        "- result: **{}**\n- commit: `{}`{}\n- rustc: `{}`\n- host: `{}`",
+        if r.passed { "PASSED" } else { "FAILED" },
+        r.git_sha,
+        if r.dirty { " (dirty)" } else { "" },
+        r.rustc,
+        r.host
+    );
+    if r.devices.is_empty() {
+        let _ = writeln!(md, "- devices: none");
+    }
+    for d in &r.devices {
+        let _ = writeln!(
+            md,
+            "- device {}: {} `{}` ({} MiB, driver {})",
+            d.index, d.name, d.uuid, d.memory_mib, d.driver
+        );
+    }
+    let _ = writeln!(md, "- commands:");
+    for c in &r.commands {
+        let _ = writeln!(md, "  - `{c}`");
+    }
+    let _ = writeln!(
+        md,
+        "\n## Sections\n\n| section | status | checks | time (ms) |\n| --- | --- | --- | --- |"
+    );
+    for s in &r.sections {
+        let ok = s.checks.iter().filter(|c| c.passed).count();
+        let _ = writeln!(
+            md,
+            "| {} | {}{} | {ok}/{} | {:.0} |",
+            s.name,
+            status_word(s.status),
+            s.skip_reason
+                .as_deref()
+                .map(|w| format!(": {w}"))
+                .unwrap_or_default(),
+            s.checks.len(),
+            s.duration_ms
+        );
+    }
+    if !r.failures.is_empty() {
+        let _ = writeln!(md, "\n## Failures\n");
+        for f in &r.failures {
+            let _ = writeln!(md, "- `{}.{}`: {}", f.section, f.check, f.detail);
+        }
+    }
+    for s in r.sections.iter().filter(|s| !s.metrics.is_empty()) {
+        let _ = writeln!(md, "\n## {}\n\n| metric | value |\n| --- | --- |", s.name);
+        for (k, v) in &s.metrics {
+            let _ = writeln!(md, "| {k} | {v} |");
+        }
+    }
+    let replays: Vec<(&str, &TtftSamples)> = r
+        .sections
+        .iter()
+        .filter_map(|s| s.ttft.as_ref().map(|t| (s.name.as_str(), t)))
+        .filter(|(_, t)| !t.off_ms.is_empty() && !t.on_ms.is_empty())
+        .collect();
+    if !replays.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n## TTFT (reuse OFF vs ON)\n\n![TTFT CDF]({TTFT_PLOT})\n\n| replay | n | OFF p50 | ON p50 | OFF p90 | ON p90 | OFF p99 | ON p99 | p50 OFF/ON |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+        );
+        for (name, t) in &replays {
+            let (off, on) = (sorted(&t.off_ms), sorted(&t.on_ms));
+            let q = |v: &[f64], p| quantile(v, p);
+            let _ = writeln!(
+                md,
+                "| {name} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}x |",
+                off.len(),
+                q(&off, 0.5),
+                q(&on, 0.5),
+                q(&off, 0.9),
+                q(&on, 0.9),
+                q(&off, 0.99),
+                q(&on, 0.99),
+                q(&off, 0.5) / q(&on, 0.5)
+            );
+        }
+        let _ = writeln!(md, "\nTimes in ms.");
+        ttft_plot(&dir.join(TTFT_PLOT), &replays)?;
+    }
+    let path = dir.join("REPORT.md");
+    std::fs::write(&path, md).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// Empirical CDF of each replay's OFF and ON TTFT samples on one chart.
+fn ttft_plot(path: &Path, replays: &[(&str, &TtftSamples)]) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
+    let series: Vec<(String, Vec<f64>, RGBColor)> = replays
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (name, t))| {
+            let shade = |c: RGBColor| RGBColor(c.0, c.1.saturating_add(60 * i as u8), c.2);
+            [
+                (format!("{name} OFF"), sorted(&t.off_ms), shade(RED)),
+                (format!("{name} ON"), sorted(&t.on_ms), shade(BLUE)),
+            ]
+        })
+        .collect();
+    let x_max = series
+        .iter()
+        .filter_map(|(_, v, _)| v.last().copied())
+        .fold(0.0_f64, f64::max)
+        .max(1e-3)
+        * 1.05;
+    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("TTFT CDF: reuse OFF vs ON", ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0.0..x_max, 0.0..1.0)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("TTFT (ms)")
+        .y_desc("fraction of requests")
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (label, v, color) in series {
+        let n = v.len() as f64;
+        let points = v.iter().enumerate().map(|(i, x)| (*x, (i + 1) as f64 / n));
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(label)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::section::SectionResult;
+
+    #[test]
+    fn quantile_is_nearest_rank() {
+        let v = [1.0, 2.0, 3.0, 4.0];
+        assert_eq!(quantile(&v, 0.5), 2.0);
+        assert_eq!(quantile(&v, 0.75), 3.0);
+        assert_eq!(quantile(&v, 1.0), 4.0);
+        assert_eq!(quantile(&v, 0.0), 1.0);
+        assert!(quantile(&[], 0.5).is_nan());
+    }
+
+    #[test]
+    fn report_has_table_failures_percentiles_and_plot() {
+        let dir = std::env::temp_dir().join(format!("kvq-report-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut s = SectionResult {
+            name: "replay".into(),
+            status: Status::Failed,
+            skip_reason: None,
+            duration_ms: 12.0,
+            checks: vec![],
+            metrics: Default::default(),
+            ttft: Some(TtftSamples {
+                off_ms: vec![40.0, 10.0, 30.0, 20.0],
+                on_ms: vec![5.0, 10.0, 15.0, 20.0],
+            }),
+        };
+        s.check("on_not_slower", false, "p99 ON 20 > 19");
+        s.metric("requests", 4);
+        let r = Record::new(Profile::Cpu, 0, 0.5, vec![s]);
+        write(&r, &dir).unwrap();
+        let md = std::fs::read_to_string(dir.join("REPORT.md")).unwrap();
+        assert!(md.contains("| replay | FAILED | 0/1 | 12 |"), "{md}");
+        assert!(
+            md.contains("`replay.on_not_slower`: p99 ON 20 > 19"),
+            "{md}"
+        );
+        // OFF p50 = 20, ON p50 = 10 -> 2x.
+        assert!(
+            md.contains("| replay | 4 | 20.00 | 10.00 |") && md.contains("| 2.00x |"),
+            "{md}"
+        );
+        let svg = std::fs::read_to_string(dir.join(TTFT_PLOT)).unwrap();
+        assert!(svg.contains("<svg") && svg.contains("replay OFF") && svg.contains("replay ON"));
+        assert!(summary_table(&r).contains("FAILED in 0.5s: 1 section(s), 1 failure(s)"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

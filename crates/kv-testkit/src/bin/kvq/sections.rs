@@ -1,0 +1,114 @@
+//! The qualification sections in run order, and the adapters that turn
+//! other crates' check functions into [`SectionResult`]s.
+
+use crate::section::{Ctx, Profile, Section, SectionResult, Stop};
+use crate::{child, descriptor_wire};
+
+const BOTH: &[Profile] = &[Profile::Cpu, Profile::Gpu];
+const GPU: &[Profile] = &[Profile::Gpu];
+
+/// Every section, in run order.
+pub const ALL: &[Section] = &[
+    Section {
+        name: "descriptor_wire",
+        profiles: BOTH,
+        body: descriptor_wire::run,
+    },
+    Section {
+        name: "bank_lifecycle",
+        profiles: BOTH,
+        body: bank_lifecycle,
+    },
+    Section {
+        name: "bank_cuda_ipc",
+        profiles: GPU,
+        body: bank_cuda_ipc,
+    },
+];
+
+/// Sections of `profile`, optionally only those named in `only`.
+pub fn selected(profile: Profile, only: &[String]) -> Vec<&'static Section> {
+    ALL.iter()
+        .filter(|s| s.profiles.contains(&profile))
+        .filter(|s| only.is_empty() || only.iter().any(|o| o == s.name))
+        .collect()
+}
+
+/// Copies a JSON object's scalar fields into the section's metrics.
+fn metrics_from(r: &mut SectionResult, v: &serde_json::Value, skip: &[&str]) {
+    if let Some(map) = v.as_object() {
+        for (k, v) in map.iter().filter(|(k, _)| !skip.contains(&k.as_str())) {
+            if !v.is_array() && !v.is_object() {
+                r.metric(k, v.clone());
+            }
+        }
+    }
+}
+
+/// kv-bank's CPU lifecycle: TP2 host-shm bank, acks, rollback, pins, lineage, close.
+fn bank_lifecycle(_: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
+    let s = kv_bank::qualify_section();
+    for c in &s.checks {
+        r.check(c.name, c.passed, c.detail.clone());
+    }
+    metrics_from(r, &s.to_json(), &["passed", "checks"]);
+    Ok(())
+}
+
+/// kv-bank's two-process CUDA IPC check: the child is this binary
+/// (`kvq child bank-ipc-child ...`).
+fn bank_cuda_ipc(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
+    let report = kv_bank::gpu_check::run(&ctx.exe, &[child::SUBCOMMAND.to_owned()])
+        .map_err(|e| Stop::Error(format!("bank gpu_check: {e}")))?;
+    let c = &report.child;
+    r.check(
+        "bytes_match",
+        c.mismatched_bytes == 0 && c.bytes == report.bytes,
+        format!("{} of {} bytes differ", c.mismatched_bytes, c.bytes),
+    );
+    r.check(
+        "first_import_opens",
+        c.first_was_miss,
+        format!("first import {} µs", c.first_import_us),
+    );
+    r.check(
+        "second_import_cached",
+        c.second_was_hit && c.same_mapping,
+        format!(
+            "second import {} µs, same mapping {}",
+            c.second_import_us, c.same_mapping
+        ),
+    );
+    r.check("child_ok", report.ok, format!("device {}", report.device));
+    let json = serde_json::to_value(&report).unwrap_or_default();
+    metrics_from(r, &json, &["ok"]);
+    metrics_from(r, &json["child"], &[]);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_profiles_select() {
+        let mut names: Vec<_> = ALL.iter().map(|s| s.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ALL.len());
+        assert!(selected(Profile::Cpu, &[])
+            .iter()
+            .all(|s| s.profiles.contains(&Profile::Cpu)));
+        assert!(!selected(Profile::Cpu, &[])
+            .iter()
+            .any(|s| s.name == "bank_cuda_ipc"));
+        assert!(selected(Profile::Gpu, &[])
+            .iter()
+            .any(|s| s.name == "bank_cuda_ipc"));
+        let only = selected(Profile::Cpu, &["descriptor_wire".into()]);
+        assert_eq!(
+            only.iter().map(|s| s.name).collect::<Vec<_>>(),
+            ["descriptor_wire"]
+        );
+    }
+}
