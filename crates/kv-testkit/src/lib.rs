@@ -12,4 +12,5 @@
 
 #![deny(missing_docs)]
 
+pub mod model;
 pub mod trace;
