@@ -33,9 +33,9 @@
 //! - Every failing operation leaves nothing half-registered.
 //!
 //! Deliberately absent: moving bytes between banks (kv-transfer), deciding
-//! what to fetch (kv-lookup, kv-router-glue), NIXL registration, and the
-//! fabric-handle (multi-node NVLink) export path, which is only probed
-//! ([`CudaDeviceInfo::fabric_supported`]).
+//! what to fetch (kv-lookup, kv-router-glue) and NIXL registration. The
+//! fabric-handle path ([`CudaDeviceMemory::new_fabric`]) needs an IMEX
+//! channel; without one it fails with a clear error and callers use IPC.
 
 #![deny(missing_docs)]
 

@@ -117,6 +117,9 @@ pub struct Inventory {
     pub ready: Vec<SequenceHash>,
     /// Slots held by stores not yet acknowledged by every rank.
     pub pending_slots: usize,
+    /// Slots of rolled-back stores held back until a slow rank's late writes
+    /// can no longer land (see [`BankManager::fail`]).
+    pub quarantined_slots: usize,
     /// Slots with at least one pin.
     pub pinned_slots: usize,
     /// Slots holding nothing.
@@ -144,6 +147,14 @@ pub struct BankStats {
     pub pins: u64,
 }
 
+/// Why a pending store is rolled back (decides whether its slots are quarantined).
+#[derive(Debug, Clone, Copy)]
+enum Rollback {
+    Failed(u32),
+    TimedOut,
+    Closing,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Open,
@@ -163,6 +174,10 @@ struct State {
     phase: Phase,
     table: SlotTable,
     pending: HashMap<u64, Pending>,
+    /// Slots of rolled-back stores that some rank may still be writing
+    /// (it neither acked nor failed): kept pending, so never reused, until
+    /// the release time (one more store timeout) passes.
+    quarantine: Vec<(Instant, Vec<u32>)>,
     next_store: u64,
     events: VecDeque<KvEvent>,
     next_event_id: u64,
@@ -277,6 +292,7 @@ impl BankManager {
                     phase: Phase::Open,
                     table: SlotTable::new(slot_count as u32),
                     pending: HashMap::new(),
+                    quarantine: Vec::new(),
                     next_store: 1,
                     events: VecDeque::new(),
                     next_event_id: 1,
@@ -388,7 +404,9 @@ impl BankManager {
         st.events.push_back(e);
     }
 
-    /// Rolls back every pending store older than the store timeout; returns their ids.
+    /// Rolls back every pending store older than the store timeout (returns
+    /// their ids) and frees quarantined slots whose time passed. Every
+    /// `store` runs it too.
     pub fn expire_overdue(&self) -> Vec<u64> {
         let mut st = self.shared.state.lock();
         self.expire_locked(&mut st, Instant::now())
@@ -403,16 +421,43 @@ impl BankManager {
             .map(|(&id, _)| id)
             .collect();
         for id in &overdue {
-            self.rollback_locked(st, *id);
+            self.rollback_locked(st, *id, Rollback::TimedOut);
+        }
+        let (release, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut st.quarantine)
+            .into_iter()
+            .partition(|(at, _)| *at <= now);
+        st.quarantine = keep;
+        for (_, slots) in release {
+            st.table.rollback(&slots);
         }
         overdue
     }
 
-    fn rollback_locked(&self, st: &mut State, id: u64) {
-        if let Some(p) = st.pending.remove(&id) {
-            let slots: Vec<u32> = p.entries.iter().map(|e| e.2).collect();
+    /// Removes pending store `id`. Its slots are freed at once only when no
+    /// rank can still be writing them (every rank acked or is the one that
+    /// failed, or the bank is closing); otherwise they are quarantined for one
+    /// more store timeout, so a late copy of a slow rank can never land in a
+    /// slot that was handed to another store meanwhile.
+    fn rollback_locked(&self, st: &mut State, id: u64, why: Rollback) {
+        let Some(p) = st.pending.remove(&id) else {
+            return;
+        };
+        let slots: Vec<u32> = p.entries.iter().map(|e| e.2).collect();
+        st.stats.stores_rolled_back += 1;
+        let quiet = match why {
+            Rollback::Closing => true,
+            Rollback::Failed(rank) => p
+                .acked
+                .iter()
+                .enumerate()
+                .all(|(r, &a)| a || r as u32 == rank),
+            Rollback::TimedOut => p.acked.iter().all(|&a| a),
+        };
+        if quiet {
             st.table.rollback(&slots);
-            st.stats.stores_rolled_back += 1;
+        } else {
+            st.quarantine
+                .push((Instant::now() + self.shared.config.store_timeout, slots));
         }
     }
 
@@ -542,6 +587,42 @@ impl BankManager {
         })
     }
 
+    /// Writes rank `rank`'s part of entry `index` of pending store `store_id`
+    /// (host-copy path). Unlike [`RankBank::write_slot`], this refuses any
+    /// slot that is not pending for that store, so it can never overwrite a
+    /// ready or pinned block. Device-copy paths write to
+    /// [`RankBank::slot_addr`] of the store's slots under the same rule.
+    ///
+    /// # Errors
+    /// [`BankError::UnknownStore`]; [`BankError::BadRank`];
+    /// [`BankError::InvalidArgument`] for `index` out of range or a wrong
+    /// byte count; the memory's copy error.
+    pub fn write_pending(
+        &self,
+        store_id: u64,
+        rank: u32,
+        index: usize,
+        bytes: &[u8],
+    ) -> Result<(), BankError> {
+        let st = self.shared.state.lock();
+        let p = st
+            .pending
+            .get(&store_id)
+            .ok_or(BankError::UnknownStore(store_id))?;
+        let Some(&(_, _, slot)) = p.entries.get(index) else {
+            return Err(BankError::arg(
+                "index",
+                format!(
+                    "{index} is not below the store's {} entries",
+                    p.entries.len()
+                ),
+            ));
+        };
+        // Copy under the lock: a concurrent rollback cannot hand the slot to
+        // another store before this copy finished.
+        self.rank_locked(&st, rank)?.write_slot(slot, bytes)
+    }
+
     /// Rank `rank` wrote its part of every slot of store `store_id`.
     ///
     /// When the last rank acks, the blocks become ready and one `Stored`
@@ -564,7 +645,7 @@ impl BankManager {
         let waited = p.started.elapsed();
         if waited >= timeout {
             let missing = missing_ranks(&p.acked);
-            self.rollback_locked(&mut st, store_id);
+            self.rollback_locked(&mut st, store_id, Rollback::TimedOut);
             return Err(BankError::StoreTimedOut {
                 store_id,
                 waited_ms: waited.as_millis() as u64,
@@ -612,7 +693,11 @@ impl BankManager {
         Ok(StoreStatus::Ready)
     }
 
-    /// Rank `rank` failed to write its part: the store is rolled back on all ranks.
+    /// Rank `rank` failed to write its part: the store is rolled back on all
+    /// ranks at once (never visible, no event). If another rank had neither
+    /// acked nor failed, it may still be copying into the slots, so they stay
+    /// quarantined for one more store timeout before reuse; the same holds for
+    /// a store that timed out.
     ///
     /// # Errors
     /// [`BankError::BadRank`]; [`BankError::UnknownStore`].
@@ -630,7 +715,7 @@ impl BankManager {
             rank,
             "rank failed its store part; rolling back on all ranks"
         );
-        self.rollback_locked(&mut st, store_id);
+        self.rollback_locked(&mut st, store_id, Rollback::Failed(rank));
         Ok(())
     }
 
@@ -654,6 +739,7 @@ impl BankManager {
         Inventory {
             ready: st.table.ready_hashes(),
             pending_slots: st.pending.values().map(|p| p.entries.len()).sum(),
+            quarantined_slots: st.quarantine.iter().map(|(_, s)| s.len()).sum(),
             pinned_slots: st.table.pinned_slots(),
             free_slots: st.table.free_count(),
             slot_count: st.table.slot_count(),
@@ -875,7 +961,7 @@ impl BankManager {
             st.phase = Phase::Closing;
             let ids: Vec<u64> = st.pending.keys().copied().collect();
             for id in ids {
-                self.rollback_locked(&mut st, id);
+                self.rollback_locked(&mut st, id, Rollback::Closing);
             }
             self.push_event(&mut st, KvEventData::Cleared);
         }

@@ -189,6 +189,8 @@ fn lifecycle(
 
     let b = sealed_blocks(None, &(500..508).collect::<Vec<u32>>(), 4);
     let pb = bank.store(None, &b)?;
+    fill(&bank, &pb.entries, 0)?;
+    bank.ack(pb.store_id, 0)?;
     bank.fail(pb.store_id, 1)?;
     let rolled = bank.inventory().ready.len() == 4 && bank.lookup(&b[0].sequence_hash).is_none();
     let pc = bank.store(None, &b)?;
@@ -198,11 +200,23 @@ fn lifecycle(
         bank.ack(pc.store_id, 1),
         Err(BankError::StoreTimedOut { .. })
     );
+    // Rank 1 never answered: its slots wait one more timeout before reuse.
+    let quarantined = bank.inventory().quarantined_slots;
+    std::thread::sleep(Duration::from_millis(60));
+    bank.expire_overdue();
+    let released = bank.inventory().quarantined_slots;
     check(
         checks,
         "failed_or_timed_out_rank_rolls_back",
-        rolled && timed_out && bank.inventory().pending_slots == 0,
-        format!("fail rolled back: {rolled}; timeout rolled back: {timed_out}"),
+        rolled
+            && timed_out
+            && bank.inventory().pending_slots == 0
+            && quarantined == 2
+            && released == 0,
+        format!(
+            "fail rolled back: {rolled}; timeout rolled back: {timed_out}; \
+             quarantined {quarantined} slots, {released} after one more timeout"
+        ),
     );
 
     let pin = bank.pin_prefix(&hashes(&a))?;

@@ -59,6 +59,9 @@ impl RankBank {
     }
     /// Copies `bytes` (exactly `slot_bytes` long) into slot `slot`.
     ///
+    /// Unchecked against the slot's state: write only slots of a pending
+    /// store you own (or use [`crate::BankManager::write_pending`], which checks).
+    ///
     /// # Errors
     /// `slot` out of range, `bytes` of the wrong length, or the memory's copy error.
     pub fn write_slot(&self, slot: u32, bytes: &[u8]) -> Result<(), BankError> {

@@ -97,6 +97,21 @@ fn failed_rank_rolls_back_the_store_on_all_ranks() {
     // The slots are usable again.
     store_ready(&bank, None, &blocks);
     assert_eq!(bank.inventory().ready.len(), 4);
+
+    // Rank 1 fails while rank 0 has not answered: rank 0 may still be
+    // copying, so the slots are quarantined (not reused) for a store timeout.
+    let bank = common::bank(2, 4);
+    let p = bank.store(None, &chain(20, 3)).unwrap();
+    bank.fail(p.store_id, 1).unwrap();
+    let inv = bank.inventory();
+    assert_eq!(
+        (inv.pending_slots, inv.quarantined_slots, inv.free_slots),
+        (0, 3, 1)
+    );
+    assert!(matches!(
+        bank.store(None, &chain(30, 2)),
+        Err(BankError::BankFull { available: 1, .. })
+    ));
 }
 
 #[test]
@@ -116,11 +131,22 @@ fn timed_out_rank_rolls_the_store_back() {
         Err(BankError::StoreTimedOut { missing, .. }) => assert_eq!(missing, vec![1]),
         other => panic!("expected a timeout, got {other:?}"),
     }
+    // Rank 1 may still be copying: the slots are not reusable yet.
+    let inv = bank.inventory();
+    assert_eq!(
+        (inv.pending_slots, inv.quarantined_slots, inv.free_slots),
+        (0, 2, 2)
+    );
+    std::thread::sleep(Duration::from_millis(40));
+    assert!(bank.expire_overdue().is_empty());
     assert_eq!(bank.inventory().free_slots, 4);
     // A store nobody acks is expired by the sweep as well.
     let q = bank.store(None, &chain(100, 2)).unwrap();
     std::thread::sleep(Duration::from_millis(40));
     assert_eq!(bank.expire_overdue(), vec![q.store_id]);
+    assert_eq!(bank.inventory().quarantined_slots, 2);
+    std::thread::sleep(Duration::from_millis(40));
+    bank.expire_overdue();
     assert_eq!(bank.inventory().free_slots, 4);
     assert!(bank.drain_events().is_empty());
 }
@@ -541,4 +567,44 @@ fn manifest_round_trips_and_names_each_rank() {
         let imp = HostShmMemory::open(name, d.region_bytes() as usize).unwrap();
         assert_eq!(imp.len() as u64, d.region_bytes());
     }
+}
+
+#[test]
+fn write_pending_only_writes_slots_of_that_pending_store() {
+    let bank = bank(2, 4);
+    let n = bank.manifest().parts()[0].slot_bytes() as usize;
+    let a = chain(0, 1);
+    let done = store_ready(&bank, None, &a);
+    assert!(matches!(
+        bank.write_pending(done.store_id, 0, 0, &vec![0; n]),
+        Err(BankError::UnknownStore(_))
+    ));
+    let p = bank.store(None, &chain(50, 2)).unwrap();
+    assert!(
+        bank.write_pending(p.store_id, 0, 2, &vec![0; n]).is_err(),
+        "index out of range"
+    );
+    assert!(
+        bank.write_pending(p.store_id, 2, 0, &vec![0; n]).is_err(),
+        "rank out of range"
+    );
+    assert!(
+        bank.write_pending(p.store_id, 0, 0, &vec![0; n - 1])
+            .is_err(),
+        "short part"
+    );
+    for r in 0..2 {
+        for (i, (h, _)) in p.entries.iter().enumerate() {
+            bank.write_pending(p.store_id, r, i, &pattern(*h, r, n))
+                .unwrap();
+        }
+        bank.ack(p.store_id, r).unwrap();
+    }
+    let pin = bank.pin_prefix(&hashes(&chain(50, 2))).unwrap();
+    let mut out = vec![0u8; n];
+    pin.rank(1)
+        .unwrap()
+        .read_slot(pin.slots()[1], &mut out)
+        .unwrap();
+    assert_eq!(out, pattern(pin.hashes()[1], 1, n));
 }

@@ -66,7 +66,10 @@ proptest! {
                         }
                         Err(BankError::BankFull { available, .. }) => {
                             prop_assert!(available < n);
-                            prop_assert!(pinned > 0 || !pending.is_empty(), "full with nothing pinned or pending");
+                            prop_assert!(
+                                pinned > 0 || !pending.is_empty() || bank.inventory().quarantined_slots > 0,
+                                "full with nothing pinned, pending or quarantined"
+                            );
                         }
                         Err(e) => prop_assert!(false, "unexpected store error {e}"),
                     }
@@ -131,7 +134,10 @@ proptest! {
             prop_assert_eq!(&ready, &retained);
             let pending_slots: usize = pending.iter().map(|(p, _)| p.entries.len()).sum();
             prop_assert_eq!(inv.pending_slots, pending_slots);
-            prop_assert_eq!(inv.ready.len() + inv.pending_slots + inv.free_slots, SLOTS as usize);
+            prop_assert_eq!(
+                inv.ready.len() + inv.pending_slots + inv.quarantined_slots + inv.free_slots,
+                SLOTS as usize
+            );
             // Pending blocks are invisible until every rank acked.
             for (p, _) in &pending {
                 for (h, _) in &p.entries {
