@@ -363,7 +363,9 @@ impl BankManager {
     pub fn owner(&self) -> &OwnerLease {
         &self.shared.config.owner
     }
-    /// Rank `rank`'s bank (memory and descriptor).
+    /// Rank `rank`'s bank (memory and descriptor). The value shares the
+    /// memory: holding it keeps the region mapped after a close, so rank
+    /// workers should take it per store rather than keep it.
     ///
     /// # Errors
     /// [`BankError::BadRank`]; [`BankError::Closed`] after close freed the memory.
