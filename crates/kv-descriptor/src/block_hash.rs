@@ -52,7 +52,12 @@ pub fn chain_sequence_hash(parent: Option<SequenceHash>, block: TokenBlockHash) 
     }
 }
 
-/// Token hashes of every *full* block of `tokens`; `tokens_per_block` must be > 0.
+/// Token hashes of every *full* block of `tokens`, root first; a trailing
+/// partial block has none.
+///
+/// # Panics
+/// If `tokens_per_block` is 0 (a layout never has that: [`crate::KvLayout`]
+/// refuses it).
 ///
 /// ```
 /// use kv_descriptor::token_block_hashes;
@@ -66,7 +71,12 @@ pub fn token_block_hashes(tokens: &[u32], tokens_per_block: usize) -> Vec<TokenB
         .collect()
 }
 
-/// Chained sequence hashes of every full block of `tokens`, root first.
+/// Chained sequence hashes of every full block of `tokens`, root first:
+/// equal to Dynamo's `compute_seq_hash_for_block(compute_block_hash_for_seq(..))`
+/// with default options.
+///
+/// # Panics
+/// If `tokens_per_block` is 0.
 ///
 /// ```
 /// use kv_descriptor::{sequence_hashes, chain_sequence_hash, token_block_hash};

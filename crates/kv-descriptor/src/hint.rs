@@ -201,7 +201,27 @@ pub struct HintAction {
     pub payload: BTreeMap<String, rmpv::Value>,
 }
 
-/// Dynamo-compatible hint envelope.
+/// Dynamo-compatible hint envelope (`kv_hints::KvHint` of dynamo-kv-router 1.6.1).
+///
+/// Decoding the envelope accepts any action; [`HintEnvelope::fetch_gpu_actions`]
+/// then refuses every action that is not `kv.fetch_gpu@1.0`:
+///
+/// ```
+/// use kv_descriptor::{DescriptorError, HintAction, HintEnvelope, HINT_PROTOCOL_VERSION};
+/// let env = HintEnvelope {
+///     protocol_version: HINT_PROTOCOL_VERSION.into(),
+///     message_id: "req-1".into(),
+///     actions: vec![HintAction {
+///         action_id: "a0".into(),
+///         action_type: "kv.fetch_gpu".into(),
+///         action_version: "2.0".into(),
+///         payload: Default::default(),
+///     }],
+/// };
+/// let err = env.fetch_gpu_actions().unwrap_err();
+/// assert!(matches!(err, DescriptorError::UnsupportedAction { .. }));
+/// assert!(err.to_string().contains("kv.fetch_gpu@2.0"));
+/// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HintEnvelope {
     /// Always [`HINT_PROTOCOL_VERSION`] when written here.
@@ -258,6 +278,10 @@ impl HintEnvelope {
     }
 
     /// Decodes every action as `kv.fetch_gpu@1.0`.
+    ///
+    /// Only the shape is checked here; the caller runs
+    /// [`FetchGpuHint::validate`] with the donor's rank block bytes (and
+    /// checks slot ids against the donor's manifest) before acting on a hint.
     ///
     /// # Errors
     /// [`DescriptorError::UnsupportedAction`] for any other type or version

@@ -69,7 +69,10 @@ fn every_export_kind_round_trips() {
 }
 
 /// Each case: how to break valid parts, and the field the error must name.
-fn rejection_cases() -> Vec<(&'static str, Box<dyn Fn(&mut BankParts)>)> {
+/// A field name and an edit of valid parts that must be refused naming it.
+type Case = (&'static str, Box<dyn Fn(&mut BankParts)>);
+
+fn rejection_cases() -> Vec<Case> {
     vec![
         ("tp_rank", Box::new(|p| p.tp_rank = 2)),
         ("slot_count", Box::new(|p| p.slot_count = 0)),
@@ -149,7 +152,7 @@ fn rejection_cases() -> Vec<(&'static str, Box<dyn Fn(&mut BankParts)>)> {
     ]
 }
 
-fn host_rejection_cases() -> Vec<(&'static str, Box<dyn Fn(&mut BankParts)>)> {
+fn host_rejection_cases() -> Vec<Case> {
     vec![
         (
             "location.host_id",
