@@ -63,6 +63,11 @@ impl Slot {
     }
 }
 
+/// How far ahead (in hashes) walks and event application prefetch slots:
+/// enough outstanding misses to cover DRAM latency, few enough not to waste
+/// bandwidth when a walk stops early.
+pub(crate) const PREFETCH_DISTANCE: usize = 8;
+
 /// Smallest capacity (slots); a power of two.
 const MIN_CAPACITY: usize = 1024;
 

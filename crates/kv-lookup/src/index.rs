@@ -7,7 +7,7 @@ use kv_descriptor::{
 };
 use parking_lot::RwLock;
 
-use crate::holder_table::{tier_index, HolderTable, ALL_TIERS, TIERS};
+use crate::holder_table::{tier_index, HolderTable, ALL_TIERS, PREFETCH_DISTANCE, TIERS};
 use crate::worker::{WorkerInfo, WorkerKey, WorkerRecord};
 use crate::LookupError;
 
@@ -295,7 +295,7 @@ impl InventoryIndex {
             .ok_or(LookupError::UnknownEngine { engine })?;
         st.drop_entries(slot);
         for (tier, hashes) in inventory {
-            st.store(slot, tier_index(*tier), hashes.iter().copied());
+            st.store(slot, tier_index(*tier), hashes, |h| *h);
         }
         let rec = st.workers[slot as usize]
             .as_mut()
@@ -492,12 +492,28 @@ impl State {
         changed
     }
 
-    fn store(&mut self, slot: u32, tier: usize, hashes: impl Iterator<Item = SequenceHash>) -> u64 {
+    /// Sets `slot`'s bit in `tier` for every `key(item)`, prefetching
+    /// [`PREFETCH_DISTANCE`] items ahead (events carry hashes that are
+    /// random in the table: without prefetch each block waits for a miss).
+    fn store<T>(
+        &mut self,
+        slot: u32,
+        tier: usize,
+        items: &[T],
+        key: impl Fn(&T) -> SequenceHash,
+    ) -> u64 {
         let (g, bit) = split(slot);
         let table = &mut self.groups[g];
         let rec = self.workers[slot as usize].as_mut().expect("live slot");
         let mut changed = 0;
-        for h in hashes {
+        for it in items.iter().take(PREFETCH_DISTANCE) {
+            table.prefetch(key(it));
+        }
+        for (i, it) in items.iter().enumerate() {
+            if let Some(ahead) = items.get(i + PREFETCH_DISTANCE) {
+                table.prefetch(key(ahead));
+            }
+            let h = key(it);
             if table.set(h, tier, bit) {
                 rec.logs[tier].push(h);
                 changed += 1;
@@ -515,7 +531,13 @@ impl State {
         let table = &mut self.groups[g];
         let rec = self.workers[slot as usize].as_mut().expect("live slot");
         let mut changed = 0;
-        for &h in hashes {
+        for &h in hashes.iter().take(PREFETCH_DISTANCE) {
+            table.prefetch(h);
+        }
+        for (i, &h) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + PREFETCH_DISTANCE) {
+                table.prefetch(ahead);
+            }
             changed += u64::from(table.clear(h, tier, bit));
         }
         rec.live[tier] -= changed;
@@ -565,7 +587,7 @@ impl State {
         let tier = tier_index(e.tier);
         let changed = match &e.data {
             KvEventData::Stored { blocks, .. } => {
-                self.store(slot, tier, blocks.iter().map(|b| b.sequence_hash))
+                self.store(slot, tier, blocks, |b| b.sequence_hash)
             }
             KvEventData::Removed { sequence_hashes } => self.remove(slot, tier, sequence_hashes),
             KvEventData::Cleared => self.clear_tier(slot, tier),

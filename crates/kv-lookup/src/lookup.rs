@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use kv_descriptor::{EngineId, Role, SequenceHash};
 
-use crate::holder_table::{tier_index, HolderTable};
+use crate::holder_table::{tier_index, HolderTable, PREFETCH_DISTANCE};
 use crate::index::{split, State};
 use crate::worker::WorkerKey;
 use crate::InventoryIndex;
@@ -19,11 +19,6 @@ const RETAINED: usize = tier_index(StorageTier::RetainedGpuDirect);
 /// time budget can therefore be overrun by at most this many probes
 /// (well under a microsecond with prefetching).
 pub const CLOCK_CHECK_INTERVAL: u32 = 16;
-
-/// How far ahead of the walk (in blocks) slots are prefetched: enough
-/// outstanding misses to cover DRAM latency, few enough not to waste
-/// bandwidth when the walk stops early.
-const PREFETCH_DISTANCE: usize = 8;
 
 /// Work and time a lookup may spend.
 ///
@@ -413,4 +408,50 @@ fn lookup_locked(
         blocks,
         tied,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_descriptor::LayoutFingerprint;
+
+    #[test]
+    fn lock_wait_counts_against_the_budget() {
+        let index = InventoryIndex::new();
+        let info = crate::WorkerInfo {
+            engine: EngineId::fresh(),
+            role: Role::Prefill,
+            layout_fingerprint: LayoutFingerprint(1),
+            tp_size: 1,
+        };
+        index.register_worker(WorkerKey(1), info).unwrap();
+        let writer = index.state.write();
+        let out = index.lookup(
+            &[SequenceHash(1)],
+            info.engine,
+            LookupBudget::new(2_000, 100),
+        );
+        drop(writer);
+        assert_eq!(out.donor, Err(NoDonorReason::BudgetExhausted { probes: 0 }));
+        assert!(out.budget_exhausted);
+        assert!(
+            out.elapsed >= Duration::from_micros(2_000),
+            "gave up early: {:?}",
+            out.elapsed
+        );
+        // Same call without the writer completes its walk.
+        let out = index.lookup(
+            &[SequenceHash(1)],
+            info.engine,
+            LookupBudget::new(2_000, 100),
+        );
+        assert_eq!((out.budget_exhausted, out.probes), (false, 1));
+    }
+
+    #[test]
+    fn nth_set_bit_walks_set_bits_in_order() {
+        let m = 0b1011_0100u64;
+        let got: Vec<u32> = (0..m.count_ones()).map(|n| nth_set_bit(m, n)).collect();
+        assert_eq!(got, vec![2, 4, 5, 7]);
+    }
 }

@@ -404,31 +404,39 @@ fn budget_exhaustion_returns_best_so_far_flagged() {
 }
 
 #[test]
-fn lookup_waits_for_a_writer_no_longer_than_its_budget() {
-    // A large batch under the write lock must not make a lookup overrun.
+fn lookups_during_a_long_write_batch_are_correct_or_flagged() {
+    // The lock wait is part of the budget (unit test `lock_wait_counts_against_the_budget`);
+    // here: whatever a lookup returns while a writer holds the lock is right or flagged.
     let index = Arc::new(InventoryIndex::new());
     let t = registered(&index, 1, Role::Prefill);
     let d = registered(&index, 2, Role::Decode);
     let h = chain(8, 4);
-    let many: Vec<KvEvent> = (1..=400u64)
+    index.apply_event(&event(&d, 1, RET, stored(&h))).unwrap();
+    let many: Vec<KvEvent> = (2..=400u64)
         .map(|i| event(&d, i, RET, stored(&chain(i as u32 + 100, 64))))
         .collect();
     let writer = {
         let index = index.clone();
         std::thread::spawn(move || index.apply_events(&many))
     };
-    let mut worst = std::time::Duration::ZERO;
+    let (mut found, mut flagged) = (0, 0);
     while !writer.is_finished() {
         let out = index.lookup(&h, t.engine, LookupBudget::new(200, 1_000));
-        worst = worst.max(out.elapsed);
+        match out.donor {
+            Ok(d) => {
+                assert_eq!(d.blocks, 4);
+                found += 1;
+            }
+            Err(NoDonorReason::BudgetExhausted { probes: 0 }) => {
+                assert!(out.budget_exhausted);
+                flagged += 1;
+            }
+            Err(other) => panic!("unexpected {other:?}"),
+        }
     }
     let report = writer.join().unwrap();
-    assert_eq!(report.applied, 400);
-    // Budget plus generous scheduling slack on a loaded 2-core machine.
-    assert!(
-        worst < std::time::Duration::from_millis(50),
-        "worst lookup {worst:?}"
-    );
+    assert_eq!((report.applied, report.gaps.len()), (399, 0));
+    assert!(found + flagged > 0);
 }
 
 #[test]
