@@ -6,6 +6,7 @@ use std::path::Path;
 use crate::error::Result;
 use crate::kvq::{self, BuildProfile};
 use crate::prerequisites::Prerequisites;
+use crate::qualify::Profile;
 use crate::{command, workspace};
 
 /// Which benchmark.
@@ -27,7 +28,13 @@ pub fn run(which: Bench, json: Option<&Path>) -> Result<()> {
         Bench::Transfer => {
             let (exe, line) = kvq::build(BuildProfile::Release)?;
             let mut c = kvq::command(&exe, &line, &prereq);
-            c.args(["bench", "transfer"]);
+            // GPU cases where a GPU exists, as `qualify --profile auto` does.
+            c.args([
+                "bench",
+                "transfer",
+                "--profile",
+                Profile::Auto.resolve().as_str(),
+            ]);
             if let Some(j) = json {
                 c.arg("--json").arg(absolute_from_caller(j));
             }

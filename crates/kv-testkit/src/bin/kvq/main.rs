@@ -18,6 +18,7 @@ mod record;
 mod report;
 mod section;
 mod sections;
+mod transfer;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -60,10 +61,29 @@ enum Cmd {
     },
     /// List sections and the profiles they run in.
     List,
+    /// Run kv-transfer's native oracle once and print its JSON report.
+    Oracle {
+        /// `cpu` (host shared memory) or `gpu` (CUDA device memory).
+        #[arg(long, value_enum, default_value = "cpu")]
+        profile: Profile,
+        /// Move the bytes through two NIXL agents instead of the native backend.
+        #[arg(long)]
+        nixl: bool,
+    },
     /// Run a benchmark and print ratios against its in-run baseline.
     Bench {
-        /// `transfer` (kv_transfer::bench).
-        which: String,
+        /// Which benchmark.
+        #[arg(value_enum)]
+        which: BenchKind,
+        /// `cpu` or `gpu` cases.
+        #[arg(long, value_enum, default_value = "cpu")]
+        profile: Profile,
+        /// Timed runs per case (median reported).
+        #[arg(long, default_value_t = 10)]
+        repeats: usize,
+        /// Shrink every case (smoke run).
+        #[arg(long)]
+        quick: bool,
         /// Also write the result as JSON here.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -77,6 +97,17 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+}
+
+/// Benchmarks kvq runs (lookup's is a cargo bench target of kv-lookup).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BenchKind {
+    /// `kv_transfer::bench::run`.
+    Transfer,
+}
+
+fn exit(code: i32) -> ExitCode {
+    ExitCode::from(code.clamp(0, 255) as u8)
 }
 
 fn main() -> ExitCode {
@@ -94,14 +125,20 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Cmd::Bench { which, json } => {
-            eprintln!(
-                "kvq bench {which}{}: no benchmark is wired yet (kv_transfer::bench::run lands with kv-transfer)",
-                json.map(|j| format!(" --json {}", j.display())).unwrap_or_default()
-            );
-            ExitCode::from(2)
-        }
-        Cmd::Child { role, args } => ExitCode::from(child::main(&role, &args).clamp(0, 255) as u8),
+        Cmd::Oracle { profile, nixl } => exit(transfer::oracle_command(profile, nixl)),
+        Cmd::Bench {
+            which: BenchKind::Transfer,
+            profile,
+            repeats,
+            quick,
+            json,
+        } => exit(transfer::bench_command(
+            profile,
+            repeats,
+            quick,
+            json.as_deref(),
+        )),
+        Cmd::Child { role, args } => exit(child::main(&role, &args)),
     }
 }
 

@@ -90,7 +90,8 @@ pub struct SectionResult {
 }
 
 impl SectionResult {
-    fn new(name: &str) -> Self {
+    /// An empty result (status `failed` until [`run`] derives it).
+    pub fn new(name: &str) -> Self {
         Self {
             name: name.to_owned(),
             status: Status::Failed,

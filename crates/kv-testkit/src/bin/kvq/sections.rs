@@ -2,7 +2,7 @@
 //! other crates' check functions into [`SectionResult`]s.
 
 use crate::section::{Ctx, Profile, Section, SectionResult, Stop};
-use crate::{child, descriptor_wire};
+use crate::{child, descriptor_wire, transfer};
 
 const BOTH: &[Profile] = &[Profile::Cpu, Profile::Gpu];
 const GPU: &[Profile] = &[Profile::Gpu];
@@ -23,6 +23,16 @@ pub const ALL: &[Section] = &[
         name: "bank_cuda_ipc",
         profiles: GPU,
         body: bank_cuda_ipc,
+    },
+    Section {
+        name: "transfer_oracle",
+        profiles: BOTH,
+        body: transfer::oracle_native,
+    },
+    Section {
+        name: "transfer_oracle_nixl",
+        profiles: BOTH,
+        body: transfer::oracle_nixl,
     },
 ];
 

@@ -1,0 +1,229 @@
+//! kv-transfer's checks in kvq: the native oracle as qualification sections
+//! (native backend and NIXL), `kvq oracle`, and `kvq bench transfer`.
+
+use std::path::Path;
+
+use kv_transfer::bench::{BenchOpts, BenchRow};
+use kv_transfer::oracle::{self, OracleBackend, OracleReport};
+use kv_transfer::TransferError;
+
+use crate::section::{Ctx, Profile, SectionResult, Stop};
+
+fn oracle_profile(p: Profile) -> oracle::Profile {
+    match p {
+        Profile::Cpu => oracle::Profile::Cpu,
+        Profile::Gpu => oracle::Profile::Gpu,
+    }
+}
+
+/// True under CI (`CI=true` or `CI=1`), where a missing runtime is a failure.
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// Section `transfer_oracle`: the oracle with the profile's native backend.
+pub fn oracle_native(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
+    oracle_section(ctx, r, OracleBackend::Native)
+}
+
+/// Section `transfer_oracle_nixl`: the oracle through two NIXL agents. Skipped
+/// with the reason when the NIXL runtime does not load, except under CI.
+pub fn oracle_nixl(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
+    oracle_section(ctx, r, OracleBackend::Nixl)
+}
+
+fn oracle_section(ctx: &Ctx, r: &mut SectionResult, backend: OracleBackend) -> Result<(), Stop> {
+    let rep = match oracle::run_backend(oracle_profile(ctx.profile), backend) {
+        Ok(rep) => rep,
+        Err(TransferError::NixlUnavailable(why)) if !in_ci() => {
+            return Err(Stop::Skip(format!("NIXL runtime unavailable: {why}")))
+        }
+        Err(e) => return Err(Stop::Error(format!("oracle ({backend:?}): {e}"))),
+    };
+    record_oracle(&rep, r);
+    Ok(())
+}
+
+/// Turns an oracle report into checks (one per verdict field) and metrics.
+pub fn record_oracle(rep: &OracleReport, r: &mut SectionResult) {
+    r.check(
+        "bytes_match",
+        rep.bytes_ok,
+        format!(
+            "{} bytes in {} copies, TP{}",
+            rep.bytes, rep.copies, rep.tp_size
+        ),
+    );
+    r.check(
+        "untouched_rows_keep_poison",
+        rep.untouched_rows_ok,
+        format!("{} of {} keys absent", rep.missing_keys, rep.keys),
+    );
+    r.check(
+        "positive_completes",
+        rep.positive_complete,
+        format!("{} µs", rep.positive_us),
+    );
+    r.check(
+        "missing_keys_never_complete",
+        !rep.false_completion,
+        format!("false completion: {}", rep.false_completion),
+    );
+    r.check(
+        "pins_released",
+        rep.pins_released,
+        "no pin outstanding after both cases",
+    );
+    r.check(
+        "donor_bank_closed",
+        rep.banks_closed,
+        "generation dead, memory freed",
+    );
+    if rep.profile == oracle::Profile::Gpu {
+        r.check(
+            "no_host_payload",
+            rep.host_payload_bytes == 0,
+            format!("{} host payload bytes", rep.host_payload_bytes),
+        );
+    }
+    r.check(
+        "verdict",
+        rep.passed(),
+        format!("backend {}, transport {}", rep.backend, rep.transport),
+    );
+    for (k, v) in [
+        ("tp_size", u64::from(rep.tp_size)),
+        ("bytes", rep.bytes),
+        ("copies", rep.copies),
+        ("host_payload_bytes", rep.host_payload_bytes),
+        ("positive_us", rep.positive_us),
+    ] {
+        r.metric(k, v);
+    }
+    r.metric("backend", rep.backend.clone());
+    r.metric("transport", rep.transport.clone());
+}
+
+/// `kvq oracle`: runs one oracle and prints its JSON report; exit 0 when it passed.
+pub fn oracle_command(profile: Profile, nixl: bool) -> i32 {
+    let backend = if nixl {
+        OracleBackend::Nixl
+    } else {
+        OracleBackend::Native
+    };
+    match oracle::run_backend(oracle_profile(profile), backend) {
+        Ok(rep) => {
+            println!("{}", serde_json::to_string_pretty(&rep).unwrap_or_default());
+            println!(
+                "oracle {}: {}",
+                rep.backend,
+                if rep.passed() { "PASSED" } else { "FAILED" }
+            );
+            i32::from(!rep.passed())
+        }
+        Err(e) => {
+            eprintln!("kvq oracle: {e}");
+            2
+        }
+    }
+}
+
+/// `kvq bench transfer`: runs `kv_transfer::bench::run`, prints one row per
+/// case with its ratio to the raw copy measured in the same run, and writes
+/// `{profile, repeats, quick, rows}` as JSON when asked.
+pub fn bench_command(profile: Profile, repeats: usize, quick: bool, json: Option<&Path>) -> i32 {
+    let opts = BenchOpts {
+        profile: oracle_profile(profile),
+        repeats,
+        quick,
+        nixl: true,
+    };
+    let rows = match kv_transfer::bench::run(&opts) {
+        Ok(rows) => rows,
+        Err(e) => {
+            eprintln!("kvq bench transfer: {e}");
+            return 2;
+        }
+    };
+    print!("{}", bench_table(&rows));
+    if let Some(path) = json {
+        let doc = serde_json::json!({ "profile": opts.profile, "repeats": repeats, "quick": quick, "rows": rows });
+        if let Err(e) = std::fs::write(path, serde_json::to_vec_pretty(&doc).unwrap_or_default()) {
+            eprintln!("kvq bench transfer: cannot write {}: {e}", path.display());
+            return 2;
+        }
+        println!("json: {}", path.display());
+    }
+    0
+}
+
+/// Fixed-width table of benchmark rows.
+pub fn bench_table(rows: &[BenchRow]) -> String {
+    let mut s = format!(
+        "{:<44} {:>12} {:>9} {:>9} {:>7} {:>10}\n",
+        "case", "bytes", "GB/s", "raw GB/s", "ratio", "p50 µs"
+    );
+    for r in rows {
+        s.push_str(&format!(
+            "{:<44} {:>12} {:>9.2} {:>9.2} {:>7.3} {:>10.1}\n",
+            r.name, r.bytes, r.gbps, r.raw_gbps, r.ratio, r.p50_us
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::section::{self, Section, Status};
+
+    #[test]
+    fn cpu_oracle_section_passes_with_every_verdict_check() {
+        let s = Section {
+            name: "transfer_oracle",
+            profiles: &[Profile::Cpu],
+            body: oracle_native,
+        };
+        let ctx = Ctx {
+            profile: Profile::Cpu,
+            trace_path: "/nonexistent".into(),
+            trace_requests: None,
+            out_dir: std::env::temp_dir(),
+            exe: std::env::current_exe().unwrap(),
+        };
+        let r = section::run(&s, &ctx);
+        assert_eq!(r.status, Status::Passed, "{:#?}", r.checks);
+        assert_eq!(r.checks.len(), 7);
+        assert!(r.metrics["bytes"].as_u64().unwrap() > 0);
+    }
+
+    #[test]
+    fn a_failed_verdict_field_fails_its_check() {
+        let mut rep = oracle::run(oracle::Profile::Cpu).unwrap();
+        rep.false_completion = true;
+        let mut r = SectionResult::new("x");
+        record_oracle(&rep, &mut r);
+        let failed: Vec<_> = r.failed_checks().map(|c| c.name.clone()).collect();
+        assert_eq!(failed, ["missing_keys_never_complete", "verdict"]);
+    }
+
+    #[test]
+    fn bench_table_shows_ratio() {
+        let row = BenchRow {
+            name: "host_memcpy/scattered/1024x64KiB".into(),
+            bytes: 64 << 20,
+            blocks: 1024,
+            gbps: 5.0,
+            raw_gbps: 10.0,
+            ratio: 0.5,
+            p50_us: 13421.7,
+        };
+        let t = bench_table(&[row]);
+        assert!(
+            t.contains("host_memcpy/scattered/1024x64KiB")
+                && t.contains("0.500")
+                && t.contains("13421.7"),
+            "{t}"
+        );
+    }
+}
