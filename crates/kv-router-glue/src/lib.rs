@@ -1,1 +1,72 @@
-//! kv-router-glue (in progress).
+//! The router side of decode-to-prefill KV reuse, and what a worker calls.
+//!
+//! This crate owns:
+//! - **settings** ([`ReuseSettings`]): the eight reuse settings, registered
+//!   once in [`SETTINGS`] and loaded from CLI flags, `KV_REUSE_*` environment
+//!   (captured once, [`EnvSnapshot`]) and TOML, with a JSON round trip;
+//! - **the cost model and admission** ([`CostModel`]): estimated TTFT saving =
+//!   reused tokens x prefill µs/token − blocks x block µs − lookup µs; every
+//!   decision keeps its terms ([`AdmissionDecision`], [`DecisionLog`]);
+//! - **calibration** ([`calibrate`]): least squares of measured savings with
+//!   standard errors, enabling reuse only when the saving is positive with
+//!   95% confidence;
+//! - **hint validation** ([`validate_hint`]): a `kv.fetch_gpu@1.0` hint is
+//!   checked against the donor's [`kv_descriptor::BankManifest`] and the
+//!   target's layout before any memory is touched;
+//! - **event planes** ([`EventPlane`]): in-process ([`InProcessPlane`], the
+//!   default) and NATS ([`NatsPlane`]), with a subscriber readiness barrier,
+//!   and KV event streams with per-publisher ids, gap detection and resync
+//!   ([`KvEventPublisher`], [`KvEventReceiver`]).
+//!
+//! # Invariants
+//! - Off by default: [`ReuseSettings::default`] admits nothing.
+//! - Settings are validated whole: a loader or a live retune either yields a
+//!   complete valid configuration or an error naming the key; a retune the
+//!   cost model cannot use leaves the previous model in force.
+//! - Calibration never enables reuse silently: only a positive lower
+//!   confidence bound yields [`CalibrationVerdict::Enable`].
+//! - A forged, stale or out-of-range hint is rejected by [`validate_hint`]
+//!   before any reservation or transfer.
+//! - A subscriber that [`EventPlane::subscribe`] returned is ready: events
+//!   published afterwards reach it.
+//!
+//! Deliberately absent: routing itself (the router picks the prefill target
+//! and calls in here), the inventory index (kv-lookup), memory and copies
+//! (kv-bank, kv-transfer), and any unsafe code.
+
+#![deny(missing_docs)]
+
+mod calibration;
+mod cost;
+mod error;
+mod event_plane;
+mod hint_validation;
+mod kv_events;
+pub mod nats_server;
+pub mod ols;
+mod settings;
+#[cfg(test)]
+mod tests;
+
+pub use calibration::{
+    calibrate, Calibration, CalibrationModel, CalibrationSample, CalibrationVerdict,
+};
+pub use cost::{
+    AdmissionDecision, CostInputs, CostModel, CostTerms, DecisionLog, LiveCostModel, RefuseReason,
+    TransferPath, Verdict,
+};
+pub use error::{CalibrationError, FetchError, PlaneError, SettingsError};
+pub use event_plane::{
+    EventPlane, InProcessPlane, NatsOptions, NatsPlane, PlaneFuture, PlaneMessage, Subject,
+    Subscription, SUBJECT_ROOT,
+};
+pub use hint_validation::{validate_hint, ValidatedFetch};
+pub use kv_events::{
+    resync_subject, KvEventPublisher, KvEventReceiver, KvStreamItem, PublisherHeader,
+    ReceiverStats, ResyncOutcome, ResyncRequest,
+};
+pub use settings::{
+    settings_markdown, spec, EnvSnapshot, LoadedSettings, ReuseSettings, SettingKind,
+    SettingOrigin, SettingSpec, SettingValue, SettingsLoader, ENV_PREFIX, REMOVED_SETTINGS,
+    SETTINGS,
+};

@@ -1,0 +1,209 @@
+//! The NATS event plane (`async-nats`), for several processes or hosts.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use futures::StreamExt;
+
+use super::{AbortOnDrop, EventPlane, PlaneFuture, PlaneMessage, Subject, Subscription};
+use crate::PlaneError;
+
+/// Connection options of a [`NatsPlane`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct NatsOptions {
+    /// Client name shown by the server (`connz`).
+    pub name: String,
+    /// Upper bound of the reconnect back-off; attempt `k` waits `min(k x 50 ms, this)`.
+    pub max_reconnect_delay: Duration,
+    /// Timeout of one connection attempt.
+    pub connect_timeout: Duration,
+}
+
+impl Default for NatsOptions {
+    fn default() -> Self {
+        Self {
+            name: "kv-router-glue".into(),
+            max_reconnect_delay: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Event plane over a NATS server.
+///
+/// The client reconnects forever with bounded back-off and re-establishes
+/// subscriptions itself; messages published while disconnected may be lost,
+/// which the KV event ids detect (gap → resync request). Every subscription
+/// also listens on a probe subject (`_kvready.<subject>`) and answers probes
+/// with its unique id; [`EventPlane::wait_for_subscribers`] counts distinct
+/// answers.
+#[derive(Debug, Clone)]
+pub struct NatsPlane {
+    client: async_nats::Client,
+}
+
+impl NatsPlane {
+    /// Connects to `url` (e.g. `nats://127.0.0.1:4222`).
+    ///
+    /// # Errors
+    /// [`PlaneError::Connect`] when the first connection fails.
+    pub async fn connect(url: &str, options: NatsOptions) -> Result<Self, PlaneError> {
+        let max = options.max_reconnect_delay;
+        let client = async_nats::ConnectOptions::new()
+            .name(options.name)
+            .connection_timeout(options.connect_timeout)
+            .max_reconnects(None)
+            .reconnect_delay_callback(move |attempt| {
+                (Duration::from_millis(50) * attempt as u32).min(max)
+            })
+            .connect(url)
+            .await
+            .map_err(|e| PlaneError::Connect {
+                url: url.to_string(),
+                reason: e.to_string(),
+            })?;
+        Ok(Self { client })
+    }
+
+    /// True while the client holds a live connection.
+    pub fn is_connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// Waits for all buffered publishes to reach the server (PING/PONG).
+    ///
+    /// # Errors
+    /// [`PlaneError::Publish`] when the server does not answer.
+    pub async fn flush(&self) -> Result<(), PlaneError> {
+        self.client.flush().await.map_err(|e| PlaneError::Publish {
+            subject: "<flush>".into(),
+            reason: e.to_string(),
+        })
+    }
+}
+
+impl EventPlane for NatsPlane {
+    fn name(&self) -> &'static str {
+        "nats"
+    }
+
+    fn publish<'a>(&'a self, subject: &'a Subject, payload: Vec<u8>) -> PlaneFuture<'a, ()> {
+        Box::pin(async move {
+            self.client
+                .publish(subject.as_str().to_string(), payload.into())
+                .await
+                .map_err(|e| PlaneError::Publish {
+                    subject: subject.to_string(),
+                    reason: e.to_string(),
+                })
+        })
+    }
+
+    fn subscribe<'a>(&'a self, subject: &'a Subject) -> PlaneFuture<'a, Subscription> {
+        Box::pin(async move {
+            let sub_err = |e: String| PlaneError::Subscribe {
+                subject: subject.to_string(),
+                reason: e,
+            };
+            // Data first, then probe: the server handles SUBs in order, so a
+            // subscription that answers a probe already receives data.
+            let mut data = self
+                .client
+                .subscribe(subject.as_str().to_string())
+                .await
+                .map_err(|e| sub_err(e.to_string()))?;
+            let mut probe = self
+                .client
+                .subscribe(subject.probe())
+                .await
+                .map_err(|e| sub_err(e.to_string()))?;
+            self.client
+                .flush()
+                .await
+                .map_err(|e| sub_err(e.to_string()))?;
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let id = uuid::Uuid::new_v4().to_string();
+            let client = self.client.clone();
+            let task = tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        m = data.next() => match m {
+                            Some(m) => {
+                                let msg = PlaneMessage { subject: m.subject.to_string(), payload: m.payload.to_vec() };
+                                if tx.send(msg).is_err() {
+                                    break;
+                                }
+                            }
+                            None => break,
+                        },
+                        p = probe.next() => match p {
+                            Some(p) => {
+                                if let Some(reply) = p.reply {
+                                    // A lost answer only delays the barrier: it probes again.
+                                    let _ = client.publish(reply, id.clone().into_bytes().into()).await;
+                                }
+                            }
+                            None => break,
+                        },
+                        _ = tx.closed() => break,
+                    }
+                }
+            });
+            Ok(Subscription::new(
+                subject.as_str().to_string(),
+                rx,
+                Some(AbortOnDrop(task)),
+            ))
+        })
+    }
+
+    fn wait_for_subscribers<'a>(
+        &'a self,
+        subject: &'a Subject,
+        n: usize,
+        timeout: Duration,
+    ) -> PlaneFuture<'a, usize> {
+        Box::pin(async move {
+            if n == 0 {
+                return Ok(0);
+            }
+            let start = tokio::time::Instant::now();
+            let deadline = start + timeout;
+            let not_ready = |ready: usize| PlaneError::NotReady {
+                subject: subject.to_string(),
+                ready,
+                wanted: n,
+                waited_ms: start.elapsed().as_millis() as u64,
+            };
+            let inbox = self.client.new_inbox();
+            let mut replies =
+                self.client
+                    .subscribe(inbox.clone())
+                    .await
+                    .map_err(|e| PlaneError::Subscribe {
+                        subject: inbox.clone(),
+                        reason: e.to_string(),
+                    })?;
+            let mut seen: HashSet<Vec<u8>> = HashSet::new();
+            loop {
+                // Errors here are transient (reconnecting): keep probing until the deadline.
+                let _ = self.client.flush().await;
+                let _ = self
+                    .client
+                    .publish_with_reply(subject.probe(), inbox.clone(), Vec::new().into())
+                    .await;
+                let round_end =
+                    (tokio::time::Instant::now() + Duration::from_millis(100)).min(deadline);
+                while let Ok(Some(m)) = tokio::time::timeout_at(round_end, replies.next()).await {
+                    seen.insert(m.payload.to_vec());
+                    if seen.len() >= n {
+                        return Ok(seen.len());
+                    }
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(not_ready(seen.len()));
+                }
+            }
+        })
+    }
+}

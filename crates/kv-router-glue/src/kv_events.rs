@@ -1,0 +1,401 @@
+//! KV events over an event plane: per-publisher ids, gap detection, resync.
+//!
+//! A [`KvEventPublisher`] numbers its events 1, 2, 3, ... and keeps the last
+//! few in a ring. A [`KvEventReceiver`] delivers each publisher's events in id
+//! order: duplicates are dropped, and on a gap it holds the early arrivals and
+//! publishes a [`ResyncRequest`]; the publisher replays the missing ids from
+//! its ring. If the ids do not arrive within the gap timeout (the ring no
+//! longer has them), the receiver reports [`KvStreamItem::Lost`] so that the
+//! caller resyncs that publisher's whole inventory, then continues.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_descriptor::{EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, StorageTier, Wire};
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use crate::{EventPlane, PlaneError, Subject, Subscription};
+
+/// Asks `publisher` to publish again every event from `from_event_id` on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResyncRequest {
+    /// Publisher whose events are missing.
+    pub publisher: EngineId,
+    /// First missing event id.
+    pub from_event_id: u64,
+}
+
+/// Subject of resync requests for an event subject: same namespace and
+/// component, topic `<topic>_resync`.
+///
+/// # Errors
+/// Never for a valid subject; kept fallible because it builds a subject.
+pub fn resync_subject(events: &Subject) -> Result<Subject, PlaneError> {
+    events.with_topic(&format!("{}_resync", events.topic()))
+}
+
+/// Fields every event of one publisher shares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublisherHeader {
+    /// Publishing engine incarnation.
+    pub publisher: EngineId,
+    /// Its role.
+    pub role: Role,
+    /// Its layout fingerprint.
+    pub layout_fingerprint: LayoutFingerprint,
+    /// Its TP size.
+    pub tp_size: u32,
+}
+
+/// What a publisher did with a resync request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResyncOutcome {
+    /// Another publisher's request.
+    NotMine,
+    /// Replayed this many events.
+    Replayed(usize),
+    /// The first requested id left the ring; the oldest kept is given (0: ring empty).
+    TooOld {
+        /// Oldest id still in the ring.
+        oldest: u64,
+    },
+}
+
+struct PublisherState {
+    next_id: u64,
+    ring: VecDeque<KvEvent>,
+}
+
+/// Publishes one engine's KV events with consecutive ids and replays on request.
+pub struct KvEventPublisher {
+    plane: Arc<dyn EventPlane>,
+    subject: Subject,
+    header: PublisherHeader,
+    ring_capacity: usize,
+    state: tokio::sync::Mutex<PublisherState>,
+}
+
+impl std::fmt::Debug for KvEventPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvEventPublisher")
+            .field("subject", &self.subject)
+            .field("publisher", &self.header.publisher)
+            .finish()
+    }
+}
+
+impl KvEventPublisher {
+    /// A publisher keeping the last `ring_capacity` events (at least 1) for replay.
+    pub fn new(
+        plane: Arc<dyn EventPlane>,
+        subject: Subject,
+        header: PublisherHeader,
+        ring_capacity: usize,
+    ) -> Self {
+        Self {
+            plane,
+            subject,
+            header,
+            ring_capacity: ring_capacity.max(1),
+            state: tokio::sync::Mutex::new(PublisherState {
+                next_id: 1,
+                ring: VecDeque::new(),
+            }),
+        }
+    }
+
+    /// Publishes one event and returns its id. Ids are assigned and sent under
+    /// one lock, so the wire order is the id order.
+    ///
+    /// # Errors
+    /// [`PlaneError::Codec`] or the plane's publish error; the id is consumed
+    /// either way (a receiver sees a gap and resyncs from the ring).
+    pub async fn publish(&self, tier: StorageTier, data: KvEventData) -> Result<u64, PlaneError> {
+        let mut st = self.state.lock().await;
+        let event = KvEvent {
+            publisher: self.header.publisher,
+            event_id: st.next_id,
+            role: self.header.role,
+            layout_fingerprint: self.header.layout_fingerprint,
+            tp_size: self.header.tp_size,
+            tier,
+            data,
+        };
+        st.next_id += 1;
+        if st.ring.len() == self.ring_capacity {
+            st.ring.pop_front();
+        }
+        st.ring.push_back(event.clone());
+        let bytes = event.to_wire().map_err(|e| PlaneError::Codec {
+            what: "kv_event",
+            reason: e.to_string(),
+        })?;
+        self.plane.publish(&self.subject, bytes).await?;
+        Ok(event.event_id)
+    }
+
+    /// Replays the ring from `req.from_event_id` when the request is for this publisher.
+    ///
+    /// # Errors
+    /// The plane's publish error.
+    pub async fn handle_resync(&self, req: &ResyncRequest) -> Result<ResyncOutcome, PlaneError> {
+        if req.publisher != self.header.publisher {
+            return Ok(ResyncOutcome::NotMine);
+        }
+        let st = self.state.lock().await;
+        let oldest = st.ring.front().map_or(0, |e| e.event_id);
+        if st.ring.is_empty() || req.from_event_id < oldest {
+            return Ok(ResyncOutcome::TooOld { oldest });
+        }
+        let mut n = 0;
+        for e in st.ring.iter().filter(|e| e.event_id >= req.from_event_id) {
+            let bytes = e.to_wire().map_err(|err| PlaneError::Codec {
+                what: "kv_event",
+                reason: err.to_string(),
+            })?;
+            self.plane.publish(&self.subject, bytes).await?;
+            n += 1;
+        }
+        Ok(ResyncOutcome::Replayed(n))
+    }
+
+    /// Subscribes to the resync subject (ready on return) and serves requests
+    /// in a background task until the returned handle is aborted or dropped
+    /// with the runtime.
+    ///
+    /// # Errors
+    /// The plane's subscribe error.
+    pub async fn serve_resync(self: &Arc<Self>) -> Result<tokio::task::JoinHandle<()>, PlaneError> {
+        let mut sub = self
+            .plane
+            .subscribe(&resync_subject(&self.subject)?)
+            .await?;
+        let me = Arc::clone(self);
+        Ok(tokio::spawn(async move {
+            while let Some(m) = sub.next().await {
+                match rmp_serde::from_slice::<ResyncRequest>(&m.payload) {
+                    Ok(req) => {
+                        if let Err(e) = me.handle_resync(&req).await {
+                            tracing::warn!(error = %e, "resync replay failed");
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "undecodable resync request"),
+                }
+            }
+        }))
+    }
+}
+
+/// What a [`KvEventReceiver`] yields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvStreamItem {
+    /// The next event of its publisher, in id order.
+    Event(KvEvent),
+    /// Events `from_event_id..=to_event_id` of `publisher` could not be
+    /// recovered: resync its whole inventory.
+    Lost {
+        /// Publisher.
+        publisher: EngineId,
+        /// First lost id.
+        from_event_id: u64,
+        /// Last lost id.
+        to_event_id: u64,
+    },
+}
+
+/// Counters of a receiver.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReceiverStats {
+    /// Events delivered in order.
+    pub delivered: u64,
+    /// Events dropped as already delivered.
+    pub duplicates: u64,
+    /// Gaps seen (each sends one resync request).
+    pub gaps: u64,
+    /// Gaps that ended in [`KvStreamItem::Lost`].
+    pub lost: u64,
+    /// Payloads that did not decode as a KV event.
+    pub undecodable: u64,
+}
+
+#[derive(Default)]
+struct PublisherTrack {
+    next_expected: u64,
+    held: BTreeMap<u64, KvEvent>,
+    gap_deadline: Option<Instant>,
+}
+
+/// Receives KV events in per-publisher id order, repairing gaps by resync.
+pub struct KvEventReceiver {
+    sub: Subscription,
+    plane: Arc<dyn EventPlane>,
+    resync: Subject,
+    gap_timeout: Duration,
+    tracks: HashMap<EngineId, PublisherTrack>,
+    ready: VecDeque<KvStreamItem>,
+    stats: ReceiverStats,
+}
+
+impl std::fmt::Debug for KvEventReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvEventReceiver")
+            .field("sub", &self.sub)
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+impl KvEventReceiver {
+    /// Subscribes to `events` (ready on return). A gap not repaired within
+    /// `gap_timeout` becomes [`KvStreamItem::Lost`].
+    ///
+    /// # Errors
+    /// The plane's subscribe error.
+    pub async fn subscribe(
+        plane: Arc<dyn EventPlane>,
+        events: &Subject,
+        gap_timeout: Duration,
+    ) -> Result<Self, PlaneError> {
+        let sub = plane.subscribe(events).await?;
+        Ok(Self {
+            sub,
+            resync: resync_subject(events)?,
+            plane,
+            gap_timeout,
+            tracks: HashMap::new(),
+            ready: VecDeque::new(),
+            stats: ReceiverStats::default(),
+        })
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> ReceiverStats {
+        self.stats
+    }
+
+    /// Next item; `None` when the plane closed.
+    pub async fn next(&mut self) -> Option<KvStreamItem> {
+        loop {
+            if let Some(item) = self.ready.pop_front() {
+                return Some(item);
+            }
+            let deadline = self.tracks.values().filter_map(|t| t.gap_deadline).min();
+            let msg = match deadline {
+                Some(d) => match tokio::time::timeout_at(d, self.sub.next()).await {
+                    Ok(m) => m,
+                    Err(_) => {
+                        self.expire_gaps();
+                        continue;
+                    }
+                },
+                None => self.sub.next().await,
+            };
+            let msg = msg?;
+            match KvEvent::from_wire(&msg.payload) {
+                Ok(e) => self.accept(e).await,
+                Err(e) => {
+                    self.stats.undecodable += 1;
+                    tracing::warn!(error = %e, subject = %msg.subject, "undecodable KV event");
+                }
+            }
+        }
+    }
+
+    /// Like [`KvEventReceiver::next`] with an overall timeout.
+    pub async fn next_timeout(&mut self, timeout: Duration) -> Option<KvStreamItem> {
+        tokio::time::timeout(timeout, self.next())
+            .await
+            .ok()
+            .flatten()
+    }
+
+    async fn accept(&mut self, e: KvEvent) {
+        let publisher = e.publisher;
+        let track = self
+            .tracks
+            .entry(publisher)
+            .or_insert_with(|| PublisherTrack {
+                next_expected: 1,
+                ..Default::default()
+            });
+        let id = e.event_id;
+        if id < track.next_expected || track.held.contains_key(&id) {
+            self.stats.duplicates += 1;
+            return;
+        }
+        if id > track.next_expected {
+            track.held.insert(id, e);
+            if track.gap_deadline.is_none() {
+                track.gap_deadline = Some(Instant::now() + self.gap_timeout);
+                self.stats.gaps += 1;
+                let req = ResyncRequest {
+                    publisher,
+                    from_event_id: track.next_expected,
+                };
+                self.send_resync(req).await;
+            }
+            return;
+        }
+        self.ready.push_back(KvStreamItem::Event(e));
+        self.stats.delivered += 1;
+        track.next_expected += 1;
+        Self::drain(track, &mut self.ready, &mut self.stats);
+    }
+
+    async fn send_resync(&self, req: ResyncRequest) {
+        match rmp_serde::to_vec_named(&req) {
+            Ok(bytes) => {
+                if let Err(e) = self.plane.publish(&self.resync, bytes).await {
+                    // The gap timeout still reports the loss.
+                    tracing::warn!(error = %e, "resync request not sent");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "resync request not encoded"),
+        }
+    }
+
+    /// Moves held events that are now contiguous to `ready`.
+    fn drain(
+        track: &mut PublisherTrack,
+        ready: &mut VecDeque<KvStreamItem>,
+        stats: &mut ReceiverStats,
+    ) {
+        while let Some(e) = track.held.remove(&track.next_expected) {
+            ready.push_back(KvStreamItem::Event(e));
+            stats.delivered += 1;
+            track.next_expected += 1;
+        }
+        if track.held.is_empty() {
+            track.gap_deadline = None;
+        }
+    }
+
+    fn expire_gaps(&mut self) {
+        let now = Instant::now();
+        for (publisher, track) in self.tracks.iter_mut() {
+            if track.gap_deadline.is_some_and(|d| d <= now) {
+                let Some((&first_held, _)) = track.held.iter().next() else {
+                    track.gap_deadline = None;
+                    continue;
+                };
+                self.ready.push_back(KvStreamItem::Lost {
+                    publisher: *publisher,
+                    from_event_id: track.next_expected,
+                    to_event_id: first_held - 1,
+                });
+                self.stats.lost += 1;
+                track.next_expected = first_held;
+                track.gap_deadline = None;
+                Self::drain(track, &mut self.ready, &mut self.stats);
+                // A second hole behind the first gets its own deadline (and
+                // is reported lost when it passes) without a second request:
+                // the replay already asked for everything from the first hole.
+                if !track.held.is_empty() {
+                    track.gap_deadline = Some(now + self.gap_timeout);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,9 @@
+//! Unit and integration tests of the crate (one test binary keeps linking cheap).
+
+mod calibration;
+mod cost;
+mod event_plane;
+mod hint_validation;
+mod kv_events;
+mod nats;
+mod settings;
