@@ -179,12 +179,19 @@ fn ttft_plot(path: &Path, replays: &[(&str, &TtftSamples)]) -> Result<(), String
             ]
         })
         .collect();
+    // TTFTs span orders of magnitude (a cached prefix vs a long queue): log x.
+    let x_min = series
+        .iter()
+        .flat_map(|(_, v, _)| v.iter().copied().find(|x| *x > 0.0))
+        .fold(f64::INFINITY, f64::min)
+        .clamp(1e-3, 1e9)
+        * 0.9;
     let x_max = series
         .iter()
         .filter_map(|(_, v, _)| v.last().copied())
         .fold(0.0_f64, f64::max)
-        .max(1e-3)
-        * 1.05;
+        .max(x_min * 10.0)
+        * 1.1;
     let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)
@@ -192,17 +199,21 @@ fn ttft_plot(path: &Path, replays: &[(&str, &TtftSamples)]) -> Result<(), String
         .margin(16)
         .x_label_area_size(44)
         .y_label_area_size(56)
-        .build_cartesian_2d(0.0..x_max, 0.0..1.0)
+        .build_cartesian_2d((x_min..x_max).log_scale(), 0.0..1.0)
         .map_err(|e| err(&e))?;
     chart
         .configure_mesh()
-        .x_desc("TTFT (ms)")
+        .x_desc("TTFT (ms, log scale)")
         .y_desc("fraction of requests")
         .draw()
         .map_err(|e| err(&e))?;
     for (label, v, color) in series {
         let n = v.len() as f64;
-        let points = v.iter().enumerate().map(|(i, x)| (*x, (i + 1) as f64 / n));
+        let points = v
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| **x > 0.0)
+            .map(|(i, x)| (*x, (i + 1) as f64 / n));
         chart
             .draw_series(LineSeries::new(points, color.stroke_width(2)))
             .map_err(|e| err(&e))?
