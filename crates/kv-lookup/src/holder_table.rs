@@ -2,16 +2,25 @@
 //!
 //! One table serves one *worker group* (worker slots `64g .. 64g + 63`), so a
 //! holder set is one `u64` bitset per tier and a donor walk is a chain of
-//! `AND`s. The table is open addressing with linear probing over one flat
-//! array of cache-line-sized slots: a probe costs one cache line, and the
-//! lookup can prefetch the slot of a block before it needs it
-//! ([`HolderTable::prefetch`]), which `std`'s `HashMap` cannot offer.
+//! `AND`s.
+//!
+//! Layout, chosen for the donor walk: entries (hash + tier bitsets) live in
+//! *runs*, arrays filled in the order in which a Stored event announced new
+//! blocks, i.e. in chain order. A small open-addressing index maps a hash to
+//! its entry (`run`, `offset`). A walk that found block `i` at `(r, o)` first
+//! checks `(r, o + 1)` for block `i + 1`: consecutive blocks of a stored
+//! conversation are adjacent in memory, so a walk reads memory sequentially and
+//! only goes through the index (a random access, prefetched) where a run
+//! ends. This is what a compressed radix tree gains from its edges, without a
+//! tree to keep balanced.
 //!
 //! Invariants:
-//! - A slot is occupied iff one of its tier bitsets is non-zero; an entry
-//!   whose last bit is cleared is deleted at once (backward-shift deletion,
-//!   so there are no tombstones and probe chains stay short).
-//! - Load factor stays at or below 3/4 (the table doubles before it passes).
+//! - Every hash with at least one holder bit has exactly one entry, and the
+//!   index points at it. An entry whose last bit is cleared leaves the index
+//!   at once (backward-shift deletion, no tombstones); its run position stays
+//!   with all bits zero (*dead*) and a walk never trusts a dead position.
+//! - A run whose entries are all dead is freed and its id reused.
+//! - The index's load factor stays at or below 3/4.
 
 use kv_descriptor::{SequenceHash, StorageTier};
 
@@ -48,36 +57,63 @@ pub(crate) const ALL_TIERS: [StorageTier; TIERS] = [
 /// `w` of the group holds the block in tier `t`.
 pub(crate) type TierBits = [u64; TIERS];
 
-/// One slot, padded to a cache line so that a probe touches one line.
-#[derive(Clone, Copy, Default)]
-#[repr(C, align(64))]
-struct Slot {
+const NO_BITS: TierBits = [0; TIERS];
+
+#[inline]
+fn is_zero(bits: &TierBits) -> bool {
+    bits.iter().all(|&b| b == 0)
+}
+
+/// How far ahead (in hashes) event application prefetches index slots:
+/// enough outstanding misses to cover DRAM latency, few enough not to waste
+/// bandwidth.
+pub(crate) const PREFETCH_DISTANCE: usize = 8;
+
+/// One block's entry inside a run.
+#[derive(Clone, Copy)]
+struct Entry {
     key: u64,
     bits: TierBits,
 }
 
-impl Slot {
-    #[inline]
-    fn is_empty(&self) -> bool {
-        self.bits.iter().all(|&b| b == 0)
-    }
+/// Entries in the order a Stored event announced them.
+#[derive(Default)]
+struct Run {
+    entries: Vec<Entry>,
+    /// Entries with a non-zero bit.
+    live: u32,
 }
 
-/// How far ahead (in hashes) walks and event application prefetch slots:
-/// enough outstanding misses to cover DRAM latency, few enough not to waste
-/// bandwidth when a walk stops early.
-pub(crate) const PREFETCH_DISTANCE: usize = 8;
+/// Where an entry lives.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct Loc {
+    run: u32,
+    off: u32,
+}
 
-/// Smallest capacity (slots); a power of two.
+/// Index slot: hash -> entry location; `run == EMPTY` marks a free slot.
+#[derive(Clone, Copy)]
+struct Slot {
+    key: u64,
+    loc: Loc,
+}
+
+const EMPTY: u32 = u32::MAX;
+const FREE_SLOT: Slot = Slot {
+    key: 0,
+    loc: Loc { run: EMPTY, off: 0 },
+};
+
+/// Smallest index capacity (slots); a power of two.
 const MIN_CAPACITY: usize = 1024;
 
 /// Fibonacci-hashing multiplier (2^64 / golden ratio). Sequence hashes are
 /// already XXH3 outputs, but tests and callers also use small integers; the
-/// multiply spreads those over the table, and taking the top bits keeps the
+/// multiply spreads those over the index, and taking the top bits keeps the
 /// best-mixed part.
 const SPREAD: u64 = 0x9E37_79B9_7F4A_7C15;
 
-/// Open-addressing map from sequence hash to tier bitsets of one worker group.
+/// Hash -> tier bitsets of one worker group (see the module docs).
 pub(crate) struct HolderTable {
     slots: Vec<Slot>,
     /// `capacity - 1`.
@@ -85,18 +121,29 @@ pub(crate) struct HolderTable {
     /// `64 - log2(capacity)`.
     shift: u32,
     len: usize,
+    runs: Vec<Run>,
+    free_runs: Vec<u32>,
+    /// Run that new entries of the current Stored event append to.
+    open_run: Option<u32>,
 }
 
+/// Position of a walk: the entry of the last block found, if any.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Cursor(Option<Loc>);
+
 impl HolderTable {
-    /// A table that holds `expected` entries without growing.
+    /// A table that holds `expected` entries without rehashing its index.
     pub(crate) fn with_capacity(expected: usize) -> Self {
         let want = expected.saturating_mul(4) / 3 + 1;
         let cap = want.next_power_of_two().max(MIN_CAPACITY);
         Self {
-            slots: vec![Slot::default(); cap],
+            slots: vec![FREE_SLOT; cap],
             mask: cap - 1,
             shift: 64 - cap.trailing_zeros(),
             len: 0,
+            runs: Vec::new(),
+            free_runs: Vec::new(),
+            open_run: None,
         }
     }
 
@@ -105,9 +152,14 @@ impl HolderTable {
         self.len
     }
 
-    /// Bytes of the slot array (the table's memory, excluding `self`).
+    /// Bytes of the index and the runs' entries (capacity, not just use).
     pub(crate) fn memory_bytes(&self) -> usize {
         self.slots.len() * std::mem::size_of::<Slot>()
+            + self
+                .runs
+                .iter()
+                .map(|r| r.entries.capacity() * std::mem::size_of::<Entry>())
+                .sum::<usize>()
     }
 
     #[inline]
@@ -115,91 +167,173 @@ impl HolderTable {
         (key.wrapping_mul(SPREAD) >> self.shift) as usize
     }
 
-    /// Asks the CPU to load the home slot of `hash` (see [`prefetch_read`]).
+    /// Asks the CPU to load the index slot of `hash` (see [`prefetch_read`]).
     #[inline]
     pub(crate) fn prefetch(&self, hash: SequenceHash) {
         let i = self.home(hash.0);
         prefetch_read(self.slots.as_ptr().wrapping_add(i));
     }
 
-    /// Tier bitsets of `hash`, or all zero when no worker of the group holds it.
+    /// Index slot holding `key`, if any.
     #[inline]
-    pub(crate) fn get(&self, hash: SequenceHash) -> TierBits {
-        let mut i = self.home(hash.0);
+    fn find(&self, key: u64) -> Option<usize> {
+        let mut i = self.home(key);
         loop {
             let s = &self.slots[i];
-            if s.is_empty() {
-                return [0; TIERS];
+            if s.loc.run == EMPTY {
+                return None;
             }
-            if s.key == hash.0 {
-                return s.bits;
+            if s.key == key {
+                return Some(i);
             }
             i = (i + 1) & self.mask;
         }
+    }
+
+    #[inline]
+    fn entry(&self, loc: Loc) -> &Entry {
+        &self.runs[loc.run as usize].entries[loc.off as usize]
+    }
+
+    #[inline]
+    fn entry_mut(&mut self, loc: Loc) -> &mut Entry {
+        &mut self.runs[loc.run as usize].entries[loc.off as usize]
+    }
+
+    /// Tier bitsets of `hash`, or all zero when no worker of the group holds it.
+    pub(crate) fn get(&self, hash: SequenceHash) -> TierBits {
+        match self.find(hash.0) {
+            Some(i) => self.entry(self.slots[i].loc).bits,
+            None => NO_BITS,
+        }
+    }
+
+    /// Walk step: bitsets of `hash`, the block after the one `cursor` is on.
+    /// Tries the next entry of the cursor's run first (sequential memory),
+    /// the index otherwise; moves the cursor to the entry found.
+    #[inline]
+    pub(crate) fn step(&self, cursor: &mut Cursor, hash: SequenceHash) -> TierBits {
+        if let Some(loc) = cursor.0 {
+            let next = Loc {
+                run: loc.run,
+                off: loc.off + 1,
+            };
+            if let Some(e) = self.runs[loc.run as usize].entries.get(next.off as usize) {
+                // A dead entry (all zero) may have been re-stored elsewhere:
+                // only a live one is the hash's unique entry.
+                if e.key == hash.0 && !is_zero(&e.bits) {
+                    cursor.0 = Some(next);
+                    return e.bits;
+                }
+            }
+        }
+        match self.find(hash.0) {
+            Some(i) => {
+                let loc = self.slots[i].loc;
+                cursor.0 = Some(loc);
+                self.entry(loc).bits
+            }
+            None => {
+                cursor.0 = None;
+                NO_BITS
+            }
+        }
+    }
+
+    /// Ends the current Stored event: its new entries stop sharing a run
+    /// with the next event's.
+    pub(crate) fn close_run(&mut self) {
+        self.open_run = None;
     }
 
     /// Sets bit `bit` of tier `tier` for `hash`; returns true if it was clear.
+    /// A new hash is appended to the open run (one run per Stored event).
     pub(crate) fn set(&mut self, hash: SequenceHash, tier: usize, bit: u32) -> bool {
+        let flag = 1u64 << bit;
+        if let Some(i) = self.find(hash.0) {
+            let loc = self.slots[i].loc;
+            let e = self.entry_mut(loc);
+            let was_clear = e.bits[tier] & flag == 0;
+            e.bits[tier] |= flag;
+            return was_clear;
+        }
         if (self.len + 1) * 4 > self.slots.len() * 3 {
             self.grow();
         }
-        let flag = 1u64 << bit;
+        let run = match self.open_run {
+            Some(r) => r,
+            None => {
+                let r = match self.free_runs.pop() {
+                    Some(r) => r,
+                    None => {
+                        self.runs.push(Run::default());
+                        (self.runs.len() - 1) as u32
+                    }
+                };
+                self.open_run = Some(r);
+                r
+            }
+        };
+        let mut bits = NO_BITS;
+        bits[tier] = flag;
+        let r = &mut self.runs[run as usize];
+        let loc = Loc {
+            run,
+            off: r.entries.len() as u32,
+        };
+        r.entries.push(Entry { key: hash.0, bits });
+        r.live += 1;
         let mut i = self.home(hash.0);
-        loop {
-            let s = &mut self.slots[i];
-            if s.is_empty() {
-                s.key = hash.0;
-                s.bits = [0; TIERS];
-                s.bits[tier] = flag;
-                self.len += 1;
-                return true;
-            }
-            if s.key == hash.0 {
-                let was_clear = s.bits[tier] & flag == 0;
-                s.bits[tier] |= flag;
-                return was_clear;
-            }
+        while self.slots[i].loc.run != EMPTY {
             i = (i + 1) & self.mask;
         }
+        self.slots[i] = Slot { key: hash.0, loc };
+        self.len += 1;
+        true
     }
 
     /// Clears bit `bit` of tier `tier` for `hash`; returns true if it was set.
-    /// Deletes the entry when its last bit goes.
+    /// The entry dies when its last bit goes.
     pub(crate) fn clear(&mut self, hash: SequenceHash, tier: usize, bit: u32) -> bool {
         let flag = 1u64 << bit;
-        let mut i = self.home(hash.0);
-        loop {
-            let s = &mut self.slots[i];
-            if s.is_empty() {
-                return false;
-            }
-            if s.key == hash.0 {
-                if s.bits[tier] & flag == 0 {
-                    return false;
-                }
-                s.bits[tier] &= !flag;
-                if s.is_empty() {
-                    self.len -= 1;
-                    self.backward_shift(i);
-                }
-                return true;
-            }
-            i = (i + 1) & self.mask;
+        let Some(i) = self.find(hash.0) else {
+            return false;
+        };
+        let loc = self.slots[i].loc;
+        let e = self.entry_mut(loc);
+        if e.bits[tier] & flag == 0 {
+            return false;
         }
+        e.bits[tier] &= !flag;
+        if is_zero(&e.bits) {
+            self.len -= 1;
+            self.backward_shift(i);
+            let r = &mut self.runs[loc.run as usize];
+            r.live -= 1;
+            if r.live == 0 {
+                r.entries = Vec::new();
+                self.free_runs.push(loc.run);
+                if self.open_run == Some(loc.run) {
+                    self.open_run = None;
+                }
+            }
+        }
+        true
     }
 
     /// Refills the hole at `hole` from later slots of its probe run so that
     /// every remaining key stays reachable from its home slot (Knuth's
     /// Algorithm R for linear probing).
     fn backward_shift(&mut self, mut hole: usize) {
+        self.slots[hole] = FREE_SLOT;
         let mut j = hole;
         loop {
             j = (j + 1) & self.mask;
-            if self.slots[j].is_empty() {
+            if self.slots[j].loc.run == EMPTY {
                 return;
             }
             let home = self.home(self.slots[j].key);
-            // The entry at `j` may move to `hole` only if `hole` lies on its
+            // The slot at `j` may move to `hole` only if `hole` lies on its
             // probe path, i.e. cyclically in [home, j).
             let movable = if hole <= j {
                 home <= hole || home > j
@@ -208,23 +342,24 @@ impl HolderTable {
             };
             if movable {
                 self.slots[hole] = self.slots[j];
-                self.slots[j].bits = [0; TIERS];
+                self.slots[j] = FREE_SLOT;
                 hole = j;
             }
         }
     }
 
     fn grow(&mut self) {
-        let mut bigger = HolderTable::with_capacity(self.slots.len()); // doubles: cap*4/3 rounds up
-        for s in self.slots.iter().filter(|s| !s.is_empty()) {
-            let mut i = bigger.home(s.key);
-            while !bigger.slots[i].is_empty() {
-                i = (i + 1) & bigger.mask;
+        let cap = self.slots.len() * 2;
+        let old = std::mem::replace(&mut self.slots, vec![FREE_SLOT; cap]);
+        self.mask = cap - 1;
+        self.shift = 64 - cap.trailing_zeros();
+        for s in old.into_iter().filter(|s| s.loc.run != EMPTY) {
+            let mut i = self.home(s.key);
+            while self.slots[i].loc.run != EMPTY {
+                i = (i + 1) & self.mask;
             }
-            bigger.slots[i] = *s;
-            bigger.len += 1;
+            self.slots[i] = s;
         }
-        *self = bigger;
     }
 }
 
@@ -243,6 +378,7 @@ mod tests {
             assert!(t.set(SequenceHash(k), n % TIERS, (n % 64) as u32));
             assert!(!t.set(SequenceHash(k), n % TIERS, (n % 64) as u32));
         }
+        t.close_run();
         assert_eq!(t.len(), 3000);
         assert!(t.slots.len() >= 4000, "grew to keep load <= 3/4");
         for (n, &k) in keys.iter().enumerate() {
@@ -265,22 +401,58 @@ mod tests {
         }
     }
 
+    #[test]
+    fn walk_follows_runs_and_never_trusts_a_dead_entry() {
+        let mut t = HolderTable::with_capacity(0);
+        let chain: Vec<SequenceHash> = (1..=6).map(SequenceHash).collect();
+        for h in &chain {
+            t.set(*h, 4, 0);
+        }
+        t.close_run();
+        // Block 3 dies in run 0, then is stored again by worker 1 (new run).
+        assert!(t.clear(chain[3], 4, 0));
+        t.set(chain[3], 4, 1);
+        t.close_run();
+        let mut c = Cursor::default();
+        let got: Vec<u64> = chain.iter().map(|h| t.step(&mut c, *h)[4]).collect();
+        assert_eq!(got, vec![1, 1, 1, 2, 1, 1]);
+        // All of run 0 dying frees it for reuse.
+        for h in chain.iter().filter(|h| **h != chain[3]) {
+            t.clear(*h, 4, 0);
+        }
+        assert_eq!((t.free_runs.len(), t.len()), (1, 1));
+        t.set(SequenceHash(99), 0, 5);
+        assert_eq!(t.free_runs.len(), 0, "the freed run is reused");
+        assert_eq!(t.get(chain[3])[4], 2);
+    }
+
     proptest::proptest! {
         #[test]
-        fn matches_a_hashmap(ops in proptest::collection::vec((0u64..200, 0usize..TIERS, 0u32..64, proptest::bool::ANY), 1..600)) {
+        fn matches_a_hashmap(
+            ops in proptest::collection::vec((0u64..200, 0usize..TIERS, 0u32..64, 0u8..3), 1..600),
+            order in proptest::collection::vec(0u64..200, 0..300),
+        ) {
             let mut t = HolderTable::with_capacity(0);
             let mut m: HashMap<u64, TierBits> = HashMap::new();
-            for (k, tier, bit, set) in ops {
+            for (k, tier, bit, op) in ops {
                 // Multiply so that keys cluster on few home slots.
                 let key = k.wrapping_mul(1 << 54);
                 let e = m.entry(key).or_default();
                 let before = e[tier] & (1 << bit) != 0;
-                if set {
-                    proptest::prop_assert_eq!(t.set(SequenceHash(key), tier, bit), !before);
-                    e[tier] |= 1 << bit;
-                } else {
-                    proptest::prop_assert_eq!(t.clear(SequenceHash(key), tier, bit), before);
-                    e[tier] &= !(1 << bit);
+                match op {
+                    0 => {
+                        proptest::prop_assert_eq!(t.clear(SequenceHash(key), tier, bit), before);
+                        e[tier] &= !(1 << bit);
+                    }
+                    1 => {
+                        proptest::prop_assert_eq!(t.set(SequenceHash(key), tier, bit), !before);
+                        e[tier] |= 1 << bit;
+                    }
+                    _ => {
+                        proptest::prop_assert_eq!(t.set(SequenceHash(key), tier, bit), !before);
+                        e[tier] |= 1 << bit;
+                        t.close_run();
+                    }
                 }
                 if e.iter().all(|&b| b == 0) {
                     m.remove(&key);
@@ -290,6 +462,12 @@ mod tests {
             for k in 0u64..200 {
                 let key = k.wrapping_mul(1 << 54);
                 proptest::prop_assert_eq!(t.get(SequenceHash(key)), m.get(&key).copied().unwrap_or_default());
+            }
+            // A walk in any order sees the same bits as point lookups.
+            let mut c = Cursor::default();
+            for k in order {
+                let key = k.wrapping_mul(1 << 54);
+                proptest::prop_assert_eq!(t.step(&mut c, SequenceHash(key)), m.get(&key).copied().unwrap_or_default());
             }
         }
     }

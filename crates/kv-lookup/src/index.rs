@@ -519,6 +519,7 @@ impl State {
                 changed += 1;
             }
         }
+        table.close_run();
         rec.live[tier] += changed;
         if rec.log_needs_compaction(tier) {
             compact_log(table, rec, tier, bit);

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use kv_descriptor::{EngineId, Role, SequenceHash};
 
-use crate::holder_table::{tier_index, HolderTable, PREFETCH_DISTANCE};
+use crate::holder_table::{tier_index, Cursor, HolderTable};
 use crate::index::{split, State};
 use crate::worker::WorkerKey;
 use crate::InventoryIndex;
@@ -14,10 +14,10 @@ use kv_descriptor::StorageTier;
 const DEVICE: usize = tier_index(StorageTier::Device);
 const RETAINED: usize = tier_index(StorageTier::RetainedGpuDirect);
 
-/// Probes between two clock reads. Reading the clock costs about as much as
-/// a cached probe, so checking every probe would halve lookup speed; the
-/// time budget can therefore be overrun by at most this many probes
-/// (well under a microsecond with prefetching).
+/// Probes between two clock reads. Reading the clock costs several times a
+/// sequential probe, so checking every probe would dominate lookup time; the
+/// time budget can therefore be overrun by at most this many probes (at
+/// most 16 index misses, a few microseconds in the worst case).
 pub const CLOCK_CHECK_INTERVAL: u32 = 16;
 
 /// Work and time a lookup may spend.
@@ -181,18 +181,13 @@ fn walk_group(
     let n = hashes.len();
     let mut out = GroupWalk::default();
     let (mut active, mut native, mut retained) = (donors, target, target);
-    for h in hashes.iter().take(PREFETCH_DISTANCE) {
-        table.prefetch(*h);
-    }
+    let mut cursor = Cursor::default();
     let mut i = 0;
     while i < n && (active | native | retained) != 0 {
         if !meter.charge() {
             break;
         }
-        if let Some(h) = hashes.get(i + PREFETCH_DISTANCE) {
-            table.prefetch(*h);
-        }
-        let bits = table.get(hashes[i]);
+        let bits = table.step(&mut cursor, hashes[i]);
         let next = active & bits[RETAINED];
         if next == 0 && active != 0 {
             out.best = active;
