@@ -335,3 +335,36 @@ impl CopyBackend for CudaCopyBackend {
         })
     }
 }
+
+/// Times `repeats` plain `cuMemcpyDtoDAsync` calls of `bytes` from `src` to
+/// `dst` (device pointers in this process), each followed by a stream
+/// synchronize, on device `ordinal`: the raw-copy baseline of the benchmark.
+/// One untimed warm-up copy runs first.
+///
+/// # Errors
+/// [`TransferError::Cuda`] naming the failing call.
+pub fn time_raw_device_copy(
+    ordinal: u32,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    repeats: usize,
+) -> Result<Vec<std::time::Duration>, TransferError> {
+    let ctx = CudaContext::new(ordinal as usize).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+    let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
+    let mut out = Vec::with_capacity(repeats);
+    for i in 0..=repeats {
+        let t0 = std::time::Instant::now();
+        // SAFETY: the caller passes two live device ranges of `bytes` bytes
+        // that nothing else uses during the benchmark.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
+            .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
+        if i > 0 {
+            out.push(t0.elapsed());
+        }
+    }
+    Ok(out)
+}

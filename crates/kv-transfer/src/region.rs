@@ -9,7 +9,7 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use kv_bank::{BankMemory, MemoryKind};
+use kv_bank::{BankError, BankMemory, MemoryKind};
 use kv_descriptor::ExportHandle;
 
 use crate::TransferError;
@@ -91,5 +91,31 @@ impl BankMemory for HostBuffer {
     }
     fn export_handle(&self) -> Option<ExportHandle> {
         None
+    }
+    fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
+        self.check(offset, src.len())?;
+        // SAFETY: the range lies inside the allocation (checked above);
+        // `ptr::copy` is a memmove, so `src` may even alias this buffer.
+        unsafe { std::ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len()) };
+        Ok(())
+    }
+    fn read_bytes(&self, offset: usize, dst: &mut [u8]) -> Result<(), BankError> {
+        self.check(offset, dst.len())?;
+        dst.copy_from_slice(&self.as_slice()[offset..offset + dst.len()]);
+        Ok(())
+    }
+}
+
+impl HostBuffer {
+    fn check(&self, offset: usize, len: usize) -> Result<(), BankError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.layout.size() => Ok(()),
+            _ => Err(BankError::OutOfRange {
+                field: "offset",
+                offset: offset as u64,
+                len: len as u64,
+                region_len: self.layout.size() as u64,
+            }),
+        }
     }
 }

@@ -1,0 +1,85 @@
+//! Runs the kv-transfer oracle or benchmark and prints JSON, for machines
+//! where `cargo xtask` is not available (e.g. a lent GPU node).
+//!
+//! ```text
+//! transfer_check oracle cpu|gpu [native|nixl]
+//! transfer_check bench  cpu|gpu [--quick] [--no-nixl] [--repeats N]
+//! ```
+//! Exit status 1 when the oracle fails or anything errors.
+
+use kv_transfer::bench::{self, BenchOpts};
+use kv_transfer::oracle::{self, OracleBackend, Profile};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let usage = "usage: transfer_check oracle cpu|gpu [native|nixl] | bench cpu|gpu [--quick] [--no-nixl] [--repeats N]";
+    let (Some(what), Some(profile)) = (args.first(), args.get(1)) else {
+        eprintln!("{usage}");
+        std::process::exit(2);
+    };
+    let profile: Profile = profile.parse().unwrap_or_else(|e| {
+        eprintln!("{e}\n{usage}");
+        std::process::exit(2)
+    });
+    match what.as_str() {
+        "oracle" => {
+            let backend = match args.get(2).map(String::as_str) {
+                None | Some("native") => OracleBackend::Native,
+                Some("nixl") => OracleBackend::Nixl,
+                Some(other) => {
+                    eprintln!("unknown backend `{other}`\n{usage}");
+                    std::process::exit(2)
+                }
+            };
+            match oracle::run_backend(profile, backend) {
+                Ok(r) => {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&r).expect("report serializes")
+                    );
+                    println!("passed: {}", r.passed());
+                    std::process::exit(if r.passed() { 0 } else { 1 });
+                }
+                Err(e) => {
+                    eprintln!("oracle error: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+        "bench" => {
+            let mut opts = BenchOpts {
+                profile,
+                ..BenchOpts::default()
+            };
+            let mut it = args[2..].iter();
+            while let Some(a) = it.next() {
+                match a.as_str() {
+                    "--quick" => opts.quick = true,
+                    "--no-nixl" => opts.nixl = false,
+                    "--repeats" => {
+                        opts.repeats = it.next().and_then(|n| n.parse().ok()).unwrap_or(10)
+                    }
+                    other => {
+                        eprintln!("unknown flag `{other}`\n{usage}");
+                        std::process::exit(2);
+                    }
+                }
+            }
+            match bench::run(&opts) {
+                Ok(rows) => {
+                    for r in &rows {
+                        println!("{}", serde_json::to_string(r).expect("row serializes"));
+                    }
+                }
+                Err(e) => {
+                    eprintln!("bench error: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+        _ => {
+            eprintln!("{usage}");
+            std::process::exit(2);
+        }
+    }
+}
