@@ -59,29 +59,58 @@ pub(crate) type TierBits = [u64; TIERS];
 
 const NO_BITS: TierBits = [0; TIERS];
 
-#[inline]
-fn is_zero(bits: &TierBits) -> bool {
-    bits.iter().all(|&b| b == 0)
-}
-
 /// How far ahead (in hashes) event application prefetches index slots:
 /// enough outstanding misses to cover DRAM latency, few enough not to waste
 /// bandwidth.
 pub(crate) const PREFETCH_DISTANCE: usize = 8;
 
-/// One block's entry inside a run.
-#[derive(Clone, Copy)]
-struct Entry {
-    key: u64,
-    bits: TierBits,
-}
-
-/// Entries in the order a Stored event announced them.
+/// Entries in the order a Stored event announced them, as parallel arrays
+/// so that a walk streams only what it reads: keys and the two tiers a donor
+/// lookup needs (`hot`: device, retained), 24 bytes per block.
 #[derive(Default)]
 struct Run {
-    entries: Vec<Entry>,
+    keys: Vec<u64>,
+    /// `[device, retained]` bitsets.
+    hot: Vec<[u64; 2]>,
+    /// `[host_pinned, disk, external]` bitsets.
+    cold: Vec<[u64; 3]>,
     /// Entries with a non-zero bit.
     live: u32,
+}
+
+/// Position of `tier` in a run: `(is_hot, index)`.
+#[inline]
+const fn place(tier: usize) -> (bool, usize) {
+    match tier {
+        0 => (true, HOT_DEVICE),
+        4 => (true, HOT_RETAINED),
+        t => (false, t - 1),
+    }
+}
+
+/// Index of the device tier in a walk step's result.
+pub(crate) const HOT_DEVICE: usize = 0;
+/// Index of the retained tier in a walk step's result.
+pub(crate) const HOT_RETAINED: usize = 1;
+
+impl Run {
+    #[inline]
+    fn word(&mut self, off: usize, tier: usize) -> &mut u64 {
+        match place(tier) {
+            (true, i) => &mut self.hot[off][i],
+            (false, i) => &mut self.cold[off][i],
+        }
+    }
+
+    #[inline]
+    fn is_live(&self, off: usize) -> bool {
+        self.hot[off] != [0; 2] || self.cold[off] != [0; 3]
+    }
+
+    fn bits(&self, off: usize) -> TierBits {
+        let (h, c) = (self.hot[off], self.cold[off]);
+        [h[HOT_DEVICE], c[0], c[1], c[2], h[HOT_RETAINED]]
+    }
 }
 
 /// Where an entry lives.
@@ -158,7 +187,7 @@ impl HolderTable {
             + self
                 .runs
                 .iter()
-                .map(|r| r.entries.capacity() * std::mem::size_of::<Entry>())
+                .map(|r| r.keys.capacity() * (8 + 16 + 24))
                 .sum::<usize>()
     }
 
@@ -190,52 +219,45 @@ impl HolderTable {
         }
     }
 
-    #[inline]
-    fn entry(&self, loc: Loc) -> &Entry {
-        &self.runs[loc.run as usize].entries[loc.off as usize]
-    }
-
-    #[inline]
-    fn entry_mut(&mut self, loc: Loc) -> &mut Entry {
-        &mut self.runs[loc.run as usize].entries[loc.off as usize]
-    }
-
     /// Tier bitsets of `hash`, or all zero when no worker of the group holds it.
     pub(crate) fn get(&self, hash: SequenceHash) -> TierBits {
         match self.find(hash.0) {
-            Some(i) => self.entry(self.slots[i].loc).bits,
+            Some(i) => {
+                let loc = self.slots[i].loc;
+                self.runs[loc.run as usize].bits(loc.off as usize)
+            }
             None => NO_BITS,
         }
     }
 
-    /// Walk step: bitsets of `hash`, the block after the one `cursor` is on.
-    /// Tries the next entry of the cursor's run first (sequential memory),
-    /// the index otherwise; moves the cursor to the entry found.
+    /// Walk step: `[device, retained]` bitsets of `hash`, the block after the
+    /// one `cursor` is on. Tries the next entry of the cursor's run first
+    /// (sequential memory), the index otherwise; moves the cursor to the
+    /// entry found.
     #[inline]
-    pub(crate) fn step(&self, cursor: &mut Cursor, hash: SequenceHash) -> TierBits {
+    pub(crate) fn step(&self, cursor: &mut Cursor, hash: SequenceHash) -> [u64; 2] {
         if let Some(loc) = cursor.0 {
-            let next = Loc {
-                run: loc.run,
-                off: loc.off + 1,
-            };
-            if let Some(e) = self.runs[loc.run as usize].entries.get(next.off as usize) {
-                // A dead entry (all zero) may have been re-stored elsewhere:
-                // only a live one is the hash's unique entry.
-                if e.key == hash.0 && !is_zero(&e.bits) {
-                    cursor.0 = Some(next);
-                    return e.bits;
-                }
+            let run = &self.runs[loc.run as usize];
+            let off = loc.off as usize + 1;
+            // A dead entry may have been re-stored elsewhere: only a live
+            // one is the hash's unique entry.
+            if run.keys.get(off) == Some(&hash.0) && run.is_live(off) {
+                cursor.0 = Some(Loc {
+                    run: loc.run,
+                    off: off as u32,
+                });
+                return run.hot[off];
             }
         }
         match self.find(hash.0) {
             Some(i) => {
                 let loc = self.slots[i].loc;
                 cursor.0 = Some(loc);
-                self.entry(loc).bits
+                self.runs[loc.run as usize].hot[loc.off as usize]
             }
             None => {
                 cursor.0 = None;
-                NO_BITS
+                [0; 2]
             }
         }
     }
@@ -252,9 +274,9 @@ impl HolderTable {
         let flag = 1u64 << bit;
         if let Some(i) = self.find(hash.0) {
             let loc = self.slots[i].loc;
-            let e = self.entry_mut(loc);
-            let was_clear = e.bits[tier] & flag == 0;
-            e.bits[tier] |= flag;
+            let w = self.runs[loc.run as usize].word(loc.off as usize, tier);
+            let was_clear = *w & flag == 0;
+            *w |= flag;
             return was_clear;
         }
         if (self.len + 1) * 4 > self.slots.len() * 3 {
@@ -274,14 +296,15 @@ impl HolderTable {
                 r
             }
         };
-        let mut bits = NO_BITS;
-        bits[tier] = flag;
         let r = &mut self.runs[run as usize];
         let loc = Loc {
             run,
-            off: r.entries.len() as u32,
+            off: r.keys.len() as u32,
         };
-        r.entries.push(Entry { key: hash.0, bits });
+        r.keys.push(hash.0);
+        r.hot.push([0; 2]);
+        r.cold.push([0; 3]);
+        *r.word(loc.off as usize, tier) = flag;
         r.live += 1;
         let mut i = self.home(hash.0);
         while self.slots[i].loc.run != EMPTY {
@@ -300,18 +323,19 @@ impl HolderTable {
             return false;
         };
         let loc = self.slots[i].loc;
-        let e = self.entry_mut(loc);
-        if e.bits[tier] & flag == 0 {
+        let (run_id, off) = (loc.run as usize, loc.off as usize);
+        let w = self.runs[run_id].word(off, tier);
+        if *w & flag == 0 {
             return false;
         }
-        e.bits[tier] &= !flag;
-        if is_zero(&e.bits) {
+        *w &= !flag;
+        if !self.runs[run_id].is_live(off) {
             self.len -= 1;
             self.backward_shift(i);
-            let r = &mut self.runs[loc.run as usize];
+            let r = &mut self.runs[run_id];
             r.live -= 1;
             if r.live == 0 {
-                r.entries = Vec::new();
+                *r = Run::default();
                 self.free_runs.push(loc.run);
                 if self.open_run == Some(loc.run) {
                     self.open_run = None;
@@ -414,7 +438,10 @@ mod tests {
         t.set(chain[3], 4, 1);
         t.close_run();
         let mut c = Cursor::default();
-        let got: Vec<u64> = chain.iter().map(|h| t.step(&mut c, *h)[4]).collect();
+        let got: Vec<u64> = chain
+            .iter()
+            .map(|h| t.step(&mut c, *h)[HOT_RETAINED])
+            .collect();
         assert_eq!(got, vec![1, 1, 1, 2, 1, 1]);
         // All of run 0 dying frees it for reuse.
         for h in chain.iter().filter(|h| **h != chain[3]) {
@@ -467,7 +494,8 @@ mod tests {
             let mut c = Cursor::default();
             for k in order {
                 let key = k.wrapping_mul(1 << 54);
-                proptest::prop_assert_eq!(t.step(&mut c, SequenceHash(key)), m.get(&key).copied().unwrap_or_default());
+                let want = m.get(&key).copied().unwrap_or_default();
+                proptest::prop_assert_eq!(t.step(&mut c, SequenceHash(key)), [want[0], want[4]]);
             }
         }
     }

@@ -5,20 +5,16 @@ use std::time::{Duration, Instant};
 
 use kv_descriptor::{EngineId, Role, SequenceHash};
 
-use crate::holder_table::{tier_index, Cursor, HolderTable};
+use crate::holder_table::{Cursor, HolderTable, HOT_DEVICE as DEVICE, HOT_RETAINED as RETAINED};
 use crate::index::{split, State};
 use crate::worker::WorkerKey;
 use crate::InventoryIndex;
-use kv_descriptor::StorageTier;
-
-const DEVICE: usize = tier_index(StorageTier::Device);
-const RETAINED: usize = tier_index(StorageTier::RetainedGpuDirect);
 
 /// Probes between two clock reads. Reading the clock costs several times a
 /// sequential probe, so checking every probe would dominate lookup time; the
 /// time budget can therefore be overrun by at most this many probes (at
-/// most 16 index misses, a few microseconds in the worst case).
-pub const CLOCK_CHECK_INTERVAL: u32 = 16;
+/// most 32 index misses, a few microseconds in the worst case).
+pub const CLOCK_CHECK_INTERVAL: u32 = 32;
 
 /// Work and time a lookup may spend.
 ///
