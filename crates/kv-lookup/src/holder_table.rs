@@ -120,6 +120,17 @@ pub(crate) struct Loc {
     off: u32,
 }
 
+impl Loc {
+    /// The entry `k` places further in the same run.
+    #[inline]
+    pub(crate) fn advanced(self, k: usize) -> Loc {
+        Loc {
+            run: self.run,
+            off: self.off + k as u32,
+        }
+    }
+}
+
 /// Index slot: hash -> entry location; `run == EMPTY` marks a free slot.
 #[derive(Clone, Copy)]
 struct Slot {
@@ -155,10 +166,6 @@ pub(crate) struct HolderTable {
     /// Run that new entries of the current Stored event append to.
     open_run: Option<u32>,
 }
-
-/// Position of a walk: the entry of the last block found, if any.
-#[derive(Clone, Copy, Default)]
-pub(crate) struct Cursor(Option<Loc>);
 
 impl HolderTable {
     /// A table that holds `expected` entries without rehashing its index.
@@ -230,36 +237,25 @@ impl HolderTable {
         }
     }
 
-    /// Walk step: `[device, retained]` bitsets of `hash`, the block after the
-    /// one `cursor` is on. Tries the next entry of the cursor's run first
-    /// (sequential memory), the index otherwise; moves the cursor to the
-    /// entry found.
+    /// Entry of `hash` through the index, with its `[device, retained]`
+    /// bitsets; `None` when no worker of the group holds it.
     #[inline]
-    pub(crate) fn step(&self, cursor: &mut Cursor, hash: SequenceHash) -> [u64; 2] {
-        if let Some(loc) = cursor.0 {
-            let run = &self.runs[loc.run as usize];
-            let off = loc.off as usize + 1;
-            // A dead entry may have been re-stored elsewhere: only a live
-            // one is the hash's unique entry.
-            if run.keys.get(off) == Some(&hash.0) && run.is_live(off) {
-                cursor.0 = Some(Loc {
-                    run: loc.run,
-                    off: off as u32,
-                });
-                return run.hot[off];
-            }
-        }
-        match self.find(hash.0) {
-            Some(i) => {
-                let loc = self.slots[i].loc;
-                cursor.0 = Some(loc);
-                self.runs[loc.run as usize].hot[loc.off as usize]
-            }
-            None => {
-                cursor.0 = None;
-                [0; 2]
-            }
-        }
+    pub(crate) fn locate(&self, hash: SequenceHash) -> Option<(Loc, [u64; 2])> {
+        let loc = self.slots[self.find(hash.0)?].loc;
+        Some((loc, self.runs[loc.run as usize].hot[loc.off as usize]))
+    }
+
+    /// Keys and `[device, retained]` bitsets of the entries that follow
+    /// `loc` in its run: the likely next blocks of a walk, in memory order.
+    ///
+    /// A key match there is the hash's unique entry only if the entry is
+    /// live; an entry whose hot bits are both zero may be dead (and the hash
+    /// re-stored elsewhere), so the caller must then ask [`Self::locate`].
+    #[inline]
+    pub(crate) fn after(&self, loc: Loc) -> (&[u64], &[[u64; 2]]) {
+        let run = &self.runs[loc.run as usize];
+        let from = loc.off as usize + 1;
+        (&run.keys[from..], &run.hot[from..])
     }
 
     /// Ends the current Stored event: its new entries stop sharing a run
@@ -391,6 +387,32 @@ impl HolderTable {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    /// Reference walk step built on `after` + `locate`, as the lookup uses them.
+    #[derive(Default)]
+    struct Cursor(Option<Loc>);
+
+    impl HolderTable {
+        fn step(&self, c: &mut Cursor, hash: SequenceHash) -> [u64; 2] {
+            if let Some(loc) = c.0 {
+                let (keys, hot) = self.after(loc);
+                if keys.first() == Some(&hash.0) && hot[0] != [0; 2] {
+                    c.0 = Some(loc.advanced(1));
+                    return hot[0];
+                }
+            }
+            match self.locate(hash) {
+                Some((loc, hot)) => {
+                    c.0 = Some(loc);
+                    hot
+                }
+                None => {
+                    c.0 = None;
+                    [0; 2]
+                }
+            }
+        }
+    }
 
     #[test]
     fn set_get_clear_round_trip_with_colliding_keys() {

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use kv_descriptor::{EngineId, Role, SequenceHash};
 
-use crate::holder_table::{Cursor, HolderTable, HOT_DEVICE as DEVICE, HOT_RETAINED as RETAINED};
+use crate::holder_table::{HolderTable, Loc, HOT_DEVICE as DEVICE, HOT_RETAINED as RETAINED};
 use crate::index::{split, State};
 use crate::worker::WorkerKey;
 use crate::InventoryIndex;
@@ -140,17 +140,17 @@ struct Meter {
 }
 
 impl Meter {
-    /// Charges one probe; false (and `exhausted`) when the budget is spent.
+    /// Probes allowed before the next budget check; 0 (and `exhausted`)
+    /// when the budget is spent. Reads the clock at the start of every
+    /// [`CLOCK_CHECK_INTERVAL`] probes.
     #[inline]
-    fn charge(&mut self) -> bool {
-        if self.probes >= self.max_probes
-            || (self.probes % CLOCK_CHECK_INTERVAL == 0 && Instant::now() >= self.deadline)
-        {
+    fn quota(&mut self) -> u32 {
+        let into = self.probes % CLOCK_CHECK_INTERVAL;
+        if self.probes >= self.max_probes || (into == 0 && Instant::now() >= self.deadline) {
             self.exhausted = true;
-            return false;
+            return 0;
         }
-        self.probes += 1;
-        true
+        (CLOCK_CHECK_INTERVAL - into).min(self.max_probes - self.probes)
     }
 }
 
@@ -164,9 +164,44 @@ struct GroupWalk {
     retained_blocks: u32,
 }
 
+/// Walk state over one group: who is still covering, and the result so far.
+struct Walk {
+    active: u64,
+    native: u64,
+    retained: u64,
+    out: GroupWalk,
+}
+
+impl Walk {
+    /// Applies block `i`'s `[device, retained]` bitsets; false when nobody
+    /// is left to follow.
+    #[inline(always)]
+    fn block(&mut self, i: usize, hot: [u64; 2]) -> bool {
+        let next = self.active & hot[RETAINED];
+        if next == 0 && self.active != 0 {
+            self.out.best = self.active;
+            self.out.best_blocks = i as u32;
+        }
+        self.active = next;
+        if self.native & hot[DEVICE] == 0 && self.native != 0 {
+            self.native = 0;
+            self.out.native_blocks = i as u32;
+        }
+        if self.retained & hot[RETAINED] == 0 && self.retained != 0 {
+            self.retained = 0;
+            self.out.retained_blocks = i as u32;
+        }
+        (self.active | self.native | self.retained) != 0
+    }
+}
+
 /// Walks `hashes` from the root in one group: `donors` lose their bit at the
 /// first block missing from their retained tier; the target's native and
 /// retained runs are tracked the same way. Stops when nobody is left.
+///
+/// Consecutive blocks are first looked for right after the previous block's
+/// entry (a tight loop over two arrays); the index is asked only where that
+/// fails. Every block examined, either way, is one probe.
 fn walk_group(
     table: &HolderTable,
     hashes: &[SequenceHash],
@@ -175,39 +210,65 @@ fn walk_group(
     meter: &mut Meter,
 ) -> GroupWalk {
     let n = hashes.len();
-    let mut out = GroupWalk::default();
-    let (mut active, mut native, mut retained) = (donors, target, target);
-    let mut cursor = Cursor::default();
+    let mut w = Walk {
+        active: donors,
+        native: target,
+        retained: target,
+        out: GroupWalk::default(),
+    };
+    let mut cursor: Option<Loc> = None;
     let mut i = 0;
-    while i < n && (active | native | retained) != 0 {
-        if !meter.charge() {
+    let mut alive = (donors | target) != 0;
+    'walk: while i < n && alive {
+        let quota = meter.quota() as usize;
+        if quota == 0 {
             break;
         }
-        let bits = table.step(&mut cursor, hashes[i]);
-        let next = active & bits[RETAINED];
-        if next == 0 && active != 0 {
-            out.best = active;
-            out.best_blocks = i as u32;
+        let mut used = 0;
+        if let Some(loc) = cursor {
+            let (keys, hot) = table.after(loc);
+            let limit = keys.len().min(n - i).min(quota);
+            let ahead = &hashes[i..i + limit];
+            while used < limit && keys[used] == ahead[used].0 && hot[used] != [0; 2] {
+                alive = w.block(i + used, hot[used]);
+                used += 1;
+                if !alive {
+                    break;
+                }
+            }
+            if used > 0 {
+                cursor = Some(loc.advanced(used));
+            }
+            i += used;
+            meter.probes += used as u32;
+            if !alive || i == n || used == quota {
+                continue 'walk;
+            }
         }
-        active = next;
-        if native != 0 && bits[DEVICE] & native == 0 {
-            native = 0;
-            out.native_blocks = i as u32;
-        }
-        if retained != 0 && bits[RETAINED] & retained == 0 {
-            retained = 0;
-            out.retained_blocks = i as u32;
-        }
+        // The run did not continue with block `i`: one index probe.
+        meter.probes += 1;
+        let hot = match table.locate(hashes[i]) {
+            Some((loc, hot)) => {
+                cursor = Some(loc);
+                hot
+            }
+            None => {
+                cursor = None;
+                [0; 2]
+            }
+        };
+        alive = w.block(i, hot);
         i += 1;
     }
-    if active != 0 {
-        out.best = active;
+    let mut out = w.out;
+    if w.active != 0 {
+        out.best = w.active;
         out.best_blocks = i as u32;
     }
-    if native != 0 {
+    if w.native != 0 {
         out.native_blocks = i as u32;
     }
-    if retained != 0 {
+    if w.retained != 0 {
         out.retained_blocks = i as u32;
     }
     out
