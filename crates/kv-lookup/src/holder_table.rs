@@ -64,14 +64,21 @@ const NO_BITS: TierBits = [0; TIERS];
 /// bandwidth.
 pub(crate) const PREFETCH_DISTANCE: usize = 8;
 
-/// Entries in the order a Stored event announced them, as parallel arrays
-/// so that a walk streams only what it reads: keys and the two tiers a donor
-/// lookup needs (`hot`: device, retained), 24 bytes per block.
+/// What a donor walk reads of one entry: its key and the two tiers a
+/// lookup needs, 24 bytes, so a walk streams one array.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct HotEntry {
+    /// Sequence hash.
+    pub(crate) key: u64,
+    /// `[device, retained]` bitsets (see [`HOT_DEVICE`], [`HOT_RETAINED`]).
+    pub(crate) bits: [u64; 2],
+}
+
+/// Entries in the order a Stored event announced them, as parallel arrays:
+/// `hot` is all a walk touches, `cold` holds the tiers lookups never read.
 #[derive(Default)]
 struct Run {
-    keys: Vec<u64>,
-    /// `[device, retained]` bitsets.
-    hot: Vec<[u64; 2]>,
+    hot: Vec<HotEntry>,
     /// `[host_pinned, disk, external]` bitsets.
     cold: Vec<[u64; 3]>,
     /// Entries with a non-zero bit.
@@ -97,18 +104,18 @@ impl Run {
     #[inline]
     fn word(&mut self, off: usize, tier: usize) -> &mut u64 {
         match place(tier) {
-            (true, i) => &mut self.hot[off][i],
+            (true, i) => &mut self.hot[off].bits[i],
             (false, i) => &mut self.cold[off][i],
         }
     }
 
     #[inline]
     fn is_live(&self, off: usize) -> bool {
-        self.hot[off] != [0; 2] || self.cold[off] != [0; 3]
+        self.hot[off].bits != [0; 2] || self.cold[off] != [0; 3]
     }
 
     fn bits(&self, off: usize) -> TierBits {
-        let (h, c) = (self.hot[off], self.cold[off]);
+        let (h, c) = (self.hot[off].bits, self.cold[off]);
         [h[HOT_DEVICE], c[0], c[1], c[2], h[HOT_RETAINED]]
     }
 }
@@ -194,7 +201,7 @@ impl HolderTable {
             + self
                 .runs
                 .iter()
-                .map(|r| r.keys.capacity() * (8 + 16 + 24))
+                .map(|r| r.hot.capacity() * 24 + r.cold.capacity() * 24)
                 .sum::<usize>()
     }
 
@@ -242,20 +249,18 @@ impl HolderTable {
     #[inline]
     pub(crate) fn locate(&self, hash: SequenceHash) -> Option<(Loc, [u64; 2])> {
         let loc = self.slots[self.find(hash.0)?].loc;
-        Some((loc, self.runs[loc.run as usize].hot[loc.off as usize]))
+        Some((loc, self.runs[loc.run as usize].hot[loc.off as usize].bits))
     }
 
-    /// Keys and `[device, retained]` bitsets of the entries that follow
-    /// `loc` in its run: the likely next blocks of a walk, in memory order.
+    /// Hot entries that follow `loc` in its run: the likely next blocks of
+    /// a walk, in memory order.
     ///
     /// A key match there is the hash's unique entry only if the entry is
     /// live; an entry whose hot bits are both zero may be dead (and the hash
     /// re-stored elsewhere), so the caller must then ask [`Self::locate`].
     #[inline]
-    pub(crate) fn after(&self, loc: Loc) -> (&[u64], &[[u64; 2]]) {
-        let run = &self.runs[loc.run as usize];
-        let from = loc.off as usize + 1;
-        (&run.keys[from..], &run.hot[from..])
+    pub(crate) fn after(&self, loc: Loc) -> &[HotEntry] {
+        &self.runs[loc.run as usize].hot[loc.off as usize + 1..]
     }
 
     /// Ends the current Stored event: its new entries stop sharing a run
@@ -295,10 +300,12 @@ impl HolderTable {
         let r = &mut self.runs[run as usize];
         let loc = Loc {
             run,
-            off: r.keys.len() as u32,
+            off: r.hot.len() as u32,
         };
-        r.keys.push(hash.0);
-        r.hot.push([0; 2]);
+        r.hot.push(HotEntry {
+            key: hash.0,
+            bits: [0; 2],
+        });
         r.cold.push([0; 3]);
         *r.word(loc.off as usize, tier) = flag;
         r.live += 1;
@@ -395,10 +402,11 @@ mod tests {
     impl HolderTable {
         fn step(&self, c: &mut Cursor, hash: SequenceHash) -> [u64; 2] {
             if let Some(loc) = c.0 {
-                let (keys, hot) = self.after(loc);
-                if keys.first() == Some(&hash.0) && hot[0] != [0; 2] {
-                    c.0 = Some(loc.advanced(1));
-                    return hot[0];
+                if let Some(e) = self.after(loc).first() {
+                    if e.key == hash.0 && e.bits != [0; 2] {
+                        c.0 = Some(loc.advanced(1));
+                        return e.bits;
+                    }
                 }
             }
             match self.locate(hash) {

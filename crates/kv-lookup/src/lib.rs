@@ -20,7 +20,7 @@
 //!   the target must be a prefill worker. The target's retained blocks are
 //!   baseline only.
 //! - A lookup never exceeds its probe budget, overruns its time budget by at
-//!   most [`CLOCK_CHECK_INTERVAL`] probes, and reserves nothing.
+//!   most [`CLOCK_CHECK_INTERVAL`] work units (~2 µs), and reserves nothing.
 //! - Event application and lookups may run concurrently from any threads
 //!   (one `RwLock`: events write, lookups read; a lookup waits for the lock
 //!   at most its time budget).
@@ -53,5 +53,6 @@ pub use index::{
 };
 pub use lookup::{
     DonorMatch, LookupBudget, LookupOutcome, NoDonorReason, TargetBaseline, CLOCK_CHECK_INTERVAL,
+    INDEX_PROBE_UNITS,
 };
 pub use worker::{WorkerInfo, WorkerKey};
