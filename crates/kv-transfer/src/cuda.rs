@@ -63,6 +63,21 @@ const DIRECT_MAX_RUNS: usize = 4;
 /// Runs per kernel launch; cancellation and deadline are checked between launches.
 const RUNS_PER_LAUNCH: usize = 8192;
 
+/// Lets `ctx` access `peer`'s memory directly (NVLink / PCIe P2P). Returns
+/// false when the devices cannot reach each other.
+fn enable_peer_access(
+    ctx: &Arc<CudaContext>,
+    peer: &Arc<CudaContext>,
+) -> Result<bool, TransferError> {
+    ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+    // SAFETY: both are live primary contexts retained by `CudaContext`.
+    let r = unsafe { sys::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) };
+    Ok(matches!(
+        r,
+        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+    ))
+}
+
 fn cuda_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> TransferError {
     move |e| TransferError::Cuda {
         op,
@@ -170,26 +185,19 @@ impl CudaCopyBackend {
         Ok(d)
     }
 
-    /// Makes `src` device memory readable by kernels on `dev`; false if the
-    /// hardware cannot (the caller then uses device copies).
-    fn peer_ok(&self, dev: &mut Device, src: u32) -> Result<bool, TransferError> {
+    /// Makes `src` device memory directly readable from `dev` (kernels and
+    /// copies); false if the hardware cannot, in which case the driver would
+    /// stage a copy through host memory. Locks no other device, so parts on
+    /// two devices reading each other cannot deadlock.
+    fn peer_ok(dev: &mut Device, src: u32) -> Result<bool, TransferError> {
         if dev.ctx.ordinal() as u32 == src {
             return Ok(true);
         }
         if let Some(&ok) = dev.peers.get(&src) {
             return Ok(ok);
         }
-        let peer = self.device(src)?;
-        let peer_ctx = peer.lock().ctx.cu_ctx();
-        dev.ctx
-            .bind_to_thread()
-            .map_err(cuda_err("cuCtxSetCurrent"))?;
-        // SAFETY: both contexts are live primary contexts retained by `CudaContext`.
-        let r = unsafe { sys::cuCtxEnablePeerAccess(peer_ctx, 0) };
-        let ok = matches!(
-            r,
-            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-        );
+        let peer = CudaContext::new(src as usize).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+        let ok = enable_peer_access(&dev.ctx, &peer)?;
         dev.peers.insert(src, ok);
         Ok(ok)
     }
@@ -284,9 +292,16 @@ impl CopyBackend for CudaCopyBackend {
         };
         let dev = self.device(dst_dev)?;
         let mut dev = dev.lock();
-        let kernel_ok = dev.gather.is_some()
-            && part.runs.len() > DIRECT_MAX_RUNS
-            && self.peer_ok(&mut dev, src_dev)?;
+        if !Self::peer_ok(&mut dev, src_dev)? {
+            return Err(TransferError::Cuda {
+                op: "cuCtxEnablePeerAccess",
+                reason: format!(
+                    "device {dst_dev} cannot access device {src_dev} directly; \
+                     a copy would be staged through host memory"
+                ),
+            });
+        }
+        let kernel_ok = dev.gather.is_some() && part.runs.len() > DIRECT_MAX_RUNS;
         dev.ctx
             .bind_to_thread()
             .map_err(cuda_err("cuCtxSetCurrent"))?;
@@ -325,25 +340,26 @@ impl CopyBackend for CudaCopyBackend {
             bytes: part.runs.iter().map(|r| r.len).sum(),
             copies,
             host_payload_bytes: 0,
-            transport: if src_dev == dst_dev {
-                "cuda_same_device".into()
-            } else if kernel_ok {
-                "cuda_peer_kernel".into()
-            } else {
-                "cuda_peer_copy".into()
+            transport: match (src_dev == dst_dev, kernel_ok) {
+                (true, true) => "cuda_same_device_gather_kernel".into(),
+                (true, false) => "cuda_same_device_copy".into(),
+                (false, true) => "cuda_peer_gather_kernel".into(),
+                (false, false) => "cuda_peer_copy".into(),
             },
         })
     }
 }
 
-/// Times `repeats` plain `cuMemcpyDtoDAsync` calls of `bytes` from `src` to
-/// `dst` (device pointers in this process), each followed by a stream
-/// synchronize, on device `ordinal`: the raw-copy baseline of the benchmark.
-/// One untimed warm-up copy runs first.
+/// Times `repeats` plain `cuMemcpyDtoDAsync` calls of `bytes` from `src` (on
+/// device `src_ordinal`) to `dst` (on device `ordinal`), each followed by a
+/// stream synchronize: the raw-copy baseline of the benchmark. Peer access is
+/// enabled first when the devices differ, so the baseline is a direct peer
+/// copy, not one staged through the host. One untimed warm-up copy runs first.
 ///
 /// # Errors
 /// [`TransferError::Cuda`] naming the failing call.
 pub fn time_raw_device_copy(
+    src_ordinal: u32,
     ordinal: u32,
     dst: u64,
     src: u64,
@@ -351,6 +367,16 @@ pub fn time_raw_device_copy(
     repeats: usize,
 ) -> Result<Vec<std::time::Duration>, TransferError> {
     let ctx = CudaContext::new(ordinal as usize).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+    if src_ordinal != ordinal {
+        let peer =
+            CudaContext::new(src_ordinal as usize).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+        if !enable_peer_access(&ctx, &peer)? {
+            return Err(TransferError::Cuda {
+                op: "cuCtxEnablePeerAccess",
+                reason: format!("device {ordinal} cannot access device {src_ordinal} directly"),
+            });
+        }
+    }
     let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
     let mut out = Vec::with_capacity(repeats);
     for i in 0..=repeats {

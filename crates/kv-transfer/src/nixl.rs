@@ -19,10 +19,14 @@
 //! descriptor per block with merging disabled.
 //!
 //! Transport: NIXL 1.5.1's C API does not say which UCX transport
-//! (cuda_ipc, cma, tcp, ...) moved the bytes, so parts report `"unknown"`.
+//! (cuda_ipc, cma, tcp, ...) moved the bytes. UCX itself prints its protocol
+//! selection when started with `UCX_PROTO_INFO=y`; when, in addition,
+//! `UCX_LOG_FILE` names a file (`%p` = pid is expanded), each part reads the
+//! last `ucp_get` selection for its memory types from that file and reports
+//! it (e.g. `cma/memory`, `cuda_ipc/cuda`, `tcp/lo`). Otherwise, or when the
+//! file has no matching table, the part reports `"unknown"`.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use kv_bank::{BankMemory, MemoryKind};
 use nixl_sys::{
@@ -51,6 +55,61 @@ pub fn runtime_status() -> Result<(), TransferError> {
         ));
     }
     Ok(())
+}
+
+/// The UCX log file holding protocol-selection tables, when the environment
+/// asked UCX to write them (`UCX_PROTO_INFO=y` and `UCX_LOG_FILE`).
+fn ucx_proto_log() -> Option<std::path::PathBuf> {
+    if std::env::var("UCX_PROTO_INFO").ok()?.to_ascii_lowercase() != "y" {
+        return None;
+    }
+    let f = std::env::var("UCX_LOG_FILE").ok()?;
+    let f = f.replace("%p", &std::process::id().to_string());
+    (!f.contains('%')).then(|| f.into())
+}
+
+/// UCX's memory-type names in its protocol tables.
+fn ucx_mem_name(kind: MemoryKind) -> &'static str {
+    match kind {
+        MemoryKind::Host => "host",
+        MemoryKind::Cuda { .. } => "cuda",
+    }
+}
+
+/// The transports (config column) of the last `ucp_get` table reading `src`
+/// memory into `dst` memory in a UCX `UCX_PROTO_INFO` log, joined with `,`.
+///
+/// Table shape (UCX 1.19):
+/// ```text
+/// | remote memory read by ucp_get*(multi) into host memory from host |
+/// +--------+-------------+-------------------------------------------+
+/// | Range  | Description |                  Config                   |
+/// +--------+-------------+-------------------------------------------+
+/// | 0..inf | zero-copy   | cma/memory                                |
+/// +--------+-------------+-------------------------------------------+
+/// ```
+fn ucx_get_transport(log: &str, dst: &str, src: &str) -> Option<String> {
+    let header = format!("into {dst} memory from {src}");
+    let lines: Vec<&str> = log.lines().collect();
+    let start = lines
+        .iter()
+        .rposition(|l| l.contains("remote memory read by ucp_get") && l.contains(&header))?;
+    let mut found: Vec<String> = Vec::new();
+    for l in &lines[start + 1..] {
+        let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+        // A data row is `| range | description | config |`; stop at the next table.
+        if cells.len() >= 4 && cells[1].contains("..") {
+            let cfg = cells[3].to_string();
+            if !cfg.is_empty() && !found.contains(&cfg) {
+                found.push(cfg);
+            }
+        } else if !found.is_empty() && !l.contains("+---") {
+            break;
+        } else if l.contains("remote memory") || l.contains("active message") {
+            break;
+        }
+    }
+    (!found.is_empty()).then(|| found.join(","))
 }
 
 fn nixl_err(op: &'static str) -> impl FnOnce(NixlError) -> TransferError {
@@ -465,7 +524,9 @@ impl CopyBackend for NixlBackend {
         let mut in_flight = agent
             .post_xfer_req(&req, None)
             .map_err(|e| Self::unreachable(part.tp_rank, &remote.agent_name, e))?;
-        let mut spins = 0u32;
+        // Poll without sleeping: UCX advances a transfer only inside progress
+        // calls (here `get_xfer_status`), so a sleep between polls caps the
+        // bandwidth at one fragment per sleep (~0.4 GB/s with 20 µs naps).
         while in_flight {
             match agent.get_xfer_status(&req) {
                 Ok(XferStatus::Success) => in_flight = false,
@@ -476,16 +537,17 @@ impl CopyBackend for NixlBackend {
                         drop(req);
                         return Err(e);
                     }
-                    spins += 1;
-                    if spins > 1000 {
-                        std::thread::sleep(Duration::from_micros(20));
-                    } else {
-                        std::hint::spin_loop();
-                    }
+                    std::thread::yield_now();
                 }
                 Err(e) => return Err(Self::unreachable(part.tp_rank, &remote.agent_name, e)),
             }
         }
+        let transport = ucx_proto_log()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .and_then(|log| {
+                ucx_get_transport(&log, ucx_mem_name(io.dst.kind()), ucx_mem_name(remote.kind))
+            })
+            .unwrap_or_else(|| "unknown".into());
         let host = if io.dst.kind() == MemoryKind::Host || remote.kind == MemoryKind::Host {
             bytes
         } else {
@@ -495,7 +557,42 @@ impl CopyBackend for NixlBackend {
             bytes,
             copies: descs,
             host_payload_bytes: host,
-            transport: "unknown".into(),
+            transport,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LOG: &str = "\
+[1] [vm:1:2]   | remote memory read by ucp_get*(multi) into host memory from host |
+[1] [vm:1:2]   +--------+-------------+-------------------------------------------+
+[1] [vm:1:2]   | Range  | Description |                  Config                   |
+[1] [vm:1:2]   +--------+-------------+-------------------------------------------+
+[1] [vm:1:2]   | 0..inf | zero-copy   | cma/memory                                |
+[1] [vm:1:2]   +--------+-------------+-------------------------------------------+
+[2] [vm:1:1]   | active message by ucp_am_send* from host memory |
+[2] [vm:1:1]   |          0 | short              | tcp/lo        |
+[3] [vm:1:2]   | remote memory read by ucp_get* into cuda memory from cuda |
+[3] [vm:1:2]   | Range  | Description |                  Config                   |
+[3] [vm:1:2]   | 0..8k  | copy-out    | tcp/lo                                    |
+[3] [vm:1:2]   | 8k..inf | zero-copy  | cuda_ipc/cuda                             |
+[3] [vm:1:2]   +--------+-------------+-------------------------------------------+
+";
+
+    #[test]
+    fn parses_the_get_table_of_the_right_memory_types() {
+        assert_eq!(
+            ucx_get_transport(LOG, "host", "host").as_deref(),
+            Some("cma/memory")
+        );
+        assert_eq!(
+            ucx_get_transport(LOG, "cuda", "cuda").as_deref(),
+            Some("tcp/lo,cuda_ipc/cuda")
+        );
+        assert_eq!(ucx_get_transport(LOG, "host", "cuda"), None);
+        assert_eq!(ucx_get_transport("", "host", "host"), None);
     }
 }
