@@ -13,4 +13,5 @@
 #![deny(missing_docs)]
 
 pub mod model;
+pub mod replay;
 pub mod trace;
