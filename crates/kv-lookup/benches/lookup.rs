@@ -513,6 +513,32 @@ fn main() {
             r.name, r.ours, r.dynamo, r.unit, r.ratio
         );
     }
+    let goal = |name: &str| {
+        rows.iter()
+            .find(|r| r.name.ends_with(name) && r.name.starts_with("synthetic"))
+    };
+    if let (Some(p99), Some(rate)) = (goal("lookup p99"), goal("apply stored blocks")) {
+        println!(
+            "goals: synthetic 128-block lookup p99 {:.2} us (<= 5: {}), {:.1}M block events/s on one core (>= 5M: {})",
+            p99.ours,
+            if p99.ours <= 5.0 { "met" } else { "MISSED" },
+            rate.ours / 1e6,
+            if rate.ours >= 5e6 { "met" } else { "MISSED" }
+        );
+    }
+    let slower: Vec<&str> = rows
+        .iter()
+        .filter(|r| r.ratio < 1.0)
+        .map(|r| r.name.as_str())
+        .collect();
+    println!(
+        "rows where dynamo was faster: {}",
+        if slower.is_empty() {
+            "none".to_string()
+        } else {
+            slower.join(", ")
+        }
+    );
     println!(
         "(ratio > 1: kv-lookup better; latencies dynamo/ours, rates ours/dynamo)  total {:.1}s",
         t_all.elapsed().as_secs_f64()

@@ -205,6 +205,12 @@ struct Walk {
 }
 
 impl Walk {
+    /// True when block bitsets `hot` drop anyone still followed.
+    #[inline(always)]
+    fn loses_any(&self, hot: [u64; 2]) -> bool {
+        ((self.active | self.retained) & !hot[RETAINED]) | (self.native & !hot[DEVICE]) != 0
+    }
+
     /// Applies block `i`'s `[device, retained]` bitsets; false when nobody
     /// is left to follow.
     #[inline(always)]
@@ -265,11 +271,16 @@ fn walk_group(
                 // The run is contiguous but may be cold: keep a few cache
                 // lines in flight ahead of the compare.
                 prefetch_read(next.as_ptr().wrapping_add(used + RUN_PREFETCH_ENTRIES));
-                alive = w.block(i + used, next[used].bits);
-                used += 1;
-                if !alive {
-                    break;
+                let bits = next[used].bits;
+                // Most blocks change nothing: one test instead of three.
+                if w.loses_any(bits) {
+                    alive = w.block(i + used, bits);
+                    if !alive {
+                        used += 1;
+                        break;
+                    }
                 }
+                used += 1;
             }
             if used > 0 {
                 cursor = Some(loc.advanced(used));
