@@ -13,6 +13,12 @@
 //! - **hint validation** ([`validate_hint`]): a `kv.fetch_gpu@1.0` hint is
 //!   checked against the donor's [`kv_descriptor::BankManifest`] and the
 //!   target's layout before any memory is touched;
+//! - **the advisor** ([`Advisor`]): after the router picked a prefill
+//!   target, a bounded donor lookup (kv-lookup), admission, and the hint
+//!   attached, or none with the reason;
+//! - **the fetch executor** ([`FetchExecutor`], prefill side): validate,
+//!   reserve destination rows (kv-bank), pin donor slots, transfer
+//!   (kv-transfer), verify, commit or fall back;
 //! - **event planes** ([`EventPlane`]): in-process ([`InProcessPlane`], the
 //!   default) and NATS ([`NatsPlane`]), with a subscriber readiness barrier,
 //!   and KV event streams with per-publisher ids, gap detection and resync
@@ -30,24 +36,33 @@
 //! - A subscriber that [`EventPlane::subscribe`] returned is ready: events
 //!   published afterwards reach it.
 //!
+//! - A fetch that fails after validation cancels its destination reservation
+//!   and releases its donor pin; the request recomputes.
+//!
 //! Deliberately absent: routing itself (the router picks the prefill target
 //! and calls in here), the inventory index (kv-lookup), memory and copies
-//! (kv-bank, kv-transfer), and any unsafe code.
+//! (kv-bank, kv-transfer), a cross-process pin protocol on the donor's control
+//! endpoint (the executor takes any [`DonorSource`]; [`kv_bank::BankManager`]
+//! is one), and any unsafe code.
 
 #![deny(missing_docs)]
 
+mod advisor;
 mod calibration;
 mod cost;
 mod error;
 mod event_plane;
+mod fetch_executor;
 mod hint_validation;
 mod kv_events;
 pub mod nats_server;
 pub mod ols;
+mod qualify;
 mod settings;
 #[cfg(test)]
 mod tests;
 
+pub use advisor::{Advice, Advisor, DonorDirectory, LocalDonorDirectory, ResolvedDonor};
 pub use calibration::{
     calibrate, Calibration, CalibrationModel, CalibrationSample, CalibrationVerdict,
 };
@@ -60,11 +75,13 @@ pub use event_plane::{
     EventPlane, InProcessPlane, NatsOptions, NatsPlane, PlaneFuture, PlaneMessage, Subject,
     Subscription, SUBJECT_ROOT,
 };
+pub use fetch_executor::{DonorPin, DonorSource, FetchExecutor, FetchOutcome};
 pub use hint_validation::{validate_hint, ValidatedFetch};
 pub use kv_events::{
     resync_subject, KvEventPublisher, KvEventReceiver, KvStreamItem, PublisherHeader,
     ReceiverStats, ResyncOutcome, ResyncRequest,
 };
+pub use qualify::{qualify_section, GlueQualifySection};
 pub use settings::{
     settings_markdown, spec, EnvSnapshot, LoadedSettings, ReuseSettings, SettingKind,
     SettingOrigin, SettingSpec, SettingValue, SettingsLoader, ENV_PREFIX, REMOVED_SETTINGS,

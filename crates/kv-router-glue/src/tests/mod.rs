@@ -1,5 +1,6 @@
 //! Unit and integration tests of the crate (one test binary keeps linking cheap).
 
+mod advisor;
 mod calibration;
 mod cost;
 mod event_plane;

@@ -89,7 +89,8 @@ async fn nats_kv_event_gap_is_repaired_by_resync_across_clients() {
     else {
         return;
     };
-    let pub_plane: Arc<dyn EventPlane> = Arc::new(connect(&server, "decode").await);
+    let pub_nats = connect(&server, "decode").await;
+    let pub_plane: Arc<dyn EventPlane> = Arc::new(pub_nats.clone());
     let sub_plane: Arc<dyn EventPlane> = Arc::new(connect(&server, "router").await);
     let subject = Subject::new("qa", "decode", "kv_events").unwrap();
     let header = PublisherHeader {

@@ -1,0 +1,279 @@
+//! The router-side advisor: after the router picked a prefill target, find a
+//! donor within budget, price the fetch, and attach the hint or say why not.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_bank::BankManager;
+use kv_descriptor::{BankManifest, EngineId, FetchGpuHint, FetchPart, HintEnvelope, SequenceHash};
+use kv_lookup::{InventoryIndex, LookupBudget, LookupOutcome};
+use parking_lot::RwLock;
+
+use crate::{
+    validate_hint, AdmissionDecision, CostInputs, DecisionLog, LiveCostModel, RefuseReason,
+    TransferPath, Verdict,
+};
+
+/// A donor's bank as the router needs it to write a hint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedDonor {
+    /// The donor's current manifest (engine, generation, layout, slot count, location).
+    pub manifest: BankManifest,
+    /// Logical slot of each asked hash, in order.
+    pub slot_ids: Vec<u32>,
+    /// Where the target reaches the donor's control plane.
+    pub control_endpoint: String,
+}
+
+/// Maps a donor and sequence hashes to slots. The index knows *who* holds a
+/// prefix; only the donor's bank knows *where*.
+pub trait DonorDirectory: Send + Sync {
+    /// Resolves `hashes` in `donor`'s bank.
+    ///
+    /// # Errors
+    /// A reason when the donor is unknown or no longer holds one of the blocks.
+    fn resolve(&self, donor: EngineId, hashes: &[SequenceHash]) -> Result<ResolvedDonor, String>;
+}
+
+/// Directory over bank managers of this process (local cluster, tests, qualify).
+#[derive(Default)]
+pub struct LocalDonorDirectory {
+    donors: RwLock<HashMap<EngineId, (Arc<BankManager>, String)>>,
+}
+
+impl std::fmt::Debug for LocalDonorDirectory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalDonorDirectory")
+            .field("donors", &self.donors.read().len())
+            .finish()
+    }
+}
+
+impl LocalDonorDirectory {
+    /// An empty directory.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Adds (or replaces) the bank of its owner engine.
+    pub fn insert(&self, bank: Arc<BankManager>, control_endpoint: impl Into<String>) {
+        let engine = bank.owner().engine_id;
+        self.donors
+            .write()
+            .insert(engine, (bank, control_endpoint.into()));
+    }
+    /// Forgets a donor (it closed its bank or died).
+    pub fn remove(&self, engine: EngineId) {
+        self.donors.write().remove(&engine);
+    }
+}
+
+impl DonorDirectory for LocalDonorDirectory {
+    fn resolve(&self, donor: EngineId, hashes: &[SequenceHash]) -> Result<ResolvedDonor, String> {
+        let donors = self.donors.read();
+        let (bank, endpoint) = donors
+            .get(&donor)
+            .ok_or_else(|| format!("donor {donor} is not in the directory"))?;
+        let slot_ids = hashes
+            .iter()
+            .enumerate()
+            .map(|(i, h)| {
+                bank.lookup(h)
+                    .ok_or_else(|| format!("donor no longer holds block {i} ({h:?})"))
+            })
+            .collect::<Result<Vec<u32>, String>>()?;
+        Ok(ResolvedDonor {
+            manifest: bank.manifest().clone(),
+            slot_ids,
+            control_endpoint: endpoint.clone(),
+        })
+    }
+}
+
+/// What the advisor decided for one request.
+#[derive(Debug, Clone)]
+pub struct Advice {
+    /// The decision with every term (also recorded in the advisor's log).
+    pub decision: AdmissionDecision,
+    /// The envelope to attach to the request sent to the prefill target, when admitted.
+    pub hint: Option<HintEnvelope>,
+    /// The lookup's outcome, when a lookup ran.
+    pub lookup: Option<LookupOutcome>,
+}
+
+/// Runs donor lookup, admission and hint construction for a chosen target.
+///
+/// Nothing here reserves anything on the donor: the hint names slots, and the
+/// target's fetch executor pins them (or falls back) when it runs.
+pub struct Advisor {
+    index: Arc<InventoryIndex>,
+    directory: Arc<dyn DonorDirectory>,
+    model: LiveCostModel,
+    log: Arc<DecisionLog>,
+    max_probes: u32,
+}
+
+impl std::fmt::Debug for Advisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Advisor")
+            .field("max_probes", &self.max_probes)
+            .finish()
+    }
+}
+
+impl Advisor {
+    /// An advisor over `index` and `directory`, pricing with `model`,
+    /// recording into `log`; each lookup may spend at most `max_probes` probes
+    /// and `transfer_source_lookup_budget_ms` of time.
+    pub fn new(
+        index: Arc<InventoryIndex>,
+        directory: Arc<dyn DonorDirectory>,
+        model: LiveCostModel,
+        log: Arc<DecisionLog>,
+        max_probes: u32,
+    ) -> Self {
+        Self {
+            index,
+            directory,
+            model,
+            log,
+            max_probes,
+        }
+    }
+
+    /// The live model (retune through it).
+    pub fn model(&self) -> &LiveCostModel {
+        &self.model
+    }
+
+    /// The decision log.
+    pub fn log(&self) -> &Arc<DecisionLog> {
+        &self.log
+    }
+
+    /// Advises on `request_id` whose root-aligned block hashes are
+    /// `sequence_hashes`, routed to prefill worker `target`.
+    ///
+    /// Steps: reuse off → refuse without lookup; bounded lookup (no donor →
+    /// refuse with the lookup's reason); resolve the donor's slots for the
+    /// blocks beyond the target's baseline; admission by the cost model with
+    /// the measured lookup time; on admit, a hint validated against the
+    /// donor's manifest, in a `kv.fetch_gpu@1.0` envelope with `message_id =
+    /// request_id`. Every outcome is recorded.
+    pub fn advise(
+        &self,
+        request_id: &str,
+        sequence_hashes: &[SequenceHash],
+        target: EngineId,
+    ) -> Advice {
+        let advice = self.decide(request_id, sequence_hashes, target);
+        self.log.record(&advice.decision);
+        advice
+    }
+
+    fn decide(
+        &self,
+        request_id: &str,
+        sequence_hashes: &[SequenceHash],
+        target: EngineId,
+    ) -> Advice {
+        let model = self.model.current();
+        let s = model.settings();
+        let refuse = |reason: RefuseReason, lookup: Option<LookupOutcome>| Advice {
+            decision: AdmissionDecision {
+                request_id: request_id.to_string(),
+                terms: None,
+                verdict: Verdict::Refuse(reason),
+            },
+            hint: None,
+            lookup,
+        };
+        if !s.enable_decode_to_prefill_reuse {
+            return refuse(RefuseReason::ReuseDisabled, None);
+        }
+        let budget = LookupBudget {
+            time: Duration::from_secs_f64(s.transfer_source_lookup_budget_ms / 1000.0),
+            max_probes: self.max_probes,
+        };
+        let outcome = self.index.lookup(sequence_hashes, target, budget);
+        let donor = match outcome.donor {
+            Ok(d) => d,
+            Err(reason) => return refuse(RefuseReason::NoDonor(reason.to_string()), Some(outcome)),
+        };
+        let fetch_from = outcome.baseline.blocks();
+        let covered = donor.blocks as usize;
+        let Some(fetched) = sequence_hashes.get(fetch_from as usize..covered) else {
+            return refuse(
+                RefuseReason::NoDonor(format!(
+                    "donor covers {covered} blocks, baseline {fetch_from}"
+                )),
+                Some(outcome),
+            );
+        };
+        let resolved = match self.directory.resolve(donor.engine, fetched) {
+            Ok(r) => r,
+            Err(e) => return refuse(RefuseReason::HintUnavailable(e), Some(outcome)),
+        };
+        let layout = *resolved.manifest.layout();
+        let path = if resolved.manifest.parts()[0].location().is_gpu() {
+            TransferPath::Gpu
+        } else {
+            TransferPath::Host
+        };
+        let blocks = fetched.len() as u64;
+        let mut decision = model.admit(
+            request_id,
+            CostInputs {
+                reused_tokens: blocks * u64::from(layout.tokens_per_block()),
+                transfer_blocks: blocks,
+                path,
+                lookup_us: outcome.elapsed.as_secs_f64() * 1e6,
+            },
+        );
+        if !decision.admitted() {
+            return Advice {
+                decision,
+                hint: None,
+                lookup: Some(outcome),
+            };
+        }
+        let owner = *resolved.manifest.owner();
+        let hint = FetchGpuHint {
+            donor_engine_id: owner.engine_id,
+            bank_generation: owner.generation,
+            layout_fingerprint: layout.fingerprint(),
+            tp_size: layout.tp_size(),
+            sequence_hashes: sequence_hashes[..covered].to_vec(),
+            fetch_from,
+            parts: (0..layout.tp_size())
+                .map(|r| FetchPart {
+                    tp_rank: r,
+                    slot_ids: resolved.slot_ids.clone(),
+                    expected_bytes: blocks * layout.rank_block_bytes() as u64,
+                })
+                .collect(),
+            donor_control_endpoint: resolved.control_endpoint,
+        };
+        // The same check the target runs: never emit a hint it would refuse.
+        let envelope = validate_hint(&hint, &resolved.manifest, &layout)
+            .map_err(|e| e.to_string())
+            .and_then(|_| {
+                HintEnvelope::fetch_gpu(request_id, "fetch-0", &hint).map_err(|e| e.to_string())
+            });
+        match envelope {
+            Ok(env) => Advice {
+                decision,
+                hint: Some(env),
+                lookup: Some(outcome),
+            },
+            Err(e) => {
+                decision.verdict = Verdict::Refuse(RefuseReason::HintUnavailable(e));
+                Advice {
+                    decision,
+                    hint: None,
+                    lookup: Some(outcome),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,203 @@
+use kv_transfer::DeliveryControl;
+
+use crate::qualify::{Scenario, DONOR_BLOCKS, TARGET_BASELINE};
+use crate::*;
+
+fn enabled() -> ReuseSettings {
+    ReuseSettings {
+        enable_decode_to_prefill_reuse: true,
+        ..ReuseSettings::default()
+    }
+}
+
+#[test]
+fn advisor_admits_a_long_prefix_and_the_executor_fetches_exact_bytes() {
+    let s = Scenario::new().unwrap();
+    let advisor = s.advisor(enabled()).unwrap();
+    let a = advisor.advise("r1", &s.hashes, s.target);
+    let t = a.decision.terms.expect("terms recorded");
+    let fetched = (DONOR_BLOCKS - TARGET_BASELINE) as u64;
+    assert_eq!(t.transfer_blocks, fetched);
+    assert_eq!(t.reused_tokens, fetched * 16);
+    assert_eq!(t.path, TransferPath::Host);
+    assert_eq!(t.transfer_cost_us, fetched as f64 * 400.0);
+    assert!(
+        t.lookup_us > 0.0 && t.lookup_us < 1_000.0,
+        "lookup {} µs",
+        t.lookup_us
+    );
+    assert_eq!(
+        t.saving_us,
+        fetched as f64 * 16.0 * 30.0 - fetched as f64 * 400.0 - t.lookup_us
+    );
+    assert!(a.decision.admitted(), "{}", a.decision);
+    let env = a.hint.expect("hint attached");
+    assert_eq!(env.message_id, "r1");
+    let hint = env.fetch_gpu_actions().unwrap().remove(0);
+    assert_eq!(hint.fetch_from as usize, TARGET_BASELINE);
+    assert_eq!(hint.sequence_hashes, s.hashes);
+    assert_eq!(hint.donor_engine_id, s.donor.owner().engine_id);
+
+    let exec = s.executor().unwrap();
+    let out = exec
+        .execute(&env, s.donor.as_ref(), &DeliveryControl::new())
+        .unwrap();
+    assert_eq!(out.target_blocks.len(), fetched as usize);
+    assert_eq!(
+        out.report.counters.bytes,
+        fetched * 2 * s.layout.rank_block_bytes() as u64
+    );
+    for (i, &row) in out.target_blocks.iter().enumerate() {
+        assert!(
+            s.row_holds_block(row, TARGET_BASELINE + i),
+            "row {row} (block {})",
+            TARGET_BASELINE + i
+        );
+    }
+    assert_eq!(s.donor.pins_outstanding(), 0);
+    assert_eq!(
+        exec.pool().free_blocks(),
+        64,
+        "committed rows return to the caller, not stay reserved"
+    );
+    assert_eq!(advisor.log().admitted(), 1);
+}
+
+#[test]
+fn advisor_refusals_carry_their_reason() {
+    let s = Scenario::new().unwrap();
+    let off = s.advisor(ReuseSettings::default()).unwrap();
+    let a = off.advise("r0", &s.hashes, s.target);
+    assert_eq!(
+        a.decision.verdict,
+        Verdict::Refuse(RefuseReason::ReuseDisabled)
+    );
+    assert!(a.lookup.is_none(), "reuse off must not even look up");
+
+    let on = s.advisor(enabled()).unwrap();
+    let a = on.advise("short", &s.hashes[..TARGET_BASELINE + 3], s.target);
+    assert_eq!(
+        a.decision.verdict,
+        Verdict::Refuse(RefuseReason::TooFewBlocks)
+    );
+    assert!(a.hint.is_none());
+    // 10 blocks fetched: 8 x (480 − 400) µs − lookup < 2 ms.
+    let a = on.advise("medium", &s.hashes[..TARGET_BASELINE + 8], s.target);
+    assert_eq!(
+        a.decision.verdict,
+        Verdict::Refuse(RefuseReason::SavingBelowMinimum),
+        "{}",
+        a.decision
+    );
+    let other = kv_descriptor::sequence_hashes(&(5_000..5_160).collect::<Vec<u32>>(), 16);
+    let a = on.advise("other", &other, s.target);
+    assert!(
+        matches!(
+            a.decision.verdict,
+            Verdict::Refuse(RefuseReason::NoDonor(_))
+        ),
+        "{}",
+        a.decision
+    );
+    // The donor left the directory: the lookup finds it but no hint can be written.
+    s.directory.remove(s.donor.owner().engine_id);
+    let a = on.advise("gone", &s.hashes, s.target);
+    assert!(
+        matches!(
+            a.decision.verdict,
+            Verdict::Refuse(RefuseReason::HintUnavailable(_))
+        ),
+        "{}",
+        a.decision
+    );
+    assert_eq!(on.log().refused().values().sum::<u64>(), 4);
+}
+
+#[test]
+fn executor_rejects_bad_hints_before_touching_memory_and_falls_back_cleanly() {
+    let s = Scenario::new().unwrap();
+    let advisor = s.advisor(enabled()).unwrap();
+    let env = advisor.advise("r", &s.hashes, s.target).hint.unwrap();
+    let hint = env.fetch_gpu_actions().unwrap().remove(0);
+    let exec = s.executor().unwrap();
+    let ctl = DeliveryControl::new();
+    let rerun = |h: &kv_descriptor::FetchGpuHint| {
+        let e = kv_descriptor::HintEnvelope::fetch_gpu("x", "a", h).unwrap();
+        exec.execute(&e, s.donor.as_ref(), &ctl)
+    };
+
+    let mut stale = hint.clone();
+    stale.bank_generation += 1;
+    assert!(matches!(
+        rerun(&stale),
+        Err(FetchError::StaleGeneration { .. })
+    ));
+    let mut forged = hint.clone();
+    for p in &mut forged.parts {
+        p.slot_ids[0] = 10_000;
+    }
+    assert!(matches!(
+        rerun(&forged),
+        Err(FetchError::SlotOutOfRange { slot: 10_000, .. })
+    ));
+    assert_eq!(exec.pool().free_blocks(), 64);
+    assert_eq!(s.donor.pins_outstanding(), 0);
+    // In-range slots that hold other blocks: the donor's pin check refuses, the
+    // reservation is cancelled and quiesced, and no target row is written.
+    let mut swapped = hint.clone();
+    for p in &mut swapped.parts {
+        p.slot_ids.swap(0, 1);
+    }
+    let e = rerun(&swapped).unwrap_err();
+    assert!(
+        matches!(e, FetchError::Fallback { stage: "pin", .. }),
+        "{e}"
+    );
+    assert_eq!(exec.pool().free_blocks(), 64);
+    assert_eq!(exec.pool().orphaned_blocks(), 0);
+    assert!(!s.row_holds_block(0, TARGET_BASELINE));
+    // A cancelled delivery falls back at transfer and releases everything.
+    let cancelled = DeliveryControl::new();
+    cancelled.cancel.cancel();
+    let e = exec
+        .execute(&env, s.donor.as_ref(), &cancelled)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            FetchError::Fallback {
+                stage: "transfer",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(exec.pool().free_blocks(), 64);
+    assert_eq!(s.donor.pins_outstanding(), 0);
+}
+
+#[test]
+fn qualify_section_prints_settings_and_decisions_with_terms() {
+    let loaded = SettingsLoader::new().build().unwrap();
+    let q = qualify_section(&loaded);
+    let text = q.render();
+    println!("{text}");
+    assert!(q.passed, "{text}");
+    assert_eq!(q.settings.len(), 8);
+    assert_eq!(q.decisions.len(), 3);
+    assert!(q.decisions.iter().all(|d| !d.admitted()));
+    assert!(
+        q.decisions_if_enabled.iter().any(|d| d.admitted()),
+        "{text}"
+    );
+    assert!(
+        text.contains("ADMIT: Host:") && text.contains("REFUSE (too few blocks)"),
+        "{text}"
+    );
+    assert!(
+        q.checks
+            .iter()
+            .any(|(n, ok, _)| n == "fetch_bytes_match_donor" && *ok),
+        "{text}"
+    );
+}
