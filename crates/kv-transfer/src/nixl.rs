@@ -68,6 +68,18 @@ fn ucx_proto_log() -> Option<std::path::PathBuf> {
     (!f.contains('%')).then(|| f.into())
 }
 
+/// True when a known UCX transport moves device memory through the host
+/// (`tcp`, `sysv`, `posix`, `cma`, `self` copy device bytes via host buffers or
+/// "software emulation"). Unknown transports are not counted: NIXL does not
+/// report them, and [`crate::DeliveryCounters::transport`] then says `unknown`.
+fn stages_on_host(transport: &str) -> bool {
+    transport.split(',').any(|t| {
+        ["tcp", "sysv", "posix", "cma", "self"]
+            .iter()
+            .any(|h| t.starts_with(h))
+    })
+}
+
 /// UCX's memory-type names in its protocol tables.
 fn ucx_mem_name(kind: MemoryKind) -> &'static str {
     match kind {
@@ -82,6 +94,7 @@ fn ucx_mem_name(kind: MemoryKind) -> &'static str {
 /// Table shape (UCX 1.19):
 /// ```text
 /// | remote memory read by ucp_get*(multi) into host memory from host |
+/// (device memory: `... into cuda/GPU0 from cuda |`)
 /// +--------+-------------+-------------------------------------------+
 /// | Range  | Description |                  Config                   |
 /// +--------+-------------+-------------------------------------------+
@@ -89,11 +102,13 @@ fn ucx_mem_name(kind: MemoryKind) -> &'static str {
 /// +--------+-------------+-------------------------------------------+
 /// ```
 fn ucx_get_transport(log: &str, dst: &str, src: &str) -> Option<String> {
-    let header = format!("into {dst} memory from {src}");
+    // Host tables say `into host memory from host`, device tables
+    // `into cuda/GPU0 from cuda`.
+    let (into, from) = (format!("into {dst}"), format!("from {src}"));
     let lines: Vec<&str> = log.lines().collect();
-    let start = lines
-        .iter()
-        .rposition(|l| l.contains("remote memory read by ucp_get") && l.contains(&header))?;
+    let start = lines.iter().rposition(|l| {
+        l.contains("remote memory read by ucp_get") && l.contains(&into) && l.contains(&from)
+    })?;
     let mut found: Vec<String> = Vec::new();
     for l in &lines[start + 1..] {
         let cells: Vec<&str> = l.split('|').map(str::trim).collect();
@@ -548,7 +563,10 @@ impl CopyBackend for NixlBackend {
                 ucx_get_transport(&log, ucx_mem_name(io.dst.kind()), ucx_mem_name(remote.kind))
             })
             .unwrap_or_else(|| "unknown".into());
-        let host = if io.dst.kind() == MemoryKind::Host || remote.kind == MemoryKind::Host {
+        let host = if io.dst.kind() == MemoryKind::Host
+            || remote.kind == MemoryKind::Host
+            || stages_on_host(&transport)
+        {
             bytes
         } else {
             0
@@ -575,10 +593,9 @@ mod tests {
 [1] [vm:1:2]   +--------+-------------+-------------------------------------------+
 [2] [vm:1:1]   | active message by ucp_am_send* from host memory |
 [2] [vm:1:1]   |          0 | short              | tcp/lo        |
-[3] [vm:1:2]   | remote memory read by ucp_get* into cuda memory from cuda |
+[3] [vm:1:2]   | remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda |
 [3] [vm:1:2]   | Range  | Description |                  Config                   |
-[3] [vm:1:2]   | 0..8k  | copy-out    | tcp/lo                                    |
-[3] [vm:1:2]   | 8k..inf | zero-copy  | cuda_ipc/cuda                             |
+[3] [vm:1:2]   | 0..inf | software emulation | tcp/lo                           |
 [3] [vm:1:2]   +--------+-------------+-------------------------------------------+
 ";
 
@@ -590,9 +607,12 @@ mod tests {
         );
         assert_eq!(
             ucx_get_transport(LOG, "cuda", "cuda").as_deref(),
-            Some("tcp/lo,cuda_ipc/cuda")
+            Some("tcp/lo")
         );
         assert_eq!(ucx_get_transport(LOG, "host", "cuda"), None);
         assert_eq!(ucx_get_transport("", "host", "host"), None);
+        assert!(stages_on_host("tcp/lo"));
+        assert!(!stages_on_host("cuda_ipc/cuda"));
+        assert!(stages_on_host("cuda_ipc/cuda,tcp/lo"));
     }
 }
