@@ -4,6 +4,7 @@
 //! ```text
 //! transfer_check oracle cpu|gpu [native|nixl]
 //! transfer_check bench  cpu|gpu [--quick] [--no-nixl] [--repeats N]
+//! transfer_check ipc     (GPU: donor here, one target process per GPU)
 //! ```
 //! Exit status 1 when the oracle fails or anything errors.
 
@@ -13,6 +14,38 @@ use kv_transfer::oracle::{self, OracleBackend, Profile};
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = "usage: transfer_check oracle cpu|gpu [native|nixl] | bench cpu|gpu [--quick] [--no-nixl] [--repeats N]";
+    match args.first().map(String::as_str) {
+        Some(kv_transfer::ipc_check::CHILD_SUBCOMMAND) => {
+            match kv_transfer::ipc_check::child_main(&args[1..]) {
+                Ok(r) => {
+                    println!("{}", serde_json::to_string(&r).expect("report serializes"));
+                    return;
+                }
+                Err(e) => {
+                    eprintln!("ipc child error: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+        Some("ipc") => {
+            let exe = std::env::current_exe().expect("own path");
+            match kv_transfer::ipc_check::run(&exe, &[]) {
+                Ok(r) => {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&r).expect("report serializes")
+                    );
+                    println!("passed: {}", r.passed());
+                    std::process::exit(if r.passed() { 0 } else { 1 });
+                }
+                Err(e) => {
+                    eprintln!("ipc check error: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+        _ => {}
+    }
     let (Some(what), Some(profile)) = (args.first(), args.get(1)) else {
         eprintln!("{usage}");
         std::process::exit(2);

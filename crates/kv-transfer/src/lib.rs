@@ -12,7 +12,8 @@
 //!   exactly its expected bytes, with counters (bytes, copies, host-payload
 //!   bytes, backend, transport);
 //! - [`oracle`] and [`bench`]: the native oracle and the ratio benchmark that
-//!   `cargo xtask oracle` / `cargo xtask bench transfer` call.
+//!   `cargo xtask oracle` / `cargo xtask bench transfer` call; [`ipc_check`]:
+//!   the same GPU fetch between two processes over CUDA IPC.
 //!
 //! # Invariants
 //! - Never a false completion: [`DeliveryReport::is_complete`] is true only if
@@ -38,6 +39,7 @@ pub mod cuda;
 mod delivery;
 mod error;
 mod host;
+pub mod ipc_check;
 pub mod nixl;
 pub mod oracle;
 pub mod plan;
