@@ -31,9 +31,13 @@
 //! is not used: chained sequence hashes already name their whole prefix.
 //!
 //! # Data layout
-//! Workers occupy slots; 64 slots form a group with one open-addressing
-//! table from sequence hash to one `u64` holder bitset per tier, so a donor
-//! walk is one (prefetched) probe and one `AND` per block.
+//! Workers occupy slots; 64 slots form a group. Per group, block entries
+//! (sequence hash + one `u64` holder bitset per tier) are stored in *runs*,
+//! arrays filled in the order Stored events announced new blocks (chain
+//! order), and a compact open-addressing index maps a hash to its entry. A
+//! donor walk reads the next entry of the current run while it matches the
+//! next request block (sequential memory, one `AND`-and-test per block) and
+//! asks the index only where a run ends.
 //! Benchmark against `dynamo-kv-router`'s `RadixTree`:
 //! `cargo bench -p kv-lookup --bench lookup -- [--json FILE]`.
 
