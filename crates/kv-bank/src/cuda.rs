@@ -286,6 +286,12 @@ pub struct CudaDeviceMemory {
     handle: [u8; CUDA_HANDLE_BYTES],
     /// `Some` for a fabric (VMM) allocation, `None` for `cuMemAlloc`.
     vmm: Option<VmmRegion>,
+    _live: crate::leaks::Live,
+}
+
+fn count_device_bytes(len: usize) -> crate::leaks::Live {
+    crate::leaks::DEVICE_BYTES.add(len as u64);
+    crate::leaks::Live::new(&crate::leaks::DEVICE_ALLOCATIONS)
 }
 
 impl CudaDeviceMemory {
@@ -321,6 +327,7 @@ impl CudaDeviceMemory {
             len,
             handle: h.reserved.map(|b| b as u8),
             vmm: None,
+            _live: count_device_bytes(len),
         })
     }
 
@@ -369,6 +376,7 @@ impl CudaDeviceMemory {
             len,
             handle: fh.data,
             vmm: Some(region),
+            _live: count_device_bytes(len),
         })
     }
 
@@ -413,6 +421,7 @@ impl BankMemory for CudaDeviceMemory {
 
 impl Drop for CudaDeviceMemory {
     fn drop(&mut self) {
+        crate::leaks::DEVICE_BYTES.sub(self.len as u64);
         if self.vmm.is_some() {
             return; // the region's own Drop unmaps and releases it
         }
@@ -522,6 +531,25 @@ impl CudaIpcImport {
                 kind: format!("{other:?}").chars().take(40).collect(),
             }),
         }
+    }
+
+    /// Maps the device bank part described by `d` on local device `ordinal`
+    /// (the importer's ordinal of `d`'s GPU), after checking its owner lease
+    /// ([`crate::check_descriptor_lease`]): it must exist, name `d`'s engine
+    /// id, generation, role and rank, and be live. Checked on every call,
+    /// before the mapping cache is consulted, so a cached mapping of a dead
+    /// bank is never handed out again.
+    ///
+    /// # Errors
+    /// The lease errors ([`BankError::LeaseMissing`], [`BankError::LeaseExpired`],
+    /// [`BankError::LeaseRevoked`], [`BankError::LeaseMismatch`],
+    /// [`BankError::LeaseInvalid`]); then as [`CudaIpcImport::open_export`].
+    pub fn open_descriptor(
+        d: &kv_descriptor::BankDescriptor,
+        ordinal: u32,
+    ) -> Result<Self, BankError> {
+        crate::lease::check_descriptor_lease(d, std::time::SystemTime::now())?;
+        Self::open_export(d.export(), ordinal, d.region_bytes() as usize)
     }
 
     fn open_kind(fabric: bool, handle: &[u8], ordinal: u32, len: usize) -> Result<Self, BankError> {

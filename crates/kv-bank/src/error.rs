@@ -163,6 +163,72 @@ pub enum BankError {
         /// Blocks free.
         free: usize,
     },
+    /// A fetch request names a slot id at or above the bank's slot count.
+    #[error("`parts[{rank}].slot_ids[{index}]` = {slot} is not below slot_count {slot_count}")]
+    SlotOutOfRange {
+        /// Rank part.
+        rank: u32,
+        /// Index in the slot list.
+        index: usize,
+        /// Slot id given.
+        slot: u32,
+        /// Slots of the bank.
+        slot_count: u32,
+    },
+    /// A bank's owner lease passed its expiry without renewal: its owner is
+    /// dead or stalled, and the bank may be reclaimed at any moment.
+    #[error("lease `{lease}` expired at {expires_at_us} µs (Unix), now {now_us} µs")]
+    LeaseExpired {
+        /// Lease name (`/...lease`).
+        lease: String,
+        /// Expiry, Unix µs.
+        expires_at_us: u64,
+        /// The time it was checked at, Unix µs.
+        now_us: u64,
+    },
+    /// A bank's lease was revoked (bank closed, or reclaimed).
+    #[error("lease `{lease}` is revoked: the bank was closed or reclaimed")]
+    LeaseRevoked {
+        /// Lease name.
+        lease: String,
+    },
+    /// No lease exists for a bank (never created, closed, or reclaimed).
+    #[error("lease `{lease}` does not exist: the bank was closed or reclaimed, or never existed")]
+    LeaseMissing {
+        /// Lease name.
+        lease: String,
+    },
+    /// A lease names another owner than the descriptor or hint does.
+    #[error(
+        "lease `{lease}`: `{field}` mismatch, request names {requested}, lease holds {actual}"
+    )]
+    LeaseMismatch {
+        /// Lease name.
+        lease: String,
+        /// Field (`engine_id`, `bank_generation`, `role`, `tp_rank`).
+        field: &'static str,
+        /// Value in the request.
+        requested: String,
+        /// Value in the lease.
+        actual: String,
+    },
+    /// A lease file is not a valid lease (short, not fully written, bad checksum).
+    #[error("lease `{lease}` is invalid: {reason}")]
+    LeaseInvalid {
+        /// Lease name.
+        lease: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Owner side: the bank's lease cannot be renewed any more (it lapsed,
+    /// was revoked or reclaimed); the bank generation is dead.
+    #[error("lease `{lease}` lost: {reason}")]
+    LeaseLost {
+        /// Lease name(s).
+        lease: String,
+        /// Why.
+        reason: String,
+    },
     /// A child process of a cross-process check failed.
     #[error("child process: {0}")]
     Child(String),

@@ -41,12 +41,16 @@
 
 mod cuda;
 mod error;
+pub mod faults;
 pub mod gpu_check;
+pub mod leaks;
+pub mod lease;
 mod lineage;
 mod manager;
 pub mod memory;
 mod qualify;
 mod rank;
+pub mod reclaim;
 mod reservation;
 mod shm;
 mod slots;
@@ -56,13 +60,23 @@ pub use cuda::{
     IpcCacheStats,
 };
 pub use error::BankError;
+pub use faults::{qualify_faults, FaultRow};
+pub use leaks::{Leak, LeakSnapshot};
+pub use lease::{
+    check_descriptor_lease, lease_name_for, read_lease, LeaseConfig, LeaseRecord, LeaseRenewal,
+    SHM_DIR,
+};
 pub use lineage::ExclusionLineage;
 pub use manager::{
-    sealed_blocks, BankConfig, BankManager, BankStats, Inventory, ManagerPin, PendingStore,
-    StoreStatus,
+    sealed_blocks, BankConfig, BankManager, BankStats, Inventory, LeaseStatus, ManagerPin,
+    PendingStore, StoreStatus, DEFAULT_SHM_PREFIX,
 };
 pub use memory::{BankMemory, MemoryKind};
 pub use qualify::{qualify_section, QualifyCheck, QualifySection};
 pub use rank::{RankBank, RankMemory};
+pub use reclaim::{
+    reclaim_stale, reclaim_stale_with, ReclaimPolicy, ReclaimReport, ReclaimedBank, Reclaimer,
+    ReclaimerTotals,
+};
 pub use reservation::{CancelledReservation, DestinationPool, DestinationReservation};
 pub use shm::HostShmMemory;

@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use kv_descriptor::{
     chain_sequence_hash, token_block_hashes, BankDescriptor, BankManifest, BankParts, FetchGpuHint,
@@ -14,6 +14,7 @@ use kv_descriptor::{
 };
 use parking_lot::{Condvar, Mutex};
 
+use crate::lease::{LeaseConfig, LeaseRenewal, OwnerLeases, Renewer};
 use crate::slots::{SlotState, SlotTable};
 use crate::{BankError, ExclusionLineage, HostShmMemory, RankBank, RankMemory};
 
@@ -31,10 +32,17 @@ pub struct BankConfig {
     pub store_timeout: Duration,
     /// The engine's exclusion lineage (shared, survives native clears and bank generations).
     pub lineage: Arc<ExclusionLineage>,
+    /// Owner lease of every rank: duration and who renews (see [`crate::lease`]).
+    pub lease: LeaseConfig,
+    /// Name prefix of host shm segments made by [`BankManager::new_host_shm`]
+    /// (`/<prefix>-<pid>-<n>-<hex>`); [`crate::reclaim_stale`] scans by prefix.
+    pub shm_prefix: String,
 }
 
 impl BankConfig {
-    /// Config with a 5 s store timeout and a fresh lineage.
+    /// Config with a 5 s store timeout, a fresh lineage, the default lease
+    /// ([`LeaseConfig::default`]: 15 s, renewed every 3 s in the background)
+    /// and shm prefix [`DEFAULT_SHM_PREFIX`].
     pub fn new(layout: KvLayout, owner: OwnerLease, budget_bytes: u64) -> Self {
         Self {
             layout,
@@ -42,12 +50,31 @@ impl BankConfig {
             budget_bytes,
             store_timeout: Duration::from_secs(5),
             lineage: Arc::new(ExclusionLineage::default()),
+            lease: LeaseConfig::default(),
+            shm_prefix: DEFAULT_SHM_PREFIX.to_string(),
         }
     }
     /// Slots per rank this config yields: `budget_bytes / tp_size / rank_block_bytes`.
     pub fn slot_count(&self) -> u64 {
         self.budget_bytes / u64::from(self.layout.tp_size()) / self.layout.rank_block_bytes() as u64
     }
+}
+
+/// Default name prefix of host bank segments (and of every lease name this
+/// crate makes), so `reclaim_stale("kvbank", now)` covers all banks.
+pub const DEFAULT_SHM_PREFIX: &str = "kvbank";
+
+/// A bank's lease as its owner sees it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LeaseStatus {
+    /// One lease name per rank.
+    pub names: Vec<String>,
+    /// Earliest expiry over the ranks, Unix µs (0 once revoked).
+    pub expires_at_us: u64,
+    /// Renewals so far (fewest over the ranks).
+    pub renewals: u64,
+    /// False once the lease lapsed, was revoked or lost: the generation is dead.
+    pub live: bool,
 }
 
 /// The sealed (full) blocks of `tokens`, chained from `parent`: the trailing
@@ -192,6 +219,9 @@ struct Shared {
     manifest: BankManifest,
     state: Mutex<State>,
     drained: Condvar,
+    leases: Arc<OwnerLeases>,
+    /// Taken (stopped) when the generation dies.
+    renewer: Mutex<Option<Renewer>>,
 }
 
 /// The bank manager of one role (TP1 or TP-N). Cheap to clone (shared).
@@ -244,6 +274,7 @@ impl BankManager {
         config: BankConfig,
         mut alloc: impl FnMut(u32, usize) -> Result<RankMemory, BankError>,
     ) -> Result<Self, BankError> {
+        config.lease.validate()?;
         let slot_count = config.slot_count();
         if slot_count == 0 || slot_count > u64::from(kv_descriptor::MAX_SLOTS) {
             return Err(BankError::arg(
@@ -286,6 +317,15 @@ impl BankManager {
             banks.push(RankBank::new(descriptor, memory));
         }
         let manifest = BankManifest::new(banks.iter().map(|b| b.descriptor().clone()).collect())?;
+        // Leases last: until they exist no importer accepts the bank, and on
+        // error the ones made are removed with the memory.
+        let leases = OwnerLeases::create(manifest.parts(), config.lease)?;
+        let renewer = match config.lease.renewal {
+            LeaseRenewal::Background { interval } => {
+                Some(Renewer::start(leases.clone(), interval)?)
+            }
+            LeaseRenewal::Manual => None,
+        };
         Ok(Self {
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
@@ -302,19 +342,25 @@ impl BankManager {
                 config,
                 manifest,
                 drained: Condvar::new(),
+                leases,
+                renewer: Mutex::new(renewer),
             }),
         })
     }
 
     /// A manager whose ranks live in fresh POSIX shared-memory objects on `host_id` (CPU profile).
     ///
+    /// Segments are named `/<config.shm_prefix>-<pid>-<n>-<hex>`, each with
+    /// its lease next to it (`….lease`).
+    ///
     /// # Errors
     /// As [`BankManager::new`] and [`HostShmMemory::create`].
     pub fn new_host_shm(config: BankConfig, host_id: &str) -> Result<Self, BankError> {
         let host = host_id.to_string();
+        let prefix = config.shm_prefix.clone();
         Self::new(config, |_, bytes| {
             Ok(RankMemory {
-                memory: Arc::new(HostShmMemory::create_unique("kvbank", bytes)?),
+                memory: Arc::new(HostShmMemory::create_unique(&prefix, bytes)?),
                 location: MemoryLocation::Host {
                     host_id: host.clone(),
                 },
@@ -510,6 +556,7 @@ impl BankManager {
         let excluded: Vec<SequenceHash> = blocks[cut..].iter().map(|b| b.sequence_hash).collect();
 
         let mut st = self.shared.state.lock();
+        self.enforce_lease_locked(&mut st)?;
         if st.phase != Phase::Open {
             return Err(self.closed());
         }
@@ -640,6 +687,7 @@ impl BankManager {
             return Err(BankError::BadRank { rank, tp_size: tp });
         }
         let mut st = self.shared.state.lock();
+        self.enforce_lease_locked(&mut st)?;
         let timeout = self.shared.config.store_timeout;
         let Some(p) = st.pending.get_mut(&store_id) else {
             return Err(BankError::UnknownStore(store_id));
@@ -767,6 +815,7 @@ impl BankManager {
     /// lineage. Nothing is pinned on error.
     pub fn pin_prefix(&self, hashes: &[SequenceHash]) -> Result<ManagerPin, BankError> {
         let mut st = self.shared.state.lock();
+        self.enforce_lease_locked(&mut st)?;
         if st.phase != Phase::Open {
             return Err(self.closed());
         }
@@ -789,6 +838,7 @@ impl BankManager {
             hashes,
             slots,
             banks,
+            _live: crate::leaks::Live::new(&crate::leaks::PINS),
         }
     }
 
@@ -796,11 +846,16 @@ impl BankManager {
     ///
     /// # Errors
     /// [`BankError::StaleOwner`] for another engine or generation;
-    /// [`BankError::Closed`] when this generation is closed.
+    /// [`BankError::Closed`] when this generation is closed;
+    /// [`BankError::LeaseExpired`] / [`BankError::LeaseLost`] when its lease lapsed.
     pub fn check_descriptor(&self, d: &BankDescriptor) -> Result<(), BankError> {
         self.check_owner(d.owner().engine_id, d.owner().generation)?;
-        if self.shared.state.lock().phase != Phase::Open {
-            return Err(self.closed());
+        {
+            let mut st = self.shared.state.lock();
+            self.enforce_lease_locked(&mut st)?;
+            if st.phase != Phase::Open {
+                return Err(self.closed());
+            }
         }
         if self.shared.manifest.parts().get(d.tp_rank() as usize) != Some(d) {
             return Err(BankError::StaleOwner {
@@ -838,15 +893,18 @@ impl BankManager {
     /// Donor side of a fetch: validates a `kv.fetch_gpu@1.0` hint against
     /// this bank and pins the slots it names.
     ///
-    /// Checked before anything is pinned: engine id, generation (a closed
-    /// generation is refused), layout fingerprint, TP size, one part per rank
-    /// with identical slot lists, and that slot `parts[r].slot_ids[i]` holds
-    /// the ready block `sequence_hashes[fetch_from + i]`.
+    /// Checked before anything is pinned, from the slot table alone (bank
+    /// memory is never read): engine id, generation (a closed generation is
+    /// refused), the bank's own lease (a lapsed lease kills the generation),
+    /// layout fingerprint, TP size, one part per rank with identical slot
+    /// lists, every slot id below the slot count, and that slot
+    /// `parts[r].slot_ids[i]` holds the ready block `sequence_hashes[fetch_from + i]`.
     ///
     /// # Errors
     /// [`BankError::StaleOwner`], [`BankError::Closed`],
-    /// [`BankError::SlotMismatch`], [`BankError::Excluded`],
-    /// [`BankError::InvalidArgument`] for a malformed hint.
+    /// [`BankError::LeaseExpired`], [`BankError::LeaseLost`],
+    /// [`BankError::SlotOutOfRange`], [`BankError::SlotMismatch`],
+    /// [`BankError::Excluded`], [`BankError::InvalidArgument`] for a malformed hint.
     pub fn pin_hint(&self, hint: &FetchGpuHint) -> Result<ManagerPin, BankError> {
         self.check_owner(hint.donor_engine_id, hint.bank_generation)?;
         let c = &self.shared.config;
@@ -872,9 +930,11 @@ impl BankManager {
             ));
         };
         let mut st = self.shared.state.lock();
+        self.enforce_lease_locked(&mut st)?;
         if st.phase != Phase::Open {
             return Err(self.closed());
         }
+        let slot_count = st.table.slot_count();
         for part in &hint.parts {
             if part.slot_ids.len() != fetched.len() {
                 return Err(BankError::arg(
@@ -888,6 +948,14 @@ impl BankManager {
                 ));
             }
             for (index, (&slot, h)) in part.slot_ids.iter().zip(fetched).enumerate() {
+                if slot >= slot_count {
+                    return Err(BankError::SlotOutOfRange {
+                        rank: part.tp_rank,
+                        index,
+                        slot,
+                        slot_count,
+                    });
+                }
                 if c.lineage.is_excluded(h) {
                     return Err(BankError::Excluded(*h));
                 }
@@ -949,7 +1017,8 @@ impl BankManager {
         self.shared.state.lock().phase != Phase::Open
     }
 
-    /// Closes this generation: refuses new pins and stores at once, rolls back
+    /// Closes this generation: refuses new pins and stores at once, revokes
+    /// and removes its leases (importers refuse it from now on), rolls back
     /// pending stores, queues a `Cleared` event, then waits up to `timeout`
     /// for pins to drain and frees the memory. Idempotent.
     ///
@@ -959,14 +1028,7 @@ impl BankManager {
     pub fn close(&self, timeout: Duration) -> Result<(), BankError> {
         let t0 = Instant::now();
         let mut st = self.shared.state.lock();
-        if st.phase == Phase::Open {
-            st.phase = Phase::Closing;
-            let ids: Vec<u64> = st.pending.keys().copied().collect();
-            for id in ids {
-                self.rollback_locked(&mut st, id, Rollback::Closing);
-            }
-            self.push_event(&mut st, KvEventData::Cleared);
-        }
+        self.kill_generation_locked(&mut st);
         let deadline = t0 + timeout;
         while st.table.total_pins() > 0 {
             if self
@@ -985,6 +1047,89 @@ impl BankManager {
         st.phase = Phase::Closed;
         st.banks = None;
         Ok(())
+    }
+}
+
+impl BankManager {
+    /// Ends an open generation (close, or a lapsed lease): no new pins or
+    /// stores, pending stores rolled back, `Cleared` queued, renewal stopped,
+    /// leases revoked and removed; memory freed now if nothing is pinned,
+    /// else when the last pin drops.
+    fn kill_generation_locked(&self, st: &mut State) {
+        if st.phase != Phase::Open {
+            return;
+        }
+        st.phase = Phase::Closing;
+        let ids: Vec<u64> = st.pending.keys().copied().collect();
+        for id in ids {
+            self.rollback_locked(st, id, Rollback::Closing);
+        }
+        self.push_event(st, KvEventData::Cleared);
+        drop(self.shared.renewer.lock().take());
+        self.shared.leases.revoke_all();
+        if st.table.total_pins() == 0 {
+            st.phase = Phase::Closed;
+            st.banks = None;
+        }
+    }
+
+    /// The owner's own view of its lease: once it lapsed (the owner stalled
+    /// past it, or a reclaimer revoked it) the generation is dead, because
+    /// importers already refuse it and a reclaimer may have removed it.
+    fn enforce_lease_locked(&self, st: &mut State) -> Result<(), BankError> {
+        if st.phase != Phase::Open {
+            return Ok(());
+        }
+        if let Err(e) = self.shared.leases.check_live(SystemTime::now()) {
+            tracing::warn!(
+                "bank generation {} ends: {e}",
+                self.shared.config.owner.generation
+            );
+            self.kill_generation_locked(st);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Renews every rank's lease now (the engine's call under
+    /// [`LeaseRenewal::Manual`]; allowed under background renewal too).
+    ///
+    /// # Errors
+    /// [`BankError::Closed`]; [`BankError::LeaseLost`] or
+    /// [`BankError::LeaseExpired`] when the lease already lapsed or was
+    /// revoked: a lapsed lease is never renewed, and the generation dies
+    /// (as by [`BankManager::close`] without waiting).
+    pub fn renew_lease(&self) -> Result<LeaseStatus, BankError> {
+        let mut st = self.shared.state.lock();
+        self.enforce_lease_locked(&mut st)?;
+        if st.phase != Phase::Open {
+            return Err(self.closed());
+        }
+        if let Err(e) = self.shared.leases.renew(SystemTime::now()) {
+            self.kill_generation_locked(&mut st);
+            return Err(e);
+        }
+        drop(st);
+        Ok(self.lease_status())
+    }
+
+    /// Lease names, expiry and renewals of this bank.
+    pub fn lease_status(&self) -> LeaseStatus {
+        let l = &self.shared.leases;
+        let expires_at_us = l.expires_at_us();
+        LeaseStatus {
+            names: l.names(),
+            expires_at_us,
+            renewals: l.renewals(),
+            live: !l.is_lost()
+                && expires_at_us != 0
+                && crate::lease::unix_us(SystemTime::now()) < expires_at_us,
+        }
+    }
+
+    /// The lease settings this bank runs with.
+    pub fn lease_config(&self) -> LeaseConfig {
+        self.shared.leases.config()
     }
 }
 
@@ -1007,6 +1152,7 @@ pub struct ManagerPin {
     hashes: Vec<SequenceHash>,
     slots: Vec<u32>,
     banks: Vec<RankBank>,
+    _live: crate::leaks::Live,
 }
 
 impl ManagerPin {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::BankError;
+use crate::{leaks, BankError};
 
 #[derive(Debug)]
 struct PoolState {
@@ -21,6 +21,13 @@ struct PoolState {
     reserved: BTreeSet<u32>,
     /// Blocks of reservations dropped without complete/cancel+quiesce.
     orphaned: BTreeSet<u32>,
+}
+
+impl Drop for PoolState {
+    fn drop(&mut self) {
+        // The pool (the native cache it stands for) is gone, and its blocks with it.
+        leaks::RESERVED_BLOCKS.sub((self.reserved.len() + self.orphaned.len()) as u64);
+    }
 }
 
 /// The destination blocks of one fetching engine (or rank): block ids
@@ -71,6 +78,7 @@ impl DestinationPool {
             st.free.remove(b);
             st.reserved.insert(*b);
         }
+        leaks::RESERVED_BLOCKS.add(blocks.len() as u64);
         Ok(self.handle(blocks))
     }
 
@@ -91,6 +99,7 @@ impl DestinationPool {
             st.free.remove(b);
             st.reserved.insert(*b);
         }
+        leaks::RESERVED_BLOCKS.add(blocks.len() as u64);
         Ok(self.handle(blocks.to_vec()))
     }
 
@@ -108,6 +117,7 @@ impl DestinationPool {
             st.reserved.remove(b);
             st.free.insert(*b);
         }
+        leaks::RESERVED_BLOCKS.sub(blocks.len() as u64);
     }
 
     /// Free blocks now.
@@ -130,6 +140,7 @@ impl DestinationPool {
         let orphans = std::mem::take(&mut st.orphaned);
         let n = orphans.len();
         st.free.extend(orphans);
+        leaks::RESERVED_BLOCKS.sub(n as u64);
         n
     }
 }

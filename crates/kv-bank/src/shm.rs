@@ -9,7 +9,7 @@ use std::fs::File;
 use std::os::fd::FromRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kv_descriptor::ExportHandle;
+use kv_descriptor::{BankDescriptor, ExportHandle};
 use memmap2::{MmapOptions, MmapRaw};
 
 use crate::memory::check_range;
@@ -40,6 +40,7 @@ pub struct HostShmMemory {
     name: String,
     map: MmapRaw,
     owner: bool,
+    _live: crate::leaks::Live,
 }
 
 static UNIQUE: AtomicU64 = AtomicU64::new(0);
@@ -108,6 +109,7 @@ impl HostShmMemory {
                 name: name.to_string(),
                 map,
                 owner: true,
+                _live: crate::leaks::Live::new(&crate::leaks::SHM_MAPPINGS),
             }),
             Err(source) => {
                 unlink();
@@ -138,14 +140,30 @@ impl HostShmMemory {
     /// is the length the importer expects (from the bank descriptor); the
     /// object must be at least that large.
     ///
+    /// If the object has a lease next to it (`<name>.lease`, every bank
+    /// segment does), the lease must be live: a bank whose owner died or
+    /// stalled is refused even before it is reclaimed. Only liveness can be
+    /// checked from a name; [`HostShmMemory::open_descriptor`] also checks
+    /// the owner. Objects without a lease (plain regions, not banks) open as
+    /// before.
+    ///
     /// # Errors
     /// [`BankError::HostMemory`] (`shm_open` fails when the name does not exist,
     /// e.g. the owner already dropped it); [`BankError::OutOfRange`] when the
-    /// object is smaller than `len`.
+    /// object is smaller than `len`; [`BankError::LeaseExpired`],
+    /// [`BankError::LeaseRevoked`] or [`BankError::LeaseInvalid`] for a bank
+    /// segment whose lease is not live.
     pub fn open(name: &str, len: usize) -> Result<Self, BankError> {
         let cname = check_name(name)?;
         if len == 0 {
             return Err(BankError::arg("len", "must be at least 1 byte, got 0"));
+        }
+        match crate::lease::read_lease(&format!("{name}{}", crate::lease::LEASE_SUFFIX)) {
+            Ok(rec) => rec.check_live(crate::lease::unix_us(std::time::SystemTime::now()))?,
+            Err(BankError::LeaseMissing { .. }) => {}
+            // A name too long to carry a lease suffix cannot have a lease.
+            Err(BankError::InvalidArgument { .. }) => {}
+            Err(e) => return Err(e),
         }
         // SAFETY: valid C string; opening without O_CREAT never creates anything.
         let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
@@ -175,7 +193,32 @@ impl HostShmMemory {
             name: name.to_string(),
             map,
             owner: false,
+            _live: crate::leaks::Live::new(&crate::leaks::SHM_MAPPINGS),
         })
+    }
+
+    /// Opens the host bank part described by `d`, after checking its owner
+    /// lease ([`crate::check_descriptor_lease`]): the lease must exist, name
+    /// `d`'s engine id, generation, role and rank, and be live. Maps
+    /// `d.region_bytes()` bytes.
+    ///
+    /// The lease is checked before mapping; if it lapses afterwards the
+    /// mapping stays valid memory (pins on the owner side protect content).
+    ///
+    /// # Errors
+    /// [`BankError::Unsupported`] for a descriptor that is not host shm;
+    /// the lease errors ([`BankError::LeaseMissing`], [`BankError::LeaseExpired`],
+    /// [`BankError::LeaseRevoked`], [`BankError::LeaseMismatch`],
+    /// [`BankError::LeaseInvalid`]); then as [`HostShmMemory::open`].
+    pub fn open_descriptor(d: &BankDescriptor) -> Result<Self, BankError> {
+        let ExportHandle::HostShm { name } = d.export() else {
+            return Err(BankError::Unsupported {
+                op: "host shm import",
+                kind: format!("{:?}", d.location()).chars().take(40).collect(),
+            });
+        };
+        crate::lease::check_descriptor_lease(d, std::time::SystemTime::now())?;
+        Self::open(name, d.region_bytes() as usize)
     }
 
     /// The shared-memory name (`/...`).
