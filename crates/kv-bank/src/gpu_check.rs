@@ -80,11 +80,11 @@ fn pattern_byte(i: usize) -> u8 {
     ((i.wrapping_mul(2_654_435_761)) >> 13) as u8
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn unhex(s: &str) -> Result<Vec<u8>, BankError> {
+pub(crate) fn unhex(s: &str) -> Result<Vec<u8>, BankError> {
     if s.len() % 2 != 0 {
         return Err(BankError::arg("handle", "odd hex length"));
     }
