@@ -93,10 +93,7 @@ pub fn qualify_faults(exe: &Path, child_args_prefix: &[String]) -> Vec<FaultRow>
 }
 
 fn unique_prefix(tag: &str) -> String {
-    format!(
-        "kvbank-{tag}{:08x}",
-        uuid::Uuid::new_v4().as_u128() as u32
-    )
+    format!("kvbank-{tag}{:08x}", uuid::Uuid::new_v4().as_u128() as u32)
 }
 
 fn small_layout() -> Result<KvLayout, BankError> {
@@ -352,7 +349,9 @@ fn observe_owner(
     };
     while !all_lapsed() {
         if killed.elapsed() > lease * 3 + Duration::from_secs(2) {
-            return Err(BankError::Child("lease still live long after the kill".into()));
+            return Err(BankError::Child(
+                "lease still live long after the kill".into(),
+            ));
         }
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -406,7 +405,10 @@ fn owner_killed_row(exe: &Path, prefix: &[String]) -> FaultRow {
                 && o.refused_before_reclaim.len() == 2 * tp
                 && o.refused_after_reclaim.len() == 2 * tp
                 && o.reclaim.reclaimed.len() == tp
-                && o.reclaim.reclaimed.iter().all(|r| !r.owner_alive && r.segment.is_some());
+                && o.reclaim
+                    .reclaimed
+                    .iter()
+                    .all(|r| !r.owner_alive && r.segment.is_some());
             FaultRow {
                 fault: FAULT.into(),
                 runs: 1,
@@ -625,7 +627,10 @@ pub fn hint_for(bank: &BankManager, entries: &[(SequenceHash, u32)]) -> FetchGpu
 }
 
 /// The forged variants of an honest hint: (name, hint).
-pub fn forged_variants(bank: &BankManager, good: &FetchGpuHint) -> Vec<(&'static str, FetchGpuHint)> {
+pub fn forged_variants(
+    bank: &BankManager,
+    good: &FetchGpuHint,
+) -> Vec<(&'static str, FetchGpuHint)> {
     let mut v = Vec::new();
     let mut h = good.clone();
     h.donor_engine_id = kv_descriptor::EngineId::fresh();
@@ -726,7 +731,13 @@ fn stale_generation() -> FaultRow {
         let import_new = HostShmMemory::open_descriptor(&g2.manifest().parts()[0]);
         let pin_new = g2.pin_hint(&hint_for(&g2, &e2));
         let fell_back = import_old.is_err()
-            && matches!(pin_old, Err(BankError::StaleOwner { field: "bank_generation", .. }))
+            && matches!(
+                pin_old,
+                Err(BankError::StaleOwner {
+                    field: "bank_generation",
+                    ..
+                })
+            )
             && import_new.is_ok()
             && pin_new.is_ok();
         let detail = format!(

@@ -721,10 +721,17 @@ impl OwnerLeases {
         let now_us = unix_us(now);
         for h in &self.holders {
             let e = h.expires_at_us();
-            if self.is_lost() || e == 0 {
+            if e == 0 {
+                self.lost.store(true, Ordering::Release);
                 return Err(BankError::LeaseLost {
                     lease: h.name().to_string(),
-                    reason: "revoked or lost".into(),
+                    reason: "revoked (closed, or reclaimed after it lapsed)".into(),
+                });
+            }
+            if self.is_lost() {
+                return Err(BankError::LeaseLost {
+                    lease: h.name().to_string(),
+                    reason: "a renewal failed earlier".into(),
                 });
             }
             if now_us >= e {
@@ -759,10 +766,12 @@ pub(crate) struct Renewer {
 impl Renewer {
     pub(crate) fn start(leases: Arc<OwnerLeases>, interval: Duration) -> Result<Self, BankError> {
         let (stop, stopped) = mpsc::channel::<()>();
+        // Counted before the spawn, so a snapshot right after start sees it.
+        let live = leaks::Live::new(&leaks::RENEWER_THREADS);
         let thread = std::thread::Builder::new()
             .name("kv-bank-lease".into())
             .spawn(move || {
-                let _live = leaks::Live::new(&leaks::RENEWER_THREADS);
+                let _live = live;
                 // Any message or a dropped sender ends the loop.
                 while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
                     if let Err(e) = leases.renew(SystemTime::now()) {

@@ -303,10 +303,12 @@ impl Reclaimer {
         let totals = Arc::new(Mutex::new(ReclaimerTotals::default()));
         let (stop, stopped) = mpsc::channel::<()>();
         let (t, prefix) = (totals.clone(), prefix.to_string());
+        // Counted before the spawn, so a snapshot right after start sees it.
+        let live = leaks::Live::new(&leaks::RECLAIMER_THREADS);
         let thread = std::thread::Builder::new()
             .name("kv-bank-reclaim".into())
             .spawn(move || {
-                let _live = leaks::Live::new(&leaks::RECLAIMER_THREADS);
+                let _live = live;
                 loop {
                     let r = reclaim_stale_with(&prefix, SystemTime::now(), &policy);
                     let mut t = t.lock();

@@ -26,7 +26,11 @@ fn prefix(tag: &str) -> String {
 
 fn lease_bank(prefix: &str, lease: LeaseConfig) -> BankManager {
     let l = common::layout(2);
-    let mut cfg = BankConfig::new(l, OwnerLease::fresh(Role::Decode), 4 * l.block_bytes() as u64);
+    let mut cfg = BankConfig::new(
+        l,
+        OwnerLease::fresh(Role::Decode),
+        4 * l.block_bytes() as u64,
+    );
     cfg.shm_prefix = prefix.to_string();
     cfg.lease = lease;
     BankManager::new_host_shm(cfg, "test-host").unwrap()
@@ -63,8 +67,15 @@ fn killed_owner_bank_lapses_is_refused_and_reclaimed_without_an_operator() {
     assert_ne!(o.child_pid, std::process::id());
     assert_eq!(o.live_imports, 2, "both ranks import while the owner lives");
     assert_eq!(o.live_mismatched_bytes, 0, "imported bytes are the child's");
-    assert!(o.renewals_seen >= 2, "the child renewed: {}", o.renewals_seen);
-    assert_eq!(o.reclaimed_while_live, 0, "a live owner's bank is never reclaimed");
+    assert!(
+        o.renewals_seen >= 2,
+        "the child renewed: {}",
+        o.renewals_seen
+    );
+    assert_eq!(
+        o.reclaimed_while_live, 0,
+        "a live owner's bank is never reclaimed"
+    );
     assert!(
         o.lapse_after_kill_ms <= 600 + 500,
         "lapsed within one lease after the kill: {} ms",
@@ -73,7 +84,9 @@ fn killed_owner_bank_lapses_is_refused_and_reclaimed_without_an_operator() {
     // Before reclamation: descriptor import and raw open both refused by the lease.
     assert_eq!(o.refused_before_reclaim.len(), 4);
     assert!(
-        o.refused_before_reclaim.iter().all(|e| e.contains("expired")),
+        o.refused_before_reclaim
+            .iter()
+            .all(|e| e.contains("expired")),
         "{:?}",
         o.refused_before_reclaim
     );
@@ -87,8 +100,16 @@ fn killed_owner_bank_lapses_is_refused_and_reclaimed_without_an_operator() {
     assert_eq!(o.reclaim.removed_names().len(), 4);
     // After: the lease and the segment are gone.
     assert_eq!(o.refused_after_reclaim.len(), 4);
-    assert!(o.refused_after_reclaim[0].contains("does not exist"), "{:?}", o.refused_after_reclaim);
-    assert!(o.refused_after_reclaim[1].contains("shm_open"), "{:?}", o.refused_after_reclaim);
+    assert!(
+        o.refused_after_reclaim[0].contains("does not exist"),
+        "{:?}",
+        o.refused_after_reclaim
+    );
+    assert!(
+        o.refused_after_reclaim[1].contains("shm_open"),
+        "{:?}",
+        o.refused_after_reclaim
+    );
     assert_eq!(o.false_imports, 0);
     assert!(o.entries_left.is_empty(), "{:?}", o.entries_left);
 }
@@ -117,7 +138,10 @@ fn live_owner_is_never_reclaimed_while_it_renews() {
     drop(m);
     assert_eq!(shm_entries(&p).len(), 4, "2 segments + 2 leases");
     bank.close(Duration::from_secs(1)).unwrap();
-    assert!(shm_entries(&p).is_empty(), "close removes segments and leases");
+    assert!(
+        shm_entries(&p).is_empty(),
+        "close removes segments and leases"
+    );
 }
 
 #[test]
@@ -137,7 +161,10 @@ fn lapsed_lease_is_never_renewed_and_ends_the_generation() {
     assert!(matches!(e, BankError::LeaseExpired { .. }), "{e}");
     assert!(bank.is_closed(), "a lapsed lease kills the generation");
     assert!(matches!(bank.renew_lease(), Err(BankError::Closed { .. })));
-    assert!(matches!(bank.pin_prefix(&common::hashes(&blocks)), Err(BankError::Closed { .. })));
+    assert!(matches!(
+        bank.pin_prefix(&common::hashes(&blocks)),
+        Err(BankError::Closed { .. })
+    ));
     let evs = bank.drain_events();
     assert!(matches!(evs.as_slice(), [e] if matches!(e.data, kv_descriptor::KvEventData::Cleared)));
     // Leases are gone at once; the pinned memory stays until the pin drops.
@@ -154,7 +181,10 @@ fn descriptor_import_checks_engine_generation_rank_and_liveness() {
     let bank = lease_bank(&p, LeaseConfig::default());
     let d0 = bank.manifest().parts()[0].clone();
     let rec = kv_bank::check_descriptor_lease(&d0, SystemTime::now()).unwrap();
-    assert_eq!((rec.pid, rec.tp_rank, rec.generation), (std::process::id(), 0, 1));
+    assert_eq!(
+        (rec.pid, rec.tp_rank, rec.generation),
+        (std::process::id(), 0, 1)
+    );
     assert_eq!(rec.engine_id, bank.owner().engine_id);
     assert_eq!(rec.duration_us, 15_000_000);
     HostShmMemory::open_descriptor(&d0).unwrap();
@@ -182,8 +212,13 @@ fn descriptor_import_checks_engine_generation_rank_and_liveness() {
     bank.close(Duration::from_secs(1)).unwrap();
     let e = HostShmMemory::open_descriptor(&d0).unwrap_err();
     assert!(matches!(e, BankError::LeaseMissing { .. }), "{e}");
-    let kv_descriptor::ExportHandle::HostShm { name } = d0.export() else { unreachable!() };
-    assert!(HostShmMemory::open(name, 64).is_err(), "segment unlinked at close");
+    let kv_descriptor::ExportHandle::HostShm { name } = d0.export() else {
+        unreachable!()
+    };
+    assert!(
+        HostShmMemory::open(name, 64).is_err(),
+        "segment unlinked at close"
+    );
 }
 
 fn dead_pid() -> u32 {
@@ -210,14 +245,24 @@ fn orphans_of_dead_creators_are_removed_and_live_ones_kept() {
     let r = reclaim_stale_with(&p, SystemTime::now(), &keep).unwrap();
     assert!(r.orphans.is_empty());
     // Within the default 60 s grace nothing goes either.
-    assert!(reclaim_stale(&p, SystemTime::now()).unwrap().orphans.is_empty());
+    assert!(reclaim_stale(&p, SystemTime::now())
+        .unwrap()
+        .orphans
+        .is_empty());
     let now_ok = ReclaimPolicy {
         orphan_grace: Some(Duration::ZERO),
         ..Default::default()
     };
     let r = reclaim_stale_with(&p, SystemTime::now(), &now_ok).unwrap();
-    assert_eq!(r.orphans, vec![dead.trim_start_matches("/dev/shm").to_string()]);
-    assert_eq!(shm_entries(&p).len(), 2, "live creator and unparsable name kept");
+    assert_eq!(
+        r.orphans,
+        vec![dead.trim_start_matches("/dev/shm").to_string()]
+    );
+    assert_eq!(
+        shm_entries(&p).len(),
+        2,
+        "live creator and unparsable name kept"
+    );
     for f in [&live, &unparsable] {
         std::fs::remove_file(f).unwrap();
     }
@@ -235,7 +280,10 @@ fn unreadable_lease_is_removed_with_its_segment_only_after_grace() {
     assert!(matches!(e, BankError::LeaseInvalid { .. }), "{e}");
     // A raw open of the segment is refused: its lease exists but is not valid.
     let name = seg.trim_start_matches("/dev/shm");
-    assert!(matches!(HostShmMemory::open(name, 4096), Err(BankError::LeaseInvalid { .. })));
+    assert!(matches!(
+        HostShmMemory::open(name, 4096),
+        Err(BankError::LeaseInvalid { .. })
+    ));
     let r = reclaim_stale(&p, SystemTime::now()).unwrap();
     assert!(r.invalid_leases.is_empty() && r.errors.len() == 1, "{r:?}");
     let grace0 = ReclaimPolicy {
@@ -252,7 +300,8 @@ fn background_reclaimer_takes_a_stalled_bank_and_the_owner_learns_it() {
     let _g = serial();
     let p = prefix("r");
     let bank = lease_bank(&p, LeaseConfig::manual(Duration::from_millis(60)));
-    let reclaimer = Reclaimer::start(&p, Duration::from_millis(15), ReclaimPolicy::default()).unwrap();
+    let reclaimer =
+        Reclaimer::start(&p, Duration::from_millis(15), ReclaimPolicy::default()).unwrap();
     let t = std::time::Instant::now();
     while reclaimer.totals().reclaimed.len() < 2 && t.elapsed() < Duration::from_secs(5) {
         std::thread::sleep(Duration::from_millis(10));
@@ -260,7 +309,10 @@ fn background_reclaimer_takes_a_stalled_bank_and_the_owner_learns_it() {
     let totals = reclaimer.totals();
     drop(reclaimer);
     assert_eq!(totals.reclaimed.len(), 2, "{totals:?}");
-    assert!(totals.reclaimed.iter().all(|r| r.owner_alive && r.pid == std::process::id()));
+    assert!(totals
+        .reclaimed
+        .iter()
+        .all(|r| r.owner_alive && r.pid == std::process::id()));
     assert!(shm_entries(&p).is_empty(), "segments and leases removed");
     // The reclaimer revoked the lease, so the owner can never renew it.
     let e = bank.renew_lease().unwrap_err();
@@ -273,7 +325,11 @@ fn background_reclaimer_takes_a_stalled_bank_and_the_owner_learns_it() {
 #[test]
 fn bad_lease_settings_are_refused_before_allocating() {
     let l = common::layout(1);
-    let mut cfg = BankConfig::new(l, OwnerLease::fresh(Role::Decode), 4 * l.block_bytes() as u64);
+    let mut cfg = BankConfig::new(
+        l,
+        OwnerLease::fresh(Role::Decode),
+        4 * l.block_bytes() as u64,
+    );
     cfg.lease = LeaseConfig::background(Duration::from_millis(100), Duration::from_millis(60));
     let e = BankManager::new_host_shm(cfg.clone(), "h").unwrap_err();
     assert!(e.to_string().contains("`lease.interval`"), "{e}");
