@@ -19,6 +19,9 @@
 //!   workers; each request is first looked up on its prefill target, then
 //!   both workers publish the blocks they did not hold (parent = last held).
 //!
+//! After its lookups the synthetic workload removes every announced block
+//! again (Removed events in store order): the `apply removed blocks` row.
+//!
 //! Event rates count blocks carried by events, over the time spent inside the
 //! apply call; lookup latencies time each call alone.
 
@@ -27,7 +30,7 @@ use std::io::BufRead;
 use std::time::Instant;
 
 use dynamo_kv_router::protocols::{
-    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData,
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
     KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
 };
 use dynamo_kv_router::RadixTree;
@@ -122,6 +125,12 @@ enum Op<'a> {
     },
     /// Lookup of `blocks` for prefill target `worker`.
     Lookup { worker: usize, blocks: &'a [Block] },
+    /// Worker `worker` drops `blocks` from `tier`.
+    Remove {
+        worker: usize,
+        tier: StorageTier,
+        blocks: &'a [Block],
+    },
 }
 
 const WORKERS: usize = 64;
@@ -140,6 +149,8 @@ fn role(w: usize) -> Role {
 struct Measured {
     block_events: u64,
     apply_ns: u64,
+    removed_blocks: u64,
+    remove_ns: u64,
     lookups_ns: Vec<u64>,
     found: u64,
     exhausted: u64,
@@ -150,6 +161,9 @@ struct Measured {
 impl Measured {
     fn events_per_s(&self) -> f64 {
         self.block_events as f64 / (self.apply_ns as f64 / 1e9)
+    }
+    fn removals_per_s(&self) -> f64 {
+        self.removed_blocks as f64 / (self.remove_ns as f64 / 1e9)
     }
     fn pct(&mut self, p: f64) -> f64 {
         self.lookups_ns.sort_unstable();
@@ -209,6 +223,32 @@ fn run_ours<'a>(ops: impl Iterator<Item = Op<'a>>, capacity: usize) -> Measured 
                     "{r:?}"
                 );
                 m.block_events += blocks.len() as u64;
+            }
+            Op::Remove {
+                worker,
+                tier,
+                blocks,
+            } => {
+                let e = KvEvent {
+                    publisher: engines[worker],
+                    event_id: next_id[worker],
+                    role: role(worker),
+                    layout_fingerprint: FP,
+                    tp_size: 1,
+                    tier,
+                    data: KvEventData::Removed {
+                        sequence_hashes: blocks.iter().map(|b| SequenceHash(b.0)).collect(),
+                    },
+                };
+                next_id[worker] += 1;
+                let t0 = Instant::now();
+                let r = index.apply_event(&e);
+                m.remove_ns += t0.elapsed().as_nanos() as u64;
+                assert!(
+                    matches!(r, Ok(kv_lookup::EventOutcome::Applied { .. })),
+                    "{r:?}"
+                );
+                m.removed_blocks += blocks.len() as u64;
             }
             Op::Lookup { worker, blocks } => {
                 hashes.clear();
@@ -270,6 +310,27 @@ fn run_dynamo<'a>(ops: impl Iterator<Item = Op<'a>>) -> Measured {
                 m.apply_ns += t0.elapsed().as_nanos() as u64;
                 assert!(r.is_ok(), "dynamo refused an event: {r:?}");
                 m.block_events += blocks.len() as u64;
+            }
+            Op::Remove { worker, blocks, .. } => {
+                let e = RouterEvent::new(
+                    worker as u64,
+                    KvCacheEvent {
+                        event_id: next_id[worker],
+                        data: KvCacheEventData::Removed(KvCacheRemoveData {
+                            block_hashes: blocks
+                                .iter()
+                                .map(|b| ExternalSequenceBlockHash(b.0))
+                                .collect(),
+                        }),
+                        dp_rank: 0,
+                    },
+                );
+                next_id[worker] += 1;
+                let t0 = Instant::now();
+                let r = tree.apply_event(e);
+                m.remove_ns += t0.elapsed().as_nanos() as u64;
+                assert!(r.is_ok(), "dynamo refused a removal: {r:?}");
+                m.removed_blocks += blocks.len() as u64;
             }
             Op::Lookup { blocks, .. } => {
                 let seq: Vec<LocalBlockHash> = blocks.iter().map(|b| LocalBlockHash(b.1)).collect();
@@ -365,12 +426,30 @@ fn synthetic_ops(s: &Synthetic) -> impl Iterator<Item = Op<'_>> {
             });
         }
     }
+    // After the lookups every worker drops what it announced, in order.
+    let removals: Vec<Op<'_>> = stores
+        .iter()
+        .map(|op| match op {
+            Op::Store {
+                worker,
+                tier,
+                blocks,
+                ..
+            } => Op::Remove {
+                worker: *worker,
+                tier: *tier,
+                blocks,
+            },
+            _ => unreachable!("only stores so far"),
+        })
+        .collect();
     stores
         .into_iter()
         .chain(s.requests.iter().map(|(w, r)| Op::Lookup {
             worker: *w,
             blocks: r,
         }))
+        .chain(removals)
 }
 
 /// Mooncake requests as block lists at `block_size` tokens.
@@ -449,6 +528,16 @@ fn rows_for(prefix: &str, ours: &mut Measured, dynamo: &mut Measured) -> Vec<Row
         unit: "blocks/s",
         ratio: o / d,
     });
+    if ours.removed_blocks > 0 {
+        let (o, d) = (ours.removals_per_s(), dynamo.removals_per_s());
+        rows.push(Row {
+            name: format!("{prefix} apply removed blocks"),
+            ours: o,
+            dynamo: d,
+            unit: "blocks/s",
+            ratio: o / d,
+        });
+    }
     rows
 }
 

@@ -61,9 +61,10 @@ pub(crate) type TierBits = [u64; TIERS];
 
 const NO_BITS: TierBits = [0; TIERS];
 
-/// How far ahead (in hashes) event application prefetches index slots:
-/// enough outstanding misses to cover DRAM latency, few enough not to waste
-/// bandwidth.
+/// How far ahead (in hashes) event application prefetches entries; index
+/// slots are prefetched twice as far ahead, so that the entry prefetch finds
+/// its slot cached. Enough outstanding misses to cover DRAM latency, few
+/// enough not to waste bandwidth.
 pub(crate) const PREFETCH_DISTANCE: usize = 8;
 
 /// What a donor walk reads of one entry: its key and the two tiers a
@@ -81,7 +82,8 @@ pub(crate) struct HotEntry {
 #[derive(Default)]
 struct Run {
     hot: Vec<HotEntry>,
-    /// `[host_pinned, disk, external]` bitsets.
+    /// `[host_pinned, disk, external]` bitsets; empty until the run's first
+    /// cold bit (most runs never get one), then as long as `hot`.
     cold: Vec<[u64; 3]>,
     /// Entries with a non-zero bit.
     live: u32,
@@ -103,21 +105,42 @@ pub(crate) const HOT_DEVICE: usize = 0;
 pub(crate) const HOT_RETAINED: usize = 1;
 
 impl Run {
+    /// The bitset word of `tier` at `off`, materializing `cold` if needed.
     #[inline]
     fn word(&mut self, off: usize, tier: usize) -> &mut u64 {
         match place(tier) {
             (true, i) => &mut self.hot[off].bits[i],
-            (false, i) => &mut self.cold[off][i],
+            (false, i) => {
+                if self.cold.is_empty() {
+                    self.cold.resize(self.hot.len(), [0; 3]);
+                }
+                &mut self.cold[off][i]
+            }
         }
     }
 
     #[inline]
+    fn cold_at(&self, off: usize) -> [u64; 3] {
+        self.cold.get(off).copied().unwrap_or([0; 3])
+    }
+
+    #[inline]
+    fn test(&self, off: usize, tier: usize, flag: u64) -> bool {
+        match place(tier) {
+            (true, i) => self.hot[off].bits[i] & flag != 0,
+            (false, i) => self.cold_at(off)[i] & flag != 0,
+        }
+    }
+
+    /// Reads `cold` only when the hot bits are zero and the run has cold
+    /// bits at all: removing a block usually touches one cache line.
+    #[inline]
     fn is_live(&self, off: usize) -> bool {
-        self.hot[off].bits != [0; 2] || self.cold[off] != [0; 3]
+        self.hot[off].bits != [0; 2] || self.cold_at(off) != [0; 3]
     }
 
     fn bits(&self, off: usize) -> TierBits {
-        let (h, c) = (self.hot[off].bits, self.cold[off]);
+        let (h, c) = (self.hot[off].bits, self.cold_at(off));
         [h[HOT_DEVICE], c[0], c[1], c[2], h[HOT_RETAINED]]
     }
 }
@@ -222,6 +245,22 @@ impl HolderTable {
         prefetch_read(self.slots.as_ptr().wrapping_add(i));
     }
 
+    /// Asks the CPU to load the entry of `hash`, if it exists. Reads the
+    /// index slot (call [`Self::prefetch`] for it some time before), so it
+    /// is the second stage of a two-stage prefetch.
+    #[inline]
+    pub(crate) fn prefetch_entry(&self, hash: SequenceHash) {
+        if let Some(i) = self.find(hash.0) {
+            let loc = self.slots[i].loc;
+            prefetch_read(
+                self.runs[loc.run as usize]
+                    .hot
+                    .as_ptr()
+                    .wrapping_add(loc.off as usize),
+            );
+        }
+    }
+
     /// Index slot holding `key`, if any.
     #[inline]
     fn find(&self, key: u64) -> Option<usize> {
@@ -311,7 +350,9 @@ impl HolderTable {
             key: hash.0,
             bits: [0; 2],
         });
-        r.cold.push([0; 3]);
+        if !r.cold.is_empty() {
+            r.cold.push([0; 3]);
+        }
         *r.word(loc.off as usize, tier) = flag;
         r.live += 1;
         let mut i = self.home(hash.0);
@@ -332,11 +373,10 @@ impl HolderTable {
         };
         let loc = self.slots[i].loc;
         let (run_id, off) = (loc.run as usize, loc.off as usize);
-        let w = self.runs[run_id].word(off, tier);
-        if *w & flag == 0 {
+        if !self.runs[run_id].test(off, tier, flag) {
             return false;
         }
-        *w &= !flag;
+        *self.runs[run_id].word(off, tier) &= !flag;
         if !self.runs[run_id].is_live(off) {
             self.len -= 1;
             self.backward_shift(i);
@@ -373,11 +413,11 @@ impl HolderTable {
         };
         let mut fresh = Run {
             hot: Vec::with_capacity(taken.live as usize),
-            cold: Vec::with_capacity(taken.live as usize),
+            cold: Vec::new(),
             live: taken.live,
         };
-        for (off, (h, c)) in taken.hot.iter().zip(&taken.cold).enumerate() {
-            if h.bits == [0; 2] && *c == [0; 3] {
+        for (off, h) in taken.hot.iter().enumerate() {
+            if !taken.is_live(off) {
                 continue;
             }
             let slot = self.find(h.key).expect("a live entry is indexed");
@@ -393,7 +433,9 @@ impl HolderTable {
                 off: fresh.hot.len() as u32,
             };
             fresh.hot.push(*h);
-            fresh.cold.push(*c);
+            if !taken.cold.is_empty() {
+                fresh.cold.push(taken.cold[off]);
+            }
         }
         self.runs[new as usize] = fresh;
         self.free_runs.push(old);

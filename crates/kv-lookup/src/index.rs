@@ -493,8 +493,8 @@ impl State {
     }
 
     /// Sets `slot`'s bit in `tier` for every `key(item)`, prefetching
-    /// [`PREFETCH_DISTANCE`] items ahead (events carry hashes that are
-    /// random in the table: without prefetch each block waits for a miss).
+    /// index slots and entries ahead (events carry hashes that are random in
+    /// the table: without prefetch each block waits for two misses in turn).
     fn store<T>(
         &mut self,
         slot: u32,
@@ -506,12 +506,15 @@ impl State {
         let table = &mut self.groups[g];
         let rec = self.workers[slot as usize].as_mut().expect("live slot");
         let mut changed = 0;
-        for it in items.iter().take(PREFETCH_DISTANCE) {
+        for it in items.iter().take(2 * PREFETCH_DISTANCE) {
             table.prefetch(key(it));
         }
         for (i, it) in items.iter().enumerate() {
-            if let Some(ahead) = items.get(i + PREFETCH_DISTANCE) {
+            if let Some(ahead) = items.get(i + 2 * PREFETCH_DISTANCE) {
                 table.prefetch(key(ahead));
+            }
+            if let Some(ahead) = items.get(i + PREFETCH_DISTANCE) {
+                table.prefetch_entry(key(ahead));
             }
             let h = key(it);
             if table.set(h, tier, bit) {
@@ -532,19 +535,22 @@ impl State {
         let table = &mut self.groups[g];
         let rec = self.workers[slot as usize].as_mut().expect("live slot");
         let mut changed = 0;
-        for &h in hashes.iter().take(PREFETCH_DISTANCE) {
+        for &h in hashes.iter().take(2 * PREFETCH_DISTANCE) {
             table.prefetch(h);
         }
         for (i, &h) in hashes.iter().enumerate() {
-            if let Some(&ahead) = hashes.get(i + PREFETCH_DISTANCE) {
+            if let Some(&ahead) = hashes.get(i + 2 * PREFETCH_DISTANCE) {
                 table.prefetch(ahead);
+            }
+            if let Some(&ahead) = hashes.get(i + PREFETCH_DISTANCE) {
+                table.prefetch_entry(ahead);
             }
             changed += u64::from(table.clear(h, tier, bit));
         }
+        // No log compaction here: removals never grow the log, and
+        // compacting while a worker drains would re-read every entry it
+        // still lists. The next store compacts if the log got too stale.
         rec.live[tier] -= changed;
-        if rec.log_needs_compaction(tier) {
-            compact_log(table, rec, tier, bit);
-        }
         changed
     }
 
