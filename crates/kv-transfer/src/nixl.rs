@@ -60,7 +60,10 @@ pub fn runtime_status() -> Result<(), TransferError> {
 /// The UCX log file holding protocol-selection tables, when the environment
 /// asked UCX to write them (`UCX_PROTO_INFO=y` and `UCX_LOG_FILE`).
 fn ucx_proto_log() -> Option<std::path::PathBuf> {
-    if std::env::var("UCX_PROTO_INFO").ok()?.to_ascii_lowercase() != "y" {
+    if !std::env::var("UCX_PROTO_INFO")
+        .ok()?
+        .eq_ignore_ascii_case("y")
+    {
         return None;
     }
     let f = std::env::var("UCX_LOG_FILE").ok()?;
@@ -118,9 +121,10 @@ fn ucx_get_transport(log: &str, dst: &str, src: &str) -> Option<String> {
             if !cfg.is_empty() && !found.contains(&cfg) {
                 found.push(cfg);
             }
-        } else if !found.is_empty() && !l.contains("+---") {
-            break;
-        } else if l.contains("remote memory") || l.contains("active message") {
+        } else if (!found.is_empty() && !l.contains("+---"))
+            || l.contains("remote memory")
+            || l.contains("active message")
+        {
             break;
         }
     }
