@@ -198,7 +198,7 @@ pub fn reclaim_stale_with(
                 continue; // covered by a lease (possibly created after the listing)
             }
             let Some(pid) = name_pid(seg) else { continue };
-            if pid_alive(pid) || !age(seg, now).is_some_and(|a| a >= grace) {
+            if pid_alive(pid) || age(seg, now).is_none_or(|a| a < grace) {
                 continue;
             }
             if std::fs::remove_file(shm_path(seg)).is_ok() {
