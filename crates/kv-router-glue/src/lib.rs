@@ -59,6 +59,7 @@ pub mod nats_server;
 pub mod ols;
 mod qualify;
 mod settings;
+pub mod vllm_events;
 #[cfg(test)]
 mod tests;
 
