@@ -11,9 +11,23 @@
 //!   rank-local [`RankBank`] per TP rank sharing logical slot ids, with the
 //!   byte budget divided across ranks;
 //! - **destination reservations** ([`DestinationPool`]) on the fetching side;
+//! - **owner leases** ([`lease`]): one lease file per bank rank in
+//!   [`SHM_DIR`], renewed by the owner (background thread or
+//!   [`BankManager::renew_lease`]); importers ([`HostShmMemory::open_descriptor`],
+//!   [`CudaIpcImport::open_descriptor`], and [`HostShmMemory::open`] for any
+//!   segment that has a lease) refuse a bank whose lease is missing, lapsed,
+//!   revoked or names another engine id, generation, role or rank;
+//! - **stale-bank reclamation** ([`reclaim`]): [`reclaim_stale`] and the
+//!   background [`Reclaimer`] remove banks whose lease lapsed, and orphan
+//!   segments of dead creators, without an operator;
+//! - **leak accounting** ([`leaks`]): [`leaks::snapshot`] of fds, this
+//!   process's shm entries, mappings, device memory, pins, reservations,
+//!   leases and threads, compared by [`LeakSnapshot::leaks_since`];
 //! - **checks runnable elsewhere**: [`gpu_check`] (two-process CUDA IPC check
-//!   for a GPU machine) and [`qualify_section`] (CPU bank lifecycle for
-//!   `cargo xtask qualify`).
+//!   for a GPU machine), [`qualify_section`] (CPU bank lifecycle for
+//!   `cargo xtask qualify`) and [`qualify_faults`] (the bank rows of the fault
+//!   table: owner killed, owner stalled, forged hints, stale generation,
+//!   allocation failure).
 //!
 //! # Invariants
 //! - A slot holds one rank's part of one sealed (full) block. A store is
@@ -31,9 +45,18 @@
 //! - A closed generation is dead: pins, stores and descriptors naming it are
 //!   refused; memory is freed once pins drained.
 //! - Every failing operation leaves nothing half-registered.
+//! - A bank is importable only while its owner lease is live and names the
+//!   importer's engine id and generation. A lapsed lease is never renewed:
+//!   the owner's generation dies with it (as by close), and a reclaimer
+//!   revokes it before unlinking, segment first, so no consumer imports a
+//!   reclaimed bank. `pin_hint` refuses forged, out-of-range and
+//!   wrong-incarnation hints from the slot table alone, never reading memory.
 //!
 //! Deliberately absent: moving bytes between banks (kv-transfer), deciding
-//! what to fetch (kv-lookup, kv-router-glue) and NIXL registration. The
+//! what to fetch (kv-lookup, kv-router-glue) and NIXL registration. Leases
+//! are host-local (wall clock, shared-memory directory): a remote importer
+//! (multi-node NVLink) relies on the descriptor generation and the donor's
+//! `pin_hint` checks, not on reading the lease. The
 //! fabric-handle path ([`CudaDeviceMemory::new_fabric`]) needs an IMEX
 //! channel; without one it fails with a clear error and callers use IPC.
 
