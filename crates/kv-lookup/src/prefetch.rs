@@ -1,9 +1,10 @@
-//! Software prefetch of a holder-table slot: the only unsafe code of this crate.
+//! Software prefetch: the only unsafe code of this crate.
 //!
-//! A donor lookup knows every sequence hash of the request before it starts,
-//! so it can ask the CPU to fetch slots a few blocks ahead of the walk. With
-//! a million blocks the table is far larger than the caches and each probe
-//! would otherwise wait for its own DRAM miss in turn.
+//! Event application knows every hash of an event before it starts, and a
+//! donor walk knows the run it is reading: both ask the CPU to fetch cache
+//! lines a few blocks ahead. With millions of blocks the tables are far
+//! larger than the caches, and each block would otherwise wait for its own
+//! DRAM miss in turn.
 
 /// Hints the CPU to bring the cache line at `ptr` into L1. Never faults.
 #[inline(always)]
