@@ -26,8 +26,10 @@
 
 #![deny(missing_docs)]
 
+pub mod engines;
 pub mod model;
 pub mod qualify;
 pub mod replay;
 pub mod sessions;
+pub mod smoke;
 pub mod trace;

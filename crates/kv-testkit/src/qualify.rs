@@ -16,6 +16,10 @@ use crate::replay::{compare, ReplayComparison, ReplayError, ReplayOptions, Workl
 use crate::sessions::{generate, LengthDistributions, SessionError, SessionParams};
 use crate::trace::{default_trace_path, MooncakeTrace, TraceError};
 
+pub use crate::smoke::{
+    serving_smoke, ServingSmokeResult, SmokeError, SmokeOptions, SmokeRequest, SmokeRun,
+};
+
 /// Why a qualification entry point failed.
 #[derive(Debug, thiserror::Error)]
 pub enum QualifyError {

@@ -1,0 +1,641 @@
+//! In-process worker engines around the reference model: a prefill engine
+//! with a native prefix cache and the fetch executor, a decode engine with a
+//! retained bank, and a router with the real index and advisor.
+//!
+//! Everything on the reuse path is the product's code: block hashes
+//! (kv-descriptor), the retained bank and its events (kv-bank), the index
+//! and bounded lookup (kv-lookup), admission and hints (kv-router-glue
+//! [`Advisor`]), hint validation, pinning, planning and the copy
+//! (kv-router-glue [`FetchExecutor`] over kv-transfer's host backend). The
+//! engines add only what a serving engine has: the model, a native cache,
+//! and the order of operations.
+//!
+//! CPU profile: banks live in POSIX shared memory, fetches land in host
+//! staging rows (one [`HostBuffer`] per rank) and are then imported into the
+//! request's [`KvCache`]; native cache blocks are byte copies per rank.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_bank::{sealed_blocks, BankConfig, BankManager, BankMemory, DestinationPool, StoreStatus};
+use kv_descriptor::{
+    EngineId, HintEnvelope, KvEvent, KvEventData, KvLayout, OwnerLease, Role, SequenceHash,
+    StorageTier, StoredBlock,
+};
+use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
+use kv_router_glue::{
+    Advice, Advisor, CostModel, DecisionLog, FetchExecutor, LiveCostModel, LocalDonorDirectory,
+    ReuseSettings,
+};
+use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend};
+
+use crate::model::{argmax, KvCache, ModelError, ReferenceModel};
+
+/// Why an engine operation failed (a fetch failure is *not* an error: it
+/// falls back and is reported in [`PrefillOutput::fallback`]).
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The model refused the input.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// A bank operation failed.
+    #[error("bank `{op}`: {reason}")]
+    Bank {
+        /// Operation (`new`, `store`, `write_pending`, `ack`, `close`).
+        op: &'static str,
+        /// The bank's message.
+        reason: String,
+    },
+    /// Router setup failed (registration, cost model, executor).
+    #[error("router `{op}`: {reason}")]
+    Router {
+        /// Operation.
+        op: &'static str,
+        /// Message.
+        reason: String,
+    },
+}
+
+fn bank_err(op: &'static str) -> impl Fn(kv_bank::BankError) -> EngineError {
+    move |e| EngineError::Bank {
+        op,
+        reason: e.to_string(),
+    }
+}
+
+/// LRU native prefix cache of one prefill engine: sealed blocks by sequence
+/// hash, each the per-rank bytes of one block. Publishes `Device`-tier
+/// events so the router's baseline is exact.
+struct NativeCache {
+    capacity: usize,
+    blocks: HashMap<SequenceHash, (Vec<Vec<u8>>, u64)>,
+    clock: u64,
+}
+
+impl NativeCache {
+    fn prefix_len(&self, hashes: &[StoredBlock]) -> usize {
+        hashes
+            .iter()
+            .take_while(|b| self.blocks.contains_key(&b.sequence_hash))
+            .count()
+    }
+
+    fn touch(&mut self, h: &SequenceHash) {
+        self.clock += 1;
+        if let Some(e) = self.blocks.get_mut(h) {
+            e.1 = self.clock;
+        }
+    }
+
+    /// Inserts blocks (prefix order); returns (added, evicted). Evicts the
+    /// least recently used block that is not in `blocks`.
+    fn insert(
+        &mut self,
+        blocks: &[(StoredBlock, Vec<Vec<u8>>)],
+    ) -> (Vec<StoredBlock>, Vec<SequenceHash>) {
+        let mut added = Vec::new();
+        let mut evicted = Vec::new();
+        let keep: std::collections::HashSet<SequenceHash> =
+            blocks.iter().map(|b| b.0.sequence_hash).collect();
+        // Tail first, so a prefix is younger than its extension (evicted after it).
+        for (b, bytes) in blocks.iter().rev() {
+            self.clock += 1;
+            if self
+                .blocks
+                .insert(b.sequence_hash, (bytes.clone(), self.clock))
+                .is_none()
+            {
+                added.push(*b);
+            }
+        }
+        added.reverse();
+        while self.blocks.len() > self.capacity {
+            let victim = self
+                .blocks
+                .iter()
+                .filter(|(h, _)| !keep.contains(h))
+                .min_by_key(|(_, (_, t))| *t)
+                .map(|(h, _)| *h);
+            let Some(v) = victim.or_else(|| {
+                self.blocks
+                    .iter()
+                    .min_by_key(|(_, (_, t))| *t)
+                    .map(|(h, _)| *h)
+            }) else {
+                break;
+            };
+            self.blocks.remove(&v);
+            if let Some(pos) = added.iter().position(|b| b.sequence_hash == v) {
+                added.remove(pos);
+            } else {
+                evicted.push(v);
+            }
+        }
+        (added, evicted)
+    }
+}
+
+/// What one prefill did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillOutput {
+    /// First output token (greedy).
+    pub first_token: u32,
+    /// Logits that chose it.
+    pub first_logits: Vec<f32>,
+    /// Prompt tokens computed by the model.
+    pub computed_tokens: u64,
+    /// Prompt tokens taken from the native cache.
+    pub native_tokens: u64,
+    /// Prompt tokens fetched from a donor.
+    pub fetched_tokens: u64,
+    /// Bytes the fetch delivered (all ranks).
+    pub bytes_moved: u64,
+    /// Bytes that crossed host memory as payload (kv-transfer counter).
+    pub host_payload_bytes: u64,
+    /// Set when a hint was given but the fetch fell back: the reason.
+    pub fallback: Option<String>,
+}
+
+/// How the fetch of one request should be disturbed (fault injection).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FetchFault {
+    /// No fault.
+    None,
+    /// The donor is unreachable: the delivery's liveness probe says dead.
+    DonorBlocked,
+    /// The delivery was cancelled before it started.
+    Cancelled,
+}
+
+/// A prefill engine: reference model, native prefix cache, fetch executor.
+pub struct PrefillEngine {
+    engine: EngineId,
+    model: Arc<ReferenceModel>,
+    layout: KvLayout,
+    native: NativeCache,
+    executor: FetchExecutor,
+    staging: Vec<Arc<HostBuffer>>,
+    next_event_id: u64,
+}
+
+impl PrefillEngine {
+    /// A prefill engine at TP size `tp` with `native_blocks` of native cache
+    /// and `staging_blocks` fetch rows per rank.
+    ///
+    /// # Errors
+    /// [`EngineError::Model`] for an unsupported `tp`; [`EngineError::Router`]
+    /// when the staging rows or executor cannot be built.
+    pub fn new(
+        model: Arc<ReferenceModel>,
+        tp: u32,
+        native_blocks: usize,
+        staging_blocks: u32,
+    ) -> Result<Self, EngineError> {
+        let layout = model.config().layout(tp)?;
+        let rbb = layout.rank_block_bytes();
+        let router_err = |e: String| EngineError::Router {
+            op: "executor",
+            reason: e,
+        };
+        let staging = (0..tp)
+            .map(|_| HostBuffer::zeroed(staging_blocks as usize * rbb).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| router_err(e.to_string()))?;
+        let regions: Vec<Arc<dyn BankMemory>> = staging
+            .iter()
+            .map(|b| b.clone() as Arc<dyn BankMemory>)
+            .collect();
+        let executor = FetchExecutor::new(
+            layout,
+            DestinationPool::new(staging_blocks),
+            regions,
+            staging_blocks,
+            Arc::new(HostCopyBackend),
+        )
+        .map_err(|e| router_err(e.to_string()))?;
+        Ok(Self {
+            engine: EngineId::fresh(),
+            model,
+            layout,
+            native: NativeCache {
+                capacity: native_blocks,
+                blocks: HashMap::new(),
+                clock: 0,
+            },
+            executor,
+            staging,
+            next_event_id: 1,
+        })
+    }
+
+    /// This incarnation's id.
+    pub fn engine_id(&self) -> EngineId {
+        self.engine
+    }
+    /// Cache layout.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn event(&mut self, data: KvEventData) -> KvEvent {
+        let e = KvEvent {
+            publisher: self.engine,
+            event_id: self.next_event_id,
+            role: Role::Prefill,
+            layout_fingerprint: self.layout.fingerprint(),
+            tp_size: self.layout.tp_size(),
+            tier: StorageTier::Device,
+            data,
+        };
+        self.next_event_id += 1;
+        e
+    }
+
+    /// Drops the whole native cache (what an engine does on a cache reset);
+    /// returns the `Cleared` event for the router.
+    pub fn clear_native(&mut self) -> KvEvent {
+        self.native.blocks.clear();
+        self.event(KvEventData::Cleared)
+    }
+
+    /// Prefills `prompt`: native prefix first, then the hinted donor blocks
+    /// (if `hint` is given and the fetch succeeds), then computes the rest.
+    /// Returns the output, the request's cache (handed to decode) and the
+    /// KV events for the router.
+    ///
+    /// A hint that does not match the prompt's hashes, or whose `fetch_from`
+    /// is beyond what the native cache still holds, falls back without being
+    /// executed; any executor error falls back after it released everything.
+    ///
+    /// # Errors
+    /// [`EngineError::Model`] for an empty prompt or out-of-vocabulary tokens.
+    pub fn prefill(
+        &mut self,
+        prompt: &[u32],
+        hint: Option<(&HintEnvelope, &BankManager)>,
+        fault: FetchFault,
+    ) -> Result<(PrefillOutput, KvCache, Vec<KvEvent>), EngineError> {
+        if prompt.is_empty() {
+            return Err(ModelError::Empty { field: "prompt" }.into());
+        }
+        let bs = self.layout.tokens_per_block() as usize;
+        let blocks = sealed_blocks(None, prompt, bs);
+        let reusable = ((prompt.len() - 1) / bs).min(blocks.len());
+        let native = self.native.prefix_len(&blocks[..reusable]);
+        let mut cache = KvCache::new(self.layout);
+        let tp = self.layout.tp_size() as usize;
+        for (i, b) in blocks[..native].iter().enumerate() {
+            self.native.touch(&b.sequence_hash);
+            let parts = &self.native.blocks[&b.sequence_hash].0;
+            cache.import_blocks(i, parts)?;
+        }
+        let mut out = PrefillOutput {
+            first_token: 0,
+            first_logits: Vec::new(),
+            computed_tokens: 0,
+            native_tokens: (native * bs) as u64,
+            fetched_tokens: 0,
+            bytes_moved: 0,
+            host_payload_bytes: 0,
+            fallback: None,
+        };
+        if let Some((env, donor)) = hint {
+            match self.fetch(env, donor, fault, &blocks[..reusable], native, &mut cache) {
+                Ok((fetched, bytes, host)) => {
+                    out.fetched_tokens = (fetched * bs) as u64;
+                    out.bytes_moved = bytes;
+                    out.host_payload_bytes = host;
+                }
+                Err(reason) => out.fallback = Some(reason),
+            }
+        }
+        let start = cache.len_tokens();
+        let logits = self.model.prefill(&mut cache, &prompt[start..])?;
+        out.computed_tokens = (prompt.len() - start) as u64;
+        out.first_token = argmax(&logits);
+        out.first_logits = logits;
+        // Every sealed prompt block enters the native cache (computed or fetched).
+        let sealed = cache.sealed_blocks().min(blocks.len());
+        let mut entries = Vec::with_capacity(sealed);
+        for (i, b) in blocks[..sealed].iter().enumerate() {
+            let parts = cache.export_blocks(i, 1)?;
+            debug_assert_eq!(parts.len(), tp);
+            entries.push((*b, parts));
+        }
+        let (added, evicted) = self.native.insert(&entries);
+        let mut events = Vec::new();
+        if !evicted.is_empty() {
+            events.push(self.event(KvEventData::Removed {
+                sequence_hashes: evicted,
+            }));
+        }
+        if !added.is_empty() {
+            let parent = blocks[..sealed]
+                .iter()
+                .position(|b| b.sequence_hash == added[0].sequence_hash)
+                .and_then(|i| i.checked_sub(1))
+                .map(|i| blocks[i].sequence_hash);
+            events.push(self.event(KvEventData::Stored {
+                parent,
+                blocks: added,
+            }));
+        }
+        Ok((out, cache, events))
+    }
+
+    /// Runs the executor and imports the fetched rows; returns (blocks
+    /// imported, bytes delivered, host payload bytes) or the fallback reason.
+    fn fetch(
+        &mut self,
+        env: &HintEnvelope,
+        donor: &BankManager,
+        fault: FetchFault,
+        prompt_blocks: &[StoredBlock],
+        native: usize,
+        cache: &mut KvCache,
+    ) -> Result<(usize, u64, u64), String> {
+        let hints = env.fetch_gpu_actions().map_err(|e| format!("hint: {e}"))?;
+        let h = hints.first().ok_or("hint: no kv.fetch_gpu action")?;
+        let k = h.sequence_hashes.len();
+        let from = h.fetch_from as usize;
+        if k > prompt_blocks.len()
+            || h.sequence_hashes
+                .iter()
+                .zip(prompt_blocks)
+                .any(|(a, b)| *a != b.sequence_hash)
+        {
+            return Err("hint: `sequence_hashes` do not match the prompt".into());
+        }
+        if native < from {
+            return Err(format!(
+                "native cache holds {native} blocks, hint fetches from {from}"
+            ));
+        }
+        if native >= k {
+            return Err(format!("native cache already holds all {k} hinted blocks"));
+        }
+        let control = DeliveryControl::new();
+        let control = match fault {
+            FetchFault::None => control,
+            FetchFault::Cancelled => {
+                control.cancel.cancel();
+                control
+            }
+            FetchFault::DonorBlocked => DeliveryControl {
+                donor_alive: Some(Arc::new(|| false)),
+                ..control
+            },
+        };
+        let outcome = self
+            .executor
+            .execute(env, donor, &control)
+            .map_err(|e| e.to_string())?;
+        let rbb = self.layout.rank_block_bytes();
+        // Rows of blocks `from..native` duplicate the native cache; import the rest.
+        for (j, row) in outcome.target_blocks.iter().enumerate().skip(native - from) {
+            let parts = self
+                .staging
+                .iter()
+                .map(|buf| {
+                    let mut v = vec![0u8; rbb];
+                    buf.read_bytes(*row as usize * rbb, &mut v).map(|_| v)
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("staging read: {e}"))?;
+            cache
+                .import_blocks(from + j, &parts)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok((
+            k - native,
+            outcome.report.counters.bytes,
+            outcome.report.counters.host_payload_bytes,
+        ))
+    }
+}
+
+/// A decode engine: continues generation from a prefilled cache and retains
+/// every sealed block of prompt + output in its bank when the request ends.
+pub struct DecodeEngine {
+    model: Arc<ReferenceModel>,
+    bank: Arc<BankManager>,
+    host_id: String,
+    budget_bytes: u64,
+}
+
+impl DecodeEngine {
+    /// A decode engine with a host shared-memory bank of `budget_bytes`
+    /// (all ranks together) for `tp` ranks.
+    ///
+    /// # Errors
+    /// [`EngineError::Model`] for an unsupported `tp`, [`EngineError::Bank`]
+    /// when the bank cannot be created.
+    pub fn new(
+        model: Arc<ReferenceModel>,
+        tp: u32,
+        budget_bytes: u64,
+        host_id: &str,
+    ) -> Result<Self, EngineError> {
+        let layout = model.config().layout(tp)?;
+        let config = BankConfig::new(layout, OwnerLease::fresh(Role::Decode), budget_bytes);
+        let bank = Arc::new(BankManager::new_host_shm(config, host_id).map_err(bank_err("new"))?);
+        Ok(Self {
+            model,
+            bank,
+            host_id: host_id.to_string(),
+            budget_bytes,
+        })
+    }
+
+    /// The retained bank (donor side of a fetch).
+    pub fn bank(&self) -> &Arc<BankManager> {
+        &self.bank
+    }
+    /// Current incarnation.
+    pub fn engine_id(&self) -> EngineId {
+        self.bank.owner().engine_id
+    }
+
+    /// Kills this incarnation's bank (closes it: pins refused, memory freed)
+    /// and starts a new incarnation with an empty bank, as a restarted
+    /// process would. Returns the old bank's final events (`Cleared`).
+    ///
+    /// # Errors
+    /// [`EngineError::Bank`] when the new bank cannot be created.
+    pub fn kill_and_restart(&mut self) -> Result<Vec<KvEvent>, EngineError> {
+        let _ = self.bank.close(Duration::from_secs(1));
+        let events = self.bank.drain_events();
+        let layout = self.bank.config().layout;
+        let config = BankConfig::new(layout, OwnerLease::fresh(Role::Decode), self.budget_bytes);
+        self.bank =
+            Arc::new(BankManager::new_host_shm(config, &self.host_id).map_err(bank_err("new"))?);
+        Ok(events)
+    }
+
+    /// Generates `max_new` tokens in total, the first being `first_token`
+    /// (from prefill), continuing `cache` (which holds the prompt); then
+    /// stores every sealed block of the conversation (`all_tokens` = prompt +
+    /// output) in the bank. Returns the output and the bank's events.
+    ///
+    /// # Errors
+    /// [`EngineError::Model`]; [`EngineError::Bank`] when the store fails
+    /// (the store is rolled back by the bank; generation output is lost).
+    pub fn decode(
+        &self,
+        mut cache: KvCache,
+        prompt: &[u32],
+        first_token: u32,
+        max_new: usize,
+    ) -> Result<(Vec<u32>, Vec<KvEvent>), EngineError> {
+        let mut out = vec![first_token];
+        while out.len() < max_new {
+            let logits = self.model.prefill(&mut cache, &out[out.len() - 1..])?;
+            out.push(argmax(&logits));
+        }
+        let bs = cache.layout().tokens_per_block() as usize;
+        let computed: Vec<u32> = prompt
+            .iter()
+            .chain(&out)
+            .copied()
+            .take(cache.len_tokens())
+            .collect();
+        let blocks = sealed_blocks(None, &computed, bs);
+        let store = self.bank.store(None, &blocks).map_err(bank_err("store"))?;
+        if !store.is_empty() {
+            let index: HashMap<SequenceHash, usize> = blocks
+                .iter()
+                .enumerate()
+                .map(|(i, b)| (b.sequence_hash, i))
+                .collect();
+            for rank in 0..cache.layout().tp_size() {
+                for (e, (h, _slot)) in store.entries.iter().enumerate() {
+                    let parts = cache.export_blocks(index[h], 1)?;
+                    self.bank
+                        .write_pending(store.store_id, rank, e, &parts[rank as usize])
+                        .map_err(bank_err("write_pending"))?;
+                }
+                let status = self
+                    .bank
+                    .ack(store.store_id, rank)
+                    .map_err(bank_err("ack"))?;
+                if rank + 1 == cache.layout().tp_size() && status != StoreStatus::Ready {
+                    return Err(EngineError::Bank {
+                        op: "ack",
+                        reason: format!(
+                            "store {} not ready after every rank acked",
+                            store.store_id
+                        ),
+                    });
+                }
+            }
+        }
+        Ok((out, self.bank.drain_events()))
+    }
+}
+
+/// The router: index fed by KV events, advisor with the product's cost
+/// model, directory of local donors.
+pub struct Router {
+    index: Arc<InventoryIndex>,
+    directory: Arc<LocalDonorDirectory>,
+    advisor: Advisor,
+    next_key: u64,
+}
+
+impl Router {
+    /// A router with `settings` (reuse OFF when `enable_decode_to_prefill_reuse` is false).
+    ///
+    /// # Errors
+    /// [`EngineError::Router`] when the cost model refuses the settings.
+    pub fn new(settings: ReuseSettings, tokens_per_block: u32) -> Result<Self, EngineError> {
+        let model =
+            CostModel::new(settings, tokens_per_block).map_err(|e| EngineError::Router {
+                op: "cost_model",
+                reason: e.to_string(),
+            })?;
+        let index = Arc::new(InventoryIndex::new());
+        let directory = Arc::new(LocalDonorDirectory::new());
+        let advisor = Advisor::new(
+            index.clone(),
+            directory.clone(),
+            LiveCostModel::new(model),
+            Arc::new(DecisionLog::new(256)),
+            16_384,
+        );
+        Ok(Self {
+            index,
+            directory,
+            advisor,
+            next_key: 1,
+        })
+    }
+
+    /// Registers a worker incarnation (under a new key unless `key` is given,
+    /// which retires the key's previous incarnation); returns its key.
+    ///
+    /// # Errors
+    /// [`EngineError::Router`] when the index refuses it.
+    pub fn register(
+        &mut self,
+        engine: EngineId,
+        role: Role,
+        layout: &KvLayout,
+        key: Option<WorkerKey>,
+    ) -> Result<WorkerKey, EngineError> {
+        let key = key.unwrap_or_else(|| {
+            self.next_key += 1;
+            WorkerKey(self.next_key)
+        });
+        let info = WorkerInfo {
+            engine,
+            role,
+            layout_fingerprint: layout.fingerprint(),
+            tp_size: layout.tp_size(),
+        };
+        self.index
+            .register_worker(key, info)
+            .map_err(|e| EngineError::Router {
+                op: "register",
+                reason: e.to_string(),
+            })?;
+        Ok(key)
+    }
+
+    /// Makes a decode bank resolvable as a donor.
+    pub fn add_donor(&self, bank: Arc<BankManager>) {
+        self.directory.insert(bank, "inproc://decode");
+    }
+
+    /// Applies KV events from a worker.
+    ///
+    /// # Errors
+    /// [`EngineError::Router`] when the index refuses an event.
+    pub fn apply(&self, events: &[KvEvent]) -> Result<(), EngineError> {
+        for e in events {
+            self.index
+                .apply_event(e)
+                .map_err(|err| EngineError::Router {
+                    op: "apply_event",
+                    reason: err.to_string(),
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Advice for a request routed to `target`.
+    pub fn advise(
+        &self,
+        request_id: &str,
+        prompt: &[u32],
+        target: EngineId,
+        tokens_per_block: usize,
+    ) -> Advice {
+        let hashes: Vec<SequenceHash> = sealed_blocks(None, prompt, tokens_per_block)
+            .iter()
+            .map(|b| b.sequence_hash)
+            .take((prompt.len().saturating_sub(1)) / tokens_per_block)
+            .collect();
+        self.advisor.advise(request_id, &hashes, target)
+    }
+}
