@@ -30,8 +30,8 @@ use std::collections::HashMap;
 
 use kv_bank::{BankMemory, MemoryKind};
 use nixl_sys::{
-    Agent, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs,
-    RegistrationHandle, XferDescList, XferDlistHandle, XferOp, XferStatus,
+    Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap,
+    OptArgs, RegistrationHandle, ThreadSync, XferDescList, XferDlistHandle, XferOp, XferStatus,
 };
 use parking_lot::Mutex;
 
@@ -225,7 +225,16 @@ impl NixlAgent {
     /// [`TransferError::Nixl`] when the agent or the UCX backend cannot be created.
     pub fn new(name: &str) -> Result<Self, TransferError> {
         runtime_status()?;
-        let agent = Agent::new(name).map_err(nixl_err("create_agent"))?;
+        // The progress thread stays on: a donor agent is never polled by its
+        // own process during a read, and without it remote reads never finish.
+        // Rank parts call into one agent from several threads, so NIXL must
+        // serialize them.
+        let cfg = AgentConfig {
+            enable_listen_thread: false,
+            thread_sync: ThreadSync::Strict,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new_configured(name, &cfg).map_err(nixl_err("create_agent"))?;
         let (_mems, params) = agent
             .get_plugin_params("UCX")
             .map_err(nixl_err("get_plugin_params(UCX)"))?;
