@@ -19,6 +19,27 @@
 //! - Block hashes equal Dynamo's for the same tokens and block size.
 //! - Unknown hint actions and unknown storage tiers are errors, never ignored.
 //!
+//! # Wire format
+//! MessagePack maps with field names (`rmp_serde::to_vec_named`); enums are
+//! `snake_case` strings (unit variants) or one-entry maps (data variants);
+//! UUIDs are hyphenated strings; byte fields (CUDA handles, NIXL metadata) are
+//! `bin`. The exact bytes of every type are pinned by the snapshots in
+//! `tests/snapshots/`. Compatibility rules:
+//! - [`BankDescriptor`] is `{parts, checksum}`; `checksum` is XXH3-64 (seed
+//!   1337) of the named-field encoding of `parts`, recomputed on decode.
+//! - [`BankManifest`] is `{parts: [descriptor; tp_size]}`, at most
+//!   [`MAX_MANIFEST_BYTES`].
+//! - Hints evolve by action version: a reader refuses any
+//!   `action_type@action_version` it does not know, so a new payload shape
+//!   needs a new version, never a silent field change.
+//! - [`StorageTier::RetainedGpuDirect`] is unknown to readers built before it
+//!   and makes them fail the event: upgrade event readers before writers.
+//! - Unknown map keys are ignored (forward-compatible additions are optional
+//!   fields), except inside a descriptor's `parts`: the checksum covers only
+//!   the fields this reader knows, so an added field fails the checksum and a
+//!   descriptor change is always a format change. A missing required key is
+//!   an error naming it.
+//!
 //! Deliberately absent: any I/O, memory mapping, CUDA or NIXL. This crate is
 //! pure data so that every other crate (and fuzzers) can depend on it.
 

@@ -298,6 +298,26 @@ fn checksum_detects_tampering() {
 }
 
 #[test]
+fn unknown_keys_are_ignored_outside_parts_and_fail_inside() {
+    let d = BankDescriptor::new(valid()).unwrap();
+    let mut v = to_value(&d.to_wire().unwrap());
+    let rmpv::Value::Map(top) = &mut v else {
+        panic!("not a map")
+    };
+    top.push(("future_top".into(), rmpv::Value::from(1)));
+    assert_eq!(BankDescriptor::from_wire(&from_value(&v)).unwrap(), d);
+
+    // A newer writer's extra field inside `parts`, checksummed by that writer.
+    let bytes = encode_unvalidated(|parts| {
+        let rmpv::Value::Map(m) = parts else {
+            panic!("not a map")
+        };
+        m.push(("future_field".into(), rmpv::Value::from(7)));
+    });
+    assert_decode_names(BankDescriptor::from_wire(&bytes), "checksum mismatch");
+}
+
+#[test]
 fn checksum_is_deterministic_and_content_bound() {
     let a = BankDescriptor::new(valid()).unwrap();
     let b = BankDescriptor::new(valid()).unwrap();

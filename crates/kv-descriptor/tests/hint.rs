@@ -296,3 +296,46 @@ fn empty_envelope_has_no_actions() {
     };
     assert_eq!(env.fetch_gpu_actions().unwrap(), vec![]);
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 64, ..Default::default() })]
+
+    /// Any internally consistent hint validates, and survives the envelope
+    /// both through our reader and through Dynamo's `KvHint`.
+    #[test]
+    fn consistent_hints_validate_and_round_trip(
+        tp_log in 0u32..4,
+        covered in 1usize..200,
+        from_frac in 0.0f64..1.0,
+        rbb in 1u64..(1 << 30),
+        gen in 1u64..u64::MAX,
+        salt in proptest::prelude::any::<u64>(),
+    ) {
+        let tp = 1u32 << tp_log;
+        let fetch_from = ((covered as f64 * from_frac) as usize).min(covered - 1);
+        let n = covered - fetch_from;
+        // Distinct slots: a salted stride permutation of 0..n.
+        let slots: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761).rotate_left((salt % 7) as u32) % (1 << 24)).collect();
+        let mut uniq = slots.clone();
+        uniq.sort_unstable();
+        uniq.dedup();
+        proptest::prop_assume!(uniq.len() == n);
+        let h = FetchGpuHint {
+            donor_engine_id: EngineId(Uuid::from_u64_pair(salt, 1)),
+            bank_generation: gen,
+            layout_fingerprint: LayoutFingerprint(salt),
+            tp_size: tp,
+            sequence_hashes: (0..covered as u64).map(|i| SequenceHash(salt ^ i)).collect(),
+            fetch_from: fetch_from as u32,
+            parts: (0..tp).map(|r| FetchPart { tp_rank: r, slot_ids: slots.clone(), expected_bytes: n as u64 * rbb }).collect(),
+            donor_control_endpoint: format!("kv.decode.{salt:x}"),
+        };
+        proptest::prop_assert!(h.validate(rbb).is_ok(), "{:?}", h.validate(rbb));
+        proptest::prop_assert_eq!(h.fetch_blocks(), n);
+        let bytes = HintEnvelope::fetch_gpu("m", "a", &h).unwrap().to_wire().unwrap();
+        proptest::prop_assert_eq!(HintEnvelope::from_wire(&bytes).unwrap().fetch_gpu_actions().unwrap(), vec![h.clone()]);
+        let theirs: KvHint = rmp_serde::from_slice(&bytes).unwrap();
+        proptest::prop_assert_eq!(theirs.actions[0].payload["bank_generation"].as_u64(), Some(gen));
+        proptest::prop_assert_eq!(theirs.actions[0].payload["sequence_hashes"].as_array().map(Vec::len), Some(covered));
+    }
+}

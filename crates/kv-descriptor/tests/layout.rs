@@ -170,3 +170,44 @@ fn decoder_runs_the_constructor_checks() {
     let l: KvLayout = rmp_serde::from_slice(&rmp_serde::to_vec_named(&ok).unwrap()).unwrap();
     assert_eq!(l, llama8b(4).unwrap());
 }
+
+fn dtype() -> impl proptest::strategy::Strategy<Value = DType> {
+    proptest::sample::select(vec![DType::Bf16, DType::Fp16, DType::Fp8E4m3, DType::F32])
+}
+
+proptest::proptest! {
+    /// `new` accepts exactly the layouts the documented rules allow, and a
+    /// refusal names the first rule broken, in documented order.
+    #[test]
+    fn accepted_iff_rules_hold(
+        layers in 0u32..2048, heads in 0u32..=64, dim in 0u32..2048,
+        dt in dtype(), tpb in 0u32..1024, tp in 0u32..=16,
+    ) {
+        let r = KvLayout::new(layers, heads, dim, dt, tpb, TensorOrder::BlockMajor, tp);
+        let expected_field = if layers == 0 {
+            Some("layout.num_layers")
+        } else if heads == 0 {
+            Some("layout.num_kv_heads")
+        } else if dim == 0 {
+            Some("layout.head_dim")
+        } else if tpb == 0 {
+            Some("layout.tokens_per_block")
+        } else if tp == 0 || heads % tp != 0 {
+            Some("layout.tp_size")
+        } else if 2 * u64::from(layers) * u64::from(tpb) * u64::from(heads / tp) * u64::from(dim) * dt.size_bytes() as u64
+            > MAX_RANK_BLOCK_BYTES
+        {
+            Some("layout")
+        } else {
+            None
+        };
+        match (r, expected_field) {
+            (Ok(l), None) => {
+                proptest::prop_assert_eq!(l.heads_per_rank() * l.tp_size(), heads);
+                proptest::prop_assert_eq!(l.block_bytes(), l.rank_block_bytes() * tp as usize);
+            }
+            (Err(e), Some(f)) => proptest::prop_assert_eq!(common::field_of(&e), f),
+            (r, f) => proptest::prop_assert!(false, "got {:?}, expected refusal of {:?}", r, f),
+        }
+    }
+}
