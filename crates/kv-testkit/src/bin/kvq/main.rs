@@ -15,6 +15,7 @@
 mod child;
 mod descriptor_wire;
 mod record;
+mod replay_section;
 mod report;
 mod section;
 mod sections;
@@ -163,7 +164,7 @@ fn qualify(
     }
     let ctx = Ctx {
         profile,
-        trace_path: trace.unwrap_or_else(kv_testkit::trace::default_trace_path),
+        trace_path: trace.unwrap_or_else(default_trace),
         trace_requests,
         out_dir: out.clone(),
         exe: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("kvq")),
@@ -216,5 +217,17 @@ fn qualify(
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
+    }
+}
+
+/// The project's trace: the path compiled into kv-testkit when it exists,
+/// else `data/traces/...` under the working directory (a bundle copied to
+/// another checkout location).
+fn default_trace() -> PathBuf {
+    let compiled = kv_testkit::trace::default_trace_path();
+    if compiled.is_file() {
+        compiled
+    } else {
+        PathBuf::from("data/traces/mooncake_conversation_trace.jsonl")
     }
 }

@@ -2,7 +2,7 @@
 //! other crates' check functions into [`SectionResult`]s.
 
 use crate::section::{Ctx, Profile, Section, SectionResult, Stop};
-use crate::{child, descriptor_wire, transfer};
+use crate::{child, descriptor_wire, replay_section, transfer};
 
 const BOTH: &[Profile] = &[Profile::Cpu, Profile::Gpu];
 const GPU: &[Profile] = &[Profile::Gpu];
@@ -33,6 +33,16 @@ pub const ALL: &[Section] = &[
         name: "transfer_oracle_nixl",
         profiles: BOTH,
         body: transfer::oracle_nixl,
+    },
+    Section {
+        name: "trace_replay",
+        profiles: BOTH,
+        body: replay_section::trace,
+    },
+    Section {
+        name: "session_replay",
+        profiles: BOTH,
+        body: replay_section::sessions,
     },
 ];
 
