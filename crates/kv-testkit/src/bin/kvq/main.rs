@@ -19,6 +19,7 @@ mod replay_section;
 mod report;
 mod section;
 mod sections;
+mod smoke_section;
 mod transfer;
 
 use std::path::PathBuf;

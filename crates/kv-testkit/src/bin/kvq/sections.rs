@@ -2,7 +2,7 @@
 //! other crates' check functions into [`SectionResult`]s.
 
 use crate::section::{Ctx, Profile, Section, SectionResult, Stop};
-use crate::{child, descriptor_wire, replay_section, transfer};
+use crate::{child, descriptor_wire, replay_section, smoke_section, transfer};
 
 const BOTH: &[Profile] = &[Profile::Cpu, Profile::Gpu];
 const GPU: &[Profile] = &[Profile::Gpu];
@@ -43,6 +43,11 @@ pub const ALL: &[Section] = &[
         name: "session_replay",
         profiles: BOTH,
         body: replay_section::sessions,
+    },
+    Section {
+        name: "serving_smoke",
+        profiles: BOTH,
+        body: smoke_section::run,
     },
 ];
 
