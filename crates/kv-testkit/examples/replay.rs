@@ -1,7 +1,8 @@
 //! Replays the Mooncake trace or the session workload OFF and ON and prints
 //! the comparison:
 //! `cargo run --release -p kv-testkit --example replay -- trace [REQUESTS]`
-//! `cargo run --release -p kv-testkit --example replay -- sessions [SESSIONS]`.
+//! `cargo run --release -p kv-testkit --example replay -- sessions [SESSIONS]`
+//! `cargo run --release -p kv-testkit --example replay -- smoke`.
 
 use kv_testkit::qualify::{
     session_replay, trace_replay, ReplayFigures, SessionReplayOptions, TraceReplayOptions,
@@ -71,6 +72,26 @@ fn main() {
                 r.later_turn_requests, r.later_turn_ttft_mean_off_ms, r.later_turn_ttft_mean_on_ms
             );
         }
-        other => panic!("unknown workload {other:?}: use `trace` or `sessions`"),
+        "smoke" => {
+            let r = kv_testkit::qualify::serving_smoke(&Default::default()).expect("serving smoke");
+            for run in &r.runs {
+                for q in &run.requests {
+                    println!(
+                        "{:8} c{} t{} prompt {:4} computed {:4} reused {:4} fetched {:4} bytes {:7} out {:2} {}",
+                        run.mode, q.conversation, q.turn, q.prompt_tokens, q.computed_tokens, q.reused_tokens,
+                        q.fetched_tokens, q.bytes_moved, q.output_tokens, q.fallback.as_deref().unwrap_or("")
+                    );
+                }
+            }
+            println!(
+                "computed OFF {} ON {} reused ON {} outputs_match {} fallback_outputs_match {}",
+                r.off_computed_tokens,
+                r.on_computed_tokens,
+                r.on_reused_tokens,
+                r.outputs_match,
+                r.fallback_outputs_match
+            );
+        }
+        other => panic!("unknown workload {other:?}: use `trace`, `sessions` or `smoke`"),
     }
 }

@@ -20,8 +20,8 @@
 //!   a real [`kv_lookup::InventoryIndex`].
 //! - **Reuse (ON)**: after routing, the router looks the request up in the
 //!   index (real [`InventoryIndex::lookup`]) against the target's native
-//!   baseline, and the cost model admits the fetch only when its estimated
-//!   saving beats [`AdmissionModel::min_saving_us`]. When the request starts
+//!   baseline, and kv-router-glue's [`CostModel`] admits the fetch only when
+//!   its estimated saving reaches the minimum ([`replay_reuse_settings`]). When the request starts
 //!   on the prefill worker, the executor re-checks the truth: the donor must
 //!   still hold every hinted block and the target must still hold the hint's
 //!   `fetch_from` baseline; otherwise it falls back to recompute, paying
@@ -39,6 +39,7 @@ use kv_descriptor::{
     SequenceHash, StorageTier, StoredBlock, TensorOrder,
 };
 use kv_lookup::{InventoryIndex, LookupBudget, WorkerInfo, WorkerKey};
+use kv_router_glue::{CostInputs, CostModel, ReuseSettings, TransferPath};
 use serde::{Deserialize, Serialize};
 
 use crate::trace::{splitmix64, synthetic_tokens, MooncakeTrace};
@@ -110,45 +111,32 @@ impl TimingModel {
     }
 }
 
-/// The router's admission rule (the formula of kv-router-glue's cost model):
-/// estimated saving = `fetched_tokens x prefill_token_us − blocks x block_us −
-/// fetch_setup_us − lookup_us`; a fetch is admitted when it has at least
-/// `min_blocks` blocks and the saving is at least `min_saving_us`.
+/// The router's admission settings used by replays: kv-router-glue's
+/// [`ReuseSettings`], priced by its [`CostModel`] (the product's own
+/// admission), with reuse and the GPU path on.
 ///
-/// The estimate is linear on purpose (it is what an operator configures); the
-/// simulated truth in [`TimingModel`] also has the attention term, so the
-/// estimate is conservative.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct AdmissionModel {
-    /// Estimated prefill cost per token, µs (default 30: low end of the anchors' 30-43).
-    pub prefill_token_us: f64,
-    /// Estimated transfer cost per block, µs (default: the timing model's 6.6).
-    pub block_us: f64,
-    /// Minimum estimated saving, µs (default 1,000 = 1 ms).
-    pub min_saving_us: f64,
-    /// Minimum blocks worth a fetch (default 1).
-    pub min_blocks: u32,
-}
-
-impl Default for AdmissionModel {
-    fn default() -> Self {
-        Self {
-            prefill_token_us: 30.0,
-            block_us: 6.6,
-            min_saving_us: 1_000.0,
-            min_blocks: 1,
-        }
-    }
-}
-
-impl AdmissionModel {
-    /// Estimated saving in µs of fetching `blocks` blocks of `tokens_per_block`.
-    pub fn saving_us(&self, blocks: u32, tokens_per_block: u32, timing: &TimingModel) -> f64 {
-        let b = f64::from(blocks);
-        b * f64::from(tokens_per_block) * self.prefill_token_us
-            - b * self.block_us
-            - timing.fetch_setup_us
-            - timing.lookup_us
+/// Estimated saving = `fetched tokens x 30 µs − blocks x 6.6 µs − lookup µs`,
+/// admitted at 1 ms or more. 30 µs/token is the low end of the anchors'
+/// 30-43 µs; 6.6 µs/block is [`TimingModel::transfer_us_per_block`]. The
+/// estimate is linear on purpose (what an operator configures) and ignores
+/// [`TimingModel::fetch_setup_us`]; the simulated truth has both the attention
+/// term and the setup cost, so estimate and truth can disagree, as in
+/// production.
+///
+/// ```
+/// let s = kv_testkit::replay::replay_reuse_settings();
+/// assert!(s.enable_decode_to_prefill_reuse && s.enable_decode_to_prefill_gpu_reuse);
+/// kv_router_glue::CostModel::new(s, 16).unwrap();
+/// ```
+pub fn replay_reuse_settings() -> ReuseSettings {
+    ReuseSettings {
+        enable_decode_to_prefill_reuse: true,
+        enable_decode_to_prefill_gpu_reuse: true,
+        minimum_estimated_ttft_saving_ms: 1.0,
+        minimum_transfer_prefix_blocks: 1,
+        transfer_source_gpu_estimated_block_us: 6.6,
+        transfer_source_prefill_token_us: 30.0,
+        ..ReuseSettings::default()
     }
 }
 
@@ -184,16 +172,28 @@ impl Default for ClusterConfig {
 }
 
 /// Everything a replay run needs besides the workload.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReplayOptions {
     /// Cluster shape.
     pub cluster: ClusterConfig,
     /// Simulated costs.
     pub timing: TimingModel,
-    /// Router admission rule (ON runs).
-    pub admission: AdmissionModel,
+    /// Router admission settings (ON runs), priced by kv-router-glue's
+    /// [`CostModel`]; default [`replay_reuse_settings`].
+    pub admission: ReuseSettings,
     /// Draw an indicatif progress bar on stderr.
     pub progress: bool,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        Self {
+            cluster: ClusterConfig::default(),
+            timing: TimingModel::default(),
+            admission: replay_reuse_settings(),
+            progress: false,
+        }
+    }
 }
 
 /// Why a replay could not run.
@@ -562,6 +562,7 @@ fn validate(w: &Workload, opts: &ReplayOptions) -> Result<(), ReplayError> {
 struct Sim<'a> {
     reqs: &'a [ReplayRequest],
     opts: ReplayOptions,
+    cost: CostModel,
     reuse: bool,
     bs: usize,
     fp: kv_descriptor::LayoutFingerprint,
@@ -649,14 +650,17 @@ impl<'a> Sim<'a> {
             return;
         }
         self.m.donor_found += 1;
-        let blocks = (k - hit) as u32;
-        let a = self.opts.admission;
-        let saving = a.saving_us(
-            blocks,
-            self.opts.cluster.tokens_per_block,
-            &self.opts.timing,
+        let blocks = (k - hit) as u64;
+        let decision = self.cost.admit(
+            "replay",
+            CostInputs {
+                reused_tokens: blocks * self.bs as u64,
+                transfer_blocks: blocks,
+                path: TransferPath::Gpu,
+                lookup_us: self.opts.timing.lookup_us,
+            },
         );
-        if blocks >= a.min_blocks && saving >= a.min_saving_us {
+        if decision.admitted() {
             let donor = self
                 .decode
                 .iter()
@@ -802,9 +806,16 @@ pub fn run(
     })?;
     let reqs = &workload.requests;
     let n = reqs.len();
+    let cost = CostModel::new(opts.admission.clone(), c.tokens_per_block).map_err(|e| {
+        ReplayError::Option {
+            field: "admission",
+            reason: e.to_string(),
+        }
+    })?;
     let mut sim = Sim {
         reqs,
-        opts: *opts,
+        opts: opts.clone(),
+        cost,
         reuse,
         bs: c.tokens_per_block as usize,
         fp: layout.fingerprint(),
@@ -989,7 +1000,7 @@ pub fn compare(workload: &Workload, opts: &ReplayOptions) -> Result<ReplayCompar
         .count() as u64;
     Ok(ReplayComparison {
         workload: workload.name.clone(),
-        options: *opts,
+        options: opts.clone(),
         off,
         on,
         slower_than_off,
@@ -1118,7 +1129,7 @@ mod tests {
         assert_eq!(c.on.donor_hit_tokens, 160);
         // A minimum saving above what 10 blocks can save: refused, recompute.
         let mut o = opts(1000, 1000);
-        o.admission.min_saving_us = 10_000.0;
+        o.admission.minimum_estimated_ttft_saving_ms = 10.0;
         let c = compare(&w, &o).unwrap();
         assert_eq!(
             (c.on.donor_found, c.on.refused_by_cost, c.on.fetches),
@@ -1179,6 +1190,12 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("timing.transfer_us_per_block"));
+        let mut o = opts(10, 10);
+        o.admission.transfer_source_gpu_estimated_block_us = 1e6; // can never save time
+        assert!(run(&w, &o, true)
+            .unwrap_err()
+            .to_string()
+            .contains("`admission`"));
         w.requests[1].parent = Some(1);
         assert!(run(&w, &opts(10, 10), true)
             .unwrap_err()
