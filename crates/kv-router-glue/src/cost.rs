@@ -281,7 +281,8 @@ impl CostModel {
             Verdict::Refuse(RefuseReason::GpuPathDisabled)
         } else if terms.transfer_blocks < u64::from(terms.minimum_blocks) {
             Verdict::Refuse(RefuseReason::TooFewBlocks)
-        } else if !(terms.saving_us >= terms.minimum_saving_us) {
+        } else if terms.saving_us.is_nan() || terms.saving_us < terms.minimum_saving_us {
+            // A NaN (e.g. a NaN lookup time from the caller) never admits.
             Verdict::Refuse(RefuseReason::SavingBelowMinimum)
         } else {
             Verdict::Admit
