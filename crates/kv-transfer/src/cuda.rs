@@ -9,6 +9,9 @@
 //! first (IPC imports made with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS` already
 //! have it), and without peer access the backend falls back to device copies.
 //!
+//! Without libnvrtc the kernel is unavailable and every run is a device copy
+//! (correct, slower for scattered blocks; a warning is logged).
+//!
 //! Only the table (24 bytes per run) crosses the host: payload bytes never
 //! do, so `host_payload_bytes` is 0. Every CUDA call of the crate lives here.
 
@@ -159,7 +162,15 @@ impl CudaCopyBackend {
         let ctx =
             CudaContext::new(ordinal as usize).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
         let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
-        let gather = if self.use_kernel {
+        // SAFETY: only probes whether libnvrtc can be loaded (cudarc panics
+        // on first use otherwise).
+        let nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+        if self.use_kernel && !nvrtc {
+            tracing::warn!(
+                "libnvrtc not found: scattered blocks go out as one device copy per run"
+            );
+        }
+        let gather = if self.use_kernel && nvrtc {
             let ptx =
                 cudarc::nvrtc::compile_ptx(GATHER_KERNEL_SRC).map_err(|e| TransferError::Cuda {
                     op: "nvrtcCompileProgram",
