@@ -737,6 +737,35 @@ mod tests {
     }
 
     #[test]
+    fn descriptor_import_without_a_live_lease_is_refused_before_any_cuda_call() {
+        use kv_descriptor::*;
+        let layout = KvLayout::new(2, 2, 8, DType::F32, 4, TensorOrder::BlockMajor, 1).unwrap();
+        let gpu = GpuIdentity::new(uuid::Uuid::from_u128(5), 0, "h").unwrap();
+        let d = BankDescriptor::new(BankParts {
+            layout,
+            tp_rank: 0,
+            location: MemoryLocation::Gpu(gpu),
+            owner: OwnerLease::fresh(Role::Decode),
+            export: ExportHandle::CudaIpc {
+                handle: vec![7; CUDA_HANDLE_BYTES],
+            },
+            slot_count: 4,
+            slot_bytes: layout.rank_block_bytes() as u64,
+        })
+        .unwrap();
+        // No owner ever published a lease for this incarnation: refused by
+        // name, even on a machine without libcuda (no CUDA call was made).
+        let e = CudaIpcImport::open_descriptor(&d, 0).unwrap_err();
+        match e {
+            BankError::LeaseMissing { lease } => {
+                assert!(lease.starts_with("/kvbank-cuda-"), "{lease}");
+                assert!(lease.ends_with("-g1-r0.lease"), "{lease}");
+            }
+            other => panic!("{other}"),
+        }
+    }
+
+    #[test]
     fn bad_handle_length_is_refused_before_any_cuda_call() {
         let e = CudaIpcImport::open(&[0u8; 10], 0, 1024).unwrap_err();
         assert!(e.to_string().contains("`handle`"), "{e}");

@@ -521,7 +521,9 @@ impl BankManager {
     /// # Errors
     /// [`BankError::Closed`]; [`BankError::BrokenChain`] when a sequence hash
     /// does not chain from its parent and token hash; [`BankError::BankFull`]
-    /// when not enough slots are free or evictable. On error nothing changed.
+    /// when not enough slots are free or evictable; [`BankError::LeaseExpired`]
+    /// or [`BankError::LeaseLost`] when the bank's lease lapsed (the generation
+    /// ends). On error nothing changed.
     pub fn store(
         &self,
         parent: Option<SequenceHash>,
@@ -680,7 +682,9 @@ impl BankManager {
     /// # Errors
     /// [`BankError::BadRank`]; [`BankError::UnknownStore`] (already ready,
     /// rolled back, or never made); [`BankError::StoreTimedOut`] when the
-    /// deadline passed: the store is rolled back on all ranks.
+    /// deadline passed: the store is rolled back on all ranks;
+    /// [`BankError::LeaseExpired`] / [`BankError::LeaseLost`] when the lease
+    /// lapsed (every pending store is rolled back with the generation).
     pub fn ack(&self, store_id: u64, rank: u32) -> Result<StoreStatus, BankError> {
         let tp = self.shared.config.layout.tp_size();
         if rank >= tp {
@@ -812,7 +816,8 @@ impl BankManager {
     /// # Errors
     /// [`BankError::Closed`]; [`BankError::NotRetained`] naming the first
     /// block not ready; [`BankError::Excluded`] for a block in the exclusion
-    /// lineage. Nothing is pinned on error.
+    /// lineage; [`BankError::LeaseExpired`] / [`BankError::LeaseLost`] when
+    /// the lease lapsed. Nothing is pinned on error.
     pub fn pin_prefix(&self, hashes: &[SequenceHash]) -> Result<ManagerPin, BankError> {
         let mut st = self.shared.state.lock();
         self.enforce_lease_locked(&mut st)?;
@@ -1093,6 +1098,22 @@ impl BankManager {
 
     /// Renews every rank's lease now (the engine's call under
     /// [`LeaseRenewal::Manual`]; allowed under background renewal too).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use kv_bank::{BankConfig, BankManager, HostShmMemory, LeaseConfig};
+    /// use kv_descriptor::*;
+    /// let layout = KvLayout::new(2, 2, 8, DType::F32, 4, TensorOrder::BlockMajor, 1).unwrap();
+    /// let mut cfg = BankConfig::new(layout, OwnerLease::fresh(Role::Decode), 4 * layout.block_bytes() as u64);
+    /// cfg.lease = LeaseConfig::manual(Duration::from_secs(10));
+    /// let bank = BankManager::new_host_shm(cfg, "host-a").unwrap();
+    /// let s = bank.renew_lease().unwrap();
+    /// assert!(s.live && s.renewals == 1);
+    /// let d = bank.manifest().parts()[0].clone();
+    /// assert!(HostShmMemory::open_descriptor(&d).is_ok()); // live lease, same incarnation
+    /// bank.close(Duration::from_secs(1)).unwrap();
+    /// assert!(HostShmMemory::open_descriptor(&d).is_err()); // lease gone with the generation
+    /// ```
     ///
     /// # Errors
     /// [`BankError::Closed`]; [`BankError::LeaseLost`] or

@@ -111,3 +111,29 @@ fn fabric_allocation_round_trips_or_says_why_not() {
         }
     }
 }
+
+#[test]
+fn device_bank_publishes_a_lease_and_is_refused_once_closed() {
+    if !gpu() {
+        return;
+    }
+    let layout = KvLayout::new(4, 8, 128, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+    let cfg = BankConfig::new(
+        layout,
+        OwnerLease::fresh(Role::Decode),
+        16 * layout.block_bytes() as u64,
+    );
+    let bank = BankManager::new_cuda(cfg, "gpu-host", &[0]).unwrap();
+    let d = bank.manifest().parts()[0].clone();
+    let rec = kv_bank::check_descriptor_lease(&d, std::time::SystemTime::now()).unwrap();
+    assert!(rec.name.starts_with("/kvbank-cuda-"), "{}", rec.name);
+    assert_eq!(rec.engine_id, bank.owner().engine_id);
+    let held = kv_bank::leaks::snapshot();
+    assert!(held.device_allocations >= 1);
+    assert!(held.device_bytes >= d.region_bytes(), "{held:?}");
+    bank.close(Duration::from_secs(1)).unwrap();
+    // Refused by the lease check before any cuIpcOpenMemHandle.
+    let e = kv_bank::CudaIpcImport::open_descriptor(&d, 0).unwrap_err();
+    assert!(matches!(e, BankError::LeaseMissing { .. }), "{e}");
+    println!("device bank lease {} refused after close: {e}", rec.name);
+}
