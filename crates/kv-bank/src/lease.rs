@@ -33,7 +33,7 @@
 //!   decides, so pid reuse or another pid namespace cannot keep a bank alive.
 //!
 //! All unsafe code of the lease path (the atomics inside the shared mapping)
-//! lives in [`LeaseMap`].
+//! lives in the private `LeaseMap` type.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
