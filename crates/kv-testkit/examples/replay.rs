@@ -2,7 +2,8 @@
 //! the comparison:
 //! `cargo run --release -p kv-testkit --example replay -- trace [REQUESTS]`
 //! `cargo run --release -p kv-testkit --example replay -- sessions [SESSIONS]`
-//! `cargo run --release -p kv-testkit --example replay -- smoke`.
+//! `cargo run --release -p kv-testkit --example replay -- smoke|smoke-gpu [TP]`
+//! (`smoke-gpu` needs TP CUDA devices; exits 1 when outputs differ).
 
 use kv_testkit::qualify::{
     session_replay, trace_replay, ReplayFigures, SessionReplayOptions, TraceReplayOptions,
@@ -72,8 +73,13 @@ fn main() {
                 r.later_turn_requests, r.later_turn_ttft_mean_off_ms, r.later_turn_ttft_mean_on_ms
             );
         }
-        "smoke" => {
-            let r = kv_testkit::qualify::serving_smoke(&Default::default()).expect("serving smoke");
+        "smoke" | "smoke-gpu" => {
+            let o = kv_testkit::qualify::SmokeOptions {
+                gpu: what == "smoke-gpu",
+                tp: n.map_or(2, |n| n as u32),
+                ..Default::default()
+            };
+            let r = kv_testkit::qualify::serving_smoke(&o).expect("serving smoke");
             for run in &r.runs {
                 for q in &run.requests {
                     println!(
@@ -92,6 +98,8 @@ fn main() {
                 r.fallback_outputs_match
             );
         }
-        other => panic!("unknown workload {other:?}: use `trace`, `sessions` or `smoke`"),
+        other => {
+            panic!("unknown workload {other:?}: use `trace`, `sessions`, `smoke` or `smoke-gpu`")
+        }
     }
 }

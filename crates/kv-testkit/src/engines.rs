@@ -10,15 +10,21 @@
 //! engines add only what a serving engine has: the model, a native cache,
 //! and the order of operations.
 //!
-//! CPU profile: banks live in POSIX shared memory, fetches land in host
-//! staging rows (one [`HostBuffer`] per rank) and are then imported into the
-//! request's [`KvCache`]; native cache blocks are byte copies per rank.
+//! Memory ([`MemoryProfile`]): on the host profile banks live in POSIX shared
+//! memory and fetches land in host staging rows ([`HostBuffer`]); on the CUDA
+//! profile both are device memory and kv-transfer's CUDA backend moves the
+//! bytes (the host carries control only). Either way the fetched rows are
+//! then read back and imported into the request's [`KvCache`] (the model
+//! runs on the CPU); native cache blocks are byte copies per rank.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kv_bank::{sealed_blocks, BankConfig, BankManager, BankMemory, DestinationPool, StoreStatus};
+use kv_bank::{
+    sealed_blocks, BankConfig, BankManager, BankMemory, CudaDeviceMemory, DestinationPool,
+    StoreStatus,
+};
 use kv_descriptor::{
     EngineId, HintEnvelope, KvEvent, KvEventData, KvLayout, OwnerLease, Role, SequenceHash,
     StorageTier, StoredBlock,
@@ -28,9 +34,25 @@ use kv_router_glue::{
     Advice, Advisor, CostModel, DecisionLog, FetchExecutor, LiveCostModel, LocalDonorDirectory,
     ReuseSettings,
 };
-use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend};
+use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
+use kv_transfer::{CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend};
 
 use crate::model::{argmax, KvCache, ModelError, ReferenceModel};
+
+/// Where banks and fetch destinations live.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryProfile {
+    /// POSIX shared memory and host staging rows; host memcpy backend.
+    Host,
+    /// CUDA device memory, rank `r` on ordinal `ordinals[r]` (distinct GPUs:
+    /// a manifest refuses two ranks on one GPU); kv-transfer's CUDA backend
+    /// (device copies or the gather kernel).
+    Cuda {
+        /// CUDA ordinal of each TP rank.
+        ordinals: Vec<u32>,
+    },
+}
 
 /// Why an engine operation failed (a fetch failure is *not* an error: it
 /// falls back and is reported in [`PrefillOutput::fallback`]).
@@ -175,43 +197,68 @@ pub struct PrefillEngine {
     layout: KvLayout,
     native: NativeCache,
     executor: FetchExecutor,
-    staging: Vec<Arc<HostBuffer>>,
+    staging: Vec<Arc<dyn BankMemory>>,
     next_event_id: u64,
 }
 
 impl PrefillEngine {
     /// A prefill engine at TP size `tp` with `native_blocks` of native cache
-    /// and `staging_blocks` fetch rows per rank.
+    /// and `staging_blocks` fetch rows per rank in `profile`'s memory.
     ///
     /// # Errors
     /// [`EngineError::Model`] for an unsupported `tp`; [`EngineError::Router`]
-    /// when the staging rows or executor cannot be built.
+    /// when the staging rows, the copy backend or the executor cannot be built
+    /// (e.g. no CUDA driver on the CUDA profile, `ordinals` not one per rank).
     pub fn new(
         model: Arc<ReferenceModel>,
         tp: u32,
         native_blocks: usize,
         staging_blocks: u32,
+        profile: &MemoryProfile,
     ) -> Result<Self, EngineError> {
         let layout = model.config().layout(tp)?;
-        let rbb = layout.rank_block_bytes();
+        let len = staging_blocks as usize * layout.rank_block_bytes();
         let router_err = |e: String| EngineError::Router {
             op: "executor",
             reason: e,
         };
-        let staging = (0..tp)
-            .map(|_| HostBuffer::zeroed(staging_blocks as usize * rbb).map(Arc::new))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| router_err(e.to_string()))?;
-        let regions: Vec<Arc<dyn BankMemory>> = staging
-            .iter()
-            .map(|b| b.clone() as Arc<dyn BankMemory>)
-            .collect();
+        let (staging, backend): (Vec<Arc<dyn BankMemory>>, Arc<dyn CopyBackend>) = match profile {
+            MemoryProfile::Host => (
+                (0..tp)
+                    .map(|_| HostBuffer::zeroed(len).map(|b| Arc::new(b) as Arc<dyn BankMemory>))
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| router_err(e.to_string()))?,
+                Arc::new(HostCopyBackend),
+            ),
+            MemoryProfile::Cuda { ordinals } => {
+                if ordinals.len() != tp as usize {
+                    return Err(router_err(format!(
+                        "`ordinals` has {} entries for tp {tp}",
+                        ordinals.len()
+                    )));
+                }
+                (
+                    ordinals
+                        .iter()
+                        .map(|&o| {
+                            CudaDeviceMemory::new(o, len)
+                                .map(|m| Arc::new(m) as Arc<dyn BankMemory>)
+                        })
+                        .collect::<Result<_, _>>()
+                        .map_err(|e| router_err(e.to_string()))?,
+                    Arc::new(
+                        CudaCopyBackend::new(CudaMode::Auto)
+                            .map_err(|e| router_err(e.to_string()))?,
+                    ),
+                )
+            }
+        };
         let executor = FetchExecutor::new(
             layout,
             DestinationPool::new(staging_blocks),
-            regions,
+            staging.clone(),
             staging_blocks,
-            Arc::new(HostCopyBackend),
+            backend,
         )
         .map_err(|e| router_err(e.to_string()))?;
         Ok(Self {
@@ -422,11 +469,24 @@ pub struct DecodeEngine {
     bank: Arc<BankManager>,
     host_id: String,
     budget_bytes: u64,
+    profile: MemoryProfile,
+}
+
+fn new_bank(
+    config: BankConfig,
+    host_id: &str,
+    profile: &MemoryProfile,
+) -> Result<BankManager, EngineError> {
+    match profile {
+        MemoryProfile::Host => BankManager::new_host_shm(config, host_id),
+        MemoryProfile::Cuda { ordinals } => BankManager::new_cuda(config, host_id, ordinals),
+    }
+    .map_err(bank_err("new"))
 }
 
 impl DecodeEngine {
-    /// A decode engine with a host shared-memory bank of `budget_bytes`
-    /// (all ranks together) for `tp` ranks.
+    /// A decode engine with a bank of `budget_bytes` (all ranks together)
+    /// for `tp` ranks in `profile`'s memory.
     ///
     /// # Errors
     /// [`EngineError::Model`] for an unsupported `tp`, [`EngineError::Bank`]
@@ -436,15 +496,17 @@ impl DecodeEngine {
         tp: u32,
         budget_bytes: u64,
         host_id: &str,
+        profile: &MemoryProfile,
     ) -> Result<Self, EngineError> {
         let layout = model.config().layout(tp)?;
         let config = BankConfig::new(layout, OwnerLease::fresh(Role::Decode), budget_bytes);
-        let bank = Arc::new(BankManager::new_host_shm(config, host_id).map_err(bank_err("new"))?);
+        let bank = Arc::new(new_bank(config, host_id, profile)?);
         Ok(Self {
             model,
             bank,
             host_id: host_id.to_string(),
             budget_bytes,
+            profile: profile.clone(),
         })
     }
 
@@ -468,8 +530,7 @@ impl DecodeEngine {
         let events = self.bank.drain_events();
         let layout = self.bank.config().layout;
         let config = BankConfig::new(layout, OwnerLease::fresh(Role::Decode), self.budget_bytes);
-        self.bank =
-            Arc::new(BankManager::new_host_shm(config, &self.host_id).map_err(bank_err("new"))?);
+        self.bank = Arc::new(new_bank(config, &self.host_id, &self.profile)?);
         Ok(events)
     }
 

@@ -20,7 +20,7 @@ use kv_descriptor::{EngineId, Role};
 use kv_router_glue::ReuseSettings;
 use serde::{Deserialize, Serialize};
 
-use crate::engines::{DecodeEngine, EngineError, FetchFault, PrefillEngine, Router};
+use crate::engines::{DecodeEngine, EngineError, FetchFault, MemoryProfile, PrefillEngine, Router};
 use crate::model::{ModelConfig, ReferenceModel};
 use crate::trace::splitmix64;
 
@@ -43,6 +43,10 @@ pub struct SmokeOptions {
     pub model: ModelConfig,
     /// Seed of the conversation text (default 11).
     pub seed: u64,
+    /// Banks and fetch rows in CUDA memory (rank `r` on GPU `r`) instead of
+    /// host shared memory (default false). Needs `tp` GPUs.
+    #[serde(default)]
+    pub gpu: bool,
 }
 
 impl Default for SmokeOptions {
@@ -56,6 +60,7 @@ impl Default for SmokeOptions {
             tp: 2,
             model: ModelConfig::default(),
             seed: 11,
+            gpu: false,
         }
     }
 }
@@ -122,6 +127,8 @@ pub struct SmokeRun {
     pub fetches: u64,
     /// Requests whose hint fell back.
     pub fallbacks: u64,
+    /// Sum of host payload bytes of the fetches.
+    pub host_payload_bytes: u64,
 }
 
 /// `record.json` section `serving_smoke`.
@@ -143,6 +150,11 @@ pub struct ServingSmokeResult {
     pub fallback_fallbacks: u64,
     /// Fetches completed in the forced-fallback run (should be 0).
     pub fallback_fetches: u64,
+    /// Bytes that crossed host memory as payload in ON fetches (0 on the
+    /// GPU profile: the host carries control only).
+    pub on_host_payload_bytes: u64,
+    /// `host` or `cuda`.
+    pub profile: String,
     /// Options used.
     pub options: SmokeOptions,
     /// The three runs, request by request.
@@ -161,7 +173,7 @@ fn text_token(seed: u64, conversation: u32, turn: u32, pos: u32, vocab: u32) -> 
     (splitmix64(key ^ u64::from(pos)) % u64::from(vocab)) as u32
 }
 
-fn run_mode(o: &SmokeOptions, mode: Mode) -> Result<SmokeRun, SmokeError> {
+fn run_mode(o: &SmokeOptions, mode: Mode, profile: &MemoryProfile) -> Result<SmokeRun, SmokeError> {
     let model = Arc::new(ReferenceModel::new(o.model).map_err(EngineError::from)?);
     let bs = o.model.tokens_per_block;
     let settings = match mode {
@@ -170,17 +182,24 @@ fn run_mode(o: &SmokeOptions, mode: Mode) -> Result<SmokeRun, SmokeError> {
             enable_decode_to_prefill_reuse: true,
             minimum_estimated_ttft_saving_ms: 0.0,
             minimum_transfer_prefix_blocks: 1,
+            enable_decode_to_prefill_gpu_reuse: o.gpu,
             ..ReuseSettings::default()
         },
     };
     let mut router = Router::new(settings, bs)?;
     let max_blocks =
         (o.first_prompt_tokens + o.turns * (o.new_tokens_per_turn + o.output_tokens)) / bs + 2;
-    let mut prefill = PrefillEngine::new(model.clone(), o.tp, 4 * max_blocks as usize, max_blocks)?;
+    let mut prefill = PrefillEngine::new(
+        model.clone(),
+        o.tp,
+        4 * max_blocks as usize,
+        max_blocks,
+        profile,
+    )?;
     let layout = *prefill.layout();
     let budget =
         u64::from(o.conversations) * u64::from(max_blocks) * layout.block_bytes() as u64 * 2;
-    let mut decode = DecodeEngine::new(model.clone(), o.tp, budget, "testkit-smoke")?;
+    let mut decode = DecodeEngine::new(model.clone(), o.tp, budget, "testkit-smoke", profile)?;
     router.register(prefill.engine_id(), Role::Prefill, &layout, None)?;
     let decode_key = router.register(decode.engine_id(), Role::Decode, &layout, None)?;
     router.add_donor(decode.bank().clone());
@@ -201,6 +220,7 @@ fn run_mode(o: &SmokeOptions, mode: Mode) -> Result<SmokeRun, SmokeError> {
         bytes_moved: 0,
         fetches: 0,
         fallbacks: 0,
+        host_payload_bytes: 0,
     };
     let mut faults = 0u32;
     for turn in 0..o.turns {
@@ -284,6 +304,7 @@ fn run_mode(o: &SmokeOptions, mode: Mode) -> Result<SmokeRun, SmokeError> {
             run.computed_tokens += req.computed_tokens;
             run.reused_tokens += req.reused_tokens;
             run.bytes_moved += req.bytes_moved;
+            run.host_payload_bytes += out.host_payload_bytes;
             run.fetches += u64::from(req.fetched_tokens > 0);
             run.fallbacks += u64::from(fallback.is_some());
             run.requests.push(req);
@@ -332,9 +353,26 @@ pub fn serving_smoke(opts: &SmokeOptions) -> Result<ServingSmokeResult, SmokeErr
             });
         }
     }
-    let off = run_mode(opts, Mode::Off)?;
-    let on = run_mode(opts, Mode::On)?;
-    let fb = run_mode(opts, Mode::Fallback)?;
+    let profile = if opts.gpu {
+        let found = kv_transfer::cuda::device_count();
+        if found < opts.tp as usize {
+            return Err(SmokeError::Option {
+                field: "gpu",
+                reason: format!(
+                    "needs {} CUDA devices (one per TP rank), found {found}",
+                    opts.tp
+                ),
+            });
+        }
+        MemoryProfile::Cuda {
+            ordinals: (0..opts.tp).collect(),
+        }
+    } else {
+        MemoryProfile::Host
+    };
+    let off = run_mode(opts, Mode::Off, &profile)?;
+    let on = run_mode(opts, Mode::On, &profile)?;
+    let fb = run_mode(opts, Mode::Fallback, &profile)?;
     Ok(ServingSmokeResult {
         off_computed_tokens: off.computed_tokens,
         on_computed_tokens: on.computed_tokens,
@@ -344,6 +382,8 @@ pub fn serving_smoke(opts: &SmokeOptions) -> Result<ServingSmokeResult, SmokeErr
         on_bytes_moved: on.bytes_moved,
         fallback_fallbacks: fb.fallbacks,
         fallback_fetches: fb.fetches,
+        on_host_payload_bytes: on.host_payload_bytes,
+        profile: if opts.gpu { "cuda" } else { "host" }.into(),
         options: *opts,
         runs: vec![off, on, fb],
     })
@@ -400,6 +440,29 @@ mod tests {
             assert_eq!(fb.fallbacks, 3);
             assert_eq!(fb.computed_tokens, off.computed_tokens);
         }
+    }
+
+    /// GPU profile: runs where CUDA devices exist, skips with a reason elsewhere.
+    #[test]
+    fn gpu_profile_moves_model_kv_device_to_device() {
+        let n = kv_transfer::cuda::device_count();
+        if n == 0 {
+            eprintln!("SKIP gpu_profile_moves_model_kv_device_to_device: no CUDA driver or device");
+            return;
+        }
+        let r = serving_smoke(&SmokeOptions {
+            gpu: true,
+            ..small(1)
+        })
+        .unwrap();
+        println!(
+            "gpu smoke: computed OFF {} ON {}, bytes {}, host payload {}",
+            r.off_computed_tokens, r.on_computed_tokens, r.on_bytes_moved, r.on_host_payload_bytes
+        );
+        assert!(r.outputs_match && r.fallback_outputs_match);
+        assert!(r.on_computed_tokens < r.off_computed_tokens);
+        assert!(r.on_bytes_moved > 0);
+        assert_eq!(r.on_host_payload_bytes, 0);
     }
 
     #[test]
