@@ -751,6 +751,37 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(12))]
+
+        /// Any prompt, any sealed split point, TP1 or TP2: importing the
+        /// prefix from another cache that computed a longer sequence gives the
+        /// same first logits (bitwise) and greedy tokens as recompute.
+        #[test]
+        fn any_split_is_bit_identical(
+            salt in 0u64..1_000,
+            len in 17usize..90,
+            split_frac in 0.0f64..1.0,
+            tp in 1u32..=2,
+        ) {
+            let m = ReferenceModel::new(ModelConfig::default()).unwrap();
+            let p = prompt(len, salt);
+            let sealed = (len - 1) / 16;
+            let split = 1 + ((sealed - 1) as f64 * split_frac) as usize;
+            let off = m.generate(&mut m.new_cache(tp).unwrap(), &p, 3).unwrap();
+            let mut donor = m.new_cache(tp).unwrap();
+            let mut longer = p.clone();
+            longer.extend([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]);
+            m.prefill(&mut donor, &longer).unwrap();
+            let mut on = m.new_cache(tp).unwrap();
+            on.import_blocks(0, &donor.export_blocks(0, split).unwrap()).unwrap();
+            let got = m.generate(&mut on, &p[split * 16..], 3).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            proptest::prop_assert_eq!(bits(&got.first_logits), bits(&off.first_logits));
+            proptest::prop_assert_eq!(got.tokens, off.tokens);
+        }
+    }
+
     #[test]
     fn tp1_and_tp2_compute_the_same_values() {
         let m = ReferenceModel::new(ModelConfig::default()).unwrap();

@@ -1208,6 +1208,43 @@ mod tests {
             .contains("`blocks`"));
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// What the replay publishes about a bank (the `added` / `evicted`
+        /// lists turned into Stored / Removed events) always equals what the
+        /// bank holds, the bank never exceeds its capacity, and the queue of
+        /// lazy stamps stays bounded.
+        #[test]
+        fn lru_reports_mirror_its_contents(
+            capacity in 1usize..24,
+            seqs in proptest::collection::vec((0u32..6, 1usize..10), 1..40),
+        ) {
+            let mut lru = LruBlocks::new(capacity);
+            let mut mirror = std::collections::HashSet::new();
+            for (root, len) in seqs {
+                // Conversations sharing roots: prefix `root` extended to `len` blocks.
+                let tokens: Vec<u32> = (0..len as u32 * 16).map(|t| if t < 16 { root } else { root * 1000 + t }).collect();
+                let chain = blocks(&tokens);
+                let (added, evicted) = lru.insert(&chain);
+                for h in &evicted {
+                    proptest::prop_assert!(mirror.remove(h), "evicted a block never reported");
+                }
+                for b in &added {
+                    proptest::prop_assert!(mirror.insert(b.sequence_hash), "added a block already held");
+                }
+                let held: std::collections::HashSet<_> = lru.stamps.keys().copied().collect();
+                proptest::prop_assert_eq!(&held, &mirror);
+                proptest::prop_assert!(held.len() <= capacity);
+                proptest::prop_assert!(lru.queue.len() <= 2 * held.len() + 1024 + chain.len());
+                // The freshest request's prefix is kept before its tail.
+                let k = lru.prefix_len(&chain);
+                proptest::prop_assert!(chain[..k].iter().all(|b| held.contains(&b.sequence_hash)));
+                proptest::prop_assert_eq!(k, chain.len().min(capacity));
+            }
+        }
+    }
+
     #[test]
     fn percentile_is_nearest_rank() {
         let v: Vec<f64> = (1..=100).map(f64::from).collect();
