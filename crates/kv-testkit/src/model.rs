@@ -162,7 +162,7 @@ impl ModelConfig {
                 ),
             );
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return bad(
                 "rope_theta",
                 format!("must be positive, got {}", self.rope_theta),
