@@ -50,18 +50,21 @@
 mod advisor;
 mod calibration;
 mod cost;
+pub mod dynamo_events;
 mod error;
 mod event_plane;
 mod fetch_executor;
 mod hint_validation;
 mod kv_events;
+pub mod metrics;
 pub mod nats_server;
 pub mod ols;
 mod qualify;
 mod settings;
-pub mod vllm_events;
+pub mod spans;
 #[cfg(test)]
 mod tests;
+pub mod vllm_events;
 
 pub use advisor::{Advice, Advisor, DonorDirectory, LocalDonorDirectory, ResolvedDonor};
 pub use calibration::{

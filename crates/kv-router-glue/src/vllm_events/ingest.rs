@@ -14,8 +14,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use kv_descriptor::{
-    chain_sequence_hash, token_block_hash, EngineId, KvEvent, KvEventData, LayoutFingerprint,
-    Role, SequenceHash, StorageTier, StoredBlock,
+    chain_sequence_hash, token_block_hash, EngineId, KvEvent, KvEventData, LayoutFingerprint, Role,
+    SequenceHash, StorageTier, StoredBlock,
 };
 use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
 

@@ -131,12 +131,12 @@ impl VllmSubscriber {
             },
         }));
         if link.dealer.is_some() {
-            link.repair(&shared, None).await.map_err(|reason| {
-                VllmEventError::Transport {
+            link.repair(&shared, None)
+                .await
+                .map_err(|reason| VllmEventError::Transport {
                     endpoint: config.replay_endpoint.clone().unwrap_or_default(),
                     reason: format!("catch-up replay failed: {reason}"),
-                }
-            })?;
+                })?;
         }
         let (stop_tx, stop_rx) = oneshot::channel();
         let task = tokio::spawn(link.run(shared.clone(), stop_rx));

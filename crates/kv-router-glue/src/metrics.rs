@@ -1,0 +1,359 @@
+//! Prometheus metrics of decode-to-prefill reuse, and a `/metrics` HTTP endpoint.
+//!
+//! [`ReuseMetrics`] owns a `prometheus-client` registry with these families
+//! (OpenMetrics text; units in the names):
+//!
+//! | name | type | labels | meaning |
+//! | --- | --- | --- | --- |
+//! | `kv_reuse_decisions_total` | counter | `verdict` | advisor decisions: `admit` or the refusal reason |
+//! | `kv_reuse_fetches_total` | counter | `outcome` | fetches executed: `completed` or `fallback` |
+//! | `kv_reuse_fallbacks_total` | counter | `reason` | fetches that fell back to recompute, by reason |
+//! | `kv_reuse_fetched_bytes_total` | counter | | payload bytes of completed fetches |
+//! | `kv_reuse_host_payload_bytes_total` | counter | | of those, bytes staged through host memory |
+//! | `kv_reuse_transfer_latency_seconds` | histogram | | delivery wall time of completed fetches |
+//! | `kv_reuse_lookup_latency_seconds` | histogram | | donor lookup wall time |
+//! | `kv_reuse_retained_bytes` | gauge | `engine`, `rank` | bytes of ready blocks in a retained bank |
+//!
+//! [`MetricsServer`] serves the registry on `GET /metrics` over HTTP/1.1 (one
+//! response per connection, `Connection: close`), for the worker and the
+//! router processes alike. Anything else gets 404 (other paths) or 405
+//! (other methods); requests larger than 8 KiB or slower than 5 s are dropped.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_bank::BankManager;
+use kv_descriptor::EngineId;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+
+use crate::{AdmissionDecision, FetchError, FetchOutcome, RefuseReason, Verdict};
+
+type Labels = Vec<(String, String)>;
+
+/// Content type of the exposition (OpenMetrics text 1.0.0).
+pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Largest request head the endpoint reads, bytes.
+const MAX_REQUEST_BYTES: usize = 8 << 10;
+/// Time a client gets to send its request head.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The metric families of one process (router or worker).
+///
+/// ```
+/// use std::time::Duration;
+/// use kv_router_glue::metrics::ReuseMetrics;
+/// let m = ReuseMetrics::new();
+/// m.observe_lookup(Duration::from_micros(40));
+/// let text = m.encode();
+/// assert!(text.contains("kv_reuse_lookup_latency_seconds_count 1"));
+/// assert!(text.ends_with("# EOF\n"));
+/// ```
+pub struct ReuseMetrics {
+    registry: Registry,
+    decisions: Family<Labels, Counter>,
+    fetches: Family<Labels, Counter>,
+    fallbacks: Family<Labels, Counter>,
+    fetched_bytes: Counter,
+    host_payload_bytes: Counter,
+    transfer_latency: Histogram,
+    lookup_latency: Histogram,
+    retained_bytes: Family<Labels, Gauge>,
+}
+
+impl std::fmt::Debug for ReuseMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReuseMetrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for ReuseMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn label(k: &str, v: impl Into<String>) -> Labels {
+    vec![(k.to_owned(), v.into())]
+}
+
+/// Label value of a refusal: its kind, without free-text detail (the
+/// detail is in the decision log; a label must have few values).
+pub fn refuse_label(reason: &RefuseReason) -> &'static str {
+    match reason {
+        RefuseReason::ReuseDisabled => "reuse_disabled",
+        RefuseReason::GpuPathDisabled => "gpu_path_disabled",
+        RefuseReason::TooFewBlocks => "too_few_blocks",
+        RefuseReason::SavingBelowMinimum => "saving_below_minimum",
+        RefuseReason::NoDonor(_) => "no_donor",
+        RefuseReason::HintUnavailable(_) => "hint_unavailable",
+    }
+}
+
+/// Label value of a fetch fallback: `invalid_hint` / `stale_hint` for a hint
+/// refused before anything was touched, else the stage that failed
+/// (`reserve`, `pin`, `plan`, `transfer`, `verify`, `commit`).
+pub fn fallback_label(e: &FetchError) -> &'static str {
+    match e {
+        FetchError::WrongEngine { .. } | FetchError::StaleGeneration { .. } => "stale_hint",
+        FetchError::Fallback { stage, .. } => stage,
+        _ => "invalid_hint",
+    }
+}
+
+impl ReuseMetrics {
+    /// A registry with every family registered and zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kv_reuse");
+        let decisions = Family::<Labels, Counter>::default();
+        let fetches = Family::<Labels, Counter>::default();
+        let fallbacks = Family::<Labels, Counter>::default();
+        let fetched_bytes = Counter::default();
+        let host_payload_bytes = Counter::default();
+        // 10 µs .. ~5 s: a small fetch over NVLink to a large one through TCP.
+        let transfer_latency = Histogram::new(exponential_buckets(1e-5, 2.0, 20));
+        // 1 µs .. ~0.5 s: lookups are budgeted in ms.
+        let lookup_latency = Histogram::new(exponential_buckets(1e-6, 2.0, 20));
+        let retained_bytes = Family::<Labels, Gauge>::default();
+        registry.register(
+            "decisions",
+            "Advisor decisions by verdict (admit or refusal reason)",
+            decisions.clone(),
+        );
+        registry.register(
+            "fetches",
+            "Fetches executed by outcome (completed or fallback)",
+            fetches.clone(),
+        );
+        registry.register(
+            "fallbacks",
+            "Fetches that fell back to recompute, by reason",
+            fallbacks.clone(),
+        );
+        registry.register(
+            "fetched_bytes",
+            "Payload bytes moved by completed fetches",
+            fetched_bytes.clone(),
+        );
+        registry.register(
+            "host_payload_bytes",
+            "Payload bytes of completed fetches staged through host memory",
+            host_payload_bytes.clone(),
+        );
+        registry.register_with_unit(
+            "transfer_latency",
+            "Delivery wall time of completed fetches",
+            prometheus_client::registry::Unit::Seconds,
+            transfer_latency.clone(),
+        );
+        registry.register_with_unit(
+            "lookup_latency",
+            "Donor lookup wall time",
+            prometheus_client::registry::Unit::Seconds,
+            lookup_latency.clone(),
+        );
+        registry.register_with_unit(
+            "retained",
+            "Bytes of ready blocks in a retained bank, per engine and TP rank",
+            prometheus_client::registry::Unit::Bytes,
+            retained_bytes.clone(),
+        );
+        Self {
+            registry,
+            decisions,
+            fetches,
+            fallbacks,
+            fetched_bytes,
+            host_payload_bytes,
+            transfer_latency,
+            lookup_latency,
+            retained_bytes,
+        }
+    }
+
+    /// Counts one advisor decision.
+    pub fn record_decision(&self, d: &AdmissionDecision) {
+        let verdict = match &d.verdict {
+            Verdict::Admit => "admit",
+            Verdict::Refuse(r) => refuse_label(r),
+        };
+        self.decisions
+            .get_or_create(&label("verdict", verdict))
+            .inc();
+    }
+
+    /// Observes one donor lookup's wall time.
+    pub fn observe_lookup(&self, elapsed: Duration) {
+        self.lookup_latency.observe(elapsed.as_secs_f64());
+    }
+
+    /// Records one executed fetch: completed (bytes, host bytes, delivery
+    /// time from its report) or fallen back (by [`fallback_label`]).
+    pub fn record_fetch(&self, result: &Result<FetchOutcome, FetchError>) {
+        match result {
+            Ok(o) => {
+                self.fetches
+                    .get_or_create(&label("outcome", "completed"))
+                    .inc();
+                self.fetched_bytes.inc_by(o.report.counters.bytes);
+                self.host_payload_bytes
+                    .inc_by(o.report.counters.host_payload_bytes);
+                self.transfer_latency
+                    .observe(o.report.elapsed_us as f64 / 1e6);
+            }
+            Err(e) => {
+                self.fetches
+                    .get_or_create(&label("outcome", "fallback"))
+                    .inc();
+                self.fallbacks
+                    .get_or_create(&label("reason", fallback_label(e)))
+                    .inc();
+            }
+        }
+    }
+
+    /// Sets the retained bytes of `engine`'s bank on `rank`.
+    pub fn set_retained_bytes(&self, engine: EngineId, rank: u32, bytes: u64) {
+        let labels = vec![
+            ("engine".to_owned(), engine.to_string()),
+            ("rank".to_owned(), rank.to_string()),
+        ];
+        self.retained_bytes
+            .get_or_create(&labels)
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    /// Sets the retained bytes of every rank of `bank`: ready blocks x slot
+    /// bytes (every rank holds the same logical slots).
+    pub fn observe_bank(&self, bank: &BankManager) {
+        let inv = bank.inventory();
+        let bytes = inv.ready.len() as u64 * inv.slot_bytes;
+        let engine = bank.owner().engine_id;
+        for rank in 0..bank.manifest().layout().tp_size() {
+            self.set_retained_bytes(engine, rank, bytes);
+        }
+    }
+
+    /// The exposition text (OpenMetrics, ends with `# EOF`).
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}
+
+/// A tiny HTTP/1.1 server of `GET /metrics`.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for MetricsServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsServer")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl MetricsServer {
+    /// Listens on `addr` (port 0 picks one; see [`MetricsServer::local_addr`])
+    /// and serves `metrics` until [`MetricsServer::shutdown`] or drop. Must
+    /// run inside a tokio runtime.
+    ///
+    /// # Errors
+    /// The listener's I/O error (address in use, permission).
+    pub async fn bind(addr: SocketAddr, metrics: Arc<ReuseMetrics>) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        let (stop_tx, mut stop_rx) = oneshot::channel();
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = &mut stop_rx => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((stream, _)) => {
+                            tokio::spawn(serve_one(stream, metrics.clone()));
+                        }
+                        Err(e) => tracing::warn!(error = %e, "metrics endpoint accept failed"),
+                    },
+                }
+            }
+        });
+        Ok(Self {
+            addr,
+            stop: Some(stop_tx),
+            task,
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting and waits for the accept loop to end.
+    pub async fn shutdown(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve_one(mut stream: TcpStream, metrics: Arc<ReuseMetrics>) {
+    let Ok(Some(head)) = tokio::time::timeout(REQUEST_TIMEOUT, read_head(&mut stream)).await else {
+        return;
+    };
+    let mut parts = head.lines().next().unwrap_or("").split_whitespace();
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = path.split('?').next().unwrap_or("");
+    let (status, content_type, body) = match (method, path) {
+        ("GET", "/metrics") => ("200 OK", METRICS_CONTENT_TYPE, metrics.encode()),
+        (_, "/metrics") => (
+            "405 Method Not Allowed",
+            "text/plain",
+            "only GET\n".to_owned(),
+        ),
+        _ => ("404 Not Found", "text/plain", "try /metrics\n".to_owned()),
+    };
+    let response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    if let Err(e) = stream.write_all(response.as_bytes()).await {
+        tracing::debug!(error = %e, "metrics response not written");
+    }
+    let _ = stream.shutdown().await;
+}
+
+/// Reads up to the blank line ending the request head; `None` when the
+/// client closes early or sends more than [`MAX_REQUEST_BYTES`].
+async fn read_head(stream: &mut TcpStream) -> Option<String> {
+    let mut buf = Vec::with_capacity(512);
+    let mut chunk = [0u8; 512];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = stream.read(&mut chunk).await.ok()?;
+        if n == 0 || buf.len() + n > MAX_REQUEST_BYTES {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    String::from_utf8(buf).ok()
+}
