@@ -357,3 +357,140 @@ async fn read_head(stream: &mut TcpStream) -> Option<String> {
     }
     String::from_utf8(buf).ok()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use kv_transfer::DeliveryControl;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+    use crate::qualify::{Scenario, DONOR_BLOCKS, TARGET_BASELINE};
+    use crate::spans::{ObservedAdvisor, ObservedExecutor};
+    use crate::ReuseSettings;
+
+    async fn http(addr: SocketAddr, request: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    /// The value of the sample line starting with `series ` (exact series).
+    fn sample(text: &str, series: &str) -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no sample {series} in\n{text}"))
+            .parse()
+            .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn scraped_endpoint_reports_decisions_fetches_fallbacks_bytes_latency_and_banks() {
+        let s = Scenario::new().unwrap();
+        let metrics = Arc::new(ReuseMetrics::new());
+        let settings = ReuseSettings {
+            enable_decode_to_prefill_reuse: true,
+            ..ReuseSettings::default()
+        };
+        let advisor = ObservedAdvisor::new(s.advisor(settings).unwrap(), metrics.clone());
+        let exec = ObservedExecutor::new(s.executor().unwrap(), metrics.clone());
+        let ctl = DeliveryControl::new();
+
+        let env = advisor.advise("r1", &s.hashes, s.target).hint.unwrap();
+        let done = exec.execute(&env, s.donor.as_ref(), &ctl).unwrap();
+        // A refusal (too few blocks) and two fallbacks: a stale hint, and
+        // slots that no longer hold the hinted blocks (the donor's pin refuses).
+        let short = advisor.advise("r2", &s.hashes[..TARGET_BASELINE + 3], s.target);
+        assert!(short.hint.is_none());
+        let hint = env.fetch_gpu_actions().unwrap().remove(0);
+        let mut stale = hint.clone();
+        stale.bank_generation += 1;
+        let mut swapped = hint.clone();
+        for p in &mut swapped.parts {
+            p.slot_ids.swap(0, 1);
+        }
+        for h in [&stale, &swapped] {
+            let e = kv_descriptor::HintEnvelope::fetch_gpu("r-bad", "a0", h).unwrap();
+            assert!(exec.execute(&e, s.donor.as_ref(), &ctl).is_err());
+        }
+        metrics.observe_bank(&s.donor);
+
+        let server = MetricsServer::bind("127.0.0.1:0".parse().unwrap(), metrics.clone())
+            .await
+            .unwrap();
+        let resp = http(
+            server.local_addr(),
+            "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+        )
+        .await;
+        let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 200 OK"), "{head}");
+        assert!(head.contains(METRICS_CONTENT_TYPE), "{head}");
+        assert!(head.contains(&format!("Content-Length: {}", body.len())));
+
+        assert_eq!(
+            sample(body, r#"kv_reuse_decisions_total{verdict="admit"}"#),
+            1.0
+        );
+        assert_eq!(
+            sample(
+                body,
+                r#"kv_reuse_decisions_total{verdict="too_few_blocks"}"#
+            ),
+            1.0
+        );
+        assert_eq!(
+            sample(body, r#"kv_reuse_fetches_total{outcome="completed"}"#),
+            1.0
+        );
+        assert_eq!(
+            sample(body, r#"kv_reuse_fetches_total{outcome="fallback"}"#),
+            2.0
+        );
+        assert_eq!(
+            sample(body, r#"kv_reuse_fallbacks_total{reason="stale_hint"}"#),
+            1.0
+        );
+        assert_eq!(
+            sample(body, r#"kv_reuse_fallbacks_total{reason="pin"}"#),
+            1.0
+        );
+        let fetched = (DONOR_BLOCKS - TARGET_BASELINE) as u64;
+        let bytes = fetched * 2 * s.layout.rank_block_bytes() as u64;
+        assert_eq!(done.report.counters.bytes, bytes);
+        assert_eq!(sample(body, "kv_reuse_fetched_bytes_total"), bytes as f64);
+        assert_eq!(
+            sample(body, "kv_reuse_host_payload_bytes_total"),
+            bytes as f64,
+            "host memcpy backend"
+        );
+        assert_eq!(sample(body, "kv_reuse_transfer_latency_seconds_count"), 1.0);
+        assert_eq!(
+            sample(body, "kv_reuse_transfer_latency_seconds_sum"),
+            done.report.elapsed_us as f64 / 1e6
+        );
+        assert_eq!(sample(body, "kv_reuse_lookup_latency_seconds_count"), 2.0);
+        assert!(sample(body, "kv_reuse_lookup_latency_seconds_sum") > 0.0);
+        let engine = s.donor.owner().engine_id;
+        let inv = s.donor.inventory();
+        for rank in 0..2 {
+            assert_eq!(
+                sample(
+                    body,
+                    &format!(r#"kv_reuse_retained_bytes{{engine="{engine}",rank="{rank}"}}"#)
+                ),
+                (DONOR_BLOCKS as u64 * inv.slot_bytes) as f64
+            );
+        }
+        assert!(body.ends_with("# EOF\n"));
+
+        let other = http(server.local_addr(), "GET / HTTP/1.1\r\n\r\n").await;
+        assert!(other.starts_with("HTTP/1.1 404"), "{other}");
+        let post = http(server.local_addr(), "POST /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+        server.shutdown().await;
+    }
+}

@@ -166,3 +166,102 @@ impl ObservedExecutor {
         result
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use kv_transfer::DeliveryControl;
+    use parking_lot::Mutex;
+    use tracing::span::{Attributes, Id, Record};
+    use tracing_subscriber::layer::{Context, SubscriberExt};
+    use tracing_subscriber::Layer;
+
+    use super::*;
+    use crate::qualify::Scenario;
+    use crate::ReuseSettings;
+
+    /// Spans seen: name, parent name, fields (as text).
+    #[derive(Debug, Clone, Default)]
+    struct Seen {
+        name: &'static str,
+        parent: Option<&'static str>,
+        fields: HashMap<String, String>,
+    }
+
+    #[derive(Default, Clone)]
+    struct Capture(Arc<Mutex<HashMap<u64, Seen>>>);
+
+    struct Fields<'a>(&'a mut HashMap<String, String>);
+    impl tracing::field::Visit for Fields<'_> {
+        fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+            self.0.insert(
+                f.name().to_owned(),
+                format!("{v:?}").trim_matches('"').to_owned(),
+            );
+        }
+    }
+
+    impl<S> Layer<S> for Capture
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    {
+        fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+            let mut seen = Seen {
+                name: attrs.metadata().name(),
+                parent: ctx.span(id).and_then(|s| s.parent()).map(|p| p.name()),
+                ..Seen::default()
+            };
+            attrs.record(&mut Fields(&mut seen.fields));
+            self.0.lock().insert(id.into_u64(), seen);
+        }
+        fn on_record(&self, id: &Id, values: &Record<'_>, _ctx: Context<'_, S>) {
+            if let Some(seen) = self.0.lock().get_mut(&id.into_u64()) {
+                values.record(&mut Fields(&mut seen.fields));
+            }
+        }
+    }
+
+    #[test]
+    fn decision_lookup_and_fetch_spans_carry_the_request_id() {
+        let capture = Capture::default();
+        let subscriber = tracing_subscriber::registry().with(capture.clone());
+        let s = Scenario::new().unwrap();
+        let metrics = Arc::new(ReuseMetrics::new());
+        let settings = ReuseSettings {
+            enable_decode_to_prefill_reuse: true,
+            ..ReuseSettings::default()
+        };
+        let advisor = ObservedAdvisor::new(s.advisor(settings).unwrap(), metrics.clone());
+        let exec = ObservedExecutor::new(s.executor().unwrap(), metrics);
+        tracing::subscriber::with_default(subscriber, || {
+            let env = advisor.advise("req-77", &s.hashes, s.target).hint.unwrap();
+            exec.execute(&env, s.donor.as_ref(), &DeliveryControl::new())
+                .unwrap();
+        });
+        let seen: Vec<Seen> = capture.0.lock().values().cloned().collect();
+        let by_name = |n: &str| {
+            seen.iter()
+                .find(|s| s.name == n)
+                .unwrap_or_else(|| panic!("no span {n} in {seen:?}"))
+                .clone()
+        };
+        let d = by_name("kv_reuse.decision");
+        assert_eq!(d.fields["request_id"], "req-77");
+        assert_eq!(d.fields["verdict"], "admit");
+        assert_eq!(d.fields["target"], s.target.to_string());
+        assert_eq!(d.fields["blocks"], s.hashes.len().to_string());
+        let l = by_name("kv_reuse.lookup");
+        assert_eq!(l.parent, Some("kv_reuse.decision"));
+        assert_eq!(l.fields["request_id"], "req-77");
+        assert_eq!(l.fields["donor_blocks"], s.hashes.len().to_string());
+        let f = by_name("kv_reuse.fetch");
+        assert_eq!(f.fields["request_id"], "req-77");
+        assert_eq!(f.fields["outcome"], "completed");
+        assert!(f.fields["bytes"].parse::<u64>().unwrap() > 0);
+        for name in SPAN_NAMES {
+            assert!(name.starts_with("kv_reuse."), "{name}");
+        }
+    }
+}

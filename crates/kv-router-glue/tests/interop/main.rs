@@ -6,6 +6,7 @@
 //! as the publisher child process.
 
 mod child;
+mod dynamo;
 mod vllm_ingest;
 mod vllm_wire;
 mod vllm_zmq;
