@@ -27,6 +27,7 @@
 #![deny(missing_docs)]
 
 pub mod engines;
+pub mod faults;
 pub mod model;
 pub mod qualify;
 pub mod replay;
