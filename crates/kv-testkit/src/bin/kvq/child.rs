@@ -10,6 +10,8 @@ pub const SUBCOMMAND: &str = "child";
 pub fn main(role: &str, args: &[String]) -> i32 {
     match role {
         kv_bank::gpu_check::CHILD_SUBCOMMAND => kv_bank::gpu_check::child_main(args),
+        kv_bank::faults::CHILD_SUBCOMMAND => kv_bank::faults::child_main(args),
+        kv_testkit::faults::CHILD_ROLE => kv_testkit::faults::child_main(args),
         other => {
             eprintln!(
                 "kvq child: unknown role {other:?} (known: {})",
