@@ -195,7 +195,12 @@ impl Advisor {
             time: Duration::from_secs_f64(s.transfer_source_lookup_budget_ms / 1000.0),
             max_probes: self.max_probes,
         };
-        let outcome = self.index.lookup(sequence_hashes, target, budget);
+        let lookup_span = crate::spans::lookup(request_id);
+        let outcome = lookup_span.in_scope(|| self.index.lookup(sequence_hashes, target, budget));
+        lookup_span.record("elapsed_us", outcome.elapsed.as_micros() as u64);
+        if let Ok(d) = &outcome.donor {
+            lookup_span.record("donor_blocks", d.blocks);
+        }
         let donor = match outcome.donor {
             Ok(d) => d,
             Err(reason) => return refuse(RefuseReason::NoDonor(reason.to_string()), Some(outcome)),

@@ -165,9 +165,9 @@ impl FetchExecutor {
         let n = v.slot_ids.len();
 
         let fallback = |stage: &'static str, reason: String| FetchError::Fallback { stage, reason };
-        let reservation = self
-            .pool
-            .reserve(n)
+        let request_id = envelope.message_id.as_str();
+        let reservation = crate::spans::reserve(request_id)
+            .in_scope(|| self.pool.reserve(n))
             .map_err(|e| fallback("reserve", e.to_string()))?;
         let pin = match donor.pin(&hint) {
             Ok(p) => p,
@@ -178,20 +178,28 @@ impl FetchExecutor {
             }
         };
         let fetched: Vec<SequenceHash> = hint.sequence_hashes[hint.fetch_from as usize..].to_vec();
-        let result = self.transfer(
-            &hint,
-            manifest,
-            &fetched,
-            &v.slot_ids,
-            reservation.blocks(),
-            pin.as_ref(),
-            control,
-        );
+        let result = crate::spans::transfer(request_id).in_scope(|| {
+            self.transfer(
+                &hint,
+                manifest,
+                &fetched,
+                &v.slot_ids,
+                reservation.blocks(),
+                pin.as_ref(),
+                control,
+            )
+        });
+        let verify = crate::spans::verify(request_id);
         drop(pin);
         match result {
-            Ok(report) if report.is_complete() && report.counters.bytes == v.total_bytes => {
+            Ok(report)
+                if verify.in_scope(|| {
+                    report.is_complete() && report.counters.bytes == v.total_bytes
+                }) =>
+            {
                 Ok(FetchOutcome {
-                    target_blocks: reservation.complete(),
+                    target_blocks: crate::spans::commit(request_id)
+                        .in_scope(|| reservation.complete()),
                     fetch_from: hint.fetch_from,
                     fetched,
                     report,

@@ -14,9 +14,10 @@
 //! | `kv_reuse.verify` | worker: delivery checked complete (inside `fetch`) | |
 //! | `kv_reuse.commit` | worker: rows handed to the native cache (inside `fetch`) | |
 //!
-//! The constructors below are the one place these names are spelled; the
-//! [`ObservedAdvisor`] and [`ObservedExecutor`] wrappers open `decision` /
-//! `lookup` and `fetch` and record [`ReuseMetrics`].
+//! The constructors below are the one place these names are spelled. The
+//! advisor opens `lookup` and the executor `reserve`, `transfer`, `verify`
+//! and `commit`; the [`ObservedAdvisor`] and [`ObservedExecutor`] wrappers
+//! open `decision` and `fetch` around them and record [`ReuseMetrics`].
 
 use std::sync::Arc;
 
@@ -92,20 +93,14 @@ impl ObservedAdvisor {
         &self.advisor
     }
 
-    /// [`Advisor::advise`] inside a `kv_reuse.decision` span; the lookup's
-    /// outcome is recorded on a `kv_reuse.lookup` span and in the lookup
-    /// latency histogram, the verdict in `kv_reuse_decisions_total`.
+    /// [`Advisor::advise`] inside a `kv_reuse.decision` span (the advisor
+    /// opens `kv_reuse.lookup` inside it); the lookup time goes to the lookup
+    /// latency histogram, the verdict to `kv_reuse_decisions_total`.
     pub fn advise(&self, request_id: &str, hashes: &[SequenceHash], target: EngineId) -> Advice {
         let span = decision(request_id, target, hashes.len());
         let _entered = span.enter();
         let advice = self.advisor.advise(request_id, hashes, target);
         if let Some(outcome) = &advice.lookup {
-            let l = lookup(request_id);
-            l.record("elapsed_us", outcome.elapsed.as_micros() as u64);
-            if let Ok(d) = &outcome.donor {
-                l.record("donor_blocks", d.blocks);
-            }
-            drop(l.enter());
             self.metrics.observe_lookup(outcome.elapsed);
         }
         span.record(
@@ -190,8 +185,10 @@ mod tests {
         fields: HashMap<String, String>,
     }
 
+    /// Every span opened, in order; ids of closed spans are reused by the
+    /// registry, so records go to the latest span with that id.
     #[derive(Default, Clone)]
-    struct Capture(Arc<Mutex<HashMap<u64, Seen>>>);
+    struct Capture(Arc<Mutex<(Vec<Seen>, HashMap<u64, usize>)>>);
 
     struct Fields<'a>(&'a mut HashMap<String, String>);
     impl tracing::field::Visit for Fields<'_> {
@@ -214,19 +211,35 @@ mod tests {
                 ..Seen::default()
             };
             attrs.record(&mut Fields(&mut seen.fields));
-            self.0.lock().insert(id.into_u64(), seen);
+            let mut st = self.0.lock();
+            st.0.push(seen);
+            let at = st.0.len() - 1;
+            st.1.insert(id.into_u64(), at);
         }
         fn on_record(&self, id: &Id, values: &Record<'_>, _ctx: Context<'_, S>) {
-            if let Some(seen) = self.0.lock().get_mut(&id.into_u64()) {
-                values.record(&mut Fields(&mut seen.fields));
+            let mut st = self.0.lock();
+            if let Some(&at) = st.1.get(&id.into_u64()) {
+                values.record(&mut Fields(&mut st.0[at].fields));
             }
         }
     }
 
+    /// The process-wide capture. A global subscriber, because a scoped one
+    /// races with tests on other threads that register the same callsites
+    /// while no subscriber is interested.
+    fn capture() -> &'static Capture {
+        static CAPTURE: std::sync::OnceLock<Capture> = std::sync::OnceLock::new();
+        CAPTURE.get_or_init(|| {
+            let c = Capture::default();
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(c.clone()))
+                .expect("no other global subscriber in this test binary");
+            c
+        })
+    }
+
     #[test]
     fn decision_lookup_and_fetch_spans_carry_the_request_id() {
-        let capture = Capture::default();
-        let subscriber = tracing_subscriber::registry().with(capture.clone());
+        let capture = capture();
         let s = Scenario::new().unwrap();
         let metrics = Arc::new(ReuseMetrics::new());
         let settings = ReuseSettings {
@@ -235,12 +248,18 @@ mod tests {
         };
         let advisor = ObservedAdvisor::new(s.advisor(settings).unwrap(), metrics.clone());
         let exec = ObservedExecutor::new(s.executor().unwrap(), metrics);
-        tracing::subscriber::with_default(subscriber, || {
-            let env = advisor.advise("req-77", &s.hashes, s.target).hint.unwrap();
-            exec.execute(&env, s.donor.as_ref(), &DeliveryControl::new())
-                .unwrap();
-        });
-        let seen: Vec<Seen> = capture.0.lock().values().cloned().collect();
+        let env = advisor.advise("req-77", &s.hashes, s.target).hint.unwrap();
+        exec.execute(&env, s.donor.as_ref(), &DeliveryControl::new())
+            .unwrap();
+        // Spans of other tests in this binary are captured too: keep ours.
+        let seen: Vec<Seen> = capture
+            .0
+            .lock()
+            .0
+            .iter()
+            .filter(|s| s.fields.get("request_id").map(String::as_str) == Some("req-77"))
+            .cloned()
+            .collect();
         let by_name = |n: &str| {
             seen.iter()
                 .find(|s| s.name == n)
@@ -263,5 +282,11 @@ mod tests {
         for name in SPAN_NAMES {
             assert!(name.starts_with("kv_reuse."), "{name}");
         }
+        for step in ["reserve", "transfer", "verify", "commit"] {
+            let sp = by_name(&format!("kv_reuse.{step}"));
+            assert_eq!(sp.parent, Some("kv_reuse.fetch"), "{step}");
+            assert_eq!(sp.fields["request_id"], "req-77", "{step}");
+        }
+        assert_eq!(seen.len(), SPAN_NAMES.len(), "one span each: {seen:?}");
     }
 }
