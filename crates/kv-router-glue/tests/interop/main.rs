@@ -10,3 +10,4 @@ mod dynamo;
 mod vllm_ingest;
 mod vllm_wire;
 mod vllm_zmq;
+mod wire_doc;
