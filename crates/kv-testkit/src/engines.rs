@@ -35,7 +35,7 @@ use kv_router_glue::{
     ReuseSettings,
 };
 use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
-use kv_transfer::{CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend};
+use kv_transfer::{CopyBackend, DeliveryControl, DeliveryCounters, HostBuffer, HostCopyBackend};
 
 use crate::model::{argmax, KvCache, ModelError, ReferenceModel};
 
@@ -175,6 +175,8 @@ pub struct PrefillOutput {
     pub bytes_moved: u64,
     /// Bytes that crossed host memory as payload (kv-transfer counter).
     pub host_payload_bytes: u64,
+    /// `backend/transport` that moved the bytes (kv-transfer counters), when a fetch completed.
+    pub transport: Option<String>,
     /// Set when a hint was given but the fetch fell back: the reason.
     pub fallback: Option<String>,
 }
@@ -345,14 +347,16 @@ impl PrefillEngine {
             fetched_tokens: 0,
             bytes_moved: 0,
             host_payload_bytes: 0,
+            transport: None,
             fallback: None,
         };
         if let Some((env, donor)) = hint {
             match self.fetch(env, donor, fault, &blocks[..reusable], native, &mut cache) {
-                Ok((fetched, bytes, host)) => {
+                Ok((fetched, counters)) => {
                     out.fetched_tokens = (fetched * bs) as u64;
-                    out.bytes_moved = bytes;
-                    out.host_payload_bytes = host;
+                    out.bytes_moved = counters.bytes;
+                    out.host_payload_bytes = counters.host_payload_bytes;
+                    out.transport = Some(format!("{}/{}", counters.backend, counters.transport));
                 }
                 Err(reason) => out.fallback = Some(reason),
             }
@@ -391,8 +395,8 @@ impl PrefillEngine {
         Ok((out, cache, events))
     }
 
-    /// Runs the executor and imports the fetched rows; returns (blocks
-    /// imported, bytes delivered, host payload bytes) or the fallback reason.
+    /// Runs the executor and imports the fetched rows; returns the blocks
+    /// imported and the delivery's counters, or the fallback reason.
     fn fetch(
         &mut self,
         env: &HintEnvelope,
@@ -401,7 +405,7 @@ impl PrefillEngine {
         prompt_blocks: &[StoredBlock],
         native: usize,
         cache: &mut KvCache,
-    ) -> Result<(usize, u64, u64), String> {
+    ) -> Result<(usize, DeliveryCounters), String> {
         let hints = env.fetch_gpu_actions().map_err(|e| format!("hint: {e}"))?;
         let h = hints.first().ok_or("hint: no kv.fetch_gpu action")?;
         let k = h.sequence_hashes.len();
@@ -454,11 +458,7 @@ impl PrefillEngine {
                 .import_blocks(from + j, &parts)
                 .map_err(|e| e.to_string())?;
         }
-        Ok((
-            k - native,
-            outcome.report.counters.bytes,
-            outcome.report.counters.host_payload_bytes,
-        ))
+        Ok((k - native, outcome.report.counters))
     }
 }
 

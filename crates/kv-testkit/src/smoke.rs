@@ -108,6 +108,8 @@ pub struct SmokeRequest {
     pub advice: String,
     /// Fallback reason when a hint was given but not used.
     pub fallback: Option<String>,
+    /// `backend/transport` that moved the fetched bytes, when a fetch completed.
+    pub transport: Option<String>,
 }
 
 /// One run (`off`, `on`, `fallback`).
@@ -155,6 +157,8 @@ pub struct ServingSmokeResult {
     pub on_host_payload_bytes: u64,
     /// `host` or `cuda`.
     pub profile: String,
+    /// Distinct `backend/transport` values of the ON fetches.
+    pub on_transports: Vec<String>,
     /// Options used.
     pub options: SmokeOptions,
     /// The three runs, request by request.
@@ -300,6 +304,7 @@ fn run_mode(o: &SmokeOptions, mode: Mode, profile: &MemoryProfile) -> Result<Smo
                 first_logits_bits: out.first_logits.iter().map(|f| f.to_bits()).collect(),
                 advice: verdict,
                 fallback: fallback.clone(),
+                transport: out.transport.clone(),
             };
             run.computed_tokens += req.computed_tokens;
             run.reused_tokens += req.reused_tokens;
@@ -384,6 +389,13 @@ pub fn serving_smoke(opts: &SmokeOptions) -> Result<ServingSmokeResult, SmokeErr
         fallback_fetches: fb.fetches,
         on_host_payload_bytes: on.host_payload_bytes,
         profile: if opts.gpu { "cuda" } else { "host" }.into(),
+        on_transports: on
+            .requests
+            .iter()
+            .filter_map(|q| q.transport.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect(),
         options: *opts,
         runs: vec![off, on, fb],
     })
@@ -424,6 +436,13 @@ mod tests {
                 // Bytes: 2 (K,V) x 3 layers x 2 KV heads x 16 dims x 4 bytes per token.
                 assert_eq!(q.bytes_moved, q.fetched_tokens * 2 * 3 * 2 * 16 * 4);
                 assert!(q.fallback.is_none());
+                assert!(
+                    q.transport
+                        .as_deref()
+                        .is_some_and(|t| t.starts_with("host")),
+                    "{:?}",
+                    q.transport
+                );
             }
             assert!(r.on_computed_tokens < r.off_computed_tokens);
             assert_eq!(
