@@ -90,13 +90,25 @@ fn main() {
                 }
             }
             println!(
-                "computed OFF {} ON {} reused ON {} outputs_match {} fallback_outputs_match {}",
+                "profile {} tp {} transports {:?}: computed OFF {} ON {} reused ON {} bytes {} host payload {} \
+                 outputs_match {} fallback_outputs_match {}",
+                r.profile,
+                o.tp,
+                r.on_transports,
                 r.off_computed_tokens,
                 r.on_computed_tokens,
                 r.on_reused_tokens,
+                r.on_bytes_moved,
+                r.on_host_payload_bytes,
                 r.outputs_match,
                 r.fallback_outputs_match
             );
+            if !(r.outputs_match
+                && r.fallback_outputs_match
+                && r.on_computed_tokens < r.off_computed_tokens)
+            {
+                std::process::exit(1);
+            }
         }
         other => {
             panic!("unknown workload {other:?}: use `trace`, `sessions`, `smoke` or `smoke-gpu`")
