@@ -79,7 +79,10 @@ fn main() {
                 tp: n.map_or(2, |n| n as u32),
                 ..Default::default()
             };
-            let r = kv_testkit::qualify::serving_smoke(&o).expect("serving smoke");
+            let r = kv_testkit::qualify::serving_smoke(&o).unwrap_or_else(|e| {
+                eprintln!("serving smoke: {e}");
+                std::process::exit(2);
+            });
             for run in &r.runs {
                 for q in &run.requests {
                     println!(
