@@ -14,6 +14,7 @@
 
 mod child;
 mod descriptor_wire;
+mod fault_section;
 mod record;
 mod replay_section;
 mod report;
@@ -90,6 +91,17 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Random faults over many fetches (`kv_testkit::faults::soak_with`);
+    /// prints fetches, fallbacks, false completions and leaks as JSON.
+    /// Exit 1 when any run failed, falsely completed or leaked.
+    Soak {
+        /// Wall time in minutes (fractions allowed).
+        #[arg(long, default_value_t = 1.0)]
+        minutes: f64,
+        /// Seed of the fault sequence.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Second process of a multi-process check (started by sections).
     #[command(hide = true)]
     Child {
@@ -140,6 +152,7 @@ fn main() -> ExitCode {
             quick,
             json.as_deref(),
         )),
+        Cmd::Soak { minutes, seed } => soak(minutes, seed),
         Cmd::Child { role, args } => exit(child::main(&role, &args)),
     }
 }
@@ -215,6 +228,25 @@ fn qualify(
         out.join("REPORT.md").display()
     );
     if record.passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+/// `kvq soak`: the donor-process faults start this binary as the child.
+fn soak(minutes: f64, seed: u64) -> ExitCode {
+    let child = kv_testkit::faults::ChildCommand::current_kvq();
+    let r = kv_testkit::faults::soak_with(minutes, seed, Some(&child));
+    match serde_json::to_string_pretty(&r) {
+        Ok(json) => println!("{json}"),
+        Err(e) => eprintln!("kvq soak: cannot encode the report: {e}"),
+    }
+    println!(
+        "soak: {} requests in {:.0} s: {} fetches, {} fallbacks, {} false completions, {} wrong outputs, {} leaks",
+        r.requests, r.seconds, r.fetches, r.fallbacks, r.false_completions, r.wrong_outputs, r.leaks
+    );
+    if r.passed() {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)

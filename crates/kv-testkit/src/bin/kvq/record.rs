@@ -71,6 +71,9 @@ pub struct Record {
     pub sections: Vec<SectionResult>,
     /// Every failed check of every section, in run order.
     pub failures: Vec<Failure>,
+    /// The fault table (`[{fault, runs, fallbacks, false_completions, leaks, detail}]`),
+    /// lifted from the `faults` section; empty when it did not run.
+    pub faults: Vec<serde_json::Value>,
 }
 
 impl Record {
@@ -97,6 +100,12 @@ impl Record {
             commands.push(b);
         }
         commands.push(std::env::args().collect::<Vec<_>>().join(" "));
+        let faults = sections
+            .iter()
+            .find(|s| s.name == crate::fault_section::NAME)
+            .and_then(|s| s.metrics.get(crate::fault_section::ROWS_METRIC))
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default();
         Self {
             schema: RECORD_SCHEMA,
             profile,
@@ -111,6 +120,7 @@ impl Record {
             passed: failures.is_empty() && sections.iter().all(|s| s.status != Status::Failed),
             sections,
             failures,
+            faults,
         }
     }
 

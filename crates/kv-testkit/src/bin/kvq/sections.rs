@@ -2,7 +2,7 @@
 //! other crates' check functions into [`SectionResult`]s.
 
 use crate::section::{Ctx, Profile, Section, SectionResult, Stop};
-use crate::{child, descriptor_wire, replay_section, smoke_section, transfer};
+use crate::{child, descriptor_wire, fault_section, replay_section, smoke_section, transfer};
 
 const BOTH: &[Profile] = &[Profile::Cpu, Profile::Gpu];
 const GPU: &[Profile] = &[Profile::Gpu];
@@ -35,6 +35,11 @@ pub const ALL: &[Section] = &[
         body: transfer::oracle_nixl,
     },
     Section {
+        name: "transfer_cuda_ipc",
+        profiles: GPU,
+        body: transfer::cuda_ipc,
+    },
+    Section {
         name: "trace_replay",
         profiles: BOTH,
         body: replay_section::trace,
@@ -48,6 +53,11 @@ pub const ALL: &[Section] = &[
         name: "serving_smoke",
         profiles: BOTH,
         body: smoke_section::run,
+    },
+    Section {
+        name: fault_section::NAME,
+        profiles: BOTH,
+        body: fault_section::run,
     },
 ];
 

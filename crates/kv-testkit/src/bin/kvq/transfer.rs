@@ -44,6 +44,55 @@ fn oracle_section(ctx: &Ctx, r: &mut SectionResult, backend: OracleBackend) -> R
     Ok(())
 }
 
+/// Section `transfer_cuda_ipc` (GPU): kv-transfer's two-process fetch check.
+/// The donor (this process) exports a bank region; one child per visible GPU
+/// (at most two: same-GPU and peer) maps it by CUDA IPC, fetches contiguous
+/// and scattered blocks and a 7-block fetch, checks the bytes, and reports
+/// each case's throughput against a raw device copy measured in the child.
+pub fn cuda_ipc(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
+    let rep = kv_transfer::ipc_check::run(&ctx.exe, &[crate::child::SUBCOMMAND])
+        .map_err(|e| Stop::Error(format!("ipc_check: {e}")))?;
+    r.check(
+        "children_ran",
+        !rep.children.is_empty(),
+        format!("{} importer(s)", rep.children.len()),
+    );
+    for c in &rep.children {
+        let g = c.ordinal;
+        r.check(
+            format!("gpu{g}_bytes_match"),
+            c.bytes_ok,
+            format!("GPU {g}: scattered fetch bytes checked"),
+        );
+        r.check(
+            format!("gpu{g}_no_host_payload"),
+            c.host_payload_bytes == 0,
+            format!("GPU {g}: {} host payload bytes", c.host_payload_bytes),
+        );
+        r.metric(&format!("gpu{g}_import_us"), c.import_us);
+        for row in &c.rows {
+            r.metric(
+                &format!("gpu{g}/{}/ratio", row.name),
+                (row.ratio * 1e3).round() / 1e3,
+            );
+            r.metric(
+                &format!("gpu{g}/{}/GBps", row.name),
+                (row.gbps * 100.0).round() / 100.0,
+            );
+            r.metric(
+                &format!("gpu{g}/{}/p50_us", row.name),
+                (row.p50_us * 10.0).round() / 10.0,
+            );
+        }
+    }
+    r.check(
+        "verdict",
+        rep.passed(),
+        "every importer checked its bytes with no host payload",
+    );
+    Ok(())
+}
+
 /// Turns an oracle report into checks (one per verdict field) and metrics.
 pub fn record_oracle(rep: &OracleReport, r: &mut SectionResult) {
     r.check(

@@ -1,0 +1,80 @@
+//! Section `faults`: the fault matrix of issue #11
+//! (`kv_testkit::faults::fault_table`: donor killed / SIGTERMed mid-transfer,
+//! cancellation at each stage, deadline, failing rank, missing keys, stale
+//! generation, allocation failure, damaged event streams, NATS restart)
+//! followed by kv-bank's bank-level rows. Donor children are this binary
+//! (`kvq child fault-donor ...`, `kvq child bank-lease-owner ...`).
+//!
+//! Each row is one check (every run fell back, none falsely completed,
+//! nothing leaked); the rows themselves go to `record.json` as the metric
+//! [`ROWS_METRIC`], which the record lifts to its top-level `faults[]`.
+
+use kv_testkit::faults::{fault_table_with, ChildCommand, FaultRow};
+
+use crate::section::{Ctx, SectionResult, Stop};
+
+/// Section name.
+pub const NAME: &str = "faults";
+/// Metric holding the rows (`[{fault, runs, fallbacks, false_completions, leaks, detail}]`).
+pub const ROWS_METRIC: &str = "rows";
+
+/// The section body: the full table (3 runs per in-process fault, 2 per
+/// donor-process fault), about 15-30 s.
+pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
+    let rows = fault_table_with(false, &ChildCommand::kvq(&ctx.exe));
+    print!("{}", table(&rows));
+    for row in &rows {
+        r.check(
+            row.fault.as_str(),
+            row.passed(),
+            format!(
+                "{} runs, {} fallbacks, {} false completions, {} leaks: {}",
+                row.runs, row.fallbacks, row.false_completions, row.leaks, row.detail
+            ),
+        );
+    }
+    let json = serde_json::to_value(&rows).map_err(|e| Stop::Error(format!("rows: {e}")))?;
+    r.metric(ROWS_METRIC, json);
+    r.metric("faults_run", rows.len() as u64);
+    Ok(())
+}
+
+/// The fault table as printed (fixed-width columns).
+pub fn table(rows: &[FaultRow]) -> String {
+    let mut s = format!(
+        "{:<28} {:>5} {:>9} {:>17} {:>5}\n",
+        "fault", "runs", "fallbacks", "false_completions", "leaks"
+    );
+    for r in rows {
+        s.push_str(&format!(
+            "{:<28} {:>5} {:>9} {:>17} {:>5}\n",
+            r.fault, r.runs, r.fallbacks, r.false_completions, r.leaks
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_has_one_line_per_row_and_the_record_columns() {
+        let rows = vec![FaultRow {
+            fault: "rank_part_fails".into(),
+            runs: 3,
+            fallbacks: 3,
+            false_completions: 0,
+            leaks: 0,
+            detail: String::new(),
+        }];
+        let t = table(&rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 2);
+        assert!(lines[0].contains("false_completions"));
+        assert_eq!(
+            lines[1].split_whitespace().collect::<Vec<_>>(),
+            ["rank_part_fails", "3", "3", "0", "0"]
+        );
+    }
+}
