@@ -78,6 +78,16 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Build kvq and run `kvq soak`: random faults over many fetches; prints
+    /// fetches, fallbacks, false completions and leaks (must be 0).
+    Soak {
+        /// Wall time in minutes (fractions allowed).
+        #[arg(long, default_value_t = 1.0)]
+        minutes: f64,
+        /// Seed of the fault sequence.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Build `.bundle/` (kvq + NIXL libraries) for a GPU machine and print the command.
     GpuBundle {
         /// Also bundle release test binaries of the crates with GPU tests.
@@ -134,6 +144,19 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             qualify::run(profile, out, build, &kvq_args)
         }
         Cmd::Bench { which, json } => bench::run(which, json.as_deref()),
+        Cmd::Soak { minutes, seed } => {
+            let prereq = prerequisites::Prerequisites::ensure()?;
+            let (exe, line) = kvq::build(kvq::BuildProfile::Release)?;
+            let mut c = kvq::command(&exe, &line, &prereq);
+            c.args([
+                "soak",
+                "--minutes",
+                &minutes.to_string(),
+                "--seed",
+                &seed.to_string(),
+            ]);
+            command::run(&mut c)
+        }
         Cmd::GpuBundle { with_tests } => bundle::run(with_tests),
     }
 }
