@@ -29,7 +29,7 @@
 //! | `deadline_passed` | 30 ms deadline, rank 1 stalls 60 ms | `DeadlineExceeded` |
 //! | `rank_part_fails` | rank 1's part errors | whole delivery fails |
 //! | `missing_keys` | the donor evicted the hinted blocks between advice and fetch | pin refused (slot holds another block) |
-//! | `stale_bank_generation` | the donor closed its bank and opened the next generation between advice and fetch | hint refused before memory (`StaleGeneration`) |
+//! | `fetch_stale_generation` | the donor closed its bank and opened the next generation between advice and fetch | hint refused before memory (`StaleGeneration`) |
 //! | `allocation_failure` | the target's destination pool cannot supply the rows | refused at `reserve` |
 //! | `duplicated_events` | a `Stored` event delivered again after the blocks were removed | the duplicate is ignored: no hint for removed blocks |
 //! | `reordered_events` | `Removed` delivered before the `Stored` it follows | gap: donor excluded until resync; the late `Stored` is ignored |
@@ -233,7 +233,7 @@ impl Fault {
             Fault::DeadlinePassed => "deadline_passed",
             Fault::RankPartFails => "rank_part_fails",
             Fault::MissingKeys => "missing_keys",
-            Fault::StaleBankGeneration => "stale_bank_generation",
+            Fault::StaleBankGeneration => "fetch_stale_generation",
             Fault::AllocationFailure => "allocation_failure",
             Fault::DuplicatedEvents => "duplicated_events",
             Fault::ReorderedEvents => "reordered_events",
@@ -557,6 +557,9 @@ impl FaultRouter {
             enable_decode_to_prefill_reuse: true,
             minimum_estimated_ttft_saving_ms: 0.0,
             minimum_transfer_prefix_blocks: 1,
+            // Generous: a lookup descheduled on a loaded machine must not
+            // turn a fault run into a "no donor" run.
+            transfer_source_lookup_budget_ms: 50.0,
             ..ReuseSettings::default()
         };
         let model = CostModel::new(settings, tokens_per_block)
@@ -1067,6 +1070,10 @@ fn event_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
         &prompt_hashes(&probe_conv.prompt, bs as usize),
         target_engine,
     );
+    let no_hint2 = advice
+        .hint
+        .is_none()
+        .then(|| format!("no hint: {:?}", advice.decision.verdict));
     let (served2, completed2, fallback2) = target.serve(
         &model,
         &probe_conv.prompt,
@@ -1082,7 +1089,7 @@ fn event_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
         "damaged: {}; hint while damaged: {damaged_hint}; repaired: {repaired}; \
          fetch after repair: {completed2} {}; {}",
         notes.join(" "),
-        fallback2.unwrap_or_default(),
+        fallback2.or(no_hint2).unwrap_or_default(),
         fallback.unwrap_or_default()
     );
     drop(target);
