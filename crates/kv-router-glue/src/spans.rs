@@ -188,7 +188,10 @@ mod tests {
     /// Every span opened, in order; ids of closed spans are reused by the
     /// registry, so records go to the latest span with that id.
     #[derive(Default, Clone)]
-    struct Capture(Arc<Mutex<(Vec<Seen>, HashMap<u64, usize>)>>);
+    struct Capture(Arc<Mutex<Captured>>);
+
+    /// Spans in opening order, and the index of the latest span per id.
+    type Captured = (Vec<Seen>, HashMap<u64, usize>);
 
     struct Fields<'a>(&'a mut HashMap<String, String>);
     impl tracing::field::Visit for Fields<'_> {
