@@ -56,7 +56,11 @@ fn store_batch(k: u64) -> VllmEventBatch {
 #[test]
 #[ignore = "child process of the vLLM ZMQ tests; run by them"]
 fn vllm_publisher_child() {
-    let role = std::env::var(CHILD_ENV).expect("run by the parent test");
+    let Ok(role) = std::env::var(CHILD_ENV) else {
+        // `--include-ignored` runs it directly: there is no parent to serve.
+        println!("skipped: vllm_publisher_child only runs as a child of the vllm_zmq tests");
+        return;
+    };
     let (early, buffer) = role
         .strip_prefix("publisher:")
         .and_then(|r| r.split_once(','))
