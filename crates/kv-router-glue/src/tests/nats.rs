@@ -113,6 +113,12 @@ async fn nats_kv_event_gap_is_repaired_by_resync_across_clients() {
         .publish(StorageTier::RetainedGpuDirect, cleared.clone())
         .await
         .unwrap();
+    // A flush only empties the client's socket buffer; the server may still
+    // route event 1 after the router's SUB arrives on the other connection
+    // (seen under load on 2 cores). Give the server time to route it to no one,
+    // so that the gap this test is about really happens.
+    pub_nats.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let mut rx = KvEventReceiver::subscribe(sub_plane, &subject, Duration::from_secs(2))
         .await
         .unwrap();
