@@ -1895,3 +1895,80 @@ pub fn soak_with(minutes: f64, seed: u64, child: Option<&ChildCommand>) -> SoakR
     r.seconds = t0.elapsed().as_secs_f64();
     r
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fault_names_are_unique_and_the_soak_pool_needs_no_child() {
+        let mut names: Vec<&str> = Fault::ALL.iter().map(|f| f.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Fault::ALL.len());
+        assert!(Fault::IN_PROCESS.iter().all(|f| Fault::ALL.contains(f)));
+        assert!(!Fault::IN_PROCESS.iter().any(|f| f.needs_child()));
+        assert!(!Fault::IN_PROCESS.contains(&Fault::NatsServerRestart));
+        assert_eq!(
+            Fault::ALL.iter().filter(|f| f.needs_child()).count(),
+            2,
+            "killed and SIGTERMed donor"
+        );
+    }
+
+    #[test]
+    fn passed_requires_the_expected_end_and_no_leak() {
+        let fallback = RunOutcome {
+            fault: Fault::RankPartFails,
+            fell_back: true,
+            completed: false,
+            outputs_match: true,
+            destination_untouched: true,
+            leaks: Vec::new(),
+            detail: String::new(),
+        };
+        assert!(fallback.passed());
+        let completed = RunOutcome {
+            fell_back: false,
+            completed: true,
+            ..fallback.clone()
+        };
+        assert!(!completed.passed(), "a completion under a fault is false");
+        assert!(RunOutcome {
+            fault: Fault::None,
+            ..completed.clone()
+        }
+        .passed());
+        assert!(!RunOutcome {
+            leaks: vec!["pins: 0 -> 1".into()],
+            ..fallback.clone()
+        }
+        .passed());
+        assert!(!RunOutcome {
+            outputs_match: false,
+            ..fallback.clone()
+        }
+        .passed());
+        assert!(!RunOutcome {
+            destination_untouched: false,
+            ..fallback
+        }
+        .passed());
+    }
+
+    #[test]
+    fn pid_alive_tells_a_running_process_from_a_reaped_one() {
+        assert!(pid_alive(std::process::id()));
+        let mut c = Command::new("true").spawn().unwrap();
+        let pid = c.id();
+        c.wait().unwrap();
+        assert!(!pid_alive(pid));
+    }
+
+    #[test]
+    fn unique_prefixes_differ_and_parse_as_bank_prefixes() {
+        let (a, b) = (unique_prefix(), unique_prefix());
+        assert_ne!(a, b);
+        assert!(a.starts_with("kvfault") && !a.contains('-') && !a.contains('/'));
+    }
+}
