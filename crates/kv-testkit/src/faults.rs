@@ -43,10 +43,11 @@
 //! recomputed; each run also requires the repair to work (the index equals
 //! the bank's inventory afterwards and a fetch then completes correctly).
 //!
-//! Not covered here: two network namespaces joined by UCX over TCP with the
-//! link cut (needs the NIXL runtime between namespaces), GPU memory (the
-//! CPU profile moves host shared memory; device counters are still in the
-//! leak snapshot).
+//! Not covered yet: two network namespaces joined by UCX over TCP with the
+//! link cut mid-transfer (`ip netns add` works on the development machine;
+//! the two-process NIXL-over-veth harness is not written), and GPU memory
+//! (the CPU profile moves host shared memory; device allocation counters
+//! are still part of every leak snapshot).
 //!
 //! Runs are serialized by a process-wide lock, because leak snapshots are
 //! process-wide.
