@@ -760,7 +760,7 @@ fn shm_entries(prefix: &str) -> Vec<String> {
 /// # Errors
 /// [`FaultError`] when the run could not be set up (including
 /// [`FaultError::Skipped`] for a missing `nats-server` outside CI); a
-/// fallback or a failed check is an [`RunOutcome`], not an error.
+/// fallback or a failed check is a [`RunOutcome`], not an error.
 ///
 /// ```no_run
 /// use kv_testkit::faults::{run_fault, Fault};
@@ -1362,7 +1362,7 @@ struct ChildHello {
 /// `seed`, retains it in a TP2 host-shm bank whose lease is renewed in the
 /// background, prints one JSON line (pid, manifest, slots), then waits.
 /// On SIGTERM it closes its bank (lease revoked, segments unlinked) and
-/// returns 0; after [`CHILD_MAX_LIFE`] it does the same. Returns 2 on an
+/// returns 0; after 60 s without a signal it does the same. Returns 2 on an
 /// error (printed to stderr).
 pub fn child_main(args: &[String]) -> i32 {
     match child(args) {
