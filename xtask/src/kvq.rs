@@ -2,7 +2,7 @@
 //! sections, oracle, benchmarks) so that xtask stays free of nixl-sys:
 //! building it, and running it with the prerequisites' environment.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::command;
@@ -42,7 +42,7 @@ pub fn build(profile: BuildProfile) -> Result<(PathBuf, String)> {
 /// A command running the kvq at `exe` with the prerequisites' environment,
 /// provenance (`KVQ_GIT_SHA`, `KVQ_GIT_DIRTY`, `KVQ_RUSTC`) and the build
 /// command (`KVQ_BUILD_COMMAND`), all of which kvq writes into its record.
-pub fn command(exe: &PathBuf, build_line: &str, prereq: &Prerequisites) -> Command {
+pub fn command(exe: &Path, build_line: &str, prereq: &Prerequisites) -> Command {
     let mut c = Command::new(exe);
     c.current_dir(workspace::root());
     prereq.apply(&mut c);
