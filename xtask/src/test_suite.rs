@@ -82,7 +82,7 @@ pub fn run(extra: &[String]) -> Result<()> {
     test.args(["test", "--workspace", "--no-fail-fast"])
         .args(extra);
     prereq.apply(&mut test);
-    let (tally, status) = tee_and_tally(&mut test)?;
+    let (tally, status) = tee_and_tally(&mut test, &mut std::io::stdout().lock())?;
     if !status.success() && tally.failed == 0 {
         step_failures.push(format!(
             "`{}` exited with {status} (build failure?)",
@@ -121,9 +121,12 @@ fn layering_check() -> Result<usize> {
     layering::check(&json)
 }
 
-/// Runs `cmd`, copying its stdout to ours line by line while counting
+/// Runs `cmd`, copying its stdout to `out` line by line while counting
 /// libtest summaries; stderr (cargo's build output) passes straight through.
-fn tee_and_tally(cmd: &mut Command) -> Result<(Tally, std::process::ExitStatus)> {
+fn tee_and_tally(
+    cmd: &mut Command,
+    out: &mut impl Write,
+) -> Result<(Tally, std::process::ExitStatus)> {
     eprintln!("$ {}", command::describe(cmd));
     let mut child = cmd
         .stdout(Stdio::piped())
@@ -134,14 +137,12 @@ fn tee_and_tally(cmd: &mut Command) -> Result<(Tally, std::process::ExitStatus)>
         })?;
     let mut tally = Tally::default();
     let stdout = child.stdout.take().expect("stdout was piped");
-    let mut out = std::io::stdout().lock();
     for line in BufReader::new(stdout).lines() {
         let line = line.map_err(XtaskError::io("<cargo test stdout>"))?;
         tally.add_line(&line);
         // A closed stdout (`| head`) must not abort the count.
         let _ = writeln!(out, "{line}");
     }
-    drop(out);
     let status = child.wait().map_err(XtaskError::io("<cargo test>"))?;
     Ok((tally, status))
 }
@@ -176,8 +177,14 @@ mod tests {
             "-c",
             "echo 'test result: ok. 4 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0s'; exit 1",
         ]);
-        let (t, status) = tee_and_tally(&mut c).unwrap();
+        // Into a buffer: a summary line on the real stdout would be counted
+        // by the `cargo xtask test` run that executes this test.
+        let mut copy = Vec::new();
+        let (t, status) = tee_and_tally(&mut c, &mut copy).unwrap();
         assert_eq!((t.passed, t.failed), (4, 0));
+        assert!(String::from_utf8(copy)
+            .unwrap()
+            .starts_with("test result: ok. 4 passed"));
         assert!(!status.success());
     }
 }
