@@ -176,6 +176,15 @@ fn qualify(
         eprintln!("kvq: unknown section {unknown:?} (see `kvq list`)");
         return ExitCode::from(2);
     }
+    if selected.is_empty() {
+        eprintln!("kvq: no section of profile {profile:?} matches --only {only:?}: nothing would be checked");
+        return ExitCode::from(2);
+    }
+    // A GPU qualification without a GPU would pass on its CPU-only sections alone.
+    if profile == Profile::Gpu && record::devices().is_empty() {
+        eprintln!("kvq: --profile gpu but nvidia-smi lists no GPU");
+        return ExitCode::from(2);
+    }
     let ctx = Ctx {
         profile,
         trace_path: trace.unwrap_or_else(default_trace),

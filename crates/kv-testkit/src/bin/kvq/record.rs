@@ -71,6 +71,17 @@ pub struct Record {
     pub sections: Vec<SectionResult>,
     /// Every failed check of every section, in run order.
     pub failures: Vec<Failure>,
+    /// Native transfer oracle (`transfer_oracle` section):
+    /// `{positive{keys,bytes,copies,host_payload_bytes,bytes_ok}, missing_key{keys,untouched_rows_ok,false_completion}}`.
+    pub oracle: Option<serde_json::Value>,
+    /// The same oracle through NIXL (`transfer_oracle_nixl` section).
+    pub oracle_nixl: Option<serde_json::Value>,
+    /// `{off_computed_tokens, on_computed_tokens, on_reused_tokens, outputs_match, fallback_outputs_match, ..}`.
+    pub serving_smoke: Option<serde_json::Value>,
+    /// Mooncake trace replay, OFF vs ON (`trace, requests, off/on_prefill_tokens, ttft_p50/p99_off/on_ms, slower_than_off, ..`).
+    pub trace_replay: Option<serde_json::Value>,
+    /// Multi-turn session replay: the trace_replay fields plus `later_turn_ttft_mean_off_ms/on_ms`.
+    pub session_replay: Option<serde_json::Value>,
     /// The fault table (`[{fault, runs, fallbacks, false_completions, leaks, detail}]`),
     /// lifted from the `faults` section; empty when it did not run.
     pub faults: Vec<serde_json::Value>,
@@ -106,6 +117,15 @@ impl Record {
             .and_then(|s| s.metrics.get(crate::fault_section::ROWS_METRIC))
             .and_then(|v| v.as_array().cloned())
             .unwrap_or_default();
+        let lift = |name: &str| {
+            sections
+                .iter()
+                .find(|s| s.name == name)
+                .and_then(|s| s.record.clone())
+        };
+        let (oracle, oracle_nixl) = (lift("transfer_oracle"), lift("transfer_oracle_nixl"));
+        let (serving_smoke, trace_replay) = (lift("serving_smoke"), lift("trace_replay"));
+        let session_replay = lift("session_replay");
         Self {
             schema: RECORD_SCHEMA,
             profile,
@@ -118,6 +138,11 @@ impl Record {
             started_unix_s,
             duration_s,
             passed: failures.is_empty() && sections.iter().all(|s| s.status != Status::Failed),
+            oracle,
+            oracle_nixl,
+            serving_smoke,
+            trace_replay,
+            session_replay,
             sections,
             failures,
             faults,
@@ -253,6 +278,7 @@ mod tests {
                 .collect(),
             metrics: Default::default(),
             ttft: None,
+            record: None,
         };
         let r = Record::new(
             Profile::Cpu,

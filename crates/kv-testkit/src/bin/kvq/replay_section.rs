@@ -4,9 +4,11 @@
 //!
 //! The checks are the product's promise on each workload: ON computes no
 //! more prefill tokens than OFF, actually fetches from decode donors, and is
-//! not slower at the median, the 99th percentile or on average (later turns
-//! of sessions, the case the feature exists for, on average too). Per-request
-//! slowdowns (lookup latency, queue reordering) are metrics, not checks.
+//! not slower at the median, the 99th percentile or on average than OFF plus
+//! one donor lookup (`TimingModel::lookup_us`, paid by every ON request);
+//! later turns of sessions, the case the feature exists for, must not be
+//! slower on average at all. Per-request slowdowns (lookup latency, queue
+//! reordering) are metrics, not checks.
 
 use kv_testkit::qualify::{
     session_replay, trace_replay, ReplayFigures, SessionReplayOptions, TraceReplayOptions,
@@ -25,6 +27,7 @@ pub fn trace(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
     r.metric("trace", res.trace.clone());
     let expected = ctx.trace_requests.map(|n| n as u64);
     record_figures(&res.figures, expected, r);
+    r.record = Some(replay_record(&res.trace, &res.figures));
     Ok(())
 }
 
@@ -46,6 +49,11 @@ pub fn sessions(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
         round3(res.later_turn_ttft_mean_on_ms),
     );
     record_figures(&res.figures, None, r);
+    let mut rec = replay_record(&res.trace, &res.figures);
+    rec["later_turn_requests"] = res.later_turn_requests.into();
+    rec["later_turn_ttft_mean_off_ms"] = round3(res.later_turn_ttft_mean_off_ms).into();
+    rec["later_turn_ttft_mean_on_ms"] = round3(res.later_turn_ttft_mean_on_ms).into();
+    r.record = Some(rec);
     r.check(
         "later_turns_not_slower_on_average",
         res.later_turn_requests > 0
@@ -97,12 +105,22 @@ pub fn record_figures(f: &ReplayFigures, expected: Option<u64>, r: &mut SectionR
             f.fetches, f.on_donor_hit_tokens
         ),
     );
+    // Every ON request pays one donor lookup before it reaches its prefill
+    // worker; that latency is the only slowdown allowed (a request with no
+    // donor cannot gain anything to offset it).
+    let lookup_ms = f.options.timing.lookup_us / 1e3;
     for (name, off, on) in [
         ("ttft_p50_not_worse", f.ttft_p50_off_ms, f.ttft_p50_on_ms),
         ("ttft_p99_not_worse", f.ttft_p99_off_ms, f.ttft_p99_on_ms),
         ("ttft_mean_not_worse", f.ttft_mean_off_ms, f.ttft_mean_on_ms),
     ] {
-        r.check(name, on <= off, format!("OFF {off:.3} ms, ON {on:.3} ms"));
+        r.check(
+            name,
+            on <= off + lookup_ms,
+            format!(
+                "OFF {off:.3} ms, ON {on:.3} ms (allowed: OFF + one lookup, {lookup_ms:.3} ms)"
+            ),
+        );
     }
     for (k, v) in [
         ("requests", n),
@@ -144,6 +162,26 @@ pub fn record_figures(f: &ReplayFigures, expected: Option<u64>, r: &mut SectionR
         off_ms: f.ttft_off_ms.clone(),
         on_ms: f.ttft_on_ms.clone(),
     });
+}
+
+/// The record.json entry of one replay, in the record's fixed field names.
+fn replay_record(trace: &str, f: &ReplayFigures) -> serde_json::Value {
+    serde_json::json!({
+        "trace": trace,
+        "requests": f.requests,
+        "off_prefill_tokens": f.off_prefill_tokens,
+        "on_prefill_tokens": f.on_prefill_tokens,
+        "on_native_hit_tokens": f.on_native_hit_tokens,
+        "on_donor_hit_tokens": f.on_donor_hit_tokens,
+        "ttft_p50_off_ms": round3(f.ttft_p50_off_ms),
+        "ttft_p50_on_ms": round3(f.ttft_p50_on_ms),
+        "ttft_p90_off_ms": round3(f.ttft_p90_off_ms),
+        "ttft_p90_on_ms": round3(f.ttft_p90_on_ms),
+        "ttft_p99_off_ms": round3(f.ttft_p99_off_ms),
+        "ttft_p99_on_ms": round3(f.ttft_p99_on_ms),
+        "slower_than_off": f.slower_than_off,
+        "slower_than_off_by_1ms": f.slower_than_off_by_1ms,
+    })
 }
 
 fn round3(x: f64) -> f64 {
@@ -193,6 +231,8 @@ mod tests {
         })
         .unwrap()
         .figures;
+        // One lookup late is allowed; a millisecond is not.
+        f.ttft_p50_on_ms = f.ttft_p50_off_ms + f.options.timing.lookup_us / 1e3;
         f.ttft_p99_on_ms = f.ttft_p99_off_ms + 1.0;
         f.on_prefill_tokens = f.off_prefill_tokens + 1;
         let mut r = SectionResult::new("x");
@@ -204,5 +244,6 @@ mod tests {
             "{failed:?}"
         );
         assert!(failed.contains(&"ttft_p99_not_worse"), "{failed:?}");
+        assert!(!failed.contains(&"ttft_p50_not_worse"), "{failed:?}");
     }
 }

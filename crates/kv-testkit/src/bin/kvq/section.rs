@@ -87,6 +87,11 @@ pub struct SectionResult {
     /// TTFT samples when the section replays requests OFF and ON.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ttft: Option<TtftSamples>,
+    /// This section's entry at the top level of `record.json` (`oracle`,
+    /// `serving_smoke`, `trace_replay`, `session_replay`), in the record's
+    /// fixed field names; lifted there by `Record::new`, not repeated here.
+    #[serde(skip)]
+    pub record: Option<serde_json::Value>,
 }
 
 impl SectionResult {
@@ -100,6 +105,7 @@ impl SectionResult {
             checks: Vec::new(),
             metrics: BTreeMap::new(),
             ttft: None,
+            record: None,
         }
     }
 

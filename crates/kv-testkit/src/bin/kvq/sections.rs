@@ -15,6 +15,11 @@ pub const ALL: &[Section] = &[
         body: descriptor_wire::run,
     },
     Section {
+        name: "reuse_settings",
+        profiles: BOTH,
+        body: reuse_settings,
+    },
+    Section {
         name: "bank_lifecycle",
         profiles: BOTH,
         body: bank_lifecycle,
@@ -78,6 +83,40 @@ fn metrics_from(r: &mut SectionResult, v: &serde_json::Value, skip: &[&str]) {
             }
         }
     }
+}
+
+/// kv-router-glue's settings in force (defaults < `KV_REUSE_*` environment)
+/// and sample admission decisions with every cost term, plus its CPU fetch checks.
+fn reuse_settings(_: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
+    use kv_router_glue::{EnvSnapshot, SettingsLoader};
+    let loaded = SettingsLoader::new()
+        .env(&EnvSnapshot::capture())
+        .and_then(|l| l.build())
+        .map_err(|e| Stop::Error(format!("reuse settings: {e}")))?;
+    let s = kv_router_glue::qualify_section(&loaded);
+    print!("{}", s.render());
+    for (name, passed, detail) in &s.checks {
+        r.check(name.clone(), *passed, detail.clone());
+    }
+    let settings: serde_json::Map<String, serde_json::Value> = s
+        .settings
+        .iter()
+        .map(|(k, v, origin)| {
+            (
+                k.clone(),
+                serde_json::json!({ "value": v, "origin": origin }),
+            )
+        })
+        .collect();
+    r.metric("settings", serde_json::Value::Object(settings));
+    let decisions: Vec<String> = s
+        .decisions
+        .iter()
+        .chain(&s.decisions_if_enabled)
+        .map(|d| d.to_string())
+        .collect();
+    r.metric("decisions", decisions);
+    Ok(())
 }
 
 /// kv-bank's CPU lifecycle: TP2 host-shm bank, acks, rollback, pins, lineage, close.

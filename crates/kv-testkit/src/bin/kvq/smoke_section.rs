@@ -5,17 +5,47 @@
 
 use kv_testkit::smoke::{serving_smoke, ServingSmokeResult, SmokeOptions};
 
-use crate::section::{Ctx, SectionResult, Stop};
+use crate::section::{Ctx, Profile, SectionResult, Stop};
 
 /// The section body (default smoke: 3 conversations x 4 turns, TP2).
-pub fn run(_: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
-    let res = serving_smoke(&SmokeOptions::default()).map_err(|e| Stop::Error(e.to_string()))?;
+pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
+    // The GPU profile keeps banks and fetched rows in device memory (rank r on
+    // GPU r), so TP2 needs two GPUs; with one GPU it runs TP1.
+    let opts = match ctx.profile {
+        Profile::Gpu => {
+            let gpus = crate::record::devices().len() as u32;
+            if gpus == 0 {
+                return Err(Stop::Error(
+                    "GPU profile but nvidia-smi lists no GPU".into(),
+                ));
+            }
+            SmokeOptions {
+                gpu: true,
+                tp: gpus.min(2),
+                ..SmokeOptions::default()
+            }
+        }
+        Profile::Cpu => SmokeOptions::default(),
+    };
+    let res = serving_smoke(&opts).map_err(|e| Stop::Error(e.to_string()))?;
     record(&res, r);
     Ok(())
 }
 
 /// Checks and metrics of one smoke result.
 pub fn record(s: &ServingSmokeResult, r: &mut SectionResult) {
+    r.record = Some(serde_json::json!({
+        "off_computed_tokens": s.off_computed_tokens,
+        "on_computed_tokens": s.on_computed_tokens,
+        "on_reused_tokens": s.on_reused_tokens,
+        "outputs_match": s.outputs_match,
+        "fallback_outputs_match": s.fallback_outputs_match,
+        "on_bytes_moved": s.on_bytes_moved,
+        "on_host_payload_bytes": s.on_host_payload_bytes,
+        "on_transports": s.on_transports,
+        "profile": s.profile,
+        "tp": s.options.tp,
+    }));
     let requests = s.runs.first().map_or(0, |run| run.requests.len());
     println!(
         "serving_smoke: {requests} requests per run; computed tokens OFF {} ON {} ({} reused, {} B moved); forced fallback: {} fallbacks, {} fetches",

@@ -95,6 +95,23 @@ pub fn cuda_ipc(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
 
 /// Turns an oracle report into checks (one per verdict field) and metrics.
 pub fn record_oracle(rep: &OracleReport, r: &mut SectionResult) {
+    r.record = Some(serde_json::json!({
+        "backend": rep.backend,
+        "transport": rep.transport,
+        "tp_size": rep.tp_size,
+        "positive": {
+            "keys": rep.keys,
+            "bytes": rep.bytes,
+            "copies": rep.copies,
+            "host_payload_bytes": rep.host_payload_bytes,
+            "bytes_ok": rep.bytes_ok,
+        },
+        "missing_key": {
+            "keys": rep.missing_keys,
+            "untouched_rows_ok": rep.untouched_rows_ok,
+            "false_completion": rep.false_completion,
+        },
+    }));
     r.check(
         "bytes_match",
         rep.bytes_ok,
