@@ -262,6 +262,7 @@ mod tests {
                 off_ms: vec![40.0, 10.0, 30.0, 20.0],
                 on_ms: vec![5.0, 10.0, 15.0, 20.0],
             }),
+            record: None,
         };
         s.check("on_not_slower", false, "p99 ON 20 > 19");
         s.metric("requests", 4);
