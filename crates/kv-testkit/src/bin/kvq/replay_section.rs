@@ -84,7 +84,8 @@ pub fn record_figures(f: &ReplayFigures, expected: Option<u64>, r: &mut SectionR
             && f.ttft_off_ms.len() as u64 == n
             && f.ttft_on_ms.len() as u64 == n,
         format!(
-            "{n} requests (expected {expected:?}), {} / {} TTFTs",
+            "{n} requests{}, {} / {} TTFTs",
+            expected.map_or(String::new(), |e| format!(" of {e} expected")),
             f.ttft_off_ms.len(),
             f.ttft_on_ms.len()
         ),

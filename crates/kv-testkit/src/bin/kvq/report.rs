@@ -127,8 +127,26 @@ pub fn write(r: &Record, dir: &Path) -> Result<(), String> {
     }
     for s in r.sections.iter().filter(|s| !s.metrics.is_empty()) {
         let _ = writeln!(md, "\n## {}\n\n| metric | value |\n| --- | --- |", s.name);
-        for (k, v) in &s.metrics {
+        // Tables (the fault rows) get their own section below, not a cell.
+        for (k, v) in s.metrics.iter().filter(|(_, v)| !v.is_array()) {
             let _ = writeln!(md, "| {k} | {v} |");
+        }
+    }
+    if !r.faults.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n## Fault table\n\n| fault | runs | fallbacks | false completions | leaks |\n| --- | --- | --- | --- | --- |"
+        );
+        for f in &r.faults {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} |",
+                f["fault"].as_str().unwrap_or("?"),
+                f["runs"],
+                f["fallbacks"],
+                f["false_completions"],
+                f["leaks"]
+            );
         }
     }
     let replays: Vec<(&str, &TtftSamples)> = r
