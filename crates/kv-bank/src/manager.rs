@@ -591,6 +591,8 @@ impl BankManager {
             };
             new.push((*b, parent_of));
         }
+        // Consumed even by an empty store: its id must never name a later
+        // store (acking it would commit that store before its ranks wrote).
         let store_id = st.next_store;
         let hashes: Vec<SequenceHash> = new.iter().map(|(b, _)| b.sequence_hash).collect();
         let (slots, evicted) =
@@ -615,8 +617,8 @@ impl BankManager {
         }
         let entries: Vec<(SequenceHash, u32)> =
             hashes.iter().copied().zip(slots.iter().copied()).collect();
+        st.next_store += 1;
         if !slots.is_empty() {
-            st.next_store += 1;
             st.pending.insert(
                 store_id,
                 Pending {

@@ -69,6 +69,12 @@ fn pinned_bytes_survive_concurrent_stores_and_close_drains_pins() {
             })
         })
         .collect();
+    // Let the readers pin before the churn starts: on few cores the churn
+    // could otherwise finish and close before any reader ran.
+    let t0 = std::time::Instant::now();
+    while pinned_reads.load(Ordering::Relaxed) == 0 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::yield_now();
+    }
     // Churn: stores that force evictions while readers pin.
     for k in 0..60u32 {
         if let Ok(p) = bank.store(None, &chain(10_000 + k * 10, 2)) {

@@ -608,3 +608,30 @@ fn write_pending_only_writes_slots_of_that_pending_store() {
         .unwrap();
     assert_eq!(out, pattern(pin.hashes()[1], 1, n));
 }
+
+#[test]
+fn empty_store_id_never_names_a_later_store() {
+    // A store with nothing new (its blocks pending in another store) must
+    // not hand out the id the next real store gets: acking it would commit
+    // that store before its ranks wrote, and make their own ack fail.
+    let bank = bank(2, 8);
+    let a = chain(0, 2);
+    let pa = bank.store(None, &a).unwrap();
+    let empty = bank.store(None, &a).unwrap();
+    assert!(empty.is_empty() && empty.already_retained == 2);
+    let pb = bank.store(None, &chain(100, 2)).unwrap();
+    assert_ne!(empty.store_id, pb.store_id);
+    assert_ne!(empty.store_id, pa.store_id);
+    for r in 0..2 {
+        assert!(matches!(
+            bank.ack(empty.store_id, r),
+            Err(BankError::UnknownStore(_))
+        ));
+    }
+    assert_eq!(bank.inventory().pending_slots, 4);
+    for r in 0..2 {
+        write_and_ack(&bank, &pa, r);
+        write_and_ack(&bank, &pb, r);
+    }
+    assert_eq!(bank.inventory().ready.len(), 4);
+}
