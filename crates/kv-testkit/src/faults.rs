@@ -82,6 +82,7 @@ use kv_transfer::{
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use crate::engines::EngineError;
 use crate::model::{KvCache, ModelConfig, ModelError, ReferenceModel};
 use crate::trace::splitmix64;
 
@@ -104,25 +105,10 @@ const CHILD_MAX_LIFE: Duration = Duration::from_secs(60);
 /// Why a fault run could not be set up (a fallback is not an error).
 #[derive(Debug, thiserror::Error)]
 pub enum FaultError {
-    /// The reference model refused its input.
+    /// Setting up the engines failed (model, bank or router): the same
+    /// failures the engines report.
     #[error(transparent)]
-    Model(#[from] ModelError),
-    /// A bank operation of the setup failed.
-    #[error("bank `{op}`: {reason}")]
-    Bank {
-        /// Operation (`new`, `store`, `write_pending`, `ack`, `close`).
-        op: &'static str,
-        /// The bank's message.
-        reason: String,
-    },
-    /// Router or executor setup failed.
-    #[error("router `{op}`: {reason}")]
-    Router {
-        /// Operation.
-        op: &'static str,
-        /// Message.
-        reason: String,
-    },
+    Setup(#[from] EngineError),
     /// The donor child process failed to start or to report.
     #[error("donor child: {0}")]
     Child(String),
@@ -134,15 +120,23 @@ pub enum FaultError {
     Skipped(String),
 }
 
+impl From<ModelError> for FaultError {
+    fn from(e: ModelError) -> Self {
+        Self::Setup(EngineError::Model(e))
+    }
+}
+
 fn bank_err(op: &'static str) -> impl Fn(kv_bank::BankError) -> FaultError {
-    move |e| FaultError::Bank {
-        op,
-        reason: e.to_string(),
+    move |e| {
+        FaultError::Setup(EngineError::Bank {
+            op,
+            reason: e.to_string(),
+        })
     }
 }
 
 fn router_err(op: &'static str) -> impl Fn(String) -> FaultError {
-    move |reason| FaultError::Router { op, reason }
+    move |reason| FaultError::Setup(EngineError::Router { op, reason })
 }
 
 /// One injectable fault (see the module table).
@@ -443,10 +437,10 @@ fn retain(bank: &BankManager, cache: &KvCache, tokens: &[u32]) -> Result<Vec<KvE
         }
         let status = bank.ack(store.store_id, rank).map_err(bank_err("ack"))?;
         if rank + 1 == layout.tp_size() && !store.is_empty() && status != StoreStatus::Ready {
-            return Err(FaultError::Bank {
+            return Err(FaultError::Setup(EngineError::Bank {
                 op: "ack",
                 reason: format!("store {} not ready after every rank acked", store.store_id),
-            });
+            }));
         }
     }
     Ok(bank.drain_events())
