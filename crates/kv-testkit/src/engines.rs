@@ -16,6 +16,16 @@
 //! bytes (the host carries control only). Either way the fetched rows are
 //! then read back and imported into the request's [`KvCache`] (the model
 //! runs on the CPU); native cache blocks are byte copies per rank.
+//!
+//! Observability: every engine records into a [`ReuseMetrics`] (its own, or
+//! one shared through the `with_metrics` constructors; see `metrics()`): the
+//! router's decisions and lookups through [`ObservedAdvisor`], the prefill
+//! engine's executed fetches through [`ObservedExecutor`] (with their
+//! `kv_reuse.*` spans), and the decode engine's retained bytes per bank and
+//! rank ([`ReuseMetrics::observe_bank`]) after every store and restart. A
+//! hint the prefill engine refuses before executing it (it does not match
+//! the prompt or the native cache) is a fallback in [`PrefillOutput`] but
+//! not a fetch in the metrics.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -30,6 +40,8 @@ use kv_descriptor::{
     StorageTier, StoredBlock,
 };
 use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
+use kv_router_glue::metrics::ReuseMetrics;
+use kv_router_glue::spans::{ObservedAdvisor, ObservedExecutor};
 use kv_router_glue::{
     Advice, Advisor, CostModel, DecisionLog, FetchExecutor, LiveCostModel, LocalDonorDirectory,
     ReuseSettings,
@@ -198,7 +210,8 @@ pub struct PrefillEngine {
     model: Arc<ReferenceModel>,
     layout: KvLayout,
     native: NativeCache,
-    executor: FetchExecutor,
+    executor: ObservedExecutor,
+    metrics: Arc<ReuseMetrics>,
     staging: Vec<Arc<dyn BankMemory>>,
     next_event_id: u64,
 }
@@ -217,6 +230,29 @@ impl PrefillEngine {
         native_blocks: usize,
         staging_blocks: u32,
         profile: &MemoryProfile,
+    ) -> Result<Self, EngineError> {
+        Self::with_metrics(
+            model,
+            tp,
+            native_blocks,
+            staging_blocks,
+            profile,
+            Arc::new(ReuseMetrics::new()),
+        )
+    }
+
+    /// [`PrefillEngine::new`] recording its fetches (outcome, fallback
+    /// reason, bytes, transfer latency) into `metrics`.
+    ///
+    /// # Errors
+    /// Those of [`PrefillEngine::new`].
+    pub fn with_metrics(
+        model: Arc<ReferenceModel>,
+        tp: u32,
+        native_blocks: usize,
+        staging_blocks: u32,
+        profile: &MemoryProfile,
+        metrics: Arc<ReuseMetrics>,
     ) -> Result<Self, EngineError> {
         let layout = model.config().layout(tp)?;
         let len = staging_blocks as usize * layout.rank_block_bytes();
@@ -272,7 +308,8 @@ impl PrefillEngine {
                 blocks: HashMap::new(),
                 clock: 0,
             },
-            executor,
+            executor: ObservedExecutor::new(executor, metrics.clone()),
+            metrics,
             staging,
             next_event_id: 1,
         })
@@ -281,6 +318,10 @@ impl PrefillEngine {
     /// This incarnation's id.
     pub fn engine_id(&self) -> EngineId {
         self.engine
+    }
+    /// The metrics its fetches are recorded into.
+    pub fn metrics(&self) -> &Arc<ReuseMetrics> {
+        &self.metrics
     }
     /// Cache layout.
     pub fn layout(&self) -> &KvLayout {
@@ -470,6 +511,7 @@ pub struct DecodeEngine {
     host_id: String,
     budget_bytes: u64,
     profile: MemoryProfile,
+    metrics: Arc<ReuseMetrics>,
 }
 
 fn new_bank(
@@ -498,16 +540,46 @@ impl DecodeEngine {
         host_id: &str,
         profile: &MemoryProfile,
     ) -> Result<Self, EngineError> {
+        Self::with_metrics(
+            model,
+            tp,
+            budget_bytes,
+            host_id,
+            profile,
+            Arc::new(ReuseMetrics::new()),
+        )
+    }
+
+    /// [`DecodeEngine::new`] recording its bank's retained bytes (per
+    /// engine incarnation and rank) into `metrics`.
+    ///
+    /// # Errors
+    /// Those of [`DecodeEngine::new`].
+    pub fn with_metrics(
+        model: Arc<ReferenceModel>,
+        tp: u32,
+        budget_bytes: u64,
+        host_id: &str,
+        profile: &MemoryProfile,
+        metrics: Arc<ReuseMetrics>,
+    ) -> Result<Self, EngineError> {
         let layout = model.config().layout(tp)?;
         let config = BankConfig::new(layout, OwnerLease::fresh(Role::Decode), budget_bytes);
         let bank = Arc::new(new_bank(config, host_id, profile)?);
+        metrics.observe_bank(&bank);
         Ok(Self {
             model,
             bank,
             host_id: host_id.to_string(),
             budget_bytes,
             profile: profile.clone(),
+            metrics,
         })
+    }
+
+    /// The metrics its retained bytes are recorded into.
+    pub fn metrics(&self) -> &Arc<ReuseMetrics> {
+        &self.metrics
     }
 
     /// The retained bank (donor side of a fetch).
@@ -528,9 +600,15 @@ impl DecodeEngine {
     pub fn kill_and_restart(&mut self) -> Result<Vec<KvEvent>, EngineError> {
         let _ = self.bank.close(Duration::from_secs(1));
         let events = self.bank.drain_events();
+        // The dead incarnation retains nothing any more.
+        let old = self.bank.owner().engine_id;
+        for rank in 0..self.bank.manifest().layout().tp_size() {
+            self.metrics.set_retained_bytes(old, rank, 0);
+        }
         let layout = self.bank.config().layout;
         let config = BankConfig::new(layout, OwnerLease::fresh(Role::Decode), self.budget_bytes);
         self.bank = Arc::new(new_bank(config, &self.host_id, &self.profile)?);
+        self.metrics.observe_bank(&self.bank);
         Ok(events)
     }
 
@@ -591,6 +669,7 @@ impl DecodeEngine {
                 }
             }
         }
+        self.metrics.observe_bank(&self.bank);
         Ok((out, self.bank.drain_events()))
     }
 }
@@ -600,7 +679,8 @@ impl DecodeEngine {
 pub struct Router {
     index: Arc<InventoryIndex>,
     directory: Arc<LocalDonorDirectory>,
-    advisor: Advisor,
+    advisor: ObservedAdvisor,
+    metrics: Arc<ReuseMetrics>,
     next_key: u64,
 }
 
@@ -610,6 +690,19 @@ impl Router {
     /// # Errors
     /// [`EngineError::Router`] when the cost model refuses the settings.
     pub fn new(settings: ReuseSettings, tokens_per_block: u32) -> Result<Self, EngineError> {
+        Self::with_metrics(settings, tokens_per_block, Arc::new(ReuseMetrics::new()))
+    }
+
+    /// [`Router::new`] recording its decisions (by verdict) and donor
+    /// lookup times into `metrics`.
+    ///
+    /// # Errors
+    /// Those of [`Router::new`].
+    pub fn with_metrics(
+        settings: ReuseSettings,
+        tokens_per_block: u32,
+        metrics: Arc<ReuseMetrics>,
+    ) -> Result<Self, EngineError> {
         let model =
             CostModel::new(settings, tokens_per_block).map_err(|e| EngineError::Router {
                 op: "cost_model",
@@ -627,9 +720,15 @@ impl Router {
         Ok(Self {
             index,
             directory,
-            advisor,
+            advisor: ObservedAdvisor::new(advisor, metrics.clone()),
+            metrics,
             next_key: 1,
         })
+    }
+
+    /// The metrics its decisions are recorded into.
+    pub fn metrics(&self) -> &Arc<ReuseMetrics> {
+        &self.metrics
     }
 
     /// Registers a worker incarnation (under a new key unless `key` is given,

@@ -11,12 +11,21 @@
 //! Forced fallback cycles through three faults: the donor is unreachable
 //! (liveness probe dead), the delivery is cancelled, and the donor is killed
 //! (its bank closed, a new incarnation registered) between advice and fetch.
+//!
+//! Each run's engines record into one [`ReuseMetrics`] per run
+//! ([`SmokeMetrics`], [`serving_smoke_observed`]); [`scrape_metrics`] reads a
+//! `/metrics` endpoint back with a plain HTTP GET and [`ScrapedCounters`]
+//! picks out the counters the smoke also counts itself.
 
 use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
+use std::time::Duration;
 
 use kv_bank::BankManager;
 use kv_descriptor::{EngineId, Role};
+use kv_router_glue::metrics::ReuseMetrics;
 use kv_router_glue::ReuseSettings;
 use serde::{Deserialize, Serialize};
 
@@ -131,6 +140,22 @@ pub struct SmokeRun {
     pub fallbacks: u64,
     /// Sum of host payload bytes of the fetches.
     pub host_payload_bytes: u64,
+    /// Bytes of ready blocks in the (current) decode bank at the end of the
+    /// run, per rank.
+    #[serde(default)]
+    pub retained_bytes_per_rank: u64,
+}
+
+/// The metric registries of the three runs: each run's router, prefill and
+/// decode engines record into its own.
+#[derive(Debug, Clone, Default)]
+pub struct SmokeMetrics {
+    /// Reuse OFF.
+    pub off: Arc<ReuseMetrics>,
+    /// Reuse ON.
+    pub on: Arc<ReuseMetrics>,
+    /// Forced fallback.
+    pub fallback: Arc<ReuseMetrics>,
 }
 
 /// `record.json` section `serving_smoke`.
@@ -177,7 +202,12 @@ fn text_token(seed: u64, conversation: u32, turn: u32, pos: u32, vocab: u32) -> 
     (splitmix64(key ^ u64::from(pos)) % u64::from(vocab)) as u32
 }
 
-fn run_mode(o: &SmokeOptions, mode: Mode, profile: &MemoryProfile) -> Result<SmokeRun, SmokeError> {
+fn run_mode(
+    o: &SmokeOptions,
+    mode: Mode,
+    profile: &MemoryProfile,
+    metrics: &Arc<ReuseMetrics>,
+) -> Result<SmokeRun, SmokeError> {
     let model = Arc::new(ReferenceModel::new(o.model).map_err(EngineError::from)?);
     let bs = o.model.tokens_per_block;
     let settings = match mode {
@@ -190,20 +220,28 @@ fn run_mode(o: &SmokeOptions, mode: Mode, profile: &MemoryProfile) -> Result<Smo
             ..ReuseSettings::default()
         },
     };
-    let mut router = Router::new(settings, bs)?;
+    let mut router = Router::with_metrics(settings, bs, metrics.clone())?;
     let max_blocks =
         (o.first_prompt_tokens + o.turns * (o.new_tokens_per_turn + o.output_tokens)) / bs + 2;
-    let mut prefill = PrefillEngine::new(
+    let mut prefill = PrefillEngine::with_metrics(
         model.clone(),
         o.tp,
         4 * max_blocks as usize,
         max_blocks,
         profile,
+        metrics.clone(),
     )?;
     let layout = *prefill.layout();
     let budget =
         u64::from(o.conversations) * u64::from(max_blocks) * layout.block_bytes() as u64 * 2;
-    let mut decode = DecodeEngine::new(model.clone(), o.tp, budget, "testkit-smoke", profile)?;
+    let mut decode = DecodeEngine::with_metrics(
+        model.clone(),
+        o.tp,
+        budget,
+        "testkit-smoke",
+        profile,
+        metrics.clone(),
+    )?;
     router.register(prefill.engine_id(), Role::Prefill, &layout, None)?;
     let decode_key = router.register(decode.engine_id(), Role::Decode, &layout, None)?;
     router.add_donor(decode.bank().clone());
@@ -225,6 +263,7 @@ fn run_mode(o: &SmokeOptions, mode: Mode, profile: &MemoryProfile) -> Result<Smo
         fetches: 0,
         fallbacks: 0,
         host_payload_bytes: 0,
+        retained_bytes_per_rank: 0,
     };
     let mut faults = 0u32;
     for turn in 0..o.turns {
@@ -317,6 +356,8 @@ fn run_mode(o: &SmokeOptions, mode: Mode, profile: &MemoryProfile) -> Result<Smo
             history[c as usize] = prompt;
         }
     }
+    let inv = decode.bank().inventory();
+    run.retained_bytes_per_rank = inv.ready.len() as u64 * inv.slot_bytes;
     Ok(run)
 }
 
@@ -343,6 +384,18 @@ fn same_outputs(a: &SmokeRun, b: &SmokeRun) -> bool {
 /// assert!(r.on_computed_tokens < r.off_computed_tokens);
 /// ```
 pub fn serving_smoke(opts: &SmokeOptions) -> Result<ServingSmokeResult, SmokeError> {
+    serving_smoke_observed(opts, &SmokeMetrics::default())
+}
+
+/// [`serving_smoke`] with each run's engines recording into `metrics`
+/// (decisions, lookups, fetches, fallbacks, bytes, retained bytes).
+///
+/// # Errors
+/// Those of [`serving_smoke`].
+pub fn serving_smoke_observed(
+    opts: &SmokeOptions,
+    metrics: &SmokeMetrics,
+) -> Result<ServingSmokeResult, SmokeError> {
     for (field, v) in [
         ("conversations", opts.conversations),
         ("turns", opts.turns),
@@ -375,9 +428,9 @@ pub fn serving_smoke(opts: &SmokeOptions) -> Result<ServingSmokeResult, SmokeErr
     } else {
         MemoryProfile::Host
     };
-    let off = run_mode(opts, Mode::Off, &profile)?;
-    let on = run_mode(opts, Mode::On, &profile)?;
-    let fb = run_mode(opts, Mode::Fallback, &profile)?;
+    let off = run_mode(opts, Mode::Off, &profile, &metrics.off)?;
+    let on = run_mode(opts, Mode::On, &profile, &metrics.on)?;
+    let fb = run_mode(opts, Mode::Fallback, &profile, &metrics.fallback)?;
     Ok(ServingSmokeResult {
         off_computed_tokens: off.computed_tokens,
         on_computed_tokens: on.computed_tokens,
@@ -399,6 +452,101 @@ pub fn serving_smoke(opts: &SmokeOptions) -> Result<ServingSmokeResult, SmokeErr
         options: *opts,
         runs: vec![off, on, fb],
     })
+}
+
+/// `GET /metrics` from `addr` over a plain TCP connection; returns the body.
+///
+/// # Errors
+/// I/O errors (connect, write, read; 5 s timeouts), or `InvalidData` when
+/// the response is not `200 OK` or has no header/body separator.
+pub fn scrape_metrics(addr: SocketAddr) -> std::io::Result<String> {
+    let timeout = Duration::from_secs(5);
+    let mut s = TcpStream::connect_timeout(&addr, timeout)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+    let (head, body) = resp
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| bad(format!("no end of headers in {resp:?}")))?;
+    if !head.starts_with("HTTP/1.1 200") {
+        return Err(bad(format!(
+            "status: {}",
+            head.lines().next().unwrap_or("")
+        )));
+    }
+    Ok(body.to_owned())
+}
+
+/// The value of the exposition line of exactly `series` (name and labels as
+/// encoded, e.g. `kv_reuse_fetches_total{outcome="completed"}`), if present.
+pub fn metric_sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The counters of one scrape that the smoke counts itself. A labelled
+/// series never incremented is absent from the exposition and reads 0.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScrapedCounters {
+    /// `kv_reuse_fetches_total{outcome="completed"}`.
+    pub fetches_completed: u64,
+    /// `kv_reuse_fetches_total{outcome="fallback"}`.
+    pub fetches_fallback: u64,
+    /// Sum of `kv_reuse_fallbacks_total` over every reason.
+    pub fallbacks: u64,
+    /// `kv_reuse_fetched_bytes_total`.
+    pub fetched_bytes: u64,
+    /// `kv_reuse_host_payload_bytes_total`.
+    pub host_payload_bytes: u64,
+    /// `kv_reuse_decisions_total{verdict="admit"}`.
+    pub admitted: u64,
+    /// `kv_reuse_retained_bytes{engine=..,rank=..}` by `engine/rank` (`engine` as labelled).
+    pub retained_bytes: std::collections::BTreeMap<String, u64>,
+}
+
+impl ScrapedCounters {
+    /// Parses an exposition (OpenMetrics text).
+    pub fn parse(text: &str) -> Self {
+        let get = |series: &str| metric_sample(text, series).unwrap_or(0.0) as u64;
+        let fallbacks = text
+            .lines()
+            .filter(|l| l.starts_with("kv_reuse_fallbacks_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64;
+        let retained_bytes = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("kv_reuse_retained_bytes{"))
+            .filter_map(|l| {
+                let (labels, value) = l.split_once("} ")?;
+                let field = |k: &str| {
+                    labels
+                        .split(',')
+                        .find_map(|kv| kv.strip_prefix(k)?.strip_prefix("=\""))
+                        .map(|v| v.trim_end_matches('"').to_owned())
+                };
+                Some((
+                    format!("{}/{}", field("engine")?, field("rank")?),
+                    value.trim().parse::<f64>().ok()? as u64,
+                ))
+            })
+            .collect();
+        Self {
+            fetches_completed: get(r#"kv_reuse_fetches_total{outcome="completed"}"#),
+            fetches_fallback: get(r#"kv_reuse_fetches_total{outcome="fallback"}"#),
+            fallbacks,
+            fetched_bytes: get("kv_reuse_fetched_bytes_total"),
+            host_payload_bytes: get("kv_reuse_host_payload_bytes_total"),
+            admitted: get(r#"kv_reuse_decisions_total{verdict="admit"}"#),
+            retained_bytes,
+        }
+    }
 }
 
 #[cfg(test)]

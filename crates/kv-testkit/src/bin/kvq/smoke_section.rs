@@ -2,8 +2,17 @@
 //! prefill and decode engines running kv-testkit's reference model, reuse
 //! OFF, ON, and ON with every fetch forced to fall back
 //! (`kv_testkit::smoke::serving_smoke`). Reuse may change cost, never results.
+//!
+//! The ON and forced-fallback runs record into Prometheus registries served
+//! by kv-router-glue's `MetricsServer` on ephemeral 127.0.0.1 ports; the
+//! section scrapes `/metrics` over plain HTTP and checks the scraped counters
+//! against the smoke's own counts.
 
-use kv_testkit::smoke::{serving_smoke, ServingSmokeResult, SmokeOptions};
+use kv_router_glue::metrics::MetricsServer;
+use kv_testkit::smoke::{
+    scrape_metrics, serving_smoke_observed, ScrapedCounters, ServingSmokeResult, SmokeMetrics,
+    SmokeOptions,
+};
 
 use crate::section::{Ctx, Profile, SectionResult, Stop};
 
@@ -27,9 +36,149 @@ pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
         }
         Profile::Cpu => SmokeOptions::default(),
     };
-    let res = serving_smoke(&opts).map_err(|e| Stop::Error(e.to_string()))?;
+    let (res, on, fallback) = observed_smoke(&opts).map_err(Stop::Error)?;
     record(&res, r);
+    record_scrapes(&res, &on, &fallback, r);
     Ok(())
+}
+
+/// One `/metrics` scrape: where, and the counters read (or why not).
+#[derive(Debug, Clone)]
+pub struct Scrape {
+    /// `http://ADDR/metrics`.
+    pub endpoint: String,
+    /// The counters, or the scrape's error.
+    pub counters: Result<ScrapedCounters, String>,
+}
+
+/// Runs the smoke with the ON and fallback registries served on
+/// `127.0.0.1:0`, then scrapes both endpoints.
+pub fn observed_smoke(opts: &SmokeOptions) -> Result<(ServingSmokeResult, Scrape, Scrape), String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))?;
+    let metrics = SmokeMetrics::default();
+    let bind = |m| {
+        rt.block_on(MetricsServer::bind(([127, 0, 0, 1], 0).into(), m))
+            .map_err(|e| format!("metrics endpoint bind: {e}"))
+    };
+    let on_server = bind(metrics.on.clone())?;
+    let fb_server = bind(metrics.fallback.clone())?;
+    let res = serving_smoke_observed(opts, &metrics).map_err(|e| e.to_string())?;
+    let scrape = |server: &MetricsServer| {
+        let addr = server.local_addr();
+        Scrape {
+            endpoint: format!("http://{addr}/metrics"),
+            counters: scrape_metrics(addr)
+                .map(|body| ScrapedCounters::parse(&body))
+                .map_err(|e| e.to_string()),
+        }
+    };
+    let (on, fallback) = (scrape(&on_server), scrape(&fb_server));
+    rt.block_on(async {
+        on_server.shutdown().await;
+        fb_server.shutdown().await;
+    });
+    Ok((res, on, fallback))
+}
+
+/// Checks that the scraped counters equal the smoke's own counts, and the
+/// endpoints and scraped values as metrics.
+pub fn record_scrapes(
+    s: &ServingSmokeResult,
+    on: &Scrape,
+    fallback: &Scrape,
+    r: &mut SectionResult,
+) {
+    r.metric("on_metrics_endpoint", on.endpoint.clone());
+    r.metric("fallback_metrics_endpoint", fallback.endpoint.clone());
+    let (on_c, fb_c) = match (&on.counters, &fallback.counters) {
+        (Ok(a), Ok(b)) => (a, b),
+        (a, b) => {
+            let err = |x: &Result<ScrapedCounters, String>, e: &str| {
+                x.as_ref().err().map(|m| format!("{e}: {m}"))
+            };
+            r.check(
+                "metrics_scraped",
+                false,
+                [err(a, &on.endpoint), err(b, &fallback.endpoint)]
+                    .into_iter()
+                    .flatten()
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            );
+            return;
+        }
+    };
+    r.check(
+        "metrics_scraped",
+        true,
+        format!("{} and {}", on.endpoint, fallback.endpoint),
+    );
+    let (on_fetches, on_fallbacks, retained) = s.runs.get(1).map_or((0, 0, 0), |x| {
+        (x.fetches, x.fallbacks, x.retained_bytes_per_rank)
+    });
+    r.check(
+        "metrics_on_fetches_equal_smoke",
+        on_c.fetches_completed == on_fetches
+            && on_c.fetches_fallback == on_fallbacks
+            && on_c.fallbacks == on_fallbacks
+            && on_c.admitted == on_fetches + on_fallbacks,
+        format!(
+            "scraped completed {} fallback {} admitted {}; smoke fetches {on_fetches} fallbacks {on_fallbacks}",
+            on_c.fetches_completed, on_c.fetches_fallback, on_c.admitted
+        ),
+    );
+    r.check(
+        "metrics_on_bytes_equal_smoke",
+        on_c.fetched_bytes == s.on_bytes_moved
+            && on_c.host_payload_bytes == s.on_host_payload_bytes,
+        format!(
+            "scraped {} B ({} B host payload); smoke {} B ({} B host payload)",
+            on_c.fetched_bytes, on_c.host_payload_bytes, s.on_bytes_moved, s.on_host_payload_bytes
+        ),
+    );
+    r.check(
+        "metrics_fallback_fallbacks_equal_smoke",
+        fb_c.fallbacks == s.fallback_fallbacks
+            && fb_c.fetches_fallback == s.fallback_fallbacks
+            && fb_c.fetches_completed == s.fallback_fetches
+            && fb_c.fetched_bytes == 0,
+        format!(
+            "scraped fallbacks {} (fetches: fallback {} completed {}, {} B); smoke fallbacks {} fetches {}",
+            fb_c.fallbacks,
+            fb_c.fetches_fallback,
+            fb_c.fetches_completed,
+            fb_c.fetched_bytes,
+            s.fallback_fallbacks,
+            s.fallback_fetches
+        ),
+    );
+    r.check(
+        "metrics_on_retained_bytes_equal_bank",
+        on_c.retained_bytes.len() == s.options.tp as usize
+            && on_c.retained_bytes.values().all(|&b| b == retained)
+            && retained > 0,
+        format!(
+            "scraped {:?}; bank {retained} B per rank",
+            on_c.retained_bytes
+        ),
+    );
+    for (k, v) in [
+        ("scraped_on_fetches_completed", on_c.fetches_completed),
+        ("scraped_on_fetched_bytes", on_c.fetched_bytes),
+        ("scraped_on_host_payload_bytes", on_c.host_payload_bytes),
+        (
+            "scraped_on_retained_bytes_per_rank",
+            on_c.retained_bytes.values().copied().max().unwrap_or(0),
+        ),
+        ("scraped_fallback_fallbacks", fb_c.fallbacks),
+        ("scraped_fallback_fetches_completed", fb_c.fetches_completed),
+    ] {
+        r.metric(k, v);
+    }
 }
 
 /// Checks and metrics of one smoke result.
@@ -114,11 +263,29 @@ mod tests {
             tp: 1,
             ..Default::default()
         };
-        let mut res = serving_smoke(&opts).unwrap();
+        let (mut res, on, fallback) = observed_smoke(&opts).unwrap();
         let mut r = SectionResult::new("serving_smoke");
         record(&res, &mut r);
+        record_scrapes(&res, &on, &fallback, &mut r);
         assert!(r.failed_checks().next().is_none(), "{:#?}", r.checks);
         assert_eq!(r.metrics["requests_per_run"], 2);
+        assert_eq!(
+            r.metrics["scraped_on_fetched_bytes"],
+            serde_json::json!(res.on_bytes_moved)
+        );
+        assert!(r.metrics["on_metrics_endpoint"]
+            .as_str()
+            .unwrap()
+            .starts_with("http://127.0.0.1:"));
+        // A scrape that disagrees with the smoke fails its check.
+        let mut off_by_one = on.clone();
+        if let Ok(c) = &mut off_by_one.counters {
+            c.fetches_completed += 1;
+        }
+        let mut r2 = SectionResult::new("serving_smoke");
+        record_scrapes(&res, &off_by_one, &fallback, &mut r2);
+        let failed: Vec<_> = r2.failed_checks().map(|c| c.name.as_str()).collect();
+        assert_eq!(failed, ["metrics_on_fetches_equal_smoke"]);
         res.outputs_match = false;
         let mut r = SectionResult::new("serving_smoke");
         record(&res, &mut r);
