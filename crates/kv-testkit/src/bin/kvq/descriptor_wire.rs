@@ -342,17 +342,7 @@ fn round4(x: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::section::{self, Profile, Section, Status};
-
-    fn ctx(requests: usize) -> Ctx {
-        Ctx {
-            profile: Profile::Cpu,
-            trace_path: kv_testkit::trace::default_trace_path(),
-            trace_requests: Some(requests),
-            out_dir: std::env::temp_dir(),
-            exe: std::env::current_exe().unwrap(),
-        }
-    }
+    use crate::section::{self, test_ctx as ctx, Profile, Section, Status};
 
     #[test]
     fn head_of_project_trace_round_trips_with_real_counts() {

@@ -190,6 +190,19 @@ pub fn run(section: &Section, ctx: &Ctx) -> SectionResult {
     r
 }
 
+/// A CPU-profile context over the head (`requests`) of the project's trace,
+/// for section tests.
+#[cfg(test)]
+pub fn test_ctx(requests: usize) -> Ctx {
+    Ctx {
+        profile: Profile::Cpu,
+        trace_path: kv_testkit::trace::default_trace_path(),
+        trace_requests: Some(requests),
+        out_dir: std::env::temp_dir(),
+        exe: std::env::current_exe().expect("the test binary has a path"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
