@@ -39,7 +39,7 @@ use kv_descriptor::{
     EngineId, HintEnvelope, KvEvent, KvEventData, KvLayout, OwnerLease, Role, SequenceHash,
     StorageTier, StoredBlock,
 };
-use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
+use kv_lookup::{EventOutcome, InventoryIndex, WorkerInfo, WorkerKey};
 use kv_router_glue::metrics::ReuseMetrics;
 use kv_router_glue::spans::{ObservedAdvisor, ObservedExecutor};
 use kv_router_glue::{
@@ -747,6 +747,23 @@ impl Router {
             self.next_key += 1;
             WorkerKey(self.next_key)
         });
+        self.register_key(key, engine, role, layout)?;
+        Ok(key)
+    }
+
+    /// Registers a worker incarnation under the caller-chosen `key` (which
+    /// retires the key's previous incarnation). Unlike [`Router::register`]
+    /// it takes `&self` and never allocates a key.
+    ///
+    /// # Errors
+    /// [`EngineError::Router`] when the index refuses it.
+    pub fn register_key(
+        &self,
+        key: WorkerKey,
+        engine: EngineId,
+        role: Role,
+        layout: &KvLayout,
+    ) -> Result<(), EngineError> {
         let info = WorkerInfo {
             engine,
             role,
@@ -755,11 +772,16 @@ impl Router {
         };
         self.index
             .register_worker(key, info)
+            .map(|_| ())
             .map_err(|e| EngineError::Router {
                 op: "register",
                 reason: e.to_string(),
-            })?;
-        Ok(key)
+            })
+    }
+
+    /// The inventory index its events feed (for inspection and resync).
+    pub fn index(&self) -> &Arc<InventoryIndex> {
+        &self.index
     }
 
     /// Makes a decode bank resolvable as a donor.
@@ -783,6 +805,26 @@ impl Router {
         Ok(())
     }
 
+    /// Applies KV events from a worker, skipping any the index refuses;
+    /// returns the outcome of each event it accepted, in order.
+    pub fn apply_with_outcomes(&self, events: &[KvEvent]) -> Vec<EventOutcome> {
+        events
+            .iter()
+            .filter_map(|e| self.index.apply_event(e).ok())
+            .collect()
+    }
+
+    /// Advice for a request routed to `target`, given the prompt's sealed
+    /// block hashes directly (what [`Router::advise`] computes from tokens).
+    pub fn advise_hashes(
+        &self,
+        request_id: &str,
+        hashes: &[SequenceHash],
+        target: EngineId,
+    ) -> Advice {
+        self.advisor.advise(request_id, hashes, target)
+    }
+
     /// Advice for a request routed to `target`.
     pub fn advise(
         &self,
@@ -796,6 +838,6 @@ impl Router {
             .map(|b| b.sequence_hash)
             .take((prompt.len().saturating_sub(1)) / tokens_per_block)
             .collect();
-        self.advisor.advise(request_id, &hashes, target)
+        self.advise_hashes(request_id, &hashes, target)
     }
 }

@@ -68,12 +68,11 @@ use kv_descriptor::{
     BankManifest, EngineId, FetchGpuHint, FetchPart, HintEnvelope, KvEvent, KvLayout, OwnerLease,
     Role, SequenceHash, StorageTier, Wire,
 };
-use kv_lookup::{EventOutcome, InventoryIndex, WorkerInfo, WorkerKey};
+use kv_lookup::{EventOutcome, InventoryIndex, WorkerKey};
 use kv_router_glue::nats_server::{find_nats_server, NatsServer};
 use kv_router_glue::{
-    Advisor, CostModel, DecisionLog, DonorPin, DonorSource, EventPlane, FetchExecutor,
-    KvEventPublisher, KvEventReceiver, KvStreamItem, LiveCostModel, LocalDonorDirectory,
-    NatsOptions, NatsPlane, PublisherHeader, ReuseSettings, Subject,
+    Advice, DonorPin, DonorSource, EventPlane, FetchExecutor, KvEventPublisher, KvEventReceiver,
+    KvStreamItem, NatsOptions, NatsPlane, PublisherHeader, ReuseSettings, Subject,
 };
 use kv_transfer::plan::PartPlan;
 use kv_transfer::{
@@ -82,7 +81,7 @@ use kv_transfer::{
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use crate::engines::EngineError;
+use crate::engines::{EngineError, Router};
 use crate::model::{KvCache, ModelConfig, ModelError, ReferenceModel};
 use crate::trace::splitmix64;
 
@@ -539,11 +538,10 @@ impl Target {
     }
 }
 
-/// The router side: real index, advisor and donor directory.
+/// The router side: an [`engines::Router`](crate::engines::Router) (real
+/// index, advisor and donor directory) with the fault runs' settings.
 struct FaultRouter {
-    index: Arc<InventoryIndex>,
-    directory: Arc<LocalDonorDirectory>,
-    advisor: Advisor,
+    router: Router,
 }
 
 impl FaultRouter {
@@ -557,22 +555,12 @@ impl FaultRouter {
             transfer_source_lookup_budget_ms: 50.0,
             ..ReuseSettings::default()
         };
-        let model = CostModel::new(settings, tokens_per_block)
-            .map_err(|e| router_err("cost_model")(e.to_string()))?;
-        let index = Arc::new(InventoryIndex::new());
-        let directory = Arc::new(LocalDonorDirectory::new());
-        let advisor = Advisor::new(
-            index.clone(),
-            directory.clone(),
-            LiveCostModel::new(model),
-            Arc::new(DecisionLog::new(64)),
-            16_384,
-        );
-        Ok(Self {
-            index,
-            directory,
-            advisor,
-        })
+        let router = Router::new(settings, tokens_per_block).map_err(FaultError::Setup)?;
+        Ok(Self { router })
+    }
+
+    fn index(&self) -> &Arc<InventoryIndex> {
+        self.router.index()
     }
 
     fn register(
@@ -582,30 +570,27 @@ impl FaultRouter {
         role: Role,
         layout: &KvLayout,
     ) -> Result<(), FaultError> {
-        self.index
-            .register_worker(
-                WorkerKey(key),
-                WorkerInfo {
-                    engine,
-                    role,
-                    layout_fingerprint: layout.fingerprint(),
-                    tp_size: layout.tp_size(),
-                },
-            )
-            .map(|_| ())
-            .map_err(|e| router_err("register")(e.to_string()))
+        self.router
+            .register_key(WorkerKey(key), engine, role, layout)
+            .map_err(FaultError::Setup)
+    }
+
+    /// Makes `bank` resolvable as a donor.
+    fn add_donor(&self, bank: Arc<BankManager>) {
+        self.router.add_donor(bank);
     }
 
     fn apply(&self, events: &[KvEvent]) -> Vec<EventOutcome> {
-        events
-            .iter()
-            .filter_map(|e| self.index.apply_event(e).ok())
-            .collect()
+        self.router.apply_with_outcomes(events)
+    }
+
+    fn advise(&self, request_id: &str, hashes: &[SequenceHash], target: EngineId) -> Advice {
+        self.router.advise_hashes(request_id, hashes, target)
     }
 
     /// Replaces the donor's inventory with the bank's (gap repair).
     fn resync(&self, bank: &BankManager, last_event_id: u64) -> Result<(), FaultError> {
-        self.index
+        self.index()
             .resync_worker(
                 bank.owner().engine_id,
                 last_event_id,
@@ -618,7 +603,7 @@ impl FaultRouter {
     fn holds_all(&self, bank: &BankManager) -> bool {
         let engine = bank.owner().engine_id;
         bank.inventory().ready.iter().all(|h| {
-            self.index
+            self.index()
                 .holds(engine, *h)
                 .contains(&StorageTier::RetainedGpuDirect)
         })
@@ -627,7 +612,7 @@ impl FaultRouter {
     fn holds_any(&self, engine: EngineId, hashes: &[SequenceHash]) -> bool {
         hashes
             .iter()
-            .any(|h| !self.index.holds(engine, *h).is_empty())
+            .any(|h| !self.index().holds(engine, *h).is_empty())
     }
 }
 
@@ -841,7 +826,7 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
     let target_engine = EngineId::fresh();
     router.register(1, target_engine, Role::Prefill, &layout)?;
     router.register(2, bank.owner().engine_id, Role::Decode, &layout)?;
-    router.directory.insert(bank.clone(), "inproc://decode");
+    router.add_donor(bank.clone());
     router.apply(&events);
 
     let control = DeliveryControl::new();
@@ -873,9 +858,7 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
         // The request is cancelled while the router looks up a donor.
         fire();
     }
-    let advice = router
-        .advisor
-        .advise(&format!("fault-{seed}"), &hashes, target_engine);
+    let advice = router.advise(&format!("fault-{seed}"), &hashes, target_engine);
     let mut o = outcome(fault);
     let Some(env) = advice.hint.clone() else {
         o.detail = format!("no hint: {:?}", advice.decision.verdict);
@@ -913,7 +896,7 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
                 prefix,
                 LeaseConfig::default(),
             )?);
-            router.directory.insert(next.clone(), "inproc://decode");
+            router.add_donor(next.clone());
             bank_now = next;
         }
         Fault::AllocationFailure => {
@@ -1002,7 +985,7 @@ fn event_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
     let donor = bank.owner().engine_id;
     router.register(1, target_engine, Role::Prefill, &layout)?;
     router.register(2, donor, Role::Decode, &layout)?;
-    router.directory.insert(bank.clone(), "inproc://decode");
+    router.add_donor(bank.clone());
     let b_hashes = prompt_hashes(&b.prompt, bs as usize);
     let b_retained: Vec<SequenceHash> = sealed_blocks(None, &b.retained_tokens, bs as usize)
         .iter()
@@ -1043,7 +1026,7 @@ fn event_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
     )?;
     let off_b = generate(&model, KvCache::new(layout), &b.prompt)?;
     // While damaged: B's request must get no hint (and recompute).
-    let advice = router.advisor.advise("damaged", &b_hashes, target_engine);
+    let advice = router.advise("damaged", &b_hashes, target_engine);
     let damaged_hint = advice.hint.is_some();
     let (served, completed, fallback) = target.serve(
         &model,
@@ -1057,10 +1040,10 @@ fn event_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
     // (B itself is gone from the bank after an exclusion; A is fetched then).
     let last_id = all_events.iter().map(|e| e.event_id).max().unwrap_or(0);
     router.resync(&bank, last_id)?;
-    let repaired = router.holds_all(&bank) && router.index.workers_needing_resync().is_empty();
+    let repaired = router.holds_all(&bank) && router.index().workers_needing_resync().is_empty();
     let probe_conv = if fault == Fault::GappedEvents { &b } else { &a };
     let off_probe = generate(&model, KvCache::new(layout), &probe_conv.prompt)?;
-    let advice = router.advisor.advise(
+    let advice = router.advise(
         "repaired",
         &prompt_hashes(&probe_conv.prompt, bs as usize),
         target_engine,
@@ -1126,7 +1109,7 @@ fn nats_restart(seed: u64, prefix: &str) -> Result<RunOutcome, FaultError> {
     let donor = bank.owner().engine_id;
     router.register(1, target_engine, Role::Prefill, &layout)?;
     router.register(2, donor, Role::Decode, &layout)?;
-    router.directory.insert(bank.clone(), "inproc://decode");
+    router.add_donor(bank.clone());
     let target = Target::new(
         layout,
         (convs[1].0.prompt.len() / bs as usize) as u32 + 2,
@@ -1291,10 +1274,7 @@ async fn nats_scenario(
     // knows, the output must be right and nothing false may complete.
     let c1 = &convs[1].0;
     let off1 = generate(model, KvCache::new(target.layout), &c1.prompt)?;
-    let advice =
-        router
-            .advisor
-            .advise("nats-window", &prompt_hashes(&c1.prompt, bs), target_engine);
+    let advice = router.advise("nats-window", &prompt_hashes(&c1.prompt, bs), target_engine);
     let (w, window_completed, window_fallback) = target.serve(
         model,
         &c1.prompt,
@@ -1311,9 +1291,7 @@ async fn nats_scenario(
     let (applied, resyncs) = pump(&mut rx, router, bank, Duration::from_secs(10), true).await?;
     let stats = rx.stats();
     let inventory_complete = router.holds_all(bank);
-    let advice = router
-        .advisor
-        .advise("nats-after", &prompt_hashes(&c1.prompt, bs), target_engine);
+    let advice = router.advise("nats-after", &prompt_hashes(&c1.prompt, bs), target_engine);
     let (after, completed_after, after_fallback) = target.serve(
         model,
         &c1.prompt,
