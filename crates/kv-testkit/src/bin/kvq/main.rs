@@ -181,7 +181,8 @@ fn qualify(
         return ExitCode::from(2);
     }
     // A GPU qualification without a GPU would pass on its CPU-only sections alone.
-    if profile == Profile::Gpu && record::devices().is_empty() {
+    let devices = record::devices();
+    if profile == Profile::Gpu && devices.is_empty() {
         eprintln!("kvq: --profile gpu but nvidia-smi lists no GPU");
         return ExitCode::from(2);
     }
@@ -191,6 +192,7 @@ fn qualify(
         trace_requests,
         out_dir: out.clone(),
         exe: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("kvq")),
+        gpus: devices.len() as u32,
     };
     let started = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -222,7 +224,13 @@ fn qualify(
         }
         results.push(r);
     }
-    let record = Record::new(profile, started, t0.elapsed().as_secs_f64(), results);
+    let record = Record::new(
+        profile,
+        started,
+        t0.elapsed().as_secs_f64(),
+        results,
+        devices,
+    );
     print!("\n{}", report::summary_table(&record));
     let written = record
         .write(&out)

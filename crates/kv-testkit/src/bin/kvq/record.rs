@@ -88,12 +88,14 @@ pub struct Record {
 }
 
 impl Record {
-    /// Builds the record from finished sections; `failures` and `passed` are derived.
+    /// Builds the record from finished sections and the GPUs probed at the
+    /// start (see [`devices`]); `failures` and `passed` are derived.
     pub fn new(
         profile: Profile,
         started_unix_s: u64,
         duration_s: f64,
         sections: Vec<SectionResult>,
+        devices: Vec<Device>,
     ) -> Self {
         let failures: Vec<Failure> = sections
             .iter()
@@ -133,7 +135,7 @@ impl Record {
             dirty: p.dirty,
             rustc: p.rustc,
             host: hostname(),
-            devices: devices(),
+            devices,
             commands,
             started_unix_s,
             duration_s,
@@ -293,6 +295,7 @@ mod tests {
                 mk("b", &[("w", false)], Status::Failed),
                 mk("c", &[("v", true)], Status::Passed),
             ],
+            Vec::new(),
         );
         let got: Vec<_> = r
             .failures

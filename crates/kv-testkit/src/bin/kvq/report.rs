@@ -284,7 +284,7 @@ mod tests {
         };
         s.check("on_not_slower", false, "p99 ON 20 > 19");
         s.metric("requests", 4);
-        let r = Record::new(Profile::Cpu, 0, 0.5, vec![s]);
+        let r = Record::new(Profile::Cpu, 0, 0.5, vec![s], Vec::new());
         write(&r, &dir).unwrap();
         let md = std::fs::read_to_string(dir.join("REPORT.md")).unwrap();
         assert!(md.contains("| replay | FAILED | 0/1 | 12 |"), "{md}");

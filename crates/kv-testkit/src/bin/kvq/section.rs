@@ -34,6 +34,9 @@ pub struct Ctx {
     pub out_dir: PathBuf,
     /// This executable, for sections that start child processes (`kvq child ...`).
     pub exe: PathBuf,
+    /// GPUs `nvidia-smi` listed when the run started (probed once, also written
+    /// to the record).
+    pub gpus: u32,
 }
 
 /// Outcome of a section.
@@ -200,6 +203,7 @@ pub fn test_ctx(requests: usize) -> Ctx {
         trace_requests: Some(requests),
         out_dir: std::env::temp_dir(),
         exe: std::env::current_exe().expect("the test binary has a path"),
+        gpus: 0,
     }
 }
 
@@ -214,6 +218,7 @@ mod tests {
             trace_requests: None,
             out_dir: std::env::temp_dir(),
             exe: PathBuf::from("/nonexistent"),
+            gpus: 0,
         }
     }
 

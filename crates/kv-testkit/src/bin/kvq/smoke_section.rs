@@ -22,7 +22,7 @@ pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
     // GPU r), so TP2 needs two GPUs; with one GPU it runs TP1.
     let opts = match ctx.profile {
         Profile::Gpu => {
-            let gpus = crate::record::devices().len() as u32;
+            let gpus = ctx.gpus;
             if gpus == 0 {
                 return Err(Stop::Error(
                     "GPU profile but nvidia-smi lists no GPU".into(),

@@ -256,6 +256,7 @@ mod tests {
             trace_requests: None,
             out_dir: std::env::temp_dir(),
             exe: std::env::current_exe().unwrap(),
+            gpus: 0,
         };
         let r = section::run(&s, &ctx);
         assert_eq!(r.status, Status::Passed, "{:#?}", r.checks);
