@@ -194,6 +194,44 @@ struct PreparedPair {
 // agent, which is declared after `prepared` in `NixlAgent`.
 unsafe impl Send for PreparedPair {}
 
+/// Per-agent UCX settings of a [`NixlAgent`] (NIXL's UCX backend
+/// parameter `engine_config`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NixlAgentOptions {
+    /// UCX settings without the `UCX_` prefix, e.g. `("TLS", "tcp")` or
+    /// `("NET_DEVICES", "eth1")`, applied to this agent's UCX context only
+    /// (after NIXL's own defaults, so they win). NIXL's `device_list`
+    /// parameter is not used: for TCP devices it makes UCX fail with
+    /// "No such device" (NIXL 1.5.1), while `NET_DEVICES` works.
+    pub ucx_config: Vec<(String, String)>,
+}
+
+impl NixlAgentOptions {
+    /// `engine_config` value: `KEY=VALUE` pairs joined with `,` (NIXL 1.5.1
+    /// splits on `,` and hands each pair to `ucp_config_modify`; a `;` would
+    /// end up inside the first value).
+    ///
+    /// # Errors
+    /// [`TransferError::Nixl`] naming the pair when a key is empty or a key
+    /// or value contains `,` or `=` (it would be split into other settings).
+    fn engine_config(&self) -> Result<String, TransferError> {
+        let mut pairs = Vec::with_capacity(self.ucx_config.len());
+        for (k, v) in &self.ucx_config {
+            if k.is_empty() || k.contains([',', '=']) || v.contains([',', '=']) {
+                return Err(TransferError::Nixl {
+                    op: "engine_config",
+                    reason: format!(
+                        "ucx_config entry ({k:?}, {v:?}): the key must be non-empty and \
+                         neither key nor value may contain ',' or '='"
+                    ),
+                });
+            }
+            pairs.push(format!("{k}={v}"));
+        }
+        Ok(pairs.join(","))
+    }
+}
+
 /// One NIXL agent with a UCX backend: registers local memory, exchanges
 /// metadata, and owns prepared descriptor lists.
 ///
@@ -224,6 +262,31 @@ impl NixlAgent {
     /// [`TransferError::NixlUnavailable`] without the runtime;
     /// [`TransferError::Nixl`] when the agent or the UCX backend cannot be created.
     pub fn new(name: &str) -> Result<Self, TransferError> {
+        Self::with_options(name, &NixlAgentOptions::default())
+    }
+
+    /// Creates agent `name` with a UCX backend configured by `options`
+    /// (network devices and UCX settings of this agent alone, unlike the
+    /// process-wide `UCX_*` environment).
+    ///
+    /// ```no_run
+    /// use kv_transfer::nixl::{NixlAgent, NixlAgentOptions};
+    /// // TCP only, over one interface: what a cross-host test over veth needs.
+    /// let opts = NixlAgentOptions {
+    ///     ucx_config: vec![
+    ///         ("TLS".into(), "tcp".into()),
+    ///         ("NET_DEVICES".into(), "veth0".into()),
+    ///     ],
+    /// };
+    /// let agent = NixlAgent::with_options("prefill-0", &opts)?;
+    /// # Ok::<(), kv_transfer::TransferError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`NixlAgent::new`]; a malformed `ucx_config` entry fails
+    /// `engine_config` before NIXL is called; a setting UCX rejects or a
+    /// device that does not exist fails `create_backend(UCX)`.
+    pub fn with_options(name: &str, options: &NixlAgentOptions) -> Result<Self, TransferError> {
         runtime_status()?;
         // The progress thread stays on: a donor agent is never polled by its
         // own process during a read, and without it remote reads never finish.
@@ -235,9 +298,14 @@ impl NixlAgent {
             ..AgentConfig::default()
         };
         let agent = Agent::new_configured(name, &cfg).map_err(nixl_err("create_agent"))?;
-        let (_mems, params) = agent
+        let (_mems, mut params) = agent
             .get_plugin_params("UCX")
             .map_err(nixl_err("get_plugin_params(UCX)"))?;
+        if !options.ucx_config.is_empty() {
+            params
+                .set("engine_config", &options.engine_config()?)
+                .map_err(nixl_err("params(engine_config)"))?;
+        }
         let backend = agent
             .create_backend("UCX", &params)
             .map_err(nixl_err("create_backend(UCX)"))?;
@@ -611,6 +679,27 @@ mod tests {
 [3] [vm:1:2]   | 0..inf | software emulation | tcp/lo                           |
 [3] [vm:1:2]   +--------+-------------+-------------------------------------------+
 ";
+
+    #[test]
+    fn engine_config_joins_pairs_and_rejects_separators() {
+        let o = |pairs: &[(&str, &str)]| NixlAgentOptions {
+            ucx_config: pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        assert_eq!(o(&[]).engine_config().unwrap(), "");
+        assert_eq!(
+            o(&[("TLS", "tcp"), ("NET_DEVICES", "veth1")])
+                .engine_config()
+                .unwrap(),
+            "TLS=tcp,NET_DEVICES=veth1"
+        );
+        for bad in [("TLS", "tcp,cma"), ("", "x"), ("A=B", "c")] {
+            let e = o(&[bad]).engine_config().unwrap_err().to_string();
+            assert!(e.contains("ucx_config entry"), "{e}");
+        }
+    }
 
     #[test]
     fn parses_the_get_table_of_the_right_memory_types() {
