@@ -22,6 +22,13 @@ use crate::{validate_hint, FetchError};
 pub trait DonorPin {
     /// Rank `rank`'s donor region (offset 0 = slot 0), mapped in this process.
     fn rank_memory(&self, rank: u32) -> Option<&dyn BankMemory>;
+
+    /// Where rank `rank`'s donor bytes are read from. Defaults to the mapped
+    /// [`DonorPin::rank_memory`]; a donor reached through a NIXL agent (another
+    /// host) returns [`SourceRegion::Nixl`] instead, with `rank_memory` `None`.
+    fn rank_source(&self, rank: u32) -> Option<SourceRegion<'_>> {
+        self.rank_memory(rank).map(SourceRegion::Mapped)
+    }
 }
 
 /// A donor bank the target can read.
@@ -259,10 +266,10 @@ impl FetchExecutor {
         let mut io = Vec::with_capacity(tp);
         for r in 0..tp {
             let src = pin
-                .rank_memory(r as u32)
+                .rank_source(r as u32)
                 .ok_or_else(|| fallback("pin", format!("donor pin has no memory for rank {r}")))?;
             io.push(RankIo {
-                src: SourceRegion::Mapped(src),
+                src,
                 dst: self.regions[r].as_ref(),
             });
         }
