@@ -29,6 +29,7 @@
 pub mod engines;
 pub mod faults;
 pub mod model;
+pub mod netns;
 pub mod qualify;
 pub mod replay;
 pub mod sessions;
