@@ -141,6 +141,36 @@ pub fn cuda_probe(ordinal: u32) -> Result<CudaDeviceInfo, BankError> {
     })
 }
 
+/// Free and total memory of one device, from `cuMemGetInfo` ([`device_memory_info`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceMemoryInfo {
+    /// Device ordinal in this process.
+    pub ordinal: u32,
+    /// Free bytes on the device, over all processes using it (device-wide,
+    /// not this process's share).
+    pub free_bytes: u64,
+    /// Total bytes of the device.
+    pub total_bytes: u64,
+}
+
+/// `cuMemGetInfo` on device `ordinal` (in its primary context, made current
+/// on this thread). The free count is device-wide: another process's
+/// allocations, contexts and mappings that keep its memory alive count too,
+/// which is what the fault matrix's device leak check relies on.
+///
+/// # Errors
+/// [`BankError::CudaUnavailable`] without driver or device;
+/// [`BankError::Cuda`] naming `cuMemGetInfo`.
+pub fn device_memory_info(ordinal: u32) -> Result<DeviceMemoryInfo, BankError> {
+    bind(ordinal)?;
+    let (free, total) = result::mem_get_info().map_err(cuda_err("cuMemGetInfo"))?;
+    Ok(DeviceMemoryInfo {
+        ordinal,
+        free_bytes: free as u64,
+        total_bytes: total as u64,
+    })
+}
+
 /// The [`MemoryLocation`] of device `ordinal` on host `host_id` (UUID from the driver).
 ///
 /// # Errors
@@ -730,6 +760,7 @@ mod tests {
             cuda_probe(0).unwrap_err(),
             CudaDeviceMemory::new(0, 1024).unwrap_err(),
             CudaIpcImport::open(&[0u8; 64], 0, 1024).unwrap_err(),
+            device_memory_info(0).unwrap_err(),
         ] {
             assert!(matches!(e, BankError::CudaUnavailable { .. }), "{e}");
             assert!(e.to_string().contains("libcuda"), "{e}");

@@ -79,8 +79,8 @@ mod shm;
 mod slots;
 
 pub use cuda::{
-    cuda_probe, gpu_location, ipc_cache_stats, CudaDeviceInfo, CudaDeviceMemory, CudaIpcImport,
-    IpcCacheStats,
+    cuda_probe, device_memory_info, gpu_location, ipc_cache_stats, CudaDeviceInfo,
+    CudaDeviceMemory, CudaIpcImport, DeviceMemoryInfo, IpcCacheStats,
 };
 pub use error::BankError;
 pub use faults::{qualify_faults, FaultRow};

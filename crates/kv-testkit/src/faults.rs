@@ -87,6 +87,8 @@ use crate::trace::splitmix64;
 
 pub use kv_bank::FaultRow;
 
+pub mod gpu;
+
 /// The `kvq child` role of the donor child process ([`child_main`]).
 pub const CHILD_ROLE: &str = "fault-donor";
 

@@ -9,9 +9,9 @@
 //! nothing leaked); the rows themselves go to `record.json` as the metric
 //! [`ROWS_METRIC`], which the record lifts to its top-level `faults[]`.
 
-use kv_testkit::faults::{fault_table_with, ChildCommand, FaultRow};
+use kv_testkit::faults::{fault_table_with, gpu, ChildCommand, FaultError, FaultRow};
 
-use crate::section::{Ctx, SectionResult, Stop};
+use crate::section::{Ctx, Profile, SectionResult, Stop};
 
 /// Section name.
 pub const NAME: &str = "faults";
@@ -21,7 +21,10 @@ pub const ROWS_METRIC: &str = "rows";
 /// The section body: the full table (3 runs per in-process fault, 2 per
 /// donor-process fault), about 15-30 s.
 pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
-    let rows = fault_table_with(false, &ChildCommand::kvq(&ctx.exe));
+    let mut rows = fault_table_with(false, &ChildCommand::kvq(&ctx.exe));
+    if ctx.profile == Profile::Gpu {
+        gpu_rows(ctx, r, &mut rows);
+    }
     print!("{}", table(&rows));
     for row in &rows {
         r.check(
@@ -39,15 +42,62 @@ pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
     Ok(())
 }
 
+/// GPU profile only: the device rows (`kv_testkit::faults::gpu`: donor
+/// killed mid-transfer over CUDA IPC, cancel and deadline with device
+/// destination rows, control), appended to `rows`; every run with its device
+/// free bytes goes to the metric `gpu_runs` (warm-ups to `gpu_warmup`). A
+/// GPU profile without a usable GPU is a failed check, not a skip.
+fn gpu_rows(ctx: &Ctx, r: &mut SectionResult, rows: &mut Vec<FaultRow>) {
+    match gpu::gpu_fault_table(false, &gpu::child_command(&ctx.exe)) {
+        Ok(t) => {
+            println!(
+                "GPU fault rows on {:?}: {}",
+                t.ordinals,
+                t.devices.join(", ")
+            );
+            for o in t.warmup.iter().chain(&t.runs) {
+                println!(
+                    "  {} seed {} passed {}: {}{}",
+                    o.fault,
+                    o.seed,
+                    o.passed(),
+                    gpu::summary(o),
+                    if o.leaks.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; leaks: {}", o.leaks.join(", "))
+                    }
+                );
+            }
+            r.metric("gpu_devices", t.devices.clone());
+            r.metric(
+                "gpu_runs",
+                serde_json::to_value(&t.runs).unwrap_or_default(),
+            );
+            r.metric(
+                "gpu_warmup",
+                serde_json::to_value(&t.warmup).unwrap_or_default(),
+            );
+            rows.extend(t.rows);
+        }
+        Err(FaultError::Skipped(reason)) => r.check(
+            "gpu_rows",
+            false,
+            format!("GPU profile without a GPU: {reason}"),
+        ),
+        Err(e) => r.check("gpu_rows", false, format!("GPU rows not run: {e}")),
+    }
+}
+
 /// The fault table as printed (fixed-width columns).
 pub fn table(rows: &[FaultRow]) -> String {
     let mut s = format!(
-        "{:<28} {:>5} {:>9} {:>17} {:>5}\n",
+        "{:<30} {:>5} {:>9} {:>17} {:>5}\n",
         "fault", "runs", "fallbacks", "false_completions", "leaks"
     );
     for r in rows {
         s.push_str(&format!(
-            "{:<28} {:>5} {:>9} {:>17} {:>5}\n",
+            "{:<30} {:>5} {:>9} {:>17} {:>5}\n",
             r.fault, r.runs, r.fallbacks, r.false_completions, r.leaks
         ));
     }
