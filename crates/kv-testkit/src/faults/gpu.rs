@@ -6,7 +6,7 @@
 //!
 //! | row | injected by | expected |
 //! | --- | --- | --- |
-//! | `donor_killed_mid_transfer_gpu` | a child process (`kvq child fault-donor-gpu`) owns a TP-N device bank (one [`kv_bank::CudaDeviceMemory`] per rank, exported by CUDA IPC handle); the parent imports every rank through the mapping cache ([`CudaIpcImport::open_descriptor`]) and fetches with [`CudaCopyBackend`]; SIGKILL of the child from inside the copy (run 0: before the last rank's part, i.e. between parts at TP2 and before the first byte at TP1; run 1: after every part copied, before verification) | liveness probe refuses; no completion; every import of the dead donor closed (re-importing its handle is not a cache hit); its leases reclaimed; device memory back to baseline |
+//! | `donor_killed_mid_transfer_gpu` | a child process (`kvq child fault-donor-gpu`) owns a TP-N device bank (one [`kv_bank::CudaDeviceMemory`] per rank, exported by CUDA IPC handle); the parent imports every rank through the mapping cache ([`CudaIpcImport::open_descriptor`]) and fetches with [`CudaCopyBackend`]; SIGKILL of the child from inside the delivery (first run: after every part copied, before verification; second run: before the last rank's part, i.e. between the parts at TP2 and before the only part at TP1, so the copy then reads a dead process's memory) | liveness probe refuses; no completion; every import of the dead donor closed (re-importing its handle is not a cache hit); its leases reclaimed; device memory back to baseline |
 //! | `cancel_at_transfer_gpu` | in-process device bank; cancelled before the last rank's part | refused, rows free |
 //! | `deadline_passed_gpu` | in-process device bank; 30 ms deadline, the last rank stalls 60 ms | `DeadlineExceeded` |
 //! | `none_gpu` (control) | nothing | the fetch completes from device memory and the outputs computed on the fetched K/V equal recompute: proves the checks can see a completion |
@@ -80,12 +80,16 @@ pub enum GpuFault {
 }
 
 impl GpuFault {
-    /// Every row, in table order (control last, as in the host table).
+    /// Every row, in table order.
+    ///
+    /// The child row runs last: its kill-before-copy run reads a dead
+    /// process's device memory, and should the driver ever poison this
+    /// process's context for it, the other rows are measured already.
     pub const ALL: [GpuFault; 4] = [
-        GpuFault::DonorKilledMidTransfer,
         GpuFault::CancelAtTransfer,
         GpuFault::DeadlinePassed,
         GpuFault::None,
+        GpuFault::DonorKilledMidTransfer,
     ];
 
     /// Row name (`record.json` `faults[].fault`).
@@ -332,7 +336,8 @@ fn device_bank(
     prefix: &str,
     lease: LeaseConfig,
 ) -> Result<BankManager, FaultError> {
-    let slots = DONOR_RANK_BYTES / layout.rank_block_bytes() as u64;
+    // Rounded up: each rank region is at least DONOR_RANK_BYTES.
+    let slots = DONOR_RANK_BYTES.div_ceil(layout.rank_block_bytes() as u64);
     let budget = slots * u64::from(layout.tp_size()) * layout.rank_block_bytes() as u64;
     let mut cfg = BankConfig::new(layout, owner, budget);
     cfg.shm_prefix = prefix.to_string();
@@ -493,7 +498,7 @@ impl CopyBackend for DeviceFaultBackend {
 /// Runs GPU row `fault` once with conversation `seed` on devices `ordinals`
 /// (rank `r` on `ordinals[r]`). `child` (from [`child_command`]) is
 /// required for [`GpuFault::needs_child`]; `strike` picks the child row's
-/// kill point (0: before the last rank's part, 1: after every part).
+/// kill point (even: before the last rank's part, odd: after every part).
 ///
 /// # Errors
 /// [`FaultError::Skipped`] without a GPU; other [`FaultError`]s when the run
@@ -806,9 +811,9 @@ fn child_run(
     o.completed = completed;
     o.fell_back = !completed && fallback.is_some();
     o.outputs_match = served == off;
-    let before_first_byte = tp == 1 && strike_at % 2 == 0;
-    o.destination_untouched =
-        target.rows_free() && (completed || !before_first_byte || target.poison_intact()?);
+    // The copy runs even after the kill (it reads the dead donor's mapping),
+    // so only the rows' release is required, as in the host row.
+    o.destination_untouched = target.rows_free();
     drop(target);
     drop(donor);
     // Every mapping of the dead donor must be closed now, and its handle
@@ -980,7 +985,7 @@ pub struct GpuFaultTable {
 }
 
 /// Runs every [`GpuFault`] (1 run each when `quick`, else 3; the child row
-/// 2, one per kill point) on devices [`gpu_ordinals`], after one warm-up of
+/// 2: one per kill point, after every part first) on devices [`gpu_ordinals`], after one warm-up of
 /// the control and the child row. `child` must reach [`child_main`]
 /// ([`child_command`]).
 ///
@@ -1026,7 +1031,8 @@ pub fn gpu_fault_table(quick: bool, child: &ChildCommand) -> Result<GpuFaultTabl
         };
         for i in 0..n {
             row.runs += 1;
-            match run_gpu_fault(f, 1 + u64::from(i), &ordinals, Some(child), i) {
+            // Child row: kill after every part first, before the last part second.
+            match run_gpu_fault(f, 1 + u64::from(i), &ordinals, Some(child), i + 1) {
                 Ok(o) => {
                     if o.passed() {
                         row.fallbacks += 1;
