@@ -558,7 +558,7 @@ fn in_process_run(
     )?);
     let mut with_bank = free_bytes(ordinals)?;
     let events = retain(&bank, &cache, &conv.retained_tokens)?;
-    let router = FaultRouter::new(bs)?;
+    let router = gpu_router(bs)?;
     let target_engine = EngineId::fresh();
     router.register(1, target_engine, Role::Prefill, &layout)?;
     router.register(2, bank.owner().engine_id, Role::Decode, &layout)?;
@@ -624,6 +624,23 @@ fn in_process_run(
     drop(bank);
     device_verdict(&mut o, ordinals, &before, &with_bank, None)?;
     Ok(o)
+}
+
+/// The host rows' router settings with GPU reuse on as well: a device bank
+/// is the GPU path, which a router refuses (`GpuPathDisabled`) unless
+/// `enable_decode_to_prefill_gpu_reuse` is set.
+fn gpu_router(tokens_per_block: u32) -> Result<FaultRouter, FaultError> {
+    let settings = ReuseSettings {
+        enable_decode_to_prefill_reuse: true,
+        enable_decode_to_prefill_gpu_reuse: true,
+        minimum_estimated_ttft_saving_ms: 0.0,
+        minimum_transfer_prefix_blocks: 1,
+        transfer_source_lookup_budget_ms: 50.0,
+        ..ReuseSettings::default()
+    };
+    Ok(FaultRouter {
+        router: Router::new(settings, tokens_per_block).map_err(FaultError::Setup)?,
+    })
 }
 
 /// Turn 0 of conversation `seed` at TP `tp` (the host rows always use TP2).
