@@ -45,9 +45,12 @@
 //!
 //! Not covered yet: two network namespaces joined by UCX over TCP with the
 //! link cut mid-transfer (`ip netns add` works on the development machine;
-//! the two-process NIXL-over-veth harness is not written), and GPU memory
-//! (the CPU profile moves host shared memory; device allocation counters
-//! are still part of every leak snapshot).
+//! the two-process NIXL-over-veth harness is not written).
+//!
+//! GPU memory: the rows above move host shared memory on every profile; on
+//! the GPU profile kvq adds the device rows of [`gpu`] (donor killed
+//! mid-transfer over CUDA IPC, cancel, deadline, control), which move CUDA
+//! device memory and also check device free bytes and IPC mappings.
 //!
 //! Runs are serialized by a process-wide lock, because leak snapshots are
 //! process-wide.
