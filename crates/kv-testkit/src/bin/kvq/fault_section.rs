@@ -2,8 +2,11 @@
 //! (`kv_testkit::faults::fault_table`: donor killed / SIGTERMed mid-transfer,
 //! cancellation at each stage, deadline, failing rank, missing keys, stale
 //! generation, allocation failure, damaged event streams, NATS restart)
-//! followed by kv-bank's bank-level rows. Donor children are this binary
-//! (`kvq child fault-donor ...`, `kvq child bank-lease-owner ...`).
+//! followed by kv-bank's bank-level rows, and on the GPU profile the device
+//! rows of `kv_testkit::faults::gpu` (CUDA device banks and destination
+//! rows, CUDA IPC; `*_gpu`). Donor children are this binary
+//! (`kvq child fault-donor ...`, `kvq child fault-donor-gpu ...`,
+//! `kvq child bank-lease-owner ...`).
 //!
 //! Each row is one check (every run fell back, none falsely completed,
 //! nothing leaked); the rows themselves go to `record.json` as the metric
