@@ -8,7 +8,9 @@
 //! that does not survive re-encoding.
 
 use kv_descriptor::{
-    BankDescriptor, BankManifest, FetchGpuHint, HintEnvelope, KvEvent, Wire, MAX_MANIFEST_BYTES,
+    encode_pin_frame, split_pin_frame, BankDescriptor, BankManifest, FetchGpuHint, HintEnvelope,
+    KvEvent, PinClientMessage, PinDonorMessage, Wire, MAX_MANIFEST_BYTES, MAX_PIN_FRAME_BYTES,
+    PIN_FRAME_HEADER_BYTES,
 };
 
 /// `BankDescriptor::from_wire`: an accepted value is valid and round-trips.
@@ -73,10 +75,45 @@ pub fn event(data: &[u8]) {
     }
 }
 
+/// The pin control stream: `data` is cut into frames with
+/// `split_pin_frame` (a refused header ends the stream, as it ends a
+/// connection) and every body, and `data` itself, is decoded as both
+/// message directions. Accepted messages are valid and round-trip, framed.
+pub fn pin_control(data: &[u8]) {
+    pin_message(data);
+    let mut rest = data;
+    while let Ok(Some((body, used))) = split_pin_frame(rest) {
+        assert!(
+            (1..=MAX_PIN_FRAME_BYTES).contains(&body.len()),
+            "{} body bytes",
+            body.len()
+        );
+        assert_eq!(used, PIN_FRAME_HEADER_BYTES + body.len());
+        pin_message(body);
+        rest = &rest[used..];
+    }
+}
+
+fn pin_message(body: &[u8]) {
+    if let Ok(m) = PinClientMessage::from_wire(body) {
+        m.validate().expect("decoded client message must be valid");
+        let frame = encode_pin_frame(&m).expect("encode");
+        let (again, _) = split_pin_frame(&frame).expect("frame").expect("whole");
+        assert_eq!(PinClientMessage::from_wire(again).expect("re-decode"), m);
+    }
+    if let Ok(m) = PinDonorMessage::from_wire(body) {
+        m.validate().expect("decoded donor message must be valid");
+        let frame = encode_pin_frame(&m).expect("encode");
+        let (again, _) = split_pin_frame(&frame).expect("frame").expect("whole");
+        assert_eq!(PinDonorMessage::from_wire(again).expect("re-decode"), m);
+    }
+}
+
 /// Every check above, for one input.
 pub fn all(data: &[u8]) {
     descriptor(data);
     manifest(data);
     hint(data);
     event(data);
+    pin_control(data);
 }

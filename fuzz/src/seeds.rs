@@ -193,12 +193,62 @@ pub fn events() -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// Seeds per fuzz target name (`descriptor`, `manifest`, `hint`, `event`).
+/// Valid pin control messages, both directions.
+pub fn pin_messages() -> (Vec<PinClientMessage>, Vec<PinDonorMessage>) {
+    let client = vec![
+        PinClientMessage::Pin(PinRequest::for_hint(1, &fetch_hint())),
+        PinClientMessage::Release(PinRelease { pin_id: 1 }),
+    ];
+    let donor = vec![
+        PinDonorMessage::Granted(PinGrant {
+            request_id: 1,
+            pin_id: 1,
+            max_hold_ms: 30_000,
+        }),
+        PinDonorMessage::Refused(PinRefusal {
+            request_id: 1,
+            reason: PinRefusalReason::SlotReused,
+            detail: "`parts[0].slot_ids[0]` = 5 does not hold block".into(),
+        }),
+        PinDonorMessage::Released(PinReleased {
+            pin_id: 1,
+            held_us: 1_250,
+            expired: false,
+        }),
+    ];
+    (client, donor)
+}
+
+/// Valid pin control streams: each client message and each donor message
+/// as one frame, then a whole pin/grant/release/released exchange as one
+/// stream of frames.
+pub fn pin_streams() -> Vec<Vec<u8>> {
+    let (client, donor) = pin_messages();
+    let mut out: Vec<Vec<u8>> = client
+        .iter()
+        .map(|m| encode_pin_frame(m).unwrap())
+        .chain(donor.iter().map(|m| encode_pin_frame(m).unwrap()))
+        .collect();
+    out.push(
+        [
+            encode_pin_frame(&client[0]).unwrap(),
+            encode_pin_frame(&donor[0]).unwrap(),
+            encode_pin_frame(&client[1]).unwrap(),
+            encode_pin_frame(&donor[2]).unwrap(),
+        ]
+        .concat(),
+    );
+    out
+}
+
+/// Seeds per fuzz target name (`descriptor`, `manifest`, `hint`, `event`,
+/// `pin_control`).
 pub fn by_target() -> Vec<(&'static str, Vec<Vec<u8>>)> {
     vec![
         ("descriptor", descriptors()),
         ("manifest", manifests()),
         ("hint", hints()),
         ("event", events()),
+        ("pin_control", pin_streams()),
     ]
 }

@@ -5,7 +5,10 @@
 //! ([`OwnerLease`]), one rank's retained bank ([`BankDescriptor`]), a TP group's
 //! banks ([`BankManifest`]), block identity ([`SequenceHash`], Dynamo-compatible),
 //! the fetch hint `kv.fetch_gpu@1.0` ([`FetchGpuHint`] in a [`HintEnvelope`])
-//! and KV events ([`KvEvent`]). All of them encode as MessagePack ([`Wire`]).
+//! KV events ([`KvEvent`]) and the donor control endpoint's source-pin
+//! messages ([`PinClientMessage`], [`PinDonorMessage`], framed by
+//! [`encode_pin_frame`] / [`split_pin_frame`]). All of them encode as
+//! MessagePack ([`Wire`]).
 //!
 //! # Invariants
 //! - A value of a validated type ([`KvLayout`], [`BankDescriptor`],
@@ -39,6 +42,10 @@
 //!   the fields this reader knows, so an added field fails the checksum and a
 //!   descriptor change is always a format change. A missing required key is
 //!   an error naming it.
+//! - Pin control messages travel in frames of a 4-byte big-endian length and
+//!   a body of at most [`MAX_PIN_FRAME_BYTES`]; a longer or empty frame is
+//!   refused from its header (`pin_frame.length`). The protocol evolves by
+//!   adding message variants: a reader refuses a variant it does not know.
 //!
 //! Deliberately absent: any I/O, memory mapping, CUDA or NIXL. This crate is
 //! pure data so that every other crate (and fuzzers) can depend on it.
@@ -53,6 +60,7 @@ mod hint;
 mod identity;
 mod layout;
 mod manifest;
+mod pin_control;
 mod wire;
 
 pub use bank::{
@@ -72,6 +80,11 @@ pub use hint::{
 pub use identity::{EngineId, GpuIdentity, NvlinkFabric, OwnerLease, Role};
 pub use layout::{DType, KvLayout, LayoutFingerprint, TensorOrder, MAX_RANK_BLOCK_BYTES};
 pub use manifest::{BankManifest, MAX_MANIFEST_BYTES};
+pub use pin_control::{
+    encode_pin_frame, pin_frame_len, split_pin_frame, PinClientMessage, PinDonorMessage, PinGrant,
+    PinPart, PinRefusal, PinRefusalReason, PinRelease, PinReleased, PinRequest,
+    MAX_PIN_FRAME_BYTES, PIN_FRAME_HEADER_BYTES,
+};
 pub use wire::{Wire, MAX_WIRE_DEPTH};
 
 /// XXH3 seed of block hashes and fingerprints; Dynamo's `XXH3_SEED`.

@@ -98,6 +98,21 @@ fn seeds_are_accepted_by_their_decoder() {
     for s in seeds::events() {
         KvEvent::from_wire(&s).unwrap();
     }
+    // Every pin stream cuts into frames that all decode, one direction or the other.
+    for s in seeds::pin_streams() {
+        let mut rest = &s[..];
+        let mut frames = 0;
+        while !rest.is_empty() {
+            let (body, used) = split_pin_frame(rest).unwrap().expect("whole frames only");
+            assert!(
+                PinClientMessage::from_wire(body).is_ok()
+                    || PinDonorMessage::from_wire(body).is_ok()
+            );
+            rest = &rest[used..];
+            frames += 1;
+        }
+        assert!(frames >= 1);
+    }
 }
 
 #[test]
@@ -158,6 +173,7 @@ fn fuzz_corpus_replays_cleanly() {
                     "manifest" => checks::manifest(&data),
                     "hint" => checks::hint(&data),
                     "event" => checks::event(&data),
+                    "pin_control" => checks::pin_control(&data),
                     _ => checks::all(&data),
                 }
                 replayed += 1;

@@ -172,3 +172,53 @@ fn kv_events() {
     let cleared = base(StorageTier::HostPinned, KvEventData::Cleared);
     insta::assert_snapshot!("kv_event_cleared", render(&cleared));
 }
+
+fn pin_request() -> PinRequest {
+    PinRequest::for_hint(42, &fetch_hint())
+}
+
+#[test]
+fn pin_client_messages() {
+    insta::assert_snapshot!("pin_request", render(&PinClientMessage::Pin(pin_request())));
+    insta::assert_snapshot!(
+        "pin_release",
+        render(&PinClientMessage::Release(PinRelease { pin_id: 3 }))
+    );
+}
+
+#[test]
+fn pin_donor_messages() {
+    insta::assert_snapshot!(
+        "pin_grant",
+        render(&PinDonorMessage::Granted(PinGrant {
+            request_id: 42,
+            pin_id: 3,
+            max_hold_ms: 30_000,
+        }))
+    );
+    insta::assert_snapshot!(
+        "pin_refusal",
+        render(&PinDonorMessage::Refused(PinRefusal {
+            request_id: 42,
+            reason: PinRefusalReason::StaleGeneration,
+            detail: "`bank_generation` mismatch: request names 1, bank is 2".into(),
+        }))
+    );
+    insta::assert_snapshot!(
+        "pin_released",
+        render(&PinDonorMessage::Released(PinReleased {
+            pin_id: 3,
+            held_us: 1_250,
+            expired: false,
+        }))
+    );
+}
+
+#[test]
+fn pin_frame_is_big_endian_length_then_body() {
+    let msg = PinClientMessage::Release(PinRelease { pin_id: 3 });
+    let body = msg.to_wire().unwrap();
+    let frame = encode_pin_frame(&msg).unwrap();
+    assert_eq!(frame[..4], (body.len() as u32).to_be_bytes());
+    assert_eq!(frame[4..], body[..]);
+}

@@ -61,6 +61,10 @@ fn decodes_as_documented(name: &str, bytes: &[u8]) -> Result<(), String> {
         HintEnvelope::from_wire(bytes).map(drop)
     } else if kind.starts_with("kv_event") {
         KvEvent::from_wire(bytes).map(drop)
+    } else if kind == "pin_request" || kind == "pin_release" {
+        PinClientMessage::from_wire(bytes).map(drop)
+    } else if kind.starts_with("pin_") {
+        PinDonorMessage::from_wire(bytes).map(drop)
     } else {
         return Err(format!("{name}: no documented type; add it to wire_doc.rs"));
     };
