@@ -4,8 +4,11 @@
 //! Order matters: the hint is checked against the donor's manifest and the
 //! target's layout before the destination pool or the donor is touched, so a
 //! forged, stale or out-of-range hint costs nothing. After that, every
-//! failure cancels the reservation (quiesced once the delivery returned, as
-//! nothing is then in flight) and drops the pin; the request recomputes.
+//! failure cancels the reservation and drops the pin; the request
+//! recomputes. The cancelled rows return to the pool (quiesced) once the
+//! delivery returned with nothing in flight; when the backend could not stop
+//! an abandoned read ([`kv_transfer::TransferError::may_still_write`]) they
+//! stay orphaned instead, so a late write never lands in reused rows.
 
 use std::sync::Arc;
 
@@ -28,6 +31,20 @@ pub trait DonorPin {
     /// host) returns [`SourceRegion::Nixl`] instead, with `rank_memory` `None`.
     fn rank_source(&self, rank: u32) -> Option<SourceRegion<'_>> {
         self.rank_memory(rank).map(SourceRegion::Mapped)
+    }
+
+    /// Releases the pin, reporting whether it held from grant to now.
+    ///
+    /// The executor calls this after the delivery and completes the fetch
+    /// only on `Ok`: a pin the donor dropped early (a remote pin past its
+    /// hold bound, or whose connection failed) may have let the slots be
+    /// reused while they were read. An in-process [`ManagerPin`] cannot end
+    /// early, so the default (drop, `Ok`) is right for it.
+    ///
+    /// # Errors
+    /// Why the pin cannot be trusted to have held throughout.
+    fn release(self: Box<Self>) -> Result<(), String> {
+        Ok(())
     }
 }
 
@@ -141,6 +158,31 @@ impl FetchExecutor {
         &self.pool
     }
 
+    /// Reads this executor's backend abandoned that may still write rows
+    /// ([`CopyBackend::in_flight`]).
+    pub fn backend_in_flight(&self) -> usize {
+        self.backend.in_flight()
+    }
+
+    /// Returns rows orphaned by abandoned reads to the pool once the backend
+    /// reports none of them in flight ([`CopyBackend::in_flight`]); returns
+    /// the number of rows freed. [`FetchExecutor::execute`] calls it first.
+    ///
+    /// ```no_run
+    /// # fn f(executor: &kv_router_glue::FetchExecutor) {
+    /// // After a fetch abandoned on a cut link, once the read has ended:
+    /// let freed = executor.reclaim_quiesced();
+    /// assert_eq!(executor.pool().orphaned_blocks(), 0, "{freed} rows back");
+    /// # }
+    /// ```
+    pub fn reclaim_quiesced(&self) -> usize {
+        if self.pool.orphaned_blocks() > 0 && self.backend.in_flight() == 0 {
+            self.pool.reclaim_orphans_after_quiesce()
+        } else {
+            0
+        }
+    }
+
     /// Runs the single `kv.fetch_gpu@1.0` action of `envelope` from `donor`.
     ///
     /// # Errors
@@ -156,6 +198,7 @@ impl FetchExecutor {
         donor: &dyn DonorSource,
         control: &DeliveryControl,
     ) -> Result<FetchOutcome, FetchError> {
+        self.reclaim_quiesced();
         let mut hints = envelope.fetch_gpu_actions()?;
         if hints.len() != 1 {
             return Err(FetchError::Malformed(DescriptorError::InvalidField {
@@ -197,8 +240,18 @@ impl FetchExecutor {
             )
         });
         let verify = crate::spans::verify(request_id);
-        drop(pin);
+        let released = pin.release();
         match result {
+            Ok(_) if released.is_err() => {
+                reservation.cancel().quiesced();
+                Err(fallback(
+                    "verify",
+                    format!(
+                        "donor pin not held throughout: {}",
+                        released.err().unwrap_or_default()
+                    ),
+                ))
+            }
             Ok(report)
                 if verify.in_scope(|| {
                     report.is_complete() && report.counters.bytes == v.total_bytes
@@ -222,10 +275,21 @@ impl FetchExecutor {
                     ),
                 ))
             }
-            Err(e) => {
-                // `deliver` returns only when nothing is in flight.
-                reservation.cancel().quiesced();
-                Err(e)
+            Err(Failed {
+                error,
+                may_still_write,
+            }) => {
+                if may_still_write {
+                    // An abandoned read may still land in these rows: they
+                    // stay orphaned (unusable) instead of returning to the
+                    // pool; `DestinationPool::reclaim_orphans_after_quiesce`
+                    // frees them once the backend has quiesced.
+                    drop(reservation.cancel());
+                } else {
+                    // Nothing of this delivery is in flight any more.
+                    reservation.cancel().quiesced();
+                }
+                Err(error)
             }
         }
     }
@@ -240,8 +304,11 @@ impl FetchExecutor {
         dst_blocks: &[u32],
         pin: &dyn DonorPin,
         control: &DeliveryControl,
-    ) -> Result<DeliveryReport, FetchError> {
-        let fallback = |stage: &'static str, reason: String| FetchError::Fallback { stage, reason };
+    ) -> Result<DeliveryReport, Failed> {
+        let fallback = |stage: &'static str, reason: String| Failed {
+            error: FetchError::Fallback { stage, reason },
+            may_still_write: false,
+        };
         let moves: Vec<BlockMove> = fetched
             .iter()
             .zip(slots)
@@ -273,7 +340,18 @@ impl FetchExecutor {
                 dst: self.regions[r].as_ref(),
             });
         }
-        deliver(&plan, self.backend.as_ref(), &io, control)
-            .map_err(|e| fallback("transfer", e.to_string()))
+        deliver(&plan, self.backend.as_ref(), &io, control).map_err(|e| Failed {
+            may_still_write: e.may_still_write(),
+            error: FetchError::Fallback {
+                stage: "transfer",
+                reason: e.to_string(),
+            },
+        })
     }
+}
+
+/// A failed transfer, and whether its destination rows may still be written.
+struct Failed {
+    error: FetchError,
+    may_still_write: bool,
 }

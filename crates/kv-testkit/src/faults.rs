@@ -91,6 +91,9 @@ use crate::trace::splitmix64;
 pub use kv_bank::FaultRow;
 
 pub mod gpu;
+pub use link_cut::{net_child_main, CUT_DEADLINE, NET_CHILD_ROLE, QUIESCE_WINDOW};
+
+mod link_cut;
 
 /// The `kvq child` role of the donor child process ([`child_main`]).
 pub const CHILD_ROLE: &str = "fault-donor";
@@ -179,11 +182,14 @@ pub enum Fault {
     GappedEvents,
     /// The NATS server restarted mid-run.
     NatsServerRestart,
+    /// The donor is another host (network namespace, NIXL over UCX/TCP) and
+    /// the link is cut between the rank parts of a fetch.
+    LinkCutMidTransfer,
 }
 
 impl Fault {
     /// Every fault of the matrix, control run last.
-    pub const ALL: [Fault; 16] = [
+    pub const ALL: [Fault; 17] = [
         Fault::DonorKilledMidTransfer,
         Fault::SigtermDuringTransfer,
         Fault::CancelAtLookup,
@@ -199,6 +205,7 @@ impl Fault {
         Fault::ReorderedEvents,
         Fault::GappedEvents,
         Fault::NatsServerRestart,
+        Fault::LinkCutMidTransfer,
         Fault::None,
     ];
 
@@ -238,14 +245,17 @@ impl Fault {
             Fault::ReorderedEvents => "reordered_events",
             Fault::GappedEvents => "gapped_events",
             Fault::NatsServerRestart => "nats_server_restart",
+            Fault::LinkCutMidTransfer => "link_cut_mid_transfer",
         }
     }
 
-    /// True when the fault needs the donor child process ([`ChildCommand`]).
+    /// True when the fault needs a donor child process ([`ChildCommand`]).
     pub fn needs_child(self) -> bool {
         matches!(
             self,
-            Fault::DonorKilledMidTransfer | Fault::SigtermDuringTransfer
+            Fault::DonorKilledMidTransfer
+                | Fault::SigtermDuringTransfer
+                | Fault::LinkCutMidTransfer
         )
     }
 
@@ -283,6 +293,17 @@ impl ChildCommand {
     /// [`ChildCommand::kvq`] of the running executable (call it from kvq).
     pub fn current_kvq() -> Self {
         Self::kvq(std::env::current_exe().unwrap_or_else(|_| PathBuf::from("kvq")))
+    }
+
+    /// [`ChildCommand::args`] with the donor role ([`CHILD_ROLE`]) replaced
+    /// by `role` (e.g. [`NET_CHILD_ROLE`]); appended when absent.
+    pub fn args_for_role(&self, role: &str) -> Vec<String> {
+        let mut args = self.args.clone();
+        match args.iter_mut().find(|a| *a == CHILD_ROLE) {
+            Some(a) => *a = role.to_string(),
+            None => args.push(role.to_string()),
+        }
+        args
     }
 }
 
@@ -760,6 +781,9 @@ pub fn run_fault(
     if fault == Fault::NatsServerRestart {
         warm_tokio_globals();
     }
+    if fault == Fault::LinkCutMidTransfer {
+        link_cut::warm_nixl_globals();
+    }
     let prefix = unique_prefix();
     let probe = LeakProbe::start(&prefix);
     let result = match fault {
@@ -773,6 +797,12 @@ pub fn run_fault(
             event_fault(fault, seed, &prefix)
         }
         Fault::NatsServerRestart => nats_restart(seed, &prefix),
+        Fault::LinkCutMidTransfer => {
+            let child = child.ok_or_else(|| {
+                FaultError::Child(format!("{} needs a child command", fault.name()))
+            })?;
+            link_cut::link_cut(seed, child, &prefix)
+        }
         _ => fetch_fault(fault, seed, &prefix),
     };
     // Everything of the run was dropped inside the runner: compare now.
@@ -1458,6 +1488,37 @@ fn pid_alive(pid: u32) -> bool {
     }
 }
 
+/// The hint a router would send for `entries` (sequence hash, donor slot;
+/// the retained prefix, in order) of `manifest`'s bank: every rank reads
+/// the same slots.
+fn retained_hint_envelope(
+    manifest: &BankManifest,
+    layout: &KvLayout,
+    entries: &[(u64, u32)],
+    seed: u64,
+    endpoint: &str,
+) -> Result<HintEnvelope, FaultError> {
+    let slots: Vec<u32> = entries.iter().map(|e| e.1).collect();
+    let hint = FetchGpuHint {
+        donor_engine_id: manifest.owner().engine_id,
+        bank_generation: manifest.owner().generation,
+        layout_fingerprint: layout.fingerprint(),
+        tp_size: TP,
+        sequence_hashes: entries.iter().map(|e| SequenceHash(e.0)).collect(),
+        fetch_from: 0,
+        parts: (0..TP)
+            .map(|r| FetchPart {
+                tp_rank: r,
+                slot_ids: slots.clone(),
+                expected_bytes: slots.len() as u64 * layout.rank_block_bytes() as u64,
+            })
+            .collect(),
+        donor_control_endpoint: endpoint.to_string(),
+    };
+    HintEnvelope::fetch_gpu(format!("fault-{seed}"), "a0", &hint)
+        .map_err(|e| FaultError::Child(e.to_string()))
+}
+
 /// Kills and reaps the child when dropped (a failed setup leaves no process).
 struct ChildGuard(Arc<Mutex<Child>>);
 
@@ -1551,25 +1612,7 @@ fn child_fault(
     let bs = layout.tokens_per_block() as usize;
     let usable = (conv.prompt.len() - 1) / bs;
     let entries: Vec<(u64, u32)> = hello.entries.iter().take(usable).copied().collect();
-    let slots: Vec<u32> = entries.iter().map(|e| e.1).collect();
-    let hint = FetchGpuHint {
-        donor_engine_id: manifest.owner().engine_id,
-        bank_generation: manifest.owner().generation,
-        layout_fingerprint: layout.fingerprint(),
-        tp_size: TP,
-        sequence_hashes: entries.iter().map(|e| SequenceHash(e.0)).collect(),
-        fetch_from: 0,
-        parts: (0..TP)
-            .map(|r| FetchPart {
-                tp_rank: r,
-                slot_ids: slots.clone(),
-                expected_bytes: slots.len() as u64 * layout.rank_block_bytes() as u64,
-            })
-            .collect(),
-        donor_control_endpoint: format!("pid:{pid}"),
-    };
-    let env = HintEnvelope::fetch_gpu(format!("fault-{seed}"), "a0", &hint)
-        .map_err(|e| FaultError::Child(e.to_string()))?;
+    let env = retained_hint_envelope(&manifest, &layout, &entries, seed, &format!("pid:{pid}"))?;
     let strike_child = child.clone();
     let act: Action = if fault == Fault::DonorKilledMidTransfer {
         Arc::new(move || {
@@ -1791,12 +1834,24 @@ pub fn soak_with(minutes: f64, seed: u64, child: Option<&ChildCommand>) -> SoakR
         per_fault: Vec::new(),
     };
     let mut rows: HashMap<Fault, FaultRow> = HashMap::new();
+    // The link-cut fault joins the donor-process faults where it can run
+    // (NIXL runtime, network namespaces); otherwise it would only skip.
+    let net_ok = child.is_some() && link_cut::available();
     let mut n = 0u64;
     while t0.elapsed() < budget || n == 0 {
         n += 1;
         let fault = match child {
             Some(_) if rng.gen_range(0..10) == 0 => {
-                [Fault::DonorKilledMidTransfer, Fault::SigtermDuringTransfer][rng.gen_range(0..2)]
+                let pool: &[Fault] = if net_ok {
+                    &[
+                        Fault::DonorKilledMidTransfer,
+                        Fault::SigtermDuringTransfer,
+                        Fault::LinkCutMidTransfer,
+                    ]
+                } else {
+                    &[Fault::DonorKilledMidTransfer, Fault::SigtermDuringTransfer]
+                };
+                pool[rng.gen_range(0..pool.len())]
             }
             _ => Fault::IN_PROCESS[rng.gen_range(0..Fault::IN_PROCESS.len())],
         };

@@ -9,10 +9,21 @@
 //!
 //! Invariant: everything created is removed on drop (deleting the namespace
 //! deletes its end of the veth pair, which deletes the pair), also when
-//! creation fails half way.
+//! creation fails half way; the per-process [`NetnsLink::shared`] link is
+//! removed at process exit, and namespaces left by processes that died
+//! without exiting are removed by the next [`NetnsLink::create`].
+//!
+//! UCX (1.23, inside NIXL 1.5.1) reads the routing table once per process
+//! and afterwards finds no route through a veth pair created later ("no
+//! route to ..."). NIXL users therefore take the one [`NetnsLink::shared`]
+//! link of their process, created before their first NIXL agent.
 
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+
+/// Namespace names are `kvq-<pid>-<n>`, so a stale one names its owner.
+const NS_PREFIX: &str = "kvq-";
 
 /// Why a namespace pair could not be made.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -81,8 +92,9 @@ fn ip(args: &[&str]) -> Result<(), NetnsError> {
 
 impl NetnsLink {
     /// Creates a fresh namespace and veth pair, both ends up, with
-    /// addresses; loopback inside the namespace stays down, so the only way
-    /// in or out is the pair.
+    /// addresses. Loopback inside the namespace is up too: a NIXL agent
+    /// connects to itself through its own address at start, and packets to
+    /// a local address travel over `lo`. The only way in or out is the pair.
     ///
     /// # Errors
     /// [`NetnsError::Unavailable`] when the namespace cannot be created at
@@ -108,7 +120,8 @@ impl NetnsLink {
                 a & 0xff
             )
         };
-        let ns = format!("kvq{tag}");
+        remove_stale_namespaces();
+        let ns = format!("{NS_PREFIX}{pid}-{k}");
         if let Err(e) = ip(&["netns", "add", &ns]) {
             return Err(NetnsError::Unavailable(e.to_string()));
         }
@@ -137,7 +150,58 @@ impl NetnsLink {
         };
         in_ns(&["addr", "add", &format!("{}/30", self.ns_ip), "dev", n])?;
         in_ns(&["link", "set", n, "up"])?;
-        Ok(())
+        in_ns(&["link", "set", "lo", "up"])?;
+        self.wait_host_end_up()
+    }
+
+    /// Waits (up to 5 s) until the host end is operationally up: a veth end
+    /// gets carrier a moment after both ends were set up, and until then the
+    /// kernel has no route through it (UCX then fails with "no route").
+    fn wait_host_end_up(&self) -> Result<(), NetnsError> {
+        let path = format!("/sys/class/net/{}/operstate", self.host_dev);
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let state = std::fs::read_to_string(&path).unwrap_or_default();
+            if state.trim() == "up" {
+                return Ok(());
+            }
+            if std::time::Instant::now() >= end {
+                return Err(NetnsError::Command {
+                    args: format!("link show {}", self.host_dev),
+                    reason: format!("operstate {:?} after 5 s", state.trim()),
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    /// This process's link, created on first use and removed at exit (see
+    /// the module docs for why NIXL users share one). A creation failure is
+    /// remembered: later calls return the same error.
+    ///
+    /// # Errors
+    /// As [`NetnsLink::create`].
+    pub fn shared() -> Result<&'static NetnsLink, NetnsError> {
+        static SHARED: OnceLock<Result<NetnsLink, NetnsError>> = OnceLock::new();
+        extern "C" fn remove_shared() {
+            if let Some(Ok(link)) = SHARED.get() {
+                link.remove();
+            }
+        }
+        SHARED
+            .get_or_init(|| {
+                let link = NetnsLink::create()?;
+                // SAFETY: `remove_shared` is a plain `extern "C" fn()` that
+                // only reads a static and runs `ip`; registering it has no
+                // other effect. If registration fails the link is left to
+                // the next process's stale-namespace sweep.
+                unsafe {
+                    libc::atexit(remove_shared);
+                }
+                Ok(link)
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// A command that runs `program` inside the namespace
@@ -157,21 +221,51 @@ impl NetnsLink {
         ip(&["link", "set", &self.host_dev, "down"])
     }
 
-    /// Brings the host end up again (its address is kept while down).
+    /// Brings the host end up again (its address is kept while down) and
+    /// waits until it carries packets.
     ///
     /// # Errors
-    /// [`NetnsError::Command`] when `ip link set up` fails.
+    /// [`NetnsError::Command`] when `ip link set up` fails or the end is not
+    /// up within 5 s.
     pub fn restore(&self) -> Result<(), NetnsError> {
-        ip(&["link", "set", &self.host_dev, "up"])
+        ip(&["link", "set", &self.host_dev, "up"])?;
+        self.wait_host_end_up()
+    }
+}
+
+impl NetnsLink {
+    fn remove(&self) {
+        // Deleting the namespace destroys `ns_dev`, and with it the pair; the
+        // explicit `link del` covers a pair whose peer never moved into it.
+        let _ = ip(&["netns", "del", &self.ns]);
+        let _ = ip(&["link", "del", &self.host_dev]);
     }
 }
 
 impl Drop for NetnsLink {
     fn drop(&mut self) {
-        // Deleting the namespace destroys `ns_dev`, and with it the pair; the
-        // explicit `link del` covers a pair whose peer never moved into it.
-        let _ = ip(&["netns", "del", &self.ns]);
-        let _ = ip(&["link", "del", &self.host_dev]);
+        self.remove();
+    }
+}
+
+/// Deletes `kvq-<pid>-<n>` namespaces whose process no longer exists.
+fn remove_stale_namespaces() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some(name) = line.split_whitespace().next() else {
+            continue;
+        };
+        let owner = name
+            .strip_prefix(NS_PREFIX)
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok());
+        if let Some(pid) = owner {
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = ip(&["netns", "del", name]);
+            }
+        }
     }
 }
 

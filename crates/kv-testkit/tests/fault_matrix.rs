@@ -198,6 +198,33 @@ fn nats_server_restart_reconnects_resyncs_and_loses_no_inventory() {
 }
 
 #[test]
+fn link_cut_mid_transfer_between_namespaces_falls_back_without_late_writes() {
+    let child = kvq();
+    for seed in [11, 3] {
+        match run_fault(Fault::LinkCutMidTransfer, seed, Some(&child)) {
+            Err(FaultError::Skipped(reason)) => {
+                println!("SKIP link_cut_mid_transfer: {reason}");
+                return;
+            }
+            Err(e) => panic!("link_cut_mid_transfer: {e}"),
+            Ok(o) => {
+                println!("link_cut_mid_transfer seed {seed}: {}", o.detail);
+                // fell_back includes the control fetch over TCP completing.
+                assert!(
+                    o.detail.contains("control fetch over tcp: completed true"),
+                    "{o:?}"
+                );
+                assert!(o.fell_back && !o.completed, "{o:?}");
+                assert!(o.outputs_match, "{o:?}");
+                assert!(o.detail.contains("rows free true"), "{o:?}");
+                assert!(o.destination_untouched, "{o:?}");
+                assert_eq!(o.leaks, Vec::<String>::new(), "seed {seed}");
+            }
+        }
+    }
+}
+
+#[test]
 fn rows_count_runs_fallbacks_and_completions() {
     let rows = fault_rows(&[Fault::RankPartFails, Fault::None], 2, 21, None);
     let got: Vec<_> = rows

@@ -83,20 +83,32 @@ pub trait CopyBackend: Send + Sync {
     fn name(&self) -> &'static str;
 
     /// Copies every run of `part` from `io.src` to `io.dst` and returns when
-    /// the bytes have landed (or the attempt is over and nothing is in flight).
+    /// the bytes have landed (or the attempt is over and nothing is in
+    /// flight, except after [`TransferError::NotQuiesced`]).
     ///
     /// Called only after [`deliver`] checked that every run lies inside both
     /// regions.
     ///
     /// # Errors
     /// Unsupported memory kinds, cancellation / deadline observed between
-    /// batches, donor unreachable, backend failures.
+    /// batches, donor unreachable, backend failures;
+    /// [`TransferError::NotQuiesced`] when an abandoned read could not be
+    /// stopped and may still write `io.dst`.
     fn copy_part(
         &self,
         part: &PartPlan,
         io: &RankIo<'_>,
         control: &DeliveryControl,
     ) -> Result<PartOutcome, TransferError>;
+
+    /// Abandoned reads ([`TransferError::NotQuiesced`]) that may still write
+    /// their destination, after reaping those that have since finished or
+    /// failed. When it returns 0, rows orphaned by such reads may be reused
+    /// (`kv_bank::DestinationPool::reclaim_orphans_after_quiesce`). Backends
+    /// that never abandon a read in flight keep the default, 0.
+    fn in_flight(&self) -> usize {
+        0
+    }
 }
 
 /// Whether a delivery may be used.

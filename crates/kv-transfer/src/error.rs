@@ -84,6 +84,17 @@ pub enum TransferError {
         #[source]
         source: Box<TransferError>,
     },
+    /// A part was abandoned (cancelled, past its deadline) while its read was
+    /// in flight, and the backend could not confirm that the read stopped:
+    /// it may still write the destination rows, which therefore must not be
+    /// reused (the fetch executor orphans them).
+    #[error("rank {rank} abandoned a read that may still write the destination: {reason}")]
+    NotQuiesced {
+        /// TP rank of the abandoned part.
+        rank: u32,
+        /// What the backend observed.
+        reason: String,
+    },
     /// The NIXL runtime (`libnixl_capi.so`) could not be loaded.
     #[error("NIXL runtime not loadable: {0}")]
     NixlUnavailable(String),
@@ -112,6 +123,29 @@ pub enum TransferError {
 }
 
 impl TransferError {
+    /// True when a destination write may still land after this error was
+    /// returned ([`TransferError::NotQuiesced`], also inside
+    /// [`TransferError::PartFailed`]): the destination rows must not be
+    /// handed back. Every other error is returned only once nothing is in
+    /// flight.
+    ///
+    /// ```
+    /// use kv_transfer::TransferError;
+    /// let e = TransferError::PartFailed {
+    ///     rank: 1,
+    ///     source: Box::new(TransferError::NotQuiesced { rank: 1, reason: "link down".into() }),
+    /// };
+    /// assert!(e.may_still_write());
+    /// assert!(!TransferError::Cancelled.may_still_write());
+    /// ```
+    pub fn may_still_write(&self) -> bool {
+        match self {
+            Self::NotQuiesced { .. } => true,
+            Self::PartFailed { source, .. } => source.may_still_write(),
+            _ => false,
+        }
+    }
+
     pub(crate) fn input(field: &'static str, reason: impl Into<String>) -> Self {
         Self::InvalidInput {
             field,

@@ -235,9 +235,14 @@ impl NixlAgentOptions {
 /// One NIXL agent with a UCX backend: registers local memory, exchanges
 /// metadata, and owns prepared descriptor lists.
 ///
-/// Field order matters: prepared handles and registrations are released
-/// before the agent itself.
+/// Field order matters: abandoned requests, prepared handles and
+/// registrations are released before the agent itself.
 pub struct NixlAgent {
+    /// Remote agents loaded and not forgotten.
+    remotes: Mutex<std::collections::HashSet<String>>,
+    /// Reads abandoned in flight: kept, not released (a released UCX read
+    /// still writes), until [`NixlAgent::reap_abandoned`] sees them end.
+    abandoned: Mutex<Vec<nixl_sys::XferRequest>>,
     prepared: Mutex<HashMap<PreparedKey, PreparedPair>>,
     registrations: Mutex<Vec<RegistrationHandle>>,
     backend: Backend,
@@ -310,6 +315,8 @@ impl NixlAgent {
             .create_backend("UCX", &params)
             .map_err(nixl_err("create_backend(UCX)"))?;
         Ok(Self {
+            remotes: Mutex::new(std::collections::HashSet::new()),
+            abandoned: Mutex::new(Vec::new()),
             prepared: Mutex::new(HashMap::new()),
             registrations: Mutex::new(Vec::new()),
             backend,
@@ -364,18 +371,29 @@ impl NixlAgent {
     /// # Errors
     /// [`TransferError::Nixl`] naming `load_remote_md`.
     pub fn load_remote(&self, metadata: &[u8]) -> Result<String, TransferError> {
-        self.agent
+        let name = self
+            .agent
             .load_remote_md(metadata)
-            .map_err(nixl_err("load_remote_md"))
+            .map_err(nixl_err("load_remote_md"))?;
+        self.remotes.lock().insert(name.clone());
+        Ok(name)
     }
 
-    /// Forgets a remote agent (its donor died or left): later reads from it
-    /// fail with [`TransferError::DonorUnreachable`], and the descriptor lists
-    /// prepared against it are released.
+    /// Forgets a remote agent (its donor died, left or stalled): its UCX
+    /// endpoints close, later reads from it fail with
+    /// [`TransferError::DonorUnreachable`], and the descriptor lists prepared
+    /// against it are released. Forgetting an unknown or already forgotten
+    /// remote does nothing.
     ///
     /// # Errors
     /// [`TransferError::Nixl`] naming `invalidate_remote_md`.
     pub fn forget_remote(&self, remote: &str) -> Result<(), TransferError> {
+        // Held across the call: a concurrent forget of the same remote
+        // returns only once the endpoints are closed.
+        let mut remotes = self.remotes.lock();
+        if !remotes.remove(remote) {
+            return Ok(());
+        }
         self.prepared.lock().retain(|k, _| k.remote != remote);
         self.agent
             .invalidate_remote_md(remote)
@@ -393,6 +411,16 @@ impl NixlAgent {
             .get_notifications(&mut map, None)
             .map_err(nixl_err("get_notifs"))?;
         map.take_notifs().map_err(nixl_err("take_notifs"))
+    }
+
+    /// Releases abandoned reads that have ended (completed or failed) and
+    /// returns how many are still in flight: their destination rows must
+    /// stay unused until this returns 0. Progresses UCX as a side effect.
+    pub fn reap_abandoned(&self) -> usize {
+        let mut abandoned = self.abandoned.lock();
+        abandoned
+            .retain(|req| matches!(self.agent.get_xfer_status(req), Ok(XferStatus::InProgress)));
+        abandoned.len()
     }
 
     /// Number of prepared descriptor-list pairs cached.
@@ -441,6 +469,37 @@ impl NixlBackend {
         TransferError::DonorUnreachable {
             rank,
             reason: format!("remote agent `{remote}`: {e}"),
+        }
+    }
+
+    /// Ends a read abandoned with `why` (cancelled, deadline) while in
+    /// flight: returns `why` when it finished meanwhile, else keeps the
+    /// request and returns [`TransferError::NotQuiesced`], so that its rows
+    /// stay orphaned until [`NixlAgent::reap_abandoned`] sees it end.
+    ///
+    /// Releasing a NIXL request does not stop a UCX read already on the wire
+    /// (UCX cancels only receives), and forgetting the remote does not close
+    /// its endpoint at once either: over TCP, a read stalled by a cut link
+    /// landed in its rows after both, once the link came back (kv-testkit
+    /// fault `link_cut_mid_transfer`). Releasing it early also let such a
+    /// write land after the rows' memory was freed (heap corruption). So the
+    /// request is kept, and its rows are reused only once it has ended.
+    fn abandon(
+        &self,
+        req: nixl_sys::XferRequest,
+        remote: &str,
+        rank: u32,
+        why: TransferError,
+    ) -> TransferError {
+        match self.agent.agent.get_xfer_status(&req) {
+            Ok(XferStatus::Success) => why,
+            Ok(XferStatus::InProgress) | Err(_) => {
+                self.agent.abandoned.lock().push(req);
+                TransferError::NotQuiesced {
+                    rank,
+                    reason: format!("{why}; the read from `{remote}` is still in flight"),
+                }
+            }
         }
     }
 
@@ -593,6 +652,10 @@ impl CopyBackend for NixlBackend {
         "nixl"
     }
 
+    fn in_flight(&self) -> usize {
+        self.agent.reap_abandoned()
+    }
+
     fn copy_part(
         &self,
         part: &PartPlan,
@@ -628,10 +691,7 @@ impl CopyBackend for NixlBackend {
                 Ok(XferStatus::Success) => in_flight = false,
                 Ok(XferStatus::InProgress) => {
                     if let Err(e) = control.check() {
-                        // Dropping the request releases it; NIXL aborts an
-                        // in-flight request on release before returning.
-                        drop(req);
-                        return Err(e);
+                        return Err(self.abandon(req, &remote.agent_name, part.tp_rank, e));
                     }
                     std::thread::yield_now();
                 }

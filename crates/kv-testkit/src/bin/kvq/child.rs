@@ -13,6 +13,7 @@ pub fn main(role: &str, args: &[String]) -> i32 {
         kv_bank::faults::CHILD_SUBCOMMAND => kv_bank::faults::child_main(args),
         kv_testkit::faults::CHILD_ROLE => kv_testkit::faults::child_main(args),
         kv_testkit::faults::gpu::GPU_CHILD_ROLE => kv_testkit::faults::gpu::child_main(args),
+        kv_testkit::faults::NET_CHILD_ROLE => kv_testkit::faults::net_child_main(args),
         kv_transfer::ipc_check::CHILD_SUBCOMMAND => {
             match kv_transfer::ipc_check::child_main(args) {
                 // The parent reads the last JSON line of stdout.

@@ -194,6 +194,14 @@ fn qualify(
         exe: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("kvq")),
         gpus: devices.len() as u32,
     };
+    if selected.iter().any(|s| s.name == fault_section::NAME) {
+        // UCX reads the routing table once per process: the link-cut fault's
+        // veth pair must exist before any section starts a NIXL agent
+        // (kv_testkit::netns). Where it cannot be made, that fault skips.
+        if let Err(e) = kv_testkit::netns::NetnsLink::shared() {
+            println!("kvq: no network namespace for link_cut_mid_transfer: {e}");
+        }
+    }
     let started = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
