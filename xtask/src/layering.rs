@@ -83,7 +83,10 @@ pub fn check(metadata_json: &str) -> Result<usize> {
 mod tests {
     use super::*;
 
-    fn meta(pkgs: &[(&str, &[(&str, Option<&str>)])]) -> String {
+    /// A package and its dependencies (name, optional `kind`).
+    type Package<'a> = (&'a str, &'a [(&'a str, Option<&'a str>)]);
+
+    fn meta(pkgs: &[Package<'_>]) -> String {
         let packages: Vec<_> = pkgs
             .iter()
             .map(|(name, deps)| {

@@ -4,6 +4,8 @@
 //! Policy: libclang is always required (nixl-sys does not build without it).
 //! A missing NIXL runtime or nats-server is a failure in CI (`CI=true`) and a
 //! printed warning elsewhere; the tests that need them then skip with a reason.
+//! iproute2 (network namespaces for one fault) is installed when missing and
+//! never fatal.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -47,6 +49,7 @@ impl Prerequisites {
             NixlRuntime::ensure(&tools.join("nixl")),
         )?;
         let nats_server = tolerate(strict, "nats-server", nats::ensure(&tools))?;
+        ensure_iproute2();
         let me = Self { nixl, nats_server };
         me.print();
         Ok(me)
@@ -85,6 +88,21 @@ impl Prerequisites {
         match &self.nats_server {
             Some(p) => eprintln!("prerequisite: nats-server at {}", p.display()),
             None => eprintln!("prerequisite: nats-server MISSING (NATS tests will skip)"),
+        }
+    }
+}
+
+/// `ip` (Debian `iproute2`) for the network namespaces of the fault
+/// `link_cut_mid_transfer`; installed when missing. Never fatal: without it,
+/// or without the privileges namespaces need, that fault skips and says why.
+fn ensure_iproute2() {
+    let present = Command::new("ip")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !present {
+        if let Err(e) = crate::apt::install("iproute2") {
+            eprintln!("warning: iproute2 unavailable (link_cut_mid_transfer will skip): {e}");
         }
     }
 }

@@ -35,6 +35,7 @@
 //! | `reordered_events` | `Removed` delivered before the `Stored` it follows | gap: donor excluded until resync; the late `Stored` is ignored |
 //! | `gapped_events` | one `Stored` event lost | gap: donor excluded (no hint) until resync, then the fetch completes |
 //! | `nats_server_restart` | a real `nats-server` killed and restarted on the same port while the donor publishes | clients reconnect, the receiver's gap resync (or a full resync on `Lost`) restores the whole inventory, then the fetch completes |
+//! | `link_cut_mid_transfer` | donor child in its own network namespace ([`crate::netns`]), read through NIXL with UCX over TCP on a veth pair; the link goes down when rank 1's part starts | after a control fetch over the link completes: `DeadlineExceeded`; the stalled reads stay in flight, so their rows stay orphaned until the link is back and the reads end, then return to the pool (see [`link_cut`]) |
 //! | `none` (control) | nothing | the fetch completes: proves the checks can see a completion |
 //!
 //! For the event-plane rows (`*_events`, `nats_server_restart`) "fell back"
@@ -42,10 +43,6 @@
 //! damaged the request got no hint for blocks the donor does not hold and
 //! recomputed; each run also requires the repair to work (the index equals
 //! the bank's inventory afterwards and a fetch then completes correctly).
-//!
-//! Not covered yet: two network namespaces joined by UCX over TCP with the
-//! link cut mid-transfer (`ip netns add` works on the development machine;
-//! the two-process NIXL-over-veth harness is not written).
 //!
 //! GPU memory: the rows above move host shared memory on every profile; on
 //! the GPU profile kvq adds the device rows of [`gpu`] (donor killed
@@ -93,7 +90,7 @@ pub use kv_bank::FaultRow;
 pub mod gpu;
 pub use link_cut::{net_child_main, CUT_DEADLINE, NET_CHILD_ROLE, QUIESCE_WINDOW};
 
-mod link_cut;
+pub mod link_cut;
 
 /// The `kvq child` role of the donor child process ([`child_main`]).
 pub const CHILD_ROLE: &str = "fault-donor";
