@@ -19,6 +19,11 @@
 //! - **the fetch executor** ([`FetchExecutor`], prefill side): validate,
 //!   reserve destination rows (kv-bank), pin donor slots, transfer
 //!   (kv-transfer), verify, commit or fall back;
+//! - **the source-pin protocol** on the donor control endpoint: the donor
+//!   serves pins on a Unix socket ([`PinService`], backed by real
+//!   [`kv_bank::ManagerPin`]s) and a target in another process pins through
+//!   it ([`RemoteDonor`], a [`DonorSource`]); pins end on release, on
+//!   disconnect (a dead target leaks nothing) or at a hold bound;
 //! - **event planes** ([`EventPlane`]): in-process ([`InProcessPlane`], the
 //!   default) and NATS ([`NatsPlane`]), with a subscriber readiness barrier,
 //!   and KV event streams with per-publisher ids, gap detection and resync
@@ -37,13 +42,16 @@
 //!   published afterwards reach it.
 //!
 //! - A fetch that fails after validation cancels its destination reservation
-//!   and releases its donor pin; the request recomputes.
+//!   and releases its donor pin; the request recomputes. A fetch completes
+//!   only if its pin held from grant to release ([`DonorPin::release`]).
+//! - While a [`PinService`] grant is held, the donor bank cannot evict, reuse
+//!   or free the pinned slots; a pin request is decided from the slot table
+//!   alone, so a stale, reused or closed request touches no memory.
 //!
 //! Deliberately absent: routing itself (the router picks the prefill target
 //! and calls in here), the inventory index (kv-lookup), memory and copies
-//! (kv-bank, kv-transfer), a cross-process pin protocol on the donor's control
-//! endpoint (the executor takes any [`DonorSource`]; [`kv_bank::BankManager`]
-//! is one), and any unsafe code.
+//! (kv-bank, kv-transfer), pins across hosts (the pin service listens on a
+//! host-local Unix socket only), and any unsafe code.
 
 #![deny(missing_docs)]
 
@@ -59,7 +67,9 @@ mod kv_events;
 pub mod metrics;
 pub mod nats_server;
 pub mod ols;
+mod pin_service;
 mod qualify;
+mod remote_donor;
 mod settings;
 pub mod spans;
 #[cfg(test)]
@@ -85,7 +95,12 @@ pub use kv_events::{
     resync_subject, KvEventPublisher, KvEventReceiver, KvStreamItem, PublisherHeader,
     ReceiverStats, ResyncOutcome, ResyncRequest,
 };
+pub use pin_service::{
+    unix_endpoint_path, PinService, PinServiceConfig, PinServiceError, PinServiceStats,
+    MAX_SOCKET_PATH_BYTES, UNIX_ENDPOINT_PREFIX,
+};
 pub use qualify::{qualify_section, GlueQualifySection};
+pub use remote_donor::{RemoteDonor, RemotePin, DEFAULT_PIN_TIMEOUT};
 pub use settings::{
     settings_markdown, spec, EnvSnapshot, LoadedSettings, ReuseSettings, SettingKind,
     SettingOrigin, SettingSpec, SettingValue, SettingsLoader, ENV_PREFIX, REMOVED_SETTINGS,

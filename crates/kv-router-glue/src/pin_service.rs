@@ -1,0 +1,734 @@
+//! Donor side of the cross-process source-pin protocol: a Unix-socket
+//! server that pins a [`BankManager`]'s slots for targets in other processes.
+//!
+//! A target connects to the donor's control endpoint (`unix:<path>`), sends
+//! [`PinClientMessage::Pin`] frames and gets [`PinDonorMessage::Granted`] or
+//! [`PinDonorMessage::Refused`] back; while granted, the service holds a real
+//! [`kv_bank::ManagerPin`] from [`BankManager::pin_hint`], so the bank never
+//! evicts, reuses or frees those slots. A pin ends at the first of:
+//! - the target's [`PinClientMessage::Release`] (answered by
+//!   [`PinDonorMessage::Released`]);
+//! - the connection closing, for any reason (a target that dies never leaves
+//!   a pin behind: the kernel closes its socket, the read returns, the
+//!   connection's pins drop);
+//! - [`PinServiceConfig::max_hold`] after the grant (the release then reports
+//!   `expired: true`, so the target knows the slots were not protected
+//!   throughout and must not trust what it read);
+//! - [`PinService::shutdown`].
+//!
+//! Threads: one accept thread plus one thread per connection, at most
+//! [`PinServiceConfig::max_connections`] (a connection over the limit gets one
+//! `too_many_pins` refusal and is closed). Nothing polls: a connection thread
+//! blocks in `read` with a timeout equal to its earliest pin deadline, and
+//! shutdown wakes it by shutting its socket down. [`PinService::shutdown`]
+//! (also run on drop) joins every thread, closes every socket and removes the
+//! socket file.
+//!
+//! Deciding whether to pin reads only the slot table (`pin_hint`), never
+//! bank memory: a stale, reused or closed request is refused without a
+//! byte of the bank being touched.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kv_bank::{BankError, BankManager, ManagerPin};
+use kv_descriptor::{
+    encode_pin_frame, split_pin_frame, PinClientMessage, PinDonorMessage, PinGrant, PinRefusal,
+    PinRefusalReason, PinReleased, PinRequest, Wire,
+};
+use parking_lot::{Condvar, Mutex};
+
+/// Scheme prefix of a Unix-socket control endpoint: `unix:<absolute path>`.
+pub const UNIX_ENDPOINT_PREFIX: &str = "unix:";
+
+/// Longest socket path `bind` accepts (Linux `sun_path` is 108 bytes with
+/// its terminating NUL).
+pub const MAX_SOCKET_PATH_BYTES: usize = 107;
+
+/// The socket path of a `unix:<path>` endpoint.
+///
+/// ```
+/// use kv_router_glue::unix_endpoint_path;
+/// assert_eq!(unix_endpoint_path("unix:/run/kv/d0.sock").unwrap().to_str(), Some("/run/kv/d0.sock"));
+/// assert!(unix_endpoint_path("pid:42").is_err());
+/// ```
+///
+/// # Errors
+/// A message when the scheme is not `unix:`, the path is empty or longer
+/// than [`MAX_SOCKET_PATH_BYTES`].
+pub fn unix_endpoint_path(endpoint: &str) -> Result<PathBuf, String> {
+    let path = endpoint
+        .strip_prefix(UNIX_ENDPOINT_PREFIX)
+        .ok_or_else(|| format!("endpoint {endpoint:?} is not `unix:<path>`"))?;
+    if path.is_empty() || path.len() > MAX_SOCKET_PATH_BYTES {
+        return Err(format!(
+            "endpoint {endpoint:?}: socket path must hold 1..={MAX_SOCKET_PATH_BYTES} bytes"
+        ));
+    }
+    Ok(PathBuf::from(path))
+}
+
+/// Limits of a [`PinService`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PinServiceConfig {
+    /// Connections served at once (each is one thread). Default 64.
+    pub max_connections: usize,
+    /// Pins held at once over all connections; more are refused with
+    /// `too_many_pins`. Default 1024.
+    pub max_pins: usize,
+    /// Longest time one pin is held after its grant. Default 30 s: two
+    /// orders of magnitude above a fetch (a 2 GiB prefix at the gather
+    /// kernel's ~300 GB/s takes ~7 ms; over NIXL/TCP at 1 GB/s, ~2 s), and
+    /// short enough that a wedged target cannot keep donor slots forever.
+    pub max_hold: Duration,
+    /// How long a connection waits for the rest of a started frame, and for
+    /// a reply to be written, before it is dropped. Default 5 s.
+    pub io_timeout: Duration,
+}
+
+impl Default for PinServiceConfig {
+    fn default() -> Self {
+        Self {
+            max_connections: 64,
+            max_pins: 1024,
+            max_hold: Duration::from_secs(30),
+            io_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Counters of a [`PinService`] since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PinServiceStats {
+    /// Pins granted.
+    pub granted: u64,
+    /// Requests refused (any reason).
+    pub refused: u64,
+    /// Pins released by the target.
+    pub released: u64,
+    /// Pins dropped at `max_hold`.
+    pub expired: u64,
+    /// Pins dropped because their connection closed.
+    pub dropped_on_disconnect: u64,
+    /// Connections accepted (including refused ones).
+    pub connections: u64,
+    /// Connections refused at the limit.
+    pub connections_refused: u64,
+    /// Frames refused as malformed (bad length or body).
+    pub malformed: u64,
+}
+
+/// Why a [`PinService`] could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum PinServiceError {
+    /// The endpoint is not a usable `unix:<path>`.
+    #[error("pin service endpoint: {0}")]
+    Endpoint(String),
+    /// Binding or configuring the socket failed.
+    #[error("pin service socket {path}: {op}: {source}")]
+    Socket {
+        /// Socket path.
+        path: PathBuf,
+        /// What failed (`bind`, `spawn`, ...).
+        op: &'static str,
+        /// OS error.
+        source: std::io::Error,
+    },
+}
+
+#[derive(Default)]
+struct Counters {
+    granted: AtomicU64,
+    refused: AtomicU64,
+    released: AtomicU64,
+    expired: AtomicU64,
+    dropped_on_disconnect: AtomicU64,
+    connections: AtomicU64,
+    connections_refused: AtomicU64,
+    malformed: AtomicU64,
+}
+
+struct Conn {
+    /// A clone of the connection's socket, to wake its thread on shutdown;
+    /// taken (closed) by the thread when it ends.
+    wake: Option<UnixStream>,
+    handle: Option<JoinHandle<()>>,
+}
+
+struct Shared {
+    bank: Arc<BankManager>,
+    config: PinServiceConfig,
+    endpoint: String,
+    path: PathBuf,
+    stopping: AtomicBool,
+    draining: AtomicBool,
+    pins: AtomicUsize,
+    pins_changed: Condvar,
+    pins_lock: Mutex<()>,
+    live_connections: AtomicUsize,
+    next_pin: AtomicU64,
+    next_conn: AtomicU64,
+    conns: Mutex<HashMap<u64, Conn>>,
+    counters: Counters,
+}
+
+/// A running donor pin service on a Unix socket.
+///
+/// Each granted [`PinClientMessage::Pin`] holds a real [`kv_bank::ManagerPin`]
+/// (the bank cannot evict, reuse or free those slots) until the first of:
+/// the target's release, its connection closing (a dead target leaks no
+/// pin), [`PinServiceConfig::max_hold`] after the grant (the release then
+/// reports `expired`), or [`PinService::shutdown`]. Requests are decided by
+/// [`BankManager::pin_hint`] from the slot table alone; refusals carry a
+/// [`PinRefusalReason`]. One accept thread plus one thread per connection
+/// (at most [`PinServiceConfig::max_connections`]); shutdown (also on drop)
+/// joins them all, closes every socket and removes the socket file.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use kv_router_glue::{PinService, PinServiceConfig};
+/// # fn bank() -> Arc<kv_bank::BankManager> { unimplemented!() }
+/// let service = PinService::bind(bank(), "unix:/tmp/kv-d0.sock", PinServiceConfig::default()).unwrap();
+/// // Publish `service.endpoint()` as the hint's `donor_control_endpoint`.
+/// assert_eq!(service.endpoint(), "unix:/tmp/kv-d0.sock");
+/// service.shutdown(Duration::from_millis(500)); // drains, joins, removes the socket
+/// ```
+pub struct PinService {
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for PinService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinService")
+            .field("endpoint", &self.shared.endpoint)
+            .field("active_pins", &self.active_pins())
+            .finish()
+    }
+}
+
+impl PinService {
+    /// Binds `endpoint` (`unix:<path>`) and starts serving pins on `bank`.
+    ///
+    /// A stale socket file at the path (one nobody accepts on) is replaced;
+    /// a live one is an error, so two donors never share an endpoint.
+    ///
+    /// # Errors
+    /// [`PinServiceError::Endpoint`] for a bad endpoint or a path another
+    /// service listens on; [`PinServiceError::Socket`] when bind or the
+    /// accept thread fails.
+    pub fn bind(
+        bank: Arc<BankManager>,
+        endpoint: &str,
+        config: PinServiceConfig,
+    ) -> Result<Self, PinServiceError> {
+        let path = unix_endpoint_path(endpoint).map_err(PinServiceError::Endpoint)?;
+        let sock_err = |op, source| PinServiceError::Socket {
+            path: path.clone(),
+            op,
+            source,
+        };
+        if path.exists() {
+            if UnixStream::connect(&path).is_ok() {
+                return Err(PinServiceError::Endpoint(format!(
+                    "{endpoint}: another service is listening there"
+                )));
+            }
+            std::fs::remove_file(&path).map_err(|e| sock_err("remove stale socket", e))?;
+        }
+        let listener = UnixListener::bind(&path).map_err(|e| sock_err("bind", e))?;
+        let shared = Arc::new(Shared {
+            bank,
+            config,
+            endpoint: endpoint.to_owned(),
+            path: path.clone(),
+            stopping: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            pins: AtomicUsize::new(0),
+            pins_changed: Condvar::new(),
+            pins_lock: Mutex::new(()),
+            live_connections: AtomicUsize::new(0),
+            next_pin: AtomicU64::new(1),
+            next_conn: AtomicU64::new(1),
+            conns: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+        });
+        let s = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("kv-pin-accept".into())
+            .spawn(move || accept_loop(&s, &listener))
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&path);
+                sock_err("spawn accept thread", e)
+            })?;
+        Ok(Self {
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// The endpoint to publish in hints (`unix:<path>`).
+    pub fn endpoint(&self) -> &str {
+        &self.shared.endpoint
+    }
+
+    /// Pins held now over all connections.
+    pub fn active_pins(&self) -> usize {
+        self.shared.pins.load(Ordering::SeqCst)
+    }
+
+    /// Connections being served now.
+    pub fn active_connections(&self) -> usize {
+        self.shared.live_connections.load(Ordering::SeqCst)
+    }
+
+    /// Counters since start.
+    pub fn stats(&self) -> PinServiceStats {
+        let c = &self.shared.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::SeqCst);
+        PinServiceStats {
+            granted: l(&c.granted),
+            refused: l(&c.refused),
+            released: l(&c.released),
+            expired: l(&c.expired),
+            dropped_on_disconnect: l(&c.dropped_on_disconnect),
+            connections: l(&c.connections),
+            connections_refused: l(&c.connections_refused),
+            malformed: l(&c.malformed),
+        }
+    }
+
+    /// Waits up to `timeout` until no pin is held (for tests and drains).
+    /// Returns true when none is.
+    pub fn wait_no_pins(&self, timeout: Duration) -> bool {
+        self.shared.wait_no_pins(timeout)
+    }
+
+    /// Stops the service: new pin requests are refused (`bank_closed`) at
+    /// once, pins still held get up to `drain` to be released by their
+    /// targets, then every connection is closed (dropping its pins), every
+    /// thread joined and the socket file removed. Returns the counters.
+    pub fn shutdown(mut self, drain: Duration) -> PinServiceStats {
+        self.stop(drain);
+        self.stats()
+    }
+
+    fn stop(&mut self, drain: Duration) {
+        let Some(accept) = self.accept.take() else {
+            return;
+        };
+        let s = &self.shared;
+        s.draining.store(true, Ordering::SeqCst);
+        s.wait_no_pins(drain);
+        s.stopping.store(true, Ordering::SeqCst);
+        // Wakes the accept thread out of `accept`; it sees `stopping` and
+        // exits, closing the listener.
+        drop(UnixStream::connect(&s.path));
+        let _ = accept.join();
+        let conns: Vec<Conn> = s.conns.lock().drain().map(|(_, c)| c).collect();
+        for c in &conns {
+            if let Some(w) = &c.wake {
+                let _ = w.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        for mut c in conns {
+            if let Some(h) = c.handle.take() {
+                let _ = h.join();
+            }
+        }
+        let _ = std::fs::remove_file(&s.path);
+    }
+}
+
+impl Drop for PinService {
+    fn drop(&mut self) {
+        self.stop(Duration::ZERO);
+    }
+}
+
+impl Shared {
+    fn wait_no_pins(&self, timeout: Duration) -> bool {
+        let end = Instant::now() + timeout;
+        let mut g = self.pins_lock.lock();
+        while self.pins.load(Ordering::SeqCst) > 0 {
+            if self.pins_changed.wait_until(&mut g, end).timed_out() {
+                return self.pins.load(Ordering::SeqCst) == 0;
+            }
+        }
+        true
+    }
+
+    fn pins_dropped(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let _g = self.pins_lock.lock();
+        self.pins.fetch_sub(n, Ordering::SeqCst);
+        self.pins_changed.notify_all();
+    }
+}
+
+fn accept_loop(s: &Arc<Shared>, listener: &UnixListener) {
+    loop {
+        let accepted = listener.accept();
+        if s.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        // Joins connection threads that ended, so finished handles do not pile up.
+        s.conns.lock().retain(|_, c| {
+            if c.handle.as_ref().is_some_and(|h| h.is_finished()) {
+                if let Some(h) = c.handle.take() {
+                    let _ = h.join();
+                }
+                return false;
+            }
+            true
+        });
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => {
+                // EMFILE and the like: back off instead of spinning.
+                tracing::warn!("pin service accept: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        s.counters.connections.fetch_add(1, Ordering::SeqCst);
+        let _ = stream.set_write_timeout(Some(s.config.io_timeout));
+        if s.live_connections.fetch_add(1, Ordering::SeqCst) >= s.config.max_connections {
+            s.live_connections.fetch_sub(1, Ordering::SeqCst);
+            s.counters
+                .connections_refused
+                .fetch_add(1, Ordering::SeqCst);
+            let mut stream = stream;
+            let _ = send(
+                &mut stream,
+                &refusal(
+                    0,
+                    PinRefusalReason::TooManyPins,
+                    format!("connection limit {} reached", s.config.max_connections),
+                ),
+            );
+            continue;
+        }
+        let Ok(wake) = stream.try_clone() else {
+            s.live_connections.fetch_sub(1, Ordering::SeqCst);
+            continue;
+        };
+        let id = s.next_conn.fetch_add(1, Ordering::SeqCst);
+        // Registered before the thread starts, so shutdown always sees it.
+        s.conns.lock().insert(
+            id,
+            Conn {
+                wake: Some(wake),
+                handle: None,
+            },
+        );
+        let sc = s.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("kv-pin-conn-{id}"))
+            .spawn(move || {
+                serve_connection(&sc, stream);
+                if let Some(c) = sc.conns.lock().get_mut(&id) {
+                    c.wake = None;
+                }
+                sc.live_connections.fetch_sub(1, Ordering::SeqCst);
+            });
+        match spawned {
+            Ok(h) => {
+                if let Some(c) = s.conns.lock().get_mut(&id) {
+                    c.handle = Some(h);
+                }
+            }
+            Err(e) => {
+                tracing::warn!("pin service: cannot spawn a connection thread: {e}");
+                s.conns.lock().remove(&id);
+                s.live_connections.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+struct Held {
+    _pin: ManagerPin,
+    granted: Instant,
+    deadline: Instant,
+}
+
+/// One connection's pins; dropped (pins released) when the connection ends.
+struct ConnPins<'a> {
+    shared: &'a Shared,
+    held: HashMap<u64, Held>,
+    /// Pins dropped at `max_hold`, remembered so that their release reports
+    /// `expired` (bounded: the oldest are forgotten first).
+    expired: VecDeque<(u64, u64)>,
+}
+
+impl ConnPins<'_> {
+    fn expire(&mut self, now: Instant) {
+        let due: Vec<u64> = self
+            .held
+            .iter()
+            .filter(|(_, h)| h.deadline <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in &due {
+            if let Some(h) = self.held.remove(id) {
+                if self.expired.len() >= self.shared.config.max_pins.max(1) {
+                    self.expired.pop_front();
+                }
+                self.expired
+                    .push_back((*id, h.granted.elapsed().as_micros() as u64));
+            }
+        }
+        self.shared
+            .counters
+            .expired
+            .fetch_add(due.len() as u64, Ordering::SeqCst);
+        self.shared.pins_dropped(due.len());
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.held.values().map(|h| h.deadline).min()
+    }
+}
+
+impl Drop for ConnPins<'_> {
+    fn drop(&mut self) {
+        let n = self.held.len();
+        self.held.clear();
+        self.shared
+            .counters
+            .dropped_on_disconnect
+            .fetch_add(n as u64, Ordering::SeqCst);
+        self.shared.pins_dropped(n);
+    }
+}
+
+fn serve_connection(s: &Shared, mut stream: UnixStream) {
+    let mut pins = ConnPins {
+        shared: s,
+        held: HashMap::new(),
+        expired: VecDeque::new(),
+    };
+    let mut buf: Vec<u8> = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    let mut frame_started: Option<Instant> = None;
+    loop {
+        // Answer every whole frame already buffered.
+        loop {
+            match split_pin_frame(&buf) {
+                Ok(Some((body, used))) => {
+                    let reply = handle(s, &mut pins, body);
+                    buf.drain(..used);
+                    if send(&mut stream, &reply).is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    // The stream has no frame boundary any more: refuse and close.
+                    s.counters.malformed.fetch_add(1, Ordering::SeqCst);
+                    s.counters.refused.fetch_add(1, Ordering::SeqCst);
+                    let _ = send(
+                        &mut stream,
+                        &refusal(0, PinRefusalReason::Malformed, e.to_string()),
+                    );
+                    return;
+                }
+            }
+        }
+        frame_started = if buf.is_empty() {
+            None
+        } else {
+            frame_started.or(Some(Instant::now()))
+        };
+        if s.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let now = Instant::now();
+        pins.expire(now);
+        let mut wait = pins
+            .next_deadline()
+            .map(|d| d.saturating_duration_since(now));
+        if let Some(t0) = frame_started {
+            let left = (t0 + s.config.io_timeout).saturating_duration_since(now);
+            if left.is_zero() {
+                return; // a partial frame that never completes
+            }
+            wait = Some(wait.map_or(left, |w| w.min(left)));
+        }
+        // A zero timeout is an error for set_read_timeout; 1 ms is the floor.
+        let _ = stream.set_read_timeout(wait.map(|w| w.max(Duration::from_millis(1))));
+        match stream.read(&mut chunk) {
+            Ok(0) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+fn handle(s: &Shared, pins: &mut ConnPins<'_>, body: &[u8]) -> PinDonorMessage {
+    let msg = match PinClientMessage::from_wire(body) {
+        Ok(m) => m,
+        Err(e) => {
+            s.counters.malformed.fetch_add(1, Ordering::SeqCst);
+            s.counters.refused.fetch_add(1, Ordering::SeqCst);
+            return refusal(0, PinRefusalReason::Malformed, e.to_string());
+        }
+    };
+    match msg {
+        PinClientMessage::Pin(req) => {
+            let r = pin(s, pins, &req);
+            if matches!(r, PinDonorMessage::Refused(_)) {
+                s.counters.refused.fetch_add(1, Ordering::SeqCst);
+            }
+            r
+        }
+        PinClientMessage::Release(rel) => {
+            pins.expire(Instant::now());
+            if let Some(h) = pins.held.remove(&rel.pin_id) {
+                let held_us = h.granted.elapsed().as_micros() as u64;
+                drop(h);
+                s.pins_dropped(1);
+                s.counters.released.fetch_add(1, Ordering::SeqCst);
+                PinDonorMessage::Released(PinReleased {
+                    pin_id: rel.pin_id,
+                    held_us,
+                    expired: false,
+                })
+            } else if let Some(i) = pins.expired.iter().position(|e| e.0 == rel.pin_id) {
+                let (pin_id, held_us) = pins.expired.remove(i).unwrap_or_default();
+                PinDonorMessage::Released(PinReleased {
+                    pin_id,
+                    held_us,
+                    expired: true,
+                })
+            } else {
+                s.counters.refused.fetch_add(1, Ordering::SeqCst);
+                refusal(
+                    0,
+                    PinRefusalReason::UnknownPin,
+                    format!("pin {} is not held on this connection", rel.pin_id),
+                )
+            }
+        }
+    }
+}
+
+fn pin(s: &Shared, pins: &mut ConnPins<'_>, req: &PinRequest) -> PinDonorMessage {
+    let id = req.request_id;
+    if s.draining.load(Ordering::SeqCst) {
+        return refusal(
+            id,
+            PinRefusalReason::BankClosed,
+            "the donor's pin service is shutting down".into(),
+        );
+    }
+    if s.pins.fetch_add(1, Ordering::SeqCst) >= s.config.max_pins {
+        s.pins_dropped(1);
+        return refusal(
+            id,
+            PinRefusalReason::TooManyPins,
+            format!("{} pins held, the limit", s.config.max_pins),
+        );
+    }
+    let rank_block_bytes = s.bank.config().layout.rank_block_bytes() as u64;
+    match s.bank.pin_hint(&req.to_hint(rank_block_bytes, &s.endpoint)) {
+        Ok(p) => {
+            let pin_id = s.next_pin.fetch_add(1, Ordering::SeqCst);
+            let granted = Instant::now();
+            pins.held.insert(
+                pin_id,
+                Held {
+                    _pin: p,
+                    granted,
+                    deadline: granted + s.config.max_hold,
+                },
+            );
+            s.counters.granted.fetch_add(1, Ordering::SeqCst);
+            PinDonorMessage::Granted(PinGrant {
+                request_id: id,
+                pin_id,
+                max_hold_ms: s.config.max_hold.as_millis() as u64,
+            })
+        }
+        Err(e) => {
+            s.pins_dropped(1);
+            refusal(id, refusal_reason(&e), e.to_string())
+        }
+    }
+}
+
+/// The protocol's reason for one of `pin_hint`'s errors.
+fn refusal_reason(e: &BankError) -> PinRefusalReason {
+    match e {
+        BankError::StaleOwner { field, .. }
+            if *field == "layout_fingerprint" || *field == "tp_size" =>
+        {
+            PinRefusalReason::Incompatible
+        }
+        BankError::StaleOwner { .. } => PinRefusalReason::StaleGeneration,
+        BankError::SlotMismatch { .. }
+        | BankError::SlotOutOfRange { .. }
+        | BankError::NotRetained(_)
+        | BankError::Excluded(_) => PinRefusalReason::SlotReused,
+        BankError::Closed { .. }
+        | BankError::LeaseExpired { .. }
+        | BankError::LeaseLost { .. }
+        | BankError::LeaseRevoked { .. }
+        | BankError::LeaseMissing { .. } => PinRefusalReason::BankClosed,
+        _ => PinRefusalReason::Malformed,
+    }
+}
+
+fn refusal(request_id: u64, reason: PinRefusalReason, detail: String) -> PinDonorMessage {
+    PinDonorMessage::Refused(PinRefusal {
+        request_id,
+        reason,
+        detail,
+    })
+}
+
+fn send(stream: &mut UnixStream, msg: &PinDonorMessage) -> std::io::Result<()> {
+    let frame = encode_pin_frame(msg).map_err(std::io::Error::other)?;
+    stream.write_all(&frame)
+}
+
+/// Connects to a `unix:` endpoint (shared by the client and tests).
+pub(crate) fn connect(endpoint: &str, timeout: Duration) -> Result<UnixStream, String> {
+    let path = unix_endpoint_path(endpoint)?;
+    let stream = UnixStream::connect(&path).map_err(|e| format!("connect {endpoint}: {e}"))?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .and_then(|()| stream.set_write_timeout(Some(timeout)))
+        .map_err(|e| format!("{endpoint}: {e}"))?;
+    Ok(stream)
+}
+
+/// Reads one donor frame (the client's side of [`split_pin_frame`]).
+pub(crate) fn read_donor_message(stream: &mut UnixStream) -> Result<PinDonorMessage, String> {
+    let mut header = [0u8; kv_descriptor::PIN_FRAME_HEADER_BYTES];
+    stream
+        .read_exact(&mut header)
+        .map_err(|e| format!("reading a reply: {e}"))?;
+    let len = kv_descriptor::pin_frame_len(header).map_err(|e| e.to_string())?;
+    let mut body = vec![0u8; len];
+    stream
+        .read_exact(&mut body)
+        .map_err(|e| format!("reading a {len}-byte reply: {e}"))?;
+    PinDonorMessage::from_wire(&body).map_err(|e| e.to_string())
+}

@@ -1,0 +1,223 @@
+//! Target side of the cross-process source-pin protocol: a [`DonorSource`]
+//! for a donor bank owned by another process, pinned through the donor's
+//! [`PinService`](crate::PinService) on its control endpoint.
+//!
+//! [`RemoteDonor`] holds the donor's manifest and this process's mappings
+//! of its rank memories; [`DonorSource::pin`] opens one connection to the
+//! endpoint, sends a [`PinRequest`] for the hinted slots and returns a
+//! [`RemotePin`] only on a grant. The connection stays open while the pin
+//! lives: if this process dies, the kernel closes it and the donor drops the
+//! pin. [`RemotePin`] releases on [`DonorPin::release`] (which reports
+//! whether the donor held the pin for the whole time) or on drop.
+//!
+//! One connection per pin keeps pins independent: a failure on one never
+//! ends another, and no request/reply matching across threads is needed.
+//! A connect and a round trip on a Unix socket cost tens of microseconds,
+//! small beside a fetch.
+
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_bank::{BankMemory, HostShmMemory};
+use kv_descriptor::{
+    encode_pin_frame, BankManifest, FetchGpuHint, PinClientMessage, PinDonorMessage, PinGrant,
+    PinRelease, PinRequest,
+};
+
+use crate::pin_service::{connect, read_donor_message, unix_endpoint_path};
+use crate::{DonorPin, DonorSource};
+
+/// Default time to wait for the donor's reply to a pin or release (2 s).
+pub const DEFAULT_PIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A donor bank in another process, pinned over its control endpoint.
+///
+/// ```no_run
+/// use kv_router_glue::RemoteDonor;
+/// # fn manifest() -> kv_descriptor::BankManifest { unimplemented!() }
+/// // Maps every rank's host shm segment (under the donor's live lease).
+/// let donor = RemoteDonor::open_host_shm(manifest(), "unix:/tmp/kv-d0.sock").unwrap();
+/// // Pass `&donor` to `FetchExecutor::execute`; a refused pin falls back.
+/// # let _ = donor;
+/// ```
+#[derive(Debug)]
+pub struct RemoteDonor {
+    manifest: BankManifest,
+    maps: Vec<Arc<dyn BankMemory>>,
+    endpoint: String,
+    timeout: Duration,
+    next_request: AtomicU64,
+}
+
+impl RemoteDonor {
+    /// A donor whose rank `r` memory is `maps[r]`, already mapped in this
+    /// process (host shm, or a CUDA IPC import), pinned through `endpoint`.
+    ///
+    /// # Errors
+    /// A message when `endpoint` is not `unix:<path>` or the map count is
+    /// not the manifest's TP size.
+    pub fn new(
+        manifest: BankManifest,
+        maps: Vec<Arc<dyn BankMemory>>,
+        endpoint: &str,
+    ) -> Result<Self, String> {
+        unix_endpoint_path(endpoint)?;
+        if maps.len() != manifest.tp_size() as usize {
+            return Err(format!(
+                "{} rank memories for a TP{} manifest",
+                maps.len(),
+                manifest.tp_size()
+            ));
+        }
+        Ok(Self {
+            manifest,
+            maps,
+            endpoint: endpoint.to_owned(),
+            timeout: DEFAULT_PIN_TIMEOUT,
+            next_request: AtomicU64::new(1),
+        })
+    }
+
+    /// A donor with host shared-memory banks: maps every rank with
+    /// [`HostShmMemory::open_descriptor`] (which requires the donor's live
+    /// lease of that exact incarnation and generation).
+    ///
+    /// # Errors
+    /// The import's error for the first rank that cannot be mapped; the
+    /// errors of [`RemoteDonor::new`].
+    pub fn open_host_shm(manifest: BankManifest, endpoint: &str) -> Result<Self, String> {
+        let maps = manifest
+            .parts()
+            .iter()
+            .map(|d| {
+                HostShmMemory::open_descriptor(d)
+                    .map(|m| Arc::new(m) as Arc<dyn BankMemory>)
+                    .map_err(|e| format!("rank {}: {e}", d.tp_rank()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::new(manifest, maps, endpoint)
+    }
+
+    /// Replaces the reply timeout ([`DEFAULT_PIN_TIMEOUT`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The control endpoint.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Asks the donor to pin what `hint` fetches.
+    ///
+    /// # Errors
+    /// `refused (<reason>): <detail>` when the donor refuses (the reason is
+    /// a [`kv_descriptor::PinRefusalReason`] wire name), or a connect, I/O,
+    /// timeout or protocol message. Nothing is pinned on error.
+    pub fn pin_remote(&self, hint: &FetchGpuHint) -> Result<RemotePin<'_>, String> {
+        let request_id = self.next_request.fetch_add(1, Ordering::Relaxed);
+        let req = PinRequest::for_hint(request_id, hint);
+        let mut stream = connect(&self.endpoint, self.timeout)?;
+        let frame = encode_pin_frame(&PinClientMessage::Pin(req)).map_err(|e| e.to_string())?;
+        let sent = std::io::Write::write_all(&mut stream, &frame);
+        // A donor over its connection limit answers before reading and
+        // closes, so a failed write may still have a refusal waiting.
+        let reply = read_donor_message(&mut stream);
+        let reply = match (sent, reply) {
+            (_, Ok(r)) => r,
+            (Err(e), Err(_)) => return Err(format!("sending a pin request: {e}")),
+            (Ok(()), Err(e)) => return Err(e),
+        };
+        match reply {
+            PinDonorMessage::Granted(grant) if grant.request_id == request_id => Ok(RemotePin {
+                donor: self,
+                stream: Some(stream),
+                grant,
+                granted_at: Instant::now(),
+            }),
+            PinDonorMessage::Refused(r) => Err(format!("refused ({}): {}", r.reason, r.detail)),
+            other => Err(format!(
+                "unexpected reply to pin request {request_id}: {other:?}"
+            )),
+        }
+    }
+}
+
+impl DonorSource for RemoteDonor {
+    fn manifest(&self) -> &BankManifest {
+        &self.manifest
+    }
+    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String> {
+        self.pin_remote(hint)
+            .map(|p| Box::new(p) as Box<dyn DonorPin>)
+    }
+}
+
+/// A pin held by a remote donor; released on [`DonorPin::release`] or drop.
+#[derive(Debug)]
+pub struct RemotePin<'a> {
+    donor: &'a RemoteDonor,
+    stream: Option<UnixStream>,
+    grant: PinGrant,
+    granted_at: Instant,
+}
+
+impl RemotePin<'_> {
+    /// The donor's grant (pin id, hold bound).
+    pub fn grant(&self) -> &PinGrant {
+        &self.grant
+    }
+
+    /// Releases the pin and waits for the donor's acknowledgement.
+    ///
+    /// # Errors
+    /// When the donor reports the pin `expired` (dropped at its hold bound
+    /// before this release: the slots may have been reused while read),
+    /// when the connection failed (the donor may have dropped the pin at
+    /// any point), or on an unexpected reply. The pin is gone either way.
+    pub fn release_now(&mut self) -> Result<Duration, String> {
+        let Some(mut stream) = self.stream.take() else {
+            return Err("already released".into());
+        };
+        let pin_id = self.grant.pin_id;
+        let frame = encode_pin_frame(&PinClientMessage::Release(PinRelease { pin_id }))
+            .map_err(|e| e.to_string())?;
+        std::io::Write::write_all(&mut stream, &frame)
+            .map_err(|e| format!("releasing pin {pin_id}: {e}; the donor may have dropped it"))?;
+        match read_donor_message(&mut stream) {
+            Ok(PinDonorMessage::Released(r)) if r.pin_id == pin_id && !r.expired => {
+                Ok(self.granted_at.elapsed())
+            }
+            Ok(PinDonorMessage::Released(r)) if r.pin_id == pin_id => Err(format!(
+                "pin {pin_id} expired at the donor's bound of {} ms before release",
+                self.grant.max_hold_ms
+            )),
+            Ok(other) => Err(format!("unexpected reply to release {pin_id}: {other:?}")),
+            Err(e) => Err(format!(
+                "release of pin {pin_id} unconfirmed ({e}); the donor may have dropped it"
+            )),
+        }
+    }
+}
+
+impl DonorPin for RemotePin<'_> {
+    fn rank_memory(&self, rank: u32) -> Option<&dyn BankMemory> {
+        self.donor.maps.get(rank as usize).map(|m| m.as_ref())
+    }
+    fn release(mut self: Box<Self>) -> Result<(), String> {
+        self.release_now().map(drop)
+    }
+}
+
+impl Drop for RemotePin<'_> {
+    fn drop(&mut self) {
+        if self.stream.is_some() {
+            // Closing the connection releases too; the explicit release
+            // makes the donor's pin count drop before this returns.
+            let _ = self.release_now();
+        }
+    }
+}
