@@ -13,7 +13,8 @@
 //!   bytes, backend, transport);
 //! - [`oracle`] and [`bench`]: the native oracle and the ratio benchmark that
 //!   `cargo xtask oracle` / `cargo xtask bench transfer` call; [`ipc_check`]:
-//!   the same GPU fetch between two processes over CUDA IPC.
+//!   the same GPU fetch between two processes over CUDA IPC; [`nixl_two_process`]:
+//!   a NIXL fetch from a donor agent in another process (the production shape).
 //!
 //! # Invariants
 //! - Never a false completion: [`DeliveryReport::is_complete`] is true only if
@@ -41,6 +42,7 @@ mod error;
 mod host;
 pub mod ipc_check;
 pub mod nixl;
+pub mod nixl_two_process;
 pub mod oracle;
 pub mod plan;
 mod region;

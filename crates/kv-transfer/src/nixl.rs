@@ -131,6 +131,20 @@ fn ucx_get_transport(log: &str, dst: &str, src: &str) -> Option<String> {
     (!found.is_empty()).then(|| found.join(","))
 }
 
+/// The transport UCX logged for its last `ucp_get` reading `src` memory into
+/// `dst` memory in this process, when the UCX protocol log is enabled (see
+/// the module docs); `None` otherwise.
+pub(crate) fn ucx_transport(dst: MemoryKind, src: MemoryKind) -> Option<String> {
+    let path = ucx_proto_log()?;
+    // UCX writes its log through a buffered `FILE*`: the table of the first
+    // read may still sit in the buffer (seen with two processes over `cma`).
+    // SAFETY: `fflush(NULL)` flushes every open output stream of this
+    // process; it takes each stream's lock and touches no Rust memory.
+    unsafe { libc::fflush(std::ptr::null_mut()) };
+    let log = std::fs::read_to_string(path).ok()?;
+    ucx_get_transport(&log, ucx_mem_name(dst), ucx_mem_name(src))
+}
+
 fn nixl_err(op: &'static str) -> impl FnOnce(NixlError) -> TransferError {
     move |e| TransferError::Nixl {
         op,
@@ -698,12 +712,8 @@ impl CopyBackend for NixlBackend {
                 Err(e) => return Err(Self::unreachable(part.tp_rank, &remote.agent_name, e)),
             }
         }
-        let transport = ucx_proto_log()
-            .and_then(|p| std::fs::read_to_string(p).ok())
-            .and_then(|log| {
-                ucx_get_transport(&log, ucx_mem_name(io.dst.kind()), ucx_mem_name(remote.kind))
-            })
-            .unwrap_or_else(|| "unknown".into());
+        let transport =
+            ucx_transport(io.dst.kind(), remote.kind).unwrap_or_else(|| "unknown".into());
         let host = if io.dst.kind() == MemoryKind::Host
             || remote.kind == MemoryKind::Host
             || stages_on_host(&transport)
