@@ -84,6 +84,9 @@ pub fn run(with_tests: bool) -> Result<()> {
     );
     println!("carry:  [\".bundle\"]");
     println!("device command: bash .bundle/run.sh qualify --profile gpu --out $OUT");
+    println!(
+        "nixl two-process: bash .bundle/run.sh bench nixl-two-process --donor-gpu 0 --target-gpu 0 --quick --out $OUT/nixl_two_process.json"
+    );
     if with_tests {
         println!("device tests:   bash .bundle/run.sh tests");
     }

@@ -14,6 +14,9 @@ pub fn main(role: &str, args: &[String]) -> i32 {
         kv_testkit::faults::CHILD_ROLE => kv_testkit::faults::child_main(args),
         kv_testkit::faults::gpu::GPU_CHILD_ROLE => kv_testkit::faults::gpu::child_main(args),
         kv_testkit::faults::NET_CHILD_ROLE => kv_testkit::faults::net_child_main(args),
+        kv_transfer::nixl_two_process::DONOR_ROLE => {
+            kv_transfer::nixl_two_process::donor_main(args)
+        }
         kv_transfer::ipc_check::CHILD_SUBCOMMAND => {
             match kv_transfer::ipc_check::child_main(args) {
                 // The parent reads the last JSON line of stdout.
@@ -41,7 +44,8 @@ pub fn main(role: &str, args: &[String]) -> i32 {
                 "kvq child: unknown role {other:?} (known: {})",
                 [
                     kv_bank::gpu_check::CHILD_SUBCOMMAND,
-                    kv_transfer::ipc_check::CHILD_SUBCOMMAND
+                    kv_transfer::ipc_check::CHILD_SUBCOMMAND,
+                    kv_transfer::nixl_two_process::DONOR_ROLE,
                 ]
                 .join(", ")
             );
@@ -59,6 +63,7 @@ mod tests {
         assert_eq!(main("no-such-role", &[]), 2);
         // Argument errors come before any CUDA call, so this holds without a GPU.
         assert_eq!(main(kv_transfer::ipc_check::CHILD_SUBCOMMAND, &[]), 2);
+        assert_eq!(main(kv_transfer::nixl_two_process::DONOR_ROLE, &[]), 2);
         assert_eq!(
             main(kv_bank::gpu_check::CHILD_SUBCOMMAND, &["zz".into()]),
             2

@@ -15,6 +15,7 @@
 mod child;
 mod descriptor_wire;
 mod fault_section;
+mod nixl_two_process;
 mod record;
 mod replay_section;
 mod report;
@@ -78,9 +79,16 @@ enum Cmd {
         /// Which benchmark.
         #[arg(value_enum)]
         which: BenchKind,
-        /// `cpu` or `gpu` cases.
-        #[arg(long, value_enum, default_value = "cpu")]
-        profile: Profile,
+        /// `cpu` or `gpu` cases (default: `cpu`; `gpu` for nixl-two-process,
+        /// where `cpu` means DRAM on both sides).
+        #[arg(long, value_enum)]
+        profile: Option<Profile>,
+        /// nixl-two-process: CUDA ordinal of the donor process's memory.
+        #[arg(long, default_value_t = 0)]
+        donor_gpu: u32,
+        /// nixl-two-process: CUDA ordinal of this process's destination.
+        #[arg(long, default_value_t = 0)]
+        target_gpu: u32,
         /// Timed runs per case (median reported).
         #[arg(long, default_value_t = 10)]
         repeats: usize,
@@ -88,7 +96,7 @@ enum Cmd {
         #[arg(long)]
         quick: bool,
         /// Also write the result as JSON here.
-        #[arg(long)]
+        #[arg(long, alias = "out")]
         json: Option<PathBuf>,
     },
     /// Random faults over many fetches (`kv_testkit::faults::soak_with`);
@@ -118,6 +126,8 @@ enum Cmd {
 enum BenchKind {
     /// `kv_transfer::bench::run`.
     Transfer,
+    /// `kv_transfer::nixl_two_process::run`: NIXL reads from a donor process.
+    NixlTwoProcess,
 }
 
 fn exit(code: i32) -> ExitCode {
@@ -146,8 +156,24 @@ fn main() -> ExitCode {
             repeats,
             quick,
             json,
+            ..
         } => exit(transfer::bench_command(
+            profile.unwrap_or(Profile::Cpu),
+            repeats,
+            quick,
+            json.as_deref(),
+        )),
+        Cmd::Bench {
+            which: BenchKind::NixlTwoProcess,
             profile,
+            donor_gpu,
+            target_gpu,
+            repeats,
+            quick,
+            json,
+        } => exit(nixl_two_process::bench_command(
+            profile.unwrap_or(Profile::Gpu),
+            (donor_gpu, target_gpu),
             repeats,
             quick,
             json.as_deref(),
