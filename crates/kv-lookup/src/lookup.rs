@@ -123,6 +123,14 @@ pub enum NoDonorReason {
         /// Probes spent.
         probes: u32,
     },
+    /// The request was cancelled while the lookup walked the index
+    /// ([`InventoryIndex::lookup_cancellable`]): no donor is proposed, even
+    /// one already found.
+    #[error("request cancelled during the lookup after {probes} probes")]
+    Cancelled {
+        /// Probes spent.
+        probes: u32,
+    },
 }
 
 /// Result of [`InventoryIndex::lookup`].
@@ -141,8 +149,8 @@ pub struct LookupOutcome {
     pub elapsed: Duration,
 }
 
-/// Probe and clock accounting of one lookup.
-struct Meter {
+/// Probe, clock and cancellation accounting of one lookup.
+struct Meter<'c> {
     probes: u32,
     max_probes: u32,
     deadline: Instant,
@@ -150,9 +158,12 @@ struct Meter {
     units: u32,
     next_check: u32,
     exhausted: bool,
+    /// Asked at every clock check; true stops the walk.
+    cancelled: &'c dyn Fn() -> bool,
+    was_cancelled: bool,
 }
 
-impl Meter {
+impl Meter<'_> {
     /// Probes allowed before the next budget check; 0 (and `exhausted`)
     /// when the budget is spent.
     #[inline]
@@ -162,6 +173,11 @@ impl Meter {
             return 0;
         }
         if self.units >= self.next_check {
+            if (self.cancelled)() {
+                self.exhausted = true;
+                self.was_cancelled = true;
+                return 0;
+            }
             if Instant::now() >= self.deadline {
                 self.exhausted = true;
                 return 0;
@@ -245,7 +261,7 @@ fn walk_group(
     hashes: &[SequenceHash],
     donors: u64,
     target: u64,
-    meter: &mut Meter,
+    meter: &mut Meter<'_>,
 ) -> GroupWalk {
     let n = hashes.len();
     let mut w = Walk {
@@ -379,6 +395,43 @@ impl InventoryIndex {
         target: EngineId,
         budget: LookupBudget,
     ) -> LookupOutcome {
+        self.lookup_inner(sequence_hashes, target, budget, &|| false, false)
+    }
+
+    /// [`InventoryIndex::lookup`] for a request that can be cancelled while
+    /// the lookup runs: `cancelled` is asked before the first probe and at
+    /// every clock check (each [`CLOCK_CHECK_INTERVAL`] work units); once it
+    /// returns true the walk stops and `donor` is
+    /// [`NoDonorReason::Cancelled`], so nothing is proposed for a request
+    /// nobody waits for. Costs one call per clock check.
+    ///
+    /// ```
+    /// use kv_descriptor::{EngineId, sequence_hashes};
+    /// use kv_lookup::{InventoryIndex, LookupBudget, NoDonorReason};
+    /// let index = InventoryIndex::new();
+    /// let hashes = sequence_hashes(&(0..64).collect::<Vec<u32>>(), 16);
+    /// let out = index.lookup_cancellable(&hashes, EngineId::fresh(), LookupBudget::default(), &|| true);
+    /// // An unknown target is refused before the walk; a known one would be cancelled.
+    /// assert!(matches!(out.donor, Err(NoDonorReason::UnknownTarget(_))));
+    /// ```
+    pub fn lookup_cancellable(
+        &self,
+        sequence_hashes: &[SequenceHash],
+        target: EngineId,
+        budget: LookupBudget,
+        cancelled: &dyn Fn() -> bool,
+    ) -> LookupOutcome {
+        self.lookup_inner(sequence_hashes, target, budget, cancelled, true)
+    }
+
+    fn lookup_inner(
+        &self,
+        sequence_hashes: &[SequenceHash],
+        target: EngineId,
+        budget: LookupBudget,
+        cancelled: &dyn Fn() -> bool,
+        cancellable: bool,
+    ) -> LookupOutcome {
         let start = Instant::now();
         let mut outcome = LookupOutcome {
             donor: Err(NoDonorReason::EmptyRequest),
@@ -406,7 +459,8 @@ impl InventoryIndex {
                 }
             },
         };
-        let check_now = waited || budget.time.is_zero();
+        // A cancellable lookup asks before its first probe, too.
+        let check_now = waited || budget.time.is_zero() || cancellable;
         let mut meter = Meter {
             probes: 0,
             max_probes: budget.max_probes,
@@ -414,6 +468,8 @@ impl InventoryIndex {
             units: 0,
             next_check: if check_now { 0 } else { CLOCK_CHECK_INTERVAL },
             exhausted: false,
+            cancelled,
+            was_cancelled: false,
         };
         outcome.donor = lookup_locked(
             &state,
@@ -423,8 +479,13 @@ impl InventoryIndex {
             &mut outcome.baseline,
         );
         drop(state);
-        outcome.budget_exhausted = meter.exhausted;
+        outcome.budget_exhausted = meter.exhausted && !meter.was_cancelled;
         outcome.probes = meter.probes;
+        if meter.was_cancelled {
+            outcome.donor = Err(NoDonorReason::Cancelled {
+                probes: meter.probes,
+            });
+        }
         outcome.elapsed = start.elapsed();
         outcome
     }
@@ -434,7 +495,7 @@ fn lookup_locked(
     st: &State,
     hashes: &[SequenceHash],
     target: EngineId,
-    meter: &mut Meter,
+    meter: &mut Meter<'_>,
     baseline: &mut TargetBaseline,
 ) -> Result<DonorMatch, NoDonorReason> {
     let Some(&target_slot) = st.by_engine.get(&target) else {

@@ -404,6 +404,38 @@ fn budget_exhaustion_returns_best_so_far_flagged() {
 }
 
 #[test]
+fn a_cancelled_lookup_stops_walking_and_proposes_no_donor() {
+    use std::cell::Cell;
+    let index = InventoryIndex::new();
+    let t = registered(&index, 1, Role::Prefill);
+    let d = registered(&index, 2, Role::Decode);
+    let h = chain(9, 2_000);
+    index.apply_event(&event(&d, 1, RET, stored(&h))).unwrap();
+    // Never cancelled: the same answer as a plain lookup.
+    let out = index.lookup_cancellable(&h, t.engine, BIG, &|| false);
+    assert_eq!((out.probes, out.donor.unwrap().blocks), (2_000, 2_000));
+    // Cancelled before the first probe.
+    let out = index.lookup_cancellable(&h, t.engine, BIG, &|| true);
+    assert_eq!(out.donor, Err(NoDonorReason::Cancelled { probes: 0 }));
+    assert!(!out.budget_exhausted);
+    // Cancelled mid-walk (at the third check): a donor was already found,
+    // yet none is proposed, and the walk stopped early.
+    let asked = Cell::new(0u32);
+    let out = index.lookup_cancellable(&h, t.engine, BIG, &|| {
+        asked.set(asked.get() + 1);
+        asked.get() >= 3
+    });
+    match out.donor {
+        Err(NoDonorReason::Cancelled { probes }) => {
+            assert!(probes > 0 && probes < 2_000, "{probes}");
+            assert_eq!(probes, out.probes);
+        }
+        other => panic!("expected a cancelled lookup, got {other:?}"),
+    }
+    assert_eq!(asked.get(), 3);
+}
+
+#[test]
 fn lookups_during_a_long_write_batch_are_correct_or_flagged() {
     // The lock wait is part of the budget (unit test `lock_wait_counts_against_the_budget`);
     // here: whatever a lookup returns while a writer holds the lock is right or flagged.

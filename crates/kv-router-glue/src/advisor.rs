@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kv_bank::BankManager;
 use kv_descriptor::{BankManifest, EngineId, FetchGpuHint, FetchPart, HintEnvelope, SequenceHash};
-use kv_lookup::{InventoryIndex, LookupBudget, LookupOutcome};
+use kv_lookup::{InventoryIndex, LookupBudget, LookupOutcome, NoDonorReason};
 use parking_lot::RwLock;
 
 use crate::{
@@ -166,7 +166,37 @@ impl Advisor {
         sequence_hashes: &[SequenceHash],
         target: EngineId,
     ) -> Advice {
-        let advice = self.decide(request_id, sequence_hashes, target);
+        self.advise_cancellable(request_id, sequence_hashes, target, &|| false)
+    }
+
+    /// [`Advisor::advise`] for a request that may be cancelled while its
+    /// donor lookup runs: `cancelled` is asked inside the lookup
+    /// ([`InventoryIndex::lookup_cancellable`]) and once more before the
+    /// hint is emitted; a cancelled request is refused with
+    /// [`RefuseReason::Cancelled`] and gets no hint (nothing was reserved or
+    /// pinned for it: the lookup only reads).
+    ///
+    /// ```no_run
+    /// # fn f(advisor: &kv_router_glue::Advisor, hashes: &[kv_descriptor::SequenceHash],
+    /// #      target: kv_descriptor::EngineId, token: &kv_transfer::CancelToken) {
+    /// let advice = advisor.advise_cancellable("req-7", hashes, target, &|| token.is_cancelled());
+    /// if advice.hint.is_none() {
+    ///     // recompute the prompt
+    /// }
+    /// # }
+    /// ```
+    pub fn advise_cancellable(
+        &self,
+        request_id: &str,
+        sequence_hashes: &[SequenceHash],
+        target: EngineId,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Advice {
+        let mut advice = self.decide(request_id, sequence_hashes, target, cancelled);
+        if advice.hint.is_some() && cancelled() {
+            advice.hint = None;
+            advice.decision.verdict = Verdict::Refuse(RefuseReason::Cancelled);
+        }
         self.log.record(&advice.decision);
         advice
     }
@@ -176,6 +206,7 @@ impl Advisor {
         request_id: &str,
         sequence_hashes: &[SequenceHash],
         target: EngineId,
+        cancelled: &dyn Fn() -> bool,
     ) -> Advice {
         let model = self.model.current();
         let s = model.settings();
@@ -196,13 +227,19 @@ impl Advisor {
             max_probes: self.max_probes,
         };
         let lookup_span = crate::spans::lookup(request_id);
-        let outcome = lookup_span.in_scope(|| self.index.lookup(sequence_hashes, target, budget));
+        let outcome = lookup_span.in_scope(|| {
+            self.index
+                .lookup_cancellable(sequence_hashes, target, budget, cancelled)
+        });
         lookup_span.record("elapsed_us", outcome.elapsed.as_micros() as u64);
         if let Ok(d) = &outcome.donor {
             lookup_span.record("donor_blocks", d.blocks);
         }
         let donor = match outcome.donor {
             Ok(d) => d,
+            Err(NoDonorReason::Cancelled { .. }) => {
+                return refuse(RefuseReason::Cancelled, Some(outcome))
+            }
             Err(reason) => return refuse(RefuseReason::NoDonor(reason.to_string()), Some(outcome)),
         };
         let fetch_from = outcome.baseline.blocks();

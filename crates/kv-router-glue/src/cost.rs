@@ -105,6 +105,9 @@ pub enum RefuseReason {
     NoDonor(String),
     /// The hint could not be built (reason).
     HintUnavailable(String),
+    /// The request was cancelled during its donor lookup
+    /// ([`crate::Advisor::advise_cancellable`]).
+    Cancelled,
 }
 
 impl std::fmt::Display for RefuseReason {
@@ -116,6 +119,7 @@ impl std::fmt::Display for RefuseReason {
             RefuseReason::SavingBelowMinimum => write!(f, "saving below minimum"),
             RefuseReason::NoDonor(r) => write!(f, "no donor: {r}"),
             RefuseReason::HintUnavailable(r) => write!(f, "hint unavailable: {r}"),
+            RefuseReason::Cancelled => write!(f, "cancelled during lookup"),
         }
     }
 }

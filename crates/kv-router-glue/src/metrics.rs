@@ -96,6 +96,7 @@ pub fn refuse_label(reason: &RefuseReason) -> &'static str {
         RefuseReason::SavingBelowMinimum => "saving_below_minimum",
         RefuseReason::NoDonor(_) => "no_donor",
         RefuseReason::HintUnavailable(_) => "hint_unavailable",
+        RefuseReason::Cancelled => "cancelled",
     }
 }
 

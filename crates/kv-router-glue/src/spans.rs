@@ -97,9 +97,22 @@ impl ObservedAdvisor {
     /// opens `kv_reuse.lookup` inside it); the lookup time goes to the lookup
     /// latency histogram, the verdict to `kv_reuse_decisions_total`.
     pub fn advise(&self, request_id: &str, hashes: &[SequenceHash], target: EngineId) -> Advice {
+        self.advise_cancellable(request_id, hashes, target, &|| false)
+    }
+
+    /// [`Advisor::advise_cancellable`], observed like [`ObservedAdvisor::advise`].
+    pub fn advise_cancellable(
+        &self,
+        request_id: &str,
+        hashes: &[SequenceHash],
+        target: EngineId,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Advice {
         let span = decision(request_id, target, hashes.len());
         let _entered = span.enter();
-        let advice = self.advisor.advise(request_id, hashes, target);
+        let advice = self
+            .advisor
+            .advise_cancellable(request_id, hashes, target, cancelled);
         if let Some(outcome) = &advice.lookup {
             self.metrics.observe_lookup(outcome.elapsed);
         }

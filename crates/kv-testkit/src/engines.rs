@@ -825,6 +825,19 @@ impl Router {
         self.advisor.advise(request_id, hashes, target)
     }
 
+    /// [`Router::advise_hashes`] for a request that may be cancelled while
+    /// its lookup runs (`cancelled` is asked inside the lookup).
+    pub fn advise_hashes_cancellable(
+        &self,
+        request_id: &str,
+        hashes: &[SequenceHash],
+        target: EngineId,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Advice {
+        self.advisor
+            .advise_cancellable(request_id, hashes, target, cancelled)
+    }
+
     /// Advice for a request routed to `target`.
     pub fn advise(
         &self,

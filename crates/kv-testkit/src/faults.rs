@@ -20,9 +20,9 @@
 //!
 //! | fault | injected by | expected |
 //! | --- | --- | --- |
-//! | `donor_killed_mid_transfer` | SIGKILL of a child process owning the TP2 host-shm bank, from inside the rank-1 copy | liveness probe fails after the last byte; lease lapses; [`kv_bank::reclaim_stale`] removes its segments |
-//! | `sigterm_during_transfer` | SIGTERM to that child from inside the rank-1 copy; it closes its bank (lease revoked, segments unlinked) and exits 0 | delivery refused (lease gone), nothing left in `/dev/shm` |
-//! | `cancel_at_lookup` | the request is cancelled while the router looks up a donor | the hint is dropped, nothing reserved |
+//! | `donor_killed_mid_transfer` | SIGKILL of a child process owning the TP2 host-shm bank (the target pinned its slots through the child's pin service), from inside the rank-1 copy | liveness probe fails after the last byte; lease lapses; [`kv_bank::reclaim_stale`] removes its segments |
+//! | `sigterm_during_transfer` | SIGTERM to that child from inside the rank-1 copy; it stops its pin service (the target's pin is dropped after a 100 ms drain), closes its bank (lease revoked, segments unlinked) and exits 0 | delivery refused (lease gone), nothing left in `/dev/shm` |
+//! | `cancel_at_lookup` | the request's token fires the first time the donor lookup asks, inside its walk of the index | lookup stops (`NoDonorReason::Cancelled`), refused as `Cancelled`, no hint, nothing reserved |
 //! | `cancel_at_reserve` | cancelled right after destination rows were reserved (when the donor is asked to pin) | refused before the first byte |
 //! | `cancel_at_transfer` | cancelled from inside the rank-1 copy | refused after the parts |
 //! | `cancel_at_verify` | cancelled after the last byte of the last part landed | refused by the final check |
@@ -62,7 +62,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use kv_bank::{
     check_descriptor_lease, sealed_blocks, BankConfig, BankManager, BankMemory, DestinationPool,
-    HostShmMemory, LeaseConfig, StoreStatus,
+    LeaseConfig, StoreStatus,
 };
 use kv_descriptor::{
     BankManifest, EngineId, FetchGpuHint, FetchPart, HintEnvelope, KvEvent, KvLayout, OwnerLease,
@@ -618,6 +618,17 @@ impl FaultRouter {
         self.router.advise_hashes(request_id, hashes, target)
     }
 
+    fn advise_cancellable(
+        &self,
+        request_id: &str,
+        hashes: &[SequenceHash],
+        target: EngineId,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Advice {
+        self.router
+            .advise_hashes_cancellable(request_id, hashes, target, cancelled)
+    }
+
     /// Replaces the donor's inventory with the bank's (gap repair).
     fn resync(&self, bank: &BankManager, last_event_id: u64) -> Result<(), FaultError> {
         self.index()
@@ -893,12 +904,46 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
     )?;
 
     let hashes = prompt_hashes(&conv.prompt, bs as usize);
-    if fault == Fault::CancelAtLookup {
-        // The request is cancelled while the router looks up a donor.
-        fire();
-    }
-    let advice = router.advise(&format!("fault-{seed}"), &hashes, target_engine);
+    let request_id = format!("fault-{seed}");
+    let advice = if fault == Fault::CancelAtLookup {
+        // The cancellation arrives while the lookup walks the index: the
+        // first time the lookup asks, the token fires.
+        router.advise_cancellable(&request_id, &hashes, target_engine, &|| {
+            fire();
+            control.cancel.is_cancelled()
+        })
+    } else {
+        router.advise(&request_id, &hashes, target_engine)
+    };
     let mut o = outcome(fault);
+    if fault == Fault::CancelAtLookup {
+        let cancelled_inside = matches!(
+            advice.lookup.map(|l| l.donor),
+            Some(Err(kv_lookup::NoDonorReason::Cancelled { .. }))
+        );
+        let refused = advice.decision.verdict
+            == kv_router_glue::Verdict::Refuse(kv_router_glue::RefuseReason::Cancelled);
+        let (served, completed, _) = target.serve(
+            &model,
+            &conv.prompt,
+            advice.hint.as_ref(),
+            bank.as_ref(),
+            &control,
+        )?;
+        o.completed = completed;
+        o.fell_back = cancelled_inside && refused && advice.hint.is_none() && !completed;
+        o.outputs_match = served == off;
+        o.destination_untouched = target.rows_free() && target.poison_intact();
+        o.detail = format!(
+            "lookup cancelled inside the walk: {cancelled_inside}; verdict {:?}",
+            advice.decision.verdict
+        );
+        drop(target);
+        drop(router);
+        bank.close(Duration::from_secs(1))
+            .map_err(bank_err("close"))?;
+        return Ok(o);
+    }
     let Some(env) = advice.hint.clone() else {
         // The fault was never injected; the request still recomputes, and
         // its outputs are checked like any other.
@@ -911,10 +956,6 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
             .map_err(bank_err("close"))?;
         return Ok(o);
     };
-    let mut dropped_hint = None;
-    if fault == Fault::CancelAtLookup && control.cancel.is_cancelled() {
-        dropped_hint = Some("cancelled during lookup: hint dropped".to_string());
-    }
     // Faults that strike between advice and fetch.
     let mut bank_now = bank.clone();
     let mut blocker = None;
@@ -977,28 +1018,17 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
     } else {
         control
     };
-    let (served, completed, fallback) = target.serve(
-        &model,
-        &conv.prompt,
-        if dropped_hint.is_some() {
-            None
-        } else {
-            Some(&env)
-        },
-        &hooked,
-        &control,
-    )?;
+    let (served, completed, fallback) =
+        target.serve(&model, &conv.prompt, Some(&env), &hooked, &control)?;
     if let Some(b) = blocker.take() {
         b.cancel().quiesced();
     }
     o.completed = completed;
-    o.fell_back = !completed && (fallback.is_some() || dropped_hint.is_some());
+    o.fell_back = !completed && fallback.is_some();
     o.outputs_match = served == off;
     o.destination_untouched = target.rows_free()
         && (completed || !fault.strikes_before_first_byte() || target.poison_intact());
-    o.detail = fallback
-        .or(dropped_hint)
-        .unwrap_or_else(|| "fetch completed".into());
+    o.detail = fallback.unwrap_or_else(|| "fetch completed".into());
     drop(hooked);
     drop(target);
     drop(router);
@@ -1376,13 +1406,37 @@ struct ChildHello {
     entries: Vec<(u64, u32)>,
 }
 
+/// The host-shm donor child's hello: the common fields plus its pin
+/// service (`unix:<path>`), which the parent's hints name as the control
+/// endpoint.
+#[derive(Serialize, Deserialize)]
+struct PinningChildHello {
+    #[serde(flatten)]
+    hello: ChildHello,
+    endpoint: String,
+}
+
+/// Directory of the child donor's pin socket. The run's unique prefix names
+/// it, so runs never share a socket, and the parent can remove what a
+/// killed child left.
+fn pin_socket_dir(prefix: &str) -> PathBuf {
+    std::env::temp_dir().join(prefix)
+}
+
+/// How long a SIGTERMed child waits for targets to release their pins
+/// before it cuts their connections and closes its bank.
+const CHILD_PIN_DRAIN: Duration = Duration::from_millis(100);
+
 /// Child side of the donor faults: `args` = `<shm prefix> <seed> <lease ms>`
 /// (a leading [`CHILD_ROLE`] is skipped). Computes turn 0 of conversation
 /// `seed`, retains it in a TP2 host-shm bank whose lease is renewed in the
-/// background, prints one JSON line (pid, manifest, slots), then waits.
-/// On SIGTERM it closes its bank (lease revoked, segments unlinked) and
-/// returns 0; after 60 s without a signal it does the same. Returns 2 on an
-/// error (printed to stderr).
+/// background, serves source pins on it ([`kv_router_glue::PinService`] on a
+/// Unix socket in a fresh temp directory), prints one JSON line (pid,
+/// manifest, slots, pin endpoint), then waits. On SIGTERM it stops the pin
+/// service (new pins refused, held ones given [`CHILD_PIN_DRAIN`], then
+/// dropped; socket and directory removed) and closes its bank (lease
+/// revoked, segments unlinked) and returns 0; after 60 s without a signal
+/// it does the same. Returns 2 on an error (printed to stderr).
 pub fn child_main(args: &[String]) -> i32 {
     match child(args) {
         Ok(()) => 0,
@@ -1420,7 +1474,7 @@ fn child(args: &[String]) -> Result<(), FaultError> {
     let layout = model.config().layout(TP)?;
     let (conv, cache) = conversation(&model, seed)?;
     let slots = (conv.retained_tokens.len() / layout.tokens_per_block() as usize) as u64;
-    let bank = host_bank(
+    let bank = Arc::new(host_bank(
         layout,
         OwnerLease::fresh(Role::Decode),
         slots,
@@ -1429,8 +1483,17 @@ fn child(args: &[String]) -> Result<(), FaultError> {
             Duration::from_millis(lease_ms),
             Duration::from_millis((lease_ms / 4).max(1)),
         ),
-    )?;
+    )?);
     retain(&bank, &cache, &conv.retained_tokens)?;
+    let sock_dir = pin_socket_dir(prefix);
+    std::fs::create_dir_all(&sock_dir)
+        .map_err(|e| FaultError::Child(format!("{}: {e}", sock_dir.display())))?;
+    let pins = kv_router_glue::PinService::bind(
+        bank.clone(),
+        &format!("unix:{}", sock_dir.join("pin.sock").display()),
+        kv_router_glue::PinServiceConfig::default(),
+    )
+    .map_err(|e| FaultError::Child(e.to_string()))?;
     let hashes: Vec<SequenceHash> = sealed_blocks(
         None,
         &conv.retained_tokens,
@@ -1439,53 +1502,59 @@ fn child(args: &[String]) -> Result<(), FaultError> {
     .iter()
     .map(|b| b.sequence_hash)
     .collect();
-    let hello = ChildHello {
-        pid: std::process::id(),
-        manifest: bank
-            .manifest()
-            .to_wire()
-            .map_err(|e| FaultError::Child(e.to_string()))?,
-        entries: hashes
-            .iter()
-            .filter_map(|h| bank.lookup(h).map(|s| (h.0, s)))
-            .collect(),
+    let hello = PinningChildHello {
+        hello: ChildHello {
+            pid: std::process::id(),
+            manifest: bank
+                .manifest()
+                .to_wire()
+                .map_err(|e| FaultError::Child(e.to_string()))?,
+            entries: hashes
+                .iter()
+                .filter_map(|h| bank.lookup(h).map(|s| (h.0, s)))
+                .collect(),
+        },
+        endpoint: pins.endpoint().to_owned(),
     };
     let line = serde_json::to_string(&hello).map_err(|e| FaultError::Child(e.to_string()))?;
     println!("{line}");
     rt.block_on(async {
         let _ = tokio::time::timeout(CHILD_MAX_LIFE, term.recv()).await;
     });
+    // Pins first: once the service is down no target holds a pin, so the
+    // close below frees the memory at once instead of timing out.
+    pins.shutdown(CHILD_PIN_DRAIN);
+    let _ = std::fs::remove_dir(&sock_dir);
     bank.close(Duration::from_secs(1))
         .map_err(bank_err("close"))
 }
 
 /// The child's bank as the target sees it: mapped by descriptor under a
-/// live lease. There is no cross-process pin protocol (see the
-/// architecture), so `pin` checks the leases and process, and the
-/// delivery's liveness probe re-checks after the last byte.
+/// live lease, pinned through the child's pin service
+/// ([`kv_router_glue::RemoteDonor`]: the child cannot evict or reuse the
+/// slots while the pin is held, and a pin that did not hold throughout fails
+/// the fetch). `pin` also checks the process and leases first, and the
+/// delivery's liveness probe re-checks them after the last byte: a donor
+/// that dies takes its pins with it.
 struct RemoteDonor {
-    manifest: BankManifest,
-    maps: Vec<HostShmMemory>,
+    remote: kv_router_glue::RemoteDonor,
     alive: Arc<dyn Fn() -> bool + Send + Sync>,
-}
-
-struct RemotePin<'a>(&'a [HostShmMemory]);
-
-impl DonorPin for RemotePin<'_> {
-    fn rank_memory(&self, rank: u32) -> Option<&dyn BankMemory> {
-        self.0.get(rank as usize).map(|m| m as &dyn BankMemory)
-    }
+    /// Pins the child granted (the run's detail reports it, so a test can
+    /// tell a fetch that really pinned the child's slots).
+    granted: AtomicU32,
 }
 
 impl DonorSource for RemoteDonor {
     fn manifest(&self) -> &BankManifest {
-        &self.manifest
+        self.remote.manifest()
     }
-    fn pin<'a>(&'a self, _hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String> {
+    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String> {
         if !(self.alive)() {
             return Err("donor process or lease gone".into());
         }
-        Ok(Box::new(RemotePin(&self.maps)))
+        let pin = self.remote.pin(hint)?;
+        self.granted.fetch_add(1, Ordering::SeqCst);
+        Ok(pin)
     }
 }
 
@@ -1598,16 +1667,12 @@ fn child_fault(
     let line = rx
         .recv_timeout(Duration::from_secs(30))
         .map_err(|_| FaultError::Child("no hello within 30 s".into()))?;
-    let hello: ChildHello = serde_json::from_str(line.trim())
+    let PinningChildHello { hello, endpoint } = serde_json::from_str(line.trim())
         .map_err(|e| FaultError::Child(format!("bad hello {line:?}: {e}")))?;
     let manifest =
         BankManifest::from_wire(&hello.manifest).map_err(|e| FaultError::Child(e.to_string()))?;
-    let maps = manifest
-        .parts()
-        .iter()
-        .map(HostShmMemory::open_descriptor)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(bank_err("open_descriptor"))?;
+    let remote = kv_router_glue::RemoteDonor::open_host_shm(manifest.clone(), &endpoint)
+        .map_err(|e| FaultError::Child(format!("open_host_shm: {e}")))?;
     let parts = manifest.parts().to_vec();
     let alive: Arc<dyn Fn() -> bool + Send + Sync> = Arc::new(move || {
         pid_alive(pid)
@@ -1616,15 +1681,15 @@ fn child_fault(
                 .all(|d| check_descriptor_lease(d, SystemTime::now()).is_ok())
     });
     let donor = RemoteDonor {
-        manifest: manifest.clone(),
-        maps,
+        remote,
         alive: alive.clone(),
+        granted: AtomicU32::new(0),
     };
     // The honest hint for the retained prefix the prompt can use.
     let bs = layout.tokens_per_block() as usize;
     let usable = (conv.prompt.len() - 1) / bs;
     let entries: Vec<(u64, u32)> = hello.entries.iter().take(usable).copied().collect();
-    let env = retained_hint_envelope(&manifest, &layout, &entries, seed, &format!("pid:{pid}"))?;
+    let env = retained_hint_envelope(&manifest, &layout, &entries, seed, &endpoint)?;
     let strike_child = child.clone();
     let act: Action = if fault == Fault::DonorKilledMidTransfer {
         Arc::new(move || {
@@ -1665,6 +1730,7 @@ fn child_fault(
     o.fell_back = !completed && fallback.is_some();
     o.outputs_match = served == off;
     o.destination_untouched = target.rows_free();
+    let granted = donor.granted.load(Ordering::SeqCst);
     drop(target);
     drop(donor);
     // A killed owner leaves its segments: they go once its lease lapsed.
@@ -1676,8 +1742,10 @@ fn child_fault(
             reclaimed += r.removed_names().len();
         }
     }
+    // A killed child never removed its socket file.
+    let _ = std::fs::remove_dir_all(pin_socket_dir(prefix));
     o.detail = format!(
-        "{}; child exit {:?}; names reclaimed {reclaimed}",
+        "{}; remote pins granted by the child {granted}; child exit {:?}; names reclaimed {reclaimed}",
         fallback.unwrap_or_else(|| "fetch completed".into()),
         status.map(|s| s.to_string())
     );

@@ -66,6 +66,12 @@ fn donor_killed_mid_transfer_falls_back_and_is_reclaimed() {
     let o = falls_back(Fault::DonorKilledMidTransfer);
     assert!(o.detail.contains("fell back at `transfer`"), "{}", o.detail);
     assert!(o.detail.contains("donor unreachable"), "{}", o.detail);
+    // The fetch read slots the child had pinned through its pin service.
+    assert!(
+        o.detail.contains("remote pins granted by the child 1"),
+        "{}",
+        o.detail
+    );
     // Two segments and two leases of a TP2 bank were left by the killed owner.
     assert!(o.detail.contains("names reclaimed 4"), "{}", o.detail);
 }
@@ -74,15 +80,26 @@ fn donor_killed_mid_transfer_falls_back_and_is_reclaimed() {
 fn sigterm_during_transfer_falls_back_and_donor_cleans_up() {
     let o = falls_back(Fault::SigtermDuringTransfer);
     assert!(o.detail.contains("donor unreachable"), "{}", o.detail);
-    // The donor closed its bank itself and exited 0: nothing to reclaim.
+    assert!(
+        o.detail.contains("remote pins granted by the child 1"),
+        "{}",
+        o.detail
+    );
+    // The donor stopped its pin service, closed its bank itself and exited
+    // 0: nothing to reclaim.
     assert!(o.detail.contains("exit status: 0"), "{}", o.detail);
     assert!(o.detail.contains("names reclaimed 0"), "{}", o.detail);
 }
 
 #[test]
-fn cancel_at_lookup_drops_the_hint() {
+fn cancel_at_lookup_stops_the_lookup_and_drops_the_hint() {
     let o = falls_back(Fault::CancelAtLookup);
-    assert!(o.detail.contains("cancelled during lookup"), "{}", o.detail);
+    assert!(
+        o.detail.contains("lookup cancelled inside the walk: true"),
+        "{}",
+        o.detail
+    );
+    assert!(o.detail.contains("Refuse(Cancelled)"), "{}", o.detail);
 }
 
 #[test]
