@@ -22,7 +22,7 @@
 //! | --- | --- | --- |
 //! | `donor_killed_mid_transfer` | SIGKILL of a child process owning the TP2 host-shm bank (the target pinned its slots through the child's pin service), from inside the rank-1 copy | liveness probe fails after the last byte; lease lapses; [`kv_bank::reclaim_stale`] removes its segments |
 //! | `sigterm_during_transfer` | SIGTERM to that child from inside the rank-1 copy; it stops its pin service (the target's pin is dropped after a 100 ms drain), closes its bank (lease revoked, segments unlinked) and exits 0 | delivery refused (lease gone), nothing left in `/dev/shm` |
-//! | `cancel_at_lookup` | the request is cancelled while the router looks up a donor | the hint is dropped, nothing reserved |
+//! | `cancel_at_lookup` | the request's token fires the first time the donor lookup asks, inside its walk of the index | lookup stops (`NoDonorReason::Cancelled`), refused as `Cancelled`, no hint, nothing reserved |
 //! | `cancel_at_reserve` | cancelled right after destination rows were reserved (when the donor is asked to pin) | refused before the first byte |
 //! | `cancel_at_transfer` | cancelled from inside the rank-1 copy | refused after the parts |
 //! | `cancel_at_verify` | cancelled after the last byte of the last part landed | refused by the final check |
@@ -618,6 +618,17 @@ impl FaultRouter {
         self.router.advise_hashes(request_id, hashes, target)
     }
 
+    fn advise_cancellable(
+        &self,
+        request_id: &str,
+        hashes: &[SequenceHash],
+        target: EngineId,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Advice {
+        self.router
+            .advise_hashes_cancellable(request_id, hashes, target, cancelled)
+    }
+
     /// Replaces the donor's inventory with the bank's (gap repair).
     fn resync(&self, bank: &BankManager, last_event_id: u64) -> Result<(), FaultError> {
         self.index()
@@ -893,12 +904,46 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
     )?;
 
     let hashes = prompt_hashes(&conv.prompt, bs as usize);
-    if fault == Fault::CancelAtLookup {
-        // The request is cancelled while the router looks up a donor.
-        fire();
-    }
-    let advice = router.advise(&format!("fault-{seed}"), &hashes, target_engine);
+    let request_id = format!("fault-{seed}");
+    let advice = if fault == Fault::CancelAtLookup {
+        // The cancellation arrives while the lookup walks the index: the
+        // first time the lookup asks, the token fires.
+        router.advise_cancellable(&request_id, &hashes, target_engine, &|| {
+            fire();
+            control.cancel.is_cancelled()
+        })
+    } else {
+        router.advise(&request_id, &hashes, target_engine)
+    };
     let mut o = outcome(fault);
+    if fault == Fault::CancelAtLookup {
+        let cancelled_inside = matches!(
+            advice.lookup.map(|l| l.donor),
+            Some(Err(kv_lookup::NoDonorReason::Cancelled { .. }))
+        );
+        let refused = advice.decision.verdict
+            == kv_router_glue::Verdict::Refuse(kv_router_glue::RefuseReason::Cancelled);
+        let (served, completed, _) = target.serve(
+            &model,
+            &conv.prompt,
+            advice.hint.as_ref(),
+            bank.as_ref(),
+            &control,
+        )?;
+        o.completed = completed;
+        o.fell_back = cancelled_inside && refused && advice.hint.is_none() && !completed;
+        o.outputs_match = served == off;
+        o.destination_untouched = target.rows_free() && target.poison_intact();
+        o.detail = format!(
+            "lookup cancelled inside the walk: {cancelled_inside}; verdict {:?}",
+            advice.decision.verdict
+        );
+        drop(target);
+        drop(router);
+        bank.close(Duration::from_secs(1))
+            .map_err(bank_err("close"))?;
+        return Ok(o);
+    }
     let Some(env) = advice.hint.clone() else {
         // The fault was never injected; the request still recomputes, and
         // its outputs are checked like any other.
@@ -911,10 +956,6 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
             .map_err(bank_err("close"))?;
         return Ok(o);
     };
-    let mut dropped_hint = None;
-    if fault == Fault::CancelAtLookup && control.cancel.is_cancelled() {
-        dropped_hint = Some("cancelled during lookup: hint dropped".to_string());
-    }
     // Faults that strike between advice and fetch.
     let mut bank_now = bank.clone();
     let mut blocker = None;
@@ -977,28 +1018,17 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
     } else {
         control
     };
-    let (served, completed, fallback) = target.serve(
-        &model,
-        &conv.prompt,
-        if dropped_hint.is_some() {
-            None
-        } else {
-            Some(&env)
-        },
-        &hooked,
-        &control,
-    )?;
+    let (served, completed, fallback) =
+        target.serve(&model, &conv.prompt, Some(&env), &hooked, &control)?;
     if let Some(b) = blocker.take() {
         b.cancel().quiesced();
     }
     o.completed = completed;
-    o.fell_back = !completed && (fallback.is_some() || dropped_hint.is_some());
+    o.fell_back = !completed && fallback.is_some();
     o.outputs_match = served == off;
     o.destination_untouched = target.rows_free()
         && (completed || !fault.strikes_before_first_byte() || target.poison_intact());
-    o.detail = fallback
-        .or(dropped_hint)
-        .unwrap_or_else(|| "fetch completed".into());
+    o.detail = fallback.unwrap_or_else(|| "fetch completed".into());
     drop(hooked);
     drop(target);
     drop(router);

@@ -92,9 +92,14 @@ fn sigterm_during_transfer_falls_back_and_donor_cleans_up() {
 }
 
 #[test]
-fn cancel_at_lookup_drops_the_hint() {
+fn cancel_at_lookup_stops_the_lookup_and_drops_the_hint() {
     let o = falls_back(Fault::CancelAtLookup);
-    assert!(o.detail.contains("cancelled during lookup"), "{}", o.detail);
+    assert!(
+        o.detail.contains("lookup cancelled inside the walk: true"),
+        "{}",
+        o.detail
+    );
+    assert!(o.detail.contains("Refuse(Cancelled)"), "{}", o.detail);
 }
 
 #[test]
