@@ -482,31 +482,44 @@ fn host_bank(
     BankManager::new_host_shm(cfg, "fault-host").map_err(bank_err("new"))
 }
 
-/// The prefill target: destination pool, staging rows, fetch executor.
+/// The prefill target: destination pool, staging rows (host buffers or
+/// device allocations, one per rank), fetch executor.
 struct Target {
     layout: KvLayout,
     pool: DestinationPool,
-    staging: Vec<Arc<HostBuffer>>,
+    staging: Vec<Arc<dyn BankMemory>>,
     executor: FetchExecutor,
     rows: u32,
 }
 
 impl Target {
+    /// Host staging rows (the CPU profile).
     fn new(layout: KvLayout, rows: u32, backend: Arc<dyn CopyBackend>) -> Result<Self, FaultError> {
         let rbb = layout.rank_block_bytes();
-        let mut staging = Vec::new();
+        let mut staging: Vec<Arc<dyn BankMemory>> = Vec::new();
         for _ in 0..layout.tp_size() {
-            let mut b = HostBuffer::zeroed(rows as usize * rbb)
+            let b = HostBuffer::zeroed(rows as usize * rbb)
                 .map_err(|e| router_err("staging")(e.to_string()))?;
-            b.as_mut_slice().fill(POISON);
             staging.push(Arc::new(b));
         }
-        let regions: Vec<Arc<dyn BankMemory>> = staging
-            .iter()
-            .map(|b| b.clone() as Arc<dyn BankMemory>)
-            .collect();
+        Self::with_staging(layout, rows, staging, backend)
+    }
+
+    /// Staging rows in `staging` (rank `r` in `staging[r]`, `rows` blocks
+    /// each), filled with [`POISON`] first.
+    fn with_staging(
+        layout: KvLayout,
+        rows: u32,
+        staging: Vec<Arc<dyn BankMemory>>,
+        backend: Arc<dyn CopyBackend>,
+    ) -> Result<Self, FaultError> {
+        let poison = vec![POISON; rows as usize * layout.rank_block_bytes()];
+        for m in &staging {
+            m.write_bytes(0, &poison)
+                .map_err(bank_err("poison staging"))?;
+        }
         let pool = DestinationPool::new(rows);
-        let executor = FetchExecutor::new(layout, pool.clone(), regions, rows, backend)
+        let executor = FetchExecutor::new(layout, pool.clone(), staging.clone(), rows, backend)
             .map_err(|e| router_err("executor")(e.to_string()))?;
         Ok(Self {
             layout,
@@ -517,18 +530,24 @@ impl Target {
         })
     }
 
+    /// True when every staging byte still holds [`POISON`] (a row that
+    /// cannot be read back counts as touched).
     fn poison_intact(&self) -> bool {
-        self.staging
-            .iter()
-            .all(|b| b.as_slice().iter().all(|&x| x == POISON))
+        self.staging.iter().all(|m| {
+            let mut back = vec![0u8; m.len()];
+            m.read_bytes(0, &mut back).is_ok() && back.iter().all(|&x| x == POISON)
+        })
     }
 
     fn rows_free(&self) -> bool {
         self.pool.free_blocks() == self.rows as usize && self.pool.orphaned_blocks() == 0
     }
 
-    /// Runs the hint (if any) and serves the request: fetched prefix + the
-    /// rest computed. Returns (served, completed, fallback reason).
+    /// Runs the hint (if any) and serves the request: fetched prefix (read
+    /// back from the staging rows; the reference model runs on the CPU) +
+    /// the rest computed. Returns (served, completed, fallback reason). On
+    /// device staging, a completed fetch that moved payload through the host
+    /// is reported as a fallback reason too.
     fn serve(
         &self,
         model: &ReferenceModel,
@@ -546,12 +565,23 @@ impl Target {
                     completed = true;
                     let rbb = self.layout.rank_block_bytes();
                     for (j, row) in outcome.target_blocks.iter().enumerate() {
-                        let parts: Vec<&[u8]> = self
-                            .staging
-                            .iter()
-                            .map(|b| &b.as_slice()[*row as usize * rbb..][..rbb])
-                            .collect();
-                        cache.import_blocks(outcome.fetch_from as usize + j, &parts)?;
+                        let mut parts = Vec::with_capacity(self.staging.len());
+                        for m in &self.staging {
+                            let mut b = vec![0u8; rbb];
+                            m.read_bytes(*row as usize * rbb, &mut b)
+                                .map_err(bank_err("staging read"))?;
+                            parts.push(b);
+                        }
+                        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+                        cache.import_blocks(outcome.fetch_from as usize + j, &refs)?;
+                    }
+                    let device = self
+                        .staging
+                        .iter()
+                        .any(|m| matches!(m.kind(), kv_bank::MemoryKind::Cuda { .. }));
+                    let host = outcome.report.counters.host_payload_bytes;
+                    if device && host != 0 {
+                        fallback = Some(format!("host payload {host} bytes on the device path"));
                     }
                 }
                 Err(e) => fallback = Some(e.to_string()),
@@ -674,16 +704,36 @@ enum Strike {
     FailRank(u32),
 }
 
-/// A host-memcpy backend with one injected fault.
+/// A copy backend with one injected fault around its parts.
 struct FaultBackend {
+    inner: Arc<dyn CopyBackend>,
     strike: Strike,
     parts_done: AtomicU32,
     tp: u32,
 }
 
+impl FaultBackend {
+    fn new(inner: Arc<dyn CopyBackend>, strike: Strike, tp: u32) -> Self {
+        Self {
+            inner,
+            strike,
+            parts_done: AtomicU32::new(0),
+            tp,
+        }
+    }
+
+    /// Host memcpy with `strike` (the CPU profile's rows).
+    fn host(strike: Strike) -> Self {
+        Self::new(Arc::new(HostCopyBackend), strike, TP)
+    }
+}
+
 impl CopyBackend for FaultBackend {
     fn name(&self) -> &'static str {
-        "host_memcpy"
+        self.inner.name()
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
     }
     fn copy_part(
         &self,
@@ -698,7 +748,7 @@ impl CopyBackend for FaultBackend {
             Strike::BeforeRank(r, act) if *r == part.tp_rank => act(),
             _ => {}
         }
-        let out = HostCopyBackend.copy_part(part, io, control)?;
+        let out = self.inner.copy_part(part, io, control)?;
         if let Strike::AfterAll(act) = &self.strike {
             if self.parts_done.fetch_add(1, Ordering::AcqRel) + 1 == self.tp {
                 act();
@@ -893,15 +943,7 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
         _ => Strike::Never,
     };
     let rows = (conv.prompt.len() / bs as usize) as u32 + 2;
-    let target = Target::new(
-        layout,
-        rows,
-        Arc::new(FaultBackend {
-            strike,
-            parts_done: AtomicU32::new(0),
-            tp: TP,
-        }),
-    )?;
+    let target = Target::new(layout, rows, Arc::new(FaultBackend::host(strike)))?;
 
     let hashes = prompt_hashes(&conv.prompt, bs as usize);
     let request_id = format!("fault-{seed}");
@@ -1459,17 +1501,7 @@ fn child(args: &[String]) -> Result<(), FaultError> {
             .map_err(|e| FaultError::Child(format!("`{field}` {s:?}: {e}")))
     };
     let (seed, lease_ms) = (num("seed", seed)?, num("lease_ms", lease_ms)?);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| FaultError::Child(format!("runtime: {e}")))?;
-    // The handler is installed before the hello, so a SIGTERM sent as soon
-    // as the parent read it is never the default (killing) action.
-    let mut term = rt
-        .block_on(async {
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        })
-        .map_err(|e| FaultError::Child(format!("SIGTERM handler: {e}")))?;
+    let (rt, mut term) = child_runtime()?;
     let model = shared_model()?;
     let layout = model.config().layout(TP)?;
     let (conv, cache) = conversation(&model, seed)?;
@@ -1518,9 +1550,7 @@ fn child(args: &[String]) -> Result<(), FaultError> {
     };
     let line = serde_json::to_string(&hello).map_err(|e| FaultError::Child(e.to_string()))?;
     println!("{line}");
-    rt.block_on(async {
-        let _ = tokio::time::timeout(CHILD_MAX_LIFE, term.recv()).await;
-    });
+    wait_for_sigterm(&rt, &mut term);
     // Pins first: once the service is down no target holds a pin, so the
     // close below frees the memory at once instead of timing out.
     pins.shutdown(CHILD_PIN_DRAIN);
@@ -1576,7 +1606,7 @@ fn retained_hint_envelope(
     manifest: &BankManifest,
     layout: &KvLayout,
     entries: &[(u64, u32)],
-    seed: u64,
+    request_id: &str,
     endpoint: &str,
 ) -> Result<HintEnvelope, FaultError> {
     let slots: Vec<u32> = entries.iter().map(|e| e.1).collect();
@@ -1584,10 +1614,10 @@ fn retained_hint_envelope(
         donor_engine_id: manifest.owner().engine_id,
         bank_generation: manifest.owner().generation,
         layout_fingerprint: layout.fingerprint(),
-        tp_size: TP,
+        tp_size: layout.tp_size(),
         sequence_hashes: entries.iter().map(|e| SequenceHash(e.0)).collect(),
         fetch_from: 0,
-        parts: (0..TP)
+        parts: (0..layout.tp_size())
             .map(|r| FetchPart {
                 tp_rank: r,
                 slot_ids: slots.clone(),
@@ -1596,8 +1626,72 @@ fn retained_hint_envelope(
             .collect(),
         donor_control_endpoint: endpoint.to_string(),
     };
-    HintEnvelope::fetch_gpu(format!("fault-{seed}"), "a0", &hint)
-        .map_err(|e| FaultError::Child(e.to_string()))
+    HintEnvelope::fetch_gpu(request_id, "a0", &hint).map_err(|e| FaultError::Child(e.to_string()))
+}
+
+/// A started donor child whose first stdout line (its hello) was read.
+struct HelloChild {
+    /// The process (killed and reaped through `guard` at the latest).
+    child: Arc<Mutex<Child>>,
+    guard: ChildGuard,
+    /// Its pid as the parent sees it.
+    pid: u32,
+}
+
+/// Starts `cmd` (stdin closed, stdout piped, stderr inherited) and parses
+/// the first line it prints within `wait` as its hello `T`.
+fn spawn_with_hello<T: serde::de::DeserializeOwned>(
+    mut cmd: Command,
+    wait: Duration,
+) -> Result<(HelloChild, T), FaultError> {
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    let mut proc = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| FaultError::Child(format!("cannot start {program}: {e}")))?;
+    let stdout = proc.stdout.take();
+    let pid = proc.id();
+    let child = Arc::new(Mutex::new(proc));
+    let guard = ChildGuard(child.clone());
+    let (tx, rx) = mpsc::channel();
+    if let Some(out) = stdout {
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = std::io::BufReader::new(out).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+    }
+    let line = rx
+        .recv_timeout(wait)
+        .map_err(|_| FaultError::Child(format!("no hello within {} s", wait.as_secs())))?;
+    let hello = serde_json::from_str(line.trim())
+        .map_err(|e| FaultError::Child(format!("bad hello {line:?}: {e}")))?;
+    Ok((HelloChild { child, guard, pid }, hello))
+}
+
+/// A child's current-thread runtime with its SIGTERM handler installed.
+/// Install it before printing the hello, so that a SIGTERM sent as soon as
+/// the parent read it is never the default (killing) action.
+fn child_runtime() -> Result<(tokio::runtime::Runtime, tokio::signal::unix::Signal), FaultError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| FaultError::Child(format!("runtime: {e}")))?;
+    let term = rt
+        .block_on(async {
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        })
+        .map_err(|e| FaultError::Child(format!("SIGTERM handler: {e}")))?;
+    Ok((rt, term))
+}
+
+/// Blocks until SIGTERM, or [`CHILD_MAX_LIFE`] if none comes.
+fn wait_for_sigterm(rt: &tokio::runtime::Runtime, term: &mut tokio::signal::unix::Signal) {
+    rt.block_on(async {
+        let _ = tokio::time::timeout(CHILD_MAX_LIFE, term.recv()).await;
+    });
 }
 
 /// Kills and reaps the child when dropped (a failed setup leaves no process).
@@ -1640,35 +1734,14 @@ fn child_fault(
     let layout = model.config().layout(TP)?;
     let (conv, _) = conversation(&model, seed)?;
     let off = generate(&model, KvCache::new(layout), &conv.prompt)?;
-    let mut proc = Command::new(&cmd.exe)
-        .args(&cmd.args)
-        .args([
-            prefix.to_string(),
-            seed.to_string(),
-            CHILD_LEASE_MS.to_string(),
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| FaultError::Child(format!("cannot start {}: {e}", cmd.exe.display())))?;
-    let stdout = proc.stdout.take();
-    let pid = proc.id();
-    let child = Arc::new(Mutex::new(proc));
-    let guard = ChildGuard(child.clone());
-    let (tx, rx) = mpsc::channel();
-    if let Some(out) = stdout {
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = std::io::BufReader::new(out).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-    }
-    let line = rx
-        .recv_timeout(Duration::from_secs(30))
-        .map_err(|_| FaultError::Child("no hello within 30 s".into()))?;
-    let PinningChildHello { hello, endpoint } = serde_json::from_str(line.trim())
-        .map_err(|e| FaultError::Child(format!("bad hello {line:?}: {e}")))?;
+    let mut start = Command::new(&cmd.exe);
+    start.args(&cmd.args).args([
+        prefix.to_string(),
+        seed.to_string(),
+        CHILD_LEASE_MS.to_string(),
+    ]);
+    let (HelloChild { child, guard, pid }, PinningChildHello { hello, endpoint }) =
+        spawn_with_hello(start, Duration::from_secs(30))?;
     let manifest =
         BankManifest::from_wire(&hello.manifest).map_err(|e| FaultError::Child(e.to_string()))?;
     let remote = kv_router_glue::RemoteDonor::open_host_shm(manifest.clone(), &endpoint)
@@ -1689,7 +1762,13 @@ fn child_fault(
     let bs = layout.tokens_per_block() as usize;
     let usable = (conv.prompt.len() - 1) / bs;
     let entries: Vec<(u64, u32)> = hello.entries.iter().take(usable).copied().collect();
-    let env = retained_hint_envelope(&manifest, &layout, &entries, seed, &endpoint)?;
+    let env = retained_hint_envelope(
+        &manifest,
+        &layout,
+        &entries,
+        &format!("fault-{seed}"),
+        &endpoint,
+    )?;
     let strike_child = child.clone();
     let act: Action = if fault == Fault::DonorKilledMidTransfer {
         Arc::new(move || {
@@ -1711,11 +1790,7 @@ fn child_fault(
     let target = Target::new(
         layout,
         (conv.prompt.len() / bs) as u32 + 2,
-        Arc::new(FaultBackend {
-            strike: Strike::BeforeRank(1, act),
-            parts_done: AtomicU32::new(0),
-            tp: TP,
-        }),
+        Arc::new(FaultBackend::host(Strike::BeforeRank(1, act))),
     )?;
     let control = DeliveryControl {
         donor_alive: Some(alive),
@@ -2022,10 +2097,19 @@ mod tests {
         assert!(Fault::IN_PROCESS.iter().all(|f| Fault::ALL.contains(f)));
         assert!(!Fault::IN_PROCESS.iter().any(|f| f.needs_child()));
         assert!(!Fault::IN_PROCESS.contains(&Fault::NatsServerRestart));
+        let with_child: Vec<Fault> = Fault::ALL
+            .iter()
+            .copied()
+            .filter(|f| f.needs_child())
+            .collect();
         assert_eq!(
-            Fault::ALL.iter().filter(|f| f.needs_child()).count(),
-            2,
-            "killed and SIGTERMed donor"
+            with_child,
+            [
+                Fault::DonorKilledMidTransfer,
+                Fault::SigtermDuringTransfer,
+                Fault::LinkCutMidTransfer
+            ],
+            "killed, SIGTERMed and network-cut donor"
         );
     }
 

@@ -94,11 +94,6 @@ impl Subject {
     pub fn topic(&self) -> &str {
         self.full.rsplit('.').next().unwrap_or_default()
     }
-
-    /// Subject of readiness probes for this subject (internal to the planes).
-    pub(crate) fn probe(&self) -> String {
-        format!("_kvready.{}", self.full)
-    }
 }
 
 impl std::fmt::Display for Subject {

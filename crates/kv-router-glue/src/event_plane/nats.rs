@@ -29,14 +29,31 @@ impl Default for NatsOptions {
     }
 }
 
+/// NATS header that marks a readiness probe on a data subject; subscribers
+/// answer it and never deliver it as data.
+pub const PROBE_HEADER: &str = "Kv-Ready-Probe";
+
+fn is_probe(m: &async_nats::Message) -> bool {
+    m.headers
+        .as_ref()
+        .is_some_and(|h| h.get(PROBE_HEADER).is_some())
+}
+
 /// Event plane over a NATS server.
 ///
 /// The client reconnects forever with bounded back-off and re-establishes
 /// subscriptions itself; messages published while disconnected may be lost,
-/// which the KV event ids detect (gap → resync request). Every subscription
-/// also listens on a probe subject (`_kvready.<subject>`) and answers probes
-/// with its unique id; [`EventPlane::wait_for_subscribers`] counts distinct
-/// answers.
+/// which the KV event ids detect (gap → resync request).
+///
+/// Readiness: [`EventPlane::wait_for_subscribers`] publishes probes *on the
+/// data subject itself*, marked by the header [`PROBE_HEADER`] and carrying
+/// a reply inbox; every subscription answers with its unique id (and does
+/// not pass the probe on), and the barrier counts distinct answers. Because
+/// the probe travels through the data subscription, an answer proves that
+/// this very subscription is registered on the server. (A separate probe
+/// subject could be re-established before the data subscription after a
+/// reconnect, since the client re-sends its subscriptions in no fixed order:
+/// a test saw the barrier pass and the next event lost.)
 #[derive(Debug, Clone)]
 pub struct NatsPlane {
     client: async_nats::Client,
@@ -105,16 +122,9 @@ impl EventPlane for NatsPlane {
                 subject: subject.to_string(),
                 reason: e,
             };
-            // Data first, then probe: the server handles SUBs in order, so a
-            // subscription that answers a probe already receives data.
             let mut data = self
                 .client
                 .subscribe(subject.as_str().to_string())
-                .await
-                .map_err(|e| sub_err(e.to_string()))?;
-            let mut probe = self
-                .client
-                .subscribe(subject.probe())
                 .await
                 .map_err(|e| sub_err(e.to_string()))?;
             self.client
@@ -128,19 +138,16 @@ impl EventPlane for NatsPlane {
                 loop {
                     tokio::select! {
                         m = data.next() => match m {
+                            Some(m) if is_probe(&m) => {
+                                if let Some(reply) = m.reply {
+                                    // A lost answer only delays the barrier: it probes again.
+                                    let _ = client.publish(reply, id.clone().into_bytes().into()).await;
+                                }
+                            }
                             Some(m) => {
                                 let msg = PlaneMessage { subject: m.subject.to_string(), payload: m.payload.to_vec() };
                                 if tx.send(msg).is_err() {
                                     break;
-                                }
-                            }
-                            None => break,
-                        },
-                        p = probe.next() => match p {
-                            Some(p) => {
-                                if let Some(reply) = p.reply {
-                                    // A lost answer only delays the barrier: it probes again.
-                                    let _ = client.publish(reply, id.clone().into_bytes().into()).await;
                                 }
                             }
                             None => break,
@@ -188,9 +195,16 @@ impl EventPlane for NatsPlane {
             loop {
                 // Errors here are transient (reconnecting): keep probing until the deadline.
                 let _ = self.client.flush().await;
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(PROBE_HEADER, "1");
                 let _ = self
                     .client
-                    .publish_with_reply(subject.probe(), inbox.clone(), Vec::new().into())
+                    .publish_with_reply_and_headers(
+                        subject.as_str().to_string(),
+                        inbox.clone(),
+                        headers,
+                        Vec::new().into(),
+                    )
                     .await;
                 let round_end =
                     (tokio::time::Instant::now() + Duration::from_millis(100)).min(deadline);

@@ -185,13 +185,26 @@ async fn nats_client_reconnects_after_server_restart() {
         .unwrap();
     assert_eq!(n, 1);
     assert!(publisher.is_connected() && subscriber.is_connected());
-    publisher
-        .publish(&subject, b"after".to_vec())
-        .await
-        .unwrap();
-    let m = sub
-        .next_timeout(Duration::from_secs(5))
-        .await
-        .expect("no delivery after restart");
-    assert_eq!(m.payload, b"after");
+    // Core NATS is at-most-once: a message can still be lost while a client
+    // settles after the restart (seen about once in ten runs on a loaded
+    // machine, although the barrier had passed); the KV event ids detect
+    // such a loss and resync. What must hold is that delivery resumes, so
+    // publish until one arrives, within 5 s.
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut sent = 0u32;
+    let delivered = loop {
+        sent += 1;
+        publisher
+            .publish(&subject, format!("after-{sent}").into_bytes())
+            .await
+            .unwrap();
+        if let Some(m) = sub.next_timeout(Duration::from_millis(250)).await {
+            break Some(m);
+        }
+        if tokio::time::Instant::now() >= until {
+            break None;
+        }
+    };
+    let m = delivered.expect("no delivery within 5 s after the restart");
+    assert!(m.payload.starts_with(b"after-"), "{:?}", m.payload);
 }

@@ -347,150 +347,25 @@ fn device_bank(
 
 // --------------------------------------------------------------- target ---
 
-/// The prefill target with device destination rows (rank `r` on `ordinals[r]`).
-struct DeviceTarget {
+/// A target whose staging rows are device allocations (rank `r` on
+/// `ordinals[r]`) and whose copies go through [`CudaCopyBackend`] with
+/// `strike` injected.
+fn device_target(
     layout: KvLayout,
-    pool: DestinationPool,
-    staging: Vec<Arc<CudaDeviceMemory>>,
-    executor: FetchExecutor,
     rows: u32,
-}
-
-impl DeviceTarget {
-    fn new(
-        layout: KvLayout,
-        rows: u32,
-        ordinals: &[u32],
-        backend: Arc<dyn CopyBackend>,
-    ) -> Result<Self, FaultError> {
-        let len = rows as usize * layout.rank_block_bytes();
-        let poison = vec![POISON; len];
-        let mut staging = Vec::new();
-        for &o in ordinals {
-            let m = CudaDeviceMemory::new(o, len).map_err(cuda_err("staging cuMemAlloc"))?;
-            m.write_bytes(0, &poison)
-                .map_err(cuda_err("staging poison"))?;
-            staging.push(Arc::new(m));
-        }
-        let regions: Vec<Arc<dyn BankMemory>> = staging
-            .iter()
-            .map(|m| m.clone() as Arc<dyn BankMemory>)
-            .collect();
-        let pool = DestinationPool::new(rows);
-        let executor = FetchExecutor::new(layout, pool.clone(), regions, rows, backend)
-            .map_err(|e| router_err("executor")(e.to_string()))?;
-        Ok(Self {
-            layout,
-            pool,
-            staging,
-            executor,
-            rows,
-        })
-    }
-
-    fn poison_intact(&self) -> Result<bool, FaultError> {
-        let mut ok = true;
-        for m in &self.staging {
-            let mut back = vec![0u8; m.len()];
-            m.read_bytes(0, &mut back)
-                .map_err(cuda_err("staging read"))?;
-            ok &= back.iter().all(|&b| b == POISON);
-        }
-        Ok(ok)
-    }
-
-    fn rows_free(&self) -> bool {
-        self.pool.free_blocks() == self.rows as usize && self.pool.orphaned_blocks() == 0
-    }
-
-    /// As the host target's `serve`: the fetched rows are read back from the
-    /// device into the request's cache (the reference model runs on the CPU).
-    fn serve(
-        &self,
-        model: &ReferenceModel,
-        prompt: &[u32],
-        hint: Option<&HintEnvelope>,
-        donor: &dyn DonorSource,
-        control: &DeliveryControl,
-    ) -> Result<(Served, bool, Option<String>), FaultError> {
-        let mut cache = KvCache::new(self.layout);
-        let mut completed = false;
-        let mut fallback = None;
-        if let Some(env) = hint {
-            match self.executor.execute(env, donor, control) {
-                Ok(outcome) => {
-                    completed = true;
-                    let rbb = self.layout.rank_block_bytes();
-                    for (j, row) in outcome.target_blocks.iter().enumerate() {
-                        let mut parts = Vec::new();
-                        for m in &self.staging {
-                            let mut b = vec![0u8; rbb];
-                            m.read_bytes(*row as usize * rbb, &mut b)
-                                .map_err(cuda_err("staging read"))?;
-                            parts.push(b);
-                        }
-                        let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
-                        cache.import_blocks(outcome.fetch_from as usize + j, &refs)?;
-                    }
-                    if outcome.report.counters.host_payload_bytes != 0 {
-                        fallback = Some(format!(
-                            "host payload {} bytes on the device path",
-                            outcome.report.counters.host_payload_bytes
-                        ));
-                    }
-                }
-                Err(e) => fallback = Some(e.to_string()),
-            }
-        }
-        Ok((generate(model, cache, prompt)?, completed, fallback))
-    }
-}
-
-/// [`CudaCopyBackend`] with one injected fault.
-struct DeviceFaultBackend {
-    inner: CudaCopyBackend,
+    ordinals: &[u32],
     strike: Strike,
-    parts_done: AtomicU32,
-    tp: u32,
-}
-
-impl DeviceFaultBackend {
-    fn new(strike: Strike, tp: u32) -> Result<Self, FaultError> {
-        Ok(Self {
-            inner: CudaCopyBackend::new(CudaMode::Auto)
-                .map_err(|e| router_err("cuda backend")(e.to_string()))?,
-            strike,
-            parts_done: AtomicU32::new(0),
-            tp,
-        })
+) -> Result<Target, FaultError> {
+    let len = rows as usize * layout.rank_block_bytes();
+    let mut staging: Vec<Arc<dyn BankMemory>> = Vec::new();
+    for &o in ordinals {
+        let m = CudaDeviceMemory::new(o, len).map_err(cuda_err("staging cuMemAlloc"))?;
+        staging.push(Arc::new(m));
     }
-}
-
-impl CopyBackend for DeviceFaultBackend {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn copy_part(
-        &self,
-        part: &PartPlan,
-        io: &RankIo<'_>,
-        control: &DeliveryControl,
-    ) -> Result<PartOutcome, TransferError> {
-        match &self.strike {
-            Strike::FailRank(r) if *r == part.tp_rank => {
-                return Err(TransferError::Host(format!("injected failure of rank {r}")))
-            }
-            Strike::BeforeRank(r, act) if *r == part.tp_rank => act(),
-            _ => {}
-        }
-        let out = self.inner.copy_part(part, io, control)?;
-        if let Strike::AfterAll(act) = &self.strike {
-            if self.parts_done.fetch_add(1, Ordering::AcqRel) + 1 == self.tp {
-                act();
-            }
-        }
-        Ok(out)
-    }
+    let cuda = CudaCopyBackend::new(CudaMode::Auto)
+        .map_err(|e| router_err("cuda backend")(e.to_string()))?;
+    let backend = FaultBackend::new(Arc::new(cuda), strike, ordinals.len() as u32);
+    Target::with_staging(layout, rows, staging, Arc::new(backend))
 }
 
 // -------------------------------------------------------------- runners ---
@@ -577,12 +452,7 @@ fn in_process_run(
         _ => Strike::Never,
     };
     let rows = (conv.prompt.len() / bs as usize) as u32 + 2;
-    let target = DeviceTarget::new(
-        layout,
-        rows,
-        ordinals,
-        Arc::new(DeviceFaultBackend::new(strike, tp)?),
-    )?;
+    let target = device_target(layout, rows, ordinals, strike)?;
     let advice = router.advise(
         &format!("gpu-fault-{seed}"),
         &prompt_hashes(&conv.prompt, bs as usize),
@@ -615,7 +485,7 @@ fn in_process_run(
     // At TP1 the strike comes before the only part: no byte may have landed.
     let before_first_byte = tp == 1 && fault != GpuFault::None;
     o.destination_untouched =
-        target.rows_free() && (completed || !before_first_byte || target.poison_intact()?);
+        target.rows_free() && (completed || !before_first_byte || target.poison_intact());
     o.detail = fallback.unwrap_or_else(|| "fetch completed".into());
     drop(target);
     drop(router);
@@ -717,36 +587,15 @@ fn child_run(
     let ipc_before = ipc_cache_stats();
     let mut o = GpuRunOutcome::new(GpuFault::DonorKilledMidTransfer, seed, tp);
     let ords: Vec<String> = ordinals.iter().map(|x| x.to_string()).collect();
-    let mut proc = Command::new(&cmd.exe)
-        .args(&cmd.args)
-        .args([
-            prefix.to_string(),
-            seed.to_string(),
-            CHILD_LEASE_MS.to_string(),
-            ords.join(","),
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| FaultError::Child(format!("cannot start {}: {e}", cmd.exe.display())))?;
-    let stdout = proc.stdout.take();
-    let pid = proc.id();
-    let child = Arc::new(Mutex::new(proc));
-    let guard = ChildGuard(child.clone());
-    let (tx, rx) = mpsc::channel();
-    if let Some(out) = stdout {
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = std::io::BufReader::new(out).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-    }
-    let line = rx
-        .recv_timeout(Duration::from_secs(60))
-        .map_err(|_| FaultError::Child("no hello within 60 s".into()))?;
-    let hello: ChildHello = serde_json::from_str(line.trim())
-        .map_err(|e| FaultError::Child(format!("bad hello {line:?}: {e}")))?;
+    let mut start = Command::new(&cmd.exe);
+    start.args(&cmd.args).args([
+        prefix.to_string(),
+        seed.to_string(),
+        CHILD_LEASE_MS.to_string(),
+        ords.join(","),
+    ]);
+    let (HelloChild { child, guard, pid }, hello): (HelloChild, ChildHello) =
+        spawn_with_hello(start, Duration::from_secs(60))?;
     let mut with_bank = free_bytes(ordinals)?;
     let manifest =
         BankManifest::from_wire(&hello.manifest).map_err(|e| FaultError::Child(e.to_string()))?;
@@ -776,25 +625,13 @@ fn child_run(
     let bs = layout.tokens_per_block() as usize;
     let usable = (conv.prompt.len() - 1) / bs;
     let entries: Vec<(u64, u32)> = hello.entries.iter().take(usable).copied().collect();
-    let slots: Vec<u32> = entries.iter().map(|e| e.1).collect();
-    let hint = FetchGpuHint {
-        donor_engine_id: manifest.owner().engine_id,
-        bank_generation: manifest.owner().generation,
-        layout_fingerprint: layout.fingerprint(),
-        tp_size: tp,
-        sequence_hashes: entries.iter().map(|e| SequenceHash(e.0)).collect(),
-        fetch_from: 0,
-        parts: (0..tp)
-            .map(|r| FetchPart {
-                tp_rank: r,
-                slot_ids: slots.clone(),
-                expected_bytes: slots.len() as u64 * layout.rank_block_bytes() as u64,
-            })
-            .collect(),
-        donor_control_endpoint: format!("pid:{pid}"),
-    };
-    let env = HintEnvelope::fetch_gpu(format!("gpu-fault-{seed}"), "a0", &hint)
-        .map_err(|e| FaultError::Child(e.to_string()))?;
+    let env = retained_hint_envelope(
+        &manifest,
+        &layout,
+        &entries,
+        &format!("gpu-fault-{seed}"),
+        &format!("pid:{pid}"),
+    )?;
     let strike_child = child.clone();
     let kill: Action = Arc::new(move || {
         let mut c = strike_child.lock().unwrap_or_else(|e| e.into_inner());
@@ -809,11 +646,11 @@ fn child_run(
     } else {
         (Strike::AfterAll(kill), "after every part".to_string())
     };
-    let target = DeviceTarget::new(
+    let target = device_target(
         layout,
         (conv.prompt.len() / bs) as u32 + 2,
         ordinals,
-        Arc::new(DeviceFaultBackend::new(strike, tp)?),
+        strike,
     )?;
     let control = DeliveryControl {
         donor_alive: Some(alive),
@@ -932,15 +769,7 @@ fn gpu_child(args: &[String]) -> Result<(), FaultError> {
         .split(',')
         .map(|s| num("ordinals", s).map(|v| v as u32))
         .collect::<Result<_, _>>()?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| FaultError::Child(format!("runtime: {e}")))?;
-    let mut term = rt
-        .block_on(async {
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        })
-        .map_err(|e| FaultError::Child(format!("SIGTERM handler: {e}")))?;
+    let (rt, mut term) = child_runtime()?;
     let tp = ordinals.len() as u32;
     let model = shared_model()?;
     let layout = model.config().layout(tp)?;
@@ -977,9 +806,7 @@ fn gpu_child(args: &[String]) -> Result<(), FaultError> {
     };
     let line = serde_json::to_string(&hello).map_err(|e| FaultError::Child(e.to_string()))?;
     println!("{line}");
-    rt.block_on(async {
-        let _ = tokio::time::timeout(CHILD_MAX_LIFE, term.recv()).await;
-    });
+    wait_for_sigterm(&rt, &mut term);
     bank.close(Duration::from_secs(1))
         .map_err(bank_err("close"))
 }

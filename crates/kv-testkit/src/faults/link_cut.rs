@@ -23,8 +23,6 @@
 //! ([`NixlAgentOptions`]): on one machine UCX would otherwise choose `cma`
 //! (cross-memory attach), which ignores the network.
 
-use std::sync::atomic::AtomicBool;
-
 use kv_bank::MemoryKind;
 use kv_transfer::nixl::{runtime_status, NixlAgent, NixlAgentOptions, NixlBackend, NixlMode};
 use kv_transfer::{NixlRemoteRegion, SourceRegion};
@@ -102,15 +100,7 @@ fn net_child(args: &[String]) -> Result<(), FaultError> {
     let seed: u64 = seed
         .parse()
         .map_err(|e| FaultError::Child(format!("`seed` {seed:?}: {e}")))?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| FaultError::Child(format!("runtime: {e}")))?;
-    let mut term = rt
-        .block_on(async {
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        })
-        .map_err(|e| FaultError::Child(format!("SIGTERM handler: {e}")))?;
+    let (rt, mut term) = child_runtime()?;
     let model = shared_model()?;
     let layout = model.config().layout(TP)?;
     let (conv, cache) = conversation(&model, seed)?;
@@ -161,9 +151,7 @@ fn net_child(args: &[String]) -> Result<(), FaultError> {
     };
     let line = serde_json::to_string(&hello).map_err(|e| FaultError::Child(e.to_string()))?;
     println!("{line}");
-    rt.block_on(async {
-        let _ = tokio::time::timeout(CHILD_MAX_LIFE, term.recv()).await;
-    });
+    wait_for_sigterm(&rt, &mut term);
     // Deregister before the bank's memory goes away.
     drop(agent);
     bank.close(Duration::from_secs(1))
@@ -201,35 +189,6 @@ impl DonorSource for NetDonor {
     }
 }
 
-/// A NIXL backend that cuts the link when rank `cut_rank`'s part starts,
-/// once armed.
-struct CutBeforeRank {
-    inner: NixlBackend,
-    cut_rank: u32,
-    armed: AtomicBool,
-    cut: Action,
-}
-
-impl CopyBackend for CutBeforeRank {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn in_flight(&self) -> usize {
-        self.inner.in_flight()
-    }
-    fn copy_part(
-        &self,
-        part: &PartPlan,
-        io: &RankIo<'_>,
-        control: &DeliveryControl,
-    ) -> Result<PartOutcome, TransferError> {
-        if part.tp_rank == self.cut_rank && self.armed.swap(false, Ordering::AcqRel) {
-            (self.cut)();
-        }
-        self.inner.copy_part(part, io, control)
-    }
-}
-
 /// Runs the fault once; see the module docs.
 pub(super) fn link_cut(
     seed: u64,
@@ -258,31 +217,15 @@ pub(super) fn link_cut(
     let (conv, _) = conversation(&model, seed)?;
     let off = generate(&model, KvCache::new(layout), &conv.prompt)?;
 
-    let mut proc = link
-        .command_in_ns(&cmd.exe)
-        .args(cmd.args_for_role(NET_CHILD_ROLE))
-        .args([prefix.to_string(), seed.to_string(), link.ns_dev.clone()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| FaultError::Child(format!("cannot start {}: {e}", cmd.exe.display())))?;
-    let stdout = proc.stdout.take();
-    let child = Arc::new(Mutex::new(proc));
-    let guard = ChildGuard(child.clone());
-    let (tx, rx) = mpsc::channel();
-    if let Some(out) = stdout {
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = std::io::BufReader::new(out).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-    }
-    let line = rx
-        .recv_timeout(Duration::from_secs(30))
-        .map_err(|_| FaultError::Child("no hello within 30 s".into()))?;
-    let hello: NetHello = serde_json::from_str(line.trim())
-        .map_err(|e| FaultError::Child(format!("bad hello {line:?}: {e}")))?;
+    let mut start = link.command_in_ns(&cmd.exe);
+    start.args(cmd.args_for_role(NET_CHILD_ROLE)).args([
+        prefix.to_string(),
+        seed.to_string(),
+        link.ns_dev.clone(),
+    ]);
+    // `ip netns exec` execs the donor, so the pid is the donor's.
+    let (HelloChild { child, guard, .. }, hello): (HelloChild, NetHello) =
+        spawn_with_hello(start, Duration::from_secs(30))?;
     let manifest =
         BankManifest::from_wire(&hello.manifest).map_err(|e| FaultError::Child(e.to_string()))?;
 
@@ -311,21 +254,29 @@ pub(super) fn link_cut(
     };
     let usable = (conv.prompt.len() - 1) / bs;
     let entries: Vec<(u64, u32)> = hello.entries.iter().take(usable).copied().collect();
-    let env = retained_hint_envelope(&manifest, &layout, &entries, seed, "netns")?;
+    let env = retained_hint_envelope(
+        &manifest,
+        &layout,
+        &entries,
+        &format!("fault-{seed}"),
+        "netns",
+    )?;
     let rows = (conv.prompt.len() / bs) as u32 + 2;
-    let target = |armed: bool| -> Result<Target, FaultError> {
-        let t = Target::new(
-            layout,
-            rows,
-            Arc::new(CutBeforeRank {
-                inner: NixlBackend::new(agent.clone(), NixlMode::Runs),
-                cut_rank: 1,
-                armed: AtomicBool::new(armed),
-                cut: Arc::new(move || {
+    // Targets read through the agent; the cut one takes the link down when
+    // rank 1's part starts.
+    let target = |cut: bool| -> Result<Target, FaultError> {
+        let strike = if cut {
+            Strike::BeforeRank(
+                1,
+                Arc::new(move || {
                     let _ = link.cut();
                 }),
-            }),
-        )?;
+            )
+        } else {
+            Strike::Never
+        };
+        let nixl = Arc::new(NixlBackend::new(agent.clone(), NixlMode::Runs));
+        let t = Target::new(layout, rows, Arc::new(FaultBackend::new(nixl, strike, TP)))?;
         for b in &t.staging {
             agent.register(b.as_ref()).map_err(nixl_err)?;
         }
