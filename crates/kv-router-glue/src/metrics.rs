@@ -102,7 +102,7 @@ pub fn refuse_label(reason: &RefuseReason) -> &'static str {
 
 /// Label value of a fetch fallback: `invalid_hint` / `stale_hint` for a hint
 /// refused before anything was touched, else the stage that failed
-/// (`reserve`, `pin`, `plan`, `transfer`, `verify`, `commit`).
+/// (`reserve`, `pin`, `plan`, `transfer`, `verify`; a commit cannot fail).
 pub fn fallback_label(e: &FetchError) -> &'static str {
     match e {
         FetchError::WrongEngine { .. } | FetchError::StaleGeneration { .. } => "stale_hint",

@@ -1645,6 +1645,23 @@ fn spawn_with_hello<T: serde::de::DeserializeOwned>(
     wait: Duration,
 ) -> Result<(HelloChild, T), FaultError> {
     let program = cmd.get_program().to_string_lossy().into_owned();
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: the closure runs in the forked child before exec and only
+        // calls prctl(2), which is async-signal-safe and touches no memory
+        // shared with the parent. It makes the kernel SIGKILL the donor when
+        // the spawning thread's process dies (a SIGTERMed kvq or test run),
+        // instead of leaving it running for CHILD_MAX_LIFE; the setting
+        // survives the exec of `ip netns exec` into the donor.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
     let mut proc = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -1970,7 +1987,14 @@ pub fn soak(minutes: f64, seed: u64) -> SoakReport {
 /// `Some(&ChildCommand::current_kvq())`).
 pub fn soak_with(minutes: f64, seed: u64, child: Option<&ChildCommand>) -> SoakReport {
     let t0 = Instant::now();
-    let budget = Duration::from_secs_f64((minutes * 60.0).max(0.0));
+    // Non-finite or negative minutes mean "one request" (kvq refuses them
+    // before calling); `from_secs_f64` would panic on infinity.
+    let secs = minutes * 60.0;
+    let budget = if secs.is_finite() && secs > 0.0 {
+        Duration::from_secs_f64(secs.min(1e9))
+    } else {
+        Duration::ZERO
+    };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let whole = {
         let _g = run_lock();

@@ -104,8 +104,7 @@ impl NetnsLink {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let pid = std::process::id();
         let k = NEXT.fetch_add(1, Ordering::Relaxed);
-        // Interface names are at most 15 bytes: "kv" + 5 hex + counter + side.
-        let tag = format!("{:05x}{}", pid & 0xfffff, k % 1000);
+        let (host_dev, ns_dev) = veth_names(pid, k);
         // A /30 per (process, link) inside 10.128.0.0/9, so concurrent test
         // processes do not route into each other's links.
         let net =
@@ -127,8 +126,8 @@ impl NetnsLink {
         }
         let link = Self {
             ns,
-            host_dev: format!("kv{tag}h"),
-            ns_dev: format!("kv{tag}n"),
+            host_dev,
+            ns_dev,
             host_ip: addr(1),
             ns_ip: addr(2),
         };
@@ -248,7 +247,16 @@ impl Drop for NetnsLink {
     }
 }
 
-/// Deletes `kvq-<pid>-<n>` namespaces whose process no longer exists.
+/// The veth pair's names for link `k` of process `pid`: (host end, namespace
+/// end). Interface names are at most 15 bytes: "kv" + 5 hex + counter + side.
+fn veth_names(pid: u32, k: u32) -> (String, String) {
+    let tag = format!("{:05x}{}", pid & 0xfffff, k % 1000);
+    (format!("kv{tag}h"), format!("kv{tag}n"))
+}
+
+/// Deletes `kvq-<pid>-<n>` namespaces whose process no longer exists, and
+/// the host end of their veth pair (a pair whose namespace end was already
+/// gone would otherwise stay).
 fn remove_stale_namespaces() {
     let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
         return;
@@ -257,13 +265,14 @@ fn remove_stale_namespaces() {
         let Some(name) = line.split_whitespace().next() else {
             continue;
         };
-        let owner = name
-            .strip_prefix(NS_PREFIX)
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|pid| pid.parse::<u32>().ok());
-        if let Some(pid) = owner {
+        let owner = name.strip_prefix(NS_PREFIX).and_then(|rest| {
+            let (pid, k) = rest.split_once('-')?;
+            Some((pid.parse::<u32>().ok()?, k.parse::<u32>().ok()?))
+        });
+        if let Some((pid, k)) = owner {
             if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
                 let _ = ip(&["netns", "del", name]);
+                let _ = ip(&["link", "del", &veth_names(pid, k).0]);
             }
         }
     }

@@ -544,7 +544,7 @@ fn validate(w: &Workload, opts: &ReplayOptions) -> Result<(), ReplayError> {
         if r.prompt_tokens == 0 {
             return bad("prompt_tokens", "must be at least 1".into());
         }
-        let want = (r.prompt_tokens + r.output_tokens) as usize / bs;
+        let want = (r.prompt_tokens as usize + r.output_tokens as usize) / bs;
         if r.blocks.len() != want {
             return bad(
                 "blocks",

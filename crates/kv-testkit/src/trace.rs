@@ -74,6 +74,12 @@ pub struct TraceRequest {
     pub hash_ids: Vec<u64>,
 }
 
+/// Largest `input_length` or `output_length` a trace request may have, in
+/// tokens (4 Mi: 32x the longest context of the models the traces come
+/// from). Bounds what the replay allocates per request, so one hostile line
+/// cannot make it build gigabytes of block ids.
+pub const MAX_REQUEST_TOKENS: u32 = 1 << 22;
+
 impl TraceRequest {
     /// The request's prompt as synthetic tokens (see [`synthetic_tokens`]).
     pub fn prompt_tokens(&self) -> Vec<u32> {
@@ -86,6 +92,18 @@ impl TraceRequest {
                 line,
                 field: "input_length",
                 reason: "must be at least 1".into(),
+            });
+        }
+        if self.input_length > MAX_REQUEST_TOKENS || self.output_length > MAX_REQUEST_TOKENS {
+            let (field, v) = if self.input_length > MAX_REQUEST_TOKENS {
+                ("input_length", self.input_length)
+            } else {
+                ("output_length", self.output_length)
+            };
+            return Err(TraceError::Field {
+                line,
+                field,
+                reason: format!("{v} tokens, above the limit of {MAX_REQUEST_TOKENS}"),
             });
         }
         let want = (self.input_length as usize).div_ceil(TRACE_BLOCK_TOKENS);
@@ -301,6 +319,21 @@ mod tests {
         let e = MooncakeTrace::from_reader(text.as_bytes()).unwrap_err();
         let msg = e.to_string();
         assert!(msg.contains("line 2") && msg.contains("hash_ids"), "{msg}");
+    }
+
+    #[test]
+    fn rejects_a_hostile_output_length_before_allocating() {
+        // One line with a 4-billion-token output once made the replay build
+        // gigabytes of block ids before any check.
+        let text = "{\"timestamp\":0,\"input_length\":10,\"output_length\":1,\"hash_ids\":[1]}\n\
+                    {\"timestamp\":1,\"input_length\":10,\"output_length\":4294967295,\"hash_ids\":[1]}\n";
+        let msg = MooncakeTrace::from_reader(text.as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("line 2") && msg.contains("output_length") && msg.contains("limit"),
+            "{msg}"
+        );
     }
 
     #[test]

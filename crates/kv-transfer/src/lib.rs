@@ -12,7 +12,7 @@
 //!   exactly its expected bytes, with counters (bytes, copies, host-payload
 //!   bytes, backend, transport);
 //! - [`oracle`] and [`bench`]: the native oracle and the ratio benchmark that
-//!   `cargo xtask oracle` / `cargo xtask bench transfer` call; [`ipc_check`]:
+//!   `kvq oracle` / `cargo xtask bench transfer` call; [`ipc_check`]:
 //!   the same GPU fetch between two processes over CUDA IPC; [`nixl_two_process`]:
 //!   a NIXL fetch from a donor agent in another process (the production shape).
 //!
@@ -22,9 +22,14 @@
 //!   cancellation, deadline or donor loss observed after the last byte. Any
 //!   failing part fails the whole delivery.
 //! - Missing keys are reported and their destination rows are never written.
-//! - Nothing in flight on return: every backend waits for (or aborts and
-//!   quiesces) its copies before returning, so the caller may release
-//!   destination reservations and donor pins as soon as `deliver` returns.
+//! - Nothing in flight on return, with one reported exception: every
+//!   backend waits for (or aborts and quiesces) its copies before returning,
+//!   so the caller may release destination reservations and donor pins as
+//!   soon as `deliver` returns, unless the error says
+//!   [`TransferError::may_still_write`]: a NIXL read abandoned in flight
+//!   (cancel, deadline) cannot be recalled, so its destination rows must stay
+//!   unused until [`CopyBackend::in_flight`] returns 0 (the glue's fetch
+//!   executor orphans them and reclaims them then).
 //! - On a GPU destination, payload bytes never pass through host memory
 //!   (`host_payload_bytes == 0`, enforced by [`deliver`]).
 //!

@@ -287,6 +287,12 @@ fn qualify(
 
 /// `kvq soak`: the donor-process faults start this binary as the child.
 fn soak(minutes: f64, seed: u64) -> ExitCode {
+    // At most a week: `Duration::from_secs_f64` panics on infinity, and a
+    // NaN or non-positive budget would silently run a single request.
+    if !(minutes.is_finite() && minutes > 0.0 && minutes <= 7.0 * 24.0 * 60.0) {
+        eprintln!("kvq soak: `--minutes` must be a number in (0, 10080], got {minutes}");
+        return ExitCode::from(2);
+    }
     let child = kv_testkit::faults::ChildCommand::current_kvq();
     let r = kv_testkit::faults::soak_with(minutes, seed, Some(&child));
     match serde_json::to_string_pretty(&r) {
