@@ -121,8 +121,10 @@ impl NetnsLink {
         };
         remove_stale_namespaces();
         let ns = format!("{NS_PREFIX}{pid}-{k}");
-        if let Err(e) = ip(&["netns", "add", &ns]) {
-            return Err(NetnsError::Unavailable(e.to_string()));
+        match ip(&["netns", "add", &ns]) {
+            Ok(()) => {}
+            Err(e @ NetnsError::Unavailable(_)) => return Err(e),
+            Err(e) => return Err(NetnsError::Unavailable(e.to_string())),
         }
         let link = Self {
             ns,

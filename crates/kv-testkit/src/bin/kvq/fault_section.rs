@@ -12,7 +12,7 @@
 //! nothing leaked); the rows themselves go to `record.json` as the metric
 //! [`ROWS_METRIC`], which the record lifts to its top-level `faults[]`.
 
-use kv_testkit::faults::{fault_table_with, gpu, ChildCommand, FaultError, FaultRow};
+use kv_testkit::faults::{fault_table_with, gpu, ChildCommand, FaultError, FaultRow, FaultTable};
 
 use crate::section::{Ctx, Profile, SectionResult, Stop};
 
@@ -20,15 +20,20 @@ use crate::section::{Ctx, Profile, SectionResult, Stop};
 pub const NAME: &str = "faults";
 /// Metric holding the rows (`[{fault, runs, fallbacks, false_completions, leaks, detail}]`).
 pub const ROWS_METRIC: &str = "rows";
+/// Metric holding the faults that could not run here (`[{fault, reason}]`).
+pub const SKIPPED_METRIC: &str = "skipped";
 
 /// The section body: the full table (3 runs per in-process fault, 2 per
 /// donor-process fault), about 15-30 s.
 pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
-    let mut rows = fault_table_with(false, &ChildCommand::kvq(&ctx.exe));
+    let FaultTable { mut rows, skipped } = fault_table_with(false, &ChildCommand::kvq(&ctx.exe));
     if ctx.profile == Profile::Gpu {
         gpu_rows(ctx, r, &mut rows);
     }
     print!("{}", table(&rows));
+    for s in &skipped {
+        println!("skipped here: {} ({})", s.fault, s.reason);
+    }
     for row in &rows {
         r.check(
             row.fault.as_str(),
@@ -41,6 +46,9 @@ pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
     }
     let json = serde_json::to_value(&rows).map_err(|e| Stop::Error(format!("rows: {e}")))?;
     r.metric(ROWS_METRIC, json);
+    let skipped =
+        serde_json::to_value(&skipped).map_err(|e| Stop::Error(format!("skipped: {e}")))?;
+    r.metric(SKIPPED_METRIC, skipped);
     r.metric("faults_run", rows.len() as u64);
     Ok(())
 }

@@ -85,6 +85,10 @@ pub struct Record {
     /// The fault table (`[{fault, runs, fallbacks, false_completions, leaks, detail}]`),
     /// lifted from the `faults` section; empty when it did not run.
     pub faults: Vec<serde_json::Value>,
+    /// Faults that could not run on this machine (`[{fault, reason}]`, e.g.
+    /// no `nats-server`, no network namespaces); empty when none or when the
+    /// `faults` section did not run.
+    pub faults_skipped: Vec<serde_json::Value>,
 }
 
 impl Record {
@@ -113,12 +117,16 @@ impl Record {
             commands.push(b);
         }
         commands.push(std::env::args().collect::<Vec<_>>().join(" "));
-        let faults = sections
-            .iter()
-            .find(|s| s.name == crate::fault_section::NAME)
-            .and_then(|s| s.metrics.get(crate::fault_section::ROWS_METRIC))
-            .and_then(|v| v.as_array().cloned())
-            .unwrap_or_default();
+        let fault_metric = |metric: &str| {
+            sections
+                .iter()
+                .find(|s| s.name == crate::fault_section::NAME)
+                .and_then(|s| s.metrics.get(metric))
+                .and_then(|v| v.as_array().cloned())
+                .unwrap_or_default()
+        };
+        let faults = fault_metric(crate::fault_section::ROWS_METRIC);
+        let faults_skipped = fault_metric(crate::fault_section::SKIPPED_METRIC);
         let lift = |name: &str| {
             sections
                 .iter()
@@ -148,6 +156,7 @@ impl Record {
             sections,
             failures,
             faults,
+            faults_skipped,
         }
     }
 

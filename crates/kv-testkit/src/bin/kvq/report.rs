@@ -148,6 +148,19 @@ pub fn write(r: &Record, dir: &Path) -> Result<(), String> {
                 f["leaks"]
             );
         }
+        let _ = writeln!(
+            md,
+            "\nFor the control rows (`none`, `none_gpu`) and the event-stream rows, \
+             `fallbacks` counts runs that ended as required (a correct completion; a repair)."
+        );
+        for s in &r.faults_skipped {
+            let _ = writeln!(
+                md,
+                "- skipped here: `{}` ({})",
+                s["fault"].as_str().unwrap_or("?"),
+                s["reason"].as_str().unwrap_or("?")
+            );
+        }
     }
     let replays: Vec<(&str, &TtftSamples)> = r
         .sections

@@ -1,0 +1,53 @@
+//! `kvq reclaim`: one stale-bank scan from the command line.
+
+use std::process::Command;
+
+fn kvq(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvq"))
+        .args(args)
+        .output()
+        .expect("kvq runs")
+}
+
+#[test]
+fn reclaim_removes_only_aged_orphans_and_refuses_an_empty_prefix() {
+    // Leaseless segments named like banks of a creator pid that cannot exist
+    // (pid_max is at most 2^22): orphans once older than the 60 s grace.
+    let prefix = format!("kvqreclaimtest{}", std::process::id());
+    let fresh = format!("{prefix}-4194304-0-00000001");
+    let aged = format!("{prefix}-4194304-1-00000002");
+    let shm = std::path::Path::new("/dev/shm");
+    std::fs::write(shm.join(&fresh), b"x").unwrap();
+    std::fs::write(shm.join(&aged), b"x").unwrap();
+    let old = std::time::SystemTime::now() - std::time::Duration::from_secs(600);
+    std::fs::File::options()
+        .write(true)
+        .open(shm.join(&aged))
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    let out = kvq(&["reclaim", "--prefix", &prefix]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+        panic!(
+            "not JSON ({e}): {stdout} / {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let fresh_left = shm.join(&fresh).exists();
+    let _ = std::fs::remove_file(shm.join(&fresh));
+    let _ = std::fs::remove_file(shm.join(&aged));
+    assert!(out.status.success(), "{report}");
+    assert_eq!(report["prefix"], prefix.as_str());
+    assert_eq!(report["live_leases"], 0);
+    assert_eq!(report["removed"], serde_json::json!([format!("/{aged}")]), "{report}");
+    assert!(fresh_left, "a segment within its grace period stays");
+
+    let out = kvq(&["reclaim", "--prefix", ""]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("prefix"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
