@@ -86,8 +86,8 @@ pub use cost::{
 };
 pub use error::{CalibrationError, FetchError, PlaneError, SettingsError};
 pub use event_plane::{
-    EventPlane, InProcessPlane, NatsOptions, NatsPlane, PlaneFuture, PlaneMessage, Subject,
-    Subscription, SUBJECT_ROOT,
+    EventPlane, InProcessPlane, NatsAuth, NatsOptions, NatsPlane, NatsTls, PlaneFuture,
+    PlaneMessage, Subject, Subscription, SUBJECT_ROOT,
 };
 pub use fetch_executor::{DonorPin, DonorSource, FetchExecutor, FetchOutcome};
 pub use hint_validation::{validate_hint, ValidatedFetch};

@@ -16,6 +16,8 @@ pub struct NatsServer {
     binary: PathBuf,
     port: u16,
     child: Option<Child>,
+    /// Extra server arguments (authentication, TLS), kept across restarts.
+    extra: Vec<String>,
 }
 
 /// Finds the server binary (see the module docs).
@@ -42,6 +44,15 @@ impl NatsServer {
     /// A message when the binary is missing, fails to start, or does not
     /// listen within 10 s.
     pub fn start() -> Result<Self, String> {
+        Self::start_with_args(&[])
+    }
+
+    /// [`NatsServer::start`] with extra `nats-server` arguments, e.g.
+    /// `["--user", "kv", "--pass", "secret"]` or `--tls --tlscert ... --tlskey ...`.
+    ///
+    /// # Errors
+    /// As [`NatsServer::start`].
+    pub fn start_with_args(extra: &[&str]) -> Result<Self, String> {
         let binary = find_nats_server()
             .ok_or("nats-server not found (set KV_NATS_SERVER or add it to PATH)")?;
         let port = TcpListener::bind("127.0.0.1:0")
@@ -52,6 +63,7 @@ impl NatsServer {
             binary,
             port,
             child: None,
+            extra: extra.iter().map(|a| a.to_string()).collect(),
         };
         s.spawn()?;
         Ok(s)
@@ -76,6 +88,7 @@ impl NatsServer {
     fn spawn(&mut self) -> Result<(), String> {
         let child = Command::new(&self.binary)
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -1281,6 +1281,7 @@ async fn nats_connect(url: &str, name: &str) -> Result<NatsPlane, FaultError> {
             name: name.into(),
             max_reconnect_delay: Duration::from_millis(100),
             connect_timeout: Duration::from_secs(2),
+            ..NatsOptions::default()
         },
     )
     .await

@@ -21,7 +21,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 pub use in_process::InProcessPlane;
-pub use nats::{NatsOptions, NatsPlane};
+pub use nats::{NatsAuth, NatsOptions, NatsPlane, NatsTls};
 
 use crate::PlaneError;
 

@@ -17,6 +17,10 @@ pub struct NatsOptions {
     pub max_reconnect_delay: Duration,
     /// Timeout of one connection attempt.
     pub connect_timeout: Duration,
+    /// How the client authenticates (default: not at all).
+    pub auth: NatsAuth,
+    /// TLS settings (default: plain TCP unless the server demands TLS).
+    pub tls: NatsTls,
 }
 
 impl Default for NatsOptions {
@@ -25,8 +29,65 @@ impl Default for NatsOptions {
             name: "kv-router-glue".into(),
             max_reconnect_delay: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(5),
+            auth: NatsAuth::None,
+            tls: NatsTls::default(),
         }
     }
+}
+
+/// How a NATS client proves who it is (the server's `authorization` /
+/// `accounts` configuration decides which one it wants).
+///
+/// ```
+/// use kv_router_glue::{NatsAuth, NatsOptions};
+/// let opts = NatsOptions {
+///     auth: NatsAuth::CredentialsFile("/etc/kv/router.creds".into()),
+///     ..NatsOptions::default()
+/// };
+/// assert!(!format!("{:?}", opts.auth).is_empty());
+/// ```
+#[derive(Clone, Default, PartialEq, Eq)]
+pub enum NatsAuth {
+    /// No credentials.
+    #[default]
+    None,
+    /// User and password (`--user` / `--pass`, or `authorization.users`).
+    UserPassword {
+        /// User name.
+        user: String,
+        /// Password.
+        password: String,
+    },
+    /// A bearer token (`--auth`, `authorization.token`).
+    Token(String),
+    /// A `.creds` file (user JWT and NKey seed, as `nsc` writes it), read at connect.
+    CredentialsFile(std::path::PathBuf),
+}
+
+impl std::fmt::Debug for NatsAuth {
+    /// Secrets are never printed: logs and errors show only the kind (and a
+    /// user name or file path).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NatsAuth::None => write!(f, "None"),
+            NatsAuth::UserPassword { user, .. } => {
+                write!(f, "UserPassword {{ user: {user:?}, password: <redacted> }}")
+            }
+            NatsAuth::Token(_) => write!(f, "Token(<redacted>)"),
+            NatsAuth::CredentialsFile(p) => write!(f, "CredentialsFile({p:?})"),
+        }
+    }
+}
+
+/// TLS settings of a NATS connection (PEM files).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NatsTls {
+    /// Refuse to connect without TLS (also when the server does not ask for it).
+    pub require: bool,
+    /// CA certificates that sign the server's certificate, beyond the system roots.
+    pub root_certificates: Option<std::path::PathBuf>,
+    /// Client certificate and its private key, for servers that verify clients.
+    pub client_certificate: Option<(std::path::PathBuf, std::path::PathBuf)>,
 }
 
 /// NATS header that marks a readiness probe on a data subject; subscribers
@@ -65,20 +126,55 @@ impl NatsPlane {
     /// # Errors
     /// [`PlaneError::Connect`] when the first connection fails.
     pub async fn connect(url: &str, options: NatsOptions) -> Result<Self, PlaneError> {
+        let err = |reason: String| PlaneError::Connect {
+            url: url.to_string(),
+            reason,
+        };
         let max = options.max_reconnect_delay;
-        let client = async_nats::ConnectOptions::new()
+        let mut connect = async_nats::ConnectOptions::new()
             .name(options.name)
             .connection_timeout(options.connect_timeout)
             .max_reconnects(None)
             .reconnect_delay_callback(move |attempt| {
                 (Duration::from_millis(50) * attempt as u32).min(max)
-            })
-            .connect(url)
-            .await
-            .map_err(|e| PlaneError::Connect {
-                url: url.to_string(),
-                reason: e.to_string(),
-            })?;
+            });
+        connect = match options.auth {
+            NatsAuth::None => connect,
+            NatsAuth::UserPassword { user, password } => connect.user_and_password(user, password),
+            NatsAuth::Token(t) => connect.token(t),
+            NatsAuth::CredentialsFile(path) => connect
+                .credentials_file(&path)
+                .await
+                .map_err(|e| err(format!("`auth` credentials file {}: {e}", path.display())))?,
+        };
+        let tls = options.tls;
+        for (field, path) in [("tls.root_certificates", tls.root_certificates.as_ref())]
+            .into_iter()
+            .chain(tls.client_certificate.iter().flat_map(|(c, k)| {
+                [
+                    ("tls.client_certificate", Some(c)),
+                    ("tls.client_key", Some(k)),
+                ]
+            }))
+        {
+            // A missing file would otherwise surface as a TLS handshake error.
+            if let Some(p) = path.filter(|p| !p.is_file()) {
+                return Err(err(format!(
+                    "`{field}` {}: not a readable file",
+                    p.display()
+                )));
+            }
+        }
+        if tls.require {
+            connect = connect.require_tls(true);
+        }
+        if let Some(roots) = tls.root_certificates {
+            connect = connect.add_root_certificates(roots);
+        }
+        if let Some((cert, key)) = tls.client_certificate {
+            connect = connect.add_client_certificate(cert, key);
+        }
+        let client = connect.connect(url).await.map_err(|e| err(e.to_string()))?;
         Ok(Self { client })
     }
 

@@ -16,6 +16,7 @@ async fn connect(server: &NatsServer, name: &str) -> NatsPlane {
             name: name.into(),
             max_reconnect_delay: Duration::from_millis(200),
             connect_timeout: Duration::from_secs(2),
+            ..NatsOptions::default()
         },
     )
     .await
@@ -207,4 +208,219 @@ async fn nats_client_reconnects_after_server_restart() {
     };
     let m = delivered.expect("no delivery within 5 s after the restart");
     assert!(m.payload.starts_with(b"after-"), "{:?}", m.payload);
+}
+
+async fn connect_with(
+    server: &NatsServer,
+    auth: NatsAuth,
+    tls: NatsTls,
+) -> Result<NatsPlane, PlaneError> {
+    NatsPlane::connect(
+        &server.url(),
+        NatsOptions {
+            name: "auth-test".into(),
+            connect_timeout: Duration::from_secs(2),
+            auth,
+            tls,
+            ..NatsOptions::default()
+        },
+    )
+    .await
+}
+
+/// Publishes one message through `plane` to itself and checks it arrives.
+async fn round_trip(plane: &NatsPlane) {
+    let subject = Subject::new("qa", "auth", "events").unwrap();
+    let mut sub = plane.subscribe(&subject).await.unwrap();
+    plane
+        .wait_for_subscribers(&subject, 1, Duration::from_secs(5))
+        .await
+        .unwrap();
+    plane.publish(&subject, b"x".to_vec()).await.unwrap();
+    assert_eq!(
+        sub.next_timeout(Duration::from_secs(5))
+            .await
+            .unwrap()
+            .payload,
+        b"x"
+    );
+}
+
+#[tokio::test]
+async fn credentials_are_sent_and_wrong_ones_are_refused() {
+    if NatsServer::start_or_skip("credentials_are_sent_and_wrong_ones_are_refused").is_none() {
+        return;
+    }
+    let server = NatsServer::start_with_args(&["--user", "kv", "--pass", "s3cret"]).unwrap();
+    let good = NatsAuth::UserPassword {
+        user: "kv".into(),
+        password: "s3cret".into(),
+    };
+    round_trip(
+        &connect_with(&server, good, NatsTls::default())
+            .await
+            .unwrap(),
+    )
+    .await;
+    for bad in [
+        NatsAuth::None,
+        NatsAuth::UserPassword {
+            user: "kv".into(),
+            password: "wrong".into(),
+        },
+        NatsAuth::Token("s3cret".into()),
+    ] {
+        let shown = format!("{bad:?}");
+        assert!(
+            !shown.contains("s3cret") && !shown.contains("wrong"),
+            "secret in {shown}"
+        );
+        match connect_with(&server, bad, NatsTls::default()).await {
+            Err(PlaneError::Connect { url, reason }) => {
+                assert_eq!(url, server.url());
+                assert!(!reason.is_empty());
+            }
+            Ok(_) => panic!("{shown} was accepted by a server that requires kv/s3cret"),
+            Err(other) => panic!("{shown}: unexpected {other}"),
+        }
+    }
+    let token_server = NatsServer::start_with_args(&["--auth", "t0ken"]).unwrap();
+    round_trip(
+        &connect_with(
+            &token_server,
+            NatsAuth::Token("t0ken".into()),
+            NatsTls::default(),
+        )
+        .await
+        .unwrap(),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn tls_with_the_servers_ca_connects_and_without_it_is_refused() {
+    if NatsServer::start_or_skip("tls_with_the_servers_ca_connects_and_without_it_is_refused")
+        .is_none()
+    {
+        return;
+    }
+    // A throwaway CA and a server certificate for 127.0.0.1, made with openssl.
+    let dir = std::env::temp_dir().join(format!("kv-nats-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = |n: &str| dir.join(n).to_string_lossy().into_owned();
+    let openssl = |args: &[&str]| {
+        std::process::Command::new("openssl")
+            .args(args)
+            .output()
+            .map(|o| o.status.success())
+    };
+    let made = openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=kv-test-ca",
+        "-keyout",
+        &f("ca.key"),
+        "-out",
+        &f("ca.pem"),
+    ])
+    .and_then(|ok| {
+        if ok {
+            openssl(&[
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-subj",
+                "/CN=127.0.0.1",
+                "-keyout",
+                &f("server.key"),
+                "-out",
+                &f("server.csr"),
+            ])
+        } else {
+            Ok(false)
+        }
+    })
+    .and_then(|ok| {
+        std::fs::write(dir.join("ext.cnf"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+        if ok {
+            openssl(&[
+                "x509",
+                "-req",
+                "-in",
+                &f("server.csr"),
+                "-CA",
+                &f("ca.pem"),
+                "-CAkey",
+                &f("ca.key"),
+                "-CAcreateserial",
+                "-days",
+                "1",
+                "-extfile",
+                &f("ext.cnf"),
+                "-out",
+                &f("server.pem"),
+            ])
+        } else {
+            Ok(false)
+        }
+    });
+    if !matches!(made, Ok(true)) {
+        let _ = std::fs::remove_dir_all(&dir);
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("CI=true and openssl could not make test certificates: {made:?}");
+        }
+        println!("SKIP tls test: openssl unavailable ({made:?})");
+        return;
+    }
+    let server = NatsServer::start_with_args(&[
+        "--tls",
+        "--tlscert",
+        &f("server.pem"),
+        "--tlskey",
+        &f("server.key"),
+    ])
+    .unwrap();
+    let trusted = NatsTls {
+        require: true,
+        root_certificates: Some(dir.join("ca.pem")),
+        client_certificate: None,
+    };
+    round_trip(
+        &connect_with(&server, NatsAuth::None, trusted)
+            .await
+            .unwrap(),
+    )
+    .await;
+    let untrusted = NatsTls {
+        require: true,
+        ..NatsTls::default()
+    };
+    assert!(
+        matches!(
+            connect_with(&server, NatsAuth::None, untrusted).await,
+            Err(PlaneError::Connect { .. })
+        ),
+        "a server certificate signed by an unknown CA must be refused"
+    );
+    let missing = NatsTls {
+        root_certificates: Some(dir.join("nope.pem")),
+        ..NatsTls::default()
+    };
+    match connect_with(&server, NatsAuth::None, missing).await {
+        Err(PlaneError::Connect { reason, .. }) => {
+            assert!(reason.contains("tls.root_certificates"), "{reason}")
+        }
+        other => panic!(
+            "a missing CA file must be refused naming the field, got {:?}",
+            other.err()
+        ),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
