@@ -192,15 +192,18 @@ impl Provenance {
                     .or_else(|| info[key].as_bool().map(|b| b.to_string()))
             })
         };
+        // Without build info (a plain `cargo build`), ask git about the source
+        // tree this binary was compiled from, not the working directory, which
+        // may be any repository (or none).
+        let source_tree = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+        let git = |args: &[&str]| run(Command::new("git").arg("-C").arg(source_tree).args(args));
         Self {
             git_sha: from("KVQ_GIT_SHA", "git_sha")
-                .or_else(|| run(Command::new("git").args(["rev-parse", "HEAD"])))
+                .or_else(|| git(&["rev-parse", "HEAD"]))
                 .unwrap_or_else(|| "unknown".into()),
             dirty: from("KVQ_GIT_DIRTY", "dirty")
                 .map(|d| d == "true")
-                .or_else(|| {
-                    run(Command::new("git").args(["status", "--porcelain"])).map(|s| !s.is_empty())
-                })
+                .or_else(|| git(&["status", "--porcelain"]).map(|s| !s.is_empty()))
                 .unwrap_or(false),
             rustc: from("KVQ_RUSTC", "rustc")
                 .or_else(|| run(Command::new("rustc").arg("-V")))
