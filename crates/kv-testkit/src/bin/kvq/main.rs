@@ -50,9 +50,9 @@ enum Cmd {
         /// `cpu` (host memory) or `gpu` (CUDA memory, IPC, NIXL VRAM).
         #[arg(long, value_enum, default_value = "cpu")]
         profile: Profile,
-        /// Output directory (created).
-        #[arg(long, default_value = "target/qualify/cpu")]
-        out: PathBuf,
+        /// Output directory (created; default `target/qualify/<profile>`).
+        #[arg(long)]
+        out: Option<PathBuf>,
         /// Mooncake JSONL trace (default: the project's copy).
         #[arg(long)]
         trace: Option<PathBuf>,
@@ -152,7 +152,15 @@ fn main() -> ExitCode {
             trace,
             trace_requests,
             only,
-        } => qualify(profile, out, trace, trace_requests, &only),
+        } => {
+            let out = out.unwrap_or_else(|| {
+                PathBuf::from("target/qualify").join(match profile {
+                    Profile::Cpu => "cpu",
+                    Profile::Gpu => "gpu",
+                })
+            });
+            qualify(profile, out, trace, trace_requests, &only)
+        }
         Cmd::List => {
             for s in sections::ALL {
                 println!("{:<24} {:?}", s.name, s.profiles);
