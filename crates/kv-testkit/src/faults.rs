@@ -1449,6 +1449,39 @@ struct ChildHello {
     entries: Vec<(u64, u32)>,
 }
 
+impl ChildHello {
+    /// This process's hello for `bank`, which retained `tokens`: its
+    /// manifest and the (sequence hash, slot) of every retained block.
+    fn for_bank(bank: &BankManager, tokens: &[u32]) -> Result<Self, FaultError> {
+        let bs = bank.manifest().layout().tokens_per_block() as usize;
+        Ok(Self {
+            pid: std::process::id(),
+            manifest: bank
+                .manifest()
+                .to_wire()
+                .map_err(|e| FaultError::Child(e.to_string()))?,
+            entries: sealed_blocks(None, tokens, bs)
+                .iter()
+                .filter_map(|b| {
+                    bank.lookup(&b.sequence_hash)
+                        .map(|s| (b.sequence_hash.0, s))
+                })
+                .collect(),
+        })
+    }
+}
+
+/// A child role's exit code: 0, or 2 with the error on stderr.
+fn child_exit(role: &str, result: Result<(), FaultError>) -> i32 {
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("{role}: {e}");
+            2
+        }
+    }
+}
+
 /// The host-shm donor child's hello: the common fields plus its pin
 /// service (`unix:<path>`), which the parent's hints name as the control
 /// endpoint.
@@ -1481,13 +1514,7 @@ const CHILD_PIN_DRAIN: Duration = Duration::from_millis(100);
 /// revoked, segments unlinked) and returns 0; after 60 s without a signal
 /// it does the same. Returns 2 on an error (printed to stderr).
 pub fn child_main(args: &[String]) -> i32 {
-    match child(args) {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("{CHILD_ROLE}: {e}");
-            2
-        }
-    }
+    child_exit(CHILD_ROLE, child(args))
 }
 
 fn child(args: &[String]) -> Result<(), FaultError> {
@@ -1527,26 +1554,8 @@ fn child(args: &[String]) -> Result<(), FaultError> {
         kv_router_glue::PinServiceConfig::default(),
     )
     .map_err(|e| FaultError::Child(e.to_string()))?;
-    let hashes: Vec<SequenceHash> = sealed_blocks(
-        None,
-        &conv.retained_tokens,
-        layout.tokens_per_block() as usize,
-    )
-    .iter()
-    .map(|b| b.sequence_hash)
-    .collect();
     let hello = PinningChildHello {
-        hello: ChildHello {
-            pid: std::process::id(),
-            manifest: bank
-                .manifest()
-                .to_wire()
-                .map_err(|e| FaultError::Child(e.to_string()))?,
-            entries: hashes
-                .iter()
-                .filter_map(|h| bank.lookup(h).map(|s| (h.0, s)))
-                .collect(),
-        },
+        hello: ChildHello::for_bank(&bank, &conv.retained_tokens)?,
         endpoint: pins.endpoint().to_owned(),
     };
     let line = serde_json::to_string(&hello).map_err(|e| FaultError::Child(e.to_string()))?;

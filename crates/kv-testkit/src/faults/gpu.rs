@@ -744,13 +744,7 @@ fn child_run(
 /// then waits for SIGTERM (closes its bank, returns 0) or 60 s. Returns 2 on
 /// an error (printed to stderr).
 pub fn child_main(args: &[String]) -> i32 {
-    match gpu_child(args) {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("{GPU_CHILD_ROLE}: {e}");
-            2
-        }
-    }
+    child_exit(GPU_CHILD_ROLE, gpu_child(args))
 }
 
 fn gpu_child(args: &[String]) -> Result<(), FaultError> {
@@ -785,25 +779,7 @@ fn gpu_child(args: &[String]) -> Result<(), FaultError> {
         ),
     )?;
     retain(&bank, &cache, &conv.retained_tokens)?;
-    let hashes: Vec<SequenceHash> = sealed_blocks(
-        None,
-        &conv.retained_tokens,
-        layout.tokens_per_block() as usize,
-    )
-    .iter()
-    .map(|b| b.sequence_hash)
-    .collect();
-    let hello = ChildHello {
-        pid: std::process::id(),
-        manifest: bank
-            .manifest()
-            .to_wire()
-            .map_err(|e| FaultError::Child(e.to_string()))?,
-        entries: hashes
-            .iter()
-            .filter_map(|h| bank.lookup(h).map(|s| (h.0, s)))
-            .collect(),
-    };
+    let hello = ChildHello::for_bank(&bank, &conv.retained_tokens)?;
     let line = serde_json::to_string(&hello).map_err(|e| FaultError::Child(e.to_string()))?;
     println!("{line}");
     wait_for_sigterm(&rt, &mut term);

@@ -66,9 +66,8 @@ pub(super) fn available() -> bool {
 
 #[derive(Serialize, Deserialize)]
 struct NetHello {
-    pid: u32,
-    manifest: Vec<u8>,
-    entries: Vec<(u64, u32)>,
+    #[serde(flatten)]
+    bank: ChildHello,
     agent_metadata: Vec<u8>,
     /// Per rank: (base address in the donor process, bytes).
     regions: Vec<(u64, u64)>,
@@ -81,13 +80,7 @@ struct NetHello {
 /// JSON line (pid, manifest, slots, agent metadata, regions) and waits for
 /// SIGTERM (or 60 s), then closes its bank. Returns 2 on an error.
 pub fn net_child_main(args: &[String]) -> i32 {
-    match net_child(args) {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("{NET_CHILD_ROLE}: {e}");
-            2
-        }
-    }
+    child_exit(NET_CHILD_ROLE, net_child(args))
 }
 
 fn net_child(args: &[String]) -> Result<(), FaultError> {
@@ -126,24 +119,8 @@ fn net_child(args: &[String]) -> Result<(), FaultError> {
             .map_err(|e| FaultError::Child(e.to_string()))?;
         regions.push((mem.base_addr(), mem.len() as u64));
     }
-    let hashes: Vec<SequenceHash> = sealed_blocks(
-        None,
-        &conv.retained_tokens,
-        layout.tokens_per_block() as usize,
-    )
-    .iter()
-    .map(|b| b.sequence_hash)
-    .collect();
     let hello = NetHello {
-        pid: std::process::id(),
-        manifest: bank
-            .manifest()
-            .to_wire()
-            .map_err(|e| FaultError::Child(e.to_string()))?,
-        entries: hashes
-            .iter()
-            .filter_map(|h| bank.lookup(h).map(|s| (h.0, s)))
-            .collect(),
+        bank: ChildHello::for_bank(&bank, &conv.retained_tokens)?,
         agent_metadata: agent
             .metadata()
             .map_err(|e| FaultError::Child(e.to_string()))?,
@@ -226,8 +203,8 @@ pub(super) fn link_cut(
     // `ip netns exec` execs the donor, so the pid is the donor's.
     let (HelloChild { child, guard, .. }, hello): (HelloChild, NetHello) =
         spawn_with_hello(start, Duration::from_secs(30))?;
-    let manifest =
-        BankManifest::from_wire(&hello.manifest).map_err(|e| FaultError::Child(e.to_string()))?;
+    let manifest = BankManifest::from_wire(&hello.bank.manifest)
+        .map_err(|e| FaultError::Child(e.to_string()))?;
 
     let nixl_err = |e: TransferError| FaultError::Child(format!("target agent: {e}"));
     let agent = Arc::new(
@@ -250,10 +227,10 @@ pub(super) fn link_cut(
                 kind: MemoryKind::Host,
             })
             .collect(),
-        pid: hello.pid,
+        pid: hello.bank.pid,
     };
     let usable = (conv.prompt.len() - 1) / bs;
-    let entries: Vec<(u64, u32)> = hello.entries.iter().take(usable).copied().collect();
+    let entries: Vec<(u64, u32)> = hello.bank.entries.iter().take(usable).copied().collect();
     let env = retained_hint_envelope(
         &manifest,
         &layout,
@@ -351,7 +328,7 @@ pub(super) fn link_cut(
     // signal number; no memory effects in this process. (`ip netns exec`
     // execs the program, so the pid is the donor's.)
     unsafe {
-        libc::kill(hello.pid as libc::pid_t, libc::SIGTERM);
+        libc::kill(hello.bank.pid as libc::pid_t, libc::SIGTERM);
     }
     let status = wait_exit(&child, Duration::from_secs(5));
     drop(guard);
