@@ -69,6 +69,26 @@ pub enum XtaskError {
         /// Limit in bytes.
         limit: u64,
     },
+    /// A command-line argument that is out of range or names nothing;
+    /// reported before anything runs (exit status 2).
+    #[error("invalid `{flag}`: {reason}")]
+    Usage {
+        /// The flag, e.g. `--seconds`.
+        flag: &'static str,
+        /// What is wrong with its value.
+        reason: String,
+    },
+    /// Fuzzing left new crash artifacts.
+    #[error("fuzzing found crash(es): {}; `{replay}` now replays them as regression tests (failing until fixed)", .artifacts.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "))]
+    FuzzCrash {
+        /// New files under `fuzz/artifacts/<target>/`.
+        artifacts: Vec<PathBuf>,
+        /// The stable test command that replays them.
+        replay: &'static str,
+    },
+    /// A fuzz run failed without leaving a crash artifact (build error, ...).
+    #[error("fuzz run failed without a crash artifact: {0}")]
+    FuzzRunFailed(String),
 }
 
 /// Result alias of this crate.

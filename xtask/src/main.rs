@@ -3,7 +3,8 @@
 //! Owns: installing what the build and tests need from outside cargo (NIXL
 //! runtime wheel, nats-server, libclang), the workspace test run with its
 //! closing `N passed, N failed` line, the layering check, and driving the
-//! `kvq` binary (kv-testkit) for qualification, benchmarks and the GPU bundle.
+//! `kvq` binary (kv-testkit) for qualification, benchmarks and the GPU bundle,
+//! and timed cargo-fuzz runs of the kv-descriptor decoders (`fuzz`).
 //!
 //! Invariant: xtask depends on no workspace crate and nothing that needs
 //! libclang or CUDA, so `cargo xtask` starts on a fresh machine and installs
@@ -17,6 +18,7 @@ mod bundle;
 mod command;
 mod elf;
 mod error;
+mod fuzz;
 mod kvq;
 mod layering;
 mod libclang;
@@ -88,6 +90,16 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Run the cargo-fuzz targets of `fuzz/` for N seconds each over the
+    /// committed corpus; table of runs and new crash artifacts (non-zero on a crash).
+    Fuzz {
+        /// Seconds of fuzzing per target (libFuzzer `-max_total_time`), at least 1.
+        #[arg(long)]
+        seconds: u64,
+        /// Target to run (repeatable); default: every file in fuzz/fuzz_targets.
+        #[arg(long = "target", value_name = "NAME")]
+        targets: Vec<String>,
+    },
     /// Build `.bundle/` (kvq + NIXL libraries) for a GPU machine and print the command.
     GpuBundle {
         /// Also bundle release test binaries of the crates with GPU tests.
@@ -101,7 +113,11 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("xtask: error: {e}");
-            ExitCode::FAILURE
+            match e {
+                // Bad arguments: the same status clap uses for its own errors.
+                error::XtaskError::Usage { .. } => ExitCode::from(2),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }
@@ -157,6 +173,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             ]);
             command::run(&mut c)
         }
+        Cmd::Fuzz { seconds, targets } => fuzz::run(seconds, &targets),
         Cmd::GpuBundle { with_tests } => bundle::run(with_tests),
     }
 }
