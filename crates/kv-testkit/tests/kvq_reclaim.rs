@@ -40,7 +40,11 @@ fn reclaim_removes_only_aged_orphans_and_refuses_an_empty_prefix() {
     assert!(out.status.success(), "{report}");
     assert_eq!(report["prefix"], prefix.as_str());
     assert_eq!(report["live_leases"], 0);
-    assert_eq!(report["removed"], serde_json::json!([format!("/{aged}")]), "{report}");
+    assert_eq!(
+        report["removed"],
+        serde_json::json!([format!("/{aged}")]),
+        "{report}"
+    );
     assert!(fresh_left, "a segment within its grace period stays");
 
     let out = kvq(&["reclaim", "--prefix", ""]);
