@@ -9,15 +9,24 @@ use crate::prerequisites::Prerequisites;
 use crate::{command, layering, workspace};
 
 /// Test counts summed over every `test result:` line of libtest's output
-/// (unit, integration and doc tests; `ignored` counts as skipped).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// (unit, integration and doc tests; `ignored` counts as skipped), plus the
+/// tests that skipped themselves at run time.
+///
+/// A test that cannot run here (no GPU; no NIXL runtime, nats-server or
+/// network namespaces outside CI) prints one line `SKIP <what>: <why>` and
+/// returns, which libtest counts as passed. The suite runs with
+/// `--nocapture` so those lines reach this tally: they are reported as
+/// skipped, not passed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Tally {
-    /// Tests that passed.
+    /// Tests that passed (libtest's count, run-time skips included).
     pub passed: u64,
     /// Tests that failed.
     pub failed: u64,
     /// Tests marked `#[ignore]`.
     pub skipped: u64,
+    /// `SKIP ...` lines printed by tests that skipped themselves.
+    pub skipped_at_run_time: Vec<String>,
 }
 
 impl Tally {
@@ -27,6 +36,11 @@ impl Tally {
     /// The line format is libtest's: `test result: ok. 12 passed; 0 failed;
     /// 1 ignored; 0 measured; 0 filtered out; finished in 0.01s`.
     pub fn add_line(&mut self, line: &str) -> bool {
+        // libtest may print `test name ... ` before the test's own output.
+        if let Some(at) = line.find("SKIP ") {
+            self.skipped_at_run_time.push(line[at..].trim().to_string());
+            return false;
+        }
         let Some(rest) = line.trim().strip_prefix("test result: ") else {
             return false;
         };
@@ -52,11 +66,16 @@ impl Tally {
         any
     }
 
-    /// The closing line: `N passed, N failed, N skipped`.
+    /// The closing line: `N passed, N failed, N skipped`, where passed
+    /// excludes, and skipped includes, the tests that skipped at run time.
     pub fn closing_line(&self) -> String {
+        let run_time = self.skipped_at_run_time.len() as u64;
         format!(
-            "{} passed, {} failed, {} skipped",
-            self.passed, self.failed, self.skipped
+            "{} passed, {} failed, {} skipped ({} ignored, {run_time} at run time)",
+            self.passed.saturating_sub(run_time),
+            self.failed,
+            self.skipped + run_time,
+            self.skipped
         )
     }
 }
@@ -81,6 +100,11 @@ pub fn run(extra: &[String]) -> Result<()> {
     let mut test = workspace::cargo();
     test.args(["test", "--workspace", "--no-fail-fast"])
         .args(extra);
+    // Test binaries' own arguments follow `--` (add one unless `extra` did).
+    if !extra.iter().any(|a| a == "--") {
+        test.arg("--");
+    }
+    test.arg("--nocapture");
     prereq.apply(&mut test);
     let (tally, status) = tee_and_tally(&mut test, &mut std::io::stdout().lock())?;
     if !status.success() && tally.failed == 0 {
@@ -99,6 +123,9 @@ pub fn run(extra: &[String]) -> Result<()> {
 
     for f in &step_failures {
         println!("step failed: {f}");
+    }
+    for s in &tally.skipped_at_run_time {
+        println!("skipped at run time: {s}");
     }
     println!("{}", tally.closing_line());
     if tally.failed > 0 || !step_failures.is_empty() {
@@ -159,15 +186,20 @@ mod tests {
         assert!(!t.add_line("test kv::x ... ok"));
         assert!(!t.add_line("   Doc-tests kv_descriptor"));
         assert!(!t.add_line("test result: garbage"));
+        assert!(!t.add_line("test gpu_copy ... SKIP gpu test: libcuda not loadable"));
         assert_eq!(
             t,
             Tally {
                 passed: 15,
                 failed: 2,
-                skipped: 1
+                skipped: 1,
+                skipped_at_run_time: vec!["SKIP gpu test: libcuda not loadable".into()],
             }
         );
-        assert_eq!(t.closing_line(), "15 passed, 2 failed, 1 skipped");
+        assert_eq!(
+            t.closing_line(),
+            "14 passed, 2 failed, 2 skipped (1 ignored, 1 at run time)"
+        );
     }
 
     #[test]

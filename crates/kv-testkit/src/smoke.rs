@@ -614,7 +614,7 @@ mod tests {
     fn gpu_profile_moves_model_kv_device_to_device() {
         let n = kv_transfer::cuda::device_count();
         if n == 0 {
-            eprintln!("SKIP gpu_profile_moves_model_kv_device_to_device: no CUDA driver or device");
+            println!("SKIP gpu_profile_moves_model_kv_device_to_device: no CUDA driver or device");
             return;
         }
         let r = serving_smoke(&SmokeOptions {
