@@ -394,15 +394,7 @@ impl State {
             // Re-key (the engine was first seen through an event); whoever
             // held the new key before is an older incarnation.
             let old_key = rec.key;
-            let replaced = self.by_key.get(&key).copied().map(|old_slot| {
-                let old = self.workers[old_slot as usize]
-                    .as_ref()
-                    .expect("live")
-                    .info
-                    .engine;
-                self.retire(old_slot);
-                old
-            });
+            let replaced = self.retire_holder_of(key);
             self.by_key.remove(&old_key);
             self.by_key.insert(key, slot);
             self.workers[slot as usize].as_mut().expect("live").key = key;
@@ -412,15 +404,7 @@ impl State {
                 None => Registration::AlreadyRegistered,
             });
         }
-        let replaced = self.by_key.get(&key).copied().map(|old_slot| {
-            let old = self.workers[old_slot as usize]
-                .as_ref()
-                .expect("live")
-                .info
-                .engine;
-            self.retire(old_slot);
-            old
-        });
+        let replaced = self.retire_holder_of(key);
         self.insert_worker(key, info)?;
         Ok(match replaced {
             Some(old) => Registration::Replaced { old },
@@ -457,6 +441,18 @@ impl State {
         self.by_key.insert(key, slot);
         self.rebuild_donor_masks();
         Ok(slot)
+    }
+
+    /// Retires the incarnation that holds `key`, if any, and returns it.
+    fn retire_holder_of(&mut self, key: WorkerKey) -> Option<EngineId> {
+        let slot = *self.by_key.get(&key)?;
+        let old = self.workers[slot as usize]
+            .as_ref()
+            .expect("live")
+            .info
+            .engine;
+        self.retire(slot);
+        Some(old)
     }
 
     /// Drops every entry of `slot`, frees it and remembers the engine as retired.
