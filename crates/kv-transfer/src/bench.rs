@@ -76,18 +76,18 @@ pub struct BenchRow {
     pub p50_us: f64,
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
+pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
     v.sort_unstable();
     v[v.len() / 2]
 }
 
-fn gbps(bytes: u64, t: Duration) -> f64 {
+pub(crate) fn gbps(bytes: u64, t: Duration) -> f64 {
     bytes as f64 / t.as_secs_f64().max(1e-12) / 1e9
 }
 
 /// Layout whose rank block is `block_bytes` (a multiple of 16 KiB): 16 tokens,
 /// 4 heads of 64 bf16, `block_bytes / 16 KiB` layers, TP1.
-fn layout_for(block_bytes: usize) -> KvLayout {
+pub(crate) fn layout_for(block_bytes: usize) -> Result<KvLayout, TransferError> {
     KvLayout::new(
         (block_bytes / 16_384) as u32,
         4,
@@ -97,7 +97,7 @@ fn layout_for(block_bytes: usize) -> KvLayout {
         TensorOrder::BlockMajor,
         1,
     )
-    .expect("valid bench layout")
+    .map_err(|e| TransferError::input("layout", e.to_string()))
 }
 
 /// A deterministic shuffle (64-bit LCG) so runs are reproducible.
@@ -333,7 +333,7 @@ fn nixl_rows(
 fn run_cpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferError> {
     let mut rows = Vec::new();
     for s in sizes(opts.quick) {
-        let layout = layout_for(s.block_bytes);
+        let layout = layout_for(s.block_bytes)?;
         let total = s.blocks as usize * s.block_bytes;
         let src = HostBuffer::zeroed(2 * total)?;
         let dst = HostBuffer::zeroed(total)?;
@@ -381,7 +381,7 @@ fn run_gpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
         pairs.push((0, 1, "gpu_peer"));
     }
     for s in sizes(opts.quick) {
-        let layout = layout_for(s.block_bytes);
+        let layout = layout_for(s.block_bytes)?;
         let total = s.blocks as usize * s.block_bytes;
         for &(sd, dd, prefix) in &pairs {
             let src = kv_bank::CudaDeviceMemory::new(sd, 2 * total)?;
@@ -417,7 +417,7 @@ fn run_gpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
         }
     }
     // A 7-block fetch of 32 KiB blocks, scattered: end-to-end latency.
-    let layout = layout_for(32 << 10);
+    let layout = layout_for(32 << 10)?;
     let src = kv_bank::CudaDeviceMemory::new(0, 64 * (32 << 10))?;
     let dst = kv_bank::CudaDeviceMemory::new(0, 32 * (32 << 10))?;
     fill(&src, 5)?;

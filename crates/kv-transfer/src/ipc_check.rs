@@ -12,13 +12,13 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kv_bank::{BankMemory, CudaDeviceMemory, CudaIpcImport};
-use kv_descriptor::{DType, KvLayout, SequenceHash, TensorOrder};
+use kv_descriptor::SequenceHash;
 use serde::{Deserialize, Serialize};
 
-use crate::bench::BenchRow;
+use crate::bench::{layout_for, median, BenchRow};
 use crate::cuda::{CudaCopyBackend, CudaMode};
 use crate::plan::{BlockMove, RegionGeometry, TransferPlan};
 use crate::{deliver, DeliveryControl, RankIo, SourceRegion, TransferError};
@@ -70,19 +70,20 @@ fn pattern_at(offset: usize) -> u8 {
     (x >> 57) as u8 ^ (offset >> 16) as u8
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn unhex(s: &str) -> Result<Vec<u8>, TransferError> {
+/// Parses [`hex`] output; errors name `what`.
+pub(crate) fn unhex(what: &'static str, s: &str) -> Result<Vec<u8>, TransferError> {
     if s.len() % 2 != 0 {
-        return Err(TransferError::input("handle", "odd number of hex digits"));
+        return Err(TransferError::input(what, "odd number of hex digits"));
     }
     (0..s.len())
         .step_by(2)
         .map(|i| {
             u8::from_str_radix(&s[i..i + 2], 16)
-                .map_err(|e| TransferError::input("handle", e.to_string()))
+                .map_err(|e| TransferError::input(what, e.to_string()))
         })
         .collect()
 }
@@ -139,11 +140,6 @@ pub fn run(exe: &Path, prefix: &[&str]) -> Result<IpcCheckReport, TransferError>
     Ok(IpcCheckReport { children })
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort_unstable();
-    v[v.len() / 2]
-}
-
 /// Target side: `args` = `[handle_hex, donor_len, ordinal]`. Prints nothing;
 /// the caller prints the returned report as one JSON line.
 ///
@@ -156,7 +152,7 @@ pub fn child_main(args: &[String]) -> Result<ChildReport, TransferError> {
             "expected <handle_hex> <donor_len> <ordinal>",
         ));
     };
-    let handle = unhex(handle)?;
+    let handle = unhex("handle", handle)?;
     let len: usize = len
         .parse()
         .map_err(|_| TransferError::input("donor_len", "not a number"))?;
@@ -192,16 +188,7 @@ pub fn child_main(args: &[String]) -> Result<ChildReport, TransferError> {
         ),
     ];
     for (name, block, slots) in cases {
-        let layout = KvLayout::new(
-            (block / 16_384) as u32,
-            4,
-            64,
-            DType::Bf16,
-            16,
-            TensorOrder::BlockMajor,
-            1,
-        )
-        .map_err(|e| TransferError::input("layout", e.to_string()))?;
+        let layout = layout_for(block)?;
         let moves: Vec<BlockMove> = slots
             .iter()
             .enumerate()
@@ -287,9 +274,12 @@ mod tests {
     #[test]
     fn handle_hex_round_trips_and_rejects_garbage() {
         let h: Vec<u8> = (0..64).collect();
-        assert_eq!(unhex(&hex(&h)).unwrap(), h);
-        assert!(unhex("abc").is_err());
-        assert!(unhex("zz").unwrap_err().to_string().contains("handle"));
+        assert_eq!(unhex("handle", &hex(&h)).unwrap(), h);
+        assert!(unhex("handle", "abc").is_err());
+        assert!(unhex("handle", "zz")
+            .unwrap_err()
+            .to_string()
+            .contains("handle"));
     }
 
     #[test]

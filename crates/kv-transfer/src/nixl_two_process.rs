@@ -40,10 +40,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kv_bank::{BankMemory, CudaDeviceMemory, CudaIpcImport, MemoryKind};
-use kv_descriptor::{DType, KvLayout, SequenceHash, TensorOrder};
+use kv_descriptor::{KvLayout, SequenceHash};
 use serde::{Deserialize, Serialize};
 
+use crate::bench::{gbps, layout_for, median};
 use crate::cuda::{CudaCopyBackend, CudaMode};
+use crate::ipc_check::{hex, unhex};
 use crate::nixl::{NixlAgent, NixlBackend, NixlMode};
 use crate::plan::{BlockMove, RegionGeometry, TransferPlan};
 use crate::{
@@ -346,23 +348,6 @@ fn verify_rows(plan: &TransferPlan, dst: &dyn BankMemory) -> Result<bool, Transf
     Ok(ok)
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(what: &'static str, s: &str) -> Result<Vec<u8>, TransferError> {
-    if s.len() % 2 != 0 {
-        return Err(TransferError::input(what, "odd number of hex digits"));
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| {
-            u8::from_str_radix(&s[i..i + 2], 16)
-                .map_err(|e| TransferError::input(what, e.to_string()))
-        })
-        .collect()
-}
-
 /// Donor arguments: `<dram|vram> <gpu> <bytes> <timeout_s>`.
 fn donor_args(opts: &TwoProcessOpts) -> Vec<String> {
     vec![
@@ -622,19 +607,6 @@ impl Drop for DonorProcess {
     }
 }
 
-fn layout_for(block_bytes: usize) -> Result<KvLayout, TransferError> {
-    KvLayout::new(
-        (block_bytes / 16_384) as u32,
-        4,
-        64,
-        DType::Bf16,
-        16,
-        TensorOrder::BlockMajor,
-        1,
-    )
-    .map_err(|e| TransferError::input("layout", e.to_string()))
-}
-
 /// Contiguous: slots 0.. in order (one run). Scattered: every other donor
 /// slot in a permuted order (one run per block).
 fn plan_for(
@@ -661,15 +633,6 @@ fn plan_for(
         &[RegionGeometry::dense(layout, 2 * n)],
         &[RegionGeometry::dense(layout, n)],
     )
-}
-
-fn median(v: &mut [Duration]) -> Duration {
-    v.sort_unstable();
-    v[v.len() / 2]
-}
-
-fn gbps(bytes: u64, t: Duration) -> f64 {
-    bytes as f64 / t.as_secs_f64().max(1e-12) / 1e9
 }
 
 fn size_label(bytes: usize) -> String {
@@ -755,7 +718,7 @@ fn time_case(
         }
     }
     let min = *times.iter().min().expect("at least one timed run");
-    let p50 = median(&mut times);
+    let p50 = median(times);
     row.gbps = Some(gbps(bytes, p50));
     row.p50_us = Some(p50.as_secs_f64() * 1e6);
     row.min_us = Some(min.as_secs_f64() * 1e6);
@@ -1015,7 +978,7 @@ fn raw_copy(
 ) -> Result<RawCopy, TransferError> {
     let bytes = opts.target_bytes();
     let repeats = opts.repeats.max(1);
-    let (what, mut times) = match opts.memory {
+    let (what, times) = match opts.memory {
         Memory::Vram => (
             format!(
                 "cuMemcpyDtoDAsync GPU{} -> GPU{}",
@@ -1046,7 +1009,7 @@ fn raw_copy(
             ("memcpy (host)".to_string(), v)
         }
     };
-    let p50 = median(&mut times);
+    let p50 = median(times);
     Ok(RawCopy {
         what,
         bytes: bytes as u64,
