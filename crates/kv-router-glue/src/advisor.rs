@@ -302,20 +302,17 @@ impl Advisor {
             .and_then(|_| {
                 HintEnvelope::fetch_gpu(request_id, "fetch-0", &hint).map_err(|e| e.to_string())
             });
-        match envelope {
-            Ok(env) => Advice {
-                decision,
-                hint: Some(env),
-                lookup: Some(outcome),
-            },
+        let hint = match envelope {
+            Ok(env) => Some(env),
             Err(e) => {
                 decision.verdict = Verdict::Refuse(RefuseReason::HintUnavailable(e));
-                Advice {
-                    decision,
-                    hint: None,
-                    lookup: Some(outcome),
-                }
+                None
             }
+        };
+        Advice {
+            decision,
+            hint,
+            lookup: Some(outcome),
         }
     }
 }
