@@ -11,6 +11,25 @@
 use kv_transfer::bench::{self, BenchOpts};
 use kv_transfer::oracle::{self, OracleBackend, Profile};
 
+/// Prints the report (pretty JSON, then `passed: ...`) and exits 0 when it
+/// passed, 1 when it failed or `what` errored.
+fn finish<R: serde::Serialize, E: std::fmt::Display>(what: &str, r: Result<(bool, R), E>) -> ! {
+    match r {
+        Ok((passed, r)) => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&r).expect("report serializes")
+            );
+            println!("passed: {passed}");
+            std::process::exit(if passed { 0 } else { 1 });
+        }
+        Err(e) => {
+            eprintln!("{what} error: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = "usage: transfer_check oracle cpu|gpu [native|nixl] | bench cpu|gpu [--quick] [--no-nixl] [--repeats N]";
@@ -29,20 +48,8 @@ fn main() {
         }
         Some("ipc") => {
             let exe = std::env::current_exe().expect("own path");
-            match kv_transfer::ipc_check::run(&exe, &[]) {
-                Ok(r) => {
-                    println!(
-                        "{}",
-                        serde_json::to_string_pretty(&r).expect("report serializes")
-                    );
-                    println!("passed: {}", r.passed());
-                    std::process::exit(if r.passed() { 0 } else { 1 });
-                }
-                Err(e) => {
-                    eprintln!("ipc check error: {e}");
-                    std::process::exit(1);
-                }
-            }
+            let r = kv_transfer::ipc_check::run(&exe, &[]);
+            finish("ipc check", r.map(|r| (r.passed(), r)));
         }
         _ => {}
     }
@@ -64,20 +71,8 @@ fn main() {
                     std::process::exit(2)
                 }
             };
-            match oracle::run_backend(profile, backend) {
-                Ok(r) => {
-                    println!(
-                        "{}",
-                        serde_json::to_string_pretty(&r).expect("report serializes")
-                    );
-                    println!("passed: {}", r.passed());
-                    std::process::exit(if r.passed() { 0 } else { 1 });
-                }
-                Err(e) => {
-                    eprintln!("oracle error: {e}");
-                    std::process::exit(1);
-                }
-            }
+            let r = oracle::run_backend(profile, backend);
+            finish("oracle", r.map(|r| (r.passed(), r)));
         }
         "bench" => {
             let mut opts = BenchOpts {
