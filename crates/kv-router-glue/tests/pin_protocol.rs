@@ -113,8 +113,22 @@ fn endpoint(dir: &Path) -> String {
     format!("unix:{}", dir.join("pin.sock").display())
 }
 
-fn serve(bank: &Arc<BankManager>, dir: &Path, config: PinServiceConfig) -> PinService {
-    PinService::bind(bank.clone(), &endpoint(dir), config).unwrap()
+/// The setup of most tests: the shared lock, a socket directory (kept alive
+/// with the guard), a donor bank of `slots` slots, and its pin service.
+fn donor_service(
+    slots: u64,
+    config: PinServiceConfig,
+) -> (
+    MutexGuard<'static, ()>,
+    tempfile::TempDir,
+    Arc<BankManager>,
+    PinService,
+) {
+    let guard = lock();
+    let dir = tempfile::tempdir().unwrap();
+    let bank = bank(slots);
+    let svc = PinService::bind(bank.clone(), &endpoint(dir.path()), config).unwrap();
+    (guard, dir, bank, svc)
 }
 
 /// Threads of this process whose name starts with `kv-pin`.
@@ -165,10 +179,7 @@ fn refusal_reason(e: &str) -> &str {
 
 #[test]
 fn a_remote_pin_keeps_its_slots_from_reuse_until_released() {
-    let _g = lock();
-    let dir = tempfile::tempdir().unwrap();
-    let bank = bank(4);
-    let svc = serve(&bank, dir.path(), PinServiceConfig::default());
+    let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
     let a = store(&bank, 1, 4).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let pinned = &a[..2];
@@ -210,10 +221,7 @@ fn a_remote_pin_keeps_its_slots_from_reuse_until_released() {
 
 #[test]
 fn a_fetch_through_the_socket_completes_with_the_donor_bytes() {
-    let _g = lock();
-    let dir = tempfile::tempdir().unwrap();
-    let bank = bank(8);
-    let svc = serve(&bank, dir.path(), PinServiceConfig::default());
+    let (_g, _dir, bank, svc) = donor_service(8, PinServiceConfig::default());
     let a = store(&bank, 1, 6).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let rows = 8u32;
@@ -254,10 +262,7 @@ fn a_fetch_through_the_socket_completes_with_the_donor_bytes() {
 
 #[test]
 fn pin_round_trip_latency() {
-    let _g = lock();
-    let dir = tempfile::tempdir().unwrap();
-    let bank = bank(8);
-    let svc = serve(&bank, dir.path(), PinServiceConfig::default());
+    let (_g, _dir, bank, svc) = donor_service(8, PinServiceConfig::default());
     let a = store(&bank, 1, 8).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let h = hint(&bank, &a, svc.endpoint());
@@ -289,10 +294,7 @@ fn pin_round_trip_latency() {
 
 #[test]
 fn a_closed_connection_releases_its_pins() {
-    let _g = lock();
-    let dir = tempfile::tempdir().unwrap();
-    let bank = bank(4);
-    let svc = serve(&bank, dir.path(), PinServiceConfig::default());
+    let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
     let a = store(&bank, 1, 3).unwrap();
     let mut s = raw_client(svc.endpoint());
     for (i, part) in [&a[..1], &a[1..]].into_iter().enumerate() {
@@ -342,10 +344,7 @@ fn pin_holder_child() {
 
 #[test]
 fn a_killed_target_process_leaves_no_pin() {
-    let _g = lock();
-    let dir = tempfile::tempdir().unwrap();
-    let bank = bank(4);
-    let svc = serve(&bank, dir.path(), PinServiceConfig::default());
+    let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
     let a = store(&bank, 1, 4).unwrap();
     let hex = |b: Vec<u8>| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
     let spec = format!(
@@ -382,10 +381,7 @@ fn a_killed_target_process_leaves_no_pin() {
 
 #[test]
 fn stale_reused_and_closed_requests_are_refused_without_pinning() {
-    let _g = lock();
-    let dir = tempfile::tempdir().unwrap();
-    let bank = bank(4);
-    let svc = serve(&bank, dir.path(), PinServiceConfig::default());
+    let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
     let a = store(&bank, 1, 4).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let good = hint(&bank, &a[..2], svc.endpoint());
@@ -433,10 +429,7 @@ fn stale_reused_and_closed_requests_are_refused_without_pinning() {
 
 #[test]
 fn malformed_frames_are_refused_naming_the_field() {
-    let _g = lock();
-    let dir = tempfile::tempdir().unwrap();
-    let bank = bank(4);
-    let svc = serve(&bank, dir.path(), PinServiceConfig::default());
+    let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
     let a = store(&bank, 1, 2).unwrap();
 
     // A body that is not a message: refused, and the connection goes on.
@@ -517,14 +510,11 @@ impl CopyBackend for SlowCopy {
 
 #[test]
 fn a_pin_past_its_hold_bound_expires_and_the_fetch_falls_back() {
-    let _g = lock();
-    let dir = tempfile::tempdir().unwrap();
-    let bank = bank(4);
     let config = PinServiceConfig {
         max_hold: Duration::from_millis(40),
         ..PinServiceConfig::default()
     };
-    let svc = serve(&bank, dir.path(), config);
+    let (_g, _dir, bank, svc) = donor_service(4, config);
     let a = store(&bank, 1, 2).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let env = HintEnvelope::fetch_gpu("req-slow", "a0", &hint(&bank, &a, svc.endpoint())).unwrap();
@@ -576,15 +566,12 @@ fn a_pin_past_its_hold_bound_expires_and_the_fetch_falls_back() {
 
 #[test]
 fn pin_and_connection_limits_refuse_with_too_many_pins() {
-    let _g = lock();
-    let dir = tempfile::tempdir().unwrap();
-    let bank = bank(4);
     let config = PinServiceConfig {
         max_pins: 1,
         max_connections: 2,
         ..PinServiceConfig::default()
     };
-    let svc = serve(&bank, dir.path(), config);
+    let (_g, _dir, bank, svc) = donor_service(4, config);
     let a = store(&bank, 1, 2).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let h = hint(&bank, &a, svc.endpoint());
@@ -617,7 +604,12 @@ fn shutdown_leaves_no_fd_thread_pin_or_socket() {
     let manifest = bank.manifest().clone();
     let threads_before = pin_threads();
     let before = kv_bank::leaks::snapshot();
-    let svc = serve(&bank, dir.path(), PinServiceConfig::default());
+    let svc = PinService::bind(
+        bank.clone(),
+        &endpoint(dir.path()),
+        PinServiceConfig::default(),
+    )
+    .unwrap();
     let ep = svc.endpoint().to_owned();
     let sock = unix_endpoint_path(&ep).unwrap();
     assert!(sock.exists());
@@ -676,10 +668,7 @@ fn shutdown_leaves_no_fd_thread_pin_or_socket() {
 
 #[test]
 fn bind_refuses_a_live_endpoint_and_replaces_a_stale_socket_file() {
-    let _g = lock();
-    let dir = tempfile::tempdir().unwrap();
-    let bank = bank(2);
-    let svc = serve(&bank, dir.path(), PinServiceConfig::default());
+    let (_g, dir, bank, svc) = donor_service(2, PinServiceConfig::default());
     let e =
         PinService::bind(bank.clone(), svc.endpoint(), PinServiceConfig::default()).unwrap_err();
     assert!(e.to_string().contains("another service"), "{e}");
