@@ -846,11 +846,15 @@ impl Router {
         target: EngineId,
         tokens_per_block: usize,
     ) -> Advice {
-        let hashes: Vec<SequenceHash> = sealed_blocks(None, prompt, tokens_per_block)
-            .iter()
-            .map(|b| b.sequence_hash)
-            .take((prompt.len().saturating_sub(1)) / tokens_per_block)
-            .collect();
-        self.advise_hashes(request_id, &hashes, target)
+        self.advise_hashes(request_id, &prompt_hashes(prompt, tokens_per_block), target)
     }
+}
+
+/// Hashes of the sealed blocks a prompt may reuse (all but its last token's block).
+pub(crate) fn prompt_hashes(prompt: &[u32], tokens_per_block: usize) -> Vec<SequenceHash> {
+    sealed_blocks(None, prompt, tokens_per_block)
+        .iter()
+        .map(|b| b.sequence_hash)
+        .take(prompt.len().saturating_sub(1) / tokens_per_block)
+        .collect()
 }

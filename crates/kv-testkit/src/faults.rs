@@ -81,7 +81,7 @@ use kv_transfer::{
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use crate::engines::{EngineError, Router};
+use crate::engines::{prompt_hashes, EngineError, Router};
 use crate::model::{KvCache, ModelConfig, ModelError, ReferenceModel};
 use crate::trace::splitmix64;
 
@@ -432,14 +432,6 @@ fn generate(
     })
 }
 
-fn prompt_hashes(prompt: &[u32], tokens_per_block: usize) -> Vec<SequenceHash> {
-    sealed_blocks(None, prompt, tokens_per_block)
-        .iter()
-        .map(|b| b.sequence_hash)
-        .take(prompt.len().saturating_sub(1) / tokens_per_block)
-        .collect()
-}
-
 /// Stores every sealed block of `tokens` (K/V from `cache`) in `bank`,
 /// every rank written and acked; returns the bank's events.
 fn retain(bank: &BankManager, cache: &KvCache, tokens: &[u32]) -> Result<Vec<KvEvent>, FaultError> {
@@ -623,21 +615,26 @@ impl FaultRouter {
         self.router.index()
     }
 
-    fn register(
-        &self,
-        key: u64,
-        engine: EngineId,
-        role: Role,
-        layout: &KvLayout,
-    ) -> Result<(), FaultError> {
-        self.router
-            .register_key(WorkerKey(key), engine, role, layout)
-            .map_err(FaultError::Setup)
-    }
-
     /// Makes `bank` resolvable as a donor.
     fn add_donor(&self, bank: Arc<BankManager>) {
         self.router.add_donor(bank);
+    }
+
+    /// The fault runs' two workers: a fresh prefill target (key 1) and
+    /// `bank`'s decode engine (key 2), which becomes a donor; returns the
+    /// target's engine id.
+    fn connect(&self, bank: &Arc<BankManager>, layout: &KvLayout) -> Result<EngineId, FaultError> {
+        let target_engine = EngineId::fresh();
+        for (key, engine, role) in [
+            (1, target_engine, Role::Prefill),
+            (2, bank.owner().engine_id, Role::Decode),
+        ] {
+            self.router
+                .register_key(WorkerKey(key), engine, role, layout)
+                .map_err(FaultError::Setup)?;
+        }
+        self.add_donor(bank.clone());
+        Ok(target_engine)
     }
 
     fn apply(&self, events: &[KvEvent]) -> Vec<EventOutcome> {
@@ -923,10 +920,7 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
     )?);
     let events = retain(&bank, &cache, &conv.retained_tokens)?;
     let router = FaultRouter::new(bs)?;
-    let target_engine = EngineId::fresh();
-    router.register(1, target_engine, Role::Prefill, &layout)?;
-    router.register(2, bank.owner().engine_id, Role::Decode, &layout)?;
-    router.add_donor(bank.clone());
+    let target_engine = router.connect(&bank, &layout)?;
     router.apply(&events);
 
     let control = DeliveryControl::new();
@@ -1100,11 +1094,8 @@ fn event_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
     let ev_a = retain(&bank, &cache_a, &a.retained_tokens)?;
     let ev_b = retain(&bank, &cache_b, &b.retained_tokens)?;
     let router = FaultRouter::new(bs)?;
-    let target_engine = EngineId::fresh();
+    let target_engine = router.connect(&bank, &layout)?;
     let donor = bank.owner().engine_id;
-    router.register(1, target_engine, Role::Prefill, &layout)?;
-    router.register(2, donor, Role::Decode, &layout)?;
-    router.add_donor(bank.clone());
     let b_hashes = prompt_hashes(&b.prompt, bs as usize);
     let b_retained: Vec<SequenceHash> = sealed_blocks(None, &b.retained_tokens, bs as usize)
         .iter()
@@ -1224,11 +1215,7 @@ fn nats_restart(seed: u64, prefix: &str) -> Result<RunOutcome, FaultError> {
         LeaseConfig::default(),
     )?);
     let router = FaultRouter::new(bs)?;
-    let target_engine = EngineId::fresh();
-    let donor = bank.owner().engine_id;
-    router.register(1, target_engine, Role::Prefill, &layout)?;
-    router.register(2, donor, Role::Decode, &layout)?;
-    router.add_donor(bank.clone());
+    let target_engine = router.connect(&bank, &layout)?;
     let target = Target::new(
         layout,
         (convs[1].0.prompt.len() / bs as usize) as u32 + 2,

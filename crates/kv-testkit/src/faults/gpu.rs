@@ -434,10 +434,7 @@ fn in_process_run(
     let mut with_bank = free_bytes(ordinals)?;
     let events = retain(&bank, &cache, &conv.retained_tokens)?;
     let router = gpu_router(bs)?;
-    let target_engine = EngineId::fresh();
-    router.register(1, target_engine, Role::Prefill, &layout)?;
-    router.register(2, bank.owner().engine_id, Role::Decode, &layout)?;
-    router.add_donor(bank.clone());
+    let target_engine = router.connect(&bank, &layout)?;
     router.apply(&events);
 
     let control = DeliveryControl::new();
