@@ -607,6 +607,10 @@ impl FaultRouter {
             transfer_source_prefill_token_us: 10_000.0,
             ..ReuseSettings::default()
         };
+        Self::with_settings(settings, tokens_per_block)
+    }
+
+    fn with_settings(settings: ReuseSettings, tokens_per_block: u32) -> Result<Self, FaultError> {
         let router = Router::new(settings, tokens_per_block).map_err(FaultError::Setup)?;
         Ok(Self { router })
     }
@@ -687,6 +691,23 @@ impl FaultRouter {
 // ------------------------------------------------------------- injection ---
 
 type Action = Arc<dyn Fn() + Send + Sync>;
+
+/// The deadline-passed rows' stall inside a rank's part: twice the
+/// [`deadline_from_now`] budget.
+fn stall() -> Action {
+    Arc::new(|| std::thread::sleep(Duration::from_millis(60)))
+}
+
+/// `control` with a 30 ms deadline starting now, so only the stalled rank
+/// ([`stall`]) can miss it.
+fn deadline_from_now(control: DeliveryControl) -> DeliveryControl {
+    let now = Instant::now();
+    DeliveryControl {
+        started: now,
+        deadline: Some(now + Duration::from_millis(30)),
+        ..control
+    }
+}
 
 /// Where a [`FaultBackend`] strikes.
 #[derive(Clone)]
@@ -929,10 +950,7 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
     let strike = match fault {
         Fault::CancelAtTransfer => Strike::BeforeRank(1, fire.clone()),
         Fault::CancelAtVerify => Strike::AfterAll(fire.clone()),
-        Fault::DeadlinePassed => Strike::BeforeRank(
-            1,
-            Arc::new(|| std::thread::sleep(Duration::from_millis(60))),
-        ),
+        Fault::DeadlinePassed => Strike::BeforeRank(1, stall()),
         Fault::RankPartFails => Strike::FailRank(1),
         _ => Strike::Never,
     };
@@ -1044,13 +1062,7 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
         },
     };
     let control = if fault == Fault::DeadlinePassed {
-        // The deadline starts now, so only the stalled rank can miss it.
-        let now = Instant::now();
-        DeliveryControl {
-            started: now,
-            deadline: Some(now + Duration::from_millis(30)),
-            ..control
-        }
+        deadline_from_now(control)
     } else {
         control
     };

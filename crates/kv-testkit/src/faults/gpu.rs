@@ -442,10 +442,7 @@ fn in_process_run(
     let last = tp - 1;
     let strike = match fault {
         GpuFault::CancelAtTransfer => Strike::BeforeRank(last, Arc::new(move || cancel.cancel())),
-        GpuFault::DeadlinePassed => Strike::BeforeRank(
-            last,
-            Arc::new(|| std::thread::sleep(Duration::from_millis(60))),
-        ),
+        GpuFault::DeadlinePassed => Strike::BeforeRank(last, stall()),
         _ => Strike::Never,
     };
     let rows = (conv.prompt.len() / bs as usize) as u32 + 2;
@@ -464,12 +461,7 @@ fn in_process_run(
         return Ok(o);
     };
     let control = if fault == GpuFault::DeadlinePassed {
-        let now = Instant::now();
-        DeliveryControl {
-            started: now,
-            deadline: Some(now + Duration::from_millis(30)),
-            ..control
-        }
+        deadline_from_now(control)
     } else {
         control
     };
@@ -505,9 +497,7 @@ fn gpu_router(tokens_per_block: u32) -> Result<FaultRouter, FaultError> {
         transfer_source_lookup_budget_ms: 50.0,
         ..ReuseSettings::default()
     };
-    Ok(FaultRouter {
-        router: Router::new(settings, tokens_per_block).map_err(FaultError::Setup)?,
-    })
+    FaultRouter::with_settings(settings, tokens_per_block)
 }
 
 /// Turn 0 of conversation `seed` at TP `tp` (the host rows always use TP2).
