@@ -1886,6 +1886,18 @@ pub fn fault_rows(
     fault_table_rows(faults, runs, seed, child).rows
 }
 
+/// A row named `fault` with nothing run yet.
+fn empty_row(fault: &str) -> FaultRow {
+    FaultRow {
+        fault: fault.into(),
+        runs: 0,
+        fallbacks: 0,
+        false_completions: 0,
+        leaks: 0,
+        detail: String::new(),
+    }
+}
+
 /// [`fault_rows`], also returning the faults that were skipped and why.
 pub fn fault_table_rows(
     faults: &[Fault],
@@ -1896,14 +1908,7 @@ pub fn fault_table_rows(
     let mut table = FaultTable::default();
     let rows = &mut table.rows;
     for &f in faults {
-        let mut row = FaultRow {
-            fault: f.name().into(),
-            runs: 0,
-            fallbacks: 0,
-            false_completions: 0,
-            leaks: 0,
-            detail: String::new(),
-        };
+        let mut row = empty_row(f.name());
         let mut skipped = None;
         for i in 0..runs {
             match run_fault(f, seed.wrapping_add(u64::from(i)), child) {
@@ -2085,14 +2090,7 @@ pub fn soak_with(minutes: f64, seed: u64, child: Option<&ChildCommand>) -> SoakR
             _ => Fault::IN_PROCESS[rng.gen_range(0..Fault::IN_PROCESS.len())],
         };
         let run_seed = rng.gen::<u64>();
-        let row = rows.entry(fault).or_insert_with(|| FaultRow {
-            fault: fault.name().into(),
-            runs: 0,
-            fallbacks: 0,
-            false_completions: 0,
-            leaks: 0,
-            detail: String::new(),
-        });
+        let row = rows.entry(fault).or_insert_with(|| empty_row(fault.name()));
         row.runs += 1;
         r.requests += 1;
         match run_fault(fault, run_seed, child) {

@@ -828,14 +828,7 @@ pub fn gpu_fault_table(quick: bool, child: &ChildCommand) -> Result<GpuFaultTabl
         } else {
             runs_each
         };
-        let mut row = FaultRow {
-            fault: f.name().into(),
-            runs: 0,
-            fallbacks: 0,
-            false_completions: 0,
-            leaks: 0,
-            detail: String::new(),
-        };
+        let mut row = empty_row(f.name());
         for i in 0..n {
             row.runs += 1;
             // Child row: kill after every part first, before the last part second.
