@@ -282,7 +282,7 @@ mod tests {
     fn without_gpu_run_says_why() {
         // SAFETY: only a dlopen probe.
         if unsafe { cudarc::driver::sys::is_culib_present() } {
-            eprintln!("skipped: a CUDA driver is present; tests/gpu_ipc.rs covers the GPU path");
+            println!("SKIP no-GPU gpu_check test: a CUDA driver is present; tests/gpu_ipc.rs covers the GPU path");
             return;
         }
         let e = run(Path::new("/bin/false"), &[]).unwrap_err();

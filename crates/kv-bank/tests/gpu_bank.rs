@@ -9,7 +9,7 @@ use kv_descriptor::{DType, KvLayout, OwnerLease, Role, TensorOrder};
 fn gpu() -> bool {
     // SAFETY: only a dlopen probe.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        eprintln!("skipped: no CUDA driver (libcuda) on this machine");
+        println!("SKIP gpu bank test: no CUDA driver (libcuda) on this machine");
         return false;
     }
     match kv_bank::cuda_probe(0) {
@@ -21,7 +21,7 @@ fn gpu() -> bool {
             true
         }
         Err(e) => {
-            eprintln!("skipped: {e}");
+            println!("SKIP gpu bank test: {e}");
             false
         }
     }

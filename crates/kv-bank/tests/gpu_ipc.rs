@@ -17,11 +17,11 @@ fn ipc_child_role() {
 fn device_bank_is_imported_byte_exact_and_cached_in_another_process() {
     // SAFETY: only a dlopen probe; cudarc panics on CUDA calls without libcuda.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        eprintln!("skipped: no CUDA driver (libcuda) on this machine");
+        println!("SKIP gpu ipc test: no CUDA driver (libcuda) on this machine");
         return;
     }
     if let Err(e) = kv_bank::cuda_probe(0) {
-        eprintln!("skipped: {e}");
+        println!("SKIP gpu ipc test: {e}");
         return;
     }
     let exe = std::env::current_exe().unwrap();

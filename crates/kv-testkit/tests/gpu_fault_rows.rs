@@ -20,7 +20,7 @@ fn skip_reason() -> Option<String> {
 #[test]
 fn gpu_rows_fall_back_without_leaking_device_memory() {
     if let Some(r) = skip_reason() {
-        eprintln!("skipped: {r}");
+        println!("SKIP gpu fault rows: {r}");
         return;
     }
     let t = gpu_fault_table(true, &child_command(env!("CARGO_BIN_EXE_kvq"))).unwrap();
@@ -58,7 +58,7 @@ fn gpu_rows_fall_back_without_leaking_device_memory() {
 #[test]
 fn control_row_completes_from_device_memory() {
     if let Some(r) = skip_reason() {
-        eprintln!("skipped: {r}");
+        println!("SKIP gpu fault rows: {r}");
         return;
     }
     let ordinals = gpu_ordinals().unwrap();

@@ -964,7 +964,7 @@ mod tests {
     #[test]
     fn without_a_gpu_the_rows_skip_with_the_reason() {
         if kv_transfer::cuda::driver_present() && kv_transfer::cuda::device_count() > 0 {
-            eprintln!("skipped: a GPU is present; tests/gpu_fault_rows.rs runs the rows");
+            println!("SKIP no-GPU fault-row test: a GPU is present; tests/gpu_fault_rows.rs runs the rows");
             return;
         }
         let e = run_gpu_fault(GpuFault::None, 1, &[0], None, 0).unwrap_err();
