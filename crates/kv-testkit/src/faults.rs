@@ -591,7 +591,13 @@ struct FaultRouter {
 
 impl FaultRouter {
     fn new(tokens_per_block: u32) -> Result<Self, FaultError> {
-        let settings = ReuseSettings {
+        Self::with_settings(Self::settings(), tokens_per_block)
+    }
+
+    /// Reuse on, every prefix worth fetching, admission that a loaded
+    /// machine cannot tip: the settings of every fault run, host and GPU.
+    fn settings() -> ReuseSettings {
+        ReuseSettings {
             enable_decode_to_prefill_reuse: true,
             minimum_estimated_ttft_saving_ms: 0.0,
             minimum_transfer_prefix_blocks: 1,
@@ -606,8 +612,7 @@ impl FaultRouter {
             // priced high enough that no scheduling delay refuses it.
             transfer_source_prefill_token_us: 10_000.0,
             ..ReuseSettings::default()
-        };
-        Self::with_settings(settings, tokens_per_block)
+        }
     }
 
     fn with_settings(settings: ReuseSettings, tokens_per_block: u32) -> Result<Self, FaultError> {

@@ -490,12 +490,8 @@ fn in_process_run(
 /// `enable_decode_to_prefill_gpu_reuse` is set.
 fn gpu_router(tokens_per_block: u32) -> Result<FaultRouter, FaultError> {
     let settings = ReuseSettings {
-        enable_decode_to_prefill_reuse: true,
         enable_decode_to_prefill_gpu_reuse: true,
-        minimum_estimated_ttft_saving_ms: 0.0,
-        minimum_transfer_prefix_blocks: 1,
-        transfer_source_lookup_budget_ms: 50.0,
-        ..ReuseSettings::default()
+        ..FaultRouter::settings()
     };
     FaultRouter::with_settings(settings, tokens_per_block)
 }
