@@ -32,9 +32,16 @@ pub fn summary_table(r: &Record) -> String {
             sec.duration_ms
         );
     }
+    // A skipped section does not fail the run, but the closing line must not
+    // let it pass for a checked one.
+    let skipped = r
+        .sections
+        .iter()
+        .filter(|sec| sec.status == Status::Skipped)
+        .count();
     let _ = writeln!(
         s,
-        "{} in {:.1}s: {} section(s), {} failure(s)",
+        "{} in {:.1}s: {} section(s), {skipped} of them skipped, {} failure(s)",
         if r.passed { "PASSED" } else { "FAILED" },
         r.duration_s,
         r.sections.len(),
@@ -312,7 +319,40 @@ mod tests {
         );
         let svg = std::fs::read_to_string(dir.join(TTFT_PLOT)).unwrap();
         assert!(svg.contains("<svg") && svg.contains("replay OFF") && svg.contains("replay ON"));
-        assert!(summary_table(&r).contains("FAILED in 0.5s: 1 section(s), 1 failure(s)"));
+        assert!(summary_table(&r)
+            .contains("FAILED in 0.5s: 1 section(s), 0 of them skipped, 1 failure(s)"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn summary_counts_skipped_sections_apart_from_passed_ones() {
+        let section = |name: &str, status| SectionResult {
+            name: name.into(),
+            status,
+            skip_reason: (status == Status::Skipped).then(|| "no NIXL runtime".into()),
+            duration_ms: 1.0,
+            checks: vec![],
+            metrics: Default::default(),
+            ttft: None,
+            record: None,
+        };
+        let mut smoke = section("smoke", Status::Passed);
+        smoke.check("outputs_equal", true, "");
+        let r = Record::new(
+            Profile::Cpu,
+            0,
+            0.5,
+            vec![smoke, section("nixl", Status::Skipped)],
+            Vec::new(),
+        );
+        let table = summary_table(&r);
+        assert!(
+            table.contains("nixl                         skipped"),
+            "{table}"
+        );
+        assert!(
+            table.contains("PASSED in 0.5s: 2 section(s), 1 of them skipped, 0 failure(s)"),
+            "{table}"
+        );
     }
 }
