@@ -230,19 +230,26 @@ async fn connect_with(
 
 /// Publishes one message through `plane` to itself and checks it arrives.
 async fn round_trip(plane: &NatsPlane) {
+    deliver(plane, plane, b"x").await;
+}
+
+/// Publishes `payload` through `publisher` and checks that `subscriber`
+/// receives exactly it on the expected subject.
+async fn deliver(publisher: &NatsPlane, subscriber: &NatsPlane, payload: &[u8]) {
     let subject = Subject::new("qa", "auth", "events").unwrap();
-    let mut sub = plane.subscribe(&subject).await.unwrap();
-    plane
+    let mut sub = subscriber.subscribe(&subject).await.unwrap();
+    publisher
         .wait_for_subscribers(&subject, 1, Duration::from_secs(5))
         .await
         .unwrap();
-    plane.publish(&subject, b"x".to_vec()).await.unwrap();
+    publisher.publish(&subject, payload.to_vec()).await.unwrap();
+    let m = sub
+        .next_timeout(Duration::from_secs(5))
+        .await
+        .expect("event not delivered");
     assert_eq!(
-        sub.next_timeout(Duration::from_secs(5))
-            .await
-            .unwrap()
-            .payload,
-        b"x"
+        (m.subject.as_str(), m.payload.as_slice()),
+        ("kv.qa.auth.events", payload)
     );
 }
 
@@ -297,103 +304,187 @@ async fn credentials_are_sent_and_wrong_ones_are_refused() {
     .await;
 }
 
-#[tokio::test]
-async fn tls_with_the_servers_ca_connects_and_without_it_is_refused() {
-    if NatsServer::start_or_skip("tls_with_the_servers_ca_connects_and_without_it_is_refused")
-        .is_none()
-    {
-        return;
+/// A throwaway PKI made with `openssl` in its own temporary directory
+/// (removed on drop): CAs, and certificates they sign.
+struct TestPki {
+    dir: std::path::PathBuf,
+}
+
+impl TestPki {
+    /// A CA `ca` and a certificate `server` it signs for 127.0.0.1, in a
+    /// directory of `test`'s own; `None` after a printed `SKIP` line when
+    /// `openssl` cannot make them, a panic under `CI=true`.
+    fn new_or_skip(test: &str) -> Option<Self> {
+        let dir = std::env::temp_dir().join(format!("kv-{test}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pki = Self { dir };
+        let made = pki
+            .make_ca("ca")
+            .and_then(|()| pki.issue("ca", "server", "127.0.0.1", "subjectAltName=IP:127.0.0.1"));
+        match made {
+            Ok(()) => Some(pki),
+            Err(e) if std::env::var("CI").as_deref() == Ok("true") => {
+                panic!("{test}: CI=true and openssl could not make test certificates: {e}")
+            }
+            Err(e) => {
+                println!("SKIP {test}: openssl could not make test certificates ({e})");
+                None
+            }
+        }
     }
-    // A throwaway CA and a server certificate for 127.0.0.1, made with openssl.
-    let dir = std::env::temp_dir().join(format!("kv-nats-tls-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let f = |n: &str| dir.join(n).to_string_lossy().into_owned();
-    let openssl = |args: &[&str]| {
-        std::process::Command::new("openssl")
+
+    /// The path of file `name` in the PKI directory.
+    fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.join(name)
+    }
+
+    /// [`TestPki::path`] as an argument string.
+    fn arg(&self, name: &str) -> String {
+        self.path(name).to_string_lossy().into_owned()
+    }
+
+    fn openssl(args: &[&str]) -> Result<(), String> {
+        let out = std::process::Command::new("openssl")
             .args(args)
             .output()
-            .map(|o| o.status.success())
-    };
-    let made = openssl(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=kv-test-ca",
-        "-keyout",
-        &f("ca.key"),
-        "-out",
-        &f("ca.pem"),
-    ])
-    .and_then(|ok| {
-        if ok {
-            openssl(&[
-                "req",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-subj",
-                "/CN=127.0.0.1",
-                "-keyout",
-                &f("server.key"),
-                "-out",
-                &f("server.csr"),
-            ])
+            .map_err(|e| format!("cannot run openssl: {e}"))?;
+        if out.status.success() {
+            Ok(())
         } else {
-            Ok(false)
+            Err(format!(
+                "openssl {} failed with {}: {}",
+                args[0],
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
         }
-    })
-    .and_then(|ok| {
-        std::fs::write(dir.join("ext.cnf"), "subjectAltName=IP:127.0.0.1\n").unwrap();
-        if ok {
-            openssl(&[
-                "x509",
-                "-req",
-                "-in",
-                &f("server.csr"),
-                "-CA",
-                &f("ca.pem"),
-                "-CAkey",
-                &f("ca.key"),
-                "-CAcreateserial",
-                "-days",
-                "1",
-                "-extfile",
-                &f("ext.cnf"),
-                "-out",
-                &f("server.pem"),
-            ])
-        } else {
-            Ok(false)
+    }
+
+    /// A self-signed CA: `<ca>.pem` and `<ca>.key`.
+    fn make_ca(&self, ca: &str) -> Result<(), String> {
+        Self::openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            &format!("/CN=kv-test-{ca}"),
+            "-keyout",
+            &self.arg(&format!("{ca}.key")),
+            "-out",
+            &self.arg(&format!("{ca}.pem")),
+        ])
+    }
+
+    /// A certificate for `cn` with the X.509v3 extensions `ext` (one
+    /// `openssl x509 -extfile` line), signed by CA `ca`: `<name>.pem` and
+    /// `<name>.key`.
+    fn issue(&self, ca: &str, name: &str, cn: &str, ext: &str) -> Result<(), String> {
+        let ext_file = self.path(&format!("{name}.ext"));
+        std::fs::write(&ext_file, format!("{ext}\n")).map_err(|e| e.to_string())?;
+        Self::openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            &format!("/CN={cn}"),
+            "-keyout",
+            &self.arg(&format!("{name}.key")),
+            "-out",
+            &self.arg(&format!("{name}.csr")),
+        ])?;
+        Self::openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &self.arg(&format!("{name}.csr")),
+            "-CA",
+            &self.arg(&format!("{ca}.pem")),
+            "-CAkey",
+            &self.arg(&format!("{ca}.key")),
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            &ext_file.to_string_lossy(),
+            "-out",
+            &self.arg(&format!("{name}.pem")),
+        ])
+    }
+
+    /// A client certificate signed by CA `ca`, as `NatsTls` takes it.
+    fn issue_client(&self, ca: &str, name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        self.issue(ca, name, name, "extendedKeyUsage=clientAuth")
+            .unwrap_or_else(|e| panic!("client certificate {name}: {e}"));
+        (
+            self.path(&format!("{name}.pem")),
+            self.path(&format!("{name}.key")),
+        )
+    }
+
+    /// A `nats-server` with TLS on the `server` certificate, plus `extra` arguments.
+    fn start_server(&self, extra: &[&str]) -> NatsServer {
+        let (cert, key) = (self.arg("server.pem"), self.arg("server.key"));
+        let mut args = vec!["--tls", "--tlscert", &cert, "--tlskey", &key];
+        args.extend_from_slice(extra);
+        NatsServer::start_with_args(&args).unwrap()
+    }
+
+    /// TLS required, the server verified against CA `ca`, and an optional
+    /// client certificate.
+    fn client_tls(&self, client: Option<(std::path::PathBuf, std::path::PathBuf)>) -> NatsTls {
+        NatsTls {
+            require: true,
+            root_certificates: Some(self.path("ca.pem")),
+            client_certificate: client,
         }
-    });
-    if !matches!(made, Ok(true)) {
-        let _ = std::fs::remove_dir_all(&dir);
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("CI=true and openssl could not make test certificates: {made:?}");
+    }
+}
+
+impl Drop for TestPki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Asserts that connecting with `tls` is refused with [`PlaneError::Connect`]
+/// and returns the reason.
+async fn assert_refused(server: &NatsServer, tls: NatsTls, why: &str) -> String {
+    match connect_with(server, NatsAuth::None, tls).await {
+        Err(PlaneError::Connect { url, reason }) => {
+            assert_eq!(url, server.url());
+            assert!(!reason.is_empty());
+            reason
         }
-        println!("SKIP tls test: openssl unavailable ({made:?})");
+        Ok(_) => panic!("{why}: the connection was accepted"),
+        Err(other) => panic!("{why}: unexpected {other}"),
+    }
+}
+
+/// The refusal came from the server's TLS layer rejecting the client
+/// certificate (rustls reports e.g. `received fatal alert: BadCertificate`;
+/// newer servers may send `CertificateRequired` or `UnknownCA`), not from
+/// some other failure such as the client distrusting the server.
+fn assert_tls_alert(reason: &str) {
+    assert!(reason.contains("received fatal alert"), "{reason}");
+}
+
+#[tokio::test]
+async fn tls_with_the_servers_ca_connects_and_without_it_is_refused() {
+    const TEST: &str = "tls_with_the_servers_ca_connects_and_without_it_is_refused";
+    if NatsServer::start_or_skip(TEST).is_none() {
         return;
     }
-    let server = NatsServer::start_with_args(&[
-        "--tls",
-        "--tlscert",
-        &f("server.pem"),
-        "--tlskey",
-        &f("server.key"),
-    ])
-    .unwrap();
-    let trusted = NatsTls {
-        require: true,
-        root_certificates: Some(dir.join("ca.pem")),
-        client_certificate: None,
+    let Some(pki) = TestPki::new_or_skip(TEST) else {
+        return;
     };
+    let server = pki.start_server(&[]);
     round_trip(
-        &connect_with(&server, NatsAuth::None, trusted)
+        &connect_with(&server, NatsAuth::None, pki.client_tls(None))
             .await
             .unwrap(),
     )
@@ -402,25 +493,71 @@ async fn tls_with_the_servers_ca_connects_and_without_it_is_refused() {
         require: true,
         ..NatsTls::default()
     };
-    assert!(
-        matches!(
-            connect_with(&server, NatsAuth::None, untrusted).await,
-            Err(PlaneError::Connect { .. })
-        ),
-        "a server certificate signed by an unknown CA must be refused"
-    );
+    assert_refused(
+        &server,
+        untrusted,
+        "a server certificate signed by an unknown CA must be refused",
+    )
+    .await;
     let missing = NatsTls {
-        root_certificates: Some(dir.join("nope.pem")),
+        root_certificates: Some(pki.path("nope.pem")),
         ..NatsTls::default()
     };
-    match connect_with(&server, NatsAuth::None, missing).await {
-        Err(PlaneError::Connect { reason, .. }) => {
-            assert!(reason.contains("tls.root_certificates"), "{reason}")
-        }
-        other => panic!(
-            "a missing CA file must be refused naming the field, got {:?}",
-            other.err()
-        ),
+    let reason = assert_refused(&server, missing, "a missing CA file must be refused").await;
+    assert!(reason.contains("tls.root_certificates"), "{reason}");
+}
+
+#[tokio::test]
+async fn mutual_tls_accepts_a_client_certificate_of_the_ca_and_refuses_others() {
+    const TEST: &str = "mutual_tls_accepts_a_client_certificate_of_the_ca_and_refuses_others";
+    if NatsServer::start_or_skip(TEST).is_none() {
+        return;
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    let Some(pki) = TestPki::new_or_skip(TEST) else {
+        return;
+    };
+    let router = pki.issue_client("ca", "router");
+    let decode = pki.issue_client("ca", "decode");
+    // A client certificate from a CA the server does not know; the client
+    // still trusts the server's CA, so only its own certificate can fail.
+    pki.make_ca("rogue-ca").unwrap();
+    let rogue = pki.issue_client("rogue-ca", "rogue");
+    let ca = pki.arg("ca.pem");
+    let server = pki.start_server(&["--tlsverify", "--tlscacert", &ca]);
+
+    // Two mutually authenticated connections: an event goes end to end.
+    let publisher = connect_with(&server, NatsAuth::None, pki.client_tls(Some(decode)))
+        .await
+        .unwrap();
+    let subscriber = connect_with(&server, NatsAuth::None, pki.client_tls(Some(router)))
+        .await
+        .unwrap();
+    deliver(&publisher, &subscriber, b"mtls-event-1").await;
+    assert!(publisher.is_connected() && subscriber.is_connected());
+
+    let reason = assert_refused(
+        &server,
+        pki.client_tls(None),
+        "a client without a certificate must be refused by a verifying server",
+    )
+    .await;
+    assert_tls_alert(&reason);
+    println!("{TEST}: no client certificate refused: {reason}");
+    let reason = assert_refused(
+        &server,
+        pki.client_tls(Some(rogue)),
+        "a client certificate signed by an unknown CA must be refused",
+    )
+    .await;
+    assert_tls_alert(&reason);
+    println!("{TEST}: unknown-CA client certificate refused: {reason}");
+    // A missing key file is named before any handshake.
+    let no_key = (pki.path("router.pem"), pki.path("nope.key"));
+    let reason = assert_refused(
+        &server,
+        pki.client_tls(Some(no_key)),
+        "a missing client key file must be refused",
+    )
+    .await;
+    assert!(reason.contains("tls.client_key"), "{reason}");
 }
