@@ -82,9 +82,14 @@ impl std::fmt::Debug for NatsAuth {
 /// TLS settings of a NATS connection (PEM files).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NatsTls {
-    /// Refuse to connect without TLS (also when the server does not ask for it).
+    /// Refuse to connect without TLS (also when the server does not ask for
+    /// it). Implied by either file below: a CA or client certificate that
+    /// was configured but silently unused over plain TCP would leave an
+    /// operator believing the connection is encrypted.
     pub require: bool,
-    /// CA certificates that sign the server's certificate, beyond the system roots.
+    /// CA certificates that sign the server's certificate. When set they
+    /// *replace* the system roots (async-nats 0.51 loads the system roots
+    /// only when no CA file is given).
     pub root_certificates: Option<std::path::PathBuf>,
     /// Client certificate and its private key, for servers that verify clients.
     pub client_certificate: Option<(std::path::PathBuf, std::path::PathBuf)>,
@@ -157,15 +162,24 @@ impl NatsPlane {
                 ]
             }))
         {
-            // A missing file would otherwise surface as a TLS handshake error.
-            if let Some(p) = path.filter(|p| !p.is_file()) {
-                return Err(err(format!(
-                    "`{field}` {}: not a readable file",
-                    p.display()
-                )));
+            // A missing or unreadable file would otherwise surface as a TLS
+            // handshake error that names no file.
+            if let Some(p) = path {
+                let readable = std::fs::File::open(p).and_then(|f| {
+                    if f.metadata()?.is_file() {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::other("not a regular file"))
+                    }
+                });
+                if let Err(e) = readable {
+                    return Err(err(format!("`{field}` {}: {e}", p.display())));
+                }
             }
         }
-        if tls.require {
+        let tls_in_force =
+            tls.require || tls.root_certificates.is_some() || tls.client_certificate.is_some();
+        if tls_in_force {
             connect = connect.require_tls(true);
         }
         if let Some(roots) = tls.root_certificates {
@@ -174,7 +188,19 @@ impl NatsPlane {
         if let Some((cert, key)) = tls.client_certificate {
             connect = connect.add_client_certificate(cert, key);
         }
-        let client = connect.connect(url).await.map_err(|e| err(e.to_string()))?;
+        let client = connect.connect(url).await.map_err(|e| {
+            // rustls' reasons (`received fatal alert: BadCertificate`,
+            // `corrupt message`) do not say which side or setting is at fault.
+            err(if tls_in_force {
+                format!(
+                    "{e} (TLS in force: the server must offer TLS, trust the \
+                     client certificate if one is set, and present a certificate \
+                     signed by `tls.root_certificates` or the system roots)"
+                )
+            } else {
+                e.to_string()
+            })
+        })?;
         Ok(Self { client })
     }
 

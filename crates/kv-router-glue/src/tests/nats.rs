@@ -505,6 +505,33 @@ async fn tls_with_the_servers_ca_connects_and_without_it_is_refused() {
     };
     let reason = assert_refused(&server, missing, "a missing CA file must be refused").await;
     assert!(reason.contains("tls.root_certificates"), "{reason}");
+    assert!(reason.contains("No such file"), "{reason}");
+}
+
+#[tokio::test]
+async fn a_configured_ca_file_refuses_a_server_without_tls() {
+    const TEST: &str = "a_configured_ca_file_refuses_a_server_without_tls";
+    let Some(plain) = NatsServer::start_or_skip(TEST) else {
+        return;
+    };
+    let Some(pki) = TestPki::new_or_skip(TEST) else {
+        return;
+    };
+    // `require: false`, but a CA file is set: connecting over plain TCP
+    // would silently ignore it, so the connection must be refused.
+    let tls = NatsTls {
+        require: false,
+        ..pki.client_tls(None)
+    };
+    let reason = assert_refused(&plain, tls, "a CA file must imply TLS").await;
+    assert!(reason.contains("TLS in force"), "{reason}");
+    // Without any TLS material the same server is fine.
+    round_trip(
+        &connect_with(&plain, NatsAuth::None, NatsTls::default())
+            .await
+            .unwrap(),
+    )
+    .await;
 }
 
 #[tokio::test]
