@@ -133,7 +133,8 @@ pub enum StoreStatus {
         /// Ranks that have not acknowledged.
         missing: Vec<u32>,
     },
-    /// Every rank acknowledged: the blocks are in the inventory and a `Stored` event was queued.
+    /// Every rank acknowledged: the blocks (less any excluded meanwhile) are
+    /// in the inventory and a `Stored` event was queued.
     Ready,
 }
 
@@ -679,7 +680,10 @@ impl BankManager {
     /// Rank `rank` wrote its part of every slot of store `store_id`.
     ///
     /// When the last rank acks, the blocks become ready and one `Stored`
-    /// event per contiguous run of new blocks is queued.
+    /// event per contiguous run of new blocks is queued. A block excluded
+    /// while the store was pending ([`BankManager::exclude`]), or whose parent
+    /// was, and every later block of the store join the lineage and are freed
+    /// instead, as [`BankManager::store`] would have refused them.
     ///
     /// # Errors
     /// [`BankError::BadRank`]; [`BankError::UnknownStore`] (already ready,
@@ -713,7 +717,27 @@ impl BankManager {
         if !missing.is_empty() {
             return Ok(StoreStatus::Waiting { missing });
         }
-        let p = st.pending.remove(&store_id).expect("present above");
+        let mut p = st.pending.remove(&store_id).expect("present above");
+        // The rule of `store`, again at commit: a block excluded while the
+        // store was pending (or whose parent was) ends it; it and every later
+        // (descendant) block join the lineage and are freed, never ready.
+        let lineage = &self.shared.config.lineage;
+        let cut = p
+            .entries
+            .iter()
+            .position(|(b, parent, _)| {
+                lineage.is_excluded(&b.sequence_hash)
+                    || parent.is_some_and(|h| lineage.is_excluded(&h))
+            })
+            .unwrap_or(p.entries.len());
+        let dropped = p.entries.split_off(cut);
+        if !dropped.is_empty() {
+            let hashes: Vec<SequenceHash> = dropped.iter().map(|e| e.0.sequence_hash).collect();
+            lineage.mark(&hashes);
+            st.stats.blocks_excluded += hashes.len() as u64;
+            let freed: Vec<u32> = dropped.iter().map(|e| e.2).collect();
+            st.table.rollback(&freed);
+        }
         let slots: Vec<u32> = p.entries.iter().map(|e| e.2).collect();
         st.table.commit(&slots);
         st.stats.stores_ready += 1;

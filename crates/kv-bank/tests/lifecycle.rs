@@ -635,3 +635,44 @@ fn empty_store_id_never_names_a_later_store() {
     }
     assert_eq!(bank.inventory().ready.len(), 4);
 }
+
+#[test]
+fn blocks_excluded_while_their_store_is_pending_never_become_ready() {
+    // The engine learns that block 0 depends on an excluded image while the
+    // store holding it (and its descendant, block 1) waits for the ranks. The
+    // acks must not make either block ready: block 1's K/V attends to the
+    // excluded input too, so it must join the lineage and never be exported.
+    let bank = bank(2, 4);
+    let blocks = chain(0, 2);
+    let p = bank.store(None, &blocks).unwrap();
+    assert_eq!(p.entries.len(), 2);
+    bank.drain_events();
+    bank.exclude(&[blocks[0].sequence_hash]);
+    for r in 0..2 {
+        write_and_ack(&bank, &p, r);
+    }
+    let inv = bank.inventory();
+    assert!(
+        inv.ready.is_empty(),
+        "excluded blocks became ready: {inv:?}"
+    );
+    assert_eq!(inv.free_slots, 4, "their slots are free again");
+    assert!(
+        !bank
+            .drain_events()
+            .iter()
+            .any(|e| matches!(e.data, KvEventData::Stored { .. })),
+        "no Stored event for excluded blocks"
+    );
+    assert!(
+        bank.config().lineage.is_excluded(&blocks[1].sequence_hash),
+        "the descendant joins the lineage"
+    );
+    assert!(bank.pin_prefix(&hashes(&blocks[1..])).is_err());
+    // A hint fetching only the descendant (the consumer holds block 0) is refused.
+    let slot_of_1 = p.entries[1].1;
+    assert!(bank
+        .pin_hint(&hint_for(&bank, &blocks, vec![slot_of_1]))
+        .is_err());
+    assert_eq!(bank.pins_outstanding(), 0);
+}
