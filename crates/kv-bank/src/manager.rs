@@ -799,25 +799,37 @@ impl BankManager {
         Ok(())
     }
 
-    /// Slot of a ready block.
+    /// Slot of a ready block (`None` once the generation is dead).
     pub fn lookup(&self, hash: &SequenceHash) -> Option<u32> {
-        self.shared.state.lock().table.lookup(hash)
+        let st = self.shared.state.lock();
+        if st.phase != Phase::Open {
+            return None;
+        }
+        st.table.lookup(hash)
     }
 
     /// Number of leading blocks of `hashes` (root first) that are ready here.
     pub fn ready_prefix_len(&self, hashes: &[SequenceHash]) -> usize {
         let st = self.shared.state.lock();
+        if st.phase != Phase::Open {
+            return 0;
+        }
         hashes
             .iter()
             .take_while(|h| st.table.lookup(h).is_some())
             .count()
     }
 
-    /// What is retained now, exactly.
+    /// What is retained now, exactly: nothing is ready once the generation
+    /// is dead (closed or lapsed; the `Cleared` event says the same).
     pub fn inventory(&self) -> Inventory {
         let st = self.shared.state.lock();
         Inventory {
-            ready: st.table.ready_hashes(),
+            ready: if st.phase == Phase::Open {
+                st.table.ready_hashes()
+            } else {
+                Vec::new()
+            },
             pending_slots: st.pending.values().map(|p| p.entries.len()).sum(),
             quarantined_slots: st.quarantine.iter().map(|(_, s)| s.len()).sum(),
             pinned_slots: st.table.pinned_slots(),

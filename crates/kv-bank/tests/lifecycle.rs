@@ -676,3 +676,22 @@ fn blocks_excluded_while_their_store_is_pending_never_become_ready() {
         .is_err());
     assert_eq!(bank.pins_outstanding(), 0);
 }
+
+#[test]
+fn a_dead_generation_reports_nothing_retained() {
+    // After close the `Cleared` event says the bank retains nothing, and the
+    // memory is freed: lookups and the inventory must agree with it, or a
+    // resync / metrics / donor directory would keep advertising dead blocks.
+    let bank = bank(2, 4);
+    let blocks = chain(0, 2);
+    store_ready(&bank, None, &blocks);
+    assert_eq!(bank.inventory().ready.len(), 2);
+    bank.close(Duration::from_secs(1)).unwrap();
+    assert_eq!(
+        bank.drain_events().last().unwrap().data,
+        KvEventData::Cleared
+    );
+    assert!(bank.inventory().ready.is_empty(), "{:?}", bank.inventory());
+    assert_eq!(bank.lookup(&blocks[0].sequence_hash), None);
+    assert_eq!(bank.ready_prefix_len(&hashes(&blocks)), 0);
+}
