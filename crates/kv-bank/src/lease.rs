@@ -776,6 +776,9 @@ impl Renewer {
                 while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
                     if let Err(e) = leases.renew(SystemTime::now()) {
                         tracing::warn!("bank lease renewal stopped: {e}");
+                        // The generation is dead: ranks renewed before the
+                        // failing one must not stay importable until they lapse.
+                        leases.revoke_all();
                         return;
                     }
                 }

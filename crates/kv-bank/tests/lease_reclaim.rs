@@ -337,3 +337,35 @@ fn bad_lease_settings_are_refused_before_allocating() {
     let e = BankManager::new_host_shm(cfg, "h").unwrap_err();
     assert!(e.to_string().contains("`lease.duration`"), "{e}");
 }
+
+#[test]
+fn failed_background_renewal_revokes_every_rank_at_once() {
+    // Rank 1's lease is unlinked behind the owner's back: the background
+    // renewer fails on it and stops. The generation is dead, so rank 0's
+    // lease must not stay importable until it lapses on its own (5 s here).
+    let _g = serial();
+    let p = prefix("w");
+    let bank = lease_bank(
+        &p,
+        LeaseConfig::background(Duration::from_secs(5), Duration::from_millis(20)),
+    );
+    let names = bank.lease_status().names;
+    std::fs::remove_file(format!("/dev/shm{}", names[1])).unwrap();
+    let d0 = bank.manifest().parts()[0].clone();
+    let t = std::time::Instant::now();
+    while HostShmMemory::open_descriptor(&d0).is_ok() && t.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let import = HostShmMemory::open_descriptor(&d0);
+    assert!(
+        import.is_err(),
+        "rank 0 still importable {:?} after the renewal failed",
+        t.elapsed()
+    );
+    assert!(!bank.lease_status().live);
+    assert!(bank.pin_prefix(&[]).is_err(), "the owner learns it too");
+    assert!(bank.is_closed());
+    drop(import);
+    bank.close(Duration::from_secs(1)).unwrap();
+    assert!(shm_entries(&p).is_empty(), "{:?}", shm_entries(&p));
+}
