@@ -287,9 +287,9 @@ pub fn owner_killed(
     let _ = child.kill();
     let _ = child.wait();
     let _ = reader.join();
-    let mut out = result?;
     // Belt and braces for a failed run: never leave the child's bank behind.
     let _ = reclaim_stale(&prefix, SystemTime::now() + lease * 2);
+    let mut out = result?;
     out.parent_leaks = leaks::snapshot()
         .leaks_since(&before)
         .iter()

@@ -369,3 +369,52 @@ fn failed_background_renewal_revokes_every_rank_at_once() {
     bank.close(Duration::from_secs(1)).unwrap();
     assert!(shm_entries(&p).is_empty(), "{:?}", shm_entries(&p));
 }
+
+/// Child for `failed_owner_killed_run_still_reclaims_the_child_bank`: owns a
+/// real TP2 host bank under the prefix it is given (written to the marker
+/// file named just before the subcommand), then says a hello the parent
+/// cannot decode, so the parent's run fails after the bank exists.
+#[test]
+fn undecodable_hello_child_role() {
+    let args: Vec<String> = std::env::args().collect();
+    let Some(at) = args.iter().position(|a| a == faults::CHILD_SUBCOMMAND) else {
+        return; // not started as the child
+    };
+    let (marker, prefix) = (&args[at - 1], &args[at + 1]);
+    let _bank = lease_bank(
+        prefix,
+        LeaseConfig::background(Duration::from_millis(600), Duration::from_millis(100)),
+    );
+    std::fs::write(marker, prefix).unwrap();
+    println!(
+        r#"{{"pid":{},"manifest_hex":"not hex","entries":[]}}"#,
+        std::process::id()
+    );
+    std::thread::sleep(Duration::from_secs(60));
+    std::process::exit(0);
+}
+
+#[test]
+fn failed_owner_killed_run_still_reclaims_the_child_bank() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("prefix");
+    let exe = std::env::current_exe().unwrap();
+    let args: Vec<String> = vec![
+        "--exact".into(),
+        "undecodable_hello_child_role".into(),
+        "--nocapture".into(),
+        marker.display().to_string(),
+    ];
+    let lease = Duration::from_millis(600);
+    let r = faults::owner_killed(&exe, &args, lease);
+    assert!(r.is_err(), "the hello cannot be decoded: {r:?}");
+    let p = std::fs::read_to_string(&marker).unwrap();
+    let left = shm_entries(&p);
+    // Never leave junk behind, even when the assertion below fails.
+    let _ = reclaim_stale(&p, SystemTime::now() + lease * 10);
+    assert!(
+        left.is_empty(),
+        "the killed child's bank was left: {left:?}"
+    );
+}
