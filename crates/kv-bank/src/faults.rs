@@ -655,10 +655,17 @@ pub fn forged_variants(
 }
 
 fn forged_hints() -> FaultRow {
+    forged_hints_with(BankManager::pin_hint)
+}
+
+/// The `forged_hint` row with `pin` standing for [`BankManager::pin_hint`].
+fn forged_hints_with(
+    pin: impl Fn(&BankManager, &FetchGpuHint) -> Result<crate::ManagerPin, BankError>,
+) -> FaultRow {
     const FAULT: &str = "forged_hint";
     let before = leaks::snapshot();
     let reads = Arc::new(AtomicU64::new(0));
-    let r = (|| -> Result<(u32, u32, u64, String), BankError> {
+    let r = (|| -> Result<(u32, u32, u64, bool, String), BankError> {
         let bank = tripwire_bank(reads.clone())?;
         let entries = fill(&bank, 300, 3)?;
         let good = hint_for(&bank, &entries);
@@ -667,7 +674,7 @@ fn forged_hints() -> FaultRow {
         let mut accepted = 0;
         let mut seen = Vec::new();
         for (name, h) in forged_variants(&bank, &good) {
-            match bank.pin_hint(&h) {
+            match pin(&bank, &h) {
                 Ok(_) => accepted += 1,
                 Err(e) => {
                     refused += 1;
@@ -678,22 +685,25 @@ fn forged_hints() -> FaultRow {
         let touched = reads.load(Ordering::Relaxed) - base;
         let pins = bank.pins_outstanding();
         // Control: the honest hint pins, so the refusals were not blanket.
-        let honest = bank.pin_hint(&good).map(|p| p.slots().len());
+        let honest = pin(&bank, &good).map(|p| p.slots().len());
+        let control = honest.as_ref().is_ok_and(|&n| n == entries.len());
         let detail = format!(
             "{refused} refused, {accepted} accepted, {touched} memory reads, {pins} pins left; \
              honest hint pinned {honest:?}; {seen:?}"
         );
         bank.close(Duration::from_secs(1))?;
-        Ok((refused, accepted, touched + pins, detail))
+        Ok((refused, accepted, touched + pins, control, detail))
     })();
     match r {
         Err(e) => FaultRow::failed_setup(FAULT, e),
-        Ok((refused, accepted, touched, detail)) => {
+        Ok((refused, accepted, touched, control, detail)) => {
             let leaked = leaks::snapshot().leaks_since(&before);
             FaultRow {
                 fault: FAULT.into(),
                 runs: refused + accepted,
-                fallbacks: refused,
+                // Refusals count only when the honest hint pinned: a pin_hint
+                // that refuses everything is no fallback to credit.
+                fallbacks: if control { refused } else { 0 },
                 false_completions: accepted,
                 leaks: touched as u32 + leaked.len() as u32,
                 detail: if leaked.is_empty() {
@@ -853,5 +863,22 @@ fn allocation_failure() -> FaultRow {
         false_completions,
         leaks: leaked.len() as u32,
         detail: format!("{seen:?}; leaked {leaked:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forged_hint_row_fails_when_even_the_honest_hint_is_refused() {
+        // A pin_hint that refuses everything refuses every forgery too; the
+        // row must not count that as five correct fallbacks.
+        let row = forged_hints_with(|_, _| Err(BankError::arg("hint", "refuses everything")));
+        assert!(!row.passed(), "{row:#?}");
+        assert_eq!(row.fallbacks, 0, "{row:#?}");
+        // The real pin_hint passes the row (leaks aside: process-wide counts).
+        let real = forged_hints();
+        assert_eq!((real.runs, real.fallbacks), (5, 5), "{real:#?}");
     }
 }
