@@ -81,29 +81,6 @@ fn enable_peer_access(
     ))
 }
 
-/// The device the allocation behind `ptr` lives on (the driver's
-/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`), or None when the driver cannot say.
-///
-/// Why not the source's [`MemoryKind`]: a CUDA IPC import reports the device
-/// whose context opened it (the target's), which made every cross-GPU copy
-/// read as same-device in the transport label. Used for that label only; the
-/// copy itself goes through the importing context either way.
-fn resident_ordinal(ptr: u64) -> Option<u32> {
-    let mut ordinal: std::ffi::c_int = -1;
-    // SAFETY: `ordinal` is a valid 32-bit out-pointer, the size this attribute
-    // writes; the driver validates `ptr` and fails cleanly for an unknown one.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut ordinal as *mut std::ffi::c_int).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            ptr,
-        )
-    };
-    (r == sys::CUresult::CUDA_SUCCESS)
-        .then(|| u32::try_from(ordinal).ok())
-        .flatten()
-}
-
 fn cuda_err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> TransferError {
     move |e| TransferError::Cuda {
         op,
@@ -374,10 +351,7 @@ impl CopyBackend for CudaCopyBackend {
             bytes: part.runs.iter().map(|r| r.len).sum(),
             copies,
             host_payload_bytes: 0,
-            transport: match (
-                resident_ordinal(sb).unwrap_or(src_dev) == dst_dev,
-                kernel_ok,
-            ) {
+            transport: match (src_dev == dst_dev, kernel_ok) {
                 (true, true) => "cuda_same_device_gather_kernel".into(),
                 (true, false) => "cuda_same_device_copy".into(),
                 (false, true) => "cuda_peer_gather_kernel".into(),
