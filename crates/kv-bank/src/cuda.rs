@@ -525,8 +525,9 @@ pub struct CudaIpcImport {
 
 impl CudaIpcImport {
     /// Maps the allocation behind CUDA IPC `handle` (64 bytes) on device
-    /// `ordinal`; `len` is the region length the importer expects (from the
-    /// descriptor). A second import of the same handle in this process reuses
+    /// `ordinal`, the device that will read it (the copy's destination GPU:
+    /// see [`BankMemory::device_local_mapping`]); `len` is the region length
+    /// the importer expects (from the descriptor). A second import of the same handle in this process reuses
     /// the mapping.
     ///
     /// # Errors
@@ -564,7 +565,9 @@ impl CudaIpcImport {
     }
 
     /// Maps the device bank part described by `d` on local device `ordinal`
-    /// (the importer's ordinal of `d`'s GPU), after checking its owner lease
+    /// (the device that will read it: the copy's destination GPU, which may
+    /// differ from `d`'s GPU; see [`BankMemory::device_local_mapping`]),
+    /// after checking its owner lease
     /// ([`crate::check_descriptor_lease`]): it must exist, name `d`'s engine
     /// id, generation, role and rank, and be live. Checked on every call,
     /// before the mapping cache is consulted, so a cached mapping of a dead
@@ -711,6 +714,11 @@ impl BankMemory for CudaIpcImport {
     /// Imports are not re-exported: consumers reach the owner's allocation directly.
     fn export_handle(&self) -> Option<ExportHandle> {
         None
+    }
+    /// Mapped in `ordinal`'s context only (IPC) or with access for `ordinal`
+    /// only (fabric, `cuMemSetAccess`).
+    fn device_local_mapping(&self) -> bool {
+        true
     }
     fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
         htod(self.ordinal, self.ptr, self.len, offset, src)

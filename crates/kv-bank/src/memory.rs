@@ -66,6 +66,24 @@ pub trait BankMemory: Send + Sync + std::fmt::Debug {
     /// How another process on the same host maps this region, if it can.
     fn export_handle(&self) -> Option<ExportHandle>;
 
+    /// True when only work on this region's own device (the ordinal of
+    /// [`MemoryKind::Cuda`]) may read it: a CUDA IPC or fabric import, mapped
+    /// in that one device's context. Copy backends must then run on that
+    /// device, so an import is opened on the device that will read it (the
+    /// destination GPU), not on the donor's. Measured on an H200 pair: a gather
+    /// kernel on GPU1 reading an IPC import opened on GPU0 failed with
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS` (which poisons the context), and a plain
+    /// copy ran at 38 GB/s against 377 GB/s peer-to-peer.
+    ///
+    /// ```
+    /// use kv_bank::{BankMemory, HostShmMemory};
+    /// let m = HostShmMemory::create_unique("kvbank-doc-local", 4096).unwrap();
+    /// assert!(!m.device_local_mapping());
+    /// ```
+    fn device_local_mapping(&self) -> bool {
+        false
+    }
+
     /// Copies `src` into the region at byte `offset`.
     ///
     /// # Errors

@@ -301,6 +301,20 @@ impl CopyBackend for CudaCopyBackend {
         let MemoryKind::Cuda { ordinal: src_dev } = src.kind() else {
             return Err(unsupported());
         };
+        if src.device_local_mapping() && src_dev != dst_dev {
+            // Checked before any launch: reading it from `dst_dev` faults
+            // (CUDA_ERROR_ILLEGAL_ADDRESS poisons the context for every later
+            // copy) or, for a plain copy, crawls through a slow path.
+            return Err(TransferError::UnsupportedMemory {
+                backend: "cuda_ipc",
+                rank: part.tp_rank,
+                src: format!(
+                    "cuda:{src_dev} (an import mapped for device {src_dev} only; \
+                     open it on the destination device {dst_dev})"
+                ),
+                dst: io.dst.kind().to_string(),
+            });
+        }
         let dev = self.device(dst_dev)?;
         let mut dev = dev.lock();
         if !Self::peer_ok(&mut dev, src_dev)? {

@@ -813,7 +813,11 @@ pub fn run(
         ("scattered", plan_for(&layout, opts, true)?),
     ];
 
-    // CUDA IPC baseline over the donor's second region (VRAM only).
+    // CUDA IPC baseline over the donor's second region (VRAM only), imported
+    // on the target's device: the copy runs there, and an import is readable
+    // only on the device it was opened on (`BankMemory::device_local_mapping`).
+    // The transport label therefore reads `cuda_same_device_*` even when the
+    // donor is another GPU; the raw-copy row names both devices.
     if let (Memory::Vram, Some(h)) = (opts.memory, &hs.ipc_handle_hex) {
         let import = unhex("ipc_handle", h).and_then(|h| {
             Ok(CudaIpcImport::open(
