@@ -164,12 +164,12 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             let prereq = prerequisites::Prerequisites::ensure()?;
             let (exe, line) = kvq::build(kvq::BuildProfile::Release)?;
             let mut c = kvq::command(&exe, &line, &prereq);
+            // `--minutes=-1` as one word: as two, kvq would read `-1` as a
+            // flag and never reach its range check.
             c.args([
-                "soak",
-                "--minutes",
-                &minutes.to_string(),
-                "--seed",
-                &seed.to_string(),
+                "soak".to_string(),
+                format!("--minutes={minutes}"),
+                format!("--seed={seed}"),
             ]);
             command::run(&mut c)
         }

@@ -166,8 +166,13 @@ pub fn run(extra: &[String]) -> Result<()> {
     prereq.apply(&mut test);
     let (tally, status) = tee_and_tally(&mut test, &mut std::io::stdout().lock())?;
     if !status.success() && tally.failed == 0 {
+        let why = if tally.passed == 0 {
+            "before any test ran: a build failure, or an argument cargo rejected; see its output above"
+        } else {
+            "a test binary did not build or crashed; see cargo's output above"
+        };
         step_failures.push(format!(
-            "`{}` exited with {status} (build failure?)",
+            "`{}` exited with {status}, {why}",
             command::describe(&test)
         ));
     }

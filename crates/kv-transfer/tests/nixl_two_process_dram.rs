@@ -37,7 +37,9 @@ fn dram_fetch_from_a_donor_process() {
             return;
         }
     }
-    let log = nixl_two_process::enable_ucx_proto_log(&std::env::temp_dir(), "kvx-2p-test");
+    // Both processes' UCX logs (`%p`) go in a folder removed with the test.
+    let log_dir = tempfile::tempdir().unwrap();
+    let log = nixl_two_process::enable_ucx_proto_log(log_dir.path(), "kvx-2p-test");
     let mut opts = TwoProcessOpts::new(Memory::Dram);
     opts.blocks = 16;
     opts.block_bytes = 16 << 10;

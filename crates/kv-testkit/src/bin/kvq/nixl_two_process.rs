@@ -1,8 +1,11 @@
 //! `kvq bench nixl-two-process`: kv-transfer's two-process NIXL benchmark
 //! (`kv_transfer::nixl_two_process`), with the donor started as
 //! `kvq child nixl-donor ...`. Prints a table and the JSON report; exit 0
-//! when it passed or skipped (no GPU, no NIXL runtime: reason printed), 1
-//! when a case failed or a byte differed, 2 on a setup or usage error.
+//! when it passed, or skipped on the CPU profile (no NIXL runtime: reason
+//! printed), 1 when a case failed or a byte differed, 2 on a setup or usage
+//! error, including a GPU profile that could not run (no GPU or no NIXL
+//! runtime: [`Profile::Gpu`] makes a missing GPU a failure, as `kvq bench
+//! transfer` and `kvq oracle` do).
 
 use std::path::Path;
 use std::time::Duration;
@@ -69,6 +72,10 @@ pub fn bench_command(
             return 2;
         }
         println!("json: {}", path.display());
+    }
+    if rep.skipped.is_some() && profile == Profile::Gpu {
+        eprintln!("{NAME}: the gpu profile could not run here");
+        return 2;
     }
     i32::from(!rep.passed())
 }
