@@ -162,8 +162,15 @@ fn main() -> ExitCode {
             qualify(profile, out, trace, trace_requests, &only)
         }
         Cmd::List => {
+            // The profile names as `--profile` takes them.
             for s in sections::ALL {
-                println!("{:<24} {:?}", s.name, s.profiles);
+                let profiles: Vec<String> = s
+                    .profiles
+                    .iter()
+                    .filter_map(|p| clap::ValueEnum::to_possible_value(p))
+                    .map(|v| v.get_name().to_string())
+                    .collect();
+                println!("{:<24} {}", s.name, profiles.join(", "));
             }
             ExitCode::SUCCESS
         }
