@@ -120,7 +120,7 @@ pub enum SettingKind {
 impl SettingKind {
     fn range_text(&self) -> String {
         match self {
-            SettingKind::Bool => "true / false".into(),
+            SettingKind::Bool => "true / false (also 1 / 0, yes / no, on / off)".into(),
             SettingKind::U32 { min, max } => format!("{min} ..= {max}"),
             SettingKind::F64 { min, max } => format!("{min} ..= {max}"),
         }
