@@ -50,6 +50,15 @@ pub enum TraceError {
         /// What is wrong, with the values seen.
         reason: String,
     },
+    /// A [`TraceError::Parse`] or [`TraceError::Field`] error of the file
+    /// [`MooncakeTrace::load`] read.
+    #[error("{path}: {source}", path = path.display())]
+    InFile {
+        /// File the bad line is in.
+        path: PathBuf,
+        /// The line's error.
+        source: Box<TraceError>,
+    },
 }
 
 /// One request of the trace.
@@ -139,10 +148,11 @@ impl MooncakeTrace {
     /// Reads and validates a JSONL trace file. Blank lines are skipped.
     ///
     /// # Errors
-    /// [`TraceError::Io`] if the file cannot be read, [`TraceError::Parse`] for
-    /// a line that is not a record, [`TraceError::Field`] for a record whose
-    /// `hash_ids` count is not `ceil(input_length / 512)`, an `input_length` of
-    /// 0, or a `timestamp` smaller than the previous line's.
+    /// [`TraceError::Io`] if the file cannot be read; otherwise
+    /// [`TraceError::InFile`] naming `path`, around a [`TraceError::Parse`]
+    /// for a line that is not a record or a [`TraceError::Field`] for a record
+    /// whose `hash_ids` count is not `ceil(input_length / 512)`, an
+    /// `input_length` of 0, or a `timestamp` smaller than the previous line's.
     pub fn load(path: impl AsRef<Path>) -> Result<Self, TraceError> {
         let path = path.as_ref();
         let io = |source| TraceError::Io {
@@ -152,7 +162,10 @@ impl MooncakeTrace {
         let file = std::fs::File::open(path).map_err(io)?;
         Self::from_reader(std::io::BufReader::new(file)).map_err(|e| match e {
             TraceError::Io { source, .. } => io(source),
-            other => other,
+            other => TraceError::InFile {
+                path: path.to_path_buf(),
+                source: Box::new(other),
+            },
         })
     }
 
@@ -347,6 +360,21 @@ mod tests {
         assert!(e.to_string().contains("output_length"), "{e}");
         let e = MooncakeTrace::load("/nonexistent/trace.jsonl").unwrap_err();
         assert!(e.to_string().contains("/nonexistent/trace.jsonl"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let bad = dir.path().join("bad.jsonl");
+        std::fs::write(
+            &bad,
+            "{\"timestamp\":5,\"input_length\":0,\"output_length\":1,\"hash_ids\":[]}\n",
+        )
+        .unwrap();
+        let e = MooncakeTrace::load(&bad).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "{}: trace line 1: invalid `input_length`: must be at least 1",
+                bad.display()
+            )
+        );
     }
 
     #[test]
