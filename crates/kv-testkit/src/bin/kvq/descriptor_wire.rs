@@ -327,6 +327,10 @@ fn check_shared_prefix(
 }
 
 fn summary(total: u64, bad: &[String]) -> String {
+    if total == 0 {
+        // A check over nothing fails; say why instead of "0 of 0 failed".
+        return "nothing to check: the trace produced none".into();
+    }
     let mut s = format!("{} of {total} failed", bad.len());
     for b in bad.iter().take(5) {
         s.push_str("; ");
