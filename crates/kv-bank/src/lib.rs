@@ -101,5 +101,7 @@ pub use reclaim::{
     reclaim_stale, reclaim_stale_with, ReclaimPolicy, ReclaimReport, ReclaimedBank, Reclaimer,
     ReclaimerTotals,
 };
-pub use reservation::{CancelledReservation, DestinationPool, DestinationReservation};
+pub use reservation::{
+    CancelledReservation, CompletedBlocks, DestinationPool, DestinationReservation,
+};
 pub use shm::HostShmMemory;

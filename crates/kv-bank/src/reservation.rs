@@ -21,6 +21,9 @@ struct PoolState {
     reserved: BTreeSet<u32>,
     /// Blocks of reservations dropped without complete/cancel+quiesce.
     orphaned: BTreeSet<u32>,
+    /// Blocks of completed fetches whose [`CompletedBlocks`] is still held:
+    /// they hold a request's KV and are not free for another fetch.
+    completed: BTreeSet<u32>,
 }
 
 impl Drop for PoolState {
@@ -57,6 +60,7 @@ impl DestinationPool {
                 free: (0..capacity).collect(),
                 reserved: BTreeSet::new(),
                 orphaned: BTreeSet::new(),
+                completed: BTreeSet::new(),
             })),
         }
     }
@@ -148,8 +152,8 @@ impl DestinationPool {
 /// Blocks reserved for one incoming fetch.
 ///
 /// End it with [`DestinationReservation::complete`] (the fetch delivered:
-/// the blocks now hold valid KV and belong to the native cache, which is
-/// the caller's to track) or [`DestinationReservation::cancel`] followed by
+/// the blocks hold valid KV, and stay out of the pool while the returned
+/// [`CompletedBlocks`] is held) or [`DestinationReservation::cancel`] followed by
 /// [`CancelledReservation::quiesced`]. Dropped without either, its blocks
 /// become orphaned: still unusable until
 /// [`DestinationPool::reclaim_orphans_after_quiesce`].
@@ -165,13 +169,25 @@ impl DestinationReservation {
     pub fn blocks(&self) -> &[u32] {
         &self.blocks
     }
-    /// The fetch delivered every byte: the blocks leave the pool's
-    /// reservation and return to it free for the caller's native cache to own.
-    /// Returns the block ids.
-    pub fn complete(mut self) -> Vec<u32> {
+    /// The fetch delivered every byte: the blocks hold valid KV. They stay
+    /// out of the pool (no later reservation can overwrite them) until the
+    /// returned [`CompletedBlocks`] is dropped, once the caller's cache has
+    /// copied or stopped using them.
+    pub fn complete(mut self) -> CompletedBlocks {
         self.settled = true;
-        self.pool.release(&self.blocks);
-        std::mem::take(&mut self.blocks)
+        let blocks = std::mem::take(&mut self.blocks);
+        {
+            let mut st = self.pool.state.lock();
+            for b in &blocks {
+                st.reserved.remove(b);
+                st.completed.insert(*b);
+            }
+        }
+        leaks::RESERVED_BLOCKS.sub(blocks.len() as u64);
+        CompletedBlocks {
+            pool: self.pool.clone(),
+            blocks,
+        }
     }
     /// The fetch was abandoned; blocks stay reserved until quiesced.
     pub fn cancel(mut self) -> CancelledReservation {
@@ -196,6 +212,61 @@ impl Drop for DestinationReservation {
                 blocks = self.blocks.len(),
                 "destination reservation dropped without outcome; orphaned"
             );
+        }
+    }
+}
+
+/// The blocks of a completed fetch, holding its KV: block ids in fetch
+/// order (derefs to `[u32]`). While this is held no reservation of the pool
+/// can include them; dropping it returns them to the pool free.
+///
+/// Why a guard and not plain ids: when completion freed the blocks at once,
+/// a second fetch on the same pool could reserve and overwrite them before
+/// the first request's cache had read them.
+///
+/// ```
+/// use kv_bank::DestinationPool;
+/// let pool = DestinationPool::new(4);
+/// let done = pool.reserve(2).unwrap().complete();
+/// assert_eq!(&done[..], &[0, 1]);
+/// assert_eq!(pool.reserve(2).unwrap().blocks(), &[2, 3]); // not 0, 1
+/// drop(done);
+/// assert_eq!(pool.free_blocks(), 2); // 0 and 1 are free again
+/// ```
+#[derive(Debug)]
+pub struct CompletedBlocks {
+    pool: DestinationPool,
+    blocks: Vec<u32>,
+}
+
+impl CompletedBlocks {
+    /// Block ids, in fetch order.
+    pub fn blocks(&self) -> &[u32] {
+        &self.blocks
+    }
+}
+
+impl std::ops::Deref for CompletedBlocks {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        &self.blocks
+    }
+}
+
+impl PartialEq for CompletedBlocks {
+    fn eq(&self, other: &Self) -> bool {
+        self.blocks == other.blocks
+    }
+}
+
+impl Eq for CompletedBlocks {}
+
+impl Drop for CompletedBlocks {
+    fn drop(&mut self) {
+        let mut st = self.pool.state.lock();
+        for b in &self.blocks {
+            st.completed.remove(b);
+            st.free.insert(*b);
         }
     }
 }

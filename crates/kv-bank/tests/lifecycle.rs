@@ -532,8 +532,14 @@ fn destination_reservations_hold_blocks_until_complete_or_quiesced() {
     c.quiesced();
     assert_eq!(pool.free_blocks(), 6);
     let b = pool.reserve_exact(&[5, 1]).unwrap();
-    assert_eq!(b.complete(), vec![5, 1]);
+    let done = b.complete();
+    assert_eq!(done.blocks(), &[5, 1]);
     assert!(!pool.is_reserved(5));
+    // Completed blocks hold the fetch's KV: not free while the guard is held.
+    assert_eq!(pool.free_blocks(), 4);
+    assert!(pool.reserve_exact(&[5]).is_err());
+    drop(done);
+    assert_eq!(pool.free_blocks(), 6);
     // Dropped without an outcome: orphaned until the transfer engine quiesced.
     let d = pool.reserve(2).unwrap();
     drop(d);

@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use kv_bank::{BankManager, BankMemory, DestinationPool, ManagerPin};
+use kv_bank::{BankManager, BankMemory, CompletedBlocks, DestinationPool, ManagerPin};
 use kv_descriptor::{
     BankManifest, DescriptorError, FetchGpuHint, HintEnvelope, KvLayout, SequenceHash,
 };
@@ -77,11 +77,13 @@ impl DonorSource for BankManager {
 }
 
 /// A completed fetch: the target blocks now hold the fetched prefix.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct FetchOutcome {
-    /// Target block ids, one per fetched block, in prefix order; now owned by
-    /// the caller's native cache.
-    pub target_blocks: Vec<u32>,
+    /// Target block ids, one per fetched block, in prefix order. They stay
+    /// out of the executor's pool, so no later fetch overwrites them, until
+    /// this outcome (or the moved-out guard) is dropped: keep it while the
+    /// request's cache reads them.
+    pub target_blocks: CompletedBlocks,
     /// Index of the first fetched block in the request.
     pub fetch_from: u32,
     /// Sequence hashes of the fetched blocks.

@@ -57,9 +57,39 @@ fn advisor_admits_a_long_prefix_and_the_executor_fetches_exact_bytes() {
     assert_eq!(s.donor.pins_outstanding(), 0);
     assert_eq!(
         exec.pool().free_blocks(),
-        64,
-        "committed rows return to the caller, not stay reserved"
+        64 - fetched as usize,
+        "completed rows stay out of the pool while the outcome is held"
     );
+    // A second fetch while the first outcome is held cannot take its rows:
+    // 18 rows are free for 46 blocks, so it falls back at `reserve` (before
+    // completion held the rows, it overwrote them) and the first request's
+    // rows keep their bytes.
+    let full = exec
+        .execute(&env, s.donor.as_ref(), &DeliveryControl::new())
+        .unwrap_err();
+    assert!(
+        matches!(
+            &full,
+            FetchError::Fallback {
+                stage: "reserve",
+                ..
+            }
+        ),
+        "{full:?}"
+    );
+    for (i, &row) in out.target_blocks.iter().enumerate() {
+        assert!(s.row_holds_block(row, TARGET_BASELINE + i), "row {row}");
+    }
+    drop(out);
+    assert_eq!(
+        exec.pool().free_blocks(),
+        64,
+        "a dropped outcome returns its rows"
+    );
+    let again = exec
+        .execute(&env, s.donor.as_ref(), &DeliveryControl::new())
+        .unwrap();
+    assert_eq!(again.target_blocks.len(), fetched as usize);
     assert_eq!(advisor.log().admitted(), 1);
 }
 
