@@ -402,7 +402,7 @@ mod tests {
 
         let env = advisor.advise("r1", &s.hashes, s.target).hint.unwrap();
         let done = exec.execute(&env, s.donor.as_ref(), &ctl).unwrap();
-        let done_bytes = done.report.counters.bytes;
+        let (done_bytes, done_elapsed_us) = (done.report.counters.bytes, done.report.elapsed_us);
         // The completed rows go back to the pool, so the fallbacks below fail
         // at the stage under test, not at `reserve`.
         drop(done);
@@ -475,7 +475,7 @@ mod tests {
         assert_eq!(sample(body, "kv_reuse_transfer_latency_seconds_count"), 1.0);
         assert_eq!(
             sample(body, "kv_reuse_transfer_latency_seconds_sum"),
-            done.report.elapsed_us as f64 / 1e6
+            done_elapsed_us as f64 / 1e6
         );
         assert_eq!(sample(body, "kv_reuse_lookup_latency_seconds_count"), 2.0);
         assert!(sample(body, "kv_reuse_lookup_latency_seconds_sum") > 0.0);
