@@ -7,8 +7,9 @@
 //!
 //! # Readiness
 //! [`EventPlane::subscribe`] returns only once the subscription is registered
-//! where publishers deliver (for NATS: after a PING/PONG round trip that
-//! follows the `SUB`), so anything published after it returns is delivered.
+//! where publishers deliver (for NATS: after a request that the server
+//! itself answers, sent after the `SUB` on the same connection), so anything
+//! published after it returns is delivered.
 //! Publishers of one-shot events call [`EventPlane::wait_for_subscribers`]
 //! first: it resolves only when that many subscriptions answer a readiness
 //! probe, so a one-shot event is never sent into the void.

@@ -209,17 +209,41 @@ impl NatsPlane {
         self.client.connection_state() == async_nats::connection::State::Connected
     }
 
-    /// Waits for all buffered publishes to reach the server (PING/PONG).
+    /// Waits until the server has processed everything this client sent
+    /// before the call (publishes, `SUB`s): [`NatsPlane::server_round_trip`].
     ///
     /// # Errors
-    /// [`PlaneError::Publish`] when the server does not answer.
+    /// [`PlaneError::Publish`] when the server does not answer within 5 s.
     pub async fn flush(&self) -> Result<(), PlaneError> {
-        self.client.flush().await.map_err(|e| PlaneError::Publish {
-            subject: "<flush>".into(),
-            reason: e.to_string(),
-        })
+        self.server_round_trip(ROUND_TRIP_TIMEOUT)
+            .await
+            .map_err(|reason| PlaneError::Publish {
+                subject: "<flush>".into(),
+                reason,
+            })
+    }
+
+    /// One request to a subject nobody serves, answered by the server itself
+    /// (status 503, "no responders"). The server handles one connection's
+    /// commands in order, so the answer proves every earlier command of this
+    /// client was processed. Why not `Client::flush`: in async-nats 0.51 it
+    /// only writes the socket and waits for nothing, so a `SUB` could still
+    /// be unprocessed when a publisher's event arrived (a fault run lost its
+    /// event that way under load).
+    async fn server_round_trip(&self, timeout: Duration) -> Result<(), String> {
+        let subject = format!("_kvping.{}", uuid::Uuid::new_v4().simple());
+        let request = async_nats::Request::new().timeout(Some(timeout));
+        match self.client.send_request(subject, request).await {
+            // Somebody did answer: the server relayed it, which proves the same.
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => Ok(()),
+            Err(e) => Err(format!("no round trip with the server: {e}")),
+        }
     }
 }
+
+/// Longest wait for [`NatsPlane::server_round_trip`] in `subscribe` and `flush`.
+const ROUND_TRIP_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl EventPlane for NatsPlane {
     fn name(&self) -> &'static str {
@@ -249,10 +273,10 @@ impl EventPlane for NatsPlane {
                 .subscribe(subject.as_str().to_string())
                 .await
                 .map_err(|e| sub_err(e.to_string()))?;
-            self.client
-                .flush()
+            // "Ready on return": the server has processed the SUB.
+            self.server_round_trip(ROUND_TRIP_TIMEOUT)
                 .await
-                .map_err(|e| sub_err(e.to_string()))?;
+                .map_err(sub_err)?;
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
             let id = uuid::Uuid::new_v4().to_string();
             let client = self.client.clone();
@@ -331,6 +355,13 @@ impl EventPlane for NatsPlane {
                 let round_end =
                     (tokio::time::Instant::now() + Duration::from_millis(100)).min(deadline);
                 while let Ok(Some(m)) = tokio::time::timeout_at(round_end, replies.next()).await {
+                    // With no subscription at all the server itself answers
+                    // the probe (status 503, no responders, empty payload);
+                    // counting that as a subscriber let a one-shot event go
+                    // out to nobody.
+                    if m.status.is_some() || m.payload.is_empty() {
+                        continue;
+                    }
                     seen.insert(m.payload.to_vec());
                     if seen.len() >= n {
                         return Ok(seen.len());

@@ -24,6 +24,40 @@ async fn connect(server: &NatsServer, name: &str) -> NatsPlane {
 }
 
 #[tokio::test]
+async fn nats_barrier_is_not_passed_by_the_servers_no_responders_answer() {
+    const TEST: &str = "nats_barrier_is_not_passed_by_the_servers_no_responders_answer";
+    let Some(server) = NatsServer::start_or_skip(TEST) else {
+        return;
+    };
+    let publisher = connect(&server, "publisher").await;
+    let subject = Subject::new("qa", "barrier", "events").unwrap();
+    // No subscriber: the server answers each probe itself with "no
+    // responders", which once counted as one ready subscriber.
+    match publisher
+        .wait_for_subscribers(&subject, 1, Duration::from_millis(400))
+        .await
+    {
+        Err(PlaneError::NotReady { ready, wanted, .. }) => assert_eq!((ready, wanted), (0, 1)),
+        other => panic!("a barrier with no subscriber must not pass: {other:?}"),
+    }
+    // One real subscriber, registered on return: the barrier counts it, and
+    // an event published right after reaches it.
+    let subscriber = connect(&server, "subscriber").await;
+    let mut sub = subscriber.subscribe(&subject).await.unwrap();
+    assert_eq!(
+        publisher
+            .wait_for_subscribers(&subject, 1, Duration::from_secs(5))
+            .await
+            .unwrap(),
+        1
+    );
+    publisher.publish(&subject, b"one".to_vec()).await.unwrap();
+    let m = sub.next_timeout(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(m.payload, b"one");
+    publisher.flush().await.unwrap();
+}
+
+#[tokio::test]
 async fn nats_one_shot_event_reaches_every_subscriber_after_the_barrier() {
     let Some(server) =
         NatsServer::start_or_skip("nats_one_shot_event_reaches_every_subscriber_after_the_barrier")
