@@ -939,9 +939,13 @@ impl BankManager {
     /// Checked before anything is pinned, from the slot table alone (bank
     /// memory is never read): engine id, generation (a closed generation is
     /// refused), the bank's own lease (a lapsed lease kills the generation),
-    /// layout fingerprint, TP size, one part per rank with identical slot
+    /// layout fingerprint, TP size, as many parts as ranks with identical slot
     /// lists, every slot id below the slot count, and that slot
     /// `parts[r].slot_ids[i]` holds the ready block `sequence_hashes[fetch_from + i]`.
+    /// The hint's own shape (parts in `tp_rank` order without duplicates,
+    /// `expected_bytes`, a non-empty fetch) is not checked here: that is
+    /// [`kv_descriptor::FetchGpuHint::validate`], which the fetching side runs first. The slots
+    /// pinned are the same either way.
     ///
     /// # Errors
     /// [`BankError::StaleOwner`], [`BankError::Closed`],
