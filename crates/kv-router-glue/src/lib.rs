@@ -102,7 +102,7 @@ pub use pin_service::{
 pub use qualify::{qualify_section, GlueQualifySection};
 pub use remote_donor::{RemoteDonor, RemotePin, DEFAULT_PIN_TIMEOUT};
 pub use settings::{
-    settings_markdown, spec, EnvSnapshot, LoadedSettings, ReuseSettings, SettingKind,
-    SettingOrigin, SettingSpec, SettingValue, SettingsLoader, ENV_PREFIX, REMOVED_SETTINGS,
-    SETTINGS,
+    settings_markdown, spec, split_setting_args, EnvSnapshot, LoadedSettings, ReuseSettings,
+    SettingKind, SettingOrigin, SettingSpec, SettingValue, SettingsLoader, ENV_PREFIX,
+    REMOVED_SETTINGS, SETTINGS,
 };

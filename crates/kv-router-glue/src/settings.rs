@@ -716,6 +716,76 @@ impl SettingsLoader {
     }
 }
 
+/// Splits a process's command line into the reuse setting flags, for
+/// [`SettingsLoader::args`], and everything else, for the host's own parser;
+/// order is kept on both sides.
+///
+/// A flag is ours when its name (dashes or underscores) is exactly a setting
+/// key or a removed key (so the loader can explain the removal); prefixes are
+/// not matched here, since a host flag could be one. Its value goes with it:
+/// `--key=value`, `--key value`, or a bare boolean `--key` (followed by a
+/// value only when the next token parses as a boolean), as `args` reads them.
+///
+/// ```
+/// use kv_router_glue::{split_setting_args, SettingsLoader};
+/// let argv = ["--port", "8000", "--enable-decode-to-prefill-reuse", "model.gguf",
+///             "--minimum_transfer_prefix_blocks", "8"];
+/// let (ours, host) = split_setting_args(argv);
+/// assert_eq!(ours, ["--enable-decode-to-prefill-reuse", "--minimum_transfer_prefix_blocks", "8"]);
+/// assert_eq!(host, ["--port", "8000", "model.gguf"]);
+/// let s = SettingsLoader::new().args(&ours).unwrap().build().unwrap();
+/// assert!(s.settings.enable_decode_to_prefill_reuse);
+/// assert_eq!(s.settings.minimum_transfer_prefix_blocks, 8);
+/// ```
+pub fn split_setting_args<I, S>(args: I) -> (Vec<String>, Vec<String>)
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<str>,
+{
+    let args: Vec<String> = args.into_iter().map(|a| a.as_ref().to_string()).collect();
+    let (mut ours, mut host) = (Vec::new(), Vec::new());
+    let mut i = 0;
+    while i < args.len() {
+        let arg = &args[i];
+        let flag = arg
+            .strip_prefix("--")
+            .map(|body| match body.split_once('=') {
+                Some((n, _)) => (n.replace('-', "_"), true),
+                None => (body.replace('-', "_"), false),
+            });
+        let Some((key, inline)) = flag else {
+            host.push(arg.clone());
+            i += 1;
+            continue;
+        };
+        let removed = REMOVED_SETTINGS.iter().any(|(k, _)| *k == key);
+        let Some(spec) = spec(&key).filter(|_| !removed) else {
+            if removed {
+                ours.push(arg.clone());
+            } else {
+                host.push(arg.clone());
+            }
+            i += 1;
+            continue;
+        };
+        ours.push(arg.clone());
+        i += 1;
+        if inline {
+            continue;
+        }
+        let takes_next = match (spec.kind, args.get(i)) {
+            (SettingKind::Bool, Some(next)) => parse_text(spec, next).is_ok(),
+            (_, Some(_)) => true,
+            (_, None) => false,
+        };
+        if takes_next {
+            ours.push(args[i].clone());
+            i += 1;
+        }
+    }
+    (ours, host)
+}
+
 /// Resolves a flag name (without `--`) to a setting: exact key first, then a
 /// unique prefix. Removed keys are refused by exact name only.
 fn resolve_flag(name: &str) -> Result<&'static SettingSpec, SettingsError> {

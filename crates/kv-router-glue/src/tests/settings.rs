@@ -510,3 +510,43 @@ proptest! {
         prop_assert_eq!(back, s);
     }
 }
+
+#[test]
+fn split_setting_args_keeps_host_flags_prefixes_and_positionals_for_the_host() {
+    let argv = [
+        "serve",
+        "--port=8000",
+        "--enable",                               // a prefix: the host's, not ours
+        "--enable_decode_to_prefill_reuse",       // bare boolean ...
+        "true",                                   // ... with a boolean value: taken
+        "--transfer-source-lookup-budget-ms=2.5", // inline value
+        "--decode_to_prefill_reuse_mode=on",      // removed: ours, so it is explained
+        "--enable-decode-to-prefill-gpu-reuse",   // bare boolean at the end
+    ];
+    let (ours, host) = split_setting_args(argv);
+    assert_eq!(host, ["serve", "--port=8000", "--enable"]);
+    assert_eq!(
+        ours,
+        [
+            "--enable_decode_to_prefill_reuse",
+            "true",
+            "--transfer-source-lookup-budget-ms=2.5",
+            "--decode_to_prefill_reuse_mode=on",
+            "--enable-decode-to-prefill-gpu-reuse",
+        ]
+    );
+    let e = SettingsLoader::new().args(&ours).unwrap_err();
+    assert!(
+        e.to_string().contains("decode_to_prefill_reuse_mode"),
+        "{e}"
+    );
+    let kept: Vec<&String> = ours.iter().filter(|a| !a.contains("reuse_mode")).collect();
+    let s = SettingsLoader::new()
+        .args(kept)
+        .unwrap()
+        .build()
+        .unwrap()
+        .settings;
+    assert!(s.enable_decode_to_prefill_reuse && s.enable_decode_to_prefill_gpu_reuse);
+    assert_eq!(s.transfer_source_lookup_budget_ms, 2.5);
+}
