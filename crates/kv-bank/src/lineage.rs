@@ -39,6 +39,20 @@ impl ExclusionLineage {
     pub fn is_excluded(&self, hash: &SequenceHash) -> bool {
         self.excluded.read().contains(hash)
     }
+    /// Index of the first `(block, parent)` pair whose block or parent is
+    /// marked: where a store must stop, since that block and every later
+    /// one (its descendants) depend on excluded input. One read lock for
+    /// the whole walk. `store` applies it when called and `ack` again at
+    /// commit, for marks made while the store was pending.
+    pub(crate) fn first_tainted(
+        &self,
+        pairs: impl IntoIterator<Item = (SequenceHash, Option<SequenceHash>)>,
+    ) -> Option<usize> {
+        let marked = self.excluded.read();
+        pairs.into_iter().position(|(h, parent)| {
+            marked.contains(&h) || parent.is_some_and(|p| marked.contains(&p))
+        })
+    }
     /// Number of marked hashes.
     pub fn len(&self) -> usize {
         self.excluded.read().len()

@@ -543,18 +543,9 @@ impl BankManager {
             prev = Some(b.sequence_hash);
         }
         let lineage = &self.shared.config.lineage;
-        let cut = blocks
-            .iter()
-            .enumerate()
-            .position(|(i, b)| {
-                let parent_of = if i == 0 {
-                    parent
-                } else {
-                    Some(blocks[i - 1].sequence_hash)
-                };
-                lineage.is_excluded(&b.sequence_hash)
-                    || parent_of.is_some_and(|p| lineage.is_excluded(&p))
-            })
+        let parents = std::iter::once(parent).chain(blocks.iter().map(|b| Some(b.sequence_hash)));
+        let cut = lineage
+            .first_tainted(blocks.iter().map(|b| b.sequence_hash).zip(parents))
             .unwrap_or(blocks.len());
         let excluded: Vec<SequenceHash> = blocks[cut..].iter().map(|b| b.sequence_hash).collect();
 
@@ -722,13 +713,12 @@ impl BankManager {
         // store was pending (or whose parent was) ends it; it and every later
         // (descendant) block join the lineage and are freed, never ready.
         let lineage = &self.shared.config.lineage;
-        let cut = p
-            .entries
-            .iter()
-            .position(|(b, parent, _)| {
-                lineage.is_excluded(&b.sequence_hash)
-                    || parent.is_some_and(|h| lineage.is_excluded(&h))
-            })
+        let cut = lineage
+            .first_tainted(
+                p.entries
+                    .iter()
+                    .map(|(b, parent, _)| (b.sequence_hash, *parent)),
+            )
             .unwrap_or(p.entries.len());
         let dropped = p.entries.split_off(cut);
         if !dropped.is_empty() {

@@ -26,6 +26,49 @@ struct PoolState {
     completed: BTreeSet<u32>,
 }
 
+/// The four states a block of the pool can be in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BlockState {
+    Free,
+    Reserved,
+    Orphaned,
+    Completed,
+}
+
+impl BlockState {
+    /// Counted in [`leaks::RESERVED_BLOCKS`]: held by a reservation that has
+    /// not ended (live, cancelled-not-quiesced, or orphaned).
+    fn counts_as_reserved(self) -> bool {
+        matches!(self, BlockState::Reserved | BlockState::Orphaned)
+    }
+}
+
+impl PoolState {
+    fn set(&mut self, s: BlockState) -> &mut BTreeSet<u32> {
+        match s {
+            BlockState::Free => &mut self.free,
+            BlockState::Reserved => &mut self.reserved,
+            BlockState::Orphaned => &mut self.orphaned,
+            BlockState::Completed => &mut self.completed,
+        }
+    }
+
+    /// Moves `blocks` from state `from` to `to`; the leak counter follows
+    /// from the two states, so no caller keeps it by hand.
+    fn shift(&mut self, blocks: &[u32], from: BlockState, to: BlockState) {
+        for b in blocks {
+            self.set(from).remove(b);
+            self.set(to).insert(*b);
+        }
+        let n = blocks.len() as u64;
+        match (from.counts_as_reserved(), to.counts_as_reserved()) {
+            (false, true) => leaks::RESERVED_BLOCKS.add(n),
+            (true, false) => leaks::RESERVED_BLOCKS.sub(n),
+            _ => {}
+        }
+    }
+}
+
 impl Drop for PoolState {
     fn drop(&mut self) {
         // The pool (the native cache it stands for) is gone, and its blocks with it.
@@ -78,11 +121,7 @@ impl DestinationPool {
             });
         }
         let blocks: Vec<u32> = st.free.iter().take(n).copied().collect();
-        for b in &blocks {
-            st.free.remove(b);
-            st.reserved.insert(*b);
-        }
-        leaks::RESERVED_BLOCKS.add(blocks.len() as u64);
+        st.shift(&blocks, BlockState::Free, BlockState::Reserved);
         Ok(self.handle(blocks))
     }
 
@@ -99,11 +138,7 @@ impl DestinationPool {
                 return Err(BankError::AlreadyReserved { block: b });
             }
         }
-        for b in blocks {
-            st.free.remove(b);
-            st.reserved.insert(*b);
-        }
-        leaks::RESERVED_BLOCKS.add(blocks.len() as u64);
+        st.shift(blocks, BlockState::Free, BlockState::Reserved);
         Ok(self.handle(blocks.to_vec()))
     }
 
@@ -115,13 +150,8 @@ impl DestinationPool {
         }
     }
 
-    fn release(&self, blocks: &[u32]) {
-        let mut st = self.state.lock();
-        for b in blocks {
-            st.reserved.remove(b);
-            st.free.insert(*b);
-        }
-        leaks::RESERVED_BLOCKS.sub(blocks.len() as u64);
+    fn shift(&self, blocks: &[u32], from: BlockState, to: BlockState) {
+        self.state.lock().shift(blocks, from, to);
     }
 
     /// Free blocks now.
@@ -141,11 +171,9 @@ impl DestinationPool {
     /// every transfer that may have targeted them (e.g. after draining its streams).
     pub fn reclaim_orphans_after_quiesce(&self) -> usize {
         let mut st = self.state.lock();
-        let orphans = std::mem::take(&mut st.orphaned);
-        let n = orphans.len();
-        st.free.extend(orphans);
-        leaks::RESERVED_BLOCKS.sub(n as u64);
-        n
+        let orphans: Vec<u32> = st.orphaned.iter().copied().collect();
+        st.shift(&orphans, BlockState::Orphaned, BlockState::Free);
+        orphans.len()
     }
 }
 
@@ -176,14 +204,8 @@ impl DestinationReservation {
     pub fn complete(mut self) -> CompletedBlocks {
         self.settled = true;
         let blocks = std::mem::take(&mut self.blocks);
-        {
-            let mut st = self.pool.state.lock();
-            for b in &blocks {
-                st.reserved.remove(b);
-                st.completed.insert(*b);
-            }
-        }
-        leaks::RESERVED_BLOCKS.sub(blocks.len() as u64);
+        self.pool
+            .shift(&blocks, BlockState::Reserved, BlockState::Completed);
         CompletedBlocks {
             pool: self.pool.clone(),
             blocks,
@@ -203,11 +225,8 @@ impl DestinationReservation {
 impl Drop for DestinationReservation {
     fn drop(&mut self) {
         if !self.settled {
-            let mut st = self.pool.state.lock();
-            for b in &self.blocks {
-                st.reserved.remove(b);
-                st.orphaned.insert(*b);
-            }
+            self.pool
+                .shift(&self.blocks, BlockState::Reserved, BlockState::Orphaned);
             tracing::warn!(
                 blocks = self.blocks.len(),
                 "destination reservation dropped without outcome; orphaned"
@@ -239,13 +258,6 @@ pub struct CompletedBlocks {
     blocks: Vec<u32>,
 }
 
-impl CompletedBlocks {
-    /// Block ids, in fetch order.
-    pub fn blocks(&self) -> &[u32] {
-        &self.blocks
-    }
-}
-
 impl std::ops::Deref for CompletedBlocks {
     type Target = [u32];
     fn deref(&self) -> &[u32] {
@@ -263,11 +275,8 @@ impl Eq for CompletedBlocks {}
 
 impl Drop for CompletedBlocks {
     fn drop(&mut self) {
-        let mut st = self.pool.state.lock();
-        for b in &self.blocks {
-            st.completed.remove(b);
-            st.free.insert(*b);
-        }
+        self.pool
+            .shift(&self.blocks, BlockState::Completed, BlockState::Free);
     }
 }
 
@@ -287,18 +296,16 @@ impl CancelledReservation {
     /// The transfer engine confirmed no write is in flight: blocks are free again.
     pub fn quiesced(mut self) {
         self.released = true;
-        self.pool.release(&self.blocks);
+        self.pool
+            .shift(&self.blocks, BlockState::Reserved, BlockState::Free);
     }
 }
 
 impl Drop for CancelledReservation {
     fn drop(&mut self) {
         if !self.released {
-            let mut st = self.pool.state.lock();
-            for b in &self.blocks {
-                st.reserved.remove(b);
-                st.orphaned.insert(*b);
-            }
+            self.pool
+                .shift(&self.blocks, BlockState::Reserved, BlockState::Orphaned);
         }
     }
 }

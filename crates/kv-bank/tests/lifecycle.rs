@@ -533,7 +533,7 @@ fn destination_reservations_hold_blocks_until_complete_or_quiesced() {
     assert_eq!(pool.free_blocks(), 6);
     let b = pool.reserve_exact(&[5, 1]).unwrap();
     let done = b.complete();
-    assert_eq!(done.blocks(), &[5, 1]);
+    assert_eq!(&done[..], &[5, 1]);
     assert!(!pool.is_reserved(5));
     // Completed blocks hold the fetch's KV: not free while the guard is held.
     assert_eq!(pool.free_blocks(), 4);

@@ -674,21 +674,16 @@ impl SettingsLoader {
                 None => (body, None),
             };
             let spec = resolve_flag(name)?;
-            let raw = match (inline, spec.kind) {
-                (Some(v), _) => v,
-                (None, SettingKind::Bool) => match args.get(i + 1) {
-                    Some(next) if parse_text(spec, next).is_ok() => {
+            let raw = match inline {
+                Some(v) => v,
+                None => match separate_value(spec, args.get(i + 1)) {
+                    Some(next) => {
                         i += 1;
                         next.clone()
                     }
-                    _ => "true".into(),
+                    None if spec.kind == SettingKind::Bool => "true".into(),
+                    None => return Err(SettingsError::MissingValue { key: spec.key }),
                 },
-                (None, _) => {
-                    i += 1;
-                    args.get(i)
-                        .cloned()
-                        .ok_or(SettingsError::MissingValue { key: spec.key })?
-                }
             };
             let v = parse_text(spec, &raw)?;
             self.put(spec, v, SettingOrigin::Cli(arg.clone()));
@@ -770,20 +765,20 @@ where
         };
         ours.push(arg.clone());
         i += 1;
-        if inline {
-            continue;
-        }
-        let takes_next = match (spec.kind, args.get(i)) {
-            (SettingKind::Bool, Some(next)) => parse_text(spec, next).is_ok(),
-            (_, Some(_)) => true,
-            (_, None) => false,
-        };
-        if takes_next {
-            ours.push(args[i].clone());
+        if let Some(next) = separate_value(spec, args.get(i)).filter(|_| !inline) {
+            ours.push(next.clone());
             i += 1;
         }
     }
     (ours, host)
+}
+
+/// The token after a `--key` written without `=value` when it is that
+/// flag's value: always for a number, for a boolean only when it parses as
+/// one (a bare boolean flag means true). Shared by [`SettingsLoader::args`]
+/// and [`split_setting_args`], so both read a command line alike.
+fn separate_value<'a>(spec: &SettingSpec, next: Option<&'a String>) -> Option<&'a String> {
+    next.filter(|n| spec.kind != SettingKind::Bool || parse_text(spec, n).is_ok())
 }
 
 /// Resolves a flag name (without `--`) to a setting: exact key first, then a

@@ -167,7 +167,7 @@ fn main() -> ExitCode {
                 let profiles: Vec<String> = s
                     .profiles
                     .iter()
-                    .filter_map(|p| clap::ValueEnum::to_possible_value(p))
+                    .filter_map(clap::ValueEnum::to_possible_value)
                     .map(|v| v.get_name().to_string())
                     .collect();
                 println!("{:<24} {}", s.name, profiles.join(", "));
