@@ -5,11 +5,6 @@ use std::process::Command;
 use crate::command;
 use crate::error::Result;
 
-/// True when `dpkg -s PACKAGE` reports it installed.
-pub fn is_installed(package: &str) -> bool {
-    command::succeeds(Command::new("dpkg").args(["-s", package]))
-}
-
 /// `apt-get install -y PACKAGE`, running `apt-get update` once and retrying
 /// when the first attempt fails (a fresh machine has no package lists).
 /// Not root: goes through `sudo -n` (never prompts).

@@ -1,47 +1,88 @@
 //! libclang, which nixl-sys's build script needs for bindgen. It must exist
-//! before cargo compiles nixl-sys, which is why xtask itself never depends on it.
-
-use std::path::Path;
+//! before cargo compiles nixl-sys, which is why xtask itself never depends on
+//! nixl-sys.
+//!
+//! Detection asks the loader bindgen itself uses: `clang-sys` with its
+//! `runtime` feature (the same crate and search bindgen runs in nixl-sys's
+//! build script), so what counts as "present" is exactly what bindgen will
+//! load. A name-based scan took `/usr/lib/llvm-14/lib/libclang-cpp.so.14`
+//! (the C++ library, package `libclang-cpp14`) for libclang and never
+//! installed `libclang-dev`; bindgen then panicked "Unable to find libclang".
 
 use crate::apt;
 use crate::error::{Result, XtaskError};
 
-/// Ensures bindgen can find libclang: `LIBCLANG_PATH` set, the Debian package
-/// `libclang-dev` installed, or an LLVM install in `/usr/lib/llvm-*`; else
-/// `apt-get install -y libclang-dev`.
+/// Ensures bindgen can load libclang; when it cannot, runs
+/// `apt-get install -y libclang-dev` and checks again.
 ///
 /// # Errors
-/// [`XtaskError::Prerequisite`] when none is present and apt-get fails.
+/// [`XtaskError::Prerequisite`] when apt-get fails or libclang still cannot
+/// be loaded after it (the loader's own message is included).
 pub fn ensure() -> Result<()> {
-    if std::env::var_os("LIBCLANG_PATH").is_some()
-        || apt::is_installed("libclang-dev")
-        || llvm_libclang_present()
-    {
+    let Err(first) = loadable() else {
         return Ok(());
-    }
+    };
+    eprintln!("xtask: bindgen cannot load libclang ({first}); installing libclang-dev");
     apt::install("libclang-dev").map_err(|e| XtaskError::Prerequisite {
         what: "libclang",
+        reason: format!("bindgen's loader found none ({first}); {e}"),
+    })?;
+    loadable().map_err(|after| XtaskError::Prerequisite {
+        what: "libclang",
         reason: format!(
-            "no LIBCLANG_PATH, no libclang-dev package, no /usr/lib/llvm-*/lib/libclang*.so; {e}"
+            "libclang-dev is installed but bindgen's loader still finds no libclang: {after} \
+             (set LIBCLANG_PATH to the folder holding libclang.so)"
         ),
     })
 }
 
-fn llvm_libclang_present() -> bool {
-    let Ok(entries) = std::fs::read_dir("/usr/lib") else {
-        return false;
-    };
-    entries.flatten().any(|e| {
-        e.file_name().to_string_lossy().starts_with("llvm-") && has_libclang(&e.path().join("lib"))
-    })
+/// Ok when clang-sys's run-time loader (bindgen's) finds and opens a
+/// libclang shared library, honouring `LIBCLANG_PATH` as bindgen does.
+///
+/// # Errors
+/// The loader's message (which folders it searched, what it rejected).
+pub fn loadable() -> std::result::Result<(), String> {
+    if clang_sys::is_loaded() {
+        return Ok(());
+    }
+    clang_sys::load()?;
+    // Unload so a later call (after an install) searches again.
+    clang_sys::unload()?;
+    Ok(())
 }
 
-fn has_libclang(dir: &Path) -> bool {
-    std::fs::read_dir(dir).is_ok_and(|es| {
-        es.flatten().any(|e| {
-            let n = e.file_name();
-            let n = n.to_string_lossy();
-            n.starts_with("libclang") && n.contains(".so")
-        })
-    })
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One test, because it sets `LIBCLANG_PATH` and the loader reads it.
+    ///
+    /// 1. This binary is built by the same `cargo test` that built nixl-sys,
+    ///    whose build script loaded libclang through bindgen: detection that
+    ///    disagrees with bindgen fails here.
+    /// 2. A folder holding only `libclang-cpp.so.14` (the C++ library that
+    ///    the old name scan accepted) must never be what the loader takes.
+    #[test]
+    fn detection_is_bindgens_loader_and_rejects_libclang_cpp() {
+        assert_eq!(loadable(), Ok(()));
+
+        let dir = std::env::temp_dir().join(format!("xtask-libclang-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("libclang-cpp.so.14"), b"not an ELF").unwrap();
+        let old = std::env::var_os("LIBCLANG_PATH");
+        std::env::set_var("LIBCLANG_PATH", &dir);
+        let taken = clang_sys::load().map(|()| {
+            let path = clang_sys::get_library().expect("loaded").path().to_path_buf();
+            clang_sys::unload().unwrap();
+            path
+        });
+        match old {
+            Some(v) => std::env::set_var("LIBCLANG_PATH", v),
+            None => std::env::remove_var("LIBCLANG_PATH"),
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+        if let Ok(path) = taken {
+            assert!(!path.starts_with(&dir), "took {} for libclang", path.display());
+        }
+    }
 }
