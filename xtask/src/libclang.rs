@@ -72,7 +72,10 @@ mod tests {
         let old = std::env::var_os("LIBCLANG_PATH");
         std::env::set_var("LIBCLANG_PATH", &dir);
         let taken = clang_sys::load().map(|()| {
-            let path = clang_sys::get_library().expect("loaded").path().to_path_buf();
+            let path = clang_sys::get_library()
+                .expect("loaded")
+                .path()
+                .to_path_buf();
             clang_sys::unload().unwrap();
             path
         });
@@ -82,7 +85,11 @@ mod tests {
         }
         std::fs::remove_dir_all(&dir).unwrap();
         if let Ok(path) = taken {
-            assert!(!path.starts_with(&dir), "took {} for libclang", path.display());
+            assert!(
+                !path.starts_with(&dir),
+                "took {} for libclang",
+                path.display()
+            );
         }
     }
 }

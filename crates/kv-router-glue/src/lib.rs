@@ -66,7 +66,7 @@ mod hint_validation;
 mod kv_events;
 pub mod metrics;
 pub mod nats_server;
-pub mod ols;
+mod ols;
 mod pin_service;
 mod qualify;
 mod remote_donor;
@@ -95,6 +95,7 @@ pub use kv_events::{
     resync_subject, KvEventPublisher, KvEventReceiver, KvStreamItem, PublisherHeader,
     ReceiverStats, ResyncOutcome, ResyncRequest,
 };
+pub use ols::OlsFit;
 pub use pin_service::{
     unix_endpoint_path, PinService, PinServiceConfig, PinServiceError, PinServiceStats,
     MAX_SOCKET_PATH_BYTES, UNIX_ENDPOINT_PREFIX,
@@ -102,7 +103,7 @@ pub use pin_service::{
 pub use qualify::{qualify_section, GlueQualifySection};
 pub use remote_donor::{RemoteDonor, RemotePin, DEFAULT_PIN_TIMEOUT};
 pub use settings::{
-    settings_markdown, spec, split_setting_args, EnvSnapshot, LoadedSettings, ReuseSettings,
-    SettingKind, SettingOrigin, SettingSpec, SettingValue, SettingsLoader, ENV_PREFIX,
-    REMOVED_SETTINGS, SETTINGS,
+    settings_markdown, spec, EnvSnapshot, LoadedSettings, ReuseArgs, ReuseSettings, SettingKind,
+    SettingOrigin, SettingSpec, SettingValue, SettingsLoader, ENV_PREFIX, REMOVED_SETTINGS,
+    SETTINGS,
 };

@@ -142,15 +142,16 @@ fn defaults_are_off_and_valid() {
 }
 
 #[test]
-fn cli_forms_prefixes_and_errors() {
+fn cli_forms_exact_keys_and_errors() {
     let s = SettingsLoader::new()
         .args([
             "--enable_decode_to_prefill_reuse",
-            "--minimum-transfer",
+            "--minimum-transfer-prefix-blocks",
             "12",
-            "--transfer-source-lookup=0.5",
+            "--transfer-source-lookup-budget-ms=0.5",
             "--transfer-source-prefill-token-us",
             "41.5",
+            "--transfer-source-prefill-token-us=42.5", // a later flag wins
         ])
         .unwrap()
         .build()
@@ -159,7 +160,7 @@ fn cli_forms_prefixes_and_errors() {
     assert!(s.enable_decode_to_prefill_reuse);
     assert_eq!(s.minimum_transfer_prefix_blocks, 12);
     assert_eq!(s.transfer_source_lookup_budget_ms, 0.5);
-    assert_eq!(s.transfer_source_prefill_token_us, 41.5);
+    assert_eq!(s.transfer_source_prefill_token_us, 42.5);
 
     // A bare boolean followed by an explicit literal takes the literal.
     let s = SettingsLoader::new()
@@ -170,17 +171,23 @@ fn cli_forms_prefixes_and_errors() {
         .settings;
     assert!(!s.enable_decode_to_prefill_reuse);
 
-    let e = SettingsLoader::new()
-        .args(["--transfer-source=3"])
-        .unwrap_err();
-    assert!(
-        matches!(&e, SettingsError::AmbiguousFlag { candidates, .. } if candidates.contains("transfer_source_estimated_block_us") && candidates.contains("transfer_source_prefill_token_us")),
-        "{e}"
-    );
-    let e = SettingsLoader::new()
-        .args(["--enable-decode-to-prefill"])
-        .unwrap_err();
-    assert!(matches!(e, SettingsError::AmbiguousFlag { .. }), "{e}");
+    // Prefixes are never expanded, unique or not: one rule for every parser.
+    for prefix in [
+        "--minimum-transfer=12",
+        "--transfer-source=3",
+        "--enable-decode-to-prefill",
+    ] {
+        let e = SettingsLoader::new().args([prefix]).unwrap_err();
+        let name = prefix[2..].split('=').next().unwrap();
+        assert_eq!(
+            e,
+            SettingsError::UnknownKey {
+                key: name.to_string(),
+                origin: "cli".into()
+            },
+            "{prefix}"
+        );
+    }
     let e = SettingsLoader::new()
         .args(["--no-such-setting=1"])
         .unwrap_err();
@@ -511,42 +518,101 @@ proptest! {
     }
 }
 
+/// A host flattens [`ReuseArgs`] into its own clap parser: its flags,
+/// positionals and a host flag that is a prefix of a setting key stay the
+/// host's; the settings flags reach the loader with their origins.
 #[test]
-fn split_setting_args_keeps_host_flags_prefixes_and_positionals_for_the_host() {
-    let argv = [
+fn a_host_parser_flattens_reuse_args_and_keeps_its_own_flags() {
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct Host {
+        #[arg(long)]
+        port: u16,
+        /// A host flag that is a prefix of two setting keys.
+        #[arg(long)]
+        enable: bool,
+        model: String,
+        #[command(flatten)]
+        reuse: ReuseArgs,
+    }
+
+    let host = Host::try_parse_from([
         "serve",
         "--port=8000",
-        "--enable",                               // a prefix: the host's, not ours
-        "--enable_decode_to_prefill_reuse",       // bare boolean ...
-        "true",                                   // ... with a boolean value: taken
-        "--transfer-source-lookup-budget-ms=2.5", // inline value
-        "--decode_to_prefill_reuse_mode=on",      // removed: ours, so it is explained
-        "--enable-decode-to-prefill-gpu-reuse",   // bare boolean at the end
-    ];
-    let (ours, host) = split_setting_args(argv);
-    assert_eq!(host, ["serve", "--port=8000", "--enable"]);
+        "--enable",
+        "--enable_decode_to_prefill_reuse=true",
+        "--transfer-source-lookup-budget-ms",
+        "2.5",
+        "model.gguf",
+        "--enable-decode-to-prefill-gpu-reuse",
+    ])
+    .unwrap();
     assert_eq!(
-        ours,
-        [
-            "--enable_decode_to_prefill_reuse",
-            "true",
-            "--transfer-source-lookup-budget-ms=2.5",
-            "--decode_to_prefill_reuse_mode=on",
-            "--enable-decode-to-prefill-gpu-reuse",
-        ]
+        (host.port, host.enable, host.model.as_str()),
+        (8000, true, "model.gguf")
     );
-    let e = SettingsLoader::new().args(&ours).unwrap_err();
-    assert!(
-        e.to_string().contains("decode_to_prefill_reuse_mode"),
-        "{e}"
-    );
-    let kept: Vec<&String> = ours.iter().filter(|a| !a.contains("reuse_mode")).collect();
-    let s = SettingsLoader::new()
-        .args(kept)
-        .unwrap()
+    let loaded = SettingsLoader::new()
+        .reuse_args(&host.reuse)
         .build()
-        .unwrap()
-        .settings;
+        .unwrap();
+    let s = &loaded.settings;
     assert!(s.enable_decode_to_prefill_reuse && s.enable_decode_to_prefill_gpu_reuse);
     assert_eq!(s.transfer_source_lookup_budget_ms, 2.5);
+    assert_eq!(
+        loaded.origins["transfer_source_lookup_budget_ms"],
+        SettingOrigin::Cli("--transfer-source-lookup-budget-ms".into())
+    );
+    assert_eq!(
+        loaded.origins["minimum_transfer_prefix_blocks"],
+        SettingOrigin::Default
+    );
+
+    // Refusals keep the key and the reason, through the host's parser too.
+    let e = Host::try_parse_from([
+        "serve",
+        "--port=1",
+        "m",
+        "--minimum-transfer-prefix-blocks=0",
+    ])
+    .unwrap_err();
+    let ours = std::error::Error::source(&e)
+        .and_then(|s| s.downcast_ref::<SettingsError>())
+        .cloned();
+    assert!(
+        matches!(
+            ours,
+            Some(SettingsError::OutOfRange {
+                key: "minimum_transfer_prefix_blocks",
+                ..
+            })
+        ),
+        "{e}"
+    );
+    let e = Host::try_parse_from([
+        "serve",
+        "--port=1",
+        "m",
+        "--decode-to-prefill-reuse-mode=on",
+    ])
+    .unwrap_err();
+    assert!(e.to_string().contains("reuse modes were removed"), "{e}");
+
+    // Every setting is in the host's --help under its own heading, with its env variable.
+    let help = <Host as clap::CommandFactory>::command()
+        .render_long_help()
+        .to_string();
+    assert!(help.contains("Decode-to-prefill KV reuse"), "{help}");
+    for spec in SETTINGS {
+        let flag = format!("--{}", spec.key.replace('_', "-"));
+        let env = format!("{ENV_PREFIX}{}", spec.key.to_ascii_uppercase());
+        assert!(
+            help.contains(&flag) && help.contains(&env),
+            "{flag} / {env} missing:\n{help}"
+        );
+    }
+    assert!(
+        !help.contains("decode-to-prefill-reuse-mode"),
+        "removed keys stay hidden"
+    );
 }
