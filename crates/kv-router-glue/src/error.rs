@@ -11,14 +11,6 @@ pub enum SettingsError {
         /// Layer (`cli`, `json`, file name, env variable).
         origin: String,
     },
-    /// A CLI prefix that matches several settings.
-    #[error("ambiguous flag `{flag}`: matches {candidates}")]
-    AmbiguousFlag {
-        /// The flag as written.
-        flag: String,
-        /// Matching keys, comma-separated.
-        candidates: String,
-    },
     /// A key (or mode) that was removed.
     #[error("setting `{key}` was removed: {reason}")]
     Removed {
@@ -120,6 +112,19 @@ pub enum CalibrationError {
         field: &'static str,
         /// Value seen.
         value: f64,
+    },
+    /// Inputs of mismatched shape (a row without one value per column, or
+    /// responses not one per row).
+    #[error("`{field}`{}: {got} values, expected {want}", index.map(|i| format!("[{i}]")).unwrap_or_default())]
+    Shape {
+        /// `rows` or `y`.
+        field: &'static str,
+        /// Row index, for `rows`.
+        index: Option<usize>,
+        /// Length seen.
+        got: usize,
+        /// Length expected.
+        want: usize,
     },
     /// The design matrix is singular (e.g. every sample has the same block count).
     #[error("`samples`: design is singular in `{column}` (vary it across samples)")]

@@ -17,7 +17,10 @@
 //! [`MetricsServer`] serves the registry on `GET /metrics` over HTTP/1.1 (one
 //! response per connection, `Connection: close`), for the worker and the
 //! router processes alike. Anything else gets 404 (other paths) or 405
-//! (other methods); requests larger than 8 KiB or slower than 5 s are dropped.
+//! (other methods); requests larger than 8 KiB or slower than 5 s are dropped,
+//! and at most [`MAX_CONNECTIONS`] are served at once (a connection beyond
+//! that is closed at accept, so slow or idle clients cannot pile up tasks).
+//! A host with its own HTTP server mounts [`ReuseMetrics::encode`] instead.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -44,6 +47,8 @@ pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.
 
 /// Largest request head the endpoint reads, bytes.
 const MAX_REQUEST_BYTES: usize = 8 << 10;
+/// Connections [`MetricsServer`] serves at once; one more is closed at accept.
+pub const MAX_CONNECTIONS: usize = 32;
 /// Time a client gets to send its request head.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -278,13 +283,23 @@ impl MetricsServer {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let (stop_tx, mut stop_rx) = oneshot::channel();
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         let task = tokio::spawn(async move {
             loop {
                 tokio::select! {
                     _ = &mut stop_rx => return,
                     accepted = listener.accept() => match accepted {
-                        Ok((stream, _)) => {
-                            tokio::spawn(serve_one(stream, metrics.clone()));
+                        Ok((stream, peer)) => {
+                            // Over the cap: dropping the stream closes it at once.
+                            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                                tracing::debug!(%peer, "metrics endpoint at its connection cap");
+                                continue;
+                            };
+                            let metrics = metrics.clone();
+                            tokio::spawn(async move {
+                                serve_one(stream, metrics).await;
+                                drop(slot);
+                            });
                         }
                         Err(e) => tracing::warn!(error = %e, "metrics endpoint accept failed"),
                     },
@@ -386,6 +401,42 @@ mod tests {
             .unwrap_or_else(|| panic!("no sample {series} in\n{text}"))
             .parse()
             .unwrap()
+    }
+
+    /// Idle clients that never send a request hold at most MAX_CONNECTIONS
+    /// slots: one more is closed at once (read sees EOF), and a scrape works
+    /// again as soon as the idle ones go away.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_clients_beyond_the_cap_are_closed_and_slots_come_back() {
+        let server = MetricsServer::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::new(ReuseMetrics::new()),
+        )
+        .await
+        .unwrap();
+        let addr = server.local_addr();
+        let mut idle = Vec::new();
+        for _ in 0..MAX_CONNECTIONS {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        // Give the accept loop time to take every idle connection.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut extra = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _ = extra.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").await;
+        let mut out = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(2), extra.read_to_end(&mut out))
+            .await
+            .expect("a connection over the cap is closed, not left waiting");
+        assert!(
+            read.is_err() || out.is_empty(),
+            "served over the cap: {:?}",
+            String::from_utf8_lossy(&out)
+        );
+        drop(idle);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let text = http(addr, "GET /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
+        server.shutdown().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

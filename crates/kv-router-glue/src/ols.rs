@@ -4,7 +4,11 @@
 //! covariance `σ² (XᵀX)⁻¹` (textbook OLS, e.g. Greene, *Econometric
 //! Analysis*, ch. 4). Sizes here are tiny (k ≤ 3), so the normal equations are
 //! solved by Gauss–Jordan elimination with partial pivoting, which also gives
-//! the inverse needed for the covariance.
+//! the inverse needed for the covariance. Student's t quantiles come from
+//! statrs.
+//!
+//! Private to the crate (calibration is its only user) and total: every
+//! shape mismatch is a typed error, never an index panic.
 
 use crate::CalibrationError;
 
@@ -26,14 +30,16 @@ pub struct OlsFit {
 }
 
 impl OlsFit {
-    /// Prediction `xᵀβ` and its standard error `sqrt(xᵀ Cov x)` at `x`.
+    /// Prediction `xᵀβ` and its standard error `sqrt(xᵀ Cov x)` at `x`
+    /// (one value per coefficient; missing trailing values count as 0, extra
+    /// ones are ignored, so the result is always defined).
     pub fn predict(&self, x: &[f64]) -> (f64, f64) {
-        let k = self.coef.len();
+        let k = self.coef.len().min(x.len());
         let mean: f64 = x.iter().zip(&self.coef).map(|(a, b)| a * b).sum();
         let mut var = 0.0;
         for i in 0..k {
             for j in 0..k {
-                var += x[i] * self.cov[i * k + j] * x[j];
+                var += x[i] * self.cov[i * self.coef.len() + j] * x[j];
             }
         }
         (mean, var.max(0.0).sqrt())
@@ -43,16 +49,34 @@ impl OlsFit {
 /// Fits `y ≈ X β`; `rows[i]` is row i of X, `names[j]` names column j in errors.
 ///
 /// # Errors
-/// [`CalibrationError::TooFewSamples`] when `n < k + 2` (an uncertainty estimate
-/// needs at least 2 residual degrees of freedom); [`CalibrationError::Singular`]
-/// naming the column that is constant or collinear with the earlier ones.
-pub fn fit(
+/// [`CalibrationError::Shape`] when `y` and `rows` differ in length or a row
+/// does not have one value per name; [`CalibrationError::TooFewSamples`] when
+/// `n < k + 2` (an uncertainty estimate needs at least 2 residual degrees of
+/// freedom); [`CalibrationError::Singular`] naming the column that is constant
+/// or collinear with the earlier ones.
+pub(crate) fn fit(
     rows: &[Vec<f64>],
     y: &[f64],
     names: &[&'static str],
 ) -> Result<OlsFit, CalibrationError> {
     let k = names.len();
     let n = rows.len();
+    if y.len() != n {
+        return Err(CalibrationError::Shape {
+            field: "y",
+            index: None,
+            got: y.len(),
+            want: n,
+        });
+    }
+    if let Some((i, row)) = rows.iter().enumerate().find(|(_, r)| r.len() != k) {
+        return Err(CalibrationError::Shape {
+            field: "rows",
+            index: Some(i),
+            got: row.len(),
+            want: k,
+        });
+    }
     if n < k + 2 {
         return Err(CalibrationError::TooFewSamples {
             got: n,
@@ -140,23 +164,11 @@ pub fn fit(
     })
 }
 
-/// One-sided 95% quantile of Student's t with `dof` degrees of freedom.
-///
-/// Exact table values for 1..=30 (standard tables, 3 decimals), then the
-/// Cornish–Fisher expansion `z + (z³ + z) / (4ν)` around z = 1.6449, which is
-/// within 0.001 of the exact value for ν > 30.
-pub fn t_one_sided_95(dof: usize) -> f64 {
-    const TABLE: [f64; 30] = [
-        6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771,
-        1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706,
-        1.703, 1.701, 1.699, 1.697,
-    ];
-    match dof {
-        0 => f64::INFINITY,
-        1..=30 => TABLE[dof - 1],
-        _ => {
-            let z = 1.644_853_6;
-            z + (z * z * z + z) / (4.0 * dof as f64)
-        }
-    }
+/// One-sided 95% quantile of Student's t with `dof` degrees of freedom
+/// (statrs' inverse CDF at 0.95); infinite for 0 degrees of freedom, where
+/// no uncertainty estimate exists.
+pub(crate) fn t_one_sided_95(dof: usize) -> f64 {
+    statrs::distribution::StudentsT::new(0.0, 1.0, dof as f64).map_or(f64::INFINITY, |t| {
+        statrs::distribution::ContinuousCDF::inverse_cdf(&t, 0.95)
+    })
 }
