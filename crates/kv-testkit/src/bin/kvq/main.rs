@@ -110,16 +110,6 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
-    /// Reclaim retained banks left by dead owners: segments in /dev/shm
-    /// whose name starts with PREFIX and whose lease lapsed, and leaseless
-    /// segments of dead creators (`kv_bank::reclaim_stale`). Live banks are
-    /// never touched. Prints what it removed as JSON; exit 1 if an entry
-    /// could not be handled.
-    Reclaim {
-        /// Name prefix of the banks (`kvbank` for workers' banks).
-        #[arg(long, default_value = "kvbank")]
-        prefix: String,
-    },
     /// Second process of a multi-process check (started by sections).
     #[command(hide = true)]
     Child {
@@ -204,7 +194,6 @@ fn main() -> ExitCode {
             json.as_deref(),
         )),
         Cmd::Soak { minutes, seed } => soak(minutes, seed),
-        Cmd::Reclaim { prefix } => reclaim(&prefix),
         Cmd::Child { role, args } => exit(child::main(&role, &args)),
     }
 }
@@ -313,30 +302,6 @@ fn qualify(
 }
 
 /// `kvq soak`: the donor-process faults start this binary as the child.
-/// `kvq reclaim`: one [`kv_bank::reclaim_stale`] scan, reported as JSON.
-fn reclaim(prefix: &str) -> ExitCode {
-    match kv_bank::reclaim_stale(prefix, SystemTime::now()) {
-        Ok(r) => {
-            let report = serde_json::json!({
-                "prefix": prefix,
-                "removed": r.removed_names(),
-                "live_leases": r.live,
-                "errors": r.errors,
-            });
-            println!("{report:#}");
-            if r.errors.is_empty() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            }
-        }
-        Err(e) => {
-            eprintln!("kvq reclaim: {e}");
-            ExitCode::from(2)
-        }
-    }
-}
-
 fn soak(minutes: f64, seed: u64) -> ExitCode {
     // At most a week: `Duration::from_secs_f64` panics on infinity, and a
     // NaN or non-positive budget would silently run a single request.

@@ -1,9 +1,9 @@
-//! `kvq reclaim`: one stale-bank scan from the command line.
+//! `kv-bank-reclaim`: the operator's stale-bank scan from the command line.
 
 use std::process::Command;
 
-fn kvq(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_kvq"))
+fn reclaim(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kv-bank-reclaim"))
         .args(args)
         .output()
         .expect("kvq runs")
@@ -13,7 +13,7 @@ fn kvq(args: &[&str]) -> std::process::Output {
 fn reclaim_removes_only_aged_orphans_and_refuses_an_empty_prefix() {
     // Leaseless segments named like banks of a creator pid that cannot exist
     // (pid_max is at most 2^22): orphans once older than the 60 s grace.
-    let prefix = format!("kvqreclaimtest{}", std::process::id());
+    let prefix = format!("kvbankreclaimtest{}", std::process::id());
     let fresh = format!("{prefix}-4194304-0-00000001");
     let aged = format!("{prefix}-4194304-1-00000002");
     let shm = std::path::Path::new("/dev/shm");
@@ -26,7 +26,7 @@ fn reclaim_removes_only_aged_orphans_and_refuses_an_empty_prefix() {
         .unwrap()
         .set_modified(old)
         .unwrap();
-    let out = kvq(&["reclaim", "--prefix", &prefix]);
+    let out = reclaim(&["--prefix", &prefix]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let report: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
         panic!(
@@ -47,11 +47,35 @@ fn reclaim_removes_only_aged_orphans_and_refuses_an_empty_prefix() {
     );
     assert!(fresh_left, "a segment within its grace period stays");
 
-    let out = kvq(&["reclaim", "--prefix", ""]);
+    let out = reclaim(&["--prefix", ""]);
     assert_eq!(out.status.code(), Some(2));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("prefix"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// `--every` repeats the scan and a SIGTERM ends the loop with status 0.
+#[test]
+fn every_repeats_scans_until_sigterm() {
+    let prefix = format!("kvbankreclaimloop{}", std::process::id());
+    let child = Command::new(env!("CARGO_BIN_EXE_kv-bank-reclaim"))
+        .args(["--prefix", &prefix, "--every", "0.2"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(900));
+    // SAFETY: kill(2) on our own child's pid, which has not been reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{:?}", out.status);
+    let scans = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains(&prefix))
+        .count();
+    assert!(scans >= 2, "expected repeated scans, got {scans}");
+
+    let out = reclaim(&["--every", "0"]);
+    assert_eq!(out.status.code(), Some(2), "an interval of 0 is refused");
 }
