@@ -132,10 +132,11 @@ fn report_free_disk() {
     }
 }
 
-/// Runs prerequisites, the layering check, `cargo test --workspace
-/// --no-fail-fast [extra]`, and `cargo doc -p kv-descriptor --no-deps` with
-/// `-D warnings`; every step runs even after an earlier one failed, so one
-/// run shows every problem.
+/// Runs prerequisites, the layering check, `cargo fmt --all --check`,
+/// `cargo test --workspace --no-fail-fast [extra]`, `cargo clippy --workspace
+/// --all-targets -- -D warnings` and `cargo doc --workspace --no-deps` with
+/// `-D warnings` (every crate's docs, intra-doc links included); every step
+/// runs even after an earlier one failed, so one run shows every problem.
 ///
 /// # Errors
 /// [`XtaskError::TestsFailed`] when any test or step failed; prerequisite
@@ -147,6 +148,12 @@ pub fn run(extra: &[String]) -> Result<()> {
     match layering_check() {
         Ok(edges) => eprintln!("layering: {edges} internal dependency edges, all downward"),
         Err(e) => step_failures.push(format!("layering: {e}")),
+    }
+
+    let mut fmt = workspace::cargo();
+    fmt.args(["fmt", "--all", "--check"]);
+    if let Err(e) = command::run(&mut fmt) {
+        step_failures.push(format!("fmt (run `cargo fmt --all`): {e}"));
     }
 
     report_free_disk();
@@ -177,11 +184,28 @@ pub fn run(extra: &[String]) -> Result<()> {
         ));
     }
 
+    // After the tests, so they reuse the test build's dependency artifacts.
+    let incremental = crate::prerequisites::in_ci().then_some(("CARGO_INCREMENTAL", "0"));
+    let mut clippy = workspace::cargo();
+    clippy.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]);
     let mut doc = workspace::cargo();
-    doc.args(["doc", "-p", "kv-descriptor", "--no-deps"])
+    doc.args(["doc", "--workspace", "--no-deps"])
         .env("RUSTDOCFLAGS", "-D warnings");
-    if let Err(e) = command::run(&mut doc) {
-        step_failures.push(format!("doc: {e}"));
+    for (name, cmd) in [("clippy", &mut clippy), ("doc", &mut doc)] {
+        if let Some((k, v)) = incremental {
+            cmd.env(k, v);
+        }
+        prereq.apply(cmd);
+        if let Err(e) = command::run(cmd) {
+            step_failures.push(format!("{name}: {e}"));
+        }
     }
 
     for f in &step_failures {
