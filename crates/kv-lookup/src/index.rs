@@ -7,6 +7,7 @@ use kv_descriptor::{
 };
 use parking_lot::RwLock;
 
+use crate::chain::{first_broken_link, UnchainedStore};
 use crate::holder_table::{tier_index, HolderTable, ALL_TIERS, PREFETCH_DISTANCE, TIERS};
 use crate::worker::{WorkerInfo, WorkerKey, WorkerRecord};
 use crate::LookupError;
@@ -44,6 +45,16 @@ pub enum EventOutcome {
     },
     /// The publisher is an incarnation that was replaced or removed: ignored.
     FromRetiredIncarnation,
+    /// A Stored event, in order, whose blocks do not chain from what the
+    /// index knows of the publisher (see [`UnchainedStore`]): nothing of it
+    /// was stored, its id was consumed, and the worker is excluded as a donor
+    /// until [`InventoryIndex::resync_worker`] replaces its inventory. (After
+    /// a skipped id the event is reported as [`EventOutcome::Gap`] with
+    /// `changed: 0` instead: the lost events explain a missing parent.)
+    Unchained {
+        /// What did not chain.
+        cause: UnchainedStore,
+    },
 }
 
 /// Totals of [`InventoryIndex::apply_events`].
@@ -59,6 +70,10 @@ pub struct EventBatchReport {
     pub from_retired: u64,
     /// Gaps seen: `(publisher, expected id, received id)`; each one is a resync need.
     pub gaps: Vec<(EngineId, u64, u64)>,
+    /// Stored events not stored because they did not chain
+    /// ([`EventOutcome::Unchained`]): `(publisher, event id, cause)`; each
+    /// one is a resync need.
+    pub unchained: Vec<(EngineId, u64, UnchainedStore)>,
     /// Refused events: index in the batch and why. Nothing of them was applied.
     pub refused: Vec<(usize, LookupError)>,
 }
@@ -100,6 +115,9 @@ pub struct IndexStats {
     pub gaps: u64,
     /// Events of retired incarnations ignored since creation.
     pub from_retired: u64,
+    /// Stored events not stored because they did not chain, since creation
+    /// (also those reported as a gap).
+    pub unchained: u64,
 }
 
 /// Donor candidates for one (layout fingerprint, TP size): per group, the
@@ -126,6 +144,7 @@ pub(crate) struct State {
     duplicates: u64,
     gaps: u64,
     from_retired: u64,
+    unchained: u64,
 }
 
 /// Inventory index: for every sequence hash, which workers hold it in which
@@ -143,6 +162,7 @@ pub(crate) struct State {
 /// let decode = EngineId::fresh();
 /// let tokens: Vec<u32> = (0..64).collect();
 /// let hashes = sequence_hashes(&tokens, 16);
+/// let token_hashes = token_block_hashes(&tokens, 16);
 /// let stored = KvEvent {
 ///     publisher: decode,
 ///     event_id: 1,
@@ -152,7 +172,8 @@ pub(crate) struct State {
 ///     tier: StorageTier::RetainedGpuDirect,
 ///     data: KvEventData::Stored {
 ///         parent: None,
-///         blocks: hashes.iter().map(|&h| StoredBlock { sequence_hash: h, token_hash: TokenBlockHash(0) }).collect(),
+///         blocks: hashes.iter().zip(&token_hashes)
+///             .map(|(&sequence_hash, &token_hash)| StoredBlock { sequence_hash, token_hash }).collect(),
 ///     },
 /// };
 /// assert_eq!(index.apply_event(&stored).unwrap(), EventOutcome::Applied { changed: 4 });
@@ -194,6 +215,7 @@ impl InventoryIndex {
                 duplicates: 0,
                 gaps: 0,
                 from_retired: 0,
+                unchained: 0,
             }),
         }
     }
@@ -236,8 +258,14 @@ impl InventoryIndex {
     ///
     /// An event of an unknown publisher registers it (keyed by
     /// [`WorkerKey::of_engine`]). Stored blocks are indexed by their sequence
-    /// hash alone; `parent` is not needed because a chained hash already names
-    /// its whole prefix, and coverage from the root is checked by lookups.
+    /// hash alone (a chained hash names its whole prefix; coverage from the
+    /// root is checked by lookups), so a Stored event must chain: its
+    /// `parent`, when set, must be held by the publisher in the event's tier,
+    /// and every block's sequence hash must chain from its parent's and its
+    /// own token hash (a root block is not checked). One that does not is
+    /// stored not at all and marks the worker for a resync
+    /// ([`EventOutcome::Unchained`]); a Stored event without blocks is
+    /// applied as a no-op.
     ///
     /// # Errors
     /// [`LookupError::ZeroEventId`], [`LookupError::ZeroTpSize`],
@@ -270,6 +298,9 @@ impl InventoryIndex {
                 }
                 Ok(EventOutcome::Duplicate { .. }) => report.duplicates += 1,
                 Ok(EventOutcome::FromRetiredIncarnation) => report.from_retired += 1,
+                Ok(EventOutcome::Unchained { cause }) => {
+                    report.unchained.push((e.publisher, e.event_id, cause));
+                }
                 Err(err) => report.refused.push((i, err)),
             }
         }
@@ -364,6 +395,7 @@ impl InventoryIndex {
             duplicates: st.duplicates,
             gaps: st.gaps,
             from_retired: st.from_retired,
+            unchained: st.unchained,
         }
     }
 }
@@ -588,21 +620,32 @@ impl State {
         let gap = e.event_id != last + 1;
         rec.last_event_id = e.event_id;
         let tier = tier_index(e.tier);
-        let changed = match &e.data {
-            KvEventData::Stored { blocks, .. } => {
+        let unchained = match &e.data {
+            KvEventData::Stored { parent, blocks } => {
+                self.why_unchained(slot, tier, *parent, blocks)
+            }
+            _ => None,
+        };
+        let changed = match (&e.data, unchained) {
+            (_, Some(cause)) => {
+                self.unchained += 1;
+                tracing::warn!(%engine, event_id = e.event_id, ?cause, "kv event does not chain: not stored, worker needs resync");
+                0
+            }
+            (KvEventData::Stored { blocks, .. }, None) => {
                 self.store(slot, tier, blocks, |b| b.sequence_hash)
             }
-            KvEventData::Removed { sequence_hashes } => self.remove(slot, tier, sequence_hashes),
-            KvEventData::Cleared => self.clear_tier(slot, tier),
-        };
-        self.events_applied += 1;
-        if gap {
-            self.gaps += 1;
-            let rec = self.workers[slot as usize].as_mut().expect("live");
-            if !rec.needs_resync {
-                rec.needs_resync = true;
-                self.rebuild_donor_masks();
+            (KvEventData::Removed { sequence_hashes }, None) => {
+                self.remove(slot, tier, sequence_hashes)
             }
+            (KvEventData::Cleared, None) => self.clear_tier(slot, tier),
+        };
+        if gap || unchained.is_some() {
+            self.mark_needs_resync(slot);
+        }
+        if gap {
+            self.events_applied += 1;
+            self.gaps += 1;
             tracing::warn!(%engine, expected = last + 1, got = e.event_id, "kv event gap: worker needs resync");
             return Ok(EventOutcome::Gap {
                 expected: last + 1,
@@ -610,7 +653,41 @@ impl State {
                 changed,
             });
         }
+        if let Some(cause) = unchained {
+            return Ok(EventOutcome::Unchained { cause });
+        }
+        self.events_applied += 1;
         Ok(EventOutcome::Applied { changed })
+    }
+
+    /// Why a Stored event of `slot` in `tier` does not chain, if it does not
+    /// (see [`InventoryIndex::apply_event`]). Reads only.
+    fn why_unchained(
+        &self,
+        slot: u32,
+        tier: usize,
+        parent: Option<SequenceHash>,
+        blocks: &[kv_descriptor::StoredBlock],
+    ) -> Option<UnchainedStore> {
+        if blocks.is_empty() {
+            return None;
+        }
+        if let Some(p) = parent {
+            let (g, bit) = split(slot);
+            if self.groups[g].get(p)[tier] >> bit & 1 == 0 {
+                return Some(UnchainedStore::ParentNotHeld { parent: p });
+            }
+        }
+        first_broken_link(parent, blocks)
+    }
+
+    /// Excludes `slot` as a donor until a resync.
+    fn mark_needs_resync(&mut self, slot: u32) {
+        let rec = self.workers[slot as usize].as_mut().expect("live");
+        if !rec.needs_resync {
+            rec.needs_resync = true;
+            self.rebuild_donor_masks();
+        }
     }
 
     /// Recomputes the donor candidate bitsets; called on every membership or

@@ -14,6 +14,11 @@
 //!   donor until [`InventoryIndex::resync_worker`] replaces its inventory.
 //! - A worker's new incarnation (same [`WorkerKey`], new `EngineId`) drops
 //!   every entry of the old one at once; the old one's late events are ignored.
+//! - A Stored event must chain: its `parent` held by the publisher in that
+//!   tier, each block's sequence hash chained from its parent's. One that
+//!   does not is stored not at all ([`EventOutcome::Unchained`]), so it never
+//!   creates entries a request could match from the root, and the worker
+//!   needs a resync as after a gap.
 //! - A refused event or registration changes nothing.
 //! - A donor is a live decode worker with the target's layout fingerprint and
 //!   TP size that holds blocks `0..k` in [`kv_descriptor::StorageTier::RetainedGpuDirect`];
@@ -28,7 +33,8 @@
 //! # Deliberately absent
 //! Cost decisions (kv-router-glue), choosing the prefill target, pinning or
 //! fetching blocks (kv-bank, kv-transfer), any I/O. Stored events' `parent`
-//! is not used: chained sequence hashes already name their whole prefix.
+//! is only checked, never stored: chained sequence hashes already name their
+//! whole prefix.
 //!
 //! # Data layout
 //! Workers occupy slots; 64 slots form a group. Per group, block entries
@@ -43,6 +49,7 @@
 
 #![deny(missing_docs)]
 
+mod chain;
 mod error;
 mod holder_table;
 mod index;
@@ -51,6 +58,7 @@ mod prefetch;
 pub mod reference;
 mod worker;
 
+pub use chain::UnchainedStore;
 pub use error::LookupError;
 pub use index::{
     EventBatchReport, EventOutcome, IndexStats, InventoryIndex, Registration, MAX_WORKERS,

@@ -373,12 +373,14 @@ impl InventoryIndex {
     /// for (k, engine, role) in [(1, decode, Role::Decode), (2, prefill, Role::Prefill)] {
     ///     index.register_worker(WorkerKey(k), WorkerInfo { engine, role, layout_fingerprint: fp, tp_size: 1 }).unwrap();
     /// }
-    /// let hashes = sequence_hashes(&(0..128).collect::<Vec<u32>>(), 16); // 8 blocks
+    /// let tokens: Vec<u32> = (0..128).collect();
+    /// let hashes = sequence_hashes(&tokens, 16); // 8 blocks
+    /// let token_hashes = token_block_hashes(&tokens, 16);
     /// let stored = |engine, tier, n: usize| KvEvent {
     ///     publisher: engine, event_id: 1, role: if engine == decode { Role::Decode } else { Role::Prefill },
     ///     layout_fingerprint: fp, tp_size: 1, tier,
-    ///     data: KvEventData::Stored { parent: None, blocks: hashes[..n].iter()
-    ///         .map(|&h| StoredBlock { sequence_hash: h, token_hash: TokenBlockHash(0) }).collect() },
+    ///     data: KvEventData::Stored { parent: None, blocks: hashes[..n].iter().zip(&token_hashes)
+    ///         .map(|(&sequence_hash, &token_hash)| StoredBlock { sequence_hash, token_hash }).collect() },
     /// };
     /// index.apply_event(&stored(decode, StorageTier::RetainedGpuDirect, 6)).unwrap();
     /// index.apply_event(&stored(prefill, StorageTier::Device, 2)).unwrap();

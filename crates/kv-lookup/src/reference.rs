@@ -9,12 +9,12 @@
 use std::collections::{HashMap, HashSet};
 
 use kv_descriptor::{
-    EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, SequenceHash, StorageTier,
-    StoredBlock, TokenBlockHash,
+    chain_sequence_hash, EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, SequenceHash,
+    StorageTier, StoredBlock, TokenBlockHash,
 };
 
 use crate::holder_table::{tier_index, ALL_TIERS, TIERS};
-use crate::{EventOutcome, InventoryIndex, LookupBudget, WorkerInfo, WorkerKey};
+use crate::{EventOutcome, InventoryIndex, LookupBudget, UnchainedStore, WorkerInfo, WorkerKey};
 
 #[derive(Debug, Clone)]
 struct NaiveWorker {
@@ -115,23 +115,33 @@ impl NaiveIndex {
         let expected = w.last_event_id + 1;
         w.last_event_id = e.event_id;
         let set = &mut w.tiers[tier_index(e.tier)];
-        let changed = match &e.data {
-            KvEventData::Stored { blocks, .. } => blocks
+        let unchained = match &e.data {
+            KvEventData::Stored { parent, blocks } => naive_unchained(set, *parent, blocks),
+            _ => None,
+        };
+        let changed = match (&e.data, unchained) {
+            (_, Some(_)) => 0,
+            (KvEventData::Stored { blocks, .. }, None) => blocks
                 .iter()
                 .filter(|b| set.insert(b.sequence_hash))
                 .count(),
-            KvEventData::Removed { sequence_hashes } => {
+            (KvEventData::Removed { sequence_hashes }, None) => {
                 sequence_hashes.iter().filter(|h| set.remove(h)).count()
             }
-            KvEventData::Cleared => std::mem::take(set).len(),
+            (KvEventData::Cleared, None) => std::mem::take(set).len(),
         } as u64;
-        if e.event_id != expected {
+        if e.event_id != expected || unchained.is_some() {
             w.needs_resync = true;
+        }
+        if e.event_id != expected {
             return Some(EventOutcome::Gap {
                 expected,
                 got: e.event_id,
                 changed,
             });
+        }
+        if let Some(cause) = unchained {
+            return Some(EventOutcome::Unchained { cause });
         }
         Some(EventOutcome::Applied { changed })
     }
@@ -199,6 +209,37 @@ impl NaiveIndex {
     }
 }
 
+/// The chaining rule of [`crate::InventoryIndex::apply_event`], written
+/// plainly: a non-empty store's `parent` must be in `held`, and every block
+/// after a known parent must be `chain_sequence_hash(parent, token_hash)`.
+fn naive_unchained(
+    held: &HashSet<SequenceHash>,
+    parent: Option<SequenceHash>,
+    blocks: &[StoredBlock],
+) -> Option<UnchainedStore> {
+    if blocks.is_empty() {
+        return None;
+    }
+    if let Some(p) = parent {
+        if !held.contains(&p) {
+            return Some(UnchainedStore::ParentNotHeld { parent: p });
+        }
+    }
+    let parents = std::iter::once(parent).chain(blocks.iter().map(|b| Some(b.sequence_hash)));
+    for (index, (b, p)) in blocks.iter().zip(parents).enumerate() {
+        let Some(p) = p else { continue };
+        let expected = chain_sequence_hash(Some(p), b.token_hash);
+        if b.sequence_hash != expected {
+            return Some(UnchainedStore::BrokenLink {
+                index,
+                sequence_hash: b.sequence_hash,
+                expected,
+            });
+        }
+    }
+    None
+}
+
 /// Summary of a passing [`cross_check`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CrossCheckReport {
@@ -228,7 +269,8 @@ impl SplitMix {
 }
 
 /// Drives [`crate::InventoryIndex`] and [`NaiveIndex`] with the same random
-/// workload (`steps` operations from `seed`: stores, removals, clears,
+/// workload (`steps` operations from `seed`: stores from the root and from a
+/// parent that may not be held, stores with a broken chain, removals, clears,
 /// duplicates, gaps, restarts, resyncs, lookups over 12 workers and 8
 /// conversations sharing prefixes) and compares every outcome.
 ///
@@ -244,19 +286,28 @@ pub fn cross_check(seed: u64, steps: u64) -> Result<CrossCheckReport, String> {
     let fast = InventoryIndex::new();
     let mut naive = NaiveIndex::default();
     let fps = [LayoutFingerprint(1), LayoutFingerprint(2)];
-    // Conversations: chains of 24 blocks; conversation c shares its first c/2 blocks with c-1.
-    let mut convs: Vec<Vec<SequenceHash>> = Vec::new();
+    // Conversations: true chains of 24 blocks (token hashes chained by the
+    // Dynamo rule); conversation c shares its first c/2 blocks with c-1.
+    let mut chains: Vec<Vec<StoredBlock>> = Vec::new();
     for c in 0..8u64 {
-        let mut chain = Vec::new();
+        let mut chain: Vec<StoredBlock> = Vec::new();
         for i in 0..24u64 {
-            let h = match convs.last() {
-                Some(prev) if i < c / 2 => prev[i as usize],
-                _ => SequenceHash(rng.next()),
+            let token_hash = match chains.last() {
+                Some(prev) if i < c / 2 => prev[i as usize].token_hash,
+                _ => TokenBlockHash(rng.next()),
             };
-            chain.push(h);
+            let parent = chain.last().map(|b| b.sequence_hash);
+            chain.push(StoredBlock {
+                sequence_hash: chain_sequence_hash(parent, token_hash),
+                token_hash,
+            });
         }
-        convs.push(chain);
+        chains.push(chain);
     }
+    let convs: Vec<Vec<SequenceHash>> = chains
+        .iter()
+        .map(|c| c.iter().map(|b| b.sequence_hash).collect())
+        .collect();
     struct Live {
         info: WorkerInfo,
         next_id: u64,
@@ -373,23 +424,34 @@ pub fn cross_check(seed: u64, steps: u64) -> Result<CrossCheckReport, String> {
         } else {
             StorageTier::Device
         };
-        let c = &convs[rng.below(convs.len() as u64) as usize];
+        let ci = rng.below(convs.len() as u64) as usize;
+        let (c, blocks) = (&convs[ci], &chains[ci]);
         let lo = rng.below(c.len() as u64) as usize;
         let hi = lo + rng.below((c.len() - lo) as u64 + 1) as usize;
-        let data = match rng.below(10) {
+        let data = match rng.below(14) {
             0 => KvEventData::Cleared,
             1..=3 => KvEventData::Removed {
                 sequence_hashes: c[lo..hi].to_vec(),
             },
+            // A continuation: its parent may or may not be held.
+            4..=6 => KvEventData::Stored {
+                parent: lo.checked_sub(1).map(|p| c[p]),
+                blocks: blocks[lo..hi].to_vec(),
+            },
+            // A chain broken at one block.
+            7 => {
+                let mut bad = blocks[..hi].to_vec();
+                if let Some(b) = bad.get_mut(lo) {
+                    b.token_hash = TokenBlockHash(b.token_hash.0 ^ 1);
+                }
+                KvEventData::Stored {
+                    parent: None,
+                    blocks: bad,
+                }
+            }
             _ => KvEventData::Stored {
                 parent: None,
-                blocks: c[..hi]
-                    .iter()
-                    .map(|&h| StoredBlock {
-                        sequence_hash: h,
-                        token_hash: TokenBlockHash(h.0 >> 1),
-                    })
-                    .collect(),
+                blocks: blocks[..hi].to_vec(),
             },
         };
         let e = KvEvent {

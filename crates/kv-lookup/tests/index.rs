@@ -1,25 +1,38 @@
 //! Event application, donor rules, budgets and concurrency of `InventoryIndex`.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use kv_descriptor::{
-    sequence_hashes, EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, SequenceHash,
-    StorageTier, StoredBlock, TokenBlockHash,
+    sequence_hashes, token_block_hashes, EngineId, KvEvent, KvEventData, LayoutFingerprint, Role,
+    SequenceHash, StorageTier, StoredBlock, TokenBlockHash,
 };
 use kv_lookup::{
     EventOutcome, InventoryIndex, LookupBudget, LookupError, NoDonorReason, Registration,
-    WorkerInfo, WorkerKey,
+    UnchainedStore, WorkerInfo, WorkerKey,
 };
 
 const FP: LayoutFingerprint = LayoutFingerprint(0xABCD);
 const RET: StorageTier = StorageTier::RetainedGpuDirect;
 const DEV: StorageTier = StorageTier::Device;
 
+/// Token hash of every sequence hash [`chain`] made, so that [`stored`]
+/// sends true chains.
+fn token_hashes() -> &'static Mutex<HashMap<SequenceHash, TokenBlockHash>> {
+    static MAP: OnceLock<Mutex<HashMap<SequenceHash, TokenBlockHash>>> = OnceLock::new();
+    MAP.get_or_init(Default::default)
+}
+
 fn chain(seed: u32, blocks: usize) -> Vec<SequenceHash> {
     let tokens: Vec<u32> = (0..blocks as u32 * 16)
         .map(|t| t.wrapping_mul(2654435761).wrapping_add(seed))
         .collect();
-    sequence_hashes(&tokens, 16)
+    let hashes = sequence_hashes(&tokens, 16);
+    let mut map = token_hashes().lock().unwrap();
+    for (h, t) in hashes.iter().zip(token_block_hashes(&tokens, 16)) {
+        map.insert(*h, t);
+    }
+    hashes
 }
 
 fn info(role: Role) -> WorkerInfo {
@@ -43,14 +56,20 @@ fn event(w: &WorkerInfo, id: u64, tier: StorageTier, data: KvEventData) -> KvEve
     }
 }
 
+/// Stored event of `hashes` (made by [`chain`]), `parent: None`.
 fn stored(hashes: &[SequenceHash]) -> KvEventData {
+    stored_after(None, hashes)
+}
+
+fn stored_after(parent: Option<SequenceHash>, hashes: &[SequenceHash]) -> KvEventData {
+    let map = token_hashes().lock().unwrap();
     KvEventData::Stored {
-        parent: None,
+        parent,
         blocks: hashes
             .iter()
             .map(|&h| StoredBlock {
                 sequence_hash: h,
-                token_hash: TokenBlockHash(h.0 ^ 1),
+                token_hash: map.get(&h).copied().unwrap_or(TokenBlockHash(h.0 ^ 1)),
             })
             .collect(),
     }
@@ -175,6 +194,150 @@ fn duplicates_are_ignored_and_gaps_need_a_resync() {
             changed: 8
         }
     );
+}
+
+#[test]
+fn a_store_whose_parent_is_not_held_creates_nothing_and_needs_a_resync() {
+    // Issue 15 item 9: `Stored { parent: Some(P0), blocks: [P1, P2, P3] }`
+    // with P0 never stored was applied with `changed: 3`, no resync, and a
+    // request starting at P1 matched 3 blocks "from the root".
+    let index = InventoryIndex::new();
+    let t = registered(&index, 0, Role::Prefill);
+    let d = registered(&index, 1, Role::Decode);
+    let h = chain(40, 4);
+    assert_eq!(
+        index
+            .apply_event(&event(&d, 1, RET, stored_after(Some(h[0]), &h[1..])))
+            .unwrap(),
+        EventOutcome::Unchained {
+            cause: UnchainedStore::ParentNotHeld { parent: h[0] }
+        }
+    );
+    for b in &h[1..] {
+        assert!(index.holds(d.engine, *b).is_empty(), "{b:?} was indexed");
+    }
+    assert_eq!(index.stats().entries, 0);
+    assert_eq!(index.stats().unchained, 1);
+    assert_eq!(index.workers_needing_resync(), vec![d.engine]);
+    assert_eq!(
+        index.lookup(&h[1..], t.engine, BIG).donor,
+        Err(NoDonorReason::NoCompatibleDonor)
+    );
+    // Its id was consumed: the next one is in order, not a gap.
+    assert_eq!(
+        index
+            .apply_event(&event(&d, 2, RET, stored(&h[..1])))
+            .unwrap(),
+        EventOutcome::Applied { changed: 1 }
+    );
+    // A parent held in another tier does not count; one held in the tier does.
+    let dev = event(&d, 3, DEV, stored_after(Some(h[0]), &h[1..]));
+    assert!(matches!(
+        index.apply_event(&dev).unwrap(),
+        EventOutcome::Unchained { .. }
+    ));
+    assert_eq!(
+        index
+            .apply_event(&event(&d, 4, RET, stored_after(Some(h[0]), &h[1..])))
+            .unwrap(),
+        EventOutcome::Applied { changed: 3 }
+    );
+    // A resync makes the worker a donor again, covering from the root.
+    index
+        .resync_worker(d.engine, 4, &[(RET, h.clone())])
+        .unwrap();
+    assert_eq!(index.lookup(&h, t.engine, BIG).donor.unwrap().blocks, 4);
+    // A removed parent is not held either.
+    index
+        .apply_event(&event(&d, 5, RET, removed(&h[3..])))
+        .unwrap();
+    index
+        .apply_event(&event(&d, 6, RET, removed(&h[2..3])))
+        .unwrap();
+    let report = index.apply_events(&[event(&d, 7, RET, stored_after(Some(h[2]), &h[3..]))]);
+    assert_eq!(
+        report.unchained,
+        vec![(d.engine, 7, UnchainedStore::ParentNotHeld { parent: h[2] })]
+    );
+    assert_eq!((report.applied, report.changed), (0, 0));
+    assert!(index.holds(d.engine, h[3]).is_empty());
+}
+
+#[test]
+fn a_store_that_does_not_chain_from_its_stated_parent_creates_nothing() {
+    let index = InventoryIndex::new();
+    let t = registered(&index, 0, Role::Prefill);
+    let d = registered(&index, 1, Role::Decode);
+    let (a, b) = (chain(41, 3), chain(42, 3));
+    index
+        .apply_event(&event(&d, 1, RET, stored(&a[..1])))
+        .unwrap();
+    // b[1] chains from b[0], not from the stated parent a[0].
+    let e = event(&d, 2, RET, stored_after(Some(a[0]), &b[1..]));
+    let EventOutcome::Unchained {
+        cause:
+            UnchainedStore::BrokenLink {
+                index: 0,
+                sequence_hash,
+                expected,
+            },
+    } = index.apply_event(&e).unwrap()
+    else {
+        panic!("not refused as a broken link");
+    };
+    assert_eq!(sequence_hash, b[1]);
+    assert_ne!(expected, b[1]);
+    assert!(index.holds(d.engine, b[1]).is_empty());
+    assert!(index.holds(d.engine, b[2]).is_empty());
+    assert_eq!(index.workers_needing_resync(), vec![d.engine]);
+    // Inside one event too: a[2] does not chain from b[1].
+    index
+        .resync_worker(d.engine, 2, &[(RET, a[..1].to_vec())])
+        .unwrap();
+    let mut blocks = match stored(&a[..2]) {
+        KvEventData::Stored { blocks, .. } => blocks,
+        _ => unreachable!(),
+    };
+    blocks.push(match stored(&b[1..2]) {
+        KvEventData::Stored { blocks, .. } => blocks[0],
+        _ => unreachable!(),
+    });
+    let e = event(
+        &d,
+        3,
+        RET,
+        KvEventData::Stored {
+            parent: None,
+            blocks,
+        },
+    );
+    assert!(matches!(
+        index.apply_event(&e).unwrap(),
+        EventOutcome::Unchained {
+            cause: UnchainedStore::BrokenLink { index: 2, .. }
+        }
+    ));
+    assert!(
+        index.holds(d.engine, a[1]).is_empty(),
+        "nothing of it is stored"
+    );
+    assert_eq!(
+        index.lookup(&a, t.engine, BIG).donor,
+        Err(NoDonorReason::NoCompatibleDonor)
+    );
+    // After a gap an unchained store is reported as the gap, still not stored.
+    index.resync_worker(d.engine, 3, &[]).unwrap();
+    assert_eq!(
+        index
+            .apply_event(&event(&d, 9, RET, stored_after(Some(a[0]), &a[1..])))
+            .unwrap(),
+        EventOutcome::Gap {
+            expected: 4,
+            got: 9,
+            changed: 0
+        }
+    );
+    assert!(index.holds(d.engine, a[1]).is_empty());
 }
 
 #[test]
@@ -304,10 +467,11 @@ fn donor_must_be_compatible_decode_with_retained_root_coverage() {
     );
     // A hole in the middle cuts coverage there.
     let good = registered(&index, 7, Role::Decode);
-    let mut with_hole = h.clone();
-    with_hole.remove(6);
     index
-        .apply_event(&event(&good, 1, RET, stored(&with_hole)))
+        .apply_event(&event(&good, 1, RET, stored(&h)))
+        .unwrap();
+    index
+        .apply_event(&event(&good, 2, RET, removed(&h[6..7])))
         .unwrap();
     let d = index.lookup(&h, target.engine, BIG).donor.unwrap();
     assert_eq!(

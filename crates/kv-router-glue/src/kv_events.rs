@@ -7,6 +7,18 @@
 //! its ring. If the ids do not arrive within the gap timeout (the ring no
 //! longer has them), the receiver reports [`KvStreamItem::Lost`] so that the
 //! caller resyncs that publisher's whole inventory, then continues.
+//!
+//! One event must not be able to move a stream: an id more than
+//! [`DEFAULT_MAX_EVENT_ID_JUMP`] (settable) ahead of the next expected one is
+//! not held as the far end of a gap (after the gap timeout it would become
+//! the stream's position and every later real event would be a duplicate). It
+//! is kept aside unconfirmed; the stream moves there only when the next id
+//! out there arrives too (the publisher really is there: `Lost` for the
+//! skipped range, then both events), and an in-range event discards it. A
+//! publisher heard from not at all for [`DEFAULT_PUBLISHER_IDLE_FORGET`]
+//! (settable), with no gap open, is forgotten (restarted engines come back as
+//! new incarnations, so the old ones would accumulate);
+//! [`KvEventReceiver::forget_publisher`] forgets a retired one at once.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -26,6 +38,18 @@ pub struct ResyncRequest {
     /// First missing event id.
     pub from_event_id: u64,
 }
+
+/// Default of [`KvEventReceiver::with_max_jump`]: the most ids an event may
+/// skip and still be held as the far end of a gap. Far more than a publisher
+/// ring replays, so a real loss still ends in one `Lost`; a forged or corrupt
+/// id beyond it never moves the stream.
+pub const DEFAULT_MAX_EVENT_ID_JUMP: u64 = 4096;
+
+/// Default of [`KvEventReceiver::with_idle_forget`]: how long a publisher
+/// with no open gap may stay silent before the receiver forgets it. If it
+/// speaks again later, its stream restarts with a gap from id 1 and ends in
+/// `Lost` (a full resync), which is safe.
+pub const DEFAULT_PUBLISHER_IDLE_FORGET: Duration = Duration::from_secs(15 * 60);
 
 /// Subject of resync requests for an event subject: same namespace and
 /// component, topic `<topic>_resync`.
@@ -218,13 +242,33 @@ pub struct ReceiverStats {
     pub lost: u64,
     /// Payloads that did not decode as a KV event.
     pub undecodable: u64,
+    /// Events whose id jumped more than the bound ahead and that no next id
+    /// confirmed (discarded; see [`KvEventReceiver::with_max_jump`]).
+    pub implausible_jumps: u64,
+    /// Publishers forgotten (idle or [`KvEventReceiver::forget_publisher`]).
+    pub forgotten: u64,
 }
 
-#[derive(Default)]
 struct PublisherTrack {
     next_expected: u64,
     held: BTreeMap<u64, KvEvent>,
     gap_deadline: Option<Instant>,
+    /// Last event beyond the jump bound, not yet confirmed by its successor.
+    far: Option<KvEvent>,
+    /// When the publisher was last heard from.
+    last_seen: Instant,
+}
+
+impl PublisherTrack {
+    fn new(now: Instant) -> Self {
+        Self {
+            next_expected: 1,
+            held: BTreeMap::new(),
+            gap_deadline: None,
+            far: None,
+            last_seen: now,
+        }
+    }
 }
 
 /// Receives KV events in per-publisher id order, repairing gaps by resync.
@@ -233,6 +277,10 @@ pub struct KvEventReceiver {
     plane: Arc<dyn EventPlane>,
     resync: Subject,
     gap_timeout: Duration,
+    max_jump: u64,
+    idle_forget: Duration,
+    /// Next time idle publishers are looked for.
+    next_prune: Instant,
     tracks: HashMap<EngineId, PublisherTrack>,
     ready: VecDeque<KvStreamItem>,
     stats: ReceiverStats,
@@ -249,7 +297,9 @@ impl std::fmt::Debug for KvEventReceiver {
 
 impl KvEventReceiver {
     /// Subscribes to `events` (ready on return). A gap not repaired within
-    /// `gap_timeout` becomes [`KvStreamItem::Lost`].
+    /// `gap_timeout` becomes [`KvStreamItem::Lost`]. The jump bound is
+    /// [`DEFAULT_MAX_EVENT_ID_JUMP`], the idle time
+    /// [`DEFAULT_PUBLISHER_IDLE_FORGET`].
     ///
     /// # Errors
     /// The plane's subscribe error.
@@ -264,10 +314,42 @@ impl KvEventReceiver {
             resync: resync_subject(events)?,
             plane,
             gap_timeout,
+            max_jump: DEFAULT_MAX_EVENT_ID_JUMP,
+            idle_forget: DEFAULT_PUBLISHER_IDLE_FORGET,
+            next_prune: Instant::now() + DEFAULT_PUBLISHER_IDLE_FORGET,
             tracks: HashMap::new(),
             ready: VecDeque::new(),
             stats: ReceiverStats::default(),
         })
+    }
+
+    /// Sets the jump bound: an event whose id is more than `max_jump` (at
+    /// least 1) past the next expected id is set aside, and the stream moves
+    /// there only once the id right after it arrives as well.
+    pub fn with_max_jump(mut self, max_jump: u64) -> Self {
+        self.max_jump = max_jump.max(1);
+        self
+    }
+
+    /// Sets how long a publisher with no open gap may stay silent before it
+    /// is forgotten (its next event then starts a gap from id 1).
+    pub fn with_idle_forget(mut self, idle: Duration) -> Self {
+        self.idle_forget = idle;
+        self.next_prune = Instant::now() + idle;
+        self
+    }
+
+    /// Forgets `publisher` (a retired incarnation): its position, held events
+    /// and open gap. Returns false when it was not tracked.
+    pub fn forget_publisher(&mut self, publisher: EngineId) -> bool {
+        let known = self.tracks.remove(&publisher).is_some();
+        self.stats.forgotten += u64::from(known);
+        known
+    }
+
+    /// Publishers tracked now.
+    pub fn publishers_tracked(&self) -> usize {
+        self.tracks.len()
     }
 
     /// Counters so far.
@@ -312,18 +394,37 @@ impl KvEventReceiver {
     }
 
     async fn accept(&mut self, e: KvEvent) {
+        let now = Instant::now();
+        self.forget_idle(now);
         let publisher = e.publisher;
         let track = self
             .tracks
             .entry(publisher)
-            .or_insert_with(|| PublisherTrack {
-                next_expected: 1,
-                ..Default::default()
-            });
+            .or_insert_with(|| PublisherTrack::new(now));
+        track.last_seen = now;
         let id = e.event_id;
         if id < track.next_expected || track.held.contains_key(&id) {
             self.stats.duplicates += 1;
             return;
+        }
+        // `u64::MAX` is never a real id (ids count from 1) and has no successor.
+        if id - track.next_expected > self.max_jump || id == u64::MAX {
+            match track.far.take() {
+                Some(first) if first.event_id.checked_add(1) == Some(id) && id < u64::MAX => {
+                    Self::move_to(publisher, track, first, e, &mut self.ready, &mut self.stats);
+                }
+                replaced => {
+                    self.stats.implausible_jumps += u64::from(replaced.is_some());
+                    tracing::warn!(%publisher, event_id = id, expected = track.next_expected,
+                        "kv event id jumps beyond the bound: set aside until its successor arrives");
+                    track.far = Some(e);
+                }
+            }
+            return;
+        }
+        // An event near the stream's position contradicts a far one.
+        if track.far.take().is_some() {
+            self.stats.implausible_jumps += 1;
         }
         if id > track.next_expected {
             track.held.insert(id, e);
@@ -354,6 +455,46 @@ impl KvEventReceiver {
             }
             Err(e) => tracing::warn!(error = %e, "resync request not encoded"),
         }
+    }
+
+    /// The publisher's stream is confirmed far ahead (`first`, then `second`
+    /// = `first + 1`): everything between the old position and `first` is
+    /// lost (held events included), then both are delivered.
+    fn move_to(
+        publisher: EngineId,
+        track: &mut PublisherTrack,
+        first: KvEvent,
+        second: KvEvent,
+        ready: &mut VecDeque<KvStreamItem>,
+        stats: &mut ReceiverStats,
+    ) {
+        ready.push_back(KvStreamItem::Lost {
+            publisher,
+            from_event_id: track.next_expected,
+            to_event_id: first.event_id - 1,
+        });
+        stats.lost += 1;
+        track.held.clear();
+        track.gap_deadline = None;
+        track.next_expected = second.event_id + 1;
+        ready.push_back(KvStreamItem::Event(first));
+        ready.push_back(KvStreamItem::Event(second));
+        stats.delivered += 2;
+    }
+
+    /// Forgets publishers silent for the idle time with no open gap; scans at
+    /// most four times per idle time.
+    fn forget_idle(&mut self, now: Instant) {
+        if now < self.next_prune {
+            return;
+        }
+        self.next_prune = now + self.idle_forget / 4;
+        let idle = self.idle_forget;
+        let before = self.tracks.len();
+        self.tracks.retain(|_, t| {
+            t.gap_deadline.is_some() || now.saturating_duration_since(t.last_seen) < idle
+        });
+        self.stats.forgotten += (before - self.tracks.len()) as u64;
     }
 
     /// Moves held events that are now contiguous to `ready`.

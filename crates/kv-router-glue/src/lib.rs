@@ -93,7 +93,8 @@ pub use fetch_executor::{DonorPin, DonorSource, FetchExecutor, FetchOutcome};
 pub use hint_validation::{validate_hint, ValidatedFetch};
 pub use kv_events::{
     resync_subject, KvEventPublisher, KvEventReceiver, KvStreamItem, PublisherHeader,
-    ReceiverStats, ResyncOutcome, ResyncRequest,
+    ReceiverStats, ResyncOutcome, ResyncRequest, DEFAULT_MAX_EVENT_ID_JUMP,
+    DEFAULT_PUBLISHER_IDLE_FORGET,
 };
 pub use ols::OlsFit;
 pub use pin_service::{

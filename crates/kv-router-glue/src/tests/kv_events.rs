@@ -166,3 +166,111 @@ async fn an_unrecoverable_gap_is_reported_lost_then_the_stream_continues() {
     assert_eq!(p.handle_resync(&req).await.unwrap(), ResyncOutcome::NotMine);
     server.abort();
 }
+
+/// A receiver (jump bound `max_jump`) and a raw sender of events of one
+/// publisher on the same in-process plane, without a resync server.
+async fn raw_setup(
+    max_jump: u64,
+) -> (
+    KvEventReceiver,
+    impl Fn(u64) -> Vec<u8>,
+    Arc<dyn EventPlane>,
+    Subject,
+) {
+    let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
+    let subject = Subject::new("test", "decode", "kv_events").unwrap();
+    let rx = KvEventReceiver::subscribe(plane.clone(), &subject, Duration::from_millis(100))
+        .await
+        .unwrap()
+        .with_max_jump(max_jump);
+    let h = header();
+    let wire = move |id: u64| {
+        KvEvent {
+            publisher: h.publisher,
+            event_id: id,
+            role: h.role,
+            layout_fingerprint: h.layout_fingerprint,
+            tp_size: h.tp_size,
+            tier: StorageTier::RetainedGpuDirect,
+            data: stored(id),
+        }
+        .to_wire()
+        .unwrap()
+    };
+    (rx, wire, plane, subject)
+}
+
+async fn drain(rx: &mut KvEventReceiver) -> Vec<KvStreamItem> {
+    let mut got = Vec::new();
+    while let Some(i) = rx.next_timeout(Duration::from_millis(300)).await {
+        got.push(i);
+    }
+    got
+}
+
+#[tokio::test]
+async fn one_event_with_a_huge_id_does_not_stall_the_stream() {
+    // Issue 15 item 10: an event with id 2^63 was held as the far end of a
+    // gap; once the gap timed out it became the stream's position and every
+    // later real event counted as a duplicate.
+    let (mut rx, wire, plane, subject) = raw_setup(DEFAULT_MAX_EVENT_ID_JUMP).await;
+    for id in [1, 2, 1 << 63, 3, 4] {
+        plane.publish(&subject, wire(id)).await.unwrap();
+    }
+    let mut got = drain(&mut rx).await; // waits past the gap timeout
+    for id in [5, u64::MAX, 6] {
+        plane.publish(&subject, wire(id)).await.unwrap();
+    }
+    got.extend(drain(&mut rx).await);
+    assert_eq!(ids(&got), ["1", "2", "3", "4", "5", "6"]);
+    let st = rx.stats();
+    assert_eq!(
+        (
+            st.delivered,
+            st.duplicates,
+            st.gaps,
+            st.lost,
+            st.implausible_jumps
+        ),
+        (6, 0, 0, 0, 2)
+    );
+}
+
+#[tokio::test]
+async fn a_confirmed_far_jump_is_reported_lost_and_followed() {
+    let (mut rx, wire, plane, subject) = raw_setup(100).await;
+    // 3 is held as the far end of a gap; then the stream is found at 1000.
+    for id in [1, 3, 1000, 1001, 1002] {
+        plane.publish(&subject, wire(id)).await.unwrap();
+    }
+    let got = drain(&mut rx).await;
+    assert_eq!(ids(&got), ["1", "lost 2-999", "1000", "1001", "1002"]);
+    // Within the bound a jump is a gap as before.
+    for id in [1100, 1101] {
+        plane.publish(&subject, wire(id)).await.unwrap();
+    }
+    let got = drain(&mut rx).await;
+    assert_eq!(ids(&got), ["lost 1003-1099", "1100", "1101"]);
+    assert_eq!(rx.stats().lost, 2);
+}
+
+#[tokio::test]
+async fn gone_publishers_are_forgotten() {
+    let (rx, wire, plane, subject) = raw_setup(DEFAULT_MAX_EVENT_ID_JUMP).await;
+    let mut rx = rx.with_idle_forget(Duration::from_millis(100));
+    plane.publish(&subject, wire(1)).await.unwrap();
+    assert_eq!(ids(&drain(&mut rx).await), ["1"]);
+    assert_eq!(rx.publishers_tracked(), 1);
+    // Silent for longer than the idle time: the next event of anyone prunes it.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (_, other, _, _) = raw_setup(1).await;
+    plane.publish(&subject, other(1)).await.unwrap();
+    assert_eq!(ids(&drain(&mut rx).await), ["1"]);
+    assert_eq!(rx.publishers_tracked(), 1, "the silent publisher is gone");
+    assert_eq!(rx.stats().forgotten, 1);
+    // A retired incarnation can be forgotten at once.
+    let publisher = KvEvent::from_wire(&other(1)).unwrap().publisher;
+    assert!(rx.forget_publisher(publisher));
+    assert!(!rx.forget_publisher(publisher));
+    assert_eq!((rx.publishers_tracked(), rx.stats().forgotten), (0, 2));
+}
