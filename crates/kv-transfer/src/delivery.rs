@@ -202,7 +202,11 @@ impl DeliveryReport {
 /// `io` of the wrong length or a run outside a region ([`TransferError::InvalidInput`]),
 /// cancellation, deadline, donor loss, [`TransferError::HostStaged`],
 /// [`TransferError::ShortPart`], or [`TransferError::PartFailed`] for the
-/// first failing rank. Any error means the destination rows must not be used.
+/// first failing rank. When any part may still write its destination
+/// ([`TransferError::may_still_write`]), that part's error is returned
+/// (wrapped in [`TransferError::PartFailed`]) whatever the other parts
+/// reported, so the combined error never hides a read still in flight.
+/// Any error means the destination rows must not be used.
 pub fn deliver(
     plan: &TransferPlan,
     backend: &dyn CopyBackend,
@@ -279,6 +283,24 @@ pub fn deliver(
                 .collect()
         })
     };
+
+    // A part that may still write decides the delivery's error, whatever
+    // rank reported first: every other error is returned only once nothing
+    // is in flight, so returning one of those would let the caller hand rows
+    // back to its pool while this part's read can still land in them.
+    if let Some(idx) = outcomes
+        .iter()
+        .position(|o| matches!(o, Err(e) if e.may_still_write()))
+    {
+        let rank = plan.parts()[idx].tp_rank;
+        if let Some(Err(e)) = outcomes.into_iter().nth(idx) {
+            return Err(TransferError::PartFailed {
+                rank,
+                source: Box::new(e),
+            });
+        }
+        unreachable!("outcome {idx} was selected as an error");
+    }
 
     let mut parts = Vec::with_capacity(outcomes.len());
     let mut counters = DeliveryCounters {

@@ -348,3 +348,90 @@ proptest! {
         }
     }
 }
+
+/// Each rank's part replaced by its own fault (`None`: host copy).
+struct FaultPerRank {
+    faults: Vec<Option<fn(&PartPlan) -> Result<PartOutcome, TransferError>>>,
+}
+
+impl CopyBackend for FaultPerRank {
+    fn name(&self) -> &'static str {
+        "fault_per_rank"
+    }
+    fn copy_part(
+        &self,
+        part: &PartPlan,
+        io: &RankIo<'_>,
+        c: &DeliveryControl,
+    ) -> Result<PartOutcome, TransferError> {
+        match self.faults[part.tp_rank as usize] {
+            Some(f) => f(part),
+            None => HostCopyBackend.copy_part(part, io, c),
+        }
+    }
+}
+
+fn not_quiesced(p: &PartPlan) -> Result<PartOutcome, TransferError> {
+    Err(TransferError::NotQuiesced {
+        rank: p.tp_rank,
+        reason: "injected: read stalled on a cut link".into(),
+    })
+}
+
+#[test]
+fn a_part_that_may_still_write_decides_the_error_whatever_rank_0_reports() {
+    // Rank 0 fails first in rank order with an error that is returned only
+    // once nothing is in flight; rank 1's read may still land. The combined
+    // error must say so, or the caller hands rank 1's rows back to the pool.
+    let l = layout(2);
+    let g = Group::new(&l, 8);
+    let plan = TransferPlan::new(&l, &l, &[mv(1, Some(0), 0)], &[g.geom; 2], &[g.geom; 2]).unwrap();
+    let rank0: [(&str, fn(&PartPlan) -> Result<PartOutcome, TransferError>); 4] = [
+        ("cancelled", |_| Err(TransferError::Cancelled)),
+        ("deadline", |_| {
+            Err(TransferError::DeadlineExceeded { elapsed_us: 9 })
+        }),
+        ("short part", |p| {
+            Ok(PartOutcome {
+                bytes: p.expected_bytes - 1,
+                copies: 1,
+                host_payload_bytes: 0,
+                transport: "test".into(),
+            })
+        }),
+        ("donor unreachable", |p| {
+            Err(TransferError::DonorUnreachable {
+                rank: p.tp_rank,
+                reason: "injected".into(),
+            })
+        }),
+    ];
+    for (what, f) in rank0 {
+        let backend = FaultPerRank {
+            faults: vec![Some(f), Some(not_quiesced)],
+        };
+        let e = deliver(&plan, &backend, &g.io(), &DeliveryControl::new()).unwrap_err();
+        assert!(e.may_still_write(), "rank 0 {what}: got {e}");
+        match e {
+            TransferError::PartFailed { rank: 1, source } => assert!(
+                matches!(*source, TransferError::NotQuiesced { rank: 1, .. }),
+                "rank 0 {what}: {source}"
+            ),
+            other => panic!("rank 0 {what}: unexpected {other}"),
+        }
+    }
+    // A healthy rank 0 and a rank 1 that may still write: the same.
+    let backend = FaultPerRank {
+        faults: vec![None, Some(not_quiesced)],
+    };
+    let e = deliver(&plan, &backend, &g.io(), &DeliveryControl::new()).unwrap_err();
+    assert!(e.may_still_write(), "{e}");
+    // Control: the same rank 0 faults without rank 1's stalled read are
+    // reported as before and say nothing is in flight.
+    let backend = FaultPerRank {
+        faults: vec![Some(|_| Err(TransferError::Cancelled)), None],
+    };
+    let e = deliver(&plan, &backend, &g.io(), &DeliveryControl::new()).unwrap_err();
+    assert!(matches!(e, TransferError::Cancelled), "{e}");
+    assert!(!e.may_still_write());
+}
