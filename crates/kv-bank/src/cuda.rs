@@ -715,6 +715,18 @@ impl BankMemory for CudaIpcImport {
     fn export_handle(&self) -> Option<ExportHandle> {
         None
     }
+    /// The IPC or fabric handle this import was opened from (the owner's
+    /// allocation on the donor's GPU), so a target can bind the mapping to
+    /// its manifest part.
+    fn mapped_export(&self) -> Option<ExportHandle> {
+        let (fabric, bytes) = self.key;
+        let handle = bytes.to_vec();
+        Some(if fabric {
+            ExportHandle::CudaFabric { handle }
+        } else {
+            ExportHandle::CudaIpc { handle }
+        })
+    }
     /// Mapped in `ordinal`'s context only (IPC) or with access for `ordinal`
     /// only (fabric, `cuMemSetAccess`).
     fn device_local_mapping(&self) -> bool {

@@ -572,6 +572,9 @@ impl BankMemory for TripwireMemory {
     fn export_handle(&self) -> Option<ExportHandle> {
         self.inner.export_handle()
     }
+    fn mapped_export(&self) -> Option<ExportHandle> {
+        self.inner.mapped_export()
+    }
     fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
         self.inner.write_bytes(offset, src)
     }

@@ -66,6 +66,25 @@ pub trait BankMemory: Send + Sync + std::fmt::Debug {
     /// How another process on the same host maps this region, if it can.
     fn export_handle(&self) -> Option<ExportHandle>;
 
+    /// The export handle of the allocation this region maps, when known: a
+    /// region's own handle ([`BankMemory::export_handle`], the default) or,
+    /// for an import ([`crate::CudaIpcImport`], which is not re-exported),
+    /// the handle it was opened from. `None` for process-private memory.
+    ///
+    /// This is what binds a mapping to the manifest part it claims to be: a
+    /// target compares it with the part's `BankDescriptor::export()` before
+    /// reading, so a mapping of rank 1 handed in as rank 0 is refused.
+    ///
+    /// ```
+    /// use kv_bank::{BankMemory, HostShmMemory};
+    /// let owner = HostShmMemory::create_unique("kvbank-doc-id", 4096).unwrap();
+    /// let again = HostShmMemory::open(owner.name(), 4096).unwrap();
+    /// assert_eq!(again.mapped_export(), owner.export_handle());
+    /// ```
+    fn mapped_export(&self) -> Option<ExportHandle> {
+        self.export_handle()
+    }
+
     /// True when only work on this region's own device (the ordinal of
     /// [`MemoryKind::Cuda`]) may read it: a CUDA IPC or fabric import, mapped
     /// in that one device's context. Copy backends must then run on that

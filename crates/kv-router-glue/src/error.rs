@@ -260,3 +260,46 @@ pub enum FetchError {
         reason: String,
     },
 }
+
+/// Why a [`crate::RemoteDonor`] could not be built. Nothing was pinned or
+/// read: every check runs before the donor is contacted.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteDonorError {
+    /// The control endpoint is not `unix:<path>` with a usable path.
+    #[error("invalid `endpoint`: {reason}")]
+    Endpoint {
+        /// What is wrong, with the endpoint as given.
+        reason: String,
+    },
+    /// Not one mapping per TP rank of the manifest.
+    #[error("`maps`: {got} rank memories for a TP{tp_size} manifest")]
+    MapCount {
+        /// Mappings given.
+        got: usize,
+        /// The manifest's TP size.
+        tp_size: u32,
+    },
+    /// Mapping `maps[rank]` is not the memory of the manifest's rank `rank`
+    /// part: `field` is `export` (it maps another allocation, or has no
+    /// export identity), `kind` (host vs device) or `len` (shorter than the
+    /// part's region).
+    #[error("`maps[{rank}].{field}`: {detail}")]
+    MappingMismatch {
+        /// TP rank (index into `maps` and the manifest's parts).
+        rank: u32,
+        /// `export`, `kind` or `len`.
+        field: &'static str,
+        /// Values compared.
+        detail: String,
+    },
+    /// Rank `rank`'s donor memory could not be mapped in this process
+    /// (lease not live, segment or handle gone, no CUDA driver).
+    #[error("rank {rank}: cannot map the donor's memory: {source}")]
+    Import {
+        /// TP rank.
+        rank: u32,
+        /// The import's error.
+        #[source]
+        source: kv_bank::BankError,
+    },
+}

@@ -20,14 +20,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_bank::{BankMemory, HostShmMemory};
+use kv_bank::{BankMemory, CudaIpcImport, HostShmMemory, MemoryKind};
 use kv_descriptor::{
-    encode_pin_frame, BankManifest, FetchGpuHint, PinClientMessage, PinDonorMessage, PinGrant,
-    PinRelease, PinRequest,
+    encode_pin_frame, BankManifest, ExportHandle, FetchGpuHint, MemoryLocation, PinClientMessage,
+    PinDonorMessage, PinGrant, PinRelease, PinRequest,
 };
 
 use crate::pin_service::{connect, read_donor_message, unix_endpoint_path};
-use crate::{DonorPin, DonorSource};
+use crate::{DonorPin, DonorSource, RemoteDonorError};
 
 /// Default time to wait for the donor's reply to a pin or release (2 s).
 pub const DEFAULT_PIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -53,23 +53,38 @@ pub struct RemoteDonor {
 
 impl RemoteDonor {
     /// A donor whose rank `r` memory is `maps[r]`, already mapped in this
-    /// process (host shm, or a CUDA IPC import), pinned through `endpoint`.
+    /// process (host shm, or a CUDA IPC import opened on the destination
+    /// GPU), pinned through `endpoint`.
+    ///
+    /// Every mapping is bound to the manifest part it stands for before
+    /// anything is pinned or read: `maps[r].mapped_export()` must be rank
+    /// `r`'s `export()` (the shm name, or the IPC / fabric handle of the
+    /// allocation on the part's GPU), its memory kind the part's location
+    /// (host or device) and its length at least the part's region. The GPU
+    /// ordinal is not compared: an import is mapped on the device that
+    /// reads it, which may differ from the donor's, and the handle already
+    /// names the donor's allocation.
     ///
     /// # Errors
-    /// A message when `endpoint` is not `unix:<path>` or the map count is
-    /// not the manifest's TP size.
+    /// [`RemoteDonorError::Endpoint`] when `endpoint` is not `unix:<path>`;
+    /// [`RemoteDonorError::MapCount`] when the map count is not the
+    /// manifest's TP size; [`RemoteDonorError::MappingMismatch`] naming the
+    /// rank and `export`, `kind` or `len` for a mapping that is not its
+    /// part's memory (e.g. rank 1's mapping handed in as rank 0).
     pub fn new(
         manifest: BankManifest,
         maps: Vec<Arc<dyn BankMemory>>,
         endpoint: &str,
-    ) -> Result<Self, String> {
-        unix_endpoint_path(endpoint)?;
+    ) -> Result<Self, RemoteDonorError> {
+        unix_endpoint_path(endpoint).map_err(|reason| RemoteDonorError::Endpoint { reason })?;
         if maps.len() != manifest.tp_size() as usize {
-            return Err(format!(
-                "{} rank memories for a TP{} manifest",
-                maps.len(),
-                manifest.tp_size()
-            ));
+            return Err(RemoteDonorError::MapCount {
+                got: maps.len(),
+                tp_size: manifest.tp_size(),
+            });
+        }
+        for (rank, map) in maps.iter().enumerate() {
+            bind_mapping(&manifest, rank, map.as_ref())?;
         }
         Ok(Self {
             manifest,
@@ -85,16 +100,56 @@ impl RemoteDonor {
     /// lease of that exact incarnation and generation).
     ///
     /// # Errors
-    /// The import's error for the first rank that cannot be mapped; the
-    /// errors of [`RemoteDonor::new`].
-    pub fn open_host_shm(manifest: BankManifest, endpoint: &str) -> Result<Self, String> {
+    /// [`RemoteDonorError::Import`] for the first rank that cannot be
+    /// mapped; the errors of [`RemoteDonor::new`].
+    pub fn open_host_shm(manifest: BankManifest, endpoint: &str) -> Result<Self, RemoteDonorError> {
         let maps = manifest
             .parts()
             .iter()
             .map(|d| {
                 HostShmMemory::open_descriptor(d)
                     .map(|m| Arc::new(m) as Arc<dyn BankMemory>)
-                    .map_err(|e| format!("rank {}: {e}", d.tp_rank()))
+                    .map_err(|source| RemoteDonorError::Import {
+                        rank: d.tp_rank(),
+                        source,
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::new(manifest, maps, endpoint)
+    }
+
+    /// A donor with CUDA device banks: imports every rank's IPC or fabric
+    /// handle with [`CudaIpcImport::open_descriptor`] on `destination_gpu[r]`,
+    /// the local ordinal of the device that reads rank `r` (the target
+    /// region's GPU; see `BankMemory::device_local_mapping`), under the
+    /// donor's live lease.
+    ///
+    /// # Errors
+    /// [`RemoteDonorError::MapCount`] when `destination_gpu` does not hold
+    /// one ordinal per rank; [`RemoteDonorError::Import`] for the first rank
+    /// that cannot be imported; the errors of [`RemoteDonor::new`].
+    pub fn open_cuda_ipc(
+        manifest: BankManifest,
+        destination_gpu: &[u32],
+        endpoint: &str,
+    ) -> Result<Self, RemoteDonorError> {
+        if destination_gpu.len() != manifest.tp_size() as usize {
+            return Err(RemoteDonorError::MapCount {
+                got: destination_gpu.len(),
+                tp_size: manifest.tp_size(),
+            });
+        }
+        let maps = manifest
+            .parts()
+            .iter()
+            .zip(destination_gpu)
+            .map(|(d, &gpu)| {
+                CudaIpcImport::open_descriptor(d, gpu)
+                    .map(|m| Arc::new(m) as Arc<dyn BankMemory>)
+                    .map_err(|source| RemoteDonorError::Import {
+                        rank: d.tp_rank(),
+                        source,
+                    })
             })
             .collect::<Result<Vec<_>, _>>()?;
         Self::new(manifest, maps, endpoint)
@@ -153,6 +208,93 @@ impl DonorSource for RemoteDonor {
     fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String> {
         self.pin_remote(hint)
             .map(|p| Box::new(p) as Box<dyn DonorPin>)
+    }
+}
+
+/// Checks that `map` is the memory of `manifest`'s rank `rank` part (see
+/// [`RemoteDonor::new`]).
+fn bind_mapping(
+    manifest: &BankManifest,
+    rank: usize,
+    map: &dyn BankMemory,
+) -> Result<(), RemoteDonorError> {
+    let part = &manifest.parts()[rank];
+    let mismatch = |field, detail| RemoteDonorError::MappingMismatch {
+        rank: rank as u32,
+        field,
+        detail,
+    };
+    match map.mapped_export() {
+        Some(ref h) if h == part.export() => {}
+        Some(h) => {
+            // Name whose part it is when it is another rank's.
+            let owner = manifest
+                .parts()
+                .iter()
+                .find(|d| d.export() == &h)
+                .map_or(String::new(), |d| format!(" (rank {}'s part)", d.tp_rank()));
+            return Err(mismatch(
+                "export",
+                format!(
+                    "maps {}{owner}, but rank {rank}'s part exports {}",
+                    describe(&h),
+                    describe(part.export())
+                ),
+            ));
+        }
+        None => {
+            return Err(mismatch(
+                "export",
+                format!(
+                    "the mapping has no export identity (process-private memory); rank \
+                     {rank}'s part exports {}",
+                    describe(part.export())
+                ),
+            ))
+        }
+    }
+    let kind_ok = matches!(
+        (part.location(), map.kind()),
+        (MemoryLocation::Host { .. }, MemoryKind::Host)
+            | (MemoryLocation::Gpu(_), MemoryKind::Cuda { .. })
+    );
+    if !kind_ok {
+        return Err(mismatch(
+            "kind",
+            format!(
+                "{} memory for a part located on {:?}",
+                map.kind(),
+                part.location()
+            ),
+        ));
+    }
+    if (map.len() as u64) < part.region_bytes() {
+        return Err(mismatch(
+            "len",
+            format!(
+                "{} bytes mapped, rank {rank}'s region holds {}",
+                map.len(),
+                part.region_bytes()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A short, log-friendly name of an export handle (shm name, or the kind
+/// and first 8 handle bytes in hex).
+fn describe(h: &ExportHandle) -> String {
+    let hex = |b: &[u8]| {
+        b.iter()
+            .take(8)
+            .map(|x| format!("{x:02x}"))
+            .collect::<String>()
+    };
+    match h {
+        ExportHandle::HostShm { name } => format!("host shm `{name}`"),
+        ExportHandle::CudaIpc { handle } => format!("CUDA IPC handle {}..", hex(handle)),
+        ExportHandle::CudaFabric { handle } => format!("CUDA fabric handle {}..", hex(handle)),
+        ExportHandle::NixlAgent { agent_name, .. } => format!("NIXL agent `{agent_name}`"),
     }
 }
 
