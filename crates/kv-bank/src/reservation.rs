@@ -154,6 +154,20 @@ impl DestinationPool {
         self.state.lock().shift(blocks, from, to);
     }
 
+    /// Block ids this pool hands out (`0..capacity`), whatever their state.
+    ///
+    /// ```
+    /// let pool = kv_bank::DestinationPool::new(8);
+    /// let r = pool.reserve(3).unwrap();
+    /// assert_eq!((pool.capacity(), pool.free_blocks()), (8, 5));
+    /// r.cancel().quiesced();
+    /// ```
+    pub fn capacity(&self) -> u32 {
+        let st = self.state.lock();
+        // Every id is in exactly one of the four sets.
+        (st.free.len() + st.reserved.len() + st.orphaned.len() + st.completed.len()) as u32
+    }
+
     /// Free blocks now.
     pub fn free_blocks(&self) -> usize {
         self.state.lock().free.len()

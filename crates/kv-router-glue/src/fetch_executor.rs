@@ -118,7 +118,8 @@ impl FetchExecutor {
     ///
     /// # Errors
     /// [`FetchError::LayoutMismatch`] naming `regions` when the count is not
-    /// `tp_size` or a region is smaller than `blocks` rows.
+    /// `tp_size` or a region is smaller than `blocks` rows, naming `pool`
+    /// when the pool hands out more than `blocks` rows.
     pub fn new(
         layout: KvLayout,
         pool: DestinationPool,
@@ -143,6 +144,17 @@ impl FetchExecutor {
                 detail: format!(
                     "rank {r} region has {} bytes, {blocks} blocks need {need}",
                     m.len()
+                ),
+            });
+        }
+        // The pool hands out row ids `0..capacity`; a row past the regions
+        // would only be refused by the plan of some later fetch.
+        if pool.capacity() > blocks {
+            return Err(FetchError::LayoutMismatch {
+                field: "pool",
+                detail: format!(
+                    "pool hands out {} rows but the regions hold {blocks}",
+                    pool.capacity()
                 ),
             });
         }
@@ -221,6 +233,16 @@ impl FetchExecutor {
         let reservation = crate::spans::reserve(request_id)
             .in_scope(|| self.pool.reserve(n))
             .map_err(|e| fallback("reserve", e.to_string()))?;
+        let fetched: Vec<SequenceHash> = hint.sequence_hashes[hint.fetch_from as usize..].to_vec();
+        // Everything checkable here is checked before the donor is asked:
+        // a refused plan must not have cost the donor a pin.
+        let plan = match self.plan(manifest, &fetched, &v.slot_ids, reservation.blocks()) {
+            Ok(p) => p,
+            Err(e) => {
+                reservation.cancel().quiesced();
+                return Err(fallback("plan", e.to_string()));
+            }
+        };
         let pin = match donor.pin(&hint) {
             Ok(p) => p,
             Err(e) => {
@@ -229,18 +251,8 @@ impl FetchExecutor {
                 return Err(fallback("pin", e));
             }
         };
-        let fetched: Vec<SequenceHash> = hint.sequence_hashes[hint.fetch_from as usize..].to_vec();
-        let result = crate::spans::transfer(request_id).in_scope(|| {
-            self.transfer(
-                &hint,
-                manifest,
-                &fetched,
-                &v.slot_ids,
-                reservation.blocks(),
-                pin.as_ref(),
-                control,
-            )
-        });
+        let result = crate::spans::transfer(request_id)
+            .in_scope(|| self.transfer(&plan, pin.as_ref(), control));
         let verify = crate::spans::verify(request_id);
         let released = pin.release();
         match result {
@@ -296,21 +308,16 @@ impl FetchExecutor {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn transfer(
+    /// The copy plan of one fetch: `slots[i]` of the donor to
+    /// `dst_blocks[i]` here, on every rank. Pure arithmetic over the
+    /// manifest's and this executor's geometry.
+    fn plan(
         &self,
-        hint: &FetchGpuHint,
         manifest: &BankManifest,
         fetched: &[SequenceHash],
         slots: &[u32],
         dst_blocks: &[u32],
-        pin: &dyn DonorPin,
-        control: &DeliveryControl,
-    ) -> Result<DeliveryReport, Failed> {
-        let fallback = |stage: &'static str, reason: String| Failed {
-            error: FetchError::Fallback { stage, reason },
-            may_still_write: false,
-        };
+    ) -> Result<TransferPlan, kv_transfer::TransferError> {
         let moves: Vec<BlockMove> = fetched
             .iter()
             .zip(slots)
@@ -321,28 +328,40 @@ impl FetchExecutor {
                 dst_block: *dst,
             })
             .collect();
-        let tp = hint.tp_size as usize;
+        let tp = self.layout.tp_size() as usize;
         let donor_geo = vec![RegionGeometry::dense(manifest.layout(), manifest.slot_count()); tp];
         let target_geo = vec![RegionGeometry::dense(&self.layout, self.blocks); tp];
-        let plan = TransferPlan::new(
+        TransferPlan::new(
             manifest.layout(),
             &self.layout,
             &moves,
             &donor_geo,
             &target_geo,
         )
-        .map_err(|e| fallback("plan", e.to_string()))?;
-        let mut io = Vec::with_capacity(tp);
-        for r in 0..tp {
-            let src = pin
-                .rank_source(r as u32)
-                .ok_or_else(|| fallback("pin", format!("donor pin has no memory for rank {r}")))?;
+    }
+
+    fn transfer(
+        &self,
+        plan: &TransferPlan,
+        pin: &dyn DonorPin,
+        control: &DeliveryControl,
+    ) -> Result<DeliveryReport, Failed> {
+        let mut io = Vec::with_capacity(plan.parts().len());
+        for part in plan.parts() {
+            let r = part.tp_rank;
+            let src = pin.rank_source(r).ok_or_else(|| Failed {
+                error: FetchError::Fallback {
+                    stage: "pin",
+                    reason: format!("donor pin has no memory for rank {r}"),
+                },
+                may_still_write: false,
+            })?;
             io.push(RankIo {
                 src,
-                dst: self.regions[r].as_ref(),
+                dst: self.regions[r as usize].as_ref(),
             });
         }
-        deliver(&plan, self.backend.as_ref(), &io, control).map_err(|e| Failed {
+        deliver(plan, self.backend.as_ref(), &io, control).map_err(|e| Failed {
             may_still_write: e.may_still_write(),
             error: FetchError::Fallback {
                 stage: "transfer",

@@ -1,0 +1,322 @@
+//! Transfer-path correctness of the fetch executor: every donor mapping is
+//! bound to the manifest part it claims to be, a multipart delivery with one
+//! read still in flight keeps its rows out of the pool, and what can be
+//! checked locally is checked before the donor is asked for a pin.
+//!
+//! Tests share one lock: host shm segments and leases are process-wide names.
+
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use kv_bank::{
+    sealed_blocks, BankConfig, BankManager, BankMemory, DestinationPool, HostShmMemory, StoreStatus,
+};
+use kv_descriptor::*;
+use kv_router_glue::*;
+use kv_transfer::plan::PartPlan;
+use kv_transfer::{
+    CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, PartOutcome, RankIo, TransferError,
+};
+
+const TP: u32 = 2;
+const BLOCK_TOKENS: usize = 4;
+
+fn lock() -> MutexGuard<'static, ()> {
+    static L: Mutex<()> = Mutex::new(());
+    L.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn layout() -> KvLayout {
+    KvLayout::new(
+        2,
+        4,
+        8,
+        DType::F32,
+        BLOCK_TOKENS as u32,
+        TensorOrder::BlockMajor,
+        TP,
+    )
+    .unwrap()
+}
+
+fn rbb() -> usize {
+    layout().rank_block_bytes()
+}
+
+fn bank(slots: u64) -> Arc<BankManager> {
+    let cfg = BankConfig::new(
+        layout(),
+        OwnerLease::fresh(Role::Decode),
+        slots * u64::from(TP) * rbb() as u64,
+    );
+    Arc::new(BankManager::new_host_shm(cfg, "xfer-path").unwrap())
+}
+
+/// Byte `i` of rank `rank`'s part of block `h`: rank-distinct patterns.
+fn pattern(h: SequenceHash, rank: u32, i: usize) -> u8 {
+    (h.0 as usize).wrapping_add(rank as usize * 97 + i) as u8
+}
+
+/// Stores `blocks` ready blocks; returns (hash, slot) in chain order.
+fn store(bank: &BankManager, blocks: usize) -> Vec<(SequenceHash, u32)> {
+    let tokens: Vec<u32> = (0..(blocks * BLOCK_TOKENS) as u32).collect();
+    let sealed = sealed_blocks(None, &tokens, BLOCK_TOKENS);
+    let st = bank.store(None, &sealed).unwrap();
+    for rank in 0..TP {
+        for (index, (h, _)) in st.entries.iter().enumerate() {
+            let bytes: Vec<u8> = (0..rbb()).map(|i| pattern(*h, rank, i)).collect();
+            bank.write_pending(st.store_id, rank, index, &bytes)
+                .unwrap();
+        }
+    }
+    let mut status = StoreStatus::Waiting { missing: vec![] };
+    for rank in 0..TP {
+        status = bank.ack(st.store_id, rank).unwrap();
+    }
+    assert_eq!(status, StoreStatus::Ready);
+    sealed
+        .iter()
+        .map(|b| (b.sequence_hash, bank.lookup(&b.sequence_hash).unwrap()))
+        .collect()
+}
+
+fn envelope(bank: &BankManager, entries: &[(SequenceHash, u32)], endpoint: &str) -> HintEnvelope {
+    let slots: Vec<u32> = entries.iter().map(|e| e.1).collect();
+    let hint = FetchGpuHint {
+        donor_engine_id: bank.owner().engine_id,
+        bank_generation: bank.owner().generation,
+        layout_fingerprint: layout().fingerprint(),
+        tp_size: TP,
+        sequence_hashes: entries.iter().map(|e| e.0).collect(),
+        fetch_from: 0,
+        parts: (0..TP)
+            .map(|r| FetchPart {
+                tp_rank: r,
+                slot_ids: slots.clone(),
+                expected_bytes: (slots.len() * rbb()) as u64,
+            })
+            .collect(),
+        donor_control_endpoint: endpoint.to_owned(),
+    };
+    HintEnvelope::fetch_gpu("req-1", "a0", &hint).unwrap()
+}
+
+fn regions(rows: u32) -> Vec<Arc<HostBuffer>> {
+    (0..TP)
+        .map(|_| Arc::new(HostBuffer::zeroed(rows as usize * rbb()).unwrap()))
+        .collect()
+}
+
+fn dyn_regions(r: &[Arc<HostBuffer>]) -> Vec<Arc<dyn BankMemory>> {
+    r.iter().map(|b| b.clone() as Arc<dyn BankMemory>).collect()
+}
+
+fn shm_map(d: &BankDescriptor) -> Arc<dyn BankMemory> {
+    Arc::new(HostShmMemory::open_descriptor(d).unwrap())
+}
+
+#[test]
+fn mappings_handed_in_for_the_wrong_rank_are_refused_before_a_pin() {
+    let _g = lock();
+    let dir = tempfile::tempdir().unwrap();
+    let ep = format!("unix:{}", dir.path().join("pin.sock").display());
+    let bank = bank(8);
+    let svc = PinService::bind(bank.clone(), &ep, PinServiceConfig::default()).unwrap();
+    let a = store(&bank, 4);
+    let m = bank.manifest().clone();
+    let parts = m.parts();
+
+    // Rank 1's mapping as rank 0 and the reverse: refused, naming rank 0.
+    let swapped = vec![shm_map(&parts[1]), shm_map(&parts[0])];
+    let e = RemoteDonor::new(m.clone(), swapped, &ep).unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains("maps[0].export"), "{text}");
+    assert!(text.contains("rank 1"), "says whose part it is: {text}");
+
+    // Process-private memory has no export identity: refused.
+    let private: Vec<Arc<dyn BankMemory>> = (0..TP)
+        .map(|_| {
+            Arc::new(HostBuffer::zeroed(parts[0].region_bytes() as usize).unwrap())
+                as Arc<dyn BankMemory>
+        })
+        .collect();
+    let e = RemoteDonor::new(m.clone(), private, &ep).unwrap_err();
+    assert!(e.to_string().contains("maps[0].export"), "{e}");
+
+    // The right segment mapped too short: refused by length.
+    let ExportHandle::HostShm { name } = parts[1].export() else {
+        panic!("host bank")
+    };
+    let short = vec![
+        shm_map(&parts[0]),
+        Arc::new(HostShmMemory::open(name, rbb()).unwrap()) as Arc<dyn BankMemory>,
+    ];
+    let e = RemoteDonor::new(m.clone(), short, &ep).unwrap_err();
+    assert!(e.to_string().contains("maps[1].len"), "{e}");
+    assert_eq!(svc.stats().granted, 0, "no check asked the donor");
+
+    // Control: the right order fetches every rank's own bytes.
+    let donor =
+        RemoteDonor::new(m.clone(), vec![shm_map(&parts[0]), shm_map(&parts[1])], &ep).unwrap();
+    let rows = 8;
+    let target = regions(rows);
+    let exec = FetchExecutor::new(
+        layout(),
+        DestinationPool::new(rows),
+        dyn_regions(&target),
+        rows,
+        Arc::new(HostCopyBackend),
+    )
+    .unwrap();
+    let out = exec
+        .execute(&envelope(&bank, &a, &ep), &donor, &DeliveryControl::new())
+        .unwrap();
+    for (k, &row) in out.target_blocks.iter().enumerate() {
+        for rank in 0..TP {
+            let mut buf = vec![0u8; rbb()];
+            target[rank as usize]
+                .read_bytes(row as usize * rbb(), &mut buf)
+                .unwrap();
+            assert!(
+                buf.iter()
+                    .enumerate()
+                    .all(|(i, &x)| x == pattern(a[k].0, rank, i)),
+                "rank {rank} row {row} holds its own rank's bytes"
+            );
+        }
+    }
+    drop(out);
+    svc.shutdown(Duration::ZERO);
+}
+
+/// Rank 0 fails with `Cancelled` (nothing in flight); rank 1 abandons a
+/// read that may still land (`NotQuiesced`) and stays in flight until
+/// `in_flight` is set to 0.
+struct StalledRank1 {
+    in_flight: AtomicUsize,
+}
+
+impl CopyBackend for StalledRank1 {
+    fn name(&self) -> &'static str {
+        "stalled_rank1"
+    }
+    fn copy_part(
+        &self,
+        part: &PartPlan,
+        _io: &RankIo<'_>,
+        _c: &DeliveryControl,
+    ) -> Result<PartOutcome, TransferError> {
+        if part.tp_rank == 0 {
+            return Err(TransferError::Cancelled);
+        }
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        Err(TransferError::NotQuiesced {
+            rank: part.tp_rank,
+            reason: "injected: read stalled on a cut link".into(),
+        })
+    }
+    fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+}
+
+#[test]
+fn rows_of_a_read_still_in_flight_stay_out_of_the_pool_whatever_rank_0_reports() {
+    let _g = lock();
+    let bank = bank(8);
+    let a = store(&bank, 3);
+    let rows = 8;
+    let target = regions(rows);
+    let backend = Arc::new(StalledRank1 {
+        in_flight: AtomicUsize::new(0),
+    });
+    let exec = FetchExecutor::new(
+        layout(),
+        DestinationPool::new(rows),
+        dyn_regions(&target),
+        rows,
+        backend.clone(),
+    )
+    .unwrap();
+    let env = envelope(&bank, &a, "unix:/unused");
+    let e = exec
+        .execute(&env, bank.as_ref(), &DeliveryControl::new())
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            FetchError::Fallback {
+                stage: "transfer",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(
+        (exec.pool().orphaned_blocks(), exec.pool().free_blocks()),
+        (3, 5),
+        "the 3 rows rank 1's read may still write stay quarantined"
+    );
+    // A later execute while the read is still in flight reclaims nothing.
+    assert_eq!(exec.reclaim_quiesced(), 0);
+    assert_eq!(exec.pool().free_blocks(), 5);
+    // Once the backend reports the read ended, the rows come back.
+    backend.in_flight.store(0, Ordering::SeqCst);
+    assert_eq!(exec.reclaim_quiesced(), 3);
+    assert_eq!(exec.pool().free_blocks(), rows as usize);
+    assert_eq!(bank.pins_outstanding(), 0);
+}
+
+/// The in-process bank, counting the pins it was asked for.
+struct CountingDonor {
+    bank: Arc<BankManager>,
+    pins: AtomicU32,
+}
+
+impl DonorSource for CountingDonor {
+    fn manifest(&self) -> &BankManifest {
+        self.bank.manifest()
+    }
+    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String> {
+        self.pins.fetch_add(1, Ordering::SeqCst);
+        self.bank.pin(hint)
+    }
+}
+
+#[test]
+fn a_pool_larger_than_the_regions_is_refused_before_any_fetch_asks_the_donor() {
+    let _g = lock();
+    let bank = bank(8);
+    let a = store(&bank, 6);
+    let donor = CountingDonor {
+        bank: bank.clone(),
+        pins: AtomicU32::new(0),
+    };
+    // The pool hands out rows 0..16 but the regions hold 4: a fetch of 6
+    // blocks would get rows 4 and 5, which the plan refuses.
+    let target = regions(4);
+    let made = FetchExecutor::new(
+        layout(),
+        DestinationPool::new(16),
+        dyn_regions(&target),
+        4,
+        Arc::new(HostCopyBackend),
+    );
+    match made {
+        Err(FetchError::LayoutMismatch { field: "pool", .. }) => {}
+        Err(other) => panic!("unexpected {other}"),
+        Ok(exec) => {
+            let r = exec.execute(
+                &envelope(&bank, &a, "unix:/unused"),
+                &donor,
+                &DeliveryControl::new(),
+            );
+            panic!(
+                "accepted; the fetch then asked the donor for {} pin(s) and ended {r:?}",
+                donor.pins.load(Ordering::SeqCst)
+            );
+        }
+    }
+    assert_eq!(donor.pins.load(Ordering::SeqCst), 0);
+}
