@@ -95,6 +95,20 @@ pub enum TransferError {
         /// What the backend observed.
         reason: String,
     },
+    /// A device-to-device part finished, but the transport that moved it
+    /// could not be established as device-direct (no UCX protocol log, or a
+    /// transport this crate does not classify): the GPU path fails closed
+    /// rather than risk payload staged through host memory. Nothing is in
+    /// flight.
+    #[error("rank {rank}: GPU path refused, transport `{transport}` not verified device-direct: {reason}")]
+    TransportUnverified {
+        /// TP rank.
+        rank: u32,
+        /// Transport label as reported (`unknown` when UCX said nothing).
+        transport: String,
+        /// Why it is not accepted.
+        reason: String,
+    },
     /// The NIXL runtime (`libnixl_capi.so`) could not be loaded.
     #[error("NIXL runtime not loadable: {0}")]
     NixlUnavailable(String),

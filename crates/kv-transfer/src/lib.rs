@@ -47,6 +47,7 @@ mod error;
 mod host;
 pub mod ipc_check;
 pub mod nixl;
+pub mod nixl_transport;
 pub mod nixl_two_process;
 pub mod oracle;
 pub mod plan;

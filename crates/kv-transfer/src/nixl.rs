@@ -18,13 +18,11 @@
 //! plan's coalesced runs as an ad-hoc list, and the naive baseline of one
 //! descriptor per block with merging disabled.
 //!
-//! Transport: NIXL 1.5.1's C API does not say which UCX transport
-//! (cuda_ipc, cma, tcp, ...) moved the bytes. UCX itself prints its protocol
-//! selection when started with `UCX_PROTO_INFO=y`; when, in addition,
-//! `UCX_LOG_FILE` names a file (`%p` = pid is expanded), each part reads the
-//! last `ucp_get` selection for its memory types from that file and reports
-//! it (e.g. `cma/memory`, `cuda_ipc/cuda`, `tcp/lo`). Otherwise, or when the
-//! file has no matching table, the part reports `"unknown"`.
+//! Transport: which UCX transport moved a part's bytes is read from UCX's
+//! protocol log when the process enabled it, and a device-to-device part
+//! completes only when that transport is a known device-direct zero-copy
+//! one; an unknown transport fails the part closed
+//! ([`TransferError::TransportUnverified`]). See [`crate::nixl_transport`].
 
 use std::collections::HashMap;
 
@@ -36,6 +34,7 @@ use nixl_sys::{
 use parking_lot::Mutex;
 
 use crate::delivery::{CopyBackend, PartOutcome, RankIo, SourceRegion};
+use crate::nixl_transport::{part_host_payload, transport_label, ucx_rows};
 use crate::plan::{PartPlan, RegionGeometry};
 use crate::{DeliveryControl, NixlRemoteRegion, TransferError};
 
@@ -55,94 +54,6 @@ pub fn runtime_status() -> Result<(), TransferError> {
         ));
     }
     Ok(())
-}
-
-/// The UCX log file holding protocol-selection tables, when the environment
-/// asked UCX to write them (`UCX_PROTO_INFO=y` and `UCX_LOG_FILE`).
-fn ucx_proto_log() -> Option<std::path::PathBuf> {
-    if !std::env::var("UCX_PROTO_INFO")
-        .ok()?
-        .eq_ignore_ascii_case("y")
-    {
-        return None;
-    }
-    let f = std::env::var("UCX_LOG_FILE").ok()?;
-    let f = f.replace("%p", &std::process::id().to_string());
-    (!f.contains('%')).then(|| f.into())
-}
-
-/// True when a known UCX transport moves device memory through the host
-/// (`tcp`, `sysv`, `posix`, `cma`, `self` copy device bytes via host buffers or
-/// "software emulation"). Unknown transports are not counted: NIXL does not
-/// report them, and [`crate::DeliveryCounters::transport`] then says `unknown`.
-fn stages_on_host(transport: &str) -> bool {
-    transport.split(',').any(|t| {
-        ["tcp", "sysv", "posix", "cma", "self"]
-            .iter()
-            .any(|h| t.starts_with(h))
-    })
-}
-
-/// UCX's memory-type names in its protocol tables.
-fn ucx_mem_name(kind: MemoryKind) -> &'static str {
-    match kind {
-        MemoryKind::Host => "host",
-        MemoryKind::Cuda { .. } => "cuda",
-    }
-}
-
-/// The transports (config column) of the last `ucp_get` table reading `src`
-/// memory into `dst` memory in a UCX `UCX_PROTO_INFO` log, joined with `,`.
-///
-/// Table shape (UCX 1.19):
-/// ```text
-/// | remote memory read by ucp_get*(multi) into host memory from host |
-/// (device memory: `... into cuda/GPU0 from cuda |`)
-/// +--------+-------------+-------------------------------------------+
-/// | Range  | Description |                  Config                   |
-/// +--------+-------------+-------------------------------------------+
-/// | 0..inf | zero-copy   | cma/memory                                |
-/// +--------+-------------+-------------------------------------------+
-/// ```
-fn ucx_get_transport(log: &str, dst: &str, src: &str) -> Option<String> {
-    // Host tables say `into host memory from host`, device tables
-    // `into cuda/GPU0 from cuda`.
-    let (into, from) = (format!("into {dst}"), format!("from {src}"));
-    let lines: Vec<&str> = log.lines().collect();
-    let start = lines.iter().rposition(|l| {
-        l.contains("remote memory read by ucp_get") && l.contains(&into) && l.contains(&from)
-    })?;
-    let mut found: Vec<String> = Vec::new();
-    for l in &lines[start + 1..] {
-        let cells: Vec<&str> = l.split('|').map(str::trim).collect();
-        // A data row is `| range | description | config |`; stop at the next table.
-        if cells.len() >= 4 && cells[1].contains("..") {
-            let cfg = cells[3].to_string();
-            if !cfg.is_empty() && !found.contains(&cfg) {
-                found.push(cfg);
-            }
-        } else if (!found.is_empty() && !l.contains("+---"))
-            || l.contains("remote memory")
-            || l.contains("active message")
-        {
-            break;
-        }
-    }
-    (!found.is_empty()).then(|| found.join(","))
-}
-
-/// The transport UCX logged for its last `ucp_get` reading `src` memory into
-/// `dst` memory in this process, when the UCX protocol log is enabled (see
-/// the module docs); `None` otherwise.
-pub(crate) fn ucx_transport(dst: MemoryKind, src: MemoryKind) -> Option<String> {
-    let path = ucx_proto_log()?;
-    // UCX writes its log through a buffered `FILE*`: the table of the first
-    // read may still sit in the buffer (seen with two processes over `cma`).
-    // SAFETY: `fflush(NULL)` flushes every open output stream of this
-    // process; it takes each stream's lock and touches no Rust memory.
-    unsafe { libc::fflush(std::ptr::null_mut()) };
-    let log = std::fs::read_to_string(path).ok()?;
-    ucx_get_transport(&log, ucx_mem_name(dst), ucx_mem_name(src))
 }
 
 fn nixl_err(op: &'static str) -> impl FnOnce(NixlError) -> TransferError {
@@ -712,16 +623,16 @@ impl CopyBackend for NixlBackend {
                 Err(e) => return Err(Self::unreachable(part.tp_rank, &remote.agent_name, e)),
             }
         }
-        let transport =
-            ucx_transport(io.dst.kind(), remote.kind).unwrap_or_else(|| "unknown".into());
-        let host = if io.dst.kind() == MemoryKind::Host
-            || remote.kind == MemoryKind::Host
-            || stages_on_host(&transport)
-        {
-            bytes
-        } else {
-            0
-        };
+        // The read has ended: a refusal here leaves nothing in flight.
+        let rows = ucx_rows(io.dst.kind(), remote.kind);
+        let transport = transport_label(rows.as_deref());
+        let host = part_host_payload(
+            part.tp_rank,
+            io.dst.kind(),
+            remote.kind,
+            rows.as_deref(),
+            bytes,
+        )?;
         Ok(PartOutcome {
             bytes,
             copies: descs,
@@ -734,21 +645,6 @@ impl CopyBackend for NixlBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const LOG: &str = "\
-[1] [vm:1:2]   | remote memory read by ucp_get*(multi) into host memory from host |
-[1] [vm:1:2]   +--------+-------------+-------------------------------------------+
-[1] [vm:1:2]   | Range  | Description |                  Config                   |
-[1] [vm:1:2]   +--------+-------------+-------------------------------------------+
-[1] [vm:1:2]   | 0..inf | zero-copy   | cma/memory                                |
-[1] [vm:1:2]   +--------+-------------+-------------------------------------------+
-[2] [vm:1:1]   | active message by ucp_am_send* from host memory |
-[2] [vm:1:1]   |          0 | short              | tcp/lo        |
-[3] [vm:1:2]   | remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda |
-[3] [vm:1:2]   | Range  | Description |                  Config                   |
-[3] [vm:1:2]   | 0..inf | software emulation | tcp/lo                           |
-[3] [vm:1:2]   +--------+-------------+-------------------------------------------+
-";
 
     #[test]
     fn engine_config_joins_pairs_and_rejects_separators() {
@@ -769,22 +665,5 @@ mod tests {
             let e = o(&[bad]).engine_config().unwrap_err().to_string();
             assert!(e.contains("ucx_config entry"), "{e}");
         }
-    }
-
-    #[test]
-    fn parses_the_get_table_of_the_right_memory_types() {
-        assert_eq!(
-            ucx_get_transport(LOG, "host", "host").as_deref(),
-            Some("cma/memory")
-        );
-        assert_eq!(
-            ucx_get_transport(LOG, "cuda", "cuda").as_deref(),
-            Some("tcp/lo")
-        );
-        assert_eq!(ucx_get_transport(LOG, "host", "cuda"), None);
-        assert_eq!(ucx_get_transport("", "host", "host"), None);
-        assert!(stages_on_host("tcp/lo"));
-        assert!(!stages_on_host("cuda_ipc/cuda"));
-        assert!(stages_on_host("cuda_ipc/cuda,tcp/lo"));
     }
 }

@@ -884,7 +884,8 @@ pub fn run(
     }];
     let dst_kind = dst.kind();
     let transport = move || {
-        crate::nixl::ucx_transport(dst_kind, remote_kind).unwrap_or_else(|| "unknown".into())
+        crate::nixl_transport::ucx_transport(dst_kind, remote_kind)
+            .unwrap_or_else(|| "unknown".into())
     };
     let mut stop: Option<String> = None;
     for (pattern, plan) in &plans {
