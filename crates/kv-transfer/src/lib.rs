@@ -7,7 +7,8 @@
 //! - backends behind [`CopyBackend`]: [`HostCopyBackend`] (host shared memory,
 //!   CPU profile), [`cuda::CudaCopyBackend`] (CUDA IPC-mapped memory: device
 //!   copies for runs, an NVRTC gather kernel for scattered blocks) and
-//!   [`nixl::NixlBackend`] (NIXL/UCX, DRAM and VRAM, prepared descriptor lists);
+//!   [`nixl::NixlBackend`] (NIXL/UCX, DRAM and VRAM, prepared descriptor lists;
+//!   [`nixl_transport`] decides whether its transport may carry a GPU fetch);
 //! - [`deliver`]: one part per rank, complete only when every part delivered
 //!   exactly its expected bytes, with counters (bytes, copies, host-payload
 //!   bytes, backend, transport);
@@ -31,7 +32,11 @@
 //!   unused until [`CopyBackend::in_flight`] returns 0 (the glue's fetch
 //!   executor orphans them and reclaims them then).
 //! - On a GPU destination, payload bytes never pass through host memory
-//!   (`host_payload_bytes == 0`, enforced by [`deliver`]).
+//!   (`host_payload_bytes == 0`, enforced by [`deliver`]); a NIXL part between
+//!   devices whose transport is not verified device-direct fails closed
+//!   ([`TransferError::TransportUnverified`], [`nixl_transport`]).
+//! - When parts fail differently, a part that may still write decides the
+//!   delivery's error ([`TransferError::may_still_write`] is then true).
 //!
 //! Deliberately absent: pin and reservation bookkeeping (kv-bank), IPC handle
 //! import and its mapping cache (kv-bank), deciding whether to fetch

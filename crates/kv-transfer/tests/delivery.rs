@@ -349,9 +349,12 @@ proptest! {
     }
 }
 
+/// A part's injected result.
+type Fault = fn(&PartPlan) -> Result<PartOutcome, TransferError>;
+
 /// Each rank's part replaced by its own fault (`None`: host copy).
 struct FaultPerRank {
-    faults: Vec<Option<fn(&PartPlan) -> Result<PartOutcome, TransferError>>>,
+    faults: Vec<Option<Fault>>,
 }
 
 impl CopyBackend for FaultPerRank {
@@ -386,7 +389,7 @@ fn a_part_that_may_still_write_decides_the_error_whatever_rank_0_reports() {
     let l = layout(2);
     let g = Group::new(&l, 8);
     let plan = TransferPlan::new(&l, &l, &[mv(1, Some(0), 0)], &[g.geom; 2], &[g.geom; 2]).unwrap();
-    let rank0: [(&str, fn(&PartPlan) -> Result<PartOutcome, TransferError>); 4] = [
+    let rank0: [(&str, Fault); 4] = [
         ("cancelled", |_| Err(TransferError::Cancelled)),
         ("deadline", |_| {
             Err(TransferError::DeadlineExceeded { elapsed_us: 9 })
