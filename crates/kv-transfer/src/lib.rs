@@ -12,7 +12,7 @@
 //! - [`deliver`]: one part per rank, complete only when every part delivered
 //!   exactly its expected bytes, with counters (bytes, copies, host-payload
 //!   bytes, backend, transport);
-//! - [`oracle`] and [`bench`]: the native oracle and the ratio benchmark that
+//! - [`oracle`] and [`bench`](mod@bench): the native oracle and the ratio benchmark that
 //!   `kvq oracle` / `cargo xtask bench transfer` call; [`ipc_check`]:
 //!   the same GPU fetch between two processes over CUDA IPC; [`nixl_two_process`]:
 //!   a NIXL fetch from a donor agent in another process (the production shape).
