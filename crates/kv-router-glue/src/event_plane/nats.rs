@@ -112,7 +112,7 @@ fn is_probe(m: &async_nats::Message) -> bool {
 /// which the KV event ids detect (gap → resync request).
 ///
 /// Readiness: [`EventPlane::wait_for_subscribers`] publishes probes *on the
-/// data subject itself*, marked by the header [`PROBE_HEADER`] and carrying
+/// data subject itself*, marked by the header `PROBE_HEADER` and carrying
 /// a reply inbox; every subscription answers with its unique id (and does
 /// not pass the probe on), and the barrier counts distinct answers. Because
 /// the probe travels through the data subscription, an answer proves that
@@ -210,7 +210,8 @@ impl NatsPlane {
     }
 
     /// Waits until the server has processed everything this client sent
-    /// before the call (publishes, `SUB`s): [`NatsPlane::server_round_trip`].
+    /// before the call (publishes, `SUB`s), through a request the server
+    /// itself answers (`server_round_trip`).
     ///
     /// # Errors
     /// [`PlaneError::Publish`] when the server does not answer within 5 s.
