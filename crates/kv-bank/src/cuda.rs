@@ -581,7 +581,7 @@ impl CudaIpcImport {
         d: &kv_descriptor::BankDescriptor,
         ordinal: u32,
     ) -> Result<Self, BankError> {
-        crate::lease::check_descriptor_lease(d, std::time::SystemTime::now())?;
+        crate::lease::check_descriptor_lease(d, crate::LeaseInstant::now())?;
         Self::open_export(d.export(), ordinal, d.region_bytes() as usize)
     }
 

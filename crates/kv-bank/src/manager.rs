@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use kv_descriptor::{
     chain_sequence_hash, token_block_hashes, BankDescriptor, BankManifest, BankParts, FetchGpuHint,
@@ -69,7 +69,8 @@ pub const DEFAULT_SHM_PREFIX: &str = "kvbank";
 pub struct LeaseStatus {
     /// One lease name per rank.
     pub names: Vec<String>,
-    /// Earliest expiry over the ranks, Unix µs (0 once revoked).
+    /// Earliest expiry over the ranks, lease-clock µs
+    /// ([`crate::LeaseInstant::as_micros`]; 0 once revoked).
     pub expires_at_us: u64,
     /// Renewals so far (fewest over the ranks).
     pub renewals: u64,
@@ -1117,7 +1118,7 @@ impl BankManager {
         if st.phase != Phase::Open {
             return Ok(());
         }
-        if let Err(e) = self.shared.leases.check_live(SystemTime::now()) {
+        if let Err(e) = self.shared.leases.check_live(crate::LeaseInstant::now()) {
             tracing::warn!(
                 "bank generation {} ends: {e}",
                 self.shared.config.owner.generation
@@ -1158,7 +1159,7 @@ impl BankManager {
         if st.phase != Phase::Open {
             return Err(self.closed());
         }
-        if let Err(e) = self.shared.leases.renew(SystemTime::now()) {
+        if let Err(e) = self.shared.leases.renew(crate::LeaseInstant::now()) {
             self.kill_generation_locked(&mut st);
             return Err(e);
         }
@@ -1176,7 +1177,7 @@ impl BankManager {
             renewals: l.renewals(),
             live: !l.is_lost()
                 && expires_at_us != 0
-                && crate::lease::unix_us(SystemTime::now()) < expires_at_us,
+                && crate::LeaseInstant::now().as_micros() < expires_at_us,
         }
     }
 
