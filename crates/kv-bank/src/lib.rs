@@ -66,6 +66,7 @@ mod cuda;
 mod error;
 pub mod faults;
 pub mod gpu_check;
+mod ipc_cache;
 pub mod leaks;
 pub mod lease;
 mod lease_clock;
