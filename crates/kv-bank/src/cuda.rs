@@ -4,9 +4,11 @@
 //! (`cuIpcGetMemHandle`, 64 bytes); an importer in another process on the same
 //! host opens it with `cuIpcOpenMemHandle`. Opening costs 0.1-3 ms and grows
 //! with the allocation (ANCHORS.md), so imports go through a process-wide
-//! mapping cache keyed by the handle bytes: each donor allocation is opened
-//! once per importing process and shared, refcounted, by every
-//! [`CudaIpcImport`] of it; the last one closes the mapping.
+//! mapping cache keyed by the handle bytes (`ipc_cache.rs`): each donor
+//! allocation is opened once per importing process and shared, refcounted,
+//! by every [`CudaIpcImport`] of it; the last one closes the mapping. No
+//! global lock is held across an open, a close or a context creation, so an
+//! import of one donor never waits behind a slow import of another.
 //!
 //! Where the device supports it (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED`
 //! and an IMEX channel), [`CudaDeviceMemory::new_fabric`] allocates through
@@ -20,13 +22,14 @@
 //! the calling thread. Every CUDA unsafe call of this crate lives here.
 
 use std::collections::HashMap;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use cudarc::driver::{result, sys};
 use kv_descriptor::{ExportHandle, GpuIdentity, MemoryLocation, CUDA_HANDLE_BYTES};
 use parking_lot::Mutex;
 
+use crate::ipc_cache::{MapKey, MappingCache};
 use crate::memory::check_range;
 use crate::{BankError, BankMemory, MemoryKind};
 
@@ -74,7 +77,11 @@ fn driver() -> Result<(), BankError> {
 /// Primary contexts retained by this process, by ordinal. Retained once and
 /// never released: a context lives as long as the process (creating one costs
 /// ~120-155 ms, ANCHORS.md), and memory of this module may outlive any scope.
-static CONTEXTS: OnceLock<Mutex<HashMap<u32, usize>>> = OnceLock::new();
+/// The map's lock is held only to find an ordinal's cell; the retain runs
+/// under that cell's own lock, so binding a device whose context exists
+/// never waits behind the creation of another device's context.
+#[allow(clippy::type_complexity)]
+static CONTEXTS: OnceLock<Mutex<HashMap<u32, Arc<Mutex<Option<usize>>>>>> = OnceLock::new();
 
 /// Makes device `ordinal`'s primary context current on this thread.
 fn bind(ordinal: u32) -> Result<sys::CUdevice, BankError> {
@@ -86,17 +93,24 @@ fn bind(ordinal: u32) -> Result<sys::CUdevice, BankError> {
         });
     }
     let dev = result::device::get(ordinal as i32).map_err(cuda_err("cuDeviceGet"))?;
-    let mut ctxs = CONTEXTS.get_or_init(|| Mutex::new(HashMap::new())).lock();
-    let ctx = match ctxs.get(&ordinal) {
-        Some(&c) => c as sys::CUcontext,
+    let cell = CONTEXTS
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .entry(ordinal)
+        .or_default()
+        .clone();
+    let mut slot = cell.lock();
+    let ctx = match *slot {
+        Some(c) => c as sys::CUcontext,
         None => {
             // SAFETY: `dev` came from cuDeviceGet for a valid ordinal.
             let c = unsafe { result::primary_ctx::retain(dev) }
                 .map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
-            ctxs.insert(ordinal, c as usize);
+            *slot = Some(c as usize);
             c
         }
     };
+    drop(slot);
     // SAFETY: `ctx` is a retained primary context that is never released.
     unsafe { result::ctx::set_current(ctx) }.map_err(cuda_err("cuCtxSetCurrent"))?;
     Ok(dev)
@@ -478,37 +492,24 @@ pub struct IpcCacheStats {
     pub live: u64,
 }
 
+/// One imported mapping, as the cache holds it.
 struct Mapping {
     ptr: u64,
     ordinal: u32,
     len: usize,
-    refs: usize,
     /// `Some` for an imported fabric handle, `None` for a CUDA IPC mapping.
     vmm: Option<VmmRegion>,
 }
 
-/// Cache key: (is fabric, handle bytes).
-type MapKey = (bool, [u8; CUDA_HANDLE_BYTES]);
+static IPC_CACHE: OnceLock<MappingCache<Mapping>> = OnceLock::new();
 
-#[derive(Default)]
-struct IpcCache {
-    maps: HashMap<MapKey, Mapping>,
-    stats: IpcCacheStats,
-}
-
-static IPC_CACHE: OnceLock<Mutex<IpcCache>> = OnceLock::new();
-
-fn ipc_cache() -> &'static Mutex<IpcCache> {
-    IPC_CACHE.get_or_init(|| Mutex::new(IpcCache::default()))
+fn ipc_cache() -> &'static MappingCache<Mapping> {
+    IPC_CACHE.get_or_init(MappingCache::new)
 }
 
 /// Counters of this process's IPC mapping cache.
 pub fn ipc_cache_stats() -> IpcCacheStats {
-    let c = ipc_cache().lock();
-    IpcCacheStats {
-        live: c.maps.len() as u64,
-        ..c.stats
-    }
+    ipc_cache().stats()
 }
 
 /// A mapping of another process's device allocation, through the
@@ -581,7 +582,7 @@ impl CudaIpcImport {
         d: &kv_descriptor::BankDescriptor,
         ordinal: u32,
     ) -> Result<Self, BankError> {
-        crate::lease::check_descriptor_lease(d, std::time::SystemTime::now())?;
+        crate::lease::check_descriptor_lease(d, crate::LeaseInstant::now())?;
         Self::open_export(d.export(), ordinal, d.region_bytes() as usize)
     }
 
@@ -597,8 +598,7 @@ impl CudaIpcImport {
         }
         let key = (fabric, bytes);
         let t0 = Instant::now();
-        let mut cache = ipc_cache().lock();
-        if let Some(m) = cache.maps.get_mut(&key) {
+        let check = |m: &Mapping| {
             if m.ordinal != ordinal || len > m.len {
                 return Err(BankError::arg(
                     "len",
@@ -608,41 +608,31 @@ impl CudaIpcImport {
                     ),
                 ));
             }
-            m.refs += 1;
-            let ptr = m.ptr;
-            cache.stats.hits += 1;
-            return Ok(Self {
-                key,
-                ordinal,
-                ptr,
-                len,
-                cache_hit: true,
-                open_us: t0.elapsed().as_micros() as u64,
-            });
-        }
-        bind(ordinal)?;
-        let (ptr, vmm) = if fabric {
-            import_fabric(&bytes, ordinal, len)?
-        } else {
-            (import_ipc(&bytes)?, None)
+            Ok(m.ptr)
         };
-        cache.stats.opens += 1;
-        cache.maps.insert(
-            key,
-            Mapping {
+        // Context creation and the open run outside the cache's lock.
+        let open = || {
+            bind(ordinal)?;
+            let (ptr, vmm) = if fabric {
+                import_fabric(&bytes, ordinal, len)?
+            } else {
+                (import_ipc(&bytes)?, None)
+            };
+            let m = Mapping {
                 ptr,
                 ordinal,
                 len,
-                refs: 1,
                 vmm,
-            },
-        );
+            };
+            Ok((m, ptr))
+        };
+        let (ptr, cache_hit) = ipc_cache().acquire(key, check, open)?;
         Ok(Self {
             key,
             ordinal,
             ptr,
             len,
-            cache_hit: false,
+            cache_hit,
             open_us: t0.elapsed().as_micros() as u64,
         })
     }
@@ -742,26 +732,20 @@ impl BankMemory for CudaIpcImport {
 
 impl Drop for CudaIpcImport {
     fn drop(&mut self) {
-        let mut cache = ipc_cache().lock();
-        let Some(m) = cache.maps.get_mut(&self.key) else {
-            return;
-        };
-        m.refs -= 1;
-        if m.refs > 0 {
-            return;
-        }
-        let ptr = m.ptr;
-        let m = cache.maps.remove(&self.key).expect("present above");
-        cache.stats.closes += 1;
-        if m.vmm.is_some() {
-            drop(m); // the region's Drop unmaps and releases the imported handle
-        } else if bind(self.ordinal).is_ok() {
-            // SAFETY: `ptr` came from cuIpcOpenMemHandle and this was its last user.
-            let r = unsafe { sys::cuIpcCloseMemHandle(ptr) }.result();
-            if let Err(e) = r {
-                tracing::warn!(ordinal = self.ordinal, "cuIpcCloseMemHandle failed: {e:?}");
+        // The close runs outside the cache's lock.
+        ipc_cache().release(&self.key, |m| {
+            if m.vmm.is_some() {
+                drop(m); // the region's Drop unmaps and releases the imported handle
+            } else if bind(m.ordinal).is_ok() {
+                // SAFETY: `m.ptr` came from cuIpcOpenMemHandle, and the cache
+                // hands the mapping to this closure only once its last import
+                // is gone (and marks the key busy until the close returns).
+                let r = unsafe { sys::cuIpcCloseMemHandle(m.ptr) }.result();
+                if let Err(e) = r {
+                    tracing::warn!(ordinal = m.ordinal, "cuIpcCloseMemHandle failed: {e:?}");
+                }
             }
-        }
+        });
     }
 }
 

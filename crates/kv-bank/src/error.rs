@@ -177,13 +177,13 @@ pub enum BankError {
     },
     /// A bank's owner lease passed its expiry without renewal: its owner is
     /// dead or stalled, and the bank may be reclaimed at any moment.
-    #[error("lease `{lease}` expired at {expires_at_us} µs (Unix), now {now_us} µs")]
+    #[error("lease `{lease}` expired at {expires_at_us} µs (boot clock), now {now_us} µs")]
     LeaseExpired {
         /// Lease name (`/...lease`).
         lease: String,
-        /// Expiry, Unix µs.
+        /// Expiry, lease-clock µs ([`crate::LeaseInstant`]).
         expires_at_us: u64,
-        /// The time it was checked at, Unix µs.
+        /// The time it was checked at, lease-clock µs.
         now_us: u64,
     },
     /// A bank's lease was revoked (bank closed, or reclaimed).

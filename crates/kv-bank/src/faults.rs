@@ -20,7 +20,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use kv_descriptor::{
     BankManifest, DType, ExportHandle, FetchGpuHint, FetchPart, KvLayout, LayoutFingerprint,
@@ -28,6 +28,7 @@ use kv_descriptor::{
 };
 
 use crate::leaks::{self, shm_names};
+use crate::reclaim::ScanTime;
 use crate::{
     read_lease, reclaim_stale, sealed_blocks, BankConfig, BankError, BankManager, BankMemory,
     DestinationPool, HostShmMemory, LeaseConfig, MemoryKind, RankMemory, ReclaimReport,
@@ -288,7 +289,7 @@ pub fn owner_killed(
     let _ = child.wait();
     let _ = reader.join();
     // Belt and braces for a failed run: never leave the child's bank behind.
-    let _ = reclaim_stale(&prefix, SystemTime::now() + lease * 2);
+    let _ = reclaim_stale(&prefix, ScanTime::now().later(lease * 2));
     let mut out = result?;
     out.parent_leaks = leaks::snapshot()
         .leaks_since(&before)
@@ -334,7 +335,7 @@ fn observe_owner(
         std::thread::sleep(renew / 2);
     }
     let renewals_seen = renewals();
-    let live_scan = reclaim_stale(prefix, SystemTime::now())?;
+    let live_scan = reclaim_stale(prefix, ScanTime::now())?;
 
     child
         .kill()
@@ -342,7 +343,7 @@ fn observe_owner(
     let killed = Instant::now();
     let _ = child.wait();
     let all_lapsed = || {
-        let now = crate::lease::unix_us(SystemTime::now());
+        let now = crate::LeaseInstant::now();
         lease_names
             .iter()
             .all(|n| read_lease(n).map_or(true, |r| !r.is_live(now)))
@@ -374,7 +375,7 @@ fn observe_owner(
     };
     let mut refused_before_reclaim = Vec::new();
     try_imports(&mut refused_before_reclaim);
-    let reclaim = reclaim_stale(prefix, SystemTime::now())?;
+    let reclaim = reclaim_stale(prefix, ScanTime::now())?;
     let mut refused_after_reclaim = Vec::new();
     try_imports(&mut refused_after_reclaim);
     Ok(OwnerKilledOutcome {
@@ -462,7 +463,7 @@ fn owner_stalled() -> FaultRow {
             std::thread::sleep(Duration::from_millis(10));
         }
         let import = HostShmMemory::open_descriptor(&d);
-        let reclaim = reclaim_stale(&prefix, SystemTime::now())?;
+        let reclaim = reclaim_stale(&prefix, ScanTime::now())?;
         let hint = hint_for(&bank, &entries);
         let pin = bank.pin_hint(&hint);
         let renew = bank.renew_lease();

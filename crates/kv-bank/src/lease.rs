@@ -10,15 +10,15 @@
 //! # File format (256 bytes, little endian)
 //! | offset | field | mutability |
 //! | --- | --- | --- |
-//! | 0 | magic `KVLEASE1` (stored last, release) | set once |
-//! | 8 | `expires_at_us`: Unix µs; 0 = revoked | atomic, compare-and-swap |
-//! | 16 | `renewed_at_us`: Unix µs of the last renewal | atomic |
+//! | 0 | magic `KVLEASE2` (stored last, release) | set once |
+//! | 8 | `expires_at_us`: lease-clock µs; 0 = revoked | atomic, compare-and-swap |
+//! | 16 | `renewed_at_us`: lease-clock µs of the last renewal | atomic |
 //! | 24 | `renewals`: count | atomic |
 //! | 32 | engine id (16 bytes UUID) | immutable |
 //! | 48 | generation `u64` | immutable |
 //! | 56 | owner pid `u32`, 60: TP rank `u32` | immutable |
 //! | 64 | role `u8` (0 prefill, 1 decode), 65..72 zero | immutable |
-//! | 72 | lease duration µs, 80: created at (Unix µs) | immutable |
+//! | 72 | lease duration µs, 80: created at (lease-clock µs) | immutable |
 //! | 88 | XXH3-64 (seed 1337) of bytes 32..88 | immutable |
 //!
 //! # Rules
@@ -27,8 +27,13 @@
 //!   is still in the future; a reclaimer first swaps an expired value to 0
 //!   (revoked) and only then unlinks. Whichever swap wins decides, so a bank
 //!   is never both renewed and reclaimed.
-//! - Times are wall-clock Unix microseconds (`SystemTime`): all processes of
-//!   a host read the same clock. A clock step shortens or lengthens one lease.
+//! - Times are microseconds of the lease clock, `CLOCK_BOOTTIME`
+//!   ([`crate::LeaseInstant`]): all processes of a host read the same value
+//!   and nothing steps it, so a wall-clock step (NTP, operator, VM resume)
+//!   neither lapses a live bank nor keeps a dead one alive. Format 1
+//!   (`KVLEASE1`) held wall-clock Unix µs; its magic no longer matches, so a
+//!   reader of either format refuses the other's leases as invalid instead
+//!   of comparing times of different clocks.
 //! - The owner pid is advisory (reports, leak accounting); only the expiry
 //!   decides, so pid reuse or another pid namespace cannot keep a bank alive.
 //!
@@ -40,13 +45,17 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use kv_descriptor::{BankDescriptor, EngineId, ExportHandle, OwnerLease, Role};
 use memmap2::{MmapOptions, MmapRaw};
 
 use crate::leaks;
+use crate::lease_clock::LeaseInstant;
 use crate::BankError;
+
+mod record;
+pub use record::LeaseRecord;
 
 /// Directory where POSIX shared-memory objects appear on Linux (`shm_open`
 /// names map to files here); leases are files in it as well.
@@ -58,19 +67,13 @@ pub const LEASE_SUFFIX: &str = ".lease";
 /// Size of a lease file in bytes (see the module docs for the layout).
 pub const LEASE_FILE_BYTES: usize = 256;
 
-const MAGIC: u64 = u64::from_le_bytes(*b"KVLEASE1");
+/// Format 2: times on the lease clock (format 1, `KVLEASE1`, used Unix µs).
+const MAGIC: u64 = u64::from_le_bytes(*b"KVLEASE2");
 const OFF_EXPIRES: usize = 8;
 const OFF_RENEWED: usize = 16;
 const OFF_RENEWALS: usize = 24;
 const IMMUTABLE: std::ops::Range<usize> = 32..88;
 const OFF_CHECKSUM: usize = 88;
-
-/// Wall-clock time as Unix microseconds (0 for times before 1970).
-pub fn unix_us(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
-}
 
 /// How a bank's owner keeps its lease alive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,99 +159,6 @@ impl LeaseConfig {
     }
 }
 
-/// One lease as read from its file.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct LeaseRecord {
-    /// Lease name (`/...lease`).
-    pub name: String,
-    /// Owner engine incarnation.
-    pub engine_id: EngineId,
-    /// Bank generation.
-    pub generation: u64,
-    /// Owner role.
-    pub role: Role,
-    /// TP rank of the bank part this lease covers.
-    pub tp_rank: u32,
-    /// Owner process id (advisory: expiry decides).
-    pub pid: u32,
-    /// Lease duration in µs.
-    pub duration_us: u64,
-    /// Creation time, Unix µs.
-    pub created_at_us: u64,
-    /// Expiry, Unix µs; 0 when revoked (closed or reclaimed).
-    pub expires_at_us: u64,
-    /// Last renewal, Unix µs.
-    pub renewed_at_us: u64,
-    /// Renewals so far.
-    pub renewals: u64,
-}
-
-impl LeaseRecord {
-    /// True when not revoked and `now_us` (Unix µs) is before the expiry.
-    pub fn is_live(&self, now_us: u64) -> bool {
-        self.expires_at_us != 0 && now_us < self.expires_at_us
-    }
-
-    /// The lease names exactly this owner and rank, and is live at `now_us`.
-    ///
-    /// # Errors
-    /// [`BankError::LeaseMismatch`] naming `engine_id`, `bank_generation`,
-    /// `role` or `tp_rank`; [`BankError::LeaseRevoked`]; [`BankError::LeaseExpired`].
-    pub fn check(&self, owner: &OwnerLease, tp_rank: u32, now_us: u64) -> Result<(), BankError> {
-        let mismatch = |field: &'static str, requested: String, actual: String| {
-            Err(BankError::LeaseMismatch {
-                lease: self.name.clone(),
-                field,
-                requested,
-                actual,
-            })
-        };
-        if owner.engine_id != self.engine_id {
-            return mismatch(
-                "engine_id",
-                owner.engine_id.to_string(),
-                self.engine_id.to_string(),
-            );
-        }
-        if owner.generation != self.generation {
-            return mismatch(
-                "bank_generation",
-                owner.generation.to_string(),
-                self.generation.to_string(),
-            );
-        }
-        if owner.role != self.role {
-            return mismatch(
-                "role",
-                format!("{:?}", owner.role),
-                format!("{:?}", self.role),
-            );
-        }
-        if tp_rank != self.tp_rank {
-            return mismatch("tp_rank", tp_rank.to_string(), self.tp_rank.to_string());
-        }
-        self.check_live(now_us)
-    }
-
-    /// # Errors
-    /// [`BankError::LeaseRevoked`]; [`BankError::LeaseExpired`].
-    pub(crate) fn check_live(&self, now_us: u64) -> Result<(), BankError> {
-        if self.expires_at_us == 0 {
-            return Err(BankError::LeaseRevoked {
-                lease: self.name.clone(),
-            });
-        }
-        if now_us >= self.expires_at_us {
-            return Err(BankError::LeaseExpired {
-                lease: self.name.clone(),
-                expires_at_us: self.expires_at_us,
-                now_us,
-            });
-        }
-        Ok(())
-    }
-}
-
 /// The lease name that covers `d` (see the module docs).
 ///
 /// ```
@@ -279,7 +189,8 @@ pub fn lease_name_for(d: &BankDescriptor) -> String {
 }
 
 /// Importer-side check: the lease of `d` exists, names `d`'s engine id,
-/// generation, role and rank, and is live at `now`. Run before mapping.
+/// generation, role and rank, and is live at `now` (normally
+/// [`LeaseInstant::now`]). Run before mapping.
 ///
 /// # Errors
 /// [`BankError::LeaseMissing`] (never created, closed or reclaimed),
@@ -287,10 +198,10 @@ pub fn lease_name_for(d: &BankDescriptor) -> String {
 /// [`BankError::LeaseRevoked`], [`BankError::LeaseExpired`].
 pub fn check_descriptor_lease(
     d: &BankDescriptor,
-    now: SystemTime,
+    now: LeaseInstant,
 ) -> Result<LeaseRecord, BankError> {
     let rec = read_lease(&lease_name_for(d))?;
-    rec.check(d.owner(), d.tp_rank(), unix_us(now))?;
+    rec.check(d.owner(), d.tp_rank(), now)?;
     Ok(rec)
 }
 
@@ -468,7 +379,8 @@ impl LeaseMap {
 
     /// Reclaimer side: swaps an expired (or revoked) expiry to 0. Returns
     /// false when the owner renewed first (the lease is live again).
-    pub(crate) fn revoke_if_lapsed(&self, now_us: u64) -> bool {
+    pub(crate) fn revoke_if_lapsed(&self, now: LeaseInstant) -> bool {
+        let now_us = now.as_micros();
         let e = self.expiry();
         let mut seen = e.load(Ordering::Acquire);
         loop {
@@ -503,7 +415,7 @@ impl LeaseHolder {
         owner: &OwnerLease,
         tp_rank: u32,
         duration: Duration,
-        now: SystemTime,
+        now: LeaseInstant,
     ) -> Result<Self, BankError> {
         check_lease_name(name)?;
         let file = OpenOptions::new()
@@ -535,7 +447,7 @@ impl LeaseHolder {
                 return Err(e);
             }
         };
-        let now_us = unix_us(now);
+        let now_us = now.as_micros();
         let duration_us = duration.as_micros() as u64;
         let mut imm = [0u8; 64];
         imm[..16].copy_from_slice(owner.engine_id.0.as_bytes());
@@ -580,8 +492,8 @@ impl LeaseHolder {
 
     /// Extends the lease to `now + duration`, only if it has not lapsed,
     /// was not revoked, and the file is still linked under its name.
-    pub(crate) fn renew(&self, now: SystemTime) -> Result<u64, BankError> {
-        let now_us = unix_us(now);
+    pub(crate) fn renew(&self, now: LeaseInstant) -> Result<u64, BankError> {
+        let now_us = now.as_micros();
         let e = self.map.expiry();
         let mut seen = e.load(Ordering::Acquire);
         loop {
@@ -650,7 +562,7 @@ impl OwnerLeases {
         config: LeaseConfig,
     ) -> Result<Arc<Self>, BankError> {
         config.validate()?;
-        let now = SystemTime::now();
+        let now = LeaseInstant::now();
         let holders = parts
             .iter()
             .map(|d| {
@@ -678,7 +590,7 @@ impl OwnerLeases {
         self.holders.iter().map(|h| h.name().to_string()).collect()
     }
 
-    /// Earliest expiry over the ranks (Unix µs; 0 once revoked).
+    /// Earliest expiry over the ranks (lease-clock µs; 0 once revoked).
     pub(crate) fn expires_at_us(&self) -> u64 {
         self.holders
             .iter()
@@ -700,7 +612,7 @@ impl OwnerLeases {
     }
 
     /// Renews every rank's lease; the first failure marks the bank's leases lost.
-    pub(crate) fn renew(&self, now: SystemTime) -> Result<u64, BankError> {
+    pub(crate) fn renew(&self, now: LeaseInstant) -> Result<u64, BankError> {
         if self.is_lost() {
             return Err(BankError::LeaseLost {
                 lease: self.names().join(","),
@@ -717,8 +629,8 @@ impl OwnerLeases {
     }
 
     /// Owner-side liveness: not lost, not revoked, not lapsed at `now`.
-    pub(crate) fn check_live(&self, now: SystemTime) -> Result<(), BankError> {
-        let now_us = unix_us(now);
+    pub(crate) fn check_live(&self, now: LeaseInstant) -> Result<(), BankError> {
+        let now_us = now.as_micros();
         for h in &self.holders {
             let e = h.expires_at_us();
             if e == 0 {
@@ -774,7 +686,7 @@ impl Renewer {
                 let _live = live;
                 // Any message or a dropped sender ends the loop.
                 while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
-                    if let Err(e) = leases.renew(SystemTime::now()) {
+                    if let Err(e) = leases.renew(LeaseInstant::now()) {
                         tracing::warn!("bank lease renewal stopped: {e}");
                         // The generation is dead: ranks renewed before the
                         // failing one must not stay importable until they lapse.
@@ -803,96 +715,4 @@ impl Drop for Renewer {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    #[derive(Debug, Clone)]
-    enum Op {
-        /// Advance the clock by this many µs.
-        Wait(u64),
-        Renew,
-        Reclaim,
-    }
-
-    fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![
-            (0u64..3_000).prop_map(Op::Wait),
-            Just(Op::Renew),
-            Just(Op::Reclaim),
-        ]
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(64))]
-        /// Renewals and reclaim swaps, at any interleaving on a virtual clock,
-        /// agree with the model: a lease is renewed only while live, revoked
-        /// only once lapsed, and once revoked it stays dead.
-        #[test]
-        fn renew_and_reclaim_follow_the_lease_model(ops in proptest::collection::vec(op(), 1..40)) {
-            let owner = OwnerLease::fresh(Role::Decode);
-            let name = format!("/kvbank-unit-{}-0-{:08x}.lease", std::process::id(), uuid::Uuid::new_v4().as_u128() as u32);
-            let t0 = SystemTime::now();
-            let dur = 1_000u64;
-            let holder = LeaseHolder::create(&name, &owner, 0, Duration::from_micros(dur), t0).unwrap();
-            let reader = LeaseMap::open(&name).unwrap();
-            let mut now = unix_us(t0);
-            let mut model_expiry = now + dur; // 0 = revoked
-            for op in ops {
-                match op {
-                    Op::Wait(us) => now += us,
-                    Op::Renew => {
-                        let at = UNIX_EPOCH + Duration::from_micros(now);
-                        let r = holder.renew(at);
-                        let live = model_expiry != 0 && now < model_expiry;
-                        prop_assert_eq!(r.is_ok(), live, "renew at {} with expiry {}", now, model_expiry);
-                        if live { model_expiry = now + dur; }
-                    }
-                    Op::Reclaim => {
-                        let revoked = reader.revoke_if_lapsed(now);
-                        let lapsed = model_expiry == 0 || now >= model_expiry;
-                        prop_assert_eq!(revoked, lapsed);
-                        if lapsed { model_expiry = 0; }
-                    }
-                }
-                let rec = reader.record().unwrap();
-                prop_assert_eq!(rec.expires_at_us, model_expiry);
-                prop_assert_eq!(rec.is_live(now), model_expiry != 0 && now < model_expiry);
-            }
-            drop(holder);
-            let gone = matches!(read_lease(&name), Err(BankError::LeaseMissing { .. }));
-            prop_assert!(gone, "the owner's drop removes the lease");
-        }
-    }
-
-    #[test]
-    fn record_round_trips_and_corruption_is_detected() {
-        let owner = OwnerLease::fresh(Role::Prefill);
-        let name = format!(
-            "/kvbank-unit-{}-1-{:08x}.lease",
-            std::process::id(),
-            uuid::Uuid::new_v4().as_u128() as u32
-        );
-        let t0 = SystemTime::now();
-        let h = LeaseHolder::create(&name, &owner, 3, Duration::from_secs(2), t0).unwrap();
-        let r = read_lease(&name).unwrap();
-        assert_eq!(
-            (r.engine_id, r.generation, r.role, r.tp_rank),
-            (owner.engine_id, 1, Role::Prefill, 3)
-        );
-        assert_eq!(r.pid, std::process::id());
-        assert_eq!(r.expires_at_us, unix_us(t0) + 2_000_000);
-        assert_eq!(r.duration_us, 2_000_000);
-        // A second owner can never take the same name.
-        assert!(LeaseHolder::create(&name, &owner, 3, Duration::from_secs(2), t0).is_err());
-        // Flip one immutable byte (the generation): the checksum refuses it.
-        let path = shm_path(&name);
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes[48] ^= 1;
-        std::fs::write(&path, &bytes).unwrap();
-        let e = read_lease(&name).unwrap_err();
-        assert!(e.to_string().contains("checksum"), "{e}");
-        drop(h);
-        assert!(!std::path::Path::new(&path).exists());
-    }
-}
+mod tests;

@@ -54,7 +54,7 @@
 //!
 //! Deliberately absent: moving bytes between banks (kv-transfer), deciding
 //! what to fetch (kv-lookup, kv-router-glue) and NIXL registration. Leases
-//! are host-local (wall clock, shared-memory directory): a remote importer
+//! are host-local (`CLOCK_BOOTTIME`, shared-memory directory): a remote importer
 //! (multi-node NVLink) relies on the descriptor generation and the donor's
 //! `pin_hint` checks, not on reading the lease. The
 //! fabric-handle path ([`CudaDeviceMemory::new_fabric`]) needs an IMEX
@@ -66,8 +66,10 @@ mod cuda;
 mod error;
 pub mod faults;
 pub mod gpu_check;
+mod ipc_cache;
 pub mod leaks;
 pub mod lease;
+mod lease_clock;
 mod lineage;
 mod manager;
 pub mod memory;
@@ -89,6 +91,7 @@ pub use lease::{
     check_descriptor_lease, lease_name_for, read_lease, LeaseConfig, LeaseRecord, LeaseRenewal,
     SHM_DIR,
 };
+pub use lease_clock::LeaseInstant;
 pub use lineage::ExclusionLineage;
 pub use manager::{
     sealed_blocks, BankConfig, BankManager, BankStats, Inventory, LeaseStatus, ManagerPin,

@@ -42,6 +42,20 @@ impl std::fmt::Display for MemoryKind {
 /// checking slots, not for the transfer data path. Their default is
 /// [`BankError::Unsupported`], so implementing the trait needs no unsafe code.
 ///
+/// # Aliasing rule for implementations
+/// The bytes change behind `&self`: other processes (host shm importers, a
+/// donor's engine), copy engines and NIXL / UCX threads write them through
+/// the base address, and [`BankMemory::write_bytes`] takes `&self`. An
+/// implementation therefore never hands out a `&[u8]` (or any reference)
+/// into the region for `&self`: the compiler may assume such bytes do not
+/// change while the reference lives, and a read across a concurrent write
+/// could return a stale value. Reads and writes are copies of exact,
+/// bounds-checked ranges through raw pointers (or device copies). Which
+/// party may touch which bytes when is the bank protocol's: a slot is
+/// written only while pending and read only once ready and pinned; a
+/// destination row is written only by the delivery that reserved it and
+/// read after that delivery returned.
+///
 /// ```
 /// use kv_bank::{BankMemory, HostShmMemory, MemoryKind};
 /// let m = HostShmMemory::create_unique("kvbank-doc", 4096).unwrap();
@@ -127,6 +141,27 @@ pub trait BankMemory: Send + Sync + std::fmt::Debug {
             op: "read_bytes",
             kind: self.kind().to_string(),
         })
+    }
+
+    /// Copies `len` bytes of the region at byte `offset` into a new vector
+    /// ([`BankMemory::read_bytes`] into a zeroed buffer of `len` bytes).
+    ///
+    /// ```
+    /// use kv_bank::{BankMemory, HostShmMemory};
+    /// let m = HostShmMemory::create_unique("kvbank-doc-vec", 4096).unwrap();
+    /// m.write_bytes(10, &[1, 2, 3]).unwrap();
+    /// assert_eq!(m.read_vec(9, 5).unwrap(), [0, 1, 2, 3, 0]);
+    /// assert!(m.read_vec(4095, 2).is_err());
+    /// ```
+    ///
+    /// # Errors
+    /// As [`BankMemory::read_bytes`]; the range is checked before anything
+    /// is allocated, so a huge `len` is refused, not allocated.
+    fn read_vec(&self, offset: usize, len: usize) -> Result<Vec<u8>, BankError> {
+        check_range("offset", offset, len, self.len())?;
+        let mut v = vec![0u8; len];
+        self.read_bytes(offset, &mut v)?;
+        Ok(v)
     }
 }
 

@@ -29,8 +29,47 @@ use kv_descriptor::EngineId;
 use parking_lot::Mutex;
 
 use crate::leaks::{self, name_pid, shm_names};
-use crate::lease::{shm_path, unix_us, LeaseMap, LEASE_SUFFIX};
-use crate::BankError;
+use crate::lease::{shm_path, LeaseMap, LEASE_SUFFIX};
+use crate::{BankError, LeaseInstant};
+
+/// The moment a scan judges entries at, on the two clocks it needs: leases
+/// on the lease clock ([`LeaseInstant`], `CLOCK_BOOTTIME`, which no clock
+/// step moves), grace periods on the wall clock, because they compare file
+/// modification times, which the kernel stamps from the wall clock.
+///
+/// ```
+/// use std::time::Duration;
+/// let now = kv_bank::reclaim::ScanTime::now();
+/// let later = now.later(Duration::from_secs(2));
+/// assert_eq!(later.lease.as_micros() - now.lease.as_micros(), 2_000_000);
+/// assert_eq!(later.wall.duration_since(now.wall).unwrap(), Duration::from_secs(2));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScanTime {
+    /// Leases lapse against this.
+    pub lease: LeaseInstant,
+    /// Ages of unreadable leases and orphan segments are measured to this.
+    pub wall: std::time::SystemTime,
+}
+
+impl ScanTime {
+    /// Both clocks now.
+    pub fn now() -> Self {
+        Self {
+            lease: LeaseInstant::now(),
+            wall: SystemTime::now(),
+        }
+    }
+
+    /// `d` after `self` on both clocks (a scan "from the future", for tests
+    /// that must see leases lapsed without waiting).
+    pub fn later(self, d: Duration) -> Self {
+        Self {
+            lease: self.lease + d,
+            wall: self.wall + d,
+        }
+    }
+}
 
 /// What [`reclaim_stale_with`] may remove besides lapsed leases.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,20 +144,21 @@ impl ReclaimReport {
 /// [`reclaim_stale_with`] under [`ReclaimPolicy::default`].
 ///
 /// ```
-/// use std::time::SystemTime;
+/// use kv_bank::reclaim::ScanTime;
 /// // A prefix nothing uses: nothing found, nothing removed.
-/// let r = kv_bank::reclaim_stale("kvbank-doc-none", SystemTime::now()).unwrap();
+/// let r = kv_bank::reclaim_stale("kvbank-doc-none", ScanTime::now()).unwrap();
 /// assert!(r.reclaimed.is_empty() && r.orphans.is_empty() && r.live == 0);
 /// ```
 ///
 /// # Errors
 /// As [`reclaim_stale_with`].
-pub fn reclaim_stale(prefix: &str, now: SystemTime) -> Result<ReclaimReport, BankError> {
+pub fn reclaim_stale(prefix: &str, now: ScanTime) -> Result<ReclaimReport, BankError> {
     reclaim_stale_with(prefix, now, &ReclaimPolicy::default())
 }
 
 /// Reclaims stale banks whose names start with `prefix` (see the module
-/// docs), judging leases at `now`. Per-entry failures are reported in
+/// docs), judging leases at `now.lease` and file ages at `now.wall`.
+/// Per-entry failures are reported in
 /// [`ReclaimReport::errors`], not returned.
 ///
 /// # Errors
@@ -126,7 +166,7 @@ pub fn reclaim_stale(prefix: &str, now: SystemTime) -> Result<ReclaimReport, Ban
 /// contains `/` (an empty prefix would scan other software's objects).
 pub fn reclaim_stale_with(
     prefix: &str,
-    now: SystemTime,
+    now: ScanTime,
     policy: &ReclaimPolicy,
 ) -> Result<ReclaimReport, BankError> {
     if prefix.is_empty() || prefix.contains('/') {
@@ -135,7 +175,6 @@ pub fn reclaim_stale_with(
             format!("must be non-empty without `/`, got {prefix:?}"),
         ));
     }
-    let now_us = unix_us(now);
     let names = shm_names(prefix);
     let mut report = ReclaimReport::default();
     let mut partnered = std::collections::HashSet::new();
@@ -156,7 +195,7 @@ pub fn reclaim_stale_with(
         let rec = match map.record() {
             Ok(r) => r,
             Err(e) => {
-                if age(lease, now).is_some_and(|a| a >= policy.incomplete_grace) {
+                if age(lease, now.wall).is_some_and(|a| a >= policy.incomplete_grace) {
                     remove(&segment, &mut report);
                     if map.unlink_if_ours() {
                         report.invalid_leases.push(lease.clone());
@@ -169,7 +208,7 @@ pub fn reclaim_stale_with(
                 continue;
             }
         };
-        if !map.revoke_if_lapsed(now_us) {
+        if !map.revoke_if_lapsed(now.lease) {
             report.live += 1;
             continue;
         }
@@ -188,7 +227,8 @@ pub fn reclaim_stale_with(
             expired_for_us: if rec.expires_at_us == 0 {
                 0
             } else {
-                now_us.saturating_sub(rec.expires_at_us)
+                now.lease
+                    .micros_since(LeaseInstant::from_micros(rec.expires_at_us))
             },
         });
     }
@@ -198,7 +238,7 @@ pub fn reclaim_stale_with(
                 continue; // covered by a lease (possibly created after the listing)
             }
             let Some(pid) = name_pid(seg) else { continue };
-            if pid_alive(pid) || age(seg, now).is_none_or(|a| a < grace) {
+            if pid_alive(pid) || age(seg, now.wall).is_none_or(|a| a < grace) {
                 continue;
             }
             if std::fs::remove_file(shm_path(seg)).is_ok() {
@@ -296,7 +336,7 @@ impl Reclaimer {
         interval: Duration,
         policy: ReclaimPolicy,
     ) -> Result<Self, BankError> {
-        reclaim_stale_with(prefix, SystemTime::now(), &policy)?;
+        reclaim_stale_with(prefix, ScanTime::now(), &policy)?;
         if interval.is_zero() {
             return Err(BankError::arg("interval", "must be above 0"));
         }
@@ -310,7 +350,7 @@ impl Reclaimer {
             .spawn(move || {
                 let _live = live;
                 loop {
-                    let r = reclaim_stale_with(&prefix, SystemTime::now(), &policy);
+                    let r = reclaim_stale_with(&prefix, ScanTime::now(), &policy);
                     let mut t = t.lock();
                     t.scans += 1;
                     match r {
@@ -368,7 +408,7 @@ mod tests {
     #[test]
     fn empty_or_slashed_prefix_is_refused() {
         for p in ["", "a/b"] {
-            let e = reclaim_stale(p, SystemTime::now()).unwrap_err();
+            let e = reclaim_stale(p, ScanTime::now()).unwrap_err();
             assert!(e.to_string().contains("`prefix`"), "{e}");
         }
     }

@@ -159,7 +159,7 @@ impl HostShmMemory {
             return Err(BankError::arg("len", "must be at least 1 byte, got 0"));
         }
         match crate::lease::read_lease(&format!("{name}{}", crate::lease::LEASE_SUFFIX)) {
-            Ok(rec) => rec.check_live(crate::lease::unix_us(std::time::SystemTime::now()))?,
+            Ok(rec) => rec.check_live(crate::LeaseInstant::now())?,
             Err(BankError::LeaseMissing { .. }) => {}
             // A name too long to carry a lease suffix cannot have a lease.
             Err(BankError::InvalidArgument { .. }) => {}
@@ -217,7 +217,7 @@ impl HostShmMemory {
                 kind: format!("{:?}", d.location()).chars().take(40).collect(),
             });
         };
-        crate::lease::check_descriptor_lease(d, std::time::SystemTime::now())?;
+        crate::lease::check_descriptor_lease(d, crate::LeaseInstant::now())?;
         Self::open(name, d.region_bytes() as usize)
     }
 

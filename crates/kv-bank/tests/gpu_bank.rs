@@ -125,7 +125,7 @@ fn device_bank_publishes_a_lease_and_is_refused_once_closed() {
     );
     let bank = BankManager::new_cuda(cfg, "gpu-host", &[0]).unwrap();
     let d = bank.manifest().parts()[0].clone();
-    let rec = kv_bank::check_descriptor_lease(&d, std::time::SystemTime::now()).unwrap();
+    let rec = kv_bank::check_descriptor_lease(&d, kv_bank::LeaseInstant::now()).unwrap();
     assert!(rec.name.starts_with("/kvbank-cuda-"), "{}", rec.name);
     assert_eq!(rec.engine_id, bank.owner().engine_id);
     let held = kv_bank::leaks::snapshot();

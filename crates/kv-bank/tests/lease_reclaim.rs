@@ -5,11 +5,12 @@
 mod common;
 
 use std::sync::Mutex;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
+use kv_bank::reclaim::ScanTime;
 use kv_bank::{
     faults, read_lease, reclaim_stale, reclaim_stale_with, BankConfig, BankError, BankManager,
-    HostShmMemory, LeaseConfig, ReclaimPolicy, Reclaimer,
+    HostShmMemory, LeaseConfig, LeaseInstant, ReclaimPolicy, Reclaimer,
 };
 use kv_descriptor::{BankDescriptor, BankParts, EngineId, OwnerLease, Role};
 
@@ -126,7 +127,7 @@ fn live_owner_is_never_reclaimed_while_it_renews() {
     assert_eq!(first.names.len(), 2);
     for _ in 0..8 {
         std::thread::sleep(Duration::from_millis(100));
-        let r = reclaim_stale(&p, SystemTime::now()).unwrap();
+        let r = reclaim_stale(&p, ScanTime::now()).unwrap();
         assert!(r.reclaimed.is_empty(), "{r:?}");
         assert_eq!(r.live, 2);
     }
@@ -180,7 +181,7 @@ fn descriptor_import_checks_engine_generation_rank_and_liveness() {
     let p = prefix("d");
     let bank = lease_bank(&p, LeaseConfig::default());
     let d0 = bank.manifest().parts()[0].clone();
-    let rec = kv_bank::check_descriptor_lease(&d0, SystemTime::now()).unwrap();
+    let rec = kv_bank::check_descriptor_lease(&d0, LeaseInstant::now()).unwrap();
     assert_eq!(
         (rec.pid, rec.tp_rank, rec.generation),
         (std::process::id(), 0, 1)
@@ -242,10 +243,10 @@ fn orphans_of_dead_creators_are_removed_and_live_ones_kept() {
         orphan_grace: None,
         ..Default::default()
     };
-    let r = reclaim_stale_with(&p, SystemTime::now(), &keep).unwrap();
+    let r = reclaim_stale_with(&p, ScanTime::now(), &keep).unwrap();
     assert!(r.orphans.is_empty());
     // Within the default 60 s grace nothing goes either.
-    assert!(reclaim_stale(&p, SystemTime::now())
+    assert!(reclaim_stale(&p, ScanTime::now())
         .unwrap()
         .orphans
         .is_empty());
@@ -253,7 +254,7 @@ fn orphans_of_dead_creators_are_removed_and_live_ones_kept() {
         orphan_grace: Some(Duration::ZERO),
         ..Default::default()
     };
-    let r = reclaim_stale_with(&p, SystemTime::now(), &now_ok).unwrap();
+    let r = reclaim_stale_with(&p, ScanTime::now(), &now_ok).unwrap();
     assert_eq!(
         r.orphans,
         vec![dead.trim_start_matches("/dev/shm").to_string()]
@@ -284,13 +285,13 @@ fn unreadable_lease_is_removed_with_its_segment_only_after_grace() {
         HostShmMemory::open(name, 4096),
         Err(BankError::LeaseInvalid { .. })
     ));
-    let r = reclaim_stale(&p, SystemTime::now()).unwrap();
+    let r = reclaim_stale(&p, ScanTime::now()).unwrap();
     assert!(r.invalid_leases.is_empty() && r.errors.len() == 1, "{r:?}");
     let grace0 = ReclaimPolicy {
         incomplete_grace: Duration::ZERO,
         ..Default::default()
     };
-    let r = reclaim_stale_with(&p, SystemTime::now(), &grace0).unwrap();
+    let r = reclaim_stale_with(&p, ScanTime::now(), &grace0).unwrap();
     assert_eq!(r.invalid_leases.len(), 1);
     assert!(shm_entries(&p).is_empty());
 }
@@ -412,7 +413,7 @@ fn failed_owner_killed_run_still_reclaims_the_child_bank() {
     let p = std::fs::read_to_string(&marker).unwrap();
     let left = shm_entries(&p);
     // Never leave junk behind, even when the assertion below fails.
-    let _ = reclaim_stale(&p, SystemTime::now() + lease * 10);
+    let _ = reclaim_stale(&p, ScanTime::now().later(lease * 10));
     assert!(
         left.is_empty(),
         "the killed child's bank was left: {left:?}"

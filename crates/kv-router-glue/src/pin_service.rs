@@ -16,9 +16,14 @@
 //!   throughout and must not trust what it read);
 //! - [`PinService::shutdown`].
 //!
-//! Threads: one accept thread plus one thread per connection, at most
-//! [`PinServiceConfig::max_connections`] (a connection over the limit gets one
-//! `too_many_pins` refusal and is closed). Nothing polls: a connection thread
+//! Threads: one accept thread, one thread per connection, at most
+//! [`PinServiceConfig::max_connections`], and one refuser thread: a
+//! connection over the limit gets one `too_many_pins` refusal, written by
+//! the refuser (never by the accept thread, which does no socket I/O beyond
+//! `accept`, so one target that does not read cannot stall every other
+//! target's connect), and is closed; when more of them wait than the
+//! refuser's queue holds, the excess is closed without a frame (the target
+//! reads end-of-stream, which it treats as a refusal). Nothing polls: a connection thread
 //! blocks in `read` with a timeout equal to its earliest pin deadline, and
 //! shutdown wakes it by shutting its socket down. [`PinService::shutdown`]
 //! (also run on drop) joins every thread, closes every socket and removes the
@@ -43,6 +48,8 @@ use kv_descriptor::{
     PinRefusalReason, PinReleased, PinRequest, Wire,
 };
 use parking_lot::{Condvar, Mutex};
+
+mod refusals;
 
 /// Scheme prefix of a Unix-socket control endpoint: `unix:<absolute path>`.
 pub const UNIX_ENDPOINT_PREFIX: &str = "unix:";
@@ -176,6 +183,9 @@ struct Shared {
     next_conn: AtomicU64,
     conns: Mutex<HashMap<u64, Conn>>,
     counters: Counters,
+    /// Writes an over-limit refusal (on the refuser thread); `send` except
+    /// in tests, which stall it.
+    refusal_writer: refusals::RefusalWriter,
 }
 
 /// A running donor pin service on a Unix socket.
@@ -203,6 +213,7 @@ struct Shared {
 pub struct PinService {
     shared: Arc<Shared>,
     accept: Option<JoinHandle<()>>,
+    refuser: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for PinService {
@@ -228,6 +239,17 @@ impl PinService {
         bank: Arc<BankManager>,
         endpoint: &str,
         config: PinServiceConfig,
+    ) -> Result<Self, PinServiceError> {
+        Self::bind_with_refusal_writer(bank, endpoint, config, send)
+    }
+
+    /// [`PinService::bind`] with the over-limit refusal written by `writer`
+    /// (tests stall it to show the accept loop does not wait for it).
+    pub(crate) fn bind_with_refusal_writer(
+        bank: Arc<BankManager>,
+        endpoint: &str,
+        config: PinServiceConfig,
+        writer: refusals::RefusalWriter,
     ) -> Result<Self, PinServiceError> {
         let path = unix_endpoint_path(endpoint).map_err(PinServiceError::Endpoint)?;
         let sock_err = |op, source| PinServiceError::Socket {
@@ -259,11 +281,16 @@ impl PinService {
             next_conn: AtomicU64::new(1),
             conns: Mutex::new(HashMap::new()),
             counters: Counters::default(),
+            refusal_writer: writer,
         });
+        let (refusals, refuser) = refusals::start(shared.clone()).map_err(|e| {
+            let _ = std::fs::remove_file(&path);
+            sock_err("spawn refuser thread", e)
+        })?;
         let s = shared.clone();
         let accept = std::thread::Builder::new()
             .name("kv-pin-accept".into())
-            .spawn(move || accept_loop(&s, &listener))
+            .spawn(move || accept_loop(&s, &listener, &refusals))
             .map_err(|e| {
                 let _ = std::fs::remove_file(&path);
                 sock_err("spawn accept thread", e)
@@ -271,6 +298,7 @@ impl PinService {
         Ok(Self {
             shared,
             accept: Some(accept),
+            refuser: Some(refuser),
         })
     }
 
@@ -332,6 +360,11 @@ impl PinService {
         // exits, closing the listener.
         drop(UnixStream::connect(&s.path));
         let _ = accept.join();
+        // The accept thread held the refusal queue's sender: the refuser
+        // now skips what is queued (stopping) and ends.
+        if let Some(r) = self.refuser.take() {
+            let _ = r.join();
+        }
         let conns: Vec<Conn> = s.conns.lock().drain().map(|(_, c)| c).collect();
         for c in &conns {
             if let Some(w) = &c.wake {
@@ -375,7 +408,11 @@ impl Shared {
     }
 }
 
-fn accept_loop(s: &Arc<Shared>, listener: &UnixListener) {
+fn accept_loop(
+    s: &Arc<Shared>,
+    listener: &UnixListener,
+    refusals: &std::sync::mpsc::SyncSender<UnixStream>,
+) {
     loop {
         let accepted = listener.accept();
         if s.stopping.load(Ordering::SeqCst) {
@@ -405,18 +442,7 @@ fn accept_loop(s: &Arc<Shared>, listener: &UnixListener) {
         let _ = stream.set_write_timeout(Some(s.config.io_timeout));
         if s.live_connections.fetch_add(1, Ordering::SeqCst) >= s.config.max_connections {
             s.live_connections.fetch_sub(1, Ordering::SeqCst);
-            s.counters
-                .connections_refused
-                .fetch_add(1, Ordering::SeqCst);
-            let mut stream = stream;
-            let _ = send(
-                &mut stream,
-                &refusal(
-                    0,
-                    PinRefusalReason::TooManyPins,
-                    format!("connection limit {} reached", s.config.max_connections),
-                ),
-            );
+            refusals::hand_over(s, refusals, stream);
             continue;
         }
         let Ok(wake) = stream.try_clone() else {

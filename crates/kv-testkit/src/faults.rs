@@ -1782,7 +1782,7 @@ fn child_fault(
         pid_alive(pid)
             && parts
                 .iter()
-                .all(|d| check_descriptor_lease(d, SystemTime::now()).is_ok())
+                .all(|d| check_descriptor_lease(d, kv_bank::LeaseInstant::now()).is_ok())
     });
     let donor = RemoteDonor {
         remote,
@@ -1844,7 +1844,7 @@ fn child_fault(
     let end = Instant::now() + Duration::from_millis(CHILD_LEASE_MS * 4);
     while !shm_entries(prefix).is_empty() && Instant::now() < end {
         std::thread::sleep(Duration::from_millis(CHILD_LEASE_MS / 4));
-        if let Ok(r) = kv_bank::reclaim_stale(prefix, SystemTime::now()) {
+        if let Ok(r) = kv_bank::reclaim_stale(prefix, kv_bank::reclaim::ScanTime::now()) {
             reclaimed += r.removed_names().len();
         }
     }

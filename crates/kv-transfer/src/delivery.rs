@@ -195,7 +195,7 @@ impl DeliveryReport {
 /// let r = deliver(&plan, &HostCopyBackend, &io, &DeliveryControl::new()).unwrap();
 /// assert!(r.is_complete());
 /// // rank block = 2 (K,V) x 1 layer x 2 tokens x 1 head x 4 dims x 4 bytes = 64
-/// assert_eq!(&target.as_slice()[..64], &donor.as_slice()[128..192]);
+/// assert_eq!(target.read_vec(0, 64).unwrap(), donor.read_vec(128, 64).unwrap());
 /// ```
 ///
 /// # Errors

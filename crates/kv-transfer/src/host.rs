@@ -55,12 +55,18 @@ impl CopyBackend for HostCopyBackend {
                 since_check = 0;
             }
             // SAFETY: `deliver` checked that both ranges lie inside their
-            // regions, which stay mapped while `io` borrows them. The target
-            // rows are reserved for this delivery (no other reader or writer),
-            // and donor rows are pinned, so the ranges do not change under us;
-            // donor and target are distinct allocations, so they do not overlap.
+            // regions, which stay mapped while `io` borrows them. The copy
+            // goes through raw pointers and touches exactly these two ranges;
+            // no `BankMemory` hands out references into its bytes (the
+            // trait's aliasing rule), so no Rust reference is invalidated.
+            // The target rows are reserved for this delivery (no other
+            // reader or writer until it returns) and the donor rows are
+            // pinned (not rewritten while pinned). `ptr::copy` (memmove)
+            // rather than `copy_nonoverlapping`: nothing in `RankIo` stops a
+            // caller from passing one region as both source and destination,
+            // and overlapping ranges must then not be undefined behaviour.
             unsafe {
-                std::ptr::copy_nonoverlapping(
+                std::ptr::copy(
                     (sb + run.src_offset) as *const u8,
                     (db + run.dst_offset) as *mut u8,
                     run.len as usize,

@@ -5,6 +5,26 @@
 //! implements [`BankMemory`] (kind `Host`, no export handle). It is not
 //! shareable across processes; cross-process host banks are kv-bank's
 //! `HostShmMemory`.
+//!
+//! # Aliasing
+//! The bytes are written behind shared references: by
+//! [`BankMemory::write_bytes`] and by copy backends through
+//! [`BankMemory::base_addr`] (memcpy, NIXL / UCX threads), one writer per
+//! destination row under the destination reservation. So no `&[u8]` over the
+//! buffer is ever handed out for `&self`: such a view tells the compiler the
+//! bytes cannot change while it lives, and a read through it across another
+//! thread's write may return the stale byte (a standalone copy of that
+//! pattern did so under `-O`). Shared access is by copies of exact ranges
+//! ([`BankMemory::read_bytes`], [`BankMemory::read_vec`],
+//! [`BankMemory::write_bytes`]) that go through raw pointers; slice views
+//! exist only for `&mut self` ([`HostBuffer::as_mut_slice`]), where the
+//! borrow checker rules out every other user in this process.
+//!
+//! ```compile_fail,E0599
+//! // There is no shared slice view of the bytes.
+//! let b = kv_transfer::HostBuffer::zeroed(8).unwrap();
+//! let _ = b.as_slice();
+//! ```
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -24,7 +44,9 @@ const PAGE: usize = 4096;
 /// b.as_mut_slice()[9_999] = 7;
 /// assert_eq!(b.len(), 10_000);
 /// assert_eq!(b.base_addr() % 4096, 0);
-/// assert_eq!(b.as_slice()[9_999], 7);
+/// assert_eq!(b.read_vec(9_998, 2).unwrap(), [0, 7]);
+/// b.write_bytes(0, &[1, 2]).unwrap(); // through `&self`: raw copy of 2 bytes
+/// assert_eq!(&b.as_mut_slice()[..3], &[1, 2, 0]);
 /// ```
 #[derive(Debug)]
 pub struct HostBuffer {
@@ -32,11 +54,18 @@ pub struct HostBuffer {
     layout: Layout,
 }
 
-// SAFETY: the buffer is plain bytes owned by this value; shared access hands
-// out only `&[u8]` or raw addresses whose writers follow the destination
-// reservation protocol (one writer per row, readers after completion).
+// SAFETY: `HostBuffer` owns its allocation outright (no thread-local state,
+// no `Rc`), and deallocating from another thread is fine for the global
+// allocator, so moving the owner between threads is sound.
 unsafe impl Send for HostBuffer {}
-// SAFETY: see `Send`.
+// SAFETY: the only operations available through `&HostBuffer` are
+// `len`/`base_addr` (plain values) and `read_bytes`/`write_bytes`, which
+// copy exact, bounds-checked ranges through raw pointers; no method creates
+// a reference into the bytes for `&self` (see the module docs), so sharing
+// the value between threads creates no aliasing reference that a concurrent
+// write could invalidate. Who writes which range when is the transfer
+// protocol's business: a destination row has one writer (the delivery that
+// reserved it) and is read only after that delivery returned.
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
@@ -59,15 +88,13 @@ impl HostBuffer {
         Ok(Self { ptr, layout })
     }
 
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for layout.size() initialised bytes for our lifetime.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
-    }
-
-    /// The bytes, mutably.
+    /// The bytes, mutably. Needs `&mut self`: while the slice lives no other
+    /// Rust code can reach the buffer (a copy backend or NIXL transfer holds
+    /// `&self` through its `RankIo`), so the view cannot go stale.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and `&mut self` excludes other Rust references.
+        // SAFETY: ptr is valid for layout.size() initialised bytes for our
+        // lifetime, and `&mut self` excludes every other Rust reference to
+        // the buffer for as long as the returned borrow lives.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
     }
 }
@@ -94,14 +121,28 @@ impl BankMemory for HostBuffer {
     }
     fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
         self.check(offset, src.len())?;
-        // SAFETY: the range lies inside the allocation (checked above);
-        // `ptr::copy` is a memmove, so `src` may even alias this buffer.
+        // SAFETY: the range lies inside the allocation (checked above). No
+        // reference into the buffer exists while `&self` is shared (the only
+        // slice view needs `&mut self`), so writing through the raw pointer
+        // invalidates no Rust reference; `src` therefore cannot point into
+        // this buffer either, and `ptr::copy` (a memmove) would be correct
+        // even if it did.
         unsafe { std::ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len()) };
         Ok(())
     }
     fn read_bytes(&self, offset: usize, dst: &mut [u8]) -> Result<(), BankError> {
         self.check(offset, dst.len())?;
-        dst.copy_from_slice(&self.as_slice()[offset..offset + dst.len()]);
+        // SAFETY: the range lies inside the allocation (checked above) and
+        // `dst` is a distinct Rust buffer (`&mut` excludes aliasing with
+        // anything else), so the ranges do not overlap. Only these bytes are
+        // read, through a raw pointer: no reference over the buffer exists.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
         Ok(())
     }
 }

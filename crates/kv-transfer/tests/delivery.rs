@@ -66,8 +66,10 @@ impl Group {
             })
             .collect()
     }
-    fn row(&self, rank: usize, block: u32) -> &[u8] {
-        &self.targets[rank].as_slice()[block as usize * self.bb..][..self.bb]
+    fn row(&self, rank: usize, block: u32) -> Vec<u8> {
+        self.targets[rank]
+            .read_vec(block as usize * self.bb, self.bb)
+            .unwrap()
     }
 }
 

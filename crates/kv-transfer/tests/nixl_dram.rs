@@ -115,7 +115,9 @@ fn nixl_dram_tp2_fetch_in_all_modes() {
         assert_eq!(rep.counters.host_payload_bytes, rep.counters.bytes);
         assert_eq!(rep.counters.transport, "unknown");
         for r in 0..2u32 {
-            let t = target_mem[r as usize].as_slice();
+            let t = &target_mem[r as usize]
+                .read_vec(0, g.region_bytes() as usize)
+                .unwrap();
             for mv in &moves {
                 let row = &t[mv.dst_block as usize * bb..][..bb];
                 match mv.src_slot {

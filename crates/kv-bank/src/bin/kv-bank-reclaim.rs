@@ -15,7 +15,7 @@
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 
@@ -46,7 +46,7 @@ fn parse_every(s: &str) -> Result<Duration, String> {
 
 /// One scan, printed; `Err` carries the exit code for a refused prefix.
 fn scan(prefix: &str) -> Result<bool, ExitCode> {
-    match kv_bank::reclaim_stale(prefix, SystemTime::now()) {
+    match kv_bank::reclaim_stale(prefix, kv_bank::reclaim::ScanTime::now()) {
         Ok(r) => {
             let report = serde_json::json!({
                 "prefix": prefix,

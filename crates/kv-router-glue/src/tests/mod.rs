@@ -7,4 +7,5 @@ mod event_plane;
 mod hint_validation;
 mod kv_events;
 mod nats;
+mod pin_accept;
 mod settings;

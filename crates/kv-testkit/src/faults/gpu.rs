@@ -598,7 +598,7 @@ fn child_run(
         pid_alive(pid)
             && parts
                 .iter()
-                .all(|d| check_descriptor_lease(d, SystemTime::now()).is_ok())
+                .all(|d| check_descriptor_lease(d, kv_bank::LeaseInstant::now()).is_ok())
     });
     let donor = RemoteDeviceDonor {
         manifest: manifest.clone(),
@@ -693,7 +693,7 @@ fn child_run(
     let end = Instant::now() + Duration::from_millis(CHILD_LEASE_MS * 4);
     while !shm_entries(&lease_prefix).is_empty() && Instant::now() < end {
         std::thread::sleep(Duration::from_millis(CHILD_LEASE_MS / 4));
-        if let Ok(r) = kv_bank::reclaim_stale(&lease_prefix, SystemTime::now()) {
+        if let Ok(r) = kv_bank::reclaim_stale(&lease_prefix, kv_bank::reclaim::ScanTime::now()) {
             reclaimed += r.removed_names().len();
         }
     }

@@ -1,0 +1,433 @@
+//! The store path of a bank manager: stores taken, written (`write_pending`),
+//! acked by every rank, failed, timed out and rolled back.
+
+use std::time::Instant;
+
+use kv_descriptor::{KvEventData, SequenceHash, StoredBlock};
+
+use super::*;
+
+impl BankManager {
+    /// Rolls back every pending store older than the store timeout (returns
+    /// their ids) and frees quarantined slots whose time passed. Every
+    /// `store` runs it too.
+    pub fn expire_overdue(&self) -> Vec<u64> {
+        let mut st = self.shared.state.lock();
+        self.expire_locked(&mut st, Instant::now())
+    }
+
+    pub(super) fn expire_locked(&self, st: &mut State, now: Instant) -> Vec<u64> {
+        let timeout = self.shared.config.store_timeout;
+        let overdue: Vec<u64> = st
+            .pending
+            .iter()
+            .filter(|(_, p)| now.duration_since(p.started) >= timeout)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in &overdue {
+            self.rollback_locked(st, *id, Rollback::TimedOut);
+        }
+        let (release, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut st.quarantine)
+            .into_iter()
+            .partition(|(at, _)| *at <= now);
+        st.quarantine = keep;
+        for (_, slots) in release {
+            free_unwritten_locked(st, &slots);
+        }
+        overdue
+    }
+
+    /// Removes pending store `id`. Its slots are freed at once only when no
+    /// rank can still be writing them (every rank acked or is the one that
+    /// failed, or the bank is closing); otherwise they are quarantined for one
+    /// more store timeout, so a late copy of a slow rank can never land in a
+    /// slot that was handed to another store meanwhile.
+    pub(super) fn rollback_locked(&self, st: &mut State, id: u64, why: Rollback) {
+        let Some(p) = st.pending.remove(&id) else {
+            return;
+        };
+        let slots: Vec<u32> = p.entries.iter().map(|e| e.2).collect();
+        st.stats.stores_rolled_back += 1;
+        let quiet = match why {
+            Rollback::Closing => true,
+            Rollback::Failed(rank) => p
+                .acked
+                .iter()
+                .enumerate()
+                .all(|(r, &a)| a || r as u32 == rank),
+            Rollback::TimedOut => p.acked.iter().all(|&a| a),
+        };
+        if quiet {
+            free_unwritten_locked(st, &slots);
+        } else {
+            st.quarantine
+                .push((Instant::now() + self.shared.config.store_timeout, slots));
+        }
+    }
+
+    /// Starts storing `blocks` (sealed blocks in prefix order, the first a
+    /// child of `parent`, `None` for a root block).
+    ///
+    /// Blocks already retained are skipped. The first block in the exclusion
+    /// lineage, or whose parent is, ends the store: it and every later block
+    /// are marked in the lineage and not stored. Slots come from the free
+    /// list, then from LRU eviction of unpinned ready blocks (queued as a
+    /// `Removed` event). The returned store must be acked by every rank.
+    ///
+    /// # Errors
+    /// [`BankError::Closed`]; [`BankError::BrokenChain`] when a sequence hash
+    /// does not chain from its parent and token hash; [`BankError::BankFull`]
+    /// when not enough slots are free or evictable; [`BankError::LeaseExpired`]
+    /// or [`BankError::LeaseLost`] when the bank's lease lapsed (the generation
+    /// ends). On error nothing changed.
+    pub fn store(
+        &self,
+        parent: Option<SequenceHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<PendingStore, BankError> {
+        let mut prev = parent;
+        for (index, b) in blocks.iter().enumerate() {
+            let expected = chain_sequence_hash(prev, b.token_hash);
+            if expected != b.sequence_hash {
+                return Err(BankError::BrokenChain {
+                    index,
+                    got: b.sequence_hash.0,
+                    expected: expected.0,
+                });
+            }
+            prev = Some(b.sequence_hash);
+        }
+        let lineage = &self.shared.config.lineage;
+        let parents = std::iter::once(parent).chain(blocks.iter().map(|b| Some(b.sequence_hash)));
+        let cut = lineage
+            .first_tainted(blocks.iter().map(|b| b.sequence_hash).zip(parents))
+            .unwrap_or(blocks.len());
+        let excluded: Vec<SequenceHash> = blocks[cut..].iter().map(|b| b.sequence_hash).collect();
+
+        let mut st = self.shared.state.lock();
+        self.enforce_lease_locked(&mut st)?;
+        if st.phase != Phase::Open {
+            return Err(self.closed());
+        }
+        self.expire_locked(&mut st, Instant::now());
+        let pending_hashes: std::collections::HashSet<SequenceHash> = st
+            .pending
+            .values()
+            .flat_map(|p| p.entries.iter().map(|e| e.0.sequence_hash))
+            .collect();
+        let mut new = Vec::new();
+        let mut already = 0;
+        for (i, b) in blocks[..cut].iter().enumerate() {
+            if st.table.lookup(&b.sequence_hash).is_some()
+                || pending_hashes.contains(&b.sequence_hash)
+            {
+                already += 1;
+                continue;
+            }
+            if new
+                .iter()
+                .any(|(n, _): &(StoredBlock, _)| n.sequence_hash == b.sequence_hash)
+            {
+                already += 1;
+                continue;
+            }
+            let parent_of = if i == 0 {
+                parent
+            } else {
+                Some(blocks[i - 1].sequence_hash)
+            };
+            new.push((*b, parent_of));
+        }
+        // Consumed even by an empty store: its id must never name a later
+        // store (acking it would commit that store before its ranks wrote).
+        let store_id = st.next_store;
+        let hashes: Vec<SequenceHash> = new.iter().map(|(b, _)| b.sequence_hash).collect();
+        let (slots, evicted) =
+            st.table
+                .allocate(store_id, &hashes)
+                .map_err(|available| BankError::BankFull {
+                    needed: hashes.len(),
+                    available,
+                    slot_count: st.table.slot_count(),
+                })?;
+        // Only now is the store certain: record the lineage and effects.
+        lineage.mark(&excluded);
+        st.stats.blocks_excluded += excluded.len() as u64;
+        if !evicted.is_empty() {
+            st.stats.blocks_evicted += evicted.len() as u64;
+            self.push_event(
+                &mut st,
+                KvEventData::Removed {
+                    sequence_hashes: evicted,
+                },
+            );
+        }
+        let entries: Vec<(SequenceHash, u32)> =
+            hashes.iter().copied().zip(slots.iter().copied()).collect();
+        st.next_store += 1;
+        if !slots.is_empty() {
+            st.pending.insert(
+                store_id,
+                Pending {
+                    entries: new
+                        .into_iter()
+                        .zip(slots)
+                        .map(|((b, p), s)| (b, p, s))
+                        .collect(),
+                    acked: vec![false; self.shared.config.layout.tp_size() as usize],
+                    started: Instant::now(),
+                    in_flight: 0,
+                },
+            );
+        }
+        Ok(PendingStore {
+            store_id,
+            entries,
+            already_retained: already,
+            excluded: excluded.len(),
+        })
+    }
+
+    /// Writes rank `rank`'s part of entry `index` of pending store `store_id`
+    /// (host-copy path). Unlike [`RankBank::write_slot`], this refuses any
+    /// slot that is not pending for that store, so it can never overwrite a
+    /// ready or pinned block. Device-copy paths write to
+    /// [`RankBank::slot_addr`] of the store's slots under the same rule.
+    ///
+    /// The copy (a blocking host-to-device copy for device memory) runs
+    /// outside the bank's lock, so other ranks' writes, pins, lookups and
+    /// stores proceed meanwhile. The slot is marked as being written for the
+    /// copy's duration: a rollback meanwhile (failure, timeout, close) does
+    /// not free it until the copy ended, so the copy never lands in a slot
+    /// handed to another store; and the ack that makes the store ready
+    /// waits for the store's running copies, so no block is readable while
+    /// one is still written.
+    ///
+    /// # Errors
+    /// [`BankError::UnknownStore`] (also when the store was rolled back
+    /// while the copy ran: the bytes landed in a slot that is freed, not
+    /// retained); [`BankError::BadRank`];
+    /// [`BankError::InvalidArgument`] for `index` out of range or a wrong
+    /// byte count; the memory's copy error.
+    pub fn write_pending(
+        &self,
+        store_id: u64,
+        rank: u32,
+        index: usize,
+        bytes: &[u8],
+    ) -> Result<(), BankError> {
+        let (bank, slot) = {
+            let mut st = self.shared.state.lock();
+            let p = st
+                .pending
+                .get(&store_id)
+                .ok_or(BankError::UnknownStore(store_id))?;
+            let Some(&(_, _, slot)) = p.entries.get(index) else {
+                return Err(BankError::arg(
+                    "index",
+                    format!(
+                        "{index} is not below the store's {} entries",
+                        p.entries.len()
+                    ),
+                ));
+            };
+            // The clone keeps the rank's memory alive even if the generation
+            // is closed (and its `banks` dropped) while the copy runs.
+            let bank = self.rank_locked(&st, rank)?;
+            st.pending
+                .get_mut(&store_id)
+                .expect("present above")
+                .in_flight += 1;
+            *st.writing.entry(slot).or_insert(0) += 1;
+            (bank, slot)
+        };
+        let copied = bank.write_slot(slot, bytes);
+        let mut st = self.shared.state.lock();
+        let still_pending = match st.pending.get_mut(&store_id) {
+            Some(p) => {
+                p.in_flight -= 1;
+                true
+            }
+            None => false,
+        };
+        let n = st.writing.get_mut(&slot).expect("counted above");
+        *n -= 1;
+        if *n == 0 {
+            st.writing.remove(&slot);
+            if st.orphaned_writes.remove(&slot) {
+                st.table.rollback(&[slot]);
+            }
+        }
+        self.shared.writes_done.notify_all();
+        drop(st);
+        copied?;
+        if still_pending {
+            Ok(())
+        } else {
+            Err(BankError::UnknownStore(store_id))
+        }
+    }
+
+    /// Rank `rank` wrote its part of every slot of store `store_id`.
+    ///
+    /// When the last rank acks, the blocks become ready and one `Stored`
+    /// event per contiguous run of new blocks is queued. A block excluded
+    /// while the store was pending ([`BankManager::exclude`]), or whose parent
+    /// was, and every later block of the store join the lineage and are freed
+    /// instead, as [`BankManager::store`] would have refused them.
+    ///
+    /// # Errors
+    /// [`BankError::BadRank`]; [`BankError::UnknownStore`] (already ready,
+    /// rolled back, or never made); [`BankError::StoreTimedOut`] when the
+    /// deadline passed: the store is rolled back on all ranks;
+    /// [`BankError::LeaseExpired`] / [`BankError::LeaseLost`] when the lease
+    /// lapsed (every pending store is rolled back with the generation).
+    pub fn ack(&self, store_id: u64, rank: u32) -> Result<StoreStatus, BankError> {
+        let tp = self.shared.config.layout.tp_size();
+        if rank >= tp {
+            return Err(BankError::BadRank { rank, tp_size: tp });
+        }
+        let mut st = self.shared.state.lock();
+        self.enforce_lease_locked(&mut st)?;
+        let timeout = self.shared.config.store_timeout;
+        // The last ack makes the blocks readable, so it first waits (lock
+        // released) for `write_pending` copies into the store still running,
+        // at most until the store's deadline.
+        loop {
+            let Some(p) = st.pending.get(&store_id) else {
+                return Err(BankError::UnknownStore(store_id));
+            };
+            let last = p
+                .acked
+                .iter()
+                .enumerate()
+                .all(|(r, &a)| a || r as u32 == rank);
+            if !last || p.in_flight == 0 {
+                break;
+            }
+            let deadline = p.started + timeout;
+            if self
+                .shared
+                .writes_done
+                .wait_until(&mut st, deadline)
+                .timed_out()
+            {
+                break; // past the deadline: rolled back just below
+            }
+        }
+        let Some(p) = st.pending.get_mut(&store_id) else {
+            return Err(BankError::UnknownStore(store_id));
+        };
+        let waited = p.started.elapsed();
+        if waited >= timeout {
+            let missing = missing_ranks(&p.acked);
+            self.rollback_locked(&mut st, store_id, Rollback::TimedOut);
+            return Err(BankError::StoreTimedOut {
+                store_id,
+                waited_ms: waited.as_millis() as u64,
+                missing,
+            });
+        }
+        p.acked[rank as usize] = true;
+        let missing = missing_ranks(&p.acked);
+        if !missing.is_empty() {
+            return Ok(StoreStatus::Waiting { missing });
+        }
+        let mut p = st.pending.remove(&store_id).expect("present above");
+        // The rule of `store`, again at commit: a block excluded while the
+        // store was pending (or whose parent was) ends it; it and every later
+        // (descendant) block join the lineage and are freed, never ready.
+        let lineage = &self.shared.config.lineage;
+        let cut = lineage
+            .first_tainted(
+                p.entries
+                    .iter()
+                    .map(|(b, parent, _)| (b.sequence_hash, *parent)),
+            )
+            .unwrap_or(p.entries.len());
+        let dropped = p.entries.split_off(cut);
+        if !dropped.is_empty() {
+            let hashes: Vec<SequenceHash> = dropped.iter().map(|e| e.0.sequence_hash).collect();
+            lineage.mark(&hashes);
+            st.stats.blocks_excluded += hashes.len() as u64;
+            let freed: Vec<u32> = dropped.iter().map(|e| e.2).collect();
+            st.table.rollback(&freed);
+        }
+        let slots: Vec<u32> = p.entries.iter().map(|e| e.2).collect();
+        st.table.commit(&slots);
+        st.stats.stores_ready += 1;
+        st.stats.blocks_stored += slots.len() as u64;
+        // One Stored event per run whose blocks chain one after another.
+        let mut run: Vec<StoredBlock> = Vec::new();
+        let mut run_parent = None;
+        for (b, parent, _) in p.entries {
+            if run.last().is_some_and(|l| Some(l.sequence_hash) != parent) {
+                let blocks = std::mem::take(&mut run);
+                self.push_event(
+                    &mut st,
+                    KvEventData::Stored {
+                        parent: run_parent,
+                        blocks,
+                    },
+                );
+            }
+            if run.is_empty() {
+                run_parent = parent;
+            }
+            run.push(b);
+        }
+        if !run.is_empty() {
+            self.push_event(
+                &mut st,
+                KvEventData::Stored {
+                    parent: run_parent,
+                    blocks: run,
+                },
+            );
+        }
+        Ok(StoreStatus::Ready)
+    }
+
+    /// Rank `rank` failed to write its part: the store is rolled back on all
+    /// ranks at once (never visible, no event). If another rank had neither
+    /// acked nor failed, it may still be copying into the slots, so they stay
+    /// quarantined for one more store timeout before reuse; the same holds for
+    /// a store that timed out.
+    ///
+    /// # Errors
+    /// [`BankError::BadRank`]; [`BankError::UnknownStore`].
+    pub fn fail(&self, store_id: u64, rank: u32) -> Result<(), BankError> {
+        let tp = self.shared.config.layout.tp_size();
+        if rank >= tp {
+            return Err(BankError::BadRank { rank, tp_size: tp });
+        }
+        let mut st = self.shared.state.lock();
+        if !st.pending.contains_key(&store_id) {
+            return Err(BankError::UnknownStore(store_id));
+        }
+        tracing::warn!(
+            store_id,
+            rank,
+            "rank failed its store part; rolling back on all ranks"
+        );
+        self.rollback_locked(&mut st, store_id, Rollback::Failed(rank));
+        Ok(())
+    }
+}
+
+/// Frees rolled-back `slots`, except those a `write_pending` copy is still
+/// writing: those are freed when their last copy ends.
+fn free_unwritten_locked(st: &mut State, slots: &[u32]) {
+    let (busy, free): (Vec<u32>, Vec<u32>) = slots.iter().partition(|s| st.writing.contains_key(s));
+    st.orphaned_writes.extend(busy);
+    st.table.rollback(&free);
+}
+
+fn missing_ranks(acked: &[bool]) -> Vec<u32> {
+    acked
+        .iter()
+        .enumerate()
+        .filter(|(_, &a)| !a)
+        .map(|(r, _)| r as u32)
+        .collect()
+}
