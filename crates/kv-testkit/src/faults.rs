@@ -85,8 +85,6 @@ use crate::engines::{prompt_hashes, EngineError, Router};
 use crate::model::{KvCache, ModelConfig, ModelError, ReferenceModel};
 use crate::trace::splitmix64;
 
-pub use kv_bank::FaultRow;
-
 pub mod gpu;
 pub use link_cut::{net_child_main, CUT_DEADLINE, NET_CHILD_ROLE, QUIESCE_WINDOW};
 
@@ -112,10 +110,11 @@ use self::donor_child::{
     wait_exit, wait_for_sigterm, ChildHello, HelloChild,
 };
 mod table;
-use self::table::{empty_row, leak_note};
+use self::table::leak_note;
 pub use self::table::{
     fault_rows, fault_table, fault_table_rows, fault_table_with, FaultTable, SkippedFault,
 };
+pub use self::table::{Expected, FaultRow, RunTally};
 mod soak;
 pub use self::soak::{soak, soak_with, SoakReport};
 
@@ -273,6 +272,18 @@ impl Fault {
         }
     }
 
+    /// What its row requires of every run (see [`Expected`]).
+    pub fn expected(self) -> Expected {
+        match self {
+            Fault::None => Expected::Fetch,
+            Fault::DuplicatedEvents
+            | Fault::ReorderedEvents
+            | Fault::GappedEvents
+            | Fault::NatsServerRestart => Expected::FallbackThenFetch,
+            _ => Expected::Fallback,
+        }
+    }
+
     /// True when the fault needs a donor child process ([`ChildCommand`]).
     pub fn needs_child(self) -> bool {
         matches!(
@@ -337,10 +348,15 @@ pub struct RunOutcome {
     /// The fault.
     pub fault: Fault,
     /// The request recomputed instead of using fetched blocks (for event
-    /// faults: got no hint while the inventory was damaged, and the repair worked).
+    /// faults: got no hint while the inventory was damaged).
     pub fell_back: bool,
-    /// The executor reported a completed fetch.
+    /// The executor reported a completed fetch (for event faults: while the
+    /// inventory was damaged, which is a false completion).
     pub completed: bool,
+    /// The fetch the row expects completed ([`Expected::Fetch`]: the control
+    /// run's fetch; [`Expected::FallbackThenFetch`]: the fetch after the
+    /// repair, which needs the index to equal the bank's inventory again).
+    pub fetched: bool,
     /// Output tokens and first logits equal the OFF run's.
     pub outputs_match: bool,
     /// Destination rows free, nothing imported, poison intact where required.
@@ -352,16 +368,25 @@ pub struct RunOutcome {
 }
 
 impl RunOutcome {
-    /// The run ended as its fault requires: fallback (or, for
-    /// [`Fault::None`], completion), correct outputs, destination
-    /// untouched on fallback, nothing leaked.
+    /// The run as its table row counts it: a fallback counts with correct
+    /// outputs and the destination untouched, a fetch with correct outputs.
+    pub fn tally(&self) -> RunTally {
+        RunTally {
+            fetched: self.fetched && self.outputs_match,
+            fell_back: self.fell_back
+                && !self.completed
+                && self.destination_untouched
+                && self.outputs_match,
+            false_completion: self.completed && self.fault.expected() != Expected::Fetch,
+            leaks: self.leaks.len() as u32,
+        }
+    }
+
+    /// The run ended as its fault requires ([`Fault::expected`]): fallback,
+    /// fetch, or both, with correct outputs, the destination untouched on
+    /// fallback, no false completion and nothing leaked.
     pub fn passed(&self) -> bool {
-        let ended_right = if self.fault == Fault::None {
-            self.completed
-        } else {
-            self.fell_back && !self.completed && self.destination_untouched
-        };
-        ended_right && self.outputs_match && self.leaks.is_empty()
+        self.tally().is(self.fault.expected())
     }
 }
 
@@ -400,6 +425,7 @@ mod tests {
             fault: Fault::RankPartFails,
             fell_back: true,
             completed: false,
+            fetched: false,
             outputs_match: true,
             destination_untouched: true,
             leaks: Vec::new(),
@@ -409,6 +435,7 @@ mod tests {
         let completed = RunOutcome {
             fell_back: false,
             completed: true,
+            fetched: true,
             ..fallback.clone()
         };
         assert!(!completed.passed(), "a completion under a fault is false");

@@ -101,6 +101,15 @@ impl GpuFault {
         GpuFault::DonorKilledMidTransfer,
     ];
 
+    /// What its row requires of every run: the control a fetch, the rest a
+    /// fallback.
+    pub fn expected(self) -> Expected {
+        match self {
+            GpuFault::None => Expected::Fetch,
+            _ => Expected::Fallback,
+        }
+    }
+
     /// Row name (`record.json` `faults[].fault`).
     pub fn name(self) -> &'static str {
         match self {
@@ -232,6 +241,20 @@ impl GpuRunOutcome {
         }
     }
 
+    /// The run of row `fault` as its table row counts it (as
+    /// [`RunOutcome::tally`]); a run whose device measurement was not
+    /// sensitive counts as neither fetch nor fallback.
+    pub fn tally(&self, fault: GpuFault) -> RunTally {
+        let checked = self.outputs_match && self.device_check_sensitive;
+        let expected = fault.expected();
+        RunTally {
+            fetched: expected.fetch() && self.completed && checked,
+            fell_back: self.fell_back && !self.completed && self.destination_untouched && checked,
+            false_completion: self.completed && !expected.fetch(),
+            leaks: self.leaks.len() as u32,
+        }
+    }
+
     /// The run ended as its row requires (as [`RunOutcome::passed`]), the
     /// device measurement was sensitive, and nothing leaked.
     pub fn passed(&self) -> bool {
@@ -298,25 +321,21 @@ pub fn gpu_fault_table(quick: bool, child: &ChildCommand) -> Result<GpuFaultTabl
         } else {
             runs_each
         };
-        let mut row = empty_row(f.name());
+        let mut row = FaultRow::new(f.name(), f.expected());
         for i in 0..n {
-            row.runs += 1;
             // Child row: kill after every part first, before the last part second.
             match run_gpu_fault(f, 1 + u64::from(i), &ordinals, Some(child), i + 1) {
                 Ok(o) => {
-                    if o.passed() {
-                        row.fallbacks += 1;
-                    }
-                    if o.completed && f != GpuFault::None {
-                        row.false_completions += 1;
-                    }
-                    row.leaks += o.leaks.len() as u32;
+                    row.count(o.tally(f));
                     if row.detail.is_empty() || !o.passed() {
                         row.detail = format!("{}{}", summary(&o), leak_note(&o.leaks));
                     }
                     runs.push(o);
                 }
-                Err(e) => row.detail = format!("setup failed: {e}"),
+                Err(e) => {
+                    row.runs += 1;
+                    row.detail = format!("setup failed: {e}");
+                }
             }
         }
         rows.push(row);

@@ -56,7 +56,8 @@ pub(super) fn nats_restart(seed: u64, prefix: &str) -> Result<RunOutcome, FaultE
     rt.shutdown_timeout(Duration::from_secs(2));
     drop(server);
     let r = result?;
-    o.fell_back = r.window_safe && r.inventory_complete && r.completed_after;
+    o.fell_back = r.window_safe;
+    o.fetched = r.inventory_complete && r.completed_after;
     o.completed = r.window_completed;
     o.outputs_match = r.outputs_match;
     o.destination_untouched = target.rows_free();

@@ -78,6 +78,7 @@ pub(super) fn outcome(fault: Fault) -> RunOutcome {
         fault,
         fell_back: false,
         completed: false,
+        fetched: false,
         outputs_match: false,
         destination_untouched: false,
         leaks: Vec::new(),
@@ -234,6 +235,7 @@ fn fetch_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
     }
     o.completed = completed;
     o.fell_back = !completed && fallback.is_some();
+    o.fetched = completed && fault.expected() == Expected::Fetch;
     o.outputs_match = served == off;
     o.destination_untouched = target.rows_free()
         && (completed || !fault.strikes_before_first_byte() || target.poison_intact());
@@ -342,7 +344,8 @@ fn event_fault(fault: Fault, seed: u64, prefix: &str) -> Result<RunOutcome, Faul
         bank.as_ref(),
         &DeliveryControl::new(),
     )?;
-    o.fell_back = damaged_ok && !damaged_hint && repaired && completed2;
+    o.fell_back = damaged_ok && !damaged_hint;
+    o.fetched = repaired && completed2;
     o.completed = completed;
     o.outputs_match = damaged_match && served2 == off_probe;
     o.destination_untouched = target.rows_free() && !completed;

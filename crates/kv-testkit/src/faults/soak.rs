@@ -103,31 +103,19 @@ pub fn soak_with(minutes: f64, seed: u64, child: Option<&ChildCommand>) -> SoakR
             _ => Fault::IN_PROCESS[rng.gen_range(0..Fault::IN_PROCESS.len())],
         };
         let run_seed = rng.gen::<u64>();
-        let row = rows.entry(fault).or_insert_with(|| empty_row(fault.name()));
-        row.runs += 1;
+        let row = rows
+            .entry(fault)
+            .or_insert_with(|| FaultRow::new(fault.name(), fault.expected()));
         r.requests += 1;
         match run_fault(fault, run_seed, child) {
             Ok(o) => {
-                let event_fault = matches!(
-                    fault,
-                    Fault::DuplicatedEvents | Fault::ReorderedEvents | Fault::GappedEvents
-                );
-                if o.completed || (event_fault && o.fell_back) {
-                    r.fetches += 1;
-                }
-                if fault != Fault::None && o.fell_back {
-                    r.fallbacks += 1;
-                    row.fallbacks += u32::from(o.passed());
-                } else if fault == Fault::None && o.passed() {
-                    row.fallbacks += 1;
-                }
-                if o.completed && fault != Fault::None {
-                    r.false_completions += 1;
-                    row.false_completions += 1;
-                }
+                let t = o.tally();
+                row.count(t);
+                r.fetches += u64::from(o.completed || o.fetched);
+                r.fallbacks += u64::from(fault != Fault::None && o.fell_back);
+                r.false_completions += u64::from(t.false_completion);
                 r.wrong_outputs += u64::from(!o.outputs_match);
-                r.leaks += o.leaks.len() as u64;
-                row.leaks += o.leaks.len() as u32;
+                r.leaks += u64::from(t.leaks);
                 if !o.passed() {
                     row.detail = format!("{}{}", o.detail, leak_note(&o.leaks));
                     if r.failures.len() < 20 {
@@ -141,6 +129,7 @@ pub fn soak_with(minutes: f64, seed: u64, child: Option<&ChildCommand>) -> SoakR
                 }
             }
             Err(e) => {
+                row.runs += 1;
                 row.detail = format!("setup failed: {e}");
                 if r.failures.len() < 20 {
                     r.failures.push(format!(
