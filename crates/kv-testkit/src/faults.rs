@@ -41,8 +41,9 @@
 //! For the event-plane rows (`*_events`, `nats_server_restart`) "fell back"
 //! means the router did not trust the damaged inventory: while it was
 //! damaged the request got no hint for blocks the donor does not hold and
-//! recomputed; each run also requires the repair to work (the index equals
-//! the bank's inventory afterwards and a fetch then completes correctly).
+//! recomputed (the row's `fallbacks`); each run also requires the repair to
+//! work: the index equals the bank's inventory afterwards and a fetch then
+//! completes correctly (the row's `fetches`, see [`Expected`]).
 //!
 //! GPU memory: the rows above move host shared memory on every profile; on
 //! the GPU profile kvq adds the device rows of [`gpu`] (donor killed
