@@ -1,18 +1,25 @@
 //! `cargo xtask gpu-bundle`: everything a GPU machine without a Rust
 //! toolchain needs to run the GPU qualification, in `.bundle/` (git-ignored,
-//! carried to the device machine; at most [`CARRY_LIMIT`] bytes).
+//! carried to the device machine; at most [`CARRY_LIMIT`] bytes). The bundle
+//! is self-contained: copied anywhere, outside any checkout, `run.sh` runs
+//! from any working directory.
 //!
 //! Layout: `kvq` (release, debug info stripped), optionally `tests/*` (release
 //! test binaries of the crates with GPU tests), `nixl-libs.tar.gz` (the part
 //! of the NIXL wheel's two library folders that the UCX backend loads),
+//! `data.tar.gz` (the workspace's `data/` files kvq reads, [`BUNDLED_DATA`]),
+//! `nats-server.tar.gz` (the `nats-server` binary of the prerequisites, for
+//! the fault `nats_server_restart`; absent when none was found),
 //! `build-info.json` (provenance kvq records) and `run.sh`, which unpacks the
-//! libraries next to itself once and runs kvq with `LD_LIBRARY_PATH` set.
+//! archives next to itself once and runs kvq with `LD_LIBRARY_PATH`,
+//! `KVQ_DATA_DIR` and `KV_NATS_SERVER` pointing into the bundle.
 //!
 //! The NIXL wheel unpacks to ~130 MiB, over the limit; only the `DT_NEEDED`
 //! closure of `libnixl_capi.so`, the UCX and POSIX plugins and UCX's transport
 //! modules is kept. UCX's InfiniBand modules (`libuct_ib*`) are left out: they
 //! drag in ~22 MiB of rdma-core, and the device machines are single hosts
-//! whose GPUs talk over NVLink / CUDA IPC. Compressed, the rest is ~11 MiB.
+//! whose GPUs talk over NVLink / CUDA IPC. Compressed, the rest is ~11 MiB;
+//! the trace adds ~0.8 MiB and nats-server ~7 MiB.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -29,6 +36,15 @@ use crate::{command, elf};
 pub const CARRY_LIMIT: u64 = 64 << 20;
 /// Crates whose release test binaries `--with-tests` adds (the ones with GPU tests).
 pub const GPU_TEST_CRATES: [&str; 2] = ["kv-bank", "kv-transfer"];
+/// Files of the workspace's `data/` folder that kvq reads (relative to
+/// `data/`), packed into `data.tar.gz`; `run.sh` unpacks them to `data/`
+/// next to itself and exports that folder as `KVQ_DATA_DIR` (kv-testkit's
+/// `trace::DATA_DIR_ENV`). The trace's README goes along for its provenance
+/// and licence. A test fails when kv-testkit names a data file missing here.
+pub const BUNDLED_DATA: [&str; 2] = [
+    "traces/mooncake_conversation_trace.jsonl",
+    "traces/README.md",
+];
 
 /// Builds `.bundle/` and prints the device command that runs it.
 ///
@@ -64,6 +80,15 @@ pub fn run(with_tests: bool) -> Result<()> {
         copy_stripped(t, &dir.join("tests").join(name))?;
     }
     pack_nixl(&nixl, &dir.join("nixl-libs.tar.gz"))?;
+    pack_data(&workspace::root().join("data"), &dir.join("data.tar.gz"))?;
+    match &prereq.nats_server {
+        Some(bin) => pack_nats_server(bin, &dir.join("nats-server.tar.gz"))?,
+        // Not an error outside CI (there `Prerequisites::ensure` already
+        // failed): the GPU machine then skips that one fault with its reason.
+        None => eprintln!(
+            "warning: no nats-server to bundle; `nats_server_restart` will skip on the GPU machine"
+        ),
+    }
     write_build_info(&dir, &build_line)?;
     let script = dir.join("run.sh");
     std::fs::write(&script, RUN_SH).map_err(XtaskError::io(&script))?;
@@ -176,7 +201,60 @@ pub fn nixl_closure(rt: &NixlRuntime) -> Result<BTreeSet<PathBuf>> {
 }
 
 fn pack_nixl(rt: &NixlRuntime, archive: &Path) -> Result<()> {
-    let files = nixl_closure(rt)?;
+    let files: Vec<PathBuf> = nixl_closure(rt)?.into_iter().collect();
+    tar_gz(archive, &rt.root, &files)?;
+    eprintln!("bundle: {} NIXL library files packed", files.len());
+    Ok(())
+}
+
+/// Packs [`BUNDLED_DATA`] from `data_dir` (the workspace's `data/`) into
+/// `archive`, paths relative to `data_dir`.
+///
+/// # Errors
+/// [`XtaskError::Io`] naming the first listed file that is missing, or the
+/// failed `tar`.
+fn pack_data(data_dir: &Path, archive: &Path) -> Result<()> {
+    let files: Vec<PathBuf> = BUNDLED_DATA.iter().map(PathBuf::from).collect();
+    for f in &files {
+        let abs = data_dir.join(f);
+        std::fs::metadata(&abs).map_err(XtaskError::io(&abs))?;
+    }
+    tar_gz(archive, data_dir, &files)
+}
+
+/// Packs the `nats-server` binary at `bin` into `archive` as `nats-server`
+/// (a symlink, e.g. `/usr/sbin/nats-server`, is followed).
+///
+/// # Errors
+/// [`XtaskError::Io`] when `bin` has no parent folder or file name, or the
+/// failed `tar`.
+fn pack_nats_server(bin: &Path, archive: &Path) -> Result<()> {
+    let bad = || {
+        XtaskError::io(bin)(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a file path",
+        ))
+    };
+    let (dir, name) = (
+        bin.parent().ok_or_else(bad)?,
+        bin.file_name().ok_or_else(bad)?,
+    );
+    // Renamed on the way in, so run.sh always finds `bin/nats-server`.
+    let mut c = Command::new("tar");
+    c.arg("czhf").arg(archive).arg("-C").arg(dir);
+    if name != "nats-server" {
+        c.arg("--transform")
+            .arg(format!("s|^{}$|nats-server|", name.to_string_lossy()));
+    }
+    c.arg(name);
+    command::run(&mut c)?;
+    eprintln!("bundle: nats-server packed from {}", bin.display());
+    Ok(())
+}
+
+/// `tar czf archive -C base files...`, the file list handed over in a file
+/// next to the archive (the NIXL closure is a long list).
+fn tar_gz(archive: &Path, base: &Path, files: &[PathBuf]) -> Result<()> {
     let list = archive.with_extension("list");
     let text: String = files.iter().map(|p| format!("{}\n", p.display())).collect();
     std::fs::write(&list, text).map_err(XtaskError::io(&list))?;
@@ -185,12 +263,11 @@ fn pack_nixl(rt: &NixlRuntime, archive: &Path) -> Result<()> {
             .arg("czf")
             .arg(archive)
             .arg("-C")
-            .arg(&rt.root)
+            .arg(base)
             .arg("-T")
             .arg(&list),
     );
     std::fs::remove_file(&list).map_err(XtaskError::io(&list))?;
-    eprintln!("bundle: {} NIXL library files packed", files.len());
     r
 }
 
@@ -226,21 +303,33 @@ fn dir_size(dir: &Path) -> Result<u64> {
 
 /// The bundle's entry point. `run.sh tests [ARGS]` runs every bundled test
 /// binary (with `--nocapture` so GPU checks print their numbers); any other
-/// arguments go to kvq.
+/// arguments go to kvq. Everything it reads lies next to it: the archives
+/// are unpacked there once (a `.complete` marker per folder), kvq's data
+/// comes from `$KVQ_DATA_DIR` and nats-server from `$KV_NATS_SERVER` (a value
+/// set by the caller wins), never from the working directory.
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs this bundle's kvq (or its test binaries) without a Rust toolchain.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+unpack() {  # unpack ARCHIVE DIR: once per copy of the bundle
+  if [ -f "$1" ] && [ ! -f "$2/.complete" ]; then
+    rm -rf "$2" && mkdir -p "$2"
+    tar xzf "$1" -C "$2"
+    touch "$2/.complete"
+  fi
+}
+unpack "$here/nixl-libs.tar.gz" "$here/nixl"
+unpack "$here/data.tar.gz" "$here/data"
+unpack "$here/nats-server.tar.gz" "$here/bin"
 libs="$here/nixl"
-if [ ! -f "$libs/.complete" ]; then
-  rm -rf "$libs" && mkdir -p "$libs"
-  tar xzf "$here/nixl-libs.tar.gz" -C "$libs"
-  touch "$libs/.complete"
-fi
 export LD_LIBRARY_PATH="$libs/.nixl_cu13.mesonpy.libs:$libs/nixl_cu13.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export NIXL_PLUGIN_DIR="$libs/.nixl_cu13.mesonpy.libs/plugins"
 export KV_NIXL_LIB_DIR="$libs/.nixl_cu13.mesonpy.libs"
 export KVQ_BUILD_INFO="$here/build-info.json"
+export KVQ_DATA_DIR="$here/data"
+if [ -z "${KV_NATS_SERVER:-}" ] && [ -x "$here/bin/nats-server" ]; then
+  export KV_NATS_SERVER="$here/bin/nats-server"
+fi
 if [ "${1:-}" = "tests" ]; then
   shift
   rc=0
@@ -272,6 +361,141 @@ mod tests {
             test_executables(&msgs),
             vec![PathBuf::from("/t/release/deps/kv_bank-1")]
         );
+    }
+
+    /// Every file of the workspace's `data/` whose name kv-testkit's sources
+    /// (kvq and the library code it runs) mention is bundled, and every
+    /// bundled file exists: a bundle copied out of the checkout must not
+    /// need the checkout's `data/`.
+    #[test]
+    fn bundle_carries_every_data_file_kvq_names() {
+        let root = workspace::root();
+        let mut sources = String::new();
+        let mut dirs = vec![root.join("crates/kv-testkit/src")];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(&d).unwrap().flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    dirs.push(p);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    sources.push_str(&std::fs::read_to_string(&p).unwrap());
+                }
+            }
+        }
+        let data = root.join("data");
+        let mut named = Vec::new();
+        let mut dirs = vec![data.clone()];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(&d).unwrap().flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    dirs.push(p);
+                    continue;
+                }
+                let name = p.file_name().unwrap().to_string_lossy().into_owned();
+                // README.md is mentioned everywhere; it is bundled on its own merits.
+                if name != "README.md" && sources.contains(&name) {
+                    named.push(p.strip_prefix(&data).unwrap().to_path_buf());
+                }
+            }
+        }
+        assert!(
+            named.contains(&PathBuf::from("traces/mooncake_conversation_trace.jsonl")),
+            "the scan must see the trace kvq reads: {named:?}"
+        );
+        for f in &named {
+            assert!(
+                BUNDLED_DATA.iter().any(|b| Path::new(b) == f),
+                "kv-testkit names data/{} but BUNDLED_DATA lacks it",
+                f.display()
+            );
+        }
+        for b in BUNDLED_DATA {
+            assert!(
+                data.join(b).is_file(),
+                "BUNDLED_DATA lists missing data/{b}"
+            );
+        }
+    }
+
+    /// A scratch folder under the system temp dir, removed on drop.
+    struct Scratch(PathBuf);
+    impl Scratch {
+        fn new(tag: &str) -> Self {
+            let d = std::env::temp_dir().join(format!("xtask-{tag}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            std::fs::create_dir_all(&d).unwrap();
+            Self(d)
+        }
+    }
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn write_executable(path: &Path, text: &str) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::write(path, text).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    /// run.sh, copied with its archives to a folder outside the checkout and
+    /// started from yet another folder, hands kvq the bundled trace and the
+    /// bundled nats-server (a stand-in `kvq` prints what it was given).
+    #[test]
+    fn run_sh_points_kvq_at_bundled_data_and_nats_server() {
+        let scratch = Scratch::new("bundle-run-sh");
+        let (bundle, cwd, src) = (
+            scratch.0.join("copy/.bundle"),
+            scratch.0.join("cwd"),
+            scratch.0.join("src"),
+        );
+        for d in [&bundle, &cwd, &src] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        std::fs::write(src.join("libstub.so"), b"").unwrap();
+        tar_gz(
+            &bundle.join("nixl-libs.tar.gz"),
+            &src,
+            &[PathBuf::from("libstub.so")],
+        )
+        .unwrap();
+        pack_data(&workspace::root().join("data"), &bundle.join("data.tar.gz")).unwrap();
+        // Any name: the archive always holds `nats-server`.
+        write_executable(&src.join("nats-server-2.10"), "#!/bin/sh\necho nats\n");
+        pack_nats_server(
+            &src.join("nats-server-2.10"),
+            &bundle.join("nats-server.tar.gz"),
+        )
+        .unwrap();
+        write_executable(
+            &bundle.join("kvq"),
+            "#!/bin/sh\necho \"data=$KVQ_DATA_DIR\"\necho \"nats=$KV_NATS_SERVER\"\n\
+             test -s \"$KVQ_DATA_DIR/traces/mooncake_conversation_trace.jsonl\" && echo trace-ok\n\
+             \"$KV_NATS_SERVER\"\necho \"args=$*\"\n",
+        );
+        std::fs::write(bundle.join("run.sh"), RUN_SH).unwrap();
+        let out = Command::new("bash")
+            .arg(bundle.join("run.sh"))
+            .args(["qualify", "--profile", "cpu"])
+            .current_dir(&cwd)
+            .env_remove("KV_NATS_SERVER")
+            .env_remove("KVQ_DATA_DIR")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bundle = bundle.canonicalize().unwrap();
+        let want = format!(
+            "data={b}/data\nnats={b}/bin/nats-server\ntrace-ok\nnats\nargs=qualify --profile cpu\n",
+            b = bundle.display()
+        );
+        assert_eq!(stdout, want);
     }
 
     #[test]

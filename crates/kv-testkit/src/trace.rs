@@ -250,14 +250,46 @@ impl MooncakeTrace {
     }
 }
 
+/// Variable naming a folder laid out like the workspace's `data/` (the trace
+/// at [`TRACE_IN_DATA_DIR`] below it). The GPU bundle's `run.sh` sets it to
+/// the bundle's own copy, so kvq finds its data outside a checkout and
+/// independently of the working directory.
+pub const DATA_DIR_ENV: &str = "KVQ_DATA_DIR";
+
+/// The project's trace, relative to the data folder (`data/` of the workspace,
+/// or [`DATA_DIR_ENV`]).
+pub const TRACE_IN_DATA_DIR: &str = "traces/mooncake_conversation_trace.jsonl";
+
 /// The project's copy of the trace: `data/traces/mooncake_conversation_trace.jsonl`
 /// at the workspace root (resolved from this crate's manifest directory at
 /// compile time, so it works from any working directory of this checkout).
 pub fn default_trace_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../data/traces/mooncake_conversation_trace.jsonl")
+        .join("../../data")
+        .join(TRACE_IN_DATA_DIR)
         .components()
         .collect()
+}
+
+/// The trace a run reads when none is given: [`TRACE_IN_DATA_DIR`] below
+/// `data_dir` (the value of [`DATA_DIR_ENV`]) when that is set and not empty,
+/// else [`default_trace_path`]. Never the working directory: a binary copied
+/// out of the checkout must not read whatever `data/` happens to be there.
+///
+/// ```
+/// use std::path::{Path, PathBuf};
+/// use kv_testkit::trace::{default_trace_path, trace_path_in};
+/// assert_eq!(
+///     trace_path_in(Some(Path::new("/b/data").as_os_str())),
+///     PathBuf::from("/b/data/traces/mooncake_conversation_trace.jsonl")
+/// );
+/// assert_eq!(trace_path_in(None), default_trace_path());
+/// ```
+pub fn trace_path_in(data_dir: Option<&std::ffi::OsStr>) -> PathBuf {
+    match data_dir {
+        Some(d) if !d.is_empty() => Path::new(d).join(TRACE_IN_DATA_DIR),
+        _ => default_trace_path(),
+    }
 }
 
 /// SplitMix64 finalizer (Steele, Lea, Flood 2014): a cheap bijective mixer

@@ -11,7 +11,7 @@
 //! printed reason when missing, failed under `CI=true`.
 
 use kv_testkit::faults::{
-    fault_rows, run_fault, soak, ChildCommand, Fault, FaultError, RunOutcome,
+    fault_rows, run_fault, soak, ChildCommand, Expected, Fault, FaultError, RunOutcome,
 };
 
 fn kvq() -> ChildCommand {
@@ -242,25 +242,40 @@ fn link_cut_mid_transfer_between_namespaces_falls_back_without_late_writes() {
 }
 
 #[test]
-fn rows_count_runs_fallbacks_and_completions() {
-    let rows = fault_rows(&[Fault::RankPartFails, Fault::None], 2, 21, None);
+fn rows_count_fetches_and_fallbacks_apart() {
+    let rows = fault_rows(
+        &[Fault::RankPartFails, Fault::None, Fault::GappedEvents],
+        2,
+        21,
+        None,
+    );
     let got: Vec<_> = rows
         .iter()
         .map(|r| {
             (
                 r.fault.as_str(),
+                r.expected,
                 r.runs,
+                r.fetches,
                 r.fallbacks,
                 r.false_completions,
                 r.leaks,
             )
         })
         .collect();
+    // The control row's completions are fetches (they were counted as
+    // fallbacks before); an event row falls back while damaged and fetches
+    // after the repair.
     assert_eq!(
         got,
-        [("rank_part_fails", 2, 2, 0, 0), ("none", 2, 2, 0, 0)],
+        [
+            ("rank_part_fails", Expected::Fallback, 2, 0, 2, 0, 0),
+            ("none", Expected::Fetch, 2, 2, 0, 0, 0),
+            ("gapped_events", Expected::FallbackThenFetch, 2, 2, 2, 0, 0)
+        ],
         "{rows:?}"
     );
+    assert!(rows.iter().all(|r| r.passed()), "{rows:?}");
 }
 
 #[test]

@@ -8,17 +8,20 @@
 //! (`kvq child fault-donor ...`, `kvq child fault-donor-gpu ...`,
 //! `kvq child bank-lease-owner ...`).
 //!
-//! Each row is one check (every run fell back, none falsely completed,
-//! nothing leaked); the rows themselves go to `record.json` as the metric
+//! Each row is one check (every run fetched and fell back as the row's
+//! `expected` requires, none falsely completed, nothing leaked); the rows themselves go to `record.json` as the metric
 //! [`ROWS_METRIC`], which the record lifts to its top-level `faults[]`.
 
-use kv_testkit::faults::{fault_table_with, gpu, ChildCommand, FaultError, FaultRow, FaultTable};
+use kv_testkit::faults::{
+    fault_table_with, gpu, ChildCommand, Expected, FaultError, FaultRow, FaultTable,
+};
 
 use crate::section::{Ctx, Profile, SectionResult, Stop};
 
 /// Section name.
 pub const NAME: &str = "faults";
-/// Metric holding the rows (`[{fault, runs, fallbacks, false_completions, leaks, detail}]`).
+/// Metric holding the rows (`[{fault, expected, runs, fetches, fallbacks,
+/// false_completions, leaks, detail}]`, `kv_testkit::faults::FaultRow`).
 pub const ROWS_METRIC: &str = "rows";
 /// Metric holding the faults that could not run here (`[{fault, reason}]`).
 pub const SKIPPED_METRIC: &str = "skipped";
@@ -39,8 +42,14 @@ pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
             row.fault.as_str(),
             row.passed(),
             format!(
-                "{} runs, {} fallbacks, {} false completions, {} leaks: {}",
-                row.runs, row.fallbacks, row.false_completions, row.leaks, row.detail
+                "expected {}: {} runs, {} fetches, {} fallbacks, {} false completions, {} leaks: {}",
+                expected_name(row.expected),
+                row.runs,
+                row.fetches,
+                row.fallbacks,
+                row.false_completions,
+                row.leaks,
+                row.detail
             ),
         );
     }
@@ -100,16 +109,37 @@ fn gpu_rows(ctx: &Ctx, r: &mut SectionResult, rows: &mut Vec<FaultRow>) {
     }
 }
 
-/// The fault table as printed (fixed-width columns).
+/// `expected` as `record.json` spells it (`fallback`, `fetch`, `fallback_then_fetch`).
+pub fn expected_name(e: Expected) -> String {
+    serde_json::to_value(e)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+/// The fault table as printed (fixed-width columns, the record's names).
 pub fn table(rows: &[FaultRow]) -> String {
-    let mut s = format!(
-        "{:<30} {:>5} {:>9} {:>17} {:>5}\n",
-        "fault", "runs", "fallbacks", "false_completions", "leaks"
+    let line = |f: &str, e: &str, runs: &str, fetches: &str, fallbacks: &str, fc: &str, l: &str| {
+        format!("{f:<30} {e:<19} {runs:>5} {fetches:>7} {fallbacks:>9} {fc:>17} {l:>5}\n")
+    };
+    let mut s = line(
+        "fault",
+        "expected",
+        "runs",
+        "fetches",
+        "fallbacks",
+        "false_completions",
+        "leaks",
     );
     for r in rows {
-        s.push_str(&format!(
-            "{:<30} {:>5} {:>9} {:>17} {:>5}\n",
-            r.fault, r.runs, r.fallbacks, r.false_completions, r.leaks
+        s.push_str(&line(
+            &r.fault,
+            &expected_name(r.expected),
+            &r.runs.to_string(),
+            &r.fetches.to_string(),
+            &r.fallbacks.to_string(),
+            &r.false_completions.to_string(),
+            &r.leaks.to_string(),
         ));
     }
     s
@@ -119,23 +149,60 @@ pub fn table(rows: &[FaultRow]) -> String {
 mod tests {
     use super::*;
 
+    fn row(fault: &str, expected: Expected, counts: [u32; 3]) -> FaultRow {
+        FaultRow {
+            runs: counts[0],
+            fetches: counts[1],
+            fallbacks: counts[2],
+            ..FaultRow::new(fault, expected)
+        }
+    }
+
     #[test]
     fn table_has_one_line_per_row_and_the_record_columns() {
-        let rows = vec![FaultRow {
-            fault: "rank_part_fails".into(),
-            runs: 3,
-            fallbacks: 3,
-            false_completions: 0,
-            leaks: 0,
-            detail: String::new(),
-        }];
+        let rows = vec![
+            row("rank_part_fails", Expected::Fallback, [3, 0, 3]),
+            row("none", Expected::Fetch, [3, 3, 0]),
+            row("gapped_events", Expected::FallbackThenFetch, [3, 3, 3]),
+        ];
         let t = table(&rows);
-        let lines: Vec<&str> = t.lines().collect();
-        assert_eq!(lines.len(), 2);
-        assert!(lines[0].contains("false_completions"));
+        let lines: Vec<Vec<&str>> = t.lines().map(|l| l.split_whitespace().collect()).collect();
         assert_eq!(
-            lines[1].split_whitespace().collect::<Vec<_>>(),
-            ["rank_part_fails", "3", "3", "0", "0"]
+            lines,
+            [
+                vec![
+                    "fault",
+                    "expected",
+                    "runs",
+                    "fetches",
+                    "fallbacks",
+                    "false_completions",
+                    "leaks"
+                ],
+                vec!["rank_part_fails", "fallback", "3", "0", "3", "0", "0"],
+                // The control row's completions are fetches, not fallbacks.
+                vec!["none", "fetch", "3", "3", "0", "0", "0"],
+                vec![
+                    "gapped_events",
+                    "fallback_then_fetch",
+                    "3",
+                    "3",
+                    "3",
+                    "0",
+                    "0"
+                ],
+            ]
         );
+        assert!(rows.iter().all(FaultRow::passed), "{rows:?}");
+    }
+
+    #[test]
+    fn a_row_passes_only_with_the_counts_its_expectation_needs() {
+        // A control row counting its completions as fallbacks (the old
+        // table) or an event row without its repair fetch fails.
+        assert!(!row("none", Expected::Fetch, [3, 0, 3]).passed());
+        assert!(!row("gapped_events", Expected::FallbackThenFetch, [3, 0, 3]).passed());
+        assert!(!row("rank_part_fails", Expected::Fallback, [3, 1, 3]).passed());
+        assert!(!row("rank_part_fails", Expected::Fallback, [0, 0, 0]).passed());
     }
 }

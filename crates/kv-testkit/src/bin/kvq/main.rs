@@ -326,14 +326,10 @@ fn soak(minutes: f64, seed: u64) -> ExitCode {
     }
 }
 
-/// The project's trace: the path compiled into kv-testkit when it exists,
-/// else `data/traces/...` under the working directory (a bundle copied to
-/// another checkout location).
+/// The project's trace: below `$KVQ_DATA_DIR` when set (the GPU bundle's
+/// `run.sh` points it at the bundle's copy), else the path compiled into
+/// kv-testkit ([`kv_testkit::trace::trace_path_in`]).
 fn default_trace() -> PathBuf {
-    let compiled = kv_testkit::trace::default_trace_path();
-    if compiled.is_file() {
-        compiled
-    } else {
-        PathBuf::from("data/traces/mooncake_conversation_trace.jsonl")
-    }
+    let dir = std::env::var_os(kv_testkit::trace::DATA_DIR_ENV);
+    kv_testkit::trace::trace_path_in(dir.as_deref())
 }

@@ -82,7 +82,8 @@ pub struct Record {
     pub trace_replay: Option<serde_json::Value>,
     /// Multi-turn session replay: the trace_replay fields plus `later_turn_ttft_mean_off_ms/on_ms`.
     pub session_replay: Option<serde_json::Value>,
-    /// The fault table (`[{fault, runs, fallbacks, false_completions, leaks, detail}]`),
+    /// The fault table (`[{fault, expected, runs, fetches, fallbacks,
+    /// false_completions, leaks, detail}]`, `kv_testkit::faults::FaultRow`),
     /// lifted from the `faults` section; empty when it did not run.
     pub faults: Vec<serde_json::Value>,
     /// Faults that could not run on this machine (`[{fault, reason}]`, e.g.

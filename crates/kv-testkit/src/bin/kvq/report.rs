@@ -142,14 +142,16 @@ pub fn write(r: &Record, dir: &Path) -> Result<(), String> {
     if !r.faults.is_empty() {
         let _ = writeln!(
             md,
-            "\n## Fault table\n\n| fault | runs | fallbacks | false completions | leaks |\n| --- | --- | --- | --- | --- |"
+            "\n## Fault table\n\n| fault | expected | runs | fetches | fallbacks | false completions | leaks |\n| --- | --- | --- | --- | --- | --- | --- |"
         );
         for f in &r.faults {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} |",
                 f["fault"].as_str().unwrap_or("?"),
+                f["expected"].as_str().unwrap_or("?"),
                 f["runs"],
+                f["fetches"],
                 f["fallbacks"],
                 f["false_completions"],
                 f["leaks"]
@@ -157,8 +159,11 @@ pub fn write(r: &Record, dir: &Path) -> Result<(), String> {
         }
         let _ = writeln!(
             md,
-            "\nFor the control rows (`none`, `none_gpu`) and the event-stream rows, \
-             `fallbacks` counts runs that ended as required (a correct completion; a repair)."
+            "\n`fetches`: runs whose expected fetch completed with outputs equal to OFF; \
+             `fallbacks`: runs that fell back with outputs equal to OFF and the destination \
+             untouched. A row passes when both equal `runs` where `expected` requires them \
+             (`fetch`: the control rows; `fallback_then_fetch`: no hint while the inventory \
+             is damaged, a fetch after the repair) and are 0 elsewhere."
         );
         for s in &r.faults_skipped {
             let _ = writeln!(
@@ -321,6 +326,57 @@ mod tests {
         assert!(svg.contains("<svg") && svg.contains("replay OFF") && svg.contains("replay ON"));
         assert!(summary_table(&r)
             .contains("FAILED in 0.5s: 1 section(s), 0 of them skipped, 1 failure(s)"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn fault_table_keeps_fetches_and_fallbacks_apart() {
+        use kv_testkit::faults::{Expected, FaultRow};
+        let dir = std::env::temp_dir().join(format!("kvq-report-faults-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let rows = vec![
+            FaultRow {
+                runs: 3,
+                fetches: 3,
+                ..FaultRow::new("none", Expected::Fetch)
+            },
+            FaultRow {
+                runs: 3,
+                fallbacks: 3,
+                ..FaultRow::new("rank_part_fails", Expected::Fallback)
+            },
+        ];
+        let mut s = SectionResult {
+            name: crate::fault_section::NAME.into(),
+            status: Status::Passed,
+            skip_reason: None,
+            duration_ms: 1.0,
+            checks: vec![],
+            metrics: Default::default(),
+            ttft: None,
+            record: None,
+        };
+        s.check("none", true, "");
+        s.metric(
+            crate::fault_section::ROWS_METRIC,
+            serde_json::to_value(&rows).unwrap(),
+        );
+        let r = Record::new(Profile::Cpu, 0, 0.5, vec![s], Vec::new());
+        assert_eq!(r.faults[0]["fetches"], 3);
+        assert_eq!(r.faults[0]["fallbacks"], 0);
+        write(&r, &dir).unwrap();
+        let md = std::fs::read_to_string(dir.join("REPORT.md")).unwrap();
+        assert!(
+            md.contains(
+                "| fault | expected | runs | fetches | fallbacks | false completions | leaks |"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("| none | fetch | 3 | 3 | 0 | 0 | 0 |"), "{md}");
+        assert!(
+            md.contains("| rank_part_fails | fallback | 3 | 0 | 3 | 0 | 0 |"),
+            "{md}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
