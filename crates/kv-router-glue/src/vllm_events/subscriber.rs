@@ -746,3 +746,51 @@ impl Shared {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vllm_events::{encode_batch, VllmEncoding, VllmEvent, VllmEventBatch, VllmWorker};
+    use kv_descriptor::{EngineId, LayoutFingerprint, Role};
+    use kv_lookup::{InventoryIndex, WorkerKey};
+
+    #[test]
+    fn a_repeated_seq_is_a_duplicate_only_with_the_same_payload() {
+        let worker = VllmWorker {
+            key: WorkerKey(1),
+            engine: EngineId::fresh(),
+            role: Role::Decode,
+            layout_fingerprint: LayoutFingerprint(1),
+            tp_size: 1,
+            tokens_per_block: 4,
+        };
+        let ingest = VllmIngest::new(Arc::new(InventoryIndex::new()), worker).unwrap();
+        let mut sh = Shared {
+            ingest,
+            stats: SubscriberStats::default(),
+            recent: std::collections::VecDeque::new(),
+            pending_jump: None,
+            pending_undecodable: None,
+        };
+        let payload = |ts: f64| {
+            let b = VllmEventBatch {
+                ts,
+                events: vec![VllmEvent::AllBlocksCleared],
+                data_parallel_rank: None,
+            };
+            encode_batch(&b, VllmEncoding::ArrayLike)
+        };
+        for seq in 0..3 {
+            assert!(sh.apply(seq, &payload(seq as f64), false));
+        }
+        assert!(sh.is_duplicate(1, &payload(1.0)));
+        // Same seq, another batch: a new incarnation numbering from 0 again.
+        assert!(!sh.is_duplicate(1, &payload(99.0)));
+        // Older than the digests kept: only a new incarnation sends it.
+        sh.recent.pop_front();
+        assert!(!sh.is_duplicate(0, &payload(0.0)));
+        sh.restart();
+        assert_eq!((sh.stats.next_seq, sh.stats.restarts), (0, 1));
+        assert_eq!(sh.ingest.stats().replacements, 1);
+    }
+}
