@@ -109,11 +109,16 @@ pub enum SkipReason {
     ExtraKeys,
     /// `group_idx` is not below [`MAX_KV_GROUPS`].
     GroupIndex,
+    /// `parent_block_hash` names a block this stream knows but the engine no
+    /// longer holds in that tier (evicted, dropped by a reset, or only in
+    /// another tier): the index stores only blocks that chain from what the
+    /// worker holds, so these stay out until their parent is stored again.
+    ParentNotHeld,
 }
 
 impl SkipReason {
     /// Every reason, in declaration order.
-    pub const ALL: [SkipReason; 7] = [
+    pub const ALL: [SkipReason; 8] = [
         Self::UnknownMedium,
         Self::BlockSizeMismatch,
         Self::TokenCountMismatch,
@@ -121,6 +126,7 @@ impl SkipReason {
         Self::Lora,
         Self::ExtraKeys,
         Self::GroupIndex,
+        Self::ParentNotHeld,
     ];
 
     /// Stable snake_case name (metric label, logs).
@@ -133,6 +139,7 @@ impl SkipReason {
             Self::Lora => "lora",
             Self::ExtraKeys => "extra_keys",
             Self::GroupIndex => "group_index",
+            Self::ParentNotHeld => "parent_not_held",
         }
     }
 }
@@ -540,6 +547,11 @@ impl VllmIngest {
                     None => (None, None),
                     Some(p) => {
                         let n = self.names.get(p).ok_or(SkipReason::UnknownParent)?;
+                        // An orphan store would be refused by the index and
+                        // mark the worker for resync.
+                        if n.groups[tier as usize] == 0 {
+                            return Err(SkipReason::ParentNotHeld);
+                        }
                         (Some(n.sequence_hash), n.salt.clone())
                     }
                 };

@@ -75,11 +75,16 @@ fn removals_and_tiers_follow_the_medium() {
     let mut ingest = VllmIngest::new(index.clone(), w).unwrap();
     let tokens: Vec<u32> = (0..8).collect();
     let ours = sequence_hashes(&tokens, BS as usize);
-    ingest.apply_batch(&batch(vec![
+    let out = ingest.apply_batch(&batch(vec![
         stored(&[1, 2], None, &tokens, Some("GPU")),
-        // Offloaded copy of block 1 in CPU memory, under the same vLLM name.
+        // A CPU copy of block 1 alone does not chain in that tier: skipped
+        // (the index would refuse it and mark the worker for resync).
         stored(&[2], Some(1), &tokens[4..], Some("CPU")),
+        // Offloaded copies of blocks 0 and 1 in CPU memory, same vLLM names.
+        stored(&[1, 2], None, &tokens, Some("CPU")),
     ]));
+    assert_eq!(out.skipped, vec![(1, SkipReason::ParentNotHeld)]);
+    assert!(index.workers_needing_resync().is_empty());
     assert_eq!(
         index.holds(w.engine, ours[1]),
         vec![StorageTier::Device, StorageTier::HostPinned]
@@ -94,15 +99,23 @@ fn removals_and_tiers_follow_the_medium() {
         index.holds(w.engine, ours[1]),
         vec![StorageTier::HostPinned]
     );
-    assert_eq!(index.holds(w.engine, ours[0]), vec![StorageTier::Device]);
-    // A child of the evicted GPU block still chains: the name is known.
+    assert_eq!(
+        index.holds(w.engine, ours[0]),
+        vec![StorageTier::Device, StorageTier::HostPinned]
+    );
+    // A GPU child of the evicted GPU block does not chain there; a CPU
+    // child chains onto the CPU copy.
     let more: Vec<u32> = (8..12).collect();
     let all: Vec<u32> = (0..12).collect();
-    let out = ingest.apply_batch(&batch(vec![stored(&[3], Some(2), &more, None)]));
+    let out = ingest.apply_batch(&batch(vec![
+        stored(&[3], Some(2), &more, None),
+        stored(&[3], Some(2), &more, Some("CPU")),
+    ]));
+    assert_eq!(out.skipped, vec![(0, SkipReason::ParentNotHeld)]);
     assert_eq!(out.changed, 1);
     assert_eq!(
         index.holds(w.engine, sequence_hashes(&all, BS as usize)[2]),
-        vec![StorageTier::Device]
+        vec![StorageTier::HostPinned]
     );
     // Cleared drops every tier this stream stored into.
     let out = ingest.apply_batch(&batch(vec![VllmEvent::AllBlocksCleared]));
@@ -181,7 +194,11 @@ fn blocks_whose_keys_cannot_be_mapped_are_skipped_with_their_children() {
     );
     assert_eq!(out.applied, 0);
     assert_eq!(index.stats().held_blocks, [0; 5]);
-    for r in SkipReason::ALL {
+    // ParentNotHeld needs a stored parent: see the tiers and reset tests.
+    for r in SkipReason::ALL
+        .into_iter()
+        .filter(|r| *r != SkipReason::ParentNotHeld)
+    {
         assert_eq!(ingest.stats().skipped(r), 1, "{}", r.as_str());
     }
     for name in 10..=17 {
@@ -200,9 +217,18 @@ fn reset_drops_the_inventory_but_keeps_names() {
     ingest.reset().unwrap();
     assert!(index.holds(w.engine, ours[0]).is_empty());
     assert_eq!(ingest.stats().resets, 1);
-    // A child stored after the reset chains onto the remembered name.
-    let out = ingest.apply_batch(&batch(vec![stored(&[2], Some(1), &tokens[4..], None)]));
-    assert_eq!(out.changed, 1);
+    // A child of a block the reset dropped does not chain in the index:
+    // skipped, not indexed as an orphan.
+    let child = || stored(&[2], Some(1), &tokens[4..], None);
+    let out = ingest.apply_batch(&batch(vec![child()]));
+    assert_eq!(out.skipped, vec![(0, SkipReason::ParentNotHeld)]);
+    assert!(index.workers_needing_resync().is_empty());
+    // Once vLLM stores the parent again the child chains onto it.
+    let out = ingest.apply_batch(&batch(vec![
+        stored(&[1], None, &tokens[..4], None),
+        child(),
+    ]));
+    assert_eq!(out.changed, 2);
     assert_eq!(index.holds(w.engine, ours[1]), vec![StorageTier::Device]);
     // Event ids continued past the reset: nothing was taken as a duplicate.
     assert_eq!(index.stats().duplicates, 0);
