@@ -1,10 +1,12 @@
 //! Block identity: per-block token hashes and chained sequence hashes.
 //!
 //! The scheme is the Dynamo router's (`dynamo-kv-router` 1.6.1,
-//! `protocols::compute_block_hash_for_seq` and `compute_seq_hash_for_block`,
-//! no LoRA, no salt, no multimodal info):
-//! - token hash of a full block = XXH3-64, seed 1337, over the block's token ids
-//!   as little-endian `u32` bytes;
+//! `protocols::compute_block_hash_for_seq` and `compute_seq_hash_for_block`):
+//! - token hash of a full block = XXH3-64 over the block's token ids as
+//!   little-endian `u32` bytes, followed by the block's multimodal object
+//!   hashes (sorted, little-endian `u64`) when it has any; the seed is 1337
+//!   without a [`HashNamespace`], else [`HashNamespace::seed`] (Dynamo's
+//!   `compute_salt_hash(cache_namespace, lora_name)`);
 //! - sequence hash of block 0 = its token hash; of block `i > 0` = XXH3-64,
 //!   seed 1337, over `parent_sequence_hash.to_le_bytes() ++ token_hash.to_le_bytes()`;
 //! - a trailing partial block has no hash (only sealed, full blocks are named).
@@ -24,6 +26,121 @@ pub struct TokenBlockHash(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct SequenceHash(pub u64);
+
+/// The extra keys that put a block into a separate cache namespace: the same
+/// tokens under another LoRA adapter or cache salt are different KV.
+///
+/// vLLM mixes the same identities into its block hashes (`lora_name`,
+/// `cache_salt` and multimodal hashes in `generate_block_hash_extra_keys`);
+/// Dynamo's router mixes `lora_name` and `cache_namespace` into the XXH3 seed
+/// (`dynamo-kv-hashing` `compute_salt_hash`), which [`HashNamespace::seed`]
+/// reproduces. Empty strings count as absent (as in Dynamo), so the default
+/// namespace hashes exactly like the unkeyed functions.
+///
+/// ```
+/// use kv_descriptor::{sequence_hashes, sequence_hashes_keyed, HashNamespace};
+/// let t: Vec<u32> = (0..32).collect();
+/// assert_eq!(sequence_hashes_keyed(&t, 16, &HashNamespace::default(), &[]), sequence_hashes(&t, 16));
+/// let a = HashNamespace::lora("adapter-a");
+/// assert_ne!(sequence_hashes_keyed(&t, 16, &a, &[]), sequence_hashes(&t, 16));
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct HashNamespace {
+    /// LoRA adapter name (vLLM `lora_name`, Dynamo `lora_name`); `None` or
+    /// empty: the base model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_name: Option<String>,
+    /// Cache salt (vLLM `cache_salt`, Dynamo `cache_namespace`); `None` or
+    /// empty: unsalted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
+}
+
+impl HashNamespace {
+    /// Namespace of one LoRA adapter, unsalted.
+    pub fn lora(name: impl Into<String>) -> Self {
+        Self {
+            lora_name: Some(name.into()),
+            cache_salt: None,
+        }
+    }
+
+    /// True for the base model without salt (hashes as the unkeyed functions).
+    pub fn is_default(&self) -> bool {
+        self.lora_str().is_none() && self.salt_str().is_none()
+    }
+
+    fn lora_str(&self) -> Option<&str> {
+        self.lora_name.as_deref().filter(|s| !s.is_empty())
+    }
+
+    fn salt_str(&self) -> Option<&str> {
+        self.cache_salt.as_deref().filter(|s| !s.is_empty())
+    }
+
+    /// XXH3 seed of token hashes in this namespace: 1337, plus
+    /// `XXH3-64(lora_name, seed 0)`, plus `XXH3-64(cache_salt, seed 1)`
+    /// (wrapping adds; Dynamo's `compute_salt_hash`).
+    pub fn seed(&self) -> u64 {
+        let mut seed = XXH3_SEED;
+        if let Some(l) = self.lora_str() {
+            seed = seed.wrapping_add(xxh3_64_with_seed(l.as_bytes(), 0));
+        }
+        if let Some(s) = self.salt_str() {
+            seed = seed.wrapping_add(xxh3_64_with_seed(s.as_bytes(), 1));
+        }
+        seed
+    }
+}
+
+/// Token hash of one full block in a namespace, with the hashes of the
+/// multimodal objects whose placeholders lie in the block (any order; they
+/// are sorted here, as Dynamo does). Equal to [`token_block_hash`] for the
+/// default namespace and no multimodal hashes.
+pub fn token_block_hash_keyed(
+    tokens: &[u32],
+    namespace: &HashNamespace,
+    mm_hashes: &[u64],
+) -> TokenBlockHash {
+    let mut bytes = Vec::with_capacity(tokens.len() * 4 + mm_hashes.len() * 8);
+    for t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    let mut mm = mm_hashes.to_vec();
+    mm.sort_unstable();
+    for h in mm {
+        bytes.extend_from_slice(&h.to_le_bytes());
+    }
+    TokenBlockHash(xxh3_64_with_seed(&bytes, namespace.seed()))
+}
+
+/// Chained sequence hashes of every full block of `tokens` in `namespace`,
+/// root first. `block_mm_hashes[i]` lists the multimodal object hashes of
+/// block `i` (blocks past its end have none). Equal to Dynamo's
+/// `compute_seq_hash_for_block(compute_block_hash_for_seq(..))` with the same
+/// `lora_name`, `cache_namespace` (= `cache_salt`) and `block_mm_infos`.
+///
+/// # Panics
+/// If `tokens_per_block` is 0.
+pub fn sequence_hashes_keyed(
+    tokens: &[u32],
+    tokens_per_block: usize,
+    namespace: &HashNamespace,
+    block_mm_hashes: &[Vec<u64>],
+) -> Vec<SequenceHash> {
+    assert!(tokens_per_block > 0, "tokens_per_block must be > 0");
+    let mut parent = None;
+    tokens
+        .chunks_exact(tokens_per_block)
+        .enumerate()
+        .map(|(i, block)| {
+            let mm = block_mm_hashes.get(i).map_or(&[][..], Vec::as_slice);
+            let s = chain_sequence_hash(parent, token_block_hash_keyed(block, namespace, mm));
+            parent = Some(s);
+            s
+        })
+        .collect()
+}
 
 /// Token hash of one full block.
 ///

@@ -98,3 +98,87 @@ proptest! {
         prop_assert_eq!(&full[..pre.len()], &pre[..]);
     }
 }
+
+/// Dynamo's hashes with extra keys: `lora_name`, `cache_namespace` (our
+/// cache salt) and per-block multimodal hashes.
+fn dynamo_keyed(tokens: &[u32], block: u32, ns: &HashNamespace, mm: &[Vec<u64>]) -> Vec<u64> {
+    use dynamo_kv_router::protocols::{BlockExtraInfo, BlockMmObjectInfo};
+    let infos: Vec<Option<BlockExtraInfo>> = mm
+        .iter()
+        .map(|hs| {
+            (!hs.is_empty()).then(|| BlockExtraInfo {
+                mm_objects: hs
+                    .iter()
+                    .map(|&mm_hash| BlockMmObjectInfo {
+                        mm_hash,
+                        offsets: vec![(0, 1)],
+                    })
+                    .collect(),
+            })
+        })
+        .collect();
+    let opts = BlockHashOptions {
+        block_mm_infos: (!mm.is_empty()).then_some(infos.as_slice()),
+        lora_name: ns.lora_name.as_deref(),
+        cache_namespace: ns.cache_salt.as_deref(),
+        is_eagle: None,
+    };
+    compute_seq_hash_for_block(&compute_block_hash_for_seq(tokens, block, opts))
+}
+
+fn ours_keyed(tokens: &[u32], block: u32, ns: &HashNamespace, mm: &[Vec<u64>]) -> Vec<u64> {
+    sequence_hashes_keyed(tokens, block as usize, ns, mm)
+        .into_iter()
+        .map(|h| h.0)
+        .collect()
+}
+
+#[test]
+fn namespaces_equal_dynamo_and_separate_adapters_and_salts() {
+    let t: Vec<u32> = (100..164).collect();
+    let ns = |l: Option<&str>, s: Option<&str>| HashNamespace {
+        lora_name: l.map(str::to_owned),
+        cache_salt: s.map(str::to_owned),
+    };
+    let cases = [
+        ns(None, None),
+        ns(Some("adapter-a"), None),
+        ns(Some("adapter-b"), None),
+        ns(None, Some("tenant-1")),
+        ns(Some("adapter-a"), Some("tenant-1")),
+        // Empty strings are absent, in Dynamo and here.
+        ns(Some(""), Some("")),
+    ];
+    let mut seen = std::collections::HashSet::new();
+    for c in &cases {
+        let ours = ours_keyed(&t, 16, c, &[]);
+        assert_eq!(ours, dynamo_keyed(&t, 16, c, &[]), "{c:?}");
+        assert_eq!(ours.len(), 4);
+        seen.insert(ours);
+    }
+    // The first and the last case are both the default namespace; every
+    // other one names different blocks.
+    assert_eq!(seen.len(), cases.len() - 1);
+    assert_eq!(
+        ours_keyed(&t, 16, &cases[0], &[]),
+        dynamo_sequence_hashes(&t, 16)
+    );
+    assert!(cases[5].is_default() && !cases[1].is_default());
+}
+
+#[test]
+fn multimodal_hashes_equal_dynamo_and_change_only_from_their_block_on() {
+    let t: Vec<u32> = (0..64).collect();
+    let plain = HashNamespace::default();
+    // Block 1 holds two images (order does not matter), block 3 one.
+    let mm = vec![vec![], vec![0xBEEF, 0x1234], vec![], vec![77]];
+    let ours = ours_keyed(&t, 16, &plain, &mm);
+    assert_eq!(ours, dynamo_keyed(&t, 16, &plain, &mm));
+    let swapped = vec![vec![], vec![0x1234, 0xBEEF], vec![], vec![77]];
+    assert_eq!(ours, ours_keyed(&t, 16, &plain, &swapped));
+    let base = dynamo_sequence_hashes(&t, 16);
+    assert_eq!(ours[0], base[0]);
+    assert!(ours[1..].iter().zip(&base[1..]).all(|(a, b)| a != b));
+    let other_image = vec![vec![], vec![0xBEEF, 0x1235], vec![], vec![77]];
+    assert_ne!(ours[1], ours_keyed(&t, 16, &plain, &other_image)[1]);
+}

@@ -6,23 +6,35 @@
 //! here: its sequence hash is recomputed from its token ids
 //! ([`kv_descriptor::token_block_hash`], chained onto the parent's sequence
 //! hash), and a vLLM-hash → sequence-hash map lets later removals and children
-//! name the same block. Blocks whose identity is not determined by token ids
-//! alone (LoRA, extra keys) are skipped: indexing them under a token-only hash
-//! would tell the router that a different prefix is cached.
+//! name the same block.
+//!
+//! Extra keys: a block stored under a LoRA adapter, a cache salt or with
+//! multimodal inputs is named in its [`HashNamespace`] (LoRA name, salt) with
+//! its multimodal hashes ([`mm_hash_of_identifier`]), exactly as the router
+//! hashes a request with the same keys ([`kv_descriptor::sequence_hashes_keyed`]).
+//! vLLM publishes the salt on a request's first block only; its children
+//! inherit it through `parent_block_hash`. Keys that cannot be mapped (prompt
+//! embeddings, a `lora_id` without `lora_name`, unknown shapes) skip the
+//! event: a token-only name would tell the router a different prefix is cached.
+//!
+//! Groups: hybrid models (vLLM 0.33 `group_idx`) store and free the same
+//! block per KV cache group. A block stays indexed in a tier while any group
+//! holds it there (a sliding-window group freeing a block does not drop what
+//! the full-attention group still holds).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use kv_descriptor::{
-    chain_sequence_hash, token_block_hash, EngineId, KvEvent, KvEventData, LayoutFingerprint, Role,
-    SequenceHash, StorageTier, StoredBlock,
+    chain_sequence_hash, token_block_hash_keyed, EngineId, HashNamespace, KvEvent, KvEventData,
+    LayoutFingerprint, Role, SequenceHash, StorageTier, StoredBlock,
 };
 use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
 
-use super::{VllmEvent, VllmEventBatch, VllmEventError};
+use super::{VllmEvent, VllmEventBatch, VllmEventError, VllmExtraKey};
 
 /// Names of blocks that left every tier kept for parent lookups (bounded,
-/// oldest dropped first): about 40 MiB at the limit.
+/// oldest dropped first): about 80 MiB at the limit.
 pub const MAX_RETIRED_NAMES: usize = 1 << 20;
 
 /// The vLLM engine whose events one [`VllmIngest`] maps.
@@ -67,6 +79,17 @@ pub fn tier_of_medium(medium: Option<&str>) -> Option<StorageTier> {
     }
 }
 
+/// Groups a block can be tracked in per tier (`group_idx` below this).
+pub const MAX_KV_GROUPS: u32 = 32;
+
+/// The `u64` multimodal hash under which a vLLM `mm_identifier` enters block
+/// hashes (Dynamo's `BlockMmObjectInfo::mm_hash`): XXH3-64, seed 0, of the
+/// identifier's UTF-8 bytes. A router hashing a request must derive its
+/// multimodal hashes the same way from the same identifiers.
+pub fn mm_hash_of_identifier(identifier: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(identifier.as_bytes(), 0)
+}
+
 /// Why a vLLM event was not applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SkipReason {
@@ -79,21 +102,31 @@ pub enum SkipReason {
     /// `parent_block_hash` names a block this stream never stored (or whose
     /// name was dropped): the chained sequence hash cannot be computed.
     UnknownParent,
-    /// The blocks belong to a LoRA adapter.
+    /// A `lora_id` without a `lora_name`: the adapter's namespace is unknown.
     Lora,
-    /// The blocks carry extra hash keys (multimodal inputs, cache salt).
+    /// Extra hash keys that cannot be mapped (prompt-embedding digests,
+    /// unknown shapes, a salt on a non-root block).
     ExtraKeys,
+    /// `group_idx` is not below [`MAX_KV_GROUPS`].
+    GroupIndex,
+    /// `parent_block_hash` names a block this stream knows but the engine no
+    /// longer holds in that tier (evicted, dropped by a reset, or only in
+    /// another tier): the index stores only blocks that chain from what the
+    /// worker holds, so these stay out until their parent is stored again.
+    ParentNotHeld,
 }
 
 impl SkipReason {
     /// Every reason, in declaration order.
-    pub const ALL: [SkipReason; 6] = [
+    pub const ALL: [SkipReason; 8] = [
         Self::UnknownMedium,
         Self::BlockSizeMismatch,
         Self::TokenCountMismatch,
         Self::UnknownParent,
         Self::Lora,
         Self::ExtraKeys,
+        Self::GroupIndex,
+        Self::ParentNotHeld,
     ];
 
     /// Stable snake_case name (metric label, logs).
@@ -105,6 +138,8 @@ impl SkipReason {
             Self::UnknownParent => "unknown_parent",
             Self::Lora => "lora",
             Self::ExtraKeys => "extra_keys",
+            Self::GroupIndex => "group_index",
+            Self::ParentNotHeld => "parent_not_held",
         }
     }
 }
@@ -145,6 +180,10 @@ pub struct IngestStats {
     pub refused_by_index: u64,
     /// Inventory resets after unrecoverable loss ([`VllmIngest::reset`]).
     pub resets: u64,
+    /// Inventories replaced after an engine restart ([`VllmIngest::replace_inventory`]).
+    pub replacements: u64,
+    /// Times the worker was marked as needing resync ([`VllmIngest::mark_needs_resync`]).
+    pub marked_for_resync: u64,
 }
 
 impl IngestStats {
@@ -154,12 +193,23 @@ impl IngestStats {
     }
 }
 
-/// A vLLM block name and the tiers holding it now (bit per tier).
-#[derive(Debug, Clone, Copy)]
+/// A vLLM block name: its sequence hash, the KV cache groups holding it in
+/// each tier (bit per group, indexed by tier) and the cache salt its
+/// children inherit.
+#[derive(Debug, Clone)]
 struct Named {
     sequence_hash: SequenceHash,
-    tiers: u8,
+    groups: [u32; TIERS],
+    salt: Option<Arc<str>>,
 }
+
+impl Named {
+    fn held(&self) -> bool {
+        self.groups.iter().any(|&g| g != 0)
+    }
+}
+
+const TIERS: usize = 5;
 
 fn tier_bit(t: StorageTier) -> u8 {
     1 << (t as u8)
@@ -186,7 +236,7 @@ fn tier_bit(t: StorageTier) -> u8 {
 /// let out = ingest.apply_batch(&VllmEventBatch { ts: 0.0, data_parallel_rank: None, events: vec![
 ///     VllmEvent::BlockStored { block_hashes: vec![111, 222], parent_block_hash: None,
 ///         token_ids: tokens.clone(), block_size: 4, lora_id: None, medium: Some("GPU".into()),
-///         lora_name: None, has_extra_keys: false },
+///         lora_name: None, extra_keys: vec![], group_idx: None },
 /// ]});
 /// assert_eq!(out.changed, 2);
 /// let ours = sequence_hashes(&tokens, 4);
@@ -202,6 +252,7 @@ pub struct VllmIngest {
     /// for names stored again since; checked when popped).
     retired: VecDeque<u64>,
     tiers_seen: u8,
+    needs_resync: bool,
     stats: IngestStats,
 }
 
@@ -250,6 +301,7 @@ impl VllmIngest {
             names: HashMap::new(),
             retired: VecDeque::new(),
             tiers_seen: 0,
+            needs_resync: false,
             stats: IngestStats::default(),
         })
     }
@@ -293,6 +345,15 @@ impl VllmIngest {
             }
         }
         let report = self.index.apply_events(&events);
+        let cleared = batch
+            .events
+            .iter()
+            .any(|e| matches!(e, VllmEvent::AllBlocksCleared));
+        if cleared && self.needs_resync {
+            // A clear made the inventory exact again: everything stored
+            // since is what the index now holds.
+            self.resync_index();
+        }
         for (i, e) in &report.refused {
             tracing::warn!(engine = %self.worker.engine, event = i, error = %e, "index refused a mapped vLLM event");
         }
@@ -319,8 +380,82 @@ impl VllmIngest {
             .resync_worker(self.worker.engine, self.next_event_id - 1, &[])?;
         self.retire_all();
         self.tiers_seen = 0;
+        self.needs_resync = false;
         self.stats.resets += 1;
         Ok(())
+    }
+
+    /// The engine restarted on the same endpoint: its old cache is gone and
+    /// its block names start afresh. Empties the engine's inventory in the
+    /// index, forgets every name, and clears a pending resync mark.
+    ///
+    /// # Errors
+    /// [`VllmEventError::Index`] when the engine is no longer registered.
+    pub fn replace_inventory(&mut self) -> Result<(), VllmEventError> {
+        self.index
+            .resync_worker(self.worker.engine, self.next_event_id - 1, &[])?;
+        self.names.clear();
+        self.retired.clear();
+        self.tiers_seen = 0;
+        self.needs_resync = false;
+        self.stats.replacements += 1;
+        Ok(())
+    }
+
+    /// Marks the worker as needing resync without dropping its inventory:
+    /// used when one batch could not be decoded and no replay can supply it.
+    /// Its blocks stay indexed (vLLM never announces cached blocks again, so
+    /// dropping them would hide them for good), but the index stops offering
+    /// the worker as a donor (an event-id gap: [`kv_lookup::InventoryIndex::workers_needing_resync`])
+    /// until the inventory is known exactly again, at the next
+    /// `AllBlocksCleared` or [`VllmIngest::replace_inventory`].
+    pub fn mark_needs_resync(&mut self) {
+        if self.needs_resync {
+            return;
+        }
+        self.needs_resync = true;
+        self.stats.marked_for_resync += 1;
+        // Skip one event id: the index reads the jump as a gap.
+        self.next_event_id += 1;
+        let ev = self.event(
+            StorageTier::Device,
+            KvEventData::Removed {
+                sequence_hashes: Vec::new(),
+            },
+        );
+        let report = self.index.apply_events(&[ev]);
+        self.stats.refused_by_index += report.refused.len() as u64;
+    }
+
+    /// True while the worker is marked by [`VllmIngest::mark_needs_resync`].
+    pub fn needs_resync(&self) -> bool {
+        self.needs_resync
+    }
+
+    /// The inventory is known exactly again (after a clear): hand it to the
+    /// index as the worker's snapshot, which ends the resync mark there.
+    fn resync_index(&mut self) {
+        let mut inventory: Vec<(StorageTier, Vec<SequenceHash>)> = Vec::new();
+        for t in kv_lookup_tiers() {
+            let hashes: Vec<SequenceHash> = self
+                .names
+                .values()
+                .filter(|n| n.groups[t as usize] != 0)
+                .map(|n| n.sequence_hash)
+                .collect();
+            if !hashes.is_empty() {
+                inventory.push((t, hashes));
+            }
+        }
+        match self
+            .index
+            .resync_worker(self.worker.engine, self.next_event_id - 1, &inventory)
+        {
+            Ok(()) => self.needs_resync = false,
+            Err(e) => {
+                tracing::warn!(engine = %self.worker.engine, error = %e, "vLLM resync refused")
+            }
+        }
     }
 
     fn event(&mut self, tier: StorageTier, data: KvEventData) -> KvEvent {
@@ -335,6 +470,44 @@ impl VllmIngest {
             tier,
             data,
         }
+    }
+
+    /// The namespace, salt and multimodal hashes of each block of a stored
+    /// event (see the module documentation).
+    #[allow(clippy::type_complexity)]
+    fn block_keys(
+        &self,
+        lora_name: Option<&str>,
+        parent_salt: Option<Arc<str>>,
+        has_parent: bool,
+        blocks: usize,
+        extra_keys: &[Option<Vec<VllmExtraKey>>],
+    ) -> Result<(Option<Arc<str>>, Vec<Vec<u64>>), SkipReason> {
+        let mut salt = parent_salt;
+        let mut mm = vec![Vec::new(); blocks];
+        for (i, keys) in extra_keys.iter().enumerate() {
+            let Some(keys) = keys else { continue };
+            let mut keys = keys.as_slice();
+            // vLLM puts the LoRA name first when `lora_name` is set.
+            if let (Some(l), Some(VllmExtraKey::Text(first))) = (lora_name, keys.first()) {
+                if first == l {
+                    keys = &keys[1..];
+                }
+            }
+            for k in keys {
+                match k {
+                    VllmExtraKey::Multimodal { identifier, .. } => {
+                        mm[i].push(mm_hash_of_identifier(identifier));
+                    }
+                    // A salt starts a request's chain: only a root block has one.
+                    VllmExtraKey::Text(t) if i == 0 && !has_parent && salt.is_none() => {
+                        salt = Some(Arc::from(t.as_str()));
+                    }
+                    _ => return Err(SkipReason::ExtraKeys),
+                }
+            }
+        }
+        Ok((salt, mm))
     }
 
     fn map_event(
@@ -352,7 +525,8 @@ impl VllmIngest {
                 lora_id,
                 medium,
                 lora_name,
-                has_extra_keys,
+                extra_keys,
+                group_idx,
             } => {
                 let tier = tier_of_medium(medium.as_deref()).ok_or(SkipReason::UnknownMedium)?;
                 if *block_size != self.worker.tokens_per_block {
@@ -361,39 +535,60 @@ impl VllmIngest {
                 if token_ids.len() != block_hashes.len() * *block_size as usize {
                     return Err(SkipReason::TokenCountMismatch);
                 }
-                if lora_id.is_some() || lora_name.is_some() {
+                let lora_name = lora_name.as_deref().filter(|l| !l.is_empty());
+                if lora_id.is_some() && lora_name.is_none() {
                     return Err(SkipReason::Lora);
                 }
-                if *has_extra_keys {
-                    return Err(SkipReason::ExtraKeys);
+                let group = group_idx.unwrap_or(0);
+                if group >= MAX_KV_GROUPS {
+                    return Err(SkipReason::GroupIndex);
                 }
-                let parent = match parent_block_hash {
-                    None => None,
-                    Some(p) => Some(
-                        self.names
-                            .get(p)
-                            .map(|n| n.sequence_hash)
-                            .ok_or(SkipReason::UnknownParent)?,
-                    ),
+                let (parent, parent_salt) = match parent_block_hash {
+                    None => (None, None),
+                    Some(p) => {
+                        let n = self.names.get(p).ok_or(SkipReason::UnknownParent)?;
+                        // An orphan store would be refused by the index and
+                        // mark the worker for resync.
+                        if n.groups[tier as usize] == 0 {
+                            return Err(SkipReason::ParentNotHeld);
+                        }
+                        (Some(n.sequence_hash), n.salt.clone())
+                    }
                 };
+                let (salt, mm) = self.block_keys(
+                    lora_name,
+                    parent_salt,
+                    parent.is_some(),
+                    block_hashes.len(),
+                    extra_keys,
+                )?;
                 if block_hashes.is_empty() {
                     return Ok(());
                 }
+                let namespace = HashNamespace {
+                    lora_name: lora_name.map(str::to_owned),
+                    cache_salt: salt.as_deref().map(str::to_owned),
+                };
                 let mut chain = parent;
                 let mut blocks = Vec::with_capacity(block_hashes.len());
-                for (name, tokens) in block_hashes
+                for ((name, tokens), mm) in block_hashes
                     .iter()
                     .zip(token_ids.chunks_exact(*block_size as usize))
+                    .zip(&mm)
                 {
-                    let token_hash = token_block_hash(tokens);
+                    let token_hash = token_block_hash_keyed(tokens, &namespace, mm);
                     let sequence_hash = chain_sequence_hash(chain, token_hash);
                     chain = Some(sequence_hash);
-                    let entry = self.names.entry(*name).or_insert(Named {
+                    let entry = self.names.entry(*name).or_insert_with(|| Named {
                         sequence_hash,
-                        tiers: 0,
+                        groups: [0; TIERS],
+                        salt: None,
                     });
                     entry.sequence_hash = sequence_hash;
-                    entry.tiers |= tier_bit(tier);
+                    entry.salt = salt.clone();
+                    entry.groups[tier as usize] |= 1 << group;
+                    // Storing an already indexed block again is a no-op in
+                    // the index; another group's store lands here.
                     blocks.push(StoredBlock {
                         sequence_hash,
                         token_hash,
@@ -408,21 +603,32 @@ impl VllmIngest {
             VllmEvent::BlockRemoved {
                 block_hashes,
                 medium,
+                group_idx,
             } => {
                 let tier = tier_of_medium(medium.as_deref()).ok_or(SkipReason::UnknownMedium)?;
-                let bit = tier_bit(tier);
+                let group = group_idx.unwrap_or(0);
+                if group >= MAX_KV_GROUPS {
+                    return Err(SkipReason::GroupIndex);
+                }
                 let mut removed = Vec::new();
+                let mut retired = Vec::new();
                 for name in block_hashes {
                     match self.names.get_mut(name) {
-                        Some(n) if n.tiers & bit != 0 => {
-                            n.tiers &= !bit;
-                            removed.push(n.sequence_hash);
-                            if n.tiers == 0 {
-                                self.retire(*name);
+                        Some(n) if n.groups[tier as usize] & (1 << group) != 0 => {
+                            n.groups[tier as usize] &= !(1 << group);
+                            // Another group still holding it keeps it indexed.
+                            if n.groups[tier as usize] == 0 {
+                                removed.push(n.sequence_hash);
+                            }
+                            if !n.held() {
+                                retired.push(*name);
                             }
                         }
                         _ => out.unknown_removals += 1,
                     }
+                }
+                for name in retired {
+                    self.retire(name);
                 }
                 if !removed.is_empty() {
                     self.stats.removed_blocks += removed.len() as u64;
@@ -457,7 +663,7 @@ impl VllmIngest {
         self.retired.push_back(name);
         while self.retired.len() > MAX_RETIRED_NAMES {
             let old = self.retired.pop_front().expect("non-empty");
-            if self.names.get(&old).is_some_and(|n| n.tiers == 0) {
+            if self.names.get(&old).is_some_and(|n| !n.held()) {
                 self.names.remove(&old);
             }
         }
@@ -467,9 +673,9 @@ impl VllmIngest {
         let live: Vec<u64> = self
             .names
             .iter_mut()
-            .filter(|(_, n)| n.tiers != 0)
+            .filter(|(_, n)| n.held())
             .map(|(k, n)| {
-                n.tiers = 0;
+                n.groups = [0; TIERS];
                 *k
             })
             .collect();
@@ -480,7 +686,7 @@ impl VllmIngest {
 }
 
 /// Every storage tier, in wire order.
-fn kv_lookup_tiers() -> [StorageTier; 5] {
+fn kv_lookup_tiers() -> [StorageTier; TIERS] {
     [
         StorageTier::Device,
         StorageTier::HostPinned,

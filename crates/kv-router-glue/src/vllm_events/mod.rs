@@ -10,7 +10,8 @@
 //! - the mapping onto our [`kv_descriptor::KvEvent`]s ([`VllmIngest`]):
 //!   sequence hashes recomputed from token ids (vLLM's block hashes are not
 //!   Dynamo's), vLLM `medium` mapped to a [`kv_descriptor::StorageTier`]
-//!   ([`tier_of_medium`]), blocks that token ids alone do not name skipped;
+//!   ([`tier_of_medium`]), LoRA / cache-salt / multimodal extra keys mapped
+//!   to a [`kv_descriptor::HashNamespace`], KV cache groups tracked;
 //! - the subscriber ([`VllmSubscriber`]): ready before it returns, gaps
 //!   repaired through the replay socket, unrecoverable loss answered by an
 //!   inventory reset;
@@ -20,8 +21,12 @@
 //! - Batches are applied in `seq` order, each at most once.
 //! - A block enters the index only under the sequence hash its token ids and
 //!   its parent's sequence hash determine.
-//! - Lost or undecodable batches never leave stale inventory: the engine's
-//!   entries are dropped and rebuilt from later events.
+//! - Lost batches never leave stale inventory: the engine's entries are
+//!   dropped and rebuilt from later events. An undecodable batch is refetched
+//!   through replay; one that cannot be marks the worker as needing resync
+//!   (inventory kept, no donor role) until a clear or restart makes it exact.
+//! - One frame never moves the stream's position: restarts and far `seq`
+//!   jumps are confirmed (replay buffer or the next batch) first.
 //!
 //! # Wire format
 //! See [`decode_batch`] and the `wire` module documentation: array-like and
@@ -35,11 +40,14 @@ mod wire;
 
 pub use error::VllmEventError;
 pub use ingest::{
-    tier_of_medium, BatchOutcome, IngestStats, SkipReason, VllmIngest, VllmWorker,
-    MAX_RETIRED_NAMES,
+    mm_hash_of_identifier, tier_of_medium, BatchOutcome, IngestStats, SkipReason, VllmIngest,
+    VllmWorker, MAX_KV_GROUPS, MAX_RETIRED_NAMES,
 };
 pub use publisher::{VllmZmqPublisher, REPLAY_END_SEQ};
-pub use subscriber::{SubscriberStats, VllmSubscriber, VllmSubscriberConfig};
+pub use subscriber::{
+    parse_replay_reply, SubscriberStats, VllmSubscriber, VllmSubscriberConfig, RECENT_DIGESTS,
+};
 pub use wire::{
-    decode_batch, encode_batch, VllmEncoding, VllmEvent, VllmEventBatch, MAX_VLLM_PAYLOAD_BYTES,
+    decode_batch, encode_batch, VllmEncoding, VllmEvent, VllmEventBatch, VllmExtraKey,
+    MAX_VLLM_PAYLOAD_BYTES,
 };

@@ -7,9 +7,11 @@
 //!   `KVEventBatch`.
 //! - ROUTER replay socket: a client sends `[empty, start_seq]` (8-byte
 //!   big-endian) from a DEALER (or REQ) socket; the publisher answers one
-//!   `[empty, seq, payload]` per buffered batch with `seq >= start_seq`, then
-//!   `[empty, -1 as 8-byte big-endian signed, empty]` as the end marker. The
-//!   buffer keeps the last `buffer_steps` batches.
+//!   `[empty, topic, seq, payload]` per buffered batch with `seq >= start_seq`,
+//!   then `[empty, empty, -1 as 8-byte big-endian signed, empty]` as the end
+//!   marker (vLLM 0.33; releases before vLLM PR #45177 sent no topic frame:
+//!   [`VllmZmqPublisher::set_legacy_replay`]). The buffer keeps the last
+//!   `buffer_steps` batches.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -36,6 +38,8 @@ pub(crate) fn multipart(frames: Vec<Vec<u8>>) -> ZmqMessage {
 struct ReplayState {
     buffer: VecDeque<(u64, Vec<u8>)>,
     requests: Vec<u64>,
+    /// Reply without the topic frame (vLLM before PR #45177).
+    legacy: bool,
 }
 
 /// A vLLM-protocol KV event publisher (PUB + ROUTER replay), bound on TCP.
@@ -95,7 +99,11 @@ impl VllmZmqPublisher {
             .await
             .map_err(|e| transport(replay_endpoint, e))?;
         let state = Arc::new(Mutex::new(ReplayState::default()));
-        let replay_task = tokio::spawn(serve_replay(router, state.clone()));
+        let replay_task = tokio::spawn(serve_replay(
+            router,
+            state.clone(),
+            topic.as_bytes().to_vec(),
+        ));
         Ok(Self {
             socket,
             topic: topic.as_bytes().to_vec(),
@@ -121,6 +129,13 @@ impl VllmZmqPublisher {
     /// Sequence number the next batch will get.
     pub fn next_seq(&self) -> u64 {
         self.next_seq
+    }
+
+    /// Answer replay requests as vLLM releases before PR #45177 did
+    /// (`[empty, seq, payload]`, no topic frame) when `on`; the default is
+    /// vLLM 0.33's `[empty, topic, seq, payload]`.
+    pub fn set_legacy_replay(&self, on: bool) {
+        self.state.lock().legacy = on;
     }
 
     /// Start sequence numbers of the replay requests served so far, in order.
@@ -160,6 +175,26 @@ impl VllmZmqPublisher {
         Ok(seq)
     }
 
+    /// Sends `[topic, seq, payload]` live with any `seq`, without taking a
+    /// sequence number or keeping it for replay: a foreign or corrupt frame
+    /// on the endpoint. Fault injection for the subscriber's tests.
+    ///
+    /// # Errors
+    /// [`VllmEventError::Transport`] when the PUB socket fails.
+    pub async fn send_raw(&mut self, seq: u64, payload: Vec<u8>) -> Result<(), VllmEventError> {
+        self.socket
+            .send(multipart(vec![
+                self.topic.clone(),
+                seq.to_be_bytes().to_vec(),
+                payload,
+            ]))
+            .await
+            .map_err(|e| VllmEventError::Transport {
+                endpoint: self.endpoint.clone(),
+                reason: e.to_string(),
+            })
+    }
+
     /// Takes a sequence number and keeps `payload` for replay without
     /// sending it live: what a PUB socket does to a subscriber past its
     /// high-water mark. Fault injection for gap and resync tests.
@@ -185,7 +220,7 @@ impl Drop for VllmZmqPublisher {
     }
 }
 
-async fn serve_replay(mut router: RouterSocket, state: Arc<Mutex<ReplayState>>) {
+async fn serve_replay(mut router: RouterSocket, state: Arc<Mutex<ReplayState>>, topic: Vec<u8>) {
     while let Ok(msg) = router.recv().await {
         let frames: Vec<Vec<u8>> = msg.into_vec().into_iter().map(|b| b.to_vec()).collect();
         // [identity, empty delimiter, start_seq]; vLLM ignores anything else.
@@ -196,32 +231,37 @@ async fn serve_replay(mut router: RouterSocket, state: Arc<Mutex<ReplayState>>) 
             continue;
         };
         let start = u64::from_be_bytes(start);
-        let replies: Vec<(u64, Vec<u8>)> = {
+        let (replies, legacy): (Vec<(u64, Vec<u8>)>, bool) = {
             let mut st = state.lock();
             st.requests.push(start);
-            st.buffer
+            let replies = st
+                .buffer
                 .iter()
                 .filter(|(s, _)| *s >= start)
                 .cloned()
-                .collect()
+                .collect();
+            (replies, st.legacy)
+        };
+        // [identity, empty, (topic,) seq, payload]
+        let reply = |topic: &[u8], seq: Vec<u8>, payload: Vec<u8>| {
+            let mut frames = vec![id.clone(), Vec::new()];
+            if !legacy {
+                frames.push(topic.to_vec());
+            }
+            frames.extend([seq, payload]);
+            multipart(frames)
         };
         for (seq, payload) in replies {
-            let reply = multipart(vec![
-                id.clone(),
-                Vec::new(),
-                seq.to_be_bytes().to_vec(),
-                payload,
-            ]);
-            if router.send(reply).await.is_err() {
+            if router
+                .send(reply(&topic, seq.to_be_bytes().to_vec(), payload))
+                .await
+                .is_err()
+            {
                 break;
             }
         }
-        let end = multipart(vec![
-            id.clone(),
-            Vec::new(),
-            REPLAY_END_SEQ.to_vec(),
-            Vec::new(),
-        ]);
-        let _ = router.send(end).await;
+        let _ = router
+            .send(reply(&[], REPLAY_END_SEQ.to_vec(), Vec::new()))
+            .await;
     }
 }

@@ -17,6 +17,31 @@
 //! are gone. When no batch arrives for `idle_probe`, the subscriber asks the
 //! replay socket for anything newer than what it has, so a batch dropped at
 //! the end of a burst is not left missing until the next one.
+//!
+//! Replay replies: vLLM 0.33 (since vLLM PR #45177) answers
+//! `[empty, topic, seq, payload]` per batch and `[empty, empty, ff..ff, empty]`
+//! at the end; earlier releases `[empty, seq, payload]` and
+//! `[empty, ff..ff, empty]`. Both are accepted ([`parse_replay_reply`]).
+//!
+//! Restarts: a restarted engine numbers its batches from 0 again. A live
+//! batch with an already applied `seq` is a duplicate only if its payload is
+//! the one applied under that `seq` (digests of the last [`RECENT_DIGESTS`]
+//! are kept); otherwise it comes from a new incarnation. With a replay
+//! socket the restart is confirmed there (the publisher's buffer holds that
+//! payload under that `seq`), else it is taken as is: the old inventory is
+//! replaced ([`VllmIngest::replace_inventory`]) and the new engine's batches
+//! are replayed from 0.
+//!
+//! Implausible jumps: a live `seq` that the publisher's own replay buffer
+//! does not list is refused (it is not this publisher's); without a replay
+//! socket, a jump past [`VllmSubscriberConfig::max_seq_jump`] is applied
+//! only once the next batch confirms it (`seq + 1`). One frame can never
+//! move the stream's position by itself.
+//!
+//! Undecodable batches: refetched through replay; when the publisher's own
+//! copy does not decode either (or there is no replay socket and the next
+//! batch moved on), the worker is marked as needing resync
+//! ([`VllmIngest::mark_needs_resync`]) and keeps its inventory.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,11 +73,16 @@ pub struct VllmSubscriberConfig {
     pub replay_timeout: Duration,
     /// Replay probe after this long without a live batch; `None`: never.
     pub idle_probe: Option<Duration>,
+    /// Without a replay socket: largest `seq` jump a single live batch may
+    /// make; a larger one waits for the next batch to confirm it.
+    pub max_seq_jump: u64,
 }
 
 impl VllmSubscriberConfig {
     /// Defaults: empty topic, `first_seq` 0, 5 s connect timeout, 2 s replay
-    /// timeout, 1 s idle probe.
+    /// timeout, 1 s idle probe, `max_seq_jump` 100,000 (vLLM's PUB high-water
+    /// mark: a subscriber can fall at most that far behind before the engine
+    /// drops batches).
     pub fn new(endpoint: impl Into<String>, replay_endpoint: Option<String>) -> Self {
         Self {
             endpoint: endpoint.into(),
@@ -62,6 +92,7 @@ impl VllmSubscriberConfig {
             connect_timeout: Duration::from_secs(5),
             replay_timeout: Duration::from_secs(2),
             idle_probe: Some(Duration::from_secs(1)),
+            max_seq_jump: 100_000,
         }
     }
 }
@@ -85,13 +116,31 @@ pub struct SubscriberStats {
     pub undecodable: u64,
     /// Messages that were not `[topic, seq, payload]`.
     pub malformed_frames: u64,
+    /// Engine restarts detected (a new incarnation numbering from 0).
+    pub restarts: u64,
+    /// Live batches refused for an implausible `seq` (not in the publisher's
+    /// replay buffer, an unconfirmed far jump, or a foreign repeat).
+    pub implausible_seq: u64,
     /// The ingest's own totals.
     pub ingest: IngestStats,
 }
 
+/// Payload digests kept per applied `seq` to tell duplicates from restarts.
+pub const RECENT_DIGESTS: usize = 16_384;
+
 struct Shared {
     ingest: VllmIngest,
     stats: SubscriberStats,
+    /// `(seq, XXH3-64 of the payload)` of the last applied batches, in order.
+    recent: std::collections::VecDeque<(u64, u64)>,
+    /// Without replay: a far jump waiting for its confirming successor.
+    pending_jump: Option<(u64, Vec<u8>)>,
+    /// Without replay: a live batch at `next_seq` that did not decode.
+    pending_undecodable: Option<u64>,
+}
+
+fn digest(payload: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(payload)
 }
 
 /// A running subscription feeding one [`VllmIngest`].
@@ -129,6 +178,9 @@ impl VllmSubscriber {
                 next_seq: config.first_seq,
                 ..SubscriberStats::default()
             },
+            recent: std::collections::VecDeque::new(),
+            pending_jump: None,
+            pending_undecodable: None,
         }));
         if link.dealer.is_some() {
             link.repair(&shared, None)
@@ -208,6 +260,57 @@ fn split_live(msg: ZmqMessage) -> Result<(u64, Vec<u8>), VllmEventError> {
     Ok((seq_of(&frames[1])?, frames[2].to_vec()))
 }
 
+/// One replay reply: `Some((seq, payload))` for a batch, `None` for the end
+/// marker.
+///
+/// Accepts `[empty, seq, payload]` (vLLM before PR #45177) and
+/// `[empty, topic, seq, payload]` (vLLM 0.33); the end marker has
+/// `ff ff ff ff ff ff ff ff` as its `seq` frame.
+///
+/// # Errors
+/// [`VllmEventError::Frame`] naming `frames`, `delimiter` or `seq`.
+///
+/// ```
+/// use kv_router_glue::vllm_events::parse_replay_reply;
+/// let seq = 7u64.to_be_bytes().to_vec();
+/// let v033 = vec![vec![], b"kv".to_vec(), seq.clone(), b"payload".to_vec()];
+/// assert_eq!(parse_replay_reply(&v033).unwrap(), Some((7, b"payload".to_vec())));
+/// let old = vec![vec![], seq, b"payload".to_vec()];
+/// assert_eq!(parse_replay_reply(&old).unwrap(), Some((7, b"payload".to_vec())));
+/// let end = vec![vec![], vec![], vec![0xff; 8], vec![]];
+/// assert_eq!(parse_replay_reply(&end).unwrap(), None);
+/// ```
+pub fn parse_replay_reply<F: AsRef<[u8]>>(
+    frames: &[F],
+) -> Result<Option<(u64, Vec<u8>)>, VllmEventError> {
+    let (delimiter, seq, payload) = match frames {
+        [d, seq, payload] | [d, _, seq, payload] => (d, seq, payload),
+        _ => {
+            return Err(VllmEventError::Frame {
+                field: "frames",
+                reason: format!(
+                    "replay reply of {} frames, expected [empty, seq, payload] or \
+                     [empty, topic, seq, payload]",
+                    frames.len()
+                ),
+            })
+        }
+    };
+    if !delimiter.as_ref().is_empty() {
+        return Err(VllmEventError::Frame {
+            field: "delimiter",
+            reason: format!(
+                "{} bytes, expected an empty frame",
+                delimiter.as_ref().len()
+            ),
+        });
+    }
+    if seq.as_ref() == REPLAY_END_SEQ {
+        return Ok(None);
+    }
+    Ok(Some((seq_of(seq.as_ref())?, payload.as_ref().to_vec())))
+}
+
 fn seq_of(frame: &[u8]) -> Result<u64, VllmEventError> {
     <[u8; 8]>::try_from(frame)
         .map(u64::from_be_bytes)
@@ -272,7 +375,7 @@ impl Link {
             match got {
                 // Idle: ask for anything newer than what we have.
                 None => {
-                    if let Err(reason) = self.repair(&shared, None).await {
+                    if let Err(reason) = self.idle_probe(&shared).await {
                         tracing::warn!(%reason, "vLLM idle replay probe failed");
                     }
                 }
@@ -288,22 +391,157 @@ impl Link {
                         tracing::warn!(error = %e, "malformed vLLM event message");
                         shared.lock().stats.malformed_frames += 1;
                     }
-                    Ok((seq, payload)) => {
-                        let next = shared.lock().stats.next_seq;
-                        if seq > next {
-                            if let Err(reason) = self.repair(&shared, Some(seq)).await {
-                                tracing::warn!(%reason, from = next, upto = seq, "vLLM gap repair failed");
-                            }
-                        }
-                        let mut sh = shared.lock();
-                        if seq >= sh.stats.next_seq {
-                            sh.apply(seq, &payload, false);
-                        } else {
-                            sh.stats.duplicates += 1;
-                        }
-                    }
+                    Ok((seq, payload)) => self.on_live(&shared, seq, payload).await,
                 },
             }
+        }
+    }
+
+    /// One live batch: duplicate, restart, gap, implausible jump or the next
+    /// one (see the module documentation).
+    async fn on_live(&mut self, shared: &Mutex<Shared>, seq: u64, payload: Vec<u8>) {
+        let next = shared.lock().stats.next_seq;
+        if seq < next {
+            if shared.lock().is_duplicate(seq, &payload) {
+                shared.lock().stats.duplicates += 1;
+                return;
+            }
+            self.on_suspected_restart(shared, seq, payload).await;
+            return;
+        }
+        if self.dealer.is_none() {
+            let mut sh = shared.lock();
+            sh.apply_unreplayed(seq, payload, self.config.max_seq_jump);
+            return;
+        }
+        if seq > next {
+            match self.replay(next).await {
+                Ok(replies) => {
+                    shared.lock().stats.replay_requests += 1;
+                    let listed = replies.iter().any(|(s, _)| *s >= seq);
+                    let mut sh = shared.lock();
+                    sh.apply_replies(replies);
+                    if !listed {
+                        // The publisher never sent `seq`: a foreign frame.
+                        tracing::warn!(
+                            seq,
+                            next,
+                            "vLLM batch seq not in the publisher's replay buffer: refused"
+                        );
+                        sh.stats.implausible_seq += 1;
+                        return;
+                    }
+                    if sh.stats.next_seq < seq {
+                        sh.lose(seq);
+                    }
+                }
+                Err(reason) => {
+                    tracing::warn!(%reason, from = next, upto = seq, "vLLM gap repair failed");
+                    let mut sh = shared.lock();
+                    if seq - next > self.config.max_seq_jump {
+                        sh.stats.implausible_seq += 1;
+                        return;
+                    }
+                    sh.lose(seq);
+                }
+            }
+        }
+        let undecodable = {
+            let mut sh = shared.lock();
+            if seq < sh.stats.next_seq {
+                sh.stats.duplicates += 1;
+                return;
+            }
+            !sh.apply(seq, &payload, false)
+        };
+        if undecodable {
+            // Ask the publisher for its own copy of that batch.
+            if let Err(reason) = self.repair(shared, None).await {
+                tracing::warn!(%reason, seq, "vLLM replay of an undecodable batch failed");
+            }
+        }
+    }
+
+    /// Replays from the last applied batch: the publisher's copy of it must
+    /// be the one applied, else (another payload, or nothing at or after it
+    /// in a buffer that only trims when newer batches exist) the engine
+    /// restarted. Newer batches are applied.
+    async fn idle_probe(&mut self, shared: &Mutex<Shared>) -> Result<(), String> {
+        let last = {
+            let sh = shared.lock();
+            sh.recent
+                .back()
+                .copied()
+                .filter(|(s, _)| s.saturating_add(1) == sh.stats.next_seq)
+        };
+        let Some((last_seq, last_digest)) = last else {
+            return self.repair(shared, None).await;
+        };
+        let replies = self.replay(last_seq).await?;
+        shared.lock().stats.replay_requests += 1;
+        let restarted = match replies.first() {
+            Some((s, p)) if *s == last_seq => digest(p) != last_digest,
+            Some(_) => false,
+            None => true,
+        };
+        if restarted {
+            shared.lock().restart();
+            self.resubscribe().await;
+            return self.repair(shared, None).await;
+        }
+        // The first reply is the batch we already hold: not a duplicate.
+        let newer = replies.into_iter().filter(|(s, _)| *s > last_seq).collect();
+        shared.lock().apply_replies(newer);
+        Ok(())
+    }
+
+    /// A restarted engine bound its sockets anew: connect the SUB socket
+    /// again rather than rely on the old connection's reconnects.
+    async fn resubscribe(&mut self) {
+        let mut opts = SocketOptions::default();
+        opts.connect_timeout(self.config.connect_timeout);
+        let mut sub = SubSocket::with_options(opts);
+        let ok = sub.connect(&self.config.endpoint).await.is_ok()
+            && sub.subscribe(&self.config.topic).await.is_ok();
+        if ok {
+            self.sub = sub;
+        } else {
+            tracing::warn!(endpoint = %self.config.endpoint, "vLLM resubscribe after restart failed");
+        }
+    }
+
+    /// A live batch under an already applied `seq` with another payload.
+    async fn on_suspected_restart(&mut self, shared: &Mutex<Shared>, seq: u64, payload: Vec<u8>) {
+        if self.dealer.is_some() {
+            // Confirmed only if the publisher's buffer holds this payload
+            // under this seq (a new incarnation's batch, not a foreign frame).
+            let want = digest(&payload);
+            match self.replay(seq).await {
+                Ok(replies) => {
+                    shared.lock().stats.replay_requests += 1;
+                    if !replies.iter().any(|(s, p)| *s == seq && digest(p) == want) {
+                        tracing::warn!(seq, "vLLM batch repeats a seq with another payload, not from the publisher: refused");
+                        shared.lock().stats.implausible_seq += 1;
+                        return;
+                    }
+                }
+                Err(reason) => {
+                    tracing::warn!(%reason, seq, "vLLM restart check failed");
+                    shared.lock().stats.implausible_seq += 1;
+                    return;
+                }
+            }
+        }
+        shared.lock().restart();
+        self.resubscribe().await;
+        if self.dealer.is_some() {
+            if let Err(reason) = self.repair(shared, None).await {
+                tracing::warn!(%reason, "vLLM replay after a restart failed");
+            }
+        }
+        let mut sh = shared.lock();
+        if seq >= sh.stats.next_seq {
+            sh.apply(seq, &payload, false);
         }
     }
 
@@ -324,13 +562,7 @@ impl Link {
         };
         shared.lock().stats.replay_requests += 1;
         let mut sh = shared.lock();
-        for (seq, payload) in replies {
-            if seq < sh.stats.next_seq {
-                sh.stats.duplicates += 1;
-                continue;
-            }
-            sh.apply(seq, &payload, true);
-        }
+        sh.apply_replies(replies);
         if let Some(upto) = upto {
             if sh.stats.next_seq < upto {
                 sh.lose(upto);
@@ -339,8 +571,8 @@ impl Link {
         Ok(())
     }
 
-    /// One replay round trip: `[empty, from]` out, `[empty, seq, payload]`
-    /// replies until the end marker.
+    /// One replay round trip: `[empty, from]` out, replies (either shape of
+    /// [`parse_replay_reply`]) until the end marker.
     async fn replay(&mut self, from: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
         let Some(dealer) = self.dealer.as_mut() else {
             return Err("no replay endpoint configured".into());
@@ -358,17 +590,10 @@ impl Link {
                     .map_err(|_| format!("no replay reply within {timeout:?}"))?
                     .map_err(|e| format!("replay receive failed: {e}"))?;
                 let frames = msg.into_vec();
-                let [_, seq, payload] = frames.as_slice() else {
-                    return Err(format!(
-                        "replay reply of {} frames, expected [empty, seq, payload]",
-                        frames.len()
-                    ));
-                };
-                if seq.as_ref() == REPLAY_END_SEQ {
-                    return Ok(out);
+                match parse_replay_reply(&frames).map_err(|e| e.to_string())? {
+                    None => return Ok(out),
+                    Some(reply) => out.push(reply),
                 }
-                let seq = seq_of(seq).map_err(|e| e.to_string())?;
-                out.push((seq, payload.to_vec()));
             }
         }
         .await;
@@ -384,26 +609,118 @@ impl Link {
 
 impl Shared {
     /// Applies batch `seq` (at or past `next_seq`); anything skipped before
-    /// it is lost.
-    fn apply(&mut self, seq: u64, payload: &[u8], replayed: bool) {
+    /// it is lost. Returns false, without moving `next_seq`, when a live
+    /// payload does not decode (the caller refetches it); a replayed one that
+    /// does not decode is skipped and the worker marked as needing resync.
+    fn apply(&mut self, seq: u64, payload: &[u8], replayed: bool) -> bool {
+        let batch = match decode_batch(payload) {
+            Ok(batch) => batch,
+            Err(e) => {
+                self.stats.undecodable += 1;
+                if !replayed {
+                    tracing::warn!(seq, error = %e, "undecodable vLLM event batch: refetching");
+                    return false;
+                }
+                tracing::warn!(seq, error = %e, "the publisher's own batch does not decode: worker needs resync");
+                if seq > self.stats.next_seq {
+                    self.lose(seq);
+                }
+                self.stats.next_seq = seq.saturating_add(1);
+                self.ingest.mark_needs_resync();
+                return true;
+            }
+        };
         if seq > self.stats.next_seq {
             self.lose(seq);
         }
-        self.stats.next_seq = seq + 1;
-        match decode_batch(payload) {
-            Ok(batch) => {
-                self.ingest.apply_batch(&batch);
-                if replayed {
-                    self.stats.replayed_batches += 1;
-                } else {
-                    self.stats.live_batches += 1;
+        self.stats.next_seq = seq.saturating_add(1);
+        self.pending_undecodable = None;
+        self.ingest.apply_batch(&batch);
+        self.recent.push_back((seq, digest(payload)));
+        while self.recent.len() > RECENT_DIGESTS {
+            self.recent.pop_front();
+        }
+        if replayed {
+            self.stats.replayed_batches += 1;
+        } else {
+            self.stats.live_batches += 1;
+        }
+        true
+    }
+
+    fn apply_replies(&mut self, replies: Vec<(u64, Vec<u8>)>) {
+        for (seq, payload) in replies {
+            if seq < self.stats.next_seq {
+                self.stats.duplicates += 1;
+                continue;
+            }
+            self.apply(seq, &payload, true);
+        }
+    }
+
+    /// A live batch with no replay socket to check it against.
+    fn apply_unreplayed(&mut self, seq: u64, payload: Vec<u8>, max_jump: u64) {
+        let next = self.stats.next_seq;
+        if let Some(bad) = self.pending_undecodable {
+            if seq > bad && next == bad {
+                // The batch at `bad` will not come again decodable.
+                self.stats.next_seq = bad.saturating_add(1);
+                self.pending_undecodable = None;
+                self.ingest.mark_needs_resync();
+            }
+        }
+        let next = self.stats.next_seq;
+        if seq < next {
+            self.stats.duplicates += 1;
+            return;
+        }
+        if seq - next > max_jump {
+            match self.pending_jump.take() {
+                Some((held, held_payload)) if seq == held.saturating_add(1) => {
+                    // Two consecutive batches agree: the stream really is there.
+                    self.apply(held, &held_payload, false);
+                }
+                _ => {
+                    tracing::warn!(seq, next, "vLLM batch jumps too far: held until confirmed");
+                    self.stats.implausible_seq += 1;
+                    self.pending_jump = Some((seq, payload));
+                    return;
                 }
             }
-            Err(e) => {
-                tracing::warn!(seq, error = %e, "undecodable vLLM event batch: inventory reset");
-                self.stats.undecodable += 1;
-                self.reset();
-            }
+        } else {
+            self.pending_jump = None;
+        }
+        if !self.apply(seq, &payload, false) {
+            self.pending_undecodable = Some(seq);
+        }
+    }
+
+    /// True when `payload` is what was applied under `seq` (or `seq` is
+    /// older than the digests kept but not older than the last restart).
+    fn is_duplicate(&self, seq: u64, payload: &[u8]) -> bool {
+        match self.recent.iter().rev().find(|(s, _)| *s == seq) {
+            Some((_, d)) => *d == digest(payload),
+            // Not kept: within the window it was skipped (lost or
+            // undecodable), so a repeat is a duplicate; older than the window
+            // only a new incarnation can send it.
+            None => self.recent.front().is_none_or(|(first, _)| seq >= *first),
+        }
+    }
+
+    /// A new engine incarnation publishes on the endpoint: replace the old
+    /// inventory and follow the new stream from 0.
+    fn restart(&mut self) {
+        tracing::warn!(
+            next = self.stats.next_seq,
+            "vLLM engine restarted: inventory replaced"
+        );
+        self.stats.restarts += 1;
+        self.stats.next_seq = 0;
+        self.recent.clear();
+        self.pending_jump = None;
+        self.pending_undecodable = None;
+        if let Err(e) = self.ingest.replace_inventory() {
+            tracing::warn!(error = %e, "vLLM inventory replacement refused");
         }
     }
 
@@ -427,5 +744,53 @@ impl Shared {
         if let Err(e) = self.ingest.reset() {
             tracing::warn!(error = %e, "vLLM inventory reset refused");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vllm_events::{encode_batch, VllmEncoding, VllmEvent, VllmEventBatch, VllmWorker};
+    use kv_descriptor::{EngineId, LayoutFingerprint, Role};
+    use kv_lookup::{InventoryIndex, WorkerKey};
+
+    #[test]
+    fn a_repeated_seq_is_a_duplicate_only_with_the_same_payload() {
+        let worker = VllmWorker {
+            key: WorkerKey(1),
+            engine: EngineId::fresh(),
+            role: Role::Decode,
+            layout_fingerprint: LayoutFingerprint(1),
+            tp_size: 1,
+            tokens_per_block: 4,
+        };
+        let ingest = VllmIngest::new(Arc::new(InventoryIndex::new()), worker).unwrap();
+        let mut sh = Shared {
+            ingest,
+            stats: SubscriberStats::default(),
+            recent: std::collections::VecDeque::new(),
+            pending_jump: None,
+            pending_undecodable: None,
+        };
+        let payload = |ts: f64| {
+            let b = VllmEventBatch {
+                ts,
+                events: vec![VllmEvent::AllBlocksCleared],
+                data_parallel_rank: None,
+            };
+            encode_batch(&b, VllmEncoding::ArrayLike)
+        };
+        for seq in 0..3 {
+            assert!(sh.apply(seq, &payload(seq as f64), false));
+        }
+        assert!(sh.is_duplicate(1, &payload(1.0)));
+        // Same seq, another batch: a new incarnation numbering from 0 again.
+        assert!(!sh.is_duplicate(1, &payload(99.0)));
+        // Older than the digests kept: only a new incarnation sends it.
+        sh.recent.pop_front();
+        assert!(!sh.is_duplicate(0, &payload(0.0)));
+        sh.restart();
+        assert_eq!((sh.stats.next_seq, sh.stats.restarts), (0, 1));
+        assert_eq!(sh.ingest.stats().replacements, 1);
     }
 }

@@ -7,12 +7,17 @@
 //!   (the third element may be absent);
 //! - batch, map: `{"ts": float, "events": [...], "data_parallel_rank": int|nil}`;
 //! - event, array-like: `["BlockStored", block_hashes, parent_block_hash,
-//!   token_ids, block_size, lora_id, medium, lora_name, extra_keys, ...]`,
-//!   `["BlockRemoved", block_hashes, medium, ...]`, `["AllBlocksCleared", ...]`;
+//!   token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx,
+//!   ...]`, `["BlockRemoved", block_hashes, medium, group_idx, ...]`,
+//!   `["AllBlocksCleared", ...]`;
 //!   positions after `block_size` (resp. `block_hashes`) may be absent and
 //!   further trailing elements are ignored;
 //! - event, map: the same field names plus `"type": "<class name>"`; unknown
-//!   keys are ignored.
+//!   keys are ignored. vLLM 0.33.0 sends this shape (tagged structs,
+//!   `omit_defaults=True`: `extra_keys`, `group_idx` and the other newer
+//!   fields are absent when unset) inside an array-like batch; its further
+//!   fields (`kv_cache_spec_kind`, `locality`, `session_id`,
+//!   `lookahead_token_ids`, ...) are ignored.
 //!
 //! A block hash is an integer (signed or unsigned 64-bit: vLLM's default,
 //! `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`) or a byte string (the full digest,
@@ -63,9 +68,13 @@ pub enum VllmEvent {
         medium: Option<String>,
         /// LoRA adapter name, `None` without LoRA.
         lora_name: Option<String>,
-        /// True when any block carries extra hash keys (multimodal inputs,
-        /// cache salt): such blocks are not named by token ids alone.
-        has_extra_keys: bool,
+        /// vLLM's `extra_keys`: one entry per block (`None`: the block has
+        /// none), each the untagged keys vLLM mixed into that block's hash.
+        /// Empty when the event carries none.
+        extra_keys: Vec<Option<Vec<VllmExtraKey>>>,
+        /// KV cache group (vLLM 0.33 `group_idx`; hybrid models have one
+        /// group per attention kind). `None`: the engine's only group.
+        group_idx: Option<u32>,
     },
     /// `BlockRemoved`: blocks left a cache tier.
     BlockRemoved {
@@ -73,9 +82,35 @@ pub enum VllmEvent {
         block_hashes: Vec<u64>,
         /// Storage medium; `None` means GPU.
         medium: Option<String>,
+        /// KV cache group that freed them; `None`: the engine's only group.
+        group_idx: Option<u32>,
     },
     /// `AllBlocksCleared`: the engine dropped its whole prefix cache.
     AllBlocksCleared,
+}
+
+/// One untagged extra key of a block, as vLLM publishes it
+/// (`vllm/v1/core/kv_cache_utils.py` `to_event_extra_keys`): per block, in
+/// order, the LoRA name (when `lora_name` is set), `(mm_identifier, offset)`
+/// pairs, the cache salt (first block of a request only) and prompt-embedding
+/// digests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VllmExtraKey {
+    /// A bare string: the LoRA name or the cache salt, by position.
+    Text(String),
+    /// A multimodal input overlapping the block: its identifier (vLLM's
+    /// `mm_hash`, a hex digest or a user-given uuid) and where it starts,
+    /// in tokens from the block start (negative: before the block).
+    Multimodal {
+        /// vLLM's `mm_feature.identifier`.
+        identifier: String,
+        /// Start offset relative to the block, tokens.
+        offset: i64,
+    },
+    /// A byte string: a prompt-embeddings digest.
+    Digest(Vec<u8>),
+    /// Any other shape (kept so the block is skipped, never misnamed).
+    Other,
 }
 
 /// Encoding used by [`encode_batch`].
@@ -177,9 +212,8 @@ pub fn decode_batch(payload: &[u8]) -> Result<VllmEventBatch, VllmEventError> {
 }
 
 /// Encodes a batch as vLLM does (for test publishers and tools that emit
-/// vLLM-format events). Block hashes are written as unsigned integers and
-/// `extra_keys` as nil (or one `["salt"]` entry per block when
-/// `has_extra_keys`).
+/// vLLM-format events). Block hashes are written as unsigned integers;
+/// `extra_keys` and `group_idx` as nil when absent.
 pub fn encode_batch(batch: &VllmEventBatch, encoding: VllmEncoding) -> Vec<u8> {
     let events: Vec<Value> = batch
         .events
@@ -212,7 +246,8 @@ fn encode_event(e: &VllmEvent, encoding: VllmEncoding) -> Value {
             lora_id,
             medium,
             lora_name,
-            has_extra_keys,
+            extra_keys,
+            group_idx,
         } => (
             "BlockStored",
             vec![
@@ -229,29 +264,20 @@ fn encode_event(e: &VllmEvent, encoding: VllmEncoding) -> Value {
                 ("lora_id", lora_id.map_or(Value::Nil, Value::from)),
                 ("medium", opt_str(medium)),
                 ("lora_name", opt_str(lora_name)),
-                (
-                    "extra_keys",
-                    if *has_extra_keys {
-                        Value::Array(
-                            block_hashes
-                                .iter()
-                                .map(|_| Value::Array(vec!["salt".into()]))
-                                .collect(),
-                        )
-                    } else {
-                        Value::Nil
-                    },
-                ),
+                ("extra_keys", encode_extra_keys(extra_keys)),
+                ("group_idx", group_idx.map_or(Value::Nil, Value::from)),
             ],
         ),
         VllmEvent::BlockRemoved {
             block_hashes,
             medium,
+            group_idx,
         } => (
             "BlockRemoved",
             vec![
                 ("block_hashes", hashes(block_hashes)),
                 ("medium", opt_str(medium)),
+                ("group_idx", group_idx.map_or(Value::Nil, Value::from)),
             ],
         ),
         VllmEvent::AllBlocksCleared => ("AllBlocksCleared", vec![]),
@@ -270,6 +296,72 @@ fn encode_event(e: &VllmEvent, encoding: VllmEncoding) -> Value {
     }
 }
 
+fn encode_extra_keys(keys: &[Option<Vec<VllmExtraKey>>]) -> Value {
+    if keys.is_empty() {
+        return Value::Nil;
+    }
+    let key = |k: &VllmExtraKey| match k {
+        VllmExtraKey::Text(s) => Value::from(s.as_str()),
+        VllmExtraKey::Multimodal { identifier, offset } => {
+            Value::Array(vec![identifier.as_str().into(), (*offset).into()])
+        }
+        VllmExtraKey::Digest(b) => Value::Binary(b.clone()),
+        VllmExtraKey::Other => Value::Map(vec![]),
+    };
+    Value::Array(
+        keys.iter()
+            .map(|b| {
+                b.as_ref()
+                    .map_or(Value::Nil, |ks| Value::Array(ks.iter().map(key).collect()))
+            })
+            .collect(),
+    )
+}
+
+fn decode_extra_keys(v: Value) -> Result<Vec<Option<Vec<VllmExtraKey>>>, VllmEventError> {
+    let blocks = match v {
+        Value::Nil => return Ok(Vec::new()),
+        Value::Array(blocks) => blocks,
+        other => return Err(err("extra_keys", format!("not an array: {other}"))),
+    };
+    let key = |k: Value| match k {
+        Value::String(s) => s.into_str().map_or(VllmExtraKey::Other, VllmExtraKey::Text),
+        Value::Binary(b) => VllmExtraKey::Digest(b),
+        Value::Array(pair) => match pair.as_slice() {
+            [Value::String(id), Value::Integer(off)] => match (id.as_str(), off.as_i64()) {
+                (Some(id), Some(offset)) => VllmExtraKey::Multimodal {
+                    identifier: id.to_owned(),
+                    offset,
+                },
+                _ => VllmExtraKey::Other,
+            },
+            _ => VllmExtraKey::Other,
+        },
+        _ => VllmExtraKey::Other,
+    };
+    blocks
+        .into_iter()
+        .map(|b| match b {
+            Value::Nil => Ok(None),
+            Value::Array(keys) => Ok(Some(keys.into_iter().map(key).collect())),
+            other => Err(err(
+                "extra_keys",
+                format!("a block's keys are not an array: {other}"),
+            )),
+        })
+        .collect()
+}
+
+fn group_of(v: &Value) -> Result<Option<u32>, VllmEventError> {
+    opt(v)
+        .map(|g| {
+            g.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| err("group_idx", format!("not a u32: {g}")))
+        })
+        .transpose()
+}
+
 /// Field values of one event, by name, whichever shape it came in.
 struct Fields {
     tag: String,
@@ -286,7 +378,7 @@ impl Fields {
 }
 
 /// Positional field names after the tag (vLLM's declaration order).
-const STORED_FIELDS: [&str; 8] = [
+const STORED_FIELDS: [&str; 9] = [
     "block_hashes",
     "parent_block_hash",
     "token_ids",
@@ -295,8 +387,9 @@ const STORED_FIELDS: [&str; 8] = [
     "medium",
     "lora_name",
     "extra_keys",
+    "group_idx",
 ];
-const REMOVED_FIELDS: [&str; 2] = ["block_hashes", "medium"];
+const REMOVED_FIELDS: [&str; 3] = ["block_hashes", "medium", "group_idx"];
 
 fn fields_of(v: Value) -> Result<Fields, VllmEventError> {
     match v {
@@ -367,11 +460,18 @@ fn decode_event(v: Value) -> Result<VllmEvent, VllmEventError> {
                 .transpose()?;
             let medium = opt_string(&f.take("medium"), "medium")?;
             let lora_name = opt_string(&f.take("lora_name"), "lora_name")?;
-            let has_extra_keys = match f.take("extra_keys") {
-                Value::Nil => false,
-                Value::Array(keys) => keys.iter().any(|k| !k.is_nil()),
-                other => return Err(err("extra_keys", format!("not an array: {other}"))),
-            };
+            let extra_keys = decode_extra_keys(f.take("extra_keys"))?;
+            if !extra_keys.is_empty() && extra_keys.len() != block_hashes.len() {
+                return Err(err(
+                    "extra_keys",
+                    format!(
+                        "{} entries for {} blocks",
+                        extra_keys.len(),
+                        block_hashes.len()
+                    ),
+                ));
+            }
+            let group_idx = group_of(&f.take("group_idx"))?;
             Ok(VllmEvent::BlockStored {
                 block_hashes,
                 parent_block_hash,
@@ -380,12 +480,14 @@ fn decode_event(v: Value) -> Result<VllmEvent, VllmEventError> {
                 lora_id,
                 medium,
                 lora_name,
-                has_extra_keys,
+                extra_keys,
+                group_idx,
             })
         }
         "BlockRemoved" => Ok(VllmEvent::BlockRemoved {
             block_hashes: hash_list(&f.take("block_hashes"), "block_hashes")?,
             medium: opt_string(&f.take("medium"), "medium")?,
+            group_idx: group_of(&f.take("group_idx"))?,
         }),
         "AllBlocksCleared" => Ok(VllmEvent::AllBlocksCleared),
         other => Err(err("event.type", format!("unknown event class {other:?}"))),

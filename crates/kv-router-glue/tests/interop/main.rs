@@ -8,6 +8,8 @@
 mod child;
 mod dynamo;
 mod vllm_ingest;
+mod vllm_real;
+mod vllm_recorded;
 mod vllm_wire;
 mod vllm_zmq;
 mod wire_doc;

@@ -45,7 +45,8 @@ fn decodes_msgspec_array_like_bytes() {
                 lora_id: None,
                 medium: Some("GPU".into()),
                 lora_name: None,
-                has_extra_keys: false,
+                extra_keys: vec![],
+                group_idx: None,
             }],
         }
     );
@@ -110,11 +111,14 @@ fn decodes_map_shape_with_newer_fields_and_byte_hashes() {
                 lora_id: None,
                 medium: Some("CPU".into()),
                 lora_name: None,
-                has_extra_keys: false,
+                // One block, no keys; group 0 of a hybrid model.
+                extra_keys: vec![None],
+                group_idx: Some(0),
             },
             VllmEvent::BlockRemoved {
                 block_hashes: vec![u64::MAX],
                 medium: None,
+                group_idx: None,
             },
             VllmEvent::AllBlocksCleared,
         ]
@@ -140,14 +144,19 @@ fn positional_trailing_fields_are_ignored_and_extra_keys_detected() {
     let b = Value::Array(vec![0.5f64.into(), Value::Array(vec![ev])]);
     let got = decode_batch(&msgpack(&b)).unwrap();
     let VllmEvent::BlockStored {
-        has_extra_keys,
+        extra_keys,
         medium,
+        group_idx,
         ..
     } = &got.events[0]
     else {
         panic!("not a store: {got:?}")
     };
-    assert!(*has_extra_keys);
+    assert_eq!(
+        *extra_keys,
+        vec![Some(vec![VllmExtraKey::Text("mm-hash".into())])]
+    );
+    assert_eq!(*group_idx, None);
     assert_eq!(*medium, None);
 }
 
@@ -279,7 +288,8 @@ fn arb_event() -> impl Strategy<Value = VllmEvent> {
                         lora_id: None,
                         medium: medium.map(str::to_owned),
                         lora_name: None,
-                        has_extra_keys: false,
+                        extra_keys: vec![],
+                        group_idx: None,
                     }
                 })
             }),
@@ -289,7 +299,8 @@ fn arb_event() -> impl Strategy<Value = VllmEvent> {
         )
             .prop_map(|(block_hashes, medium)| VllmEvent::BlockRemoved {
                 block_hashes,
-                medium
+                medium,
+                group_idx: None,
             }),
         Just(VllmEvent::AllBlocksCleared),
     ]
@@ -327,7 +338,7 @@ proptest! {
                     prop_assert_eq!(medium, m);
                 }
                 (
-                    VllmEvent::BlockRemoved { block_hashes, medium },
+                    VllmEvent::BlockRemoved { block_hashes, medium, .. },
                     RawKvEvent::BlockRemoved { block_hashes: h, medium: m, .. },
                 ) => {
                     prop_assert_eq!(block_hashes, &h.iter().map(|x| x.into_u64()).collect::<Vec<_>>());

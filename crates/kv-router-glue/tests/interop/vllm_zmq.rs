@@ -44,7 +44,8 @@ fn store_batch(k: u64) -> VllmEventBatch {
             lora_id: None,
             medium: Some("GPU".into()),
             lora_name: None,
-            has_extra_keys: false,
+            extra_keys: vec![],
+            group_idx: None,
         }],
     }
 }
@@ -125,10 +126,52 @@ fn vllm_publisher_child() {
                     events: vec![VllmEvent::BlockRemoved {
                         block_hashes: vec![vllm_name(n)],
                         medium: Some("GPU".into()),
+                        group_idx: None,
                     }],
                 };
                 rt.block_on(publisher.publish(&b, VllmEncoding::ArrayLike))
                     .unwrap();
+                println!("OK {}", publisher.next_seq());
+            }
+            // A frame with seq 2^63 and a valid batch, not from the stream.
+            "bogus" => {
+                let payload = encode_batch(&store_batch(999), VllmEncoding::ArrayLike);
+                rt.block_on(publisher.send_raw(1 << 63, payload)).unwrap();
+                println!("OK {}", publisher.next_seq());
+            }
+            // A foreign undecodable frame under the next seq.
+            "foreign" => {
+                let seq = publisher.next_seq();
+                rt.block_on(publisher.send_raw(seq, vec![0xc1])).unwrap();
+                println!("OK {}", publisher.next_seq());
+            }
+            // The publisher's own batch does not decode (it is in its buffer).
+            "garbage" => {
+                rt.block_on(publisher.publish_payload(vec![0xc1])).unwrap();
+                println!("OK {}", publisher.next_seq());
+            }
+            "clear" => {
+                let b = VllmEventBatch {
+                    ts: 0.0,
+                    data_parallel_rank: Some(0),
+                    events: vec![VllmEvent::AllBlocksCleared],
+                };
+                rt.block_on(publisher.publish(&b, VllmEncoding::ArrayLike))
+                    .unwrap();
+                println!("OK {}", publisher.next_seq());
+            }
+            // A new engine on the same endpoints: seq from 0, blocks from 0.
+            "restart" => {
+                let (ep, rep) = (
+                    publisher.endpoint().to_owned(),
+                    publisher.replay_endpoint().to_owned(),
+                );
+                drop(publisher);
+                std::thread::sleep(Duration::from_millis(200));
+                publisher = rt
+                    .block_on(VllmZmqPublisher::bind(&ep, &rep, "", buffer))
+                    .unwrap();
+                k = 0;
                 println!("OK {}", publisher.next_seq());
             }
             "requests" => {
@@ -275,4 +318,67 @@ async fn idle_probe_recovers_a_trailing_drop() {
     wait_seq(&s, 2);
     assert_eq!(held(&s, 0..2), [true, true]);
     assert_eq!(s.subscriber.stats().lost_batches, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_with_seq_2_pow_63_does_not_stall_the_stream() {
+    let mut s = setup(0, 100, None).await;
+    assert_eq!(s.child.command("publish 3"), "3");
+    wait_seq(&s, 3);
+    s.child.command("bogus");
+    assert_eq!(s.child.command("publish 2"), "5");
+    wait_seq(&s, 5);
+    assert_eq!(held(&s, 0..5), [true; 5]);
+    let st = s.subscriber.stats();
+    assert_eq!(st.next_seq, 5, "{st:?}");
+    assert_eq!((st.lost_batches, st.ingest.resets), (0, 0), "{st:?}");
+    assert_eq!(st.implausible_seq, 1, "{st:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_frame_is_repaired_or_marks_resync_never_empties() {
+    let mut s = setup(0, 100, None).await;
+    assert_eq!(s.child.command("publish 3"), "3");
+    wait_seq(&s, 3);
+    // A foreign undecodable frame under seq 3, then the real batch 3.
+    s.child.command("foreign");
+    assert_eq!(s.child.command("publish 1"), "4");
+    wait_seq(&s, 4);
+    assert_eq!(held(&s, 0..4), [true; 4]);
+    let st = s.subscriber.stats();
+    assert_eq!((st.undecodable, st.ingest.resets), (1, 0), "{st:?}");
+    assert!(s.index.workers_needing_resync().is_empty());
+    // The publisher's own batch 4 does not decode: replay cannot help. The
+    // inventory stays, the worker needs resync (no donor) until a clear.
+    s.child.command("garbage");
+    assert_eq!(s.child.command("publish 1"), "6");
+    wait_seq(&s, 6);
+    assert_eq!(held(&s, 0..4), [true; 4]);
+    let st = s.subscriber.stats();
+    assert_eq!(st.ingest.resets, 0, "{st:?}");
+    assert_eq!(st.ingest.marked_for_resync, 1, "{st:?}");
+    assert_eq!(s.index.workers_needing_resync(), vec![s.worker.engine]);
+    assert_eq!(s.child.command("clear"), "7");
+    wait_seq(&s, 7);
+    assert!(s.index.workers_needing_resync().is_empty());
+    assert_eq!(s.index.stats().held_blocks, [0; 5]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_on_the_same_endpoint_replaces_the_inventory() {
+    let mut s = setup(0, 100, Some(Duration::from_millis(200))).await;
+    assert_eq!(s.child.command("publish 6"), "6");
+    wait_seq(&s, 6);
+    assert_eq!(held(&s, 0..6), [true; 6]);
+    // The new engine stores only blocks 0 and 1 (seq 0, 1).
+    s.child.command("restart");
+    assert_eq!(s.child.command("publish 2"), "2");
+    wait_until("restart detected", Duration::from_secs(20), || {
+        let st = s.subscriber.stats();
+        st.restarts == 1 && st.next_seq == 2
+    });
+    assert_eq!(held(&s, 0..6), [true, true, false, false, false, false]);
+    let st = s.subscriber.stats();
+    assert_eq!(st.ingest.replacements, 1, "{st:?}");
+    assert_eq!(s.index.stats().held_blocks[0], 2);
 }
