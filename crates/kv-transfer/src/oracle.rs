@@ -18,6 +18,13 @@
 //! backend, in one process (cross-process IPC mapping is checked by kv-bank's
 //! `gpu_check`); its host payload must be 0. [`OracleBackend::Nixl`] runs the
 //! same cases through two NIXL agents (DRAM on CPU, VRAM on GPU).
+//!
+//! On the GPU profile a NIXL delivery whose transport is not verified
+//! device-direct is refused ([`TransferError::TransportUnverified`],
+//! [`TransferError::HostStaged`]): two agents in one process get no GPU lane
+//! from UCX (it moves VRAM over `tcp/lo`). That refusal is the required
+//! outcome, recorded in [`OracleReport::fail_closed`]; the oracle then checks
+//! that nothing completed and every pin and bank was released.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -103,11 +110,23 @@ pub struct OracleReport {
     pub transport: String,
     /// Wall time of the positive delivery, µs.
     pub positive_us: u64,
+    /// GPU profile only: why the delivery was refused because its transport
+    /// could not be verified device-direct (see the module docs); `None` when
+    /// the fetch ran.
+    #[serde(default)]
+    pub fail_closed: Option<String>,
 }
 
 impl OracleReport {
     /// Verdict: every check holds.
     pub fn passed(&self) -> bool {
+        if self.fail_closed.is_some() {
+            return self.profile == Profile::Gpu
+                && !self.positive_complete
+                && !self.false_completion
+                && self.pins_released
+                && self.banks_closed;
+        }
         self.bytes_ok
             && self.untouched_rows_ok
             && self.positive_complete
@@ -243,6 +262,7 @@ pub fn run_backend(
     let mut untouched_ok = true;
     let mut host_payload = 0;
     let mut results: Vec<DeliveryReport> = Vec::new();
+    let mut fail_closed = None;
     for case in 0..2 {
         let keys: Vec<SequenceHash> = (0..KEYS)
             .map(|i| {
@@ -327,6 +347,13 @@ pub fn run_backend(
                 reservation.complete();
                 r
             }
+            Err(e @ (TransferError::TransportUnverified { .. } | TransferError::HostStaged { .. }))
+                if profile == Profile::Gpu && case == 0 =>
+            {
+                reservation.cancel().quiesced();
+                fail_closed = Some(e.to_string());
+                break;
+            }
             Err(e) => {
                 reservation.cancel().quiesced();
                 return Err(e);
@@ -350,9 +377,31 @@ pub fn run_backend(
         results.push(report);
     }
     let pins_released = donor.pins_outstanding() == 0;
+    let engine_name = engine.name().to_string();
     drop(engine);
     drop(nixl);
     let banks_closed = donor.close(Duration::from_secs(5)).is_ok() && donor.is_closed();
+    if let Some(why) = fail_closed {
+        return Ok(OracleReport {
+            profile,
+            tp_size: tp,
+            keys: KEYS,
+            missing_keys: ABSENT.len(),
+            bytes: 0,
+            copies: 0,
+            host_payload_bytes: host_payload,
+            bytes_ok: false,
+            untouched_rows_ok: false,
+            positive_complete: false,
+            false_completion: false,
+            pins_released,
+            banks_closed,
+            backend: engine_name,
+            transport: String::new(),
+            positive_us: 0,
+            fail_closed: Some(why),
+        });
+    }
     let (pos, neg) = (&results[0], &results[1]);
     Ok(OracleReport {
         profile,
@@ -372,6 +421,7 @@ pub fn run_backend(
         backend: pos.counters.backend.clone(),
         transport: pos.counters.transport.clone(),
         positive_us: pos.elapsed_us,
+        fail_closed: None,
     })
 }
 

@@ -95,6 +95,25 @@ pub fn cuda_ipc(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
 
 /// Turns an oracle report into checks (one per verdict field) and metrics.
 pub fn record_oracle(rep: &OracleReport, r: &mut SectionResult) {
+    if let Some(why) = &rep.fail_closed {
+        // The GPU path refused a transport it could not verify device-direct
+        // (one-process NIXL VRAM rides tcp/lo): the required outcome.
+        r.record = Some(serde_json::json!({
+            "backend": rep.backend,
+            "tp_size": rep.tp_size,
+            "fail_closed": why,
+            "host_payload_bytes_reported": rep.host_payload_bytes,
+        }));
+        r.check("gpu_path_fails_closed", rep.passed(), why.clone());
+        r.check(
+            "no_completion_reported",
+            !rep.positive_complete && !rep.false_completion,
+            "the refused fetch reported no completion",
+        );
+        r.check("pins_released", rep.pins_released, "no pin outstanding");
+        r.check("banks_closed", rep.banks_closed, "donor bank closed");
+        return;
+    }
     r.record = Some(serde_json::json!({
         "backend": rep.backend,
         "transport": rep.transport,
