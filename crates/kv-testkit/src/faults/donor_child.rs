@@ -70,7 +70,7 @@ const CHILD_PIN_DRAIN: Duration = Duration::from_millis(100);
 /// background, serves source pins on it ([`kv_router_glue::PinService`] on a
 /// Unix socket in a fresh temp directory), prints one JSON line (pid,
 /// manifest, slots, pin endpoint), then waits. On SIGTERM it stops the pin
-/// service (new pins refused, held ones given [`CHILD_PIN_DRAIN`], then
+/// service (new pins refused, held ones given `CHILD_PIN_DRAIN`, then
 /// dropped; socket and directory removed) and closes its bank (lease
 /// revoked, segments unlinked) and returns 0; after 60 s without a signal
 /// it does the same. Returns 2 on an error (printed to stderr).
