@@ -347,9 +347,9 @@ pub fn run_backend(
                 reservation.complete();
                 r
             }
-            Err(e @ (TransferError::TransportUnverified { .. } | TransferError::HostStaged { .. }))
-                if profile == Profile::Gpu && case == 0 =>
-            {
+            Err(
+                e @ (TransferError::TransportUnverified { .. } | TransferError::HostStaged { .. }),
+            ) if profile == Profile::Gpu && case == 0 => {
                 reservation.cancel().quiesced();
                 fail_closed = Some(e.to_string());
                 break;
