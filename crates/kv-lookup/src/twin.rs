@@ -117,12 +117,17 @@ impl<S: Replay> Twin<S> {
     }
 }
 
+/// Spins before [`exclusive`] yields: ~40-150 µs of `pause`, longer than
+/// a lookup holds a copy (µs), so the writer yields only for a descheduled
+/// reader; a yield on a loaded machine can cost a whole time slice.
+const SPINS_BEFORE_YIELD: u32 = 4096;
+
 /// `&mut` to the copy once no reader holds it. Readers hold a copy for one
-/// lookup, so this spins briefly, then yields (a reader may be descheduled).
+/// lookup, so this spins, then yields (a reader may be descheduled).
 fn exclusive<S>(copy: &mut Arc<S>) -> &mut S {
     let mut spins = 0u32;
     while Arc::get_mut(copy).is_none() {
-        if spins < 64 {
+        if spins < SPINS_BEFORE_YIELD {
             std::hint::spin_loop();
         } else {
             std::thread::yield_now();
