@@ -6,9 +6,9 @@ use kv_descriptor::{
     EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, SequenceHash, StorageTier,
 };
 
-use crate::chain::{first_broken_link, UnchainedStore};
+use crate::chain::UnchainedStore;
 use crate::holder_table::{tier_index, HolderTable, ALL_TIERS, PREFETCH_DISTANCE, TIERS};
-use crate::mutation::{Effect, Mutation};
+use crate::mutation::{CheckedEvent, Effect, Mutation};
 use crate::twin::Twin;
 use crate::worker::{WorkerInfo, WorkerKey, WorkerRecord};
 use crate::LookupError;
@@ -265,7 +265,10 @@ impl InventoryIndex {
     /// [`LookupError::IdentityMismatch`], [`LookupError::TooManyWorkers`];
     /// nothing is applied then.
     pub fn apply_event(&self, event: &KvEvent) -> Result<EventOutcome, LookupError> {
-        self.state.write(|b| apply_logged(b, event))
+        // Clone and hash-chain check outside the writer lock: writer
+        // threads do that part in parallel, and the replay skips it.
+        let checked = CheckedEvent::new(event);
+        self.state.write(|b| apply_logged(b, checked))
     }
 
     /// Applies events in order and publishes them at once: a lookup sees
@@ -274,9 +277,10 @@ impl InventoryIndex {
     /// readers per batch); a refused event does not stop the batch.
     pub fn apply_events(&self, events: &[KvEvent]) -> EventBatchReport {
         let mut report = EventBatchReport::default();
+        let checked: Vec<CheckedEvent> = events.iter().map(CheckedEvent::new).collect();
         self.state.write(|b| {
-            for (i, e) in events.iter().enumerate() {
-                match apply_logged(b, e) {
+            for ((i, e), c) in events.iter().enumerate().zip(checked) {
+                match apply_logged(b, c) {
                     Ok(EventOutcome::Applied { changed }) => {
                         report.applied += 1;
                         report.changed += changed;
@@ -369,16 +373,16 @@ impl InventoryIndex {
 /// (here, not in `State`: the replay on the other copy must not log again).
 fn apply_logged(
     batch: &mut crate::twin::Batch<'_, State>,
-    e: &KvEvent,
+    checked: CheckedEvent,
 ) -> Result<EventOutcome, LookupError> {
-    let out = match batch.apply(Mutation::Event(e.clone())) {
+    let (engine, event_id) = (checked.event.publisher, checked.event.event_id);
+    let out = match batch.apply(Mutation::Event(checked)) {
         Effect::Event(r) => r,
         _ => unreachable!("an event reports an event outcome"),
     };
-    let engine = e.publisher;
     match &out {
         Ok(EventOutcome::Unchained { cause }) => {
-            tracing::warn!(%engine, event_id = e.event_id, ?cause, "kv event does not chain: not stored, worker needs resync");
+            tracing::warn!(%engine, event_id, ?cause, "kv event does not chain: not stored, worker needs resync");
         }
         Ok(EventOutcome::Gap { expected, got, .. }) => {
             tracing::warn!(%engine, expected, got, "kv event gap: worker needs resync");
@@ -620,7 +624,13 @@ impl State {
         changed
     }
 
-    pub(crate) fn apply_event(&mut self, e: &KvEvent) -> Result<EventOutcome, LookupError> {
+    /// Applies `e`; `broken_link` is [`crate::chain::first_broken_link`] of
+    /// its blocks when it is a Stored event (computed once, before the lock).
+    pub(crate) fn apply_event(
+        &mut self,
+        e: &KvEvent,
+        broken_link: Option<UnchainedStore>,
+    ) -> Result<EventOutcome, LookupError> {
         let engine = e.publisher;
         if e.event_id == 0 {
             return Err(LookupError::ZeroEventId { engine });
@@ -660,7 +670,7 @@ impl State {
         let tier = tier_index(e.tier);
         let unchained = match &e.data {
             KvEventData::Stored { parent, blocks } => {
-                self.why_unchained(slot, tier, *parent, blocks)
+                self.why_unchained(slot, tier, *parent, blocks, broken_link)
             }
             _ => None,
         };
@@ -704,6 +714,7 @@ impl State {
         tier: usize,
         parent: Option<SequenceHash>,
         blocks: &[kv_descriptor::StoredBlock],
+        broken_link: Option<UnchainedStore>,
     ) -> Option<UnchainedStore> {
         if blocks.is_empty() {
             return None;
@@ -714,7 +725,7 @@ impl State {
                 return Some(UnchainedStore::ParentNotHeld { parent: p });
             }
         }
-        first_broken_link(parent, blocks)
+        broken_link
     }
 
     /// Excludes `slot` as a donor until a resync.

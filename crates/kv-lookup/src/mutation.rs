@@ -2,8 +2,9 @@
 //! index's state can replay what the published copy already applied (see
 //! [`crate::twin`]).
 
-use kv_descriptor::{EngineId, KvEvent, SequenceHash, StorageTier};
+use kv_descriptor::{EngineId, KvEvent, KvEventData, SequenceHash, StorageTier};
 
+use crate::chain::{first_broken_link, UnchainedStore};
 use crate::holder_table::tier_index;
 use crate::index::{EventOutcome, Registration, State};
 use crate::twin::Replay;
@@ -17,13 +18,36 @@ pub(crate) enum Mutation {
     /// [`crate::InventoryIndex::remove_worker`].
     Remove { engine: EngineId },
     /// [`crate::InventoryIndex::apply_event`] (owned: the replay needs it later).
-    Event(KvEvent),
+    Event(CheckedEvent),
     /// [`crate::InventoryIndex::resync_worker`].
     Resync {
         engine: EngineId,
         last_event_id: u64,
         inventory: Vec<(StorageTier, Vec<SequenceHash>)>,
     },
+}
+
+/// An event with the part of its chain check that depends on the event
+/// alone (each block's sequence hash chained from its parent's), done once
+/// outside the writer lock; whether the index holds its `parent` is checked
+/// when it is applied.
+pub(crate) struct CheckedEvent {
+    pub(crate) event: KvEvent,
+    /// [`first_broken_link`] of a Stored event's blocks; `None` otherwise.
+    pub(crate) broken_link: Option<UnchainedStore>,
+}
+
+impl CheckedEvent {
+    pub(crate) fn new(event: &KvEvent) -> Self {
+        let broken_link = match &event.data {
+            KvEventData::Stored { parent, blocks } => first_broken_link(*parent, blocks),
+            _ => None,
+        };
+        Self {
+            event: event.clone(),
+            broken_link,
+        }
+    }
 }
 
 /// What a [`Mutation`] reported; the variant matches the mutation's.
@@ -49,7 +73,7 @@ impl Replay for State {
                 }
                 None => false,
             }),
-            Mutation::Event(e) => Effect::Event(self.apply_event(e)),
+            Mutation::Event(c) => Effect::Event(self.apply_event(&c.event, c.broken_link)),
             Mutation::Resync {
                 engine,
                 last_event_id,
