@@ -5,10 +5,11 @@ use std::collections::{HashMap, HashSet};
 use kv_descriptor::{
     EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, SequenceHash, StorageTier,
 };
-use parking_lot::RwLock;
 
-use crate::chain::{first_broken_link, UnchainedStore};
+use crate::chain::UnchainedStore;
 use crate::holder_table::{tier_index, HolderTable, ALL_TIERS, PREFETCH_DISTANCE, TIERS};
+use crate::mutation::{CheckedEvent, Effect, Mutation};
+use crate::twin::Twin;
 use crate::worker::{WorkerInfo, WorkerKey, WorkerRecord};
 use crate::LookupError;
 
@@ -128,7 +129,7 @@ pub(crate) struct DonorMask {
     pub(crate) groups: Vec<u64>,
 }
 
-/// Everything behind the index's lock.
+/// Everything the index knows; it exists twice (see [`crate::twin`]).
 pub(crate) struct State {
     pub(crate) groups: Vec<HolderTable>,
     /// Worker records by slot (`slot = 64 * group + bit`).
@@ -150,9 +151,14 @@ pub(crate) struct State {
 /// Inventory index: for every sequence hash, which workers hold it in which
 /// tier; plus each worker's identity and event-stream position.
 ///
-/// All methods take `&self`: event application takes the write lock, lookups
-/// ([`InventoryIndex::lookup`]) the read lock, so an `Arc<InventoryIndex>` can
-/// be shared by event threads and request threads.
+/// All methods take `&self`, so an `Arc<InventoryIndex>` can be shared by
+/// event threads and request threads. The state exists twice (left-right):
+/// lookups ([`InventoryIndex::lookup`]) read the published copy without a
+/// lock and never wait for event application; mutations are serialized,
+/// applied to the other copy and published with one pointer swap when the
+/// call returns (read-your-writes), then replayed on the copy readers left.
+/// Costs: twice the memory of one copy ([`IndexStats::table_bytes`] counts
+/// one), each mutation applied twice.
 ///
 /// ```
 /// use kv_descriptor::*;
@@ -182,7 +188,7 @@ pub(crate) struct State {
 /// assert_eq!(index.stats().held_blocks[4], 4);
 /// ```
 pub struct InventoryIndex {
-    pub(crate) state: RwLock<State>,
+    pub(crate) state: Twin<State>,
 }
 
 impl Default for InventoryIndex {
@@ -202,21 +208,7 @@ impl InventoryIndex {
     /// time linear in the table size, ~tens of ms at a million blocks).
     pub fn with_capacity(blocks: usize) -> Self {
         Self {
-            state: RwLock::new(State {
-                groups: Vec::new(),
-                workers: Vec::new(),
-                by_engine: HashMap::new(),
-                by_key: HashMap::new(),
-                retired: HashSet::new(),
-                free_slots: Vec::new(),
-                donor_masks: Vec::new(),
-                group_capacity: blocks,
-                events_applied: 0,
-                duplicates: 0,
-                gaps: 0,
-                from_retired: 0,
-                unchained: 0,
-            }),
+            state: Twin::new(State::new(blocks), State::new(blocks)),
         }
     }
 
@@ -237,20 +229,21 @@ impl InventoryIndex {
         key: WorkerKey,
         info: WorkerInfo,
     ) -> Result<Registration, LookupError> {
-        self.state.write().register(key, info)
+        match self
+            .state
+            .write(|b| b.apply(Mutation::Register { key, info }))
+        {
+            Effect::Register(r) => r,
+            _ => unreachable!("a registration reports a registration"),
+        }
     }
 
     /// Retires an incarnation: drops all its entries and ignores its later
     /// events. Returns false when the engine was not live.
     pub fn remove_worker(&self, engine: EngineId) -> bool {
-        let mut st = self.state.write();
-        match st.by_engine.get(&engine).copied() {
-            Some(slot) => {
-                st.retire(slot);
-                st.rebuild_donor_masks();
-                true
-            }
-            None => false,
+        match self.state.write(|b| b.apply(Mutation::Remove { engine })) {
+            Effect::Remove(r) => r,
+            _ => unreachable!("a removal reports a removal"),
         }
     }
 
@@ -272,38 +265,44 @@ impl InventoryIndex {
     /// [`LookupError::IdentityMismatch`], [`LookupError::TooManyWorkers`];
     /// nothing is applied then.
     pub fn apply_event(&self, event: &KvEvent) -> Result<EventOutcome, LookupError> {
-        self.state.write().apply(event)
+        // Clone and hash-chain check outside the writer lock: writer
+        // threads do that part in parallel, and the replay skips it.
+        let checked = CheckedEvent::new(event);
+        self.state.write(|b| apply_logged(b, checked))
     }
 
-    /// Applies events in order under one lock acquisition (cheaper per event
-    /// than [`InventoryIndex::apply_event`]); a refused event does not stop
-    /// the batch.
+    /// Applies events in order and publishes them at once: a lookup sees
+    /// none or all of the batch. Cheaper per event than
+    /// [`InventoryIndex::apply_event`] (one publication and one wait for
+    /// readers per batch); a refused event does not stop the batch.
     pub fn apply_events(&self, events: &[KvEvent]) -> EventBatchReport {
         let mut report = EventBatchReport::default();
-        let mut st = self.state.write();
-        for (i, e) in events.iter().enumerate() {
-            match st.apply(e) {
-                Ok(EventOutcome::Applied { changed }) => {
-                    report.applied += 1;
-                    report.changed += changed;
+        let checked: Vec<CheckedEvent> = events.iter().map(CheckedEvent::new).collect();
+        self.state.write(|b| {
+            for ((i, e), c) in events.iter().enumerate().zip(checked) {
+                match apply_logged(b, c) {
+                    Ok(EventOutcome::Applied { changed }) => {
+                        report.applied += 1;
+                        report.changed += changed;
+                    }
+                    Ok(EventOutcome::Gap {
+                        expected,
+                        got,
+                        changed,
+                    }) => {
+                        report.applied += 1;
+                        report.changed += changed;
+                        report.gaps.push((e.publisher, expected, got));
+                    }
+                    Ok(EventOutcome::Duplicate { .. }) => report.duplicates += 1,
+                    Ok(EventOutcome::FromRetiredIncarnation) => report.from_retired += 1,
+                    Ok(EventOutcome::Unchained { cause }) => {
+                        report.unchained.push((e.publisher, e.event_id, cause));
+                    }
+                    Err(err) => report.refused.push((i, err)),
                 }
-                Ok(EventOutcome::Gap {
-                    expected,
-                    got,
-                    changed,
-                }) => {
-                    report.applied += 1;
-                    report.changed += changed;
-                    report.gaps.push((e.publisher, expected, got));
-                }
-                Ok(EventOutcome::Duplicate { .. }) => report.duplicates += 1,
-                Ok(EventOutcome::FromRetiredIncarnation) => report.from_retired += 1,
-                Ok(EventOutcome::Unchained { cause }) => {
-                    report.unchained.push((e.publisher, e.event_id, cause));
-                }
-                Err(err) => report.refused.push((i, err)),
             }
-        }
+        });
         report
     }
 
@@ -319,22 +318,15 @@ impl InventoryIndex {
         last_event_id: u64,
         inventory: &[(StorageTier, Vec<SequenceHash>)],
     ) -> Result<(), LookupError> {
-        let mut st = self.state.write();
-        let slot = *st
-            .by_engine
-            .get(&engine)
-            .ok_or(LookupError::UnknownEngine { engine })?;
-        st.drop_entries(slot);
-        for (tier, hashes) in inventory {
-            st.store(slot, tier_index(*tier), hashes, |h| *h);
+        let m = Mutation::Resync {
+            engine,
+            last_event_id,
+            inventory: inventory.to_vec(),
+        };
+        match self.state.write(|b| b.apply(m)) {
+            Effect::Resync(r) => r,
+            _ => unreachable!("a resync reports a resync"),
         }
-        let rec = st.workers[slot as usize]
-            .as_mut()
-            .expect("slot of a live engine");
-        rec.last_event_id = last_event_id;
-        rec.needs_resync = false;
-        st.rebuild_donor_masks();
-        Ok(())
     }
 
     /// Live incarnations that saw a gap and wait for
@@ -373,7 +365,61 @@ impl InventoryIndex {
 
     /// Counters and sizes.
     pub fn stats(&self) -> IndexStats {
-        let st = self.state.read();
+        self.state.read().stats()
+    }
+}
+
+/// [`State::apply_event`] through `batch`, logging what needs a resync
+/// (here, not in `State`: the replay on the other copy must not log again).
+fn apply_logged(
+    batch: &mut crate::twin::Batch<'_, State>,
+    checked: CheckedEvent,
+) -> Result<EventOutcome, LookupError> {
+    let (engine, event_id) = (checked.event.publisher, checked.event.event_id);
+    let out = match batch.apply(Mutation::Event(checked)) {
+        Effect::Event(r) => r,
+        _ => unreachable!("an event reports an event outcome"),
+    };
+    match &out {
+        Ok(EventOutcome::Unchained { cause }) => {
+            tracing::warn!(%engine, event_id, ?cause, "kv event does not chain: not stored, worker needs resync");
+        }
+        Ok(EventOutcome::Gap { expected, got, .. }) => {
+            tracing::warn!(%engine, expected, got, "kv event gap: worker needs resync");
+        }
+        _ => {}
+    }
+    out
+}
+
+/// Group index and bit of a worker slot.
+#[inline]
+pub(crate) fn split(slot: u32) -> (usize, u32) {
+    (slot as usize / GROUP_WIDTH, slot % GROUP_WIDTH as u32)
+}
+
+impl State {
+    fn new(group_capacity: usize) -> Self {
+        Self {
+            groups: Vec::new(),
+            workers: Vec::new(),
+            by_engine: HashMap::new(),
+            by_key: HashMap::new(),
+            retired: HashSet::new(),
+            free_slots: Vec::new(),
+            donor_masks: Vec::new(),
+            group_capacity,
+            events_applied: 0,
+            duplicates: 0,
+            gaps: 0,
+            from_retired: 0,
+            unchained: 0,
+        }
+    }
+
+    /// Counters and sizes of this copy.
+    pub(crate) fn stats(&self) -> IndexStats {
+        let st = self;
         let mut held = [0u64; TIERS];
         for w in st.workers.iter().flatten() {
             for (h, l) in held.iter_mut().zip(w.live) {
@@ -398,16 +444,12 @@ impl InventoryIndex {
             unchained: st.unchained,
         }
     }
-}
 
-/// Group index and bit of a worker slot.
-#[inline]
-pub(crate) fn split(slot: u32) -> (usize, u32) {
-    (slot as usize / GROUP_WIDTH, slot % GROUP_WIDTH as u32)
-}
-
-impl State {
-    fn register(&mut self, key: WorkerKey, info: WorkerInfo) -> Result<Registration, LookupError> {
+    pub(crate) fn register(
+        &mut self,
+        key: WorkerKey,
+        info: WorkerInfo,
+    ) -> Result<Registration, LookupError> {
         let engine = info.engine;
         if self.retired.contains(&engine) {
             return Err(LookupError::RetiredIncarnation { engine });
@@ -502,7 +544,7 @@ impl State {
     }
 
     /// Clears every tier of `slot` using its logs (exact, no table scan).
-    fn drop_entries(&mut self, slot: u32) {
+    pub(crate) fn drop_entries(&mut self, slot: u32) {
         for t in 0..TIERS {
             self.clear_tier(slot, t);
         }
@@ -523,7 +565,7 @@ impl State {
     /// Sets `slot`'s bit in `tier` for every `key(item)`, prefetching
     /// index slots and entries ahead (events carry hashes that are random in
     /// the table: without prefetch each block waits for two misses in turn).
-    fn store<T>(
+    pub(crate) fn store<T>(
         &mut self,
         slot: u32,
         tier: usize,
@@ -582,7 +624,13 @@ impl State {
         changed
     }
 
-    pub(crate) fn apply(&mut self, e: &KvEvent) -> Result<EventOutcome, LookupError> {
+    /// Applies `e`; `broken_link` is [`crate::chain::first_broken_link`] of
+    /// its blocks when it is a Stored event (computed once, before the lock).
+    pub(crate) fn apply_event(
+        &mut self,
+        e: &KvEvent,
+        broken_link: Option<UnchainedStore>,
+    ) -> Result<EventOutcome, LookupError> {
         let engine = e.publisher;
         if e.event_id == 0 {
             return Err(LookupError::ZeroEventId { engine });
@@ -622,14 +670,13 @@ impl State {
         let tier = tier_index(e.tier);
         let unchained = match &e.data {
             KvEventData::Stored { parent, blocks } => {
-                self.why_unchained(slot, tier, *parent, blocks)
+                self.why_unchained(slot, tier, *parent, blocks, broken_link)
             }
             _ => None,
         };
         let changed = match (&e.data, unchained) {
-            (_, Some(cause)) => {
+            (_, Some(_)) => {
                 self.unchained += 1;
-                tracing::warn!(%engine, event_id = e.event_id, ?cause, "kv event does not chain: not stored, worker needs resync");
                 0
             }
             (KvEventData::Stored { blocks, .. }, None) => {
@@ -646,7 +693,6 @@ impl State {
         if gap {
             self.events_applied += 1;
             self.gaps += 1;
-            tracing::warn!(%engine, expected = last + 1, got = e.event_id, "kv event gap: worker needs resync");
             return Ok(EventOutcome::Gap {
                 expected: last + 1,
                 got: e.event_id,
@@ -668,6 +714,7 @@ impl State {
         tier: usize,
         parent: Option<SequenceHash>,
         blocks: &[kv_descriptor::StoredBlock],
+        broken_link: Option<UnchainedStore>,
     ) -> Option<UnchainedStore> {
         if blocks.is_empty() {
             return None;
@@ -678,7 +725,7 @@ impl State {
                 return Some(UnchainedStore::ParentNotHeld { parent: p });
             }
         }
-        first_broken_link(parent, blocks)
+        broken_link
     }
 
     /// Excludes `slot` as a donor until a resync.

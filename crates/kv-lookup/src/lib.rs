@@ -26,9 +26,11 @@
 //!   baseline only.
 //! - A lookup never exceeds its probe budget, overruns its time budget by at
 //!   most [`CLOCK_CHECK_INTERVAL`] work units (~2 µs), and reserves nothing.
-//! - Event application and lookups may run concurrently from any threads
-//!   (one `RwLock`: events write, lookups read; a lookup waits for the lock
-//!   at most its time budget).
+//! - Event application and lookups may run concurrently from any threads.
+//!   The state exists twice (left-right, [`InventoryIndex`]): a lookup
+//!   reads the published copy without a lock and never waits for events;
+//!   mutations are serialized, go to the other copy and are published
+//!   whole (a batch is seen entirely or not at all) when the call returns.
 //!
 //! # Deliberately absent
 //! Cost decisions (kv-router-glue), choosing the prefill target, pinning or
@@ -44,7 +46,8 @@
 //! donor walk reads the next entry of the current run while it matches the
 //! next request block (sequential memory, one `AND`-and-test per block) and
 //! asks the index only where a run ends.
-//! Benchmark against `dynamo-kv-router`'s `RadixTree`:
+//! Benchmark against `dynamo-kv-router`'s indexers (single-threaded and
+//! concurrent):
 //! `cargo bench -p kv-lookup --bench lookup -- [--json FILE]`.
 
 #![deny(missing_docs)]
@@ -54,8 +57,10 @@ mod error;
 mod holder_table;
 mod index;
 mod lookup;
+mod mutation;
 mod prefetch;
 pub mod reference;
+mod twin;
 mod worker;
 
 pub use chain::UnchainedStore;

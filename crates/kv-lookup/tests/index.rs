@@ -600,9 +600,11 @@ fn a_cancelled_lookup_stops_walking_and_proposes_no_donor() {
 }
 
 #[test]
-fn lookups_during_a_long_write_batch_are_correct_or_flagged() {
-    // The lock wait is part of the budget (unit test `lock_wait_counts_against_the_budget`);
-    // here: whatever a lookup returns while a writer holds the lock is right or flagged.
+fn lookups_never_wait_for_a_long_write_batch() {
+    // Event application mutates the standby copy while lookups read the
+    // published one: a lookup during a long batch completes with the state
+    // before or after it, never flagged for a wait (a 4-block walk never
+    // reads the clock, so only a lock wait could exhaust its budget).
     let index = Arc::new(InventoryIndex::new());
     let t = registered(&index, 1, Role::Prefill);
     let d = registered(&index, 2, Role::Decode);
@@ -623,16 +625,17 @@ fn lookups_during_a_long_write_batch_are_correct_or_flagged() {
                 assert_eq!(d.blocks, 4);
                 found += 1;
             }
-            Err(NoDonorReason::BudgetExhausted { probes: 0 }) => {
-                assert!(out.budget_exhausted);
-                flagged += 1;
-            }
+            Err(NoDonorReason::BudgetExhausted { probes: 0 }) => flagged += 1,
             Err(other) => panic!("unexpected {other:?}"),
         }
     }
     let report = writer.join().unwrap();
     assert_eq!((report.applied, report.gaps.len()), (399, 0));
-    assert!(found + flagged > 0);
+    assert_eq!(
+        flagged, 0,
+        "{flagged} lookups waited out their budget ({found} found)"
+    );
+    assert!(found > 0);
 }
 
 #[test]

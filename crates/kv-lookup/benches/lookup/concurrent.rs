@@ -1,0 +1,360 @@
+//! Concurrent rows: `T` threads issue lookups while `E` threads apply KV
+//! events, for kv-lookup and for dynamo-kv-router 1.6.1's concurrent indexers,
+//! each first loaded with the same workload (single-threaded, untimed).
+//!
+//! Event load: each event thread owns the decode workers `w` with
+//! `w % E == thread` and cycles through its own fresh 64-block root chains:
+//! it stores one on its next worker (retained tier) and, once that worker
+//! holds `KEEP` churn chains, removes the oldest, so the index size stays
+//! put. Lookups are the workload's requests, round robin per thread.
+//!
+//! How each indexer takes events:
+//! - ours: `InventoryIndex::apply_event` on the event thread;
+//! - `positional`: `PositionalIndexer::apply_event` on the event thread, with
+//!   the per-writer block map Dynamo's pool threads keep (churn under
+//!   `dp_rank` 1, so each thread's map knows everything its writers hold);
+//! - `crtc-pool`: `ConcurrentRadixTreeCompressed` in a `ThreadPoolIndexer`
+//!   with `E` pool threads (its `apply_event` is private); one producer
+//!   thread enqueues the same churn and waits for a flush every 64 events,
+//!   so queues stay bounded and every counted event was applied. Dynamo gets
+//!   `E + 1` event-side threads there.
+//!
+//! Measured over `secs` of wall time: lookups/s, KV events/s (one event is
+//! one 64-block store or removal), their sum, and the p99 of every lookup's
+//! own latency under that load.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dynamo_kv_router::indexer::{
+    concurrent_radix_tree_compressed::ConcurrentRadixTreeCompressed, positional::PositionalIndexer,
+    SyncIndexer, ThreadPoolIndexer,
+};
+use kv_descriptor::{KvEvent, KvEventData, SequenceHash, StorageTier, StoredBlock, TokenBlockHash};
+use kv_lookup::{EventOutcome, LookupBudget};
+
+use crate::flash::{local_hashes, removed_event, stored_event, JUMP};
+use crate::{chain_blocks, role, Block, Op, SplitMix, DECODES, FP};
+
+/// Churn chains a worker holds before its oldest is removed.
+const KEEP: usize = 4;
+/// Blocks per churn chain (one KV event).
+const CHURN_LEN: usize = 64;
+
+/// One concurrent measurement.
+pub(crate) struct Load {
+    pub(crate) lookups_per_s: f64,
+    pub(crate) events_per_s: f64,
+    pub(crate) p99_us: f64,
+    /// Lookups flagged `budget_exhausted` (ours only; time budget, e.g. when
+    /// descheduled).
+    pub(crate) exhausted: u64,
+    /// Most probes one lookup spent (ours only).
+    pub(crate) max_probes: u32,
+}
+
+/// Fresh churn chains: `per_thread` for each of `e` event threads
+/// (thread `k` uses chains `k, k + e, ...`).
+pub(crate) fn churn_chains(e: usize, seed: u64) -> (Vec<Vec<Block>>, usize) {
+    let owned = DECODES.div_ceil(e);
+    // A chain comes back only after its previous holder removed it.
+    let per_thread = 2 * (KEEP + 1) * owned + 8;
+    let mut rng = SplitMix(seed);
+    let chains = (0..per_thread * e)
+        .map(|_| chain_blocks(None, (0..CHURN_LEN).map(|_| rng.next())))
+        .collect();
+    (chains, per_thread)
+}
+
+/// A store (`remove == false`) or removal of `blocks` by decode `worker`.
+pub(crate) struct Write<'a> {
+    worker: usize,
+    remove: bool,
+    blocks: &'a [Block],
+}
+
+/// Runs `t` lookup threads and `e` event threads for `secs`; `writer(k)`
+/// makes event thread `k`'s apply function, `lookup(target, request)` does
+/// one lookup and returns (budget exhausted, probes).
+fn drive<W, L>(
+    t: usize,
+    e: usize,
+    secs: f64,
+    requests: &[(usize, Vec<Block>)],
+    chains: &(Vec<Vec<Block>>, usize),
+    writer: W,
+    lookup: L,
+) -> Load
+where
+    W: Fn(usize) -> Box<dyn FnMut(&Write<'_>) + Send> + Sync,
+    L: Fn(usize, &[Block]) -> (bool, u32) + Sync,
+{
+    let stop = AtomicBool::new(false);
+    let events = AtomicU64::new(0);
+    let start = Instant::now();
+    let (lat, exhausted, max_probes, lookups) = std::thread::scope(|s| {
+        for k in 0..e {
+            let (stop, events, writer) = (&stop, &events, &writer);
+            s.spawn(move || {
+                let mut apply = writer(k);
+                let owned: Vec<usize> = (0..DECODES).filter(|w| w % e == k).collect();
+                let mut held: Vec<VecDeque<usize>> = vec![VecDeque::new(); DECODES];
+                let mut n = 0u64;
+                let mut i = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    let c = k + (i % chains.1) * e;
+                    let w = owned[i % owned.len()];
+                    apply(&Write {
+                        worker: w,
+                        remove: false,
+                        blocks: &chains.0[c],
+                    });
+                    held[w].push_back(c);
+                    n += 1;
+                    if held[w].len() > KEEP {
+                        let old = held[w].pop_front().expect("held");
+                        apply(&Write {
+                            worker: w,
+                            remove: true,
+                            blocks: &chains.0[old],
+                        });
+                        n += 1;
+                    }
+                    i += 1;
+                }
+                events.fetch_add(n, Ordering::Relaxed);
+            });
+        }
+        let readers: Vec<_> = (0..t)
+            .map(|k| {
+                let (stop, lookup) = (&stop, &lookup);
+                s.spawn(move || {
+                    let mut lat = Vec::with_capacity(1 << 20);
+                    let (mut exhausted, mut max_probes) = (0u64, 0u32);
+                    let mut i = k * 7919;
+                    while !stop.load(Ordering::Relaxed) {
+                        let (target, req) = &requests[i % requests.len()];
+                        let t0 = Instant::now();
+                        let (ex, probes) = lookup(*target, req);
+                        lat.push(t0.elapsed().as_nanos() as u64);
+                        exhausted += ex as u64;
+                        max_probes = max_probes.max(probes);
+                        i += 1;
+                    }
+                    (lat, exhausted, max_probes)
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_secs_f64(secs));
+        stop.store(true, Ordering::Relaxed);
+        let mut all = Vec::new();
+        let (mut ex, mut mp) = (0, 0);
+        for r in readers {
+            let (l, e, p) = r.join().expect("lookup thread");
+            all.extend(l);
+            ex += e;
+            mp = mp.max(p);
+        }
+        let n = all.len() as u64;
+        (all, ex, mp, n)
+    });
+    let wall = start.elapsed().as_secs_f64();
+    let mut lat = lat;
+    lat.sort_unstable();
+    let p99 = if lat.is_empty() {
+        f64::NAN
+    } else {
+        lat[((lat.len() - 1) as f64 * 0.99).round() as usize] as f64 / 1e3
+    };
+    Load {
+        lookups_per_s: lookups as f64 / wall,
+        events_per_s: events.load(Ordering::Relaxed) as f64 / wall,
+        p99_us: p99,
+        exhausted,
+        max_probes,
+    }
+}
+
+/// Ours: preload `ops`, then the concurrent phase.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ours<'a>(
+    ops: impl Iterator<Item = Op<'a>>,
+    capacity: usize,
+    requests: &[(usize, Vec<Block>)],
+    chains: &(Vec<Vec<Block>>, usize),
+    t: usize,
+    e: usize,
+    secs: f64,
+    budget: LookupBudget,
+) -> Load {
+    let (index, engines, next_id) = crate::load_ours(ops, capacity);
+    let index = Arc::new(index);
+    let hashes_of = |b: &[Block]| b.iter().map(|x| SequenceHash(x.0)).collect::<Vec<_>>();
+    // Each worker belongs to one event thread, so a per-thread copy of the
+    // next ids is exact for the workers it writes.
+    let writer = |_k: usize| -> Box<dyn FnMut(&Write<'_>) + Send> {
+        let (index, engines) = (index.clone(), engines.clone());
+        let mut next_id = next_id.clone();
+        Box::new(move |w: &Write<'_>| {
+            let data = if w.remove {
+                KvEventData::Removed {
+                    sequence_hashes: w.blocks.iter().map(|b| SequenceHash(b.0)).collect(),
+                }
+            } else {
+                KvEventData::Stored {
+                    parent: None,
+                    blocks: w
+                        .blocks
+                        .iter()
+                        .map(|&(s, t)| StoredBlock {
+                            sequence_hash: SequenceHash(s),
+                            token_hash: TokenBlockHash(t),
+                        })
+                        .collect(),
+                }
+            };
+            let e = KvEvent {
+                publisher: engines[w.worker],
+                event_id: {
+                    next_id[w.worker] += 1;
+                    next_id[w.worker] - 1
+                },
+                role: role(w.worker),
+                layout_fingerprint: FP,
+                tp_size: 1,
+                tier: StorageTier::RetainedGpuDirect,
+                data,
+            };
+            let r = index.apply_event(&e);
+            assert!(matches!(r, Ok(EventOutcome::Applied { .. })), "{r:?}");
+        })
+    };
+    let lookup = |target: usize, req: &[Block]| {
+        let out = index.lookup(&hashes_of(req), engines[target], budget);
+        (out.budget_exhausted, out.probes)
+    };
+    drive(t, e, secs, requests, chains, writer, lookup)
+}
+
+/// `PositionalIndexer`: preload inline, churn from `e` threads.
+pub(crate) fn positional<'a>(
+    ops: impl Iterator<Item = Op<'a>>,
+    requests: &[(usize, Vec<Block>)],
+    chains: &(Vec<Vec<Block>>, usize),
+    t: usize,
+    e: usize,
+    secs: f64,
+) -> Load {
+    let index = Arc::new(PositionalIndexer::new(JUMP));
+    let mut m = Default::default();
+    preload_dynamo(ops, |ev| {
+        index
+            .apply_event(&mut m, ev, None)
+            .expect("positional preload");
+    });
+    let writer = |_k: usize| -> Box<dyn FnMut(&Write<'_>) + Send> {
+        let index = index.clone();
+        let mut blocks_of = Default::default();
+        let mut ids = vec![1u64; DECODES];
+        Box::new(move |w: &Write<'_>| {
+            let id = ids[w.worker];
+            ids[w.worker] += 1;
+            let ev = if w.remove {
+                removed_event(w.worker as u64, 1, id, w.blocks)
+            } else {
+                stored_event(w.worker as u64, 1, id, None, w.blocks)
+            };
+            index
+                .apply_event(&mut blocks_of, ev, None)
+                .expect("positional event");
+        })
+    };
+    let lookup = |_t: usize, req: &[Block]| {
+        let s = index.find_matches(&local_hashes(req), false);
+        std::hint::black_box(s);
+        (false, 0)
+    };
+    drive(t, e, secs, requests, chains, writer, lookup)
+}
+
+/// `ConcurrentRadixTreeCompressed` in a `ThreadPoolIndexer` of `e` threads.
+pub(crate) fn crtc_pool<'a>(
+    ops: impl Iterator<Item = Op<'a>>,
+    requests: &[(usize, Vec<Block>)],
+    chains: &(Vec<Vec<Block>>, usize),
+    t: usize,
+    e: usize,
+    secs: f64,
+) -> Load {
+    let pool = Arc::new(ThreadPoolIndexer::new(
+        ConcurrentRadixTreeCompressed::new(),
+        e,
+        16,
+    ));
+    let ids = preload_dynamo(ops, |ev| pool.enqueue_event(ev).expect("crtc preload"));
+    futures::executor::block_on(pool.flush_and_wait()).expect("crtc flush");
+    // One producer for all `e` lanes (see the module docs): thread 0 of
+    // `drive` with ownership of every decode, the others idle.
+    let writer = |_k: usize| -> Box<dyn FnMut(&Write<'_>) + Send> {
+        let pool = pool.clone();
+        let mut ids = ids.clone();
+        let mut since_flush = 0;
+        Box::new(move |w: &Write<'_>| {
+            let id = ids[w.worker];
+            ids[w.worker] += 1;
+            let ev = if w.remove {
+                removed_event(w.worker as u64, 0, id, w.blocks)
+            } else {
+                stored_event(w.worker as u64, 0, id, None, w.blocks)
+            };
+            pool.enqueue_event(ev).expect("crtc event");
+            since_flush += 1;
+            if since_flush == 64 {
+                futures::executor::block_on(pool.flush_and_wait()).expect("crtc flush");
+                since_flush = 0;
+            }
+        })
+    };
+    let lookup = |_t: usize, req: &[Block]| {
+        let s = pool.backend().find_matches(&local_hashes(req), false);
+        std::hint::black_box(s);
+        (false, 0)
+    };
+    drive(t, 1, secs, requests, chains, writer, lookup)
+}
+
+/// Feeds the stores and removals of `ops` to `apply` as Dynamo events;
+/// returns the next event id per worker.
+fn preload_dynamo<'a>(
+    ops: impl Iterator<Item = Op<'a>>,
+    mut apply: impl FnMut(dynamo_kv_router::protocols::RouterEvent),
+) -> Vec<u64> {
+    let mut next_id = vec![1u64; crate::WORKERS];
+    for op in ops {
+        match op {
+            Op::Store {
+                worker,
+                parent,
+                blocks,
+                ..
+            } => {
+                apply(stored_event(
+                    worker as u64,
+                    0,
+                    next_id[worker],
+                    parent,
+                    blocks,
+                ));
+                next_id[worker] += 1;
+            }
+            Op::Remove { worker, blocks, .. } => {
+                apply(removed_event(worker as u64, 0, next_id[worker], blocks));
+                next_id[worker] += 1;
+            }
+            Op::Lookup { .. } => {}
+        }
+    }
+    next_id
+}

@@ -1,0 +1,236 @@
+//! Every change to the index as a value, so that the standby copy of the
+//! index's state can replay what the published copy already applied (see
+//! [`crate::twin`]).
+
+use kv_descriptor::{EngineId, KvEvent, KvEventData, SequenceHash, StorageTier};
+
+use crate::chain::{first_broken_link, UnchainedStore};
+use crate::holder_table::tier_index;
+use crate::index::{EventOutcome, Registration, State};
+use crate::twin::Replay;
+use crate::worker::{WorkerInfo, WorkerKey};
+use crate::LookupError;
+
+/// One change, as [`crate::InventoryIndex`]'s mutating methods receive it.
+pub(crate) enum Mutation {
+    /// [`crate::InventoryIndex::register_worker`].
+    Register { key: WorkerKey, info: WorkerInfo },
+    /// [`crate::InventoryIndex::remove_worker`].
+    Remove { engine: EngineId },
+    /// [`crate::InventoryIndex::apply_event`] (owned: the replay needs it later).
+    Event(CheckedEvent),
+    /// [`crate::InventoryIndex::resync_worker`].
+    Resync {
+        engine: EngineId,
+        last_event_id: u64,
+        inventory: Vec<(StorageTier, Vec<SequenceHash>)>,
+    },
+}
+
+/// An event with the part of its chain check that depends on the event
+/// alone (each block's sequence hash chained from its parent's), done once
+/// outside the writer lock; whether the index holds its `parent` is checked
+/// when it is applied.
+pub(crate) struct CheckedEvent {
+    pub(crate) event: KvEvent,
+    /// [`first_broken_link`] of a Stored event's blocks; `None` otherwise.
+    pub(crate) broken_link: Option<UnchainedStore>,
+}
+
+impl CheckedEvent {
+    pub(crate) fn new(event: &KvEvent) -> Self {
+        let broken_link = match &event.data {
+            KvEventData::Stored { parent, blocks } => first_broken_link(*parent, blocks),
+            _ => None,
+        };
+        Self {
+            event: event.clone(),
+            broken_link,
+        }
+    }
+}
+
+/// What a [`Mutation`] reported; the variant matches the mutation's.
+pub(crate) enum Effect {
+    Register(Result<Registration, LookupError>),
+    Remove(bool),
+    Event(Result<EventOutcome, LookupError>),
+    Resync(Result<(), LookupError>),
+}
+
+impl Replay for State {
+    type Op = Mutation;
+    type Out = Effect;
+
+    fn apply(&mut self, op: &Mutation) -> Effect {
+        match op {
+            Mutation::Register { key, info } => Effect::Register(self.register(*key, *info)),
+            Mutation::Remove { engine } => Effect::Remove(match self.by_engine.get(engine) {
+                Some(&slot) => {
+                    self.retire(slot);
+                    self.rebuild_donor_masks();
+                    true
+                }
+                None => false,
+            }),
+            Mutation::Event(c) => Effect::Event(self.apply_event(&c.event, c.broken_link)),
+            Mutation::Resync {
+                engine,
+                last_event_id,
+                inventory,
+            } => Effect::Resync(self.resync(*engine, *last_event_id, inventory)),
+        }
+    }
+}
+
+impl State {
+    fn resync(
+        &mut self,
+        engine: EngineId,
+        last_event_id: u64,
+        inventory: &[(StorageTier, Vec<SequenceHash>)],
+    ) -> Result<(), LookupError> {
+        let slot = *self
+            .by_engine
+            .get(&engine)
+            .ok_or(LookupError::UnknownEngine { engine })?;
+        self.drop_entries(slot);
+        for (tier, hashes) in inventory {
+            self.store(slot, tier_index(*tier), hashes, |h| *h);
+        }
+        let rec = self.workers[slot as usize]
+            .as_mut()
+            .expect("slot of a live engine");
+        rec.last_event_id = last_event_id;
+        rec.needs_resync = false;
+        self.rebuild_donor_masks();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use kv_descriptor::{
+        sequence_hashes, token_block_hashes, KvEventData, LayoutFingerprint, Role, StoredBlock,
+    };
+
+    use super::*;
+    use crate::index::split;
+    use crate::InventoryIndex;
+
+    fn chain(seed: u32, n: usize) -> Vec<StoredBlock> {
+        let tokens: Vec<u32> = (0..n as u32 * 4).map(|t| t * 31 + seed).collect();
+        sequence_hashes(&tokens, 4)
+            .into_iter()
+            .zip(token_block_hashes(&tokens, 4))
+            .map(|(sequence_hash, token_hash)| StoredBlock {
+                sequence_hash,
+                token_hash,
+            })
+            .collect()
+    }
+
+    /// Everything observable of one copy: counters, every worker's record
+    /// and its holder bits for `hashes`, and the donor masks.
+    fn digest(st: &State, hashes: &[SequenceHash]) -> String {
+        let mut out = format!("{:?}\n", st.stats());
+        for (slot, rec) in st.workers.iter().enumerate() {
+            let Some(rec) = rec else { continue };
+            let (g, bit) = split(slot as u32);
+            let bits: Vec<u64> = hashes
+                .iter()
+                .flat_map(|&h| st.groups[g].get(h).map(|w| w >> bit & 1))
+                .collect();
+            out += &format!(
+                "{slot} {:?} {:?} {} {} {:?} {bits:?}\n",
+                rec.key, rec.info, rec.last_event_id, rec.needs_resync, rec.live
+            );
+        }
+        for m in &st.donor_masks {
+            out += &format!("{:?} {} {:?}\n", m.fingerprint, m.tp_size, m.groups);
+        }
+        out
+    }
+
+    #[test]
+    fn both_copies_agree_after_concurrent_writers_of_every_mutation_kind() {
+        let index = Arc::new(InventoryIndex::new());
+        let all: Vec<SequenceHash> = (0..8)
+            .flat_map(|s| chain(s, 40))
+            .map(|b| b.sequence_hash)
+            .collect();
+        let threads: Vec<_> = (0..4u32)
+            .map(|k| {
+                let index = index.clone();
+                std::thread::spawn(move || {
+                    for round in 0..30u32 {
+                        let info = WorkerInfo {
+                            engine: EngineId::fresh(),
+                            role: if k % 2 == 0 {
+                                Role::Decode
+                            } else {
+                                Role::Prefill
+                            },
+                            layout_fingerprint: LayoutFingerprint(1),
+                            tp_size: 1,
+                        };
+                        // A restart under the same key every round.
+                        index
+                            .register_worker(WorkerKey(u64::from(k)), info)
+                            .unwrap();
+                        let c = chain(k + 2 * (round % 4), 40);
+                        let ev = |id, data| KvEvent {
+                            publisher: info.engine,
+                            event_id: id,
+                            role: info.role,
+                            layout_fingerprint: info.layout_fingerprint,
+                            tp_size: 1,
+                            tier: StorageTier::RetainedGpuDirect,
+                            data,
+                        };
+                        let removed = KvEventData::Removed {
+                            sequence_hashes: c[30..].iter().map(|b| b.sequence_hash).collect(),
+                        };
+                        let stored = KvEventData::Stored {
+                            parent: None,
+                            blocks: c.clone(),
+                        };
+                        // In order, a removal, then a gap (id 5) and its resync.
+                        let batch = [ev(1, stored), ev(2, removed)];
+                        assert_eq!(index.apply_events(&batch).applied, 2);
+                        let gap = KvEventData::Cleared;
+                        assert!(matches!(
+                            index.apply_event(&ev(5, gap)),
+                            Ok(EventOutcome::Gap { .. })
+                        ));
+                        let keep: Vec<SequenceHash> =
+                            c[..10].iter().map(|b| b.sequence_hash).collect();
+                        index
+                            .resync_worker(
+                                info.engine,
+                                5,
+                                &[(StorageTier::RetainedGpuDirect, keep)],
+                            )
+                            .unwrap();
+                        if round % 7 == 6 {
+                            assert!(index.remove_worker(info.engine));
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let (live, standby) = index.state.both();
+        assert!(!std::ptr::eq(&*live, &*standby));
+        let (a, b) = (digest(&live, &all), digest(&standby, &all));
+        assert_eq!(a, b);
+        // The copies hold what the last rounds left: 4 live workers (round 29
+        // is not a removal round), 10 retained blocks each.
+        assert_eq!(live.stats().workers, 4);
+        assert_eq!(live.stats().held_blocks[4], 40);
+    }
+}
