@@ -160,6 +160,22 @@ impl TransferError {
         }
     }
 
+    /// The error itself, or for [`TransferError::PartFailed`] the failing
+    /// part's own error (unwrapped all the way), so a caller can match on
+    /// the cause whatever the delivery wrapped around it.
+    ///
+    /// ```
+    /// use kv_transfer::TransferError;
+    /// let e = TransferError::PartFailed { rank: 0, source: Box::new(TransferError::Cancelled) };
+    /// assert!(matches!(e.part_cause(), TransferError::Cancelled));
+    /// ```
+    pub fn part_cause(&self) -> &TransferError {
+        match self {
+            Self::PartFailed { source, .. } => source.part_cause(),
+            other => other,
+        }
+    }
+
     pub(crate) fn input(field: &'static str, reason: impl Into<String>) -> Self {
         Self::InvalidInput {
             field,

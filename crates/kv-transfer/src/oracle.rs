@@ -347,9 +347,16 @@ pub fn run_backend(
                 reservation.complete();
                 r
             }
-            Err(
-                e @ (TransferError::TransportUnverified { .. } | TransferError::HostStaged { .. }),
-            ) if profile == Profile::Gpu && case == 0 => {
+            // `deliver` wraps a part's error in PartFailed: match its cause.
+            Err(e)
+                if profile == Profile::Gpu
+                    && case == 0
+                    && matches!(
+                        e.part_cause(),
+                        TransferError::TransportUnverified { .. }
+                            | TransferError::HostStaged { .. }
+                    ) =>
+            {
                 reservation.cancel().quiesced();
                 fail_closed = Some(e.to_string());
                 break;
