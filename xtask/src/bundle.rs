@@ -131,12 +131,26 @@ fn build_gpu_tests() -> Result<Vec<PathBuf>> {
     Ok(test_executables(&json))
 }
 
-/// Executables of test targets in cargo's `--message-format=json` output.
+/// True for a test target that exercises a GPU: the crates' unit tests
+/// (`lib`) and integration tests named `gpu*` or `*vram*`. The other
+/// integration tests are host-only, run in CI, and would push the bundle
+/// past the 64 MiB carry limit (72 MiB with all of them).
+fn is_gpu_test_target(kind: &str, name: &str) -> bool {
+    kind == "lib" || name.starts_with("gpu") || name.contains("vram")
+}
+
+/// Executables of GPU test targets ([`is_gpu_test_target`]) in cargo's
+/// `--message-format=json` output.
 fn test_executables(messages: &str) -> Vec<PathBuf> {
     messages
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|m| m["reason"] == "compiler-artifact" && m["profile"]["test"] == true)
+        .filter(|m| {
+            let kind = m["target"]["kind"][0].as_str().unwrap_or("");
+            let name = m["target"]["name"].as_str().unwrap_or("");
+            is_gpu_test_target(kind, name)
+        })
         .filter_map(|m| m["executable"].as_str().map(PathBuf::from))
         .collect()
 }
@@ -350,16 +364,23 @@ mod tests {
     #[test]
     fn picks_test_executables_from_cargo_messages() {
         let msgs = [
-            r#"{"reason":"compiler-artifact","profile":{"test":true},"executable":"/t/release/deps/kv_bank-1"}"#,
-            r#"{"reason":"compiler-artifact","profile":{"test":false},"executable":"/t/release/kvq"}"#,
-            r#"{"reason":"compiler-artifact","profile":{"test":true},"executable":null}"#,
+            r#"{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"kv_bank"},"profile":{"test":true},"executable":"/t/release/deps/kv_bank-1"}"#,
+            r#"{"reason":"compiler-artifact","target":{"kind":["bin"],"name":"kvq"},"profile":{"test":false},"executable":"/t/release/kvq"}"#,
+            r#"{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"kv_bank"},"profile":{"test":true},"executable":null}"#,
+            r#"{"reason":"compiler-artifact","target":{"kind":["test"],"name":"lifecycle"},"profile":{"test":true},"executable":"/t/release/deps/lifecycle-2"}"#,
+            r#"{"reason":"compiler-artifact","target":{"kind":["test"],"name":"gpu_ipc"},"profile":{"test":true},"executable":"/t/release/deps/gpu_ipc-3"}"#,
+            r#"{"reason":"compiler-artifact","target":{"kind":["test"],"name":"nixl_vram_fail_closed"},"profile":{"test":true},"executable":"/t/release/deps/nixl_vram_fail_closed-4"}"#,
             r#"{"reason":"build-finished","success":true}"#,
             "not json",
         ]
         .join("\n");
         assert_eq!(
             test_executables(&msgs),
-            vec![PathBuf::from("/t/release/deps/kv_bank-1")]
+            vec![
+                PathBuf::from("/t/release/deps/kv_bank-1"),
+                PathBuf::from("/t/release/deps/gpu_ipc-3"),
+                PathBuf::from("/t/release/deps/nixl_vram_fail_closed-4"),
+            ]
         );
     }
 
