@@ -84,7 +84,10 @@ pub use cost::{
     AdmissionDecision, CostInputs, CostModel, CostTerms, DecisionLog, LiveCostModel, RefuseReason,
     TransferPath, Verdict,
 };
-pub use error::{CalibrationError, FetchError, PlaneError, RemoteDonorError, SettingsError};
+pub use error::{
+    CalibrationError, FallbackCause, FetchError, PinError, PlaneError, RemoteDonorError,
+    ResolveError, SettingsError,
+};
 pub use event_plane::{
     EventPlane, InProcessPlane, NatsAuth, NatsOptions, NatsPlane, NatsTls, PlaneFuture,
     PlaneMessage, Subject, Subscription, SUBJECT_ROOT,

@@ -49,6 +49,8 @@ use kv_descriptor::{
 };
 use parking_lot::{Condvar, Mutex};
 
+use crate::PinError;
+
 mod refusals;
 
 /// Scheme prefix of a Unix-socket control endpoint: `unix:<absolute path>`.
@@ -699,8 +701,9 @@ fn pin(s: &Shared, pins: &mut ConnPins<'_>, req: &PinRequest) -> PinDonorMessage
     }
 }
 
-/// The protocol's reason for one of `pin_hint`'s errors.
-fn refusal_reason(e: &BankError) -> PinRefusalReason {
+/// The protocol's reason for one of `pin_hint`'s errors (also
+/// [`PinError::refusal_reason`] of an in-process pin).
+pub(crate) fn refusal_reason(e: &BankError) -> PinRefusalReason {
     match e {
         BankError::StaleOwner { field, .. }
             if *field == "layout_fingerprint" || *field == "tp_size" =>
@@ -734,27 +737,38 @@ fn send(stream: &mut UnixStream, msg: &PinDonorMessage) -> std::io::Result<()> {
     stream.write_all(&frame)
 }
 
-/// Connects to a `unix:` endpoint (shared by the client and tests).
-pub(crate) fn connect(endpoint: &str, timeout: Duration) -> Result<UnixStream, String> {
-    let path = unix_endpoint_path(endpoint)?;
-    let stream = UnixStream::connect(&path).map_err(|e| format!("connect {endpoint}: {e}"))?;
+/// Connects to a `unix:` endpoint, with `timeout` on every read and write.
+pub(crate) fn connect(endpoint: &str, timeout: Duration) -> Result<UnixStream, PinError> {
+    let path = unix_endpoint_path(endpoint).map_err(|reason| PinError::Endpoint {
+        endpoint: endpoint.to_string(),
+        reason,
+    })?;
+    let stream = UnixStream::connect(&path).map_err(|e| PinError::io("connect", e, timeout))?;
     stream
         .set_read_timeout(Some(timeout))
         .and_then(|()| stream.set_write_timeout(Some(timeout)))
-        .map_err(|e| format!("{endpoint}: {e}"))?;
+        .map_err(|e| PinError::io("connect", e, timeout))?;
     Ok(stream)
 }
 
-/// Reads one donor frame (the client's side of [`split_pin_frame`]).
-pub(crate) fn read_donor_message(stream: &mut UnixStream) -> Result<PinDonorMessage, String> {
+/// Reads one donor frame (the client's side of [`split_pin_frame`]);
+/// `timeout` is the stream's read timeout, reported when it elapses.
+pub(crate) fn read_donor_message(
+    stream: &mut UnixStream,
+    timeout: Duration,
+) -> Result<PinDonorMessage, PinError> {
     let mut header = [0u8; kv_descriptor::PIN_FRAME_HEADER_BYTES];
     stream
         .read_exact(&mut header)
-        .map_err(|e| format!("reading a reply: {e}"))?;
-    let len = kv_descriptor::pin_frame_len(header).map_err(|e| e.to_string())?;
+        .map_err(|e| PinError::io("receive", e, timeout))?;
+    let len = kv_descriptor::pin_frame_len(header).map_err(|e| PinError::Protocol {
+        detail: e.to_string(),
+    })?;
     let mut body = vec![0u8; len];
     stream
         .read_exact(&mut body)
-        .map_err(|e| format!("reading a {len}-byte reply: {e}"))?;
-    PinDonorMessage::from_wire(&body).map_err(|e| e.to_string())
+        .map_err(|e| PinError::io("receive", e, timeout))?;
+    PinDonorMessage::from_wire(&body).map_err(|e| PinError::Protocol {
+        detail: e.to_string(),
+    })
 }

@@ -8,7 +8,7 @@
 //! | --- | --- | --- |
 //! | `kv_reuse.decision` | router: lookup + admission + hint | `target`, `blocks`, `verdict` |
 //! | `kv_reuse.lookup` | router: bounded donor lookup (inside `decision`) | `donor_blocks`, `elapsed_us` |
-//! | `kv_reuse.fetch` | prefill worker: one hint executed | `outcome`, `bytes` |
+//! | `kv_reuse.fetch` | prefill worker: one hint executed | `outcome` (`completed`, `fallback`), `bytes`, `stage`, `cause` (of a fallback, as in `kv_reuse_fallbacks_total`) |
 //! | `kv_reuse.reserve` | worker: destination rows reserved (inside `fetch`) | |
 //! | `kv_reuse.transfer` | worker: bytes moved (inside `fetch`) | |
 //! | `kv_reuse.verify` | worker: delivery checked complete (inside `fetch`) | |
@@ -26,7 +26,7 @@ use kv_transfer::DeliveryControl;
 use tracing::field::Empty;
 use tracing::Span;
 
-use crate::metrics::{fallback_label, refuse_label, ReuseMetrics};
+use crate::metrics::{fallback_labels, refuse_label, ReuseMetrics};
 use crate::{Advice, Advisor, DonorSource, FetchError, FetchExecutor, FetchOutcome, Verdict};
 
 /// Every span name, in the order a fetch passes through them.
@@ -52,7 +52,7 @@ pub fn lookup(request_id: &str) -> Span {
 
 /// `kv_reuse.fetch` for `request_id`.
 pub fn fetch(request_id: &str) -> Span {
-    tracing::info_span!(target: "kv_reuse", "kv_reuse.fetch", request_id, outcome = Empty, bytes = Empty)
+    tracing::info_span!(target: "kv_reuse", "kv_reuse.fetch", request_id, outcome = Empty, bytes = Empty, stage = Empty, cause = Empty)
 }
 
 /// `kv_reuse.reserve` for `request_id`.
@@ -167,7 +167,10 @@ impl ObservedExecutor {
                 span.record("bytes", o.report.counters.bytes);
             }
             Err(e) => {
-                span.record("outcome", fallback_label(e));
+                let (stage, cause) = fallback_labels(e);
+                span.record("outcome", "fallback");
+                span.record("stage", stage);
+                span.record("cause", cause);
             }
         }
         self.metrics.record_fetch(&result);

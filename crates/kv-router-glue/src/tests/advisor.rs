@@ -1,3 +1,4 @@
+use kv_descriptor::PinRefusalReason;
 use kv_transfer::DeliveryControl;
 
 use crate::qualify::{Scenario, DONOR_BLOCKS, TARGET_BASELINE};
@@ -72,7 +73,7 @@ fn advisor_admits_a_long_prefix_and_the_executor_fetches_exact_bytes() {
             &full,
             FetchError::Fallback {
                 stage: "reserve",
-                ..
+                cause: FallbackCause::Bank(_),
             }
         ),
         "{full:?}"
@@ -180,9 +181,16 @@ fn executor_rejects_bad_hints_before_touching_memory_and_falls_back_cleanly() {
     }
     let e = rerun(&swapped).unwrap_err();
     assert!(
-        matches!(e, FetchError::Fallback { stage: "pin", .. }),
-        "{e}"
+        matches!(
+            &e,
+            FetchError::Fallback {
+                stage: "pin",
+                cause: FallbackCause::Pin(p),
+            } if p.refusal_reason() == Some(PinRefusalReason::SlotReused)
+        ),
+        "{e:?}"
     );
+    assert_eq!(crate::metrics::fallback_labels(&e), ("pin", "pin_refused"));
     assert_eq!(exec.pool().free_blocks(), 64);
     assert_eq!(exec.pool().orphaned_blocks(), 0);
     assert!(!s.row_holds_block(0, TARGET_BASELINE));
@@ -197,11 +205,12 @@ fn executor_rejects_bad_hints_before_touching_memory_and_falls_back_cleanly() {
             e,
             FetchError::Fallback {
                 stage: "transfer",
-                ..
+                cause: FallbackCause::Transfer(kv_transfer::TransferError::Cancelled),
             }
         ),
         "{e}"
     );
+    assert_eq!(e.cause_label(), "transfer_cancelled");
     assert_eq!(exec.pool().free_blocks(), 64);
     assert_eq!(s.donor.pins_outstanding(), 0);
 }
