@@ -251,6 +251,21 @@ pub enum FetchError {
         /// What is wrong.
         detail: String,
     },
+    /// The hint's `sequence_hashes` differ from the prompt's at `block`
+    /// (the first differing index): it was written for another prompt.
+    #[error("`hint.sequence_hashes[{block}]` differs from the prompt's block {block}: the hint is for another prompt")]
+    PromptMismatch {
+        /// First block index where hint and prompt differ.
+        block: usize,
+    },
+    /// The hint names more blocks than the prompt has.
+    #[error("`hint.sequence_hashes` holds {hint_blocks} blocks, the prompt only {prompt_blocks}")]
+    HintBeyondPrompt {
+        /// Blocks in the hint.
+        hint_blocks: usize,
+        /// Sealed blocks of the prompt.
+        prompt_blocks: usize,
+    },
     /// The transfer or a step around it failed; the request recomputes.
     #[error("fetch fell back at `{stage}`: {cause}")]
     Fallback {
@@ -275,7 +290,8 @@ impl FetchError {
     /// The cause label of `kv_reuse_fallbacks_total`: one stable
     /// `snake_case` value per hint-error variant (`malformed`,
     /// `wrong_engine`, `stale_generation`, `not_a_donor`, `layout_mismatch`,
-    /// `slot_out_of_range`, `inconsistent_slots`), else
+    /// `slot_out_of_range`, `inconsistent_slots`, `prompt_mismatch`,
+    /// `hint_beyond_prompt`), else
     /// [`FallbackCause::label`].
     pub fn cause_label(&self) -> &'static str {
         match self {
@@ -286,6 +302,8 @@ impl FetchError {
             Self::LayoutMismatch { .. } => "layout_mismatch",
             Self::SlotOutOfRange { .. } => "slot_out_of_range",
             Self::InconsistentSlots { .. } => "inconsistent_slots",
+            Self::PromptMismatch { .. } => "prompt_mismatch",
+            Self::HintBeyondPrompt { .. } => "hint_beyond_prompt",
             Self::Fallback { cause, .. } => cause.label(),
         }
     }

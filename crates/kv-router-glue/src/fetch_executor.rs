@@ -19,7 +19,7 @@ use kv_descriptor::{
 use kv_transfer::plan::{BlockMove, RegionGeometry, TransferPlan};
 use kv_transfer::{deliver, CopyBackend, DeliveryControl, DeliveryReport, RankIo, SourceRegion};
 
-use crate::{validate_hint, FallbackCause, FetchError, PinError};
+use crate::{check_prompt_prefix, validate_hint, FallbackCause, FetchError, PinError};
 
 /// Pinned donor slots; the pin is released on drop.
 pub trait DonorPin {
@@ -211,9 +211,41 @@ impl FetchExecutor {
     /// [`FetchError::NotADonor`]) before anything is touched; then
     /// [`FetchError::Fallback`] at `reserve`, `pin`, `plan`, `transfer` or
     /// `verify`, with the reservation cancelled and the pin released.
+    ///
+    /// The caller must have checked the hint against the request's prompt
+    /// ([`check_prompt_prefix`]); [`FetchExecutor::execute_for_prompt`]
+    /// does both.
     pub fn execute(
         &self,
         envelope: &HintEnvelope,
+        donor: &dyn DonorSource,
+        control: &DeliveryControl,
+    ) -> Result<FetchOutcome, FetchError> {
+        self.run(envelope, None, donor, control)
+    }
+
+    /// [`FetchExecutor::execute`] for a request whose prompt's sealed blocks
+    /// have the sequence hashes `prompt`: the hint is refused, before
+    /// anything is touched, unless its `sequence_hashes` are a prefix of
+    /// `prompt` ([`check_prompt_prefix`]).
+    ///
+    /// # Errors
+    /// [`FetchError::PromptMismatch`] (naming the first differing block) or
+    /// [`FetchError::HintBeyondPrompt`], else as [`FetchExecutor::execute`].
+    pub fn execute_for_prompt(
+        &self,
+        envelope: &HintEnvelope,
+        prompt: &[SequenceHash],
+        donor: &dyn DonorSource,
+        control: &DeliveryControl,
+    ) -> Result<FetchOutcome, FetchError> {
+        self.run(envelope, Some(prompt), donor, control)
+    }
+
+    fn run(
+        &self,
+        envelope: &HintEnvelope,
+        prompt: Option<&[SequenceHash]>,
         donor: &dyn DonorSource,
         control: &DeliveryControl,
     ) -> Result<FetchOutcome, FetchError> {
@@ -229,6 +261,9 @@ impl FetchExecutor {
             }));
         }
         let hint = hints.remove(0);
+        if let Some(prompt) = prompt {
+            check_prompt_prefix(&hint, prompt)?;
+        }
         let manifest = donor.manifest();
         let v = validate_hint(&hint, manifest, &self.layout)?;
         let n = v.slot_ids.len();

@@ -12,7 +12,9 @@
 //!   95% confidence;
 //! - **hint validation** ([`validate_hint`]): a `kv.fetch_gpu@1.0` hint is
 //!   checked against the donor's [`kv_descriptor::BankManifest`] and the
-//!   target's layout before any memory is touched;
+//!   target's layout before any memory is touched, and against the prompt
+//!   the worker runs ([`check_prompt_prefix`]: a hint for another prompt is
+//!   refused);
 //! - **the advisor** ([`Advisor`]): after the router picked a prefill
 //!   target, a bounded donor lookup (kv-lookup), admission, and the hint
 //!   attached, or none with the reason;
@@ -93,7 +95,7 @@ pub use event_plane::{
     PlaneMessage, Subject, Subscription, SUBJECT_ROOT,
 };
 pub use fetch_executor::{DonorPin, DonorSource, FetchExecutor, FetchOutcome};
-pub use hint_validation::{validate_hint, ValidatedFetch};
+pub use hint_validation::{check_prompt_prefix, validate_hint, ValidatedFetch};
 pub use kv_events::{
     resync_subject, KvEventPublisher, KvEventReceiver, KvStreamItem, PublisherHeader,
     ReceiverStats, ResyncOutcome, ResyncRequest, DEFAULT_MAX_EVENT_ID_JUMP,

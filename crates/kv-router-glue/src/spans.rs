@@ -158,9 +158,35 @@ impl ObservedExecutor {
         donor: &dyn DonorSource,
         control: &DeliveryControl,
     ) -> Result<FetchOutcome, FetchError> {
+        self.observe(envelope, || self.executor.execute(envelope, donor, control))
+    }
+
+    /// [`FetchExecutor::execute_for_prompt`] observed as
+    /// [`ObservedExecutor::execute`] is.
+    ///
+    /// # Errors
+    /// Those of [`FetchExecutor::execute_for_prompt`], unchanged.
+    pub fn execute_for_prompt(
+        &self,
+        envelope: &HintEnvelope,
+        prompt: &[SequenceHash],
+        donor: &dyn DonorSource,
+        control: &DeliveryControl,
+    ) -> Result<FetchOutcome, FetchError> {
+        self.observe(envelope, || {
+            self.executor
+                .execute_for_prompt(envelope, prompt, donor, control)
+        })
+    }
+
+    fn observe(
+        &self,
+        envelope: &HintEnvelope,
+        run: impl FnOnce() -> Result<FetchOutcome, FetchError>,
+    ) -> Result<FetchOutcome, FetchError> {
         let span = fetch(&envelope.message_id);
         let _entered = span.enter();
-        let result = self.executor.execute(envelope, donor, control);
+        let result = run();
         match &result {
             Ok(o) => {
                 span.record("outcome", "completed");

@@ -240,3 +240,47 @@ fn qualify_section_prints_settings_and_decisions_with_terms() {
         "{text}"
     );
 }
+
+#[test]
+fn executor_refuses_a_hint_for_another_or_a_shorter_prompt_before_touching_memory() {
+    let s = Scenario::new().unwrap();
+    let advisor = s.advisor(enabled()).unwrap();
+    let env = advisor.advise("r", &s.hashes, s.target).hint.unwrap();
+    let hint_blocks = env.fetch_gpu_actions().unwrap()[0].sequence_hashes.len();
+    let exec = s.executor().unwrap();
+    let ctl = DeliveryControl::new();
+
+    // Another prompt whose block 3 differs: its chain differs from there on.
+    let mut other = s.hashes.clone();
+    for h in &mut other[3..] {
+        h.0 ^= 0x5a5a;
+    }
+    let e = exec
+        .execute_for_prompt(&env, &other, s.donor.as_ref(), &ctl)
+        .unwrap_err();
+    assert!(matches!(e, FetchError::PromptMismatch { block: 3 }), "{e}");
+    assert_eq!(
+        crate::metrics::fallback_labels(&e),
+        ("hint", "prompt_mismatch")
+    );
+    // A prompt shorter than the hint.
+    let e = exec
+        .execute_for_prompt(&env, &s.hashes[..hint_blocks - 1], s.donor.as_ref(), &ctl)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            FetchError::HintBeyondPrompt { hint_blocks: h, prompt_blocks: p }
+                if h == hint_blocks && p == hint_blocks - 1
+        ),
+        "{e}"
+    );
+    // Nothing was reserved or pinned by the refusals.
+    assert_eq!(exec.pool().free_blocks(), 64);
+    assert_eq!(s.donor.pins_outstanding(), 0);
+    // The prompt the hint was written for fetches.
+    let out = exec
+        .execute_for_prompt(&env, &s.hashes, s.donor.as_ref(), &ctl)
+        .unwrap();
+    assert_eq!(out.fetched.len(), DONOR_BLOCKS - TARGET_BASELINE);
+}

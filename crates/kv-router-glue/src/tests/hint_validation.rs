@@ -169,3 +169,33 @@ proptest! {
         prop_assert_eq!(ok, distinct && slots.iter().all(|&s| s < 32));
     }
 }
+
+#[test]
+fn prompt_prefix_check_names_the_first_differing_block() {
+    let owner = OwnerLease::fresh(Role::Decode);
+    let h = hint(&owner, 1, vec![1, 2, 3]); // hashes 0..4
+    let prompt: Vec<SequenceHash> = (0..6).map(SequenceHash).collect();
+    assert!(check_prompt_prefix(&h, &prompt).is_ok());
+    assert!(
+        check_prompt_prefix(&h, &prompt[..4]).is_ok(),
+        "equal length is a prefix"
+    );
+    let mut other = prompt.clone();
+    other[2] = SequenceHash(99);
+    assert!(matches!(
+        check_prompt_prefix(&h, &other),
+        Err(FetchError::PromptMismatch { block: 2 })
+    ));
+    assert!(matches!(
+        check_prompt_prefix(&h, &prompt[..3]),
+        Err(FetchError::HintBeyondPrompt {
+            hint_blocks: 4,
+            prompt_blocks: 3
+        })
+    ));
+    // A prompt for a different conversation from block 0.
+    let unrelated: Vec<SequenceHash> = (100..106).map(SequenceHash).collect();
+    let e = check_prompt_prefix(&h, &unrelated).unwrap_err();
+    assert!(matches!(e, FetchError::PromptMismatch { block: 0 }), "{e}");
+    assert_eq!(e.cause_label(), "prompt_mismatch");
+}
