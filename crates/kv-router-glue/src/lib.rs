@@ -57,26 +57,27 @@
 
 #![deny(missing_docs)]
 
-mod advisor;
-mod calibration;
-mod cost;
-pub mod dynamo_events;
 mod error;
-mod event_plane;
-mod fetch_executor;
-mod hint_validation;
-mod kv_events;
 pub mod metrics;
-pub mod nats_server;
-mod ols;
-mod pin_service;
+mod plane;
 mod qualify;
-mod remote_donor;
-mod settings;
-pub mod spans;
+mod router;
 #[cfg(test)]
 mod tests;
-pub mod vllm_events;
+mod worker;
+
+// Public module paths as before the split by role (`kv_router_glue::spans`,
+// `::dynamo_events`, `::vllm_events`, `::nats_server`).
+pub use metrics::spans;
+pub use plane::vllm_events;
+pub use qualify::nats_server;
+pub use router::dynamo_events;
+
+// Crate-internal short paths (`crate::cost`, `crate::pin_service`, ...), so
+// that modules name each other by what they are, not by where they sit.
+use plane::event_plane;
+use router::{advisor, calibration, cost, kv_events, ols, settings};
+use worker::{fetch_executor, hint_validation, pin_service, remote_donor};
 
 pub use advisor::{Advice, Advisor, DonorDirectory, LocalDonorDirectory, ResolvedDonor};
 pub use calibration::{

@@ -22,6 +22,8 @@
 //! that is closed at accept, so slow or idle clients cannot pile up tasks).
 //! A host with its own HTTP server mounts [`ReuseMetrics::encode`] instead.
 
+pub mod spans;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
