@@ -454,7 +454,7 @@ impl PinError {
     pub fn refusal_reason(&self) -> Option<kv_descriptor::PinRefusalReason> {
         match self {
             Self::Refused { reason, .. } => Some(*reason),
-            Self::Bank(e) => Some(crate::pin_service::refusal_reason(e)),
+            Self::Bank(e) => Some(bank_refusal_reason(e)),
             _ => None,
         }
     }
@@ -476,6 +476,7 @@ impl PinError {
 
     /// An I/O error of `op`, as [`PinError::Timeout`] when the socket's
     /// timeout (`timeout`) elapsed.
+    #[cfg(feature = "worker")]
     pub(crate) fn io(
         op: &'static str,
         source: std::io::Error,
@@ -558,4 +559,27 @@ pub enum RemoteDonorError {
         #[source]
         source: kv_bank::BankError,
     },
+}
+
+/// The protocol's reason for one of `pin_hint`'s errors (also
+/// [`PinError::refusal_reason`] of an in-process pin).
+pub(crate) fn bank_refusal_reason(e: &kv_bank::BankError) -> kv_descriptor::PinRefusalReason {
+    match e {
+        kv_bank::BankError::StaleOwner { field, .. }
+            if *field == "layout_fingerprint" || *field == "tp_size" =>
+        {
+            kv_descriptor::PinRefusalReason::Incompatible
+        }
+        kv_bank::BankError::StaleOwner { .. } => kv_descriptor::PinRefusalReason::StaleGeneration,
+        kv_bank::BankError::SlotMismatch { .. }
+        | kv_bank::BankError::SlotOutOfRange { .. }
+        | kv_bank::BankError::NotRetained(_)
+        | kv_bank::BankError::Excluded(_) => kv_descriptor::PinRefusalReason::SlotReused,
+        kv_bank::BankError::Closed { .. }
+        | kv_bank::BankError::LeaseExpired { .. }
+        | kv_bank::BankError::LeaseLost { .. }
+        | kv_bank::BankError::LeaseRevoked { .. }
+        | kv_bank::BankError::LeaseMissing { .. } => kv_descriptor::PinRefusalReason::BankClosed,
+        _ => kv_descriptor::PinRefusalReason::Malformed,
+    }
 }

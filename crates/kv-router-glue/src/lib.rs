@@ -60,16 +60,20 @@
 mod error;
 pub mod metrics;
 mod plane;
+// The harness scenario is also what this crate's own worker tests run.
+#[cfg(any(feature = "qualify", all(test, feature = "worker")))]
 mod qualify;
 mod router;
-#[cfg(test)]
+#[cfg(all(test, feature = "worker", feature = "nats"))]
 mod tests;
 mod worker;
 
 // Public module paths as before the split by role (`kv_router_glue::spans`,
 // `::dynamo_events`, `::vllm_events`, `::nats_server`).
 pub use metrics::spans;
+#[cfg(feature = "vllm")]
 pub use plane::vllm_events;
+#[cfg(feature = "qualify")]
 pub use qualify::nats_server;
 pub use router::dynamo_events;
 
@@ -77,7 +81,9 @@ pub use router::dynamo_events;
 // that modules name each other by what they are, not by where they sit.
 use plane::event_plane;
 use router::{advisor, calibration, cost, kv_events, ols, settings};
-use worker::{fetch_executor, hint_validation, pin_service, remote_donor};
+use worker::hint_validation;
+#[cfg(feature = "worker")]
+use worker::{fetch_executor, pin_service, remote_donor};
 
 pub use advisor::{Advice, Advisor, DonorDirectory, LocalDonorDirectory, ResolvedDonor};
 pub use calibration::{
@@ -92,9 +98,11 @@ pub use error::{
     ResolveError, SettingsError,
 };
 pub use event_plane::{
-    EventPlane, InProcessPlane, NatsAuth, NatsOptions, NatsPlane, NatsTls, PlaneFuture,
-    PlaneMessage, Subject, Subscription, SUBJECT_ROOT,
+    EventPlane, InProcessPlane, PlaneFuture, PlaneMessage, Subject, Subscription, SUBJECT_ROOT,
 };
+#[cfg(feature = "nats")]
+pub use event_plane::{NatsAuth, NatsOptions, NatsPlane, NatsTls};
+#[cfg(feature = "worker")]
 pub use fetch_executor::{DonorPin, DonorSource, FetchExecutor, FetchOutcome};
 pub use hint_validation::{check_prompt_prefix, validate_hint, ValidatedFetch};
 pub use kv_events::{
@@ -103,11 +111,14 @@ pub use kv_events::{
     DEFAULT_PUBLISHER_IDLE_FORGET,
 };
 pub use ols::OlsFit;
+#[cfg(feature = "worker")]
 pub use pin_service::{
     unix_endpoint_path, PinService, PinServiceConfig, PinServiceError, PinServiceStats,
     MAX_SOCKET_PATH_BYTES, UNIX_ENDPOINT_PREFIX,
 };
+#[cfg(feature = "qualify")]
 pub use qualify::{qualify_section, GlueQualifySection};
+#[cfg(feature = "worker")]
 pub use remote_donor::{RemoteDonor, RemotePin, DEFAULT_PIN_TIMEOUT};
 pub use settings::{
     settings_markdown, spec, EnvSnapshot, LoadedSettings, ReuseArgs, ReuseSettings, SettingKind,

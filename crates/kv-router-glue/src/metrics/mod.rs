@@ -40,7 +40,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 
-use crate::{AdmissionDecision, FetchError, FetchOutcome, RefuseReason, Verdict};
+#[cfg(feature = "worker")]
+use crate::FetchOutcome;
+use crate::{AdmissionDecision, FetchError, RefuseReason, Verdict};
 
 type Labels = Vec<(String, String)>;
 
@@ -65,6 +67,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// assert!(text.contains("kv_reuse_lookup_latency_seconds_count 1"));
 /// assert!(text.ends_with("# EOF\n"));
 /// ```
+// The fetch families stay registered without `worker` (only `record_fetch`
+// writes them) so that every process exposes the same families.
+#[cfg_attr(not(feature = "worker"), allow(dead_code))]
 pub struct ReuseMetrics {
     registry: Registry,
     decisions: Family<Labels, Counter>,
@@ -210,6 +215,7 @@ impl ReuseMetrics {
 
     /// Records one executed fetch: completed (bytes, host bytes, delivery
     /// time from its report) or fallen back (by [`fallback_labels`]).
+    #[cfg(feature = "worker")]
     pub fn record_fetch(&self, result: &Result<FetchOutcome, FetchError>) {
         match result {
             Ok(o) => {
@@ -384,7 +390,7 @@ async fn read_head(stream: &mut TcpStream) -> Option<String> {
     String::from_utf8(buf).ok()
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "worker"))]
 mod tests {
     use std::sync::Arc;
 

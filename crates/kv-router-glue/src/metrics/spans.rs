@@ -21,13 +21,20 @@
 
 use std::sync::Arc;
 
-use kv_descriptor::{EngineId, HintEnvelope, SequenceHash};
+#[cfg(feature = "worker")]
+use kv_descriptor::HintEnvelope;
+use kv_descriptor::{EngineId, SequenceHash};
+#[cfg(feature = "worker")]
 use kv_transfer::DeliveryControl;
 use tracing::field::Empty;
 use tracing::Span;
 
-use crate::metrics::{fallback_labels, refuse_label, ReuseMetrics};
-use crate::{Advice, Advisor, DonorSource, FetchError, FetchExecutor, FetchOutcome, Verdict};
+#[cfg(feature = "worker")]
+use crate::metrics::fallback_labels;
+use crate::metrics::{refuse_label, ReuseMetrics};
+use crate::{Advice, Advisor, Verdict};
+#[cfg(feature = "worker")]
+use crate::{DonorSource, FetchError, FetchExecutor, FetchOutcome};
 
 /// Every span name, in the order a fetch passes through them.
 pub const SPAN_NAMES: [&str; 7] = [
@@ -128,6 +135,7 @@ impl ObservedAdvisor {
     }
 }
 
+#[cfg(feature = "worker")]
 /// A [`FetchExecutor`] whose fetches are traced and counted.
 #[derive(Debug)]
 pub struct ObservedExecutor {
@@ -135,6 +143,7 @@ pub struct ObservedExecutor {
     metrics: Arc<ReuseMetrics>,
 }
 
+#[cfg(feature = "worker")]
 impl ObservedExecutor {
     /// Wraps `executor`, recording into `metrics`.
     pub fn new(executor: FetchExecutor, metrics: Arc<ReuseMetrics>) -> Self {
@@ -204,7 +213,7 @@ impl ObservedExecutor {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "worker"))]
 mod tests {
     use std::collections::HashMap;
     use std::sync::Arc;

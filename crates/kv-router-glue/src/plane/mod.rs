@@ -5,4 +5,5 @@
 //! publish.
 
 pub(crate) mod event_plane;
+#[cfg(feature = "vllm")]
 pub mod vllm_events;

@@ -218,7 +218,7 @@ fn executor_rejects_bad_hints_before_touching_memory_and_falls_back_cleanly() {
 #[test]
 fn qualify_section_prints_settings_and_decisions_with_terms() {
     let loaded = SettingsLoader::new().build().unwrap();
-    let q = qualify_section(&loaded);
+    let q = crate::qualify::qualify_section(&loaded);
     let text = q.render();
     println!("{text}");
     assert!(q.passed, "{text}");

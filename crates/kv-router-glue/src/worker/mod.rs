@@ -7,7 +7,10 @@
 //! [`validate_hint`](crate::validate_hint) is also what the router's advisor
 //! runs before it emits a hint.
 
+#[cfg(feature = "worker")]
 pub(crate) mod fetch_executor;
 pub(crate) mod hint_validation;
+#[cfg(feature = "worker")]
 pub(crate) mod pin_service;
+#[cfg(feature = "worker")]
 pub(crate) mod remote_donor;

@@ -42,7 +42,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kv_bank::{BankError, BankManager, ManagerPin};
+use kv_bank::{BankManager, ManagerPin};
 use kv_descriptor::{
     encode_pin_frame, split_pin_frame, PinClientMessage, PinDonorMessage, PinGrant, PinRefusal,
     PinRefusalReason, PinReleased, PinRequest, Wire,
@@ -696,31 +696,8 @@ fn pin(s: &Shared, pins: &mut ConnPins<'_>, req: &PinRequest) -> PinDonorMessage
         }
         Err(e) => {
             s.pins_dropped(1);
-            refusal(id, refusal_reason(&e), e.to_string())
+            refusal(id, crate::error::bank_refusal_reason(&e), e.to_string())
         }
-    }
-}
-
-/// The protocol's reason for one of `pin_hint`'s errors (also
-/// [`PinError::refusal_reason`] of an in-process pin).
-pub(crate) fn refusal_reason(e: &BankError) -> PinRefusalReason {
-    match e {
-        BankError::StaleOwner { field, .. }
-            if *field == "layout_fingerprint" || *field == "tp_size" =>
-        {
-            PinRefusalReason::Incompatible
-        }
-        BankError::StaleOwner { .. } => PinRefusalReason::StaleGeneration,
-        BankError::SlotMismatch { .. }
-        | BankError::SlotOutOfRange { .. }
-        | BankError::NotRetained(_)
-        | BankError::Excluded(_) => PinRefusalReason::SlotReused,
-        BankError::Closed { .. }
-        | BankError::LeaseExpired { .. }
-        | BankError::LeaseLost { .. }
-        | BankError::LeaseRevoked { .. }
-        | BankError::LeaseMissing { .. } => PinRefusalReason::BankClosed,
-        _ => PinRefusalReason::Malformed,
     }
 }
 
