@@ -196,7 +196,7 @@ pub enum PlaneError {
 
 /// Why a fetch hint was refused or a fetch fell back. Hint errors are raised
 /// before any memory is reserved or read.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum FetchError {
     /// The hint is internally inconsistent (field named by the descriptor error).
     #[error("malformed hint: {0}")]
@@ -251,13 +251,270 @@ pub enum FetchError {
         /// What is wrong.
         detail: String,
     },
+    /// The hint's `sequence_hashes` differ from the prompt's at `block`
+    /// (the first differing index): it was written for another prompt.
+    #[error("`hint.sequence_hashes[{block}]` differs from the prompt's block {block}: the hint is for another prompt")]
+    PromptMismatch {
+        /// First block index where hint and prompt differ.
+        block: usize,
+    },
+    /// The hint names more blocks than the prompt has.
+    #[error("`hint.sequence_hashes` holds {hint_blocks} blocks, the prompt only {prompt_blocks}")]
+    HintBeyondPrompt {
+        /// Blocks in the hint.
+        hint_blocks: usize,
+        /// Sealed blocks of the prompt.
+        prompt_blocks: usize,
+    },
     /// The transfer or a step around it failed; the request recomputes.
-    #[error("fetch fell back at `{stage}`: {reason}")]
+    #[error("fetch fell back at `{stage}`: {cause}")]
     Fallback {
-        /// Stage (`reserve`, `pin`, `transfer`, `verify`, `commit`).
+        /// Stage (`reserve`, `pin`, `plan`, `transfer`, `verify`).
         stage: &'static str,
-        /// Cause.
+        /// What failed, typed ([`FallbackCause::label`] is its metrics label).
+        cause: FallbackCause,
+    },
+}
+
+impl FetchError {
+    /// The stage label of `kv_reuse_fallbacks_total`: `hint` for a hint
+    /// refused before anything was touched, else the failing stage
+    /// (`reserve`, `pin`, `plan`, `transfer`, `verify`).
+    pub fn stage(&self) -> &'static str {
+        match self {
+            Self::Fallback { stage, .. } => stage,
+            _ => "hint",
+        }
+    }
+
+    /// The cause label of `kv_reuse_fallbacks_total`: one stable
+    /// `snake_case` value per hint-error variant (`malformed`,
+    /// `wrong_engine`, `stale_generation`, `not_a_donor`, `layout_mismatch`,
+    /// `slot_out_of_range`, `inconsistent_slots`, `prompt_mismatch`,
+    /// `hint_beyond_prompt`), else
+    /// [`FallbackCause::label`].
+    pub fn cause_label(&self) -> &'static str {
+        match self {
+            Self::Malformed(_) => "malformed",
+            Self::WrongEngine { .. } => "wrong_engine",
+            Self::StaleGeneration { .. } => "stale_generation",
+            Self::NotADonor { .. } => "not_a_donor",
+            Self::LayoutMismatch { .. } => "layout_mismatch",
+            Self::SlotOutOfRange { .. } => "slot_out_of_range",
+            Self::InconsistentSlots { .. } => "inconsistent_slots",
+            Self::PromptMismatch { .. } => "prompt_mismatch",
+            Self::HintBeyondPrompt { .. } => "hint_beyond_prompt",
+            Self::Fallback { cause, .. } => cause.label(),
+        }
+    }
+
+    /// The cause of a [`FetchError::Fallback`], `None` for a hint error.
+    pub fn fallback_cause(&self) -> Option<&FallbackCause> {
+        match self {
+            Self::Fallback { cause, .. } => Some(cause),
+            _ => None,
+        }
+    }
+}
+
+/// What made a validated fetch fall back to recompute. The destination
+/// reservation was cancelled and the donor pin released in every case.
+#[derive(Debug, thiserror::Error)]
+pub enum FallbackCause {
+    /// The destination pool refused the reservation (stage `reserve`).
+    #[error("{0}")]
+    Bank(#[source] kv_bank::BankError),
+    /// The copy plan was refused (stage `plan`) or the delivery failed
+    /// (stage `transfer`).
+    #[error("{0}")]
+    Transfer(#[source] kv_transfer::TransferError),
+    /// The donor did not pin the hinted slots (stage `pin`).
+    #[error("{0}")]
+    Pin(#[source] PinError),
+    /// The donor pin did not hold from grant to release, so the slots may
+    /// have been reused while read (stage `verify`).
+    #[error("donor pin not held throughout: {0}")]
+    PinNotHeld(#[source] PinError),
+    /// The pin gave no source memory for a TP rank the plan reads (stage `pin`).
+    #[error("donor pin has no memory for rank {rank}")]
+    MissingRankMemory {
+        /// TP rank.
+        rank: u32,
+    },
+    /// The delivery returned without moving every expected byte (stage `verify`).
+    #[error("delivery {status:?} moved {moved} of {expected} bytes")]
+    ShortDelivery {
+        /// The delivery's status.
+        status: kv_transfer::DeliveryStatus,
+        /// Payload bytes moved.
+        moved: u64,
+        /// Payload bytes the validated hint names (all ranks).
+        expected: u64,
+    },
+}
+
+impl FallbackCause {
+    /// Stable `snake_case` metrics label: `bank`, `transfer_cancelled`,
+    /// `transfer_deadline`, `transfer` (any other transfer error), the
+    /// [`PinError::label`] of a pin refusal or failure, `pin_not_held`,
+    /// `missing_rank_memory`, `short_delivery`.
+    pub fn label(&self) -> &'static str {
+        use kv_transfer::TransferError as T;
+        match self {
+            Self::Bank(_) => "bank",
+            Self::Transfer(T::Cancelled) => "transfer_cancelled",
+            Self::Transfer(T::DeadlineExceeded { .. }) => "transfer_deadline",
+            Self::Transfer(_) => "transfer",
+            Self::Pin(p) => p.label(),
+            Self::PinNotHeld(_) => "pin_not_held",
+            Self::MissingRankMemory { .. } => "missing_rank_memory",
+            Self::ShortDelivery { .. } => "short_delivery",
+        }
+    }
+
+    /// Whether an abandoned read may still write the destination rows
+    /// ([`kv_transfer::TransferError::may_still_write`]); only a transfer
+    /// error can say so.
+    pub fn may_still_write(&self) -> bool {
+        matches!(self, Self::Transfer(e) if e.may_still_write())
+    }
+}
+
+/// Why a donor did not pin ([`crate::DonorSource::pin`]) or a pin cannot be
+/// trusted to have held ([`crate::DonorPin::release`]). Nothing is pinned
+/// after an error.
+#[derive(Debug, thiserror::Error)]
+pub enum PinError {
+    /// The donor's pin service refused (`kv.pin@1.0` refusal, reason as on the wire).
+    #[error("refused ({reason}): {detail}")]
+    Refused {
+        /// The refusal's reason.
+        reason: kv_descriptor::PinRefusalReason,
+        /// The donor's detail text.
+        detail: String,
+    },
+    /// An in-process donor bank refused the pin ([`kv_bank::BankManager::pin_hint`]).
+    #[error("{0}")]
+    Bank(#[source] kv_bank::BankError),
+    /// The source knows the donor process or its lease is gone, so it did not ask.
+    #[error("donor unavailable: {detail}")]
+    DonorUnavailable {
+        /// What the source saw.
+        detail: String,
+    },
+    /// The control endpoint is not a usable `unix:<path>`.
+    #[error("invalid endpoint {endpoint:?}: {reason}")]
+    Endpoint {
+        /// The endpoint as given.
+        endpoint: String,
+        /// What is wrong.
         reason: String,
+    },
+    /// Connecting, sending or receiving failed (`op` says which).
+    #[error("{op}: {source}")]
+    Io {
+        /// `connect`, `send`, `receive` or `release`.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The donor did not answer within the reply timeout.
+    #[error("{op}: no reply within {timeout_ms} ms")]
+    Timeout {
+        /// `receive` (a pin reply) or `release` (its acknowledgement).
+        op: &'static str,
+        /// The timeout, ms.
+        timeout_ms: u64,
+    },
+    /// The donor's reply did not decode or was not the expected message.
+    #[error("protocol: {detail}")]
+    Protocol {
+        /// What was received instead.
+        detail: String,
+    },
+    /// The donor dropped the pin at its hold bound before the release: the
+    /// slots may have been reused while read.
+    #[error("pin {pin_id} expired at the donor's bound of {max_hold_ms} ms before release")]
+    Expired {
+        /// The pin.
+        pin_id: u64,
+        /// The grant's hold bound, ms.
+        max_hold_ms: u64,
+    },
+    /// The pin was already released.
+    #[error("already released")]
+    AlreadyReleased,
+}
+
+impl PinError {
+    /// The [`kv_descriptor::PinRefusalReason`] of a refusal (a donor's, or
+    /// an in-process bank error mapped as the pin service maps it); `None`
+    /// for transport, timeout and protocol failures.
+    pub fn refusal_reason(&self) -> Option<kv_descriptor::PinRefusalReason> {
+        match self {
+            Self::Refused { reason, .. } => Some(*reason),
+            Self::Bank(e) => Some(bank_refusal_reason(e)),
+            _ => None,
+        }
+    }
+
+    /// Stable `snake_case` metrics label: `pin_refused` (a donor or bank
+    /// refusal), `pin_donor_unavailable`, `pin_transport` (endpoint, I/O),
+    /// `pin_timeout`, `pin_protocol`, `pin_expired`, `pin_released`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Refused { .. } | Self::Bank(_) => "pin_refused",
+            Self::DonorUnavailable { .. } => "pin_donor_unavailable",
+            Self::Endpoint { .. } | Self::Io { .. } => "pin_transport",
+            Self::Timeout { .. } => "pin_timeout",
+            Self::Protocol { .. } => "pin_protocol",
+            Self::Expired { .. } => "pin_expired",
+            Self::AlreadyReleased => "pin_released",
+        }
+    }
+
+    /// An I/O error of `op`, as [`PinError::Timeout`] when the socket's
+    /// timeout (`timeout`) elapsed.
+    #[cfg(feature = "worker")]
+    pub(crate) fn io(
+        op: &'static str,
+        source: std::io::Error,
+        timeout: std::time::Duration,
+    ) -> Self {
+        match source.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Self::Timeout {
+                op,
+                timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            },
+            _ => Self::Io { op, source },
+        }
+    }
+}
+
+/// Why a [`crate::DonorDirectory`] could not resolve a donor's slots; the
+/// advisor then attaches no hint ([`crate::RefuseReason::HintUnavailable`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResolveError {
+    /// The directory does not know the donor (it closed its bank or died).
+    #[error("donor {donor} is not in the directory")]
+    UnknownDonor {
+        /// The donor engine.
+        donor: kv_descriptor::EngineId,
+    },
+    /// The donor no longer holds block `index` of the asked hashes.
+    #[error("donor no longer holds block {index} ({hash:?})")]
+    BlockGone {
+        /// Index into the asked hashes.
+        index: usize,
+        /// Its sequence hash.
+        hash: kv_descriptor::SequenceHash,
+    },
+    /// The directory could not reach its source of truth (a remote directory).
+    #[error("directory unavailable: {detail}")]
+    Unavailable {
+        /// What failed.
+        detail: String,
     },
 }
 
@@ -302,4 +559,27 @@ pub enum RemoteDonorError {
         #[source]
         source: kv_bank::BankError,
     },
+}
+
+/// The protocol's reason for one of `pin_hint`'s errors (also
+/// [`PinError::refusal_reason`] of an in-process pin).
+pub(crate) fn bank_refusal_reason(e: &kv_bank::BankError) -> kv_descriptor::PinRefusalReason {
+    match e {
+        kv_bank::BankError::StaleOwner { field, .. }
+            if *field == "layout_fingerprint" || *field == "tp_size" =>
+        {
+            kv_descriptor::PinRefusalReason::Incompatible
+        }
+        kv_bank::BankError::StaleOwner { .. } => kv_descriptor::PinRefusalReason::StaleGeneration,
+        kv_bank::BankError::SlotMismatch { .. }
+        | kv_bank::BankError::SlotOutOfRange { .. }
+        | kv_bank::BankError::NotRetained(_)
+        | kv_bank::BankError::Excluded(_) => kv_descriptor::PinRefusalReason::SlotReused,
+        kv_bank::BankError::Closed { .. }
+        | kv_bank::BankError::LeaseExpired { .. }
+        | kv_bank::BankError::LeaseLost { .. }
+        | kv_bank::BankError::LeaseRevoked { .. }
+        | kv_bank::BankError::LeaseMissing { .. } => kv_descriptor::PinRefusalReason::BankClosed,
+        _ => kv_descriptor::PinRefusalReason::Malformed,
+    }
 }

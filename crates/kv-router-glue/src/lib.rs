@@ -12,7 +12,9 @@
 //!   95% confidence;
 //! - **hint validation** ([`validate_hint`]): a `kv.fetch_gpu@1.0` hint is
 //!   checked against the donor's [`kv_descriptor::BankManifest`] and the
-//!   target's layout before any memory is touched;
+//!   target's layout before any memory is touched, and against the prompt
+//!   the worker runs ([`check_prompt_prefix`]: a hint for another prompt is
+//!   refused);
 //! - **the advisor** ([`Advisor`]): after the router picked a prefill
 //!   target, a bounded donor lookup (kv-lookup), admission, and the hint
 //!   attached, or none with the reason;
@@ -55,26 +57,33 @@
 
 #![deny(missing_docs)]
 
-mod advisor;
-mod calibration;
-mod cost;
-pub mod dynamo_events;
 mod error;
-mod event_plane;
-mod fetch_executor;
-mod hint_validation;
-mod kv_events;
 pub mod metrics;
-pub mod nats_server;
-mod ols;
-mod pin_service;
+mod plane;
+// The harness scenario is also what this crate's own worker tests run.
+#[cfg(any(feature = "qualify", all(test, feature = "worker")))]
 mod qualify;
-mod remote_donor;
-mod settings;
-pub mod spans;
-#[cfg(test)]
+mod router;
+#[cfg(all(test, feature = "worker", feature = "nats"))]
 mod tests;
-pub mod vllm_events;
+mod worker;
+
+// Public module paths as before the split by role (`kv_router_glue::spans`,
+// `::dynamo_events`, `::vllm_events`, `::nats_server`).
+pub use metrics::spans;
+#[cfg(feature = "vllm")]
+pub use plane::vllm_events;
+#[cfg(feature = "qualify")]
+pub use qualify::nats_server;
+pub use router::dynamo_events;
+
+// Crate-internal short paths (`crate::cost`, `crate::pin_service`, ...), so
+// that modules name each other by what they are, not by where they sit.
+use plane::event_plane;
+use router::{advisor, calibration, cost, kv_events, ols, settings};
+use worker::hint_validation;
+#[cfg(feature = "worker")]
+use worker::{fetch_executor, pin_service, remote_donor};
 
 pub use advisor::{Advice, Advisor, DonorDirectory, LocalDonorDirectory, ResolvedDonor};
 pub use calibration::{
@@ -84,24 +93,32 @@ pub use cost::{
     AdmissionDecision, CostInputs, CostModel, CostTerms, DecisionLog, LiveCostModel, RefuseReason,
     TransferPath, Verdict,
 };
-pub use error::{CalibrationError, FetchError, PlaneError, RemoteDonorError, SettingsError};
-pub use event_plane::{
-    EventPlane, InProcessPlane, NatsAuth, NatsOptions, NatsPlane, NatsTls, PlaneFuture,
-    PlaneMessage, Subject, Subscription, SUBJECT_ROOT,
+pub use error::{
+    CalibrationError, FallbackCause, FetchError, PinError, PlaneError, RemoteDonorError,
+    ResolveError, SettingsError,
 };
+pub use event_plane::{
+    EventPlane, InProcessPlane, PlaneFuture, PlaneMessage, Subject, Subscription, SUBJECT_ROOT,
+};
+#[cfg(feature = "nats")]
+pub use event_plane::{NatsAuth, NatsOptions, NatsPlane, NatsTls};
+#[cfg(feature = "worker")]
 pub use fetch_executor::{DonorPin, DonorSource, FetchExecutor, FetchOutcome};
-pub use hint_validation::{validate_hint, ValidatedFetch};
+pub use hint_validation::{check_prompt_prefix, validate_hint, ValidatedFetch};
 pub use kv_events::{
     resync_subject, KvEventPublisher, KvEventReceiver, KvStreamItem, PublisherHeader,
     ReceiverStats, ResyncOutcome, ResyncRequest, DEFAULT_MAX_EVENT_ID_JUMP,
     DEFAULT_PUBLISHER_IDLE_FORGET,
 };
 pub use ols::OlsFit;
+#[cfg(feature = "worker")]
 pub use pin_service::{
     unix_endpoint_path, PinService, PinServiceConfig, PinServiceError, PinServiceStats,
     MAX_SOCKET_PATH_BYTES, UNIX_ENDPOINT_PREFIX,
 };
+#[cfg(feature = "qualify")]
 pub use qualify::{qualify_section, GlueQualifySection};
+#[cfg(feature = "worker")]
 pub use remote_donor::{RemoteDonor, RemotePin, DEFAULT_PIN_TIMEOUT};
 pub use settings::{
     settings_markdown, spec, EnvSnapshot, LoadedSettings, ReuseArgs, ReuseSettings, SettingKind,

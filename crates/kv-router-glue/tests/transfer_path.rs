@@ -248,8 +248,8 @@ fn rows_of_a_read_still_in_flight_stay_out_of_the_pool_whatever_rank_0_reports()
             e,
             FetchError::Fallback {
                 stage: "transfer",
-                ..
-            }
+                ref cause,
+            } if cause.may_still_write()
         ),
         "{e}"
     );
@@ -278,7 +278,7 @@ impl DonorSource for CountingDonor {
     fn manifest(&self) -> &BankManifest {
         self.bank.manifest()
     }
-    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String> {
+    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, PinError> {
         self.pins.fetch_add(1, Ordering::SeqCst);
         self.bank.pin(hint)
     }

@@ -43,8 +43,8 @@ use kv_lookup::{EventOutcome, InventoryIndex, WorkerInfo, WorkerKey};
 use kv_router_glue::metrics::ReuseMetrics;
 use kv_router_glue::spans::{ObservedAdvisor, ObservedExecutor};
 use kv_router_glue::{
-    Advice, Advisor, CostModel, DecisionLog, FetchExecutor, LiveCostModel, LocalDonorDirectory,
-    ReuseSettings,
+    check_prompt_prefix, Advice, Advisor, CostModel, DecisionLog, FetchExecutor, LiveCostModel,
+    LocalDonorDirectory, ReuseSettings,
 };
 use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
 use kv_transfer::{CopyBackend, DeliveryControl, DeliveryCounters, HostBuffer, HostCopyBackend};
@@ -456,14 +456,10 @@ impl PrefillEngine {
         let h = hints.first().ok_or("hint: no kv.fetch_gpu action")?;
         let k = h.sequence_hashes.len();
         let from = h.fetch_from as usize;
-        if k > prompt_blocks.len()
-            || h.sequence_hashes
-                .iter()
-                .zip(prompt_blocks)
-                .any(|(a, b)| *a != b.sequence_hash)
-        {
-            return Err("hint: `sequence_hashes` do not match the prompt".into());
-        }
+        let prompt: Vec<SequenceHash> = prompt_blocks.iter().map(|b| b.sequence_hash).collect();
+        // The product check every prefill worker makes; run first so that the
+        // native-cache checks below only ever see a hint for this prompt.
+        check_prompt_prefix(h, &prompt).map_err(|e| format!("hint: {e}"))?;
         if native < from {
             return Err(format!(
                 "native cache holds {native} blocks, hint fetches from {from}"
@@ -486,7 +482,7 @@ impl PrefillEngine {
         };
         let outcome = self
             .executor
-            .execute(env, donor, &control)
+            .execute_for_prompt(env, &prompt, donor, &control)
             .map_err(|e| e.to_string())?;
         let rbb = self.layout.rank_block_bytes();
         // Rows of blocks `from..native` duplicate the native cache; import the rest.

@@ -73,7 +73,7 @@ use kv_lookup::{EventOutcome, InventoryIndex, WorkerKey};
 use kv_router_glue::nats_server::{find_nats_server, NatsServer};
 use kv_router_glue::{
     Advice, DonorPin, DonorSource, EventPlane, FetchExecutor, KvEventPublisher, KvEventReceiver,
-    KvStreamItem, NatsOptions, NatsPlane, PublisherHeader, ReuseSettings, Subject,
+    KvStreamItem, NatsOptions, NatsPlane, PinError, PublisherHeader, ReuseSettings, Subject,
 };
 use kv_transfer::plan::PartPlan;
 use kv_transfer::{

@@ -1,3 +1,4 @@
+use kv_descriptor::PinRefusalReason;
 use kv_transfer::DeliveryControl;
 
 use crate::qualify::{Scenario, DONOR_BLOCKS, TARGET_BASELINE};
@@ -72,7 +73,7 @@ fn advisor_admits_a_long_prefix_and_the_executor_fetches_exact_bytes() {
             &full,
             FetchError::Fallback {
                 stage: "reserve",
-                ..
+                cause: FallbackCause::Bank(_),
             }
         ),
         "{full:?}"
@@ -180,9 +181,16 @@ fn executor_rejects_bad_hints_before_touching_memory_and_falls_back_cleanly() {
     }
     let e = rerun(&swapped).unwrap_err();
     assert!(
-        matches!(e, FetchError::Fallback { stage: "pin", .. }),
-        "{e}"
+        matches!(
+            &e,
+            FetchError::Fallback {
+                stage: "pin",
+                cause: FallbackCause::Pin(p),
+            } if p.refusal_reason() == Some(PinRefusalReason::SlotReused)
+        ),
+        "{e:?}"
     );
+    assert_eq!(crate::metrics::fallback_labels(&e), ("pin", "pin_refused"));
     assert_eq!(exec.pool().free_blocks(), 64);
     assert_eq!(exec.pool().orphaned_blocks(), 0);
     assert!(!s.row_holds_block(0, TARGET_BASELINE));
@@ -197,11 +205,12 @@ fn executor_rejects_bad_hints_before_touching_memory_and_falls_back_cleanly() {
             e,
             FetchError::Fallback {
                 stage: "transfer",
-                ..
+                cause: FallbackCause::Transfer(kv_transfer::TransferError::Cancelled),
             }
         ),
         "{e}"
     );
+    assert_eq!(e.cause_label(), "transfer_cancelled");
     assert_eq!(exec.pool().free_blocks(), 64);
     assert_eq!(s.donor.pins_outstanding(), 0);
 }
@@ -209,7 +218,7 @@ fn executor_rejects_bad_hints_before_touching_memory_and_falls_back_cleanly() {
 #[test]
 fn qualify_section_prints_settings_and_decisions_with_terms() {
     let loaded = SettingsLoader::new().build().unwrap();
-    let q = qualify_section(&loaded);
+    let q = crate::qualify::qualify_section(&loaded);
     let text = q.render();
     println!("{text}");
     assert!(q.passed, "{text}");
@@ -230,4 +239,48 @@ fn qualify_section_prints_settings_and_decisions_with_terms() {
             .any(|(n, ok, _)| n == "fetch_bytes_match_donor" && *ok),
         "{text}"
     );
+}
+
+#[test]
+fn executor_refuses_a_hint_for_another_or_a_shorter_prompt_before_touching_memory() {
+    let s = Scenario::new().unwrap();
+    let advisor = s.advisor(enabled()).unwrap();
+    let env = advisor.advise("r", &s.hashes, s.target).hint.unwrap();
+    let hint_blocks = env.fetch_gpu_actions().unwrap()[0].sequence_hashes.len();
+    let exec = s.executor().unwrap();
+    let ctl = DeliveryControl::new();
+
+    // Another prompt whose block 3 differs: its chain differs from there on.
+    let mut other = s.hashes.clone();
+    for h in &mut other[3..] {
+        h.0 ^= 0x5a5a;
+    }
+    let e = exec
+        .execute_for_prompt(&env, &other, s.donor.as_ref(), &ctl)
+        .unwrap_err();
+    assert!(matches!(e, FetchError::PromptMismatch { block: 3 }), "{e}");
+    assert_eq!(
+        crate::metrics::fallback_labels(&e),
+        ("hint", "prompt_mismatch")
+    );
+    // A prompt shorter than the hint.
+    let e = exec
+        .execute_for_prompt(&env, &s.hashes[..hint_blocks - 1], s.donor.as_ref(), &ctl)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            FetchError::HintBeyondPrompt { hint_blocks: h, prompt_blocks: p }
+                if h == hint_blocks && p == hint_blocks - 1
+        ),
+        "{e}"
+    );
+    // Nothing was reserved or pinned by the refusals.
+    assert_eq!(exec.pool().free_blocks(), 64);
+    assert_eq!(s.donor.pins_outstanding(), 0);
+    // The prompt the hint was written for fetches.
+    let out = exec
+        .execute_for_prompt(&env, &s.hashes, s.donor.as_ref(), &ctl)
+        .unwrap();
+    assert_eq!(out.fetched.len(), DONOR_BLOCKS - TARGET_BASELINE);
 }

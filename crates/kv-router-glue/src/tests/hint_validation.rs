@@ -78,13 +78,13 @@ fn stale_forged_and_out_of_range_hints_are_rejected() {
 
     let mut h = good.clone();
     h.bank_generation = 2;
-    assert_eq!(
+    assert!(matches!(
         validate_hint(&h, &m, &target),
         Err(FetchError::StaleGeneration {
             hint: 2,
             manifest: 1
         })
-    );
+    ));
     // A reopened bank (next generation) refuses the old generation's hint.
     let reopened = manifest(2, owner.next_generation(), 16);
     assert!(matches!(
@@ -109,14 +109,14 @@ fn stale_forged_and_out_of_range_hints_are_rejected() {
 
     let mut h = good.clone();
     h.parts[1].slot_ids[1] = 16;
-    assert_eq!(
+    assert!(matches!(
         validate_hint(&h, &m, &target),
         Err(FetchError::SlotOutOfRange {
             rank: 1,
             slot: 16,
             slot_count: 16
         })
-    );
+    ));
     h.parts[1].slot_ids[1] = 5;
     assert!(matches!(
         validate_hint(&h, &m, &target),
@@ -168,4 +168,34 @@ proptest! {
         let distinct = slots.iter().collect::<std::collections::HashSet<_>>().len() == slots.len();
         prop_assert_eq!(ok, distinct && slots.iter().all(|&s| s < 32));
     }
+}
+
+#[test]
+fn prompt_prefix_check_names_the_first_differing_block() {
+    let owner = OwnerLease::fresh(Role::Decode);
+    let h = hint(&owner, 1, vec![1, 2, 3]); // hashes 0..4
+    let prompt: Vec<SequenceHash> = (0..6).map(SequenceHash).collect();
+    assert!(check_prompt_prefix(&h, &prompt).is_ok());
+    assert!(
+        check_prompt_prefix(&h, &prompt[..4]).is_ok(),
+        "equal length is a prefix"
+    );
+    let mut other = prompt.clone();
+    other[2] = SequenceHash(99);
+    assert!(matches!(
+        check_prompt_prefix(&h, &other),
+        Err(FetchError::PromptMismatch { block: 2 })
+    ));
+    assert!(matches!(
+        check_prompt_prefix(&h, &prompt[..3]),
+        Err(FetchError::HintBeyondPrompt {
+            hint_blocks: 4,
+            prompt_blocks: 3
+        })
+    ));
+    // A prompt for a different conversation from block 0.
+    let unrelated: Vec<SequenceHash> = (100..106).map(SequenceHash).collect();
+    let e = check_prompt_prefix(&h, &unrelated).unwrap_err();
+    assert!(matches!(e, FetchError::PromptMismatch { block: 0 }), "{e}");
+    assert_eq!(e.cause_label(), "prompt_mismatch");
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kv_descriptor::*;
 
-use crate::nats_server::NatsServer;
+use crate::qualify::nats_server::NatsServer;
 use crate::*;
 
 async fn connect(server: &NatsServer, name: &str) -> NatsPlane {

@@ -79,7 +79,7 @@ fn a_stalled_over_limit_refusal_does_not_stop_the_accept_loop() {
 
     // B still gets its refusal once the write goes through.
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    match read_donor_message(&mut b).unwrap() {
+    match read_donor_message(&mut b, Duration::from_secs(5)).unwrap() {
         PinDonorMessage::Refused(r) => {
             assert_eq!(r.reason, PinRefusalReason::TooManyPins);
             assert!(r.detail.contains("connection limit 1"), "{}", r.detail);

@@ -149,9 +149,11 @@ impl DonorSource for RemoteDonor {
     fn manifest(&self) -> &BankManifest {
         self.remote.manifest()
     }
-    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String> {
+    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, PinError> {
         if !(self.alive)() {
-            return Err("donor process or lease gone".into());
+            return Err(PinError::DonorUnavailable {
+                detail: "donor process or lease gone".into(),
+            });
         }
         let pin = self.remote.pin(hint)?;
         self.granted.fetch_add(1, Ordering::SeqCst);

@@ -99,7 +99,7 @@ impl DonorSource for HookedDonor<'_> {
     fn manifest(&self) -> &BankManifest {
         self.inner.manifest()
     }
-    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String> {
+    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, PinError> {
         (self.on_pin)();
         self.inner.pin(hint)
     }

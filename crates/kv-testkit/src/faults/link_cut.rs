@@ -158,9 +158,11 @@ impl DonorSource for NetDonor {
     fn manifest(&self) -> &BankManifest {
         &self.manifest
     }
-    fn pin<'a>(&'a self, _hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String> {
+    fn pin<'a>(&'a self, _hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, PinError> {
         if !pid_alive(self.pid) {
-            return Err("donor process gone".into());
+            return Err(PinError::DonorUnavailable {
+                detail: "donor process gone".into(),
+            });
         }
         Ok(Box::new(NetPin(&self.remotes)))
     }

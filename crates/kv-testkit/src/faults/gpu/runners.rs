@@ -186,9 +186,11 @@ impl DonorSource for RemoteDeviceDonor {
     fn manifest(&self) -> &BankManifest {
         &self.manifest
     }
-    fn pin<'a>(&'a self, _hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String> {
+    fn pin<'a>(&'a self, _hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, PinError> {
         if !(self.alive)() {
-            return Err("donor process or lease gone".into());
+            return Err(PinError::DonorUnavailable {
+                detail: "donor process or lease gone".into(),
+            });
         }
         Ok(Box::new(ImportPin(&self.maps)))
     }

@@ -12,7 +12,7 @@ use parking_lot::RwLock;
 
 use crate::{
     validate_hint, AdmissionDecision, CostInputs, DecisionLog, LiveCostModel, RefuseReason,
-    TransferPath, Verdict,
+    ResolveError, TransferPath, Verdict,
 };
 
 /// A donor's bank as the router needs it to write a hint.
@@ -32,8 +32,13 @@ pub trait DonorDirectory: Send + Sync {
     /// Resolves `hashes` in `donor`'s bank.
     ///
     /// # Errors
-    /// A reason when the donor is unknown or no longer holds one of the blocks.
-    fn resolve(&self, donor: EngineId, hashes: &[SequenceHash]) -> Result<ResolvedDonor, String>;
+    /// [`ResolveError::UnknownDonor`] when the donor is unknown,
+    /// [`ResolveError::BlockGone`] naming the first block it no longer holds.
+    fn resolve(
+        &self,
+        donor: EngineId,
+        hashes: &[SequenceHash],
+    ) -> Result<ResolvedDonor, ResolveError>;
 }
 
 /// Directory over bank managers of this process (local cluster, tests, qualify).
@@ -69,19 +74,23 @@ impl LocalDonorDirectory {
 }
 
 impl DonorDirectory for LocalDonorDirectory {
-    fn resolve(&self, donor: EngineId, hashes: &[SequenceHash]) -> Result<ResolvedDonor, String> {
+    fn resolve(
+        &self,
+        donor: EngineId,
+        hashes: &[SequenceHash],
+    ) -> Result<ResolvedDonor, ResolveError> {
         let donors = self.donors.read();
         let (bank, endpoint) = donors
             .get(&donor)
-            .ok_or_else(|| format!("donor {donor} is not in the directory"))?;
+            .ok_or(ResolveError::UnknownDonor { donor })?;
         let slot_ids = hashes
             .iter()
             .enumerate()
-            .map(|(i, h)| {
+            .map(|(index, h)| {
                 bank.lookup(h)
-                    .ok_or_else(|| format!("donor no longer holds block {i} ({h:?})"))
+                    .ok_or(ResolveError::BlockGone { index, hash: *h })
             })
-            .collect::<Result<Vec<u32>, String>>()?;
+            .collect::<Result<Vec<u32>, ResolveError>>()?;
         Ok(ResolvedDonor {
             manifest: bank.manifest().clone(),
             slot_ids,
@@ -254,7 +263,7 @@ impl Advisor {
         };
         let resolved = match self.directory.resolve(donor.engine, fetched) {
             Ok(r) => r,
-            Err(e) => return refuse(RefuseReason::HintUnavailable(e), Some(outcome)),
+            Err(e) => return refuse(RefuseReason::HintUnavailable(e.to_string()), Some(outcome)),
         };
         let layout = *resolved.manifest.layout();
         let path = if resolved.manifest.parts()[0].location().is_gpu() {

@@ -3,6 +3,12 @@
 //! router path (events → index → advisor → hint → fetch executor → bytes
 //! checked) on host shared memory.
 
+//!
+//! With it, [`nats_server`]: a throwaway `nats-server` for tests and the
+//! qualification (harness code, not used by the roles).
+
+pub mod nats_server;
+
 use std::sync::Arc;
 use std::time::Instant;
 

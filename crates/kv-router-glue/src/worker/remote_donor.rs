@@ -27,7 +27,7 @@ use kv_descriptor::{
 };
 
 use crate::pin_service::{connect, read_donor_message, unix_endpoint_path};
-use crate::{DonorPin, DonorSource, RemoteDonorError};
+use crate::{DonorPin, DonorSource, PinError, RemoteDonorError};
 
 /// Default time to wait for the donor's reply to a pin or release (2 s).
 pub const DEFAULT_PIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -169,21 +169,26 @@ impl RemoteDonor {
     /// Asks the donor to pin what `hint` fetches.
     ///
     /// # Errors
-    /// `refused (<reason>): <detail>` when the donor refuses (the reason is
-    /// a [`kv_descriptor::PinRefusalReason`] wire name), or a connect, I/O,
-    /// timeout or protocol message. Nothing is pinned on error.
-    pub fn pin_remote(&self, hint: &FetchGpuHint) -> Result<RemotePin<'_>, String> {
+    /// [`PinError::Refused`] with the donor's
+    /// [`kv_descriptor::PinRefusalReason`] when the donor refuses;
+    /// [`PinError::Endpoint`], [`PinError::Io`] (`connect`, `send`,
+    /// `receive`), [`PinError::Timeout`] or [`PinError::Protocol`] when it
+    /// cannot be asked or its answer is not a grant. Nothing is pinned on error.
+    pub fn pin_remote(&self, hint: &FetchGpuHint) -> Result<RemotePin<'_>, PinError> {
         let request_id = self.next_request.fetch_add(1, Ordering::Relaxed);
         let req = PinRequest::for_hint(request_id, hint);
         let mut stream = connect(&self.endpoint, self.timeout)?;
-        let frame = encode_pin_frame(&PinClientMessage::Pin(req)).map_err(|e| e.to_string())?;
+        let frame =
+            encode_pin_frame(&PinClientMessage::Pin(req)).map_err(|e| PinError::Protocol {
+                detail: format!("encoding the pin request: {e}"),
+            })?;
         let sent = std::io::Write::write_all(&mut stream, &frame);
         // A donor over its connection limit answers before reading and
         // closes, so a failed write may still have a refusal waiting.
-        let reply = read_donor_message(&mut stream);
+        let reply = read_donor_message(&mut stream, self.timeout);
         let reply = match (sent, reply) {
             (_, Ok(r)) => r,
-            (Err(e), Err(_)) => return Err(format!("sending a pin request: {e}")),
+            (Err(e), Err(_)) => return Err(PinError::io("send", e, self.timeout)),
             (Ok(()), Err(e)) => return Err(e),
         };
         match reply {
@@ -193,10 +198,13 @@ impl RemoteDonor {
                 grant,
                 granted_at: Instant::now(),
             }),
-            PinDonorMessage::Refused(r) => Err(format!("refused ({}): {}", r.reason, r.detail)),
-            other => Err(format!(
-                "unexpected reply to pin request {request_id}: {other:?}"
-            )),
+            PinDonorMessage::Refused(r) => Err(PinError::Refused {
+                reason: r.reason,
+                detail: r.detail,
+            }),
+            other => Err(PinError::Protocol {
+                detail: format!("unexpected reply to pin request {request_id}: {other:?}"),
+            }),
         }
     }
 }
@@ -205,7 +213,7 @@ impl DonorSource for RemoteDonor {
     fn manifest(&self) -> &BankManifest {
         &self.manifest
     }
-    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String> {
+    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, PinError> {
         self.pin_remote(hint)
             .map(|p| Box::new(p) as Box<dyn DonorPin>)
     }
@@ -316,31 +324,47 @@ impl RemotePin<'_> {
     /// Releases the pin and waits for the donor's acknowledgement.
     ///
     /// # Errors
-    /// When the donor reports the pin `expired` (dropped at its hold bound
-    /// before this release: the slots may have been reused while read),
-    /// when the connection failed (the donor may have dropped the pin at
-    /// any point), or on an unexpected reply. The pin is gone either way.
-    pub fn release_now(&mut self) -> Result<Duration, String> {
+    /// [`PinError::Expired`] when the donor reports the pin dropped at its
+    /// hold bound before this release (the slots may have been reused while
+    /// read); [`PinError::Io`] (`release`), [`PinError::Timeout`] or
+    /// [`PinError::Protocol`] when the release is unconfirmed (the donor
+    /// may have dropped the pin at any point); [`PinError::AlreadyReleased`].
+    /// The pin is gone either way.
+    pub fn release_now(&mut self) -> Result<Duration, PinError> {
         let Some(mut stream) = self.stream.take() else {
-            return Err("already released".into());
+            return Err(PinError::AlreadyReleased);
         };
         let pin_id = self.grant.pin_id;
-        let frame = encode_pin_frame(&PinClientMessage::Release(PinRelease { pin_id }))
-            .map_err(|e| e.to_string())?;
+        let timeout = self.donor.timeout;
+        let frame =
+            encode_pin_frame(&PinClientMessage::Release(PinRelease { pin_id })).map_err(|e| {
+                PinError::Protocol {
+                    detail: format!("encoding the release of pin {pin_id}: {e}"),
+                }
+            })?;
         std::io::Write::write_all(&mut stream, &frame)
-            .map_err(|e| format!("releasing pin {pin_id}: {e}; the donor may have dropped it"))?;
-        match read_donor_message(&mut stream) {
+            .map_err(|e| PinError::io("release", e, timeout))?;
+        match read_donor_message(&mut stream, timeout) {
             Ok(PinDonorMessage::Released(r)) if r.pin_id == pin_id && !r.expired => {
                 Ok(self.granted_at.elapsed())
             }
-            Ok(PinDonorMessage::Released(r)) if r.pin_id == pin_id => Err(format!(
-                "pin {pin_id} expired at the donor's bound of {} ms before release",
-                self.grant.max_hold_ms
-            )),
-            Ok(other) => Err(format!("unexpected reply to release {pin_id}: {other:?}")),
-            Err(e) => Err(format!(
-                "release of pin {pin_id} unconfirmed ({e}); the donor may have dropped it"
-            )),
+            Ok(PinDonorMessage::Released(r)) if r.pin_id == pin_id => Err(PinError::Expired {
+                pin_id,
+                max_hold_ms: self.grant.max_hold_ms,
+            }),
+            Ok(other) => Err(PinError::Protocol {
+                detail: format!("unexpected reply to release {pin_id}: {other:?}"),
+            }),
+            // A receive failure here is a release the donor never confirmed.
+            Err(PinError::Io { source, .. }) => Err(PinError::Io {
+                op: "release",
+                source,
+            }),
+            Err(PinError::Timeout { timeout_ms, .. }) => Err(PinError::Timeout {
+                op: "release",
+                timeout_ms,
+            }),
+            Err(e) => Err(e),
         }
     }
 }
@@ -349,7 +373,7 @@ impl DonorPin for RemotePin<'_> {
     fn rank_memory(&self, rank: u32) -> Option<&dyn BankMemory> {
         self.donor.maps.get(rank as usize).map(|m| m.as_ref())
     }
-    fn release(mut self: Box<Self>) -> Result<(), String> {
+    fn release(mut self: Box<Self>) -> Result<(), PinError> {
         self.release_now().map(drop)
     }
 }

@@ -8,7 +8,7 @@
 //! | --- | --- | --- |
 //! | `kv_reuse.decision` | router: lookup + admission + hint | `target`, `blocks`, `verdict` |
 //! | `kv_reuse.lookup` | router: bounded donor lookup (inside `decision`) | `donor_blocks`, `elapsed_us` |
-//! | `kv_reuse.fetch` | prefill worker: one hint executed | `outcome`, `bytes` |
+//! | `kv_reuse.fetch` | prefill worker: one hint executed | `outcome` (`completed`, `fallback`), `bytes`, `stage`, `cause` (of a fallback, as in `kv_reuse_fallbacks_total`) |
 //! | `kv_reuse.reserve` | worker: destination rows reserved (inside `fetch`) | |
 //! | `kv_reuse.transfer` | worker: bytes moved (inside `fetch`) | |
 //! | `kv_reuse.verify` | worker: delivery checked complete (inside `fetch`) | |
@@ -21,13 +21,20 @@
 
 use std::sync::Arc;
 
-use kv_descriptor::{EngineId, HintEnvelope, SequenceHash};
+#[cfg(feature = "worker")]
+use kv_descriptor::HintEnvelope;
+use kv_descriptor::{EngineId, SequenceHash};
+#[cfg(feature = "worker")]
 use kv_transfer::DeliveryControl;
 use tracing::field::Empty;
 use tracing::Span;
 
-use crate::metrics::{fallback_label, refuse_label, ReuseMetrics};
-use crate::{Advice, Advisor, DonorSource, FetchError, FetchExecutor, FetchOutcome, Verdict};
+#[cfg(feature = "worker")]
+use crate::metrics::fallback_labels;
+use crate::metrics::{refuse_label, ReuseMetrics};
+use crate::{Advice, Advisor, Verdict};
+#[cfg(feature = "worker")]
+use crate::{DonorSource, FetchError, FetchExecutor, FetchOutcome};
 
 /// Every span name, in the order a fetch passes through them.
 pub const SPAN_NAMES: [&str; 7] = [
@@ -52,7 +59,7 @@ pub fn lookup(request_id: &str) -> Span {
 
 /// `kv_reuse.fetch` for `request_id`.
 pub fn fetch(request_id: &str) -> Span {
-    tracing::info_span!(target: "kv_reuse", "kv_reuse.fetch", request_id, outcome = Empty, bytes = Empty)
+    tracing::info_span!(target: "kv_reuse", "kv_reuse.fetch", request_id, outcome = Empty, bytes = Empty, stage = Empty, cause = Empty)
 }
 
 /// `kv_reuse.reserve` for `request_id`.
@@ -128,6 +135,7 @@ impl ObservedAdvisor {
     }
 }
 
+#[cfg(feature = "worker")]
 /// A [`FetchExecutor`] whose fetches are traced and counted.
 #[derive(Debug)]
 pub struct ObservedExecutor {
@@ -135,6 +143,7 @@ pub struct ObservedExecutor {
     metrics: Arc<ReuseMetrics>,
 }
 
+#[cfg(feature = "worker")]
 impl ObservedExecutor {
     /// Wraps `executor`, recording into `metrics`.
     pub fn new(executor: FetchExecutor, metrics: Arc<ReuseMetrics>) -> Self {
@@ -158,16 +167,45 @@ impl ObservedExecutor {
         donor: &dyn DonorSource,
         control: &DeliveryControl,
     ) -> Result<FetchOutcome, FetchError> {
+        self.observe(envelope, || self.executor.execute(envelope, donor, control))
+    }
+
+    /// [`FetchExecutor::execute_for_prompt`] observed as
+    /// [`ObservedExecutor::execute`] is.
+    ///
+    /// # Errors
+    /// Those of [`FetchExecutor::execute_for_prompt`], unchanged.
+    pub fn execute_for_prompt(
+        &self,
+        envelope: &HintEnvelope,
+        prompt: &[SequenceHash],
+        donor: &dyn DonorSource,
+        control: &DeliveryControl,
+    ) -> Result<FetchOutcome, FetchError> {
+        self.observe(envelope, || {
+            self.executor
+                .execute_for_prompt(envelope, prompt, donor, control)
+        })
+    }
+
+    fn observe(
+        &self,
+        envelope: &HintEnvelope,
+        run: impl FnOnce() -> Result<FetchOutcome, FetchError>,
+    ) -> Result<FetchOutcome, FetchError> {
         let span = fetch(&envelope.message_id);
         let _entered = span.enter();
-        let result = self.executor.execute(envelope, donor, control);
+        let result = run();
         match &result {
             Ok(o) => {
                 span.record("outcome", "completed");
                 span.record("bytes", o.report.counters.bytes);
             }
             Err(e) => {
-                span.record("outcome", fallback_label(e));
+                let (stage, cause) = fallback_labels(e);
+                span.record("outcome", "fallback");
+                span.record("stage", stage);
+                span.record("cause", cause);
             }
         }
         self.metrics.record_fetch(&result);
@@ -175,7 +213,7 @@ impl ObservedExecutor {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "worker"))]
 mod tests {
     use std::collections::HashMap;
     use std::sync::Arc;

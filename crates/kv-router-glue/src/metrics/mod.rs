@@ -7,7 +7,7 @@
 //! | --- | --- | --- | --- |
 //! | `kv_reuse_decisions_total` | counter | `verdict` | advisor decisions: `admit` or the refusal reason |
 //! | `kv_reuse_fetches_total` | counter | `outcome` | fetches executed: `completed` or `fallback` |
-//! | `kv_reuse_fallbacks_total` | counter | `reason` | fetches that fell back to recompute, by reason |
+//! | `kv_reuse_fallbacks_total` | counter | `stage`, `cause` | fetches that fell back to recompute, by stage ([`FetchError::stage`]) and cause ([`FetchError::cause_label`]) |
 //! | `kv_reuse_fetched_bytes_total` | counter | | payload bytes of completed fetches |
 //! | `kv_reuse_host_payload_bytes_total` | counter | | of those, bytes staged through host memory |
 //! | `kv_reuse_transfer_latency_seconds` | histogram | | delivery wall time of completed fetches |
@@ -21,6 +21,8 @@
 //! and at most [`MAX_CONNECTIONS`] are served at once (a connection beyond
 //! that is closed at accept, so slow or idle clients cannot pile up tasks).
 //! A host with its own HTTP server mounts [`ReuseMetrics::encode`] instead.
+
+pub mod spans;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -38,7 +40,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 
-use crate::{AdmissionDecision, FetchError, FetchOutcome, RefuseReason, Verdict};
+#[cfg(feature = "worker")]
+use crate::FetchOutcome;
+use crate::{AdmissionDecision, FetchError, RefuseReason, Verdict};
 
 type Labels = Vec<(String, String)>;
 
@@ -63,6 +67,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// assert!(text.contains("kv_reuse_lookup_latency_seconds_count 1"));
 /// assert!(text.ends_with("# EOF\n"));
 /// ```
+// The fetch families stay registered without `worker` (only `record_fetch`
+// writes them) so that every process exposes the same families.
+#[cfg_attr(not(feature = "worker"), allow(dead_code))]
 pub struct ReuseMetrics {
     registry: Registry,
     decisions: Family<Labels, Counter>,
@@ -105,15 +112,19 @@ pub fn refuse_label(reason: &RefuseReason) -> &'static str {
     }
 }
 
-/// Label value of a fetch fallback: `invalid_hint` / `stale_hint` for a hint
-/// refused before anything was touched, else the stage that failed
-/// (`reserve`, `pin`, `plan`, `transfer`, `verify`; a commit cannot fail).
-pub fn fallback_label(e: &FetchError) -> &'static str {
-    match e {
-        FetchError::WrongEngine { .. } | FetchError::StaleGeneration { .. } => "stale_hint",
-        FetchError::Fallback { stage, .. } => stage,
-        _ => "invalid_hint",
-    }
+/// Labels of a fetch fallback in `kv_reuse_fallbacks_total`: `stage`
+/// ([`FetchError::stage`]: `hint` for a hint refused before anything was
+/// touched, else `reserve`, `pin`, `plan`, `transfer` or `verify`; a commit
+/// cannot fail) and `cause` ([`FetchError::cause_label`], one stable
+/// `snake_case` value per cause, no free text).
+///
+/// ```
+/// use kv_router_glue::{metrics::fallback_labels, FallbackCause, FetchError};
+/// let e = FetchError::Fallback { stage: "pin", cause: FallbackCause::MissingRankMemory { rank: 1 } };
+/// assert_eq!(fallback_labels(&e), ("pin", "missing_rank_memory"));
+/// ```
+pub fn fallback_labels(e: &FetchError) -> (&'static str, &'static str) {
+    (e.stage(), e.cause_label())
 }
 
 impl ReuseMetrics {
@@ -203,7 +214,8 @@ impl ReuseMetrics {
     }
 
     /// Records one executed fetch: completed (bytes, host bytes, delivery
-    /// time from its report) or fallen back (by [`fallback_label`]).
+    /// time from its report) or fallen back (by [`fallback_labels`]).
+    #[cfg(feature = "worker")]
     pub fn record_fetch(&self, result: &Result<FetchOutcome, FetchError>) {
         match result {
             Ok(o) => {
@@ -220,8 +232,12 @@ impl ReuseMetrics {
                 self.fetches
                     .get_or_create(&label("outcome", "fallback"))
                     .inc();
+                let (stage, cause) = fallback_labels(e);
                 self.fallbacks
-                    .get_or_create(&label("reason", fallback_label(e)))
+                    .get_or_create(&vec![
+                        ("stage".to_owned(), stage.to_owned()),
+                        ("cause".to_owned(), cause.to_owned()),
+                    ])
                     .inc();
             }
         }
@@ -374,7 +390,7 @@ async fn read_head(stream: &mut TcpStream) -> Option<String> {
     String::from_utf8(buf).ok()
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "worker"))]
 mod tests {
     use std::sync::Arc;
 
@@ -507,11 +523,17 @@ mod tests {
             2.0
         );
         assert_eq!(
-            sample(body, r#"kv_reuse_fallbacks_total{reason="stale_hint"}"#),
+            sample(
+                body,
+                r#"kv_reuse_fallbacks_total{stage="hint",cause="stale_generation"}"#
+            ),
             1.0
         );
         assert_eq!(
-            sample(body, r#"kv_reuse_fallbacks_total{reason="pin"}"#),
+            sample(
+                body,
+                r#"kv_reuse_fallbacks_total{stage="pin",cause="pin_refused"}"#
+            ),
             1.0
         );
         let fetched = (DONOR_BLOCKS - TARGET_BASELINE) as u64;

@@ -42,12 +42,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kv_bank::{BankError, BankManager, ManagerPin};
+use kv_bank::{BankManager, ManagerPin};
 use kv_descriptor::{
     encode_pin_frame, split_pin_frame, PinClientMessage, PinDonorMessage, PinGrant, PinRefusal,
     PinRefusalReason, PinReleased, PinRequest, Wire,
 };
 use parking_lot::{Condvar, Mutex};
+
+use crate::PinError;
 
 mod refusals;
 
@@ -694,30 +696,8 @@ fn pin(s: &Shared, pins: &mut ConnPins<'_>, req: &PinRequest) -> PinDonorMessage
         }
         Err(e) => {
             s.pins_dropped(1);
-            refusal(id, refusal_reason(&e), e.to_string())
+            refusal(id, crate::error::bank_refusal_reason(&e), e.to_string())
         }
-    }
-}
-
-/// The protocol's reason for one of `pin_hint`'s errors.
-fn refusal_reason(e: &BankError) -> PinRefusalReason {
-    match e {
-        BankError::StaleOwner { field, .. }
-            if *field == "layout_fingerprint" || *field == "tp_size" =>
-        {
-            PinRefusalReason::Incompatible
-        }
-        BankError::StaleOwner { .. } => PinRefusalReason::StaleGeneration,
-        BankError::SlotMismatch { .. }
-        | BankError::SlotOutOfRange { .. }
-        | BankError::NotRetained(_)
-        | BankError::Excluded(_) => PinRefusalReason::SlotReused,
-        BankError::Closed { .. }
-        | BankError::LeaseExpired { .. }
-        | BankError::LeaseLost { .. }
-        | BankError::LeaseRevoked { .. }
-        | BankError::LeaseMissing { .. } => PinRefusalReason::BankClosed,
-        _ => PinRefusalReason::Malformed,
     }
 }
 
@@ -734,27 +714,38 @@ fn send(stream: &mut UnixStream, msg: &PinDonorMessage) -> std::io::Result<()> {
     stream.write_all(&frame)
 }
 
-/// Connects to a `unix:` endpoint (shared by the client and tests).
-pub(crate) fn connect(endpoint: &str, timeout: Duration) -> Result<UnixStream, String> {
-    let path = unix_endpoint_path(endpoint)?;
-    let stream = UnixStream::connect(&path).map_err(|e| format!("connect {endpoint}: {e}"))?;
+/// Connects to a `unix:` endpoint, with `timeout` on every read and write.
+pub(crate) fn connect(endpoint: &str, timeout: Duration) -> Result<UnixStream, PinError> {
+    let path = unix_endpoint_path(endpoint).map_err(|reason| PinError::Endpoint {
+        endpoint: endpoint.to_string(),
+        reason,
+    })?;
+    let stream = UnixStream::connect(&path).map_err(|e| PinError::io("connect", e, timeout))?;
     stream
         .set_read_timeout(Some(timeout))
         .and_then(|()| stream.set_write_timeout(Some(timeout)))
-        .map_err(|e| format!("{endpoint}: {e}"))?;
+        .map_err(|e| PinError::io("connect", e, timeout))?;
     Ok(stream)
 }
 
-/// Reads one donor frame (the client's side of [`split_pin_frame`]).
-pub(crate) fn read_donor_message(stream: &mut UnixStream) -> Result<PinDonorMessage, String> {
+/// Reads one donor frame (the client's side of [`split_pin_frame`]);
+/// `timeout` is the stream's read timeout, reported when it elapses.
+pub(crate) fn read_donor_message(
+    stream: &mut UnixStream,
+    timeout: Duration,
+) -> Result<PinDonorMessage, PinError> {
     let mut header = [0u8; kv_descriptor::PIN_FRAME_HEADER_BYTES];
     stream
         .read_exact(&mut header)
-        .map_err(|e| format!("reading a reply: {e}"))?;
-    let len = kv_descriptor::pin_frame_len(header).map_err(|e| e.to_string())?;
+        .map_err(|e| PinError::io("receive", e, timeout))?;
+    let len = kv_descriptor::pin_frame_len(header).map_err(|e| PinError::Protocol {
+        detail: e.to_string(),
+    })?;
     let mut body = vec![0u8; len];
     stream
         .read_exact(&mut body)
-        .map_err(|e| format!("reading a {len}-byte reply: {e}"))?;
-    PinDonorMessage::from_wire(&body).map_err(|e| e.to_string())
+        .map_err(|e| PinError::io("receive", e, timeout))?;
+    PinDonorMessage::from_wire(&body).map_err(|e| PinError::Protocol {
+        detail: e.to_string(),
+    })
 }

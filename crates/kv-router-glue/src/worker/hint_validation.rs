@@ -1,5 +1,7 @@
 //! Checking a `kv.fetch_gpu@1.0` hint against the donor's manifest and the
-//! target's own layout, before anything is reserved or read.
+//! target's own layout ([`validate_hint`]), and against the prompt the
+//! prefill worker is about to run ([`check_prompt_prefix`]), before anything
+//! is reserved or read.
 //!
 //! The hint travels through the router and may be stale (the donor restarted
 //! or reopened its bank) or forged. Every check here uses only values the
@@ -8,7 +10,7 @@
 
 use std::collections::HashSet;
 
-use kv_descriptor::{BankManifest, FetchGpuHint, KvLayout, Role};
+use kv_descriptor::{BankManifest, FetchGpuHint, KvLayout, Role, SequenceHash};
 
 use crate::FetchError;
 
@@ -136,4 +138,52 @@ pub fn validate_hint(
         rank_bytes,
         total_bytes: rank_bytes * u64::from(hint.tp_size),
     })
+}
+
+/// Checks that `hint.sequence_hashes` is a prefix of `prompt`, the sequence
+/// hashes of the prompt's sealed blocks (block size as the hint's, e.g. from
+/// [`kv_descriptor::sequence_hashes`]).
+///
+/// Every prefill worker makes this check before it fetches: the router's hint
+/// is attached to a request but names blocks by hash, and a hint written for
+/// another prompt (a router bug, a replayed or forged envelope) would import
+/// another conversation's KV into this request. A hint of fewer blocks than
+/// the prompt is fine (the rest is computed).
+///
+/// # Errors
+/// [`FetchError::HintBeyondPrompt`] when the hint names more blocks than the
+/// prompt has; [`FetchError::PromptMismatch`] naming the first block index
+/// where the hashes differ.
+///
+/// ```
+/// use kv_descriptor::{sequence_hashes, FetchGpuHint, EngineId, LayoutFingerprint};
+/// use kv_router_glue::{check_prompt_prefix, FetchError};
+/// let prompt = sequence_hashes(&(0..64).collect::<Vec<u32>>(), 16);
+/// let other = sequence_hashes(&(1..65).collect::<Vec<u32>>(), 16);
+/// let hint = |h: &[kv_descriptor::SequenceHash]| FetchGpuHint {
+///     donor_engine_id: EngineId::fresh(), bank_generation: 1,
+///     layout_fingerprint: LayoutFingerprint(0), tp_size: 1,
+///     sequence_hashes: h.to_vec(), fetch_from: 0, parts: vec![],
+///     donor_control_endpoint: String::new(),
+/// };
+/// assert!(check_prompt_prefix(&hint(&prompt[..2]), &prompt).is_ok());
+/// assert!(matches!(check_prompt_prefix(&hint(&other), &prompt),
+///                  Err(FetchError::PromptMismatch { block: 0 })));
+/// ```
+pub fn check_prompt_prefix(hint: &FetchGpuHint, prompt: &[SequenceHash]) -> Result<(), FetchError> {
+    if hint.sequence_hashes.len() > prompt.len() {
+        return Err(FetchError::HintBeyondPrompt {
+            hint_blocks: hint.sequence_hashes.len(),
+            prompt_blocks: prompt.len(),
+        });
+    }
+    match hint
+        .sequence_hashes
+        .iter()
+        .zip(prompt)
+        .position(|(h, p)| h != p)
+    {
+        Some(block) => Err(FetchError::PromptMismatch { block }),
+        None => Ok(()),
+    }
 }

@@ -15,6 +15,7 @@
 //! probe, so a one-shot event is never sent into the void.
 
 mod in_process;
+#[cfg(feature = "nats")]
 mod nats;
 
 use std::future::Future;
@@ -22,6 +23,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 pub use in_process::InProcessPlane;
+#[cfg(feature = "nats")]
 pub use nats::{NatsAuth, NatsOptions, NatsPlane, NatsTls};
 
 use crate::PlaneError;

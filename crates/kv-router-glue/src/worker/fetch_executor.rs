@@ -19,7 +19,7 @@ use kv_descriptor::{
 use kv_transfer::plan::{BlockMove, RegionGeometry, TransferPlan};
 use kv_transfer::{deliver, CopyBackend, DeliveryControl, DeliveryReport, RankIo, SourceRegion};
 
-use crate::{validate_hint, FetchError};
+use crate::{check_prompt_prefix, validate_hint, FallbackCause, FetchError, PinError};
 
 /// Pinned donor slots; the pin is released on drop.
 pub trait DonorPin {
@@ -42,8 +42,10 @@ pub trait DonorPin {
     /// early, so the default (drop, `Ok`) is right for it.
     ///
     /// # Errors
-    /// Why the pin cannot be trusted to have held throughout.
-    fn release(self: Box<Self>) -> Result<(), String> {
+    /// Why the pin cannot be trusted to have held throughout (e.g.
+    /// [`PinError::Expired`], or a transport [`PinError::Io`] /
+    /// [`PinError::Timeout`] after which the donor may have dropped it).
+    fn release(self: Box<Self>) -> Result<(), PinError> {
         Ok(())
     }
 }
@@ -55,8 +57,11 @@ pub trait DonorSource {
     /// Pins the hinted slots, checking that they still hold the hinted blocks.
     ///
     /// # Errors
-    /// A reason when the donor refuses (stale generation, slot reused, closed).
-    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String>;
+    /// A [`PinError`]: a refusal carrying its
+    /// [`kv_descriptor::PinRefusalReason`] (stale generation, slot reused,
+    /// closed, ...; [`PinError::refusal_reason`]), or a transport, timeout
+    /// or protocol failure. Nothing is pinned on error.
+    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, PinError>;
 }
 
 impl DonorPin for ManagerPin {
@@ -69,10 +74,10 @@ impl DonorSource for BankManager {
     fn manifest(&self) -> &BankManifest {
         BankManager::manifest(self)
     }
-    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, String> {
+    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, PinError> {
         self.pin_hint(hint)
             .map(|p| Box::new(p) as Box<dyn DonorPin>)
-            .map_err(|e| e.to_string())
+            .map_err(PinError::Bank)
     }
 }
 
@@ -206,9 +211,41 @@ impl FetchExecutor {
     /// [`FetchError::NotADonor`]) before anything is touched; then
     /// [`FetchError::Fallback`] at `reserve`, `pin`, `plan`, `transfer` or
     /// `verify`, with the reservation cancelled and the pin released.
+    ///
+    /// The caller must have checked the hint against the request's prompt
+    /// ([`check_prompt_prefix`]); [`FetchExecutor::execute_for_prompt`]
+    /// does both.
     pub fn execute(
         &self,
         envelope: &HintEnvelope,
+        donor: &dyn DonorSource,
+        control: &DeliveryControl,
+    ) -> Result<FetchOutcome, FetchError> {
+        self.run(envelope, None, donor, control)
+    }
+
+    /// [`FetchExecutor::execute`] for a request whose prompt's sealed blocks
+    /// have the sequence hashes `prompt`: the hint is refused, before
+    /// anything is touched, unless its `sequence_hashes` are a prefix of
+    /// `prompt` ([`check_prompt_prefix`]).
+    ///
+    /// # Errors
+    /// [`FetchError::PromptMismatch`] (naming the first differing block) or
+    /// [`FetchError::HintBeyondPrompt`], else as [`FetchExecutor::execute`].
+    pub fn execute_for_prompt(
+        &self,
+        envelope: &HintEnvelope,
+        prompt: &[SequenceHash],
+        donor: &dyn DonorSource,
+        control: &DeliveryControl,
+    ) -> Result<FetchOutcome, FetchError> {
+        self.run(envelope, Some(prompt), donor, control)
+    }
+
+    fn run(
+        &self,
+        envelope: &HintEnvelope,
+        prompt: Option<&[SequenceHash]>,
         donor: &dyn DonorSource,
         control: &DeliveryControl,
     ) -> Result<FetchOutcome, FetchError> {
@@ -224,15 +261,19 @@ impl FetchExecutor {
             }));
         }
         let hint = hints.remove(0);
+        if let Some(prompt) = prompt {
+            check_prompt_prefix(&hint, prompt)?;
+        }
         let manifest = donor.manifest();
         let v = validate_hint(&hint, manifest, &self.layout)?;
         let n = v.slot_ids.len();
 
-        let fallback = |stage: &'static str, reason: String| FetchError::Fallback { stage, reason };
+        let fallback =
+            |stage: &'static str, cause: FallbackCause| FetchError::Fallback { stage, cause };
         let request_id = envelope.message_id.as_str();
         let reservation = crate::spans::reserve(request_id)
             .in_scope(|| self.pool.reserve(n))
-            .map_err(|e| fallback("reserve", e.to_string()))?;
+            .map_err(|e| fallback("reserve", FallbackCause::Bank(e)))?;
         let fetched: Vec<SequenceHash> = hint.sequence_hashes[hint.fetch_from as usize..].to_vec();
         // Everything checkable here is checked before the donor is asked:
         // a refused plan must not have cost the donor a pin.
@@ -240,7 +281,7 @@ impl FetchExecutor {
             Ok(p) => p,
             Err(e) => {
                 reservation.cancel().quiesced();
-                return Err(fallback("plan", e.to_string()));
+                return Err(fallback("plan", FallbackCause::Transfer(e)));
             }
         };
         let pin = match donor.pin(&hint) {
@@ -248,7 +289,7 @@ impl FetchExecutor {
             Err(e) => {
                 // Nothing was issued against these rows yet.
                 reservation.cancel().quiesced();
-                return Err(fallback("pin", e));
+                return Err(fallback("pin", FallbackCause::Pin(e)));
             }
         };
         let result = crate::spans::transfer(request_id)
@@ -258,13 +299,8 @@ impl FetchExecutor {
         match result {
             Ok(_) if released.is_err() => {
                 reservation.cancel().quiesced();
-                Err(fallback(
-                    "verify",
-                    format!(
-                        "donor pin not held throughout: {}",
-                        released.err().unwrap_or_default()
-                    ),
-                ))
+                let e = released.expect_err("guarded by is_err");
+                Err(fallback("verify", FallbackCause::PinNotHeld(e)))
             }
             Ok(report)
                 if verify.in_scope(|| {
@@ -283,10 +319,11 @@ impl FetchExecutor {
                 reservation.cancel().quiesced();
                 Err(fallback(
                     "verify",
-                    format!(
-                        "delivery {:?} moved {} of {} bytes",
-                        report.status, report.counters.bytes, v.total_bytes
-                    ),
+                    FallbackCause::ShortDelivery {
+                        status: report.status,
+                        moved: report.counters.bytes,
+                        expected: v.total_bytes,
+                    },
                 ))
             }
             Err(Failed {
@@ -349,10 +386,10 @@ impl FetchExecutor {
         let mut io = Vec::with_capacity(plan.parts().len());
         for part in plan.parts() {
             let r = part.tp_rank;
-            let src = pin.rank_source(r).ok_or_else(|| Failed {
+            let src = pin.rank_source(r).ok_or(Failed {
                 error: FetchError::Fallback {
                     stage: "pin",
-                    reason: format!("donor pin has no memory for rank {r}"),
+                    cause: FallbackCause::MissingRankMemory { rank: r },
                 },
                 may_still_write: false,
             })?;
@@ -365,7 +402,7 @@ impl FetchExecutor {
             may_still_write: e.may_still_write(),
             error: FetchError::Fallback {
                 stage: "transfer",
-                reason: e.to_string(),
+                cause: FallbackCause::Transfer(e),
             },
         })
     }
