@@ -249,6 +249,8 @@ pub(crate) fn ucx_rows(dst: MemoryKind, src: MemoryKind) -> Option<Vec<UcxProtoR
 }
 
 /// [`ucx_rows`] as a transport label (`unknown` when not logged).
+// Only the two-process harness reports a label without a delivery.
+#[cfg(feature = "qualify")]
 pub(crate) fn ucx_transport(dst: MemoryKind, src: MemoryKind) -> Option<String> {
     ucx_rows(dst, src).map(|r| transport_label(Some(&r)))
 }
