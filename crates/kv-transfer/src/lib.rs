@@ -56,6 +56,12 @@
 //! (kv-router-glue), resharding between different TP sizes.
 
 #![deny(missing_docs)]
+// The crate docs link the feature-gated items; a build without a feature
+// documents the rest, and those links have no target there.
+#![cfg_attr(
+    not(all(feature = "cuda", feature = "nixl", feature = "qualify")),
+    allow(rustdoc::broken_intra_doc_links)
+)]
 
 #[cfg(feature = "qualify")]
 pub mod bench;
