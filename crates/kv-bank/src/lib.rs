@@ -35,7 +35,9 @@
 //!   [`device_memory_info`], [`gpu_location`], [`ipc_cache_stats`]. Without
 //!   it (a router, a CPU-only worker) those items do not exist,
 //!   [`BankManager::new_cuda`] returns [`BankError::CudaUnavailable`] and the
-//!   leak snapshot counts no IPC mappings; host banks are unchanged.
+//!   leak snapshot counts no IPC mappings; [`open_device_descriptor`] (the
+//!   device import every build has) returns `CudaUnavailable`; host banks
+//!   are unchanged.
 //! - `qualify` (implies `cuda`): the qualification harness modules `faults`,
 //!   `gpu_check` and the `qualify_section` section. Not product API: only
 //!   kv-testkit (and this crate's own harness tests) turns it on.
@@ -121,7 +123,7 @@ pub use manager::{
     sealed_blocks, BankConfig, BankManager, BankStats, Inventory, LeaseStatus, ManagerPin,
     PendingStore, StoreStatus, DEFAULT_SHM_PREFIX,
 };
-pub use memory::{BankMemory, MemoryKind};
+pub use memory::{open_device_descriptor, BankMemory, MemoryKind};
 #[cfg(feature = "qualify")]
 pub use qualify::{qualify_section, QualifyCheck, QualifySection};
 pub use rank::{RankBank, RankMemory};

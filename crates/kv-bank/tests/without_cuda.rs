@@ -9,7 +9,10 @@
 mod common;
 
 use kv_bank::{BankConfig, BankError, BankManager};
-use kv_descriptor::{OwnerLease, Role};
+use kv_descriptor::{
+    BankDescriptor, BankParts, ExportHandle, GpuIdentity, MemoryLocation, OwnerLease, Role,
+    CUDA_HANDLE_BYTES,
+};
 
 #[test]
 fn device_bank_is_refused_as_cuda_unavailable() {
@@ -55,4 +58,34 @@ fn host_bank_and_leak_snapshot_work_without_cuda() {
     assert_eq!(during.device_allocations, 0);
     assert!(during.shm_mappings > before.shm_mappings);
     drop(bank);
+}
+
+#[test]
+fn device_bank_import_is_refused_as_cuda_unavailable() {
+    // A donor's device bank part, as a CPU-only worker would receive it.
+    let layout = common::layout(1);
+    let gpu = GpuIdentity::new(uuid_of(5), 0, "donor-host").unwrap();
+    let d = BankDescriptor::new(BankParts {
+        layout,
+        tp_rank: 0,
+        location: MemoryLocation::Gpu(gpu),
+        owner: OwnerLease::fresh(Role::Decode),
+        export: ExportHandle::CudaIpc {
+            handle: vec![7; CUDA_HANDLE_BYTES],
+        },
+        slot_count: 4,
+        slot_bytes: layout.rank_block_bytes() as u64,
+    })
+    .unwrap();
+    match kv_bank::open_device_descriptor(&d, 0) {
+        Err(BankError::CudaUnavailable { reason }) => {
+            assert!(reason.contains("`cuda` feature"), "reason: {reason}")
+        }
+        Err(e) => panic!("expected CudaUnavailable, got {e}"),
+        Ok(_) => panic!("a device bank was imported without the `cuda` feature"),
+    }
+}
+
+fn uuid_of(n: u128) -> uuid::Uuid {
+    uuid::Uuid::from_u128(n)
 }
