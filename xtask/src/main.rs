@@ -18,6 +18,7 @@ mod bundle;
 mod command;
 mod elf;
 mod error;
+mod feature_sets;
 mod fuzz;
 mod kvq;
 mod layering;

@@ -15,7 +15,9 @@ use crate::{cuda_probe, BankError, BankMemory, CudaDeviceMemory, CudaIpcImport};
 /// The subcommand word the child is started with.
 pub const CHILD_SUBCOMMAND: &str = "bank-ipc-child";
 
-/// Region bytes of the check (64 MiB: ANCHORS.md measured opening such a handle at ~0.09 ms).
+/// Region bytes of the check (64 MiB: opening its handle took ~0.12 ms on an
+/// H200, `first_import_us` of `bank_cuda_ipc` in
+/// `docs/qualification/h200-x2/record.json`).
 pub const CHECK_BYTES: usize = 64 << 20;
 
 /// What the child measured, as its JSON line.

@@ -7,7 +7,7 @@
 //! [`crate::HostShmMemory::create_unique`], and lease files whose record names
 //! this pid), and live objects of this crate counted by process-wide
 //! counters: shared-memory mappings, CUDA IPC / fabric import mappings
-//! ([`crate::ipc_cache_stats`]), device allocations and bytes, bank pins,
+//! (`ipc_cache_stats`, 0 without the `cuda` feature), device allocations and bytes, bank pins,
 //! reserved destination blocks, owner leases and background threads.
 //!
 //! Counts are process-wide: compare snapshots taken while no unrelated work
@@ -82,7 +82,7 @@ pub struct LeakSnapshot {
     pub shm_mappings: u64,
     /// Live CUDA IPC / fabric import mappings in the process-wide cache.
     pub ipc_mappings: u64,
-    /// Live [`crate::CudaDeviceMemory`] allocations.
+    /// Live `CudaDeviceMemory` allocations (0 without the `cuda` feature).
     pub device_allocations: u64,
     /// Bytes of those allocations.
     pub device_bytes: u64,
@@ -194,7 +194,7 @@ pub fn snapshot() -> LeakSnapshot {
             .unwrap_or(0),
         shm_entries,
         shm_mappings: SHM_MAPPINGS.get(),
-        ipc_mappings: crate::ipc_cache_stats().live,
+        ipc_mappings: ipc_mappings_live(),
         device_allocations: DEVICE_ALLOCATIONS.get(),
         device_bytes: DEVICE_BYTES.get(),
         pins: PINS.get(),
@@ -242,6 +242,15 @@ fn entry_owner_pid(name: &str) -> Option<u32> {
             .then(|| read_lease(name).ok().map(|r| r.pid))
             .flatten()
     })
+}
+
+/// Live CUDA IPC / fabric import mappings; a build without the `cuda`
+/// feature has no mapping cache, hence none.
+fn ipc_mappings_live() -> u64 {
+    #[cfg(feature = "cuda")]
+    return crate::ipc_cache_stats().live;
+    #[cfg(not(feature = "cuda"))]
+    0
 }
 
 #[cfg(test)]

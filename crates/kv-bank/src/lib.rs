@@ -23,11 +23,24 @@
 //! - **leak accounting** ([`leaks`]): [`leaks::snapshot`] of fds, this
 //!   process's shm entries, mappings, device memory, pins, reservations,
 //!   leases and threads, compared by [`LeakSnapshot::leaks_since`];
-//! - **checks runnable elsewhere**: [`gpu_check`] (two-process CUDA IPC check
-//!   for a GPU machine), [`qualify_section`] (CPU bank lifecycle for
-//!   `cargo xtask qualify`) and [`qualify_faults`] (the bank rows of the fault
-//!   table: owner killed, owner stalled, forged hints, stale generation,
-//!   allocation failure).
+//! - **checks runnable elsewhere** (feature `qualify`, for kv-testkit only):
+//!   `gpu_check` (two-process CUDA IPC check for a GPU machine),
+//!   `qualify_section` (CPU bank lifecycle for `cargo xtask qualify`) and
+//!   `qualify_faults` (the bank rows of the fault table: owner killed, owner
+//!   stalled, forged hints, stale generation, allocation failure).
+//!
+//! # Features
+//! - `cuda` (default): CUDA device banks through cudarc: [`CudaDeviceMemory`],
+//!   [`CudaIpcImport`] and its process-wide mapping cache, [`cuda_probe`],
+//!   [`device_memory_info`], [`gpu_location`], [`ipc_cache_stats`]. Without
+//!   it (a router, a CPU-only worker) those items do not exist,
+//!   [`BankManager::new_cuda`] returns [`BankError::CudaUnavailable`] and the
+//!   leak snapshot counts no IPC mappings; [`open_device_descriptor`] (the
+//!   device import every build has) returns `CudaUnavailable`; host banks
+//!   are unchanged.
+//! - `qualify` (implies `cuda`): the qualification harness modules `faults`,
+//!   `gpu_check` and the `qualify_section` section. Not product API: only
+//!   kv-testkit (and this crate's own harness tests) turns it on.
 //!
 //! # Invariants
 //! - A slot holds one rank's part of one sealed (full) block. A store is
@@ -61,11 +74,21 @@
 //! channel; without one it fails with a clear error and callers use IPC.
 
 #![deny(missing_docs)]
+// The crate docs link the feature-gated items; a build without a feature
+// documents the rest, and those links have no target there.
+#![cfg_attr(
+    not(all(feature = "cuda", feature = "qualify")),
+    allow(rustdoc::broken_intra_doc_links)
+)]
 
+#[cfg(feature = "cuda")]
 mod cuda;
 mod error;
+#[cfg(feature = "qualify")]
 pub mod faults;
+#[cfg(feature = "qualify")]
 pub mod gpu_check;
+#[cfg(feature = "cuda")]
 mod ipc_cache;
 pub mod leaks;
 pub mod lease;
@@ -73,6 +96,7 @@ mod lease_clock;
 mod lineage;
 mod manager;
 pub mod memory;
+#[cfg(feature = "qualify")]
 mod qualify;
 mod rank;
 pub mod reclaim;
@@ -80,11 +104,13 @@ mod reservation;
 mod shm;
 mod slots;
 
+#[cfg(feature = "cuda")]
 pub use cuda::{
     cuda_probe, device_memory_info, gpu_location, ipc_cache_stats, CudaDeviceInfo,
     CudaDeviceMemory, CudaIpcImport, DeviceMemoryInfo, IpcCacheStats,
 };
 pub use error::BankError;
+#[cfg(feature = "qualify")]
 pub use faults::{qualify_faults, FaultRow};
 pub use leaks::{Leak, LeakSnapshot};
 pub use lease::{
@@ -97,7 +123,8 @@ pub use manager::{
     sealed_blocks, BankConfig, BankManager, BankStats, Inventory, LeaseStatus, ManagerPin,
     PendingStore, StoreStatus, DEFAULT_SHM_PREFIX,
 };
-pub use memory::{BankMemory, MemoryKind};
+pub use memory::{open_device_descriptor, BankMemory, MemoryKind};
+#[cfg(feature = "qualify")]
 pub use qualify::{qualify_section, QualifyCheck, QualifySection};
 pub use rank::{RankBank, RankMemory};
 pub use reclaim::{

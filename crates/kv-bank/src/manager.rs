@@ -381,7 +381,7 @@ impl BankManager {
     ///
     /// # Errors
     /// `ordinals` not one per rank; [`BankError::CudaUnavailable`] without a
-    /// GPU; a `cuMemAlloc` failure on any rank (earlier ranks are freed).
+    /// GPU or in a build without the `cuda` feature; a `cuMemAlloc` failure on any rank (earlier ranks are freed).
     pub fn new_cuda(
         config: BankConfig,
         host_id: &str,
@@ -397,13 +397,24 @@ impl BankManager {
                 ),
             ));
         }
-        Self::new(config, |rank, bytes| {
+        #[cfg(feature = "cuda")]
+        return Self::new(config, |rank, bytes| {
             let ordinal = ordinals[rank as usize];
             Ok(RankMemory {
                 memory: Arc::new(crate::CudaDeviceMemory::new(ordinal, bytes)?),
                 location: crate::cuda::gpu_location(ordinal, host_id)?,
             })
-        })
+        });
+        // A build without the `cuda` feature (a router, a CPU-only worker)
+        // refuses like a machine without a driver: callers already fall back
+        // on this error, so no caller needs a cfg of its own.
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (config, host_id);
+            Err(BankError::CudaUnavailable {
+                reason: "kv-bank was built without its `cuda` feature".into(),
+            })
+        }
     }
 
     /// The published manifest (one descriptor per rank).

@@ -4,9 +4,37 @@
 //! memory, CPU profile) and, with a CUDA driver present,
 //! [`crate::CudaDeviceMemory`] (owner) and [`crate::CudaIpcImport`] (importer).
 
-use kv_descriptor::ExportHandle;
+use std::sync::Arc;
+
+use kv_descriptor::{BankDescriptor, ExportHandle};
 
 use crate::BankError;
+
+/// Maps the device bank part `d` on local CUDA device `ordinal` in every
+/// build: with the `cuda` feature it is `CudaIpcImport::open_descriptor`
+/// (lease checked first, then the process-wide mapping cache); without it
+/// (a CPU-only worker) the import is refused as a machine without a driver
+/// refuses it, so a caller falls back with no cfg of its own.
+///
+/// # Errors
+/// With `cuda`: as `CudaIpcImport::open_descriptor` (lease errors,
+/// [`BankError::Unsupported`] for a host export, CUDA errors). Without it:
+/// [`BankError::CudaUnavailable`], before any lease is read.
+pub fn open_device_descriptor(
+    d: &BankDescriptor,
+    ordinal: u32,
+) -> Result<Arc<dyn BankMemory>, BankError> {
+    #[cfg(feature = "cuda")]
+    return crate::CudaIpcImport::open_descriptor(d, ordinal)
+        .map(|m| Arc::new(m) as Arc<dyn BankMemory>);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (d, ordinal);
+        Err(BankError::CudaUnavailable {
+            reason: "kv-bank was built without its `cuda` feature".into(),
+        })
+    }
+}
 
 /// Which address space [`BankMemory::base_addr`] belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -180,5 +208,38 @@ pub(crate) fn check_range(
             len: len as u64,
             region_len: region_len as u64,
         }),
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod device_import_tests {
+    use kv_descriptor::*;
+
+    #[test]
+    fn device_import_checks_the_lease_first_in_a_cuda_build() {
+        // Same path as `CudaIpcImport::open_descriptor`: no lease was ever
+        // published for this incarnation, so it is refused by name, with or
+        // without libcuda on the machine.
+        let layout = KvLayout::new(2, 2, 8, DType::F32, 4, TensorOrder::BlockMajor, 1).unwrap();
+        let gpu = GpuIdentity::new(uuid::Uuid::from_u128(6), 0, "h").unwrap();
+        let d = BankDescriptor::new(BankParts {
+            layout,
+            tp_rank: 0,
+            location: MemoryLocation::Gpu(gpu),
+            owner: OwnerLease::fresh(Role::Decode),
+            export: ExportHandle::CudaIpc {
+                handle: vec![7; CUDA_HANDLE_BYTES],
+            },
+            slot_count: 4,
+            slot_bytes: layout.rank_block_bytes() as u64,
+        })
+        .unwrap();
+        match super::open_device_descriptor(&d, 0) {
+            Err(crate::BankError::LeaseMissing { lease }) => {
+                assert!(lease.starts_with("/kvbank-cuda-"), "{lease}")
+            }
+            Err(e) => panic!("expected LeaseMissing, got {e}"),
+            Ok(_) => panic!("imported a bank that has no lease"),
+        }
     }
 }

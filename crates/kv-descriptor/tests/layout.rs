@@ -16,7 +16,8 @@ fn llama_geometry_per_rank_and_group() {
     // 2 x 32 layers x 16 tokens x 4 heads x 128 dims x 2 bytes = 1 MiB
     assert_eq!(l.rank_block_bytes(), 1_048_576);
     assert_eq!(l.block_bytes(), 2_097_152);
-    // 128 KiB per token over the group, as ANCHORS.md states for this model.
+    // 128 KiB per token over the group: 2 (K, V) x 32 layers x 8 KV heads x
+    // 128 dims x 2 bytes, the Llama-3.1-8B figure.
     assert_eq!(l.rank_token_bytes() * 2, 128 * 1024);
     let l8 = llama8b(8).unwrap();
     assert_eq!(l8.heads_per_rank(), 1);

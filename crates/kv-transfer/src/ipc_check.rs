@@ -159,7 +159,9 @@ pub fn child_main(args: &[String]) -> Result<ChildReport, TransferError> {
     let ordinal: u32 = ordinal
         .parse()
         .map_err(|_| TransferError::input("ordinal", "not a number"))?;
-    // Create the context before timing the import (ANCHORS: ~120-155 ms once per process).
+    // Create the context before timing the import: ~150-170 ms once per
+    // process on an H200 (`context_us` of `bank_cuda_ipc`,
+    // docs/qualification/h200-x2/record.json).
     let target = CudaDeviceMemory::new(ordinal, BLOCKS as usize * BLOCK)?;
     let t0 = Instant::now();
     let src = CudaIpcImport::open(&handle, ordinal, len)?;

@@ -5,17 +5,30 @@
 //!   geometry only (TP-N to TP-N; anything else is refused before a byte
 //!   moves), adjacent rows coalesced into runs;
 //! - backends behind [`CopyBackend`]: [`HostCopyBackend`] (host shared memory,
-//!   CPU profile), [`cuda::CudaCopyBackend`] (CUDA IPC-mapped memory: device
+//!   CPU profile), `cuda::CudaCopyBackend` (CUDA IPC-mapped memory: device
 //!   copies for runs, an NVRTC gather kernel for scattered blocks) and
-//!   [`nixl::NixlBackend`] (NIXL/UCX, DRAM and VRAM, prepared descriptor lists;
-//!   [`nixl_transport`] decides whether its transport may carry a GPU fetch);
+//!   `nixl::NixlBackend` (NIXL/UCX, DRAM and VRAM, prepared descriptor lists;
+//!   `nixl_transport` decides whether its transport may carry a GPU fetch);
 //! - [`deliver`]: one part per rank, complete only when every part delivered
 //!   exactly its expected bytes, with counters (bytes, copies, host-payload
 //!   bytes, backend, transport);
-//! - [`oracle`] and [`bench`](mod@bench): the native oracle and the ratio benchmark that
-//!   `kvq oracle` / `cargo xtask bench transfer` call; [`ipc_check`]:
-//!   the same GPU fetch between two processes over CUDA IPC; [`nixl_two_process`]:
-//!   a NIXL fetch from a donor agent in another process (the production shape).
+//! - harness (feature `qualify`, for kv-testkit only): `oracle` and `bench`,
+//!   the native oracle and the ratio benchmark that `kvq oracle` /
+//!   `cargo xtask bench transfer` call; `ipc_check`: the same GPU fetch
+//!   between two processes over CUDA IPC; `nixl_two_process`: a NIXL fetch
+//!   from a donor agent in another process (the production shape).
+//!
+//! # Features
+//! - `cuda` (default, enables kv-bank's `cuda`): the `cuda` module
+//!   (`CudaCopyBackend`, cudarc).
+//! - `nixl` (default): the `nixl` module (`NixlBackend`, nixl-sys, whose
+//!   bindgen needs libclang at build time) and `nixl_transport`.
+//! - `qualify` (implies `cuda`, `nixl` and kv-bank's `qualify`): the harness
+//!   modules above. Not product API.
+//!
+//! Without default features the crate keeps [`plan`], [`deliver`],
+//! [`HostCopyBackend`], [`DeliveryControl`] and [`TransferError`], with no
+//! cudarc, nixl-sys, bindgen or clang-sys in its dependency graph.
 //!
 //! # Invariants
 //! - Never a false completion: [`DeliveryReport::is_complete`] is true only if
@@ -34,7 +47,7 @@
 //! - On a GPU destination, payload bytes never pass through host memory
 //!   (`host_payload_bytes == 0`, enforced by [`deliver`]); a NIXL part between
 //!   devices whose transport is not verified device-direct fails closed
-//!   ([`TransferError::TransportUnverified`], [`nixl_transport`]).
+//!   ([`TransferError::TransportUnverified`], `nixl_transport`).
 //! - When parts fail differently, a part that may still write decides the
 //!   delivery's error ([`TransferError::may_still_write`] is then true).
 //!
@@ -43,17 +56,30 @@
 //! (kv-router-glue), resharding between different TP sizes.
 
 #![deny(missing_docs)]
+// The crate docs link the feature-gated items; a build without a feature
+// documents the rest, and those links have no target there.
+#![cfg_attr(
+    not(all(feature = "cuda", feature = "nixl", feature = "qualify")),
+    allow(rustdoc::broken_intra_doc_links)
+)]
 
+#[cfg(feature = "qualify")]
 pub mod bench;
 mod control;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 mod delivery;
 mod error;
 mod host;
+#[cfg(feature = "qualify")]
 pub mod ipc_check;
+#[cfg(feature = "nixl")]
 pub mod nixl;
+#[cfg(feature = "nixl")]
 pub mod nixl_transport;
+#[cfg(feature = "qualify")]
 pub mod nixl_two_process;
+#[cfg(feature = "qualify")]
 pub mod oracle;
 pub mod plan;
 mod region;

@@ -7,7 +7,7 @@
 //! pid is expanded), each part reads the last `ucp_get` selection for its
 //! memory types from that file (e.g. `cma/memory`, `cuda_ipc/cuda`,
 //! `tcp/lo`). Otherwise, or when the file has no matching table, the
-//! transport is unknown. [`crate::nixl_two_process::enable_ucx_proto_log`]
+//! transport is unknown. `nixl_two_process::enable_ucx_proto_log` (harness)
 //! turns the log on for a process (before its first agent).
 //!
 //! The GPU path (a device destination) fails closed ([`gpu_path_verdict`]):
@@ -249,6 +249,8 @@ pub(crate) fn ucx_rows(dst: MemoryKind, src: MemoryKind) -> Option<Vec<UcxProtoR
 }
 
 /// [`ucx_rows`] as a transport label (`unknown` when not logged).
+// Only the two-process harness reports a label without a delivery.
+#[cfg(feature = "qualify")]
 pub(crate) fn ucx_transport(dst: MemoryKind, src: MemoryKind) -> Option<String> {
     ucx_rows(dst, src).map(|r| transport_label(Some(&r)))
 }
