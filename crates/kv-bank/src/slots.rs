@@ -5,7 +5,7 @@
 //! shared), so the ranks can never disagree about a slot. Pure bookkeeping:
 //! no memory, no clock, which keeps it easy to test against a model.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kv_descriptor::SequenceHash;
 
@@ -84,23 +84,43 @@ impl SlotTable {
 
     /// Takes `hashes.len()` slots for pending store `store`: free slots first,
     /// then the least recently used unpinned ready slots, whose hashes are
-    /// returned as evicted. All or nothing: `Err(available)` changes nothing.
+    /// returned as evicted. Ready blocks in `protect` (the chain the store
+    /// extends: its parent and the run's blocks already held) are never
+    /// evicted for it, so the store never announces a parent it just evicted.
+    /// All or nothing: `Err(available)` changes nothing.
     pub(crate) fn allocate(
         &mut self,
         store: u64,
         hashes: &[SequenceHash],
+        protect: &HashSet<SequenceHash>,
     ) -> Result<(Vec<u32>, Vec<SequenceHash>), usize> {
-        let available = self.free.len() + self.lru.len();
+        let is_protected = |slots: &[SlotState], s: u32| matches!(slots[s as usize], SlotState::Ready { hash, .. } if protect.contains(&hash));
+        let evictable: Vec<(u64, u32)> = self
+            .lru
+            .iter()
+            .filter(|&(_, &s)| !is_protected(&self.slots, s))
+            .map(|(&k, &s)| (k, s))
+            .take(hashes.len().saturating_sub(self.free.len()))
+            .collect();
+        let available = self.free.len() + evictable.len();
         if hashes.len() > available {
-            return Err(available);
+            let all = self.free.len()
+                + self
+                    .lru
+                    .values()
+                    .filter(|&&s| !is_protected(&self.slots, s))
+                    .count();
+            return Err(all);
         }
+        let mut victims = evictable.into_iter();
         let mut slots = Vec::with_capacity(hashes.len());
         let mut evicted = Vec::new();
         for &hash in hashes {
             let slot = match self.free.pop() {
                 Some(s) => s,
                 None => {
-                    let (_, s) = self.lru.pop_first().expect("availability checked above");
+                    let (stamp, s) = victims.next().expect("availability checked above");
+                    self.lru.remove(&stamp);
                     if let SlotState::Ready { hash: old, .. } = self.slots[s as usize] {
                         self.by_hash.remove(&old);
                         evicted.push(old);
@@ -241,23 +261,51 @@ mod tests {
     #[test]
     fn eviction_takes_prefix_tails_first_and_skips_pins() {
         let mut t = SlotTable::new(4);
-        let (a, ev) = t.allocate(1, &[h(1), h(2), h(3)]).unwrap();
+        let none = HashSet::new();
+        let (a, ev) = t.allocate(1, &[h(1), h(2), h(3)], &none).unwrap();
         assert_eq!((a.clone(), ev), (vec![0, 1, 2], vec![]));
         t.commit(&a);
         t.pin(&[a[2]]); // the tail is pinned
                         // One free slot, then the LRU: the unpinned tail-most block (h2) goes first.
-        let (b, ev) = t.allocate(2, &[h(10), h(11)]).unwrap();
+        let (b, ev) = t.allocate(2, &[h(10), h(11)], &none).unwrap();
         assert_eq!(b, vec![3, 1]);
         assert_eq!(ev, vec![h(2)]);
         assert_eq!(t.lookup(&h(2)), None);
         assert_eq!(t.lookup(&h(3)), Some(2));
         // Pending slots and pinned slots are not available.
-        assert_eq!(t.allocate(3, &[h(20), h(21)]), Err(1));
+        assert_eq!(t.allocate(3, &[h(20), h(21)], &none), Err(1));
         t.check();
         t.rollback(&b);
         assert_eq!(t.free_count(), 2);
         t.unpin(&[a[2]]);
         assert_eq!(t.evictable_count(), 2);
+        t.check();
+    }
+
+    /// A store that extends a held chain never evicts that chain's blocks,
+    /// even when they are next in LRU order; without room beside them it is
+    /// refused, changing nothing.
+    #[test]
+    fn a_store_never_evicts_the_chain_it_extends() {
+        let mut t = SlotTable::new(3);
+        let none = HashSet::new();
+        let (a, _) = t.allocate(1, &[h(1), h(2)], &none).unwrap();
+        t.commit(&a);
+        let (b, _) = t.allocate(2, &[h(7)], &none).unwrap();
+        t.commit(&b);
+        // LRU order: h2 (tail of the older chain) first, then h1, then h7.
+        let protect: HashSet<SequenceHash> = [h(1), h(2)].into_iter().collect();
+        let (c, ev) = t.allocate(3, &[h(3)], &protect).unwrap();
+        assert_eq!(
+            ev,
+            vec![h(7)],
+            "the chain h1-h2 is skipped, the other chain's block goes"
+        );
+        assert_eq!(t.lookup(&h(2)), Some(a[1]));
+        t.rollback(&c);
+        let protect: HashSet<SequenceHash> = [h(1), h(2)].into_iter().collect();
+        assert_eq!(t.allocate(4, &[h(3), h(4)], &protect), Err(1));
+        assert_eq!(t.lookup(&h(1)), Some(a[0]));
         t.check();
     }
 }

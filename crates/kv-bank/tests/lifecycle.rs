@@ -701,3 +701,39 @@ fn a_dead_generation_reports_nothing_retained() {
     assert_eq!(bank.lookup(&blocks[0].sequence_hash), None);
     assert_eq!(bank.ready_prefix_len(&hashes(&blocks)), 0);
 }
+
+/// A full bank extending a held chain evicts another chain's block, never
+/// the parent it is about to announce: before, the parent was the LRU head
+/// (the tail of its prefix), so the bank sent `Removed [parent]` and then
+/// `Stored { parent }`, which the router's index refuses as unchained.
+#[test]
+fn a_store_into_a_full_bank_keeps_the_parent_it_announces() {
+    let bank = bank(2, 4);
+    let a = chain(0, 3);
+    let b = chain(1000, 2);
+    store_ready(&bank, None, &a[..2]);
+    store_ready(&bank, None, &b);
+    bank.drain_events();
+    let parent = a[1].sequence_hash;
+    store_ready(&bank, Some(parent), &a[2..]);
+    let ev = bank.drain_events();
+    let removed: Vec<SequenceHash> = ev
+        .iter()
+        .filter_map(|e| match &e.data {
+            KvEventData::Removed { sequence_hashes } => Some(sequence_hashes.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(
+        !removed.contains(&parent),
+        "evicted the parent it extends: {removed:?}"
+    );
+    assert_eq!(removed.len(), 1, "{removed:?}");
+    assert!(
+        bank.lookup(&parent).is_some(),
+        "the announced parent is still held"
+    );
+    assert!(ev.iter().any(|e| matches!(&e.data,
+        KvEventData::Stored { parent: Some(p), .. } if *p == parent)));
+}

@@ -142,9 +142,18 @@ impl BankManager {
         // store (acking it would commit that store before its ranks wrote).
         let store_id = st.next_store;
         let hashes: Vec<SequenceHash> = new.iter().map(|(b, _)| b.sequence_hash).collect();
+        // The chain this store extends (its parent and the run's blocks
+        // already held) must survive its own allocation: evicting it would
+        // announce `Stored { parent }` for a parent just removed, which the
+        // router's index refuses as unchained.
+        // (New blocks are in it too: they are not ready, so it changes nothing.)
+        let protect: std::collections::HashSet<SequenceHash> = parent
+            .into_iter()
+            .chain(blocks[..cut].iter().map(|b| b.sequence_hash))
+            .collect();
         let (slots, evicted) =
             st.table
-                .allocate(store_id, &hashes)
+                .allocate(store_id, &hashes, &protect)
                 .map_err(|available| BankError::BankFull {
                     needed: hashes.len(),
                     available,
