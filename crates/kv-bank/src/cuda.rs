@@ -369,13 +369,22 @@ mod tests {
         .unwrap();
         // No owner ever published a lease for this incarnation: refused by
         // name, even on a machine without libcuda (no CUDA call was made).
-        let e = CudaIpcImport::open_descriptor(&d, 0).unwrap_err();
-        match e {
-            BankError::LeaseMissing { lease } => {
-                assert!(lease.starts_with("/kvbank-cuda-"), "{lease}");
-                assert!(lease.ends_with("-g1-r0.lease"), "{lease}");
+        // `open_device_descriptor` (every build's entry point) is this path
+        // in a CUDA build: both refuse the same way.
+        for e in [
+            CudaIpcImport::open_descriptor(&d, 0).unwrap_err(),
+            match crate::open_device_descriptor(&d, 0) {
+                Err(e) => e,
+                Ok(_) => panic!("imported a bank that has no lease"),
+            },
+        ] {
+            match e {
+                BankError::LeaseMissing { lease } => {
+                    assert!(lease.starts_with("/kvbank-cuda-"), "{lease}");
+                    assert!(lease.ends_with("-g1-r0.lease"), "{lease}");
+                }
+                other => panic!("{other}"),
             }
-            other => panic!("{other}"),
         }
     }
 

@@ -210,36 +210,3 @@ pub(crate) fn check_range(
         }),
     }
 }
-
-#[cfg(all(test, feature = "cuda"))]
-mod device_import_tests {
-    use kv_descriptor::*;
-
-    #[test]
-    fn device_import_checks_the_lease_first_in_a_cuda_build() {
-        // Same path as `CudaIpcImport::open_descriptor`: no lease was ever
-        // published for this incarnation, so it is refused by name, with or
-        // without libcuda on the machine.
-        let layout = KvLayout::new(2, 2, 8, DType::F32, 4, TensorOrder::BlockMajor, 1).unwrap();
-        let gpu = GpuIdentity::new(uuid::Uuid::from_u128(6), 0, "h").unwrap();
-        let d = BankDescriptor::new(BankParts {
-            layout,
-            tp_rank: 0,
-            location: MemoryLocation::Gpu(gpu),
-            owner: OwnerLease::fresh(Role::Decode),
-            export: ExportHandle::CudaIpc {
-                handle: vec![7; CUDA_HANDLE_BYTES],
-            },
-            slot_count: 4,
-            slot_bytes: layout.rank_block_bytes() as u64,
-        })
-        .unwrap();
-        match super::open_device_descriptor(&d, 0) {
-            Err(crate::BankError::LeaseMissing { lease }) => {
-                assert!(lease.starts_with("/kvbank-cuda-"), "{lease}")
-            }
-            Err(e) => panic!("expected LeaseMissing, got {e}"),
-            Ok(_) => panic!("imported a bank that has no lease"),
-        }
-    }
-}
