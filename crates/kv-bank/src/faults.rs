@@ -330,7 +330,7 @@ fn allocation_failure() -> FaultRow {
                 return Err(BankError::HostMemory {
                     name: format!("/rank{rank}"),
                     op: "mmap",
-                    source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+                    source: std::io::Error::from(rustix::io::Errno::NOMEM),
                 });
             }
             Ok(RankMemory {

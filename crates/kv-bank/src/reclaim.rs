@@ -281,8 +281,19 @@ fn age(name: &str, now: SystemTime) -> Option<Duration> {
     Some(now.duration_since(m).unwrap_or(Duration::ZERO))
 }
 
-/// True when `pid` runs in this pid namespace and is not a zombie.
-pub(crate) fn pid_alive(pid: u32) -> bool {
+/// True when `pid` runs in this pid namespace and is not a zombie (state
+/// `Z` or `X` in `/proc/<pid>/stat`, proc(5)); false for pid 0.
+///
+/// The one liveness test of the workspace: a lease owner, a donor child of
+/// the test kit and the reclaimer all ask it. A pid is reused only after its
+/// process was reaped, so a caller that holds an unreaped child gets an exact
+/// answer; for any other pid it is a snapshot.
+///
+/// ```
+/// assert!(kv_bank::reclaim::pid_alive(std::process::id()));
+/// assert!(!kv_bank::reclaim::pid_alive(0));
+/// ```
+pub fn pid_alive(pid: u32) -> bool {
     if pid == 0 {
         return false;
     }

@@ -1,16 +1,17 @@
 //! Host memory shareable between processes: a POSIX shared-memory object
-//! (`shm_open`) mapped with `mmap`.
+//! (`shm_open` through rustix, so without unsafe) mapped with `mmap`.
 //!
 //! The creating process owns the name and unlinks it on drop; importers open
 //! the same name and map it. Every unsafe call of this crate's host path lives
 //! in this module.
 
 use std::fs::File;
-use std::os::fd::FromRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kv_descriptor::{BankDescriptor, ExportHandle};
 use memmap2::{MmapOptions, MmapRaw};
+use rustix::fs::Mode;
+use rustix::shm;
 
 use crate::memory::check_range;
 use crate::{BankError, BankMemory, MemoryKind};
@@ -56,11 +57,11 @@ fn check_name(name: &str) -> Result<std::ffi::CString, BankError> {
         .map_err(|_| BankError::arg("shm.name", format!("contains a NUL byte: {name:?}")))
 }
 
-fn os_err(name: &str, op: &'static str) -> BankError {
+fn io_err(name: &str, op: &'static str, e: rustix::io::Errno) -> BankError {
     BankError::HostMemory {
         name: name.to_string(),
         op,
-        source: std::io::Error::last_os_error(),
+        source: e.into(),
     }
 }
 
@@ -78,23 +79,18 @@ impl HostShmMemory {
         if len == 0 {
             return Err(BankError::arg("len", "must be at least 1 byte, got 0"));
         }
-        // SAFETY: `cname` is a valid NUL-terminated string; the flags and mode are plain ints.
-        let fd = unsafe {
-            libc::shm_open(
-                cname.as_ptr(),
-                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
-                0o600 as libc::mode_t,
-            )
-        };
-        if fd < 0 {
-            return Err(os_err(name, "shm_open"));
-        }
-        // SAFETY: `fd` was just returned by shm_open and is owned by nobody else;
-        // `File` closes it on drop (the mapping stays valid after close).
-        let file = unsafe { File::from_raw_fd(fd) };
+        // rustix opens with FD_CLOEXEC set; the fd is owned (closed on drop of
+        // the `File`, the mapping stays valid after close).
+        let fd = shm::open(
+            cname.as_c_str(),
+            shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| io_err(name, "shm_open", e))?;
+        let file = File::from(fd);
         let unlink = || {
-            // SAFETY: same valid C string; unlinking a name we created.
-            unsafe { libc::shm_unlink(cname.as_ptr()) };
+            // Best effort: the name is ours (O_EXCL above), nobody else unlinks it.
+            let _ = shm::unlink(cname.as_c_str());
         };
         if let Err(source) = file.set_len(len as u64) {
             unlink();
@@ -165,13 +161,10 @@ impl HostShmMemory {
             Err(BankError::InvalidArgument { .. }) => {}
             Err(e) => return Err(e),
         }
-        // SAFETY: valid C string; opening without O_CREAT never creates anything.
-        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(os_err(name, "shm_open"));
-        }
-        // SAFETY: `fd` is freshly opened and owned only here.
-        let file = unsafe { File::from_raw_fd(fd) };
+        // Opening without CREATE never creates anything; FD_CLOEXEC is set.
+        let fd = shm::open(cname.as_c_str(), shm::OFlags::RDWR, Mode::empty())
+            .map_err(|e| io_err(name, "shm_open", e))?;
+        let file = File::from(fd);
         let size = file
             .metadata()
             .map_err(|source| BankError::HostMemory {
@@ -279,10 +272,9 @@ impl BankMemory for HostShmMemory {
 impl Drop for HostShmMemory {
     fn drop(&mut self) {
         if self.owner {
-            if let Ok(c) = std::ffi::CString::new(self.name.as_str()) {
-                // SAFETY: valid C string; the name was created by this value.
-                unsafe { libc::shm_unlink(c.as_ptr()) };
-            }
+            // The name was created by this value (O_EXCL); a failure here
+            // (already unlinked by an operator's cleanup) leaves nothing to do.
+            let _ = shm::unlink(self.name.as_str());
         }
     }
 }

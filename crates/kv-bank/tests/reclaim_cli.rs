@@ -66,8 +66,9 @@ fn every_repeats_scans_until_sigterm() {
         .spawn()
         .unwrap();
     std::thread::sleep(std::time::Duration::from_millis(900));
-    // SAFETY: kill(2) on our own child's pid, which has not been reaped.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    // Our own child, not yet reaped: its pid cannot have been reused.
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{:?}", out.status);
     let scans = String::from_utf8_lossy(&out.stdout)

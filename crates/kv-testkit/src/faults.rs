@@ -108,7 +108,7 @@ mod donor_child;
 pub use self::donor_child::child_main;
 use self::donor_child::{
     child_exit, child_fault, child_runtime, pid_alive, retained_hint_envelope, spawn_with_hello,
-    wait_exit, wait_for_sigterm, ChildHello, HelloChild,
+    terminate, wait_exit, wait_for_sigterm, ChildHello, HelloChild,
 };
 mod table;
 use self::table::leak_note;

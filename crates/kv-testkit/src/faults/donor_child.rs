@@ -161,15 +161,19 @@ impl DonorSource for RemoteDonor {
     }
 }
 
-/// True while process `pid` exists and is not a zombie.
-pub(super) fn pid_alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(") ")
-            .and_then(|(_, rest)| rest.chars().next())
-            .is_some_and(|state| state != 'Z' && state != 'X'),
-        Err(_) => false,
-    }
+pub(super) use kv_bank::reclaim::pid_alive;
+
+/// Sends SIGTERM to `pid` (a child this process spawned and has not reaped,
+/// so the pid is not reused).
+///
+/// # Errors
+/// `ESRCH` when it already exited, `EINVAL` for pid 0 or above `i32::MAX`.
+pub(super) fn terminate(pid: u32) -> std::io::Result<()> {
+    let pid = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+        .ok_or_else(|| std::io::Error::from(rustix::io::Errno::INVAL))?;
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).map_err(Into::into)
 }
 
 /// The hint a router would send for `entries` (sequence hash, donor slot;
@@ -221,17 +225,18 @@ pub(super) fn spawn_with_hello<T: serde::de::DeserializeOwned>(
     {
         use std::os::unix::process::CommandExt;
         // SAFETY: the closure runs in the forked child before exec and only
-        // calls prctl(2), which is async-signal-safe and touches no memory
-        // shared with the parent. It makes the kernel SIGKILL the donor when
-        // the spawning thread's process dies (a SIGTERMed kvq or test run),
-        // instead of leaving it running for CHILD_MAX_LIFE; the setting
-        // survives the exec of `ip netns exec` into the donor.
+        // makes the prctl(2) system call (rustix, no allocation, no lock),
+        // which is async-signal-safe and touches no memory shared with the
+        // parent. It makes the kernel SIGKILL the donor when the spawning
+        // thread's process dies (a SIGTERMed kvq or test run), instead of
+        // leaving it running for CHILD_MAX_LIFE; the setting survives the
+        // exec of `ip netns exec` into the donor.
         unsafe {
             cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))
+                .map_err(std::io::Error::from)
             });
         }
     }
@@ -375,12 +380,9 @@ pub(super) fn child_fault(
         })
     } else {
         Arc::new(move || {
-            // SAFETY: kill(2) with a pid we spawned and have not reaped (so
-            // it cannot have been reused) and a valid signal number has no
-            // memory effects in this process.
-            unsafe {
-                libc::kill(pid as libc::pid_t, libc::SIGTERM);
-            }
+            // A pid we spawned and have not reaped, so it cannot have been
+            // reused; an error means it already exited.
+            let _ = terminate(pid);
             wait_exit(&strike_child, Duration::from_secs(5));
         })
     };

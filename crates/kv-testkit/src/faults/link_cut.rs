@@ -326,12 +326,9 @@ pub(super) fn link_cut(
     drop(control_target);
     drop(cut_target);
     drop(donor);
-    // SAFETY: kill(2) with a pid we spawned and have not reaped, and a valid
-    // signal number; no memory effects in this process. (`ip netns exec`
-    // execs the program, so the pid is the donor's.)
-    unsafe {
-        libc::kill(hello.bank.pid as libc::pid_t, libc::SIGTERM);
-    }
+    // A pid we spawned and have not reaped (`ip netns exec` execs the
+    // program, so the pid is the donor's); an error means it already exited.
+    let _ = terminate(hello.bank.pid);
     let status = wait_exit(&child, Duration::from_secs(5));
     drop(guard);
     // The agent goes after the donor: its endpoint to a closed peer then

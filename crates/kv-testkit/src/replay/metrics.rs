@@ -45,15 +45,28 @@ pub struct RunMetrics {
     pub makespan_s: f64,
 }
 
-/// Nearest-rank percentile (`q` in 0..=1) of unsorted values; 0 when empty.
-pub fn percentile(values: &[f64], q: f64) -> f64 {
-    if values.is_empty() {
-        return 0.0;
+/// Nearest-rank percentile (`q` in 0..=1) of `values` (any order; NaN
+/// values are ignored); `None` when no finite value is left.
+///
+/// The one percentile of the test kit: the replay metrics and kvq's
+/// REPORT.md both use it, so an empty sample set reads the same everywhere
+/// (each caller says what it prints for `None`). Nearest rank: the smallest
+/// value with at least `q` of the samples at or below it (rank
+/// `ceil(q * n)`, clamped to `1..=n`).
+///
+/// ```
+/// use kv_testkit::replay::percentile;
+/// assert_eq!(percentile(&[3.0, 1.0, 2.0, 4.0], 0.5), Some(2.0));
+/// assert_eq!(percentile(&[], 0.5), None);
+/// ```
+pub fn percentile(values: &[f64], q: f64) -> Option<f64> {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| !x.is_nan()).collect();
+    if v.is_empty() {
+        return None;
     }
-    let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
     let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v[rank - 1]
+    Some(v[rank - 1])
 }
 
 /// OFF and ON runs of one workload, compared request by request.

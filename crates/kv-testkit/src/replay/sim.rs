@@ -489,9 +489,9 @@ pub fn run(
     bar.finish_and_clear();
     let ttft = std::mem::take(&mut sim.ttft_ms);
     let mut m = sim.m;
-    m.ttft_p50_ms = percentile(&ttft, 0.50);
-    m.ttft_p90_ms = percentile(&ttft, 0.90);
-    m.ttft_p99_ms = percentile(&ttft, 0.99);
+    m.ttft_p50_ms = percentile(&ttft, 0.50).unwrap_or(0.0);
+    m.ttft_p90_ms = percentile(&ttft, 0.90).unwrap_or(0.0);
+    m.ttft_p99_ms = percentile(&ttft, 0.99).unwrap_or(0.0);
     m.ttft_mean_ms = ttft.iter().sum::<f64>() / n.max(1) as f64;
     let later: Vec<f64> = reqs
         .iter()

@@ -5,6 +5,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
+use kv_testkit::replay::percentile;
 use plotters::prelude::*;
 
 use crate::record::Record;
@@ -56,15 +57,6 @@ fn status_word(s: Status) -> &'static str {
         Status::Failed => "FAILED",
         Status::Skipped => "skipped",
     }
-}
-
-/// Value at quantile `q` (0..=1) of ascending `sorted` (nearest rank); NaN when empty.
-pub fn quantile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 fn sorted(v: &[f64]) -> Vec<f64> {
@@ -187,7 +179,9 @@ pub fn write(r: &Record, dir: &Path) -> Result<(), String> {
         );
         for (name, t) in &replays {
             let (off, on) = (sorted(&t.off_ms), sorted(&t.on_ms));
-            let q = |v: &[f64], p| quantile(v, p);
+            // Both sample sets are non-empty (filtered above), so `None`
+            // cannot occur; NaN would print as such rather than as a figure.
+            let q = |v: &[f64], p| percentile(v, p).unwrap_or(f64::NAN);
             let _ = writeln!(
                 md,
                 "| {name} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}x |",
@@ -279,16 +273,6 @@ fn ttft_plot(path: &Path, replays: &[(&str, &TtftSamples)]) -> Result<(), String
 mod tests {
     use super::*;
     use crate::section::SectionResult;
-
-    #[test]
-    fn quantile_is_nearest_rank() {
-        let v = [1.0, 2.0, 3.0, 4.0];
-        assert_eq!(quantile(&v, 0.5), 2.0);
-        assert_eq!(quantile(&v, 0.75), 3.0);
-        assert_eq!(quantile(&v, 1.0), 4.0);
-        assert_eq!(quantile(&v, 0.0), 1.0);
-        assert!(quantile(&[], 0.5).is_nan());
-    }
 
     #[test]
     fn report_has_table_failures_percentiles_and_plot() {
