@@ -15,11 +15,10 @@
 //! and the arguments that lead it to [`child_main`] (the kvq runner:
 //! `kvq child bank-lease-owner ...`; a test binary: its own filter).
 
-use std::io::BufRead;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_descriptor::{

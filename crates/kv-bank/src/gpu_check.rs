@@ -8,8 +8,9 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use crate::child_process::{ChildProcess, ChildStderr};
 use crate::{cuda_probe, BankError, BankMemory, CudaDeviceMemory, CudaIpcImport};
 
 /// The subcommand word the child is started with.
@@ -99,6 +100,9 @@ pub(crate) fn unhex(s: &str) -> Result<Vec<u8>, BankError> {
         .collect()
 }
 
+/// Longest wait for the importer child's report and for its exit.
+const CHILD_WAIT: Duration = Duration::from_secs(60);
+
 fn child_ok(c: &ChildReport) -> bool {
     c.mismatched_bytes == 0 && c.first_was_miss && c.second_was_hit && c.same_mapping
 }
@@ -118,27 +122,12 @@ fn spawn_child(
     if mem.is_fabric() {
         cmd.arg("fabric");
     }
-    let out = cmd
-        .output()
-        .map_err(|e| BankError::Child(format!("cannot start {}: {e}", exe.display())))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    // The JSON line may follow other text on its line (a test harness prints
-    // `test name ... ` before the child's output), so parse from the first `{`.
-    let child: ChildReport = stdout
-        .lines()
-        .rev()
-        .find_map(|l| serde_json::from_str(&l[l.find('{')?..]).ok())
-        .ok_or_else(|| {
-            BankError::Child(format!(
-                "exit {:?}, no report line; stdout: {stdout}; stderr: {}",
-                out.status.code(),
-                String::from_utf8_lossy(&out.stderr)
-            ))
-        })?;
-    if !out.status.success() && child_ok(&child) {
+    let mut proc = ChildProcess::spawn(cmd, ChildStderr::Inherit)?;
+    let child: ChildReport = proc.next_json("report", CHILD_WAIT)?;
+    let status = proc.wait_exit(CHILD_WAIT);
+    if !status.is_some_and(|s| s.success()) && child_ok(&child) {
         return Err(BankError::Child(format!(
-            "exit {:?} despite a good report",
-            out.status.code()
+            "exit {status:?} despite a good report"
         )));
     }
     Ok(child)

@@ -81,6 +81,8 @@
     allow(rustdoc::broken_intra_doc_links)
 )]
 
+#[cfg(feature = "qualify")]
+pub mod child_process;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;

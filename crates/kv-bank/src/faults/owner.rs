@@ -3,6 +3,7 @@
 //! SIGKILLs it and watches its lease lapse and its bank get reclaimed.
 
 use super::*;
+use crate::child_process::{ChildProcess, ChildStderr};
 
 // ---------------------------------------------------------------- child ---
 
@@ -96,23 +97,6 @@ pub struct OwnerKilledOutcome {
     pub parent_leaks: Vec<String>,
 }
 
-fn read_child_hello(
-    lines: &mpsc::Receiver<String>,
-    deadline: Instant,
-) -> Result<ChildHello, BankError> {
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line = lines
-            .recv_timeout(left)
-            .map_err(|e| BankError::Child(format!("no hello line from the child: {e}")))?;
-        if let Some(at) = line.find('{') {
-            if let Ok(h) = serde_json::from_str::<ChildHello>(&line[at..]) {
-                return Ok(h);
-            }
-        }
-    }
-}
-
 /// Starts a lease-owner child (`exe <prefix...> bank-lease-owner ...`) with
 /// `lease` renewed every `lease / 6`, imports its bank while it lives,
 /// SIGKILLs it, waits for the lease to lapse, checks imports are refused,
@@ -129,37 +113,20 @@ pub fn owner_killed(
     let before = leaks::snapshot();
     let prefix = unique_prefix("k");
     let renew = lease / 6;
-    let mut child = Command::new(exe)
-        .args(child_args_prefix)
-        .arg(CHILD_SUBCOMMAND)
-        .args([
-            prefix.clone(),
-            lease.as_millis().to_string(),
-            renew.as_millis().max(1).to_string(),
-            "60000".into(),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| BankError::Child(format!("cannot start {}: {e}", exe.display())))?;
-    let stdout = child.stdout.take().expect("piped");
-    let (tx, rx) = mpsc::channel();
-    let reader = std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let mut cmd = Command::new(exe);
+    cmd.args(child_args_prefix).arg(CHILD_SUBCOMMAND).args([
+        prefix.clone(),
+        lease.as_millis().to_string(),
+        renew.as_millis().max(1).to_string(),
+        "60000".into(),
+    ]);
+    let mut child = ChildProcess::spawn(cmd, ChildStderr::Null)?;
     let result = (|| {
-        let hello = read_child_hello(&rx, Instant::now() + Duration::from_secs(30))?;
-        observe_owner(&mut child, hello, &prefix, lease, renew)
+        let hello: ChildHello = child.next_json("hello", Duration::from_secs(30))?;
+        observe_owner(&child, hello, &prefix, lease, renew)
     })();
     // Whatever happened, the child must not outlive this call.
-    let _ = child.kill();
-    let _ = child.wait();
-    let _ = reader.join();
+    drop(child);
     // Belt and braces for a failed run: never leave the child's bank behind.
     let _ = reclaim_stale(&prefix, ScanTime::now().later(lease * 2));
     let mut out = result?;
@@ -172,7 +139,7 @@ pub fn owner_killed(
 }
 
 fn observe_owner(
-    child: &mut std::process::Child,
+    child: &ChildProcess,
     hello: ChildHello,
     prefix: &str,
     lease: Duration,
@@ -209,11 +176,8 @@ fn observe_owner(
     let renewals_seen = renewals();
     let live_scan = reclaim_stale(prefix, ScanTime::now())?;
 
-    child
-        .kill()
-        .map_err(|e| BankError::Child(format!("kill: {e}")))?;
+    child.kill();
     let killed = Instant::now();
-    let _ = child.wait();
     let all_lapsed = || {
         let now = crate::LeaseInstant::now();
         lease_names

@@ -2,6 +2,7 @@
 //! it: hello, remote pins, liveness, SIGKILL / SIGTERM mid-transfer.
 
 use super::*;
+use kv_bank::child_process::{ChildProcess, ChildStderr};
 
 #[derive(Serialize, Deserialize)]
 pub(super) struct ChildHello {
@@ -215,55 +216,28 @@ pub(super) struct HelloChild {
     pub(super) pid: u32,
 }
 
-/// Starts `cmd` (stdin closed, stdout piped, stderr inherited) and parses
-/// the first line it prints within `wait` as its hello `T`.
+/// Starts `cmd` through the workspace's one child-process harness
+/// ([`kv_bank::child_process`]: stdin closed, stdout piped, stderr inherited,
+/// SIGKILLed when this process dies) and parses the first JSON line it prints
+/// within `wait` as its hello `T`.
 pub(super) fn spawn_with_hello<T: serde::de::DeserializeOwned>(
-    mut cmd: Command,
+    cmd: Command,
     wait: Duration,
 ) -> Result<(HelloChild, T), FaultError> {
-    let program = cmd.get_program().to_string_lossy().into_owned();
-    {
-        use std::os::unix::process::CommandExt;
-        // SAFETY: the closure runs in the forked child before exec and only
-        // makes the prctl(2) system call (rustix, no allocation, no lock),
-        // which is async-signal-safe and touches no memory shared with the
-        // parent. It makes the kernel SIGKILL the donor when the spawning
-        // thread's process dies (a SIGTERMed kvq or test run), instead of
-        // leaving it running for CHILD_MAX_LIFE; the setting survives the
-        // exec of `ip netns exec` into the donor.
-        unsafe {
-            cmd.pre_exec(|| {
-                rustix::process::set_parent_process_death_signal(Some(
-                    rustix::process::Signal::KILL,
-                ))
-                .map_err(std::io::Error::from)
-            });
-        }
-    }
-    let mut proc = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| FaultError::Child(format!("cannot start {program}: {e}")))?;
-    let stdout = proc.stdout.take();
-    let pid = proc.id();
-    let child = Arc::new(Mutex::new(proc));
-    let guard = ChildGuard(child.clone());
-    let (tx, rx) = mpsc::channel();
-    if let Some(out) = stdout {
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = std::io::BufReader::new(out).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-    }
-    let line = rx
-        .recv_timeout(wait)
-        .map_err(|_| FaultError::Child(format!("no hello within {} s", wait.as_secs())))?;
-    let hello = serde_json::from_str(line.trim())
-        .map_err(|e| FaultError::Child(format!("bad hello {line:?}: {e}")))?;
-    Ok((HelloChild { child, guard, pid }, hello))
+    let mut proc = ChildProcess::spawn(cmd, ChildStderr::Inherit)
+        .map_err(|e| FaultError::Child(e.to_string()))?;
+    let hello = proc
+        .next_json("hello", wait)
+        .map_err(|e| FaultError::Child(e.to_string()))?;
+    let (child, pid) = (proc.handle(), proc.pid());
+    Ok((
+        HelloChild {
+            child,
+            guard: ChildGuard(proc),
+            pid,
+        },
+        hello,
+    ))
 }
 
 /// A child's current-thread runtime with its SIGTERM handler installed.
@@ -294,36 +268,15 @@ pub(super) fn wait_for_sigterm(
 }
 
 /// Kills and reaps the child when dropped (a failed setup leaves no process).
-pub(super) struct ChildGuard(Arc<Mutex<Child>>);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let mut c = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if matches!(c.try_wait(), Ok(None)) {
-            let _ = c.kill();
-        }
-        let _ = c.wait();
-    }
-}
+// Held only for its drop (kill + reap), hence never read.
+pub(super) struct ChildGuard(#[allow(dead_code)] ChildProcess);
 
 /// Waits up to `timeout` for the child to exit; kills it after that.
 pub(super) fn wait_exit(
     child: &Mutex<Child>,
     timeout: Duration,
 ) -> Option<std::process::ExitStatus> {
-    let end = Instant::now() + timeout;
-    let mut c = child.lock().unwrap_or_else(|e| e.into_inner());
-    loop {
-        if let Ok(Some(s)) = c.try_wait() {
-            return Some(s);
-        }
-        if Instant::now() >= end {
-            let _ = c.kill();
-            let _ = c.wait();
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    kv_bank::child_process::wait_exit(child, timeout)
 }
 
 pub(super) fn child_fault(
