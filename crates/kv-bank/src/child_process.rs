@@ -3,12 +3,15 @@
 //! CUDA IPC importer, a NIXL donor, a pinning donor of the fault matrix)
 //! starts it through [`ChildProcess`] and talks to it in one protocol.
 //!
-//! The protocol: the parent starts `exe <args>` with stdin closed and
-//! stdout piped; the child prints JSON objects, one per line, on stdout (a
-//! *hello* once it is ready, or a *report* before it exits). A line may
-//! carry other text before its `{` (a test harness prints `test name ... `
-//! first), and non-JSON lines are skipped. Everything else (SIGTERM, SIGKILL,
-//! exit status) is signals and `wait`.
+//! The protocol: the parent starts `exe <args>` with stdout piped; the child
+//! prints JSON objects, one per line, on stdout (a *hello* once it is ready,
+//! or a *report* before it exits). A line may carry other text before its
+//! `{` (a test harness prints `test name ... ` first), and non-JSON lines are
+//! skipped. Stdin is closed, or, for a child that must live until the parent
+//! is done with it, a *lifeline*: the child exits when it reads end of file
+//! (the parent called [`ChildProcess::close_lifeline`], dropped the value, or
+//! died). Everything else (SIGTERM, SIGKILL, exit status) is signals and
+//! `wait`.
 //!
 //! Invariants:
 //! - No child outlives its [`ChildProcess`]: drop kills and reaps it, and the
@@ -18,8 +21,12 @@
 //! - The pid a [`ChildProcess`] reports is never reused while it exists: the
 //!   child is reaped only by this value, so signals go to the right process.
 //!
+//! PDEATHSIG follows the *thread* that spawned the child: spawn from the
+//! thread that outlives it (every check here spawns and reaps in one call).
+//!
 //! Deliberately absent: any argv convention (each check owns its
-//! subcommand and arguments) and stdin (children take everything in argv).
+//! subcommand and arguments) and input on stdin (children take everything in
+//! argv; stdin only signals the end).
 
 use std::io::BufRead;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -86,6 +93,22 @@ pub enum ChildStderr {
     Inherit,
     /// Discarded.
     Null,
+    /// Read on a thread; the last [`STDERR_TAIL_BYTES`] are kept for error
+    /// messages ([`ChildProcess::stderr_tail`]).
+    Capture,
+}
+
+/// Bytes of a captured stderr that [`ChildProcess::stderr_tail`] keeps.
+pub const STDERR_TAIL_BYTES: usize = 8 << 10;
+
+/// How the child's stdin is wired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChildStdin {
+    /// `/dev/null`: the child reads end of file at once.
+    Closed,
+    /// A pipe the parent holds open until [`ChildProcess::close_lifeline`] or
+    /// drop; the child treats end of file as "exit now".
+    Lifeline,
 }
 
 /// A running child process that prints JSON lines (module docs).
@@ -107,6 +130,8 @@ pub struct ChildProcess {
     child: Arc<Mutex<Child>>,
     pid: u32,
     lines: mpsc::Receiver<String>,
+    stderr: Option<Arc<Mutex<String>>>,
+    lifeline: Option<std::process::ChildStdin>,
 }
 
 impl std::fmt::Debug for ChildProcess {
@@ -124,7 +149,19 @@ impl ChildProcess {
     ///
     /// # Errors
     /// [`ChildError::Spawn`] when the program cannot be started.
-    pub fn spawn(mut cmd: Command, stderr: ChildStderr) -> Result<Self, ChildError> {
+    pub fn spawn(cmd: Command, stderr: ChildStderr) -> Result<Self, ChildError> {
+        Self::spawn_with(cmd, ChildStdin::Closed, stderr)
+    }
+
+    /// [`ChildProcess::spawn`] with the stdin wiring chosen.
+    ///
+    /// # Errors
+    /// [`ChildError::Spawn`] when the program cannot be started.
+    pub fn spawn_with(
+        mut cmd: Command,
+        stdin: ChildStdin,
+        stderr: ChildStderr,
+    ) -> Result<Self, ChildError> {
         let program = cmd.get_program().to_string_lossy().into_owned();
         {
             use std::os::unix::process::CommandExt;
@@ -143,11 +180,15 @@ impl ChildProcess {
             }
         }
         let mut proc = cmd
-            .stdin(Stdio::null())
+            .stdin(match stdin {
+                ChildStdin::Closed => Stdio::null(),
+                ChildStdin::Lifeline => Stdio::piped(),
+            })
             .stdout(Stdio::piped())
             .stderr(match stderr {
                 ChildStderr::Inherit => Stdio::inherit(),
                 ChildStderr::Null => Stdio::null(),
+                ChildStderr::Capture => Stdio::piped(),
             })
             .spawn()
             .map_err(|source| ChildError::Spawn {
@@ -166,12 +207,54 @@ impl ChildProcess {
                 }
             });
         }
+        let stderr = proc.stderr.take().map(|err| {
+            let tail = Arc::new(Mutex::new(String::new()));
+            let sink = Arc::clone(&tail);
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                    let mut s = sink.lock().unwrap_or_else(|p| p.into_inner());
+                    s.push_str(&line);
+                    s.push('\n');
+                    if s.len() > 2 * STDERR_TAIL_BYTES {
+                        let cut = s.len() - STDERR_TAIL_BYTES;
+                        let cut = (cut..s.len()).find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+                        s.drain(..cut);
+                    }
+                }
+            });
+            tail
+        });
+        let lifeline = proc.stdin.take();
         Ok(Self {
             program,
             child: Arc::new(Mutex::new(proc)),
             pid,
             lines,
+            stderr,
+            lifeline,
         })
+    }
+
+    /// Closes the lifeline ([`ChildStdin::Lifeline`]): the child reads end
+    /// of file and exits. No-op for a closed stdin or a second call.
+    pub fn close_lifeline(&mut self) {
+        self.lifeline = None;
+    }
+
+    /// The last [`STDERR_TAIL_BYTES`] (up to twice that) of a captured
+    /// stderr ([`ChildStderr::Capture`]), `"(no stderr)"` when empty or not
+    /// captured.
+    pub fn stderr_tail(&self) -> String {
+        let s = self
+            .stderr
+            .as_ref()
+            .map(|t| t.lock().unwrap_or_else(|p| p.into_inner()).clone())
+            .unwrap_or_default();
+        if s.trim().is_empty() {
+            "(no stderr)".into()
+        } else {
+            s
+        }
     }
 
     /// The child's pid (not reused while `self` exists: module docs).
@@ -298,6 +381,7 @@ pub fn wait_exit(child: &Mutex<Child>, timeout: Duration) -> Option<ExitStatus> 
 
 impl Drop for ChildProcess {
     fn drop(&mut self) {
+        self.lifeline = None;
         let mut c = self.child.lock().unwrap_or_else(|e| e.into_inner());
         if matches!(c.try_wait(), Ok(None)) {
             let _ = c.kill();
@@ -368,6 +452,35 @@ mod tests {
         assert_eq!(status.signal(), Some(15));
         // Reaped: its pid may be reused, so it is never signalled again.
         assert!(matches!(c.terminate(), Err(ChildError::Signal { .. })));
+    }
+
+    #[test]
+    fn closing_the_lifeline_ends_the_child_and_stderr_is_captured() {
+        let mut c = ChildProcess::spawn_with(
+            sh("echo oops >&2; echo '{\"n\": 1}'; cat >/dev/null; exit 4"),
+            ChildStdin::Lifeline,
+            ChildStderr::Capture,
+        )
+        .unwrap();
+        let h: Hello = c.next_json("hello", Duration::from_secs(5)).unwrap();
+        assert_eq!(h.n, 1);
+        // Alive while its stdin is open (wait_exit kills it after the wait).
+        assert!(c.wait_exit(Duration::from_millis(200)).is_none());
+        let mut c = ChildProcess::spawn_with(
+            sh("echo oops >&2; echo '{\"n\": 2}'; cat >/dev/null; exit 4"),
+            ChildStdin::Lifeline,
+            ChildStderr::Capture,
+        )
+        .unwrap();
+        let _: Hello = c.next_json("hello", Duration::from_secs(5)).unwrap();
+        c.close_lifeline();
+        let status = c.wait_exit(Duration::from_secs(5)).expect("exits on EOF");
+        assert_eq!(status.code(), Some(4));
+        let t = Instant::now();
+        while !c.stderr_tail().contains("oops") && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(c.stderr_tail().trim(), "oops");
     }
 
     #[test]

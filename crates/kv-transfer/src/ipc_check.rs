@@ -12,8 +12,9 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use kv_bank::child_process::{ChildProcess, ChildStderr};
 use kv_bank::{BankMemory, CudaDeviceMemory, CudaIpcImport};
 use kv_descriptor::SequenceHash;
 use serde::{Deserialize, Serialize};
@@ -88,6 +89,9 @@ pub(crate) fn unhex(what: &'static str, s: &str) -> Result<Vec<u8>, TransferErro
         .collect()
 }
 
+/// Longest wait for an importer child's report and for its exit.
+const CHILD_WAIT: Duration = Duration::from_secs(120);
+
 /// Donor side: allocate, fill, spawn one child per GPU (at most two), collect.
 ///
 /// # Errors
@@ -109,32 +113,23 @@ pub fn run(exe: &Path, prefix: &[&str]) -> Result<IpcCheckReport, TransferError>
     let handle = hex(donor.handle_bytes());
     let mut children = Vec::new();
     for ordinal in 0..gpus as u32 {
-        let out = Command::new(exe)
-            .args(prefix)
-            .args([
-                CHILD_SUBCOMMAND,
-                &handle,
-                &DONOR_BYTES.to_string(),
-                &ordinal.to_string(),
-            ])
-            .output()
-            .map_err(|e| TransferError::Host(format!("spawning {}: {e}", exe.display())))?;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let line = stdout
-            .lines()
-            .rev()
-            .find(|l| l.starts_with('{'))
-            .ok_or_else(|| {
-                TransferError::Host(format!(
-                    "child for GPU {ordinal} printed no report (status {}): {}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr)
-                ))
-            })?;
-        children.push(
-            serde_json::from_str(line)
-                .map_err(|e| TransferError::Host(format!("child report: {e}")))?,
-        );
+        let mut cmd = Command::new(exe);
+        cmd.args(prefix).args([
+            CHILD_SUBCOMMAND,
+            &handle,
+            &DONOR_BYTES.to_string(),
+            &ordinal.to_string(),
+        ]);
+        let mut child = ChildProcess::spawn(cmd, ChildStderr::Capture)
+            .map_err(|e| TransferError::Host(e.to_string()))?;
+        let report = child.next_json("report", CHILD_WAIT).map_err(|e| {
+            TransferError::Host(format!(
+                "child for GPU {ordinal}: {e}; stderr: {}",
+                child.stderr_tail()
+            ))
+        })?;
+        child.wait_exit(CHILD_WAIT);
+        children.push(report);
     }
     drop(donor);
     Ok(IpcCheckReport { children })

@@ -32,11 +32,11 @@
 //! `UCX_LOG_FILE` are set before the first agent starts
 //! ([`enable_ucx_proto_log`]).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_bank::{BankMemory, CudaDeviceMemory, CudaIpcImport, MemoryKind};

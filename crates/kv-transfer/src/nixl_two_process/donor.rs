@@ -3,6 +3,7 @@
 //! running child ([`DonorProcess`]: handshake, stderr, shutdown).
 
 use super::*;
+use kv_bank::child_process::{ChildProcess, ChildStderr, ChildStdin};
 
 /// Donor arguments: `<dram|vram> <gpu> <bytes> <timeout_s>`.
 pub(super) fn donor_args(opts: &TwoProcessOpts) -> Vec<String> {
@@ -131,105 +132,27 @@ fn donor(args: &[String]) -> Result<i32, TransferError> {
     Ok(code)
 }
 
-/// The running donor: closes its stdin on drop, waits a little, then kills it.
+/// The running donor: closes its stdin on drop, waits a little, then kills
+/// it. Started through the workspace's one child-process harness
+/// ([`kv_bank::child_process`]): stdin is its lifeline, stderr captured.
 pub(super) struct DonorProcess {
-    child: Child,
-    stderr: Arc<Mutex<String>>,
-    lines: mpsc::Receiver<String>,
+    child: ChildProcess,
     exit: Option<String>,
 }
 
 impl DonorProcess {
-    pub(super) fn spawn(mut cmd: Command) -> Result<Self, TransferError> {
-        let described = format!("{cmd:?}");
-        let mut child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| TransferError::Host(format!("spawning the donor {described}: {e}")))?;
-        let stdout = child.stdout.take().expect("piped stdout");
-        let stderr = child.stderr.take().expect("piped stderr");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            // The JSON may follow other output on its line (a test harness's
-            // `test name ... `), so it starts at the first `{`.
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(i) = line.find("{\"pid\":") {
-                    let _ = tx.send(line[i..].to_string());
-                }
-            }
-        });
-        let err_text = Arc::new(Mutex::new(String::new()));
-        let sink = err_text.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut s = sink.lock().unwrap_or_else(|p| p.into_inner());
-                s.push_str(&line);
-                s.push('\n');
-                if s.len() > 16 << 10 {
-                    let cut = s.len() - (8 << 10);
-                    let cut = (cut..s.len()).find(|&i| s.is_char_boundary(i)).unwrap_or(0);
-                    s.drain(..cut);
-                }
-            }
-        });
-        Ok(Self {
-            child,
-            stderr: err_text,
-            lines,
-            exit: None,
-        })
-    }
-
-    pub(super) fn stderr_tail(&self) -> String {
-        let s = self
-            .stderr
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        if s.trim().is_empty() {
-            "(no stderr)".into()
-        } else {
-            s
-        }
+    pub(super) fn spawn(cmd: Command) -> Result<Self, TransferError> {
+        let child = ChildProcess::spawn_with(cmd, ChildStdin::Lifeline, ChildStderr::Capture)
+            .map_err(|e| TransferError::Host(format!("spawning the donor: {e}")))?;
+        Ok(Self { child, exit: None })
     }
 
     pub(super) fn handshake(&mut self, timeout: Duration) -> Result<DonorHandshake, TransferError> {
-        let t0 = Instant::now();
-        loop {
-            match self.lines.recv_timeout(Duration::from_millis(200)) {
-                Ok(line) => {
-                    return serde_json::from_str(&line)
-                        .map_err(|e| TransferError::Host(format!("donor handshake {line:?}: {e}")))
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if let Ok(Some(st)) = self.child.try_wait() {
-                        // Give the stderr reader a moment to drain.
-                        std::thread::sleep(Duration::from_millis(100));
-                        return Err(TransferError::Host(format!(
-                            "donor exited ({st}) before its handshake; stderr: {}",
-                            self.stderr_tail()
-                        )));
-                    }
-                    if t0.elapsed() > timeout {
-                        return Err(TransferError::Host(format!(
-                            "donor printed no handshake within {} s; stderr: {}",
-                            timeout.as_secs(),
-                            self.stderr_tail()
-                        )));
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    let st = self.child.wait().map(|s| s.to_string()).unwrap_or_default();
-                    std::thread::sleep(Duration::from_millis(100));
-                    return Err(TransferError::Host(format!(
-                        "donor closed stdout ({st}) before its handshake; stderr: {}",
-                        self.stderr_tail()
-                    )));
-                }
-            }
-        }
+        self.child.next_json("handshake", timeout).map_err(|e| {
+            // Give the stderr reader a moment to drain.
+            std::thread::sleep(Duration::from_millis(100));
+            TransferError::Host(format!("donor: {e}; stderr: {}", self.child.stderr_tail()))
+        })
     }
 
     /// Closes stdin, waits up to 10 s, kills; returns how it ended.
@@ -237,20 +160,10 @@ impl DonorProcess {
         if let Some(e) = &self.exit {
             return e.clone();
         }
-        drop(self.child.stdin.take());
-        let t0 = Instant::now();
-        let how = loop {
-            match self.child.try_wait() {
-                Ok(Some(st)) => break st.to_string(),
-                Ok(None) if t0.elapsed() < Duration::from_secs(10) => {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                _ => {
-                    let _ = self.child.kill();
-                    let st = self.child.wait().map(|s| s.to_string()).unwrap_or_default();
-                    break format!("killed after 10 s without exiting ({st})");
-                }
-            }
+        self.child.close_lifeline();
+        let how = match self.child.wait_exit(Duration::from_secs(10)) {
+            Some(st) => st.to_string(),
+            None => "killed after 10 s without exiting".to_string(),
         };
         self.exit = Some(how.clone());
         how
