@@ -402,7 +402,7 @@ pub enum PinError {
         /// What the source saw.
         detail: String,
     },
-    /// The control endpoint is not a usable `unix:<path>`.
+    /// The control endpoint is not a usable `unix:<path>` or `tcp:<host>:<port>`.
     #[error("invalid endpoint {endpoint:?}: {reason}")]
     Endpoint {
         /// The endpoint as given.
@@ -445,6 +445,11 @@ pub enum PinError {
     /// The pin was already released.
     #[error("already released")]
     AlreadyReleased,
+    /// A TCP pin endpoint's key exchange failed or no key is configured
+    /// (nothing was pinned; see [`crate::PinAuthKey`]).
+    #[cfg(feature = "worker")]
+    #[error("{0}")]
+    Auth(#[source] crate::PinAuthError),
 }
 
 impl PinError {
@@ -461,12 +466,14 @@ impl PinError {
 
     /// Stable `snake_case` metrics label: `pin_refused` (a donor or bank
     /// refusal), `pin_donor_unavailable`, `pin_transport` (endpoint, I/O),
-    /// `pin_timeout`, `pin_protocol`, `pin_expired`, `pin_released`.
+    /// `pin_timeout`, `pin_protocol`, `pin_expired`, `pin_released`, `pin_auth`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::Refused { .. } | Self::Bank(_) => "pin_refused",
             Self::DonorUnavailable { .. } => "pin_donor_unavailable",
             Self::Endpoint { .. } | Self::Io { .. } => "pin_transport",
+            #[cfg(feature = "worker")]
+            Self::Auth(_) => "pin_auth",
             Self::Timeout { .. } => "pin_timeout",
             Self::Protocol { .. } => "pin_protocol",
             Self::Expired { .. } => "pin_expired",
@@ -522,12 +529,10 @@ pub enum ResolveError {
 /// read: every check runs before the donor is contacted.
 #[derive(Debug, thiserror::Error)]
 pub enum RemoteDonorError {
-    /// The control endpoint is not `unix:<path>` with a usable path.
-    #[error("invalid `endpoint`: {reason}")]
-    Endpoint {
-        /// What is wrong, with the endpoint as given.
-        reason: String,
-    },
+    /// The control endpoint is not `unix:<path>` / `tcp:<host>:<port>`.
+    #[cfg(feature = "worker")]
+    #[error("invalid `endpoint`: {0}")]
+    Endpoint(#[source] crate::PinEndpointError),
     /// Not one mapping per TP rank of the manifest.
     #[error("`maps`: {got} rank memories for a TP{tp_size} manifest")]
     MapCount {

@@ -83,7 +83,7 @@ use plane::event_plane;
 use router::{advisor, calibration, cost, kv_events, ols, settings};
 use worker::hint_validation;
 #[cfg(feature = "worker")]
-use worker::{fetch_executor, pin_service, remote_donor};
+use worker::{fetch_executor, pin_service, pin_transport, remote_donor};
 
 pub use advisor::{Advice, Advisor, DonorDirectory, LocalDonorDirectory, ResolvedDonor};
 pub use calibration::{
@@ -113,8 +113,14 @@ pub use kv_events::{
 pub use ols::OlsFit;
 #[cfg(feature = "worker")]
 pub use pin_service::{
-    unix_endpoint_path, PinService, PinServiceConfig, PinServiceError, PinServiceStats,
-    MAX_SOCKET_PATH_BYTES, UNIX_ENDPOINT_PREFIX,
+    PinService, PinServiceConfig, PinServiceError, PinServiceStats, UNIX_SOCKET_MODE,
+};
+#[cfg(feature = "worker")]
+pub use pin_transport::auth::{PinAuthError, PinAuthKey, AUTH_MAGIC, MIN_KEY_BYTES};
+#[cfg(feature = "worker")]
+pub use pin_transport::{
+    unix_endpoint_path, PinEndpoint, PinEndpointError, MAX_SOCKET_PATH_BYTES, TCP_ENDPOINT_PREFIX,
+    UNIX_ENDPOINT_PREFIX,
 };
 #[cfg(feature = "qualify")]
 pub use qualify::{qualify_section, GlueQualifySection};

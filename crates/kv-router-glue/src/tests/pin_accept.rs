@@ -11,14 +11,14 @@ use kv_descriptor::{
     DType, KvLayout, OwnerLease, PinDonorMessage, PinRefusalReason, Role, TensorOrder,
 };
 
-use crate::pin_service::{read_donor_message, unix_endpoint_path};
+use crate::pin_transport::{read_donor_message, unix_endpoint_path, PinStream};
 use crate::{PinService, PinServiceConfig};
 
 /// Gate of the stalling refusal writer: it reports that it started, then
 /// waits for the release before writing.
 static GATE: Mutex<Option<(mpsc::Sender<()>, mpsc::Receiver<()>)>> = Mutex::new(None);
 
-fn stalled_writer(stream: &mut UnixStream, msg: &PinDonorMessage) -> std::io::Result<()> {
+fn stalled_writer(stream: &mut PinStream, msg: &PinDonorMessage) -> std::io::Result<()> {
     if let Some((entered, release)) = GATE.lock().unwrap().take() {
         entered.send(()).unwrap();
         let _ = release.recv_timeout(Duration::from_secs(20));
@@ -56,8 +56,8 @@ fn a_stalled_over_limit_refusal_does_not_stop_the_accept_loop() {
         max_connections: 1,
         ..PinServiceConfig::default()
     };
-    let svc =
-        PinService::bind_with_refusal_writer(bank, &endpoint, config, stalled_writer).unwrap();
+    let svc = PinService::bind_with_refusal_writer(bank, &endpoint, config, None, stalled_writer)
+        .unwrap();
     let path = unix_endpoint_path(&endpoint).unwrap();
 
     let a = UnixStream::connect(&path).unwrap();
@@ -79,6 +79,7 @@ fn a_stalled_over_limit_refusal_does_not_stop_the_accept_loop() {
 
     // B still gets its refusal once the write goes through.
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut b = PinStream::Unix(b);
     match read_donor_message(&mut b, Duration::from_secs(5)).unwrap() {
         PinDonorMessage::Refused(r) => {
             assert_eq!(r.reason, PinRefusalReason::TooManyPins);

@@ -13,4 +13,6 @@ pub(crate) mod hint_validation;
 #[cfg(feature = "worker")]
 pub(crate) mod pin_service;
 #[cfg(feature = "worker")]
+pub(crate) mod pin_transport;
+#[cfg(feature = "worker")]
 pub(crate) mod remote_donor;

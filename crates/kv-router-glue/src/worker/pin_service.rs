@@ -1,7 +1,10 @@
-//! Donor side of the cross-process source-pin protocol: a Unix-socket
-//! server that pins a [`BankManager`]'s slots for targets in other processes.
+//! Donor side of the cross-process source-pin protocol: a server on a Unix
+//! socket (same host) or TCP (another host) that pins a [`BankManager`]'s
+//! slots for targets in other processes.
 //!
-//! A target connects to the donor's control endpoint (`unix:<path>`), sends
+//! A target connects to the donor's control endpoint (`unix:<path>` or
+//! `tcp:<host>:<port>`; over TCP it first passes the pre-shared-key
+//! challenge of [`crate::PinAuthKey`], see `pin_transport::auth`), sends
 //! [`PinClientMessage::Pin`] frames and gets [`PinDonorMessage::Granted`] or
 //! [`PinDonorMessage::Refused`] back; while granted, the service holds a real
 //! [`kv_bank::ManagerPin`] from [`BankManager::pin_hint`], so the bank never
@@ -29,13 +32,22 @@
 //! (also run on drop) joins every thread, closes every socket and removes the
 //! socket file.
 //!
+//! A Unix socket file is made 0600 right after bind, and whatever connected
+//! in between is closed unserved, so only the donor's user (and root) can
+//! pin. A TCP endpoint cannot be bound without a key, and a connection that
+//! does not prove the key within `io_timeout` is closed before any pin
+//! frame is read; over-limit TCP connections are closed without a frame
+//! (nothing is written to a peer that has not authenticated).
+//!
 //! Deciding whether to pin reads only the slot table (`pin_hint`), never
 //! bank memory: a stale, reused or closed request is refused without a
 //! byte of the bank being touched.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::net::TcpListener;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -49,39 +61,16 @@ use kv_descriptor::{
 };
 use parking_lot::{Condvar, Mutex};
 
-use crate::PinError;
+use crate::pin_transport::auth::{donor_handshake, PinAuthKey};
+use crate::pin_transport::{
+    tcp_wake_addr, PinEndpoint, PinEndpointError, PinListener, PinStream, WakeAddr,
+};
 
 mod refusals;
 
-/// Scheme prefix of a Unix-socket control endpoint: `unix:<absolute path>`.
-pub const UNIX_ENDPOINT_PREFIX: &str = "unix:";
-
-/// Longest socket path `bind` accepts (Linux `sun_path` is 108 bytes with
-/// its terminating NUL).
-pub const MAX_SOCKET_PATH_BYTES: usize = 107;
-
-/// The socket path of a `unix:<path>` endpoint.
-///
-/// ```
-/// use kv_router_glue::unix_endpoint_path;
-/// assert_eq!(unix_endpoint_path("unix:/run/kv/d0.sock").unwrap().to_str(), Some("/run/kv/d0.sock"));
-/// assert!(unix_endpoint_path("pid:42").is_err());
-/// ```
-///
-/// # Errors
-/// A message when the scheme is not `unix:`, the path is empty or longer
-/// than [`MAX_SOCKET_PATH_BYTES`].
-pub fn unix_endpoint_path(endpoint: &str) -> Result<PathBuf, String> {
-    let path = endpoint
-        .strip_prefix(UNIX_ENDPOINT_PREFIX)
-        .ok_or_else(|| format!("endpoint {endpoint:?} is not `unix:<path>`"))?;
-    if path.is_empty() || path.len() > MAX_SOCKET_PATH_BYTES {
-        return Err(format!(
-            "endpoint {endpoint:?}: socket path must hold 1..={MAX_SOCKET_PATH_BYTES} bytes"
-        ));
-    }
-    Ok(PathBuf::from(path))
-}
+/// Mode of a donor's Unix socket file: owner read/write only (connecting
+/// needs write permission), so other users cannot pin.
+pub const UNIX_SOCKET_MODE: u32 = 0o600;
 
 /// Limits of a [`PinService`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,18 +120,33 @@ pub struct PinServiceStats {
     pub connections_refused: u64,
     /// Frames refused as malformed (bad length or body).
     pub malformed: u64,
+    /// TCP connections closed because they did not prove the key (wrong
+    /// key, no key, or no proof within `io_timeout`).
+    pub auth_refused: u64,
 }
 
 /// Why a [`PinService`] could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum PinServiceError {
-    /// The endpoint is not a usable `unix:<path>`.
+    /// The endpoint is not a usable `unix:<path>` or `tcp:<host>:<port>`.
     #[error("pin service endpoint: {0}")]
-    Endpoint(String),
+    Endpoint(#[from] PinEndpointError),
+    /// Another pin service accepts on this Unix socket path.
+    #[error("pin service endpoint {endpoint}: another service is listening there")]
+    InUse {
+        /// The endpoint.
+        endpoint: String,
+    },
+    /// A `tcp:` endpoint was given no key ([`PinService::bind_authenticated`]).
+    #[error("pin service endpoint {endpoint}: TCP requires a pre-shared key (`auth_key`)")]
+    AuthRequired {
+        /// The endpoint.
+        endpoint: String,
+    },
     /// Binding or configuring the socket failed.
     #[error("pin service socket {path}: {op}: {source}")]
     Socket {
-        /// Socket path.
+        /// Socket path, or the TCP address.
         path: PathBuf,
         /// What failed (`bind`, `spawn`, ...).
         op: &'static str,
@@ -161,12 +165,13 @@ struct Counters {
     connections: AtomicU64,
     connections_refused: AtomicU64,
     malformed: AtomicU64,
+    auth_refused: AtomicU64,
 }
 
 struct Conn {
     /// A clone of the connection's socket, to wake its thread on shutdown;
     /// taken (closed) by the thread when it ends.
-    wake: Option<UnixStream>,
+    wake: Option<PinStream>,
     handle: Option<JoinHandle<()>>,
 }
 
@@ -174,7 +179,11 @@ struct Shared {
     bank: Arc<BankManager>,
     config: PinServiceConfig,
     endpoint: String,
-    path: PathBuf,
+    /// The socket file (Unix endpoints), removed at shutdown.
+    path: Option<PathBuf>,
+    wake_addr: WakeAddr,
+    /// The pre-shared key every TCP connection must prove.
+    auth: Option<PinAuthKey>,
     stopping: AtomicBool,
     draining: AtomicBool,
     pins: AtomicUsize,
@@ -190,7 +199,7 @@ struct Shared {
     refusal_writer: refusals::RefusalWriter,
 }
 
-/// A running donor pin service on a Unix socket.
+/// A running donor pin service on a Unix socket or a TCP port.
 ///
 /// Each granted [`PinClientMessage::Pin`] holds a real [`kv_bank::ManagerPin`]
 /// (the bank cannot evict, reuse or free those slots) until the first of:
@@ -200,7 +209,9 @@ struct Shared {
 /// [`BankManager::pin_hint`] from the slot table alone; refusals carry a
 /// [`PinRefusalReason`]. One accept thread plus one thread per connection
 /// (at most [`PinServiceConfig::max_connections`]); shutdown (also on drop)
-/// joins them all, closes every socket and removes the socket file.
+/// joins them all, closes every socket and removes the socket file. Over
+/// TCP ([`PinService::bind_authenticated`]) every connection must first
+/// prove the pre-shared key.
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -228,21 +239,43 @@ impl std::fmt::Debug for PinService {
 }
 
 impl PinService {
-    /// Binds `endpoint` (`unix:<path>`) and starts serving pins on `bank`.
+    /// Binds `endpoint` (`unix:<path>`, or a plain absolute path) and starts
+    /// serving pins on `bank`. The socket file is mode
+    /// [`UNIX_SOCKET_MODE`] (0600).
     ///
     /// A stale socket file at the path (one nobody accepts on) is replaced;
     /// a live one is an error, so two donors never share an endpoint.
     ///
     /// # Errors
-    /// [`PinServiceError::Endpoint`] for a bad endpoint or a path another
-    /// service listens on; [`PinServiceError::Socket`] when bind or the
-    /// accept thread fails.
+    /// [`PinServiceError::Endpoint`] for a bad endpoint;
+    /// [`PinServiceError::InUse`] for a path another service listens on;
+    /// [`PinServiceError::AuthRequired`] for a `tcp:` endpoint (use
+    /// [`PinService::bind_authenticated`]); [`PinServiceError::Socket`] when
+    /// bind, chmod or the accept thread fails.
     pub fn bind(
         bank: Arc<BankManager>,
         endpoint: &str,
         config: PinServiceConfig,
     ) -> Result<Self, PinServiceError> {
-        Self::bind_with_refusal_writer(bank, endpoint, config, send)
+        Self::bind_with_refusal_writer(bank, endpoint, config, None, send)
+    }
+
+    /// [`PinService::bind`] that also accepts `tcp:<host>:<port>`: every TCP
+    /// connection must prove `key` (HMAC-SHA256 challenge-response, see
+    /// [`PinAuthKey`]) before a pin frame is read. Port 0 picks a free port;
+    /// [`PinService::endpoint`] then names the bound one (`tcp:<ip>:<port>`).
+    /// On a Unix endpoint the key is not used (the socket's file mode is
+    /// the control there).
+    ///
+    /// # Errors
+    /// As [`PinService::bind`], without `AuthRequired`.
+    pub fn bind_authenticated(
+        bank: Arc<BankManager>,
+        endpoint: &str,
+        config: PinServiceConfig,
+        key: PinAuthKey,
+    ) -> Result<Self, PinServiceError> {
+        Self::bind_with_refusal_writer(bank, endpoint, config, Some(key), send)
     }
 
     /// [`PinService::bind`] with the over-limit refusal written by `writer`
@@ -251,28 +284,53 @@ impl PinService {
         bank: Arc<BankManager>,
         endpoint: &str,
         config: PinServiceConfig,
+        auth: Option<PinAuthKey>,
         writer: refusals::RefusalWriter,
     ) -> Result<Self, PinServiceError> {
-        let path = unix_endpoint_path(endpoint).map_err(PinServiceError::Endpoint)?;
+        let parsed = PinEndpoint::parse(endpoint)?;
+        let (listener, endpoint, path, wake_addr) = match parsed {
+            PinEndpoint::Unix(path) => {
+                let (l, w) = bind_unix(endpoint, &path)?;
+                (l, endpoint.to_owned(), Some(path), w)
+            }
+            PinEndpoint::Tcp(addr) => {
+                if auth.is_none() {
+                    return Err(PinServiceError::AuthRequired {
+                        endpoint: endpoint.to_owned(),
+                    });
+                }
+                let sock_err = |op, source| PinServiceError::Socket {
+                    path: PathBuf::from(&addr),
+                    op,
+                    source,
+                };
+                let l = TcpListener::bind(&addr).map_err(|e| sock_err("bind", e))?;
+                let local = l.local_addr().map_err(|e| sock_err("local_addr", e))?;
+                let w = WakeAddr::Tcp(tcp_wake_addr(local));
+                (PinListener::Tcp(l), format!("tcp:{local}"), None, w)
+            }
+        };
+        let path_for_err = path.clone().unwrap_or_else(|| PathBuf::from(&endpoint));
         let sock_err = |op, source| PinServiceError::Socket {
-            path: path.clone(),
+            path: path_for_err.clone(),
             op,
             source,
         };
-        if path.exists() {
-            if UnixStream::connect(&path).is_ok() {
-                return Err(PinServiceError::Endpoint(format!(
-                    "{endpoint}: another service is listening there"
-                )));
+        let remove_file = {
+            let p = path.clone();
+            move || {
+                if let Some(p) = &p {
+                    let _ = std::fs::remove_file(p);
+                }
             }
-            std::fs::remove_file(&path).map_err(|e| sock_err("remove stale socket", e))?;
-        }
-        let listener = UnixListener::bind(&path).map_err(|e| sock_err("bind", e))?;
+        };
         let shared = Arc::new(Shared {
             bank,
             config,
-            endpoint: endpoint.to_owned(),
-            path: path.clone(),
+            endpoint,
+            path,
+            wake_addr,
+            auth,
             stopping: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             pins: AtomicUsize::new(0),
@@ -286,7 +344,7 @@ impl PinService {
             refusal_writer: writer,
         });
         let (refusals, refuser) = refusals::start(shared.clone()).map_err(|e| {
-            let _ = std::fs::remove_file(&path);
+            remove_file();
             sock_err("spawn refuser thread", e)
         })?;
         let s = shared.clone();
@@ -294,7 +352,7 @@ impl PinService {
             .name("kv-pin-accept".into())
             .spawn(move || accept_loop(&s, &listener, &refusals))
             .map_err(|e| {
-                let _ = std::fs::remove_file(&path);
+                remove_file();
                 sock_err("spawn accept thread", e)
             })?;
         Ok(Self {
@@ -304,7 +362,8 @@ impl PinService {
         })
     }
 
-    /// The endpoint to publish in hints (`unix:<path>`).
+    /// The endpoint to publish in hints (`unix:<path>` as given, or
+    /// `tcp:<ip>:<port>` of the bound socket).
     pub fn endpoint(&self) -> &str {
         &self.shared.endpoint
     }
@@ -332,6 +391,7 @@ impl PinService {
             connections: l(&c.connections),
             connections_refused: l(&c.connections_refused),
             malformed: l(&c.malformed),
+            auth_refused: l(&c.auth_refused),
         }
     }
 
@@ -360,7 +420,7 @@ impl PinService {
         s.stopping.store(true, Ordering::SeqCst);
         // Wakes the accept thread out of `accept`; it sees `stopping` and
         // exits, closing the listener.
-        drop(UnixStream::connect(&s.path));
+        s.wake_addr.poke();
         let _ = accept.join();
         // The accept thread held the refusal queue's sender: the refuser
         // now skips what is queued (stopping) and ends.
@@ -378,8 +438,44 @@ impl PinService {
                 let _ = h.join();
             }
         }
-        let _ = std::fs::remove_file(&s.path);
+        if let Some(p) = &s.path {
+            let _ = std::fs::remove_file(p);
+        }
     }
+}
+
+/// Binds a Unix socket at `path` with mode [`UNIX_SOCKET_MODE`].
+///
+/// `bind` creates the file with the process umask; the mode is set right
+/// after, and any connection that arrived in between (when another user
+/// could still connect) is accepted and closed unserved before the accept
+/// thread starts, so every served connection passed the 0600 check.
+fn bind_unix(endpoint: &str, path: &PathBuf) -> Result<(PinListener, WakeAddr), PinServiceError> {
+    let sock_err = |op, source| PinServiceError::Socket {
+        path: path.clone(),
+        op,
+        source,
+    };
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(PinServiceError::InUse {
+                endpoint: endpoint.to_owned(),
+            });
+        }
+        std::fs::remove_file(path).map_err(|e| sock_err("remove stale socket", e))?;
+    }
+    let listener = UnixListener::bind(path).map_err(|e| sock_err("bind", e))?;
+    let chmod = std::fs::set_permissions(path, std::fs::Permissions::from_mode(UNIX_SOCKET_MODE))
+        .and_then(|()| listener.set_nonblocking(true))
+        .and_then(|()| {
+            while listener.accept().is_ok() {}
+            listener.set_nonblocking(false)
+        });
+    if let Err(e) = chmod {
+        let _ = std::fs::remove_file(path);
+        return Err(sock_err("chmod 0600", e));
+    }
+    Ok((PinListener::Unix(listener), WakeAddr::Unix(path.clone())))
 }
 
 impl Drop for PinService {
@@ -412,8 +508,8 @@ impl Shared {
 
 fn accept_loop(
     s: &Arc<Shared>,
-    listener: &UnixListener,
-    refusals: &std::sync::mpsc::SyncSender<UnixStream>,
+    listener: &PinListener,
+    refusals: &std::sync::mpsc::SyncSender<PinStream>,
 ) {
     loop {
         let accepted = listener.accept();
@@ -431,7 +527,7 @@ fn accept_loop(
             true
         });
         let stream = match accepted {
-            Ok((stream, _)) => stream,
+            Ok(stream) => stream,
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => {
                 // EMFILE and the like: back off instead of spinning.
@@ -541,7 +637,16 @@ impl Drop for ConnPins<'_> {
     }
 }
 
-fn serve_connection(s: &Shared, mut stream: UnixStream) {
+fn serve_connection(s: &Shared, mut stream: PinStream) {
+    if stream.is_tcp() {
+        // `bind` refuses TCP without a key, so `auth` is set here.
+        let Some(key) = &s.auth else { return };
+        if let Err(e) = donor_handshake(&mut stream, key, s.config.io_timeout) {
+            tracing::info!("pin service: TCP connection refused: {e}");
+            s.counters.auth_refused.fetch_add(1, Ordering::SeqCst);
+            return;
+        }
+    }
     let mut pins = ConnPins {
         shared: s,
         held: HashMap::new(),
@@ -709,43 +814,7 @@ fn refusal(request_id: u64, reason: PinRefusalReason, detail: String) -> PinDono
     })
 }
 
-fn send(stream: &mut UnixStream, msg: &PinDonorMessage) -> std::io::Result<()> {
+fn send(stream: &mut PinStream, msg: &PinDonorMessage) -> std::io::Result<()> {
     let frame = encode_pin_frame(msg).map_err(std::io::Error::other)?;
     stream.write_all(&frame)
-}
-
-/// Connects to a `unix:` endpoint, with `timeout` on every read and write.
-pub(crate) fn connect(endpoint: &str, timeout: Duration) -> Result<UnixStream, PinError> {
-    let path = unix_endpoint_path(endpoint).map_err(|reason| PinError::Endpoint {
-        endpoint: endpoint.to_string(),
-        reason,
-    })?;
-    let stream = UnixStream::connect(&path).map_err(|e| PinError::io("connect", e, timeout))?;
-    stream
-        .set_read_timeout(Some(timeout))
-        .and_then(|()| stream.set_write_timeout(Some(timeout)))
-        .map_err(|e| PinError::io("connect", e, timeout))?;
-    Ok(stream)
-}
-
-/// Reads one donor frame (the client's side of [`split_pin_frame`]);
-/// `timeout` is the stream's read timeout, reported when it elapses.
-pub(crate) fn read_donor_message(
-    stream: &mut UnixStream,
-    timeout: Duration,
-) -> Result<PinDonorMessage, PinError> {
-    let mut header = [0u8; kv_descriptor::PIN_FRAME_HEADER_BYTES];
-    stream
-        .read_exact(&mut header)
-        .map_err(|e| PinError::io("receive", e, timeout))?;
-    let len = kv_descriptor::pin_frame_len(header).map_err(|e| PinError::Protocol {
-        detail: e.to_string(),
-    })?;
-    let mut body = vec![0u8; len];
-    stream
-        .read_exact(&mut body)
-        .map_err(|e| PinError::io("receive", e, timeout))?;
-    PinDonorMessage::from_wire(&body).map_err(|e| PinError::Protocol {
-        detail: e.to_string(),
-    })
 }

@@ -13,9 +13,11 @@
 //! One connection per pin keeps pins independent: a failure on one never
 //! ends another, and no request/reply matching across threads is needed.
 //! A connect and a round trip on a Unix socket cost tens of microseconds,
-//! small beside a fetch.
-
-use std::os::unix::net::UnixStream;
+//! small beside a fetch. Over TCP (`tcp:<host>:<port>`, a donor on another
+//! host) each connection first passes the key exchange of [`PinAuthKey`]
+//! (one more round trip), so a TCP endpoint needs
+//! [`RemoteDonor::with_auth_key`]; without it a pin fails with
+//! [`PinError::Auth`] before anything is sent.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,8 +28,8 @@ use kv_descriptor::{
     PinDonorMessage, PinGrant, PinRelease, PinRequest,
 };
 
-use crate::pin_service::{connect, read_donor_message, unix_endpoint_path};
-use crate::{DonorPin, DonorSource, PinError, RemoteDonorError};
+use crate::pin_transport::{connect, read_donor_message, PinEndpoint, PinStream};
+use crate::{DonorPin, DonorSource, PinAuthKey, PinError, RemoteDonorError};
 
 /// Default time to wait for the donor's reply to a pin or release (2 s).
 pub const DEFAULT_PIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -48,6 +50,8 @@ pub struct RemoteDonor {
     maps: Vec<Arc<dyn BankMemory>>,
     endpoint: String,
     timeout: Duration,
+    /// The pre-shared key for `tcp:` endpoints.
+    auth: Option<PinAuthKey>,
     next_request: AtomicU64,
 }
 
@@ -66,7 +70,8 @@ impl RemoteDonor {
     /// names the donor's allocation.
     ///
     /// # Errors
-    /// [`RemoteDonorError::Endpoint`] when `endpoint` is not `unix:<path>`;
+    /// [`RemoteDonorError::Endpoint`] when `endpoint` is not `unix:<path>`,
+    /// a plain absolute path or `tcp:<host>:<port>`;
     /// [`RemoteDonorError::MapCount`] when the map count is not the
     /// manifest's TP size; [`RemoteDonorError::MappingMismatch`] naming the
     /// rank and `export`, `kind` or `len` for a mapping that is not its
@@ -76,7 +81,7 @@ impl RemoteDonor {
         maps: Vec<Arc<dyn BankMemory>>,
         endpoint: &str,
     ) -> Result<Self, RemoteDonorError> {
-        unix_endpoint_path(endpoint).map_err(|reason| RemoteDonorError::Endpoint { reason })?;
+        PinEndpoint::parse(endpoint).map_err(RemoteDonorError::Endpoint)?;
         if maps.len() != manifest.tp_size() as usize {
             return Err(RemoteDonorError::MapCount {
                 got: maps.len(),
@@ -91,6 +96,7 @@ impl RemoteDonor {
             maps,
             endpoint: endpoint.to_owned(),
             timeout: DEFAULT_PIN_TIMEOUT,
+            auth: None,
             next_request: AtomicU64::new(1),
         })
     }
@@ -161,6 +167,13 @@ impl RemoteDonor {
         self
     }
 
+    /// Sets the pre-shared key proven to a `tcp:` endpoint (unused on a
+    /// Unix socket, whose file mode is the control).
+    pub fn with_auth_key(mut self, key: PinAuthKey) -> Self {
+        self.auth = Some(key);
+        self
+    }
+
     /// The control endpoint.
     pub fn endpoint(&self) -> &str {
         &self.endpoint
@@ -171,13 +184,15 @@ impl RemoteDonor {
     /// # Errors
     /// [`PinError::Refused`] with the donor's
     /// [`kv_descriptor::PinRefusalReason`] when the donor refuses;
+    /// [`PinError::Auth`] when a `tcp:` endpoint has no key here, or the
+    /// key exchange fails (wrong key: `PinAuthError::Refused`);
     /// [`PinError::Endpoint`], [`PinError::Io`] (`connect`, `send`,
     /// `receive`), [`PinError::Timeout`] or [`PinError::Protocol`] when it
     /// cannot be asked or its answer is not a grant. Nothing is pinned on error.
     pub fn pin_remote(&self, hint: &FetchGpuHint) -> Result<RemotePin<'_>, PinError> {
         let request_id = self.next_request.fetch_add(1, Ordering::Relaxed);
         let req = PinRequest::for_hint(request_id, hint);
-        let mut stream = connect(&self.endpoint, self.timeout)?;
+        let mut stream = connect(&self.endpoint, self.timeout, self.auth.as_ref())?;
         let frame =
             encode_pin_frame(&PinClientMessage::Pin(req)).map_err(|e| PinError::Protocol {
                 detail: format!("encoding the pin request: {e}"),
@@ -310,7 +325,7 @@ fn describe(h: &ExportHandle) -> String {
 #[derive(Debug)]
 pub struct RemotePin<'a> {
     donor: &'a RemoteDonor,
-    stream: Option<UnixStream>,
+    stream: Option<PinStream>,
     grant: PinGrant,
     granted_at: Instant,
 }

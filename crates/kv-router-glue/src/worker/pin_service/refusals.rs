@@ -13,10 +13,10 @@ use super::*;
 pub(super) const REFUSAL_QUEUE: usize = 16;
 
 /// Writes one donor message to a connection (the service's `send`).
-pub(crate) type RefusalWriter = fn(&mut UnixStream, &PinDonorMessage) -> std::io::Result<()>;
+pub(crate) type RefusalWriter = fn(&mut PinStream, &PinDonorMessage) -> std::io::Result<()>;
 
 /// Starts the refuser thread; it ends when the returned sender is dropped.
-pub(super) fn start(s: Arc<Shared>) -> std::io::Result<(SyncSender<UnixStream>, JoinHandle<()>)> {
+pub(super) fn start(s: Arc<Shared>) -> std::io::Result<(SyncSender<PinStream>, JoinHandle<()>)> {
     let (tx, rx) = sync_channel(REFUSAL_QUEUE);
     let thread = std::thread::Builder::new()
         .name("kv-pin-refuse".into())
@@ -26,10 +26,14 @@ pub(super) fn start(s: Arc<Shared>) -> std::io::Result<(SyncSender<UnixStream>, 
 
 /// Accept thread: queues `stream` for its refusal, or closes it at once
 /// when the queue is full. Never blocks.
-pub(super) fn hand_over(s: &Shared, queue: &SyncSender<UnixStream>, stream: UnixStream) {
+pub(super) fn hand_over(s: &Shared, queue: &SyncSender<PinStream>, stream: PinStream) {
     s.counters
         .connections_refused
         .fetch_add(1, Ordering::SeqCst);
+    if stream.is_tcp() {
+        // Not authenticated yet: nothing is written to it, closing is the refusal.
+        return;
+    }
     match queue.try_send(stream) {
         Ok(()) => {}
         // Dropping the stream closes it: end-of-stream is the refusal.
@@ -37,7 +41,7 @@ pub(super) fn hand_over(s: &Shared, queue: &SyncSender<UnixStream>, stream: Unix
     }
 }
 
-fn refuse_loop(s: &Shared, queue: Receiver<UnixStream>) {
+fn refuse_loop(s: &Shared, queue: Receiver<PinStream>) {
     for mut stream in queue {
         if s.stopping.load(Ordering::SeqCst) {
             continue; // closed unanswered: the service is going away
