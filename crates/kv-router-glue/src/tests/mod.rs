@@ -7,5 +7,6 @@ mod event_plane;
 mod hint_validation;
 mod kv_events;
 mod nats;
+mod nats_permissions;
 mod pin_accept;
 mod settings;

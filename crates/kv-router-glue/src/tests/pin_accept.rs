@@ -63,7 +63,7 @@ fn a_stalled_over_limit_refusal_does_not_stop_the_accept_loop() {
     let a = UnixStream::connect(&path).unwrap();
     assert!(until(Duration::from_secs(2), || svc.active_connections() == 1));
     // Over the limit: its refusal's write stalls.
-    let mut b = UnixStream::connect(&path).unwrap();
+    let b = UnixStream::connect(&path).unwrap();
     entered
         .recv_timeout(Duration::from_secs(5))
         .expect("the refusal write started");
