@@ -45,9 +45,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
-use std::net::TcpListener;
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -62,10 +59,9 @@ use kv_descriptor::{
 use parking_lot::{Condvar, Mutex};
 
 use crate::pin_transport::auth::{donor_handshake, PinAuthKey};
-use crate::pin_transport::{
-    tcp_wake_addr, PinEndpoint, PinEndpointError, PinListener, PinStream, WakeAddr,
-};
+use crate::pin_transport::{PinEndpointError, PinListener, PinStream, WakeAddr};
 
+mod listen;
 mod refusals;
 
 /// Mode of a donor's Unix socket file: owner read/write only (connecting
@@ -287,29 +283,7 @@ impl PinService {
         auth: Option<PinAuthKey>,
         writer: refusals::RefusalWriter,
     ) -> Result<Self, PinServiceError> {
-        let parsed = PinEndpoint::parse(endpoint)?;
-        let (listener, endpoint, path, wake_addr) = match parsed {
-            PinEndpoint::Unix(path) => {
-                let (l, w) = bind_unix(endpoint, &path)?;
-                (l, endpoint.to_owned(), Some(path), w)
-            }
-            PinEndpoint::Tcp(addr) => {
-                if auth.is_none() {
-                    return Err(PinServiceError::AuthRequired {
-                        endpoint: endpoint.to_owned(),
-                    });
-                }
-                let sock_err = |op, source| PinServiceError::Socket {
-                    path: PathBuf::from(&addr),
-                    op,
-                    source,
-                };
-                let l = TcpListener::bind(&addr).map_err(|e| sock_err("bind", e))?;
-                let local = l.local_addr().map_err(|e| sock_err("local_addr", e))?;
-                let w = WakeAddr::Tcp(tcp_wake_addr(local));
-                (PinListener::Tcp(l), format!("tcp:{local}"), None, w)
-            }
-        };
+        let (listener, endpoint, path, wake_addr) = listen::listen(endpoint, auth.is_some())?;
         let path_for_err = path.clone().unwrap_or_else(|| PathBuf::from(&endpoint));
         let sock_err = |op, source| PinServiceError::Socket {
             path: path_for_err.clone(),
@@ -442,40 +416,6 @@ impl PinService {
             let _ = std::fs::remove_file(p);
         }
     }
-}
-
-/// Binds a Unix socket at `path` with mode [`UNIX_SOCKET_MODE`].
-///
-/// `bind` creates the file with the process umask; the mode is set right
-/// after, and any connection that arrived in between (when another user
-/// could still connect) is accepted and closed unserved before the accept
-/// thread starts, so every served connection passed the 0600 check.
-fn bind_unix(endpoint: &str, path: &PathBuf) -> Result<(PinListener, WakeAddr), PinServiceError> {
-    let sock_err = |op, source| PinServiceError::Socket {
-        path: path.clone(),
-        op,
-        source,
-    };
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(PinServiceError::InUse {
-                endpoint: endpoint.to_owned(),
-            });
-        }
-        std::fs::remove_file(path).map_err(|e| sock_err("remove stale socket", e))?;
-    }
-    let listener = UnixListener::bind(path).map_err(|e| sock_err("bind", e))?;
-    let chmod = std::fs::set_permissions(path, std::fs::Permissions::from_mode(UNIX_SOCKET_MODE))
-        .and_then(|()| listener.set_nonblocking(true))
-        .and_then(|()| {
-            while listener.accept().is_ok() {}
-            listener.set_nonblocking(false)
-        });
-    if let Err(e) = chmod {
-        let _ = std::fs::remove_file(path);
-        return Err(sock_err("chmod 0600", e));
-    }
-    Ok((PinListener::Unix(listener), WakeAddr::Unix(path.clone())))
 }
 
 impl Drop for PinService {

@@ -58,8 +58,8 @@ pub enum PinAuthError {
         source: std::io::Error,
     },
     /// The key file is readable or writable by group or others (mode shown
-    /// in octal); the key would let any local user pin and map nothing, but
-    /// authenticate as a target or donor.
+    /// in octal): any local user who reads it could authenticate as a
+    /// target (pin donor slots) or pose as a donor.
     #[error("pin auth `key_file` {path}: mode {mode:o} grants group/other access; chmod 600")]
     KeyFileMode {
         /// The file.
