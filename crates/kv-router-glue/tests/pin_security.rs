@@ -435,3 +435,44 @@ fn endpoints_and_keys_refuse_bad_input_naming_the_field() {
         Err(PinAuthError::KeyFile { .. })
     ));
 }
+
+#[test]
+fn an_over_limit_tcp_connection_is_closed_before_any_byte() {
+    let _g = lock();
+    let bank = bank(4);
+    let a = store(&bank, 2);
+    let config = PinServiceConfig {
+        max_connections: 1,
+        ..PinServiceConfig::default()
+    };
+    let svc = tcp_service(&bank, config);
+    let (_held, status) = raw_handshake(svc.endpoint(), KEY);
+    assert_eq!(status, 1);
+    assert!(until(Duration::from_secs(2), || svc.active_connections() == 1));
+    // Over the limit: no refusal frame to a peer that has not
+    // authenticated, the connection is just closed.
+    let mut s = TcpStream::connect(tcp_addr(svc.endpoint())).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    assert!(got.is_empty(), "{got:?}");
+    let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint())
+        .unwrap()
+        .with_auth_key(key());
+    let e = donor
+        .pin_remote(&hint(&bank, &a, svc.endpoint()))
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            PinError::Auth(PinAuthError::Io {
+                op: "challenge",
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    assert_eq!((svc.active_pins(), bank.pins_outstanding()), (0, 0));
+    let stats = svc.shutdown(Duration::ZERO);
+    assert_eq!((stats.connections_refused, stats.granted), (2, 0));
+}
