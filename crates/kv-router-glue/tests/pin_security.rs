@@ -52,15 +52,22 @@ fn bank(slots: u64) -> Arc<BankManager> {
     Arc::new(BankManager::new_host_shm(cfg, "pin-sec").unwrap())
 }
 
-/// Stores `blocks` zero-filled blocks; returns (hash, slot) in chain order.
+/// Byte `i` of rank `rank`'s part of the block with hash `h`.
+fn pattern(h: SequenceHash, rank: u32, i: usize) -> u8 {
+    (h.0 as usize).wrapping_add(rank as usize * 31 + i) as u8
+}
+
+/// Stores `blocks` blocks (bytes by [`pattern`]); returns (hash, slot) in chain order.
 fn store(bank: &BankManager, blocks: usize) -> Vec<(SequenceHash, u32)> {
     let tokens: Vec<u32> = (0..(blocks * BLOCK_TOKENS) as u32).collect();
     let sealed = sealed_blocks(None, &tokens, BLOCK_TOKENS);
     let st = bank.store(None, &sealed).unwrap();
-    let zeros = vec![0u8; layout().rank_block_bytes()];
     for rank in 0..TP {
-        for index in 0..st.entries.len() {
-            bank.write_pending(st.store_id, rank, index, &zeros)
+        for (index, (h, _)) in st.entries.iter().enumerate() {
+            let bytes: Vec<u8> = (0..layout().rank_block_bytes())
+                .map(|i| pattern(*h, rank, i))
+                .collect();
+            bank.write_pending(st.store_id, rank, index, &bytes)
                 .unwrap();
         }
     }
@@ -475,4 +482,77 @@ fn an_over_limit_tcp_connection_is_closed_before_any_byte() {
     assert_eq!((svc.active_pins(), bank.pins_outstanding()), (0, 0));
     let stats = svc.shutdown(Duration::ZERO);
     assert_eq!((stats.connections_refused, stats.granted), (2, 0));
+}
+
+#[test]
+fn a_service_bound_to_every_interface_pins_over_loopback_and_shuts_down() {
+    let _g = lock();
+    let bank = bank(2);
+    let a = store(&bank, 1);
+    let svc = PinService::bind_authenticated(
+        bank.clone(),
+        "tcp:0.0.0.0:0",
+        PinServiceConfig::default(),
+        key(),
+    )
+    .unwrap();
+    let port = svc.endpoint().rsplit_once(':').unwrap().1.to_owned();
+    assert_eq!(svc.endpoint(), format!("tcp:0.0.0.0:{port}"));
+    let ep = format!("tcp:127.0.0.1:{port}");
+    let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), &ep)
+        .unwrap()
+        .with_auth_key(key());
+    drop(donor.pin_remote(&hint(&bank, &a, &ep)).unwrap());
+    let t0 = Instant::now();
+    // Shutdown wakes its accept thread through loopback, not 0.0.0.0.
+    let stats = svc.shutdown(Duration::ZERO);
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert_eq!((stats.granted, stats.released), (1, 1));
+}
+
+#[test]
+fn a_fetch_over_a_tcp_pin_completes_with_the_donor_bytes() {
+    use kv_bank::{BankMemory, DestinationPool};
+    use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend};
+    let _g = lock();
+    let bank = bank(4);
+    let a = store(&bank, 3);
+    let svc = tcp_service(&bank, PinServiceConfig::default());
+    let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint())
+        .unwrap()
+        .with_auth_key(key());
+    let rbb = layout().rank_block_bytes();
+    let rows = 4u32;
+    let regions: Vec<Arc<HostBuffer>> = (0..TP)
+        .map(|_| Arc::new(HostBuffer::zeroed(rows as usize * rbb).unwrap()))
+        .collect();
+    let exec = FetchExecutor::new(
+        layout(),
+        DestinationPool::new(rows),
+        regions
+            .iter()
+            .map(|r| r.clone() as Arc<dyn BankMemory>)
+            .collect(),
+        rows,
+        Arc::new(HostCopyBackend),
+    )
+    .unwrap();
+    let env = HintEnvelope::fetch_gpu("req-tcp", "p0", &hint(&bank, &a, svc.endpoint())).unwrap();
+    let out = exec.execute(&env, &donor, &DeliveryControl::new()).unwrap();
+    assert_eq!(out.fetched.len(), a.len());
+    for (k, &row) in out.target_blocks.iter().enumerate() {
+        for rank in 0..TP {
+            let mut buf = vec![0u8; rbb];
+            regions[rank as usize]
+                .read_bytes(row as usize * rbb, &mut buf)
+                .unwrap();
+            assert!(buf
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == pattern(a[k].0, rank, i)));
+        }
+    }
+    assert_eq!((svc.active_pins(), bank.pins_outstanding()), (0, 0));
+    let stats = svc.shutdown(Duration::ZERO);
+    assert_eq!((stats.granted, stats.released), (1, 1));
 }

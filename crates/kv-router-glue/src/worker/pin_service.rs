@@ -261,7 +261,10 @@ impl PinService {
     /// [`PinAuthKey`]) before a pin frame is read. Port 0 picks a free port;
     /// [`PinService::endpoint`] then names the bound one (`tcp:<ip>:<port>`).
     /// On a Unix endpoint the key is not used (the socket's file mode is
-    /// the control there).
+    /// the control there). Bind the address targets reach (the host's
+    /// private-network IP): bound to `0.0.0.0` the endpoint reads
+    /// `tcp:0.0.0.0:<port>`, and the deployment must publish the host's
+    /// address in its place.
     ///
     /// # Errors
     /// As [`PinService::bind`], without `AuthRequired`.
