@@ -12,7 +12,7 @@ use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
 use kv_router_glue::{FetchExecutor, RemoteDonor};
 use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend};
 
-use crate::errors::{bad_argument, descriptor, fetch, BankFailed, PinServiceFailed};
+use crate::errors::{bad_argument, descriptor, fetch, BankFailed, FetchFellBack};
 use crate::layout::Layout;
 
 /// A prefill target with `rows` destination rows per TP rank in host memory.
@@ -91,8 +91,11 @@ impl Target {
             .ok_or_else(|| bad_argument("hint", "no kv.fetch_gpu action"))?;
         let prompt: Vec<SequenceHash> = prompt_hashes.into_iter().map(SequenceHash).collect();
         let out = py.allow_threads(|| {
-            let donor = RemoteDonor::open_host_shm(manifest, &endpoint)
-                .map_err(|e| PinServiceFailed::new_err(e.to_string()))?;
+            // A donor whose segments are gone (it exited) is a fallback like
+            // a refused pin: the request recomputes.
+            let donor = RemoteDonor::open_host_shm(manifest, &endpoint).map_err(|e| {
+                FetchFellBack::new_err((format!("donor import: {e}"), "import", "donor_import"))
+            })?;
             self.executor
                 .execute_for_prompt(&envelope, &prompt, &donor, &DeliveryControl::default())
                 .map_err(fetch)
