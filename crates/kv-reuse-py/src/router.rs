@@ -23,8 +23,11 @@ use crate::settings::Settings;
 /// `DonorBank.slots`). A stand-in until the cross-process directory lands.
 #[derive(Default)]
 struct ReportedDirectory {
-    donors: RwLock<HashMap<EngineId, (BankManifest, String, HashMap<u64, u32>)>>,
+    donors: RwLock<HashMap<EngineId, ReportedDonor>>,
 }
+
+/// A donor's manifest, control endpoint and sequence-hash -> slot table.
+type ReportedDonor = (BankManifest, String, HashMap<u64, u32>);
 
 impl DonorDirectory for ReportedDirectory {
     fn resolve(
