@@ -2,11 +2,11 @@
 //! decode-to-prefill KV reuse (PyO3, abi3 for CPython >= 3.9).
 //!
 //! The module loads without CUDA or NIXL: the Rust crates below resolve both
-//! at run time. Classes: [`layout::Layout`], [`settings::Settings`],
-//! [`donor::DonorBank`] (+ `PendingStore`, `PinServer`), [`router::Router`]
-//! (+ `Advice`), [`target::Target`] (+ `FetchOutcome`); exceptions in
-//! [`errors`]. Host arrays are read in place through `__array_interface__`
-//! ([`array`], the only unsafe code).
+//! at run time. Python classes: `Layout` (module `layout`), `Settings`
+//! (`settings`), `DonorBank`, `PendingStore`, `PinServer` (`donor`), `Router`,
+//! `Advice` (`router`), `Target`, `FetchOutcome` (`target`); exceptions in
+//! `errors`. Host arrays are read in place through `__array_interface__`
+//! (module `array`, the only unsafe code). API and examples: docs/python.md.
 
 mod array;
 mod donor;
