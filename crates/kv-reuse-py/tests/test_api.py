@@ -95,3 +95,15 @@ def test_a_forged_hint_is_refused_as_a_descriptor(layout):
     with pytest.raises(kv_reuse.DescriptorRefused):
         target.fetch(b"\x81\xa1x\x01", [1, 2], b"\x80")
     assert issubclass(kv_reuse.DescriptorRefused, kv_reuse.KvReuseError)
+
+
+def test_pin_server_is_a_context_manager_and_refuses_a_bad_endpoint(layout, tmp_path):
+    bank = kv_reuse.DonorBank(layout, slots=2)
+    with bank.serve_pins("unix:" + str(tmp_path / "p.sock")) as server:
+        assert server.endpoint.endswith("p.sock")
+    assert server.endpoint is None and server.active_pins == 0
+    server.close()  # idempotent
+    # `match`, not `as e`: a kept traceback would hold this frame (and the
+    # bank) past the leak check.
+    with pytest.raises(kv_reuse.PinServiceFailed, match=r"endpoint \"tcp://10.0.0.1:9\" is not `unix:<path>`"):
+        bank.serve_pins("tcp://10.0.0.1:9")
