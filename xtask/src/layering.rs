@@ -7,12 +7,15 @@ use serde::Deserialize;
 use crate::error::{Result, XtaskError};
 
 /// Workspace crates, lowest first: a crate may depend only on crates to its left.
-pub const ORDER: [&str; 7] = [
+pub const ORDER: [&str; 8] = [
     "kv-descriptor",
     "kv-bank",
     "kv-transfer",
     "kv-lookup",
     "kv-router-glue",
+    // The Python wheel: above the role crates, below the test kit (which it
+    // must not need).
+    "kv-reuse-py",
     "kv-testkit",
     "xtask",
 ];

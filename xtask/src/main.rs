@@ -29,6 +29,7 @@ mod pip;
 mod prerequisites;
 mod qualify;
 mod test_suite;
+mod wheel;
 mod workspace;
 
 use std::path::PathBuf;
@@ -101,6 +102,8 @@ enum Cmd {
         #[arg(long = "target", value_name = "NAME")]
         targets: Vec<String>,
     },
+    /// Build the `kv_reuse` Python wheel into `target/wheels/` (venv in `target/py-venv`).
+    Wheel,
     /// Build `.bundle/` (kvq + NIXL libraries) for a GPU machine and print the command.
     GpuBundle {
         /// Also bundle release test binaries of the crates with GPU tests.
@@ -176,5 +179,11 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         }
         Cmd::Fuzz { seconds, targets } => fuzz::run(seconds, &targets),
         Cmd::GpuBundle { with_tests } => bundle::run(with_tests),
+        Cmd::Wheel => {
+            let wheel = wheel::build_and_install()?;
+            println!("wheel: {}", wheel.display());
+            println!("installed into {}", wheel::venv_dir().display());
+            Ok(())
+        }
     }
 }

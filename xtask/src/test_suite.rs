@@ -181,7 +181,7 @@ pub fn run(extra: &[String]) -> Result<()> {
     }
     test.arg("--nocapture");
     prereq.apply(&mut test);
-    let (tally, status) = tee_and_tally(&mut test, &mut std::io::stdout().lock())?;
+    let (mut tally, status) = tee_and_tally(&mut test, &mut std::io::stdout().lock())?;
     if !status.success() && tally.failed == 0 {
         let why = if tally.passed == 0 {
             "before any test ran: a build failure, or an argument cargo rejected; see its output above"
@@ -192,6 +192,22 @@ pub fn run(extra: &[String]) -> Result<()> {
             "`{}` exited with {status}, {why}",
             command::describe(&test)
         ));
+    }
+
+    // The Python wheel, built with the workspace target directory (its
+    // dependencies are the test build's), and its pytest counts.
+    match crate::wheel::build_and_install().and_then(|_| crate::wheel::pytest()) {
+        Ok((py, clean)) => {
+            if !clean && py.failed == 0 {
+                step_failures.push(
+                    "pytest exited non-zero without a failed test (collection error?)".into(),
+                );
+            }
+            tally.passed += py.passed;
+            tally.failed += py.failed;
+            tally.skipped += py.skipped;
+        }
+        Err(e) => step_failures.push(format!("python wheel: {e}")),
     }
 
     // After the tests, so they reuse the test build's dependency artifacts.

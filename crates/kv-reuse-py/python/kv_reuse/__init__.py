@@ -1,0 +1,33 @@
+"""Decode-to-prefill KV cache reuse for Python workers and routers.
+
+Roles: :class:`DonorBank` (decode worker: retain, store, events, pins),
+:class:`Router` (index + advisor), :class:`Target` (prefill worker: check a
+hint against the prompt and fetch). Errors derive from :class:`KvReuseError`.
+The compiled module needs neither CUDA nor NIXL to import.
+"""
+
+from ._native import (  # noqa: F401
+    Advice,
+    BadArgument,
+    BankFailed,
+    DescriptorRefused,
+    DonorBank,
+    FetchFellBack,
+    FetchOutcome,
+    HintRefused,
+    KvReuseError,
+    Layout,
+    LookupFailed,
+    PendingStore,
+    PinServer,
+    PinServiceFailed,
+    PromptMismatch,
+    Router,
+    Settings,
+    SettingsRefused,
+    Target,
+    leak_counters,
+    sequence_hashes,
+)
+
+__all__ = [n for n in dir() if not n.startswith("_")]

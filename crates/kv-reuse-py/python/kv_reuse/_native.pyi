@@ -1,0 +1,172 @@
+"""Type stubs of the compiled kv_reuse module (crates/kv-reuse-py/src)."""
+
+from types import TracebackType
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
+
+class KvReuseError(Exception):
+    """Base of every kv_reuse error."""
+
+class SettingsRefused(KvReuseError):
+    """A setting was refused; the message names the key."""
+
+class BadArgument(KvReuseError):
+    """An argument was refused; the message starts with the argument's name."""
+
+class BankFailed(KvReuseError):
+    """The donor bank (or host rows) refused an operation."""
+
+class DescriptorRefused(KvReuseError):
+    """A manifest, event or hint did not decode or validate."""
+
+class LookupFailed(KvReuseError):
+    """The router index refused a worker or an event."""
+
+class PinServiceFailed(KvReuseError):
+    """The pin service could not bind or serve."""
+
+class HintRefused(KvReuseError):
+    """The hint was refused before anything was touched."""
+
+class PromptMismatch(HintRefused):
+    """The hint is for another prompt."""
+
+class FetchFellBack(KvReuseError):
+    """The fetch fell back after validation; ``args`` = (message, stage, cause). Recompute."""
+
+def sequence_hashes(tokens: Sequence[int], tokens_per_block: int) -> List[int]:
+    """u64 sequence hashes of the whole blocks of ``tokens`` (kv_descriptor::sequence_hashes)."""
+
+def leak_counters() -> Dict[str, int]:
+    """This process's resource counters: open_fds, shm_entries, shm_mappings, pins, ..."""
+
+class Layout:
+    """A block-major KV layout; dtype is "f32", "fp16", "bf16" or "fp8_e4m3"."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str,
+        tokens_per_block: int,
+        tp_size: int,
+    ) -> None: ...
+    @property
+    def rank_block_bytes(self) -> int: ...
+    @property
+    def rank_block_elems(self) -> int: ...
+    @property
+    def typestr(self) -> str: ...
+    @property
+    def tokens_per_block(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+
+class Settings:
+    """Validated reuse settings: ``values`` under ``env`` (None = os env) under ``argv``."""
+
+    def __init__(
+        self,
+        values: Optional[Mapping[str, Any]] = None,
+        argv: Optional[Sequence[str]] = None,
+        env: Optional[Mapping[str, str]] = None,
+    ) -> None: ...
+    def to_json(self) -> str: ...
+    def entries(self) -> Dict[str, Tuple[str, str]]: ...
+    def describe(self) -> str: ...
+
+class PendingStore:
+    """Blocks reserved in a donor bank, written and acknowledged per TP rank."""
+
+    @property
+    def sequence_hashes(self) -> List[int]: ...
+    def write(self, rank: int, blocks: Any) -> None:
+        """``blocks``: C-contiguous array, shape (n_blocks, rank_block_elems), dtype ``Layout.typestr``."""
+    def ack(self, rank: int) -> bool:
+        """True once every rank acknowledged."""
+
+class PinServer:
+    """A running pin service; a context manager that closes it."""
+
+    @property
+    def endpoint(self) -> Optional[str]: ...
+    @property
+    def active_pins(self) -> int: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> "PinServer": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
+class DonorBank:
+    """A decode worker's retained bank in host shared memory."""
+
+    def __init__(self, layout: Layout, slots: int, host_id: str = "kv-reuse-py") -> None: ...
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def pins_outstanding(self) -> int: ...
+    def manifest(self) -> bytes: ...
+    def store(self, tokens: Sequence[int]) -> PendingStore: ...
+    def slots(self, hashes: Sequence[int]) -> List[Optional[int]]: ...
+    def drain_events(self) -> List[bytes]: ...
+    def serve_pins(self, endpoint: str) -> PinServer: ...
+
+class Advice:
+    """The router's decision for one request."""
+
+    @property
+    def admitted(self) -> bool: ...
+    @property
+    def verdict(self) -> str: ...
+    @property
+    def hint(self) -> Optional[bytes]: ...
+
+class Router:
+    """An in-process router: index + donor directory + advisor."""
+
+    def __init__(self, settings: Settings, tokens_per_block: int, max_probes: int = 16384) -> None: ...
+    def register_worker(self, key: int, engine: str, role_name: str, layout: Layout) -> None: ...
+    def apply_event(self, event: bytes) -> None: ...
+    def report_donor(self, manifest: bytes, endpoint: str, slots: Mapping[int, int]) -> None: ...
+    def advise(self, request_id: str, sequence_hashes: Sequence[int], target: str) -> Advice: ...
+
+class FetchOutcome:
+    """A completed fetch; its rows return to the pool on ``release()`` / end of ``with``."""
+
+    @property
+    def rows(self) -> List[int]: ...
+    @property
+    def fetch_from(self) -> int: ...
+    @property
+    def fetched(self) -> List[int]: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def host_payload_bytes(self) -> int: ...
+    @property
+    def transport(self) -> str: ...
+    @property
+    def released(self) -> bool: ...
+    def release(self) -> None: ...
+    def __enter__(self) -> "FetchOutcome": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
+class Target:
+    """A prefill target with host destination rows per TP rank."""
+
+    def __init__(self, layout: Layout, rows: int) -> None: ...
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def free_rows(self) -> int: ...
+    def fetch(self, hint: bytes, prompt_hashes: Sequence[int], manifest: bytes) -> FetchOutcome: ...
+    def read_row(self, rank: int, row: int) -> bytes: ...

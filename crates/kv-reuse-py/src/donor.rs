@@ -1,0 +1,221 @@
+//! The donor role: a host-shm TP-N bank, stores of sealed blocks from numpy
+//! arrays acknowledged per rank, events, the manifest, and the pin service.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use kv_bank::{sealed_blocks, BankConfig, BankManager, StoreStatus};
+use kv_descriptor::{OwnerLease, Role, SequenceHash, Wire};
+use kv_router_glue::{PinService, PinServiceConfig};
+
+use crate::array::HostArray;
+use crate::errors::{bad_argument, bank, descriptor, PinServiceFailed};
+use crate::layout::Layout;
+
+/// A decode worker's retained bank in host shared memory (kv_bank::BankManager).
+#[pyclass(frozen, module = "kv_reuse")]
+pub(crate) struct DonorBank {
+    pub(crate) inner: Arc<BankManager>,
+    layout: Layout,
+}
+
+#[pymethods]
+impl DonorBank {
+    /// Opens a bank of `slots` KV blocks per TP rank in host shm.
+    ///
+    /// Raises `BankFailed` when the segments cannot be created.
+    #[new]
+    #[pyo3(signature = (layout, slots, host_id = "kv-reuse-py"))]
+    fn new(layout: Layout, slots: u64, host_id: &str) -> PyResult<Self> {
+        if slots == 0 {
+            return Err(bad_argument("slots", "must be at least 1"));
+        }
+        let bytes =
+            slots * u64::from(layout.inner.tp_size()) * layout.inner.rank_block_bytes() as u64;
+        let cfg = BankConfig::new(layout.inner, OwnerLease::fresh(Role::Decode), bytes);
+        let inner = BankManager::new_host_shm(cfg, host_id).map_err(bank)?;
+        Ok(Self {
+            inner: Arc::new(inner),
+            layout,
+        })
+    }
+
+    /// This donor's engine id (UUID string).
+    #[getter]
+    fn engine_id(&self) -> String {
+        self.inner.owner().engine_id.to_string()
+    }
+
+    /// The bank manifest in its MessagePack wire form (what a target imports).
+    fn manifest<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let b = self.inner.manifest().to_wire().map_err(descriptor)?;
+        Ok(PyBytes::new(py, &b))
+    }
+
+    /// Starts storing the sealed blocks of `tokens` (whole blocks only; a
+    /// partial tail is not stored). Returns a `PendingStore` to fill per rank.
+    fn store(&self, tokens: Vec<u32>) -> PyResult<PendingStore> {
+        let tpb = self.layout.inner.tokens_per_block() as usize;
+        let sealed = sealed_blocks(None, &tokens, tpb);
+        if sealed.is_empty() {
+            return Err(bad_argument(
+                "tokens",
+                format!("fewer than one block ({tpb} tokens)"),
+            ));
+        }
+        let st = self.inner.store(None, &sealed).map_err(bank)?;
+        Ok(PendingStore {
+            bank: self.inner.clone(),
+            layout: self.layout,
+            store_id: st.store_id,
+            hashes: sealed.iter().map(|b| b.sequence_hash.0).collect(),
+        })
+    }
+
+    /// The slot holding each of `hashes`, or None where the bank lacks it.
+    fn slots(&self, hashes: Vec<u64>) -> Vec<Option<u32>> {
+        hashes
+            .iter()
+            .map(|h| self.inner.lookup(&SequenceHash(*h)))
+            .collect()
+    }
+
+    /// Drains the queued KV events (MessagePack `KvEvent` each).
+    fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        self.inner
+            .drain_events()
+            .iter()
+            .map(|e| {
+                e.to_wire()
+                    .map(|b| PyBytes::new(py, &b))
+                    .map_err(descriptor)
+            })
+            .collect()
+    }
+
+    /// Source pins held now (kv_bank pins outstanding).
+    #[getter]
+    fn pins_outstanding(&self) -> u64 {
+        self.inner.pins_outstanding()
+    }
+
+    /// Serves source pins on `endpoint` (`unix:/path`). Use as a context manager.
+    fn serve_pins(&self, endpoint: &str) -> PyResult<PinServer> {
+        let svc = PinService::bind(self.inner.clone(), endpoint, PinServiceConfig::default())
+            .map_err(|e| PinServiceFailed::new_err(e.to_string()))?;
+        Ok(PinServer {
+            inner: take_once::Slot::new(svc),
+        })
+    }
+}
+
+/// Blocks reserved in the bank, written per TP rank and acknowledged per rank.
+#[pyclass(module = "kv_reuse")]
+pub(crate) struct PendingStore {
+    bank: Arc<BankManager>,
+    layout: Layout,
+    store_id: u64,
+    hashes: Vec<u64>,
+}
+
+#[pymethods]
+impl PendingStore {
+    /// Sequence hashes of the stored blocks, in order.
+    #[getter]
+    fn sequence_hashes(&self) -> Vec<u64> {
+        self.hashes.clone()
+    }
+
+    /// Writes rank `rank`'s part of every block from `blocks`, a C-contiguous
+    /// array of shape `(len(sequence_hashes), layout.rank_block_elems)` and
+    /// dtype `layout.typestr`, read in place.
+    fn write(&self, rank: u32, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        if rank >= self.layout.inner.tp_size() {
+            return Err(bad_argument(
+                "rank",
+                format!("{rank} >= tp_size {}", self.layout.inner.tp_size()),
+            ));
+        }
+        let elems = self.layout.inner.rank_block_bytes() / self.layout.inner.dtype().size_bytes();
+        let arr = HostArray::new(
+            blocks,
+            "blocks",
+            crate::array::typestr(self.layout.inner.dtype()),
+            &[self.hashes.len(), elems],
+        )?;
+        let rbb = self.layout.inner.rank_block_bytes();
+        for (index, chunk) in arr.bytes().chunks_exact(rbb).enumerate() {
+            self.bank
+                .write_pending(self.store_id, rank, index, chunk)
+                .map_err(bank)?;
+        }
+        Ok(())
+    }
+
+    /// Acknowledges rank `rank`'s writes; True once every rank acked (the
+    /// blocks are in the inventory and a Stored event is queued).
+    fn ack(&self, rank: u32) -> PyResult<bool> {
+        Ok(self.bank.ack(self.store_id, rank).map_err(bank)? == StoreStatus::Ready)
+    }
+}
+
+mod take_once {
+    //! A take-once cell for a service that shuts down by value.
+    use std::sync::Mutex;
+    pub(crate) struct Slot<T>(Mutex<Option<T>>);
+    impl<T> Slot<T> {
+        pub(crate) fn new(v: T) -> Self {
+            Self(Mutex::new(Some(v)))
+        }
+        pub(crate) fn take(&self) -> Option<T> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+        }
+        pub(crate) fn with<R>(&self, f: impl FnOnce(&T) -> R) -> Option<R> {
+            self.0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .map(f)
+        }
+    }
+}
+
+/// A running pin service (kv_router_glue::PinService); a context manager
+/// that shuts it down (draining for up to 1 s) on exit.
+#[pyclass(frozen, module = "kv_reuse")]
+pub(crate) struct PinServer {
+    inner: take_once::Slot<PinService>,
+}
+
+#[pymethods]
+impl PinServer {
+    /// The endpoint served (`unix:/path`), None after close.
+    #[getter]
+    fn endpoint(&self) -> Option<String> {
+        self.inner.with(|s| s.endpoint().to_owned())
+    }
+    /// Pins granted and not yet released.
+    #[getter]
+    fn active_pins(&self) -> usize {
+        self.inner.with(|s| s.active_pins()).unwrap_or(0)
+    }
+    /// Stops serving; held pins end. Idempotent. Releases the GIL.
+    fn close(&self, py: Python<'_>) {
+        if let Some(s) = self.inner.take() {
+            py.allow_threads(|| {
+                s.shutdown(Duration::from_secs(1));
+            });
+        }
+    }
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+}

@@ -1,0 +1,94 @@
+//! `Layout`: the KV layout a bank, router and target agree on, and engine ids.
+
+use pyo3::prelude::*;
+
+use kv_descriptor::{DType, EngineId, KvLayout, TensorOrder};
+
+use crate::errors::{bad_argument, descriptor};
+
+/// A block-major KV layout (kv_descriptor::KvLayout).
+///
+/// `dtype` is one of `"f32"`, `"fp16"`, `"bf16"`, `"fp8_e4m3"`. One TP rank's
+/// part of one KV block is `rank_block_bytes` bytes; numpy arrays for it have
+/// `rank_block_elems` elements of `typestr`.
+#[pyclass(frozen, module = "kv_reuse")]
+#[derive(Clone, Copy)]
+pub(crate) struct Layout {
+    pub(crate) inner: KvLayout,
+}
+
+pub(crate) fn parse_dtype(s: &str) -> PyResult<DType> {
+    Ok(match s {
+        "f32" | "float32" => DType::F32,
+        "fp16" | "float16" => DType::Fp16,
+        "bf16" | "bfloat16" => DType::Bf16,
+        "fp8_e4m3" => DType::Fp8E4m3,
+        other => {
+            return Err(bad_argument(
+                "dtype",
+                format!("`{other}` is not one of f32, fp16, bf16, fp8_e4m3"),
+            ))
+        }
+    })
+}
+
+#[pymethods]
+impl Layout {
+    #[new]
+    #[pyo3(signature = (num_layers, num_kv_heads, head_dim, dtype, tokens_per_block, tp_size))]
+    fn new(
+        num_layers: u32,
+        num_kv_heads: u32,
+        head_dim: u32,
+        dtype: &str,
+        tokens_per_block: u32,
+        tp_size: u32,
+    ) -> PyResult<Self> {
+        let inner = KvLayout::new(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            parse_dtype(dtype)?,
+            tokens_per_block,
+            TensorOrder::BlockMajor,
+            tp_size,
+        )
+        .map_err(descriptor)?;
+        Ok(Self { inner })
+    }
+    /// Bytes of one TP rank's part of one block.
+    #[getter]
+    fn rank_block_bytes(&self) -> usize {
+        self.inner.rank_block_bytes()
+    }
+    /// Elements of one TP rank's part of one block (numpy arrays' last axis).
+    #[getter]
+    fn rank_block_elems(&self) -> usize {
+        self.inner.rank_block_bytes() / self.inner.dtype().size_bytes()
+    }
+    /// The `__array_interface__` typestr arrays must have (`<f4`, ...).
+    #[getter]
+    fn typestr(&self) -> &'static str {
+        crate::array::typestr(self.inner.dtype())
+    }
+    /// Tokens per KV block.
+    #[getter]
+    fn tokens_per_block(&self) -> u32 {
+        self.inner.tokens_per_block()
+    }
+    /// TP ranks.
+    #[getter]
+    fn tp_size(&self) -> u32 {
+        self.inner.tp_size()
+    }
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.inner)
+    }
+}
+
+/// Parses an engine id (hyphenated UUID), naming `argument` on error.
+pub(crate) fn engine_id(s: &str, argument: &str) -> PyResult<EngineId> {
+    uuid::Uuid::parse_str(s)
+        .map(EngineId)
+        .map_err(|e| bad_argument(argument, format!("`{s}` is not a UUID: {e}")))
+}

@@ -1,0 +1,75 @@
+//! `kv_reuse`: the Python wheel for the donor, router and target roles of
+//! decode-to-prefill KV reuse (PyO3, abi3 for CPython >= 3.9).
+//!
+//! The module loads without CUDA or NIXL: the Rust crates below resolve both
+//! at run time. Python classes: `Layout` (module `layout`), `Settings`
+//! (`settings`), `DonorBank`, `PendingStore`, `PinServer` (`donor`), `Router`,
+//! `Advice` (`router`), `Target`, `FetchOutcome` (`target`); exceptions in
+//! `errors`. Host arrays are read in place through `__array_interface__`
+//! (module `array`, the only unsafe code). API and examples: docs/python.md.
+
+mod array;
+mod donor;
+mod errors;
+mod layout;
+mod router;
+mod settings;
+mod target;
+
+use std::collections::HashMap;
+
+use pyo3::prelude::*;
+
+/// Sequence hashes (u64) of the whole blocks of `tokens`, chained from the
+/// root: equal to `kv_descriptor::sequence_hashes`. A partial tail block has
+/// no hash.
+#[pyfunction]
+fn sequence_hashes(tokens: Vec<u32>, tokens_per_block: usize) -> PyResult<Vec<u64>> {
+    if tokens_per_block == 0 {
+        return Err(errors::bad_argument(
+            "tokens_per_block",
+            "must be at least 1",
+        ));
+    }
+    Ok(kv_descriptor::sequence_hashes(&tokens, tokens_per_block)
+        .into_iter()
+        .map(|h| h.0)
+        .collect())
+}
+
+/// This process's resource counters (kv_bank leak snapshot): `open_fds`,
+/// `shm_entries` (count), `shm_mappings`, `ipc_mappings`, `pins`,
+/// `reserved_blocks`, `lease_holders`, `background_threads`, ...
+#[pyfunction]
+fn leak_counters() -> HashMap<&'static str, u64> {
+    let s = kv_bank::leaks::snapshot();
+    HashMap::from([
+        ("open_fds", s.open_fds),
+        ("shm_entries", s.shm_entries.len() as u64),
+        ("shm_mappings", s.shm_mappings),
+        ("ipc_mappings", s.ipc_mappings),
+        ("device_allocations", s.device_allocations),
+        ("pins", s.pins),
+        ("reserved_blocks", s.reserved_blocks),
+        ("lease_holders", s.lease_holders),
+        ("background_threads", s.background_threads),
+    ])
+}
+
+#[pymodule]
+#[pyo3(name = "_native")]
+fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(leak_counters, m)?)?;
+    m.add_class::<layout::Layout>()?;
+    m.add_class::<settings::Settings>()?;
+    m.add_class::<donor::DonorBank>()?;
+    m.add_class::<donor::PendingStore>()?;
+    m.add_class::<donor::PinServer>()?;
+    m.add_class::<router::Router>()?;
+    m.add_class::<router::Advice>()?;
+    m.add_class::<target::Target>()?;
+    m.add_class::<target::FetchOutcome>()?;
+    Ok(())
+}

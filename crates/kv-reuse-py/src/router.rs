@@ -1,0 +1,196 @@
+//! The router role in-process: an inventory index fed with KV events, a
+//! directory of donors (manifest, control endpoint, slot of each block), and
+//! the advisor that emits fetch hints.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use kv_descriptor::{BankManifest, EngineId, KvEvent, Role, SequenceHash, Wire};
+use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
+use kv_router_glue::{
+    Advisor, CostModel, DecisionLog, DonorDirectory, LiveCostModel, ResolveError, ResolvedDonor,
+};
+
+use crate::errors::{bad_argument, descriptor, lookup};
+use crate::layout::{engine_id, Layout};
+use crate::settings::Settings;
+
+/// Donors known to this router by what they reported: the manifest, the
+/// control endpoint and a sequence-hash -> slot table (the donor's
+/// `DonorBank.slots`). A stand-in until the cross-process directory lands.
+#[derive(Default)]
+struct ReportedDirectory {
+    donors: RwLock<HashMap<EngineId, ReportedDonor>>,
+}
+
+/// A donor's manifest, control endpoint and sequence-hash -> slot table.
+type ReportedDonor = (BankManifest, String, HashMap<u64, u32>);
+
+impl DonorDirectory for ReportedDirectory {
+    fn resolve(
+        &self,
+        donor: EngineId,
+        hashes: &[SequenceHash],
+    ) -> Result<ResolvedDonor, ResolveError> {
+        let donors = self.donors.read().unwrap_or_else(|e| e.into_inner());
+        let (manifest, endpoint, slots) = donors
+            .get(&donor)
+            .ok_or(ResolveError::UnknownDonor { donor })?;
+        let slot_ids = hashes
+            .iter()
+            .enumerate()
+            .map(|(index, h)| {
+                slots
+                    .get(&h.0)
+                    .copied()
+                    .ok_or(ResolveError::BlockGone { index, hash: *h })
+            })
+            .collect::<Result<Vec<u32>, _>>()?;
+        Ok(ResolvedDonor {
+            manifest: manifest.clone(),
+            slot_ids,
+            control_endpoint: endpoint.clone(),
+        })
+    }
+}
+
+/// An in-process router: index + donor directory + advisor.
+#[pyclass(frozen, module = "kv_reuse")]
+pub(crate) struct Router {
+    index: Arc<InventoryIndex>,
+    directory: Arc<ReportedDirectory>,
+    advisor: Advisor,
+}
+
+fn role(s: &str) -> PyResult<Role> {
+    match s {
+        "decode" => Ok(Role::Decode),
+        "prefill" => Ok(Role::Prefill),
+        other => Err(bad_argument(
+            "role",
+            format!("`{other}` is not decode or prefill"),
+        )),
+    }
+}
+
+#[pymethods]
+impl Router {
+    /// A router deciding with `settings` for blocks of `tokens_per_block`.
+    ///
+    /// Raises `SettingsRefused` when the cost model cannot use the settings.
+    #[new]
+    #[pyo3(signature = (settings, tokens_per_block, max_probes = 16384))]
+    fn new(settings: &Settings, tokens_per_block: u32, max_probes: u32) -> PyResult<Self> {
+        let model = CostModel::new(settings.inner.settings.clone(), tokens_per_block)
+            .map_err(crate::errors::settings)?;
+        let index = Arc::new(InventoryIndex::new());
+        let directory = Arc::new(ReportedDirectory::default());
+        let advisor = Advisor::new(
+            index.clone(),
+            directory.clone(),
+            LiveCostModel::new(model),
+            Arc::new(DecisionLog::new(256)),
+            max_probes,
+        );
+        Ok(Self {
+            index,
+            directory,
+            advisor,
+        })
+    }
+
+    /// Registers worker `key` (engine id, `"decode"` or `"prefill"`, layout).
+    fn register_worker(
+        &self,
+        key: u64,
+        engine: &str,
+        role_name: &str,
+        layout: Layout,
+    ) -> PyResult<()> {
+        let info = WorkerInfo {
+            engine: engine_id(engine, "engine")?,
+            role: role(role_name)?,
+            layout_fingerprint: layout.inner.fingerprint(),
+            tp_size: layout.inner.tp_size(),
+        };
+        self.index
+            .register_worker(WorkerKey(key), info)
+            .map_err(lookup)
+            .map(|_| ())
+    }
+
+    /// Applies one KV event (MessagePack, as `DonorBank.drain_events` gives).
+    fn apply_event(&self, event: &[u8]) -> PyResult<()> {
+        let e = KvEvent::from_wire(event).map_err(descriptor)?;
+        self.index.apply_event(&e).map_err(lookup).map(|_| ())
+    }
+
+    /// Records a donor: its manifest (wire form), control endpoint and the
+    /// slot of each block it holds (`{sequence_hash: slot}`), replacing any
+    /// earlier report.
+    fn report_donor(
+        &self,
+        manifest: &[u8],
+        endpoint: &str,
+        slots: HashMap<u64, u32>,
+    ) -> PyResult<()> {
+        let m = BankManifest::from_wire(manifest).map_err(descriptor)?;
+        let engine = m.owner().engine_id;
+        self.directory
+            .donors
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(engine, (m, endpoint.to_owned(), slots));
+        Ok(())
+    }
+
+    /// Advises request `request_id` (prompt block hashes `sequence_hashes`)
+    /// routed to prefill engine `target`. Releases the GIL for the lookup.
+    fn advise(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        sequence_hashes: Vec<u64>,
+        target: &str,
+    ) -> PyResult<Advice> {
+        let target = engine_id(target, "target")?;
+        let hashes: Vec<SequenceHash> = sequence_hashes.into_iter().map(SequenceHash).collect();
+        let advice = py.allow_threads(|| self.advisor.advise(request_id, &hashes, target));
+        let hint = advice
+            .hint
+            .as_ref()
+            .map(|h| h.to_wire())
+            .transpose()
+            .map_err(descriptor)?
+            .map(|b| PyBytes::new(py, &b).unbind());
+        Ok(Advice {
+            admitted: advice.decision.admitted(),
+            verdict: format!("{:?}", advice.decision.verdict),
+            hint,
+        })
+    }
+}
+
+/// What the router decided for one request.
+#[pyclass(frozen, get_all, module = "kv_reuse")]
+pub(crate) struct Advice {
+    /// True when a fetch hint is attached.
+    admitted: bool,
+    /// The verdict with its reason (`Admit`, `Refuse(NoDonor)`, ...).
+    verdict: String,
+    /// The hint envelope (MessagePack) to send to the target, when admitted.
+    hint: Option<Py<PyBytes>>,
+}
+
+#[pymethods]
+impl Advice {
+    fn __repr__(&self) -> String {
+        format!(
+            "Advice(admitted={}, verdict={:?})",
+            self.admitted, self.verdict
+        )
+    }
+}

@@ -1,0 +1,176 @@
+//! The target (prefill) role: check a hint against the prompt and execute it
+//! with kv_router_glue's `FetchExecutor` into this target's host rows, pinning
+//! through the donor's pin service (`RemoteDonor`) and reading its host shm.
+
+use std::sync::{Arc, Mutex};
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use kv_bank::{BankMemory, CompletedBlocks, DestinationPool};
+use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
+use kv_router_glue::{FetchExecutor, RemoteDonor};
+use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend};
+
+use crate::errors::{bad_argument, descriptor, fetch, BankFailed, FetchFellBack};
+use crate::layout::Layout;
+
+/// A prefill target with `rows` destination rows per TP rank in host memory.
+#[pyclass(frozen, module = "kv_reuse")]
+pub(crate) struct Target {
+    engine: EngineId,
+    layout: Layout,
+    regions: Vec<Arc<HostBuffer>>,
+    executor: FetchExecutor,
+}
+
+#[pymethods]
+impl Target {
+    /// Raises `BankFailed` when the host rows cannot be allocated.
+    #[new]
+    fn new(layout: Layout, rows: u32) -> PyResult<Self> {
+        if rows == 0 {
+            return Err(bad_argument("rows", "must be at least 1"));
+        }
+        let rbb = layout.inner.rank_block_bytes();
+        let regions = (0..layout.inner.tp_size())
+            .map(|_| HostBuffer::zeroed(rows as usize * rbb).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| BankFailed::new_err(e.to_string()))?;
+        let dyn_regions: Vec<Arc<dyn BankMemory>> = regions
+            .iter()
+            .map(|r| r.clone() as Arc<dyn BankMemory>)
+            .collect();
+        let executor = FetchExecutor::new(
+            layout.inner,
+            DestinationPool::new(rows),
+            dyn_regions,
+            rows,
+            Arc::new(HostCopyBackend),
+        )
+        .map_err(fetch)?;
+        Ok(Self {
+            engine: EngineId::fresh(),
+            layout,
+            regions,
+            executor,
+        })
+    }
+
+    /// This target's engine id (what the router routes to).
+    #[getter]
+    fn engine_id(&self) -> String {
+        self.engine.to_string()
+    }
+
+    /// Destination rows free for a fetch.
+    #[getter]
+    fn free_rows(&self) -> u32 {
+        self.executor.pool().free_blocks() as u32
+    }
+
+    /// Executes `hint` (MessagePack envelope from `Advice.hint`) for a prompt
+    /// whose sealed blocks have `prompt_hashes`, from the donor whose
+    /// manifest (wire form) is `manifest`. Releases the GIL while it runs.
+    ///
+    /// Raises `PromptMismatch` / `HintRefused` before anything is touched,
+    /// `FetchFellBack` (stage, cause) after: recompute the prefix then.
+    fn fetch(
+        &self,
+        py: Python<'_>,
+        hint: &[u8],
+        prompt_hashes: Vec<u64>,
+        manifest: &[u8],
+    ) -> PyResult<FetchOutcome> {
+        let envelope = HintEnvelope::from_wire(hint).map_err(descriptor)?;
+        let manifest = BankManifest::from_wire(manifest).map_err(descriptor)?;
+        let actions = envelope.fetch_gpu_actions().map_err(descriptor)?;
+        let endpoint = actions
+            .first()
+            .map(|a| a.donor_control_endpoint.clone())
+            .ok_or_else(|| bad_argument("hint", "no kv.fetch_gpu action"))?;
+        let prompt: Vec<SequenceHash> = prompt_hashes.into_iter().map(SequenceHash).collect();
+        let out = py.allow_threads(|| {
+            // A donor whose segments are gone (it exited) is a fallback like
+            // a refused pin: the request recomputes.
+            let donor = RemoteDonor::open_host_shm(manifest, &endpoint).map_err(|e| {
+                FetchFellBack::new_err((format!("donor import: {e}"), "import", "donor_import"))
+            })?;
+            self.executor
+                .execute_for_prompt(&envelope, &prompt, &donor, &DeliveryControl::default())
+                .map_err(fetch)
+        })?;
+        Ok(FetchOutcome {
+            rows: out.target_blocks.to_vec(),
+            fetch_from: out.fetch_from,
+            fetched: out.fetched.iter().map(|h| h.0).collect(),
+            bytes: out.report.counters.bytes,
+            host_payload_bytes: out.report.counters.host_payload_bytes,
+            transport: out.report.counters.transport.clone(),
+            guard: Mutex::new(Some(out.target_blocks)),
+        })
+    }
+
+    /// The bytes of destination row `row` of rank `rank` (a copy; use
+    /// `numpy.frombuffer(..., dtype)` to view them).
+    fn read_row<'py>(&self, py: Python<'py>, rank: u32, row: u32) -> PyResult<Bound<'py, PyBytes>> {
+        let region = self.regions.get(rank as usize).ok_or_else(|| {
+            bad_argument("rank", format!("{rank} >= tp_size {}", self.regions.len()))
+        })?;
+        let rbb = self.layout.inner.rank_block_bytes();
+        let mut buf = vec![0u8; rbb];
+        region
+            .read_bytes(row as usize * rbb, &mut buf)
+            .map_err(|e| bad_argument("row", e))?;
+        Ok(PyBytes::new(py, &buf))
+    }
+}
+
+/// A completed fetch. Its rows stay out of the pool until `release()` (or
+/// the end of a `with` block): keep it while the request reads them.
+#[pyclass(frozen, module = "kv_reuse")]
+pub(crate) struct FetchOutcome {
+    /// Destination rows, one per fetched block, in prefix order.
+    #[pyo3(get)]
+    rows: Vec<u32>,
+    /// Index of the first fetched block in the prompt.
+    #[pyo3(get)]
+    fetch_from: u32,
+    /// Sequence hashes of the fetched blocks.
+    #[pyo3(get)]
+    fetched: Vec<u64>,
+    /// Bytes moved (all ranks).
+    #[pyo3(get)]
+    bytes: u64,
+    /// Bytes that crossed host memory (all of them on the host-shm path).
+    #[pyo3(get)]
+    host_payload_bytes: u64,
+    /// The transport (`host-memcpy`, ...).
+    #[pyo3(get)]
+    transport: String,
+    guard: Mutex<Option<CompletedBlocks>>,
+}
+
+#[pymethods]
+impl FetchOutcome {
+    /// Returns the rows to the target's pool. Idempotent.
+    fn release(&self) {
+        drop(self.guard.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
+    /// True after `release()`.
+    #[getter]
+    fn released(&self) -> bool {
+        self.guard
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+    }
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.release();
+        false
+    }
+}

@@ -1,0 +1,53 @@
+"""Shared fixtures: a layout and settings that admit a fetch, and a leak
+check around every test (the kv_bank leak counters, exposed to Python)."""
+
+import time
+
+import pytest
+
+import kv_reuse
+
+# 64-token blocks: with the default costs (30 us/token prefill, 400 us/block
+# transfer) each fetched block saves ~1.5 ms, so 6 blocks clear the 2 ms bar.
+TOKENS_PER_BLOCK = 64
+BLOCKS = 6
+TP = 2
+
+# Counters that must not grow across a test (fds: sockets, shm files).
+LEAK_KEYS = (
+    "open_fds",
+    "shm_entries",
+    "shm_mappings",
+    "pins",
+    "reserved_blocks",
+    "lease_holders",
+    "background_threads",
+)
+
+
+@pytest.fixture
+def layout():
+    return kv_reuse.Layout(2, 2, 8, "f32", TOKENS_PER_BLOCK, TP)
+
+
+@pytest.fixture
+def enabled():
+    return kv_reuse.Settings({"enable_decode_to_prefill_reuse": True}, env={})
+
+
+def _grown(before):
+    after = kv_reuse.leak_counters()
+    return {k: (before[k], after[k]) for k in LEAK_KEYS if after[k] > before[k]}
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    before = kv_reuse.leak_counters()
+    yield
+    # Pin-service threads and lease renewers end asynchronously: wait a bit.
+    deadline = time.monotonic() + 5.0
+    grown = _grown(before)
+    while grown and time.monotonic() < deadline:
+        time.sleep(0.05)
+        grown = _grown(before)
+    assert not grown, f"leaked (before, after): {grown}"

@@ -1,0 +1,55 @@
+"""A donor (decode worker) in its own process for the round-trip tests.
+
+argv: socket path, tokens_per_block, blocks, tp. Prints one JSON line with
+the engine id, manifest, events and slot table (bytes as hex), then serves
+pins until stdin closes or says `quit`."""
+
+import json
+import sys
+
+import numpy as np
+
+import kv_reuse
+
+
+def pattern(layout, rank, block):
+    """Distinct float values for rank `rank`'s part of block `block`."""
+    base = np.arange(layout.rank_block_elems, dtype=np.float32)
+    return base + np.float32(1000 * block + 100000 * rank)
+
+
+def main():
+    sock, tpb, blocks, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    layout = kv_reuse.Layout(2, 2, 8, "f32", tpb, tp)
+    bank = kv_reuse.DonorBank(layout, slots=blocks + 2)
+    tokens = list(range(tpb * blocks))
+    store = bank.store(tokens)
+    for rank in range(tp):
+        rows = np.stack([pattern(layout, rank, b) for b in range(blocks)])
+        store.write(rank, rows)
+    ready = [store.ack(rank) for rank in range(tp)]
+    with bank.serve_pins("unix:" + sock) as server:
+        hashes = store.sequence_hashes
+        print(
+            json.dumps(
+                {
+                    "ready": ready,
+                    "engine_id": bank.engine_id,
+                    "endpoint": server.endpoint,
+                    "manifest": bank.manifest().hex(),
+                    "events": [e.hex() for e in bank.drain_events()],
+                    "slots": {str(h): s for h, s in zip(hashes, bank.slots(hashes))},
+                    "hashes": hashes,
+                }
+            ),
+            flush=True,
+        )
+        for line in sys.stdin:
+            if line.strip() == "quit":
+                break
+            if line.strip() == "pins":
+                print(json.dumps({"pins": bank.pins_outstanding}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

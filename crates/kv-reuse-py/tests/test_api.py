@@ -1,0 +1,109 @@
+"""Settings, hashes and refusals of bad input, in one process."""
+
+import numpy as np
+import pytest
+
+import kv_reuse
+from conftest import TOKENS_PER_BLOCK
+
+# From kv_descriptor::sequence_hashes (Rust) for tokens [3, 10, 17, ...]
+# (i * 7 + 3 for i in 0..40), printed by a Rust program.
+GOLDEN = {
+    4: [13907820230272612835, 2341016269666256101, 15763145379756034831,
+        11211077233592904461, 18256284028764983410, 8580351062018703371,
+        8182953225833106100, 8681733599673050835, 10672936405883033760,
+        10265190568937748507],
+    16: [15611300789162007147, 2993060222284537841],
+}
+
+
+def test_sequence_hashes_equal_the_rust_function():
+    tokens = [i * 7 + 3 for i in range(40)]
+    for tpb, want in GOLDEN.items():
+        assert kv_reuse.sequence_hashes(tokens, tpb) == want
+    # Chained: a longer prompt extends, a partial tail has no hash.
+    assert kv_reuse.sequence_hashes(tokens[:19], 4) == GOLDEN[4][:4]
+
+
+def test_sequence_hashes_refuse_zero_block_size():
+    with pytest.raises(kv_reuse.BadArgument, match="tokens_per_block"):
+        kv_reuse.sequence_hashes([1, 2], 0)
+
+
+def test_settings_from_dict_env_and_argv_with_precedence():
+    s = kv_reuse.Settings(
+        {"minimum_transfer_prefix_blocks": 6},
+        env={"KV_REUSE_MINIMUM_TRANSFER_PREFIX_BLOCKS": "7"},
+        argv=["--minimum-transfer-prefix-blocks", "8"],
+    )
+    value, origin = s.entries()["minimum_transfer_prefix_blocks"]
+    assert value.startswith("8"), (value, origin)
+    assert '"minimum_transfer_prefix_blocks":8' in s.to_json().replace(" ", "")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"values": {"no_such_key": 1}}, "no_such_key"),
+        ({"values": {"minimum_transfer_prefix_blocks": "many"}}, "minimum_transfer_prefix_blocks"),
+        ({"env": {"KV_REUSE_TRANSFER_SOURCE_PREFILL_TOKEN_US": "-1"}}, "transfer_source_prefill_token_us"),
+        ({"argv": ["--no-such-flag"]}, "no-such-flag"),
+    ],
+)
+def test_settings_refusals_name_the_key(kwargs, field):
+    kwargs.setdefault("env", {})
+    with pytest.raises(kv_reuse.SettingsRefused, match=field):
+        kv_reuse.Settings(**kwargs)
+
+
+def test_layout_refuses_unknown_dtype():
+    with pytest.raises(kv_reuse.BadArgument, match="dtype"):
+        kv_reuse.Layout(2, 2, 8, "int7", TOKENS_PER_BLOCK, 2)
+
+
+def test_store_refuses_wrong_dtype_shape_strides_and_non_arrays(layout):
+    # Bank and store are locals (not fixture values, which pytest keeps
+    # until after the leak check), so they are gone when the test returns.
+    bank = kv_reuse.DonorBank(layout, slots=4)
+    store = bank.store(list(range(TOKENS_PER_BLOCK * 2)))
+    n = layout.rank_block_elems
+    with pytest.raises(kv_reuse.BadArgument, match=r"blocks: dtype <f8"):
+        store.write(0, np.zeros((2, n), dtype=np.float64))
+    with pytest.raises(kv_reuse.BadArgument, match=r"blocks: shape \[3, %d\]" % n):
+        store.write(0, np.zeros((3, n), dtype=np.float32))
+    with pytest.raises(kv_reuse.BadArgument, match="blocks: strides"):
+        store.write(0, np.zeros((n, 2), dtype=np.float32).T)
+    with pytest.raises(kv_reuse.BadArgument, match="blocks: has no __array_interface__"):
+        store.write(0, [[0.0] * n] * 2)
+    with pytest.raises(kv_reuse.BadArgument, match="rank"):
+        store.write(layout.tp_size, np.zeros((2, n), dtype=np.float32))
+    # A refused write left nothing half-done: the right arrays still store.
+    for rank in range(layout.tp_size):
+        store.write(rank, np.ones((2, n), dtype=np.float32))
+    assert [store.ack(r) for r in range(layout.tp_size)] == [False, True]
+    assert bank.slots(store.sequence_hashes) != [None, None]
+
+
+def test_store_refuses_a_partial_block(layout):
+    bank = kv_reuse.DonorBank(layout, slots=2)
+    with pytest.raises(kv_reuse.BadArgument, match="tokens"):
+        bank.store(list(range(TOKENS_PER_BLOCK - 1)))
+
+
+def test_a_forged_hint_is_refused_as_a_descriptor(layout):
+    target = kv_reuse.Target(layout, rows=4)
+    with pytest.raises(kv_reuse.DescriptorRefused):
+        target.fetch(b"\x81\xa1x\x01", [1, 2], b"\x80")
+    assert issubclass(kv_reuse.DescriptorRefused, kv_reuse.KvReuseError)
+
+
+def test_pin_server_is_a_context_manager_and_refuses_a_bad_endpoint(layout, tmp_path):
+    bank = kv_reuse.DonorBank(layout, slots=2)
+    with bank.serve_pins("unix:" + str(tmp_path / "p.sock")) as server:
+        assert server.endpoint.endswith("p.sock")
+    assert server.endpoint is None and server.active_pins == 0
+    server.close()  # idempotent
+    # `match`, not `as e`: a kept traceback would hold this frame (and the
+    # bank) past the leak check.
+    with pytest.raises(kv_reuse.PinServiceFailed, match=r"endpoint \"tcp://10.0.0.1:9\" is not `unix:<path>`"):
+        bank.serve_pins("tcp://10.0.0.1:9")

@@ -1,0 +1,110 @@
+"""Donor, router and target across two Python processes over host-shm banks:
+store -> events -> advise -> fetch, a dead donor falling back, and refusals."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kv_reuse
+from conftest import BLOCKS, TOKENS_PER_BLOCK, TP
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from donor_proc import pattern  # noqa: E402
+
+
+@pytest.fixture
+def donor(tmp_path):
+    """A donor process; yields (process, its JSON report)."""
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "donor_proc.py"), str(tmp_path / "pin.sock"),
+         str(TOKENS_PER_BLOCK), str(BLOCKS), str(TP)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    line = proc.stdout.readline()
+    assert line, "donor process printed nothing"
+    report = json.loads(line)
+    yield proc, report
+    if proc.poll() is None:
+        proc.stdin.write("quit\n")
+        proc.stdin.flush()
+    proc.wait(timeout=10)
+    # The pipes are this process's fds: close them, not the garbage collector.
+    proc.stdin.close()
+    proc.stdout.close()
+
+
+def router_for(report, layout, settings, target):
+    router = kv_reuse.Router(settings, TOKENS_PER_BLOCK)
+    router.register_worker(1, report["engine_id"], "decode", layout)
+    router.register_worker(2, target.engine_id, "prefill", layout)
+    for e in report["events"]:
+        router.apply_event(bytes.fromhex(e))
+    router.report_donor(bytes.fromhex(report["manifest"]), report["endpoint"],
+                        {int(h): s for h, s in report["slots"].items()})
+    return router
+
+
+def test_round_trip_store_events_advise_fetch_across_processes(donor, layout, enabled):
+    proc, report = donor
+    assert report["ready"] == [False, True]
+    tokens = list(range(TOKENS_PER_BLOCK * BLOCKS))
+    prompt = kv_reuse.sequence_hashes(tokens, TOKENS_PER_BLOCK)
+    assert prompt == report["hashes"]
+    target = kv_reuse.Target(layout, rows=16)
+    router = router_for(report, layout, enabled, target)
+    advice = router.advise("req-1", prompt, target.engine_id)
+    assert advice.admitted, advice.verdict
+    with target.fetch(advice.hint, prompt, bytes.fromhex(report["manifest"])) as out:
+        assert out.fetch_from == 0
+        assert out.fetched == prompt
+        assert len(out.rows) == BLOCKS
+        assert out.bytes == BLOCKS * TP * layout.rank_block_bytes
+        assert target.free_rows == 16 - BLOCKS
+        for block, row in enumerate(out.rows):
+            for rank in range(TP):
+                got = np.frombuffer(target.read_row(rank, row), dtype=np.float32)
+                np.testing.assert_array_equal(got, pattern(layout, rank, block))
+    assert out.released and target.free_rows == 16
+    proc.stdin.write("pins\n")
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline()) == {"pins": 0}
+
+
+def test_reuse_off_by_default_attaches_no_hint(donor, layout):
+    _, report = donor
+    target = kv_reuse.Target(layout, rows=8)
+    router = router_for(report, layout, kv_reuse.Settings(env={}), target)
+    advice = router.advise("req-off", report["hashes"], target.engine_id)
+    assert not advice.admitted and advice.hint is None
+    assert "Refuse" in advice.verdict
+
+
+def test_a_killed_donor_falls_back(donor, layout, enabled):
+    proc, report = donor
+    target = kv_reuse.Target(layout, rows=8)
+    router = router_for(report, layout, enabled, target)
+    advice = router.advise("req-dead", report["hashes"], target.engine_id)
+    assert advice.admitted
+    proc.kill()
+    proc.wait(timeout=10)
+    with pytest.raises(kv_reuse.FetchFellBack) as e:
+        target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"]))
+    _, stage, _cause = e.value.args
+    assert stage in ("import", "pin"), e.value.args
+    assert target.free_rows == 8
+
+
+def test_a_hint_for_another_prompt_is_refused(donor, layout, enabled):
+    _, report = donor
+    target = kv_reuse.Target(layout, rows=8)
+    router = router_for(report, layout, enabled, target)
+    advice = router.advise("req-x", report["hashes"], target.engine_id)
+    other = kv_reuse.sequence_hashes(list(range(5, 5 + TOKENS_PER_BLOCK * BLOCKS)), TOKENS_PER_BLOCK)
+    with pytest.raises(kv_reuse.PromptMismatch):
+        target.fetch(advice.hint, other, bytes.fromhex(report["manifest"]))
+    assert target.free_rows == 8

@@ -1,0 +1,183 @@
+//! The `kv_reuse` Python wheel (crates/kv-reuse-py): a virtual environment
+//! under `target/py-venv` with maturin, numpy and pytest from PyPI, the abi3
+//! wheel built into `target/wheels/` with cargo's own target directory (so
+//! `cargo xtask test` reuses the workspace build), and its pytest run.
+//!
+//! The wheel is built with the dev profile: its dependencies are optimized
+//! (`[profile.dev.package."*"] opt-level = 2`), and a release build of the
+//! whole graph on a 2-core CI machine costs minutes more for no test benefit.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::command;
+use crate::error::{Result, XtaskError};
+use crate::test_suite::Tally;
+use crate::workspace;
+
+/// PyPI packages the venv needs: the wheel builder and the test tools.
+const VENV_PACKAGES: [&str; 3] = ["maturin>=1.5,<2", "numpy", "pytest"];
+
+/// The venv directory (`<target>/py-venv`).
+pub fn venv_dir() -> PathBuf {
+    workspace::target_dir().join("py-venv")
+}
+
+fn venv_bin(name: &str) -> PathBuf {
+    venv_dir().join("bin").join(name)
+}
+
+/// Creates the venv when missing and installs [`VENV_PACKAGES`] when any of
+/// them is absent.
+///
+/// # Errors
+/// `python3 -m venv` or pip failing.
+pub fn ensure_venv() -> Result<()> {
+    let python = venv_bin("python");
+    if !python.exists() {
+        command::run(Command::new("python3").args(["-m", "venv"]).arg(venv_dir()))?;
+    }
+    let mut probe = Command::new(&python);
+    probe.args(["-c", "import numpy, pytest"]);
+    if !venv_bin("maturin").exists() || !command::succeeds(&mut probe) {
+        let mut pip = Command::new(&python);
+        pip.args([
+            "-m",
+            "pip",
+            "--disable-pip-version-check",
+            "--no-input",
+            "install",
+            "-q",
+        ])
+        .args(VENV_PACKAGES);
+        command::run(&mut pip)?;
+    }
+    Ok(())
+}
+
+/// Builds the wheel into `<target>/wheels` and installs it into the venv;
+/// returns the wheel's path.
+///
+/// # Errors
+/// The venv, maturin or pip failing; [`XtaskError::Prerequisite`] when
+/// maturin wrote no `kv_reuse-*.whl`.
+pub fn build_and_install() -> Result<PathBuf> {
+    ensure_venv()?;
+    let out = workspace::target_dir().join("wheels");
+    let root = workspace::root();
+    let mut maturin = Command::new(venv_bin("maturin"));
+    maturin
+        .current_dir(&root)
+        .args(["build", "--profile", "dev", "--manifest-path"])
+        .arg(root.join("crates/kv-reuse-py/Cargo.toml"))
+        .arg("--out")
+        .arg(&out)
+        // Cargo's own target directory: the build reuses the workspace's.
+        .env("CARGO_TARGET_DIR", workspace::target_dir());
+    command::run(&mut maturin)?;
+    let wheel = newest_wheel(&out)?;
+    let mut pip = Command::new(venv_bin("python"));
+    pip.args([
+        "-m",
+        "pip",
+        "--disable-pip-version-check",
+        "--no-input",
+        "install",
+        "-q",
+    ])
+    .args(["--force-reinstall", "--no-deps"])
+    .arg(&wheel);
+    command::run(&mut pip)?;
+    Ok(wheel)
+}
+
+fn newest_wheel(dir: &Path) -> Result<PathBuf> {
+    let mut wheels: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(dir)
+        .map_err(XtaskError::io(dir))?
+        .flatten()
+        .filter(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with("kv_reuse-") && n.ends_with(".whl")
+        })
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    wheels.sort();
+    wheels
+        .pop()
+        .map(|(_, p)| p)
+        .ok_or_else(|| XtaskError::Prerequisite {
+            what: "maturin",
+            reason: format!("no kv_reuse-*.whl in {}", dir.display()),
+        })
+}
+
+/// Runs the Python tests with the venv's pytest; returns their tally and
+/// whether pytest exited cleanly.
+///
+/// # Errors
+/// pytest not starting.
+pub fn pytest() -> Result<(Tally, bool)> {
+    let root = workspace::root();
+    let mut c = Command::new(venv_bin("python"));
+    c.current_dir(&root)
+        .args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"])
+        .arg(root.join("crates/kv-reuse-py/tests"));
+    let out = c.output().map_err(XtaskError::io(venv_bin("python")))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    print!("{text}");
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    let mut tally = Tally::default();
+    if let Some(line) = text.lines().rev().find(|l| is_pytest_summary(l)) {
+        add_pytest_summary(&mut tally, line);
+    }
+    Ok((tally, out.status.success()))
+}
+
+fn is_pytest_summary(line: &str) -> bool {
+    let l = line.trim().trim_matches('=').trim();
+    l.contains(" in ")
+        && (l.contains("passed")
+            || l.contains("failed")
+            || l.contains("skipped")
+            || l.contains("error"))
+}
+
+/// Adds pytest's closing line (`2 failed, 5 passed, 1 skipped in 0.31s`) to
+/// `tally`: errors count as failed, skipped and xfailed as skipped.
+pub fn add_pytest_summary(tally: &mut Tally, line: &str) {
+    let l = line.trim().trim_matches('=').trim();
+    let counts = l.rsplit_once(" in ").map_or(l, |(c, _)| c);
+    for part in counts.split(", ") {
+        let mut it = part.split_whitespace();
+        let (Some(n), Some(what)) = (it.next(), it.next()) else {
+            continue;
+        };
+        let Ok(n) = n.parse::<u64>() else { continue };
+        match what {
+            "passed" | "xpassed" => tally.passed += n,
+            "failed" | "error" | "errors" => tally.failed += n,
+            "skipped" | "xfailed" | "deselected" => tally.skipped += n,
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pytest_summary_counts_join_the_tally() {
+        let mut t = Tally {
+            passed: 10,
+            failed: 0,
+            skipped: 1,
+            skipped_at_run_time: vec![],
+        };
+        let line = "==== 2 failed, 5 passed, 3 skipped, 1 error in 0.31s ====";
+        assert!(is_pytest_summary(line));
+        add_pytest_summary(&mut t, line);
+        assert_eq!((t.passed, t.failed, t.skipped), (15, 3, 4));
+        assert!(!is_pytest_summary("tests/test_roles.py ....s"));
+    }
+}
