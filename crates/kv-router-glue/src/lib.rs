@@ -116,10 +116,22 @@ pub use pin_service::{
     unix_endpoint_path, PinService, PinServiceConfig, PinServiceError, PinServiceStats,
     MAX_SOCKET_PATH_BYTES, UNIX_ENDPOINT_PREFIX,
 };
+#[cfg(feature = "nats")]
+pub use plane::directory::NatsDirectory;
+pub use plane::directory::{
+    directory_key, CacheUpdate, DirectoryChange, DirectoryPlane, DirectoryWatch, DonorCache,
+    DonorRecord, DonorRecordError, DonorRecordParts, InProcessDirectory, MAX_DONOR_RECORD_BYTES,
+    MAX_NAME_BYTES, MAX_NIXL_METADATA_BYTES,
+};
+pub use plane::registry::{
+    announce_subject, AnnouncementError, Registration, WorkerAnnouncement, WorkerRegistry,
+    MAX_ANNOUNCED_GPUS, MAX_ANNOUNCEMENT_BYTES,
+};
 #[cfg(feature = "qualify")]
 pub use qualify::{qualify_section, GlueQualifySection};
 #[cfg(feature = "worker")]
 pub use remote_donor::{RemoteDonor, RemotePin, DEFAULT_PIN_TIMEOUT};
+pub use router::remote_directory::{unix_now_ms, RemoteDonorDirectory};
 pub use settings::{
     settings_markdown, spec, EnvSnapshot, LoadedSettings, ReuseArgs, ReuseSettings, SettingKind,
     SettingOrigin, SettingSpec, SettingValue, SettingsLoader, ENV_PREFIX, REMOVED_SETTINGS,
