@@ -121,7 +121,7 @@ pub use plane::directory::NatsDirectory;
 pub use plane::directory::{
     directory_key, CacheUpdate, DirectoryChange, DirectoryPlane, DirectoryWatch, DonorCache,
     DonorRecord, DonorRecordError, DonorRecordParts, InProcessDirectory, MAX_DONOR_RECORD_BYTES,
-    MAX_NAME_BYTES, MAX_NIXL_METADATA_BYTES,
+    MAX_NAME_BYTES,
 };
 pub use plane::registry::{
     announce_subject, AnnouncementError, Registration, WorkerAnnouncement, WorkerRegistry,

@@ -23,7 +23,6 @@ pub use cache::{CacheUpdate, DonorCache};
 pub use nats::NatsDirectory;
 pub use record::{
     DonorRecord, DonorRecordError, DonorRecordParts, MAX_DONOR_RECORD_BYTES, MAX_NAME_BYTES,
-    MAX_NIXL_METADATA_BYTES,
 };
 
 use kv_descriptor::{EngineId, Wire};
@@ -178,3 +177,10 @@ impl DirectoryPlane for InProcessDirectory {
         })
     }
 }
+
+#[cfg(all(test, feature = "worker", feature = "nats"))]
+mod nats_tests;
+#[cfg(all(test, feature = "worker"))]
+mod tests;
+#[cfg(all(test, feature = "worker"))]
+mod tests_support;

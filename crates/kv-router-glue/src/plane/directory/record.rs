@@ -1,14 +1,13 @@
 //! The directory entry a donor publishes: [`DonorRecord`], MessagePack with
 //! named fields through [`kv_descriptor::Wire`] (`WHAT` = `donor_record`).
 
-use kv_descriptor::{BankManifest, DescriptorError, EngineId, Wire};
+// The same metadata bound as a bank descriptor's NIXL export.
+use kv_descriptor::{BankManifest, DescriptorError, EngineId, Wire, MAX_NIXL_METADATA_BYTES};
 use serde::{Deserialize, Serialize};
 
 /// Longest accepted encoded [`DonorRecord`], in bytes. A TP8 manifest is a
 /// few KiB; the NIXL agent metadata dominates.
 pub const MAX_DONOR_RECORD_BYTES: usize = 256 * 1024;
-/// Longest accepted NIXL agent metadata blob, in bytes.
-pub const MAX_NIXL_METADATA_BYTES: usize = 128 * 1024;
 /// Longest accepted worker key, pin endpoint or subject, in bytes.
 pub const MAX_NAME_BYTES: usize = 256;
 
