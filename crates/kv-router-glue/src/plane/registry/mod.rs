@@ -292,3 +292,6 @@ impl WorkerRegistry {
         self.by_key.is_empty()
     }
 }
+
+#[cfg(all(test, feature = "worker"))]
+mod tests;
