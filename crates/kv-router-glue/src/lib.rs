@@ -30,6 +30,16 @@
 //!   default) and NATS ([`NatsPlane`]), with a subscriber readiness barrier,
 //!   and KV event streams with per-publisher ids, gap detection and resync
 //!   ([`KvEventPublisher`], [`KvEventReceiver`]).
+//! - **the donor directory across processes** ([`DirectoryPlane`]): a donor
+//!   puts its [`DonorRecord`] (manifest, pin endpoint, NIXL agent metadata,
+//!   lease) in-process ([`InProcessDirectory`]) or in a NATS JetStream
+//!   key-value bucket ([`NatsDirectory`]); readers keep a [`DonorCache`]
+//!   that never uses a lapsed lease or an older generation, and the router
+//!   resolves hints through [`RemoteDonorDirectory`] (slots from the donor's
+//!   `Stored` events);
+//! - **worker registration** ([`WorkerAnnouncement`], [`WorkerRegistry`]): a
+//!   new incarnation under a known worker key replaces the old one, a silent
+//!   worker is removed.
 //!
 //! # Invariants
 //! - Off by default: [`ReuseSettings::default`] admits nothing.
