@@ -116,6 +116,20 @@ impl RemoteDonorDirectory {
         }
     }
 
+    /// Feeds every change of `watch` into this directory until the watch
+    /// ends (its backend went away) or the returned task is aborted.
+    pub fn follow(
+        self: &std::sync::Arc<Self>,
+        mut watch: crate::DirectoryWatch,
+    ) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            while let Some(change) = watch.next().await {
+                me.apply_directory(change);
+            }
+        })
+    }
+
     /// Drops everything known of `engine` (a replaced or removed
     /// incarnation, see [`crate::WorkerRegistry`]).
     pub fn forget(&self, engine: EngineId) {

@@ -386,3 +386,28 @@ fn remote_directory_resets_slots_on_a_new_generation() {
         }
     );
 }
+
+#[tokio::test]
+async fn remote_directory_follows_a_watch() {
+    let d = InProcessDirectory::new();
+    let owner = OwnerLease::fresh(Role::Decode);
+    let remote = Arc::new(RemoteDonorDirectory::with_clock(|| 2_000));
+    let task = remote.follow(d.watch().await.unwrap());
+    d.put(&record(owner, 10_000)).await.unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    // Known once followed: resolving no block succeeds with the manifest.
+    loop {
+        match remote.resolve(owner.engine_id, &[]) {
+            Ok(r) => {
+                assert_eq!(r.manifest.owner(), &owner);
+                assert_eq!(r.control_endpoint, "unix:/tmp/kv-pin-decode-0.sock");
+                break;
+            }
+            Err(ResolveError::UnknownDonor { .. }) if std::time::Instant::now() < deadline => {
+                tokio::task::yield_now().await
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    task.abort();
+}
