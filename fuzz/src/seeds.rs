@@ -149,6 +149,7 @@ pub fn events() -> Vec<Vec<u8>> {
         .map(|(&sequence_hash, &token_hash)| StoredBlock {
             sequence_hash,
             token_hash,
+            slot: None,
         })
         .collect();
     let datas = [

@@ -94,6 +94,7 @@ pub fn sealed_blocks(
             StoredBlock {
                 sequence_hash,
                 token_hash,
+                slot: None,
             }
         })
         .collect()

@@ -9,6 +9,19 @@ use common::*;
 use kv_bank::*;
 use kv_descriptor::*;
 
+/// `blocks` as the bank's events carry them: each with its logical slot.
+fn with_slots(blocks: &[StoredBlock], slots: &[u32]) -> Vec<StoredBlock> {
+    assert_eq!(blocks.len(), slots.len());
+    blocks
+        .iter()
+        .zip(slots)
+        .map(|(b, &s)| StoredBlock {
+            slot: Some(s),
+            ..*b
+        })
+        .collect()
+}
+
 #[test]
 fn store_is_ready_only_after_every_rank_acked_and_then_emits_one_event() {
     let bank = bank(4, 8);
@@ -48,7 +61,8 @@ fn store_is_ready_only_after_every_rank_acked_and_then_emits_one_event() {
         ev[0].data,
         KvEventData::Stored {
             parent: None,
-            blocks: blocks.clone()
+            // Each block names the logical slot it was stored in.
+            blocks: with_slots(&blocks, &[0, 1, 2])
         }
     );
     // Every rank holds its own part in the shared logical slot.
@@ -68,7 +82,7 @@ fn store_is_ready_only_after_every_rank_acked_and_then_emits_one_event() {
         ev[0].data,
         KvEventData::Stored {
             parent: Some(blocks[2].sequence_hash),
-            blocks: vec![longer[3]]
+            blocks: with_slots(&longer[3..], &[q.entries[0].1])
         }
     );
 }

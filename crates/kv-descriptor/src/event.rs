@@ -27,13 +27,22 @@ pub enum StorageTier {
     RetainedGpuDirect,
 }
 
-/// One stored block: its chained sequence hash and its own token hash.
+/// One stored block: its chained sequence hash, its own token hash and,
+/// for a retained bank's events, the logical slot holding it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct StoredBlock {
     /// Chained hash naming the block and its whole prefix.
     pub sequence_hash: SequenceHash,
     /// Hash of the block's tokens alone.
     pub token_hash: TokenBlockHash,
+    /// Logical slot of the block in the donor's retained bank (tier
+    /// `RetainedGpuDirect` events of kv-bank), so a router in another
+    /// process can write a hint without asking the donor. `None` for every
+    /// other source (Dynamo, vLLM). Absent on the wire when `None`: older
+    /// encodings decode, and events without slots encode byte-identically
+    /// to the encoding before the field existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<u32>,
 }
 
 /// What happened.

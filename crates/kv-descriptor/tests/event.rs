@@ -37,6 +37,7 @@ fn datas() -> Vec<KvEventData> {
                 .map(|(&sequence_hash, &token_hash)| StoredBlock {
                     sequence_hash,
                     token_hash,
+                    slot: None,
                 })
                 .collect(),
         },
@@ -45,6 +46,7 @@ fn datas() -> Vec<KvEventData> {
             blocks: vec![StoredBlock {
                 sequence_hash: seq[1],
                 token_hash: tok[1],
+                slot: None,
             }],
         },
         KvEventData::Removed {
@@ -173,4 +175,52 @@ fn our_reader_refuses_tiers_it_does_not_know() {
             .contains("unknown variant `retained_cpu_direct`"),
         "{e}"
     );
+}
+
+/// The shape of `StoredBlock` before it carried a slot (the wire of older
+/// publishers and of Dynamo-shaped conversions).
+#[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
+struct StoredBlockWithoutSlot {
+    sequence_hash: SequenceHash,
+    token_hash: TokenBlockHash,
+}
+
+#[test]
+fn stored_block_slot_is_optional_on_the_wire() {
+    let old = StoredBlockWithoutSlot {
+        sequence_hash: SequenceHash(0xAB),
+        token_hash: TokenBlockHash(0xCD),
+    };
+    let old_bytes = rmp_serde::to_vec_named(&old).unwrap();
+    // An older encoding decodes, with no slot.
+    let decoded: StoredBlock = rmp_serde::from_slice(&old_bytes).unwrap();
+    assert_eq!(
+        decoded,
+        StoredBlock {
+            sequence_hash: SequenceHash(0xAB),
+            token_hash: TokenBlockHash(0xCD),
+            slot: None,
+        }
+    );
+    // Without a slot the encoding is byte-identical to the older one.
+    assert_eq!(rmp_serde::to_vec_named(&decoded).unwrap(), old_bytes);
+    // With a slot it round-trips through a whole event, and an old reader
+    // (which ignores unknown keys) still reads the hashes.
+    let with_slot = StoredBlock {
+        slot: Some(7),
+        ..decoded
+    };
+    let ev = event(
+        StorageTier::RetainedGpuDirect,
+        KvEventData::Stored {
+            parent: None,
+            blocks: vec![with_slot],
+        },
+    );
+    let bytes = ev.to_wire().unwrap();
+    assert_eq!(KvEvent::from_wire(&bytes).unwrap(), ev);
+    let new_bytes = rmp_serde::to_vec_named(&with_slot).unwrap();
+    assert!(new_bytes.len() > old_bytes.len());
+    let as_old: StoredBlockWithoutSlot = rmp_serde::from_slice(&new_bytes).unwrap();
+    assert_eq!(as_old, old);
 }

@@ -153,10 +153,12 @@ fn kv_events() {
                 StoredBlock {
                     sequence_hash: seq[0],
                     token_hash: tok[0],
+                    slot: None,
                 },
                 StoredBlock {
                     sequence_hash: seq[1],
                     token_hash: tok[1],
+                    slot: None,
                 },
             ],
         },

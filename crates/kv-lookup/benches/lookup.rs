@@ -281,6 +281,7 @@ fn drive_ours<'a>(
                             .map(|&(s, t)| StoredBlock {
                                 sequence_hash: SequenceHash(s),
                                 token_hash: TokenBlockHash(t),
+                                slot: None,
                             })
                             .collect(),
                     },

@@ -77,6 +77,7 @@ mod tests {
                 StoredBlock {
                     sequence_hash,
                     token_hash,
+                    slot: None,
                 }
             })
             .collect()

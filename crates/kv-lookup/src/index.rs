@@ -179,7 +179,7 @@ pub(crate) struct State {
 ///     data: KvEventData::Stored {
 ///         parent: None,
 ///         blocks: hashes.iter().zip(&token_hashes)
-///             .map(|(&sequence_hash, &token_hash)| StoredBlock { sequence_hash, token_hash }).collect(),
+///             .map(|(&sequence_hash, &token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect(),
 ///     },
 /// };
 /// assert_eq!(index.apply_event(&stored).unwrap(), EventOutcome::Applied { changed: 4 });

@@ -380,7 +380,7 @@ impl InventoryIndex {
     ///     publisher: engine, event_id: 1, role: if engine == decode { Role::Decode } else { Role::Prefill },
     ///     layout_fingerprint: fp, tp_size: 1, tier,
     ///     data: KvEventData::Stored { parent: None, blocks: hashes[..n].iter().zip(&token_hashes)
-    ///         .map(|(&sequence_hash, &token_hash)| StoredBlock { sequence_hash, token_hash }).collect() },
+    ///         .map(|(&sequence_hash, &token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect() },
     /// };
     /// index.apply_event(&stored(decode, StorageTier::RetainedGpuDirect, 6)).unwrap();
     /// index.apply_event(&stored(prefill, StorageTier::Device, 2)).unwrap();

@@ -128,6 +128,7 @@ mod tests {
             .map(|(sequence_hash, token_hash)| StoredBlock {
                 sequence_hash,
                 token_hash,
+                slot: None,
             })
             .collect()
     }

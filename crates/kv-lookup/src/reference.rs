@@ -299,6 +299,7 @@ pub fn cross_check(seed: u64, steps: u64) -> Result<CrossCheckReport, String> {
             let parent = chain.last().map(|b| b.sequence_hash);
             chain.push(StoredBlock {
                 sequence_hash: chain_sequence_hash(parent, token_hash),
+                slot: None,
                 token_hash,
             });
         }

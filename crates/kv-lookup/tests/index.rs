@@ -70,6 +70,7 @@ fn stored_after(parent: Option<SequenceHash>, hashes: &[SequenceHash]) -> KvEven
             .map(|&h| StoredBlock {
                 sequence_hash: h,
                 token_hash: map.get(&h).copied().unwrap_or(TokenBlockHash(h.0 ^ 1)),
+                slot: None,
             })
             .collect(),
     }

@@ -517,6 +517,37 @@ pub enum ResolveError {
         /// Its sequence hash.
         hash: kv_descriptor::SequenceHash,
     },
+    /// The donor's directory lease expired: its entry is never used (the
+    /// donor may be dead or partitioned; its bank may be gone).
+    #[error("donor {donor}'s lease expired at {expired_unix_ms} ms (now {now_unix_ms} ms)")]
+    LeaseLapsed {
+        /// The donor engine.
+        donor: kv_descriptor::EngineId,
+        /// Lease expiry, Unix epoch ms.
+        expired_unix_ms: u64,
+        /// The reader's clock, Unix epoch ms.
+        now_unix_ms: u64,
+    },
+    /// A record of an older bank generation than one already seen.
+    #[error(
+        "donor {donor} generation {generation} is older than generation {newest_seen} already seen"
+    )]
+    StaleGeneration {
+        /// The donor engine.
+        donor: kv_descriptor::EngineId,
+        /// Generation of the refused record.
+        generation: u64,
+        /// Newest generation seen for the engine.
+        newest_seen: u64,
+    },
+    /// A directory entry that is not a valid donor record.
+    #[error("directory entry `{key}` refused: {reason}")]
+    InvalidRecord {
+        /// The directory key.
+        key: String,
+        /// Why, naming the field.
+        reason: String,
+    },
     /// The directory could not reach its source of truth (a remote directory).
     #[error("directory unavailable: {detail}")]
     Unavailable {

@@ -30,6 +30,16 @@
 //!   default) and NATS ([`NatsPlane`]), with a subscriber readiness barrier,
 //!   and KV event streams with per-publisher ids, gap detection and resync
 //!   ([`KvEventPublisher`], [`KvEventReceiver`]).
+//! - **the donor directory across processes** ([`DirectoryPlane`]): a donor
+//!   puts its [`DonorRecord`] (manifest, pin endpoint, NIXL agent metadata,
+//!   lease) in-process ([`InProcessDirectory`]) or in a NATS JetStream
+//!   key-value bucket ([`NatsDirectory`]); readers keep a [`DonorCache`]
+//!   that never uses a lapsed lease or an older generation, and the router
+//!   resolves hints through [`RemoteDonorDirectory`] (slots from the donor's
+//!   `Stored` events);
+//! - **worker registration** ([`WorkerAnnouncement`], [`WorkerRegistry`]): a
+//!   new incarnation under a known worker key replaces the old one, a silent
+//!   worker is removed.
 //!
 //! # Invariants
 //! - Off by default: [`ReuseSettings::default`] admits nothing.
@@ -122,10 +132,22 @@ pub use pin_transport::{
     unix_endpoint_path, PinEndpoint, PinEndpointError, MAX_SOCKET_PATH_BYTES, TCP_ENDPOINT_PREFIX,
     UNIX_ENDPOINT_PREFIX,
 };
+#[cfg(feature = "nats")]
+pub use plane::directory::NatsDirectory;
+pub use plane::directory::{
+    directory_key, CacheUpdate, DirectoryChange, DirectoryPlane, DirectoryWatch, DonorCache,
+    DonorRecord, DonorRecordError, DonorRecordParts, InProcessDirectory, MAX_DONOR_RECORD_BYTES,
+    MAX_NAME_BYTES,
+};
+pub use plane::registry::{
+    announce_subject, AnnouncementError, Registration, WorkerAnnouncement, WorkerRegistry,
+    MAX_ANNOUNCED_GPUS, MAX_ANNOUNCEMENT_BYTES,
+};
 #[cfg(feature = "qualify")]
 pub use qualify::{qualify_section, GlueQualifySection};
 #[cfg(feature = "worker")]
 pub use remote_donor::{RemoteDonor, RemotePin, DEFAULT_PIN_TIMEOUT};
+pub use router::remote_directory::{unix_now_ms, RemoteDonorDirectory};
 pub use settings::{
     settings_markdown, spec, EnvSnapshot, LoadedSettings, ReuseArgs, ReuseSettings, SettingKind,
     SettingOrigin, SettingSpec, SettingValue, SettingsLoader, ENV_PREFIX, REMOVED_SETTINGS,

@@ -278,6 +278,7 @@ pub fn block_chain(tokens: &[u32], tokens_per_block: usize) -> Vec<StoredBlock> 
             StoredBlock {
                 sequence_hash: s,
                 token_hash,
+                slot: None,
             }
         })
         .collect()

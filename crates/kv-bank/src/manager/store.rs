@@ -369,7 +369,10 @@ impl BankManager {
         // One Stored event per run whose blocks chain one after another.
         let mut run: Vec<StoredBlock> = Vec::new();
         let mut run_parent = None;
-        for (b, parent, _) in p.entries {
+        // Each block carries its logical slot, so a router in another
+        // process resolves it from the events alone.
+        for (mut b, parent, slot) in p.entries {
+            b.slot = Some(slot);
             if run.last().is_some_and(|l| Some(l.sequence_hash) != parent) {
                 let blocks = std::mem::take(&mut run);
                 self.push_event(

@@ -211,6 +211,7 @@ pub(crate) fn ours<'a>(
                         .map(|&(s, t)| StoredBlock {
                             sequence_hash: SequenceHash(s),
                             token_hash: TokenBlockHash(t),
+                            slot: None,
                         })
                         .collect(),
                 }

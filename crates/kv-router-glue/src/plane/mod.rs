@@ -4,6 +4,8 @@
 //! Who may use it: every role process; the router subscribes, workers
 //! publish.
 
+pub(crate) mod directory;
 pub(crate) mod event_plane;
+pub(crate) mod registry;
 #[cfg(feature = "vllm")]
 pub mod vllm_events;

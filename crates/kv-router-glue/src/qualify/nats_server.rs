@@ -4,6 +4,11 @@
 //! `/usr/sbin/nats-server`. When none is found, [`NatsServer::start_or_skip`]
 //! returns `None` with a printed reason, except under `CI=true`, where a
 //! missing server is a failure (the NATS tests must run in CI).
+//!
+//! The server runs with JetStream (`-js`, the donor directory's key-value
+//! bucket needs it), its store in a directory under the system temp dir
+//! that lives as long as the [`NatsServer`] (kept across restarts, so
+//! JetStream state survives [`NatsServer::restart`]) and is removed on drop.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -18,6 +23,8 @@ pub struct NatsServer {
     child: Option<Child>,
     /// Extra server arguments (authentication, TLS), kept across restarts.
     extra: Vec<String>,
+    /// JetStream store directory (`-sd`), removed on drop.
+    store_dir: PathBuf,
 }
 
 /// Finds the server binary (see the module docs).
@@ -59,11 +66,17 @@ impl NatsServer {
             .and_then(|l| l.local_addr())
             .map_err(|e| format!("no free loopback port: {e}"))?
             .port();
+        // Port and pid make the name unique among live servers on this host.
+        let store_dir =
+            std::env::temp_dir().join(format!("kv-nats-js-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&store_dir)
+            .map_err(|e| format!("cannot create {}: {e}", store_dir.display()))?;
         let mut s = Self {
             binary,
             port,
             child: None,
             extra: extra.iter().map(|a| a.to_string()).collect(),
+            store_dir,
         };
         s.spawn()?;
         Ok(s)
@@ -87,7 +100,15 @@ impl NatsServer {
 
     fn spawn(&mut self) -> Result<(), String> {
         let child = Command::new(&self.binary)
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(&self.store_dir)
             .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -142,5 +163,6 @@ impl NatsServer {
 impl Drop for NatsServer {
     fn drop(&mut self) {
         self.stop();
+        let _ = std::fs::remove_dir_all(&self.store_dir);
     }
 }

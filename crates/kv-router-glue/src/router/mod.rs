@@ -13,4 +13,5 @@ pub(crate) mod cost;
 pub mod dynamo_events;
 pub(crate) mod kv_events;
 pub(crate) mod ols;
+pub(crate) mod remote_directory;
 pub(crate) mod settings;

@@ -53,6 +53,7 @@ fn stored(i: u64) -> KvEventData {
         blocks: vec![StoredBlock {
             sequence_hash: SequenceHash(i),
             token_hash: TokenBlockHash(i),
+            slot: None,
         }],
     }
 }

@@ -33,6 +33,7 @@ fn datas() -> Vec<KvEventData> {
                 .map(|i| StoredBlock {
                     sequence_hash: seq[i],
                     token_hash: tok[i],
+                    slot: None,
                 })
                 .collect(),
         },

@@ -592,6 +592,7 @@ impl VllmIngest {
                     blocks.push(StoredBlock {
                         sequence_hash,
                         token_hash,
+                        slot: None,
                     });
                 }
                 self.tiers_seen |= tier_bit(tier);

@@ -113,6 +113,7 @@ pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
             .map(|(s, th)| StoredBlock {
                 sequence_hash: *s,
                 token_hash: *th,
+                slot: None,
             })
             .collect();
         let stored = event(

@@ -1,0 +1,129 @@
+//! [`NatsDirectory`]: the donor directory as a NATS JetStream key-value
+//! bucket. Key: the engine id ([`super::directory_key`]); value: the
+//! [`super::DonorRecord`] wire bytes; bucket `max_age` = the lease TTL, so
+//! an entry the donor stopped re-putting expires by itself; `history` 1.
+//! The server must run with JetStream (`nats-server -js`).
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use futures::StreamExt;
+use kv_descriptor::{EngineId, Wire};
+use tokio::sync::mpsc;
+
+use super::{decode_change, directory_key, DirectoryChange, DirectoryPlane, DirectoryWatch};
+use crate::event_plane::AbortOnDrop;
+use crate::{PlaneError, PlaneFuture};
+
+/// A JetStream key-value directory.
+pub struct NatsDirectory {
+    store: kv::Store,
+    bucket: String,
+}
+
+impl std::fmt::Debug for NatsDirectory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsDirectory")
+            .field("bucket", &self.bucket)
+            .finish()
+    }
+}
+
+impl NatsDirectory {
+    /// Connects to `url` and opens (creating if absent) bucket `bucket`
+    /// with `max_age` = `lease_ttl`.
+    ///
+    /// # Errors
+    /// [`PlaneError::Connect`] when the server is unreachable or has no
+    /// JetStream, or the bucket cannot be created.
+    pub async fn connect(url: &str, bucket: &str, lease_ttl: Duration) -> Result<Self, PlaneError> {
+        let connect_err = |reason: String| PlaneError::Connect {
+            url: url.to_string(),
+            reason,
+        };
+        let client = async_nats::connect(url)
+            .await
+            .map_err(|e| connect_err(e.to_string()))?;
+        let js = jetstream::new(client);
+        let store = js
+            .create_key_value(kv::Config {
+                bucket: bucket.to_string(),
+                history: 1,
+                max_age: lease_ttl,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| connect_err(format!("key-value bucket `{bucket}`: {e}")))?;
+        Ok(Self {
+            store,
+            bucket: bucket.to_string(),
+        })
+    }
+}
+
+impl DirectoryPlane for NatsDirectory {
+    fn put<'a>(&'a self, record: &'a super::DonorRecord) -> PlaneFuture<'a, ()> {
+        Box::pin(async move {
+            let key = directory_key(record.engine_id());
+            let err = |reason: String| PlaneError::Publish {
+                subject: format!("{}/{key}", self.bucket),
+                reason,
+            };
+            let bytes = record.to_wire().map_err(|e| err(e.to_string()))?;
+            self.store
+                .put(&key, bytes.into())
+                .await
+                .map_err(|e| err(e.to_string()))?;
+            Ok(())
+        })
+    }
+
+    fn delete<'a>(&'a self, engine: EngineId) -> PlaneFuture<'a, ()> {
+        Box::pin(async move {
+            let key = directory_key(engine);
+            self.store
+                .delete(&key)
+                .await
+                .map_err(|e| PlaneError::Publish {
+                    subject: format!("{}/{key}", self.bucket),
+                    reason: e.to_string(),
+                })
+        })
+    }
+
+    fn watch<'a>(&'a self) -> PlaneFuture<'a, DirectoryWatch> {
+        Box::pin(async move {
+            // `watch_with_history(">")` delivers the last value of every key
+            // first, then every change.
+            let mut w =
+                self.store
+                    .watch_with_history(">")
+                    .await
+                    .map_err(|e| PlaneError::Subscribe {
+                        subject: self.bucket.clone(),
+                        reason: e.to_string(),
+                    })?;
+            let (tx, rx) = mpsc::unbounded_channel();
+            let task = tokio::spawn(async move {
+                while let Some(Ok(entry)) = w.next().await {
+                    let change = match entry.operation {
+                        kv::Operation::Put => decode_change(&entry.key, &entry.value),
+                        kv::Operation::Delete | kv::Operation::Purge => {
+                            match entry.key.parse::<uuid::Uuid>() {
+                                Ok(u) => DirectoryChange::Delete(EngineId(u)),
+                                Err(_) => continue,
+                            }
+                        }
+                    };
+                    if tx.send(change).is_err() {
+                        break;
+                    }
+                }
+            });
+            Ok(DirectoryWatch {
+                rx,
+                _guard: Some(AbortOnDrop(task)),
+            })
+        })
+    }
+}

@@ -1,0 +1,89 @@
+//! [`super::NatsDirectory`] against a real `nats-server -js` (skipped with a
+//! printed reason when the binary is missing, failed under `CI=true`).
+
+use std::time::Duration;
+
+use kv_descriptor::*;
+
+use super::tests_support::record;
+use super::*;
+use crate::qualify::nats_server::NatsServer;
+
+async fn next(w: &mut DirectoryWatch) -> Option<DirectoryChange> {
+    tokio::time::timeout(Duration::from_secs(5), w.next())
+        .await
+        .ok()
+        .flatten()
+}
+
+#[tokio::test]
+async fn nats_directory_put_watch_delete_across_two_clients() {
+    const TEST: &str = "nats_directory_put_watch_delete_across_two_clients";
+    let Some(server) = NatsServer::start_or_skip(TEST) else {
+        return;
+    };
+    let ttl = Duration::from_secs(30);
+    let donor = NatsDirectory::connect(&server.url(), "kv_donors", ttl)
+        .await
+        .unwrap();
+    let reader = NatsDirectory::connect(&server.url(), "kv_donors", ttl)
+        .await
+        .unwrap();
+    let g1 = OwnerLease::fresh(Role::Decode);
+    let r1 = record(g1, u64::MAX - 1);
+    donor.put(&r1).await.unwrap();
+    // A watch opened after the put sees the current entry first.
+    let mut w = reader.watch().await.unwrap();
+    assert_eq!(next(&mut w).await, Some(DirectoryChange::Put(r1.clone())));
+    // A new generation, then a delete on close, reach the other client.
+    let r2 = record(g1.next_generation(), u64::MAX - 1);
+    donor.put(&r2).await.unwrap();
+    assert_eq!(next(&mut w).await, Some(DirectoryChange::Put(r2.clone())));
+    donor.delete(g1.engine_id).await.unwrap();
+    assert_eq!(
+        next(&mut w).await,
+        Some(DirectoryChange::Delete(g1.engine_id))
+    );
+    // Through the cache the reader never goes back to generation 1.
+    let mut cache = DonorCache::new();
+    cache.apply(DirectoryChange::Put(r2));
+    assert!(matches!(
+        cache.apply(DirectoryChange::Put(r1)),
+        CacheUpdate::Ignored(crate::ResolveError::StaleGeneration { .. })
+    ));
+}
+
+#[tokio::test]
+async fn nats_directory_entry_expires_with_the_bucket_max_age() {
+    const TEST: &str = "nats_directory_entry_expires_with_the_bucket_max_age";
+    let Some(server) = NatsServer::start_or_skip(TEST) else {
+        return;
+    };
+    // The lease TTL is the bucket's max_age: a donor that stops re-putting
+    // disappears from the directory without a delete.
+    let ttl = Duration::from_millis(500);
+    let donor = NatsDirectory::connect(&server.url(), "kv_donors_ttl", ttl)
+        .await
+        .unwrap();
+    let reader = NatsDirectory::connect(&server.url(), "kv_donors_ttl", ttl)
+        .await
+        .unwrap();
+    let g1 = OwnerLease::fresh(Role::Decode);
+    let r = record(g1, u64::MAX - 1);
+    donor.put(&r).await.unwrap();
+    let mut w = reader.watch().await.unwrap();
+    assert_eq!(next(&mut w).await, Some(DirectoryChange::Put(r)));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut fresh = reader.watch().await.unwrap();
+        let seen = tokio::time::timeout(Duration::from_millis(300), fresh.next()).await;
+        if seen.is_err() {
+            break; // no current entry any more
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "entry still served 10 s after a 500 ms max_age"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -1,0 +1,270 @@
+//! The directory entry a donor publishes: [`DonorRecord`], MessagePack with
+//! named fields through [`kv_descriptor::Wire`] (`WHAT` = `donor_record`).
+
+// The same metadata bound as a bank descriptor's NIXL export.
+use kv_descriptor::{BankManifest, DescriptorError, EngineId, Wire, MAX_NIXL_METADATA_BYTES};
+use serde::{Deserialize, Serialize};
+
+/// Longest accepted encoded [`DonorRecord`], in bytes. A TP8 manifest is a
+/// few KiB; the NIXL agent metadata dominates.
+pub const MAX_DONOR_RECORD_BYTES: usize = 256 * 1024;
+/// Longest accepted worker key, pin endpoint or subject, in bytes.
+pub const MAX_NAME_BYTES: usize = 256;
+
+/// One donor's bank as the directory serves it, keyed by `engine_id`.
+///
+/// Wire form (MessagePack map, named fields, in this order): `engine_id`
+/// (hyphenated UUID string), `worker_key` (string, 1..=256 bytes),
+/// `generation` (u64, equal to the manifest owner's), `manifest`
+/// ([`BankManifest`] wire form), `pin_endpoint` (string, 1..=256 bytes,
+/// e.g. `unix:/run/kv/pin.sock`), `nixl_agent_metadata` (bin, at most
+/// [`MAX_NIXL_METADATA_BYTES`], absent when none), `lease_expires_unix_ms`
+/// and `published_unix_ms` (u64, Unix epoch milliseconds; expiry after
+/// publish). The whole encoding is at most [`MAX_DONOR_RECORD_BYTES`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "WireDonorRecord")]
+pub struct DonorRecord {
+    engine_id: EngineId,
+    worker_key: String,
+    generation: u64,
+    manifest: BankManifest,
+    pin_endpoint: String,
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "opt_bytes")]
+    nixl_agent_metadata: Option<Vec<u8>>,
+    lease_expires_unix_ms: u64,
+    published_unix_ms: u64,
+}
+
+#[derive(Deserialize)]
+struct WireDonorRecord {
+    engine_id: EngineId,
+    worker_key: String,
+    generation: u64,
+    manifest: BankManifest,
+    pin_endpoint: String,
+    #[serde(default, with = "opt_bytes")]
+    nixl_agent_metadata: Option<Vec<u8>>,
+    lease_expires_unix_ms: u64,
+    published_unix_ms: u64,
+}
+
+/// `Option<Vec<u8>>` as MessagePack bin (not an array of integers).
+mod opt_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(v: &Option<Vec<u8>>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(b) => s.serialize_some(serde_bytes::Bytes::new(b)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Vec<u8>>, D::Error> {
+        Ok(Option::<serde_bytes::ByteBuf>::deserialize(d)?.map(|b| b.into_vec()))
+    }
+}
+
+/// Why a [`DonorRecord`] is refused, naming the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DonorRecordError {
+    /// A field is out of range.
+    #[error("invalid `donor_record.{field}`: {reason}")]
+    InvalidField {
+        /// The field (`worker_key`, `generation`, ...).
+        field: &'static str,
+        /// What is wrong, with the value seen.
+        reason: String,
+    },
+    /// The encoding exceeds [`MAX_DONOR_RECORD_BYTES`].
+    #[error("`donor_record` encodes to {size} bytes, above the limit of {limit}")]
+    TooLarge {
+        /// Encoded size in bytes.
+        size: usize,
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// Bytes that do not decode (the decoder's message, which names the field).
+    #[error("cannot decode `donor_record`: {0}")]
+    Decode(DescriptorError),
+}
+
+impl TryFrom<WireDonorRecord> for DonorRecord {
+    type Error = DonorRecordError;
+    fn try_from(w: WireDonorRecord) -> Result<Self, Self::Error> {
+        DonorRecord::new(DonorRecordParts {
+            worker_key: w.worker_key,
+            manifest: w.manifest,
+            pin_endpoint: w.pin_endpoint,
+            nixl_agent_metadata: w.nixl_agent_metadata,
+            lease_expires_unix_ms: w.lease_expires_unix_ms,
+            published_unix_ms: w.published_unix_ms,
+        })
+        .and_then(|r| {
+            // Engine and generation are carried redundantly so a reader can
+            // key and order entries without parsing the manifest; they must agree.
+            if r.engine_id != w.engine_id {
+                return Err(field(
+                    "engine_id",
+                    format!(
+                        "{} is not the manifest owner {}",
+                        w.engine_id.0, r.engine_id.0
+                    ),
+                ));
+            }
+            if r.generation != w.generation {
+                return Err(field(
+                    "generation",
+                    format!(
+                        "{} is not the manifest generation {}",
+                        w.generation, r.generation
+                    ),
+                ));
+            }
+            Ok(r)
+        })
+    }
+}
+
+fn field(field: &'static str, reason: impl Into<String>) -> DonorRecordError {
+    DonorRecordError::InvalidField {
+        field,
+        reason: reason.into(),
+    }
+}
+
+fn check_name(name: &'static str, v: &str) -> Result<(), DonorRecordError> {
+    if v.is_empty() || v.len() > MAX_NAME_BYTES {
+        return Err(field(
+            name,
+            format!("must be 1..={MAX_NAME_BYTES} bytes, got {}", v.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// What a donor fills in to build a [`DonorRecord`]; engine id and
+/// generation come from the manifest's owner.
+#[derive(Debug, Clone)]
+pub struct DonorRecordParts {
+    /// Stable name of the worker across incarnations.
+    pub worker_key: String,
+    /// The bank's current manifest.
+    pub manifest: BankManifest,
+    /// Where targets reach the donor's pin service.
+    pub pin_endpoint: String,
+    /// The donor's NIXL agent metadata, when it serves NIXL reads.
+    pub nixl_agent_metadata: Option<Vec<u8>>,
+    /// Lease expiry, Unix epoch ms: past it the entry is never used.
+    pub lease_expires_unix_ms: u64,
+    /// When the donor published this, Unix epoch ms.
+    pub published_unix_ms: u64,
+}
+
+impl DonorRecord {
+    /// Validates and builds a record.
+    ///
+    /// # Errors
+    /// [`DonorRecordError::InvalidField`] naming `worker_key`,
+    /// `pin_endpoint`, `nixl_agent_metadata` or `lease_expires_unix_ms`;
+    /// [`DonorRecordError::TooLarge`] past [`MAX_DONOR_RECORD_BYTES`].
+    pub fn new(p: DonorRecordParts) -> Result<Self, DonorRecordError> {
+        check_name("worker_key", &p.worker_key)?;
+        check_name("pin_endpoint", &p.pin_endpoint)?;
+        if let Some(m) = &p.nixl_agent_metadata {
+            if m.len() > MAX_NIXL_METADATA_BYTES {
+                return Err(field(
+                    "nixl_agent_metadata",
+                    format!(
+                        "{} bytes, above the limit of {MAX_NIXL_METADATA_BYTES}",
+                        m.len()
+                    ),
+                ));
+            }
+        }
+        if p.lease_expires_unix_ms <= p.published_unix_ms {
+            return Err(field(
+                "lease_expires_unix_ms",
+                format!(
+                    "{} is not after published_unix_ms {}",
+                    p.lease_expires_unix_ms, p.published_unix_ms
+                ),
+            ));
+        }
+        let owner = *p.manifest.owner();
+        let r = Self {
+            engine_id: owner.engine_id,
+            worker_key: p.worker_key,
+            generation: owner.generation,
+            manifest: p.manifest,
+            pin_endpoint: p.pin_endpoint,
+            nixl_agent_metadata: p.nixl_agent_metadata,
+            lease_expires_unix_ms: p.lease_expires_unix_ms,
+            published_unix_ms: p.published_unix_ms,
+        };
+        let size = rmp_serde::to_vec_named(&r)
+            .map(|b| b.len())
+            .unwrap_or(usize::MAX);
+        if size > MAX_DONOR_RECORD_BYTES {
+            return Err(DonorRecordError::TooLarge {
+                size,
+                limit: MAX_DONOR_RECORD_BYTES,
+            });
+        }
+        Ok(r)
+    }
+
+    /// Decodes and validates bytes from the directory, refusing oversized
+    /// input before decoding it.
+    ///
+    /// # Errors
+    /// [`DonorRecordError::TooLarge`], or [`DonorRecordError::Decode`] whose
+    /// message names the refused field.
+    pub fn decode(bytes: &[u8]) -> Result<Self, DonorRecordError> {
+        if bytes.len() > MAX_DONOR_RECORD_BYTES {
+            return Err(DonorRecordError::TooLarge {
+                size: bytes.len(),
+                limit: MAX_DONOR_RECORD_BYTES,
+            });
+        }
+        Self::from_wire(bytes).map_err(DonorRecordError::Decode)
+    }
+
+    /// The donor engine incarnation (the directory key).
+    pub fn engine_id(&self) -> EngineId {
+        self.engine_id
+    }
+    /// The worker's stable key.
+    pub fn worker_key(&self) -> &str {
+        &self.worker_key
+    }
+    /// Bank generation (starts at 1; a newer one supersedes).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+    /// The bank's manifest.
+    pub fn manifest(&self) -> &BankManifest {
+        &self.manifest
+    }
+    /// The donor's pin endpoint.
+    pub fn pin_endpoint(&self) -> &str {
+        &self.pin_endpoint
+    }
+    /// NIXL agent metadata, when published.
+    pub fn nixl_agent_metadata(&self) -> Option<&[u8]> {
+        self.nixl_agent_metadata.as_deref()
+    }
+    /// Lease expiry, Unix epoch ms.
+    pub fn lease_expires_unix_ms(&self) -> u64 {
+        self.lease_expires_unix_ms
+    }
+    /// Publish time, Unix epoch ms.
+    pub fn published_unix_ms(&self) -> u64 {
+        self.published_unix_ms
+    }
+}
+
+impl Wire for DonorRecord {
+    const WHAT: &'static str = "donor_record";
+}

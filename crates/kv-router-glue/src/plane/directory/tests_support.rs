@@ -1,0 +1,43 @@
+//! Records shared by the directory's unit and NATS tests.
+
+use kv_descriptor::*;
+
+use super::{DonorRecord, DonorRecordParts};
+
+pub(super) fn manifest(owner: OwnerLease) -> BankManifest {
+    let l = KvLayout::new(2, 4, 8, DType::F32, 4, TensorOrder::BlockMajor, 2).unwrap();
+    let parts = (0..2)
+        .map(|r| {
+            BankDescriptor::new(BankParts {
+                layout: l,
+                tp_rank: r,
+                location: MemoryLocation::Host {
+                    host_id: "h".into(),
+                },
+                owner,
+                export: ExportHandle::HostShm {
+                    name: format!("/kvbank-dir-test-{r}"),
+                },
+                slot_count: 8,
+                slot_bytes: l.rank_block_bytes() as u64,
+            })
+            .unwrap()
+        })
+        .collect();
+    BankManifest::new(parts).unwrap()
+}
+
+pub(super) fn parts(m: BankManifest, expires: u64) -> DonorRecordParts {
+    DonorRecordParts {
+        worker_key: "decode-0".into(),
+        manifest: m,
+        pin_endpoint: "unix:/tmp/kv-pin-decode-0.sock".into(),
+        nixl_agent_metadata: Some(vec![7u8; 64]),
+        lease_expires_unix_ms: expires,
+        published_unix_ms: 1_000,
+    }
+}
+
+pub(super) fn record(owner: OwnerLease, expires: u64) -> DonorRecord {
+    DonorRecord::new(parts(manifest(owner), expires)).unwrap()
+}

@@ -1,0 +1,297 @@
+//! Worker registration: each worker publishes a [`WorkerAnnouncement`]
+//! every announce period over the event plane (any [`crate::EventPlane`]:
+//! in-process or NATS, on [`announce_subject`]); the router keeps a
+//! [`WorkerRegistry`].
+//!
+//! Rules: a new incarnation (engine id) under a known worker key replaces
+//! the old one, and the dropped engine id is returned so the caller drops its
+//! inventory from the kv-lookup index and ignores its late events
+//! ([`WorkerRegistry::is_retired`]); a worker silent for
+//! `missed_periods` announce periods is removed by [`WorkerRegistry::tick`].
+//! Time is passed in (ms on any monotonic clock) so tests never sleep.
+
+use std::collections::{HashMap, HashSet};
+
+use kv_descriptor::{EngineId, GpuIdentity, LayoutFingerprint, Role, Wire};
+use serde::{Deserialize, Serialize};
+
+use crate::{PlaneError, Subject};
+
+/// Longest accepted encoded announcement, in bytes.
+pub const MAX_ANNOUNCEMENT_BYTES: usize = 16 * 1024;
+/// Most GPU identities an announcement may list (one per TP rank).
+pub const MAX_ANNOUNCED_GPUS: usize = 64;
+const MAX_NAME: usize = super::directory::MAX_NAME_BYTES;
+
+/// The subject workers announce on, under `namespace`
+/// (`kv.<namespace>.workers.announce`).
+///
+/// # Errors
+/// [`PlaneError::InvalidSubject`] for a bad namespace token.
+pub fn announce_subject(namespace: &str) -> Result<Subject, PlaneError> {
+    Subject::new(namespace, "workers", "announce")
+}
+
+/// What a worker says about itself. Wire form: MessagePack map with named
+/// fields `worker_key` (string, 1..=256 bytes, stable across restarts),
+/// `engine_id` (hyphenated UUID, new per incarnation), `role`,
+/// `layout_fingerprint` (u64), `tp_size` (u32, 1..=64), `gpus` (one
+/// [`GpuIdentity`] per TP rank), `pin_endpoint` and `event_subject`
+/// (strings, 1..=256 bytes); at most [`MAX_ANNOUNCEMENT_BYTES`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "WireAnnouncement")]
+pub struct WorkerAnnouncement {
+    /// Stable name of the worker (host/slot), across incarnations.
+    pub worker_key: String,
+    /// This incarnation's engine id.
+    pub engine_id: EngineId,
+    /// Prefill or decode.
+    pub role: Role,
+    /// Fingerprint of the KV layout the worker serves.
+    pub layout_fingerprint: LayoutFingerprint,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+    /// The GPU of each TP rank, rank order.
+    pub gpus: Vec<GpuIdentity>,
+    /// Where targets reach its pin service.
+    pub pin_endpoint: String,
+    /// The subject its KV events are published on.
+    pub event_subject: String,
+}
+
+#[derive(Deserialize)]
+struct WireAnnouncement {
+    worker_key: String,
+    engine_id: EngineId,
+    role: Role,
+    layout_fingerprint: LayoutFingerprint,
+    tp_size: u32,
+    gpus: Vec<GpuIdentity>,
+    pin_endpoint: String,
+    event_subject: String,
+}
+
+/// Why an announcement is refused, naming the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AnnouncementError {
+    /// A field is out of range.
+    #[error("invalid `worker_announcement.{field}`: {reason}")]
+    InvalidField {
+        /// The field.
+        field: &'static str,
+        /// What is wrong, with the value seen.
+        reason: String,
+    },
+    /// Bytes over [`MAX_ANNOUNCEMENT_BYTES`].
+    #[error("`worker_announcement` is {size} bytes, above the limit of {limit}")]
+    TooLarge {
+        /// Size in bytes.
+        size: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// Bytes that do not decode (the message names the field).
+    #[error("cannot decode `worker_announcement`: {0}")]
+    Decode(kv_descriptor::DescriptorError),
+}
+
+fn bad(field: &'static str, reason: String) -> AnnouncementError {
+    AnnouncementError::InvalidField { field, reason }
+}
+
+impl TryFrom<WireAnnouncement> for WorkerAnnouncement {
+    type Error = AnnouncementError;
+    fn try_from(w: WireAnnouncement) -> Result<Self, Self::Error> {
+        let a = WorkerAnnouncement {
+            worker_key: w.worker_key,
+            engine_id: w.engine_id,
+            role: w.role,
+            layout_fingerprint: w.layout_fingerprint,
+            tp_size: w.tp_size,
+            gpus: w.gpus,
+            pin_endpoint: w.pin_endpoint,
+            event_subject: w.event_subject,
+        };
+        a.validate()?;
+        Ok(a)
+    }
+}
+
+impl WorkerAnnouncement {
+    /// Checks every bound.
+    ///
+    /// # Errors
+    /// [`AnnouncementError::InvalidField`] naming `worker_key`, `tp_size`,
+    /// `gpus`, `pin_endpoint` or `event_subject`.
+    pub fn validate(&self) -> Result<(), AnnouncementError> {
+        for (f, v) in [
+            ("worker_key", &self.worker_key),
+            ("pin_endpoint", &self.pin_endpoint),
+            ("event_subject", &self.event_subject),
+        ] {
+            if v.is_empty() || v.len() > MAX_NAME {
+                return Err(bad(
+                    f,
+                    format!("must be 1..={MAX_NAME} bytes, got {}", v.len()),
+                ));
+            }
+        }
+        if self.tp_size == 0 || self.tp_size as usize > MAX_ANNOUNCED_GPUS {
+            return Err(bad(
+                "tp_size",
+                format!("must be 1..={MAX_ANNOUNCED_GPUS}, got {}", self.tp_size),
+            ));
+        }
+        if self.gpus.len() != self.tp_size as usize {
+            return Err(bad(
+                "gpus",
+                format!("{} identities for TP{}", self.gpus.len(), self.tp_size),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Decodes and validates, refusing oversized input before decoding.
+    ///
+    /// # Errors
+    /// [`AnnouncementError::TooLarge`] or [`AnnouncementError::Decode`].
+    pub fn decode(bytes: &[u8]) -> Result<Self, AnnouncementError> {
+        if bytes.len() > MAX_ANNOUNCEMENT_BYTES {
+            return Err(AnnouncementError::TooLarge {
+                size: bytes.len(),
+                limit: MAX_ANNOUNCEMENT_BYTES,
+            });
+        }
+        Self::from_wire(bytes).map_err(AnnouncementError::Decode)
+    }
+}
+
+impl Wire for WorkerAnnouncement {
+    const WHAT: &'static str = "worker_announcement";
+}
+
+/// What [`WorkerRegistry::announce`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Registration {
+    /// A worker key seen for the first time.
+    New,
+    /// The same incarnation again (its silence clock restarts).
+    Refreshed,
+    /// A new incarnation under a known key: `dropped` is the old engine
+    /// id, whose inventory the caller drops and whose late events it ignores.
+    Replaced {
+        /// The replaced incarnation.
+        dropped: EngineId,
+    },
+    /// An announcement of an incarnation already replaced: ignored.
+    Retired,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    announcement: WorkerAnnouncement,
+    last_seen_ms: u64,
+}
+
+/// The router's view of live workers.
+#[derive(Debug)]
+pub struct WorkerRegistry {
+    announce_period_ms: u64,
+    missed_periods: u32,
+    by_key: HashMap<String, Entry>,
+    retired: HashSet<EngineId>,
+}
+
+impl WorkerRegistry {
+    /// A registry removing a worker silent for more than
+    /// `missed_periods` x `announce_period_ms`.
+    pub fn new(announce_period_ms: u64, missed_periods: u32) -> Self {
+        Self {
+            announce_period_ms,
+            missed_periods: missed_periods.max(1),
+            by_key: HashMap::new(),
+            retired: HashSet::new(),
+        }
+    }
+
+    /// Records an announcement seen at `now_ms`.
+    pub fn announce(&mut self, a: WorkerAnnouncement, now_ms: u64) -> Registration {
+        if self.retired.contains(&a.engine_id) {
+            return Registration::Retired;
+        }
+        match self.by_key.get_mut(&a.worker_key) {
+            None => {
+                self.by_key.insert(
+                    a.worker_key.clone(),
+                    Entry {
+                        announcement: a,
+                        last_seen_ms: now_ms,
+                    },
+                );
+                Registration::New
+            }
+            Some(e) if e.announcement.engine_id == a.engine_id => {
+                e.announcement = a;
+                e.last_seen_ms = now_ms;
+                Registration::Refreshed
+            }
+            Some(e) => {
+                let dropped = e.announcement.engine_id;
+                self.retired.insert(dropped);
+                *e = Entry {
+                    announcement: a,
+                    last_seen_ms: now_ms,
+                };
+                Registration::Replaced { dropped }
+            }
+        }
+    }
+
+    /// Removes every worker silent for more than the allowed periods at
+    /// `now_ms`; returns their (worker key, engine id), which the caller
+    /// drops from the index. Their late events are ignored afterwards.
+    pub fn tick(&mut self, now_ms: u64) -> Vec<(String, EngineId)> {
+        let limit = self
+            .announce_period_ms
+            .saturating_mul(self.missed_periods as u64);
+        let dead: Vec<String> = self
+            .by_key
+            .iter()
+            .filter(|(_, e)| now_ms.saturating_sub(e.last_seen_ms) > limit)
+            .map(|(k, _)| k.clone())
+            .collect();
+        dead.into_iter()
+            .filter_map(|k| {
+                self.by_key
+                    .remove(&k)
+                    .map(|e| (k, e.announcement.engine_id))
+            })
+            .inspect(|(_, id)| {
+                self.retired.insert(*id);
+            })
+            .collect()
+    }
+
+    /// Whether `engine` was replaced or removed: its events are ignored.
+    pub fn is_retired(&self, engine: EngineId) -> bool {
+        self.retired.contains(&engine)
+    }
+
+    /// The live announcement of `worker_key`.
+    pub fn get(&self, worker_key: &str) -> Option<&WorkerAnnouncement> {
+        self.by_key.get(worker_key).map(|e| &e.announcement)
+    }
+
+    /// Number of live workers.
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    /// Whether no worker is live.
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+}
+
+#[cfg(all(test, feature = "worker"))]
+mod tests;

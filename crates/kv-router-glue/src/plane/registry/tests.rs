@@ -1,0 +1,161 @@
+//! Rules of [`super::WorkerRegistry`] and the announcement's bounds.
+
+use kv_descriptor::*;
+use proptest::prelude::*;
+use uuid::Uuid;
+
+use super::*;
+use crate::{EventPlane, InProcessPlane};
+
+fn gpu(ordinal: u32) -> GpuIdentity {
+    GpuIdentity {
+        uuid: Uuid::from_u128(0x6000 + ordinal as u128),
+        ordinal,
+        host_id: "host-a".into(),
+        fabric: None,
+    }
+}
+
+fn ann(key: &str, engine: EngineId) -> WorkerAnnouncement {
+    WorkerAnnouncement {
+        worker_key: key.into(),
+        engine_id: engine,
+        role: Role::Decode,
+        layout_fingerprint: LayoutFingerprint(0xF1F1),
+        tp_size: 2,
+        gpus: vec![gpu(0), gpu(1)],
+        pin_endpoint: "unix:/tmp/kv-pin.sock".into(),
+        event_subject: "kv.qa.decode.events".into(),
+    }
+}
+
+#[test]
+fn new_incarnation_replaces_the_old_and_retires_it() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let (e1, e2) = (EngineId::fresh(), EngineId::fresh());
+    assert_eq!(reg.announce(ann("decode-0", e1), 0), Registration::New);
+    assert_eq!(
+        reg.announce(ann("decode-0", e1), 1_000),
+        Registration::Refreshed
+    );
+    assert_eq!(
+        reg.announce(ann("decode-0", e2), 1_500),
+        Registration::Replaced { dropped: e1 }
+    );
+    assert!(reg.is_retired(e1));
+    assert!(!reg.is_retired(e2));
+    assert_eq!(reg.get("decode-0").unwrap().engine_id, e2);
+    // A late announcement of the old incarnation is ignored and does not
+    // bring it back.
+    assert_eq!(
+        reg.announce(ann("decode-0", e1), 1_600),
+        Registration::Retired
+    );
+    assert_eq!(reg.get("decode-0").unwrap().engine_id, e2);
+    assert_eq!(reg.len(), 1);
+}
+
+#[test]
+fn a_worker_silent_for_the_allowed_periods_is_removed() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let (a, b) = (EngineId::fresh(), EngineId::fresh());
+    reg.announce(ann("decode-0", a), 0);
+    reg.announce(ann("decode-1", b), 0);
+    reg.announce(ann("decode-1", b), 2_500);
+    // Exactly 3 periods of silence is still allowed.
+    assert!(reg.tick(3_000).is_empty());
+    assert_eq!(reg.tick(3_001), vec![("decode-0".to_string(), a)]);
+    assert!(reg.is_retired(a));
+    assert_eq!(reg.len(), 1);
+    assert_eq!(reg.tick(5_501), vec![("decode-1".to_string(), b)]);
+    assert!(reg.is_empty());
+}
+
+#[test]
+fn bad_announcements_are_refused_naming_the_field() {
+    let e = EngineId::fresh();
+    let cases: Vec<(WorkerAnnouncement, &str)> = vec![
+        (
+            WorkerAnnouncement {
+                worker_key: String::new(),
+                ..ann("k", e)
+            },
+            "worker_key",
+        ),
+        (
+            WorkerAnnouncement {
+                pin_endpoint: "p".repeat(300),
+                ..ann("k", e)
+            },
+            "pin_endpoint",
+        ),
+        (
+            WorkerAnnouncement {
+                event_subject: String::new(),
+                ..ann("k", e)
+            },
+            "event_subject",
+        ),
+        (
+            WorkerAnnouncement {
+                tp_size: 0,
+                gpus: vec![],
+                ..ann("k", e)
+            },
+            "tp_size",
+        ),
+        (
+            WorkerAnnouncement {
+                tp_size: 4,
+                ..ann("k", e)
+            },
+            "gpus",
+        ),
+    ];
+    for (a, want) in cases {
+        match a.validate() {
+            Err(AnnouncementError::InvalidField { field, .. }) => assert_eq!(field, want),
+            other => panic!("{want}: {other:?}"),
+        }
+        // The same refusal on the wire: encode without validation, decode refuses.
+        let bytes = rmp_serde::to_vec_named(&a).unwrap();
+        let err = WorkerAnnouncement::decode(&bytes).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("worker_announcement.{want}")),
+            "{err}"
+        );
+    }
+    let big = vec![0u8; MAX_ANNOUNCEMENT_BYTES + 1];
+    assert!(matches!(
+        WorkerAnnouncement::decode(&big),
+        Err(AnnouncementError::TooLarge { .. })
+    ));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+    /// The decoder never panics on arbitrary bytes.
+    #[test]
+    fn announcement_decoder_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..1024)) {
+        let _ = WorkerAnnouncement::decode(&bytes);
+    }
+}
+
+#[tokio::test]
+async fn announcements_travel_over_the_event_plane() {
+    let plane = InProcessPlane::new();
+    let subject = announce_subject("qa").unwrap();
+    assert_eq!(subject.as_str(), "kv.qa.workers.announce");
+    let mut sub = plane.subscribe(&subject).await.unwrap();
+    let a = ann("decode-0", EngineId::fresh());
+    plane.publish(&subject, a.to_wire().unwrap()).await.unwrap();
+    let m = sub
+        .next_timeout(std::time::Duration::from_secs(5))
+        .await
+        .unwrap();
+    let got = WorkerAnnouncement::decode(&m.payload).unwrap();
+    assert_eq!(got, a);
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    assert_eq!(reg.announce(got, 0), Registration::New);
+}

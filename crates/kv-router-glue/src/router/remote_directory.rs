@@ -1,0 +1,166 @@
+//! [`RemoteDonorDirectory`]: the router-side [`DonorDirectory`] for donors in
+//! other processes. Manifests come from the directory ([`DonorCache`], fed
+//! by a [`crate::DirectoryWatch`]); slot ids come from the donor's own
+//! `RetainedGpuDirect` KV events, whose `Stored` blocks carry their logical
+//! slot.
+//!
+//! A slot learned here may be stale (the donor evicted and reused it after
+//! the event): harmless, because the donor's pin service decides every pin
+//! from its slot table and refuses a slot that no longer holds the asked
+//! sequence hash; the target then recomputes.
+
+use std::collections::HashMap;
+
+use kv_descriptor::{EngineId, KvEvent, KvEventData, SequenceHash, StorageTier};
+use parking_lot::RwLock;
+
+use crate::plane::directory::{CacheUpdate, DirectoryChange, DonorCache};
+use crate::{DonorDirectory, ResolveError, ResolvedDonor};
+
+/// Slots of one donor engine, for the generation the directory holds.
+#[derive(Debug, Default)]
+struct DonorSlots {
+    slots: HashMap<SequenceHash, u32>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    cache: DonorCache,
+    slots: HashMap<EngineId, DonorSlots>,
+}
+
+/// Router-side directory over the [`crate::DirectoryPlane`] cache and the
+/// donors' KV events. The clock is injected (Unix epoch ms) so lease lapse
+/// is testable; [`RemoteDonorDirectory::new`] uses the system clock.
+pub struct RemoteDonorDirectory {
+    state: RwLock<State>,
+    clock: Box<dyn Fn() -> u64 + Send + Sync>,
+}
+
+impl std::fmt::Debug for RemoteDonorDirectory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = self.state.read();
+        f.debug_struct("RemoteDonorDirectory")
+            .field("donors", &st.cache.len())
+            .field("slot_maps", &st.slots.len())
+            .finish()
+    }
+}
+
+/// Now, Unix epoch ms (0 if the clock is before 1970).
+pub fn unix_now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Default for RemoteDonorDirectory {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RemoteDonorDirectory {
+    /// An empty directory on the system clock.
+    pub fn new() -> Self {
+        Self::with_clock(unix_now_ms)
+    }
+
+    /// An empty directory reading time (Unix epoch ms) from `clock`.
+    pub fn with_clock(clock: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
+        Self {
+            state: RwLock::default(),
+            clock: Box::new(clock),
+        }
+    }
+
+    /// Applies one watched directory change. A new generation of an engine
+    /// resets its slot map (the old generation's slots mean nothing).
+    pub fn apply_directory(&self, change: DirectoryChange) -> CacheUpdate {
+        let mut st = self.state.write();
+        let up = st.cache.apply(change);
+        match &up {
+            CacheUpdate::NewGeneration { engine, .. } | CacheUpdate::Deleted(engine) => {
+                st.slots.remove(engine);
+            }
+            CacheUpdate::Renewed(_) | CacheUpdate::Ignored(_) => {}
+        }
+        up
+    }
+
+    /// Feeds one KV event of a donor (what the router's event ingest calls
+    /// for every event it accepted). Only tier `RetainedGpuDirect` is used:
+    /// `Stored` blocks with a slot add it, `Removed` drops, `Cleared` resets
+    /// the donor's map. Returns how many slot entries changed.
+    pub fn ingest_event(&self, event: &KvEvent) -> usize {
+        if event.tier != StorageTier::RetainedGpuDirect {
+            return 0;
+        }
+        let mut st = self.state.write();
+        let map = st.slots.entry(event.publisher).or_default();
+        match &event.data {
+            KvEventData::Stored { blocks, .. } => blocks
+                .iter()
+                .filter_map(|b| b.slot.map(|s| map.slots.insert(b.sequence_hash, s)))
+                .count(),
+            KvEventData::Removed { sequence_hashes } => sequence_hashes
+                .iter()
+                .filter(|h| map.slots.remove(h).is_some())
+                .count(),
+            KvEventData::Cleared => {
+                let n = map.slots.len();
+                map.slots.clear();
+                n
+            }
+        }
+    }
+
+    /// Feeds every change of `watch` into this directory until the watch
+    /// ends (its backend went away) or the returned task is aborted.
+    pub fn follow(
+        self: &std::sync::Arc<Self>,
+        mut watch: crate::DirectoryWatch,
+    ) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            while let Some(change) = watch.next().await {
+                me.apply_directory(change);
+            }
+        })
+    }
+
+    /// Drops everything known of `engine` (a replaced or removed
+    /// incarnation, see [`crate::WorkerRegistry`]).
+    pub fn forget(&self, engine: EngineId) {
+        let mut st = self.state.write();
+        st.cache.apply(DirectoryChange::Delete(engine));
+        st.slots.remove(&engine);
+    }
+}
+
+impl DonorDirectory for RemoteDonorDirectory {
+    fn resolve(
+        &self,
+        donor: EngineId,
+        hashes: &[SequenceHash],
+    ) -> Result<ResolvedDonor, ResolveError> {
+        let now = (self.clock)();
+        let st = self.state.read();
+        let record = st.cache.get(donor, now)?;
+        let map = st.slots.get(&donor);
+        let slot_ids = hashes
+            .iter()
+            .enumerate()
+            .map(|(index, h)| {
+                map.and_then(|m| m.slots.get(h).copied())
+                    .ok_or(ResolveError::BlockGone { index, hash: *h })
+            })
+            .collect::<Result<Vec<u32>, ResolveError>>()?;
+        Ok(ResolvedDonor {
+            manifest: record.manifest().clone(),
+            slot_ids,
+            control_endpoint: record.pin_endpoint().to_string(),
+        })
+    }
+}
