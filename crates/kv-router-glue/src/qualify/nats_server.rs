@@ -99,16 +99,14 @@ impl NatsServer {
     }
 
     fn spawn(&mut self) -> Result<(), String> {
-        let child = Command::new(&self.binary)
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(&self.store_dir)
+        let mut cmd = Command::new(&self.binary);
+        cmd.args(["-a", "127.0.0.1", "-p", &self.port.to_string()]);
+        // A configuration file (`-c`) brings its own `jetstream` block;
+        // nats-server refuses a store dir given twice.
+        if !self.extra.iter().any(|a| a == "-c" || a == "--config") {
+            cmd.arg("-js").arg("-sd").arg(&self.store_dir);
+        }
+        let child = cmd
             .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
