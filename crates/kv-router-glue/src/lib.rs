@@ -74,6 +74,8 @@ mod plane;
 #[cfg(any(feature = "qualify", all(test, feature = "worker")))]
 mod qualify;
 mod router;
+#[cfg(feature = "service")]
+pub mod service;
 #[cfg(all(test, feature = "worker", feature = "nats"))]
 mod tests;
 mod worker;

@@ -42,7 +42,7 @@ pub struct CostInputs {
 }
 
 /// Every term of one estimate, in µs unless the name says otherwise.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CostTerms {
     /// Path priced.
     pub path: TransferPath,
@@ -90,7 +90,7 @@ impl std::fmt::Display for CostTerms {
 }
 
 /// Why a fetch was not admitted.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RefuseReason {
     /// `enable_decode_to_prefill_reuse` is off.
@@ -125,7 +125,7 @@ impl std::fmt::Display for RefuseReason {
 }
 
 /// Outcome of admission.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Verdict {
     /// Fetch: attach the hint.
@@ -135,7 +135,7 @@ pub enum Verdict {
 }
 
 /// One admission decision with every term that produced it.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AdmissionDecision {
     /// Request the decision is about.
     pub request_id: String,

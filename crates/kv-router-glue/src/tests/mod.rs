@@ -9,4 +9,5 @@ mod kv_events;
 mod nats;
 mod nats_permissions;
 mod pin_accept;
+mod service;
 mod settings;

@@ -1,0 +1,19 @@
+//! The router service: advise requests over the event plane's request/reply
+//! (NATS subject [`ADVISE_SUBJECT`], queue group [`ADVISE_QUEUE_GROUP`] so
+//! several router replicas share the requests), decided by [`RouterService`]
+//! over the inventory index, a [`crate::DonorDirectory`] and the
+//! [`crate::Advisor`].
+//!
+//! The wire schema ([`AdviseRequest`], [`AdviseReply`]) is MessagePack with
+//! named fields through [`kv_descriptor::Wire`] and its bounded decoder; the
+//! field-by-field description is in `docs/wire-formats.md` ("Advise").
+
+mod router_service;
+mod wire;
+
+pub use router_service::RouterService;
+pub use wire::{
+    AdviseKeys, AdviseRefusal, AdviseReply, AdviseRequest, AdviseResult, ADVISE_QUEUE_GROUP,
+    ADVISE_SUBJECT, MAX_ADVISE_BLOCKS, MAX_ADVISE_REQUEST_BYTES, MAX_ADVISE_TOKENS,
+    MAX_REQUEST_ID_BYTES,
+};
