@@ -61,6 +61,7 @@ mod identity;
 mod layout;
 mod manifest;
 mod pin_control;
+mod region_layout;
 mod wire;
 
 pub use bank::{
@@ -85,6 +86,7 @@ pub use pin_control::{
     PinPart, PinRefusal, PinRefusalReason, PinRelease, PinReleased, PinRequest,
     MAX_PIN_FRAME_BYTES, PIN_FRAME_HEADER_BYTES,
 };
+pub use region_layout::{ElementStrides, KvRegionLayout, RegionLayoutError, RegionOrder};
 pub use wire::{Wire, MAX_WIRE_DEPTH};
 
 /// XXH3 seed of block hashes and fingerprints; Dynamo's `XXH3_SEED`.
