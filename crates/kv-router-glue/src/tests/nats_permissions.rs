@@ -14,6 +14,8 @@ use tokio::sync::mpsc;
 
 use crate::qualify::nats_server::NatsServer;
 
+/// A worker announcement subject (`plane::registry`: `kv.<namespace>.workers.announce`).
+const ANNOUNCE: &str = "kv.qa.workers.announce";
 const EVENTS: &str = "kv.qa.decode.kv_events";
 const RESYNC: &str = "kv.qa.decode.kv_events_resync";
 const ADVISE: &str = "kv_reuse.advise";
@@ -142,6 +144,20 @@ async fn each_role_reaches_its_own_subjects() {
         (m.subject.as_str(), &m.payload[..]),
         (EVENTS, &b"stored"[..])
     );
+
+    // Worker announcements: donors and targets -> router.
+    let mut announce = router.subscribe(ANNOUNCE).await.unwrap();
+    router.flush().await.unwrap();
+    ready(&donor, &mut announce, ANNOUNCE).await;
+    for (who, c) in [("donor", &donor), ("target", &target)] {
+        c.publish(ANNOUNCE, who.to_string().into()).await.unwrap();
+        c.flush().await.unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(3), announce.next())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&m.payload[..], who.as_bytes());
+    }
 
     let answer_advise = tokio::spawn({
         let router = router.clone();
