@@ -26,6 +26,10 @@
 //!   [`kv_bank::ManagerPin`]s) and a target in another process pins through
 //!   it ([`RemoteDonor`], a [`DonorSource`]); pins end on release, on
 //!   disconnect (a dead target leaks nothing) or at a hold bound;
+//! - **worker agents** ([`DonorAgent`], [`TargetAgent`]): the calls a
+//!   decode or prefill worker makes to serve and fetch across processes
+//!   (bank, pin service, directory record, events, announcements; donor
+//!   resolution and the fetch);
 //! - **event planes** ([`EventPlane`]): in-process ([`InProcessPlane`], the
 //!   default) and NATS ([`NatsPlane`]), with a subscriber readiness barrier,
 //!   and KV event streams with per-publisher ids, gap detection and resync
@@ -67,6 +71,8 @@
 
 #![deny(missing_docs)]
 
+#[cfg(feature = "worker")]
+mod agent;
 mod error;
 pub mod metrics;
 mod plane;
@@ -98,6 +104,8 @@ use worker::hint_validation;
 use worker::{fetch_executor, pin_service, pin_transport, remote_donor};
 
 pub use advisor::{Advice, Advisor, DonorDirectory, LocalDonorDirectory, ResolvedDonor};
+#[cfg(feature = "worker")]
+pub use agent::{AgentError, DonorAgent, DonorAgentConfig, DonorCloseReport, TargetAgent};
 pub use calibration::{
     calibrate, Calibration, CalibrationModel, CalibrationSample, CalibrationVerdict,
 };

@@ -1,0 +1,327 @@
+//! [`DonorAgent`]: the decode worker's side of reuse across processes.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_bank::{BankConfig, BankManager, PendingStore, StoreStatus};
+use kv_descriptor::{GpuIdentity, SequenceHash, StorageTier, StoredBlock, Wire};
+
+use super::AgentError;
+use crate::{
+    announce_subject, unix_now_ms, DirectoryPlane, DonorRecord, DonorRecordParts, EventPlane,
+    KvEventPublisher, PinService, PinServiceConfig, PinServiceStats, PublisherHeader, Subject,
+    WorkerAnnouncement,
+};
+
+/// What a [`DonorAgent`] is opened with.
+#[derive(Debug, Clone)]
+pub struct DonorAgentConfig {
+    /// Stable name of the worker across incarnations (1..=256 bytes).
+    pub worker_key: String,
+    /// The bank: layout, owner (engine id, role `Decode`, generation),
+    /// byte budget, bank lease (renewed by the bank's own background thread
+    /// under the default [`kv_bank::LeaseConfig`]).
+    pub bank: BankConfig,
+    /// Host id the bank's memory is published under.
+    pub host_id: String,
+    /// `None`: host shared memory (CPU). `Some(ordinals)`: CUDA device
+    /// memory, rank `r` on ordinal `ordinals[r]`.
+    pub cuda_ordinals: Option<Vec<u32>>,
+    /// The GPU of each TP rank, announced in the [`WorkerAnnouncement`].
+    pub gpus: Vec<GpuIdentity>,
+    /// The pin service's endpoint (`unix:<path>`), published in the record.
+    pub pin_endpoint: String,
+    /// Limits of the pin service.
+    pub pin_config: PinServiceConfig,
+    /// Namespace of the announce subject (`kv.<namespace>.workers.announce`).
+    pub namespace: String,
+    /// Subject the KV events are published on (also announced).
+    pub event_subject: Subject,
+    /// Events kept for resync replay.
+    pub event_ring: usize,
+    /// How long one put of the record is valid (its `lease_expires_unix_ms`
+    /// = publish time + this). [`DonorAgent::tick`] re-puts once a third of
+    /// it has passed, so two missed ticks still leave a live record. At
+    /// most the bank lease's duration: a record must not outlive the lease
+    /// an importer checks.
+    pub record_ttl: Duration,
+}
+
+/// What [`DonorAgent::close`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DonorCloseReport {
+    /// Counters of the pin service at shutdown.
+    pub pin_stats: PinServiceStats,
+    /// KV events published by the close (the bank's `Cleared`, and any left).
+    pub events_published: usize,
+}
+
+/// A decode worker's reuse agent: bank, pin service, directory record, KV
+/// events and announcements. Async calls publish on the planes; call
+/// [`DonorAgent::tick`] periodically (e.g. every second) from the engine's
+/// runtime.
+pub struct DonorAgent {
+    bank: Arc<BankManager>,
+    pins: Option<PinService>,
+    directory: Arc<dyn DirectoryPlane>,
+    plane: Arc<dyn EventPlane>,
+    publisher: KvEventPublisher,
+    announcement: WorkerAnnouncement,
+    announce_subject: Subject,
+    worker_key: String,
+    record_ttl_ms: u64,
+    last_put_ms: AtomicU64,
+}
+
+impl std::fmt::Debug for DonorAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DonorAgent")
+            .field("worker_key", &self.worker_key)
+            .field("engine", &self.bank.owner().engine_id)
+            .field("generation", &self.bank.owner().generation)
+            .finish()
+    }
+}
+
+impl DonorAgent {
+    /// Opens the bank, binds the pin service, puts the record and announces.
+    ///
+    /// # Errors
+    /// [`AgentError::InvalidConfig`] naming `record_ttl` (zero, or longer
+    /// than the bank lease); [`AgentError::Announcement`] naming the bad
+    /// field (e.g. `gpus` not one per rank); [`AgentError::Bank`] when the
+    /// bank cannot open; [`AgentError::PinService`]; [`AgentError::Record`]
+    /// or [`AgentError::Plane`] for the first put. On error everything
+    /// opened so far is closed again.
+    pub async fn open(
+        config: DonorAgentConfig,
+        directory: Arc<dyn DirectoryPlane>,
+        plane: Arc<dyn EventPlane>,
+    ) -> Result<Self, AgentError> {
+        let lease = config.bank.lease.duration;
+        if config.record_ttl.is_zero() || config.record_ttl > lease {
+            return Err(AgentError::InvalidConfig {
+                field: "record_ttl",
+                reason: format!(
+                    "{:?} must be above zero and at most the bank lease {lease:?}",
+                    config.record_ttl
+                ),
+            });
+        }
+        let layout = config.bank.layout;
+        let owner = config.bank.owner;
+        let announcement = WorkerAnnouncement {
+            worker_key: config.worker_key.clone(),
+            engine_id: owner.engine_id,
+            role: owner.role,
+            layout_fingerprint: layout.fingerprint(),
+            tp_size: layout.tp_size(),
+            gpus: config.gpus.clone(),
+            pin_endpoint: config.pin_endpoint.clone(),
+            event_subject: config.event_subject.as_str().to_string(),
+        };
+        // Checked before anything is allocated: a bad announcement opens nothing.
+        announcement.validate()?;
+        let announce_subject = announce_subject(&config.namespace)?;
+        let bank = Arc::new(match &config.cuda_ordinals {
+            None => BankManager::new_host_shm(config.bank.clone(), &config.host_id)?,
+            Some(o) => BankManager::new_cuda(config.bank.clone(), &config.host_id, o)?,
+        });
+        let close_bank = |bank: &BankManager| {
+            let _ = bank.close(Duration::ZERO);
+        };
+        let pins = match PinService::bind(bank.clone(), &config.pin_endpoint, config.pin_config) {
+            Ok(p) => p,
+            Err(e) => {
+                close_bank(&bank);
+                return Err(e.into());
+            }
+        };
+        let publisher = KvEventPublisher::new(
+            plane.clone(),
+            config.event_subject.clone(),
+            PublisherHeader {
+                publisher: owner.engine_id,
+                role: owner.role,
+                layout_fingerprint: layout.fingerprint(),
+                tp_size: layout.tp_size(),
+            },
+            config.event_ring,
+        );
+        let agent = Self {
+            bank,
+            pins: Some(pins),
+            directory,
+            plane,
+            publisher,
+            announcement,
+            announce_subject,
+            worker_key: config.worker_key,
+            record_ttl_ms: config.record_ttl.as_millis() as u64,
+            last_put_ms: AtomicU64::new(0),
+        };
+        let opened = async {
+            agent.put_record().await?;
+            agent.announce().await
+        }
+        .await;
+        if let Err(e) = opened {
+            let _ = agent.close(Duration::ZERO).await;
+            return Err(e);
+        }
+        Ok(agent)
+    }
+
+    /// The bank (for the engine's reads, lookups, `exclude`, stats).
+    pub fn bank(&self) -> &Arc<BankManager> {
+        &self.bank
+    }
+
+    /// The pin endpoint published in the record.
+    pub fn pin_endpoint(&self) -> &str {
+        &self.announcement.pin_endpoint
+    }
+
+    /// The announcement this agent publishes.
+    pub fn announcement(&self) -> &WorkerAnnouncement {
+        &self.announcement
+    }
+
+    /// The record as put now: the bank's manifest, the pin endpoint, lease
+    /// expiry `now + record_ttl`.
+    ///
+    /// # Errors
+    /// [`AgentError::Record`] naming the field.
+    pub fn record(&self, now_unix_ms: u64) -> Result<DonorRecord, AgentError> {
+        Ok(DonorRecord::new(DonorRecordParts {
+            worker_key: self.worker_key.clone(),
+            manifest: self.bank.manifest().clone(),
+            pin_endpoint: self.announcement.pin_endpoint.clone(),
+            // NIXL serving is not wired into the agent yet (docs/agents.md).
+            nixl_agent_metadata: None,
+            lease_expires_unix_ms: now_unix_ms + self.record_ttl_ms,
+            published_unix_ms: now_unix_ms,
+        })?)
+    }
+
+    /// Puts (renews) the record in the directory.
+    ///
+    /// # Errors
+    /// [`AgentError::Record`], [`AgentError::Plane`].
+    pub async fn put_record(&self) -> Result<(), AgentError> {
+        let now = unix_now_ms();
+        let r = self.record(now)?;
+        self.directory.put(&r).await?;
+        self.last_put_ms.store(now, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Publishes the announcement once.
+    ///
+    /// # Errors
+    /// [`AgentError::Plane`].
+    pub async fn announce(&self) -> Result<(), AgentError> {
+        let bytes = self
+            .announcement
+            .to_wire()
+            .map_err(|e| crate::PlaneError::Codec {
+                what: "worker_announcement",
+                reason: e.to_string(),
+            })?;
+        self.plane.publish(&self.announce_subject, bytes).await?;
+        Ok(())
+    }
+
+    /// Starts storing sealed `blocks` (prefix order, the first a child of
+    /// `parent`): [`BankManager::store`]. Each rank then writes its part
+    /// with [`BankManager::write_pending`] (through [`DonorAgent::bank`])
+    /// and calls [`DonorAgent::ack`].
+    ///
+    /// # Errors
+    /// [`AgentError::Bank`] (closed, broken chain, full, lease lapsed).
+    pub fn store(
+        &self,
+        parent: Option<SequenceHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<PendingStore, AgentError> {
+        Ok(self.bank.store(parent, blocks)?)
+    }
+
+    /// Rank `rank` wrote its part of store `store_id`
+    /// ([`BankManager::ack`]); when the store became ready its `Stored`
+    /// events (with slots) are published at once.
+    ///
+    /// # Errors
+    /// [`AgentError::Bank`]; [`AgentError::Plane`] when publishing failed
+    /// (the ids are consumed: receivers see a gap and resync).
+    pub async fn ack(&self, store_id: u64, rank: u32) -> Result<StoreStatus, AgentError> {
+        let status = self.bank.ack(store_id, rank)?;
+        if status == StoreStatus::Ready {
+            self.publish_events().await?;
+        }
+        Ok(status)
+    }
+
+    /// Publishes every queued bank event (evictions, exclusions included);
+    /// returns how many.
+    ///
+    /// # Errors
+    /// [`AgentError::Plane`] at the first failed publish (the rest are
+    /// dropped from the bank's queue; receivers resync the gap from the ring).
+    pub async fn publish_events(&self) -> Result<usize, AgentError> {
+        let events = self.bank.drain_events();
+        let n = events.len();
+        for e in events {
+            self.publisher
+                .publish(StorageTier::RetainedGpuDirect, e.data)
+                .await?;
+        }
+        Ok(n)
+    }
+
+    /// Periodic work: publishes queued events, re-puts the record once a
+    /// third of its TTL has passed since the last put, and announces.
+    ///
+    /// # Errors
+    /// The first failing step's error; the later steps still ran.
+    pub async fn tick(&self) -> Result<(), AgentError> {
+        let events = self.publish_events().await.map(|_| ());
+        let since = unix_now_ms().saturating_sub(self.last_put_ms.load(Ordering::SeqCst));
+        let put = if since >= self.record_ttl_ms / 3 {
+            self.put_record().await
+        } else {
+            Ok(())
+        };
+        let ann = self.announce().await;
+        events.and(put).and(ann)
+    }
+
+    /// Closes: stops the pin service (waiting up to `drain` for held pins),
+    /// closes the bank (its `Cleared` event published), deletes the record.
+    /// Every step runs even when an earlier one failed.
+    ///
+    /// # Errors
+    /// The first failure; [`AgentError::Bank`] with
+    /// [`kv_bank::BankError::CloseTimedOut`] when pins outlived `drain`.
+    pub async fn close(mut self, drain: Duration) -> Result<DonorCloseReport, AgentError> {
+        // The record goes first: no reader resolves this donor any more.
+        let deleted = self
+            .directory
+            .delete(self.bank.owner().engine_id)
+            .await
+            .map_err(AgentError::from);
+        let pin_stats = match self.pins.take() {
+            Some(p) => p.shutdown(drain),
+            None => PinServiceStats::default(),
+        };
+        let closed = self.bank.close(drain).map_err(AgentError::from);
+        let published = self.publish_events().await;
+        deleted?;
+        closed?;
+        Ok(DonorCloseReport {
+            pin_stats,
+            events_published: published?,
+        })
+    }
+}

@@ -1,0 +1,65 @@
+//! Worker agents: the few calls a vLLM or SGLang worker makes to take part
+//! in decode-to-prefill reuse across processes (see `docs/agents.md`).
+//!
+//! - [`DonorAgent`] (decode side): opens the retained bank, serves pins on
+//!   its endpoint, publishes its [`crate::DonorRecord`] to a
+//!   [`crate::DirectoryPlane`] (on open, re-put before the record's lease
+//!   lapses, deleted on close), its KV events (with slots) and its
+//!   [`crate::WorkerAnnouncement`] on the event plane.
+//! - [`TargetAgent`] (prefill side): resolves a hint's donor from a
+//!   [`crate::DonorCache`] fed by the directory watch, maps the donor's
+//!   memory (host shm, or CUDA IPC on the destination GPU), checks the hint
+//!   against the prompt and runs the [`crate::FetchExecutor`].
+//!
+//! Every refusal is an [`AgentError`]; for the target each one means "recompute".
+
+mod donor;
+mod target;
+
+pub use donor::{DonorAgent, DonorAgentConfig, DonorCloseReport};
+pub use target::TargetAgent;
+
+use kv_bank::BankError;
+
+use crate::{
+    AnnouncementError, DonorRecordError, FetchError, PinServiceError, PlaneError, RemoteDonorError,
+    ResolveError,
+};
+
+/// Why an agent call was refused. For a [`TargetAgent`] fetch every variant
+/// is a fallback: the request recomputes its prompt.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// A configuration field is out of range.
+    #[error("invalid agent config `{field}`: {reason}")]
+    InvalidConfig {
+        /// The field (`record_ttl`, `gpus`, `destination_gpus`, ...).
+        field: &'static str,
+        /// What is wrong, with the value seen.
+        reason: String,
+    },
+    /// The donor bank refused (open, store, ack, close).
+    #[error("bank: {0}")]
+    Bank(#[from] BankError),
+    /// The pin service could not bind its endpoint.
+    #[error("pin service: {0}")]
+    PinService(#[from] PinServiceError),
+    /// The donor record could not be built.
+    #[error("donor record: {0}")]
+    Record(#[from] DonorRecordError),
+    /// The announcement could not be built.
+    #[error("announcement: {0}")]
+    Announcement(#[from] AnnouncementError),
+    /// The event plane or the directory refused a publish, put or watch.
+    #[error("plane: {0}")]
+    Plane(#[from] PlaneError),
+    /// The hint's donor is not usable: unknown, lease lapsed, stale generation.
+    #[error("donor resolution: {0}")]
+    Resolve(#[from] ResolveError),
+    /// The donor's memory could not be mapped here.
+    #[error("opening the donor: {0}")]
+    OpenDonor(#[from] RemoteDonorError),
+    /// The fetch executor refused the hint or fell back.
+    #[error("fetch: {0}")]
+    Fetch(#[from] FetchError),
+}

@@ -1,0 +1,168 @@
+//! [`TargetAgent`]: the prefill worker's side of reuse across processes.
+
+use kv_descriptor::{HintEnvelope, SequenceHash};
+use kv_transfer::DeliveryControl;
+use parking_lot::Mutex;
+
+use super::AgentError;
+use crate::{
+    check_prompt_prefix, unix_now_ms, CacheUpdate, DirectoryPlane, DirectoryWatch, DonorCache,
+    FetchError, FetchExecutor, FetchOutcome, RemoteDonor,
+};
+
+/// A prefill worker's reuse agent: its [`FetchExecutor`] and a
+/// [`DonorCache`] fed by a directory watch.
+///
+/// Donor memory is mapped per fetch (host shm, or a CUDA IPC import on the
+/// destination GPU, which kv-bank's import cache keeps mapped): a donor
+/// that closed leaves nothing mapped here once the fetch returned. NIXL
+/// (a donor on another host) is not wired here yet: a record without a
+/// mappable location is refused ([`AgentError::OpenDonor`]) and the request
+/// recomputes.
+pub struct TargetAgent {
+    executor: FetchExecutor,
+    destination_gpus: Option<Vec<u32>>,
+    state: Mutex<State>,
+    clock: Box<dyn Fn() -> u64 + Send + Sync>,
+}
+
+struct State {
+    cache: DonorCache,
+    watch: DirectoryWatch,
+}
+
+impl std::fmt::Debug for TargetAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TargetAgent")
+            .field("executor", &self.executor)
+            .field("donors", &self.state.lock().cache.len())
+            .finish()
+    }
+}
+
+impl TargetAgent {
+    /// An agent fetching with `executor`, resolving donors from `directory`
+    /// (watched from now on). `destination_gpus[r]` is the CUDA ordinal that
+    /// reads rank `r` (the executor's region of rank `r`); `None` on a CPU
+    /// target, which then refuses GPU donors.
+    ///
+    /// # Errors
+    /// [`AgentError::InvalidConfig`] naming `destination_gpus` when empty
+    /// (a count other than the donor's TP size is refused per fetch, as
+    /// [`crate::RemoteDonorError::MapCount`]); [`AgentError::Plane`] when the watch cannot start.
+    pub async fn connect(
+        executor: FetchExecutor,
+        directory: &dyn DirectoryPlane,
+        destination_gpus: Option<Vec<u32>>,
+    ) -> Result<Self, AgentError> {
+        Self::connect_with_clock(executor, directory, destination_gpus, unix_now_ms).await
+    }
+
+    /// [`TargetAgent::connect`] reading time (Unix epoch ms) from `clock`,
+    /// so lease lapse is testable without sleeping.
+    ///
+    /// # Errors
+    /// As [`TargetAgent::connect`].
+    pub async fn connect_with_clock(
+        executor: FetchExecutor,
+        directory: &dyn DirectoryPlane,
+        destination_gpus: Option<Vec<u32>>,
+        clock: impl Fn() -> u64 + Send + Sync + 'static,
+    ) -> Result<Self, AgentError> {
+        if destination_gpus.as_ref().is_some_and(|g| g.is_empty()) {
+            return Err(AgentError::InvalidConfig {
+                field: "destination_gpus",
+                reason: "empty: give one ordinal per TP rank, or None on a CPU target".into(),
+            });
+        }
+        let watch = directory.watch().await?;
+        Ok(Self {
+            executor,
+            destination_gpus,
+            state: Mutex::new(State {
+                cache: DonorCache::new(),
+                watch,
+            }),
+            clock: Box::new(clock),
+        })
+    }
+
+    /// The executor (its pool, in-flight reads).
+    pub fn executor(&self) -> &FetchExecutor {
+        &self.executor
+    }
+
+    /// Applies every directory change delivered so far; returns what each did.
+    pub fn refresh(&self) -> Vec<CacheUpdate> {
+        let mut st = self.state.lock();
+        let mut out = Vec::new();
+        while let Some(c) = st.watch.try_next() {
+            out.push(st.cache.apply(c));
+        }
+        out
+    }
+
+    /// Runs `envelope` for a request whose prompt's sealed blocks hash to
+    /// `prompt`: the hint is checked against the prompt, its donor resolved
+    /// from the directory (a lapsed lease or stale generation is refused),
+    /// the donor's memory mapped and the fetch executed.
+    ///
+    /// # Errors
+    /// Every error is a fallback (recompute): [`AgentError::Fetch`] for a
+    /// malformed hint, a prompt mismatch or a failed fetch;
+    /// [`AgentError::Resolve`] for an unknown, lapsed or stale donor;
+    /// [`AgentError::InvalidConfig`] naming `destination_gpus` for a GPU
+    /// donor on a CPU target; [`AgentError::OpenDonor`] when its memory
+    /// cannot be mapped (its bank closed meanwhile).
+    pub fn fetch(
+        &self,
+        envelope: &HintEnvelope,
+        prompt: &[SequenceHash],
+        control: &DeliveryControl,
+    ) -> Result<FetchOutcome, AgentError> {
+        let mut hints = envelope.fetch_gpu_actions().map_err(FetchError::from)?;
+        if hints.len() != 1 {
+            return Err(
+                FetchError::Malformed(kv_descriptor::DescriptorError::InvalidField {
+                    field: "hint.actions",
+                    reason: format!(
+                        "expected exactly one kv.fetch_gpu action, got {}",
+                        hints.len()
+                    ),
+                })
+                .into(),
+            );
+        }
+        let hint = hints.remove(0);
+        // Cheapest first: a hint for another prompt maps nothing.
+        check_prompt_prefix(&hint, prompt)?;
+        self.refresh();
+        let record = {
+            let st = self.state.lock();
+            st.cache.get(hint.donor_engine_id, (self.clock)())?.clone()
+        };
+        if record.generation() != hint.bank_generation {
+            return Err(FetchError::StaleGeneration {
+                hint: hint.bank_generation,
+                manifest: record.generation(),
+            }
+            .into());
+        }
+        let manifest = record.manifest().clone();
+        let gpu = manifest.parts().iter().any(|d| d.location().is_gpu());
+        let donor = if gpu {
+            let Some(g) = &self.destination_gpus else {
+                return Err(AgentError::InvalidConfig {
+                    field: "destination_gpus",
+                    reason: "the donor's bank is on a GPU and this target has no GPU".into(),
+                });
+            };
+            RemoteDonor::open_cuda_ipc(manifest, g, record.pin_endpoint())?
+        } else {
+            RemoteDonor::open_host_shm(manifest, record.pin_endpoint())?
+        };
+        Ok(self
+            .executor
+            .execute_for_prompt(envelope, prompt, &donor, control)?)
+    }
+}
