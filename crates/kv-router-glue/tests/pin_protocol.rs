@@ -5,109 +5,23 @@
 //!
 //! Tests share one lock: leak snapshots and thread listings are process-wide.
 
+mod common;
+use common::*;
+
 use std::io::{BufRead, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kv_bank::{sealed_blocks, BankConfig, BankManager, BankMemory, DestinationPool, StoreStatus};
+use kv_bank::{BankManager, BankMemory, DestinationPool};
 use kv_descriptor::*;
 use kv_router_glue::*;
 use kv_transfer::plan::PartPlan;
 use kv_transfer::{
     CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, PartOutcome, RankIo, TransferError,
 };
-
-const TP: u32 = 2;
-const BLOCK_TOKENS: usize = 4;
-
-fn lock() -> MutexGuard<'static, ()> {
-    static L: Mutex<()> = Mutex::new(());
-    L.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn layout() -> KvLayout {
-    KvLayout::new(
-        2,
-        4,
-        8,
-        DType::F32,
-        BLOCK_TOKENS as u32,
-        TensorOrder::BlockMajor,
-        TP,
-    )
-    .unwrap()
-}
-
-fn rbb() -> usize {
-    layout().rank_block_bytes()
-}
-
-fn bank(slots: u64) -> Arc<BankManager> {
-    let cfg = BankConfig::new(
-        layout(),
-        OwnerLease::fresh(Role::Decode),
-        slots * u64::from(TP) * rbb() as u64,
-    );
-    Arc::new(BankManager::new_host_shm(cfg, "pin-test").unwrap())
-}
-
-/// Byte `i` of rank `rank`'s part of the block with hash `h`.
-fn pattern(h: SequenceHash, rank: u32, i: usize) -> u8 {
-    (h.0 as usize).wrapping_add(rank as usize * 31 + i) as u8
-}
-
-/// Stores `blocks` blocks of chain `chain` (distinct tokens per chain) and
-/// returns (hash, slot) of each, in chain order.
-fn store(
-    bank: &BankManager,
-    chain: u32,
-    blocks: usize,
-) -> Result<Vec<(SequenceHash, u32)>, String> {
-    let tokens: Vec<u32> = (0..(blocks * BLOCK_TOKENS) as u32)
-        .map(|t| chain * 100_000 + t)
-        .collect();
-    let sealed = sealed_blocks(None, &tokens, BLOCK_TOKENS);
-    let st = bank.store(None, &sealed).map_err(|e| e.to_string())?;
-    for rank in 0..TP {
-        for (index, (h, _)) in st.entries.iter().enumerate() {
-            let bytes: Vec<u8> = (0..rbb()).map(|i| pattern(*h, rank, i)).collect();
-            bank.write_pending(st.store_id, rank, index, &bytes)
-                .map_err(|e| e.to_string())?;
-        }
-    }
-    let mut status = StoreStatus::Waiting { missing: vec![] };
-    for rank in 0..TP {
-        status = bank.ack(st.store_id, rank).map_err(|e| e.to_string())?;
-    }
-    assert_eq!(status, StoreStatus::Ready);
-    Ok(sealed
-        .iter()
-        .map(|b| (b.sequence_hash, bank.lookup(&b.sequence_hash).unwrap()))
-        .collect())
-}
-
-fn hint(bank: &BankManager, entries: &[(SequenceHash, u32)], endpoint: &str) -> FetchGpuHint {
-    let slots: Vec<u32> = entries.iter().map(|e| e.1).collect();
-    FetchGpuHint {
-        donor_engine_id: bank.owner().engine_id,
-        bank_generation: bank.owner().generation,
-        layout_fingerprint: layout().fingerprint(),
-        tp_size: TP,
-        sequence_hashes: entries.iter().map(|e| e.0).collect(),
-        fetch_from: 0,
-        parts: (0..TP)
-            .map(|r| FetchPart {
-                tp_rank: r,
-                slot_ids: slots.clone(),
-                expected_bytes: (slots.len() * rbb()) as u64,
-            })
-            .collect(),
-        donor_control_endpoint: endpoint.to_owned(),
-    }
-}
 
 fn endpoint(dir: &Path) -> String {
     format!("unix:{}", dir.join("pin.sock").display())
@@ -126,7 +40,7 @@ fn donor_service(
 ) {
     let guard = lock();
     let dir = tempfile::tempdir().unwrap();
-    let bank = bank(slots);
+    let bank = bank(slots, "pin-test");
     let svc = PinService::bind(bank.clone(), &endpoint(dir.path()), config).unwrap();
     (guard, dir, bank, svc)
 }
@@ -182,7 +96,7 @@ fn refusal_reason(e: &PinError) -> &'static str {
 #[test]
 fn a_remote_pin_keeps_its_slots_from_reuse_until_released() {
     let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
-    let a = store(&bank, 1, 4).unwrap();
+    let a = store_chain(&bank, 1, 4).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let pinned = &a[..2];
     let pin = donor
@@ -192,10 +106,10 @@ fn a_remote_pin_keeps_its_slots_from_reuse_until_released() {
     assert_eq!(bank.pins_outstanding(), 2);
 
     // Three new blocks need three slots; only the two unpinned ones can go.
-    let e = store(&bank, 2, 3).unwrap_err();
+    let e = store_chain(&bank, 2, 3).unwrap_err().to_string();
     assert!(e.contains("bank full"), "{e}");
     // Two new blocks take exactly the unpinned slots.
-    let b = store(&bank, 3, 2).unwrap();
+    let b = store_chain(&bank, 3, 2).unwrap();
     let pinned_slots: Vec<u32> = pinned.iter().map(|e| e.1).collect();
     assert!(b.iter().all(|e| !pinned_slots.contains(&e.1)), "{b:?}");
     for &(h, slot) in pinned {
@@ -214,7 +128,7 @@ fn a_remote_pin_keeps_its_slots_from_reuse_until_released() {
     // Release is acknowledged before drop returns: no waiting here.
     assert_eq!(svc.active_pins(), 0);
     assert_eq!(bank.pins_outstanding(), 0);
-    let c = store(&bank, 4, 4).unwrap();
+    let c = store_chain(&bank, 4, 4).unwrap();
     assert!(pinned_slots.iter().all(|s| c.iter().any(|e| e.1 == *s)));
     assert!(pinned.iter().all(|e| bank.lookup(&e.0).is_none()));
     let stats = svc.shutdown(Duration::ZERO);
@@ -224,7 +138,7 @@ fn a_remote_pin_keeps_its_slots_from_reuse_until_released() {
 #[test]
 fn a_fetch_through_the_socket_completes_with_the_donor_bytes() {
     let (_g, _dir, bank, svc) = donor_service(8, PinServiceConfig::default());
-    let a = store(&bank, 1, 6).unwrap();
+    let a = store_chain(&bank, 1, 6).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let rows = 8u32;
     let regions: Vec<Arc<HostBuffer>> = (0..TP)
@@ -265,7 +179,7 @@ fn a_fetch_through_the_socket_completes_with_the_donor_bytes() {
 #[test]
 fn pin_round_trip_latency() {
     let (_g, _dir, bank, svc) = donor_service(8, PinServiceConfig::default());
-    let a = store(&bank, 1, 8).unwrap();
+    let a = store_chain(&bank, 1, 8).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let h = hint(&bank, &a, svc.endpoint());
     let mut pin_us = Vec::new();
@@ -297,7 +211,7 @@ fn pin_round_trip_latency() {
 #[test]
 fn a_closed_connection_releases_its_pins() {
     let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
-    let a = store(&bank, 1, 3).unwrap();
+    let a = store_chain(&bank, 1, 3).unwrap();
     let mut s = raw_client(svc.endpoint());
     for (i, part) in [&a[..1], &a[1..]].into_iter().enumerate() {
         let req = PinRequest::for_hint(i as u64 + 1, &hint(&bank, part, svc.endpoint()));
@@ -347,7 +261,7 @@ fn pin_holder_child() {
 #[test]
 fn a_killed_target_process_leaves_no_pin() {
     let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
-    let a = store(&bank, 1, 4).unwrap();
+    let a = store_chain(&bank, 1, 4).unwrap();
     let hex = |b: Vec<u8>| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
     let spec = format!(
         "{} {} {}",
@@ -370,21 +284,24 @@ fn a_killed_target_process_leaves_no_pin() {
     assert!(pinned, "child never pinned");
     assert_eq!((svc.active_pins(), bank.pins_outstanding()), (1, 4));
     // Its pinned slots cannot be reused while it lives.
-    assert!(store(&bank, 2, 1).unwrap_err().contains("bank full"));
+    assert!(store_chain(&bank, 2, 1)
+        .unwrap_err()
+        .to_string()
+        .contains("bank full"));
     child.kill().unwrap(); // SIGKILL: no release, no destructor
     child.wait().unwrap();
     let took = until(Duration::from_secs(2), || bank.pins_outstanding() == 0)
         .expect("a dead target's pin outlived it");
     println!("pin dropped {took:?} after the target was killed");
     assert_eq!(svc.active_pins(), 0);
-    store(&bank, 2, 1).unwrap();
+    store_chain(&bank, 2, 1).unwrap();
     svc.shutdown(Duration::ZERO);
 }
 
 #[test]
 fn stale_reused_and_closed_requests_are_refused_without_pinning() {
     let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
-    let a = store(&bank, 1, 4).unwrap();
+    let a = store_chain(&bank, 1, 4).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let good = hint(&bank, &a[..2], svc.endpoint());
     let pins_before = kv_bank::leaks::snapshot().pins;
@@ -411,7 +328,7 @@ fn stale_reused_and_closed_requests_are_refused_without_pinning() {
     let e = donor.pin_remote(&h).unwrap_err();
     assert_eq!(refusal_reason(&e), "slot_reused", "{e}");
     // The hinted blocks evicted and their slots reused by another chain.
-    let b = store(&bank, 2, 4).unwrap();
+    let b = store_chain(&bank, 2, 4).unwrap();
     assert!(a[..2].iter().all(|e| b.iter().any(|n| n.1 == e.1)));
     let e = donor.pin_remote(&good).unwrap_err();
     assert_eq!(refusal_reason(&e), "slot_reused", "{e}");
@@ -432,7 +349,7 @@ fn stale_reused_and_closed_requests_are_refused_without_pinning() {
 #[test]
 fn malformed_frames_are_refused_naming_the_field() {
     let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
-    let a = store(&bank, 1, 2).unwrap();
+    let a = store_chain(&bank, 1, 2).unwrap();
 
     // A body that is not a message: refused, and the connection goes on.
     let mut s = raw_client(svc.endpoint());
@@ -517,7 +434,7 @@ fn a_pin_past_its_hold_bound_expires_and_the_fetch_falls_back() {
         ..PinServiceConfig::default()
     };
     let (_g, _dir, bank, svc) = donor_service(4, config);
-    let a = store(&bank, 1, 2).unwrap();
+    let a = store_chain(&bank, 1, 2).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let env = HintEnvelope::fetch_gpu("req-slow", "a0", &hint(&bank, &a, svc.endpoint())).unwrap();
     let run = |delay: Duration| {
@@ -588,7 +505,7 @@ fn pin_and_connection_limits_refuse_with_too_many_pins() {
         ..PinServiceConfig::default()
     };
     let (_g, _dir, bank, svc) = donor_service(4, config);
-    let a = store(&bank, 1, 2).unwrap();
+    let a = store_chain(&bank, 1, 2).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let h = hint(&bank, &a, svc.endpoint());
     let first = donor.pin_remote(&h).unwrap();
@@ -615,8 +532,8 @@ fn pin_and_connection_limits_refuse_with_too_many_pins() {
 fn shutdown_leaves_no_fd_thread_pin_or_socket() {
     let _g = lock();
     let dir = tempfile::tempdir().unwrap();
-    let bank = bank(8);
-    let a = store(&bank, 1, 8).unwrap();
+    let bank = bank(8, "pin-test");
+    let a = store_chain(&bank, 1, 8).unwrap();
     let manifest = bank.manifest().clone();
     let threads_before = pin_threads();
     let before = kv_bank::leaks::snapshot();

@@ -8,99 +8,22 @@
 //!
 //! Tests share one lock: they count pins of one process.
 
+mod common;
+use common::*;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hmac::{Hmac, Mac};
-use kv_bank::{sealed_blocks, BankConfig, BankManager, StoreStatus};
+use kv_bank::BankManager;
 use kv_descriptor::*;
 use kv_router_glue::*;
 use sha2::Sha256;
 
-const TP: u32 = 2;
-const BLOCK_TOKENS: usize = 4;
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef-donor-key";
-
-fn lock() -> MutexGuard<'static, ()> {
-    static L: Mutex<()> = Mutex::new(());
-    L.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn layout() -> KvLayout {
-    KvLayout::new(
-        2,
-        4,
-        8,
-        DType::F32,
-        BLOCK_TOKENS as u32,
-        TensorOrder::BlockMajor,
-        TP,
-    )
-    .unwrap()
-}
-
-fn bank(slots: u64) -> Arc<BankManager> {
-    let rbb = layout().rank_block_bytes() as u64;
-    let cfg = BankConfig::new(
-        layout(),
-        OwnerLease::fresh(Role::Decode),
-        slots * u64::from(TP) * rbb,
-    );
-    Arc::new(BankManager::new_host_shm(cfg, "pin-sec").unwrap())
-}
-
-/// Byte `i` of rank `rank`'s part of the block with hash `h`.
-fn pattern(h: SequenceHash, rank: u32, i: usize) -> u8 {
-    (h.0 as usize).wrapping_add(rank as usize * 31 + i) as u8
-}
-
-/// Stores `blocks` blocks (bytes by [`pattern`]); returns (hash, slot) in chain order.
-fn store(bank: &BankManager, blocks: usize) -> Vec<(SequenceHash, u32)> {
-    let tokens: Vec<u32> = (0..(blocks * BLOCK_TOKENS) as u32).collect();
-    let sealed = sealed_blocks(None, &tokens, BLOCK_TOKENS);
-    let st = bank.store(None, &sealed).unwrap();
-    for rank in 0..TP {
-        for (index, (h, _)) in st.entries.iter().enumerate() {
-            let bytes: Vec<u8> = (0..layout().rank_block_bytes())
-                .map(|i| pattern(*h, rank, i))
-                .collect();
-            bank.write_pending(st.store_id, rank, index, &bytes)
-                .unwrap();
-        }
-    }
-    let mut status = StoreStatus::Waiting { missing: vec![] };
-    for rank in 0..TP {
-        status = bank.ack(st.store_id, rank).unwrap();
-    }
-    assert_eq!(status, StoreStatus::Ready);
-    sealed
-        .iter()
-        .map(|b| (b.sequence_hash, bank.lookup(&b.sequence_hash).unwrap()))
-        .collect()
-}
-
-fn hint(bank: &BankManager, entries: &[(SequenceHash, u32)], endpoint: &str) -> FetchGpuHint {
-    let slots: Vec<u32> = entries.iter().map(|e| e.1).collect();
-    FetchGpuHint {
-        donor_engine_id: bank.owner().engine_id,
-        bank_generation: bank.owner().generation,
-        layout_fingerprint: layout().fingerprint(),
-        tp_size: TP,
-        sequence_hashes: entries.iter().map(|e| e.0).collect(),
-        fetch_from: 0,
-        parts: (0..TP)
-            .map(|r| FetchPart {
-                tp_rank: r,
-                slot_ids: slots.clone(),
-                expected_bytes: (slots.len() * layout().rank_block_bytes()) as u64,
-            })
-            .collect(),
-        donor_control_endpoint: endpoint.to_owned(),
-    }
-}
 
 fn key() -> PinAuthKey {
     PinAuthKey::from_bytes(KEY.to_vec()).unwrap()
@@ -171,7 +94,7 @@ fn read_reply(s: &mut TcpStream) -> PinDonorMessage {
 #[test]
 fn a_tcp_pin_with_the_key_holds_its_slots_until_released() {
     let _g = lock();
-    let bank = bank(4);
+    let bank = bank(4, "pin-sec");
     let a = store(&bank, 3);
     let svc = tcp_service(&bank, PinServiceConfig::default());
     assert!(
@@ -203,7 +126,7 @@ fn a_tcp_pin_with_the_key_holds_its_slots_until_released() {
 #[test]
 fn a_wrong_key_is_refused_typed_and_pins_nothing() {
     let _g = lock();
-    let bank = bank(4);
+    let bank = bank(4, "pin-sec");
     let a = store(&bank, 2);
     let svc = tcp_service(&bank, PinServiceConfig::default());
     let wrong = PinAuthKey::from_bytes(b"ffffffffffffffffffffffffffffffff".to_vec()).unwrap();
@@ -224,7 +147,7 @@ fn a_wrong_key_is_refused_typed_and_pins_nothing() {
 #[test]
 fn a_target_without_a_key_sends_nothing_and_a_raw_pin_frame_is_never_read() {
     let _g = lock();
-    let bank = bank(4);
+    let bank = bank(4, "pin-sec");
     let a = store(&bank, 2);
     let svc = tcp_service(&bank, PinServiceConfig::default());
     let keyless = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
@@ -261,7 +184,7 @@ fn a_target_without_a_key_sends_nothing_and_a_raw_pin_frame_is_never_read() {
 #[test]
 fn a_silent_tcp_client_is_dropped_at_io_timeout() {
     let _g = lock();
-    let bank = bank(2);
+    let bank = bank(2, "pin-sec");
     let config = PinServiceConfig {
         io_timeout: Duration::from_millis(100),
         ..PinServiceConfig::default()
@@ -282,7 +205,7 @@ fn a_silent_tcp_client_is_dropped_at_io_timeout() {
 #[test]
 fn a_donor_without_the_key_is_not_trusted() {
     let _g = lock();
-    let bank = bank(2);
+    let bank = bank(2, "pin-sec");
     let a = store(&bank, 1);
     // A fake donor: a valid challenge, then "OK" with a MAC of another key.
     let fake = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -320,7 +243,7 @@ fn a_donor_without_the_key_is_not_trusted() {
 #[test]
 fn a_closed_tcp_connection_releases_its_pins() {
     let _g = lock();
-    let bank = bank(4);
+    let bank = bank(4, "pin-sec");
     let a = store(&bank, 3);
     let svc = tcp_service(&bank, PinServiceConfig::default());
     let (mut s, status) = raw_handshake(svc.endpoint(), KEY);
@@ -343,7 +266,7 @@ fn a_closed_tcp_connection_releases_its_pins() {
 #[test]
 fn a_tcp_pin_past_its_hold_bound_reports_expired() {
     let _g = lock();
-    let bank = bank(4);
+    let bank = bank(4, "pin-sec");
     let a = store(&bank, 2);
     let config = PinServiceConfig {
         max_hold: Duration::from_millis(40),
@@ -375,7 +298,7 @@ fn a_tcp_pin_past_its_hold_bound_reports_expired() {
 
 #[test]
 fn tcp_cannot_be_bound_without_a_key() {
-    let bank = bank(2);
+    let bank = bank(2, "pin-sec");
     let e = PinService::bind(bank, "tcp:127.0.0.1:0", PinServiceConfig::default()).unwrap_err();
     assert!(matches!(e, PinServiceError::AuthRequired { .. }), "{e:?}");
 }
@@ -385,7 +308,7 @@ fn the_unix_socket_is_created_0600_and_a_plain_path_is_a_unix_endpoint() {
     let _g = lock();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("d.sock");
-    let bank = bank(4);
+    let bank = bank(4, "pin-sec");
     let a = store(&bank, 1);
     // A plain absolute path is read as `unix:`.
     let plain = path.display().to_string();
@@ -446,7 +369,7 @@ fn endpoints_and_keys_refuse_bad_input_naming_the_field() {
 #[test]
 fn an_over_limit_tcp_connection_is_closed_before_any_byte() {
     let _g = lock();
-    let bank = bank(4);
+    let bank = bank(4, "pin-sec");
     let a = store(&bank, 2);
     let config = PinServiceConfig {
         max_connections: 1,
@@ -487,7 +410,7 @@ fn an_over_limit_tcp_connection_is_closed_before_any_byte() {
 #[test]
 fn a_service_bound_to_every_interface_pins_over_loopback_and_shuts_down() {
     let _g = lock();
-    let bank = bank(2);
+    let bank = bank(2, "pin-sec");
     let a = store(&bank, 1);
     let svc = PinService::bind_authenticated(
         bank.clone(),
@@ -515,7 +438,7 @@ fn a_fetch_over_a_tcp_pin_completes_with_the_donor_bytes() {
     use kv_bank::{BankMemory, DestinationPool};
     use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend};
     let _g = lock();
-    let bank = bank(4);
+    let bank = bank(4, "pin-sec");
     let a = store(&bank, 3);
     let svc = tcp_service(&bank, PinServiceConfig::default());
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint())

@@ -5,81 +5,20 @@
 //!
 //! Tests share one lock: host shm segments and leases are process-wide names.
 
+mod common;
+use common::*;
+
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
-use kv_bank::{
-    sealed_blocks, BankConfig, BankManager, BankMemory, DestinationPool, HostShmMemory, StoreStatus,
-};
+use kv_bank::{BankManager, BankMemory, DestinationPool, HostShmMemory};
 use kv_descriptor::*;
 use kv_router_glue::*;
 use kv_transfer::plan::PartPlan;
 use kv_transfer::{
     CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, PartOutcome, RankIo, TransferError,
 };
-
-const TP: u32 = 2;
-const BLOCK_TOKENS: usize = 4;
-
-fn lock() -> MutexGuard<'static, ()> {
-    static L: Mutex<()> = Mutex::new(());
-    L.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn layout() -> KvLayout {
-    KvLayout::new(
-        2,
-        4,
-        8,
-        DType::F32,
-        BLOCK_TOKENS as u32,
-        TensorOrder::BlockMajor,
-        TP,
-    )
-    .unwrap()
-}
-
-fn rbb() -> usize {
-    layout().rank_block_bytes()
-}
-
-fn bank(slots: u64) -> Arc<BankManager> {
-    let cfg = BankConfig::new(
-        layout(),
-        OwnerLease::fresh(Role::Decode),
-        slots * u64::from(TP) * rbb() as u64,
-    );
-    Arc::new(BankManager::new_host_shm(cfg, "xfer-path").unwrap())
-}
-
-/// Byte `i` of rank `rank`'s part of block `h`: rank-distinct patterns.
-fn pattern(h: SequenceHash, rank: u32, i: usize) -> u8 {
-    (h.0 as usize).wrapping_add(rank as usize * 97 + i) as u8
-}
-
-/// Stores `blocks` ready blocks; returns (hash, slot) in chain order.
-fn store(bank: &BankManager, blocks: usize) -> Vec<(SequenceHash, u32)> {
-    let tokens: Vec<u32> = (0..(blocks * BLOCK_TOKENS) as u32).collect();
-    let sealed = sealed_blocks(None, &tokens, BLOCK_TOKENS);
-    let st = bank.store(None, &sealed).unwrap();
-    for rank in 0..TP {
-        for (index, (h, _)) in st.entries.iter().enumerate() {
-            let bytes: Vec<u8> = (0..rbb()).map(|i| pattern(*h, rank, i)).collect();
-            bank.write_pending(st.store_id, rank, index, &bytes)
-                .unwrap();
-        }
-    }
-    let mut status = StoreStatus::Waiting { missing: vec![] };
-    for rank in 0..TP {
-        status = bank.ack(st.store_id, rank).unwrap();
-    }
-    assert_eq!(status, StoreStatus::Ready);
-    sealed
-        .iter()
-        .map(|b| (b.sequence_hash, bank.lookup(&b.sequence_hash).unwrap()))
-        .collect()
-}
 
 fn envelope(bank: &BankManager, entries: &[(SequenceHash, u32)], endpoint: &str) -> HintEnvelope {
     let slots: Vec<u32> = entries.iter().map(|e| e.1).collect();
@@ -121,7 +60,7 @@ fn mappings_handed_in_for_the_wrong_rank_are_refused_before_a_pin() {
     let _g = lock();
     let dir = tempfile::tempdir().unwrap();
     let ep = format!("unix:{}", dir.path().join("pin.sock").display());
-    let bank = bank(8);
+    let bank = bank(8, "xfer-path");
     let svc = PinService::bind(bank.clone(), &ep, PinServiceConfig::default()).unwrap();
     let a = store(&bank, 4);
     let m = bank.manifest().clone();
@@ -224,7 +163,7 @@ impl CopyBackend for StalledRank1 {
 #[test]
 fn rows_of_a_read_still_in_flight_stay_out_of_the_pool_whatever_rank_0_reports() {
     let _g = lock();
-    let bank = bank(8);
+    let bank = bank(8, "xfer-path");
     let a = store(&bank, 3);
     let rows = 8;
     let target = regions(rows);
@@ -287,7 +226,7 @@ impl DonorSource for CountingDonor {
 #[test]
 fn a_pool_larger_than_the_regions_is_refused_before_any_fetch_asks_the_donor() {
     let _g = lock();
-    let bank = bank(8);
+    let bank = bank(8, "xfer-path");
     let a = store(&bank, 6);
     let donor = CountingDonor {
         bank: bank.clone(),
