@@ -140,21 +140,7 @@ fn a_fetch_through_the_socket_completes_with_the_donor_bytes() {
     let (_g, _dir, bank, svc) = donor_service(8, PinServiceConfig::default());
     let a = store_chain(&bank, 1, 6).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
-    let rows = 8u32;
-    let regions: Vec<Arc<HostBuffer>> = (0..TP)
-        .map(|_| Arc::new(HostBuffer::zeroed(rows as usize * rbb()).unwrap()))
-        .collect();
-    let exec = FetchExecutor::new(
-        layout(),
-        DestinationPool::new(rows),
-        regions
-            .iter()
-            .map(|r| r.clone() as Arc<dyn BankMemory>)
-            .collect(),
-        rows,
-        Arc::new(HostCopyBackend),
-    )
-    .unwrap();
+    let (regions, exec) = host_executor(8);
     let env = HintEnvelope::fetch_gpu("req-1", "a0", &hint(&bank, &a, svc.endpoint())).unwrap();
     let out = exec.execute(&env, &donor, &DeliveryControl::new()).unwrap();
     assert_eq!(out.fetched.len(), a.len());

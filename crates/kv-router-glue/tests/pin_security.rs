@@ -435,8 +435,8 @@ fn a_service_bound_to_every_interface_pins_over_loopback_and_shuts_down() {
 
 #[test]
 fn a_fetch_over_a_tcp_pin_completes_with_the_donor_bytes() {
-    use kv_bank::{BankMemory, DestinationPool};
-    use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend};
+    use kv_bank::BankMemory;
+    use kv_transfer::DeliveryControl;
     let _g = lock();
     let bank = bank(4, "pin-sec");
     let a = store(&bank, 3);
@@ -445,21 +445,7 @@ fn a_fetch_over_a_tcp_pin_completes_with_the_donor_bytes() {
         .unwrap()
         .with_auth_key(key());
     let rbb = layout().rank_block_bytes();
-    let rows = 4u32;
-    let regions: Vec<Arc<HostBuffer>> = (0..TP)
-        .map(|_| Arc::new(HostBuffer::zeroed(rows as usize * rbb).unwrap()))
-        .collect();
-    let exec = FetchExecutor::new(
-        layout(),
-        DestinationPool::new(rows),
-        regions
-            .iter()
-            .map(|r| r.clone() as Arc<dyn BankMemory>)
-            .collect(),
-        rows,
-        Arc::new(HostCopyBackend),
-    )
-    .unwrap();
+    let (regions, exec) = host_executor(4);
     let env = HintEnvelope::fetch_gpu("req-tcp", "p0", &hint(&bank, &a, svc.endpoint())).unwrap();
     let out = exec.execute(&env, &donor, &DeliveryControl::new()).unwrap();
     assert_eq!(out.fetched.len(), a.len());

@@ -21,34 +21,7 @@ use kv_transfer::{
 };
 
 fn envelope(bank: &BankManager, entries: &[(SequenceHash, u32)], endpoint: &str) -> HintEnvelope {
-    let slots: Vec<u32> = entries.iter().map(|e| e.1).collect();
-    let hint = FetchGpuHint {
-        donor_engine_id: bank.owner().engine_id,
-        bank_generation: bank.owner().generation,
-        layout_fingerprint: layout().fingerprint(),
-        tp_size: TP,
-        sequence_hashes: entries.iter().map(|e| e.0).collect(),
-        fetch_from: 0,
-        parts: (0..TP)
-            .map(|r| FetchPart {
-                tp_rank: r,
-                slot_ids: slots.clone(),
-                expected_bytes: (slots.len() * rbb()) as u64,
-            })
-            .collect(),
-        donor_control_endpoint: endpoint.to_owned(),
-    };
-    HintEnvelope::fetch_gpu("req-1", "a0", &hint).unwrap()
-}
-
-fn regions(rows: u32) -> Vec<Arc<HostBuffer>> {
-    (0..TP)
-        .map(|_| Arc::new(HostBuffer::zeroed(rows as usize * rbb()).unwrap()))
-        .collect()
-}
-
-fn dyn_regions(r: &[Arc<HostBuffer>]) -> Vec<Arc<dyn BankMemory>> {
-    r.iter().map(|b| b.clone() as Arc<dyn BankMemory>).collect()
+    HintEnvelope::fetch_gpu("req-1", "a0", &hint(bank, entries, endpoint)).unwrap()
 }
 
 fn shm_map(d: &BankDescriptor) -> Arc<dyn BankMemory> {

@@ -7,8 +7,12 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kv_bank::{sealed_blocks, BankConfig, BankError, BankManager, StoreStatus};
+use kv_bank::{
+    sealed_blocks, BankConfig, BankError, BankManager, BankMemory, DestinationPool, StoreStatus,
+};
 use kv_descriptor::*;
+use kv_router_glue::FetchExecutor;
+use kv_transfer::{HostBuffer, HostCopyBackend};
 
 /// TP size of the fixture bank.
 pub const TP: u32 = 2;
@@ -114,4 +118,31 @@ pub fn hint(bank: &BankManager, entries: &[(SequenceHash, u32)], endpoint: &str)
             .collect(),
         donor_control_endpoint: endpoint.to_string(),
     }
+}
+
+/// One zeroed host region of `rows` rank-block rows per TP rank.
+pub fn regions(rows: u32) -> Vec<Arc<HostBuffer>> {
+    (0..TP)
+        .map(|_| Arc::new(HostBuffer::zeroed(rows as usize * rbb()).unwrap()))
+        .collect()
+}
+
+/// `regions` as the executor takes them.
+pub fn dyn_regions(r: &[Arc<HostBuffer>]) -> Vec<Arc<dyn BankMemory>> {
+    r.iter().map(|b| b.clone() as Arc<dyn BankMemory>).collect()
+}
+
+/// A host-copy fetch executor over fresh [`regions`] of `rows` rows, and
+/// those regions (to read what a fetch landed).
+pub fn host_executor(rows: u32) -> (Vec<Arc<HostBuffer>>, FetchExecutor) {
+    let regions = regions(rows);
+    let exec = FetchExecutor::new(
+        layout(),
+        DestinationPool::new(rows),
+        dyn_regions(&regions),
+        rows,
+        Arc::new(HostCopyBackend),
+    )
+    .unwrap();
+    (regions, exec)
 }

@@ -211,7 +211,7 @@ pub(super) fn retained_hint_envelope(
 pub(super) struct HelloChild {
     /// The process (killed and reaped through `guard` at the latest).
     pub(super) child: Arc<Mutex<Child>>,
-    pub(super) guard: ChildGuard,
+    pub(super) guard: ChildProcess,
     /// Its pid as the parent sees it.
     pub(super) pid: u32,
 }
@@ -233,7 +233,7 @@ pub(super) fn spawn_with_hello<T: serde::de::DeserializeOwned>(
     Ok((
         HelloChild {
             child,
-            guard: ChildGuard(proc),
+            guard: proc,
             pid,
         },
         hello,
@@ -266,10 +266,6 @@ pub(super) fn wait_for_sigterm(
         let _ = tokio::time::timeout(CHILD_MAX_LIFE, term.recv()).await;
     });
 }
-
-/// Kills and reaps the child when dropped (a failed setup leaves no process).
-// Held only for its drop (kill + reap), hence never read.
-pub(super) struct ChildGuard(#[allow(dead_code)] ChildProcess);
 
 /// Waits up to `timeout` for the child to exit; kills it after that.
 pub(super) fn wait_exit(
