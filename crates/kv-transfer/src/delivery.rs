@@ -109,6 +109,15 @@ pub trait CopyBackend: Send + Sync {
     fn in_flight(&self) -> usize {
         0
     }
+
+    /// True when [`CopyBackend::copy_part`] executes converting parts
+    /// ([`PartPlan::conversion`]: every [`crate::convert::Piece`] from donor
+    /// to target, the conversion inside the copy). [`deliver`] refuses such a
+    /// part for a backend that returns false (the default) with
+    /// [`TransferError::UnsupportedLayout`] before a byte moves.
+    fn converts(&self) -> bool {
+        false
+    }
 }
 
 /// Whether a delivery may be used.
@@ -225,18 +234,36 @@ pub fn deliver(
         ));
     }
     for (part, rio) in plan.parts().iter().zip(io) {
+        if let Some(c) = &part.conversion {
+            if !backend.converts() {
+                return Err(TransferError::UnsupportedLayout {
+                    backend: backend.name(),
+                    rank: part.tp_rank,
+                    src: format!("{:?}", c.src().order()),
+                    dst: format!("{:?}", c.dst().order()),
+                });
+            }
+        }
+        // A conversion's pieces lie inside its layouts' regions (checked
+        // when the layouts were built); the regions must fit the memory.
+        let (conv_src, conv_dst) = part
+            .conversion
+            .as_ref()
+            .map_or((0, 0), |c| (c.src().region_bytes(), c.dst().region_bytes()));
         let src_end = part
             .runs
             .iter()
             .map(|r| r.src_offset + r.len)
             .max()
-            .unwrap_or(0);
+            .unwrap_or(0)
+            .max(conv_src);
         let dst_end = part
             .runs
             .iter()
             .map(|r| r.dst_offset + r.len)
             .max()
-            .unwrap_or(0);
+            .unwrap_or(0)
+            .max(conv_dst);
         if src_end > rio.src.len() {
             return Err(TransferError::input(
                 "io.src",

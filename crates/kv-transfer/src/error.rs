@@ -27,6 +27,31 @@ pub enum TransferError {
         /// Human-readable reason, including the value seen.
         reason: String,
     },
+    /// A region layout of a converting plan was refused (wrong rank, or
+    /// donor and target are not the same geometry); nothing was copied.
+    #[error("invalid `{field}` for rank {rank}: {source}")]
+    RegionLayout {
+        /// Which side: `donor`, `target`, `donor.tp_rank`, `target.tp_rank`.
+        field: &'static str,
+        /// TP rank (index of the region in the plan's input).
+        rank: u32,
+        /// What was refused; its own field names the geometry field.
+        #[source]
+        source: kv_descriptor::RegionLayoutError,
+    },
+    /// The backend does not execute converting parts (a target layout other
+    /// than block-major rows); refused before a byte moves.
+    #[error("backend `{backend}` cannot convert rank {rank}'s blocks from {src} to {dst}")]
+    UnsupportedLayout {
+        /// Backend name.
+        backend: &'static str,
+        /// TP rank.
+        rank: u32,
+        /// Donor region order, as text.
+        src: String,
+        /// Target region order, as text.
+        dst: String,
+    },
     /// The backend cannot move bytes between these kinds of memory.
     #[error("backend `{backend}` cannot copy {src} -> {dst} for rank {rank}")]
     UnsupportedMemory {

@@ -1,5 +1,8 @@
 //! Host-memory backend: `memcpy` between mapped host regions (the CPU
-//! profile: host shared memory banks, process-private destination rows).
+//! profile: host shared memory banks, process-private destination rows, an
+//! engine's own host tensors). Converting parts are copied piece by piece
+//! straight into the target layout: the conversion is the gather itself, so
+//! every layout runs in CI through the same descriptions as the GPU path.
 
 use kv_bank::MemoryKind;
 
@@ -11,15 +14,20 @@ use crate::{DeliveryControl, TransferError};
 /// the check costs nothing, small enough that a cancel lands within ~1 ms.
 const CHECK_EVERY_BYTES: u64 = 16 << 20;
 
-/// Copies runs with `memcpy` (one call per coalesced run) on the calling
-/// thread. Both regions must be host memory mapped into this process.
-/// Every byte counts as host payload.
+/// Copies runs with `memcpy` (one call per coalesced run, or per merged
+/// [`crate::convert::Piece`] of a converting part) on the calling thread.
+/// Both regions must be host memory mapped into this process. Every byte
+/// counts as host payload.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HostCopyBackend;
 
 impl CopyBackend for HostCopyBackend {
     fn name(&self) -> &'static str {
         "host_memcpy"
+    }
+
+    fn converts(&self) -> bool {
+        true
     }
 
     fn copy_part(
@@ -49,13 +57,15 @@ impl CopyBackend for HostCopyBackend {
         }
         let (sb, db) = (src.base_addr(), io.dst.base_addr());
         let (mut bytes, mut copies, mut since_check) = (0u64, 0u64, 0u64);
-        for run in &part.runs {
+        let mut copy = |src_offset: u64, dst_offset: u64, len: u64| {
             if since_check >= CHECK_EVERY_BYTES {
                 control.check()?;
                 since_check = 0;
             }
             // SAFETY: `deliver` checked that both ranges lie inside their
-            // regions, which stay mapped while `io` borrows them. The copy
+            // regions (a run's offsets, or a conversion's layouts' region
+            // sizes, whose every piece the validated `KvRegionLayout`s keep
+            // inside), which stay mapped while `io` borrows them. The copy
             // goes through raw pointers and touches exactly these two ranges;
             // no `BankMemory` hands out references into its bytes (the
             // trait's aliasing rule), so no Rust reference is invalidated.
@@ -67,14 +77,27 @@ impl CopyBackend for HostCopyBackend {
             // and overlapping ranges must then not be undefined behaviour.
             unsafe {
                 std::ptr::copy(
-                    (sb + run.src_offset) as *const u8,
-                    (db + run.dst_offset) as *mut u8,
-                    run.len as usize,
+                    (sb + src_offset) as *const u8,
+                    (db + dst_offset) as *mut u8,
+                    len as usize,
                 );
             }
-            bytes += run.len;
-            since_check += run.len;
+            bytes += len;
+            since_check += len;
             copies += 1;
+            Ok::<(), TransferError>(())
+        };
+        match &part.conversion {
+            Some(c) => {
+                for p in c.pieces() {
+                    copy(p.src_offset, p.dst_offset, p.len)?;
+                }
+            }
+            None => {
+                for run in &part.runs {
+                    copy(run.src_offset, run.dst_offset, run.len)?;
+                }
+            }
         }
         Ok(PartOutcome {
             bytes,

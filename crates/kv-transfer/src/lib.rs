@@ -3,7 +3,10 @@
 //! This crate owns the copy path of a decode-to-prefill fetch:
 //! - [`plan`]: from donor slots per rank to target blocks per rank, identical
 //!   geometry only (TP-N to TP-N; anything else is refused before a byte
-//!   moves), adjacent rows coalesced into runs;
+//!   moves), adjacent rows coalesced into runs; or, between two
+//!   [`kv_descriptor::KvRegionLayout`]s (engine-chosen blocks inside the
+//!   engine's own tensors, any memory order), a [`convert::Conversion`] per
+//!   rank whose byte pieces a converting backend copies in one pass;
 //! - backends behind [`CopyBackend`]: [`HostCopyBackend`] (host shared memory,
 //!   CPU profile), `cuda::CudaCopyBackend` (CUDA IPC-mapped memory: device
 //!   copies for runs, an NVRTC gather kernel for scattered blocks) and
@@ -26,7 +29,7 @@
 //! - `qualify` (implies `cuda`, `nixl` and kv-bank's `qualify`): the harness
 //!   modules above. Not product API.
 //!
-//! Without default features the crate keeps [`plan`], [`deliver`],
+//! Without default features the crate keeps [`plan`], [`convert`], [`deliver`],
 //! [`HostCopyBackend`], [`DeliveryControl`] and [`TransferError`], with no
 //! cudarc, nixl-sys, bindgen or clang-sys in its dependency graph.
 //!
@@ -66,6 +69,7 @@
 #[cfg(feature = "qualify")]
 pub mod bench;
 mod control;
+pub mod convert;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod delivery;

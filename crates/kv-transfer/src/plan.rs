@@ -9,8 +9,9 @@
 
 use std::collections::HashSet;
 
-use kv_descriptor::{KvLayout, SequenceHash, TensorOrder};
+use kv_descriptor::{KvLayout, KvRegionLayout, SequenceHash, TensorOrder};
 
+use crate::convert::{BlockPair, Conversion};
 use crate::TransferError;
 
 /// Geometry of one rank's region: `blocks` rows of `stride_bytes` each,
@@ -94,9 +95,17 @@ pub struct PartPlan {
     pub src: RegionGeometry,
     /// Target region geometry of this rank.
     pub dst: RegionGeometry,
+    /// `Some` for a converting part ([`TransferPlan::converting`] between
+    /// two memory orders): then `runs` is empty, `src` / `dst` are unused
+    /// (zero rows), and the bytes to move are
+    /// [`Conversion::pieces`]. Only a backend whose
+    /// [`crate::CopyBackend::converts`] is true executes it; [`crate::deliver`]
+    /// refuses it for any other before a byte moves.
+    pub conversion: Option<Conversion>,
 }
 
-/// A validated copy plan over a TP group. Only [`TransferPlan::new`] builds one.
+/// A validated copy plan over a TP group. Only [`TransferPlan::new`] and
+/// [`TransferPlan::converting`] build one.
 ///
 /// ```
 /// use kv_descriptor::{DType, KvLayout, SequenceHash, TensorOrder};
@@ -178,98 +187,157 @@ impl TransferPlan {
                 ));
             }
         }
-        if moves.is_empty() {
-            return Err(TransferError::input(
-                "moves",
-                "at least one block must be requested",
-            ));
-        }
         let src_limit = donor.iter().map(|g| g.blocks).min().unwrap_or(0);
         let dst_limit = target.iter().map(|g| g.blocks).min().unwrap_or(0);
-        let (mut keys, mut dsts, mut srcs) = (HashSet::new(), HashSet::new(), HashSet::new());
-        let mut present = Vec::with_capacity(moves.len());
-        let mut missing = Vec::new();
-        for (i, m) in moves.iter().enumerate() {
-            if !keys.insert(m.key) {
-                return Err(TransferError::input(
-                    "moves.key",
-                    format!("move {i}: key {:?} listed twice", m.key),
-                ));
-            }
-            if m.dst_block >= dst_limit {
-                return Err(TransferError::input(
-                    "moves.dst_block",
-                    format!(
-                        "move {i}: block {} is not below the target's {dst_limit} blocks",
-                        m.dst_block
-                    ),
-                ));
-            }
-            if !dsts.insert(m.dst_block) {
-                return Err(TransferError::input(
-                    "moves.dst_block",
-                    format!("move {i}: block {} is written twice", m.dst_block),
-                ));
-            }
-            match m.src_slot {
-                None => missing.push(MissingKey {
-                    index: i,
-                    key: m.key,
-                    dst_block: m.dst_block,
-                }),
-                Some(s) => {
-                    if s >= src_limit {
-                        return Err(TransferError::input(
-                            "moves.src_slot",
-                            format!(
-                                "move {i}: slot {s} is not below the donor's {src_limit} slots"
-                            ),
-                        ));
-                    }
-                    if !srcs.insert(s) {
-                        return Err(TransferError::input(
-                            "moves.src_slot",
-                            format!("move {i}: slot {s} listed twice"),
-                        ));
-                    }
-                    present.push((s, m.dst_block));
-                }
-            }
-        }
+        let (mut present, missing) = check_moves(moves, src_limit, dst_limit)?;
         // Sorting by donor slot lets consecutive slots meet; the target side
         // must also be consecutive for the pair to merge.
         present.sort_unstable();
         let parts = (0..tp)
-            .map(|r| {
-                let (src, dst) = (donor[r], target[r]);
-                let dense = src.stride_bytes == bb && dst.stride_bytes == bb;
-                let mut runs: Vec<CopyRun> = Vec::new();
-                for &(s, d) in &present {
-                    if let Some(last) = runs.last_mut() {
-                        if dense
-                            && last.src_block + last.blocks == s
-                            && last.dst_block + last.blocks == d
-                        {
-                            last.blocks += 1;
-                            last.len += bb;
-                            continue;
-                        }
-                    }
-                    runs.push(CopyRun {
-                        src_block: s,
-                        dst_block: d,
-                        blocks: 1,
-                        src_offset: u64::from(s) * src.stride_bytes,
-                        dst_offset: u64::from(d) * dst.stride_bytes,
-                        len: bb,
+            .map(|r| row_part(r as u32, &present, bb, donor[r], target[r]))
+            .collect();
+        Ok(Self {
+            parts,
+            missing,
+            rank_block_bytes: bb,
+            present_blocks: present.len(),
+        })
+    }
+
+    /// Plans `moves` from donor regions to target regions described by
+    /// [`KvRegionLayout`]s (one per TP rank, rank `r` at index `r`): the
+    /// target blocks are engine-chosen ids inside the engine's own tensors,
+    /// in any memory order of the same geometry.
+    ///
+    /// A rank whose donor and target are both block-major from byte 0 of
+    /// their regions gets block runs (as [`TransferPlan::new`], every
+    /// backend); any other rank gets a [`Conversion`] (empty `runs`), whose
+    /// pieces a converting backend copies in one pass, each element from its
+    /// donor address to its target address.
+    ///
+    /// ```
+    /// use kv_descriptor::{DType, KvLayout, KvRegionLayout, SequenceHash, TensorOrder};
+    /// use kv_transfer::plan::{BlockMove, TransferPlan};
+    /// let g = KvLayout::new(2, 4, 8, DType::F32, 4, TensorOrder::BlockMajor, 2).unwrap();
+    /// let bb = g.rank_block_bytes() as u64;
+    /// let donor: Vec<_> = (0..2)
+    ///     .map(|r| KvRegionLayout::block_major(g, r, 0, 16, 16 * bb).unwrap())
+    ///     .collect();
+    /// // vLLM `[num_blocks, 2, block_size, heads, head_dim]`, 32 blocks, one tensor a layer.
+    /// let layer = 32 * bb / 2;
+    /// let target: Vec<_> = (0..2)
+    ///     .map(|r| KvRegionLayout::vllm_block_first(g, r, 0, layer, 32, 2 * layer).unwrap())
+    ///     .collect();
+    /// let m = |k, s, d| BlockMove { key: SequenceHash(k), src_slot: s, dst_block: d };
+    /// // The engine's allocator chose blocks 17 and 4; key 3 is gone on the donor.
+    /// let p = TransferPlan::converting(&donor, &target, &[m(1, Some(2), 17), m(2, Some(3), 4), m(3, None, 9)])
+    ///     .unwrap();
+    /// let conv = p.parts()[1].conversion.as_ref().unwrap();
+    /// assert_eq!(conv.pairs().len(), 2);
+    /// assert_eq!(p.parts()[1].expected_bytes, 2 * bb);
+    /// assert_eq!(p.missing()[0].dst_block, 9);
+    /// // A TP-rank mix-up is refused before a byte moves, naming the field.
+    /// let e = TransferPlan::converting(&donor, &[target[1].clone(), target[0].clone()], &[m(1, Some(2), 17)])
+    ///     .unwrap_err();
+    /// assert!(e.to_string().contains("target.tp_rank"), "{e}");
+    /// ```
+    ///
+    /// # Errors
+    /// Nothing is planned (and so nothing can move) when:
+    /// - `donor` / `target` ([`TransferError::InvalidInput`]): not exactly
+    ///   `tp_size` entries (of the donor's geometry);
+    /// - [`TransferError::RegionLayout`]: `donor.tp_rank` / `target.tp_rank`
+    ///   (entry `r` is not rank `r`'s region), or
+    ///   [`KvRegionLayout::check_compatible`] refused the pair (the
+    ///   [`kv_descriptor::RegionLayoutError::Incompatible`] names the field:
+    ///   layers, heads, head_dim, dtype, tokens per block, TP size, TP rank);
+    /// - `moves` as for [`TransferPlan::new`], against the smallest
+    ///   `num_blocks` of the donor and of the target layouts.
+    pub fn converting(
+        donor: &[KvRegionLayout],
+        target: &[KvRegionLayout],
+        moves: &[BlockMove],
+    ) -> Result<Self, TransferError> {
+        let first = donor.first().ok_or_else(|| {
+            TransferError::input(
+                "donor",
+                "no rank regions were given (tp_size is at least 1)",
+            )
+        })?;
+        let tp = first.geometry().tp_size() as usize;
+        for (field, l) in [("donor", donor), ("target", target)] {
+            if l.len() != tp {
+                return Err(TransferError::input(
+                    field,
+                    format!("tp_size is {tp} but {} rank regions were given", l.len()),
+                ));
+            }
+        }
+        for (r, (d, t)) in donor.iter().zip(target).enumerate() {
+            let r = r as u32;
+            for (field, l) in [("donor.tp_rank", d), ("target.tp_rank", t)] {
+                if l.tp_rank() != r {
+                    return Err(TransferError::RegionLayout {
+                        field,
+                        rank: r,
+                        source: kv_descriptor::RegionLayoutError::Incompatible {
+                            field: "region.tp_rank",
+                            donor: r.to_string(),
+                            target: l.tp_rank().to_string(),
+                        },
                     });
                 }
-                PartPlan {
-                    tp_rank: r as u32,
-                    runs,
-                    expected_bytes: bb * present.len() as u64,
-                    src,
-                    dst,
+            }
+            // One geometry per group; each target is then checked against
+            // its own rank's donor.
+            if d.geometry() != first.geometry() {
+                return Err(TransferError::input(
+                    "donor.geometry",
+                    format!(
+                        "rank {r} region is {:?}, rank 0's is {:?}",
+                        d.geometry(),
+                        first.geometry()
+                    ),
+                ));
+            }
+            d.check_compatible(t)
+                .map_err(|source| TransferError::RegionLayout {
+                    field: "target",
+                    rank: r,
+                    source,
+                })?;
+        }
+        let src_limit = donor.iter().map(|l| l.num_blocks()).min().unwrap_or(0);
+        let dst_limit = target.iter().map(|l| l.num_blocks()).min().unwrap_or(0);
+        let (mut present, missing) = check_moves(moves, src_limit, dst_limit)?;
+        present.sort_unstable();
+        let bb = first.geometry().rank_block_bytes() as u64;
+        let parts = donor
+            .iter()
+            .zip(target)
+            .enumerate()
+            .map(|(r, (d, t))| match (block_rows(d), block_rows(t)) {
+                (Some(src), Some(dst)) => row_part(r as u32, &present, bb, src, dst),
+                _ => {
+                    let pairs = present
+                        .iter()
+                        .map(|&(src_block, dst_block)| BlockPair {
+                            src_block,
+                            dst_block,
+                        })
+                        .collect();
+                    let none = RegionGeometry {
+                        stride_bytes: bb,
+                        blocks: 0,
+                    };
+                    PartPlan {
+                        tp_rank: r as u32,
+                        runs: Vec::new(),
+                        expected_bytes: bb * present.len() as u64,
+                        src: none,
+                        dst: none,
+                        conversion: Some(Conversion::new(d.clone(), t.clone(), pairs)),
+                    }
                 }
             })
             .collect();
@@ -301,6 +369,124 @@ impl TransferPlan {
     pub fn expected_bytes(&self) -> u64 {
         self.parts.iter().map(|p| p.expected_bytes).sum()
     }
+}
+
+/// One rank's part over block rows: `present` (sorted by slot) coalesced
+/// into runs where both regions are dense and both ids are consecutive.
+fn row_part(
+    tp_rank: u32,
+    present: &[(u32, u32)],
+    bb: u64,
+    src: RegionGeometry,
+    dst: RegionGeometry,
+) -> PartPlan {
+    let dense = src.stride_bytes == bb && dst.stride_bytes == bb;
+    let mut runs: Vec<CopyRun> = Vec::new();
+    for &(s, d) in present {
+        if let Some(last) = runs.last_mut() {
+            if dense && last.src_block + last.blocks == s && last.dst_block + last.blocks == d {
+                last.blocks += 1;
+                last.len += bb;
+                continue;
+            }
+        }
+        runs.push(CopyRun {
+            src_block: s,
+            dst_block: d,
+            blocks: 1,
+            src_offset: u64::from(s) * src.stride_bytes,
+            dst_offset: u64::from(d) * dst.stride_bytes,
+            len: bb,
+        });
+    }
+    PartPlan {
+        tp_rank,
+        runs,
+        expected_bytes: bb * present.len() as u64,
+        src,
+        dst,
+        conversion: None,
+    }
+}
+
+/// The rows of `l` when it is exactly block-major from byte 0 of its region
+/// (a bank's slot layout): then every backend's row path applies.
+fn block_rows(l: &KvRegionLayout) -> Option<RegionGeometry> {
+    let rows = KvRegionLayout::block_major(
+        *l.geometry(),
+        l.tp_rank(),
+        0,
+        l.num_blocks(),
+        l.region_bytes(),
+    )
+    .ok()?;
+    (rows.layer_offsets() == l.layer_offsets() && rows.strides() == l.strides())
+        .then(|| RegionGeometry::dense(l.geometry(), l.num_blocks()))
+}
+
+/// Checks `moves` against the donor's `src_limit` slots and the target's
+/// `dst_limit` blocks; returns the present `(slot, block)` pairs (input
+/// order) and the missing keys.
+fn check_moves(
+    moves: &[BlockMove],
+    src_limit: u32,
+    dst_limit: u32,
+) -> Result<(Vec<(u32, u32)>, Vec<MissingKey>), TransferError> {
+    if moves.is_empty() {
+        return Err(TransferError::input(
+            "moves",
+            "at least one block must be requested",
+        ));
+    }
+    let (mut keys, mut dsts, mut srcs) = (HashSet::new(), HashSet::new(), HashSet::new());
+    let mut present = Vec::with_capacity(moves.len());
+    let mut missing = Vec::new();
+    for (i, m) in moves.iter().enumerate() {
+        if !keys.insert(m.key) {
+            return Err(TransferError::input(
+                "moves.key",
+                format!("move {i}: key {:?} listed twice", m.key),
+            ));
+        }
+        if m.dst_block >= dst_limit {
+            return Err(TransferError::input(
+                "moves.dst_block",
+                format!(
+                    "move {i}: block {} is not below the target's {dst_limit} blocks",
+                    m.dst_block
+                ),
+            ));
+        }
+        if !dsts.insert(m.dst_block) {
+            return Err(TransferError::input(
+                "moves.dst_block",
+                format!("move {i}: block {} is written twice", m.dst_block),
+            ));
+        }
+        match m.src_slot {
+            None => missing.push(MissingKey {
+                index: i,
+                key: m.key,
+                dst_block: m.dst_block,
+            }),
+            Some(s) => {
+                if s >= src_limit {
+                    return Err(TransferError::input(
+                        "moves.src_slot",
+                        format!("move {i}: slot {s} is not below the donor's {src_limit} slots"),
+                    ));
+                }
+                if !srcs.insert(s) {
+                    return Err(TransferError::input(
+                        "moves.src_slot",
+                        format!("move {i}: slot {s} listed twice"),
+                    ));
+                }
+                present.push((s, m.dst_block));
+            }
+        }
+    }
+    Ok((present, missing))
 }
 
 #[cfg(test)]
@@ -395,6 +581,81 @@ mod tests {
                 .to_string();
             assert!(e.contains(want), "{e} should mention {want}");
         }
+    }
+
+    fn regions(g: KvLayout, blocks: u32) -> Vec<KvRegionLayout> {
+        let bb = g.rank_block_bytes() as u64;
+        (0..g.tp_size())
+            .map(|r| KvRegionLayout::block_major(g, r, 0, blocks, u64::from(blocks) * bb).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn converting_between_bank_rows_is_the_row_plan() {
+        let l = layout(2);
+        let moves = [mv(1, Some(5), 10), mv(2, Some(6), 11), mv(3, None, 2)];
+        let p = TransferPlan::converting(&regions(l, 16), &regions(l, 32), &moves).unwrap();
+        let g = (
+            [RegionGeometry::dense(&l, 16); 2],
+            [RegionGeometry::dense(&l, 32); 2],
+        );
+        assert_eq!(p, TransferPlan::new(&l, &l, &moves, &g.0, &g.1).unwrap());
+        assert!(p.parts().iter().all(|p| p.conversion.is_none()));
+    }
+
+    #[test]
+    fn converting_refuses_another_geometry_naming_the_field() {
+        let l = layout(1);
+        let donor = regions(l, 8);
+        let cases = [
+            (
+                KvLayout::new(2, 4, 8, DType::Bf16, 4, TensorOrder::BlockMajor, 1).unwrap(),
+                "geometry.dtype",
+            ),
+            (
+                KvLayout::new(2, 4, 16, DType::F32, 4, TensorOrder::BlockMajor, 1).unwrap(),
+                "geometry.head_dim",
+            ),
+            (
+                KvLayout::new(2, 4, 8, DType::F32, 8, TensorOrder::BlockMajor, 1).unwrap(),
+                "geometry.tokens_per_block",
+            ),
+        ];
+        for (g, field) in cases {
+            let bb = g.rank_block_bytes() as u64;
+            let t = KvRegionLayout::vllm_kv_first(g, 0, 0, 8 * bb / 2, 8, 8 * bb).unwrap();
+            let e = TransferPlan::converting(&donor, &[t], &[mv(1, Some(0), 0)]).unwrap_err();
+            match &e {
+                TransferError::RegionLayout {
+                    field: "target",
+                    rank: 0,
+                    source: kv_descriptor::RegionLayoutError::Incompatible { field: f, .. },
+                } => assert_eq!(*f, field),
+                other => panic!("{other}"),
+            }
+        }
+    }
+
+    #[test]
+    fn converting_checks_engine_block_ids_against_the_target_layout() {
+        let l = layout(1);
+        let bb = l.rank_block_bytes() as u64;
+        let t = [KvRegionLayout::vllm_block_first(l, 0, 0, 4 * bb / 2, 4, 4 * bb).unwrap()];
+        let donor = regions(l, 8);
+        for (moves, want) in [
+            (vec![mv(1, Some(0), 4)], "moves.dst_block"),
+            (vec![mv(1, Some(0), 1), mv(2, Some(1), 1)], "written twice"),
+            (vec![mv(1, Some(8), 1)], "moves.src_slot"),
+        ] {
+            let e = TransferPlan::converting(&donor, &t, &moves)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{e} should mention {want}");
+        }
+        let p = TransferPlan::converting(&donor, &t, &[mv(1, Some(7), 3)]).unwrap();
+        let c = p.parts()[0].conversion.as_ref().unwrap();
+        assert!(p.parts()[0].runs.is_empty());
+        assert_eq!(c.bytes(), bb);
     }
 
     proptest! {
