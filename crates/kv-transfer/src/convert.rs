@@ -144,7 +144,7 @@ impl<'a> Pieces<'a> {
         ];
         // Donor memory order: reads go forwards, and when the target has the
         // same order consecutive runs merge.
-        dims.sort_by(|a, b| (b.1, b.2).cmp(&(a.1, a.2)));
+        dims.sort_by_key(|&(_, src, dst)| std::cmp::Reverse((src, dst)));
         Self {
             conv,
             dims,

@@ -17,7 +17,8 @@
 //!   bytes, backend, transport);
 //! - harness (feature `qualify`, for kv-testkit only): `oracle` and `bench`,
 //!   the native oracle and the ratio benchmark that `kvq oracle` /
-//!   `cargo xtask bench transfer` call; `ipc_check`: the same GPU fetch
+//!   `cargo xtask bench transfer` call; `layout_oracle`: the same checks for
+//!   engine-chosen blocks in every target layout; `ipc_check`: the same GPU fetch
 //!   between two processes over CUDA IPC; `nixl_two_process`: a NIXL fetch
 //!   from a donor agent in another process (the production shape).
 //!
@@ -77,6 +78,8 @@ mod error;
 mod host;
 #[cfg(feature = "qualify")]
 pub mod ipc_check;
+#[cfg(feature = "qualify")]
+pub mod layout_oracle;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 #[cfg(feature = "nixl")]

@@ -424,6 +424,9 @@ fn block_rows(l: &KvRegionLayout) -> Option<RegionGeometry> {
         .then(|| RegionGeometry::dense(l.geometry(), l.num_blocks()))
 }
 
+/// A present move: `(donor slot, target block)`.
+type SlotToBlock = (u32, u32);
+
 /// Checks `moves` against the donor's `src_limit` slots and the target's
 /// `dst_limit` blocks; returns the present `(slot, block)` pairs (input
 /// order) and the missing keys.
@@ -431,7 +434,7 @@ fn check_moves(
     moves: &[BlockMove],
     src_limit: u32,
     dst_limit: u32,
-) -> Result<(Vec<(u32, u32)>, Vec<MissingKey>), TransferError> {
+) -> Result<(Vec<SlotToBlock>, Vec<MissingKey>), TransferError> {
     if moves.is_empty() {
         return Err(TransferError::input(
             "moves",
