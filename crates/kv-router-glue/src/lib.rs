@@ -123,7 +123,7 @@ pub use event_plane::{
 #[cfg(feature = "nats")]
 pub use event_plane::{NatsAuth, NatsOptions, NatsPlane, NatsTls};
 #[cfg(feature = "worker")]
-pub use fetch_executor::{DonorPin, DonorSource, FetchExecutor, FetchOutcome};
+pub use fetch_executor::{DonorPin, DonorSource, EngineRegion, FetchExecutor, FetchOutcome};
 pub use hint_validation::{check_prompt_prefix, validate_hint, ValidatedFetch};
 pub use kv_events::{
     resync_subject, KvEventPublisher, KvEventReceiver, KvStreamItem, PublisherHeader,

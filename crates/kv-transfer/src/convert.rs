@@ -17,6 +17,32 @@
 
 use kv_descriptor::KvRegionLayout;
 
+/// True when `layout` is block-major from byte 0 of its region (a bank's
+/// slot rows, [`KvRegionLayout::block_major`] at base 0): a plan between two
+/// such regions moves whole block rows and needs no converting backend.
+///
+/// ```
+/// use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
+/// let g = KvLayout::new(2, 2, 4, DType::F32, 2, TensorOrder::BlockMajor, 1).unwrap();
+/// let bb = g.rank_block_bytes() as u64;
+/// assert!(kv_transfer::convert::is_bank_rows(&KvRegionLayout::block_major(g, 0, 0, 4, 4 * bb).unwrap()));
+/// assert!(!kv_transfer::convert::is_bank_rows(&KvRegionLayout::block_major(g, 0, 64, 4, 4 * bb + 64).unwrap()));
+/// let vllm = KvRegionLayout::vllm_kv_first(g, 0, 0, 2 * bb, 4, 4 * bb).unwrap();
+/// assert!(!kv_transfer::convert::is_bank_rows(&vllm));
+/// ```
+pub fn is_bank_rows(layout: &KvRegionLayout) -> bool {
+    KvRegionLayout::block_major(
+        *layout.geometry(),
+        layout.tp_rank(),
+        0,
+        layout.num_blocks(),
+        layout.region_bytes(),
+    )
+    .is_ok_and(|rows| {
+        rows.layer_offsets() == layout.layer_offsets() && rows.strides() == layout.strides()
+    })
+}
+
 /// A donor block and the target block that receives it (ids of the two
 /// region layouts, `0..num_blocks()`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

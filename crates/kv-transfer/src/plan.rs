@@ -409,19 +409,10 @@ fn row_part(
     }
 }
 
-/// The rows of `l` when it is exactly block-major from byte 0 of its region
-/// (a bank's slot layout): then every backend's row path applies.
+/// The rows of `l` when it is a bank's slot rows ([`crate::convert::is_bank_rows`]):
+/// then every backend's row path applies.
 fn block_rows(l: &KvRegionLayout) -> Option<RegionGeometry> {
-    let rows = KvRegionLayout::block_major(
-        *l.geometry(),
-        l.tp_rank(),
-        0,
-        l.num_blocks(),
-        l.region_bytes(),
-    )
-    .ok()?;
-    (rows.layer_offsets() == l.layer_offsets() && rows.strides() == l.strides())
-        .then(|| RegionGeometry::dense(l.geometry(), l.num_blocks()))
+    crate::convert::is_bank_rows(l).then(|| RegionGeometry::dense(l.geometry(), l.num_blocks()))
 }
 
 /// A present move: `(donor slot, target block)`.

@@ -9,15 +9,27 @@
 //! delivery returned with nothing in flight; when the backend could not stop
 //! an abandoned read ([`kv_transfer::TransferError::may_still_write`]) they
 //! stay orphaned instead, so a late write never lands in reused rows.
+//!
+//! Destinations are either the executor's own block-major rows
+//! ([`FetchExecutor::new`]) or the engine's own KV tensors
+//! ([`FetchExecutor::with_engine_regions`]: an [`EngineRegion`] per TP rank,
+//! memory plus [`KvRegionLayout`]), where a fetch lands at the block ids the
+//! engine's allocator chose ([`FetchExecutor::execute_at`]) with the same
+//! reservation, quiescence and no-false-completion rules: the ids are
+//! reserved exactly in the executor's pool for the fetch, and the
+//! conversion into the engine's layout happens inside the copy.
 
 use std::sync::Arc;
 
 use kv_bank::{BankManager, BankMemory, CompletedBlocks, DestinationPool, ManagerPin};
 use kv_descriptor::{
-    BankManifest, DescriptorError, FetchGpuHint, HintEnvelope, KvLayout, SequenceHash,
+    BankManifest, DescriptorError, FetchGpuHint, HintEnvelope, KvLayout, KvRegionLayout,
+    SequenceHash,
 };
 use kv_transfer::plan::{BlockMove, RegionGeometry, TransferPlan};
-use kv_transfer::{deliver, CopyBackend, DeliveryControl, DeliveryReport, RankIo, SourceRegion};
+use kv_transfer::{
+    deliver, CopyBackend, DeliveryControl, DeliveryReport, RankIo, SourceRegion, TransferError,
+};
 
 use crate::{check_prompt_prefix, validate_hint, FallbackCause, FetchError, PinError};
 
@@ -97,6 +109,44 @@ pub struct FetchOutcome {
     pub report: DeliveryReport,
 }
 
+/// One TP rank's destination inside the engine's own KV tensors.
+///
+/// `layout`'s byte offsets are relative to `memory.base_addr()`: register
+/// one memory spanning the rank's per-layer tensors (vLLM allocates one per
+/// layer; their base pointers become `layout.layer_offsets()`), described
+/// with [`KvRegionLayout::vllm_kv_first`], [`KvRegionLayout::vllm_block_first`],
+/// [`KvRegionLayout::hf_tokens`] or [`KvRegionLayout::block_major`].
+///
+/// ```
+/// use std::sync::Arc;
+/// use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
+/// use kv_router_glue::EngineRegion;
+/// let g = KvLayout::new(2, 2, 8, DType::Bf16, 4, TensorOrder::BlockMajor, 1).unwrap();
+/// // vLLM `[2, 64, 4, 2, 8]` bf16 per layer: 16 KiB a tensor, two tensors 1 MiB apart.
+/// let layout = KvRegionLayout::vllm_kv_first(g, 0, 0, 1 << 20, 64, (1 << 20) + 16384).unwrap();
+/// let memory = Arc::new(kv_transfer::HostBuffer::zeroed(layout.region_bytes() as usize).unwrap());
+/// let region = EngineRegion { memory, layout };
+/// assert_eq!(region.layout.num_blocks(), 64);
+/// ```
+#[derive(Clone)]
+pub struct EngineRegion {
+    /// Memory of the engine's tensors for this rank, mapped in this process
+    /// (host, or a CUDA allocation for a CUDA backend).
+    pub memory: Arc<dyn BankMemory>,
+    /// Where each element of each block lies in `memory`.
+    pub layout: KvRegionLayout,
+}
+
+impl std::fmt::Debug for EngineRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineRegion")
+            .field("kind", &self.memory.kind())
+            .field("len", &self.memory.len())
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
 /// Executes fetch hints into one target's block regions.
 pub struct FetchExecutor {
     layout: KvLayout,
@@ -104,6 +154,8 @@ pub struct FetchExecutor {
     regions: Vec<Arc<dyn BankMemory>>,
     blocks: u32,
     backend: Arc<dyn CopyBackend>,
+    /// `Some` for engine regions: rank `r`'s target layout at index `r`.
+    engine_layouts: Option<Vec<KvRegionLayout>>,
 }
 
 impl std::fmt::Debug for FetchExecutor {
@@ -112,6 +164,7 @@ impl std::fmt::Debug for FetchExecutor {
             .field("layout", &self.layout)
             .field("blocks", &self.blocks)
             .field("backend", &self.backend.name())
+            .field("engine_layouts", &self.engine_layouts)
             .finish()
     }
 }
@@ -169,6 +222,119 @@ impl FetchExecutor {
             regions,
             blocks,
             backend,
+            engine_layouts: None,
+        })
+    }
+
+    /// An executor writing into the engine's own tensors: `regions[r]` is TP
+    /// rank `r`'s [`EngineRegion`], block ids `0..num_blocks` of its layout;
+    /// `pool` (capacity at most the smallest `num_blocks`) tracks which of
+    /// them a fetch has reserved, so one block never has two writers and a
+    /// block an abandoned read may still write stays out of use
+    /// ([`DestinationPool::is_reserved`]: the engine's allocator must not hand
+    /// out such a block).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use kv_bank::DestinationPool;
+    /// use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
+    /// use kv_router_glue::{EngineRegion, FetchExecutor};
+    /// use kv_transfer::{HostBuffer, HostCopyBackend};
+    /// let g = KvLayout::new(2, 4, 8, DType::F32, 4, TensorOrder::BlockMajor, 2).unwrap();
+    /// let layer = 16 * g.rank_block_bytes() as u64 / 2; // one vLLM tensor, 16 blocks
+    /// let regions = (0..2)
+    ///     .map(|r| {
+    ///         let layout = KvRegionLayout::vllm_block_first(g, r, 0, layer, 16, 2 * layer).unwrap();
+    ///         let memory = Arc::new(HostBuffer::zeroed(2 * layer as usize).unwrap());
+    ///         EngineRegion { memory, layout }
+    ///     })
+    ///     .collect();
+    /// let exec = FetchExecutor::with_engine_regions(
+    ///     g, DestinationPool::new(16), regions, Arc::new(HostCopyBackend),
+    /// ).unwrap();
+    /// assert_eq!(exec.pool().free_blocks(), 16);
+    /// ```
+    ///
+    /// # Errors
+    /// [`FetchError::LayoutMismatch`], before anything is used, naming
+    /// `regions` (count is not `tp_size`), `regions.layout.tp_rank` (entry `r`
+    /// is another rank's), `regions.layout` (not the geometry of `layout`:
+    /// layers, heads, head_dim, dtype, tokens per block, TP size; the
+    /// [`kv_descriptor::RegionLayoutError`] text names the field),
+    /// `regions.memory` (smaller than the layout's `region_bytes`), `pool`
+    /// (hands out ids past a region's blocks) or `backend` (a layout other
+    /// than bank rows and a backend that does not convert,
+    /// [`CopyBackend::converts`]).
+    pub fn with_engine_regions(
+        layout: KvLayout,
+        pool: DestinationPool,
+        regions: Vec<EngineRegion>,
+        backend: Arc<dyn CopyBackend>,
+    ) -> Result<Self, FetchError> {
+        let mismatch = |field, detail| FetchError::LayoutMismatch { field, detail };
+        if regions.len() != layout.tp_size() as usize {
+            return Err(mismatch(
+                "regions",
+                format!("{} regions for tp_size {}", regions.len(), layout.tp_size()),
+            ));
+        }
+        let bb = layout.rank_block_bytes() as u64;
+        for (r, region) in regions.iter().enumerate() {
+            let l = &region.layout;
+            if l.tp_rank() != r as u32 {
+                return Err(mismatch(
+                    "regions.layout.tp_rank",
+                    format!("entry {r} describes rank {}", l.tp_rank()),
+                ));
+            }
+            // The executor's geometry as a one-block bank of this rank: the
+            // engine's layout may differ in memory order only.
+            KvRegionLayout::block_major(layout, r as u32, 0, 1, bb)
+                .and_then(|own| own.check_compatible(l))
+                .map_err(|e| mismatch("regions.layout", format!("rank {r}: {e}")))?;
+            if (region.memory.len() as u64) < l.region_bytes() {
+                return Err(mismatch(
+                    "regions.memory",
+                    format!(
+                        "rank {r} memory has {} bytes, its layout addresses {}",
+                        region.memory.len(),
+                        l.region_bytes()
+                    ),
+                ));
+            }
+            if !backend.converts() && !kv_transfer::convert::is_bank_rows(l) {
+                return Err(mismatch(
+                    "backend",
+                    format!(
+                        "`{}` does not convert into rank {r}'s {:?} layout",
+                        backend.name(),
+                        l.order()
+                    ),
+                ));
+            }
+        }
+        let blocks = regions
+            .iter()
+            .map(|r| r.layout.num_blocks())
+            .min()
+            .unwrap_or(0);
+        if pool.capacity() > blocks {
+            return Err(mismatch(
+                "pool",
+                format!(
+                    "pool hands out {} blocks but the engine regions hold {blocks}",
+                    pool.capacity()
+                ),
+            ));
+        }
+        let (memories, layouts) = regions.into_iter().map(|r| (r.memory, r.layout)).unzip();
+        Ok(Self {
+            layout,
+            pool,
+            regions: memories,
+            blocks,
+            backend,
+            engine_layouts: Some(layouts),
         })
     }
 
@@ -221,7 +387,63 @@ impl FetchExecutor {
         donor: &dyn DonorSource,
         control: &DeliveryControl,
     ) -> Result<FetchOutcome, FetchError> {
-        self.run(envelope, None, donor, control)
+        self.run(envelope, None, None, donor, control)
+    }
+
+    /// [`FetchExecutor::execute`] landing the fetched blocks at `dst_blocks`,
+    /// the target block ids the engine's allocator chose (one per fetched
+    /// block, in prefix order), reserved exactly for this fetch. On success
+    /// [`FetchOutcome::target_blocks`] holds exactly `dst_blocks`.
+    ///
+    /// ```no_run
+    /// # fn f(exec: &kv_router_glue::FetchExecutor, env: &kv_descriptor::HintEnvelope,
+    /// #      bank: &kv_bank::BankManager) {
+    /// // The engine's allocator gave blocks 9, 2 and 5 to the request's prefix.
+    /// let out = exec.execute_at(env, &[9, 2, 5], bank, &kv_transfer::DeliveryControl::new()).unwrap();
+    /// assert_eq!(&out.target_blocks[..], &[9, 2, 5]);
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`FetchExecutor::execute`]; before the pool or the donor is
+    /// touched, [`FetchError::Fallback`] at `reserve` with
+    /// [`kv_transfer::TransferError::InvalidInput`] naming `dst_blocks` when
+    /// their count is not the fetched blocks', an id is not below the
+    /// regions' `num_blocks`, or an id repeats; at `reserve` with
+    /// [`kv_bank::BankError::AlreadyReserved`] when another fetch holds one.
+    pub fn execute_at(
+        &self,
+        envelope: &HintEnvelope,
+        dst_blocks: &[u32],
+        donor: &dyn DonorSource,
+        control: &DeliveryControl,
+    ) -> Result<FetchOutcome, FetchError> {
+        self.run(envelope, None, Some(dst_blocks), donor, control)
+    }
+
+    /// [`FetchExecutor::execute_at`] after [`check_prompt_prefix`], as
+    /// [`FetchExecutor::execute_for_prompt`].
+    ///
+    /// ```no_run
+    /// # fn f(exec: &kv_router_glue::FetchExecutor, env: &kv_descriptor::HintEnvelope,
+    /// #      prompt: &[kv_descriptor::SequenceHash], bank: &kv_bank::BankManager) {
+    /// let ctl = kv_transfer::DeliveryControl::new();
+    /// let out = exec.execute_for_prompt_at(env, prompt, &[4, 5], bank, &ctl).unwrap();
+    /// assert_eq!(&out.target_blocks[..], &[4, 5]);
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`FetchExecutor::execute_for_prompt`] and [`FetchExecutor::execute_at`].
+    pub fn execute_for_prompt_at(
+        &self,
+        envelope: &HintEnvelope,
+        prompt: &[SequenceHash],
+        dst_blocks: &[u32],
+        donor: &dyn DonorSource,
+        control: &DeliveryControl,
+    ) -> Result<FetchOutcome, FetchError> {
+        self.run(envelope, Some(prompt), Some(dst_blocks), donor, control)
     }
 
     /// [`FetchExecutor::execute`] for a request whose prompt's sealed blocks
@@ -239,13 +461,14 @@ impl FetchExecutor {
         donor: &dyn DonorSource,
         control: &DeliveryControl,
     ) -> Result<FetchOutcome, FetchError> {
-        self.run(envelope, Some(prompt), donor, control)
+        self.run(envelope, Some(prompt), None, donor, control)
     }
 
     fn run(
         &self,
         envelope: &HintEnvelope,
         prompt: Option<&[SequenceHash]>,
+        dst_blocks: Option<&[u32]>,
         donor: &dyn DonorSource,
         control: &DeliveryControl,
     ) -> Result<FetchOutcome, FetchError> {
@@ -271,8 +494,15 @@ impl FetchExecutor {
         let fallback =
             |stage: &'static str, cause: FallbackCause| FetchError::Fallback { stage, cause };
         let request_id = envelope.message_id.as_str();
+        if let Some(b) = dst_blocks {
+            self.check_dst_blocks(b, n)
+                .map_err(|e| fallback("reserve", FallbackCause::Transfer(e)))?;
+        }
         let reservation = crate::spans::reserve(request_id)
-            .in_scope(|| self.pool.reserve(n))
+            .in_scope(|| match dst_blocks {
+                Some(b) => self.pool.reserve_exact(b),
+                None => self.pool.reserve(n),
+            })
             .map_err(|e| fallback("reserve", FallbackCause::Bank(e)))?;
         let fetched: Vec<SequenceHash> = hint.sequence_hashes[hint.fetch_from as usize..].to_vec();
         // Everything checkable here is checked before the donor is asked:
@@ -366,6 +596,22 @@ impl FetchExecutor {
             })
             .collect();
         let tp = self.layout.tp_size() as usize;
+        if let Some(targets) = &self.engine_layouts {
+            let (dl, slots) = (manifest.layout(), manifest.slot_count());
+            let bank_bytes = u64::from(slots) * dl.rank_block_bytes() as u64;
+            let donor = (0..tp as u32)
+                .map(|r| {
+                    KvRegionLayout::block_major(*dl, r, 0, slots, bank_bytes).map_err(|source| {
+                        TransferError::RegionLayout {
+                            field: "donor",
+                            rank: r,
+                            source,
+                        }
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            return TransferPlan::converting(&donor, targets, &moves);
+        }
         let donor_geo = vec![RegionGeometry::dense(manifest.layout(), manifest.slot_count()); tp];
         let target_geo = vec![RegionGeometry::dense(&self.layout, self.blocks); tp];
         TransferPlan::new(
@@ -375,6 +621,34 @@ impl FetchExecutor {
             &donor_geo,
             &target_geo,
         )
+    }
+
+    /// Engine-chosen ids must name `n` distinct blocks of the regions;
+    /// checked before the pool or the donor is touched.
+    fn check_dst_blocks(&self, blocks: &[u32], n: usize) -> Result<(), TransferError> {
+        let invalid = |reason: String| TransferError::InvalidInput {
+            field: "dst_blocks",
+            reason,
+        };
+        if blocks.len() != n {
+            return Err(invalid(format!(
+                "{} block ids for {n} fetched blocks",
+                blocks.len()
+            )));
+        }
+        let mut seen = std::collections::HashSet::with_capacity(n);
+        for (i, &b) in blocks.iter().enumerate() {
+            if b >= self.blocks {
+                return Err(invalid(format!(
+                    "entry {i}: block {b} is not below the regions' {} blocks",
+                    self.blocks
+                )));
+            }
+            if !seen.insert(b) {
+                return Err(invalid(format!("entry {i}: block {b} listed twice")));
+            }
+        }
+        Ok(())
     }
 
     fn transfer(
