@@ -478,3 +478,58 @@ fn a_hint_for_another_prompt_is_refused_before_engine_blocks_are_reserved() {
         .unwrap();
     assert_eq!(&out.target_blocks[..], &[3, 4]);
 }
+
+#[test]
+fn a_fetch_lands_in_engine_memory_registered_by_base_pointer() {
+    let _g = lock();
+    let bank = bank(8, "eng-raw");
+    let a = store(&bank, 2);
+    // The engine's own allocations (one per rank), poisoned.
+    let mut tensors: Vec<Vec<u8>> = (0..TP)
+        .map(|r| vec![POISON; engine_layout(1, r).region_bytes() as usize])
+        .collect();
+    let regions: Vec<EngineRegion> = tensors
+        .iter_mut()
+        .enumerate()
+        .map(|(r, t)| EngineRegion {
+            // SAFETY: `tensors` outlives the executor (dropped first below)
+            // and is not touched while it lives.
+            memory: Arc::new(
+                unsafe {
+                    kv_transfer::EngineMemory::from_raw_parts(
+                        kv_bank::MemoryKind::Host,
+                        t.as_mut_ptr() as u64,
+                        t.len(),
+                    )
+                }
+                .unwrap(),
+            ),
+            layout: engine_layout(1, r as u32),
+        })
+        .collect();
+    let exec = FetchExecutor::with_engine_regions(
+        layout(),
+        DestinationPool::new(BLOCKS),
+        regions,
+        Arc::new(HostCopyBackend),
+    )
+    .unwrap();
+    let out = exec
+        .execute_at(
+            &envelope(&bank, &a),
+            &[15, 0],
+            bank.as_ref(),
+            &DeliveryControl::new(),
+        )
+        .unwrap();
+    assert!(out.report.is_complete());
+    drop(out);
+    drop(exec);
+    let keys: Vec<_> = a.iter().map(|e| e.0).collect();
+    for r in 0..TP {
+        assert!(
+            tensors[r as usize] == expected_image(1, r, &keys, &[15, 0]),
+            "rank {r}"
+        );
+    }
+}

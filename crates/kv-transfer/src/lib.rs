@@ -98,4 +98,4 @@ pub use delivery::{
 };
 pub use error::TransferError;
 pub use host::HostCopyBackend;
-pub use region::HostBuffer;
+pub use region::{EngineMemory, HostBuffer};

@@ -1,5 +1,7 @@
 //! Process-private host buffers: the memory of benchmarks, tests and the CPU
-//! oracle's destination rows.
+//! oracle's destination rows; and [`EngineMemory`], memory the engine owns
+//! (its KV tensors) registered by base pointer and length as a fetch's
+//! destination.
 //!
 //! A [`HostBuffer`] is page-aligned, zero-initialised heap memory that
 //! implements [`BankMemory`] (kind `Host`, no export handle). It is not
@@ -139,6 +141,129 @@ impl BankMemory for HostBuffer {
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.ptr.as_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
+        Ok(())
+    }
+}
+
+/// Memory an engine owns (its KV tensors), borrowed by address: the
+/// destination of fetches that land in the engine's own layout
+/// (kv-router-glue's `EngineRegion`). Nothing is allocated or freed here.
+///
+/// Host memory supports [`BankMemory::read_bytes`] / [`BankMemory::write_bytes`]
+/// (raw, bounds-checked copies); device memory leaves them
+/// [`BankError::Unsupported`] (a CUDA backend writes it through the base
+/// address). No export handle: it is not shared with other processes.
+///
+/// ```
+/// use kv_bank::{BankMemory, MemoryKind};
+/// let mut tensor = vec![0u8; 4096]; // the engine's allocation
+/// // SAFETY: `tensor` outlives `m` and nothing else touches it meanwhile.
+/// let m = unsafe {
+///     kv_transfer::EngineMemory::from_raw_parts(MemoryKind::Host, tensor.as_mut_ptr() as u64, 4096)
+/// }
+/// .unwrap();
+/// m.write_bytes(10, &[7, 8]).unwrap();
+/// assert_eq!(m.read_vec(9, 3).unwrap(), [0, 7, 8]);
+/// assert!(m.write_bytes(4095, &[1, 2]).is_err()); // past the end
+/// drop(m);
+/// assert_eq!(tensor[11], 8);
+/// // SAFETY: refused before anything could use it.
+/// assert!(unsafe { kv_transfer::EngineMemory::from_raw_parts(MemoryKind::Host, 0, 8) }.is_err());
+/// ```
+#[derive(Debug)]
+pub struct EngineMemory {
+    kind: MemoryKind,
+    base: u64,
+    len: usize,
+}
+
+impl EngineMemory {
+    /// Registers `len` bytes at `base` (a host pointer, or a `CUdeviceptr`
+    /// of device `ordinal` for [`MemoryKind::Cuda`]).
+    ///
+    /// # Safety
+    /// For as long as the returned value (or any delivery using it) lives,
+    /// `base..base + len` must stay allocated and writable in this process
+    /// (on the named device for CUDA), and no Rust reference into those bytes
+    /// may exist: copy backends and [`BankMemory::write_bytes`] write them
+    /// through raw pointers while only `&self` is held. Which bytes may be
+    /// written when is the fetch executor's reservation protocol: the engine
+    /// must not read or write a block while a fetch has it reserved.
+    ///
+    /// # Errors
+    /// [`TransferError::Host`] when `len` is 0, `base` is 0, or the range
+    /// wraps the address space.
+    pub unsafe fn from_raw_parts(
+        kind: MemoryKind,
+        base: u64,
+        len: usize,
+    ) -> Result<Self, TransferError> {
+        if len == 0 || base == 0 || base.checked_add(len as u64).is_none() {
+            return Err(TransferError::Host(format!(
+                "engine memory of {len} bytes at {base:#x} is empty, null or wraps"
+            )));
+        }
+        Ok(Self { kind, base, len })
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), BankError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(BankError::OutOfRange {
+                field: "offset",
+                offset: offset as u64,
+                len: len as u64,
+                region_len: self.len as u64,
+            }),
+        }
+    }
+}
+
+impl BankMemory for EngineMemory {
+    fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn base_addr(&self) -> u64 {
+        self.base
+    }
+    fn export_handle(&self) -> Option<ExportHandle> {
+        None
+    }
+    fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
+        if self.kind != MemoryKind::Host {
+            return Err(BankError::Unsupported {
+                op: "write_bytes",
+                kind: self.kind.to_string(),
+            });
+        }
+        self.check(offset, src.len())?;
+        // SAFETY: the range lies inside the registered memory (checked
+        // above), which `from_raw_parts`' contract keeps allocated, writable
+        // and free of Rust references while `self` lives; `ptr::copy`
+        // (memmove) is correct even if `src` pointed into it.
+        unsafe { std::ptr::copy(src.as_ptr(), (self.base as *mut u8).add(offset), src.len()) };
+        Ok(())
+    }
+    fn read_bytes(&self, offset: usize, dst: &mut [u8]) -> Result<(), BankError> {
+        if self.kind != MemoryKind::Host {
+            return Err(BankError::Unsupported {
+                op: "read_bytes",
+                kind: self.kind.to_string(),
+            });
+        }
+        self.check(offset, dst.len())?;
+        // SAFETY: as in `write_bytes`; `dst` is a distinct `&mut` buffer, so
+        // the ranges do not overlap, and only these bytes are read.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (self.base as *const u8).add(offset),
                 dst.as_mut_ptr(),
                 dst.len(),
             )
