@@ -79,6 +79,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             cuda_ordinals: None,
             gpus,
             pin_endpoint: format!("unix:{}", sock.display()),
+            pin_auth_key: None,
             pin_config: PinServiceConfig::default(),
             namespace: "example".into(),
             event_subject: events.clone(),

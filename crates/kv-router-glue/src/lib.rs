@@ -43,7 +43,10 @@
 //!   `Stored` events);
 //! - **worker registration** ([`WorkerAnnouncement`], [`WorkerRegistry`]): a
 //!   new incarnation under a known worker key replaces the old one, a silent
-//!   worker is removed.
+//!   worker is removed;
+//! - **inventory snapshots** ([`InventoryPlane`], [`InventorySync`]): a
+//!   (re)started router asks each worker for its ready blocks, consistent
+//!   with its event stream, and resumes the stream after them.
 //!
 //! # Invariants
 //! - Off by default: [`ReuseSettings::default`] admits nothing.
@@ -148,6 +151,15 @@ pub use plane::directory::{
     directory_key, CacheUpdate, DirectoryChange, DirectoryPlane, DirectoryWatch, DonorCache,
     DonorRecord, DonorRecordError, DonorRecordParts, InProcessDirectory, MAX_DONOR_RECORD_BYTES,
     MAX_NAME_BYTES,
+};
+#[cfg(feature = "nats")]
+pub use plane::inventory::NatsInventory;
+pub use plane::inventory::{
+    inventory_subject, InProcessInventory, IncomingRequest, InventoryError, InventoryFuture,
+    InventoryPlane, InventoryRefusal, InventoryReply, InventoryRequest, InventoryRequests,
+    InventorySnapshot, InventorySync, InventoryWireError, RebuildReport, SnapshotBlock,
+    SyncOutcome, DEFAULT_INVENTORY_TIMEOUT, MAX_INVENTORY_REPLY_BYTES, MAX_INVENTORY_REQUEST_BYTES,
+    MAX_SNAPSHOT_PAGE_BLOCKS, MAX_SNAPSHOT_TP,
 };
 pub use plane::registry::{
     announce_subject, AnnouncementError, Registration, WorkerAnnouncement, WorkerRegistry,

@@ -34,7 +34,6 @@ fn assert_hint_from(advice: &Advice, donor: EngineId, h: &[SequenceHash]) {
 }
 
 #[test]
-#[ignore = "fails until the router rebuilds its inventory from snapshots (issue 18)"]
 fn a_restarted_router_finds_the_donor_of_an_idle_worker() {
     serial(|| async {
         let sock = tempfile::tempdir().unwrap();
@@ -44,10 +43,13 @@ fn a_restarted_router_finds_the_donor_of_an_idle_worker() {
         let target_id = EngineId::fresh();
         let mut cfg = donor_config("decode-0", &ep);
         cfg.event_ring = 4;
-        let mut old = Router::new(plane.clone(), dir.as_ref(), target_id).await;
+        let inventory: Arc<dyn InventoryPlane> = Arc::new(InProcessInventory::new());
+        let mut old =
+            Router::with_inventory(plane.clone(), dir.as_ref(), target_id, inventory.clone()).await;
         let donor = DonorAgent::open(cfg, dir.clone(), plane.clone())
             .await
             .unwrap();
+        donor.serve_inventory(inventory.clone()).await.unwrap();
         let donor_id = donor.bank().owner().engine_id;
         let blocks = prompt(0);
         let h = hashes(&blocks);
@@ -59,11 +61,24 @@ fn a_restarted_router_finds_the_donor_of_an_idle_worker() {
 
         // The router restarts: new index, new receiver; the worker is idle
         // (it only announces, as it does every period).
-        let mut new = Router::new(plane.clone(), dir.as_ref(), target_id).await;
+        let mut new =
+            Router::with_inventory(plane.clone(), dir.as_ref(), target_id, inventory.clone()).await;
         donor.tick().await.unwrap();
         new.pump().await;
         assert_eq!(new.registry.len(), 1, "same registrations");
         assert_hint_from(&new.advisor.advise("r1", &h, target_id), donor_id, &h);
+        assert_eq!(
+            new.synced,
+            vec![(
+                donor_id,
+                SyncOutcome::Applied {
+                    blocks: 30,
+                    last_event_id: 6
+                }
+            )],
+            "failures: {:?}",
+            new.sync_failures
+        );
 
         // The worker speaks again: the receiver cannot replay 1..=6 from a
         // ring of 4 and reports them lost; the snapshot already covers them.
@@ -76,6 +91,11 @@ fn a_restarted_router_finds_the_donor_of_an_idle_worker() {
             "the receiver reported the lost range and delivered event 7"
         );
         assert_eq!(new.lost, vec![(donor_id, 1, 6)]);
+        assert_eq!(
+            new.lost_covered, 1,
+            "the snapshot covers 1..=6: no new snapshot"
+        );
+        assert_eq!(new.synced.len(), 1);
         assert_hint_from(&new.advisor.advise("r2", &h, target_id), donor_id, &h);
         let hm = hashes(&more);
         assert_hint_from(&new.advisor.advise("r3", &hm, target_id), donor_id, &hm);

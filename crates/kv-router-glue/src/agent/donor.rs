@@ -7,11 +7,14 @@ use std::time::Duration;
 use kv_bank::{BankConfig, BankManager, PendingStore, StoreStatus};
 use kv_descriptor::{GpuIdentity, SequenceHash, StorageTier, StoredBlock, Wire};
 
+use super::inventory::Mirror;
 use super::AgentError;
+use crate::event_plane::AbortOnDrop;
 use crate::{
-    announce_subject, unix_now_ms, DirectoryPlane, DonorRecord, DonorRecordParts, EventPlane,
-    KvEventPublisher, PinService, PinServiceConfig, PinServiceStats, PublisherHeader, Subject,
-    WorkerAnnouncement,
+    announce_subject, inventory_subject, unix_now_ms, DirectoryPlane, DonorRecord,
+    DonorRecordParts, EventPlane, InventoryPlane, InventoryRefusal, InventoryReply,
+    InventoryRequest, KvEventPublisher, PinAuthKey, PinService, PinServiceConfig, PinServiceStats,
+    PublisherHeader, Subject, WorkerAnnouncement,
 };
 
 /// What a [`DonorAgent`] is opened with.
@@ -30,8 +33,15 @@ pub struct DonorAgentConfig {
     pub cuda_ordinals: Option<Vec<u32>>,
     /// The GPU of each TP rank, announced in the [`WorkerAnnouncement`].
     pub gpus: Vec<GpuIdentity>,
-    /// The pin service's endpoint (`unix:<path>`), published in the record.
+    /// The pin service's endpoint, published in the record and the
+    /// announcement: `unix:<path>` (same host), or `tcp:<host>:<port>` (a
+    /// target on another host; needs `pin_auth_key`). Port 0 binds a free
+    /// port and the bound `tcp:<ip>:<port>` is what gets published.
     pub pin_endpoint: String,
+    /// Key every TCP pin connection must prove (HMAC-SHA256
+    /// challenge-response, docs/security.md). Required for `tcp:`; not used
+    /// on a Unix socket (its file mode guards it).
+    pub pin_auth_key: Option<PinAuthKey>,
     /// Limits of the pin service.
     pub pin_config: PinServiceConfig,
     /// Namespace of the announce subject (`kv.<namespace>.workers.announce`).
@@ -66,7 +76,9 @@ pub struct DonorAgent {
     pins: Option<PinService>,
     directory: Arc<dyn DirectoryPlane>,
     plane: Arc<dyn EventPlane>,
-    publisher: KvEventPublisher,
+    events: Arc<EventsOut>,
+    namespace: String,
+    inventory_server: parking_lot::Mutex<Option<AbortOnDrop>>,
     announcement: WorkerAnnouncement,
     announce_subject: Subject,
     worker_key: String,
@@ -131,13 +143,25 @@ impl DonorAgent {
         let close_bank = |bank: &BankManager| {
             let _ = bank.close(Duration::ZERO);
         };
-        let pins = match PinService::bind(bank.clone(), &config.pin_endpoint, config.pin_config) {
+        let bound = match config.pin_auth_key.clone() {
+            Some(key) => PinService::bind_authenticated(
+                bank.clone(),
+                &config.pin_endpoint,
+                config.pin_config,
+                key,
+            ),
+            None => PinService::bind(bank.clone(), &config.pin_endpoint, config.pin_config),
+        };
+        let pins = match bound {
             Ok(p) => p,
             Err(e) => {
                 close_bank(&bank);
                 return Err(e.into());
             }
         };
+        // `tcp:...:0` bound a free port: publish the one targets can dial.
+        let mut announcement = announcement;
+        announcement.pin_endpoint = pins.endpoint().to_string();
         let publisher = KvEventPublisher::new(
             plane.clone(),
             config.event_subject.clone(),
@@ -149,12 +173,19 @@ impl DonorAgent {
             },
             config.event_ring,
         );
+        let events = Arc::new(EventsOut {
+            bank: bank.clone(),
+            publisher,
+            mirror: tokio::sync::Mutex::new(Mirror::default()),
+        });
         let agent = Self {
             bank,
             pins: Some(pins),
             directory,
             plane,
-            publisher,
+            events,
+            namespace: config.namespace,
+            inventory_server: parking_lot::Mutex::new(None),
             announcement,
             announce_subject,
             worker_key: config.worker_key,
@@ -267,17 +298,48 @@ impl DonorAgent {
     /// returns how many.
     ///
     /// # Errors
-    /// [`AgentError::Plane`] at the first failed publish (the rest are
-    /// dropped from the bank's queue; receivers resync the gap from the ring).
+    /// [`AgentError::Plane`]: the first failed publish. The others are
+    /// still sent; a failed one's id is consumed (receivers see a gap).
     pub async fn publish_events(&self) -> Result<usize, AgentError> {
-        let events = self.bank.drain_events();
-        let n = events.len();
-        for e in events {
-            self.publisher
-                .publish(StorageTier::RetainedGpuDirect, e.data)
-                .await?;
-        }
-        Ok(n)
+        self.events.publish_queued().await
+    }
+
+    /// Answers inventory snapshot requests for this incarnation on
+    /// `kv.<namespace>.inventory.<engine_id>` over `plane` until
+    /// [`DonorAgent::close`] (a second call replaces the first server).
+    /// Ready on return.
+    ///
+    /// # Errors
+    /// [`AgentError::Inventory`] when the subject cannot be served.
+    pub async fn serve_inventory(&self, plane: Arc<dyn InventoryPlane>) -> Result<(), AgentError> {
+        let subject = inventory_subject(&self.namespace, self.bank.owner().engine_id)?;
+        let mut requests = plane.serve(&subject).await?;
+        let events = self.events.clone();
+        let task = tokio::spawn(async move {
+            while let Some(req) = requests.next().await {
+                let reply = match InventoryRequest::decode(&req.payload) {
+                    Ok(r) => events.answer(&r).await,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "malformed inventory request");
+                        InventoryReply::Refused(InventoryRefusal::Malformed)
+                    }
+                };
+                match reply.to_wire() {
+                    Ok(bytes) => req.respond(bytes),
+                    Err(e) => tracing::warn!(error = %e, "inventory reply not encoded"),
+                }
+            }
+        });
+        *self.inventory_server.lock() = Some(AbortOnDrop(task));
+        Ok(())
+    }
+
+    /// What this agent answers to `req` (what [`DonorAgent::serve_inventory`]
+    /// sends): queued events are published first, then the page is built
+    /// under the lock that numbers events, so it is the state after exactly
+    /// `last_event_id` events.
+    pub async fn inventory_page(&self, req: &InventoryRequest) -> InventoryReply {
+        self.events.answer(req).await
     }
 
     /// Periodic work: publishes queued events, re-puts the record once a
@@ -305,6 +367,8 @@ impl DonorAgent {
     /// The first failure; [`AgentError::Bank`] with
     /// [`kv_bank::BankError::CloseTimedOut`] when pins outlived `drain`.
     pub async fn close(mut self, drain: Duration) -> Result<DonorCloseReport, AgentError> {
+        // No snapshot is answered once closing began.
+        self.inventory_server.lock().take();
         // The record goes first: no reader resolves this donor any more.
         let deleted = self
             .directory
@@ -323,5 +387,59 @@ impl DonorAgent {
             pin_stats,
             events_published: published?,
         })
+    }
+}
+
+/// The agent's outgoing KV events: the bank's queue, the publisher, and the
+/// mirror of what they published (shared with the inventory server task).
+struct EventsOut {
+    bank: Arc<BankManager>,
+    publisher: KvEventPublisher,
+    // Held across publishing so that ids, wire order and the mirror agree.
+    mirror: tokio::sync::Mutex<Mirror>,
+}
+
+impl EventsOut {
+    /// Publishes every queued bank event; returns how many.
+    async fn publish_queued(&self) -> Result<usize, AgentError> {
+        let mut mirror = self.mirror.lock().await;
+        let events = self.bank.drain_events();
+        let n = events.len();
+        let tp = self.bank.config().layout.tp_size();
+        let mut first_err = None;
+        for e in events {
+            // The publisher consumes an id even when sending fails, so the
+            // mirror follows every event, sent or not.
+            mirror.apply(&e.data, tp);
+            if let Err(err) = self
+                .publisher
+                .publish(StorageTier::RetainedGpuDirect, e.data)
+                .await
+            {
+                first_err.get_or_insert(err);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(n),
+        }
+    }
+
+    async fn answer(&self, req: &InventoryRequest) -> InventoryReply {
+        let owner = self.bank.owner();
+        if req.engine_id != owner.engine_id {
+            return InventoryReply::Refused(InventoryRefusal::OtherEngine {
+                actual: owner.engine_id,
+            });
+        }
+        if self.bank.is_closed() {
+            return InventoryReply::Refused(InventoryRefusal::Closed);
+        }
+        if let Err(e) = self.publish_queued().await {
+            // The ids are consumed and mirrored: the page stays consistent.
+            tracing::warn!(error = %e, "publishing before a snapshot failed");
+        }
+        let mirror = self.mirror.lock().await;
+        InventoryReply::Snapshot(mirror.page(req, &self.bank))
     }
 }

@@ -11,9 +11,15 @@
 //!   memory (host shm, or CUDA IPC on the destination GPU), checks the hint
 //!   against the prompt and runs the [`crate::FetchExecutor`].
 //!
+//! The donor agent also answers inventory snapshot requests
+//! ([`DonorAgent::serve_inventory`]) so that a restarted router rebuilds
+//! what it holds. Pins travel over a Unix socket or, with a
+//! [`crate::PinAuthKey`], over TCP to a target on another host.
+//!
 //! Every refusal is an [`AgentError`]; for the target each one means "recompute".
 
 mod donor;
+mod inventory;
 mod target;
 
 pub use donor::{DonorAgent, DonorAgentConfig, DonorCloseReport};
@@ -22,8 +28,8 @@ pub use target::TargetAgent;
 use kv_bank::BankError;
 
 use crate::{
-    AnnouncementError, DonorRecordError, FetchError, PinServiceError, PlaneError, RemoteDonorError,
-    ResolveError,
+    AnnouncementError, DonorRecordError, FetchError, InventoryError, PinServiceError, PlaneError,
+    RemoteDonorError, ResolveError,
 };
 
 /// Why an agent call was refused. For a [`TargetAgent`] fetch every variant
@@ -59,6 +65,9 @@ pub enum AgentError {
     /// The donor's memory could not be mapped here.
     #[error("opening the donor: {0}")]
     OpenDonor(#[from] RemoteDonorError),
+    /// Serving inventory snapshots failed (subject, transport).
+    #[error("inventory: {0}")]
+    Inventory(#[from] InventoryError),
     /// The fetch executor refused the hint or fell back.
     #[error("fetch: {0}")]
     Fetch(#[from] FetchError),

@@ -7,7 +7,7 @@ use parking_lot::Mutex;
 use super::AgentError;
 use crate::{
     check_prompt_prefix, unix_now_ms, CacheUpdate, DirectoryPlane, DirectoryWatch, DonorCache,
-    FetchError, FetchExecutor, FetchOutcome, RemoteDonor,
+    FetchError, FetchExecutor, FetchOutcome, PinAuthKey, RemoteDonor, TCP_ENDPOINT_PREFIX,
 };
 
 /// A prefill worker's reuse agent: its [`FetchExecutor`] and a
@@ -22,6 +22,7 @@ use crate::{
 pub struct TargetAgent {
     executor: FetchExecutor,
     destination_gpus: Option<Vec<u32>>,
+    pin_auth_key: Option<PinAuthKey>,
     state: Mutex<State>,
     clock: Box<dyn Fn() -> u64 + Send + Sync>,
 }
@@ -79,12 +80,22 @@ impl TargetAgent {
         Ok(Self {
             executor,
             destination_gpus,
+            pin_auth_key: None,
             state: Mutex::new(State {
                 cache: DonorCache::new(),
                 watch,
             }),
             clock: Box::new(clock),
         })
+    }
+
+    /// Proves `key` on every `tcp:` pin endpoint this agent dials (the
+    /// donor's [`crate::DonorAgentConfig::pin_auth_key`]). Without it a TCP
+    /// donor refuses the pin ([`crate::PinError::Auth`] inside
+    /// [`AgentError::Fetch`]) and the request recomputes.
+    pub fn with_pin_auth_key(mut self, key: PinAuthKey) -> Self {
+        self.pin_auth_key = Some(key);
+        self
     }
 
     /// The executor (its pool, in-flight reads).
@@ -160,6 +171,12 @@ impl TargetAgent {
             RemoteDonor::open_cuda_ipc(manifest, g, record.pin_endpoint())?
         } else {
             RemoteDonor::open_host_shm(manifest, record.pin_endpoint())?
+        };
+        let donor = match &self.pin_auth_key {
+            Some(key) if record.pin_endpoint().starts_with(TCP_ENDPOINT_PREFIX) => {
+                donor.with_auth_key(key.clone())
+            }
+            _ => donor,
         };
         Ok(self
             .executor

@@ -6,6 +6,7 @@
 
 pub(crate) mod directory;
 pub(crate) mod event_plane;
+pub(crate) mod inventory;
 pub(crate) mod registry;
 #[cfg(feature = "vllm")]
 pub mod vllm_events;

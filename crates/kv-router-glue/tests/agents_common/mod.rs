@@ -12,7 +12,7 @@ use kv_bank::{sealed_blocks, BankConfig, BankMemory, DestinationPool, StoreStatu
 use kv_descriptor::*;
 use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
 use kv_router_glue::*;
-use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend};
+use kv_transfer::{HostBuffer, HostCopyBackend};
 
 pub const TP: u32 = 2;
 pub const TOKENS: usize = 16;
@@ -80,6 +80,7 @@ pub fn donor_config(worker_key: &str, endpoint: &str) -> DonorAgentConfig {
         cuda_ordinals: None,
         gpus: gpus(),
         pin_endpoint: endpoint.into(),
+        pin_auth_key: None,
         pin_config: PinServiceConfig::default(),
         namespace: NS.into(),
         event_subject: events_subject(),
@@ -130,13 +131,34 @@ pub struct Router {
     pub late_events_ignored: usize,
     /// Every `Lost` the receiver reported: (publisher, first id, last id).
     pub lost: Vec<(EngineId, u64, u64)>,
+    /// Rebuilds from inventory snapshots.
+    pub sync: InventorySync,
+    /// Snapshots applied, per worker: (engine, outcome).
+    pub synced: Vec<(EngineId, SyncOutcome)>,
+    /// Snapshot requests that failed (no server, ...), as text.
+    pub sync_failures: Vec<String>,
+    /// `Lost` ranges an applied snapshot already covered.
+    pub lost_covered: usize,
 }
 
 impl Router {
+    /// A router whose inventory plane has no server (snapshots fail; the
+    /// event stream alone feeds the index).
     pub async fn new(
         plane: Arc<dyn EventPlane>,
         dir: &dyn DirectoryPlane,
         target: EngineId,
+    ) -> Self {
+        Self::with_inventory(plane, dir, target, Arc::new(InProcessInventory::new())).await
+    }
+
+    /// A router that rebuilds each newly seen worker's inventory from its
+    /// snapshot over `inventory`.
+    pub async fn with_inventory(
+        plane: Arc<dyn EventPlane>,
+        dir: &dyn DirectoryPlane,
+        target: EngineId,
+        inventory: Arc<dyn InventoryPlane>,
     ) -> Self {
         let index = Arc::new(InventoryIndex::new());
         index
@@ -182,6 +204,10 @@ impl Router {
             advisor,
             late_events_ignored: 0,
             lost: Vec::new(),
+            sync: InventorySync::new(inventory, NS, Duration::from_secs(1)).unwrap(),
+            synced: Vec::new(),
+            sync_failures: Vec::new(),
+            lost_covered: 0,
         }
     }
 
@@ -201,6 +227,7 @@ impl Router {
 
     /// Takes in everything the planes delivered so far.
     pub async fn pump(&mut self) {
+        let mut unsynced = Vec::new();
         while let Some(m) = self
             .announcements
             .next_timeout(Duration::from_millis(20))
@@ -211,6 +238,7 @@ impl Router {
                 Registration::Replaced { dropped } => {
                     self.index.remove_worker(dropped);
                     self.remote.forget(dropped);
+                    self.sync.forget(dropped);
                 }
                 Registration::Retired => continue,
                 Registration::New | Registration::Refreshed => {}
@@ -226,6 +254,9 @@ impl Router {
                     },
                 )
                 .unwrap();
+            if a.role == Role::Decode && self.sync.snapshot_event_id(a.engine_id).is_none() {
+                unsynced.push(a.engine_id);
+            }
         }
         while let Some(c) = self.directory.try_next() {
             // A retired incarnation's renewals must not bring it back.
@@ -236,6 +267,11 @@ impl Router {
             }
             self.remote.apply_directory(c);
         }
+        // After the directory: a donor's first record resets its slot map.
+        unsynced.dedup();
+        for engine in unsynced {
+            self.rebuild(engine).await;
+        }
         while let Some(item) = self.events.next_timeout(Duration::from_millis(20)).await {
             let e = match item {
                 KvStreamItem::Event(e) => e,
@@ -245,6 +281,11 @@ impl Router {
                     to_event_id,
                 } => {
                     self.lost.push((publisher, from_event_id, to_event_id));
+                    if self.sync.covers(publisher, to_event_id) {
+                        self.lost_covered += 1;
+                    } else {
+                        self.rebuild(publisher).await;
+                    }
                     continue;
                 }
             };
@@ -252,8 +293,21 @@ impl Router {
                 self.late_events_ignored += 1;
                 continue;
             }
-            self.index.apply_event(&e).unwrap();
-            self.remote.ingest_event(&e);
+            self.sync
+                .apply_event(&e, &self.index, &self.remote, &self.registry)
+                .unwrap();
+        }
+    }
+
+    /// Rebuilds `engine`'s inventory from its snapshot, recording the outcome.
+    pub async fn rebuild(&mut self, engine: EngineId) {
+        match self
+            .sync
+            .rebuild_worker(engine, &self.index, &self.remote, &self.registry)
+            .await
+        {
+            Ok(o) => self.synced.push((engine, o)),
+            Err(e) => self.sync_failures.push(e.to_string()),
         }
     }
 }

@@ -1,0 +1,350 @@
+//! [`InventorySync`]: the router's side of inventory snapshots.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_descriptor::{
+    EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, SequenceHash, StorageTier,
+    StoredBlock, Wire,
+};
+use kv_lookup::{EventOutcome, InventoryIndex, LookupError};
+
+use super::{
+    inventory_subject, InventoryError, InventoryPlane, InventoryReply, InventoryRequest,
+    SnapshotBlock, MAX_SNAPSHOT_PAGE_BLOCKS,
+};
+use crate::{RemoteDonorDirectory, WorkerRegistry};
+
+/// Default of [`InventorySync::new`]'s per-request timeout.
+pub const DEFAULT_INVENTORY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How often a snapshot older than what the stream already applied is asked
+/// again before [`InventoryError::Stale`].
+const STALE_RETRIES: usize = 3;
+
+/// What one worker's rebuild did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncOutcome {
+    /// The snapshot replaced the worker's inventory in the index and the
+    /// donor slot map.
+    Applied {
+        /// Ready blocks it listed.
+        blocks: usize,
+        /// The event id it is consistent with; the stream resumes after it.
+        last_event_id: u64,
+    },
+    /// The worker's incarnation is retired (replaced or removed): nothing asked.
+    Retired,
+}
+
+/// What [`InventorySync::rebuild_inventory`] did, per worker.
+#[derive(Debug, Default)]
+pub struct RebuildReport {
+    /// Workers whose snapshot was applied (or that are retired), with the outcome.
+    pub synced: Vec<(EngineId, SyncOutcome)>,
+    /// Workers whose snapshot failed; their events still apply, and the
+    /// next [`InventorySync::rebuild_worker`] may repair them.
+    pub failed: Vec<(EngineId, InventoryError)>,
+}
+
+/// The router's inventory rebuild: asks each worker for its snapshot,
+/// applies it to the kv-lookup index and the donor slot map, and filters the
+/// event stream afterwards so that nothing counts twice.
+///
+/// Order matters: subscribe the [`crate::KvEventReceiver`] *before* asking
+/// for snapshots, so every event after a snapshot's `last_event_id` reaches
+/// [`InventorySync::apply_event`].
+pub struct InventorySync {
+    plane: Arc<dyn InventoryPlane>,
+    namespace: String,
+    timeout: Duration,
+    page_blocks: u32,
+    /// Highest event id applied per publisher (from a snapshot or the stream).
+    applied: HashMap<EngineId, u64>,
+    /// Publishers whose inventory came from a snapshot at this event id.
+    snapshot_at: HashMap<EngineId, u64>,
+}
+
+impl std::fmt::Debug for InventorySync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InventorySync")
+            .field("plane", &self.plane.name())
+            .field("namespace", &self.namespace)
+            .field("synced", &self.snapshot_at.len())
+            .finish()
+    }
+}
+
+impl InventorySync {
+    /// Asks over `plane` under `namespace`, waiting `timeout` per page.
+    ///
+    /// # Errors
+    /// [`InventoryError::Subject`] for a bad namespace token.
+    pub fn new(
+        plane: Arc<dyn InventoryPlane>,
+        namespace: &str,
+        timeout: Duration,
+    ) -> Result<Self, InventoryError> {
+        inventory_subject(namespace, EngineId(uuid::Uuid::nil()))?;
+        Ok(Self {
+            plane,
+            namespace: namespace.to_string(),
+            timeout,
+            page_blocks: MAX_SNAPSHOT_PAGE_BLOCKS,
+            applied: HashMap::new(),
+            snapshot_at: HashMap::new(),
+        })
+    }
+
+    /// Asks pages of at most `blocks` (1..=[`MAX_SNAPSHOT_PAGE_BLOCKS`],
+    /// clamped) blocks: small pages exercise paging in tests.
+    pub fn with_page_blocks(mut self, blocks: u32) -> Self {
+        self.page_blocks = blocks.clamp(1, MAX_SNAPSHOT_PAGE_BLOCKS);
+        self
+    }
+
+    /// The event id the snapshot of `engine` was consistent with, if one was applied.
+    pub fn snapshot_event_id(&self, engine: EngineId) -> Option<u64> {
+        self.snapshot_at.get(&engine).copied()
+    }
+
+    /// Whether a `Lost` range of `publisher` ending at `to_event_id` is
+    /// covered by its applied snapshot (nothing to repair).
+    pub fn covers(&self, publisher: EngineId, to_event_id: u64) -> bool {
+        self.snapshot_at
+            .get(&publisher)
+            .is_some_and(|&at| to_event_id <= at)
+    }
+
+    /// Forgets `engine` (retired or removed).
+    pub fn forget(&mut self, engine: EngineId) {
+        self.applied.remove(&engine);
+        self.snapshot_at.remove(&engine);
+    }
+
+    /// Rebuilds every engine of `engines` (the registered decode workers)
+    /// one after the other; see [`InventorySync::rebuild_worker`].
+    pub async fn rebuild_inventory(
+        &mut self,
+        engines: impl IntoIterator<Item = EngineId>,
+        index: &InventoryIndex,
+        remote: &RemoteDonorDirectory,
+        registry: &WorkerRegistry,
+    ) -> RebuildReport {
+        let mut report = RebuildReport::default();
+        for engine in engines {
+            match self.rebuild_worker(engine, index, remote, registry).await {
+                Ok(o) => report.synced.push((engine, o)),
+                Err(e) => report.failed.push((engine, e)),
+            }
+        }
+        report
+    }
+
+    /// Asks `engine` for its whole inventory (page by page) and replaces
+    /// what the index and `remote` know of it. The worker must already be
+    /// registered in `index`. A retired incarnation is not asked.
+    ///
+    /// Pages may reflect different event ids (the worker kept storing while
+    /// it was paged); the stream resumes after the smallest, which is safe:
+    /// the events after it are applied again on top (a `Stored` of a held
+    /// block and a `Removed` of an absent one change nothing).
+    ///
+    /// # Errors
+    /// The transport's [`InventoryError`]; [`InventoryError::Wire`] for a
+    /// malformed page; [`InventoryError::Refused`];
+    /// [`InventoryError::Mismatch`] for a page of another engine, bank
+    /// generation, layout or TP size; [`InventoryError::Stale`];
+    /// [`InventoryError::Index`]. On error nothing was applied.
+    pub async fn rebuild_worker(
+        &mut self,
+        engine: EngineId,
+        index: &InventoryIndex,
+        remote: &RemoteDonorDirectory,
+        registry: &WorkerRegistry,
+    ) -> Result<SyncOutcome, InventoryError> {
+        if registry.is_retired(engine) {
+            return Ok(SyncOutcome::Retired);
+        }
+        let mut tries = 0;
+        let pages = loop {
+            let pages = self.fetch_pages(engine).await?;
+            let applied = self.applied.get(&engine).copied().unwrap_or(0);
+            if pages.last_event_id >= applied {
+                break pages;
+            }
+            tries += 1;
+            if tries >= STALE_RETRIES {
+                return Err(InventoryError::Stale {
+                    engine,
+                    snapshot_event_id: pages.last_event_id,
+                    applied_event_id: applied,
+                });
+            }
+        };
+        // The registry may have retired it while we waited for the pages.
+        if registry.is_retired(engine) {
+            return Ok(SyncOutcome::Retired);
+        }
+        let hashes: Vec<SequenceHash> = pages.blocks.iter().map(|b| b.sequence_hash).collect();
+        index.resync_worker(
+            engine,
+            pages.last_event_id,
+            &[(StorageTier::RetainedGpuDirect, hashes)],
+        )?;
+        let synthetic = |data| KvEvent {
+            publisher: engine,
+            event_id: pages.last_event_id,
+            role: Role::Decode,
+            layout_fingerprint: pages.layout_fingerprint,
+            tp_size: pages.tp_size,
+            tier: StorageTier::RetainedGpuDirect,
+            data,
+        };
+        remote.ingest_event(&synthetic(KvEventData::Cleared));
+        remote.ingest_event(&synthetic(KvEventData::Stored {
+            parent: None,
+            blocks: pages
+                .blocks
+                .iter()
+                .map(|b| StoredBlock {
+                    sequence_hash: b.sequence_hash,
+                    token_hash: b.token_hash,
+                    slot: Some(b.slot),
+                })
+                .collect(),
+        }));
+        self.applied.insert(engine, pages.last_event_id);
+        self.snapshot_at.insert(engine, pages.last_event_id);
+        Ok(SyncOutcome::Applied {
+            blocks: pages.blocks.len(),
+            last_event_id: pages.last_event_id,
+        })
+    }
+
+    /// Applies one event of the stream to `index` and `remote`, once: a
+    /// duplicate (at or below the snapshot's id, or a replay) and an event
+    /// of a retired incarnation change neither.
+    ///
+    /// # Errors
+    /// The index's [`LookupError`] (e.g. an unknown engine).
+    pub fn apply_event(
+        &mut self,
+        event: &KvEvent,
+        index: &InventoryIndex,
+        remote: &RemoteDonorDirectory,
+        registry: &WorkerRegistry,
+    ) -> Result<EventOutcome, LookupError> {
+        if registry.is_retired(event.publisher) {
+            return Ok(EventOutcome::FromRetiredIncarnation);
+        }
+        let outcome = index.apply_event(event)?;
+        match outcome {
+            EventOutcome::Applied { .. } | EventOutcome::Gap { .. } => {
+                remote.ingest_event(event);
+                let at = self.applied.entry(event.publisher).or_insert(0);
+                *at = (*at).max(event.event_id);
+            }
+            EventOutcome::Duplicate { .. }
+            | EventOutcome::FromRetiredIncarnation
+            | EventOutcome::Unchained { .. } => {}
+        }
+        Ok(outcome)
+    }
+
+    async fn fetch_pages(&self, engine: EngineId) -> Result<Pages, InventoryError> {
+        let subject = inventory_subject(&self.namespace, engine)?;
+        let mut from_slot = 0;
+        let mut out: Option<Pages> = None;
+        loop {
+            let req = InventoryRequest {
+                engine_id: engine,
+                from_slot,
+                max_blocks: self.page_blocks,
+            };
+            let bytes = req.to_wire().map_err(|e| InventoryError::Transport {
+                subject: subject.to_string(),
+                reason: format!("encoding the request: {e}"),
+            })?;
+            let answer = self.plane.request(&subject, bytes, self.timeout).await?;
+            let page = match InventoryReply::decode(&answer)? {
+                InventoryReply::Snapshot(s) => s,
+                InventoryReply::Refused(refusal) => {
+                    return Err(InventoryError::Refused { engine, refusal })
+                }
+            };
+            let mismatch = |field, reason| InventoryError::Mismatch {
+                engine,
+                field,
+                reason,
+            };
+            if page.engine_id != engine {
+                return Err(mismatch(
+                    "engine_id",
+                    format!("{} answered", page.engine_id),
+                ));
+            }
+            if page.blocks.len() > self.page_blocks as usize {
+                return Err(mismatch(
+                    "blocks",
+                    format!(
+                        "{} blocks for a page of {}",
+                        page.blocks.len(),
+                        self.page_blocks
+                    ),
+                ));
+            }
+            if page.blocks.first().is_some_and(|b| b.slot < from_slot) {
+                return Err(mismatch(
+                    "blocks.slot",
+                    format!(
+                        "page from slot {from_slot} starts at {}",
+                        page.blocks[0].slot
+                    ),
+                ));
+            }
+            let all = out.get_or_insert_with(|| Pages {
+                bank_generation: page.bank_generation,
+                layout_fingerprint: page.layout_fingerprint,
+                tp_size: page.tp_size,
+                last_event_id: page.last_event_id,
+                blocks: Vec::new(),
+            });
+            if (page.bank_generation, page.layout_fingerprint, page.tp_size)
+                != (all.bank_generation, all.layout_fingerprint, all.tp_size)
+            {
+                return Err(mismatch(
+                    "bank_generation",
+                    format!(
+                        "pages of one snapshot differ: generation {} / layout {:?} / TP{} after {} / {:?} / TP{}",
+                        page.bank_generation, page.layout_fingerprint, page.tp_size,
+                        all.bank_generation, all.layout_fingerprint, all.tp_size
+                    ),
+                ));
+            }
+            all.last_event_id = all.last_event_id.min(page.last_event_id);
+            all.blocks.extend(page.blocks);
+            match page.next_slot {
+                Some(next) if next > from_slot => from_slot = next,
+                Some(next) => {
+                    return Err(mismatch(
+                        "next_slot",
+                        format!("{next} does not advance past {from_slot}"),
+                    ))
+                }
+                None => break,
+            }
+        }
+        Ok(out.expect("at least one page"))
+    }
+}
+
+/// Every page of one snapshot, merged.
+struct Pages {
+    bank_generation: u64,
+    layout_fingerprint: LayoutFingerprint,
+    tp_size: u32,
+    last_event_id: u64,
+    blocks: Vec<SnapshotBlock>,
+}
