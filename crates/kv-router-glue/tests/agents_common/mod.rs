@@ -139,6 +139,8 @@ pub struct Router {
     pub sync_failures: Vec<String>,
     /// `Lost` ranges an applied snapshot already covered.
     pub lost_covered: usize,
+    /// Stream events the index took as duplicates (at or below a snapshot).
+    pub duplicates: usize,
 }
 
 impl Router {
@@ -208,6 +210,7 @@ impl Router {
             synced: Vec::new(),
             sync_failures: Vec::new(),
             lost_covered: 0,
+            duplicates: 0,
         }
     }
 
@@ -293,9 +296,13 @@ impl Router {
                 self.late_events_ignored += 1;
                 continue;
             }
-            self.sync
+            let outcome = self
+                .sync
                 .apply_event(&e, &self.index, &self.remote, &self.registry)
                 .unwrap();
+            if matches!(outcome, kv_lookup::EventOutcome::Duplicate { .. }) {
+                self.duplicates += 1;
+            }
         }
     }
 
