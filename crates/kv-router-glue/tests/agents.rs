@@ -301,3 +301,91 @@ fn bad_donor_configs_are_refused_naming_the_field_and_open_nothing() {
         assert!(leaks.is_empty(), "a refused open leaked: {leaks:?}");
     });
 }
+
+#[test]
+fn pins_travel_over_tcp_with_the_key_and_a_wrong_key_is_refused_typed() {
+    serial(|| async {
+        let key = PinAuthKey::from_bytes(b"0123456789abcdef0123456789abcdef".to_vec()).unwrap();
+        let wrong = PinAuthKey::from_bytes(b"ffffffffffffffffffffffffffffffff".to_vec()).unwrap();
+        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
+        let dir = Arc::new(InProcessDirectory::new());
+        let target_id = EngineId::fresh();
+        let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
+        let before = kv_bank::leaks::snapshot();
+
+        // Without the key a TCP endpoint opens nothing.
+        let e = DonorAgent::open(
+            donor_config("decode-0", "tcp:127.0.0.1:0"),
+            dir.clone(),
+            plane.clone(),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                AgentError::PinService(PinServiceError::AuthRequired { .. })
+            ),
+            "{e:?}"
+        );
+
+        let mut cfg = donor_config("decode-0", "tcp:127.0.0.1:0");
+        cfg.pin_auth_key = Some(key.clone());
+        let donor = DonorAgent::open(cfg, dir.clone(), plane.clone())
+            .await
+            .unwrap();
+        let ep = donor.pin_endpoint().to_string();
+        let port: u16 = ep
+            .strip_prefix("tcp:127.0.0.1:")
+            .expect("the bound endpoint is published")
+            .parse()
+            .unwrap();
+        assert_ne!(port, 0, "the bound port, not 0");
+        let blocks = prompt(0);
+        let h = hashes(&blocks);
+        store(&donor, &blocks).await;
+        router.pump().await;
+        let env = router
+            .advisor
+            .advise("r1", &h, target_id)
+            .hint
+            .expect("hint");
+        let hint = env.fetch_gpu_actions().unwrap().remove(0);
+        assert_eq!(hint.donor_control_endpoint, ep, "the record advertises TCP");
+
+        // Right key: exact bytes.
+        let (tgt, rows) = target(dir.as_ref()).await;
+        let tgt = tgt.with_pin_auth_key(key);
+        let out = tgt.fetch(&env, &h, &DeliveryControl::new()).unwrap();
+        assert_eq!(out.fetched, h);
+        assert_rows_hold(&rows, &out);
+        drop(out);
+
+        // Wrong key, and no key: refused typed, nothing pinned, the
+        // destination rows back in the pool.
+        let (bad, _) = target(dir.as_ref()).await;
+        let bad = bad.with_pin_auth_key(wrong);
+        let (none, _) = target(dir.as_ref()).await;
+        for (name, t, want_refused) in [("wrong key", &bad, true), ("no key", &none, false)] {
+            let e = t.fetch(&env, &h, &DeliveryControl::new()).unwrap_err();
+            let cause = match &e {
+                AgentError::Fetch(f) => f.fallback_cause(),
+                _ => None,
+            };
+            let ok = match cause {
+                Some(FallbackCause::Pin(PinError::Auth(PinAuthError::Refused))) => want_refused,
+                Some(FallbackCause::Pin(PinError::Auth(PinAuthError::KeyMissing { .. }))) => {
+                    !want_refused
+                }
+                _ => false,
+            };
+            assert!(ok, "{name}: {e:?}");
+            assert_eq!(t.executor().pool().free_blocks(), ROWS as usize, "{name}");
+        }
+        let report = donor.close(Duration::from_secs(1)).await.unwrap();
+        assert_eq!(report.pin_stats.granted, 1, "only the keyed fetch pinned");
+        assert_eq!(report.pin_stats.released, 1);
+        let leaks = kv_bank::leaks::snapshot().leaks_since(&before);
+        assert!(leaks.is_empty(), "leaked: {leaks:?}");
+    });
+}
