@@ -199,6 +199,7 @@ impl TryFrom<WireSnapshot> for InventorySnapshot {
 
 /// Why a worker did not answer with a snapshot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(rename_all = "snake_case")]
 pub enum InventoryRefusal {
     /// The request named another incarnation (a stale registration).
     #[error("this worker is {actual}, not the engine asked")]
@@ -216,6 +217,7 @@ pub enum InventoryRefusal {
 
 /// What a worker answers to an [`InventoryRequest`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum InventoryReply {
     /// One page of the inventory.
     Snapshot(InventorySnapshot),
