@@ -20,6 +20,8 @@
 
 mod donor;
 mod inventory;
+#[cfg(all(test, feature = "nats"))]
+mod nats_tests;
 mod target;
 
 pub use donor::{DonorAgent, DonorAgentConfig, DonorCloseReport};
