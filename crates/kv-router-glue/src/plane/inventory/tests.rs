@@ -185,3 +185,167 @@ async fn in_process_request_reply_and_its_errors() {
     );
     answering.abort();
 }
+
+/// A server on `subject` that answers each request with the next of `replies`.
+async fn scripted(plane: &InProcessInventory, subject: &crate::Subject, replies: Vec<Vec<u8>>) {
+    let mut server = plane.serve(subject).await.unwrap();
+    tokio::spawn(async move {
+        for r in replies {
+            let Some(req) = server.next().await else {
+                return;
+            };
+            req.respond(r);
+        }
+        // Keep later requests unanswered (held, not dropped): they time out.
+        let mut held = Vec::new();
+        while let Some(r) = server.next().await {
+            held.push(r);
+        }
+    });
+}
+
+#[tokio::test]
+async fn a_bad_snapshot_is_refused_typed_and_applies_nothing() {
+    use std::sync::Arc;
+
+    use kv_descriptor::{Role, StorageTier};
+    use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
+
+    let engine = EngineId(uuid::Uuid::from_u128(9));
+    let index = InventoryIndex::new();
+    index
+        .register_worker(
+            WorkerKey(1),
+            WorkerInfo {
+                engine,
+                role: Role::Decode,
+                layout_fingerprint: LayoutFingerprint(0xF1),
+                tp_size: 2,
+            },
+        )
+        .unwrap();
+    let held = SequenceHash(424_242);
+    index
+        .resync_worker(engine, 3, &[(StorageTier::RetainedGpuDirect, vec![held])])
+        .unwrap();
+    let remote = crate::RemoteDonorDirectory::new();
+    let registry = crate::WorkerRegistry::new(1000, 3);
+    let plane = InProcessInventory::new();
+    let subject = inventory_subject("qa", engine).unwrap();
+    let reply = |s: InventorySnapshot| InventoryReply::Snapshot(s).to_wire().unwrap();
+
+    let mut other = snapshot(vec![block(0, 2)]);
+    other.engine_id = EngineId::fresh();
+    let mut paged = snapshot(vec![block(0, 2)]);
+    paged.next_slot = Some(1);
+    let mut regenerated = snapshot(vec![block(1, 2)]);
+    regenerated.bank_generation = 2;
+    let mut stale = snapshot(vec![block(0, 2)]);
+    stale.last_event_id = 2;
+    scripted(
+        &plane,
+        &subject,
+        vec![
+            reply(other),
+            InventoryReply::Refused(InventoryRefusal::Closed)
+                .to_wire()
+                .unwrap(),
+            b"\xc1".to_vec(),
+            reply(paged),
+            reply(regenerated),
+            reply(stale.clone()),
+            reply(stale.clone()),
+            reply(stale),
+        ],
+    )
+    .await;
+    let mut sync = InventorySync::new(Arc::new(plane), "qa", Duration::from_millis(200))
+        .unwrap()
+        .with_page_blocks(1);
+    macro_rules! next {
+        () => {
+            sync.rebuild_worker(engine, &index, &remote, &registry)
+                .await
+                .unwrap_err()
+        };
+    }
+    let e = next!();
+    assert!(
+        matches!(
+            e,
+            InventoryError::Mismatch {
+                field: "engine_id",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = next!();
+    assert!(
+        matches!(
+            e,
+            InventoryError::Refused {
+                refusal: InventoryRefusal::Closed,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = next!();
+    assert!(
+        matches!(e, InventoryError::Wire(InventoryWireError::Decode(_))),
+        "{e:?}"
+    );
+    // Two pages of one snapshot from different bank generations.
+    let e = next!();
+    assert!(
+        matches!(
+            e,
+            InventoryError::Mismatch {
+                field: "bank_generation",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    // Nothing was applied by any of them: the index still has its own state.
+    assert!(!index.holds(engine, held).is_empty());
+    assert!(index.holds(engine, block(0, 2).sequence_hash).is_empty());
+
+    // Older than what the stream applied (event 3 via an applied event):
+    // asked 3 times, then Stale.
+    let ev = kv_descriptor::KvEvent {
+        publisher: engine,
+        event_id: 4,
+        role: Role::Decode,
+        layout_fingerprint: LayoutFingerprint(0xF1),
+        tp_size: 2,
+        tier: StorageTier::RetainedGpuDirect,
+        data: kv_descriptor::KvEventData::Removed {
+            sequence_hashes: vec![held],
+        },
+    };
+    sync.apply_event(&ev, &index, &remote, &registry).unwrap();
+    let e = sync
+        .rebuild_worker(engine, &index, &remote, &registry)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            InventoryError::Stale {
+                snapshot_event_id: 2,
+                applied_event_id: 4,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(sync.snapshot_event_id(engine).is_none());
+    // The scripted server is exhausted: the next request times out, typed.
+    let e = sync
+        .rebuild_worker(engine, &index, &remote, &registry)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, InventoryError::Timeout { .. }), "{e:?}");
+}
