@@ -344,3 +344,38 @@ fn a_retired_incarnations_snapshot_is_ignored() {
         new.close(Duration::from_secs(1)).await.unwrap();
     });
 }
+
+#[test]
+fn a_gap_the_ring_still_holds_is_replayed_not_lost() {
+    serial(|| async {
+        let sock = tempfile::tempdir().unwrap();
+        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
+        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
+        let dir = Arc::new(InProcessDirectory::new());
+        let target_id = EngineId::fresh();
+        // Ring of 64: the whole history. No inventory server: only the
+        // stream can repair this router.
+        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
+            .await
+            .unwrap();
+        let donor_id = donor.bank().owner().engine_id;
+        let a = prompt(0);
+        store_in_six(&donor, &a).await;
+        let mut r = Router::new(plane.clone(), dir.as_ref(), target_id).await;
+        donor.tick().await.unwrap();
+        r.pump().await;
+        // Event 7 shows the gap 1..=6; the donor replays it from its ring.
+        store(&donor, &prompt(9_000)[..5]).await;
+        assert!(
+            r.pump_until(Duration::from_secs(3), |r| r.events.stats().delivered >= 7)
+                .await,
+            "replayed: {:?}, lost {:?}",
+            r.events.stats(),
+            r.lost
+        );
+        assert!(r.lost.is_empty(), "{:?}", r.lost);
+        let ha = hashes(&a);
+        assert_hint_from(&r.advisor.advise("a", &ha, target_id), donor_id, &ha);
+        donor.close(Duration::from_secs(1)).await.unwrap();
+    });
+}

@@ -48,7 +48,10 @@ pub struct DonorAgentConfig {
     pub namespace: String,
     /// Subject the KV events are published on (also announced).
     pub event_subject: Subject,
-    /// Events kept for resync replay.
+    /// Events kept for resync replay: the agent answers a receiver's resync
+    /// request (`<event topic>_resync`) from this ring; a gap older than it
+    /// ends in `Lost` at the receiver (a router then rebuilds from the
+    /// inventory snapshot).
     pub event_ring: usize,
     /// How long one put of the record is valid (its `lease_expires_unix_ms`
     /// = publish time + this). [`DonorAgent::tick`] re-puts once a third of
@@ -79,6 +82,7 @@ pub struct DonorAgent {
     events: Arc<EventsOut>,
     namespace: String,
     inventory_server: parking_lot::Mutex<Option<AbortOnDrop>>,
+    resync_server: Option<AbortOnDrop>,
     announcement: WorkerAnnouncement,
     announce_subject: Subject,
     worker_key: String,
@@ -162,7 +166,7 @@ impl DonorAgent {
         // `tcp:...:0` bound a free port: publish the one targets can dial.
         let mut announcement = announcement;
         announcement.pin_endpoint = pins.endpoint().to_string();
-        let publisher = KvEventPublisher::new(
+        let publisher = Arc::new(KvEventPublisher::new(
             plane.clone(),
             config.event_subject.clone(),
             PublisherHeader {
@@ -172,10 +176,10 @@ impl DonorAgent {
                 tp_size: layout.tp_size(),
             },
             config.event_ring,
-        );
+        ));
         let events = Arc::new(EventsOut {
             bank: bank.clone(),
-            publisher,
+            publisher: publisher.clone(),
             mirror: tokio::sync::Mutex::new(Mirror::default()),
         });
         let agent = Self {
@@ -186,13 +190,17 @@ impl DonorAgent {
             events,
             namespace: config.namespace,
             inventory_server: parking_lot::Mutex::new(None),
+            resync_server: None,
             announcement,
             announce_subject,
             worker_key: config.worker_key,
             record_ttl_ms: config.record_ttl.as_millis() as u64,
             last_put_ms: AtomicU64::new(0),
         };
+        let mut agent = agent;
         let opened = async {
+            // Before any event goes out: a gap is repaired from the ring.
+            agent.resync_server = Some(AbortOnDrop(publisher.serve_resync().await?));
             agent.put_record().await?;
             agent.announce().await
         }
@@ -367,8 +375,9 @@ impl DonorAgent {
     /// The first failure; [`AgentError::Bank`] with
     /// [`kv_bank::BankError::CloseTimedOut`] when pins outlived `drain`.
     pub async fn close(mut self, drain: Duration) -> Result<DonorCloseReport, AgentError> {
-        // No snapshot is answered once closing began.
+        // No snapshot nor replay is answered once closing began.
         self.inventory_server.lock().take();
+        self.resync_server.take();
         // The record goes first: no reader resolves this donor any more.
         let deleted = self
             .directory
@@ -394,7 +403,7 @@ impl DonorAgent {
 /// mirror of what they published (shared with the inventory server task).
 struct EventsOut {
     bank: Arc<BankManager>,
-    publisher: KvEventPublisher,
+    publisher: Arc<KvEventPublisher>,
     // Held across publishing so that ids, wire order and the mirror agree.
     mirror: tokio::sync::Mutex<Mirror>,
 }
