@@ -230,18 +230,18 @@ impl Router {
 
     /// Takes in everything the planes delivered so far.
     pub async fn pump(&mut self) {
-        let mut unsynced = Vec::new();
+        let mut registered = Vec::new();
         while let Some(m) = self
             .announcements
             .next_timeout(Duration::from_millis(20))
             .await
         {
             let a = WorkerAnnouncement::decode(&m.payload).unwrap();
-            match self.registry.announce(a.clone(), 0) {
+            let registration = self.registry.announce(a.clone(), 0);
+            match &registration {
                 Registration::Replaced { dropped } => {
-                    self.index.remove_worker(dropped);
-                    self.remote.forget(dropped);
-                    self.sync.forget(dropped);
+                    self.index.remove_worker(*dropped);
+                    self.remote.forget(*dropped);
                 }
                 Registration::Retired => continue,
                 Registration::New | Registration::Refreshed => {}
@@ -257,9 +257,7 @@ impl Router {
                     },
                 )
                 .unwrap();
-            if a.role == Role::Decode && self.sync.snapshot_event_id(a.engine_id).is_none() {
-                unsynced.push(a.engine_id);
-            }
+            registered.push((a, registration));
         }
         while let Some(c) = self.directory.try_next() {
             // A retired incarnation's renewals must not bring it back.
@@ -271,9 +269,12 @@ impl Router {
             self.remote.apply_directory(c);
         }
         // After the directory: a donor's first record resets its slot map.
-        unsynced.dedup();
-        for engine in unsynced {
-            self.rebuild(engine).await;
+        for (a, registration) in registered {
+            let outcome = self
+                .sync
+                .on_registration(&a, &registration, &self.index, &self.remote, &self.registry)
+                .await;
+            self.record(a.engine_id, outcome);
         }
         while let Some(item) = self.events.next_timeout(Duration::from_millis(20)).await {
             let e = match item {
@@ -284,11 +285,18 @@ impl Router {
                     to_event_id,
                 } => {
                     self.lost.push((publisher, from_event_id, to_event_id));
-                    if self.sync.covers(publisher, to_event_id) {
-                        self.lost_covered += 1;
-                    } else {
-                        self.rebuild(publisher).await;
-                    }
+                    let outcome = self
+                        .sync
+                        .on_lost(
+                            publisher,
+                            to_event_id,
+                            &self.index,
+                            &self.remote,
+                            &self.registry,
+                        )
+                        .await;
+                    self.lost_covered += usize::from(outcome.is_none());
+                    self.record(publisher, outcome);
                     continue;
                 }
             };
@@ -306,15 +314,12 @@ impl Router {
         }
     }
 
-    /// Rebuilds `engine`'s inventory from its snapshot, recording the outcome.
-    pub async fn rebuild(&mut self, engine: EngineId) {
-        match self
-            .sync
-            .rebuild_worker(engine, &self.index, &self.remote, &self.registry)
-            .await
-        {
-            Ok(o) => self.synced.push((engine, o)),
-            Err(e) => self.sync_failures.push(e.to_string()),
+    /// Records a rebuild's outcome (nothing when none was asked).
+    fn record(&mut self, engine: EngineId, outcome: Option<Result<SyncOutcome, InventoryError>>) {
+        match outcome {
+            None => {}
+            Some(Ok(o)) => self.synced.push((engine, o)),
+            Some(Err(e)) => self.sync_failures.push(e.to_string()),
         }
     }
 }

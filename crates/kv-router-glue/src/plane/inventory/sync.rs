@@ -14,7 +14,7 @@ use super::{
     inventory_subject, InventoryError, InventoryPlane, InventoryReply, InventoryRequest,
     SnapshotBlock, MAX_SNAPSHOT_PAGE_BLOCKS,
 };
-use crate::{RemoteDonorDirectory, WorkerRegistry};
+use crate::{Registration, RemoteDonorDirectory, WorkerAnnouncement, WorkerRegistry};
 
 /// Default of [`InventorySync::new`]'s per-request timeout.
 pub const DEFAULT_INVENTORY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -121,6 +121,58 @@ impl InventorySync {
     pub fn forget(&mut self, engine: EngineId) {
         self.applied.remove(&engine);
         self.snapshot_at.remove(&engine);
+    }
+
+    /// The router's call per announcement, after
+    /// [`WorkerRegistry::announce`] returned `registration` and the worker
+    /// was registered in `index` (and its directory record applied): a
+    /// replaced incarnation is forgotten; a decode worker without an
+    /// applied snapshot is rebuilt ([`InventorySync::rebuild_worker`]).
+    /// `None` when nothing was asked. A failed rebuild is asked again at
+    /// the worker's next announcement, so a router started before its
+    /// workers, or while one was unreachable, catches up by itself.
+    pub async fn on_registration(
+        &mut self,
+        announcement: &WorkerAnnouncement,
+        registration: &Registration,
+        index: &InventoryIndex,
+        remote: &RemoteDonorDirectory,
+        registry: &WorkerRegistry,
+    ) -> Option<Result<SyncOutcome, InventoryError>> {
+        match registration {
+            Registration::Retired => return None,
+            Registration::Replaced { dropped } => self.forget(*dropped),
+            Registration::New | Registration::Refreshed => {}
+        }
+        if announcement.role != Role::Decode
+            || self.snapshot_at.contains_key(&announcement.engine_id)
+        {
+            return None;
+        }
+        Some(
+            self.rebuild_worker(announcement.engine_id, index, remote, registry)
+                .await,
+        )
+    }
+
+    /// The router's call for a [`crate::KvStreamItem::Lost`] range of
+    /// `publisher` ending at `to_event_id`: `None` when the applied snapshot
+    /// covers it, else the outcome of a new snapshot.
+    pub async fn on_lost(
+        &mut self,
+        publisher: EngineId,
+        to_event_id: u64,
+        index: &InventoryIndex,
+        remote: &RemoteDonorDirectory,
+        registry: &WorkerRegistry,
+    ) -> Option<Result<SyncOutcome, InventoryError>> {
+        if self.covers(publisher, to_event_id) {
+            return None;
+        }
+        Some(
+            self.rebuild_worker(publisher, index, remote, registry)
+                .await,
+        )
     }
 
     /// Rebuilds every engine of `engines` (the registered decode workers)
