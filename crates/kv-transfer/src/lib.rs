@@ -12,6 +12,10 @@
 //!   copies for runs, an NVRTC gather kernel for scattered blocks) and
 //!   `nixl::NixlBackend` (NIXL/UCX, DRAM and VRAM, prepared descriptor lists;
 //!   `nixl_transport` decides whether its transport may carry a GPU fetch);
+//! - [`cuda_gather`]: the converting gather kernel (CUDA C source, its block
+//!   and piece tables, launch geometry; pure Rust, built without `cuda` too):
+//!   one launch per rank per fetch reads donor blocks and writes them in the
+//!   target's [`kv_descriptor::KvRegionLayout`];
 //! - [`deliver`]: one part per rank, complete only when every part delivered
 //!   exactly its expected bytes, with counters (bytes, copies, host-payload
 //!   bytes, backend, transport);
@@ -30,7 +34,7 @@
 //! - `qualify` (implies `cuda`, `nixl` and kv-bank's `qualify`): the harness
 //!   modules above. Not product API.
 //!
-//! Without default features the crate keeps [`plan`], [`convert`], [`deliver`],
+//! Without default features the crate keeps [`plan`], [`convert`], [`cuda_gather`], [`deliver`],
 //! [`HostCopyBackend`], [`DeliveryControl`] and [`TransferError`], with no
 //! cudarc, nixl-sys, bindgen or clang-sys in its dependency graph.
 //!
@@ -73,6 +77,7 @@ mod control;
 pub mod convert;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod cuda_gather;
 mod delivery;
 mod error;
 mod host;

@@ -1,0 +1,665 @@
+//! The converting gather kernel: its CUDA C source, the tables it reads,
+//! its launch geometry, and (in `cuda_gather/mirror.rs`, tests only) a
+//! pure-Rust mirror of its per-thread index math.
+//!
+//! One launch per rank per fetch moves every fetched KV block from the donor
+//! region to the target region and converts the memory order on the way:
+//! each block is cut into *pieces*, the longest byte ranges that are
+//! contiguous in both the donor's and the target's [`KvRegionLayout`] (a
+//! whole block for block-major -> block-major, one `[block_size, heads,
+//! head_dim]` slab per layer and K/V for vLLM per-layer, one `head_dim` row
+//! for HF `[.., heads, tokens, head_dim]`). Piece offsets are the same for
+//! every block, so the kernel reads two small tables:
+//! - block table, `2n` u64: donor block base addresses, then target block
+//!   base addresses (absolute device addresses);
+//! - piece table, `2P` u64: piece offsets within a donor block, then within a
+//!   target block (bytes, from [`KvRegionLayout::run_offset`] of block 0).
+//!
+//! Work item `r in 0..n*P` is block `r / P`, piece `r % P`. Threads form
+//! groups of `G = 2^group_shift` lanes; a group copies one work item at a
+//! time (lane `l` takes elements `l, l+G, ..`, four loads in flight before
+//! the four stores) and strides over items by the number of groups in the
+//! grid. The element width (16, 8, 4, 2 or 1 bytes) is the largest that
+//! divides every address, offset and the piece length; it is chosen on the
+//! host, so the kernel has no per-element alignment branch.
+//!
+//! Nothing here calls CUDA: `cuda.rs` compiles [`CONVERT_KERNEL_SRC`] with
+//! NVRTC and launches the kernel that [`LaunchGeometry::kernel_name`] names.
+
+use kv_descriptor::{KvRegionLayout, RegionLayoutError};
+
+use crate::plan::CopyRun;
+
+#[cfg(test)]
+mod mirror;
+
+/// CUDA C source of the converting gather, one entry point per element width:
+/// `kv_convert_16` (`uint4`), `kv_convert_8`, `kv_convert_4`, `kv_convert_2`,
+/// `kv_convert_1`. Arguments: `(const u64* blocks, const u64* pieces,
+/// u32 n, u32 num_pieces, u32 piece_shift, u32 piece_elems, u32 group_shift)`
+/// where `piece_shift` is `log2(num_pieces)` when that is a power of two and
+/// `0xFFFFFFFF` otherwise (then the block index is a division).
+pub const CONVERT_KERNEL_SRC: &str = r#"
+#define KV_CONVERT(NAME, T)                                                              \
+extern "C" __global__ void NAME(const unsigned long long* __restrict__ blocks,           \
+                                const unsigned long long* __restrict__ pieces,           \
+                                unsigned int n, unsigned int np, unsigned int pshift,    \
+                                unsigned int pe, unsigned int gshift) {                  \
+    const unsigned int G = 1u << gshift;                                                 \
+    const unsigned int lane = threadIdx.x & (G - 1u);                                    \
+    const unsigned int total = n * np;                                                   \
+    const unsigned int ngroups = (gridDim.x * blockDim.x) >> gshift;                     \
+    for (unsigned int r = (blockIdx.x * blockDim.x + threadIdx.x) >> gshift; r < total;  \
+         r += ngroups) {                                                                 \
+        const unsigned int i = pshift == 0xFFFFFFFFu ? r / np : r >> pshift;             \
+        const unsigned int p = r - i * np;                                               \
+        const T* __restrict__ sp = (const T*)(__ldg(blocks + i) + __ldg(pieces + p));    \
+        T* __restrict__ dp = (T*)(__ldg(blocks + n + i) + __ldg(pieces + np + p));       \
+        unsigned int w = lane;                                                           \
+        for (; w + 3u * G < pe; w += 4u * G) {                                           \
+            T a = sp[w], b = sp[w + G], c = sp[w + 2u * G], d = sp[w + 3u * G];          \
+            dp[w] = a; dp[w + G] = b; dp[w + 2u * G] = c; dp[w + 3u * G] = d;            \
+        }                                                                                \
+        for (; w < pe; w += G) dp[w] = sp[w];                                            \
+    }                                                                                    \
+}
+KV_CONVERT(kv_convert_16, uint4)
+KV_CONVERT(kv_convert_8, unsigned long long)
+KV_CONVERT(kv_convert_4, unsigned int)
+KV_CONVERT(kv_convert_2, unsigned short)
+KV_CONVERT(kv_convert_1, unsigned char)
+"#;
+
+/// Entry points of [`CONVERT_KERNEL_SRC`], widest first, with their element bytes.
+pub const KERNEL_NAMES: [(u32, &str); 5] = [
+    (16, "kv_convert_16"),
+    (8, "kv_convert_8"),
+    (4, "kv_convert_4"),
+    (2, "kv_convert_2"),
+    (1, "kv_convert_1"),
+];
+
+/// Threads per CTA of the converting gather.
+pub const THREADS: u32 = 256;
+/// CTAs per SM the grid is capped at (8 x 256 threads = 2048, a full SM);
+/// larger fetches stride.
+pub const CTAS_PER_SM: u32 = 8;
+/// Longest piece, in bytes: longer contiguous ranges are split so one work
+/// item never serializes a whole 2 MiB block on one group.
+pub const MAX_PIECE_BYTES: u64 = 64 << 10;
+/// A fetch with fewer work items than this has its pieces split further
+/// (down to [`MIN_SPLIT_PIECE_BYTES`]) so a small fetch still spreads over SMs.
+const MIN_WORK_ITEMS: u64 = 1024;
+/// Pieces are not split below this for small fetches.
+const MIN_SPLIT_PIECE_BYTES: u64 = 4 << 10;
+/// Most pieces per block (the piece table stays in L2).
+pub const MAX_PIECES: usize = 1 << 20;
+
+/// Why a converting gather was refused. Every variant names the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConvertError {
+    /// Donor and target region layouts are not the same geometry.
+    #[error("donor/target region layouts: {0}")]
+    Layout(#[from] RegionLayoutError),
+    /// No block to move.
+    #[error("invalid `moves`: at least one block must be moved")]
+    Empty,
+    /// A donor or target block id is not below the region's block count.
+    #[error("invalid `{field}`: move {index} names block {block}, the region has {limit}")]
+    BlockOutOfRange {
+        /// `moves.src_block` or `moves.dst_block`.
+        field: &'static str,
+        /// Position in the move list.
+        index: usize,
+        /// Block id given.
+        block: u32,
+        /// Blocks in that region.
+        limit: u32,
+    },
+    /// Two moves write the same target block.
+    #[error("invalid `moves.dst_block`: move {index} writes block {block} a second time")]
+    DuplicateTarget {
+        /// Position in the move list of the second write.
+        index: usize,
+        /// Target block id.
+        block: u32,
+    },
+    /// The layouts cut a block into more pieces than [`MAX_PIECES`], or the
+    /// fetch has `2^32` work items or more.
+    #[error("invalid `{field}`: {got} exceeds the kernel's limit {limit}")]
+    TooLarge {
+        /// `region.strides` (pieces per block) or `moves` (work items).
+        field: &'static str,
+        /// Count found.
+        got: u64,
+        /// Largest accepted.
+        limit: u64,
+    },
+    /// A run of a block-major plan is not a whole number of blocks.
+    #[error("invalid `runs.len`: run {index} has {len} bytes, not a multiple of the {block_bytes}-byte block")]
+    RunLength {
+        /// Position of the run.
+        index: usize,
+        /// Its length in bytes.
+        len: u64,
+        /// Rank block bytes.
+        block_bytes: u64,
+    },
+}
+
+/// Byte offsets of the pieces of one block: `src[k]` within a donor block,
+/// `dst[k]` within a target block, each `piece_bytes` long.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PieceTable {
+    /// Length of every piece in bytes (> 0).
+    pub piece_bytes: u64,
+    /// Donor-block-relative offset of each piece, bytes.
+    pub src: Vec<u64>,
+    /// Target-block-relative offset of each piece, bytes.
+    pub dst: Vec<u64>,
+}
+
+/// One dimension of a layer's tensor: extent and element strides on both sides.
+#[derive(Debug, Clone, Copy)]
+struct Dim {
+    n: u64,
+    src: u64,
+    dst: u64,
+}
+
+impl PieceTable {
+    /// A block that is `block_bytes` contiguous bytes on both sides (block-major
+    /// rows of a [`crate::plan::TransferPlan`]), as one piece.
+    pub fn contiguous(block_bytes: u64) -> Self {
+        Self {
+            piece_bytes: block_bytes,
+            src: vec![0],
+            dst: vec![0],
+        }
+    }
+
+    /// Pieces of one block moved from `donor`'s order to `target`'s.
+    ///
+    /// Dimensions (head_dim, head, token, K/V, then layers) that are
+    /// contiguous in both layouts are merged, innermost first; the rest are
+    /// enumerated, and each piece's offsets come from
+    /// [`KvRegionLayout::run_offset`] of block 0 (plus the head_dim index when
+    /// head_dim itself is strided), so host and GPU index the same bytes.
+    ///
+    /// # Errors
+    /// [`ConvertError::Layout`] when [`KvRegionLayout::check_compatible`]
+    /// refuses the pair; [`ConvertError::TooLarge`] past [`MAX_PIECES`].
+    pub fn convert(donor: &KvRegionLayout, target: &KvRegionLayout) -> Result<Self, ConvertError> {
+        donor.check_compatible(target)?;
+        let g = donor.geometry();
+        let elem = g.dtype().size_bytes() as u64;
+        let (s, t) = (donor.strides(), target.strides());
+        // Innermost first: head_dim, head, token, K/V.
+        let mut dims = [
+            Dim {
+                n: u64::from(g.head_dim()),
+                src: s.dim,
+                dst: t.dim,
+            },
+            Dim {
+                n: u64::from(g.heads_per_rank()),
+                src: s.head,
+                dst: t.head,
+            },
+            Dim {
+                n: u64::from(g.tokens_per_block()),
+                src: s.token,
+                dst: t.token,
+            },
+            Dim {
+                n: 2,
+                src: s.kv,
+                dst: t.kv,
+            },
+        ];
+        // `merged[k]`: dimension k lies inside the contiguous piece.
+        let mut merged = [false; 4];
+        let mut run = 1u64; // elements
+        loop {
+            let hit = (0..4).find(|&k| {
+                !merged[k] && (dims[k].n == 1 || (dims[k].src == run && dims[k].dst == run))
+            });
+            let Some(k) = hit else { break };
+            merged[k] = true;
+            run *= dims[k].n;
+        }
+        let layers = donor.layer_offsets().len();
+        // Whole layers merge too when both sides place them back to back
+        // (block-major -> block-major: the block is one piece).
+        let layer_merge = merged.iter().all(|&m| m)
+            && [donor.layer_offsets(), target.layer_offsets()]
+                .iter()
+                .all(|o| (0..layers).all(|l| o[l] == o[0] + l as u64 * run * elem));
+        let piece_bytes = run * elem * if layer_merge { layers as u64 } else { 1 };
+        for (k, m) in merged.iter().enumerate() {
+            if *m {
+                dims[k].n = 1;
+            }
+        }
+        let per_layer: u64 = dims.iter().map(|d| d.n).product();
+        let count = per_layer * if layer_merge { 1 } else { layers as u64 };
+        if count > MAX_PIECES as u64 {
+            return Err(ConvertError::TooLarge {
+                field: "region.strides",
+                got: count,
+                limit: MAX_PIECES as u64,
+            });
+        }
+        let mut table = Self {
+            piece_bytes,
+            src: Vec::with_capacity(count as usize),
+            dst: Vec::with_capacity(count as usize),
+        };
+        let offset = |r: &KvRegionLayout, l: u32, kv: u64, tok: u64, h: u64, d: u64, sd: u64| {
+            r.run_offset(l, 0, kv as u32, tok as u32, h as u32)
+                .expect("indices below the geometry's extents")
+                + d * sd * elem
+        };
+        for l in 0..if layer_merge { 1 } else { layers as u32 } {
+            for kv in 0..dims[3].n {
+                for tok in 0..dims[2].n {
+                    for h in 0..dims[1].n {
+                        for d in 0..dims[0].n {
+                            table.src.push(offset(donor, l, kv, tok, h, d, s.dim));
+                            table.dst.push(offset(target, l, kv, tok, h, d, t.dim));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(table)
+    }
+
+    /// Pieces in the table.
+    pub fn len(&self) -> usize {
+        self.src.len()
+    }
+
+    /// True when the table has no piece (never for a built table).
+    pub fn is_empty(&self) -> bool {
+        self.src.is_empty()
+    }
+
+    /// The same bytes cut into `2^k` times more pieces, halving while a piece
+    /// is longer than [`MAX_PIECE_BYTES`], or while the fetch of `blocks`
+    /// blocks has fewer than 1024 work items and pieces are at least 8 KiB;
+    /// a half must keep the piece's alignment (a multiple of 16 stays one).
+    fn split_for(&self, blocks: u64) -> Self {
+        let mut t = self.clone();
+        loop {
+            let b = t.piece_bytes;
+            let small_fetch =
+                blocks * (t.len() as u64) < MIN_WORK_ITEMS && b >= 2 * MIN_SPLIT_PIECE_BYTES;
+            let align = 1u64 << b.trailing_zeros().min(4);
+            let halvable = b % 2 == 0 && (b / 2) % align == 0;
+            if !(halvable && (b > MAX_PIECE_BYTES || small_fetch)) {
+                return t;
+            }
+            let h = b / 2;
+            let (src, dst) = t
+                .src
+                .iter()
+                .zip(&t.dst)
+                .flat_map(|(&s, &d)| [(s, d), (s + h, d + h)])
+                .unzip();
+            t = Self {
+                piece_bytes: h,
+                src,
+                dst,
+            };
+        }
+    }
+}
+
+/// A validated converting gather of one rank: which blocks, and how each is cut.
+/// Block offsets are relative to the donor / target region's first byte.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConvertPlan {
+    pieces: PieceTable,
+    src_blocks: Vec<u64>,
+    dst_blocks: Vec<u64>,
+    src_region_bytes: u64,
+    dst_region_bytes: u64,
+}
+
+impl ConvertPlan {
+    /// Moves donor block `moves[i].0` of `donor` to target block `moves[i].1`
+    /// of `target` (ids as in [`KvRegionLayout::run_offset`]; for an HF
+    /// target, block `b` lands at tokens `token_offset + b x block_size`).
+    ///
+    /// # Errors
+    /// [`ConvertError::Layout`] (incompatible geometry, TP rank),
+    /// [`ConvertError::Empty`], [`ConvertError::BlockOutOfRange`] naming
+    /// `moves.src_block` / `moves.dst_block`, [`ConvertError::DuplicateTarget`],
+    /// [`ConvertError::TooLarge`].
+    pub fn new(
+        donor: &KvRegionLayout,
+        target: &KvRegionLayout,
+        moves: &[(u32, u32)],
+    ) -> Result<Self, ConvertError> {
+        let pieces = PieceTable::convert(donor, target)?;
+        if moves.is_empty() {
+            return Err(ConvertError::Empty);
+        }
+        let elem = donor.dtype().size_bytes() as u64;
+        let mut seen = std::collections::HashSet::with_capacity(moves.len());
+        let (mut src_blocks, mut dst_blocks) = (Vec::new(), Vec::new());
+        for (index, &(s, d)) in moves.iter().enumerate() {
+            for (field, block, limit) in [
+                ("moves.src_block", s, donor.num_blocks()),
+                ("moves.dst_block", d, target.num_blocks()),
+            ] {
+                if block >= limit {
+                    return Err(ConvertError::BlockOutOfRange {
+                        field,
+                        index,
+                        block,
+                        limit,
+                    });
+                }
+            }
+            if !seen.insert(d) {
+                return Err(ConvertError::DuplicateTarget { index, block: d });
+            }
+            src_blocks.push(u64::from(s) * donor.strides().block * elem);
+            dst_blocks.push(u64::from(d) * target.strides().block * elem);
+        }
+        Self::checked(
+            pieces,
+            src_blocks,
+            dst_blocks,
+            donor.region_bytes(),
+            target.region_bytes(),
+        )
+    }
+
+    /// The block-major rows of `runs` (as planned by
+    /// [`crate::plan::TransferPlan`]: each run `blocks` rows of `block_bytes`,
+    /// contiguous on both sides) as a plan over regions of the given sizes.
+    ///
+    /// # Errors
+    /// [`ConvertError::Empty`], [`ConvertError::RunLength`],
+    /// [`ConvertError::TooLarge`].
+    pub fn from_runs(
+        runs: &[CopyRun],
+        block_bytes: u64,
+        src_region_bytes: u64,
+        dst_region_bytes: u64,
+    ) -> Result<Self, ConvertError> {
+        if runs.is_empty() || block_bytes == 0 {
+            return Err(ConvertError::Empty);
+        }
+        let (mut src_blocks, mut dst_blocks) = (Vec::new(), Vec::new());
+        for (index, r) in runs.iter().enumerate() {
+            if r.len != u64::from(r.blocks) * block_bytes {
+                return Err(ConvertError::RunLength {
+                    index,
+                    len: r.len,
+                    block_bytes,
+                });
+            }
+            for k in 0..u64::from(r.blocks) {
+                src_blocks.push(r.src_offset + k * block_bytes);
+                dst_blocks.push(r.dst_offset + k * block_bytes);
+            }
+        }
+        Self::checked(
+            PieceTable::contiguous(block_bytes),
+            src_blocks,
+            dst_blocks,
+            src_region_bytes,
+            dst_region_bytes,
+        )
+    }
+
+    fn checked(
+        pieces: PieceTable,
+        src_blocks: Vec<u64>,
+        dst_blocks: Vec<u64>,
+        src_region_bytes: u64,
+        dst_region_bytes: u64,
+    ) -> Result<Self, ConvertError> {
+        let items = src_blocks.len() as u64 * pieces.len() as u64;
+        if items >= u64::from(u32::MAX) {
+            return Err(ConvertError::TooLarge {
+                field: "moves",
+                got: items,
+                limit: u64::from(u32::MAX) - 1,
+            });
+        }
+        let pieces = pieces.split_for(src_blocks.len() as u64);
+        Ok(Self {
+            pieces,
+            src_blocks,
+            dst_blocks,
+            src_region_bytes,
+            dst_region_bytes,
+        })
+    }
+
+    /// How each block is cut.
+    pub fn pieces(&self) -> &PieceTable {
+        &self.pieces
+    }
+    /// Blocks moved.
+    pub fn blocks(&self) -> usize {
+        self.src_blocks.len()
+    }
+    /// Payload bytes moved: blocks x pieces x piece bytes.
+    pub fn bytes(&self) -> u64 {
+        self.blocks() as u64 * self.pieces.len() as u64 * self.pieces.piece_bytes
+    }
+    /// Bytes the donor region must have (every addressed byte lies below).
+    pub fn src_region_bytes(&self) -> u64 {
+        self.src_region_bytes
+    }
+    /// Bytes the target region must have.
+    pub fn dst_region_bytes(&self) -> u64 {
+        self.dst_region_bytes
+    }
+
+    /// The block table for regions at `src_base` / `dst_base` (absolute
+    /// addresses): `n` donor block bases, then `n` target block bases.
+    pub fn block_table(&self, src_base: u64, dst_base: u64) -> Vec<u64> {
+        let mut t = Vec::with_capacity(2 * self.blocks());
+        t.extend(self.src_blocks.iter().map(|o| src_base + o));
+        t.extend(self.dst_blocks.iter().map(|o| dst_base + o));
+        t
+    }
+
+    /// The piece table: `P` donor offsets, then `P` target offsets.
+    pub fn piece_table(&self) -> Vec<u64> {
+        let mut t = Vec::with_capacity(2 * self.pieces.len());
+        t.extend(&self.pieces.src);
+        t.extend(&self.pieces.dst);
+        t
+    }
+
+    /// Launch geometry for regions at `src_base` / `dst_base` on a device
+    /// with `sms` streaming multiprocessors.
+    pub fn geometry(&self, src_base: u64, dst_base: u64, sms: u32) -> LaunchGeometry {
+        let p = &self.pieces;
+        // OR of everything the kernel adds up: its lowest set bit bounds the
+        // element width that keeps every access aligned.
+        let bits = self
+            .src_blocks
+            .iter()
+            .map(|o| o + src_base)
+            .chain(self.dst_blocks.iter().map(|o| o + dst_base))
+            .chain(p.src.iter().copied())
+            .chain(p.dst.iter().copied())
+            .fold(p.piece_bytes, |a, b| a | b);
+        let width = 1u32 << bits.trailing_zeros().min(4);
+        let piece_elems = (p.piece_bytes / u64::from(width)) as u32;
+        // Each lane should have four elements of a piece in flight.
+        let group = (piece_elems / 4).clamp(1, THREADS);
+        let group_shift = 31 - group.leading_zeros(); // floor(log2)
+        let num_pieces = p.len() as u32;
+        let total = self.blocks() as u64 * u64::from(num_pieces);
+        let groups_per_cta = u64::from(THREADS >> group_shift);
+        let ctas = total
+            .div_ceil(groups_per_cta)
+            .clamp(1, u64::from(sms.max(1) * CTAS_PER_SM)) as u32;
+        LaunchGeometry {
+            width,
+            grid_x: ctas,
+            threads: THREADS,
+            n: self.blocks() as u32,
+            num_pieces,
+            piece_shift: if num_pieces.is_power_of_two() {
+                num_pieces.trailing_zeros()
+            } else {
+                u32::MAX
+            },
+            piece_elems,
+            group_shift,
+        }
+    }
+}
+
+/// One launch of the converting gather: grid, CTA size and the scalar
+/// arguments of [`CONVERT_KERNEL_SRC`] in order after the two table pointers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchGeometry {
+    /// Element width in bytes (16, 8, 4, 2, 1); picks the entry point.
+    pub width: u32,
+    /// CTAs (1-D grid).
+    pub grid_x: u32,
+    /// Threads per CTA.
+    pub threads: u32,
+    /// Blocks moved (`n`).
+    pub n: u32,
+    /// Pieces per block (`np`).
+    pub num_pieces: u32,
+    /// `log2(num_pieces)`, or `u32::MAX` when not a power of two.
+    pub piece_shift: u32,
+    /// Elements of `width` bytes per piece (`pe`).
+    pub piece_elems: u32,
+    /// `log2` of the lanes per group.
+    pub group_shift: u32,
+}
+
+impl LaunchGeometry {
+    /// Entry point of [`CONVERT_KERNEL_SRC`] for this width.
+    pub fn kernel_name(&self) -> &'static str {
+        KERNEL_NAMES
+            .iter()
+            .find(|(w, _)| *w == self.width)
+            .map_or("kv_convert_1", |(_, n)| n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_descriptor::{DType, KvLayout, TensorOrder};
+
+    fn geom_8b() -> KvLayout {
+        KvLayout::new(32, 8, 128, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap()
+    }
+
+    #[test]
+    fn block_major_to_block_major_is_one_piece_per_block() {
+        let g = geom_8b();
+        let bb = g.rank_block_bytes() as u64;
+        let a = KvRegionLayout::block_major(g.clone(), 0, 0, 8, 8 * bb).unwrap();
+        let t = PieceTable::convert(&a, &a).unwrap();
+        assert_eq!(bb, 2 << 20);
+        assert_eq!((t.piece_bytes, t.src, t.dst), (bb, vec![0], vec![0]));
+    }
+
+    #[test]
+    fn vllm_and_hf_pieces_have_the_expected_sizes() {
+        let g = geom_8b();
+        let bb = g.rank_block_bytes() as u64;
+        let donor = KvRegionLayout::block_major(g.clone(), 0, 0, 4, 4 * bb).unwrap();
+        let slab = 16 * 8 * 128 * 2; // [block_size, heads, head_dim] bf16
+        let layer = 2 * 4 * slab;
+        let v = KvRegionLayout::vllm_kv_first(g.clone(), 0, 0, layer, 4, 32 * layer).unwrap();
+        let t = PieceTable::convert(&donor, &v).unwrap();
+        assert_eq!((t.piece_bytes, t.len()), (slab, 64));
+        // Layer 1, V: donor at one layer + one slab; target at layer + 4 slabs.
+        assert_eq!((t.src[3], t.dst[3]), (layer / 4 + slab, layer + 4 * slab));
+        let hf_layer = 2 * 8 * 256 * 128 * 2;
+        let hf =
+            KvRegionLayout::hf_tokens(g, 0, 0, hf_layer, 1, 0, 256, 64, 4, 32 * hf_layer).unwrap();
+        let t = PieceTable::convert(&donor, &hf).unwrap();
+        assert_eq!((t.piece_bytes, t.len()), (256, 32 * 2 * 16 * 8));
+        // Token 1 of head 0, K, layer 0: donor one token row on, target token 65.
+        assert_eq!((t.src[8], t.dst[8]), (8 * 256, 65 * 256));
+    }
+
+    #[test]
+    fn splitting_keeps_bytes_and_caps_pieces() {
+        let t = PieceTable::contiguous(2 << 20).split_for(1024);
+        assert_eq!(t.piece_bytes, MAX_PIECE_BYTES);
+        assert_eq!(t.len(), 32);
+        assert_eq!(t.src[31], 31 * MAX_PIECE_BYTES);
+        // A small fetch is cut to 4 KiB pieces so it spreads over SMs.
+        let t = PieceTable::contiguous(32 << 10).split_for(7);
+        assert_eq!((t.piece_bytes, t.len()), (4096, 8));
+        // An odd length is never cut.
+        let t = PieceTable::contiguous(3 * 65536 + 1).split_for(1);
+        assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn refusals_name_the_field() {
+        let g = geom_8b();
+        let bb = g.rank_block_bytes() as u64;
+        let a = KvRegionLayout::block_major(g.clone(), 0, 0, 4, 4 * bb).unwrap();
+        let other = KvLayout::new(32, 8, 64, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+        let b = KvRegionLayout::block_major(other, 0, 0, 4, 4 * bb).unwrap();
+        let e = ConvertPlan::new(&a, &b, &[(0, 0)]).unwrap_err();
+        assert!(e.to_string().contains("geometry.head_dim"), "{e}");
+        assert_eq!(
+            ConvertPlan::new(&a, &a, &[(4, 0)]).unwrap_err(),
+            ConvertError::BlockOutOfRange {
+                field: "moves.src_block",
+                index: 0,
+                block: 4,
+                limit: 4
+            }
+        );
+        assert_eq!(
+            ConvertPlan::new(&a, &a, &[(0, 1), (2, 1)]).unwrap_err(),
+            ConvertError::DuplicateTarget { index: 1, block: 1 }
+        );
+        assert_eq!(
+            ConvertPlan::new(&a, &a, &[]).unwrap_err(),
+            ConvertError::Empty
+        );
+    }
+
+    #[test]
+    fn geometry_picks_width_from_alignment_and_small_grids_for_small_fetches() {
+        let runs = |n: u32, bb: u64| -> Vec<CopyRun> {
+            (0..n)
+                .map(|i| CopyRun {
+                    src_block: 2 * i + 1,
+                    dst_block: i,
+                    blocks: 1,
+                    src_offset: u64::from(2 * i + 1) * bb,
+                    dst_offset: u64::from(i) * bb,
+                    len: bb,
+                })
+                .collect()
+        };
+        let p = ConvertPlan::from_runs(&runs(1024, 65536), 65536, 1 << 28, 1 << 28).unwrap();
+        let g = p.geometry(0x7f00_0000_0000, 0x7e00_0000_0000, 132);
+        assert_eq!((g.width, g.piece_elems, g.group_shift), (16, 4096, 8));
+        assert_eq!((g.grid_x, g.kernel_name()), (1024, "kv_convert_16"));
+        // A base 4 bytes off 16 drops to 4-byte elements.
+        assert_eq!(p.geometry(0x7f00_0000_0004, 0, 132).width, 4);
+        // 7 x 32 KiB: 56 pieces of 4 KiB, 64 lanes each, 4 groups per CTA.
+        let p = ConvertPlan::from_runs(&runs(7, 32768), 32768, 1 << 22, 1 << 22).unwrap();
+        let g = p.geometry(0, 0, 132);
+        assert_eq!((g.num_pieces, g.piece_shift, g.group_shift), (8, 3, 6));
+        assert_eq!(g.grid_x, 14);
+    }
+}

@@ -1,0 +1,239 @@
+//! Pure-Rust mirror of the converting gather's per-thread index math, and a
+//! host reference built from [`KvRegionLayout::run_offset`] per element.
+//!
+//! [`run_kernel`] executes every thread of every CTA of a [`LaunchGeometry`]
+//! with the same integer arithmetic as [`super::CONVERT_KERNEL_SRC`] (group,
+//! lane, work item, block / piece split, the four-wide unrolled loop and its
+//! tail), on a byte array standing in for device memory. The proptest below
+//! runs it for every pair of region orders and checks the target bytes
+//! against the reference, so an indexing bug is caught without a GPU.
+
+use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
+use proptest::prelude::*;
+
+use super::{ConvertPlan, LaunchGeometry};
+
+/// Runs the kernel of `g` over `mem` (addresses are indices into it).
+/// `writes[a]` counts the stores to byte `a`. Panics on a misaligned access,
+/// where the GPU would fault.
+pub(super) fn run_kernel(
+    g: &LaunchGeometry,
+    blocks: &[u64],
+    pieces: &[u64],
+    mem: &mut [u8],
+    writes: &mut [u8],
+) {
+    let (n, np, pe, w) = (g.n, g.num_pieces, g.piece_elems, g.width as usize);
+    let gsz = 1u32 << g.group_shift;
+    let total = n * np;
+    let ngroups = (g.grid_x * g.threads) >> g.group_shift;
+    let mut copy = |s: u64, d: u64, e: u32| {
+        let (s, d) = (s as usize + e as usize * w, d as usize + e as usize * w);
+        assert!(s % w == 0 && d % w == 0, "misaligned {w}-byte access");
+        for b in 0..w {
+            mem[d + b] = mem[s + b];
+            writes[d + b] += 1;
+        }
+    };
+    for cta in 0..g.grid_x {
+        for tid in 0..g.threads {
+            let lane = tid & (gsz - 1);
+            let mut r = (cta * g.threads + tid) >> g.group_shift;
+            while r < total {
+                let i = if g.piece_shift == u32::MAX {
+                    r / np
+                } else {
+                    r >> g.piece_shift
+                };
+                let p = r - i * np;
+                let sp = blocks[i as usize] + pieces[p as usize];
+                let dp = blocks[(n + i) as usize] + pieces[(np + p) as usize];
+                let mut e = lane;
+                while e + 3 * gsz < pe {
+                    for k in 0..4 {
+                        copy(sp, dp, e + k * gsz);
+                    }
+                    e += 4 * gsz;
+                }
+                while e < pe {
+                    copy(sp, dp, e);
+                    e += gsz;
+                }
+                r += ngroups;
+            }
+        }
+    }
+}
+
+/// Host reference: every element of every moved block, addressed through
+/// `run_offset` on each side (`dst` gets exactly those bytes).
+pub(super) fn reference(
+    donor: &KvRegionLayout,
+    target: &KvRegionLayout,
+    moves: &[(u32, u32)],
+    src: &[u8],
+    dst: &mut [u8],
+) {
+    let g = donor.geometry();
+    let e = g.dtype().size_bytes();
+    for &(sb, db) in moves {
+        for l in 0..g.num_layers() {
+            for kv in 0..2 {
+                for t in 0..g.tokens_per_block() {
+                    for h in 0..g.heads_per_rank() {
+                        let so = donor.run_offset(l, sb, kv, t, h).unwrap() as usize;
+                        let dof = target.run_offset(l, db, kv, t, h).unwrap() as usize;
+                        for d in 0..g.head_dim() as usize {
+                            let s = so + d * donor.strides().dim as usize * e;
+                            let t = dof + d * target.strides().dim as usize * e;
+                            dst[t..t + e].copy_from_slice(&src[s..s + e]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A region of `order` (0 block-major, 1 vLLM kv-first, 2 vLLM block-first,
+/// 3 HF at a token offset) with `base` bytes before layer 0 and `pad` bytes
+/// of padding per layer.
+fn region(g: &KvLayout, order: u8, blocks: u32, base: u64, pad: u64) -> KvRegionLayout {
+    let e = g.dtype().size_bytes() as u64;
+    let (t, h, d) = (
+        u64::from(g.tokens_per_block()),
+        u64::from(g.heads_per_rank()),
+        u64::from(g.head_dim()),
+    );
+    let layers = u64::from(g.num_layers());
+    let nb = u64::from(blocks);
+    match order {
+        0 => {
+            let bytes = base + nb * g.rank_block_bytes() as u64;
+            KvRegionLayout::block_major(g.clone(), 0, base, blocks, bytes).unwrap()
+        }
+        1 | 2 => {
+            let stride = 2 * nb * t * h * d * e + pad;
+            let bytes = base + layers * stride;
+            if order == 1 {
+                KvRegionLayout::vllm_kv_first(g.clone(), 0, base, stride, blocks, bytes).unwrap()
+            } else {
+                KvRegionLayout::vllm_block_first(g.clone(), 0, base, stride, blocks, bytes).unwrap()
+            }
+        }
+        _ => {
+            let (batch, max_tokens) = (2u32, (nb + 2) * t);
+            let stride = 2 * u64::from(batch) * h * max_tokens * d * e + pad;
+            let bytes = base + layers * stride;
+            KvRegionLayout::hf_tokens(
+                g.clone(),
+                0,
+                base,
+                stride,
+                batch,
+                1,
+                max_tokens,
+                t + 1,
+                blocks,
+                bytes,
+            )
+            .unwrap()
+        }
+    }
+}
+
+/// Runs plan `moves` between `donor` and `target` through the mirror with the
+/// regions at byte addresses `src_at` / `dst_at`, and checks every target byte
+/// against the reference and that none was stored twice.
+fn check(
+    donor: &KvRegionLayout,
+    target: &KvRegionLayout,
+    moves: &[(u32, u32)],
+    src_at: u64,
+    dst_at: u64,
+    sms: u32,
+) -> Result<LaunchGeometry, TestCaseError> {
+    let plan = ConvertPlan::new(donor, target, moves).unwrap();
+    let (sl, dl) = (donor.region_bytes(), target.region_bytes());
+    prop_assert!(src_at + sl <= dst_at);
+    let size = (dst_at + dl) as usize;
+    let mut mem: Vec<u8> = (0..size).map(|i| (i * 7 + i / 251) as u8 | 1).collect();
+    // Target starts zeroed; the donor pattern never has a zero byte.
+    mem[dst_at as usize..].fill(0);
+    let src = mem[src_at as usize..(src_at + sl) as usize].to_vec();
+    let mut want = vec![0u8; dl as usize];
+    reference(donor, target, moves, &src, &mut want);
+    let g = plan.geometry(src_at, dst_at, sms);
+    let mut writes = vec![0u8; size];
+    run_kernel(
+        &g,
+        &plan.block_table(src_at, dst_at),
+        &plan.piece_table(),
+        &mut mem,
+        &mut writes,
+    );
+    prop_assert!(
+        writes[..dst_at as usize].iter().all(|&c| c == 0),
+        "donor written"
+    );
+    prop_assert!(writes.iter().all(|&c| c <= 1), "a byte stored twice");
+    let written = writes[dst_at as usize..]
+        .iter()
+        .filter(|&&c| c == 1)
+        .count() as u64;
+    prop_assert_eq!(written, plan.bytes());
+    prop_assert_eq!(
+        plan.bytes(),
+        moves.len() as u64 * donor.geometry().rank_block_bytes() as u64
+    );
+    prop_assert!(
+        mem[dst_at as usize..] == want[..],
+        "target differs from reference"
+    );
+    Ok(g)
+}
+
+fn dtype(k: u8) -> DType {
+    [DType::Fp8E4m3, DType::Bf16, DType::Fp16, DType::F32][k as usize % 4]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(160))]
+
+    /// Every donor order to every target order, random geometry, block ids,
+    /// region padding and (mis)alignment of the region addresses.
+    #[test]
+    fn mirror_matches_reference_for_every_layout_pair(
+        layers in 1u32..4, heads in 1u32..4, head_dim_pow in 0u32..5, dt in 0u8..4,
+        tokens in 1u32..5, src_order in 0u8..4, dst_order in 0u8..4,
+        pick in proptest::collection::vec((0u32..6, 0u32..5), 1..6),
+        base in 0u64..3, pad in 0u64..3, src_mis in 0u64..17, dst_mis in 0u64..17,
+        sms in 1u32..3,
+    ) {
+        let g = KvLayout::new(layers, heads, 1 << head_dim_pow, dtype(dt), tokens,
+                              TensorOrder::BlockMajor, 1).unwrap();
+        let e = g.dtype().size_bytes() as u64;
+        let donor = region(&g, src_order, 6, base * e, pad * 16 * e);
+        let target = region(&g, dst_order, 5, base * 3 * e, pad * 8 * e);
+        let mut seen = std::collections::HashSet::new();
+        let moves: Vec<(u32, u32)> = pick.into_iter().filter(|m| seen.insert(m.1)).collect();
+        // Region addresses: 4 KiB aligned plus a multiple of the element size.
+        let src_at = 4096 + (src_mis * e) % 16;
+        let dst_at = (src_at + donor.region_bytes()).next_multiple_of(4096) + (dst_mis * e) % 16;
+        check(&donor, &target, &moves, src_at, dst_at, sms)?;
+    }
+}
+
+#[test]
+fn mirror_covers_the_bench_shapes_at_16_bytes() {
+    // The 8B shape cut down to 2 layers (same per-layer pieces): block-major
+    // -> vLLM kv-first and -> HF, and block-major -> block-major, all 16-byte.
+    let g = KvLayout::new(2, 8, 128, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+    let donor = region(&g, 0, 6, 0, 0);
+    let moves = [(5, 0), (1, 3), (3, 1)];
+    for order in [0, 1, 3] {
+        let target = region(&g, order, 5, 0, 0);
+        let geo = check(&donor, &target, &moves, 4096, 1 << 22, 132).unwrap();
+        assert_eq!(geo.width, 16, "order {order}");
+    }
+}
