@@ -2,9 +2,10 @@
 //! (a donor bank imported by CUDA IPC handle, or local device memory).
 //!
 //! Runs are copied with `cuMemcpyDtoDAsync` when there are few of them; many
-//! scattered runs go through one gather kernel launch (compiled once per
-//! device with NVRTC) that reads a table of `(src, dst, len)` triples and
-//! copies 16 bytes per thread per step. The kernel runs on the destination
+//! scattered runs go through one launch of the converting gather kernel of
+//! [`crate::cuda_gather`] (compiled once per device with NVRTC), which also
+//! lands blocks in another [`kv_descriptor::KvRegionLayout`]
+//! ([`CudaCopyBackend::convert_blocks`]). The kernel runs on the destination
 //! device; when the source lives on another device, peer access is enabled
 //! first (IPC imports made with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS` already
 //! have it), and without peer access the backend falls back to device copies.
@@ -21,50 +22,20 @@ use std::sync::Arc;
 use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
-use kv_bank::MemoryKind;
+use kv_bank::{BankMemory, MemoryKind};
 use parking_lot::Mutex;
 
+use crate::cuda_gather::{ConvertPlan, CONVERT_KERNEL_SRC, KERNEL_NAMES};
 use crate::delivery::{CopyBackend, PartOutcome, RankIo, SourceRegion};
 use crate::plan::{CopyRun, PartPlan};
 use crate::{DeliveryControl, TransferError};
 
-/// CUDA C source of the gather kernel. One thread block per (run, chunk):
-/// `blockIdx.x` picks the run, `blockIdx.y` strides over its `CHUNK`-byte
-/// chunks. 16-byte vector loads/stores when source, destination and length
-/// are 16-byte aligned (always true for KV rows), bytes otherwise.
-pub const GATHER_KERNEL_SRC: &str = r#"
-extern "C" __global__ void kv_gather(const unsigned long long* __restrict__ table,
-                                     unsigned int n, unsigned long long chunk) {
-    unsigned int r = blockIdx.x;
-    if (r >= n) return;
-    unsigned long long s = table[r], d = table[n + r], l = table[2ull * n + r];
-    for (unsigned long long off = (unsigned long long)blockIdx.y * chunk; off < l;
-         off += (unsigned long long)gridDim.y * chunk) {
-        unsigned long long end = off + chunk < l ? off + chunk : l;
-        if (((s | d | off | end) & 15ull) == 0) {
-            const uint4* sp = (const uint4*)(s + off);
-            uint4* dp = (uint4*)(d + off);
-            unsigned long long nv = (end - off) >> 4;
-            for (unsigned long long i = threadIdx.x; i < nv; i += blockDim.x) dp[i] = sp[i];
-        } else {
-            const unsigned char* sp = (const unsigned char*)(s + off);
-            unsigned char* dp = (unsigned char*)(d + off);
-            for (unsigned long long i = threadIdx.x; i < end - off; i += blockDim.x) dp[i] = sp[i];
-        }
-    }
-}
-"#;
-
-/// Bytes one thread block copies per step of the gather kernel.
-const CHUNK: u64 = 64 << 10;
-/// Threads per block of the gather kernel.
-const THREADS: u32 = 512;
-/// Largest grid y dimension CUDA allows.
-const MAX_GRID_Y: u64 = 65_535;
 /// At most this many runs go out as individual device copies; more use the kernel.
 const DIRECT_MAX_RUNS: usize = 4;
-/// Runs per kernel launch; cancellation and deadline are checked between launches.
-const RUNS_PER_LAUNCH: usize = 8192;
+/// Blocks per kernel launch: a fetch of up to this many blocks is one launch
+/// per rank; longer ones are cut, and cancellation and deadline are checked
+/// between launches.
+const BLOCKS_PER_LAUNCH: usize = 1 << 16;
 
 /// Lets `ctx` access `peer`'s memory directly (NVLink / PCIe P2P). Returns
 /// false when the devices cannot reach each other.
@@ -105,8 +76,15 @@ pub fn device_count() -> usize {
 struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    gather: Option<CudaFunction>,
-    table: Option<CudaSlice<u64>>,
+    /// Entry points of the converting gather, by element width (bytes).
+    kernels: Option<Vec<(u32, CudaFunction)>>,
+    /// Streaming multiprocessors (sizes the grid).
+    sms: u32,
+    /// Block table of the last launch (grown, never shrunk).
+    blocks: Option<CudaSlice<u64>>,
+    /// Piece table on the device and the host copy it holds: the same layout
+    /// pair reuses it without an upload.
+    pieces: Option<(CudaSlice<u64>, Vec<u64>)>,
     peers: HashMap<u32, bool>,
 }
 
@@ -170,30 +148,155 @@ impl CudaCopyBackend {
                 "libnvrtc not found: scattered blocks go out as one device copy per run"
             );
         }
-        let gather = if self.use_kernel && nvrtc {
-            let ptx =
-                cudarc::nvrtc::compile_ptx(GATHER_KERNEL_SRC).map_err(|e| TransferError::Cuda {
+        let kernels = if self.use_kernel && nvrtc {
+            let ptx = cudarc::nvrtc::compile_ptx(CONVERT_KERNEL_SRC).map_err(|e| {
+                TransferError::Cuda {
                     op: "nvrtcCompileProgram",
                     reason: e.to_string(),
-                })?;
+                }
+            })?;
             let module = ctx.load_module(ptx).map_err(cuda_err("cuModuleLoadData"))?;
-            Some(
-                module
-                    .load_function("kv_gather")
-                    .map_err(cuda_err("cuModuleGetFunction"))?,
-            )
+            let mut fns = Vec::with_capacity(KERNEL_NAMES.len());
+            for (w, name) in KERNEL_NAMES {
+                let f = module
+                    .load_function(name)
+                    .map_err(cuda_err("cuModuleGetFunction"))?;
+                fns.push((w, f));
+            }
+            Some(fns)
         } else {
             None
         };
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda_err("cuDeviceGetAttribute"))?
+            .max(1) as u32;
         let d = Arc::new(Mutex::new(Device {
             ctx,
             stream,
-            gather,
-            table: None,
+            kernels,
+            sms,
+            blocks: None,
+            pieces: None,
             peers: HashMap::new(),
         }));
         devs.insert(ordinal, d.clone());
         Ok(d)
+    }
+
+    /// The destination device of a `src` -> `dst` copy, locked for no one
+    /// yet, with peer access to the source enabled: `(device, src ordinal,
+    /// dst ordinal)`.
+    ///
+    /// # Errors
+    /// [`TransferError::UnsupportedMemory`] when either side is not CUDA
+    /// memory or `src` is an import mapped for another device only;
+    /// [`TransferError::Cuda`] when the devices cannot reach each other.
+    fn open_pair(
+        &self,
+        rank: u32,
+        src: &dyn BankMemory,
+        dst: &dyn BankMemory,
+    ) -> Result<(Arc<Mutex<Device>>, u32, u32), TransferError> {
+        let unsupported = || TransferError::UnsupportedMemory {
+            backend: "cuda_ipc",
+            rank,
+            src: src.kind().to_string(),
+            dst: dst.kind().to_string(),
+        };
+        let (MemoryKind::Cuda { ordinal: src_dev }, MemoryKind::Cuda { ordinal: dst_dev }) =
+            (src.kind(), dst.kind())
+        else {
+            return Err(unsupported());
+        };
+        if src.device_local_mapping() && src_dev != dst_dev {
+            // Checked before any launch: reading it from `dst_dev` faults
+            // (CUDA_ERROR_ILLEGAL_ADDRESS poisons the context for every later
+            // copy) or, for a plain copy, crawls through a slow path.
+            return Err(TransferError::UnsupportedMemory {
+                backend: "cuda_ipc",
+                rank,
+                src: format!(
+                    "cuda:{src_dev} (an import mapped for device {src_dev} only; \
+                     open it on the destination device {dst_dev})"
+                ),
+                dst: dst.kind().to_string(),
+            });
+        }
+        let dev = self.device(dst_dev)?;
+        if !Self::peer_ok(&mut dev.lock(), src_dev)? {
+            return Err(TransferError::Cuda {
+                op: "cuCtxEnablePeerAccess",
+                reason: format!(
+                    "device {dst_dev} cannot access device {src_dev} directly; \
+                     a copy would be staged through host memory"
+                ),
+            });
+        }
+        Ok((dev, src_dev, dst_dev))
+    }
+
+    /// Moves the blocks of `plan` from `src` to `dst` with one launch of the
+    /// converting gather on `dst`'s device, writing them in the target
+    /// [`kv_descriptor::KvRegionLayout`] the plan was built for (vLLM
+    /// per-layer, HF at a token offset, block-major), and returns once the
+    /// bytes have landed: the stream is synchronized whatever happened, so
+    /// nothing is in flight on return.
+    ///
+    /// `src` / `dst` are the regions the plan's donor / target layouts
+    /// describe (layout byte 0 = the region's first byte). The caller holds
+    /// the donor blocks pinned and the target blocks reserved until it
+    /// returns. Same GPU or peer (peer access is enabled first). Payload never
+    /// touches the host: `host_payload_bytes` is 0; `copies` counts launches.
+    ///
+    /// # Errors
+    /// [`TransferError::UnsupportedMemory`] (not CUDA memory, an import mapped
+    /// for another device); [`TransferError::InvalidInput`] naming `src.len` /
+    /// `dst.len` when a region is shorter than its layout;
+    /// [`TransferError::Cancelled`] / [`TransferError::DeadlineExceeded`]
+    /// before the launch; [`TransferError::Cuda`] without libnvrtc, without
+    /// peer access, or for a failing call.
+    pub fn convert_blocks(
+        &self,
+        plan: &ConvertPlan,
+        src: &dyn BankMemory,
+        dst: &dyn BankMemory,
+        control: &DeliveryControl,
+    ) -> Result<PartOutcome, TransferError> {
+        for (field, have, need) in [
+            ("src.len", src.len() as u64, plan.src_region_bytes()),
+            ("dst.len", dst.len() as u64, plan.dst_region_bytes()),
+        ] {
+            if have < need {
+                return Err(TransferError::input(
+                    field,
+                    format!("region has {have} bytes, its layout addresses {need}"),
+                ));
+            }
+        }
+        let (dev, src_dev, dst_dev) = self.open_pair(0, src, dst)?;
+        let mut dev = dev.lock();
+        dev.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        control.check()?;
+        let launched = Self::launch_convert(&mut dev, plan, src.base_addr(), dst.base_addr());
+        let synced = dev
+            .stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"));
+        let copies = launched?;
+        synced?;
+        Ok(PartOutcome {
+            bytes: plan.bytes(),
+            copies,
+            host_payload_bytes: 0,
+            transport: if src_dev == dst_dev {
+                "cuda_same_device_convert_kernel".into()
+            } else {
+                "cuda_peer_convert_kernel".into()
+            },
+        })
     }
 
     /// Makes `src` device memory directly readable from `dev` (kernels and
@@ -231,48 +334,89 @@ impl CudaCopyBackend {
         Ok(runs.len() as u64)
     }
 
-    fn gather(dev: &mut Device, sb: u64, db: u64, runs: &[CopyRun]) -> Result<u64, TransferError> {
-        let n = runs.len();
-        let mut table = Vec::with_capacity(3 * n);
-        table.extend(runs.iter().map(|r| sb + r.src_offset));
-        table.extend(runs.iter().map(|r| db + r.dst_offset));
-        table.extend(runs.iter().map(|r| r.len));
-        let max_len = runs.iter().map(|r| r.len).max().unwrap_or(0);
-        if dev.table.as_ref().is_none_or(|t| t.len() < table.len()) {
-            dev.table = Some(
-                dev.stream
-                    .alloc_zeros::<u64>(table.len().max(3 * 1024))
+    /// One launch of the converting gather for `plan` between the regions at
+    /// `sb` / `db`; returns the launches issued (1). Uploads the block table,
+    /// and the piece table only when it differs from the one on the device.
+    fn launch_convert(
+        dev: &mut Device,
+        plan: &ConvertPlan,
+        sb: u64,
+        db: u64,
+    ) -> Result<u64, TransferError> {
+        let blocks = plan.block_table(sb, db);
+        let pieces = plan.piece_table();
+        let geo = plan.geometry(sb, db, dev.sms);
+        let Device {
+            stream,
+            kernels,
+            blocks: dblocks,
+            pieces: dpieces,
+            ..
+        } = dev;
+        if dblocks.as_ref().is_none_or(|t| t.len() < blocks.len()) {
+            *dblocks = Some(
+                stream
+                    .alloc_zeros::<u64>(blocks.len().max(2 * 1024))
                     .map_err(cuda_err("cuMemAlloc"))?,
             );
         }
-        let Device {
-            stream,
-            gather,
-            table: dt,
-            ..
-        } = dev;
-        let dt = dt.as_mut().expect("table allocated above");
+        let dblocks = dblocks.as_mut().expect("block table allocated above");
         stream
-            .memcpy_htod(&table, dt)
+            .memcpy_htod(&blocks, dblocks)
             .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
-        let func = gather.as_ref().expect("kernel loaded when use_kernel");
+        if dpieces.as_ref().is_none_or(|(_, host)| *host != pieces) {
+            let mut t = stream
+                .alloc_zeros::<u64>(pieces.len())
+                .map_err(cuda_err("cuMemAlloc"))?;
+            stream
+                .memcpy_htod(&pieces, &mut t)
+                .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
+            *dpieces = Some((t, pieces));
+        }
+        let (dpieces, _) = dpieces.as_ref().expect("piece table uploaded above");
+        let func = kernels
+            .as_ref()
+            .and_then(|k| k.iter().find(|(w, _)| *w == geo.width))
+            .map(|(_, f)| f)
+            .ok_or_else(|| TransferError::Cuda {
+                op: "nvrtcCompileProgram",
+                reason: "libnvrtc not found: the converting gather kernel is unavailable".into(),
+            })?;
         let cfg = LaunchConfig {
-            grid_dim: (
-                n as u32,
-                max_len.div_ceil(CHUNK).clamp(1, MAX_GRID_Y) as u32,
-                1,
-            ),
-            block_dim: (THREADS, 1, 1),
+            grid_dim: (geo.grid_x, 1, 1),
+            block_dim: (geo.threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (n32, chunk) = (n as u32, CHUNK);
         let mut launch = stream.launch_builder(func);
-        launch.arg(&*dt).arg(&n32).arg(&chunk);
-        // SAFETY: the kernel signature is (const u64*, u32, u64) as pushed;
-        // the table holds `n` in-range (src, dst, len) triples checked by
-        // `deliver`, so every access stays inside the two regions.
+        launch
+            .arg(&*dblocks)
+            .arg(dpieces)
+            .arg(&geo.n)
+            .arg(&geo.num_pieces)
+            .arg(&geo.piece_shift)
+            .arg(&geo.piece_elems)
+            .arg(&geo.group_shift);
+        // SAFETY: the signature is (const u64*, const u64*, u32 x 5) as
+        // pushed. Every block base + piece offset + piece length lies inside
+        // its region: `ConvertPlan` built the offsets from validated
+        // `KvRegionLayout`s (or in-range plan runs) and the callers checked
+        // both regions are at least the plan's region bytes long; the width
+        // divides every address (`ConvertPlan::geometry`).
         unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
         Ok(1)
+    }
+
+    fn gather(
+        dev: &mut Device,
+        sb: u64,
+        db: u64,
+        runs: &[CopyRun],
+        block_bytes: u64,
+        regions: (u64, u64),
+    ) -> Result<u64, TransferError> {
+        let plan = ConvertPlan::from_runs(runs, block_bytes, regions.0, regions.1)
+            .map_err(|e| TransferError::input("runs", e.to_string()))?;
+        Self::launch_convert(dev, &plan, sb, db)
     }
 }
 
@@ -287,59 +431,33 @@ impl CopyBackend for CudaCopyBackend {
         io: &RankIo<'_>,
         control: &DeliveryControl,
     ) -> Result<PartOutcome, TransferError> {
-        let unsupported = || TransferError::UnsupportedMemory {
-            backend: "cuda_ipc",
-            rank: part.tp_rank,
-            src: io.src.kind().to_string(),
-            dst: io.dst.kind().to_string(),
-        };
-        let (SourceRegion::Mapped(src), MemoryKind::Cuda { ordinal: dst_dev }) =
-            (io.src, io.dst.kind())
-        else {
-            return Err(unsupported());
-        };
-        let MemoryKind::Cuda { ordinal: src_dev } = src.kind() else {
-            return Err(unsupported());
-        };
-        if src.device_local_mapping() && src_dev != dst_dev {
-            // Checked before any launch: reading it from `dst_dev` faults
-            // (CUDA_ERROR_ILLEGAL_ADDRESS poisons the context for every later
-            // copy) or, for a plain copy, crawls through a slow path.
+        let SourceRegion::Mapped(src) = io.src else {
             return Err(TransferError::UnsupportedMemory {
                 backend: "cuda_ipc",
                 rank: part.tp_rank,
-                src: format!(
-                    "cuda:{src_dev} (an import mapped for device {src_dev} only; \
-                     open it on the destination device {dst_dev})"
-                ),
+                src: io.src.kind().to_string(),
                 dst: io.dst.kind().to_string(),
             });
-        }
-        let dev = self.device(dst_dev)?;
+        };
+        let (dev, src_dev, dst_dev) = self.open_pair(part.tp_rank, src, io.dst)?;
         let mut dev = dev.lock();
-        if !Self::peer_ok(&mut dev, src_dev)? {
-            return Err(TransferError::Cuda {
-                op: "cuCtxEnablePeerAccess",
-                reason: format!(
-                    "device {dst_dev} cannot access device {src_dev} directly; \
-                     a copy would be staged through host memory"
-                ),
-            });
-        }
-        let kernel_ok = dev.gather.is_some() && part.runs.len() > DIRECT_MAX_RUNS;
+        let kernel_ok = dev.kernels.is_some() && part.runs.len() > DIRECT_MAX_RUNS;
+        let planned_blocks: u64 = part.runs.iter().map(|r| u64::from(r.blocks)).sum();
+        let block_bytes = part.expected_bytes / planned_blocks.max(1);
+        let regions = (src.len() as u64, io.dst.len() as u64);
         dev.ctx
             .bind_to_thread()
             .map_err(cuda_err("cuCtxSetCurrent"))?;
         let (sb, db) = (src.base_addr(), io.dst.base_addr());
         let mut copies = 0;
         let mut failed = None;
-        for batch in part.runs.chunks(RUNS_PER_LAUNCH) {
+        for batch in launch_batches(&part.runs, BLOCKS_PER_LAUNCH) {
             if let Err(e) = control.check() {
                 failed = Some(e);
                 break;
             }
             let r = if kernel_ok {
-                Self::gather(&mut dev, sb, db, batch)
+                Self::gather(&mut dev, sb, db, batch, block_bytes, regions)
             } else {
                 Self::copy_runs(&dev, sb, db, batch)
             };
@@ -373,6 +491,24 @@ impl CopyBackend for CudaCopyBackend {
             },
         })
     }
+}
+
+/// Consecutive slices of `runs` of at most `max_blocks` blocks each (a run
+/// longer than that is a slice of its own): one kernel launch per slice.
+fn launch_batches(runs: &[CopyRun], max_blocks: usize) -> Vec<&[CopyRun]> {
+    let mut out = Vec::new();
+    let (mut start, mut blocks) = (0, 0usize);
+    for (i, r) in runs.iter().enumerate() {
+        if i > start && blocks + r.blocks as usize > max_blocks {
+            out.push(&runs[start..i]);
+            (start, blocks) = (i, 0);
+        }
+        blocks += r.blocks as usize;
+    }
+    if start < runs.len() {
+        out.push(&runs[start..]);
+    }
+    out
 }
 
 /// Times `repeats` plain `cuMemcpyDtoDAsync` calls of `bytes` from `src` (on
@@ -418,4 +554,33 @@ pub fn time_raw_device_copy(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(blocks: u32) -> CopyRun {
+        CopyRun {
+            src_block: 0,
+            dst_block: 0,
+            blocks,
+            src_offset: 0,
+            dst_offset: 0,
+            len: u64::from(blocks),
+        }
+    }
+
+    #[test]
+    fn launch_batches_cover_every_run_within_the_block_cap() {
+        let runs: Vec<CopyRun> = [3, 4, 1, 9, 2].into_iter().map(run).collect();
+        let b = launch_batches(&runs, 8);
+        let sizes: Vec<Vec<u32>> = b
+            .iter()
+            .map(|s| s.iter().map(|r| r.blocks).collect())
+            .collect();
+        assert_eq!(sizes, [vec![3, 4, 1], vec![9], vec![2]]);
+        assert_eq!(launch_batches(&runs, 1 << 16).len(), 1);
+        assert!(launch_batches(&[], 8).is_empty());
+    }
 }

@@ -19,7 +19,9 @@
 //! groups of `G = 2^group_shift` lanes; a group copies one work item at a
 //! time (lane `l` takes elements `l, l+G, ..`, four loads in flight before
 //! the four stores) and strides over items by the number of groups in the
-//! grid. The element width (16, 8, 4, 2 or 1 bytes) is the largest that
+//! grid. Loads go through the read-only path (`__ldg`: the donor blocks are
+//! pinned, nothing writes them during the fetch) and stores are `__stcg`
+//! (L2 only), both global-space accesses rather than generic ones. The element width (16, 8, 4, 2 or 1 bytes) is the largest that
 //! divides every address, offset and the piece length; it is chosen on the
 //! host, so the kernel has no per-element alignment branch.
 //!
@@ -57,10 +59,12 @@ extern "C" __global__ void NAME(const unsigned long long* __restrict__ blocks,  
         T* __restrict__ dp = (T*)(__ldg(blocks + n + i) + __ldg(pieces + np + p));       \
         unsigned int w = lane;                                                           \
         for (; w + 3u * G < pe; w += 4u * G) {                                           \
-            T a = sp[w], b = sp[w + G], c = sp[w + 2u * G], d = sp[w + 3u * G];          \
-            dp[w] = a; dp[w + G] = b; dp[w + 2u * G] = c; dp[w + 3u * G] = d;            \
+            T a = __ldg(sp + w), b = __ldg(sp + w + G);                                  \
+            T c = __ldg(sp + w + 2u * G), d = __ldg(sp + w + 3u * G);                    \
+            __stcg(dp + w, a); __stcg(dp + w + G, b);                                    \
+            __stcg(dp + w + 2u * G, c); __stcg(dp + w + 3u * G, d);                      \
         }                                                                                \
-        for (; w < pe; w += G) dp[w] = sp[w];                                            \
+        for (; w < pe; w += G) __stcg(dp + w, __ldg(sp + w));                            \
     }                                                                                    \
 }
 KV_CONVERT(kv_convert_16, uint4)
@@ -567,7 +571,7 @@ mod tests {
     fn block_major_to_block_major_is_one_piece_per_block() {
         let g = geom_8b();
         let bb = g.rank_block_bytes() as u64;
-        let a = KvRegionLayout::block_major(g.clone(), 0, 0, 8, 8 * bb).unwrap();
+        let a = KvRegionLayout::block_major(g, 0, 0, 8, 8 * bb).unwrap();
         let t = PieceTable::convert(&a, &a).unwrap();
         assert_eq!(bb, 2 << 20);
         assert_eq!((t.piece_bytes, t.src, t.dst), (bb, vec![0], vec![0]));
@@ -577,10 +581,10 @@ mod tests {
     fn vllm_and_hf_pieces_have_the_expected_sizes() {
         let g = geom_8b();
         let bb = g.rank_block_bytes() as u64;
-        let donor = KvRegionLayout::block_major(g.clone(), 0, 0, 4, 4 * bb).unwrap();
+        let donor = KvRegionLayout::block_major(g, 0, 0, 4, 4 * bb).unwrap();
         let slab = 16 * 8 * 128 * 2; // [block_size, heads, head_dim] bf16
         let layer = 2 * 4 * slab;
-        let v = KvRegionLayout::vllm_kv_first(g.clone(), 0, 0, layer, 4, 32 * layer).unwrap();
+        let v = KvRegionLayout::vllm_kv_first(g, 0, 0, layer, 4, 32 * layer).unwrap();
         let t = PieceTable::convert(&donor, &v).unwrap();
         assert_eq!((t.piece_bytes, t.len()), (slab, 64));
         // Layer 1, V: donor at one layer + one slab; target at layer + 4 slabs.
@@ -612,7 +616,7 @@ mod tests {
     fn refusals_name_the_field() {
         let g = geom_8b();
         let bb = g.rank_block_bytes() as u64;
-        let a = KvRegionLayout::block_major(g.clone(), 0, 0, 4, 4 * bb).unwrap();
+        let a = KvRegionLayout::block_major(g, 0, 0, 4, 4 * bb).unwrap();
         let other = KvLayout::new(32, 8, 64, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
         let b = KvRegionLayout::block_major(other, 0, 0, 4, 4 * bb).unwrap();
         let e = ConvertPlan::new(&a, &b, &[(0, 0)]).unwrap_err();

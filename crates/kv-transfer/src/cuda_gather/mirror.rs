@@ -110,15 +110,15 @@ fn region(g: &KvLayout, order: u8, blocks: u32, base: u64, pad: u64) -> KvRegion
     match order {
         0 => {
             let bytes = base + nb * g.rank_block_bytes() as u64;
-            KvRegionLayout::block_major(g.clone(), 0, base, blocks, bytes).unwrap()
+            KvRegionLayout::block_major(*g, 0, base, blocks, bytes).unwrap()
         }
         1 | 2 => {
             let stride = 2 * nb * t * h * d * e + pad;
             let bytes = base + layers * stride;
             if order == 1 {
-                KvRegionLayout::vllm_kv_first(g.clone(), 0, base, stride, blocks, bytes).unwrap()
+                KvRegionLayout::vllm_kv_first(*g, 0, base, stride, blocks, bytes).unwrap()
             } else {
-                KvRegionLayout::vllm_block_first(g.clone(), 0, base, stride, blocks, bytes).unwrap()
+                KvRegionLayout::vllm_block_first(*g, 0, base, stride, blocks, bytes).unwrap()
             }
         }
         _ => {
@@ -126,7 +126,7 @@ fn region(g: &KvLayout, order: u8, blocks: u32, base: u64, pad: u64) -> KvRegion
             let stride = 2 * u64::from(batch) * h * max_tokens * d * e + pad;
             let bytes = base + layers * stride;
             KvRegionLayout::hf_tokens(
-                g.clone(),
+                *g,
                 0,
                 base,
                 stride,
