@@ -9,11 +9,14 @@
 //! runs, so a row is never reported for a copy that did not happen.
 //!
 //! Cases: contiguous (one run) and scattered (every block its own run, donor
-//! slots in a shuffled order) at 1024 x 64 KiB and 128 x 2 MiB; NIXL issued
+//! slots in a shuffled order) at 1024 x 64 KiB, 4096 x 16 KiB and 128 x 2 MiB; NIXL issued
 //! with prepared lists and naively with one descriptor per block; on GPU also
 //! the device-copy-per-run baseline, a peer (GPU0 -> GPU1) case when two GPUs
-//! are visible, and a 7 x 32 KiB fetch whose end-to-end p50 latency is given
-//! in `p50_us`.
+//! are visible, a 7 x 32 KiB fetch whose end-to-end p50 latency is given
+//! in `p50_us`, and (module `bench_convert`) the converting gather on the
+//! 8B-model shape: 512 scattered 2 MiB blocks from a block-major donor to a
+//! block-major, a vLLM per-layer (kv-first) and an HF per-layer target at a
+//! token offset, each against a raw copy of the same 1 GiB.
 
 use std::time::{Duration, Instant};
 
@@ -101,7 +104,7 @@ pub(crate) fn layout_for(block_bytes: usize) -> Result<KvLayout, TransferError> 
 }
 
 /// A deterministic shuffle (64-bit LCG) so runs are reproducible.
-fn shuffled(n: u32, seed: u64) -> Vec<u32> {
+pub(crate) fn shuffled(n: u32, seed: u64) -> Vec<u32> {
     let mut v: Vec<u32> = (0..n).collect();
     let mut x = seed | 1;
     for i in (1..v.len()).rev() {
@@ -142,7 +145,7 @@ fn plan_for(
     )
 }
 
-fn fill(mem: &dyn BankMemory, seed: u8) -> Result<(), TransferError> {
+pub(crate) fn fill(mem: &dyn BankMemory, seed: u8) -> Result<(), TransferError> {
     let chunk: Vec<u8> = (0..(1usize << 20))
         .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
         .collect();
@@ -236,6 +239,11 @@ fn sizes(quick: bool) -> Vec<Size> {
             blocks: cap(1024),
             block_bytes: 64 << 10,
             label: "64KiB",
+        },
+        Size {
+            blocks: cap(4096),
+            block_bytes: 16 << 10,
+            label: "16KiB",
         },
         Size {
             blocks: cap(128),
@@ -483,6 +491,7 @@ fn run_gpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
         t,
         raw,
     ));
+    rows.extend(crate::bench_convert::rows(&auto, opts.quick, repeats)?);
     Ok(rows)
 }
 
@@ -526,6 +535,8 @@ mod tests {
             [
                 "cpu/host_memcpy/contiguous/64x64KiB",
                 "cpu/host_memcpy/scattered/64x64KiB",
+                "cpu/host_memcpy/contiguous/64x16KiB",
+                "cpu/host_memcpy/scattered/64x16KiB",
                 "cpu/host_memcpy/contiguous/64x2MiB",
                 "cpu/host_memcpy/scattered/64x2MiB"
             ]
@@ -534,10 +545,10 @@ mod tests {
             assert_eq!(
                 r.bytes,
                 r.blocks
-                    * if r.name.ends_with("64KiB") {
-                        64 << 10
-                    } else {
-                        2 << 20
+                    * match &r.name[r.name.rfind('x').unwrap() + 1..] {
+                        "64KiB" => 64 << 10,
+                        "16KiB" => 16 << 10,
+                        _ => 2 << 20,
                     }
             );
             assert!(r.gbps > 0.0 && r.raw_gbps > 0.0);

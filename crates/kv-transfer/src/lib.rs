@@ -73,6 +73,8 @@
 
 #[cfg(feature = "qualify")]
 pub mod bench;
+#[cfg(feature = "qualify")]
+mod bench_convert;
 mod control;
 pub mod convert;
 #[cfg(feature = "cuda")]

@@ -11,7 +11,7 @@
 use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
 use proptest::prelude::*;
 
-use super::{ConvertPlan, LaunchGeometry};
+use super::{reference_convert, ConvertPlan, LaunchGeometry};
 
 /// Runs the kernel of `g` over `mem` (addresses are indices into it).
 /// `writes[a]` counts the stores to byte `a`. Panics on a misaligned access,
@@ -60,36 +60,6 @@ pub(super) fn run_kernel(
                     e += gsz;
                 }
                 r += ngroups;
-            }
-        }
-    }
-}
-
-/// Host reference: every element of every moved block, addressed through
-/// `run_offset` on each side (`dst` gets exactly those bytes).
-pub(super) fn reference(
-    donor: &KvRegionLayout,
-    target: &KvRegionLayout,
-    moves: &[(u32, u32)],
-    src: &[u8],
-    dst: &mut [u8],
-) {
-    let g = donor.geometry();
-    let e = g.dtype().size_bytes();
-    for &(sb, db) in moves {
-        for l in 0..g.num_layers() {
-            for kv in 0..2 {
-                for t in 0..g.tokens_per_block() {
-                    for h in 0..g.heads_per_rank() {
-                        let so = donor.run_offset(l, sb, kv, t, h).unwrap() as usize;
-                        let dof = target.run_offset(l, db, kv, t, h).unwrap() as usize;
-                        for d in 0..g.head_dim() as usize {
-                            let s = so + d * donor.strides().dim as usize * e;
-                            let t = dof + d * target.strides().dim as usize * e;
-                            dst[t..t + e].copy_from_slice(&src[s..s + e]);
-                        }
-                    }
-                }
             }
         }
     }
@@ -162,7 +132,7 @@ fn check(
     mem[dst_at as usize..].fill(0);
     let src = mem[src_at as usize..(src_at + sl) as usize].to_vec();
     let mut want = vec![0u8; dl as usize];
-    reference(donor, target, moves, &src, &mut want);
+    reference_convert(donor, target, moves, &src, &mut want).unwrap();
     let g = plan.geometry(src_at, dst_at, sms);
     let mut writes = vec![0u8; size];
     run_kernel(
