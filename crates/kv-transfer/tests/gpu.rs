@@ -1,6 +1,7 @@
 //! GPU checks: skip with a printed reason when no CUDA device is visible
 //! (`cudarc` is probed with `is_culib_present` before any call).
-//! On a GPU machine these run the oracle's GPU profile and a quick GPU bench.
+//! On a GPU machine these run the oracle's GPU profile, a quick GPU bench and
+//! the converting gather into every target layout (every byte checked).
 
 use kv_transfer::bench::{self, BenchOpts};
 use kv_transfer::oracle::{self, Profile};
@@ -127,4 +128,119 @@ fn an_import_mapped_for_another_device_is_refused_before_any_launch() {
         "{text}"
     );
     assert!(!matches!(err, TransferError::Cuda { .. }), "{err:?}");
+}
+
+/// Target regions of every order for geometry `g` and `blocks` blocks, each
+/// starting `base` bytes into its region (a base that is not 16-byte aligned
+/// drives the narrower kernel entry points).
+fn convert_targets(
+    g: &kv_descriptor::KvLayout,
+    blocks: u32,
+    base: u64,
+) -> Vec<(&'static str, kv_descriptor::KvRegionLayout)> {
+    use kv_descriptor::KvRegionLayout;
+    let e = g.dtype().size_bytes() as u64;
+    let (t, h, d) = (
+        u64::from(g.tokens_per_block()),
+        u64::from(g.heads_per_rank()),
+        u64::from(g.head_dim()),
+    );
+    let (layers, nb) = (u64::from(g.num_layers()), u64::from(blocks));
+    let bm = base + nb * g.rank_block_bytes() as u64;
+    let vstride = 2 * nb * t * h * d * e + 64;
+    let max_tokens = 3 + nb * t + 5;
+    let hstride = 2 * 2 * h * max_tokens * d * e;
+    vec![
+        (
+            "block_major",
+            KvRegionLayout::block_major(*g, 0, base, blocks, bm).unwrap(),
+        ),
+        (
+            "vllm_kv_first",
+            KvRegionLayout::vllm_kv_first(*g, 0, base, vstride, blocks, base + layers * vstride)
+                .unwrap(),
+        ),
+        (
+            "vllm_block_first",
+            KvRegionLayout::vllm_block_first(*g, 0, base, vstride, blocks, base + layers * vstride)
+                .unwrap(),
+        ),
+        (
+            "hf_tokens_at_3",
+            KvRegionLayout::hf_tokens(
+                *g,
+                0,
+                base,
+                hstride,
+                2,
+                1,
+                max_tokens,
+                3,
+                blocks,
+                base + layers * hstride,
+            )
+            .unwrap(),
+        ),
+    ]
+}
+
+#[test]
+fn convert_kernel_lands_every_byte_of_every_layout() {
+    use kv_bank::BankMemory;
+    use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
+    use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
+    use kv_transfer::cuda_gather::{reference_convert, ConvertPlan};
+    use kv_transfer::DeliveryControl;
+
+    if !gpu_or_skip() {
+        return;
+    }
+    // SAFETY: only probes whether libnvrtc can be loaded.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        println!("SKIP convert kernel: libnvrtc not loadable");
+        return;
+    }
+    let backend = CudaCopyBackend::new(CudaMode::Auto).unwrap();
+    let peers = kv_transfer::cuda::device_count().min(2) as u32;
+    // bf16 head_dim 64 (16-byte rows), fp8 head_dim 4 (4-byte rows).
+    let shapes = [(3, 2, 64, DType::Bf16, 16), (2, 3, 4, DType::Fp8E4m3, 5)];
+    for (layers, heads, dim, dt, tokens) in shapes {
+        let g = KvLayout::new(layers, heads, dim, dt, tokens, TensorOrder::BlockMajor, 1).unwrap();
+        let bb = g.rank_block_bytes() as u64;
+        let donor = KvRegionLayout::block_major(g, 0, 0, 16, 16 * bb).unwrap();
+        let pattern: Vec<u8> = (0..donor.region_bytes())
+            .map(|i| (i * 31 + i / 509) as u8 | 1)
+            .collect();
+        let moves = [(5, 0), (1, 3), (14, 1), (9, 2), (0, 5), (7, 6)];
+        for dst_dev in 0..peers {
+            let src = kv_bank::CudaDeviceMemory::new(0, pattern.len()).unwrap();
+            src.write_bytes(0, &pattern).unwrap();
+            // Base 0: 16-byte rows; 1 and 4 elements in: the 1/2/4/8-byte entry points.
+            for base in [0u64, 1, 4] {
+                for (label, target) in convert_targets(&g, 8, base * dt.size_bytes() as u64) {
+                    let len = target.region_bytes() as usize;
+                    let dst = kv_bank::CudaDeviceMemory::new(dst_dev, len).unwrap();
+                    dst.write_bytes(0, &vec![0xEE; len]).unwrap();
+                    let plan = ConvertPlan::new(&donor, &target, &moves).unwrap();
+                    let out = backend
+                        .convert_blocks(&plan, &src, &dst, &DeliveryControl::new())
+                        .unwrap();
+                    let mut want = vec![0xEE; len];
+                    reference_convert(&donor, &target, &moves, &pattern, &mut want).unwrap();
+                    let got = dst.read_vec(0, len).unwrap();
+                    let first_bad = got.iter().zip(&want).position(|(a, b)| a != b);
+                    assert_eq!(
+                        first_bad, None,
+                        "{label} {dt:?} base {base} device 0 -> {dst_dev}: first differing byte"
+                    );
+                    assert_eq!(out.bytes, moves.len() as u64 * bb);
+                    assert_eq!((out.copies, out.host_payload_bytes), (1, 0));
+                    println!(
+                        "convert {label} {dt:?} base {base} 0 -> {dst_dev}: {} bytes, {}",
+                        out.bytes, out.transport
+                    );
+                }
+            }
+        }
+    }
 }
