@@ -20,7 +20,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
 };
 use kv_bank::{BankMemory, MemoryKind};
 use parking_lot::Mutex;
@@ -80,8 +81,11 @@ struct Device {
     kernels: Option<Vec<(u32, CudaFunction)>>,
     /// Streaming multiprocessors (sizes the grid).
     sms: u32,
-    /// Block table of the last launch (grown, never shrunk).
-    blocks: Option<CudaSlice<u64>>,
+    /// Block table of the last launch on the device and its page-locked host
+    /// staging buffer, same capacity (grown, never shrunk): an upload from
+    /// pinned memory is one DMA, where a pageable one is staged by the driver
+    /// and costs microseconds on every fetch.
+    blocks: Option<(CudaSlice<u64>, PinnedHostSlice<u64>)>,
     /// Piece table on the device and the host copy it holds: the same layout
     /// pair reuses it without an upload.
     pieces: Option<(CudaSlice<u64>, Vec<u64>)>,
@@ -353,16 +357,27 @@ impl CudaCopyBackend {
             pieces: dpieces,
             ..
         } = dev;
-        if dblocks.as_ref().is_none_or(|t| t.len() < blocks.len()) {
-            *dblocks = Some(
-                stream
-                    .alloc_zeros::<u64>(blocks.len().max(2 * 1024))
-                    .map_err(cuda_err("cuMemAlloc"))?,
-            );
+        if dblocks.as_ref().is_none_or(|(t, _)| t.len() < blocks.len()) {
+            let cap = blocks.len().next_power_of_two().max(128);
+            let dev_table = stream
+                .alloc_zeros::<u64>(cap)
+                .map_err(cuda_err("cuMemAlloc"))?;
+            // SAFETY: the pinned buffer is written (below) before any copy
+            // reads it; u64 has no invalid bit patterns.
+            let pinned = unsafe { stream.context().alloc_pinned::<u64>(cap) }
+                .map_err(cuda_err("cuMemHostAlloc"))?;
+            *dblocks = Some((dev_table, pinned));
         }
-        let dblocks = dblocks.as_mut().expect("block table allocated above");
+        let (dblocks, pinned) = dblocks.as_mut().expect("block table allocated above");
+        // `as_mut_slice` first waits for the previous upload from this buffer.
+        let host = pinned
+            .as_mut_slice()
+            .map_err(cuda_err("cuEventSynchronize"))?;
+        host[..blocks.len()].copy_from_slice(&blocks);
+        // The whole capacity goes up (stale entries past `2n` are never read):
+        // one DMA of at most a few KiB more than needed.
         stream
-            .memcpy_htod(&blocks, dblocks)
+            .memcpy_htod(&*pinned, dblocks)
             .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
         if dpieces.as_ref().is_none_or(|(_, host)| *host != pieces) {
             let mut t = stream
