@@ -141,6 +141,12 @@ pub(crate) fn rows(
         .map(|(i, s)| (2 * s + 1, i as u32))
         .collect();
     let bytes = u64::from(blocks) * bb;
+    // 2 MiB for the full shape; the quick one has 4 layers (256 KiB).
+    let size = if bb % (1 << 20) == 0 {
+        format!("{}MiB", bb >> 20)
+    } else {
+        format!("{}KiB", bb >> 10)
+    };
     let control = DeliveryControl::new();
     let mut out = Vec::new();
     let mut timed = Vec::new();
@@ -164,7 +170,7 @@ pub(crate) fn rows(
                 times.push(t);
             }
         }
-        let name = format!("gpu/cuda_convert/8b_scattered_to_{label}/{blocks}x2MiB");
+        let name = format!("gpu/cuda_convert/8b_scattered_to_{label}/{blocks}x{size}");
         verify(
             &donor,
             target,

@@ -47,6 +47,12 @@ fn gpu_quick_bench_rows_verify_their_bytes() {
         assert!(r.gbps > 0.0 && r.raw_gbps > 0.0, "{}", r.name);
     }
     assert!(rows.iter().any(|r| r.name.contains("scattered")));
+    // The converting rows: one per target layout, 32 blocks of the quick 8B shape.
+    for label in ["block_major", "vllm_kv_first", "hf_tokens_at_48"] {
+        let name = format!("gpu/cuda_convert/8b_scattered_to_{label}/32x256KiB");
+        let r = rows.iter().find(|r| r.name == name).expect(&name);
+        assert_eq!(r.bytes, 32 * (256 << 10), "{name}");
+    }
 }
 
 /// A region that claims to be a device-local import on `ordinal`; its
