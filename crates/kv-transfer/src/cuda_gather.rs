@@ -96,6 +96,9 @@ pub const MAX_PIECE_BYTES: u64 = 64 << 10;
 const MIN_WORK_ITEMS: u64 = 1024;
 /// Pieces are not split below this for small fetches.
 const MIN_SPLIT_PIECE_BYTES: u64 = 4 << 10;
+/// Most work items (blocks x pieces) of one launch: the kernel counts them in
+/// 32 bits and steps by at most 2^21 groups, so `item + step` never wraps.
+pub const MAX_WORK_ITEMS: u64 = (1 << 31) - 1;
 /// Most pieces per block (the piece table stays in L2).
 pub const MAX_PIECES: usize = 1 << 20;
 
@@ -129,7 +132,7 @@ pub enum ConvertError {
         block: u32,
     },
     /// The layouts cut a block into more pieces than [`MAX_PIECES`], or the
-    /// fetch has `2^32` work items or more.
+    /// fetch has more than [`MAX_WORK_ITEMS`] work items.
     #[error("invalid `{field}`: {got} exceeds the kernel's limit {limit}")]
     TooLarge {
         /// `region.strides` (pieces per block) or `moves` (work items).
@@ -439,11 +442,11 @@ impl ConvertPlan {
         dst_region_bytes: u64,
     ) -> Result<Self, ConvertError> {
         let items = src_blocks.len() as u64 * pieces.len() as u64;
-        if items >= u64::from(u32::MAX) {
+        if items > MAX_WORK_ITEMS {
             return Err(ConvertError::TooLarge {
                 field: "moves",
                 got: items,
-                limit: u64::from(u32::MAX) - 1,
+                limit: MAX_WORK_ITEMS,
             });
         }
         let pieces = pieces.split_for(src_blocks.len() as u64);
@@ -702,6 +705,26 @@ mod tests {
         assert_eq!(
             ConvertPlan::new(&a, &a, &[]).unwrap_err(),
             ConvertError::Empty
+        );
+    }
+
+    #[test]
+    fn work_items_past_31_bits_are_refused() {
+        let pieces = PieceTable {
+            piece_bytes: 16,
+            src: vec![0; MAX_PIECES],
+            dst: vec![0; MAX_PIECES],
+        };
+        let ok = ConvertPlan::checked(pieces.clone(), vec![0; 2047], vec![0; 2047], 16, 16);
+        assert!(ok.is_ok());
+        let e = ConvertPlan::checked(pieces, vec![0; 2048], vec![0; 2048], 16, 16).unwrap_err();
+        assert_eq!(
+            e,
+            ConvertError::TooLarge {
+                field: "moves",
+                got: 1 << 31,
+                limit: MAX_WORK_ITEMS
+            }
         );
     }
 
