@@ -250,3 +250,45 @@ fn convert_kernel_lands_every_byte_of_every_layout() {
         }
     }
 }
+
+#[test]
+fn convert_blocks_refuses_a_region_shorter_than_its_layout_before_any_launch() {
+    use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
+    use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
+    use kv_transfer::cuda_gather::ConvertPlan;
+    use kv_transfer::{DeliveryControl, TransferError};
+
+    if !gpu_or_skip() {
+        return;
+    }
+    let g = KvLayout::new(2, 2, 16, DType::Bf16, 4, TensorOrder::BlockMajor, 1).unwrap();
+    let bb = g.rank_block_bytes() as u64;
+    let donor = KvRegionLayout::block_major(g, 0, 0, 8, 8 * bb).unwrap();
+    let target = KvRegionLayout::block_major(g, 0, 0, 4, 4 * bb).unwrap();
+    let plan = ConvertPlan::new(&donor, &target, &[(3, 0)]).unwrap();
+    // Fake regions: never dereferenced, the refusal comes first.
+    let src = FakeDeviceRegion {
+        ordinal: 0,
+        len: (8 * bb) as usize,
+        import: false,
+    };
+    let dst = FakeDeviceRegion {
+        ordinal: 0,
+        len: (4 * bb - 1) as usize,
+        import: false,
+    };
+    let backend = CudaCopyBackend::new(CudaMode::Auto).unwrap();
+    let e = backend
+        .convert_blocks(&plan, &src, &dst, &DeliveryControl::new())
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TransferError::InvalidInput {
+                field: "dst.len",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+}
