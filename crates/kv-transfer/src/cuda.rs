@@ -267,6 +267,18 @@ impl CudaCopyBackend {
         dst: &dyn BankMemory,
         control: &DeliveryControl,
     ) -> Result<PartOutcome, TransferError> {
+        self.convert_rank(0, plan, src, dst, control)
+    }
+
+    /// [`CudaCopyBackend::convert_blocks`] for TP rank `rank` (named in errors).
+    fn convert_rank(
+        &self,
+        rank: u32,
+        plan: &ConvertPlan,
+        src: &dyn BankMemory,
+        dst: &dyn BankMemory,
+        control: &DeliveryControl,
+    ) -> Result<PartOutcome, TransferError> {
         for (field, have, need) in [
             ("src.len", src.len() as u64, plan.src_region_bytes()),
             ("dst.len", dst.len() as u64, plan.dst_region_bytes()),
@@ -278,7 +290,7 @@ impl CudaCopyBackend {
                 ));
             }
         }
-        let (dev, src_dev, dst_dev) = self.open_pair(0, src, dst)?;
+        let (dev, src_dev, dst_dev) = self.open_pair(rank, src, dst)?;
         let mut dev = dev.lock();
         dev.ctx
             .bind_to_thread()
@@ -440,6 +452,12 @@ impl CopyBackend for CudaCopyBackend {
         "cuda_ipc"
     }
 
+    /// Converting parts run as one launch of the converting gather per rank
+    /// (one device copy per piece without NVRTC or in [`CudaMode::CopyPerRun`]).
+    fn converts(&self) -> bool {
+        true
+    }
+
     fn copy_part(
         &self,
         part: &PartPlan,
@@ -454,6 +472,9 @@ impl CopyBackend for CudaCopyBackend {
                 dst: io.dst.kind().to_string(),
             });
         };
+        if let Some(c) = &part.conversion {
+            return self.copy_conversion(part.tp_rank, c, src, io.dst, control);
+        }
         let (dev, src_dev, dst_dev) = self.open_pair(part.tp_rank, src, io.dst)?;
         let mut dev = dev.lock();
         let kernel_ok = dev.kernels.is_some() && part.runs.len() > DIRECT_MAX_RUNS;
@@ -503,6 +524,82 @@ impl CopyBackend for CudaCopyBackend {
                 (true, false) => "cuda_same_device_copy".into(),
                 (false, true) => "cuda_peer_gather_kernel".into(),
                 (false, false) => "cuda_peer_copy".into(),
+            },
+        })
+    }
+}
+
+impl CudaCopyBackend {
+    /// A converting part ([`crate::convert::Conversion`] of a converting
+    /// `TransferPlan`): one launch of the converting gather when the kernel is
+    /// loaded, else one device copy per piece (correct, slow; cancellation and
+    /// deadline checked every 4096 pieces). Quiesced before returning.
+    fn copy_conversion(
+        &self,
+        rank: u32,
+        c: &crate::convert::Conversion,
+        src: &dyn BankMemory,
+        dst: &dyn BankMemory,
+        control: &DeliveryControl,
+    ) -> Result<PartOutcome, TransferError> {
+        let pairs: Vec<(u32, u32)> = c
+            .pairs()
+            .iter()
+            .map(|p| (p.src_block, p.dst_block))
+            .collect();
+        let (dev, src_dev, dst_dev) = self.open_pair(rank, src, dst)?;
+        if dev.lock().kernels.is_some() {
+            drop(dev);
+            let plan = ConvertPlan::new(c.src(), c.dst(), &pairs)
+                .map_err(|e| TransferError::input("conversion", e.to_string()))?;
+            return self.convert_rank(rank, &plan, src, dst, control);
+        }
+        let dev = dev.lock();
+        dev.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        let (sb, db) = (src.base_addr(), dst.base_addr());
+        let (mut copies, mut failed) = (0u64, None);
+        for p in c.pieces() {
+            if copies % 4096 == 0 {
+                if let Err(e) = control.check() {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            // SAFETY: `deliver` checked both regions are at least the
+            // layouts' region bytes, and every piece of a `Conversion` lies
+            // inside them; donor blocks are pinned, target blocks reserved.
+            let r = unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    db + p.dst_offset,
+                    sb + p.src_offset,
+                    p.len as usize,
+                    dev.stream.cu_stream(),
+                )
+            };
+            if let Err(e) = r {
+                failed = Some(cuda_err("cuMemcpyDtoDAsync")(e));
+                break;
+            }
+            copies += 1;
+        }
+        let synced = dev
+            .stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"));
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        synced?;
+        Ok(PartOutcome {
+            bytes: c.bytes(),
+            copies,
+            host_payload_bytes: 0,
+            transport: if src_dev == dst_dev {
+                "cuda_same_device_copy".into()
+            } else {
+                "cuda_peer_copy".into()
             },
         })
     }

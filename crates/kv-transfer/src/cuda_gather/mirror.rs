@@ -255,3 +255,66 @@ proptest! {
         prop_assert!(mem == want, "target differs from one memcpy per run");
     }
 }
+
+/// Host and GPU agree: for a converting `TransferPlan` (the plan `deliver`
+/// hands the CUDA backend), the kernel run over the `ConvertPlan` built from
+/// the part's `Conversion` writes the same target bytes as copying
+/// `Conversion::pieces` (what the host backend does).
+#[test]
+fn mirror_matches_the_host_pieces_of_a_converting_transfer_plan() {
+    use crate::plan::{BlockMove, TransferPlan};
+    use kv_descriptor::SequenceHash;
+    let g = KvLayout::new(2, 2, 8, DType::Bf16, 4, TensorOrder::BlockMajor, 1).unwrap();
+    let donor = region(&g, 0, 6, 0, 0);
+    let moves: Vec<BlockMove> = [(4, 2), (0, 0), (5, 4), (2, 1)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(s, d))| BlockMove {
+            key: SequenceHash(i as u64),
+            src_slot: Some(s),
+            dst_block: d,
+        })
+        .collect();
+    for order in 1..4 {
+        let target = region(&g, order, 5, 32, 16);
+        let plan = TransferPlan::converting(
+            std::slice::from_ref(&donor),
+            std::slice::from_ref(&target),
+            &moves,
+        )
+        .unwrap();
+        let c = plan.parts()[0]
+            .conversion
+            .as_ref()
+            .expect("a converting part");
+        let pairs: Vec<(u32, u32)> = c
+            .pairs()
+            .iter()
+            .map(|p| (p.src_block, p.dst_block))
+            .collect();
+        let cp = ConvertPlan::new(c.src(), c.dst(), &pairs).unwrap();
+        assert_eq!(cp.bytes(), c.bytes());
+        let (src_at, dst_at) = (4096u64, 1u64 << 20);
+        let size = (dst_at + target.region_bytes()) as usize;
+        let mut mem: Vec<u8> = (0..size).map(|i| (i * 5 + i / 241) as u8 | 1).collect();
+        mem[dst_at as usize..].fill(0);
+        let mut host = mem.clone();
+        for p in c.pieces() {
+            let (s, d) = (
+                (src_at + p.src_offset) as usize,
+                (dst_at + p.dst_offset) as usize,
+            );
+            host.copy_within(s..s + p.len as usize, d);
+        }
+        let geo = cp.geometry(src_at, dst_at, 2);
+        let mut writes = vec![0u8; size];
+        run_kernel(
+            &geo,
+            &cp.block_table(src_at, dst_at),
+            &cp.piece_table(),
+            &mut mem,
+            &mut writes,
+        );
+        assert!(mem == host, "order {order}: kernel and host pieces differ");
+    }
+}
