@@ -36,6 +36,9 @@ use crate::{command, elf};
 pub const CARRY_LIMIT: u64 = 64 << 20;
 /// Crates whose release test binaries `--with-tests` adds (the ones with GPU tests).
 pub const GPU_TEST_CRATES: [&str; 2] = ["kv-bank", "kv-transfer"];
+/// Features the GPU test build turns on: every `required-features` of the
+/// GPU integration tests of [`GPU_TEST_CRATES`] (checked by a test below).
+pub const GPU_TEST_FEATURES: [&str; 2] = ["kv-bank/qualify", "kv-transfer/qualify"];
 /// Files of the workspace's `data/` folder that kvq reads (relative to
 /// `data/`), packed into `data.tar.gz`; `run.sh` unpacks them to `data/`
 /// next to itself and exports that folder as `KVQ_DATA_DIR` (kv-testkit's
@@ -126,6 +129,10 @@ fn build_gpu_tests() -> Result<Vec<PathBuf>> {
     for k in GPU_TEST_CRATES {
         c.args(["-p", k]);
     }
+    // The GPU integration tests of both crates (`tests/gpu.rs`,
+    // `gpu_layouts.rs`, ...) need their `qualify` harness; without it cargo
+    // skips them silently and the bundle carries only the unit tests.
+    c.args(["--features", &GPU_TEST_FEATURES.join(",")]);
     eprintln!("$ {}", command::describe(&c));
     let json = command::capture(&mut c)?;
     Ok(test_executables(&json))
@@ -360,6 +367,46 @@ exec "$here/kvq" "$@"
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every GPU integration test of [`GPU_TEST_CRATES`] must be built by
+    /// the bundle: its `required-features` (other than the crates' default
+    /// `cuda` / `nixl`) must be among [`GPU_TEST_FEATURES`]. A `[[test]]`
+    /// table is read line by line (name, then required-features).
+    #[test]
+    fn the_bundle_build_enables_every_gpu_test_target() {
+        let mut checked = 0;
+        for k in GPU_TEST_CRATES {
+            let toml = std::fs::read_to_string(
+                workspace::root().join("crates").join(k).join("Cargo.toml"),
+            )
+            .expect("crate manifest");
+            let mut name = String::new();
+            for line in toml.lines() {
+                let line = line.trim();
+                if let Some(v) = line.strip_prefix("name = ") {
+                    name = v.trim_matches('"').to_string();
+                }
+                if let Some(v) = line.strip_prefix("required-features = ") {
+                    if !is_gpu_test_target("test", &name) {
+                        continue;
+                    }
+                    checked += 1;
+                    for f in v.trim_matches(|c| c == '[' || c == ']').split(',') {
+                        let f = f.trim().trim_matches('"');
+                        let qualified = format!("{k}/{f}");
+                        assert!(
+                            ["cuda", "nixl"].contains(&f) || GPU_TEST_FEATURES.contains(&qualified.as_str()),
+                            "GPU test `{name}` of {k} needs feature `{f}`, which the bundle build does not enable"
+                        );
+                    }
+                }
+            }
+        }
+        assert!(
+            checked >= 4,
+            "found only {checked} GPU test targets with required-features"
+        );
+    }
 
     #[test]
     fn picks_test_executables_from_cargo_messages() {
