@@ -13,6 +13,8 @@
 //! | `kv_reuse_transfer_latency_seconds` | histogram | | delivery wall time of completed fetches |
 //! | `kv_reuse_lookup_latency_seconds` | histogram | | donor lookup wall time |
 //! | `kv_reuse_retained_bytes` | gauge | `engine`, `rank` | bytes of ready blocks in a retained bank |
+//! | `kv_reuse_advise_requests_total` | counter | `outcome` | advise requests the router service answered: `decided` or the refusal kind (`AdviseRefusal::label`) |
+//! | `kv_reuse_advise_latency_seconds` | histogram | | router service time of one advise request, payload in to reply out |
 //!
 //! [`MetricsServer`] serves the registry on `GET /metrics` over HTTP/1.1 (one
 //! response per connection, `Connection: close`), for the worker and the
@@ -80,6 +82,8 @@ pub struct ReuseMetrics {
     transfer_latency: Histogram,
     lookup_latency: Histogram,
     retained_bytes: Family<Labels, Gauge>,
+    advise_requests: Family<Labels, Counter>,
+    advise_latency: Histogram,
 }
 
 impl std::fmt::Debug for ReuseMetrics {
@@ -141,6 +145,9 @@ impl ReuseMetrics {
         // 1 µs .. ~0.5 s: lookups are budgeted in ms.
         let lookup_latency = Histogram::new(exponential_buckets(1e-6, 2.0, 20));
         let retained_bytes = Family::<Labels, Gauge>::default();
+        let advise_requests = Family::<Labels, Counter>::default();
+        // 1 µs .. ~0.5 s, as lookups: an advise is a lookup plus decoding.
+        let advise_latency = Histogram::new(exponential_buckets(1e-6, 2.0, 20));
         registry.register(
             "decisions",
             "Advisor decisions by verdict (admit or refusal reason)",
@@ -184,6 +191,17 @@ impl ReuseMetrics {
             prometheus_client::registry::Unit::Bytes,
             retained_bytes.clone(),
         );
+        registry.register(
+            "advise_requests",
+            "Advise requests answered by the router service, by outcome (decided or refusal kind)",
+            advise_requests.clone(),
+        );
+        registry.register_with_unit(
+            "advise_latency",
+            "Router service time of one advise request (decode, decide, encode)",
+            prometheus_client::registry::Unit::Seconds,
+            advise_latency.clone(),
+        );
         Self {
             registry,
             decisions,
@@ -194,7 +212,18 @@ impl ReuseMetrics {
             transfer_latency,
             lookup_latency,
             retained_bytes,
+            advise_requests,
+            advise_latency,
         }
+    }
+
+    /// Counts one answered advise request: `outcome` is `decided` or a
+    /// refusal label; `elapsed` is the service time (decode to encode).
+    pub fn record_advise(&self, outcome: &'static str, elapsed: Duration) {
+        self.advise_requests
+            .get_or_create(&label("outcome", outcome))
+            .inc();
+        self.advise_latency.observe(elapsed.as_secs_f64());
     }
 
     /// Counts one advisor decision.
