@@ -302,7 +302,20 @@ impl ReuseMetrics {
     }
 }
 
-/// A tiny HTTP/1.1 server of `GET /metrics`.
+/// What `GET /healthz` answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// `200 ok`.
+    Serving,
+    /// `503` with this reason as the body (`draining`, `nats disconnected`).
+    Unavailable(&'static str),
+}
+
+/// The health question `GET /healthz` asks on each request.
+pub type HealthProbe = Arc<dyn Fn() -> Health + Send + Sync>;
+
+/// A tiny HTTP/1.1 server of `GET /metrics` (and `GET /healthz` when bound
+/// with [`MetricsServer::bind_with_health`]).
 pub struct MetricsServer {
     addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
@@ -325,6 +338,28 @@ impl MetricsServer {
     /// # Errors
     /// The listener's I/O error (address in use, permission).
     pub async fn bind(addr: SocketAddr, metrics: Arc<ReuseMetrics>) -> std::io::Result<Self> {
+        Self::bind_inner(addr, metrics, None).await
+    }
+
+    /// [`MetricsServer::bind`], also serving `GET /healthz`: `200 ok` while
+    /// `health` returns [`Health::Serving`], else `503` with the reason as
+    /// the body. The router binary's probe.
+    ///
+    /// # Errors
+    /// As [`MetricsServer::bind`].
+    pub async fn bind_with_health(
+        addr: SocketAddr,
+        metrics: Arc<ReuseMetrics>,
+        health: HealthProbe,
+    ) -> std::io::Result<Self> {
+        Self::bind_inner(addr, metrics, Some(health)).await
+    }
+
+    async fn bind_inner(
+        addr: SocketAddr,
+        metrics: Arc<ReuseMetrics>,
+        health: Option<HealthProbe>,
+    ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let (stop_tx, mut stop_rx) = oneshot::channel();
@@ -341,8 +376,9 @@ impl MetricsServer {
                                 continue;
                             };
                             let metrics = metrics.clone();
+                            let health = health.clone();
                             tokio::spawn(async move {
-                                serve_one(stream, metrics).await;
+                                serve_one(stream, metrics, health).await;
                                 drop(slot);
                             });
                         }
@@ -378,7 +414,7 @@ impl Drop for MetricsServer {
     }
 }
 
-async fn serve_one(mut stream: TcpStream, metrics: Arc<ReuseMetrics>) {
+async fn serve_one(mut stream: TcpStream, metrics: Arc<ReuseMetrics>, health: Option<HealthProbe>) {
     let Ok(Some(head)) = tokio::time::timeout(REQUEST_TIMEOUT, read_head(&mut stream)).await else {
         return;
     };
@@ -387,6 +423,14 @@ async fn serve_one(mut stream: TcpStream, metrics: Arc<ReuseMetrics>) {
     let path = path.split('?').next().unwrap_or("");
     let (status, content_type, body) = match (method, path) {
         ("GET", "/metrics") => ("200 OK", METRICS_CONTENT_TYPE, metrics.encode()),
+        ("GET", "/healthz") if health.is_some() => match health.as_ref().map(|h| h()) {
+            Some(Health::Unavailable(reason)) => (
+                "503 Service Unavailable",
+                "text/plain",
+                format!("{reason}\n"),
+            ),
+            _ => ("200 OK", "text/plain", "ok\n".to_owned()),
+        },
         (_, "/metrics") => (
             "405 Method Not Allowed",
             "text/plain",
@@ -451,6 +495,43 @@ mod tests {
     /// Idle clients that never send a request hold at most MAX_CONNECTIONS
     /// slots: one more is closed at once (read sees EOF), and a scrape works
     /// again as soon as the idle ones go away.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn healthz_follows_the_probe_and_is_absent_without_one() {
+        let state = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let probe: HealthProbe = {
+            let state = state.clone();
+            Arc::new(move || {
+                if state.load(std::sync::atomic::Ordering::SeqCst) {
+                    Health::Unavailable("draining")
+                } else {
+                    Health::Serving
+                }
+            })
+        };
+        let m = Arc::new(ReuseMetrics::new());
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let server = MetricsServer::bind_with_health(any, m.clone(), probe)
+            .await
+            .unwrap();
+        let get = "GET /healthz HTTP/1.1\r\n\r\n";
+        let ok = http(server.local_addr(), get).await;
+        assert!(
+            ok.starts_with("HTTP/1.1 200 OK") && ok.ends_with("\r\n\r\nok\n"),
+            "{ok}"
+        );
+        state.store(true, std::sync::atomic::Ordering::SeqCst);
+        let draining = http(server.local_addr(), get).await;
+        assert!(
+            draining.starts_with("HTTP/1.1 503 Service Unavailable")
+                && draining.ends_with("\r\n\r\ndraining\n"),
+            "{draining}"
+        );
+        server.shutdown().await;
+        let plain = MetricsServer::bind(any, m).await.unwrap();
+        let none = http(plain.local_addr(), get).await;
+        assert!(none.starts_with("HTTP/1.1 404"), "{none}");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn idle_clients_beyond_the_cap_are_closed_and_slots_come_back() {
         let server = MetricsServer::bind(

@@ -11,14 +11,20 @@
 //! [`serve_advise`] / [`AdviseServer`] serve a [`RouterService`] on a NATS
 //! connection (the `kv-reuse-router` binary runs it; `docs/router-service.md`).
 
+mod follow;
 mod router_service;
 mod serve;
 #[cfg(all(test, feature = "worker"))]
 mod serve_tests;
+#[cfg(feature = "vllm")]
+mod vllm_spec;
 mod wire;
 
+pub use follow::{parse_subject, FollowStats, RouterInventory};
 pub use router_service::RouterService;
 pub use serve::{serve_advise, AdviseServer, ServeReport, ServiceError, MAX_IN_FLIGHT};
+#[cfg(feature = "vllm")]
+pub use vllm_spec::{VllmEndpointSpec, VllmSpecError};
 pub use wire::{
     AdviseKeys, AdviseRefusal, AdviseReply, AdviseRequest, AdviseResult, ADVISE_QUEUE_GROUP,
     ADVISE_SUBJECT, MAX_ADVISE_BLOCKS, MAX_ADVISE_REQUEST_BYTES, MAX_ADVISE_TOKENS,
