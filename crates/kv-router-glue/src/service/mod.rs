@@ -11,6 +11,8 @@
 //! [`serve_advise`] / [`AdviseServer`] serve a [`RouterService`] on a NATS
 //! connection (the `kv-reuse-router` binary runs it; `docs/router-service.md`).
 
+#[cfg(feature = "qualify")]
+pub mod bench;
 mod follow;
 mod router_service;
 mod serve;
