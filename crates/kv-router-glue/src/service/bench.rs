@@ -7,9 +7,12 @@
 //! `retained_blocks` synthetic retained blocks from 64 more decode workers
 //! (chains of 128 blocks, applied through `InventoryIndex::apply_events` in
 //! batches) so that the lookup runs against an index of that size. Every
-//! request asks for the scenario's 48-block prompt on the target and is
-//! admitted with a hint, so each sample is the full path: bounded lookup,
-//! slot resolution, cost model, hint envelope.
+//! request asks for the scenario's 48-block prompt on the target, which is
+//! admitted with a hint while the measured lookup time leaves the saving
+//! above the minimum, so a sample is the full path: bounded lookup, slot
+//! resolution, cost model, hint envelope. (On a loaded machine a slow lookup
+//! can make the cost model refuse; such a request is still decided and
+//! timed, and [`AdviseBenchSamples::admitted`] counts the admitted ones.)
 //!
 //! Three sample sets, one per request, in µs:
 //! - `in_process_advise_us`: `RouterService::advise` on a decoded request;
@@ -74,8 +77,11 @@ pub struct AdviseBenchSamples {
     pub index_fill_ms: f64,
     /// Blocks each request names.
     pub request_blocks: usize,
-    /// Whether the timed requests were admitted with a hint (the full path).
-    pub admitted: bool,
+    /// Timed requests (all three sets) admitted with a hint; the rest
+    /// were decided without one (module docs).
+    pub admitted: u64,
+    /// Timed requests, all three sets.
+    pub timed: u64,
     /// `RouterService::advise`, µs.
     pub in_process_advise_us: Vec<f64>,
     /// `RouterService::handle` (decode + advise + encode), µs.
@@ -227,10 +233,13 @@ pub fn run_advise_bench(cfg: AdviseBenchConfig) -> Result<AdviseBenchSamples, Ad
     let service = Arc::new(RouterService::new(Arc::new(advisor)));
     service.add_target(s.target);
 
-    let probe = service.advise(&request(&s, 0));
-    if !admitted(&probe) {
+    // The setup must be admissible: some of a few tries admit (one slow
+    // lookup alone may be refused by the cost model).
+    if !(0..16).any(|i| admitted(&service.advise(&request(&s, i)))) {
+        let probe = service.advise(&request(&s, 0));
         return Err(AdviseBenchError::UnexpectedReply(format!("{probe:?}")));
     }
+    let mut admitted_n = 0u64;
     let mut in_process_advise_us = Vec::with_capacity(cfg.requests);
     let reqs: Vec<AdviseRequest> = (0..cfg.warmup + cfg.requests)
         .map(|i| request(&s, i))
@@ -239,8 +248,8 @@ pub fn run_advise_bench(cfg: AdviseBenchConfig) -> Result<AdviseBenchSamples, Ad
         let t = Instant::now();
         let reply = service.advise(req);
         let dt = t.elapsed();
-        std::hint::black_box(&reply);
         if i >= cfg.warmup {
+            admitted_n += u64::from(admitted(&reply));
             in_process_advise_us.push(micros(dt));
         }
     }
@@ -253,8 +262,10 @@ pub fn run_advise_bench(cfg: AdviseBenchConfig) -> Result<AdviseBenchSamples, Ad
         let t = Instant::now();
         let bytes = service.handle(p);
         let dt = t.elapsed();
-        std::hint::black_box(&bytes);
         if i >= cfg.warmup {
+            let reply = AdviseReply::from_wire(&bytes)
+                .map_err(|e| AdviseBenchError::UnexpectedReply(e.to_string()))?;
+            admitted_n += u64::from(admitted(&reply));
             in_process_handle_us.push(micros(dt));
         }
     }
@@ -280,6 +291,7 @@ pub fn run_advise_bench(cfg: AdviseBenchConfig) -> Result<AdviseBenchSamples, Ad
         let shutdown = CancellationToken::new();
         let serving = tokio::spawn(server.run(shutdown.clone()));
         let mut samples = Vec::with_capacity(cfg.requests);
+        let mut admitted_nats = 0u64;
         for (i, req) in reqs.iter().enumerate() {
             let t = Instant::now();
             let payload = req
@@ -295,22 +307,25 @@ pub fn run_advise_bench(cfg: AdviseBenchConfig) -> Result<AdviseBenchSamples, Ad
             let reply = AdviseReply::from_wire(&m.payload)
                 .map_err(|e| AdviseBenchError::UnexpectedReply(e.to_string()))?;
             let dt = t.elapsed();
-            if !admitted(&reply) {
-                return Err(AdviseBenchError::UnexpectedReply(format!("{reply:?}")));
+            if let AdviseResult::Refused(r) = &reply.result {
+                return Err(AdviseBenchError::UnexpectedReply(format!("refused: {r}")));
             }
             if i >= cfg.warmup {
+                admitted_nats += u64::from(admitted(&reply));
                 samples.push(micros(dt));
             }
         }
         shutdown.cancel();
         let _ = serving.await;
-        Ok::<_, AdviseBenchError>(samples)
+        Ok::<_, AdviseBenchError>((samples, admitted_nats))
     })?;
+    let (nats_round_trip_us, admitted_nats) = nats_round_trip_us;
     Ok(AdviseBenchSamples {
         index_entries: s.index.stats().entries as u64,
         index_fill_ms,
         request_blocks: s.hashes.len(),
-        admitted: true,
+        admitted: admitted_n + admitted_nats,
+        timed: 3 * cfg.requests as u64,
         in_process_advise_us,
         in_process_handle_us,
         nats_round_trip_us,
@@ -341,7 +356,10 @@ mod tests {
         // Every synthetic block plus the scenario's 48 (donor and target).
         assert!(out.index_entries >= 10_000 + 48, "{}", out.index_entries);
         assert_eq!(out.request_blocks, 48);
-        assert!(out.admitted);
+        assert_eq!(out.timed, 150);
+        // Decided on every path; admitted unless this machine is so loaded
+        // that lookups took milliseconds.
+        assert!(out.admitted > 0, "{} of {}", out.admitted, out.timed);
         for set in [
             &out.in_process_advise_us,
             &out.in_process_handle_us,

@@ -92,8 +92,13 @@ pub fn bench_command(quick: bool, json: Option<&Path>) -> i32 {
     };
     let rows = rows(&samples);
     println!(
-        "advise: {} index entries (fill {:.0} ms), {}-block requests admitted with a hint, {} timed each",
-        samples.index_entries, samples.index_fill_ms, samples.request_blocks, cfg.requests
+        "advise: {} index entries (fill {:.0} ms), {}-block requests, {} timed per case, {} of {} admitted with a hint",
+        samples.index_entries,
+        samples.index_fill_ms,
+        samples.request_blocks,
+        cfg.requests,
+        samples.admitted,
+        samples.timed
     );
     println!(
         "{:<20} {:>9} {:>9} {:>9} {:>9} {:>9}",
@@ -122,6 +127,7 @@ pub fn bench_command(quick: bool, json: Option<&Path>) -> i32 {
             "index_fill_ms": samples.index_fill_ms,
             "request_blocks": samples.request_blocks,
             "admitted": samples.admitted,
+            "timed": samples.timed,
             "goal_p50_us": GOAL_P50_US,
             "goal_p99_us": GOAL_P99_US,
             "goal_p50_met": nats.p50_us <= GOAL_P50_US,
@@ -147,7 +153,8 @@ mod tests {
             index_entries: 1,
             index_fill_ms: 0.0,
             request_blocks: 48,
-            admitted: true,
+            admitted: 300,
+            timed: 300,
             in_process_advise_us: (1..=100).map(f64::from).collect(),
             in_process_handle_us: (1..=100).map(|v| f64::from(v) * 2.0).collect(),
             nats_round_trip_us: (1..=100).map(|v| f64::from(v) * 10.0).collect(),
