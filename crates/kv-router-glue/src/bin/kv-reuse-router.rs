@@ -228,11 +228,16 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
         )
         .await?;
 
-    // HOOK (issue 18, inventory rebuild after a router restart): once the
-    // followers are subscribed, ask the workers for an inventory snapshot
-    // and apply it to `index` / `remote` here, before serving, so that the
-    // first lookup after a restart finds donors that stayed idle. The
-    // snapshot request/reply lives in `plane/inventory` (not yet written).
+    // HOOK (issue 18, inventory rebuild after a router restart): not wired
+    // yet. `InventorySync` (plane/inventory, over `NatsInventory::from_client`)
+    // must see every registration (`on_registration`, right after
+    // `WorkerRegistry::announce` in `RouterInventory::on_announcement`),
+    // every `KvStreamItem::Lost` (`on_lost`, in `on_event`) and apply the
+    // stream's events itself (`InventorySync::apply_event`, replacing the
+    // direct `index.apply_event`), so that the first lookup after a restart
+    // finds donors that stayed idle. Its calls are async and borrow the
+    // `WorkerRegistry`, which `RouterInventory` keeps behind a blocking
+    // mutex: the registry and the sync move behind one async mutex first.
 
     let mut vllm = Vec::new();
     for spec in &cli.vllm_events {
