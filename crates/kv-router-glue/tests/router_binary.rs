@@ -111,6 +111,28 @@ fn prefill_announcement(engine: EngineId) -> WorkerAnnouncement {
     }
 }
 
+/// Sends `SIG<signal>` to the router and waits at most 5 s for its exit.
+fn signal_and_wait(router: &mut Router, signal: &str) -> std::process::ExitStatus {
+    let pid = router.child.id().to_string();
+    let flag = format!("-{signal}");
+    let sent = Command::new("kill")
+        .args([flag.as_str(), &pid])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill {flag} {pid}");
+    let start = Instant::now();
+    loop {
+        if let Some(status) = router.child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "router still running 5 s after SIG{signal}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The sample `series value` of an OpenMetrics text.
 fn sample(text: &str, series: &str) -> Option<f64> {
     text.lines()
@@ -204,20 +226,7 @@ fn router_binary_serves_refuses_reports_and_drains_on_sigterm() {
         "{text}"
     );
 
-    let pid = router.child.id().to_string();
-    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    assert!(killed.success());
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = router.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "router still running 5 s after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = signal_and_wait(&mut router, "TERM");
     assert_eq!(status.code(), Some(0), "drain exits 0: {status}");
 }
 
@@ -247,4 +256,14 @@ fn bad_flags_are_refused_with_exit_code_2() {
     ] {
         assert!(text.contains(flag), "--help lacks {flag}:\n{text}");
     }
+}
+
+#[test]
+fn sigint_drains_and_exits_0_too() {
+    let Some(nats) = NatsServer::start_or_skip("router_binary_sigint") else {
+        return;
+    };
+    let mut router = spawn_router(&nats.url(), "rbt-int");
+    let status = signal_and_wait(&mut router, "INT");
+    assert_eq!(status.code(), Some(0), "{status}");
 }
