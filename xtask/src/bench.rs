@@ -1,4 +1,4 @@
-//! `cargo xtask bench {transfer|lookup}`: dispatch to the benchmark each
+//! `cargo xtask bench {transfer|lookup|advise}`: dispatch to the benchmark each
 //! crate owns. Both print ratios against a baseline measured in the same run.
 
 use std::path::Path;
@@ -16,6 +16,9 @@ pub enum Bench {
     Transfer,
     /// The kv-lookup criterion-free bench target `lookup`.
     Lookup,
+    /// The router service's advise round trip over NATS beside the
+    /// in-process advise, through `kvq bench advise`.
+    Advise,
 }
 
 /// Runs one benchmark, writing its JSON result to `json` when given.
@@ -35,6 +38,15 @@ pub fn run(which: Bench, json: Option<&Path>) -> Result<()> {
                 "--profile",
                 Profile::Auto.resolve().as_str(),
             ]);
+            if let Some(j) = json {
+                c.arg("--json").arg(absolute_from_caller(j));
+            }
+            command::run(&mut c)
+        }
+        Bench::Advise => {
+            let (exe, line) = kvq::build(BuildProfile::Release)?;
+            let mut c = kvq::command(&exe, &line, &prereq);
+            c.args(["bench", "advise"]);
             if let Some(j) = json {
                 c.arg("--json").arg(absolute_from_caller(j));
             }

@@ -73,7 +73,7 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         kvq_args: Vec<String>,
     },
-    /// Run a benchmark: `transfer` (kv-transfer) or `lookup` (kv-lookup).
+    /// Run a benchmark: `transfer` (kv-transfer), `lookup` (kv-lookup) or `advise` (router service).
     Bench {
         /// Which benchmark.
         #[arg(value_enum)]

@@ -13,6 +13,8 @@
 //! | `kv_reuse_transfer_latency_seconds` | histogram | | delivery wall time of completed fetches |
 //! | `kv_reuse_lookup_latency_seconds` | histogram | | donor lookup wall time |
 //! | `kv_reuse_retained_bytes` | gauge | `engine`, `rank` | bytes of ready blocks in a retained bank |
+//! | `kv_reuse_advise_requests_total` | counter | `outcome` | advise requests the router service answered: `decided` or the refusal kind (`AdviseRefusal::label`) |
+//! | `kv_reuse_advise_latency_seconds` | histogram | | router service time of one advise request, payload in to reply out |
 //!
 //! [`MetricsServer`] serves the registry on `GET /metrics` over HTTP/1.1 (one
 //! response per connection, `Connection: close`), for the worker and the
@@ -80,6 +82,8 @@ pub struct ReuseMetrics {
     transfer_latency: Histogram,
     lookup_latency: Histogram,
     retained_bytes: Family<Labels, Gauge>,
+    advise_requests: Family<Labels, Counter>,
+    advise_latency: Histogram,
 }
 
 impl std::fmt::Debug for ReuseMetrics {
@@ -141,6 +145,9 @@ impl ReuseMetrics {
         // 1 µs .. ~0.5 s: lookups are budgeted in ms.
         let lookup_latency = Histogram::new(exponential_buckets(1e-6, 2.0, 20));
         let retained_bytes = Family::<Labels, Gauge>::default();
+        let advise_requests = Family::<Labels, Counter>::default();
+        // 1 µs .. ~0.5 s, as lookups: an advise is a lookup plus decoding.
+        let advise_latency = Histogram::new(exponential_buckets(1e-6, 2.0, 20));
         registry.register(
             "decisions",
             "Advisor decisions by verdict (admit or refusal reason)",
@@ -184,6 +191,17 @@ impl ReuseMetrics {
             prometheus_client::registry::Unit::Bytes,
             retained_bytes.clone(),
         );
+        registry.register(
+            "advise_requests",
+            "Advise requests answered by the router service, by outcome (decided or refusal kind)",
+            advise_requests.clone(),
+        );
+        registry.register_with_unit(
+            "advise_latency",
+            "Router service time of one advise request (decode, decide, encode)",
+            prometheus_client::registry::Unit::Seconds,
+            advise_latency.clone(),
+        );
         Self {
             registry,
             decisions,
@@ -194,7 +212,18 @@ impl ReuseMetrics {
             transfer_latency,
             lookup_latency,
             retained_bytes,
+            advise_requests,
+            advise_latency,
         }
+    }
+
+    /// Counts one answered advise request: `outcome` is `decided` or a
+    /// refusal label; `elapsed` is the service time (decode to encode).
+    pub fn record_advise(&self, outcome: &'static str, elapsed: Duration) {
+        self.advise_requests
+            .get_or_create(&label("outcome", outcome))
+            .inc();
+        self.advise_latency.observe(elapsed.as_secs_f64());
     }
 
     /// Counts one advisor decision.
@@ -273,7 +302,20 @@ impl ReuseMetrics {
     }
 }
 
-/// A tiny HTTP/1.1 server of `GET /metrics`.
+/// What `GET /healthz` answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// `200 ok`.
+    Serving,
+    /// `503` with this reason as the body (`draining`, `nats disconnected`).
+    Unavailable(&'static str),
+}
+
+/// The health question `GET /healthz` asks on each request.
+pub type HealthProbe = Arc<dyn Fn() -> Health + Send + Sync>;
+
+/// A tiny HTTP/1.1 server of `GET /metrics` (and `GET /healthz` when bound
+/// with [`MetricsServer::bind_with_health`]).
 pub struct MetricsServer {
     addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
@@ -296,6 +338,28 @@ impl MetricsServer {
     /// # Errors
     /// The listener's I/O error (address in use, permission).
     pub async fn bind(addr: SocketAddr, metrics: Arc<ReuseMetrics>) -> std::io::Result<Self> {
+        Self::bind_inner(addr, metrics, None).await
+    }
+
+    /// [`MetricsServer::bind`], also serving `GET /healthz`: `200 ok` while
+    /// `health` returns [`Health::Serving`], else `503` with the reason as
+    /// the body. The router binary's probe.
+    ///
+    /// # Errors
+    /// As [`MetricsServer::bind`].
+    pub async fn bind_with_health(
+        addr: SocketAddr,
+        metrics: Arc<ReuseMetrics>,
+        health: HealthProbe,
+    ) -> std::io::Result<Self> {
+        Self::bind_inner(addr, metrics, Some(health)).await
+    }
+
+    async fn bind_inner(
+        addr: SocketAddr,
+        metrics: Arc<ReuseMetrics>,
+        health: Option<HealthProbe>,
+    ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let (stop_tx, mut stop_rx) = oneshot::channel();
@@ -312,8 +376,9 @@ impl MetricsServer {
                                 continue;
                             };
                             let metrics = metrics.clone();
+                            let health = health.clone();
                             tokio::spawn(async move {
-                                serve_one(stream, metrics).await;
+                                serve_one(stream, metrics, health).await;
                                 drop(slot);
                             });
                         }
@@ -349,7 +414,7 @@ impl Drop for MetricsServer {
     }
 }
 
-async fn serve_one(mut stream: TcpStream, metrics: Arc<ReuseMetrics>) {
+async fn serve_one(mut stream: TcpStream, metrics: Arc<ReuseMetrics>, health: Option<HealthProbe>) {
     let Ok(Some(head)) = tokio::time::timeout(REQUEST_TIMEOUT, read_head(&mut stream)).await else {
         return;
     };
@@ -358,6 +423,14 @@ async fn serve_one(mut stream: TcpStream, metrics: Arc<ReuseMetrics>) {
     let path = path.split('?').next().unwrap_or("");
     let (status, content_type, body) = match (method, path) {
         ("GET", "/metrics") => ("200 OK", METRICS_CONTENT_TYPE, metrics.encode()),
+        ("GET", "/healthz") if health.is_some() => match health.as_ref().map(|h| h()) {
+            Some(Health::Unavailable(reason)) => (
+                "503 Service Unavailable",
+                "text/plain",
+                format!("{reason}\n"),
+            ),
+            _ => ("200 OK", "text/plain", "ok\n".to_owned()),
+        },
         (_, "/metrics") => (
             "405 Method Not Allowed",
             "text/plain",
@@ -422,6 +495,43 @@ mod tests {
     /// Idle clients that never send a request hold at most MAX_CONNECTIONS
     /// slots: one more is closed at once (read sees EOF), and a scrape works
     /// again as soon as the idle ones go away.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn healthz_follows_the_probe_and_is_absent_without_one() {
+        let state = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let probe: HealthProbe = {
+            let state = state.clone();
+            Arc::new(move || {
+                if state.load(std::sync::atomic::Ordering::SeqCst) {
+                    Health::Unavailable("draining")
+                } else {
+                    Health::Serving
+                }
+            })
+        };
+        let m = Arc::new(ReuseMetrics::new());
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let server = MetricsServer::bind_with_health(any, m.clone(), probe)
+            .await
+            .unwrap();
+        let get = "GET /healthz HTTP/1.1\r\n\r\n";
+        let ok = http(server.local_addr(), get).await;
+        assert!(
+            ok.starts_with("HTTP/1.1 200 OK") && ok.ends_with("\r\n\r\nok\n"),
+            "{ok}"
+        );
+        state.store(true, std::sync::atomic::Ordering::SeqCst);
+        let draining = http(server.local_addr(), get).await;
+        assert!(
+            draining.starts_with("HTTP/1.1 503 Service Unavailable")
+                && draining.ends_with("\r\n\r\ndraining\n"),
+            "{draining}"
+        );
+        server.shutdown().await;
+        let plain = MetricsServer::bind(any, m).await.unwrap();
+        let none = http(plain.local_addr(), get).await;
+        assert!(none.starts_with("HTTP/1.1 404"), "{none}");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn idle_clients_beyond_the_cap_are_closed_and_slots_come_back() {
         let server = MetricsServer::bind(

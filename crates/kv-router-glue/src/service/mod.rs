@@ -7,11 +7,26 @@
 //! The wire schema ([`AdviseRequest`], [`AdviseReply`]) is MessagePack with
 //! named fields through [`kv_descriptor::Wire`] and its bounded decoder; the
 //! field-by-field description is in `docs/wire-formats.md` ("Advise").
+//!
+//! [`serve_advise`] / [`AdviseServer`] serve a [`RouterService`] on a NATS
+//! connection (the `kv-reuse-router` binary runs it; `docs/router-service.md`).
 
+#[cfg(feature = "qualify")]
+pub mod bench;
+mod follow;
 mod router_service;
+mod serve;
+#[cfg(all(test, feature = "worker"))]
+mod serve_tests;
+#[cfg(feature = "vllm")]
+mod vllm_spec;
 mod wire;
 
+pub use follow::{parse_subject, FollowStats, RouterInventory};
 pub use router_service::RouterService;
+pub use serve::{serve_advise, AdviseServer, ServeReport, ServiceError, MAX_IN_FLIGHT};
+#[cfg(feature = "vllm")]
+pub use vllm_spec::{VllmEndpointSpec, VllmSpecError};
 pub use wire::{
     AdviseKeys, AdviseRefusal, AdviseReply, AdviseRequest, AdviseResult, ADVISE_QUEUE_GROUP,
     ADVISE_SUBJECT, MAX_ADVISE_BLOCKS, MAX_ADVISE_REQUEST_BYTES, MAX_ADVISE_TOKENS,

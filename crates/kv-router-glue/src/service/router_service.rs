@@ -103,12 +103,13 @@ impl RouterService {
         }
     }
 
-    /// Decodes `payload`, decides, and encodes the reply (what the NATS
-    /// handler sends back). A payload that does not decode gets a
-    /// [`AdviseRefusal::Malformed`] or `Oversized` reply with an empty
+    /// Decodes `payload` and decides: the reply before encoding (what
+    /// [`RouterService::handle`] encodes; the NATS server also reads its
+    /// outcome for metrics). A payload that does not decode gets a
+    /// [`AdviseRefusal::Malformed`] or `Oversized` refusal with an empty
     /// request id.
-    pub fn handle(&self, payload: &[u8]) -> Vec<u8> {
-        let reply = match AdviseRequest::decode(payload) {
+    pub fn handle_reply(&self, payload: &[u8]) -> AdviseReply {
+        match AdviseRequest::decode(payload) {
             Ok(req) => self.advise(&req),
             Err(r) => {
                 self.refused.fetch_add(1, Ordering::Relaxed);
@@ -117,10 +118,21 @@ impl RouterService {
                     result: AdviseResult::Refused(r),
                 }
             }
-        };
-        // Encoding a reply of validated values does not fail; should it, the
-        // caller gets an empty payload, which decodes as malformed and makes
-        // the router's caller recompute.
-        reply.to_wire().unwrap_or_default()
+        }
     }
+
+    /// Decodes `payload`, decides, and encodes the reply (what the NATS
+    /// handler sends back). A payload that does not decode gets a
+    /// [`AdviseRefusal::Malformed`] or `Oversized` reply with an empty
+    /// request id.
+    pub fn handle(&self, payload: &[u8]) -> Vec<u8> {
+        encode_reply(&self.handle_reply(payload))
+    }
+}
+
+/// Encodes a reply. Encoding a reply of validated values does not fail;
+/// should it, the caller gets an empty payload, which decodes as malformed
+/// and makes the router's caller recompute.
+pub(crate) fn encode_reply(reply: &AdviseReply) -> Vec<u8> {
+    reply.to_wire().unwrap_or_default()
 }

@@ -86,6 +86,20 @@ pub enum AdviseRefusal {
     Draining,
 }
 
+impl AdviseRefusal {
+    /// Stable `snake_case` label of the refusal's kind, without its detail
+    /// (the `outcome` label of `kv_reuse_advise_requests_total`).
+    pub fn label(&self) -> &'static str {
+        match self {
+            AdviseRefusal::Malformed(_) => "malformed",
+            AdviseRefusal::Oversized { .. } => "oversized",
+            AdviseRefusal::Empty { .. } => "empty",
+            AdviseRefusal::UnknownTarget(_) => "unknown_target",
+            AdviseRefusal::Draining => "draining",
+        }
+    }
+}
+
 /// The result half of a reply.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

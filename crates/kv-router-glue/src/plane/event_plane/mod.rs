@@ -24,6 +24,8 @@ use std::time::Duration;
 
 pub use in_process::InProcessPlane;
 #[cfg(feature = "nats")]
+pub(crate) use nats::server_round_trip;
+#[cfg(feature = "nats")]
 pub use nats::{NatsAuth, NatsOptions, NatsPlane, NatsTls};
 
 use crate::PlaneError;

@@ -232,14 +232,30 @@ impl NatsPlane {
     /// be unprocessed when a publisher's event arrived (a fault run lost its
     /// event that way under load).
     async fn server_round_trip(&self, timeout: Duration) -> Result<(), String> {
-        let subject = format!("_kvping.{}", uuid::Uuid::new_v4().simple());
-        let request = async_nats::Request::new().timeout(Some(timeout));
-        match self.client.send_request(subject, request).await {
-            // Somebody did answer: the server relayed it, which proves the same.
-            Ok(_) => Ok(()),
-            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => Ok(()),
-            Err(e) => Err(format!("no round trip with the server: {e}")),
-        }
+        server_round_trip(&self.client, timeout).await
+    }
+
+    /// The underlying `async-nats` client (for request/reply services such
+    /// as the router's advise subscription, which need queue groups and
+    /// reply subjects that [`EventPlane`] does not model).
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+}
+
+/// [`NatsPlane::server_round_trip`] on any client: resolves once the server
+/// has processed every command `client` sent before the call.
+pub(crate) async fn server_round_trip(
+    client: &async_nats::Client,
+    timeout: Duration,
+) -> Result<(), String> {
+    let subject = format!("_kvping.{}", uuid::Uuid::new_v4().simple());
+    let request = async_nats::Request::new().timeout(Some(timeout));
+    match client.send_request(subject, request).await {
+        // Somebody did answer: the server relayed it, which proves the same.
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => Ok(()),
+        Err(e) => Err(format!("no round trip with the server: {e}")),
     }
 }
 

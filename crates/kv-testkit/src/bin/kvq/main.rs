@@ -12,6 +12,7 @@
 //! Exit codes: 0 all sections passed or skipped; 1 a check failed; 2 usage or
 //! output errors.
 
+mod advise_bench;
 mod child;
 mod descriptor_wire;
 mod fault_section;
@@ -128,6 +129,9 @@ enum BenchKind {
     Transfer,
     /// `kv_transfer::nixl_two_process::run`: NIXL reads from a donor process.
     NixlTwoProcess,
+    /// The router service's advise over NATS beside the in-process advise
+    /// (`advise_bench`; `--quick`, `--json`).
+    Advise,
 }
 
 fn exit(code: i32) -> ExitCode {
@@ -193,6 +197,12 @@ fn main() -> ExitCode {
             quick,
             json.as_deref(),
         )),
+        Cmd::Bench {
+            which: BenchKind::Advise,
+            quick,
+            json,
+            ..
+        } => exit(advise_bench::bench_command(quick, json.as_deref())),
         Cmd::Soak { minutes, seed } => soak(minutes, seed),
         Cmd::Child { role, args } => exit(child::main(&role, &args)),
     }

@@ -1,0 +1,334 @@
+//! `kv-reuse-router`: the router service of decode-to-prefill KV reuse as a
+//! process (`docs/router-service.md`).
+//!
+//! It connects to NATS, follows worker announcements, KV events and the
+//! donor directory into a kv-lookup index (optionally also vLLM's ZMQ KV
+//! events), answers advise requests on `kv_reuse.advise` (queue group
+//! `kv_reuse_router`), serves `GET /metrics` and `GET /healthz`, and drains
+//! on SIGTERM/SIGINT (exit 0). When it serves, it prints one line to stdout:
+//! `{"event":"ready","metrics_addr":"127.0.0.1:PORT","subject":"kv_reuse.advise"}`.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use kv_descriptor::Role;
+use kv_lookup::InventoryIndex;
+use kv_router_glue::metrics::{Health, MetricsServer, ReuseMetrics};
+use kv_router_glue::service::{
+    AdviseServer, RouterInventory, RouterService, ServiceError, VllmEndpointSpec, ADVISE_SUBJECT,
+};
+use kv_router_glue::vllm_events::{VllmEventError, VllmIngest, VllmSubscriber};
+use kv_router_glue::{
+    Advisor, CostModel, DecisionLog, EnvSnapshot, EventPlane, LiveCostModel, NatsAuth,
+    NatsDirectory, NatsOptions, NatsPlane, PlaneError, RemoteDonorDirectory, ReuseArgs,
+    SettingsError, SettingsLoader,
+};
+use tokio_util::sync::CancellationToken;
+
+/// The router service of decode-to-prefill KV reuse.
+///
+/// Follows workers over NATS (announcements on `kv.<NAMESPACE>.workers.announce`,
+/// the KV events on the subjects they announce, the donor directory in a
+/// JetStream key-value bucket) and answers advise requests on NATS subject
+/// `kv_reuse.advise` (queue group `kv_reuse_router`; msgpack schema in
+/// docs/wire-formats.md). Prints one JSON `ready` line on stdout once serving;
+/// SIGTERM or SIGINT stops taking requests, answers those in flight and exits 0.
+///
+/// Reuse settings (the `--enable-decode-to-prefill-reuse` ... flags below) are
+/// layered: defaults < `--settings` TOML file < `KV_REUSE_*` environment < flags.
+#[derive(Parser, Debug)]
+#[command(name = "kv-reuse-router", version, about, long_about)]
+struct Cli {
+    /// NATS server URL.
+    #[arg(
+        long,
+        env = "KV_ROUTER_NATS_URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
+    nats_url: String,
+
+    /// NATS credentials file (`.creds`: user JWT and NKey seed) for the
+    /// router role; default: no credentials.
+    #[arg(long, value_name = "PATH")]
+    nats_creds: Option<PathBuf>,
+
+    /// Namespace token of the worker subjects (`kv.<NAMESPACE>.workers.announce`).
+    #[arg(long, default_value = "default")]
+    namespace: String,
+
+    /// TOML file of reuse settings (keys as in docs/settings.md).
+    #[arg(long, value_name = "PATH")]
+    settings: Option<PathBuf>,
+
+    /// A vLLM engine's ZMQ KV event stream to ingest, repeatable:
+    /// `ENDPOINT[,replay=EP][,fingerprint=N][,role=decode|prefill][,tp=N][,block=N][,worker=NAME]`
+    /// (`fingerprint` required; see docs/router-service.md).
+    #[arg(long = "vllm-events", value_name = "ENDPOINT[,KEY=VALUE]...")]
+    vllm_events: Vec<VllmEndpointSpec>,
+
+    /// Address of the HTTP endpoint serving `GET /metrics` (Prometheus /
+    /// OpenMetrics text) and `GET /healthz` (200 serving, 503 draining or
+    /// NATS disconnected); port 0 picks a free one (printed in the ready line).
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    metrics_addr: SocketAddr,
+
+    /// JetStream key-value bucket of the donor directory.
+    #[arg(long, default_value = "kv_donors")]
+    directory_bucket: String,
+
+    /// `max_age` of the directory bucket when this router creates it, ms
+    /// (donors' record TTL; an existing bucket keeps its own).
+    #[arg(long, default_value_t = 30_000)]
+    directory_ttl_ms: u64,
+
+    /// Workers' announce period, ms.
+    #[arg(long, default_value_t = 1_000)]
+    announce_period_ms: u64,
+
+    /// Announce periods a worker may miss before it is dropped.
+    #[arg(long, default_value_t = 3)]
+    missed_periods: u32,
+
+    /// Tokens per KV block of the cost model (the engines' block size).
+    #[arg(long, default_value_t = 16)]
+    tokens_per_block: u32,
+
+    /// Most index probes one donor lookup may spend.
+    #[arg(long, default_value_t = 16_384)]
+    max_probes: u32,
+
+    /// Decisions kept in the in-memory decision log.
+    #[arg(long, default_value_t = 1_024)]
+    decision_log: usize,
+
+    #[command(flatten)]
+    reuse: ReuseArgs,
+}
+
+/// Why the router did not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+enum RouterError {
+    #[error("settings: {0}")]
+    Settings(#[from] SettingsError),
+    #[error("NATS: {0}")]
+    Plane(#[from] PlaneError),
+    #[error("vLLM events `{endpoint}`: {source}")]
+    Vllm {
+        endpoint: String,
+        source: VllmEventError,
+    },
+    #[error("`--metrics-addr` {addr}: {source}")]
+    Metrics {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("advise service: {0}")]
+    Service(#[from] ServiceError),
+    #[error("signal handler: {0}")]
+    Signal(std::io::Error),
+}
+
+impl RouterError {
+    /// 2 for configuration errors, 1 for anything at run time.
+    fn exit_code(&self) -> u8 {
+        match self {
+            RouterError::Settings(_) | RouterError::Metrics { .. } => 2,
+            _ => 1,
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KV_ROUTER_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kv-reuse-router: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kv-reuse-router: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), RouterError> {
+    let mut loader = SettingsLoader::new();
+    if let Some(path) = &cli.settings {
+        loader = loader.toml_file(path)?;
+    }
+    let loaded = loader
+        .env(&EnvSnapshot::capture())?
+        .reuse_args(&cli.reuse)
+        .build()?;
+    tracing::info!("settings in force:\n{}", loaded.describe());
+    let model = CostModel::new(loaded.settings.clone(), cli.tokens_per_block)?;
+
+    let options = NatsOptions {
+        name: "kv-reuse-router".into(),
+        auth: cli
+            .nats_creds
+            .clone()
+            .map_or(NatsAuth::None, NatsAuth::CredentialsFile),
+        ..NatsOptions::default()
+    };
+    let plane = Arc::new(NatsPlane::connect(&cli.nats_url, options).await?);
+    let directory = NatsDirectory::connect(
+        &cli.nats_url,
+        &cli.directory_bucket,
+        Duration::from_millis(cli.directory_ttl_ms),
+    )
+    .await?;
+
+    let index = Arc::new(InventoryIndex::new());
+    let remote = Arc::new(RemoteDonorDirectory::new());
+    let advisor = Advisor::new(
+        index.clone(),
+        remote.clone(),
+        LiveCostModel::new(model),
+        Arc::new(DecisionLog::new(cli.decision_log)),
+        cli.max_probes,
+    );
+    let service = Arc::new(RouterService::new(Arc::new(advisor)));
+    let inventory = Arc::new(RouterInventory::new(
+        index.clone(),
+        remote.clone(),
+        service.clone(),
+        cli.announce_period_ms,
+        cli.missed_periods,
+    ));
+    let stop_following = CancellationToken::new();
+    let followers = inventory
+        .follow(
+            plane.clone() as Arc<dyn EventPlane>,
+            &directory,
+            &cli.namespace,
+            Duration::from_millis(cli.announce_period_ms.max(1)),
+            stop_following.clone(),
+        )
+        .await?;
+
+    // HOOK (issue 18, inventory rebuild after a router restart): not wired
+    // yet. `InventorySync` (plane/inventory, over `NatsInventory::from_client`)
+    // must see every registration (`on_registration`, right after
+    // `WorkerRegistry::announce` in `RouterInventory::on_announcement`),
+    // every `KvStreamItem::Lost` (`on_lost`, in `on_event`) and apply the
+    // stream's events itself (`InventorySync::apply_event`, replacing the
+    // direct `index.apply_event`), so that the first lookup after a restart
+    // finds donors that stayed idle. Its calls are async and borrow the
+    // `WorkerRegistry`, which `RouterInventory` keeps behind a blocking
+    // mutex: the registry and the sync move behind one async mutex first.
+
+    let mut vllm = Vec::new();
+    for spec in &cli.vllm_events {
+        let vllm_err = |source| RouterError::Vllm {
+            endpoint: spec.endpoint.clone(),
+            source,
+        };
+        let ingest = VllmIngest::new(index.clone(), spec.worker).map_err(vllm_err)?;
+        let sub = VllmSubscriber::start(spec.subscriber_config(), ingest)
+            .await
+            .map_err(vllm_err)?;
+        if spec.worker.role == Role::Prefill {
+            service.add_target(spec.worker.engine);
+        }
+        tracing::info!(endpoint = %spec.endpoint, worker = %spec.worker_name, engine = %spec.worker.engine, "ingesting vLLM KV events");
+        vllm.push(sub);
+    }
+
+    let metrics = Arc::new(ReuseMetrics::new());
+    let draining = Arc::new(AtomicBool::new(false));
+    let probe = {
+        let (draining, plane) = (draining.clone(), plane.clone());
+        Arc::new(move || {
+            if draining.load(Ordering::SeqCst) {
+                Health::Unavailable("draining")
+            } else if !plane.is_connected() {
+                Health::Unavailable("nats disconnected")
+            } else {
+                Health::Serving
+            }
+        })
+    };
+    let http = MetricsServer::bind_with_health(cli.metrics_addr, metrics.clone(), probe)
+        .await
+        .map_err(|source| RouterError::Metrics {
+            addr: cli.metrics_addr,
+            source,
+        })?;
+    let server = AdviseServer::bind(plane.client().clone(), service.clone())
+        .await?
+        .with_metrics(metrics);
+
+    // Handlers before the ready line: a harness may signal right after it.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).map_err(RouterError::Signal)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(RouterError::Signal)?;
+    let shutdown = CancellationToken::new();
+    let serving = tokio::spawn(server.run(shutdown.clone()));
+
+    let ready = serde_json::json!({
+        "event": "ready",
+        "metrics_addr": http.local_addr().to_string(),
+        "subject": ADVISE_SUBJECT,
+    });
+    {
+        let mut out = std::io::stdout().lock();
+        // A closed stdout (harness gone) must not stop a serving router.
+        let _ = writeln!(out, "{ready}");
+        let _ = out.flush();
+    }
+
+    let signal_name = tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    };
+    tracing::info!(signal = signal_name, "draining");
+    draining.store(true, Ordering::SeqCst);
+    shutdown.cancel();
+    let report = match serving.await {
+        Ok(r) => r?,
+        Err(e) => {
+            tracing::error!(error = %e, "advise task failed");
+            return Ok(());
+        }
+    };
+    // Requests arriving after this (none reach us once unsubscribed) would
+    // be refused as draining.
+    service.drain();
+    stop_following.cancel();
+    drop(followers);
+    for sub in vllm {
+        sub.stop().await;
+    }
+    http.shutdown().await;
+    tracing::info!(
+        received = report.received,
+        decided = report.decided,
+        refused = report.refused,
+        after_shutdown = report.after_shutdown,
+        follow = ?inventory.stats(),
+        "stopped"
+    );
+    Ok(())
+}

@@ -1,0 +1,194 @@
+//! [`VllmEndpointSpec`]: one `--vllm-events` value of the router binary.
+//!
+//! Syntax: `ENDPOINT[,key=value]...`, e.g.
+//! `tcp://decode-0:5557,replay=tcp://decode-0:5558,fingerprint=1234,role=decode,tp=2,block=16,worker=decode-0`.
+//!
+//! | key | meaning | default |
+//! | --- | --- | --- |
+//! | `replay` | the engine's ROUTER replay endpoint | none (every gap is a loss) |
+//! | `fingerprint` | KV layout fingerprint (u64, decimal or `0x` hex) | required |
+//! | `role` | `decode` or `prefill` | `decode` |
+//! | `tp` | tensor-parallel size | `1` |
+//! | `block` | tokens per KV block | `16` |
+//! | `worker` | stable worker name | the endpoint |
+//!
+//! vLLM does not publish an engine id, so the engine id is derived from the
+//! worker name (XXH3-128): the same worker gets the same id after a router
+//! restart.
+
+use std::str::FromStr;
+
+use kv_descriptor::{EngineId, LayoutFingerprint, Role};
+use kv_lookup::WorkerKey;
+
+use crate::vllm_events::{VllmSubscriberConfig, VllmWorker};
+
+/// A parsed `--vllm-events` value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VllmEndpointSpec {
+    /// PUB endpoint (`tcp://host:port`).
+    pub endpoint: String,
+    /// ROUTER replay endpoint.
+    pub replay: Option<String>,
+    /// The engine as the index sees it.
+    pub worker: VllmWorker,
+    /// Worker name the key and engine id derive from.
+    pub worker_name: String,
+}
+
+/// Why a `--vllm-events` value was refused, naming the key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VllmSpecError {
+    /// The endpoint before the first comma is empty.
+    #[error("`--vllm-events`: the endpoint is empty")]
+    EmptyEndpoint,
+    /// A `key=value` item without `=` or with a key not in the table.
+    #[error("`--vllm-events`: unknown item `{item}` (keys: replay, fingerprint, role, tp, block, worker)")]
+    UnknownKey {
+        /// The item as written.
+        item: String,
+    },
+    /// A value that does not parse.
+    #[error("`--vllm-events` key `{key}`: invalid value {value:?} ({expected})")]
+    InvalidValue {
+        /// Key.
+        key: &'static str,
+        /// Value as written.
+        value: String,
+        /// What is expected.
+        expected: &'static str,
+    },
+    /// A required key is absent.
+    #[error("`--vllm-events`: key `{key}` is required")]
+    Missing {
+        /// Key.
+        key: &'static str,
+    },
+}
+
+impl FromStr for VllmEndpointSpec {
+    type Err = VllmSpecError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut items = s.split(',');
+        let endpoint = items.next().unwrap_or("").trim().to_string();
+        if endpoint.is_empty() {
+            return Err(VllmSpecError::EmptyEndpoint);
+        }
+        let (mut replay, mut fingerprint, mut role, mut tp, mut block, mut name) =
+            (None, None, Role::Decode, 1u32, 16u32, None);
+        for item in items {
+            let Some((k, v)) = item.split_once('=') else {
+                return Err(VllmSpecError::UnknownKey { item: item.into() });
+            };
+            let invalid = |key, expected| VllmSpecError::InvalidValue {
+                key,
+                value: v.to_string(),
+                expected,
+            };
+            let positive = |key| {
+                v.parse::<u32>()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| invalid(key, "an integer >= 1"))
+            };
+            match k.trim() {
+                "replay" => replay = Some(v.to_string()),
+                "fingerprint" => {
+                    let parsed = match v.strip_prefix("0x") {
+                        Some(hex) => u64::from_str_radix(hex, 16),
+                        None => v.parse(),
+                    };
+                    fingerprint = Some(parsed.map_err(|_| invalid("fingerprint", "a u64"))?);
+                }
+                "role" => {
+                    role = match v {
+                        "decode" => Role::Decode,
+                        "prefill" => Role::Prefill,
+                        _ => return Err(invalid("role", "decode or prefill")),
+                    }
+                }
+                "tp" => tp = positive("tp")?,
+                "block" => block = positive("block")?,
+                "worker" if !v.is_empty() => name = Some(v.to_string()),
+                "worker" => return Err(invalid("worker", "a non-empty name")),
+                _ => return Err(VllmSpecError::UnknownKey { item: item.into() }),
+            }
+        }
+        let fingerprint = fingerprint.ok_or(VllmSpecError::Missing { key: "fingerprint" })?;
+        let worker_name = name.unwrap_or_else(|| endpoint.clone());
+        let engine = EngineId(uuid::Uuid::from_u128(xxhash_rust::xxh3::xxh3_128(
+            worker_name.as_bytes(),
+        )));
+        Ok(Self {
+            worker: VllmWorker {
+                key: WorkerKey(xxhash_rust::xxh3::xxh3_64(worker_name.as_bytes())),
+                engine,
+                role,
+                layout_fingerprint: LayoutFingerprint(fingerprint),
+                tp_size: tp,
+                tokens_per_block: block,
+            },
+            endpoint,
+            replay,
+            worker_name,
+        })
+    }
+}
+
+impl VllmEndpointSpec {
+    /// The subscriber configuration (defaults of [`VllmSubscriberConfig::new`]).
+    pub fn subscriber_config(&self) -> VllmSubscriberConfig {
+        VllmSubscriberConfig::new(self.endpoint.clone(), self.replay.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_spec_parses_and_ids_follow_the_worker_name() {
+        let a: VllmEndpointSpec =
+            "tcp://d0:5557,replay=tcp://d0:5558,fingerprint=0x10,role=prefill,tp=2,block=32,worker=d0"
+                .parse()
+                .unwrap();
+        assert_eq!(a.endpoint, "tcp://d0:5557");
+        assert_eq!(a.replay.as_deref(), Some("tcp://d0:5558"));
+        assert_eq!(a.worker.layout_fingerprint, LayoutFingerprint(16));
+        assert_eq!(a.worker.role, Role::Prefill);
+        assert_eq!((a.worker.tp_size, a.worker.tokens_per_block), (2, 32));
+        // Same worker name on another endpoint: same identity (restart-stable).
+        let b: VllmEndpointSpec = "tcp://d0-new:1,fingerprint=16,worker=d0".parse().unwrap();
+        assert_eq!(a.worker.engine, b.worker.engine);
+        assert_eq!(a.worker.key, b.worker.key);
+        let c: VllmEndpointSpec = "tcp://d1:1,fingerprint=16".parse().unwrap();
+        assert_ne!(a.worker.engine, c.worker.engine);
+        assert_eq!(c.worker_name, "tcp://d1:1");
+        assert_eq!(c.worker.role, Role::Decode);
+    }
+
+    #[test]
+    fn bad_values_name_the_key() {
+        let err = |s: &str| s.parse::<VllmEndpointSpec>().unwrap_err();
+        assert_eq!(err(",fingerprint=1"), VllmSpecError::EmptyEndpoint);
+        assert_eq!(
+            err("tcp://x:1"),
+            VllmSpecError::Missing { key: "fingerprint" }
+        );
+        assert!(matches!(
+            err("tcp://x:1,fingerprint=1,tp=0"),
+            VllmSpecError::InvalidValue { key: "tp", .. }
+        ));
+        assert!(matches!(
+            err("tcp://x:1,fingerprint=1,role=router"),
+            VllmSpecError::InvalidValue { key: "role", .. }
+        ));
+        assert_eq!(
+            err("tcp://x:1,fingerprint=1,colour=red"),
+            VllmSpecError::UnknownKey {
+                item: "colour=red".into()
+            }
+        );
+    }
+}

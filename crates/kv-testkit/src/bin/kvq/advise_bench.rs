@@ -1,0 +1,172 @@
+//! `kvq bench advise`: the router service's advise round trip over NATS on
+//! loopback beside the in-process `RouterService::advise`, in one run
+//! (samples from `kv_router_glue::service::bench`), with the issue-18
+//! goals printed (p50 <= 100 µs, p99 <= 300 µs for the NATS round trip).
+//! Goals are reported, never asserted: a slow machine prints `missed`.
+
+use std::path::Path;
+
+use kv_router_glue::service::bench::{run_advise_bench, AdviseBenchConfig, AdviseBenchSamples};
+use kv_testkit::replay::percentile;
+use serde::Serialize;
+
+/// Goal for the NATS round trip's p50, µs (issue 18).
+const GOAL_P50_US: f64 = 100.0;
+/// Goal for the NATS round trip's p99, µs (issue 18).
+const GOAL_P99_US: f64 = 300.0;
+
+/// One printed row: a sample set's percentiles, and its ratios to the
+/// in-process `advise` row (how many times slower; 1.0 for that row).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AdviseRow {
+    /// `in_process_advise`, `in_process_handle`, `nats_round_trip`.
+    pub case: &'static str,
+    /// Timed requests.
+    pub requests: usize,
+    /// Median, µs.
+    pub p50_us: f64,
+    /// 99th percentile, µs.
+    pub p99_us: f64,
+    /// Mean, µs.
+    pub mean_us: f64,
+    /// `p50_us` / in-process advise p50.
+    pub p50_ratio: f64,
+    /// `p99_us` / in-process advise p99.
+    pub p99_ratio: f64,
+}
+
+fn row(case: &'static str, v: &[f64], base: Option<(f64, f64)>) -> AdviseRow {
+    // Empty sets cannot happen (requests >= 1); NaN would print as such.
+    let p50 = percentile(v, 0.5).unwrap_or(f64::NAN);
+    let p99 = percentile(v, 0.99).unwrap_or(f64::NAN);
+    let (b50, b99) = base.unwrap_or((p50, p99));
+    AdviseRow {
+        case,
+        requests: v.len(),
+        p50_us: p50,
+        p99_us: p99,
+        mean_us: v.iter().sum::<f64>() / v.len().max(1) as f64,
+        p50_ratio: p50 / b50,
+        p99_ratio: p99 / b99,
+    }
+}
+
+/// The three rows of `s`, in-process advise first (the ratios' baseline).
+pub fn rows(s: &AdviseBenchSamples) -> Vec<AdviseRow> {
+    let base = row("in_process_advise", &s.in_process_advise_us, None);
+    let b = Some((base.p50_us, base.p99_us));
+    vec![
+        base,
+        row("in_process_handle", &s.in_process_handle_us, b),
+        row("nats_round_trip", &s.nats_round_trip_us, b),
+    ]
+}
+
+fn met(v: f64, goal: f64) -> &'static str {
+    if v <= goal {
+        "met"
+    } else {
+        "missed"
+    }
+}
+
+/// Runs the bench (`--quick`: 100,000 blocks and 2,000 requests instead of
+/// 1,000,000 and 20,000); prints the table and writes `--json`. Exit 2 when
+/// it cannot run.
+pub fn bench_command(quick: bool, json: Option<&Path>) -> i32 {
+    let cfg = if quick {
+        AdviseBenchConfig {
+            retained_blocks: 100_000,
+            requests: 2_000,
+            warmup: 200,
+        }
+    } else {
+        AdviseBenchConfig::default()
+    };
+    let samples = match run_advise_bench(cfg) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvq bench advise: {e}");
+            return 2;
+        }
+    };
+    let rows = rows(&samples);
+    println!(
+        "advise: {} index entries (fill {:.0} ms), {}-block requests, {} timed per case, {} of {} admitted with a hint",
+        samples.index_entries,
+        samples.index_fill_ms,
+        samples.request_blocks,
+        cfg.requests,
+        samples.admitted,
+        samples.timed
+    );
+    println!(
+        "{:<20} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "case", "p50 µs", "p99 µs", "mean µs", "p50 x", "p99 x"
+    );
+    for r in &rows {
+        println!(
+            "{:<20} {:>9.1} {:>9.1} {:>9.1} {:>9.2} {:>9.2}",
+            r.case, r.p50_us, r.p99_us, r.mean_us, r.p50_ratio, r.p99_ratio
+        );
+    }
+    let nats = &rows[2];
+    println!(
+        "goal nats_round_trip p50 <= {GOAL_P50_US} µs: {} ({:.1}); p99 <= {GOAL_P99_US} µs: {} ({:.1})",
+        met(nats.p50_us, GOAL_P50_US),
+        nats.p50_us,
+        met(nats.p99_us, GOAL_P99_US),
+        nats.p99_us
+    );
+    if let Some(path) = json {
+        let doc = serde_json::json!({
+            "bench": "advise",
+            "quick": quick,
+            "retained_blocks": cfg.retained_blocks,
+            "index_entries": samples.index_entries,
+            "index_fill_ms": samples.index_fill_ms,
+            "request_blocks": samples.request_blocks,
+            "admitted": samples.admitted,
+            "timed": samples.timed,
+            "goal_p50_us": GOAL_P50_US,
+            "goal_p99_us": GOAL_P99_US,
+            "goal_p50_met": nats.p50_us <= GOAL_P50_US,
+            "goal_p99_met": nats.p99_us <= GOAL_P99_US,
+            "rows": rows,
+        });
+        if let Err(e) = std::fs::write(path, serde_json::to_vec_pretty(&doc).unwrap_or_default()) {
+            eprintln!("kvq bench advise: cannot write {}: {e}", path.display());
+            return 2;
+        }
+        println!("json: {}", path.display());
+    }
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_take_percentiles_and_ratios_against_in_process_advise() {
+        let s = AdviseBenchSamples {
+            index_entries: 1,
+            index_fill_ms: 0.0,
+            request_blocks: 48,
+            admitted: 300,
+            timed: 300,
+            in_process_advise_us: (1..=100).map(f64::from).collect(),
+            in_process_handle_us: (1..=100).map(|v| f64::from(v) * 2.0).collect(),
+            nats_round_trip_us: (1..=100).map(|v| f64::from(v) * 10.0).collect(),
+        };
+        let r = rows(&s);
+        assert_eq!(r[0].case, "in_process_advise");
+        assert_eq!((r[0].p50_us, r[0].p99_us), (50.0, 99.0));
+        assert_eq!((r[0].p50_ratio, r[0].p99_ratio), (1.0, 1.0));
+        assert_eq!((r[1].p50_ratio, r[1].p99_ratio), (2.0, 2.0));
+        assert_eq!((r[2].p50_us, r[2].p99_us), (500.0, 990.0));
+        assert_eq!((r[2].p50_ratio, r[2].p99_ratio), (10.0, 10.0));
+        assert_eq!(r[2].mean_us, 505.0);
+        assert_eq!((met(100.0, 100.0), met(100.1, 100.0)), ("met", "missed"));
+    }
+}
