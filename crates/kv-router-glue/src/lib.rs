@@ -129,8 +129,8 @@ pub use event_plane::{NatsAuth, NatsOptions, NatsPlane, NatsTls};
 pub use fetch_executor::{DonorPin, DonorSource, EngineRegion, FetchExecutor, FetchOutcome};
 pub use hint_validation::{check_prompt_prefix, validate_hint, ValidatedFetch};
 pub use kv_events::{
-    resync_subject, KvEventPublisher, KvEventReceiver, KvStreamItem, PublisherHeader,
-    ReceiverStats, ResyncOutcome, ResyncRequest, DEFAULT_MAX_EVENT_ID_JUMP,
+    resync_subject, KvEventPublisher, KvEventReceiver, KvStreamItem, KvStreamResume,
+    PublisherHeader, ReceiverStats, ResyncOutcome, ResyncRequest, DEFAULT_MAX_EVENT_ID_JUMP,
     DEFAULT_PUBLISHER_IDLE_FORGET,
 };
 pub use ols::OlsFit;

@@ -19,9 +19,16 @@
 //! (settable), with no gap open, is forgotten (restarted engines come back as
 //! new incarnations, so the old ones would accumulate);
 //! [`KvEventReceiver::forget_publisher`] forgets a retired one at once.
+//!
+//! After the caller rebuilt a publisher's inventory from a snapshot
+//! consistent with event id N, [`KvEventReceiver::resume_from`] (or a
+//! [`KvStreamResume`] handle, which `InventorySync` calls) moves the stream
+//! to N + 1: without it, a receiver that never saw ids 1..=N would open a gap
+//! for them on event N + 1, and when the publisher's ring no longer holds
+//! them, event N + 1 would wait the whole gap timeout (late, not lost).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use kv_descriptor::{EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, StorageTier, Wire};
@@ -271,6 +278,53 @@ impl PublisherTrack {
     }
 }
 
+/// Stream positions queued by [`KvStreamResume`] handles, applied by the
+/// receiver at its next poll.
+#[derive(Default)]
+struct ResumeQueue {
+    /// Highest snapshot event id per publisher since the last poll.
+    pending: parking_lot::Mutex<HashMap<EngineId, u64>>,
+    /// Wakes a receiver waiting in [`KvEventReceiver::next`].
+    wake: tokio::sync::Notify,
+}
+
+/// A handle that tells a [`KvEventReceiver`] owned elsewhere (the router's
+/// event loop) that a publisher's inventory was rebuilt from a snapshot;
+/// from [`KvEventReceiver::resume_handle`]. `InventorySync` holds one (see
+/// `InventorySync::with_stream_resume`) and calls it after each applied
+/// snapshot. Cheap to clone; it does not keep the receiver alive.
+#[derive(Clone)]
+pub struct KvStreamResume {
+    queue: Weak<ResumeQueue>,
+}
+
+impl std::fmt::Debug for KvStreamResume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvStreamResume")
+            .field("receiver_alive", &(self.queue.strong_count() > 0))
+            .finish()
+    }
+}
+
+impl KvStreamResume {
+    /// Queues [`KvEventReceiver::resume_from`]`(publisher, last_event_id)`
+    /// for the receiver; it is applied before the receiver's next item (a
+    /// receiver waiting in `next` wakes for it). Of several positions queued
+    /// for one publisher the highest wins. Returns false when the receiver
+    /// was dropped (nothing to resume).
+    pub fn resume_from(&self, publisher: EngineId, last_event_id: u64) -> bool {
+        let Some(queue) = self.queue.upgrade() else {
+            return false;
+        };
+        let mut pending = queue.pending.lock();
+        let at = pending.entry(publisher).or_insert(last_event_id);
+        *at = (*at).max(last_event_id);
+        drop(pending);
+        queue.wake.notify_one();
+        true
+    }
+}
+
 /// Receives KV events in per-publisher id order, repairing gaps by resync.
 pub struct KvEventReceiver {
     sub: Subscription,
@@ -284,6 +338,10 @@ pub struct KvEventReceiver {
     tracks: HashMap<EngineId, PublisherTrack>,
     ready: VecDeque<KvStreamItem>,
     stats: ReceiverStats,
+    /// Positions from [`KvStreamResume`] handles.
+    resume: Arc<ResumeQueue>,
+    /// Resync requests for holes that a resume left behind the new position.
+    resync_due: Vec<ResyncRequest>,
 }
 
 impl std::fmt::Debug for KvEventReceiver {
@@ -320,6 +378,8 @@ impl KvEventReceiver {
             tracks: HashMap::new(),
             ready: VecDeque::new(),
             stats: ReceiverStats::default(),
+            resume: Arc::new(ResumeQueue::default()),
+            resync_due: Vec::new(),
         })
     }
 
@@ -347,6 +407,83 @@ impl KvEventReceiver {
         known
     }
 
+    /// Moves `publisher`'s stream past `last_event_id`, the event id its
+    /// inventory snapshot was consistent with (`SyncOutcome::Applied`), so
+    /// that event `last_event_id + 1` is delivered as soon as it arrives.
+    ///
+    /// Events of `publisher` at or below `last_event_id` that were held
+    /// behind a gap, or arrive later, are dropped as duplicates (the
+    /// snapshot holds them); held events after it that are now contiguous
+    /// are delivered, and a gap that the snapshot covers closes without a
+    /// [`KvStreamItem::Lost`]. A hole left after the held events that follow
+    /// `last_event_id` is asked again (a new [`ResyncRequest`] from the first
+    /// id still missing, sent at the next poll, with a fresh gap timeout).
+    /// An id at or below what was already delivered changes nothing (nothing
+    /// is delivered twice). An unknown publisher is tracked from there.
+    /// Returns whether the position moved.
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     plane: std::sync::Arc<dyn kv_router_glue::EventPlane>,
+    /// #     subject: kv_router_glue::Subject,
+    /// #     worker: kv_descriptor::EngineId,
+    /// # ) -> Result<(), kv_router_glue::PlaneError> {
+    /// use std::time::Duration;
+    /// use kv_router_glue::{KvEventReceiver, KvStreamItem};
+    ///
+    /// let mut events = KvEventReceiver::subscribe(plane, &subject, Duration::from_secs(1)).await?;
+    /// // ... the worker's inventory was rebuilt from a snapshot at event 6 ...
+    /// assert!(events.resume_from(worker, 6));
+    /// // Event 7 comes out as soon as it arrives, with no `Lost 1..=6` first.
+    /// if let Some(KvStreamItem::Event(e)) = events.next().await {
+    ///     assert_eq!((e.publisher, e.event_id), (worker, 7));
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn resume_from(&mut self, publisher: EngineId, last_event_id: u64) -> bool {
+        let next = last_event_id.saturating_add(1);
+        let now = Instant::now();
+        let track = self
+            .tracks
+            .entry(publisher)
+            .or_insert_with(|| PublisherTrack::new(now));
+        if next <= track.next_expected {
+            return false;
+        }
+        track.last_seen = now;
+        // Held events up to the snapshot's id are in the snapshot already.
+        let kept = track.held.split_off(&next);
+        self.stats.duplicates += track.held.len() as u64;
+        track.held = kept;
+        if track.far.as_ref().is_some_and(|f| f.event_id < next) {
+            track.far = None;
+            self.stats.duplicates += 1;
+        }
+        track.next_expected = next;
+        Self::drain(track, &mut self.ready, &mut self.stats);
+        if !track.held.is_empty() {
+            // The open gap's request asked from before the snapshot, which
+            // the ring may have refused as too old; the hole after it may
+            // still be in the ring, so ask again from there, with a fresh
+            // deadline.
+            track.gap_deadline = Some(now + self.gap_timeout);
+            self.stats.gaps += 1;
+            self.resync_due.push(ResyncRequest {
+                publisher,
+                from_event_id: track.next_expected,
+            });
+        }
+        true
+    }
+
+    /// A handle for calling [`KvEventReceiver::resume_from`] from code
+    /// that does not own the receiver (`InventorySync`).
+    pub fn resume_handle(&self) -> KvStreamResume {
+        KvStreamResume {
+            queue: Arc::downgrade(&self.resume),
+        }
+    }
+
     /// Publishers tracked now.
     pub fn publishers_tracked(&self) -> usize {
         self.tracks.len()
@@ -360,19 +497,22 @@ impl KvEventReceiver {
     /// Next item; `None` when the plane closed.
     pub async fn next(&mut self) -> Option<KvStreamItem> {
         loop {
+            self.apply_resumes().await;
             if let Some(item) = self.ready.pop_front() {
                 return Some(item);
             }
             let deadline = self.tracks.values().filter_map(|t| t.gap_deadline).min();
-            let msg = match deadline {
-                Some(d) => match tokio::time::timeout_at(d, self.sub.next()).await {
-                    Ok(m) => m,
-                    Err(_) => {
-                        self.expire_gaps();
-                        continue;
-                    }
-                },
-                None => self.sub.next().await,
+            let resume = Arc::clone(&self.resume);
+            let msg = tokio::select! {
+                // A snapshot applied elsewhere may release held events now.
+                () = resume.wake.notified() => continue,
+                m = self.sub.next() => m,
+                () = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)),
+                    if deadline.is_some() =>
+                {
+                    self.expire_gaps();
+                    continue;
+                }
             };
             let msg = msg?;
             match KvEvent::from_wire(&msg.payload) {
@@ -443,6 +583,18 @@ impl KvEventReceiver {
         self.stats.delivered += 1;
         track.next_expected += 1;
         Self::drain(track, &mut self.ready, &mut self.stats);
+    }
+
+    /// Applies the positions queued by [`KvStreamResume`] handles and sends
+    /// the resync requests that resumes left due.
+    async fn apply_resumes(&mut self) {
+        let pending = std::mem::take(&mut *self.resume.pending.lock());
+        for (publisher, last_event_id) in pending {
+            self.resume_from(publisher, last_event_id);
+        }
+        for req in std::mem::take(&mut self.resync_due) {
+            self.send_resync(req).await;
+        }
     }
 
     async fn send_resync(&self, req: ResyncRequest) {

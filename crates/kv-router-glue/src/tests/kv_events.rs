@@ -275,3 +275,101 @@ async fn gone_publishers_are_forgotten() {
     assert!(!rx.forget_publisher(publisher));
     assert_eq!((rx.publishers_tracked(), rx.stats().forgotten), (0, 2));
 }
+
+#[tokio::test]
+async fn resume_from_a_snapshot_delivers_the_next_event_at_once() {
+    // Gap timeout 100 ms; the router's inventory came from a snapshot at 5,
+    // and this receiver never saw 1..=5 (nor can anyone replay them).
+    let (mut rx, wire, plane, subject) = raw_setup(DEFAULT_MAX_EVENT_ID_JUMP).await;
+    let publisher = KvEvent::from_wire(&wire(1)).unwrap().publisher;
+    assert!(rx.resume_from(publisher, 5));
+    plane.publish(&subject, wire(6)).await.unwrap();
+    let first = rx.next_timeout(Duration::from_millis(50)).await;
+    assert_eq!(
+        ids(first.as_slice()),
+        ["6"],
+        "event 6 before the gap timeout"
+    );
+    // An id at or below the position (a late or repeated resume) neither
+    // moves the stream back nor delivers anything twice.
+    assert!(!rx.resume_from(publisher, 2));
+    assert!(!rx.resume_from(publisher, 6));
+    for id in [4, 6, 7] {
+        plane.publish(&subject, wire(id)).await.unwrap();
+    }
+    assert_eq!(ids(&drain(&mut rx).await), ["7"]);
+    let st = rx.stats();
+    assert_eq!(
+        (st.delivered, st.duplicates, st.gaps, st.lost),
+        (2, 2, 0, 0)
+    );
+}
+
+#[tokio::test]
+async fn resume_from_drops_covered_held_events_and_releases_the_rest() {
+    let (mut rx, wire, plane, subject) = raw_setup(DEFAULT_MAX_EVENT_ID_JUMP).await;
+    let publisher = KvEvent::from_wire(&wire(1)).unwrap().publisher;
+    // 9, 10 and 12 arrive before the snapshot: held behind a gap from 1.
+    for id in [9, 10, 12] {
+        plane.publish(&subject, wire(id)).await.unwrap();
+    }
+    assert!(rx.next_timeout(Duration::from_millis(30)).await.is_none());
+    assert_eq!(rx.stats().gaps, 1);
+    // The snapshot is at 9: 9 is in it, 10 follows it, 11 is a real hole.
+    assert!(rx.resume_from(publisher, 9));
+    let got = drain(&mut rx).await; // waits past the gap timeout
+    assert_eq!(ids(&got), ["10", "lost 11-11", "12"]);
+    let st = rx.stats();
+    assert_eq!(
+        (st.delivered, st.duplicates, st.gaps, st.lost),
+        (2, 1, 2, 1),
+        "9 dropped as in the snapshot; 11 asked again, then lost"
+    );
+}
+
+#[tokio::test]
+async fn a_resume_handle_wakes_a_waiting_receiver() {
+    // Gap timeout 2 s and no resync server: only the resume can release
+    // event 5 in time.
+    let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
+    let subject = Subject::new("test", "decode", "kv_events").unwrap();
+    let mut rx = KvEventReceiver::subscribe(plane.clone(), &subject, Duration::from_secs(2))
+        .await
+        .unwrap();
+    let h = header();
+    let p = KvEventPublisher::new(plane, subject, h, 4);
+    for i in 1..=5 {
+        p.publish(StorageTier::RetainedGpuDirect, stored(i))
+            .await
+            .unwrap();
+    }
+    let first = rx.next_timeout(Duration::from_millis(200)).await;
+    assert_eq!(ids(first.as_slice()), ["1"]);
+    // The receiver forgets the publisher (as after a router restart) with
+    // 2..=5 still queued: 2 opens a gap from 1 and everything is held.
+    assert!(rx.forget_publisher(h.publisher));
+    let handle = rx.resume_handle();
+    let resumer = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        handle.resume_from(h.publisher, 1)
+    });
+    let started = tokio::time::Instant::now();
+    let mut got = Vec::new();
+    for _ in 0..4 {
+        got.extend(rx.next_timeout(Duration::from_secs(1)).await);
+    }
+    assert!(resumer.await.unwrap(), "the receiver is alive");
+    assert_eq!(ids(&got), ["2", "3", "4", "5"]);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "woken by the resume, not the 2 s gap timeout: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(rx.stats().lost, 0);
+    let handle = rx.resume_handle();
+    drop(rx);
+    assert!(
+        !handle.resume_from(h.publisher, 9),
+        "a dropped receiver has nothing to resume"
+    );
+}

@@ -14,7 +14,9 @@ use super::{
     inventory_subject, InventoryError, InventoryPlane, InventoryReply, InventoryRequest,
     SnapshotBlock, MAX_SNAPSHOT_PAGE_BLOCKS,
 };
-use crate::{Registration, RemoteDonorDirectory, WorkerAnnouncement, WorkerRegistry};
+use crate::{
+    KvStreamResume, Registration, RemoteDonorDirectory, WorkerAnnouncement, WorkerRegistry,
+};
 
 /// Default of [`InventorySync::new`]'s per-request timeout.
 pub const DEFAULT_INVENTORY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -54,7 +56,10 @@ pub struct RebuildReport {
 ///
 /// Order matters: subscribe the [`crate::KvEventReceiver`] *before* asking
 /// for snapshots, so every event after a snapshot's `last_event_id` reaches
-/// [`InventorySync::apply_event`].
+/// [`InventorySync::apply_event`]. Give the sync that receiver's
+/// [`crate::KvEventReceiver::resume_handle`]
+/// ([`InventorySync::with_stream_resume`]) so that the stream resumes right
+/// after each applied snapshot.
 pub struct InventorySync {
     plane: Arc<dyn InventoryPlane>,
     namespace: String,
@@ -64,6 +69,8 @@ pub struct InventorySync {
     applied: HashMap<EngineId, u64>,
     /// Publishers whose inventory came from a snapshot at this event id.
     snapshot_at: HashMap<EngineId, u64>,
+    /// The event receiver to move past each applied snapshot.
+    resume: Option<KvStreamResume>,
 }
 
 impl std::fmt::Debug for InventorySync {
@@ -94,6 +101,7 @@ impl InventorySync {
             page_blocks: MAX_SNAPSHOT_PAGE_BLOCKS,
             applied: HashMap::new(),
             snapshot_at: HashMap::new(),
+            resume: None,
         })
     }
 
@@ -101,6 +109,16 @@ impl InventorySync {
     /// clamped) blocks: small pages exercise paging in tests.
     pub fn with_page_blocks(mut self, blocks: u32) -> Self {
         self.page_blocks = blocks.clamp(1, MAX_SNAPSHOT_PAGE_BLOCKS);
+        self
+    }
+
+    /// Moves `events` (the router's [`crate::KvEventReceiver`], from its
+    /// [`crate::KvEventReceiver::resume_handle`]) past each applied
+    /// snapshot's `last_event_id`. Without it, when a worker's replay ring is
+    /// shorter than what the receiver missed, the first event after the
+    /// snapshot waits one gap timeout behind a covered `Lost` range.
+    pub fn with_stream_resume(mut self, events: KvStreamResume) -> Self {
+        self.resume = Some(events);
         self
     }
 
@@ -269,6 +287,12 @@ impl InventorySync {
         }));
         self.applied.insert(engine, pages.last_event_id);
         self.snapshot_at.insert(engine, pages.last_event_id);
+        // The stream goes on after the snapshot: events it holds are not
+        // waited for (their gap would end in a covered `Lost` only after the
+        // gap timeout) and count nothing twice.
+        if let Some(events) = &self.resume {
+            events.resume_from(engine, pages.last_event_id);
+        }
         Ok(SyncOutcome::Applied {
             blocks: pages.blocks.len(),
             last_event_id: pages.last_event_id,

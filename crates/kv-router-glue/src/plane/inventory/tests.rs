@@ -349,3 +349,110 @@ async fn a_bad_snapshot_is_refused_typed_and_applies_nothing() {
         .unwrap_err();
     assert!(matches!(e, InventoryError::Timeout { .. }), "{e:?}");
 }
+
+/// Issue: after a snapshot at event N, a receiver that never saw 1..=N (a
+/// restarted router) held event N + 1 behind a gap that the publisher's
+/// ring (shorter than N) cannot replay, so N + 1 came out only after the
+/// gap timeout. With the receiver's resume handle the sync moves the
+/// stream past N and N + 1 is applied at once.
+#[tokio::test]
+async fn after_a_snapshot_the_next_event_is_applied_before_the_gap_timeout() {
+    use std::sync::Arc;
+
+    use kv_descriptor::{KvEventData, Role, StorageTier, StoredBlock};
+    use kv_lookup::{EventOutcome, InventoryIndex, WorkerInfo, WorkerKey};
+
+    use crate::{
+        EventPlane, InProcessPlane, KvEventPublisher, KvEventReceiver, KvStreamItem,
+        PublisherHeader,
+    };
+
+    let engine = EngineId(uuid::Uuid::from_u128(9));
+    let gap_timeout = Duration::from_secs(2);
+    let events: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
+    let subject = crate::Subject::new("qa", "decode", "kv_events").unwrap();
+    let publisher = Arc::new(KvEventPublisher::new(
+        events.clone(),
+        subject.clone(),
+        PublisherHeader {
+            publisher: engine,
+            role: Role::Decode,
+            layout_fingerprint: LayoutFingerprint(0xF1),
+            tp_size: 2,
+        },
+        2,
+    ));
+    let _resync = publisher.serve_resync().await.unwrap();
+    let stored = |slot: u32| KvEventData::Stored {
+        parent: None,
+        blocks: vec![StoredBlock {
+            sequence_hash: SequenceHash(5000 + u64::from(slot)),
+            token_hash: TokenBlockHash(7),
+            slot: Some(slot),
+        }],
+    };
+    // Events 1..=6 before the router (re)started: nobody heard them.
+    for slot in 0..6 {
+        publisher
+            .publish(StorageTier::RetainedGpuDirect, stored(slot))
+            .await
+            .unwrap();
+    }
+    let mut rx = KvEventReceiver::subscribe(events, &subject, gap_timeout)
+        .await
+        .unwrap();
+
+    let index = InventoryIndex::new();
+    index
+        .register_worker(
+            WorkerKey(1),
+            WorkerInfo {
+                engine,
+                role: Role::Decode,
+                layout_fingerprint: LayoutFingerprint(0xF1),
+                tp_size: 2,
+            },
+        )
+        .unwrap();
+    let remote = crate::RemoteDonorDirectory::new();
+    let registry = crate::WorkerRegistry::new(1000, 3);
+    let plane = InProcessInventory::new();
+    let inventory = inventory_subject("qa", engine).unwrap();
+    let page = snapshot((0..6).map(|s| block(s, 2)).collect()); // at event 6
+    scripted(
+        &plane,
+        &inventory,
+        vec![InventoryReply::Snapshot(page).to_wire().unwrap()],
+    )
+    .await;
+    let mut sync = InventorySync::new(Arc::new(plane), "qa", Duration::from_secs(1))
+        .unwrap()
+        .with_stream_resume(rx.resume_handle());
+    assert_eq!(
+        sync.rebuild_worker(engine, &index, &remote, &registry)
+            .await
+            .unwrap(),
+        SyncOutcome::Applied {
+            blocks: 6,
+            last_event_id: 6
+        }
+    );
+
+    // Event 7 comes out well before the gap timeout, with no Lost first.
+    publisher
+        .publish(StorageTier::RetainedGpuDirect, stored(6))
+        .await
+        .unwrap();
+    let item = rx.next_timeout(gap_timeout / 4).await;
+    let Some(KvStreamItem::Event(e)) = item else {
+        panic!("event 7 not delivered within a quarter of the gap timeout: {item:?}");
+    };
+    assert_eq!((e.publisher, e.event_id), (engine, 7));
+    assert!(matches!(
+        sync.apply_event(&e, &index, &remote, &registry).unwrap(),
+        EventOutcome::Applied { .. }
+    ));
+    assert!(!index.holds(engine, SequenceHash(5006)).is_empty());
+    let st = rx.stats();
+    assert_eq!((st.gaps, st.lost), (0, 0), "no gap was opened");
+}
