@@ -442,6 +442,10 @@ impl KvEventReceiver {
     /// ```
     pub fn resume_from(&mut self, publisher: EngineId, last_event_id: u64) -> bool {
         let next = last_event_id.saturating_add(1);
+        // A new track starts at 1 anyway: an empty snapshot (id 0) adds none.
+        if next <= 1 {
+            return false;
+        }
         let now = Instant::now();
         let track = self
             .tracks

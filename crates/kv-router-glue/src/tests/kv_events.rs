@@ -282,7 +282,13 @@ async fn resume_from_a_snapshot_delivers_the_next_event_at_once() {
     // and this receiver never saw 1..=5 (nor can anyone replay them).
     let (mut rx, wire, plane, subject) = raw_setup(DEFAULT_MAX_EVENT_ID_JUMP).await;
     let publisher = KvEvent::from_wire(&wire(1)).unwrap().publisher;
+    assert!(
+        !rx.resume_from(publisher, 0),
+        "an empty snapshot moves nothing"
+    );
+    assert_eq!(rx.publishers_tracked(), 0);
     assert!(rx.resume_from(publisher, 5));
+    assert_eq!(rx.publishers_tracked(), 1);
     plane.publish(&subject, wire(6)).await.unwrap();
     let first = rx.next_timeout(Duration::from_millis(50)).await;
     assert_eq!(
