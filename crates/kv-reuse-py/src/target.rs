@@ -3,14 +3,15 @@
 //! through the donor's pin service (`RemoteDonor`) and reading its host shm.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use kv_bank::{BankMemory, CompletedBlocks, DestinationPool};
 use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
-use kv_router_glue::{FetchExecutor, RemoteDonor};
-use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend};
+use kv_router_glue::{FetchExecutor, RemoteDonor, DEFAULT_PIN_TIMEOUT};
+use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend, LivenessProbe};
 
 use crate::errors::{bad_argument, descriptor, fetch, BankFailed, FetchFellBack};
 use crate::layout::Layout;
@@ -73,14 +74,24 @@ impl Target {
     /// whose sealed blocks have `prompt_hashes`, from the donor whose
     /// manifest (wire form) is `manifest`. Releases the GIL while it runs.
     ///
+    /// `donor_alive`, when given, is a callable returning False once the
+    /// donor is gone (its process exited, its lease lapsed); it is called
+    /// (with the GIL) before the first byte and after the last one, so bytes
+    /// read from a donor that died meanwhile are never reported complete. A
+    /// probe that raises counts as a dead donor. `pin_timeout_s` bounds each
+    /// exchange with the donor's pin service (default 2 s).
+    ///
     /// Raises `PromptMismatch` / `HintRefused` before anything is touched,
     /// `FetchFellBack` (stage, cause) after: recompute the prefix then.
+    #[pyo3(signature = (hint, prompt_hashes, manifest, donor_alive = None, pin_timeout_s = None))]
     fn fetch(
         &self,
         py: Python<'_>,
         hint: &[u8],
         prompt_hashes: Vec<u64>,
         manifest: &[u8],
+        donor_alive: Option<Py<PyAny>>,
+        pin_timeout_s: Option<f64>,
     ) -> PyResult<FetchOutcome> {
         let envelope = HintEnvelope::from_wire(hint).map_err(descriptor)?;
         let manifest = BankManifest::from_wire(manifest).map_err(descriptor)?;
@@ -89,15 +100,34 @@ impl Target {
             .first()
             .map(|a| a.donor_control_endpoint.clone())
             .ok_or_else(|| bad_argument("hint", "no kv.fetch_gpu action"))?;
+        let pin_timeout = match pin_timeout_s {
+            None => DEFAULT_PIN_TIMEOUT,
+            Some(s) if s.is_finite() && s > 0.0 && s <= 3600.0 => Duration::from_secs_f64(s),
+            Some(s) => {
+                return Err(bad_argument(
+                    "pin_timeout_s",
+                    format!("{s} is not in (0, 3600] seconds"),
+                ))
+            }
+        };
+        if let Some(probe) = &donor_alive {
+            if !probe.bind(py).is_callable() {
+                return Err(bad_argument("donor_alive", "is not callable"));
+            }
+        }
+        let mut control = DeliveryControl::default();
+        control.donor_alive = donor_alive.map(python_probe);
         let prompt: Vec<SequenceHash> = prompt_hashes.into_iter().map(SequenceHash).collect();
         let out = py.allow_threads(|| {
             // A donor whose segments are gone (it exited) is a fallback like
             // a refused pin: the request recomputes.
-            let donor = RemoteDonor::open_host_shm(manifest, &endpoint).map_err(|e| {
-                FetchFellBack::new_err((format!("donor import: {e}"), "import", "donor_import"))
-            })?;
+            let donor = RemoteDonor::open_host_shm(manifest, &endpoint)
+                .map_err(|e| {
+                    FetchFellBack::new_err((format!("donor import: {e}"), "import", "donor_import"))
+                })?
+                .with_timeout(pin_timeout);
             self.executor
-                .execute_for_prompt(&envelope, &prompt, &donor, &DeliveryControl::default())
+                .execute_for_prompt(&envelope, &prompt, &donor, &control)
                 .map_err(fetch)
         })?;
         Ok(FetchOutcome {
@@ -124,6 +154,20 @@ impl Target {
             .map_err(|e| bad_argument("row", e))?;
         Ok(PyBytes::new(py, &buf))
     }
+}
+
+/// A Python callable as the delivery's liveness probe. The delivery runs
+/// without the GIL, so the probe takes it for each call; an exception or a
+/// non-bool result counts as "donor gone" (fail closed: recompute).
+fn python_probe(probe: Py<PyAny>) -> LivenessProbe {
+    Arc::new(move || {
+        Python::with_gil(|py| {
+            probe
+                .call0(py)
+                .and_then(|v| v.extract::<bool>(py))
+                .unwrap_or(false)
+        })
+    })
 }
 
 /// A completed fetch. Its rows stay out of the pool until `release()` (or

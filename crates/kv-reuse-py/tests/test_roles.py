@@ -108,3 +108,68 @@ def test_a_hint_for_another_prompt_is_refused(donor, layout, enabled):
     with pytest.raises(kv_reuse.PromptMismatch):
         target.fetch(advice.hint, other, bytes.fromhex(report["manifest"]))
     assert target.free_rows == 8
+
+
+def _killing_probe(proc, honest_after):
+    """A liveness probe that SIGKILLs the donor process on its first call
+    (before the first byte: the donor dies mid-fetch, after granting the
+    pin) and still answers True then. Later calls answer the truth when
+    `honest_after`, else keep lying (so only the pin release can notice)."""
+    calls = []
+
+    def probe():
+        calls.append(proc.poll())
+        if len(calls) == 1:
+            proc.kill()
+            proc.wait(timeout=10)
+            return True
+        return proc.poll() is None if honest_after else True
+
+    return probe, calls
+
+
+@pytest.mark.parametrize("honest_after, stage", [(True, "transfer"), (False, "verify")])
+def test_a_donor_killed_mid_fetch_falls_back_without_leaks(donor, layout, enabled, honest_after, stage):
+    proc, report = donor
+    target = kv_reuse.Target(layout, rows=8)
+    router = router_for(report, layout, enabled, target)
+    advice = router.advise("req-mid", report["hashes"], target.engine_id)
+    assert advice.admitted, advice.verdict
+    before = kv_reuse.leak_counters()
+    probe, calls = _killing_probe(proc, honest_after)
+    with pytest.raises(kv_reuse.FetchFellBack) as e:
+        target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"]),
+                     donor_alive=probe)
+    args = e.value.args
+    del e  # the traceback would keep this frame's objects past the leak check
+    assert args[1] == stage, args
+    assert calls[0] is None, "the donor was alive when the fetch started"
+    assert proc.returncode == -9
+    # No destination row kept, no pin, mapping or fd of the dead donor held.
+    assert target.free_rows == 8
+    after = kv_reuse.leak_counters()
+    for key in ("open_fds", "shm_mappings", "pins", "reserved_blocks"):
+        assert after[key] == before[key], (key, before[key], after[key])
+
+
+def test_a_raising_or_non_bool_probe_counts_as_a_dead_donor(donor, layout, enabled):
+    proc, report = donor
+    target = kv_reuse.Target(layout, rows=8)
+    router = router_for(report, layout, enabled, target)
+    advice = router.advise("req-probe", report["hashes"], target.engine_id)
+    manifest = bytes.fromhex(report["manifest"])
+
+    def raising():
+        raise RuntimeError("probe broke")
+
+    for probe in (raising, lambda: "yes"):
+        with pytest.raises(kv_reuse.FetchFellBack, match="DonorUnreachable|liveness"):
+            target.fetch(advice.hint, report["hashes"], manifest, donor_alive=probe)
+    with pytest.raises(kv_reuse.BadArgument, match="donor_alive: is not callable"):
+        target.fetch(advice.hint, report["hashes"], manifest, donor_alive=3)
+    with pytest.raises(kv_reuse.BadArgument, match="pin_timeout_s"):
+        target.fetch(advice.hint, report["hashes"], manifest, pin_timeout_s=0)
+    # The donor is fine: a fetch without a probe still completes.
+    with target.fetch(advice.hint, report["hashes"], manifest) as out:
+        assert out.fetched == report["hashes"]
+    assert target.free_rows == 8

@@ -1,7 +1,7 @@
 """Type stubs of the compiled kv_reuse module (crates/kv-reuse-py/src)."""
 
 from types import TracebackType
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 class KvReuseError(Exception):
     """Base of every kv_reuse error."""
@@ -168,5 +168,15 @@ class Target:
     def engine_id(self) -> str: ...
     @property
     def free_rows(self) -> int: ...
-    def fetch(self, hint: bytes, prompt_hashes: Sequence[int], manifest: bytes) -> FetchOutcome: ...
+    def fetch(
+        self,
+        hint: bytes,
+        prompt_hashes: Sequence[int],
+        manifest: bytes,
+        donor_alive: Optional[Callable[[], bool]] = None,
+        pin_timeout_s: Optional[float] = None,
+    ) -> FetchOutcome:
+        """Pin, copy, verify (GIL released). ``donor_alive`` is called before the first and
+        after the last byte (False or raising = donor gone); ``pin_timeout_s`` bounds each
+        pin exchange (default 2 s). Raises PromptMismatch / HintRefused, else FetchFellBack."""
     def read_row(self, rank: int, row: int) -> bytes: ...
