@@ -4,7 +4,7 @@
 //! The module loads without CUDA or NIXL: the Rust crates below resolve both
 //! at run time. Python classes: `Layout` (module `layout`), `Settings`
 //! (`settings`), `DonorBank`, `PendingStore`, `PinServer` (`donor`), `Router`,
-//! `Advice` (`router`), `Target`, `FetchOutcome` (`target`); exceptions in
+//! `Advice` (`router`), `RouterClient` (`router_client`, advise over NATS), `Target`, `FetchOutcome` (`target`); exceptions in
 //! `errors`. Host arrays are read in place through `__array_interface__`
 //! (module `array`, the only unsafe code). API and examples: docs/python.md.
 
@@ -13,6 +13,7 @@ mod donor;
 mod errors;
 mod layout;
 mod router;
+mod router_client;
 mod settings;
 mod target;
 
@@ -69,6 +70,7 @@ fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<donor::PinServer>()?;
     m.add_class::<router::Router>()?;
     m.add_class::<router::Advice>()?;
+    m.add_class::<router_client::RouterClient>()?;
     m.add_class::<target::Target>()?;
     m.add_class::<target::FetchOutcome>()?;
     Ok(())

@@ -115,8 +115,10 @@ impl Target {
                 return Err(bad_argument("donor_alive", "is not callable"));
             }
         }
-        let mut control = DeliveryControl::default();
-        control.donor_alive = donor_alive.map(python_probe);
+        let control = DeliveryControl {
+            donor_alive: donor_alive.map(python_probe),
+            ..DeliveryControl::default()
+        };
         let prompt: Vec<SequenceHash> = prompt_hashes.into_iter().map(SequenceHash).collect();
         let out = py.allow_threads(|| {
             // A donor whose segments are gone (it exited) is a fallback like

@@ -8,6 +8,7 @@ The compiled module needs neither CUDA nor NIXL to import.
 
 from ._native import (  # noqa: F401
     Advice,
+    AdviseRefused,
     BadArgument,
     BankFailed,
     DescriptorRefused,
@@ -23,6 +24,8 @@ from ._native import (  # noqa: F401
     PinServiceFailed,
     PromptMismatch,
     Router,
+    RouterClient,
+    RouterUnavailable,
     Settings,
     SettingsRefused,
     Target,

@@ -134,6 +134,39 @@ class Router:
     def report_donor(self, manifest: bytes, endpoint: str, slots: Mapping[int, int]) -> None: ...
     def advise(self, request_id: str, sequence_hashes: Sequence[int], target: str) -> Advice: ...
 
+class RouterUnavailable(KvReuseError):
+    """No router service answered (unreachable, no replica, timeout): advise locally or recompute."""
+
+class AdviseRefused(KvReuseError):
+    """The router service refused the request; the message names the field or cause."""
+
+class RouterClient:
+    """A client of the router service: advise as NATS request/reply on ``kv_reuse.advise``."""
+
+    def __init__(
+        self,
+        nats_url: str,
+        timeout_s: float = 2.0,
+        subject: str = "kv_reuse.advise",
+        user: Optional[str] = None,
+        password: Optional[str] = None,
+        token: Optional[str] = None,
+    ) -> None:
+        """Connects (GIL released); raises RouterUnavailable or BadArgument."""
+    @property
+    def connected(self) -> bool: ...
+    def advise(self, request_id: str, sequence_hashes: Sequence[int], target: str) -> Advice:
+        """Same Advice as Router.advise (GIL released). Raises AdviseRefused, RouterUnavailable,
+        DescriptorRefused (reply does not decode)."""
+    def close(self) -> None: ...
+    def __enter__(self) -> "RouterClient": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
 class FetchOutcome:
     """A completed fetch; its rows return to the pool on ``release()`` / end of ``with``."""
 
