@@ -5,8 +5,9 @@
 //! at run time. Python classes: `Layout` (module `layout`), `Settings`
 //! (`settings`), `DonorBank`, `PendingStore`, `PinServer` (`donor`), `Router`,
 //! `Advice` (`router`), `RouterClient` (`router_client`, advise over NATS), `Target`, `FetchOutcome` (`target`); exceptions in
-//! `errors`. Host arrays are read in place through `__array_interface__`
-//! (module `array`, the only unsafe code). API and examples: docs/python.md.
+//! `errors`. Engine tensors cross zero-copy through `__array_interface__`,
+//! DLPack and `__cuda_array_interface__` (module `array`, the only unsafe
+//! code). API and examples: docs/python.md.
 
 mod array;
 mod donor;

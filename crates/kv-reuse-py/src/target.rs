@@ -11,47 +11,122 @@ use pyo3::types::PyBytes;
 use kv_bank::{BankMemory, CompletedBlocks, DestinationPool};
 use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
 use kv_router_glue::{FetchExecutor, RemoteDonor, DEFAULT_PIN_TIMEOUT};
-use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend, LivenessProbe};
+use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
+use kv_transfer::{CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, LivenessProbe};
 
-use crate::errors::{bad_argument, descriptor, fetch, BankFailed, FetchFellBack};
+use crate::array::{ArrayView, Want};
+use crate::errors::{bad_argument, descriptor, fetch, BankFailed, CudaUnavailable, FetchFellBack};
 use crate::layout::Layout;
 
-/// A prefill target with `rows` destination rows per TP rank in host memory.
+/// A prefill target with `rows` destination rows (KV blocks) per TP rank:
+/// its own host buffers, or the engine's KV tensors (`kv_caches`).
 #[pyclass(frozen, module = "kv_reuse")]
 pub(crate) struct Target {
     engine: EngineId,
+    /// CUDA ordinal of each rank's destination (the GPU path), or None.
+    gpus: Option<Vec<u32>>,
     layout: Layout,
-    regions: Vec<Arc<HostBuffer>>,
+    regions: Vec<Arc<dyn BankMemory>>,
     executor: FetchExecutor,
 }
 
 #[pymethods]
 impl Target {
-    /// Raises `BankFailed` when the host rows cannot be allocated.
+    /// `kv_caches`, when given, is the engine's own KV cache: one
+    /// C-contiguous, writable host tensor per TP rank (numpy or a CPU torch
+    /// tensor via DLPack) of shape `(rows, layout.rank_block_elems)` and
+    /// dtype `layout.typestr`, block-major (row = the engine's block id).
+    /// A fetch then writes straight into it at the rows it returns; the
+    /// engine must not touch those rows until the fetch returned. Without
+    /// it the target allocates its own zeroed host rows.
+    ///
+    /// With `gpus` (one CUDA ordinal per TP rank: the GPU path) the
+    /// `kv_caches` are CUDA tensors on those devices, read through
+    /// `__cuda_array_interface__` or DLPack (torch, CuPy); fetches import
+    /// the donor's CUDA IPC banks and copy device to device, so no payload
+    /// crosses the host (`FetchOutcome.host_payload_bytes == 0`).
+    /// Synchronize the engine's stream before `fetch` and read the rows
+    /// after it returns (the copy is complete then).
+    ///
+    /// Raises `BadArgument` naming `rows`, `gpus` or `kv_caches[r]` (count,
+    /// dtype, shape, strides, read-only, a tensor on another device, a CUDA
+    /// tensor on the host path or a CPU tensor on the GPU path);
+    /// `CudaUnavailable` on the GPU path without a CUDA driver; `BankFailed`
+    /// when the host rows cannot be allocated.
     #[new]
-    fn new(layout: Layout, rows: u32) -> PyResult<Self> {
+    #[pyo3(signature = (layout, rows, kv_caches = None, gpus = None))]
+    fn new(
+        layout: Layout,
+        rows: u32,
+        kv_caches: Option<Vec<Bound<'_, PyAny>>>,
+        gpus: Option<Vec<u32>>,
+    ) -> PyResult<Self> {
         if rows == 0 {
             return Err(bad_argument("rows", "must be at least 1"));
         }
         let rbb = layout.inner.rank_block_bytes();
-        let regions = (0..layout.inner.tp_size())
-            .map(|_| HostBuffer::zeroed(rows as usize * rbb).map(Arc::new))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| BankFailed::new_err(e.to_string()))?;
-        let dyn_regions: Vec<Arc<dyn BankMemory>> = regions
-            .iter()
-            .map(|r| r.clone() as Arc<dyn BankMemory>)
-            .collect();
+        let tp = layout.inner.tp_size() as usize;
+        if let Some(g) = &gpus {
+            if g.len() != tp {
+                return Err(bad_argument(
+                    "gpus",
+                    format!("{} ordinals, expected one per TP rank ({tp})", g.len()),
+                ));
+            }
+            if kv_caches.is_none() {
+                return Err(bad_argument(
+                    "kv_caches",
+                    "required with `gpus` (the engine's CUDA tensors)",
+                ));
+            }
+        }
+        let regions: Vec<Arc<dyn BankMemory>> = match kv_caches {
+            None => (0..tp)
+                .map(|_| {
+                    HostBuffer::zeroed(rows as usize * rbb)
+                        .map(|b| Arc::new(b) as Arc<dyn BankMemory>)
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| BankFailed::new_err(e.to_string()))?,
+            Some(caches) => {
+                if caches.len() != tp {
+                    return Err(bad_argument(
+                        "kv_caches",
+                        format!("{} tensors, expected one per TP rank ({tp})", caches.len()),
+                    ));
+                }
+                let elems = rbb / layout.inner.dtype().size_bytes();
+                caches
+                    .iter()
+                    .enumerate()
+                    .map(|(r, t)| {
+                        let arg = format!("kv_caches[{r}]");
+                        let want = gpus.as_ref().map_or(Want::Host, |g| Want::Cuda(g[r]));
+                        ArrayView::new(t, &arg, layout.inner.dtype(), &[rows as usize, elems], want)
+                            .and_then(|v| v.writable(&arg))
+                            .map(|v| Arc::new(v.into_memory()) as Arc<dyn BankMemory>)
+                    })
+                    .collect::<PyResult<Vec<_>>>()?
+            }
+        };
+        let backend: Arc<dyn CopyBackend> = match &gpus {
+            None => Arc::new(HostCopyBackend),
+            Some(_) => Arc::new(
+                CudaCopyBackend::new(CudaMode::Auto)
+                    .map_err(|e| CudaUnavailable::new_err(format!("gpus: {e}")))?,
+            ),
+        };
         let executor = FetchExecutor::new(
             layout.inner,
             DestinationPool::new(rows),
-            dyn_regions,
+            regions.clone(),
             rows,
-            Arc::new(HostCopyBackend),
+            backend,
         )
         .map_err(fetch)?;
         Ok(Self {
             engine: EngineId::fresh(),
+            gpus,
             layout,
             regions,
             executor,
@@ -123,11 +198,15 @@ impl Target {
         let out = py.allow_threads(|| {
             // A donor whose segments are gone (it exited) is a fallback like
             // a refused pin: the request recomputes.
-            let donor = RemoteDonor::open_host_shm(manifest, &endpoint)
-                .map_err(|e| {
-                    FetchFellBack::new_err((format!("donor import: {e}"), "import", "donor_import"))
-                })?
-                .with_timeout(pin_timeout);
+            let donor = match &self.gpus {
+                None => RemoteDonor::open_host_shm(manifest, &endpoint),
+                // Each rank's bank is imported on the GPU that reads it.
+                Some(g) => RemoteDonor::open_cuda_ipc(manifest, g, &endpoint),
+            }
+            .map_err(|e| {
+                FetchFellBack::new_err((format!("donor import: {e}"), "import", "donor_import"))
+            })?
+            .with_timeout(pin_timeout);
             self.executor
                 .execute_for_prompt(&envelope, &prompt, &donor, &control)
                 .map_err(fetch)

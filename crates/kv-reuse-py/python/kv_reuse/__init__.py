@@ -11,6 +11,7 @@ from ._native import (  # noqa: F401
     AdviseRefused,
     BadArgument,
     BankFailed,
+    CudaUnavailable,
     DescriptorRefused,
     DonorBank,
     FetchFellBack,

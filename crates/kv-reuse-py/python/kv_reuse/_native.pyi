@@ -30,6 +30,9 @@ class HintRefused(KvReuseError):
 class PromptMismatch(HintRefused):
     """The hint is for another prompt."""
 
+class CudaUnavailable(KvReuseError):
+    """The GPU path (``gpus=``) was asked for where no CUDA driver or device is."""
+
 class FetchFellBack(KvReuseError):
     """The fetch fell back after validation; ``args`` = (message, stage, cause). Recompute."""
 
@@ -81,7 +84,9 @@ class PendingStore:
     @property
     def sequence_hashes(self) -> List[int]: ...
     def write(self, rank: int, blocks: Any) -> None:
-        """``blocks``: C-contiguous array, shape (n_blocks, rank_block_elems), dtype ``Layout.typestr``."""
+        """``blocks``: C-contiguous host tensor (numpy ``__array_interface__`` or DLPack),
+        shape (n_blocks, rank_block_elems), dtype ``Layout.typestr``; copied to the device
+        on a CUDA bank. BadArgument names ``blocks`` or ``rank``."""
     def ack(self, rank: int) -> bool:
         """True once every rank acknowledged."""
 
@@ -102,9 +107,16 @@ class PinServer:
     ) -> bool: ...
 
 class DonorBank:
-    """A decode worker's retained bank in host shared memory."""
+    """A decode worker's retained bank: host shared memory, or CUDA device memory with ``gpus``."""
 
-    def __init__(self, layout: Layout, slots: int, host_id: str = "kv-reuse-py") -> None: ...
+    def __init__(
+        self,
+        layout: Layout,
+        slots: int,
+        host_id: str = "kv-reuse-py",
+        gpus: Optional[Sequence[int]] = None,
+    ) -> None:
+        """``gpus``: one CUDA ordinal per TP rank (CUDA IPC bank); CudaUnavailable without CUDA."""
     @property
     def engine_id(self) -> str: ...
     @property
@@ -194,9 +206,19 @@ class FetchOutcome:
     ) -> bool: ...
 
 class Target:
-    """A prefill target with host destination rows per TP rank."""
+    """A prefill target: its own host rows, or the engine's KV tensors (``kv_caches``)."""
 
-    def __init__(self, layout: Layout, rows: int) -> None: ...
+    def __init__(
+        self,
+        layout: Layout,
+        rows: int,
+        kv_caches: Optional[Sequence[Any]] = None,
+        gpus: Optional[Sequence[int]] = None,
+    ) -> None:
+        """``kv_caches``: one writable C-contiguous tensor per TP rank, shape (rows,
+        rank_block_elems), dtype ``Layout.typestr``, row = engine block id: numpy / DLPack
+        host tensors, or with ``gpus`` (one CUDA ordinal per rank) CUDA tensors via
+        ``__cuda_array_interface__`` / DLPack. BadArgument names the tensor and the cause."""
     @property
     def engine_id(self) -> str: ...
     @property
