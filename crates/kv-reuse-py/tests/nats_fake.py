@@ -43,10 +43,12 @@ def free_port():
 class NatsServer:
     """A nats-server on a free loopback port, stopped by `stop()`."""
 
-    def __init__(self, binary):
+    def __init__(self, binary, store_dir):
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(self.port)],
+        # JetStream on: the router binary keeps its donor directory in a KV bucket.
+        self.proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(self.port),
+                                      "-js", "-sd", str(store_dir)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -123,3 +125,17 @@ class Replier(threading.Thread):
         self.file.close()
         self.sock.close()
         self.join(timeout=5)
+
+
+ROUTER_SOURCE = os.path.join(REPO, "crates", "kv-router-glue", "src", "bin", "kv-reuse-router.rs")
+
+
+def find_router_binary():
+    """$KV_REUSE_ROUTER_BIN, else the workspace's debug or release build of
+    `kv-reuse-router`; None when absent."""
+    for cand in (os.environ.get("KV_REUSE_ROUTER_BIN"),
+                 os.path.join(REPO, "target", "debug", "kv-reuse-router"),
+                 os.path.join(REPO, "target", "release", "kv-reuse-router")):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None

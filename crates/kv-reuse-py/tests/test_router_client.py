@@ -2,6 +2,7 @@
 real nats-server. Replicas here are raw-protocol repliers (nats_fake.py);
 the round trip through the `kv-reuse-router` binary runs when it is built."""
 
+import json
 import os
 import subprocess
 import time
@@ -9,18 +10,19 @@ import time
 import pytest
 
 import kv_reuse
-from nats_fake import REPO, NatsServer, Replier, find_nats_server, msgpack, skip_or_fail
+from nats_fake import (ROUTER_SOURCE, NatsServer, Replier, find_nats_server, find_router_binary,
+                       msgpack, skip_or_fail)
 from test_gil import Ticker
 
 TARGET = "00000000-0000-4000-8000-000000000002"
 
 
 @pytest.fixture
-def nats():
+def nats(tmp_path):
     binary = find_nats_server()
     if binary is None:
         skip_or_fail("nats-server", "not on $PATH, $KV_NATS_SERVER or target/nats (cargo xtask install)")
-    server = NatsServer(binary)
+    server = NatsServer(binary, tmp_path / "js")
     yield server
     server.stop()
 
@@ -100,3 +102,30 @@ def test_advise_releases_the_gil_while_a_replica_is_silent(nats):
         replica.stop()
     assert elapsed >= 0.45, elapsed
     assert ticks >= 50, (ticks, elapsed)
+
+
+def test_a_round_trip_through_the_router_binary(nats):
+    binary = find_router_binary()
+    if binary is None:
+        why = "not built (target/debug/kv-reuse-router, $KV_REUSE_ROUTER_BIN)"
+        if os.path.exists(ROUTER_SOURCE):
+            skip_or_fail("kv-reuse-router", why)
+        line = f"SKIP kv-reuse-router: {why}; its source is not in this checkout"
+        print(line)
+        pytest.skip(line)
+    router = subprocess.Popen(
+        [binary, "--nats-url", nats.url, "--metrics-addr", "127.0.0.1:0",
+         "--enable-decode-to-prefill-reuse"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(router.stdout.readline())
+        assert ready, "kv-reuse-router printed no ready line"
+        with kv_reuse.RouterClient(nats.url, timeout_s=5.0) as client:
+            # No prefill worker announced itself: the service refuses the
+            # target, through the binary's real decoder and reply.
+            with pytest.raises(kv_reuse.AdviseRefused, match="unknown target engine " + TARGET):
+                client.advise("req-bin", [1, 2, 3], TARGET)
+    finally:
+        router.terminate()
+        router.wait(timeout=15)
+        router.stdout.close()
