@@ -340,10 +340,13 @@ impl<'py> ArrayView<'py> {
             return &[];
         }
         // SAFETY: the exporter promised `len` readable host bytes at `ptr`
-        // (C contiguous with the checked shape and itemsize); `owner` (and
-        // the DLPack capsule) keep the tensor alive, and the caller holds the
-        // GIL (a `Bound<'py>` lives here), so no Python code frees or resizes
-        // it while the slice is borrowed.
+        // (C contiguous with the checked shape and itemsize). `owner` (and
+        // the DLPack capsule) hold references to the tensor for the slice's
+        // whole borrow, so its memory is not freed; numpy refuses to resize
+        // an array that has other references, and a DLPack exporter keeps
+        // the memory for the capsule's life. This holds also while the GIL
+        // is released for a copy (`PendingStore.write`): the engine must not
+        // write the tensor until that call returned (docs/python.md).
         unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
     }
 

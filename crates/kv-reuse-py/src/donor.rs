@@ -159,9 +159,12 @@ impl PendingStore {
     /// and dtype `layout.typestr`, read in place through
     /// `__array_interface__` (numpy) or DLPack (a CPU torch tensor).
     ///
+    /// Releases the GIL while it copies; the engine must not write `blocks`
+    /// until `write` returned.
+    ///
     /// Raises `BadArgument` naming `blocks` (dtype, shape, strides, a CUDA
     /// tensor on this host bank) or `rank`; `BankFailed` from the bank.
-    fn write(&self, rank: u32, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn write(&self, py: Python<'_>, rank: u32, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         if rank >= self.layout.inner.tp_size() {
             return Err(bad_argument(
                 "rank",
@@ -177,12 +180,18 @@ impl PendingStore {
             Want::Host,
         )?;
         let rbb = self.layout.inner.rank_block_bytes();
-        for (index, chunk) in arr.bytes().chunks_exact(rbb).enumerate() {
-            self.bank
-                .write_pending(self.store_id, rank, index, chunk)
-                .map_err(bank)?;
-        }
-        Ok(())
+        let bytes = arr.bytes();
+        // The copy (into shm, or host-to-device on a CUDA bank) is the long
+        // part: other Python threads (the engine's) run meanwhile. `arr`
+        // keeps the tensor referenced until the copy returned.
+        py.allow_threads(|| {
+            for (index, chunk) in bytes.chunks_exact(rbb).enumerate() {
+                self.bank
+                    .write_pending(self.store_id, rank, index, chunk)
+                    .map_err(bank)?;
+            }
+            Ok(())
+        })
     }
 
     /// Acknowledges rank `rank`'s writes; True once every rank acked (the

@@ -58,3 +58,30 @@ def test_fetch_releases_the_gil_while_the_pin_service_stalls(donor, layout, enab
     # ~1 ms per tick when the thread may run; 0 if the GIL were held.
     assert ticks >= 50, (ticks, elapsed)
     assert target.free_rows == 8
+
+
+def test_a_long_store_write_releases_the_gil():
+    import numpy as np
+
+    # 4 MiB per block and rank (32 layers x K,V x 8 heads x 128 dims x 16
+    # tokens x f32): 32 blocks are a 128 MiB copy into fresh shm pages.
+    layout = kv_reuse.Layout(32, 8, 128, "f32", 16, 1)
+    blocks = 32
+    bank = kv_reuse.DonorBank(layout, slots=blocks)
+    store = bank.store(list(range(16 * blocks)))
+    src = np.ones((blocks, layout.rank_block_elems), dtype=np.float32)
+    ticker = Ticker()
+    ticker.start()
+    time.sleep(0.02)
+    try:
+        t0, ticks0 = time.monotonic(), ticker.ticks
+        store.write(0, src)
+        elapsed, ticks = time.monotonic() - t0, ticker.ticks - ticks0
+    finally:
+        ticker.stop.set()
+        ticker.join()
+    assert store.ack(0)
+    # With the GIL held the ticker gets no turn during the call at all.
+    assert elapsed >= 0.01, f"copy too short to judge: {elapsed:.4f} s"
+    assert ticks >= 3, (ticks, elapsed)
+    del store, bank
