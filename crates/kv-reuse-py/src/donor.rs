@@ -7,7 +7,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use kv_bank::{sealed_blocks, BankConfig, BankError, BankManager, StoreStatus};
+use kv_bank::{sealed_blocks, BankConfig, BankError, BankManager, LeaseConfig, StoreStatus};
 use kv_descriptor::{OwnerLease, Role, SequenceHash, Wire};
 use kv_router_glue::{PinService, PinServiceConfig};
 
@@ -29,18 +29,38 @@ impl DonorBank {
     /// CUDA IPC (the GPU path; `PendingStore.write` then copies host arrays
     /// to the device).
     ///
-    /// Raises `BadArgument` naming `slots` or `gpus`, `CudaUnavailable`
+    /// `lease_s` is the owner lease (seconds, renewed in the background every
+    /// fifth of it): once this process dies, `reclaim_stale()` anywhere on
+    /// the host removes its segments after at most that long.
+    ///
+    /// Raises `BadArgument` naming `slots`, `lease_s` or `gpus`, `CudaUnavailable`
     /// when `gpus` is given where no CUDA device is, `BankFailed` when the
     /// segments or allocations cannot be created.
     #[new]
-    #[pyo3(signature = (layout, slots, host_id = "kv-reuse-py", gpus = None))]
-    fn new(layout: Layout, slots: u64, host_id: &str, gpus: Option<Vec<u32>>) -> PyResult<Self> {
+    #[pyo3(signature = (layout, slots, host_id = "kv-reuse-py", gpus = None, lease_s = 15.0))]
+    fn new(
+        layout: Layout,
+        slots: u64,
+        host_id: &str,
+        gpus: Option<Vec<u32>>,
+        lease_s: f64,
+    ) -> PyResult<Self> {
         if slots == 0 {
             return Err(bad_argument("slots", "must be at least 1"));
         }
+        // kv_bank accepts 1 ms ..= 1 day; below 50 ms a renewal every fifth
+        // of it would be a busy thread.
+        if !(lease_s.is_finite() && (0.05..=86_400.0).contains(&lease_s)) {
+            return Err(bad_argument(
+                "lease_s",
+                format!("{lease_s} is not in [0.05, 86400] seconds"),
+            ));
+        }
         let bytes =
             slots * u64::from(layout.inner.tp_size()) * layout.inner.rank_block_bytes() as u64;
-        let cfg = BankConfig::new(layout.inner, OwnerLease::fresh(Role::Decode), bytes);
+        let mut cfg = BankConfig::new(layout.inner, OwnerLease::fresh(Role::Decode), bytes);
+        let lease = Duration::from_secs_f64(lease_s);
+        cfg.lease = LeaseConfig::background(lease, lease / 5);
         let inner = match gpus {
             None => BankManager::new_host_shm(cfg, host_id).map_err(bank)?,
             Some(g) => {

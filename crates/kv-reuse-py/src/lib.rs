@@ -58,12 +58,33 @@ fn leak_counters() -> HashMap<&'static str, u64> {
     ])
 }
 
+/// Removes the host shm banks of owners that stopped renewing their lease
+/// (a donor process that died) whose names start with `prefix`
+/// (kv_bank::reclaim_stale; live leases are never touched). Returns the
+/// names unlinked (`/name`). Releases the GIL while it scans.
+///
+/// Raises `BadArgument` naming `prefix` when it is empty or contains `/`.
+#[pyfunction]
+#[pyo3(signature = (prefix = "kvbank"))]
+fn reclaim_stale(py: Python<'_>, prefix: &str) -> PyResult<Vec<String>> {
+    if prefix.is_empty() || prefix.contains('/') {
+        return Err(errors::bad_argument(
+            "prefix",
+            format!("{prefix:?} must be non-empty without `/`"),
+        ));
+    }
+    py.allow_threads(|| kv_bank::reclaim_stale(prefix, kv_bank::reclaim::ScanTime::now()))
+        .map(|r| r.removed_names())
+        .map_err(errors::bank)
+}
+
 #[pymodule]
 #[pyo3(name = "_native")]
 fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(leak_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(reclaim_stale, m)?)?;
     m.add_class::<layout::Layout>()?;
     m.add_class::<settings::Settings>()?;
     m.add_class::<donor::DonorBank>()?;

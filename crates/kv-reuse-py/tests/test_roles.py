@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -36,6 +37,26 @@ def donor(tmp_path):
     # The pipes are this process's fds: close them, not the garbage collector.
     proc.stdin.close()
     proc.stdout.close()
+
+
+def shm_names_of(pid):
+    """/dev/shm entries a process created (`kvbank-<pid>-...`)."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kvbank-{pid}-"))
+
+
+def assert_reclaimed(pid):
+    """A killed donor leaves its segments (it cannot unlink them);
+    reclaim_stale removes them once its 1 s lease lapsed."""
+    assert shm_names_of(pid), "the killed donor left no segments to reclaim"
+    deadline = time.monotonic() + 10
+    removed = []
+    while shm_names_of(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        # This donor's prefix only: other processes' banks on a shared
+        # machine are theirs to reclaim.
+        removed += kv_reuse.reclaim_stale(f"kvbank-{pid}-")
+    assert shm_names_of(pid) == [], shm_names_of(pid)
+    assert any(f"kvbank-{pid}-" in n for n in removed), removed
 
 
 def router_for(report, layout, settings, target):
@@ -97,6 +118,7 @@ def test_a_killed_donor_falls_back(donor, layout, enabled):
     _, stage, _cause = e.value.args
     assert stage in ("import", "pin"), e.value.args
     assert target.free_rows == 8
+    assert_reclaimed(proc.pid)
 
 
 def test_a_hint_for_another_prompt_is_refused(donor, layout, enabled):
@@ -150,6 +172,7 @@ def test_a_donor_killed_mid_fetch_falls_back_without_leaks(donor, layout, enable
     after = kv_reuse.leak_counters()
     for key in ("open_fds", "shm_mappings", "pins", "reserved_blocks"):
         assert after[key] == before[key], (key, before[key], after[key])
+    assert_reclaimed(proc.pid)
 
 
 def test_a_raising_or_non_bool_probe_counts_as_a_dead_donor(donor, layout, enabled):

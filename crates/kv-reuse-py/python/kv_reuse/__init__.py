@@ -31,6 +31,7 @@ from ._native import (  # noqa: F401
     SettingsRefused,
     Target,
     leak_counters,
+    reclaim_stale,
     sequence_hashes,
 )
 

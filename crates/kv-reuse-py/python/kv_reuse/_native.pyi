@@ -42,6 +42,9 @@ def sequence_hashes(tokens: Sequence[int], tokens_per_block: int) -> List[int]:
 def leak_counters() -> Dict[str, int]:
     """This process's resource counters: open_fds, shm_entries, shm_mappings, pins, ..."""
 
+def reclaim_stale(prefix: str = "kvbank") -> List[str]:
+    """Unlinks host shm banks of dead owners (lapsed leases) named ``prefix*``; returns the names."""
+
 class Layout:
     """A block-major KV layout; dtype is "f32", "fp16", "bf16" or "fp8_e4m3"."""
 
@@ -115,8 +118,10 @@ class DonorBank:
         slots: int,
         host_id: str = "kv-reuse-py",
         gpus: Optional[Sequence[int]] = None,
+        lease_s: float = 15.0,
     ) -> None:
-        """``gpus``: one CUDA ordinal per TP rank (CUDA IPC bank); CudaUnavailable without CUDA."""
+        """``gpus``: one CUDA ordinal per TP rank (CUDA IPC bank); CudaUnavailable without CUDA.
+        ``lease_s``: owner lease; a dead donor's segments are reclaimable after it."""
     @property
     def engine_id(self) -> str: ...
     @property
