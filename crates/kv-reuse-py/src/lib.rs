@@ -11,6 +11,7 @@
 
 mod array;
 mod donor;
+mod engine_layout;
 mod errors;
 mod layout;
 mod router;

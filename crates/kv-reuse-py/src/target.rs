@@ -10,11 +10,12 @@ use pyo3::types::PyBytes;
 
 use kv_bank::{BankMemory, CompletedBlocks, DestinationPool};
 use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
-use kv_router_glue::{FetchExecutor, RemoteDonor, DEFAULT_PIN_TIMEOUT};
+use kv_router_glue::{EngineRegion, FetchError, FetchExecutor, RemoteDonor, DEFAULT_PIN_TIMEOUT};
 use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
 use kv_transfer::{CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, LivenessProbe};
 
 use crate::array::{ArrayView, Want};
+use crate::engine_layout::EngineOrder;
 use crate::errors::{bad_argument, descriptor, fetch, BankFailed, CudaUnavailable, FetchFellBack};
 use crate::layout::Layout;
 
@@ -25,6 +26,8 @@ pub(crate) struct Target {
     engine: EngineId,
     /// CUDA ordinal of each rank's destination (the GPU path), or None.
     gpus: Option<Vec<u32>>,
+    /// How the destination tensors are laid out.
+    order: EngineOrder,
     layout: Layout,
     regions: Vec<Arc<dyn BankMemory>>,
     executor: FetchExecutor,
@@ -48,21 +51,35 @@ impl Target {
     /// Synchronize the engine's stream before `fetch` and read the rows
     /// after it returns (the copy is complete then).
     ///
-    /// Raises `BadArgument` naming `rows`, `gpus` or `kv_caches[r]` (count,
+    /// `kv_layout` names the tensors' order (engine_layout.rs): `block_major`
+    /// `[rows, rank_block_elems]` (the default), `vllm_kv_first`
+    /// `[L, 2, rows, T, H, D]` or `vllm_block_first` `[L, rows, 2, T, H, D]`
+    /// (H = this rank's KV heads; vLLM's per-layer tensors stacked in one
+    /// buffer); the copy converts from the donor's block-major slots.
+    ///
+    /// Raises `BadArgument` naming `rows`, `gpus`, `kv_layout` or `kv_caches[r]` (count,
     /// dtype, shape, strides, read-only, a tensor on another device, a CUDA
     /// tensor on the host path or a CPU tensor on the GPU path);
     /// `CudaUnavailable` on the GPU path without a CUDA driver; `BankFailed`
     /// when the host rows cannot be allocated.
     #[new]
-    #[pyo3(signature = (layout, rows, kv_caches = None, gpus = None))]
+    #[pyo3(signature = (layout, rows, kv_caches = None, gpus = None, kv_layout = "block_major"))]
     fn new(
         layout: Layout,
         rows: u32,
         kv_caches: Option<Vec<Bound<'_, PyAny>>>,
         gpus: Option<Vec<u32>>,
+        kv_layout: &str,
     ) -> PyResult<Self> {
         if rows == 0 {
             return Err(bad_argument("rows", "must be at least 1"));
+        }
+        let order = EngineOrder::parse(kv_layout)?;
+        if order != EngineOrder::BlockMajor && kv_caches.is_none() {
+            return Err(bad_argument(
+                "kv_caches",
+                format!("required with kv_layout={kv_layout:?} (the engine's tensors)"),
+            ));
         }
         let rbb = layout.inner.rank_block_bytes();
         let tp = layout.inner.tp_size() as usize;
@@ -95,14 +112,14 @@ impl Target {
                         format!("{} tensors, expected one per TP rank ({tp})", caches.len()),
                     ));
                 }
-                let elems = rbb / layout.inner.dtype().size_bytes();
+                let shape = order.shape(&layout.inner, rows);
                 caches
                     .iter()
                     .enumerate()
                     .map(|(r, t)| {
                         let arg = format!("kv_caches[{r}]");
                         let want = gpus.as_ref().map_or(Want::Host, |g| Want::Cuda(g[r]));
-                        ArrayView::new(t, &arg, layout.inner.dtype(), &[rows as usize, elems], want)
+                        ArrayView::new(t, &arg, layout.inner.dtype(), &shape, want)
                             .and_then(|v| v.writable(&arg))
                             .map(|v| Arc::new(v.into_memory()) as Arc<dyn BankMemory>)
                     })
@@ -116,17 +133,47 @@ impl Target {
                     .map_err(|e| CudaUnavailable::new_err(format!("gpus: {e}")))?,
             ),
         };
-        let executor = FetchExecutor::new(
-            layout.inner,
-            DestinationPool::new(rows),
-            regions.clone(),
-            rows,
-            backend,
-        )
-        .map_err(fetch)?;
+        let executor = if order == EngineOrder::BlockMajor {
+            FetchExecutor::new(
+                layout.inner,
+                DestinationPool::new(rows),
+                regions.clone(),
+                rows,
+                backend,
+            )
+            .map_err(fetch)?
+        } else {
+            let engine_regions = regions
+                .iter()
+                .enumerate()
+                .map(|(r, memory)| {
+                    order
+                        .region(layout.inner, r as u32, rows)
+                        .map(|l| EngineRegion {
+                            memory: memory.clone(),
+                            layout: l,
+                        })
+                        .map_err(|e| bad_argument("kv_layout", format!("rank {r}: {e}")))
+                })
+                .collect::<PyResult<Vec<_>>>()?;
+            FetchExecutor::with_engine_regions(
+                layout.inner,
+                DestinationPool::new(rows),
+                engine_regions,
+                backend,
+            )
+            .map_err(|e| match e {
+                // e.g. the GPU backend, which does not convert layouts.
+                FetchError::LayoutMismatch { field, detail } => {
+                    bad_argument("kv_layout", format!("{field}: {detail}"))
+                }
+                other => fetch(other),
+            })?
+        };
         Ok(Self {
             engine: EngineId::fresh(),
             gpus,
+            order,
             layout,
             regions,
             executor,
@@ -156,9 +203,16 @@ impl Target {
     /// probe that raises counts as a dead donor. `pin_timeout_s` bounds each
     /// exchange with the donor's pin service (default 2 s).
     ///
+    /// `dst_blocks`, when given, are the engine's block ids (rows of
+    /// `kv_caches`) for the fetched blocks, in prefix order, chosen by the
+    /// engine's allocator; by default the target's pool picks free rows.
+    /// Either way `FetchOutcome.rows` says where the blocks landed.
+    ///
     /// Raises `PromptMismatch` / `HintRefused` before anything is touched,
     /// `FetchFellBack` (stage, cause) after: recompute the prefix then.
-    #[pyo3(signature = (hint, prompt_hashes, manifest, donor_alive = None, pin_timeout_s = None))]
+    #[pyo3(signature = (hint, prompt_hashes, manifest, donor_alive = None, pin_timeout_s = None, dst_blocks = None))]
+    // One Rust argument per Python keyword argument (each optional).
+    #[allow(clippy::too_many_arguments)]
     fn fetch(
         &self,
         py: Python<'_>,
@@ -167,6 +221,7 @@ impl Target {
         manifest: &[u8],
         donor_alive: Option<Py<PyAny>>,
         pin_timeout_s: Option<f64>,
+        dst_blocks: Option<Vec<u32>>,
     ) -> PyResult<FetchOutcome> {
         let envelope = HintEnvelope::from_wire(hint).map_err(descriptor)?;
         let manifest = BankManifest::from_wire(manifest).map_err(descriptor)?;
@@ -207,9 +262,15 @@ impl Target {
                 FetchFellBack::new_err((format!("donor import: {e}"), "import", "donor_import"))
             })?
             .with_timeout(pin_timeout);
-            self.executor
-                .execute_for_prompt(&envelope, &prompt, &donor, &control)
-                .map_err(fetch)
+            match &dst_blocks {
+                None => self
+                    .executor
+                    .execute_for_prompt(&envelope, &prompt, &donor, &control),
+                Some(d) => self
+                    .executor
+                    .execute_for_prompt_at(&envelope, &prompt, d, &donor, &control),
+            }
+            .map_err(fetch)
         })?;
         Ok(FetchOutcome {
             rows: out.target_blocks.to_vec(),
@@ -228,6 +289,12 @@ impl Target {
         let region = self.regions.get(rank as usize).ok_or_else(|| {
             bad_argument("rank", format!("{rank} >= tp_size {}", self.regions.len()))
         })?;
+        if self.order != EngineOrder::BlockMajor {
+            return Err(bad_argument(
+                "row",
+                "read_row reads block-major rows; read the engine's kv_caches instead",
+            ));
+        }
         let rbb = self.layout.inner.rank_block_bytes();
         let mut buf = vec![0u8; rbb];
         region

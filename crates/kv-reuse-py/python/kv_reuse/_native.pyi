@@ -219,11 +219,14 @@ class Target:
         rows: int,
         kv_caches: Optional[Sequence[Any]] = None,
         gpus: Optional[Sequence[int]] = None,
+        kv_layout: str = "block_major",
     ) -> None:
         """``kv_caches``: one writable C-contiguous tensor per TP rank, shape (rows,
         rank_block_elems), dtype ``Layout.typestr``, row = engine block id: numpy / DLPack
         host tensors, or with ``gpus`` (one CUDA ordinal per rank) CUDA tensors via
-        ``__cuda_array_interface__`` / DLPack. BadArgument names the tensor and the cause."""
+        ``__cuda_array_interface__`` / DLPack. ``kv_layout``: "block_major" (rows, rank_block_elems),
+        "vllm_kv_first" (L, 2, rows, T, H, D) or "vllm_block_first" (L, rows, 2, T, H, D), H = this
+        rank's KV heads. BadArgument names the tensor, ``kv_layout`` or ``gpus`` and the cause."""
     @property
     def engine_id(self) -> str: ...
     @property
@@ -235,8 +238,10 @@ class Target:
         manifest: bytes,
         donor_alive: Optional[Callable[[], bool]] = None,
         pin_timeout_s: Optional[float] = None,
+        dst_blocks: Optional[Sequence[int]] = None,
     ) -> FetchOutcome:
         """Pin, copy, verify (GIL released). ``donor_alive`` is called before the first and
         after the last byte (False or raising = donor gone); ``pin_timeout_s`` bounds each
-        pin exchange (default 2 s). Raises PromptMismatch / HintRefused, else FetchFellBack."""
+        pin exchange (default 2 s); ``dst_blocks``: the engine's block ids for the fetched
+        blocks (default: the pool picks). Raises PromptMismatch / HintRefused, else FetchFellBack."""
     def read_row(self, rank: int, row: int) -> bytes: ...
