@@ -23,8 +23,9 @@ def main():
     sock, tpb, blocks, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     layout = kv_reuse.Layout(2, 2, 8, "f32", tpb, tp)
     gpus = [0] * tp if sys.argv[5:6] == ["cuda"] else None
-    # A 1 s lease: the tests reclaim a killed donor's segments within ~1 s.
-    bank = kv_reuse.DonorBank(layout, slots=blocks + 2, gpus=gpus, lease_s=1.0)
+    # A 2 s lease: the tests reclaim a killed donor's segments within ~2 s
+    # (renewed every 0.4 s, so a loaded machine does not lapse it).
+    bank = kv_reuse.DonorBank(layout, slots=blocks + 2, gpus=gpus, lease_s=2.0)
     tokens = list(range(tpb * blocks))
     store = bank.store(tokens)
     for rank in range(tp):

@@ -46,7 +46,7 @@ def shm_names_of(pid):
 
 def assert_reclaimed(pid):
     """A killed donor leaves its segments (it cannot unlink them);
-    reclaim_stale removes them once its 1 s lease lapsed."""
+    reclaim_stale removes them once its 2 s lease lapsed."""
     assert shm_names_of(pid), "the killed donor left no segments to reclaim"
     deadline = time.monotonic() + 10
     removed = []
