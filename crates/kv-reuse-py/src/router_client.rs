@@ -138,12 +138,78 @@ impl RouterClient {
         sequence_hashes: Vec<u64>,
         target: &str,
     ) -> PyResult<Advice> {
+        let keys =
+            AdviseKeys::SequenceHashes(sequence_hashes.into_iter().map(SequenceHash).collect());
+        self.ask(py, request_id, keys, target)
+    }
+
+    /// `advise` for a prompt given as token ids: the service hashes its
+    /// whole blocks of `tokens_per_block` tokens (the target's block size;
+    /// a partial tail block is ignored). Raises as `advise`; `AdviseRefused`
+    /// names `tokens_per_block` when it is 0 and `token_ids` when there are
+    /// more than the service takes.
+    fn advise_tokens(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        token_ids: Vec<u32>,
+        tokens_per_block: u32,
+        target: &str,
+    ) -> PyResult<Advice> {
+        let keys = AdviseKeys::Tokens {
+            token_ids,
+            tokens_per_block,
+        };
+        self.ask(py, request_id, keys, target)
+    }
+
+    /// Closes the connection (flushing for up to 1 s). Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(c) = conn {
+            py.allow_threads(|| {
+                let _ = c.runtime.block_on(async {
+                    tokio::time::timeout(Duration::from_secs(1), c.client.flush()).await
+                });
+                drop(c.client);
+                c.runtime.shutdown_timeout(Duration::from_secs(1));
+            });
+        }
+    }
+
+    /// True until `close()`.
+    #[getter]
+    fn connected(&self) -> bool {
+        self.conn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+}
+
+impl RouterClient {
+    /// One advise round trip for `keys` (the request/reply of `advise`).
+    fn ask(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        keys: AdviseKeys,
+        target: &str,
+    ) -> PyResult<Advice> {
         let request = AdviseRequest {
             request_id: request_id.to_owned(),
             target: engine_id(target, "target")?,
-            keys: AdviseKeys::SequenceHashes(
-                sequence_hashes.into_iter().map(SequenceHash).collect(),
-            ),
+            keys,
         };
         // The service would refuse these too; refusing here names the
         // Python argument and spends no round trip.
@@ -194,39 +260,6 @@ impl RouterClient {
                 ))
             }
         }
-    }
-
-    /// Closes the connection (flushing for up to 1 s). Idempotent.
-    fn close(&self, py: Python<'_>) {
-        let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(c) = conn {
-            py.allow_threads(|| {
-                let _ = c.runtime.block_on(async {
-                    tokio::time::timeout(Duration::from_secs(1), c.client.flush()).await
-                });
-                drop(c.client);
-                c.runtime.shutdown_timeout(Duration::from_secs(1));
-            });
-        }
-    }
-
-    /// True until `close()`.
-    #[getter]
-    fn connected(&self) -> bool {
-        self.conn
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.close(py);
-        false
     }
 }
 

@@ -68,9 +68,26 @@ def test_a_refusal_from_the_service_raises_advise_refused(nats):
                 client.advise("req-drain", [11, 22], TARGET)
     finally:
         replica.stop()
-    # The request went out as MessagePack naming the request and target.
+    # The request went out as MessagePack naming the request and its keys.
     assert len(replica.requests) == 1
     assert b"req-drain" in replica.requests[0] and b"sequence_hashes" in replica.requests[0]
+
+
+def test_advise_tokens_sends_token_ids_and_refuses_a_zero_block_size(nats):
+    reply = msgpack({"request_id": "req-tok", "result": {"refused": "draining"}})
+    replica = Replier(nats.url, "kv_reuse.advise", lambda _: reply)
+    replica.start()
+    try:
+        with kv_reuse.RouterClient(nats.url) as client:
+            with pytest.raises(kv_reuse.AdviseRefused, match="tokens_per_block"):
+                client.advise_tokens("req-tok", [1, 2, 3], 0, TARGET)
+            with pytest.raises(kv_reuse.AdviseRefused, match="draining"):
+                client.advise_tokens("req-tok", list(range(32)), 16, TARGET)
+    finally:
+        replica.stop()
+    # Only the valid request reached the replica, keyed by tokens.
+    assert len(replica.requests) == 1
+    assert b"token_ids" in replica.requests[0] and b"tokens_per_block" in replica.requests[0]
 
 
 def test_a_garbled_reply_is_a_descriptor_error(nats):
@@ -125,6 +142,8 @@ def test_a_round_trip_through_the_router_binary(nats):
             # target, through the binary's real decoder and reply.
             with pytest.raises(kv_reuse.AdviseRefused, match="unknown target engine " + TARGET):
                 client.advise("req-bin", [1, 2, 3], TARGET)
+            with pytest.raises(kv_reuse.AdviseRefused, match="unknown target engine " + TARGET):
+                client.advise_tokens("req-bin-tok", list(range(64)), 16, TARGET)
     finally:
         router.terminate()
         router.wait(timeout=15)

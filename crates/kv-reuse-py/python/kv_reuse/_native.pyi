@@ -175,6 +175,10 @@ class RouterClient:
     def advise(self, request_id: str, sequence_hashes: Sequence[int], target: str) -> Advice:
         """Same Advice as Router.advise (GIL released). Raises AdviseRefused, RouterUnavailable,
         DescriptorRefused (reply does not decode)."""
+    def advise_tokens(
+        self, request_id: str, token_ids: Sequence[int], tokens_per_block: int, target: str
+    ) -> Advice:
+        """``advise`` keyed by token ids; the service hashes whole blocks of ``tokens_per_block``."""
     def close(self) -> None: ...
     def __enter__(self) -> "RouterClient": ...
     def __exit__(
