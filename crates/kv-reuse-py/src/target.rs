@@ -163,7 +163,7 @@ impl Target {
                 backend,
             )
             .map_err(|e| match e {
-                // e.g. the GPU backend, which does not convert layouts.
+                // A backend that cannot convert, or a tensor too small for its layout.
                 FetchError::LayoutMismatch { field, detail } => {
                     bad_argument("kv_layout", format!("{field}: {detail}"))
                 }
