@@ -1,116 +1,510 @@
-//! Zero-copy reads of host arrays through the NumPy `__array_interface__`
-//! (version 3): the only module of this crate with unsafe code.
+//! Zero-copy views of engine tensors through the array protocols: the only
+//! module of this crate with unsafe code.
 //!
-//! abi3 for Python 3.9 has no buffer-protocol API (`PyBuffer` needs 3.11), so
-//! the array interface is read instead: `data` = (address, read_only),
-//! `typestr` (`<f4`, `|u1`, ...), `shape`, `strides` (None = C-contiguous).
+//! Protocols read (abi3 for Python 3.9 has no buffer-protocol API, since
+//! `PyBuffer` needs 3.11):
+//! - NumPy `__array_interface__` (version 3): `data` = (address, read_only),
+//!   `typestr` (`<f4`, `|u1`, ...), `shape`, `strides` in bytes (None = C
+//!   contiguous);
+//! - `__cuda_array_interface__` (version 2/3, Numba's definition; CuPy,
+//!   torch): the same fields for device memory;
+//! - DLPack (`__dlpack__()` returning a `dltensor` capsule around a
+//!   `DLManagedTensor`, dlpack.h v0.8: `data`, `device` (type, id), `ndim`,
+//!   `dtype` (code, bits, lanes), `shape`, `strides` in elements (NULL = C
+//!   contiguous), `byte_offset`), with `__dlpack_device__()` for the device.
+//!
+//! A view checks dtype, shape, C-contiguity and device, and refuses naming
+//! the Python argument. The capsule is not consumed (not renamed to
+//! `used_dltensor`): the exporter's destructor frees the tensor when the
+//! capsule, held by the view, is dropped.
+
+use std::ffi::c_void;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyCapsule, PyDict};
+
+use kv_bank::{BankError, BankMemory, MemoryKind};
+use kv_descriptor::{DType, ExportHandle};
 
 use crate::errors::bad_argument;
 
-/// A C-contiguous host array checked against an expected dtype and shape.
-pub(crate) struct HostArray<'py> {
-    /// Keeps the array (and so its memory) alive while `ptr` is read.
-    _owner: Bound<'py, PyAny>,
-    ptr: usize,
-    len: usize,
+/// DLPack device types (dlpack.h `DLDeviceType`) this crate accepts.
+const DL_CPU: i32 = 1;
+const DL_CUDA: i32 = 2;
+const DL_CUDA_HOST: i32 = 3;
+/// DLPack dtype codes (dlpack.h `DLDataTypeCode`).
+const DL_UINT: u8 = 1;
+const DL_FLOAT: u8 = 2;
+const DL_BFLOAT: u8 = 4;
+
+/// Where a view's memory must live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Want {
+    /// Host memory of this process (numpy, a CPU torch tensor).
+    Host,
+    /// CUDA device memory on this device ordinal.
+    Cuda(u32),
 }
 
-impl<'py> HostArray<'py> {
-    /// Reads `obj.__array_interface__`, refusing (naming `argument`) an
-    /// object without one, a typestr other than `typestr`, a shape other than
-    /// `shape`, or non-C-contiguous strides.
-    pub(crate) fn new(
-        obj: &Bound<'py, PyAny>,
-        argument: &str,
-        typestr: &str,
-        shape: &[usize],
-    ) -> PyResult<Self> {
-        if obj.hasattr("__cuda_array_interface__")? {
-            return Err(bad_argument(
-                argument,
-                "a CUDA tensor on the host path; pass a host (numpy) array",
-            ));
-        }
-        let ai = obj.getattr("__array_interface__").map_err(|_| {
-            bad_argument(argument, "has no __array_interface__ (pass a numpy array)")
-        })?;
-        let ai = ai
-            .downcast::<PyDict>()
-            .map_err(|_| bad_argument(argument, "__array_interface__ is not a dict"))?;
-        let get = |k: &str| -> PyResult<Bound<'py, PyAny>> {
-            ai.get_item(k)?
-                .ok_or_else(|| bad_argument(argument, format!("__array_interface__ lacks `{k}`")))
-        };
-        let ts: String = get("typestr")?.extract()?;
-        // `=` and `<` are both little-endian on x86-64 (the only wheel target).
-        let norm = |s: &str| s.replace('=', "<");
-        if norm(&ts) != norm(typestr) {
-            return Err(bad_argument(
-                argument,
-                format!("dtype {ts}, expected {typestr}"),
-            ));
-        }
-        let got: Vec<usize> = get("shape")?.extract()?;
-        if got != shape {
-            return Err(bad_argument(
-                argument,
-                format!("shape {got:?}, expected {shape:?}"),
-            ));
-        }
-        let itemsize: usize = ts[2..]
-            .parse()
-            .map_err(|_| bad_argument(argument, format!("typestr {ts}")))?;
-        let strides = get("strides")?;
-        if !strides.is_none() {
-            let s: Vec<isize> = strides.extract()?;
-            let mut want = itemsize as isize;
-            for (dim, st) in shape.iter().zip(&s).rev() {
-                if *dim > 1 && *st != want {
-                    return Err(bad_argument(
-                        argument,
-                        format!("strides {s:?} are not C-contiguous"),
-                    ));
-                }
-                want *= *dim as isize;
-            }
-        }
-        let (ptr, _readonly): (usize, bool) = get("data")?.extract()?;
-        let len = shape.iter().product::<usize>() * itemsize;
-        if ptr == 0 && len > 0 {
-            return Err(bad_argument(argument, "null data pointer"));
-        }
-        Ok(Self {
-            _owner: obj.clone(),
-            ptr,
-            len,
-        })
-    }
+/// A C-contiguous tensor checked against an expected dtype, shape and device.
+pub(crate) struct ArrayView<'py> {
+    /// Keeps the exporter (and so its memory) alive while `ptr` is used.
+    owner: Bound<'py, PyAny>,
+    /// The DLPack capsule, when read through DLPack: dropping it frees the
+    /// exporter's `DLManagedTensor`.
+    capsule: Option<Bound<'py, PyAny>>,
+    ptr: usize,
+    len: usize,
+    readonly: bool,
+    kind: MemoryKind,
+}
 
-    /// The array's bytes, borrowed for as long as `self` (and the GIL) lives.
-    pub(crate) fn bytes(&self) -> &[u8] {
-        if self.len == 0 {
-            return &[];
-        }
-        // SAFETY: the exporter promised `len` readable bytes at `ptr` (C
-        // contiguous with the checked shape and itemsize, offset 0); `_owner`
-        // holds a reference to the array so its memory is not freed, and the
-        // caller holds the GIL (a `Bound<'py>` lives here), so no Python code
-        // resizes it while the slice is borrowed.
-        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
-    }
+/// The raw fields every protocol yields, checked by [`ArrayView::check`].
+struct Raw {
+    ptr: usize,
+    itemsize: usize,
+    shape: Vec<usize>,
+    /// Strides in bytes; None = C-contiguous.
+    strides: Option<Vec<isize>>,
+    readonly: bool,
+    dtype_ok: bool,
+    dtype_name: String,
+}
+
+#[repr(C)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DlTensor {
+    data: *mut c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DlManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
 }
 
 /// The `__array_interface__` typestr of a layout dtype (FP8 and bf16 travel
 /// as raw bytes / uint16 since numpy has no such dtypes).
-pub(crate) fn typestr(dtype: kv_descriptor::DType) -> &'static str {
-    use kv_descriptor::DType;
+pub(crate) fn typestr(dtype: DType) -> &'static str {
     match dtype {
         DType::F32 => "<f4",
         DType::Fp16 => "<f2",
         DType::Bf16 => "<u2",
         DType::Fp8E4m3 => "|u1",
+    }
+}
+
+/// True when DLPack dtype (code, bits) carries `dtype`'s bytes.
+fn dlpack_dtype_ok(dtype: DType, code: u8, bits: u8) -> bool {
+    match dtype {
+        DType::F32 => (code, bits) == (DL_FLOAT, 32),
+        DType::Fp16 => (code, bits) == (DL_FLOAT, 16),
+        DType::Bf16 => (code, bits) == (DL_BFLOAT, 16) || (code, bits) == (DL_UINT, 16),
+        DType::Fp8E4m3 => (code, bits) == (DL_UINT, 8),
+    }
+}
+
+fn has(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    obj.hasattr(name)
+}
+
+/// `(device_type, device_id)` from `__dlpack_device__()`, when the object has it.
+fn dlpack_device(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<Option<(i32, i32)>> {
+    if !has(obj, "__dlpack_device__")? {
+        return Ok(None);
+    }
+    let d = obj.call_method0("__dlpack_device__")?;
+    let (t, id): (i32, i32) = d
+        .extract()
+        .map_err(|_| bad_argument(argument, "__dlpack_device__() is not (type, id)"))?;
+    Ok(Some((t, id)))
+}
+
+/// Reads an `__array_interface__` / `__cuda_array_interface__` dict.
+fn interface(dict: &Bound<'_, PyAny>, argument: &str, proto: &str, dtype: DType) -> PyResult<Raw> {
+    let ai = dict
+        .downcast::<PyDict>()
+        .map_err(|_| bad_argument(argument, format!("{proto} is not a dict")))?;
+    let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        ai.get_item(k)?
+            .ok_or_else(|| bad_argument(argument, format!("{proto} lacks `{k}`")))
+    };
+    let ts: String = get("typestr")?
+        .extract()
+        .map_err(|_| bad_argument(argument, format!("{proto} typestr is not a str")))?;
+    // `=` and `<` are both little-endian on x86-64 (the only wheel target).
+    let norm = |s: &str| s.replace('=', "<");
+    let itemsize: usize = ts
+        .get(2..)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad_argument(argument, format!("typestr {ts:?}")))?;
+    let shape: Vec<usize> = get("shape")?
+        .extract()
+        .map_err(|_| bad_argument(argument, format!("{proto} shape is not a tuple of ints")))?;
+    let strides = get("strides")?;
+    let strides = if strides.is_none() {
+        None
+    } else {
+        Some(strides.extract::<Vec<isize>>().map_err(|_| {
+            bad_argument(argument, format!("{proto} strides are not a tuple of ints"))
+        })?)
+    };
+    let (ptr, readonly): (usize, bool) = get("data")?.extract().map_err(|_| {
+        bad_argument(
+            argument,
+            format!("{proto} data is not (address, read_only)"),
+        )
+    })?;
+    Ok(Raw {
+        ptr,
+        itemsize,
+        shape,
+        strides,
+        readonly,
+        dtype_ok: norm(&ts) == norm(typestr(dtype)),
+        dtype_name: ts,
+    })
+}
+
+impl<'py> ArrayView<'py> {
+    /// Views `obj` as a C-contiguous tensor of `dtype` with `shape` in the
+    /// memory `want` names, refusing (naming `argument`): no protocol, the
+    /// wrong dtype, shape or strides, non-contiguous strides, a tensor on
+    /// another device, a CUDA tensor on the host path or a CPU tensor on
+    /// the GPU path, a null pointer.
+    pub(crate) fn new(
+        obj: &Bound<'py, PyAny>,
+        argument: &str,
+        dtype: DType,
+        shape: &[usize],
+        want: Want,
+    ) -> PyResult<Self> {
+        let device = dlpack_device(obj, argument)?;
+        let mut capsule = None;
+        let (raw, kind) = match want {
+            Want::Host => {
+                let cuda =
+                    has(obj, "__cuda_array_interface__")? || matches!(device, Some((DL_CUDA, _)));
+                if cuda {
+                    return Err(bad_argument(
+                        argument,
+                        "a CUDA tensor on the host path; pass a host (numpy) array",
+                    ));
+                }
+                if let Some((t, _)) = device.filter(|(t, _)| *t != DL_CPU && *t != DL_CUDA_HOST) {
+                    return Err(bad_argument(
+                        argument,
+                        format!("DLPack device type {t} is not host memory"),
+                    ));
+                }
+                let raw = if has(obj, "__array_interface__")? {
+                    let ai = obj.getattr("__array_interface__")?;
+                    interface(&ai, argument, "__array_interface__", dtype)?
+                } else if has(obj, "__dlpack__")? {
+                    let (raw, cap, dev) = read_dlpack(obj, argument, dtype)?;
+                    if dev.0 != DL_CPU && dev.0 != DL_CUDA_HOST {
+                        return Err(bad_argument(
+                            argument,
+                            format!("DLPack device type {} is not host memory", dev.0),
+                        ));
+                    }
+                    capsule = Some(cap);
+                    raw
+                } else {
+                    return Err(bad_argument(
+                        argument,
+                        "has no __array_interface__ or __dlpack__ (pass a numpy array)",
+                    ));
+                };
+                (raw, MemoryKind::Host)
+            }
+            Want::Cuda(ordinal) => {
+                if let Some((t, id)) = device {
+                    if t != DL_CUDA {
+                        return Err(bad_argument(
+                            argument,
+                            format!("a CPU tensor on the GPU path (DLPack device type {t}); pass a CUDA tensor"),
+                        ));
+                    }
+                    if id as i64 != i64::from(ordinal) {
+                        return Err(bad_argument(
+                            argument,
+                            format!("on cuda:{id}, expected cuda:{ordinal}"),
+                        ));
+                    }
+                }
+                let raw = if has(obj, "__cuda_array_interface__")? {
+                    let ai = obj.getattr("__cuda_array_interface__")?;
+                    interface(&ai, argument, "__cuda_array_interface__", dtype)?
+                } else if has(obj, "__dlpack__")? {
+                    let (raw, cap, dev) = read_dlpack(obj, argument, dtype)?;
+                    if dev.0 != DL_CUDA {
+                        return Err(bad_argument(
+                            argument,
+                            format!("a CPU tensor on the GPU path (DLPack device type {}); pass a CUDA tensor", dev.0),
+                        ));
+                    }
+                    if dev.1 as i64 != i64::from(ordinal) {
+                        return Err(bad_argument(
+                            argument,
+                            format!("on cuda:{}, expected cuda:{ordinal}", dev.1),
+                        ));
+                    }
+                    capsule = Some(cap);
+                    raw
+                } else if has(obj, "__array_interface__")? {
+                    return Err(bad_argument(
+                        argument,
+                        "a CPU tensor on the GPU path; pass a CUDA tensor",
+                    ));
+                } else {
+                    return Err(bad_argument(
+                        argument,
+                        "has no __cuda_array_interface__ or __dlpack__ (pass a CUDA tensor)",
+                    ));
+                };
+                (raw, MemoryKind::Cuda { ordinal })
+            }
+        };
+        let len = Self::check(&raw, argument, dtype, shape)?;
+        Ok(Self {
+            owner: obj.clone(),
+            capsule,
+            ptr: raw.ptr,
+            len,
+            readonly: raw.readonly,
+            kind,
+        })
+    }
+
+    /// Checks dtype, shape and C-contiguity; returns the byte length.
+    fn check(raw: &Raw, argument: &str, dtype: DType, shape: &[usize]) -> PyResult<usize> {
+        if !raw.dtype_ok || raw.itemsize != dtype.size_bytes() {
+            return Err(bad_argument(
+                argument,
+                format!("dtype {}, expected {}", raw.dtype_name, typestr(dtype)),
+            ));
+        }
+        if raw.shape != shape {
+            return Err(bad_argument(
+                argument,
+                format!("shape {:?}, expected {shape:?}", raw.shape),
+            ));
+        }
+        if let Some(s) = &raw.strides {
+            let mut want = raw.itemsize as isize;
+            let contiguous = s.len() == shape.len()
+                && shape.iter().zip(s).rev().all(|(dim, st)| {
+                    // A length-1 axis may have any stride (numpy, torch).
+                    let ok = *dim <= 1 || *st == want;
+                    want *= *dim as isize;
+                    ok
+                });
+            if !contiguous {
+                return Err(bad_argument(
+                    argument,
+                    format!("strides {s:?} are not C-contiguous"),
+                ));
+            }
+        }
+        let len = shape.iter().product::<usize>() * raw.itemsize;
+        if raw.ptr == 0 && len > 0 {
+            return Err(bad_argument(argument, "null data pointer"));
+        }
+        Ok(len)
+    }
+
+    /// The view's bytes (host memory only), borrowed for as long as `self`
+    /// (and the GIL) lives.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        if self.len == 0 || self.kind != MemoryKind::Host {
+            return &[];
+        }
+        // SAFETY: the exporter promised `len` readable host bytes at `ptr`
+        // (C contiguous with the checked shape and itemsize). `owner` (and
+        // the DLPack capsule) hold references to the tensor for the slice's
+        // whole borrow, so its memory is not freed; numpy refuses to resize
+        // an array that has other references, and a DLPack exporter keeps
+        // the memory for the capsule's life. This holds also while the GIL
+        // is released for a copy (`PendingStore.write`): the engine must not
+        // write the tensor until that call returned (docs/python.md).
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+
+    /// Refuses a read-only view as a destination, naming `argument`.
+    pub(crate) fn writable(self, argument: &str) -> PyResult<Self> {
+        if self.readonly {
+            return Err(bad_argument(
+                argument,
+                "is read-only; a destination must be writable",
+            ));
+        }
+        Ok(self)
+    }
+
+    /// The view as bank memory a fetch may write (the engine's own KV
+    /// tensor as a destination region), holding the exporter alive.
+    pub(crate) fn into_memory(self) -> ExternalMemory {
+        ExternalMemory {
+            _owner: self.owner.unbind(),
+            _capsule: self.capsule.map(Bound::unbind),
+            ptr: self.ptr,
+            len: self.len,
+            kind: self.kind,
+        }
+    }
+}
+
+/// Reads a DLPack capsule: the raw fields, the capsule, (device type, id).
+fn read_dlpack<'py>(
+    obj: &Bound<'py, PyAny>,
+    argument: &str,
+    dtype: DType,
+) -> PyResult<(Raw, Bound<'py, PyAny>, (i32, i32))> {
+    let cap = obj
+        .call_method0("__dlpack__")
+        .map_err(|e| bad_argument(argument, format!("__dlpack__() failed: {e}")))?;
+    let capsule = cap
+        .downcast::<PyCapsule>()
+        .map_err(|_| bad_argument(argument, "__dlpack__() did not return a capsule"))?;
+    let named = capsule.name()?.is_some_and(|n| n.to_bytes() == b"dltensor");
+    if !named {
+        return Err(bad_argument(
+            argument,
+            "__dlpack__() capsule is not a `dltensor`",
+        ));
+    }
+    let managed = capsule.pointer() as *const DlManagedTensor;
+    if managed.is_null() {
+        return Err(bad_argument(argument, "__dlpack__() capsule is empty"));
+    }
+    // SAFETY: a `dltensor` capsule holds a valid `DLManagedTensor` (dlpack.h)
+    // that lives until the capsule's destructor runs; `cap` is alive for the
+    // whole read. `shape` and (non-null) `strides` point to `ndim` i64s.
+    let t = unsafe { &(*managed).dl_tensor };
+    let ndim = usize::try_from(t.ndim)
+        .map_err(|_| bad_argument(argument, format!("DLPack ndim {}", t.ndim)))?;
+    let dims: &[i64] = if ndim == 0 {
+        &[]
+    } else {
+        // SAFETY: see above; `shape` has `ndim` entries.
+        unsafe { std::slice::from_raw_parts(t.shape, ndim) }
+    };
+    let shape = dims
+        .iter()
+        .map(|d| usize::try_from(*d))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| bad_argument(argument, format!("DLPack shape {dims:?}")))?;
+    let itemsize = usize::from(t.dtype.bits) / 8;
+    let strides = if t.strides.is_null() || ndim == 0 {
+        None
+    } else {
+        // SAFETY: see above; non-null `strides` has `ndim` entries (elements).
+        let s = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
+        Some(s.iter().map(|e| *e as isize * itemsize as isize).collect())
+    };
+    let raw = Raw {
+        ptr: (t.data as usize).wrapping_add(t.byte_offset as usize),
+        itemsize,
+        shape,
+        strides,
+        readonly: false,
+        dtype_ok: t.dtype.lanes == 1 && dlpack_dtype_ok(dtype, t.dtype.code, t.dtype.bits),
+        dtype_name: format!(
+            "dlpack(code={}, bits={}, lanes={})",
+            t.dtype.code, t.dtype.bits, t.dtype.lanes
+        ),
+    };
+    let device = (t.device.device_type, t.device.device_id);
+    Ok((raw, cap, device))
+}
+
+/// An engine tensor as a fetch destination region: host memory (numpy, CPU
+/// torch) or CUDA device memory (torch / CuPy via the CUDA array interface
+/// or DLPack) owned by the Python exporter, which this keeps alive.
+#[derive(Debug)]
+pub(crate) struct ExternalMemory {
+    _owner: Py<PyAny>,
+    _capsule: Option<Py<PyAny>>,
+    ptr: usize,
+    len: usize,
+    kind: MemoryKind,
+}
+
+impl ExternalMemory {
+    fn host_range(&self, op: &'static str, offset: usize, n: usize) -> Result<(), BankError> {
+        if self.kind != MemoryKind::Host {
+            return Err(BankError::Unsupported {
+                op,
+                kind: self.kind.to_string(),
+            });
+        }
+        match offset.checked_add(n) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(BankError::OutOfRange {
+                field: "offset",
+                offset: offset as u64,
+                len: n as u64,
+                region_len: self.len as u64,
+            }),
+        }
+    }
+}
+
+impl BankMemory for ExternalMemory {
+    fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn base_addr(&self) -> u64 {
+        self.ptr as u64
+    }
+    fn export_handle(&self) -> Option<ExportHandle> {
+        // Process-private: a destination is never exported to a donor.
+        None
+    }
+    fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
+        self.host_range("write_bytes", offset, src.len())?;
+        // SAFETY: host memory of `len` writable bytes (checked writable and
+        // contiguous when viewed) kept alive by `_owner`; the range is in
+        // bounds. The engine does not touch rows reserved for a fetch (the
+        // destination contract, docs/python.md), so nothing aliases them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), (self.ptr + offset) as *mut u8, src.len())
+        };
+        Ok(())
+    }
+    fn read_bytes(&self, offset: usize, dst: &mut [u8]) -> Result<(), BankError> {
+        self.host_range("read_bytes", offset, dst.len())?;
+        // SAFETY: as in `write_bytes`; `dst` is a distinct Rust buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (self.ptr + offset) as *const u8,
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
+        Ok(())
     }
 }

@@ -1,4 +1,4 @@
-//! The donor role: a host-shm TP-N bank, stores of sealed blocks from numpy
+//! The donor role: a host-shm or CUDA TP-N bank, stores of sealed blocks from numpy
 //! arrays acknowledged per rank, events, the manifest, and the pin service.
 
 use std::sync::Arc;
@@ -7,12 +7,12 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use kv_bank::{sealed_blocks, BankConfig, BankManager, StoreStatus};
+use kv_bank::{sealed_blocks, BankConfig, BankError, BankManager, LeaseConfig, StoreStatus};
 use kv_descriptor::{OwnerLease, Role, SequenceHash, Wire};
 use kv_router_glue::{PinService, PinServiceConfig};
 
-use crate::array::HostArray;
-use crate::errors::{bad_argument, bank, descriptor, PinServiceFailed};
+use crate::array::{ArrayView, Want};
+use crate::errors::{bad_argument, bank, descriptor, CudaUnavailable, PinServiceFailed};
 use crate::layout::Layout;
 
 /// A decode worker's retained bank in host shared memory (kv_bank::BankManager).
@@ -24,19 +24,64 @@ pub(crate) struct DonorBank {
 
 #[pymethods]
 impl DonorBank {
-    /// Opens a bank of `slots` KV blocks per TP rank in host shm.
+    /// Opens a bank of `slots` KV blocks per TP rank: in host shm, or with
+    /// `gpus` (one CUDA ordinal per TP rank) in device memory exported over
+    /// CUDA IPC (the GPU path; `PendingStore.write` then copies host arrays
+    /// to the device).
     ///
-    /// Raises `BankFailed` when the segments cannot be created.
+    /// `lease_s` is the owner lease (seconds, renewed in the background every
+    /// fifth of it): once this process dies, `reclaim_stale()` anywhere on
+    /// the host removes its segments after at most that long.
+    ///
+    /// Raises `BadArgument` naming `slots`, `lease_s` or `gpus`, `CudaUnavailable`
+    /// when `gpus` is given where no CUDA device is, `BankFailed` when the
+    /// segments or allocations cannot be created.
     #[new]
-    #[pyo3(signature = (layout, slots, host_id = "kv-reuse-py"))]
-    fn new(layout: Layout, slots: u64, host_id: &str) -> PyResult<Self> {
+    #[pyo3(signature = (layout, slots, host_id = "kv-reuse-py", gpus = None, lease_s = 15.0))]
+    fn new(
+        layout: Layout,
+        slots: u64,
+        host_id: &str,
+        gpus: Option<Vec<u32>>,
+        lease_s: f64,
+    ) -> PyResult<Self> {
         if slots == 0 {
             return Err(bad_argument("slots", "must be at least 1"));
         }
+        // kv_bank accepts 1 ms ..= 1 day; below 50 ms a renewal every fifth
+        // of it would be a busy thread.
+        if !(lease_s.is_finite() && (0.05..=86_400.0).contains(&lease_s)) {
+            return Err(bad_argument(
+                "lease_s",
+                format!("{lease_s} is not in [0.05, 86400] seconds"),
+            ));
+        }
         let bytes =
             slots * u64::from(layout.inner.tp_size()) * layout.inner.rank_block_bytes() as u64;
-        let cfg = BankConfig::new(layout.inner, OwnerLease::fresh(Role::Decode), bytes);
-        let inner = BankManager::new_host_shm(cfg, host_id).map_err(bank)?;
+        let mut cfg = BankConfig::new(layout.inner, OwnerLease::fresh(Role::Decode), bytes);
+        let lease = Duration::from_secs_f64(lease_s);
+        cfg.lease = LeaseConfig::background(lease, lease / 5);
+        let inner = match gpus {
+            None => BankManager::new_host_shm(cfg, host_id).map_err(bank)?,
+            Some(g) => {
+                if g.len() != layout.inner.tp_size() as usize {
+                    return Err(bad_argument(
+                        "gpus",
+                        format!(
+                            "{} ordinals, expected one per TP rank ({})",
+                            g.len(),
+                            layout.inner.tp_size()
+                        ),
+                    ));
+                }
+                BankManager::new_cuda(cfg, host_id, &g).map_err(|e| match e {
+                    BankError::CudaUnavailable { .. } => {
+                        CudaUnavailable::new_err(format!("gpus: {e}"))
+                    }
+                    other => bank(other),
+                })?
+            }
+        };
         Ok(Self {
             inner: Arc::new(inner),
             layout,
@@ -130,9 +175,16 @@ impl PendingStore {
     }
 
     /// Writes rank `rank`'s part of every block from `blocks`, a C-contiguous
-    /// array of shape `(len(sequence_hashes), layout.rank_block_elems)` and
-    /// dtype `layout.typestr`, read in place.
-    fn write(&self, rank: u32, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// host tensor of shape `(len(sequence_hashes), layout.rank_block_elems)`
+    /// and dtype `layout.typestr`, read in place through
+    /// `__array_interface__` (numpy) or DLPack (a CPU torch tensor).
+    ///
+    /// Releases the GIL while it copies; the engine must not write `blocks`
+    /// until `write` returned.
+    ///
+    /// Raises `BadArgument` naming `blocks` (dtype, shape, strides, a CUDA
+    /// tensor on this host bank) or `rank`; `BankFailed` from the bank.
+    fn write(&self, py: Python<'_>, rank: u32, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         if rank >= self.layout.inner.tp_size() {
             return Err(bad_argument(
                 "rank",
@@ -140,19 +192,26 @@ impl PendingStore {
             ));
         }
         let elems = self.layout.inner.rank_block_bytes() / self.layout.inner.dtype().size_bytes();
-        let arr = HostArray::new(
+        let arr = ArrayView::new(
             blocks,
             "blocks",
-            crate::array::typestr(self.layout.inner.dtype()),
+            self.layout.inner.dtype(),
             &[self.hashes.len(), elems],
+            Want::Host,
         )?;
         let rbb = self.layout.inner.rank_block_bytes();
-        for (index, chunk) in arr.bytes().chunks_exact(rbb).enumerate() {
-            self.bank
-                .write_pending(self.store_id, rank, index, chunk)
-                .map_err(bank)?;
-        }
-        Ok(())
+        let bytes = arr.bytes();
+        // The copy (into shm, or host-to-device on a CUDA bank) is the long
+        // part: other Python threads (the engine's) run meanwhile. `arr`
+        // keeps the tensor referenced until the copy returned.
+        py.allow_threads(|| {
+            for (index, chunk) in bytes.chunks_exact(rbb).enumerate() {
+                self.bank
+                    .write_pending(self.store_id, rank, index, chunk)
+                    .map_err(bank)?;
+            }
+            Ok(())
+        })
     }
 
     /// Acknowledges rank `rank`'s writes; True once every rank acked (the

@@ -59,6 +59,11 @@ create_exception!(
 );
 create_exception!(kv_reuse._native, FetchFellBack, KvReuseError, "The fetch fell back after validation (FetchError::Fallback): args are (message, stage, cause label). Recompute the prefix.");
 
+create_exception!(kv_reuse._native, RouterUnavailable, KvReuseError, "No router service answered (NATS unreachable, no replica listening, or no reply within the timeout): advise locally or recompute.");
+create_exception!(kv_reuse._native, AdviseRefused, KvReuseError, "The router service refused the advise request (kv_router_glue::service::AdviseRefusal); the message names the field or cause.");
+
+create_exception!(kv_reuse._native, CudaUnavailable, KvReuseError, "The GPU path was asked for where no CUDA driver or device is (kv_transfer / kv_bank CUDA errors); the message names the argument.");
+
 /// Registers the exception classes on the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -72,6 +77,9 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("HintRefused", py.get_type::<HintRefused>())?;
     m.add("PromptMismatch", py.get_type::<PromptMismatch>())?;
     m.add("FetchFellBack", py.get_type::<FetchFellBack>())?;
+    m.add("RouterUnavailable", py.get_type::<RouterUnavailable>())?;
+    m.add("AdviseRefused", py.get_type::<AdviseRefused>())?;
+    m.add("CudaUnavailable", py.get_type::<CudaUnavailable>())?;
     Ok(())
 }
 

@@ -4,15 +4,18 @@
 //! The module loads without CUDA or NIXL: the Rust crates below resolve both
 //! at run time. Python classes: `Layout` (module `layout`), `Settings`
 //! (`settings`), `DonorBank`, `PendingStore`, `PinServer` (`donor`), `Router`,
-//! `Advice` (`router`), `Target`, `FetchOutcome` (`target`); exceptions in
-//! `errors`. Host arrays are read in place through `__array_interface__`
-//! (module `array`, the only unsafe code). API and examples: docs/python.md.
+//! `Advice` (`router`), `RouterClient` (`router_client`, advise over NATS), `Target`, `FetchOutcome` (`target`); exceptions in
+//! `errors`. Engine tensors cross zero-copy through `__array_interface__`,
+//! DLPack and `__cuda_array_interface__` (module `array`, the only unsafe
+//! code). API and examples: docs/python.md.
 
 mod array;
 mod donor;
+mod engine_layout;
 mod errors;
 mod layout;
 mod router;
+mod router_client;
 mod settings;
 mod target;
 
@@ -56,12 +59,33 @@ fn leak_counters() -> HashMap<&'static str, u64> {
     ])
 }
 
+/// Removes the host shm banks of owners that stopped renewing their lease
+/// (a donor process that died) whose names start with `prefix`
+/// (kv_bank::reclaim_stale; live leases are never touched). Returns the
+/// names unlinked (`/name`). Releases the GIL while it scans.
+///
+/// Raises `BadArgument` naming `prefix` when it is empty or contains `/`.
+#[pyfunction]
+#[pyo3(signature = (prefix = "kvbank"))]
+fn reclaim_stale(py: Python<'_>, prefix: &str) -> PyResult<Vec<String>> {
+    if prefix.is_empty() || prefix.contains('/') {
+        return Err(errors::bad_argument(
+            "prefix",
+            format!("{prefix:?} must be non-empty without `/`"),
+        ));
+    }
+    py.allow_threads(|| kv_bank::reclaim_stale(prefix, kv_bank::reclaim::ScanTime::now()))
+        .map(|r| r.removed_names())
+        .map_err(errors::bank)
+}
+
 #[pymodule]
 #[pyo3(name = "_native")]
 fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(leak_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(reclaim_stale, m)?)?;
     m.add_class::<layout::Layout>()?;
     m.add_class::<settings::Settings>()?;
     m.add_class::<donor::DonorBank>()?;
@@ -69,6 +93,7 @@ fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<donor::PinServer>()?;
     m.add_class::<router::Router>()?;
     m.add_class::<router::Advice>()?;
+    m.add_class::<router_client::RouterClient>()?;
     m.add_class::<target::Target>()?;
     m.add_class::<target::FetchOutcome>()?;
     Ok(())

@@ -166,11 +166,11 @@ impl Router {
             .transpose()
             .map_err(descriptor)?
             .map(|b| PyBytes::new(py, &b).unbind());
-        Ok(Advice {
-            admitted: advice.decision.admitted(),
-            verdict: format!("{:?}", advice.decision.verdict),
+        Ok(Advice::new(
+            advice.decision.admitted(),
+            format!("{:?}", advice.decision.verdict),
             hint,
-        })
+        ))
     }
 }
 
@@ -183,6 +183,17 @@ pub(crate) struct Advice {
     verdict: String,
     /// The hint envelope (MessagePack) to send to the target, when admitted.
     hint: Option<Py<PyBytes>>,
+}
+
+impl Advice {
+    /// The Python form of one decision (in-process `Router` or the service).
+    pub(crate) fn new(admitted: bool, verdict: String, hint: Option<Py<PyBytes>>) -> Self {
+        Self {
+            admitted,
+            verdict,
+            hint,
+        }
+    }
 }
 
 #[pymethods]

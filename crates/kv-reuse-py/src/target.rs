@@ -3,54 +3,177 @@
 //! through the donor's pin service (`RemoteDonor`) and reading its host shm.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use kv_bank::{BankMemory, CompletedBlocks, DestinationPool};
 use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
-use kv_router_glue::{FetchExecutor, RemoteDonor};
-use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend};
+use kv_router_glue::{EngineRegion, FetchError, FetchExecutor, RemoteDonor, DEFAULT_PIN_TIMEOUT};
+use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
+use kv_transfer::{CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, LivenessProbe};
 
-use crate::errors::{bad_argument, descriptor, fetch, BankFailed, FetchFellBack};
+use crate::array::{ArrayView, Want};
+use crate::engine_layout::EngineOrder;
+use crate::errors::{bad_argument, descriptor, fetch, BankFailed, CudaUnavailable, FetchFellBack};
 use crate::layout::Layout;
 
-/// A prefill target with `rows` destination rows per TP rank in host memory.
+/// A prefill target with `rows` destination rows (KV blocks) per TP rank:
+/// its own host buffers, or the engine's KV tensors (`kv_caches`).
 #[pyclass(frozen, module = "kv_reuse")]
 pub(crate) struct Target {
     engine: EngineId,
+    /// CUDA ordinal of each rank's destination (the GPU path), or None.
+    gpus: Option<Vec<u32>>,
+    /// How the destination tensors are laid out.
+    order: EngineOrder,
     layout: Layout,
-    regions: Vec<Arc<HostBuffer>>,
+    regions: Vec<Arc<dyn BankMemory>>,
     executor: FetchExecutor,
 }
 
 #[pymethods]
 impl Target {
-    /// Raises `BankFailed` when the host rows cannot be allocated.
+    /// `kv_caches`, when given, is the engine's own KV cache: one
+    /// C-contiguous, writable host tensor per TP rank (numpy or a CPU torch
+    /// tensor via DLPack) of shape `(rows, layout.rank_block_elems)` and
+    /// dtype `layout.typestr`, block-major (row = the engine's block id).
+    /// A fetch then writes straight into it at the rows it returns; the
+    /// engine must not touch those rows until the fetch returned. Without
+    /// it the target allocates its own zeroed host rows.
+    ///
+    /// With `gpus` (one CUDA ordinal per TP rank: the GPU path) the
+    /// `kv_caches` are CUDA tensors on those devices, read through
+    /// `__cuda_array_interface__` or DLPack (torch, CuPy); fetches import
+    /// the donor's CUDA IPC banks and copy device to device, so no payload
+    /// crosses the host (`FetchOutcome.host_payload_bytes == 0`).
+    /// Synchronize the engine's stream before `fetch` and read the rows
+    /// after it returns (the copy is complete then).
+    ///
+    /// `kv_layout` names the tensors' order (engine_layout.rs): `block_major`
+    /// `[rows, rank_block_elems]` (the default), `vllm_kv_first`
+    /// `[L, 2, rows, T, H, D]` or `vllm_block_first` `[L, rows, 2, T, H, D]`
+    /// (H = this rank's KV heads; vLLM's per-layer tensors stacked in one
+    /// buffer); the copy converts from the donor's block-major slots.
+    ///
+    /// Raises `BadArgument` naming `rows`, `gpus`, `kv_layout` or `kv_caches[r]` (count,
+    /// dtype, shape, strides, read-only, a tensor on another device, a CUDA
+    /// tensor on the host path or a CPU tensor on the GPU path);
+    /// `CudaUnavailable` on the GPU path without a CUDA driver; `BankFailed`
+    /// when the host rows cannot be allocated.
     #[new]
-    fn new(layout: Layout, rows: u32) -> PyResult<Self> {
+    #[pyo3(signature = (layout, rows, kv_caches = None, gpus = None, kv_layout = "block_major"))]
+    fn new(
+        layout: Layout,
+        rows: u32,
+        kv_caches: Option<Vec<Bound<'_, PyAny>>>,
+        gpus: Option<Vec<u32>>,
+        kv_layout: &str,
+    ) -> PyResult<Self> {
         if rows == 0 {
             return Err(bad_argument("rows", "must be at least 1"));
         }
+        let order = EngineOrder::parse(kv_layout)?;
+        if order != EngineOrder::BlockMajor && kv_caches.is_none() {
+            return Err(bad_argument(
+                "kv_caches",
+                format!("required with kv_layout={kv_layout:?} (the engine's tensors)"),
+            ));
+        }
         let rbb = layout.inner.rank_block_bytes();
-        let regions = (0..layout.inner.tp_size())
-            .map(|_| HostBuffer::zeroed(rows as usize * rbb).map(Arc::new))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| BankFailed::new_err(e.to_string()))?;
-        let dyn_regions: Vec<Arc<dyn BankMemory>> = regions
-            .iter()
-            .map(|r| r.clone() as Arc<dyn BankMemory>)
-            .collect();
-        let executor = FetchExecutor::new(
-            layout.inner,
-            DestinationPool::new(rows),
-            dyn_regions,
-            rows,
-            Arc::new(HostCopyBackend),
-        )
-        .map_err(fetch)?;
+        let tp = layout.inner.tp_size() as usize;
+        if let Some(g) = &gpus {
+            if g.len() != tp {
+                return Err(bad_argument(
+                    "gpus",
+                    format!("{} ordinals, expected one per TP rank ({tp})", g.len()),
+                ));
+            }
+            if kv_caches.is_none() {
+                return Err(bad_argument(
+                    "kv_caches",
+                    "required with `gpus` (the engine's CUDA tensors)",
+                ));
+            }
+        }
+        let regions: Vec<Arc<dyn BankMemory>> = match kv_caches {
+            None => (0..tp)
+                .map(|_| {
+                    HostBuffer::zeroed(rows as usize * rbb)
+                        .map(|b| Arc::new(b) as Arc<dyn BankMemory>)
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| BankFailed::new_err(e.to_string()))?,
+            Some(caches) => {
+                if caches.len() != tp {
+                    return Err(bad_argument(
+                        "kv_caches",
+                        format!("{} tensors, expected one per TP rank ({tp})", caches.len()),
+                    ));
+                }
+                let shape = order.shape(&layout.inner, rows);
+                caches
+                    .iter()
+                    .enumerate()
+                    .map(|(r, t)| {
+                        let arg = format!("kv_caches[{r}]");
+                        let want = gpus.as_ref().map_or(Want::Host, |g| Want::Cuda(g[r]));
+                        ArrayView::new(t, &arg, layout.inner.dtype(), &shape, want)
+                            .and_then(|v| v.writable(&arg))
+                            .map(|v| Arc::new(v.into_memory()) as Arc<dyn BankMemory>)
+                    })
+                    .collect::<PyResult<Vec<_>>>()?
+            }
+        };
+        let backend: Arc<dyn CopyBackend> = match &gpus {
+            None => Arc::new(HostCopyBackend),
+            Some(_) => Arc::new(
+                CudaCopyBackend::new(CudaMode::Auto)
+                    .map_err(|e| CudaUnavailable::new_err(format!("gpus: {e}")))?,
+            ),
+        };
+        let executor = if order == EngineOrder::BlockMajor {
+            FetchExecutor::new(
+                layout.inner,
+                DestinationPool::new(rows),
+                regions.clone(),
+                rows,
+                backend,
+            )
+            .map_err(fetch)?
+        } else {
+            let engine_regions = regions
+                .iter()
+                .enumerate()
+                .map(|(r, memory)| {
+                    order
+                        .region(layout.inner, r as u32, rows)
+                        .map(|l| EngineRegion {
+                            memory: memory.clone(),
+                            layout: l,
+                        })
+                        .map_err(|e| bad_argument("kv_layout", format!("rank {r}: {e}")))
+                })
+                .collect::<PyResult<Vec<_>>>()?;
+            FetchExecutor::with_engine_regions(
+                layout.inner,
+                DestinationPool::new(rows),
+                engine_regions,
+                backend,
+            )
+            .map_err(|e| match e {
+                // A backend that cannot convert, or a tensor too small for its layout.
+                FetchError::LayoutMismatch { field, detail } => {
+                    bad_argument("kv_layout", format!("{field}: {detail}"))
+                }
+                other => fetch(other),
+            })?
+        };
         Ok(Self {
             engine: EngineId::fresh(),
+            gpus,
+            order,
             layout,
             regions,
             executor,
@@ -73,14 +196,32 @@ impl Target {
     /// whose sealed blocks have `prompt_hashes`, from the donor whose
     /// manifest (wire form) is `manifest`. Releases the GIL while it runs.
     ///
+    /// `donor_alive`, when given, is a callable returning False once the
+    /// donor is gone (its process exited, its lease lapsed); it is called
+    /// (with the GIL) before the first byte and after the last one, so bytes
+    /// read from a donor that died meanwhile are never reported complete. A
+    /// probe that raises counts as a dead donor. `pin_timeout_s` bounds each
+    /// exchange with the donor's pin service (default 2 s).
+    ///
+    /// `dst_blocks`, when given, are the engine's block ids (rows of
+    /// `kv_caches`) for the fetched blocks, in prefix order, chosen by the
+    /// engine's allocator; by default the target's pool picks free rows.
+    /// Either way `FetchOutcome.rows` says where the blocks landed.
+    ///
     /// Raises `PromptMismatch` / `HintRefused` before anything is touched,
     /// `FetchFellBack` (stage, cause) after: recompute the prefix then.
+    #[pyo3(signature = (hint, prompt_hashes, manifest, donor_alive = None, pin_timeout_s = None, dst_blocks = None))]
+    // One Rust argument per Python keyword argument (each optional).
+    #[allow(clippy::too_many_arguments)]
     fn fetch(
         &self,
         py: Python<'_>,
         hint: &[u8],
         prompt_hashes: Vec<u64>,
         manifest: &[u8],
+        donor_alive: Option<Py<PyAny>>,
+        pin_timeout_s: Option<f64>,
+        dst_blocks: Option<Vec<u32>>,
     ) -> PyResult<FetchOutcome> {
         let envelope = HintEnvelope::from_wire(hint).map_err(descriptor)?;
         let manifest = BankManifest::from_wire(manifest).map_err(descriptor)?;
@@ -89,16 +230,47 @@ impl Target {
             .first()
             .map(|a| a.donor_control_endpoint.clone())
             .ok_or_else(|| bad_argument("hint", "no kv.fetch_gpu action"))?;
+        let pin_timeout = match pin_timeout_s {
+            None => DEFAULT_PIN_TIMEOUT,
+            Some(s) if s.is_finite() && s > 0.0 && s <= 3600.0 => Duration::from_secs_f64(s),
+            Some(s) => {
+                return Err(bad_argument(
+                    "pin_timeout_s",
+                    format!("{s} is not in (0, 3600] seconds"),
+                ))
+            }
+        };
+        if let Some(probe) = &donor_alive {
+            if !probe.bind(py).is_callable() {
+                return Err(bad_argument("donor_alive", "is not callable"));
+            }
+        }
+        let control = DeliveryControl {
+            donor_alive: donor_alive.map(python_probe),
+            ..DeliveryControl::default()
+        };
         let prompt: Vec<SequenceHash> = prompt_hashes.into_iter().map(SequenceHash).collect();
         let out = py.allow_threads(|| {
             // A donor whose segments are gone (it exited) is a fallback like
             // a refused pin: the request recomputes.
-            let donor = RemoteDonor::open_host_shm(manifest, &endpoint).map_err(|e| {
+            let donor = match &self.gpus {
+                None => RemoteDonor::open_host_shm(manifest, &endpoint),
+                // Each rank's bank is imported on the GPU that reads it.
+                Some(g) => RemoteDonor::open_cuda_ipc(manifest, g, &endpoint),
+            }
+            .map_err(|e| {
                 FetchFellBack::new_err((format!("donor import: {e}"), "import", "donor_import"))
-            })?;
-            self.executor
-                .execute_for_prompt(&envelope, &prompt, &donor, &DeliveryControl::default())
-                .map_err(fetch)
+            })?
+            .with_timeout(pin_timeout);
+            match &dst_blocks {
+                None => self
+                    .executor
+                    .execute_for_prompt(&envelope, &prompt, &donor, &control),
+                Some(d) => self
+                    .executor
+                    .execute_for_prompt_at(&envelope, &prompt, d, &donor, &control),
+            }
+            .map_err(fetch)
         })?;
         Ok(FetchOutcome {
             rows: out.target_blocks.to_vec(),
@@ -117,6 +289,12 @@ impl Target {
         let region = self.regions.get(rank as usize).ok_or_else(|| {
             bad_argument("rank", format!("{rank} >= tp_size {}", self.regions.len()))
         })?;
+        if self.order != EngineOrder::BlockMajor {
+            return Err(bad_argument(
+                "row",
+                "read_row reads block-major rows; read the engine's kv_caches instead",
+            ));
+        }
         let rbb = self.layout.inner.rank_block_bytes();
         let mut buf = vec![0u8; rbb];
         region
@@ -124,6 +302,20 @@ impl Target {
             .map_err(|e| bad_argument("row", e))?;
         Ok(PyBytes::new(py, &buf))
     }
+}
+
+/// A Python callable as the delivery's liveness probe. The delivery runs
+/// without the GIL, so the probe takes it for each call; an exception or a
+/// non-bool result counts as "donor gone" (fail closed: recompute).
+fn python_probe(probe: Py<PyAny>) -> LivenessProbe {
+    Arc::new(move || {
+        Python::with_gil(|py| {
+            probe
+                .call0(py)
+                .and_then(|v| v.extract::<bool>(py))
+                .unwrap_or(false)
+        })
+    })
 }
 
 /// A completed fetch. Its rows stay out of the pool until `release()` (or

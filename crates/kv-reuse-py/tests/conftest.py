@@ -40,6 +40,15 @@ def _grown(before):
     return {k: (before[k], after[k]) for k in LEAK_KEYS if after[k] > before[k]}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def tokio_process_globals():
+    """The first RouterClient's runtime creates tokio's process-wide signal
+    socket pair (2 fds kept until exit, not per client): create it before
+    any per-test fd count."""
+    with pytest.raises(kv_reuse.RouterUnavailable):
+        kv_reuse.RouterClient("nats://127.0.0.1:1", timeout_s=0.2)
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     before = kv_reuse.leak_counters()

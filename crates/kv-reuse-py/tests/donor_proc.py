@@ -1,6 +1,7 @@
 """A donor (decode worker) in its own process for the round-trip tests.
 
-argv: socket path, tokens_per_block, blocks, tp. Prints one JSON line with
+argv: socket path, tokens_per_block, blocks, tp[, "cuda" for a bank in
+device memory on GPU 0 (every rank), exported over CUDA IPC]. Prints one JSON line with
 the engine id, manifest, events and slot table (bytes as hex), then serves
 pins until stdin closes or says `quit`."""
 
@@ -21,7 +22,10 @@ def pattern(layout, rank, block):
 def main():
     sock, tpb, blocks, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     layout = kv_reuse.Layout(2, 2, 8, "f32", tpb, tp)
-    bank = kv_reuse.DonorBank(layout, slots=blocks + 2)
+    gpus = [0] * tp if sys.argv[5:6] == ["cuda"] else None
+    # A 2 s lease: the tests reclaim a killed donor's segments within ~2 s
+    # (renewed every 0.4 s, so a loaded machine does not lapse it).
+    bank = kv_reuse.DonorBank(layout, slots=blocks + 2, gpus=gpus, lease_s=2.0)
     tokens = list(range(tpb * blocks))
     store = bank.store(tokens)
     for rank in range(tp):

@@ -1,5 +1,8 @@
 """Settings, hashes and refusals of bad input, in one process."""
 
+import os
+import time
+
 import numpy as np
 import pytest
 
@@ -107,3 +110,18 @@ def test_pin_server_is_a_context_manager_and_refuses_a_bad_endpoint(layout, tmp_
     # bank) past the leak check.
     with pytest.raises(kv_reuse.PinServiceFailed, match=r"endpoint tcp://10\.0\.0\.1:9: TCP requires a pre-shared key"):
         bank.serve_pins("tcp://10.0.0.1:9")
+
+
+def test_reclaim_and_lease_refusals_name_the_argument(layout):
+    with pytest.raises(kv_reuse.BadArgument, match="prefix"):
+        kv_reuse.reclaim_stale("a/b")
+    with pytest.raises(kv_reuse.BadArgument, match="prefix"):
+        kv_reuse.reclaim_stale("")
+    with pytest.raises(kv_reuse.BadArgument, match=r"lease_s: 0.01 is not in"):
+        kv_reuse.DonorBank(layout, slots=2, lease_s=0.01)
+    # A live bank of this process is never reclaimed.
+    bank = kv_reuse.DonorBank(layout, slots=2, lease_s=0.2)
+    time.sleep(0.5)
+    assert kv_reuse.reclaim_stale(f"kvbank-{os.getpid()}-") == []
+    assert bank.manifest()
+    del bank

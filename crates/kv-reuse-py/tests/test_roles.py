@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -36,6 +37,26 @@ def donor(tmp_path):
     # The pipes are this process's fds: close them, not the garbage collector.
     proc.stdin.close()
     proc.stdout.close()
+
+
+def shm_names_of(pid):
+    """/dev/shm entries a process created (`kvbank-<pid>-...`)."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kvbank-{pid}-"))
+
+
+def assert_reclaimed(pid):
+    """A killed donor leaves its segments (it cannot unlink them);
+    reclaim_stale removes them once its 2 s lease lapsed."""
+    assert shm_names_of(pid), "the killed donor left no segments to reclaim"
+    deadline = time.monotonic() + 10
+    removed = []
+    while shm_names_of(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        # This donor's prefix only: other processes' banks on a shared
+        # machine are theirs to reclaim.
+        removed += kv_reuse.reclaim_stale(f"kvbank-{pid}-")
+    assert shm_names_of(pid) == [], shm_names_of(pid)
+    assert any(f"kvbank-{pid}-" in n for n in removed), removed
 
 
 def router_for(report, layout, settings, target):
@@ -97,6 +118,7 @@ def test_a_killed_donor_falls_back(donor, layout, enabled):
     _, stage, _cause = e.value.args
     assert stage in ("import", "pin"), e.value.args
     assert target.free_rows == 8
+    assert_reclaimed(proc.pid)
 
 
 def test_a_hint_for_another_prompt_is_refused(donor, layout, enabled):
@@ -107,4 +129,70 @@ def test_a_hint_for_another_prompt_is_refused(donor, layout, enabled):
     other = kv_reuse.sequence_hashes(list(range(5, 5 + TOKENS_PER_BLOCK * BLOCKS)), TOKENS_PER_BLOCK)
     with pytest.raises(kv_reuse.PromptMismatch):
         target.fetch(advice.hint, other, bytes.fromhex(report["manifest"]))
+    assert target.free_rows == 8
+
+
+def _killing_probe(proc, honest_after):
+    """A liveness probe that SIGKILLs the donor process on its first call
+    (before the first byte: the donor dies mid-fetch, after granting the
+    pin) and still answers True then. Later calls answer the truth when
+    `honest_after`, else keep lying (so only the pin release can notice)."""
+    calls = []
+
+    def probe():
+        calls.append(proc.poll())
+        if len(calls) == 1:
+            proc.kill()
+            proc.wait(timeout=10)
+            return True
+        return proc.poll() is None if honest_after else True
+
+    return probe, calls
+
+
+@pytest.mark.parametrize("honest_after, stage", [(True, "transfer"), (False, "verify")])
+def test_a_donor_killed_mid_fetch_falls_back_without_leaks(donor, layout, enabled, honest_after, stage):
+    proc, report = donor
+    target = kv_reuse.Target(layout, rows=8)
+    router = router_for(report, layout, enabled, target)
+    advice = router.advise("req-mid", report["hashes"], target.engine_id)
+    assert advice.admitted, advice.verdict
+    before = kv_reuse.leak_counters()
+    probe, calls = _killing_probe(proc, honest_after)
+    with pytest.raises(kv_reuse.FetchFellBack) as e:
+        target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"]),
+                     donor_alive=probe)
+    args = e.value.args
+    del e  # the traceback would keep this frame's objects past the leak check
+    assert args[1] == stage, args
+    assert calls[0] is None, "the donor was alive when the fetch started"
+    assert proc.returncode == -9
+    # No destination row kept, no pin, mapping or fd of the dead donor held.
+    assert target.free_rows == 8
+    after = kv_reuse.leak_counters()
+    for key in ("open_fds", "shm_mappings", "pins", "reserved_blocks"):
+        assert after[key] == before[key], (key, before[key], after[key])
+    assert_reclaimed(proc.pid)
+
+
+def test_a_raising_or_non_bool_probe_counts_as_a_dead_donor(donor, layout, enabled):
+    proc, report = donor
+    target = kv_reuse.Target(layout, rows=8)
+    router = router_for(report, layout, enabled, target)
+    advice = router.advise("req-probe", report["hashes"], target.engine_id)
+    manifest = bytes.fromhex(report["manifest"])
+
+    def raising():
+        raise RuntimeError("probe broke")
+
+    for probe in (raising, lambda: "yes"):
+        with pytest.raises(kv_reuse.FetchFellBack, match="DonorUnreachable|liveness"):
+            target.fetch(advice.hint, report["hashes"], manifest, donor_alive=probe)
+    with pytest.raises(kv_reuse.BadArgument, match="donor_alive: is not callable"):
+        target.fetch(advice.hint, report["hashes"], manifest, donor_alive=3)
+    with pytest.raises(kv_reuse.BadArgument, match="pin_timeout_s"):
+        target.fetch(advice.hint, report["hashes"], manifest, pin_timeout_s=0)
+    # The donor is fine: a fetch without a probe still completes.
+    with target.fetch(advice.hint, report["hashes"], manifest) as out:
+        assert out.fetched == report["hashes"]
     assert target.free_rows == 8

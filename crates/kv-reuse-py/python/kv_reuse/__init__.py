@@ -8,8 +8,10 @@ The compiled module needs neither CUDA nor NIXL to import.
 
 from ._native import (  # noqa: F401
     Advice,
+    AdviseRefused,
     BadArgument,
     BankFailed,
+    CudaUnavailable,
     DescriptorRefused,
     DonorBank,
     FetchFellBack,
@@ -23,10 +25,13 @@ from ._native import (  # noqa: F401
     PinServiceFailed,
     PromptMismatch,
     Router,
+    RouterClient,
+    RouterUnavailable,
     Settings,
     SettingsRefused,
     Target,
     leak_counters,
+    reclaim_stale,
     sequence_hashes,
 )
 

@@ -1,7 +1,7 @@
 """Type stubs of the compiled kv_reuse module (crates/kv-reuse-py/src)."""
 
 from types import TracebackType
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 class KvReuseError(Exception):
     """Base of every kv_reuse error."""
@@ -30,6 +30,9 @@ class HintRefused(KvReuseError):
 class PromptMismatch(HintRefused):
     """The hint is for another prompt."""
 
+class CudaUnavailable(KvReuseError):
+    """The GPU path (``gpus=``) was asked for where no CUDA driver or device is."""
+
 class FetchFellBack(KvReuseError):
     """The fetch fell back after validation; ``args`` = (message, stage, cause). Recompute."""
 
@@ -38,6 +41,9 @@ def sequence_hashes(tokens: Sequence[int], tokens_per_block: int) -> List[int]:
 
 def leak_counters() -> Dict[str, int]:
     """This process's resource counters: open_fds, shm_entries, shm_mappings, pins, ..."""
+
+def reclaim_stale(prefix: str = "kvbank") -> List[str]:
+    """Unlinks host shm banks of dead owners (lapsed leases) named ``prefix*``; returns the names."""
 
 class Layout:
     """A block-major KV layout; dtype is "f32", "fp16", "bf16" or "fp8_e4m3"."""
@@ -81,7 +87,9 @@ class PendingStore:
     @property
     def sequence_hashes(self) -> List[int]: ...
     def write(self, rank: int, blocks: Any) -> None:
-        """``blocks``: C-contiguous array, shape (n_blocks, rank_block_elems), dtype ``Layout.typestr``."""
+        """``blocks``: C-contiguous host tensor (numpy ``__array_interface__`` or DLPack),
+        shape (n_blocks, rank_block_elems), dtype ``Layout.typestr``; copied to the device
+        on a CUDA bank. BadArgument names ``blocks`` or ``rank``."""
     def ack(self, rank: int) -> bool:
         """True once every rank acknowledged."""
 
@@ -102,9 +110,18 @@ class PinServer:
     ) -> bool: ...
 
 class DonorBank:
-    """A decode worker's retained bank in host shared memory."""
+    """A decode worker's retained bank: host shared memory, or CUDA device memory with ``gpus``."""
 
-    def __init__(self, layout: Layout, slots: int, host_id: str = "kv-reuse-py") -> None: ...
+    def __init__(
+        self,
+        layout: Layout,
+        slots: int,
+        host_id: str = "kv-reuse-py",
+        gpus: Optional[Sequence[int]] = None,
+        lease_s: float = 15.0,
+    ) -> None:
+        """``gpus``: one CUDA ordinal per TP rank (CUDA IPC bank); CudaUnavailable without CUDA.
+        ``lease_s``: owner lease; a dead donor's segments are reclaimable after it."""
     @property
     def engine_id(self) -> str: ...
     @property
@@ -134,6 +151,43 @@ class Router:
     def report_donor(self, manifest: bytes, endpoint: str, slots: Mapping[int, int]) -> None: ...
     def advise(self, request_id: str, sequence_hashes: Sequence[int], target: str) -> Advice: ...
 
+class RouterUnavailable(KvReuseError):
+    """No router service answered (unreachable, no replica, timeout): advise locally or recompute."""
+
+class AdviseRefused(KvReuseError):
+    """The router service refused the request; the message names the field or cause."""
+
+class RouterClient:
+    """A client of the router service: advise as NATS request/reply on ``kv_reuse.advise``."""
+
+    def __init__(
+        self,
+        nats_url: str,
+        timeout_s: float = 2.0,
+        subject: str = "kv_reuse.advise",
+        user: Optional[str] = None,
+        password: Optional[str] = None,
+        token: Optional[str] = None,
+    ) -> None:
+        """Connects (GIL released); raises RouterUnavailable or BadArgument."""
+    @property
+    def connected(self) -> bool: ...
+    def advise(self, request_id: str, sequence_hashes: Sequence[int], target: str) -> Advice:
+        """Same Advice as Router.advise (GIL released). Raises AdviseRefused, RouterUnavailable,
+        DescriptorRefused (reply does not decode)."""
+    def advise_tokens(
+        self, request_id: str, token_ids: Sequence[int], tokens_per_block: int, target: str
+    ) -> Advice:
+        """``advise`` keyed by token ids; the service hashes whole blocks of ``tokens_per_block``."""
+    def close(self) -> None: ...
+    def __enter__(self) -> "RouterClient": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
 class FetchOutcome:
     """A completed fetch; its rows return to the pool on ``release()`` / end of ``with``."""
 
@@ -161,12 +215,37 @@ class FetchOutcome:
     ) -> bool: ...
 
 class Target:
-    """A prefill target with host destination rows per TP rank."""
+    """A prefill target: its own host rows, or the engine's KV tensors (``kv_caches``)."""
 
-    def __init__(self, layout: Layout, rows: int) -> None: ...
+    def __init__(
+        self,
+        layout: Layout,
+        rows: int,
+        kv_caches: Optional[Sequence[Any]] = None,
+        gpus: Optional[Sequence[int]] = None,
+        kv_layout: str = "block_major",
+    ) -> None:
+        """``kv_caches``: one writable C-contiguous tensor per TP rank, shape (rows,
+        rank_block_elems), dtype ``Layout.typestr``, row = engine block id: numpy / DLPack
+        host tensors, or with ``gpus`` (one CUDA ordinal per rank) CUDA tensors via
+        ``__cuda_array_interface__`` / DLPack. ``kv_layout``: "block_major" (rows, rank_block_elems),
+        "vllm_kv_first" (L, 2, rows, T, H, D) or "vllm_block_first" (L, rows, 2, T, H, D), H = this
+        rank's KV heads. BadArgument names the tensor, ``kv_layout`` or ``gpus`` and the cause."""
     @property
     def engine_id(self) -> str: ...
     @property
     def free_rows(self) -> int: ...
-    def fetch(self, hint: bytes, prompt_hashes: Sequence[int], manifest: bytes) -> FetchOutcome: ...
+    def fetch(
+        self,
+        hint: bytes,
+        prompt_hashes: Sequence[int],
+        manifest: bytes,
+        donor_alive: Optional[Callable[[], bool]] = None,
+        pin_timeout_s: Optional[float] = None,
+        dst_blocks: Optional[Sequence[int]] = None,
+    ) -> FetchOutcome:
+        """Pin, copy, verify (GIL released). ``donor_alive`` is called before the first and
+        after the last byte (False or raising = donor gone); ``pin_timeout_s`` bounds each
+        pin exchange (default 2 s); ``dst_blocks``: the engine's block ids for the fetched
+        blocks (default: the pool picks). Raises PromptMismatch / HintRefused, else FetchFellBack."""
     def read_row(self, rank: int, row: int) -> bytes: ...

@@ -1,0 +1,280 @@
+//! The client of the router service: `advise` as NATS request/reply on
+//! `kv_reuse.advise` (MessagePack `AdviseRequest` / `AdviseReply`, schema in
+//! kv_router_glue::service and docs/wire-formats.md, "Advise"), answered by
+//! whichever `kv-reuse-router` replica of the queue group takes it.
+//!
+//! The extension owns a one-worker tokio runtime that drives the async-nats
+//! connection; every blocking call releases the GIL. The first runtime of
+//! the process also creates tokio's process-wide signal socket pair (2 fds
+//! kept until exit); later clients add none that outlive them.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use kv_descriptor::{SequenceHash, Wire};
+use kv_router_glue::service::{
+    AdviseKeys, AdviseReply, AdviseRequest, AdviseResult, ADVISE_SUBJECT,
+};
+
+use crate::errors::{bad_argument, descriptor, AdviseRefused, RouterUnavailable};
+use crate::layout::engine_id;
+use crate::router::Advice;
+
+/// The connection and the runtime that drives it, dropped together.
+struct Connection {
+    runtime: tokio::runtime::Runtime,
+    client: async_nats::Client,
+}
+
+/// A client of the router service over NATS.
+#[pyclass(frozen, module = "kv_reuse")]
+pub(crate) struct RouterClient {
+    conn: Mutex<Option<Connection>>,
+    subject: String,
+    timeout: Duration,
+}
+
+/// Seconds in (0, 3600] as a duration, naming `argument` otherwise.
+fn seconds(argument: &str, s: f64) -> PyResult<Duration> {
+    if s.is_finite() && s > 0.0 && s <= 3600.0 {
+        Ok(Duration::from_secs_f64(s))
+    } else {
+        Err(bad_argument(
+            argument,
+            format!("{s} is not in (0, 3600] seconds"),
+        ))
+    }
+}
+
+#[pymethods]
+impl RouterClient {
+    /// Connects to the NATS server at `nats_url` (`nats://host:port`).
+    /// `timeout_s` bounds the connection and each advise (seconds);
+    /// `user`/`password` or `token` authenticate (the router's NATS
+    /// permissions, docs/security.md). Releases the GIL while connecting.
+    ///
+    /// Raises `RouterUnavailable` when the server cannot be reached,
+    /// `BadArgument` naming a bad argument.
+    #[new]
+    #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = ADVISE_SUBJECT, user = None, password = None, token = None))]
+    fn new(
+        py: Python<'_>,
+        nats_url: &str,
+        timeout_s: f64,
+        subject: &str,
+        user: Option<String>,
+        password: Option<String>,
+        token: Option<String>,
+    ) -> PyResult<Self> {
+        let timeout = seconds("timeout_s", timeout_s)?;
+        if subject.is_empty() || subject.contains(char::is_whitespace) {
+            return Err(bad_argument(
+                "subject",
+                format!("{subject:?} is not a NATS subject"),
+            ));
+        }
+        let mut options = async_nats::ConnectOptions::new()
+            .name("kv-reuse-py")
+            .connection_timeout(timeout)
+            // The advise call bounds each request itself (one message for
+            // every timeout); async-nats' own request timeout is off.
+            .request_timeout(None);
+        options = match (user, password, token) {
+            (None, None, None) => options,
+            (Some(u), Some(p), None) => options.user_and_password(u, p),
+            (None, None, Some(t)) => options.token(t),
+            (Some(_), None, _) => return Err(bad_argument("password", "required with `user`")),
+            (None, Some(_), _) => return Err(bad_argument("user", "required with `password`")),
+            (_, _, Some(_)) => {
+                return Err(bad_argument(
+                    "token",
+                    "give either `token` or `user`/`password`",
+                ))
+            }
+        };
+        let url = nats_url.to_owned();
+        let conn = py.allow_threads(|| {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name("kv-reuse-py-nats")
+                .enable_all()
+                .build()
+                .map_err(|e| RouterUnavailable::new_err(format!("nats_url {url}: runtime: {e}")))?;
+            let client = runtime
+                .block_on(async {
+                    tokio::time::timeout(timeout, options.connect(url.as_str())).await
+                })
+                .map_err(|_| {
+                    RouterUnavailable::new_err(format!(
+                        "nats_url {url}: no connection within {timeout:?}"
+                    ))
+                })?
+                .map_err(|e| RouterUnavailable::new_err(format!("nats_url {url}: {e}")))?;
+            Ok::<_, PyErr>(Connection { runtime, client })
+        })?;
+        Ok(Self {
+            conn: Mutex::new(Some(conn)),
+            subject: subject.to_owned(),
+            timeout,
+        })
+    }
+
+    /// Asks the router service whether request `request_id` (prompt block
+    /// hashes `sequence_hashes`, routed to prefill engine `target`) may fetch
+    /// instead of recompute: the same `Advice` as `Router.advise`. Releases
+    /// the GIL while it waits.
+    ///
+    /// Raises `AdviseRefused` when the service refused the request (the
+    /// message names the field or the cause: unknown target, draining),
+    /// `RouterUnavailable` when no replica answered within `timeout_s` (or
+    /// none listens), `DescriptorRefused` for a reply that does not decode.
+    fn advise(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        sequence_hashes: Vec<u64>,
+        target: &str,
+    ) -> PyResult<Advice> {
+        let keys =
+            AdviseKeys::SequenceHashes(sequence_hashes.into_iter().map(SequenceHash).collect());
+        self.ask(py, request_id, keys, target)
+    }
+
+    /// `advise` for a prompt given as token ids: the service hashes its
+    /// whole blocks of `tokens_per_block` tokens (the target's block size;
+    /// a partial tail block is ignored). Raises as `advise`; `AdviseRefused`
+    /// names `tokens_per_block` when it is 0 and `token_ids` when there are
+    /// more than the service takes.
+    fn advise_tokens(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        token_ids: Vec<u32>,
+        tokens_per_block: u32,
+        target: &str,
+    ) -> PyResult<Advice> {
+        let keys = AdviseKeys::Tokens {
+            token_ids,
+            tokens_per_block,
+        };
+        self.ask(py, request_id, keys, target)
+    }
+
+    /// Closes the connection (flushing for up to 1 s). Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(c) = conn {
+            py.allow_threads(|| {
+                let _ = c.runtime.block_on(async {
+                    tokio::time::timeout(Duration::from_secs(1), c.client.flush()).await
+                });
+                drop(c.client);
+                c.runtime.shutdown_timeout(Duration::from_secs(1));
+            });
+        }
+    }
+
+    /// True until `close()`.
+    #[getter]
+    fn connected(&self) -> bool {
+        self.conn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+}
+
+impl RouterClient {
+    /// One advise round trip for `keys` (the request/reply of `advise`).
+    fn ask(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        keys: AdviseKeys,
+        target: &str,
+    ) -> PyResult<Advice> {
+        let request = AdviseRequest {
+            request_id: request_id.to_owned(),
+            target: engine_id(target, "target")?,
+            keys,
+        };
+        // The service would refuse these too; refusing here names the
+        // Python argument and spends no round trip.
+        request
+            .check()
+            .map_err(|e| AdviseRefused::new_err(e.to_string()))?;
+        let payload = request.to_wire().map_err(descriptor)?;
+        let guard = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        let conn = guard
+            .as_ref()
+            .ok_or_else(|| RouterUnavailable::new_err("the client is closed"))?;
+        let (subject, timeout) = (self.subject.clone(), self.timeout);
+        let reply = py.allow_threads(|| {
+            conn.runtime.block_on(async {
+                let asked = conn.client.request(subject.clone(), payload.into());
+                match tokio::time::timeout(timeout, asked).await {
+                    Ok(Ok(m)) => Ok(m.payload.to_vec()),
+                    Ok(Err(e)) => Err(RouterUnavailable::new_err(format!(
+                        "advise on {subject}: {e}"
+                    ))),
+                    Err(_) => Err(RouterUnavailable::new_err(format!(
+                        "advise on {subject}: no reply within {timeout:?}"
+                    ))),
+                }
+            })
+        })?;
+        drop(guard);
+        let reply = AdviseReply::from_wire(&reply).map_err(descriptor)?;
+        if reply.request_id != request_id {
+            return Err(RouterUnavailable::new_err(format!(
+                "advise reply is for request {:?}, not {request_id:?}",
+                reply.request_id
+            )));
+        }
+        match reply.result {
+            AdviseResult::Refused(r) => Err(AdviseRefused::new_err(r.to_string())),
+            AdviseResult::Decided { decision, hint } => {
+                let hint = hint
+                    .as_ref()
+                    .map(|h| h.to_wire())
+                    .transpose()
+                    .map_err(descriptor)?
+                    .map(|b| PyBytes::new(py, &b).unbind());
+                Ok(Advice::new(
+                    decision.admitted(),
+                    format!("{:?}", decision.verdict),
+                    hint,
+                ))
+            }
+        }
+    }
+}
+
+impl Drop for RouterClient {
+    fn drop(&mut self) {
+        // Dropping a runtime inside async context panics; here we are on a
+        // Python thread, so a plain background shutdown is safe.
+        if let Some(c) = self
+            .conn
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            drop(c.client);
+            c.runtime.shutdown_background();
+        }
+    }
+}

@@ -1,0 +1,141 @@
+"""A nats-server for the tests and a minimal raw-protocol NATS replier
+standing in for a router replica (the NATS client protocol is text: INFO,
+CONNECT, SUB, MSG, PUB, PING/PONG)."""
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
+
+def find_nats_server():
+    """$KV_NATS_SERVER (what `cargo xtask install` exports), $PATH, or the
+    PyPI copy under target/nats; None when absent."""
+    for cand in (os.environ.get("KV_NATS_SERVER"), shutil.which("nats-server"),
+                 os.path.join(REPO, "target", "nats", "bin", "nats-server")):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def skip_or_fail(what, why):
+    """Skips with a printed `SKIP what: why` line; under CI=true a missing
+    prerequisite is a failure instead."""
+    line = f"SKIP {what}: {why}"
+    print(line)
+    if os.environ.get("CI") == "true":
+        pytest.fail(line + " (CI=true)")
+    pytest.skip(line)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NatsServer:
+    """A nats-server on a free loopback port, stopped by `stop()`."""
+
+    def __init__(self, binary, store_dir):
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        # JetStream on: the router binary keeps its donor directory in a KV bucket.
+        self.proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(self.port),
+                                      "-js", "-sd", str(store_dir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("nats-server did not listen within 10 s")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def msgpack(v):
+    """MessagePack of str / dict-of-str values (all a refusal reply needs)."""
+    if isinstance(v, str):
+        b = v.encode()
+        assert len(b) < 256
+        return (bytes([0xA0 | len(b)]) if len(b) < 32 else bytes([0xD9, len(b)])) + b
+    assert isinstance(v, dict) and len(v) < 16
+    return bytes([0x80 | len(v)]) + b"".join(msgpack(k) + msgpack(x) for k, x in v.items())
+
+
+class Replier(threading.Thread):
+    """Subscribes to `subject` (queue group kv_reuse_router) and answers
+    each request with `reply(payload)`, or never when `reply` is None.
+    `requests` collects the payloads received."""
+
+    def __init__(self, url, subject, reply):
+        super().__init__(daemon=True)
+        host, port = url.rsplit("//", 1)[1].split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=5)
+        self.file = self.sock.makefile("rb")
+        self.reply = reply
+        self.requests = []
+        assert self.file.readline().startswith(b"INFO")
+        self.sock.sendall(b'CONNECT {"verbose":false,"pedantic":false,"headers":true}\r\n'
+                          + f"SUB {subject} kv_reuse_router 1\r\nPING\r\n".encode())
+        # PONG after our PING: the server has registered the SUB.
+        while (line := self.file.readline()) and not line.startswith(b"PONG"):
+            pass
+        self.sock.settimeout(None)
+
+    def run(self):
+        try:
+            while line := self.file.readline():
+                if line.startswith(b"PING"):
+                    self.sock.sendall(b"PONG\r\n")
+                    continue
+                parts = line.split()
+                if parts[:1] not in ([b"MSG"], [b"HMSG"]):
+                    continue
+                size = int(parts[-1])
+                body = self.file.read(size + 2)[:size]
+                if parts[0] == b"HMSG":
+                    body = body[int(parts[-2]):]
+                self.requests.append(body)
+                inbox = parts[3] if len(parts) >= (6 if parts[0] == b"HMSG" else 5) else None
+                if self.reply is not None and inbox is not None:
+                    out = self.reply(body)
+                    self.sock.sendall(b"PUB " + inbox + f" {len(out)}\r\n".encode() + out + b"\r\n")
+        except (OSError, ValueError):
+            pass  # closed by stop()
+
+    def stop(self):
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.file.close()
+        self.sock.close()
+        self.join(timeout=5)
+
+
+ROUTER_SOURCE = os.path.join(REPO, "crates", "kv-router-glue", "src", "bin", "kv-reuse-router.rs")
+
+
+def find_router_binary():
+    """$KV_REUSE_ROUTER_BIN, else the workspace's debug or release build of
+    `kv-reuse-router`; None when absent."""
+    for cand in (os.environ.get("KV_REUSE_ROUTER_BIN"),
+                 os.path.join(REPO, "target", "debug", "kv-reuse-router"),
+                 os.path.join(REPO, "target", "release", "kv-reuse-router")):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None

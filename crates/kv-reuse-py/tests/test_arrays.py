@@ -1,0 +1,164 @@
+"""The array protocols: numpy (__array_interface__), DLPack and
+__cuda_array_interface__ objects as bank sources and fetch destinations,
+and their refusals naming the argument (dtype, shape, strides, contiguity,
+read-only, device, CPU vs GPU path)."""
+
+import numpy as np
+import pytest
+
+import kv_reuse
+from conftest import BLOCKS, TOKENS_PER_BLOCK
+from donor_proc import pattern
+from test_roles import donor, router_for  # noqa: F401  (fixture)
+
+
+class FakeCuda:
+    """A tensor that only speaks __cuda_array_interface__ (CuPy-like);
+    never dereferenced: every path here refuses before touching memory."""
+
+    def __init__(self, shape, typestr="<f4", strides=None, device=None):
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "typestr": typestr, "strides": strides,
+            "data": (0xDEAD0000, False), "version": 3,
+        }
+        if device is not None:
+            self.__dlpack_device__ = lambda: (2, device)
+
+
+class DlpackOnly:
+    """Hides numpy's __array_interface__: only __dlpack__ / __dlpack_device__."""
+
+    def __init__(self, arr):
+        self._arr = arr
+
+    def __dlpack__(self, stream=None):
+        return self._arr.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self._arr.__dlpack_device__()
+
+
+def store_of(layout, n=2):
+    bank = kv_reuse.DonorBank(layout, slots=8)
+    return bank, bank.store(list(range(TOKENS_PER_BLOCK * n)))
+
+
+def test_a_dlpack_cpu_source_is_stored_byte_for_byte(layout, enabled, tmp_path):
+    bank, store = store_of(layout, BLOCKS)
+    n = layout.rank_block_elems
+    rows = [np.arange(BLOCKS * n, dtype=np.float32).reshape(BLOCKS, n) + 7 * r
+            for r in range(layout.tp_size)]
+    for r in range(layout.tp_size):
+        store.write(r, DlpackOnly(rows[r]))
+        store.ack(r)
+    hashes = store.sequence_hashes
+    endpoint = "unix:" + str(tmp_path / "pin.sock")
+    caches = [np.zeros((8, n), dtype=np.float32) for _ in range(layout.tp_size)]
+    with bank.serve_pins(endpoint):
+        target = kv_reuse.Target(layout, rows=8, kv_caches=caches)
+        router = kv_reuse.Router(enabled, TOKENS_PER_BLOCK)
+        router.register_worker(1, bank.engine_id, "decode", layout)
+        router.register_worker(2, target.engine_id, "prefill", layout)
+        for e in bank.drain_events():
+            router.apply_event(e)
+        router.report_donor(bank.manifest(), endpoint, dict(zip(hashes, bank.slots(hashes))))
+        advice = router.advise("req-dl", hashes, target.engine_id)
+        assert advice.admitted, advice.verdict
+        with target.fetch(advice.hint, hashes, bank.manifest()) as out:
+            assert len(out.rows) == BLOCKS
+            for r in range(layout.tp_size):
+                for block, row in enumerate(out.rows):
+                    assert caches[r][row].tobytes() == rows[r][block].tobytes()
+
+
+def test_source_refusals_name_blocks(layout):
+    _bank, store = store_of(layout)
+    n = layout.rank_block_elems
+    with pytest.raises(kv_reuse.BadArgument, match=r"blocks: dtype dlpack\(code=2, bits=64"):
+        store.write(0, DlpackOnly(np.zeros((2, n), dtype=np.float64)))
+    with pytest.raises(kv_reuse.BadArgument, match=r"blocks: shape \[2, %d\], expected \[2, %d\]" % (n + 1, n)):
+        store.write(0, DlpackOnly(np.zeros((2, n + 1), dtype=np.float32)))
+    with pytest.raises(kv_reuse.BadArgument, match="blocks: strides .* are not C-contiguous"):
+        store.write(0, DlpackOnly(np.zeros((n, 2), dtype=np.float32).T))
+    with pytest.raises(kv_reuse.BadArgument, match="blocks: a CUDA tensor on the host path"):
+        store.write(0, FakeCuda((2, n)))
+    with pytest.raises(kv_reuse.BadArgument, match="blocks: has no __array_interface__ or __dlpack__"):
+        store.write(0, object())
+
+
+def test_fetch_into_the_engines_numpy_kv_cache_every_byte(donor, layout, enabled):  # noqa: F811
+    proc, report = donor
+    n = layout.rank_block_elems
+    rows = 16
+    sentinel = np.float32(-1.5)
+    caches = [np.full((rows, n), sentinel, dtype=np.float32) for _ in range(layout.tp_size)]
+    target = kv_reuse.Target(layout, rows=rows, kv_caches=caches)
+    router = router_for(report, layout, enabled, target)
+    advice = router.advise("req-cache", report["hashes"], target.engine_id)
+    assert advice.admitted, advice.verdict
+    with target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"])) as out:
+        assert out.host_payload_bytes == out.bytes == len(out.rows) * layout.tp_size * layout.rank_block_bytes
+        for rank in range(layout.tp_size):
+            want = np.full((rows, n), sentinel, dtype=np.float32)
+            for block, row in enumerate(out.rows):
+                want[row] = pattern(layout, rank, block)
+            # The engine's own arrays were written in place, every byte,
+            # and no other row was touched.
+            assert caches[rank].tobytes() == want.tobytes()
+            for row in out.rows:
+                assert target.read_row(rank, row) == caches[rank][row].tobytes()
+
+
+def test_destination_refusals_name_the_kv_cache(layout):
+    n = layout.rank_block_elems
+    ok = np.zeros((4, n), dtype=np.float32)
+    with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches: 1 tensors, expected one per TP rank \(2\)"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[ok])
+    with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches\[1\]: dtype <f2"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[ok, np.zeros((4, n), dtype=np.float16)])
+    with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches\[1\]: shape \[3, %d\]" % n):
+        kv_reuse.Target(layout, rows=4, kv_caches=[ok, np.zeros((3, n), dtype=np.float32)])
+    with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches\[0\]: strides"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[np.zeros((4, 2 * n), dtype=np.float32)[:, ::2], ok])
+    ro = np.zeros((4, n), dtype=np.float32)
+    ro.setflags(write=False)
+    with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches\[1\]: is read-only"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[ok, ro])
+    with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches\[0\]: a CUDA tensor on the host path"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[FakeCuda((4, n)), ok])
+
+
+def test_gpu_path_refusals_before_any_cuda_call(layout):
+    n = layout.rank_block_elems
+    good = FakeCuda((4, n), device=0)
+    cases = [
+        ([np.zeros((4, n), dtype=np.float32), good], r"kv_caches\[0\]: a CPU tensor on the GPU path"),
+        ([good, FakeCuda((4, n), typestr="<f2")], r"kv_caches\[1\]: dtype <f2, expected <f4"),
+        ([good, FakeCuda((4, n + 1))], r"kv_caches\[1\]: shape \[4, %d\]" % (n + 1)),
+        ([good, FakeCuda((4, n), strides=(8 * n, 8))], r"kv_caches\[1\]: strides \[%d, 8\] are not C-contiguous" % (8 * n)),
+        ([good, FakeCuda((4, n), device=1)], r"kv_caches\[1\]: on cuda:1, expected cuda:0"),
+        ([good, object()], r"kv_caches\[1\]: has no __cuda_array_interface__ or __dlpack__"),
+    ]
+    for caches, msg in cases:
+        with pytest.raises(kv_reuse.BadArgument, match=msg):
+            kv_reuse.Target(layout, rows=4, kv_caches=caches, gpus=[0, 0])
+    with pytest.raises(kv_reuse.BadArgument, match="gpus: 1 ordinals, expected one per TP rank"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[good, good], gpus=[0])
+    with pytest.raises(kv_reuse.BadArgument, match="kv_caches: required with `gpus`"):
+        kv_reuse.Target(layout, rows=4, gpus=[0, 0])
+
+
+def test_the_gpu_path_without_a_driver_raises_cuda_unavailable(layout):
+    import ctypes.util
+
+    if ctypes.util.find_library("cuda"):
+        line = "SKIP cuda_unavailable: a CUDA driver library is present here"
+        print(line)
+        pytest.skip(line)
+    good = FakeCuda((4, layout.rank_block_elems), device=0)
+    with pytest.raises(kv_reuse.CudaUnavailable, match="gpus"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[good, good], gpus=[0, 0])
+    with pytest.raises(kv_reuse.CudaUnavailable, match="gpus"):
+        kv_reuse.DonorBank(layout, slots=2, gpus=[0, 0])
+    with pytest.raises(kv_reuse.BadArgument, match="gpus: 1 ordinals"):
+        kv_reuse.DonorBank(layout, slots=2, gpus=[0])

@@ -1,0 +1,126 @@
+"""The GPU path: a donor process with a CUDA bank (CUDA IPC), a target
+fetching into torch CUDA tensors (the engine's KV cache) through
+__cuda_array_interface__, every byte checked, host payload 0. Skips with a
+printed reason without torch or a CUDA device (torch is not installed on
+the CPU CI machine; it is on the lent H200)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kv_reuse
+from conftest import BLOCKS, TOKENS_PER_BLOCK, TP
+from donor_proc import pattern
+from test_roles import router_for
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        line = "SKIP test_gpu: torch is not installed"
+        print(line)
+        pytest.skip(line)
+    if not torch.cuda.is_available():
+        line = "SKIP test_gpu: torch sees no CUDA device"
+        print(line)
+        pytest.skip(line)
+    return torch
+
+
+@pytest.fixture
+def cuda_donor(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "donor_proc.py"), str(tmp_path / "pin.sock"),
+         str(TOKENS_PER_BLOCK), str(BLOCKS), str(TP), "cuda"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    line = proc.stdout.readline()
+    assert line, "CUDA donor process printed nothing"
+    yield proc, json.loads(line)
+    if proc.poll() is None:
+        proc.stdin.write("quit\n")
+        proc.stdin.flush()
+    proc.wait(timeout=30)
+    proc.stdin.close()
+    proc.stdout.close()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Overrides conftest's check for this module: the CUDA driver keeps its
+    device fds (/dev/nvidia*, its eventfds) open for the process once CUDA
+    is initialised, so fds are checked here as a steady state instead (the
+    second round trip adds none), and the rest as in conftest."""
+    keys = ("shm_entries", "shm_mappings", "pins", "reserved_blocks", "lease_holders")
+    before = kv_reuse.leak_counters()
+    yield
+    after = kv_reuse.leak_counters()
+    assert {k: (before[k], after[k]) for k in keys if after[k] > before[k]} == {}
+
+
+class DlpackOnly:
+    """Hides a tensor's __cuda_array_interface__: only DLPack is left."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, stream=None):
+        return self.t.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+def round_trip(torch, layout, enabled, report, protocol, request_id):
+    """One fetch into fresh torch CUDA caches; every byte checked."""
+    n, rows = layout.rank_block_elems, 16
+    caches = [torch.full((rows, n), -1.5, dtype=torch.float32, device="cuda:0") for _ in range(TP)]
+    given = caches if protocol == "cuda_array_interface" else [DlpackOnly(t) for t in caches]
+    torch.cuda.synchronize()  # the engine's writes land before the fetch's copies
+    target = kv_reuse.Target(layout, rows=rows, kv_caches=given, gpus=[0] * TP)
+    router = router_for(report, layout, enabled, target)
+    advice = router.advise(request_id, report["hashes"], target.engine_id)
+    assert advice.admitted, advice.verdict
+    with target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"])) as out:
+        assert out.host_payload_bytes == 0, out.transport
+        assert out.bytes == BLOCKS * TP * layout.rank_block_bytes
+        for rank in range(TP):
+            want = np.full((rows, n), -1.5, dtype=np.float32)
+            for block, row in enumerate(out.rows):
+                want[row] = pattern(layout, rank, block)
+            assert caches[rank].cpu().numpy().tobytes() == want.tobytes()
+    assert target.free_rows == rows
+
+
+@pytest.mark.parametrize("protocol", ["cuda_array_interface", "dlpack"])
+def test_cuda_round_trip_into_torch_tensors_moves_no_host_payload(layout, enabled, protocol, request):
+    torch = torch_cuda()
+    proc, report = request.getfixturevalue("cuda_donor")
+    round_trip(torch, layout, enabled, report, protocol, "req-gpu-1")
+    warm = kv_reuse.leak_counters()
+    round_trip(torch, layout, enabled, report, protocol, "req-gpu-2")
+    after = kv_reuse.leak_counters()
+    for key in ("open_fds", "ipc_mappings", "device_allocations", "pins", "reserved_blocks"):
+        assert after[key] <= warm[key], (key, warm[key], after[key])
+    proc.stdin.write("pins\n")
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline()) == {"pins": 0}
+
+
+def test_a_cpu_torch_tensor_is_refused_on_the_gpu_path(layout):
+    torch = torch_cuda()
+    n = layout.rank_block_elems
+    good = torch.zeros((4, n), dtype=torch.float32, device="cuda:0")
+    with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches\[0\]: a CPU tensor on the GPU path"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[torch.zeros((4, n)), good], gpus=[0, 0])
+    with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches\[1\]: a CUDA tensor on the host path"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[torch.zeros((4, n)), good])
+    with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches\[1\]: dtype"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[good, good.half()], gpus=[0, 0])

@@ -1,0 +1,150 @@
+"""RouterClient: advise over NATS request/reply (kv_reuse.advise) against a
+real nats-server. Replicas here are raw-protocol repliers (nats_fake.py);
+the round trip through the `kv-reuse-router` binary runs when it is built."""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+import kv_reuse
+from nats_fake import (ROUTER_SOURCE, NatsServer, Replier, find_nats_server, find_router_binary,
+                       msgpack, skip_or_fail)
+from test_gil import Ticker
+
+TARGET = "00000000-0000-4000-8000-000000000002"
+
+
+@pytest.fixture
+def nats(tmp_path):
+    binary = find_nats_server()
+    if binary is None:
+        skip_or_fail("nats-server", "not on $PATH, $KV_NATS_SERVER or target/nats (cargo xtask install)")
+    server = NatsServer(binary, tmp_path / "js")
+    yield server
+    server.stop()
+
+
+def test_bad_arguments_are_refused_naming_them():
+    with pytest.raises(kv_reuse.BadArgument, match="timeout_s"):
+        kv_reuse.RouterClient("nats://127.0.0.1:1", timeout_s=0)
+    with pytest.raises(kv_reuse.BadArgument, match="subject"):
+        kv_reuse.RouterClient("nats://127.0.0.1:1", subject="a b")
+    with pytest.raises(kv_reuse.BadArgument, match="password"):
+        kv_reuse.RouterClient("nats://127.0.0.1:1", user="router")
+
+
+def test_an_unreachable_server_raises_router_unavailable():
+    with pytest.raises(kv_reuse.RouterUnavailable, match=r"nats_url nats://127\.0\.0\.1:1"):
+        kv_reuse.RouterClient("nats://127.0.0.1:1", timeout_s=0.5)
+
+
+def test_no_replica_listening_raises_router_unavailable(nats):
+    with kv_reuse.RouterClient(nats.url, timeout_s=1.0) as client:
+        assert client.connected
+        t0 = time.monotonic()
+        with pytest.raises(kv_reuse.RouterUnavailable, match="kv_reuse.advise"):
+            client.advise("req-1", [1, 2, 3], TARGET)
+        # NATS answers "no responders" at once; not the full timeout.
+        assert time.monotonic() - t0 < 0.9
+        with pytest.raises(kv_reuse.BadArgument, match="target"):
+            client.advise("req-1", [1], "not-a-uuid")
+        with pytest.raises(kv_reuse.AdviseRefused, match="request_id"):
+            client.advise("", [1], TARGET)
+    assert not client.connected
+    with pytest.raises(kv_reuse.RouterUnavailable, match="closed"):
+        client.advise("req-2", [1], TARGET)
+
+
+def test_a_refusal_from_the_service_raises_advise_refused(nats):
+    reply = msgpack({"request_id": "req-drain", "result": {"refused": "draining"}})
+    replica = Replier(nats.url, "kv_reuse.advise", lambda _: reply)
+    replica.start()
+    try:
+        with kv_reuse.RouterClient(nats.url) as client:
+            with pytest.raises(kv_reuse.AdviseRefused, match="draining"):
+                client.advise("req-drain", [11, 22], TARGET)
+    finally:
+        replica.stop()
+    # The request went out as MessagePack naming the request and its keys.
+    assert len(replica.requests) == 1
+    assert b"req-drain" in replica.requests[0] and b"sequence_hashes" in replica.requests[0]
+
+
+def test_advise_tokens_sends_token_ids_and_refuses_a_zero_block_size(nats):
+    reply = msgpack({"request_id": "req-tok", "result": {"refused": "draining"}})
+    replica = Replier(nats.url, "kv_reuse.advise", lambda _: reply)
+    replica.start()
+    try:
+        with kv_reuse.RouterClient(nats.url) as client:
+            with pytest.raises(kv_reuse.AdviseRefused, match="tokens_per_block"):
+                client.advise_tokens("req-tok", [1, 2, 3], 0, TARGET)
+            with pytest.raises(kv_reuse.AdviseRefused, match="draining"):
+                client.advise_tokens("req-tok", list(range(32)), 16, TARGET)
+    finally:
+        replica.stop()
+    # Only the valid request reached the replica, keyed by tokens.
+    assert len(replica.requests) == 1
+    assert b"token_ids" in replica.requests[0] and b"tokens_per_block" in replica.requests[0]
+
+
+def test_a_garbled_reply_is_a_descriptor_error(nats):
+    replica = Replier(nats.url, "kv_reuse.advise", lambda _: b"\xc1garbage")
+    replica.start()
+    try:
+        with kv_reuse.RouterClient(nats.url) as client:
+            with pytest.raises(kv_reuse.DescriptorRefused, match="advise_reply"):
+                client.advise("req-g", [1], TARGET)
+    finally:
+        replica.stop()
+
+
+def test_advise_releases_the_gil_while_a_replica_is_silent(nats):
+    replica = Replier(nats.url, "kv_reuse.advise", None)
+    replica.start()
+    ticker = Ticker()
+    ticker.start()
+    try:
+        with kv_reuse.RouterClient(nats.url, timeout_s=0.5) as client:
+            time.sleep(0.02)
+            t0, ticks0 = time.monotonic(), ticker.ticks
+            with pytest.raises(kv_reuse.RouterUnavailable, match="no reply within"):
+                client.advise("req-silent", [1, 2], TARGET)
+            elapsed, ticks = time.monotonic() - t0, ticker.ticks - ticks0
+    finally:
+        ticker.stop.set()
+        ticker.join()
+        replica.stop()
+    assert elapsed >= 0.45, elapsed
+    assert ticks >= 50, (ticks, elapsed)
+
+
+def test_a_round_trip_through_the_router_binary(nats):
+    binary = find_router_binary()
+    if binary is None:
+        why = "not built (target/debug/kv-reuse-router, $KV_REUSE_ROUTER_BIN)"
+        if os.path.exists(ROUTER_SOURCE):
+            skip_or_fail("kv-reuse-router", why)
+        line = f"SKIP kv-reuse-router: {why}; its source is not in this checkout"
+        print(line)
+        pytest.skip(line)
+    router = subprocess.Popen(
+        [binary, "--nats-url", nats.url, "--metrics-addr", "127.0.0.1:0",
+         "--enable-decode-to-prefill-reuse"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(router.stdout.readline())
+        assert ready, "kv-reuse-router printed no ready line"
+        with kv_reuse.RouterClient(nats.url, timeout_s=5.0) as client:
+            # No prefill worker announced itself: the service refuses the
+            # target, through the binary's real decoder and reply.
+            with pytest.raises(kv_reuse.AdviseRefused, match="unknown target engine " + TARGET):
+                client.advise("req-bin", [1, 2, 3], TARGET)
+            with pytest.raises(kv_reuse.AdviseRefused, match="unknown target engine " + TARGET):
+                client.advise_tokens("req-bin-tok", list(range(64)), 16, TARGET)
+    finally:
+        router.terminate()
+        router.wait(timeout=15)
+        router.stdout.close()
