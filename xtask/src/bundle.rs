@@ -10,9 +10,12 @@
 //! `data.tar.gz` (the workspace's `data/` files kvq reads, [`BUNDLED_DATA`]),
 //! `nats-server.tar.gz` (the `nats-server` binary of the prerequisites, for
 //! the fault `nats_server_restart`; absent when none was found),
-//! `build-info.json` (provenance kvq records) and `run.sh`, which unpacks the
-//! archives next to itself once and runs kvq with `LD_LIBRARY_PATH`,
-//! `KVQ_DATA_DIR` and `KV_NATS_SERVER` pointing into the bundle.
+//! `build-info.json` (provenance kvq records), `python.tar.gz` (the
+//! `gpu_serving` harness package, [`PYTHON_PACKAGE`]), the `kv_reuse` wheel
+//! (`cargo xtask wheel`'s, abi3) and `run.sh`, which unpacks the archives next
+//! to itself once (the wheel into `python/` with the interpreter's own
+//! `zipfile`, no pip) and runs kvq with `LD_LIBRARY_PATH`, `KVQ_DATA_DIR`,
+//! `KV_NATS_SERVER` and `KVQ_GPU_SERVING_DIR` pointing into the bundle.
 //!
 //! The NIXL wheel unpacks to ~130 MiB, over the limit; only the `DT_NEEDED`
 //! closure of `libnixl_capi.so`, the UCX and POSIX plugins and UCX's transport
@@ -49,6 +52,11 @@ pub const BUNDLED_DATA: [&str; 2] = [
     "traces/README.md",
 ];
 
+/// Folder (relative to the workspace root) of the `gpu_serving` Python
+/// package kvq's `gpu_serving` section runs; its `*.py` files go into
+/// `python.tar.gz` as `gpu_serving/*.py`.
+pub const PYTHON_PACKAGE: &str = "crates/kv-testkit/python/gpu_serving";
+
 /// Builds `.bundle/` and prints the device command that runs it.
 ///
 /// # Errors
@@ -84,6 +92,10 @@ pub fn run(with_tests: bool) -> Result<()> {
     }
     pack_nixl(&nixl, &dir.join("nixl-libs.tar.gz"))?;
     pack_data(&workspace::root().join("data"), &dir.join("data.tar.gz"))?;
+    pack_python(&workspace::root(), &dir.join("python.tar.gz"))?;
+    let wheel = crate::wheel::build_and_install()?;
+    let wheel_name = wheel.file_name().expect("a wheel path has a file name");
+    std::fs::copy(&wheel, dir.join(wheel_name)).map_err(XtaskError::io(&wheel))?;
     match &prereq.nats_server {
         Some(bin) => pack_nats_server(bin, &dir.join("nats-server.tar.gz"))?,
         // Not an error outside CI (there `Prerequisites::ensure` already
@@ -112,6 +124,9 @@ pub fn run(with_tests: bool) -> Result<()> {
     );
     println!("carry:  [\".bundle\"]");
     println!("device command: bash .bundle/run.sh qualify --profile gpu --out $OUT");
+    println!(
+        "gpu_serving only: bash .bundle/run.sh qualify --profile gpu --only gpu_serving --out $OUT"
+    );
     // `--json` is the output flag `kvq bench --help` documents.
     println!(
         "nixl two-process: bash .bundle/run.sh bench nixl-two-process --donor-gpu 0 --target-gpu 0 --quick --json $OUT/nixl_two_process.json"
@@ -243,6 +258,33 @@ fn pack_data(data_dir: &Path, archive: &Path) -> Result<()> {
     tar_gz(archive, data_dir, &files)
 }
 
+/// Packs the `*.py` files of [`PYTHON_PACKAGE`] under `root` into `archive`
+/// as `gpu_serving/<file>` (no caches, no tests: the device runs the harness only).
+///
+/// # Errors
+/// [`XtaskError::Io`] when the package folder cannot be read or holds no
+/// `harness.py`, or the failed `tar`.
+fn pack_python(root: &Path, archive: &Path) -> Result<()> {
+    let pkg = root.join(PYTHON_PACKAGE);
+    let base = pkg.parent().expect("the package has a parent folder");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&pkg)
+        .map_err(XtaskError::io(&pkg))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "py"))
+        .map(|p| PathBuf::from("gpu_serving").join(p.file_name().expect("listed files have names")))
+        .collect();
+    files.sort();
+    if !files.iter().any(|f| f.ends_with("harness.py")) {
+        let missing = pkg.join("harness.py");
+        return Err(XtaskError::io(&missing)(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "the gpu_serving package has no harness.py",
+        )));
+    }
+    tar_gz(archive, base, &files)
+}
+
 /// Packs the `nats-server` binary at `bin` into `archive` as `nats-server`
 /// (a symlink, e.g. `/usr/sbin/nats-server`, is followed).
 ///
@@ -342,6 +384,16 @@ unpack() {  # unpack ARCHIVE DIR: once per copy of the bundle
 unpack "$here/nixl-libs.tar.gz" "$here/nixl"
 unpack "$here/data.tar.gz" "$here/data"
 unpack "$here/nats-server.tar.gz" "$here/bin"
+unpack "$here/python.tar.gz" "$here/python"
+# The kv_reuse wheel (abi3) unpacked beside the harness: importable through
+# KVQ_GPU_SERVING_DIR, which kvq's gpu_serving section puts on PYTHONPATH.
+py="${KVQ_PYTHON:-python3}"
+for whl in "$here"/kv_reuse-*.whl; do
+  if [ -f "$whl" ] && [ ! -f "$here/python/.wheel-complete" ] && command -v "$py" >/dev/null; then
+    "$py" -m zipfile -e "$whl" "$here/python" && touch "$here/python/.wheel-complete"
+  fi
+done
+export KVQ_GPU_SERVING_DIR="$here/python"
 libs="$here/nixl"
 export LD_LIBRARY_PATH="$libs/.nixl_cu13.mesonpy.libs:$libs/nixl_cu13.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export NIXL_PLUGIN_DIR="$libs/.nixl_cu13.mesonpy.libs/plugins"
@@ -564,6 +616,47 @@ mod tests {
             b = bundle.display()
         );
         assert_eq!(stdout, want);
+    }
+
+    /// run.sh unpacks the harness package and the kv_reuse wheel into
+    /// `python/` and hands kvq that folder as `KVQ_GPU_SERVING_DIR`.
+    #[test]
+    fn run_sh_unpacks_the_harness_and_the_wheel() {
+        let scratch = Scratch::new("bundle-python");
+        let (bundle, src) = (scratch.0.join(".bundle"), scratch.0.join("src"));
+        std::fs::create_dir_all(src.join("kv_reuse")).unwrap();
+        std::fs::create_dir_all(&bundle).unwrap();
+        pack_python(&workspace::root(), &bundle.join("python.tar.gz")).unwrap();
+        std::fs::write(src.join("kv_reuse/__init__.py"), "").unwrap();
+        let whl = bundle.join("kv_reuse-0.1.0-cp39-abi3-linux_x86_64.whl");
+        let zipped = Command::new("python3")
+            .args(["-m", "zipfile", "-c"])
+            .arg(&whl)
+            .arg("kv_reuse")
+            .current_dir(&src)
+            .status()
+            .unwrap();
+        assert!(zipped.success());
+        write_executable(
+            &bundle.join("kvq"),
+            "#!/bin/sh
+test -f \"$KVQ_GPU_SERVING_DIR/gpu_serving/harness.py\" && echo harness-ok\n\
+             test -f \"$KVQ_GPU_SERVING_DIR/kv_reuse/__init__.py\" && echo wheel-ok\n\
+             test -e \"$KVQ_GPU_SERVING_DIR/gpu_serving/__pycache__\" || echo no-cache\n",
+        );
+        std::fs::write(bundle.join("run.sh"), RUN_SH).unwrap();
+        let out = Command::new("bash")
+            .arg(bundle.join("run.sh"))
+            .env_remove("KVQ_GPU_SERVING_DIR")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(stdout, "harness-ok\nwheel-ok\nno-cache\n");
     }
 
     #[test]

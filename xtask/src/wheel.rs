@@ -121,7 +121,10 @@ pub fn pytest() -> Result<(Tally, bool)> {
     let mut c = Command::new(venv_bin("python"));
     c.current_dir(&root)
         .args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"])
-        .arg(root.join("crates/kv-reuse-py/tests"));
+        .arg(root.join("crates/kv-reuse-py/tests"))
+        // The gpu_serving harness's tests: those needing torch skip with the
+        // reason in this venv (torch is never a CI dependency).
+        .arg(root.join("crates/kv-testkit/python/tests"));
     let out = c.output().map_err(XtaskError::io(venv_bin("python")))?;
     let text = String::from_utf8_lossy(&out.stdout);
     print!("{text}");

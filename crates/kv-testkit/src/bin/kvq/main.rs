@@ -16,6 +16,7 @@ mod advise_bench;
 mod child;
 mod descriptor_wire;
 mod fault_section;
+mod gpu_serving_section;
 mod nixl_two_process;
 mod record;
 mod replay_section;

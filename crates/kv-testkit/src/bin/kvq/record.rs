@@ -82,6 +82,12 @@ pub struct Record {
     pub trace_replay: Option<serde_json::Value>,
     /// Multi-turn session replay: the trace_replay fields plus `later_turn_ttft_mean_off_ms/on_ms`.
     pub session_replay: Option<serde_json::Value>,
+    /// Real-engine later-turn TTFT OFF vs ON vs ideal (`gpu_serving` section):
+    /// `{model, regime, turns[], buckets[{history, off_p50_ms, on_p50_ms,
+    /// ideal_p50_ms, ratio, ..}], bytes_moved, host_payload_bytes,
+    /// logits_bit_equal_to_donor, max_logit_diff_vs_off, greedy_agreement,
+    /// fallbacks, false_completions, leaks, goals, ..}` (docs/gpu-serving.md).
+    pub gpu_serving: Option<serde_json::Value>,
     /// The fault table (`[{fault, expected, runs, fetches, fallbacks,
     /// false_completions, leaks, detail}]`, `kv_testkit::faults::FaultRow`),
     /// lifted from the `faults` section; empty when it did not run.
@@ -137,6 +143,7 @@ impl Record {
         let (oracle, oracle_nixl) = (lift("transfer_oracle"), lift("transfer_oracle_nixl"));
         let (serving_smoke, trace_replay) = (lift("serving_smoke"), lift("trace_replay"));
         let session_replay = lift("session_replay");
+        let gpu_serving = lift(crate::gpu_serving_section::NAME);
         Self {
             schema: RECORD_SCHEMA,
             profile,
@@ -154,6 +161,7 @@ impl Record {
             serving_smoke,
             trace_replay,
             session_replay,
+            gpu_serving,
             sections,
             failures,
             faults,

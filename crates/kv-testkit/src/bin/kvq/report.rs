@@ -198,6 +198,7 @@ pub fn write(r: &Record, dir: &Path) -> Result<(), String> {
         let _ = writeln!(md, "\nTimes in ms.");
         ttft_plot(&dir.join(TTFT_PLOT), &replays)?;
     }
+    crate::gpu_serving_section::report(r, dir, &mut md)?;
     let path = dir.join("REPORT.md");
     std::fs::write(&path, md).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }

@@ -2,7 +2,10 @@
 //! other crates' check functions into [`SectionResult`]s.
 
 use crate::section::{Ctx, Profile, Section, SectionResult, Stop};
-use crate::{child, descriptor_wire, fault_section, replay_section, smoke_section, transfer};
+use crate::{
+    child, descriptor_wire, fault_section, gpu_serving_section, replay_section, smoke_section,
+    transfer,
+};
 
 const BOTH: &[Profile] = &[Profile::Cpu, Profile::Gpu];
 const GPU: &[Profile] = &[Profile::Gpu];
@@ -63,6 +66,11 @@ pub const ALL: &[Section] = &[
         name: fault_section::NAME,
         profiles: BOTH,
         body: fault_section::run,
+    },
+    Section {
+        name: gpu_serving_section::NAME,
+        profiles: BOTH,
+        body: gpu_serving_section::run,
     },
 ];
 

@@ -1,0 +1,176 @@
+"""The decode worker process: generates answers and retains KV blocks as the donor.
+
+It keeps one ``DynamicCache`` per session on its device and, after every turn,
+retains the sealed blocks of prompt + output (the tokens whose KV it holds) in
+a ``kv_reuse.DonorBank`` (host shared memory with today's wheel), serving pins
+on a Unix socket so a prefill worker can fetch them.
+
+How the prompt's KV reaches decode: the decode worker continues on its own
+retained KV and computes only the tokens it lacks (the new user turn; the whole
+prompt on a session's first turn). That is untimed: the measured TTFT is the
+prefill worker's.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from . import engine, rpc
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    """bf16 logits as their raw bytes (exact comparison across processes)."""
+    return t.detach().view(torch.int16).cpu().numpy().tobytes()
+
+
+class DecodeWorker:
+    """Requests: ``hello``, ``turn``, ``reference``, ``stats``."""
+
+    def __init__(self, cfg: Dict[str, Any]) -> None:
+        import kv_reuse
+
+        self.kv = kv_reuse
+        self.device = cfg["device"]
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(self.device)
+        self.shape = engine.shape(cfg["model"])
+        self.model = engine.build_model(cfg["model"], self.device, cfg["seed"])
+        self.tpb = cfg["tokens_per_block"]
+        s = self.shape
+        self.layout = kv_reuse.Layout(s.num_layers, s.num_kv_heads, s.head_dim, "bf16", self.tpb, 1)
+        self.bank = kv_reuse.DonorBank(self.layout, slots=cfg["bank_slots"])
+        self.endpoint = "unix:" + os.path.join(tempfile.mkdtemp(prefix="gpu-serving-"), "pins.sock")
+        self.pins = self.bank.serve_pins(self.endpoint)
+        self.caches: Dict[str, Any] = {}
+        self.checksums: Dict[int, int] = {}  # sequence hash -> block checksum (engine.block_checksums)
+        self.store_failures: List[str] = []
+
+    def op_hello(self) -> Dict[str, Any]:
+        return {
+            "engine_id": self.bank.engine_id,
+            "endpoint": self.endpoint,
+            "weights_checksum": engine.weights_checksum(self.model),
+            "device_bytes": _device_bytes(self.device),
+        }
+
+    def op_turn(self, session: str, prompt: List[int], gen: int) -> Dict[str, Any]:
+        """Prefill what this worker lacks of ``prompt``, generate ``gen`` tokens, retain the blocks."""
+        cache = self.caches.get(session)
+        held = engine.cache_len(cache) if cache is not None else 0
+        sw = engine.Stopwatch(self.device)
+        first = engine.prefill(self.model, prompt[held:], cache)
+        out, cache = engine.greedy(self.model, first, gen)
+        decode_ms = sw.ms()
+        self.caches[session] = cache
+        kv_tokens = (list(prompt) + out)[: engine.cache_len(cache)]
+        sw = engine.Stopwatch(self.device)
+        hashes = self._retain(cache, kv_tokens)
+        return {
+            "output": out,
+            "computed_tokens": len(prompt) - held,
+            "decode_ms": decode_ms,
+            "retain_ms": sw.ms(),
+            "events": self.bank.drain_events(),
+            "manifest": self.bank.manifest(),
+            "slots": self._all_slots(),
+        }
+
+    def _all_slots(self) -> Dict[int, int]:
+        """Slot of every block this worker retained and the bank still holds (all sessions).
+
+        The router's donor directory takes the donor's whole slot map per
+        report, so every report carries every session's blocks.
+        """
+        hashes = list(self.checksums)
+        return {h: s for h, s in zip(hashes, self.bank.slots(hashes)) if s is not None}
+
+    def _retain(self, cache: Any, kv_tokens: List[int]) -> List[int]:
+        """Stores the sealed blocks of ``kv_tokens`` not yet retained; their hashes."""
+        n = len(kv_tokens) // self.tpb
+        if n == 0:
+            return []
+        hashes = self.kv.sequence_hashes(kv_tokens[: n * self.tpb], self.tpb)
+        missing = [i for i, s in enumerate(self.bank.slots(hashes)) if s is None]
+        if not missing:
+            return hashes
+        try:
+            pending = self.bank.store(kv_tokens[: n * self.tpb])
+        except self.kv.KvReuseError as e:  # bank full: this turn is not retained
+            self.store_failures.append(repr(e))
+            return hashes
+        lo = missing[0]
+        rows = engine.to_blocks(cache, lo, n - lo, self.tpb)[[i - lo for i in missing]]
+        for h, c in zip((hashes[i] for i in missing), engine.block_checksums(rows)):
+            self.checksums[h] = c
+        self._write_new(pending, rows, len(hashes))
+        pending.ack(0)
+        return hashes
+
+    def _write_new(self, pending: Any, rows: torch.Tensor, n_all: int) -> None:
+        """Writes ``rows`` (the blocks the bank did not hold, in order) into ``pending``.
+
+        Works around the wheel's ``PendingStore.write``: it wants one row per
+        sequence hash of the store, but the bank reserved entries only for the
+        blocks it lacked and writes row i into entry i, then refuses row
+        ``len(entries)``. So the new rows go first, the rest is never-touched
+        memory (``np.empty``), and that one refusal is expected.
+        """
+        k = rows.shape[0]
+        host = np.empty((n_all, rows.shape[1]), dtype=np.uint16)
+        host[:k] = rows.cpu().numpy().view(np.uint16)
+        try:
+            pending.write(0, host)
+        except self.kv.BankFailed as e:
+            if k == n_all or f"{k} is not below the store's {k} entries" not in str(e):
+                raise
+
+    def op_reference(self, session: str, prompt: List[int], fetched_tokens: int, greedy_n: int) -> Dict[str, Any]:
+        """The donor continuing ``session`` on its own KV, split as the target split it.
+
+        The first ``fetched_tokens`` tokens' KV come from this worker's cache
+        (a cropped copy), the rest of ``prompt`` is prefilled on top: the same
+        kernels and inputs as the target's ON path.
+        """
+        cache = self.caches[session]
+        r = engine.prefill(self.model, prompt[fetched_tokens:], engine.cropped(cache, fetched_tokens))
+        toks = engine.greedy(self.model, r, greedy_n)[0] if greedy_n else []
+        return {"logits": _bits(r.logits), "first_token": r.first_token, "greedy": toks}
+
+    def op_checksums(self, hashes: List[int]) -> Dict[str, Any]:
+        """The checksum recorded when each block was retained (None: not retained here)."""
+        return {"checksums": [self.checksums.get(h) for h in hashes]}
+
+    def op_stats(self) -> Dict[str, Any]:
+        return {
+            "store_failures": self.store_failures,
+            "pins_outstanding": self.bank.pins_outstanding,
+            "leaks": self.kv.leak_counters(),
+            "device_bytes": _device_bytes(self.device),
+        }
+
+    def close(self) -> None:
+        self.pins.close()
+
+
+def _device_bytes(device: str) -> Optional[int]:
+    """Bytes torch holds allocated on ``device`` (None on the CPU)."""
+    return int(torch.cuda.memory_allocated(device)) if device.startswith("cuda") else None
+
+
+def main(conn: Any, cfg: Dict[str, Any]) -> None:
+    """Process entry point (``rpc.Worker``)."""
+    try:
+        w = DecodeWorker(cfg)
+    except Exception as e:
+        conn.send({"ok": False, "error": f"decode worker start: {e!r}"})
+        return
+    conn.send({"ok": True})
+    try:
+        rpc.serve(conn, w)
+    finally:
+        w.close()

@@ -1,0 +1,303 @@
+"""The `gpu_serving` harness: later-turn TTFT OFF vs ON vs ideal on real engines.
+
+``python -m gpu_serving.harness --out result.json [options]`` (run with
+``crates/kv-testkit/python`` on ``sys.path``). Starts a decode worker and a
+prefill worker (two processes, any device each), routes every turn through an
+in-process ``kv_reuse.Router`` and writes the JSON that kvq's ``gpu_serving``
+section puts into ``record.json`` (field list: docs/gpu-serving.md).
+
+Prints ``SKIP gpu_serving: <reason>`` and writes ``{"skipped": reason}`` (exit
+0) when torch, transformers or kv_reuse cannot be imported or the requested
+CUDA device is absent. Exit 1 on a worker error (the JSON then has ``error``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from .workload import Workload, percentile
+
+REGIME = "churn"  # the prefill worker keeps no prefix cache between turns
+
+
+def parse(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gpu_serving.harness", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON result path")
+    p.add_argument("--model", default="llama-3.1-8b", help="engine.SHAPES key (tiny for CPU)")
+    p.add_argument("--prefill-device", default="cuda:0")
+    p.add_argument("--decode-device", default="cuda:0")
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--history-max", type=int, default=32768, help="largest final history, tokens")
+    p.add_argument("--turn-tokens", type=int, nargs=2, default=(150, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--gen-tokens", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--tokens-per-block", type=int, default=64)
+    p.add_argument("--greedy-tokens", type=int, default=16, help="greedy agreement length")
+    p.add_argument("--greedy-every", type=int, default=1, help="check greedy agreement every Nth later turn")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def skip(out: str, reason: str) -> int:
+    print(f"SKIP gpu_serving: {reason}", flush=True)
+    with open(out, "w") as f:
+        json.dump({"skipped": reason}, f)
+    return 0
+
+
+def bf16_bits_to_f32(bits: bytes):
+    import numpy as np
+
+    return (np.frombuffer(bits, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = parse(argv)
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return skip(a.out, f"torch/transformers cannot be imported ({e!r})")
+    try:
+        import kv_reuse
+    except Exception as e:
+        return skip(a.out, f"kv_reuse cannot be imported ({e!r}); pip install the wheel (docs/python.md)")
+    import torch
+
+    for d in {a.prefill_device, a.decode_device}:
+        if d.startswith("cuda") and not torch.cuda.is_available():
+            return skip(a.out, f"device {d} requested but torch sees no CUDA device")
+    from . import decode_worker, engine, prefill_worker, rpc
+
+    w = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), engine.shape(a.model).vocab, a.seed)
+    sessions = w.build()
+    tpb = a.tokens_per_block
+    s = engine.shape(a.model)
+    block_bytes = s.kv_bytes_per_token() * tpb
+    longest = a.history_max + a.turn_tokens[1] + a.gen_tokens[1]
+    target_rows = longest // tpb + 2
+    slots = sum(x.target_history + a.turn_tokens[1] + a.gen_tokens[1] for x in sessions) // tpb + 2 * len(sessions)
+    shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
+    notes = []
+    if shm_free is not None:
+        # The bank and the target's rows both live in /dev/shm; keep 10 % free.
+        fit = int(shm_free * 0.9) // block_bytes - target_rows
+        if fit < slots:
+            notes.append(f"bank cut from {slots} to {max(fit, 1)} slots by /dev/shm ({shm_free} bytes free): LRU eviction")
+            slots = max(fit, 1)
+    cfg = {"model": a.model, "seed": a.seed, "tokens_per_block": tpb}
+    t_start = time.perf_counter()
+    decode = rpc.Worker(decode_worker.main, {**cfg, "device": a.decode_device, "bank_slots": slots})
+    prefill = rpc.Worker(prefill_worker.main, {**cfg, "device": a.prefill_device, "target_rows": target_rows})
+    result: Dict[str, Any] = {}
+    try:
+        decode.wait_started()
+        prefill.wait_started()
+        result = run(a, w, sessions, decode, prefill, kv_reuse, notes, slots, target_rows)
+        result["wall_s"] = round(time.perf_counter() - t_start, 1)
+        rc = 0
+    except rpc.WorkerError as e:
+        result = {"error": str(e)}
+        print(f"gpu_serving: {e}", file=sys.stderr)
+        rc = 1
+    finally:
+        decode.close()
+        prefill.close()
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return rc
+
+
+def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, target_rows) -> Dict[str, Any]:
+    import numpy as np
+
+    tpb = a.tokens_per_block
+    dh, _ = decode.call("hello")
+    ph, _ = prefill.call("hello")
+    if dh["weights_checksum"] != ph["weights_checksum"]:
+        raise rpc_error("hello", "the two workers built different weights")
+    s = __import__("gpu_serving.engine", fromlist=["shape"]).shape(a.model)
+    layout = kv_reuse.Layout(s.num_layers, s.num_kv_heads, s.head_dim, "bf16", tpb, 1)
+    settings = kv_reuse.Settings({"enable_decode_to_prefill_reuse": True}, env={})
+    router = kv_reuse.Router(settings, tokens_per_block=tpb)
+    router.register_worker(1, dh["engine_id"], "decode", layout)
+    router.register_worker(2, ph["engine_id"], "prefill", layout)
+    manifest: Optional[bytes] = None
+    turns: List[Dict[str, Any]] = []
+    bit_equal, max_diff, agree, agree_n = True, 0.0, 0, 0
+    fallbacks = false_completions = 0
+    later = 0
+    for t, sess, user, gen in w.rounds(sessions):
+        prompt = sess.history + user
+        hashes = kv_reuse.sequence_hashes(prompt, tpb)
+        check_greedy = t > 0 and later % a.greedy_every == 0 and a.greedy_tokens > 0
+
+        def run_off():
+            off, off_ms = prefill.call("off", prompt=prompt)
+            g = prefill.call("greedy", n=a.greedy_tokens)[0]["greedy"] if check_greedy else None
+            return off, off_ms, g
+
+        # OFF and ON alternate which runs first, so neither always finds the
+        # caches and allocator warmed by the other.
+        off_first = len(turns) % 2 == 0
+        if off_first:
+            off, off_ms, off_greedy = run_off()
+        t0 = time.perf_counter()
+        advice = router.advise(f"{sess.id}-t{t}", hashes, ph["engine_id"])
+        advise_ms = (time.perf_counter() - t0) * 1e3
+        on, on_call_ms = prefill.call("on", prompt=prompt, hint=advice.hint, hashes=hashes, manifest=manifest)
+        on_ms = advise_ms + on_call_ms
+        on_greedy = prefill.call("greedy", n=a.greedy_tokens)[0]["greedy"] if check_greedy else None
+        ideal = None
+        if on["fetched_tokens"] > 0:
+            ideal, ideal_ms = prefill.call("ideal", prompt=prompt)
+        if not off_first:
+            off, off_ms, off_greedy = run_off()
+        row: Dict[str, Any] = {
+            "session": sess.id,
+            "turn": t,
+            "history": len(sess.history),
+            "prompt": len(prompt),
+            "bucket": w.bucket_of(len(sess.history)),
+            "off_ms": round(off_ms, 3),
+            "on_ms": round(on_ms, 3),
+            "advise_ms": round(advise_ms, 3),
+            "fetch_ms": round(on["fetch_ms"], 3),
+            "verdict": advice.verdict,
+            "admitted": advice.admitted,
+            "fetched_tokens": on["fetched_tokens"],
+            "bytes": on["bytes"],
+            "host_payload_bytes": on["host_payload_bytes"],
+            "transport": on["transport"],
+            "fell_back": on["fell_back"],
+        }
+        if advice.hint is not None and on["fetched_tokens"] == 0:
+            fallbacks += 1
+        on_logits, off_logits = bf16_bits_to_f32(on["logits"]), bf16_bits_to_f32(off["logits"])
+        diff = float(np.max(np.abs(on_logits - off_logits)))
+        row["max_logit_diff_vs_off"] = diff
+        if ideal is not None:
+            row["ideal_ms"] = round(ideal_ms, 3)
+            ref = decode.call("reference", session=sess.id, prompt=prompt, fetched_tokens=on["fetched_tokens"], greedy_n=0)[0]
+            eq = ref["logits"] == on["logits"] and ideal["logits"] == on["logits"]
+            row["logits_bit_equal_to_donor"] = eq
+            bit_equal &= eq
+            max_diff = max(max_diff, diff)
+            n = on["fetched_tokens"] // tpb
+            want = decode.call("checksums", hashes=hashes[:n])[0]["checksums"]
+            row["checksums_equal"] = want == on["checksums"]
+            if not row["checksums_equal"]:
+                false_completions += 1
+        if check_greedy:
+            same = sum(x == y for x, y in zip(on_greedy, off_greedy))
+            row["greedy_agreement"] = same / a.greedy_tokens
+            agree += same
+            agree_n += a.greedy_tokens
+        if t > 0:
+            later += 1
+        d, _ = decode.call("turn", session=sess.id, prompt=prompt, gen=gen)
+        for e in d["events"]:
+            router.apply_event(e)
+        manifest = d["manifest"]
+        router.report_donor(manifest, dh["endpoint"], d["slots"])
+        row["decode_ms"] = round(d["decode_ms"], 3)
+        row["retain_ms"] = round(d["retain_ms"], 3)
+        sess.history = prompt + d["output"]
+        turns.append(row)
+        print(
+            f"gpu_serving: {sess.id} turn {t} history {row['history']}: OFF {off_ms:.1f} ms, ON {on_ms:.1f} ms"
+            f" ({row['fetched_tokens']} fetched, {row['verdict']}), ideal {row.get('ideal_ms', float('nan')):.1f} ms",
+            flush=True,
+        )
+    ds, _ = decode.call("stats")
+    ps, _ = prefill.call("stats")
+    return summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, fallbacks, false_completions, notes, slots, target_rows)
+
+
+def rpc_error(op: str, msg: str):
+    from .rpc import WorkerError
+
+    return WorkerError(op, msg)
+
+
+def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, fallbacks, false_completions, notes, slots, target_rows):
+    later = [r for r in turns if r["turn"] > 0]
+    first = [r for r in turns if r["turn"] == 0]
+    buckets = []
+    for b in w.buckets():
+        rs = [r for r in later if r["bucket"] == b]
+        if not rs:
+            continue
+        off = [r["off_ms"] for r in rs]
+        on = [r["on_ms"] for r in rs]
+        ideal = [r["ideal_ms"] for r in rs if "ideal_ms" in r]
+        off50, on50 = percentile(off, 50), percentile(on, 50)
+        buckets.append(
+            {
+                "history": b,
+                "turns": len(rs),
+                "off_p50_ms": off50,
+                "off_p99_ms": percentile(off, 99),
+                "on_p50_ms": on50,
+                "on_p99_ms": percentile(on, 99),
+                "ideal_p50_ms": percentile(ideal, 50),
+                "ideal_p99_ms": percentile(ideal, 99),
+                "ratio": round(off50 / on50, 3) if on50 else None,
+                "on_over_ideal": round(on50 / percentile(ideal, 50), 3) if ideal else None,
+            }
+        )
+    transports = sorted({r["transport"] for r in turns if r["fetched_tokens"] > 0})
+    leaks = sum(ps["leaks_grown"].values()) + (ds["pins_outstanding"] or 0)
+    return {
+        "model": a.model,
+        "regime": REGIME,
+        "devices": {"prefill": a.prefill_device, "decode": a.decode_device},
+        "workload": {
+            "sessions": w.sessions,
+            "turns": w.turns,
+            "history_max": w.history_max,
+            "turn_tokens": list(w.turn_tokens),
+            "gen_tokens": list(w.gen_tokens),
+            "tokens_per_block": a.tokens_per_block,
+            "seed": w.seed,
+        },
+        "router": "in-process kv_reuse.Router (the wheel), cost model deciding",
+        "transport": transports,
+        "turns": turns,
+        "buckets": buckets,
+        "first_turns": {
+            "turns": len(first),
+            "off_p50_ms": percentile([r["off_ms"] for r in first], 50),
+            "on_p50_ms": percentile([r["on_ms"] for r in first], 50),
+        },
+        "bytes_moved": sum(r["bytes"] for r in turns),
+        "host_payload_bytes": sum(r["host_payload_bytes"] for r in turns),
+        "fetched_turns": sum(1 for r in turns if r["fetched_tokens"] > 0),
+        "logits_bit_equal_to_donor": bit_equal and any(r["fetched_tokens"] > 0 for r in turns),
+        "max_logit_diff_vs_off": max_diff,
+        "greedy_agreement": round(agree / agree_n, 4) if agree_n else None,
+        "fallbacks": fallbacks,
+        "false_completions": false_completions,
+        "leaks": leaks,
+        "leaks_detail": {"prefill_grown": ps["leaks_grown"], "donor_pins_outstanding": ds["pins_outstanding"]},
+        "bank_slots": slots,
+        "target_rows": target_rows,
+        "store_failures": len(ds["store_failures"]),
+        "device_bytes": {
+            "prefill_before": ph["device_bytes"],
+            "prefill_after": ps["device_bytes"],
+            "decode_before": dh["device_bytes"],
+            "decode_after": ds["device_bytes"],
+        },
+        "notes": notes,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

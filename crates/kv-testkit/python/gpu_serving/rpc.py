@@ -1,0 +1,82 @@
+"""The pipe protocol between the harness and its worker processes.
+
+Each worker is its own process (``multiprocessing`` spawn context, so CUDA is
+initialised only in the child). A request is ``{"op": name, **arguments}``; the
+reply is ``{"ok": True, **result}`` or ``{"ok": False, "error": repr}``. The
+harness times a request from send to reply (client-observed latency).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from typing import Any, Callable, Dict, Tuple
+
+
+class WorkerError(RuntimeError):
+    """A worker answered a request with an error; ``op`` names the request."""
+
+    def __init__(self, op: str, error: str) -> None:
+        super().__init__(f"{op}: {error}")
+        self.op = op
+
+
+def serve(conn, handler: Any) -> None:
+    """Answers requests on ``conn`` with ``handler.op_<name>(**args)`` until ``op == "exit"``."""
+    while True:
+        try:
+            req = conn.recv()
+        except EOFError:
+            return
+        op = req.pop("op")
+        if op == "exit":
+            conn.send({"ok": True})
+            return
+        try:
+            res = getattr(handler, "op_" + op)(**req)
+            conn.send({"ok": True, **res})
+        except Exception as e:  # reported to the harness, which records it
+            conn.send({"ok": False, "error": f"{e!r}\n{traceback.format_exc()}"})
+
+
+class Worker:
+    """A worker process started with ``main(conn, cfg)``; ``call`` sends one request."""
+
+    def __init__(self, main: Callable, cfg: Dict[str, Any]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=main, args=(child, cfg), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def wait_started(self) -> None:
+        """Waits for the worker's start message; raises ``WorkerError("start", ...)``."""
+        try:
+            res = self.conn.recv()
+        except EOFError:
+            raise WorkerError("start", f"worker exited with code {self.proc.exitcode}") from None
+        if not res.get("ok"):
+            raise WorkerError("start", res.get("error", "?"))
+
+    def call(self, op: str, **args: Any) -> Tuple[Dict[str, Any], float]:
+        """(reply, milliseconds from send to reply); raises ``WorkerError`` on an error reply."""
+        t0 = time.perf_counter()
+        self.conn.send({"op": op, **args})
+        res = self.conn.recv()
+        ms = (time.perf_counter() - t0) * 1e3
+        if not res.pop("ok"):
+            raise WorkerError(op, res["error"])
+        return res, ms
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Asks the worker to exit; kills it if it does not within ``timeout`` seconds."""
+        try:
+            self.conn.send({"op": "exit"})
+            self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            pass
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()

@@ -1,0 +1,503 @@
+//! `gpu_serving`: later-turn TTFT OFF vs ON vs ideal on real transformer
+//! engines (docs/gpu-serving.md).
+//!
+//! kvq runs the Python harness `gpu_serving.harness` (kept in
+//! `crates/kv-testkit/python`, carried by the GPU bundle) as a child process,
+//! reads the JSON it writes, checks correctness (fetched blocks bit-equal,
+//! logits bit-equal to the donor, no false completion, no leak), and lifts the
+//! JSON into `record.json` as `gpu_serving` with the speed goals
+//! evaluated beside it (`goals`: recorded, never a failing check). The GPU
+//! profile runs the Llama-3.1-8B shape on `cuda:0`; the CPU profile runs the
+//! same code at the tiny shape on the CPU. Skipped, with the harness's
+//! reason, where python, torch, transformers or the `kv_reuse` wheel cannot
+//! be imported.
+//!
+//! Environment: `KVQ_PYTHON` (interpreter, default `python3`),
+//! `KVQ_GPU_SERVING_DIR` (folder holding the `gpu_serving` package, default
+//! this crate's `python/`), `KVQ_GPU_SERVING_ARGS` (extra harness arguments,
+//! whitespace-separated, after the profile's: the last value wins),
+//! `KVQ_GPU_SERVING_TIMEOUT_S` (default 480).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use plotters::prelude::*;
+use serde_json::{json, Value};
+
+use crate::record::Record;
+use crate::section::{Ctx, Profile, SectionResult, Stop};
+
+/// Section name, also the record's field.
+pub const NAME: &str = "gpu_serving";
+/// File name of the TTFT-against-history plot in the output directory.
+pub const PLOT: &str = "gpu_serving_ttft.svg";
+/// Interpreter override.
+pub const PYTHON_ENV: &str = "KVQ_PYTHON";
+/// Package folder override (the bundle's `run.sh` sets it).
+pub const DIR_ENV: &str = "KVQ_GPU_SERVING_DIR";
+/// Extra harness arguments.
+pub const ARGS_ENV: &str = "KVQ_GPU_SERVING_ARGS";
+/// Wall-clock limit of the harness, seconds.
+pub const TIMEOUT_ENV: &str = "KVQ_GPU_SERVING_TIMEOUT_S";
+
+/// The harness arguments of a profile (before [`ARGS_ENV`]'s).
+///
+/// GPU: the workload (8 sessions x 6 turns up to 32K history,
+/// 150-256-token turns) with 64-96 generated tokens per turn (the issue's
+/// range starts at 64; the shorter top keeps the run inside one device call)
+/// and greedy agreement on every 4th later turn. CPU: the tiny shape, histories
+/// to 1K, 8 x 3 turns.
+pub fn profile_args(profile: Profile) -> Vec<String> {
+    let args: &[&str] = match profile {
+        Profile::Gpu => &[
+            "--model",
+            "llama-3.1-8b",
+            "--prefill-device",
+            "cuda:0",
+            "--decode-device",
+            "cuda:0",
+            "--gen-tokens",
+            "64",
+            "96",
+            "--greedy-every",
+            "4",
+        ],
+        Profile::Cpu => &[
+            "--model",
+            "tiny",
+            "--prefill-device",
+            "cpu",
+            "--decode-device",
+            "cpu",
+            "--sessions",
+            "8",
+            "--turns",
+            "3",
+            "--history-max",
+            "1024",
+            "--turn-tokens",
+            "40",
+            "60",
+            "--gen-tokens",
+            "8",
+            "16",
+            "--tokens-per-block",
+            "16",
+            "--greedy-every",
+            "2",
+        ],
+    };
+    args.iter().map(|s| (*s).to_owned()).collect()
+}
+
+fn package_dir() -> PathBuf {
+    std::env::var_os(DIR_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/python")))
+}
+
+/// The section body.
+pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
+    let dir = package_dir();
+    if !dir.join("gpu_serving/harness.py").is_file() {
+        return Err(Stop::Skip(format!(
+            "no gpu_serving package under {} (set {DIR_ENV})",
+            dir.display()
+        )));
+    }
+    let python = std::env::var(PYTHON_ENV).unwrap_or_else(|_| "python3".into());
+    let timeout = std::env::var(TIMEOUT_ENV)
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or(480);
+    let out = ctx.out_dir.join("gpu_serving.json");
+    let _ = std::fs::remove_file(&out);
+    let mut args = profile_args(ctx.profile);
+    if let Ok(extra) = std::env::var(ARGS_ENV) {
+        args.extend(extra.split_whitespace().map(str::to_owned));
+    }
+    let pythonpath = match std::env::var_os("PYTHONPATH") {
+        Some(p) if !p.is_empty() => format!("{}:{}", dir.display(), p.to_string_lossy()),
+        _ => dir.display().to_string(),
+    };
+    println!(
+        "gpu_serving: {python} -m gpu_serving.harness {}",
+        args.join(" ")
+    );
+    let mut child = match Command::new(&python)
+        .args(["-m", "gpu_serving.harness", "--out"])
+        .arg(&out)
+        .args(&args)
+        .env("PYTHONPATH", pythonpath)
+        .current_dir(&dir)
+        .stdin(Stdio::null())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Stop::Skip(format!(
+                "no Python interpreter `{python}` ({e})"
+            )))
+        }
+        Err(e) => return Err(Stop::Error(format!("cannot start `{python}`: {e}"))),
+    };
+    let t0 = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) if t0.elapsed() > Duration::from_secs(timeout) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Stop::Error(format!(
+                    "harness ran past {timeout} s ({TIMEOUT_ENV}); shrink it with {ARGS_ENV}"
+                )));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(200)),
+            Err(e) => return Err(Stop::Error(format!("waiting for the harness: {e}"))),
+        }
+    };
+    let text = std::fs::read_to_string(&out).map_err(|e| {
+        Stop::Error(format!(
+            "harness exited {status} without {}: {e}",
+            out.display()
+        ))
+    })?;
+    let mut v: Value = serde_json::from_str(&text)
+        .map_err(|e| Stop::Error(format!("{}: not JSON: {e}", out.display())))?;
+    if let Some(reason) = v["skipped"].as_str() {
+        return Err(Stop::Skip(reason.to_owned()));
+    }
+    if let Some(e) = v["error"].as_str() {
+        return Err(Stop::Error(format!("harness: {e}")));
+    }
+    if !status.success() {
+        return Err(Stop::Error(format!("harness exited {status}")));
+    }
+    for (name, passed, detail) in checks(ctx.profile, &v) {
+        r.check(name, passed, detail);
+    }
+    v["goals"] = goals(&v);
+    for k in [
+        "bytes_moved",
+        "host_payload_bytes",
+        "fetched_turns",
+        "max_logit_diff_vs_off",
+        "greedy_agreement",
+        "fallbacks",
+        "wall_s",
+    ] {
+        r.metric(k, v[k].clone());
+    }
+    for b in v["buckets"].as_array().into_iter().flatten() {
+        r.metric(&format!("ratio_{}", b["history"]), b["ratio"].clone());
+    }
+    r.record = Some(v);
+    Ok(())
+}
+
+/// Correctness checks over the harness JSON: (name, passed, detail).
+pub fn checks(profile: Profile, v: &Value) -> Vec<(String, bool, String)> {
+    let n = |k: &str| v[k].as_u64();
+    let mut out = vec![
+        (
+            "fetched".to_owned(),
+            n("fetched_turns").unwrap_or(0) > 0,
+            format!(
+                "{} turns fetched a prefix, {} bytes",
+                v["fetched_turns"], v["bytes_moved"]
+            ),
+        ),
+        (
+            "logits_bit_equal_to_donor".to_owned(),
+            v["logits_bit_equal_to_donor"] == json!(true),
+            "target's first-token logits vs the donor continuing on its own KV, every fetched turn"
+                .to_owned(),
+        ),
+        (
+            "no_false_completion".to_owned(),
+            n("false_completions") == Some(0),
+            format!(
+                "{} fetched turns with a block checksum differing from the donor's",
+                v["false_completions"]
+            ),
+        ),
+        (
+            "no_leak".to_owned(),
+            n("leaks") == Some(0),
+            format!("{} ({})", v["leaks"], v["leaks_detail"]),
+        ),
+    ];
+    if profile == Profile::Gpu {
+        let w = &v["workload"];
+        let ok = w["sessions"].as_u64().unwrap_or(0) >= 8
+            && w["turns"].as_u64().unwrap_or(0) >= 6
+            && w["history_max"].as_u64().unwrap_or(0) >= 32768;
+        out.push((
+            "workload_size".to_owned(),
+            ok,
+            format!(
+                "{} sessions x {} turns to {} tokens (>= 8 x 6 to 32768)",
+                w["sessions"], w["turns"], w["history_max"]
+            ),
+        ));
+    }
+    out
+}
+
+/// The goals, evaluated on the buckets (bucket i of four: 2K, 8K,
+/// 16K, 32K at full size): churn OFF/ON >= 7x / 10x / 14x at 8K / 16K / 32K,
+/// ON <= 1.15 x ideal at every bucket, first turns no slower than OFF by more
+/// than 1 ms, 0 false completions, 0 leaks. `null` where not measured.
+pub fn goals(v: &Value) -> Value {
+    let buckets: Vec<&Value> = v["buckets"].as_array().into_iter().flatten().collect();
+    let full = v["workload"]["history_max"].as_f64().unwrap_or(0.0);
+    let mut g = serde_json::Map::new();
+    for (frac, want) in [(0.25, 7.0), (0.5, 10.0), (1.0, 14.0)] {
+        let edge = (full * frac) as u64;
+        let ratio = buckets
+            .iter()
+            .find(|b| b["history"].as_u64() == Some(edge))
+            .and_then(|b| b["ratio"].as_f64());
+        g.insert(
+            format!("ratio_{edge}_ge_{want}"),
+            ratio.map_or(Value::Null, |r| json!(r >= want)),
+        );
+    }
+    let over: Vec<f64> = buckets
+        .iter()
+        .filter_map(|b| b["on_over_ideal"].as_f64())
+        .collect();
+    g.insert(
+        "on_le_1_15_ideal".into(),
+        if over.is_empty() {
+            Value::Null
+        } else {
+            json!(over.iter().all(|x| *x <= 1.15))
+        },
+    );
+    let f = &v["first_turns"];
+    g.insert(
+        "first_turns_within_1ms".into(),
+        match (f["on_p50_ms"].as_f64(), f["off_p50_ms"].as_f64()) {
+            (Some(on), Some(off)) => json!(on <= off + 1.0),
+            _ => Value::Null,
+        },
+    );
+    // The warm regime is not run yet (docs/gpu-serving.md).
+    g.insert("warm_turns_within_1ms".into(), Value::Null);
+    g.insert(
+        "zero_false_completions".into(),
+        json!(v["false_completions"].as_u64() == Some(0)),
+    );
+    g.insert("zero_leaks".into(), json!(v["leaks"].as_u64() == Some(0)));
+    Value::Object(g)
+}
+
+/// REPORT.md's `gpu_serving` part (bucket table, goals, plot) when the
+/// section produced a record; writes the plot into `dir`.
+///
+/// # Errors
+/// The failed plot write, naming the file.
+pub fn report(r: &Record, dir: &Path, md: &mut String) -> Result<(), String> {
+    let Some(v) = &r.gpu_serving else {
+        return Ok(());
+    };
+    let _ = writeln!(
+        md,
+        "\n## gpu_serving: later-turn TTFT, {} ({} regime, transport {})\n\n![TTFT against history]({PLOT})\n\n| history | turns | OFF p50 | ON p50 | ideal p50 | OFF p99 | ON p99 | OFF/ON | ON/ideal |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        v["model"].as_str().unwrap_or("?"),
+        v["regime"].as_str().unwrap_or("?"),
+        v["transport"]
+    );
+    let f = |x: &Value| x.as_f64().map_or("-".to_owned(), |x| format!("{x:.2}"));
+    for b in v["buckets"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            b["history"],
+            b["turns"],
+            f(&b["off_p50_ms"]),
+            f(&b["on_p50_ms"]),
+            f(&b["ideal_p50_ms"]),
+            f(&b["off_p99_ms"]),
+            f(&b["on_p99_ms"]),
+            f(&b["ratio"]),
+            f(&b["on_over_ideal"])
+        );
+    }
+    let _ = writeln!(
+        md,
+        "\nTimes in ms, client-observed. Bytes moved {}, host payload {}, logits bit-equal to the donor {}, max |logit OFF - ON| {}, greedy agreement {}, fallbacks {}, false completions {}, leaks {}.\n\nGoals: `{}`",
+        v["bytes_moved"],
+        v["host_payload_bytes"],
+        v["logits_bit_equal_to_donor"],
+        v["max_logit_diff_vs_off"],
+        v["greedy_agreement"],
+        v["fallbacks"],
+        v["false_completions"],
+        v["leaks"],
+        v["goals"]
+    );
+    plot(&dir.join(PLOT), v)
+}
+
+/// Later-turn TTFT against history length: OFF, ON and ideal, one point per turn.
+fn plot(path: &Path, v: &Value) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
+    let turns: Vec<&Value> = v["turns"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|t| t["turn"].as_u64().unwrap_or(0) > 0)
+        .collect();
+    let series = [
+        ("OFF", "off_ms", RED),
+        ("ON", "on_ms", BLUE),
+        ("ideal", "ideal_ms", GREEN),
+    ];
+    let points = |key: &str| -> Vec<(f64, f64)> {
+        turns
+            .iter()
+            .filter_map(|t| Some((t["history"].as_f64()?, t[key].as_f64()?)))
+            .filter(|(_, y)| *y > 0.0)
+            .collect()
+    };
+    let all: Vec<(f64, f64)> = series.iter().flat_map(|(_, k, _)| points(k)).collect();
+    let x_max = all.iter().map(|p| p.0).fold(1.0_f64, f64::max) * 1.05;
+    let y_min = all
+        .iter()
+        .map(|p| p.1)
+        .fold(f64::INFINITY, f64::min)
+        .clamp(1e-3, 1e9)
+        * 0.8;
+    let y_max = all
+        .iter()
+        .map(|p| p.1)
+        .fold(0.0_f64, f64::max)
+        .max(y_min * 10.0)
+        * 1.2;
+    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Later-turn TTFT against history: OFF / ON / ideal",
+            ("sans-serif", 22),
+        )
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0.0..x_max, (y_min..y_max).log_scale())
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("history (tokens)")
+        .y_desc("TTFT (ms, log scale)")
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (label, key, color) in series {
+        chart
+            .draw_series(
+                points(key)
+                    .into_iter()
+                    .map(|p| Circle::new(p, 3, color.filled())),
+            )
+            .map_err(|e| err(&e))?
+            .label(label)
+            .legend(move |(x, y)| Circle::new((x + 9, y), 3, color.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Value {
+        json!({
+            "model": "llama-3.1-8b", "regime": "churn", "transport": ["memcpy"],
+            "workload": {"sessions": 8, "turns": 6, "history_max": 32768},
+            "fetched_turns": 40, "bytes_moved": 1000, "host_payload_bytes": 1000,
+            "logits_bit_equal_to_donor": true, "false_completions": 0, "leaks": 0,
+            "leaks_detail": {}, "first_turns": {"off_p50_ms": 10.0, "on_p50_ms": 10.5},
+            "buckets": [
+                {"history": 2048, "ratio": 2.0, "on_over_ideal": 1.1},
+                {"history": 8192, "ratio": 7.5, "on_over_ideal": 1.1},
+                {"history": 16384, "ratio": 9.0, "on_over_ideal": 1.2},
+            ],
+            "turns": [
+                {"turn": 0, "history": 100, "off_ms": 5.0, "on_ms": 5.0},
+                {"turn": 1, "history": 2000, "off_ms": 50.0, "on_ms": 20.0, "ideal_ms": 18.0},
+            ],
+        })
+    }
+
+    #[test]
+    fn goals_follow_the_buckets_and_leave_unmeasured_ones_null() {
+        let g = goals(&sample());
+        assert_eq!(g["ratio_8192_ge_7"], json!(true));
+        assert_eq!(g["ratio_16384_ge_10"], json!(false));
+        assert_eq!(g["ratio_32768_ge_14"], Value::Null);
+        assert_eq!(g["on_le_1_15_ideal"], json!(false));
+        assert_eq!(g["first_turns_within_1ms"], json!(true));
+        assert_eq!(g["warm_turns_within_1ms"], Value::Null);
+        assert_eq!(g["zero_leaks"], json!(true));
+    }
+
+    #[test]
+    fn checks_fail_on_mismatch_false_completion_leak_or_small_workload() {
+        let names = |v: &Value, p| -> Vec<String> {
+            checks(p, v)
+                .into_iter()
+                .filter(|c| !c.1)
+                .map(|c| c.0)
+                .collect()
+        };
+        assert!(names(&sample(), Profile::Gpu).is_empty());
+        let mut v = sample();
+        v["logits_bit_equal_to_donor"] = json!(false);
+        v["false_completions"] = json!(1);
+        v["leaks"] = json!(2);
+        v["fetched_turns"] = json!(0);
+        v["workload"]["turns"] = json!(3);
+        assert_eq!(
+            names(&v, Profile::Gpu),
+            [
+                "fetched",
+                "logits_bit_equal_to_donor",
+                "no_false_completion",
+                "no_leak",
+                "workload_size"
+            ]
+        );
+        // The CPU profile's tiny workload is not held to the size.
+        assert_eq!(names(&v, Profile::Cpu).len(), 4);
+    }
+
+    #[test]
+    fn plot_draws_later_turns() {
+        let dir = std::env::temp_dir().join(format!("kvq-gpu-serving-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(PLOT);
+        plot(&p, &sample()).unwrap();
+        let svg = std::fs::read_to_string(&p).unwrap();
+        assert!(svg.contains("<circle") && svg.contains("ideal"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn profiles_pick_the_shape_and_device() {
+        let gpu = profile_args(Profile::Gpu).join(" ");
+        assert!(gpu.contains("--model llama-3.1-8b") && gpu.contains("--prefill-device cuda:0"));
+        let cpu = profile_args(Profile::Cpu).join(" ");
+        assert!(cpu.contains("--model tiny") && cpu.contains("--decode-device cpu"));
+    }
+}
