@@ -82,6 +82,10 @@ pub struct Record {
     pub trace_replay: Option<serde_json::Value>,
     /// Multi-turn session replay: the trace_replay fields plus `later_turn_ttft_mean_off_ms/on_ms`.
     pub session_replay: Option<serde_json::Value>,
+    /// The local cluster (`cluster` section): `{requests, fetches,
+    /// fallbacks, false_completions, leaks, advise_p50_us, advise_p99_us,
+    /// recoveries[{fault, fetches_after}]}`.
+    pub cluster: Option<serde_json::Value>,
     /// The fault table (`[{fault, expected, runs, fetches, fallbacks,
     /// false_completions, leaks, detail}]`, `kv_testkit::faults::FaultRow`),
     /// lifted from the `faults` section; empty when it did not run.
@@ -137,6 +141,7 @@ impl Record {
         let (oracle, oracle_nixl) = (lift("transfer_oracle"), lift("transfer_oracle_nixl"));
         let (serving_smoke, trace_replay) = (lift("serving_smoke"), lift("trace_replay"));
         let session_replay = lift("session_replay");
+        let cluster = lift(crate::cluster_section::NAME);
         Self {
             schema: RECORD_SCHEMA,
             profile,
@@ -154,6 +159,7 @@ impl Record {
             serving_smoke,
             trace_replay,
             session_replay,
+            cluster,
             sections,
             failures,
             faults,

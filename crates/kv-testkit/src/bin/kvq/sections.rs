@@ -2,7 +2,9 @@
 //! other crates' check functions into [`SectionResult`]s.
 
 use crate::section::{Ctx, Profile, Section, SectionResult, Stop};
-use crate::{child, descriptor_wire, fault_section, replay_section, smoke_section, transfer};
+use crate::{
+    child, cluster_section, descriptor_wire, fault_section, replay_section, smoke_section, transfer,
+};
 
 const BOTH: &[Profile] = &[Profile::Cpu, Profile::Gpu];
 const GPU: &[Profile] = &[Profile::Gpu];
@@ -63,6 +65,11 @@ pub const ALL: &[Section] = &[
         name: fault_section::NAME,
         profiles: BOTH,
         body: fault_section::run,
+    },
+    Section {
+        name: cluster_section::NAME,
+        profiles: BOTH,
+        body: cluster_section::run,
     },
 ];
 
