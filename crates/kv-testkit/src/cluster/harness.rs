@@ -117,6 +117,7 @@ struct Cluster<'a> {
     dir: PathBuf,
     nats: NatsServer,
     router: ChildProcess,
+    router_kind: RouterProcess,
     decode: Vec<Worker>,
     prefill: Vec<Worker>,
     model: ReferenceModel,
@@ -133,13 +134,92 @@ fn process_err(process: &str) -> impl Fn(String) -> ClusterError + '_ {
     }
 }
 
-fn spawn_router(exe: &ChildCommand, url: &str, gpu: bool) -> Result<ChildProcess, ClusterError> {
-    let mut cmd = Process::new(&exe.exe);
-    cmd.args(exe.args_for_role(ROUTER_ROLE))
-        .args(["--nats", url]);
-    if gpu {
-        cmd.arg("--gpu");
+/// Environment variable naming the router binary to run (default: the
+/// product's `kv-reuse-router` next to the kvq executable).
+pub const ROUTER_BIN_ENV: &str = "KVQ_ROUTER_BIN";
+
+/// Which router process the cluster runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouterProcess {
+    /// The product binary `kv-reuse-router` at this path.
+    Product(PathBuf),
+    /// kvq's own stand-in role ([`super::router`]).
+    StandIn,
+}
+
+impl RouterProcess {
+    /// The product binary (`$KVQ_ROUTER_BIN`, else `kv-reuse-router` next
+    /// to `exe`, where `cargo build` and the GPU bundle put it), else the
+    /// stand-in.
+    pub fn find(exe: &Path) -> Self {
+        if let Some(p) = std::env::var_os(ROUTER_BIN_ENV) {
+            return Self::Product(PathBuf::from(p));
+        }
+        match exe.parent().map(|d| d.join("kv-reuse-router")) {
+            Some(p) if p.is_file() => Self::Product(p),
+            _ => Self::StandIn,
+        }
     }
+
+    /// The path, or `kvq stand-in`.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Product(p) => p.display().to_string(),
+            Self::StandIn => "kvq stand-in".into(),
+        }
+    }
+}
+
+/// The reuse settings of the router process, as `KV_REUSE_*` variables
+/// (both routers read them): reuse on, any saving admitted (the reference
+/// model's prompts are short), the GPU path when `gpu`.
+fn router_env(cmd: &mut Process, gpu: bool) {
+    cmd.env("KV_REUSE_ENABLE_DECODE_TO_PREFILL_REUSE", "true")
+        .env("KV_REUSE_MINIMUM_ESTIMATED_TTFT_SAVING_MS", "0")
+        .env("KV_REUSE_MINIMUM_TRANSFER_PREFIX_BLOCKS", "1")
+        .env(
+            "KV_REUSE_ENABLE_DECODE_TO_PREFILL_GPU_REUSE",
+            if gpu { "true" } else { "false" },
+        );
+}
+
+fn spawn_router(
+    exe: &ChildCommand,
+    router: &RouterProcess,
+    url: &str,
+    gpu: bool,
+) -> Result<ChildProcess, ClusterError> {
+    let mut cmd = match router {
+        RouterProcess::Product(bin) => {
+            let mut c = Process::new(bin);
+            c.args(["--nats-url", url, "--namespace", super::NAMESPACE])
+                .args(["--metrics-addr", "127.0.0.1:0"])
+                .args(["--directory-bucket", super::DIRECTORY_BUCKET])
+                .args([
+                    "--directory-ttl-ms",
+                    &(super::RECORD_TTL * 4).as_millis().to_string(),
+                ])
+                .args([
+                    "--announce-period-ms",
+                    &super::ANNOUNCE_PERIOD.as_millis().to_string(),
+                ])
+                .args(["--missed-periods", "8"])
+                .args([
+                    "--tokens-per-block",
+                    &model_config().tokens_per_block.to_string(),
+                ]);
+            c
+        }
+        RouterProcess::StandIn => {
+            let mut c = Process::new(&exe.exe);
+            c.args(exe.args_for_role(ROUTER_ROLE)).args(["--nats", url]);
+            if gpu {
+                c.arg("--gpu");
+            }
+            c
+        }
+    };
+    router_env(&mut cmd, gpu);
     let mut child = ChildProcess::spawn_with(cmd, ChildStdin::Lifeline, ChildStderr::Capture)
         .map_err(|e| process_err("router")(e.to_string()))?;
     let ready: Ready = child
@@ -424,8 +504,11 @@ impl<'a> Cluster<'a> {
                 leaks.push(format!("{}: did not exit", w.key));
             }
         }
-        self.router.close_lifeline();
-        let _ = self.router.wait_exit(Duration::from_secs(5));
+        // SIGTERM: the product router drains and exits 0.
+        let _ = self.router.terminate();
+        if self.router.wait_exit(Duration::from_secs(10)).is_none() {
+            leaks.push("router: did not exit on SIGTERM".into());
+        }
         leaks
     }
 }
@@ -450,7 +533,11 @@ fn shm_of(pids: &[u32]) -> Vec<String> {
 /// [`ClusterError::Process`], [`ClusterError::Control`] or
 /// [`ClusterError::Worker`] when the cluster itself broke (a fault is not
 /// an error: its effects are counted in the report).
-pub fn run(opts: &ClusterOptions, exe: &ChildCommand) -> Result<ClusterReport, ClusterError> {
+pub fn run(
+    opts: &ClusterOptions,
+    exe: &ChildCommand,
+    router: &RouterProcess,
+) -> Result<ClusterReport, ClusterError> {
     let t0 = Instant::now();
     if find_nats_server().is_none() {
         let why = "nats-server not found (set KV_NATS_SERVER or add it to PATH)".to_string();
@@ -463,7 +550,7 @@ pub fn run(opts: &ClusterOptions, exe: &ChildCommand) -> Result<ClusterReport, C
     let nats = NatsServer::start().map_err(process_err("nats-server"))?;
     let dir = std::env::temp_dir().join(format!("kvq-cluster-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| process_err("harness")(e.to_string()))?;
-    let router = spawn_router(exe, &nats.url(), opts.gpu)?;
+    let router_process = spawn_router(exe, router, &nats.url(), opts.gpu)?;
     let model =
         ReferenceModel::new(model_config()).map_err(|e| process_err("harness")(e.to_string()))?;
     let mut c = Cluster {
@@ -471,12 +558,14 @@ pub fn run(opts: &ClusterOptions, exe: &ChildCommand) -> Result<ClusterReport, C
         exe,
         dir: dir.clone(),
         nats,
-        router,
+        router: router_process,
+        router_kind: router.clone(),
         decode: Vec::new(),
         prefill: Vec::new(),
         model,
         report: ClusterReport {
             memory: if opts.gpu { "cuda_ipc" } else { "host_shm" }.into(),
+            router: router.describe(),
             tp: opts.tp,
             ..ClusterReport::default()
         },
@@ -591,7 +680,7 @@ fn drive(c: &mut Cluster<'_>) -> Result<(), ClusterError> {
     let unavailable = c.report.advise_unavailable;
     c.probe(&mut d, &mut span)?;
     let down = c.report.advise_unavailable - unavailable;
-    c.router = spawn_router(c.exe, &c.nats.url(), c.opts.gpu)?;
+    c.router = spawn_router(c.exe, &c.router_kind, &c.nats.url(), c.opts.gpu)?;
     let waited = c.wait_router()?;
     let mut e = c.conversations(3 * n);
     c.phase(&mut e, &mut span)?;

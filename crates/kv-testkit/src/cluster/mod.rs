@@ -40,7 +40,7 @@ use kv_descriptor::{GpuIdentity, KvLayout};
 use kv_router_glue::{EnvSnapshot, ReuseSettings, SettingsLoader};
 use serde::{Deserialize, Serialize};
 
-pub use harness::{run, ClusterOptions};
+pub use harness::{run, ClusterOptions, RouterProcess, ROUTER_BIN_ENV};
 
 use crate::model::ModelConfig;
 
@@ -159,6 +159,9 @@ pub struct ClusterReport {
     pub memory: String,
     /// TP size of every worker.
     pub tp: u32,
+    /// The router process: the path of the product binary
+    /// `kv-reuse-router`, or `kvq stand-in` ([`router`]).
+    pub router: String,
     /// Wall time of the run, seconds.
     pub seconds: f64,
 }

@@ -6,9 +6,10 @@
 //! [`RouterService`]. Prints one line
 //! `{"event":"ready","subject":"kv_reuse.advise","pid":N}` once serving.
 //!
-//! It is the harness's stand-in while the product binary
-//! `kv-reuse-router` is not in this tree; its wiring is the one
-//! `docs/agents.md` describes for a router. A restarted router learns
+//! The harness runs the product binary `kv-reuse-router` when it finds it
+//! ([`super::RouterProcess::find`]); this role is the stand-in where that binary
+//! was not built (e.g. `cargo test` of kv-testkit alone). Its wiring is
+//! the one `docs/agents.md` describes for a router. A restarted router learns
 //! workers again from their announcements and donors from the directory
 //! (replayed from JetStream), but not the blocks published before it
 //! started: those conversations recompute until their donors store again.

@@ -5,7 +5,7 @@
 //! banks, TP2; GPU profile: CUDA device banks read over CUDA IPC (TP1 on
 //! one GPU, TP2 on two).
 
-use kv_testkit::cluster::{self, ClusterError, ClusterOptions, ClusterReport};
+use kv_testkit::cluster::{self, ClusterError, ClusterOptions, ClusterReport, RouterProcess};
 use kv_testkit::faults::ChildCommand;
 
 use crate::section::{Ctx, Profile, SectionResult, Stop};
@@ -41,7 +41,7 @@ pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
         ));
     }
     let opts = options(ctx.profile, ctx.gpus);
-    let report = match cluster::run(&opts, &children(&ctx.exe)) {
+    let report = match cluster::run(&opts, &children(&ctx.exe), &RouterProcess::find(&ctx.exe)) {
         Ok(rep) => rep,
         Err(ClusterError::Skipped(why)) => return Err(Stop::Skip(why)),
         Err(e) => return Err(Stop::Error(e.to_string())),
@@ -54,8 +54,8 @@ pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
 /// One line per run and one per recovery, as printed.
 pub fn summary(c: &ClusterReport) -> String {
     let mut s = format!(
-        "cluster ({}, TP{}): {} requests, {} fetches, {} fallbacks, {} advise unavailable, {} false completions, {} wrong outputs, {} leaks; advise p50 {} us p99 {} us; {:.1} s",
-        c.memory, c.tp, c.requests, c.fetches, c.fallbacks, c.advise_unavailable,
+        "cluster ({}, TP{}, router {}): {} requests, {} fetches, {} fallbacks, {} advise unavailable, {} false completions, {} wrong outputs, {} leaks; advise p50 {} us p99 {} us; {:.1} s",
+        c.memory, c.tp, c.router, c.requests, c.fetches, c.fallbacks, c.advise_unavailable,
         c.false_completions, c.wrong_outputs, c.leaks, c.advise_p50_us, c.advise_p99_us, c.seconds
     );
     for x in &c.recoveries {
@@ -132,6 +132,7 @@ pub fn record(c: &ClusterReport, r: &mut SectionResult) {
         r.metric(k, v);
     }
     r.metric("memory", c.memory.clone());
+    r.metric("router", c.router.clone());
     r.metric(
         "recoveries",
         serde_json::to_value(&c.recoveries).unwrap_or_default(),
@@ -148,7 +149,11 @@ pub fn command(profile: Profile, json: Option<&std::path::Path>) -> i32 {
         return 2;
     }
     let exe = std::env::current_exe().unwrap_or_else(|_| "kvq".into());
-    match cluster::run(&options(profile, gpus), &children(&exe)) {
+    match cluster::run(
+        &options(profile, gpus),
+        &children(&exe),
+        &RouterProcess::find(&exe),
+    ) {
         Ok(rep) => {
             println!("{}", summary(&rep));
             let text = serde_json::to_string_pretty(&rep).unwrap_or_default();
