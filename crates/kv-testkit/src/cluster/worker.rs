@@ -292,11 +292,10 @@ async fn serve(
     Ok(())
 }
 
-fn staging(
-    tp: u32,
-    rbb: usize,
-    gpu: bool,
-) -> Result<(Vec<Arc<dyn BankMemory>>, Arc<dyn CopyBackend>), String> {
+/// Fetch rows of each rank and the copy backend that fills them.
+type Staging = (Vec<Arc<dyn BankMemory>>, Arc<dyn CopyBackend>);
+
+fn staging(tp: u32, rbb: usize, gpu: bool) -> Result<Staging, String> {
     let len = STAGING_BLOCKS as usize * rbb;
     if gpu {
         let mem = (0..tp)
@@ -314,6 +313,8 @@ fn staging(
     }
 }
 
+// One value per process: the variants' size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum State {
     Decode {
         agent: Option<Arc<DonorAgent>>,
