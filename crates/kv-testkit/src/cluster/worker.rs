@@ -185,6 +185,8 @@ async fn serve(
                     dir.join(format!("{key}-{}.pin", std::process::id()))
                         .display()
                 ),
+                // Unix socket (mode 0600): no key.
+                pin_auth_key: None,
                 pin_config: PinServiceConfig::default(),
                 namespace: NAMESPACE.into(),
                 event_subject: events_subject()?,
