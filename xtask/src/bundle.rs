@@ -4,7 +4,8 @@
 //! is self-contained: copied anywhere, outside any checkout, `run.sh` runs
 //! from any working directory.
 //!
-//! Layout: `kvq` (release, debug info stripped), optionally `tests/*` (release
+//! Layout: `kvq` and `kv-reuse-router` (release, debug info stripped; kvq's
+//! `cluster` section runs the router from its own folder), optionally `tests/*` (release
 //! test binaries of the crates with GPU tests), `nixl-libs.tar.gz` (the part
 //! of the NIXL wheel's two library folders that the UCX backend loads),
 //! `data.tar.gz` (the workspace's `data/` files kvq reads, [`BUNDLED_DATA`]),
@@ -86,6 +87,9 @@ pub fn run(with_tests: bool) -> Result<()> {
     }
     std::fs::create_dir_all(dir.join("tests")).map_err(XtaskError::io(&dir))?;
     copy_stripped(&exe, &dir.join("kvq"))?;
+    // kvq's `cluster` section runs the router binary from kvq's folder.
+    let router = exe.with_file_name(kvq::ROUTER_BIN);
+    copy_stripped(&router, &dir.join(kvq::ROUTER_BIN))?;
     for t in &tests {
         let name = t.file_name().expect("test executables have names");
         copy_stripped(t, &dir.join("tests").join(name))?;

@@ -20,13 +20,19 @@ pub enum BuildProfile {
     Dev,
 }
 
-/// Builds kvq and returns its path and the build command line.
+/// File name of the router service binary (kv-router-glue), built with kvq:
+/// kvq's `cluster` section runs it from kvq's own folder.
+pub const ROUTER_BIN: &str = "kv-reuse-router";
+
+/// Builds kvq and the router binary [`ROUTER_BIN`] (same folder); returns
+/// kvq's path and the build command line.
 ///
 /// # Errors
 /// The failed cargo command.
 pub fn build(profile: BuildProfile) -> Result<(PathBuf, String)> {
     let mut c = workspace::cargo();
     c.args(["build", "-p", "kv-testkit", "--bin", "kvq"]);
+    c.args(["-p", "kv-router-glue", "--bin", ROUTER_BIN]);
     let dir = match profile {
         BuildProfile::Release => {
             c.arg("--release");

@@ -10,6 +10,9 @@
 //!   workers with native caches, retained banks and the real `kv_lookup`
 //!   index, OFF vs ON.
 //! - [`sessions`]: the multi-turn session generator (lengths from the trace).
+//! - [`cluster`]: a local cluster of separate processes (nats-server,
+//!   router, 2 decode and 2 prefill workers) serving conversations with
+//!   reuse, and faults across those processes.
 //! - [`qualify`]: the entry points `kvq` / `cargo xtask qualify` call, with
 //!   serde results whose field names are the `record.json` keys.
 //!
@@ -26,6 +29,7 @@
 
 #![deny(missing_docs)]
 
+pub mod cluster;
 pub mod engines;
 pub mod faults;
 pub mod model;

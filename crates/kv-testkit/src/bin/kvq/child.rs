@@ -14,6 +14,9 @@ pub fn main(role: &str, args: &[String]) -> i32 {
         kv_testkit::faults::CHILD_ROLE => kv_testkit::faults::child_main(args),
         kv_testkit::faults::gpu::GPU_CHILD_ROLE => kv_testkit::faults::gpu::child_main(args),
         kv_testkit::faults::NET_CHILD_ROLE => kv_testkit::faults::net_child_main(args),
+        kv_testkit::cluster::DECODE_ROLE
+        | kv_testkit::cluster::PREFILL_ROLE
+        | kv_testkit::cluster::ROUTER_ROLE => kv_testkit::cluster::child_main(role, args),
         kv_transfer::nixl_two_process::DONOR_ROLE => {
             kv_transfer::nixl_two_process::donor_main(args)
         }

@@ -14,6 +14,7 @@
 
 mod advise_bench;
 mod child;
+mod cluster_section;
 mod descriptor_wire;
 mod fault_section;
 mod gpu_serving_section;
@@ -112,6 +113,19 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// The local cluster (section `cluster`): nats-server, a router, 2
+    /// decode and 2 prefill processes, >= 200 multi-turn requests and four
+    /// faults across processes; prints the summary and the report as JSON.
+    /// Exit 0 passed, 1 a condition failed, 2 it could not run, 3 skipped
+    /// (no nats-server).
+    Cluster {
+        /// `cpu` (host-shm banks) or `gpu` (CUDA IPC banks).
+        #[arg(long, value_enum, default_value = "cpu")]
+        profile: Profile,
+        /// Write the report JSON here instead of stdout.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Second process of a multi-process check (started by sections).
     #[command(hide = true)]
     Child {
@@ -205,6 +219,7 @@ fn main() -> ExitCode {
             ..
         } => exit(advise_bench::bench_command(quick, json.as_deref())),
         Cmd::Soak { minutes, seed } => soak(minutes, seed),
+        Cmd::Cluster { profile, json } => exit(cluster_section::command(profile, json.as_deref())),
         Cmd::Child { role, args } => exit(child::main(&role, &args)),
     }
 }

@@ -82,6 +82,10 @@ pub struct Record {
     pub trace_replay: Option<serde_json::Value>,
     /// Multi-turn session replay: the trace_replay fields plus `later_turn_ttft_mean_off_ms/on_ms`.
     pub session_replay: Option<serde_json::Value>,
+    /// The local cluster (`cluster` section): `{requests, fetches,
+    /// fallbacks, false_completions, leaks, advise_p50_us, advise_p99_us,
+    /// recoveries[{fault, fetches_after}]}`.
+    pub cluster: Option<serde_json::Value>,
     /// Real-engine later-turn TTFT OFF vs ON vs ideal (`gpu_serving` section):
     /// `{model, regime, turns[], buckets[{history, off_p50_ms, on_p50_ms,
     /// ideal_p50_ms, ratio, ..}], bytes_moved, host_payload_bytes,
@@ -143,6 +147,7 @@ impl Record {
         let (oracle, oracle_nixl) = (lift("transfer_oracle"), lift("transfer_oracle_nixl"));
         let (serving_smoke, trace_replay) = (lift("serving_smoke"), lift("trace_replay"));
         let session_replay = lift("session_replay");
+        let cluster = lift(crate::cluster_section::NAME);
         let gpu_serving = lift(crate::gpu_serving_section::NAME);
         Self {
             schema: RECORD_SCHEMA,
@@ -161,6 +166,7 @@ impl Record {
             serving_smoke,
             trace_replay,
             session_replay,
+            cluster,
             gpu_serving,
             sections,
             failures,

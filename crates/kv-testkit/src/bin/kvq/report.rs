@@ -166,6 +166,24 @@ pub fn write(r: &Record, dir: &Path) -> Result<(), String> {
             );
         }
     }
+    if let Some(c) = &r.cluster {
+        let _ = writeln!(
+            md,
+            "\n## Local cluster\n\n{} requests through the router service over NATS (2 decode, 2 prefill processes): \
+             {} fetches, {} fallbacks, {} false completions, {} leaks; advise round trip p50 {} µs, p99 {} µs.\n\n\
+             | fault | fetches after recovery |\n| --- | --- |",
+            c["requests"], c["fetches"], c["fallbacks"], c["false_completions"], c["leaks"],
+            c["advise_p50_us"], c["advise_p99_us"]
+        );
+        for x in c["recoveries"].as_array().into_iter().flatten() {
+            let _ = writeln!(
+                md,
+                "| {} | {} |",
+                x["fault"].as_str().unwrap_or("?"),
+                x["fetches_after"]
+            );
+        }
+    }
     let replays: Vec<(&str, &TtftSamples)> = r
         .sections
         .iter()

@@ -3,8 +3,8 @@
 
 use crate::section::{Ctx, Profile, Section, SectionResult, Stop};
 use crate::{
-    child, descriptor_wire, fault_section, gpu_serving_section, replay_section, smoke_section,
-    transfer,
+    child, cluster_section, descriptor_wire, fault_section, gpu_serving_section, replay_section,
+    smoke_section, transfer,
 };
 
 const BOTH: &[Profile] = &[Profile::Cpu, Profile::Gpu];
@@ -66,6 +66,11 @@ pub const ALL: &[Section] = &[
         name: fault_section::NAME,
         profiles: BOTH,
         body: fault_section::run,
+    },
+    Section {
+        name: cluster_section::NAME,
+        profiles: BOTH,
+        body: cluster_section::run,
     },
     Section {
         name: gpu_serving_section::NAME,
