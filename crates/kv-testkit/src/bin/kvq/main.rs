@@ -196,6 +196,7 @@ fn main() -> ExitCode {
             repeats,
             quick,
             json,
+            ..
         } => exit(nixl_two_process::bench_command(
             profile.unwrap_or(Profile::Gpu),
             (donor_gpu, target_gpu),
