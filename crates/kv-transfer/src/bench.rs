@@ -44,6 +44,10 @@ pub struct BenchOpts {
     pub quick: bool,
     /// Include NIXL rows when the runtime loads (skipped rows are not errors).
     pub nixl: bool,
+    /// GPU profile: run only the launch-knob sweep (`bench_sweep`) instead
+    /// of the rows.
+    #[serde(default)]
+    pub sweep: bool,
 }
 
 impl Default for BenchOpts {
@@ -53,6 +57,7 @@ impl Default for BenchOpts {
             repeats: 10,
             quick: false,
             nixl: true,
+            sweep: false,
         }
     }
 }
@@ -77,6 +82,10 @@ pub struct BenchRow {
     pub ratio: f64,
     /// Median end-to-end delivery time in µs (every row; the headline for latency cases).
     pub p50_us: f64,
+    /// GPU gather / convert rows: host plan, host tables, upload and
+    /// kernel-only medians (JSON key `phases`, absent elsewhere).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phases: Option<crate::bench_sweep::Phases>,
 }
 
 pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
@@ -116,7 +125,7 @@ pub(crate) fn shuffled(n: u32, seed: u64) -> Vec<u32> {
     v
 }
 
-fn plan_for(
+pub(crate) fn plan_for(
     layout: &KvLayout,
     blocks: u32,
     scattered: bool,
@@ -159,7 +168,7 @@ pub(crate) fn fill(mem: &dyn BankMemory, seed: u8) -> Result<(), TransferError> 
 }
 
 /// Checks the first and last planned rows against the donor bytes.
-fn verify(
+pub(crate) fn verify(
     plan: &TransferPlan,
     src: &dyn BankMemory,
     dst: &dyn BankMemory,
@@ -181,7 +190,7 @@ fn verify(
     Ok(())
 }
 
-fn time_delivery(
+pub(crate) fn time_delivery(
     plan: &TransferPlan,
     backend: &dyn CopyBackend,
     io: &[RankIo<'_>],
@@ -226,13 +235,13 @@ fn time_memcpy(dst: &HostBuffer, src: &HostBuffer, bytes: usize, repeats: usize)
     median(times)
 }
 
-struct Size {
-    blocks: u32,
-    block_bytes: usize,
-    label: &'static str,
+pub(crate) struct Size {
+    pub(crate) blocks: u32,
+    pub(crate) block_bytes: usize,
+    pub(crate) label: &'static str,
 }
 
-fn sizes(quick: bool) -> Vec<Size> {
+pub(crate) fn sizes(quick: bool) -> Vec<Size> {
     let cap = |n: u32| if quick { n.min(64) } else { n };
     vec![
         Size {
@@ -253,7 +262,13 @@ fn sizes(quick: bool) -> Vec<Size> {
     ]
 }
 
-fn row(name: String, plan: &TransferPlan, blocks: u32, t: Duration, raw: Duration) -> BenchRow {
+pub(crate) fn row(
+    name: String,
+    plan: &TransferPlan,
+    blocks: u32,
+    t: Duration,
+    raw: Duration,
+) -> BenchRow {
     let bytes = plan.expected_bytes();
     let (g, rg) = (gbps(bytes, t), gbps(bytes, raw));
     BenchRow {
@@ -264,6 +279,7 @@ fn row(name: String, plan: &TransferPlan, blocks: u32, t: Duration, raw: Duratio
         raw_gbps: rg,
         ratio: g / rg,
         p50_us: t.as_secs_f64() * 1e6,
+        phases: None,
     }
 }
 
@@ -277,6 +293,7 @@ pub fn run(opts: &BenchOpts) -> Result<Vec<BenchRow>, TransferError> {
     let repeats = opts.repeats.max(1);
     match opts.profile {
         Profile::Cpu => run_cpu(opts, repeats),
+        Profile::Gpu if opts.sweep => crate::bench_sweep::sweep(opts.quick, repeats),
         Profile::Gpu => run_gpu(opts, repeats),
     }
 }
@@ -406,7 +423,8 @@ fn run_gpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
             reason: "no CUDA device visible".into(),
         });
     }
-    let auto = CudaCopyBackend::new(CudaMode::Auto)?;
+    let tuning = crate::bench_sweep::env_tuning()?;
+    let auto = CudaCopyBackend::new(CudaMode::Auto)?.with_tuning(tuning);
     let per_run = CudaCopyBackend::new(CudaMode::CopyPerRun)?;
     let mut rows = Vec::new();
     let mut pairs = vec![(0u32, 0u32, "gpu")];
@@ -441,7 +459,15 @@ fn run_gpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
                     let t = time_delivery(&plan, backend, &io, repeats)?;
                     let name = format!("{prefix}/{label}/{pattern}/{}x{}", s.blocks, s.label);
                     verify(&plan, &src, &dst, &name)?;
-                    rows.push(row(name, &plan, s.blocks, t, raw));
+                    let mut r = row(name, &plan, s.blocks, t, raw);
+                    if scattered && label == "cuda_ipc" {
+                        let (sl, dl) = (src.len() as u64, dst.len() as u64);
+                        let build = || crate::bench_sweep::plan_of_runs(&plan, sl, dl, &tuning);
+                        r.phases = Some(crate::bench_sweep::phases(
+                            &auto, &build, &src, &dst, repeats, raw,
+                        )?);
+                    }
+                    rows.push(r);
                 }
             }
             if opts.nixl {
@@ -491,7 +517,9 @@ fn run_gpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
         t,
         raw,
     ));
-    rows.extend(crate::bench_convert::rows(&auto, opts.quick, repeats)?);
+    rows.extend(crate::bench_convert::rows(
+        &auto, opts.quick, repeats, &tuning, None,
+    )?);
     Ok(rows)
 }
 
@@ -527,6 +555,7 @@ mod tests {
             repeats: 2,
             quick: true,
             nixl: false,
+            sweep: false,
         })
         .unwrap();
         let names: Vec<&str> = rows.iter().map(|r| r.name.as_str()).collect();

@@ -17,8 +17,9 @@ use kv_bank::BankMemory;
 use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
 
 use crate::bench::{gbps, median, BenchRow};
+use crate::bench_sweep::phases;
 use crate::cuda::CudaCopyBackend;
-use crate::cuda_gather::ConvertPlan;
+use crate::cuda_gather::{ConvertPlan, GatherTuning};
 use crate::{DeliveryControl, TransferError};
 
 /// Token offset of the HF target: block `b` lands at tokens `48 + 16 b`.
@@ -112,11 +113,14 @@ fn verify(
 }
 
 /// The converting rows; see the module docs. `quick` keeps 4 layers and 32
-/// blocks.
+/// blocks; plans are split with `tuning`; `only` keeps one target label.
+/// Every row carries its phases (host plan = `ConvertPlan::new_tuned`).
 pub(crate) fn rows(
     backend: &CudaCopyBackend,
     quick: bool,
     repeats: usize,
+    tuning: &GatherTuning,
+    only: Option<&str>,
 ) -> Result<Vec<BenchRow>, TransferError> {
     let layers = if quick { 4 } else { 32 };
     let blocks: u32 = if quick { 32 } else { 512 };
@@ -125,7 +129,8 @@ pub(crate) fn rows(
     let bb = g.rank_block_bytes() as u64;
     let slots = 2 * blocks;
     let donor = KvRegionLayout::block_major(g, 0, 0, slots, u64::from(slots) * bb).map_err(bad)?;
-    let targets = targets(&g, blocks)?;
+    let mut targets = targets(&g, blocks)?;
+    targets.retain(|(l, _)| only.is_none_or(|o| o == *l));
     let dst_bytes = targets
         .iter()
         .map(|(_, t)| t.region_bytes())
@@ -151,7 +156,7 @@ pub(crate) fn rows(
     let mut out = Vec::new();
     let mut timed = Vec::new();
     for (label, target) in &targets {
-        let plan = ConvertPlan::new(&donor, target, &moves).map_err(bad)?;
+        let plan = ConvertPlan::new_tuned(&donor, target, &moves, tuning).map_err(bad)?;
         let mut times = Vec::with_capacity(repeats);
         for i in 0..=repeats {
             let t0 = Instant::now();
@@ -180,7 +185,7 @@ pub(crate) fn rows(
             &dst,
             &name,
         )?;
-        timed.push((name, median(times)));
+        timed.push((name, median(times), target));
     }
     // Raw copy of the same bytes, after the cases, so a cold first
     // measurement cannot flatter the ratio.
@@ -192,8 +197,11 @@ pub(crate) fn rows(
         bytes as usize,
         repeats,
     )?);
-    for (name, t) in timed {
-        out.push(row_of(name, bytes, blocks, t, raw));
+    for (name, t, target) in timed {
+        let build = || ConvertPlan::new_tuned(&donor, target, &moves, tuning).map_err(bad);
+        let mut r = row_of(name, bytes, blocks, t, raw);
+        r.phases = Some(phases(backend, &build, &src, &dst, repeats, raw)?);
+        out.push(r);
     }
     Ok(out)
 }
@@ -208,5 +216,6 @@ fn row_of(name: String, bytes: u64, blocks: u32, t: Duration, raw: Duration) -> 
         raw_gbps: rg,
         ratio: g / rg,
         p50_us: t.as_secs_f64() * 1e6,
+        phases: None,
     }
 }

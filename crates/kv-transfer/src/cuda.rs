@@ -26,10 +26,14 @@ use cudarc::driver::{
 use kv_bank::{BankMemory, MemoryKind};
 use parking_lot::Mutex;
 
-use crate::cuda_gather::{ConvertPlan, CONVERT_KERNEL_SRC, KERNEL_NAMES};
+use crate::cuda_gather::{ConvertPlan, GatherTuning, PieceTable, CONVERT_KERNEL_SRC, KERNEL_NAMES};
 use crate::delivery::{CopyBackend, PartOutcome, RankIo, SourceRegion};
 use crate::plan::{CopyRun, PartPlan};
 use crate::{DeliveryControl, TransferError};
+
+mod profile;
+pub use profile::LaunchPhases;
+use profile::{record, LaunchEvents};
 
 /// At most this many runs go out as individual device copies; more use the kernel.
 const DIRECT_MAX_RUNS: usize = 4;
@@ -87,8 +91,8 @@ struct Device {
     /// and costs microseconds on every fetch.
     blocks: Option<(CudaSlice<u64>, PinnedHostSlice<u64>)>,
     /// Piece table on the device and the host copy it holds: the same layout
-    /// pair reuses it without an upload.
-    pieces: Option<(CudaSlice<u64>, Vec<u64>)>,
+    /// pair reuses it without an upload (compared without building a Vec).
+    pieces: Option<(CudaSlice<u64>, PieceTable)>,
     peers: HashMap<u32, bool>,
 }
 
@@ -98,6 +102,7 @@ struct Device {
 pub struct CudaCopyBackend {
     devices: Mutex<HashMap<u32, Arc<Mutex<Device>>>>,
     use_kernel: bool,
+    tuning: GatherTuning,
 }
 
 impl std::fmt::Debug for CudaCopyBackend {
@@ -105,6 +110,7 @@ impl std::fmt::Debug for CudaCopyBackend {
         f.debug_struct("CudaCopyBackend")
             .field("devices", &self.devices.lock().keys().collect::<Vec<_>>())
             .field("use_kernel", &self.use_kernel)
+            .field("tuning", &self.tuning)
             .finish()
     }
 }
@@ -133,7 +139,17 @@ impl CudaCopyBackend {
         Ok(Self {
             devices: Mutex::new(HashMap::new()),
             use_kernel: mode == CudaMode::Auto,
+            tuning: GatherTuning::default(),
         })
+    }
+
+    /// The same backend launching the gather with `tuning` (CTA size, grid
+    /// cap, piece split of the `deliver` path); the benchmark's sweep uses it.
+    /// Plans given to [`CudaCopyBackend::convert_blocks`] keep the piece
+    /// split they were built with ([`ConvertPlan::new_tuned`]).
+    pub fn with_tuning(mut self, tuning: GatherTuning) -> Self {
+        self.tuning = tuning;
+        self
     }
 
     fn device(&self, ordinal: u32) -> Result<Arc<Mutex<Device>>, TransferError> {
@@ -296,7 +312,13 @@ impl CudaCopyBackend {
             .bind_to_thread()
             .map_err(cuda_err("cuCtxSetCurrent"))?;
         control.check()?;
-        let launched = Self::launch_convert(&mut dev, plan, src.base_addr(), dst.base_addr());
+        let launched = Self::launch_convert(
+            &mut dev,
+            plan,
+            (src.base_addr(), dst.base_addr()),
+            &self.tuning,
+            None,
+        );
         let synced = dev
             .stream
             .synchronize()
@@ -356,12 +378,13 @@ impl CudaCopyBackend {
     fn launch_convert(
         dev: &mut Device,
         plan: &ConvertPlan,
-        sb: u64,
-        db: u64,
+        (sb, db): (u64, u64),
+        tuning: &GatherTuning,
+        mut events: Option<&mut LaunchEvents>,
     ) -> Result<u64, TransferError> {
-        let blocks = plan.block_table(sb, db);
-        let pieces = plan.piece_table();
-        let geo = plan.geometry(sb, db, dev.sms);
+        let host_t0 = std::time::Instant::now();
+        let n2 = 2 * plan.blocks();
+        let geo = plan.geometry_tuned(sb, db, dev.sms, tuning);
         let Device {
             stream,
             kernels,
@@ -369,8 +392,8 @@ impl CudaCopyBackend {
             pieces: dpieces,
             ..
         } = dev;
-        if dblocks.as_ref().is_none_or(|(t, _)| t.len() < blocks.len()) {
-            let cap = blocks.len().next_power_of_two().max(128);
+        if dblocks.as_ref().is_none_or(|(t, _)| t.len() < n2) {
+            let cap = n2.next_power_of_two().max(128);
             let dev_table = stream
                 .alloc_zeros::<u64>(cap)
                 .map_err(cuda_err("cuMemAlloc"))?;
@@ -385,20 +408,32 @@ impl CudaCopyBackend {
         let host = pinned
             .as_mut_slice()
             .map_err(cuda_err("cuEventSynchronize"))?;
-        host[..blocks.len()].copy_from_slice(&blocks);
+        // Straight into the page-locked buffer: no Vec per fetch.
+        plan.write_block_table(sb, db, host);
+        if let Some(ev) = events.as_deref_mut() {
+            ev.host = host_t0.elapsed();
+            ev.start = Some(record(stream)?);
+        }
         // The whole capacity goes up (stale entries past `2n` are never read):
         // one DMA of at most a few KiB more than needed.
         stream
             .memcpy_htod(&*pinned, dblocks)
             .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
-        if dpieces.as_ref().is_none_or(|(_, host)| *host != pieces) {
+        if dpieces
+            .as_ref()
+            .is_none_or(|(_, host)| host != plan.pieces())
+        {
+            let pieces = plan.piece_table();
             let mut t = stream
                 .alloc_zeros::<u64>(pieces.len())
                 .map_err(cuda_err("cuMemAlloc"))?;
             stream
                 .memcpy_htod(&pieces, &mut t)
                 .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
-            *dpieces = Some((t, pieces));
+            *dpieces = Some((t, plan.pieces().clone()));
+        }
+        if let Some(ev) = events.as_deref_mut() {
+            ev.uploaded = Some(record(stream)?);
         }
         let (dpieces, _) = dpieces.as_ref().expect("piece table uploaded above");
         let func = kernels
@@ -430,6 +465,9 @@ impl CudaCopyBackend {
         // both regions are at least the plan's region bytes long; the width
         // divides every address (`ConvertPlan::geometry`).
         unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
+        if let Some(ev) = events {
+            ev.done = Some(record(stream)?);
+        }
         Ok(1)
     }
 
@@ -440,10 +478,11 @@ impl CudaCopyBackend {
         runs: &[CopyRun],
         block_bytes: u64,
         regions: (u64, u64),
+        tuning: &GatherTuning,
     ) -> Result<u64, TransferError> {
-        let plan = ConvertPlan::from_runs(runs, block_bytes, regions.0, regions.1)
+        let plan = ConvertPlan::from_runs_tuned(runs, block_bytes, regions.0, regions.1, tuning)
             .map_err(|e| TransferError::input("runs", e.to_string()))?;
-        Self::launch_convert(dev, &plan, sb, db)
+        Self::launch_convert(dev, &plan, (sb, db), tuning, None)
     }
 }
 
@@ -493,7 +532,7 @@ impl CopyBackend for CudaCopyBackend {
                 break;
             }
             let r = if kernel_ok {
-                Self::gather(&mut dev, sb, db, batch, block_bytes, regions)
+                Self::gather(&mut dev, sb, db, batch, block_bytes, regions, &self.tuning)
             } else {
                 Self::copy_runs(&dev, sb, db, batch)
             };
@@ -550,7 +589,7 @@ impl CudaCopyBackend {
         let (dev, src_dev, dst_dev) = self.open_pair(rank, src, dst)?;
         if dev.lock().kernels.is_some() {
             drop(dev);
-            let plan = ConvertPlan::new(c.src(), c.dst(), &pairs)
+            let plan = ConvertPlan::new_tuned(c.src(), c.dst(), &pairs, &self.tuning)
                 .map_err(|e| TransferError::input("conversion", e.to_string()))?;
             return self.convert_rank(rank, &plan, src, dst, control);
         }

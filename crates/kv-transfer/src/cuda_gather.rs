@@ -102,9 +102,78 @@ pub const MAX_WORK_ITEMS: u64 = (1 << 31) - 1;
 /// Most pieces per block (the piece table stays in L2).
 pub const MAX_PIECES: usize = 1 << 20;
 
+/// Launch knobs of the converting gather. [`GatherTuning::default`] is the
+/// product's setting ([`THREADS`], [`CTAS_PER_SM`], [`MAX_PIECE_BYTES`]);
+/// other values exist so the benchmark can sweep them on a device
+/// (`kvq bench transfer --profile gpu --sweep`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GatherTuning {
+    threads: u32,
+    ctas_per_sm: u32,
+    max_piece_bytes: u64,
+}
+
+impl Default for GatherTuning {
+    fn default() -> Self {
+        Self {
+            threads: THREADS,
+            ctas_per_sm: CTAS_PER_SM,
+            max_piece_bytes: MAX_PIECE_BYTES,
+        }
+    }
+}
+
+impl GatherTuning {
+    /// `threads` per CTA (a power of two, 32..=1024), at most `ctas_per_sm`
+    /// CTAs per SM (1..=32, with `threads x ctas_per_sm <= 8192` so the
+    /// kernel's 32-bit item counter cannot wrap), pieces split down to at
+    /// most `max_piece_bytes` (a power of two, 1 KiB..=2 MiB).
+    ///
+    /// # Errors
+    /// [`ConvertError::Tuning`] naming `threads`, `ctas_per_sm` or
+    /// `max_piece_bytes`.
+    pub fn new(threads: u32, ctas_per_sm: u32, max_piece_bytes: u64) -> Result<Self, ConvertError> {
+        let bad = |field, got: u64| Err(ConvertError::Tuning { field, got });
+        if !threads.is_power_of_two() || !(32..=1024).contains(&threads) {
+            return bad("threads", u64::from(threads));
+        }
+        if !(1..=32).contains(&ctas_per_sm) || threads * ctas_per_sm > 8192 {
+            return bad("ctas_per_sm", u64::from(ctas_per_sm));
+        }
+        if !max_piece_bytes.is_power_of_two() || !(1 << 10..=2 << 20).contains(&max_piece_bytes) {
+            return bad("max_piece_bytes", max_piece_bytes);
+        }
+        Ok(Self {
+            threads,
+            ctas_per_sm,
+            max_piece_bytes,
+        })
+    }
+    /// Threads per CTA.
+    pub fn threads(&self) -> u32 {
+        self.threads
+    }
+    /// Most CTAs per SM.
+    pub fn ctas_per_sm(&self) -> u32 {
+        self.ctas_per_sm
+    }
+    /// Longest piece after splitting, bytes.
+    pub fn max_piece_bytes(&self) -> u64 {
+        self.max_piece_bytes
+    }
+}
+
 /// Why a converting gather was refused. Every variant names the field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConvertError {
+    /// A [`GatherTuning`] knob is out of its range.
+    #[error("invalid `tuning.{field}`: {got} is out of range")]
+    Tuning {
+        /// `threads`, `ctas_per_sm` or `max_piece_bytes`.
+        field: &'static str,
+        /// Value given.
+        got: u64,
+    },
     /// Donor and target region layouts are not the same geometry.
     #[error("donor/target region layouts: {0}")]
     Layout(#[from] RegionLayoutError),
@@ -306,7 +375,7 @@ impl PieceTable {
     /// is longer than [`MAX_PIECE_BYTES`], or while the fetch of `blocks`
     /// blocks has fewer than 1024 work items and pieces are at least 8 KiB;
     /// a half must keep the piece's alignment (a multiple of 16 stays one).
-    fn split_for(&self, blocks: u64) -> Self {
+    fn split_for(&self, blocks: u64, max_piece_bytes: u64) -> Self {
         let mut t = self.clone();
         loop {
             let b = t.piece_bytes;
@@ -314,7 +383,7 @@ impl PieceTable {
                 blocks * (t.len() as u64) < MIN_WORK_ITEMS && b >= 2 * MIN_SPLIT_PIECE_BYTES;
             let align = 1u64 << b.trailing_zeros().min(4);
             let halvable = b % 2 == 0 && (b / 2) % align == 0;
-            if !(halvable && (b > MAX_PIECE_BYTES || small_fetch)) {
+            if !(halvable && (b > max_piece_bytes || small_fetch)) {
                 return t;
             }
             let h = b / 2;
@@ -342,6 +411,10 @@ pub struct ConvertPlan {
     dst_blocks: Vec<u64>,
     src_region_bytes: u64,
     dst_region_bytes: u64,
+    /// OR of the piece length, every piece offset and every block offset:
+    /// its lowest set bit bounds the element width, so `geometry` is O(1)
+    /// per launch instead of a fold over all blocks.
+    offset_bits: u64,
 }
 
 impl ConvertPlan {
@@ -359,13 +432,27 @@ impl ConvertPlan {
         target: &KvRegionLayout,
         moves: &[(u32, u32)],
     ) -> Result<Self, ConvertError> {
+        Self::new_tuned(donor, target, moves, &GatherTuning::default())
+    }
+
+    /// [`ConvertPlan::new`] with pieces split to `tuning.max_piece_bytes()`.
+    ///
+    /// # Errors
+    /// As [`ConvertPlan::new`].
+    pub fn new_tuned(
+        donor: &KvRegionLayout,
+        target: &KvRegionLayout,
+        moves: &[(u32, u32)],
+        tuning: &GatherTuning,
+    ) -> Result<Self, ConvertError> {
         let pieces = PieceTable::convert(donor, target)?;
         if moves.is_empty() {
             return Err(ConvertError::Empty);
         }
         let elem = donor.dtype().size_bytes() as u64;
         let mut seen = std::collections::HashSet::with_capacity(moves.len());
-        let (mut src_blocks, mut dst_blocks) = (Vec::new(), Vec::new());
+        let mut src_blocks = Vec::with_capacity(moves.len());
+        let mut dst_blocks = Vec::with_capacity(moves.len());
         for (index, &(s, d)) in moves.iter().enumerate() {
             for (field, block, limit) in [
                 ("moves.src_block", s, donor.num_blocks()),
@@ -392,6 +479,7 @@ impl ConvertPlan {
             dst_blocks,
             donor.region_bytes(),
             target.region_bytes(),
+            tuning,
         )
     }
 
@@ -408,10 +496,31 @@ impl ConvertPlan {
         src_region_bytes: u64,
         dst_region_bytes: u64,
     ) -> Result<Self, ConvertError> {
+        Self::from_runs_tuned(
+            runs,
+            block_bytes,
+            src_region_bytes,
+            dst_region_bytes,
+            &GatherTuning::default(),
+        )
+    }
+
+    /// [`ConvertPlan::from_runs`] with pieces split to `tuning.max_piece_bytes()`.
+    ///
+    /// # Errors
+    /// As [`ConvertPlan::from_runs`].
+    pub fn from_runs_tuned(
+        runs: &[CopyRun],
+        block_bytes: u64,
+        src_region_bytes: u64,
+        dst_region_bytes: u64,
+        tuning: &GatherTuning,
+    ) -> Result<Self, ConvertError> {
         if runs.is_empty() || block_bytes == 0 {
             return Err(ConvertError::Empty);
         }
-        let (mut src_blocks, mut dst_blocks) = (Vec::new(), Vec::new());
+        let n: usize = runs.iter().map(|r| r.blocks as usize).sum();
+        let (mut src_blocks, mut dst_blocks) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for (index, r) in runs.iter().enumerate() {
             if r.len != u64::from(r.blocks) * block_bytes {
                 return Err(ConvertError::RunLength {
@@ -431,6 +540,7 @@ impl ConvertPlan {
             dst_blocks,
             src_region_bytes,
             dst_region_bytes,
+            tuning,
         )
     }
 
@@ -440,6 +550,7 @@ impl ConvertPlan {
         dst_blocks: Vec<u64>,
         src_region_bytes: u64,
         dst_region_bytes: u64,
+        tuning: &GatherTuning,
     ) -> Result<Self, ConvertError> {
         let items = src_blocks.len() as u64 * pieces.len() as u64;
         if items > MAX_WORK_ITEMS {
@@ -449,13 +560,20 @@ impl ConvertPlan {
                 limit: MAX_WORK_ITEMS,
             });
         }
-        let pieces = pieces.split_for(src_blocks.len() as u64);
+        let pieces = pieces.split_for(src_blocks.len() as u64, tuning.max_piece_bytes);
+        let offset_bits = src_blocks
+            .iter()
+            .chain(&dst_blocks)
+            .chain(&pieces.src)
+            .chain(&pieces.dst)
+            .fold(pieces.piece_bytes, |a, b| a | b);
         Ok(Self {
             pieces,
             src_blocks,
             dst_blocks,
             src_region_bytes,
             dst_region_bytes,
+            offset_bits,
         })
     }
 
@@ -483,10 +601,26 @@ impl ConvertPlan {
     /// The block table for regions at `src_base` / `dst_base` (absolute
     /// addresses): `n` donor block bases, then `n` target block bases.
     pub fn block_table(&self, src_base: u64, dst_base: u64) -> Vec<u64> {
-        let mut t = Vec::with_capacity(2 * self.blocks());
-        t.extend(self.src_blocks.iter().map(|o| src_base + o));
-        t.extend(self.dst_blocks.iter().map(|o| dst_base + o));
+        let mut t = vec![0; 2 * self.blocks()];
+        self.write_block_table(src_base, dst_base, &mut t);
         t
+    }
+
+    /// [`ConvertPlan::block_table`] written into `out[..2n]` (the launch
+    /// writes straight into its page-locked staging buffer, no Vec per fetch).
+    ///
+    /// # Panics
+    /// When `out` is shorter than `2 x blocks()` (a caller bug: the launch
+    /// sizes its buffer from `blocks()`).
+    pub fn write_block_table(&self, src_base: u64, dst_base: u64, out: &mut [u64]) {
+        let n = self.blocks();
+        let (s, d) = out[..2 * n].split_at_mut(n);
+        for (o, b) in s.iter_mut().zip(&self.src_blocks) {
+            *o = src_base + b;
+        }
+        for (o, b) in d.iter_mut().zip(&self.dst_blocks) {
+            *o = dst_base + b;
+        }
     }
 
     /// The piece table: `P` donor offsets, then `P` target offsets.
@@ -498,34 +632,40 @@ impl ConvertPlan {
     }
 
     /// Launch geometry for regions at `src_base` / `dst_base` on a device
-    /// with `sms` streaming multiprocessors.
+    /// with `sms` streaming multiprocessors, default [`GatherTuning`].
     pub fn geometry(&self, src_base: u64, dst_base: u64, sms: u32) -> LaunchGeometry {
+        self.geometry_tuned(src_base, dst_base, sms, &GatherTuning::default())
+    }
+
+    /// [`ConvertPlan::geometry`] with `tuning`'s CTA size and grid cap. O(1):
+    /// the element width comes from the OR kept at construction.
+    pub fn geometry_tuned(
+        &self,
+        src_base: u64,
+        dst_base: u64,
+        sms: u32,
+        tuning: &GatherTuning,
+    ) -> LaunchGeometry {
         let p = &self.pieces;
-        // OR of everything the kernel adds up: its lowest set bit bounds the
-        // element width that keeps every access aligned.
-        let bits = self
-            .src_blocks
-            .iter()
-            .map(|o| o + src_base)
-            .chain(self.dst_blocks.iter().map(|o| o + dst_base))
-            .chain(p.src.iter().copied())
-            .chain(p.dst.iter().copied())
-            .fold(p.piece_bytes, |a, b| a | b);
+        let threads = tuning.threads;
+        // Lowest set bit of (base | offset) is at most that of (base + offset),
+        // so the width divides every address the kernel forms.
+        let bits = self.offset_bits | src_base | dst_base;
         let width = 1u32 << bits.trailing_zeros().min(4);
         let piece_elems = (p.piece_bytes / u64::from(width)) as u32;
         // Each lane should have four elements of a piece in flight.
-        let group = (piece_elems / 4).clamp(1, THREADS);
+        let group = (piece_elems / 4).clamp(1, threads);
         let group_shift = 31 - group.leading_zeros(); // floor(log2)
         let num_pieces = p.len() as u32;
         let total = self.blocks() as u64 * u64::from(num_pieces);
-        let groups_per_cta = u64::from(THREADS >> group_shift);
+        let groups_per_cta = u64::from(threads >> group_shift);
         let ctas = total
             .div_ceil(groups_per_cta)
-            .clamp(1, u64::from(sms.max(1) * CTAS_PER_SM)) as u32;
+            .clamp(1, u64::from(sms.max(1) * tuning.ctas_per_sm)) as u32;
         LaunchGeometry {
             width,
             grid_x: ctas,
-            threads: THREADS,
+            threads,
             n: self.blocks() as u32,
             num_pieces,
             piece_shift: if num_pieces.is_power_of_two() {
@@ -627,131 +767,4 @@ impl LaunchGeometry {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use kv_descriptor::{DType, KvLayout, TensorOrder};
-
-    fn geom_8b() -> KvLayout {
-        KvLayout::new(32, 8, 128, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap()
-    }
-
-    #[test]
-    fn block_major_to_block_major_is_one_piece_per_block() {
-        let g = geom_8b();
-        let bb = g.rank_block_bytes() as u64;
-        let a = KvRegionLayout::block_major(g, 0, 0, 8, 8 * bb).unwrap();
-        let t = PieceTable::convert(&a, &a).unwrap();
-        assert_eq!(bb, 2 << 20);
-        assert_eq!((t.piece_bytes, t.src, t.dst), (bb, vec![0], vec![0]));
-    }
-
-    #[test]
-    fn vllm_and_hf_pieces_have_the_expected_sizes() {
-        let g = geom_8b();
-        let bb = g.rank_block_bytes() as u64;
-        let donor = KvRegionLayout::block_major(g, 0, 0, 4, 4 * bb).unwrap();
-        let slab = 16 * 8 * 128 * 2; // [block_size, heads, head_dim] bf16
-        let layer = 2 * 4 * slab;
-        let v = KvRegionLayout::vllm_kv_first(g, 0, 0, layer, 4, 32 * layer).unwrap();
-        let t = PieceTable::convert(&donor, &v).unwrap();
-        assert_eq!((t.piece_bytes, t.len()), (slab, 64));
-        // Layer 1, V: donor at one layer + one slab; target at layer + 4 slabs.
-        assert_eq!((t.src[3], t.dst[3]), (layer / 4 + slab, layer + 4 * slab));
-        let hf_layer = 2 * 8 * 256 * 128 * 2;
-        let hf =
-            KvRegionLayout::hf_tokens(g, 0, 0, hf_layer, 1, 0, 256, 64, 4, 32 * hf_layer).unwrap();
-        let t = PieceTable::convert(&donor, &hf).unwrap();
-        assert_eq!((t.piece_bytes, t.len()), (256, 32 * 2 * 16 * 8));
-        // Token 1 of head 0, K, layer 0: donor one token row on, target token 65.
-        assert_eq!((t.src[8], t.dst[8]), (8 * 256, 65 * 256));
-    }
-
-    #[test]
-    fn splitting_keeps_bytes_and_caps_pieces() {
-        let t = PieceTable::contiguous(2 << 20).split_for(1024);
-        assert_eq!(t.piece_bytes, MAX_PIECE_BYTES);
-        assert_eq!(t.len(), 32);
-        assert_eq!(t.src[31], 31 * MAX_PIECE_BYTES);
-        // A small fetch is cut to 4 KiB pieces so it spreads over SMs.
-        let t = PieceTable::contiguous(32 << 10).split_for(7);
-        assert_eq!((t.piece_bytes, t.len()), (4096, 8));
-        // An odd length is never cut.
-        let t = PieceTable::contiguous(3 * 65536 + 1).split_for(1);
-        assert_eq!(t.len(), 1);
-    }
-
-    #[test]
-    fn refusals_name_the_field() {
-        let g = geom_8b();
-        let bb = g.rank_block_bytes() as u64;
-        let a = KvRegionLayout::block_major(g, 0, 0, 4, 4 * bb).unwrap();
-        let other = KvLayout::new(32, 8, 64, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
-        let b = KvRegionLayout::block_major(other, 0, 0, 4, 4 * bb).unwrap();
-        let e = ConvertPlan::new(&a, &b, &[(0, 0)]).unwrap_err();
-        assert!(e.to_string().contains("geometry.head_dim"), "{e}");
-        assert_eq!(
-            ConvertPlan::new(&a, &a, &[(4, 0)]).unwrap_err(),
-            ConvertError::BlockOutOfRange {
-                field: "moves.src_block",
-                index: 0,
-                block: 4,
-                limit: 4
-            }
-        );
-        assert_eq!(
-            ConvertPlan::new(&a, &a, &[(0, 1), (2, 1)]).unwrap_err(),
-            ConvertError::DuplicateTarget { index: 1, block: 1 }
-        );
-        assert_eq!(
-            ConvertPlan::new(&a, &a, &[]).unwrap_err(),
-            ConvertError::Empty
-        );
-    }
-
-    #[test]
-    fn work_items_past_31_bits_are_refused() {
-        let pieces = PieceTable {
-            piece_bytes: 16,
-            src: vec![0; MAX_PIECES],
-            dst: vec![0; MAX_PIECES],
-        };
-        let ok = ConvertPlan::checked(pieces.clone(), vec![0; 2047], vec![0; 2047], 16, 16);
-        assert!(ok.is_ok());
-        let e = ConvertPlan::checked(pieces, vec![0; 2048], vec![0; 2048], 16, 16).unwrap_err();
-        assert_eq!(
-            e,
-            ConvertError::TooLarge {
-                field: "moves",
-                got: 1 << 31,
-                limit: MAX_WORK_ITEMS
-            }
-        );
-    }
-
-    #[test]
-    fn geometry_picks_width_from_alignment_and_small_grids_for_small_fetches() {
-        let runs = |n: u32, bb: u64| -> Vec<CopyRun> {
-            (0..n)
-                .map(|i| CopyRun {
-                    src_block: 2 * i + 1,
-                    dst_block: i,
-                    blocks: 1,
-                    src_offset: u64::from(2 * i + 1) * bb,
-                    dst_offset: u64::from(i) * bb,
-                    len: bb,
-                })
-                .collect()
-        };
-        let p = ConvertPlan::from_runs(&runs(1024, 65536), 65536, 1 << 28, 1 << 28).unwrap();
-        let g = p.geometry(0x7f00_0000_0000, 0x7e00_0000_0000, 132);
-        assert_eq!((g.width, g.piece_elems, g.group_shift), (16, 4096, 8));
-        assert_eq!((g.grid_x, g.kernel_name()), (1024, "kv_convert_16"));
-        // A base 4 bytes off 16 drops to 4-byte elements.
-        assert_eq!(p.geometry(0x7f00_0000_0004, 0, 132).width, 4);
-        // 7 x 32 KiB: 56 pieces of 4 KiB, 64 lanes each, 4 groups per CTA.
-        let p = ConvertPlan::from_runs(&runs(7, 32768), 32768, 1 << 22, 1 << 22).unwrap();
-        let g = p.geometry(0, 0, 132);
-        assert_eq!((g.num_pieces, g.piece_shift, g.group_shift), (8, 3, 6));
-        assert_eq!(g.grid_x, 14);
-    }
-}
+mod tests;

@@ -253,6 +253,7 @@ pub fn child_main(args: &[String]) -> Result<ChildReport, TransferError> {
             raw_gbps: rg,
             ratio: g / rg,
             p50_us: t.as_secs_f64() * 1e6,
+            phases: None,
         });
     }
     Ok(ChildReport {

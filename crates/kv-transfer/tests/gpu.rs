@@ -40,11 +40,27 @@ fn gpu_quick_bench_rows_verify_their_bytes() {
         repeats: 3,
         quick: true,
         nixl: false,
+        sweep: false,
     })
     .unwrap();
     for r in &rows {
         println!("{}", serde_json::to_string(r).unwrap());
         assert!(r.gbps > 0.0 && r.raw_gbps > 0.0, "{}", r.name);
+        // Phases on exactly the gather and convert rows, with a real kernel time.
+        let gather = r.name.contains("/cuda_ipc/scattered/") || r.name.contains("cuda_convert");
+        assert_eq!(r.phases.is_some(), gather, "{}", r.name);
+        if let Some(p) = r.phases {
+            assert!(
+                p.kernel_us > 0.0 && p.kernel_ratio > 0.0,
+                "{}: {p:?}",
+                r.name
+            );
+            assert!(
+                p.host_plan_us > 0.0 && p.upload_us >= 0.0,
+                "{}: {p:?}",
+                r.name
+            );
+        }
     }
     assert!(rows.iter().any(|r| r.name.contains("scattered")));
     // The converting rows: one per target layout, 32 blocks of the quick 8B shape.
@@ -53,6 +69,33 @@ fn gpu_quick_bench_rows_verify_their_bytes() {
         let r = rows.iter().find(|r| r.name == name).expect(&name);
         assert_eq!(r.bytes, 32 * (256 << 10), "{name}");
     }
+}
+
+#[test]
+fn gpu_quick_sweep_covers_the_grid_and_picks_a_best_per_case() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let rows = bench::run(&BenchOpts {
+        profile: Profile::Gpu,
+        repeats: 2,
+        quick: true,
+        nixl: false,
+        sweep: true,
+    })
+    .unwrap();
+    let grid = kv_transfer::bench_sweep::GRID.len();
+    let swept = rows.iter().filter(|r| r.name.starts_with("sweep/")).count();
+    let best: Vec<_> = rows
+        .iter()
+        .filter(|r| r.name.starts_with("sweep_best/"))
+        .map(|r| r.name.as_str())
+        .collect();
+    assert_eq!(swept, 3 * grid, "{rows:#?}");
+    assert_eq!(best.len(), 3, "{best:?}");
+    assert!(rows
+        .iter()
+        .all(|r| r.phases.is_some_and(|p| p.kernel_us > 0.0)));
 }
 
 /// A region that claims to be a device-local import on `ordinal`; its

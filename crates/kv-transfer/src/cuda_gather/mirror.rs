@@ -11,7 +11,7 @@
 use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
 use proptest::prelude::*;
 
-use super::{reference_convert, ConvertPlan, LaunchGeometry};
+use super::{reference_convert, ConvertPlan, GatherTuning, LaunchGeometry};
 
 /// Runs the kernel of `g` over `mem` (addresses are indices into it).
 /// `writes[a]` counts the stores to byte `a`. Panics on a misaligned access,
@@ -122,8 +122,9 @@ fn check(
     src_at: u64,
     dst_at: u64,
     sms: u32,
+    tuning: &GatherTuning,
 ) -> Result<LaunchGeometry, TestCaseError> {
-    let plan = ConvertPlan::new(donor, target, moves).unwrap();
+    let plan = ConvertPlan::new_tuned(donor, target, moves, tuning).unwrap();
     let (sl, dl) = (donor.region_bytes(), target.region_bytes());
     prop_assert!(src_at + sl <= dst_at);
     let size = (dst_at + dl) as usize;
@@ -133,7 +134,8 @@ fn check(
     let src = mem[src_at as usize..(src_at + sl) as usize].to_vec();
     let mut want = vec![0u8; dl as usize];
     reference_convert(donor, target, moves, &src, &mut want).unwrap();
-    let g = plan.geometry(src_at, dst_at, sms);
+    let g = plan.geometry_tuned(src_at, dst_at, sms, tuning);
+    prop_assert_eq!(g.threads, tuning.threads());
     let mut writes = vec![0u8; size];
     run_kernel(
         &g,
@@ -178,8 +180,10 @@ proptest! {
         tokens in 1u32..5, src_order in 0u8..4, dst_order in 0u8..4,
         pick in proptest::collection::vec((0u32..6, 0u32..5), 1..6),
         base in 0u64..3, pad in 0u64..3, src_mis in 0u64..17, dst_mis in 0u64..17,
-        sms in 1u32..3,
+        sms in 1u32..3, threads_pow in 5u32..11, ctas in 1u32..9, piece_pow in 10u32..22,
     ) {
+        // Any tuning the benchmark sweep may pick must stay byte-exact.
+        let tuning = GatherTuning::new(1 << threads_pow, ctas, 1 << piece_pow).unwrap();
         let g = KvLayout::new(layers, heads, 1 << head_dim_pow, dtype(dt), tokens,
                               TensorOrder::BlockMajor, 1).unwrap();
         let e = g.dtype().size_bytes() as u64;
@@ -190,7 +194,7 @@ proptest! {
         // Region addresses: 4 KiB aligned plus a multiple of the element size.
         let src_at = 4096 + (src_mis * e) % 16;
         let dst_at = (src_at + donor.region_bytes()).next_multiple_of(4096) + (dst_mis * e) % 16;
-        check(&donor, &target, &moves, src_at, dst_at, sms)?;
+        check(&donor, &target, &moves, src_at, dst_at, sms, &tuning)?;
     }
 }
 
@@ -203,7 +207,16 @@ fn mirror_covers_the_bench_shapes_at_16_bytes() {
     let moves = [(5, 0), (1, 3), (3, 1)];
     for order in [0, 1, 3] {
         let target = region(&g, order, 5, 0, 0);
-        let geo = check(&donor, &target, &moves, 4096, 1 << 22, 132).unwrap();
+        let geo = check(
+            &donor,
+            &target,
+            &moves,
+            4096,
+            1 << 22,
+            132,
+            &GatherTuning::default(),
+        )
+        .unwrap();
         assert_eq!(geo.width, 16, "order {order}");
     }
 }

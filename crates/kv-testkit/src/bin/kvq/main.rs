@@ -98,6 +98,10 @@ enum Cmd {
         /// Shrink every case (smoke run).
         #[arg(long)]
         quick: bool,
+        /// transfer, GPU profile: sweep the gather's launch knobs (threads,
+        /// CTAs per SM, max piece) over the scattered and HF rows instead.
+        #[arg(long)]
+        sweep: bool,
         /// Also write the result as JSON here.
         #[arg(long, alias = "out")]
         json: Option<PathBuf>,
@@ -189,12 +193,14 @@ fn main() -> ExitCode {
             profile,
             repeats,
             quick,
+            sweep,
             json,
             ..
         } => exit(transfer::bench_command(
             profile.unwrap_or(Profile::Cpu),
             repeats,
             quick,
+            sweep,
             json.as_deref(),
         )),
         Cmd::Bench {
@@ -205,6 +211,7 @@ fn main() -> ExitCode {
             repeats,
             quick,
             json,
+            ..
         } => exit(nixl_two_process::bench_command(
             profile.unwrap_or(Profile::Gpu),
             (donor_gpu, target_gpu),

@@ -215,13 +215,21 @@ pub fn oracle_command(profile: Profile, nixl: bool) -> i32 {
 
 /// `kvq bench transfer`: runs `kv_transfer::bench::run`, prints one row per
 /// case with its ratio to the raw copy measured in the same run, and writes
-/// `{profile, repeats, quick, rows}` as JSON when asked.
-pub fn bench_command(profile: Profile, repeats: usize, quick: bool, json: Option<&Path>) -> i32 {
+/// `{profile, repeats, quick, sweep, rows}` as JSON when asked. `sweep`
+/// (GPU profile) runs the gather's launch-knob sweep instead of the rows.
+pub fn bench_command(
+    profile: Profile,
+    repeats: usize,
+    quick: bool,
+    sweep: bool,
+    json: Option<&Path>,
+) -> i32 {
     let opts = BenchOpts {
         profile: oracle_profile(profile),
         repeats,
         quick,
         nixl: true,
+        sweep,
     };
     let rows = match kv_transfer::bench::run(&opts) {
         Ok(rows) => rows,
@@ -232,7 +240,7 @@ pub fn bench_command(profile: Profile, repeats: usize, quick: bool, json: Option
     };
     print!("{}", bench_table(&rows));
     if let Some(path) = json {
-        let doc = serde_json::json!({ "profile": opts.profile, "repeats": repeats, "quick": quick, "rows": rows });
+        let doc = serde_json::json!({ "profile": opts.profile, "repeats": repeats, "quick": quick, "sweep": sweep, "rows": rows });
         if let Err(e) = std::fs::write(path, serde_json::to_vec_pretty(&doc).unwrap_or_default()) {
             eprintln!("kvq bench transfer: cannot write {}: {e}", path.display());
             return 2;
@@ -253,6 +261,12 @@ pub fn bench_table(rows: &[BenchRow]) -> String {
             "{:<44} {:>12} {:>9.2} {:>9.2} {:>7.3} {:>10.1}\n",
             r.name, r.bytes, r.gbps, r.raw_gbps, r.ratio, r.p50_us
         ));
+        if let Some(p) = r.phases {
+            s.push_str(&format!(
+                "  phases µs: host plan {:.1}, host tables {:.1}, upload {:.1}, kernel {:.1} (kernel ratio {:.3})\n",
+                p.host_plan_us, p.host_tables_us, p.upload_us, p.kernel_us, p.kernel_ratio
+            ));
+        }
     }
     s
 }
@@ -303,12 +317,22 @@ mod tests {
             raw_gbps: 10.0,
             ratio: 0.5,
             p50_us: 13421.7,
+            phases: Some(kv_transfer::bench_sweep::Phases {
+                host_plan_us: 12.5,
+                host_tables_us: 3.0,
+                upload_us: 2.0,
+                kernel_us: 40.0,
+                kernel_ratio: 0.95,
+            }),
         };
         let t = bench_table(&[row]);
         assert!(
             t.contains("host_memcpy/scattered/1024x64KiB")
                 && t.contains("0.500")
-                && t.contains("13421.7"),
+                && t.contains("13421.7")
+                && t.contains(
+                    "host plan 12.5, host tables 3.0, upload 2.0, kernel 40.0 (kernel ratio 0.950)"
+                ),
             "{t}"
         );
     }

@@ -1,0 +1,99 @@
+//! Phase timing of the converting gather for the benchmark: CUDA events
+//! around the table upload and the kernel of one launch. Kept apart from the
+//! fetch path, which records no event.
+
+use cudarc::driver::{sys, CudaEvent, CudaStream};
+use kv_bank::BankMemory;
+
+use super::{cuda_err, CudaCopyBackend};
+use crate::cuda_gather::ConvertPlan;
+use crate::TransferError;
+
+/// Timing points of one profiled launch ([`CudaCopyBackend::profile_convert`]).
+#[derive(Default)]
+pub(super) struct LaunchEvents {
+    pub(super) host: std::time::Duration,
+    pub(super) start: Option<CudaEvent>,
+    pub(super) uploaded: Option<CudaEvent>,
+    pub(super) done: Option<CudaEvent>,
+}
+
+/// An event with timing enabled, recorded on `stream` now.
+pub(super) fn record(stream: &CudaStream) -> Result<CudaEvent, TransferError> {
+    stream
+        .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+        .map_err(cuda_err("cuEventRecord"))
+}
+
+/// Phases of one converting-gather launch, measured by
+/// [`CudaCopyBackend::profile_convert`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LaunchPhases {
+    /// Host time from entering the launch to the block table written into
+    /// the page-locked buffer (geometry, table fill), µs.
+    pub host_tables_us: f64,
+    /// Device time of the block (and, on a layout change, piece) table
+    /// upload, between CUDA events, µs.
+    pub upload_us: f64,
+    /// Device time of the kernel alone, between CUDA events, µs.
+    pub kernel_us: f64,
+}
+
+impl CudaCopyBackend {
+    /// Runs `plan` once like [`CudaCopyBackend::convert_blocks`] (no
+    /// cancellation) with CUDA events around the table upload and the
+    /// kernel, and synchronizes. Benchmark instrumentation: events cost a
+    /// few µs, so the product path records none.
+    ///
+    /// # Errors
+    /// As [`CudaCopyBackend::convert_blocks`]; [`TransferError::Cuda`]
+    /// naming `cuEventElapsedTime`.
+    pub fn profile_convert(
+        &self,
+        plan: &ConvertPlan,
+        src: &dyn BankMemory,
+        dst: &dyn BankMemory,
+    ) -> Result<LaunchPhases, TransferError> {
+        for (field, have, need) in [
+            ("src.len", src.len() as u64, plan.src_region_bytes()),
+            ("dst.len", dst.len() as u64, plan.dst_region_bytes()),
+        ] {
+            if have < need {
+                return Err(TransferError::input(
+                    field,
+                    format!("region has {have} bytes, its layout addresses {need}"),
+                ));
+            }
+        }
+        let (dev, _, _) = self.open_pair(0, src, dst)?;
+        let mut dev = dev.lock();
+        dev.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        let mut ev = LaunchEvents::default();
+        let bases = (src.base_addr(), dst.base_addr());
+        let launched = Self::launch_convert(&mut dev, plan, bases, &self.tuning, Some(&mut ev));
+        let synced = dev
+            .stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"));
+        launched?;
+        synced?;
+        let (Some(a), Some(b), Some(c)) = (&ev.start, &ev.uploaded, &ev.done) else {
+            return Err(TransferError::Cuda {
+                op: "cuEventRecord",
+                reason: "a profiling event was not recorded".into(),
+            });
+        };
+        let ms = |x: &CudaEvent, y| {
+            x.elapsed_ms(y)
+                .map(|m| f64::from(m) * 1e3)
+                .map_err(cuda_err("cuEventElapsedTime"))
+        };
+        Ok(LaunchPhases {
+            host_tables_us: ev.host.as_secs_f64() * 1e6,
+            upload_us: ms(a, b)?,
+            kernel_us: ms(b, c)?,
+        })
+    }
+}

@@ -1,0 +1,199 @@
+use super::*;
+use kv_descriptor::{DType, KvLayout, TensorOrder};
+
+fn geom_8b() -> KvLayout {
+    KvLayout::new(32, 8, 128, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap()
+}
+
+#[test]
+fn block_major_to_block_major_is_one_piece_per_block() {
+    let g = geom_8b();
+    let bb = g.rank_block_bytes() as u64;
+    let a = KvRegionLayout::block_major(g, 0, 0, 8, 8 * bb).unwrap();
+    let t = PieceTable::convert(&a, &a).unwrap();
+    assert_eq!(bb, 2 << 20);
+    assert_eq!((t.piece_bytes, t.src, t.dst), (bb, vec![0], vec![0]));
+}
+
+#[test]
+fn vllm_and_hf_pieces_have_the_expected_sizes() {
+    let g = geom_8b();
+    let bb = g.rank_block_bytes() as u64;
+    let donor = KvRegionLayout::block_major(g, 0, 0, 4, 4 * bb).unwrap();
+    let slab = 16 * 8 * 128 * 2; // [block_size, heads, head_dim] bf16
+    let layer = 2 * 4 * slab;
+    let v = KvRegionLayout::vllm_kv_first(g, 0, 0, layer, 4, 32 * layer).unwrap();
+    let t = PieceTable::convert(&donor, &v).unwrap();
+    assert_eq!((t.piece_bytes, t.len()), (slab, 64));
+    // Layer 1, V: donor at one layer + one slab; target at layer + 4 slabs.
+    assert_eq!((t.src[3], t.dst[3]), (layer / 4 + slab, layer + 4 * slab));
+    let hf_layer = 2 * 8 * 256 * 128 * 2;
+    let hf = KvRegionLayout::hf_tokens(g, 0, 0, hf_layer, 1, 0, 256, 64, 4, 32 * hf_layer).unwrap();
+    let t = PieceTable::convert(&donor, &hf).unwrap();
+    assert_eq!((t.piece_bytes, t.len()), (256, 32 * 2 * 16 * 8));
+    // Token 1 of head 0, K, layer 0: donor one token row on, target token 65.
+    assert_eq!((t.src[8], t.dst[8]), (8 * 256, 65 * 256));
+}
+
+#[test]
+fn splitting_keeps_bytes_and_caps_pieces() {
+    let t = PieceTable::contiguous(2 << 20).split_for(1024, MAX_PIECE_BYTES);
+    assert_eq!(t.piece_bytes, MAX_PIECE_BYTES);
+    assert_eq!(t.len(), 32);
+    assert_eq!(t.src[31], 31 * MAX_PIECE_BYTES);
+    // A small fetch is cut to 4 KiB pieces so it spreads over SMs.
+    let t = PieceTable::contiguous(32 << 10).split_for(7, MAX_PIECE_BYTES);
+    assert_eq!((t.piece_bytes, t.len()), (4096, 8));
+    // An odd length is never cut.
+    let t = PieceTable::contiguous(3 * 65536 + 1).split_for(1, MAX_PIECE_BYTES);
+    assert_eq!(t.len(), 1);
+}
+
+#[test]
+fn refusals_name_the_field() {
+    let g = geom_8b();
+    let bb = g.rank_block_bytes() as u64;
+    let a = KvRegionLayout::block_major(g, 0, 0, 4, 4 * bb).unwrap();
+    let other = KvLayout::new(32, 8, 64, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+    let b = KvRegionLayout::block_major(other, 0, 0, 4, 4 * bb).unwrap();
+    let e = ConvertPlan::new(&a, &b, &[(0, 0)]).unwrap_err();
+    assert!(e.to_string().contains("geometry.head_dim"), "{e}");
+    assert_eq!(
+        ConvertPlan::new(&a, &a, &[(4, 0)]).unwrap_err(),
+        ConvertError::BlockOutOfRange {
+            field: "moves.src_block",
+            index: 0,
+            block: 4,
+            limit: 4
+        }
+    );
+    assert_eq!(
+        ConvertPlan::new(&a, &a, &[(0, 1), (2, 1)]).unwrap_err(),
+        ConvertError::DuplicateTarget { index: 1, block: 1 }
+    );
+    assert_eq!(
+        ConvertPlan::new(&a, &a, &[]).unwrap_err(),
+        ConvertError::Empty
+    );
+}
+
+#[test]
+fn work_items_past_31_bits_are_refused() {
+    let pieces = PieceTable {
+        piece_bytes: 16,
+        src: vec![0; MAX_PIECES],
+        dst: vec![0; MAX_PIECES],
+    };
+    let ok = ConvertPlan::checked(
+        pieces.clone(),
+        vec![0; 2047],
+        vec![0; 2047],
+        16,
+        16,
+        &GatherTuning::default(),
+    );
+    assert!(ok.is_ok());
+    let e = ConvertPlan::checked(
+        pieces,
+        vec![0; 2048],
+        vec![0; 2048],
+        16,
+        16,
+        &GatherTuning::default(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        e,
+        ConvertError::TooLarge {
+            field: "moves",
+            got: 1 << 31,
+            limit: MAX_WORK_ITEMS
+        }
+    );
+}
+
+#[test]
+fn geometry_picks_width_from_alignment_and_small_grids_for_small_fetches() {
+    let runs = |n: u32, bb: u64| -> Vec<CopyRun> {
+        (0..n)
+            .map(|i| CopyRun {
+                src_block: 2 * i + 1,
+                dst_block: i,
+                blocks: 1,
+                src_offset: u64::from(2 * i + 1) * bb,
+                dst_offset: u64::from(i) * bb,
+                len: bb,
+            })
+            .collect()
+    };
+    let p = ConvertPlan::from_runs(&runs(1024, 65536), 65536, 1 << 28, 1 << 28).unwrap();
+    let g = p.geometry(0x7f00_0000_0000, 0x7e00_0000_0000, 132);
+    assert_eq!((g.width, g.piece_elems, g.group_shift), (16, 4096, 8));
+    assert_eq!((g.grid_x, g.kernel_name()), (1024, "kv_convert_16"));
+    // A base 4 bytes off 16 drops to 4-byte elements.
+    assert_eq!(p.geometry(0x7f00_0000_0004, 0, 132).width, 4);
+    // 7 x 32 KiB: 56 pieces of 4 KiB, 64 lanes each, 4 groups per CTA.
+    let p = ConvertPlan::from_runs(&runs(7, 32768), 32768, 1 << 22, 1 << 22).unwrap();
+    let g = p.geometry(0, 0, 132);
+    assert_eq!((g.num_pieces, g.piece_shift, g.group_shift), (8, 3, 6));
+    assert_eq!(g.grid_x, 14);
+}
+
+#[test]
+fn tuning_refusals_name_the_knob() {
+    for (t, c, p, field) in [
+        (48, 8, 64 << 10, "threads"),
+        (2048, 1, 64 << 10, "threads"),
+        (1024, 9, 64 << 10, "ctas_per_sm"),
+        (256, 0, 64 << 10, "ctas_per_sm"),
+        (256, 8, 3 << 10, "max_piece_bytes"),
+        (256, 8, 512, "max_piece_bytes"),
+    ] {
+        assert_eq!(
+            GatherTuning::new(t, c, p),
+            Err(ConvertError::Tuning {
+                field,
+                got: match field {
+                    "threads" => u64::from(t),
+                    "ctas_per_sm" => u64::from(c),
+                    _ => p,
+                },
+            })
+        );
+    }
+    assert_eq!(
+        GatherTuning::new(THREADS, CTAS_PER_SM, MAX_PIECE_BYTES),
+        Ok(GatherTuning::default())
+    );
+}
+
+#[test]
+fn tuning_sets_cta_size_grid_cap_and_piece_split() {
+    let runs: Vec<CopyRun> = (0..1024u64)
+        .map(|i| CopyRun {
+            src_block: (2 * i + 1) as u32,
+            dst_block: i as u32,
+            src_offset: (2 * i + 1) << 16,
+            dst_offset: i << 16,
+            len: 1 << 16,
+            blocks: 1,
+        })
+        .collect();
+    let t = GatherTuning::new(512, 4, 16 << 10).unwrap();
+    let p = ConvertPlan::from_runs_tuned(&runs, 1 << 16, 1 << 27, 1 << 26, &t).unwrap();
+    assert_eq!(p.pieces().piece_bytes, 16 << 10);
+    assert_eq!(p.pieces().len(), 4);
+    let g = p.geometry_tuned(1 << 40, 1 << 41, 132, &t);
+    assert_eq!((g.threads, g.grid_x, g.width), (512, 132 * 4, 16));
+    // Default: 64 KiB pieces, 256 threads, 8 CTAs per SM.
+    let d = ConvertPlan::from_runs(&runs, 1 << 16, 1 << 27, 1 << 26).unwrap();
+    assert_eq!(d.pieces().len(), 1);
+    let g = d.geometry(1 << 40, 1 << 41, 132);
+    // One 64 KiB item per 256-thread CTA: 1024 CTAs, under the 132 x 8 cap.
+    assert_eq!((g.threads, g.grid_x), (256, 1024));
+    // A misaligned block offset still lowers the width (kept at construction).
+    let mut odd = runs.clone();
+    odd[700].dst_offset += (4 << 20) + 8;
+    let o = ConvertPlan::from_runs(&odd, 1 << 16, 1 << 27, 1 << 27).unwrap();
+    assert_eq!(o.geometry(1 << 40, 1 << 41, 132).width, 8);
+}
