@@ -4,8 +4,8 @@
 //! is self-contained: copied anywhere, outside any checkout, `run.sh` runs
 //! from any working directory.
 //!
-//! Layout: `kvq` and `kv-reuse-router` (release, debug info stripped; kvq's
-//! `cluster` section runs the router from its own folder), optionally `tests/*` (release
+//! Layout: `exe.tar.gz` with `kvq` and `kv-reuse-router` (release, debug info stripped; kvq's
+//! `cluster` section runs the router from its own folder), optionally `tests.tar.gz` (unpacked to `tests/`: release
 //! test binaries of the crates with GPU tests), `nixl-libs.tar.gz` (the part
 //! of the NIXL wheel's two library folders that the UCX backend loads),
 //! `data.tar.gz` (the workspace's `data/` files kvq reads, [`BUNDLED_DATA`]),
@@ -86,14 +86,19 @@ pub fn run(with_tests: bool) -> Result<()> {
         std::fs::remove_dir_all(&dir).map_err(XtaskError::io(&dir))?;
     }
     std::fs::create_dir_all(dir.join("tests")).map_err(XtaskError::io(&dir))?;
-    copy_stripped(&exe, &dir.join("kvq"))?;
-    // kvq's `cluster` section runs the router binary from kvq's folder.
+    // kvq and the router travel gzipped (`exe.tar.gz`, unpacked to `exe/`):
+    // 32 MB of binaries compress to 12, and the carry limit counts the
+    // checkout too. kvq's `cluster` section runs the router from kvq's folder.
+    std::fs::create_dir_all(dir.join("exe")).map_err(XtaskError::io(&dir))?;
+    copy_stripped(&exe, &dir.join("exe/kvq"))?;
     let router = exe.with_file_name(kvq::ROUTER_BIN);
-    copy_stripped(&router, &dir.join(kvq::ROUTER_BIN))?;
+    copy_stripped(&router, &dir.join("exe").join(kvq::ROUTER_BIN))?;
+    pack_folder(&dir, "exe")?;
     for t in &tests {
         let name = t.file_name().expect("test executables have names");
         copy_stripped(t, &dir.join("tests").join(name))?;
     }
+    pack_folder(&dir, "tests")?;
     pack_nixl(&nixl, &dir.join("nixl-libs.tar.gz"))?;
     pack_data(&workspace::root().join("data"), &dir.join("data.tar.gz"))?;
     pack_python(&workspace::root(), &dir.join("python.tar.gz"))?;
@@ -319,6 +324,21 @@ fn pack_nats_server(bin: &Path, archive: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Packs `dir/<name>/` into `dir/<name>.tar.gz` and removes the folder
+/// (binaries compress to about a third, which keeps a `--with-tests` bundle
+/// under the carry limit); `run.sh` unpacks it to `<name>/` once.
+fn pack_folder(dir: &Path, name: &str) -> Result<()> {
+    let folder = dir.join(name);
+    let mut c = Command::new("tar");
+    c.arg("czf")
+        .arg(dir.join(format!("{name}.tar.gz")))
+        .arg("-C")
+        .arg(&folder)
+        .arg(".");
+    command::run(&mut c)?;
+    std::fs::remove_dir_all(&folder).map_err(XtaskError::io(&folder))
+}
+
 /// `tar czf archive -C base files...`, the file list handed over in a file
 /// next to the archive (the NIXL closure is a long list).
 fn tar_gz(archive: &Path, base: &Path, files: &[PathBuf]) -> Result<()> {
@@ -389,6 +409,8 @@ unpack "$here/nixl-libs.tar.gz" "$here/nixl"
 unpack "$here/data.tar.gz" "$here/data"
 unpack "$here/nats-server.tar.gz" "$here/bin"
 unpack "$here/python.tar.gz" "$here/python"
+unpack "$here/tests.tar.gz" "$here/tests"
+unpack "$here/exe.tar.gz" "$here/exe"
 # The kv_reuse wheel (abi3) unpacked beside the harness: importable through
 # KVQ_GPU_SERVING_DIR, which kvq's gpu_serving section puts on PYTHONPATH.
 py="${KVQ_PYTHON:-python3}"
@@ -417,7 +439,9 @@ if [ "${1:-}" = "tests" ]; then
   done
   exit $rc
 fi
-exec "$here/kvq" "$@"
+kvq="$here/kvq"
+[ -x "$here/exe/kvq" ] && kvq="$here/exe/kvq"
+exec "$kvq" "$@"
 "#;
 
 #[cfg(test)]
