@@ -33,17 +33,22 @@ impl DonorBank {
     /// fifth of it): once this process dies, `reclaim_stale()` anywhere on
     /// the host removes its segments after at most that long.
     ///
-    /// Raises `BadArgument` naming `slots`, `lease_s` or `gpus`, `CudaUnavailable`
+    /// `store_timeout_s` bounds how long an open store (`store()` until every
+    /// rank's `ack`) may hold its reserved slots before it is rolled back
+    /// (kv_bank's `BankConfig::store_timeout`, default 5 s).
+    ///
+    /// Raises `BadArgument` naming `slots`, `lease_s`, `store_timeout_s` or `gpus`, `CudaUnavailable`
     /// when `gpus` is given where no CUDA device is, `BankFailed` when the
     /// segments or allocations cannot be created.
     #[new]
-    #[pyo3(signature = (layout, slots, host_id = "kv-reuse-py", gpus = None, lease_s = 15.0))]
+    #[pyo3(signature = (layout, slots, host_id = "kv-reuse-py", gpus = None, lease_s = 15.0, store_timeout_s = 5.0))]
     fn new(
         layout: Layout,
         slots: u64,
         host_id: &str,
         gpus: Option<Vec<u32>>,
         lease_s: f64,
+        store_timeout_s: f64,
     ) -> PyResult<Self> {
         if slots == 0 {
             return Err(bad_argument("slots", "must be at least 1"));
@@ -56,11 +61,18 @@ impl DonorBank {
                 format!("{lease_s} is not in [0.05, 86400] seconds"),
             ));
         }
+        if !(store_timeout_s.is_finite() && (0.001..=3_600.0).contains(&store_timeout_s)) {
+            return Err(bad_argument(
+                "store_timeout_s",
+                format!("{store_timeout_s} is not in [0.001, 3600] seconds"),
+            ));
+        }
         let bytes =
             slots * u64::from(layout.inner.tp_size()) * layout.inner.rank_block_bytes() as u64;
         let mut cfg = BankConfig::new(layout.inner, OwnerLease::fresh(Role::Decode), bytes);
         let lease = Duration::from_secs_f64(lease_s);
         cfg.lease = LeaseConfig::background(lease, lease / 5);
+        cfg.store_timeout = Duration::from_secs_f64(store_timeout_s);
         let inner = match gpus {
             None => BankManager::new_host_shm(cfg, host_id).map_err(bank)?,
             Some(g) => {

@@ -125,3 +125,27 @@ def test_reclaim_and_lease_refusals_name_the_argument(layout):
     assert kv_reuse.reclaim_stale(f"kvbank-{os.getpid()}-") == []
     assert bank.manifest()
     del bank
+
+
+def test_store_timeout_is_the_donors_choice_and_refused_out_of_range(layout):
+    with pytest.raises(kv_reuse.BadArgument, match=r"store_timeout_s: 0 is not in"):
+        kv_reuse.DonorBank(layout, slots=2, store_timeout_s=0)
+    n = layout.rank_block_elems
+    bank = kv_reuse.DonorBank(layout, slots=2, store_timeout_s=0.05)
+    store = bank.store(list(range(TOKENS_PER_BLOCK)))
+    for rank in range(layout.tp_size):
+        store.write(rank, np.ones((1, n), dtype=np.float32))
+    time.sleep(0.3)
+    # Past its 50 ms the store is rolled back: nothing is published.
+    with pytest.raises(kv_reuse.BankFailed, match="timed out"):
+        for rank in range(layout.tp_size):
+            store.ack(rank)
+    assert bank.slots(store.sequence_hashes) == [None]
+    # The same store within a generous timeout publishes.
+    bank = kv_reuse.DonorBank(layout, slots=2, store_timeout_s=30.0)
+    store = bank.store(list(range(TOKENS_PER_BLOCK)))
+    for rank in range(layout.tp_size):
+        store.write(rank, np.ones((1, n), dtype=np.float32))
+    time.sleep(0.3)
+    assert [store.ack(r) for r in range(layout.tp_size)][-1] is True
+    assert bank.slots(store.sequence_hashes) != [None]

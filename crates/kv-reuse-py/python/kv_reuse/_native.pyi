@@ -119,9 +119,11 @@ class DonorBank:
         host_id: str = "kv-reuse-py",
         gpus: Optional[Sequence[int]] = None,
         lease_s: float = 15.0,
+        store_timeout_s: float = 5.0,
     ) -> None:
         """``gpus``: one CUDA ordinal per TP rank (CUDA IPC bank); CudaUnavailable without CUDA.
-        ``lease_s``: owner lease; a dead donor's segments are reclaimable after it."""
+        ``lease_s``: owner lease; a dead donor's segments are reclaimable after it.
+        ``store_timeout_s``: an open store not acked by every rank within it is rolled back."""
     @property
     def engine_id(self) -> str: ...
     @property

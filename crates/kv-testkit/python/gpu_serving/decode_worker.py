@@ -43,7 +43,7 @@ class DecodeWorker:
         self.tpb = cfg["tokens_per_block"]
         s = self.shape
         self.layout = kv_reuse.Layout(s.num_layers, s.num_kv_heads, s.head_dim, "bf16", self.tpb, 1)
-        self.bank = kv_reuse.DonorBank(self.layout, slots=cfg["bank_slots"])
+        self.bank = kv_reuse.DonorBank(self.layout, slots=cfg["bank_slots"], store_timeout_s=60.0)
         self.endpoint = "unix:" + os.path.join(tempfile.mkdtemp(prefix="gpu-serving-"), "pins.sock")
         self.pins = self.bank.serve_pins(self.endpoint)
         self.caches: Dict[str, Any] = {}
@@ -98,21 +98,34 @@ class DecodeWorker:
         missing = [i for i, s in enumerate(self.bank.slots(hashes)) if s is None]
         if not missing:
             return hashes
+        # Everything slow (the device-to-host copy of the new blocks, their
+        # checksums) happens before the store is opened: an open store holds
+        # its reserved slots and is rolled back after the bank's store
+        # timeout (5 s), which an 8B-shaped turn's copy can exceed.
+        lo = missing[0]
+        rows = engine.to_blocks(cache, lo, n - lo, self.tpb)[[i - lo for i in missing]]
+        sums = engine.block_checksums(rows)
+        host = self._host_rows(rows, len(hashes))
         try:
             pending = self.bank.store(kv_tokens[: n * self.tpb])
         except self.kv.KvReuseError as e:  # bank full: this turn is not retained
             self.store_failures.append(repr(e))
             return hashes
-        lo = missing[0]
-        rows = engine.to_blocks(cache, lo, n - lo, self.tpb)[[i - lo for i in missing]]
-        for h, c in zip((hashes[i] for i in missing), engine.block_checksums(rows)):
-            self.checksums[h] = c
-        self._write_new(pending, rows, len(hashes))
+        self._write_new(pending, host, rows.shape[0], len(hashes))
         pending.ack(0)
+        for h, c in zip((hashes[i] for i in missing), sums):
+            self.checksums[h] = c
         return hashes
 
-    def _write_new(self, pending: Any, rows: torch.Tensor, n_all: int) -> None:
-        """Writes ``rows`` (the blocks the bank did not hold, in order) into ``pending``.
+    @staticmethod
+    def _host_rows(rows: torch.Tensor, n_all: int) -> np.ndarray:
+        """``rows`` copied to host memory, padded to ``n_all`` rows (see `_write_new`)."""
+        host = np.empty((n_all, rows.shape[1]), dtype=np.uint16)
+        host[: rows.shape[0]] = rows.cpu().numpy().view(np.uint16)
+        return host
+
+    def _write_new(self, pending: Any, host: np.ndarray, k: int, n_all: int) -> None:
+        """Writes ``host``'s first ``k`` rows (the blocks the bank did not hold, in order) into ``pending``.
 
         Works around the wheel's ``PendingStore.write``: it wants one row per
         sequence hash of the store, but the bank reserved entries only for the
@@ -120,9 +133,6 @@ class DecodeWorker:
         ``len(entries)``. So the new rows go first, the rest is never-touched
         memory (``np.empty``), and that one refusal is expected.
         """
-        k = rows.shape[0]
-        host = np.empty((n_all, rows.shape[1]), dtype=np.uint16)
-        host[:k] = rows.cpu().numpy().view(np.uint16)
         try:
             pending.write(0, host)
         except self.kv.BankFailed as e:
