@@ -1,6 +1,10 @@
 //! The `kv-reuse-router` binary as a process, against a real nats-server:
 //! ready line, typed refusals over NATS, a prefill worker's announcement
-//! making it an advise target, `/healthz`, `/metrics`, SIGTERM drain.
+//! making it an advise target, `/healthz`, `/metrics`, SIGTERM drain, and
+//! the inventory rebuild of a router started (or SIGKILLed and restarted)
+//! after a donor went idle (issue 18).
+
+mod agents_common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -28,6 +32,11 @@ impl Drop for Router {
 }
 
 fn spawn_router(nats_url: &str, namespace: &str) -> Router {
+    spawn_router_with(nats_url, namespace, &[])
+}
+
+/// [`spawn_router`] with `extra` flags appended.
+fn spawn_router_with(nats_url: &str, namespace: &str, extra: &[&str]) -> Router {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
         .args([
             "--nats-url",
@@ -38,6 +47,7 @@ fn spawn_router(nats_url: &str, namespace: &str) -> Router {
             "127.0.0.1:0",
             "--enable-decode-to-prefill-reuse",
         ])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -265,5 +275,157 @@ fn sigint_drains_and_exits_0_too() {
     };
     let mut router = spawn_router(&nats.url(), "rbt-int");
     let status = signal_and_wait(&mut router, "INT");
+    assert_eq!(status.code(), Some(0), "{status}");
+}
+
+/// The donor directory bucket of the rebuild test (donor and router).
+const REBUILD_BUCKET: &str = "kv_rbt_donors";
+
+/// Asks `target` about `h` until the router admits a fetch from `donor`
+/// (at most 20 s); returns how many requests it took, or why not (the
+/// caller cleans up before it fails: a panic here would leave the donor's
+/// tasks running in the runtime's drop).
+async fn wait_admitted(
+    client: &async_nats::Client,
+    target: EngineId,
+    donor: EngineId,
+    h: &[SequenceHash],
+    what: &str,
+) -> Result<usize, String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut asked = 0;
+    loop {
+        asked += 1;
+        let req = AdviseRequest {
+            request_id: format!("{what}-{asked}"),
+            target,
+            keys: AdviseKeys::SequenceHashes(h.to_vec()),
+        };
+        let reply = ask(client, req.to_wire().unwrap()).await;
+        if let AdviseResult::Decided {
+            decision,
+            hint: Some(env),
+        } = &reply.result
+        {
+            assert!(decision.admitted(), "{decision}");
+            let hint = env.fetch_gpu_actions().unwrap().remove(0);
+            assert_eq!(hint.donor_engine_id, donor, "{what}");
+            assert_eq!(hint.sequence_hashes, h, "{what}");
+            assert_eq!(hint.fetch_from, 0, "{what}: the whole prompt is held");
+            return Ok(asked);
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "{what}: the idle donor's prefix is never admitted after {asked} requests: {reply:?}"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[test]
+fn a_router_started_after_a_donor_went_idle_or_restarted_after_sigkill_finds_its_blocks() {
+    use agents_common::*;
+    use kv_router_glue::{
+        DonorAgent, InventoryPlane, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
+    };
+    use std::sync::Arc;
+
+    let Some(nats) = NatsServer::start_or_skip("router_binary_rebuild") else {
+        return;
+    };
+    let url = nats.url();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let sock = tempfile::tempdir().unwrap();
+    let ep = format!("unix:{}", sock.path().join("d0.sock").display());
+    let blocks = prompt(0);
+    let h: Vec<SequenceHash> = blocks.iter().map(|b| b.sequence_hash).collect();
+    let target = EngineId(uuid::Uuid::from_u128(0x7a46e7));
+    let (donor, client, ticker) = rt.block_on(async {
+        let plane = NatsPlane::connect(&url, NatsOptions::default())
+            .await
+            .unwrap();
+        let dir = NatsDirectory::connect(&url, REBUILD_BUCKET, Duration::from_secs(30))
+            .await
+            .unwrap();
+        let inventory = NatsInventory::connect(&url).await.unwrap();
+        let mut cfg = donor_config("decode-0", &ep);
+        // Shorter than its 6 events: a later router cannot replay them.
+        cfg.event_ring = 2;
+        let donor = DonorAgent::open(cfg, Arc::new(dir), Arc::new(plane))
+            .await
+            .unwrap();
+        donor
+            .serve_inventory(Arc::new(inventory) as Arc<dyn InventoryPlane>)
+            .await
+            .unwrap();
+        for (k, chunk) in blocks.chunks(5).enumerate() {
+            let parent = (k > 0).then(|| blocks[k * 5 - 1].sequence_hash);
+            store_after(&donor, parent, chunk).await;
+        }
+        // From here on the donor is idle: it only announces (and renews its
+        // record), as a worker does every period; so does the prefill target.
+        let donor = Arc::new(donor);
+        let client = async_nats::connect(&url).await.unwrap();
+        let target_announcement = WorkerAnnouncement {
+            layout_fingerprint: layout().fingerprint(),
+            tp_size: TP,
+            gpus: gpus(),
+            event_subject: "kv.agt.prefill.kv_events".into(),
+            ..prefill_announcement(target)
+        }
+        .to_wire()
+        .unwrap();
+        let subject = announce_subject(NS).unwrap().as_str().to_string();
+        let (d, c) = (donor.clone(), client.clone());
+        let ticker = tokio::spawn(async move {
+            loop {
+                let _ = d.tick().await;
+                let _ = c
+                    .publish(subject.clone(), target_announcement.clone().into())
+                    .await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        (donor, client, ticker)
+    });
+    let donor_id = donor.bank().owner().engine_id;
+    let flags = [
+        "--directory-bucket",
+        REBUILD_BUCKET,
+        "--announce-period-ms",
+        "100",
+        "--missed-periods",
+        "50",
+    ];
+
+    // Started after the donor's last event: only a snapshot can tell it.
+    let mut first = spawn_router_with(&url, NS, &flags);
+    let started_later = rt.block_on(wait_admitted(&client, target, donor_id, &h, "first router"));
+    // SIGKILL (no drain) and a new process: the same again.
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    let mut second = spawn_router_with(&url, NS, &flags);
+    let restarted = rt.block_on(wait_admitted(
+        &client,
+        target,
+        donor_id,
+        &h,
+        "restarted router",
+    ));
+    let status = signal_and_wait(&mut second, "TERM");
+
+    rt.block_on(async {
+        ticker.abort();
+        let _ = ticker.await;
+        let donor = Arc::try_unwrap(donor).unwrap_or_else(|_| panic!("donor still shared"));
+        donor.close(Duration::from_secs(1)).await.unwrap();
+    });
+    started_later.unwrap();
+    restarted.unwrap();
     assert_eq!(status.code(), Some(0), "{status}");
 }

@@ -25,9 +25,9 @@ use kv_router_glue::service::{
 };
 use kv_router_glue::vllm_events::{VllmEventError, VllmIngest, VllmSubscriber};
 use kv_router_glue::{
-    Advisor, CostModel, DecisionLog, EnvSnapshot, EventPlane, LiveCostModel, NatsAuth,
-    NatsDirectory, NatsOptions, NatsPlane, PlaneError, RemoteDonorDirectory, ReuseArgs,
-    SettingsError, SettingsLoader,
+    Advisor, CostModel, DecisionLog, EnvSnapshot, EventPlane, InventoryError, InventorySync,
+    LiveCostModel, NatsAuth, NatsDirectory, NatsInventory, NatsOptions, NatsPlane, PlaneError,
+    RemoteDonorDirectory, ReuseArgs, SettingsError, SettingsLoader, DEFAULT_INVENTORY_TIMEOUT,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -118,6 +118,9 @@ enum RouterError {
     Settings(#[from] SettingsError),
     #[error("NATS: {0}")]
     Plane(#[from] PlaneError),
+    /// Only a bad `--namespace` token (the inventory subjects are built from it).
+    #[error("inventory sync: {0}")]
+    Inventory(#[from] InventoryError),
     #[error("vLLM events `{endpoint}`: {source}")]
     Vllm {
         endpoint: String,
@@ -138,7 +141,7 @@ impl RouterError {
     /// 2 for configuration errors, 1 for anything at run time.
     fn exit_code(&self) -> u8 {
         match self {
-            RouterError::Settings(_) | RouterError::Metrics { .. } => 2,
+            RouterError::Settings(_) | RouterError::Metrics { .. } | RouterError::Inventory(_) => 2,
             _ => 1,
         }
     }
@@ -210,10 +213,18 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
         cli.max_probes,
     );
     let service = Arc::new(RouterService::new(Arc::new(advisor)));
+    // Snapshots over the router's own connection (its credentials), so a
+    // restarted router finds donors that stayed idle (docs/agents.md).
+    let sync = InventorySync::new(
+        Arc::new(NatsInventory::from_client(plane.client().clone())),
+        &cli.namespace,
+        DEFAULT_INVENTORY_TIMEOUT,
+    )?;
     let inventory = Arc::new(RouterInventory::new(
         index.clone(),
         remote.clone(),
         service.clone(),
+        sync,
         cli.announce_period_ms,
         cli.missed_periods,
     ));
@@ -227,17 +238,6 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
             stop_following.clone(),
         )
         .await?;
-
-    // HOOK (issue 18, inventory rebuild after a router restart): not wired
-    // yet. `InventorySync` (plane/inventory, over `NatsInventory::from_client`)
-    // must see every registration (`on_registration`, right after
-    // `WorkerRegistry::announce` in `RouterInventory::on_announcement`),
-    // every `KvStreamItem::Lost` (`on_lost`, in `on_event`) and apply the
-    // stream's events itself (`InventorySync::apply_event`, replacing the
-    // direct `index.apply_event`), so that the first lookup after a restart
-    // finds donors that stayed idle. Its calls are async and borrow the
-    // `WorkerRegistry`, which `RouterInventory` keeps behind a blocking
-    // mutex: the registry and the sync move behind one async mutex first.
 
     let mut vllm = Vec::new();
     for spec in &cli.vllm_events {

@@ -5,33 +5,46 @@
 //!   registers the worker with the kv-lookup index (worker key = XXH3-64 of
 //!   its `worker_key`); a prefill worker becomes an advise target; a new
 //!   incarnation under a known key drops the old one everywhere (index,
-//!   donor directory, targets) and its late events and directory renewals
-//!   are ignored; a worker silent for `missed_periods` announce periods is
-//!   dropped the same way. The first announcement naming an event subject
-//!   subscribes to it.
+//!   donor directory, targets, inventory sync) and its late events and
+//!   directory renewals are ignored; a worker silent for `missed_periods`
+//!   announce periods is dropped the same way. The first announcement naming
+//!   an event subject subscribes to it.
+//! - **Inventory rebuild** ([`InventorySync`], issue 18): a decode worker
+//!   announced while its event subject is already followed and its directory
+//!   record already applied is asked for its inventory snapshot once, so a
+//!   router (re)started after the worker went idle still finds its blocks.
+//!   Both conditions are the order `docs/agents.md` requires (receiver
+//!   subscribed before the request; record before the snapshot, because a
+//!   record's first put resets the donor's slot map); an announcement that
+//!   comes before them, or a snapshot that fails, is retried at the worker's
+//!   next announcement.
 //! - **KV events** on every announced subject, in per-publisher order
-//!   ([`KvEventReceiver`]): applied to the index and to the
-//!   [`RemoteDonorDirectory`]'s slot maps.
+//!   ([`KvEventReceiver`]): applied once through
+//!   [`InventorySync::apply_event`] to the index and to the
+//!   [`RemoteDonorDirectory`]'s slot maps (events a snapshot already holds
+//!   are duplicates). A [`KvStreamItem::Lost`] range the snapshot does not
+//!   cover asks a new snapshot ([`InventorySync::on_lost`]).
 //! - **The donor directory** ([`DirectoryPlane::watch`]): applied to the
 //!   [`RemoteDonorDirectory`], except puts of retired incarnations (a
-//!   replaced donor's last renewal must not bring it back).
+//!   replaced donor's last renewal must not bring it back). A new generation
+//!   of a donor whose snapshot was applied resets its slot map, so the
+//!   snapshot is forgotten and asked again at the next announcement.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use kv_descriptor::{EngineId, Role};
-use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
-use parking_lot::Mutex;
+use kv_lookup::{EventOutcome, InventoryIndex, WorkerInfo, WorkerKey};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::RouterService;
 use crate::{
-    announce_subject, unix_now_ms, DirectoryChange, DirectoryPlane, EventPlane, KvEventReceiver,
-    KvStreamItem, PlaneError, Registration, RemoteDonorDirectory, Subject, WorkerAnnouncement,
-    WorkerRegistry, SUBJECT_ROOT,
+    announce_subject, unix_now_ms, CacheUpdate, DirectoryChange, DirectoryPlane, EventPlane,
+    InventoryError, InventorySync, KvEventReceiver, KvStreamItem, PlaneError, Registration,
+    RemoteDonorDirectory, Subject, SyncOutcome, WorkerAnnouncement, WorkerRegistry, SUBJECT_ROOT,
 };
 
 /// Counters of what the followers took in (all since start).
@@ -43,15 +56,26 @@ pub struct FollowStats {
     pub announcements_ignored: u64,
     /// Workers dropped (replaced or silent).
     pub workers_dropped: u64,
-    /// KV events applied to the index.
+    /// KV events applied to the index (in order, or after a gap).
     pub events_applied: u64,
+    /// KV events at or below what the index already holds of the publisher
+    /// (its snapshot, or a replay), ignored.
+    pub events_duplicate: u64,
     /// KV events of retired incarnations, ignored.
     pub late_events_ignored: u64,
-    /// Events the index refused (unknown worker, layout mismatch).
+    /// Events the index refused (unknown worker, layout mismatch) or could
+    /// not chain to what it holds of the publisher.
     pub events_refused: u64,
     /// [`KvStreamItem::Lost`] ranges seen (the inventory of that publisher
     /// is incomplete until it republishes or a snapshot rebuilds it).
     pub lost_ranges: u64,
+    /// Lost ranges an applied snapshot already covered (nothing asked).
+    pub lost_covered: u64,
+    /// Inventory snapshots applied.
+    pub snapshots_applied: u64,
+    /// Inventory snapshots that failed (asked again at the worker's next
+    /// announcement).
+    pub snapshots_failed: u64,
     /// Directory changes applied.
     pub directory_changes: u64,
     /// Directory puts of retired incarnations, ignored.
@@ -64,9 +88,13 @@ struct Counters {
     announcements_ignored: AtomicU64,
     workers_dropped: AtomicU64,
     events_applied: AtomicU64,
+    events_duplicate: AtomicU64,
     late_events_ignored: AtomicU64,
     events_refused: AtomicU64,
     lost_ranges: AtomicU64,
+    lost_covered: AtomicU64,
+    snapshots_applied: AtomicU64,
+    snapshots_failed: AtomicU64,
     directory_changes: AtomicU64,
     directory_puts_ignored: AtomicU64,
 }
@@ -75,21 +103,36 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
-/// The router's inventory state: index, donor directory, worker registry and
-/// the advise targets of the [`RouterService`].
+/// What one async mutex guards: the registry and the sync must be seen
+/// together (every sync call reads `is_retired`, and a snapshot must not
+/// interleave with the events and directory changes it is ordered against),
+/// and the sync's calls await the worker's answer.
+struct Tracked {
+    registry: WorkerRegistry,
+    sync: InventorySync,
+    /// Engines whose directory record is applied to the remote directory.
+    recorded: HashSet<EngineId>,
+    /// Event subjects followed: `false` while the receiver subscribes,
+    /// `true` once it is subscribed (a snapshot may be asked from then on).
+    subjects: HashMap<String, bool>,
+}
+
+/// The router's inventory state: index, donor directory, worker registry,
+/// inventory sync and the advise targets of the [`RouterService`].
 pub struct RouterInventory {
     index: Arc<InventoryIndex>,
     remote: Arc<RemoteDonorDirectory>,
     service: Arc<RouterService>,
-    registry: Mutex<WorkerRegistry>,
-    subscribed: Mutex<HashSet<String>>,
+    state: tokio::sync::Mutex<Tracked>,
     counters: Counters,
 }
 
 impl std::fmt::Debug for RouterInventory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // `None` while a follower holds the state (a snapshot may be in flight).
+        let workers = self.state.try_lock().ok().map(|st| st.registry.len());
         f.debug_struct("RouterInventory")
-            .field("workers", &self.registry.lock().len())
+            .field("workers", &workers)
             .field("stats", &self.stats())
             .finish()
     }
@@ -113,12 +156,14 @@ pub fn parse_subject(full: &str) -> Result<Subject, PlaneError> {
 
 impl RouterInventory {
     /// State over `index` and `remote` (the ones the advisor of `service`
-    /// reads), dropping workers silent for `missed_periods` x
-    /// `announce_period_ms`.
+    /// reads), rebuilding decode workers' inventories through `sync` (its
+    /// plane reaches the workers' `kv.<ns>.inventory.<engine_id>` servers),
+    /// dropping workers silent for `missed_periods` x `announce_period_ms`.
     pub fn new(
         index: Arc<InventoryIndex>,
         remote: Arc<RemoteDonorDirectory>,
         service: Arc<RouterService>,
+        sync: InventorySync,
         announce_period_ms: u64,
         missed_periods: u32,
     ) -> Self {
@@ -126,8 +171,12 @@ impl RouterInventory {
             index,
             remote,
             service,
-            registry: Mutex::new(WorkerRegistry::new(announce_period_ms, missed_periods)),
-            subscribed: Mutex::new(HashSet::new()),
+            state: tokio::sync::Mutex::new(Tracked {
+                registry: WorkerRegistry::new(announce_period_ms, missed_periods),
+                sync,
+                recorded: HashSet::new(),
+                subjects: HashMap::new(),
+            }),
             counters: Counters::default(),
         }
     }
@@ -146,25 +195,56 @@ impl RouterInventory {
             announcements_ignored: get(&c.announcements_ignored),
             workers_dropped: get(&c.workers_dropped),
             events_applied: get(&c.events_applied),
+            events_duplicate: get(&c.events_duplicate),
             late_events_ignored: get(&c.late_events_ignored),
             events_refused: get(&c.events_refused),
             lost_ranges: get(&c.lost_ranges),
+            lost_covered: get(&c.lost_covered),
+            snapshots_applied: get(&c.snapshots_applied),
+            snapshots_failed: get(&c.snapshots_failed),
             directory_changes: get(&c.directory_changes),
             directory_puts_ignored: get(&c.directory_puts_ignored),
         }
     }
 
-    fn drop_engine(&self, engine: EngineId) {
+    fn drop_engine(&self, st: &mut Tracked, engine: EngineId) {
         self.index.remove_worker(engine);
         self.remote.forget(engine);
         self.service.remove_target(engine);
+        st.sync.forget(engine);
+        st.recorded.remove(&engine);
         bump(&self.counters.workers_dropped);
+    }
+
+    /// Counts and logs one snapshot outcome (`None`: nothing was asked).
+    fn note_snapshot(
+        &self,
+        engine: EngineId,
+        outcome: Option<Result<SyncOutcome, InventoryError>>,
+    ) {
+        match outcome {
+            None | Some(Ok(SyncOutcome::Retired)) => {}
+            Some(Ok(SyncOutcome::Applied {
+                blocks,
+                last_event_id,
+            })) => {
+                bump(&self.counters.snapshots_applied);
+                tracing::info!(%engine, blocks, last_event_id, "inventory snapshot applied");
+            }
+            Some(Err(e)) => {
+                bump(&self.counters.snapshots_failed);
+                tracing::warn!(%engine, error = %e, "inventory snapshot failed: asked again at the next announcement");
+            }
+        }
     }
 
     /// Takes in one announcement payload seen at `now_ms`; returns the
     /// announced event subject when it is new to this router (the caller
-    /// subscribes to it).
-    pub fn on_announcement(&self, payload: &[u8], now_ms: u64) -> Option<Subject> {
+    /// subscribes to it, then [`RouterInventory::followed`]). A decode
+    /// worker without an applied snapshot is rebuilt here once its subject
+    /// is followed and its directory record applied (this awaits the
+    /// worker's answer, at most the sync's timeout per page).
+    pub async fn on_announcement(&self, payload: &[u8], now_ms: u64) -> Option<Subject> {
         let a = match WorkerAnnouncement::decode(payload) {
             Ok(a) => a,
             Err(e) => {
@@ -173,12 +253,15 @@ impl RouterInventory {
                 return None;
             }
         };
-        match self.registry.lock().announce(a.clone(), now_ms) {
+        let mut guard = self.state.lock().await;
+        let st = &mut *guard;
+        let registration = st.registry.announce(a.clone(), now_ms);
+        match registration {
             Registration::Retired => {
                 bump(&self.counters.announcements_ignored);
                 return None;
             }
-            Registration::Replaced { dropped } => self.drop_engine(dropped),
+            Registration::Replaced { dropped } => self.drop_engine(st, dropped),
             Registration::New | Registration::Refreshed => {}
         }
         bump(&self.counters.announcements);
@@ -195,44 +278,72 @@ impl RouterInventory {
         if a.role == Role::Prefill {
             self.service.add_target(a.engine_id);
         }
-        match parse_subject(&a.event_subject) {
-            Ok(s) => self
-                .subscribed
-                .lock()
-                .insert(s.as_str().to_string())
-                .then_some(s),
+        let subject = match parse_subject(&a.event_subject) {
+            Ok(s) => s,
             Err(e) => {
                 tracing::warn!(worker = %a.worker_key, error = %e, "announced event subject unusable");
-                None
+                return None;
             }
+        };
+        let fresh = !st.subjects.contains_key(subject.as_str());
+        if fresh {
+            st.subjects.insert(subject.as_str().to_string(), false);
+            // Not followed yet: the snapshot waits for the next announcement.
+            return Some(subject);
         }
+        if st.subjects.get(subject.as_str()) == Some(&true) && st.recorded.contains(&a.engine_id) {
+            let outcome = st
+                .sync
+                .on_registration(&a, &registration, &self.index, &self.remote, &st.registry)
+                .await;
+            self.note_snapshot(a.engine_id, outcome);
+        }
+        None
+    }
+
+    /// Marks `subject` followed (its receiver is subscribed): announcements
+    /// from now on may ask its workers' snapshots.
+    pub async fn followed(&self, subject: &Subject) {
+        self.state
+            .lock()
+            .await
+            .subjects
+            .insert(subject.as_str().to_string(), true);
     }
 
     /// Drops workers silent too long at `now_ms`; returns how many.
-    pub fn tick(&self, now_ms: u64) -> usize {
-        let dead = self.registry.lock().tick(now_ms);
+    pub async fn tick(&self, now_ms: u64) -> usize {
+        let mut guard = self.state.lock().await;
+        let st = &mut *guard;
+        let dead = st.registry.tick(now_ms);
         for (key, engine) in &dead {
             tracing::info!(worker = %key, engine = %engine, "worker silent: dropped");
-            self.drop_engine(*engine);
+            self.drop_engine(st, *engine);
         }
         dead.len()
     }
 
-    /// Takes in one item of a KV event stream.
-    pub fn on_event(&self, item: KvStreamItem) {
+    /// Takes in one item of a KV event stream: an event through
+    /// [`InventorySync::apply_event`]; a lost range through
+    /// [`InventorySync::on_lost`] (which may await a snapshot).
+    pub async fn on_event(&self, item: KvStreamItem) {
+        let mut guard = self.state.lock().await;
+        let st = &mut *guard;
         match item {
             KvStreamItem::Event(e) => {
-                if self.registry.lock().is_retired(e.publisher) {
-                    bump(&self.counters.late_events_ignored);
-                    return;
-                }
-                match self.index.apply_event(&e) {
-                    Ok(_) => {
-                        bump(&self.counters.events_applied);
-                        self.remote.ingest_event(&e);
+                let c = &self.counters;
+                match st
+                    .sync
+                    .apply_event(&e, &self.index, &self.remote, &st.registry)
+                {
+                    Ok(EventOutcome::Applied { .. } | EventOutcome::Gap { .. }) => {
+                        bump(&c.events_applied)
                     }
+                    Ok(EventOutcome::Duplicate { .. }) => bump(&c.events_duplicate),
+                    Ok(EventOutcome::FromRetiredIncarnation) => bump(&c.late_events_ignored),
+                    Ok(EventOutcome::Unchained { .. }) => bump(&c.events_refused),
                     Err(err) => {
-                        bump(&self.counters.events_refused);
+                        bump(&c.events_refused);
                         tracing::debug!(publisher = %e.publisher, error = %err, "KV event refused by the index");
                     }
                 }
@@ -243,21 +354,53 @@ impl RouterInventory {
                 to_event_id,
             } => {
                 bump(&self.counters.lost_ranges);
-                tracing::warn!(%publisher, from_event_id, to_event_id, "KV events lost: inventory incomplete");
+                tracing::warn!(%publisher, from_event_id, to_event_id, "KV events lost");
+                let outcome = st
+                    .sync
+                    .on_lost(
+                        publisher,
+                        to_event_id,
+                        &self.index,
+                        &self.remote,
+                        &st.registry,
+                    )
+                    .await;
+                if outcome.is_none() {
+                    bump(&self.counters.lost_covered);
+                }
+                self.note_snapshot(publisher, outcome);
             }
         }
     }
 
     /// Takes in one directory change.
-    pub fn on_directory(&self, change: DirectoryChange) {
+    pub async fn on_directory(&self, change: DirectoryChange) {
+        let mut guard = self.state.lock().await;
+        let st = &mut *guard;
         if let DirectoryChange::Put(r) = &change {
-            if self.registry.lock().is_retired(r.engine_id()) {
+            if st.registry.is_retired(r.engine_id()) {
                 bump(&self.counters.directory_puts_ignored);
                 return;
             }
         }
         bump(&self.counters.directory_changes);
-        self.remote.apply_directory(change);
+        match self.remote.apply_directory(change) {
+            CacheUpdate::NewGeneration { engine, .. } => {
+                // The put reset the donor's slot map: a snapshot applied
+                // before it no longer stands; the next announcement asks again.
+                if st.sync.snapshot_event_id(engine).is_some() {
+                    st.sync.forget(engine);
+                }
+                st.recorded.insert(engine);
+            }
+            CacheUpdate::Renewed(engine) => {
+                st.recorded.insert(engine);
+            }
+            CacheUpdate::Deleted(engine) => {
+                st.recorded.remove(&engine);
+            }
+            CacheUpdate::Ignored(_) => {}
+        }
     }
 
     /// Runs the followers on `plane` and `directory` until `shutdown`:
@@ -283,7 +426,7 @@ impl RouterInventory {
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     c = watch.next() => match c {
-                        Some(c) => me.on_directory(c),
+                        Some(c) => me.on_directory(c).await,
                         None => {
                             tracing::warn!("donor directory watch ended");
                             return;
@@ -299,10 +442,10 @@ impl RouterInventory {
             loop {
                 tokio::select! {
                     _ = stop.cancelled() => return,
-                    _ = tick.tick() => { me.tick(unix_now_ms()); }
+                    _ = tick.tick() => { me.tick(unix_now_ms()).await; }
                     m = announcements.next() => {
                         let Some(m) = m else { return };
-                        if let Some(subject) = me.on_announcement(&m.payload, unix_now_ms()) {
+                        if let Some(subject) = me.on_announcement(&m.payload, unix_now_ms()).await {
                             // One receiver per subject; its own task so a slow
                             // subscribe does not hold up announcements.
                             let (me, stop, plane) = (me.clone(), stop.clone(), plane.clone());
@@ -327,16 +470,17 @@ impl RouterInventory {
             Err(e) => {
                 tracing::warn!(%subject, error = %e, "cannot follow KV events");
                 // Let a later announcement try again.
-                self.subscribed.lock().remove(subject.as_str());
+                self.state.lock().await.subjects.remove(subject.as_str());
                 return;
             }
         };
+        self.followed(&subject).await;
         tracing::info!(%subject, "following KV events");
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 item = rx.next() => match item {
-                    Some(item) => self.on_event(item),
+                    Some(item) => self.on_event(item).await,
                     None => return,
                 },
             }
@@ -362,7 +506,15 @@ mod tests {
             1024,
         );
         let service = Arc::new(RouterService::new(Arc::new(advisor)));
-        let inv = RouterInventory::new(index, remote, service.clone(), 1_000, 3);
+        // No inventory server: a snapshot asked here would fail (none is,
+        // since no subject is followed in these tests).
+        let sync = crate::InventorySync::new(
+            Arc::new(crate::InProcessInventory::new()),
+            "t",
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        let inv = RouterInventory::new(index, remote, service.clone(), sync, 1_000, 3);
         (Arc::new(inv), service)
     }
 
@@ -413,12 +565,14 @@ mod tests {
         }
     }
 
-    #[test]
-    fn prefill_becomes_a_target_and_a_new_incarnation_drops_the_old_one() {
+    #[tokio::test]
+    async fn prefill_becomes_a_target_and_a_new_incarnation_drops_the_old_one() {
         let (inv, service) = inventory();
         let (old, new) = (EngineId::fresh(), EngineId::fresh());
         let subject = "kv.t.prefill.kv_events";
-        let first = inv.on_announcement(&announcement("p0", old, Role::Prefill, subject), 0);
+        let first = inv
+            .on_announcement(&announcement("p0", old, Role::Prefill, subject), 0)
+            .await;
         assert_eq!(
             first.map(|s| s.as_str().to_string()).as_deref(),
             Some(subject)
@@ -426,6 +580,7 @@ mod tests {
         // The same subject again: already followed, nothing to subscribe.
         assert!(inv
             .on_announcement(&announcement("p0", old, Role::Prefill, subject), 10)
+            .await
             .is_none());
         let req = |target| crate::service::AdviseRequest {
             request_id: "r".into(),
@@ -441,7 +596,8 @@ mod tests {
             )
         };
         assert!(known(old));
-        inv.on_announcement(&announcement("p0", new, Role::Prefill, subject), 20);
+        inv.on_announcement(&announcement("p0", new, Role::Prefill, subject), 20)
+            .await;
         assert!(!known(old), "replaced incarnation is no target");
         assert!(known(new));
         assert!(
@@ -449,7 +605,8 @@ mod tests {
             "old engine left the index"
         );
         // The old incarnation's late announcement is ignored.
-        inv.on_announcement(&announcement("p0", old, Role::Prefill, subject), 30);
+        inv.on_announcement(&announcement("p0", old, Role::Prefill, subject), 30)
+            .await;
         assert!(!known(old));
         let st = inv.stats();
         assert_eq!(
@@ -462,22 +619,24 @@ mod tests {
         );
     }
 
-    #[test]
-    fn events_of_retired_or_silent_workers_are_ignored() {
+    #[tokio::test]
+    async fn events_of_retired_or_silent_workers_are_ignored() {
         let (inv, _) = inventory();
         let (d0, d1) = (EngineId::fresh(), EngineId::fresh());
-        inv.on_announcement(&announcement("d0", d0, Role::Decode, "kv.t.decode.e"), 0);
-        inv.on_event(KvStreamItem::Event(stored(d0, 1)));
+        inv.on_announcement(&announcement("d0", d0, Role::Decode, "kv.t.decode.e"), 0)
+            .await;
+        inv.on_event(KvStreamItem::Event(stored(d0, 1))).await;
         let h = kv_bank::sealed_blocks(None, &(0..32).collect::<Vec<u32>>(), 16)[0].sequence_hash;
         assert!(!inv.index().holds(d0, h).is_empty());
         // d0 restarts as d1: d0's inventory goes, its late event is ignored.
-        inv.on_announcement(&announcement("d0", d1, Role::Decode, "kv.t.decode.e"), 100);
+        inv.on_announcement(&announcement("d0", d1, Role::Decode, "kv.t.decode.e"), 100)
+            .await;
         assert!(inv.index().holds(d0, h).is_empty());
-        inv.on_event(KvStreamItem::Event(stored(d0, 2)));
+        inv.on_event(KvStreamItem::Event(stored(d0, 2))).await;
         assert!(inv.index().holds(d0, h).is_empty());
         // d1 goes silent for more than 3 periods of 1 s: dropped.
-        assert_eq!(inv.tick(100 + 3_000), 0);
-        assert_eq!(inv.tick(100 + 3_001), 1);
+        assert_eq!(inv.tick(100 + 3_000).await, 0);
+        assert_eq!(inv.tick(100 + 3_001).await, 1);
         assert!(inv.index().worker(d1).is_none());
         let st = inv.stats();
         assert_eq!(
