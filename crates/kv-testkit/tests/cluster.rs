@@ -62,9 +62,6 @@ fn cluster_with_the_stand_in_router_serves_reuses_and_recovers_from_every_fault(
 /// The product router binary, when built next to kvq
 /// (`cargo build -p kv-router-glue --bin kv-reuse-router`).
 #[test]
-#[ignore = "kv-reuse-router does not rebuild its inventory after its restart or a lost event range \
-            (its Lost arm only counts; the snapshot rebuild HOOK is not wired): \
-            router_restarted and nats_server_restarted get 0 fetches after recovery"]
 fn cluster_with_the_product_router_recovers_from_every_fault() {
     let exe = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kvq"));
     let router = RouterProcess::find(&exe);
