@@ -165,6 +165,14 @@ async fn serve(
         .accept()
         .map_err(|e| fail("control accept")(e.to_string()))?;
     let _ = std::fs::remove_file(&control_path);
+    // On the GPU profile the CUDA driver opens its own fds (about 33 on the
+    // lent H200) when a process first makes a context current, and keeps
+    // them for the process's life: bind every ordinal's primary context
+    // before the baseline, so the leak check sees what the workers open.
+    for &ordinal in ordinals.iter().flatten() {
+        kv_bank::device_memory_info(ordinal)
+            .map_err(|e| fail("cuda context before the leak baseline")(e.to_string()))?;
+    }
     let baseline = kv_bank::leaks::snapshot();
     let mut state = match role {
         Role::Decode => {
