@@ -14,7 +14,13 @@ fn kvq() -> ChildCommand {
     }
 }
 
+/// One cluster at a time: both tests start from this process, whose pid
+/// names the harness's sockets and scratch paths; two overlapping runs hung
+/// the product-router one on a 2-core machine.
+static ONE_CLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn cluster(test: &str, router: &RouterProcess) -> Option<ClusterReport> {
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|p| p.into_inner());
     match run(&ClusterOptions::default(), &kvq(), router) {
         Ok(r) => Some(r),
         Err(ClusterError::Skipped(why)) => {
