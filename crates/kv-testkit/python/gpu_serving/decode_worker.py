@@ -28,8 +28,8 @@ def _bits(t: torch.Tensor) -> bytes:
     return t.detach().view(torch.int16).cpu().numpy().tobytes()
 
 
-class DecodeWorker:
-    """Requests: ``hello``, ``turn``, ``reference``, ``stats``."""
+class EngineWorker:
+    """What both workers hold: the kv_reuse module, device, model and bank layout (TP 1, bf16)."""
 
     def __init__(self, cfg: Dict[str, Any]) -> None:
         import kv_reuse
@@ -43,6 +43,14 @@ class DecodeWorker:
         self.tpb = cfg["tokens_per_block"]
         s = self.shape
         self.layout = kv_reuse.Layout(s.num_layers, s.num_kv_heads, s.head_dim, "bf16", self.tpb, 1)
+
+
+class DecodeWorker(EngineWorker):
+    """Requests: ``hello``, ``turn``, ``reference``, ``stats``."""
+
+    def __init__(self, cfg: Dict[str, Any]) -> None:
+        super().__init__(cfg)
+        kv_reuse = self.kv
         self.bank = kv_reuse.DonorBank(self.layout, slots=cfg["bank_slots"], store_timeout_s=60.0)
         self.endpoint = "unix:" + os.path.join(tempfile.mkdtemp(prefix="gpu-serving-"), "pins.sock")
         self.pins = self.bank.serve_pins(self.endpoint)

@@ -25,24 +25,15 @@ import numpy as np
 import torch
 
 from . import engine, rpc
-from .decode_worker import _bits, _device_bytes
+from .decode_worker import EngineWorker, _bits, _device_bytes
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
     """Requests: ``hello``, ``off``, ``on``, ``ideal``, ``greedy``, ``stats``."""
 
     def __init__(self, cfg: Dict[str, Any]) -> None:
-        import kv_reuse
-
-        self.kv = kv_reuse
-        self.device = cfg["device"]
-        if self.device.startswith("cuda"):
-            torch.cuda.set_device(self.device)
-        self.shape = engine.shape(cfg["model"])
-        self.model = engine.build_model(cfg["model"], self.device, cfg["seed"])
-        self.tpb = cfg["tokens_per_block"]
-        s = self.shape
-        self.layout = kv_reuse.Layout(s.num_layers, s.num_kv_heads, s.head_dim, "bf16", self.tpb, 1)
+        super().__init__(cfg)
+        kv_reuse = self.kv
         self.target = kv_reuse.Target(self.layout, rows=cfg["target_rows"])
         elems = self.layout.rank_block_elems
         pin = self.device.startswith("cuda")
