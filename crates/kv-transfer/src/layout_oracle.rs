@@ -35,6 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cuda::{CudaCopyBackend, CudaMode};
 pub use crate::oracle::Profile;
+use crate::oracle::{case_keys, pin_moves};
 use crate::plan::{BlockMove, TransferPlan};
 use crate::{
     deliver, CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, RankIo, SourceRegion,
@@ -385,38 +386,12 @@ pub fn run(profile: Profile) -> Result<LayoutOracleReport, TransferError> {
             refused: None,
         };
         for missing in [false, true] {
-            let keys: Vec<SequenceHash> = (0..KEYS)
-                .map(|i| {
-                    if missing && ABSENT.contains(&i) {
-                        absent[i]
-                    } else {
-                        wanted[i]
-                    }
-                })
-                .collect();
+            let keys = case_keys(&wanted, &absent, &ABSENT, missing);
             for t in &targets {
                 t.write_bytes(0, &vec![POISON; t.len()])?;
             }
             let reservation = pool.reserve_exact(&ENGINE_BLOCKS)?;
-            let present: Vec<SequenceHash> = keys
-                .iter()
-                .copied()
-                .filter(|k| donor.lookup(k).is_some())
-                .collect();
-            let pin = donor.pin_prefix(&present)?;
-            let moves: Vec<BlockMove> = keys
-                .iter()
-                .zip(reservation.blocks())
-                .map(|(k, &d)| BlockMove {
-                    key: *k,
-                    src_slot: pin
-                        .hashes()
-                        .iter()
-                        .position(|h| h == k)
-                        .map(|i| pin.slots()[i]),
-                    dst_block: d,
-                })
-                .collect();
+            let (pin, moves) = pin_moves(&donor, &keys, reservation.blocks())?;
             let plan = TransferPlan::converting(&donor_layouts, &tls, &moves)?;
             let mut mems = Vec::new();
             for r in 0..tp {

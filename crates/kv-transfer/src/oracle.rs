@@ -264,38 +264,12 @@ pub fn run_backend(
     let mut results: Vec<DeliveryReport> = Vec::new();
     let mut fail_closed = None;
     for case in 0..2 {
-        let keys: Vec<SequenceHash> = (0..KEYS)
-            .map(|i| {
-                if case == 1 && ABSENT.contains(&i) {
-                    absent[i]
-                } else {
-                    wanted[i]
-                }
-            })
-            .collect();
+        let keys = case_keys(&wanted, &absent, &ABSENT, case == 1);
         for t in &targets {
             t.write_bytes(0, &vec![POISON; t.len()])?;
         }
         let reservation = pool.reserve_exact(&DST_BLOCKS)?;
-        let present: Vec<SequenceHash> = keys
-            .iter()
-            .copied()
-            .filter(|k| donor.lookup(k).is_some())
-            .collect();
-        let pin = donor.pin_prefix(&present)?;
-        let moves: Vec<BlockMove> = keys
-            .iter()
-            .zip(reservation.blocks())
-            .map(|(k, &d)| BlockMove {
-                key: *k,
-                src_slot: pin
-                    .hashes()
-                    .iter()
-                    .position(|h| h == k)
-                    .map(|i| pin.slots()[i]),
-                dst_block: d,
-            })
-            .collect();
+        let (pin, moves) = pin_moves(&donor, &keys, reservation.blocks())?;
         let src_geom = RegionGeometry::dense(&layout, slots);
         let plan = TransferPlan::new(
             &layout,
@@ -438,6 +412,58 @@ fn uuid_like() -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
     format!("{t:08x}")
+}
+
+/// The keys of one oracle case: `wanted`, with the positions `absent_at`
+/// swapped for `absent`'s keys (which no donor holds) when `missing`.
+pub(crate) fn case_keys(
+    wanted: &[SequenceHash],
+    absent: &[SequenceHash],
+    absent_at: &[usize],
+    missing: bool,
+) -> Vec<SequenceHash> {
+    (0..wanted.len())
+        .map(|i| {
+            if missing && absent_at.contains(&i) {
+                absent[i]
+            } else {
+                wanted[i]
+            }
+        })
+        .collect()
+}
+
+/// Pins the keys of `keys` that `donor` holds and pairs every key with its
+/// destination block in order (`src_slot` is `None` for a key not pinned,
+/// which the delivery must report missing, never complete).
+///
+/// # Errors
+/// The bank refusing the pin.
+pub(crate) fn pin_moves(
+    donor: &BankManager,
+    keys: &[SequenceHash],
+    dst_blocks: &[u32],
+) -> Result<(kv_bank::ManagerPin, Vec<BlockMove>), kv_bank::BankError> {
+    let present: Vec<SequenceHash> = keys
+        .iter()
+        .copied()
+        .filter(|k| donor.lookup(k).is_some())
+        .collect();
+    let pin = donor.pin_prefix(&present)?;
+    let moves = keys
+        .iter()
+        .zip(dst_blocks)
+        .map(|(k, &d)| BlockMove {
+            key: *k,
+            src_slot: pin
+                .hashes()
+                .iter()
+                .position(|h| h == k)
+                .map(|i| pin.slots()[i]),
+            dst_block: d,
+        })
+        .collect();
+    Ok((pin, moves))
 }
 
 #[cfg(test)]
