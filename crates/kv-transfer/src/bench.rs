@@ -16,7 +16,9 @@
 //! in `p50_us`, and (module `bench_convert`) the converting gather on the
 //! 8B-model shape: 512 scattered 2 MiB blocks from a block-major donor to a
 //! block-major, a vLLM per-layer (kv-first) and an HF per-layer target at a
-//! token offset, each against a raw copy of the same 1 GiB.
+//! token offset, each against a raw copy of the same 1 GiB. On CPU, after the
+//! copy rows, module `bench_plan`'s host plan-building rows (per layout, no
+//! GPU needed).
 
 use std::time::{Duration, Instant};
 
@@ -412,6 +414,8 @@ fn run_cpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
             nixl_rows(&mut rows, "cpu", &src, &dst, &layout, &s, raw, repeats)?;
         }
     }
+    let plans = crate::bench_plan::rows(opts.quick, repeats, &rows)?;
+    rows.extend(plans);
     Ok(rows)
 }
 
@@ -567,7 +571,16 @@ mod tests {
                 "cpu/host_memcpy/contiguous/64x16KiB",
                 "cpu/host_memcpy/scattered/64x16KiB",
                 "cpu/host_memcpy/contiguous/64x2MiB",
-                "cpu/host_memcpy/scattered/64x2MiB"
+                "cpu/host_memcpy/scattered/64x2MiB",
+                "cpu/plan_build/runs/64x64KiB",
+                "cpu/plan_build/runs/64x16KiB",
+                "cpu/plan_build/runs/64x2MiB",
+                "cpu/plan_build/8b_to_block_major/32x256KiB",
+                "cpu/plan_build_cold/8b_to_block_major/32x256KiB",
+                "cpu/plan_build/8b_to_vllm_kv_first/32x256KiB",
+                "cpu/plan_build_cold/8b_to_vllm_kv_first/32x256KiB",
+                "cpu/plan_build/8b_to_hf_tokens_at_48/32x256KiB",
+                "cpu/plan_build_cold/8b_to_hf_tokens_at_48/32x256KiB",
             ]
         );
         for r in &rows {
@@ -577,6 +590,7 @@ mod tests {
                     * match &r.name[r.name.rfind('x').unwrap() + 1..] {
                         "64KiB" => 64 << 10,
                         "16KiB" => 16 << 10,
+                        "256KiB" => 256 << 10,
                         _ => 2 << 20,
                     }
             );

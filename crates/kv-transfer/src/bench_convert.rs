@@ -19,18 +19,18 @@ use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
 use crate::bench::{gbps, median, BenchRow};
 use crate::bench_sweep::phases;
 use crate::cuda::CudaCopyBackend;
-use crate::cuda_gather::{ConvertPlan, GatherTuning};
+use crate::cuda_gather::{ConvertShape, GatherTuning};
 use crate::{DeliveryControl, TransferError};
 
 /// Token offset of the HF target: block `b` lands at tokens `48 + 16 b`.
 const HF_TOKEN_OFFSET: u64 = 48;
 
-fn bad(e: impl std::fmt::Display) -> TransferError {
+pub(crate) fn bad(e: impl std::fmt::Display) -> TransferError {
     TransferError::input("bench.convert", e.to_string())
 }
 
 /// The target region layouts of the rows, by row label.
-fn targets(
+pub(crate) fn targets(
     g: &KvLayout,
     blocks: u32,
 ) -> Result<Vec<(&'static str, KvRegionLayout)>, TransferError> {
@@ -112,16 +112,27 @@ fn verify(
     Ok(())
 }
 
-/// The converting rows; see the module docs. `quick` keeps 4 layers and 32
-/// blocks; plans are split with `tuning`; `only` keeps one target label.
-/// Every row carries its phases (host plan = `ConvertPlan::new_tuned`).
-pub(crate) fn rows(
-    backend: &CudaCopyBackend,
-    quick: bool,
-    repeats: usize,
-    tuning: &GatherTuning,
-    only: Option<&str>,
-) -> Result<Vec<BenchRow>, TransferError> {
+/// The 8B-shape case of the converting rows (and of the CPU plan rows).
+pub(crate) struct Case {
+    /// Blocks moved.
+    pub(crate) blocks: u32,
+    /// Rank block bytes.
+    pub(crate) block_bytes: u64,
+    /// Block-major donor of `2 x blocks` slots.
+    pub(crate) donor: KvRegionLayout,
+    /// Target layouts by row label.
+    pub(crate) targets: Vec<(&'static str, KvRegionLayout)>,
+    /// `(donor slot, target block)`: every other slot, shuffled.
+    pub(crate) moves: Vec<(u32, u32)>,
+    /// Block size label (`2MiB`; `256KiB` for the quick 4-layer shape).
+    pub(crate) size: String,
+}
+
+/// The 8B shape (4 layers and 32 blocks when `quick`).
+///
+/// # Errors
+/// [`TransferError::InvalidInput`] naming `bench.convert` (a layout refused).
+pub(crate) fn case(quick: bool) -> Result<Case, TransferError> {
     let layers = if quick { 4 } else { 32 };
     let blocks: u32 = if quick { 32 } else { 512 };
     let g =
@@ -129,7 +140,46 @@ pub(crate) fn rows(
     let bb = g.rank_block_bytes() as u64;
     let slots = 2 * blocks;
     let donor = KvRegionLayout::block_major(g, 0, 0, slots, u64::from(slots) * bb).map_err(bad)?;
-    let mut targets = targets(&g, blocks)?;
+    // Donor slots: every other slot, shuffled, as the scattered rows.
+    let moves: Vec<(u32, u32)> = crate::bench::shuffled(blocks, 11)
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| (2 * s + 1, i as u32))
+        .collect();
+    let size = if bb % (1 << 20) == 0 {
+        format!("{}MiB", bb >> 20)
+    } else {
+        format!("{}KiB", bb >> 10)
+    };
+    Ok(Case {
+        blocks,
+        block_bytes: bb,
+        targets: targets(&g, blocks)?,
+        donor,
+        moves,
+        size,
+    })
+}
+
+/// The converting rows; see the module docs. `quick` keeps 4 layers and 32
+/// blocks; plans are split with `tuning`; `only` keeps one target label.
+/// Every row carries its phases (host plan = `ConvertShape::plan` of a shape
+/// built once per target, as `CudaCopyBackend` caches it).
+pub(crate) fn rows(
+    backend: &CudaCopyBackend,
+    quick: bool,
+    repeats: usize,
+    tuning: &GatherTuning,
+    only: Option<&str>,
+) -> Result<Vec<BenchRow>, TransferError> {
+    let Case {
+        blocks,
+        block_bytes: bb,
+        donor,
+        mut targets,
+        moves,
+        size,
+    } = case(quick)?;
     targets.retain(|(l, _)| only.is_none_or(|o| o == *l));
     let dst_bytes = targets
         .iter()
@@ -139,24 +189,14 @@ pub(crate) fn rows(
     let src = kv_bank::CudaDeviceMemory::new(0, donor.region_bytes() as usize)?;
     let dst = kv_bank::CudaDeviceMemory::new(0, dst_bytes as usize)?;
     crate::bench::fill(&src, 9)?;
-    // Donor slots: every other slot, shuffled, as the scattered rows.
-    let moves: Vec<(u32, u32)> = crate::bench::shuffled(blocks, 11)
-        .into_iter()
-        .enumerate()
-        .map(|(i, s)| (2 * s + 1, i as u32))
-        .collect();
     let bytes = u64::from(blocks) * bb;
-    // 2 MiB for the full shape; the quick one has 4 layers (256 KiB).
-    let size = if bb % (1 << 20) == 0 {
-        format!("{}MiB", bb >> 20)
-    } else {
-        format!("{}KiB", bb >> 10)
-    };
     let control = DeliveryControl::new();
     let mut out = Vec::new();
     let mut timed = Vec::new();
     for (label, target) in &targets {
-        let plan = ConvertPlan::new_tuned(&donor, target, &moves, tuning).map_err(bad)?;
+        let plan = ConvertShape::new(&donor, target, tuning)
+            .and_then(|s| s.plan(&moves))
+            .map_err(bad)?;
         let mut times = Vec::with_capacity(repeats);
         for i in 0..=repeats {
             let t0 = Instant::now();
@@ -198,7 +238,10 @@ pub(crate) fn rows(
         repeats,
     )?);
     for (name, t, target) in timed {
-        let build = || ConvertPlan::new_tuned(&donor, target, &moves, tuning).map_err(bad);
+        // The shape is built once per target (as the backend caches it):
+        // the host plan phase is what each fetch pays.
+        let shape = ConvertShape::new(&donor, target, tuning).map_err(bad)?;
+        let build = || shape.plan(&moves).map_err(bad);
         let mut r = row_of(name, bytes, blocks, t, raw);
         r.phases = Some(phases(backend, &build, &src, &dst, repeats, raw)?);
         out.push(r);

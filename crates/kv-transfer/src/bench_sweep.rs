@@ -62,8 +62,11 @@ fn env_u64(name: &'static str, default: u64) -> Result<u64, TransferError> {
     }
 }
 
-/// The benchmark's tuning: defaults overridden by `KV_GATHER_THREADS`,
-/// `KV_GATHER_CTAS_PER_SM`, `KV_GATHER_MAX_PIECE`.
+/// The benchmark's tuning: [`GatherTuning::default`] (with its per-shape
+/// small-piece geometry) when none of `KV_GATHER_THREADS`,
+/// `KV_GATHER_CTAS_PER_SM`, `KV_GATHER_MAX_PIECE` is set; otherwise one
+/// geometry for every shape ([`GatherTuning::new`]), unset knobs at their
+/// defaults.
 ///
 /// # Errors
 /// [`TransferError::InvalidInput`] naming the variable (non-integer) or
@@ -71,6 +74,14 @@ fn env_u64(name: &'static str, default: u64) -> Result<u64, TransferError> {
 /// naming the knob (out of range).
 pub fn env_tuning() -> Result<GatherTuning, TransferError> {
     let d = GatherTuning::default();
+    const KNOBS: [&str; 3] = [
+        "KV_GATHER_THREADS",
+        "KV_GATHER_CTAS_PER_SM",
+        "KV_GATHER_MAX_PIECE",
+    ];
+    if KNOBS.iter().all(|k| std::env::var_os(k).is_none()) {
+        return Ok(d);
+    }
     let t = env_u64("KV_GATHER_THREADS", u64::from(d.threads()))?;
     let c = env_u64("KV_GATHER_CTAS_PER_SM", u64::from(d.ctas_per_sm()))?;
     let p = env_u64("KV_GATHER_MAX_PIECE", d.max_piece_bytes())?;

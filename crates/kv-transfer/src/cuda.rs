@@ -19,21 +19,20 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice,
-    PushKernelArg,
-};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 use kv_bank::{BankMemory, MemoryKind};
 use parking_lot::Mutex;
 
-use crate::cuda_gather::{ConvertPlan, GatherTuning, PieceTable, CONVERT_KERNEL_SRC, KERNEL_NAMES};
+use crate::cuda_gather::{ConvertPlan, ConvertShape, GatherTuning};
 use crate::delivery::{CopyBackend, PartOutcome, RankIo, SourceRegion};
 use crate::plan::{CopyRun, PartPlan};
 use crate::{DeliveryControl, TransferError};
 
+mod launch;
 mod profile;
+pub use launch::inline_compile_options;
+use launch::{launch_convert, Kernels, Tables};
 pub use profile::LaunchPhases;
-use profile::{record, LaunchEvents};
 
 /// At most this many runs go out as individual device copies; more use the kernel.
 const DIRECT_MAX_RUNS: usize = 4;
@@ -41,6 +40,9 @@ const DIRECT_MAX_RUNS: usize = 4;
 /// per rank; longer ones are cut, and cancellation and deadline are checked
 /// between launches.
 const BLOCKS_PER_LAUNCH: usize = 1 << 16;
+/// Layout pairs whose [`ConvertShape`] the backend keeps (an executor lands
+/// in a handful of target layouts; the oldest is dropped past this).
+const CACHED_SHAPES: usize = 8;
 
 /// Lets `ctx` access `peer`'s memory directly (NVLink / PCIe P2P). Returns
 /// false when the devices cannot reach each other.
@@ -81,19 +83,28 @@ pub fn device_count() -> usize {
 struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    /// Entry points of the converting gather, by element width (bytes).
-    kernels: Option<Vec<(u32, CudaFunction)>>,
+    /// Entry points of the converting gather (absent without libnvrtc).
+    kernels: Option<Kernels>,
     /// Streaming multiprocessors (sizes the grid).
     sms: u32,
-    /// Block table of the last launch on the device and its page-locked host
-    /// staging buffer, same capacity (grown, never shrunk): an upload from
-    /// pinned memory is one DMA, where a pageable one is staged by the driver
-    /// and costs microseconds on every fetch.
-    blocks: Option<(CudaSlice<u64>, PinnedHostSlice<u64>)>,
-    /// Piece table on the device and the host copy it holds: the same layout
-    /// pair reuses it without an upload (compared without building a Vec).
-    pieces: Option<(CudaSlice<u64>, PieceTable)>,
+    /// Block and piece tables of the launches on this device.
+    tables: Tables,
     peers: HashMap<u32, bool>,
+}
+
+impl Device {
+    /// Waits for everything issued on the stream; afterwards nothing reads
+    /// the table staging buffer.
+    fn sync(&mut self) -> Result<(), TransferError> {
+        let r = self
+            .stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"));
+        if r.is_ok() {
+            self.tables.quiesced();
+        }
+        r
+    }
 }
 
 /// Copies between CUDA regions: device copies for a few runs, the NVRTC
@@ -103,6 +114,9 @@ pub struct CudaCopyBackend {
     devices: Mutex<HashMap<u32, Arc<Mutex<Device>>>>,
     use_kernel: bool,
     tuning: GatherTuning,
+    /// Shapes of the converting parts seen, newest last: a fetch into a
+    /// known layout pair builds no piece table.
+    shapes: Mutex<Vec<Arc<ConvertShape>>>,
 }
 
 impl std::fmt::Debug for CudaCopyBackend {
@@ -140,6 +154,7 @@ impl CudaCopyBackend {
             devices: Mutex::new(HashMap::new()),
             use_kernel: mode == CudaMode::Auto,
             tuning: GatherTuning::default(),
+            shapes: Mutex::new(Vec::new()),
         })
     }
 
@@ -150,6 +165,28 @@ impl CudaCopyBackend {
     pub fn with_tuning(mut self, tuning: GatherTuning) -> Self {
         self.tuning = tuning;
         self
+    }
+
+    /// The cached [`ConvertShape`] of `donor` -> `target` under this
+    /// backend's tuning, built on first use.
+    ///
+    /// # Errors
+    /// As [`ConvertShape::new`].
+    pub fn shape(
+        &self,
+        donor: &kv_descriptor::KvRegionLayout,
+        target: &kv_descriptor::KvRegionLayout,
+    ) -> Result<Arc<ConvertShape>, crate::cuda_gather::ConvertError> {
+        let mut shapes = self.shapes.lock();
+        if let Some(s) = shapes.iter().find(|s| s.is(donor, target, &self.tuning)) {
+            return Ok(s.clone());
+        }
+        let s = Arc::new(ConvertShape::new(donor, target, &self.tuning)?);
+        if shapes.len() == CACHED_SHAPES {
+            shapes.remove(0);
+        }
+        shapes.push(s.clone());
+        Ok(s)
     }
 
     fn device(&self, ordinal: u32) -> Result<Arc<Mutex<Device>>, TransferError> {
@@ -169,21 +206,7 @@ impl CudaCopyBackend {
             );
         }
         let kernels = if self.use_kernel && nvrtc {
-            let ptx = cudarc::nvrtc::compile_ptx(CONVERT_KERNEL_SRC).map_err(|e| {
-                TransferError::Cuda {
-                    op: "nvrtcCompileProgram",
-                    reason: e.to_string(),
-                }
-            })?;
-            let module = ctx.load_module(ptx).map_err(cuda_err("cuModuleLoadData"))?;
-            let mut fns = Vec::with_capacity(KERNEL_NAMES.len());
-            for (w, name) in KERNEL_NAMES {
-                let f = module
-                    .load_function(name)
-                    .map_err(cuda_err("cuModuleGetFunction"))?;
-                fns.push((w, f));
-            }
-            Some(fns)
+            Some(Kernels::load(&ctx)?)
         } else {
             None
         };
@@ -196,8 +219,7 @@ impl CudaCopyBackend {
             stream,
             kernels,
             sms,
-            blocks: None,
-            pieces: None,
+            tables: Tables::new(),
             peers: HashMap::new(),
         }));
         devs.insert(ordinal, d.clone());
@@ -312,17 +334,14 @@ impl CudaCopyBackend {
             .bind_to_thread()
             .map_err(cuda_err("cuCtxSetCurrent"))?;
         control.check()?;
-        let launched = Self::launch_convert(
+        let launched = launch_convert(
             &mut dev,
             plan,
             (src.base_addr(), dst.base_addr()),
             &self.tuning,
             None,
         );
-        let synced = dev
-            .stream
-            .synchronize()
-            .map_err(cuda_err("cuStreamSynchronize"));
+        let synced = dev.sync();
         let copies = launched?;
         synced?;
         Ok(PartOutcome {
@@ -372,105 +391,6 @@ impl CudaCopyBackend {
         Ok(runs.len() as u64)
     }
 
-    /// One launch of the converting gather for `plan` between the regions at
-    /// `sb` / `db`; returns the launches issued (1). Uploads the block table,
-    /// and the piece table only when it differs from the one on the device.
-    fn launch_convert(
-        dev: &mut Device,
-        plan: &ConvertPlan,
-        (sb, db): (u64, u64),
-        tuning: &GatherTuning,
-        mut events: Option<&mut LaunchEvents>,
-    ) -> Result<u64, TransferError> {
-        let host_t0 = std::time::Instant::now();
-        let n2 = 2 * plan.blocks();
-        let geo = plan.geometry_tuned(sb, db, dev.sms, tuning);
-        let Device {
-            stream,
-            kernels,
-            blocks: dblocks,
-            pieces: dpieces,
-            ..
-        } = dev;
-        if dblocks.as_ref().is_none_or(|(t, _)| t.len() < n2) {
-            let cap = n2.next_power_of_two().max(128);
-            let dev_table = stream
-                .alloc_zeros::<u64>(cap)
-                .map_err(cuda_err("cuMemAlloc"))?;
-            // SAFETY: the pinned buffer is written (below) before any copy
-            // reads it; u64 has no invalid bit patterns.
-            let pinned = unsafe { stream.context().alloc_pinned::<u64>(cap) }
-                .map_err(cuda_err("cuMemHostAlloc"))?;
-            *dblocks = Some((dev_table, pinned));
-        }
-        let (dblocks, pinned) = dblocks.as_mut().expect("block table allocated above");
-        // `as_mut_slice` first waits for the previous upload from this buffer.
-        let host = pinned
-            .as_mut_slice()
-            .map_err(cuda_err("cuEventSynchronize"))?;
-        // Straight into the page-locked buffer: no Vec per fetch.
-        plan.write_block_table(sb, db, host);
-        if let Some(ev) = events.as_deref_mut() {
-            ev.host = host_t0.elapsed();
-            ev.start = Some(record(stream)?);
-        }
-        // The whole capacity goes up (stale entries past `2n` are never read):
-        // one DMA of at most a few KiB more than needed.
-        stream
-            .memcpy_htod(&*pinned, dblocks)
-            .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
-        if dpieces
-            .as_ref()
-            .is_none_or(|(_, host)| host != plan.pieces())
-        {
-            let pieces = plan.piece_table();
-            let mut t = stream
-                .alloc_zeros::<u64>(pieces.len())
-                .map_err(cuda_err("cuMemAlloc"))?;
-            stream
-                .memcpy_htod(&pieces, &mut t)
-                .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
-            *dpieces = Some((t, plan.pieces().clone()));
-        }
-        if let Some(ev) = events.as_deref_mut() {
-            ev.uploaded = Some(record(stream)?);
-        }
-        let (dpieces, _) = dpieces.as_ref().expect("piece table uploaded above");
-        let func = kernels
-            .as_ref()
-            .and_then(|k| k.iter().find(|(w, _)| *w == geo.width))
-            .map(|(_, f)| f)
-            .ok_or_else(|| TransferError::Cuda {
-                op: "nvrtcCompileProgram",
-                reason: "libnvrtc not found: the converting gather kernel is unavailable".into(),
-            })?;
-        let cfg = LaunchConfig {
-            grid_dim: (geo.grid_x, 1, 1),
-            block_dim: (geo.threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = stream.launch_builder(func);
-        launch
-            .arg(&*dblocks)
-            .arg(dpieces)
-            .arg(&geo.n)
-            .arg(&geo.num_pieces)
-            .arg(&geo.piece_shift)
-            .arg(&geo.piece_elems)
-            .arg(&geo.group_shift);
-        // SAFETY: the signature is (const u64*, const u64*, u32 x 5) as
-        // pushed. Every block base + piece offset + piece length lies inside
-        // its region: `ConvertPlan` built the offsets from validated
-        // `KvRegionLayout`s (or in-range plan runs) and the callers checked
-        // both regions are at least the plan's region bytes long; the width
-        // divides every address (`ConvertPlan::geometry`).
-        unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
-        if let Some(ev) = events {
-            ev.done = Some(record(stream)?);
-        }
-        Ok(1)
-    }
-
     fn gather(
         dev: &mut Device,
         sb: u64,
@@ -482,7 +402,7 @@ impl CudaCopyBackend {
     ) -> Result<u64, TransferError> {
         let plan = ConvertPlan::from_runs_tuned(runs, block_bytes, regions.0, regions.1, tuning)
             .map_err(|e| TransferError::input("runs", e.to_string()))?;
-        Self::launch_convert(dev, &plan, (sb, db), tuning, None)
+        launch_convert(dev, &plan, (sb, db), tuning, None)
     }
 }
 
@@ -546,10 +466,7 @@ impl CopyBackend for CudaCopyBackend {
         }
         // Quiesce before returning, whatever happened: the caller releases the
         // destination reservation and donor pins as soon as we return.
-        let synced = dev
-            .stream
-            .synchronize()
-            .map_err(cuda_err("cuStreamSynchronize"));
+        let synced = dev.sync();
         if let Some(e) = failed {
             return Err(e);
         }
@@ -589,7 +506,9 @@ impl CudaCopyBackend {
         let (dev, src_dev, dst_dev) = self.open_pair(rank, src, dst)?;
         if dev.lock().kernels.is_some() {
             drop(dev);
-            let plan = ConvertPlan::new_tuned(c.src(), c.dst(), &pairs, &self.tuning)
+            let plan = self
+                .shape(c.src(), c.dst())
+                .and_then(|shape| shape.plan(&pairs))
                 .map_err(|e| TransferError::input("conversion", e.to_string()))?;
             return self.convert_rank(rank, &plan, src, dst, control);
         }

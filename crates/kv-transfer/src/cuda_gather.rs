@@ -28,6 +28,8 @@
 //! Nothing here calls CUDA: `cuda.rs` compiles [`CONVERT_KERNEL_SRC`] with
 //! NVRTC and launches the kernel that [`LaunchGeometry::kernel_name`] names.
 
+use std::sync::Arc;
+
 use kv_descriptor::{KvRegionLayout, RegionLayoutError};
 
 use crate::plan::CopyRun;
@@ -35,53 +37,14 @@ use crate::plan::CopyRun;
 #[cfg(test)]
 mod mirror;
 
-/// CUDA C source of the converting gather, one entry point per element width:
-/// `kv_convert_16` (`uint4`), `kv_convert_8`, `kv_convert_4`, `kv_convert_2`,
-/// `kv_convert_1`. Arguments: `(const u64* blocks, const u64* pieces,
-/// u32 n, u32 num_pieces, u32 piece_shift, u32 piece_elems, u32 group_shift)`
-/// where `piece_shift` is `log2(num_pieces)` when that is a power of two and
-/// `0xFFFFFFFF` otherwise (then the block index is a division).
-pub const CONVERT_KERNEL_SRC: &str = r#"
-#define KV_CONVERT(NAME, T)                                                              \
-extern "C" __global__ void NAME(const unsigned long long* __restrict__ blocks,           \
-                                const unsigned long long* __restrict__ pieces,           \
-                                unsigned int n, unsigned int np, unsigned int pshift,    \
-                                unsigned int pe, unsigned int gshift) {                  \
-    const unsigned int G = 1u << gshift;                                                 \
-    const unsigned int lane = threadIdx.x & (G - 1u);                                    \
-    const unsigned int total = n * np;                                                   \
-    const unsigned int ngroups = (gridDim.x * blockDim.x) >> gshift;                     \
-    for (unsigned int r = (blockIdx.x * blockDim.x + threadIdx.x) >> gshift; r < total;  \
-         r += ngroups) {                                                                 \
-        const unsigned int i = pshift == 0xFFFFFFFFu ? r / np : r >> pshift;             \
-        const unsigned int p = r - i * np;                                               \
-        const T* __restrict__ sp = (const T*)(__ldg(blocks + i) + __ldg(pieces + p));    \
-        T* __restrict__ dp = (T*)(__ldg(blocks + n + i) + __ldg(pieces + np + p));       \
-        unsigned int w = lane;                                                           \
-        for (; w + 3u * G < pe; w += 4u * G) {                                           \
-            T a = __ldg(sp + w), b = __ldg(sp + w + G);                                  \
-            T c = __ldg(sp + w + 2u * G), d = __ldg(sp + w + 3u * G);                    \
-            __stcg(dp + w, a); __stcg(dp + w + G, b);                                    \
-            __stcg(dp + w + 2u * G, c); __stcg(dp + w + 3u * G, d);                      \
-        }                                                                                \
-        for (; w < pe; w += G) __stcg(dp + w, __ldg(sp + w));                            \
-    }                                                                                    \
-}
-KV_CONVERT(kv_convert_16, uint4)
-KV_CONVERT(kv_convert_8, unsigned long long)
-KV_CONVERT(kv_convert_4, unsigned int)
-KV_CONVERT(kv_convert_2, unsigned short)
-KV_CONVERT(kv_convert_1, unsigned char)
-"#;
-
-/// Entry points of [`CONVERT_KERNEL_SRC`], widest first, with their element bytes.
-pub const KERNEL_NAMES: [(u32, &str); 5] = [
-    (16, "kv_convert_16"),
-    (8, "kv_convert_8"),
-    (4, "kv_convert_4"),
-    (2, "kv_convert_2"),
-    (1, "kv_convert_1"),
-];
+mod shape;
+mod source;
+pub use shape::ConvertShape;
+pub use source::{
+    TablePlacement, CONVERT_KERNEL_SRC, INLINE_KERNEL_DEFINE, INLINE_LARGE_BLOCKS,
+    INLINE_LARGE_ENTRIES, INLINE_LARGE_NAMES, INLINE_SMALL_BLOCKS, INLINE_SMALL_ENTRIES,
+    INLINE_SMALL_NAMES, KERNEL_NAMES,
+};
 
 /// Threads per CTA of the converting gather.
 pub const THREADS: u32 = 256;
@@ -102,15 +65,33 @@ pub const MAX_WORK_ITEMS: u64 = (1 << 31) - 1;
 /// Most pieces per block (the piece table stays in L2).
 pub const MAX_PIECES: usize = 1 << 20;
 
+/// Pieces of at most this many bytes (HF targets: one 256-byte `head_dim`
+/// row) launch with [`SMALL_PIECE_THREADS`] x [`SMALL_PIECE_CTAS_PER_SM`]
+/// under the default tuning.
+pub const SMALL_PIECE_BYTES: u64 = 1 << 10;
+/// Threads per CTA for small pieces under the default tuning: the H200
+/// sweep's best geometry for the 8B -> HF row (t128_c4: 0.884 of raw,
+/// against 0.834 at 256 x 8).
+pub const SMALL_PIECE_THREADS: u32 = 128;
+/// CTAs per SM for small pieces under the default tuning (see
+/// [`SMALL_PIECE_THREADS`]).
+pub const SMALL_PIECE_CTAS_PER_SM: u32 = 4;
+
 /// Launch knobs of the converting gather. [`GatherTuning::default`] is the
-/// product's setting ([`THREADS`], [`CTAS_PER_SM`], [`MAX_PIECE_BYTES`]);
-/// other values exist so the benchmark can sweep them on a device
-/// (`kvq bench transfer --profile gpu --sweep`).
+/// product's setting: [`THREADS`] x [`CTAS_PER_SM`], pieces split to
+/// [`MAX_PIECE_BYTES`], and for pieces of at most [`SMALL_PIECE_BYTES`]
+/// [`SMALL_PIECE_THREADS`] x [`SMALL_PIECE_CTAS_PER_SM`] (the sweep's best
+/// per shape). [`GatherTuning::new`] sets one geometry for every shape, so
+/// the benchmark can sweep it on a device (`kvq bench transfer --profile gpu
+/// --sweep`) and `KV_GATHER_*` overrides apply as given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GatherTuning {
     threads: u32,
     ctas_per_sm: u32,
     max_piece_bytes: u64,
+    /// `(threads, ctas_per_sm)` for pieces of at most [`SMALL_PIECE_BYTES`];
+    /// `None`: `threads` / `ctas_per_sm` for every piece size.
+    small_pieces: Option<(u32, u32)>,
 }
 
 impl Default for GatherTuning {
@@ -119,6 +100,7 @@ impl Default for GatherTuning {
             threads: THREADS,
             ctas_per_sm: CTAS_PER_SM,
             max_piece_bytes: MAX_PIECE_BYTES,
+            small_pieces: Some((SMALL_PIECE_THREADS, SMALL_PIECE_CTAS_PER_SM)),
         }
     }
 }
@@ -147,9 +129,19 @@ impl GatherTuning {
             threads,
             ctas_per_sm,
             max_piece_bytes,
+            small_pieces: None,
         })
     }
-    /// Threads per CTA.
+    /// `(threads per CTA, most CTAs per SM)` of a launch whose pieces are
+    /// `piece_bytes` long.
+    pub fn geometry_for(&self, piece_bytes: u64) -> (u32, u32) {
+        match self.small_pieces {
+            Some(small) if piece_bytes <= SMALL_PIECE_BYTES => small,
+            _ => (self.threads, self.ctas_per_sm),
+        }
+    }
+    /// Threads per CTA (pieces over [`SMALL_PIECE_BYTES`] under the
+    /// default tuning; see [`GatherTuning::geometry_for`]).
     pub fn threads(&self) -> u32 {
         self.threads
     }
@@ -406,7 +398,9 @@ impl PieceTable {
 /// Block offsets are relative to the donor / target region's first byte.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConvertPlan {
-    pieces: PieceTable,
+    /// Shared with the [`ConvertShape`] that built the plan, so a launch
+    /// recognises the piece table already on the device by pointer.
+    pieces: Arc<PieceTable>,
     src_blocks: Vec<u64>,
     dst_blocks: Vec<u64>,
     src_region_bytes: u64,
@@ -445,42 +439,7 @@ impl ConvertPlan {
         moves: &[(u32, u32)],
         tuning: &GatherTuning,
     ) -> Result<Self, ConvertError> {
-        let pieces = PieceTable::convert(donor, target)?;
-        if moves.is_empty() {
-            return Err(ConvertError::Empty);
-        }
-        let elem = donor.dtype().size_bytes() as u64;
-        let mut seen = std::collections::HashSet::with_capacity(moves.len());
-        let mut src_blocks = Vec::with_capacity(moves.len());
-        let mut dst_blocks = Vec::with_capacity(moves.len());
-        for (index, &(s, d)) in moves.iter().enumerate() {
-            for (field, block, limit) in [
-                ("moves.src_block", s, donor.num_blocks()),
-                ("moves.dst_block", d, target.num_blocks()),
-            ] {
-                if block >= limit {
-                    return Err(ConvertError::BlockOutOfRange {
-                        field,
-                        index,
-                        block,
-                        limit,
-                    });
-                }
-            }
-            if !seen.insert(d) {
-                return Err(ConvertError::DuplicateTarget { index, block: d });
-            }
-            src_blocks.push(u64::from(s) * donor.strides().block * elem);
-            dst_blocks.push(u64::from(d) * target.strides().block * elem);
-        }
-        Self::checked(
-            pieces,
-            src_blocks,
-            dst_blocks,
-            donor.region_bytes(),
-            target.region_bytes(),
-            tuning,
-        )
+        ConvertShape::new(donor, target, tuning)?.plan(moves)
     }
 
     /// The block-major rows of `runs` (as planned by
@@ -568,7 +527,7 @@ impl ConvertPlan {
             .chain(&pieces.dst)
             .fold(pieces.piece_bytes, |a, b| a | b);
         Ok(Self {
-            pieces,
+            pieces: Arc::new(pieces),
             src_blocks,
             dst_blocks,
             src_region_bytes,
@@ -579,6 +538,10 @@ impl ConvertPlan {
 
     /// How each block is cut.
     pub fn pieces(&self) -> &PieceTable {
+        &self.pieces
+    }
+    /// The piece table as shared by every plan of one [`ConvertShape`].
+    pub fn pieces_arc(&self) -> &Arc<PieceTable> {
         &self.pieces
     }
     /// Blocks moved.
@@ -647,7 +610,7 @@ impl ConvertPlan {
         tuning: &GatherTuning,
     ) -> LaunchGeometry {
         let p = &self.pieces;
-        let threads = tuning.threads;
+        let (threads, ctas_per_sm) = tuning.geometry_for(p.piece_bytes);
         // Lowest set bit of (base | offset) is at most that of (base + offset),
         // so the width divides every address the kernel forms.
         let bits = self.offset_bits | src_base | dst_base;
@@ -661,7 +624,7 @@ impl ConvertPlan {
         let groups_per_cta = u64::from(threads >> group_shift);
         let ctas = total
             .div_ceil(groups_per_cta)
-            .clamp(1, u64::from(sms.max(1) * tuning.ctas_per_sm)) as u32;
+            .clamp(1, u64::from(sms.max(1) * ctas_per_sm)) as u32;
         LaunchGeometry {
             width,
             grid_x: ctas,

@@ -76,6 +76,8 @@ pub mod bench;
 #[cfg(feature = "qualify")]
 mod bench_convert;
 #[cfg(feature = "qualify")]
+mod bench_plan;
+#[cfg(feature = "qualify")]
 pub mod bench_sweep;
 mod control;
 pub mod convert;

@@ -39,3 +39,45 @@ fn convert_kernel_compiles_with_every_entry_point() {
     assert!(text.contains("kv_convert_16_param_6"), "{text}");
     assert!(!text.contains("kv_convert_16_param_7"));
 }
+
+#[test]
+fn inline_table_entry_points_compile_with_the_table_as_a_parameter() {
+    use kv_transfer::cuda_gather::{
+        INLINE_LARGE_ENTRIES, INLINE_LARGE_NAMES, INLINE_SMALL_ENTRIES, INLINE_SMALL_NAMES,
+    };
+    // SAFETY: as above.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        println!("SKIP inline kernel compile: libnvrtc not loadable (set LD_LIBRARY_PATH)");
+        return;
+    }
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(
+        CONVERT_KERNEL_SRC,
+        kv_transfer::cuda::inline_compile_options(),
+    )
+    .expect("NVRTC compiles the inline entry points");
+    let text = ptx.to_src();
+    if std::env::var_os("KV_DUMP_PTX").is_some() {
+        println!("{text}");
+    }
+    for (names, entries) in [
+        (INLINE_SMALL_NAMES, INLINE_SMALL_ENTRIES),
+        (INLINE_LARGE_NAMES, INLINE_LARGE_ENTRIES),
+    ] {
+        for (_, name) in names {
+            // The table is parameter 0, passed by value with its full size.
+            let decl = format!(".param .align 8 .b8 {name}_param_0[{}]", entries * 8);
+            assert!(text.contains(&decl), "no `{decl}` in the PTX");
+            assert!(text.contains(&format!("{name}_param_6")), "{name}");
+            assert!(!text.contains(&format!("{name}_param_7")), "{name}");
+        }
+    }
+    // The table-pointer entry points are not in the inline module.
+    assert!(!text.contains(".entry kv_convert_16("));
+    // `__grid_constant__`: the table is read from the parameter space, not
+    // copied to a local frame (`.local` would mean a per-thread copy).
+    assert!(text.contains("ld.param.u64"), "no parameter loads");
+    assert!(
+        !text.contains(".local"),
+        "the inline table was copied to local memory"
+    );
+}

@@ -72,11 +72,8 @@ impl CudaCopyBackend {
             .map_err(cuda_err("cuCtxSetCurrent"))?;
         let mut ev = LaunchEvents::default();
         let bases = (src.base_addr(), dst.base_addr());
-        let launched = Self::launch_convert(&mut dev, plan, bases, &self.tuning, Some(&mut ev));
-        let synced = dev
-            .stream
-            .synchronize()
-            .map_err(cuda_err("cuStreamSynchronize"));
+        let launched = super::launch_convert(&mut dev, plan, bases, &self.tuning, Some(&mut ev));
+        let synced = dev.sync();
         launched?;
         synced?;
         let (Some(a), Some(b), Some(c)) = (&ev.start, &ev.uploaded, &ev.done) else {

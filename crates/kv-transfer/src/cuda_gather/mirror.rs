@@ -11,7 +11,7 @@
 use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
 use proptest::prelude::*;
 
-use super::{reference_convert, ConvertPlan, GatherTuning, LaunchGeometry};
+use super::{reference_convert, ConvertPlan, GatherTuning, LaunchGeometry, INLINE_LARGE_ENTRIES};
 
 /// Runs the kernel of `g` over `mem` (addresses are indices into it).
 /// `writes[a]` counts the stores to byte `a`. Panics on a misaligned access,
@@ -135,15 +135,14 @@ fn check(
     let mut want = vec![0u8; dl as usize];
     reference_convert(donor, target, moves, &src, &mut want).unwrap();
     let g = plan.geometry_tuned(src_at, dst_at, sms, tuning);
-    prop_assert_eq!(g.threads, tuning.threads());
+    prop_assert_eq!(g.threads, tuning.geometry_for(plan.pieces().piece_bytes).0);
     let mut writes = vec![0u8; size];
-    run_kernel(
-        &g,
-        &plan.block_table(src_at, dst_at),
-        &plan.piece_table(),
-        &mut mem,
-        &mut writes,
-    );
+    // As the launch fills it: the inline parameter image (or the staging
+    // buffer), whose entries past `2n` are stale from earlier fetches; a
+    // read of one would address far outside `mem` and panic.
+    let mut table = vec![u64::MAX / 2; INLINE_LARGE_ENTRIES.max(2 * plan.blocks())];
+    plan.write_block_table(src_at, dst_at, &mut table);
+    run_kernel(&g, &table, &plan.piece_table(), &mut mem, &mut writes);
     prop_assert!(
         writes[..dst_at as usize].iter().all(|&c| c == 0),
         "donor written"

@@ -161,10 +161,42 @@ fn tuning_refusals_name_the_knob() {
             })
         );
     }
+    // The default's large-piece knobs; `new` applies one geometry to every
+    // piece size, the default switches small pieces to the sweep's best.
+    let t = GatherTuning::new(THREADS, CTAS_PER_SM, MAX_PIECE_BYTES).unwrap();
+    let d = GatherTuning::default();
     assert_eq!(
-        GatherTuning::new(THREADS, CTAS_PER_SM, MAX_PIECE_BYTES),
-        Ok(GatherTuning::default())
+        (t.threads(), t.ctas_per_sm(), t.max_piece_bytes()),
+        (d.threads(), d.ctas_per_sm(), d.max_piece_bytes())
     );
+    assert_eq!(t.geometry_for(256), (THREADS, CTAS_PER_SM));
+    assert_eq!(d.geometry_for(256), (128, 4));
+    assert_eq!(d.geometry_for(SMALL_PIECE_BYTES + 1), (256, 8));
+}
+
+#[test]
+fn hf_pieces_launch_with_the_sweeps_best_geometry_by_default() {
+    // H200 sweep: 8B -> HF at t128_c4 0.884 of raw, at 256 x 8 0.834.
+    let g = geom_8b();
+    let bb = g.rank_block_bytes() as u64;
+    let donor = KvRegionLayout::block_major(g, 0, 0, 1024, 1024 * bb).unwrap();
+    let max_tokens = 48 + 512 * 16;
+    let hf_layer = 2 * 8 * max_tokens * 128 * 2;
+    let hf = KvRegionLayout::hf_tokens(g, 0, 0, hf_layer, 1, 0, max_tokens, 48, 512, 32 * hf_layer)
+        .unwrap();
+    let moves: Vec<(u32, u32)> = (0..512).map(|i| (2 * i + 1, i)).collect();
+    let p = ConvertPlan::new(&donor, &hf, &moves).unwrap();
+    assert_eq!(p.pieces().piece_bytes, 256);
+    let geo = p.geometry(0, 1 << 40, 132);
+    assert_eq!((geo.threads, geo.grid_x), (128, 132 * 4));
+    // Block-major rows keep 256 x 8.
+    let bm = ConvertPlan::new(&donor, &donor, &[(0, 1)]).unwrap();
+    let geo = bm.geometry(0, 0, 132);
+    assert_eq!(geo.threads, 256);
+    // An explicit tuning applies as given (the sweep, `KV_GATHER_*`).
+    let t = GatherTuning::new(256, 8, 64 << 10).unwrap();
+    let geo = p.geometry_tuned(0, 1 << 40, 132, &t);
+    assert_eq!((geo.threads, geo.grid_x), (256, 132 * 8));
 }
 
 #[test]

@@ -1,0 +1,122 @@
+//! Host plan-building rows of the CPU benchmark: what building the
+//! converting gather's plan costs per fetch, per layout, measured without a
+//! GPU (the GPU rows' `host_plan_us` phase is the same work on the H200's
+//! host).
+//!
+//! Rows (median of `repeats` builds after one warm-up), printed after the
+//! copy rows:
+//! - `cpu/plan_build/runs/<n>x<size>`: `ConvertPlan::from_runs` of a
+//!   scattered `TransferPlan`'s rows, what `deliver` builds per rank;
+//! - `cpu/plan_build/8b_to_<target>/<n>x<size>`: `ConvertShape::plan` of the
+//!   8B shape into block-major, vLLM kv-first and HF at token offset 48, the
+//!   shape built once per target (as `CudaCopyBackend` caches it);
+//! - `cpu/plan_build_cold/8b_to_<target>/..`: `ConvertPlan::new`, which
+//!   builds the piece table again on every call.
+//!
+//! `p50_us` is the build time. `GBps` is the fetch's bytes over the build
+//! time and `raw_GBps` the raw memcpy rate of the copy rows' same block size
+//! (the 2 MiB row for the 8B shape) in the same run, so `ratio` = copy time
+//! of the fetch / plan time: how many times faster planning is than moving
+//! the bytes at memcpy speed on this host.
+
+use std::time::{Duration, Instant};
+
+use crate::bench::{gbps, median, plan_for, sizes, BenchRow};
+use crate::bench_convert::{bad, case, Case};
+use crate::bench_sweep::plan_of_runs;
+use crate::cuda_gather::{ConvertPlan, ConvertShape, GatherTuning};
+use crate::TransferError;
+
+/// Median of `repeats` timed calls of `f` after one warm-up.
+fn time<T>(
+    repeats: usize,
+    mut f: impl FnMut() -> Result<T, TransferError>,
+) -> Result<Duration, TransferError> {
+    let mut v = Vec::with_capacity(repeats);
+    for i in 0..=repeats {
+        let t0 = Instant::now();
+        let out = f()?;
+        let t = t0.elapsed();
+        drop(out);
+        if i > 0 {
+            v.push(t);
+        }
+    }
+    Ok(median(v))
+}
+
+fn plan_row(name: String, bytes: u64, blocks: u64, t: Duration, raw_gbps: f64) -> BenchRow {
+    let g = gbps(bytes, t);
+    BenchRow {
+        name,
+        bytes,
+        blocks,
+        gbps: g,
+        raw_gbps,
+        ratio: g / raw_gbps,
+        p50_us: t.as_secs_f64() * 1e6,
+        phases: None,
+    }
+}
+
+/// The plan rows; `copy_rows` are the CPU copy rows of the same run (their
+/// raw rates are the rows' baselines). See the module docs.
+///
+/// # Errors
+/// A layout or plan the benchmark builds is refused
+/// ([`TransferError::InvalidInput`] naming `bench.convert` or `runs`).
+pub(crate) fn rows(
+    quick: bool,
+    repeats: usize,
+    copy_rows: &[BenchRow],
+) -> Result<Vec<BenchRow>, TransferError> {
+    let raw_for = |label: &str| {
+        copy_rows
+            .iter()
+            .find(|r| r.name.ends_with(label))
+            .map_or(f64::NAN, |r| r.raw_gbps)
+    };
+    let tuning = GatherTuning::default();
+    let mut out = Vec::new();
+    for s in sizes(quick) {
+        let layout = crate::bench::layout_for(s.block_bytes)?;
+        let plan = plan_for(&layout, s.blocks, true)?;
+        let len = 2 * s.blocks as u64 * s.block_bytes as u64;
+        let t = time(repeats, || plan_of_runs(&plan, len, len, &tuning))?;
+        let size = format!("{}x{}", s.blocks, s.label);
+        out.push(plan_row(
+            format!("cpu/plan_build/runs/{size}"),
+            plan.expected_bytes(),
+            u64::from(s.blocks),
+            t,
+            raw_for(&format!("x{}", s.label)),
+        ));
+    }
+    let Case {
+        blocks,
+        block_bytes,
+        donor,
+        targets,
+        moves,
+        size,
+    } = case(quick)?;
+    let bytes = u64::from(blocks) * block_bytes;
+    let raw = raw_for("x2MiB");
+    for (label, target) in &targets {
+        let shape = ConvertShape::new(&donor, target, &tuning).map_err(bad)?;
+        let hot = time(repeats, || shape.plan(&moves).map_err(bad))?;
+        let cold = time(repeats, || {
+            ConvertPlan::new(&donor, target, &moves).map_err(bad)
+        })?;
+        for (kind, t) in [("plan_build", hot), ("plan_build_cold", cold)] {
+            out.push(plan_row(
+                format!("cpu/{kind}/8b_to_{label}/{blocks}x{size}"),
+                bytes,
+                u64::from(blocks),
+                t,
+                raw,
+            ));
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,330 @@
+//! Loading and launching the converting gather: the NVRTC modules of one
+//! device, where each launch's block table goes ([`TablePlacement`]), and
+//! the launch itself.
+//!
+//! Per fetch the host writes `2n` table entries and issues one launch; with
+//! an inline table (up to [`crate::cuda_gather::INLINE_LARGE_BLOCKS`]
+//! blocks) nothing else goes to the device: the table is a kernel parameter,
+//! copied by the driver when the launch is issued. Larger fetches, and
+//! drivers older than CUDA 12.1, use a device table filled by one
+//! `cuMemcpyHtoDAsync` of exactly `2n` entries from a page-locked buffer.
+//! Raw device pointers are passed as arguments, so no per-launch event
+//! bookkeeping runs: every caller synchronizes the stream before returning.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
+};
+
+use super::profile::{record, LaunchEvents};
+use super::{cuda_err, Device};
+use crate::cuda_gather::{
+    ConvertPlan, GatherTuning, PieceTable, TablePlacement, CONVERT_KERNEL_SRC,
+    INLINE_KERNEL_DEFINE, INLINE_LARGE_ENTRIES, INLINE_SMALL_ENTRIES, KERNEL_NAMES,
+};
+use crate::TransferError;
+
+/// CUDA driver API version that accepts kernel parameters past 4 KiB.
+const LARGE_PARAMS_DRIVER: i32 = 12010;
+
+/// Entry points of one table placement, by element width (bytes).
+type EntryPoints = Vec<(u32, CudaFunction)>;
+
+/// Entry points of the converting gather loaded on one device.
+pub(super) struct Kernels {
+    /// Table-pointer entry points, by element width.
+    table: EntryPoints,
+    /// Small then large inline entry points, when the inline module loaded.
+    inline: Option<(EntryPoints, EntryPoints)>,
+}
+
+impl Kernels {
+    /// Compiles and loads the kernel on `ctx`. The inline module is tried
+    /// only with a CUDA 12.1+ driver on compute capability 7.0+; when it
+    /// does not compile or load, a warning is logged and every launch uses
+    /// the device table (correct, a few µs slower per fetch).
+    ///
+    /// # Errors
+    /// [`TransferError::Cuda`] naming `nvrtcCompileProgram`,
+    /// `cuModuleLoadData` or `cuModuleGetFunction` for the table-pointer
+    /// module.
+    pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<Self, TransferError> {
+        let ptx =
+            cudarc::nvrtc::compile_ptx(CONVERT_KERNEL_SRC).map_err(|e| TransferError::Cuda {
+                op: "nvrtcCompileProgram",
+                reason: e.to_string(),
+            })?;
+        let module = ctx.load_module(ptx).map_err(cuda_err("cuModuleLoadData"))?;
+        let table = functions(&module, &KERNEL_NAMES)?;
+        let inline = if inline_supported(ctx)? {
+            match load_inline(ctx) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    tracing::warn!("inline gather tables unavailable, using a device table: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Ok(Self { table, inline })
+    }
+
+    /// True when the inline entry points are loaded.
+    pub(super) fn inline_loaded(&self) -> bool {
+        self.inline.is_some()
+    }
+
+    fn function(&self, placement: TablePlacement, width: u32) -> Option<&CudaFunction> {
+        let set = match (placement, &self.inline) {
+            (TablePlacement::Device, _) => &self.table,
+            (TablePlacement::InlineSmall, Some((s, _))) => s,
+            (TablePlacement::InlineLarge, Some((_, l))) => l,
+            _ => return None,
+        };
+        set.iter().find(|(w, _)| *w == width).map(|(_, f)| f)
+    }
+}
+
+fn functions(
+    module: &Arc<CudaModule>,
+    names: &[(u32, &str); 5],
+) -> Result<EntryPoints, TransferError> {
+    names
+        .iter()
+        .map(|&(w, name)| {
+            module
+                .load_function(name)
+                .map(|f| (w, f))
+                .map_err(cuda_err("cuModuleGetFunction"))
+        })
+        .collect()
+}
+
+/// CUDA 12.1+ driver and compute capability 7.0+ (`__grid_constant__`,
+/// parameters past 4 KiB).
+fn inline_supported(ctx: &Arc<CudaContext>) -> Result<bool, TransferError> {
+    let mut version = 0i32;
+    // SAFETY: writes one int; the driver is loaded (a context exists).
+    let r = unsafe { sys::cuDriverGetVersion(&mut version) };
+    let major = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        .map_err(cuda_err("cuDeviceGetAttribute"))?;
+    Ok(r == sys::CUresult::CUDA_SUCCESS && version >= LARGE_PARAMS_DRIVER && major >= 7)
+}
+
+fn load_inline(ctx: &Arc<CudaContext>) -> Result<(EntryPoints, EntryPoints), TransferError> {
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(CONVERT_KERNEL_SRC, inline_compile_options())
+        .map_err(|e| TransferError::Cuda {
+            op: "nvrtcCompileProgram",
+            reason: e.to_string(),
+        })?;
+    let module = ctx.load_module(ptx).map_err(cuda_err("cuModuleLoadData"))?;
+    let small = functions(&module, TablePlacement::InlineSmall.names())?;
+    let large = functions(&module, TablePlacement::InlineLarge.names())?;
+    Ok((small, large))
+}
+
+/// NVRTC options of the inline module: its entry points, and the oldest
+/// architecture with `__grid_constant__` (the PTX is JIT-compiled for the
+/// device at load).
+pub fn inline_compile_options() -> cudarc::nvrtc::CompileOptions {
+    cudarc::nvrtc::CompileOptions {
+        options: vec![INLINE_KERNEL_DEFINE.into()],
+        arch: Some("compute_70"),
+        ..Default::default()
+    }
+}
+
+/// Block tables of one device.
+pub(super) struct Tables {
+    /// Host image of the inline parameter; launches pass its first
+    /// [`INLINE_SMALL_ENTRIES`] or all entries.
+    inline: Box<[u64; INLINE_LARGE_ENTRIES]>,
+    /// Device table, its raw address, the page-locked staging buffer and its
+    /// raw pointer (same capacity; grown, never shrunk).
+    device: Option<(CudaSlice<u64>, u64, PinnedHostSlice<u64>, *mut u64)>,
+    /// A launch read the staging buffer and the stream was not synchronized
+    /// since (only within one multi-launch part).
+    staged_in_flight: bool,
+    /// Piece table on the device, its raw address and the host table it
+    /// holds: the same layout pair reuses it without an upload.
+    pieces: Option<(CudaSlice<u64>, u64, Arc<PieceTable>)>,
+}
+
+// SAFETY: the raw staging pointer points into the `PinnedHostSlice` stored
+// beside it and is only used while the owning `Device` is locked.
+unsafe impl Send for Tables {}
+
+impl Tables {
+    pub(super) fn new() -> Self {
+        Self {
+            inline: Box::new([0; INLINE_LARGE_ENTRIES]),
+            device: None,
+            staged_in_flight: false,
+            pieces: None,
+        }
+    }
+
+    /// The stream was synchronized: nothing reads the staging buffer.
+    pub(super) fn quiesced(&mut self) {
+        self.staged_in_flight = false;
+    }
+
+    /// Device address of the block table holding `plan`'s `2n` entries for
+    /// regions at `sb` / `db`, uploaded on `stream` (exactly `2n` entries).
+    fn upload_blocks(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        plan: &ConvertPlan,
+        (sb, db): (u64, u64),
+    ) -> Result<u64, TransferError> {
+        let n2 = 2 * plan.blocks();
+        if self.staged_in_flight {
+            // An earlier launch of this part may still read the staging
+            // buffer; rare (parts over 65,536 blocks).
+            stream
+                .synchronize()
+                .map_err(cuda_err("cuStreamSynchronize"))?;
+            self.staged_in_flight = false;
+        }
+        if self.device.as_ref().is_none_or(|d| d.0.len() < n2) {
+            let cap = n2.next_power_of_two().max(INLINE_LARGE_ENTRIES);
+            let table = stream
+                .alloc_zeros::<u64>(cap)
+                .map_err(cuda_err("cuMemAlloc"))?;
+            let ptr = table.device_ptr(stream).0;
+            // SAFETY: the pinned buffer is written (below) before any copy
+            // reads it; u64 has no invalid bit patterns.
+            let mut pinned = unsafe { stream.context().alloc_pinned::<u64>(cap) }
+                .map_err(cuda_err("cuMemHostAlloc"))?;
+            let host = pinned
+                .as_mut_ptr()
+                .map_err(cuda_err("cuEventSynchronize"))?;
+            self.device = Some((table, ptr, pinned, host));
+        }
+        let (_, ptr, pinned, host) = self.device.as_mut().expect("allocated above");
+        // SAFETY: `host` points at `pinned.len() >= n2` u64 owned by
+        // `pinned`; no copy reads it now (`staged_in_flight` is false).
+        let staging = unsafe { std::slice::from_raw_parts_mut(*host, pinned.len()) };
+        plan.write_block_table(sb, db, &mut staging[..n2]);
+        // SAFETY: `ptr` is a live allocation of at least `n2` u64; the
+        // staging slice stays untouched until the stream is synchronized
+        // (`staged_in_flight`).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(*ptr, &staging[..n2], stream.cu_stream())
+        }
+        .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
+        self.staged_in_flight = true;
+        Ok(*ptr)
+    }
+
+    /// Device address of `plan`'s piece table, uploaded only when it
+    /// differs from the one on the device (pointer-equal tables of a cached
+    /// shape skip the comparison).
+    fn pieces(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        plan: &ConvertPlan,
+    ) -> Result<u64, TransferError> {
+        let same = self.pieces.as_ref().is_some_and(|(_, _, host)| {
+            Arc::ptr_eq(host, plan.pieces_arc()) || **host == *plan.pieces()
+        });
+        if !same {
+            let table = plan.piece_table();
+            let mut t = stream
+                .alloc_zeros::<u64>(table.len())
+                .map_err(cuda_err("cuMemAlloc"))?;
+            stream
+                .memcpy_htod(&table, &mut t)
+                .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
+            let ptr = t.device_ptr(stream).0;
+            self.pieces = Some((t, ptr, plan.pieces_arc().clone()));
+        }
+        Ok(self.pieces.as_ref().expect("uploaded above").1)
+    }
+}
+
+/// One launch of the converting gather for `plan` between the regions at
+/// `sb` / `db` on `dev`; returns the launches issued (1). The caller
+/// synchronizes the stream (and calls [`Tables::quiesced`]) before it
+/// returns.
+pub(super) fn launch_convert(
+    dev: &mut Device,
+    plan: &ConvertPlan,
+    (sb, db): (u64, u64),
+    tuning: &GatherTuning,
+    mut events: Option<&mut LaunchEvents>,
+) -> Result<u64, TransferError> {
+    let host_t0 = std::time::Instant::now();
+    let geo = plan.geometry_tuned(sb, db, dev.sms, tuning);
+    let Device {
+        stream,
+        kernels,
+        tables,
+        ..
+    } = dev;
+    let kernels = kernels.as_ref().ok_or_else(|| TransferError::Cuda {
+        op: "nvrtcCompileProgram",
+        reason: "libnvrtc not found: the converting gather kernel is unavailable".into(),
+    })?;
+    let placement = TablePlacement::for_blocks(plan.blocks(), kernels.inline_loaded());
+    let func = kernels
+        .function(placement, geo.width)
+        .ok_or_else(|| TransferError::Cuda {
+            op: "cuModuleGetFunction",
+            reason: format!("no {placement:?} entry point for width {}", geo.width),
+        })?;
+    if placement != TablePlacement::Device {
+        plan.write_block_table(sb, db, &mut tables.inline[..2 * plan.blocks()]);
+    }
+    if let Some(ev) = events.as_deref_mut() {
+        ev.host = host_t0.elapsed();
+        ev.start = Some(record(stream)?);
+    }
+    let block_ptr = if placement == TablePlacement::Device {
+        tables.upload_blocks(stream, plan, (sb, db))?
+    } else {
+        0
+    };
+    let piece_ptr = tables.pieces(stream, plan)?;
+    if let Some(ev) = events.as_deref_mut() {
+        ev.uploaded = Some(record(stream)?);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (geo.grid_x, 1, 1),
+        block_dim: (geo.threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let small: &[u64; INLINE_SMALL_ENTRIES] = tables.inline[..INLINE_SMALL_ENTRIES]
+        .try_into()
+        .expect("the inline image holds the small table");
+    let mut launch = stream.launch_builder(func);
+    match placement {
+        TablePlacement::InlineSmall => launch.arg(small),
+        TablePlacement::InlineLarge => launch.arg(&*tables.inline),
+        TablePlacement::Device => launch.arg(&block_ptr),
+    };
+    launch
+        .arg(&piece_ptr)
+        .arg(&geo.n)
+        .arg(&geo.num_pieces)
+        .arg(&geo.piece_shift)
+        .arg(&geo.piece_elems)
+        .arg(&geo.group_shift);
+    // SAFETY: the signature is (table, const u64*, u32 x 5) as pushed: the
+    // table is the entry point's inline struct (same entry count, filled for
+    // `2n` entries, copied by the driver at the launch) or a device pointer
+    // to `2n` uploaded entries. Every block base + piece offset + piece
+    // length lies inside its region: `ConvertPlan` built the offsets from
+    // validated `KvRegionLayout`s (or in-range plan runs) and the callers
+    // checked both regions are at least the plan's region bytes long; the
+    // width divides every address (`ConvertPlan::geometry`).
+    unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
+    if let Some(ev) = events {
+        ev.done = Some(record(stream)?);
+    }
+    Ok(1)
+}

@@ -1,0 +1,213 @@
+//! CUDA C source of the converting gather and where its block table lives.
+//!
+//! The block table (`2n` u64: donor block bases, then target block bases)
+//! reaches the kernel one of three ways ([`TablePlacement`]):
+//! - **inline, small**: `n <= INLINE_SMALL_BLOCKS`, the table is a
+//!   `__grid_constant__` kernel parameter of [`INLINE_SMALL_ENTRIES`] u64
+//!   (2 KiB, under the classic 4 KiB parameter limit);
+//! - **inline, large**: `n <= INLINE_LARGE_BLOCKS`, a parameter of
+//!   [`INLINE_LARGE_ENTRIES`] u64 (32,512 bytes; CUDA 12.1+ drivers and
+//!   NVRTC accept up to 32,764 bytes of parameters on Volta and later);
+//! - **device**: a device buffer filled by one `cuMemcpyHtoDAsync` of `2n`
+//!   entries from a page-locked staging buffer (older drivers, no inline
+//!   module, or more blocks).
+//!
+//! Inline tables travel with the launch itself: no DMA, no event, nothing
+//! the kernel waits on. The H200 qualification measured the separate upload
+//! at 10.8-13.1 µs of a 23.9-90 µs fetch (`docs/cuda-kernel.md`).
+//!
+//! Both inline variants are compiled apart from the table-pointer entry
+//! points (NVRTC option [`INLINE_KERNEL_DEFINE`] and a `compute_70` or newer
+//! architecture, which `__grid_constant__` and large parameters need), so
+//! an NVRTC or driver without them still gets the device-table kernel.
+
+/// CUDA C source of the converting gather. Compiled as is: the table-pointer
+/// entry points `kv_convert_16` (`uint4`), `kv_convert_8`, `kv_convert_4`,
+/// `kv_convert_2`, `kv_convert_1` with arguments `(const u64* blocks,
+/// const u64* pieces, u32 n, u32 num_pieces, u32 piece_shift, u32
+/// piece_elems, u32 group_shift)`, where `piece_shift` is `log2(num_pieces)`
+/// when that is a power of two and `0xFFFFFFFF` otherwise (then the block
+/// index is a division). Compiled with [`INLINE_KERNEL_DEFINE`]: the inline
+/// entry points [`INLINE_SMALL_NAMES`] / [`INLINE_LARGE_NAMES`], the same
+/// arguments except that `blocks` is the table itself, passed by value.
+/// Every variant runs the same loop (`KV_LOOP`), so one CPU mirror covers all.
+pub const CONVERT_KERNEL_SRC: &str = r#"
+#define KV_LOOP(T, BLK)                                                                  \
+    const unsigned int G = 1u << gshift;                                                 \
+    const unsigned int lane = threadIdx.x & (G - 1u);                                    \
+    const unsigned int total = n * np;                                                   \
+    const unsigned int ngroups = (gridDim.x * blockDim.x) >> gshift;                     \
+    for (unsigned int r = (blockIdx.x * blockDim.x + threadIdx.x) >> gshift; r < total;  \
+         r += ngroups) {                                                                 \
+        const unsigned int i = pshift == 0xFFFFFFFFu ? r / np : r >> pshift;             \
+        const unsigned int p = r - i * np;                                               \
+        const T* __restrict__ sp = (const T*)(BLK(i) + __ldg(pieces + p));               \
+        T* __restrict__ dp = (T*)(BLK(n + i) + __ldg(pieces + np + p));                  \
+        unsigned int w = lane;                                                           \
+        for (; w + 3u * G < pe; w += 4u * G) {                                           \
+            T a = __ldg(sp + w), b = __ldg(sp + w + G);                                  \
+            T c = __ldg(sp + w + 2u * G), d = __ldg(sp + w + 3u * G);                    \
+            __stcg(dp + w, a); __stcg(dp + w + G, b);                                    \
+            __stcg(dp + w + 2u * G, c); __stcg(dp + w + 3u * G, d);                      \
+        }                                                                                \
+        for (; w < pe; w += G) __stcg(dp + w, __ldg(sp + w));                            \
+    }
+
+#define KV_ARGS const unsigned long long* __restrict__ pieces, unsigned int n,           \
+    unsigned int np, unsigned int pshift, unsigned int pe, unsigned int gshift
+
+#ifndef KV_INLINE
+#define KV_TABLE_BLOCK(k) __ldg(blocks + (k))
+#define KV_CONVERT(NAME, T)                                                              \
+extern "C" __global__ void NAME(const unsigned long long* __restrict__ blocks, KV_ARGS) { \
+    KV_LOOP(T, KV_TABLE_BLOCK)                                                           \
+}
+KV_CONVERT(kv_convert_16, uint4)
+KV_CONVERT(kv_convert_8, unsigned long long)
+KV_CONVERT(kv_convert_4, unsigned int)
+KV_CONVERT(kv_convert_2, unsigned short)
+KV_CONVERT(kv_convert_1, unsigned char)
+#else
+/* Sizes: INLINE_SMALL_ENTRIES / INLINE_LARGE_ENTRIES on the host. */
+struct KvInlineSmall { unsigned long long b[256]; };
+struct KvInlineLarge { unsigned long long b[4064]; };
+/* __grid_constant__: the table is read in place from the parameter bank
+   (constant cache), never copied to local memory by a dynamic index. */
+#define KV_PARAM_BLOCK(k) tab.b[(k)]
+#define KV_CONVERT_INLINE(NAME, TAB, T)                                                  \
+extern "C" __global__ void NAME(const __grid_constant__ TAB tab, KV_ARGS) {              \
+    KV_LOOP(T, KV_PARAM_BLOCK)                                                           \
+}
+KV_CONVERT_INLINE(kv_convert_s16, KvInlineSmall, uint4)
+KV_CONVERT_INLINE(kv_convert_s8, KvInlineSmall, unsigned long long)
+KV_CONVERT_INLINE(kv_convert_s4, KvInlineSmall, unsigned int)
+KV_CONVERT_INLINE(kv_convert_s2, KvInlineSmall, unsigned short)
+KV_CONVERT_INLINE(kv_convert_s1, KvInlineSmall, unsigned char)
+KV_CONVERT_INLINE(kv_convert_l16, KvInlineLarge, uint4)
+KV_CONVERT_INLINE(kv_convert_l8, KvInlineLarge, unsigned long long)
+KV_CONVERT_INLINE(kv_convert_l4, KvInlineLarge, unsigned int)
+KV_CONVERT_INLINE(kv_convert_l2, KvInlineLarge, unsigned short)
+KV_CONVERT_INLINE(kv_convert_l1, KvInlineLarge, unsigned char)
+#endif
+"#;
+
+/// NVRTC option that compiles the inline entry points of
+/// [`CONVERT_KERNEL_SRC`] (with `--gpu-architecture=compute_70` or newer).
+pub const INLINE_KERNEL_DEFINE: &str = "-DKV_INLINE";
+
+/// Table-pointer entry points of [`CONVERT_KERNEL_SRC`], widest first, with
+/// their element bytes.
+pub const KERNEL_NAMES: [(u32, &str); 5] = [
+    (16, "kv_convert_16"),
+    (8, "kv_convert_8"),
+    (4, "kv_convert_4"),
+    (2, "kv_convert_2"),
+    (1, "kv_convert_1"),
+];
+
+/// Entry points taking the small inline table, widest first.
+pub const INLINE_SMALL_NAMES: [(u32, &str); 5] = [
+    (16, "kv_convert_s16"),
+    (8, "kv_convert_s8"),
+    (4, "kv_convert_s4"),
+    (2, "kv_convert_s2"),
+    (1, "kv_convert_s1"),
+];
+
+/// Entry points taking the large inline table, widest first.
+pub const INLINE_LARGE_NAMES: [(u32, &str); 5] = [
+    (16, "kv_convert_l16"),
+    (8, "kv_convert_l8"),
+    (4, "kv_convert_l4"),
+    (2, "kv_convert_l2"),
+    (1, "kv_convert_l1"),
+];
+
+/// u64 entries of the small inline table (`KvInlineSmall`, 2 KiB).
+pub const INLINE_SMALL_ENTRIES: usize = 256;
+/// Blocks the small inline table holds (two entries each).
+pub const INLINE_SMALL_BLOCKS: usize = INLINE_SMALL_ENTRIES / 2;
+/// u64 entries of the large inline table (`KvInlineLarge`, 32,512 bytes:
+/// with the pointer and five u32 scalars the parameters are 32,540 bytes,
+/// under the 32,764-byte limit).
+pub const INLINE_LARGE_ENTRIES: usize = 4064;
+/// Blocks the large inline table holds.
+pub const INLINE_LARGE_BLOCKS: usize = INLINE_LARGE_ENTRIES / 2;
+
+// Parameters: the table, the piece-table pointer, five u32 scalars; the
+// small table fits the classic 4 KiB limit, the large one CUDA 12.1's.
+const _: () = assert!(INLINE_SMALL_ENTRIES * 8 + 8 + 5 * 4 <= 4096);
+const _: () = assert!(INLINE_LARGE_ENTRIES * 8 + 8 + 5 * 4 <= 32_764);
+
+/// Where one launch's block table lives (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TablePlacement {
+    /// A 2 KiB kernel parameter.
+    InlineSmall,
+    /// A 32,512-byte kernel parameter.
+    InlineLarge,
+    /// A device buffer uploaded before the launch.
+    Device,
+}
+
+impl TablePlacement {
+    /// The placement for a launch of `blocks` blocks; `inline_loaded` is
+    /// whether the inline entry points are loaded on the device (CUDA 12.1+
+    /// driver, compute capability 7.0+, the inline module compiled). The
+    /// smallest inline table that holds the fetch is used: the whole
+    /// parameter struct goes out with every launch, whatever `n` is.
+    pub fn for_blocks(blocks: usize, inline_loaded: bool) -> Self {
+        match blocks {
+            _ if !inline_loaded => Self::Device,
+            0..=INLINE_SMALL_BLOCKS => Self::InlineSmall,
+            b if b <= INLINE_LARGE_BLOCKS => Self::InlineLarge,
+            _ => Self::Device,
+        }
+    }
+
+    /// Entry points for this placement, widest first.
+    pub fn names(self) -> &'static [(u32, &'static str); 5] {
+        match self {
+            Self::InlineSmall => &INLINE_SMALL_NAMES,
+            Self::InlineLarge => &INLINE_LARGE_NAMES,
+            Self::Device => &KERNEL_NAMES,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placement_picks_the_smallest_table_that_holds_the_fetch() {
+        let p = |n| TablePlacement::for_blocks(n, true);
+        assert_eq!(p(1), TablePlacement::InlineSmall);
+        assert_eq!(p(7), TablePlacement::InlineSmall);
+        assert_eq!(p(128), TablePlacement::InlineSmall);
+        assert_eq!(p(129), TablePlacement::InlineLarge);
+        assert_eq!(p(1024), TablePlacement::InlineLarge);
+        assert_eq!(p(2032), TablePlacement::InlineLarge);
+        assert_eq!(p(2033), TablePlacement::Device);
+        assert_eq!(p(4096), TablePlacement::Device);
+        assert_eq!(TablePlacement::for_blocks(7, false), TablePlacement::Device);
+        assert_eq!(
+            TablePlacement::InlineLarge.names()[0],
+            (16, "kv_convert_l16")
+        );
+    }
+
+    #[test]
+    fn inline_tables_match_the_kernel_structs_and_the_parameter_limit() {
+        // The C structs are sized by literals; they must match the host.
+        let small = format!("b[{INLINE_SMALL_ENTRIES}]");
+        let large = format!("b[{INLINE_LARGE_ENTRIES}]");
+        assert!(CONVERT_KERNEL_SRC.contains(&small), "{small}");
+        assert!(CONVERT_KERNEL_SRC.contains(&large), "{large}");
+        for names in [&INLINE_SMALL_NAMES, &INLINE_LARGE_NAMES, &KERNEL_NAMES] {
+            for (_, n) in names {
+                assert!(CONVERT_KERNEL_SRC.contains(&format!("({n},")), "{n}");
+            }
+        }
+    }
+}
