@@ -2,8 +2,16 @@
 
 It keeps one ``DynamicCache`` per session on its device and, after every turn,
 retains the sealed blocks of prompt + output (the tokens whose KV it holds) in
-a ``kv_reuse.DonorBank`` (host shared memory with today's wheel), serving pins
-on a Unix socket so a prefill worker can fetch them.
+a ``kv_reuse.DonorBank`` (device memory exported over CUDA IPC on the ``cuda``
+transport, host shared memory on ``host``: ``transport.open_bank``), serving
+pins on a Unix socket so a prefill worker can fetch them.
+
+The answer (``answer`` in the config): ``greedy`` generates every token with
+one decode step each; ``forced`` takes the first token greedily and draws the
+rest from a seeded generator, computing their KV in one forward pass (the
+same KV a decode holds after generating those tokens, for a fraction of the
+time: the measured TTFT is the prefill's, and the answer's content does not
+enter it).
 
 How the prompt's KV reaches decode: the decode worker continues on its own
 retained KV and computes only the tokens it lacks (the new user turn; the whole
@@ -14,13 +22,14 @@ prefill worker's.
 from __future__ import annotations
 
 import os
+import random
 import tempfile
+import time
 from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
 
-from . import engine, rpc
+from . import engine, rpc, transport
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -36,10 +45,14 @@ class EngineWorker:
 
         self.kv = kv_reuse
         self.device = cfg["device"]
+        self.transport = cfg.get("transport", "host")
         if self.device.startswith("cuda"):
             torch.cuda.set_device(self.device)
+        t0 = time.perf_counter()
         self.shape = engine.shape(cfg["model"])
         self.model = engine.build_model(cfg["model"], self.device, cfg["seed"])
+        engine.sync(self.device)
+        self.build_s = time.perf_counter() - t0
         self.tpb = cfg["tokens_per_block"]
         s = self.shape
         self.layout = kv_reuse.Layout(s.num_layers, s.num_kv_heads, s.head_dim, "bf16", self.tpb, 1)
@@ -51,7 +64,10 @@ class DecodeWorker(EngineWorker):
     def __init__(self, cfg: Dict[str, Any]) -> None:
         super().__init__(cfg)
         kv_reuse = self.kv
-        self.bank = kv_reuse.DonorBank(self.layout, slots=cfg["bank_slots"], store_timeout_s=60.0)
+        self.bank = transport.open_bank(kv_reuse, self.layout, cfg["bank_slots"], self.device, self.transport)
+        self.answer = cfg.get("answer", "greedy")
+        if self.answer not in ("greedy", "forced"):
+            raise engine.EngineError("answer", f"unknown {self.answer!r}, expected greedy or forced")
         self.endpoint = "unix:" + os.path.join(tempfile.mkdtemp(prefix="gpu-serving-"), "pins.sock")
         self.pins = self.bank.serve_pins(self.endpoint)
         self.caches: Dict[str, Any] = {}
@@ -64,7 +80,18 @@ class DecodeWorker(EngineWorker):
             "endpoint": self.endpoint,
             "weights_checksum": engine.weights_checksum(self.model),
             "device_bytes": _device_bytes(self.device),
+            "build_s": self.build_s,
         }
+
+    def _answer(self, session: str, prompt: List[int], first: engine.PrefillResult, gen: int):
+        """(output tokens, cache holding prompt + all but the last output token)."""
+        if self.answer == "greedy" or gen < 2:
+            return engine.greedy(self.model, first, gen)
+        # str seeds are hashed with SHA-512 by random.Random: the same in every process.
+        rng = random.Random(f"{session}:{len(prompt)}")
+        out = [first.first_token] + [rng.randrange(self.shape.vocab) for _ in range(gen - 1)]
+        r = engine.prefill(self.model, out[:-1], first.cache)
+        return out, r.cache
 
     def op_turn(self, session: str, prompt: List[int], gen: int) -> Dict[str, Any]:
         """Prefill what this worker lacks of ``prompt``, generate ``gen`` tokens, retain the blocks."""
@@ -72,7 +99,7 @@ class DecodeWorker(EngineWorker):
         held = engine.cache_len(cache) if cache is not None else 0
         sw = engine.Stopwatch(self.device)
         first = engine.prefill(self.model, prompt[held:], cache)
-        out, cache = engine.greedy(self.model, first, gen)
+        out, cache = self._answer(session, prompt, first, gen)
         decode_ms = sw.ms()
         self.caches[session] = cache
         kv_tokens = (list(prompt) + out)[: engine.cache_len(cache)]
@@ -113,26 +140,19 @@ class DecodeWorker(EngineWorker):
         lo = missing[0]
         rows = engine.to_blocks(cache, lo, n - lo, self.tpb)[[i - lo for i in missing]]
         sums = engine.block_checksums(rows)
-        host = self._host_rows(rows, len(hashes))
+        source = transport.store_source(rows, len(hashes))
         try:
             pending = self.bank.store(kv_tokens[: n * self.tpb])
         except self.kv.KvReuseError as e:  # bank full: this turn is not retained
             self.store_failures.append(repr(e))
             return hashes
-        self._write_new(pending, host, rows.shape[0], len(hashes))
+        self._write_new(pending, source, rows.shape[0], len(hashes))
         pending.ack(0)
         for h, c in zip((hashes[i] for i in missing), sums):
             self.checksums[h] = c
         return hashes
 
-    @staticmethod
-    def _host_rows(rows: torch.Tensor, n_all: int) -> np.ndarray:
-        """``rows`` copied to host memory, padded to ``n_all`` rows (see `_write_new`)."""
-        host = np.empty((n_all, rows.shape[1]), dtype=np.uint16)
-        host[: rows.shape[0]] = rows.cpu().numpy().view(np.uint16)
-        return host
-
-    def _write_new(self, pending: Any, host: np.ndarray, k: int, n_all: int) -> None:
+    def _write_new(self, pending: Any, host: Any, k: int, n_all: int) -> None:
         """Writes ``host``'s first ``k`` rows (the blocks the bank did not hold, in order) into ``pending``.
 
         Works around the wheel's ``PendingStore.write``: it wants one row per

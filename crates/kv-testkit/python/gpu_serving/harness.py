@@ -24,6 +24,8 @@ from typing import Any, Dict, List, Optional
 from .workload import Workload, percentile
 
 REGIME = "churn"  # the prefill worker keeps no prefix cache between turns
+# What --transport moves the KV through (the JSON's ``transport_path``).
+TRANSPORT_PATH = {"cuda": "cuda_ipc", "host": "host_shm"}
 
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -41,6 +43,24 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--greedy-tokens", type=int, default=16, help="greedy agreement length")
     p.add_argument("--greedy-every", type=int, default=1, help="check greedy agreement every Nth later turn")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--transport",
+        choices=("cuda", "host"),
+        default="cuda",
+        help="cuda: CUDA bank and CUDA-tensor target (CUDA IPC, no host payload); host: host-shm bank and host rows",
+    )
+    p.add_argument(
+        "--answer",
+        choices=("greedy", "forced"),
+        default="greedy",
+        help="decode answer: greedy steps, or first token greedy and the rest seeded with their KV in one pass",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="stop starting turns after this many seconds since start (0: no limit); the JSON says truncated",
+    )
     return p.parse_args(argv)
 
 
@@ -73,6 +93,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for d in {a.prefill_device, a.decode_device}:
         if d.startswith("cuda") and not torch.cuda.is_available():
             return skip(a.out, f"device {d} requested but torch sees no CUDA device")
+        if a.transport == "cuda" and not d.startswith("cuda"):
+            return skip(a.out, f"--transport cuda needs CUDA devices for both workers, got {d} (use --transport host)")
     from . import decode_worker, engine, prefill_worker, rpc
 
     w = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), engine.shape(a.model).vocab, a.seed)
@@ -85,22 +107,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     slots = sum(x.target_history + a.turn_tokens[1] + a.gen_tokens[1] for x in sessions) // tpb + 2 * len(sessions)
     shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
     notes = []
-    if shm_free is not None:
+    if shm_free is not None and a.transport == "host":
         # The bank and the target's rows both live in /dev/shm; keep 10 % free.
         fit = int(shm_free * 0.9) // block_bytes - target_rows
         if fit < slots:
             notes.append(f"bank cut from {slots} to {max(fit, 1)} slots by /dev/shm ({shm_free} bytes free): LRU eviction")
             slots = max(fit, 1)
-    cfg = {"model": a.model, "seed": a.seed, "tokens_per_block": tpb}
+    cfg = {"model": a.model, "seed": a.seed, "tokens_per_block": tpb, "transport": a.transport}
     t_start = time.perf_counter()
-    decode = rpc.Worker(decode_worker.main, {**cfg, "device": a.decode_device, "bank_slots": slots})
+    decode = rpc.Worker(decode_worker.main, {**cfg, "device": a.decode_device, "bank_slots": slots, "answer": a.answer})
     prefill = rpc.Worker(prefill_worker.main, {**cfg, "device": a.prefill_device, "target_rows": target_rows})
     result: Dict[str, Any] = {}
     try:
         decode.wait_started()
         prefill.wait_started()
-        result = run(a, w, sessions, decode, prefill, kv_reuse, notes, slots, target_rows)
+        started_s = time.perf_counter() - t_start
+        print(f"gpu_serving: phase start {started_s:.1f} s (both workers built their models)", flush=True)
+        result = run(a, w, sessions, decode, prefill, kv_reuse, notes, slots, target_rows, t_start)
         result["wall_s"] = round(time.perf_counter() - t_start, 1)
+        result["phases_s"] = phases(started_s, result.pop("_advise_ms"), decode, prefill, result["wall_s"])
+        for k, v in result["phases_s"].items():
+            print(f"gpu_serving: phase {k} {v} s", flush=True)
         rc = 0
     except rpc.WorkerError as e:
         result = {"error": str(e)}
@@ -114,7 +141,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     return rc
 
 
-def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, target_rows) -> Dict[str, Any]:
+def phases(started_s: float, advise_ms: float, decode, prefill, wall_s: float) -> Dict[str, float]:
+    """Seconds per phase: start (both models built), router advise, each worker request kind, the rest."""
+    out = {"start": round(started_s, 1), "advise": round(advise_ms / 1e3, 2)}
+    for name, wk in (("prefill", prefill), ("decode", decode)):
+        for op, ms in sorted(wk.totals_ms.items()):
+            out[f"{name}.{op}"] = round(ms / 1e3, 2)
+    out["other"] = round(wall_s - sum(out.values()), 1)
+    return out
+
+
+def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, target_rows, t_start) -> Dict[str, Any]:
     import numpy as np
 
     tpb = a.tokens_per_block
@@ -133,7 +170,14 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
     bit_equal, max_diff, agree, agree_n = True, 0.0, 0, 0
     fallbacks = false_completions = 0
     later = 0
+    advise_total = 0.0
+    truncated = None
     for t, sess, user, gen in w.rounds(sessions):
+        if a.budget_s and time.perf_counter() - t_start > a.budget_s:
+            truncated = f"--budget-s {a.budget_s} reached after {len(turns)} turns"
+            notes.append(truncated)
+            print(f"gpu_serving: {truncated}", flush=True)
+            break
         prompt = sess.history + user
         hashes = kv_reuse.sequence_hashes(prompt, tpb)
         check_greedy = t > 0 and later % a.greedy_every == 0 and a.greedy_tokens > 0
@@ -151,6 +195,7 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         t0 = time.perf_counter()
         advice = router.advise(f"{sess.id}-t{t}", hashes, ph["engine_id"])
         advise_ms = (time.perf_counter() - t0) * 1e3
+        advise_total += advise_ms
         on, on_call_ms = prefill.call("on", prompt=prompt, hint=advice.hint, hashes=hashes, manifest=manifest)
         on_ms = advise_ms + on_call_ms
         on_greedy = prefill.call("greedy", n=a.greedy_tokens)[0]["greedy"] if check_greedy else None
@@ -211,13 +256,16 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         sess.history = prompt + d["output"]
         turns.append(row)
         print(
-            f"gpu_serving: {sess.id} turn {t} history {row['history']}: OFF {off_ms:.1f} ms, ON {on_ms:.1f} ms"
+            f"gpu_serving: [{time.perf_counter() - t_start:.0f} s] {sess.id} turn {t} history {row['history']}: OFF {off_ms:.1f} ms, ON {on_ms:.1f} ms"
             f" ({row['fetched_tokens']} fetched, {row['verdict']}), ideal {row.get('ideal_ms', float('nan')):.1f} ms",
             flush=True,
         )
     ds, _ = decode.call("stats")
     ps, _ = prefill.call("stats")
-    return summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, fallbacks, false_completions, notes, slots, target_rows)
+    r = summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, fallbacks, false_completions, notes, slots, target_rows)
+    r["truncated"] = truncated
+    r["_advise_ms"] = advise_total
+    return r
 
 
 def rpc_error(op: str, msg: str):
@@ -266,9 +314,12 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
             "gen_tokens": list(w.gen_tokens),
             "tokens_per_block": a.tokens_per_block,
             "seed": w.seed,
+            "answer": a.answer,
+            "greedy_every": a.greedy_every,
         },
         "router": "in-process kv_reuse.Router (the wheel), cost model deciding",
         "transport": transports,
+        "transport_path": TRANSPORT_PATH[a.transport],
         "turns": turns,
         "buckets": buckets,
         "first_turns": {
@@ -289,6 +340,7 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
         "bank_slots": slots,
         "target_rows": target_rows,
         "store_failures": len(ds["store_failures"]),
+        "build_s": {"prefill": round(ph["build_s"], 1), "decode": round(dh["build_s"], 1)},
         "device_bytes": {
             "prefill_before": ph["device_bytes"],
             "prefill_after": ps["device_bytes"],

@@ -5,26 +5,25 @@ times it from send to reply):
 
 - ``off``: full prefill of the prompt (reuse disabled; every prefix recomputed).
 - ``on``: ``kv_reuse.Target.fetch`` of the hinted blocks into this worker's
-  host rows (the wheel's host-shm path today), the rows copied into a staging
-  tensor and onto the device, re-laid out into a ``DynamicCache``, then the
-  suffix prefill. A fetch that falls back (``FetchFellBack``) or is not
-  advised recomputes the whole prompt, inside the timed request.
+  KV rows (``transport.Landing``: a CUDA tensor of its own over CUDA IPC on
+  the ``cuda`` transport, its host rows copied to the device on ``host``),
+  re-laid out into a ``DynamicCache`` on the device, then the suffix
+  prefill. A fetch that falls back (``FetchFellBack``) or is not advised
+  recomputes the whole prompt, inside the timed request.
 - ``ideal``: the same suffix prefill on the fetched KV already resident on the
   device (kept from the preceding ``on``), re-layout included.
 
-Plug-in point for device-direct transport: ``_land`` is the only code that
-turns a ``FetchOutcome`` into device rows; a CUDA IPC fetch into the engine's
-own tensors replaces it (and ``host_payload_bytes`` becomes 0).
+``transport.Landing.land`` is the only code that turns a ``FetchOutcome`` into
+device rows.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
 
-from . import engine, rpc
+from . import engine, rpc, transport
 from .decode_worker import EngineWorker, _bits, _device_bytes
 
 
@@ -34,12 +33,8 @@ class PrefillWorker(EngineWorker):
     def __init__(self, cfg: Dict[str, Any]) -> None:
         super().__init__(cfg)
         kv_reuse = self.kv
-        self.target = kv_reuse.Target(self.layout, rows=cfg["target_rows"])
-        elems = self.layout.rank_block_elems
-        pin = self.device.startswith("cuda")
-        # One staging buffer for the largest fetch, pinned so the copy to the
-        # device runs at full PCIe/NVLink-C2C speed.
-        self.staging = torch.empty((cfg["target_rows"], elems), dtype=torch.int16, pin_memory=pin)
+        self.landing = transport.Landing(kv_reuse, self.layout, cfg["target_rows"], self.device, self.transport)
+        self.target = self.landing.target
         self.resident: Optional[torch.Tensor] = None
         self.last: Optional[engine.PrefillResult] = None  # for ``greedy``, untimed
         self.leaks_at_start = kv_reuse.leak_counters()
@@ -49,6 +44,7 @@ class PrefillWorker(EngineWorker):
             "engine_id": self.target.engine_id,
             "weights_checksum": engine.weights_checksum(self.model),
             "device_bytes": _device_bytes(self.device),
+            "build_s": self.build_s,
         }
 
     def _first(self, r: engine.PrefillResult) -> Dict[str, Any]:
@@ -69,13 +65,6 @@ class PrefillWorker(EngineWorker):
         ms = sw.ms()
         return {"worker_ms": ms, **self._first(r)}
 
-    def _land(self, out: Any) -> torch.Tensor:
-        """The fetched host rows as device rows ``[n, elems]`` int16 (host-shm path)."""
-        n = len(out.rows)
-        for i, row in enumerate(out.rows):
-            self.staging[i].numpy().view(np.uint8)[:] = np.frombuffer(self.target.read_row(0, row), dtype=np.uint8)
-        return self.staging[:n].to(self.device, non_blocking=True)
-
     def op_on(self, prompt: List[int], hint: Optional[bytes], hashes: List[int], manifest: Optional[bytes]) -> Dict[str, Any]:
         sw = engine.Stopwatch(self.device)
         self.resident = None
@@ -87,7 +76,7 @@ class PrefillWorker(EngineWorker):
                 with self.target.fetch(hint, hashes, manifest) as out:
                     if out.fetch_from != 0:  # this worker holds nothing to start from (churn)
                         raise ValueError(f"fetch_from {out.fetch_from}")
-                    rows = self._land(out)
+                    rows = self.landing.land(out)
                     fetch = {
                         "fetched_tokens": len(out.fetched) * self.tpb,
                         "bytes": out.bytes,

@@ -49,6 +49,9 @@ class Worker:
         self.proc = ctx.Process(target=main, args=(child, cfg), daemon=True)
         self.proc.start()
         child.close()
+        # Milliseconds spent per request name (send to reply): the run's
+        # per-phase time budget (``harness`` prints and records it).
+        self.totals_ms: Dict[str, float] = {}
 
     def wait_started(self) -> None:
         """Waits for the worker's start message; raises ``WorkerError("start", ...)``."""
@@ -65,6 +68,7 @@ class Worker:
         self.conn.send({"op": op, **args})
         res = self.conn.recv()
         ms = (time.perf_counter() - t0) * 1e3
+        self.totals_ms[op] = self.totals_ms.get(op, 0.0) + ms
         if not res.pop("ok"):
             raise WorkerError(op, res["error"])
         return res, ms

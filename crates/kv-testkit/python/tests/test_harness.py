@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from gpu_serving import harness  # noqa: E402
 
 TINY = ["--model", "tiny", "--prefill-device", "cpu", "--decode-device", "cpu", "--tokens-per-block", "16"]
+TINY += ["--transport", "host"]
 
 
 def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
@@ -38,7 +39,11 @@ def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
     assert r["logits_bit_equal_to_donor"] is True
     assert r["false_completions"] == 0 and r["leaks"] == 0 and r["fallbacks"] == 0
     # Today's wheel moves the bytes through host shared memory: honest host payload.
-    assert r["transport"] == ["memcpy"]
+    assert r["transport"] == ["memcpy"] and r["transport_path"] == "host_shm"
+    assert r["truncated"] is None
+    # Every request kind of both workers is in the phase budget, and the phases add up.
+    assert {"start", "advise", "prefill.on", "prefill.off", "decode.turn"} <= set(r["phases_s"])
+    assert abs(sum(r["phases_s"].values()) - r["wall_s"]) < 0.5
     assert r["bytes_moved"] == sum(t["fetched_tokens"] for t in fetched) * (2 * 2 * 2 * 16 * 2)
     assert r["host_payload_bytes"] == r["bytes_moved"] > 0
     assert 0.0 <= r["max_logit_diff_vs_off"] < 10.0

@@ -45,10 +45,14 @@ pub const TIMEOUT_ENV: &str = "KVQ_GPU_SERVING_TIMEOUT_S";
 /// The harness arguments of a profile (before [`ARGS_ENV`]'s).
 ///
 /// GPU: the workload (8 sessions x 6 turns up to 32K history,
-/// 150-256-token turns) with 64-96 generated tokens per turn (the issue's
-/// range starts at 64; the shorter top keeps the run inside one device call)
-/// and greedy agreement on every 4th later turn. CPU: the tiny shape, histories
-/// to 1K, 8 x 3 turns.
+/// 150-256-token turns, 64-128-token answers) over CUDA IPC (`--transport
+/// cuda`: a CUDA donor bank, the prefill's own CUDA tensor as destination),
+/// cut to fit one 600 s device call: the decode's answers are `forced` (first
+/// token greedy, the rest seeded, their KV in one forward pass instead of one
+/// decode step each), greedy agreement on every 4th later turn, and no turn
+/// started after 420 s (`--budget-s`; the JSON then says `truncated` and the
+/// `workload_size` check fails). CPU: the tiny shape over host shm
+/// (`--transport host`), histories to 1K, 8 x 3 turns.
 pub fn profile_args(profile: Profile) -> Vec<String> {
     let args: &[&str] = match profile {
         Profile::Gpu => &[
@@ -58,11 +62,17 @@ pub fn profile_args(profile: Profile) -> Vec<String> {
             "cuda:0",
             "--decode-device",
             "cuda:0",
+            "--transport",
+            "cuda",
+            "--answer",
+            "forced",
             "--gen-tokens",
             "64",
-            "96",
+            "128",
             "--greedy-every",
             "4",
+            "--budget-s",
+            "420",
         ],
         Profile::Cpu => &[
             "--model",
@@ -71,6 +81,8 @@ pub fn profile_args(profile: Profile) -> Vec<String> {
             "cpu",
             "--decode-device",
             "cpu",
+            "--transport",
+            "host",
             "--sessions",
             "8",
             "--turns",
@@ -233,13 +245,25 @@ pub fn checks(profile: Profile, v: &Value) -> Vec<(String, bool, String)> {
         let w = &v["workload"];
         let ok = w["sessions"].as_u64().unwrap_or(0) >= 8
             && w["turns"].as_u64().unwrap_or(0) >= 6
-            && w["history_max"].as_u64().unwrap_or(0) >= 32768;
+            && w["history_max"].as_u64().unwrap_or(0) >= 32768
+            && v["truncated"].is_null();
         out.push((
             "workload_size".to_owned(),
             ok,
             format!(
-                "{} sessions x {} turns to {} tokens (>= 8 x 6 to 32768)",
-                w["sessions"], w["turns"], w["history_max"]
+                "{} sessions x {} turns to {} tokens (>= 8 x 6 to 32768), truncated: {}",
+                w["sessions"], w["turns"], w["history_max"], v["truncated"]
+            ),
+        ));
+        // The GPU profile's fetches must go device to device (CUDA IPC into
+        // the prefill's own tensor): any host payload means KV crossed host
+        // memory, which is what made ON slower than OFF before.
+        out.push((
+            "device_direct".to_owned(),
+            v["transport_path"] == json!("cuda_ipc") && n("host_payload_bytes") == Some(0),
+            format!(
+                "transport path {}, wheel transport {}, host payload {} bytes",
+                v["transport_path"], v["transport"], v["host_payload_bytes"]
             ),
         ));
     }
@@ -423,9 +447,10 @@ mod tests {
 
     fn sample() -> Value {
         json!({
-            "model": "llama-3.1-8b", "regime": "churn", "transport": ["memcpy"],
+            "model": "llama-3.1-8b", "regime": "churn", "transport": ["cuda_same_device_copy"],
+            "transport_path": "cuda_ipc", "truncated": null,
             "workload": {"sessions": 8, "turns": 6, "history_max": 32768},
-            "fetched_turns": 40, "bytes_moved": 1000, "host_payload_bytes": 1000,
+            "fetched_turns": 40, "bytes_moved": 1000, "host_payload_bytes": 0,
             "logits_bit_equal_to_donor": true, "false_completions": 0, "leaks": 0,
             "leaks_detail": {}, "first_turns": {"off_p50_ms": 10.0, "on_p50_ms": 10.5},
             "buckets": [
@@ -468,6 +493,7 @@ mod tests {
         v["leaks"] = json!(2);
         v["fetched_turns"] = json!(0);
         v["workload"]["turns"] = json!(3);
+        v["host_payload_bytes"] = json!(1000);
         assert_eq!(
             names(&v, Profile::Gpu),
             [
@@ -475,11 +501,20 @@ mod tests {
                 "logits_bit_equal_to_donor",
                 "no_false_completion",
                 "no_leak",
-                "workload_size"
+                "workload_size",
+                "device_direct"
             ]
         );
         // The CPU profile's tiny workload is not held to the size.
         assert_eq!(names(&v, Profile::Cpu).len(), 4);
+        // A run stopped by its budget, or one that moved KV through host shm,
+        // fails its GPU checks even when everything else is right.
+        let mut v = sample();
+        v["truncated"] = json!("--budget-s 420 reached after 33 turns");
+        assert_eq!(names(&v, Profile::Gpu), ["workload_size"]);
+        let mut v = sample();
+        v["transport_path"] = json!("host_shm");
+        assert_eq!(names(&v, Profile::Gpu), ["device_direct"]);
     }
 
     #[test]
@@ -497,7 +532,9 @@ mod tests {
     fn profiles_pick_the_shape_and_device() {
         let gpu = profile_args(Profile::Gpu).join(" ");
         assert!(gpu.contains("--model llama-3.1-8b") && gpu.contains("--prefill-device cuda:0"));
+        assert!(gpu.contains("--transport cuda") && gpu.contains("--answer forced"));
         let cpu = profile_args(Profile::Cpu).join(" ");
         assert!(cpu.contains("--model tiny") && cpu.contains("--decode-device cpu"));
+        assert!(cpu.contains("--transport host"));
     }
 }

@@ -1,0 +1,149 @@
+"""Where the KV lives on each side of a fetch, per transport.
+
+Two transports, picked with the harness's ``--transport``:
+
+- ``cuda`` (GPU default): the decode worker's ``kv_reuse.DonorBank`` is device
+  memory on its GPU (``gpus=[ordinal]``, exported over CUDA IPC) and the
+  prefill worker's ``kv_reuse.Target`` lands the fetched blocks straight into a
+  CUDA tensor of its own (``kv_caches=[tensor]``, ``gpus=[ordinal]``): a device
+  to device copy, ``FetchOutcome.host_payload_bytes == 0``. The engine then
+  re-lays those rows into its ``DynamicCache`` on the GPU (torch view / permute,
+  no host copy).
+- ``host`` (CPU tests, and the older measurement): the bank is host shared
+  memory and the target fetches into its own host rows (``read_row``), copied
+  through a pinned staging tensor onto the engine's device.
+
+Tensor shapes: one bank row / target row is one KV block, block-major
+(``kv_descriptor`` ``TensorOrder::BlockMajor``), ``[num_layers, 2, tokens_per_block,
+kv_heads, head_dim]`` bf16 values, i.e. ``Layout.rank_block_elems`` elements.
+The engine side handles them as int16 ``[rows, rank_block_elems]`` (bf16 bits).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+
+TRANSPORTS = ("cuda", "host")
+
+
+class TransportError(ValueError):
+    """A transport setting was refused; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def ordinal(device: str, transport: str) -> Optional[int]:
+    """The CUDA ordinal ``device`` names for the ``cuda`` transport; None for ``host``.
+
+    Raises ``TransportError("transport", ...)`` for an unknown transport and
+    ``TransportError("device", ...)`` for a non-CUDA device on the ``cuda``
+    transport (CUDA IPC needs device memory on both sides).
+    """
+    if transport not in TRANSPORTS:
+        raise TransportError("transport", f"unknown {transport!r}, expected one of {list(TRANSPORTS)}")
+    if transport == "host":
+        return None
+    if not device.startswith("cuda"):
+        raise TransportError("device", f"{device!r} on the cuda transport; use a cuda:N device or --transport host")
+    _, _, n = device.partition(":")
+    return int(n) if n else int(torch.cuda.current_device())
+
+
+class DlpackView:
+    """Shows the wheel only a tensor's DLPack protocol.
+
+    torch raises ``TypeError`` (not ``AttributeError``) from
+    ``__cuda_array_interface__`` for bf16 tensors, and the wheel reads that
+    attribute first, so a bare bf16 CUDA tensor would be refused; DLPack
+    carries bf16 (``kDLBfloat``, 16 bits). The view keeps ``tensor`` alive,
+    which keeps the memory the wheel was handed valid.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __dlpack__(self, stream: Any = None) -> Any:
+        return self.tensor.__dlpack__()
+
+    def __dlpack_device__(self) -> Any:
+        return self.tensor.__dlpack_device__()
+
+
+def open_bank(kv: Any, layout: Any, slots: int, device: str, transport: str) -> Any:
+    """The decode worker's ``kv_reuse.DonorBank`` of ``slots`` blocks for ``transport``.
+
+    ``cuda``: device memory on ``device``'s GPU (``gpus=[ordinal]``), TP 1.
+    ``host``: host shared memory. An open store may hold its slots 60 s
+    (an 8B-shaped turn's first store copies gigabytes).
+    """
+    gpu = ordinal(device, transport)
+    if gpu is None:
+        return kv.DonorBank(layout, slots=slots, store_timeout_s=60.0)
+    return kv.DonorBank(layout, slots=slots, gpus=[gpu], store_timeout_s=60.0)
+
+
+def store_source(rows: torch.Tensor, n_all: int) -> np.ndarray:
+    """What ``PendingStore.write`` reads for the ``k`` new blocks ``rows`` (int16 ``[k, elems]``).
+
+    Today's wheel reads host rows only (a CUDA bank copies them to the
+    device), so the rows are copied to a host array of ``n_all`` rows, the new
+    ones first (``DecodeWorker._write_new`` says why). This is the one call
+    that changes when the wheel stores from CUDA tensors: it then returns the
+    device rows themselves (wrapped in :class:`DlpackView`).
+    """
+    host = np.empty((n_all, rows.shape[1]), dtype=np.uint16)
+    host[: rows.shape[0]] = rows.cpu().numpy().view(np.uint16)
+    return host
+
+
+class Landing:
+    """The prefill worker's ``kv_reuse.Target`` and where its fetches land.
+
+    ``cuda``: a bf16 CUDA tensor ``[rows, elems]`` on the engine's device is
+    the target's destination; :meth:`land` returns the fetched rows of it,
+    in prefix order, without leaving the device. ``host``: the target's own
+    host rows, copied through a pinned staging tensor to the device.
+    """
+
+    def __init__(self, kv: Any, layout: Any, rows: int, device: str, transport: str) -> None:
+        self.device = device
+        self.transport = transport
+        gpu = ordinal(device, transport)
+        elems = layout.rank_block_elems
+        if gpu is None:
+            self.kv_cache: Optional[torch.Tensor] = None
+            self.target = kv.Target(layout, rows=rows)
+            # One staging buffer for the largest fetch, pinned so the copy to
+            # the device runs at full PCIe / NVLink-C2C speed.
+            pin = device.startswith("cuda")
+            self.staging = torch.empty((rows, elems), dtype=torch.int16, pin_memory=pin)
+        else:
+            self.kv_cache = torch.zeros((rows, elems), dtype=torch.bfloat16, device=device)
+            self.staging = None
+            # The engine's writes (the zero fill) land before the wheel maps it.
+            torch.cuda.synchronize(device)
+            self.target = kv.Target(layout, rows=rows, kv_caches=[DlpackView(self.kv_cache)], gpus=[gpu])
+
+    def land(self, out: Any) -> torch.Tensor:
+        """The fetched blocks of ``out`` (a ``FetchOutcome``) as int16 device rows ``[n, elems]``, prefix order.
+
+        ``cuda``: a view of the destination tensor when the target put the
+        prefix in consecutive rows, else a device-side gather. The rows stay
+        valid until the next fetch (the harness's ``ideal`` runs before it).
+        """
+        rows: List[int] = list(out.rows)
+        n = len(rows)
+        if self.kv_cache is not None:
+            if n and rows == list(range(rows[0], rows[0] + n)):
+                got = self.kv_cache[rows[0] : rows[0] + n]
+            else:
+                got = self.kv_cache.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
+            return got.view(torch.int16)
+        for i, row in enumerate(rows):
+            self.staging[i].numpy().view(np.uint8)[:] = np.frombuffer(self.target.read_row(0, row), dtype=np.uint8)
+        return self.staging[:n].to(self.device, non_blocking=True)

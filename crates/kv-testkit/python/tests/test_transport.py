@@ -1,0 +1,118 @@
+"""The cuda and host transports' wiring, on stand-in torch / transformers / kv_reuse (tests/stubs.py).
+
+Runs everywhere (no torch needed): what the decode and prefill workers hand
+the wheel (a CUDA bank on the decode's GPU, the prefill's own CUDA tensor as
+the fetch destination, DLPack only) and what a landing returns (the fetched
+rows, in prefix order, on the device). The real wheel's CUDA IPC copy is
+checked on the GPU (crates/kv-reuse-py/tests/test_gpu.py, and the
+gpu_serving section's ``device_direct`` check).
+"""
+
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import stubs  # noqa: E402
+
+ELEMS = 2 * 2 * 16 * 2 * 16  # layers x (K, V) x tokens/block x kv heads x head dim
+
+
+@pytest.fixture
+def mods():
+    saved = stubs.install()
+    from gpu_serving import transport
+
+    yield types.SimpleNamespace(torch=sys.modules["torch"], kv=sys.modules["kv_reuse"], transport=transport)
+    stubs.restore(saved)
+
+
+def layout(kv):
+    return kv.Layout(2, 2, 16, "bf16", 16, 1)
+
+
+def test_cuda_transport_opens_a_device_bank_and_lands_in_a_cuda_tensor(mods):
+    kv, t = mods.kv, mods.transport
+    bank = t.open_bank(kv, layout(kv), 10, "cuda:1", "cuda")
+    assert bank.kwargs == {"slots": 10, "gpus": [1], "store_timeout_s": 60.0}
+    landing = t.Landing(kv, layout(kv), 8, "cuda:0", "cuda")
+    target = landing.target
+    assert target.kwargs["rows"] == 8 and target.kwargs["gpus"] == [0]
+    (dst,) = target.kwargs["kv_caches"]
+    assert isinstance(dst, t.DlpackView) and dst.tensor is landing.kv_cache
+    # Only DLPack is shown: torch's __cuda_array_interface__ raises TypeError for bf16.
+    assert not hasattr(dst, "__cuda_array_interface__")
+    assert dst.__dlpack_device__() == (2, 0)
+    assert landing.kv_cache.dtype is mods.torch.bfloat16
+    assert landing.kv_cache.shape == (8, ELEMS) and landing.kv_cache.device == "cuda:0"
+    assert mods.torch.cuda.synced == ["cuda:0"]  # the zero fill lands before the wheel maps it
+
+
+def test_host_transport_keeps_the_shm_bank_and_the_targets_own_rows(mods):
+    kv, t = mods.kv, mods.transport
+    assert t.open_bank(kv, layout(kv), 10, "cpu", "host").kwargs == {"slots": 10, "store_timeout_s": 60.0}
+    landing = t.Landing(kv, layout(kv), 8, "cpu", "host")
+    assert landing.target.kwargs == {"rows": 8} and landing.kv_cache is None
+    assert landing.staging.shape == (8, ELEMS)
+
+
+def test_land_gives_the_fetched_rows_in_prefix_order_without_leaving_the_device(mods):
+    kv, t = mods.kv, mods.transport
+    landing = t.Landing(kv, layout(kv), 8, "cuda:0", "cuda")
+    for i in range(8):
+        landing.kv_cache.a[i] = i + 1
+    got = landing.land(types.SimpleNamespace(rows=[2, 3, 4]))
+    assert got.device == "cuda:0" and got.dtype is mods.torch.int16 and got.shape == (3, ELEMS)
+    assert [int(r[0]) for r in got.a] == [3, 4, 5]
+    assert np.shares_memory(got.a, landing.kv_cache.a)  # consecutive rows: a view, no copy
+    got = landing.land(types.SimpleNamespace(rows=[5, 1, 3]))
+    assert [int(r[0]) for r in got.a] == [6, 2, 4] and got.device == "cuda:0"
+    assert landing.land(types.SimpleNamespace(rows=[])).shape == (0, ELEMS)
+
+
+def test_store_source_puts_the_new_rows_first_on_the_host(mods):
+    torch, t = mods.torch, mods.transport
+    rows = torch.tensor([[1] * ELEMS, [2] * ELEMS], dtype=torch.int16, device="cuda:0")
+    host = t.store_source(rows, 3)
+    assert host.dtype == np.uint16 and host.shape == (3, ELEMS)
+    assert host[0, 0] == 1 and host[1, -1] == 2
+
+
+def test_bad_transport_settings_name_the_field(mods):
+    t = mods.transport
+    with pytest.raises(t.TransportError) as e:
+        t.ordinal("cpu", "cuda")
+    assert e.value.field == "device"
+    with pytest.raises(t.TransportError) as e:
+        t.ordinal("cuda:0", "nvlink")
+    assert e.value.field == "transport"
+    assert t.ordinal("cuda:3", "cuda") == 3 and t.ordinal("cuda", "cuda") == 0
+    assert t.ordinal("cuda:3", "host") is None
+
+
+def test_workers_open_the_bank_and_target_of_their_transport(mods, monkeypatch):
+    from gpu_serving import decode_worker, engine, prefill_worker
+
+    monkeypatch.setattr(engine, "build_model", lambda name, device, seed: object())
+    cfg = {"model": "tiny", "seed": 0, "tokens_per_block": 16, "transport": "cuda"}
+    d = decode_worker.DecodeWorker({**cfg, "device": "cuda:0", "bank_slots": 12, "answer": "forced"})
+    assert d.bank.kwargs["gpus"] == [0] and d.bank.kwargs["slots"] == 12
+    assert d.layout.args == (2, 2, 16, "bf16", 16, 1)
+    p = prefill_worker.PrefillWorker({**cfg, "device": "cuda:0", "target_rows": 6})
+    assert p.target.kwargs["gpus"] == [0] and p.target.kwargs["kv_caches"][0].tensor.shape == (6, ELEMS)
+    with pytest.raises(engine.EngineError) as e:
+        decode_worker.DecodeWorker({**cfg, "device": "cuda:0", "bank_slots": 12, "answer": "sampled"})
+    assert e.value.field == "answer"
+
+
+def test_harness_skips_the_cuda_transport_on_cpu_devices(mods, tmp_path, capsys):
+    from gpu_serving import harness
+
+    out = tmp_path / "r.json"
+    argv = ["--out", str(out), "--model", "tiny", "--prefill-device", "cpu", "--decode-device", "cpu"]
+    assert harness.main(argv) == 0
+    assert "SKIP gpu_serving: --transport cuda needs CUDA devices" in capsys.readouterr().out
