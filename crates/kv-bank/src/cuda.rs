@@ -94,6 +94,14 @@ static CONTEXTS: OnceLock<Mutex<HashMap<u32, Arc<Mutex<Option<usize>>>>>> = Once
 
 /// Makes device `ordinal`'s primary context current on this thread.
 fn bind(ordinal: u32) -> Result<sys::CUdevice, BankError> {
+    let (dev, ctx) = primary_context(ordinal)?;
+    // SAFETY: `ctx` is a retained primary context that is never released.
+    unsafe { result::ctx::set_current(ctx) }.map_err(cuda_err("cuCtxSetCurrent"))?;
+    Ok(dev)
+}
+
+/// Device `ordinal` and its primary context (retained once, never released).
+fn primary_context(ordinal: u32) -> Result<(sys::CUdevice, sys::CUcontext), BankError> {
     driver()?;
     let count = result::device::get_count().map_err(cuda_err("cuDeviceGetCount"))?;
     if ordinal as i64 >= i64::from(count) {
@@ -120,9 +128,7 @@ fn bind(ordinal: u32) -> Result<sys::CUdevice, BankError> {
         }
     };
     drop(slot);
-    // SAFETY: `ctx` is a retained primary context that is never released.
-    unsafe { result::ctx::set_current(ctx) }.map_err(cuda_err("cuCtxSetCurrent"))?;
-    Ok(dev)
+    Ok((dev, ctx))
 }
 
 /// Probes the CUDA driver and device `ordinal` without allocating.
@@ -226,6 +232,106 @@ fn dtoh(
     // SAFETY: as in `htod`, source range inside the live allocation, `dst` a
     // host buffer mutably borrowed for the synchronous copy.
     unsafe { result::memcpy_dtoh_sync(dst, base + offset as u64) }.map_err(cuda_err("cuMemcpyDtoH"))
+}
+
+/// One `cuPointerGetAttribute` of `addr` (an `int`-, `CUdeviceptr`- or
+/// `size_t`-sized attribute, read into a `u64`).
+fn pointer_attribute(addr: u64, attr: sys::CUpointer_attribute, bytes: usize) -> Option<u64> {
+    let mut v: u64 = 0;
+    // SAFETY: `v` is an 8-byte out-buffer, at least as large as each
+    // attribute read here (`int` / `unsigned int`: 4, `CUdeviceptr` /
+    // `size_t`: 8); little-endian, so a 4-byte value lands in the low half.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(&mut v as *mut u64 as *mut std::ffi::c_void, attr, addr)
+    };
+    r.result().ok()?;
+    Some(if bytes == 4 { v & 0xffff_ffff } else { v })
+}
+
+/// Checks that `addr..addr+len` is device memory of one allocation on
+/// device `ordinal` (`cuPointerGetAttribute`: memory type, device ordinal,
+/// allocation range), so a host pointer, a pointer on another device or a
+/// range running past its allocation is refused before any copy.
+fn check_device_source(addr: u64, len: usize, ordinal: u32) -> Result<(), BankError> {
+    use sys::CUpointer_attribute as A;
+    let refuse = |why: String| Err(BankError::arg("source", why));
+    const CU_MEMORYTYPE_DEVICE: u64 = 2;
+    match pointer_attribute(addr, A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, 4) {
+        Some(CU_MEMORYTYPE_DEVICE) => {}
+        Some(t) => return refuse(format!("{addr:#x} is not device memory (CUmemorytype {t})")),
+        None => return refuse(format!("{addr:#x} is not memory CUDA knows")),
+    }
+    match pointer_attribute(addr, A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, 4) {
+        Some(o) if o == u64::from(ordinal) => {}
+        Some(o) => return refuse(format!("{addr:#x} is on cuda:{o}, expected cuda:{ordinal}")),
+        None => return refuse(format!("{addr:#x}: device ordinal unknown")),
+    }
+    let start = pointer_attribute(addr, A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, 8);
+    let size = pointer_attribute(addr, A::CU_POINTER_ATTRIBUTE_RANGE_SIZE, 8);
+    match (start, size) {
+        (Some(s), Some(n)) if addr + len as u64 <= s.saturating_add(n) => Ok(()),
+        (Some(s), Some(n)) => refuse(format!(
+            "{addr:#x}+{len} runs past its allocation {s:#x}+{n}"
+        )),
+        _ => refuse(format!("{addr:#x}: allocation range unknown")),
+    }
+}
+
+/// Device-to-device copies into the allocation `base..base+region_len` on
+/// device `dst_ordinal`: `len` bytes from each `src` to `base + offset`,
+/// the sources on device `src_ordinal` (the same device: `cuMemcpyDtoDAsync`;
+/// a peer: `cuMemcpyPeerAsync`, which the driver routes over NVLink / PCIe
+/// peer access or stages itself), then one stream synchronize.
+///
+/// The copies run on the legacy default stream of the destination's
+/// primary context: it waits for the work already queued on every blocking
+/// stream of that context, which is where an engine (torch's default
+/// stream) computed the rows, so they are complete before they are copied;
+/// a producer on a non-blocking stream makes it wait first (DLPack's
+/// `__dlpack__(stream=1)` contract, which the Python binding uses).
+pub(crate) fn dtod_rows(
+    dst_ordinal: u32,
+    base: u64,
+    region_len: usize,
+    copies: &[(usize, u64)],
+    len: usize,
+    src_ordinal: u32,
+) -> Result<(), BankError> {
+    for (offset, _) in copies {
+        check_range("offset", *offset, len, region_len)?;
+    }
+    let (_, src_ctx) = primary_context(src_ordinal)?;
+    bind(src_ordinal)?;
+    for (_, src) in copies {
+        check_device_source(*src, len, src_ordinal)?;
+    }
+    bind(dst_ordinal)?;
+    let (_, dst_ctx) = primary_context(dst_ordinal)?;
+    let stream = result::stream::null();
+    for (offset, src) in copies {
+        let dst = base + *offset as u64;
+        // SAFETY: the destination range lies inside the live allocation of
+        // `region_len` bytes (checked above); each source range lies inside
+        // one live device allocation of `src_ordinal` (checked above, and
+        // the caller keeps it alive until this returns); both contexts are
+        // retained primary contexts; the stream is the bound context's
+        // legacy default stream, synchronized below before returning.
+        let r = unsafe {
+            if src_ordinal == dst_ordinal {
+                result::memcpy_dtod_async(dst, *src, len, stream)
+            } else {
+                result::memcpy_peer_async(dst_ctx, dst, src_ctx, *src, len, stream)
+            }
+        };
+        r.map_err(cuda_err(if src_ordinal == dst_ordinal {
+            "cuMemcpyDtoDAsync"
+        } else {
+            "cuMemcpyPeerAsync"
+        }))?;
+    }
+    // SAFETY: the null stream of the bound context; every copy queued above
+    // has landed when this returns.
+    unsafe { result::stream::synchronize(stream) }.map_err(cuda_err("cuStreamSynchronize"))
 }
 
 /// A virtual-memory allocation (`cuMemCreate` + `cuMemAddressReserve` +

@@ -125,7 +125,7 @@ pub use manager::{
     sealed_blocks, BankConfig, BankManager, BankStats, Inventory, LeaseStatus, ManagerPin,
     PendingStore, StoreStatus, DEFAULT_SHM_PREFIX,
 };
-pub use memory::{open_device_descriptor, BankMemory, MemoryKind};
+pub use memory::{open_device_descriptor, BankMemory, DeviceRows, MemoryKind};
 #[cfg(feature = "qualify")]
 pub use qualify::{qualify_section, QualifyCheck, QualifySection};
 pub use rank::{RankBank, RankMemory};

@@ -168,6 +168,13 @@ pub struct BankStats {
     pub blocks_excluded: u64,
     /// Pins taken.
     pub pins: u64,
+    /// Store bytes written into slots from host buffers
+    /// ([`BankManager::write_pending`]): on a CUDA bank, the host payload of
+    /// storing (a host-to-device copy each).
+    pub store_bytes_from_host: u64,
+    /// Store bytes copied into slots device to device
+    /// ([`BankManager::write_pending_from_device`]): no host payload.
+    pub store_bytes_from_device: u64,
 }
 
 /// Why a pending store is rolled back (decides whether its slots are quarantined).

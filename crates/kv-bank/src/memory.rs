@@ -57,6 +57,33 @@ impl std::fmt::Display for MemoryKind {
     }
 }
 
+/// Rows in CUDA device memory of this process that a store copies into a
+/// device bank's slots ([`crate::BankManager::write_pending_from_device`]):
+/// the engine's own KV blocks, on the bank's GPU or a peer GPU, so no byte
+/// of the payload passes through host memory.
+///
+/// `rows` rows of `row_bytes` bytes each, contiguous from `addr`; row `i`
+/// starts at `addr + i x row_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceRows {
+    /// CUDA ordinal (in this process) of the device holding the rows.
+    pub ordinal: u32,
+    /// `CUdeviceptr` of the first row, in the device's primary context
+    /// (where the CUDA runtime, torch and CuPy allocate).
+    pub addr: u64,
+    /// Bytes of one row: the bank's slot bytes (one rank's part of one KV block).
+    pub row_bytes: usize,
+    /// How many rows.
+    pub rows: usize,
+}
+
+impl DeviceRows {
+    /// Device address of row `i` (unchecked against `rows`).
+    pub fn row_addr(&self, i: usize) -> u64 {
+        self.addr + (i * self.row_bytes) as u64
+    }
+}
+
 /// A contiguous region of memory mapped into this process.
 ///
 /// Implementations own (or hold a mapping of) `len()` bytes starting at
@@ -155,6 +182,31 @@ pub trait BankMemory: Send + Sync + std::fmt::Debug {
         let _ = (offset, src);
         Err(BankError::Unsupported {
             op: "write_bytes",
+            kind: self.kind().to_string(),
+        })
+    }
+
+    /// Copies `len` bytes from device memory into the region, once per
+    /// `(offset, src_addr)` of `copies`: region bytes `offset..offset+len`
+    /// from `src_addr..src_addr+len` on device `src_ordinal` (this region's
+    /// own device, or a peer). Synchronous: every byte landed when it
+    /// returns, so a store acked after it never seals a half-copied slot.
+    ///
+    /// # Errors
+    /// [`BankError::Unsupported`] for memory that is not CUDA device memory
+    /// owned by this process (the default); [`BankError::OutOfRange`] for a
+    /// destination range past `len()`; [`BankError::InvalidArgument`] naming
+    /// `source` when a source range is not inside one device allocation of
+    /// device `src_ordinal`; [`BankError::Cuda`] when a copy fails.
+    fn copy_from_device(
+        &self,
+        copies: &[(usize, u64)],
+        len: usize,
+        src_ordinal: u32,
+    ) -> Result<(), BankError> {
+        let _ = (copies, len, src_ordinal);
+        Err(BankError::Unsupported {
+            op: "copy_from_device",
             kind: self.kind().to_string(),
         })
     }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use kv_descriptor::{BankDescriptor, MemoryLocation};
 
 use crate::memory::check_range;
-use crate::{BankError, BankMemory};
+use crate::{BankError, BankMemory, DeviceRows};
 
 /// Memory for one rank, as returned by a bank manager's allocator.
 #[derive(Debug, Clone)]
@@ -79,6 +79,47 @@ impl RankBank {
         check_range("slot", off, bytes.len(), self.memory.len())?;
         self.memory.write_bytes(off, bytes)
     }
+    /// Copies row `i` of `src` (device memory) into slot `slots[i]`, for
+    /// every `i`, device to device; synchronous (see
+    /// [`BankMemory::copy_from_device`]).
+    ///
+    /// Unchecked against the slots' state, as [`RankBank::write_slot`]
+    /// (use [`crate::BankManager::write_pending_from_device`], which checks).
+    ///
+    /// # Errors
+    /// [`BankError::InvalidArgument`] naming `slot` (out of range) or
+    /// `source` (`row_bytes` is not the slot size, `rows` is not
+    /// `slots.len()`); the memory's copy error ([`BankError::Unsupported`]
+    /// on a host bank).
+    pub fn write_slots_from_device(&self, slots: &[u32], src: DeviceRows) -> Result<(), BankError> {
+        if src.row_bytes as u64 != self.descriptor.slot_bytes() {
+            return Err(BankError::arg(
+                "source",
+                format!(
+                    "rows of {} bytes, a slot holds {}",
+                    src.row_bytes,
+                    self.descriptor.slot_bytes()
+                ),
+            ));
+        }
+        if src.rows != slots.len() {
+            return Err(BankError::arg(
+                "source",
+                format!("{} rows for {} slots", src.rows, slots.len()),
+            ));
+        }
+        let copies = slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| Ok((self.slot_offset(*s)?, src.row_addr(i))))
+            .collect::<Result<Vec<_>, BankError>>()?;
+        if copies.is_empty() {
+            return Ok(());
+        }
+        self.memory
+            .copy_from_device(&copies, src.row_bytes, src.ordinal)
+    }
+
     /// Copies slot `slot` into `out` (exactly `slot_bytes` long).
     ///
     /// # Errors

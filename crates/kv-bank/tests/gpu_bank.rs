@@ -137,3 +137,113 @@ fn device_bank_publishes_a_lease_and_is_refused_once_closed() {
     assert!(matches!(e, BankError::LeaseMissing { .. }), "{e}");
     println!("device bank lease {} refused after close: {e}", rec.name);
 }
+
+/// A source allocation on `ordinal` filled with row `i` = bytes `i + 1`.
+fn device_rows(ordinal: u32, rows: usize, row_bytes: usize) -> kv_bank::CudaDeviceMemory {
+    use kv_bank::BankMemory;
+    let src = kv_bank::CudaDeviceMemory::new(ordinal, rows * row_bytes).unwrap();
+    for i in 0..rows {
+        src.write_bytes(i * row_bytes, &vec![i as u8 + 1; row_bytes])
+            .unwrap();
+    }
+    src
+}
+
+/// Stores 8 blocks from device rows on `src_ordinal` into a bank on GPU 0
+/// and reads every slot back.
+fn device_source_round_trip(src_ordinal: u32) {
+    use kv_bank::{BankMemory, DeviceRows};
+    let layout = KvLayout::new(32, 8, 128, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+    let rbb = layout.rank_block_bytes();
+    let cfg = BankConfig::new(
+        layout,
+        OwnerLease::fresh(Role::Decode),
+        16 * layout.block_bytes() as u64,
+    );
+    let bank = BankManager::new_cuda(cfg, "gpu-host", &[0]).unwrap();
+    let src = device_rows(src_ordinal, 8, rbb);
+    let blocks = sealed_blocks(None, &(0..16 * 8).collect::<Vec<u32>>(), 16);
+    let p = bank.store(None, &blocks).unwrap();
+    let rows = DeviceRows {
+        ordinal: src_ordinal,
+        addr: src.base_addr(),
+        row_bytes: rbb,
+        rows: 8,
+    };
+    bank.write_pending_from_device(p.store_id, 0, 0, rows)
+        .unwrap();
+    assert_eq!(bank.ack(p.store_id, 0).unwrap(), StoreStatus::Ready);
+    let rb = bank.rank(0).unwrap();
+    let mut out = vec![0u8; rbb];
+    for (i, (_, slot)) in p.entries.iter().enumerate() {
+        rb.read_slot(*slot, &mut out).unwrap();
+        assert!(out.iter().all(|&b| b == i as u8 + 1), "block {i}");
+    }
+    let stats = bank.stats();
+    assert_eq!(stats.store_bytes_from_device, 8 * rbb as u64);
+    assert_eq!(stats.store_bytes_from_host, 0);
+    drop(rb);
+    bank.close(Duration::from_secs(1)).unwrap();
+}
+
+#[test]
+fn device_rows_store_device_to_device_with_no_host_payload() {
+    if !gpu() {
+        return;
+    }
+    device_source_round_trip(0);
+}
+
+#[test]
+fn device_rows_on_a_peer_gpu_store_by_peer_copy() {
+    if !gpu() {
+        return;
+    }
+    let count = kv_bank::cuda_probe(0).unwrap().device_count;
+    if count < 2 {
+        println!("SKIP peer device-source store: {count} CUDA device(s), needs 2");
+        return;
+    }
+    device_source_round_trip(1);
+}
+
+#[test]
+fn a_host_pointer_or_a_range_past_its_allocation_is_refused_as_source() {
+    use kv_bank::{BankMemory, DeviceRows};
+    if !gpu() {
+        return;
+    }
+    let layout = KvLayout::new(2, 2, 8, DType::F32, 4, TensorOrder::BlockMajor, 1).unwrap();
+    let rbb = layout.rank_block_bytes();
+    let cfg = BankConfig::new(
+        layout,
+        OwnerLease::fresh(Role::Decode),
+        8 * layout.block_bytes() as u64,
+    );
+    let bank = BankManager::new_cuda(cfg, "gpu-host", &[0]).unwrap();
+    let blocks = sealed_blocks(None, &(0..8).collect::<Vec<u32>>(), 4);
+    let p = bank.store(None, &blocks).unwrap();
+    let host = vec![0u8; 2 * rbb];
+    let src = device_rows(0, 1, rbb);
+    for (addr, what) in [
+        // "not memory CUDA knows", or with HMM "not device memory".
+        (host.as_ptr() as u64, "memory"),
+        (src.base_addr(), "runs past its allocation"),
+    ] {
+        let rows = DeviceRows {
+            ordinal: 0,
+            addr,
+            row_bytes: rbb,
+            rows: 2,
+        };
+        match bank.write_pending_from_device(p.store_id, 0, 0, rows) {
+            Err(BankError::InvalidArgument {
+                field: "source",
+                reason,
+            }) => assert!(reason.contains(what), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(bank.stats().store_bytes_from_device, 0);
+    bank.close(Duration::from_secs(1)).unwrap();
+}

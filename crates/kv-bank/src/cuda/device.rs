@@ -147,6 +147,14 @@ impl BankMemory for CudaDeviceMemory {
     fn read_bytes(&self, offset: usize, dst: &mut [u8]) -> Result<(), BankError> {
         dtoh(self.ordinal, self.ptr, self.len, offset, dst)
     }
+    fn copy_from_device(
+        &self,
+        copies: &[(usize, u64)],
+        len: usize,
+        src_ordinal: u32,
+    ) -> Result<(), BankError> {
+        dtod_rows(self.ordinal, self.ptr, self.len, copies, len, src_ordinal)
+    }
 }
 
 impl Drop for CudaDeviceMemory {

@@ -5,6 +5,8 @@ use std::time::Instant;
 
 use kv_descriptor::{KvEventData, SequenceHash, StoredBlock};
 
+use crate::DeviceRows;
+
 use super::*;
 
 impl BankManager {
@@ -225,21 +227,79 @@ impl BankManager {
         index: usize,
         bytes: &[u8],
     ) -> Result<(), BankError> {
-        let (bank, slot) = {
+        self.write_entries(store_id, rank, index, 1, |bank, slots| {
+            bank.write_slot(slots[0], bytes)?;
+            Ok(Source::Host(bytes.len() as u64))
+        })
+    }
+
+    /// Writes rank `rank`'s part of entries `first..first + src.rows` of
+    /// pending store `store_id` from device memory (row `i` of `src` into
+    /// entry `first + i`), device to device: `cuMemcpyDtoDAsync` when
+    /// `src` is on the rank's GPU, `cuMemcpyPeerAsync` from a peer GPU,
+    /// then a stream synchronize, so the bytes landed before this returns
+    /// and the ack that seals the store can follow. No payload byte passes
+    /// through host memory: [`BankStats::store_bytes_from_device`] counts
+    /// these bytes, [`BankStats::store_bytes_from_host`] does not.
+    ///
+    /// The same slot rules as [`BankManager::write_pending`]: only slots
+    /// pending for this store, marked as being written for the copy's
+    /// duration (a rollback meanwhile frees them only after it), and the
+    /// last ack waits for it. The caller keeps `src` allocated and unwritten
+    /// until this returns.
+    ///
+    /// # Errors
+    /// As [`BankManager::write_pending`], with
+    /// [`BankError::InvalidArgument`] naming `index` when the rows run past
+    /// the store's entries and `source` for rows of the wrong size or not
+    /// inside one device allocation of `src.ordinal`;
+    /// [`BankError::Unsupported`] on a host-shm bank; [`BankError::Cuda`].
+    pub fn write_pending_from_device(
+        &self,
+        store_id: u64,
+        rank: u32,
+        first: usize,
+        src: DeviceRows,
+    ) -> Result<(), BankError> {
+        self.write_entries(store_id, rank, first, src.rows, |bank, slots| {
+            bank.write_slots_from_device(slots, src)?;
+            Ok(Source::Device((src.rows * src.row_bytes) as u64))
+        })
+    }
+
+    /// The bookkeeping around a copy into entries `first..first + n` of a
+    /// pending store: the slots are looked up and marked as being written
+    /// under the lock, `copy` runs outside it, then the marks are undone
+    /// (freeing slots orphaned by a rollback meanwhile) and the bytes counted.
+    fn write_entries(
+        &self,
+        store_id: u64,
+        rank: u32,
+        first: usize,
+        n: usize,
+        copy: impl FnOnce(&RankBank, &[u32]) -> Result<Source, BankError>,
+    ) -> Result<(), BankError> {
+        let (bank, slots) = {
             let mut st = self.shared.state.lock();
             let p = st
                 .pending
                 .get(&store_id)
                 .ok_or(BankError::UnknownStore(store_id))?;
-            let Some(&(_, _, slot)) = p.entries.get(index) else {
+            if n == 0 {
+                return Err(BankError::arg("index", "no rows to write"));
+            }
+            let end = first.checked_add(n).filter(|e| *e <= p.entries.len());
+            let Some(end) = end else {
                 return Err(BankError::arg(
                     "index",
                     format!(
-                        "{index} is not below the store's {} entries",
+                        "{} is not below the store's {} entries",
+                        first.saturating_add(n - 1),
                         p.entries.len()
                     ),
                 ));
             };
+            let slots: Vec<u32> = p.entries[first..end].iter().map(|e| e.2).collect();
             // The clone keeps the rank's memory alive even if the generation
             // is closed (and its `banks` dropped) while the copy runs.
             let bank = self.rank_locked(&st, rank)?;
@@ -247,10 +307,12 @@ impl BankManager {
                 .get_mut(&store_id)
                 .expect("present above")
                 .in_flight += 1;
-            *st.writing.entry(slot).or_insert(0) += 1;
-            (bank, slot)
+            for slot in &slots {
+                *st.writing.entry(*slot).or_insert(0) += 1;
+            }
+            (bank, slots)
         };
-        let copied = bank.write_slot(slot, bytes);
+        let copied = copy(&bank, &slots);
         let mut st = self.shared.state.lock();
         let still_pending = match st.pending.get_mut(&store_id) {
             Some(p) => {
@@ -259,13 +321,20 @@ impl BankManager {
             }
             None => false,
         };
-        let n = st.writing.get_mut(&slot).expect("counted above");
-        *n -= 1;
-        if *n == 0 {
-            st.writing.remove(&slot);
-            if st.orphaned_writes.remove(&slot) {
-                st.table.rollback(&[slot]);
+        for slot in &slots {
+            let n = st.writing.get_mut(slot).expect("counted above");
+            *n -= 1;
+            if *n == 0 {
+                st.writing.remove(slot);
+                if st.orphaned_writes.remove(slot) {
+                    st.table.rollback(&[*slot]);
+                }
             }
+        }
+        match copied {
+            Ok(Source::Host(b)) => st.stats.store_bytes_from_host += b,
+            Ok(Source::Device(b)) => st.stats.store_bytes_from_device += b,
+            Err(_) => {}
         }
         self.shared.writes_done.notify_all();
         drop(st);
@@ -425,6 +494,12 @@ impl BankManager {
         self.rollback_locked(&mut st, store_id, Rollback::Failed(rank));
         Ok(())
     }
+}
+
+/// Where the bytes of one store write came from (what [`BankStats`] counts).
+enum Source {
+    Host(u64),
+    Device(u64),
 }
 
 /// Frees rolled-back `slots`, except those a `write_pending` copy is still
