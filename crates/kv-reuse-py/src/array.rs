@@ -44,6 +44,22 @@ pub(crate) enum Want {
     Host,
     /// CUDA device memory on this device ordinal.
     Cuda(u32),
+    /// CUDA device memory on this ordinal that a store copies from (the
+    /// source of `PendingStore.write` on a CUDA bank). The copy runs on the
+    /// legacy default stream (kv_bank's device-source store), so the view
+    /// prefers DLPack and asks `__dlpack__(stream=1)`: the producer makes
+    /// that stream wait for its own, and the rows are complete when copied.
+    /// A `__cuda_array_interface__` only tensor must name no stream or a
+    /// default one (v3 `stream` None, 1 or 2), which the legacy stream
+    /// orders after; another stream is refused.
+    CudaSource(u32),
+}
+
+/// True when `obj` is a CUDA tensor: it has `__cuda_array_interface__` or
+/// its `__dlpack_device__()` is CUDA (torch, CuPy).
+pub(crate) fn on_cuda(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<bool> {
+    Ok(has(obj, "__cuda_array_interface__")?
+        || matches!(dlpack_device(obj, argument)?, Some((DL_CUDA, _))))
 }
 
 /// A C-contiguous tensor checked against an expected dtype, shape and device.
@@ -220,7 +236,7 @@ impl<'py> ArrayView<'py> {
                     let ai = obj.getattr("__array_interface__")?;
                     interface(&ai, argument, "__array_interface__", dtype)?
                 } else if has(obj, "__dlpack__")? {
-                    let (raw, cap, dev) = read_dlpack(obj, argument, dtype)?;
+                    let (raw, cap, dev) = read_dlpack(obj, argument, dtype, None)?;
                     if dev.0 != DL_CPU && dev.0 != DL_CUDA_HOST {
                         return Err(bad_argument(
                             argument,
@@ -237,7 +253,8 @@ impl<'py> ArrayView<'py> {
                 };
                 (raw, MemoryKind::Host)
             }
-            Want::Cuda(ordinal) => {
+            Want::Cuda(ordinal) | Want::CudaSource(ordinal) => {
+                let source = matches!(want, Want::CudaSource(_));
                 if let Some((t, id)) = device {
                     if t != DL_CUDA {
                         return Err(bad_argument(
@@ -252,11 +269,17 @@ impl<'py> ArrayView<'py> {
                         ));
                     }
                 }
-                let raw = if has(obj, "__cuda_array_interface__")? {
+                let cai = has(obj, "__cuda_array_interface__")?;
+                let dlpack = has(obj, "__dlpack__")?;
+                let raw = if cai && !(source && dlpack) {
                     let ai = obj.getattr("__cuda_array_interface__")?;
+                    if source {
+                        check_cai_stream(&ai, argument)?;
+                    }
                     interface(&ai, argument, "__cuda_array_interface__", dtype)?
-                } else if has(obj, "__dlpack__")? {
-                    let (raw, cap, dev) = read_dlpack(obj, argument, dtype)?;
+                } else if dlpack {
+                    let stream = source.then_some(DLPACK_LEGACY_STREAM);
+                    let (raw, cap, dev) = read_dlpack(obj, argument, dtype, stream)?;
                     if dev.0 != DL_CUDA {
                         return Err(bad_argument(
                             argument,
@@ -350,6 +373,16 @@ impl<'py> ArrayView<'py> {
         unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
     }
 
+    /// The view's CUDA ordinal and device address (`CUdeviceptr`), None
+    /// for host memory. `owner` and the capsule keep the memory allocated
+    /// for as long as `self` lives.
+    pub(crate) fn device_ptr(&self) -> Option<(u32, u64)> {
+        match self.kind {
+            MemoryKind::Cuda { ordinal } => Some((ordinal, self.ptr as u64)),
+            MemoryKind::Host => None,
+        }
+    }
+
     /// Refuses a read-only view as a destination, naming `argument`.
     pub(crate) fn writable(self, argument: &str) -> PyResult<Self> {
         if self.readonly {
@@ -374,14 +407,64 @@ impl<'py> ArrayView<'py> {
     }
 }
 
+/// DLPack's stream number for the legacy default stream on CUDA (the
+/// `stream` argument of the array API standard's `__dlpack__`).
+const DLPACK_LEGACY_STREAM: i64 = 1;
+
+/// Refuses a `__cuda_array_interface__` (v3) `stream` the legacy default
+/// stream is not ordered after: only None (no pending work), 1 (legacy
+/// default) and 2 (per-thread default, which synchronizes with the legacy
+/// one) are accepted for a store source.
+fn check_cai_stream(ai: &Bound<'_, PyAny>, argument: &str) -> PyResult<()> {
+    let Ok(dict) = ai.downcast::<PyDict>() else {
+        return Ok(()); // `interface` refuses it by name
+    };
+    let Some(stream) = dict.get_item("stream")? else {
+        return Ok(());
+    };
+    if stream.is_none() {
+        return Ok(());
+    }
+    match stream.extract::<i64>() {
+        Ok(1 | 2) => Ok(()),
+        Ok(s) => Err(bad_argument(
+            argument,
+            format!(
+                "__cuda_array_interface__ stream {s:#x} is not a default stream; \
+                 synchronize it first or pass the tensor through DLPack"
+            ),
+        )),
+        Err(_) => Err(bad_argument(
+            argument,
+            "__cuda_array_interface__ stream is not an int",
+        )),
+    }
+}
+
 /// Reads a DLPack capsule: the raw fields, the capsule, (device type, id).
+/// `stream` is passed as `__dlpack__(stream=...)` (the consumer's stream the
+/// producer must order its work before); a producer without that keyword
+/// is asked again without it.
 fn read_dlpack<'py>(
     obj: &Bound<'py, PyAny>,
     argument: &str,
     dtype: DType,
+    stream: Option<i64>,
 ) -> PyResult<(Raw, Bound<'py, PyAny>, (i32, i32))> {
-    let cap = obj
-        .call_method0("__dlpack__")
+    let py = obj.py();
+    let with_stream = match stream {
+        Some(s) => {
+            let kw = PyDict::new(py);
+            kw.set_item("stream", s)?;
+            match obj.call_method("__dlpack__", (), Some(&kw)) {
+                Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) => None,
+                other => Some(other),
+            }
+        }
+        None => None,
+    };
+    let cap = with_stream
+        .unwrap_or_else(|| obj.call_method0("__dlpack__"))
         .map_err(|e| bad_argument(argument, format!("__dlpack__() failed: {e}")))?;
     let capsule = cap
         .downcast::<PyCapsule>()

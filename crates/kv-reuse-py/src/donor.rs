@@ -7,11 +7,14 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use kv_bank::{sealed_blocks, BankConfig, BankError, BankManager, LeaseConfig, StoreStatus};
+use kv_bank::{
+    sealed_blocks, BankConfig, BankError, BankManager, DeviceRows, LeaseConfig, MemoryKind,
+    StoreStatus,
+};
 use kv_descriptor::{OwnerLease, Role, SequenceHash, Wire};
 use kv_router_glue::{PinService, PinServiceConfig};
 
-use crate::array::{ArrayView, Want};
+use crate::array::{on_cuda, ArrayView, Want};
 use crate::errors::{bad_argument, bank, descriptor, CudaUnavailable, PinServiceFailed};
 use crate::layout::Layout;
 
@@ -26,8 +29,8 @@ pub(crate) struct DonorBank {
 impl DonorBank {
     /// Opens a bank of `slots` KV blocks per TP rank: in host shm, or with
     /// `gpus` (one CUDA ordinal per TP rank) in device memory exported over
-    /// CUDA IPC (the GPU path; `PendingStore.write` then copies host arrays
-    /// to the device).
+    /// CUDA IPC (the GPU path; `PendingStore.write` then copies CUDA
+    /// tensors device to device, or host arrays to the device).
     ///
     /// `lease_s` is the owner lease (seconds, renewed in the background every
     /// fifth of it): once this process dies, `reclaim_stale()` anywhere on
@@ -128,8 +131,34 @@ impl DonorBank {
             bank: self.inner.clone(),
             layout: self.layout,
             store_id: st.store_id,
-            hashes: sealed.iter().map(|b| b.sequence_hash.0).collect(),
+            hashes: st.entries.iter().map(|(h, _)| h.0).collect(),
+            already_retained: st.already_retained,
+            excluded: st.excluded,
         })
+    }
+
+    /// Counters of this bank's life (kv_bank `BankStats`): `stores_ready`,
+    /// `stores_rolled_back`, `blocks_stored`, `blocks_evicted`,
+    /// `blocks_excluded`, `pins`, and the store payload by source in bytes:
+    /// `store_bytes_from_host` (rows written from host arrays; on a CUDA
+    /// bank each is a host-to-device copy, the store's host payload) and
+    /// `store_bytes_from_device` (rows copied device to device from CUDA
+    /// tensors, no host payload).
+    #[getter]
+    fn stats(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        let s = self.inner.stats();
+        [
+            ("stores_ready", s.stores_ready),
+            ("stores_rolled_back", s.stores_rolled_back),
+            ("blocks_stored", s.blocks_stored),
+            ("blocks_evicted", s.blocks_evicted),
+            ("blocks_excluded", s.blocks_excluded),
+            ("pins", s.pins),
+            ("store_bytes_from_host", s.store_bytes_from_host),
+            ("store_bytes_from_device", s.store_bytes_from_device),
+        ]
+        .into_iter()
+        .collect()
     }
 
     /// The slot holding each of `hashes`, or None where the bank lacks it.
@@ -170,48 +199,112 @@ impl DonorBank {
 }
 
 /// Blocks reserved in the bank, written per TP rank and acknowledged per rank.
+///
+/// The store's rows are exactly the blocks the bank lacked: `store(tokens)`
+/// skips the sealed blocks already retained (ready, or pending in another
+/// store) and stops at the exclusion lineage, and `sequence_hashes` lists
+/// the rest, in prefix order. `write` takes one row per entry of
+/// `sequence_hashes`, row `i` for `sequence_hashes[i]`.
 #[pyclass(module = "kv_reuse")]
 pub(crate) struct PendingStore {
     bank: Arc<BankManager>,
     layout: Layout,
     store_id: u64,
+    /// The blocks this store writes (new to the bank), in prefix order.
     hashes: Vec<u64>,
+    already_retained: usize,
+    excluded: usize,
 }
 
 #[pymethods]
 impl PendingStore {
-    /// Sequence hashes of the stored blocks, in order.
+    /// Sequence hashes of the blocks this store writes, in prefix order:
+    /// the sealed blocks of the tokens the bank did not hold yet. Empty
+    /// when it held them all (then `write` takes zero rows and `ack` is
+    /// True at once). `write`'s row `i` is block `sequence_hashes[i]`.
     #[getter]
     fn sequence_hashes(&self) -> Vec<u64> {
         self.hashes.clone()
     }
 
-    /// Writes rank `rank`'s part of every block from `blocks`, a C-contiguous
-    /// host tensor of shape `(len(sequence_hashes), layout.rank_block_elems)`
-    /// and dtype `layout.typestr`, read in place through
-    /// `__array_interface__` (numpy) or DLPack (a CPU torch tensor).
+    /// Sealed blocks of the tokens the bank already retained (ready, or
+    /// pending in another store): not in `sequence_hashes`, not rewritten.
+    #[getter]
+    fn already_retained(&self) -> usize {
+        self.already_retained
+    }
+
+    /// Sealed blocks refused by the exclusion lineage (the first tainted
+    /// block and every later one): not in `sequence_hashes`, not stored.
+    #[getter]
+    fn excluded(&self) -> usize {
+        self.excluded
+    }
+
+    /// Writes rank `rank`'s part of every block of `sequence_hashes` from
+    /// `blocks`, a C-contiguous tensor of shape
+    /// `(len(sequence_hashes), layout.rank_block_elems)` and dtype
+    /// `layout.typestr` (row `i` = block `sequence_hashes[i]`):
+    ///
+    /// - a host tensor (numpy through `__array_interface__`, a CPU torch
+    ///   tensor through DLPack), read in place: into shm on a host bank, one
+    ///   host-to-device copy per row on a CUDA bank (counted in
+    ///   `DonorBank.stats["store_bytes_from_host"]`);
+    /// - on a CUDA bank, a CUDA tensor on the rank's GPU (torch, CuPy;
+    ///   DLPack preferred, else `__cuda_array_interface__`): copied device
+    ///   to device on the legacy default stream after the producer's work
+    ///   (DLPack `stream=1`), synchronized before `write` returns, so no
+    ///   payload byte passes through the host
+    ///   (`stats["store_bytes_from_device"]`).
     ///
     /// Releases the GIL while it copies; the engine must not write `blocks`
     /// until `write` returned.
     ///
     /// Raises `BadArgument` naming `blocks` (dtype, shape, strides, a CUDA
-    /// tensor on this host bank) or `rank`; `BankFailed` from the bank.
+    /// tensor on a host bank, a tensor on another GPU than the rank's, a
+    /// CUDA array interface stream that is not a default one, a pointer
+    /// that is not inside one device allocation) or `rank`; `BankFailed`
+    /// from the bank.
     fn write(&self, py: Python<'_>, rank: u32, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
-        if rank >= self.layout.inner.tp_size() {
-            return Err(bad_argument(
-                "rank",
-                format!("{rank} >= tp_size {}", self.layout.inner.tp_size()),
-            ));
+        let tp = self.layout.inner.tp_size();
+        if rank >= tp {
+            return Err(bad_argument("rank", format!("{rank} >= tp_size {tp}")));
         }
-        let elems = self.layout.inner.rank_block_bytes() / self.layout.inner.dtype().size_bytes();
-        let arr = ArrayView::new(
-            blocks,
-            "blocks",
-            self.layout.inner.dtype(),
-            &[self.hashes.len(), elems],
-            Want::Host,
-        )?;
         let rbb = self.layout.inner.rank_block_bytes();
+        let dtype = self.layout.inner.dtype();
+        let shape = [self.hashes.len(), rbb / dtype.size_bytes()];
+        let memory = self.bank.rank(rank).map_err(bank)?.memory().kind();
+        if let MemoryKind::Cuda { ordinal } = memory {
+            if on_cuda(blocks, "blocks")? {
+                let arr =
+                    ArrayView::new(blocks, "blocks", dtype, &shape, Want::CudaSource(ordinal))?;
+                let (ordinal, addr) = arr.device_ptr().expect("a CUDA view");
+                if self.hashes.is_empty() {
+                    return Ok(());
+                }
+                let rows = DeviceRows {
+                    ordinal,
+                    addr,
+                    row_bytes: rbb,
+                    rows: self.hashes.len(),
+                };
+                // `arr` keeps the tensor alive until the synchronized copy
+                // returned.
+                return py
+                    .allow_threads(|| {
+                        self.bank
+                            .write_pending_from_device(self.store_id, rank, 0, rows)
+                    })
+                    .map_err(|e| match e {
+                        BankError::InvalidArgument {
+                            field: "source",
+                            reason,
+                        } => bad_argument("blocks", reason),
+                        other => bank(other),
+                    });
+            }
+        }
+        let arr = ArrayView::new(blocks, "blocks", dtype, &shape, Want::Host)?;
         let bytes = arr.bytes();
         // The copy (into shm, or host-to-device on a CUDA bank) is the long
         // part: other Python threads (the engine's) run meanwhile. `arr`
@@ -227,8 +320,20 @@ impl PendingStore {
     }
 
     /// Acknowledges rank `rank`'s writes; True once every rank acked (the
-    /// blocks are in the inventory and a Stored event is queued).
+    /// blocks are in the inventory and a Stored event is queued). True at
+    /// once for a store with no blocks to write (`sequence_hashes` empty).
+    ///
+    /// Raises `BadArgument` naming `rank`; `BankFailed` from the bank
+    /// (the store timed out or was rolled back).
     fn ack(&self, rank: u32) -> PyResult<bool> {
+        let tp = self.layout.inner.tp_size();
+        if rank >= tp {
+            return Err(bad_argument("rank", format!("{rank} >= tp_size {tp}")));
+        }
+        if self.hashes.is_empty() {
+            // kv_bank keeps no pending store for an empty one.
+            return Ok(true);
+        }
         Ok(self.bank.ack(self.store_id, rank).map_err(bank)? == StoreStatus::Ready)
     }
 }

@@ -1,9 +1,11 @@
 """A donor (decode worker) in its own process for the round-trip tests.
 
 argv: socket path, tokens_per_block, blocks, tp[, "cuda" for a bank in
-device memory on GPU 0 (every rank), exported over CUDA IPC]. Prints one JSON line with
-the engine id, manifest, events and slot table (bytes as hex), then serves
-pins until stdin closes or says `quit`."""
+device memory on GPU 0 (every rank), exported over CUDA IPC, filled from
+numpy rows (host-to-device); "cuda-torch" for the same bank filled from
+torch CUDA tensors on GPU 0 (device to device)]. Prints one JSON line with
+the engine id, manifest, events, slot table (bytes as hex) and the bank's
+stats, then serves pins until stdin closes or says `quit`."""
 
 import json
 import sys
@@ -22,18 +24,32 @@ def pattern(layout, rank, block):
 def main():
     sock, tpb, blocks, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     layout = kv_reuse.Layout(2, 2, 8, "f32", tpb, tp)
-    gpus = [0] * tp if sys.argv[5:6] == ["cuda"] else None
+    mode = sys.argv[5] if len(sys.argv) > 5 else "host"
+    gpus = [0] * tp if mode in ("cuda", "cuda-torch") else None
     # A 2 s lease: the tests reclaim a killed donor's segments within ~2 s
     # (renewed every 0.4 s, so a loaded machine does not lapse it).
     bank = kv_reuse.DonorBank(layout, slots=blocks + 2, gpus=gpus, lease_s=2.0)
     tokens = list(range(tpb * blocks))
-    store = bank.store(tokens)
-    for rank in range(tp):
-        rows = np.stack([pattern(layout, rank, b) for b in range(blocks)])
-        store.write(rank, rows)
-    ready = [store.ack(rank) for rank in range(tp)]
+    # "cuda-torch" stores the first half first, then the whole prompt: the
+    # second store writes only the blocks the bank lacks (its
+    # sequence_hashes), so every byte landing at its block is checked too.
+    halves = [blocks // 2, blocks] if mode == "cuda-torch" else [blocks]
+    held = 0
+    for upto in halves:
+        store = bank.store(tokens[: tpb * upto])
+        assert store.already_retained == held, (store.already_retained, held)
+        for rank in range(tp):
+            rows = np.stack([pattern(layout, rank, b) for b in range(held, upto)])
+            if mode == "cuda-torch":
+                import torch
+
+                # The engine's KV on its GPU: the store copies device to device.
+                rows = torch.from_numpy(rows).to("cuda:0")
+            store.write(rank, rows)
+        ready = [store.ack(rank) for rank in range(tp)]
+        held = upto
     with bank.serve_pins("unix:" + sock) as server:
-        hashes = store.sequence_hashes
+        hashes = kv_reuse.sequence_hashes(tokens, tpb)
         print(
             json.dumps(
                 {
@@ -44,6 +60,7 @@ def main():
                     "events": [e.hex() for e in bank.drain_events()],
                     "slots": {str(h): s for h, s in zip(hashes, bank.slots(hashes))},
                     "hashes": hashes,
+                    "stats": bank.stats,
                 }
             ),
             flush=True,

@@ -34,16 +34,25 @@ def torch_cuda():
     return torch
 
 
-@pytest.fixture
-def cuda_donor(tmp_path):
-    proc = subprocess.Popen(
+def spawn_donor(tmp_path, mode):
+    return subprocess.Popen(
         [sys.executable, os.path.join(HERE, "donor_proc.py"), str(tmp_path / "pin.sock"),
-         str(TOKENS_PER_BLOCK), str(BLOCKS), str(TP), "cuda"],
+         str(TOKENS_PER_BLOCK), str(BLOCKS), str(TP), mode],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
+
+
+@pytest.fixture(params=["cuda", "cuda-torch"])
+def cuda_donor(tmp_path, request):
+    """A CUDA donor filled from numpy rows (``cuda``) or from torch CUDA
+    tensors device to device (``cuda-torch``)."""
+    torch_cuda()  # skips, saying why, before a donor that needs a GPU starts
+    proc = spawn_donor(tmp_path, request.param)
     line = proc.stdout.readline()
     assert line, "CUDA donor process printed nothing"
-    yield proc, json.loads(line)
+    report = json.loads(line)
+    report["mode"] = request.param
+    yield proc, report
     if proc.poll() is None:
         proc.stdin.write("quit\n")
         proc.stdin.flush()
@@ -100,9 +109,17 @@ def round_trip(torch, layout, enabled, report, protocol, request_id):
 
 
 @pytest.mark.parametrize("protocol", ["cuda_array_interface", "dlpack"])
-def test_cuda_round_trip_into_torch_tensors_moves_no_host_payload(layout, enabled, protocol, request):
+def test_cuda_round_trip_into_torch_tensors_moves_no_host_payload(layout, enabled, protocol, cuda_donor):
     torch = torch_cuda()
-    proc, report = request.getfixturevalue("cuda_donor")
+    proc, report = cuda_donor
+    # The donor's store payload by source: numpy rows cross host-to-device,
+    # torch CUDA rows device to device with no host payload.
+    payload = BLOCKS * TP * layout.rank_block_bytes
+    stats = report["stats"]
+    if report["mode"] == "cuda-torch":
+        assert (stats["store_bytes_from_host"], stats["store_bytes_from_device"]) == (0, payload)
+    else:
+        assert (stats["store_bytes_from_host"], stats["store_bytes_from_device"]) == (payload, 0)
     round_trip(torch, layout, enabled, report, protocol, "req-gpu-1")
     warm = kv_reuse.leak_counters()
     round_trip(torch, layout, enabled, report, protocol, "req-gpu-2")
@@ -124,3 +141,28 @@ def test_a_cpu_torch_tensor_is_refused_on_the_gpu_path(layout):
         kv_reuse.Target(layout, rows=4, kv_caches=[torch.zeros((4, n)), good])
     with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches\[1\]: dtype"):
         kv_reuse.Target(layout, rows=4, kv_caches=[good, good.half()], gpus=[0, 0])
+
+
+def test_device_source_refusals_name_blocks(layout):
+    torch = torch_cuda()
+    bank = kv_reuse.DonorBank(layout, slots=4, gpus=[0] * TP)
+    store = bank.store(list(range(TOKENS_PER_BLOCK * 2)))
+    n = layout.rank_block_elems
+    with pytest.raises(kv_reuse.BadArgument, match=r"blocks: dtype"):
+        store.write(0, torch.zeros((2, n), dtype=torch.float16, device="cuda:0"))
+    with pytest.raises(kv_reuse.BadArgument, match=r"blocks: shape \[3, %d\], expected \[2, %d\]" % (n, n)):
+        store.write(0, torch.zeros((3, n), dtype=torch.float32, device="cuda:0"))
+    with pytest.raises(kv_reuse.BadArgument, match=r"blocks: strides .* are not C-contiguous"):
+        store.write(0, torch.zeros((n, 2), dtype=torch.float32, device="cuda:0").t())
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(kv_reuse.BadArgument, match=r"blocks: on cuda:1, expected cuda:0"):
+            store.write(0, torch.zeros((2, n), dtype=torch.float32, device="cuda:1"))
+    else:
+        print("SKIP device_source other-GPU refusal: one CUDA device")
+    assert bank.stats["store_bytes_from_device"] == 0
+    # The refusals left nothing half-done: the right tensors store.
+    for r in range(TP):
+        store.write(r, torch.full((2, n), float(r + 1), dtype=torch.float32, device="cuda:0"))
+    assert [store.ack(r) for r in range(TP)] == [False, True]
+    assert bank.stats["store_bytes_from_device"] == 2 * TP * layout.rank_block_bytes
+    assert bank.stats["store_bytes_from_host"] == 0

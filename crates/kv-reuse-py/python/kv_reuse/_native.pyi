@@ -82,16 +82,36 @@ class Settings:
     def describe(self) -> str: ...
 
 class PendingStore:
-    """Blocks reserved in a donor bank, written and acknowledged per TP rank."""
+    """Blocks reserved in a donor bank, written and acknowledged per TP rank.
+
+    Its rows are exactly the blocks the bank lacked: ``DonorBank.store`` skips
+    the sealed blocks already retained and stops at the exclusion lineage;
+    ``sequence_hashes`` lists the rest in prefix order, and ``write`` takes one
+    row per entry of it (row ``i`` = block ``sequence_hashes[i]``)."""
 
     @property
-    def sequence_hashes(self) -> List[int]: ...
+    def sequence_hashes(self) -> List[int]:
+        """The blocks this store writes (new to the bank), in prefix order; empty
+        when the bank held them all (``write`` then takes 0 rows, ``ack`` is True)."""
+    @property
+    def already_retained(self) -> int:
+        """Sealed blocks of the tokens the bank already held (not rewritten)."""
+    @property
+    def excluded(self) -> int:
+        """Sealed blocks refused by the exclusion lineage (not stored)."""
     def write(self, rank: int, blocks: Any) -> None:
-        """``blocks``: C-contiguous host tensor (numpy ``__array_interface__`` or DLPack),
-        shape (n_blocks, rank_block_elems), dtype ``Layout.typestr``; copied to the device
-        on a CUDA bank. BadArgument names ``blocks`` or ``rank``."""
+        """``blocks``: C-contiguous tensor of shape (len(sequence_hashes),
+        rank_block_elems), dtype ``Layout.typestr``, row ``i`` = block
+        ``sequence_hashes[i]``. A host tensor (numpy ``__array_interface__`` or
+        DLPack) is copied into shm, or host-to-device on a CUDA bank
+        (``DonorBank.stats["store_bytes_from_host"]``); on a CUDA bank a CUDA
+        tensor on the rank's GPU (DLPack with ``stream=1``, or
+        ``__cuda_array_interface__``) is copied device to device, synchronized
+        before return (``stats["store_bytes_from_device"]``, no host payload).
+        BadArgument names ``blocks`` (dtype, shape, strides, a CUDA tensor on a
+        host bank, another GPU, a non-default CAI stream) or ``rank``."""
     def ack(self, rank: int) -> bool:
-        """True once every rank acknowledged."""
+        """True once every rank acknowledged (at once for an empty store)."""
 
 class PinServer:
     """A running pin service; a context manager that closes it."""
@@ -128,6 +148,11 @@ class DonorBank:
     def engine_id(self) -> str: ...
     @property
     def pins_outstanding(self) -> int: ...
+    @property
+    def stats(self) -> Dict[str, int]:
+        """kv_bank BankStats: stores_ready, stores_rolled_back, blocks_stored,
+        blocks_evicted, blocks_excluded, pins, store_bytes_from_host (the store's
+        host payload), store_bytes_from_device (device-to-device store bytes)."""
     def manifest(self) -> bytes: ...
     def store(self, tokens: Sequence[int]) -> PendingStore: ...
     def slots(self, hashes: Sequence[int]) -> List[Optional[int]]: ...
