@@ -36,6 +36,9 @@ use crate::prerequisites::Prerequisites;
 use crate::workspace::{self, Provenance};
 use crate::{command, elf};
 
+mod python;
+use python::{pack_pytest_wheels, pack_pytests, pack_python};
+
 /// Carry limit of the device machine for all carried paths together, in bytes.
 pub const CARRY_LIMIT: u64 = 64 << 20;
 /// Crates whose release test binaries `--with-tests` adds (the ones with GPU tests).
@@ -57,6 +60,20 @@ pub const BUNDLED_DATA: [&str; 2] = [
 /// package kvq's `gpu_serving` section runs; its `*.py` files go into
 /// `python.tar.gz` as `gpu_serving/*.py`.
 pub const PYTHON_PACKAGE: &str = "crates/kv-testkit/python/gpu_serving";
+/// Folder (relative to the workspace root) of the `kv_reuse` wheel's pytest
+/// files; its `*.py` files go into `pytests.tar.gz` (unpacked to `pytests/`),
+/// which `run.sh pytest-gpu` runs.
+pub const WHEEL_TESTS: &str = "crates/kv-reuse-py/tests";
+/// pytest and its pure-Python dependencies, downloaded here as wheels for
+/// [`DEVICE_PYTHON`] into `pytest-wheels/` (the device machine has no
+/// network and no pytest; `run.sh` unpacks them with `zipfile`, no pip).
+/// pip resolves the rest from `pytest`'s own requirements; `exceptiongroup`
+/// and `tomli` are only required below Python 3.11, so not named here (named,
+/// pip fetches tomli's compiled cp312 wheel, which `zipfile` cannot install
+/// for another interpreter).
+pub const PYTEST_WHEELS: [&str; 5] = ["pytest", "iniconfig", "packaging", "pluggy", "pygments"];
+/// The device machine's CPython (`X.Y`), which the pytest wheels are chosen for.
+pub const DEVICE_PYTHON: &str = "3.12";
 
 /// Builds `.bundle/` and prints the device command that runs it.
 ///
@@ -102,6 +119,8 @@ pub fn run(with_tests: bool) -> Result<()> {
     pack_nixl(&nixl, &dir.join("nixl-libs.tar.gz"))?;
     pack_data(&workspace::root().join("data"), &dir.join("data.tar.gz"))?;
     pack_python(&workspace::root(), &dir.join("python.tar.gz"))?;
+    pack_pytests(&workspace::root(), &dir.join("pytests.tar.gz"))?;
+    pack_pytest_wheels(&dir.join("pytest-wheels"))?;
     let wheel = crate::wheel::build_and_install()?;
     let wheel_name = wheel.file_name().expect("a wheel path has a file name");
     std::fs::copy(&wheel, dir.join(wheel_name)).map_err(XtaskError::io(&wheel))?;
@@ -143,6 +162,7 @@ pub fn run(with_tests: bool) -> Result<()> {
     if with_tests {
         println!("device tests:   bash .bundle/run.sh tests");
     }
+    println!("wheel on the GPU (torch): bash .bundle/run.sh pytest-gpu");
     Ok(())
 }
 
@@ -267,33 +287,6 @@ fn pack_data(data_dir: &Path, archive: &Path) -> Result<()> {
     tar_gz(archive, data_dir, &files)
 }
 
-/// Packs the `*.py` files of [`PYTHON_PACKAGE`] under `root` into `archive`
-/// as `gpu_serving/<file>` (no caches, no tests: the device runs the harness only).
-///
-/// # Errors
-/// [`XtaskError::Io`] when the package folder cannot be read or holds no
-/// `harness.py`, or the failed `tar`.
-fn pack_python(root: &Path, archive: &Path) -> Result<()> {
-    let pkg = root.join(PYTHON_PACKAGE);
-    let base = pkg.parent().expect("the package has a parent folder");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&pkg)
-        .map_err(XtaskError::io(&pkg))?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "py"))
-        .map(|p| PathBuf::from("gpu_serving").join(p.file_name().expect("listed files have names")))
-        .collect();
-    files.sort();
-    if !files.iter().any(|f| f.ends_with("harness.py")) {
-        let missing = pkg.join("harness.py");
-        return Err(XtaskError::io(&missing)(std::io::Error::new(
-            std::io::ErrorKind::NotFound,
-            "the gpu_serving package has no harness.py",
-        )));
-    }
-    tar_gz(archive, base, &files)
-}
-
 /// Packs the `nats-server` binary at `bin` into `archive` as `nats-server`
 /// (a symlink, e.g. `/usr/sbin/nats-server`, is followed).
 ///
@@ -389,12 +382,14 @@ fn dir_size(dir: &Path) -> Result<u64> {
 }
 
 /// The bundle's entry point. `run.sh tests [ARGS]` runs every bundled test
-/// binary (with `--nocapture` so GPU checks print their numbers); any other
-/// arguments go to kvq. Everything it reads lies next to it: the archives
+/// binary (with `--nocapture` so GPU checks print their numbers);
+/// `run.sh pytest-gpu [PYTEST ARGS]` runs the wheel's `test_gpu.py` (or the
+/// given pytest arguments) with the bundled pytest; any other arguments go
+/// to kvq. Everything it reads lies next to it: the archives
 /// are unpacked there once (a `.complete` marker per folder), kvq's data
 /// comes from `$KVQ_DATA_DIR` and nats-server from `$KV_NATS_SERVER` (a value
 /// set by the caller wins), never from the working directory.
-const RUN_SH: &str = r#"#!/usr/bin/env bash
+pub(crate) const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs this bundle's kvq (or its test binaries) without a Rust toolchain.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -428,6 +423,27 @@ export KVQ_BUILD_INFO="$here/build-info.json"
 export KVQ_DATA_DIR="$here/data"
 if [ -z "${KV_NATS_SERVER:-}" ] && [ -x "$here/bin/nats-server" ]; then
   export KV_NATS_SERVER="$here/bin/nats-server"
+fi
+if [ "${1:-}" = "pytest-gpu" ]; then
+  # The kv_reuse wheel's pytest files (default: test_gpu.py, the torch CUDA
+  # round trip) with the bundled pytest, unpacked once into pyvendor/ by
+  # zipfile (the device has no network and no pip is needed). Other
+  # arguments go to pytest; its closing line has the counts.
+  shift
+  vendor="$here/pyvendor"
+  if [ ! -f "$vendor/.complete" ]; then
+    rm -rf "$vendor" && mkdir -p "$vendor"
+    for w in "$here"/pytest-wheels/*.whl; do
+      [ -f "$w" ] && "$py" -m zipfile -e "$w" "$vendor"
+    done
+    touch "$vendor/.complete"
+  fi
+  unpack "$here/pytests.tar.gz" "$here/pytests"
+  [ $# -gt 0 ] || set -- "$here/pytests/test_gpu.py"
+  export PYTHONPATH="$vendor:$here/python:$here/pytests${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONDONTWRITEBYTECODE=1
+  cd "$here/pytests"
+  exec "$py" -m pytest -q -rs -p no:cacheprovider "$@"
 fi
 if [ "${1:-}" = "tests" ]; then
   shift
@@ -567,9 +583,9 @@ mod tests {
     }
 
     /// A scratch folder under the system temp dir, removed on drop.
-    struct Scratch(PathBuf);
+    pub(super) struct Scratch(pub(super) PathBuf);
     impl Scratch {
-        fn new(tag: &str) -> Self {
+        pub(super) fn new(tag: &str) -> Self {
             let d = std::env::temp_dir().join(format!("xtask-{tag}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&d);
             std::fs::create_dir_all(&d).unwrap();
@@ -582,7 +598,7 @@ mod tests {
         }
     }
 
-    fn write_executable(path: &Path, text: &str) {
+    pub(super) fn write_executable(path: &Path, text: &str) {
         use std::os::unix::fs::PermissionsExt;
         std::fs::write(path, text).unwrap();
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -644,47 +660,6 @@ mod tests {
             b = bundle.display()
         );
         assert_eq!(stdout, want);
-    }
-
-    /// run.sh unpacks the harness package and the kv_reuse wheel into
-    /// `python/` and hands kvq that folder as `KVQ_GPU_SERVING_DIR`.
-    #[test]
-    fn run_sh_unpacks_the_harness_and_the_wheel() {
-        let scratch = Scratch::new("bundle-python");
-        let (bundle, src) = (scratch.0.join(".bundle"), scratch.0.join("src"));
-        std::fs::create_dir_all(src.join("kv_reuse")).unwrap();
-        std::fs::create_dir_all(&bundle).unwrap();
-        pack_python(&workspace::root(), &bundle.join("python.tar.gz")).unwrap();
-        std::fs::write(src.join("kv_reuse/__init__.py"), "").unwrap();
-        let whl = bundle.join("kv_reuse-0.1.0-cp39-abi3-linux_x86_64.whl");
-        let zipped = Command::new("python3")
-            .args(["-m", "zipfile", "-c"])
-            .arg(&whl)
-            .arg("kv_reuse")
-            .current_dir(&src)
-            .status()
-            .unwrap();
-        assert!(zipped.success());
-        write_executable(
-            &bundle.join("kvq"),
-            "#!/bin/sh
-test -f \"$KVQ_GPU_SERVING_DIR/gpu_serving/harness.py\" && echo harness-ok\n\
-             test -f \"$KVQ_GPU_SERVING_DIR/kv_reuse/__init__.py\" && echo wheel-ok\n\
-             test -e \"$KVQ_GPU_SERVING_DIR/gpu_serving/__pycache__\" || echo no-cache\n",
-        );
-        std::fs::write(bundle.join("run.sh"), RUN_SH).unwrap();
-        let out = Command::new("bash")
-            .arg(bundle.join("run.sh"))
-            .env_remove("KVQ_GPU_SERVING_DIR")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{stdout}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert_eq!(stdout, "harness-ok\nwheel-ok\nno-cache\n");
     }
 
     #[test]
