@@ -13,7 +13,8 @@
 //! the fault `nats_server_restart`; absent when none was found),
 //! `build-info.json` (provenance kvq records), `python.tar.gz` (the
 //! `gpu_serving` harness package, [`PYTHON_PACKAGE`]), the `kv_reuse` wheel
-//! (`cargo xtask wheel`'s, abi3) and `run.sh`, which unpacks the archives next
+//! (abi3, release: `cargo xtask wheel --release`'s), `pytests.tar.gz` and
+//! `pytest-wheels/` (`run.sh pytest-gpu`, see `bundle/python.rs`) and `run.sh`, which unpacks the archives next
 //! to itself once (the wheel into `python/` with the interpreter's own
 //! `zipfile`, no pip) and runs kvq with `LD_LIBRARY_PATH`, `KVQ_DATA_DIR`,
 //! `KV_NATS_SERVER` and `KVQ_GPU_SERVING_DIR` pointing into the bundle.
@@ -121,7 +122,14 @@ pub fn run(with_tests: bool) -> Result<()> {
     pack_python(&workspace::root(), &dir.join("python.tar.gz"))?;
     pack_pytests(&workspace::root(), &dir.join("pytests.tar.gz"))?;
     pack_pytest_wheels(&dir.join("pytest-wheels"))?;
-    let wheel = crate::wheel::build_and_install()?;
+    // A release wheel: the serving harness runs the wheel's code per
+    // request; kvq's release build above shares its dependencies.
+    let (wheel, took) = crate::wheel::build(crate::wheel::WheelProfile::Release)?;
+    eprintln!(
+        "bundle: release wheel {} (maturin {:.0} s)",
+        wheel.display(),
+        took.as_secs_f64()
+    );
     let wheel_name = wheel.file_name().expect("a wheel path has a file name");
     std::fs::copy(&wheel, dir.join(wheel_name)).map_err(XtaskError::io(&wheel))?;
     match &prereq.nats_server {

@@ -102,8 +102,15 @@ enum Cmd {
         #[arg(long = "target", value_name = "NAME")]
         targets: Vec<String>,
     },
-    /// Build the `kv_reuse` Python wheel into `target/wheels/` (venv in `target/py-venv`).
-    Wheel,
+    /// Build the `kv_reuse` Python wheel into `target/wheels/` (venv in
+    /// `target/py-venv`) and install it there.
+    Wheel {
+        /// Build with the release profile into `target/wheels-release/`
+        /// instead (the GPU bundle's wheel); not installed. Prints how long
+        /// maturin took and the wheel's size.
+        #[arg(long)]
+        release: bool,
+    },
     /// Build `.bundle/` (kvq + NIXL libraries) for a GPU machine and print the command.
     GpuBundle {
         /// Also bundle release test binaries of the crates with GPU tests.
@@ -179,10 +186,23 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         }
         Cmd::Fuzz { seconds, targets } => fuzz::run(seconds, &targets),
         Cmd::GpuBundle { with_tests } => bundle::run(with_tests),
-        Cmd::Wheel => {
+        Cmd::Wheel { release: false } => {
             let wheel = wheel::build_and_install()?;
             println!("wheel: {}", wheel.display());
             println!("installed into {}", wheel::venv_dir().display());
+            Ok(())
+        }
+        Cmd::Wheel { release: true } => {
+            let (wheel, took) = wheel::build(wheel::WheelProfile::Release)?;
+            let bytes = std::fs::metadata(&wheel)
+                .map_err(error::XtaskError::io(&wheel))?
+                .len();
+            println!(
+                "wheel: {} ({:.1} MiB, maturin {:.0} s)",
+                wheel.display(),
+                bytes as f64 / (1 << 20) as f64,
+                took.as_secs_f64()
+            );
             Ok(())
         }
     }

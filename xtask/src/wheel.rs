@@ -3,9 +3,14 @@
 //! wheel built into `target/wheels/` with cargo's own target directory (so
 //! `cargo xtask test` reuses the workspace build), and its pytest run.
 //!
-//! The wheel is built with the dev profile: its dependencies are optimized
-//! (`[profile.dev.package."*"] opt-level = 2`), and a release build of the
-//! whole graph on a 2-core CI machine costs minutes more for no test benefit.
+//! The tests' wheel is built with the dev profile: its dependencies are
+//! optimized (`[profile.dev.package."*"] opt-level = 2`), and a release build
+//! of the whole graph on a 2-core CI machine costs minutes more for no test
+//! benefit. The GPU bundle's wheel is a release build
+//! ([`WheelProfile::Release`], `target/wheels-release/`): the serving harness
+//! runs the wheel's own code (the advisor, the fetch path) on every request,
+//! at opt-level 0 in a dev build; `cargo xtask gpu-bundle` builds kvq in
+//! release already, so the wheel shares that build's dependencies.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -55,29 +60,68 @@ pub fn ensure_venv() -> Result<()> {
     Ok(())
 }
 
-/// Builds the wheel into `<target>/wheels` and installs it into the venv;
-/// returns the wheel's path.
+/// The cargo profile a wheel is built with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WheelProfile {
+    /// `--profile dev` into `<target>/wheels`: the tests' wheel.
+    Dev,
+    /// `--release` into `<target>/wheels-release`: the GPU bundle's wheel.
+    Release,
+}
+
+impl WheelProfile {
+    /// The cargo profile name maturin is given.
+    pub fn cargo_profile(self) -> &'static str {
+        match self {
+            Self::Dev => "dev",
+            Self::Release => "release",
+        }
+    }
+    /// Where maturin writes the wheel: one folder per profile, so a release
+    /// build never replaces the wheel `cargo xtask test` installed.
+    pub fn out_dir(self) -> PathBuf {
+        workspace::target_dir().join(match self {
+            Self::Dev => "wheels",
+            Self::Release => "wheels-release",
+        })
+    }
+}
+
+/// Builds the wheel with `profile` into [`WheelProfile::out_dir`]; returns
+/// its path and how long maturin took.
 ///
 /// # Errors
-/// The venv, maturin or pip failing; [`XtaskError::Prerequisite`] when
-/// maturin wrote no `kv_reuse-*.whl`.
-pub fn build_and_install() -> Result<PathBuf> {
+/// The venv or maturin failing; [`XtaskError::Prerequisite`] when maturin
+/// wrote no `kv_reuse-*.whl`.
+pub fn build(profile: WheelProfile) -> Result<(PathBuf, std::time::Duration)> {
     ensure_venv()?;
-    let out = workspace::target_dir().join("wheels");
+    let out = profile.out_dir();
     let root = workspace::root();
     let mut maturin = Command::new(venv_bin("maturin"));
     maturin
         .current_dir(&root)
         // `--strip`: the extension's symbols and line tables are 3/4 of its
         // 34 MB, and the wheel travels in the GPU bundle (64 MiB carry limit).
-        .args(["build", "--profile", "dev", "--strip", "--manifest-path"])
+        .args(["build", "--profile", profile.cargo_profile(), "--strip"])
+        .arg("--manifest-path")
         .arg(root.join("crates/kv-reuse-py/Cargo.toml"))
         .arg("--out")
         .arg(&out)
         // Cargo's own target directory: the build reuses the workspace's.
         .env("CARGO_TARGET_DIR", workspace::target_dir());
+    let started = std::time::Instant::now();
     command::run(&mut maturin)?;
-    let wheel = newest_wheel(&out)?;
+    let took = started.elapsed();
+    Ok((newest_wheel(&out)?, took))
+}
+
+/// Builds the dev-profile wheel into `<target>/wheels` and installs it into
+/// the venv; returns the wheel's path.
+///
+/// # Errors
+/// As [`build`]; pip failing.
+pub fn build_and_install() -> Result<PathBuf> {
+    let (wheel, _) = build(WheelProfile::Dev)?;
     let mut pip = Command::new(venv_bin("python"));
     pip.args([
         "-m",
