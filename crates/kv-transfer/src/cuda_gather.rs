@@ -37,13 +37,18 @@ use crate::plan::CopyRun;
 #[cfg(test)]
 mod mirror;
 
+mod packed;
+mod reference;
 mod shape;
 mod source;
+pub use packed::PackedIds;
+pub use reference::reference_convert;
 pub use shape::ConvertShape;
 pub use source::{
     TablePlacement, CONVERT_KERNEL_SRC, INLINE_KERNEL_DEFINE, INLINE_LARGE_BLOCKS,
-    INLINE_LARGE_ENTRIES, INLINE_LARGE_NAMES, INLINE_SMALL_BLOCKS, INLINE_SMALL_ENTRIES,
-    INLINE_SMALL_NAMES, KERNEL_NAMES,
+    INLINE_LARGE_ENTRIES, INLINE_LARGE_NAMES, INLINE_PACKED_BLOCKS, INLINE_PACKED_ENTRIES,
+    INLINE_PACKED_NAMES, INLINE_SMALL_BLOCKS, INLINE_SMALL_ENTRIES, INLINE_SMALL_NAMES,
+    KERNEL_NAMES, PACKED_MAX_BLOCK_ID,
 };
 
 /// Threads per CTA of the converting gather.
@@ -401,14 +406,25 @@ pub struct ConvertPlan {
     /// Shared with the [`ConvertShape`] that built the plan, so a launch
     /// recognises the piece table already on the device by pointer.
     pieces: Arc<PieceTable>,
-    src_blocks: Vec<u64>,
-    dst_blocks: Vec<u64>,
+    blocks: Blocks,
     src_region_bytes: u64,
     dst_region_bytes: u64,
     /// OR of the piece length, every piece offset and every block offset:
     /// its lowest set bit bounds the element width, so `geometry` is O(1)
-    /// per launch instead of a fold over all blocks.
+    /// per launch instead of a fold over all blocks (for packed ids, the
+    /// strides stand in for the offsets: `id x stride` has at least their
+    /// alignment).
     offset_bits: u64,
+}
+
+/// The moved blocks of a plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Blocks {
+    /// Donor and target block offsets, bytes from each region's first byte.
+    Offsets { src: Vec<u64>, dst: Vec<u64> },
+    /// Packed 16-bit ids, for fetch sizes that use the packed inline table
+    /// ([`TablePlacement::InlinePacked`]); built in one pass, one Vec.
+    Packed(PackedIds),
 }
 
 impl ConvertPlan {
@@ -478,8 +494,10 @@ impl ConvertPlan {
         if runs.is_empty() || block_bytes == 0 {
             return Err(ConvertError::Empty);
         }
-        let n: usize = runs.iter().map(|r| r.blocks as usize).sum();
-        let (mut src_blocks, mut dst_blocks) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        // One pass over the runs for the block count, the run lengths and
+        // whether any run has several rows: a 4096-run part is 160 KiB of
+        // runs, and every pass over it costs microseconds.
+        let (mut n, mut multi) = (0usize, false);
         for (index, r) in runs.iter().enumerate() {
             if r.len != u64::from(r.blocks) * block_bytes {
                 return Err(ConvertError::RunLength {
@@ -488,6 +506,26 @@ impl ConvertPlan {
                     block_bytes,
                 });
             }
+            n += r.blocks as usize;
+            multi |= r.blocks > 1;
+        }
+        if let Some(p) = PackedIds::of_runs(runs, block_bytes, n, multi) {
+            return Self::checked(
+                PieceTable::contiguous(block_bytes),
+                Blocks::Packed(p),
+                src_region_bytes,
+                dst_region_bytes,
+                tuning,
+            );
+        }
+        let (mut src_blocks, mut dst_blocks) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for r in runs {
+            if r.blocks == 1 {
+                // Scattered fetches: every row its own run.
+                src_blocks.push(r.src_offset);
+                dst_blocks.push(r.dst_offset);
+                continue;
+            }
             for k in 0..u64::from(r.blocks) {
                 src_blocks.push(r.src_offset + k * block_bytes);
                 dst_blocks.push(r.dst_offset + k * block_bytes);
@@ -495,8 +533,10 @@ impl ConvertPlan {
         }
         Self::checked(
             PieceTable::contiguous(block_bytes),
-            src_blocks,
-            dst_blocks,
+            Blocks::Offsets {
+                src: src_blocks,
+                dst: dst_blocks,
+            },
             src_region_bytes,
             dst_region_bytes,
             tuning,
@@ -505,13 +545,13 @@ impl ConvertPlan {
 
     fn checked(
         pieces: PieceTable,
-        src_blocks: Vec<u64>,
-        dst_blocks: Vec<u64>,
+        blocks: Blocks,
         src_region_bytes: u64,
         dst_region_bytes: u64,
         tuning: &GatherTuning,
     ) -> Result<Self, ConvertError> {
-        let items = src_blocks.len() as u64 * pieces.len() as u64;
+        let n = blocks.len() as u64;
+        let items = n * pieces.len() as u64;
         if items > MAX_WORK_ITEMS {
             return Err(ConvertError::TooLarge {
                 field: "moves",
@@ -519,17 +559,15 @@ impl ConvertPlan {
                 limit: MAX_WORK_ITEMS,
             });
         }
-        let pieces = pieces.split_for(src_blocks.len() as u64, tuning.max_piece_bytes);
-        let offset_bits = src_blocks
+        let pieces = pieces.split_for(n, tuning.max_piece_bytes);
+        let offset_bits = pieces
+            .src
             .iter()
-            .chain(&dst_blocks)
-            .chain(&pieces.src)
             .chain(&pieces.dst)
-            .fold(pieces.piece_bytes, |a, b| a | b);
+            .fold(pieces.piece_bytes | blocks.bits(), |a, b| a | b);
         Ok(Self {
             pieces: Arc::new(pieces),
-            src_blocks,
-            dst_blocks,
+            blocks,
             src_region_bytes,
             dst_region_bytes,
             offset_bits,
@@ -540,13 +578,21 @@ impl ConvertPlan {
     pub fn pieces(&self) -> &PieceTable {
         &self.pieces
     }
+    /// The blocks as packed 16-bit ids with one stride per side, when the
+    /// fetch has 2,033..=8,128 blocks whose ids fit (see [`PackedIds`]).
+    pub fn packed(&self) -> Option<&PackedIds> {
+        match &self.blocks {
+            Blocks::Packed(p) => Some(p),
+            Blocks::Offsets { .. } => None,
+        }
+    }
     /// The piece table as shared by every plan of one [`ConvertShape`].
     pub fn pieces_arc(&self) -> &Arc<PieceTable> {
         &self.pieces
     }
     /// Blocks moved.
     pub fn blocks(&self) -> usize {
-        self.src_blocks.len()
+        self.blocks.len()
     }
     /// Payload bytes moved: blocks x pieces x piece bytes.
     pub fn bytes(&self) -> u64 {
@@ -578,11 +624,23 @@ impl ConvertPlan {
     pub fn write_block_table(&self, src_base: u64, dst_base: u64, out: &mut [u64]) {
         let n = self.blocks();
         let (s, d) = out[..2 * n].split_at_mut(n);
-        for (o, b) in s.iter_mut().zip(&self.src_blocks) {
-            *o = src_base + b;
-        }
-        for (o, b) in d.iter_mut().zip(&self.dst_blocks) {
-            *o = dst_base + b;
+        match &self.blocks {
+            Blocks::Offsets { src, dst } => {
+                for (o, b) in s.iter_mut().zip(src) {
+                    *o = src_base + b;
+                }
+                for (o, b) in d.iter_mut().zip(dst) {
+                    *o = dst_base + b;
+                }
+            }
+            // The device table of a packed plan (no inline module): the
+            // addresses the packed entry points would form.
+            Blocks::Packed(p) => {
+                for ((os, od), w) in s.iter_mut().zip(d.iter_mut()).zip(&p.words) {
+                    *os = src_base + u64::from(w >> 16) * p.src_stride;
+                    *od = dst_base + u64::from(w & 0xFFFF) * p.dst_stride;
+                }
+            }
         }
     }
 
@@ -642,59 +700,20 @@ impl ConvertPlan {
     }
 }
 
-/// Host reference of a converting gather: for every moved block, every
-/// element `(layer, kv, token, head, d)` is copied from
-/// `donor.run_offset(..)` in `src` to `target.run_offset(..)` in `dst` (plus
-/// `d` times the head_dim stride), one element at a time. Independent of the
-/// piece tables, so tests and the benchmark check the kernel against it.
-/// `src` / `dst` are the whole regions (layout byte 0 = index 0).
-///
-/// # Errors
-/// As [`ConvertPlan::new`]; [`ConvertError::ShortRegion`] naming `src` /
-/// `dst` when a slice is shorter than its layout's region.
-pub fn reference_convert(
-    donor: &KvRegionLayout,
-    target: &KvRegionLayout,
-    moves: &[(u32, u32)],
-    src: &[u8],
-    dst: &mut [u8],
-) -> Result<(), ConvertError> {
-    ConvertPlan::new(donor, target, moves)?;
-    for (field, have, need) in [
-        ("src", src.len() as u64, donor.region_bytes()),
-        ("dst", dst.len() as u64, target.region_bytes()),
-    ] {
-        if have < need {
-            return Err(ConvertError::ShortRegion {
-                field,
-                len: have,
-                need,
-            });
+impl Blocks {
+    fn len(&self) -> usize {
+        match self {
+            Self::Offsets { src, .. } => src.len(),
+            Self::Packed(p) => p.words.len(),
         }
     }
-    let g = donor.geometry();
-    let e = g.dtype().size_bytes();
-    let (sd, td) = (
-        donor.strides().dim as usize * e,
-        target.strides().dim as usize * e,
-    );
-    for &(sb, db) in moves {
-        for l in 0..g.num_layers() {
-            for kv in 0..2 {
-                for t in 0..g.tokens_per_block() {
-                    for h in 0..g.heads_per_rank() {
-                        let so = donor.run_offset(l, sb, kv, t, h).expect("in range") as usize;
-                        let to = target.run_offset(l, db, kv, t, h).expect("in range") as usize;
-                        for d in 0..g.head_dim() as usize {
-                            let (s, t) = (so + d * sd, to + d * td);
-                            dst[t..t + e].copy_from_slice(&src[s..s + e]);
-                        }
-                    }
-                }
-            }
+    /// OR of every block offset, or of the strides for packed ids.
+    fn bits(&self) -> u64 {
+        match self {
+            Self::Offsets { src, dst } => src.iter().chain(dst).fold(0, |a, b| a | b),
+            Self::Packed(p) => p.src_stride | p.dst_stride,
         }
     }
-    Ok(())
 }
 
 /// One launch of the converting gather: grid, CTA size and the scalar

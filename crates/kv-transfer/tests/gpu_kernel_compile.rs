@@ -43,7 +43,8 @@ fn convert_kernel_compiles_with_every_entry_point() {
 #[test]
 fn inline_table_entry_points_compile_with_the_table_as_a_parameter() {
     use kv_transfer::cuda_gather::{
-        INLINE_LARGE_ENTRIES, INLINE_LARGE_NAMES, INLINE_SMALL_ENTRIES, INLINE_SMALL_NAMES,
+        INLINE_LARGE_ENTRIES, INLINE_LARGE_NAMES, INLINE_PACKED_ENTRIES, INLINE_PACKED_NAMES,
+        INLINE_SMALL_ENTRIES, INLINE_SMALL_NAMES,
     };
     // SAFETY: as above.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
@@ -71,6 +72,25 @@ fn inline_table_entry_points_compile_with_the_table_as_a_parameter() {
             assert!(!text.contains(&format!("{name}_param_7")), "{name}");
         }
     }
+    // Packed ids: a u32 table, then two bases and two strides (u64), the
+    // piece-table pointer and the five u32 scalars.
+    for (_, name) in INLINE_PACKED_NAMES {
+        let decl = format!(
+            ".param .align 4 .b8 {name}_param_0[{}]",
+            INLINE_PACKED_ENTRIES * 4
+        );
+        assert!(text.contains(&decl), "no `{decl}` in the PTX");
+        assert!(
+            text.contains(&format!(".param .u64 {name}_param_4")),
+            "{name}"
+        );
+        assert!(text.contains(&format!("{name}_param_10")), "{name}");
+        assert!(!text.contains(&format!("{name}_param_11")), "{name}");
+    }
+    assert!(
+        text.contains("ld.param.u32"),
+        "no packed-id parameter loads"
+    );
     // The table-pointer entry points are not in the inline module.
     assert!(!text.contains(".entry kv_convert_16("));
     // `__grid_constant__`: the table is read from the parameter space, not

@@ -22,7 +22,8 @@ use super::profile::{record, LaunchEvents};
 use super::{cuda_err, Device};
 use crate::cuda_gather::{
     ConvertPlan, GatherTuning, PieceTable, TablePlacement, CONVERT_KERNEL_SRC,
-    INLINE_KERNEL_DEFINE, INLINE_LARGE_ENTRIES, INLINE_SMALL_ENTRIES, KERNEL_NAMES,
+    INLINE_KERNEL_DEFINE, INLINE_LARGE_ENTRIES, INLINE_PACKED_ENTRIES, INLINE_SMALL_ENTRIES,
+    KERNEL_NAMES,
 };
 use crate::TransferError;
 
@@ -36,8 +37,9 @@ type EntryPoints = Vec<(u32, CudaFunction)>;
 pub(super) struct Kernels {
     /// Table-pointer entry points, by element width.
     table: EntryPoints,
-    /// Small then large inline entry points, when the inline module loaded.
-    inline: Option<(EntryPoints, EntryPoints)>,
+    /// Small, large and packed inline entry points, when the inline module
+    /// loaded.
+    inline: Option<(EntryPoints, EntryPoints, EntryPoints)>,
 }
 
 impl Kernels {
@@ -80,8 +82,9 @@ impl Kernels {
     fn function(&self, placement: TablePlacement, width: u32) -> Option<&CudaFunction> {
         let set = match (placement, &self.inline) {
             (TablePlacement::Device, _) => &self.table,
-            (TablePlacement::InlineSmall, Some((s, _))) => s,
-            (TablePlacement::InlineLarge, Some((_, l))) => l,
+            (TablePlacement::InlineSmall, Some((s, _, _))) => s,
+            (TablePlacement::InlineLarge, Some((_, l, _))) => l,
+            (TablePlacement::InlinePacked, Some((_, _, p))) => p,
             _ => return None,
         };
         set.iter().find(|(w, _)| *w == width).map(|(_, f)| f)
@@ -115,7 +118,9 @@ fn inline_supported(ctx: &Arc<CudaContext>) -> Result<bool, TransferError> {
     Ok(r == sys::CUresult::CUDA_SUCCESS && version >= LARGE_PARAMS_DRIVER && major >= 7)
 }
 
-fn load_inline(ctx: &Arc<CudaContext>) -> Result<(EntryPoints, EntryPoints), TransferError> {
+fn load_inline(
+    ctx: &Arc<CudaContext>,
+) -> Result<(EntryPoints, EntryPoints, EntryPoints), TransferError> {
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(CONVERT_KERNEL_SRC, inline_compile_options())
         .map_err(|e| TransferError::Cuda {
             op: "nvrtcCompileProgram",
@@ -124,7 +129,8 @@ fn load_inline(ctx: &Arc<CudaContext>) -> Result<(EntryPoints, EntryPoints), Tra
     let module = ctx.load_module(ptx).map_err(cuda_err("cuModuleLoadData"))?;
     let small = functions(&module, TablePlacement::InlineSmall.names())?;
     let large = functions(&module, TablePlacement::InlineLarge.names())?;
-    Ok((small, large))
+    let packed = functions(&module, TablePlacement::InlinePacked.names())?;
+    Ok((small, large, packed))
 }
 
 /// NVRTC options of the inline module: its entry points, and the oldest
@@ -143,6 +149,8 @@ pub(super) struct Tables {
     /// Host image of the inline parameter; launches pass its first
     /// [`INLINE_SMALL_ENTRIES`] or all entries.
     inline: Box<[u64; INLINE_LARGE_ENTRIES]>,
+    /// Host image of the packed inline parameter.
+    packed: Box<[u32; INLINE_PACKED_ENTRIES]>,
     /// Device table, its raw address, the page-locked staging buffer and its
     /// raw pointer (same capacity; grown, never shrunk).
     device: Option<(CudaSlice<u64>, u64, PinnedHostSlice<u64>, *mut u64)>,
@@ -162,6 +170,7 @@ impl Tables {
     pub(super) fn new() -> Self {
         Self {
             inline: Box::new([0; INLINE_LARGE_ENTRIES]),
+            packed: Box::new([0; INLINE_PACKED_ENTRIES]),
             device: None,
             staged_in_flight: false,
             pieces: None,
@@ -270,16 +279,23 @@ pub(super) fn launch_convert(
         op: "nvrtcCompileProgram",
         reason: "libnvrtc not found: the converting gather kernel is unavailable".into(),
     })?;
-    let placement = TablePlacement::for_blocks(plan.blocks(), kernels.inline_loaded());
+    let packed = plan.packed();
+    let placement =
+        TablePlacement::for_blocks(plan.blocks(), kernels.inline_loaded(), packed.is_some());
     let func = kernels
         .function(placement, geo.width)
         .ok_or_else(|| TransferError::Cuda {
             op: "cuModuleGetFunction",
             reason: format!("no {placement:?} entry point for width {}", geo.width),
         })?;
-    if placement != TablePlacement::Device {
-        plan.write_block_table(sb, db, &mut tables.inline[..2 * plan.blocks()]);
+    match (placement, packed) {
+        (TablePlacement::Device, _) => {}
+        (TablePlacement::InlinePacked, Some(p)) => {
+            tables.packed[..p.words.len()].copy_from_slice(&p.words);
+        }
+        _ => plan.write_block_table(sb, db, &mut tables.inline[..2 * plan.blocks()]),
     }
+    let strides = packed.map_or((0, 0), |p| (p.src_stride, p.dst_stride));
     if let Some(ev) = events.as_deref_mut() {
         ev.host = host_t0.elapsed();
         ev.start = Some(record(stream)?);
@@ -305,6 +321,12 @@ pub(super) fn launch_convert(
     match placement {
         TablePlacement::InlineSmall => launch.arg(small),
         TablePlacement::InlineLarge => launch.arg(&*tables.inline),
+        TablePlacement::InlinePacked => launch
+            .arg(&*tables.packed)
+            .arg(&sb)
+            .arg(&db)
+            .arg(&strides.0)
+            .arg(&strides.1),
         TablePlacement::Device => launch.arg(&block_ptr),
     };
     launch
@@ -314,9 +336,10 @@ pub(super) fn launch_convert(
         .arg(&geo.piece_shift)
         .arg(&geo.piece_elems)
         .arg(&geo.group_shift);
-    // SAFETY: the signature is (table, const u64*, u32 x 5) as pushed: the
-    // table is the entry point's inline struct (same entry count, filled for
-    // `2n` entries, copied by the driver at the launch) or a device pointer
+    // SAFETY: the signature is (table, [u64 x 4 for packed,] const u64*,
+    // u32 x 5) as pushed: the table is the entry point's inline struct (same
+    // entry count, filled for `2n` entries, or `n` packed ids whose bases and
+    // strides follow; copied by the driver at the launch) or a device pointer
     // to `2n` uploaded entries. Every block base + piece offset + piece
     // length lies inside its region: `ConvertPlan` built the offsets from
     // validated `KvRegionLayout`s (or in-range plan runs) and the callers

@@ -13,12 +13,44 @@ use proptest::prelude::*;
 
 use super::{reference_convert, ConvertPlan, GatherTuning, LaunchGeometry, INLINE_LARGE_ENTRIES};
 
+/// The block table as the entry point reads it.
+pub(super) enum Table<'a> {
+    /// `kv_convert_*`, `_s*`, `_l*`: `2n` addresses (`KV_TABLE_*`, `KV_PARAM_*`).
+    Addrs(&'a [u64]),
+    /// `kv_convert_p*`: packed ids, bases and strides (`KV_PACKED_*`).
+    Packed {
+        words: &'a [u32],
+        bases: (u64, u64),
+        strides: (u64, u64),
+    },
+}
+
+impl Table<'_> {
+    /// `SRC(i)` and `DST(i)` of `KV_LOOP` for a launch of `n` blocks.
+    fn bases(&self, n: u32, i: u32) -> (u64, u64) {
+        match self {
+            Table::Addrs(b) => (b[i as usize], b[(n + i) as usize]),
+            Table::Packed {
+                words,
+                bases,
+                strides,
+            } => {
+                let w = words[i as usize];
+                (
+                    bases.0 + u64::from(w >> 16) * strides.0,
+                    bases.1 + u64::from(w & 0xFFFF) * strides.1,
+                )
+            }
+        }
+    }
+}
+
 /// Runs the kernel of `g` over `mem` (addresses are indices into it).
 /// `writes[a]` counts the stores to byte `a`. Panics on a misaligned access,
 /// where the GPU would fault.
 pub(super) fn run_kernel(
     g: &LaunchGeometry,
-    blocks: &[u64],
+    blocks: &Table<'_>,
     pieces: &[u64],
     mem: &mut [u8],
     writes: &mut [u8],
@@ -46,8 +78,9 @@ pub(super) fn run_kernel(
                     r >> g.piece_shift
                 };
                 let p = r - i * np;
-                let sp = blocks[i as usize] + pieces[p as usize];
-                let dp = blocks[(n + i) as usize] + pieces[(np + p) as usize];
+                let (sb, db) = blocks.bases(n, i);
+                let sp = sb + pieces[p as usize];
+                let dp = db + pieces[(np + p) as usize];
                 let mut e = lane;
                 while e + 3 * gsz < pe {
                     for k in 0..4 {
@@ -142,7 +175,14 @@ fn check(
     // read of one would address far outside `mem` and panic.
     let mut table = vec![u64::MAX / 2; INLINE_LARGE_ENTRIES.max(2 * plan.blocks())];
     plan.write_block_table(src_at, dst_at, &mut table);
-    run_kernel(&g, &table, &plan.piece_table(), &mut mem, &mut writes);
+    // Fetches of 2,033..=8,128 blocks launch with packed ids.
+    let packed = plan.packed().map(|p| Table::Packed {
+        words: &p.words,
+        bases: (src_at, dst_at),
+        strides: (p.src_stride, p.dst_stride),
+    });
+    let t = packed.unwrap_or(Table::Addrs(&table));
+    run_kernel(&g, &t, &plan.piece_table(), &mut mem, &mut writes);
     prop_assert!(
         writes[..dst_at as usize].iter().all(|&c| c == 0),
         "donor written"
@@ -262,7 +302,8 @@ proptest! {
         }
         let g = cp.geometry(src_at, dst_at, sms);
         let mut writes = vec![0u8; size];
-        run_kernel(&g, &cp.block_table(src_at, dst_at), &cp.piece_table(), &mut mem, &mut writes);
+        run_kernel(&g, &Table::Addrs(&cp.block_table(src_at, dst_at)), &cp.piece_table(), &mut mem,
+                   &mut writes);
         prop_assert!(writes.iter().all(|&c| c <= 1), "a byte stored twice");
         prop_assert!(mem == want, "target differs from one memcpy per run");
     }
@@ -322,11 +363,88 @@ fn mirror_matches_the_host_pieces_of_a_converting_transfer_plan() {
         let mut writes = vec![0u8; size];
         run_kernel(
             &geo,
-            &cp.block_table(src_at, dst_at),
+            &Table::Addrs(&cp.block_table(src_at, dst_at)),
             &cp.piece_table(),
             &mut mem,
             &mut writes,
         );
         assert!(mem == host, "order {order}: kernel and host pieces differ");
     }
+}
+
+/// Fetches of 2,033..=8,128 blocks launch with packed 16-bit ids
+/// (`kv_convert_p*`): the mirror decodes them as the kernel does, for every
+/// target order, and for a `deliver` part's single-block rows over a padded
+/// donor stride.
+#[test]
+fn mirror_lands_packed_id_fetches_like_the_reference() {
+    let g = KvLayout::new(1, 1, 8, DType::Bf16, 1, TensorOrder::BlockMajor, 1).unwrap();
+    let n = 2100u32;
+    let donor = region(&g, 0, 2 * n + 1, 0, 0);
+    // Donor slots odd and reversed, target ids in order: both sides scattered.
+    let moves: Vec<(u32, u32)> = (0..n).map(|i| (2 * (n - i) - 1, i)).collect();
+    for order in 0..4 {
+        let target = region(&g, order, n, 32, 16);
+        let plan = ConvertPlan::new(&donor, &target, &moves).unwrap();
+        let p = plan.packed().expect("2,100 blocks use packed ids");
+        assert_eq!(p.words[0], (2 * n - 1) << 16);
+        // Without the inline module the device table holds the addresses the
+        // packed entry points would form.
+        let e = g.dtype().size_bytes() as u64;
+        let (ss, ds) = (donor.strides().block * e, target.strides().block * e);
+        let t = plan.block_table(1 << 20, 1 << 30);
+        for (i, &(s, d)) in moves.iter().enumerate() {
+            assert_eq!(t[i], (1 << 20) + u64::from(s) * ss);
+            assert_eq!(t[n as usize + i], (1 << 30) + u64::from(d) * ds);
+        }
+        let dst_at = (4096 + donor.region_bytes()).next_multiple_of(4096);
+        check(
+            &donor,
+            &target,
+            &moves,
+            4096,
+            dst_at,
+            2,
+            &GatherTuning::default(),
+        )
+        .unwrap();
+    }
+    // Rows of a TransferPlan part: donor stride 48 bytes (padded), target dense.
+    let bb = g.rank_block_bytes() as u64;
+    let runs: Vec<crate::plan::CopyRun> = (0..n)
+        .map(|i| crate::plan::CopyRun {
+            src_block: 2 * i + 1,
+            dst_block: n - 1 - i,
+            blocks: 1,
+            src_offset: u64::from(2 * i + 1) * 48,
+            dst_offset: u64::from(n - 1 - i) * bb,
+            len: bb,
+        })
+        .collect();
+    let (sl, dl) = (u64::from(2 * n + 2) * 48, u64::from(n) * bb);
+    let cp = ConvertPlan::from_runs(&runs, bb, sl, dl).unwrap();
+    let p = cp.packed().expect("packed rows");
+    assert_eq!((p.src_stride, p.dst_stride), (48, bb));
+    let (src_at, dst_at) = (4096u64, 4096 + sl.next_multiple_of(4096));
+    let size = (dst_at + dl) as usize;
+    let mut mem: Vec<u8> = (0..size).map(|i| (i * 11 + i / 253) as u8 | 1).collect();
+    mem[dst_at as usize..].fill(0);
+    let mut want = mem.clone();
+    for r in &runs {
+        let (s, d) = (
+            (src_at + r.src_offset) as usize,
+            (dst_at + r.dst_offset) as usize,
+        );
+        want.copy_within(s..s + r.len as usize, d);
+    }
+    let geo = cp.geometry(src_at, dst_at, 2);
+    let t = Table::Packed {
+        words: &p.words,
+        bases: (src_at, dst_at),
+        strides: (p.src_stride, p.dst_stride),
+    };
+    let mut writes = vec![0u8; size];
+    run_kernel(&geo, &t, &cp.piece_table(), &mut mem, &mut writes);
+    assert!(writes.iter().all(|&c| c <= 1), "a byte stored twice");
+    assert!(mem == want, "packed rows differ from one memcpy per run");
 }

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use kv_descriptor::KvRegionLayout;
 
 use super::{
-    ConvertError, ConvertPlan, GatherTuning, PieceTable, MAX_WORK_ITEMS, MIN_SPLIT_PIECE_BYTES,
-    MIN_WORK_ITEMS,
+    Blocks, ConvertError, ConvertPlan, GatherTuning, PackedIds, PieceTable, MAX_WORK_ITEMS,
+    MIN_SPLIT_PIECE_BYTES, MIN_WORK_ITEMS,
 };
 
 /// The donor / target layout pair of converting gathers, with its piece table
@@ -109,15 +109,21 @@ impl ConvertShape {
             self.donor.strides().block * elem,
             self.target.strides().block * elem,
         );
-        let mut or = 0u64;
-        let (mut src_blocks, mut dst_blocks) = (Vec::with_capacity(moves.len()), Vec::new());
-        dst_blocks.reserve_exact(moves.len());
-        for &(s, d) in moves {
-            let (so, dso) = (u64::from(s) * sb, u64::from(d) * db);
-            or |= so | dso;
-            src_blocks.push(so);
-            dst_blocks.push(dso);
-        }
+        let (blocks, block_bits) = match PackedIds::of_moves(moves, sb, db) {
+            Some(p) => (Blocks::Packed(p), sb | db),
+            None => {
+                let mut or = 0u64;
+                let (mut src, mut dst) = (Vec::with_capacity(moves.len()), Vec::new());
+                dst.reserve_exact(moves.len());
+                for &(s, d) in moves {
+                    let (so, dso) = (u64::from(s) * sb, u64::from(d) * db);
+                    or |= so | dso;
+                    src.push(so);
+                    dst.push(dso);
+                }
+                (Blocks::Offsets { src, dst }, or)
+            }
+        };
         // A small fetch is split further so it still spreads over SMs; the
         // same halvings `split_for` of the unsplit table would make.
         let small = n * (self.split.len() as u64) < MIN_WORK_ITEMS
@@ -131,11 +137,10 @@ impl ConvertShape {
         };
         Ok(ConvertPlan {
             pieces,
-            src_blocks,
-            dst_blocks,
+            blocks,
             src_region_bytes: self.donor.region_bytes(),
             dst_region_bytes: self.target.region_bytes(),
-            offset_bits: or | piece_bits,
+            offset_bits: block_bits | piece_bits,
         })
     }
 }
@@ -228,8 +233,10 @@ mod tests {
         let (sb, db) = (donor.strides().block * e, target.strides().block * e);
         ConvertPlan::checked(
             PieceTable::convert(donor, target).unwrap(),
-            moves.iter().map(|m| u64::from(m.0) * sb).collect(),
-            moves.iter().map(|m| u64::from(m.1) * db).collect(),
+            Blocks::Offsets {
+                src: moves.iter().map(|m| u64::from(m.0) * sb).collect(),
+                dst: moves.iter().map(|m| u64::from(m.1) * db).collect(),
+            },
             donor.region_bytes(),
             target.region_bytes(),
             tuning,

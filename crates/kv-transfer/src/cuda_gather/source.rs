@@ -8,6 +8,10 @@
 //! - **inline, large**: `n <= INLINE_LARGE_BLOCKS`, a parameter of
 //!   [`INLINE_LARGE_ENTRIES`] u64 (32,512 bytes; CUDA 12.1+ drivers and
 //!   NVRTC accept up to 32,764 bytes of parameters on Volta and later);
+//! - **inline, packed**: `n <= INLINE_PACKED_BLOCKS` and every block id
+//!   below 65,536 with one block stride per side: one u32 per block (donor
+//!   id << 16 | target id), [`INLINE_PACKED_ENTRIES`] of them (32,512 bytes),
+//!   the bases and strides as scalars;
 //! - **device**: a device buffer filled by one `cuMemcpyHtoDAsync` of `2n`
 //!   entries from a page-locked staging buffer (older drivers, no inline
 //!   module, or more blocks).
@@ -32,7 +36,7 @@
 /// arguments except that `blocks` is the table itself, passed by value.
 /// Every variant runs the same loop (`KV_LOOP`), so one CPU mirror covers all.
 pub const CONVERT_KERNEL_SRC: &str = r#"
-#define KV_LOOP(T, BLK)                                                                  \
+#define KV_LOOP(T, SRC, DST)                                                             \
     const unsigned int G = 1u << gshift;                                                 \
     const unsigned int lane = threadIdx.x & (G - 1u);                                    \
     const unsigned int total = n * np;                                                   \
@@ -41,8 +45,8 @@ pub const CONVERT_KERNEL_SRC: &str = r#"
          r += ngroups) {                                                                 \
         const unsigned int i = pshift == 0xFFFFFFFFu ? r / np : r >> pshift;             \
         const unsigned int p = r - i * np;                                               \
-        const T* __restrict__ sp = (const T*)(BLK(i) + __ldg(pieces + p));               \
-        T* __restrict__ dp = (T*)(BLK(n + i) + __ldg(pieces + np + p));                  \
+        const T* __restrict__ sp = (const T*)(SRC(i) + __ldg(pieces + p));               \
+        T* __restrict__ dp = (T*)(DST(i) + __ldg(pieces + np + p));                      \
         unsigned int w = lane;                                                           \
         for (; w + 3u * G < pe; w += 4u * G) {                                           \
             T a = __ldg(sp + w), b = __ldg(sp + w + G);                                  \
@@ -57,10 +61,11 @@ pub const CONVERT_KERNEL_SRC: &str = r#"
     unsigned int np, unsigned int pshift, unsigned int pe, unsigned int gshift
 
 #ifndef KV_INLINE
-#define KV_TABLE_BLOCK(k) __ldg(blocks + (k))
+#define KV_TABLE_SRC(k) __ldg(blocks + (k))
+#define KV_TABLE_DST(k) __ldg(blocks + n + (k))
 #define KV_CONVERT(NAME, T)                                                              \
 extern "C" __global__ void NAME(const unsigned long long* __restrict__ blocks, KV_ARGS) { \
-    KV_LOOP(T, KV_TABLE_BLOCK)                                                           \
+    KV_LOOP(T, KV_TABLE_SRC, KV_TABLE_DST)                                               \
 }
 KV_CONVERT(kv_convert_16, uint4)
 KV_CONVERT(kv_convert_8, unsigned long long)
@@ -71,12 +76,23 @@ KV_CONVERT(kv_convert_1, unsigned char)
 /* Sizes: INLINE_SMALL_ENTRIES / INLINE_LARGE_ENTRIES on the host. */
 struct KvInlineSmall { unsigned long long b[256]; };
 struct KvInlineLarge { unsigned long long b[4064]; };
+/* INLINE_PACKED_ENTRIES: one u32 per block, donor id << 16 | target id. */
+struct KvInlinePacked { unsigned int w[8128]; };
 /* __grid_constant__: the table is read in place from the parameter bank
    (constant cache), never copied to local memory by a dynamic index. */
-#define KV_PARAM_BLOCK(k) tab.b[(k)]
+#define KV_PARAM_SRC(k) tab.b[(k)]
+#define KV_PARAM_DST(k) tab.b[n + (k)]
 #define KV_CONVERT_INLINE(NAME, TAB, T)                                                  \
 extern "C" __global__ void NAME(const __grid_constant__ TAB tab, KV_ARGS) {              \
-    KV_LOOP(T, KV_PARAM_BLOCK)                                                           \
+    KV_LOOP(T, KV_PARAM_SRC, KV_PARAM_DST)                                               \
+}
+#define KV_PACKED_SRC(k) (sbase + (unsigned long long)(tab.w[(k)] >> 16) * sstride)
+#define KV_PACKED_DST(k) (dbase + (unsigned long long)(tab.w[(k)] & 0xFFFFu) * dstride)
+#define KV_CONVERT_PACKED(NAME, T)                                                       \
+extern "C" __global__ void NAME(const __grid_constant__ KvInlinePacked tab,              \
+    unsigned long long sbase, unsigned long long dbase, unsigned long long sstride,      \
+    unsigned long long dstride, KV_ARGS) {                                               \
+    KV_LOOP(T, KV_PACKED_SRC, KV_PACKED_DST)                                             \
 }
 KV_CONVERT_INLINE(kv_convert_s16, KvInlineSmall, uint4)
 KV_CONVERT_INLINE(kv_convert_s8, KvInlineSmall, unsigned long long)
@@ -88,6 +104,11 @@ KV_CONVERT_INLINE(kv_convert_l8, KvInlineLarge, unsigned long long)
 KV_CONVERT_INLINE(kv_convert_l4, KvInlineLarge, unsigned int)
 KV_CONVERT_INLINE(kv_convert_l2, KvInlineLarge, unsigned short)
 KV_CONVERT_INLINE(kv_convert_l1, KvInlineLarge, unsigned char)
+KV_CONVERT_PACKED(kv_convert_p16, uint4)
+KV_CONVERT_PACKED(kv_convert_p8, unsigned long long)
+KV_CONVERT_PACKED(kv_convert_p4, unsigned int)
+KV_CONVERT_PACKED(kv_convert_p2, unsigned short)
+KV_CONVERT_PACKED(kv_convert_p1, unsigned char)
 #endif
 "#;
 
@@ -123,6 +144,27 @@ pub const INLINE_LARGE_NAMES: [(u32, &str); 5] = [
     (1, "kv_convert_l1"),
 ];
 
+/// Entry points taking the packed inline table, widest first. Arguments:
+/// `(table, u64 src_base, u64 dst_base, u64 src_stride, u64 dst_stride,
+/// const u64* pieces, u32 n, ..)`; block `i`'s donor base is `src_base +
+/// (w[i] >> 16) x src_stride`, its target base `dst_base + (w[i] & 0xFFFF) x
+/// dst_stride`.
+pub const INLINE_PACKED_NAMES: [(u32, &str); 5] = [
+    (16, "kv_convert_p16"),
+    (8, "kv_convert_p8"),
+    (4, "kv_convert_p4"),
+    (2, "kv_convert_p2"),
+    (1, "kv_convert_p1"),
+];
+
+/// u32 entries of the packed inline table (`KvInlinePacked`, 32,512 bytes;
+/// one per block).
+pub const INLINE_PACKED_ENTRIES: usize = 8128;
+/// Blocks the packed table holds.
+pub const INLINE_PACKED_BLOCKS: usize = INLINE_PACKED_ENTRIES;
+/// Block ids the packed table can name (16 bits each side).
+pub const PACKED_MAX_BLOCK_ID: u32 = u16::MAX as u32;
+
 /// u64 entries of the small inline table (`KvInlineSmall`, 2 KiB).
 pub const INLINE_SMALL_ENTRIES: usize = 256;
 /// Blocks the small inline table holds (two entries each).
@@ -138,6 +180,7 @@ pub const INLINE_LARGE_BLOCKS: usize = INLINE_LARGE_ENTRIES / 2;
 // small table fits the classic 4 KiB limit, the large one CUDA 12.1's.
 const _: () = assert!(INLINE_SMALL_ENTRIES * 8 + 8 + 5 * 4 <= 4096);
 const _: () = assert!(INLINE_LARGE_ENTRIES * 8 + 8 + 5 * 4 <= 32_764);
+const _: () = assert!(INLINE_PACKED_ENTRIES * 4 + 4 * 8 + 8 + 5 * 4 <= 32_764);
 
 /// Where one launch's block table lives (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,6 +189,9 @@ pub enum TablePlacement {
     InlineSmall,
     /// A 32,512-byte kernel parameter.
     InlineLarge,
+    /// A 32,512-byte kernel parameter of packed 16-bit block ids, with the
+    /// region bases and block strides as scalars.
+    InlinePacked,
     /// A device buffer uploaded before the launch.
     Device,
 }
@@ -153,14 +199,17 @@ pub enum TablePlacement {
 impl TablePlacement {
     /// The placement for a launch of `blocks` blocks; `inline_loaded` is
     /// whether the inline entry points are loaded on the device (CUDA 12.1+
-    /// driver, compute capability 7.0+, the inline module compiled). The
-    /// smallest inline table that holds the fetch is used: the whole
-    /// parameter struct goes out with every launch, whatever `n` is.
-    pub fn for_blocks(blocks: usize, inline_loaded: bool) -> Self {
+    /// driver, compute capability 7.0+, the inline module compiled),
+    /// `packable` whether the plan has packed ids
+    /// ([`super::ConvertPlan::packed`]). The smallest inline table that
+    /// holds the fetch is used: the whole parameter struct goes out with
+    /// every launch, whatever `n` is.
+    pub fn for_blocks(blocks: usize, inline_loaded: bool, packable: bool) -> Self {
         match blocks {
             _ if !inline_loaded => Self::Device,
             0..=INLINE_SMALL_BLOCKS => Self::InlineSmall,
             b if b <= INLINE_LARGE_BLOCKS => Self::InlineLarge,
+            b if b <= INLINE_PACKED_BLOCKS && packable => Self::InlinePacked,
             _ => Self::Device,
         }
     }
@@ -170,6 +219,7 @@ impl TablePlacement {
         match self {
             Self::InlineSmall => &INLINE_SMALL_NAMES,
             Self::InlineLarge => &INLINE_LARGE_NAMES,
+            Self::InlinePacked => &INLINE_PACKED_NAMES,
             Self::Device => &KERNEL_NAMES,
         }
     }
@@ -181,7 +231,7 @@ mod tests {
 
     #[test]
     fn placement_picks_the_smallest_table_that_holds_the_fetch() {
-        let p = |n| TablePlacement::for_blocks(n, true);
+        let p = |n| TablePlacement::for_blocks(n, true, false);
         assert_eq!(p(1), TablePlacement::InlineSmall);
         assert_eq!(p(7), TablePlacement::InlineSmall);
         assert_eq!(p(128), TablePlacement::InlineSmall);
@@ -190,7 +240,17 @@ mod tests {
         assert_eq!(p(2032), TablePlacement::InlineLarge);
         assert_eq!(p(2033), TablePlacement::Device);
         assert_eq!(p(4096), TablePlacement::Device);
-        assert_eq!(TablePlacement::for_blocks(7, false), TablePlacement::Device);
+        assert_eq!(
+            TablePlacement::for_blocks(7, false, true),
+            TablePlacement::Device
+        );
+        // Packed ids take 2033..=8128 blocks (the 4096 x 16 KiB fetch).
+        let q = |n| TablePlacement::for_blocks(n, true, true);
+        assert_eq!(q(2032), TablePlacement::InlineLarge);
+        assert_eq!(q(2033), TablePlacement::InlinePacked);
+        assert_eq!(q(4096), TablePlacement::InlinePacked);
+        assert_eq!(q(8128), TablePlacement::InlinePacked);
+        assert_eq!(q(8129), TablePlacement::Device);
         assert_eq!(
             TablePlacement::InlineLarge.names()[0],
             (16, "kv_convert_l16")
@@ -202,9 +262,16 @@ mod tests {
         // The C structs are sized by literals; they must match the host.
         let small = format!("b[{INLINE_SMALL_ENTRIES}]");
         let large = format!("b[{INLINE_LARGE_ENTRIES}]");
+        let packed = format!("w[{INLINE_PACKED_ENTRIES}]");
+        assert!(CONVERT_KERNEL_SRC.contains(&packed), "{packed}");
         assert!(CONVERT_KERNEL_SRC.contains(&small), "{small}");
         assert!(CONVERT_KERNEL_SRC.contains(&large), "{large}");
-        for names in [&INLINE_SMALL_NAMES, &INLINE_LARGE_NAMES, &KERNEL_NAMES] {
+        for names in [
+            &INLINE_SMALL_NAMES,
+            &INLINE_LARGE_NAMES,
+            &INLINE_PACKED_NAMES,
+            &KERNEL_NAMES,
+        ] {
             for (_, n) in names {
                 assert!(CONVERT_KERNEL_SRC.contains(&format!("({n},")), "{n}");
             }

@@ -86,8 +86,10 @@ fn work_items_past_31_bits_are_refused() {
     };
     let ok = ConvertPlan::checked(
         pieces.clone(),
-        vec![0; 2047],
-        vec![0; 2047],
+        Blocks::Offsets {
+            src: vec![0; 2047],
+            dst: vec![0; 2047],
+        },
         16,
         16,
         &GatherTuning::default(),
@@ -95,8 +97,10 @@ fn work_items_past_31_bits_are_refused() {
     assert!(ok.is_ok());
     let e = ConvertPlan::checked(
         pieces,
-        vec![0; 2048],
-        vec![0; 2048],
+        Blocks::Offsets {
+            src: vec![0; 2048],
+            dst: vec![0; 2048],
+        },
         16,
         16,
         &GatherTuning::default(),
