@@ -351,3 +351,82 @@ pub(super) fn launch_convert(
     }
     Ok(1)
 }
+
+impl super::CudaCopyBackend {
+    /// True when device `ordinal` launches the gather with inline block
+    /// tables (the inline module compiled and loaded); false when every
+    /// launch uploads a device table (driver older than CUDA 12.1, compute
+    /// capability below 7.0, or the module failed: a warning was logged).
+    ///
+    /// # Errors
+    /// As the device's first use: [`TransferError::Cuda`] naming the call.
+    pub fn inline_tables(&self, ordinal: u32) -> Result<bool, TransferError> {
+        let dev = self.device(ordinal)?;
+        let dev = dev.lock();
+        Ok(dev.kernels.as_ref().is_some_and(Kernels::inline_loaded))
+    }
+
+    /// True when the driver and device of `ordinal` support inline tables.
+    ///
+    /// # Errors
+    /// [`TransferError::Cuda`] naming the failing call.
+    pub fn inline_tables_supported(&self, ordinal: u32) -> Result<bool, TransferError> {
+        let dev = self.device(ordinal)?;
+        let ctx = dev.lock().ctx.clone();
+        inline_supported(&ctx)
+    }
+}
+
+#[cfg(all(test, feature = "qualify"))]
+mod tests {
+    use kv_bank::BankMemory;
+    use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
+
+    use crate::cuda::{device_count, driver_present, CudaCopyBackend, CudaMode};
+    use crate::cuda_gather::{reference_convert, ConvertPlan, TablePlacement};
+    use crate::DeliveryControl;
+
+    /// Fetches sized for every table placement (small, large, packed, and
+    /// device past 8,128 blocks) into a vLLM kv-first target on GPU 0; every
+    /// target byte against the host reference. Skips without a GPU.
+    #[test]
+    fn every_table_placement_lands_every_byte_on_the_gpu() {
+        if !driver_present() || device_count() == 0 {
+            println!("SKIP table placements on the GPU: no CUDA device visible");
+            return;
+        }
+        let backend = CudaCopyBackend::new(CudaMode::Auto).unwrap();
+        let inline = backend.inline_tables(0).unwrap();
+        println!("inline tables loaded: {inline}");
+        // A CUDA 12.1+ driver on Volta or later must not fall back silently.
+        assert_eq!(inline, backend.inline_tables_supported(0).unwrap());
+        let g = KvLayout::new(2, 1, 16, DType::Bf16, 2, TensorOrder::BlockMajor, 1).unwrap();
+        let bb = g.rank_block_bytes() as u64;
+        for n in [7u32, 128, 129, 2032, 2033, 4096, 8128, 9000] {
+            let slots = 2 * n + 1;
+            let donor = KvRegionLayout::block_major(g, 0, 0, slots, u64::from(slots) * bb).unwrap();
+            let stride = 2 * u64::from(n) * 2 * 16 * 2;
+            let target = KvRegionLayout::vllm_kv_first(g, 0, 0, stride, n, 2 * stride).unwrap();
+            let moves: Vec<(u32, u32)> = (0..n).map(|i| (2 * (n - i) - 1, i)).collect();
+            let plan = ConvertPlan::new(&donor, &target, &moves).unwrap();
+            let placement = TablePlacement::for_blocks(n as usize, inline, plan.packed().is_some());
+            let src = kv_bank::CudaDeviceMemory::new(0, donor.region_bytes() as usize).unwrap();
+            let dst = kv_bank::CudaDeviceMemory::new(0, target.region_bytes() as usize).unwrap();
+            let host: Vec<u8> = (0..src.len())
+                .map(|i| (i * 7 + i / 251) as u8 | 1)
+                .collect();
+            src.write_bytes(0, &host).unwrap();
+            dst.write_bytes(0, &vec![0; dst.len()]).unwrap();
+            let o = backend
+                .convert_blocks(&plan, &src, &dst, &DeliveryControl::new())
+                .unwrap();
+            assert_eq!(o.bytes, u64::from(n) * bb, "{n} blocks, {placement:?}");
+            let mut want = vec![0u8; dst.len()];
+            reference_convert(&donor, &target, &moves, &host, &mut want).unwrap();
+            let mut got = vec![0u8; dst.len()];
+            dst.read_bytes(0, &mut got).unwrap();
+            assert!(got == want, "{n} blocks, {placement:?}: target differs");
+            println!("{n} blocks via {placement:?}: every byte matches");
+        }
+    }
+}
