@@ -446,7 +446,13 @@ impl CopyBackend for CudaCopyBackend {
         let (sb, db) = (src.base_addr(), io.dst.base_addr());
         let mut copies = 0;
         let mut failed = None;
-        for batch in launch_batches(&part.runs, BLOCKS_PER_LAUNCH) {
+        // A fetch within one launch needs no second pass over its runs.
+        let batches = if planned_blocks <= BLOCKS_PER_LAUNCH as u64 {
+            vec![&part.runs[..]]
+        } else {
+            launch_batches(&part.runs, BLOCKS_PER_LAUNCH)
+        };
+        for batch in batches {
             if let Err(e) = control.check() {
                 failed = Some(e);
                 break;
