@@ -429,6 +429,9 @@ fn run_gpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
     }
     let tuning = crate::bench_sweep::env_tuning()?;
     let auto = CudaCopyBackend::new(CudaMode::Auto)?.with_tuning(tuning);
+    // Which block-table path the gather rows measure (a silent fallback to
+    // the device upload changes every fixed cost), first in the log.
+    println!("gather block tables on GPU 0: {}", auto.table_path(0)?);
     let per_run = CudaCopyBackend::new(CudaMode::CopyPerRun)?;
     let mut rows = Vec::new();
     let mut pairs = vec![(0u32, 0u32, "gpu")];

@@ -53,7 +53,8 @@ fn inline_table_entry_points_compile_with_the_table_as_a_parameter() {
     }
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(
         CONVERT_KERNEL_SRC,
-        kv_transfer::cuda::inline_compile_options(),
+        // H100 / H200: accepted by NVRTC 12.x and 13.x alike.
+        kv_transfer::cuda::inline_compile_options(9, 0),
     )
     .expect("NVRTC compiles the inline entry points");
     let text = ptx.to_src();

@@ -40,6 +40,9 @@ pub(super) struct Kernels {
     /// Small, large and packed inline entry points, when the inline module
     /// loaded.
     inline: Option<(EntryPoints, EntryPoints, EntryPoints)>,
+    /// Why the inline module is absent (unsupported driver or device, or
+    /// the NVRTC / load error); `None` when loaded.
+    inline_absent: Option<String>,
 }
 
 impl Kernels {
@@ -60,18 +63,21 @@ impl Kernels {
             })?;
         let module = ctx.load_module(ptx).map_err(cuda_err("cuModuleLoadData"))?;
         let table = functions(&module, &KERNEL_NAMES)?;
-        let inline = if inline_supported(ctx)? {
-            match load_inline(ctx) {
-                Ok(k) => Some(k),
+        let (inline, inline_absent) = match inline_support(ctx)? {
+            Ok(cc) => match load_inline(ctx, cc) {
+                Ok(k) => (Some(k), None),
                 Err(e) => {
                     tracing::warn!("inline gather tables unavailable, using a device table: {e}");
-                    None
+                    (None, Some(e.to_string()))
                 }
-            }
-        } else {
-            None
+            },
+            Err(why) => (None, Some(why)),
         };
-        Ok(Self { table, inline })
+        Ok(Self {
+            table,
+            inline,
+            inline_absent,
+        })
     }
 
     /// True when the inline entry points are loaded.
@@ -106,26 +112,44 @@ fn functions(
         .collect()
 }
 
-/// CUDA 12.1+ driver and compute capability 7.0+ (`__grid_constant__`,
-/// parameters past 4 KiB).
-fn inline_supported(ctx: &Arc<CudaContext>) -> Result<bool, TransferError> {
+/// The device's compute capability `(major, minor)` when its driver is CUDA
+/// 12.1+ and the capability 7.0+ (`__grid_constant__`, parameters past
+/// 4 KiB); otherwise why not.
+fn inline_support(ctx: &Arc<CudaContext>) -> Result<Result<(u32, u32), String>, TransferError> {
     let mut version = 0i32;
     // SAFETY: writes one int; the driver is loaded (a context exists).
     let r = unsafe { sys::cuDriverGetVersion(&mut version) };
-    let major = ctx
-        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-        .map_err(cuda_err("cuDeviceGetAttribute"))?;
-    Ok(r == sys::CUresult::CUDA_SUCCESS && version >= LARGE_PARAMS_DRIVER && major >= 7)
+    let attr = |a| {
+        ctx.attribute(a)
+            .map(|v| v.max(0) as u32)
+            .map_err(cuda_err("cuDeviceGetAttribute"))
+    };
+    let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    Ok(
+        if r != sys::CUresult::CUDA_SUCCESS || version < LARGE_PARAMS_DRIVER {
+            Err(format!(
+                "driver API version {version} is older than {LARGE_PARAMS_DRIVER}"
+            ))
+        } else if major < 7 {
+            Err(format!("compute capability {major}.{minor} is below 7.0"))
+        } else {
+            Ok((major, minor))
+        },
+    )
 }
 
 fn load_inline(
     ctx: &Arc<CudaContext>,
+    (major, minor): (u32, u32),
 ) -> Result<(EntryPoints, EntryPoints, EntryPoints), TransferError> {
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(CONVERT_KERNEL_SRC, inline_compile_options())
-        .map_err(|e| TransferError::Cuda {
+    let opts = inline_compile_options(major, minor);
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(CONVERT_KERNEL_SRC, opts).map_err(|e| {
+        TransferError::Cuda {
             op: "nvrtcCompileProgram",
             reason: e.to_string(),
-        })?;
+        }
+    })?;
     let module = ctx.load_module(ptx).map_err(cuda_err("cuModuleLoadData"))?;
     let small = functions(&module, TablePlacement::InlineSmall.names())?;
     let large = functions(&module, TablePlacement::InlineLarge.names())?;
@@ -133,13 +157,18 @@ fn load_inline(
     Ok((small, large, packed))
 }
 
-/// NVRTC options of the inline module: its entry points, and the oldest
-/// architecture with `__grid_constant__` (the PTX is JIT-compiled for the
-/// device at load).
-pub fn inline_compile_options() -> cudarc::nvrtc::CompileOptions {
+/// NVRTC options of the inline module for a device of compute capability
+/// `major.minor`: its entry points and that device's virtual architecture
+/// (`compute_90` for an H100 / H200). The device's own architecture, not a
+/// fixed oldest one: NVRTC 13 no longer accepts `compute_70` (CUDA 13 dropped
+/// targets below 7.5), and every NVRTC that can target a device accepts its
+/// architecture.
+pub fn inline_compile_options(major: u32, minor: u32) -> cudarc::nvrtc::CompileOptions {
     cudarc::nvrtc::CompileOptions {
-        options: vec![INLINE_KERNEL_DEFINE.into()],
-        arch: Some("compute_70"),
+        options: vec![
+            INLINE_KERNEL_DEFINE.into(),
+            format!("--gpu-architecture=compute_{major}{minor}"),
+        ],
         ..Default::default()
     }
 }
@@ -297,6 +326,7 @@ pub(super) fn launch_convert(
     }
     let strides = packed.map_or((0, 0), |p| (p.src_stride, p.dst_stride));
     if let Some(ev) = events.as_deref_mut() {
+        ev.placement = placement;
         ev.host = host_t0.elapsed();
         ev.start = Some(record(stream)?);
     }
@@ -373,7 +403,25 @@ impl super::CudaCopyBackend {
     pub fn inline_tables_supported(&self, ordinal: u32) -> Result<bool, TransferError> {
         let dev = self.device(ordinal)?;
         let ctx = dev.lock().ctx.clone();
-        inline_supported(&ctx)
+        Ok(inline_support(&ctx)?.is_ok())
+    }
+
+    /// One line saying how device `ordinal` places gather block tables:
+    /// `inline kernel parameters` or `device table upload (<why>)`, for the
+    /// benchmark log.
+    ///
+    /// # Errors
+    /// As the device's first use.
+    pub fn table_path(&self, ordinal: u32) -> Result<String, TransferError> {
+        let dev = self.device(ordinal)?;
+        let dev = dev.lock();
+        Ok(match &dev.kernels {
+            None => "no gather kernel (libnvrtc absent or CudaMode::CopyPerRun)".into(),
+            Some(k) => match &k.inline_absent {
+                None => "inline kernel parameters (small / large / packed)".into(),
+                Some(why) => format!("device table upload ({why})"),
+            },
+        })
     }
 }
 

@@ -6,7 +6,7 @@ use cudarc::driver::{sys, CudaEvent, CudaStream};
 use kv_bank::BankMemory;
 
 use super::{cuda_err, CudaCopyBackend};
-use crate::cuda_gather::ConvertPlan;
+use crate::cuda_gather::{ConvertPlan, TablePlacement};
 use crate::TransferError;
 
 /// Timing points of one profiled launch ([`CudaCopyBackend::profile_convert`]).
@@ -16,6 +16,7 @@ pub(super) struct LaunchEvents {
     pub(super) start: Option<CudaEvent>,
     pub(super) uploaded: Option<CudaEvent>,
     pub(super) done: Option<CudaEvent>,
+    pub(super) placement: TablePlacement,
 }
 
 /// An event with timing enabled, recorded on `stream` now.
@@ -37,6 +38,8 @@ pub struct LaunchPhases {
     pub upload_us: f64,
     /// Device time of the kernel alone, between CUDA events, µs.
     pub kernel_us: f64,
+    /// Where the launch's block table was (inline parameter or device).
+    pub table: TablePlacement,
 }
 
 impl CudaCopyBackend {
@@ -91,6 +94,7 @@ impl CudaCopyBackend {
             host_tables_us: ev.host.as_secs_f64() * 1e6,
             upload_us: ms(a, b)?,
             kernel_us: ms(b, c)?,
+            table: ev.placement,
         })
     }
 }

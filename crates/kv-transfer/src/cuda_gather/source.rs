@@ -20,10 +20,11 @@
 //! the kernel waits on. The H200 qualification measured the separate upload
 //! at 10.8-13.1 µs of a 23.9-90 µs fetch (`docs/cuda-kernel.md`).
 //!
-//! Both inline variants are compiled apart from the table-pointer entry
-//! points (NVRTC option [`INLINE_KERNEL_DEFINE`] and a `compute_70` or newer
-//! architecture, which `__grid_constant__` and large parameters need), so
-//! an NVRTC or driver without them still gets the device-table kernel.
+//! The inline variants are compiled apart from the table-pointer entry
+//! points (NVRTC option [`INLINE_KERNEL_DEFINE`] and the device's own
+//! `compute_XY`, 7.0 or newer, which `__grid_constant__` and large
+//! parameters need), so an NVRTC or driver without them still gets the
+//! device-table kernel.
 
 /// CUDA C source of the converting gather. Compiled as is: the table-pointer
 /// entry points `kv_convert_16` (`uint4`), `kv_convert_8`, `kv_convert_4`,
@@ -113,7 +114,8 @@ KV_CONVERT_PACKED(kv_convert_p1, unsigned char)
 "#;
 
 /// NVRTC option that compiles the inline entry points of
-/// [`CONVERT_KERNEL_SRC`] (with `--gpu-architecture=compute_70` or newer).
+/// [`CONVERT_KERNEL_SRC`] (with the device's `--gpu-architecture=compute_XY`,
+/// 7.0 or newer).
 pub const INLINE_KERNEL_DEFINE: &str = "-DKV_INLINE";
 
 /// Table-pointer entry points of [`CONVERT_KERNEL_SRC`], widest first, with
@@ -183,7 +185,7 @@ const _: () = assert!(INLINE_LARGE_ENTRIES * 8 + 8 + 5 * 4 <= 32_764);
 const _: () = assert!(INLINE_PACKED_ENTRIES * 4 + 4 * 8 + 8 + 5 * 4 <= 32_764);
 
 /// Where one launch's block table lives (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TablePlacement {
     /// A 2 KiB kernel parameter.
     InlineSmall,
@@ -193,6 +195,7 @@ pub enum TablePlacement {
     /// region bases and block strides as scalars.
     InlinePacked,
     /// A device buffer uploaded before the launch.
+    #[default]
     Device,
 }
 
