@@ -6,7 +6,11 @@
 //! Rows (median of `repeats` builds after one warm-up), printed after the
 //! copy rows:
 //! - `cpu/plan_build/runs/<n>x<size>`: `ConvertPlan::from_runs` of a
-//!   scattered `TransferPlan`'s rows, what `deliver` builds per rank;
+//!   scattered `TransferPlan`'s rows, what `deliver` builds per rank past
+//!   2,032 blocks (packed ids);
+//! - `cpu/plan_build/runs_direct/<n>x<size>`: `RunsGather::new`, what
+//!   `deliver` does instead up to 2,032 blocks (the launch writes the table
+//!   from the runs; a larger fetch returns at once and builds the plan);
 //! - `cpu/plan_build/8b_to_<target>/<n>x<size>`: `ConvertShape::plan` of the
 //!   8B shape into block-major, vLLM kv-first and HF at token offset 48, the
 //!   shape built once per target (as `CudaCopyBackend` caches it);
@@ -24,7 +28,7 @@ use std::time::{Duration, Instant};
 use crate::bench::{gbps, median, plan_for, sizes, BenchRow};
 use crate::bench_convert::{bad, case, Case};
 use crate::bench_sweep::plan_of_runs;
-use crate::cuda_gather::{ConvertPlan, ConvertShape, GatherTuning};
+use crate::cuda_gather::{ConvertPlan, ConvertShape, GatherTuning, RunsGather};
 use crate::TransferError;
 
 /// Median of `repeats` timed calls of `f` after one warm-up.
@@ -83,14 +87,23 @@ pub(crate) fn rows(
         let plan = plan_for(&layout, s.blocks, true)?;
         let len = 2 * s.blocks as u64 * s.block_bytes as u64;
         let t = time(repeats, || plan_of_runs(&plan, len, len, &tuning))?;
+        let part = &plan.parts()[0];
+        let bb = s.block_bytes as u64;
+        let direct = time(repeats, || {
+            RunsGather::new(&part.runs, bb, &tuning)
+                .map(|g| g.map(|g| g.bytes()))
+                .map_err(|e| TransferError::input("runs", e.to_string()))
+        })?;
         let size = format!("{}x{}", s.blocks, s.label);
-        out.push(plan_row(
-            format!("cpu/plan_build/runs/{size}"),
-            plan.expected_bytes(),
-            u64::from(s.blocks),
-            t,
-            raw_for(&format!("x{}", s.label)),
-        ));
+        for (kind, t) in [("runs", t), ("runs_direct", direct)] {
+            out.push(plan_row(
+                format!("cpu/plan_build/{kind}/{size}"),
+                plan.expected_bytes(),
+                u64::from(s.blocks),
+                t,
+                raw_for(&format!("x{}", s.label)),
+            ));
+        }
     }
     let Case {
         blocks,

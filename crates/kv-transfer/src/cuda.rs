@@ -23,7 +23,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 use kv_bank::{BankMemory, MemoryKind};
 use parking_lot::Mutex;
 
-use crate::cuda_gather::{ConvertPlan, ConvertShape, GatherTuning};
+use crate::cuda_gather::{ConvertPlan, ConvertShape, GatherTuning, RunsGather};
 use crate::delivery::{CopyBackend, PartOutcome, RankIo, SourceRegion};
 use crate::plan::{CopyRun, PartPlan};
 use crate::{DeliveryControl, TransferError};
@@ -400,8 +400,14 @@ impl CudaCopyBackend {
         regions: (u64, u64),
         tuning: &GatherTuning,
     ) -> Result<u64, TransferError> {
+        let bad = |e: crate::cuda_gather::ConvertError| TransferError::input("runs", e.to_string());
+        // Up to 2,032 blocks the launch writes the inline table from the runs
+        // themselves; larger fetches build the plan (packed ids).
+        if let Some(direct) = RunsGather::new(runs, block_bytes, tuning).map_err(bad)? {
+            return launch_convert(dev, &direct, (sb, db), tuning, None);
+        }
         let plan = ConvertPlan::from_runs_tuned(runs, block_bytes, regions.0, regions.1, tuning)
-            .map_err(|e| TransferError::input("runs", e.to_string()))?;
+            .map_err(bad)?;
         launch_convert(dev, &plan, (sb, db), tuning, None)
     }
 }

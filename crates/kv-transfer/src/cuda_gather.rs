@@ -39,10 +39,12 @@ mod mirror;
 
 mod packed;
 mod reference;
+mod runs;
 mod shape;
 mod source;
 pub use packed::PackedIds;
 pub use reference::reference_convert;
+pub use runs::{BlockSource, RunsGather};
 pub use shape::ConvertShape;
 pub use source::{
     TablePlacement, CONVERT_KERNEL_SRC, INLINE_KERNEL_DEFINE, INLINE_LARGE_BLOCKS,
@@ -667,18 +669,37 @@ impl ConvertPlan {
         sms: u32,
         tuning: &GatherTuning,
     ) -> LaunchGeometry {
-        let p = &self.pieces;
+        launch_geometry(
+            &self.pieces,
+            self.blocks(),
+            self.offset_bits | src_base | dst_base,
+            sms,
+            tuning,
+        )
+    }
+}
+
+/// Grid, CTA size and scalars for `blocks` blocks cut by `p`, where `bits`
+/// is the OR of the region bases, block offsets, piece offsets and piece
+/// length (its lowest set bit bounds the element width).
+fn launch_geometry(
+    p: &PieceTable,
+    blocks: usize,
+    bits: u64,
+    sms: u32,
+    tuning: &GatherTuning,
+) -> LaunchGeometry {
+    {
         let (threads, ctas_per_sm) = tuning.geometry_for(p.piece_bytes);
         // Lowest set bit of (base | offset) is at most that of (base + offset),
         // so the width divides every address the kernel forms.
-        let bits = self.offset_bits | src_base | dst_base;
         let width = 1u32 << bits.trailing_zeros().min(4);
         let piece_elems = (p.piece_bytes / u64::from(width)) as u32;
         // Each lane should have four elements of a piece in flight.
         let group = (piece_elems / 4).clamp(1, threads);
         let group_shift = 31 - group.leading_zeros(); // floor(log2)
         let num_pieces = p.len() as u32;
-        let total = self.blocks() as u64 * u64::from(num_pieces);
+        let total = blocks as u64 * u64::from(num_pieces);
         let groups_per_cta = u64::from(threads >> group_shift);
         let ctas = total
             .div_ceil(groups_per_cta)
@@ -687,7 +708,7 @@ impl ConvertPlan {
             width,
             grid_x: ctas,
             threads,
-            n: self.blocks() as u32,
+            n: blocks as u32,
             num_pieces,
             piece_shift: if num_pieces.is_power_of_two() {
                 num_pieces.trailing_zeros()

@@ -21,7 +21,7 @@ use cudarc::driver::{
 use super::profile::{record, LaunchEvents};
 use super::{cuda_err, Device};
 use crate::cuda_gather::{
-    ConvertPlan, GatherTuning, PieceTable, TablePlacement, CONVERT_KERNEL_SRC,
+    BlockSource, GatherTuning, PieceTable, TablePlacement, CONVERT_KERNEL_SRC,
     INLINE_KERNEL_DEFINE, INLINE_LARGE_ENTRIES, INLINE_PACKED_ENTRIES, INLINE_SMALL_ENTRIES,
     KERNEL_NAMES,
 };
@@ -216,7 +216,7 @@ impl Tables {
     fn upload_blocks(
         &mut self,
         stream: &Arc<CudaStream>,
-        plan: &ConvertPlan,
+        plan: &dyn BlockSource,
         (sb, db): (u64, u64),
     ) -> Result<u64, TransferError> {
         let n2 = 2 * plan.blocks();
@@ -265,13 +265,15 @@ impl Tables {
     fn pieces(
         &mut self,
         stream: &Arc<CudaStream>,
-        plan: &ConvertPlan,
+        plan: &dyn BlockSource,
     ) -> Result<u64, TransferError> {
-        let same = self.pieces.as_ref().is_some_and(|(_, _, host)| {
-            Arc::ptr_eq(host, plan.pieces_arc()) || **host == *plan.pieces()
-        });
+        let want = plan.pieces_arc();
+        let same = self
+            .pieces
+            .as_ref()
+            .is_some_and(|(_, _, host)| Arc::ptr_eq(host, want) || **host == **want);
         if !same {
-            let table = plan.piece_table();
+            let table: Vec<u64> = want.src.iter().chain(&want.dst).copied().collect();
             let mut t = stream
                 .alloc_zeros::<u64>(table.len())
                 .map_err(cuda_err("cuMemAlloc"))?;
@@ -291,7 +293,7 @@ impl Tables {
 /// returns.
 pub(super) fn launch_convert(
     dev: &mut Device,
-    plan: &ConvertPlan,
+    plan: &dyn BlockSource,
     (sb, db): (u64, u64),
     tuning: &GatherTuning,
     mut events: Option<&mut LaunchEvents>,
@@ -371,8 +373,9 @@ pub(super) fn launch_convert(
     // entry count, filled for `2n` entries, or `n` packed ids whose bases and
     // strides follow; copied by the driver at the launch) or a device pointer
     // to `2n` uploaded entries. Every block base + piece offset + piece
-    // length lies inside its region: `ConvertPlan` built the offsets from
-    // validated `KvRegionLayout`s (or in-range plan runs) and the callers
+    // length lies inside its region: `ConvertPlan` / `RunsGather` built the
+    // offsets from validated `KvRegionLayout`s (or in-range plan runs that
+    // `deliver` checked against both regions) and the callers
     // checked both regions are at least the plan's region bytes long; the
     // width divides every address (`ConvertPlan::geometry`).
     unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
