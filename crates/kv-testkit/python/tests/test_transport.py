@@ -116,3 +116,24 @@ def test_harness_skips_the_cuda_transport_on_cpu_devices(mods, tmp_path, capsys)
     argv = ["--out", str(out), "--model", "tiny", "--prefill-device", "cpu", "--decode-device", "cpu"]
     assert harness.main(argv) == 0
     assert "SKIP gpu_serving: --transport cuda needs CUDA devices" in capsys.readouterr().out
+
+
+def test_cuda_prefill_counts_fds_from_its_first_fetch_and_everything_else_from_start(mods, monkeypatch):
+    from gpu_serving import engine, prefill_worker
+
+    monkeypatch.setattr(engine, "build_model", lambda name, device, seed: object())
+    cfg = {"model": "tiny", "seed": 0, "tokens_per_block": 16, "target_rows": 6}
+    counters = {"open_fds": 10, "pins": 0}
+    mods.kv.leak_counters = lambda: dict(counters)
+    cuda = prefill_worker.PrefillWorker({**cfg, "device": "cuda:0", "transport": "cuda"})
+    host = prefill_worker.PrefillWorker({**cfg, "device": "cpu", "transport": "host"})
+    counters["open_fds"] = 40  # the driver's own fds at the first IPC import
+    for w in (cuda, host):
+        w._steady_fds()
+    counters["open_fds"] = 40
+    counters["pins"] = 1
+    assert cuda.op_stats()["leaks_grown"] == {"pins": 1}
+    assert host.op_stats()["leaks_grown"] == {"open_fds": 30, "pins": 1}
+    counters["open_fds"] = 41
+    cuda._steady_fds()  # re-based once only
+    assert cuda.op_stats()["leaks_grown"] == {"open_fds": 1, "pins": 1}
