@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from . import rpc
 from .regimes import WarmRegime, bucket_table, donor_kill, warm_summary
 from .workload import Workload, percentile
 # What --transport moves the KV through (the JSON's ``transport_path``).
@@ -107,7 +108,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return skip(a.out, f"device {d} requested but torch sees no CUDA device")
         if a.transport == "cuda" and not d.startswith("cuda"):
             return skip(a.out, f"--transport cuda needs CUDA devices for both workers, got {d} (use --transport host)")
-    from . import decode_worker, engine, prefill_worker, rpc
+    from . import decode_worker, engine, prefill_worker
 
     w = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), engine.shape(a.model).vocab, a.seed)
     sessions = w.build()
@@ -179,10 +180,10 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
     router = kv_reuse.Router(settings, tokens_per_block=tpb)
     router.register_worker(1, dh["engine_id"], "decode", layout)
     router.register_worker(2, ph["engine_id"], "prefill", layout)
-    warm = None
+    warm = warm_run = None
     if a.regime == "both":
         router.register_worker(3, ph["warm_engine_id"], "prefill", layout)
-        warm = WarmRegime(router, ph["warm_engine_id"], tpb)
+        warm = warm_run = WarmRegime(router, ph["warm_engine_id"], tpb)
     manifest: Optional[bytes] = None
     turns: List[Dict[str, Any]] = []
     bit_equal, max_diff, agree, agree_n = True, 0.0, 0, 0
@@ -190,6 +191,7 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
     later = 0
     advise_total = 0.0
     truncated = None
+    warm_error = None
     for t, sess, user, gen in w.rounds(sessions):
         if a.budget_s and time.perf_counter() - t_start > a.budget_s:
             truncated = f"--budget-s {a.budget_s} reached after {len(turns)} turns"
@@ -263,7 +265,15 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
             agree += same
             agree_n += a.greedy_tokens
         if warm is not None:
-            wr = warm.turn(prefill, sess.id, t, prompt, hashes, manifest, on_first=off_first)
+            try:
+                wr = warm.turn(prefill, sess.id, t, prompt, hashes, manifest, on_first=off_first)
+            except rpc.WorkerError as e:
+                # The churn measurement goes on; the JSON says why warm stopped
+                # (kvq's warm_regime check fails on it).
+                warm_error = f"{sess.id} turn {t}: {e}"
+                print(f"gpu_serving: warm regime stopped: {warm_error}", flush=True)
+                warm = None
+        if warm is not None:
             on_l, off_l = wr.pop("_logits")
             sums = wr.pop("_checksums")
             wr["max_logit_diff_vs_off"] = float(np.max(np.abs(bf16_bits_to_f32(on_l) - bf16_bits_to_f32(off_l))))
@@ -302,12 +312,16 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         last = next(x for x in sessions if x.id == turns[-1]["session"])
         rng = random.Random(a.seed + 2)
         user = [rng.randrange(s.vocab) for _ in range(a.turn_tokens[0])]
-        kill = donor_kill(prefill, router, ph["engine_id"], decode.proc.pid, last, user,
-                          lambda toks: kv_reuse.sequence_hashes(toks, tpb), manifest)
-        print(f"gpu_serving: donor SIGKILLed mid-fetch: fell back {kill['fell_back']}, ok {kill['ok']}", flush=True)
+        try:
+            kill = donor_kill(prefill, router, ph["engine_id"], decode.proc.pid, last, user,
+                              lambda toks: kv_reuse.sequence_hashes(toks, tpb), manifest)
+        except rpc.WorkerError as e:  # recorded: kvq's donor_kill_falls_back fails on it
+            kill = {"ok": False, "error": str(e), "first_token_produced": False}
+        print(f"gpu_serving: donor SIGKILLed mid-fetch: fell back {kill.get('fell_back')}, ok {kill['ok']}", flush=True)
     ps, _ = prefill.call("stats")
     r = summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, fallbacks, false_completions, notes, slots, target_rows)
-    r["warm"] = warm_summary(w, turns, warm.unreported) if warm is not None else None
+    r["warm"] = warm_summary(w, turns, warm_run.unreported) if warm_run is not None else None
+    r["warm_error"] = warm_error
     r["donor_kill"] = kill
     r["truncated"] = truncated
     r["_advise_ms"] = advise_total

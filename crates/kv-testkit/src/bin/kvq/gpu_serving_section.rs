@@ -241,6 +241,19 @@ pub fn checks(profile: Profile, v: &Value) -> Vec<(String, bool, String)> {
             format!("{} ({})", v["leaks"], v["leaks_detail"]),
         ),
     ];
+    // The warm regime, when asked for, ran every turn (a failing warm request
+    // stops only the warm regime; the harness records why in `warm_error`).
+    if v["regime"] == json!("churn+warm") {
+        out.push((
+            "warm_regime".to_owned(),
+            v["warm_error"].is_null() && !v["warm"].is_null(),
+            format!(
+                "warm error {}, warm {}",
+                v["warm_error"],
+                !v["warm"].is_null()
+            ),
+        ));
+    }
     // The donor-killed turn (when the harness ran it): it fell back, produced
     // its first token and the prefill kept no row, pin, mapping or fd.
     if !v["donor_kill"].is_null() {
@@ -497,7 +510,7 @@ mod tests {
 
     fn sample() -> Value {
         json!({
-            "model": "llama-3.1-8b", "regime": "churn", "transport": ["cuda_same_device_copy"],
+            "model": "llama-3.1-8b", "regime": "churn+warm", "warm_error": null, "transport": ["cuda_same_device_copy"],
             "transport_path": "cuda_ipc", "truncated": null,
             "workload": {"sessions": 8, "turns": 6, "history_max": 32768},
             "fetched_turns": 40, "bytes_moved": 1000, "host_payload_bytes": 0,
@@ -574,6 +587,11 @@ mod tests {
         let mut v = sample();
         v["donor_kill"]["ok"] = json!(false);
         assert_eq!(names(&v, Profile::Cpu), ["donor_kill_falls_back"]);
+        let mut v = sample();
+        v["warm_error"] = json!("s3 turn 2: warm_on: boom");
+        assert_eq!(names(&v, Profile::Cpu), ["warm_regime"]);
+        v["regime"] = json!("churn");
+        assert!(names(&v, Profile::Cpu).is_empty());
     }
 
     #[test]
