@@ -30,6 +30,8 @@ def seq_hashes(tokens, tpb):
 
 class FakeRouter:
     def __init__(self, settings, tokens_per_block):
+        # The cost model refuses a CUDA donor without the GPU path setting.
+        assert settings["enable_decode_to_prefill_gpu_reuse"] is True
         self.held, self.workers, self.events = set(), {}, 0
 
     def register_worker(self, key, engine, role, layout):
@@ -89,6 +91,8 @@ class Prefill:
             return {"engine_id": "p", "warm_engine_id": "pw", "weights_checksum": 1, "device_bytes": 0, "build_s": 1.0}, 1.0
         if op in ("off", "ideal", "warm_off"):
             return {"worker_ms": 1.0, "held_tokens": 0, **first}, 3.0
+        if op == "warmup":
+            return {"worker_ms": 5.0}, 5.0
         if op == "greedy":
             return {"greedy": [1] * kw["n"]}, 1.0
         if op == "warm_commit":
@@ -149,6 +153,10 @@ def test_every_part_of_a_turn_runs_and_lands_in_the_summary(harness_mods):
     (kill,) = [c for c in prefill.calls if c[1].get("kill_donor")]
     assert kill[1]["kill_donor"] == 424242
     assert [c[0] for c in prefill.calls[-3:]] == ["on", "stats", "stats"]  # the kill turn comes last
+    # Untimed warm-ups: the largest prompt once, then before each turn's churn and warm pairs.
+    warmups = [c[1]["tokens"] for c in prefill.calls if c[0] == "warmup"]
+    assert warmups == [1024 + 60] + [64] * 48
+    assert prefill.calls[1][0] == "warmup" and all(t["warmup_ms"] == 5.0 for t in r["turns"])
 
 
 def test_a_failing_warm_request_stops_warm_only(harness_mods):
