@@ -133,39 +133,36 @@ class DecodeWorker(EngineWorker):
         missing = [i for i, s in enumerate(self.bank.slots(hashes)) if s is None]
         if not missing:
             return hashes
-        # Everything slow (the device-to-host copy of the new blocks, their
-        # checksums) happens before the store is opened: an open store holds
-        # its reserved slots and is rolled back after the bank's store
-        # timeout (5 s), which an 8B-shaped turn's copy can exceed.
-        lo = missing[0]
-        rows = engine.to_blocks(cache, lo, n - lo, self.tpb)[[i - lo for i in missing]]
-        sums = engine.block_checksums(rows)
-        source = transport.store_source(rows, len(hashes))
+        # Everything slow (gathering the new blocks, their checksums, the copy
+        # to the host on the host transport) happens before the store is
+        # opened: an open store holds its reserved slots and is rolled back
+        # after the bank's store timeout, which an 8B-shaped turn can exceed.
+        rows, sums, source = self._rows(cache, missing, n)
         try:
             pending = self.bank.store(kv_tokens[: n * self.tpb])
         except self.kv.KvReuseError as e:  # bank full: this turn is not retained
             self.store_failures.append(repr(e))
             return hashes
-        self._write_new(pending, source, rows.shape[0], len(hashes))
+        # The store holds exactly the blocks the bank lacks, in prefix order
+        # (row i = sequence_hashes[i]); that is ``missing`` unless the bank
+        # changed between slots() and store(), e.g. an eviction of this prefix.
+        want = list(pending.sequence_hashes)
+        at = {h: i for i, h in enumerate(hashes)}
+        if want != [hashes[i] for i in missing]:
+            missing = [at[h] for h in want]
+            rows, sums, source = self._rows(cache, missing, n) if missing else (None, [], None)
+        if missing:
+            pending.write(0, source)
         pending.ack(0)
-        for h, c in zip((hashes[i] for i in missing), sums):
-            self.checksums[h] = c
+        for i, c in zip(missing, sums):
+            self.checksums[hashes[i]] = c
         return hashes
 
-    def _write_new(self, pending: Any, host: Any, k: int, n_all: int) -> None:
-        """Writes ``host``'s first ``k`` rows (the blocks the bank did not hold, in order) into ``pending``.
-
-        Works around the wheel's ``PendingStore.write``: it wants one row per
-        sequence hash of the store, but the bank reserved entries only for the
-        blocks it lacked and writes row i into entry i, then refuses row
-        ``len(entries)``. So the new rows go first, the rest is never-touched
-        memory (``np.empty``), and that one refusal is expected.
-        """
-        try:
-            pending.write(0, host)
-        except self.kv.BankFailed as e:
-            if k == n_all or f"{k} is not below the store's {k} entries" not in str(e):
-                raise
+    def _rows(self, cache: Any, blocks: List[int], n: int):
+        """(device rows of ``blocks`` in order, their checksums, what ``PendingStore.write`` reads)."""
+        lo = blocks[0]
+        rows = engine.to_blocks(cache, lo, n - lo, self.tpb)[[i - lo for i in blocks]]
+        return rows, engine.block_checksums(rows), transport.store_source(rows, self.transport)
 
     def op_reference(self, session: str, prompt: List[int], fetched_tokens: int, greedy_n: int) -> Dict[str, Any]:
         """The donor continuing ``session`` on its own KV, split as the target split it.

@@ -193,6 +193,22 @@ def cropped(cache: DynamicCache, tokens: int) -> DynamicCache:
     return cache_from_kv([(k[:, :, :tokens], v[:, :, :tokens]) for k, v in layer_kv(cache)])
 
 
+def extended(cache: DynamicCache, tokens: int, kv: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A new cache: the first ``tokens`` tokens of ``cache`` followed by ``kv`` (per-layer ``[1, H, T, D]``).
+
+    The warm regime's landing: the prefill's own prefix plus the fetched
+    blocks after it, on the device. Raises ``EngineError("tokens", ...)``
+    past the cache's length.
+    """
+    n = cache_len(cache)
+    if not 0 <= tokens <= n:
+        raise EngineError("tokens", f"{tokens} not in 0..={n}")
+    own = layer_kv(cache)
+    return cache_from_kv(
+        [(torch.cat([k[:, :, :tokens], fk], 2), torch.cat([v[:, :, :tokens], fv], 2)) for (k, v), (fk, fv) in zip(own, kv)]
+    )
+
+
 def to_blocks(cache: DynamicCache, first_block: int, num_blocks: int, tokens_per_block: int) -> torch.Tensor:
     """Blocks ``first_block .. first_block + num_blocks`` of ``cache`` in block-major order.
 

@@ -16,14 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from . import rpc
+from .regimes import WarmRegime, bucket_table, donor_kill, warm_summary
 from .workload import Workload, percentile
-
-REGIME = "churn"  # the prefill worker keeps no prefix cache between turns
 # What --transport moves the KV through (the JSON's ``transport_path``).
 TRANSPORT_PATH = {"cuda": "cuda_ipc", "host": "host_shm"}
 
@@ -54,6 +55,18 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         choices=("greedy", "forced"),
         default="greedy",
         help="decode answer: greedy steps, or first token greedy and the rest seeded with their KV in one pass",
+    )
+    p.add_argument(
+        "--regime",
+        choices=("churn", "both"),
+        default="both",
+        help="churn: the prefill keeps no prefix cache; both: also the warm regime (its own cache kept), same run",
+    )
+    p.add_argument(
+        "--donor-kill",
+        choices=("on", "off"),
+        default="on",
+        help="after the workload, one turn whose donor is SIGKILLed mid-fetch (must fall back, leak nothing)",
     )
     p.add_argument(
         "--budget-s",
@@ -95,7 +108,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return skip(a.out, f"device {d} requested but torch sees no CUDA device")
         if a.transport == "cuda" and not d.startswith("cuda"):
             return skip(a.out, f"--transport cuda needs CUDA devices for both workers, got {d} (use --transport host)")
-    from . import decode_worker, engine, prefill_worker, rpc
+    from . import decode_worker, engine, prefill_worker
 
     w = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), engine.shape(a.model).vocab, a.seed)
     sessions = w.build()
@@ -116,7 +129,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfg = {"model": a.model, "seed": a.seed, "tokens_per_block": tpb, "transport": a.transport}
     t_start = time.perf_counter()
     decode = rpc.Worker(decode_worker.main, {**cfg, "device": a.decode_device, "bank_slots": slots, "answer": a.answer})
-    prefill = rpc.Worker(prefill_worker.main, {**cfg, "device": a.prefill_device, "target_rows": target_rows})
+    prefill = rpc.Worker(
+        prefill_worker.main, {**cfg, "device": a.prefill_device, "target_rows": target_rows, "warm": a.regime == "both"}
+    )
     result: Dict[str, Any] = {}
     try:
         decode.wait_started()
@@ -141,6 +156,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     return rc
 
 
+def router_settings() -> Dict[str, Any]:
+    """The in-process router's reuse settings (docs/settings.md keys).
+
+    Reuse on, and the GPU path too: a CUDA donor bank (``--transport cuda``)
+    is the GPU path, which the cost model refuses (``GpuPathDisabled``) unless
+    ``enable_decode_to_prefill_gpu_reuse`` is set; it does not affect a host
+    donor. Every other setting keeps its default: the cost model decides.
+    """
+    return {"enable_decode_to_prefill_reuse": True, "enable_decode_to_prefill_gpu_reuse": True}
+
+
 def phases(started_s: float, advise_ms: float, decode, prefill, wall_s: float) -> Dict[str, float]:
     """Seconds per phase: start (both models built), router advise, each worker request kind, the rest."""
     out = {"start": round(started_s, 1), "advise": round(advise_ms / 1e3, 2)}
@@ -161,10 +187,17 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         raise rpc_error("hello", "the two workers built different weights")
     s = __import__("gpu_serving.engine", fromlist=["shape"]).shape(a.model)
     layout = kv_reuse.Layout(s.num_layers, s.num_kv_heads, s.head_dim, "bf16", tpb, 1)
-    settings = kv_reuse.Settings({"enable_decode_to_prefill_reuse": True}, env={})
+    settings = kv_reuse.Settings(router_settings(), env={})
     router = kv_reuse.Router(settings, tokens_per_block=tpb)
     router.register_worker(1, dh["engine_id"], "decode", layout)
     router.register_worker(2, ph["engine_id"], "prefill", layout)
+    warm = warm_run = None
+    if a.regime == "both":
+        router.register_worker(3, ph["warm_engine_id"], "prefill", layout)
+        warm = warm_run = WarmRegime(router, ph["warm_engine_id"], tpb)
+    # Once, untimed: the largest prompt's prefill (allocator growth, kernel
+    # selection) so the first measured turns do not pay it.
+    prefill.call("warmup", tokens=a.history_max + a.turn_tokens[1])
     manifest: Optional[bytes] = None
     turns: List[Dict[str, Any]] = []
     bit_equal, max_diff, agree, agree_n = True, 0.0, 0, 0
@@ -172,6 +205,7 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
     later = 0
     advise_total = 0.0
     truncated = None
+    warm_error = None
     for t, sess, user, gen in w.rounds(sessions):
         if a.budget_s and time.perf_counter() - t_start > a.budget_s:
             truncated = f"--budget-s {a.budget_s} reached after {len(turns)} turns"
@@ -190,6 +224,7 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         # OFF and ON alternate which runs first, so neither always finds the
         # caches and allocator warmed by the other.
         off_first = len(turns) % 2 == 0
+        warmup_ms = prefill.call("warmup", tokens=64)[0]["worker_ms"]
         if off_first:
             off, off_ms, off_greedy = run_off()
         t0 = time.perf_counter()
@@ -213,6 +248,7 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
             "off_ms": round(off_ms, 3),
             "on_ms": round(on_ms, 3),
             "advise_ms": round(advise_ms, 3),
+            "warmup_ms": round(warmup_ms, 3),
             "fetch_ms": round(on["fetch_ms"], 3),
             "verdict": advice.verdict,
             "admitted": advice.admitted,
@@ -244,11 +280,35 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
             row["greedy_agreement"] = same / a.greedy_tokens
             agree += same
             agree_n += a.greedy_tokens
+        if warm is not None:
+            try:
+                prefill.call("warmup", tokens=64)  # the decode's reference / checksums ran on the GPU meanwhile
+                wr = warm.turn(prefill, sess.id, t, prompt, hashes, manifest, on_first=off_first)
+            except rpc.WorkerError as e:
+                # The churn measurement goes on; the JSON says why warm stopped
+                # (kvq's warm_regime check fails on it).
+                warm_error = f"{sess.id} turn {t}: {e}"
+                print(f"gpu_serving: warm regime stopped: {warm_error}", flush=True)
+                warm = None
+        if warm is not None:
+            on_l, off_l = wr.pop("_logits")
+            sums = wr.pop("_checksums")
+            wr["max_logit_diff_vs_off"] = float(np.max(np.abs(bf16_bits_to_f32(on_l) - bf16_bits_to_f32(off_l))))
+            if wr["fetched_tokens"] > 0:
+                lo = wr["fetch_from"]
+                want = decode.call("checksums", hashes=hashes[lo : lo + len(sums)])[0]["checksums"]
+                wr["checksums_equal"] = want == sums
+                if not wr["checksums_equal"]:
+                    false_completions += 1
+            row["warm"] = wr
         if t > 0:
             later += 1
         d, _ = decode.call("turn", session=sess.id, prompt=prompt, gen=gen)
         for e in d["events"]:
             router.apply_event(e)
+        if warm is not None:
+            warm.learn(d["events"])
+            warm.report(sess.id, prompt, hashes)
         manifest = d["manifest"]
         router.report_donor(manifest, dh["endpoint"], d["slots"])
         row["decode_ms"] = round(d["decode_ms"], 3)
@@ -257,12 +317,29 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         turns.append(row)
         print(
             f"gpu_serving: [{time.perf_counter() - t_start:.0f} s] {sess.id} turn {t} history {row['history']}: OFF {off_ms:.1f} ms, ON {on_ms:.1f} ms"
-            f" ({row['fetched_tokens']} fetched, {row['verdict']}), ideal {row.get('ideal_ms', float('nan')):.1f} ms",
+            f" ({row['fetched_tokens']} fetched, {row['verdict']}), ideal {row.get('ideal_ms', float('nan')):.1f} ms"
+            + (f"; warm OFF {row['warm']['off_ms']:.1f} ms, ON {row['warm']['on_ms']:.1f} ms"
+               f" ({row['warm']['fetched_tokens']} fetched from block {row['warm']['fetch_from']})" if "warm" in row else ""),
             flush=True,
         )
     ds, _ = decode.call("stats")
+    kill = None
+    if a.donor_kill == "on" and turns:
+        # Last: the decode worker is dead afterwards.
+        last = next(x for x in sessions if x.id == turns[-1]["session"])
+        rng = random.Random(a.seed + 2)
+        user = [rng.randrange(s.vocab) for _ in range(a.turn_tokens[0])]
+        try:
+            kill = donor_kill(prefill, router, ph["engine_id"], decode.proc.pid, last, user,
+                              lambda toks: kv_reuse.sequence_hashes(toks, tpb), manifest)
+        except rpc.WorkerError as e:  # recorded: kvq's donor_kill_falls_back fails on it
+            kill = {"ok": False, "error": str(e), "first_token_produced": False}
+        print(f"gpu_serving: donor SIGKILLed mid-fetch: fell back {kill.get('fell_back')}, ok {kill['ok']}", flush=True)
     ps, _ = prefill.call("stats")
     r = summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, fallbacks, false_completions, notes, slots, target_rows)
+    r["warm"] = warm_summary(w, turns, warm_run.unreported) if warm_run is not None else None
+    r["warm_error"] = warm_error
+    r["donor_kill"] = kill
     r["truncated"] = truncated
     r["_advise_ms"] = advise_total
     return r
@@ -277,34 +354,14 @@ def rpc_error(op: str, msg: str):
 def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, fallbacks, false_completions, notes, slots, target_rows):
     later = [r for r in turns if r["turn"] > 0]
     first = [r for r in turns if r["turn"] == 0]
-    buckets = []
-    for b in w.buckets():
-        rs = [r for r in later if r["bucket"] == b]
-        if not rs:
-            continue
-        off = [r["off_ms"] for r in rs]
-        on = [r["on_ms"] for r in rs]
-        ideal = [r["ideal_ms"] for r in rs if "ideal_ms" in r]
-        off50, on50 = percentile(off, 50), percentile(on, 50)
-        buckets.append(
-            {
-                "history": b,
-                "turns": len(rs),
-                "off_p50_ms": off50,
-                "off_p99_ms": percentile(off, 99),
-                "on_p50_ms": on50,
-                "on_p99_ms": percentile(on, 99),
-                "ideal_p50_ms": percentile(ideal, 50),
-                "ideal_p99_ms": percentile(ideal, 99),
-                "ratio": round(off50 / on50, 3) if on50 else None,
-                "on_over_ideal": round(on50 / percentile(ideal, 50), 3) if ideal else None,
-            }
-        )
+    buckets = bucket_table(w, later, ideal=True)
     transports = sorted({r["transport"] for r in turns if r["fetched_tokens"] > 0})
     leaks = sum(ps["leaks_grown"].values()) + (ds["pins_outstanding"] or 0)
     return {
         "model": a.model,
-        "regime": REGIME,
+        # The top-level buckets are churn's (the prefill keeps no prefix
+        # cache, ON fetches everything); "warm" holds the warm regime's.
+        "regime": "churn+warm" if a.regime == "both" else "churn",
         "devices": {"prefill": a.prefill_device, "decode": a.decode_device},
         "workload": {
             "sessions": w.sessions,

@@ -19,6 +19,8 @@ device rows.
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -35,13 +37,23 @@ class PrefillWorker(EngineWorker):
         kv_reuse = self.kv
         self.landing = transport.Landing(kv_reuse, self.layout, cfg["target_rows"], self.device, self.transport)
         self.target = self.landing.target
+        # The warm regime's target: another engine to the router (its held
+        # blocks come from prefix_events), its own destination rows.
+        self.warm_landing = (
+            transport.Landing(kv_reuse, self.layout, cfg["target_rows"], self.device, self.transport) if cfg.get("warm") else None
+        )
+        self.warm: Dict[str, Any] = {}
+        self.warm_next: Dict[str, Any] = {}
         self.resident: Optional[torch.Tensor] = None
         self.last: Optional[engine.PrefillResult] = None  # for ``greedy``, untimed
         self.leaks_at_start = kv_reuse.leak_counters()
+        self.fds_rebased = False
+        self.fds_at_first_fetch: Optional[int] = None
 
     def op_hello(self) -> Dict[str, Any]:
         return {
             "engine_id": self.target.engine_id,
+            "warm_engine_id": self.warm_landing.target.engine_id if self.warm_landing else None,
             "weights_checksum": engine.weights_checksum(self.model),
             "device_bytes": _device_bytes(self.device),
             "build_s": self.build_s,
@@ -59,34 +71,69 @@ class PrefillWorker(EngineWorker):
         self.last = None
         return {"greedy": toks}
 
+    def op_warmup(self, tokens: int) -> Dict[str, Any]:
+        """An untimed prefill of ``tokens`` tokens and a 16-token suffix on its KV, then a sync.
+
+        Why: the first request after the decode worker used the same GPU, and
+        the first request of a size, paid 70-150 ms (1.3 s for the first 32K
+        prefill) on the H200 in whichever of OFF / ON ran first; the harness
+        pays that here, outside the timed requests. ``tokens`` below 2 is refused.
+        """
+        if tokens < 2:
+            raise engine.EngineError("tokens", f"warmup needs at least 2 tokens, got {tokens}")
+        ids = [i % self.shape.vocab for i in range(tokens)]
+        sw = engine.Stopwatch(self.device)
+        r = engine.prefill(self.model, ids[:-1])
+        engine.prefill(self.model, ids[-1:] * 16, r.cache)
+        return {"worker_ms": sw.ms()}
+
     def op_off(self, prompt: List[int]) -> Dict[str, Any]:
         sw = engine.Stopwatch(self.device)
         r = engine.prefill(self.model, prompt)
         ms = sw.ms()
         return {"worker_ms": ms, **self._first(r)}
 
-    def op_on(self, prompt: List[int], hint: Optional[bytes], hashes: List[int], manifest: Optional[bytes]) -> Dict[str, Any]:
+    def _fetch(self, landing: transport.Landing, hint: bytes, hashes: List[int], manifest: Optional[bytes],
+               held_blocks: int, kill_donor: Optional[int] = None):
+        """Fetches the hinted blocks into ``landing``: (rows or None, fetch fields, fell_back, fetch_from).
+
+        ``held_blocks``: the blocks this worker holds of the prompt (0 in
+        churn); a hint starting past them is refused. ``kill_donor``: a donor
+        pid SIGKILLed once its pins are granted, before the first byte (the
+        wheel's ``donor_alive`` probe): the donor-killed-mid-fetch turn.
+        """
+        fetch: Dict[str, Any] = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
+        kw: Dict[str, Any] = {}
+        if kill_donor is not None:
+            kw["donor_alive"] = _killer(kill_donor)
+        try:
+            with landing.target.fetch(hint, hashes, manifest, **kw) as out:
+                if out.fetch_from > held_blocks:
+                    raise ValueError(f"fetch_from {out.fetch_from} past the {held_blocks} blocks held")
+                rows = landing.land(out)
+                fetch = {
+                    "fetched_tokens": len(out.fetched) * self.tpb,
+                    "bytes": out.bytes,
+                    "host_payload_bytes": out.host_payload_bytes,
+                    "transport": out.transport,
+                }
+                start = out.fetch_from
+            self._steady_fds()  # after the outcome released its rows
+            return rows, fetch, None, start
+        except self.kv.FetchFellBack as e:
+            return None, fetch, [str(a) for a in e.args], 0
+        except (self.kv.KvReuseError, ValueError) as e:
+            return None, fetch, [repr(e), "refused", type(e).__name__], 0
+
+    def op_on(self, prompt: List[int], hint: Optional[bytes], hashes: List[int], manifest: Optional[bytes],
+              kill_donor: Optional[int] = None) -> Dict[str, Any]:
         sw = engine.Stopwatch(self.device)
         self.resident = None
         fetch: Dict[str, Any] = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
         fell_back: Optional[List[str]] = None
         rows = None
         if hint is not None:
-            try:
-                with self.target.fetch(hint, hashes, manifest) as out:
-                    if out.fetch_from != 0:  # this worker holds nothing to start from (churn)
-                        raise ValueError(f"fetch_from {out.fetch_from}")
-                    rows = self.landing.land(out)
-                    fetch = {
-                        "fetched_tokens": len(out.fetched) * self.tpb,
-                        "bytes": out.bytes,
-                        "host_payload_bytes": out.host_payload_bytes,
-                        "transport": out.transport,
-                    }
-            except self.kv.FetchFellBack as e:
-                fell_back = [str(a) for a in e.args]
-            except (self.kv.KvReuseError, ValueError) as e:
-                fell_back = [repr(e), "refused", type(e).__name__]
+            rows, fetch, fell_back, _ = self._fetch(self.landing, hint, hashes, manifest, 0, kill_donor)
         fetch_ms = sw.ms()
         f = fetch["fetched_tokens"]
         if rows is not None and f >= len(prompt):
@@ -106,6 +153,72 @@ class PrefillWorker(EngineWorker):
         res["checksums"] = engine.block_checksums(rows) if f > 0 else []
         return res
 
+    # The warm regime: this worker keeps, per session, the KV it computed for
+    # the session's last prompt (its native prefix cache), and a second
+    # target whose held blocks the router knows from prefix_events.
+
+    def _warm_base(self, session: str, prompt: List[int]):
+        """(a copy of this worker's cached prefix of ``prompt``, tokens it holds); (None, 0) when none.
+
+        The copy is made before the timed part: OFF and ON both start from
+        the same cache, and a real prefix cache would not copy at all.
+        """
+        got = self.warm.get(session)
+        if got is None:
+            return None, 0
+        toks, cache = got
+        held = min(len(toks), len(prompt) - 1)
+        while held > 0 and toks[:held] != prompt[:held]:
+            held -= 1  # not expected: a session's prompt extends its last one
+        if held == 0:
+            return None, 0
+        return engine.cropped(cache, held), held
+
+    def op_warm_off(self, session: str, prompt: List[int]) -> Dict[str, Any]:
+        """Reuse off, warm: prefill what this worker's own prefix cache lacks; the result becomes the cache."""
+        base, held = self._warm_base(session, prompt)
+        engine.sync(self.device)
+        sw = engine.Stopwatch(self.device)
+        r = engine.prefill(self.model, prompt[held:], base)
+        ms = sw.ms()
+        self.warm_next[session] = (list(prompt), r.cache)
+        return {"worker_ms": ms, "held_tokens": held, "first_token": r.first_token, "logits": _bits(r.logits)}
+
+    def op_warm_on(self, session: str, prompt: List[int], hint: Optional[bytes], hashes: List[int],
+                   manifest: Optional[bytes]) -> Dict[str, Any]:
+        """Reuse on, warm: the advised fetch (only the blocks past what this worker holds), then the rest."""
+        base, held = self._warm_base(session, prompt)
+        engine.sync(self.device)
+        sw = engine.Stopwatch(self.device)
+        rows, fetch, fell_back, start = None, {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}, None, 0
+        if hint is not None:
+            rows, fetch, fell_back, start = self._fetch(self.warm_landing, hint, hashes, manifest, held // self.tpb)
+        fetch_ms = sw.ms()
+        n = rows.shape[0] if rows is not None else 0
+        if n and (start + n) * self.tpb >= len(prompt):
+            n = (len(prompt) - 1) // self.tpb - start  # at least one token computed
+            rows = rows[: max(n, 0)]
+        if rows is not None and n > 0:
+            cache = engine.extended(base, start * self.tpb, engine.from_blocks(rows, self.shape, self.tpb)) if start else \
+                engine.cache_from_kv(engine.from_blocks(rows, self.shape, self.tpb))
+            f = (start + n) * self.tpb
+        else:
+            cache, f, n = base, held, 0
+        r = engine.prefill(self.model, prompt[f:], cache)
+        ms = sw.ms()
+        fetch["fetched_tokens"] = n * self.tpb
+        return {
+            "worker_ms": ms, "fetch_ms": fetch_ms, "fell_back": fell_back, "held_tokens": held, "fetch_from": start,
+            **fetch, "first_token": r.first_token, "logits": _bits(r.logits),
+            "checksums": engine.block_checksums(rows) if n > 0 else [],
+        }
+
+    def op_warm_commit(self, session: str) -> Dict[str, Any]:
+        """The last ``warm_off``'s cache becomes the session's cached prefix; its token count."""
+        toks, cache = self.warm_next.pop(session)
+        self.warm[session] = (toks, cache)
+        return {"tokens": len(toks)}
+
     def op_ideal(self, prompt: List[int]) -> Dict[str, Any]:
         """Suffix prefill on the KV the preceding ``on`` left resident; refuses without it."""
         if self.resident is None:
@@ -118,14 +231,42 @@ class PrefillWorker(EngineWorker):
         self.resident = None
         return {"worker_ms": ms, "first_token": r.first_token, "logits": _bits(r.logits)}
 
+    def _steady_fds(self) -> None:
+        """On the cuda transport, re-bases ``open_fds`` at the first fetch (once).
+
+        The CUDA driver opens fds of its own at the process's first IPC import
+        and keeps them until exit (crates/kv-reuse-py/tests/test_gpu.py checks
+        fds as a steady state for the same reason); every other counter keeps
+        the start baseline.
+        """
+        if self.transport == "cuda" and not self.fds_rebased:
+            self.fds_rebased = True
+            self.fds_at_first_fetch = self.kv.leak_counters().get("open_fds")
+
     def op_stats(self) -> Dict[str, Any]:
         now = self.kv.leak_counters()
-        grown = {k: now[k] - self.leaks_at_start.get(k, 0) for k in now if now[k] > self.leaks_at_start.get(k, 0)}
+        base = dict(self.leaks_at_start)
+        if self.fds_at_first_fetch is not None:
+            base["open_fds"] = self.fds_at_first_fetch
+        grown = {k: now[k] - base.get(k, 0) for k in now if now[k] > base.get(k, 0)}
         return {
             "free_rows": self.target.free_rows,
             "leaks_grown": grown,
             "device_bytes": _device_bytes(self.device),
         }
+
+
+def _killer(pid: int):
+    """A ``donor_alive`` probe that SIGKILLs ``pid`` at its first call and then reports it dead."""
+    state = {"killed": False}
+
+    def alive() -> bool:
+        if not state["killed"]:
+            state["killed"] = True
+            os.kill(pid, signal.SIGKILL)
+        return False
+
+    return alive
 
 
 def main(conn: Any, cfg: Dict[str, Any]) -> None:

@@ -67,8 +67,12 @@ class DlpackView:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
 
-    def __dlpack__(self, stream: Any = None) -> Any:
-        return self.tensor.__dlpack__()
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        # The consumer's stream (the wheel's store asks 1, the legacy default)
+        # lets torch order its queued work before the consumer's copy.
+        if stream is None:
+            return self.tensor.__dlpack__()
+        return self.tensor.__dlpack__(stream=stream)
 
     def __dlpack_device__(self) -> Any:
         return self.tensor.__dlpack_device__()
@@ -87,18 +91,17 @@ def open_bank(kv: Any, layout: Any, slots: int, device: str, transport: str) -> 
     return kv.DonorBank(layout, slots=slots, gpus=[gpu], store_timeout_s=60.0)
 
 
-def store_source(rows: torch.Tensor, n_all: int) -> np.ndarray:
-    """What ``PendingStore.write`` reads for the ``k`` new blocks ``rows`` (int16 ``[k, elems]``).
+def store_source(rows: torch.Tensor, transport: str) -> Any:
+    """What ``PendingStore.write`` reads for the new blocks ``rows`` (int16 ``[k, elems]``, on the engine's device).
 
-    Today's wheel reads host rows only (a CUDA bank copies them to the
-    device), so the rows are copied to a host array of ``n_all`` rows, the new
-    ones first (``DecodeWorker._write_new`` says why). This is the one call
-    that changes when the wheel stores from CUDA tensors: it then returns the
-    device rows themselves (wrapped in :class:`DlpackView`).
+    ``cuda``: the device rows themselves as bf16 behind :class:`DlpackView`:
+    the wheel copies them device to device into the CUDA bank (no host
+    payload; it asks ``__dlpack__(stream=1)``, ordering torch's work before
+    its copy). ``host``: a host ``uint16`` copy (numpy) for the shm bank.
     """
-    host = np.empty((n_all, rows.shape[1]), dtype=np.uint16)
-    host[: rows.shape[0]] = rows.cpu().numpy().view(np.uint16)
-    return host
+    if transport == "cuda":
+        return DlpackView(rows.view(torch.bfloat16))
+    return rows.cpu().numpy().view(np.uint16)
 
 
 class Landing:

@@ -142,6 +142,7 @@ def _fake_kv_reuse() -> types.ModuleType:
 
     class Target(Opened):
         engine_id = "00000000-0000-4000-8000-00000000000e"
+        free_rows = 6
 
     m.DonorBank, m.Target = DonorBank, Target
     m.KvReuseError = type("KvReuseError", (Exception,), {})

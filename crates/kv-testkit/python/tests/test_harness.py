@@ -26,7 +26,7 @@ def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
     argv += ["--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--greedy-every", "2"]
     assert harness.main(argv) == 0
     r = json.loads(out.read_text())
-    assert r["model"] == "tiny" and r["regime"] == "churn"
+    assert r["model"] == "tiny" and r["regime"] == "churn+warm"
     assert len(r["turns"]) == 24
     fetched = [t for t in r["turns"] if t["fetched_tokens"] > 0]
     assert fetched, "the cost model admitted no fetch: nothing was checked"
@@ -51,6 +51,18 @@ def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
     assert [b["history"] for b in r["buckets"]] == [256, 512, 1024][: len(r["buckets"])]
     for b in r["buckets"]:
         assert b["off_p50_ms"] > 0 and b["on_p50_ms"] > 0
+    # Warm regime, same run: every later turn measured against the prefill's own cache;
+    # what was fetched starts past what the prefill held, and its checksums match.
+    warm = r["warm"]
+    assert warm["later_turns"] == 16 and warm["buckets"]
+    for t in r["turns"]:
+        if t["turn"] > 0:
+            assert t["warm"]["held_tokens"] > 0
+        if t["warm"]["fetched_tokens"] > 0:
+            assert t["warm"]["fetch_from"] * 16 <= t["warm"]["held_tokens"] and t["warm"]["checksums_equal"]
+    # The donor SIGKILLed mid-fetch: fell back, first token produced, nothing kept.
+    k = r["donor_kill"]
+    assert k["ok"] and k["first_token_produced"] and k["fell_back"] and k["prefill_leaks_grown"] == {}
 
 
 def test_missing_cuda_device_skips_with_reason(tmp_path, capsys):

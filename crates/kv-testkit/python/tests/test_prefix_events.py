@@ -17,6 +17,7 @@ np = pytest.importorskip("numpy", reason="numpy cannot be imported")
 kv_reuse = pytest.importorskip("kv_reuse", reason="the kv_reuse wheel is not installed (cargo xtask wheel)")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from gpu_serving import harness  # noqa: E402
 from gpu_serving import prefix_events as pe  # noqa: E402
 
 B = 16
@@ -57,10 +58,25 @@ def test_the_cost_model_fetches_only_what_the_warm_prefill_lacks():
         router.register_worker(1, donor.engine_id, "decode", layout)
         router.register_worker(2, target.engine_id, "prefill", layout)
         warm = pe.PrefixEvents(target.engine_id)
-        for e in donor.drain_events():
+        events = donor.drain_events()
+        for e in events:
             router.apply_event(e)
             warm.learn(e)
         router.report_donor(donor.manifest(), endpoint, dict(zip(hashes, donor.slots(hashes))))
+        # The harness's own settings (defaults but the two switches): a warm
+        # top-up of 2 blocks is under the default minimum of 4 blocks (the
+        # cost model, not the harness, says no: at 64 tokens per block the
+        # decode's 64-128 output tokens are 1-3 blocks).
+        hr = kv_reuse.Router(kv_reuse.Settings(harness.router_settings(), env={}), B)
+        hr.register_worker(1, donor.engine_id, "decode", layout)
+        hr.register_worker(2, target.engine_id, "prefill", layout)
+        hw = pe.PrefixEvents(target.engine_id)
+        for ev in events:
+            hr.apply_event(ev)
+            hw.learn(ev)
+        hr.report_donor(donor.manifest(), endpoint, dict(zip(hashes, donor.slots(hashes))))
+        hr.apply_event(hw.stored(None, hashes[:4]))
+        assert hr.advise("warm-h", hashes, target.engine_id).verdict == "Refuse(TooFewBlocks)"
         with pytest.raises(pe.EventError) as e:
             warm.stored(None, [12345])
         assert e.value.field == "token_hash"
@@ -77,3 +93,13 @@ def test_the_cost_model_fetches_only_what_the_warm_prefill_lacks():
         with target.fetch(advice.hint, hashes, donor.manifest()) as out:
             assert out.fetch_from == 0 and len(out.rows) == 6
     assert warm.next_id == 3
+
+
+def test_the_harness_router_settings_turn_the_gpu_path_on():
+    # A CUDA donor bank is the GPU path; without this setting every advice on
+    # the H200 was Refuse(GpuPathDisabled) and nothing was fetched.
+    from gpu_serving import harness
+
+    entries = kv_reuse.Settings(harness.router_settings(), env={}).entries()
+    assert entries["enable_decode_to_prefill_reuse"][0] == "true"
+    assert entries["enable_decode_to_prefill_gpu_reuse"][0] == "true"

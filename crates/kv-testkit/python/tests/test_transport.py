@@ -74,11 +74,17 @@ def test_land_gives_the_fetched_rows_in_prefix_order_without_leaving_the_device(
     assert landing.land(types.SimpleNamespace(rows=[])).shape == (0, ELEMS)
 
 
-def test_store_source_puts_the_new_rows_first_on_the_host(mods):
+def test_store_source_hands_cuda_rows_over_as_bf16_dlpack_and_host_rows_as_uint16(mods):
     torch, t = mods.torch, mods.transport
     rows = torch.tensor([[1] * ELEMS, [2] * ELEMS], dtype=torch.int16, device="cuda:0")
-    host = t.store_source(rows, 3)
-    assert host.dtype == np.uint16 and host.shape == (3, ELEMS)
+    src = t.store_source(rows, "cuda")
+    # Device to device: the same memory, shown as bf16 through DLPack only.
+    assert isinstance(src, t.DlpackView) and src.tensor.dtype is torch.bfloat16
+    assert np.shares_memory(src.tensor.a, rows.a) and src.__dlpack_device__() == (2, 0)
+    assert src.__dlpack__(stream=1)[1] is src.tensor
+    host = t.store_source(torch.tensor([[1] * ELEMS, [2] * ELEMS], dtype=torch.int16), "host")
+    # Exactly the new rows (the wheel's store takes one row per block it lacks).
+    assert host.dtype == np.uint16 and host.shape == (2, ELEMS)
     assert host[0, 0] == 1 and host[1, -1] == 2
 
 
@@ -116,3 +122,24 @@ def test_harness_skips_the_cuda_transport_on_cpu_devices(mods, tmp_path, capsys)
     argv = ["--out", str(out), "--model", "tiny", "--prefill-device", "cpu", "--decode-device", "cpu"]
     assert harness.main(argv) == 0
     assert "SKIP gpu_serving: --transport cuda needs CUDA devices" in capsys.readouterr().out
+
+
+def test_cuda_prefill_counts_fds_from_its_first_fetch_and_everything_else_from_start(mods, monkeypatch):
+    from gpu_serving import engine, prefill_worker
+
+    monkeypatch.setattr(engine, "build_model", lambda name, device, seed: object())
+    cfg = {"model": "tiny", "seed": 0, "tokens_per_block": 16, "target_rows": 6}
+    counters = {"open_fds": 10, "pins": 0}
+    mods.kv.leak_counters = lambda: dict(counters)
+    cuda = prefill_worker.PrefillWorker({**cfg, "device": "cuda:0", "transport": "cuda"})
+    host = prefill_worker.PrefillWorker({**cfg, "device": "cpu", "transport": "host"})
+    counters["open_fds"] = 40  # the driver's own fds at the first IPC import
+    for w in (cuda, host):
+        w._steady_fds()
+    counters["open_fds"] = 40
+    counters["pins"] = 1
+    assert cuda.op_stats()["leaks_grown"] == {"pins": 1}
+    assert host.op_stats()["leaks_grown"] == {"open_fds": 30, "pins": 1}
+    counters["open_fds"] = 41
+    cuda._steady_fds()  # re-based once only
+    assert cuda.op_stats()["leaks_grown"] == {"open_fds": 1, "pins": 1}

@@ -1,0 +1,167 @@
+"""harness.run end to end on fake workers, a fake router and stand-in modules (no torch).
+
+Checks the control flow the real engines go through (test_harness.py with
+torch, and the GPU): churn OFF / ON / ideal, the donor reference and
+checksums, the warm regime's turns and reports, the donor-killed turn, the
+summary; and that a failing warm request stops the warm regime only.
+"""
+
+import os
+import sys
+import types
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import stubs  # noqa: E402
+
+B = 16
+LOGITS = bytes(8)  # 4 bf16 zeros
+
+
+def seq_hashes(tokens, tpb):
+    out, h = [], 7
+    for i in range(len(tokens) // tpb):
+        h = (h * 1000003 + hash(tuple(tokens[i * tpb : (i + 1) * tpb]))) % (1 << 63)
+        out.append(h)
+    return out
+
+
+class FakeRouter:
+    def __init__(self, settings, tokens_per_block):
+        # The cost model refuses a CUDA donor without the GPU path setting.
+        assert settings["enable_decode_to_prefill_gpu_reuse"] is True
+        self.held, self.workers, self.events = set(), {}, 0
+
+    def register_worker(self, key, engine, role, layout):
+        self.workers[engine] = role
+
+    def apply_event(self, e):
+        self.events += 1
+
+    def report_donor(self, manifest, endpoint, slots):
+        self.held |= set(slots)
+
+    def advise(self, request_id, hashes, target):
+        assert target in self.workers
+        ok = bool(hashes) and hashes[0] in self.held
+        return types.SimpleNamespace(hint=b"hint" if ok else None, admitted=ok, verdict="Admit" if ok else "Refuse(NoDonor)")
+
+
+class Decode:
+    def __init__(self):
+        self.proc = types.SimpleNamespace(pid=424242)
+        self.totals_ms = {}
+        self.events = []
+
+    def call(self, op, **kw):
+        from gpu_serving import prefix_events as pe
+
+        if op == "hello":
+            r = {"engine_id": "d", "endpoint": "unix:/x", "weights_checksum": 1, "device_bytes": 0, "build_s": 1.0}
+        elif op == "turn":
+            out = list(range(kw["gen"]))
+            toks = (kw["prompt"] + out)[:-1]
+            hs = seq_hashes(toks, B)
+            ev = pe.pack({"publisher": "d", "event_id": 1, "role": "decode", "layout_fingerprint": 5, "tp_size": 1,
+                          "tier": "retained_gpu_direct",
+                          "data": {"stored": {"parent": None, "blocks": [{"sequence_hash": h, "token_hash": h ^ 1} for h in hs]}}})
+            r = {"output": out, "computed_tokens": 1, "decode_ms": 1.0, "retain_ms": 1.0, "events": [ev],
+                 "manifest": b"m", "slots": {h: i for i, h in enumerate(hs)}}
+        elif op == "reference":
+            r = {"logits": LOGITS, "first_token": 1, "greedy": []}
+        elif op == "checksums":
+            r = {"checksums": [11] * len(kw["hashes"])}
+        elif op == "stats":
+            r = {"store_failures": [], "pins_outstanding": 0, "leaks": {}, "device_bytes": 0}
+        return r, 2.0
+
+
+class Prefill:
+    def __init__(self, fail_warm_at=None):
+        self.totals_ms, self.calls, self.fail_warm_at = {}, [], fail_warm_at
+
+    def call(self, op, **kw):
+        from gpu_serving import rpc
+
+        self.calls.append((op, kw))
+        first = {"first_token": 1, "logits": LOGITS}
+        if op == "hello":
+            return {"engine_id": "p", "warm_engine_id": "pw", "weights_checksum": 1, "device_bytes": 0, "build_s": 1.0}, 1.0
+        if op in ("off", "ideal", "warm_off"):
+            return {"worker_ms": 1.0, "held_tokens": 0, **first}, 3.0
+        if op == "warmup":
+            return {"worker_ms": 5.0}, 5.0
+        if op == "greedy":
+            return {"greedy": [1] * kw["n"]}, 1.0
+        if op == "warm_commit":
+            return {"tokens": 1}, 0.1
+        if op == "stats":
+            return {"free_rows": 9, "leaks_grown": {}, "device_bytes": 0}, 0.1
+        if op == "warm_on" and self.fail_warm_at is not None and len([c for c in self.calls if c[0] == "warm_on"]) > self.fail_warm_at:
+            raise rpc.WorkerError("warm_on", "boom")
+        hint = kw.get("hint")
+        if kw.get("kill_donor"):
+            fetch = {"fetched_tokens": 0, "fell_back": ["gone", "transfer", "dead"], "checksums": []}
+        elif hint:
+            n = 2
+            fetch = {"fetched_tokens": n * B, "fell_back": None, "checksums": [11] * n}
+        else:
+            fetch = {"fetched_tokens": 0, "fell_back": None, "checksums": []}
+        fetch.update(bytes=fetch["fetched_tokens"] * 10, host_payload_bytes=0, transport="cuda_same_device_copy", fetch_ms=0.5)
+        if op == "warm_on":
+            fetch.update(held_tokens=10, fetch_from=1 if hint else 0)
+        return {"worker_ms": 1.0, **fetch, **first}, 2.0
+
+
+@pytest.fixture
+def harness_mods():
+    saved = stubs.install()
+    kv = sys.modules["kv_reuse"]
+    kv.sequence_hashes = seq_hashes
+    kv.Settings = lambda d, env: d
+    kv.Router = FakeRouter
+    from gpu_serving import harness
+
+    yield harness, kv
+    stubs.restore(saved)
+
+
+def run(harness, kv, prefill):
+    from gpu_serving.workload import Workload
+
+    argv = ["--out", "x", "--model", "tiny", "--prefill-device", "cpu", "--decode-device", "cpu", "--transport", "host",
+            "--sessions", "8", "--turns", "3", "--history-max", "1024", "--turn-tokens", "40", "60",
+            "--gen-tokens", "8", "16", "--tokens-per-block", str(B), "--greedy-every", "2"]
+    a = harness.parse(argv)
+    w = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), 256, a.seed)
+    return harness.run(a, w, w.build(), Decode(), prefill, kv, [], 100, 70, 0.0)
+
+
+def test_every_part_of_a_turn_runs_and_lands_in_the_summary(harness_mods):
+    harness, kv = harness_mods
+    prefill = Prefill()
+    r = run(harness, kv, prefill)
+    assert r["regime"] == "churn+warm" and len(r["turns"]) == 24 and r["warm_error"] is None
+    assert r["fetched_turns"] == 16 and r["logits_bit_equal_to_donor"] is True
+    assert r["false_completions"] == 0 and r["leaks"] == 0 and r["fallbacks"] == 0
+    assert r["warm"]["later_turns"] == 16 and r["warm"]["fetched_turns"] == 16
+    assert all(t["warm"]["checksums_equal"] for t in r["turns"] if t["turn"] > 0)
+    k = r["donor_kill"]
+    assert k["ok"] and k["advised"] and k["fell_back"][1] == "transfer"
+    (kill,) = [c for c in prefill.calls if c[1].get("kill_donor")]
+    assert kill[1]["kill_donor"] == 424242
+    assert [c[0] for c in prefill.calls[-3:]] == ["on", "stats", "stats"]  # the kill turn comes last
+    # Untimed warm-ups: the largest prompt once, then before each turn's churn and warm pairs.
+    warmups = [c[1]["tokens"] for c in prefill.calls if c[0] == "warmup"]
+    assert warmups == [1024 + 60] + [64] * 48
+    assert prefill.calls[1][0] == "warmup" and all(t["warmup_ms"] == 5.0 for t in r["turns"])
+
+
+def test_a_failing_warm_request_stops_warm_only(harness_mods):
+    harness, kv = harness_mods
+    r = run(harness, kv, Prefill(fail_warm_at=3))
+    assert "warm_on: boom" in r["warm_error"]
+    assert len(r["turns"]) == 24 and r["fetched_turns"] == 16  # churn measured throughout
+    assert sum(1 for t in r["turns"] if "warm" in t) == 3
