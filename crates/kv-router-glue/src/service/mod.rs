@@ -24,7 +24,7 @@ mod wire;
 
 pub use follow::{parse_subject, FollowStats, RouterInventory};
 pub use router_service::RouterService;
-pub use serve::{serve_advise, AdviseServer, ServeReport, ServiceError, MAX_IN_FLIGHT};
+pub use serve::{serve_advise, AdviseServer, ServeReport, ServiceError};
 #[cfg(feature = "vllm")]
 pub use vllm_spec::{VllmEndpointSpec, VllmSpecError};
 pub use wire::{
