@@ -196,7 +196,11 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
         ..NatsOptions::default()
     };
     let plane = Arc::new(NatsPlane::connect(&cli.nats_url, options).await?);
-    let directory = NatsDirectory::connect(
+    // The plane's own connection: the directory reads under the router's
+    // credentials (a second, anonymous connection is refused by a server
+    // that requires them).
+    let directory = NatsDirectory::from_client(
+        plane.client().clone(),
         &cli.nats_url,
         &cli.directory_bucket,
         Duration::from_millis(cli.directory_ttl_ms),

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 
 use super::{decode_change, directory_key, DirectoryChange, DirectoryPlane, DirectoryWatch};
 use crate::event_plane::AbortOnDrop;
-use crate::{PlaneError, PlaneFuture};
+use crate::{NatsOptions, NatsPlane, PlaneError, PlaneFuture};
 
 /// A JetStream key-value directory.
 pub struct NatsDirectory {
@@ -30,30 +30,69 @@ impl std::fmt::Debug for NatsDirectory {
 }
 
 impl NatsDirectory {
-    /// Connects to `url` and opens (creating if absent) bucket `bucket`
-    /// with `max_age` = `lease_ttl`.
+    /// Connects to `url` without credentials and opens bucket `bucket`
+    /// ([`NatsDirectory::connect_with`] with [`NatsOptions::default`]).
     ///
     /// # Errors
-    /// [`PlaneError::Connect`] when the server is unreachable or has no
-    /// JetStream, or the bucket cannot be created.
+    /// As [`NatsDirectory::connect_with`].
     pub async fn connect(url: &str, bucket: &str, lease_ttl: Duration) -> Result<Self, PlaneError> {
+        Self::connect_with(url, NatsOptions::default(), bucket, lease_ttl).await
+    }
+
+    /// Connects to `url` with `options` (credentials file, user and
+    /// password, token, TLS: the same connect path as [`NatsPlane::connect`])
+    /// and opens bucket `bucket` ([`NatsDirectory::from_client`]).
+    ///
+    /// # Errors
+    /// [`PlaneError::Connect`] naming `url` when the server is unreachable,
+    /// refuses the credentials (its reason then says `authorization
+    /// violation`), demands TLS the options do not give, has no JetStream,
+    /// or the bucket can be neither opened nor created.
+    pub async fn connect_with(
+        url: &str,
+        options: NatsOptions,
+        bucket: &str,
+        lease_ttl: Duration,
+    ) -> Result<Self, PlaneError> {
+        let plane = NatsPlane::connect(url, options).await?;
+        Self::from_client(plane.client().clone(), url, bucket, lease_ttl).await
+    }
+
+    /// Opens bucket `bucket` on an existing connection (e.g. the process's
+    /// [`NatsPlane::client`], so the directory shares its credentials).
+    /// An existing bucket is opened as it is (its own `max_age`); only an
+    /// absent one is created with `max_age` = `lease_ttl`, `history` 1. Why
+    /// open first: under per-role permissions (docs/nats-permissions.conf)
+    /// only an operator creates the bucket, and a role without
+    /// `$JS.API.STREAM.CREATE` must still be able to use it.
+    ///
+    /// # Errors
+    /// [`PlaneError::Connect`] naming `url` (only used in the message) when
+    /// the server has no JetStream or the bucket can be neither opened nor
+    /// created.
+    pub async fn from_client(
+        client: async_nats::Client,
+        url: &str,
+        bucket: &str,
+        lease_ttl: Duration,
+    ) -> Result<Self, PlaneError> {
         let connect_err = |reason: String| PlaneError::Connect {
             url: url.to_string(),
             reason,
         };
-        let client = async_nats::connect(url)
-            .await
-            .map_err(|e| connect_err(e.to_string()))?;
         let js = jetstream::new(client);
-        let store = js
-            .create_key_value(kv::Config {
-                bucket: bucket.to_string(),
-                history: 1,
-                max_age: lease_ttl,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| connect_err(format!("key-value bucket `{bucket}`: {e}")))?;
+        let store = match js.get_key_value(bucket).await {
+            Ok(store) => store,
+            Err(_) => js
+                .create_key_value(kv::Config {
+                    bucket: bucket.to_string(),
+                    history: 1,
+                    max_age: lease_ttl,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| connect_err(format!("key-value bucket `{bucket}`: {e}")))?,
+        };
         Ok(Self {
             store,
             bucket: bucket.to_string(),

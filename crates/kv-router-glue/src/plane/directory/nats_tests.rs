@@ -87,3 +87,54 @@ async fn nats_directory_entry_expires_with_the_bucket_max_age() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+#[tokio::test]
+async fn nats_directory_uses_the_connect_options_credentials() {
+    const TEST: &str = "nats_directory_uses_the_connect_options_credentials";
+    if NatsServer::start_or_skip(TEST).is_none() {
+        return;
+    }
+    // A server that requires a user and password (docs/nats-permissions.conf
+    // authenticates every role this way); JetStream as the harness starts it.
+    let server = NatsServer::start_with_args(&["--user", "donor", "--pass", "donor-pw"]).unwrap();
+    let ttl = Duration::from_secs(30);
+    let options = |password: Option<&str>| crate::NatsOptions {
+        name: "directory-auth-test".into(),
+        connect_timeout: Duration::from_secs(2),
+        auth: match password {
+            Some(p) => crate::NatsAuth::UserPassword {
+                user: "donor".into(),
+                password: p.into(),
+            },
+            None => crate::NatsAuth::None,
+        },
+        ..crate::NatsOptions::default()
+    };
+    // Without credentials, or with a wrong password: a typed connect refusal
+    // naming the URL, with the server's reason.
+    for (label, opts) in [("none", options(None)), ("wrong", options(Some("nope")))] {
+        match NatsDirectory::connect_with(&server.url(), opts, "kv_donors", ttl).await {
+            Err(crate::PlaneError::Connect { url, reason }) => {
+                assert_eq!(url, server.url(), "{label}");
+                assert!(
+                    reason.contains("authorization violation"),
+                    "{label}: {reason}"
+                );
+            }
+            other => panic!("{label}: expected a connect refusal, got {other:?}"),
+        }
+    }
+    // With them: the donor puts, a second authenticated client reads it back.
+    let donor =
+        NatsDirectory::connect_with(&server.url(), options(Some("donor-pw")), "kv_donors", ttl)
+            .await
+            .unwrap();
+    let reader =
+        NatsDirectory::connect_with(&server.url(), options(Some("donor-pw")), "kv_donors", ttl)
+            .await
+            .unwrap();
+    let r = record(OwnerLease::fresh(Role::Decode), u64::MAX - 1);
+    donor.put(&r).await.unwrap();
+    let mut w = reader.watch().await.unwrap();
+    assert_eq!(next(&mut w).await, Some(DirectoryChange::Put(r)));
+}
