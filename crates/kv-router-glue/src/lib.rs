@@ -157,9 +157,10 @@ pub use plane::inventory::NatsInventory;
 pub use plane::inventory::{
     inventory_subject, InProcessInventory, IncomingRequest, InventoryError, InventoryFuture,
     InventoryPlane, InventoryRefusal, InventoryReply, InventoryRequest, InventoryRequests,
-    InventorySnapshot, InventorySync, InventoryWireError, RebuildReport, SnapshotBlock,
-    SyncOutcome, DEFAULT_INVENTORY_TIMEOUT, MAX_INVENTORY_REPLY_BYTES, MAX_INVENTORY_REQUEST_BYTES,
-    MAX_SNAPSHOT_PAGE_BLOCKS, MAX_SNAPSHOT_TP,
+    InventorySnapshot, InventorySync, InventoryWireError, RebuildReport, SnapshotAsker,
+    SnapshotBlock, SnapshotPages, SyncOutcome, DEFAULT_INVENTORY_TIMEOUT,
+    MAX_INVENTORY_REPLY_BYTES, MAX_INVENTORY_REQUEST_BYTES, MAX_SNAPSHOT_PAGE_BLOCKS,
+    MAX_SNAPSHOT_TP,
 };
 pub use plane::registry::{
     announce_subject, AnnouncementError, Registration, WorkerAnnouncement, WorkerRegistry,

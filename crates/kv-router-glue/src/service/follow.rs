@@ -105,8 +105,10 @@ fn bump(c: &AtomicU64) {
 
 /// What one async mutex guards: the registry and the sync must be seen
 /// together (every sync call reads `is_retired`, and a snapshot must not
-/// interleave with the events and directory changes it is ordered against),
-/// and the sync's calls await the worker's answer.
+/// interleave with the events and directory changes it is ordered against).
+/// A snapshot request is never awaited under it
+/// ([`RouterInventory::rebuild`]): a worker that does not answer would hold
+/// every other worker's events and announcements for the full timeout.
 struct Tracked {
     registry: WorkerRegistry,
     sync: InventorySync,
@@ -291,14 +293,45 @@ impl RouterInventory {
             // Not followed yet: the snapshot waits for the next announcement.
             return Some(subject);
         }
-        if st.subjects.get(subject.as_str()) == Some(&true) && st.recorded.contains(&a.engine_id) {
-            let outcome = st
-                .sync
-                .on_registration(&a, &registration, &self.index, &self.remote, &st.registry)
-                .await;
-            self.note_snapshot(a.engine_id, outcome);
+        let followed =
+            st.subjects.get(subject.as_str()) == Some(&true) && st.recorded.contains(&a.engine_id);
+        if followed && st.sync.note_registration(&a, &registration) {
+            drop(guard);
+            let outcome = self.rebuild(a.engine_id).await;
+            self.note_snapshot(a.engine_id, Some(outcome));
         }
         None
+    }
+
+    /// Asks `engine`'s snapshot without holding the state lock and applies
+    /// it under the lock; a snapshot overtaken meanwhile by the stream
+    /// (the worker kept publishing) is asked again, at most
+    /// `STALE_RETRIES` times.
+    async fn rebuild(&self, engine: EngineId) -> Result<SyncOutcome, InventoryError> {
+        let mut tries = 0;
+        loop {
+            let asker = {
+                let st = self.state.lock().await;
+                if st.registry.is_retired(engine) {
+                    return Ok(SyncOutcome::Retired);
+                }
+                st.sync.asker()
+            };
+            let pages = asker.fetch(engine).await?;
+            let mut guard = self.state.lock().await;
+            let st = &mut *guard;
+            match st
+                .sync
+                .apply_snapshot(engine, pages, &self.index, &self.remote, &st.registry)
+            {
+                Err(InventoryError::Stale { .. })
+                    if tries + 1 < crate::plane::inventory::STALE_RETRIES =>
+                {
+                    tries += 1
+                }
+                done => return done,
+            }
+        }
     }
 
     /// Marks `subject` followed (its receiver is subscribed): announcements
@@ -309,6 +342,17 @@ impl RouterInventory {
             .await
             .subjects
             .insert(subject.as_str().to_string(), true);
+    }
+
+    /// [`RouterInventory::followed`] for the receiver `events` of
+    /// `subject`: each snapshot applied for a worker announcing `subject`
+    /// also moves `events` past it
+    /// ([`InventorySync::add_stream_resume`]), so the worker's next event is
+    /// applied at once instead of after a gap timeout and a covered `Lost`.
+    pub async fn followed_with(&self, subject: &Subject, events: crate::KvStreamResume) {
+        let mut st = self.state.lock().await;
+        st.sync.add_stream_resume(subject, events);
+        st.subjects.insert(subject.as_str().to_string(), true);
     }
 
     /// Drops workers silent too long at `now_ms`; returns how many.
@@ -355,20 +399,14 @@ impl RouterInventory {
             } => {
                 bump(&self.counters.lost_ranges);
                 tracing::warn!(%publisher, from_event_id, to_event_id, "KV events lost");
-                let outcome = st
-                    .sync
-                    .on_lost(
-                        publisher,
-                        to_event_id,
-                        &self.index,
-                        &self.remote,
-                        &st.registry,
-                    )
-                    .await;
-                if outcome.is_none() {
+                if st.sync.covers(publisher, to_event_id) {
                     bump(&self.counters.lost_covered);
+                    return;
                 }
-                self.note_snapshot(publisher, outcome);
+                // Only this subject's stream waits for the snapshot.
+                drop(guard);
+                let outcome = self.rebuild(publisher).await;
+                self.note_snapshot(publisher, Some(outcome));
             }
         }
     }
@@ -474,14 +512,17 @@ impl RouterInventory {
                 return;
             }
         };
-        self.followed(&subject).await;
+        self.followed_with(&subject, rx.resume_handle()).await;
         tracing::info!(%subject, "following KV events");
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 item = rx.next() => match item {
                     Some(item) => self.on_event(item).await,
-                    None => return,
+                    None => {
+                        self.state.lock().await.sync.remove_stream_resume(&subject);
+                        return;
+                    }
                 },
             }
         }
@@ -489,163 +530,5 @@ impl RouterInventory {
 }
 
 #[cfg(test)]
-mod tests {
-    use kv_descriptor::{GpuIdentity, KvEvent, KvEventData, LayoutFingerprint, StorageTier, Wire};
-
-    use super::*;
-    use crate::{Advisor, CostModel, DecisionLog, LiveCostModel, ReuseSettings};
-
-    fn inventory() -> (Arc<RouterInventory>, Arc<RouterService>) {
-        let index = Arc::new(InventoryIndex::new());
-        let remote = Arc::new(RemoteDonorDirectory::new());
-        let advisor = Advisor::new(
-            index.clone(),
-            remote.clone(),
-            LiveCostModel::new(CostModel::new(ReuseSettings::default(), 16).unwrap()),
-            Arc::new(DecisionLog::new(8)),
-            1024,
-        );
-        let service = Arc::new(RouterService::new(Arc::new(advisor)));
-        // No inventory server: a snapshot asked here would fail (none is,
-        // since no subject is followed in these tests).
-        let sync = crate::InventorySync::new(
-            Arc::new(crate::InProcessInventory::new()),
-            "t",
-            Duration::from_secs(1),
-        )
-        .unwrap();
-        let inv = RouterInventory::new(index, remote, service.clone(), sync, 1_000, 3);
-        (Arc::new(inv), service)
-    }
-
-    fn announcement(key: &str, engine: EngineId, role: Role, subject: &str) -> Vec<u8> {
-        WorkerAnnouncement {
-            worker_key: key.into(),
-            engine_id: engine,
-            role,
-            layout_fingerprint: LayoutFingerprint(9),
-            tp_size: 1,
-            gpus: vec![GpuIdentity::new(uuid::Uuid::from_u128(1), 0, "h").unwrap()],
-            pin_endpoint: "unix:/tmp/p".into(),
-            event_subject: subject.into(),
-        }
-        .to_wire()
-        .unwrap()
-    }
-
-    fn stored(publisher: EngineId, event_id: u64) -> KvEvent {
-        let blocks = kv_bank::sealed_blocks(None, &(0..32).collect::<Vec<u32>>(), 16);
-        KvEvent {
-            publisher,
-            event_id,
-            role: Role::Decode,
-            layout_fingerprint: LayoutFingerprint(9),
-            tp_size: 1,
-            tier: StorageTier::RetainedGpuDirect,
-            data: KvEventData::Stored {
-                parent: None,
-                blocks,
-            },
-        }
-    }
-
-    #[test]
-    fn parse_subject_takes_only_our_four_token_subjects() {
-        assert_eq!(
-            parse_subject("kv.ns.decode.kv_events").unwrap().as_str(),
-            "kv.ns.decode.kv_events"
-        );
-        for bad in [
-            "other.ns.decode.x",
-            "kv.ns.decode",
-            "kv.ns.a.b.c",
-            "kv.ns.*.x",
-        ] {
-            assert!(parse_subject(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[tokio::test]
-    async fn prefill_becomes_a_target_and_a_new_incarnation_drops_the_old_one() {
-        let (inv, service) = inventory();
-        let (old, new) = (EngineId::fresh(), EngineId::fresh());
-        let subject = "kv.t.prefill.kv_events";
-        let first = inv
-            .on_announcement(&announcement("p0", old, Role::Prefill, subject), 0)
-            .await;
-        assert_eq!(
-            first.map(|s| s.as_str().to_string()).as_deref(),
-            Some(subject)
-        );
-        // The same subject again: already followed, nothing to subscribe.
-        assert!(inv
-            .on_announcement(&announcement("p0", old, Role::Prefill, subject), 10)
-            .await
-            .is_none());
-        let req = |target| crate::service::AdviseRequest {
-            request_id: "r".into(),
-            target,
-            keys: crate::service::AdviseKeys::SequenceHashes(vec![kv_descriptor::SequenceHash(1)]),
-        };
-        let known = |t| {
-            !matches!(
-                service.advise(&req(t)).result,
-                crate::service::AdviseResult::Refused(
-                    crate::service::AdviseRefusal::UnknownTarget(_)
-                )
-            )
-        };
-        assert!(known(old));
-        inv.on_announcement(&announcement("p0", new, Role::Prefill, subject), 20)
-            .await;
-        assert!(!known(old), "replaced incarnation is no target");
-        assert!(known(new));
-        assert!(
-            inv.index().worker(old).is_none(),
-            "old engine left the index"
-        );
-        // The old incarnation's late announcement is ignored.
-        inv.on_announcement(&announcement("p0", old, Role::Prefill, subject), 30)
-            .await;
-        assert!(!known(old));
-        let st = inv.stats();
-        assert_eq!(
-            (
-                st.announcements,
-                st.announcements_ignored,
-                st.workers_dropped
-            ),
-            (3, 1, 1)
-        );
-    }
-
-    #[tokio::test]
-    async fn events_of_retired_or_silent_workers_are_ignored() {
-        let (inv, _) = inventory();
-        let (d0, d1) = (EngineId::fresh(), EngineId::fresh());
-        inv.on_announcement(&announcement("d0", d0, Role::Decode, "kv.t.decode.e"), 0)
-            .await;
-        inv.on_event(KvStreamItem::Event(stored(d0, 1))).await;
-        let h = kv_bank::sealed_blocks(None, &(0..32).collect::<Vec<u32>>(), 16)[0].sequence_hash;
-        assert!(!inv.index().holds(d0, h).is_empty());
-        // d0 restarts as d1: d0's inventory goes, its late event is ignored.
-        inv.on_announcement(&announcement("d0", d1, Role::Decode, "kv.t.decode.e"), 100)
-            .await;
-        assert!(inv.index().holds(d0, h).is_empty());
-        inv.on_event(KvStreamItem::Event(stored(d0, 2))).await;
-        assert!(inv.index().holds(d0, h).is_empty());
-        // d1 goes silent for more than 3 periods of 1 s: dropped.
-        assert_eq!(inv.tick(100 + 3_000).await, 0);
-        assert_eq!(inv.tick(100 + 3_001).await, 1);
-        assert!(inv.index().worker(d1).is_none());
-        let st = inv.stats();
-        assert_eq!(
-            (
-                st.events_applied,
-                st.late_events_ignored,
-                st.workers_dropped
-            ),
-            (1, 1, 2)
-        );
-    }
-}
+#[path = "follow_tests.rs"]
+mod tests;

@@ -183,4 +183,4 @@ mod nats_tests;
 #[cfg(all(test, feature = "worker"))]
 mod tests;
 #[cfg(all(test, feature = "worker"))]
-mod tests_support;
+pub(crate) mod tests_support;

@@ -4,7 +4,7 @@ use kv_descriptor::*;
 
 use super::{DonorRecord, DonorRecordParts};
 
-pub(super) fn manifest(owner: OwnerLease) -> BankManifest {
+pub(crate) fn manifest(owner: OwnerLease) -> BankManifest {
     let l = KvLayout::new(2, 4, 8, DType::F32, 4, TensorOrder::BlockMajor, 2).unwrap();
     let parts = (0..2)
         .map(|r| {
@@ -27,7 +27,7 @@ pub(super) fn manifest(owner: OwnerLease) -> BankManifest {
     BankManifest::new(parts).unwrap()
 }
 
-pub(super) fn parts(m: BankManifest, expires: u64) -> DonorRecordParts {
+pub(crate) fn parts(m: BankManifest, expires: u64) -> DonorRecordParts {
     DonorRecordParts {
         worker_key: "decode-0".into(),
         manifest: m,
@@ -38,6 +38,6 @@ pub(super) fn parts(m: BankManifest, expires: u64) -> DonorRecordParts {
     }
 }
 
-pub(super) fn record(owner: OwnerLease, expires: u64) -> DonorRecord {
+pub(crate) fn record(owner: OwnerLease, expires: u64) -> DonorRecord {
     DonorRecord::new(parts(manifest(owner), expires)).unwrap()
 }

@@ -30,7 +30,11 @@ use tokio::sync::{mpsc, oneshot};
 pub use in_process::InProcessInventory;
 #[cfg(feature = "nats")]
 pub use nats::NatsInventory;
-pub use sync::{InventorySync, RebuildReport, SyncOutcome, DEFAULT_INVENTORY_TIMEOUT};
+pub(crate) use sync::STALE_RETRIES;
+pub use sync::{
+    InventorySync, RebuildReport, SnapshotAsker, SnapshotPages, SyncOutcome,
+    DEFAULT_INVENTORY_TIMEOUT,
+};
 pub(crate) use wire::all_ranks;
 pub use wire::{
     InventoryRefusal, InventoryReply, InventoryRequest, InventorySnapshot, InventoryWireError,

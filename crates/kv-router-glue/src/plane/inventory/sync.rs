@@ -23,7 +23,7 @@ pub const DEFAULT_INVENTORY_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How often a snapshot older than what the stream already applied is asked
 /// again before [`InventoryError::Stale`].
-const STALE_RETRIES: usize = 3;
+pub(crate) const STALE_RETRIES: usize = 3;
 
 /// What one worker's rebuild did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,8 +69,35 @@ pub struct InventorySync {
     applied: HashMap<EngineId, u64>,
     /// Publishers whose inventory came from a snapshot at this event id.
     snapshot_at: HashMap<EngineId, u64>,
-    /// The event receiver to move past each applied snapshot.
+    /// The event receiver to move past each applied snapshot, for engines
+    /// whose subject has none in `streams`.
     resume: Option<KvStreamResume>,
+    /// One event receiver per followed subject (the router binary's layout).
+    streams: HashMap<String, KvStreamResume>,
+    /// The event subject each engine announced (which receiver to move).
+    engine_subject: HashMap<EngineId, String>,
+}
+
+/// What an inventory snapshot request needs, apart from the sync's state:
+/// cloned out of an [`InventorySync`] ([`InventorySync::asker`]) so that the
+/// request, which may wait the full timeout on an unresponsive worker, runs
+/// without the lock that guards the sync.
+#[derive(Clone)]
+pub struct SnapshotAsker {
+    plane: Arc<dyn InventoryPlane>,
+    namespace: String,
+    timeout: Duration,
+    page_blocks: u32,
+}
+
+impl std::fmt::Debug for SnapshotAsker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SnapshotAsker")
+            .field("plane", &self.plane.name())
+            .field("namespace", &self.namespace)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
 }
 
 impl std::fmt::Debug for InventorySync {
@@ -102,6 +129,8 @@ impl InventorySync {
             applied: HashMap::new(),
             snapshot_at: HashMap::new(),
             resume: None,
+            streams: HashMap::new(),
+            engine_subject: HashMap::new(),
         })
     }
 
@@ -122,6 +151,31 @@ impl InventorySync {
         self
     }
 
+    /// Moves `events`, the receiver of `subject`, past each applied snapshot
+    /// of an engine that announced `subject` as its event subject (a router
+    /// with one receiver per subject registers each here; it takes
+    /// precedence over [`InventorySync::with_stream_resume`]). A later call
+    /// for the same subject replaces the handle (a re-subscribed receiver).
+    pub fn add_stream_resume(&mut self, subject: &crate::Subject, events: KvStreamResume) {
+        self.streams.insert(subject.as_str().to_string(), events);
+    }
+
+    /// Stops moving the receiver of `subject` (it ended).
+    pub fn remove_stream_resume(&mut self, subject: &crate::Subject) {
+        self.streams.remove(subject.as_str());
+    }
+
+    /// A handle for asking snapshots without holding this sync
+    /// ([`SnapshotAsker::fetch`], then [`InventorySync::apply_snapshot`]).
+    pub fn asker(&self) -> SnapshotAsker {
+        SnapshotAsker {
+            plane: self.plane.clone(),
+            namespace: self.namespace.clone(),
+            timeout: self.timeout,
+            page_blocks: self.page_blocks,
+        }
+    }
+
     /// The event id the snapshot of `engine` was consistent with, if one was applied.
     pub fn snapshot_event_id(&self, engine: EngineId) -> Option<u64> {
         self.snapshot_at.get(&engine).copied()
@@ -139,6 +193,26 @@ impl InventorySync {
     pub fn forget(&mut self, engine: EngineId) {
         self.applied.remove(&engine);
         self.snapshot_at.remove(&engine);
+        self.engine_subject.remove(&engine);
+    }
+
+    /// The bookkeeping half of [`InventorySync::on_registration`]: a
+    /// replaced incarnation is forgotten, the announced event subject noted;
+    /// true when the worker needs a snapshot (a decode worker without an
+    /// applied one). The caller then asks it, e.g. outside its lock.
+    pub fn note_registration(
+        &mut self,
+        announcement: &WorkerAnnouncement,
+        registration: &Registration,
+    ) -> bool {
+        match registration {
+            Registration::Retired => return false,
+            Registration::Replaced { dropped } => self.forget(*dropped),
+            Registration::New | Registration::Refreshed => {}
+        }
+        self.engine_subject
+            .insert(announcement.engine_id, announcement.event_subject.clone());
+        announcement.role == Role::Decode && !self.snapshot_at.contains_key(&announcement.engine_id)
     }
 
     /// The router's call per announcement, after
@@ -157,14 +231,7 @@ impl InventorySync {
         remote: &RemoteDonorDirectory,
         registry: &WorkerRegistry,
     ) -> Option<Result<SyncOutcome, InventoryError>> {
-        match registration {
-            Registration::Retired => return None,
-            Registration::Replaced { dropped } => self.forget(*dropped),
-            Registration::New | Registration::Refreshed => {}
-        }
-        if announcement.role != Role::Decode
-            || self.snapshot_at.contains_key(&announcement.engine_id)
-        {
+        if !self.note_registration(announcement, registration) {
             return None;
         }
         Some(
@@ -234,28 +301,47 @@ impl InventorySync {
         remote: &RemoteDonorDirectory,
         registry: &WorkerRegistry,
     ) -> Result<SyncOutcome, InventoryError> {
+        let asker = self.asker();
+        let mut tries = 0;
+        loop {
+            if registry.is_retired(engine) {
+                return Ok(SyncOutcome::Retired);
+            }
+            let pages = asker.fetch(engine).await?;
+            match self.apply_snapshot(engine, pages, index, remote, registry) {
+                Err(InventoryError::Stale { .. }) if tries + 1 < STALE_RETRIES => tries += 1,
+                done => return done,
+            }
+        }
+    }
+
+    /// Applies the snapshot `pages` of `engine` (from [`SnapshotAsker::fetch`]):
+    /// replaces what the index and `remote` know of it and moves its event
+    /// receiver past the snapshot. A retired incarnation is not applied.
+    ///
+    /// # Errors
+    /// [`InventoryError::Stale`] when the stream already applied an event
+    /// after the snapshot (ask again); [`InventoryError::Index`]. On error
+    /// nothing was applied.
+    pub fn apply_snapshot(
+        &mut self,
+        engine: EngineId,
+        pages: SnapshotPages,
+        index: &InventoryIndex,
+        remote: &RemoteDonorDirectory,
+        registry: &WorkerRegistry,
+    ) -> Result<SyncOutcome, InventoryError> {
+        // The registry may have retired it while the pages were asked.
         if registry.is_retired(engine) {
             return Ok(SyncOutcome::Retired);
         }
-        let mut tries = 0;
-        let pages = loop {
-            let pages = self.fetch_pages(engine).await?;
-            let applied = self.applied.get(&engine).copied().unwrap_or(0);
-            if pages.last_event_id >= applied {
-                break pages;
-            }
-            tries += 1;
-            if tries >= STALE_RETRIES {
-                return Err(InventoryError::Stale {
-                    engine,
-                    snapshot_event_id: pages.last_event_id,
-                    applied_event_id: applied,
-                });
-            }
-        };
-        // The registry may have retired it while we waited for the pages.
-        if registry.is_retired(engine) {
-            return Ok(SyncOutcome::Retired);
+        let applied = self.applied.get(&engine).copied().unwrap_or(0);
+        if pages.last_event_id < applied {
+            return Err(InventoryError::Stale {
+                engine,
+                snapshot_event_id: pages.last_event_id,
+                applied_event_id: applied,
+            });
         }
         let hashes: Vec<SequenceHash> = pages.blocks.iter().map(|b| b.sequence_hash).collect();
         index.resync_worker(
@@ -290,7 +376,12 @@ impl InventorySync {
         // The stream goes on after the snapshot: events it holds are not
         // waited for (their gap would end in a covered `Lost` only after the
         // gap timeout) and count nothing twice.
-        if let Some(events) = &self.resume {
+        let events = self
+            .engine_subject
+            .get(&engine)
+            .and_then(|subject| self.streams.get(subject))
+            .or(self.resume.as_ref());
+        if let Some(events) = events {
             events.resume_from(engine, pages.last_event_id);
         }
         Ok(SyncOutcome::Applied {
@@ -328,11 +419,21 @@ impl InventorySync {
         }
         Ok(outcome)
     }
+}
 
-    async fn fetch_pages(&self, engine: EngineId) -> Result<Pages, InventoryError> {
+impl SnapshotAsker {
+    /// Asks `engine` for its whole inventory, page by page (each page
+    /// waits at most the sync's timeout).
+    ///
+    /// # Errors
+    /// The transport's [`InventoryError`]; [`InventoryError::Wire`] for a
+    /// malformed page; [`InventoryError::Refused`];
+    /// [`InventoryError::Mismatch`] for a page of another engine, or pages
+    /// of one snapshot that disagree on bank generation, layout or TP size.
+    pub async fn fetch(&self, engine: EngineId) -> Result<SnapshotPages, InventoryError> {
         let subject = inventory_subject(&self.namespace, engine)?;
         let mut from_slot = 0;
-        let mut out: Option<Pages> = None;
+        let mut out: Option<SnapshotPages> = None;
         loop {
             let req = InventoryRequest {
                 engine_id: engine,
@@ -380,7 +481,7 @@ impl InventorySync {
                     ),
                 ));
             }
-            let all = out.get_or_insert_with(|| Pages {
+            let all = out.get_or_insert_with(|| SnapshotPages {
                 bank_generation: page.bank_generation,
                 layout_fingerprint: page.layout_fingerprint,
                 tp_size: page.tp_size,
@@ -416,11 +517,23 @@ impl InventorySync {
     }
 }
 
-/// Every page of one snapshot, merged.
-struct Pages {
+/// Every page of one snapshot, merged ([`SnapshotAsker::fetch`]); the
+/// snapshot is consistent with event id [`SnapshotPages::last_event_id`].
+pub struct SnapshotPages {
     bank_generation: u64,
     layout_fingerprint: LayoutFingerprint,
     tp_size: u32,
     last_event_id: u64,
     blocks: Vec<SnapshotBlock>,
+}
+
+impl SnapshotPages {
+    /// The smallest event id of the pages (the stream resumes after it).
+    pub fn last_event_id(&self) -> u64 {
+        self.last_event_id
+    }
+    /// Ready blocks listed.
+    pub fn blocks(&self) -> usize {
+        self.blocks.len()
+    }
 }
