@@ -88,6 +88,8 @@ pub struct DonorAgent {
     worker_key: String,
     record_ttl_ms: u64,
     last_put_ms: AtomicU64,
+    /// The NIXL agent published in the record: (name, metadata).
+    nixl: parking_lot::Mutex<Option<(String, Vec<u8>)>>,
 }
 
 impl std::fmt::Debug for DonorAgent {
@@ -196,6 +198,7 @@ impl DonorAgent {
             worker_key: config.worker_key,
             record_ttl_ms: config.record_ttl.as_millis() as u64,
             last_put_ms: AtomicU64::new(0),
+            nixl: parking_lot::Mutex::new(None),
         };
         let mut agent = agent;
         let opened = async {
@@ -233,15 +236,41 @@ impl DonorAgent {
     /// # Errors
     /// [`AgentError::Record`] naming the field.
     pub fn record(&self, now_unix_ms: u64) -> Result<DonorRecord, AgentError> {
+        let nixl = self.nixl.lock().clone();
         Ok(DonorRecord::new(DonorRecordParts {
             worker_key: self.worker_key.clone(),
             manifest: self.bank.manifest().clone(),
             pin_endpoint: self.announcement.pin_endpoint.clone(),
-            // NIXL serving is not wired into the agent yet (docs/agents.md).
-            nixl_agent_metadata: None,
+            nixl_agent_name: nixl.as_ref().map(|(name, _)| name.clone()),
+            nixl_agent_metadata: nixl.map(|(_, metadata)| metadata),
             lease_expires_unix_ms: now_unix_ms + self.record_ttl_ms,
             published_unix_ms: now_unix_ms,
         })?)
+    }
+
+    /// Publishes the NIXL agent that registered this bank's memory (its
+    /// `NixlAgent::name` and `NixlAgent::metadata`) in the record, and puts
+    /// the record now; every later put carries it. A target on another host
+    /// loads it with [`crate::TargetAgent::load_donor_nixl`]. Registering
+    /// the bank's memory with that agent is the caller's part.
+    ///
+    /// # Errors
+    /// [`AgentError::Record`] naming `nixl_agent_name` (empty or over
+    /// [`crate::MAX_NIXL_AGENT_NAME_BYTES`]) or `nixl_agent_metadata` (over
+    /// [`kv_descriptor::MAX_NIXL_METADATA_BYTES`]), or `TooLarge`: nothing
+    /// changes, the record keeps what it published before;
+    /// [`AgentError::Plane`] when the put fails (the next tick re-puts).
+    pub async fn publish_nixl_agent(
+        &self,
+        agent_name: String,
+        metadata: Vec<u8>,
+    ) -> Result<(), AgentError> {
+        let before = self.nixl.lock().replace((agent_name, metadata));
+        if let Err(e) = self.record(unix_now_ms()) {
+            *self.nixl.lock() = before;
+            return Err(e);
+        }
+        self.put_record().await
     }
 
     /// Puts (renews) the record in the directory.

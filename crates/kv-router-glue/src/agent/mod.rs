@@ -73,4 +73,23 @@ pub enum AgentError {
     /// The fetch executor refused the hint or fell back.
     #[error("fetch: {0}")]
     Fetch(#[from] FetchError),
+    /// The donor's record carries no NIXL agent (`nixl_agent_name` /
+    /// `nixl_agent_metadata` absent): it serves no NIXL reads.
+    #[error("donor {donor} publishes no NIXL agent")]
+    NoNixlAgent {
+        /// The donor engine.
+        donor: kv_descriptor::EngineId,
+    },
+    /// The NIXL runtime refused the donor's agent metadata (`load_remote_md`).
+    #[error("loading the donor's NIXL agent: {0}")]
+    Nixl(kv_transfer::TransferError),
+    /// The metadata loaded as another agent than the record names (a record
+    /// whose fields do not belong together is not used).
+    #[error("the donor's NIXL metadata is agent `{loaded}`, the record names `{published}`")]
+    NixlAgentMismatch {
+        /// `nixl_agent_name` of the record.
+        published: String,
+        /// The name `load_remote` returned.
+        loaded: String,
+    },
 }

@@ -113,6 +113,46 @@ impl TargetAgent {
         out
     }
 
+    /// Resolves `donor` from the directory (a lapsed lease or stale
+    /// generation is refused, as for [`TargetAgent::fetch`]) and loads the
+    /// NIXL agent its record publishes into `agent` (this worker's NIXL
+    /// agent, `load_remote`); returns the remote agent's name, which
+    /// `kv_transfer::NixlRemoteRegion::agent_name` then names for reads
+    /// from that donor. Loading the same metadata again is harmless.
+    ///
+    /// # Errors
+    /// [`AgentError::Resolve`] for an unknown, lapsed or stale donor;
+    /// [`AgentError::NoNixlAgent`] when its record carries none;
+    /// [`AgentError::Nixl`] when the runtime refuses the metadata;
+    /// [`AgentError::NixlAgentMismatch`] when it loads as another agent
+    /// (the remote is forgotten again). Each means: recompute.
+    pub fn load_donor_nixl(
+        &self,
+        donor: kv_descriptor::EngineId,
+        agent: &kv_transfer::nixl::NixlAgent,
+    ) -> Result<String, AgentError> {
+        self.refresh();
+        let record = {
+            let st = self.state.lock();
+            st.cache.get(donor, (self.clock)())?.clone()
+        };
+        let (Some(published), Some(metadata)) =
+            (record.nixl_agent_name(), record.nixl_agent_metadata())
+        else {
+            return Err(AgentError::NoNixlAgent { donor });
+        };
+        let loaded = agent.load_remote(metadata).map_err(AgentError::Nixl)?;
+        if loaded != published {
+            // Do not keep an agent this record did not vouch for.
+            let _ = agent.forget_remote(&loaded);
+            return Err(AgentError::NixlAgentMismatch {
+                published: published.to_string(),
+                loaded,
+            });
+        }
+        Ok(loaded)
+    }
+
     /// Runs `envelope` for a request whose prompt's sealed blocks hash to
     /// `prompt`: the hint is checked against the prompt, its donor resolved
     /// from the directory (a lapsed lease or stale generation is refused),

@@ -23,6 +23,7 @@ pub use cache::{CacheUpdate, DonorCache};
 pub use nats::NatsDirectory;
 pub use record::{
     DonorRecord, DonorRecordError, DonorRecordParts, MAX_DONOR_RECORD_BYTES, MAX_NAME_BYTES,
+    MAX_NIXL_AGENT_NAME_BYTES,
 };
 
 use kv_descriptor::{EngineId, Wire};

@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 pub const MAX_DONOR_RECORD_BYTES: usize = 256 * 1024;
 /// Longest accepted worker key, pin endpoint or subject, in bytes.
 pub const MAX_NAME_BYTES: usize = 256;
+/// Longest accepted NIXL agent name, in bytes (the bound of a bank
+/// descriptor's `ExportHandle::NixlAgent::agent_name`).
+pub const MAX_NIXL_AGENT_NAME_BYTES: usize = 255;
 
 /// One donor's bank as the directory serves it, keyed by `engine_id`.
 ///
@@ -17,8 +20,10 @@ pub const MAX_NAME_BYTES: usize = 256;
 /// (hyphenated UUID string), `worker_key` (string, 1..=256 bytes),
 /// `generation` (u64, equal to the manifest owner's), `manifest`
 /// ([`BankManifest`] wire form), `pin_endpoint` (string, 1..=256 bytes,
-/// e.g. `unix:/run/kv/pin.sock`), `nixl_agent_metadata` (bin, at most
-/// [`MAX_NIXL_METADATA_BYTES`], absent when none), `lease_expires_unix_ms`
+/// e.g. `unix:/run/kv/pin.sock`), `nixl_agent_name` (string, 1..=
+/// [`MAX_NIXL_AGENT_NAME_BYTES`] bytes, absent when none),
+/// `nixl_agent_metadata` (bin, at most [`MAX_NIXL_METADATA_BYTES`], absent
+/// when none; present exactly when the name is), `lease_expires_unix_ms`
 /// and `published_unix_ms` (u64, Unix epoch milliseconds; expiry after
 /// publish). The whole encoding is at most [`MAX_DONOR_RECORD_BYTES`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -29,6 +34,9 @@ pub struct DonorRecord {
     generation: u64,
     manifest: BankManifest,
     pin_endpoint: String,
+    // Skipped when absent: a record without NIXL encodes as before the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    nixl_agent_name: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none", with = "opt_bytes")]
     nixl_agent_metadata: Option<Vec<u8>>,
     lease_expires_unix_ms: u64,
@@ -42,6 +50,8 @@ struct WireDonorRecord {
     generation: u64,
     manifest: BankManifest,
     pin_endpoint: String,
+    #[serde(default)]
+    nixl_agent_name: Option<String>,
     #[serde(default, with = "opt_bytes")]
     nixl_agent_metadata: Option<Vec<u8>>,
     lease_expires_unix_ms: u64,
@@ -97,6 +107,7 @@ impl TryFrom<WireDonorRecord> for DonorRecord {
             worker_key: w.worker_key,
             manifest: w.manifest,
             pin_endpoint: w.pin_endpoint,
+            nixl_agent_name: w.nixl_agent_name,
             nixl_agent_metadata: w.nixl_agent_metadata,
             lease_expires_unix_ms: w.lease_expires_unix_ms,
             published_unix_ms: w.published_unix_ms,
@@ -154,7 +165,12 @@ pub struct DonorRecordParts {
     pub manifest: BankManifest,
     /// Where targets reach the donor's pin service.
     pub pin_endpoint: String,
-    /// The donor's NIXL agent metadata, when it serves NIXL reads.
+    /// The donor's NIXL agent name (`NixlAgent::name`), when it serves NIXL
+    /// reads; given exactly when `nixl_agent_metadata` is.
+    pub nixl_agent_name: Option<String>,
+    /// The donor's NIXL agent metadata (`NixlAgent::metadata`, the
+    /// `getLocalMD` bytes a target loads with `load_remote`), when it serves
+    /// NIXL reads.
     pub nixl_agent_metadata: Option<Vec<u8>>,
     /// Lease expiry, Unix epoch ms: past it the entry is never used.
     pub lease_expires_unix_ms: u64,
@@ -167,11 +183,37 @@ impl DonorRecord {
     ///
     /// # Errors
     /// [`DonorRecordError::InvalidField`] naming `worker_key`,
-    /// `pin_endpoint`, `nixl_agent_metadata` or `lease_expires_unix_ms`;
+    /// `pin_endpoint`, `nixl_agent_name` (empty, too long, or given without
+    /// metadata), `nixl_agent_metadata` (over the bound, or given without a
+    /// name) or `lease_expires_unix_ms`;
     /// [`DonorRecordError::TooLarge`] past [`MAX_DONOR_RECORD_BYTES`].
     pub fn new(p: DonorRecordParts) -> Result<Self, DonorRecordError> {
         check_name("worker_key", &p.worker_key)?;
         check_name("pin_endpoint", &p.pin_endpoint)?;
+        match (&p.nixl_agent_name, &p.nixl_agent_metadata) {
+            (Some(n), Some(_)) => {
+                if n.is_empty() || n.len() > MAX_NIXL_AGENT_NAME_BYTES {
+                    return Err(field(
+                        "nixl_agent_name",
+                        format!(
+                            "must be 1..={MAX_NIXL_AGENT_NAME_BYTES} bytes, got {}",
+                            n.len()
+                        ),
+                    ));
+                }
+            }
+            (Some(_), None) => {
+                return Err(field(
+                    "nixl_agent_metadata",
+                    "absent while nixl_agent_name is given (a target cannot load the agent)",
+                ))
+            }
+            (None, Some(_)) => return Err(field(
+                "nixl_agent_name",
+                "absent while nixl_agent_metadata is given (a target cannot check what it loaded)",
+            )),
+            (None, None) => {}
+        }
         if let Some(m) = &p.nixl_agent_metadata {
             if m.len() > MAX_NIXL_METADATA_BYTES {
                 return Err(field(
@@ -199,6 +241,7 @@ impl DonorRecord {
             generation: owner.generation,
             manifest: p.manifest,
             pin_endpoint: p.pin_endpoint,
+            nixl_agent_name: p.nixl_agent_name,
             nixl_agent_metadata: p.nixl_agent_metadata,
             lease_expires_unix_ms: p.lease_expires_unix_ms,
             published_unix_ms: p.published_unix_ms,
@@ -254,6 +297,10 @@ impl DonorRecord {
     /// NIXL agent metadata, when published.
     pub fn nixl_agent_metadata(&self) -> Option<&[u8]> {
         self.nixl_agent_metadata.as_deref()
+    }
+    /// NIXL agent name, when published (exactly when the metadata is).
+    pub fn nixl_agent_name(&self) -> Option<&str> {
+        self.nixl_agent_name.as_deref()
     }
     /// Lease expiry, Unix epoch ms.
     pub fn lease_expires_unix_ms(&self) -> u64 {

@@ -31,6 +31,7 @@ fn record_round_trips_and_carries_the_manifest_owner() {
     // NIXL metadata travels as MessagePack bin (0xc4 <len>), not an array of ints.
     assert!(bytes.windows(2).any(|w| w == [0xc4, 64]));
     let none = DonorRecord::new(DonorRecordParts {
+        nixl_agent_name: None,
         nixl_agent_metadata: None,
         ..parts(manifest(owner), 5_000)
     })
@@ -67,6 +68,34 @@ fn bad_records_are_refused_naming_the_field() {
         (
             DonorRecordParts {
                 nixl_agent_metadata: Some(vec![0; MAX_NIXL_METADATA_BYTES + 1]),
+                ..parts(m.clone(), 5_000)
+            },
+            "nixl_agent_metadata",
+        ),
+        (
+            DonorRecordParts {
+                nixl_agent_name: Some(String::new()),
+                ..parts(m.clone(), 5_000)
+            },
+            "nixl_agent_name",
+        ),
+        (
+            DonorRecordParts {
+                nixl_agent_name: Some("n".repeat(MAX_NIXL_AGENT_NAME_BYTES + 1)),
+                ..parts(m.clone(), 5_000)
+            },
+            "nixl_agent_name",
+        ),
+        (
+            DonorRecordParts {
+                nixl_agent_name: None,
+                ..parts(m.clone(), 5_000)
+            },
+            "nixl_agent_name",
+        ),
+        (
+            DonorRecordParts {
+                nixl_agent_metadata: None,
                 ..parts(m.clone(), 5_000)
             },
             "nixl_agent_metadata",
@@ -266,6 +295,7 @@ fn remote_directory_resolves_as_the_local_one_from_manifest_and_events() {
         worker_key: "decode-eq".into(),
         manifest: bank.manifest().clone(),
         pin_endpoint: endpoint.into(),
+        nixl_agent_name: None,
         nixl_agent_metadata: None,
         lease_expires_unix_ms: 10_000,
         published_unix_ms: 1_000,
@@ -410,4 +440,28 @@ async fn remote_directory_follows_a_watch() {
         }
     }
     task.abort();
+}
+
+/// A record without a NIXL agent encodes byte for byte as before the
+/// `nixl_agent_name` field existed (the xxh3 of its bytes, taken from the
+/// encoder before that change): readers of either version agree.
+#[test]
+fn a_record_without_nixl_keeps_its_encoding() {
+    let owner = OwnerLease {
+        engine_id: EngineId(uuid::Uuid::from_u128(0x0123_4567_89ab_cdef)),
+        role: Role::Decode,
+        generation: 3,
+    };
+    let r = DonorRecord::new(DonorRecordParts {
+        nixl_agent_name: None,
+        nixl_agent_metadata: None,
+        ..parts(manifest(owner), 5_000)
+    })
+    .unwrap();
+    let bytes = r.to_wire().unwrap();
+    assert_eq!(
+        (bytes.len(), xxhash_rust::xxh3::xxh3_64(&bytes)),
+        (816, 0x6a23_3bf0_59bf_93ba),
+        "snapshot"
+    );
 }

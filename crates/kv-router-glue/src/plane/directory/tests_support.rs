@@ -32,6 +32,7 @@ pub(crate) fn parts(m: BankManifest, expires: u64) -> DonorRecordParts {
         worker_key: "decode-0".into(),
         manifest: m,
         pin_endpoint: "unix:/tmp/kv-pin-decode-0.sock".into(),
+        nixl_agent_name: Some("kv-nixl-decode-0".into()),
         nixl_agent_metadata: Some(vec![7u8; 64]),
         lease_expires_unix_ms: expires,
         published_unix_ms: 1_000,
