@@ -137,8 +137,8 @@ fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Install => {
             let p = prerequisites::Prerequisites::ensure()?;
-            for (k, v) in p.env() {
-                println!("export {k}={}", v.to_string_lossy());
+            for line in p.shell_exports() {
+                println!("{line}");
             }
             Ok(())
         }

@@ -80,6 +80,30 @@ impl Prerequisites {
         env
     }
 
+    /// `export NAME=VALUE` lines for a POSIX shell (`eval "$(cargo xtask
+    /// install | grep ^export)"`), one per variable of [`Prerequisites::env`],
+    /// values single-quoted. `LD_LIBRARY_PATH` is the NIXL folders followed by
+    /// the shell's own `$LD_LIBRARY_PATH` (expanded by the shell, not by
+    /// xtask): xtask's own value is the one `cargo run` gave it, with
+    /// `target/debug/deps` and the toolchain's `lib/` prepended.
+    pub fn shell_exports(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        if let Some(rt) = &self.nixl {
+            let dirs = std::env::join_paths(rt.lib_dirs()).expect("library paths hold no ':'");
+            lines.push(format!(
+                "export LD_LIBRARY_PATH={}\"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}\"",
+                shell_quote(&dirs)
+            ));
+        }
+        lines.extend(
+            self.env()
+                .into_iter()
+                .filter(|(k, _)| k != "LD_LIBRARY_PATH")
+                .map(|(k, v)| format!("export {k}={}", shell_quote(&v))),
+        );
+        lines
+    }
+
     fn print(&self) {
         match &self.nixl {
             Some(rt) => eprintln!("prerequisite: NIXL runtime at {}", rt.root.display()),
@@ -105,6 +129,11 @@ fn ensure_iproute2() {
             eprintln!("warning: iproute2 unavailable (link_cut_mid_transfer will skip): {e}");
         }
     }
+}
+
+/// `v` in single quotes for a POSIX shell (`'` itself as `'\\''`).
+fn shell_quote(v: &std::ffi::OsStr) -> String {
+    format!("'{}'", v.to_string_lossy().replace('\'', r"'\''"))
 }
 
 /// Under `strict`, an error stays an error; otherwise it is printed and
@@ -149,6 +178,46 @@ mod tests {
         );
         assert_eq!(get(NATS_ENV).unwrap(), "/x/nats-server");
         assert!(Prerequisites::default().env().is_empty());
+    }
+
+    /// The printed lines go through `eval` in the user's shell: values with
+    /// spaces or quotes must survive, and `LD_LIBRARY_PATH` must be the NIXL
+    /// folders in front of the shell's own value, not in front of the value
+    /// cargo gave xtask (which adds `target/debug/deps` and the toolchain's
+    /// `lib/`, stale as soon as the target directory or toolchain changes).
+    #[test]
+    fn shell_exports_survive_eval_and_keep_the_shells_library_path() {
+        let p = Prerequisites {
+            nixl: Some(NixlRuntime {
+                root: "/x/it's here/nixl".into(),
+            }),
+            nats_server: Some("/x/it's here/nats-server".into()),
+        };
+        let script = p.shell_exports().join("\n");
+        let eval = |old_ld: Option<&str>| {
+            let mut c = Command::new("sh");
+            c.arg("-c")
+                .arg("eval \"$EXPORTS\"; printf '%s|%s|%s' \"$LD_LIBRARY_PATH\" \"$NIXL_PLUGIN_DIR\" \"$KV_NATS_SERVER\"")
+                .env("EXPORTS", &script);
+            match old_ld {
+                Some(v) => c.env("LD_LIBRARY_PATH", v),
+                None => c.env_remove("LD_LIBRARY_PATH"),
+            };
+            crate::command::capture(&mut c).unwrap()
+        };
+        let core = "/x/it's here/nixl/.nixl_cu13.mesonpy.libs";
+        let vendored = "/x/it's here/nixl/nixl_cu13.libs";
+        assert_eq!(
+            eval(Some("/usr/local/cuda/lib64")),
+            format!(
+                "{core}:{vendored}:/usr/local/cuda/lib64|{core}/plugins|/x/it's here/nats-server"
+            )
+        );
+        // No trailing ':' (an empty entry means the current directory).
+        assert_eq!(
+            eval(None),
+            format!("{core}:{vendored}|{core}/plugins|/x/it's here/nats-server")
+        );
     }
 
     #[test]
