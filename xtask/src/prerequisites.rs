@@ -11,7 +11,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::Command;
 
-use crate::error::Result;
+use crate::error::{Result, XtaskError};
 use crate::nixl::NixlRuntime;
 use crate::{libclang, nats, workspace};
 
@@ -50,6 +50,11 @@ impl Prerequisites {
         )?;
         let nats_server = tolerate(strict, "nats-server", nats::ensure(&tools))?;
         ensure_iproute2();
+        // Not fatal here: only the wheel step needs it, and that step reports
+        // its own failure after every Rust test has run.
+        if let Err(e) = ensure_python_venv() {
+            eprintln!("warning: {e}");
+        }
         let me = Self { nixl, nats_server };
         me.print();
         Ok(me)
@@ -129,6 +134,51 @@ fn ensure_iproute2() {
             eprintln!("warning: iproute2 unavailable (link_cut_mid_transfer will skip): {e}");
         }
     }
+}
+
+/// Debian package that carries the default `python3`'s `ensurepip`, without
+/// which `python3 -m venv` (the wheel's venv in `target/py-venv`) fails.
+const PYTHON_VENV_PACKAGE: &str = "python3-venv";
+
+/// Ensures `python3 -m venv` can create a venv with pip, which the `kv_reuse`
+/// wheel's build and tests need: Debian and Ubuntu ship `ensurepip` apart
+/// from `python3` (package `python3-venv`), so a machine with only
+/// `python3-pip` cannot create one. Installs that package when missing.
+///
+/// # Errors
+/// [`XtaskError::Prerequisite`] naming `python3 venv` when apt-get fails or
+/// the module is still missing after it.
+pub fn ensure_python_venv() -> Result<()> {
+    if venv_capable("python3") {
+        return Ok(());
+    }
+    eprintln!(
+        "xtask: `python3 -m venv` would fail (no ensurepip); installing {PYTHON_VENV_PACKAGE}"
+    );
+    let unavailable = |reason: String| XtaskError::Prerequisite {
+        what: "python3 venv",
+        reason,
+    };
+    crate::apt::install(PYTHON_VENV_PACKAGE).map_err(|e| {
+        unavailable(format!(
+            "`python3` has no ensurepip and {PYTHON_VENV_PACKAGE} did not install ({e}); \
+             install your Python's venv module, or put a python3 that has it first on PATH"
+        ))
+    })?;
+    if venv_capable("python3") {
+        Ok(())
+    } else {
+        Err(unavailable(format!(
+            "{PYTHON_VENV_PACKAGE} is installed but the `python3` on PATH still has no \
+             ensurepip (it is not the Debian python3; install its own venv module)"
+        )))
+    }
+}
+
+/// True when `python` imports `venv` and `ensurepip` (what `python -m venv`
+/// needs to put pip into the new environment).
+fn venv_capable(python: &str) -> bool {
+    crate::command::succeeds(Command::new(python).args(["-c", "import ensurepip, venv"]))
 }
 
 /// `v` in single quotes for a POSIX shell (`'` itself as `'\\''`).
@@ -218,6 +268,32 @@ mod tests {
             eval(None),
             format!("{core}:{vendored}|{core}/plugins|/x/it's here/nats-server")
         );
+    }
+
+    /// A python without `ensurepip` (Debian's python3 without python3-venv)
+    /// is told apart from one that can build the wheel's venv.
+    #[test]
+    fn venv_probe_rejects_a_python_without_ensurepip() {
+        assert!(venv_capable("python3"), "this machine's python3 has venv");
+        let dir = std::env::temp_dir().join(format!("xtask-venv-probe-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A python3 whose stdlib lacks ensurepip, as Debian ships it without
+        // python3-venv: the real interpreter with `ensurepip` made unimportable.
+        let fake = dir.join("python3");
+        std::fs::write(
+            &fake,
+            "#!/bin/sh\nexec python3 -c 'import sys; sys.modules[\"ensurepip\"] = None; exec(sys.argv[1])' \"$2\"\n",
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // The stand-in itself runs: only ensurepip is missing.
+        assert!(crate::command::succeeds(
+            Command::new(&fake).args(["-c", "import venv"])
+        ));
+        assert!(!venv_capable(&fake.to_string_lossy()));
+        assert!(!venv_capable("/nonexistent/python3"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
