@@ -17,15 +17,30 @@ use crate::error::{Result, XtaskError};
 ///
 /// # Errors
 /// [`XtaskError::Prerequisite`] when apt-get fails or libclang still cannot
-/// be loaded after it (the loader's own message is included).
+/// be loaded after it (the loader's own message and the fix are included).
 pub fn ensure() -> Result<()> {
+    ensure_with(loadable, apt::install)
+}
+
+/// What to do when xtask could not provide libclang itself: the two ways
+/// bindgen finds one.
+const FIX: &str = "to fix: install libclang-dev as root (`apt-get install libclang-dev`; \
+     other distributions: their libclang package), or set LIBCLANG_PATH to the folder holding \
+     libclang.so";
+
+/// [`ensure`] with the probe and the installer passed in, so the failure
+/// paths can be tested without removing libclang from the machine.
+fn ensure_with(
+    loadable: impl Fn() -> std::result::Result<(), String>,
+    install: impl FnOnce(&str) -> Result<()>,
+) -> Result<()> {
     let Err(first) = loadable() else {
         return Ok(());
     };
     eprintln!("xtask: bindgen cannot load libclang ({first}); installing libclang-dev");
-    apt::install("libclang-dev").map_err(|e| XtaskError::Prerequisite {
+    install("libclang-dev").map_err(|e| XtaskError::Prerequisite {
         what: "libclang",
-        reason: format!("bindgen's loader found none ({first}); {e}"),
+        reason: format!("bindgen's loader found none ({first}); {e}; {FIX}"),
     })?;
     loadable().map_err(|after| XtaskError::Prerequisite {
         what: "libclang",
@@ -54,6 +69,29 @@ pub fn loadable() -> std::result::Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Without root or sudo the apt-get install fails: the error must say
+    /// how to get libclang, not only which command failed.
+    #[test]
+    fn a_failed_install_names_both_fixes() {
+        let e = ensure_with(
+            || Err("couldn't find any valid shared libraries".into()),
+            |pkg| {
+                assert_eq!(pkg, "libclang-dev");
+                Err(XtaskError::Spawn {
+                    program: "sudo".into(),
+                    source: std::io::ErrorKind::NotFound.into(),
+                })
+            },
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("cannot start `sudo`"), "{text}");
+        assert!(text.contains("apt-get install libclang-dev"), "{text}");
+        assert!(text.contains("LIBCLANG_PATH"), "{text}");
+        // Present: nothing is installed.
+        ensure_with(|| Ok(()), |_| panic!("must not install")).unwrap();
+    }
 
     /// One test, because it sets `LIBCLANG_PATH` and the loader reads it.
     ///

@@ -137,8 +137,8 @@ fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Install => {
             let p = prerequisites::Prerequisites::ensure()?;
-            for (k, v) in p.env() {
-                println!("export {k}={}", v.to_string_lossy());
+            for line in p.shell_exports() {
+                println!("{line}");
             }
             Ok(())
         }
@@ -186,24 +186,35 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         }
         Cmd::Fuzz { seconds, targets } => fuzz::run(seconds, &targets),
         Cmd::GpuBundle { with_tests } => bundle::run(with_tests),
-        Cmd::Wheel { release: false } => {
+        Cmd::Wheel { release } => {
+            // The extension links kv-transfer with its default `nixl`
+            // feature: nixl-sys's bindgen needs libclang before maturin's
+            // cargo build reaches it, and the venv needs ensurepip.
+            libclang::ensure()?;
+            prerequisites::ensure_python_venv()?;
+            if release {
+                return wheel_release();
+            }
             let wheel = wheel::build_and_install()?;
             println!("wheel: {}", wheel.display());
             println!("installed into {}", wheel::venv_dir().display());
             Ok(())
         }
-        Cmd::Wheel { release: true } => {
-            let (wheel, took) = wheel::build(wheel::WheelProfile::Release)?;
-            let bytes = std::fs::metadata(&wheel)
-                .map_err(error::XtaskError::io(&wheel))?
-                .len();
-            println!(
-                "wheel: {} ({:.1} MiB, maturin {:.0} s)",
-                wheel.display(),
-                bytes as f64 / (1 << 20) as f64,
-                took.as_secs_f64()
-            );
-            Ok(())
-        }
     }
+}
+
+/// `cargo xtask wheel --release`: the release wheel alone, with maturin's
+/// time and the wheel's size.
+fn wheel_release() -> Result<()> {
+    let (wheel, took) = wheel::build(wheel::WheelProfile::Release)?;
+    let bytes = std::fs::metadata(&wheel)
+        .map_err(error::XtaskError::io(&wheel))?
+        .len();
+    println!(
+        "wheel: {} ({:.1} MiB, maturin {:.0} s)",
+        wheel.display(),
+        bytes as f64 / (1 << 20) as f64,
+        took.as_secs_f64()
+    );
+    Ok(())
 }

@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::error::Result;
+use crate::error::{Result, XtaskError};
 use crate::pip;
 
 /// The wheel this workspace pins (nixl-sys is pinned to the same 1.5.1).
@@ -48,7 +48,15 @@ impl NixlRuntime {
             return Ok(rt);
         }
         let spec = std::env::var(WHEEL_OVERRIDE_ENV).unwrap_or_else(|_| WHEEL_SPEC.to_owned());
-        pip::install_target(&spec, root, is_complete)?;
+        Self::install(root, &spec)
+    }
+
+    /// Installs `spec` (a requirement or a wheel path) into `root`.
+    ///
+    /// # Errors
+    /// [`XtaskError::Prerequisite`] naming what to do when pip fails.
+    fn install(root: &Path, spec: &str) -> Result<Self> {
+        pip::install_target(spec, root, is_complete).map_err(|e| install_failed(spec, e))?;
         Ok(Self {
             root: root.to_path_buf(),
         })
@@ -65,6 +73,19 @@ impl NixlRuntime {
     }
 }
 
+/// pip's failure as a [`XtaskError::Prerequisite`] that says what to do:
+/// pip's own message is about pip, not about how to get a NIXL runtime here.
+fn install_failed(spec: &str, e: XtaskError) -> XtaskError {
+    XtaskError::Prerequisite {
+        what: "NIXL runtime",
+        reason: format!(
+            "installing `{spec}` with pip failed ({e}); without PyPI, fetch the wheel where \
+             there is network (`pip download --no-deps {WHEEL_SPEC}`, for this machine's \
+             Python) and set {WHEEL_OVERRIDE_ENV}=/path/to/that.whl"
+        ),
+    }
+}
+
 fn is_complete(root: &Path) -> bool {
     root.join(CORE_LIBS).join("libnixl_capi.so").is_file()
         && root
@@ -78,6 +99,24 @@ fn is_complete(root: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Under CI=true a failed install is the run's error: it must name the
+    /// fix (the offline variable), not only pip's command line.
+    #[test]
+    fn a_failed_install_names_the_offline_fix() {
+        let dir = std::env::temp_dir().join(format!("xtask-nixl-fail-{}", std::process::id()));
+        let missing = dir.join("no-such-nixl.whl");
+        let e = NixlRuntime::install(&dir.join("nixl"), &missing.to_string_lossy()).unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("NIXL runtime"), "{text}");
+        assert!(text.contains("KV_NIXL_WHEEL=/path/to/that.whl"), "{text}");
+        assert!(text.contains("no-such-nixl.whl"), "{text}");
+        assert!(
+            !dir.join("nixl").exists(),
+            "nothing left at the destination"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn incomplete_runtime_is_not_accepted() {
