@@ -2,10 +2,10 @@
 //! the block-major rows of a `deliver` part launched straight from the
 //! part's runs, without building a [`ConvertPlan`].
 //!
-//! For a fetch whose block table is an inline u64 parameter (up to
-//! [`INLINE_LARGE_BLOCKS`] blocks), building a plan only to copy its offset
-//! vectors into the parameter image costs two allocations and three passes
-//! (4.6 µs on the H200's host for 1024 blocks). [`RunsGather`] makes one
+//! For a fetch of up to [`INLINE_LARGE_BLOCKS`] blocks (small inline table
+//! or device table), building a plan only to copy its offset vectors into
+//! the parameter image or staging buffer costs two allocations and three
+//! passes (4.6 µs on the H200's host for 1024 blocks). [`RunsGather`] makes one
 //! pass over the runs to check them, and the launch writes the table from
 //! the runs directly: the same table, geometry and bytes as
 //! [`ConvertPlan::from_runs_tuned`] (checked by the tests below and the

@@ -5,10 +5,12 @@
 //! - **inline, small**: `n <= INLINE_SMALL_BLOCKS`, the table is a
 //!   `__grid_constant__` kernel parameter of [`INLINE_SMALL_ENTRIES`] u64
 //!   (2 KiB, under the classic 4 KiB parameter limit);
-//! - **inline, large**: `n <= INLINE_LARGE_BLOCKS`, a parameter of
-//!   [`INLINE_LARGE_ENTRIES`] u64 (32,512 bytes; CUDA 12.1+ drivers and
-//!   NVRTC accept up to 32,764 bytes of parameters on Volta and later);
-//! - **inline, packed**: `n <= INLINE_PACKED_BLOCKS` and every block id
+//! - **inline, large**: a parameter of [`INLINE_LARGE_ENTRIES`] u64 (32,512
+//!   bytes; CUDA 12.1+ drivers and NVRTC accept up to 32,764 bytes of
+//!   parameters on Volta and later): compiled, but not chosen, since on the
+//!   H200 it slowed the kernel more than the upload it saves (129..=2,032
+//!   blocks use the device table);
+//! - **inline, packed**: `2,032 < n <= INLINE_PACKED_BLOCKS` and every block id
 //!   below 65,536 with one block stride per side: one u32 per block (donor
 //!   id << 16 | target id), [`INLINE_PACKED_ENTRIES`] of them (32,512 bytes),
 //!   the bases and strides as scalars;
@@ -208,11 +210,19 @@ impl TablePlacement {
     /// holds the fetch is used: the whole parameter struct goes out with
     /// every launch, whatever `n` is.
     pub fn for_blocks(blocks: usize, inline_loaded: bool, packable: bool) -> Self {
+        // 129..=2032 blocks: the device table. On the H200 the 32 KiB u64
+        // parameter slowed the kernel by more than the upload it saves
+        // (1024 x 64 KiB: kernel 52.2 us, upload 1.3, against 41.6 and 7.8
+        // with the device table; 512-block 8B rows: +3-5 us kernel, e2e
+        // equal), while packed ids win past 2,032 (4096 x 16 KiB: 80.4 us
+        // e2e against 88.1) and the small table wins (7 blocks: 11.4 us
+        // against 15.0). `InlineLarge` stays compiled for measurements.
         match blocks {
             _ if !inline_loaded => Self::Device,
             0..=INLINE_SMALL_BLOCKS => Self::InlineSmall,
-            b if b <= INLINE_LARGE_BLOCKS => Self::InlineLarge,
-            b if b <= INLINE_PACKED_BLOCKS && packable => Self::InlinePacked,
+            b if b > INLINE_LARGE_BLOCKS && b <= INLINE_PACKED_BLOCKS && packable => {
+                Self::InlinePacked
+            }
             _ => Self::Device,
         }
     }
@@ -238,9 +248,11 @@ mod tests {
         assert_eq!(p(1), TablePlacement::InlineSmall);
         assert_eq!(p(7), TablePlacement::InlineSmall);
         assert_eq!(p(128), TablePlacement::InlineSmall);
-        assert_eq!(p(129), TablePlacement::InlineLarge);
-        assert_eq!(p(1024), TablePlacement::InlineLarge);
-        assert_eq!(p(2032), TablePlacement::InlineLarge);
+        // Measured on the H200: the 32 KiB u64 table slows the kernel more
+        // than the upload costs, so 129..=2032 blocks use the device table.
+        assert_eq!(p(129), TablePlacement::Device);
+        assert_eq!(p(1024), TablePlacement::Device);
+        assert_eq!(p(2032), TablePlacement::Device);
         assert_eq!(p(2033), TablePlacement::Device);
         assert_eq!(p(4096), TablePlacement::Device);
         assert_eq!(
@@ -249,7 +261,7 @@ mod tests {
         );
         // Packed ids take 2033..=8128 blocks (the 4096 x 16 KiB fetch).
         let q = |n| TablePlacement::for_blocks(n, true, true);
-        assert_eq!(q(2032), TablePlacement::InlineLarge);
+        assert_eq!(q(2032), TablePlacement::Device);
         assert_eq!(q(2033), TablePlacement::InlinePacked);
         assert_eq!(q(4096), TablePlacement::InlinePacked);
         assert_eq!(q(8128), TablePlacement::InlinePacked);
