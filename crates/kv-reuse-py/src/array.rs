@@ -139,8 +139,16 @@ fn dlpack_dtype_ok(dtype: DType, code: u8, bits: u8) -> bool {
     }
 }
 
+/// True when `obj` offers protocol attribute `name`. An attribute that
+/// raises `TypeError` counts as absent: torch's `__cuda_array_interface__`
+/// raises it for bf16 tensors (the interface has no bf16 typestr), which
+/// `hasattr` does not swallow; such a tensor is then read through DLPack,
+/// which carries bf16.
 fn has(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
-    obj.hasattr(name)
+    match obj.hasattr(name) {
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => Ok(false),
+        other => other,
+    }
 }
 
 /// `(device_type, device_id)` from `__dlpack_device__()`, when the object has it.

@@ -104,3 +104,28 @@ def test_a_cuda_tensor_on_a_host_bank_is_refused_naming_blocks(layout):
         with pytest.raises(kv_reuse.BadArgument, match="blocks: a CUDA tensor on the host path"):
             store.write(0, fake)
     assert bank.stats["store_bytes_from_host"] == 0
+
+
+class Bf16LikeCuda:
+    """A CUDA tensor whose ``__cuda_array_interface__`` raises TypeError (as
+    torch's does for bf16) and that offers DLPack on cuda:0; never
+    dereferenced: the host bank refuses it before touching memory."""
+
+    @property
+    def __cuda_array_interface__(self):
+        raise TypeError("Can't get __cuda_array_interface__ for bfloat16")
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("a host bank must refuse before reading the tensor")
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+def test_a_cuda_tensor_whose_array_interface_raises_is_read_as_dlpack(layout):
+    bank = kv_reuse.DonorBank(layout, slots=4)
+    store = bank.store(list(range(TOKENS_PER_BLOCK * 2)))
+    with pytest.raises(kv_reuse.BadArgument, match="blocks: a CUDA tensor on the host path"):
+        store.write(0, Bf16LikeCuda())
+    with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches\[0\]: a CUDA tensor on the host path"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[Bf16LikeCuda(), Bf16LikeCuda()])
