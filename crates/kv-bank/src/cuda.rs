@@ -302,8 +302,14 @@ pub(crate) fn dtod_rows(
     }
     let (_, src_ctx) = primary_context(src_ordinal)?;
     bind(src_ordinal)?;
-    for (_, src) in copies {
-        check_device_source(*src, len, src_ordinal)?;
+    // The whole source span at once, from its lowest address: a row past
+    // the allocation is then "runs past its allocation", not an address
+    // CUDA does not know.
+    if let (Some(lo), Some(hi)) = (
+        copies.iter().map(|c| c.1).min(),
+        copies.iter().map(|c| c.1 + len as u64).max(),
+    ) {
+        check_device_source(lo, (hi - lo) as usize, src_ordinal)?;
     }
     bind(dst_ordinal)?;
     let (_, dst_ctx) = primary_context(dst_ordinal)?;

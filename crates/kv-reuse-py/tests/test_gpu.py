@@ -13,11 +13,20 @@ import numpy as np
 import pytest
 
 import kv_reuse
-from conftest import BLOCKS, TOKENS_PER_BLOCK, TP
+from conftest import BLOCKS, TOKENS_PER_BLOCK
 from donor_proc import pattern
 from test_roles import router_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# TP 1 on GPU 0: a bank refuses two TP ranks on one GPU (each rank's part
+# names its device), and the lent H200 has one.
+TP = 1
+
+
+@pytest.fixture
+def layout():
+    """conftest's geometry at TP 1 (see TP above)."""
+    return kv_reuse.Layout(2, 2, 8, "f32", TOKENS_PER_BLOCK, TP)
 
 
 def torch_cuda():
@@ -131,8 +140,10 @@ def test_cuda_round_trip_into_torch_tensors_moves_no_host_payload(layout, enable
     assert json.loads(proc.stdout.readline()) == {"pins": 0}
 
 
-def test_a_cpu_torch_tensor_is_refused_on_the_gpu_path(layout):
+def test_a_cpu_torch_tensor_is_refused_on_the_gpu_path():
     torch = torch_cuda()
+    # TP 2: the refusals name kv_caches[0] / [1] before any bank is opened.
+    layout = kv_reuse.Layout(2, 2, 8, "f32", TOKENS_PER_BLOCK, 2)
     n = layout.rank_block_elems
     good = torch.zeros((4, n), dtype=torch.float32, device="cuda:0")
     with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches\[0\]: a CPU tensor on the GPU path"):
@@ -163,6 +174,6 @@ def test_device_source_refusals_name_blocks(layout):
     # The refusals left nothing half-done: the right tensors store.
     for r in range(TP):
         store.write(r, torch.full((2, n), float(r + 1), dtype=torch.float32, device="cuda:0"))
-    assert [store.ack(r) for r in range(TP)] == [False, True]
+    assert [store.ack(r) for r in range(TP)] == [r == TP - 1 for r in range(TP)]
     assert bank.stats["store_bytes_from_device"] == 2 * TP * layout.rank_block_bytes
     assert bank.stats["store_bytes_from_host"] == 0
