@@ -35,17 +35,24 @@ pub(crate) struct CheckedEvent {
     pub(crate) event: KvEvent,
     /// [`first_broken_link`] of a Stored event's blocks; `None` otherwise.
     pub(crate) broken_link: Option<UnchainedStore>,
+    /// A Stored event's sequence hashes in block order (empty otherwise),
+    /// gathered once outside the lock for both copies' prefetch passes.
+    pub(crate) stored_hashes: Vec<SequenceHash>,
 }
 
 impl CheckedEvent {
     pub(crate) fn new(event: &KvEvent) -> Self {
-        let broken_link = match &event.data {
-            KvEventData::Stored { parent, blocks } => first_broken_link(*parent, blocks),
-            _ => None,
+        let (broken_link, stored_hashes) = match &event.data {
+            KvEventData::Stored { parent, blocks } => (
+                first_broken_link(*parent, blocks),
+                blocks.iter().map(|b| b.sequence_hash).collect(),
+            ),
+            _ => (None, Vec::new()),
         };
         Self {
             event: event.clone(),
             broken_link,
+            stored_hashes,
         }
     }
 }
@@ -73,7 +80,7 @@ impl Replay for State {
                 }
                 None => false,
             }),
-            Mutation::Event(c) => Effect::Event(self.apply_event(&c.event, c.broken_link)),
+            Mutation::Event(c) => Effect::Event(self.apply_event(c)),
             Mutation::Resync {
                 engine,
                 last_event_id,
@@ -96,7 +103,7 @@ impl State {
             .ok_or(LookupError::UnknownEngine { engine })?;
         self.drop_entries(slot);
         for (tier, hashes) in inventory {
-            self.store(slot, tier_index(*tier), hashes, |h| *h);
+            self.store(slot, tier_index(*tier), hashes);
         }
         let rec = self.workers[slot as usize]
             .as_mut()
