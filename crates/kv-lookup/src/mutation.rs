@@ -243,9 +243,10 @@ mod tests {
     }
 
     /// A chain stored and removed over and over leaves its hash in the log
-    /// once per store; the compaction that the 4th store triggers (log 2800
-    /// > 2 * 700 live + 1024 slack) must keep each live hash exactly once in
-    /// both copies, or a later Cleared event would count it twice.
+    /// once per store; the compaction that the 4th store triggers (a log of
+    /// 2800 is over 2 * 700 live + 1024 slack) must keep each live hash
+    /// exactly once in both copies, or a later Cleared event would count it
+    /// twice.
     #[test]
     fn log_compaction_drops_duplicates_of_a_re_stored_chain_in_both_copies() {
         let index = InventoryIndex::new();
