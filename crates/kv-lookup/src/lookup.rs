@@ -312,6 +312,14 @@ fn walk_group(
         let hot = match table.locate(hashes[i]) {
             Some((loc, hot)) => {
                 cursor = Some(loc);
+                // If the request follows this run to its end, block
+                // `i + 1 + left` is the next index probe: start its slot's
+                // DRAM miss now, while the walk streams the run (long
+                // requests cross a run end per stored turn).
+                let left = table.after(loc).len();
+                if let Some(&h) = hashes.get(i + 1 + left) {
+                    table.prefetch(h);
+                }
                 hot
             }
             None => {

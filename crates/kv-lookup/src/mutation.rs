@@ -35,17 +35,24 @@ pub(crate) struct CheckedEvent {
     pub(crate) event: KvEvent,
     /// [`first_broken_link`] of a Stored event's blocks; `None` otherwise.
     pub(crate) broken_link: Option<UnchainedStore>,
+    /// A Stored event's sequence hashes in block order (empty otherwise),
+    /// gathered once outside the lock for both copies' prefetch passes.
+    pub(crate) stored_hashes: Vec<SequenceHash>,
 }
 
 impl CheckedEvent {
     pub(crate) fn new(event: &KvEvent) -> Self {
-        let broken_link = match &event.data {
-            KvEventData::Stored { parent, blocks } => first_broken_link(*parent, blocks),
-            _ => None,
+        let (broken_link, stored_hashes) = match &event.data {
+            KvEventData::Stored { parent, blocks } => (
+                first_broken_link(*parent, blocks),
+                blocks.iter().map(|b| b.sequence_hash).collect(),
+            ),
+            _ => (None, Vec::new()),
         };
         Self {
             event: event.clone(),
             broken_link,
+            stored_hashes,
         }
     }
 }
@@ -73,7 +80,7 @@ impl Replay for State {
                 }
                 None => false,
             }),
-            Mutation::Event(c) => Effect::Event(self.apply_event(&c.event, c.broken_link)),
+            Mutation::Event(c) => Effect::Event(self.apply_event(c)),
             Mutation::Resync {
                 engine,
                 last_event_id,
@@ -96,7 +103,7 @@ impl State {
             .ok_or(LookupError::UnknownEngine { engine })?;
         self.drop_entries(slot);
         for (tier, hashes) in inventory {
-            self.store(slot, tier_index(*tier), hashes, |h| *h);
+            self.store(slot, tier_index(*tier), hashes);
         }
         let rec = self.workers[slot as usize]
             .as_mut()
@@ -233,5 +240,66 @@ mod tests {
         // is not a removal round), 10 retained blocks each.
         assert_eq!(live.stats().workers, 4);
         assert_eq!(live.stats().held_blocks[4], 40);
+    }
+
+    /// A chain stored and removed over and over leaves its hash in the log
+    /// once per store; the compaction that the 4th store triggers (a log of
+    /// 2800 is over 2 * 700 live + 1024 slack) must keep each live hash
+    /// exactly once in both copies, or a later Cleared event would count it
+    /// twice.
+    #[test]
+    fn log_compaction_drops_duplicates_of_a_re_stored_chain_in_both_copies() {
+        let index = InventoryIndex::new();
+        let info = WorkerInfo {
+            engine: EngineId::fresh(),
+            role: Role::Decode,
+            layout_fingerprint: LayoutFingerprint(1),
+            tp_size: 1,
+        };
+        index.register_worker(WorkerKey(1), info).unwrap();
+        let c = chain(3, 700);
+        let ev = |id, data| KvEvent {
+            publisher: info.engine,
+            event_id: id,
+            role: info.role,
+            layout_fingerprint: info.layout_fingerprint,
+            tp_size: 1,
+            tier: StorageTier::RetainedGpuDirect,
+            data,
+        };
+        let mut id = 0;
+        let mut next = || {
+            id += 1;
+            id
+        };
+        for round in 0..4 {
+            if round > 0 {
+                let removed = KvEventData::Removed {
+                    sequence_hashes: c.iter().map(|b| b.sequence_hash).collect(),
+                };
+                let r = index.apply_event(&ev(next(), removed));
+                assert_eq!(r, Ok(EventOutcome::Applied { changed: 700 }));
+            }
+            let stored = KvEventData::Stored {
+                parent: None,
+                blocks: c.clone(),
+            };
+            let r = index.apply_event(&ev(next(), stored));
+            assert_eq!(r, Ok(EventOutcome::Applied { changed: 700 }));
+        }
+        let (live, standby) = index.state.both();
+        for st in [&live, &standby] {
+            let rec = st.workers[0].as_ref().unwrap();
+            let mut log = rec.logs[4].clone();
+            assert_eq!(log.len(), 700, "compacted to the live set");
+            log.sort_unstable();
+            log.dedup();
+            assert_eq!(log.len(), 700, "no duplicates left");
+        }
+        // The next write waits until nobody holds its copy.
+        drop((live, standby));
+        let r = index.apply_event(&ev(next(), KvEventData::Cleared));
+        assert_eq!(r, Ok(EventOutcome::Applied { changed: 700 }));
+        assert_eq!(index.stats().held_blocks[4], 0);
     }
 }
