@@ -251,4 +251,49 @@ mod tests {
         assert_eq!((t.passed, t.failed, t.skipped), (15, 3, 4));
         assert!(!is_pytest_summary("tests/test_roles.py ....s"));
     }
+
+    /// `cargo tree` lines `name vX (path)|features` → package → feature sets.
+    fn tree(args: &[&str]) -> std::collections::BTreeMap<String, Vec<String>> {
+        let out = command::capture(workspace::cargo().arg("tree").args(args).args([
+            "-f",
+            "{p}|{f}",
+            "--prefix",
+            "none",
+            "--no-dedupe",
+        ]))
+        .unwrap();
+        let mut m = std::collections::BTreeMap::<String, Vec<String>>::new();
+        for l in out.lines().filter_map(|l| l.split_once('|')) {
+            m.entry(l.0.replace(" (*)", ""))
+                .or_default()
+                .push(l.1.into());
+        }
+        m
+    }
+
+    /// The dev wheel resolves every crate but pyo3's with features the
+    /// workspace test build also resolves, so it reuses that build's units.
+    #[test]
+    fn dev_wheel_features_match_the_workspace_test_build() {
+        let ws = tree(&["--workspace", "-e", "normal,build,dev"]);
+        let wheel = tree(&[
+            "-p",
+            "kv-reuse-py",
+            "-e",
+            "normal,build",
+            "--features",
+            DEV_FEATURES,
+        ]);
+        let differing: Vec<&String> = wheel
+            .iter()
+            .filter(|(pkg, feats)| {
+                !pkg.starts_with("pyo3")
+                    && !feats
+                        .iter()
+                        .all(|f| ws.get(*pkg).is_some_and(|w| w.contains(f)))
+            })
+            .map(|(pkg, _)| pkg)
+            .collect();
+        assert!(differing.is_empty(), "features differ: {differing:?}");
+    }
 }
