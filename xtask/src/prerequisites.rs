@@ -29,9 +29,19 @@ pub struct Prerequisites {
     pub nats_server: Option<PathBuf>,
 }
 
-/// True when running under CI (`CI=true` or `CI=1`).
+/// True when running under CI: `CI` is `true`, `1` or `yes`, any case.
+/// The crates' tests use the same rule (`kv_transfer::ci_requires`); xtask
+/// repeats it rather than linking kv-transfer (CUDA, NIXL bindings) into
+/// the task runner.
 pub fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+    std::env::var("CI").is_ok_and(|v| ci_value(&v))
+}
+
+fn ci_value(v: &str) -> bool {
+    let v = v.trim();
+    ["true", "1", "yes"]
+        .iter()
+        .any(|a| v.eq_ignore_ascii_case(a))
 }
 
 impl Prerequisites {
@@ -307,5 +317,18 @@ mod tests {
         assert!(tolerate(true, "x", err()).is_err());
         assert_eq!(tolerate(false, "x", err()).unwrap(), None);
         assert_eq!(tolerate(true, "x", Ok(3)).unwrap(), Some(3));
+    }
+}
+
+#[cfg(test)]
+mod ci_tests {
+    #[test]
+    fn ci_values_match_the_crates_rule() {
+        for v in ["true", "TRUE", "1", "yes", "Yes"] {
+            assert!(super::ci_value(v), "{v:?}");
+        }
+        for v in ["", "0", "false", "no"] {
+            assert!(!super::ci_value(v), "{v:?}");
+        }
     }
 }

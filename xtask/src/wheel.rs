@@ -1,7 +1,12 @@
 //! The `kv_reuse` Python wheel (crates/kv-reuse-py): a virtual environment
 //! under `target/py-venv` with maturin, numpy and pytest from PyPI, the abi3
-//! wheel built into `target/wheels/` with cargo's own target directory (so
-//! `cargo xtask test` reuses the workspace build), and its pytest run.
+//! wheel built into `target/wheels/` with cargo's own target directory, and
+//! its pytest run. `cargo xtask test` reuses the workspace build's units for
+//! everything but pyo3 (`extension-module`) and kv-reuse-py: same profile,
+//! no RUSTFLAGS (maturin's `--strip` is `-C strip=symbols` for the final
+//! crate only), and the same features ([`DEV_FEATURES`] and the alignment
+//! block of kv-reuse-py's Cargo.toml; maturin builds that package alone, so
+//! cargo's feature unification would otherwise differ from the workspace's).
 //!
 //! The tests' wheel is built with the dev profile: its dependencies are
 //! optimized (`[profile.dev.package."*"] opt-level = 2`), and a release build
@@ -60,6 +65,18 @@ pub fn ensure_venv() -> Result<()> {
     Ok(())
 }
 
+/// Cargo features of the tests' wheel build. maturin builds kv-reuse-py
+/// alone, so cargo unifies features over its graph only; `cargo test
+/// --workspace` turns on the members' `qualify` features (kv-testkit needs
+/// them), so without these the wheel recompiled kv-bank, kv-transfer and
+/// kv-router-glue under new hashes. External crates are aligned in
+/// kv-reuse-py's Cargo.toml. `pyo3/extension-module` is pyproject.toml's
+/// feature, repeated because a `--features` argument replaces it; pyo3 then
+/// differs from the test build by that feature alone. The release (GPU
+/// bundle) wheel keeps pyproject.toml's features only.
+pub const DEV_FEATURES: &str = "pyo3/extension-module,kv-bank/default,kv-bank/qualify,\
+kv-transfer/default,kv-transfer/qualify,kv-router-glue/qualify";
+
 /// The cargo profile a wheel is built with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WheelProfile {
@@ -98,6 +115,11 @@ pub fn build(profile: WheelProfile) -> Result<(PathBuf, std::time::Duration)> {
     let out = profile.out_dir();
     let root = workspace::root();
     let mut maturin = Command::new(venv_bin("maturin"));
+    if profile == WheelProfile::Dev {
+        // The workspace crates' features of `cargo test --workspace`, so
+        // that they are the same units and reused (see [`DEV_FEATURES`]).
+        maturin.args(["--features", DEV_FEATURES]);
+    }
     maturin
         .current_dir(&root)
         // `--strip`: the extension's symbols and line tables are 3/4 of its
@@ -228,5 +250,50 @@ mod tests {
         add_pytest_summary(&mut t, line);
         assert_eq!((t.passed, t.failed, t.skipped), (15, 3, 4));
         assert!(!is_pytest_summary("tests/test_roles.py ....s"));
+    }
+
+    /// `cargo tree` lines `name vX (path)|features` → package → feature sets.
+    fn tree(args: &[&str]) -> std::collections::BTreeMap<String, Vec<String>> {
+        let out = command::capture(workspace::cargo().arg("tree").args(args).args([
+            "-f",
+            "{p}|{f}",
+            "--prefix",
+            "none",
+            "--no-dedupe",
+        ]))
+        .unwrap();
+        let mut m = std::collections::BTreeMap::<String, Vec<String>>::new();
+        for l in out.lines().filter_map(|l| l.split_once('|')) {
+            m.entry(l.0.replace(" (*)", ""))
+                .or_default()
+                .push(l.1.into());
+        }
+        m
+    }
+
+    /// The dev wheel resolves every crate but pyo3's with features the
+    /// workspace test build also resolves, so it reuses that build's units.
+    #[test]
+    fn dev_wheel_features_match_the_workspace_test_build() {
+        let ws = tree(&["--workspace", "-e", "normal,build,dev"]);
+        let wheel = tree(&[
+            "-p",
+            "kv-reuse-py",
+            "-e",
+            "normal,build",
+            "--features",
+            DEV_FEATURES,
+        ]);
+        let differing: Vec<&String> = wheel
+            .iter()
+            .filter(|(pkg, feats)| {
+                !pkg.starts_with("pyo3")
+                    && !feats
+                        .iter()
+                        .all(|f| ws.get(*pkg).is_some_and(|w| w.contains(f)))
+            })
+            .map(|(pkg, _)| pkg)
+            .collect();
+        assert!(differing.is_empty(), "features differ: {differing:?}");
     }
 }

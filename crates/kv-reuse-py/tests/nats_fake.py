@@ -24,13 +24,19 @@ def find_nats_server():
     return None
 
 
+def ci_requires():
+    """True when $CI is true, 1 or yes (case-insensitive): the same rule as
+    the Rust tests' kv_transfer::ci_requires and xtask."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
 def skip_or_fail(what, why):
     """Skips with a printed `SKIP what: why` line; under CI=true a missing
-    prerequisite is a failure instead."""
+    prerequisite is a failure instead (CI as in kv_transfer::ci_requires)."""
     line = f"SKIP {what}: {why}"
     print(line)
-    if os.environ.get("CI") == "true":
-        pytest.fail(line + " (CI=true)")
+    if ci_requires():
+        pytest.fail(line + " (CI)")
     pytest.skip(line)
 
 

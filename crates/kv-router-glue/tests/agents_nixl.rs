@@ -21,7 +21,7 @@ use kv_transfer::nixl::{runtime_status, NixlAgent};
 fn runtime_or_skip() -> bool {
     match runtime_status() {
         Ok(()) => true,
-        Err(e) if std::env::var("CI").as_deref() == Ok("true") => panic!("CI=true and {e}"),
+        Err(e) if kv_transfer::ci_requires() => panic!("CI and {e}"),
         Err(e) => {
             println!("SKIP a_donor_publishes_its_nixl_agent_and_the_target_loads_it: {e}");
             false

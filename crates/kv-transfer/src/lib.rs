@@ -79,6 +79,7 @@ mod bench_convert;
 mod bench_plan;
 #[cfg(feature = "qualify")]
 pub mod bench_sweep;
+pub mod ci;
 mod control;
 pub mod convert;
 #[cfg(feature = "cuda")]
@@ -102,6 +103,7 @@ pub mod oracle;
 pub mod plan;
 mod region;
 
+pub use ci::ci_requires;
 pub use control::{CancelToken, DeliveryControl, LivenessProbe};
 pub use delivery::{
     deliver, CopyBackend, DeliveryCounters, DeliveryReport, DeliveryStatus, NixlRemoteRegion,

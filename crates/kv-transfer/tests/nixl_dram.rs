@@ -18,7 +18,7 @@ use kv_transfer::{
 fn runtime_or_skip() -> bool {
     match runtime_status() {
         Ok(()) => true,
-        Err(e) if std::env::var("CI").as_deref() == Ok("true") => panic!("CI=true and {e}"),
+        Err(e) if kv_transfer::ci_requires() => panic!("CI=true and {e}"),
         Err(e) => {
             println!("SKIP nixl test: {e}");
             false

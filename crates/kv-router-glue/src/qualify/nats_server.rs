@@ -1,9 +1,11 @@
 //! A throwaway `nats-server` on a free loopback port, for tests and `qualify`.
 //!
 //! The binary is `$KV_NATS_SERVER`, else `nats-server` on `PATH`, else
-//! `/usr/sbin/nats-server`. When none is found, [`NatsServer::start_or_skip`]
-//! returns `None` with a printed reason, except under `CI=true`, where a
-//! missing server is a failure (the NATS tests must run in CI).
+//! `/usr/sbin/nats-server`; it must be executable and report version >=
+//! 2.10.0 from `--version` ([`find_nats_server`], [`NatsServerError`]). When
+//! none is usable, [`NatsServer::start_or_skip`] returns `None` with a printed
+//! reason, except under CI ([`kv_transfer::ci_requires`]: `CI` is
+//! `true`/`1`/`yes`), where it is a failure (the NATS tests must run in CI).
 //!
 //! The server runs with JetStream (`-js`, the donor directory's key-value
 //! bucket needs it), its store in a directory under the system temp dir
@@ -27,20 +29,143 @@ pub struct NatsServer {
     store_dir: PathBuf,
 }
 
-/// Finds the server binary (see the module docs).
-pub fn find_nats_server() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("KV_NATS_SERVER") {
-        let p = PathBuf::from(p);
-        return p.is_file().then_some(p);
+/// Oldest `nats-server` the tests accept: JetStream key-value semantics the
+/// donor directory relies on (per-key TTL-free history, `kv` API) are those
+/// of the 2.10 line; older servers fail the tests in confusing ways instead
+/// of skipping.
+pub const MIN_NATS_SERVER_VERSION: (u32, u32, u32) = (2, 10, 0);
+
+/// Why no usable `nats-server` binary was found.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NatsServerError {
+    /// No candidate: `$KV_NATS_SERVER` unset, no executable `nats-server`
+    /// on `PATH`, no `/usr/sbin/nats-server`.
+    #[error("nats-server not found (set KV_NATS_SERVER or add it to PATH)")]
+    NotFound,
+    /// The candidate (`$KV_NATS_SERVER` or `/usr/sbin/nats-server`) is a
+    /// file without any executable bit, or not a regular file.
+    #[error("nats-server at {path} is not an executable file")]
+    NotExecutable {
+        /// The rejected candidate.
+        path: PathBuf,
+    },
+    /// `<path> --version` failed to run, exited non-zero, or printed no
+    /// `v<major>.<minor>.<patch>`.
+    #[error("nats-server at {path}: cannot read its version from `--version`: {reason}")]
+    VersionUnreadable {
+        /// The binary asked.
+        path: PathBuf,
+        /// What went wrong, with the output when there was one.
+        reason: String,
+    },
+    /// The binary is older than [`MIN_NATS_SERVER_VERSION`].
+    #[error("nats-server at {path} is version {version}, need >= 2.10.0")]
+    TooOld {
+        /// The binary asked.
+        path: PathBuf,
+        /// The version it reported, as `major.minor.patch`.
+        version: String,
+    },
+}
+
+/// Finds the server binary (see the module docs) and checks it: an
+/// executable file whose `--version` reports at least
+/// [`MIN_NATS_SERVER_VERSION`]. Non-executable `nats-server` files on
+/// `PATH` are passed over, as a shell would.
+///
+/// # Errors
+/// [`NatsServerError`]: nothing found, the chosen candidate not executable,
+/// its version unreadable or too old.
+pub fn find_nats_server() -> Result<PathBuf, NatsServerError> {
+    find_in(
+        std::env::var_os("KV_NATS_SERVER"),
+        std::env::var_os("PATH"),
+        std::path::Path::new("/usr/sbin/nats-server"),
+    )
+}
+
+/// [`find_nats_server`] with its inputs given, so tests need not change the
+/// process environment other NATS tests read concurrently.
+fn find_in(
+    explicit: Option<std::ffi::OsString>,
+    path_var: Option<std::ffi::OsString>,
+    fallback: &std::path::Path,
+) -> Result<PathBuf, NatsServerError> {
+    let path = locate(explicit, path_var, fallback)?;
+    check_version(&path)?;
+    Ok(path)
+}
+
+fn locate(
+    explicit: Option<std::ffi::OsString>,
+    path_var: Option<std::ffi::OsString>,
+    fallback: &std::path::Path,
+) -> Result<PathBuf, NatsServerError> {
+    if let Some(p) = explicit {
+        return executable(PathBuf::from(p));
     }
-    let on_path = std::env::var_os("PATH").and_then(|paths| {
+    let on_path = path_var.and_then(|paths| {
         std::env::split_paths(&paths)
             .map(|d| d.join("nats-server"))
-            .find(|p| p.is_file())
+            .find(|p| is_executable(p))
     });
-    on_path.or_else(|| {
-        let p = PathBuf::from("/usr/sbin/nats-server");
-        p.is_file().then_some(p)
+    if let Some(p) = on_path {
+        return Ok(p);
+    }
+    executable(fallback.to_path_buf())
+}
+
+fn executable(p: PathBuf) -> Result<PathBuf, NatsServerError> {
+    if is_executable(&p) {
+        Ok(p)
+    } else if p.exists() {
+        Err(NatsServerError::NotExecutable { path: p })
+    } else {
+        Err(NatsServerError::NotFound)
+    }
+}
+
+fn is_executable(p: &std::path::Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+fn check_version(path: &std::path::Path) -> Result<(), NatsServerError> {
+    let unreadable = |reason: String| NatsServerError::VersionUnreadable {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let out = Command::new(path)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| unreadable(e.to_string()))?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return Err(unreadable(format!("{}: {}", out.status, text.trim())));
+    }
+    let version = parse_version(&text)
+        .ok_or_else(|| unreadable(format!("no vX.Y.Z in {:?}", text.trim())))?;
+    if version < MIN_NATS_SERVER_VERSION {
+        let (a, b, c) = version;
+        return Err(NatsServerError::TooOld {
+            path: path.to_path_buf(),
+            version: format!("{a}.{b}.{c}"),
+        });
+    }
+    Ok(())
+}
+
+/// The first `v<major>.<minor>.<patch>` in `nats-server --version`'s output
+/// (`nats-server: v2.10.22`; a pre-release suffix such as `-RC.1` is ignored).
+fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
+    text.split_whitespace().find_map(|word| {
+        let rest = word.strip_prefix('v')?;
+        let core = rest.split(['-', '+']).next()?;
+        let mut it = core.split('.').map(|n| n.parse::<u32>().ok());
+        let v = (it.next()??, it.next()??, it.next()??);
+        it.next().is_none().then_some(v)
     })
 }
 
@@ -60,8 +185,7 @@ impl NatsServer {
     /// # Errors
     /// As [`NatsServer::start`].
     pub fn start_with_args(extra: &[&str]) -> Result<Self, String> {
-        let binary = find_nats_server()
-            .ok_or("nats-server not found (set KV_NATS_SERVER or add it to PATH)")?;
+        let binary = find_nats_server().map_err(|e| e.to_string())?;
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map_err(|e| format!("no free loopback port: {e}"))?
@@ -82,17 +206,19 @@ impl NatsServer {
         Ok(s)
     }
 
-    /// [`NatsServer::start`], or `None` with a printed reason when the binary
-    /// is missing and `CI` is not `true`.
+    /// [`NatsServer::start`], or `None` with a printed `SKIP` reason when no
+    /// usable binary is found ([`find_nats_server`]) and this is not CI
+    /// ([`kv_transfer::ci_requires`]).
     ///
     /// # Panics
-    /// When the server cannot run and `CI=true`, or when the binary exists but fails.
+    /// When no usable server is found under CI, or when the binary is usable
+    /// but fails to start.
     pub fn start_or_skip(test: &str) -> Option<Self> {
-        if find_nats_server().is_none() {
-            if std::env::var("CI").as_deref() == Ok("true") {
-                panic!("{test}: nats-server not found and CI=true: NATS tests must run in CI");
+        if let Err(e) = find_nats_server() {
+            if kv_transfer::ci_requires() {
+                panic!("{test}: {e}, under CI: NATS tests must run in CI");
             }
-            println!("SKIP {test}: nats-server not found (set KV_NATS_SERVER or add it to PATH)");
+            println!("SKIP {test}: {e}");
             return None;
         }
         Some(Self::start().unwrap_or_else(|e| panic!("{test}: {e}")))
@@ -164,3 +290,7 @@ impl Drop for NatsServer {
         let _ = std::fs::remove_dir_all(&self.store_dir);
     }
 }
+
+#[cfg(test)]
+#[path = "nats_server_tests.rs"]
+mod tests;

@@ -539,9 +539,9 @@ pub fn run(
     router: &RouterProcess,
 ) -> Result<ClusterReport, ClusterError> {
     let t0 = Instant::now();
-    if find_nats_server().is_none() {
-        let why = "nats-server not found (set KV_NATS_SERVER or add it to PATH)".to_string();
-        if std::env::var("CI").as_deref() == Ok("true") {
+    if let Err(e) = find_nats_server() {
+        let why = e.to_string();
+        if kv_transfer::ci_requires() {
             return Err(process_err("nats-server")(why));
         }
         return Err(ClusterError::Skipped(why));

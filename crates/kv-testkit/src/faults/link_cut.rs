@@ -174,7 +174,7 @@ pub(super) fn link_cut(
     cmd: &ChildCommand,
     prefix: &str,
 ) -> Result<RunOutcome, FaultError> {
-    let in_ci = std::env::var("CI").as_deref() == Ok("true");
+    let in_ci = kv_transfer::ci_requires();
     if let Err(e) = runtime_status() {
         return Err(if in_ci {
             FaultError::Child(format!("CI=true and {e}"))

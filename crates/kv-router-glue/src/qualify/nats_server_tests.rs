@@ -1,0 +1,82 @@
+//! `find_nats_server`'s checks against fake `nats-server` scripts.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use super::{find_in, parse_version, NatsServerError};
+
+/// A temp dir holding `nats-server`, a shell script printing `version_line`
+/// for `--version`, with mode `mode`.
+fn fake(tag: &str, version_line: &str, mode: u32) -> (PathBuf, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("kv-fake-nats-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = dir.join("nats-server");
+    std::fs::write(&bin, format!("#!/bin/sh\necho '{version_line}'\n")).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(mode)).unwrap();
+    (dir, bin)
+}
+
+fn none() -> &'static Path {
+    Path::new("/nonexistent/kv-test/nats-server")
+}
+
+#[test]
+fn explicit_binary_without_executable_bit_is_rejected_naming_the_path() {
+    let (dir, bin) = fake("noexec", "nats-server: v2.10.22", 0o644);
+    let got = find_in(Some(bin.clone().into()), None, none());
+    assert_eq!(
+        got,
+        Err(NatsServerError::NotExecutable { path: bin.clone() })
+    );
+    assert!(got
+        .unwrap_err()
+        .to_string()
+        .contains(&bin.display().to_string()));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn old_server_is_rejected_with_its_version() {
+    let (dir, bin) = fake("old", "nats-server: v2.9.25", 0o755);
+    let got = find_in(Some(bin.clone().into()), None, none());
+    assert_eq!(
+        got,
+        Err(NatsServerError::TooOld {
+            path: bin.clone(),
+            version: "2.9.25".into()
+        })
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn any_file_printing_no_version_is_rejected() {
+    let (dir, bin) = fake("garbage", "hello", 0o755);
+    match find_in(Some(bin.clone().into()), None, none()) {
+        Err(NatsServerError::VersionUnreadable { path, reason }) => {
+            assert_eq!(path, bin);
+            assert!(reason.contains("hello"), "{reason}");
+        }
+        other => panic!("expected VersionUnreadable, got {other:?}"),
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn current_server_on_path_is_accepted_and_non_executable_ones_passed_over() {
+    let (bad_dir, _) = fake("path-noexec", "nats-server: v2.10.22", 0o644);
+    let (good_dir, good) = fake("path-good", "nats-server: v2.10.0", 0o755);
+    let path_var = std::env::join_paths([&bad_dir, &good_dir]).unwrap();
+    assert_eq!(find_in(None, Some(path_var), none()), Ok(good));
+    assert_eq!(find_in(None, None, none()), Err(NatsServerError::NotFound));
+    std::fs::remove_dir_all(bad_dir).unwrap();
+    std::fs::remove_dir_all(good_dir).unwrap();
+}
+
+#[test]
+fn version_parsing_reads_the_first_semver_word() {
+    assert_eq!(parse_version("nats-server: v2.10.22\n"), Some((2, 10, 22)));
+    assert_eq!(parse_version("nats-server: v2.11.0-RC.1"), Some((2, 11, 0)));
+    assert_eq!(parse_version("nats-server: 2.10.22"), None);
+    assert_eq!(parse_version("v2.10"), None);
+}
