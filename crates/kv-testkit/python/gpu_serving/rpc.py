@@ -8,6 +8,7 @@ harness times a request from send to reply (client-observed latency).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import time
@@ -51,6 +52,10 @@ def serve(conn, handler: Any) -> None:
             conn.send({"ok": True, **res})
         except Exception as e:  # reported to the harness, which records it
             conn.send({"ok": False, "error": f"{e!r}\n{traceback.format_exc()}"})
+        finally:
+            # A timed request turns the collector off (engine.Stopwatch); one
+            # that raised mid-way must not leave it off for the rest of the run.
+            gc.enable()
 
 
 class Worker:

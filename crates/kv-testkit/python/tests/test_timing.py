@@ -177,3 +177,33 @@ def test_worker_processes_start_with_expandable_segments_unless_set(preset, monk
         w.proc.join(30)
     assert got == (preset or "expandable_segments:True")
     assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == preset  # the harness's own environment is untouched
+
+
+def test_serve_re_enables_gc_after_a_request_that_raised_with_it_off():
+    from gpu_serving import rpc
+
+    class Conn:
+        def __init__(self):
+            self.reqs, self.sent = [{"op": "boom"}, {"op": "exit"}], []
+
+        def recv(self):
+            return self.reqs.pop(0)
+
+        def send(self, m):
+            self.sent.append(m)
+
+    class H:
+        def op_boom(self):
+            gc.disable()
+            raise RuntimeError("mid-way")
+
+    c = Conn()
+    rpc.serve(c, H())
+    assert gc.isenabled() and c.sent[0]["ok"] is False and "mid-way" in c.sent[0]["error"]
+
+
+def test_repeats_below_one_is_refused(tmp_path, capsys):
+    from gpu_serving import harness
+
+    assert harness.main(["--out", str(tmp_path / "r.json"), "--repeats", "0"]) == 2
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
