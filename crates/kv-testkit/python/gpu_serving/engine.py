@@ -270,17 +270,19 @@ def block_checksums(rows: torch.Tensor, chunk: int = 16) -> List[int]:
 class Stopwatch:
     """Wall time in milliseconds between device-synchronised points, per named phase.
 
-    Construction runs ``gc.collect()`` and then disables the garbage
-    collector until :meth:`stop`: a collection inside a timed request would
-    add tens of ms to one sample only (the jitter the H200 runs showed). The
-    device is synchronised right before the clock starts and before every
-    reading, so queued work of an earlier request is not billed to this one.
+    Construction disables the garbage collector until :meth:`stop`: a
+    collection inside a timed request would add tens of ms to one sample
+    only (the jitter the H200 runs showed). It does not collect: a full
+    collection walks every tracked object (transformers holds many) and the
+    harness's client clock is already running; the untimed ``quiesce``
+    request collects beforehand. The device is synchronised right before the
+    clock starts and before every reading, so queued work of an earlier
+    request is not billed to this one.
     """
 
     def __init__(self, device: str) -> None:
         self.device = device
         self.phases: Dict[str, float] = {}  # phase name -> ms, in lap order
-        gc.collect()
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
         sync(device)

@@ -2,8 +2,8 @@
 
 The H200 runs showed identical requests 40+ ms apart. What this module
 removes from a timed sample, on both sides of the pipe: a garbage
-collection (``gc.collect()`` before, ``gc.disable()`` during; the worker's
-``engine.Stopwatch`` does the same inside), device work queued by an earlier
+collection (``gc.collect()`` before, ``gc.disable()`` during; inside the worker
+``quiesce`` collects and ``engine.Stopwatch`` keeps the collector off), device work queued by an earlier
 request (the worker's untimed ``quiesce`` drains it first), and one-off
 outliers (each measurement runs ``--repeats`` times; the turn row reports the
 minimum and keeps every sample).
