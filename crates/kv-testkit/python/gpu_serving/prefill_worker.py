@@ -192,7 +192,8 @@ class PrefillWorker(EngineWorker):
         r = engine.prefill(self.model, prompt[held:], base, sw=sw)
         ms = sw.stop()
         self.warm_next[session] = (list(prompt), r.cache)
-        return {"worker_ms": ms, "held_tokens": held, "first_token": r.first_token, "logits": _bits(r.logits)}
+        return {"worker_ms": ms, "phases_ms": sw.phases, "held_tokens": held, "first_token": r.first_token,
+                "logits": _bits(r.logits)}
 
     def op_warm_on(self, session: str, prompt: List[int], hint: Optional[bytes], hashes: List[int],
                    manifest: Optional[bytes]) -> Dict[str, Any]:
