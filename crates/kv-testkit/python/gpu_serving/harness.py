@@ -367,7 +367,9 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         turns.append(row)
         print(
             f"gpu_serving: [{time.perf_counter() - t_start:.0f} s] {sess.id} turn {t} history {row['history']}: OFF {off_ms:.1f} ms, ON {on_ms:.1f} ms"
-            f" ({row['fetched_tokens']} fetched, {row['verdict']}), ideal {row.get('ideal_ms', float('nan')):.1f} ms"
+            f" ({row['fetched_tokens']} fetched, {row['verdict']}; "
+            + " ".join(f"{k} {v:.1f}" for k, v in row["on_phases_ms"].items())
+            + f"), ideal {row.get('ideal_ms', float('nan')):.1f} ms"
             + (f"; warm OFF {row['warm']['off_ms']:.1f} ms, ON {row['warm']['on_ms']:.1f} ms"
                f" ({row['warm']['fetched_tokens']} fetched from block {row['warm']['fetch_from']})" if "warm" in row else ""),
             flush=True,
