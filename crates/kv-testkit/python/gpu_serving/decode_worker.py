@@ -100,7 +100,7 @@ class DecodeWorker(EngineWorker):
         sw = engine.Stopwatch(self.device)
         first = engine.prefill(self.model, prompt[held:], cache)
         out, cache = self._answer(session, prompt, first, gen)
-        decode_ms = sw.ms()
+        decode_ms = sw.stop()
         self.caches[session] = cache
         kv_tokens = (list(prompt) + out)[: engine.cache_len(cache)]
         sw = engine.Stopwatch(self.device)
@@ -109,7 +109,7 @@ class DecodeWorker(EngineWorker):
             "output": out,
             "computed_tokens": len(prompt) - held,
             "decode_ms": decode_ms,
-            "retain_ms": sw.ms(),
+            "retain_ms": sw.stop(),
             "events": self.bank.drain_events(),
             "manifest": self.bank.manifest(),
             "slots": self._all_slots(),

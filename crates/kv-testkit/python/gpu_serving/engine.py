@@ -16,8 +16,9 @@ carried as ``uint16`` (the wheel's ``Layout.typestr`` ``<u2``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -124,12 +125,16 @@ class PrefillResult:
 
 
 @torch.inference_mode()
-def prefill(model: LlamaForCausalLM, tokens: Sequence[int], cache: Optional[DynamicCache] = None) -> PrefillResult:
+def prefill(model: LlamaForCausalLM, tokens: Sequence[int], cache: Optional[DynamicCache] = None,
+            sw: Optional["Stopwatch"] = None) -> PrefillResult:
     """Prefill ``tokens`` on top of ``cache`` (None: from scratch); greedy first token.
 
     Only the last position's logits are computed (``logits_to_keep=1``): a 32K
     prefill would otherwise materialise 32K x vocab logits. ``cache`` is
     extended in place. Raises ``EngineError("tokens", ...)`` when empty.
+    ``sw``: when given, its ``forward`` lap ends after the forward pass (device
+    synchronised) and its ``readback`` lap after the first token reached the
+    host, so a timed request says which of the two its time went to.
     """
     if len(tokens) == 0:
         raise EngineError("tokens", "a prefill needs at least one token")
@@ -139,7 +144,12 @@ def prefill(model: LlamaForCausalLM, tokens: Sequence[int], cache: Optional[Dyna
         cache = DynamicCache()
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     logits = out.logits[0, -1]
-    return PrefillResult(int(torch.argmax(logits).item()), logits, out.past_key_values)
+    if sw is not None:
+        sw.lap("forward")
+    first = int(torch.argmax(logits).item())
+    if sw is not None:
+        sw.lap("readback")
+    return PrefillResult(first, logits, out.past_key_values)
 
 
 @torch.inference_mode()
@@ -258,14 +268,44 @@ def block_checksums(rows: torch.Tensor, chunk: int = 16) -> List[int]:
 
 
 class Stopwatch:
-    """Wall time in milliseconds between device-synchronised points."""
+    """Wall time in milliseconds between device-synchronised points, per named phase.
+
+    Construction disables the garbage collector until :meth:`stop`: a
+    collection inside a timed request would add tens of ms to one sample
+    only (the jitter the H200 runs showed). It does not collect: a full
+    collection walks every tracked object (transformers holds many) and the
+    harness's client clock is already running; the untimed ``quiesce``
+    request collects beforehand. The device is synchronised right before the
+    clock starts and before every reading, so queued work of an earlier
+    request is not billed to this one.
+    """
 
     def __init__(self, device: str) -> None:
         self.device = device
+        self.phases: Dict[str, float] = {}  # phase name -> ms, in lap order
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         sync(device)
         self.t0 = time.perf_counter()
+        self._last = self.t0
+
+    def lap(self, name: str) -> float:
+        """Ends phase ``name`` (added to it if repeated): its ms since the previous lap, device-synchronised."""
+        sync(self.device)
+        now = time.perf_counter()
+        ms = (now - self._last) * 1e3
+        self._last = now
+        self.phases[name] = self.phases.get(name, 0.0) + ms
+        return ms
 
     def ms(self) -> float:
         """Milliseconds since construction, after the device's queued work finished."""
         sync(self.device)
         return (time.perf_counter() - self.t0) * 1e3
+
+    def stop(self) -> float:
+        """:meth:`ms`, then the garbage collector is re-enabled (if it was on at construction)."""
+        ms = self.ms()
+        if self._gc_was_enabled:
+            gc.enable()
+        return ms

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional
 
 from . import rpc
 from .regimes import WarmRegime, bucket_table, donor_kill, warm_summary
+from .timing import best, phase_medians, timed
 from .workload import Workload, percentile
 # What --transport moves the KV through (the JSON's ``transport_path``).
 TRANSPORT_PATH = {"cuda": "cuda_ipc", "host": "host_shm"}
@@ -44,6 +45,12 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--greedy-tokens", type=int, default=16, help="greedy agreement length")
     p.add_argument("--greedy-every", type=int, default=1, help="check greedy agreement every Nth later turn")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed OFF / ON / ideal measurements per turn (the row reports the minimum, samples_ms keeps all)",
+    )
     p.add_argument(
         "--transport",
         choices=("cuda", "host"),
@@ -92,6 +99,10 @@ def bf16_bits_to_f32(bits: bytes):
 
 def main(argv: Optional[List[str]] = None) -> int:
     a = parse(argv)
+    if a.repeats < 1:
+        p_err = f"--repeats must be at least 1, got {a.repeats}"
+        print(f"gpu_serving: {p_err}", file=sys.stderr)
+        return 2
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -143,6 +154,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         result["phases_s"] = phases(started_s, result.pop("_advise_ms"), decode, prefill, result["wall_s"])
         for k, v in result["phases_s"].items():
             print(f"gpu_serving: phase {k} {v} s", flush=True)
+        for k, v in result["phase_p50_ms"].items():
+            print(f"gpu_serving: {k} per-phase p50 ms (later fetched turns): "
+                  + ", ".join(f"{n} {x:.2f}" for n, x in v.items()), flush=True)
         rc = 0
     except rpc.WorkerError as e:
         result = {"error": str(e)}
@@ -216,29 +230,55 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         hashes = kv_reuse.sequence_hashes(prompt, tpb)
         check_greedy = t > 0 and later % a.greedy_every == 0 and a.greedy_tokens > 0
 
-        def run_off():
-            off, off_ms = prefill.call("off", prompt=prompt)
-            g = prefill.call("greedy", n=a.greedy_tokens)[0]["greedy"] if check_greedy else None
-            return off, off_ms, g
-
-        # OFF and ON alternate which runs first, so neither always finds the
-        # caches and allocator warmed by the other.
-        off_first = len(turns) % 2 == 0
+        offs: List[Dict[str, Any]] = []
+        ons: List[Dict[str, Any]] = []
+        ideals: List[Dict[str, Any]] = []
+        on_logits_all: List[bytes] = []
+        on_sums: List[int] = []
+        off = off_greedy = on = advice = on_greedy = ideal = None
         warmup_ms = prefill.call("warmup", tokens=64)[0]["worker_ms"]
-        if off_first:
-            off, off_ms, off_greedy = run_off()
-        t0 = time.perf_counter()
-        advice = router.advise(f"{sess.id}-t{t}", hashes, ph["engine_id"])
-        advise_ms = (time.perf_counter() - t0) * 1e3
-        advise_total += advise_ms
-        on, on_call_ms = prefill.call("on", prompt=prompt, hint=advice.hint, hashes=hashes, manifest=manifest)
-        on_ms = advise_ms + on_call_ms
-        on_greedy = prefill.call("greedy", n=a.greedy_tokens)[0]["greedy"] if check_greedy else None
-        ideal = None
-        if on["fetched_tokens"] > 0:
-            ideal, ideal_ms = prefill.call("ideal", prompt=prompt)
-        if not off_first:
-            off, off_ms, off_greedy = run_off()
+        for rep in range(a.repeats):
+            # OFF and ON alternate which runs first, so neither always finds the
+            # caches and allocator warmed by the other.
+            off_first = (len(turns) + rep) % 2 == 0
+            greedy_now = check_greedy and rep == 0
+
+            def run_off():
+                r, _, smp = timed(prefill, "off", {"prompt": prompt})
+                g = prefill.call("greedy", n=a.greedy_tokens)[0]["greedy"] if greedy_now else None
+                return r, smp, g
+
+            if off_first:
+                o, smp, g = run_off()
+                offs.append(smp)
+                if off is None:
+                    off, off_greedy = o, g
+            rid = f"{sess.id}-t{t}" + (f"-r{rep}" if rep else "")
+            o, adv, smp = timed(
+                prefill, "on",
+                lambda adv: {"prompt": prompt, "hint": adv.hint, "hashes": hashes, "manifest": manifest},
+                before=lambda: router.advise(rid, hashes, ph["engine_id"]),
+            )
+            ons.append(smp)
+            on_logits_all.append(o["logits"])
+            advise_total += smp["phases_ms"]["advise"]
+            if rep == 0:
+                on, advice = o, adv
+                on_greedy = prefill.call("greedy", n=a.greedy_tokens)[0]["greedy"] if greedy_now else None
+                on_sums = prefill.call("fetched_checksums")[0]["checksums"]  # untimed
+            if o["fetched_tokens"] > 0:
+                idl, _, smp = timed(prefill, "ideal", {"prompt": prompt})
+                ideals.append(smp)
+                on_logits_all.append(idl["logits"])
+                if ideal is None:
+                    ideal = idl
+            if not off_first:
+                o, smp, g = run_off()
+                offs.append(smp)
+                if off is None:
+                    off, off_greedy = o, g
+        off_s, on_s = best(offs), best(ons)
+        off_ms, on_ms, advise_ms = off_s["ms"], on_s["ms"], on_s["phases_ms"]["advise"]
         row: Dict[str, Any] = {
             "session": sess.id,
             "turn": t,
@@ -257,7 +297,15 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
             "host_payload_bytes": on["host_payload_bytes"],
             "transport": on["transport"],
             "fell_back": on["fell_back"],
+            # Where the reported (minimum) sample's time went, and every sample.
+            "off_phases_ms": off_s["phases_ms"],
+            "on_phases_ms": on_s["phases_ms"],
+            "samples_ms": {"off": [round(x["ms"], 3) for x in offs], "on": [round(x["ms"], 3) for x in ons],
+                           "ideal": [round(x["ms"], 3) for x in ideals]},
         }
+        if ideals:
+            row["ideal_phases_ms"] = best(ideals)["phases_ms"]
+            ideal_ms = best(ideals)["ms"]
         if advice.hint is not None and on["fetched_tokens"] == 0:
             fallbacks += 1
         on_logits, off_logits = bf16_bits_to_f32(on["logits"]), bf16_bits_to_f32(off["logits"])
@@ -266,13 +314,14 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         if ideal is not None:
             row["ideal_ms"] = round(ideal_ms, 3)
             ref = decode.call("reference", session=sess.id, prompt=prompt, fetched_tokens=on["fetched_tokens"], greedy_n=0)[0]
-            eq = ref["logits"] == on["logits"] and ideal["logits"] == on["logits"]
+            # Every repetition's ON and ideal must give the same bits (a fetch is deterministic).
+            eq = ref["logits"] == on["logits"] and ideal["logits"] == on["logits"] and all(x == on["logits"] for x in on_logits_all)
             row["logits_bit_equal_to_donor"] = eq
             bit_equal &= eq
             max_diff = max(max_diff, diff)
             n = on["fetched_tokens"] // tpb
             want = decode.call("checksums", hashes=hashes[:n])[0]["checksums"]
-            row["checksums_equal"] = want == on["checksums"]
+            row["checksums_equal"] = want == on_sums
             if not row["checksums_equal"]:
                 false_completions += 1
         if check_greedy:
@@ -283,7 +332,8 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         if warm is not None:
             try:
                 prefill.call("warmup", tokens=64)  # the decode's reference / checksums ran on the GPU meanwhile
-                wr = warm.turn(prefill, sess.id, t, prompt, hashes, manifest, on_first=off_first)
+                wr = warm.turn(prefill, sess.id, t, prompt, hashes, manifest, on_first=len(turns) % 2 == 0,
+                               repeats=a.repeats)
             except rpc.WorkerError as e:
                 # The churn measurement goes on; the JSON says why warm stopped
                 # (kvq's warm_regime check fails on it).
@@ -317,7 +367,9 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         turns.append(row)
         print(
             f"gpu_serving: [{time.perf_counter() - t_start:.0f} s] {sess.id} turn {t} history {row['history']}: OFF {off_ms:.1f} ms, ON {on_ms:.1f} ms"
-            f" ({row['fetched_tokens']} fetched, {row['verdict']}), ideal {row.get('ideal_ms', float('nan')):.1f} ms"
+            f" ({row['fetched_tokens']} fetched, {row['verdict']}; "
+            + " ".join(f"{k} {v:.1f}" for k, v in row["on_phases_ms"].items())
+            + f"), ideal {row.get('ideal_ms', float('nan')):.1f} ms"
             + (f"; warm OFF {row['warm']['off_ms']:.1f} ms, ON {row['warm']['on_ms']:.1f} ms"
                f" ({row['warm']['fetched_tokens']} fetched from block {row['warm']['fetch_from']})" if "warm" in row else ""),
             flush=True,
@@ -379,6 +431,12 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
         "transport_path": TRANSPORT_PATH[a.transport],
         "turns": turns,
         "buckets": buckets,
+        # Median per phase of the reported (minimum) samples of later turns
+        # that fetched: where ON's time goes next to ideal's and OFF's.
+        "phase_p50_ms": {
+            k: phase_medians([r for r in later if r["fetched_tokens"] > 0], f"{k}_phases_ms") for k in ("on", "ideal", "off")
+        },
+        "repeats": a.repeats,
         "first_turns": {
             "turns": len(first),
             "off_p50_ms": percentile([r["off_ms"] for r in first], 50),

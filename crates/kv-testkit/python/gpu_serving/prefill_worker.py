@@ -19,6 +19,7 @@ device rows.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 from typing import Any, Dict, List, Optional
@@ -45,6 +46,7 @@ class PrefillWorker(EngineWorker):
         self.warm: Dict[str, Any] = {}
         self.warm_next: Dict[str, Any] = {}
         self.resident: Optional[torch.Tensor] = None
+        self.fetched: Optional[torch.Tensor] = None  # the last on / warm_on's used rows, for fetched_checksums
         self.last: Optional[engine.PrefillResult] = None  # for ``greedy``, untimed
         self.leaks_at_start = kv_reuse.leak_counters()
         self.fds_rebased = False
@@ -85,13 +87,13 @@ class PrefillWorker(EngineWorker):
         sw = engine.Stopwatch(self.device)
         r = engine.prefill(self.model, ids[:-1])
         engine.prefill(self.model, ids[-1:] * 16, r.cache)
-        return {"worker_ms": sw.ms()}
+        return {"worker_ms": sw.stop()}
 
     def op_off(self, prompt: List[int]) -> Dict[str, Any]:
         sw = engine.Stopwatch(self.device)
-        r = engine.prefill(self.model, prompt)
-        ms = sw.ms()
-        return {"worker_ms": ms, **self._first(r)}
+        r = engine.prefill(self.model, prompt, sw=sw)
+        ms = sw.stop()
+        return {"worker_ms": ms, "phases_ms": sw.phases, **self._first(r)}
 
     def _fetch(self, landing: transport.Landing, hint: bytes, hashes: List[int], manifest: Optional[bytes],
                held_blocks: int, kill_donor: Optional[int] = None):
@@ -134,7 +136,7 @@ class PrefillWorker(EngineWorker):
         rows = None
         if hint is not None:
             rows, fetch, fell_back, _ = self._fetch(self.landing, hint, hashes, manifest, 0, kill_donor)
-        fetch_ms = sw.ms()
+        fetch_ms = sw.lap("fetch")
         f = fetch["fetched_tokens"]
         if rows is not None and f >= len(prompt):
             # At least one token must be computed for a first token: drop the last block.
@@ -143,15 +145,23 @@ class PrefillWorker(EngineWorker):
             fetch["fetched_tokens"] = f
         if rows is not None and f > 0:
             cache = engine.cache_from_kv(engine.from_blocks(rows, self.shape, self.tpb))
-            r = engine.prefill(self.model, prompt[f:], cache)
+            sw.lap("relayout")
+            r = engine.prefill(self.model, prompt[f:], cache, sw=sw)
         else:
             f = fetch["fetched_tokens"] = 0
-            r = engine.prefill(self.model, prompt)
-        ms = sw.ms()
+            r = engine.prefill(self.model, prompt, sw=sw)
+        ms = sw.stop()
         self.resident = rows if f > 0 else None
-        res = {"worker_ms": ms, "fetch_ms": fetch_ms, "fell_back": fell_back, **fetch, **self._first(r)}
-        res["checksums"] = engine.block_checksums(rows) if f > 0 else []
-        return res
+        # Checksums are not part of a TTFT: the harness asks for them in a
+        # separate, untimed ``fetched_checksums`` (they cost tens of ms at 8K
+        # when they were computed before this reply went out).
+        self.fetched = rows if f > 0 else None
+        return {"worker_ms": ms, "fetch_ms": fetch_ms, "phases_ms": sw.phases, "fell_back": fell_back, **fetch, **self._first(r)}
+
+    def op_fetched_checksums(self) -> Dict[str, Any]:
+        """``engine.block_checksums`` of the blocks the last ``on`` / ``warm_on`` used (``[]`` when none); untimed."""
+        rows, self.fetched = self.fetched, None
+        return {"checksums": engine.block_checksums(rows) if rows is not None and rows.shape[0] > 0 else []}
 
     # The warm regime: this worker keeps, per session, the KV it computed for
     # the session's last prompt (its native prefix cache), and a second
@@ -179,10 +189,11 @@ class PrefillWorker(EngineWorker):
         base, held = self._warm_base(session, prompt)
         engine.sync(self.device)
         sw = engine.Stopwatch(self.device)
-        r = engine.prefill(self.model, prompt[held:], base)
-        ms = sw.ms()
+        r = engine.prefill(self.model, prompt[held:], base, sw=sw)
+        ms = sw.stop()
         self.warm_next[session] = (list(prompt), r.cache)
-        return {"worker_ms": ms, "held_tokens": held, "first_token": r.first_token, "logits": _bits(r.logits)}
+        return {"worker_ms": ms, "phases_ms": sw.phases, "held_tokens": held, "first_token": r.first_token,
+                "logits": _bits(r.logits)}
 
     def op_warm_on(self, session: str, prompt: List[int], hint: Optional[bytes], hashes: List[int],
                    manifest: Optional[bytes]) -> Dict[str, Any]:
@@ -193,7 +204,7 @@ class PrefillWorker(EngineWorker):
         rows, fetch, fell_back, start = None, {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}, None, 0
         if hint is not None:
             rows, fetch, fell_back, start = self._fetch(self.warm_landing, hint, hashes, manifest, held // self.tpb)
-        fetch_ms = sw.ms()
+        fetch_ms = sw.lap("fetch")
         n = rows.shape[0] if rows is not None else 0
         if n and (start + n) * self.tpb >= len(prompt):
             n = (len(prompt) - 1) // self.tpb - start  # at least one token computed
@@ -202,15 +213,16 @@ class PrefillWorker(EngineWorker):
             cache = engine.extended(base, start * self.tpb, engine.from_blocks(rows, self.shape, self.tpb)) if start else \
                 engine.cache_from_kv(engine.from_blocks(rows, self.shape, self.tpb))
             f = (start + n) * self.tpb
+            sw.lap("relayout")
         else:
             cache, f, n = base, held, 0
-        r = engine.prefill(self.model, prompt[f:], cache)
-        ms = sw.ms()
+        r = engine.prefill(self.model, prompt[f:], cache, sw=sw)
+        ms = sw.stop()
         fetch["fetched_tokens"] = n * self.tpb
+        self.fetched = rows if n > 0 else None  # checksummed by fetched_checksums, untimed
         return {
-            "worker_ms": ms, "fetch_ms": fetch_ms, "fell_back": fell_back, "held_tokens": held, "fetch_from": start,
-            **fetch, "first_token": r.first_token, "logits": _bits(r.logits),
-            "checksums": engine.block_checksums(rows) if n > 0 else [],
+            "worker_ms": ms, "fetch_ms": fetch_ms, "phases_ms": sw.phases, "fell_back": fell_back, "held_tokens": held,
+            "fetch_from": start, **fetch, "first_token": r.first_token, "logits": _bits(r.logits),
         }
 
     def op_warm_commit(self, session: str) -> Dict[str, Any]:
@@ -226,10 +238,11 @@ class PrefillWorker(EngineWorker):
         f = self.resident.shape[0] * self.tpb
         sw = engine.Stopwatch(self.device)
         cache = engine.cache_from_kv(engine.from_blocks(self.resident, self.shape, self.tpb))
-        r = engine.prefill(self.model, prompt[f:], cache)
-        ms = sw.ms()
+        sw.lap("relayout")
+        r = engine.prefill(self.model, prompt[f:], cache, sw=sw)
+        ms = sw.stop()
         self.resident = None
-        return {"worker_ms": ms, "first_token": r.first_token, "logits": _bits(r.logits)}
+        return {"worker_ms": ms, "phases_ms": sw.phases, "first_token": r.first_token, "logits": _bits(r.logits)}
 
     def _steady_fds(self) -> None:
         """On the cuda transport, re-bases ``open_fds`` at the first fetch (once).
@@ -242,6 +255,12 @@ class PrefillWorker(EngineWorker):
         if self.transport == "cuda" and not self.fds_rebased:
             self.fds_rebased = True
             self.fds_at_first_fetch = self.kv.leak_counters().get("open_fds")
+
+    def op_quiesce(self) -> Dict[str, Any]:
+        """Untimed, before each timed request: collect garbage and drain the device's queue."""
+        gc.collect()
+        engine.sync(self.device)
+        return {}
 
     def op_stats(self) -> Dict[str, Any]:
         now = self.kv.leak_counters()

@@ -19,10 +19,10 @@ before. Reported under ``donor_kill``.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Dict, List, Optional
 
 from .prefix_events import EventError, PrefixEvents
+from .timing import best, timed
 from .workload import percentile
 
 
@@ -42,26 +42,49 @@ class WarmRegime:
         for e in decode_events:
             self.events.learn(e)
 
-    def turn(self, prefill: Any, sess_id: str, t: int, prompt: List[int], hashes: List[int], manifest: Optional[bytes], on_first: bool) -> Dict[str, Any]:
-        """OFF-warm and ON-warm of one turn (order alternating with ``on_first``); the turn's ``warm`` row."""
+    def turn(self, prefill: Any, sess_id: str, t: int, prompt: List[int], hashes: List[int], manifest: Optional[bytes],
+             on_first: bool, repeats: int = 1) -> Dict[str, Any]:
+        """OFF-warm and ON-warm of one turn, ``repeats`` times each (order alternating, starting per ``on_first``).
 
-        def run_on():
-            t0 = time.perf_counter()
-            advice = self.router.advise(f"{sess_id}-t{t}-warm", hashes, self.engine)
-            advise_ms = (time.perf_counter() - t0) * 1e3
-            on, ms = prefill.call("warm_on", session=sess_id, prompt=prompt, hint=advice.hint, hashes=hashes, manifest=manifest)
-            return advice, advise_ms, on, ms
+        The turn's ``warm`` row: the minimum of each (``timing.timed`` samples,
+        all kept in ``samples_ms``), the first ON's fetch fields. The fetched
+        blocks' checksums are asked for after the first ON, untimed.
+        """
+        offs: List[Dict[str, Any]] = []
+        ons: List[Dict[str, Any]] = []
+        on = off = advice = None
+        sums: List[int] = []
+        logits_all: List[bytes] = []
 
-        if on_first:
-            advice, advise_ms, on, on_ms = run_on()
-        off, off_ms = prefill.call("warm_off", session=sess_id, prompt=prompt)
-        if not on_first:
-            advice, advise_ms, on, on_ms = run_on()
+        def run_on(rep: int):
+            nonlocal on, advice, sums
+            rid = f"{sess_id}-t{t}-warm" + (f"-r{rep}" if rep else "")
+            o, adv, smp = timed(
+                prefill, "warm_on",
+                lambda adv: {"session": sess_id, "prompt": prompt, "hint": adv.hint, "hashes": hashes, "manifest": manifest},
+                before=lambda: self.router.advise(rid, hashes, self.engine),
+            )
+            ons.append(smp)
+            logits_all.append(o["logits"])
+            if on is None:
+                on, advice = o, adv
+                sums = prefill.call("fetched_checksums")[0]["checksums"]
+
+        for rep in range(repeats):
+            first = on_first if rep % 2 == 0 else not on_first
+            if first:
+                run_on(rep)
+            o, _, smp = timed(prefill, "warm_off", {"session": sess_id, "prompt": prompt})
+            offs.append(smp)
+            off = off if off is not None else o
+            if not first:
+                run_on(rep)
         prefill.call("warm_commit", session=sess_id)
+        off_s, on_s = best(offs), best(ons)
         return {
-            "off_ms": round(off_ms, 3),
-            "on_ms": round(advise_ms + on_ms, 3),
-            "advise_ms": round(advise_ms, 3),
+            "off_ms": round(off_s["ms"], 3),
+            "on_ms": round(on_s["ms"], 3),
+            "advise_ms": round(on_s["phases_ms"]["advise"], 3),
             "fetch_ms": round(on["fetch_ms"], 3),
             "verdict": advice.verdict,
             "held_tokens": on["held_tokens"],
@@ -72,8 +95,12 @@ class WarmRegime:
             "transport": on["transport"],
             "fell_back": on["fell_back"],
             "advised": advice.hint is not None,
+            "off_phases_ms": off_s["phases_ms"],
+            "on_phases_ms": on_s["phases_ms"],
+            "samples_ms": {"off": [round(x["ms"], 3) for x in offs], "on": [round(x["ms"], 3) for x in ons]},
+            "on_repeats_bit_equal": all(x == on["logits"] for x in logits_all),
             "_logits": (on["logits"], off["logits"]),
-            "_checksums": on["checksums"],
+            "_checksums": sums,
         }
 
     def report(self, sess_id: str, prompt: List[int], hashes: List[int]) -> None:

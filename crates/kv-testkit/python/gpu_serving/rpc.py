@@ -8,10 +8,24 @@ harness times a request from send to reply (client-observed latency).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
+import os
 import time
 import traceback
 from typing import Any, Callable, Dict, Tuple
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+# Expandable segments grow one mapping instead of cudaMalloc-ing new segments
+# while a worker's memory climbs to tens of GB (a 32K prefill); the H200 runs
+# showed 40+ ms between identical requests, blamed on segment allocation.
+ALLOC_DEFAULT = "expandable_segments:True"
+
+
+def child_env(env: Dict[str, str]) -> Dict[str, str]:
+    """The variables a worker process gets on top of ``env``: ``ALLOC_CONF`` unless the caller set it."""
+    return {} if env.get(ALLOC_CONF) else {ALLOC_CONF: ALLOC_DEFAULT}
 
 
 class WorkerError(RuntimeError):
@@ -38,6 +52,10 @@ def serve(conn, handler: Any) -> None:
             conn.send({"ok": True, **res})
         except Exception as e:  # reported to the harness, which records it
             conn.send({"ok": False, "error": f"{e!r}\n{traceback.format_exc()}"})
+        finally:
+            # A timed request turns the collector off (engine.Stopwatch); one
+            # that raised mid-way must not leave it off for the rest of the run.
+            gc.enable()
 
 
 class Worker:
@@ -47,7 +65,18 @@ class Worker:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=main, args=(child, cfg), daemon=True)
-        self.proc.start()
+        # The child imports torch while unpickling ``main``, before any of its
+        # own code runs: the allocator setting must already be in the
+        # environment it inherits. Only the child's copy is changed.
+        saved = os.environ.get(ALLOC_CONF)
+        os.environ.update(child_env(os.environ))
+        try:
+            self.proc.start()
+        finally:
+            if saved is None:
+                os.environ.pop(ALLOC_CONF, None)
+            else:
+                os.environ[ALLOC_CONF] = saved
         child.close()
         # Milliseconds spent per request name (send to reply): the run's
         # per-phase time budget (``harness`` prints and records it).

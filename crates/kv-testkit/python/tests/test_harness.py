@@ -23,7 +23,7 @@ TINY += ["--transport", "host"]
 def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
     out = tmp_path / "r.json"
     argv = TINY + ["--out", str(out), "--sessions", "8", "--turns", "3", "--history-max", "1024"]
-    argv += ["--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--greedy-every", "2"]
+    argv += ["--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--greedy-every", "2", "--repeats", "2"]
     assert harness.main(argv) == 0
     r = json.loads(out.read_text())
     assert r["model"] == "tiny" and r["regime"] == "churn+warm"
@@ -41,6 +41,13 @@ def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
     # Today's wheel moves the bytes through host shared memory: honest host payload.
     assert r["transport"] == ["memcpy"] and r["transport_path"] == "host_shm"
     assert r["truncated"] is None
+    # Two samples of each timed request, the minimum reported, ON split per phase.
+    assert r["repeats"] == 2
+    for t in fetched:
+        assert len(t["samples_ms"]["on"]) == 2 and t["on_ms"] == min(t["samples_ms"]["on"])
+        assert set(t["on_phases_ms"]) == {"advise", "fetch", "relayout", "forward", "readback", "rpc"}
+        assert set(t["ideal_phases_ms"]) == {"relayout", "forward", "readback", "rpc"}
+    assert set(r["phase_p50_ms"]["on"]) >= {"fetch", "forward"} and r["phase_p50_ms"]["on"]["forward"] > 0
     # Every request kind of both workers is in the phase budget, and the phases add up.
     assert {"start", "advise", "prefill.on", "prefill.off", "decode.turn"} <= set(r["phases_s"])
     assert abs(sum(r["phases_s"].values()) - r["wall_s"]) < 0.5

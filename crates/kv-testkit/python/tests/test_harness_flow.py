@@ -93,6 +93,11 @@ class Prefill:
             return {"worker_ms": 1.0, "held_tokens": 0, **first}, 3.0
         if op == "warmup":
             return {"worker_ms": 5.0}, 5.0
+        if op == "quiesce":
+            return {}, 0.1
+        if op == "fetched_checksums":
+            last = next(c for c in reversed(self.calls) if c[0] in ("on", "warm_on"))
+            return {"checksums": [11] * 2 if last[1].get("hint") and not last[1].get("kill_donor") else []}, 0.1
         if op == "greedy":
             return {"greedy": [1] * kw["n"]}, 1.0
         if op == "warm_commit":
@@ -103,16 +108,18 @@ class Prefill:
             raise rpc.WorkerError("warm_on", "boom")
         hint = kw.get("hint")
         if kw.get("kill_donor"):
-            fetch = {"fetched_tokens": 0, "fell_back": ["gone", "transfer", "dead"], "checksums": []}
+            fetch = {"fetched_tokens": 0, "fell_back": ["gone", "transfer", "dead"]}
         elif hint:
-            n = 2
-            fetch = {"fetched_tokens": n * B, "fell_back": None, "checksums": [11] * n}
+            fetch = {"fetched_tokens": 2 * B, "fell_back": None}
         else:
-            fetch = {"fetched_tokens": 0, "fell_back": None, "checksums": []}
+            fetch = {"fetched_tokens": 0, "fell_back": None}
         fetch.update(bytes=fetch["fetched_tokens"] * 10, host_payload_bytes=0, transport="cuda_same_device_copy", fetch_ms=0.5)
         if op == "warm_on":
             fetch.update(held_tokens=10, fetch_from=1 if hint else 0)
-        return {"worker_ms": 1.0, **fetch, **first}, 2.0
+        # Later ON samples are faster: the row must report the minimum.
+        ms = 2.0 - 0.5 * len([c for c in self.calls if c[0] == op and c[1].get("session") == kw.get("session")
+                               and c[1]["prompt"] == kw["prompt"]][1:])
+        return {"worker_ms": 1.0, "phases_ms": {"fetch": 0.25, "forward": 0.5}, **fetch, **first}, ms
 
 
 @pytest.fixture
@@ -128,12 +135,12 @@ def harness_mods():
     stubs.restore(saved)
 
 
-def run(harness, kv, prefill):
+def run(harness, kv, prefill, *extra):
     from gpu_serving.workload import Workload
 
     argv = ["--out", "x", "--model", "tiny", "--prefill-device", "cpu", "--decode-device", "cpu", "--transport", "host",
             "--sessions", "8", "--turns", "3", "--history-max", "1024", "--turn-tokens", "40", "60",
-            "--gen-tokens", "8", "16", "--tokens-per-block", str(B), "--greedy-every", "2"]
+            "--gen-tokens", "8", "16", "--tokens-per-block", str(B), "--greedy-every", "2", *extra]
     a = harness.parse(argv)
     w = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), 256, a.seed)
     return harness.run(a, w, w.build(), Decode(), prefill, kv, [], 100, 70, 0.0)
@@ -165,3 +172,24 @@ def test_a_failing_warm_request_stops_warm_only(harness_mods):
     assert "warm_on: boom" in r["warm_error"]
     assert len(r["turns"]) == 24 and r["fetched_turns"] == 16  # churn measured throughout
     assert sum(1 for t in r["turns"] if "warm" in t) == 3
+
+
+def test_repeats_report_the_minimum_keep_every_sample_and_time_per_phase(harness_mods):
+    harness, kv = harness_mods
+    prefill = Prefill()
+    r = run(harness, kv, prefill, "--repeats", "3")
+    assert r["repeats"] == 3 and r["logits_bit_equal_to_donor"] is True and r["false_completions"] == 0
+    t = next(x for x in r["turns"] if x["turn"] > 0 and x["fetched_tokens"] > 0)
+    assert len(t["samples_ms"]["on"]) == 3 and len(t["samples_ms"]["off"]) == 3 and len(t["samples_ms"]["ideal"]) == 3
+    assert t["on_ms"] == min(t["samples_ms"]["on"]) < t["samples_ms"]["on"][0]
+    assert t["on_phases_ms"]["fetch"] == 0.25 and t["on_phases_ms"]["rpc"] == 0.0  # the min sample: 1.0 ms call, 1.0 in the worker
+    assert set(t["on_phases_ms"]) == {"fetch", "forward", "advise", "rpc"}
+    assert r["phase_p50_ms"]["on"]["forward"] == 0.5 and "advise" in r["phase_p50_ms"]["on"]
+    assert "advise" not in r["phase_p50_ms"]["ideal"] and r["phase_p50_ms"]["off"] == {"rpc": 2.0}
+    assert len(t["warm"]["samples_ms"]["on"]) == 3 and t["warm"]["on_repeats_bit_equal"] is True
+    # Every timed request was preceded by an untimed quiesce; checksums asked once per ON turn, untimed.
+    ops = [c[0] for c in prefill.calls]
+    for i, op in enumerate(ops):
+        if op in ("on", "off", "ideal", "warm_on", "warm_off") and not prefill.calls[i][1].get("kill_donor"):
+            assert ops[i - 1] == "quiesce", (i, op)
+    assert ops.count("fetched_checksums") == 2 * 24  # one per churn turn and one per warm turn

@@ -73,13 +73,16 @@ def test_report_tells_the_router_each_sealed_block_once_in_chain_order():
 def test_a_warm_turn_advises_the_warm_engine_and_commits_after_both_runs():
     on = {"fetch_ms": 1.0, "held_tokens": 8, "fetch_from": 2, "fetched_tokens": 4, "bytes": 64,
           "host_payload_bytes": 0, "transport": "cuda_same_device_copy", "fell_back": None,
-          "logits": b"on", "checksums": [5]}
+          "logits": b"on"}
     for on_first, order in ((True, ["warm_on", "warm_off"]), (False, ["warm_off", "warm_on"])):
-        router, prefill = FakeRouter(), FakePrefill({"warm_on": on, "warm_off": {"logits": b"off"}})
+        router = FakeRouter()
+        prefill = FakePrefill({"warm_on": on, "warm_off": {"logits": b"off"}, "fetched_checksums": {"checksums": [5]}})
         row = WarmRegime(router, WARM, B).turn(prefill, "s1", 2, [1] * 12, [9, 8, 7], b"m", on_first)
-        assert [c[0] for c in prefill.calls] == order + ["warm_commit"]
+        timed = [c[0] for c in prefill.calls if c[0] != "quiesce"]
+        assert timed == [x for o in order for x in ([o, "fetched_checksums"] if o == "warm_on" else [o])] + ["warm_commit"]
+        assert row["_checksums"] == [5]
         assert router.advised == [("s1-t2-warm", WARM)]
-        assert prefill.calls[order.index("warm_on")][1]["hint"] == b"hint"
+        assert next(c for c in prefill.calls if c[0] == "warm_on")[1]["hint"] == b"hint"
         assert row["on_ms"] > 10.0 and row["off_ms"] == 10.0  # ON includes the advise
         assert row["fetch_from"] == 2 and row["advised"] and row["_logits"] == (b"on", b"off")
 

@@ -1,0 +1,212 @@
+"""Timed-region hygiene and per-phase timing (stand-in torch, no GPU).
+
+What the H200 runs lacked: where ON's time goes (phases), a garbage
+collector kept out of timed requests, the device drained before a timer
+starts, repeated samples with the minimum reported, the checksum work out
+of ON's timed request, and the allocator setting in the workers'
+environment before they import torch.
+"""
+
+import gc
+import os
+import sys
+import types
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import stubs  # noqa: E402
+
+
+@pytest.fixture
+def mods():
+    saved = stubs.install()
+    from gpu_serving import engine, prefill_worker, timing
+
+    yield types.SimpleNamespace(engine=engine, prefill_worker=prefill_worker, timing=timing, torch=sys.modules["torch"])
+    stubs.restore(saved)
+    gc.enable()
+
+
+def test_stopwatch_syncs_around_laps_and_keeps_gc_off_until_stop(mods, monkeypatch):
+    torch = mods.torch
+    torch.cuda.synced.clear()
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1) or 0)
+    sw = mods.engine.Stopwatch("cuda:0")
+    assert collected == []  # no full collection on the client's clock: quiesce did it
+    assert torch.cuda.synced == ["cuda:0"]  # drained before the clock started
+    assert not gc.isenabled()
+    sw.lap("fetch")
+    sw.lap("forward")
+    sw.lap("fetch")  # a repeated phase adds up
+    assert list(sw.phases) == ["fetch", "forward"] and all(v >= 0.0 for v in sw.phases.values())
+    assert len(torch.cuda.synced) == 4
+    total = sw.stop()
+    assert gc.isenabled() and len(torch.cuda.synced) == 5
+    assert total >= sum(sw.phases.values())
+
+
+def test_stopwatch_leaves_gc_off_when_the_caller_had_it_off(mods):
+    gc.disable()
+    mods.engine.Stopwatch("cpu").stop()
+    assert not gc.isenabled()
+
+
+def test_prefill_laps_forward_then_readback(mods):
+    torch = mods.torch
+    order = []
+
+    class Logits:
+        def __getitem__(self, k):
+            return self
+
+    class Model:
+        device = "cpu"
+
+        def __call__(self, **kw):
+            order.append("forward")
+            return types.SimpleNamespace(logits=Logits(), past_key_values="cache")
+
+    class Arg:
+        def item(self):
+            order.append("item")
+            return 7
+
+    torch.argmax = lambda x: Arg()
+
+    class SW:
+        def lap(self, name):
+            order.append(name)
+
+    r = mods.engine.prefill(Model(), [1, 2, 3], cache="given", sw=SW())
+    assert r.first_token == 7 and order == ["forward", "forward", "item", "readback"]
+
+
+class Worker:
+    """A fake rpc.Worker recording each call and whether gc was on during it."""
+
+    def __init__(self, replies):
+        self.calls, self.replies = [], replies
+
+    def call(self, op, **kw):
+        self.calls.append((op, kw, gc.isenabled()))
+        return dict(self.replies.get(op, {})), 10.0
+
+
+def test_timed_quiesces_first_keeps_gc_off_and_splits_advise_and_rpc(mods):
+    w = Worker({"on": {"worker_ms": 7.5, "phases_ms": {"fetch": 2.0, "forward": 5.0}}})
+    reply, adv, s = mods.timing.timed(w, "on", lambda h: {"hint": h}, before=lambda: "H")
+    assert [c[0] for c in w.calls] == ["quiesce", "on"]
+    assert w.calls[1][1] == {"hint": "H"} and w.calls[1][2] is False  # gc off during the timed call
+    assert gc.isenabled() and adv == "H"
+    assert s["worker_ms"] == 7.5 and s["ms"] >= 10.0
+    assert s["phases_ms"]["fetch"] == 2.0 and s["phases_ms"]["rpc"] == 2.5 and s["phases_ms"]["advise"] >= 0.0
+
+
+def test_best_and_phase_medians(mods):
+    t = mods.timing
+    assert t.best([{"ms": 3.0, "i": 0}, {"ms": 1.0, "i": 1}, {"ms": 1.0, "i": 2}])["i"] == 1
+    with pytest.raises(ValueError):
+        t.best([])
+    rows = [{"p": {"a": 1.0, "b": 4.0}}, {"p": {"a": 3.0}}, {"p": {"a": 2.0, "b": 6.0}}, {}]
+    assert t.phase_medians(rows, "p") == {"a": 2.0, "b": 4.0}
+
+
+def fake_self(mods, rows, fetched_tokens):
+    """A PrefillWorker's state for op_on with engine calls replaced by recorders."""
+    e = mods.engine
+    calls = []
+    e.from_blocks = lambda r, s, b: calls.append("from_blocks") or [("k", "v")]
+    e.cache_from_kv = lambda kv: calls.append("cache_from_kv") or "cache"
+
+    def prefill(model, toks, cache=None, sw=None):
+        calls.append(("prefill", len(toks), cache))
+        sw.lap("forward")
+        sw.lap("readback")
+        return e.PrefillResult(3, "logits", "cache")
+
+    e.prefill = prefill
+    e.block_checksums = lambda r: calls.append("block_checksums") or [len(r)] * len(r)
+    fetch = {"fetched_tokens": fetched_tokens, "bytes": 1, "host_payload_bytes": 0, "transport": "cuda_ipc"}
+    me = types.SimpleNamespace(device="cpu", tpb=4, shape=None, model=None, landing=None, resident=None, fetched=None,
+                               _fetch=lambda *a: (rows, dict(fetch), None, 0), _first=lambda r: {"first_token": r.first_token})
+    return me, calls
+
+
+class Rows(list):
+    @property
+    def shape(self):
+        return (len(self),)
+
+
+def test_on_reply_carries_phases_and_no_checksums_which_come_untimed_after(mods):
+    P = mods.prefill_worker.PrefillWorker
+    me, calls = fake_self(mods, Rows([0, 1, 2]), 12)
+    res = P.op_on(me, list(range(20)), b"hint", [1, 2, 3], None)
+    assert "checksums" not in res and "block_checksums" not in calls
+    assert list(res["phases_ms"]) == ["fetch", "relayout", "forward", "readback"]
+    assert res["fetch_ms"] == res["phases_ms"]["fetch"] and res["fetched_tokens"] == 12
+    assert calls[-1] == ("prefill", 8, "cache")
+    assert P.op_fetched_checksums(me) == {"checksums": [3, 3, 3]}
+    assert P.op_fetched_checksums(me) == {"checksums": []}  # consumed
+
+
+def test_on_without_a_fetch_has_no_relayout_and_no_checksums(mods):
+    P = mods.prefill_worker.PrefillWorker
+    me, calls = fake_self(mods, None, 0)
+    res = P.op_on(me, list(range(20)), None, [], None)
+    assert list(res["phases_ms"]) == ["fetch", "forward", "readback"]
+    assert P.op_fetched_checksums(me) == {"checksums": []}
+
+
+def probe_env(conn, cfg):
+    conn.send(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+
+
+@pytest.mark.parametrize("preset", [None, "backend:native"])
+def test_worker_processes_start_with_expandable_segments_unless_set(preset, monkeypatch):
+    from gpu_serving import rpc
+
+    if preset is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", preset)
+    w = rpc.Worker(probe_env, {})
+    try:
+        got = w.conn.recv()
+    finally:
+        w.proc.join(30)
+    assert got == (preset or "expandable_segments:True")
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == preset  # the harness's own environment is untouched
+
+
+def test_serve_re_enables_gc_after_a_request_that_raised_with_it_off():
+    from gpu_serving import rpc
+
+    class Conn:
+        def __init__(self):
+            self.reqs, self.sent = [{"op": "boom"}, {"op": "exit"}], []
+
+        def recv(self):
+            return self.reqs.pop(0)
+
+        def send(self, m):
+            self.sent.append(m)
+
+    class H:
+        def op_boom(self):
+            gc.disable()
+            raise RuntimeError("mid-way")
+
+    c = Conn()
+    rpc.serve(c, H())
+    assert gc.isenabled() and c.sent[0]["ok"] is False and "mid-way" in c.sent[0]["error"]
+
+
+def test_repeats_below_one_is_refused(tmp_path, capsys):
+    from gpu_serving import harness
+
+    assert harness.main(["--out", str(tmp_path / "r.json"), "--repeats", "0"]) == 2
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
