@@ -17,6 +17,20 @@ from conftest import BLOCKS, TOKENS_PER_BLOCK
 from donor_proc import pattern
 from test_roles import router_for
 
+
+@pytest.fixture
+def enabled():
+    """Reuse with the GPU path on (overrides conftest's host-path settings).
+
+    A CUDA donor bank is the cost model's GPU path: without
+    ``enable_decode_to_prefill_gpu_reuse`` every advice is
+    ``Refuse(GpuPathDisabled)`` (seen on the H200 before this fixture).
+    """
+    return kv_reuse.Settings(
+        {"enable_decode_to_prefill_reuse": True, "enable_decode_to_prefill_gpu_reuse": True}, env={}
+    )
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # TP 1 on GPU 0: a bank refuses two TP ranks on one GPU (each rank's part
 # names its device), and the lent H200 has one.
