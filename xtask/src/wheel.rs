@@ -115,16 +115,9 @@ pub fn build(profile: WheelProfile) -> Result<(PathBuf, std::time::Duration)> {
     let out = profile.out_dir();
     let root = workspace::root();
     let mut maturin = Command::new(venv_bin("maturin"));
-    if profile == WheelProfile::Dev {
-        // The workspace crates' features of `cargo test --workspace`, so
-        // that they are the same units and reused (see [`DEV_FEATURES`]).
-        maturin.args(["--features", DEV_FEATURES]);
-    }
     maturin
         .current_dir(&root)
-        // `--strip`: the extension's symbols and line tables are 3/4 of its
-        // 34 MB, and the wheel travels in the GPU bundle (64 MiB carry limit).
-        .args(["build", "--profile", profile.cargo_profile(), "--strip"])
+        .args(maturin_args(profile))
         .arg("--manifest-path")
         .arg(root.join("crates/kv-reuse-py/Cargo.toml"))
         .arg("--out")
@@ -135,6 +128,21 @@ pub fn build(profile: WheelProfile) -> Result<(PathBuf, std::time::Duration)> {
     command::run(&mut maturin)?;
     let took = started.elapsed();
     Ok((newest_wheel(&out)?, took))
+}
+
+/// maturin's subcommand and build options for `profile`, in the order
+/// maturin's CLI takes them: `build` first, then its options (an option
+/// before the subcommand is refused: "unexpected argument '--features'").
+fn maturin_args(profile: WheelProfile) -> Vec<&'static str> {
+    // `--strip`: the extension's symbols and line tables are 3/4 of its
+    // 34 MB, and the wheel travels in the GPU bundle (64 MiB carry limit).
+    let mut args = vec!["build", "--profile", profile.cargo_profile(), "--strip"];
+    if profile == WheelProfile::Dev {
+        // The workspace crates' features of `cargo test --workspace`, so
+        // that they are the same units and reused (see [`DEV_FEATURES`]).
+        args.extend(["--features", DEV_FEATURES]);
+    }
+    args
 }
 
 /// Builds the dev-profile wheel into `<target>/wheels` and installs it into
@@ -273,6 +281,22 @@ mod tests {
 
     /// The dev wheel resolves every crate but pyo3's with features the
     /// workspace test build also resolves, so it reuses that build's units.
+    #[test]
+    fn maturin_gets_the_build_subcommand_before_its_options() {
+        for profile in [WheelProfile::Dev, WheelProfile::Release] {
+            let args = maturin_args(profile);
+            assert_eq!(args[0], "build", "{args:?}");
+            assert!(args.contains(&"--strip"), "{args:?}");
+        }
+        let dev = maturin_args(WheelProfile::Dev);
+        let at = dev
+            .iter()
+            .position(|a| *a == "--features")
+            .expect("dev wheel names its features");
+        assert_eq!(dev[at + 1], DEV_FEATURES);
+        assert!(!maturin_args(WheelProfile::Release).contains(&"--features"));
+    }
+
     #[test]
     fn dev_wheel_features_match_the_workspace_test_build() {
         let ws = tree(&["--workspace", "-e", "normal,build,dev"]);

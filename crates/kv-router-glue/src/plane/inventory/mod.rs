@@ -30,11 +30,15 @@ use tokio::sync::{mpsc, oneshot};
 pub use in_process::InProcessInventory;
 #[cfg(feature = "nats")]
 pub use nats::NatsInventory;
+// Used by the router service's follower only.
+#[cfg(feature = "service")]
 pub(crate) use sync::STALE_RETRIES;
 pub use sync::{
     InventorySync, RebuildReport, SnapshotAsker, SnapshotPages, SyncOutcome,
     DEFAULT_INVENTORY_TIMEOUT,
 };
+// Used by the worker agents and tests only.
+#[cfg(any(feature = "worker", test))]
 pub(crate) use wire::all_ranks;
 pub use wire::{
     InventoryRefusal, InventoryReply, InventoryRequest, InventorySnapshot, InventoryWireError,
