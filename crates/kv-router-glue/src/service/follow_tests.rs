@@ -269,9 +269,9 @@ async fn an_unresponsive_worker_does_not_hold_other_workers_events() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_followed_receiver_resumes_after_the_snapshot() {
-    use kv_descriptor::{SequenceHash, StoredBlock, TokenBlockHash};
+    use kv_descriptor::{SequenceHash, TokenBlockHash};
 
-    use crate::{InProcessDirectory, InProcessPlane, KvEventPublisher, PublisherHeader};
+    use crate::{InProcessDirectory, InProcessPlane};
 
     let lease = kv_descriptor::OwnerLease::fresh(Role::Decode);
     let engine = lease.engine_id;
@@ -279,32 +279,15 @@ async fn a_followed_receiver_resumes_after_the_snapshot() {
     let subject = crate::Subject::new("t", "decode", "kv_events").unwrap();
     // A replay ring of 2, shorter than the 6 events published before the
     // router started.
-    let publisher = Arc::new(KvEventPublisher::new(
+    let (publisher, _resync) = crate::plane::inventory::test_support::idle_worker_after_six_events(
         events.clone(),
-        subject.clone(),
-        PublisherHeader {
-            publisher: engine,
-            role: Role::Decode,
-            layout_fingerprint: LayoutFingerprint(9),
-            tp_size: 1,
-        },
-        2,
-    ));
-    let _resync = publisher.serve_resync().await.unwrap();
-    let stored_at = |slot: u32| KvEventData::Stored {
-        parent: None,
-        blocks: vec![StoredBlock {
-            sequence_hash: SequenceHash(5000 + u64::from(slot)),
-            token_hash: TokenBlockHash(7),
-            slot: Some(slot),
-        }],
-    };
-    for slot in 0..6 {
-        publisher
-            .publish(StorageTier::RetainedGpuDirect, stored_at(slot))
-            .await
-            .unwrap();
-    }
+        &subject,
+        engine,
+        LayoutFingerprint(9),
+        1,
+    )
+    .await;
+    let stored_at = crate::plane::inventory::test_support::stored_at;
     // The worker's snapshot: its 6 blocks, consistent with event 6.
     let plane = crate::InProcessInventory::new();
     let mut server = plane

@@ -19,6 +19,8 @@ mod in_process;
 mod nats;
 mod sync;
 #[cfg(test)]
+pub(crate) mod test_support;
+#[cfg(test)]
 mod tests;
 mod wire;
 

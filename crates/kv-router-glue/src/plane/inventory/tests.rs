@@ -359,45 +359,25 @@ async fn a_bad_snapshot_is_refused_typed_and_applies_nothing() {
 async fn after_a_snapshot_the_next_event_is_applied_before_the_gap_timeout() {
     use std::sync::Arc;
 
-    use kv_descriptor::{KvEventData, Role, StorageTier, StoredBlock};
+    use kv_descriptor::{Role, StorageTier};
     use kv_lookup::{EventOutcome, InventoryIndex, WorkerInfo, WorkerKey};
 
-    use crate::{
-        EventPlane, InProcessPlane, KvEventPublisher, KvEventReceiver, KvStreamItem,
-        PublisherHeader,
-    };
+    use crate::{EventPlane, InProcessPlane, KvEventReceiver, KvStreamItem};
 
     let engine = EngineId(uuid::Uuid::from_u128(9));
     let gap_timeout = Duration::from_secs(2);
     let events: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
     let subject = crate::Subject::new("qa", "decode", "kv_events").unwrap();
-    let publisher = Arc::new(KvEventPublisher::new(
-        events.clone(),
-        subject.clone(),
-        PublisherHeader {
-            publisher: engine,
-            role: Role::Decode,
-            layout_fingerprint: LayoutFingerprint(0xF1),
-            tp_size: 2,
-        },
-        2,
-    ));
-    let _resync = publisher.serve_resync().await.unwrap();
-    let stored = |slot: u32| KvEventData::Stored {
-        parent: None,
-        blocks: vec![StoredBlock {
-            sequence_hash: SequenceHash(5000 + u64::from(slot)),
-            token_hash: TokenBlockHash(7),
-            slot: Some(slot),
-        }],
-    };
     // Events 1..=6 before the router (re)started: nobody heard them.
-    for slot in 0..6 {
-        publisher
-            .publish(StorageTier::RetainedGpuDirect, stored(slot))
-            .await
-            .unwrap();
-    }
+    let (publisher, _resync) = super::test_support::idle_worker_after_six_events(
+        events.clone(),
+        &subject,
+        engine,
+        LayoutFingerprint(0xF1),
+        2,
+    )
+    .await;
+    let stored = super::test_support::stored_at;
     let mut rx = KvEventReceiver::subscribe(events, &subject, gap_timeout)
         .await
         .unwrap();
