@@ -9,7 +9,7 @@ import pytest
 import kv_reuse
 from conftest import BLOCKS, TOKENS_PER_BLOCK
 from donor_proc import pattern
-from test_roles import donor, router_for  # noqa: F401  (fixture)
+from test_roles import donor, router_for, router_for_bank  # noqa: F401  (fixture)
 
 
 class FakeCuda:
@@ -56,12 +56,7 @@ def test_a_dlpack_cpu_source_is_stored_byte_for_byte(layout, enabled, tmp_path):
     caches = [np.zeros((8, n), dtype=np.float32) for _ in range(layout.tp_size)]
     with bank.serve_pins(endpoint):
         target = kv_reuse.Target(layout, rows=8, kv_caches=caches)
-        router = kv_reuse.Router(enabled, TOKENS_PER_BLOCK)
-        router.register_worker(1, bank.engine_id, "decode", layout)
-        router.register_worker(2, target.engine_id, "prefill", layout)
-        for e in bank.drain_events():
-            router.apply_event(e)
-        router.report_donor(bank.manifest(), endpoint, dict(zip(hashes, bank.slots(hashes))))
+        router = router_for_bank(bank, endpoint, hashes, layout, enabled, target)
         advice = router.advise("req-dl", hashes, target.engine_id)
         assert advice.admitted, advice.verdict
         with target.fetch(advice.hint, hashes, bank.manifest()) as out:

@@ -70,6 +70,23 @@ def router_for(report, layout, settings, target):
     return router
 
 
+def router_for_bank(bank, endpoint, hashes, layout, settings, target):
+    """``router_for`` for a donor bank in this process: its events drained,
+    its manifest reported with the pin ``endpoint`` and the slots of ``hashes``."""
+    return router_for(
+        {
+            "engine_id": bank.engine_id,
+            "events": [e.hex() for e in bank.drain_events()],
+            "manifest": bank.manifest().hex(),
+            "endpoint": endpoint,
+            "slots": dict(zip(hashes, bank.slots(hashes))),
+        },
+        layout,
+        settings,
+        target,
+    )
+
+
 def test_round_trip_store_events_advise_fetch_across_processes(donor, layout, enabled):
     proc, report = donor
     assert report["ready"] == [False, True]

@@ -11,6 +11,7 @@ import kv_reuse
 from conftest import TOKENS_PER_BLOCK
 from donor_proc import pattern
 from test_arrays import FakeCuda
+from test_roles import router_for_bank
 
 
 def rows_for(layout, rank, blocks):
@@ -26,12 +27,7 @@ def fetch_back(bank, layout, enabled, hashes, tmp_path):
     caches = [np.full((16, n), -1.0, dtype=np.float32) for _ in range(layout.tp_size)]
     with bank.serve_pins(endpoint):
         target = kv_reuse.Target(layout, rows=16, kv_caches=caches)
-        router = kv_reuse.Router(enabled, TOKENS_PER_BLOCK)
-        router.register_worker(1, bank.engine_id, "decode", layout)
-        router.register_worker(2, target.engine_id, "prefill", layout)
-        for e in bank.drain_events():
-            router.apply_event(e)
-        router.report_donor(bank.manifest(), endpoint, dict(zip(hashes, bank.slots(hashes))))
+        router = router_for_bank(bank, endpoint, hashes, layout, enabled, target)
         advice = router.advise("req-store", hashes, target.engine_id)
         assert advice.admitted, advice.verdict
         with target.fetch(advice.hint, hashes, bank.manifest()) as out:
