@@ -453,18 +453,7 @@ fn plot(path: &Path, v: &Value) -> Result<(), String> {
     };
     let all: Vec<(f64, f64)> = series.iter().flat_map(|(_, k, _)| points(k)).collect();
     let x_max = all.iter().map(|p| p.0).fold(1.0_f64, f64::max) * 1.05;
-    let y_min = all
-        .iter()
-        .map(|p| p.1)
-        .fold(f64::INFINITY, f64::min)
-        .clamp(1e-3, 1e9)
-        * 0.8;
-    let y_max = all
-        .iter()
-        .map(|p| p.1)
-        .fold(0.0_f64, f64::max)
-        .max(y_min * 10.0)
-        * 1.2;
+    let (y_min, y_max) = crate::report::log_axis(all.iter().map(|p| p.1), 0.8, 1.2);
     let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)
@@ -494,13 +483,7 @@ fn plot(path: &Path, v: &Value) -> Result<(), String> {
             .label(label)
             .legend(move |(x, y)| Circle::new((x + 9, y), 3, color.filled()));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(&e))?;
+    crate::report::draw_legend(&mut chart, SeriesLabelPosition::UpperLeft).map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))
 }
 

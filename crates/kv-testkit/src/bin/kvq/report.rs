@@ -221,6 +221,39 @@ pub fn write(r: &Record, dir: &Path) -> Result<(), String> {
     std::fs::write(&path, md).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
+/// A log-scale axis range over `values`: from `lo_margin` x the smallest
+/// positive value (clamped to 1e-3..1e9, so an empty or all-zero series still
+/// gives a drawable axis) to `hi_margin` x the largest, and at least one
+/// decade wide.
+pub fn log_axis(
+    values: impl Iterator<Item = f64> + Clone,
+    lo_margin: f64,
+    hi_margin: f64,
+) -> (f64, f64) {
+    let lo = values
+        .clone()
+        .filter(|x| *x > 0.0)
+        .fold(f64::INFINITY, f64::min)
+        .clamp(1e-3, 1e9)
+        * lo_margin;
+    let hi = values.fold(0.0_f64, f64::max).max(lo * 10.0) * hi_margin;
+    (lo, hi)
+}
+
+/// Draws `chart`'s series legend at `position` in this report's style
+/// (translucent white box, black border).
+pub fn draw_legend<'a, DB: DrawingBackend + 'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    position: SeriesLabelPosition,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+}
+
 /// Empirical CDF of each replay's OFF and ON TTFT samples on one chart.
 fn ttft_plot(path: &Path, replays: &[(&str, &TtftSamples)]) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
@@ -236,18 +269,11 @@ fn ttft_plot(path: &Path, replays: &[(&str, &TtftSamples)]) -> Result<(), String
         })
         .collect();
     // TTFTs span orders of magnitude (a cached prefix vs a long queue): log x.
-    let x_min = series
-        .iter()
-        .flat_map(|(_, v, _)| v.iter().copied().find(|x| *x > 0.0))
-        .fold(f64::INFINITY, f64::min)
-        .clamp(1e-3, 1e9)
-        * 0.9;
-    let x_max = series
-        .iter()
-        .filter_map(|(_, v, _)| v.last().copied())
-        .fold(0.0_f64, f64::max)
-        .max(x_min * 10.0)
-        * 1.1;
+    let (x_min, x_max) = log_axis(
+        series.iter().flat_map(|(_, v, _)| v.iter().copied()),
+        0.9,
+        1.1,
+    );
     let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)
@@ -278,13 +304,7 @@ fn ttft_plot(path: &Path, replays: &[(&str, &TtftSamples)]) -> Result<(), String
                 PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
             });
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(&e))?;
+    draw_legend(&mut chart, SeriesLabelPosition::LowerRight).map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))
 }
 
@@ -292,6 +312,20 @@ fn ttft_plot(path: &Path, replays: &[(&str, &TtftSamples)]) -> Result<(), String
 mod tests {
     use super::*;
     use crate::section::SectionResult;
+
+    #[test]
+    fn log_axis_spans_the_positive_values_and_at_least_a_decade() {
+        let (lo, hi) = log_axis([0.0, 5.0, 200.0].into_iter(), 0.9, 1.1);
+        assert!(
+            (lo - 4.5).abs() < 1e-9 && (hi - 220.0).abs() < 1e-9,
+            "{lo} {hi}"
+        );
+        // One value: widened to a decade. No positive value: the clamp's floor.
+        let (lo, hi) = log_axis([3.0].into_iter(), 1.0, 1.0);
+        assert_eq!((lo, hi), (3.0, 30.0));
+        let (lo, hi) = log_axis(std::iter::empty(), 1.0, 1.0);
+        assert!((lo - 1e9).abs() < 1.0 && hi >= lo * 10.0, "{lo} {hi}");
+    }
 
     #[test]
     fn report_has_table_failures_percentiles_and_plot() {
