@@ -13,6 +13,7 @@ mod array;
 mod donor;
 mod engine_layout;
 mod errors;
+mod events;
 mod layout;
 mod router;
 mod router_client;
@@ -86,6 +87,8 @@ fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(leak_counters, m)?)?;
     m.add_function(wrap_pyfunction!(reclaim_stale, m)?)?;
+    m.add_function(wrap_pyfunction!(events::encode_kv_event, m)?)?;
+    m.add_function(wrap_pyfunction!(events::decode_kv_event, m)?)?;
     m.add_class::<layout::Layout>()?;
     m.add_class::<settings::Settings>()?;
     m.add_class::<donor::DonorBank>()?;

@@ -149,3 +149,22 @@ def test_store_timeout_is_the_donors_choice_and_refused_out_of_range(layout):
     time.sleep(0.3)
     assert [store.ack(r) for r in range(layout.tp_size)][-1] is True
     assert bank.slots(store.sequence_hashes) != [None]
+
+
+def test_kv_event_codec_round_trips_a_donor_event_and_names_bad_json(layout):
+    import json
+
+    bank = kv_reuse.DonorBank(layout, slots=4)
+    st = bank.store(list(range(TOKENS_PER_BLOCK * 2)))
+    for r in range(layout.tp_size):
+        st.write(r, np.zeros((2, layout.rank_block_elems), dtype=np.float32))
+        st.ack(r)
+    (ev,) = bank.drain_events()
+    fields = json.loads(kv_reuse.decode_kv_event(ev))
+    assert fields["publisher"] == bank.engine_id and fields["tier"] == "retained_gpu_direct"
+    assert [b["slot"] for b in fields["data"]["stored"]["blocks"]] == [0, 1]
+    assert kv_reuse.encode_kv_event(json.dumps(fields)) == ev
+    with pytest.raises(kv_reuse.BadArgument, match="event_json"):
+        kv_reuse.encode_kv_event(json.dumps({**fields, "publisher": "not-a-uuid"}))
+    with pytest.raises(kv_reuse.DescriptorRefused):
+        kv_reuse.decode_kv_event(ev[:-1])

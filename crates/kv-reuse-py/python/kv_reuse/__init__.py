@@ -32,6 +32,8 @@ from ._native import (  # noqa: F401
     Target,
     leak_counters,
     reclaim_stale,
+    encode_kv_event,
+    decode_kv_event,
     sequence_hashes,
 )
 

@@ -45,6 +45,12 @@ def leak_counters() -> Dict[str, int]:
 def reclaim_stale(prefix: str = "kvbank") -> List[str]:
     """Unlinks host shm banks of dead owners (lapsed leases) named ``prefix*``; returns the names."""
 
+def encode_kv_event(event_json: str) -> bytes:
+    """Wire bytes (kv-descriptor's KvEvent, named-field MessagePack) of the event given as
+    JSON of its fields; for publishers other than a DonorBank. BadArgument names ``event_json``."""
+def decode_kv_event(event: bytes) -> str:
+    """JSON of the fields of one KvEvent's wire bytes. DescriptorRefused for anything else."""
+
 class Layout:
     """A block-major KV layout; dtype is "f32", "fp16", "bf16" or "fp8_e4m3"."""
 

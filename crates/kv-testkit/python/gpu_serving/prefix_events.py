@@ -10,14 +10,15 @@ named-field MessagePack), taking the layout fingerprint and each block's token
 hash from the decode worker's events for the same blocks (the decode retained
 every block the prefill computed: prompt + output).
 
-Only the MessagePack subset those events use is encoded and decoded: nil,
-bool, unsigned ints, str, bin, arrays and maps.
+The bytes are written and read by the wheel (kv-descriptor's own codec,
+``kv_reuse.encode_kv_event`` / ``decode_kv_event``, JSON of the same field
+names on the Python side), so this module holds no second MessagePack codec.
 """
 
 from __future__ import annotations
 
-import struct
-from typing import Any, Dict, List, Optional, Tuple
+import json
+from typing import Any, Dict, List, Optional
 
 
 class EventError(ValueError):
@@ -28,123 +29,31 @@ class EventError(ValueError):
         self.field = field
 
 
-def pack(v: Any) -> bytes:
-    """MessagePack of ``v`` (None, bool, int >= 0, str, bytes, list, dict with str keys)."""
-    out = bytearray()
-    _pack(v, out)
-    return bytes(out)
+def pack(v: Dict[str, Any]) -> bytes:
+    """Wire bytes of the KvEvent whose fields ``v`` holds, written by the wheel
+    (kv-descriptor's codec, ``kv_reuse.encode_kv_event``), validated on the way.
 
+    Raises ``EventError("event", ...)`` when ``v`` is not a valid KvEvent.
+    """
+    import kv_reuse
 
-def _pack(v: Any, out: bytearray) -> None:
-    if v is None:
-        out.append(0xC0)
-    elif v is True or v is False:
-        out.append(0xC3 if v else 0xC2)
-    elif isinstance(v, int):
-        if v < 0:
-            raise EventError("value", f"negative int {v} (not used by KvEvent)")
-        for limit, code, fmt in ((0x80, None, None), (1 << 8, 0xCC, ">B"), (1 << 16, 0xCD, ">H"), (1 << 32, 0xCE, ">I"), (1 << 64, 0xCF, ">Q")):
-            if v < limit:
-                if code is None:
-                    out.append(v)
-                else:
-                    out.append(code)
-                    out += struct.pack(fmt, v)
-                return
-        raise EventError("value", f"int {v} above u64")
-    elif isinstance(v, str):
-        b = v.encode()
-        _header(len(b), out, 0xA0, 32, (0xD9, 0xDA, 0xDB))
-        out += b
-    elif isinstance(v, (bytes, bytearray)):
-        _header(len(v), out, None, 0, (0xC4, 0xC5, 0xC6))
-        out += v
-    elif isinstance(v, (list, tuple)):
-        _header(len(v), out, 0x90, 16, (None, 0xDC, 0xDD))
-        for x in v:
-            _pack(x, out)
-    elif isinstance(v, dict):
-        _header(len(v), out, 0x80, 16, (None, 0xDE, 0xDF))
-        for k, x in v.items():
-            _pack(k, out)
-            _pack(x, out)
-    else:
-        raise EventError("value", f"cannot pack {type(v).__name__}")
-
-
-def _header(n: int, out: bytearray, fix: Optional[int], fix_max: int, codes: Tuple[Optional[int], ...]) -> None:
-    if fix is not None and n < fix_max:
-        out.append(fix | n)
-        return
-    for code, fmt, limit in zip(codes, (">B", ">H", ">I"), (1 << 8, 1 << 16, 1 << 32)):
-        if code is not None and n < limit:
-            out.append(code)
-            out += struct.pack(fmt, n)
-            return
-    raise EventError("value", f"length {n} too large")
-
-
-def unpack(b: bytes) -> Any:
-    """The value MessagePack ``b`` holds; raises ``EventError("bytes", ...)`` on trailing or unknown bytes."""
-    v, i = _unpack(b, 0)
-    if i != len(b):
-        raise EventError("bytes", f"{len(b) - i} trailing bytes")
-    return v
-
-
-def _unpack(b: bytes, i: int) -> Tuple[Any, int]:
     try:
-        c = b[i]
-    except IndexError:
-        raise EventError("bytes", "truncated") from None
-    i += 1
-    if c < 0x80:
-        return c, i
-    if c & 0xF0 == 0x80:
-        return _map(b, i, c & 0x0F)
-    if c & 0xF0 == 0x90:
-        return _array(b, i, c & 0x0F)
-    if c & 0xE0 == 0xA0:
-        n = c & 0x1F
-        return b[i : i + n].decode(), i + n
-    sizes = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD9: ">B", 0xDA: ">H", 0xDB: ">I",
-             0xC4: ">B", 0xC5: ">H", 0xC6: ">I", 0xDC: ">H", 0xDD: ">I", 0xDE: ">H", 0xDF: ">I"}
-    if c == 0xC0:
-        return None, i
-    if c in (0xC2, 0xC3):
-        return c == 0xC3, i
-    if c not in sizes:
-        raise EventError("bytes", f"unsupported MessagePack code 0x{c:02x}")
-    fmt = sizes[c]
-    w = struct.calcsize(fmt)
-    (n,) = struct.unpack_from(fmt, b, i)
-    i += w
-    if c in (0xCC, 0xCD, 0xCE, 0xCF):
-        return n, i
-    if c in (0xD9, 0xDA, 0xDB):
-        return b[i : i + n].decode(), i + n
-    if c in (0xC4, 0xC5, 0xC6):
-        return bytes(b[i : i + n]), i + n
-    if c in (0xDC, 0xDD):
-        return _array(b, i, n)
-    return _map(b, i, n)
+        return bytes(kv_reuse.encode_kv_event(json.dumps(v)))
+    except kv_reuse.KvReuseError as e:
+        raise EventError("event", str(e)) from e
 
 
-def _array(b: bytes, i: int, n: int) -> Tuple[List[Any], int]:
-    out = []
-    for _ in range(n):
-        v, i = _unpack(b, i)
-        out.append(v)
-    return out, i
+def unpack(b: bytes) -> Dict[str, Any]:
+    """The fields of the KvEvent in wire bytes ``b`` (``kv_reuse.decode_kv_event``).
 
+    Raises ``EventError("event", ...)`` for bytes that are not one valid KvEvent.
+    """
+    import kv_reuse
 
-def _map(b: bytes, i: int, n: int) -> Tuple[Dict[Any, Any], int]:
-    out = {}
-    for _ in range(n):
-        k, i = _unpack(b, i)
-        v, i = _unpack(b, i)
-        out[k] = v
-    return out, i
+    try:
+        return json.loads(kv_reuse.decode_kv_event(bytes(b)))
+    except kv_reuse.KvReuseError as e:
+        raise EventError("event", str(e)) from e
 
 
 class PrefixEvents:

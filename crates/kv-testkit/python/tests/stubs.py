@@ -146,6 +146,9 @@ def _fake_kv_reuse() -> types.ModuleType:
 
     m.DonorBank, m.Target = DonorBank, Target
     m.KvReuseError = type("KvReuseError", (Exception,), {})
+    # The wheel's KvEvent codec, as JSON text in place of MessagePack.
+    m.encode_kv_event = lambda event_json: event_json.encode()
+    m.decode_kv_event = lambda event: bytes(event).decode()
     m.leak_counters = lambda: {"open_fds": 3}
     return m
 
