@@ -7,7 +7,7 @@ times it from send to reply):
 - ``on``: ``kv_reuse.Target.fetch`` of the hinted blocks into this worker's
   KV rows (``transport.Landing``: a CUDA tensor of its own over CUDA IPC on
   the ``cuda`` transport, its host rows copied to the device on ``host``),
-  re-laid out into a ``DynamicCache`` on the device, then the suffix
+  laid into the engine's preallocated cache on the device, then the suffix
   prefill. A fetch that falls back (``FetchFellBack``) or is not advised
   recomputes the whole prompt, inside the timed request.
 - ``ideal``: the same suffix prefill on the fetched KV already resident on the
@@ -144,7 +144,7 @@ class PrefillWorker(EngineWorker):
             rows = rows[:-1]
             fetch["fetched_tokens"] = f
         if rows is not None and f > 0:
-            cache = engine.cache_from_kv(engine.from_blocks(rows, self.shape, self.tpb))
+            cache = engine.cache_from_blocks(rows, self.shape, self.tpb)
             sw.lap("relayout")
             r = engine.prefill(self.model, prompt[f:], cache, sw=sw)
         else:
@@ -211,7 +211,7 @@ class PrefillWorker(EngineWorker):
             rows = rows[: max(n, 0)]
         if rows is not None and n > 0:
             cache = engine.extended(base, start * self.tpb, engine.from_blocks(rows, self.shape, self.tpb)) if start else \
-                engine.cache_from_kv(engine.from_blocks(rows, self.shape, self.tpb))
+                engine.cache_from_blocks(rows, self.shape, self.tpb)
             f = (start + n) * self.tpb
             sw.lap("relayout")
         else:
@@ -237,7 +237,7 @@ class PrefillWorker(EngineWorker):
             raise engine.EngineError("resident", "no fetched KV resident (the preceding on fell back)")
         f = self.resident.shape[0] * self.tpb
         sw = engine.Stopwatch(self.device)
-        cache = engine.cache_from_kv(engine.from_blocks(self.resident, self.shape, self.tpb))
+        cache = engine.cache_from_blocks(self.resident, self.shape, self.tpb)
         sw.lap("relayout")
         r = engine.prefill(self.model, prompt[f:], cache, sw=sw)
         ms = sw.stop()

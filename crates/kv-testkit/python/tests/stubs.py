@@ -109,6 +109,11 @@ def _fake_transformers() -> types.ModuleType:
     m.__stub__ = True
     for name in ("DynamicCache", "LlamaConfig", "LlamaForCausalLM"):
         setattr(m, name, type(name, (), {}))
+    # engine.py subclasses DynamicLayer and registers its attention function.
+    cache_utils = types.ModuleType("transformers.cache_utils")
+    cache_utils.DynamicLayer = type("DynamicLayer", (), {})
+    m.cache_utils = cache_utils
+    m.AttentionInterface = type("AttentionInterface", (), {"register": staticmethod(lambda name, fn: None)})
     return m
 
 
@@ -160,11 +165,12 @@ def install() -> Dict[str, Any]:
     machine; the real engines are checked by test_engine / test_harness where
     torch is installed. Returns what :func:`restore` puts back.
     """
-    saved = {n: m for n, m in sys.modules.items() if n in ("torch", "transformers", "kv_reuse") or n.startswith("gpu_serving")}
+    saved = {n: m for n, m in sys.modules.items() if n in ("torch", "transformers", "transformers.cache_utils", "kv_reuse") or n.startswith("gpu_serving")}
     for name in saved:
         del sys.modules[name]
     sys.modules["torch"] = _fake_torch()
     sys.modules["transformers"] = _fake_transformers()
+    sys.modules["transformers.cache_utils"] = sys.modules["transformers"].cache_utils
     sys.modules["kv_reuse"] = _fake_kv_reuse()
     OPENED.clear()
     return saved
@@ -172,6 +178,6 @@ def install() -> Dict[str, Any]:
 
 def restore(saved: Dict[str, Any]) -> None:
     """Removes the stand-ins and the modules imported on top of them; puts ``saved`` back."""
-    for name in [n for n in sys.modules if n in ("torch", "transformers", "kv_reuse") or n.startswith("gpu_serving")]:
+    for name in [n for n in sys.modules if n in ("torch", "transformers", "transformers.cache_utils", "kv_reuse") or n.startswith("gpu_serving")]:
         del sys.modules[name]
     sys.modules.update(saved)

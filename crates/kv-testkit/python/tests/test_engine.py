@@ -29,7 +29,7 @@ def test_same_seed_same_weights_other_seed_differs(models):
     a, b = models
     assert engine.weights_checksum(a) == engine.weights_checksum(b)
     assert engine.weights_checksum(engine.build_model("tiny", "cpu", seed=4)) != engine.weights_checksum(a)
-    assert a.config._attn_implementation == "sdpa"
+    assert a.config._attn_implementation == engine.ATTENTION == "sdpa_lower_right"
     assert next(a.parameters()).dtype == torch.bfloat16
 
 
@@ -97,4 +97,78 @@ def test_bad_input_names_the_field(models):
     assert e.value.field == "num_blocks"
     with pytest.raises(engine.EngineError) as e:
         engine.from_blocks(torch.zeros((1, 3), dtype=torch.int16), engine.shape("tiny"), B)
+    assert e.value.field == "rows"
+
+
+def test_lower_right_attention_equals_the_explicit_mask(models):
+    # A turn of 5 queries over 12 keys, 4 query heads on 2 KV heads: query i
+    # sees keys 0 ..= 7 + i. Reference: the mask written out, KV heads repeated.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 16, generator=g)
+    k = torch.randn(1, 2, 12, 16, generator=g)
+    v = torch.randn(1, 2, 12, 16, generator=g)
+    out, w = engine.sdpa_lower_right(None, q, k, v, None, scaling=0.25)
+    assert w is None and out.shape == (1, 5, 4, 16)
+    mask = torch.arange(12)[None, :] <= (torch.arange(5)[:, None] + 7)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.25
+    ).transpose(1, 2)
+    assert (out - ref).abs().max().item() < 1e-5
+    # Square and single-query cases too.
+    sq, _ = engine.sdpa_lower_right(None, q, k[:, :, :5], v[:, :, :5], None, scaling=0.25)
+    ref_sq = torch.nn.functional.scaled_dot_product_attention(
+        q, k[:, :, :5].repeat_interleave(2, 1), v[:, :, :5].repeat_interleave(2, 1), is_causal=True, scale=0.25
+    ).transpose(1, 2)
+    assert (sq - ref_sq).abs().max().item() < 1e-5
+    with pytest.raises(engine.EngineError) as e:
+        engine.sdpa_lower_right(None, q, k, v, mask, scaling=0.25)
+    assert e.value.field == "attention_mask"
+    with pytest.raises(engine.EngineError) as e:
+        engine.sdpa_lower_right(None, q, k[:, :, :3], v[:, :, :3], None)
+    assert e.value.field == "key"
+
+
+def test_prealloc_cache_writes_in_place_and_grows(models):
+    donor, _ = models
+    rng = random.Random(5)
+    a = engine.prefill(donor, tokens(rng, 30))
+    layer = a.cache.layers[0]
+    assert isinstance(a.cache, engine.PreallocCache) and engine.cache_len(a.cache) == 30
+    cap = a.cache.capacity()
+    assert cap >= 30 + 1024
+    buf = layer.kb
+    # A turn within the capacity lands in the same buffer (no reallocation, no concatenation).
+    b = engine.prefill(donor, tokens(rng, 7), a.cache)
+    assert layer.kb is buf and engine.cache_len(b.cache) == 37
+    assert layer.keys.data_ptr() == buf.data_ptr()
+    # Past the capacity the buffers grow and the held tokens move with them.
+    held = layer.keys.clone()
+    a.cache.reserve(cap + 1)
+    assert layer.kb is not buf and a.cache.capacity() > cap
+    assert torch.equal(layer.keys, held)
+    # set_length bounds.
+    with pytest.raises(engine.EngineError) as e:
+        a.cache.set_length(a.cache.capacity() + 1)
+    assert e.value.field == "n"
+    with pytest.raises(engine.EngineError) as e:
+        a.cache.crop(3)
+    assert e.value.field == "crop"
+
+
+def test_cache_from_blocks_equals_the_two_step_relayout(models):
+    donor, target = models
+    rng = random.Random(9)
+    r = engine.prefill(donor, tokens(rng, 4 * B + 3))
+    rows = engine.to_blocks(r.cache, 0, 4, B)
+    s = engine.shape("tiny")
+    direct = engine.cache_from_blocks(rows, s, B)
+    two_step = engine.cache_from_kv(engine.from_blocks(rows, s, B))
+    assert engine.cache_len(direct) == 4 * B
+    for (k, v), (k2, v2) in zip(engine.layer_kv(direct), engine.layer_kv(two_step)):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    # The same turn on either gives the same logits bit for bit.
+    turn = tokens(rng, 9)
+    assert torch.equal(engine.prefill(target, turn, direct).logits, engine.prefill(target, turn, two_step).logits)
+    with pytest.raises(engine.EngineError) as e:
+        engine.cache_from_blocks(rows[:, :5], s, B)
     assert e.value.field == "rows"

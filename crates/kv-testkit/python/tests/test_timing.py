@@ -118,8 +118,7 @@ def fake_self(mods, rows, fetched_tokens):
     """A PrefillWorker's state for op_on with engine calls replaced by recorders."""
     e = mods.engine
     calls = []
-    e.from_blocks = lambda r, s, b: calls.append("from_blocks") or [("k", "v")]
-    e.cache_from_kv = lambda kv: calls.append("cache_from_kv") or "cache"
+    e.cache_from_blocks = lambda r, s, b: calls.append("cache_from_blocks") or "cache"
 
     def prefill(model, toks, cache=None, sw=None):
         calls.append(("prefill", len(toks), cache))
