@@ -103,7 +103,11 @@ impl RemoteDonor {
         for (rank, map) in maps.iter().enumerate() {
             bind_mapping(&manifest, rank, map.as_ref())?;
         }
-        Ok(Self::with_sources(manifest, RankSources::Mapped(maps), endpoint))
+        Ok(Self::with_sources(
+            manifest,
+            RankSources::Mapped(maps),
+            endpoint,
+        ))
     }
 
     fn with_sources(manifest: BankManifest, source: RankSources, endpoint: &str) -> Self {
