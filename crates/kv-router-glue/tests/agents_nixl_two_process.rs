@@ -117,6 +117,142 @@ fn wait_ready(dir: &Path, child: &mut Child) {
     }
 }
 
+/// What the donor process handed over: its record, a hint, rank base addresses.
+struct Handoff {
+    record: DonorRecord,
+    env: HintEnvelope,
+    addrs: Vec<u64>,
+}
+
+fn read_handoff(dir: &Path) -> Handoff {
+    let addrs = std::fs::read_to_string(dir.join("addrs"))
+        .unwrap()
+        .split(',')
+        .map(|a| a.parse().unwrap())
+        .collect();
+    Handoff {
+        record: DonorRecord::decode(&std::fs::read(dir.join("record")).unwrap()).unwrap(),
+        env: HintEnvelope::from_wire(&std::fs::read(dir.join("hint")).unwrap()).unwrap(),
+        addrs,
+    }
+}
+
+/// A target agent resolving from `dir`, its executor on a NIXL backend over
+/// `agent` with TP host rows registered with it.
+async fn nixl_target(
+    dir: &InProcessDirectory,
+    agent: &Arc<NixlAgent>,
+) -> (TargetAgent, Vec<Arc<HostBuffer>>) {
+    let rows: Vec<Arc<HostBuffer>> = (0..TP)
+        .map(|_| Arc::new(HostBuffer::zeroed(ROWS as usize * rbb()).unwrap()))
+        .collect();
+    for r in &rows {
+        agent.register(r.as_ref()).unwrap();
+    }
+    let exec = FetchExecutor::new(
+        layout(),
+        DestinationPool::new(ROWS),
+        rows.iter()
+            .map(|b| b.clone() as Arc<dyn BankMemory>)
+            .collect(),
+        ROWS,
+        Arc::new(NixlBackend::new(agent.clone(), NixlMode::Runs)),
+    )
+    .unwrap();
+    (TargetAgent::connect(exec, dir, None).await.unwrap(), rows)
+}
+
+/// A NIXL donor source that SIGKILLs the donor process right after its pin
+/// was granted: the READ then runs against a dead NIXL agent.
+struct KillAfterPin<'c> {
+    inner: RemoteDonor,
+    child: std::cell::RefCell<&'c mut Child>,
+}
+
+impl DonorSource for KillAfterPin<'_> {
+    fn manifest(&self) -> &kv_descriptor::BankManifest {
+        self.inner.manifest()
+    }
+    fn pin<'a>(
+        &'a self,
+        hint: &kv_descriptor::FetchGpuHint,
+    ) -> Result<Box<dyn DonorPin + 'a>, PinError> {
+        let pin = self.inner.pin(hint)?;
+        let mut child = self.child.borrow_mut();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        Ok(pin)
+    }
+}
+
+#[test]
+fn a_donor_killed_between_pin_and_nixl_read_falls_back_with_nothing_completed() {
+    if !runtime_or_skip(
+        "a_donor_killed_between_pin_and_nixl_read_falls_back_with_nothing_completed",
+    ) {
+        return;
+    }
+    let files = tempfile::tempdir().unwrap();
+    let mut child = spawn_donor(files.path());
+    wait_ready(files.path(), &mut child);
+    let Handoff { record, env, addrs } = read_handoff(files.path());
+    let h = hashes(&prompt(0));
+    serial(|| async {
+        let dir = InProcessDirectory::new();
+        dir.put(&record).await.unwrap();
+        let agent = Arc::new(NixlAgent::new("kv-two-process-target-kill").unwrap());
+        let (tgt, _rows) = nixl_target(&dir, &agent).await;
+        let name = tgt.load_donor_nixl(record.engine_id(), &agent).unwrap();
+        let regions = record
+            .manifest()
+            .parts()
+            .iter()
+            .zip(&addrs)
+            .map(|(p, &base_addr)| kv_transfer::NixlRemoteRegion {
+                agent_name: name.clone(),
+                base_addr,
+                len: p.region_bytes(),
+                kind: kv_bank::MemoryKind::Host,
+            })
+            .collect();
+        let donor = KillAfterPin {
+            inner: RemoteDonor::open_nixl(
+                record.manifest().clone(),
+                regions,
+                record.pin_endpoint(),
+            )
+            .unwrap(),
+            child: std::cell::RefCell::new(&mut child),
+        };
+        let control = DeliveryControl::with_timeout(Duration::from_secs(5));
+        let r = tgt
+            .executor()
+            .execute_for_prompt(&env, &h, &donor, &control);
+        match r {
+            Ok(out) => panic!("a false completion from a killed donor: {:?}", out.fetched),
+            Err(
+                e @ FetchError::Fallback {
+                    stage: "transfer", ..
+                },
+            ) => {
+                println!("fallback after SIGKILL mid-fetch: {e}")
+            }
+            Err(e) => panic!("expected a fallback at `transfer`, got {e:?}"),
+        }
+        // Rows of a read still in flight come back once it has ended.
+        let t0 = Instant::now();
+        while tgt.executor().pool().free_blocks() < ROWS as usize {
+            tgt.executor().reclaim_quiesced();
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "rows never came back"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(tgt.executor().backend_in_flight(), 0);
+    });
+}
+
 #[test]
 fn a_fetch_reads_another_process_over_nixl_and_falls_back_once_it_is_killed() {
     if !runtime_or_skip("a_fetch_reads_another_process_over_nixl_and_falls_back_once_it_is_killed")
@@ -126,36 +262,14 @@ fn a_fetch_reads_another_process_over_nixl_and_falls_back_once_it_is_killed() {
     let files = tempfile::tempdir().unwrap();
     let mut child = spawn_donor(files.path());
     wait_ready(files.path(), &mut child);
-    let record = DonorRecord::decode(&std::fs::read(files.path().join("record")).unwrap()).unwrap();
-    let env = HintEnvelope::from_wire(&std::fs::read(files.path().join("hint")).unwrap()).unwrap();
-    let addrs: Vec<u64> = std::fs::read_to_string(files.path().join("addrs"))
-        .unwrap()
-        .split(',')
-        .map(|a| a.parse().unwrap())
-        .collect();
+    let Handoff { record, env, addrs } = read_handoff(files.path());
     let h = hashes(&prompt(0));
 
     serial(|| async {
         let dir = InProcessDirectory::new();
         dir.put(&record).await.unwrap();
         let agent = Arc::new(NixlAgent::new("kv-two-process-target").unwrap());
-        let rows: Vec<Arc<HostBuffer>> = (0..TP)
-            .map(|_| Arc::new(HostBuffer::zeroed(ROWS as usize * rbb()).unwrap()))
-            .collect();
-        for r in &rows {
-            agent.register(r.as_ref()).unwrap();
-        }
-        let exec = FetchExecutor::new(
-            layout(),
-            DestinationPool::new(ROWS),
-            rows.iter()
-                .map(|b| b.clone() as Arc<dyn BankMemory>)
-                .collect(),
-            ROWS,
-            Arc::new(NixlBackend::new(agent.clone(), NixlMode::Runs)),
-        )
-        .unwrap();
-        let tgt = TargetAgent::connect(exec, &dir, None).await.unwrap();
+        let (tgt, rows) = nixl_target(&dir, &agent).await;
 
         let out = tgt
             .fetch_nixl(&env, &h, &agent, &addrs, &DeliveryControl::new())
@@ -178,7 +292,9 @@ fn a_fetch_reads_another_process_over_nixl_and_falls_back_once_it_is_killed() {
             let control = DeliveryControl::with_timeout(Duration::from_secs(5));
             match tgt.fetch_nixl(&env, &h, &agent, &addrs, &control) {
                 Ok(_) => completed += 1,
-                Err(AgentError::Fetch(e)) => println!("fallback after SIGKILL: {e}"),
+                Err(AgentError::Fetch(e @ FetchError::Fallback { stage: "pin", .. })) => {
+                    println!("fallback after SIGKILL: {e}")
+                }
                 Err(e) => panic!("expected a fetch fallback, got {e:?}"),
             }
         }
