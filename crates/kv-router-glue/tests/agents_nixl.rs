@@ -246,3 +246,66 @@ fn a_target_reads_the_pinned_slots_over_nixl_and_refuses_a_stale_or_unknown_dono
         }
     });
 }
+
+/// `RemoteDonor::open_nixl` binds each rank's NIXL region to its manifest
+/// part before anything is pinned (no NIXL runtime needed).
+#[test]
+fn open_nixl_refuses_regions_that_are_not_the_manifest_parts() {
+    serial(|| async {
+        let sock = tempfile::tempdir().unwrap();
+        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
+        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
+        let dir = Arc::new(InProcessDirectory::new());
+        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane)
+            .await
+            .unwrap();
+        let manifest = donor.bank().manifest().clone();
+        let region = |agent: &str, len: u64, kind| kv_transfer::NixlRemoteRegion {
+            agent_name: agent.into(),
+            base_addr: 0x1000,
+            len,
+            kind,
+        };
+        let full = manifest.parts()[0].region_bytes();
+        let host = kv_bank::MemoryKind::Host;
+        let ok = || vec![region("d", full, host); TP as usize];
+        assert!(RemoteDonor::open_nixl(manifest.clone(), ok(), &ep).is_ok());
+        let cases: [(Vec<kv_transfer::NixlRemoteRegion>, u32, &str); 3] = [
+            (
+                vec![region("d", full, host), region("e", full, host)],
+                1,
+                "agent_name",
+            ),
+            (
+                vec![
+                    region("d", full, host),
+                    region("d", full, kv_bank::MemoryKind::Cuda { ordinal: 0 }),
+                ],
+                1,
+                "kind",
+            ),
+            (
+                vec![region("d", full - 1, host), region("d", full, host)],
+                0,
+                "len",
+            ),
+        ];
+        for (regions, want_rank, want_field) in cases {
+            match RemoteDonor::open_nixl(manifest.clone(), regions, &ep) {
+                Err(RemoteDonorError::MappingMismatch { rank, field, .. }) => {
+                    assert_eq!((rank, field), (want_rank, want_field))
+                }
+                other => panic!("expected a {want_field} mismatch, got {other:?}"),
+            }
+        }
+        match RemoteDonor::open_nixl(manifest.clone(), ok()[..1].to_vec(), &ep) {
+            Err(RemoteDonorError::MapCount { got: 1, .. }) => {}
+            other => panic!("expected MapCount, got {other:?}"),
+        }
+        assert!(matches!(
+            RemoteDonor::open_nixl(manifest, ok(), "ftp:x"),
+            Err(RemoteDonorError::Endpoint(_))
+        ));
+        donor.close(Duration::ZERO).await.unwrap();
+    });
+}
