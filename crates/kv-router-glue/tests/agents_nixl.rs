@@ -17,6 +17,7 @@ use agents_common::*;
 use kv_descriptor::MAX_NIXL_METADATA_BYTES;
 use kv_router_glue::*;
 use kv_transfer::nixl::{runtime_status, NixlAgent};
+use kv_transfer::DeliveryControl;
 
 fn runtime_or_skip() -> bool {
     match runtime_status() {
@@ -110,6 +111,201 @@ fn a_donor_publishes_its_nixl_agent_and_the_target_loads_it() {
             }
             other => panic!("expected NixlAgentMismatch, got {other:?}"),
         }
+        donor.close(Duration::ZERO).await.unwrap();
+    });
+}
+
+/// A target executor on a NIXL backend over `agent`: TP host rows, each
+/// registered with `agent` (NIXL READs land only in registered memory).
+async fn nixl_target(
+    dir: &dyn DirectoryPlane,
+    agent: &Arc<NixlAgent>,
+) -> (TargetAgent, Vec<Arc<kv_transfer::HostBuffer>>) {
+    use kv_bank::{BankMemory, DestinationPool};
+    let rows: Vec<Arc<kv_transfer::HostBuffer>> = (0..TP)
+        .map(|_| Arc::new(kv_transfer::HostBuffer::zeroed(ROWS as usize * rbb()).unwrap()))
+        .collect();
+    for r in &rows {
+        agent.register(r.as_ref()).unwrap();
+    }
+    let backend =
+        kv_transfer::nixl::NixlBackend::new(agent.clone(), kv_transfer::nixl::NixlMode::Runs);
+    let exec = FetchExecutor::new(
+        layout(),
+        DestinationPool::new(ROWS),
+        rows.iter()
+            .map(|b| b.clone() as Arc<dyn BankMemory>)
+            .collect(),
+        ROWS,
+        Arc::new(backend),
+    )
+    .unwrap();
+    (TargetAgent::connect(exec, dir, None).await.unwrap(), rows)
+}
+
+#[test]
+fn a_target_reads_the_pinned_slots_over_nixl_and_refuses_a_stale_or_unknown_donor() {
+    if !runtime_or_skip() {
+        return;
+    }
+    serial(|| async {
+        let sock = tempfile::tempdir().unwrap();
+        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
+        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
+        let dir = Arc::new(InProcessDirectory::new());
+        let target_nixl = Arc::new(NixlAgent::new("kv-nixl-fetch-target").unwrap());
+        let (tgt, rows) = nixl_target(dir.as_ref(), &target_nixl).await;
+        let target_id = kv_descriptor::EngineId::fresh();
+        let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
+
+        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
+            .await
+            .unwrap();
+        let blocks = prompt(0);
+        let h = hashes(&blocks);
+        store(&donor, &blocks).await;
+        router.pump().await;
+        let env = router
+            .advisor
+            .advise("r1", &h, target_id)
+            .hint
+            .expect("hint attached");
+        let hint = env.fetch_gpu_actions().unwrap().remove(0);
+        let addrs: Vec<u64> = (0..TP)
+            .map(|r| donor.bank().rank(r).unwrap().memory().base_addr())
+            .collect();
+
+        // No NIXL agent in the record yet: refused before anything is pinned.
+        match tgt.fetch_nixl(&env, &h, &target_nixl, &addrs, &DeliveryControl::new()) {
+            Err(AgentError::NoNixlAgent { donor: d }) => assert_eq!(d, hint.donor_engine_id),
+            other => panic!("expected NoNixlAgent, got {other:?}"),
+        }
+
+        let donor_nixl = NixlAgent::new("kv-nixl-fetch-donor").unwrap();
+        for r in 0..TP {
+            donor_nixl
+                .register(donor.bank().rank(r).unwrap().memory().as_ref())
+                .unwrap();
+        }
+        donor
+            .publish_nixl_agent(donor_nixl.name().into(), donor_nixl.metadata().unwrap())
+            .await
+            .unwrap();
+
+        // One address per rank, or the donor is not opened.
+        match tgt.fetch_nixl(&env, &h, &target_nixl, &addrs[..1], &DeliveryControl::new()) {
+            Err(AgentError::OpenDonor(RemoteDonorError::MapCount { got: 1, tp_size })) => {
+                assert_eq!(tp_size, TP)
+            }
+            other => panic!("expected MapCount, got {other:?}"),
+        }
+
+        // The read: every fetched row holds the donor's bytes, by NIXL.
+        let out = tgt
+            .fetch_nixl(&env, &h, &target_nixl, &addrs, &DeliveryControl::new())
+            .unwrap();
+        assert_eq!(out.fetched, h[hint.fetch_from as usize..].to_vec());
+        assert_eq!(out.fetched.len(), BLOCKS);
+        assert_eq!(out.report.counters.backend, "nixl");
+        assert_eq!(
+            out.report.counters.bytes,
+            (BLOCKS * TP as usize * rbb()) as u64
+        );
+        assert_rows_hold(&rows, &out);
+        drop(out);
+
+        // A hint of another bank generation (a stale manifest) is refused
+        // before the donor is pinned or read.
+        let mut stale = hint.clone();
+        stale.bank_generation += 1;
+        let stale_env = kv_descriptor::HintEnvelope::fetch_gpu("m-stale", "a0", &stale).unwrap();
+        match tgt.fetch_nixl(
+            &stale_env,
+            &h,
+            &target_nixl,
+            &addrs,
+            &DeliveryControl::new(),
+        ) {
+            Err(AgentError::Fetch(FetchError::StaleGeneration { hint: g, manifest })) => {
+                assert_eq!(
+                    (g, manifest),
+                    (hint.bank_generation + 1, hint.bank_generation)
+                )
+            }
+            other => panic!("expected StaleGeneration, got {other:?}"),
+        }
+
+        let report = donor.close(Duration::from_secs(1)).await.unwrap();
+        assert_eq!(report.pin_stats.granted, 1, "one NIXL fetch, one pin");
+        assert_eq!(report.pin_stats.released, 1);
+        assert_eq!(tgt.executor().backend_in_flight(), 0);
+        // A closed donor's record is gone: unknown, recompute.
+        match tgt.fetch_nixl(&env, &h, &target_nixl, &addrs, &DeliveryControl::new()) {
+            Err(AgentError::Resolve(_)) => {}
+            other => panic!("expected a Resolve refusal, got {other:?}"),
+        }
+    });
+}
+
+/// `RemoteDonor::open_nixl` binds each rank's NIXL region to its manifest
+/// part before anything is pinned (no NIXL runtime needed).
+#[test]
+fn open_nixl_refuses_regions_that_are_not_the_manifest_parts() {
+    serial(|| async {
+        let sock = tempfile::tempdir().unwrap();
+        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
+        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
+        let dir = Arc::new(InProcessDirectory::new());
+        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane)
+            .await
+            .unwrap();
+        let manifest = donor.bank().manifest().clone();
+        let region = |agent: &str, len: u64, kind| kv_transfer::NixlRemoteRegion {
+            agent_name: agent.into(),
+            base_addr: 0x1000,
+            len,
+            kind,
+        };
+        let full = manifest.parts()[0].region_bytes();
+        let host = kv_bank::MemoryKind::Host;
+        let ok = || vec![region("d", full, host); TP as usize];
+        assert!(RemoteDonor::open_nixl(manifest.clone(), ok(), &ep).is_ok());
+        let cases: [(Vec<kv_transfer::NixlRemoteRegion>, u32, &str); 3] = [
+            (
+                vec![region("d", full, host), region("e", full, host)],
+                1,
+                "agent_name",
+            ),
+            (
+                vec![
+                    region("d", full, host),
+                    region("d", full, kv_bank::MemoryKind::Cuda { ordinal: 0 }),
+                ],
+                1,
+                "kind",
+            ),
+            (
+                vec![region("d", full - 1, host), region("d", full, host)],
+                0,
+                "len",
+            ),
+        ];
+        for (regions, want_rank, want_field) in cases {
+            match RemoteDonor::open_nixl(manifest.clone(), regions, &ep) {
+                Err(RemoteDonorError::MappingMismatch { rank, field, .. }) => {
+                    assert_eq!((rank, field), (want_rank, want_field))
+                }
+                other => panic!("expected a {want_field} mismatch, got {other:?}"),
+            }
+        }
+        match RemoteDonor::open_nixl(manifest.clone(), ok()[..1].to_vec(), &ep) {
+            Err(RemoteDonorError::MapCount { got: 1, .. }) => {}
+            other => panic!("expected MapCount, got {other:?}"),
+        }
+        assert!(matches!(
+            RemoteDonor::open_nixl(manifest, ok(), "ftp:x"),
+            Err(RemoteDonorError::Endpoint(_))
+        ));
         donor.close(Duration::ZERO).await.unwrap();
     });
 }

@@ -15,10 +15,9 @@ use crate::{
 ///
 /// Donor memory is mapped per fetch (host shm, or a CUDA IPC import on the
 /// destination GPU, which kv-bank's import cache keeps mapped): a donor
-/// that closed leaves nothing mapped here once the fetch returned. NIXL
-/// (a donor on another host) is not wired here yet: a record without a
-/// mappable location is refused ([`AgentError::OpenDonor`]) and the request
-/// recomputes.
+/// that closed leaves nothing mapped here once the fetch returned. A donor
+/// on another host is read over NIXL instead ([`TargetAgent::fetch_nixl`]:
+/// its NIXL agent loaded from the record, nothing mapped here).
 pub struct TargetAgent {
     executor: FetchExecutor,
     destination_gpus: Option<Vec<u32>>,
@@ -171,6 +170,107 @@ impl TargetAgent {
         prompt: &[SequenceHash],
         control: &DeliveryControl,
     ) -> Result<FetchOutcome, AgentError> {
+        let record = self.resolve_hint(envelope, prompt)?;
+        let manifest = record.manifest().clone();
+        let gpu = manifest.parts().iter().any(|d| d.location().is_gpu());
+        let donor = if gpu {
+            let Some(g) = &self.destination_gpus else {
+                return Err(AgentError::InvalidConfig {
+                    field: "destination_gpus",
+                    reason: "the donor's bank is on a GPU and this target has no GPU".into(),
+                });
+            };
+            RemoteDonor::open_cuda_ipc(manifest, g, record.pin_endpoint())?
+        } else {
+            RemoteDonor::open_host_shm(manifest, record.pin_endpoint())?
+        };
+        let donor = match &self.pin_auth_key {
+            Some(key) if record.pin_endpoint().starts_with(TCP_ENDPOINT_PREFIX) => {
+                donor.with_auth_key(key.clone())
+            }
+            _ => donor,
+        };
+        Ok(self
+            .executor
+            .execute_for_prompt(envelope, prompt, &donor, control)?)
+    }
+    /// [`TargetAgent::fetch`] from a donor read over NIXL (a donor on
+    /// another host, or any donor whose bank memory its NIXL agent
+    /// registered): the donor's NIXL agent is resolved from its directory
+    /// record and loaded into `agent` ([`TargetAgent::load_donor_nixl`]),
+    /// rank `r`'s source is the region at `donor_base_addrs[r]` in the
+    /// donor's address space (the `base_addr` of the memory its NIXL agent
+    /// registered for rank `r`), the slots are
+    /// pinned over the record's pin endpoint, and the executor (which must
+    /// run on a `kv_transfer::nixl::NixlBackend` over `agent`, its rows
+    /// registered with `agent`) READs the pinned slots into its rows and
+    /// verifies them like any other source. VRAM reads complete only over a
+    /// device-direct UCX transport (else `HostStaged` /
+    /// `TransportUnverified`: recompute).
+    ///
+    /// # Errors
+    /// Every error is a fallback (recompute): those of
+    /// [`TargetAgent::fetch`] (stale generation, unknown or lapsed donor,
+    /// failed pin or read: [`AgentError::Fetch`] holds the transfer error,
+    /// e.g. `DonorUnreachable` for a donor gone mid-read); those of
+    /// [`TargetAgent::load_donor_nixl`] ([`AgentError::NoNixlAgent`],
+    /// [`AgentError::Nixl`], [`AgentError::NixlAgentMismatch`]);
+    /// [`AgentError::OpenDonor`] with `MapCount` when `donor_base_addrs`
+    /// does not hold one address per TP rank.
+    pub fn fetch_nixl(
+        &self,
+        envelope: &HintEnvelope,
+        prompt: &[SequenceHash],
+        agent: &kv_transfer::nixl::NixlAgent,
+        donor_base_addrs: &[u64],
+        control: &DeliveryControl,
+    ) -> Result<FetchOutcome, AgentError> {
+        let record = self.resolve_hint(envelope, prompt)?;
+        let agent_name = self.load_donor_nixl(record.engine_id(), agent)?;
+        let manifest = record.manifest().clone();
+        if donor_base_addrs.len() != manifest.parts().len() {
+            return Err(crate::RemoteDonorError::MapCount {
+                got: donor_base_addrs.len(),
+                tp_size: manifest.tp_size(),
+            }
+            .into());
+        }
+        let regions = manifest
+            .parts()
+            .iter()
+            .zip(donor_base_addrs)
+            .map(|(part, &base_addr)| kv_transfer::NixlRemoteRegion {
+                agent_name: agent_name.clone(),
+                base_addr,
+                len: part.region_bytes(),
+                kind: match part.location() {
+                    kv_descriptor::MemoryLocation::Host { .. } => kv_bank::MemoryKind::Host,
+                    kv_descriptor::MemoryLocation::Gpu(g) => {
+                        kv_bank::MemoryKind::Cuda { ordinal: g.ordinal }
+                    }
+                },
+            })
+            .collect();
+        let donor = RemoteDonor::open_nixl(manifest, regions, record.pin_endpoint())?;
+        let donor = match &self.pin_auth_key {
+            Some(key) if record.pin_endpoint().starts_with(TCP_ENDPOINT_PREFIX) => {
+                donor.with_auth_key(key.clone())
+            }
+            _ => donor,
+        };
+        Ok(self
+            .executor
+            .execute_for_prompt(envelope, prompt, &donor, control)?)
+    }
+
+    /// Checks `envelope` (exactly one `kv.fetch_gpu` action) against
+    /// `prompt`, then resolves its donor's record, whose generation must be
+    /// the hint's (else `FetchError::StaleGeneration`).
+    fn resolve_hint(
+        &self,
+        envelope: &HintEnvelope,
+        prompt: &[SequenceHash],
+    ) -> Result<crate::DonorRecord, AgentError> {
         let mut hints = envelope.fetch_gpu_actions().map_err(FetchError::from)?;
         if hints.len() != 1 {
             return Err(
@@ -199,27 +299,6 @@ impl TargetAgent {
             }
             .into());
         }
-        let manifest = record.manifest().clone();
-        let gpu = manifest.parts().iter().any(|d| d.location().is_gpu());
-        let donor = if gpu {
-            let Some(g) = &self.destination_gpus else {
-                return Err(AgentError::InvalidConfig {
-                    field: "destination_gpus",
-                    reason: "the donor's bank is on a GPU and this target has no GPU".into(),
-                });
-            };
-            RemoteDonor::open_cuda_ipc(manifest, g, record.pin_endpoint())?
-        } else {
-            RemoteDonor::open_host_shm(manifest, record.pin_endpoint())?
-        };
-        let donor = match &self.pin_auth_key {
-            Some(key) if record.pin_endpoint().starts_with(TCP_ENDPOINT_PREFIX) => {
-                donor.with_auth_key(key.clone())
-            }
-            _ => donor,
-        };
-        Ok(self
-            .executor
-            .execute_for_prompt(envelope, prompt, &donor, control)?)
+        Ok(record)
     }
 }

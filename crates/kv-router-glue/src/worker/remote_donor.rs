@@ -28,8 +28,20 @@ use kv_descriptor::{
     PinDonorMessage, PinGrant, PinRelease, PinRequest,
 };
 
+use kv_transfer::{NixlRemoteRegion, SourceRegion};
+
 use crate::pin_transport::{connect, read_donor_message, PinEndpoint, PinStream};
 use crate::{DonorPin, DonorSource, PinAuthKey, PinError, RemoteDonorError};
+
+/// Where a remote donor's rank memories are read from.
+#[derive(Debug)]
+enum RankSources {
+    /// Mapped into this process: host shm, or CUDA IPC imports.
+    Mapped(Vec<Arc<dyn BankMemory>>),
+    /// Registered with the donor's NIXL agent (another host): read by a
+    /// NIXL READ, never mapped here.
+    Nixl(Vec<NixlRemoteRegion>),
+}
 
 /// Default time to wait for the donor's reply to a pin or release (2 s).
 pub const DEFAULT_PIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -47,7 +59,7 @@ pub const DEFAULT_PIN_TIMEOUT: Duration = Duration::from_secs(2);
 #[derive(Debug)]
 pub struct RemoteDonor {
     manifest: BankManifest,
-    maps: Vec<Arc<dyn BankMemory>>,
+    source: RankSources,
     endpoint: String,
     timeout: Duration,
     /// The pre-shared key for `tcp:` endpoints.
@@ -91,14 +103,62 @@ impl RemoteDonor {
         for (rank, map) in maps.iter().enumerate() {
             bind_mapping(&manifest, rank, map.as_ref())?;
         }
-        Ok(Self {
+        Ok(Self::with_sources(
             manifest,
-            maps,
+            RankSources::Mapped(maps),
+            endpoint,
+        ))
+    }
+
+    fn with_sources(manifest: BankManifest, source: RankSources, endpoint: &str) -> Self {
+        Self {
+            manifest,
+            source,
             endpoint: endpoint.to_owned(),
             timeout: DEFAULT_PIN_TIMEOUT,
             auth: None,
             next_request: AtomicU64::new(1),
-        })
+        }
+    }
+
+    /// A donor on another host whose rank `r` memory is `regions[r]`, a
+    /// region the donor's NIXL agent registered (its agent already loaded
+    /// into this process's NIXL agent, see
+    /// [`crate::TargetAgent::load_donor_nixl`]), read with NIXL READs by an
+    /// executor on a `kv_transfer::nixl::NixlBackend`; pins still go
+    /// through `endpoint` (`tcp:` for another host).
+    ///
+    /// Every region is bound to its manifest part before anything is
+    /// pinned or read: one NIXL agent for all ranks, its kind the part's
+    /// location (DRAM for a host part, VRAM for a GPU part) and its length
+    /// at least the part's region. Whether VRAM is read device-direct is
+    /// decided per read by the backend (host-staged VRAM fails closed).
+    ///
+    /// # Errors
+    /// [`RemoteDonorError::Endpoint`] for a bad `endpoint`;
+    /// [`RemoteDonorError::MapCount`] when the region count is not the
+    /// manifest's TP size; [`RemoteDonorError::MappingMismatch`] naming the
+    /// rank and `agent_name`, `kind` or `len`.
+    pub fn open_nixl(
+        manifest: BankManifest,
+        regions: Vec<NixlRemoteRegion>,
+        endpoint: &str,
+    ) -> Result<Self, RemoteDonorError> {
+        PinEndpoint::parse(endpoint).map_err(RemoteDonorError::Endpoint)?;
+        if regions.len() != manifest.tp_size() as usize {
+            return Err(RemoteDonorError::MapCount {
+                got: regions.len(),
+                tp_size: manifest.tp_size(),
+            });
+        }
+        for (rank, region) in regions.iter().enumerate() {
+            bind_nixl_region(&manifest, rank, region, &regions[0].agent_name)?;
+        }
+        Ok(Self::with_sources(
+            manifest,
+            RankSources::Nixl(regions),
+            endpoint,
+        ))
     }
 
     /// A donor with host shared-memory banks: maps every rank with
@@ -304,6 +364,58 @@ fn bind_mapping(
     Ok(())
 }
 
+/// Checks that `region` can stand for `manifest`'s rank `rank` part (see
+/// [`RemoteDonor::open_nixl`]); `agent` is rank 0's agent name.
+fn bind_nixl_region(
+    manifest: &BankManifest,
+    rank: usize,
+    region: &NixlRemoteRegion,
+    agent: &str,
+) -> Result<(), RemoteDonorError> {
+    let part = &manifest.parts()[rank];
+    let mismatch = |field, detail| RemoteDonorError::MappingMismatch {
+        rank: rank as u32,
+        field,
+        detail,
+    };
+    if region.agent_name.is_empty() || region.agent_name != agent {
+        // One donor bank is one NIXL agent: another name is another worker.
+        return Err(mismatch(
+            "agent_name",
+            format!(
+                "NIXL agent `{}`, rank 0 reads from `{agent}`",
+                region.agent_name
+            ),
+        ));
+    }
+    let kind_ok = matches!(
+        (part.location(), region.kind),
+        (MemoryLocation::Host { .. }, MemoryKind::Host)
+            | (MemoryLocation::Gpu(_), MemoryKind::Cuda { .. })
+    );
+    if !kind_ok {
+        return Err(mismatch(
+            "kind",
+            format!(
+                "{} NIXL region for a part located on {:?}",
+                region.kind,
+                part.location()
+            ),
+        ));
+    }
+    if region.len < part.region_bytes() {
+        return Err(mismatch(
+            "len",
+            format!(
+                "{} bytes registered, rank {rank}'s region holds {}",
+                region.len,
+                part.region_bytes()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A short, log-friendly name of an export handle (shm name, or the kind
 /// and first 8 handle bytes in hex).
 fn describe(h: &ExportHandle) -> String {
@@ -386,7 +498,18 @@ impl RemotePin<'_> {
 
 impl DonorPin for RemotePin<'_> {
     fn rank_memory(&self, rank: u32) -> Option<&dyn BankMemory> {
-        self.donor.maps.get(rank as usize).map(|m| m.as_ref())
+        match &self.donor.source {
+            RankSources::Mapped(maps) => maps.get(rank as usize).map(|m| m.as_ref()),
+            RankSources::Nixl(_) => None,
+        }
+    }
+    fn rank_source(&self, rank: u32) -> Option<SourceRegion<'_>> {
+        match &self.donor.source {
+            RankSources::Mapped(maps) => maps
+                .get(rank as usize)
+                .map(|m| SourceRegion::Mapped(m.as_ref())),
+            RankSources::Nixl(regions) => regions.get(rank as usize).map(SourceRegion::Nixl),
+        }
     }
     fn release(mut self: Box<Self>) -> Result<(), PinError> {
         self.release_now().map(drop)
