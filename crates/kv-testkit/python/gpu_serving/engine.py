@@ -137,18 +137,21 @@ def sdpa_lower_right(module, query, key, value, attention_mask, dropout=0.0, sca
 _register_attention(ATTENTION, sdpa_lower_right)
 
 
-class PreallocLayer(DynamicLayer):
-    """One layer's keys and values in buffers ``[1, kv_heads, capacity, head_dim]``.
+QUANTUM = 4096
+"""Cache capacities are multiples of this many tokens (see :class:`PreallocCache`)."""
 
-    ``keys`` / ``values`` are views of the first ``n`` tokens. ``update``
-    writes the new tokens in place; past the capacity the buffers are
-    reallocated to ``needed + max(needed // 4, slack)`` tokens and the held
-    tokens copied (rare: a serving request reserves its prompt up front).
+
+class PreallocLayer(DynamicLayer):
+    """One layer's keys and values: views ``[1, kv_heads, capacity, head_dim]`` of its cache's arena.
+
+    ``keys`` / ``values`` are views of the first ``n`` tokens; ``update``
+    writes the new tokens in place and asks the owning :class:`PreallocCache`
+    to grow when they do not fit.
     """
 
-    def __init__(self, slack: int = 1024) -> None:
+    def __init__(self, owner: "PreallocCache", index: int) -> None:
         super().__init__()
-        self.slack = slack
+        self.owner, self.index = owner, index
         self.n = 0
         self.kb: Optional[torch.Tensor] = None
         self.vb: Optional[torch.Tensor] = None
@@ -157,22 +160,6 @@ class PreallocLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
         self._publish()
-
-    def reserve(self, like: torch.Tensor, tokens: int) -> None:
-        """Capacity for at least ``tokens`` tokens; ``like`` gives batch, heads, head dim, dtype, device."""
-        cap = 0 if self.kb is None else self.kb.shape[2]
-        if tokens <= cap:
-            return
-        new = tokens + max(tokens // 4, self.slack)
-        shape = (like.shape[0], like.shape[1], new, like.shape[3])
-        kb = torch.empty(shape, dtype=like.dtype, device=like.device)
-        vb = torch.empty(shape, dtype=like.dtype, device=like.device)
-        if self.n:
-            kb[:, :, : self.n].copy_(self.kb[:, :, : self.n])
-            vb[:, :, : self.n].copy_(self.vb[:, :, : self.n])
-        self.kb, self.vb = kb, vb
-        self.dtype, self.device = like.dtype, like.device
-        self.is_initialized = True
 
     def _publish(self) -> None:
         if self.kb is None:
@@ -194,7 +181,8 @@ class PreallocLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         m = key_states.shape[-2]
-        self.reserve(key_states, self.n + m)
+        if self.kb is None or self.n + m > self.kb.shape[2]:
+            self.owner.grow(self.n + m, key_states)
         self.kb[:, :, self.n : self.n + m].copy_(key_states)
         self.vb[:, :, self.n : self.n + m].copy_(value_states)
         self.n += m
@@ -209,46 +197,72 @@ class PreallocLayer(DynamicLayer):
 
 
 class PreallocCache(DynamicCache):
-    """A transformers cache of :class:`PreallocLayer` s: history written in place, never concatenated.
+    """A transformers cache over one arena ``[num_layers, 2, 1, kv_heads, capacity, head_dim]``.
 
-    ``num_layers`` layers; with ``capacity`` and ``like`` (a ``[1, kv_heads, *, head_dim]``
-    tensor giving heads, dtype and device) the buffers are allocated at once,
-    so an engine (or a fetch landing) can write tokens ``0 .. capacity`` into
-    :meth:`buffers` and call :meth:`set_length`.
+    Each layer's keys / values are views of the arena, written in place and
+    never concatenated. Why one arena with capacities rounded up to
+    :data:`QUANTUM` tokens: on the H200 the serving workers' per-layer
+    allocations of a different size every request (64 of them per prefill)
+    added 30-80 ms to a full prefill inside the worker processes while the same
+    code in a fresh process did not; one allocation of a size the caching
+    allocator has seen before is served from its cache. Growth (past the
+    capacity) reallocates the arena to ``needed + headroom`` rounded up and
+    copies every layer's held tokens.
+
+    ``capacity`` and ``like`` (a ``[1, kv_heads, *, head_dim]`` tensor giving
+    heads, dtype and device) allocate at once, so an engine or a fetch landing
+    can write tokens ``0 .. capacity`` into :meth:`buffers` and call
+    :meth:`set_length`.
     """
 
-    def __init__(self, num_layers: int, capacity: int = 0, like: Optional[torch.Tensor] = None, slack: int = 1024) -> None:
+    def __init__(self, num_layers: int, capacity: int = 0, like: Optional[torch.Tensor] = None, headroom: int = 512) -> None:
         super().__init__()
-        self.layers = [PreallocLayer(slack) for _ in range(num_layers)]
+        self.headroom = headroom
+        self.arena: Optional[torch.Tensor] = None
+        self.layers = [PreallocLayer(self, i) for i in range(num_layers)]
         if capacity:
             if like is None:
                 raise EngineError("like", "needed to allocate a capacity")
-            for layer in self.layers:
-                layer.reserve(like, capacity)
-                layer._publish()
+            self.grow(capacity, like, exact=True)
 
     @classmethod
     def for_shape(cls, s: "ModelShape", capacity: int, device: str) -> "PreallocCache":
-        """Buffers for ``capacity`` tokens of model shape ``s`` (bf16) on ``device``."""
+        """Buffers for ``capacity`` tokens (rounded up to :data:`QUANTUM`) of model shape ``s`` (bf16) on ``device``."""
         like = torch.empty((1, s.num_kv_heads, 0, s.head_dim), dtype=torch.bfloat16, device=device)
         return cls(s.num_layers, capacity, like)
 
+    def grow(self, tokens: int, like: torch.Tensor, exact: bool = False) -> None:
+        """Capacity for at least ``tokens`` tokens (plus the headroom unless ``exact``), rounded up to :data:`QUANTUM`."""
+        if self.arena is not None and tokens <= self.arena.shape[4]:
+            return
+        want = tokens if exact else tokens + self.headroom
+        cap = -(-want // QUANTUM) * QUANTUM
+        arena = torch.empty((len(self.layers), 2, like.shape[0], like.shape[1], cap, like.shape[3]), dtype=like.dtype, device=like.device)
+        for i, layer in enumerate(self.layers):
+            if layer.n:
+                arena[i, 0, :, :, : layer.n].copy_(layer.kb[:, :, : layer.n])
+                arena[i, 1, :, :, : layer.n].copy_(layer.vb[:, :, : layer.n])
+            layer.kb, layer.vb = arena[i, 0], arena[i, 1]
+            layer.dtype, layer.device = like.dtype, like.device
+            layer.is_initialized = True
+            layer._publish()
+        self.arena = arena
+
     def buffers(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer the full-capacity (keys, values) buffers ``[1, kv_heads, capacity, head_dim]``."""
-        if any(layer.kb is None for layer in self.layers):
+        """Per layer the full-capacity (keys, values) views ``[1, kv_heads, capacity, head_dim]`` of the arena."""
+        if self.arena is None:
             raise EngineError("capacity", "buffers are allocated by a capacity or the first update")
         return [(layer.kb, layer.vb) for layer in self.layers]
 
     def capacity(self) -> int:
         """Tokens every layer can hold without reallocating."""
-        return min((0 if layer.kb is None else layer.kb.shape[2]) for layer in self.layers)
+        return 0 if self.arena is None else int(self.arena.shape[4])
 
     def reserve(self, tokens: int) -> None:
-        """Capacity for ``tokens`` tokens in every layer (allocated layers only)."""
-        for layer in self.layers:
-            if layer.kb is not None:
-                layer.reserve(layer.kb, tokens)
-                layer._publish()
+        """Capacity for ``tokens`` tokens in every layer (an allocated cache only)."""
+        if self.arena is None:
+            raise EngineError("capacity", "nothing allocated to grow")
+        self.grow(tokens, self.layers[0].kb, exact=True)
 
     def set_length(self, n: int) -> None:
         """Declares the first ``n`` tokens of every layer's buffers the cache's content."""
