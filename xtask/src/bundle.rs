@@ -432,6 +432,11 @@ export KVQ_DATA_DIR="$here/data"
 if [ -z "${KV_NATS_SERVER:-}" ] && [ -x "$here/bin/nats-server" ]; then
   export KV_NATS_SERVER="$here/bin/nats-server"
 fi
+# The router service binary for the wheel's test_publisher.py and the
+# gpu_serving harness's router service (they look at $KV_REUSE_ROUTER_BIN).
+if [ -z "${KV_REUSE_ROUTER_BIN:-}" ] && [ -x "$here/exe/kv-reuse-router" ]; then
+  export KV_REUSE_ROUTER_BIN="$here/exe/kv-reuse-router"
+fi
 if [ "${1:-}" = "pytest-gpu" ]; then
   # The kv_reuse wheel's pytest files (default: test_gpu.py, the torch CUDA
   # round trip) with the bundled pytest, unpacked once into pyvendor/ by
@@ -644,14 +649,23 @@ mod tests {
         write_executable(
             &bundle.join("kvq"),
             "#!/bin/sh\necho \"data=$KVQ_DATA_DIR\"\necho \"nats=$KV_NATS_SERVER\"\n\
+             echo \"router=$KV_REUSE_ROUTER_BIN\"\n\
              test -s \"$KVQ_DATA_DIR/traces/mooncake_conversation_trace.jsonl\" && echo trace-ok\n\
              \"$KV_NATS_SERVER\"\necho \"args=$*\"\n",
         );
+        write_executable(&src.join("kv-reuse-router"), "#!/bin/sh\n");
+        tar_gz(
+            &bundle.join("exe.tar.gz"),
+            &src,
+            &[PathBuf::from("kv-reuse-router")],
+        )
+        .unwrap();
         std::fs::write(bundle.join("run.sh"), RUN_SH).unwrap();
         let out = Command::new("bash")
             .arg(bundle.join("run.sh"))
             .args(["qualify", "--profile", "cpu"])
             .current_dir(&cwd)
+            .env_remove("KV_REUSE_ROUTER_BIN")
             .env_remove("KV_NATS_SERVER")
             .env_remove("KVQ_DATA_DIR")
             .output()
@@ -664,7 +678,7 @@ mod tests {
         );
         let bundle = bundle.canonicalize().unwrap();
         let want = format!(
-            "data={b}/data\nnats={b}/bin/nats-server\ntrace-ok\nnats\nargs=qualify --profile cpu\n",
+            "data={b}/data\nnats={b}/bin/nats-server\nrouter={b}/exe/kv-reuse-router\ntrace-ok\nnats\nargs=qualify --profile cpu\n",
             b = bundle.display()
         );
         assert_eq!(stdout, want);

@@ -25,6 +25,14 @@ pub(crate) struct DonorBank {
     layout: Layout,
 }
 
+impl DonorBank {
+    /// A Python view of a bank opened elsewhere (a `WorkerPublisher`'s
+    /// donor agent owns it), stored into through the same calls.
+    pub(crate) fn from_manager(inner: Arc<BankManager>, layout: Layout) -> Self {
+        Self { inner, layout }
+    }
+}
+
 #[pymethods]
 impl DonorBank {
     /// Opens a bank of `slots` KV blocks per TP rank: in host shm, or with

@@ -62,6 +62,8 @@ create_exception!(kv_reuse._native, FetchFellBack, KvReuseError, "The fetch fell
 create_exception!(kv_reuse._native, RouterUnavailable, KvReuseError, "No router service answered (NATS unreachable, no replica listening, or no reply within the timeout): advise locally or recompute.");
 create_exception!(kv_reuse._native, AdviseRefused, KvReuseError, "The router service refused the advise request (kv_router_glue::service::AdviseRefusal); the message names the field or cause.");
 
+create_exception!(kv_reuse._native, PublishFailed, KvReuseError, "A worker publisher could not reach NATS / JetStream or a publish, put or delete failed (kv_router_glue::PlaneError / AgentError); the message names the URL or the step.");
+
 create_exception!(kv_reuse._native, CudaUnavailable, KvReuseError, "The GPU path was asked for where no CUDA driver or device is (kv_transfer / kv_bank CUDA errors); the message names the argument.");
 
 /// Registers the exception classes on the module.
@@ -80,6 +82,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RouterUnavailable", py.get_type::<RouterUnavailable>())?;
     m.add("AdviseRefused", py.get_type::<AdviseRefused>())?;
     m.add("CudaUnavailable", py.get_type::<CudaUnavailable>())?;
+    m.add("PublishFailed", py.get_type::<PublishFailed>())?;
     Ok(())
 }
 

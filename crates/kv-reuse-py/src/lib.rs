@@ -4,17 +4,20 @@
 //! The module loads without CUDA or NIXL: the Rust crates below resolve both
 //! at run time. Python classes: `Layout` (module `layout`), `Settings`
 //! (`settings`), `DonorBank`, `PendingStore`, `PinServer` (`donor`), `Router`,
-//! `Advice` (`router`), `RouterClient` (`router_client`, advise over NATS), `Target`, `FetchOutcome` (`target`); exceptions in
+//! `Advice` (`router`), `RouterClient` (`router_client`, advise over NATS), `WorkerPublisher`
+//! (`publisher`, registration, KV events and the manifest on NATS), `Target`, `FetchOutcome` (`target`); exceptions in
 //! `errors`. Engine tensors cross zero-copy through `__array_interface__`,
 //! DLPack and `__cuda_array_interface__` (module `array`, the only unsafe
 //! code). API and examples: docs/python.md.
 
 mod array;
+mod directory;
 mod donor;
 mod engine_layout;
 mod errors;
 mod events;
 mod layout;
+mod publisher;
 mod router;
 mod router_client;
 mod settings;
@@ -97,6 +100,8 @@ fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<router::Router>()?;
     m.add_class::<router::Advice>()?;
     m.add_class::<router_client::RouterClient>()?;
+    m.add_class::<publisher::WorkerPublisher>()?;
+    m.add_class::<directory::DonorDirectory>()?;
     m.add_class::<target::Target>()?;
     m.add_class::<target::FetchOutcome>()?;
     Ok(())

@@ -1,8 +1,10 @@
 """Decode-to-prefill KV cache reuse for Python workers and routers.
 
 Roles: :class:`DonorBank` (decode worker: retain, store, events, pins),
-:class:`Router` (index + advisor), :class:`Target` (prefill worker: check a
-hint against the prompt and fetch). Errors derive from :class:`KvReuseError`.
+:class:`Router` (index + advisor), :class:`RouterClient` (advise over NATS),
+:class:`WorkerPublisher` (a worker's registration, KV events and manifest on
+NATS for the router service), :class:`DonorDirectory` (manifests by engine id),
+:class:`Target` (prefill worker: check a hint against the prompt and fetch). Errors derive from :class:`KvReuseError`.
 The compiled module needs neither CUDA nor NIXL to import.
 """
 
@@ -14,6 +16,7 @@ from ._native import (  # noqa: F401
     CudaUnavailable,
     DescriptorRefused,
     DonorBank,
+    DonorDirectory,
     FetchFellBack,
     FetchOutcome,
     HintRefused,
@@ -24,12 +27,14 @@ from ._native import (  # noqa: F401
     PinServer,
     PinServiceFailed,
     PromptMismatch,
+    PublishFailed,
     Router,
     RouterClient,
     RouterUnavailable,
     Settings,
     SettingsRefused,
     Target,
+    WorkerPublisher,
     leak_counters,
     reclaim_stale,
     encode_kv_event,

@@ -30,6 +30,9 @@ class HintRefused(KvReuseError):
 class PromptMismatch(HintRefused):
     """The hint is for another prompt."""
 
+class PublishFailed(KvReuseError):
+    """A worker publisher or directory could not reach NATS / JetStream, or a publish failed."""
+
 class CudaUnavailable(KvReuseError):
     """The GPU path (``gpus=``) was asked for where no CUDA driver or device is."""
 
@@ -214,6 +217,93 @@ class RouterClient:
         """``advise`` keyed by token ids; the service hashes whole blocks of ``tokens_per_block``."""
     def close(self) -> None: ...
     def __enter__(self) -> "RouterClient": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
+class WorkerPublisher:
+    """A worker's presence on NATS for the router service: a donor agent (bank, pins, record,
+    KV events, announcement, inventory) or a prefill target's announcement. Context manager."""
+
+    @staticmethod
+    def donor(
+        nats_url: str,
+        worker_key: str,
+        layout: Layout,
+        slots: int,
+        pin_endpoint: str,
+        *,
+        host_id: str = "kv-reuse-py",
+        gpus: Optional[Sequence[int]] = None,
+        gpu_uuids: Optional[Sequence[str]] = None,
+        namespace: str = "default",
+        bucket: str = "kv_donors",
+        lease_s: float = 15.0,
+        record_ttl_s: Optional[float] = None,
+        store_timeout_s: float = 5.0,
+        announce_period_s: float = 1.0,
+        event_ring: int = 4096,
+        timeout_s: float = 5.0,
+    ) -> "WorkerPublisher":
+        """Opens the bank (``bank``), serves pins on ``pin_endpoint``, puts the record in bucket
+        ``bucket``, announces every ``announce_period_s`` s (GIL released). Raises BadArgument
+        (naming the argument), BankFailed, PinServiceFailed, PublishFailed."""
+    @staticmethod
+    def target(
+        nats_url: str,
+        worker_key: str,
+        layout: Layout,
+        engine_id: str,
+        *,
+        host_id: str = "kv-reuse-py",
+        gpus: Optional[Sequence[int]] = None,
+        gpu_uuids: Optional[Sequence[str]] = None,
+        namespace: str = "default",
+        announce_period_s: float = 1.0,
+        timeout_s: float = 5.0,
+    ) -> "WorkerPublisher":
+        """Announces prefill engine ``engine_id`` (``Target.engine_id``). Raises BadArgument,
+        PublishFailed."""
+    @property
+    def role(self) -> str: ...
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def bank(self) -> Optional[DonorBank]:
+        """The donor's bank (None for a target); do not drain its events yourself."""
+    @property
+    def pin_endpoint(self) -> Optional[str]: ...
+    @property
+    def open(self) -> bool: ...
+    def publish_events(self) -> int:
+        """Publishes queued KV events now; returns how many (0 for a target)."""
+    def tick(self) -> None:
+        """One period's work now (events, record renewal, announcement)."""
+    def publish_nixl_agent(self, name: str, metadata: bytes) -> None: ...
+    def close(self, drain_s: float = 1.0) -> None:
+        """Deletes the record, stops pins (waiting ``drain_s``), closes the bank. Idempotent."""
+    def __enter__(self) -> "WorkerPublisher": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
+class DonorDirectory:
+    """The donor directory (JetStream KV bucket of donor records) watched from a prefill worker."""
+
+    def __init__(self, nats_url: str, bucket: str = "kv_donors", timeout_s: float = 5.0) -> None:
+        """Connects and watches (GIL released); raises BadArgument, PublishFailed."""
+    def manifest(self, engine_id: str, wait_s: float = 0.0) -> Optional[bytes]:
+        """The donor's manifest (wire form) or None, waiting up to ``wait_s`` s for it."""
+    @property
+    def donors(self) -> int: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> "DonorDirectory": ...
     def __exit__(
         self,
         exc_type: Optional[Type[BaseException]],

@@ -1,0 +1,148 @@
+//! `DonorDirectory`: a prefill worker's read side of the donor directory
+//! (the JetStream KV bucket of `DonorRecord`s that `WorkerPublisher.donor`
+//! puts): a kv_router_glue [`NatsDirectory`] watch feeding a [`DonorCache`]
+//! (which refuses stale generations and lapsed leases), so that a hint's
+//! donor manifest is resolved by engine id instead of being passed around.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use kv_descriptor::Wire;
+use kv_router_glue::{unix_now_ms, DirectoryPlane, DonorCache, NatsDirectory};
+
+use crate::errors::descriptor;
+use crate::publisher::{runtime, seconds_in, within};
+
+/// The donor directory as seen from a prefill worker (module docs).
+#[pyclass(frozen, module = "kv_reuse")]
+pub(crate) struct DonorDirectory {
+    cache: Arc<Mutex<DonorCache>>,
+    running: Mutex<Option<(tokio::runtime::Runtime, tokio::task::JoinHandle<()>)>>,
+}
+
+#[pymethods]
+impl DonorDirectory {
+    /// Watches bucket `bucket` on the NATS server at `nats_url` (every live
+    /// record first, then each change). `timeout_s` bounds connecting.
+    /// Releases the GIL while it connects.
+    ///
+    /// Raises `BadArgument` naming `timeout_s`, `PublishFailed` when NATS or
+    /// JetStream cannot be reached.
+    #[new]
+    #[pyo3(signature = (nats_url, bucket = "kv_donors", timeout_s = 5.0))]
+    fn new(py: Python<'_>, nats_url: &str, bucket: &str, timeout_s: f64) -> PyResult<Self> {
+        let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
+        let cache = Arc::new(Mutex::new(DonorCache::new()));
+        let feed = cache.clone();
+        let url = nats_url.to_owned();
+        let bucket = bucket.to_owned();
+        let running = py.allow_threads(|| {
+            let rt = runtime("directory")?;
+            let mut watch = rt.block_on(async {
+                // The bucket's max_age only matters if this creates it; the
+                // router and the donors create it with their own.
+                let dir = within(
+                    &url,
+                    timeout,
+                    NatsDirectory::connect(&url, &bucket, Duration::from_secs(30)),
+                )
+                .await?;
+                let watch = within(&url, timeout, dir.watch()).await?;
+                Ok::<_, PyErr>(watch)
+            })?;
+            let task = rt.spawn(async move {
+                while let Some(change) = watch.next().await {
+                    feed.lock().unwrap_or_else(|e| e.into_inner()).apply(change);
+                }
+            });
+            Ok::<_, PyErr>((rt, task))
+        })?;
+        Ok(Self {
+            cache,
+            running: Mutex::new(Some(running)),
+        })
+    }
+
+    /// The manifest (wire form, what `Target.fetch` takes) of donor engine
+    /// `engine_id` (UUID string), waiting up to `wait_s` seconds for its
+    /// record to arrive; None when it has none (never published, deleted on
+    /// close, lease lapsed). Releases the GIL while it waits.
+    ///
+    /// Raises `BadArgument` naming `engine_id` or `wait_s`.
+    #[pyo3(signature = (engine_id, wait_s = 0.0))]
+    fn manifest<'py>(
+        &self,
+        py: Python<'py>,
+        engine_id: &str,
+        wait_s: f64,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let engine = crate::layout::engine_id(engine_id, "engine_id")?;
+        let wait = seconds_in("wait_s", wait_s, 0.0..=3_600.0)?;
+        let deadline = Instant::now() + wait;
+        let found = py.allow_threads(|| loop {
+            let got = self
+                .cache
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(engine, unix_now_ms())
+                .ok()
+                .map(|r| r.manifest().to_wire());
+            if got.is_some() || Instant::now() >= deadline {
+                break got;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        });
+        found
+            .transpose()
+            .map_err(descriptor)
+            .map(|b| b.map(|b| PyBytes::new(py, &b)))
+    }
+
+    /// Donors with a record now (count).
+    #[getter]
+    fn donors(&self) -> usize {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Stops watching. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let running = self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some((rt, task)) = running {
+            py.allow_threads(|| {
+                task.abort();
+                rt.shutdown_timeout(Duration::from_secs(1));
+            });
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+}
+
+impl Drop for DonorDirectory {
+    fn drop(&mut self) {
+        if let Some((rt, task)) = self
+            .running
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            task.abort();
+            rt.shutdown_background();
+        }
+    }
+}

@@ -1,0 +1,604 @@
+//! `WorkerPublisher`: what a Python worker publishes on NATS so that the
+//! router service (`kv-reuse-router`, a separate process) knows it.
+//!
+//! - donor role (decode worker): a kv_router_glue [`DonorAgent`] opened on a
+//!   NATS event plane ([`NatsPlane`]) and the JetStream donor directory
+//!   ([`NatsDirectory`]): it owns the bank (exposed as a `DonorBank`), serves
+//!   pins and inventory snapshots, puts its `DonorRecord` (the bank manifest)
+//!   in the directory, publishes its KV events and its `WorkerAnnouncement`.
+//!   A background task calls `DonorAgent::tick` every `announce_period_s`
+//!   (events, record renewal before its TTL lapses, announcement); `close`
+//!   deletes the record and publishes the bank's `Cleared`.
+//! - target role (prefill worker): only its `WorkerAnnouncement` (role
+//!   prefill) every `announce_period_s`, so that the service accepts advise
+//!   requests routed to that engine (otherwise: `unknown target engine`).
+//!
+//! Everything NATS goes through kv-router-glue (no second implementation of
+//! the wire forms). The extension owns one small tokio runtime per publisher;
+//! every blocking call releases the GIL.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+
+use kv_bank::{BankConfig, LeaseConfig};
+use kv_descriptor::{EngineId, GpuIdentity, OwnerLease, Role, Wire};
+use kv_router_glue::{
+    announce_subject, AgentError, DirectoryPlane, DonorAgent, DonorAgentConfig, EventPlane,
+    NatsDirectory, NatsInventory, NatsOptions, NatsPlane, PinServiceConfig, PlaneError, Subject,
+    WorkerAnnouncement,
+};
+
+use crate::donor::DonorBank;
+use crate::errors::{bad_argument, bank, PinServiceFailed, PublishFailed};
+use crate::layout::Layout;
+
+/// Seconds in `range` as a duration, naming `argument` otherwise.
+pub(crate) fn seconds_in(
+    argument: &str,
+    s: f64,
+    range: std::ops::RangeInclusive<f64>,
+) -> PyResult<Duration> {
+    if s.is_finite() && range.contains(&s) {
+        Ok(Duration::from_secs_f64(s))
+    } else {
+        Err(bad_argument(
+            argument,
+            format!("{s} is not in [{}, {}] seconds", range.start(), range.end()),
+        ))
+    }
+}
+
+/// The runtime that drives a publisher's NATS connections.
+pub(crate) fn runtime(what: &str) -> PyResult<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(format!("kv-reuse-py-{what}"))
+        .enable_all()
+        .build()
+        .map_err(|e| PublishFailed::new_err(format!("{what}: tokio runtime: {e}")))
+}
+
+/// `f` within `timeout`, else `PublishFailed` naming `nats_url`.
+pub(crate) async fn within<T>(
+    url: &str,
+    timeout: Duration,
+    f: impl std::future::Future<Output = Result<T, PlaneError>>,
+) -> PyResult<T> {
+    match tokio::time::timeout(timeout, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(PublishFailed::new_err(format!("nats_url {url}: {e}"))),
+        Err(_) => Err(PublishFailed::new_err(format!(
+            "nats_url {url}: no answer within {timeout:?}"
+        ))),
+    }
+}
+
+/// An agent refusal as the Python exception of its cause.
+fn agent_error(e: AgentError) -> PyErr {
+    match e {
+        AgentError::InvalidConfig { field, reason } => bad_argument(field, reason),
+        AgentError::Announcement(a) => bad_argument("announcement", a),
+        AgentError::Bank(b) => bank(b),
+        AgentError::PinService(p) => PinServiceFailed::new_err(p.to_string()),
+        other => PublishFailed::new_err(other.to_string()),
+    }
+}
+
+/// One identity per TP rank: parsed from `gpu_uuids` (torch's
+/// `get_device_properties(i).uuid`, with or without the `GPU-` prefix), or
+/// made up from `host_id` and the rank where none are given (the router
+/// only checks their count; the CPU path has no GPU).
+fn gpu_identities(
+    tp: u32,
+    host_id: &str,
+    gpu_uuids: Option<Vec<String>>,
+    ordinals: Option<&[u32]>,
+) -> PyResult<Vec<GpuIdentity>> {
+    let uuids: Vec<uuid::Uuid> = match gpu_uuids {
+        Some(list) => {
+            if list.len() != tp as usize {
+                return Err(bad_argument(
+                    "gpu_uuids",
+                    format!("{} uuids, expected one per TP rank ({tp})", list.len()),
+                ));
+            }
+            list.iter()
+                .map(|s| {
+                    uuid::Uuid::parse_str(s.trim_start_matches("GPU-"))
+                        .map_err(|e| bad_argument("gpu_uuids", format!("`{s}`: {e}")))
+                })
+                .collect::<PyResult<_>>()?
+        }
+        None => {
+            // FNV-1a of the host id: stable per host, never nil (rank + 1).
+            let h = host_id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+            });
+            (0..tp)
+                .map(|r| uuid::Uuid::from_u64_pair(h, u64::from(r) + 1))
+                .collect()
+        }
+    };
+    uuids
+        .into_iter()
+        .enumerate()
+        .map(|(r, u)| {
+            let ordinal = ordinals.map_or(r as u32, |o| o[r]);
+            GpuIdentity::new(u, ordinal, host_id)
+                .map_err(|e| bad_argument("gpu_uuids", format!("rank {r}: {e}")))
+        })
+        .collect()
+}
+
+/// What a publisher runs: its runtime, the periodic task, and the agent
+/// (donor role) or the announcement (target role).
+struct Running {
+    runtime: tokio::runtime::Runtime,
+    ticker: tokio::task::JoinHandle<()>,
+    agent: Option<Arc<DonorAgent>>,
+}
+
+/// A worker's presence on NATS for the router service (module docs).
+#[pyclass(frozen, module = "kv_reuse")]
+pub(crate) struct WorkerPublisher {
+    running: Mutex<Option<Running>>,
+    role: Role,
+    engine_id: EngineId,
+    nats_url: String,
+    timeout: Duration,
+    bank: Option<Py<DonorBank>>,
+}
+
+#[pymethods]
+impl WorkerPublisher {
+    /// Opens a decode worker's donor agent: a bank of `slots` KV blocks per
+    /// TP rank (host shm, or with `gpus` one CUDA ordinal per TP rank in
+    /// device memory exported over CUDA IPC, as `DonorBank`), pins served on
+    /// `pin_endpoint` (`unix:/path`), its record (bank manifest + pin
+    /// endpoint) put in the JetStream KV bucket `bucket`, its KV events on
+    /// `kv.<namespace>.<worker_key>.kv_events`, its announcement on
+    /// `kv.<namespace>.workers.announce` every `announce_period_s` seconds,
+    /// and inventory snapshots answered for a router that starts later.
+    ///
+    /// `lease_s` is the bank's owner lease (renewed every fifth of it);
+    /// `record_ttl_s` (default `lease_s`) bounds one put of the record (it is
+    /// re-put after a third of it). `timeout_s` bounds connecting and each
+    /// publish call. Releases the GIL while it connects and publishes.
+    ///
+    /// Raises `BadArgument` naming `slots`, `lease_s`, `record_ttl_s`,
+    /// `store_timeout_s`, `announce_period_s`, `timeout_s`, `gpus`,
+    /// `gpu_uuids`, `worker_key` or `namespace`; `BankFailed` when the bank
+    /// cannot open; `PinServiceFailed` when `pin_endpoint` cannot be bound;
+    /// `PublishFailed` when NATS (or JetStream) is unreachable or refuses.
+    #[staticmethod]
+    #[pyo3(signature = (nats_url, worker_key, layout, slots, pin_endpoint, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", bucket = "kv_donors", lease_s = 15.0, record_ttl_s = None, store_timeout_s = 5.0, announce_period_s = 1.0, event_ring = 4096, timeout_s = 5.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn donor(
+        py: Python<'_>,
+        nats_url: &str,
+        worker_key: &str,
+        layout: Layout,
+        slots: u64,
+        pin_endpoint: &str,
+        host_id: &str,
+        gpus: Option<Vec<u32>>,
+        gpu_uuids: Option<Vec<String>>,
+        namespace: &str,
+        bucket: &str,
+        lease_s: f64,
+        record_ttl_s: Option<f64>,
+        store_timeout_s: f64,
+        announce_period_s: f64,
+        event_ring: usize,
+        timeout_s: f64,
+    ) -> PyResult<Self> {
+        if slots == 0 {
+            return Err(bad_argument("slots", "must be at least 1"));
+        }
+        let lease = seconds_in("lease_s", lease_s, 0.05..=86_400.0)?;
+        let record_ttl = match record_ttl_s {
+            Some(s) => seconds_in("record_ttl_s", s, 0.05..=lease_s)?,
+            None => lease,
+        };
+        let store_timeout = seconds_in("store_timeout_s", store_timeout_s, 0.001..=3_600.0)?;
+        let period = seconds_in("announce_period_s", announce_period_s, 0.01..=60.0)?;
+        let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
+        if event_ring == 0 {
+            return Err(bad_argument("event_ring", "must be at least 1"));
+        }
+        let tp = layout.inner.tp_size();
+        if let Some(g) = &gpus {
+            if g.len() != tp as usize {
+                return Err(bad_argument(
+                    "gpus",
+                    format!("{} ordinals, expected one per TP rank ({tp})", g.len()),
+                ));
+            }
+        }
+        let identities = gpu_identities(tp, host_id, gpu_uuids, gpus.as_deref())?;
+        let event_subject = Subject::new(namespace, worker_key, "kv_events")
+            .map_err(|e| bad_argument("worker_key", e))?;
+        announce_subject(namespace).map_err(|e| bad_argument("namespace", e))?;
+        let bytes = slots * u64::from(tp) * layout.inner.rank_block_bytes() as u64;
+        let mut bank_cfg = BankConfig::new(layout.inner, OwnerLease::fresh(Role::Decode), bytes);
+        bank_cfg.lease = LeaseConfig::background(lease, lease / 5);
+        bank_cfg.store_timeout = store_timeout;
+        let config = DonorAgentConfig {
+            worker_key: worker_key.to_owned(),
+            bank: bank_cfg,
+            host_id: host_id.to_owned(),
+            cuda_ordinals: gpus,
+            gpus: identities,
+            pin_endpoint: pin_endpoint.to_owned(),
+            pin_auth_key: None,
+            pin_config: PinServiceConfig::default(),
+            namespace: namespace.to_owned(),
+            event_subject,
+            event_ring,
+            record_ttl,
+        };
+        let url = nats_url.to_owned();
+        let bucket = bucket.to_owned();
+        let (rt, agent) = py.allow_threads(|| {
+            let rt = runtime("publisher")?;
+            let agent = rt.block_on(async {
+                let options = NatsOptions {
+                    connect_timeout: timeout,
+                    ..NatsOptions::default()
+                };
+                let plane: Arc<dyn EventPlane> =
+                    Arc::new(within(&url, timeout, NatsPlane::connect(&url, options)).await?);
+                let dir: Arc<dyn DirectoryPlane> = Arc::new(
+                    within(
+                        &url,
+                        timeout,
+                        NatsDirectory::connect(&url, &bucket, record_ttl),
+                    )
+                    .await?,
+                );
+                let inventory = Arc::new(
+                    within(&url, timeout, async {
+                        NatsInventory::connect(&url)
+                            .await
+                            .map_err(|e| PlaneError::Connect {
+                                url: url.clone(),
+                                reason: e.to_string(),
+                            })
+                    })
+                    .await?,
+                );
+                let agent = DonorAgent::open(config, dir, plane)
+                    .await
+                    .map_err(agent_error)?;
+                if let Err(e) = agent.serve_inventory(inventory).await {
+                    let _ = agent.close(Duration::ZERO).await;
+                    return Err(agent_error(e));
+                }
+                Ok::<_, PyErr>(Arc::new(agent))
+            })?;
+            Ok::<_, PyErr>((rt, agent))
+        })?;
+        let ticking = agent.clone();
+        let ticker = rt.spawn(async move {
+            let mut every = tokio::time::interval(period);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                // A failed tick is retried next period; the agent's own
+                // record TTL (3 periods of slack) covers a short outage.
+                let _ = ticking.tick().await;
+            }
+        });
+        let bank = Py::new(py, DonorBank::from_manager(agent.bank().clone(), layout))?;
+        Ok(Self {
+            engine_id: agent.bank().owner().engine_id,
+            running: Mutex::new(Some(Running {
+                runtime: rt,
+                ticker,
+                agent: Some(agent),
+            })),
+            role: Role::Decode,
+            nats_url: nats_url.to_owned(),
+            timeout,
+            bank: Some(bank),
+        })
+    }
+
+    /// Announces a prefill worker (role prefill) whose target engine id is
+    /// `engine_id` (`Target.engine_id`) with KV `layout`, on
+    /// `kv.<namespace>.workers.announce` every `announce_period_s` seconds,
+    /// so that the router service accepts advise requests routed to it.
+    /// `gpus` are the CUDA ordinals of its TP ranks (announced only).
+    ///
+    /// Raises `BadArgument` naming `engine_id`, `worker_key`, `namespace`,
+    /// `gpus`, `gpu_uuids`, `announce_period_s` or `timeout_s`;
+    /// `PublishFailed` when NATS is unreachable or the first announcement
+    /// is not sent.
+    #[staticmethod]
+    #[pyo3(signature = (nats_url, worker_key, layout, engine_id, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", announce_period_s = 1.0, timeout_s = 5.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn target(
+        py: Python<'_>,
+        nats_url: &str,
+        worker_key: &str,
+        layout: Layout,
+        engine_id: &str,
+        host_id: &str,
+        gpus: Option<Vec<u32>>,
+        gpu_uuids: Option<Vec<String>>,
+        namespace: &str,
+        announce_period_s: f64,
+        timeout_s: f64,
+    ) -> PyResult<Self> {
+        let engine = crate::layout::engine_id(engine_id, "engine_id")?;
+        let period = seconds_in("announce_period_s", announce_period_s, 0.01..=60.0)?;
+        let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
+        let tp = layout.inner.tp_size();
+        if let Some(g) = &gpus {
+            if g.len() != tp as usize {
+                return Err(bad_argument(
+                    "gpus",
+                    format!("{} ordinals, expected one per TP rank ({tp})", g.len()),
+                ));
+            }
+        }
+        let subject = announce_subject(namespace).map_err(|e| bad_argument("namespace", e))?;
+        // A prefill worker serves no pins and this one publishes no KV
+        // events; the announcement still names a well-formed subject (its
+        // own, where an engine's prefix-cache events would go).
+        let event_subject = Subject::new(namespace, worker_key, "kv_events")
+            .map_err(|e| bad_argument("worker_key", e))?;
+        let announcement = WorkerAnnouncement {
+            worker_key: worker_key.to_owned(),
+            engine_id: engine,
+            role: Role::Prefill,
+            layout_fingerprint: layout.inner.fingerprint(),
+            tp_size: tp,
+            gpus: gpu_identities(tp, host_id, gpu_uuids, gpus.as_deref())?,
+            pin_endpoint: "none".to_owned(),
+            event_subject: event_subject.as_str().to_owned(),
+        };
+        announcement
+            .validate()
+            .map_err(|e| bad_argument("worker_key", e))?;
+        let bytes = announcement
+            .to_wire()
+            .map_err(|e| PublishFailed::new_err(format!("announcement: {e}")))?;
+        let url = nats_url.to_owned();
+        let (rt, ticker) = py.allow_threads(|| {
+            let rt = runtime("publisher")?;
+            let plane = rt.block_on(async {
+                let options = NatsOptions {
+                    connect_timeout: timeout,
+                    ..NatsOptions::default()
+                };
+                let plane = within(&url, timeout, NatsPlane::connect(&url, options)).await?;
+                // The first announcement is sent (and flushed) before the
+                // constructor returns: an advise right after it finds the
+                // target once the router processed it.
+                within(&url, timeout, async {
+                    plane.publish(&subject, bytes.clone()).await?;
+                    plane.flush().await
+                })
+                .await?;
+                Ok::<_, PyErr>(plane)
+            })?;
+            let ticker = rt.spawn(async move {
+                let mut every = tokio::time::interval(period);
+                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                every.tick().await;
+                loop {
+                    every.tick().await;
+                    let _ = plane.publish(&subject, bytes.clone()).await;
+                }
+            });
+            Ok::<_, PyErr>((rt, ticker))
+        })?;
+        Ok(Self {
+            running: Mutex::new(Some(Running {
+                runtime: rt,
+                ticker,
+                agent: None,
+            })),
+            role: Role::Prefill,
+            engine_id: engine,
+            nats_url: nats_url.to_owned(),
+            timeout,
+            bank: None,
+        })
+    }
+
+    /// `"decode"` (a donor) or `"prefill"` (a target).
+    #[getter]
+    fn role(&self) -> &'static str {
+        match self.role {
+            Role::Decode => "decode",
+            Role::Prefill => "prefill",
+        }
+    }
+
+    /// The engine id published (UUID string): the donor bank's, or the
+    /// target's.
+    #[getter]
+    fn engine_id(&self) -> String {
+        self.engine_id.to_string()
+    }
+
+    /// The donor's bank (store blocks through it), None for a target. Do
+    /// not call its `drain_events`: the publisher publishes those events.
+    #[getter]
+    fn bank(&self, py: Python<'_>) -> Option<Py<DonorBank>> {
+        self.bank.as_ref().map(|b| b.clone_ref(py))
+    }
+
+    /// The pin endpoint published in the donor's record, None for a target.
+    #[getter]
+    fn pin_endpoint(&self) -> Option<String> {
+        self.with_agent(|a| a.pin_endpoint().to_owned())
+    }
+
+    /// True until `close()`.
+    #[getter]
+    fn open(&self) -> bool {
+        self.running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Publishes the donor bank's queued KV events now (a completed store's
+    /// `Stored`, evictions) instead of at the next period; returns how many.
+    /// 0 for a target. Releases the GIL.
+    ///
+    /// Raises `PublishFailed` when a publish failed (the event ids are
+    /// consumed: the router sees a gap and resyncs) or after `close()`.
+    fn publish_events(&self, py: Python<'_>) -> PyResult<usize> {
+        self.on_agent(py, |agent| async move {
+            agent.publish_events().await.map_err(agent_error)
+        })
+        .map(|n| n.unwrap_or(0))
+    }
+
+    /// One period's work now: events, the record's renewal when a third of
+    /// its TTL passed, the announcement. Releases the GIL.
+    ///
+    /// Raises `PublishFailed` (the first failing step) or after `close()`.
+    fn tick(&self, py: Python<'_>) -> PyResult<()> {
+        self.on_agent(py, |agent| async move {
+            agent.tick().await.map_err(agent_error)
+        })
+        .map(|_| ())
+    }
+
+    /// Publishes the NIXL agent that registered the donor bank's memory
+    /// (`name`, and its `metadata` blob) in the directory record, for a
+    /// target on another host. Releases the GIL.
+    ///
+    /// Raises `BadArgument` naming `name` / `metadata` (empty, too large),
+    /// `PublishFailed` when the put fails or for a target.
+    fn publish_nixl_agent(&self, py: Python<'_>, name: String, metadata: Vec<u8>) -> PyResult<()> {
+        if self.role != Role::Decode {
+            return Err(PublishFailed::new_err(
+                "publish_nixl_agent: a target publishes no NIXL agent",
+            ));
+        }
+        self.on_agent(py, |agent| async move {
+            agent
+                .publish_nixl_agent(name, metadata)
+                .await
+                .map_err(|e| match e {
+                    AgentError::Record(r) => bad_argument("name", r),
+                    other => agent_error(other),
+                })
+        })
+        .map(|_| ())
+    }
+
+    /// Stops publishing. A donor deletes its directory record, stops its pin
+    /// service (waiting up to `drain_s` seconds for held pins), closes the
+    /// bank and publishes its `Cleared` event. Idempotent. Releases the GIL.
+    ///
+    /// Raises `BankFailed` when pins outlived `drain_s`, `PublishFailed`
+    /// when the record could not be deleted (it then lapses with its TTL).
+    #[pyo3(signature = (drain_s = 1.0))]
+    fn close(&self, py: Python<'_>, drain_s: f64) -> PyResult<()> {
+        let drain = seconds_in("drain_s", drain_s, 0.0..=3_600.0)?;
+        let running = self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let Some(r) = running else {
+            return Ok(());
+        };
+        let timeout = self.timeout + drain;
+        let url = self.nats_url.clone();
+        py.allow_threads(move || {
+            r.ticker.abort();
+            let closed = r.runtime.block_on(async {
+                // The aborted ticker's clone of the agent is dropped once
+                // the task observed the abort.
+                let _ = (&mut { r.ticker }).await;
+                let Some(agent) = r.agent else {
+                    return Ok(());
+                };
+                let agent = Arc::try_unwrap(agent).map_err(|_| {
+                    PublishFailed::new_err("close: the donor agent is still in use")
+                })?;
+                match tokio::time::timeout(timeout, agent.close(drain)).await {
+                    Ok(Ok(_report)) => Ok(()),
+                    Ok(Err(e)) => Err(agent_error(e)),
+                    Err(_) => Err(PublishFailed::new_err(format!(
+                        "nats_url {url}: close took over {timeout:?}"
+                    ))),
+                }
+            });
+            r.runtime.shutdown_timeout(Duration::from_secs(1));
+            closed
+        })
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py, 1.0)?;
+        Ok(false)
+    }
+}
+
+impl WorkerPublisher {
+    fn with_agent<R>(&self, f: impl FnOnce(&DonorAgent) -> R) -> Option<R> {
+        let guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        guard.as_ref()?.agent.as_deref().map(f)
+    }
+
+    /// Runs `f(agent)` on the runtime without the GIL, bounded by the
+    /// publisher's timeout; `Ok(None)` for a target.
+    fn on_agent<T, F, Fut>(&self, py: Python<'_>, f: F) -> PyResult<Option<T>>
+    where
+        T: Send,
+        F: FnOnce(Arc<DonorAgent>) -> Fut + Send,
+        Fut: std::future::Future<Output = PyResult<T>> + Send,
+    {
+        let guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let r = guard
+            .as_ref()
+            .ok_or_else(|| PublishFailed::new_err("the publisher is closed"))?;
+        let Some(agent) = r.agent.clone() else {
+            return Ok(None);
+        };
+        let (timeout, url) = (self.timeout, self.nats_url.clone());
+        py.allow_threads(|| {
+            r.runtime.block_on(async {
+                match tokio::time::timeout(timeout, f(agent)).await {
+                    Ok(v) => v.map(Some),
+                    Err(_) => Err(PublishFailed::new_err(format!(
+                        "nats_url {url}: no answer within {timeout:?}"
+                    ))),
+                }
+            })
+        })
+    }
+}
+
+impl Drop for WorkerPublisher {
+    fn drop(&mut self) {
+        // Not closed: stop the ticker and runtime without blocking; the
+        // agent's bank closes when its last reference drops, and the record
+        // lapses with its TTL.
+        if let Some(r) = self
+            .running
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            r.ticker.abort();
+            r.runtime.shutdown_background();
+        }
+    }
+}

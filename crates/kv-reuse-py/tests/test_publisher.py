@@ -1,0 +1,156 @@
+"""WorkerPublisher and DonorDirectory against a real nats-server (JetStream)
+and the `kv-reuse-router` binary, each its own process: a Python donor
+process stores blocks and publishes (registration, KV events, manifest), a
+Python prefill worker announces itself, advises through RouterClient, resolves
+the donor's manifest from the directory and fetches exact bytes; the donor's
+close removes its record. Without nats-server or the router binary: SKIP
+with the reason (a failure under CI=true)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import kv_reuse
+from conftest import TOKENS_PER_BLOCK, TP
+from nats_fake import NatsServer, find_nats_server, find_router_binary, skip_or_fail
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Enough blocks for the default cost model to admit a fetch (conftest).
+BLOCKS = 8
+
+
+@pytest.fixture
+def nats(tmp_path):
+    binary = find_nats_server()
+    if binary is None:
+        skip_or_fail("nats-server", "not on $PATH, $KV_NATS_SERVER or target/nats (cargo xtask install)")
+    server = NatsServer(binary, tmp_path / "js")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def router(nats):
+    binary = find_router_binary()
+    if binary is None:
+        skip_or_fail("kv-reuse-router", "not built (target/debug/kv-reuse-router, $KV_REUSE_ROUTER_BIN)")
+    proc = subprocess.Popen(
+        [binary, "--nats-url", nats.url, "--metrics-addr", "127.0.0.1:0",
+         "--tokens-per-block", str(TOKENS_PER_BLOCK), "--announce-period-ms", "200",
+         "--enable-decode-to-prefill-reuse"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["event"] == "ready", ready
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        proc.stdout.close()
+
+
+def pattern(layout, rank, block):
+    base = np.arange(layout.rank_block_elems, dtype=np.float32)
+    return base + np.float32(1000 * block + 100000 * rank)
+
+
+def start_donor(url, sock):
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "publisher_proc.py"), url, sock,
+         str(TOKENS_PER_BLOCK), str(BLOCKS), str(TP)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line, f"the donor process printed nothing (rc {proc.poll()})"
+    return proc, json.loads(line)
+
+
+def advise_until_admitted(client, hashes, target, deadline_s=20.0):
+    """The router admits once it followed the donor's announcement, record
+    and inventory and the target's announcement; until then it refuses or
+    recomputes."""
+    deadline = time.monotonic() + deadline_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            advice = client.advise(f"req-{time.monotonic_ns()}", hashes, target)
+            if advice.admitted:
+                return advice
+            last = advice.verdict
+        except kv_reuse.AdviseRefused as e:
+            last = str(e)
+        time.sleep(0.1)
+    pytest.fail(f"not admitted within {deadline_s} s; last: {last}")
+
+
+def test_bad_arguments_are_refused_naming_them(layout):
+    with pytest.raises(kv_reuse.BadArgument, match="slots"):
+        kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "d", layout, 0, "unix:/tmp/x")
+    with pytest.raises(kv_reuse.BadArgument, match="record_ttl_s"):
+        kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "d", layout, 4, "unix:/tmp/x",
+                                       lease_s=1.0, record_ttl_s=2.0)
+    with pytest.raises(kv_reuse.BadArgument, match="worker_key"):
+        kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "a.b", layout, 4, "unix:/tmp/x")
+    with pytest.raises(kv_reuse.BadArgument, match="gpu_uuids"):
+        kv_reuse.WorkerPublisher.target("nats://127.0.0.1:1", "p", layout,
+                                        "00000000-0000-4000-8000-000000000001", gpu_uuids=["x"])
+    with pytest.raises(kv_reuse.BadArgument, match="engine_id"):
+        kv_reuse.WorkerPublisher.target("nats://127.0.0.1:1", "p", layout, "not-a-uuid")
+
+
+def test_an_unreachable_server_raises_publish_failed(layout):
+    with pytest.raises(kv_reuse.PublishFailed, match=r"nats_url nats://127\.0\.0\.1:1"):
+        kv_reuse.WorkerPublisher.target("nats://127.0.0.1:1", "p", layout,
+                                        "00000000-0000-4000-8000-000000000001", timeout_s=0.5)
+    with pytest.raises(kv_reuse.PublishFailed, match=r"nats_url nats://127\.0\.0\.1:1"):
+        kv_reuse.DonorDirectory("nats://127.0.0.1:1", timeout_s=0.5)
+
+
+def test_the_router_service_admits_a_python_donor_and_the_target_fetches(
+        nats, router, layout, tmp_path):
+    donor, hello = start_donor(nats.url, str(tmp_path / "pins.sock"))
+    try:
+        assert hello["ready"] == [False] * (TP - 1) + [True], hello
+        assert hello["published"] == 1, "one Stored event for the store"
+        assert hello["role"] == "decode"
+        assert hello["endpoint"] == "unix:" + str(tmp_path / "pins.sock")
+        hashes = kv_reuse.sequence_hashes(list(range(TOKENS_PER_BLOCK * BLOCKS)), TOKENS_PER_BLOCK)
+        target = kv_reuse.Target(layout, rows=16)
+        with kv_reuse.RouterClient(nats.url, timeout_s=5.0) as client, \
+                kv_reuse.DonorDirectory(nats.url) as directory:
+            # Before the target announces itself the service does not know it.
+            with pytest.raises(kv_reuse.AdviseRefused, match="unknown target engine"):
+                client.advise("req-0", hashes, target.engine_id)
+            with kv_reuse.WorkerPublisher.target(nats.url, "prefill-py", layout, target.engine_id,
+                                                 announce_period_s=0.2) as announced:
+                assert announced.role == "prefill"
+                assert announced.engine_id == target.engine_id
+                assert announced.bank is None
+                advice = advise_until_admitted(client, hashes, target.engine_id)
+                assert advice.hint is not None
+                manifest = directory.manifest(hello["engine_id"], wait_s=10.0)
+                assert manifest == bytes.fromhex(hello["manifest"])
+                with target.fetch(advice.hint, hashes, manifest) as out:
+                    assert out.fetched == hashes
+                    for k, row in enumerate(out.rows):
+                        for rank in range(TP):
+                            got = np.frombuffer(target.read_row(rank, row), dtype=np.float32)
+                            np.testing.assert_array_equal(got, pattern(layout, rank, k))
+            # The donor closes: its record leaves the directory.
+            donor.stdin.close()
+            closed = json.loads(donor.stdout.readline())
+            assert closed == {"closed": True}
+            deadline = time.monotonic() + 10
+            while directory.manifest(hello["engine_id"]) is not None:
+                assert time.monotonic() < deadline, "the record outlived the donor's close"
+                time.sleep(0.05)
+            assert directory.donors == 0
+    finally:
+        if donor.poll() is None:
+            donor.kill()
+        donor.wait(timeout=15)
+        donor.stdout.close()
