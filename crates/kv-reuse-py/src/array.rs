@@ -73,6 +73,20 @@ pub(crate) struct ArrayView<'py> {
     len: usize,
     readonly: bool,
     kind: MemoryKind,
+    /// Shape as exported.
+    shape: Vec<usize>,
+    /// Strides in bytes (C-contiguous ones when the exporter gave none).
+    strides: Vec<isize>,
+}
+
+/// Which strides a view accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dense {
+    /// C-contiguous (length-1 axes may have any stride).
+    All,
+    /// Only the last axis dense; the others any positive stride (an HF
+    /// cache slice `[1, H, capacity, D]` of a larger buffer).
+    LastDim,
 }
 
 /// The raw fields every protocol yields, checked by [`ArrayView::check`].
@@ -222,6 +236,54 @@ impl<'py> ArrayView<'py> {
         shape: &[usize],
         want: Want,
     ) -> PyResult<Self> {
+        Self::open(obj, argument, dtype, Some(shape), want, Dense::All)
+    }
+
+    /// Views `obj` as a tensor of `dtype` whose last axis is dense and whose
+    /// other axes have any positive stride (read [`ArrayView::shape`] and
+    /// [`ArrayView::strides`]); refuses as [`ArrayView::new`] does.
+    pub(crate) fn new_strided(
+        obj: &Bound<'py, PyAny>,
+        argument: &str,
+        dtype: DType,
+        want: Want,
+    ) -> PyResult<Self> {
+        Self::open(obj, argument, dtype, None, want, Dense::LastDim)
+    }
+
+    /// The exported shape.
+    pub(crate) fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Strides in bytes, one per axis.
+    pub(crate) fn strides(&self) -> &[isize] {
+        &self.strides
+    }
+
+    /// Bytes from the first element to one past the last.
+    pub(crate) fn span_bytes(&self) -> usize {
+        self.len
+    }
+
+    /// First byte address (host pointer or `CUdeviceptr`).
+    pub(crate) fn addr(&self) -> usize {
+        self.ptr
+    }
+
+    /// Where the memory lives.
+    pub(crate) fn memory_kind(&self) -> MemoryKind {
+        self.kind
+    }
+
+    fn open(
+        obj: &Bound<'py, PyAny>,
+        argument: &str,
+        dtype: DType,
+        shape: Option<&[usize]>,
+        want: Want,
+        dense: Dense,
+    ) -> PyResult<Self> {
         let device = dlpack_device(obj, argument)?;
         let mut capsule = None;
         let (raw, kind) = match want {
@@ -316,7 +378,7 @@ impl<'py> ArrayView<'py> {
                 (raw, MemoryKind::Cuda { ordinal })
             }
         };
-        let len = Self::check(&raw, argument, dtype, shape)?;
+        let (len, strides) = Self::check(&raw, argument, dtype, shape, dense)?;
         Ok(Self {
             owner: obj.clone(),
             capsule,
@@ -324,44 +386,91 @@ impl<'py> ArrayView<'py> {
             len,
             readonly: raw.readonly,
             kind,
+            shape: raw.shape,
+            strides,
         })
     }
 
-    /// Checks dtype, shape and C-contiguity; returns the byte length.
-    fn check(raw: &Raw, argument: &str, dtype: DType, shape: &[usize]) -> PyResult<usize> {
+    /// Checks dtype, shape (when given) and strides; returns the byte
+    /// length spanned (first to one past the last element) and the strides
+    /// in bytes.
+    fn check(
+        raw: &Raw,
+        argument: &str,
+        dtype: DType,
+        shape: Option<&[usize]>,
+        dense: Dense,
+    ) -> PyResult<(usize, Vec<isize>)> {
         if !raw.dtype_ok || raw.itemsize != dtype.size_bytes() {
             return Err(bad_argument(
                 argument,
                 format!("dtype {}, expected {}", raw.dtype_name, typestr(dtype)),
             ));
         }
-        if raw.shape != shape {
-            return Err(bad_argument(
-                argument,
-                format!("shape {:?}, expected {shape:?}", raw.shape),
-            ));
-        }
-        if let Some(s) = &raw.strides {
-            let mut want = raw.itemsize as isize;
-            let contiguous = s.len() == shape.len()
-                && shape.iter().zip(s).rev().all(|(dim, st)| {
-                    // A length-1 axis may have any stride (numpy, torch).
-                    let ok = *dim <= 1 || *st == want;
-                    want *= *dim as isize;
-                    ok
-                });
-            if !contiguous {
+        if let Some(shape) = shape {
+            if raw.shape != shape {
                 return Err(bad_argument(
                     argument,
-                    format!("strides {s:?} are not C-contiguous"),
+                    format!("shape {:?}, expected {shape:?}", raw.shape),
                 ));
             }
         }
-        let len = shape.iter().product::<usize>() * raw.itemsize;
+        let shape = &raw.shape;
+        let mut c = vec![0isize; shape.len()];
+        let mut acc = raw.itemsize as isize;
+        for (i, dim) in shape.iter().enumerate().rev() {
+            c[i] = acc;
+            acc *= *dim as isize;
+        }
+        let strides = raw.strides.clone().unwrap_or_else(|| c.clone());
+        if strides.len() != shape.len() {
+            return Err(bad_argument(
+                argument,
+                format!("strides {strides:?} for {} axes", shape.len()),
+            ));
+        }
+        let ok = match dense {
+            // A length-1 axis may have any stride (numpy, torch).
+            Dense::All => shape
+                .iter()
+                .zip(strides.iter().zip(&c))
+                .all(|(dim, (s, want))| *dim <= 1 || s == want),
+            Dense::LastDim => {
+                let last = shape.len().saturating_sub(1);
+                shape.iter().zip(&strides).enumerate().all(|(i, (dim, s))| {
+                    *dim <= 1
+                        || if i == last {
+                            *s == raw.itemsize as isize
+                        } else {
+                            *s > 0
+                        }
+                })
+            }
+        };
+        if !ok {
+            let what = match dense {
+                Dense::All => "are not C-contiguous",
+                Dense::LastDim => "need a dense last axis and positive strides",
+            };
+            return Err(bad_argument(
+                argument,
+                format!("strides {strides:?} {what}"),
+            ));
+        }
+        let len = if shape.contains(&0) {
+            0
+        } else {
+            shape
+                .iter()
+                .zip(&strides)
+                .map(|(d, s)| (*d as isize - 1) * s.max(&0))
+                .sum::<isize>() as usize
+                + raw.itemsize
+        };
         if raw.ptr == 0 && len > 0 {
             return Err(bad_argument(argument, "null data pointer"));
         }
-        Ok(len)
+        Ok((len, strides))
     }
 
     /// The view's bytes (host memory only), borrowed for as long as `self`
@@ -406,11 +515,33 @@ impl<'py> ArrayView<'py> {
     /// tensor as a destination region), holding the exporter alive.
     pub(crate) fn into_memory(self) -> ExternalMemory {
         ExternalMemory {
-            _owner: self.owner.unbind(),
-            _capsule: self.capsule.map(Bound::unbind),
             ptr: self.ptr,
             len: self.len,
             kind: self.kind,
+            _owners: vec![(self.owner.unbind(), self.capsule.map(Bound::unbind))],
+        }
+    }
+}
+
+impl ExternalMemory {
+    /// One region spanning bytes `base .. base + len` of the memory kind
+    /// `kind` that holds several engine tensors (an HF cache's per-layer K
+    /// and V), keeping every exporter alive. The caller's region layout
+    /// addresses only the tensors' elements, never the gaps between them.
+    pub(crate) fn spanning(
+        views: Vec<ArrayView<'_>>,
+        base: usize,
+        len: usize,
+        kind: MemoryKind,
+    ) -> Self {
+        ExternalMemory {
+            ptr: base,
+            len,
+            kind,
+            _owners: views
+                .into_iter()
+                .map(|v| (v.owner.unbind(), v.capsule.map(Bound::unbind)))
+                .collect(),
         }
     }
 }
@@ -534,8 +665,8 @@ fn read_dlpack<'py>(
 /// or DLPack) owned by the Python exporter, which this keeps alive.
 #[derive(Debug)]
 pub(crate) struct ExternalMemory {
-    _owner: Py<PyAny>,
-    _capsule: Option<Py<PyAny>>,
+    /// Each exporter and its DLPack capsule, kept alive with the region.
+    _owners: Vec<(Py<PyAny>, Option<Py<PyAny>>)>,
     ptr: usize,
     len: usize,
     kind: MemoryKind,
@@ -577,9 +708,11 @@ impl BankMemory for ExternalMemory {
     }
     fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
         self.host_range("write_bytes", offset, src.len())?;
-        // SAFETY: host memory of `len` writable bytes (checked writable and
-        // contiguous when viewed) kept alive by `_owner`; the range is in
-        // bounds. The engine does not touch rows reserved for a fetch (the
+        // SAFETY: host memory of `len` writable bytes (checked writable
+        // when viewed) kept alive by `_owners`; the range is in bounds. A
+        // spanning region (HF cache) may hold gaps between its tensors: its
+        // region layout was built from the tensors' own addresses and
+        // strides, so the converting copy writes only their elements. The engine does not touch rows reserved for a fetch (the
         // destination contract, docs/python.md), so nothing aliases them.
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), (self.ptr + offset) as *mut u8, src.len())

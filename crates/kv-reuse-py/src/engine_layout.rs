@@ -15,7 +15,7 @@ use kv_descriptor::{KvLayout, KvRegionLayout, RegionLayoutError};
 use crate::errors::bad_argument;
 
 /// The accepted `kv_layout` names.
-pub(crate) const NAMES: &str = "block_major, vllm_kv_first, vllm_block_first";
+pub(crate) const NAMES: &str = "block_major, vllm_kv_first, vllm_block_first, hf";
 
 /// A supported engine tensor order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +27,9 @@ pub(crate) enum EngineOrder {
     VllmKvFirst,
     /// vLLM `[L, rows, 2, T, H, D]` (per layer `[num_blocks, 2, T, H, D]`).
     VllmBlockFirst,
+    /// HF-style per-layer caches `[1, H, capacity, D]`, K and V per layer
+    /// (2 * L tensors per rank, [`hf_region`]); block `b` = tokens `b*T ..`.
+    Hf,
 }
 
 impl EngineOrder {
@@ -36,6 +39,7 @@ impl EngineOrder {
             "block_major" => Ok(Self::BlockMajor),
             "vllm_kv_first" => Ok(Self::VllmKvFirst),
             "vllm_block_first" => Ok(Self::VllmBlockFirst),
+            "hf" => Ok(Self::Hf),
             other => Err(bad_argument(
                 "kv_layout",
                 format!("`{other}` is not one of {NAMES}"),
@@ -56,6 +60,8 @@ impl EngineOrder {
             Self::BlockMajor => vec![rows, g.rank_block_bytes() / g.dtype().size_bytes()],
             Self::VllmKvFirst => vec![l, 2, rows, t, h, d],
             Self::VllmBlockFirst => vec![l, rows, 2, t, h, d],
+            // Per tensor, capacity at least rows * T (checked by hf_region).
+            Self::Hf => vec![1, h, rows * t, d],
         }
     }
 
@@ -81,6 +87,111 @@ impl EngineOrder {
             Self::VllmBlockFirst => {
                 KvRegionLayout::vllm_block_first(g, rank, 0, layer_stride, rows, rank_bytes)
             }
+            // Built from the tensors' addresses by `hf_region`, never here.
+            Self::Hf => Err(RegionLayoutError::Zero {
+                field: "region.layer_offsets",
+            }),
         }
     }
+}
+
+/// `kv_layout="hf"`: one TP rank's HF-style per-layer caches, `2 * L`
+/// tensors `[1, H, capacity, D]` (K0, V0, K1, V1, ...), each with a dense
+/// last axis and the same strides; block `b` is tokens `b*T .. (b+1)*T`.
+///
+/// The region spans every tensor from the lowest address; kv_descriptor's
+/// `KvRegionLayout` has one K-to-V distance for all layers, so `V_l - K_l`
+/// must be the same in every layer (the caches are views of one buffer,
+/// e.g. `buf[l, 0]`, `buf[l, 1]` of `[L, 2, 1, H, capacity, D]`).
+///
+/// Returns the region layout, the region's base address and length.
+///
+/// # Errors
+/// `BadArgument` naming `kv_caches[r][i]` (shape, strides, a V at another
+/// distance from its K than layer 0's, capacity below `rows * T`) or
+/// `kv_layout` (kv_descriptor's refusal).
+pub(crate) fn hf_region(
+    g: KvLayout,
+    rank: u32,
+    rows: u32,
+    views: &[crate::array::ArrayView<'_>],
+) -> PyResult<(KvRegionLayout, usize, usize)> {
+    let (l, t, h, d) = (
+        g.num_layers() as usize,
+        g.tokens_per_block() as usize,
+        g.heads_per_rank() as usize,
+        g.head_dim() as usize,
+    );
+    let elem = g.dtype().size_bytes();
+    let arg = |i: usize| format!("kv_caches[{rank}][{i}]");
+    let need = rows as usize * t;
+    let strides = views[0].strides().to_vec();
+    for (i, v) in views.iter().enumerate() {
+        let s = v.shape();
+        if s.len() != 4 || s[0] != 1 || s[1] != h || s[3] != d {
+            return Err(bad_argument(
+                &arg(i),
+                format!("shape {s:?}, expected [1, {h}, capacity, {d}]"),
+            ));
+        }
+        if s[2] < need {
+            return Err(bad_argument(
+                &arg(i),
+                format!(
+                    "capacity {} tokens < rows * tokens_per_block = {need}",
+                    s[2]
+                ),
+            ));
+        }
+        if v.strides()[1..] != strides[1..] {
+            return Err(bad_argument(
+                &arg(i),
+                format!(
+                    "strides {:?} differ from kv_caches[{rank}][0]'s {strides:?}",
+                    v.strides()
+                ),
+            ));
+        }
+    }
+    let base = views.iter().map(|v| v.addr()).min().unwrap_or(0);
+    let end = views
+        .iter()
+        .map(|v| v.addr() + v.span_bytes())
+        .max()
+        .unwrap_or(0);
+    let kv_bytes = views[1].addr() as i128 - views[0].addr() as i128;
+    for layer in 0..l {
+        let dist = views[2 * layer + 1].addr() as i128 - views[2 * layer].addr() as i128;
+        if dist != kv_bytes || dist <= 0 || dist % elem as i128 != 0 {
+            return Err(bad_argument(
+                &arg(2 * layer + 1),
+                format!(
+                    "V lies {dist} bytes from its K, layer 0's {kv_bytes}: one positive \
+                     K-to-V distance for every layer is needed (views of one buffer)"
+                ),
+            ));
+        }
+    }
+    let el = |b: isize| b as u64 / elem as u64;
+    let token = el(strides[2]);
+    let offsets = (0..l)
+        .map(|layer| (views[2 * layer].addr() - base) as u64)
+        .collect();
+    let layout = KvRegionLayout::new(
+        g,
+        rank,
+        kv_descriptor::RegionOrder::HfTokens { token_offset: 0 },
+        offsets,
+        kv_descriptor::ElementStrides {
+            block: t as u64 * token,
+            kv: kv_bytes as u64 / elem as u64,
+            token,
+            head: el(strides[1]),
+            dim: 1,
+        },
+        rows,
+        (end - base) as u64,
+    )
+    .map_err(|e| bad_argument("kv_layout", format!("rank {rank}: {e}")))?;
+    Ok((layout, base, end - base))
 }

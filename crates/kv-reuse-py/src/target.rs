@@ -14,7 +14,7 @@ use kv_router_glue::{EngineRegion, FetchError, FetchExecutor, RemoteDonor, DEFAU
 use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
 use kv_transfer::{CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, LivenessProbe};
 
-use crate::array::{ArrayView, Want};
+use crate::array::{ArrayView, ExternalMemory, Want};
 use crate::engine_layout::EngineOrder;
 use crate::errors::{bad_argument, descriptor, fetch, BankFailed, CudaUnavailable, FetchFellBack};
 use crate::layout::Layout;
@@ -29,6 +29,8 @@ pub(crate) struct Target {
     /// How the destination tensors are laid out.
     order: EngineOrder,
     layout: Layout,
+    /// Destination rows (KV blocks) per TP rank.
+    rows: u32,
     regions: Vec<Arc<dyn BankMemory>>,
     executor: FetchExecutor,
 }
@@ -97,6 +99,7 @@ impl Target {
                 ));
             }
         }
+        let mut hf_layouts = Vec::new();
         let regions: Vec<Arc<dyn BankMemory>> = match kv_caches {
             None => (0..tp)
                 .map(|_| {
@@ -105,6 +108,35 @@ impl Target {
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| BankFailed::new_err(e.to_string()))?,
+            Some(caches) if order == EngineOrder::Hf => {
+                if caches.len() != tp {
+                    return Err(bad_argument(
+                        "kv_caches",
+                        format!("{} lists, expected one per TP rank ({tp})", caches.len()),
+                    ));
+                }
+                let mut out = Vec::with_capacity(tp);
+                for (r, list) in caches.iter().enumerate() {
+                    let tensors = hf_tensors(list, r, layout.inner.num_layers() as usize)?;
+                    let want = gpus.as_ref().map_or(Want::Host, |g| Want::Cuda(g[r]));
+                    let views = tensors
+                        .iter()
+                        .enumerate()
+                        .map(|(i, t)| {
+                            let arg = format!("kv_caches[{r}][{i}]");
+                            ArrayView::new_strided(t, &arg, layout.inner.dtype(), want)
+                                .and_then(|v| v.writable(&arg))
+                        })
+                        .collect::<PyResult<Vec<_>>>()?;
+                    let (region, base, len) =
+                        crate::engine_layout::hf_region(layout.inner, r as u32, rows, &views)?;
+                    let kind = views[0].memory_kind();
+                    hf_layouts.push(region);
+                    out.push(Arc::new(ExternalMemory::spanning(views, base, len, kind))
+                        as Arc<dyn BankMemory>);
+                }
+                out
+            }
             Some(caches) => {
                 if caches.len() != tp {
                     return Err(bad_argument(
@@ -147,13 +179,15 @@ impl Target {
                 .iter()
                 .enumerate()
                 .map(|(r, memory)| {
-                    order
-                        .region(layout.inner, r as u32, rows)
-                        .map(|l| EngineRegion {
-                            memory: memory.clone(),
-                            layout: l,
-                        })
-                        .map_err(|e| bad_argument("kv_layout", format!("rank {r}: {e}")))
+                    match hf_layouts.get(r) {
+                        Some(l) => Ok(l.clone()),
+                        None => order.region(layout.inner, r as u32, rows),
+                    }
+                    .map(|l| EngineRegion {
+                        memory: memory.clone(),
+                        layout: l,
+                    })
+                    .map_err(|e| bad_argument("kv_layout", format!("rank {r}: {e}")))
                 })
                 .collect::<PyResult<Vec<_>>>()?;
             FetchExecutor::with_engine_regions(
@@ -175,6 +209,7 @@ impl Target {
             gpus,
             order,
             layout,
+            rows,
             regions,
             executor,
         })
@@ -210,7 +245,15 @@ impl Target {
     ///
     /// Raises `PromptMismatch` / `HintRefused` before anything is touched,
     /// `FetchFellBack` (stage, cause) after: recompute the prefix then.
-    #[pyo3(signature = (hint, prompt_hashes, manifest, donor_alive = None, pin_timeout_s = None, dst_blocks = None))]
+    ///
+    /// On `kv_layout="hf"` block `b` is tokens `b*T .. (b+1)*T` of every
+    /// cache tensor; `dst_token_offset=N` (a multiple of T) lands the
+    /// fetched blocks at tokens `N, N+T, ...` (blocks `N/T ..`); without it
+    /// and without `dst_blocks` they land where they sit in the prompt
+    /// (tokens `fetch_from*T ..`). `BadArgument` names `dst_token_offset`
+    /// when it is not a multiple of T, is given with `dst_blocks` or on
+    /// another layout, or the blocks would end past `rows * T` tokens.
+    #[pyo3(signature = (hint, prompt_hashes, manifest, donor_alive = None, pin_timeout_s = None, dst_blocks = None, dst_token_offset = None))]
     // One Rust argument per Python keyword argument (each optional).
     #[allow(clippy::too_many_arguments)]
     fn fetch(
@@ -222,10 +265,12 @@ impl Target {
         donor_alive: Option<Py<PyAny>>,
         pin_timeout_s: Option<f64>,
         dst_blocks: Option<Vec<u32>>,
+        dst_token_offset: Option<u64>,
     ) -> PyResult<FetchOutcome> {
         let envelope = HintEnvelope::from_wire(hint).map_err(descriptor)?;
         let manifest = BankManifest::from_wire(manifest).map_err(descriptor)?;
         let actions = envelope.fetch_gpu_actions().map_err(descriptor)?;
+        let dst_blocks = self.hf_dst_blocks(&actions, dst_blocks, dst_token_offset)?;
         let endpoint = actions
             .first()
             .map(|a| a.donor_control_endpoint.clone())
@@ -302,6 +347,103 @@ impl Target {
             .map_err(|e| bad_argument("row", e))?;
         Ok(PyBytes::new(py, &buf))
     }
+}
+
+impl Target {
+    /// The destination blocks of an HF-layout fetch (see `fetch`), or
+    /// `dst_blocks` unchanged on the other layouts.
+    fn hf_dst_blocks(
+        &self,
+        actions: &[kv_descriptor::FetchGpuHint],
+        dst_blocks: Option<Vec<u32>>,
+        dst_token_offset: Option<u64>,
+    ) -> PyResult<Option<Vec<u32>>> {
+        let arg = "dst_token_offset";
+        if self.order != EngineOrder::Hf {
+            return match dst_token_offset {
+                Some(_) => Err(bad_argument(arg, "only with kv_layout=\"hf\"")),
+                None => Ok(dst_blocks),
+            };
+        }
+        if dst_blocks.is_some() {
+            return match dst_token_offset {
+                Some(_) => Err(bad_argument(
+                    arg,
+                    "give dst_blocks or dst_token_offset, not both",
+                )),
+                None => Ok(dst_blocks),
+            };
+        }
+        // More than one action is refused by the executor, naming it.
+        let Some(a) = actions.first() else {
+            return Ok(None);
+        };
+        let t = u64::from(self.layout.inner.tokens_per_block());
+        let n = a
+            .sequence_hashes
+            .len()
+            .saturating_sub(a.fetch_from as usize) as u64;
+        let start = dst_token_offset.unwrap_or(u64::from(a.fetch_from) * t);
+        if start % t != 0 {
+            return Err(bad_argument(
+                arg,
+                format!("{start} is not a multiple of tokens_per_block {t}"),
+            ));
+        }
+        let first = start / t;
+        let capacity = u64::from(self.rows) * t;
+        if start + n * t > capacity {
+            return Err(bad_argument(
+                arg,
+                format!(
+                    "{n} blocks from token {start} end at {}, past the cache's {capacity} tokens",
+                    start + n * t
+                ),
+            ));
+        }
+        Ok(Some((first..first + n).map(|b| b as u32).collect()))
+    }
+}
+
+/// The `2 * L` tensors of one rank's HF cache: a list of `2 * L` tensors
+/// (K0, V0, K1, ...) or of `L` (K, V) pairs; `BadArgument` names
+/// `kv_caches[r]` for another count.
+fn hf_tensors<'py>(
+    list: &Bound<'py, PyAny>,
+    r: usize,
+    layers: usize,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let arg = format!("kv_caches[{r}]");
+    let items: Vec<Bound<'py, PyAny>> = list
+        .extract()
+        .map_err(|_| bad_argument(&arg, "is not a list of tensors or (K, V) pairs"))?;
+    let flat: Vec<Bound<'py, PyAny>> = if items.len() == layers
+        && items.iter().all(|i| {
+            i.extract::<(Bound<'py, PyAny>, Bound<'py, PyAny>)>()
+                .is_ok()
+        }) {
+        items
+            .iter()
+            .flat_map(|i| {
+                let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) =
+                    i.extract().expect("checked above");
+                [k, v]
+            })
+            .collect()
+    } else {
+        items
+    };
+    if flat.len() != 2 * layers {
+        return Err(bad_argument(
+            &arg,
+            format!(
+                "{} tensors, expected 2 * num_layers = {} (K0, V0, K1, ...) or {layers} (K, V) pairs",
+                flat.len(),
+                2 * layers
+            ),
+        ));
+    }
+    Ok(flat)
 }
 
 /// A Python callable as the delivery's liveness probe. The delivery runs

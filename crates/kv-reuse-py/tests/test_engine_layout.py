@@ -66,8 +66,8 @@ def test_engine_layout_refusals_name_the_argument(donor, layout, enabled):  # no
     _, report = donor
     L, T, H, D = dims(layout)
     ok = [np.zeros((L, 2, ROWS, T, H, D), dtype=np.float32) for _ in range(TP)]
-    with pytest.raises(kv_reuse.BadArgument, match="kv_layout: `hf` is not one of"):
-        kv_reuse.Target(layout, rows=ROWS, kv_caches=ok, kv_layout="hf")
+    with pytest.raises(kv_reuse.BadArgument, match="kv_layout: `hf_tokens` is not one of"):
+        kv_reuse.Target(layout, rows=ROWS, kv_caches=ok, kv_layout="hf_tokens")
     with pytest.raises(kv_reuse.BadArgument, match="kv_caches: required with kv_layout"):
         kv_reuse.Target(layout, rows=ROWS, kv_layout="vllm_kv_first")
     # A block-first tensor handed in as kv-first: the shape says so.

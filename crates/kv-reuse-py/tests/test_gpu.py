@@ -191,3 +191,33 @@ def test_device_source_refusals_name_blocks(layout):
     assert [store.ack(r) for r in range(TP)] == [r == TP - 1 for r in range(TP)]
     assert bank.stats["store_bytes_from_device"] == 2 * TP * layout.rank_block_bytes
     assert bank.stats["store_bytes_from_host"] == 0
+
+
+@pytest.mark.parametrize("protocol", ["cuda_array_interface", "dlpack"])
+def test_cuda_fetch_into_hf_caches_lands_at_token_positions(layout, enabled, protocol, cuda_donor):
+    """kv_layout="hf" on the GPU path: torch CUDA K/V views [1, H, capacity, D]
+    of one buffer, blocks landing at tokens 2T.. (dst_token_offset) through
+    the gather kernel, every byte equal to the donor's, no host payload."""
+    torch = torch_cuda()
+    _, report = cuda_donor
+    L, T, H, D, rows = 2, TOKENS_PER_BLOCK, 2, 8, 16
+    cap = rows * T
+    buf = torch.full((L, 2, 1, H, cap + 24, D), -1.5, dtype=torch.float32, device="cuda:0")
+    views = [buf[l, kv, :, :, :cap] for l in range(L) for kv in range(2)]
+    given = views if protocol == "cuda_array_interface" else [DlpackOnly(v) for v in views]
+    torch.cuda.synchronize()
+    target = kv_reuse.Target(layout, rows=rows, kv_caches=[given], gpus=[0], kv_layout="hf")
+    advice = router_for(report, layout, enabled, target).advise("req-gpu-hf", report["hashes"], target.engine_id)
+    assert advice.admitted, advice.verdict
+    with target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"]),
+                      dst_token_offset=2 * T) as out:
+        assert out.host_payload_bytes == 0, out.transport
+        assert out.bytes == BLOCKS * layout.rank_block_bytes
+        assert out.rows == list(range(2, 2 + BLOCKS))
+        want = np.full((L, 2, 1, H, cap + 24, D), -1.5, dtype=np.float32)
+        for j in range(BLOCKS):
+            b = pattern(layout, 0, j).reshape(L, 2, T, H, D)
+            t0 = (2 + j) * T
+            want[:, :, 0, :, t0:t0 + T, :] = b.transpose(0, 1, 3, 2, 4)
+        assert buf.cpu().numpy().tobytes() == want.tobytes()
+    assert target.free_rows == rows

@@ -352,8 +352,11 @@ class Target:
         rank_block_elems), dtype ``Layout.typestr``, row = engine block id: numpy / DLPack
         host tensors, or with ``gpus`` (one CUDA ordinal per rank) CUDA tensors via
         ``__cuda_array_interface__`` / DLPack. ``kv_layout``: "block_major" (rows, rank_block_elems),
-        "vllm_kv_first" (L, 2, rows, T, H, D) or "vllm_block_first" (L, rows, 2, T, H, D), H = this
-        rank's KV heads. BadArgument names the tensor, ``kv_layout`` or ``gpus`` and the cause."""
+        "vllm_kv_first" (L, 2, rows, T, H, D), "vllm_block_first" (L, rows, 2, T, H, D), H = this
+        rank's KV heads, or "hf": per rank 2*L tensors (K0, V0, K1, ...) or L (K, V) pairs, each
+        [1, H, capacity >= rows*T, D], dense last axis, any token / head strides, one K-to-V
+        distance in every layer (views of one buffer); block b = tokens b*T..(b+1)*T.
+        BadArgument names the tensor (``kv_caches[r][i]``), ``kv_layout`` or ``gpus`` and the cause."""
     @property
     def engine_id(self) -> str: ...
     @property
@@ -366,9 +369,13 @@ class Target:
         donor_alive: Optional[Callable[[], bool]] = None,
         pin_timeout_s: Optional[float] = None,
         dst_blocks: Optional[Sequence[int]] = None,
+        dst_token_offset: Optional[int] = None,
     ) -> FetchOutcome:
         """Pin, copy, verify (GIL released). ``donor_alive`` is called before the first and
         after the last byte (False or raising = donor gone); ``pin_timeout_s`` bounds each
         pin exchange (default 2 s); ``dst_blocks``: the engine's block ids for the fetched
-        blocks (default: the pool picks). Raises PromptMismatch / HintRefused, else FetchFellBack."""
+        blocks (default: the pool picks); ``dst_token_offset`` (kv_layout="hf" only, a multiple
+        of T): the fetched blocks land at tokens N, N+T, ... (default: their prompt positions,
+        fetch_from*T); BadArgument names it when misaligned, past the capacity or with
+        ``dst_blocks``. Raises PromptMismatch / HintRefused, else FetchFellBack."""
     def read_row(self, rank: int, row: int) -> bytes: ...
