@@ -1,15 +1,17 @@
 //! Packed block ids: the compact block table of the `kv_convert_p*` entry
 //! points ([`super::TablePlacement::InlinePacked`]), one u32 per block.
 //!
-//! A fetch of 2,033..=8,128 blocks does not fit the u64 inline table (16
-//! bytes a block, 32,512 bytes at most), but block ids of one region below
-//! 65,536 with one stride per side fit 4 bytes a block: `donor id << 16 |
-//! target id`, the kernel forming `base + id x stride`. Built only for fetch
-//! sizes where it is used, so smaller plans pay nothing.
+//! A fetch of 129..=8,128 blocks does not fit the small u64 inline table,
+//! and a u64 table of 16 bytes a block in a large parameter slows the
+//! kernel, but block ids of one region below 65,536 with one stride per
+//! side fit 4 bytes a block: `donor id << 16 | target id`, the kernel
+//! forming `base + id x stride`, sent in the smallest of the 4 / 8 / 16 /
+//! 32 KiB parameter tiers that holds them. Built only for fetch sizes where
+//! it is used, so fetches of up to 128 blocks pay nothing.
 
 use crate::plan::CopyRun;
 
-use super::{INLINE_LARGE_BLOCKS, INLINE_PACKED_BLOCKS, PACKED_MAX_BLOCK_ID};
+use super::{INLINE_PACKED_BLOCKS, INLINE_SMALL_BLOCKS, PACKED_MAX_BLOCK_ID};
 
 /// Packed ids of one plan: block `i` starts at `src_stride x (words[i] >>
 /// 16)` in the donor region and `dst_stride x (words[i] & 0xFFFF)` in the
@@ -26,7 +28,7 @@ pub struct PackedIds {
 
 /// True when a fetch of `n` blocks would use the packed table.
 fn wanted(n: usize) -> bool {
-    n > INLINE_LARGE_BLOCKS && n <= INLINE_PACKED_BLOCKS
+    n > INLINE_SMALL_BLOCKS && n <= INLINE_PACKED_BLOCKS
 }
 
 impl PackedIds {
@@ -132,7 +134,8 @@ mod tests {
         let p = PackedIds::of_runs(&runs, bb, 3000, true).unwrap();
         assert_eq!(p.words[2999], 3009 << 16 | 2999);
         // Too few blocks to need it, ids past 16 bits, a non-uniform offset.
-        assert!(PackedIds::of_runs(&runs[..], bb, 2032, true).is_none());
+        assert!(PackedIds::of_runs(&runs[..], bb, 128, true).is_none());
+        assert!(PackedIds::of_runs(&runs[..], bb, 129, true).is_some());
         let far = [run(65_000, 0, 3000, bb, bb, bb)];
         assert!(PackedIds::of_runs(&far, bb, 3000, true).is_none());
         let mut odd: Vec<CopyRun> = (0..3000).map(|i| run(i, i, 1, bb, bb, bb)).collect();
