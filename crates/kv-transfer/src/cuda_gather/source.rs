@@ -51,6 +51,16 @@ pub const CONVERT_KERNEL_SRC: &str = r#"
         const T* __restrict__ sp = (const T*)(SRC(i) + __ldg(pieces + p));               \
         T* __restrict__ dp = (T*)(DST(i) + __ldg(pieces + np + p));                      \
         unsigned int w = lane;                                                           \
+        for (; w + 7u * G < pe; w += 8u * G) {                                           \
+            T a0 = __ldg(sp + w), a1 = __ldg(sp + w + G);                                \
+            T a2 = __ldg(sp + w + 2u * G), a3 = __ldg(sp + w + 3u * G);                  \
+            T a4 = __ldg(sp + w + 4u * G), a5 = __ldg(sp + w + 5u * G);                  \
+            T a6 = __ldg(sp + w + 6u * G), a7 = __ldg(sp + w + 7u * G);                  \
+            __stcg(dp + w, a0); __stcg(dp + w + G, a1);                                  \
+            __stcg(dp + w + 2u * G, a2); __stcg(dp + w + 3u * G, a3);                    \
+            __stcg(dp + w + 4u * G, a4); __stcg(dp + w + 5u * G, a5);                    \
+            __stcg(dp + w + 6u * G, a6); __stcg(dp + w + 7u * G, a7);                    \
+        }                                                                                \
         for (; w + 3u * G < pe; w += 4u * G) {                                           \
             T a = __ldg(sp + w), b = __ldg(sp + w + G);                                  \
             T c = __ldg(sp + w + 2u * G), d = __ldg(sp + w + 3u * G);                    \
