@@ -276,6 +276,62 @@ mod tests {
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Parts of 100..=400 runs (single and multi-row, dense or padded
+        /// donor strides, ids near the 16-bit limit, one offset off its
+        /// stride): `RunsGather::new` packs exactly what `from_runs` packs.
+        #[test]
+        fn runs_gather_packs_like_from_runs_for_any_part(
+            runs in proptest::collection::vec((0u32..3, 1u32..4), 100..400),
+            multi in any::<bool>(), pad in 0u64..3,
+            start in prop_oneof![Just(0u32), Just(64_000)],
+            bump in proptest::option::of(0usize..100),
+        ) {
+            let bb = 4096u64;
+            let ss = bb + pad * 1024;
+            let (mut s, mut d) = (start, 0u32);
+            let mut v: Vec<CopyRun> = runs
+                .into_iter()
+                .map(|(gap, rows)| {
+                    let rows = if multi { rows } else { 1 };
+                    s += gap;
+                    let r = CopyRun {
+                        src_block: s,
+                        dst_block: d,
+                        blocks: rows,
+                        src_offset: u64::from(s) * ss,
+                        dst_offset: u64::from(d) * bb,
+                        len: u64::from(rows) * bb,
+                    };
+                    s += rows;
+                    d += rows;
+                    r
+                })
+                .collect();
+            if let Some(i) = bump {
+                v[i].src_offset += 16;
+            }
+            let end = |f: fn(&CopyRun) -> u64| v.iter().map(f).max().unwrap();
+            let (sl, dl) = (end(|r| r.src_offset + r.len), end(|r| r.dst_offset + r.len));
+            let t = GatherTuning::default();
+            let plan = ConvertPlan::from_runs_tuned(&v, bb, sl, dl, &t).unwrap();
+            let direct = RunsGather::new(&v, bb, &t).unwrap().unwrap();
+            prop_assert_eq!(direct.packed(), plan.packed());
+            // Packed ids name the same bytes as the run offsets.
+            if let Some(p) = direct.packed() {
+                let (sb, db) = (1u64 << 30, 1u64 << 40);
+                let mut table = vec![0; 2 * direct.blocks()];
+                direct.write_block_table(sb, db, &mut table);
+                let n = direct.blocks();
+                for (i, w) in p.words.iter().enumerate() {
+                    prop_assert_eq!(sb + u64::from(w >> 16) * p.src_stride, table[i]);
+                    prop_assert_eq!(db + u64::from(w & 0xFFFF) * p.dst_stride, table[n + i]);
+                }
+            }
+        }
+    }
+
     #[test]
     fn large_fetches_and_bad_runs_are_left_to_the_plan() {
         let run = |i: u32, len| CopyRun {
