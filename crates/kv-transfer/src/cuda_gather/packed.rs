@@ -26,6 +26,22 @@ pub struct PackedIds {
     pub words: Vec<u32>,
 }
 
+/// `(donor, target)` block strides of a part of single-row runs: the first
+/// row past id 0 on each side gives it (`block_bytes` when there is none);
+/// every row must then be checked against it.
+pub(super) fn single_row_strides(runs: &[CopyRun], block_bytes: u64) -> (u64, u64) {
+    let pick = |id: fn(&CopyRun) -> (u32, u64)| {
+        runs.iter()
+            .map(id)
+            .find(|&(b, _)| b > 0)
+            .map_or(block_bytes, |(b, off)| off / u64::from(b))
+    };
+    (
+        pick(|r| (r.src_block, r.src_offset)),
+        pick(|r| (r.dst_block, r.dst_offset)),
+    )
+}
+
 /// True when a fetch of `n` blocks would use the packed table.
 fn wanted(n: usize) -> bool {
     n > INLINE_SMALL_BLOCKS && n <= INLINE_PACKED_BLOCKS
@@ -63,17 +79,11 @@ impl PackedIds {
         // Rows of several blocks only exist over dense (`block_bytes`)
         // strides; otherwise the first row past id 0 gives the stride, and
         // every row is checked against it in the one pass below.
-        let pick = |id: fn(&CopyRun) -> (u32, u64)| {
-            if multi {
-                return block_bytes;
-            }
-            runs.iter()
-                .map(id)
-                .find(|&(b, _)| b > 0)
-                .map_or(block_bytes, |(b, off)| off / u64::from(b))
+        let (src_stride, dst_stride) = if multi {
+            (block_bytes, block_bytes)
+        } else {
+            single_row_strides(runs, block_bytes)
         };
-        let src_stride = pick(|r| (r.src_block, r.src_offset));
-        let dst_stride = pick(|r| (r.dst_block, r.dst_offset));
         let max = u64::from(PACKED_MAX_BLOCK_ID);
         if !multi {
             // Scattered parts (every row its own run, the common case): one

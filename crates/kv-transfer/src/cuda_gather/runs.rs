@@ -17,8 +17,9 @@ use std::sync::Arc;
 use crate::plan::CopyRun;
 
 use super::{
-    launch_geometry, ConvertError, ConvertPlan, GatherTuning, LaunchGeometry, PackedIds,
-    PieceTable, INLINE_PACKED_BLOCKS,
+    launch_geometry, packed::single_row_strides, ConvertError, ConvertPlan, GatherTuning,
+    LaunchGeometry, PackedIds, PieceTable, INLINE_PACKED_BLOCKS, INLINE_SMALL_BLOCKS,
+    PACKED_MAX_BLOCK_ID,
 };
 
 /// The blocks and pieces one launch of the converting gather reads.
@@ -104,6 +105,18 @@ impl<'a> RunsGather<'a> {
             return Ok(None);
         }
         let (mut n, mut bits, mut multi) = (0usize, 0u64, false);
+        // Past 128 runs the ids are packed in this same pass, with the
+        // single-row strides (a part of single-row runs, the scattered
+        // case): the runs are read once, not twice (4096 runs are 160 KiB).
+        let pack = runs.len() > INLINE_SMALL_BLOCKS;
+        let (ss, ds) = if pack {
+            single_row_strides(runs, block_bytes)
+        } else {
+            (0, 0)
+        };
+        let mut words: Vec<u32> = Vec::with_capacity(if pack { runs.len() } else { 0 });
+        let mut unpacked = false;
+        let max = u64::from(PACKED_MAX_BLOCK_ID);
         for (index, r) in runs.iter().enumerate() {
             if r.len != u64::from(r.blocks) * block_bytes {
                 return Err(ConvertError::RunLength {
@@ -118,11 +131,29 @@ impl<'a> RunsGather<'a> {
                 bits |= block_bytes;
                 multi = true;
             }
+            if pack {
+                let (s, d) = (u64::from(r.src_block), u64::from(r.dst_block));
+                unpacked |= (s * ss != r.src_offset)
+                    | (d * ds != r.dst_offset)
+                    | (s.max(d) > max)
+                    | (r.blocks != 1);
+                words.push(r.src_block << 16 | (r.dst_block & 0xFFFF));
+            }
         }
         if n > INLINE_PACKED_BLOCKS {
             return Ok(None);
         }
-        let packed = PackedIds::of_runs(runs, block_bytes, n, multi);
+        // Runs of several rows (or a refusal, decided again) go to
+        // `of_runs`, the authority; single-row parts keep the words above.
+        let packed = if pack && !unpacked {
+            Some(PackedIds {
+                src_stride: ss,
+                dst_stride: ds,
+                words,
+            })
+        } else {
+            PackedIds::of_runs(runs, block_bytes, n, multi)
+        };
         let pieces =
             PieceTable::contiguous(block_bytes).split_for(n as u64, tuning.max_piece_bytes());
         let bits = pieces
