@@ -7,10 +7,11 @@
 //! copy rows:
 //! - `cpu/plan_build/runs/<n>x<size>`: `ConvertPlan::from_runs` of a
 //!   scattered `TransferPlan`'s rows, what `deliver` builds per rank past
-//!   2,032 blocks (packed ids);
+//!   8,128 blocks;
 //! - `cpu/plan_build/runs_direct/<n>x<size>`: `RunsGather::new`, what
-//!   `deliver` does instead up to 2,032 blocks (the launch writes the table
-//!   from the runs; a larger fetch returns at once and builds the plan);
+//!   `deliver` does instead up to 8,128 blocks (one pass to check the runs,
+//!   one to pack ids past 128 blocks; the launch writes the table from the
+//!   runs; a larger fetch returns at once and builds the plan);
 //! - `cpu/plan_build/8b_to_<target>/<n>x<size>`: `ConvertShape::plan` of the
 //!   8B shape into block-major, vLLM kv-first and HF at token offset 48, the
 //!   shape built once per target (as `CudaCopyBackend` caches it);

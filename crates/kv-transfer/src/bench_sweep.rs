@@ -1,7 +1,9 @@
 //! Phase timing and the launch-knob sweep of the GPU benchmark.
 //!
 //! Phases (every GPU scattered `cuda_ipc` row and every converting row):
-//! host plan (building the [`ConvertPlan`] from the fetch's runs or moves),
+//! host plan (what `deliver` builds from the fetch's runs, a [`RunsGather`]
+//! up to 8,128 blocks and a [`ConvertPlan`] past that, or the converting
+//! rows' [`ConvertPlan`] from moves),
 //! host tables (launch geometry and the block table written into pinned
 //! memory), table upload and kernel alone (CUDA events), each a median of
 //! `repeats` profiled launches after one warm-up; `kernel_ratio` is the raw
@@ -21,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bench::{median, BenchRow};
 use crate::cuda::CudaCopyBackend;
-use crate::cuda_gather::{ConvertPlan, GatherTuning};
+use crate::cuda_gather::{ConvertPlan, GatherTuning, RunsGather};
 use crate::plan::TransferPlan;
 use crate::TransferError;
 
@@ -96,11 +98,21 @@ pub fn env_tuning() -> Result<GatherTuning, TransferError> {
     .map_err(|e| TransferError::input("KV_GATHER_*", e.to_string()))
 }
 
-/// Profiles `build()` (the host plan) and the launch of its plan `repeats`
-/// times after one warm-up; `raw` is the raw copy of the same bytes.
-pub(crate) fn phases(
+/// What `deliver` launches for a block-major part: the rows straight from
+/// the runs ([`RunsGather`]) or a built plan.
+pub(crate) enum Built<'a> {
+    /// Up to 8,128 blocks.
+    Runs(RunsGather<'a>),
+    /// Larger fetches, and every converting row.
+    Plan(ConvertPlan),
+}
+
+/// Profiles `build()` (the host plan) and the launch of what it built
+/// `repeats` times after one warm-up; `raw` is the raw copy of the same
+/// bytes.
+pub(crate) fn phases<'a>(
     backend: &CudaCopyBackend,
-    build: &dyn Fn() -> Result<ConvertPlan, TransferError>,
+    build: &dyn Fn() -> Result<Built<'a>, TransferError>,
     src: &dyn BankMemory,
     dst: &dyn BankMemory,
     repeats: usize,
@@ -109,9 +121,12 @@ pub(crate) fn phases(
     let (mut hp, mut ht, mut up, mut k) = (vec![], vec![], vec![], vec![]);
     for i in 0..=repeats {
         let t0 = Instant::now();
-        let plan = build()?;
+        let built = build()?;
         let host_plan = t0.elapsed();
-        let p = backend.profile_convert(&plan, src, dst)?;
+        let p = match &built {
+            Built::Runs(g) => backend.profile_runs(g, src, dst)?,
+            Built::Plan(plan) => backend.profile_convert(plan, src, dst)?,
+        };
         if i > 0 {
             hp.push(host_plan);
             ht.push(Duration::from_secs_f64(p.host_tables_us / 1e6));
@@ -130,8 +145,27 @@ pub(crate) fn phases(
     })
 }
 
-/// The `ConvertPlan` the `deliver` path builds for rank 0 of `plan`
-/// (block-major rows, one piece per block before splitting).
+/// What `deliver` builds for rank 0 of `plan` (block-major rows): the
+/// direct [`RunsGather`] when the fetch fits it, else [`plan_of_runs`].
+pub(crate) fn launch_of_runs<'a>(
+    plan: &'a TransferPlan,
+    src_len: u64,
+    dst_len: u64,
+    tuning: &GatherTuning,
+) -> Result<Built<'a>, TransferError> {
+    let part = &plan.parts()[0];
+    let blocks: u64 = part.runs.iter().map(|r| u64::from(r.blocks)).sum();
+    let bb = part.expected_bytes / blocks.max(1);
+    match RunsGather::new(&part.runs, bb, tuning)
+        .map_err(|e| TransferError::input("runs", e.to_string()))?
+    {
+        Some(g) => Ok(Built::Runs(g)),
+        None => plan_of_runs(plan, src_len, dst_len, tuning).map(Built::Plan),
+    }
+}
+
+/// The `ConvertPlan` of rank 0 of `plan` (block-major rows, one piece per
+/// block before splitting), what `deliver` builds past 8,128 blocks.
 pub(crate) fn plan_of_runs(
     plan: &TransferPlan,
     src_len: u64,
@@ -189,7 +223,7 @@ pub(crate) fn sweep(quick: bool, repeats: usize) -> Result<Vec<BenchRow>, Transf
             let name = format!("sweep/scattered/{blocks}x{size}/{}", label(&tuning));
             verify(plan, src, dst, &name)?;
             let (sl, dl) = (src.len() as u64, dst.len() as u64);
-            let build = || plan_of_runs(plan, sl, dl, &tuning);
+            let build = || launch_of_runs(plan, sl, dl, &tuning);
             let mut r = row(name, plan, *blocks, time, *raw);
             r.phases = Some(phases(&backend, &build, src, dst, repeats, *raw)?);
             rows.push(r);

@@ -401,8 +401,8 @@ impl CudaCopyBackend {
         tuning: &GatherTuning,
     ) -> Result<u64, TransferError> {
         let bad = |e: crate::cuda_gather::ConvertError| TransferError::input("runs", e.to_string());
-        // Up to 2,032 blocks the launch writes the inline table from the runs
-        // themselves; larger fetches build the plan (packed ids).
+        // Up to 8,128 blocks the launch writes the inline table (or packed
+        // ids) from the runs themselves; larger batches build the plan.
         if let Some(direct) = RunsGather::new(runs, block_bytes, tuning).map_err(bad)? {
             return launch_convert(dev, &direct, (sb, db), tuning, None);
         }

@@ -44,7 +44,7 @@ fn convert_kernel_compiles_with_every_entry_point() {
 fn inline_table_entry_points_compile_with_the_table_as_a_parameter() {
     use kv_transfer::cuda_gather::{
         INLINE_LARGE_ENTRIES, INLINE_LARGE_NAMES, INLINE_PACKED_ENTRIES, INLINE_PACKED_NAMES,
-        INLINE_SMALL_ENTRIES, INLINE_SMALL_NAMES,
+        INLINE_SMALL_ENTRIES, INLINE_SMALL_NAMES, PACKED_TIER_NAMES,
     };
     // SAFETY: as above.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
@@ -75,11 +75,14 @@ fn inline_table_entry_points_compile_with_the_table_as_a_parameter() {
     }
     // Packed ids: a u32 table, then two bases and two strides (u64), the
     // piece-table pointer and the five u32 scalars.
-    for (_, name) in INLINE_PACKED_NAMES {
-        let decl = format!(
-            ".param .align 4 .b8 {name}_param_0[{}]",
-            INLINE_PACKED_ENTRIES * 4
-        );
+    // Every packed tier: its table is exactly its ids x 4 bytes, so a
+    // 1024-block fetch sends 4 KiB of parameters, not 32 KiB.
+    let tiers = PACKED_TIER_NAMES
+        .iter()
+        .map(|(ids, names)| (*ids, *names))
+        .chain([(INLINE_PACKED_ENTRIES, INLINE_PACKED_NAMES)]);
+    for (ids, name) in tiers.flat_map(|(ids, names)| names.map(|(_, n)| (ids, n))) {
+        let decl = format!(".param .align 4 .b8 {name}_param_0[{}]", ids * 4);
         assert!(text.contains(&decl), "no `{decl}` in the PTX");
         assert!(
             text.contains(&format!(".param .u64 {name}_param_4")),

@@ -2,12 +2,15 @@
 //! device, where each launch's block table goes ([`TablePlacement`]), and
 //! the launch itself.
 //!
-//! Per fetch the host writes `2n` table entries and issues one launch; with
-//! an inline table (up to [`crate::cuda_gather::INLINE_LARGE_BLOCKS`]
-//! blocks) nothing else goes to the device: the table is a kernel parameter,
-//! copied by the driver when the launch is issued. Larger fetches, and
-//! drivers older than CUDA 12.1, use a device table filled by one
-//! `cuMemcpyHtoDAsync` of exactly `2n` entries from a page-locked buffer.
+//! Per fetch the host writes `2n` table entries (or `n` packed ids) and
+//! issues one launch; with an inline table (up to
+//! [`crate::cuda_gather::INLINE_SMALL_BLOCKS`] blocks as u64 addresses,
+//! 129..=[`crate::cuda_gather::INLINE_PACKED_BLOCKS`] as packed ids in the
+//! smallest parameter tier that holds them) nothing else goes to the
+//! device: the table is a kernel parameter, copied by the driver when the
+//! launch is issued. Unpackable or larger fetches, and drivers older than
+//! CUDA 12.1, use a device table filled by one `cuMemcpyHtoDAsync` of
+//! exactly `2n` entries from a page-locked buffer.
 //! Raw device pointers are passed as arguments, so no per-launch event
 //! bookkeeping runs: every caller synchronizes the stream before returning.
 
@@ -37,9 +40,9 @@ type EntryPoints = Vec<(u32, CudaFunction)>;
 pub(super) struct Kernels {
     /// Table-pointer entry points, by element width.
     table: EntryPoints,
-    /// Small, large and packed inline entry points, when the inline module
-    /// loaded.
-    inline: Option<(EntryPoints, EntryPoints, EntryPoints)>,
+    /// Inline entry points by placement (small, large, every packed tier),
+    /// when the inline module loaded.
+    inline: Option<Vec<(TablePlacement, EntryPoints)>>,
     /// Why the inline module is absent (unsupported driver or device, or
     /// the NVRTC / load error); `None` when loaded.
     inline_absent: Option<String>,
@@ -88,10 +91,8 @@ impl Kernels {
     fn function(&self, placement: TablePlacement, width: u32) -> Option<&CudaFunction> {
         let set = match (placement, &self.inline) {
             (TablePlacement::Device, _) => &self.table,
-            (TablePlacement::InlineSmall, Some((s, _, _))) => s,
-            (TablePlacement::InlineLarge, Some((_, l, _))) => l,
-            (TablePlacement::InlinePacked, Some((_, _, p))) => p,
-            _ => return None,
+            (_, Some(sets)) => &sets.iter().find(|(p, _)| *p == placement)?.1,
+            (_, None) => return None,
         };
         set.iter().find(|(w, _)| *w == width).map(|(_, f)| f)
     }
@@ -139,10 +140,20 @@ fn inline_support(ctx: &Arc<CudaContext>) -> Result<Result<(u32, u32), String>, 
     )
 }
 
+/// Every placement the inline module has entry points for.
+const INLINE_PLACEMENTS: [TablePlacement; 6] = [
+    TablePlacement::InlineSmall,
+    TablePlacement::InlineLarge,
+    TablePlacement::InlinePacked1024,
+    TablePlacement::InlinePacked2048,
+    TablePlacement::InlinePacked4096,
+    TablePlacement::InlinePacked,
+];
+
 fn load_inline(
     ctx: &Arc<CudaContext>,
     (major, minor): (u32, u32),
-) -> Result<(EntryPoints, EntryPoints, EntryPoints), TransferError> {
+) -> Result<Vec<(TablePlacement, EntryPoints)>, TransferError> {
     let opts = inline_compile_options(major, minor);
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(CONVERT_KERNEL_SRC, opts).map_err(|e| {
         TransferError::Cuda {
@@ -151,10 +162,10 @@ fn load_inline(
         }
     })?;
     let module = ctx.load_module(ptx).map_err(cuda_err("cuModuleLoadData"))?;
-    let small = functions(&module, TablePlacement::InlineSmall.names())?;
-    let large = functions(&module, TablePlacement::InlineLarge.names())?;
-    let packed = functions(&module, TablePlacement::InlinePacked.names())?;
-    Ok((small, large, packed))
+    INLINE_PLACEMENTS
+        .iter()
+        .map(|&p| Ok((p, functions(&module, p.names())?)))
+        .collect()
 }
 
 /// NVRTC options of the inline module for a device of compute capability
@@ -321,8 +332,8 @@ pub(super) fn launch_convert(
         })?;
     match (placement, packed) {
         (TablePlacement::Device, _) => {}
-        (TablePlacement::InlinePacked, Some(p)) => {
-            tables.packed[..p.words.len()].copy_from_slice(&p.words);
+        (p, Some(ids)) if p.packed_capacity().is_some() => {
+            tables.packed[..ids.words.len()].copy_from_slice(&ids.words);
         }
         _ => plan.write_block_table(sb, db, &mut tables.inline[..2 * plan.blocks()]),
     }
@@ -349,18 +360,25 @@ pub(super) fn launch_convert(
     let small: &[u64; INLINE_SMALL_ENTRIES] = tables.inline[..INLINE_SMALL_ENTRIES]
         .try_into()
         .expect("the inline image holds the small table");
+    // The packed tiers: prefixes of the one host image, each exactly its
+    // kernel struct's size (the driver copies that many parameter bytes).
+    let tier = |n: usize| &tables.packed[..n];
+    let packed_1024: &[u32; 1024] = tier(1024).try_into().expect("tier fits");
+    let packed_2048: &[u32; 2048] = tier(2048).try_into().expect("tier fits");
+    let packed_4096: &[u32; 4096] = tier(4096).try_into().expect("tier fits");
     let mut launch = stream.launch_builder(func);
     match placement {
         TablePlacement::InlineSmall => launch.arg(small),
         TablePlacement::InlineLarge => launch.arg(&*tables.inline),
-        TablePlacement::InlinePacked => launch
-            .arg(&*tables.packed)
-            .arg(&sb)
-            .arg(&db)
-            .arg(&strides.0)
-            .arg(&strides.1),
+        TablePlacement::InlinePacked => launch.arg(&*tables.packed),
+        TablePlacement::InlinePacked1024 => launch.arg(packed_1024),
+        TablePlacement::InlinePacked2048 => launch.arg(packed_2048),
+        TablePlacement::InlinePacked4096 => launch.arg(packed_4096),
         TablePlacement::Device => launch.arg(&block_ptr),
     };
+    if placement.packed_capacity().is_some() {
+        launch.arg(&sb).arg(&db).arg(&strides.0).arg(&strides.1);
+    }
     launch
         .arg(&piece_ptr)
         .arg(&geo.n)
@@ -371,7 +389,8 @@ pub(super) fn launch_convert(
     // SAFETY: the signature is (table, [u64 x 4 for packed,] const u64*,
     // u32 x 5) as pushed: the table is the entry point's inline struct (same
     // entry count, filled for `2n` entries, or `n` packed ids whose bases and
-    // strides follow; copied by the driver at the launch) or a device pointer
+    // strides follow, in the tier struct of exactly the pushed array's size
+    // with `n <= packed_capacity()`; copied by the driver at the launch) or a device pointer
     // to `2n` uploaded entries. Every block base + piece offset + piece
     // length lies inside its region: `ConvertPlan` / `RunsGather` built the
     // offsets from validated `KvRegionLayout`s (or in-range plan runs that
@@ -421,7 +440,7 @@ impl super::CudaCopyBackend {
         Ok(match &dev.kernels {
             None => "no gather kernel (libnvrtc absent or CudaMode::CopyPerRun)".into(),
             Some(k) => match &k.inline_absent {
-                None => "inline kernel parameters (small / large / packed)".into(),
+                None => "inline kernel parameters (small u64 / packed ids 4-32 KiB)".into(),
                 Some(why) => format!("device table upload ({why})"),
             },
         })
@@ -437,8 +456,8 @@ mod tests {
     use crate::cuda_gather::{reference_convert, ConvertPlan, TablePlacement};
     use crate::DeliveryControl;
 
-    /// Fetches sized for every table placement (small, large, packed, and
-    /// device past 8,128 blocks) into a vLLM kv-first target on GPU 0; every
+    /// Fetches sized for every table placement (small, each packed tier at
+    /// both of its ends, and device past 8,128 blocks) into a vLLM kv-first target on GPU 0; every
     /// target byte against the host reference. Skips without a GPU.
     #[test]
     fn every_table_placement_lands_every_byte_on_the_gpu() {
@@ -453,7 +472,9 @@ mod tests {
         assert_eq!(inline, backend.inline_tables_supported(0).unwrap());
         let g = KvLayout::new(2, 1, 16, DType::Bf16, 2, TensorOrder::BlockMajor, 1).unwrap();
         let bb = g.rank_block_bytes() as u64;
-        for n in [7u32, 128, 129, 2032, 2033, 4096, 8128, 9000] {
+        for n in [
+            7u32, 128, 129, 1024, 1025, 2032, 2049, 4096, 4097, 8128, 9000,
+        ] {
             let slots = 2 * n + 1;
             let donor = KvRegionLayout::block_major(g, 0, 0, slots, u64::from(slots) * bb).unwrap();
             let stride = 2 * u64::from(n) * 2 * 16 * 2;

@@ -6,7 +6,7 @@ use cudarc::driver::{sys, CudaEvent, CudaStream};
 use kv_bank::BankMemory;
 
 use super::{cuda_err, CudaCopyBackend};
-use crate::cuda_gather::{ConvertPlan, TablePlacement};
+use crate::cuda_gather::{BlockSource, ConvertPlan, RunsGather, TablePlacement};
 use crate::TransferError;
 
 /// Timing points of one profiled launch ([`CudaCopyBackend::profile_convert`]).
@@ -57,9 +57,36 @@ impl CudaCopyBackend {
         src: &dyn BankMemory,
         dst: &dyn BankMemory,
     ) -> Result<LaunchPhases, TransferError> {
+        let need = (plan.src_region_bytes(), plan.dst_region_bytes());
+        self.profile_source(plan, need, src, dst)
+    }
+
+    /// [`CudaCopyBackend::profile_convert`] of a [`RunsGather`], the launch
+    /// `deliver` issues for block-major rows of up to 8,128 blocks.
+    ///
+    /// # Errors
+    /// [`TransferError::InvalidInput`] naming `src.len` / `dst.len` when a
+    /// run ends past its region; otherwise as
+    /// [`CudaCopyBackend::profile_convert`].
+    pub fn profile_runs(
+        &self,
+        gather: &RunsGather<'_>,
+        src: &dyn BankMemory,
+        dst: &dyn BankMemory,
+    ) -> Result<LaunchPhases, TransferError> {
+        self.profile_source(gather, gather.region_bytes(), src, dst)
+    }
+
+    fn profile_source(
+        &self,
+        plan: &dyn BlockSource,
+        (src_need, dst_need): (u64, u64),
+        src: &dyn BankMemory,
+        dst: &dyn BankMemory,
+    ) -> Result<LaunchPhases, TransferError> {
         for (field, have, need) in [
-            ("src.len", src.len() as u64, plan.src_region_bytes()),
-            ("dst.len", dst.len() as u64, plan.dst_region_bytes()),
+            ("src.len", src.len() as u64, src_need),
+            ("dst.len", dst.len() as u64, dst_need),
         ] {
             if have < need {
                 return Err(TransferError::input(

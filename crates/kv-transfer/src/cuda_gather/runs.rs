@@ -2,12 +2,13 @@
 //! the block-major rows of a `deliver` part launched straight from the
 //! part's runs, without building a [`ConvertPlan`].
 //!
-//! For a fetch of up to [`INLINE_LARGE_BLOCKS`] blocks (small inline table
-//! or device table), building a plan only to copy its offset vectors into
-//! the parameter image or staging buffer costs two allocations and three
-//! passes (4.6 µs on the H200's host for 1024 blocks). [`RunsGather`] makes one
-//! pass over the runs to check them, and the launch writes the table from
-//! the runs directly: the same table, geometry and bytes as
+//! For a fetch of up to [`INLINE_PACKED_BLOCKS`] blocks (small inline table,
+//! packed ids or device table), building a plan only to copy its offset
+//! vectors into the parameter image or staging buffer costs two allocations
+//! and three passes (4.6 µs on the H200's host for 1024 blocks, 28.4 µs for
+//! 4096). [`RunsGather`] makes one pass over the runs to check them (and
+//! one to pack ids past 128 blocks), and the launch writes the table from
+//! the runs directly: the same table, packed ids, geometry and bytes as
 //! [`ConvertPlan::from_runs_tuned`] (checked by the tests below and the
 //! kernel mirror).
 
@@ -16,8 +17,9 @@ use std::sync::Arc;
 use crate::plan::CopyRun;
 
 use super::{
-    launch_geometry, ConvertError, ConvertPlan, GatherTuning, LaunchGeometry, PackedIds,
-    PieceTable, INLINE_LARGE_BLOCKS,
+    launch_geometry, packed::single_row_strides, ConvertError, ConvertPlan, GatherTuning,
+    LaunchGeometry, PackedIds, PieceTable, INLINE_PACKED_BLOCKS, INLINE_SMALL_BLOCKS,
+    PACKED_MAX_BLOCK_ID,
 };
 
 /// The blocks and pieces one launch of the converting gather reads.
@@ -74,12 +76,17 @@ pub struct RunsGather<'a> {
     /// OR of every block offset.
     bits: u64,
     pieces: Arc<PieceTable>,
+    /// Packed ids of 129..=8,128-block fetches whose ids pack (the launch
+    /// sends them as a kernel parameter); one Vec per fetch.
+    packed: Option<PackedIds>,
 }
 
 impl<'a> RunsGather<'a> {
     /// The rows of `runs`, pieces split as [`ConvertPlan::from_runs_tuned`]
-    /// splits them; `None` when the fetch has more than
-    /// [`INLINE_LARGE_BLOCKS`] blocks (then build the plan: it packs ids).
+    /// splits them, with the packed ids [`ConvertPlan::from_runs_tuned`]
+    /// would pack; `None` when the fetch has more than
+    /// [`INLINE_PACKED_BLOCKS`] blocks (then build the plan: the launch is
+    /// split in batches of plans).
     ///
     /// # Errors
     /// [`ConvertError::Empty`], [`ConvertError::RunLength`] (for fetches
@@ -94,10 +101,22 @@ impl<'a> RunsGather<'a> {
         }
         // Every run has at least one row: more runs than the table holds
         // decide without a pass (the plan's own pass checks them).
-        if runs.len() > INLINE_LARGE_BLOCKS {
+        if runs.len() > INLINE_PACKED_BLOCKS {
             return Ok(None);
         }
-        let (mut n, mut bits) = (0usize, 0u64);
+        let (mut n, mut bits, mut multi) = (0usize, 0u64, false);
+        // Past 128 runs the ids are packed in this same pass, with the
+        // single-row strides (a part of single-row runs, the scattered
+        // case): the runs are read once, not twice (4096 runs are 160 KiB).
+        let pack = runs.len() > INLINE_SMALL_BLOCKS;
+        let (ss, ds) = if pack {
+            single_row_strides(runs, block_bytes)
+        } else {
+            (0, 0)
+        };
+        let mut words: Vec<u32> = Vec::with_capacity(if pack { runs.len() } else { 0 });
+        let mut unpacked = false;
+        let max = u64::from(PACKED_MAX_BLOCK_ID);
         for (index, r) in runs.iter().enumerate() {
             if r.len != u64::from(r.blocks) * block_bytes {
                 return Err(ConvertError::RunLength {
@@ -110,11 +129,31 @@ impl<'a> RunsGather<'a> {
             bits |= r.src_offset | r.dst_offset;
             if r.blocks > 1 {
                 bits |= block_bytes;
+                multi = true;
+            }
+            if pack {
+                let (s, d) = (u64::from(r.src_block), u64::from(r.dst_block));
+                unpacked |= (s * ss != r.src_offset)
+                    | (d * ds != r.dst_offset)
+                    | (s.max(d) > max)
+                    | (r.blocks != 1);
+                words.push(r.src_block << 16 | (r.dst_block & 0xFFFF));
             }
         }
-        if n > INLINE_LARGE_BLOCKS {
+        if n > INLINE_PACKED_BLOCKS {
             return Ok(None);
         }
+        // Runs of several rows (or a refusal, decided again) go to
+        // `of_runs`, the authority; single-row parts keep the words above.
+        let packed = if pack && !unpacked {
+            Some(PackedIds {
+                src_stride: ss,
+                dst_stride: ds,
+                words,
+            })
+        } else {
+            PackedIds::of_runs(runs, block_bytes, n, multi)
+        };
         let pieces =
             PieceTable::contiguous(block_bytes).split_for(n as u64, tuning.max_piece_bytes());
         let bits = pieces
@@ -128,12 +167,22 @@ impl<'a> RunsGather<'a> {
             n,
             bits,
             pieces: Arc::new(pieces),
+            packed,
         }))
     }
 
     /// Payload bytes moved.
     pub fn bytes(&self) -> u64 {
         self.n as u64 * self.block_bytes
+    }
+
+    /// `(donor, target)` bytes a region must have for every run to lie
+    /// inside it: the largest run end on each side (one pass; the launch
+    /// path relies on `deliver`'s own range checks instead).
+    pub fn region_bytes(&self) -> (u64, u64) {
+        self.runs.iter().fold((0, 0), |(s, d), r| {
+            (s.max(r.src_offset + r.len), d.max(r.dst_offset + r.len))
+        })
     }
 }
 
@@ -145,7 +194,7 @@ impl BlockSource for RunsGather<'_> {
         &self.pieces
     }
     fn packed(&self) -> Option<&PackedIds> {
-        None
+        self.packed.as_ref()
     }
     fn write_block_table(&self, src_base: u64, dst_base: u64, out: &mut [u64]) {
         let n = self.n;
@@ -217,6 +266,103 @@ mod tests {
         }
     }
 
+    /// Scattered fetches of 129..=8,128 blocks (the benchmark's 1024 x
+    /// 64 KiB and 4096 x 16 KiB shapes): the direct gather packs the same
+    /// ids as the plan, so the launch sends them as a parameter instead of
+    /// uploading a device table, with the same table and geometry.
+    #[test]
+    fn runs_gather_packs_the_ids_the_plan_packs() {
+        let t = GatherTuning::default();
+        for (n, bb) in [(129u32, 4096u64), (1024, 64 << 10), (4096, 16 << 10)] {
+            // Every other donor slot, reversed: no run has two rows.
+            let runs: Vec<CopyRun> = (0..n)
+                .map(|i| {
+                    let s = 2 * (n - 1 - i) + 1;
+                    CopyRun {
+                        src_block: s,
+                        dst_block: i,
+                        blocks: 1,
+                        src_offset: u64::from(s) * bb,
+                        dst_offset: u64::from(i) * bb,
+                        len: bb,
+                    }
+                })
+                .collect();
+            let len = 2 * u64::from(n) * bb;
+            let plan = ConvertPlan::from_runs_tuned(&runs, bb, len, len, &t).unwrap();
+            let direct = RunsGather::new(&runs, bb, &t).unwrap().unwrap();
+            let packed = direct.packed().expect("scattered ids pack");
+            assert_eq!(Some(packed), plan.packed(), "{n} blocks");
+            assert_eq!((packed.src_stride, packed.dst_stride), (bb, bb));
+            assert_eq!(packed.words[0], (2 * n - 1) << 16);
+            assert_eq!(direct.region_bytes(), (len, u64::from(n) * bb));
+            let (sb, db) = (1 << 20, 1 << 30);
+            let mut table = vec![0; 2 * n as usize];
+            direct.write_block_table(sb, db, &mut table);
+            assert_eq!(table, plan.block_table(sb, db));
+            assert_eq!(
+                direct.geometry_tuned(sb, db, 132, &t),
+                plan.geometry_tuned(sb, db, 132, &t)
+            );
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Parts of 100..=400 runs (single and multi-row, dense or padded
+        /// donor strides, ids near the 16-bit limit, one offset off its
+        /// stride): `RunsGather::new` packs exactly what `from_runs` packs.
+        #[test]
+        fn runs_gather_packs_like_from_runs_for_any_part(
+            runs in proptest::collection::vec((0u32..3, 1u32..4), 100..400),
+            multi in any::<bool>(), pad in 0u64..3,
+            start in prop_oneof![Just(0u32), Just(64_000)],
+            bump in proptest::option::of(0usize..100),
+        ) {
+            let bb = 4096u64;
+            let ss = bb + pad * 1024;
+            let (mut s, mut d) = (start, 0u32);
+            let mut v: Vec<CopyRun> = runs
+                .into_iter()
+                .map(|(gap, rows)| {
+                    let rows = if multi { rows } else { 1 };
+                    s += gap;
+                    let r = CopyRun {
+                        src_block: s,
+                        dst_block: d,
+                        blocks: rows,
+                        src_offset: u64::from(s) * ss,
+                        dst_offset: u64::from(d) * bb,
+                        len: u64::from(rows) * bb,
+                    };
+                    s += rows;
+                    d += rows;
+                    r
+                })
+                .collect();
+            if let Some(i) = bump {
+                v[i].src_offset += 16;
+            }
+            let end = |f: fn(&CopyRun) -> u64| v.iter().map(f).max().unwrap();
+            let (sl, dl) = (end(|r| r.src_offset + r.len), end(|r| r.dst_offset + r.len));
+            let t = GatherTuning::default();
+            let plan = ConvertPlan::from_runs_tuned(&v, bb, sl, dl, &t).unwrap();
+            let direct = RunsGather::new(&v, bb, &t).unwrap().unwrap();
+            prop_assert_eq!(direct.packed(), plan.packed());
+            // Packed ids name the same bytes as the run offsets.
+            if let Some(p) = direct.packed() {
+                let (sb, db) = (1u64 << 30, 1u64 << 40);
+                let mut table = vec![0; 2 * direct.blocks()];
+                direct.write_block_table(sb, db, &mut table);
+                let n = direct.blocks();
+                for (i, w) in p.words.iter().enumerate() {
+                    prop_assert_eq!(sb + u64::from(w >> 16) * p.src_stride, table[i]);
+                    prop_assert_eq!(db + u64::from(w & 0xFFFF) * p.dst_stride, table[n + i]);
+                }
+            }
+        }
+    }
+
     #[test]
     fn large_fetches_and_bad_runs_are_left_to_the_plan() {
         let run = |i: u32, len| CopyRun {
@@ -228,9 +374,9 @@ mod tests {
             len,
         };
         let t = GatherTuning::default();
-        let big: Vec<CopyRun> = (0..2033).map(|i| run(i, 64)).collect();
+        let big: Vec<CopyRun> = (0..8129).map(|i| run(i, 64)).collect();
         assert!(RunsGather::new(&big, 64, &t).unwrap().is_none());
-        assert!(RunsGather::new(&big[..2032], 64, &t).unwrap().is_some());
+        assert!(RunsGather::new(&big[..8128], 64, &t).unwrap().is_some());
         assert_eq!(
             RunsGather::new(&[run(0, 64), run(1, 63)], 64, &t).unwrap_err(),
             ConvertError::RunLength {

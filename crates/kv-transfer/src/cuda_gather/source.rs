@@ -51,6 +51,16 @@ pub const CONVERT_KERNEL_SRC: &str = r#"
         const T* __restrict__ sp = (const T*)(SRC(i) + __ldg(pieces + p));               \
         T* __restrict__ dp = (T*)(DST(i) + __ldg(pieces + np + p));                      \
         unsigned int w = lane;                                                           \
+        for (; w + 7u * G < pe; w += 8u * G) {                                           \
+            T a0 = __ldg(sp + w), a1 = __ldg(sp + w + G);                                \
+            T a2 = __ldg(sp + w + 2u * G), a3 = __ldg(sp + w + 3u * G);                  \
+            T a4 = __ldg(sp + w + 4u * G), a5 = __ldg(sp + w + 5u * G);                  \
+            T a6 = __ldg(sp + w + 6u * G), a7 = __ldg(sp + w + 7u * G);                  \
+            __stcg(dp + w, a0); __stcg(dp + w + G, a1);                                  \
+            __stcg(dp + w + 2u * G, a2); __stcg(dp + w + 3u * G, a3);                    \
+            __stcg(dp + w + 4u * G, a4); __stcg(dp + w + 5u * G, a5);                    \
+            __stcg(dp + w + 6u * G, a6); __stcg(dp + w + 7u * G, a7);                    \
+        }                                                                                \
         for (; w + 3u * G < pe; w += 4u * G) {                                           \
             T a = __ldg(sp + w), b = __ldg(sp + w + G);                                  \
             T c = __ldg(sp + w + 2u * G), d = __ldg(sp + w + 3u * G);                    \
@@ -79,8 +89,13 @@ KV_CONVERT(kv_convert_1, unsigned char)
 /* Sizes: INLINE_SMALL_ENTRIES / INLINE_LARGE_ENTRIES on the host. */
 struct KvInlineSmall { unsigned long long b[256]; };
 struct KvInlineLarge { unsigned long long b[4064]; };
-/* INLINE_PACKED_ENTRIES: one u32 per block, donor id << 16 | target id. */
+/* INLINE_PACKED_ENTRIES: one u32 per block, donor id << 16 | target id;
+   PACKED_TIERS: the smaller tables, so a launch sends no more parameter
+   bytes than the fetch's tier needs. */
 struct KvInlinePacked { unsigned int w[8128]; };
+struct KvInlinePacked1024 { unsigned int w[1024]; };
+struct KvInlinePacked2048 { unsigned int w[2048]; };
+struct KvInlinePacked4096 { unsigned int w[4096]; };
 /* __grid_constant__: the table is read in place from the parameter bank
    (constant cache), never copied to local memory by a dynamic index. */
 #define KV_PARAM_SRC(k) tab.b[(k)]
@@ -91,8 +106,8 @@ extern "C" __global__ void NAME(const __grid_constant__ TAB tab, KV_ARGS) {     
 }
 #define KV_PACKED_SRC(k) (sbase + (unsigned long long)(tab.w[(k)] >> 16) * sstride)
 #define KV_PACKED_DST(k) (dbase + (unsigned long long)(tab.w[(k)] & 0xFFFFu) * dstride)
-#define KV_CONVERT_PACKED(NAME, T)                                                       \
-extern "C" __global__ void NAME(const __grid_constant__ KvInlinePacked tab,              \
+#define KV_CONVERT_PACKED(NAME, TAB, T)                                                  \
+extern "C" __global__ void NAME(const __grid_constant__ TAB tab,                         \
     unsigned long long sbase, unsigned long long dbase, unsigned long long sstride,      \
     unsigned long long dstride, KV_ARGS) {                                               \
     KV_LOOP(T, KV_PACKED_SRC, KV_PACKED_DST)                                             \
@@ -107,11 +122,26 @@ KV_CONVERT_INLINE(kv_convert_l8, KvInlineLarge, unsigned long long)
 KV_CONVERT_INLINE(kv_convert_l4, KvInlineLarge, unsigned int)
 KV_CONVERT_INLINE(kv_convert_l2, KvInlineLarge, unsigned short)
 KV_CONVERT_INLINE(kv_convert_l1, KvInlineLarge, unsigned char)
-KV_CONVERT_PACKED(kv_convert_p16, uint4)
-KV_CONVERT_PACKED(kv_convert_p8, unsigned long long)
-KV_CONVERT_PACKED(kv_convert_p4, unsigned int)
-KV_CONVERT_PACKED(kv_convert_p2, unsigned short)
-KV_CONVERT_PACKED(kv_convert_p1, unsigned char)
+KV_CONVERT_PACKED(kv_convert_p16, KvInlinePacked, uint4)
+KV_CONVERT_PACKED(kv_convert_p8, KvInlinePacked, unsigned long long)
+KV_CONVERT_PACKED(kv_convert_p4, KvInlinePacked, unsigned int)
+KV_CONVERT_PACKED(kv_convert_p2, KvInlinePacked, unsigned short)
+KV_CONVERT_PACKED(kv_convert_p1, KvInlinePacked, unsigned char)
+KV_CONVERT_PACKED(kv_convert_p1024_16, KvInlinePacked1024, uint4)
+KV_CONVERT_PACKED(kv_convert_p1024_8, KvInlinePacked1024, unsigned long long)
+KV_CONVERT_PACKED(kv_convert_p1024_4, KvInlinePacked1024, unsigned int)
+KV_CONVERT_PACKED(kv_convert_p1024_2, KvInlinePacked1024, unsigned short)
+KV_CONVERT_PACKED(kv_convert_p1024_1, KvInlinePacked1024, unsigned char)
+KV_CONVERT_PACKED(kv_convert_p2048_16, KvInlinePacked2048, uint4)
+KV_CONVERT_PACKED(kv_convert_p2048_8, KvInlinePacked2048, unsigned long long)
+KV_CONVERT_PACKED(kv_convert_p2048_4, KvInlinePacked2048, unsigned int)
+KV_CONVERT_PACKED(kv_convert_p2048_2, KvInlinePacked2048, unsigned short)
+KV_CONVERT_PACKED(kv_convert_p2048_1, KvInlinePacked2048, unsigned char)
+KV_CONVERT_PACKED(kv_convert_p4096_16, KvInlinePacked4096, uint4)
+KV_CONVERT_PACKED(kv_convert_p4096_8, KvInlinePacked4096, unsigned long long)
+KV_CONVERT_PACKED(kv_convert_p4096_4, KvInlinePacked4096, unsigned int)
+KV_CONVERT_PACKED(kv_convert_p4096_2, KvInlinePacked4096, unsigned short)
+KV_CONVERT_PACKED(kv_convert_p4096_1, KvInlinePacked4096, unsigned char)
 #endif
 "#;
 
@@ -161,6 +191,43 @@ pub const INLINE_PACKED_NAMES: [(u32, &str); 5] = [
     (1, "kv_convert_p1"),
 ];
 
+/// Entry points of the smaller packed tables (`KvInlinePacked1024` /
+/// `2048` / `4096`: 4, 8 and 16 KiB), widest first, same arguments as
+/// [`INLINE_PACKED_NAMES`]: a 1024-block fetch sends a 4 KiB parameter, not
+/// 32 KiB (the driver copies the whole struct with every launch).
+pub const PACKED_TIER_NAMES: [(usize, [(u32, &str); 5]); 3] = [
+    (
+        1024,
+        [
+            (16, "kv_convert_p1024_16"),
+            (8, "kv_convert_p1024_8"),
+            (4, "kv_convert_p1024_4"),
+            (2, "kv_convert_p1024_2"),
+            (1, "kv_convert_p1024_1"),
+        ],
+    ),
+    (
+        2048,
+        [
+            (16, "kv_convert_p2048_16"),
+            (8, "kv_convert_p2048_8"),
+            (4, "kv_convert_p2048_4"),
+            (2, "kv_convert_p2048_2"),
+            (1, "kv_convert_p2048_1"),
+        ],
+    ),
+    (
+        4096,
+        [
+            (16, "kv_convert_p4096_16"),
+            (8, "kv_convert_p4096_8"),
+            (4, "kv_convert_p4096_4"),
+            (2, "kv_convert_p4096_2"),
+            (1, "kv_convert_p4096_1"),
+        ],
+    ),
+];
+
 /// u32 entries of the packed inline table (`KvInlinePacked`, 32,512 bytes;
 /// one per block).
 pub const INLINE_PACKED_ENTRIES: usize = 8128;
@@ -185,6 +252,8 @@ pub const INLINE_LARGE_BLOCKS: usize = INLINE_LARGE_ENTRIES / 2;
 const _: () = assert!(INLINE_SMALL_ENTRIES * 8 + 8 + 5 * 4 <= 4096);
 const _: () = assert!(INLINE_LARGE_ENTRIES * 8 + 8 + 5 * 4 <= 32_764);
 const _: () = assert!(INLINE_PACKED_ENTRIES * 4 + 4 * 8 + 8 + 5 * 4 <= 32_764);
+// The first packed tier starts right past the small table.
+const _: () = assert!(INLINE_SMALL_BLOCKS == 128);
 
 /// Where one launch's block table lives (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -194,8 +263,14 @@ pub enum TablePlacement {
     /// A 32,512-byte kernel parameter.
     InlineLarge,
     /// A 32,512-byte kernel parameter of packed 16-bit block ids, with the
-    /// region bases and block strides as scalars.
+    /// region bases and block strides as scalars (4,097..=8,128 blocks).
     InlinePacked,
+    /// Packed ids in a 4 KiB parameter (129..=1,024 blocks).
+    InlinePacked1024,
+    /// Packed ids in an 8 KiB parameter (1,025..=2,048 blocks).
+    InlinePacked2048,
+    /// Packed ids in a 16 KiB parameter (2,049..=4,096 blocks).
+    InlinePacked4096,
     /// A device buffer uploaded before the launch.
     #[default]
     Device,
@@ -210,20 +285,40 @@ impl TablePlacement {
     /// holds the fetch is used: the whole parameter struct goes out with
     /// every launch, whatever `n` is.
     pub fn for_blocks(blocks: usize, inline_loaded: bool, packable: bool) -> Self {
-        // 129..=2032 blocks: the device table. On the H200 the 32 KiB u64
-        // parameter slowed the kernel by more than the upload it saves
-        // (1024 x 64 KiB: kernel 52.2 us, upload 1.3, against 41.6 and 7.8
-        // with the device table; 512-block 8B rows: +3-5 us kernel, e2e
-        // equal), while packed ids win past 2,032 (4096 x 16 KiB: 80.4 us
-        // e2e against 88.1) and the small table wins (7 blocks: 11.4 us
-        // against 15.0). `InlineLarge` stays compiled for measurements.
+        // Past 128 blocks the table goes as packed 16-bit ids in the
+        // smallest parameter that holds them: the device table's separate
+        // upload cost 6.7-7.3 us of a 45-90 us fetch on the H200 (1024 x
+        // 64 KiB, 512-block 8B rows), and a 32 KiB u64 parameter slowed the
+        // kernel by more than that (1024 x 64 KiB: 52.2 us against 41.6),
+        // so the parameter stays at 4 bytes a block in 4 / 8 / 16 / 32 KiB
+        // tiers. Fetches whose ids are not packable (ids past 65,535,
+        // irregular strides) use the device table; `InlineLarge` stays
+        // compiled for measurements.
+        if !inline_loaded {
+            return Self::Device;
+        }
+        if blocks <= INLINE_SMALL_BLOCKS {
+            return Self::InlineSmall;
+        }
         match blocks {
-            _ if !inline_loaded => Self::Device,
-            0..=INLINE_SMALL_BLOCKS => Self::InlineSmall,
-            b if b > INLINE_LARGE_BLOCKS && b <= INLINE_PACKED_BLOCKS && packable => {
-                Self::InlinePacked
-            }
+            _ if !packable => Self::Device,
+            129..=1024 => Self::InlinePacked1024,
+            1025..=2048 => Self::InlinePacked2048,
+            2049..=4096 => Self::InlinePacked4096,
+            4097..=INLINE_PACKED_BLOCKS => Self::InlinePacked,
             _ => Self::Device,
+        }
+    }
+
+    /// Ids the placement's packed table holds; `None` when it is not a
+    /// packed table.
+    pub fn packed_capacity(self) -> Option<usize> {
+        match self {
+            Self::InlinePacked1024 => Some(1024),
+            Self::InlinePacked2048 => Some(2048),
+            Self::InlinePacked4096 => Some(4096),
+            Self::InlinePacked => Some(INLINE_PACKED_ENTRIES),
+            _ => None,
         }
     }
 
@@ -233,6 +328,9 @@ impl TablePlacement {
             Self::InlineSmall => &INLINE_SMALL_NAMES,
             Self::InlineLarge => &INLINE_LARGE_NAMES,
             Self::InlinePacked => &INLINE_PACKED_NAMES,
+            Self::InlinePacked1024 => &PACKED_TIER_NAMES[0].1,
+            Self::InlinePacked2048 => &PACKED_TIER_NAMES[1].1,
+            Self::InlinePacked4096 => &PACKED_TIER_NAMES[2].1,
             Self::Device => &KERNEL_NAMES,
         }
     }
@@ -248,27 +346,45 @@ mod tests {
         assert_eq!(p(1), TablePlacement::InlineSmall);
         assert_eq!(p(7), TablePlacement::InlineSmall);
         assert_eq!(p(128), TablePlacement::InlineSmall);
-        // Measured on the H200: the 32 KiB u64 table slows the kernel more
-        // than the upload costs, so 129..=2032 blocks use the device table.
+        // Ids that do not pack (past 16 bits, irregular strides): the
+        // device table past the small inline one.
         assert_eq!(p(129), TablePlacement::Device);
         assert_eq!(p(1024), TablePlacement::Device);
-        assert_eq!(p(2032), TablePlacement::Device);
-        assert_eq!(p(2033), TablePlacement::Device);
         assert_eq!(p(4096), TablePlacement::Device);
         assert_eq!(
             TablePlacement::for_blocks(7, false, true),
             TablePlacement::Device
         );
-        // Packed ids take 2033..=8128 blocks (the 4096 x 16 KiB fetch).
+        assert_eq!(
+            TablePlacement::for_blocks(1024, false, true),
+            TablePlacement::Device
+        );
+        // Packed ids take 129..=8128 blocks in the smallest tier: the
+        // 1024 x 64 KiB fetch sends 4 KiB, 4096 x 16 KiB 16 KiB.
         let q = |n| TablePlacement::for_blocks(n, true, true);
-        assert_eq!(q(2032), TablePlacement::Device);
-        assert_eq!(q(2033), TablePlacement::InlinePacked);
-        assert_eq!(q(4096), TablePlacement::InlinePacked);
+        assert_eq!(q(128), TablePlacement::InlineSmall);
+        assert_eq!(q(129), TablePlacement::InlinePacked1024);
+        assert_eq!(q(512), TablePlacement::InlinePacked1024);
+        assert_eq!(q(1024), TablePlacement::InlinePacked1024);
+        assert_eq!(q(1025), TablePlacement::InlinePacked2048);
+        assert_eq!(q(2048), TablePlacement::InlinePacked2048);
+        assert_eq!(q(2049), TablePlacement::InlinePacked4096);
+        assert_eq!(q(4096), TablePlacement::InlinePacked4096);
+        assert_eq!(q(4097), TablePlacement::InlinePacked);
         assert_eq!(q(8128), TablePlacement::InlinePacked);
         assert_eq!(q(8129), TablePlacement::Device);
+        for n in [129, 1024, 1025, 2049, 4097, 8128] {
+            let cap = q(n).packed_capacity().unwrap();
+            assert!(n <= cap, "{n} blocks in a table of {cap}");
+        }
+        assert_eq!(TablePlacement::InlineSmall.packed_capacity(), None);
         assert_eq!(
             TablePlacement::InlineLarge.names()[0],
             (16, "kv_convert_l16")
+        );
+        assert_eq!(
+            TablePlacement::InlinePacked1024.names()[4],
+            (1, "kv_convert_p1024_1")
         );
     }
 
@@ -281,10 +397,19 @@ mod tests {
         assert!(CONVERT_KERNEL_SRC.contains(&packed), "{packed}");
         assert!(CONVERT_KERNEL_SRC.contains(&small), "{small}");
         assert!(CONVERT_KERNEL_SRC.contains(&large), "{large}");
+        for (ids, names) in &PACKED_TIER_NAMES {
+            let tier = format!("struct KvInlinePacked{ids} {{ unsigned int w[{ids}]; }}");
+            assert!(CONVERT_KERNEL_SRC.contains(&tier), "{tier}");
+            let entry = format!("({}, KvInlinePacked{ids},", names[0].1);
+            assert!(CONVERT_KERNEL_SRC.contains(&entry), "{entry}");
+        }
         for names in [
             &INLINE_SMALL_NAMES,
             &INLINE_LARGE_NAMES,
             &INLINE_PACKED_NAMES,
+            &PACKED_TIER_NAMES[0].1,
+            &PACKED_TIER_NAMES[1].1,
+            &PACKED_TIER_NAMES[2].1,
             &KERNEL_NAMES,
         ] {
             for (_, n) in names {

@@ -141,6 +141,12 @@ fn geometry_picks_width_from_alignment_and_small_grids_for_small_fetches() {
     let g = p.geometry(0, 0, 132);
     assert_eq!((g.num_pieces, g.piece_shift, g.group_shift), (8, 3, 6));
     assert_eq!(g.grid_x, 14);
+    // 4096 x 16 KiB: eight elements a lane, so 128 lanes a row and two rows
+    // per 256-thread CTA (the grid capped at 8 CTAs per SM).
+    let p = ConvertPlan::from_runs(&runs(4096, 16384), 16384, 1 << 28, 1 << 28).unwrap();
+    let g = p.geometry(0, 0, 132);
+    assert_eq!((g.width, g.piece_elems, g.group_shift), (16, 1024, 7));
+    assert_eq!((g.grid_x, g.threads), (1056, 256));
 }
 
 #[test]
