@@ -144,6 +144,12 @@ impl DedicatedAdviseServer {
         self.client.connection_state() == async_nats::connection::State::Connected
     }
 
+    /// The advise connection's client (its state for a health check that
+    /// outlives this handle's borrow; publishing on it is not needed).
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
     /// Cancels the server, waits for its drain (as [`AdviseServer::run`])
     /// and for the thread to end.
     ///
