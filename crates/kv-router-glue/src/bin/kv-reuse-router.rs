@@ -21,7 +21,8 @@ use kv_descriptor::Role;
 use kv_lookup::InventoryIndex;
 use kv_router_glue::metrics::{Health, MetricsServer, ReuseMetrics};
 use kv_router_glue::service::{
-    AdviseServer, RouterInventory, RouterService, ServiceError, VllmEndpointSpec, ADVISE_SUBJECT,
+    DedicatedAdviseServer, DedicatedOptions, RouterInventory, RouterService, ServiceError,
+    VllmEndpointSpec, ADVISE_SUBJECT,
 };
 use kv_router_glue::vllm_events::{VllmEventError, VllmIngest, VllmSubscriber};
 use kv_router_glue::{
@@ -195,7 +196,7 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
             .map_or(NatsAuth::None, NatsAuth::CredentialsFile),
         ..NatsOptions::default()
     };
-    let plane = Arc::new(NatsPlane::connect(&cli.nats_url, options).await?);
+    let plane = Arc::new(NatsPlane::connect(&cli.nats_url, options.clone()).await?);
     // The plane's own connection: the directory reads under the router's
     // credentials (a second, anonymous connection is refused by a server
     // that requires them).
@@ -261,13 +262,32 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     }
 
     let metrics = Arc::new(ReuseMetrics::new());
+    // Advise requests on their own thread and connection (same name,
+    // credentials and TLS as the plane's), so no other router task sits
+    // between a request and its reply (docs/router-service.md, "Latency").
+    let server = DedicatedAdviseServer::start(
+        &cli.nats_url,
+        NatsOptions {
+            name: "kv-reuse-router-advise".into(),
+            ..options
+        },
+        service.clone(),
+        DedicatedOptions {
+            metrics: Some(metrics.clone()),
+            probe: None,
+        },
+    )
+    .await?;
     let draining = Arc::new(AtomicBool::new(false));
     let probe = {
         let (draining, plane) = (draining.clone(), plane.clone());
+        let advise = server.client().clone();
         Arc::new(move || {
             if draining.load(Ordering::SeqCst) {
                 Health::Unavailable("draining")
-            } else if !plane.is_connected() {
+            } else if !plane.is_connected()
+                || advise.connection_state() != async_nats::connection::State::Connected
+            {
                 Health::Unavailable("nats disconnected")
             } else {
                 Health::Serving
@@ -280,16 +300,11 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
             addr: cli.metrics_addr,
             source,
         })?;
-    let server = AdviseServer::bind(plane.client().clone(), service.clone())
-        .await?
-        .with_metrics(metrics);
 
     // Handlers before the ready line: a harness may signal right after it.
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).map_err(RouterError::Signal)?;
     let mut int = signal(SignalKind::interrupt()).map_err(RouterError::Signal)?;
-    let shutdown = CancellationToken::new();
-    let serving = tokio::spawn(server.run(shutdown.clone()));
 
     let ready = serde_json::json!({
         "event": "ready",
@@ -309,14 +324,7 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     };
     tracing::info!(signal = signal_name, "draining");
     draining.store(true, Ordering::SeqCst);
-    shutdown.cancel();
-    let report = match serving.await {
-        Ok(r) => r?,
-        Err(e) => {
-            tracing::error!(error = %e, "advise task failed");
-            return Ok(());
-        }
-    };
+    let report = server.stop().await?;
     // Requests arriving after this (none reach us once unsubscribed) would
     // be refused as draining.
     service.drain();

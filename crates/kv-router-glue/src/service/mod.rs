@@ -13,6 +13,7 @@
 
 #[cfg(feature = "qualify")]
 pub mod bench;
+mod dedicated;
 mod follow;
 mod router_service;
 mod serve;
@@ -22,9 +23,10 @@ mod serve_tests;
 mod vllm_spec;
 mod wire;
 
+pub use dedicated::{DedicatedAdviseServer, DedicatedOptions};
 pub use follow::{parse_subject, FollowStats, RouterInventory};
 pub use router_service::RouterService;
-pub use serve::{serve_advise, AdviseServer, ServeReport, ServiceError};
+pub use serve::{serve_advise, AdviseServer, ServeReport, ServerStages, ServiceError, StageProbe};
 #[cfg(feature = "vllm")]
 pub use vllm_spec::{VllmEndpointSpec, VllmSpecError};
 pub use wire::{

@@ -109,7 +109,14 @@ impl RouterService {
     /// [`AdviseRefusal::Malformed`] or `Oversized` refusal with an empty
     /// request id.
     pub fn handle_reply(&self, payload: &[u8]) -> AdviseReply {
-        match AdviseRequest::decode(payload) {
+        self.reply_for(AdviseRequest::decode(payload))
+    }
+
+    /// Decides an already decoded request, or refuses what did not decode
+    /// (the second half of [`RouterService::handle_reply`], split so that the
+    /// advise server can time decoding and deciding apart).
+    pub(crate) fn reply_for(&self, decoded: Result<AdviseRequest, AdviseRefusal>) -> AdviseReply {
+        match decoded {
             Ok(req) => self.advise(&req),
             Err(r) => {
                 self.refused.fetch_add(1, Ordering::Relaxed);

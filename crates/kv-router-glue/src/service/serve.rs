@@ -23,7 +23,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::router_service::encode_reply;
-use super::wire::{AdviseResult, ADVISE_QUEUE_GROUP, ADVISE_SUBJECT};
+use super::wire::{AdviseRequest, AdviseResult, ADVISE_QUEUE_GROUP, ADVISE_SUBJECT};
 use super::RouterService;
 use crate::event_plane::server_round_trip;
 use crate::metrics::ReuseMetrics;
@@ -59,6 +59,22 @@ pub enum ServiceError {
         /// Subject subscribed to.
         subject: String,
     },
+    /// The dedicated advise thread or its runtime could not start, or it
+    /// ended without a result ([`crate::service::DedicatedAdviseServer`]).
+    #[error("advise thread: {reason}")]
+    Thread {
+        /// The OS or runtime error.
+        reason: String,
+    },
+    /// The dedicated advise connection to `url` failed (unreachable,
+    /// credentials or TLS refused).
+    #[error("advise connection to `{url}`: {reason}")]
+    Connect {
+        /// NATS URL.
+        url: String,
+        /// The plane's message.
+        reason: String,
+    },
     /// The drain (`UNSUB`) at shutdown could not be sent.
     #[error("cannot drain the `{subject}` subscription: {reason}")]
     Drain {
@@ -90,6 +106,45 @@ pub struct ServeReport {
     pub after_shutdown: u64,
 }
 
+/// When the advise server passed each stage of one request (monotonic
+/// clock of this process; the benchmark compares them with its caller's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerStages {
+    /// The subscription loop took the message.
+    pub received: Instant,
+    /// The MessagePack request was decoded (or refused as malformed).
+    pub decoded: Instant,
+    /// Lookup, slot resolution and cost model decided (or refused).
+    pub decided: Instant,
+    /// The reply was encoded.
+    pub encoded: Instant,
+    /// The reply was queued in the client's command channel.
+    pub queued: Instant,
+}
+
+/// Collects [`ServerStages`] of every answered request, in answer order
+/// ([`AdviseServer::with_stage_probe`]). Unbounded: for benchmarks only.
+#[derive(Debug, Default)]
+pub struct StageProbe {
+    stages: parking_lot::Mutex<Vec<ServerStages>>,
+}
+
+impl StageProbe {
+    /// An empty probe.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn push(&self, s: ServerStages) {
+        self.stages.lock().push(s);
+    }
+
+    /// Takes the stages recorded so far (the probe is empty afterwards).
+    pub fn take(&self) -> Vec<ServerStages> {
+        std::mem::take(&mut *self.stages.lock())
+    }
+}
+
 /// Serves advise requests for `service` on `client` until `shutdown` fires;
 /// [`AdviseServer::bind`] then [`AdviseServer::run`].
 ///
@@ -114,6 +169,7 @@ pub struct AdviseServer {
     client: async_nats::Client,
     service: Arc<RouterService>,
     metrics: Option<Arc<ReuseMetrics>>,
+    probe: Option<Arc<StageProbe>>,
     subscriber: async_nats::Subscriber,
 }
 
@@ -155,6 +211,7 @@ impl AdviseServer {
             client,
             service,
             metrics: None,
+            probe: None,
             subscriber,
         })
     }
@@ -164,6 +221,13 @@ impl AdviseServer {
     /// and `kv_reuse_decisions_total` for decided ones).
     pub fn with_metrics(mut self, metrics: Arc<ReuseMetrics>) -> Self {
         self.metrics = Some(metrics);
+        self
+    }
+
+    /// Records the stage timestamps of every answered request in `probe`
+    /// (the advise benchmark's per-stage breakdown).
+    pub fn with_stage_probe(mut self, probe: Arc<StageProbe>) -> Self {
+        self.probe = Some(probe);
         self
     }
 
@@ -239,9 +303,13 @@ impl AdviseServer {
             tracing::debug!("advise request without a reply subject dropped");
             return;
         };
-        let started = Instant::now();
-        let reply = self.service.handle_reply(&m.payload);
+        let received = Instant::now();
+        let decoded = AdviseRequest::decode(&m.payload);
+        let decoded_at = Instant::now();
+        let reply = self.service.reply_for(decoded);
+        let decided_at = Instant::now();
         let bytes = encode_reply(&reply);
+        let encoded_at = Instant::now();
         let outcome = match &reply.result {
             AdviseResult::Decided { decision, .. } => {
                 counters.decided += 1;
@@ -256,13 +324,22 @@ impl AdviseServer {
             }
         };
         if let Some(metrics) = &self.metrics {
-            metrics.record_advise(outcome, started.elapsed());
+            metrics.record_advise(outcome, received.elapsed());
         }
         // Queues the reply in the client's command channel; the connection
         // task writes it without waiting for more (no extra flush needed).
         if let Err(e) = self.client.publish(reply_to, bytes.into()).await {
             counters.reply_errors += 1;
             tracing::warn!(error = %e, "advise reply not queued");
+        }
+        if let Some(probe) = &self.probe {
+            probe.push(ServerStages {
+                received,
+                decoded: decoded_at,
+                decided: decided_at,
+                encoded: encoded_at,
+                queued: Instant::now(),
+            });
         }
     }
 }

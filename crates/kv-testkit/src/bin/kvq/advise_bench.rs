@@ -51,7 +51,9 @@ fn row(case: &'static str, v: &[f64], base: Option<(f64, f64)>) -> AdviseRow {
     }
 }
 
-/// The three rows of `s`, in-process advise first (the ratios' baseline).
+/// The rows of `s`, in-process advise first (the ratios' baseline), the
+/// router's serving path `nats_round_trip` third (the goals' row), then the
+/// former shared-runtime path and the stage pass's total.
 pub fn rows(s: &AdviseBenchSamples) -> Vec<AdviseRow> {
     let base = row("in_process_advise", &s.in_process_advise_us, None);
     let b = Some((base.p50_us, base.p99_us));
@@ -59,7 +61,18 @@ pub fn rows(s: &AdviseBenchSamples) -> Vec<AdviseRow> {
         base,
         row("in_process_handle", &s.in_process_handle_us, b),
         row("nats_round_trip", &s.nats_round_trip_us, b),
+        row("nats_shared_runtime", &s.nats_shared_runtime_us, b),
+        row("nats_reply_sub", &s.stages.total_us, b),
     ]
+}
+
+/// One row per stage of the stage pass (`StageSamples::named`), in path
+/// order, `total` last; the ratios are against that pass's total.
+pub fn stage_rows(s: &AdviseBenchSamples) -> Vec<AdviseRow> {
+    let named = s.stages.named();
+    let total = row("total", named[named.len() - 1].1, None);
+    let b = Some((total.p50_us, total.p99_us));
+    named.iter().map(|(n, v)| row(n, v, b)).collect()
 }
 
 fn met(v: f64, goal: f64) -> &'static str {
@@ -110,6 +123,14 @@ pub fn bench_command(quick: bool, json: Option<&Path>) -> i32 {
             r.case, r.p50_us, r.p99_us, r.mean_us, r.p50_ratio, r.p99_ratio
         );
     }
+    let stages = stage_rows(&samples);
+    println!("stages of nats_reply_sub (p50 x, p99 x: share of that pass's total)");
+    for r in &stages {
+        println!(
+            "  {:<18} {:>9.1} {:>9.1} {:>9.1} {:>9.2} {:>9.2}",
+            r.case, r.p50_us, r.p99_us, r.mean_us, r.p50_ratio, r.p99_ratio
+        );
+    }
     let nats = &rows[2];
     println!(
         "goal nats_round_trip p50 <= {GOAL_P50_US} µs: {} ({:.1}); p99 <= {GOAL_P99_US} µs: {} ({:.1})",
@@ -133,6 +154,7 @@ pub fn bench_command(quick: bool, json: Option<&Path>) -> i32 {
             "goal_p50_met": nats.p50_us <= GOAL_P50_US,
             "goal_p99_met": nats.p99_us <= GOAL_P99_US,
             "rows": rows,
+            "stages": stages,
         });
         if let Err(e) = std::fs::write(path, serde_json::to_vec_pretty(&doc).unwrap_or_default()) {
             eprintln!("kvq bench advise: cannot write {}: {e}", path.display());
@@ -146,18 +168,33 @@ pub fn bench_command(quick: bool, json: Option<&Path>) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kv_router_glue::service::bench::StageSamples;
 
     #[test]
     fn rows_take_percentiles_and_ratios_against_in_process_advise() {
+        let stage = |k: f64| (1..=100).map(|v| f64::from(v) * k).collect::<Vec<f64>>();
         let s = AdviseBenchSamples {
             index_entries: 1,
             index_fill_ms: 0.0,
             request_blocks: 48,
-            admitted: 300,
-            timed: 300,
-            in_process_advise_us: (1..=100).map(f64::from).collect(),
-            in_process_handle_us: (1..=100).map(|v| f64::from(v) * 2.0).collect(),
-            nats_round_trip_us: (1..=100).map(|v| f64::from(v) * 10.0).collect(),
+            admitted: 500,
+            timed: 500,
+            in_process_advise_us: stage(1.0),
+            in_process_handle_us: stage(2.0),
+            nats_round_trip_us: stage(10.0),
+            nats_shared_runtime_us: stage(15.0),
+            stages: StageSamples {
+                encode_request_us: stage(0.5),
+                queue_request_us: stage(0.5),
+                to_server_us: stage(3.0),
+                decode_us: stage(0.5),
+                decide_us: stage(1.0),
+                encode_reply_us: stage(0.5),
+                queue_reply_us: stage(0.5),
+                to_client_us: stage(3.0),
+                decode_reply_us: stage(0.5),
+                total_us: stage(10.0),
+            },
         };
         let r = rows(&s);
         assert_eq!(r[0].case, "in_process_advise");
@@ -167,6 +204,16 @@ mod tests {
         assert_eq!((r[2].p50_us, r[2].p99_us), (500.0, 990.0));
         assert_eq!((r[2].p50_ratio, r[2].p99_ratio), (10.0, 10.0));
         assert_eq!(r[2].mean_us, 505.0);
+        assert_eq!(r[3].case, "nats_shared_runtime");
+        assert_eq!((r[3].p50_us, r[3].p50_ratio), (750.0, 15.0));
+        assert_eq!((r[4].case, r[4].p99_us), ("nats_reply_sub", 990.0));
+        let st = stage_rows(&s);
+        assert_eq!(st.len(), 10);
+        assert_eq!(
+            (st[2].case, st[2].p50_us, st[2].p50_ratio),
+            ("to_server", 150.0, 0.3)
+        );
+        assert_eq!((st[9].case, st[9].p50_ratio), ("total", 1.0));
         assert_eq!((met(100.0, 100.0), met(100.1, 100.0)), ("met", "missed"));
     }
 }

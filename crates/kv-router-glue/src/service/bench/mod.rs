@@ -14,13 +14,17 @@
 //! can make the cost model refuse; such a request is still decided and
 //! timed, and [`AdviseBenchSamples::admitted`] counts the admitted ones.)
 //!
-//! Three sample sets, one per request, in µs:
+//! Sample sets, one sample per request, in µs:
 //! - `in_process_advise_us`: `RouterService::advise` on a decoded request;
 //! - `in_process_handle_us`: `RouterService::handle` on the encoded payload
 //!   (decode, advise, encode);
 //! - `nats_round_trip_us`: a caller encodes the request, `request`s it on
 //!   `kv_reuse.advise` through a local nats-server to an `AdviseServer` in
-//!   the same process, and decodes the reply.
+//!   the same process, and decodes the reply; three passes (the router's
+//!   dedicated advise thread, the former shared runtime, and a stage
+//!   breakdown: [`nats`]).
+
+mod nats;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,10 +34,10 @@ use kv_descriptor::{
     StoredBlock, TokenBlockHash, Wire,
 };
 use kv_lookup::{WorkerInfo, WorkerKey};
-use tokio_util::sync::CancellationToken;
+pub use nats::StageSamples;
 
-use super::{AdviseKeys, AdviseReply, AdviseRequest, AdviseResult, AdviseServer, RouterService};
-use super::{ServiceError, ADVISE_SUBJECT};
+use super::ServiceError;
+use super::{AdviseKeys, AdviseReply, AdviseRequest, AdviseResult, RouterService};
 use crate::qualify::nats_server::NatsServer;
 use crate::qualify::Scenario;
 use crate::ReuseSettings;
@@ -77,17 +81,26 @@ pub struct AdviseBenchSamples {
     pub index_fill_ms: f64,
     /// Blocks each request names.
     pub request_blocks: usize,
-    /// Timed requests (all three sets) admitted with a hint; the rest
+    /// Timed requests (all five passes) admitted with a hint; the rest
     /// were decided without one (module docs).
     pub admitted: u64,
-    /// Timed requests, all three sets.
+    /// Timed requests, all five passes.
     pub timed: u64,
     /// `RouterService::advise`, µs.
     pub in_process_advise_us: Vec<f64>,
     /// `RouterService::handle` (decode + advise + encode), µs.
     pub in_process_handle_us: Vec<f64>,
-    /// Encode, NATS request/reply on loopback, decode, µs.
+    /// Encode, NATS request/reply on loopback, decode, µs: the router's
+    /// serving path ([`crate::service::DedicatedAdviseServer`]) and a caller
+    /// on its own current-thread runtime using `Client::request`.
     pub nats_round_trip_us: Vec<f64>,
+    /// The same round trip with server and caller on one shared 2-worker
+    /// multi-thread runtime (the router's serving path before the dedicated
+    /// thread), µs.
+    pub nats_shared_runtime_us: Vec<f64>,
+    /// Per-stage breakdown of a third round-trip pass (dedicated server,
+    /// caller with one reply subscription), µs per stage.
+    pub stages: StageSamples,
 }
 
 /// Why the benchmark could not run.
@@ -271,64 +284,18 @@ pub fn run_advise_bench(cfg: AdviseBenchConfig) -> Result<AdviseBenchSamples, Ad
     }
 
     let nats = NatsServer::start().map_err(|reason| AdviseBenchError::NatsServer { reason })?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| setup("runtime")(e.to_string()))?;
-    let nats_round_trip_us = runtime.block_on(async {
-        let connect = |url: String| async move {
-            async_nats::connect(url)
-                .await
-                .map_err(|e| AdviseBenchError::Nats {
-                    what: "connect",
-                    reason: e.to_string(),
-                })
-        };
-        let server_client = connect(nats.url()).await?;
-        let caller = connect(nats.url()).await?;
-        let server = AdviseServer::bind(server_client, service.clone()).await?;
-        let shutdown = CancellationToken::new();
-        let serving = tokio::spawn(server.run(shutdown.clone()));
-        let mut samples = Vec::with_capacity(cfg.requests);
-        let mut admitted_nats = 0u64;
-        for (i, req) in reqs.iter().enumerate() {
-            let t = Instant::now();
-            let payload = req
-                .to_wire()
-                .map_err(|e| setup("scenario")(e.to_string()))?;
-            let m = caller
-                .request(ADVISE_SUBJECT, payload.into())
-                .await
-                .map_err(|e| AdviseBenchError::Nats {
-                    what: "request",
-                    reason: e.to_string(),
-                })?;
-            let reply = AdviseReply::from_wire(&m.payload)
-                .map_err(|e| AdviseBenchError::UnexpectedReply(e.to_string()))?;
-            let dt = t.elapsed();
-            if let AdviseResult::Refused(r) = &reply.result {
-                return Err(AdviseBenchError::UnexpectedReply(format!("refused: {r}")));
-            }
-            if i >= cfg.warmup {
-                admitted_nats += u64::from(admitted(&reply));
-                samples.push(micros(dt));
-            }
-        }
-        shutdown.cancel();
-        let _ = serving.await;
-        Ok::<_, AdviseBenchError>((samples, admitted_nats))
-    })?;
-    let (nats_round_trip_us, admitted_nats) = nats_round_trip_us;
+    let n = nats::run_nats_passes(&nats.url(), &service, &reqs, cfg.warmup)?;
     Ok(AdviseBenchSamples {
         index_entries: s.index.stats().entries as u64,
         index_fill_ms,
         request_blocks: s.hashes.len(),
-        admitted: admitted_n + admitted_nats,
-        timed: 3 * cfg.requests as u64,
+        admitted: admitted_n + n.admitted,
+        timed: 5 * cfg.requests as u64,
         in_process_advise_us,
         in_process_handle_us,
-        nats_round_trip_us,
+        nats_round_trip_us: n.round_trip_us,
+        nats_shared_runtime_us: n.shared_runtime_us,
+        stages: n.stages,
     })
 }
 
@@ -354,7 +321,7 @@ mod tests {
         // Every synthetic block plus the scenario's 48 (donor and target).
         assert!(out.index_entries >= 10_000 + 48, "{}", out.index_entries);
         assert_eq!(out.request_blocks, 48);
-        assert_eq!(out.timed, 150);
+        assert_eq!(out.timed, 250);
         // Decided on every path; admitted unless this machine is so loaded
         // that lookups took milliseconds.
         assert!(out.admitted > 0, "{} of {}", out.admitted, out.timed);
@@ -362,9 +329,22 @@ mod tests {
             &out.in_process_advise_us,
             &out.in_process_handle_us,
             &out.nats_round_trip_us,
+            &out.nats_shared_runtime_us,
         ] {
             assert_eq!(set.len(), 50);
             assert!(set.iter().all(|v| *v > 0.0 && v.is_finite()));
+        }
+        // Every stage timed for every request, and the stages add up to
+        // the round trip they split (consecutive timestamps, one clock).
+        for (name, v) in out.stages.named() {
+            assert_eq!(v.len(), 50, "{name}");
+            assert!(v.iter().all(|x| *x >= 0.0 && x.is_finite()), "{name}");
+        }
+        for i in 0..50 {
+            let parts: f64 = out.stages.named()[..9].iter().map(|(_, v)| v[i]).sum();
+            let total = out.stages.total_us[i];
+            assert!((parts - total).abs() < 0.01, "{parts} vs {total}");
+            assert!(out.stages.to_server_us[i] > 0.0 && out.stages.to_client_us[i] > 0.0);
         }
     }
 }

@@ -1,0 +1,304 @@
+//! The advise benchmark's NATS passes: the round trip through a local
+//! nats-server, three ways in one run, and the per-stage breakdown.
+//!
+//! - `shared_runtime`: what the router did before [`DedicatedAdviseServer`]:
+//!   the advise server and the caller on one 2-worker multi-thread runtime,
+//!   the caller using `Client::request`.
+//! - `round_trip`: the router's serving path ([`DedicatedAdviseServer`],
+//!   its own thread and connection) and a caller on its own current-thread
+//!   runtime using `Client::request` (per-request inbox on the client's
+//!   shared inbox subscription, with a timeout).
+//! - `stages`: the same server, a caller publishing with a fixed reply
+//!   subject on one dedicated subscription, every stage timestamped on one
+//!   monotonic clock (caller and server share the process).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use kv_descriptor::Wire;
+use tokio_util::sync::CancellationToken;
+
+use super::{micros, AdviseBenchError};
+use crate::service::{
+    AdviseReply, AdviseRequest, AdviseResult, AdviseServer, DedicatedAdviseServer,
+    DedicatedOptions, RouterService, ServerStages, StageProbe, ADVISE_SUBJECT,
+};
+use crate::NatsOptions;
+
+/// Per-stage durations of the `stages` pass, µs per timed request, in
+/// request order. The stages add up to [`StageSamples::total_us`].
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct StageSamples {
+    /// Caller: MessagePack encode of the request.
+    pub encode_request_us: Vec<f64>,
+    /// Caller: `publish_with_reply` until the request is queued in the
+    /// client's command channel.
+    pub queue_request_us: Vec<f64>,
+    /// Queued by the caller until the server's loop took it: caller's
+    /// connection task, socket, nats-server routing, server's connection
+    /// task, subscription channel.
+    pub to_server_us: Vec<f64>,
+    /// Server: request decode.
+    pub decode_us: Vec<f64>,
+    /// Server: lookup, slot resolution, cost model, hint.
+    pub decide_us: Vec<f64>,
+    /// Server: reply encode.
+    pub encode_reply_us: Vec<f64>,
+    /// Server: `publish` until the reply is queued.
+    pub queue_reply_us: Vec<f64>,
+    /// Reply queued by the server until the caller's loop took it (the same
+    /// hops back).
+    pub to_client_us: Vec<f64>,
+    /// Caller: reply decode.
+    pub decode_reply_us: Vec<f64>,
+    /// The whole round trip of this pass.
+    pub total_us: Vec<f64>,
+}
+
+impl StageSamples {
+    /// `(name, samples)` of every stage in path order, then `total`.
+    pub fn named(&self) -> [(&'static str, &[f64]); 10] {
+        [
+            ("encode_request", &self.encode_request_us),
+            ("queue_request", &self.queue_request_us),
+            ("to_server", &self.to_server_us),
+            ("decode", &self.decode_us),
+            ("decide", &self.decide_us),
+            ("encode_reply", &self.encode_reply_us),
+            ("queue_reply", &self.queue_reply_us),
+            ("to_client", &self.to_client_us),
+            ("decode_reply", &self.decode_reply_us),
+            ("total", &self.total_us),
+        ]
+    }
+}
+
+/// The three passes' samples (module docs).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(super) struct NatsSamples {
+    pub shared_runtime_us: Vec<f64>,
+    pub round_trip_us: Vec<f64>,
+    pub stages: StageSamples,
+    pub admitted: u64,
+}
+
+fn nats_err(what: &'static str) -> impl Fn(String) -> AdviseBenchError {
+    move |reason| AdviseBenchError::Nats { what, reason }
+}
+
+fn check(reply: &AdviseReply, req: &AdviseRequest) -> Result<bool, AdviseBenchError> {
+    if reply.request_id != req.request_id {
+        return Err(AdviseBenchError::UnexpectedReply(format!(
+            "reply for `{}` to `{}`",
+            reply.request_id, req.request_id
+        )));
+    }
+    match &reply.result {
+        AdviseResult::Refused(r) => Err(AdviseBenchError::UnexpectedReply(format!("refused: {r}"))),
+        AdviseResult::Decided { hint, .. } => Ok(hint.is_some()),
+    }
+}
+
+fn current_thread() -> Result<tokio::runtime::Runtime, AdviseBenchError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| AdviseBenchError::Setup {
+            what: "runtime",
+            reason: e.to_string(),
+        })
+}
+
+/// Requests `reqs` one at a time with `Client::request`; the samples of
+/// those after `warmup` and how many were admitted.
+async fn request_loop(
+    caller: &async_nats::Client,
+    reqs: &[AdviseRequest],
+    warmup: usize,
+) -> Result<(Vec<f64>, u64), AdviseBenchError> {
+    let mut samples = Vec::with_capacity(reqs.len().saturating_sub(warmup));
+    let mut admitted = 0u64;
+    for (i, req) in reqs.iter().enumerate() {
+        let t = Instant::now();
+        let payload = req.to_wire().map_err(|e| AdviseBenchError::Setup {
+            what: "scenario",
+            reason: e.to_string(),
+        })?;
+        let m = caller
+            .request(ADVISE_SUBJECT, payload.into())
+            .await
+            .map_err(|e| nats_err("request")(e.to_string()))?;
+        let reply = AdviseReply::from_wire(&m.payload)
+            .map_err(|e| AdviseBenchError::UnexpectedReply(e.to_string()))?;
+        let dt = t.elapsed();
+        let hinted = check(&reply, req)?;
+        if i >= warmup {
+            admitted += u64::from(hinted);
+            samples.push(micros(dt));
+        }
+    }
+    Ok((samples, admitted))
+}
+
+/// Caller-side timestamps of one request of the `stages` pass.
+struct CallerStages {
+    start: Instant,
+    encoded: Instant,
+    queued: Instant,
+    received: Instant,
+    decoded: Instant,
+}
+
+async fn stages_loop(
+    caller: &async_nats::Client,
+    reqs: &[AdviseRequest],
+) -> Result<(Vec<CallerStages>, u64), AdviseBenchError> {
+    let inbox = caller.new_inbox();
+    let mut replies = caller
+        .subscribe(inbox.clone())
+        .await
+        .map_err(|e| nats_err("subscribe")(e.to_string()))?;
+    crate::event_plane::server_round_trip(caller, Duration::from_secs(5))
+        .await
+        .map_err(nats_err("subscribe"))?;
+    let mut out = Vec::with_capacity(reqs.len());
+    let mut admitted = 0u64;
+    for req in reqs {
+        let start = Instant::now();
+        let payload = req.to_wire().map_err(|e| AdviseBenchError::Setup {
+            what: "scenario",
+            reason: e.to_string(),
+        })?;
+        let encoded = Instant::now();
+        caller
+            .publish_with_reply(ADVISE_SUBJECT, inbox.clone(), payload.into())
+            .await
+            .map_err(|e| nats_err("publish")(e.to_string()))?;
+        let queued = Instant::now();
+        let m = tokio::time::timeout(Duration::from_secs(5), replies.next())
+            .await
+            .map_err(|_| nats_err("reply")("no reply within 5 s".into()))?
+            .ok_or_else(|| nats_err("reply")("reply subscription ended".into()))?;
+        let received = Instant::now();
+        let reply = AdviseReply::from_wire(&m.payload)
+            .map_err(|e| AdviseBenchError::UnexpectedReply(e.to_string()))?;
+        let decoded = Instant::now();
+        admitted += u64::from(check(&reply, req)?);
+        out.push(CallerStages {
+            start,
+            encoded,
+            queued,
+            received,
+            decoded,
+        });
+    }
+    Ok((out, admitted))
+}
+
+/// Joins caller and server timestamps (both in request order: one request
+/// in flight at a time) into per-stage µs, skipping the first `warmup`.
+fn join_stages(
+    caller: &[CallerStages],
+    server: &[ServerStages],
+    warmup: usize,
+) -> Result<StageSamples, AdviseBenchError> {
+    if caller.len() != server.len() {
+        return Err(AdviseBenchError::UnexpectedReply(format!(
+            "{} requests timed by the caller, {} answered by the server",
+            caller.len(),
+            server.len()
+        )));
+    }
+    let us = |a: Instant, b: Instant| micros(b.saturating_duration_since(a));
+    let mut s = StageSamples::default();
+    for (c, v) in caller.iter().zip(server).skip(warmup) {
+        s.encode_request_us.push(us(c.start, c.encoded));
+        s.queue_request_us.push(us(c.encoded, c.queued));
+        s.to_server_us.push(us(c.queued, v.received));
+        s.decode_us.push(us(v.received, v.decoded));
+        s.decide_us.push(us(v.decoded, v.decided));
+        s.encode_reply_us.push(us(v.decided, v.encoded));
+        s.queue_reply_us.push(us(v.encoded, v.queued));
+        s.to_client_us.push(us(v.queued, c.received));
+        s.decode_reply_us.push(us(c.received, c.decoded));
+        s.total_us.push(us(c.start, c.decoded));
+    }
+    Ok(s)
+}
+
+/// Runs the three passes (module docs) against a nats-server at `url`.
+pub(super) fn run_nats_passes(
+    url: &str,
+    service: &Arc<RouterService>,
+    reqs: &[AdviseRequest],
+    warmup: usize,
+) -> Result<NatsSamples, AdviseBenchError> {
+    let connect = |url: String| async move {
+        async_nats::connect(url)
+            .await
+            .map_err(|e| nats_err("connect")(e.to_string()))
+    };
+    let mut out = NatsSamples::default();
+
+    // Before: one shared multi-thread runtime for server and caller.
+    let shared = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| AdviseBenchError::Setup {
+            what: "runtime",
+            reason: e.to_string(),
+        })?;
+    let (samples, admitted) = shared.block_on(async {
+        let server_client = connect(url.to_string()).await?;
+        let caller = connect(url.to_string()).await?;
+        let server = AdviseServer::bind(server_client, service.clone()).await?;
+        let shutdown = CancellationToken::new();
+        let serving = tokio::spawn(server.run(shutdown.clone()));
+        let r = request_loop(&caller, reqs, warmup).await;
+        shutdown.cancel();
+        let _ = serving.await;
+        r
+    })?;
+    drop(shared);
+    out.shared_runtime_us = samples;
+    out.admitted += admitted;
+
+    // The router's path: a dedicated advise thread; the caller on its own
+    // current-thread runtime (as one prefill worker's client would be).
+    let probe = Arc::new(StageProbe::new());
+    let rt = current_thread()?;
+    rt.block_on(async {
+        let server = DedicatedAdviseServer::start(
+            url,
+            NatsOptions {
+                name: "kv-advise-bench".into(),
+                ..NatsOptions::default()
+            },
+            service.clone(),
+            DedicatedOptions {
+                metrics: None,
+                probe: Some(probe.clone()),
+            },
+        )
+        .await?;
+        let caller = connect(url.to_string()).await?;
+        let (samples, admitted) = request_loop(&caller, reqs, warmup).await?;
+        out.round_trip_us = samples;
+        out.admitted += admitted;
+        probe.take();
+        let (caller_stages, admitted) = stages_loop(&caller, reqs).await?;
+        out.admitted += admitted;
+        let report = server.stop().await?;
+        if report.refused != 0 {
+            return Err(AdviseBenchError::UnexpectedReply(format!(
+                "{} requests refused by the server",
+                report.refused
+            )));
+        }
+        out.stages = join_stages(&caller_stages, &probe.take(), warmup)?;
+        Ok::<_, AdviseBenchError>(())
+    })?;
+    Ok(out)
+}
