@@ -22,7 +22,7 @@
 //!   `kv_reuse.advise` through a local nats-server to an `AdviseServer` in
 //!   the same process, and decodes the reply; three passes (the router's
 //!   dedicated advise thread, the former shared runtime, and a stage
-//!   breakdown: [`nats`]).
+//!   breakdown: the `nats` submodule).
 
 mod nats;
 
