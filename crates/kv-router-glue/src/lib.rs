@@ -149,8 +149,8 @@ pub use pin_transport::{
 pub use plane::directory::NatsDirectory;
 pub use plane::directory::{
     directory_key, CacheUpdate, DirectoryChange, DirectoryPlane, DirectoryWatch, DonorCache,
-    DonorRecord, DonorRecordError, DonorRecordParts, InProcessDirectory, MAX_DONOR_RECORD_BYTES,
-    MAX_NAME_BYTES, MAX_NIXL_AGENT_NAME_BYTES,
+    DonorRecord, DonorRecordError, DonorRecordParts, InProcessDirectory, NixlMemKind,
+    NixlRankRegion, MAX_DONOR_RECORD_BYTES, MAX_NAME_BYTES, MAX_NIXL_AGENT_NAME_BYTES,
 };
 #[cfg(feature = "nats")]
 pub use plane::inventory::NatsInventory;

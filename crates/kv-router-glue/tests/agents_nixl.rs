@@ -81,6 +81,7 @@ fn a_donor_publishes_its_nixl_agent_and_the_target_loads_it() {
             }
             let r = donor.record(unix_now_ms()).unwrap();
             assert_eq!((r.nixl_agent_name(), r.nixl_agent_metadata()), (None, None));
+            assert_eq!(r.nixl_rank_regions(), None);
         }
 
         // Published: the record carries both; the target resolves the donor
@@ -92,6 +93,20 @@ fn a_donor_publishes_its_nixl_agent_and_the_target_loads_it() {
         let r = donor.record(unix_now_ms()).unwrap();
         assert_eq!(r.nixl_agent_name(), Some("kv-agents-nixl-donor"));
         assert_eq!(r.nixl_agent_metadata(), Some(metadata.as_slice()));
+        // With the memory that agent registered, rank by rank.
+        let want: Vec<NixlRankRegion> = (0..TP)
+            .map(|r| {
+                let m = donor.bank().rank(r).unwrap().memory().clone();
+                NixlRankRegion {
+                    base_addr: m.base_addr(),
+                    len: m.len() as u64,
+                    mem: NixlMemKind::Dram,
+                    device_id: 0,
+                }
+            })
+            .collect();
+        assert!(want.iter().all(|w| w.base_addr != 0));
+        assert_eq!(r.nixl_rank_regions(), Some(want.as_slice()));
         assert_eq!(
             target.load_donor_nixl(engine, &target_nixl).unwrap(),
             "kv-agents-nixl-donor"
@@ -171,12 +186,9 @@ fn a_target_reads_the_pinned_slots_over_nixl_and_refuses_a_stale_or_unknown_dono
             .hint
             .expect("hint attached");
         let hint = env.fetch_gpu_actions().unwrap().remove(0);
-        let addrs: Vec<u64> = (0..TP)
-            .map(|r| donor.bank().rank(r).unwrap().memory().base_addr())
-            .collect();
 
         // No NIXL agent in the record yet: refused before anything is pinned.
-        match tgt.fetch_nixl(&env, &h, &target_nixl, &addrs, &DeliveryControl::new()) {
+        match tgt.fetch_nixl(&env, &h, &target_nixl, &DeliveryControl::new()) {
             Err(AgentError::NoNixlAgent { donor: d }) => assert_eq!(d, hint.donor_engine_id),
             other => panic!("expected NoNixlAgent, got {other:?}"),
         }
@@ -192,17 +204,26 @@ fn a_target_reads_the_pinned_slots_over_nixl_and_refuses_a_stale_or_unknown_dono
             .await
             .unwrap();
 
-        // One address per rank, or the donor is not opened.
-        match tgt.fetch_nixl(&env, &h, &target_nixl, &addrs[..1], &DeliveryControl::new()) {
-            Err(AgentError::OpenDonor(RemoteDonorError::MapCount { got: 1, tp_size })) => {
-                assert_eq!(tp_size, TP)
-            }
-            other => panic!("expected MapCount, got {other:?}"),
+        // A record naming the agent but not its rank regions (a donor
+        // from before `nixl_rank_regions`): refused typed before the agent
+        // is loaded or anything pinned.
+        let published = donor.record(unix_now_ms()).unwrap();
+        let old = DonorRecord::new(DonorRecordParts {
+            nixl_rank_regions: None,
+            ..published.to_parts()
+        })
+        .unwrap();
+        dir.put(&old).await.unwrap();
+        match tgt.fetch_nixl(&env, &h, &target_nixl, &DeliveryControl::new()) {
+            Err(AgentError::NoNixlRegions { donor: d }) => assert_eq!(d, hint.donor_engine_id),
+            other => panic!("expected NoNixlRegions, got {other:?}"),
         }
+        dir.put(&published).await.unwrap();
 
-        // The read: every fetched row holds the donor's bytes, by NIXL.
+        // The read, addressed from the record alone: every fetched row
+        // holds the donor's bytes, by NIXL.
         let out = tgt
-            .fetch_nixl(&env, &h, &target_nixl, &addrs, &DeliveryControl::new())
+            .fetch_nixl(&env, &h, &target_nixl, &DeliveryControl::new())
             .unwrap();
         assert_eq!(out.fetched, h[hint.fetch_from as usize..].to_vec());
         assert_eq!(out.fetched.len(), BLOCKS);
@@ -219,13 +240,7 @@ fn a_target_reads_the_pinned_slots_over_nixl_and_refuses_a_stale_or_unknown_dono
         let mut stale = hint.clone();
         stale.bank_generation += 1;
         let stale_env = kv_descriptor::HintEnvelope::fetch_gpu("m-stale", "a0", &stale).unwrap();
-        match tgt.fetch_nixl(
-            &stale_env,
-            &h,
-            &target_nixl,
-            &addrs,
-            &DeliveryControl::new(),
-        ) {
+        match tgt.fetch_nixl(&stale_env, &h, &target_nixl, &DeliveryControl::new()) {
             Err(AgentError::Fetch(FetchError::StaleGeneration { hint: g, manifest })) => {
                 assert_eq!(
                     (g, manifest),
@@ -240,7 +255,7 @@ fn a_target_reads_the_pinned_slots_over_nixl_and_refuses_a_stale_or_unknown_dono
         assert_eq!(report.pin_stats.released, 1);
         assert_eq!(tgt.executor().backend_in_flight(), 0);
         // A closed donor's record is gone: unknown, recompute.
-        match tgt.fetch_nixl(&env, &h, &target_nixl, &addrs, &DeliveryControl::new()) {
+        match tgt.fetch_nixl(&env, &h, &target_nixl, &DeliveryControl::new()) {
             Err(AgentError::Resolve(_)) => {}
             other => panic!("expected a Resolve refusal, got {other:?}"),
         }

@@ -1,9 +1,10 @@
 //! A fetch over NIXL between two processes (DRAM): a donor process (this
 //! test binary re-run as `donor_process`) opens a donor agent, stores a
 //! prompt, registers its bank with its NIXL agent and hands its directory
-//! record, a hint and its rank base addresses to the target (this process)
-//! through files; the target reads the pinned slots with NIXL READs and
-//! gets the donor's bytes. Then the donor process is SIGKILLed: the next
+//! record and a hint to the target (this process) through files (standing
+//! in for a shared directory); the target addresses its NIXL READs from the
+//! record alone (its `nixl_rank_regions`), reads the pinned slots and gets
+//! the donor's bytes. Then the donor process is SIGKILLed: the next
 //! fetch (its record still in the directory, as after a crash) falls back
 //! typed, completes nothing and leaves no target row taken and no read in
 //! flight.
@@ -42,7 +43,7 @@ fn runtime_or_skip(test: &str) -> bool {
 
 /// The donor's side; runs only as the child of
 /// `a_fetch_reads_another_process_over_nixl_and_falls_back_once_it_is_killed`
-/// (ignored otherwise). Writes `record`, `hint`, `addrs`, then `ready`, and
+/// (ignored otherwise). Writes `record`, `hint`, then `ready`, and
 /// serves pins until killed.
 #[test]
 #[ignore = "the donor process of the two-process NIXL test"]
@@ -75,21 +76,9 @@ fn donor_process() {
             .advise("r1", &hashes(&prompt(0)), target_id)
             .hint
             .expect("hint attached");
-        let addrs: Vec<String> = (0..TP)
-            .map(|r| {
-                donor
-                    .bank()
-                    .rank(r)
-                    .unwrap()
-                    .memory()
-                    .base_addr()
-                    .to_string()
-            })
-            .collect();
         let record = donor.record(unix_now_ms()).unwrap();
         std::fs::write(out.join("record"), record.to_wire().unwrap()).unwrap();
         std::fs::write(out.join("hint"), env.to_wire().unwrap()).unwrap();
-        std::fs::write(out.join("addrs"), addrs.join(",")).unwrap();
         std::fs::write(out.join("ready"), b"").unwrap();
         // Serve pins until the parent kills this process.
         tokio::time::sleep(Duration::from_secs(120)).await;
@@ -117,23 +106,16 @@ fn wait_ready(dir: &Path, child: &mut Child) {
     }
 }
 
-/// What the donor process handed over: its record, a hint, rank base addresses.
+/// What the donor process handed over: its record and a hint.
 struct Handoff {
     record: DonorRecord,
     env: HintEnvelope,
-    addrs: Vec<u64>,
 }
 
 fn read_handoff(dir: &Path) -> Handoff {
-    let addrs = std::fs::read_to_string(dir.join("addrs"))
-        .unwrap()
-        .split(',')
-        .map(|a| a.parse().unwrap())
-        .collect();
     Handoff {
         record: DonorRecord::decode(&std::fs::read(dir.join("record")).unwrap()).unwrap(),
         env: HintEnvelope::from_wire(&std::fs::read(dir.join("hint")).unwrap()).unwrap(),
-        addrs,
     }
 }
 
@@ -195,7 +177,7 @@ fn a_donor_killed_between_pin_and_nixl_read_falls_back_with_nothing_completed() 
     let files = tempfile::tempdir().unwrap();
     let mut child = spawn_donor(files.path());
     wait_ready(files.path(), &mut child);
-    let Handoff { record, env, addrs } = read_handoff(files.path());
+    let Handoff { record, env } = read_handoff(files.path());
     let h = hashes(&prompt(0));
     serial(|| async {
         let dir = InProcessDirectory::new();
@@ -204,15 +186,14 @@ fn a_donor_killed_between_pin_and_nixl_read_falls_back_with_nothing_completed() 
         let (tgt, _rows) = nixl_target(&dir, &agent).await;
         let name = tgt.load_donor_nixl(record.engine_id(), &agent).unwrap();
         let regions = record
-            .manifest()
-            .parts()
+            .nixl_rank_regions()
+            .expect("the donor publishes its rank regions")
             .iter()
-            .zip(&addrs)
-            .map(|(p, &base_addr)| kv_transfer::NixlRemoteRegion {
+            .map(|r| kv_transfer::NixlRemoteRegion {
                 agent_name: name.clone(),
-                base_addr,
-                len: p.region_bytes(),
-                kind: kv_bank::MemoryKind::Host,
+                base_addr: r.base_addr,
+                len: r.len,
+                kind: r.memory_kind(),
             })
             .collect();
         let donor = KillAfterPin {
@@ -262,7 +243,7 @@ fn a_fetch_reads_another_process_over_nixl_and_falls_back_once_it_is_killed() {
     let files = tempfile::tempdir().unwrap();
     let mut child = spawn_donor(files.path());
     wait_ready(files.path(), &mut child);
-    let Handoff { record, env, addrs } = read_handoff(files.path());
+    let Handoff { record, env } = read_handoff(files.path());
     let h = hashes(&prompt(0));
 
     serial(|| async {
@@ -271,8 +252,14 @@ fn a_fetch_reads_another_process_over_nixl_and_falls_back_once_it_is_killed() {
         let agent = Arc::new(NixlAgent::new("kv-two-process-target").unwrap());
         let (tgt, rows) = nixl_target(&dir, &agent).await;
 
+        // The regions come from the donor process's own record.
+        let regions = record.nixl_rank_regions().expect("published");
+        assert_eq!(regions.len(), TP as usize);
+        assert!(regions
+            .iter()
+            .all(|r| r.base_addr != 0 && r.mem == NixlMemKind::Dram));
         let out = tgt
-            .fetch_nixl(&env, &h, &agent, &addrs, &DeliveryControl::new())
+            .fetch_nixl(&env, &h, &agent, &DeliveryControl::new())
             .unwrap();
         assert_eq!(out.fetched.len(), BLOCKS);
         assert_eq!(out.report.counters.backend, "nixl");
@@ -290,7 +277,7 @@ fn a_fetch_reads_another_process_over_nixl_and_falls_back_once_it_is_killed() {
         let mut completed = 0;
         for _ in 0..3 {
             let control = DeliveryControl::with_timeout(Duration::from_secs(5));
-            match tgt.fetch_nixl(&env, &h, &agent, &addrs, &control) {
+            match tgt.fetch_nixl(&env, &h, &agent, &control) {
                 Ok(_) => completed += 1,
                 Err(AgentError::Fetch(e @ FetchError::Fallback { stage: "pin", .. })) => {
                     println!("fallback after SIGKILL: {e}")

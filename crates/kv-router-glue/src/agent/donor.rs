@@ -61,6 +61,15 @@ pub struct DonorAgentConfig {
     pub record_ttl: Duration,
 }
 
+/// The NIXL agent a [`DonorAgent`] publishes in its record.
+#[derive(Debug, Clone)]
+struct PublishedNixl {
+    name: String,
+    metadata: Vec<u8>,
+    /// Rank `r`'s bank memory, as registered with that agent.
+    regions: Vec<crate::NixlRankRegion>,
+}
+
 /// What [`DonorAgent::close`] saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DonorCloseReport {
@@ -88,8 +97,8 @@ pub struct DonorAgent {
     worker_key: String,
     record_ttl_ms: u64,
     last_put_ms: AtomicU64,
-    /// The NIXL agent published in the record: (name, metadata).
-    nixl: parking_lot::Mutex<Option<(String, Vec<u8>)>>,
+    /// The NIXL agent published in the record.
+    nixl: parking_lot::Mutex<Option<PublishedNixl>>,
 }
 
 impl std::fmt::Debug for DonorAgent {
@@ -241,18 +250,24 @@ impl DonorAgent {
             worker_key: self.worker_key.clone(),
             manifest: self.bank.manifest().clone(),
             pin_endpoint: self.announcement.pin_endpoint.clone(),
-            nixl_agent_name: nixl.as_ref().map(|(name, _)| name.clone()),
-            nixl_agent_metadata: nixl.map(|(_, metadata)| metadata),
+            nixl_agent_name: nixl.as_ref().map(|n| n.name.clone()),
+            nixl_agent_metadata: nixl.as_ref().map(|n| n.metadata.clone()),
+            nixl_rank_regions: nixl.map(|n| n.regions),
             lease_expires_unix_ms: now_unix_ms + self.record_ttl_ms,
             published_unix_ms: now_unix_ms,
         })?)
     }
 
     /// Publishes the NIXL agent that registered this bank's memory (its
-    /// `NixlAgent::name` and `NixlAgent::metadata`) in the record, and puts
-    /// the record now; every later put carries it. A target on another host
-    /// loads it with [`crate::TargetAgent::load_donor_nixl`]. Registering
-    /// the bank's memory with that agent is the caller's part.
+    /// `NixlAgent::name` and `NixlAgent::metadata`) in the record, with
+    /// every TP rank's bank memory as that agent registered it
+    /// (`nixl_rank_regions`: each rank memory's `base_addr`, length, kind
+    /// and device), and puts the record now; every later put carries them.
+    /// A target on another host loads the agent with
+    /// [`crate::TargetAgent::load_donor_nixl`] and reads with
+    /// [`crate::TargetAgent::fetch_nixl`] from the record alone.
+    /// Registering each rank memory (`bank().rank(r)?.memory()`) with that
+    /// agent is the caller's part, before this call.
     ///
     /// # Errors
     /// [`AgentError::Record`] naming `nixl_agent_name` (empty or over
@@ -265,7 +280,19 @@ impl DonorAgent {
         agent_name: String,
         metadata: Vec<u8>,
     ) -> Result<(), AgentError> {
-        let before = self.nixl.lock().replace((agent_name, metadata));
+        // A bank's rank memories never move while it is open: taken once.
+        let regions = (0..self.bank.config().layout.tp_size())
+            .map(|r| {
+                self.bank
+                    .rank(r)
+                    .map(|b| crate::NixlRankRegion::of_memory(b.memory().as_ref()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let before = self.nixl.lock().replace(PublishedNixl {
+            name: agent_name,
+            metadata,
+            regions,
+        });
         if let Err(e) = self.record(unix_now_ms()) {
             *self.nixl.lock() = before;
             return Err(e);

@@ -80,6 +80,14 @@ pub enum AgentError {
         /// The donor engine.
         donor: kv_descriptor::EngineId,
     },
+    /// The donor's record names a NIXL agent but not the memory it
+    /// registered (`nixl_rank_regions` absent: a donor that predates the
+    /// field): a target cannot address a READ.
+    #[error("donor {donor} publishes no NIXL rank regions")]
+    NoNixlRegions {
+        /// The donor engine.
+        donor: kv_descriptor::EngineId,
+    },
     /// The NIXL runtime refused the donor's agent metadata (`load_remote_md`).
     #[error("loading the donor's NIXL agent: {0}")]
     Nixl(kv_transfer::TransferError),

@@ -196,17 +196,16 @@ impl TargetAgent {
     }
     /// [`TargetAgent::fetch`] from a donor read over NIXL (a donor on
     /// another host, or any donor whose bank memory its NIXL agent
-    /// registered): the donor's NIXL agent is resolved from its directory
-    /// record and loaded into `agent` ([`TargetAgent::load_donor_nixl`]),
-    /// rank `r`'s source is the region at `donor_base_addrs[r]` in the
-    /// donor's address space (the `base_addr` of the memory its NIXL agent
-    /// registered for rank `r`), the slots are
-    /// pinned over the record's pin endpoint, and the executor (which must
-    /// run on a `kv_transfer::nixl::NixlBackend` over `agent`, its rows
-    /// registered with `agent`) READs the pinned slots into its rows and
-    /// verifies them like any other source. VRAM reads complete only over a
-    /// device-direct UCX transport (else `HostStaged` /
-    /// `TransportUnverified`: recompute).
+    /// registered), from its directory record alone: the donor's NIXL
+    /// agent is loaded into `agent` ([`TargetAgent::load_donor_nixl`]),
+    /// rank `r`'s source is the record's `nixl_rank_regions[r]` (the memory
+    /// the donor's agent registered, published by
+    /// [`crate::DonorAgent::publish_nixl_agent`]), the slots are pinned over
+    /// the record's pin endpoint, and the executor (which must run on a
+    /// `kv_transfer::nixl::NixlBackend` over `agent`, its rows registered
+    /// with `agent`) READs the pinned slots into its rows and verifies them
+    /// like any other source. VRAM reads complete only over a device-direct
+    /// UCX transport (else `HostStaged` / `TransportUnverified`: recompute).
     ///
     /// # Errors
     /// Every error is a fallback (recompute): those of
@@ -215,52 +214,46 @@ impl TargetAgent {
     /// e.g. `DonorUnreachable` for a donor gone mid-read); those of
     /// [`TargetAgent::load_donor_nixl`] ([`AgentError::NoNixlAgent`],
     /// [`AgentError::Nixl`], [`AgentError::NixlAgentMismatch`]);
-    /// [`AgentError::OpenDonor`] with `MapCount` when `donor_base_addrs`
-    /// does not hold one address per TP rank.
+    /// [`AgentError::NoNixlRegions`] when the record names a NIXL agent but
+    /// not its rank regions (a donor that predates them): checked before
+    /// the agent is loaded or anything pinned.
     pub fn fetch_nixl(
         &self,
         envelope: &HintEnvelope,
         prompt: &[SequenceHash],
         agent: &kv_transfer::nixl::NixlAgent,
-        donor_base_addrs: &[u64],
         control: &DeliveryControl,
     ) -> Result<FetchOutcome, AgentError> {
         let record = self.resolve_hint(envelope, prompt)?;
-        let agent_name = self.load_donor_nixl(record.engine_id(), agent)?;
-        let manifest = record.manifest().clone();
-        if donor_base_addrs.len() != manifest.parts().len() {
-            return Err(crate::RemoteDonorError::MapCount {
-                got: donor_base_addrs.len(),
-                tp_size: manifest.tp_size(),
-            }
-            .into());
+        let donor = record.engine_id();
+        if record.nixl_agent_name().is_some() && record.nixl_rank_regions().is_none() {
+            return Err(AgentError::NoNixlRegions { donor });
         }
-        let regions = manifest
-            .parts()
+        let agent_name = self.load_donor_nixl(donor, agent)?;
+        // The record guarantees regions whenever it names an agent.
+        let Some(published) = record.nixl_rank_regions() else {
+            return Err(AgentError::NoNixlRegions { donor });
+        };
+        let regions = published
             .iter()
-            .zip(donor_base_addrs)
-            .map(|(part, &base_addr)| kv_transfer::NixlRemoteRegion {
+            .map(|r| kv_transfer::NixlRemoteRegion {
                 agent_name: agent_name.clone(),
-                base_addr,
-                len: part.region_bytes(),
-                kind: match part.location() {
-                    kv_descriptor::MemoryLocation::Host { .. } => kv_bank::MemoryKind::Host,
-                    kv_descriptor::MemoryLocation::Gpu(g) => {
-                        kv_bank::MemoryKind::Cuda { ordinal: g.ordinal }
-                    }
-                },
+                base_addr: r.base_addr,
+                len: r.len,
+                kind: r.memory_kind(),
             })
             .collect();
-        let donor = RemoteDonor::open_nixl(manifest, regions, record.pin_endpoint())?;
-        let donor = match &self.pin_auth_key {
+        let remote =
+            RemoteDonor::open_nixl(record.manifest().clone(), regions, record.pin_endpoint())?;
+        let remote = match &self.pin_auth_key {
             Some(key) if record.pin_endpoint().starts_with(TCP_ENDPOINT_PREFIX) => {
-                donor.with_auth_key(key.clone())
+                remote.with_auth_key(key.clone())
             }
-            _ => donor,
+            _ => remote,
         };
         Ok(self
             .executor
-            .execute_for_prompt(envelope, prompt, &donor, control)?)
+            .execute_for_prompt(envelope, prompt, &remote, control)?)
     }
 
     /// Checks `envelope` (exactly one `kv.fetch_gpu` action) against

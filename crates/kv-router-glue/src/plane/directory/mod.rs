@@ -16,11 +16,13 @@
 mod cache;
 #[cfg(feature = "nats")]
 mod nats;
+mod nixl_regions;
 mod record;
 
 pub use cache::{CacheUpdate, DonorCache};
 #[cfg(feature = "nats")]
 pub use nats::NatsDirectory;
+pub use nixl_regions::{NixlMemKind, NixlRankRegion};
 pub use record::{
     DonorRecord, DonorRecordError, DonorRecordParts, MAX_DONOR_RECORD_BYTES, MAX_NAME_BYTES,
     MAX_NIXL_AGENT_NAME_BYTES,

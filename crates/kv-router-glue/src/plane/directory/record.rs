@@ -5,6 +5,8 @@
 use kv_descriptor::{BankManifest, DescriptorError, EngineId, Wire, MAX_NIXL_METADATA_BYTES};
 use serde::{Deserialize, Serialize};
 
+use super::NixlRankRegion;
+
 /// Longest accepted encoded [`DonorRecord`], in bytes. A TP8 manifest is a
 /// few KiB; the NIXL agent metadata dominates.
 pub const MAX_DONOR_RECORD_BYTES: usize = 256 * 1024;
@@ -23,7 +25,10 @@ pub const MAX_NIXL_AGENT_NAME_BYTES: usize = 255;
 /// e.g. `unix:/run/kv/pin.sock`), `nixl_agent_name` (string, 1..=
 /// [`MAX_NIXL_AGENT_NAME_BYTES`] bytes, absent when none),
 /// `nixl_agent_metadata` (bin, at most [`MAX_NIXL_METADATA_BYTES`], absent
-/// when none; present exactly when the name is), `lease_expires_unix_ms`
+/// when none; present exactly when the name is), `nixl_rank_regions`
+/// (array of [`NixlRankRegion`], one per TP rank in rank order, absent when
+/// none; only with a NIXL agent: the memory that agent registered, so a
+/// target addresses its READs from the record alone), `lease_expires_unix_ms`
 /// and `published_unix_ms` (u64, Unix epoch milliseconds; expiry after
 /// publish). The whole encoding is at most [`MAX_DONOR_RECORD_BYTES`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,6 +44,10 @@ pub struct DonorRecord {
     nixl_agent_name: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none", with = "opt_bytes")]
     nixl_agent_metadata: Option<Vec<u8>>,
+    // Skipped when absent: a record of a donor that predates the field
+    // encodes (and decodes) as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    nixl_rank_regions: Option<Vec<NixlRankRegion>>,
     lease_expires_unix_ms: u64,
     published_unix_ms: u64,
 }
@@ -54,6 +63,8 @@ struct WireDonorRecord {
     nixl_agent_name: Option<String>,
     #[serde(default, with = "opt_bytes")]
     nixl_agent_metadata: Option<Vec<u8>>,
+    #[serde(default)]
+    nixl_rank_regions: Option<Vec<NixlRankRegion>>,
     lease_expires_unix_ms: u64,
     published_unix_ms: u64,
 }
@@ -109,6 +120,7 @@ impl TryFrom<WireDonorRecord> for DonorRecord {
             pin_endpoint: w.pin_endpoint,
             nixl_agent_name: w.nixl_agent_name,
             nixl_agent_metadata: w.nixl_agent_metadata,
+            nixl_rank_regions: w.nixl_rank_regions,
             lease_expires_unix_ms: w.lease_expires_unix_ms,
             published_unix_ms: w.published_unix_ms,
         })
@@ -172,6 +184,10 @@ pub struct DonorRecordParts {
     /// `getLocalMD` bytes a target loads with `load_remote`), when it serves
     /// NIXL reads.
     pub nixl_agent_metadata: Option<Vec<u8>>,
+    /// Rank `r`'s bank memory as that NIXL agent registered it, one entry
+    /// per TP rank; only with `nixl_agent_name`. `None` from a donor that
+    /// does not publish it: a target then cannot read it over NIXL.
+    pub nixl_rank_regions: Option<Vec<NixlRankRegion>>,
     /// Lease expiry, Unix epoch ms: past it the entry is never used.
     pub lease_expires_unix_ms: u64,
     /// When the donor published this, Unix epoch ms.
@@ -185,7 +201,10 @@ impl DonorRecord {
     /// [`DonorRecordError::InvalidField`] naming `worker_key`,
     /// `pin_endpoint`, `nixl_agent_name` (empty, too long, or given without
     /// metadata), `nixl_agent_metadata` (over the bound, or given without a
-    /// name) or `lease_expires_unix_ms`;
+    /// name), `nixl_rank_regions` (given without a NIXL agent, or not one
+    /// per TP rank) or one of its fields (`nixl_rank_regions.base_addr`,
+    /// `.len`, `.mem`, `.device_id`: not the manifest part's memory), or
+    /// `lease_expires_unix_ms`;
     /// [`DonorRecordError::TooLarge`] past [`MAX_DONOR_RECORD_BYTES`].
     pub fn new(p: DonorRecordParts) -> Result<Self, DonorRecordError> {
         check_name("worker_key", &p.worker_key)?;
@@ -225,6 +244,15 @@ impl DonorRecord {
                 ));
             }
         }
+        if let Some(regions) = &p.nixl_rank_regions {
+            if p.nixl_agent_name.is_none() {
+                return Err(field(
+                    "nixl_rank_regions",
+                    "given without nixl_agent_name (no agent registered them)",
+                ));
+            }
+            super::nixl_regions::check(regions, &p.manifest)?;
+        }
         if p.lease_expires_unix_ms <= p.published_unix_ms {
             return Err(field(
                 "lease_expires_unix_ms",
@@ -243,6 +271,7 @@ impl DonorRecord {
             pin_endpoint: p.pin_endpoint,
             nixl_agent_name: p.nixl_agent_name,
             nixl_agent_metadata: p.nixl_agent_metadata,
+            nixl_rank_regions: p.nixl_rank_regions,
             lease_expires_unix_ms: p.lease_expires_unix_ms,
             published_unix_ms: p.published_unix_ms,
         };
@@ -301,6 +330,25 @@ impl DonorRecord {
     /// NIXL agent name, when published (exactly when the metadata is).
     pub fn nixl_agent_name(&self) -> Option<&str> {
         self.nixl_agent_name.as_deref()
+    }
+    /// The memory the donor's NIXL agent registered, one region per TP rank
+    /// (rank order), when published (only with a NIXL agent).
+    pub fn nixl_rank_regions(&self) -> Option<&[NixlRankRegion]> {
+        self.nixl_rank_regions.as_deref()
+    }
+    /// The parts this record was built from (to rebuild it with a change,
+    /// e.g. a renewed lease).
+    pub fn to_parts(&self) -> DonorRecordParts {
+        DonorRecordParts {
+            worker_key: self.worker_key.clone(),
+            manifest: self.manifest.clone(),
+            pin_endpoint: self.pin_endpoint.clone(),
+            nixl_agent_name: self.nixl_agent_name.clone(),
+            nixl_agent_metadata: self.nixl_agent_metadata.clone(),
+            nixl_rank_regions: self.nixl_rank_regions.clone(),
+            lease_expires_unix_ms: self.lease_expires_unix_ms,
+            published_unix_ms: self.published_unix_ms,
+        }
     }
     /// Lease expiry, Unix epoch ms.
     pub fn lease_expires_unix_ms(&self) -> u64 {

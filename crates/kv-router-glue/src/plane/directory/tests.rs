@@ -33,10 +33,38 @@ fn record_round_trips_and_carries_the_manifest_owner() {
     let none = DonorRecord::new(DonorRecordParts {
         nixl_agent_name: None,
         nixl_agent_metadata: None,
+        nixl_rank_regions: None,
         ..parts(manifest(owner), 5_000)
     })
     .unwrap();
     assert_eq!(DonorRecord::decode(&none.to_wire().unwrap()).unwrap(), none);
+}
+
+/// `parts` whose NIXL rank regions (valid for `m`) went through `change`.
+fn with_regions(
+    m: &BankManifest,
+    change: impl FnOnce(&mut Vec<NixlRankRegion>),
+) -> DonorRecordParts {
+    let mut p = parts(m.clone(), 5_000);
+    let mut regions: Vec<NixlRankRegion> = m
+        .parts()
+        .iter()
+        .enumerate()
+        .map(|(r, d)| NixlRankRegion {
+            base_addr: 0x1000 * (r as u64 + 1),
+            len: d.region_bytes(),
+            mem: NixlMemKind::Dram,
+            device_id: 0,
+        })
+        .collect();
+    assert!(DonorRecord::new(DonorRecordParts {
+        nixl_rank_regions: Some(regions.clone()),
+        ..p.clone()
+    })
+    .is_ok());
+    change(&mut regions);
+    p.nixl_rank_regions = Some(regions);
+    p
 }
 
 #[test]
@@ -101,6 +129,36 @@ fn bad_records_are_refused_naming_the_field() {
             "nixl_agent_metadata",
         ),
         (parts(m.clone(), 1_000), "lease_expires_unix_ms"),
+        (
+            DonorRecordParts {
+                nixl_agent_name: None,
+                nixl_agent_metadata: None,
+                ..parts(m.clone(), 5_000)
+            },
+            "nixl_rank_regions",
+        ),
+        (
+            with_regions(&m, |r| {
+                r.pop();
+            }),
+            "nixl_rank_regions",
+        ),
+        (
+            with_regions(&m, |r| r[1].base_addr = 0),
+            "nixl_rank_regions.base_addr",
+        ),
+        (
+            with_regions(&m, |r| r[0].len = m.parts()[0].region_bytes() - 1),
+            "nixl_rank_regions.len",
+        ),
+        (
+            with_regions(&m, |r| r[1].mem = NixlMemKind::Vram),
+            "nixl_rank_regions.mem",
+        ),
+        (
+            with_regions(&m, |r| r[0].device_id = 1),
+            "nixl_rank_regions.device_id",
+        ),
     ];
     for (p, want) in cases {
         assert_eq!(field_of(&DonorRecord::new(p).unwrap_err()), want);
@@ -297,6 +355,7 @@ fn remote_directory_resolves_as_the_local_one_from_manifest_and_events() {
         pin_endpoint: endpoint.into(),
         nixl_agent_name: None,
         nixl_agent_metadata: None,
+        nixl_rank_regions: None,
         lease_expires_unix_ms: 10_000,
         published_unix_ms: 1_000,
     })
@@ -455,6 +514,7 @@ fn a_record_without_nixl_keeps_its_encoding() {
     let r = DonorRecord::new(DonorRecordParts {
         nixl_agent_name: None,
         nixl_agent_metadata: None,
+        nixl_rank_regions: None,
         ..parts(manifest(owner), 5_000)
     })
     .unwrap();
@@ -464,4 +524,40 @@ fn a_record_without_nixl_keeps_its_encoding() {
         (816, 0x6a23_3bf0_59bf_93ba),
         "snapshot"
     );
+}
+
+/// A record a donor published before `nixl_rank_regions` existed (NIXL
+/// agent name and metadata, no regions; bytes written by that encoder)
+/// still decodes, with no regions; the same record encodes to the same
+/// bytes today, so readers of either version agree.
+#[test]
+fn a_record_from_before_nixl_rank_regions_still_decodes() {
+    let old: &[u8] = include_bytes!("snapshots/donor_record_nixl_agent_only.msgpack");
+    let r = DonorRecord::decode(old).unwrap();
+    assert_eq!(r.nixl_agent_name(), Some("kv-nixl-decode-0"));
+    assert_eq!(r.nixl_agent_metadata(), Some([7u8; 64].as_slice()));
+    assert_eq!(r.nixl_rank_regions(), None);
+    assert_eq!(r.generation(), 3);
+    assert_eq!(r.to_wire().unwrap(), old);
+    // With regions: they travel, rank by rank.
+    let p = r.to_parts();
+    let regions: Vec<NixlRankRegion> = r
+        .manifest()
+        .parts()
+        .iter()
+        .map(|d| NixlRankRegion {
+            base_addr: 0x7f00_0000_0000 + u64::from(d.tp_rank()) * 0x10_0000,
+            len: d.region_bytes(),
+            mem: NixlMemKind::Dram,
+            device_id: 0,
+        })
+        .collect();
+    let with = DonorRecord::new(DonorRecordParts {
+        nixl_rank_regions: Some(regions.clone()),
+        ..p
+    })
+    .unwrap();
+    let decoded = DonorRecord::decode(&with.to_wire().unwrap()).unwrap();
+    assert_eq!(decoded.nixl_rank_regions(), Some(regions.as_slice()));
+    assert_eq!(decoded, with);
 }

@@ -2,7 +2,7 @@
 
 use kv_descriptor::*;
 
-use super::{DonorRecord, DonorRecordParts};
+use super::{DonorRecord, DonorRecordParts, NixlMemKind, NixlRankRegion};
 
 pub(crate) fn manifest(owner: OwnerLease) -> BankManifest {
     let l = KvLayout::new(2, 4, 8, DType::F32, 4, TensorOrder::BlockMajor, 2).unwrap();
@@ -34,6 +34,16 @@ pub(crate) fn parts(m: BankManifest, expires: u64) -> DonorRecordParts {
         pin_endpoint: "unix:/tmp/kv-pin-decode-0.sock".into(),
         nixl_agent_name: Some("kv-nixl-decode-0".into()),
         nixl_agent_metadata: Some(vec![7u8; 64]),
+        nixl_rank_regions: Some(
+            (0..2)
+                .map(|r| NixlRankRegion {
+                    base_addr: 0x7f00_0000_0000 + r * 0x10_0000,
+                    len: 0x10_0000,
+                    mem: NixlMemKind::Dram,
+                    device_id: 0,
+                })
+                .collect(),
+        ),
         lease_expires_unix_ms: expires,
         published_unix_ms: 1_000,
     }
