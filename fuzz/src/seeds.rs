@@ -205,6 +205,7 @@ pub fn pin_messages() -> (Vec<PinClientMessage>, Vec<PinDonorMessage>) {
             request_id: 1,
             pin_id: 1,
             max_hold_ms: 30_000,
+            block_checksums: vec![],
         }),
         PinDonorMessage::Refused(PinRefusal {
             request_id: 1,

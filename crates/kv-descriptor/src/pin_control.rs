@@ -24,6 +24,7 @@
 //!     tp_size: 1,
 //!     sequence_hashes: vec![SequenceHash(10), SequenceHash(11)],
 //!     parts: vec![PinPart { tp_rank: 0, slot_ids: vec![3, 4] }],
+//!     want_block_checksums: false,
 //! };
 //! let frame = encode_pin_frame(&PinClientMessage::Pin(req.clone())).unwrap();
 //! let (body, used) = split_pin_frame(&frame).unwrap().expect("whole frame");
@@ -84,6 +85,13 @@ pub struct PinRequest {
     pub sequence_hashes: Vec<SequenceHash>,
     /// One part per rank, in rank order.
     pub parts: Vec<PinPart>,
+    /// Ask the donor to put [`PinGrant::block_checksums`] in its grant (a
+    /// target that reads by address, e.g. over NIXL, verifies the bytes it
+    /// got against them). Omitted from the encoding when false, so a
+    /// request without it encodes as before the field; a donor that
+    /// predates it ignores it and grants without checksums.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub want_block_checksums: bool,
 }
 
 impl PinRequest {
@@ -112,7 +120,14 @@ impl PinRequest {
                     slot_ids: p.slot_ids.clone(),
                 })
                 .collect(),
+            want_block_checksums: false,
         }
+    }
+
+    /// [`PinRequest::for_hint`] asking for [`PinGrant::block_checksums`].
+    pub fn with_block_checksums(mut self) -> Self {
+        self.want_block_checksums = true;
+        self
     }
 
     /// The equivalent fetch hint (`fetch_from` 0, `expected_bytes` =
@@ -200,7 +215,7 @@ pub struct PinRelease {
 
 /// Donor -> target: the slots are pinned until released, until the
 /// connection closes, or for at most `max_hold_ms`, whichever comes first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PinGrant {
     /// The request's id.
     pub request_id: u64,
@@ -209,6 +224,16 @@ pub struct PinGrant {
     /// Milliseconds (from the grant) after which the donor drops the pin
     /// on its own; a release after that reports `expired`.
     pub max_hold_ms: u64,
+    /// Only when the request set [`PinRequest::want_block_checksums`]
+    /// (empty, and omitted from the encoding, otherwise): XXH3-64 (seed 0)
+    /// of every pinned block's bytes as the donor holds them under this
+    /// pin, rank-major: entry `r * n + i` (n = the request's block count)
+    /// covers rank `r`'s `rank_block_bytes` at slot `parts[r].slot_ids[i]`.
+    /// A donor that cannot read its memory grants with none; the target
+    /// then treats the read as unverified. 9 bytes each on the wire: a
+    /// grant stays within [`MAX_PIN_FRAME_BYTES`] up to ~460k blocks x TP.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub block_checksums: Vec<u64>,
 }
 
 /// Why a donor refused a request.

@@ -21,6 +21,7 @@ fn request(tp: u32, slots: &[u32]) -> PinRequest {
                 slot_ids: slots.to_vec(),
             })
             .collect(),
+        want_block_checksums: false,
     }
 }
 
@@ -78,6 +79,7 @@ fn donor_messages_refuse_pin_id_zero() {
         request_id: 1,
         pin_id: 0,
         max_hold_ms: 1,
+        block_checksums: vec![],
     }))
     .unwrap();
     let e = PinDonorMessage::from_wire(&bytes).unwrap_err().to_string();
@@ -214,4 +216,64 @@ fn a_request_carries_the_fetched_blocks_and_back_to_a_hint() {
     assert_eq!(back.fetch_from, 0);
     assert_eq!(back.parts, h.parts);
     assert_eq!(back.sequence_hashes, r.sequence_hashes);
+}
+
+/// Block checksums are opt-in on both sides: a request without the flag and
+/// a grant without checksums encode exactly as before the fields existed
+/// (no key; the `pin_request` / `pin_grant` wire snapshots are unchanged),
+/// bytes of that older form decode with the flag off and no checksums, and
+/// the new fields round-trip.
+#[test]
+fn block_checksums_are_opt_in_and_old_messages_still_decode() {
+    let req = request(2, &[3, 4]);
+    let bytes = rmp_serde::to_vec_named(&PinClientMessage::Pin(req.clone())).unwrap();
+    assert!(!bytes
+        .windows(b"want_block_checksums".len())
+        .any(|w| w == b"want_block_checksums"));
+    let asked = req.clone().with_block_checksums();
+    assert!(asked.want_block_checksums);
+    let back =
+        PinClientMessage::from_wire(&PinClientMessage::Pin(asked.clone()).to_wire().unwrap())
+            .unwrap();
+    assert_eq!(back, PinClientMessage::Pin(asked));
+
+    // A grant as an older donor writes it: three fields.
+    #[derive(serde::Serialize)]
+    struct OldGrant {
+        request_id: u64,
+        pin_id: u64,
+        max_hold_ms: u64,
+    }
+    #[derive(serde::Serialize)]
+    #[serde(rename_all = "snake_case")]
+    enum OldDonorMessage {
+        Granted(OldGrant),
+    }
+    let old = rmp_serde::to_vec_named(&OldDonorMessage::Granted(OldGrant {
+        request_id: 9,
+        pin_id: 2,
+        max_hold_ms: 500,
+    }))
+    .unwrap();
+    let plain = PinGrant {
+        request_id: 9,
+        pin_id: 2,
+        max_hold_ms: 500,
+        block_checksums: vec![],
+    };
+    assert_eq!(
+        PinDonorMessage::from_wire(&old).unwrap(),
+        PinDonorMessage::Granted(plain.clone())
+    );
+    assert_eq!(PinDonorMessage::Granted(plain).to_wire().unwrap(), old);
+    let with = PinDonorMessage::Granted(PinGrant {
+        request_id: 9,
+        pin_id: 2,
+        max_hold_ms: 500,
+        block_checksums: vec![u64::MAX, 0, 7],
+    });
+    assert_eq!(
+        PinDonorMessage::from_wire(&with.to_wire().unwrap()).unwrap(),
+        with
+    );
 }

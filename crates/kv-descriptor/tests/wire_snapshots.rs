@@ -196,6 +196,7 @@ fn pin_donor_messages() {
             request_id: 42,
             pin_id: 3,
             max_hold_ms: 30_000,
+            block_checksums: vec![],
         }))
     );
     insta::assert_snapshot!(

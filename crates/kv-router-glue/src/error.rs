@@ -351,13 +351,18 @@ pub enum FallbackCause {
         /// Payload bytes the validated hint names (all ranks).
         expected: u64,
     },
+    /// The received bytes are not the donor's blocks, or cannot be shown
+    /// to be (stage `verify`): checked against the pin grant's block
+    /// checksums, which a read by address (NIXL) asks for.
+    #[error("{0}")]
+    BlockChecksum(#[source] crate::BlockChecksumError),
 }
 
 impl FallbackCause {
     /// Stable `snake_case` metrics label: `bank`, `transfer_cancelled`,
     /// `transfer_deadline`, `transfer` (any other transfer error), the
     /// [`PinError::label`] of a pin refusal or failure, `pin_not_held`,
-    /// `missing_rank_memory`, `short_delivery`.
+    /// `missing_rank_memory`, `short_delivery`, `block_checksum`.
     pub fn label(&self) -> &'static str {
         use kv_transfer::TransferError as T;
         match self {
@@ -369,6 +374,7 @@ impl FallbackCause {
             Self::PinNotHeld(_) => "pin_not_held",
             Self::MissingRankMemory { .. } => "missing_rank_memory",
             Self::ShortDelivery { .. } => "short_delivery",
+            Self::BlockChecksum(_) => "block_checksum",
         }
     }
 

@@ -102,13 +102,14 @@ pub use router::dynamo_events;
 // that modules name each other by what they are, not by where they sit.
 use plane::event_plane;
 use router::{advisor, calibration, cost, kv_events, ols, settings};
-use worker::hint_validation;
+use worker::{block_checksums, hint_validation};
 #[cfg(feature = "worker")]
 use worker::{fetch_executor, pin_service, pin_transport, remote_donor};
 
 pub use advisor::{Advice, Advisor, DonorDirectory, LocalDonorDirectory, ResolvedDonor};
 #[cfg(feature = "worker")]
 pub use agent::{AgentError, DonorAgent, DonorAgentConfig, DonorCloseReport, TargetAgent};
+pub use block_checksums::BlockChecksumError;
 pub use calibration::{
     calibrate, Calibration, CalibrationModel, CalibrationSample, CalibrationVerdict,
 };

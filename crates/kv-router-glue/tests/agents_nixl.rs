@@ -262,6 +262,97 @@ fn a_target_reads_the_pinned_slots_over_nixl_and_refuses_a_stale_or_unknown_dono
     });
 }
 
+/// A record whose rank regions are registered with the donor's agent but
+/// swapped (rank 0 reads rank 1's memory: same agent, kind and length, so
+/// nothing before the READ can tell) must not complete with those bytes:
+/// the target checks every block against the checksums the donor's pin
+/// grant carries and falls back at `verify`, no row taken.
+#[test]
+fn a_registered_but_wrong_nixl_address_falls_back_at_verify() {
+    if !runtime_or_skip() {
+        return;
+    }
+    serial(|| async {
+        let sock = tempfile::tempdir().unwrap();
+        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
+        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
+        let dir = Arc::new(InProcessDirectory::new());
+        let target_nixl = Arc::new(NixlAgent::new("kv-nixl-wrong-target").unwrap());
+        let (tgt, rows) = nixl_target(dir.as_ref(), &target_nixl).await;
+        let target_id = kv_descriptor::EngineId::fresh();
+        let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
+        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
+            .await
+            .unwrap();
+        let blocks = prompt(0);
+        let h = hashes(&blocks);
+        store(&donor, &blocks).await;
+        router.pump().await;
+        let env = router
+            .advisor
+            .advise("r1", &h, target_id)
+            .hint
+            .expect("hint attached");
+        let donor_nixl = NixlAgent::new("kv-nixl-wrong-donor").unwrap();
+        for r in 0..TP {
+            donor_nixl
+                .register(donor.bank().rank(r).unwrap().memory().as_ref())
+                .unwrap();
+        }
+        donor
+            .publish_nixl_agent(donor_nixl.name().into(), donor_nixl.metadata().unwrap())
+            .await
+            .unwrap();
+        let good = donor.record(unix_now_ms()).unwrap();
+        let mut swapped = good.nixl_rank_regions().unwrap().to_vec();
+        swapped.swap(0, 1);
+        let wrong = DonorRecord::new(DonorRecordParts {
+            nixl_rank_regions: Some(swapped),
+            ..good.to_parts()
+        })
+        .unwrap();
+        dir.put(&wrong).await.unwrap();
+
+        match tgt.fetch_nixl(&env, &h, &target_nixl, &DeliveryControl::new()) {
+            Err(AgentError::Fetch(FetchError::Fallback {
+                stage: "verify",
+                cause,
+            })) => {
+                assert_eq!(cause.label(), "block_checksum", "{cause}");
+                match cause {
+                    FallbackCause::BlockChecksum(BlockChecksumError::Mismatch {
+                        rank,
+                        block,
+                        ..
+                    }) => assert_eq!((rank, block), (0, 0)),
+                    other => panic!("expected a rank 0 block 0 mismatch, got {other:?}"),
+                }
+            }
+            Ok(out) => panic!("wrong bytes completed as a fetch: {:?}", out.target_blocks),
+            Err(e) => panic!("expected a fallback at verify, got {e:?}"),
+        }
+        assert_eq!(
+            tgt.executor().pool().free_blocks(),
+            ROWS as usize,
+            "no row taken"
+        );
+        assert_eq!(tgt.executor().backend_in_flight(), 0);
+
+        // The donor's own record: the same fetch completes, bytes checked.
+        dir.put(&good).await.unwrap();
+        let out = tgt
+            .fetch_nixl(&env, &h, &target_nixl, &DeliveryControl::new())
+            .unwrap();
+        assert_rows_hold(&rows, &out);
+        drop(out);
+        let report = donor.close(Duration::from_secs(1)).await.unwrap();
+        assert_eq!(
+            (report.pin_stats.granted, report.pin_stats.released),
+            (2, 2)
+        );
+    });
+}
+
 /// `RemoteDonor::open_nixl` binds each rank's NIXL region to its manifest
 /// part before anything is pinned (no NIXL runtime needed).
 #[test]
@@ -322,5 +413,67 @@ fn open_nixl_refuses_regions_that_are_not_the_manifest_parts() {
             Err(RemoteDonorError::Endpoint(_))
         ));
         donor.close(Duration::ZERO).await.unwrap();
+    });
+}
+
+/// The pin service hashes the pinned blocks only when asked: a pin of a
+/// NIXL-opened donor (addresses only) carries one XXH3-64 per block and
+/// rank, rank-major, of exactly the bytes stored; a pin of a mapped donor
+/// (bound by its export handle) carries none. No NIXL runtime needed: the
+/// pin goes over the Unix socket, nothing is read.
+#[test]
+fn a_nixl_pin_grant_carries_the_checksums_of_the_pinned_blocks() {
+    serial(|| async {
+        let sock = tempfile::tempdir().unwrap();
+        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
+        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
+        let dir = Arc::new(InProcessDirectory::new());
+        let target_id = kv_descriptor::EngineId::fresh();
+        let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
+        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
+            .await
+            .unwrap();
+        let blocks = prompt(0);
+        let h = hashes(&blocks);
+        store(&donor, &blocks).await;
+        router.pump().await;
+        let env = router
+            .advisor
+            .advise("r1", &h, target_id)
+            .hint
+            .expect("hint attached");
+        let hint = env.fetch_gpu_actions().unwrap().remove(0);
+        let manifest = donor.bank().manifest().clone();
+        let fetched = &h[hint.fetch_from as usize..];
+        let want: Vec<u64> = (0..TP)
+            .flat_map(|rank| {
+                fetched.iter().map(move |&b| {
+                    let bytes: Vec<u8> = (0..rbb()).map(|i| pattern(b, rank, i)).collect();
+                    xxhash_rust::xxh3::xxh3_64(&bytes)
+                })
+            })
+            .collect();
+        assert_eq!(want.len(), fetched.len() * TP as usize);
+
+        let regions = (0..TP)
+            .map(|r| kv_transfer::NixlRemoteRegion {
+                agent_name: "d".into(),
+                base_addr: 0x1000,
+                len: manifest.parts()[r as usize].region_bytes(),
+                kind: kv_bank::MemoryKind::Host,
+            })
+            .collect();
+        let nixl = RemoteDonor::open_nixl(manifest.clone(), regions, &ep).unwrap();
+        let pin = nixl.pin_remote(&hint).unwrap();
+        assert_eq!(pin.grant().block_checksums, want);
+        assert_eq!(DonorPin::block_checksums(&pin), Some(want.as_slice()));
+        drop(pin);
+
+        let mapped = RemoteDonor::open_host_shm(manifest, &ep).unwrap();
+        let pin = mapped.pin_remote(&hint).unwrap();
+        assert!(pin.grant().block_checksums.is_empty());
+        assert_eq!(DonorPin::block_checksums(&pin), None);
+        drop(pin);
+        donor.close(Duration::from_secs(1)).await.unwrap();
     });
 }

@@ -60,6 +60,17 @@ pub trait DonorPin {
     fn release(self: Box<Self>) -> Result<(), PinError> {
         Ok(())
     }
+
+    /// The donor's checksums of the pinned blocks, rank-major (see
+    /// [`kv_descriptor::PinGrant::block_checksums`]), when this pin's
+    /// reads must be verified against them; the executor then completes
+    /// only if every received block matches. `None` (the default): the
+    /// source is bound to the donor's memory by its export handle (a
+    /// mapping or an in-process pin), nothing to check. A `Some` holding
+    /// the wrong count (e.g. empty from a donor that sends none) falls back.
+    fn block_checksums(&self) -> Option<&[u64]> {
+        None
+    }
 }
 
 /// A donor bank the target can read.
@@ -525,12 +536,37 @@ impl FetchExecutor {
         let result = crate::spans::transfer(request_id)
             .in_scope(|| self.transfer(&plan, pin.as_ref(), control));
         let verify = crate::spans::verify(request_id);
+        let checksums = pin.block_checksums().map(<[u64]>::to_vec);
         let released = pin.release();
         match result {
             Ok(_) if released.is_err() => {
                 reservation.cancel().quiesced();
                 let e = released.expect_err("guarded by is_err");
                 Err(fallback("verify", FallbackCause::PinNotHeld(e)))
+            }
+            Ok(report)
+                if report.is_complete()
+                    && report.counters.bytes == v.total_bytes
+                    && checksums.is_some() =>
+            {
+                // Before anything is published: bytes read by address may
+                // be another block's (a wrong but registered address).
+                let expected = checksums.as_deref().unwrap_or_default();
+                match verify
+                    .in_scope(|| self.check_blocks(manifest, expected, reservation.blocks()))
+                {
+                    Ok(()) => Ok(FetchOutcome {
+                        target_blocks: crate::spans::commit(request_id)
+                            .in_scope(|| reservation.complete()),
+                        fetch_from: hint.fetch_from,
+                        fetched,
+                        report,
+                    }),
+                    Err(e) => {
+                        reservation.cancel().quiesced();
+                        Err(fallback("verify", FallbackCause::BlockChecksum(e)))
+                    }
+                }
             }
             Ok(report)
                 if verify.in_scope(|| {
@@ -621,6 +657,25 @@ impl FetchExecutor {
             &donor_geo,
             &target_geo,
         )
+    }
+
+    /// Checks the received rows `dst_blocks` against the donor's block
+    /// `checksums` (dense rows of the same rank block size only: a layout
+    /// conversion changes the bytes, so it cannot be checked).
+    fn check_blocks(
+        &self,
+        manifest: &BankManifest,
+        checksums: &[u64],
+        dst_blocks: &[u32],
+    ) -> Result<(), crate::BlockChecksumError> {
+        let rbb = self.layout.rank_block_bytes();
+        if self.engine_layouts.is_some() || manifest.layout().rank_block_bytes() != rbb {
+            return Err(crate::BlockChecksumError::Unverifiable {
+                reason: "the target's rows are not the donor's block layout (engine regions)"
+                    .into(),
+            });
+        }
+        crate::worker::block_checksums::verify(checksums, &self.regions, dst_blocks, rbb)
     }
 
     /// Engine-chosen ids must name `n` distinct blocks of the regions;

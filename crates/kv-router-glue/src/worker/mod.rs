@@ -7,6 +7,7 @@
 //! [`validate_hint`](crate::validate_hint) is also what the router's advisor
 //! runs before it emits a hint.
 
+pub(crate) mod block_checksums;
 #[cfg(feature = "worker")]
 pub(crate) mod fetch_executor;
 pub(crate) mod hint_validation;

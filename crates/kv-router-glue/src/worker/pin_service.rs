@@ -727,6 +727,15 @@ fn pin(s: &Shared, pins: &mut ConnPins<'_>, req: &PinRequest) -> PinDonorMessage
         Ok(p) => {
             let pin_id = s.next_pin.fetch_add(1, Ordering::SeqCst);
             let granted = Instant::now();
+            // Hashed under the pin, before the target may read: the slots
+            // cannot be reused meanwhile. Unreadable memory grants none
+            // (the target then falls back, as for an older donor).
+            let block_checksums = if req.want_block_checksums {
+                crate::worker::block_checksums::of_pinned(&p, req, rank_block_bytes as usize)
+                    .unwrap_or_default()
+            } else {
+                Vec::new()
+            };
             pins.held.insert(
                 pin_id,
                 Held {
@@ -740,6 +749,7 @@ fn pin(s: &Shared, pins: &mut ConnPins<'_>, req: &PinRequest) -> PinDonorMessage
                 request_id: id,
                 pin_id,
                 max_hold_ms: s.config.max_hold.as_millis() as u64,
+                block_checksums,
             })
         }
         Err(e) => {

@@ -252,6 +252,12 @@ impl RemoteDonor {
     pub fn pin_remote(&self, hint: &FetchGpuHint) -> Result<RemotePin<'_>, PinError> {
         let request_id = self.next_request.fetch_add(1, Ordering::Relaxed);
         let req = PinRequest::for_hint(request_id, hint);
+        // A NIXL region is only an address: the bytes it yields are checked
+        // against the donor's checksums (a mapping is bound by its handle).
+        let req = match self.source {
+            RankSources::Nixl(_) => req.with_block_checksums(),
+            RankSources::Mapped(_) => req,
+        };
         let mut stream = connect(&self.endpoint, self.timeout, self.auth.as_ref())?;
         let frame =
             encode_pin_frame(&PinClientMessage::Pin(req)).map_err(|e| PinError::Protocol {
@@ -513,6 +519,12 @@ impl DonorPin for RemotePin<'_> {
     }
     fn release(mut self: Box<Self>) -> Result<(), PinError> {
         self.release_now().map(drop)
+    }
+    fn block_checksums(&self) -> Option<&[u64]> {
+        match &self.donor.source {
+            RankSources::Nixl(_) => Some(&self.grant.block_checksums),
+            RankSources::Mapped(_) => None,
+        }
     }
 }
 

@@ -1,0 +1,195 @@
+//! Per-block checksums of a pin grant: the donor hashes every pinned KV
+//! block while it holds the pin ([`of_pinned`]), the target hashes the rows
+//! it received and compares before the fetch completes ([`verify`]).
+//!
+//! Why: a target that reads by address (NIXL: the donor's registered
+//! `base_addr` from its record) cannot tell a wrong-but-registered address
+//! from the right one: the READ succeeds, every byte count matches, and
+//! without this the fetch would complete with another block's bytes. The
+//! hashes are XXH3-64 (seed 0) of each rank's `rank_block_bytes` per block
+//! (about 30 GB/s per core on host memory; a device bank pays a copy to
+//! the host first), so they are asked for only where addresses are not
+//! bound to an export handle ([`kv_descriptor::PinRequest::want_block_checksums`]).
+
+#[cfg(feature = "worker")]
+use kv_bank::{BankError, BankMemory, ManagerPin};
+#[cfg(feature = "worker")]
+use kv_descriptor::PinRequest;
+
+/// Why the bytes of a fetch do not match the donor's block checksums (a
+/// [`crate::FallbackCause::BlockChecksum`] at stage `verify`: recompute).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BlockChecksumError {
+    /// The grant carries another number of checksums than blocks x TP
+    /// ranks read (none: a donor that predates them, or could not read its
+    /// memory).
+    #[error("the pin grant carries {got} block checksums, the read needs {expected}")]
+    Missing {
+        /// Blocks x TP ranks of the read.
+        expected: usize,
+        /// Checksums in the grant.
+        got: usize,
+    },
+    /// A block's bytes here are not the donor's.
+    #[error(
+        "rank {rank} block {block} (row {row}): checksum {got:#018x}, the donor's is {expected:#018x}"
+    )]
+    Mismatch {
+        /// TP rank.
+        rank: u32,
+        /// Index of the block among the fetched ones (prefix order).
+        block: usize,
+        /// Destination row (target block id) that holds it.
+        row: u32,
+        /// The donor's checksum.
+        expected: u64,
+        /// The checksum of the bytes received.
+        got: u64,
+    },
+    /// The received rows cannot be hashed here: read back refused by the
+    /// destination memory, or a layout conversion (engine regions) that
+    /// changes the bytes.
+    #[error("the received rows cannot be checked: {reason}")]
+    Unverifiable {
+        /// Why, with the value seen.
+        reason: String,
+    },
+}
+
+/// XXH3-64 (seed 0) of `len` bytes of `memory` at `offset`.
+#[cfg(feature = "worker")]
+fn hash_range(memory: &dyn BankMemory, offset: usize, len: usize) -> Result<u64, BankError> {
+    Ok(xxhash_rust::xxh3::xxh3_64(&memory.read_vec(offset, len)?))
+}
+
+/// The donor's side: the checksums of every block `req` pinned, rank-major
+/// (entry `r * n + i`: rank `r`'s slot `req.parts[r].slot_ids[i]`, its
+/// `rank_block_bytes` at `slot * rank_block_bytes`, the dense geometry the
+/// target's plan reads), read under `pin` so no slot can be reused meanwhile.
+///
+/// # Errors
+/// The bank's error when a rank or its memory cannot be read (a device
+/// bank without read-back): the caller grants without checksums.
+#[cfg(feature = "worker")]
+pub(crate) fn of_pinned(
+    pin: &ManagerPin,
+    req: &PinRequest,
+    rank_block_bytes: usize,
+) -> Result<Vec<u64>, BankError> {
+    let mut out = Vec::with_capacity(req.parts.len() * req.sequence_hashes.len());
+    for part in &req.parts {
+        let memory = pin.rank(part.tp_rank)?.memory();
+        for &slot in &part.slot_ids {
+            out.push(hash_range(
+                memory.as_ref(),
+                slot as usize * rank_block_bytes,
+                rank_block_bytes,
+            )?);
+        }
+    }
+    Ok(out)
+}
+
+/// The target's side: checks that row `rows[i]` of `regions[r]` (dense,
+/// `rank_block_bytes` per row) holds the block whose donor checksum is
+/// `expected[r * rows.len() + i]`, for every rank and fetched block.
+///
+/// # Errors
+/// [`BlockChecksumError::Missing`] when `expected` does not hold one
+/// checksum per block and rank; [`BlockChecksumError::Mismatch`] for the
+/// first block (rank order, then prefix order) whose bytes differ;
+/// [`BlockChecksumError::Unverifiable`] when a row cannot be read back.
+#[cfg(feature = "worker")]
+pub(crate) fn verify(
+    expected: &[u64],
+    regions: &[std::sync::Arc<dyn BankMemory>],
+    rows: &[u32],
+    rank_block_bytes: usize,
+) -> Result<(), BlockChecksumError> {
+    let n = rows.len();
+    if expected.len() != n * regions.len() {
+        return Err(BlockChecksumError::Missing {
+            expected: n * regions.len(),
+            got: expected.len(),
+        });
+    }
+    for (rank, region) in regions.iter().enumerate() {
+        for (block, &row) in rows.iter().enumerate() {
+            let got = hash_range(
+                region.as_ref(),
+                row as usize * rank_block_bytes,
+                rank_block_bytes,
+            )
+            .map_err(|e| BlockChecksumError::Unverifiable {
+                reason: format!("rank {rank} row {row}: {e}"),
+            })?;
+            let want = expected[rank * n + block];
+            if got != want {
+                return Err(BlockChecksumError::Mismatch {
+                    rank: rank as u32,
+                    block,
+                    row,
+                    expected: want,
+                    got,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(all(test, feature = "worker"))]
+mod tests {
+    use std::sync::Arc;
+
+    use kv_bank::BankMemory;
+
+    use super::*;
+
+    fn region(rows: &[&[u8]]) -> Arc<dyn BankMemory> {
+        let m = kv_transfer::HostBuffer::zeroed(rows.len() * 4).unwrap();
+        for (i, r) in rows.iter().enumerate() {
+            m.write_bytes(i * 4, r).unwrap();
+        }
+        Arc::new(m)
+    }
+
+    #[test]
+    fn verify_names_the_first_block_that_differs_or_a_missing_checksum() {
+        let h = |b: &[u8]| xxhash_rust::xxh3::xxh3_64(b);
+        let regions = vec![
+            region(&[b"aaaa", b"bbbb", b"cccc"]),
+            region(&[b"dddd", b"eeee", b"ffff"]),
+        ];
+        // Fetched blocks landed in rows 2 and 0 (prefix order).
+        let rows = [2, 0];
+        let good = vec![h(b"cccc"), h(b"aaaa"), h(b"ffff"), h(b"dddd")];
+        assert_eq!(verify(&good, &regions, &rows, 4), Ok(()));
+        let mut bad = good.clone();
+        bad[3] = h(b"eeee");
+        assert_eq!(
+            verify(&bad, &regions, &rows, 4),
+            Err(BlockChecksumError::Mismatch {
+                rank: 1,
+                block: 1,
+                row: 0,
+                expected: h(b"eeee"),
+                got: h(b"dddd"),
+            })
+        );
+        assert_eq!(
+            verify(&good[..3], &regions, &rows, 4),
+            Err(BlockChecksumError::Missing {
+                expected: 4,
+                got: 3
+            })
+        );
+        assert_eq!(
+            verify(&[], &regions, &rows, 4),
+            Err(BlockChecksumError::Missing {
+                expected: 4,
+                got: 0
+            })
+        );
+    }
+}
