@@ -274,7 +274,9 @@ impl DonorAgent {
     /// [`crate::MAX_NIXL_AGENT_NAME_BYTES`]) or `nixl_agent_metadata` (over
     /// [`kv_descriptor::MAX_NIXL_METADATA_BYTES`]), or `TooLarge`: nothing
     /// changes, the record keeps what it published before;
-    /// [`AgentError::Plane`] when the put fails (the next tick re-puts).
+    /// [`AgentError::Bank`] when a rank's memory cannot be named (a closed
+    /// bank); [`AgentError::Plane`] when the put fails (the next tick
+    /// re-puts).
     pub async fn publish_nixl_agent(
         &self,
         agent_name: String,

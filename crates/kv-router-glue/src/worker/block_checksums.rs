@@ -63,9 +63,10 @@ fn hash_range(memory: &dyn BankMemory, offset: usize, len: usize) -> Result<u64,
 }
 
 /// The donor's side: the checksums of every block `req` pinned, rank-major
-/// (entry `r * n + i`: rank `r`'s slot `req.parts[r].slot_ids[i]`, its
-/// `rank_block_bytes` at `slot * rank_block_bytes`, the dense geometry the
-/// target's plan reads), read under `pin` so no slot can be reused meanwhile.
+/// (entry `r * n + i`: rank `r`'s slot `req.parts[r].slot_ids[i]`, the
+/// first `rank_block_bytes` of that slot where the bank keeps it, at
+/// `slot * slot_bytes`; so a target whose plan read elsewhere fails the
+/// check), read under `pin` so no slot can be reused meanwhile.
 ///
 /// # Errors
 /// The bank's error when a rank or its memory cannot be read (a device
@@ -78,11 +79,12 @@ pub(crate) fn of_pinned(
 ) -> Result<Vec<u64>, BankError> {
     let mut out = Vec::with_capacity(req.parts.len() * req.sequence_hashes.len());
     for part in &req.parts {
-        let memory = pin.rank(part.tp_rank)?.memory();
+        let bank = pin.rank(part.tp_rank)?;
+        let slot_bytes = bank.descriptor().slot_bytes() as usize;
         for &slot in &part.slot_ids {
             out.push(hash_range(
-                memory.as_ref(),
-                slot as usize * rank_block_bytes,
+                bank.memory().as_ref(),
+                slot as usize * slot_bytes,
                 rank_block_bytes,
             )?);
         }
