@@ -477,3 +477,148 @@ fn a_nixl_pin_grant_carries_the_checksums_of_the_pinned_blocks() {
         donor.close(Duration::from_secs(1)).await.unwrap();
     });
 }
+
+/// A donor source whose pins carry `checksums` (what a NIXL pin grant
+/// carries), reading the donor bank in process.
+struct Checksummed<'a> {
+    bank: &'a kv_bank::BankManager,
+    checksums: Vec<u64>,
+}
+
+struct ChecksummedPin<'a> {
+    inner: Box<dyn DonorPin + 'a>,
+    checksums: &'a [u64],
+}
+
+impl DonorPin for ChecksummedPin<'_> {
+    fn rank_memory(&self, rank: u32) -> Option<&dyn kv_bank::BankMemory> {
+        self.inner.rank_memory(rank)
+    }
+    fn block_checksums(&self) -> Option<&[u64]> {
+        Some(self.checksums)
+    }
+}
+
+impl DonorSource for Checksummed<'_> {
+    fn manifest(&self) -> &kv_descriptor::BankManifest {
+        self.bank.manifest()
+    }
+    fn pin<'a>(
+        &'a self,
+        hint: &kv_descriptor::FetchGpuHint,
+    ) -> Result<Box<dyn DonorPin + 'a>, PinError> {
+        Ok(Box::new(ChecksummedPin {
+            inner: DonorSource::pin(self.bank, hint)?,
+            checksums: &self.checksums,
+        }))
+    }
+}
+
+/// The executor completes a pin that carries block checksums only when
+/// every received block hashes to the donor's: one flipped checksum names
+/// its rank and block, a short list is `Missing`, engine regions (whose
+/// rows are not the donor's bytes) are `Unverifiable`; each falls back at
+/// `verify` with every row back in the pool. No NIXL runtime needed.
+#[test]
+fn checksummed_pins_complete_only_when_every_block_matches() {
+    serial(|| async {
+        let sock = tempfile::tempdir().unwrap();
+        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
+        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
+        let dir = Arc::new(InProcessDirectory::new());
+        let target_id = kv_descriptor::EngineId::fresh();
+        let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
+        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
+            .await
+            .unwrap();
+        let blocks = prompt(0);
+        let h = hashes(&blocks);
+        store(&donor, &blocks).await;
+        router.pump().await;
+        let env = router
+            .advisor
+            .advise("r1", &h, target_id)
+            .hint
+            .expect("hint attached");
+        let hint = env.fetch_gpu_actions().unwrap().remove(0);
+        let fetched = &h[hint.fetch_from as usize..];
+        let good: Vec<u64> = (0..TP)
+            .flat_map(|rank| {
+                fetched.iter().map(move |&b| {
+                    let bytes: Vec<u8> = (0..rbb()).map(|i| pattern(b, rank, i)).collect();
+                    xxhash_rust::xxh3::xxh3_64(&bytes)
+                })
+            })
+            .collect();
+        let (tgt, rows) = target(dir.as_ref()).await;
+        let exec = tgt.executor();
+        let run = |checksums: Vec<u64>, exec: &FetchExecutor| {
+            let src = Checksummed {
+                bank: donor.bank(),
+                checksums,
+            };
+            exec.execute_for_prompt(&env, &h, &src, &DeliveryControl::new())
+        };
+
+        let out = run(good.clone(), exec).unwrap();
+        assert_rows_hold(&rows, &out);
+        drop(out);
+
+        let n = fetched.len();
+        let mut flipped = good.clone();
+        flipped[n + 3] ^= 1;
+        match run(flipped, exec) {
+            Err(FetchError::Fallback {
+                stage: "verify",
+                cause:
+                    FallbackCause::BlockChecksum(BlockChecksumError::Mismatch { rank, block, .. }),
+            }) => assert_eq!((rank, block), (1, 3)),
+            other => panic!("expected a rank 1 block 3 mismatch, got {other:?}"),
+        }
+        match run(good[..n].to_vec(), exec) {
+            Err(FetchError::Fallback {
+                stage: "verify",
+                cause: FallbackCause::BlockChecksum(BlockChecksumError::Missing { expected, got }),
+            }) => assert_eq!((expected, got), (2 * n, n)),
+            other => panic!("expected Missing, got {other:?}"),
+        }
+        assert_eq!(exec.pool().free_blocks(), ROWS as usize, "no row taken");
+
+        // Engine regions in the bank's own block-major layout: still not
+        // checked byte for byte here, so refused rather than trusted.
+        let engine: Vec<EngineRegion> = (0..TP)
+            .map(|r| {
+                let layout = kv_descriptor::KvRegionLayout::block_major(
+                    layout(),
+                    r,
+                    0,
+                    ROWS,
+                    u64::from(ROWS) * rbb() as u64,
+                )
+                .unwrap();
+                EngineRegion {
+                    memory: Arc::new(
+                        kv_transfer::HostBuffer::zeroed(layout.region_bytes() as usize).unwrap(),
+                    ),
+                    layout,
+                }
+            })
+            .collect();
+        let engine_exec = FetchExecutor::with_engine_regions(
+            layout(),
+            kv_bank::DestinationPool::new(ROWS),
+            engine,
+            Arc::new(kv_transfer::HostCopyBackend),
+        )
+        .unwrap();
+        match run(good, &engine_exec) {
+            Err(FetchError::Fallback {
+                stage: "verify",
+                cause: FallbackCause::BlockChecksum(BlockChecksumError::Unverifiable { .. }),
+            }) => {}
+            other => panic!("expected Unverifiable, got {other:?}"),
+        }
+        assert_eq!(engine_exec.pool().free_blocks(), ROWS as usize);
+        donor.close(Duration::from_secs(1)).await.unwrap();
+    });
+}

@@ -4,7 +4,8 @@
 //! record and a hint to the target (this process) through files (standing
 //! in for a shared directory); the target addresses its NIXL READs from the
 //! record alone (its `nixl_rank_regions`), reads the pinned slots and gets
-//! the donor's bytes. Then the donor process is SIGKILLed: the next
+//! the donor's bytes; the same record with two ranks' regions swapped
+//! falls back at `verify` (block checksums). Then the donor process is SIGKILLed: the next
 //! fetch (its record still in the directory, as after a crash) falls back
 //! typed, completes nothing and leaves no target row taken and no read in
 //! flight.
@@ -270,6 +271,31 @@ fn a_fetch_reads_another_process_over_nixl_and_falls_back_once_it_is_killed() {
         assert_rows_hold(&rows, &out);
         drop(out);
         assert_eq!(tgt.executor().pool().free_blocks(), ROWS as usize);
+
+        // The same record with its ranks' regions swapped (both registered
+        // by the donor process's agent): the READs succeed, the bytes are
+        // the other rank's, and the grant's checksums refuse them.
+        let mut swapped = regions.to_vec();
+        swapped.swap(0, 1);
+        dir.put(
+            &DonorRecord::new(DonorRecordParts {
+                nixl_rank_regions: Some(swapped),
+                ..record.to_parts()
+            })
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+        match tgt.fetch_nixl(&env, &h, &agent, &DeliveryControl::new()) {
+            Err(AgentError::Fetch(FetchError::Fallback {
+                stage: "verify",
+                cause: FallbackCause::BlockChecksum(BlockChecksumError::Mismatch { rank: 0, .. }),
+            })) => {}
+            Ok(_) => panic!("another rank's bytes completed as a fetch"),
+            Err(e) => panic!("expected a checksum fallback at verify, got {e:?}"),
+        }
+        assert_eq!(tgt.executor().pool().free_blocks(), ROWS as usize);
+        dir.put(&record).await.unwrap();
 
         // SIGKILL: no close, the record stays in the directory.
         child.kill().unwrap();
