@@ -47,10 +47,10 @@ pub use reference::reference_convert;
 pub use runs::{BlockSource, RunsGather};
 pub use shape::ConvertShape;
 pub use source::{
-    TablePlacement, CONVERT_KERNEL_SRC, INLINE_KERNEL_DEFINE, INLINE_LARGE_BLOCKS,
+    wide_piece, TablePlacement, CONVERT_KERNEL_SRC, INLINE_KERNEL_DEFINE, INLINE_LARGE_BLOCKS,
     INLINE_LARGE_ENTRIES, INLINE_LARGE_NAMES, INLINE_PACKED_BLOCKS, INLINE_PACKED_ENTRIES,
     INLINE_PACKED_NAMES, INLINE_SMALL_BLOCKS, INLINE_SMALL_ENTRIES, INLINE_SMALL_NAMES,
-    KERNEL_NAMES, PACKED_MAX_BLOCK_ID, PACKED_TIER_NAMES,
+    KERNEL_NAMES, PACKED_MAX_BLOCK_ID, PACKED_TIER_NAMES, WIDE_KERNEL_NAME,
 };
 
 /// Threads per CTA of the converting gather.
@@ -72,8 +72,9 @@ pub const MAX_WORK_ITEMS: u64 = (1 << 31) - 1;
 /// Most pieces per block (the piece table stays in L2).
 pub const MAX_PIECES: usize = 1 << 20;
 
-/// Pieces of at least this many bytes give each lane eight elements in
-/// flight (the kernel's eight-wide loop), shorter ones four.
+/// Pieces of at least this many bytes, copied as 16-byte elements, give each
+/// lane eight elements in flight (the kernel's `_w` entry points, see
+/// [`wide_piece`]); every other piece four.
 pub const WIDE_PIECE_BYTES: u64 = 16 << 10;
 /// Pieces of at most this many bytes (HF targets: one 256-byte `head_dim`
 /// row) launch with [`SMALL_PIECE_THREADS`] x [`SMALL_PIECE_CTAS_PER_SM`]
@@ -703,11 +704,10 @@ fn launch_geometry(
         // 16 KiB row then takes 128 lanes, not 256, and each lane keeps
         // 128 bytes of loads in flight instead of 64 (the H200 ran 4096 x
         // 16 KiB rows at 0.81 of the raw copy with four).
-        let per_lane = if p.piece_bytes >= WIDE_PIECE_BYTES {
-            8
-        } else {
-            4
-        };
+        // Only 16-byte elements get the eight-wide entry point; the step
+        // stays out of every other one (see `wide_piece`).
+        let wide = wide_piece(p.piece_bytes, width);
+        let per_lane = if wide { 8 } else { 4 };
         let group = (piece_elems / per_lane).clamp(1, threads);
         let group_shift = 31 - group.leading_zeros(); // floor(log2)
         let num_pieces = p.len() as u32;
@@ -729,6 +729,7 @@ fn launch_geometry(
             },
             piece_elems,
             group_shift,
+            wide,
         }
     }
 }
@@ -769,11 +770,19 @@ pub struct LaunchGeometry {
     pub piece_elems: u32,
     /// `log2` of the lanes per group.
     pub group_shift: u32,
+    /// Launch the eight-wide entry point (`NAME_w`, [`wide_piece`]): lanes
+    /// step eight elements while eight remain, and `G` is an eighth of the
+    /// piece's elements instead of a quarter.
+    pub wide: bool,
 }
 
 impl LaunchGeometry {
-    /// Entry point of [`CONVERT_KERNEL_SRC`] for this width.
+    /// Table-pointer entry point of [`CONVERT_KERNEL_SRC`] for this width
+    /// (the eight-wide one when [`LaunchGeometry::wide`]).
     pub fn kernel_name(&self) -> &'static str {
+        if self.wide {
+            return WIDE_KERNEL_NAME;
+        }
         KERNEL_NAMES
             .iter()
             .find(|(w, _)| *w == self.width)

@@ -2,7 +2,34 @@
 //! libnvrtc (e.g. the `nvidia-cuda-nvrtc-cu12` wheel's `lib` folder on
 //! `LD_LIBRARY_PATH`). Skips with a printed reason when libnvrtc is absent.
 
-use kv_transfer::cuda_gather::{CONVERT_KERNEL_SRC, KERNEL_NAMES};
+use kv_transfer::cuda_gather::{TablePlacement, CONVERT_KERNEL_SRC, KERNEL_NAMES};
+
+/// PTX of entry point `name`: from its `.entry` to the next one.
+fn entry_body<'a>(text: &'a str, name: &str) -> &'a str {
+    let start = text
+        .find(&format!(".entry {name}("))
+        .unwrap_or_else(|| panic!("no entry point {name} in the PTX"));
+    let rest = &text[start + 1..];
+    &rest[..rest.find(".entry ").unwrap_or(rest.len())]
+}
+
+/// The `_w` entry of `placement` holds the eight-wide step (more 16-byte
+/// loads than its four-wide twin, which must keep the loop HF rows ran at
+/// 0.890 of the raw copy before 7d474c0).
+fn wide_twin_has_more_loads(text: &str, placement: TablePlacement) {
+    let count = |name: &str| {
+        entry_body(text, name)
+            .matches("ld.global.nc.v4.u32")
+            .count()
+    };
+    let (four, wide) = (placement.names()[0].1, placement.wide_name());
+    let (f, w) = (count(four), count(wide));
+    println!("{four}: {f} 16-byte loads, {wide}: {w}");
+    assert!(
+        w >= f + 8,
+        "{wide} ({w} loads) lacks the eight-wide step over {four} ({f})"
+    );
+}
 
 #[test]
 fn convert_kernel_compiles_with_every_entry_point() {
@@ -35,6 +62,7 @@ fn convert_kernel_compiles_with_every_entry_point() {
             );
         }
     }
+    wide_twin_has_more_loads(&text, TablePlacement::Device);
     // Seven parameters per entry point (two tables, five u32 scalars).
     assert!(text.contains("kv_convert_16_param_6"), "{text}");
     assert!(!text.contains("kv_convert_16_param_7"));
@@ -90,6 +118,16 @@ fn inline_table_entry_points_compile_with_the_table_as_a_parameter() {
         );
         assert!(text.contains(&format!("{name}_param_10")), "{name}");
         assert!(!text.contains(&format!("{name}_param_11")), "{name}");
+    }
+    for p in [
+        TablePlacement::InlineSmall,
+        TablePlacement::InlineLarge,
+        TablePlacement::InlinePacked,
+        TablePlacement::InlinePacked1024,
+        TablePlacement::InlinePacked2048,
+        TablePlacement::InlinePacked4096,
+    ] {
+        wide_twin_has_more_loads(&text, p);
     }
     assert!(
         text.contains("ld.param.u32"),

@@ -26,15 +26,18 @@ use super::{cuda_err, Device};
 use crate::cuda_gather::{
     BlockSource, GatherTuning, PieceTable, TablePlacement, CONVERT_KERNEL_SRC,
     INLINE_KERNEL_DEFINE, INLINE_LARGE_ENTRIES, INLINE_PACKED_ENTRIES, INLINE_SMALL_ENTRIES,
-    KERNEL_NAMES,
 };
 use crate::TransferError;
 
 /// CUDA driver API version that accepts kernel parameters past 4 KiB.
 const LARGE_PARAMS_DRIVER: i32 = 12010;
 
-/// Entry points of one table placement, by element width (bytes).
-type EntryPoints = Vec<(u32, CudaFunction)>;
+/// Entry points of one table placement: by element width (bytes), then the
+/// 16-byte eight-wide one ([`TablePlacement::wide_name`]).
+struct EntryPoints {
+    by_width: Vec<(u32, CudaFunction)>,
+    wide: CudaFunction,
+}
 
 /// Entry points of the converting gather loaded on one device.
 pub(super) struct Kernels {
@@ -65,7 +68,7 @@ impl Kernels {
                 reason: e.to_string(),
             })?;
         let module = ctx.load_module(ptx).map_err(cuda_err("cuModuleLoadData"))?;
-        let table = functions(&module, &KERNEL_NAMES)?;
+        let table = functions(&module, TablePlacement::Device)?;
         let (inline, inline_absent) = match inline_support(ctx)? {
             Ok(cc) => match load_inline(ctx, cc) {
                 Ok(k) => (Some(k), None),
@@ -88,21 +91,30 @@ impl Kernels {
         self.inline.is_some()
     }
 
-    fn function(&self, placement: TablePlacement, width: u32) -> Option<&CudaFunction> {
+    /// The entry point for `placement`, `width`-byte elements, and the
+    /// eight-wide step when `wide` (16-byte elements only).
+    fn function(&self, placement: TablePlacement, width: u32, wide: bool) -> Option<&CudaFunction> {
         let set = match (placement, &self.inline) {
             (TablePlacement::Device, _) => &self.table,
             (_, Some(sets)) => &sets.iter().find(|(p, _)| *p == placement)?.1,
             (_, None) => return None,
         };
-        set.iter().find(|(w, _)| *w == width).map(|(_, f)| f)
+        if wide {
+            return (width == 16).then_some(&set.wide);
+        }
+        set.by_width
+            .iter()
+            .find(|(w, _)| *w == width)
+            .map(|(_, f)| f)
     }
 }
 
 fn functions(
     module: &Arc<CudaModule>,
-    names: &[(u32, &str); 5],
+    placement: TablePlacement,
 ) -> Result<EntryPoints, TransferError> {
-    names
+    let by_width = placement
+        .names()
         .iter()
         .map(|&(w, name)| {
             module
@@ -110,7 +122,11 @@ fn functions(
                 .map(|f| (w, f))
                 .map_err(cuda_err("cuModuleGetFunction"))
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    let wide = module
+        .load_function(placement.wide_name())
+        .map_err(cuda_err("cuModuleGetFunction"))?;
+    Ok(EntryPoints { by_width, wide })
 }
 
 /// The device's compute capability `(major, minor)` when its driver is CUDA
@@ -164,7 +180,7 @@ fn load_inline(
     let module = ctx.load_module(ptx).map_err(cuda_err("cuModuleLoadData"))?;
     INLINE_PLACEMENTS
         .iter()
-        .map(|&p| Ok((p, functions(&module, p.names())?)))
+        .map(|&p| Ok((p, functions(&module, p)?)))
         .collect()
 }
 
@@ -325,10 +341,13 @@ pub(super) fn launch_convert(
     let placement =
         TablePlacement::for_blocks(plan.blocks(), kernels.inline_loaded(), packed.is_some());
     let func = kernels
-        .function(placement, geo.width)
+        .function(placement, geo.width, geo.wide)
         .ok_or_else(|| TransferError::Cuda {
             op: "cuModuleGetFunction",
-            reason: format!("no {placement:?} entry point for width {}", geo.width),
+            reason: format!(
+                "no {placement:?} entry point for width {} (wide: {})",
+                geo.width, geo.wide
+            ),
         })?;
     match (placement, packed) {
         (TablePlacement::Device, _) => {}
@@ -480,7 +499,48 @@ mod tests {
             let stride = 2 * u64::from(n) * 2 * 16 * 2;
             let target = KvRegionLayout::vllm_kv_first(g, 0, 0, stride, n, 2 * stride).unwrap();
             let moves: Vec<(u32, u32)> = (0..n).map(|i| (2 * (n - i) - 1, i)).collect();
-            let plan = ConvertPlan::new(&donor, &target, &moves).unwrap();
+            lands_every_byte(&backend, inline, &donor, &target, &moves);
+        }
+        // Block-major to block-major with pieces of 16 KiB, so every
+        // placement's eight-wide `_w` entry point runs: 128 KiB blocks for
+        // the small table and the first packed tier (a fetch under 1,024
+        // work items is cut to 16 KiB pieces), 16 KiB blocks past that.
+        let big = KvLayout::new(2, 8, 128, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+        let small = KvLayout::new(2, 1, 128, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+        for (g, n) in [
+            (big, 128u32),
+            (big, 129),
+            (small, 1025),
+            (small, 2049),
+            (small, 4097),
+            (small, 9000),
+        ] {
+            let bb = g.rank_block_bytes() as u64;
+            let slots = 2 * n + 1;
+            let donor = KvRegionLayout::block_major(g, 0, 0, slots, u64::from(slots) * bb).unwrap();
+            let target = KvRegionLayout::block_major(g, 0, 0, n, u64::from(n) * bb).unwrap();
+            let moves: Vec<(u32, u32)> = (0..n).map(|i| (2 * (n - i) - 1, i)).collect();
+            let geo = ConvertPlan::new(&donor, &target, &moves)
+                .unwrap()
+                .geometry(0, 0, 132);
+            assert!(geo.wide, "{n} blocks of {bb} bytes launch four-wide");
+            lands_every_byte(&backend, inline, &donor, &target, &moves);
+        }
+    }
+
+    /// Converts `moves` from `donor` to `target` on GPU 0 and checks every
+    /// target byte against the host reference.
+    fn lands_every_byte(
+        backend: &CudaCopyBackend,
+        inline: bool,
+        donor: &KvRegionLayout,
+        target: &KvRegionLayout,
+        moves: &[(u32, u32)],
+    ) {
+        let n = moves.len() as u32;
+        let bb = donor.geometry().rank_block_bytes() as u64;
+        {
+            let plan = ConvertPlan::new(donor, target, moves).unwrap();
             let placement = TablePlacement::for_blocks(n as usize, inline, plan.packed().is_some());
             let src = kv_bank::CudaDeviceMemory::new(0, donor.region_bytes() as usize).unwrap();
             let dst = kv_bank::CudaDeviceMemory::new(0, target.region_bytes() as usize).unwrap();
@@ -494,7 +554,7 @@ mod tests {
                 .unwrap();
             assert_eq!(o.bytes, u64::from(n) * bb, "{n} blocks, {placement:?}");
             let mut want = vec![0u8; dst.len()];
-            reference_convert(&donor, &target, &moves, &host, &mut want).unwrap();
+            reference_convert(donor, target, moves, &host, &mut want).unwrap();
             let mut got = vec![0u8; dst.len()];
             dst.read_bytes(0, &mut got).unwrap();
             assert!(got == want, "{n} blocks, {placement:?}: target differs");

@@ -3,8 +3,8 @@
 //!
 //! [`run_kernel`] executes every thread of every CTA of a [`LaunchGeometry`]
 //! with the same integer arithmetic as [`super::CONVERT_KERNEL_SRC`] (group,
-//! lane, work item, block / piece split, the eight- and four-wide unrolled
-//! loops and their tail), on a byte array standing in for device memory. The proptest below
+//! lane, work item, block / piece split, the eight-wide step of the `_w`
+//! entry points, the four-wide unrolled loop and its tail), on a byte array standing in for device memory. The proptest below
 //! runs it for every pair of region orders and checks the target bytes
 //! against the reference, so an indexing bug is caught without a GPU.
 
@@ -82,7 +82,8 @@ pub(super) fn run_kernel(
                 let sp = sb + pieces[p as usize];
                 let dp = db + pieces[(np + p) as usize];
                 let mut e = lane;
-                while e + 7 * gsz < pe {
+                // KV_STEP8: compiled into the `_w` entry points only.
+                while g.wide && e + 7 * gsz < pe {
                     for k in 0..8 {
                         copy(sp, dp, e + k * gsz);
                     }

@@ -37,9 +37,29 @@
 /// index is a division). Compiled with [`INLINE_KERNEL_DEFINE`]: the inline
 /// entry points [`INLINE_SMALL_NAMES`] / [`INLINE_LARGE_NAMES`], the same
 /// arguments except that `blocks` is the table itself, passed by value.
-/// Every variant runs the same loop (`KV_LOOP`), so one CPU mirror covers all.
+/// Every variant runs the same loop (`KV_LOOP`), so one CPU mirror covers all;
+/// the 16-byte entry points also come as `NAME_w` ([`TablePlacement::wide_name`])
+/// whose loop first steps eight elements a lane (`KV_STEP8`).
 pub const CONVERT_KERNEL_SRC: &str = r#"
-#define KV_LOOP(T, SRC, DST)                                                             \
+/* The eight-wide step runs only in the `_w` entry points (16-byte elements,
+   pieces of at least WIDE_PIECE_BYTES): compiled into every entry point it
+   took the HF 256-byte-row fetch from 0.890 to 0.722 of the raw copy on the
+   H200 although it never executes for those rows (G = a quarter of 16
+   elements), so the four-wide entry points keep the loop they had. */
+#define KV_NO_STEP8(T)
+#define KV_STEP8(T)                                                                      \
+        for (; w + 7u * G < pe; w += 8u * G) {                                           \
+            T a0 = __ldg(sp + w), a1 = __ldg(sp + w + G);                                \
+            T a2 = __ldg(sp + w + 2u * G), a3 = __ldg(sp + w + 3u * G);                  \
+            T a4 = __ldg(sp + w + 4u * G), a5 = __ldg(sp + w + 5u * G);                  \
+            T a6 = __ldg(sp + w + 6u * G), a7 = __ldg(sp + w + 7u * G);                  \
+            __stcg(dp + w, a0); __stcg(dp + w + G, a1);                                  \
+            __stcg(dp + w + 2u * G, a2); __stcg(dp + w + 3u * G, a3);                    \
+            __stcg(dp + w + 4u * G, a4); __stcg(dp + w + 5u * G, a5);                    \
+            __stcg(dp + w + 6u * G, a6); __stcg(dp + w + 7u * G, a7);                    \
+        }
+
+#define KV_LOOP(T, SRC, DST, STEP8)                                                      \
     const unsigned int G = 1u << gshift;                                                 \
     const unsigned int lane = threadIdx.x & (G - 1u);                                    \
     const unsigned int total = n * np;                                                   \
@@ -51,16 +71,7 @@ pub const CONVERT_KERNEL_SRC: &str = r#"
         const T* __restrict__ sp = (const T*)(SRC(i) + __ldg(pieces + p));               \
         T* __restrict__ dp = (T*)(DST(i) + __ldg(pieces + np + p));                      \
         unsigned int w = lane;                                                           \
-        for (; w + 7u * G < pe; w += 8u * G) {                                           \
-            T a0 = __ldg(sp + w), a1 = __ldg(sp + w + G);                                \
-            T a2 = __ldg(sp + w + 2u * G), a3 = __ldg(sp + w + 3u * G);                  \
-            T a4 = __ldg(sp + w + 4u * G), a5 = __ldg(sp + w + 5u * G);                  \
-            T a6 = __ldg(sp + w + 6u * G), a7 = __ldg(sp + w + 7u * G);                  \
-            __stcg(dp + w, a0); __stcg(dp + w + G, a1);                                  \
-            __stcg(dp + w + 2u * G, a2); __stcg(dp + w + 3u * G, a3);                    \
-            __stcg(dp + w + 4u * G, a4); __stcg(dp + w + 5u * G, a5);                    \
-            __stcg(dp + w + 6u * G, a6); __stcg(dp + w + 7u * G, a7);                    \
-        }                                                                                \
+        STEP8(T)                                                                         \
         for (; w + 3u * G < pe; w += 4u * G) {                                           \
             T a = __ldg(sp + w), b = __ldg(sp + w + G);                                  \
             T c = __ldg(sp + w + 2u * G), d = __ldg(sp + w + 3u * G);                    \
@@ -76,15 +87,16 @@ pub const CONVERT_KERNEL_SRC: &str = r#"
 #ifndef KV_INLINE
 #define KV_TABLE_SRC(k) __ldg(blocks + (k))
 #define KV_TABLE_DST(k) __ldg(blocks + n + (k))
-#define KV_CONVERT(NAME, T)                                                              \
+#define KV_CONVERT(NAME, T, STEP8)                                                       \
 extern "C" __global__ void NAME(const unsigned long long* __restrict__ blocks, KV_ARGS) { \
-    KV_LOOP(T, KV_TABLE_SRC, KV_TABLE_DST)                                               \
+    KV_LOOP(T, KV_TABLE_SRC, KV_TABLE_DST, STEP8)                                        \
 }
-KV_CONVERT(kv_convert_16, uint4)
-KV_CONVERT(kv_convert_8, unsigned long long)
-KV_CONVERT(kv_convert_4, unsigned int)
-KV_CONVERT(kv_convert_2, unsigned short)
-KV_CONVERT(kv_convert_1, unsigned char)
+KV_CONVERT(kv_convert_16, uint4, KV_NO_STEP8)
+KV_CONVERT(kv_convert_16_w, uint4, KV_STEP8)
+KV_CONVERT(kv_convert_8, unsigned long long, KV_NO_STEP8)
+KV_CONVERT(kv_convert_4, unsigned int, KV_NO_STEP8)
+KV_CONVERT(kv_convert_2, unsigned short, KV_NO_STEP8)
+KV_CONVERT(kv_convert_1, unsigned char, KV_NO_STEP8)
 #else
 /* Sizes: INLINE_SMALL_ENTRIES / INLINE_LARGE_ENTRIES on the host. */
 struct KvInlineSmall { unsigned long long b[256]; };
@@ -100,48 +112,54 @@ struct KvInlinePacked4096 { unsigned int w[4096]; };
    (constant cache), never copied to local memory by a dynamic index. */
 #define KV_PARAM_SRC(k) tab.b[(k)]
 #define KV_PARAM_DST(k) tab.b[n + (k)]
-#define KV_CONVERT_INLINE(NAME, TAB, T)                                                  \
+#define KV_CONVERT_INLINE(NAME, TAB, T, STEP8)                                           \
 extern "C" __global__ void NAME(const __grid_constant__ TAB tab, KV_ARGS) {              \
-    KV_LOOP(T, KV_PARAM_SRC, KV_PARAM_DST)                                               \
+    KV_LOOP(T, KV_PARAM_SRC, KV_PARAM_DST, STEP8)                                        \
 }
 #define KV_PACKED_SRC(k) (sbase + (unsigned long long)(tab.w[(k)] >> 16) * sstride)
 #define KV_PACKED_DST(k) (dbase + (unsigned long long)(tab.w[(k)] & 0xFFFFu) * dstride)
-#define KV_CONVERT_PACKED(NAME, TAB, T)                                                  \
+#define KV_CONVERT_PACKED(NAME, TAB, T, STEP8)                                           \
 extern "C" __global__ void NAME(const __grid_constant__ TAB tab,                         \
     unsigned long long sbase, unsigned long long dbase, unsigned long long sstride,      \
     unsigned long long dstride, KV_ARGS) {                                               \
-    KV_LOOP(T, KV_PACKED_SRC, KV_PACKED_DST)                                             \
+    KV_LOOP(T, KV_PACKED_SRC, KV_PACKED_DST, STEP8)                                      \
 }
-KV_CONVERT_INLINE(kv_convert_s16, KvInlineSmall, uint4)
-KV_CONVERT_INLINE(kv_convert_s8, KvInlineSmall, unsigned long long)
-KV_CONVERT_INLINE(kv_convert_s4, KvInlineSmall, unsigned int)
-KV_CONVERT_INLINE(kv_convert_s2, KvInlineSmall, unsigned short)
-KV_CONVERT_INLINE(kv_convert_s1, KvInlineSmall, unsigned char)
-KV_CONVERT_INLINE(kv_convert_l16, KvInlineLarge, uint4)
-KV_CONVERT_INLINE(kv_convert_l8, KvInlineLarge, unsigned long long)
-KV_CONVERT_INLINE(kv_convert_l4, KvInlineLarge, unsigned int)
-KV_CONVERT_INLINE(kv_convert_l2, KvInlineLarge, unsigned short)
-KV_CONVERT_INLINE(kv_convert_l1, KvInlineLarge, unsigned char)
-KV_CONVERT_PACKED(kv_convert_p16, KvInlinePacked, uint4)
-KV_CONVERT_PACKED(kv_convert_p8, KvInlinePacked, unsigned long long)
-KV_CONVERT_PACKED(kv_convert_p4, KvInlinePacked, unsigned int)
-KV_CONVERT_PACKED(kv_convert_p2, KvInlinePacked, unsigned short)
-KV_CONVERT_PACKED(kv_convert_p1, KvInlinePacked, unsigned char)
-KV_CONVERT_PACKED(kv_convert_p1024_16, KvInlinePacked1024, uint4)
-KV_CONVERT_PACKED(kv_convert_p1024_8, KvInlinePacked1024, unsigned long long)
-KV_CONVERT_PACKED(kv_convert_p1024_4, KvInlinePacked1024, unsigned int)
-KV_CONVERT_PACKED(kv_convert_p1024_2, KvInlinePacked1024, unsigned short)
-KV_CONVERT_PACKED(kv_convert_p1024_1, KvInlinePacked1024, unsigned char)
-KV_CONVERT_PACKED(kv_convert_p2048_16, KvInlinePacked2048, uint4)
-KV_CONVERT_PACKED(kv_convert_p2048_8, KvInlinePacked2048, unsigned long long)
-KV_CONVERT_PACKED(kv_convert_p2048_4, KvInlinePacked2048, unsigned int)
-KV_CONVERT_PACKED(kv_convert_p2048_2, KvInlinePacked2048, unsigned short)
-KV_CONVERT_PACKED(kv_convert_p2048_1, KvInlinePacked2048, unsigned char)
-KV_CONVERT_PACKED(kv_convert_p4096_16, KvInlinePacked4096, uint4)
-KV_CONVERT_PACKED(kv_convert_p4096_8, KvInlinePacked4096, unsigned long long)
-KV_CONVERT_PACKED(kv_convert_p4096_4, KvInlinePacked4096, unsigned int)
-KV_CONVERT_PACKED(kv_convert_p4096_2, KvInlinePacked4096, unsigned short)
-KV_CONVERT_PACKED(kv_convert_p4096_1, KvInlinePacked4096, unsigned char)
+KV_CONVERT_INLINE(kv_convert_s16, KvInlineSmall, uint4, KV_NO_STEP8)
+KV_CONVERT_INLINE(kv_convert_s16_w, KvInlineSmall, uint4, KV_STEP8)
+KV_CONVERT_INLINE(kv_convert_s8, KvInlineSmall, unsigned long long, KV_NO_STEP8)
+KV_CONVERT_INLINE(kv_convert_s4, KvInlineSmall, unsigned int, KV_NO_STEP8)
+KV_CONVERT_INLINE(kv_convert_s2, KvInlineSmall, unsigned short, KV_NO_STEP8)
+KV_CONVERT_INLINE(kv_convert_s1, KvInlineSmall, unsigned char, KV_NO_STEP8)
+KV_CONVERT_INLINE(kv_convert_l16, KvInlineLarge, uint4, KV_NO_STEP8)
+KV_CONVERT_INLINE(kv_convert_l16_w, KvInlineLarge, uint4, KV_STEP8)
+KV_CONVERT_INLINE(kv_convert_l8, KvInlineLarge, unsigned long long, KV_NO_STEP8)
+KV_CONVERT_INLINE(kv_convert_l4, KvInlineLarge, unsigned int, KV_NO_STEP8)
+KV_CONVERT_INLINE(kv_convert_l2, KvInlineLarge, unsigned short, KV_NO_STEP8)
+KV_CONVERT_INLINE(kv_convert_l1, KvInlineLarge, unsigned char, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p16, KvInlinePacked, uint4, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p16_w, KvInlinePacked, uint4, KV_STEP8)
+KV_CONVERT_PACKED(kv_convert_p8, KvInlinePacked, unsigned long long, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p4, KvInlinePacked, unsigned int, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p2, KvInlinePacked, unsigned short, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p1, KvInlinePacked, unsigned char, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p1024_16, KvInlinePacked1024, uint4, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p1024_16_w, KvInlinePacked1024, uint4, KV_STEP8)
+KV_CONVERT_PACKED(kv_convert_p1024_8, KvInlinePacked1024, unsigned long long, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p1024_4, KvInlinePacked1024, unsigned int, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p1024_2, KvInlinePacked1024, unsigned short, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p1024_1, KvInlinePacked1024, unsigned char, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p2048_16, KvInlinePacked2048, uint4, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p2048_16_w, KvInlinePacked2048, uint4, KV_STEP8)
+KV_CONVERT_PACKED(kv_convert_p2048_8, KvInlinePacked2048, unsigned long long, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p2048_4, KvInlinePacked2048, unsigned int, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p2048_2, KvInlinePacked2048, unsigned short, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p2048_1, KvInlinePacked2048, unsigned char, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p4096_16, KvInlinePacked4096, uint4, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p4096_16_w, KvInlinePacked4096, uint4, KV_STEP8)
+KV_CONVERT_PACKED(kv_convert_p4096_8, KvInlinePacked4096, unsigned long long, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p4096_4, KvInlinePacked4096, unsigned int, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p4096_2, KvInlinePacked4096, unsigned short, KV_NO_STEP8)
+KV_CONVERT_PACKED(kv_convert_p4096_1, KvInlinePacked4096, unsigned char, KV_NO_STEP8)
 #endif
 "#;
 
@@ -159,6 +177,10 @@ pub const KERNEL_NAMES: [(u32, &str); 5] = [
     (2, "kv_convert_2"),
     (1, "kv_convert_1"),
 ];
+
+/// Table-pointer 16-byte entry point with the eight-wide step (pieces of at
+/// least [`super::WIDE_PIECE_BYTES`]); same arguments as `kv_convert_16`.
+pub const WIDE_KERNEL_NAME: &str = "kv_convert_16_w";
 
 /// Entry points taking the small inline table, widest first.
 pub const INLINE_SMALL_NAMES: [(u32, &str); 5] = [
@@ -227,6 +249,16 @@ pub const PACKED_TIER_NAMES: [(usize, [(u32, &str); 5]); 3] = [
         ],
     ),
 ];
+
+/// Whether pieces of `piece_bytes` copied as `width`-byte elements launch
+/// the eight-wide entry point ([`TablePlacement::wide_name`]): 16-byte
+/// elements and pieces of at least [`super::WIDE_PIECE_BYTES`]. The eight-wide
+/// step is compiled only into those entry points because its mere presence
+/// in the loop cost the HF fetch (256-byte pieces, where it never runs)
+/// 0.890 -> 0.722 of the raw copy on the H200 (bisect of 7d474c0).
+pub fn wide_piece(piece_bytes: u64, width: u32) -> bool {
+    width == 16 && piece_bytes >= super::WIDE_PIECE_BYTES
+}
 
 /// u32 entries of the packed inline table (`KvInlinePacked`, 32,512 bytes;
 /// one per block).
@@ -319,6 +351,21 @@ impl TablePlacement {
             Self::InlinePacked4096 => Some(4096),
             Self::InlinePacked => Some(INLINE_PACKED_ENTRIES),
             _ => None,
+        }
+    }
+
+    /// The 16-byte entry point of this placement with the eight-wide step
+    /// (`KV_STEP8`), launched when [`super::LaunchGeometry::wide`] is set;
+    /// the entries of [`TablePlacement::names`] run the four-wide loop only.
+    pub fn wide_name(self) -> &'static str {
+        match self {
+            Self::InlineSmall => "kv_convert_s16_w",
+            Self::InlineLarge => "kv_convert_l16_w",
+            Self::InlinePacked => "kv_convert_p16_w",
+            Self::InlinePacked1024 => "kv_convert_p1024_16_w",
+            Self::InlinePacked2048 => "kv_convert_p2048_16_w",
+            Self::InlinePacked4096 => "kv_convert_p4096_16_w",
+            Self::Device => WIDE_KERNEL_NAME,
         }
     }
 
@@ -415,6 +462,23 @@ mod tests {
             for (_, n) in names {
                 assert!(CONVERT_KERNEL_SRC.contains(&format!("({n},")), "{n}");
             }
+        }
+        for p in [
+            TablePlacement::InlineSmall,
+            TablePlacement::InlineLarge,
+            TablePlacement::InlinePacked,
+            TablePlacement::InlinePacked1024,
+            TablePlacement::InlinePacked2048,
+            TablePlacement::InlinePacked4096,
+            TablePlacement::Device,
+        ] {
+            let (four, wide) = (p.names()[0].1, p.wide_name());
+            assert_eq!(wide, format!("{four}_w"), "{p:?}");
+            let line = CONVERT_KERNEL_SRC
+                .lines()
+                .find(|l| l.contains(&format!("({wide},")))
+                .unwrap_or_else(|| panic!("no {wide}"));
+            assert!(line.ends_with("uint4, KV_STEP8)"), "{line}");
         }
     }
 }

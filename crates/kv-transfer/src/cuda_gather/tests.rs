@@ -133,7 +133,8 @@ fn geometry_picks_width_from_alignment_and_small_grids_for_small_fetches() {
     let p = ConvertPlan::from_runs(&runs(1024, 65536), 65536, 1 << 28, 1 << 28).unwrap();
     let g = p.geometry(0x7f00_0000_0000, 0x7e00_0000_0000, 132);
     assert_eq!((g.width, g.piece_elems, g.group_shift), (16, 4096, 8));
-    assert_eq!((g.grid_x, g.kernel_name()), (1024, "kv_convert_16"));
+    assert_eq!((g.grid_x, g.kernel_name()), (1024, "kv_convert_16_w"));
+    assert!(g.wide);
     // A base 4 bytes off 16 drops to 4-byte elements.
     assert_eq!(p.geometry(0x7f00_0000_0004, 0, 132).width, 4);
     // 7 x 32 KiB: 56 pieces of 4 KiB, 64 lanes each, 4 groups per CTA.
@@ -147,6 +148,60 @@ fn geometry_picks_width_from_alignment_and_small_grids_for_small_fetches() {
     let g = p.geometry(0, 0, 132);
     assert_eq!((g.width, g.piece_elems, g.group_shift), (16, 1024, 7));
     assert_eq!((g.grid_x, g.threads), (1056, 256));
+    assert_eq!(g.kernel_name(), "kv_convert_16_w");
+    // The same rows 8 bytes off 16: four-wide entry, a quarter per lane.
+    let g = p.geometry(8, 0, 132);
+    assert_eq!((g.width, g.wide, g.group_shift), (8, false, 8));
+}
+
+/// The line of [`CONVERT_KERNEL_SRC`] that defines entry point `name`.
+fn entry_line(name: &str) -> &'static str {
+    let needle = format!("({name},");
+    CONVERT_KERNEL_SRC
+        .lines()
+        .find(|l| l.starts_with("KV_CONVERT") && l.contains(&needle))
+        .unwrap_or_else(|| panic!("no entry point {name}"))
+}
+
+#[test]
+fn hf_rows_launch_an_entry_point_without_the_eight_wide_step() {
+    // H200 bisect: compiling the eight-wide step into every entry point
+    // (7d474c0) took 8B -> HF at token 48 from 0.890 to 0.722 of the raw
+    // copy, though for 256-byte rows it never runs; vLLM (32 KiB pieces)
+    // and block-major (64 KiB) rows gained from it.
+    let g = geom_8b();
+    let bb = g.rank_block_bytes() as u64;
+    let donor = KvRegionLayout::block_major(g, 0, 0, 1024, 1024 * bb).unwrap();
+    let max_tokens = 48 + 512 * 16;
+    let hf_layer = 2 * 8 * max_tokens * 128 * 2;
+    let hf = KvRegionLayout::hf_tokens(g, 0, 0, hf_layer, 1, 0, max_tokens, 48, 512, 32 * hf_layer)
+        .unwrap();
+    let moves: Vec<(u32, u32)> = (0..512).map(|i| (2 * i + 1, i)).collect();
+    let p = ConvertPlan::new(&donor, &hf, &moves).unwrap();
+    let geo = p.geometry(0, 1 << 40, 132);
+    // Swept geometry: 16 elements of 16 bytes, 4 lanes of 4, four-wide.
+    assert_eq!((geo.width, geo.piece_elems, geo.group_shift), (16, 16, 2));
+    assert!(!geo.wide);
+    assert_eq!(geo.kernel_name(), "kv_convert_16");
+    // 512 blocks with 16-bit ids: the 4 KiB packed tier's 16-byte entry.
+    let placement = TablePlacement::for_blocks(512, true, p.packed().is_some());
+    assert_eq!(placement, TablePlacement::InlinePacked1024);
+    let name = placement.names()[0].1;
+    assert_eq!(name, "kv_convert_p1024_16");
+    assert!(entry_line(name).ends_with(", KV_NO_STEP8)"), "{name}");
+    // The shared loop itself holds no eight-wide step.
+    let lp = CONVERT_KERNEL_SRC.split("#define KV_LOOP(").nth(1).unwrap();
+    let lp = &lp[..lp.find("\n\n").unwrap()];
+    assert!(!lp.contains("7u * G"), "KV_LOOP steps eight wide");
+    assert!(entry_line(placement.wide_name()).ends_with(", KV_STEP8)"));
+    // vLLM per-layer: 32 KiB pieces take the eight-wide entry.
+    let slab = 16 * 8 * 128 * 2;
+    let layer = 2 * 512 * slab;
+    let v = KvRegionLayout::vllm_kv_first(g, 0, 0, layer, 512, 32 * layer).unwrap();
+    let geo = ConvertPlan::new(&donor, &v, &moves)
+        .unwrap()
+        .geometry(0, 1 << 40, 132);
+    assert_eq!((geo.piece_elems, geo.wide), (2048, true));
 }
 
 #[test]
@@ -238,4 +293,21 @@ fn tuning_sets_cta_size_grid_cap_and_piece_split() {
     odd[700].dst_offset += (4 << 20) + 8;
     let o = ConvertPlan::from_runs(&odd, 1 << 16, 1 << 27, 1 << 27).unwrap();
     assert_eq!(o.geometry(1 << 40, 1 << 41, 132).width, 8);
+}
+
+#[test]
+fn gpu_placement_shapes_with_16_kib_pieces_launch_wide() {
+    // The shapes `every_table_placement_lands_every_byte_on_the_gpu` runs
+    // to reach each placement's `_w` entry point.
+    for (heads, n) in [(8, 128u32), (8, 129), (1, 1025), (1, 9000)] {
+        let g = KvLayout::new(2, heads, 128, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+        let bb = g.rank_block_bytes() as u64;
+        let slots = 2 * n + 1;
+        let donor = KvRegionLayout::block_major(g, 0, 0, slots, u64::from(slots) * bb).unwrap();
+        let target = KvRegionLayout::block_major(g, 0, 0, n, u64::from(n) * bb).unwrap();
+        let moves: Vec<(u32, u32)> = (0..n).map(|i| (2 * (n - i) - 1, i)).collect();
+        let p = ConvertPlan::new(&donor, &target, &moves).unwrap();
+        let geo = p.geometry(0, 0, 132);
+        assert_eq!((p.pieces().piece_bytes, geo.wide), (16 << 10, true), "{n}");
+    }
 }
