@@ -497,6 +497,12 @@ fn lookup_locked(
     meter: &mut Meter<'_>,
     baseline: &mut TargetBaseline,
 ) -> Result<DonorMatch, NoDonorReason> {
+    // The first index probe of every group is a likely DRAM miss on the
+    // slot of the root hash: start it now, so that it overlaps the target's
+    // map lookup and donor-mask search instead of following them.
+    for table in &st.groups {
+        table.prefetch(hashes[0]);
+    }
     let Some(&target_slot) = st.by_engine.get(&target) else {
         return Err(NoDonorReason::UnknownTarget(target));
     };
