@@ -219,6 +219,8 @@ class PreallocCache(DynamicCache):
         super().__init__()
         self.headroom = headroom
         self.arena: Optional[torch.Tensor] = None
+        # Set by :meth:`pin`: a fetch target maps the arena, so it must never move.
+        self.pinned = False
         self.layers = [PreallocLayer(self, i) for i in range(num_layers)]
         if capacity:
             if like is None:
@@ -235,6 +237,10 @@ class PreallocCache(DynamicCache):
         """Capacity for at least ``tokens`` tokens (plus the headroom unless ``exact``), rounded up to :data:`QUANTUM`."""
         if self.arena is not None and tokens <= self.arena.shape[4]:
             return
+        if self.pinned:
+            # A kv_reuse.Target holds device pointers into the arena: a new
+            # arena would leave its next fetch writing into freed memory.
+            raise EngineError("capacity", f"{tokens} tokens past the pinned arena's {self.capacity()}")
         want = tokens if exact else tokens + self.headroom
         cap = -(-want // QUANTUM) * QUANTUM
         arena = torch.empty((len(self.layers), 2, like.shape[0], like.shape[1], cap, like.shape[3]), dtype=like.dtype, device=like.device)
@@ -268,6 +274,32 @@ class PreallocCache(DynamicCache):
         """Declares the first ``n`` tokens of every layer's buffers the cache's content."""
         for layer in self.layers:
             layer.set_length(n)
+
+    def pin(self) -> None:
+        """Fixes the arena in place: growth past :meth:`capacity` then raises ``EngineError("capacity", ...)``.
+
+        For a cache whose :meth:`buffers` a fetch target writes into
+        (``transport.CacheLanding``); refuses an unallocated cache.
+        """
+        if self.arena is None:
+            raise EngineError("capacity", "nothing allocated to pin")
+        self.pinned = True
+
+
+def load_prefix(dst: PreallocCache, src: DynamicCache, tokens: int, first: int = 0) -> None:
+    """Copies tokens ``first .. tokens`` of ``src`` into ``dst``'s buffers, then ``dst`` holds ``tokens`` tokens.
+
+    Tokens below ``first`` are ``dst``'s own (already there). The warm
+    regime's prefill puts its own cached prefix under a pinned landing arena
+    this way. Raises ``EngineError("tokens", ...)`` past ``src``'s length or
+    ``dst``'s capacity.
+    """
+    if not 0 <= first <= tokens <= min(cache_len(src), dst.capacity()):
+        raise EngineError("tokens", f"{first}..{tokens} not within {cache_len(src)} held and {dst.capacity()} capacity")
+    for (kb, vb), (k, v) in zip(dst.buffers(), layer_kv(src)):
+        kb[:, :, first:tokens].copy_(k[:, :, first:tokens])
+        vb[:, :, first:tokens].copy_(v[:, :, first:tokens])
+    dst.set_length(tokens)
 
 
 def build_model(name: str, device: str, seed: int = 0) -> LlamaForCausalLM:

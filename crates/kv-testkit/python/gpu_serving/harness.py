@@ -429,6 +429,9 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
         "router": "in-process kv_reuse.Router (the wheel), cost model deciding",
         "transport": transports,
         "transport_path": TRANSPORT_PATH[a.transport],
+        # Where the prefill's fetches land: "cache" (the engine's own KV cache, HF
+        # layout, converted inside the copy) or "rows" (block-major rows, re-laid).
+        "landing": ph.get("landing", "rows"),
         "turns": turns,
         "buckets": buckets,
         # Median per phase of the reported (minimum) samples of later turns

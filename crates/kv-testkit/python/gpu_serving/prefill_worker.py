@@ -4,17 +4,21 @@ Three ways to produce a turn's first token, each one request (the harness
 times it from send to reply):
 
 - ``off``: full prefill of the prompt (reuse disabled; every prefix recomputed).
-- ``on``: ``kv_reuse.Target.fetch`` of the hinted blocks into this worker's
-  KV rows (``transport.Landing``: a CUDA tensor of its own over CUDA IPC on
-  the ``cuda`` transport, its host rows copied to the device on ``host``),
-  laid into the engine's preallocated cache on the device, then the suffix
-  prefill. A fetch that falls back (``FetchFellBack``) or is not advised
-  recomputes the whole prompt, inside the timed request.
+- ``on``: ``kv_reuse.Target.fetch`` of the hinted blocks, then the suffix
+  prefill. Where they land (``landing``): ``cache`` (default on the ``cuda``
+  transport) straight into the engine's preallocated KV cache, at their
+  token positions (``transport.CacheLanding``, the wheel's ``kv_layout="hf"``:
+  the copy converts the layout, nothing is re-laid afterwards); ``rows``
+  (the ``host`` transport, or asked for) into block-major rows of the
+  worker's own (``transport.Landing``), then re-laid into a cache
+  (``relayout`` phase). A fetch that falls back (``FetchFellBack``) or is not
+  advised recomputes the whole prompt, inside the timed request.
 - ``ideal``: the same suffix prefill on the fetched KV already resident on the
-  device (kept from the preceding ``on``), re-layout included.
+  device (kept from the preceding ``on``): in the landing cache as it is
+  (``cache``), or re-laid from the kept rows (``rows``).
 
-``transport.Landing.land`` is the only code that turns a ``FetchOutcome`` into
-device rows.
+``transport.Landing.land`` / ``CacheLanding.land`` are the only code that turns
+a ``FetchOutcome`` into KV the engine reads.
 """
 
 from __future__ import annotations
@@ -29,28 +33,45 @@ import torch
 from . import engine, rpc, transport
 from .decode_worker import EngineWorker, _bits, _device_bytes
 
+LANDINGS = ("cache", "rows")
+
+# Tokens a landing cache holds past its target's rows: the 16-token greedy
+# continuation of an ``on`` writes past the prompt in the same (pinned) arena.
+GREEDY_HEADROOM = 1024
+
 
 class PrefillWorker(EngineWorker):
     """Requests: ``hello``, ``off``, ``on``, ``ideal``, ``greedy``, ``stats``."""
 
     def __init__(self, cfg: Dict[str, Any]) -> None:
         super().__init__(cfg)
-        kv_reuse = self.kv
-        self.landing = transport.Landing(kv_reuse, self.layout, cfg["target_rows"], self.device, self.transport)
+        self.landing_kind = cfg.get("landing") or ("cache" if self.transport == "cuda" else "rows")
+        if self.landing_kind not in LANDINGS:
+            raise engine.EngineError("landing", f"unknown {self.landing_kind!r}, expected one of {list(LANDINGS)}")
+        self.landing = self._landing(cfg["target_rows"])
         self.target = self.landing.target
         # The warm regime's target: another engine to the router (its held
-        # blocks come from prefix_events), its own destination rows.
-        self.warm_landing = (
-            transport.Landing(kv_reuse, self.layout, cfg["target_rows"], self.device, self.transport) if cfg.get("warm") else None
-        )
+        # blocks come from prefix_events), its own destination.
+        self.warm_landing = self._landing(cfg["target_rows"]) if cfg.get("warm") else None
         self.warm: Dict[str, Any] = {}
         self.warm_next: Dict[str, Any] = {}
-        self.resident: Optional[torch.Tensor] = None
-        self.fetched: Optional[torch.Tensor] = None  # the last on / warm_on's used rows, for fetched_checksums
+        # What the last ``on`` left for ``ideal``: its rows (``rows``), or the
+        # tokens it landed in the landing cache (``cache``).
+        self.resident: Optional[Any] = None
+        # The last on / warm_on's used blocks, for fetched_checksums: rows, or
+        # (cache, first block, blocks).
+        self.fetched: Optional[Any] = None
         self.last: Optional[engine.PrefillResult] = None  # for ``greedy``, untimed
-        self.leaks_at_start = kv_reuse.leak_counters()
+        self.leaks_at_start = self.kv.leak_counters()
         self.fds_rebased = False
         self.fds_at_first_fetch: Optional[int] = None
+
+    def _landing(self, rows: int):
+        """A target of ``rows`` blocks landing as ``self.landing_kind`` says."""
+        if self.landing_kind == "rows":
+            return transport.Landing(self.kv, self.layout, rows, self.device, self.transport)
+        cache = engine.PreallocCache.for_shape(self.shape, rows * self.tpb + GREEDY_HEADROOM, self.device)
+        return transport.CacheLanding(self.kv, self.layout, cache, rows, self.device, self.transport)
 
     def op_hello(self) -> Dict[str, Any]:
         return {
@@ -59,6 +80,7 @@ class PrefillWorker(EngineWorker):
             "weights_checksum": engine.weights_checksum(self.model),
             "device_bytes": _device_bytes(self.device),
             "build_s": self.build_s,
+            "landing": self.landing_kind,
         }
 
     def _first(self, r: engine.PrefillResult) -> Dict[str, Any]:
@@ -97,7 +119,10 @@ class PrefillWorker(EngineWorker):
 
     def _fetch(self, landing: transport.Landing, hint: bytes, hashes: List[int], manifest: Optional[bytes],
                held_blocks: int, kill_donor: Optional[int] = None):
-        """Fetches the hinted blocks into ``landing``: (rows or None, fetch fields, fell_back, fetch_from).
+        """Fetches the hinted blocks into ``landing``: (landed or None, fetch fields, fell_back, fetch_from).
+
+        ``landed``: the fetched rows (``transport.Landing``) or the number of
+        blocks now in the landing cache (``transport.CacheLanding``).
 
         ``held_blocks``: the blocks this worker holds of the prompt (0 in
         churn); a hint starting past them is refused. ``kill_donor``: a donor
@@ -133,35 +158,44 @@ class PrefillWorker(EngineWorker):
         self.resident = None
         fetch: Dict[str, Any] = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
         fell_back: Optional[List[str]] = None
-        rows = None
+        landed = None
         if hint is not None:
-            rows, fetch, fell_back, _ = self._fetch(self.landing, hint, hashes, manifest, 0, kill_donor)
+            landed, fetch, fell_back, _ = self._fetch(self.landing, hint, hashes, manifest, 0, kill_donor)
         fetch_ms = sw.lap("fetch")
         f = fetch["fetched_tokens"]
-        if rows is not None and f >= len(prompt):
+        if landed is not None and f >= len(prompt):
             # At least one token must be computed for a first token: drop the last block.
             f -= self.tpb
-            rows = rows[:-1]
             fetch["fetched_tokens"] = f
-        if rows is not None and f > 0:
-            cache = engine.cache_from_blocks(rows, self.shape, self.tpb)
-            sw.lap("relayout")
+            if not isinstance(landed, int):
+                landed = landed[:-1]
+        if landed is not None and f > 0:
+            if isinstance(landed, int):
+                cache = self.landing.cache
+                cache.set_length(f)  # the fetch wrote tokens 0 .. f in place
+                self.resident = self.fetched = (cache, 0, f // self.tpb)
+            else:
+                cache = engine.cache_from_blocks(landed, self.shape, self.tpb)
+                sw.lap("relayout")
+                self.resident = self.fetched = landed
             r = engine.prefill(self.model, prompt[f:], cache, sw=sw)
         else:
             f = fetch["fetched_tokens"] = 0
+            self.fetched = None
             r = engine.prefill(self.model, prompt, sw=sw)
         ms = sw.stop()
-        self.resident = rows if f > 0 else None
         # Checksums are not part of a TTFT: the harness asks for them in a
         # separate, untimed ``fetched_checksums`` (they cost tens of ms at 8K
         # when they were computed before this reply went out).
-        self.fetched = rows if f > 0 else None
         return {"worker_ms": ms, "fetch_ms": fetch_ms, "phases_ms": sw.phases, "fell_back": fell_back, **fetch, **self._first(r)}
 
     def op_fetched_checksums(self) -> Dict[str, Any]:
         """``engine.block_checksums`` of the blocks the last ``on`` / ``warm_on`` used (``[]`` when none); untimed."""
-        rows, self.fetched = self.fetched, None
-        return {"checksums": engine.block_checksums(rows) if rows is not None and rows.shape[0] > 0 else []}
+        got, self.fetched = self.fetched, None
+        if isinstance(got, tuple):
+            cache, first, n = got
+            got = engine.to_blocks(cache, first, n, self.tpb) if n > 0 else None
+        return {"checksums": engine.block_checksums(got) if got is not None and got.shape[0] > 0 else []}
 
     # The warm regime: this worker keeps, per session, the KV it computed for
     # the session's last prompt (its native prefix cache), and a second
@@ -177,12 +211,18 @@ class PrefillWorker(EngineWorker):
         if got is None:
             return None, 0
         toks, cache = got
-        held = min(len(toks), len(prompt) - 1)
-        while held > 0 and toks[:held] != prompt[:held]:
-            held -= 1  # not expected: a session's prompt extends its last one
+        held = self._held(toks, prompt)
         if held == 0:
             return None, 0
         return engine.cropped(cache, held), held
+
+    @staticmethod
+    def _held(toks: List[int], prompt: List[int]) -> int:
+        """Tokens of ``prompt`` a cached ``toks`` holds (its common prefix, at most ``len(prompt) - 1``)."""
+        held = min(len(toks), len(prompt) - 1)
+        while held > 0 and toks[:held] != prompt[:held]:
+            held -= 1  # not expected: a session's prompt extends its last one
+        return held
 
     def op_warm_off(self, session: str, prompt: List[int]) -> Dict[str, Any]:
         """Reuse off, warm: prefill what this worker's own prefix cache lacks; the result becomes the cache."""
@@ -198,28 +238,52 @@ class PrefillWorker(EngineWorker):
     def op_warm_on(self, session: str, prompt: List[int], hint: Optional[bytes], hashes: List[int],
                    manifest: Optional[bytes]) -> Dict[str, Any]:
         """Reuse on, warm: the advised fetch (only the blocks past what this worker holds), then the rest."""
-        base, held = self._warm_base(session, prompt)
+        cache_landing = self.landing_kind == "cache"
+        if cache_landing:
+            # Untimed, like _warm_base's copy: this worker's own cached prefix
+            # goes under the landing cache (a real engine's prefix cache is
+            # already there); the fetch then lands after (or over) it.
+            got = self.warm.get(session)
+            own, held = (got[1], self._held(got[0], prompt)) if got is not None else (None, 0)
+            cache = self.warm_landing.cache
+            if held:
+                engine.load_prefix(cache, own, held)
+            else:
+                cache.set_length(0)
+            base = cache
+        else:
+            base, held = self._warm_base(session, prompt)
         engine.sync(self.device)
         sw = engine.Stopwatch(self.device)
-        rows, fetch, fell_back, start = None, {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}, None, 0
+        landed, fetch, fell_back, start = None, {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}, None, 0
         if hint is not None:
-            rows, fetch, fell_back, start = self._fetch(self.warm_landing, hint, hashes, manifest, held // self.tpb)
+            landed, fetch, fell_back, start = self._fetch(self.warm_landing, hint, hashes, manifest, held // self.tpb)
         fetch_ms = sw.lap("fetch")
-        n = rows.shape[0] if rows is not None else 0
+        n = 0 if landed is None else landed if isinstance(landed, int) else landed.shape[0]
         if n and (start + n) * self.tpb >= len(prompt):
-            n = (len(prompt) - 1) // self.tpb - start  # at least one token computed
-            rows = rows[: max(n, 0)]
-        if rows is not None and n > 0:
-            cache = engine.extended(base, start * self.tpb, engine.from_blocks(rows, self.shape, self.tpb)) if start else \
-                engine.cache_from_blocks(rows, self.shape, self.tpb)
+            n = max((len(prompt) - 1) // self.tpb - start, 0)  # at least one token computed
+            if not isinstance(landed, int):
+                landed = landed[:n]
+        if landed is not None and n > 0:
             f = (start + n) * self.tpb
-            sw.lap("relayout")
+            if cache_landing:
+                cache.set_length(f)  # own tokens 0 .. start*T, fetched ones after, in place
+            else:
+                cache = engine.extended(base, start * self.tpb, engine.from_blocks(landed, self.shape, self.tpb)) if start else \
+                    engine.cache_from_blocks(landed, self.shape, self.tpb)
+                sw.lap("relayout")
         else:
+            if cache_landing and hint is not None and held:
+                # A fetch that fell back, was refused or is not used may have
+                # written over own tokens (from its fetch_from on; unknown
+                # after a fallback): put them back before they are read.
+                engine.load_prefix(cache, own, held, first=min(start * self.tpb, held) if landed is not None else 0)
             cache, f, n = base, held, 0
-        r = engine.prefill(self.model, prompt[f:], cache, sw=sw)
+        r = engine.prefill(self.model, prompt[f:], cache if held or n else None, sw=sw)
         ms = sw.stop()
         fetch["fetched_tokens"] = n * self.tpb
-        self.fetched = rows if n > 0 else None  # checksummed by fetched_checksums, untimed
+        # Checksummed by fetched_checksums, untimed.
+        self.fetched = None if n == 0 else (cache, start, n) if cache_landing else landed
         return {
             "worker_ms": ms, "fetch_ms": fetch_ms, "phases_ms": sw.phases, "fell_back": fell_back, "held_tokens": held,
             "fetch_from": start, **fetch, "first_token": r.first_token, "logits": _bits(r.logits),
@@ -232,16 +296,26 @@ class PrefillWorker(EngineWorker):
         return {"tokens": len(toks)}
 
     def op_ideal(self, prompt: List[int]) -> Dict[str, Any]:
-        """Suffix prefill on the KV the preceding ``on`` left resident; refuses without it."""
+        """Suffix prefill on the KV the preceding ``on`` left resident; refuses without it.
+
+        ``cache`` landing: the landing cache as the ``on`` left it (its tokens
+        0 .. f untouched since; the suffix and any greedy tokens after them are
+        overwritten). ``rows``: re-laid from the kept rows (``relayout`` phase).
+        """
         if self.resident is None:
             raise engine.EngineError("resident", "no fetched KV resident (the preceding on fell back)")
-        f = self.resident.shape[0] * self.tpb
+        got, self.resident = self.resident, None
         sw = engine.Stopwatch(self.device)
-        cache = engine.cache_from_blocks(self.resident, self.shape, self.tpb)
-        sw.lap("relayout")
+        if isinstance(got, tuple):
+            cache, _, blocks = got
+            f = blocks * self.tpb
+            cache.set_length(f)
+        else:
+            f = got.shape[0] * self.tpb
+            cache = engine.cache_from_blocks(got, self.shape, self.tpb)
+            sw.lap("relayout")
         r = engine.prefill(self.model, prompt[f:], cache, sw=sw)
         ms = sw.stop()
-        self.resident = None
         return {"worker_ms": ms, "phases_ms": sw.phases, "first_token": r.first_token, "logits": _bits(r.logits)}
 
     def _steady_fds(self) -> None:

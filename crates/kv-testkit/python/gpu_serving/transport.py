@@ -4,11 +4,13 @@ Two transports, picked with the harness's ``--transport``:
 
 - ``cuda`` (GPU default): the decode worker's ``kv_reuse.DonorBank`` is device
   memory on its GPU (``gpus=[ordinal]``, exported over CUDA IPC) and the
-  prefill worker's ``kv_reuse.Target`` lands the fetched blocks straight into a
-  CUDA tensor of its own (``kv_caches=[tensor]``, ``gpus=[ordinal]``): a device
-  to device copy, ``FetchOutcome.host_payload_bytes == 0``. The engine then
-  re-lays those rows into its ``DynamicCache`` on the GPU (torch view / permute,
-  no host copy).
+  prefill worker's ``kv_reuse.Target`` lands the fetched blocks on its device:
+  a device to device copy, ``FetchOutcome.host_payload_bytes == 0``. Either
+  straight into the engine's KV cache at their token positions
+  (:class:`CacheLanding`, ``kv_layout="hf"``: the gather kernel converts the
+  layout inside the copy; the prefill worker's default), or into block-major
+  rows of a CUDA tensor of its own (:class:`Landing`), which the engine then
+  re-lays into its cache (torch view / permute, no host copy).
 - ``host`` (CPU tests, and the older measurement): the bank is host shared
   memory and the target fetches into its own host rows (``read_row``), copied
   through a pinned staging tensor onto the engine's device.
@@ -150,3 +152,49 @@ class Landing:
         for i, row in enumerate(rows):
             self.staging[i].numpy().view(np.uint8)[:] = np.frombuffer(self.target.read_row(0, row), dtype=np.uint8)
         return self.staging[:n].to(self.device, non_blocking=True)
+
+
+class CacheLanding:
+    """A ``kv_reuse.Target`` whose fetches land straight in the engine's KV cache (``kv_layout="hf"``).
+
+    ``cache`` is an allocated ``engine.PreallocCache`` on the CUDA device
+    ``device``: its arena ``[L, 2, 1, H, capacity, D]`` bf16 is the target's
+    destination, per layer K and V views ``[1, H, capacity, D]`` (one K-to-V
+    distance in every layer, as the wheel's "hf" layout requires); block ``b``
+    of a fetch lands at tokens ``b*T .. (b+1)*T``, converted from the donor's
+    block-major rows inside the copy (no re-layout afterwards, no host
+    payload). The cache is pinned here: it never reallocates while the target
+    maps it. ``rows`` blocks of ``T`` tokens must fit its capacity.
+
+    Raises ``TransportError("transport", ...)`` off the ``cuda`` transport
+    (a host target cannot write device memory) and
+    ``TransportError("rows", ...)`` when ``rows * T`` tokens exceed the cache.
+    """
+
+    def __init__(self, kv: Any, layout: Any, cache: Any, rows: int, device: str, transport: str) -> None:
+        gpu = ordinal(device, transport)
+        if gpu is None:
+            raise TransportError("transport", "landing in the engine cache needs the cuda transport (device memory)")
+        t = layout.tokens_per_block
+        if rows * t > cache.capacity():
+            raise TransportError("rows", f"{rows} blocks of {t} tokens exceed the cache's {cache.capacity()} tokens")
+        self.device = device
+        self.transport = transport
+        self.cache = cache
+        cache.pin()
+        views = [DlpackView(b) for k, v in cache.buffers() for b in (k, v)]
+        # Writes queued on the arena (its allocation) land before the wheel maps it.
+        torch.cuda.synchronize(device)
+        self.target = kv.Target(layout, rows=rows, kv_caches=[views], gpus=[gpu], kv_layout="hf")
+
+    def land(self, out: Any) -> int:
+        """The blocks ``out`` (a ``FetchOutcome``) landed, already at tokens ``fetch_from*T ..`` of the cache.
+
+        Raises ``TransportError("rows", ...)`` when the target did not put
+        them at their prompt positions (then the cache does not hold them).
+        """
+        rows: List[int] = list(out.rows)
+        start = out.fetch_from
+        if rows != list(range(start, start + len(rows))):
+            raise TransportError("rows", f"landed at blocks {rows[:4]}..., not at prompt positions from {start}")
+        return len(rows)

@@ -136,6 +136,7 @@ def _fake_kv_reuse() -> types.ModuleType:
         def __init__(self, layers, heads, dim, dtype, tpb, tp):
             super().__init__(layers, heads, dim, dtype, tpb, tp)
             self.rank_block_elems = layers * 2 * tpb * heads * dim
+            self.tokens_per_block = tpb
 
     m.Layout = Layout
     class DonorBank(Opened):

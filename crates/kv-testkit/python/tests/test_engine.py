@@ -172,3 +172,31 @@ def test_cache_from_blocks_equals_the_two_step_relayout(models):
     with pytest.raises(engine.EngineError) as e:
         engine.cache_from_blocks(rows[:, :5], s, B)
     assert e.value.field == "rows"
+
+
+def test_pinned_cache_never_moves_and_load_prefix_copies_only_its_range(models):
+    donor, _ = models
+    rng = random.Random(5)
+    r = engine.prefill(donor, tokens(rng, 3 * B + 5))
+    c = engine.PreallocCache.for_shape(engine.shape("tiny"), 64, "cpu")
+    c.pin()
+    arena = c.arena
+    engine.load_prefix(c, r.cache, 40)
+    assert engine.cache_len(c) == 40
+    for (k, v), (k0, v0) in zip(engine.layer_kv(c), engine.layer_kv(r.cache)):
+        assert torch.equal(k, k0[:, :, :40]) and torch.equal(v, v0[:, :, :40])
+    # first=10: tokens below it are the destination's own, left as they are.
+    for kb, vb in c.buffers():
+        kb.zero_(), vb.zero_()
+    engine.load_prefix(c, r.cache, 40, first=10)
+    (kb, _), (k0, _) = c.buffers()[0], engine.layer_kv(r.cache)[0]
+    assert not kb[:, :, :10].any() and torch.equal(kb[:, :, 10:40], k0[:, :, 10:40])
+    # A suffix prefill writes in place; growth past the pinned arena is refused and it stays put.
+    engine.prefill(donor, tokens(rng, 8), c)
+    assert engine.cache_len(c) == 48 and c.arena is arena
+    with pytest.raises(engine.EngineError) as e:
+        c.reserve(c.capacity() + 1)
+    assert e.value.field == "capacity" and c.arena is arena
+    with pytest.raises(engine.EngineError) as e:
+        engine.load_prefix(c, r.cache, engine.cache_len(r.cache) + 1)
+    assert e.value.field == "tokens"

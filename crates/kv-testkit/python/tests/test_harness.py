@@ -72,6 +72,34 @@ def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
     assert k["ok"] and k["first_token_produced"] and k["fell_back"] and k["prefill_leaks_grown"] == {}
 
 
+def test_tiny_cuda_run_lands_fetches_in_the_engine_cache(tmp_path):
+    """The cuda transport end to end on the tiny model: fetches land in the
+    prefill's own KV cache (kv_layout="hf"), no re-layout phase, no host
+    payload, every fetched block's checksum and the first-token logits equal
+    to the donor's, in churn and warm alike; nothing leaks."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("SKIP cuda landing: no CUDA device")
+    out = tmp_path / "r.json"
+    argv = ["--model", "tiny", "--prefill-device", "cuda:0", "--decode-device", "cuda:0", "--tokens-per-block", "16",
+            "--transport", "cuda", "--out", str(out), "--sessions", "4", "--turns", "3", "--history-max", "1024",
+            "--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--greedy-every", "2", "--repeats", "2"]
+    assert harness.main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["landing"] == "cache" and r["host_payload_bytes"] == 0
+    fetched = [t for t in r["turns"] if t["fetched_tokens"] > 0]
+    assert fetched, "the cost model admitted no fetch: nothing was checked"
+    assert all(t["checksums_equal"] and t["logits_bit_equal_to_donor"] for t in fetched)
+    for t in fetched:
+        assert "relayout" not in t["on_phases_ms"] and "relayout" not in t["ideal_phases_ms"]
+    warm = [t["warm"] for t in r["turns"] if t.get("warm", {}).get("fetched_tokens", 0) > 0]
+    assert all(w["checksums_equal"] for w in warm)
+    assert r["false_completions"] == 0 and r["leaks"] == 0
+    k = r["donor_kill"]
+    assert k["ok"] and k["first_token_produced"] and k["fell_back"] and k["prefill_leaks_grown"] == {}
+
+
 def test_missing_cuda_device_skips_with_reason(tmp_path, capsys):
     import torch
 

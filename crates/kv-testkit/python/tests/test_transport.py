@@ -74,6 +74,55 @@ def test_land_gives_the_fetched_rows_in_prefix_order_without_leaving_the_device(
     assert landing.land(types.SimpleNamespace(rows=[])).shape == (0, ELEMS)
 
 
+class FakeCache:
+    """What CacheLanding reads of an engine.PreallocCache: capacity, pin, per-layer (K, V) buffers."""
+
+    def __init__(self, torch, layers, capacity):
+        self.cap, self.pinned = capacity, False
+        self.kv = [(torch.zeros((1, 2, capacity, 16), dtype=torch.bfloat16, device="cuda:0"),
+                    torch.zeros((1, 2, capacity, 16), dtype=torch.bfloat16, device="cuda:0")) for _ in range(layers)]
+
+    def capacity(self):
+        return self.cap
+
+    def pin(self):
+        self.pinned = True
+
+    def buffers(self):
+        return self.kv
+
+
+def test_cache_landing_hands_the_engine_cache_over_as_hf_views_and_pins_it(mods):
+    kv, t = mods.kv, mods.transport
+    cache = FakeCache(mods.torch, 2, 8 * 16 + 1024)
+    landing = t.CacheLanding(kv, layout(kv), cache, 8, "cuda:0", "cuda")
+    k = landing.target.kwargs
+    assert k["kv_layout"] == "hf" and k["rows"] == 8 and k["gpus"] == [0]
+    (views,) = k["kv_caches"]
+    # K0, V0, K1, V1: every layer's buffers, DLPack only, the cache's own tensors.
+    assert [v.tensor for v in views] == [b for pair in cache.kv for b in pair]
+    assert all(isinstance(v, t.DlpackView) for v in views)
+    assert cache.pinned  # it must never reallocate under the target
+    assert mods.torch.cuda.synced == ["cuda:0"]
+    # Blocks landed at their prompt positions: their count; anywhere else: refused.
+    assert landing.land(types.SimpleNamespace(rows=[3, 4, 5], fetch_from=3)) == 3
+    assert landing.land(types.SimpleNamespace(rows=[], fetch_from=0)) == 0
+    with pytest.raises(t.TransportError) as e:
+        landing.land(types.SimpleNamespace(rows=[0, 1], fetch_from=2))
+    assert e.value.field == "rows"
+
+
+def test_cache_landing_refuses_the_host_transport_and_a_cache_too_small(mods):
+    kv, t = mods.kv, mods.transport
+    with pytest.raises(t.TransportError) as e:
+        t.CacheLanding(kv, layout(kv), FakeCache(mods.torch, 2, 4096), 8, "cpu", "host")
+    assert e.value.field == "transport"
+    small = FakeCache(mods.torch, 2, 8 * 16 - 1)
+    with pytest.raises(t.TransportError) as e:
+        t.CacheLanding(kv, layout(kv), small, 8, "cuda:0", "cuda")
+    assert e.value.field == "rows" and not small.pinned
+
+
 def test_store_source_hands_cuda_rows_over_as_bf16_dlpack_and_host_rows_as_uint16(mods):
     torch, t = mods.torch, mods.transport
     rows = torch.tensor([[1] * ELEMS, [2] * ELEMS], dtype=torch.int16, device="cuda:0")
@@ -108,8 +157,18 @@ def test_workers_open_the_bank_and_target_of_their_transport(mods, monkeypatch):
     d = decode_worker.DecodeWorker({**cfg, "device": "cuda:0", "bank_slots": 12, "answer": "forced"})
     assert d.bank.kwargs["gpus"] == [0] and d.bank.kwargs["slots"] == 12
     assert d.layout.args == (2, 2, 16, "bf16", 16, 1)
-    p = prefill_worker.PrefillWorker({**cfg, "device": "cuda:0", "target_rows": 6})
+    p = prefill_worker.PrefillWorker({**cfg, "device": "cuda:0", "target_rows": 6, "landing": "rows"})
     assert p.target.kwargs["gpus"] == [0] and p.target.kwargs["kv_caches"][0].tensor.shape == (6, ELEMS)
+    # The cuda default: fetches land in the engine's own (pinned) cache, HF layout, K0 V0 K1 V1.
+    p = prefill_worker.PrefillWorker({**cfg, "device": "cuda:0", "target_rows": 6, "warm": True})
+    assert p.landing_kind == "cache" and p.target.kwargs["kv_layout"] == "hf"
+    for landing in (p.landing, p.warm_landing):
+        assert landing.cache.pinned and landing.cache.capacity() >= 6 * 16 + prefill_worker.GREEDY_HEADROOM
+        assert len(landing.target.kwargs["kv_caches"][0]) == 2 * 2
+    assert p.landing.cache is not p.warm_landing.cache
+    with pytest.raises(engine.EngineError) as e:
+        prefill_worker.PrefillWorker({**cfg, "device": "cuda:0", "target_rows": 6, "landing": "pool"})
+    assert e.value.field == "landing"
     with pytest.raises(engine.EngineError) as e:
         decode_worker.DecodeWorker({**cfg, "device": "cuda:0", "bank_slots": 12, "answer": "sampled"})
     assert e.value.field == "answer"
