@@ -58,6 +58,13 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         help="cuda: CUDA bank and CUDA-tensor target (CUDA IPC, no host payload); host: host-shm bank and host rows",
     )
     p.add_argument(
+        "--landing",
+        choices=("cache", "rows"),
+        default=None,
+        help="where the prefill's fetches land: cache (the engine's KV cache, HF layout, the cuda default) "
+        "or rows (block-major rows, then re-laid; the host transport's only choice)",
+    )
+    p.add_argument(
         "--answer",
         choices=("greedy", "forced"),
         default="greedy",
@@ -141,7 +148,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     t_start = time.perf_counter()
     decode = rpc.Worker(decode_worker.main, {**cfg, "device": a.decode_device, "bank_slots": slots, "answer": a.answer})
     prefill = rpc.Worker(
-        prefill_worker.main, {**cfg, "device": a.prefill_device, "target_rows": target_rows, "warm": a.regime == "both"}
+        prefill_worker.main, {**cfg, "device": a.prefill_device, "target_rows": target_rows, "warm": a.regime == "both",
+                               "landing": a.landing}
     )
     result: Dict[str, Any] = {}
     try:
