@@ -469,7 +469,8 @@ fn run_gpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
                     let mut r = row(name, &plan, s.blocks, t, raw);
                     if scattered && label == "cuda_ipc" {
                         let (sl, dl) = (src.len() as u64, dst.len() as u64);
-                        let build = || crate::bench_sweep::launch_of_runs(&plan, sl, dl, &tuning);
+                        let build =
+                            |w| crate::bench_sweep::launch_of_runs(&plan, sl, dl, &tuning, w);
                         r.phases = Some(crate::bench_sweep::phases(
                             &auto, &build, &src, &dst, repeats, raw,
                         )?);

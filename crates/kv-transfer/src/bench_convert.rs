@@ -241,7 +241,7 @@ pub(crate) fn rows(
         // The shape is built once per target (as the backend caches it):
         // the host plan phase is what each fetch pays.
         let shape = ConvertShape::new(&donor, target, tuning).map_err(bad)?;
-        let build = || shape.plan(&moves).map(Built::Plan).map_err(bad);
+        let build = |_| shape.plan(&moves).map(Built::Plan).map_err(bad);
         let mut r = row_of(name, bytes, blocks, t, raw);
         r.phases = Some(phases(backend, &build, &src, &dst, repeats, raw)?);
         out.push(r);

@@ -107,26 +107,31 @@ pub(crate) enum Built<'a> {
     Plan(ConvertPlan),
 }
 
-/// Profiles `build()` (the host plan) and the launch of what it built
+/// Profiles `build(words)` (the host plan) and the launch of what it built
 /// `repeats` times after one warm-up; `raw` is the raw copy of the same
-/// bytes.
+/// bytes. `words` is the packed-id Vec of the previous build (empty at
+/// first), as `deliver` hands it from fetch to fetch.
 pub(crate) fn phases<'a>(
     backend: &CudaCopyBackend,
-    build: &dyn Fn() -> Result<Built<'a>, TransferError>,
+    build: &dyn Fn(Vec<u32>) -> Result<Built<'a>, TransferError>,
     src: &dyn BankMemory,
     dst: &dyn BankMemory,
     repeats: usize,
     raw: Duration,
 ) -> Result<Phases, TransferError> {
     let (mut hp, mut ht, mut up, mut k) = (vec![], vec![], vec![], vec![]);
+    let mut words = Vec::new();
     for i in 0..=repeats {
         let t0 = Instant::now();
-        let built = build()?;
+        let built = build(std::mem::take(&mut words))?;
         let host_plan = t0.elapsed();
         let p = match &built {
             Built::Runs(g) => backend.profile_runs(g, src, dst)?,
             Built::Plan(plan) => backend.profile_convert(plan, src, dst)?,
         };
+        if let Built::Runs(g) = built {
+            words = g.into_words();
+        }
         if i > 0 {
             hp.push(host_plan);
             ht.push(Duration::from_secs_f64(p.host_tables_us / 1e6));
@@ -146,17 +151,19 @@ pub(crate) fn phases<'a>(
 }
 
 /// What `deliver` builds for rank 0 of `plan` (block-major rows): the
-/// direct [`RunsGather`] when the fetch fits it, else [`plan_of_runs`].
+/// direct [`RunsGather`] (packing into `words`, the last fetch's Vec) when
+/// the fetch fits it, else [`plan_of_runs`].
 pub(crate) fn launch_of_runs<'a>(
     plan: &'a TransferPlan,
     src_len: u64,
     dst_len: u64,
     tuning: &GatherTuning,
+    words: Vec<u32>,
 ) -> Result<Built<'a>, TransferError> {
     let part = &plan.parts()[0];
     let blocks: u64 = part.runs.iter().map(|r| u64::from(r.blocks)).sum();
     let bb = part.expected_bytes / blocks.max(1);
-    match RunsGather::new(&part.runs, bb, tuning)
+    match RunsGather::with_words(&part.runs, bb, tuning, words)
         .map_err(|e| TransferError::input("runs", e.to_string()))?
     {
         Some(g) => Ok(Built::Runs(g)),
@@ -223,7 +230,7 @@ pub(crate) fn sweep(quick: bool, repeats: usize) -> Result<Vec<BenchRow>, Transf
             let name = format!("sweep/scattered/{blocks}x{size}/{}", label(&tuning));
             verify(plan, src, dst, &name)?;
             let (sl, dl) = (src.len() as u64, dst.len() as u64);
-            let build = || launch_of_runs(plan, sl, dl, &tuning);
+            let build = |w| launch_of_runs(plan, sl, dl, &tuning, w);
             let mut r = row(name, plan, *blocks, time, *raw);
             r.phases = Some(phases(&backend, &build, src, dst, repeats, *raw)?);
             rows.push(r);

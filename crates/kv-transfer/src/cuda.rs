@@ -89,6 +89,10 @@ struct Device {
     sms: u32,
     /// Block and piece tables of the launches on this device.
     tables: Tables,
+    /// Packed-id Vec of the last direct gather, handed to the next one
+    /// ([`RunsGather::with_words`]): a scattered fetch allocates no id
+    /// table and writes into memory it already touched.
+    words: Vec<u32>,
     peers: HashMap<u32, bool>,
 }
 
@@ -220,6 +224,7 @@ impl CudaCopyBackend {
             kernels,
             sms,
             tables: Tables::new(),
+            words: Vec::new(),
             peers: HashMap::new(),
         }));
         devs.insert(ordinal, d.clone());
@@ -373,8 +378,16 @@ impl CudaCopyBackend {
         Ok(ok)
     }
 
-    fn copy_runs(dev: &Device, sb: u64, db: u64, runs: &[CopyRun]) -> Result<u64, TransferError> {
+    /// One device copy per run; returns `(copies, bytes)`.
+    fn copy_runs(
+        dev: &Device,
+        sb: u64,
+        db: u64,
+        runs: &[CopyRun],
+    ) -> Result<(u64, u64), TransferError> {
+        let mut bytes = 0;
         for r in runs {
+            bytes += r.len;
             // SAFETY: `deliver` checked both ranges against their regions,
             // which stay mapped while the part runs; the target rows are
             // reserved and the donor rows pinned, so nothing else touches them.
@@ -388,9 +401,13 @@ impl CudaCopyBackend {
             }
             .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
         }
-        Ok(runs.len() as u64)
+        Ok((runs.len() as u64, bytes))
     }
 
+    /// One launch of the converting gather for `runs`; returns `(launches,
+    /// bytes)`, the bytes being the rows the launch covers (every run
+    /// checked to be `blocks x block_bytes` long), so the part's outcome
+    /// needs no second pass over its runs.
     fn gather(
         dev: &mut Device,
         sb: u64,
@@ -399,16 +416,26 @@ impl CudaCopyBackend {
         block_bytes: u64,
         regions: (u64, u64),
         tuning: &GatherTuning,
-    ) -> Result<u64, TransferError> {
+    ) -> Result<(u64, u64), TransferError> {
         let bad = |e: crate::cuda_gather::ConvertError| TransferError::input("runs", e.to_string());
         // Up to 8,128 blocks the launch writes the inline table (or packed
-        // ids) from the runs themselves; larger batches build the plan.
-        if let Some(direct) = RunsGather::new(runs, block_bytes, tuning).map_err(bad)? {
-            return launch_convert(dev, &direct, (sb, db), tuning, None);
+        // ids) from the runs themselves, into the id Vec of the last fetch;
+        // larger batches build the plan.
+        let words = std::mem::take(&mut dev.words);
+        if let Some(direct) =
+            RunsGather::with_words(runs, block_bytes, tuning, words).map_err(bad)?
+        {
+            let launched = launch_convert(dev, &direct, (sb, db), tuning, None);
+            let bytes = direct.bytes();
+            dev.words = direct.into_words();
+            return Ok((launched?, bytes));
         }
         let plan = ConvertPlan::from_runs_tuned(runs, block_bytes, regions.0, regions.1, tuning)
             .map_err(bad)?;
-        launch_convert(dev, &plan, (sb, db), tuning, None)
+        Ok((
+            launch_convert(dev, &plan, (sb, db), tuning, None)?,
+            plan.bytes(),
+        ))
     }
 }
 
@@ -450,7 +477,7 @@ impl CopyBackend for CudaCopyBackend {
             .bind_to_thread()
             .map_err(cuda_err("cuCtxSetCurrent"))?;
         let (sb, db) = (src.base_addr(), io.dst.base_addr());
-        let mut copies = 0;
+        let (mut copies, mut bytes) = (0, 0);
         let mut failed = None;
         // A fetch within one launch needs no second pass over its runs.
         let batches = if planned_blocks <= BLOCKS_PER_LAUNCH as u64 {
@@ -469,7 +496,10 @@ impl CopyBackend for CudaCopyBackend {
                 Self::copy_runs(&dev, sb, db, batch)
             };
             match r {
-                Ok(c) => copies += c,
+                Ok((c, b)) => {
+                    copies += c;
+                    bytes += b;
+                }
                 Err(e) => {
                     failed = Some(e);
                     break;
@@ -484,7 +514,7 @@ impl CopyBackend for CudaCopyBackend {
         }
         synced?;
         Ok(PartOutcome {
-            bytes: part.runs.iter().map(|r| r.len).sum(),
+            bytes,
             copies,
             host_payload_bytes: 0,
             transport: match (src_dev == dst_dev, kernel_ok) {

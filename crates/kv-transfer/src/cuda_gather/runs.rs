@@ -22,6 +22,10 @@ use super::{
     PACKED_MAX_BLOCK_ID,
 };
 
+// The pass in `RunsGather::with_words` tests "an id past 16 bits" as
+// `(s | d) >> 16 != 0`.
+const _: () = assert!(PACKED_MAX_BLOCK_ID == 0xFFFF);
+
 /// The blocks and pieces one launch of the converting gather reads.
 pub trait BlockSource {
     /// Blocks moved (`n`).
@@ -96,6 +100,23 @@ impl<'a> RunsGather<'a> {
         block_bytes: u64,
         tuning: &GatherTuning,
     ) -> Result<Option<Self>, ConvertError> {
+        Self::with_words(runs, block_bytes, tuning, Vec::new())
+    }
+
+    /// [`RunsGather::new`] packing the ids into `words` (cleared first): a
+    /// caller that launches fetch after fetch passes the Vec of the last
+    /// one ([`RunsGather::into_words`]), so a scattered fetch allocates no
+    /// id table and writes into memory it already touched. On `Err` or
+    /// `None` the Vec is dropped.
+    ///
+    /// # Errors
+    /// As [`RunsGather::new`].
+    pub fn with_words(
+        runs: &'a [CopyRun],
+        block_bytes: u64,
+        tuning: &GatherTuning,
+        mut words: Vec<u32>,
+    ) -> Result<Option<Self>, ConvertError> {
         if runs.is_empty() || block_bytes == 0 {
             return Err(ConvertError::Empty);
         }
@@ -104,7 +125,6 @@ impl<'a> RunsGather<'a> {
         if runs.len() > INLINE_PACKED_BLOCKS {
             return Ok(None);
         }
-        let (mut n, mut bits, mut multi) = (0usize, 0u64, false);
         // Past 128 runs the ids are packed in this same pass, with the
         // single-row strides (a part of single-row runs, the scattered
         // case): the runs are read once, not twice (4096 runs are 160 KiB).
@@ -114,34 +134,62 @@ impl<'a> RunsGather<'a> {
         } else {
             (0, 0)
         };
-        let mut words: Vec<u32> = Vec::with_capacity(if pack { runs.len() } else { 0 });
-        let mut unpacked = false;
-        let max = u64::from(PACKED_MAX_BLOCK_ID);
-        for (index, r) in runs.iter().enumerate() {
-            if r.len != u64::from(r.blocks) * block_bytes {
-                return Err(ConvertError::RunLength {
-                    index,
-                    len: r.len,
-                    block_bytes,
-                });
-            }
-            n += r.blocks as usize;
-            bits |= r.src_offset | r.dst_offset;
-            if r.blocks > 1 {
-                bits |= block_bytes;
-                multi = true;
-            }
-            if pack {
+        // One pass with no branch or early return per run: every check
+        // folds into a flag held in a register (locals of a plain loop, not
+        // state captured by a closure), and a bad length is located
+        // afterwards (the refusal names the same first bad run). The ids
+        // are written into an exactly sized slice, not pushed with a
+        // capacity test each (4096 runs: see `cpu/plan_build/runs_direct`).
+        // The flags are ORs of XORs (nonzero when a run fails), not a
+        // compare and set per check.
+        let (mut n, mut bits, mut multi) = (0u64, 0u64, false);
+        let (mut bad_len, mut unpacked) = (0u64, 0u64);
+        words.clear();
+        if pack {
+            words.resize(runs.len(), 0);
+            for (w, r) in words.iter_mut().zip(runs) {
+                let rows = u64::from(r.blocks);
+                bad_len |= r.len ^ (rows * block_bytes);
+                n += rows;
+                bits |= r.src_offset | r.dst_offset;
+                multi |= r.blocks > 1;
                 let (s, d) = (u64::from(r.src_block), u64::from(r.dst_block));
-                unpacked |= (s * ss != r.src_offset)
-                    | (d * ds != r.dst_offset)
-                    | (s.max(d) > max)
-                    | (r.blocks != 1);
-                words.push(r.src_block << 16 | (r.dst_block & 0xFFFF));
+                // Off its stride on either side, an id past 16 bits, or a
+                // run of other than one row.
+                unpacked |= ((s * ss) ^ r.src_offset)
+                    | ((d * ds) ^ r.dst_offset)
+                    | ((s | d) >> 16)
+                    | (rows ^ 1);
+                *w = r.src_block << 16 | (r.dst_block & 0xFFFF);
+            }
+        } else {
+            for r in runs {
+                let rows = u64::from(r.blocks);
+                bad_len |= r.len ^ (rows * block_bytes);
+                n += rows;
+                bits |= r.src_offset | r.dst_offset;
+                multi |= r.blocks > 1;
             }
         }
-        if n > INLINE_PACKED_BLOCKS {
+        let (bad_len, unpacked) = (bad_len != 0, unpacked != 0);
+        if bad_len {
+            let index = runs
+                .iter()
+                .position(|r| r.len != u64::from(r.blocks) * block_bytes)
+                .expect("a run failed the length check");
+            return Err(ConvertError::RunLength {
+                index,
+                len: runs[index].len,
+                block_bytes,
+            });
+        }
+        if n > INLINE_PACKED_BLOCKS as u64 {
             return Ok(None);
+        }
+        let n = n as usize;
+        if multi {
+            // A run of several rows: block offsets step by the block length.
+            bits |= block_bytes;
         }
         // Runs of several rows (or a refusal, decided again) go to
         // `of_runs`, the authority; single-row parts keep the words above.
@@ -169,6 +217,12 @@ impl<'a> RunsGather<'a> {
             pieces: Arc::new(pieces),
             packed,
         }))
+    }
+
+    /// The packed-id Vec, to pass to the next fetch's
+    /// [`RunsGather::with_words`] (empty when the ids did not pack).
+    pub fn into_words(self) -> Vec<u32> {
+        self.packed.map(|p| p.words).unwrap_or_default()
     }
 
     /// Payload bytes moved.
@@ -361,6 +415,69 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The single pass folds its checks into flags: a part with several
+    /// bad runs is still refused naming the first, ids past 16 bits or a
+    /// run off its stride still fall back exactly as `from_runs` decides,
+    /// and a reused Vec is filled in place (no new allocation).
+    #[test]
+    fn one_pass_keeps_every_check_and_reuses_the_id_vec() {
+        let bb = 16u64 << 10;
+        let t = GatherTuning::default();
+        let runs: Vec<CopyRun> = (0..300u32)
+            .map(|i| CopyRun {
+                src_block: 2 * i + 1,
+                dst_block: i,
+                blocks: 1,
+                src_offset: u64::from(2 * i + 1) * bb,
+                dst_offset: u64::from(i) * bb,
+                len: bb,
+            })
+            .collect();
+        let mut bad = runs.clone();
+        bad[200].len = bb + 16;
+        bad[5].len = bb - 16;
+        assert_eq!(
+            RunsGather::new(&bad, bb, &t).unwrap_err(),
+            ConvertError::RunLength {
+                index: 5,
+                len: bb - 16,
+                block_bytes: bb
+            }
+        );
+        let len = 2 * 300 * bb + bb;
+        for (edit, packs) in [
+            (None, true),
+            (Some((7usize, 65_536u32, None)), false),
+            (Some((9, 40, Some(16u64))), false),
+        ] {
+            let mut v = runs.clone();
+            if let Some((i, id, off)) = edit {
+                v[i].src_block = id;
+                v[i].src_offset = u64::from(id) * bb + off.unwrap_or(0);
+            }
+            let end = v.iter().map(|r| r.src_offset + r.len).max().unwrap();
+            let plan = ConvertPlan::from_runs_tuned(&v, bb, end.max(len), len, &t).unwrap();
+            let direct = RunsGather::new(&v, bb, &t).unwrap().unwrap();
+            assert_eq!(direct.packed().is_some(), packs, "{edit:?}");
+            assert_eq!(direct.packed(), plan.packed(), "{edit:?}");
+        }
+        let scratch: Vec<u32> = Vec::with_capacity(4096);
+        let ptr = scratch.as_ptr();
+        let g = RunsGather::with_words(&runs, bb, &t, scratch)
+            .unwrap()
+            .unwrap();
+        assert_eq!(g.packed().unwrap().words[3], 7 << 16 | 3);
+        let words = g.into_words();
+        assert_eq!((words.as_ptr(), words.len()), (ptr, 300));
+        // The next fetch clears and refills it.
+        let g = RunsGather::with_words(&runs[..200], bb, &t, words)
+            .unwrap()
+            .unwrap();
+        assert_eq!(g.packed().unwrap().words.len(), 200);
+        let words = g.into_words();
+        assert_eq!(words.as_ptr(), ptr);
     }
 
     #[test]
