@@ -20,9 +20,10 @@
 //!   (decode, advise, encode);
 //! - `nats_round_trip_us`: a caller encodes the request, `request`s it on
 //!   `kv_reuse.advise` through a local nats-server to an `AdviseServer` in
-//!   the same process, and decodes the reply; three passes (the router's
-//!   dedicated advise thread, the former shared runtime, and a stage
-//!   breakdown: the `nats` submodule).
+//!   the same process, and decodes the reply; five passes (the router's
+//!   dedicated advise thread, the former shared runtime, a stage
+//!   breakdown, and a blocking caller outside any runtime two ways: the
+//!   `nats` submodule).
 
 mod nats;
 
@@ -81,10 +82,10 @@ pub struct AdviseBenchSamples {
     pub index_fill_ms: f64,
     /// Blocks each request names.
     pub request_blocks: usize,
-    /// Timed requests (all five passes) admitted with a hint; the rest
+    /// Timed requests (all seven sets) admitted with a hint; the rest
     /// were decided without one (module docs).
     pub admitted: u64,
-    /// Timed requests, all five passes.
+    /// Timed requests, all seven sets.
     pub timed: u64,
     /// `RouterService::advise`, µs.
     pub in_process_advise_us: Vec<f64>,
@@ -101,6 +102,12 @@ pub struct AdviseBenchSamples {
     /// Per-stage breakdown of a third round-trip pass (dedicated server,
     /// caller with one reply subscription), µs per stage.
     pub stages: StageSamples,
+    /// A caller outside any runtime through [`crate::service::AdviseClient`]
+    /// (the `kv_reuse` wheel's `RouterClient`), µs.
+    pub nats_blocking_client_us: Vec<f64>,
+    /// The same caller through the former `RouterClient` design (a
+    /// one-worker multi-thread runtime owning the connection), µs.
+    pub nats_handoff_client_us: Vec<f64>,
 }
 
 /// Why the benchmark could not run.
@@ -290,12 +297,14 @@ pub fn run_advise_bench(cfg: AdviseBenchConfig) -> Result<AdviseBenchSamples, Ad
         index_fill_ms,
         request_blocks: s.hashes.len(),
         admitted: admitted_n + n.admitted,
-        timed: 5 * cfg.requests as u64,
+        timed: 7 * cfg.requests as u64,
         in_process_advise_us,
         in_process_handle_us,
         nats_round_trip_us: n.round_trip_us,
         nats_shared_runtime_us: n.shared_runtime_us,
         stages: n.stages,
+        nats_blocking_client_us: n.blocking_client_us,
+        nats_handoff_client_us: n.handoff_client_us,
     })
 }
 
@@ -321,7 +330,7 @@ mod tests {
         // Every synthetic block plus the scenario's 48 (donor and target).
         assert!(out.index_entries >= 10_000 + 48, "{}", out.index_entries);
         assert_eq!(out.request_blocks, 48);
-        assert_eq!(out.timed, 250);
+        assert_eq!(out.timed, 350);
         // Decided on every path; admitted unless this machine is so loaded
         // that lookups took milliseconds.
         assert!(out.admitted > 0, "{} of {}", out.admitted, out.timed);
@@ -330,6 +339,8 @@ mod tests {
             &out.in_process_handle_us,
             &out.nats_round_trip_us,
             &out.nats_shared_runtime_us,
+            &out.nats_blocking_client_us,
+            &out.nats_handoff_client_us,
         ] {
             assert_eq!(set.len(), 50);
             assert!(set.iter().all(|v| *v > 0.0 && v.is_finite()));

@@ -53,7 +53,9 @@ fn row(case: &'static str, v: &[f64], base: Option<(f64, f64)>) -> AdviseRow {
 
 /// The rows of `s`, in-process advise first (the ratios' baseline), the
 /// router's serving path `nats_round_trip` third (the goals' row), then the
-/// former shared-runtime path and the stage pass's total.
+/// former shared-runtime path, the stage pass's total, and the blocking
+/// caller outside any runtime (the `kv_reuse` wheel's `RouterClient`):
+/// `AdviseClient`, then the former one-worker-runtime design.
 pub fn rows(s: &AdviseBenchSamples) -> Vec<AdviseRow> {
     let base = row("in_process_advise", &s.in_process_advise_us, None);
     let b = Some((base.p50_us, base.p99_us));
@@ -63,6 +65,8 @@ pub fn rows(s: &AdviseBenchSamples) -> Vec<AdviseRow> {
         row("nats_round_trip", &s.nats_round_trip_us, b),
         row("nats_shared_runtime", &s.nats_shared_runtime_us, b),
         row("nats_reply_sub", &s.stages.total_us, b),
+        row("nats_blocking_client", &s.nats_blocking_client_us, b),
+        row("nats_handoff_client", &s.nats_handoff_client_us, b),
     ]
 }
 
@@ -195,6 +199,8 @@ mod tests {
                 decode_reply_us: stage(0.5),
                 total_us: stage(10.0),
             },
+            nats_blocking_client_us: stage(8.0),
+            nats_handoff_client_us: stage(12.0),
         };
         let r = rows(&s);
         assert_eq!(r[0].case, "in_process_advise");
@@ -207,6 +213,8 @@ mod tests {
         assert_eq!(r[3].case, "nats_shared_runtime");
         assert_eq!((r[3].p50_us, r[3].p50_ratio), (750.0, 15.0));
         assert_eq!((r[4].case, r[4].p99_us), ("nats_reply_sub", 990.0));
+        assert_eq!((r[5].case, r[5].p50_ratio), ("nats_blocking_client", 8.0));
+        assert_eq!((r[6].case, r[6].p50_us), ("nats_handoff_client", 600.0));
         let st = stage_rows(&s);
         assert_eq!(st.len(), 10);
         assert_eq!(
