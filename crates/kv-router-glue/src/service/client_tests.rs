@@ -198,3 +198,78 @@ fn an_idle_client_answers_server_pings_and_keeps_its_connection() {
     rt.block_on(server.stop()).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn busy_polling_ends_answer_and_still_time_out_and_shut_down() {
+    let Some(nats) = NatsServer::start_or_skip("advise_client_busy_poll") else {
+        return;
+    };
+    let s = Scenario::new().unwrap();
+    let rt = server_runtime();
+    let server = rt
+        .block_on(DedicatedAdviseServer::start(
+            &nats.url(),
+            NatsOptions::default(),
+            service(&s),
+            DedicatedOptions {
+                busy_poll: Duration::from_millis(200),
+                ..DedicatedOptions::default()
+            },
+        ))
+        .unwrap();
+    let mut client = connect(&nats.url(), ADVISE_SUBJECT);
+    client.set_busy_poll(Duration::from_millis(50));
+    for i in 0..20 {
+        let req = AdviseRequest {
+            request_id: format!("spin-{i}"),
+            target: s.target,
+            keys: AdviseKeys::SequenceHashes(s.hashes.clone()),
+        };
+        let reply = client.advise(&req).unwrap();
+        assert!(
+            matches!(reply.result, AdviseResult::Decided { hint: Some(_), .. }),
+            "{reply:?}"
+        );
+    }
+
+    // A responder that never answers: the spin (50 ms) ends, the timeout
+    // (300 ms) still fires.
+    let silent = rt.block_on(async {
+        let c = async_nats::connect(nats.url()).await.unwrap();
+        let sub = c.subscribe("kv_reuse.silent").await.unwrap();
+        c.flush().await.unwrap();
+        (c, sub)
+    });
+    let mut waiting = AdviseClient::connect(
+        &nats.url(),
+        async_nats::ConnectOptions::new(),
+        "kv_reuse.silent",
+        Duration::from_millis(300),
+    )
+    .unwrap();
+    waiting.set_busy_poll(Duration::from_millis(50));
+    let t0 = Instant::now();
+    let e = waiting.request(vec![1, 2, 3]).unwrap_err();
+    let took = t0.elapsed();
+    assert_eq!(
+        e,
+        AdviseClientError::NoReply {
+            subject: "kv_reuse.silent".into(),
+            timeout: Duration::from_millis(300)
+        }
+    );
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+    drop(silent);
+
+    // Stopped inside the spin window: the loop still sees the shutdown.
+    let t0 = Instant::now();
+    let report = rt.block_on(server.stop()).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert_eq!(
+        (report.received, report.decided, report.refused),
+        (20, 20, 0)
+    );
+}

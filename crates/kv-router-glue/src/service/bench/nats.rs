@@ -18,6 +18,10 @@
 //!   owning the connection, the caller blocking on it: two thread
 //!   hand-offs per round trip). The two alternate in chunks of
 //!   [`CHUNK`] requests so that both see the same machine load.
+//!
+//! With [`super::AdviseBenchConfig::busy_poll_us`] > 0 the dedicated server
+//! busy-polls that long after each answer (every pass but
+//! `shared_runtime`) and so does the [`AdviseClient`] while it waits.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -289,6 +293,7 @@ fn blocking_passes(
     url: &str,
     reqs: &[AdviseRequest],
     warmup: usize,
+    busy_poll: Duration,
     out: &mut NatsSamples,
 ) -> Result<(), AdviseBenchError> {
     let mut blocking = AdviseClient::connect(
@@ -298,6 +303,7 @@ fn blocking_passes(
         Duration::from_secs(5),
     )
     .map_err(|e| nats_err("connect")(e.to_string()))?;
+    blocking.set_busy_poll(busy_poll);
     let handoff = HandoffClient::connect(url)?;
     for chunk in (0..reqs.len()).collect::<Vec<_>>().chunks(CHUNK) {
         for pass in 0..2 {
@@ -335,6 +341,7 @@ pub(super) fn run_nats_passes(
     service: &Arc<RouterService>,
     reqs: &[AdviseRequest],
     warmup: usize,
+    busy_poll: Duration,
 ) -> Result<NatsSamples, AdviseBenchError> {
     let connect = |url: String| async move {
         async_nats::connect(url)
@@ -381,9 +388,10 @@ pub(super) fn run_nats_passes(
         DedicatedOptions {
             metrics: None,
             probe: Some(probe.clone()),
+            busy_poll,
         },
     ))?;
-    blocking_passes(url, reqs, warmup, &mut out)?;
+    blocking_passes(url, reqs, warmup, busy_poll, &mut out)?;
     probe.take();
     rt.block_on(async {
         let caller = connect(url.to_string()).await?;
