@@ -19,7 +19,7 @@
 //! - `in_process_handle_us`: `RouterService::handle` on the encoded payload
 //!   (decode, advise, encode);
 //! - `in_process_paced_us`: `RouterService::advise` with the thread asleep
-//!   for [`PACE`] before each request, as the advise server's thread is
+//!   for 100 µs before each request, as the advise server's thread is
 //!   between two requests over NATS: the same decision from cold caches and
 //!   a core that may have gone idle (the back-to-back `in_process_advise`
 //!   loop keeps both warm; the stage table's `decide` is the paced kind);
@@ -122,7 +122,7 @@ pub struct AdviseBenchSamples {
     /// The same caller through the former `RouterClient` design (a
     /// one-worker multi-thread runtime owning the connection), µs.
     pub nats_handoff_client_us: Vec<f64>,
-    /// `RouterService::advise` after a [`PACE`] sleep each, µs.
+    /// `RouterService::advise` after a 100 µs sleep each, µs.
     pub in_process_paced_us: Vec<f64>,
 }
 
