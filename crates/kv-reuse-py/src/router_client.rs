@@ -3,10 +3,16 @@
 //! kv_router_glue::service and docs/wire-formats.md, "Advise"), answered by
 //! whichever `kv-reuse-router` replica of the queue group takes it.
 //!
-//! The extension owns a one-worker tokio runtime that drives the async-nats
-//! connection; every blocking call releases the GIL. The first runtime of
-//! the process also creates tokio's process-wide signal socket pair (2 fds
-//! kept until exit); later clients add none that outlive them.
+//! The round trip is `kv_router_glue::service::AdviseClient`'s: the
+//! connection lives on a current-thread runtime that the calling Python
+//! thread drives itself while it waits (GIL released), so a request and
+//! its reply cross no other thread; a keep-alive thread answers server
+//! `PING`s between calls. (The former one-worker multi-thread runtime
+//! handed every request to its worker and the reply back: two thread
+//! wake-ups per advise, `nats_handoff_client` in `kvq bench advise`.) The
+//! first runtime of the process also creates tokio's process-wide signal
+//! socket pair (2 fds kept until exit); later clients add none that
+//! outlive them.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -16,25 +22,30 @@ use pyo3::types::PyBytes;
 
 use kv_descriptor::{SequenceHash, Wire};
 use kv_router_glue::service::{
-    AdviseKeys, AdviseReply, AdviseRequest, AdviseResult, ADVISE_SUBJECT,
+    AdviseClient, AdviseClientError, AdviseKeys, AdviseReply, AdviseRequest, AdviseResult,
+    ADVISE_SUBJECT,
 };
 
 use crate::errors::{bad_argument, descriptor, AdviseRefused, RouterUnavailable};
 use crate::layout::engine_id;
 use crate::router::Advice;
 
-/// The connection and the runtime that drives it, dropped together.
-struct Connection {
-    runtime: tokio::runtime::Runtime,
-    client: async_nats::Client,
-}
-
 /// A client of the router service over NATS.
 #[pyclass(frozen, module = "kv_reuse")]
 pub(crate) struct RouterClient {
-    conn: Mutex<Option<Connection>>,
-    subject: String,
-    timeout: Duration,
+    conn: Mutex<Option<AdviseClient>>,
+}
+
+/// The Python exception for a failed connect or round trip: bad arguments
+/// name the argument, everything else means no router answered.
+fn unavailable(e: AdviseClientError) -> PyErr {
+    match e {
+        AdviseClientError::Subject { subject } => {
+            bad_argument("subject", format!("{subject:?} is not a NATS subject"))
+        }
+        AdviseClientError::Timeout => bad_argument("timeout_s", "must be positive"),
+        other => RouterUnavailable::new_err(other.to_string()),
+    }
 }
 
 /// Seconds in (0, 3600] as a duration, naming `argument` otherwise.
@@ -76,12 +87,10 @@ impl RouterClient {
                 format!("{subject:?} is not a NATS subject"),
             ));
         }
-        let mut options = async_nats::ConnectOptions::new()
-            .name("kv-reuse-py")
-            .connection_timeout(timeout)
-            // The advise call bounds each request itself (one message for
-            // every timeout); async-nats' own request timeout is off.
-            .request_timeout(None);
+        // `AdviseClient::connect` bounds the connection and each advise
+        // with `timeout` (one message for every timeout) and turns
+        // async-nats' own request timeout off.
+        let mut options = async_nats::ConnectOptions::new().name("kv-reuse-py");
         options = match (user, password, token) {
             (None, None, None) => options,
             (Some(u), Some(p), None) => options.user_and_password(u, p),
@@ -95,30 +104,11 @@ impl RouterClient {
                 ))
             }
         };
-        let url = nats_url.to_owned();
-        let conn = py.allow_threads(|| {
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .thread_name("kv-reuse-py-nats")
-                .enable_all()
-                .build()
-                .map_err(|e| RouterUnavailable::new_err(format!("nats_url {url}: runtime: {e}")))?;
-            let client = runtime
-                .block_on(async {
-                    tokio::time::timeout(timeout, options.connect(url.as_str())).await
-                })
-                .map_err(|_| {
-                    RouterUnavailable::new_err(format!(
-                        "nats_url {url}: no connection within {timeout:?}"
-                    ))
-                })?
-                .map_err(|e| RouterUnavailable::new_err(format!("nats_url {url}: {e}")))?;
-            Ok::<_, PyErr>(Connection { runtime, client })
-        })?;
+        let client = py
+            .allow_threads(|| AdviseClient::connect(nats_url, options, subject, timeout))
+            .map_err(unavailable)?;
         Ok(Self {
-            conn: Mutex::new(Some(conn)),
-            subject: subject.to_owned(),
-            timeout,
+            conn: Mutex::new(Some(client)),
         })
     }
 
@@ -166,14 +156,8 @@ impl RouterClient {
     /// Closes the connection (flushing for up to 1 s). Idempotent.
     fn close(&self, py: Python<'_>) {
         let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(c) = conn {
-            py.allow_threads(|| {
-                let _ = c.runtime.block_on(async {
-                    tokio::time::timeout(Duration::from_secs(1), c.client.flush()).await
-                });
-                drop(c.client);
-                c.runtime.shutdown_timeout(Duration::from_secs(1));
-            });
+        if let Some(mut c) = conn {
+            py.allow_threads(|| c.close());
         }
     }
 
@@ -217,25 +201,13 @@ impl RouterClient {
             .check()
             .map_err(|e| AdviseRefused::new_err(e.to_string()))?;
         let payload = request.to_wire().map_err(descriptor)?;
-        let guard = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        let conn = guard
-            .as_ref()
+        let mut guard = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        let client = guard
+            .as_mut()
             .ok_or_else(|| RouterUnavailable::new_err("the client is closed"))?;
-        let (subject, timeout) = (self.subject.clone(), self.timeout);
-        let reply = py.allow_threads(|| {
-            conn.runtime.block_on(async {
-                let asked = conn.client.request(subject.clone(), payload.into());
-                match tokio::time::timeout(timeout, asked).await {
-                    Ok(Ok(m)) => Ok(m.payload.to_vec()),
-                    Ok(Err(e)) => Err(RouterUnavailable::new_err(format!(
-                        "advise on {subject}: {e}"
-                    ))),
-                    Err(_) => Err(RouterUnavailable::new_err(format!(
-                        "advise on {subject}: no reply within {timeout:?}"
-                    ))),
-                }
-            })
-        })?;
+        let reply = py
+            .allow_threads(|| client.request(payload))
+            .map_err(unavailable)?;
         drop(guard);
         let reply = AdviseReply::from_wire(&reply).map_err(descriptor)?;
         if reply.request_id != request_id {
@@ -265,16 +237,13 @@ impl RouterClient {
 
 impl Drop for RouterClient {
     fn drop(&mut self) {
-        // Dropping a runtime inside async context panics; here we are on a
-        // Python thread, so a plain background shutdown is safe.
-        if let Some(c) = self
-            .conn
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            drop(c.client);
-            c.runtime.shutdown_background();
-        }
+        // `AdviseClient`'s drop stops its keep-alive thread and shuts its
+        // runtime down without waiting; it never takes the GIL.
+        drop(
+            self.conn
+                .get_mut()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
     }
 }

@@ -263,6 +263,7 @@ fn bad_flags_are_refused_with_exit_code_2() {
         "--vllm-events",
         "--metrics-addr",
         "--enable-decode-to-prefill-reuse",
+        "--advise-busy-poll-us",
     ] {
         assert!(text.contains(flag), "--help lacks {flag}:\n{text}");
     }

@@ -34,6 +34,9 @@ pub struct DedicatedOptions {
     pub metrics: Option<Arc<ReuseMetrics>>,
     /// Records per-stage timestamps (`AdviseServer::with_stage_probe`).
     pub probe: Option<Arc<StageProbe>>,
+    /// Spin window after each answer (`AdviseServer::with_busy_poll`);
+    /// zero (the default) never spins.
+    pub busy_poll: std::time::Duration,
 }
 
 /// A running advise server on its own thread (module docs).
@@ -108,6 +111,7 @@ impl DedicatedAdviseServer {
                     if let Some(p) = extra.probe {
                         server = server.with_stage_probe(p);
                     }
+                    server = server.with_busy_poll(extra.busy_poll);
                     if ready_tx.send(Ok(plane.client().clone())).is_err() {
                         return;
                     }

@@ -8,11 +8,17 @@
 //! named fields through [`kv_descriptor::Wire`] and its bounded decoder; the
 //! field-by-field description is in `docs/wire-formats.md` ("Advise").
 //!
+//! [`AdviseClient`] is the blocking caller's side (the `kv_reuse` wheel's
+//! `RouterClient`).
+//!
 //! [`serve_advise`] / [`AdviseServer`] serve a [`RouterService`] on a NATS
 //! connection (the `kv-reuse-router` binary runs it; `docs/router-service.md`).
 
 #[cfg(feature = "qualify")]
 pub mod bench;
+mod client;
+#[cfg(all(test, feature = "worker"))]
+mod client_tests;
 mod dedicated;
 mod follow;
 mod router_service;
@@ -23,6 +29,7 @@ mod serve_tests;
 mod vllm_spec;
 mod wire;
 
+pub use client::{AdviseClient, AdviseClientError, KEEPALIVE_INTERVAL};
 pub use dedicated::{DedicatedAdviseServer, DedicatedOptions};
 pub use follow::{parse_subject, FollowStats, RouterInventory};
 pub use router_service::RouterService;

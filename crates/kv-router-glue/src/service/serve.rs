@@ -170,6 +170,7 @@ pub struct AdviseServer {
     service: Arc<RouterService>,
     metrics: Option<Arc<ReuseMetrics>>,
     probe: Option<Arc<StageProbe>>,
+    busy_poll: Duration,
     subscriber: async_nats::Subscriber,
 }
 
@@ -212,6 +213,7 @@ impl AdviseServer {
             service,
             metrics: None,
             probe: None,
+            busy_poll: Duration::ZERO,
             subscriber,
         })
     }
@@ -228,6 +230,18 @@ impl AdviseServer {
     /// (the advise benchmark's per-stage breakdown).
     pub fn with_stage_probe(mut self, probe: Arc<StageProbe>) -> Self {
         self.probe = Some(probe);
+        self
+    }
+
+    /// After each answer, keeps polling for the next request without
+    /// sleeping for up to `window` (then sleeps until one arrives);
+    /// `Duration::ZERO` (the default) never spins. While requests come
+    /// closer than `window` apart the loop never parks, so a request costs
+    /// no wake-up of this thread and finds its caches warm; each request
+    /// spends at most `window` of one core. Worth it only with cores to
+    /// spare (`docs/router-service.md`).
+    pub fn with_busy_poll(mut self, window: Duration) -> Self {
+        self.busy_poll = window;
         self
     }
 
@@ -248,17 +262,27 @@ impl AdviseServer {
     pub async fn run(mut self, shutdown: CancellationToken) -> Result<ServeReport, ServiceError> {
         let mut counters = ServeReport::default();
         let mut ended: Option<ServiceError> = None;
+        // Busy polling (`with_busy_poll`): spin until this instant.
+        let mut hot_until = Instant::now();
         loop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
                 m = self.subscriber.next() => match m {
-                    Some(m) => self.answer(m, &mut counters, false).await,
+                    Some(m) => {
+                        self.answer(m, &mut counters, false).await;
+                        if !self.busy_poll.is_zero() {
+                            hot_until = Instant::now() + self.busy_poll;
+                        }
+                    }
                     None => {
                         ended = Some(ServiceError::SubscriptionClosed { subject: ADVISE_SUBJECT.into() });
                         break;
                     }
                 },
+                // Makes the runtime poll the socket without blocking, then
+                // loops; `next()` is re-created, which loses no message.
+                _ = tokio::task::yield_now(), if Instant::now() < hot_until => {}
             }
         }
         if ended.is_none() {

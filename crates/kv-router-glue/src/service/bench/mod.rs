@@ -18,11 +18,17 @@
 //! - `in_process_advise_us`: `RouterService::advise` on a decoded request;
 //! - `in_process_handle_us`: `RouterService::handle` on the encoded payload
 //!   (decode, advise, encode);
+//! - `in_process_paced_us`: `RouterService::advise` with the thread asleep
+//!   for 100 µs before each request, as the advise server's thread is
+//!   between two requests over NATS: the same decision from cold caches and
+//!   a core that may have gone idle (the back-to-back `in_process_advise`
+//!   loop keeps both warm; the stage table's `decide` is the paced kind);
 //! - `nats_round_trip_us`: a caller encodes the request, `request`s it on
 //!   `kv_reuse.advise` through a local nats-server to an `AdviseServer` in
-//!   the same process, and decodes the reply; three passes (the router's
-//!   dedicated advise thread, the former shared runtime, and a stage
-//!   breakdown: the `nats` submodule).
+//!   the same process, and decodes the reply; five passes (the router's
+//!   dedicated advise thread, the former shared runtime, a stage
+//!   breakdown, and a blocking caller outside any runtime two ways: the
+//!   `nats` submodule).
 
 mod nats;
 
@@ -48,6 +54,9 @@ const FILL_WORKERS: u64 = 64;
 const FILL_CHAIN: usize = 128;
 /// Events per `apply_events` batch.
 const FILL_BATCH: usize = 256;
+/// Sleep before each `in_process_paced_us` request: about one NATS round
+/// trip, the advise thread's idle time between two requests.
+const PACE: Duration = Duration::from_micros(100);
 
 /// What to measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,15 +67,21 @@ pub struct AdviseBenchConfig {
     pub requests: usize,
     /// Untimed requests before each set (caches, connection).
     pub warmup: usize,
+    /// Busy-poll window of the dedicated advise server after each answer
+    /// and of the blocking client while it waits, µs (0: sleep as usual;
+    /// `AdviseServer::with_busy_poll`, `AdviseClient::set_busy_poll`).
+    pub busy_poll_us: u64,
 }
 
 impl Default for AdviseBenchConfig {
-    /// 1,000,000 retained blocks, 20,000 requests, 2,000 warm-up.
+    /// 1,000,000 retained blocks, 20,000 requests, 2,000 warm-up, no busy
+    /// polling.
     fn default() -> Self {
         Self {
             retained_blocks: 1_000_000,
             requests: 20_000,
             warmup: 2_000,
+            busy_poll_us: 0,
         }
     }
 }
@@ -81,10 +96,10 @@ pub struct AdviseBenchSamples {
     pub index_fill_ms: f64,
     /// Blocks each request names.
     pub request_blocks: usize,
-    /// Timed requests (all five passes) admitted with a hint; the rest
+    /// Timed requests (all eight sets) admitted with a hint; the rest
     /// were decided without one (module docs).
     pub admitted: u64,
-    /// Timed requests, all five passes.
+    /// Timed requests, all eight sets.
     pub timed: u64,
     /// `RouterService::advise`, µs.
     pub in_process_advise_us: Vec<f64>,
@@ -101,6 +116,14 @@ pub struct AdviseBenchSamples {
     /// Per-stage breakdown of a third round-trip pass (dedicated server,
     /// caller with one reply subscription), µs per stage.
     pub stages: StageSamples,
+    /// A caller outside any runtime through [`crate::service::AdviseClient`]
+    /// (the `kv_reuse` wheel's `RouterClient`), µs.
+    pub nats_blocking_client_us: Vec<f64>,
+    /// The same caller through the former `RouterClient` design (a
+    /// one-worker multi-thread runtime owning the connection), µs.
+    pub nats_handoff_client_us: Vec<f64>,
+    /// `RouterService::advise` after a 100 µs sleep each, µs.
+    pub in_process_paced_us: Vec<f64>,
 }
 
 /// Why the benchmark could not run.
@@ -266,6 +289,17 @@ pub fn run_advise_bench(cfg: AdviseBenchConfig) -> Result<AdviseBenchSamples, Ad
             in_process_advise_us.push(micros(dt));
         }
     }
+    let mut in_process_paced_us = Vec::with_capacity(cfg.requests);
+    for (i, req) in reqs.iter().enumerate() {
+        std::thread::sleep(PACE);
+        let t = Instant::now();
+        let reply = service.advise(req);
+        let dt = t.elapsed();
+        if i >= cfg.warmup {
+            admitted_n += u64::from(admitted(&reply));
+            in_process_paced_us.push(micros(dt));
+        }
+    }
     let payloads: Vec<Vec<u8>> = reqs
         .iter()
         .map(|r| r.to_wire().map_err(|e| setup("scenario")(e.to_string())))
@@ -284,18 +318,27 @@ pub fn run_advise_bench(cfg: AdviseBenchConfig) -> Result<AdviseBenchSamples, Ad
     }
 
     let nats = NatsServer::start().map_err(|reason| AdviseBenchError::NatsServer { reason })?;
-    let n = nats::run_nats_passes(&nats.url(), &service, &reqs, cfg.warmup)?;
+    let n = nats::run_nats_passes(
+        &nats.url(),
+        &service,
+        &reqs,
+        cfg.warmup,
+        Duration::from_micros(cfg.busy_poll_us),
+    )?;
     Ok(AdviseBenchSamples {
         index_entries: s.index.stats().entries as u64,
         index_fill_ms,
         request_blocks: s.hashes.len(),
         admitted: admitted_n + n.admitted,
-        timed: 5 * cfg.requests as u64,
+        timed: 8 * cfg.requests as u64,
         in_process_advise_us,
         in_process_handle_us,
         nats_round_trip_us: n.round_trip_us,
         nats_shared_runtime_us: n.shared_runtime_us,
         stages: n.stages,
+        nats_blocking_client_us: n.blocking_client_us,
+        nats_handoff_client_us: n.handoff_client_us,
+        in_process_paced_us,
     })
 }
 
@@ -316,12 +359,13 @@ mod tests {
             retained_blocks: 10_000,
             requests: 50,
             warmup: 5,
+            busy_poll_us: 0,
         })
         .unwrap();
         // Every synthetic block plus the scenario's 48 (donor and target).
         assert!(out.index_entries >= 10_000 + 48, "{}", out.index_entries);
         assert_eq!(out.request_blocks, 48);
-        assert_eq!(out.timed, 250);
+        assert_eq!(out.timed, 400);
         // Decided on every path; admitted unless this machine is so loaded
         // that lookups took milliseconds.
         assert!(out.admitted > 0, "{} of {}", out.admitted, out.timed);
@@ -330,6 +374,9 @@ mod tests {
             &out.in_process_handle_us,
             &out.nats_round_trip_us,
             &out.nats_shared_runtime_us,
+            &out.nats_blocking_client_us,
+            &out.nats_handoff_client_us,
+            &out.in_process_paced_us,
         ] {
             assert_eq!(set.len(), 50);
             assert!(set.iter().all(|v| *v > 0.0 && v.is_finite()));

@@ -11,6 +11,17 @@
 //! - `stages`: the same server, a caller publishing with a fixed reply
 //!   subject on one dedicated subscription, every stage timestamped on one
 //!   monotonic clock (caller and server share the process).
+//! - `blocking_client` / `handoff_client`: the same server and a caller
+//!   outside any runtime, as a Python prefill worker's `RouterClient` is:
+//!   [`AdviseClient`] (the connection driven on the calling thread) against
+//!   the former `RouterClient` design (a one-worker multi-thread runtime
+//!   owning the connection, the caller blocking on it: two thread
+//!   hand-offs per round trip). The two alternate in chunks of
+//!   [`CHUNK`] requests so that both see the same machine load.
+//!
+//! With [`super::AdviseBenchConfig::busy_poll_us`] > 0 the dedicated server
+//! busy-polls that long after each answer (every pass but
+//! `shared_runtime`) and so does the [`AdviseClient`] while it waits.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,10 +32,13 @@ use tokio_util::sync::CancellationToken;
 
 use super::{micros, AdviseBenchError};
 use crate::service::{
-    AdviseReply, AdviseRequest, AdviseResult, AdviseServer, DedicatedAdviseServer,
+    AdviseClient, AdviseReply, AdviseRequest, AdviseResult, AdviseServer, DedicatedAdviseServer,
     DedicatedOptions, RouterService, ServerStages, StageProbe, ADVISE_SUBJECT,
 };
 use crate::NatsOptions;
+
+/// Requests per turn when two passes alternate.
+const CHUNK: usize = 500;
 
 /// Per-stage durations of the `stages` pass, µs per timed request, in
 /// request order. The stages add up to [`StageSamples::total_us`].
@@ -80,6 +94,8 @@ pub(super) struct NatsSamples {
     pub shared_runtime_us: Vec<f64>,
     pub round_trip_us: Vec<f64>,
     pub stages: StageSamples,
+    pub blocking_client_us: Vec<f64>,
+    pub handoff_client_us: Vec<f64>,
     pub admitted: u64,
 }
 
@@ -227,12 +243,105 @@ fn join_stages(
     Ok(s)
 }
 
-/// Runs the three passes (module docs) against a nats-server at `url`.
+/// The former `RouterClient` design (module docs): the connection on a
+/// one-worker multi-thread runtime, each request blocked on from outside it.
+struct HandoffClient {
+    runtime: tokio::runtime::Runtime,
+    client: async_nats::Client,
+}
+
+impl HandoffClient {
+    fn connect(url: &str) -> Result<Self, AdviseBenchError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(|e| AdviseBenchError::Setup {
+                what: "runtime",
+                reason: e.to_string(),
+            })?;
+        let client = runtime
+            .block_on(async_nats::connect(url))
+            .map_err(|e| nats_err("connect")(e.to_string()))?;
+        Ok(Self { runtime, client })
+    }
+
+    fn advise(&self, req: &AdviseRequest) -> Result<AdviseReply, AdviseBenchError> {
+        let payload = req.to_wire().map_err(|e| AdviseBenchError::Setup {
+            what: "scenario",
+            reason: e.to_string(),
+        })?;
+        let m = self
+            .runtime
+            .block_on(async {
+                tokio::time::timeout(
+                    Duration::from_secs(5),
+                    self.client.request(ADVISE_SUBJECT, payload.into()),
+                )
+                .await
+            })
+            .map_err(|_| nats_err("request")("no reply within 5 s".into()))?
+            .map_err(|e| nats_err("request")(e.to_string()))?;
+        AdviseReply::from_wire(&m.payload)
+            .map_err(|e| AdviseBenchError::UnexpectedReply(e.to_string()))
+    }
+}
+
+/// The `blocking_client` and `handoff_client` passes, alternating chunks
+/// of [`CHUNK`] requests; must run outside any runtime (both block).
+fn blocking_passes(
+    url: &str,
+    reqs: &[AdviseRequest],
+    warmup: usize,
+    busy_poll: Duration,
+    out: &mut NatsSamples,
+) -> Result<(), AdviseBenchError> {
+    let mut blocking = AdviseClient::connect(
+        url,
+        async_nats::ConnectOptions::new(),
+        ADVISE_SUBJECT,
+        Duration::from_secs(5),
+    )
+    .map_err(|e| nats_err("connect")(e.to_string()))?;
+    blocking.set_busy_poll(busy_poll);
+    let handoff = HandoffClient::connect(url)?;
+    for chunk in (0..reqs.len()).collect::<Vec<_>>().chunks(CHUNK) {
+        for pass in 0..2 {
+            for &i in chunk {
+                let req = &reqs[i];
+                let t = Instant::now();
+                let reply = if pass == 0 {
+                    blocking
+                        .advise(req)
+                        .map_err(|e| nats_err("request")(e.to_string()))?
+                } else {
+                    handoff.advise(req)?
+                };
+                let dt = t.elapsed();
+                let hinted = check(&reply, req)?;
+                if i >= warmup {
+                    out.admitted += u64::from(hinted);
+                    let set = if pass == 0 {
+                        &mut out.blocking_client_us
+                    } else {
+                        &mut out.handoff_client_us
+                    };
+                    set.push(micros(dt));
+                }
+            }
+        }
+    }
+    blocking.close();
+    Ok(())
+}
+
+/// Runs the NATS passes (module docs) against a nats-server at `url`.
 pub(super) fn run_nats_passes(
     url: &str,
     service: &Arc<RouterService>,
     reqs: &[AdviseRequest],
     warmup: usize,
+    busy_poll: Duration,
 ) -> Result<NatsSamples, AdviseBenchError> {
     let connect = |url: String| async move {
         async_nats::connect(url)
@@ -269,20 +378,22 @@ pub(super) fn run_nats_passes(
     // current-thread runtime (as one prefill worker's client would be).
     let probe = Arc::new(StageProbe::new());
     let rt = current_thread()?;
+    let server = rt.block_on(DedicatedAdviseServer::start(
+        url,
+        NatsOptions {
+            name: "kv-advise-bench".into(),
+            ..NatsOptions::default()
+        },
+        service.clone(),
+        DedicatedOptions {
+            metrics: None,
+            probe: Some(probe.clone()),
+            busy_poll,
+        },
+    ))?;
+    blocking_passes(url, reqs, warmup, busy_poll, &mut out)?;
+    probe.take();
     rt.block_on(async {
-        let server = DedicatedAdviseServer::start(
-            url,
-            NatsOptions {
-                name: "kv-advise-bench".into(),
-                ..NatsOptions::default()
-            },
-            service.clone(),
-            DedicatedOptions {
-                metrics: None,
-                probe: Some(probe.clone()),
-            },
-        )
-        .await?;
         let caller = connect(url.to_string()).await?;
         let (samples, admitted) = request_loop(&caller, reqs, warmup).await?;
         out.round_trip_us = samples;

@@ -53,7 +53,10 @@ fn row(case: &'static str, v: &[f64], base: Option<(f64, f64)>) -> AdviseRow {
 
 /// The rows of `s`, in-process advise first (the ratios' baseline), the
 /// router's serving path `nats_round_trip` third (the goals' row), then the
-/// former shared-runtime path and the stage pass's total.
+/// former shared-runtime path, the stage pass's total, and the blocking
+/// caller outside any runtime (the `kv_reuse` wheel's `RouterClient`):
+/// `AdviseClient`, then the former one-worker-runtime design; last the
+/// in-process advise paced like the server's requests (cold caches).
 pub fn rows(s: &AdviseBenchSamples) -> Vec<AdviseRow> {
     let base = row("in_process_advise", &s.in_process_advise_us, None);
     let b = Some((base.p50_us, base.p99_us));
@@ -63,6 +66,9 @@ pub fn rows(s: &AdviseBenchSamples) -> Vec<AdviseRow> {
         row("nats_round_trip", &s.nats_round_trip_us, b),
         row("nats_shared_runtime", &s.nats_shared_runtime_us, b),
         row("nats_reply_sub", &s.stages.total_us, b),
+        row("nats_blocking_client", &s.nats_blocking_client_us, b),
+        row("nats_handoff_client", &s.nats_handoff_client_us, b),
+        row("in_process_paced", &s.in_process_paced_us, b),
     ]
 }
 
@@ -84,17 +90,22 @@ fn met(v: f64, goal: f64) -> &'static str {
 }
 
 /// Runs the bench (`--quick`: 100,000 blocks and 2,000 requests instead of
-/// 1,000,000 and 20,000); prints the table and writes `--json`. Exit 2 when
-/// it cannot run.
-pub fn bench_command(quick: bool, json: Option<&Path>) -> i32 {
+/// 1,000,000 and 20,000; `busy_poll_us`: `--busy-poll-us`, the server's and
+/// the blocking client's spin window); prints the table and writes `--json`.
+/// Exit 2 when it cannot run.
+pub fn bench_command(quick: bool, busy_poll_us: u64, json: Option<&Path>) -> i32 {
     let cfg = if quick {
         AdviseBenchConfig {
             retained_blocks: 100_000,
             requests: 2_000,
             warmup: 200,
+            busy_poll_us,
         }
     } else {
-        AdviseBenchConfig::default()
+        AdviseBenchConfig {
+            busy_poll_us,
+            ..AdviseBenchConfig::default()
+        }
     };
     let samples = match run_advise_bench(cfg) {
         Ok(s) => s,
@@ -105,13 +116,14 @@ pub fn bench_command(quick: bool, json: Option<&Path>) -> i32 {
     };
     let rows = rows(&samples);
     println!(
-        "advise: {} index entries (fill {:.0} ms), {}-block requests, {} timed per case, {} of {} admitted with a hint",
+        "advise: {} index entries (fill {:.0} ms), {}-block requests, {} timed per case, {} of {} admitted with a hint, busy poll {} µs",
         samples.index_entries,
         samples.index_fill_ms,
         samples.request_blocks,
         cfg.requests,
         samples.admitted,
-        samples.timed
+        samples.timed,
+        cfg.busy_poll_us
     );
     println!(
         "{:<20} {:>9} {:>9} {:>9} {:>9} {:>9}",
@@ -143,6 +155,7 @@ pub fn bench_command(quick: bool, json: Option<&Path>) -> i32 {
         let doc = serde_json::json!({
             "bench": "advise",
             "quick": quick,
+            "busy_poll_us": cfg.busy_poll_us,
             "retained_blocks": cfg.retained_blocks,
             "index_entries": samples.index_entries,
             "index_fill_ms": samples.index_fill_ms,
@@ -195,6 +208,9 @@ mod tests {
                 decode_reply_us: stage(0.5),
                 total_us: stage(10.0),
             },
+            nats_blocking_client_us: stage(8.0),
+            nats_handoff_client_us: stage(12.0),
+            in_process_paced_us: stage(2.0),
         };
         let r = rows(&s);
         assert_eq!(r[0].case, "in_process_advise");
@@ -207,6 +223,9 @@ mod tests {
         assert_eq!(r[3].case, "nats_shared_runtime");
         assert_eq!((r[3].p50_us, r[3].p50_ratio), (750.0, 15.0));
         assert_eq!((r[4].case, r[4].p99_us), ("nats_reply_sub", 990.0));
+        assert_eq!((r[5].case, r[5].p50_ratio), ("nats_blocking_client", 8.0));
+        assert_eq!((r[6].case, r[6].p50_us), ("nats_handoff_client", 600.0));
+        assert_eq!((r[7].case, r[7].p99_ratio), ("in_process_paced", 2.0));
         let st = stage_rows(&s);
         assert_eq!(st.len(), 10);
         assert_eq!(

@@ -102,6 +102,10 @@ enum Cmd {
         /// CTAs per SM, max piece) over the scattered and HF rows instead.
         #[arg(long)]
         sweep: bool,
+        /// advise: busy-poll window (µs) of the advise server after each
+        /// answer and of the blocking client while it waits (0: off).
+        #[arg(long, default_value_t = 0)]
+        busy_poll_us: u64,
         /// Also write the result as JSON here.
         #[arg(long, alias = "out")]
         json: Option<PathBuf>,
@@ -222,9 +226,14 @@ fn main() -> ExitCode {
         Cmd::Bench {
             which: BenchKind::Advise,
             quick,
+            busy_poll_us,
             json,
             ..
-        } => exit(advise_bench::bench_command(quick, json.as_deref())),
+        } => exit(advise_bench::bench_command(
+            quick,
+            busy_poll_us,
+            json.as_deref(),
+        )),
         Cmd::Soak { minutes, seed } => soak(minutes, seed),
         Cmd::Cluster { profile, json } => exit(cluster_section::command(profile, json.as_deref())),
         Cmd::Child { role, args } => exit(child::main(&role, &args)),

@@ -1,0 +1,275 @@
+//! [`AdviseClient`] against a real nats-server and the router's
+//! [`DedicatedAdviseServer`]: decisions and typed refusals, bad arguments,
+//! no responders, and the keep-alive of an idle client.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_descriptor::{EngineId, Wire};
+
+use super::*;
+use crate::qualify::nats_server::NatsServer;
+use crate::qualify::{Scenario, DONOR_BLOCKS, TARGET_BASELINE};
+use crate::{NatsOptions, ReuseSettings};
+
+fn service(s: &Scenario) -> Arc<RouterService> {
+    let advisor = s
+        .advisor(ReuseSettings {
+            enable_decode_to_prefill_reuse: true,
+            ..ReuseSettings::default()
+        })
+        .unwrap();
+    let svc = RouterService::new(Arc::new(advisor));
+    svc.add_target(s.target);
+    Arc::new(svc)
+}
+
+/// A runtime for the server side only; the client under test is driven
+/// from the test's own (non-async) thread.
+fn server_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn start_server(rt: &tokio::runtime::Runtime, url: &str, s: &Scenario) -> DedicatedAdviseServer {
+    rt.block_on(DedicatedAdviseServer::start(
+        url,
+        NatsOptions::default(),
+        service(s),
+        DedicatedOptions::default(),
+    ))
+    .unwrap()
+}
+
+fn connect(url: &str, subject: &str) -> AdviseClient {
+    AdviseClient::connect(
+        url,
+        async_nats::ConnectOptions::new(),
+        subject,
+        Duration::from_secs(5),
+    )
+    .unwrap()
+}
+
+#[test]
+fn bad_arguments_and_an_unreachable_server_are_typed_errors() {
+    let opts = async_nats::ConnectOptions::new;
+    let e = AdviseClient::connect("nats://127.0.0.1:1", opts(), "a b", Duration::from_secs(1));
+    assert_eq!(
+        e.unwrap_err(),
+        AdviseClientError::Subject {
+            subject: "a b".into()
+        }
+    );
+    let e = AdviseClient::connect("nats://127.0.0.1:1", opts(), ADVISE_SUBJECT, Duration::ZERO);
+    assert_eq!(e.unwrap_err(), AdviseClientError::Timeout);
+    let t0 = Instant::now();
+    let e = AdviseClient::connect(
+        "nats://127.0.0.1:1",
+        opts(),
+        ADVISE_SUBJECT,
+        Duration::from_millis(500),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            AdviseClientError::Connect { url, .. } | AdviseClientError::ConnectTimeout { url, .. }
+                if url == "nats://127.0.0.1:1"
+        ),
+        "{e:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn decides_refuses_and_reports_no_responders() {
+    let Some(nats) = NatsServer::start_or_skip("advise_client_decides") else {
+        return;
+    };
+    let s = Scenario::new().unwrap();
+    let rt = server_runtime();
+    let server = start_server(&rt, &nats.url(), &s);
+    let mut client = connect(&nats.url(), ADVISE_SUBJECT);
+    assert_eq!(client.connection_count(), 1);
+
+    let req = AdviseRequest {
+        request_id: "c1".into(),
+        target: s.target,
+        keys: AdviseKeys::SequenceHashes(s.hashes.clone()),
+    };
+    let reply = client.advise(&req).unwrap();
+    assert_eq!(reply.request_id, "c1");
+    let AdviseResult::Decided { decision, hint } = reply.result else {
+        panic!("refused: {reply:?}");
+    };
+    assert!(decision.admitted(), "{decision}");
+    assert_eq!(
+        decision.terms.unwrap().transfer_blocks,
+        (DONOR_BLOCKS - TARGET_BASELINE) as u64
+    );
+    assert_eq!(hint.expect("hint when admitted").message_id, "c1");
+
+    let stranger = EngineId(uuid::Uuid::from_u128(7));
+    let reply = client
+        .advise(&AdviseRequest {
+            request_id: "c2".into(),
+            target: stranger,
+            ..req.clone()
+        })
+        .unwrap();
+    assert_eq!(
+        reply.result,
+        AdviseResult::Refused(AdviseRefusal::UnknownTarget(stranger))
+    );
+
+    // Raw bytes: the server's typed refusal comes back as a reply.
+    let raw = client.request(vec![0xc1, 0x00]).unwrap();
+    let reply = AdviseReply::from_wire(&raw).unwrap();
+    assert!(
+        matches!(
+            reply.result,
+            AdviseResult::Refused(AdviseRefusal::Malformed(_))
+        ),
+        "{reply:?}"
+    );
+
+    // Nothing subscribes here: NATS says "no responders" at once.
+    let mut lonely = connect(&nats.url(), "kv_reuse.nobody");
+    let t0 = Instant::now();
+    let e = lonely.advise(&req).unwrap_err();
+    assert!(
+        matches!(&e, AdviseClientError::Request { subject, .. } if subject == "kv_reuse.nobody"),
+        "{e:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+
+    client.close();
+    client.close();
+    assert!(!client.is_open());
+    assert_eq!(client.connection_count(), 0);
+    assert_eq!(client.advise(&req).unwrap_err(), AdviseClientError::Closed);
+    let report = rt.block_on(server.stop()).unwrap();
+    assert_eq!((report.decided, report.refused), (1, 2));
+}
+
+#[test]
+fn an_idle_client_answers_server_pings_and_keeps_its_connection() {
+    // The server pings every 250 ms and drops a client with one ping
+    // unanswered at the next: an idle client nobody drives is gone after
+    // ~500 ms and reconnects on its next call.
+    let dir = std::env::temp_dir().join(format!("kv-advise-client-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = dir.join("ping.conf");
+    std::fs::write(&conf, "ping_interval: \"250ms\"\nping_max: 1\n").unwrap();
+    if let Err(e) = crate::qualify::nats_server::find_nats_server() {
+        if kv_transfer::ci_requires() {
+            panic!("advise client keep-alive: {e}, under CI");
+        }
+        println!("SKIP an_idle_client_answers_server_pings: {e}");
+        return;
+    }
+    let nats = NatsServer::start_with_args(&["-c", conf.to_str().unwrap()]).unwrap();
+    let s = Scenario::new().unwrap();
+    let rt = server_runtime();
+    let server = start_server(&rt, &nats.url(), &s);
+    let mut client = connect(&nats.url(), ADVISE_SUBJECT);
+    let req = AdviseRequest {
+        request_id: "idle".into(),
+        target: s.target,
+        keys: AdviseKeys::SequenceHashes(s.hashes.clone()),
+    };
+    client.advise(&req).unwrap();
+    std::thread::sleep(Duration::from_millis(2_000));
+    let reply = client.advise(&req).unwrap();
+    assert!(
+        matches!(reply.result, AdviseResult::Decided { .. }),
+        "{reply:?}"
+    );
+    assert_eq!(
+        client.connection_count(),
+        1,
+        "the idle client was dropped as stale and reconnected"
+    );
+    drop(client);
+    rt.block_on(server.stop()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn busy_polling_ends_answer_and_still_time_out_and_shut_down() {
+    let Some(nats) = NatsServer::start_or_skip("advise_client_busy_poll") else {
+        return;
+    };
+    let s = Scenario::new().unwrap();
+    let rt = server_runtime();
+    let server = rt
+        .block_on(DedicatedAdviseServer::start(
+            &nats.url(),
+            NatsOptions::default(),
+            service(&s),
+            DedicatedOptions {
+                busy_poll: Duration::from_millis(200),
+                ..DedicatedOptions::default()
+            },
+        ))
+        .unwrap();
+    let mut client = connect(&nats.url(), ADVISE_SUBJECT);
+    client.set_busy_poll(Duration::from_millis(50));
+    for i in 0..20 {
+        let req = AdviseRequest {
+            request_id: format!("spin-{i}"),
+            target: s.target,
+            keys: AdviseKeys::SequenceHashes(s.hashes.clone()),
+        };
+        let reply = client.advise(&req).unwrap();
+        assert!(
+            matches!(reply.result, AdviseResult::Decided { hint: Some(_), .. }),
+            "{reply:?}"
+        );
+    }
+
+    // A responder that never answers: the spin (50 ms) ends, the timeout
+    // (300 ms) still fires.
+    let silent = rt.block_on(async {
+        let c = async_nats::connect(nats.url()).await.unwrap();
+        let sub = c.subscribe("kv_reuse.silent").await.unwrap();
+        c.flush().await.unwrap();
+        (c, sub)
+    });
+    let mut waiting = AdviseClient::connect(
+        &nats.url(),
+        async_nats::ConnectOptions::new(),
+        "kv_reuse.silent",
+        Duration::from_millis(300),
+    )
+    .unwrap();
+    waiting.set_busy_poll(Duration::from_millis(50));
+    let t0 = Instant::now();
+    let e = waiting.request(vec![1, 2, 3]).unwrap_err();
+    let took = t0.elapsed();
+    assert_eq!(
+        e,
+        AdviseClientError::NoReply {
+            subject: "kv_reuse.silent".into(),
+            timeout: Duration::from_millis(300)
+        }
+    );
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+    drop(silent);
+
+    // Stopped inside the spin window: the loop still sees the shutdown.
+    let t0 = Instant::now();
+    let report = rt.block_on(server.stop()).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert_eq!(
+        (report.received, report.decided, report.refused),
+        (20, 20, 0)
+    );
+}
