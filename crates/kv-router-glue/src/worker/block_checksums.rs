@@ -46,9 +46,11 @@ pub enum BlockChecksumError {
         /// The checksum of the bytes received.
         got: u64,
     },
-    /// The received rows cannot be hashed here: read back refused by the
-    /// destination memory, or a layout conversion (engine regions) that
-    /// changes the bytes.
+    /// The received rows cannot be hashed here: the destination memory
+    /// refuses read-back (an engine-registered device pointer), or pool
+    /// rows of another rank block size than the donor's. Engine regions in
+    /// host memory, or CUDA memory this process owns, are gathered back
+    /// into block-major order and checked (never this variant).
     #[error("the received rows cannot be checked: {reason}")]
     Unverifiable {
         /// Why, with the value seen.
@@ -108,21 +110,61 @@ pub(crate) fn verify(
     rows: &[u32],
     rank_block_bytes: usize,
 ) -> Result<(), BlockChecksumError> {
+    verify_with(expected, regions.len(), rows, |rank, row| {
+        hash_range(
+            regions[rank].as_ref(),
+            row as usize * rank_block_bytes,
+            rank_block_bytes,
+        )
+        .map_err(|e| e.to_string())
+    })
+}
+
+/// [`verify`] for engine regions: block `rows[i]` of `layouts[r]` in
+/// `regions[r]` is gathered back into the bank's block-major byte order
+/// ([`kv_transfer::block_readback::read_block_major`], the order the donor
+/// hashed) and hashed, so a fetch into vLLM or HF per-layer tensors is
+/// checked exactly like pool rows.
+///
+/// # Errors
+/// As [`verify`]; [`BlockChecksumError::Unverifiable`] only where the
+/// memory has no read-back: an engine-registered device pointer
+/// ([`kv_transfer::EngineMemory`] of kind CUDA refuses `read_bytes`).
+/// Host memory and CUDA memory this process allocated (device-to-host
+/// copy) are read.
+#[cfg(feature = "worker")]
+pub(crate) fn verify_engine(
+    expected: &[u64],
+    regions: &[std::sync::Arc<dyn BankMemory>],
+    layouts: &[kv_descriptor::KvRegionLayout],
+    rows: &[u32],
+) -> Result<(), BlockChecksumError> {
+    verify_with(expected, regions.len(), rows, |rank, row| {
+        kv_transfer::block_readback::read_block_major(regions[rank].as_ref(), &layouts[rank], row)
+            .map(|b| xxhash_rust::xxh3::xxh3_64(&b))
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Compares `hash(rank, row)` with `expected` (rank-major) for `ranks` TP
+/// ranks and every row, first difference reported.
+#[cfg(feature = "worker")]
+fn verify_with(
+    expected: &[u64],
+    ranks: usize,
+    rows: &[u32],
+    hash: impl Fn(usize, u32) -> Result<u64, String>,
+) -> Result<(), BlockChecksumError> {
     let n = rows.len();
-    if expected.len() != n * regions.len() {
+    if expected.len() != n * ranks {
         return Err(BlockChecksumError::Missing {
-            expected: n * regions.len(),
+            expected: n * ranks,
             got: expected.len(),
         });
     }
-    for (rank, region) in regions.iter().enumerate() {
+    for rank in 0..ranks {
         for (block, &row) in rows.iter().enumerate() {
-            let got = hash_range(
-                region.as_ref(),
-                row as usize * rank_block_bytes,
-                rank_block_bytes,
-            )
-            .map_err(|e| BlockChecksumError::Unverifiable {
+            let got = hash(rank, row).map_err(|e| BlockChecksumError::Unverifiable {
                 reason: format!("rank {rank} row {row}: {e}"),
             })?;
             let want = expected[rank * n + block];
