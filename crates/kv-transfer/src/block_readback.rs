@@ -275,3 +275,52 @@ mod tests {
         }
     }
 }
+
+/// The cost of the target's check on CPU, for the report: 512 blocks of
+/// 2 MiB (a 32-layer, 8-KV-head-per-rank, 128-dim bf16 block of 16
+/// tokens) gathered from a vLLM per-layer region and hashed (XXH3-64).
+/// Run with `cargo test --release -p kv-transfer --lib block_readback_cost
+/// -- --ignored --nocapture`.
+#[cfg(test)]
+mod cost {
+    use kv_bank::BankMemory;
+    use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
+
+    #[test]
+    #[ignore = "timing, release build"]
+    fn block_readback_cost() {
+        let g = KvLayout::new(32, 8, 128, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+        let rbb = g.rank_block_bytes() as u64;
+        assert_eq!(rbb, 2 << 20);
+        let blocks = 512u32;
+        let layer = u64::from(blocks) * rbb / 32;
+        let l = KvRegionLayout::vllm_kv_first(g, 0, 0, layer, blocks, 32 * layer).unwrap();
+        let m = crate::HostBuffer::zeroed(l.region_bytes() as usize).unwrap();
+        let fill: Vec<u8> = (0..l.region_bytes()).map(|i| (i * 7 + 3) as u8).collect();
+        m.write_bytes(0, &fill).unwrap();
+        drop(fill);
+        let t = std::time::Instant::now();
+        let mut acc = 0u64;
+        for b in 0..blocks {
+            acc ^= xxhash_rust::xxh3::xxh3_64(
+                &m.read_vec((u64::from(b) * rbb) as usize, rbb as usize)
+                    .unwrap(),
+            );
+        }
+        let dense = t.elapsed();
+        let t = std::time::Instant::now();
+        for b in 0..blocks {
+            let bytes = super::read_block_major(&m, &l, b).unwrap();
+            acc ^= xxhash_rust::xxh3::xxh3_64(&bytes);
+        }
+        let gathered = t.elapsed();
+        let gib = f64::from(blocks) * rbb as f64 / f64::from(1 << 30);
+        println!(
+            "COST 512 x 2 MiB: dense read+hash {:.1} ms ({:.1} GiB/s), vLLM gather+hash {:.1} ms ({:.1} GiB/s) [{acc:x}]",
+            dense.as_secs_f64() * 1e3,
+            gib / dense.as_secs_f64(),
+            gathered.as_secs_f64() * 1e3,
+            gib / gathered.as_secs_f64()
+        );
+    }
+}
