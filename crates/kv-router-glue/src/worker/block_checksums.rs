@@ -236,4 +236,55 @@ mod tests {
             })
         );
     }
+
+    /// Device memory without read-back (what an engine-registered device
+    /// pointer is): `read_bytes` keeps the trait's refusal.
+    #[derive(Debug)]
+    struct NoReadBack(usize);
+
+    impl BankMemory for NoReadBack {
+        fn kind(&self) -> kv_bank::MemoryKind {
+            kv_bank::MemoryKind::Cuda { ordinal: 0 }
+        }
+        fn len(&self) -> usize {
+            self.0
+        }
+        fn base_addr(&self) -> u64 {
+            0x1000
+        }
+        fn export_handle(&self) -> Option<kv_descriptor::ExportHandle> {
+            None
+        }
+    }
+
+    #[test]
+    fn engine_blocks_are_hashed_in_block_major_order_unless_memory_cannot_be_read() {
+        use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
+        // 2 layers, 1 head, head_dim 2, 1-byte elements, 2 tokens: 16-byte
+        // blocks; vLLM [2, 3 blocks, 2, 1, 2] per layer = 24 bytes a layer.
+        let g = KvLayout::new(2, 1, 2, DType::Fp8E4m3, 2, TensorOrder::BlockMajor, 1).unwrap();
+        let l = KvRegionLayout::vllm_kv_first(g, 0, 0, 24, 3, 48).unwrap();
+        let m = kv_transfer::HostBuffer::zeroed(48).unwrap();
+        m.write_bytes(0, &(0..48).collect::<Vec<u8>>()).unwrap();
+        let regions: Vec<Arc<dyn BankMemory>> = vec![Arc::new(m)];
+        let layouts = [l];
+        // Block 1 in block-major order: layer 0 K, V, then layer 1 K, V.
+        let block1: Vec<u8> = [4..8, 16..20, 28..32, 40..44]
+            .into_iter()
+            .flatten()
+            .collect();
+        let h = xxhash_rust::xxh3::xxh3_64(&block1);
+        assert_eq!(verify_engine(&[h], &regions, &layouts, &[1]), Ok(()));
+        assert!(matches!(
+            verify_engine(&[h], &regions, &layouts, &[2]),
+            Err(BlockChecksumError::Mismatch { row: 2, .. })
+        ));
+        let device: Vec<Arc<dyn BankMemory>> = vec![Arc::new(NoReadBack(48))];
+        match verify_engine(&[h], &device, &layouts, &[1]) {
+            Err(BlockChecksumError::Unverifiable { reason }) => {
+                assert!(reason.contains("read_bytes"), "{reason}")
+            }
+            other => panic!("expected Unverifiable, got {other:?}"),
+        }
+    }
 }
