@@ -516,9 +516,10 @@ impl DonorSource for Checksummed<'_> {
 
 /// The executor completes a pin that carries block checksums only when
 /// every received block hashes to the donor's: one flipped checksum names
-/// its rank and block, a short list is `Missing`, engine regions (whose
-/// rows are not the donor's bytes) are `Unverifiable`; each falls back at
-/// `verify` with every row back in the pool. No NIXL runtime needed.
+/// its rank and block, a short list is `Missing`; engine regions in vLLM
+/// and HF per-layer layouts are gathered back into block-major order and
+/// checked the same way; each falls back at `verify` with every row back
+/// in the pool. No NIXL runtime needed.
 #[test]
 fn checksummed_pins_complete_only_when_every_block_matches() {
     serial(|| async {
@@ -584,41 +585,110 @@ fn checksummed_pins_complete_only_when_every_block_matches() {
         }
         assert_eq!(exec.pool().free_blocks(), ROWS as usize, "no row taken");
 
-        // Engine regions in the bank's own block-major layout: still not
-        // checked byte for byte here, so refused rather than trusted.
-        let engine: Vec<EngineRegion> = (0..TP)
-            .map(|r| {
-                let layout = kv_descriptor::KvRegionLayout::block_major(
-                    layout(),
-                    r,
-                    0,
-                    ROWS,
-                    u64::from(ROWS) * rbb() as u64,
-                )
-                .unwrap();
-                EngineRegion {
-                    memory: Arc::new(
-                        kv_transfer::HostBuffer::zeroed(layout.region_bytes() as usize).unwrap(),
-                    ),
-                    layout,
-                }
-            })
-            .collect();
-        let engine_exec = FetchExecutor::with_engine_regions(
-            layout(),
-            kv_bank::DestinationPool::new(ROWS),
-            engine,
-            Arc::new(kv_transfer::HostCopyBackend),
-        )
-        .unwrap();
-        match run(good, &engine_exec) {
-            Err(FetchError::Fallback {
-                stage: "verify",
-                cause: FallbackCause::BlockChecksum(BlockChecksumError::Unverifiable { .. }),
-            }) => {}
-            other => panic!("expected Unverifiable, got {other:?}"),
+        // Engine regions in engine layouts (vLLM and HF per layer): the
+        // received blocks are gathered back into the donor's block-major
+        // order and checked like pool rows.
+        for (name, engine_layout) in engine_layouts() {
+            let engine: Vec<EngineRegion> = (0..TP)
+                .map(|r| {
+                    let layout = engine_layout(r);
+                    EngineRegion {
+                        memory: Arc::new(
+                            kv_transfer::HostBuffer::zeroed(layout.region_bytes() as usize)
+                                .unwrap(),
+                        ),
+                        layout,
+                    }
+                })
+                .collect();
+            let engine_exec = FetchExecutor::with_engine_regions(
+                layout(),
+                kv_bank::DestinationPool::new(ROWS),
+                engine,
+                Arc::new(kv_transfer::HostCopyBackend),
+            )
+            .unwrap();
+            let out = run(good.clone(), &engine_exec)
+                .unwrap_or_else(|e| panic!("{name}: correct checksums must complete: {e:?}"));
+            assert_eq!(out.target_blocks.len(), n, "{name}");
+            drop(out);
+            let mut flipped = good.clone();
+            flipped[n + 3] ^= 1;
+            match run(flipped, &engine_exec) {
+                Err(FetchError::Fallback {
+                    stage: "verify",
+                    cause:
+                        FallbackCause::BlockChecksum(BlockChecksumError::Mismatch {
+                            rank,
+                            block,
+                            expected,
+                            got,
+                            ..
+                        }),
+                }) => assert_eq!(
+                    (rank, block, expected ^ 1),
+                    (1, 3, got),
+                    "{name}: the received block hashes to the donor's unflipped checksum"
+                ),
+                other => panic!("{name}: expected a rank 1 block 3 mismatch, got {other:?}"),
+            }
+            assert_eq!(engine_exec.pool().free_blocks(), ROWS as usize, "{name}");
         }
-        assert_eq!(engine_exec.pool().free_blocks(), ROWS as usize);
         donor.close(Duration::from_secs(1)).await.unwrap();
     });
+}
+
+/// TP rank `r`'s engine region layouts the checksum test lands into, by
+/// name: vLLM `[2, num_blocks, block_size, heads, head_dim]` per layer, and
+/// HF `[2, batch 2, heads, max_tokens, head_dim]` per layer landing
+/// sequence 1 from token 16 (so neither is the bank's row order).
+#[allow(clippy::type_complexity)]
+fn engine_layouts() -> Vec<(
+    &'static str,
+    Box<dyn Fn(u32) -> kv_descriptor::KvRegionLayout>,
+)> {
+    let g = layout();
+    let vllm_layer = u64::from(ROWS) * rbb() as u64 / u64::from(g.num_layers());
+    let max_tokens = u64::from(ROWS + 1) * TOKENS as u64;
+    let hf_layer = 2
+        * 2
+        * u64::from(g.heads_per_rank())
+        * max_tokens
+        * u64::from(g.head_dim())
+        * g.dtype().size_bytes() as u64;
+    let layers = u64::from(g.num_layers());
+    vec![
+        (
+            "vllm",
+            Box::new(move |r| {
+                kv_descriptor::KvRegionLayout::vllm_kv_first(
+                    g,
+                    r,
+                    0,
+                    vllm_layer,
+                    ROWS,
+                    layers * vllm_layer,
+                )
+                .unwrap()
+            }),
+        ),
+        (
+            "hf",
+            Box::new(move |r| {
+                kv_descriptor::KvRegionLayout::hf_tokens(
+                    g,
+                    r,
+                    0,
+                    hf_layer,
+                    2,
+                    1,
+                    max_tokens,
+                    TOKENS as u64,
+                    ROWS,
+                    layers * hf_layer,
+                )
+                .unwrap()
+            }),
+        ),
+    ]
 }

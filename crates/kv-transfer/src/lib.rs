@@ -79,6 +79,7 @@ mod bench_convert;
 mod bench_plan;
 #[cfg(feature = "qualify")]
 pub mod bench_sweep;
+pub mod block_readback;
 pub mod ci;
 mod control;
 pub mod convert;

@@ -46,9 +46,11 @@ pub enum BlockChecksumError {
         /// The checksum of the bytes received.
         got: u64,
     },
-    /// The received rows cannot be hashed here: read back refused by the
-    /// destination memory, or a layout conversion (engine regions) that
-    /// changes the bytes.
+    /// The received rows cannot be hashed here: the destination memory
+    /// refuses read-back (an engine-registered device pointer), or pool
+    /// rows of another rank block size than the donor's. Engine regions in
+    /// host memory, or CUDA memory this process owns, are gathered back
+    /// into block-major order and checked (never this variant).
     #[error("the received rows cannot be checked: {reason}")]
     Unverifiable {
         /// Why, with the value seen.
@@ -108,21 +110,61 @@ pub(crate) fn verify(
     rows: &[u32],
     rank_block_bytes: usize,
 ) -> Result<(), BlockChecksumError> {
+    verify_with(expected, regions.len(), rows, |rank, row| {
+        hash_range(
+            regions[rank].as_ref(),
+            row as usize * rank_block_bytes,
+            rank_block_bytes,
+        )
+        .map_err(|e| e.to_string())
+    })
+}
+
+/// [`verify`] for engine regions: block `rows[i]` of `layouts[r]` in
+/// `regions[r]` is gathered back into the bank's block-major byte order
+/// ([`kv_transfer::block_readback::read_block_major`], the order the donor
+/// hashed) and hashed, so a fetch into vLLM or HF per-layer tensors is
+/// checked exactly like pool rows.
+///
+/// # Errors
+/// As [`verify`]; [`BlockChecksumError::Unverifiable`] only where the
+/// memory has no read-back: an engine-registered device pointer
+/// ([`kv_transfer::EngineMemory`] of kind CUDA refuses `read_bytes`).
+/// Host memory and CUDA memory this process allocated (device-to-host
+/// copy) are read.
+#[cfg(feature = "worker")]
+pub(crate) fn verify_engine(
+    expected: &[u64],
+    regions: &[std::sync::Arc<dyn BankMemory>],
+    layouts: &[kv_descriptor::KvRegionLayout],
+    rows: &[u32],
+) -> Result<(), BlockChecksumError> {
+    verify_with(expected, regions.len(), rows, |rank, row| {
+        kv_transfer::block_readback::read_block_major(regions[rank].as_ref(), &layouts[rank], row)
+            .map(|b| xxhash_rust::xxh3::xxh3_64(&b))
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Compares `hash(rank, row)` with `expected` (rank-major) for `ranks` TP
+/// ranks and every row, first difference reported.
+#[cfg(feature = "worker")]
+fn verify_with(
+    expected: &[u64],
+    ranks: usize,
+    rows: &[u32],
+    hash: impl Fn(usize, u32) -> Result<u64, String>,
+) -> Result<(), BlockChecksumError> {
     let n = rows.len();
-    if expected.len() != n * regions.len() {
+    if expected.len() != n * ranks {
         return Err(BlockChecksumError::Missing {
-            expected: n * regions.len(),
+            expected: n * ranks,
             got: expected.len(),
         });
     }
-    for (rank, region) in regions.iter().enumerate() {
+    for rank in 0..ranks {
         for (block, &row) in rows.iter().enumerate() {
-            let got = hash_range(
-                region.as_ref(),
-                row as usize * rank_block_bytes,
-                rank_block_bytes,
-            )
-            .map_err(|e| BlockChecksumError::Unverifiable {
+            let got = hash(rank, row).map_err(|e| BlockChecksumError::Unverifiable {
                 reason: format!("rank {rank} row {row}: {e}"),
             })?;
             let want = expected[rank * n + block];
@@ -193,5 +235,56 @@ mod tests {
                 got: 0
             })
         );
+    }
+
+    /// Device memory without read-back (what an engine-registered device
+    /// pointer is): `read_bytes` keeps the trait's refusal.
+    #[derive(Debug)]
+    struct NoReadBack(usize);
+
+    impl BankMemory for NoReadBack {
+        fn kind(&self) -> kv_bank::MemoryKind {
+            kv_bank::MemoryKind::Cuda { ordinal: 0 }
+        }
+        fn len(&self) -> usize {
+            self.0
+        }
+        fn base_addr(&self) -> u64 {
+            0x1000
+        }
+        fn export_handle(&self) -> Option<kv_descriptor::ExportHandle> {
+            None
+        }
+    }
+
+    #[test]
+    fn engine_blocks_are_hashed_in_block_major_order_unless_memory_cannot_be_read() {
+        use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
+        // 2 layers, 1 head, head_dim 2, 1-byte elements, 2 tokens: 16-byte
+        // blocks; vLLM [2, 3 blocks, 2, 1, 2] per layer = 24 bytes a layer.
+        let g = KvLayout::new(2, 1, 2, DType::Fp8E4m3, 2, TensorOrder::BlockMajor, 1).unwrap();
+        let l = KvRegionLayout::vllm_kv_first(g, 0, 0, 24, 3, 48).unwrap();
+        let m = kv_transfer::HostBuffer::zeroed(48).unwrap();
+        m.write_bytes(0, &(0..48).collect::<Vec<u8>>()).unwrap();
+        let regions: Vec<Arc<dyn BankMemory>> = vec![Arc::new(m)];
+        let layouts = [l];
+        // Block 1 in block-major order: layer 0 K, V, then layer 1 K, V.
+        let block1: Vec<u8> = [4..8, 16..20, 28..32, 40..44]
+            .into_iter()
+            .flatten()
+            .collect();
+        let h = xxhash_rust::xxh3::xxh3_64(&block1);
+        assert_eq!(verify_engine(&[h], &regions, &layouts, &[1]), Ok(()));
+        assert!(matches!(
+            verify_engine(&[h], &regions, &layouts, &[2]),
+            Err(BlockChecksumError::Mismatch { row: 2, .. })
+        ));
+        let device: Vec<Arc<dyn BankMemory>> = vec![Arc::new(NoReadBack(48))];
+        match verify_engine(&[h], &device, &layouts, &[1]) {
+            Err(BlockChecksumError::Unverifiable { reason }) => {
+                assert!(reason.contains("read_bytes"), "{reason}")
+            }
+            other => panic!("expected Unverifiable, got {other:?}"),
+        }
     }
 }

@@ -660,22 +660,29 @@ impl FetchExecutor {
     }
 
     /// Checks the received rows `dst_blocks` against the donor's block
-    /// `checksums` (dense rows of the same rank block size only: a layout
-    /// conversion changes the bytes, so it cannot be checked).
+    /// `checksums`: pool rows are hashed in place; engine regions are
+    /// gathered back through their layouts into the donor's block-major
+    /// byte order first (same checksum, whatever the engine's layout).
     fn check_blocks(
         &self,
         manifest: &BankManifest,
         checksums: &[u64],
         dst_blocks: &[u32],
     ) -> Result<(), crate::BlockChecksumError> {
+        use crate::worker::block_checksums::{verify, verify_engine};
+        if let Some(layouts) = &self.engine_layouts {
+            return verify_engine(checksums, &self.regions, layouts, dst_blocks);
+        }
         let rbb = self.layout.rank_block_bytes();
-        if self.engine_layouts.is_some() || manifest.layout().rank_block_bytes() != rbb {
+        if manifest.layout().rank_block_bytes() != rbb {
             return Err(crate::BlockChecksumError::Unverifiable {
-                reason: "the target's rows are not the donor's block layout (engine regions)"
-                    .into(),
+                reason: format!(
+                    "pool rows of {rbb} bytes, the donor's blocks are {}",
+                    manifest.layout().rank_block_bytes()
+                ),
             });
         }
-        crate::worker::block_checksums::verify(checksums, &self.regions, dst_blocks, rbb)
+        verify(checksums, &self.regions, dst_blocks, rbb)
     }
 
     /// Engine-chosen ids must name `n` distinct blocks of the regions;
