@@ -433,9 +433,9 @@ if [ -z "${KV_NATS_SERVER:-}" ] && [ -x "$here/bin/nats-server" ]; then
   export KV_NATS_SERVER="$here/bin/nats-server"
 fi
 # The router service binary for the wheel's test_publisher.py and the
-# gpu_serving harness's router service (they look at $KV_REUSE_ROUTER_BIN).
-if [ -z "${KV_REUSE_ROUTER_BIN:-}" ] && [ -x "$here/exe/kv-reuse-router" ]; then
-  export KV_REUSE_ROUTER_BIN="$here/exe/kv-reuse-router"
+# gpu_serving harness's router service (they look at $KVQ_ROUTER_BIN).
+if [ -z "${KVQ_ROUTER_BIN:-}" ] && [ -x "$here/exe/kv-reuse-router" ]; then
+  export KVQ_ROUTER_BIN="$here/exe/kv-reuse-router"
 fi
 if [ "${1:-}" = "pytest-gpu" ]; then
   # The kv_reuse wheel's pytest files (default: test_gpu.py, the torch CUDA
@@ -649,7 +649,7 @@ mod tests {
         write_executable(
             &bundle.join("kvq"),
             "#!/bin/sh\necho \"data=$KVQ_DATA_DIR\"\necho \"nats=$KV_NATS_SERVER\"\n\
-             echo \"router=$KV_REUSE_ROUTER_BIN\"\n\
+             echo \"router=$KVQ_ROUTER_BIN\"\n\
              test -s \"$KVQ_DATA_DIR/traces/mooncake_conversation_trace.jsonl\" && echo trace-ok\n\
              \"$KV_NATS_SERVER\"\necho \"args=$*\"\n",
         );
@@ -665,7 +665,7 @@ mod tests {
             .arg(bundle.join("run.sh"))
             .args(["qualify", "--profile", "cpu"])
             .current_dir(&cwd)
-            .env_remove("KV_REUSE_ROUTER_BIN")
+            .env_remove("KVQ_ROUTER_BIN")
             .env_remove("KV_NATS_SERVER")
             .env_remove("KVQ_DATA_DIR")
             .output()

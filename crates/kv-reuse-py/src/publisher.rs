@@ -9,9 +9,12 @@
 //!   A background task calls `DonorAgent::tick` every `announce_period_s`
 //!   (events, record renewal before its TTL lapses, announcement); `close`
 //!   deletes the record and publishes the bank's `Cleared`.
-//! - target role (prefill worker): only its `WorkerAnnouncement` (role
-//!   prefill) every `announce_period_s`, so that the service accepts advise
-//!   requests routed to that engine (otherwise: `unknown target engine`).
+//! - target role (prefill worker): its `WorkerAnnouncement` (role prefill)
+//!   every `announce_period_s`, so that the service accepts advise requests
+//!   routed to that engine (otherwise: `unknown target engine`), and the KV
+//!   events of its own prefix cache (`publish_prefix_stored` /
+//!   `publish_prefix_removed`, tier `device`, on the announced event
+//!   subject), so that the cost model counts what it already holds.
 //!
 //! Everything NATS goes through kv-router-glue (no second implementation of
 //! the wire forms). The extension owns one small tokio runtime per publisher;
@@ -23,11 +26,14 @@ use std::time::Duration;
 use pyo3::prelude::*;
 
 use kv_bank::{BankConfig, LeaseConfig};
-use kv_descriptor::{EngineId, GpuIdentity, OwnerLease, Role, Wire};
+use kv_descriptor::{
+    EngineId, GpuIdentity, KvEventData, OwnerLease, Role, SequenceHash, StorageTier, StoredBlock,
+    Wire,
+};
 use kv_router_glue::{
     announce_subject, AgentError, DirectoryPlane, DonorAgent, DonorAgentConfig, EventPlane,
-    NatsDirectory, NatsInventory, NatsOptions, NatsPlane, PinServiceConfig, PlaneError, Subject,
-    WorkerAnnouncement,
+    KvEventPublisher, NatsDirectory, NatsInventory, NatsOptions, NatsPlane, PinServiceConfig,
+    PlaneError, PublisherHeader, Subject, WorkerAnnouncement,
 };
 
 use crate::donor::DonorBank;
@@ -138,6 +144,8 @@ struct Running {
     runtime: tokio::runtime::Runtime,
     ticker: tokio::task::JoinHandle<()>,
     agent: Option<Arc<DonorAgent>>,
+    /// A target's publisher of its own prefix-cache events (None for a donor).
+    prefix: Option<(Arc<KvEventPublisher>, u32)>,
 }
 
 /// A worker's presence on NATS for the router service (module docs).
@@ -298,6 +306,7 @@ impl WorkerPublisher {
                 runtime: rt,
                 ticker,
                 agent: Some(agent),
+                prefix: None,
             })),
             role: Role::Decode,
             nats_url: nats_url.to_owned(),
@@ -367,14 +376,15 @@ impl WorkerPublisher {
             .to_wire()
             .map_err(|e| PublishFailed::new_err(format!("announcement: {e}")))?;
         let url = nats_url.to_owned();
-        let (rt, ticker) = py.allow_threads(|| {
+        let (rt, ticker, plane) = py.allow_threads(|| {
             let rt = runtime("publisher")?;
             let plane = rt.block_on(async {
                 let options = NatsOptions {
                     connect_timeout: timeout,
                     ..NatsOptions::default()
                 };
-                let plane = within(&url, timeout, NatsPlane::connect(&url, options)).await?;
+                let plane =
+                    Arc::new(within(&url, timeout, NatsPlane::connect(&url, options)).await?);
                 // The first announcement is sent (and flushed) before the
                 // constructor returns: an advise right after it finds the
                 // target once the router processed it.
@@ -385,22 +395,35 @@ impl WorkerPublisher {
                 .await?;
                 Ok::<_, PyErr>(plane)
             })?;
+            let announcer = plane.clone();
             let ticker = rt.spawn(async move {
                 let mut every = tokio::time::interval(period);
                 every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 every.tick().await;
                 loop {
                     every.tick().await;
-                    let _ = plane.publish(&subject, bytes.clone()).await;
+                    let _ = announcer.publish(&subject, bytes.clone()).await;
                 }
             });
-            Ok::<_, PyErr>((rt, ticker))
+            Ok::<_, PyErr>((rt, ticker, plane))
         })?;
+        let prefix = KvEventPublisher::new(
+            plane,
+            event_subject,
+            PublisherHeader {
+                publisher: engine,
+                role: Role::Prefill,
+                layout_fingerprint: layout.inner.fingerprint(),
+                tp_size: tp,
+            },
+            PREFIX_EVENT_RING,
+        );
         Ok(Self {
             running: Mutex::new(Some(Running {
                 runtime: rt,
                 ticker,
                 agent: None,
+                prefix: Some((Arc::new(prefix), layout.inner.tokens_per_block())),
             })),
             role: Role::Prefill,
             engine_id: engine,
@@ -470,6 +493,70 @@ impl WorkerPublisher {
             agent.tick().await.map_err(agent_error)
         })
         .map(|_| ())
+    }
+
+    /// A prefill target's own prefix cache now holds the sealed blocks of
+    /// `tokens` (token ids); blocks `first_block ..` of them are new.
+    /// Publishes one `Stored` KV event (tier `device`, role prefill, on the
+    /// announced event subject) naming those blocks, the first a child of
+    /// block `first_block - 1` (hashes as `sequence_hashes(tokens, T)`; a
+    /// partial tail block is not named), so that the router service's cost
+    /// model counts them as held by this target: a fetch advised for it then
+    /// starts past them (`fetch_from`). Returns the blocks named; 0 (no
+    /// event) when there is none past `first_block`. Releases the GIL.
+    ///
+    /// Raises `BadArgument` naming `first_block` when it is past the
+    /// sealed blocks, `PublishFailed` for a donor (its events come from its
+    /// bank), when the publish fails, or after `close()`.
+    #[pyo3(signature = (tokens, first_block = 0))]
+    fn publish_prefix_stored(
+        &self,
+        py: Python<'_>,
+        tokens: Vec<u32>,
+        first_block: usize,
+    ) -> PyResult<usize> {
+        let (_, tpb) = self.prefix_publisher("publish_prefix_stored")?;
+        let token = kv_descriptor::token_block_hashes(&tokens, tpb as usize);
+        let seq = kv_descriptor::sequence_hashes(&tokens, tpb as usize);
+        if first_block > seq.len() {
+            return Err(bad_argument(
+                "first_block",
+                format!("{first_block} is past the {} sealed blocks of tokens", seq.len()),
+            ));
+        }
+        if first_block == seq.len() {
+            return Ok(0);
+        }
+        let blocks: Vec<StoredBlock> = seq[first_block..]
+            .iter()
+            .zip(&token[first_block..])
+            .map(|(&sequence_hash, &token_hash)| StoredBlock {
+                sequence_hash,
+                token_hash,
+                slot: None,
+            })
+            .collect();
+        let n = blocks.len();
+        let parent = first_block.checked_sub(1).map(|i| seq[i]);
+        self.publish_prefix(py, KvEventData::Stored { parent, blocks })?;
+        Ok(n)
+    }
+
+    /// A prefill target's own prefix cache dropped the blocks
+    /// `sequence_hashes`: one `Removed` KV event (tier `device`). Returns
+    /// how many were named; 0 (no event) for none. Releases the GIL.
+    ///
+    /// Raises `PublishFailed` for a donor, when the publish fails, or after
+    /// `close()`.
+    fn publish_prefix_removed(&self, py: Python<'_>, sequence_hashes: Vec<u64>) -> PyResult<usize> {
+        self.prefix_publisher("publish_prefix_removed")?;
+        if sequence_hashes.is_empty() {
+            return Ok(0);
+        }
+        let n = sequence_hashes.len();
+        let sequence_hashes = sequence_hashes.into_iter().map(SequenceHash).collect();
+        self.publish_prefix(py, KvEventData::Removed { sequence_hashes })?;
+        Ok(n)
     }
 
     /// Publishes the NIXL agent that registered the donor bank's memory
@@ -551,7 +638,40 @@ impl WorkerPublisher {
     }
 }
 
+/// Events a target's prefix-cache publisher keeps for a router's resync.
+const PREFIX_EVENT_RING: usize = 4096;
+
 impl WorkerPublisher {
+    /// A target's prefix-cache event publisher and its tokens per block;
+    /// `PublishFailed` naming `what` for a donor or after `close()`.
+    fn prefix_publisher(&self, what: &str) -> PyResult<(Arc<KvEventPublisher>, u32)> {
+        let guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let r = guard
+            .as_ref()
+            .ok_or_else(|| PublishFailed::new_err(format!("{what}: the publisher is closed")))?;
+        r.prefix.clone().ok_or_else(|| {
+            PublishFailed::new_err(format!(
+                "{what}: a donor's KV events come from its bank (publish_events)"
+            ))
+        })
+    }
+
+    /// Publishes `data` (tier `device`) from the target's prefix publisher
+    /// and flushes, bounded by the publisher's timeout, without the GIL.
+    fn publish_prefix(&self, py: Python<'_>, data: KvEventData) -> PyResult<()> {
+        let (publisher, _) = self.prefix_publisher("publish_prefix")?;
+        let guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let r = guard
+            .as_ref()
+            .ok_or_else(|| PublishFailed::new_err("the publisher is closed"))?;
+        let (timeout, url) = (self.timeout, self.nats_url.clone());
+        py.allow_threads(|| {
+            r.runtime.block_on(within(&url, timeout, async {
+                publisher.publish(StorageTier::Device, data).await.map(|_| ())
+            }))
+        })
+    }
+
     fn with_agent<R>(&self, f: impl FnOnce(&DonorAgent) -> R) -> Option<R> {
         let guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
         guard.as_ref()?.agent.as_deref().map(f)

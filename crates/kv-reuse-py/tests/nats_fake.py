@@ -137,9 +137,9 @@ ROUTER_SOURCE = os.path.join(REPO, "crates", "kv-router-glue", "src", "bin", "kv
 
 
 def find_router_binary():
-    """$KV_REUSE_ROUTER_BIN, else the workspace's debug or release build of
+    """$KVQ_ROUTER_BIN, else the workspace's debug or release build of
     `kv-reuse-router`; None when absent."""
-    for cand in (os.environ.get("KV_REUSE_ROUTER_BIN"),
+    for cand in (os.environ.get("KVQ_ROUTER_BIN"),
                  os.path.join(REPO, "target", "debug", "kv-reuse-router"),
                  os.path.join(REPO, "target", "release", "kv-reuse-router")):
         if cand and os.access(cand, os.X_OK):

@@ -38,7 +38,7 @@ def nats(tmp_path):
 def router(nats):
     binary = find_router_binary()
     if binary is None:
-        skip_or_fail("kv-reuse-router", "not built (target/debug/kv-reuse-router, $KV_REUSE_ROUTER_BIN)")
+        skip_or_fail("kv-reuse-router", "not built (target/debug/kv-reuse-router, $KVQ_ROUTER_BIN)")
     proc = subprocess.Popen(
         [binary, "--nats-url", nats.url, "--metrics-addr", "127.0.0.1:0",
          "--tokens-per-block", str(TOKENS_PER_BLOCK), "--announce-period-ms", "200",

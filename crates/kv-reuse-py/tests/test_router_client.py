@@ -124,7 +124,7 @@ def test_advise_releases_the_gil_while_a_replica_is_silent(nats):
 def test_a_round_trip_through_the_router_binary(nats):
     binary = find_router_binary()
     if binary is None:
-        why = "not built (target/debug/kv-reuse-router, $KV_REUSE_ROUTER_BIN)"
+        why = "not built (target/debug/kv-reuse-router, $KVQ_ROUTER_BIN)"
         if os.path.exists(ROUTER_SOURCE):
             skip_or_fail("kv-reuse-router", why)
         line = f"SKIP kv-reuse-router: {why}; its source is not in this checkout"

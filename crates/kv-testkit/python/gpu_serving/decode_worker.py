@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import engine, rpc, transport
+from . import engine, rpc, service, transport
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -64,12 +64,27 @@ class DecodeWorker(EngineWorker):
     def __init__(self, cfg: Dict[str, Any]) -> None:
         super().__init__(cfg)
         kv_reuse = self.kv
-        self.bank = transport.open_bank(kv_reuse, self.layout, cfg["bank_slots"], self.device, self.transport)
         self.answer = cfg.get("answer", "greedy")
         if self.answer not in ("greedy", "forced"):
             raise engine.EngineError("answer", f"unknown {self.answer!r}, expected greedy or forced")
         self.endpoint = "unix:" + os.path.join(tempfile.mkdtemp(prefix="gpu-serving-"), "pins.sock")
-        self.pins = self.bank.serve_pins(self.endpoint)
+        # ``nats_url`` (the harness's --router service): a donor agent on
+        # NATS opens the bank and serves its pins, publishes its directory
+        # record, KV events and announcements (the router service follows
+        # them); otherwise the bank is this worker's own and the harness
+        # hands its events to an in-process router.
+        self.publisher = None
+        if cfg.get("nats_url"):
+            gpu = transport.ordinal(self.device, self.transport)
+            self.publisher = kv_reuse.WorkerPublisher.donor(
+                cfg["nats_url"], cfg.get("worker_key", "gpu-serving-decode"), self.layout, cfg["bank_slots"],
+                self.endpoint, gpus=None if gpu is None else [gpu], store_timeout_s=60.0,
+                announce_period_s=service.ANNOUNCE_PERIOD_S)
+            self.bank = self.publisher.bank
+            self.pins = None
+        else:
+            self.bank = transport.open_bank(kv_reuse, self.layout, cfg["bank_slots"], self.device, self.transport)
+            self.pins = self.bank.serve_pins(self.endpoint)
         self.caches: Dict[str, Any] = {}
         self.checksums: Dict[int, int] = {}  # sequence hash -> block checksum (engine.block_checksums)
         self.store_failures: List[str] = []
@@ -110,10 +125,17 @@ class DecodeWorker(EngineWorker):
             "computed_tokens": len(prompt) - held,
             "decode_ms": decode_ms,
             "retain_ms": sw.stop(),
-            "events": self.bank.drain_events(),
+            "events": self._events(),
             "manifest": self.bank.manifest(),
             "slots": self._all_slots(),
         }
+
+    def _events(self) -> List[bytes]:
+        """This turn's KV events for the harness's in-process router; [] when the publisher sent them on NATS."""
+        if self.publisher is not None:
+            self.publisher.publish_events()
+            return []
+        return self.bank.drain_events()
 
     def _all_slots(self) -> Dict[int, int]:
         """Slot of every block this worker retained and the bank still holds (all sessions).
@@ -189,7 +211,10 @@ class DecodeWorker(EngineWorker):
         }
 
     def close(self) -> None:
-        self.pins.close()
+        if self.publisher is not None:
+            self.publisher.close()  # record deleted, pins stopped, bank closed
+        else:
+            self.pins.close()
 
 
 def _device_bytes(device: str) -> Optional[int]:

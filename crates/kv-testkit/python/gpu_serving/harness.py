@@ -83,6 +83,14 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         help="after the workload, one turn whose donor is SIGKILLed mid-fetch (must fall back, leak nothing)",
     )
     p.add_argument(
+        "--router",
+        choices=("in-process", "service"),
+        default="in-process",
+        help="in-process: a kv_reuse.Router in the harness, fed the decode's events; service: nats-server and the "
+        "kv-reuse-router binary as processes, the workers publishing on NATS (donor agent, target announcements, "
+        "donor directory) and the harness advising through kv_reuse.RouterClient",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=0.0,
@@ -146,6 +154,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             slots = max(fit, 1)
     cfg = {"model": a.model, "seed": a.seed, "tokens_per_block": tpb, "transport": a.transport}
     t_start = time.perf_counter()
+    svc = None
+    if a.router == "service":
+        from . import service
+
+        try:
+            svc = service.RouterService(tpb, [k for k, v in router_settings().items() if v is True])
+        except service.ServiceError as e:
+            return skip(a.out, f"--router service: {e}")
+        cfg["nats_url"] = a.nats_url = svc.url
+        print(f"gpu_serving: router service on {svc.url} ({svc.ready})", flush=True)
     decode = rpc.Worker(decode_worker.main, {**cfg, "device": a.decode_device, "bank_slots": slots, "answer": a.answer})
     prefill = rpc.Worker(
         prefill_worker.main, {**cfg, "device": a.prefill_device, "target_rows": target_rows, "warm": a.regime == "both",
@@ -173,6 +191,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         decode.close()
         prefill.close()
+        if svc is not None:
+            codes = svc.stop()
+            result["router_service"] = {"url": svc.url, "exit_codes": codes}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     return rc
@@ -209,13 +230,18 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         raise rpc_error("hello", "the two workers built different weights")
     s = __import__("gpu_serving.engine", fromlist=["shape"]).shape(a.model)
     layout = kv_reuse.Layout(s.num_layers, s.num_kv_heads, s.head_dim, "bf16", tpb, 1)
-    settings = kv_reuse.Settings(router_settings(), env={})
-    router = kv_reuse.Router(settings, tokens_per_block=tpb)
-    router.register_worker(1, dh["engine_id"], "decode", layout)
-    router.register_worker(2, ph["engine_id"], "prefill", layout)
+    if a.router == "service":
+        router = ServiceRouter(kv_reuse, a.nats_url, prefill)
+        router.wait_known([ph["engine_id"]] + ([ph["warm_engine_id"]] if a.regime == "both" else []), tpb)
+    else:
+        settings = kv_reuse.Settings(router_settings(), env={})
+        router = kv_reuse.Router(settings, tokens_per_block=tpb)
+        router.register_worker(1, dh["engine_id"], "decode", layout)
+        router.register_worker(2, ph["engine_id"], "prefill", layout)
     warm = warm_run = None
     if a.regime == "both":
-        router.register_worker(3, ph["warm_engine_id"], "prefill", layout)
+        if a.router != "service":
+            router.register_worker(3, ph["warm_engine_id"], "prefill", layout)
         warm = warm_run = WarmRegime(router, ph["warm_engine_id"], tpb)
     # Once, untimed: the largest prompt's prefill (allocator growth, kernel
     # selection) so the first measured turns do not pay it.
@@ -367,8 +393,11 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         if warm is not None:
             warm.learn(d["events"])
             warm.report(sess.id, prompt, hashes)
-        manifest = d["manifest"]
-        router.report_donor(manifest, dh["endpoint"], d["slots"])
+        if a.router == "service":
+            manifest = dh["engine_id"]  # the prefill resolves it from the donor directory
+        else:
+            manifest = d["manifest"]
+            router.report_donor(manifest, dh["endpoint"], d["slots"])
         row["decode_ms"] = round(d["decode_ms"], 3)
         row["retain_ms"] = round(d["retain_ms"], 3)
         sess.history = prompt + d["output"]
@@ -403,6 +432,47 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
     r["truncated"] = truncated
     r["_advise_ms"] = advise_total
     return r
+
+
+class ServiceRouter:
+    """What the harness asks of a router, answered by the router service (``--router service``).
+
+    ``advise`` goes through ``kv_reuse.RouterClient`` (NATS request/reply to
+    ``kv-reuse-router``); workers, KV events and the donor directory reach
+    the service from the workers' own publishers, so ``register_worker`` /
+    ``report_donor`` have no counterpart here. The warm regime's
+    prefix-cache events go out through ``publish_prefix`` (the prefill
+    worker's warm target publisher).
+    """
+
+    def __init__(self, kv_reuse: Any, nats_url: str, prefill: Any, timeout_s: float = 5.0) -> None:
+        self.kv = kv_reuse
+        self.prefill = prefill
+        self.client = kv_reuse.RouterClient(nats_url, timeout_s=timeout_s)
+
+    def advise(self, request_id: str, hashes: List[int], target: str) -> Any:
+        return self.client.advise(request_id, hashes, target)
+
+    def publish_prefix(self, tokens: List[int], first_block: int) -> int:
+        """The warm target now holds the sealed blocks of ``tokens``, new from ``first_block``: its event on NATS."""
+        return self.prefill.call("publish_prefix_stored", tokens=tokens, first_block=first_block)[0]["blocks"]
+
+    def wait_known(self, targets: List[str], tpb: int, deadline_s: float = 60.0) -> None:
+        """Waits until the service answers for every target (their announcements processed).
+
+        Raises ``WorkerError("router", ...)`` after ``deadline_s`` seconds.
+        """
+        hashes = self.kv.sequence_hashes([1] * tpb, tpb)
+        end = time.monotonic() + deadline_s
+        for t in targets:
+            while True:
+                try:
+                    self.client.advise(f"wait-{t}", hashes, t)
+                    break
+                except self.kv.AdviseRefused as e:
+                    if time.monotonic() > end:
+                        raise rpc_error("router", f"target {t} unknown to the router service after {deadline_s} s: {e}")
+                    time.sleep(0.1)
 
 
 def rpc_error(op: str, msg: str):

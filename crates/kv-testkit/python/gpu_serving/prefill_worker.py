@@ -26,11 +26,12 @@ from __future__ import annotations
 import gc
 import os
 import signal
-from typing import Any, Dict, List, Optional
+import time
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from . import engine, rpc, transport
+from . import engine, rpc, service, transport
 from .decode_worker import EngineWorker, _bits, _device_bytes
 
 LANDINGS = ("cache", "rows")
@@ -62,6 +63,20 @@ class PrefillWorker(EngineWorker):
         # (cache, first block, blocks).
         self.fetched: Optional[Any] = None
         self.last: Optional[engine.PrefillResult] = None  # for ``greedy``, untimed
+        # ``nats_url`` (the harness's --router service): each target is
+        # announced to the router service, and a donor's manifest is resolved
+        # from the donor directory (JetStream bucket) by its engine id.
+        self.publishers: List[Any] = []
+        self.directory = None
+        if cfg.get("nats_url"):
+            gpu = transport.ordinal(self.device, self.transport)
+            key = cfg.get("worker_key", "gpu-serving-prefill")
+            for suffix, landing in (("", self.landing), ("-warm", self.warm_landing)):
+                if landing is not None:
+                    self.publishers.append(self.kv.WorkerPublisher.target(
+                        cfg["nats_url"], key + suffix, self.layout, landing.target.engine_id,
+                        gpus=None if gpu is None else [gpu], announce_period_s=service.ANNOUNCE_PERIOD_S))
+            self.directory = self.kv.DonorDirectory(cfg["nats_url"])
         self.leaks_at_start = self.kv.leak_counters()
         self.fds_rebased = False
         self.fds_at_first_fetch: Optional[int] = None
@@ -117,12 +132,16 @@ class PrefillWorker(EngineWorker):
         ms = sw.stop()
         return {"worker_ms": ms, "phases_ms": sw.phases, **self._first(r)}
 
-    def _fetch(self, landing: transport.Landing, hint: bytes, hashes: List[int], manifest: Optional[bytes],
+    def _fetch(self, landing: transport.Landing, hint: bytes, hashes: List[int], manifest: Union[bytes, str, None],
                held_blocks: int, kill_donor: Optional[int] = None):
         """Fetches the hinted blocks into ``landing``: (landed or None, fetch fields, fell_back, fetch_from).
 
         ``landed``: the fetched rows (``transport.Landing``) or the number of
         blocks now in the landing cache (``transport.CacheLanding``).
+
+        ``manifest``: the donor's manifest (wire bytes), or its engine id
+        (str) to resolve from the donor directory (service mode); a donor
+        without a record falls back (``no_record``).
 
         ``held_blocks``: the blocks this worker holds of the prompt (0 in
         churn); a hint starting past them is refused. ``kill_donor``: a donor
@@ -130,6 +149,13 @@ class PrefillWorker(EngineWorker):
         wheel's ``donor_alive`` probe): the donor-killed-mid-fetch turn.
         """
         fetch: Dict[str, Any] = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
+        if isinstance(manifest, str):
+            # A donor engine id: its manifest from the donor directory (a
+            # local lookup in the watched bucket), inside the timed request.
+            got = self.directory.manifest(manifest) if self.directory is not None else None
+            if got is None:
+                return None, fetch, [f"donor {manifest} not in the directory", "resolve", "no_record"], 0
+            manifest = got
         kw: Dict[str, Any] = {}
         if kill_donor is not None:
             kw["donor_alive"] = _killer(kill_donor)
@@ -152,7 +178,7 @@ class PrefillWorker(EngineWorker):
         except (self.kv.KvReuseError, ValueError) as e:
             return None, fetch, [repr(e), "refused", type(e).__name__], 0
 
-    def op_on(self, prompt: List[int], hint: Optional[bytes], hashes: List[int], manifest: Optional[bytes],
+    def op_on(self, prompt: List[int], hint: Optional[bytes], hashes: List[int], manifest: Union[bytes, str, None],
               kill_donor: Optional[int] = None) -> Dict[str, Any]:
         sw = engine.Stopwatch(self.device)
         self.resident = None
@@ -236,7 +262,7 @@ class PrefillWorker(EngineWorker):
                 "logits": _bits(r.logits)}
 
     def op_warm_on(self, session: str, prompt: List[int], hint: Optional[bytes], hashes: List[int],
-                   manifest: Optional[bytes]) -> Dict[str, Any]:
+                   manifest: Union[bytes, str, None]) -> Dict[str, Any]:
         """Reuse on, warm: the advised fetch (only the blocks past what this worker holds), then the rest."""
         cache_landing = self.landing_kind == "cache"
         if cache_landing:
@@ -318,6 +344,46 @@ class PrefillWorker(EngineWorker):
         ms = sw.stop()
         return {"worker_ms": ms, "phases_ms": sw.phases, "first_token": r.first_token, "logits": _bits(r.logits)}
 
+    def op_probe(self, history: int, suffix: int, reps: int, freeze_gc: bool = False) -> Dict[str, Any]:
+        """Untimed diagnostic: ``reps`` suffix forwards of ``suffix`` tokens on ``history`` tokens of the landing cache.
+
+        The history's KV is whatever the cache holds (its content does not
+        change a forward's time); with ``landing="rows"`` a fresh cache of
+        ``history`` tokens is prefilled first. Returns per rep ``wall_ms``
+        (device-synchronised) and ``launch_ms`` (until the model call
+        returned, before the sync: near ``wall_ms`` when the forward is
+        host-bound). ``freeze_gc`` calls ``gc.freeze()`` first. Used by
+        ``xtask/gpu/worker_forward.py`` to find why a forward inside the
+        worker is slower than in a fresh process.
+        """
+
+        if history < 1 or suffix < 1 or reps < 1:
+            raise engine.EngineError("history", f"history {history}, suffix {suffix}, reps {reps} must be positive")
+        if freeze_gc:
+            gc.freeze()
+        ids = [i % self.shape.vocab for i in range(history + suffix)]
+        if self.landing_kind == "cache":
+            cache = self.landing.cache
+            if history + suffix > cache.capacity():
+                raise engine.EngineError("history", f"{history + suffix} tokens past the landing cache's {cache.capacity()}")
+        else:
+            cache = engine.prefill(self.model, ids[:history]).cache
+        walls, launches = [], []
+        for _ in range(reps):
+            cache.set_length(history)
+            engine.sync(self.device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                tok = torch.tensor([ids[history:]], dtype=torch.long, device=self.device)
+                self.model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            t1 = time.perf_counter()
+            engine.sync(self.device)
+            t2 = time.perf_counter()
+            launches.append(round((t1 - t0) * 1e3, 3))
+            walls.append(round((t2 - t0) * 1e3, 3))
+        return {"wall_ms": walls, "launch_ms": launches, "gc_counts": list(gc.get_count()),
+                "gc_tracked": len(gc.get_objects()), "torch_threads": torch.get_num_threads()}
+
     def _steady_fds(self) -> None:
         """On the cuda transport, re-bases ``open_fds`` at the first fetch (once).
 
@@ -349,6 +415,26 @@ class PrefillWorker(EngineWorker):
         }
 
 
+    def op_publish_prefix_stored(self, tokens: List[int], first_block: int = 0) -> Dict[str, Any]:
+        """The warm target's own prefix cache holds the sealed blocks of ``tokens``: one ``stored`` KV event on NATS.
+
+        Blocks ``first_block ..`` are new (``WorkerPublisher.publish_prefix_stored``);
+        returns ``{"blocks": n}``, the blocks named. Refused
+        (``EngineError("router", ...)``) without ``nats_url`` or without the
+        warm regime.
+        """
+        if len(self.publishers) < 2:
+            raise engine.EngineError("router", "no warm target publisher (needs nats_url and the warm regime)")
+        return {"blocks": self.publishers[1].publish_prefix_stored(tokens, first_block)}
+
+    def close(self) -> None:
+        """Stops the targets' announcements and the directory watch (service mode)."""
+        for p in self.publishers:
+            p.close()
+        if self.directory is not None:
+            self.directory.close()
+
+
 def _killer(pid: int):
     """A ``donor_alive`` probe that SIGKILLs ``pid`` at its first call and then reports it dead."""
     state = {"killed": False}
@@ -370,4 +456,7 @@ def main(conn: Any, cfg: Dict[str, Any]) -> None:
         conn.send({"ok": False, "error": f"prefill worker start: {e!r}"})
         return
     conn.send({"ok": True})
-    rpc.serve(conn, w)
+    try:
+        rpc.serve(conn, w)
+    finally:
+        w.close()

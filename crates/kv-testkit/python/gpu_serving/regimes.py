@@ -104,10 +104,23 @@ class WarmRegime:
         }
 
     def report(self, sess_id: str, prompt: List[int], hashes: List[int]) -> None:
-        """Tells the router the prefill now holds the sealed blocks of ``prompt`` (after the decode's events)."""
+        """Tells the router the prefill now holds the sealed blocks of ``prompt`` (after the decode's events).
+
+        In-process router: a ``stored`` event written here (``PrefixEvents``,
+        token hashes learned from the decode's events) for ``apply_event``.
+        Router service (a router with ``publish_prefix(tokens, first_block)``):
+        the prefill worker's warm target publishes it on NATS.
+        """
         n = len(prompt) // self.tpb
         done = self.reported.get(sess_id, 0)
         if n <= done:
+            return
+        publish = getattr(self.router, "publish_prefix", None)
+        if publish is not None:
+            # Router service: the prefill's warm target publishes the event
+            # itself (token hashes computed by the wheel from the tokens).
+            publish(prompt[: n * self.tpb], done)
+            self.reported[sess_id] = n
             return
         parent = hashes[done - 1] if done else None
         new = hashes[done:n]

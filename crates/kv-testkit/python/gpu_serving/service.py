@@ -1,0 +1,165 @@
+"""nats-server and the router service as processes, for the harness's ``--router service``.
+
+With ``--router service`` no router lives in the harness: the decode worker
+is a ``kv_reuse.WorkerPublisher.donor`` (its bank's record in the JetStream
+donor directory, its KV events and announcements on NATS), the prefill worker
+announces its targets (``WorkerPublisher.target``) and resolves the donor's
+manifest from the directory (``kv_reuse.DonorDirectory``), and the harness
+advises through ``kv_reuse.RouterClient`` against the ``kv-reuse-router``
+binary (docs/router-service.md). This module starts and stops the two
+servers.
+
+Binaries: ``$KV_NATS_SERVER`` (``cargo xtask install`` and the GPU bundle's
+``run.sh`` export it) else ``nats-server`` on ``$PATH``; ``$KVQ_ROUTER_BIN``
+(``run.sh``) else the workspace's release / debug build of
+``kv-reuse-router``. Neither found: :class:`ServiceError` naming which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
+
+# Announce timing of the router service (``--announce-period-ms``,
+# ``--missed-periods``) and of the workers' publishers. A worker whose
+# process is busy for seconds (a 32K prefill, a model build on a loaded
+# host) still announces from its publisher thread, but 200 ms periods
+# dropped busy workers as silent on a loaded 2-core host; one second and 60
+# missed periods never drop a live worker inside a run.
+ANNOUNCE_PERIOD_S = 1.0
+MISSED_PERIODS = 60
+
+
+class ServiceError(RuntimeError):
+    """A server could not be found or started; ``field`` names which (``nats_server``, ``router``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _executable(cands: List[Optional[str]]) -> Optional[str]:
+    for c in cands:
+        if c and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def find_nats_server() -> Optional[str]:
+    """``$KV_NATS_SERVER``, ``nats-server`` on ``$PATH`` or ``target/nats``; None when none is executable."""
+    return _executable([os.environ.get("KV_NATS_SERVER"), shutil.which("nats-server"),
+                        os.path.join(REPO, "target", "nats", "bin", "nats-server")])
+
+
+def find_router() -> Optional[str]:
+    """``$KVQ_ROUTER_BIN`` or the workspace's release / debug ``kv-reuse-router``; None when none."""
+    return _executable([os.environ.get("KVQ_ROUTER_BIN"),
+                        os.path.join(REPO, "target", "release", "kv-reuse-router"),
+                        os.path.join(REPO, "target", "debug", "kv-reuse-router")])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RouterService:
+    """A JetStream nats-server on a free loopback port and a ``kv-reuse-router`` following it.
+
+    ``tokens_per_block``: the engines' block size (the router's cost model).
+    ``settings``: reuse flags of the router (``--enable-...`` names without
+    dashes), e.g. ``enable_decode_to_prefill_gpu_reuse``. ``url`` is the NATS
+    URL; ``ready`` the router's ready line (JSON). :meth:`stop` terminates
+    both (SIGTERM: the router drains) and removes the JetStream store.
+    Raises :class:`ServiceError` when a binary is missing, the server does
+    not accept connections within 10 s, or the router exits or prints no
+    ready line within 30 s.
+    """
+
+    def __init__(self, tokens_per_block: int, settings: List[str]) -> None:
+        nats_bin, router_bin = find_nats_server(), find_router()
+        if nats_bin is None:
+            raise ServiceError("nats_server", "not found ($KV_NATS_SERVER, $PATH, target/nats: cargo xtask install)")
+        if router_bin is None:
+            raise ServiceError("router", "kv-reuse-router not found ($KVQ_ROUTER_BIN, target/release, target/debug)")
+        self.dir = tempfile.mkdtemp(prefix="gpu-serving-nats-")
+        self.port = _free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.nats = subprocess.Popen([nats_bin, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.dir],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.router: Optional[subprocess.Popen] = None
+        try:
+            self._wait_for_port()
+            args = [router_bin, "--nats-url", self.url, "--metrics-addr", "127.0.0.1:0",
+                    "--tokens-per-block", str(tokens_per_block),
+                    "--announce-period-ms", str(int(ANNOUNCE_PERIOD_S * 1000)),
+                    "--missed-periods", str(MISSED_PERIODS)] + ["--" + s.replace("_", "-") for s in settings]
+            # KV_REUSE_* variables are router settings; none of the harness's own may leak in.
+            env = {k: v for k, v in os.environ.items() if not k.startswith("KV_REUSE_")}
+            self.router = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env)
+            self.ready = self._ready_line()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_for_port(self) -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.nats.poll() is not None:
+                raise ServiceError("nats_server", f"exited with code {self.nats.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise ServiceError("nats_server", f"no connection on port {self.port} within 10 s")
+
+    def _ready_line(self) -> Dict:
+        assert self.router is not None and self.router.stdout is not None
+        # The router prints its ready line once serving, or exits; a router
+        # that does neither within 30 s is refused rather than waited on.
+        ready, _, _ = select.select([self.router.stdout], [], [], 30.0)
+        if not ready:
+            raise ServiceError("router", "no ready line within 30 s")
+        line = self.router.stdout.readline()
+        if not line:
+            self.router.wait(timeout=30)
+            raise ServiceError("router", f"exited with code {self.router.returncode} before its ready line")
+        got = json.loads(line)
+        if got.get("event") != "ready":
+            raise ServiceError("router", f"first line is not the ready line: {line.strip()}")
+        return got
+
+    def router_alive(self) -> bool:
+        """True while the router process runs."""
+        return self.router is not None and self.router.poll() is None
+
+    def stop(self) -> Dict[str, Optional[int]]:
+        """Terminates the router (drains) then nats-server; their exit codes. Idempotent."""
+        codes: Dict[str, Optional[int]] = {}
+        for name, p in (("router", self.router), ("nats_server", self.nats)):
+            if p is None:
+                continue
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            codes[name] = p.returncode
+            if p.stdout is not None:
+                p.stdout.close()
+        self.router = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return codes
