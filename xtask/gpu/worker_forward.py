@@ -64,7 +64,8 @@ def main() -> int:
                **{k: v for k, v in got.items()}}
         res["stages"].append(row)
         print(f"{stage:28s} wall p50 {row['wall_p50_ms']:7.2f} ms, launch p50 {row['launch_p50_ms']:7.2f} ms, "
-              f"gc tracked {got['gc_tracked']}, threads {got['torch_threads']}", flush=True)
+              f"gc tracked {got['gc_tracked']}, threads {got['torch_threads']}, cores {got['cores']}, "
+              f"walls {got['wall_ms']}", flush=True)
 
     probe = {"history": a.history, "suffix": a.suffix, "reps": a.reps}
     t0 = time.perf_counter()
@@ -113,7 +114,28 @@ def main() -> int:
             off, off_ms = child.call("off", prompt=[(5 * i + 1) % vocab for i in range(a.off_tokens)])
             res["off"] = {"client_ms": off_ms, "worker_ms": off["worker_ms"]}
             record("after_off", child.call("probe", **probe)[0])
+            big = [(5 * i + 1) % vocab for i in range(a.off_tokens)]
+
+            def after_off(stage: str, **kw) -> None:
+                child.call("quiesce")
+                child.call("off", prompt=big)
+                record(stage, child.call("probe", **probe, **kw)[0])
+
+            # Which step after a big OFF prefill brings the forward back.
+            after_off("after_off_again")
+            after_off("after_off_collect", pre="collect")
+            after_off("after_off_empty_cache", pre="empty_cache")
+            after_off("after_off_sleep200", pre="sleep:200")
+            record("plain_again", child.call("probe", **probe)[0])
+            # Host-bound forwards: fewer intra-op threads, then pinned cores.
+            record("threads4", child.call("probe", **probe, threads=4)[0])
+            after_off("threads4_after_off")
+            two = sorted(os.sched_getaffinity(0))[-2:]
+            record("cores2", child.call("probe", **probe, cores=two)[0])
+            after_off("cores2_after_off")
+            record("cores2_again", child.call("probe", **probe)[0])
             record("gc_frozen", child.call("probe", **probe, freeze_gc=True)[0])
+            after_off("gc_frozen_after_off")
             record("in_process_last", local.op_probe(**probe))
         finally:
             decode.close()

@@ -242,7 +242,8 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
     if a.regime == "both":
         if a.router != "service":
             router.register_worker(3, ph["warm_engine_id"], "prefill", layout)
-        warm = warm_run = WarmRegime(router, ph["warm_engine_id"], tpb)
+        warm = warm_run = WarmRegime(router, ph["warm_engine_id"], tpb,
+                                     publish=router.publish_prefix if a.router == "service" else None)
     # Once, untimed: the largest prompt's prefill (allocator growth, kernel
     # selection) so the first measured turns do not pay it.
     prefill.call("warmup", tokens=a.history_max + a.turn_tokens[1])
@@ -504,7 +505,10 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
             "answer": a.answer,
             "greedy_every": a.greedy_every,
         },
-        "router": "in-process kv_reuse.Router (the wheel), cost model deciding",
+        "router": ("service: kv-reuse-router and nats-server as processes, advice over NATS (kv_reuse.RouterClient), "
+                   "cost model deciding" if a.router == "service" else
+                   "in-process kv_reuse.Router (the wheel), cost model deciding"),
+        "router_mode": a.router,
         "transport": transports,
         "transport_path": TRANSPORT_PATH[a.transport],
         # Where the prefill's fetches land: "cache" (the engine's own KV cache, HF

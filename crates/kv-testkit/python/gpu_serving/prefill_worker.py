@@ -344,7 +344,8 @@ class PrefillWorker(EngineWorker):
         ms = sw.stop()
         return {"worker_ms": ms, "phases_ms": sw.phases, "first_token": r.first_token, "logits": _bits(r.logits)}
 
-    def op_probe(self, history: int, suffix: int, reps: int, freeze_gc: bool = False) -> Dict[str, Any]:
+    def op_probe(self, history: int, suffix: int, reps: int, freeze_gc: bool = False, pre: str = "none",
+                 threads: Optional[int] = None, cores: Optional[List[int]] = None) -> Dict[str, Any]:
         """Untimed diagnostic: ``reps`` suffix forwards of ``suffix`` tokens on ``history`` tokens of the landing cache.
 
         The history's KV is whatever the cache holds (its content does not
@@ -355,12 +356,30 @@ class PrefillWorker(EngineWorker):
         host-bound). ``freeze_gc`` calls ``gc.freeze()`` first. Used by
         ``xtask/gpu/worker_forward.py`` to find why a forward inside the
         worker is slower than in a fresh process.
+
+        Before the reps: ``pre`` is ``none``, ``collect`` (``gc.collect``),
+        ``empty_cache`` (``torch.cuda.empty_cache``) or ``sleep:<ms>``;
+        ``threads`` sets ``torch.set_num_threads``; ``cores`` pins this
+        process to those CPU cores (``os.sched_setaffinity``). Both stay set
+        for the process's later calls.
         """
 
         if history < 1 or suffix < 1 or reps < 1:
             raise engine.EngineError("history", f"history {history}, suffix {suffix}, reps {reps} must be positive")
         if freeze_gc:
             gc.freeze()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+        if pre == "collect":
+            gc.collect()
+        elif pre == "empty_cache":
+            torch.cuda.empty_cache()
+        elif pre.startswith("sleep:"):
+            time.sleep(float(pre[6:]) / 1e3)
+        elif pre != "none":
+            raise engine.EngineError("pre", f"unknown {pre!r}: none, collect, empty_cache or sleep:<ms>")
         ids = [i % self.shape.vocab for i in range(history + suffix)]
         if self.landing_kind == "cache":
             cache = self.landing.cache
@@ -382,7 +401,8 @@ class PrefillWorker(EngineWorker):
             launches.append(round((t1 - t0) * 1e3, 3))
             walls.append(round((t2 - t0) * 1e3, 3))
         return {"wall_ms": walls, "launch_ms": launches, "gc_counts": list(gc.get_count()),
-                "gc_tracked": len(gc.get_objects()), "torch_threads": torch.get_num_threads()}
+                "gc_tracked": len(gc.get_objects()), "torch_threads": torch.get_num_threads(),
+                "cores": sorted(os.sched_getaffinity(0))[:4] + (["..."] if len(os.sched_getaffinity(0)) > 4 else [])}
 
     def _steady_fds(self) -> None:
         """On the cuda transport, re-bases ``open_fds`` at the first fetch (once).

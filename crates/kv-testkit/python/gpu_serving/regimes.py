@@ -29,8 +29,12 @@ from .workload import percentile
 class WarmRegime:
     """The harness side of the warm regime: the warm engine's events, per-session reported blocks."""
 
-    def __init__(self, router: Any, warm_engine: str, tpb: int) -> None:
+    def __init__(self, router: Any, warm_engine: str, tpb: int, publish: Optional[Any] = None) -> None:
+        """``publish(tokens, first_block)``: the router service's path for the
+        warm target's own prefix (``ServiceRouter.publish_prefix``); None:
+        ``stored`` events for ``router.apply_event``."""
         self.router = router
+        self.publish = publish
         self.engine = warm_engine
         self.tpb = tpb
         self.events = PrefixEvents(warm_engine)
@@ -108,14 +112,14 @@ class WarmRegime:
 
         In-process router: a ``stored`` event written here (``PrefixEvents``,
         token hashes learned from the decode's events) for ``apply_event``.
-        Router service (a router with ``publish_prefix(tokens, first_block)``):
-        the prefill worker's warm target publishes it on NATS.
+        Router service (``publish`` given): the prefill worker's warm target
+        publishes it on NATS.
         """
         n = len(prompt) // self.tpb
         done = self.reported.get(sess_id, 0)
         if n <= done:
             return
-        publish = getattr(self.router, "publish_prefix", None)
+        publish = self.publish
         if publish is not None:
             # Router service: the prefill's warm target publishes the event
             # itself (token hashes computed by the wheel from the tokens).
@@ -207,6 +211,7 @@ def donor_kill(prefill: Any, router: Any, target_engine: str, decode_pid: int, s
         "session": sess.id,
         "history": len(sess.history),
         "advised": advice.hint is not None,
+        "verdict": str(advice.verdict),
         "fell_back": on["fell_back"],
         "fetched_tokens": on["fetched_tokens"],
         "first_token_produced": isinstance(on.get("first_token"), int),

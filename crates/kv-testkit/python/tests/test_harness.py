@@ -109,3 +109,44 @@ def test_missing_cuda_device_skips_with_reason(tmp_path, capsys):
     assert harness.main(["--out", str(out), "--model", "tiny"]) == 0
     assert "SKIP gpu_serving: device cuda:0 requested" in capsys.readouterr().out
     assert json.loads(out.read_text())["skipped"].startswith("device cuda:0")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_tiny_run_through_the_router_service(tmp_path, device):
+    """``--router service``: nats-server and kv-reuse-router as processes, the
+    decode a donor agent publishing its directory record and KV events, the
+    prefill resolving the donor from the directory and its warm target
+    publishing its own prefix; advice over NATS. Fetches happen, bytes and
+    logits equal the donor's, the warm fetch starts past the prefill's own
+    blocks, the killed donor falls back, both servers exit cleanly."""
+    import torch
+
+    from gpu_serving import service
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("SKIP service cuda: no CUDA device")
+    missing = [n for n, f in (("nats-server", service.find_nats_server), ("kv-reuse-router", service.find_router)) if f() is None]
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{missing} not found under CI=true (cargo xtask install; cargo build --bin kv-reuse-router)")
+        pytest.skip(f"SKIP service: {missing} not found")
+    out = tmp_path / "r.json"
+    transport = "cuda" if device.startswith("cuda") else "host"
+    argv = ["--model", "tiny", "--prefill-device", device, "--decode-device", device, "--tokens-per-block", "16",
+            "--transport", transport, "--router", "service", "--out", str(out), "--sessions", "4", "--turns", "3",
+            "--history-max", "1024", "--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--repeats", "2"]
+    assert harness.main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["router_service"]["exit_codes"] == {"router": 0, "nats_server": 0} or all(
+        c in (0, -15) for c in r["router_service"]["exit_codes"].values())
+    fetched = [t for t in r["turns"] if t["fetched_tokens"] > 0]
+    assert fetched, "the router service admitted no fetch"
+    assert all(t["checksums_equal"] and t["logits_bit_equal_to_donor"] for t in fetched)
+    assert r["false_completions"] == 0 and r["leaks"] == 0 and r["fallbacks"] == 0
+    later = [t for t in r["turns"] if t["turn"] > 0]
+    assert all(t["warm"]["held_tokens"] > 0 for t in later)
+    for t in later:
+        if t["warm"]["fetched_tokens"] > 0:
+            assert t["warm"]["fetch_from"] > 0 and t["warm"]["checksums_equal"]
+    k = r["donor_kill"]
+    assert k["ok"] and k["first_token_produced"] and k["fell_back"] and k["prefill_leaks_grown"] == {}

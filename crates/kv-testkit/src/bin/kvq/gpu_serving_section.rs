@@ -16,7 +16,7 @@
 //! `KVQ_GPU_SERVING_DIR` (folder holding the `gpu_serving` package, default
 //! this crate's `python/`), `KVQ_GPU_SERVING_ARGS` (extra harness arguments,
 //! whitespace-separated, after the profile's: the last value wins),
-//! `KVQ_GPU_SERVING_TIMEOUT_S` (default 480).
+//! `KVQ_GPU_SERVING_TIMEOUT_S` (default 560).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -47,10 +47,13 @@ pub const TIMEOUT_ENV: &str = "KVQ_GPU_SERVING_TIMEOUT_S";
 /// GPU: the workload (8 sessions x 6 turns up to 32K history,
 /// 150-256-token turns, 64-128-token answers) over CUDA IPC (`--transport
 /// cuda`: a CUDA donor bank, the prefill's own CUDA tensor as destination),
+/// advised by the router service (`--router service`: nats-server and
+/// kv-reuse-router as processes, the workers' agents publishing on NATS),
+/// each timed request twice (`--repeats 2`, the minimum kept),
 /// cut to fit one 600 s device call: the decode's answers are `forced` (first
 /// token greedy, the rest seeded, their KV in one forward pass instead of one
 /// decode step each), greedy agreement on every 4th later turn, and no turn
-/// started after 420 s (`--budget-s`; the JSON then says `truncated` and the
+/// started after 440 s (`--budget-s`; the JSON then says `truncated` and the
 /// `workload_size` check fails). CPU: the tiny shape over host shm
 /// (`--transport host`), histories to 1K, 8 x 3 turns.
 pub fn profile_args(profile: Profile) -> Vec<String> {
@@ -71,8 +74,12 @@ pub fn profile_args(profile: Profile) -> Vec<String> {
             "128",
             "--greedy-every",
             "4",
+            "--router",
+            "service",
+            "--repeats",
+            "2",
             "--budget-s",
-            "420",
+            "440",
         ],
         Profile::Cpu => &[
             "--model",
@@ -123,7 +130,7 @@ pub fn run(ctx: &Ctx, r: &mut SectionResult) -> Result<(), Stop> {
     let timeout = std::env::var(TIMEOUT_ENV)
         .ok()
         .and_then(|s| s.parse::<u64>().ok())
-        .unwrap_or(480);
+        .unwrap_or(560);
     let out = ctx.out_dir.join("gpu_serving.json");
     let _ = std::fs::remove_file(&out);
     let mut args = profile_args(ctx.profile);
@@ -271,7 +278,22 @@ pub fn checks(profile: Profile, v: &Value) -> Vec<(String, bool, String)> {
             ),
         ));
     }
+    // With the router service (`--router service`), both servers ran as
+    // processes and exited cleanly after the run (the router drains on SIGTERM).
+    if !v["router_service"].is_null() {
+        let codes = &v["router_service"]["exit_codes"];
+        out.push((
+            "router_service_exited_cleanly".to_owned(),
+            codes["router"] == json!(0),
+            format!("exit codes {codes}"),
+        ));
+    }
     if profile == Profile::Gpu {
+        out.push((
+            "router_service".to_owned(),
+            v["router_mode"] == json!("service"),
+            format!("router {}", v["router"]),
+        ));
         let w = &v["workload"];
         let ok = w["sessions"].as_u64().unwrap_or(0) >= 8
             && w["turns"].as_u64().unwrap_or(0) >= 6
@@ -593,6 +615,7 @@ mod tests {
         let gpu = profile_args(Profile::Gpu).join(" ");
         assert!(gpu.contains("--model llama-3.1-8b") && gpu.contains("--prefill-device cuda:0"));
         assert!(gpu.contains("--transport cuda") && gpu.contains("--answer forced"));
+        assert!(gpu.contains("--router service") && gpu.contains("--repeats 2"));
         let cpu = profile_args(Profile::Cpu).join(" ");
         assert!(cpu.contains("--model tiny") && cpu.contains("--decode-device cpu"));
         assert!(cpu.contains("--transport host"));
