@@ -15,7 +15,9 @@ use kv_descriptor::{OwnerLease, Role, SequenceHash, Wire};
 use kv_router_glue::{PinService, PinServiceConfig};
 
 use crate::array::{on_cuda, ArrayView, Want};
-use crate::errors::{bad_argument, bank, descriptor, CudaUnavailable, PinServiceFailed};
+use crate::errors::{
+    bad_argument, bank, descriptor, uint, uints, CudaUnavailable, PinServiceFailed,
+};
 use crate::layout::Layout;
 
 /// A decode worker's retained bank in host shared memory (kv_bank::BankManager).
@@ -48,19 +50,23 @@ impl DonorBank {
     /// rank's `ack`) may hold its reserved slots before it is rolled back
     /// (kv_bank's `BankConfig::store_timeout`, default 5 s).
     ///
-    /// Raises `BadArgument` naming `slots`, `lease_s`, `store_timeout_s` or `gpus`, `CudaUnavailable`
+    /// Raises `BadArgument` naming `slots`, `lease_s`, `store_timeout_s` or
+    /// `gpus` (also `slots` / `gpus[i]` for a negative int or one past
+    /// u64 / u32), `CudaUnavailable`
     /// when `gpus` is given where no CUDA device is, `BankFailed` when the
     /// segments or allocations cannot be created.
     #[new]
     #[pyo3(signature = (layout, slots, host_id = "kv-reuse-py", gpus = None, lease_s = 15.0, store_timeout_s = 5.0))]
     fn new(
         layout: Layout,
-        slots: u64,
+        slots: &Bound<'_, PyAny>,
         host_id: &str,
-        gpus: Option<Vec<u32>>,
+        gpus: Option<&Bound<'_, PyAny>>,
         lease_s: f64,
         store_timeout_s: f64,
     ) -> PyResult<Self> {
+        let slots: u64 = uint("slots", slots)?;
+        let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
         if slots == 0 {
             return Err(bad_argument("slots", "must be at least 1"));
         }
@@ -78,8 +84,9 @@ impl DonorBank {
                 format!("{store_timeout_s} is not in [0.001, 3600] seconds"),
             ));
         }
-        let bytes =
-            slots * u64::from(layout.inner.tp_size()) * layout.inner.rank_block_bytes() as u64;
+        let bytes = slots
+            .checked_mul(u64::from(layout.inner.tp_size()) * layout.inner.rank_block_bytes() as u64)
+            .ok_or_else(|| bad_argument("slots", format!("{slots} slots overflow u64 bytes")))?;
         let mut cfg = BankConfig::new(layout.inner, OwnerLease::fresh(Role::Decode), bytes);
         let lease = Duration::from_secs_f64(lease_s);
         cfg.lease = LeaseConfig::background(lease, lease / 5);
@@ -125,7 +132,12 @@ impl DonorBank {
 
     /// Starts storing the sealed blocks of `tokens` (whole blocks only; a
     /// partial tail is not stored). Returns a `PendingStore` to fill per rank.
-    fn store(&self, tokens: Vec<u32>) -> PyResult<PendingStore> {
+    ///
+    /// Raises `BadArgument` naming `tokens` (fewer than one block) or
+    /// `tokens[i]` (a negative id or one past u32); `BankFailed` from the
+    /// bank (no free slots).
+    fn store(&self, tokens: &Bound<'_, PyAny>) -> PyResult<PendingStore> {
+        let tokens: Vec<u32> = uints("tokens", tokens)?;
         let tpb = self.layout.inner.tokens_per_block() as usize;
         let sealed = sealed_blocks(None, &tokens, tpb);
         if sealed.is_empty() {
@@ -170,11 +182,14 @@ impl DonorBank {
     }
 
     /// The slot holding each of `hashes`, or None where the bank lacks it.
-    fn slots(&self, hashes: Vec<u64>) -> Vec<Option<u32>> {
-        hashes
+    ///
+    /// Raises `BadArgument` naming `hashes[i]` for a negative int or one
+    /// past u64.
+    fn slots(&self, hashes: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u32>>> {
+        Ok(uints::<u64>("hashes", hashes)?
             .iter()
             .map(|h| self.inner.lookup(&SequenceHash(*h)))
-            .collect()
+            .collect())
     }
 
     /// Drains the queued KV events (MessagePack `KvEvent` each).
@@ -271,9 +286,15 @@ impl PendingStore {
     /// Raises `BadArgument` naming `blocks` (dtype, shape, strides, a CUDA
     /// tensor on a host bank, a tensor on another GPU than the rank's, a
     /// CUDA array interface stream that is not a default one, a pointer
-    /// that is not inside one device allocation) or `rank`; `BankFailed`
-    /// from the bank.
-    fn write(&self, py: Python<'_>, rank: u32, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// that is not inside one device allocation) or `rank` (not below
+    /// `tp_size`, negative); `BankFailed` from the bank.
+    fn write(
+        &self,
+        py: Python<'_>,
+        rank: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let rank: u32 = uint("rank", rank)?;
         let tp = self.layout.inner.tp_size();
         if rank >= tp {
             return Err(bad_argument("rank", format!("{rank} >= tp_size {tp}")));
@@ -331,9 +352,10 @@ impl PendingStore {
     /// blocks are in the inventory and a Stored event is queued). True at
     /// once for a store with no blocks to write (`sequence_hashes` empty).
     ///
-    /// Raises `BadArgument` naming `rank`; `BankFailed` from the bank
-    /// (the store timed out or was rolled back).
-    fn ack(&self, rank: u32) -> PyResult<bool> {
+    /// Raises `BadArgument` naming `rank` (not below `tp_size`, negative);
+    /// `BankFailed` from the bank (the store timed out or was rolled back).
+    fn ack(&self, rank: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let rank: u32 = uint("rank", rank)?;
         let tp = self.layout.inner.tp_size();
         if rank >= tp {
             return Err(bad_argument("rank", format!("{rank} >= tp_size {tp}")));

@@ -1,9 +1,11 @@
 //! Python exceptions mirroring the Rust error enums: a class per cause under
 //! the base `KvReuseError`, the message is the Rust error's `Display` (which
-//! names the field).
+//! names the field), and the int-argument extraction every module uses
+//! (`uint` / `uints`: a negative or too large int is `BadArgument` naming
+//! the argument, not pyo3's unnamed `OverflowError`).
 
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
 
 use kv_router_glue::{FetchError, SettingsError};
@@ -118,5 +120,70 @@ pub(crate) fn fetch(e: FetchError) -> PyErr {
             PromptMismatch::new_err(msg)
         }
         _ => HintRefused::new_err(msg),
+    }
+}
+
+/// Unsigned integer types an argument is extracted as ([`uint`], [`uints`]).
+pub(crate) trait Unsigned: for<'py> FromPyObject<'py> {
+    /// The largest value, for the refusal's range.
+    const MAX: u64;
+}
+
+impl Unsigned for u32 {
+    const MAX: u64 = u32::MAX as u64;
+}
+
+impl Unsigned for u64 {
+    const MAX: u64 = u64::MAX;
+}
+
+impl Unsigned for usize {
+    const MAX: u64 = usize::MAX as u64;
+}
+
+/// An int argument as `T`: `BadArgument` naming `argument` when it is
+/// negative or above `T::MAX` (pyo3's own extraction raises an unnamed
+/// `OverflowError`), `TypeError` naming it when it is not an int.
+pub(crate) fn uint<T: Unsigned>(argument: &str, v: &Bound<'_, PyAny>) -> PyResult<T> {
+    v.extract().map_err(|e| int_refusal::<T>(argument, v, e))
+}
+
+/// A sequence of ints as `Vec<T>`; a refused element is named
+/// `argument[i]` (as [`uint`]), a non-sequence `argument` (`TypeError`).
+/// The common case costs what pyo3's `Vec<T>` extraction costs.
+pub(crate) fn uints<T: Unsigned>(argument: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<T>> {
+    v.extract::<Vec<T>>().map_err(|e| {
+        if !v.is_instance_of::<pyo3::types::PyString>() {
+            if let Ok(items) = v.try_iter() {
+                for (i, item) in items.enumerate() {
+                    let Ok(item) = item else { break };
+                    if let Err(e) = item.extract::<T>() {
+                        return int_refusal::<T>(&format!("{argument}[{i}]"), &item, e);
+                    }
+                }
+            }
+        }
+        int_refusal::<T>(argument, v, e)
+    })
+}
+
+/// pyo3's extraction error `e` for int argument `v` as a refusal naming
+/// `argument`: an overflow (negative, too large) as `BadArgument` with the
+/// range, a type error as `TypeError`, anything else unchanged.
+fn int_refusal<T: Unsigned>(argument: &str, v: &Bound<'_, PyAny>, e: PyErr) -> PyErr {
+    let py = v.py();
+    if e.is_instance_of::<PyOverflowError>(py) {
+        let mut shown = v
+            .str()
+            .map(|s| s.to_string())
+            .unwrap_or_else(|_| "the value".into());
+        if shown.len() > 40 {
+            shown = format!("{}... ({} digits)", &shown[..24], shown.len());
+        }
+        bad_argument(argument, format!("{shown} is not in 0..={}", T::MAX))
+    } else if e.is_instance_of::<PyTypeError>(py) {
+        PyTypeError::new_err(format!("{argument}: {}", e.value(py)))
+    } else {
+        e
     }
 }

@@ -4,7 +4,7 @@ use pyo3::prelude::*;
 
 use kv_descriptor::{DType, EngineId, KvLayout, TensorOrder};
 
-use crate::errors::{bad_argument, descriptor};
+use crate::errors::{bad_argument, descriptor, uint};
 
 /// A block-major KV layout (kv_descriptor::KvLayout).
 ///
@@ -34,24 +34,31 @@ pub(crate) fn parse_dtype(s: &str) -> PyResult<DType> {
 
 #[pymethods]
 impl Layout {
+    /// A layout of `num_layers` layers, `num_kv_heads` KV heads of
+    /// `head_dim` elements of `dtype`, `tokens_per_block` tokens per block,
+    /// split over `tp_size` TP ranks.
+    ///
+    /// Raises `BadArgument` naming `dtype`, or the int argument that is
+    /// negative or past u32; `DescriptorRefused` when kv_descriptor refuses
+    /// the layout (a zero, heads not divisible by `tp_size`).
     #[new]
     #[pyo3(signature = (num_layers, num_kv_heads, head_dim, dtype, tokens_per_block, tp_size))]
     fn new(
-        num_layers: u32,
-        num_kv_heads: u32,
-        head_dim: u32,
+        num_layers: &Bound<'_, PyAny>,
+        num_kv_heads: &Bound<'_, PyAny>,
+        head_dim: &Bound<'_, PyAny>,
         dtype: &str,
-        tokens_per_block: u32,
-        tp_size: u32,
+        tokens_per_block: &Bound<'_, PyAny>,
+        tp_size: &Bound<'_, PyAny>,
     ) -> PyResult<Self> {
         let inner = KvLayout::new(
-            num_layers,
-            num_kv_heads,
-            head_dim,
+            uint("num_layers", num_layers)?,
+            uint("num_kv_heads", num_kv_heads)?,
+            uint("head_dim", head_dim)?,
             parse_dtype(dtype)?,
-            tokens_per_block,
+            uint("tokens_per_block", tokens_per_block)?,
             TensorOrder::BlockMajor,
-            tp_size,
+            uint("tp_size", tp_size)?,
         )
         .map_err(descriptor)?;
         Ok(Self { inner })

@@ -30,8 +30,16 @@ use pyo3::prelude::*;
 /// Sequence hashes (u64) of the whole blocks of `tokens`, chained from the
 /// root: equal to `kv_descriptor::sequence_hashes`. A partial tail block has
 /// no hash.
+///
+/// Raises `BadArgument` naming `tokens_per_block` (0, negative) or
+/// `tokens[i]` (a negative id or one past u32).
 #[pyfunction]
-fn sequence_hashes(tokens: Vec<u32>, tokens_per_block: usize) -> PyResult<Vec<u64>> {
+fn sequence_hashes(
+    tokens: &Bound<'_, PyAny>,
+    tokens_per_block: &Bound<'_, PyAny>,
+) -> PyResult<Vec<u64>> {
+    let tokens: Vec<u32> = errors::uints("tokens", tokens)?;
+    let tokens_per_block: usize = errors::uint("tokens_per_block", tokens_per_block)?;
     if tokens_per_block == 0 {
         return Err(errors::bad_argument(
             "tokens_per_block",

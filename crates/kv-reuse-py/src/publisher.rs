@@ -37,7 +37,7 @@ use kv_router_glue::{
 };
 
 use crate::donor::DonorBank;
-use crate::errors::{bad_argument, bank, PinServiceFailed, PublishFailed};
+use crate::errors::{bad_argument, bank, uint, uints, PinServiceFailed, PublishFailed};
 use crate::layout::Layout;
 
 /// Seconds in `range` as a duration, naming `argument` otherwise.
@@ -177,21 +177,22 @@ impl WorkerPublisher {
     ///
     /// Raises `BadArgument` naming `slots`, `lease_s`, `record_ttl_s`,
     /// `store_timeout_s`, `announce_period_s`, `timeout_s`, `gpus`,
-    /// `gpu_uuids`, `worker_key` or `namespace`; `BankFailed` when the bank
+    /// `gpu_uuids`, `worker_key`, `namespace` or `event_ring` (the ints
+    /// also when negative or past u64 / u32); `BankFailed` when the bank
     /// cannot open; `PinServiceFailed` when `pin_endpoint` cannot be bound;
     /// `PublishFailed` when NATS (or JetStream) is unreachable or refuses.
     #[staticmethod]
-    #[pyo3(signature = (nats_url, worker_key, layout, slots, pin_endpoint, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", bucket = "kv_donors", lease_s = 15.0, record_ttl_s = None, store_timeout_s = 5.0, announce_period_s = 1.0, event_ring = 4096, timeout_s = 5.0))]
+    #[pyo3(signature = (nats_url, worker_key, layout, slots, pin_endpoint, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", bucket = "kv_donors", lease_s = 15.0, record_ttl_s = None, store_timeout_s = 5.0, announce_period_s = 1.0, event_ring = None, timeout_s = 5.0))]
     #[allow(clippy::too_many_arguments)]
     fn donor(
         py: Python<'_>,
         nats_url: &str,
         worker_key: &str,
         layout: Layout,
-        slots: u64,
+        slots: &Bound<'_, PyAny>,
         pin_endpoint: &str,
         host_id: &str,
-        gpus: Option<Vec<u32>>,
+        gpus: Option<&Bound<'_, PyAny>>,
         gpu_uuids: Option<Vec<String>>,
         namespace: &str,
         bucket: &str,
@@ -199,9 +200,16 @@ impl WorkerPublisher {
         record_ttl_s: Option<f64>,
         store_timeout_s: f64,
         announce_period_s: f64,
-        event_ring: usize,
+        event_ring: Option<&Bound<'_, PyAny>>,
         timeout_s: f64,
     ) -> PyResult<Self> {
+        let slots: u64 = uint("slots", slots)?;
+        let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
+        // None: the default ring of 4096 events.
+        let event_ring: usize = event_ring
+            .map(|e| uint("event_ring", e))
+            .transpose()?
+            .unwrap_or(4096);
         if slots == 0 {
             return Err(bad_argument("slots", "must be at least 1"));
         }
@@ -229,7 +237,9 @@ impl WorkerPublisher {
         let event_subject = Subject::new(namespace, worker_key, "kv_events")
             .map_err(|e| bad_argument("worker_key", e))?;
         announce_subject(namespace).map_err(|e| bad_argument("namespace", e))?;
-        let bytes = slots * u64::from(tp) * layout.inner.rank_block_bytes() as u64;
+        let bytes = slots
+            .checked_mul(u64::from(tp) * layout.inner.rank_block_bytes() as u64)
+            .ok_or_else(|| bad_argument("slots", format!("{slots} slots overflow u64 bytes")))?;
         let mut bank_cfg = BankConfig::new(layout.inner, OwnerLease::fresh(Role::Decode), bytes);
         bank_cfg.lease = LeaseConfig::background(lease, lease / 5);
         bank_cfg.store_timeout = store_timeout;
@@ -335,12 +345,13 @@ impl WorkerPublisher {
         layout: Layout,
         engine_id: &str,
         host_id: &str,
-        gpus: Option<Vec<u32>>,
+        gpus: Option<&Bound<'_, PyAny>>,
         gpu_uuids: Option<Vec<String>>,
         namespace: &str,
         announce_period_s: f64,
         timeout_s: f64,
     ) -> PyResult<Self> {
+        let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
         let engine = crate::layout::engine_id(engine_id, "engine_id")?;
         let period = seconds_in("announce_period_s", announce_period_s, 0.01..=60.0)?;
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
@@ -506,22 +517,31 @@ impl WorkerPublisher {
     /// event) when there is none past `first_block`. Releases the GIL.
     ///
     /// Raises `BadArgument` naming `first_block` when it is past the
-    /// sealed blocks, `PublishFailed` for a donor (its events come from its
+    /// sealed blocks or negative, `tokens[i]` for an id that is negative or
+    /// past u32; `PublishFailed` for a donor (its events come from its
     /// bank), when the publish fails, or after `close()`.
-    #[pyo3(signature = (tokens, first_block = 0))]
+    #[pyo3(signature = (tokens, first_block = None))]
     fn publish_prefix_stored(
         &self,
         py: Python<'_>,
-        tokens: Vec<u32>,
-        first_block: usize,
+        tokens: &Bound<'_, PyAny>,
+        first_block: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let (_, tpb) = self.prefix_publisher("publish_prefix_stored")?;
+        let tokens: Vec<u32> = uints("tokens", tokens)?;
+        let first_block: usize = first_block
+            .map(|f| uint("first_block", f))
+            .transpose()?
+            .unwrap_or(0);
         let token = kv_descriptor::token_block_hashes(&tokens, tpb as usize);
         let seq = kv_descriptor::sequence_hashes(&tokens, tpb as usize);
         if first_block > seq.len() {
             return Err(bad_argument(
                 "first_block",
-                format!("{first_block} is past the {} sealed blocks of tokens", seq.len()),
+                format!(
+                    "{first_block} is past the {} sealed blocks of tokens",
+                    seq.len()
+                ),
             ));
         }
         if first_block == seq.len() {
@@ -546,10 +566,16 @@ impl WorkerPublisher {
     /// `sequence_hashes`: one `Removed` KV event (tier `device`). Returns
     /// how many were named; 0 (no event) for none. Releases the GIL.
     ///
-    /// Raises `PublishFailed` for a donor, when the publish fails, or after
-    /// `close()`.
-    fn publish_prefix_removed(&self, py: Python<'_>, sequence_hashes: Vec<u64>) -> PyResult<usize> {
+    /// Raises `BadArgument` naming `sequence_hashes[i]` for a hash that is
+    /// negative or past u64; `PublishFailed` for a donor, when the publish
+    /// fails, or after `close()`.
+    fn publish_prefix_removed(
+        &self,
+        py: Python<'_>,
+        sequence_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
         self.prefix_publisher("publish_prefix_removed")?;
+        let sequence_hashes: Vec<u64> = uints("sequence_hashes", sequence_hashes)?;
         if sequence_hashes.is_empty() {
             return Ok(0);
         }
@@ -667,7 +693,10 @@ impl WorkerPublisher {
         let (timeout, url) = (self.timeout, self.nats_url.clone());
         py.allow_threads(|| {
             r.runtime.block_on(within(&url, timeout, async {
-                publisher.publish(StorageTier::Device, data).await.map(|_| ())
+                publisher
+                    .publish(StorageTier::Device, data)
+                    .await
+                    .map(|_| ())
             }))
         })
     }

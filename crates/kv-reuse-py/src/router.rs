@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict};
 
 use kv_descriptor::{BankManifest, EngineId, KvEvent, Role, SequenceHash, Wire};
 use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
@@ -14,7 +14,7 @@ use kv_router_glue::{
     Advisor, CostModel, DecisionLog, DonorDirectory, LiveCostModel, ResolveError, ResolvedDonor,
 };
 
-use crate::errors::{bad_argument, descriptor, lookup};
+use crate::errors::{bad_argument, descriptor, lookup, uint, uints};
 use crate::layout::{engine_id, Layout};
 use crate::settings::Settings;
 
@@ -80,10 +80,22 @@ fn role(s: &str) -> PyResult<Role> {
 impl Router {
     /// A router deciding with `settings` for blocks of `tokens_per_block`.
     ///
-    /// Raises `SettingsRefused` when the cost model cannot use the settings.
+    /// Raises `SettingsRefused` when the cost model cannot use the settings,
+    /// `BadArgument` naming `tokens_per_block` or `max_probes` when negative
+    /// or past u32.
     #[new]
-    #[pyo3(signature = (settings, tokens_per_block, max_probes = 16384))]
-    fn new(settings: &Settings, tokens_per_block: u32, max_probes: u32) -> PyResult<Self> {
+    #[pyo3(signature = (settings, tokens_per_block, max_probes = None))]
+    fn new(
+        settings: &Settings,
+        tokens_per_block: &Bound<'_, PyAny>,
+        max_probes: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let tokens_per_block: u32 = uint("tokens_per_block", tokens_per_block)?;
+        // None: 16384 probes.
+        let max_probes: u32 = max_probes
+            .map(|m| uint("max_probes", m))
+            .transpose()?
+            .unwrap_or(16384);
         let model = CostModel::new(settings.inner.settings.clone(), tokens_per_block)
             .map_err(crate::errors::settings)?;
         let index = Arc::new(InventoryIndex::new());
@@ -103,13 +115,17 @@ impl Router {
     }
 
     /// Registers worker `key` (engine id, `"decode"` or `"prefill"`, layout).
+    ///
+    /// Raises `BadArgument` naming `key` (negative, past u64), `engine` or
+    /// `role`; `LookupFailed` when the index refuses the worker.
     fn register_worker(
         &self,
-        key: u64,
+        key: &Bound<'_, PyAny>,
         engine: &str,
         role_name: &str,
         layout: Layout,
     ) -> PyResult<()> {
+        let key: u64 = uint("key", key)?;
         let info = WorkerInfo {
             engine: engine_id(engine, "engine")?,
             role: role(role_name)?,
@@ -131,12 +147,23 @@ impl Router {
     /// Records a donor: its manifest (wire form), control endpoint and the
     /// slot of each block it holds (`{sequence_hash: slot}`), replacing any
     /// earlier report.
+    ///
+    /// Raises `DescriptorRefused` for a manifest that does not decode,
+    /// `BadArgument` naming `slots` (a hash key negative or past u64) or
+    /// `slots[h]` (a slot negative or past u32).
     fn report_donor(
         &self,
         manifest: &[u8],
         endpoint: &str,
-        slots: HashMap<u64, u32>,
+        slots: &Bound<'_, PyDict>,
     ) -> PyResult<()> {
+        let slots = slots
+            .iter()
+            .map(|(h, s)| {
+                let hash: u64 = uint("slots", &h)?;
+                Ok((hash, uint(&format!("slots[{hash}]"), &s)?))
+            })
+            .collect::<PyResult<HashMap<u64, u32>>>()?;
         let m = BankManifest::from_wire(manifest).map_err(descriptor)?;
         let engine = m.owner().engine_id;
         self.directory
@@ -149,15 +176,21 @@ impl Router {
 
     /// Advises request `request_id` (prompt block hashes `sequence_hashes`)
     /// routed to prefill engine `target`. Releases the GIL for the lookup.
+    ///
+    /// Raises `BadArgument` naming `target` (not a UUID) or
+    /// `sequence_hashes[i]` (negative, past u64).
     fn advise(
         &self,
         py: Python<'_>,
         request_id: &str,
-        sequence_hashes: Vec<u64>,
+        sequence_hashes: &Bound<'_, PyAny>,
         target: &str,
     ) -> PyResult<Advice> {
+        let hashes: Vec<SequenceHash> = uints::<u64>("sequence_hashes", sequence_hashes)?
+            .into_iter()
+            .map(SequenceHash)
+            .collect();
         let target = engine_id(target, "target")?;
-        let hashes: Vec<SequenceHash> = sequence_hashes.into_iter().map(SequenceHash).collect();
         let advice = py.allow_threads(|| self.advisor.advise(request_id, &hashes, target));
         let hint = advice
             .hint

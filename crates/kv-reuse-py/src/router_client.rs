@@ -26,7 +26,7 @@ use kv_router_glue::service::{
     ADVISE_SUBJECT,
 };
 
-use crate::errors::{bad_argument, descriptor, AdviseRefused, RouterUnavailable};
+use crate::errors::{bad_argument, descriptor, uint, uints, AdviseRefused, RouterUnavailable};
 use crate::layout::engine_id;
 use crate::router::Advice;
 
@@ -120,16 +120,17 @@ impl RouterClient {
     /// Raises `AdviseRefused` when the service refused the request (the
     /// message names the field or the cause: unknown target, draining),
     /// `RouterUnavailable` when no replica answered within `timeout_s` (or
-    /// none listens), `DescriptorRefused` for a reply that does not decode.
+    /// none listens), `DescriptorRefused` for a reply that does not decode,
+    /// `BadArgument` naming `sequence_hashes[i]` (negative, past u64).
     fn advise(
         &self,
         py: Python<'_>,
         request_id: &str,
-        sequence_hashes: Vec<u64>,
+        sequence_hashes: &Bound<'_, PyAny>,
         target: &str,
     ) -> PyResult<Advice> {
-        let keys =
-            AdviseKeys::SequenceHashes(sequence_hashes.into_iter().map(SequenceHash).collect());
+        let hashes = uints::<u64>("sequence_hashes", sequence_hashes)?;
+        let keys = AdviseKeys::SequenceHashes(hashes.into_iter().map(SequenceHash).collect());
         self.ask(py, request_id, keys, target)
     }
 
@@ -137,18 +138,19 @@ impl RouterClient {
     /// whole blocks of `tokens_per_block` tokens (the target's block size;
     /// a partial tail block is ignored). Raises as `advise`; `AdviseRefused`
     /// names `tokens_per_block` when it is 0 and `token_ids` when there are
-    /// more than the service takes.
+    /// more than the service takes; `BadArgument` names `token_ids[i]` or
+    /// `tokens_per_block` when negative or past u32.
     fn advise_tokens(
         &self,
         py: Python<'_>,
         request_id: &str,
-        token_ids: Vec<u32>,
-        tokens_per_block: u32,
+        token_ids: &Bound<'_, PyAny>,
+        tokens_per_block: &Bound<'_, PyAny>,
         target: &str,
     ) -> PyResult<Advice> {
         let keys = AdviseKeys::Tokens {
-            token_ids,
-            tokens_per_block,
+            token_ids: uints("token_ids", token_ids)?,
+            tokens_per_block: uint("tokens_per_block", tokens_per_block)?,
         };
         self.ask(py, request_id, keys, target)
     }

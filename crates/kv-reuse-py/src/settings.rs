@@ -17,8 +17,31 @@ pub(crate) struct Settings {
     pub(crate) inner: LoadedSettings,
 }
 
-/// One dict value as a TOML literal; `key` names it in the refusal.
-fn toml_value(key: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
+/// `s` as a TOML basic string (`"..."`): quote, backslash and every
+/// control character escaped, so that a dict key or value is one TOML
+/// token whatever it holds (a key `a.b` stays one key, a newline cannot
+/// start another setting). Rust's `{:?}` is not TOML (`\u{7f}`, `\0`).
+fn toml_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            '\r' => out.push_str("\\r"),
+            c if c.is_control() => out.push_str(&format!("\\u{:04X}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// One dict value as a TOML literal; `argument` (`values["key"]`) names it
+/// in the refusal.
+fn toml_value(argument: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
     if v.is_instance_of::<PyBool>() {
         Ok(if v.extract::<bool>()? {
             "true"
@@ -27,18 +50,28 @@ fn toml_value(key: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
         }
         .to_owned())
     } else if v.is_instance_of::<PyInt>() {
-        Ok(v.extract::<i64>()?.to_string())
+        // TOML integers are 64-bit; the registry then range-checks them.
+        v.extract::<i64>()
+            .map(|i| i.to_string())
+            .map_err(|_| bad_argument(argument, "is past the 64-bit integers of TOML"))
     } else if v.is_instance_of::<PyFloat>() {
         let f: f64 = v.extract()?;
-        Ok(format!("{f:?}"))
+        // TOML spells them `nan` / `inf` (Rust's `NaN` is no TOML): the
+        // registry refuses them as out of range, naming the key.
+        Ok(if f.is_nan() {
+            "nan".to_owned()
+        } else if f.is_infinite() {
+            if f > 0.0 { "inf" } else { "-inf" }.to_owned()
+        } else {
+            format!("{f:?}")
+        })
     } else if v.is_instance_of::<PyString>() {
-        let s: String = v.extract()?;
-        Ok(format!("{:?}", s))
+        let s: String = v
+            .extract()
+            .map_err(|_| bad_argument(argument, "is not valid UTF-8 text"))?;
+        Ok(toml_string(&s))
     } else {
-        Err(bad_argument(
-            &format!("values[{key:?}]"),
-            "must be bool, int, float or str",
-        ))
+        Err(bad_argument(argument, "must be bool, int, float or str"))
     }
 }
 
@@ -48,7 +81,12 @@ impl Settings {
     /// file), then `env` (a dict of `KV_REUSE_*` variables; None = this
     /// process's environment, `{}` = none), then `argv` (CLI flags) on top.
     ///
-    /// Raises `SettingsRefused` naming the key.
+    /// Raises `SettingsRefused` naming the key (unknown, removed, a bad or
+    /// out-of-range value: NaN and infinities included); `BadArgument`
+    /// naming `values` (a key that is not str) or `values["key"]` (a value
+    /// that is not bool, int, float or str, an int past 64 bits).
+    /// Keys and values are taken literally: a key `a.b` is one (unknown)
+    /// key, never a TOML table.
     #[new]
     #[pyo3(signature = (values = None, argv = None, env = None))]
     fn new(
@@ -63,7 +101,12 @@ impl Settings {
                 let k: String = k
                     .extract()
                     .map_err(|_| bad_argument("values", "keys must be str"))?;
-                text.push_str(&format!("{k} = {}\n", toml_value(&k, &v)?));
+                let argument = format!("values[{}]", toml_string(&k));
+                text.push_str(&format!(
+                    "{} = {}\n",
+                    toml_string(&k),
+                    toml_value(&argument, &v)?
+                ));
             }
             loader = loader.toml_str(&text, "values").map_err(settings)?;
         }
@@ -106,5 +149,44 @@ impl Settings {
     /// The settings-in-force table (one line per key with its origin).
     fn describe(&self) -> String {
         self.inner.describe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kv_router_glue::SettingsError;
+
+    /// Every awkward key reaches the loader as exactly that one key (the
+    /// TOML parser reads `toml_string`'s escapes back), and a value as one
+    /// string of its key: nothing is split, dropped or injected.
+    #[test]
+    fn toml_strings_read_back_as_one_literal_key_or_value() {
+        let keys = [
+            "a.b",
+            "x = 1\ny",
+            "q\"uote\\back",
+            "nul\0del\u{7f}c1\u{85}tab\tcr\r",
+            "ünï✓",
+            "",
+        ];
+        for key in keys {
+            let text = format!("{} = 1\n", toml_string(key));
+            match SettingsLoader::new().toml_str(&text, "values") {
+                Err(SettingsError::UnknownKey { key: got, .. }) => assert_eq!(got, key),
+                other => panic!("{key:?}: {:?}", other.map(|_| ())),
+            }
+        }
+        let value = "6\"\nenable_decode_to_prefill_reuse = true\n\"\0\u{7f}";
+        let text = format!("minimum_transfer_prefix_blocks = {}\n", toml_string(value));
+        match SettingsLoader::new().toml_str(&text, "values") {
+            Err(SettingsError::InvalidValue {
+                key, value: shown, ..
+            }) => {
+                assert_eq!(key, "minimum_transfer_prefix_blocks");
+                assert!(shown.contains("enable_decode_to_prefill_reuse"), "{shown}");
+            }
+            other => panic!("{:?}", other.map(|_| ())),
+        }
     }
 }

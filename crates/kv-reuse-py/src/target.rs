@@ -8,15 +8,19 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use kv_bank::{BankMemory, CompletedBlocks, DestinationPool};
+use kv_bank::{BankMemory, CompletedBlocks, DestinationPool, MemoryKind};
 use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
-use kv_router_glue::{EngineRegion, FetchError, FetchExecutor, RemoteDonor, DEFAULT_PIN_TIMEOUT};
+use kv_router_glue::{
+    check_prompt_prefix, EngineRegion, FetchError, FetchExecutor, RemoteDonor, DEFAULT_PIN_TIMEOUT,
+};
 use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
 use kv_transfer::{CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, LivenessProbe};
 
 use crate::array::{ArrayView, ExternalMemory, Want};
 use crate::engine_layout::EngineOrder;
-use crate::errors::{bad_argument, descriptor, fetch, BankFailed, CudaUnavailable, FetchFellBack};
+use crate::errors::{
+    bad_argument, descriptor, fetch, uint, uints, BankFailed, CudaUnavailable, FetchFellBack,
+};
 use crate::layout::Layout;
 
 /// A prefill target with `rows` destination rows (KV blocks) per TP rank:
@@ -61,18 +65,22 @@ impl Target {
     ///
     /// Raises `BadArgument` naming `rows`, `gpus`, `kv_layout` or `kv_caches[r]` (count,
     /// dtype, shape, strides, read-only, a tensor on another device, a CUDA
-    /// tensor on the host path or a CPU tensor on the GPU path);
+    /// tensor on the host path or a CPU tensor on the GPU path, memory that
+    /// overlaps an earlier `kv_caches` tensor's: the same tensor twice), or
+    /// `rows` / `gpus[i]` for a negative int or one past u32;
     /// `CudaUnavailable` on the GPU path without a CUDA driver; `BankFailed`
     /// when the host rows cannot be allocated.
     #[new]
     #[pyo3(signature = (layout, rows, kv_caches = None, gpus = None, kv_layout = "block_major"))]
     fn new(
         layout: Layout,
-        rows: u32,
+        rows: &Bound<'_, PyAny>,
         kv_caches: Option<Vec<Bound<'_, PyAny>>>,
-        gpus: Option<Vec<u32>>,
+        gpus: Option<&Bound<'_, PyAny>>,
         kv_layout: &str,
     ) -> PyResult<Self> {
+        let rows: u32 = uint("rows", rows)?;
+        let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
         if rows == 0 {
             return Err(bad_argument("rows", "must be at least 1"));
         }
@@ -100,6 +108,9 @@ impl Target {
             }
         }
         let mut hf_layouts = Vec::new();
+        // Bytes each destination tensor claimed: two ranks (or layers) must
+        // not be given the same memory.
+        let mut claimed = Claimed::default();
         let regions: Vec<Arc<dyn BankMemory>> = match kv_caches {
             None => (0..tp)
                 .map(|_| {
@@ -124,8 +135,15 @@ impl Target {
                         .enumerate()
                         .map(|(i, t)| {
                             let arg = format!("kv_caches[{r}][{i}]");
-                            ArrayView::new_strided(t, &arg, layout.inner.dtype(), want)
-                                .and_then(|v| v.writable(&arg))
+                            let v = ArrayView::new_strided(t, &arg, layout.inner.dtype(), want)
+                                .and_then(|v| v.writable(&arg))?;
+                            // The dense last axis of its first token: bytes of
+                            // this tensor alone (the spans of strided views
+                            // of one buffer interleave without sharing bytes).
+                            let row = layout.inner.head_dim() as usize
+                                * layout.inner.dtype().size_bytes();
+                            claimed.claim(&arg, v.memory_kind(), v.addr(), row)?;
+                            Ok(v)
                         })
                         .collect::<PyResult<Vec<_>>>()?;
                     let (region, base, len) =
@@ -151,9 +169,11 @@ impl Target {
                     .map(|(r, t)| {
                         let arg = format!("kv_caches[{r}]");
                         let want = gpus.as_ref().map_or(Want::Host, |g| Want::Cuda(g[r]));
-                        ArrayView::new(t, &arg, layout.inner.dtype(), &shape, want)
-                            .and_then(|v| v.writable(&arg))
-                            .map(|v| Arc::new(v.into_memory()) as Arc<dyn BankMemory>)
+                        let v = ArrayView::new(t, &arg, layout.inner.dtype(), &shape, want)
+                            .and_then(|v| v.writable(&arg))?;
+                        // C-contiguous: the span is exactly its bytes.
+                        claimed.claim(&arg, v.memory_kind(), v.addr(), v.span_bytes())?;
+                        Ok(Arc::new(v.into_memory()) as Arc<dyn BankMemory>)
                     })
                     .collect::<PyResult<Vec<_>>>()?
             }
@@ -243,8 +263,13 @@ impl Target {
     /// engine's allocator; by default the target's pool picks free rows.
     /// Either way `FetchOutcome.rows` says where the blocks landed.
     ///
-    /// Raises `PromptMismatch` / `HintRefused` before anything is touched,
-    /// `FetchFellBack` (stage, cause) after: recompute the prefix then.
+    /// Raises `PromptMismatch` / `HintRefused` before anything is touched
+    /// (the hint is checked against `prompt_hashes` before the donor's
+    /// segments are imported, so a hint for another prompt is a mismatch
+    /// even when its donor is gone), `FetchFellBack` (stage, cause) after:
+    /// recompute the prefix then. `BadArgument` names `prompt_hashes[i]`,
+    /// `dst_blocks[i]` or `dst_token_offset` for a negative int or one past
+    /// u64 (hashes, offset) / u32 (block ids).
     ///
     /// On `kv_layout="hf"` block `b` is tokens `b*T .. (b+1)*T` of every
     /// cache tensor; `dst_token_offset=N` (a multiple of T) lands the
@@ -260,16 +285,31 @@ impl Target {
         &self,
         py: Python<'_>,
         hint: &[u8],
-        prompt_hashes: Vec<u64>,
+        prompt_hashes: &Bound<'_, PyAny>,
         manifest: &[u8],
         donor_alive: Option<Py<PyAny>>,
         pin_timeout_s: Option<f64>,
-        dst_blocks: Option<Vec<u32>>,
-        dst_token_offset: Option<u64>,
+        dst_blocks: Option<&Bound<'_, PyAny>>,
+        dst_token_offset: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<FetchOutcome> {
+        let prompt: Vec<SequenceHash> = uints::<u64>("prompt_hashes", prompt_hashes)?
+            .into_iter()
+            .map(SequenceHash)
+            .collect();
+        let dst_blocks: Option<Vec<u32>> =
+            dst_blocks.map(|d| uints("dst_blocks", d)).transpose()?;
+        let dst_token_offset: Option<u64> = dst_token_offset
+            .map(|o| uint("dst_token_offset", o))
+            .transpose()?;
         let envelope = HintEnvelope::from_wire(hint).map_err(descriptor)?;
         let manifest = BankManifest::from_wire(manifest).map_err(descriptor)?;
         let actions = envelope.fetch_gpu_actions().map_err(descriptor)?;
+        // The hint is checked against the prompt before the donor is
+        // imported or asked anything: a hint for another prompt is
+        // `PromptMismatch` even when its donor is gone.
+        for action in &actions {
+            check_prompt_prefix(action, &prompt).map_err(fetch)?;
+        }
         let dst_blocks = self.hf_dst_blocks(&actions, dst_blocks, dst_token_offset)?;
         let endpoint = actions
             .first()
@@ -294,7 +334,6 @@ impl Target {
             donor_alive: donor_alive.map(python_probe),
             ..DeliveryControl::default()
         };
-        let prompt: Vec<SequenceHash> = prompt_hashes.into_iter().map(SequenceHash).collect();
         let out = py.allow_threads(|| {
             // A donor whose segments are gone (it exited) is a fallback like
             // a refused pin: the request recomputes.
@@ -330,7 +369,16 @@ impl Target {
 
     /// The bytes of destination row `row` of rank `rank` (a copy; use
     /// `numpy.frombuffer(..., dtype)` to view them).
-    fn read_row<'py>(&self, py: Python<'py>, rank: u32, row: u32) -> PyResult<Bound<'py, PyBytes>> {
+    ///
+    /// Raises `BadArgument` naming `rank` (not below `tp_size`, negative)
+    /// or `row` (past the rows, negative, on another layout than block-major).
+    fn read_row<'py>(
+        &self,
+        py: Python<'py>,
+        rank: &Bound<'_, PyAny>,
+        row: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let (rank, row): (u32, u32) = (uint("rank", rank)?, uint("row", row)?);
         let region = self.regions.get(rank as usize).ok_or_else(|| {
             bad_argument("rank", format!("{rank} >= tp_size {}", self.regions.len()))
         })?;
@@ -392,16 +440,43 @@ impl Target {
         }
         let first = start / t;
         let capacity = u64::from(self.rows) * t;
-        if start + n * t > capacity {
+        let end = start.saturating_add(n * t);
+        if end > capacity {
             return Err(bad_argument(
                 arg,
-                format!(
-                    "{n} blocks from token {start} end at {}, past the cache's {capacity} tokens",
-                    start + n * t
-                ),
+                format!("{n} blocks from token {start} end at {end}, past the cache's {capacity} tokens"),
             ));
         }
         Ok(Some((first..first + n).map(|b| b as u32).collect()))
+    }
+}
+
+/// Byte ranges of the destination tensors seen so far, by memory kind.
+#[derive(Default)]
+struct Claimed(Vec<(String, MemoryKind, usize, usize)>);
+
+impl Claimed {
+    /// Records `len` bytes at `addr` for `argument`; `BadArgument` naming
+    /// `argument` when they overlap an earlier tensor's (the same tensor
+    /// passed twice, or views sharing bytes): a fetch for one rank would
+    /// overwrite another's rows.
+    fn claim(&mut self, argument: &str, kind: MemoryKind, addr: usize, len: usize) -> PyResult<()> {
+        let end = addr.saturating_add(len);
+        if let Some((other, ..)) = self
+            .0
+            .iter()
+            .find(|(_, k, a, e)| *k == kind && addr < *e && *a < end)
+        {
+            return Err(bad_argument(
+                argument,
+                format!(
+                    "overlaps the memory of {other} (the same tensor, or views sharing bytes); \
+                     each destination needs its own memory"
+                ),
+            ));
+        }
+        self.0.push((argument.to_owned(), kind, addr, end));
+        Ok(())
     }
 }
 

@@ -1,6 +1,7 @@
 """Settings, hashes and refusals of bad input, in one process."""
 
 import os
+import re
 import time
 
 import numpy as np
@@ -57,6 +58,94 @@ def test_settings_refusals_name_the_key(kwargs, field):
     kwargs.setdefault("env", {})
     with pytest.raises(kv_reuse.SettingsRefused, match=field):
         kv_reuse.Settings(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "values, error, named",
+    [
+        # A dotted key is one (unknown) key, not TOML's table `a` with key `b`.
+        ({"a.b": 1}, kv_reuse.SettingsRefused, "unknown setting `a.b` (from values)"),
+        # A key cannot smuggle in a setting: all of it is one unknown key.
+        ({"enable_decode_to_prefill_reuse = true\nminimum_transfer_prefix_blocks": 6},
+         kv_reuse.SettingsRefused,
+         "unknown setting `enable_decode_to_prefill_reuse = true\nminimum_transfer_prefix_blocks`"),
+        # Quotes, newlines and control characters stay inside the key's one string value.
+        ({"minimum_transfer_prefix_blocks": '6"\nenable_decode_to_prefill_reuse = true\n"\x00\x7f'},
+         kv_reuse.SettingsRefused, "for `minimum_transfer_prefix_blocks`: expected "),
+        # NaN and infinities are TOML's `nan` / `inf`, refused by the registry by key.
+        ({"transfer_source_prefill_token_us": float("nan")}, kv_reuse.SettingsRefused,
+         "`transfer_source_prefill_token_us` = NaN is out of range"),
+        ({"transfer_source_prefill_token_us": float("-inf")}, kv_reuse.SettingsRefused,
+         "`transfer_source_prefill_token_us` = -inf is out of range"),
+        # Past TOML's 64-bit integers: named, not an OverflowError.
+        ({"minimum_transfer_prefix_blocks": 2**64}, kv_reuse.BadArgument,
+         'values["minimum_transfer_prefix_blocks"]: is past the 64-bit integers of TOML'),
+        ({"a\tb": [6]}, kv_reuse.BadArgument, 'values["a\\tb"]: must be bool, int, float or str'),
+    ],
+    ids=["dotted-key", "key-injection", "value-injection", "nan", "-inf", "int-past-64-bits", "list-value"],
+)
+def test_settings_dict_keys_and_values_are_refused_by_name(values, error, named):
+    with pytest.raises(error, match=re.escape(named)):
+        kv_reuse.Settings(values, env={})
+
+
+def test_settings_dict_float_bool_and_int_values_load():
+    s = kv_reuse.Settings({"transfer_source_prefill_token_us": 25.5,
+                           "enable_decode_to_prefill_reuse": True,
+                           "minimum_transfer_prefix_blocks": 3}, env={})
+    entries = s.entries()
+    assert entries["transfer_source_prefill_token_us"][0] == "25.5"
+    assert entries["enable_decode_to_prefill_reuse"][0] == "true"
+    assert entries["minimum_transfer_prefix_blocks"][0] == "3"
+
+
+def test_negative_or_oversized_ints_are_refused_naming_the_argument(layout):
+    bank = kv_reuse.DonorBank(layout, slots=4)
+    store = bank.store(list(range(TOKENS_PER_BLOCK)))
+    rows = np.zeros((1, layout.rank_block_elems), dtype=np.float32)
+    target = kv_reuse.Target(layout, rows=4)
+    settings = kv_reuse.Settings(env={})
+    router = kv_reuse.Router(settings, TOKENS_PER_BLOCK)
+    u32, u64 = r"0\.\.=4294967295", r"0\.\.=18446744073709551615"
+    cases = [
+        (lambda: store.write(-1, rows), rf"^rank: -1 is not in {u32}$"),
+        (lambda: store.write(2**32, rows), rf"^rank: 4294967296 is not in {u32}$"),
+        (lambda: store.ack(-1), rf"^rank: -1 is not in {u32}$"),
+        (lambda: bank.store([0] * (TOKENS_PER_BLOCK - 1) + [-5]), rf"^tokens\[{TOKENS_PER_BLOCK - 1}\]: -5 is not in {u32}$"),
+        (lambda: bank.store([2**32] * TOKENS_PER_BLOCK), rf"^tokens\[0\]: 4294967296 is not in {u32}$"),
+        (lambda: bank.slots([1, 2**64]), rf"^hashes\[1\]: 18446744073709551616 is not in {u64}$"),
+        (lambda: kv_reuse.DonorBank(layout, slots=-1), rf"^slots: -1 is not in {u64}$"),
+        (lambda: kv_reuse.DonorBank(layout, slots=2, gpus=[0, -1]), rf"^gpus\[1\]: -1 is not in {u32}$"),
+        (lambda: kv_reuse.sequence_hashes([1, -1], 4), rf"^tokens\[1\]: -1 is not in {u32}$"),
+        (lambda: kv_reuse.sequence_hashes([1], -4), r"^tokens_per_block: -4 is not in 0\.\.="),
+        (lambda: target.fetch(b"", [1, -2], b""), rf"^prompt_hashes\[1\]: -2 is not in {u64}$"),
+        (lambda: target.fetch(b"", [1], b"", dst_blocks=[0, -1]), rf"^dst_blocks\[1\]: -1 is not in {u32}$"),
+        (lambda: target.fetch(b"", [1], b"", dst_token_offset=-64), rf"^dst_token_offset: -64 is not in {u64}$"),
+        (lambda: target.read_row(-1, 0), rf"^rank: -1 is not in {u32}$"),
+        (lambda: target.read_row(0, 2**40), rf"^row: 1099511627776 is not in {u32}$"),
+        (lambda: kv_reuse.Target(layout, rows=2**32), rf"^rows: 4294967296 is not in {u32}$"),
+        (lambda: kv_reuse.Layout(2, 2, -8, "f32", 64, 2), rf"^head_dim: -8 is not in {u32}$"),
+        (lambda: kv_reuse.Router(settings, -64), rf"^tokens_per_block: -64 is not in {u32}$"),
+        (lambda: router.register_worker(-1, bank.engine_id, "decode", layout), rf"^key: -1 is not in {u64}$"),
+        (lambda: router.report_donor(bank.manifest(), "unix:/x", {7: -1}), rf"^slots\[7\]: -1 is not in {u32}$"),
+        (lambda: router.advise("r", [1, -1], target.engine_id), rf"^sequence_hashes\[1\]: -1 is not in {u64}$"),
+        # A huge int is shown cut short.
+        (lambda: target.fetch(b"", [10**100], b""),
+         "^prompt_hashes\\[0\\]: " + re.escape(str(10**100)[:24] + "... (101 digits)") + f" is not in {u64}$"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(kv_reuse.BadArgument, match=msg):
+            call()
+    # Not an int at all: a TypeError, named too.
+    with pytest.raises(TypeError, match=r"^rank: "):
+        store.write("0", rows)
+    with pytest.raises(TypeError, match=r"^prompt_hashes\[1\]: "):
+        target.fetch(b"", [1, "x"], b"")
+    # Nothing was half-done: in-range ints still store and look up.
+    for rank in range(layout.tp_size):
+        store.write(rank, rows)
+    assert [store.ack(r) for r in range(layout.tp_size)] == [False, True]
+    assert bank.slots(store.sequence_hashes) == [0]
 
 
 def test_layout_refuses_unknown_dtype():

@@ -16,10 +16,10 @@ class FakeCuda:
     """A tensor that only speaks __cuda_array_interface__ (CuPy-like);
     never dereferenced: every path here refuses before touching memory."""
 
-    def __init__(self, shape, typestr="<f4", strides=None, device=None):
+    def __init__(self, shape, typestr="<f4", strides=None, device=None, addr=0xDEAD0000):
         self.__cuda_array_interface__ = {
             "shape": tuple(shape), "typestr": typestr, "strides": strides,
-            "data": (0xDEAD0000, False), "version": 3,
+            "data": (addr, False), "version": 3,
         }
         if device is not None:
             self.__dlpack_device__ = lambda: (2, device)
@@ -123,6 +123,39 @@ def test_destination_refusals_name_the_kv_cache(layout):
         kv_reuse.Target(layout, rows=4, kv_caches=[FakeCuda((4, n)), ok])
 
 
+def test_destinations_sharing_memory_are_refused_naming_the_later_one(layout):
+    """Each rank's destination is its own memory: the same array twice, or
+    two views that share bytes, would let one rank's fetch overwrite the
+    other's rows."""
+    n = layout.rank_block_elems
+    a = np.zeros((4, n), dtype=np.float32)
+    shared = r"overlaps the memory of kv_caches\[0\] \(the same tensor, or views sharing bytes\)"
+    with pytest.raises(kv_reuse.BadArgument, match=r"^kv_caches\[1\]: " + shared):
+        kv_reuse.Target(layout, rows=4, kv_caches=[a, a])
+    # Overlapping views of one buffer: rows 0..4 and 3..7.
+    buf = np.zeros((7, n), dtype=np.float32)
+    with pytest.raises(kv_reuse.BadArgument, match=r"^kv_caches\[1\]: " + shared):
+        kv_reuse.Target(layout, rows=4, kv_caches=[buf[:4], buf[3:]])
+    # vLLM kv-first: the same stacked buffer for both ranks.
+    L, T, H, D = 2, layout.tokens_per_block, 1, 8
+    v = np.zeros((L, 2, 4, T, H, D), dtype=np.float32)
+    with pytest.raises(kv_reuse.BadArgument, match=r"^kv_caches\[1\]: " + shared):
+        kv_reuse.Target(layout, rows=4, kv_caches=[v, v], kv_layout="vllm_kv_first")
+    # HF caches: rank 1 given rank 0's layer-0 K as its own.
+    hf = [np.zeros((L, 2, 1, H, 4 * T, D), dtype=np.float32) for _ in range(2)]
+    caches = [[b[l, kv] for l in range(L) for kv in range(2)] for b in hf]
+    caches[1][2] = caches[0][0]
+    with pytest.raises(kv_reuse.BadArgument, match=r"^kv_caches\[1\]\[2\]: overlaps the memory of kv_caches\[0\]\[0\]"):
+        kv_reuse.Target(layout, rows=4, kv_caches=caches, kv_layout="hf")
+    # The GPU path compares device addresses the same way, before any CUDA call.
+    good = FakeCuda((4, n), device=0)
+    with pytest.raises(kv_reuse.BadArgument, match=r"^kv_caches\[1\]: " + shared):
+        kv_reuse.Target(layout, rows=4, kv_caches=[good, FakeCuda((4, n), device=0)], gpus=[0, 0])
+    # Adjacent, disjoint views of one buffer are two destinations.
+    target = kv_reuse.Target(layout, rows=3, kv_caches=[buf[:3], buf[3:6]])
+    assert target.free_rows == 3
+
+
 def test_gpu_path_refusals_before_any_cuda_call(layout):
     n = layout.rank_block_elems
     good = FakeCuda((4, n), device=0)
@@ -151,8 +184,9 @@ def test_the_gpu_path_without_a_driver_raises_cuda_unavailable(layout):
         print(line)
         pytest.skip(line)
     good = FakeCuda((4, layout.rank_block_elems), device=0)
+    other = FakeCuda((4, layout.rank_block_elems), device=0, addr=0xBEEF0000)
     with pytest.raises(kv_reuse.CudaUnavailable, match="gpus"):
-        kv_reuse.Target(layout, rows=4, kv_caches=[good, good], gpus=[0, 0])
+        kv_reuse.Target(layout, rows=4, kv_caches=[good, other], gpus=[0, 0])
     with pytest.raises(kv_reuse.CudaUnavailable, match="gpus"):
         kv_reuse.DonorBank(layout, slots=2, gpus=[0, 0])
     with pytest.raises(kv_reuse.BadArgument, match="gpus: 1 ordinals"):

@@ -154,3 +154,95 @@ def test_the_router_service_admits_a_python_donor_and_the_target_fetches(
             donor.kill()
         donor.wait(timeout=15)
         donor.stdout.close()
+
+
+def fetch_until_from(client, target, hashes, manifest, want_from, layout, deadline_s=20.0):
+    """Advises and fetches until the fetch starts at block `want_from` (the
+    router applied the target's prefix events by then); checks the fetched
+    blocks' bytes and returns how many advises it took. A fetch from another
+    block (the event not applied yet) is released and asked again."""
+    deadline = time.monotonic() + deadline_s
+    seen = []
+    while time.monotonic() < deadline:
+        advice = client.advise(f"req-{time.monotonic_ns()}", hashes, target.engine_id)
+        if advice.admitted:
+            with target.fetch(advice.hint, hashes, manifest) as out:
+                seen.append(out.fetch_from)
+                if out.fetch_from == want_from:
+                    assert out.fetched == hashes[want_from:]
+                    assert len(out.rows) == len(hashes) - want_from
+                    for k, row in enumerate(out.rows):
+                        for rank in range(TP):
+                            got = np.frombuffer(target.read_row(rank, row), dtype=np.float32)
+                            np.testing.assert_array_equal(got, pattern(layout, rank, want_from + k))
+                    return len(seen)
+        else:
+            seen.append(advice.verdict)
+        time.sleep(0.1)
+    pytest.fail(f"no fetch from block {want_from} within {deadline_s} s; seen {seen[-5:]}")
+
+
+def test_a_targets_published_prefix_makes_the_advised_fetch_start_past_it(
+        nats, router, layout, tmp_path):
+    donor, hello = start_donor(nats.url, str(tmp_path / "pins.sock"))
+    try:
+        tokens = list(range(TOKENS_PER_BLOCK * BLOCKS))
+        hashes = kv_reuse.sequence_hashes(tokens, TOKENS_PER_BLOCK)
+        manifest = bytes.fromhex(hello["manifest"])
+        target = kv_reuse.Target(layout, rows=16)
+        with kv_reuse.RouterClient(nats.url, timeout_s=5.0) as client, \
+                kv_reuse.WorkerPublisher.target(nats.url, "prefill-py", layout, target.engine_id,
+                                                announce_period_s=0.2) as announced:
+            advise_until_admitted(client, hashes, target.engine_id)
+            # The target holds nothing yet: the whole prompt is fetched.
+            assert fetch_until_from(client, target, hashes, manifest, 0, layout) == 1
+            # Its prefix cache now holds blocks 0 and 1 (a partial tail is not named).
+            assert announced.publish_prefix_stored(tokens[:2 * TOKENS_PER_BLOCK + 5]) == 2
+            fetch_until_from(client, target, hashes, manifest, 2, layout)
+            # One more block, named from first_block on: the fetch starts at 3.
+            assert announced.publish_prefix_stored(tokens[:3 * TOKENS_PER_BLOCK], first_block=2) == 1
+            fetch_until_from(client, target, hashes, manifest, 3, layout)
+            # Nothing past first_block: no event.
+            assert announced.publish_prefix_stored(tokens[:3 * TOKENS_PER_BLOCK], first_block=3) == 0
+            # The engine evicted them: the whole prompt is fetched again.
+            assert announced.publish_prefix_removed(hashes[:3]) == 3
+            fetch_until_from(client, target, hashes, manifest, 0, layout)
+            assert announced.publish_prefix_removed([]) == 0
+        assert target.free_rows == 16
+        donor.stdin.close()
+        assert json.loads(donor.stdout.readline()) == {"closed": True}
+    finally:
+        if donor.poll() is None:
+            donor.kill()
+        if not donor.stdin.closed:
+            donor.stdin.close()
+        donor.wait(timeout=15)
+        donor.stdout.close()
+
+
+def test_prefix_events_refuse_bad_arguments_and_a_donor(nats, layout, tmp_path):
+    tokens = list(range(TOKENS_PER_BLOCK * 2))
+    engine = "00000000-0000-4000-8000-000000000002"
+    with kv_reuse.WorkerPublisher.target(nats.url, "prefill-args", layout, engine) as target:
+        with pytest.raises(kv_reuse.BadArgument,
+                           match=r"^first_block: 3 is past the 2 sealed blocks of tokens$"):
+            target.publish_prefix_stored(tokens, first_block=3)
+        with pytest.raises(kv_reuse.BadArgument, match=r"^first_block: -1 is not in 0\.\.="):
+            target.publish_prefix_stored(tokens, first_block=-1)
+        with pytest.raises(kv_reuse.BadArgument, match=r"^tokens\[1\]: -7 is not in 0\.\.=4294967295$"):
+            target.publish_prefix_stored([0, -7])
+        with pytest.raises(kv_reuse.BadArgument, match=r"^sequence_hashes\[0\]: 18446744073709551616 is not in"):
+            target.publish_prefix_removed([2**64])
+        # Refused calls published nothing; a good one still does.
+        assert target.publish_prefix_stored(tokens) == 2
+    # Closed: nothing to publish on.
+    with pytest.raises(kv_reuse.PublishFailed, match="publish_prefix_stored: the publisher is closed"):
+        target.publish_prefix_stored(tokens)
+    with kv_reuse.WorkerPublisher.donor(nats.url, "decode-args", layout, 4,
+                                        "unix:" + str(tmp_path / "d.sock")) as donor:
+        with pytest.raises(kv_reuse.PublishFailed,
+                           match=r"publish_prefix_stored: a donor's KV events come from its bank"):
+            donor.publish_prefix_stored(tokens)
+        with pytest.raises(kv_reuse.PublishFailed,
+                           match=r"publish_prefix_removed: a donor's KV events come from its bank"):
+            donor.publish_prefix_removed([1])

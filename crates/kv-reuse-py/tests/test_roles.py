@@ -149,6 +149,32 @@ def test_a_hint_for_another_prompt_is_refused(donor, layout, enabled):
     assert target.free_rows == 8
 
 
+def test_a_hint_for_another_prompt_is_refused_before_its_dead_donor_is_imported(donor, layout, enabled):
+    """The prompt check comes first: with the donor killed and its segments
+    reclaimed, a hint for another prompt is still PromptMismatch (not a
+    fallback at `import`), and only the right prompt reaches the import."""
+    proc, report = donor
+    target = kv_reuse.Target(layout, rows=8)
+    router = router_for(report, layout, enabled, target)
+    advice = router.advise("req-gone", report["hashes"], target.engine_id)
+    assert advice.admitted, advice.verdict
+    manifest = bytes.fromhex(report["manifest"])
+    proc.kill()
+    proc.wait(timeout=10)
+    assert_reclaimed(proc.pid)
+    other = kv_reuse.sequence_hashes(list(range(5, 5 + TOKENS_PER_BLOCK * BLOCKS)), TOKENS_PER_BLOCK)
+    with pytest.raises(kv_reuse.PromptMismatch, match=r"hint\.sequence_hashes\[0\]` differs"):
+        target.fetch(advice.hint, other, manifest)
+    with pytest.raises(kv_reuse.PromptMismatch, match=f"holds {BLOCKS} blocks, the prompt only 2"):
+        target.fetch(advice.hint, report["hashes"][:2], manifest)
+    with pytest.raises(kv_reuse.FetchFellBack, match="donor import") as e:
+        target.fetch(advice.hint, report["hashes"], manifest)
+    stage = e.value.args[1]
+    del e  # the traceback would keep this frame's objects past the leak check
+    assert stage == "import"
+    assert target.free_rows == 8
+
+
 def _killing_probe(proc, honest_after):
     """A liveness probe that SIGKILLs the donor process on its first call
     (before the first byte: the donor dies mid-fetch, after granting the

@@ -10,7 +10,11 @@ class SettingsRefused(KvReuseError):
     """A setting was refused; the message names the key."""
 
 class BadArgument(KvReuseError):
-    """An argument was refused; the message starts with the argument's name."""
+    """An argument was refused; the message starts with the argument's name (``rank``,
+    ``kv_caches[1]``, ``values["key"]``). Every int argument is refused so when it is
+    negative or past its width (u32 or u64), an element of a sequence as ``name[i]``
+    (``prompt_hashes[3]: -1 is not in 0..=18446744073709551615``); a non-int is a
+    TypeError naming it."""
 
 class BankFailed(KvReuseError):
     """The donor bank (or host rows) refused an operation."""
@@ -78,7 +82,13 @@ class Layout:
     def tp_size(self) -> int: ...
 
 class Settings:
-    """Validated reuse settings: ``values`` under ``env`` (None = os env) under ``argv``."""
+    """Validated reuse settings: ``values`` under ``env`` (None = os env) under ``argv``.
+
+    ``values`` keys and values are taken literally (a key ``a.b`` is one unknown key, a
+    newline or quote in a key or value injects nothing). SettingsRefused names the key
+    (unknown, bad or out of range: NaN and infinities included); BadArgument names
+    ``values`` (a non-str key) or ``values["key"]`` (not bool/int/float/str, an int past
+    64 bits)."""
 
     def __init__(
         self,
@@ -282,6 +292,19 @@ class WorkerPublisher:
         """Publishes queued KV events now; returns how many (0 for a target)."""
     def tick(self) -> None:
         """One period's work now (events, record renewal, announcement)."""
+    def publish_prefix_stored(self, tokens: Sequence[int], first_block: int = 0) -> int:
+        """A target's own prefix cache holds the sealed blocks of ``tokens``; blocks
+        ``first_block ..`` are new: one Stored KV event (tier device, the first block a child of
+        block ``first_block - 1``), so the router service's advise for this target fetches only
+        past them (``FetchOutcome.fetch_from``). Returns the blocks named (0, no event, when none
+        is past ``first_block``; a partial tail block is not named). GIL released. Raises
+        BadArgument naming ``first_block`` (past the sealed blocks, negative) or ``tokens[i]``;
+        PublishFailed for a donor, a failed publish, or after ``close()``."""
+    def publish_prefix_removed(self, sequence_hashes: Sequence[int]) -> int:
+        """A target's own prefix cache dropped ``sequence_hashes``: one Removed KV event (tier
+        device); returns how many were named (0, no event, for none). GIL released. Raises
+        BadArgument naming ``sequence_hashes[i]``; PublishFailed for a donor, a failed publish,
+        or after ``close()``."""
     def publish_nixl_agent(self, name: str, metadata: bytes) -> None: ...
     def close(self, drain_s: float = 1.0) -> None:
         """Deletes the record, stops pins (waiting ``drain_s``), closes the bank. Idempotent."""
@@ -356,7 +379,9 @@ class Target:
         rank's KV heads, or "hf": per rank 2*L tensors (K0, V0, K1, ...) or L (K, V) pairs, each
         [1, H, capacity >= rows*T, D], dense last axis, any token / head strides, one K-to-V
         distance in every layer (views of one buffer); block b = tokens b*T..(b+1)*T.
-        BadArgument names the tensor (``kv_caches[r][i]``), ``kv_layout`` or ``gpus`` and the cause."""
+        BadArgument names the tensor (``kv_caches[r][i]``), ``kv_layout`` or ``gpus`` and the
+        cause; a tensor whose memory overlaps an earlier one's (the same tensor twice) is
+        refused naming the later one (``kv_caches[1]: overlaps the memory of kv_caches[0]``)."""
     @property
     def engine_id(self) -> str: ...
     @property
@@ -377,5 +402,7 @@ class Target:
         blocks (default: the pool picks); ``dst_token_offset`` (kv_layout="hf" only, a multiple
         of T): the fetched blocks land at tokens N, N+T, ... (default: their prompt positions,
         fetch_from*T); BadArgument names it when misaligned, past the capacity or with
-        ``dst_blocks``. Raises PromptMismatch / HintRefused, else FetchFellBack."""
+        ``dst_blocks``. Raises PromptMismatch / HintRefused before anything is touched (the
+        hint is checked against ``prompt_hashes`` before the donor is imported: a hint for
+        another prompt is PromptMismatch even when its donor is gone), else FetchFellBack."""
     def read_row(self, rank: int, row: int) -> bytes: ...
