@@ -137,8 +137,7 @@ def test_tiny_run_through_the_router_service(tmp_path, device):
             "--history-max", "1024", "--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--repeats", "2"]
     assert harness.main(argv) == 0
     r = json.loads(out.read_text())
-    assert r["router_service"]["exit_codes"] == {"router": 0, "nats_server": 0} or all(
-        c in (0, -15) for c in r["router_service"]["exit_codes"].values())
+    assert r["router_service"]["exit_codes"]["router"] == 0  # drained on SIGTERM
     fetched = [t for t in r["turns"] if t["fetched_tokens"] > 0]
     assert fetched, "the router service admitted no fetch"
     assert all(t["checksums_equal"] and t["logits_bit_equal_to_donor"] for t in fetched)
