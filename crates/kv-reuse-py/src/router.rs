@@ -76,6 +76,9 @@ fn role(s: &str) -> PyResult<Role> {
     }
 }
 
+/// A lookup's probe budget when `Router(max_probes=None)`.
+const MAX_PROBES: u32 = 16384;
+
 #[pymethods]
 impl Router {
     /// A router deciding with `settings` for blocks of `tokens_per_block`.
@@ -91,11 +94,10 @@ impl Router {
         max_probes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let tokens_per_block: u32 = uint("tokens_per_block", tokens_per_block)?;
-        // None: 16384 probes.
         let max_probes: u32 = max_probes
             .map(|m| uint("max_probes", m))
             .transpose()?
-            .unwrap_or(16384);
+            .unwrap_or(MAX_PROBES);
         let model = CostModel::new(settings.inner.settings.clone(), tokens_per_block)
             .map_err(crate::errors::settings)?;
         let index = Arc::new(InventoryIndex::new());

@@ -517,6 +517,8 @@ mod tests {
         json!({
             "model": "llama-3.1-8b", "regime": "churn+warm", "warm_error": null, "transport": ["cuda_same_device_copy"],
             "transport_path": "cuda_ipc", "truncated": null,
+            "router_mode": "service", "router": "kv-reuse-router at nats://127.0.0.1:4222",
+            "router_service": {"exit_codes": {"router": 0, "nats_server": 0}},
             "workload": {"sessions": 8, "turns": 6, "history_max": 32768},
             "fetched_turns": 40, "bytes_moved": 1000, "host_payload_bytes": 0,
             "logits_bit_equal_to_donor": true, "false_completions": 0, "leaks": 0,
@@ -588,6 +590,16 @@ mod tests {
         let mut v = sample();
         v["transport_path"] = json!("host_shm");
         assert_eq!(names(&v, Profile::Gpu), ["device_direct"]);
+        // The GPU profile is advised by the router service, and its router
+        // must drain and exit 0; the CPU profile may use the in-process router.
+        let mut v = sample();
+        v["router_service"]["exit_codes"]["router"] = json!(-15);
+        assert_eq!(names(&v, Profile::Cpu), ["router_service_exited_cleanly"]);
+        let mut v = sample();
+        v["router_mode"] = json!("in-process");
+        v["router_service"] = Value::Null;
+        assert_eq!(names(&v, Profile::Gpu), ["router_service"]);
+        assert!(names(&v, Profile::Cpu).is_empty());
         // A donor-killed turn that fetched anyway (or leaked) fails on both profiles.
         let mut v = sample();
         v["donor_kill"]["ok"] = json!(false);
