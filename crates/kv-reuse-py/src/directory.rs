@@ -4,6 +4,7 @@
 //! (which refuses stale generations and lapsed leases), so that a hint's
 //! donor manifest is resolved by engine id instead of being passed around.
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -14,6 +15,7 @@ use kv_descriptor::Wire;
 use kv_router_glue::{unix_now_ms, DirectoryPlane, DonorCache, NatsDirectory};
 
 use crate::errors::descriptor;
+use crate::nats_auth::NatsCredentials;
 use crate::publisher::{runtime, seconds_in, within};
 
 /// The donor directory as seen from a prefill worker (module docs).
@@ -29,12 +31,36 @@ impl DonorDirectory {
     /// record first, then each change). `timeout_s` bounds connecting.
     /// Releases the GIL while it connects.
     ///
-    /// Raises `BadArgument` naming `timeout_s`, `PublishFailed` when NATS or
-    /// JetStream cannot be reached.
+    /// `user` + `password`, `token` or `creds` (a `.creds` file)
+    /// authenticate, `tls_ca` (PEM CA file) turns TLS on: the target role of
+    /// docs/nats-permissions.conf.
+    ///
+    /// Raises `BadArgument` naming `timeout_s` or a credentials argument
+    /// (incomplete or mixed), `PublishFailed` when NATS or JetStream cannot
+    /// be reached or refuses the credentials.
     #[new]
-    #[pyo3(signature = (nats_url, bucket = "kv_donors", timeout_s = 5.0))]
-    fn new(py: Python<'_>, nats_url: &str, bucket: &str, timeout_s: f64) -> PyResult<Self> {
+    #[pyo3(signature = (nats_url, bucket = "kv_donors", timeout_s = 5.0, *, user = None, password = None, token = None, creds = None, tls_ca = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        nats_url: &str,
+        bucket: &str,
+        timeout_s: f64,
+        user: Option<String>,
+        password: Option<String>,
+        token: Option<String>,
+        creds: Option<PathBuf>,
+        tls_ca: Option<PathBuf>,
+    ) -> PyResult<Self> {
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
+        let options = NatsCredentials {
+            user,
+            password,
+            token,
+            creds,
+            tls_ca,
+        }
+        .options("kv-reuse-py-directory", timeout)?;
         let cache = Arc::new(Mutex::new(DonorCache::new()));
         let feed = cache.clone();
         let url = nats_url.to_owned();
@@ -47,7 +73,7 @@ impl DonorDirectory {
                 let dir = within(
                     &url,
                     timeout,
-                    NatsDirectory::connect(&url, &bucket, Duration::from_secs(30)),
+                    NatsDirectory::connect_with(&url, options, &bucket, Duration::from_secs(30)),
                 )
                 .await?;
                 let watch = within(&url, timeout, dir.watch()).await?;

@@ -17,6 +17,7 @@ mod engine_layout;
 mod errors;
 mod events;
 mod layout;
+mod nats_auth;
 mod publisher;
 mod router;
 mod router_client;

@@ -20,25 +20,26 @@
 //! the wire forms). The extension owns one small tokio runtime per publisher;
 //! every blocking call releases the GIL.
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pyo3::prelude::*;
 
-use kv_bank::{BankConfig, LeaseConfig};
+use kv_bank::{sealed_blocks, BankConfig, LeaseConfig};
 use kv_descriptor::{
-    EngineId, GpuIdentity, KvEventData, OwnerLease, Role, SequenceHash, StorageTier, StoredBlock,
-    Wire,
+    EngineId, GpuIdentity, KvEventData, OwnerLease, Role, SequenceHash, StorageTier, Wire,
 };
 use kv_router_glue::{
     announce_subject, AgentError, DirectoryPlane, DonorAgent, DonorAgentConfig, EventPlane,
-    KvEventPublisher, NatsDirectory, NatsInventory, NatsOptions, NatsPlane, PinServiceConfig,
-    PlaneError, PublisherHeader, Subject, WorkerAnnouncement,
+    KvEventPublisher, NatsDirectory, NatsInventory, NatsPlane, PinServiceConfig, PlaneError,
+    PublisherHeader, Subject, WorkerAnnouncement,
 };
 
 use crate::donor::DonorBank;
 use crate::errors::{bad_argument, bank, uint, uints, PinServiceFailed, PublishFailed};
 use crate::layout::Layout;
+use crate::nats_auth::NatsCredentials;
 
 /// Seconds in `range` as a duration, naming `argument` otherwise.
 pub(crate) fn seconds_in(
@@ -174,15 +175,19 @@ impl WorkerPublisher {
     /// `record_ttl_s` (default `lease_s`) bounds one put of the record (it is
     /// re-put after a third of it). `timeout_s` bounds connecting and each
     /// publish call. Releases the GIL while it connects and publishes.
+    /// `user` + `password`, `token` or `creds` (a `.creds` file)
+    /// authenticate its one NATS connection, `tls_ca` (PEM CA file) turns
+    /// TLS on: the decode role of docs/nats-permissions.conf.
     ///
     /// Raises `BadArgument` naming `slots`, `lease_s`, `record_ttl_s`,
     /// `store_timeout_s`, `announce_period_s`, `timeout_s`, `gpus`,
-    /// `gpu_uuids`, `worker_key`, `namespace` or `event_ring` (the ints
-    /// also when negative or past u64 / u32); `BankFailed` when the bank
+    /// `gpu_uuids`, `worker_key`, `namespace`, `event_ring` (the ints
+    /// also when negative or past u64 / u32), `user`, `password`, `token`
+    /// or `creds` (incomplete or mixed credentials); `BankFailed` when the bank
     /// cannot open; `PinServiceFailed` when `pin_endpoint` cannot be bound;
     /// `PublishFailed` when NATS (or JetStream) is unreachable or refuses.
     #[staticmethod]
-    #[pyo3(signature = (nats_url, worker_key, layout, slots, pin_endpoint, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", bucket = "kv_donors", lease_s = 15.0, record_ttl_s = None, store_timeout_s = 5.0, announce_period_s = 1.0, event_ring = None, timeout_s = 5.0))]
+    #[pyo3(signature = (nats_url, worker_key, layout, slots, pin_endpoint, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", bucket = "kv_donors", lease_s = 15.0, record_ttl_s = None, store_timeout_s = 5.0, announce_period_s = 1.0, event_ring = None, timeout_s = 5.0, user = None, password = None, token = None, creds = None, tls_ca = None))]
     #[allow(clippy::too_many_arguments)]
     fn donor(
         py: Python<'_>,
@@ -202,14 +207,18 @@ impl WorkerPublisher {
         announce_period_s: f64,
         event_ring: Option<&Bound<'_, PyAny>>,
         timeout_s: f64,
+        user: Option<String>,
+        password: Option<String>,
+        token: Option<String>,
+        creds: Option<PathBuf>,
+        tls_ca: Option<PathBuf>,
     ) -> PyResult<Self> {
         let slots: u64 = uint("slots", slots)?;
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
-        // None: the default ring of 4096 events.
         let event_ring: usize = event_ring
             .map(|e| uint("event_ring", e))
             .transpose()?
-            .unwrap_or(4096);
+            .unwrap_or(EVENT_RING);
         if slots == 0 {
             return Err(bad_argument("slots", "must be at least 1"));
         }
@@ -221,6 +230,14 @@ impl WorkerPublisher {
         let store_timeout = seconds_in("store_timeout_s", store_timeout_s, 0.001..=3_600.0)?;
         let period = seconds_in("announce_period_s", announce_period_s, 0.01..=60.0)?;
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
+        let options = NatsCredentials {
+            user,
+            password,
+            token,
+            creds,
+            tls_ca,
+        }
+        .options("kv-reuse-py-donor", timeout)?;
         if event_ring == 0 {
             return Err(bad_argument("event_ring", "must be at least 1"));
         }
@@ -262,31 +279,25 @@ impl WorkerPublisher {
         let (rt, agent) = py.allow_threads(|| {
             let rt = runtime("publisher")?;
             let agent = rt.block_on(async {
-                let options = NatsOptions {
-                    connect_timeout: timeout,
-                    ..NatsOptions::default()
-                };
-                let plane: Arc<dyn EventPlane> =
-                    Arc::new(within(&url, timeout, NatsPlane::connect(&url, options)).await?);
+                // One connection, under the role's credentials, for the KV
+                // events, the directory record and the inventory answers
+                // (a server enforcing permissions refuses an anonymous one).
+                let nats = within(&url, timeout, NatsPlane::connect(&url, options)).await?;
                 let dir: Arc<dyn DirectoryPlane> = Arc::new(
                     within(
                         &url,
                         timeout,
-                        NatsDirectory::connect(&url, &bucket, record_ttl),
+                        NatsDirectory::from_client(
+                            nats.client().clone(),
+                            &url,
+                            &bucket,
+                            record_ttl,
+                        ),
                     )
                     .await?,
                 );
-                let inventory = Arc::new(
-                    within(&url, timeout, async {
-                        NatsInventory::connect(&url)
-                            .await
-                            .map_err(|e| PlaneError::Connect {
-                                url: url.clone(),
-                                reason: e.to_string(),
-                            })
-                    })
-                    .await?,
-                );
+                let inventory = Arc::new(NatsInventory::from_client(nats.client().clone()));
+                let plane: Arc<dyn EventPlane> = Arc::new(nats);
                 let agent = DonorAgent::open(config, dir, plane)
                     .await
                     .map_err(agent_error)?;
@@ -330,13 +341,15 @@ impl WorkerPublisher {
     /// `kv.<namespace>.workers.announce` every `announce_period_s` seconds,
     /// so that the router service accepts advise requests routed to it.
     /// `gpus` are the CUDA ordinals of its TP ranks (announced only).
+    /// Credentials and TLS as for `donor` (the prefill role).
     ///
     /// Raises `BadArgument` naming `engine_id`, `worker_key`, `namespace`,
-    /// `gpus`, `gpu_uuids`, `announce_period_s` or `timeout_s`;
+    /// `gpus`, `gpu_uuids`, `announce_period_s`, `timeout_s` or a
+    /// credentials argument;
     /// `PublishFailed` when NATS is unreachable or the first announcement
     /// is not sent.
     #[staticmethod]
-    #[pyo3(signature = (nats_url, worker_key, layout, engine_id, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", announce_period_s = 1.0, timeout_s = 5.0))]
+    #[pyo3(signature = (nats_url, worker_key, layout, engine_id, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", announce_period_s = 1.0, timeout_s = 5.0, user = None, password = None, token = None, creds = None, tls_ca = None))]
     #[allow(clippy::too_many_arguments)]
     fn target(
         py: Python<'_>,
@@ -350,11 +363,24 @@ impl WorkerPublisher {
         namespace: &str,
         announce_period_s: f64,
         timeout_s: f64,
+        user: Option<String>,
+        password: Option<String>,
+        token: Option<String>,
+        creds: Option<PathBuf>,
+        tls_ca: Option<PathBuf>,
     ) -> PyResult<Self> {
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
         let engine = crate::layout::engine_id(engine_id, "engine_id")?;
         let period = seconds_in("announce_period_s", announce_period_s, 0.01..=60.0)?;
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
+        let options = NatsCredentials {
+            user,
+            password,
+            token,
+            creds,
+            tls_ca,
+        }
+        .options("kv-reuse-py-target", timeout)?;
         let tp = layout.inner.tp_size();
         if let Some(g) = &gpus {
             if g.len() != tp as usize {
@@ -390,10 +416,6 @@ impl WorkerPublisher {
         let (rt, ticker, plane) = py.allow_threads(|| {
             let rt = runtime("publisher")?;
             let plane = rt.block_on(async {
-                let options = NatsOptions {
-                    connect_timeout: timeout,
-                    ..NatsOptions::default()
-                };
                 let plane =
                     Arc::new(within(&url, timeout, NatsPlane::connect(&url, options)).await?);
                 // The first announcement is sent (and flushed) before the
@@ -427,7 +449,7 @@ impl WorkerPublisher {
                 layout_fingerprint: layout.inner.fingerprint(),
                 tp_size: tp,
             },
-            PREFIX_EVENT_RING,
+            EVENT_RING,
         );
         Ok(Self {
             running: Mutex::new(Some(Running {
@@ -533,31 +555,23 @@ impl WorkerPublisher {
             .map(|f| uint("first_block", f))
             .transpose()?
             .unwrap_or(0);
-        let token = kv_descriptor::token_block_hashes(&tokens, tpb as usize);
-        let seq = kv_descriptor::sequence_hashes(&tokens, tpb as usize);
-        if first_block > seq.len() {
+        // The bank's own sealing (hashes as `sequence_hashes(tokens, T)`).
+        let mut blocks = sealed_blocks(None, &tokens, tpb as usize);
+        if first_block > blocks.len() {
             return Err(bad_argument(
                 "first_block",
                 format!(
                     "{first_block} is past the {} sealed blocks of tokens",
-                    seq.len()
+                    blocks.len()
                 ),
             ));
         }
-        if first_block == seq.len() {
+        if first_block == blocks.len() {
             return Ok(0);
         }
-        let blocks: Vec<StoredBlock> = seq[first_block..]
-            .iter()
-            .zip(&token[first_block..])
-            .map(|(&sequence_hash, &token_hash)| StoredBlock {
-                sequence_hash,
-                token_hash,
-                slot: None,
-            })
-            .collect();
+        let parent = first_block.checked_sub(1).map(|i| blocks[i].sequence_hash);
+        blocks.drain(..first_block);
         let n = blocks.len();
-        let parent = first_block.checked_sub(1).map(|i| seq[i]);
         self.publish_prefix(py, KvEventData::Stored { parent, blocks })?;
         Ok(n)
     }
@@ -664,8 +678,9 @@ impl WorkerPublisher {
     }
 }
 
-/// Events a target's prefix-cache publisher keeps for a router's resync.
-const PREFIX_EVENT_RING: usize = 4096;
+/// Events a publisher keeps for a router's resync: a donor's default
+/// `event_ring`, and a target's prefix-cache publisher.
+const EVENT_RING: usize = 4096;
 
 impl WorkerPublisher {
     /// A target's prefix-cache event publisher and its tokens per block;
@@ -685,11 +700,15 @@ impl WorkerPublisher {
     /// Publishes `data` (tier `device`) from the target's prefix publisher
     /// and flushes, bounded by the publisher's timeout, without the GIL.
     fn publish_prefix(&self, py: Python<'_>, data: KvEventData) -> PyResult<()> {
-        let (publisher, _) = self.prefix_publisher("publish_prefix")?;
         let guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
         let r = guard
             .as_ref()
-            .ok_or_else(|| PublishFailed::new_err("the publisher is closed"))?;
+            .ok_or_else(|| PublishFailed::new_err("publish_prefix: the publisher is closed"))?;
+        let Some((publisher, _)) = r.prefix.as_ref() else {
+            return Err(PublishFailed::new_err(
+                "publish_prefix: a donor's KV events come from its bank (publish_events)",
+            ));
+        };
         let (timeout, url) = (self.timeout, self.nats_url.clone());
         py.allow_threads(|| {
             r.runtime.block_on(within(&url, timeout, async {

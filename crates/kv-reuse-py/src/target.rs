@@ -335,6 +335,7 @@ impl Target {
             ..DeliveryControl::default()
         };
         let out = py.allow_threads(|| {
+            let started = std::time::Instant::now();
             // A donor whose segments are gone (it exited) is a fallback like
             // a refused pin: the request recomputes.
             let donor = match &self.gpus {
@@ -346,6 +347,7 @@ impl Target {
                 FetchFellBack::new_err((format!("donor import: {e}"), "import", "donor_import"))
             })?
             .with_timeout(pin_timeout);
+            let import_us = micros(started.elapsed());
             match &dst_blocks {
                 None => self
                     .executor
@@ -354,8 +356,10 @@ impl Target {
                     .executor
                     .execute_for_prompt_at(&envelope, &prompt, d, &donor, &control),
             }
+            .map(|out| (out, import_us, micros(started.elapsed())))
             .map_err(fetch)
         })?;
+        let (out, import_us, total_us) = out;
         Ok(FetchOutcome {
             rows: out.target_blocks.to_vec(),
             fetch_from: out.fetch_from,
@@ -363,6 +367,9 @@ impl Target {
             bytes: out.report.counters.bytes,
             host_payload_bytes: out.report.counters.host_payload_bytes,
             transport: out.report.counters.transport.clone(),
+            import_us,
+            transfer_us: out.report.elapsed_us,
+            total_us,
             guard: Mutex::new(Some(out.target_blocks)),
         })
     }
@@ -521,6 +528,11 @@ fn hf_tensors<'py>(
     Ok(flat)
 }
 
+/// `d` in whole microseconds (saturating at u64::MAX, ~584,000 years).
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
 /// A Python callable as the delivery's liveness probe. The delivery runs
 /// without the GIL, so the probe takes it for each call; an exception or a
 /// non-bool result counts as "donor gone" (fail closed: recompute).
@@ -557,6 +569,20 @@ pub(crate) struct FetchOutcome {
     /// The transport (`host-memcpy`, ...).
     #[pyo3(get)]
     transport: String,
+    /// Microseconds spent importing the donor's segments (CUDA IPC
+    /// mappings, from the process-wide cache after the first fetch; host
+    /// shm maps), before the executor ran.
+    #[pyo3(get)]
+    import_us: u64,
+    /// Microseconds of the delivery itself, first check to last
+    /// (`DeliveryReport::elapsed_us`: the copies and their completion).
+    #[pyo3(get)]
+    transfer_us: u64,
+    /// Microseconds of the whole fetch without the GIL: import, reserve,
+    /// plan, pin round trip, delivery, unpin, checksum verify, commit.
+    /// `total_us - import_us - transfer_us` is the pin/verify/commit share.
+    #[pyo3(get)]
+    total_us: u64,
     guard: Mutex<Option<CompletedBlocks>>,
 }
 

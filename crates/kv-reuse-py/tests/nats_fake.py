@@ -49,12 +49,13 @@ def free_port():
 class NatsServer:
     """A nats-server on a free loopback port, stopped by `stop()`."""
 
-    def __init__(self, binary, store_dir):
+    def __init__(self, binary, store_dir, extra_args=()):
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         # JetStream on: the router binary keeps its donor directory in a KV bucket.
+        # `extra_args`: e.g. ("--user", "u", "--pass", "p") for a server that authenticates.
         self.proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(self.port),
-                                      "-js", "-sd", str(store_dir)],
+                                      "-js", "-sd", str(store_dir), *extra_args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -93,6 +93,9 @@ def test_fetch_into_the_engines_numpy_kv_cache_every_byte(donor, layout, enabled
     assert advice.admitted, advice.verdict
     with target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"])) as out:
         assert out.host_payload_bytes == out.bytes == len(out.rows) * layout.tp_size * layout.rank_block_bytes
+        # The fetch's time split: import and delivery are parts of the whole.
+        assert out.total_us > 0
+        assert out.import_us + out.transfer_us <= out.total_us, (out.import_us, out.transfer_us, out.total_us)
         for rank in range(layout.tp_size):
             want = np.full((rows, n), sentinel, dtype=np.float32)
             for block, row in enumerate(out.rows):

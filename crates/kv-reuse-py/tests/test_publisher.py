@@ -102,6 +102,48 @@ def test_bad_arguments_are_refused_naming_them(layout):
         kv_reuse.WorkerPublisher.target("nats://127.0.0.1:1", "p", layout, "not-a-uuid")
 
 
+def test_incomplete_or_mixed_credentials_are_refused_naming_them(layout):
+    url, uuid = "nats://127.0.0.1:1", "00000000-0000-4000-8000-000000000001"
+    for kw, named in [({"user": "u"}, "password"), ({"password": "p"}, "user"),
+                      ({"user": "u", "password": "p", "token": "t"}, "token"),
+                      ({"token": "t", "creds": "/x.creds"}, "token"),
+                      ({"user": "u", "password": "p", "creds": "/x.creds"}, "creds")]:
+        with pytest.raises(kv_reuse.BadArgument, match=named):
+            kv_reuse.WorkerPublisher.target(url, "p", layout, uuid, **kw)
+        with pytest.raises(kv_reuse.BadArgument, match=named):
+            kv_reuse.DonorDirectory(url, **kw)
+        with pytest.raises(kv_reuse.BadArgument, match=named):
+            kv_reuse.WorkerPublisher.donor(url, "d", layout, 4, "unix:/tmp/x", **kw)
+
+
+def test_a_server_that_authenticates_takes_the_roles_credentials_only(layout, tmp_path):
+    binary = find_nats_server()
+    if binary is None:
+        skip_or_fail("nats-server", "not on $PATH, $KV_NATS_SERVER or target/nats (cargo xtask install)")
+    server = NatsServer(binary, tmp_path / "js", ("--user", "worker", "--pass", "s3cret"))
+    try:
+        uuid = "00000000-0000-4000-8000-000000000002"
+        with pytest.raises(kv_reuse.PublishFailed, match=r"nats_url"):
+            kv_reuse.DonorDirectory(server.url, timeout_s=2.0)
+        with pytest.raises(kv_reuse.PublishFailed, match=r"nats_url"):
+            kv_reuse.WorkerPublisher.target(server.url, "p", layout, uuid, timeout_s=2.0,
+                                            user="worker", password="wrong")
+        with kv_reuse.DonorDirectory(server.url, timeout_s=5.0, user="worker", password="s3cret") as d:
+            assert d.manifest(uuid) is None
+            # The donor's one connection carries its record (directory), events and announcements.
+            donor = kv_reuse.WorkerPublisher.donor(server.url, "d-auth", layout, 4, f"unix:{tmp_path}/pins.sock",
+                                                   timeout_s=5.0, user="worker", password="s3cret")
+            try:
+                assert d.manifest(donor.engine_id, wait_s=5.0) is not None
+            finally:
+                donor.close()
+        t = kv_reuse.WorkerPublisher.target(server.url, "p", layout, uuid, timeout_s=5.0,
+                                            user="worker", password="s3cret")
+        t.close()
+    finally:
+        server.stop()
+
+
 def test_an_unreachable_server_raises_publish_failed(layout):
     with pytest.raises(kv_reuse.PublishFailed, match=r"nats_url nats://127\.0\.0\.1:1"):
         kv_reuse.WorkerPublisher.target("nats://127.0.0.1:1", "p", layout,

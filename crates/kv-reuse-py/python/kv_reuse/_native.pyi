@@ -257,10 +257,17 @@ class WorkerPublisher:
         announce_period_s: float = 1.0,
         event_ring: int = 4096,
         timeout_s: float = 5.0,
+        user: Optional[str] = None,
+        password: Optional[str] = None,
+        token: Optional[str] = None,
+        creds: Optional[str] = None,
+        tls_ca: Optional[str] = None,
     ) -> "WorkerPublisher":
         """Opens the bank (``bank``), serves pins on ``pin_endpoint``, puts the record in bucket
-        ``bucket``, announces every ``announce_period_s`` s (GIL released). Raises BadArgument
-        (naming the argument), BankFailed, PinServiceFailed, PublishFailed."""
+        ``bucket``, announces every ``announce_period_s`` s (GIL released). One NATS connection,
+        authenticated by ``user``/``password``, ``token`` or ``creds`` (a ``.creds`` file), TLS with
+        ``tls_ca``. Raises BadArgument (naming the argument), BankFailed, PinServiceFailed,
+        PublishFailed."""
     @staticmethod
     def target(
         nats_url: str,
@@ -274,6 +281,11 @@ class WorkerPublisher:
         namespace: str = "default",
         announce_period_s: float = 1.0,
         timeout_s: float = 5.0,
+        user: Optional[str] = None,
+        password: Optional[str] = None,
+        token: Optional[str] = None,
+        creds: Optional[str] = None,
+        tls_ca: Optional[str] = None,
     ) -> "WorkerPublisher":
         """Announces prefill engine ``engine_id`` (``Target.engine_id``). Raises BadArgument,
         PublishFailed."""
@@ -319,8 +331,20 @@ class WorkerPublisher:
 class DonorDirectory:
     """The donor directory (JetStream KV bucket of donor records) watched from a prefill worker."""
 
-    def __init__(self, nats_url: str, bucket: str = "kv_donors", timeout_s: float = 5.0) -> None:
-        """Connects and watches (GIL released); raises BadArgument, PublishFailed."""
+    def __init__(
+        self,
+        nats_url: str,
+        bucket: str = "kv_donors",
+        timeout_s: float = 5.0,
+        *,
+        user: Optional[str] = None,
+        password: Optional[str] = None,
+        token: Optional[str] = None,
+        creds: Optional[str] = None,
+        tls_ca: Optional[str] = None,
+    ) -> None:
+        """Connects (credentials and TLS as ``WorkerPublisher.donor``) and watches (GIL released);
+        raises BadArgument, PublishFailed."""
     def manifest(self, engine_id: str, wait_s: float = 0.0) -> Optional[bytes]:
         """The donor's manifest (wire form) or None, waiting up to ``wait_s`` s for it."""
     @property
@@ -349,6 +373,15 @@ class FetchOutcome:
     def host_payload_bytes(self) -> int: ...
     @property
     def transport(self) -> str: ...
+    @property
+    def import_us(self) -> int:
+        """Microseconds importing the donor's segments (cached CUDA IPC mappings after the first fetch)."""
+    @property
+    def transfer_us(self) -> int:
+        """Microseconds of the delivery itself (the copies and their completion)."""
+    @property
+    def total_us(self) -> int:
+        """Microseconds of the whole fetch; the rest past import and transfer is pin, verify and commit."""
     @property
     def released(self) -> bool: ...
     def release(self) -> None: ...

@@ -27,8 +27,9 @@ use kv_router_glue::service::{
 use kv_router_glue::vllm_events::{VllmEventError, VllmIngest, VllmSubscriber};
 use kv_router_glue::{
     Advisor, CostModel, DecisionLog, EnvSnapshot, EventPlane, InventoryError, InventorySync,
-    LiveCostModel, NatsAuth, NatsDirectory, NatsInventory, NatsOptions, NatsPlane, PlaneError,
-    RemoteDonorDirectory, ReuseArgs, SettingsError, SettingsLoader, DEFAULT_INVENTORY_TIMEOUT,
+    LiveCostModel, NatsAuth, NatsDirectory, NatsInventory, NatsOptions, NatsPlane, NatsTls,
+    PlaneError, RemoteDonorDirectory, ReuseArgs, SettingsError, SettingsLoader,
+    DEFAULT_INVENTORY_TIMEOUT,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -55,9 +56,54 @@ struct Cli {
     nats_url: String,
 
     /// NATS credentials file (`.creds`: user JWT and NKey seed) for the
-    /// router role; default: no credentials.
-    #[arg(long, value_name = "PATH")]
+    /// router role; default: no credentials. Exclusive with
+    /// `--nats-user` and `--nats-token`.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["nats_user", "nats_token"])]
     nats_creds: Option<PathBuf>,
+
+    /// NATS user of the router role (the server's `authorization.users`,
+    /// docs/nats-permissions.conf); needs `--nats-password`.
+    #[arg(
+        long,
+        env = "KV_ROUTER_NATS_USER",
+        requires = "nats_password",
+        conflicts_with = "nats_token"
+    )]
+    nats_user: Option<String>,
+
+    /// Password of `--nats-user`. Prefer the environment variable: a flag
+    /// is visible to every user of the host in the process list.
+    #[arg(
+        long,
+        env = "KV_ROUTER_NATS_PASSWORD",
+        requires = "nats_user",
+        hide_env_values = true
+    )]
+    nats_password: Option<String>,
+
+    /// NATS bearer token (the server's `authorization.token`); from the
+    /// environment variable rather than the flag, as for the password.
+    #[arg(long, env = "KV_ROUTER_NATS_TOKEN", hide_env_values = true)]
+    nats_token: Option<String>,
+
+    /// PEM file of the CA certificates that sign the NATS server's
+    /// certificate (replaces the system roots); implies TLS.
+    #[arg(long, value_name = "PATH")]
+    nats_tls_ca: Option<PathBuf>,
+
+    /// PEM client certificate for a server that verifies clients; needs
+    /// `--nats-tls-key`; implies TLS.
+    #[arg(long, value_name = "PATH", requires = "nats_tls_key")]
+    nats_tls_cert: Option<PathBuf>,
+
+    /// PEM private key of `--nats-tls-cert`.
+    #[arg(long, value_name = "PATH", requires = "nats_tls_cert")]
+    nats_tls_key: Option<PathBuf>,
+
+    /// Refuse to connect without TLS even when the server does not ask
+    /// for it (implied by `--nats-tls-ca` and `--nats-tls-cert`).
+    #[arg(long)]
+    nats_tls_required: bool,
 
     /// Namespace token of the worker subjects (`kv.<NAMESPACE>.workers.announce`).
     #[arg(long, default_value = "default")]
@@ -183,6 +229,37 @@ fn main() -> ExitCode {
     }
 }
 
+/// The router's NATS connection options from its `--nats-*` flags (clap
+/// has already refused conflicting or incomplete combinations).
+fn nats_options(cli: &Cli) -> NatsOptions {
+    let auth = match (
+        &cli.nats_creds,
+        &cli.nats_user,
+        &cli.nats_password,
+        &cli.nats_token,
+    ) {
+        (Some(path), ..) => NatsAuth::CredentialsFile(path.clone()),
+        (None, Some(user), Some(password), _) => NatsAuth::UserPassword {
+            user: user.clone(),
+            password: password.clone(),
+        },
+        (None, None, _, Some(token)) => NatsAuth::Token(token.clone()),
+        _ => NatsAuth::None,
+    };
+    let client_certificate = cli.nats_tls_cert.clone().zip(cli.nats_tls_key.clone());
+    let tls = NatsTls {
+        require: cli.nats_tls_required || cli.nats_tls_ca.is_some() || client_certificate.is_some(),
+        root_certificates: cli.nats_tls_ca.clone(),
+        client_certificate,
+    };
+    NatsOptions {
+        name: "kv-reuse-router".into(),
+        auth,
+        tls,
+        ..NatsOptions::default()
+    }
+}
+
 async fn run(cli: Cli) -> Result<(), RouterError> {
     let mut loader = SettingsLoader::new();
     if let Some(path) = &cli.settings {
@@ -195,14 +272,7 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     tracing::info!("settings in force:\n{}", loaded.describe());
     let model = CostModel::new(loaded.settings.clone(), cli.tokens_per_block)?;
 
-    let options = NatsOptions {
-        name: "kv-reuse-router".into(),
-        auth: cli
-            .nats_creds
-            .clone()
-            .map_or(NatsAuth::None, NatsAuth::CredentialsFile),
-        ..NatsOptions::default()
-    };
+    let options = nats_options(&cli);
     let plane = Arc::new(NatsPlane::connect(&cli.nats_url, options.clone()).await?);
     // The plane's own connection: the directory reads under the router's
     // credentials (a second, anonymous connection is refused by a server
@@ -351,4 +421,85 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
         "stopped"
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("kv-reuse-router").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn nats_flags_pick_the_auth_and_tls() {
+        // Only these tests' own flags: a KV_ROUTER_NATS_* variable in the
+        // test's environment would change clap's defaults.
+        for v in [
+            "KV_ROUTER_NATS_USER",
+            "KV_ROUTER_NATS_PASSWORD",
+            "KV_ROUTER_NATS_TOKEN",
+        ] {
+            if std::env::var_os(v).is_some() {
+                eprintln!("SKIP nats flag test: {v} is set in this environment");
+                return;
+            }
+        }
+        let o = nats_options(&parse(&[]).unwrap());
+        assert!(matches!(o.auth, NatsAuth::None));
+        assert!(!o.tls.require && o.tls.root_certificates.is_none());
+        let o = nats_options(&parse(&["--nats-user", "router", "--nats-password", "pw"]).unwrap());
+        assert!(
+            matches!(&o.auth, NatsAuth::UserPassword { user, password } if user == "router" && password == "pw")
+        );
+        let o = nats_options(&parse(&["--nats-token", "t0k"]).unwrap());
+        assert!(matches!(&o.auth, NatsAuth::Token(t) if t == "t0k"));
+        let o = nats_options(&parse(&["--nats-creds", "/r.creds"]).unwrap());
+        assert!(
+            matches!(&o.auth, NatsAuth::CredentialsFile(p) if p == std::path::Path::new("/r.creds"))
+        );
+        let o = nats_options(&parse(&["--nats-tls-ca", "/ca.pem"]).unwrap());
+        assert!(o.tls.require);
+        assert_eq!(
+            o.tls.root_certificates.as_deref(),
+            Some(std::path::Path::new("/ca.pem"))
+        );
+        let o = nats_options(
+            &parse(&["--nats-tls-cert", "/c.pem", "--nats-tls-key", "/k.pem"]).unwrap(),
+        );
+        assert!(o.tls.require && o.tls.client_certificate.is_some());
+        assert!(
+            nats_options(&parse(&["--nats-tls-required"]).unwrap())
+                .tls
+                .require
+        );
+    }
+
+    #[test]
+    fn conflicting_or_incomplete_nats_flags_are_refused_naming_them() {
+        for (args, named) in [
+            (&["--nats-user", "u"][..], "--nats-password"),
+            (&["--nats-password", "p"][..], "--nats-user"),
+            (
+                &["--nats-creds", "/r.creds", "--nats-token", "t"][..],
+                "--nats-token",
+            ),
+            (
+                &[
+                    "--nats-user",
+                    "u",
+                    "--nats-password",
+                    "p",
+                    "--nats-token",
+                    "t",
+                ][..],
+                "--nats-token",
+            ),
+            (&["--nats-tls-cert", "/c.pem"][..], "--nats-tls-key"),
+            (&["--nats-tls-key", "/k.pem"][..], "--nats-tls-cert"),
+        ] {
+            let e = parse(args).expect_err(&format!("{args:?} must be refused"));
+            assert!(e.to_string().contains(named), "{args:?}: {e}");
+        }
+    }
 }

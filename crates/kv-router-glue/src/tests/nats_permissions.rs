@@ -19,7 +19,7 @@ const ANNOUNCE: &str = "kv.qa.workers.announce";
 const EVENTS: &str = "kv.qa.decode.kv_events";
 const RESYNC: &str = "kv.qa.decode.kv_events_resync";
 const ADVISE: &str = "kv_reuse.advise";
-const DIRECTORY_KEY: &str = "$KV.kv_directory.decode-0";
+const DIRECTORY_KEY: &str = "$KV.kv_donors.decode-0";
 
 /// The documented config with its environment references filled in (the
 /// same substitution nats-server does, done here so that tests running in

@@ -175,11 +175,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         prefill.wait_started()
         started_s = time.perf_counter() - t_start
         print(f"gpu_serving: phase start {started_s:.1f} s (both workers built their models)", flush=True)
+        rpc.freeze_startup_objects()  # this process imported torch too; timed() collects before each sample
         result = run(a, w, sessions, decode, prefill, kv_reuse, notes, slots, target_rows, t_start)
         result["wall_s"] = round(time.perf_counter() - t_start, 1)
         result["phases_s"] = phases(started_s, result.pop("_advise_ms"), decode, prefill, result["wall_s"])
         for k, v in result["phases_s"].items():
             print(f"gpu_serving: phase {k} {v} s", flush=True)
+        if result.get("fetch_us_p50"):
+            print("gpu_serving: fetch split p50 us (later fetched turns): "
+                  + ", ".join(f"{n} {x:.0f}" for n, x in result["fetch_us_p50"].items()), flush=True)
         for k, v in result["phase_p50_ms"].items():
             print(f"gpu_serving: {k} per-phase p50 ms (later fetched turns): "
                   + ", ".join(f"{n} {x:.2f}" for n, x in v.items()), flush=True)
@@ -238,10 +242,10 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         router = kv_reuse.Router(settings, tokens_per_block=tpb)
         router.register_worker(1, dh["engine_id"], "decode", layout)
         router.register_worker(2, ph["engine_id"], "prefill", layout)
+        if a.regime == "both":
+            router.register_worker(3, ph["warm_engine_id"], "prefill", layout)
     warm = warm_run = None
     if a.regime == "both":
-        if a.router != "service":
-            router.register_worker(3, ph["warm_engine_id"], "prefill", layout)
         warm = warm_run = WarmRegime(router, ph["warm_engine_id"], tpb,
                                      publish=router.publish_prefix if a.router == "service" else None)
     # Once, untimed: the largest prompt's prefill (allocator growth, kernel
@@ -328,6 +332,7 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
             "verdict": advice.verdict,
             "admitted": advice.admitted,
             "fetched_tokens": on["fetched_tokens"],
+            "fetch_us": on.get("fetch_us"),
             "bytes": on["bytes"],
             "host_payload_bytes": on["host_payload_bytes"],
             "transport": on["transport"],
@@ -415,8 +420,11 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
     ds, _ = decode.call("stats")
     kill = None
     if a.donor_kill == "on" and turns:
-        # Last: the decode worker is dead afterwards.
-        last = next(x for x in sessions if x.id == turns[-1]["session"])
+        # Last: the decode worker is dead afterwards. The session with the
+        # longest history: its fetch is the one the cost model admits most
+        # surely (a short one, e.g. the tiny CPU model's last session, may be
+        # refused as not worth it, and then no fetch is there to kill).
+        last = max(sessions, key=lambda x: len(x.history))
         rng = random.Random(a.seed + 2)
         user = [rng.randrange(s.vocab) for _ in range(a.turn_tokens[0])]
         try:
@@ -521,6 +529,8 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
         "phase_p50_ms": {
             k: phase_medians([r for r in later if r["fetched_tokens"] > 0], f"{k}_phases_ms") for k in ("on", "ideal", "off")
         },
+        # The first repetition's fetch split (import / transfer / rest, µs), median over later fetched turns.
+        "fetch_us_p50": phase_medians([r for r in later if r["fetched_tokens"] > 0 and r.get("fetch_us")], "fetch_us"),
         "repeats": a.repeats,
         "first_turns": {
             "turns": len(first),

@@ -169,6 +169,11 @@ class PrefillWorker(EngineWorker):
                     "bytes": out.bytes,
                     "host_payload_bytes": out.host_payload_bytes,
                     "transport": out.transport,
+                    # Where the fetch's time went (the wheel's own clocks):
+                    # donor import, the delivery, and the rest (reserve, pin
+                    # round trip, unpin, verify, commit).
+                    "fetch_us": {"import": out.import_us, "transfer": out.transfer_us,
+                                 "rest": out.total_us - out.import_us - out.transfer_us},
                 }
                 start = out.fetch_from
             self._steady_fds()  # after the outcome released its rows
