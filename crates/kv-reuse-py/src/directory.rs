@@ -39,7 +39,7 @@ impl DonorDirectory {
     /// (incomplete or mixed), `PublishFailed` when NATS or JetStream cannot
     /// be reached or refuses the credentials.
     #[new]
-    #[pyo3(signature = (nats_url, bucket = "kv_donors", timeout_s = 5.0, *, user = None, password = None, token = None, creds = None, tls_ca = None))]
+    #[pyo3(signature = (nats_url, bucket = "kv_donors", timeout_s = 5.0, *, user = None, password = None, token = None, creds = None, tls_ca = None, inbox_prefix = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -51,6 +51,7 @@ impl DonorDirectory {
         token: Option<String>,
         creds: Option<PathBuf>,
         tls_ca: Option<PathBuf>,
+        inbox_prefix: Option<String>,
     ) -> PyResult<Self> {
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
         let options = NatsCredentials {
@@ -59,6 +60,7 @@ impl DonorDirectory {
             token,
             creds,
             tls_ca,
+            inbox_prefix,
         }
         .options("kv-reuse-py-directory", timeout)?;
         let cache = Arc::new(Mutex::new(DonorCache::new()));

@@ -1,7 +1,7 @@
 //! How the wheel's own NATS connections (`WorkerPublisher.donor` /
 //! `.target`, `DonorDirectory`) authenticate and encrypt: the keyword
 //! arguments `user` + `password`, `token` or `creds` (a `.creds` file) and
-//! `tls_ca`, mapped onto `kv_router_glue::NatsOptions` so that a donor
+//! `tls_ca`, and `inbox_prefix` (its reply subjects' prefix), mapped onto `kv_router_glue::NatsOptions` so that a donor
 //! agent's plane, directory and inventory connections, and the target's,
 //! present the role's credentials to a server that enforces the
 //! permissions of docs/nats-permissions.conf. Secrets are never put in an
@@ -24,15 +24,24 @@ pub(crate) struct NatsCredentials {
     pub token: Option<String>,
     pub creds: Option<PathBuf>,
     pub tls_ca: Option<PathBuf>,
+    pub inbox_prefix: Option<String>,
 }
 
 impl NatsCredentials {
     /// The options of a connection named `name`, bounded by `timeout`.
     ///
-    /// Raises `BadArgument` naming `password` (a `user` without one),
+    /// Raises `BadArgument` naming `inbox_prefix` (not a subject prefix),
+    /// `password` (a `user` without one),
     /// `user` (a `password` without one), `token` or `creds` (given with
     /// another kind of credentials).
     pub fn options(self, name: &str, timeout: Duration) -> PyResult<NatsOptions> {
+        if let Some(why) = self
+            .inbox_prefix
+            .as_deref()
+            .and_then(kv_router_glue::inbox_prefix_problem)
+        {
+            return Err(bad_argument("inbox_prefix", why));
+        }
         let auth = match (self.user, self.password, self.token, self.creds) {
             (None, None, None, None) => NatsAuth::None,
             (Some(user), Some(password), None, None) => NatsAuth::UserPassword { user, password },
@@ -62,6 +71,7 @@ impl NatsCredentials {
                 root_certificates: self.tls_ca,
                 client_certificate: None,
             },
+            inbox_prefix: self.inbox_prefix,
             ..NatsOptions::default()
         })
     }

@@ -187,7 +187,7 @@ impl WorkerPublisher {
     /// cannot open; `PinServiceFailed` when `pin_endpoint` cannot be bound;
     /// `PublishFailed` when NATS (or JetStream) is unreachable or refuses.
     #[staticmethod]
-    #[pyo3(signature = (nats_url, worker_key, layout, slots, pin_endpoint, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", bucket = "kv_donors", lease_s = 15.0, record_ttl_s = None, store_timeout_s = 5.0, announce_period_s = 1.0, event_ring = None, timeout_s = 5.0, user = None, password = None, token = None, creds = None, tls_ca = None))]
+    #[pyo3(signature = (nats_url, worker_key, layout, slots, pin_endpoint, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", bucket = "kv_donors", lease_s = 15.0, record_ttl_s = None, store_timeout_s = 5.0, announce_period_s = 1.0, event_ring = None, timeout_s = 5.0, user = None, password = None, token = None, creds = None, tls_ca = None, inbox_prefix = None))]
     #[allow(clippy::too_many_arguments)]
     fn donor(
         py: Python<'_>,
@@ -212,6 +212,7 @@ impl WorkerPublisher {
         token: Option<String>,
         creds: Option<PathBuf>,
         tls_ca: Option<PathBuf>,
+        inbox_prefix: Option<String>,
     ) -> PyResult<Self> {
         let slots: u64 = uint("slots", slots)?;
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
@@ -236,6 +237,7 @@ impl WorkerPublisher {
             token,
             creds,
             tls_ca,
+            inbox_prefix,
         }
         .options("kv-reuse-py-donor", timeout)?;
         if event_ring == 0 {
@@ -349,7 +351,7 @@ impl WorkerPublisher {
     /// `PublishFailed` when NATS is unreachable or the first announcement
     /// is not sent.
     #[staticmethod]
-    #[pyo3(signature = (nats_url, worker_key, layout, engine_id, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", announce_period_s = 1.0, timeout_s = 5.0, user = None, password = None, token = None, creds = None, tls_ca = None))]
+    #[pyo3(signature = (nats_url, worker_key, layout, engine_id, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", announce_period_s = 1.0, timeout_s = 5.0, user = None, password = None, token = None, creds = None, tls_ca = None, inbox_prefix = None))]
     #[allow(clippy::too_many_arguments)]
     fn target(
         py: Python<'_>,
@@ -368,6 +370,7 @@ impl WorkerPublisher {
         token: Option<String>,
         creds: Option<PathBuf>,
         tls_ca: Option<PathBuf>,
+        inbox_prefix: Option<String>,
     ) -> PyResult<Self> {
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
         let engine = crate::layout::engine_id(engine_id, "engine_id")?;
@@ -379,6 +382,7 @@ impl WorkerPublisher {
             token,
             creds,
             tls_ca,
+            inbox_prefix,
         }
         .options("kv-reuse-py-target", timeout)?;
         let tp = layout.inner.tp_size();

@@ -65,12 +65,15 @@ impl RouterClient {
     /// Connects to the NATS server at `nats_url` (`nats://host:port`).
     /// `timeout_s` bounds the connection and each advise (seconds);
     /// `user`/`password` or `token` authenticate (the router's NATS
-    /// permissions, docs/security.md). Releases the GIL while connecting.
+    /// permissions, docs/security.md); `inbox_prefix` replaces `_INBOX` as
+    /// the prefix of its reply subjects (`_INBOX_target` with the example
+    /// permissions). Releases the GIL while connecting.
     ///
     /// Raises `RouterUnavailable` when the server cannot be reached,
     /// `BadArgument` naming a bad argument.
     #[new]
-    #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = ADVISE_SUBJECT, user = None, password = None, token = None))]
+    #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = ADVISE_SUBJECT, user = None, password = None, token = None, inbox_prefix = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         nats_url: &str,
@@ -79,6 +82,7 @@ impl RouterClient {
         user: Option<String>,
         password: Option<String>,
         token: Option<String>,
+        inbox_prefix: Option<String>,
     ) -> PyResult<Self> {
         let timeout = seconds("timeout_s", timeout_s)?;
         if subject.is_empty() || subject.contains(char::is_whitespace) {
@@ -91,6 +95,12 @@ impl RouterClient {
         // with `timeout` (one message for every timeout) and turns
         // async-nats' own request timeout off.
         let mut options = async_nats::ConnectOptions::new().name("kv-reuse-py");
+        if let Some(prefix) = inbox_prefix {
+            if let Some(why) = kv_router_glue::inbox_prefix_problem(&prefix) {
+                return Err(bad_argument("inbox_prefix", why));
+            }
+            options = options.custom_inbox_prefix(prefix);
+        }
         options = match (user, password, token) {
             (None, None, None) => options,
             (Some(u), Some(p), None) => options.user_and_password(u, p),

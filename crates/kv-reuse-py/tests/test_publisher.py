@@ -107,7 +107,8 @@ def test_incomplete_or_mixed_credentials_are_refused_naming_them(layout):
     for kw, named in [({"user": "u"}, "password"), ({"password": "p"}, "user"),
                       ({"user": "u", "password": "p", "token": "t"}, "token"),
                       ({"token": "t", "creds": "/x.creds"}, "token"),
-                      ({"user": "u", "password": "p", "creds": "/x.creds"}, "creds")]:
+                      ({"user": "u", "password": "p", "creds": "/x.creds"}, "creds"),
+                      ({"inbox_prefix": "_INBOX.>"}, "inbox_prefix"), ({"inbox_prefix": ""}, "inbox_prefix")]:
         with pytest.raises(kv_reuse.BadArgument, match=named):
             kv_reuse.WorkerPublisher.target(url, "p", layout, uuid, **kw)
         with pytest.raises(kv_reuse.BadArgument, match=named):
@@ -138,8 +139,10 @@ def test_a_server_that_authenticates_takes_the_roles_credentials_only(layout, tm
             finally:
                 donor.close()
         t = kv_reuse.WorkerPublisher.target(server.url, "p", layout, uuid, timeout_s=5.0,
-                                            user="worker", password="s3cret")
+                                            user="worker", password="s3cret", inbox_prefix="_INBOX_target")
         t.close()
+        with pytest.raises(kv_reuse.BadArgument, match="inbox_prefix"):
+            kv_reuse.RouterClient(server.url, user="worker", password="s3cret", inbox_prefix="a..b")
     finally:
         server.stop()
 

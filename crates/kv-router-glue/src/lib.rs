@@ -121,11 +121,11 @@ pub use error::{
     CalibrationError, FallbackCause, FetchError, PinError, PlaneError, RemoteDonorError,
     ResolveError, SettingsError,
 };
+#[cfg(feature = "nats")]
+pub use event_plane::{inbox_prefix_problem, NatsAuth, NatsOptions, NatsPlane, NatsTls};
 pub use event_plane::{
     EventPlane, InProcessPlane, PlaneFuture, PlaneMessage, Subject, Subscription, SUBJECT_ROOT,
 };
-#[cfg(feature = "nats")]
-pub use event_plane::{NatsAuth, NatsOptions, NatsPlane, NatsTls};
 #[cfg(feature = "worker")]
 pub use fetch_executor::{DonorPin, DonorSource, EngineRegion, FetchExecutor, FetchOutcome};
 pub use hint_validation::{check_prompt_prefix, validate_hint, ValidatedFetch};

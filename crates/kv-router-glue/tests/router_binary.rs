@@ -430,3 +430,161 @@ fn a_router_started_after_a_donor_went_idle_or_restarted_after_sigkill_finds_its
     restarted.unwrap();
     assert_eq!(status.code(), Some(0), "{status}");
 }
+
+/// `--vllm-events`: the binary subscribes to a vLLM prefill engine's ZMQ
+/// KV event stream (PUB + ROUTER replay, vLLM 0.33's wire format), makes
+/// that engine an advise target, and counts what its native prefix cache
+/// holds: a donor agent retains all 30 blocks of the prompt; before the
+/// engine reports anything the hint fetches from block 0, after it reported
+/// storing the first 2 blocks the hint starts at block 2.
+#[test]
+fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetched() {
+    use agents_common::*;
+    use kv_router_glue::service::VllmEndpointSpec;
+    use kv_router_glue::vllm_events::{VllmEncoding, VllmEvent, VllmEventBatch, VllmZmqPublisher};
+    use kv_router_glue::{
+        DonorAgent, InventoryPlane, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
+    };
+    use std::sync::Arc;
+
+    const BUCKET: &str = "kv_rbv_donors";
+    let Some(nats) = NatsServer::start_or_skip("router_binary vllm") else {
+        return;
+    };
+    let url = nats.url();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let sock = tempfile::tempdir().unwrap();
+    let ep = format!("unix:{}", sock.path().join("d0.sock").display());
+    let blocks = prompt(0); // tokens 0 .. 480, 16 per block
+    let h: Vec<SequenceHash> = blocks.iter().map(|b| b.sequence_hash).collect();
+    let (donor, ticker, mut publisher) = rt.block_on(async {
+        let plane = NatsPlane::connect(&url, NatsOptions::default())
+            .await
+            .unwrap();
+        let dir = NatsDirectory::connect(&url, BUCKET, Duration::from_secs(30))
+            .await
+            .unwrap();
+        let inventory = NatsInventory::connect(&url).await.unwrap();
+        let donor = DonorAgent::open(
+            donor_config("decode-0", &ep),
+            Arc::new(dir),
+            Arc::new(plane),
+        )
+        .await
+        .unwrap();
+        donor
+            .serve_inventory(Arc::new(inventory) as Arc<dyn InventoryPlane>)
+            .await
+            .unwrap();
+        store(&donor, &blocks).await;
+        let donor = Arc::new(donor);
+        let d = donor.clone();
+        let ticker = tokio::spawn(async move {
+            loop {
+                let _ = d.tick().await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        let publisher = VllmZmqPublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "", 64)
+            .await
+            .expect("bind the vLLM publisher");
+        (donor, ticker, publisher)
+    });
+    let donor_id = donor.bank().owner().engine_id;
+    // The vLLM engine's layout as the donor's: same fingerprint, TP, block size.
+    let spec = format!(
+        "{},replay={},fingerprint={},role=prefill,tp={TP},block={TOKENS},worker=vllm-prefill-0",
+        publisher.endpoint(),
+        publisher.replay_endpoint(),
+        layout().fingerprint().0,
+    );
+    let target = spec.parse::<VllmEndpointSpec>().unwrap().worker.engine;
+    let mut router = spawn_router_with(
+        &url,
+        NS,
+        &[
+            "--directory-bucket",
+            BUCKET,
+            "--announce-period-ms",
+            "100",
+            "--missed-periods",
+            "50",
+            "--vllm-events",
+            &spec,
+        ],
+    );
+    assert_eq!(router.ready["event"], "ready");
+    let result = rt.block_on(async {
+        let client = async_nats::connect(&url).await.unwrap();
+        // No announcement over NATS: `--vllm-events role=prefill` is what
+        // makes the engine a target.
+        wait_admitted(&client, target, donor_id, &h, "before any vLLM batch").await?;
+        let batch = VllmEventBatch {
+            ts: 1.7e9,
+            data_parallel_rank: Some(0),
+            events: vec![VllmEvent::BlockStored {
+                block_hashes: vec![0x5EED_0001, 0x5EED_0002],
+                parent_block_hash: None,
+                token_ids: (0..(2 * TOKENS) as u32).collect(),
+                block_size: TOKENS as u32,
+                lora_id: None,
+                medium: Some("GPU".into()),
+                lora_name: None,
+                extra_keys: vec![],
+                group_idx: None,
+            }],
+        };
+        // PUB drops what it sends before the router's SUB joined: the batch
+        // is sent again (a repeated store changes nothing) until it counts.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut n = 0;
+        loop {
+            publisher
+                .publish(&batch, VllmEncoding::ArrayLike)
+                .await
+                .unwrap();
+            n += 1;
+            let req = AdviseRequest {
+                request_id: format!("after-{n}"),
+                target,
+                keys: AdviseKeys::SequenceHashes(h.clone()),
+            };
+            let reply = ask(&client, req.to_wire().unwrap()).await;
+            if let AdviseResult::Decided {
+                decision,
+                hint: Some(env),
+            } = &reply.result
+            {
+                let hint = env.fetch_gpu_actions().unwrap().remove(0);
+                if hint.fetch_from == 2 {
+                    assert!(decision.admitted(), "{decision}");
+                    assert_eq!(hint.donor_engine_id, donor_id);
+                    return Ok(n);
+                }
+                if hint.fetch_from != 0 {
+                    return Err(format!("fetch_from {} (want 0, then 2)", hint.fetch_from));
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "the vLLM engine's 2 blocks never counted after {n} batches: {reply:?}"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    // Drained first, so a failure's log has the router's vLLM stats line.
+    let status = signal_and_wait(&mut router, "TERM");
+    rt.block_on(async {
+        ticker.abort();
+        let _ = ticker.await;
+        let donor = Arc::try_unwrap(donor).unwrap_or_else(|_| panic!("donor still shared"));
+        donor.close(Duration::from_secs(1)).await.unwrap();
+    });
+    result.unwrap();
+    assert_eq!(status.code(), Some(0), "drain exits 0: {status}");
+}

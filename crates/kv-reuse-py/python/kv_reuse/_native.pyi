@@ -214,6 +214,7 @@ class RouterClient:
         user: Optional[str] = None,
         password: Optional[str] = None,
         token: Optional[str] = None,
+        inbox_prefix: Optional[str] = None,
     ) -> None:
         """Connects (GIL released); raises RouterUnavailable or BadArgument."""
     @property
@@ -262,6 +263,7 @@ class WorkerPublisher:
         token: Optional[str] = None,
         creds: Optional[str] = None,
         tls_ca: Optional[str] = None,
+        inbox_prefix: Optional[str] = None,
     ) -> "WorkerPublisher":
         """Opens the bank (``bank``), serves pins on ``pin_endpoint``, puts the record in bucket
         ``bucket``, announces every ``announce_period_s`` s (GIL released). One NATS connection,
@@ -286,6 +288,7 @@ class WorkerPublisher:
         token: Optional[str] = None,
         creds: Optional[str] = None,
         tls_ca: Optional[str] = None,
+        inbox_prefix: Optional[str] = None,
     ) -> "WorkerPublisher":
         """Announces prefill engine ``engine_id`` (``Target.engine_id``). Raises BadArgument,
         PublishFailed."""
@@ -342,6 +345,7 @@ class DonorDirectory:
         token: Optional[str] = None,
         creds: Optional[str] = None,
         tls_ca: Optional[str] = None,
+        inbox_prefix: Optional[str] = None,
     ) -> None:
         """Connects (credentials and TLS as ``WorkerPublisher.donor``) and watches (GIL released);
         raises BadArgument, PublishFailed."""

@@ -427,6 +427,8 @@ fn permissions_config(dir: &std::path::Path) -> std::path::PathBuf {
 async fn inventory_as(server: &NatsServer, user: &str, password: &str) -> NatsInventory {
     let client = async_nats::ConnectOptions::with_user_and_password(user.into(), password.into())
         .connection_timeout(Duration::from_secs(2))
+        // Each role subscribes to its own inbox only (the documented config).
+        .custom_inbox_prefix(format!("_INBOX_{user}"))
         .connect(server.url())
         .await
         .unwrap();

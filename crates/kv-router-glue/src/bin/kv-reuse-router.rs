@@ -105,6 +105,11 @@ struct Cli {
     #[arg(long)]
     nats_tls_required: bool,
 
+    /// Prefix of the router's NATS reply subjects (default `_INBOX`); with
+    /// the example permissions, `_INBOX_router` (docs/nats-permissions.conf).
+    #[arg(long, env = "KV_ROUTER_NATS_INBOX_PREFIX", value_parser = inbox_prefix)]
+    nats_inbox_prefix: Option<String>,
+
     /// Namespace token of the worker subjects (`kv.<NAMESPACE>.workers.announce`).
     #[arg(long, default_value = "default")]
     namespace: String,
@@ -229,6 +234,14 @@ fn main() -> ExitCode {
     }
 }
 
+/// `--nats-inbox-prefix`'s check (clap names the flag in the error).
+fn inbox_prefix(v: &str) -> Result<String, String> {
+    match kv_router_glue::inbox_prefix_problem(v) {
+        None => Ok(v.to_owned()),
+        Some(why) => Err(why.to_owned()),
+    }
+}
+
 /// The router's NATS connection options from its `--nats-*` flags (clap
 /// has already refused conflicting or incomplete combinations).
 fn nats_options(cli: &Cli) -> NatsOptions {
@@ -256,6 +269,7 @@ fn nats_options(cli: &Cli) -> NatsOptions {
         name: "kv-reuse-router".into(),
         auth,
         tls,
+        inbox_prefix: cli.nats_inbox_prefix.clone(),
         ..NatsOptions::default()
     }
 }
@@ -408,8 +422,9 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     service.drain();
     stop_following.cancel();
     drop(followers);
-    for sub in vllm {
-        sub.stop().await;
+    for (spec, sub) in cli.vllm_events.iter().zip(vllm) {
+        let (_, stats) = sub.stop().await;
+        tracing::info!(endpoint = %spec.endpoint, stats = ?stats, "vLLM KV events stopped");
     }
     http.shutdown().await;
     tracing::info!(
@@ -439,6 +454,7 @@ mod tests {
             "KV_ROUTER_NATS_USER",
             "KV_ROUTER_NATS_PASSWORD",
             "KV_ROUTER_NATS_TOKEN",
+            "KV_ROUTER_NATS_INBOX_PREFIX",
         ] {
             if std::env::var_os(v).is_some() {
                 eprintln!("SKIP nats flag test: {v} is set in this environment");
@@ -473,6 +489,8 @@ mod tests {
                 .tls
                 .require
         );
+        let o = nats_options(&parse(&["--nats-inbox-prefix", "_INBOX_router"]).unwrap());
+        assert_eq!(o.inbox_prefix.as_deref(), Some("_INBOX_router"));
     }
 
     #[test]
@@ -497,6 +515,10 @@ mod tests {
             ),
             (&["--nats-tls-cert", "/c.pem"][..], "--nats-tls-key"),
             (&["--nats-tls-key", "/k.pem"][..], "--nats-tls-cert"),
+            (
+                &["--nats-inbox-prefix", "_INBOX.>"][..],
+                "--nats-inbox-prefix",
+            ),
         ] {
             let e = parse(args).expect_err(&format!("{args:?} must be refused"));
             assert!(e.to_string().contains(named), "{args:?}: {e}");

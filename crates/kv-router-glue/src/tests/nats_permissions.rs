@@ -51,6 +51,8 @@ async fn client(
     let (tx, rx) = mpsc::unbounded_channel();
     let c = ConnectOptions::with_user_and_password(user.into(), password.into())
         .connection_timeout(Duration::from_secs(2))
+        // The documented config lets each role subscribe to its own inbox only.
+        .custom_inbox_prefix(format!("_INBOX_{user}"))
         .event_callback(move |ev| {
             let tx = tx.clone();
             async move {
@@ -279,6 +281,20 @@ async fn clients_without_credentials_or_outside_their_role_are_refused() {
             .contains("permissions violation for subscription"),
         "{e}"
     );
+    // A target subscribing to the router's replies, or to every inbox.
+    for inbox in ["_INBOX_router.>", "_INBOX.>"] {
+        let _sub = target.subscribe(inbox).await.unwrap();
+        target.flush().await.unwrap();
+        let e = next_error(&mut target_err)
+            .await
+            .expect("no violation reported");
+        assert!(
+            e.to_lowercase()
+                .contains("permissions violation for subscription")
+                && e.contains(inbox),
+            "{inbox}: {e}"
+        );
+    }
     // A donor posing as a target on the advise subject.
     donor.publish(ADVISE, "prompt".into()).await.unwrap();
     donor.flush().await.unwrap();

@@ -21,6 +21,12 @@ pub struct NatsOptions {
     pub auth: NatsAuth,
     /// TLS settings (default: plain TCP unless the server demands TLS).
     pub tls: NatsTls,
+    /// Prefix of this client's reply subjects (async-nats'
+    /// `custom_inbox_prefix`; default `_INBOX`). Give each role its own
+    /// (`_INBOX_router`, ...) and let each subscribe only to its own
+    /// (docs/nats-permissions.conf), so that no role can subscribe to the
+    /// replies meant for another. One or more subject tokens, no wildcards.
+    pub inbox_prefix: Option<String>,
 }
 
 impl Default for NatsOptions {
@@ -31,7 +37,32 @@ impl Default for NatsOptions {
             connect_timeout: Duration::from_secs(5),
             auth: NatsAuth::None,
             tls: NatsTls::default(),
+            inbox_prefix: None,
         }
+    }
+}
+
+/// Why `prefix` cannot be an inbox prefix: the reason, or None when it can
+/// (non-empty dot-separated tokens without whitespace or the `*` / `>`
+/// wildcards, as NATS subjects are).
+///
+/// ```
+/// use kv_router_glue::inbox_prefix_problem;
+/// assert_eq!(inbox_prefix_problem("_INBOX_router"), None);
+/// assert!(inbox_prefix_problem("_INBOX.>").unwrap().contains("wildcard"));
+/// assert!(inbox_prefix_problem("a..b").is_some());
+/// ```
+pub fn inbox_prefix_problem(prefix: &str) -> Option<&'static str> {
+    if prefix.is_empty() {
+        Some("is empty")
+    } else if prefix.split('.').any(str::is_empty) {
+        Some("has an empty token (a leading, trailing or doubled `.`)")
+    } else if prefix.contains(char::is_whitespace) {
+        Some("contains whitespace")
+    } else if prefix.contains(['*', '>']) {
+        Some("contains a wildcard (`*` or `>`)")
+    } else {
+        None
     }
 }
 
@@ -152,6 +183,12 @@ impl NatsPlane {
                 .await
                 .map_err(|e| err(format!("`auth` credentials file {}: {e}", path.display())))?,
         };
+        if let Some(prefix) = options.inbox_prefix {
+            if let Some(why) = inbox_prefix_problem(&prefix) {
+                return Err(err(format!("`inbox_prefix` {prefix:?} {why}")));
+            }
+            connect = connect.custom_inbox_prefix(prefix);
+        }
         let tls = options.tls;
         for (field, path) in [("tls.root_certificates", tls.root_certificates.as_ref())]
             .into_iter()
