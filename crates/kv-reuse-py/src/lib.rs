@@ -13,6 +13,7 @@
 mod array;
 mod directory;
 mod donor;
+mod donor_imports;
 mod engine_layout;
 mod errors;
 mod events;

@@ -17,6 +17,7 @@ use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
 use kv_transfer::{CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, LivenessProbe};
 
 use crate::array::{ArrayView, ExternalMemory, Want};
+use crate::donor_imports::DonorImports;
 use crate::engine_layout::EngineOrder;
 use crate::errors::{
     bad_argument, descriptor, fetch, uint, uints, BankFailed, CudaUnavailable, FetchFellBack,
@@ -37,6 +38,8 @@ pub(crate) struct Target {
     rows: u32,
     regions: Vec<Arc<dyn BankMemory>>,
     executor: FetchExecutor,
+    /// CUDA IPC donors kept imported between fetches (donor_imports.rs).
+    imports: DonorImports,
 }
 
 #[pymethods]
@@ -232,7 +235,25 @@ impl Target {
             rows,
             regions,
             executor,
+            imports: DonorImports::default(),
         })
+    }
+
+    /// Donors whose CUDA IPC banks this target keeps imported between
+    /// fetches (at most 8; each holds one mapping per TP rank). A donor's
+    /// entry goes when its lease is no longer live (checked at every
+    /// fetch), when a fetch from it fell back, or by `forget_donors()`.
+    #[getter]
+    fn imported_donors(&self) -> usize {
+        self.imports.len()
+    }
+
+    /// Drops every kept donor import (its mappings close unless a fetch
+    /// in flight still holds them); returns how many were kept. Call it
+    /// when the target stops fetching for a while, so no dead donor's
+    /// device memory stays mapped here.
+    fn forget_donors(&self, py: Python<'_>) -> usize {
+        py.allow_threads(|| self.imports.clear())
     }
 
     /// This target's engine id (what the router routes to).
@@ -302,6 +323,7 @@ impl Target {
             .map(|o| uint("dst_token_offset", o))
             .transpose()?;
         let envelope = HintEnvelope::from_wire(hint).map_err(descriptor)?;
+        let manifest_bytes = manifest;
         let manifest = BankManifest::from_wire(manifest).map_err(descriptor)?;
         let actions = envelope.fetch_gpu_actions().map_err(descriptor)?;
         // The hint is checked against the prompt before the donor is
@@ -338,26 +360,42 @@ impl Target {
             let started = std::time::Instant::now();
             // A donor whose segments are gone (it exited) is a fallback like
             // a refused pin: the request recomputes.
-            let donor = match &self.gpus {
-                None => RemoteDonor::open_host_shm(manifest, &endpoint),
-                // Each rank's bank is imported on the GPU that reads it.
-                Some(g) => RemoteDonor::open_cuda_ipc(manifest, g, &endpoint),
-            }
-            .map_err(|e| {
+            let import_failed = |e: kv_router_glue::RemoteDonorError| {
                 FetchFellBack::new_err((format!("donor import: {e}"), "import", "donor_import"))
-            })?
-            .with_timeout(pin_timeout);
+            };
+            let donor = match &self.gpus {
+                None => Arc::new(
+                    RemoteDonor::open_host_shm(manifest, &endpoint)
+                        .map_err(import_failed)?
+                        .with_timeout(pin_timeout),
+                ),
+                // Each rank's bank is imported on the GPU that reads it,
+                // once per donor bank: kept for later fetches while its
+                // lease is live.
+                Some(g) => self
+                    .imports
+                    .get_or_open(manifest_bytes, &endpoint, pin_timeout, || {
+                        RemoteDonor::open_cuda_ipc(manifest, g, &endpoint)
+                            .map(|d| d.with_timeout(pin_timeout))
+                    })
+                    .map_err(import_failed)?,
+            };
             let import_us = micros(started.elapsed());
-            match &dst_blocks {
+            let result = match &dst_blocks {
                 None => self
                     .executor
-                    .execute_for_prompt(&envelope, &prompt, &donor, &control),
+                    .execute_for_prompt(&envelope, &prompt, &*donor, &control),
                 Some(d) => self
                     .executor
-                    .execute_for_prompt_at(&envelope, &prompt, d, &donor, &control),
+                    .execute_for_prompt_at(&envelope, &prompt, d, &*donor, &control),
+            };
+            if result.is_err() {
+                // It may be gone: the next fetch from it imports afresh.
+                self.imports.forget(&donor);
             }
-            .map(|out| (out, import_us, micros(started.elapsed())))
-            .map_err(fetch)
+            result
+                .map(|out| (out, import_us, micros(started.elapsed())))
+                .map_err(fetch)
         })?;
         let (out, import_us, total_us) = out;
         Ok(FetchOutcome {

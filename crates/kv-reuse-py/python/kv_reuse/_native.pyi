@@ -420,6 +420,11 @@ class Target:
         cause; a tensor whose memory overlaps an earlier one's (the same tensor twice) is
         refused naming the later one (``kv_caches[1]: overlaps the memory of kv_caches[0]``)."""
     @property
+    def imported_donors(self) -> int:
+        """Donors whose CUDA IPC banks are kept imported between fetches (at most 8)."""
+    def forget_donors(self) -> int:
+        """Drops every kept donor import; returns how many were kept."""
+    @property
     def engine_id(self) -> str: ...
     @property
     def free_rows(self) -> int: ...

@@ -433,7 +433,7 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         except rpc.WorkerError as e:  # recorded: kvq's donor_kill_falls_back fails on it
             kill = {"ok": False, "error": str(e), "first_token_produced": False}
         print(f"gpu_serving: donor SIGKILLed mid-fetch: fell back {kill.get('fell_back')}, ok {kill['ok']}", flush=True)
-    ps, _ = prefill.call("stats")
+    ps, _ = prefill.call("stats", forget_donors=True)
     r = summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, fallbacks, false_completions, notes, slots, target_rows)
     r["warm"] = warm_summary(w, turns, warm_run.unreported) if warm_run is not None else None
     r["warm_error"] = warm_error
@@ -546,7 +546,9 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
         "fallbacks": fallbacks,
         "false_completions": false_completions,
         "leaks": leaks,
-        "leaks_detail": {"prefill_grown": ps["leaks_grown"], "donor_pins_outstanding": ds["pins_outstanding"]},
+        "leaks_detail": {"prefill_grown": ps["leaks_grown"], "donor_pins_outstanding": ds["pins_outstanding"],
+                         # Donors each prefill target kept imported at the end (dropped before the count above).
+                         "prefill_imported_donors": ps.get("imported_donors")},
         "bank_slots": slots,
         "target_rows": target_rows,
         "store_failures": len(ds["store_failures"]),

@@ -427,7 +427,18 @@ class PrefillWorker(EngineWorker):
         engine.sync(self.device)
         return {}
 
-    def op_stats(self) -> Dict[str, Any]:
+    def op_stats(self, forget_donors: bool = False) -> Dict[str, Any]:
+        """Free rows, resource growth since start, device bytes, and the donors each target keeps imported.
+
+        ``forget_donors`` first drops those imports (``Target.forget_donors``):
+        the run's final leak check counts what is left after the targets
+        stopped fetching; kept imports are bounded and deliberate, not leaks.
+        """
+        targets = [self.landing.target] + ([self.warm_landing.target] if self.warm_landing is not None else [])
+        imported = [t.imported_donors for t in targets]
+        if forget_donors:
+            for t in targets:
+                t.forget_donors()
         now = self.kv.leak_counters()
         base = dict(self.leaks_at_start)
         if self.fds_at_first_fetch is not None:
@@ -437,6 +448,7 @@ class PrefillWorker(EngineWorker):
             "free_rows": self.target.free_rows,
             "leaks_grown": grown,
             "device_bytes": _device_bytes(self.device),
+            "imported_donors": imported,
         }
 
 
