@@ -149,6 +149,10 @@ def _fake_kv_reuse() -> types.ModuleType:
     class Target(Opened):
         engine_id = "00000000-0000-4000-8000-00000000000e"
         free_rows = 6
+        imported_donors = 0
+
+        def forget_donors(self):
+            return 0
 
     m.DonorBank, m.Target = DonorBank, Target
     m.KvReuseError = type("KvReuseError", (Exception,), {})
