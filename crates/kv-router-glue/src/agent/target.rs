@@ -14,8 +14,11 @@ use crate::{
 /// [`DonorCache`] fed by a directory watch.
 ///
 /// Donor memory is mapped per fetch (host shm, or a CUDA IPC import on the
-/// destination GPU, which kv-bank's import cache keeps mapped): a donor
-/// that closed leaves nothing mapped here once the fetch returned. A donor
+/// destination GPU; kv-bank's import cache shares one mapping between
+/// concurrent fetches and closes it when the last one drops): a donor that
+/// closed leaves nothing mapped here once the fetch returned. (The Python
+/// wheel's `Target` keeps its CUDA IPC imports between fetches instead,
+/// lease-checked at each one, to save the ~1 ms open.) A donor
 /// on another host is read over NIXL instead ([`TargetAgent::fetch_nixl`]:
 /// its NIXL agent loaded from the record, nothing mapped here).
 pub struct TargetAgent {
