@@ -266,6 +266,26 @@ impl Advisor {
             Err(e) => return refuse(RefuseReason::HintUnavailable(e.to_string()), Some(outcome)),
         };
         let layout = *resolved.manifest.layout();
+        // The index chose this donor for the layout it announced; the
+        // directory record is what the target will trust. A record of
+        // another layout (a misconfigured donor, or a record that outlived
+        // a re-layout) would only be refused by the target after the pin:
+        // refuse it here, naming both.
+        if let Some((_, info)) = self.index.worker(target) {
+            if layout.fingerprint() != info.layout_fingerprint || layout.tp_size() != info.tp_size {
+                return refuse(
+                    RefuseReason::HintUnavailable(format!(
+                        "donor {}'s directory record has layout fingerprint {:#x} (TP {}), the target's is {:#x} (TP {})",
+                        donor.engine,
+                        layout.fingerprint().0,
+                        layout.tp_size(),
+                        info.layout_fingerprint.0,
+                        info.tp_size
+                    )),
+                    Some(outcome),
+                );
+            }
+        }
         let path = if resolved.manifest.parts()[0].location().is_gpu() {
             TransferPath::Gpu
         } else {

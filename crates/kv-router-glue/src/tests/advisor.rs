@@ -284,3 +284,84 @@ fn executor_refuses_a_hint_for_another_or_a_shorter_prompt_before_touching_memor
         .unwrap();
     assert_eq!(out.fetched.len(), DONOR_BLOCKS - TARGET_BASELINE);
 }
+
+/// A directory that answers with another bank's manifest (another layout)
+/// under the donor's engine id and the real slots: what a misconfigured
+/// donor's record, or one that outlived a re-layout, would give.
+struct ForeignLayoutDirectory {
+    real: std::sync::Arc<LocalDonorDirectory>,
+    foreign: kv_descriptor::BankManifest,
+}
+
+impl DonorDirectory for ForeignLayoutDirectory {
+    fn resolve(
+        &self,
+        donor: kv_descriptor::EngineId,
+        hashes: &[kv_descriptor::SequenceHash],
+    ) -> Result<ResolvedDonor, ResolveError> {
+        let real = self.real.resolve(donor, hashes)?;
+        Ok(ResolvedDonor {
+            manifest: self.foreign.clone(),
+            ..real
+        })
+    }
+}
+
+#[test]
+fn a_directory_record_of_another_layout_is_refused_before_any_hint() {
+    use std::sync::Arc;
+    let s = Scenario::new().unwrap();
+    // Same TP and block size, 8 KV heads instead of 4: another fingerprint.
+    let other = kv_descriptor::KvLayout::new(
+        2,
+        8,
+        8,
+        kv_descriptor::DType::F32,
+        16,
+        kv_descriptor::TensorOrder::BlockMajor,
+        2,
+    )
+    .unwrap();
+    assert_ne!(other.fingerprint(), s.layout.fingerprint());
+    let bank = kv_bank::BankManager::new_host_shm(
+        kv_bank::BankConfig::new(
+            other,
+            kv_descriptor::OwnerLease::fresh(kv_descriptor::Role::Decode),
+            64 * 2 * other.rank_block_bytes() as u64,
+        ),
+        "glue-foreign",
+    )
+    .unwrap();
+    let directory = Arc::new(ForeignLayoutDirectory {
+        real: s.directory.clone(),
+        foreign: bank.manifest().clone(),
+    });
+    let model = CostModel::new(enabled(), 16).unwrap();
+    let advisor = Advisor::new(
+        s.index.clone(),
+        directory,
+        LiveCostModel::new(model),
+        Arc::new(DecisionLog::new(8)),
+        16_384,
+    );
+    let a = advisor.advise("foreign", &s.hashes, s.target);
+    assert!(a.hint.is_none());
+    match &a.decision.verdict {
+        Verdict::Refuse(RefuseReason::HintUnavailable(why)) => {
+            assert!(why.contains("layout fingerprint"), "{why}");
+            assert!(
+                why.contains(&format!("{:#x}", other.fingerprint().0))
+                    && why.contains(&format!("{:#x}", s.layout.fingerprint().0)),
+                "{why}"
+            );
+        }
+        v => panic!("a record of another layout must be refused, got {v:?}"),
+    }
+    // The scenario's own directory still admits the same request.
+    assert!(s
+        .advisor(enabled())
+        .unwrap()
+        .advise("own", &s.hashes, s.target)
+        .decision
+        .admitted());
+}
