@@ -28,6 +28,8 @@ mod serve_tests;
 #[cfg(feature = "vllm")]
 mod vllm_spec;
 mod wire;
+#[cfg(all(test, feature = "worker"))]
+mod wire_props;
 
 pub use client::{AdviseClient, AdviseClientError, KEEPALIVE_INTERVAL};
 pub use dedicated::{DedicatedAdviseServer, DedicatedOptions};
