@@ -366,6 +366,34 @@ impl PendingStore {
         }
         Ok(self.bank.ack(self.store_id, rank).map_err(bank)? == StoreStatus::Ready)
     }
+
+    /// Rolls the store back on every rank if it is still pending (not
+    /// every rank acked): its blocks never become visible, no event is sent,
+    /// and its slots return to the bank (after one store timeout if a rank
+    /// may still be writing). Returns True when it rolled back, False when
+    /// the store had already completed, timed out or been rolled back.
+    /// Idempotent.
+    fn abort(&self, py: Python<'_>) -> bool {
+        if self.hashes.is_empty() {
+            return false;
+        }
+        // `fail` refuses a store that is no longer pending (UnknownStore):
+        // a completed store's blocks are never taken back.
+        py.allow_threads(|| self.bank.fail(self.store_id, 0).is_ok())
+    }
+
+    /// A context manager: leaving the `with` block without every rank's
+    /// ack (an exception, a skipped ack) rolls the store back (`abort`), so
+    /// nothing is half-published.
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.abort(py);
+        false
+    }
 }
 
 mod take_once {

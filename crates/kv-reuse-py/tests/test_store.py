@@ -125,3 +125,24 @@ def test_a_cuda_tensor_whose_array_interface_raises_is_read_as_dlpack(layout):
         store.write(0, Bf16LikeCuda())
     with pytest.raises(kv_reuse.BadArgument, match=r"kv_caches\[0\]: a CUDA tensor on the host path"):
         kv_reuse.Target(layout, rows=4, kv_caches=[Bf16LikeCuda(), Bf16LikeCuda()])
+
+
+def test_a_store_left_without_every_ack_is_rolled_back_and_a_completed_one_is_kept(layout):
+    bank = kv_reuse.DonorBank(layout, slots=16)
+    tokens = list(range(TOKENS_PER_BLOCK * 4))
+    hashes = kv_reuse.sequence_hashes(tokens, TOKENS_PER_BLOCK)
+    with pytest.raises(RuntimeError, match="engine crashed"):
+        with bank.store(tokens) as st:
+            st.write(0, rows_for(layout, 0, range(4)))
+            raise RuntimeError("engine crashed mid-store")
+    # Rolled back on every rank: nothing retained, no event, the blocks are new again.
+    assert bank.slots(hashes) == [None] * 4
+    assert bank.drain_events() == []
+    with bank.store(tokens) as st:
+        assert st.sequence_hashes == hashes and st.already_retained == 0
+        for rank in range(layout.tp_size):
+            st.write(rank, rows_for(layout, rank, range(4)))
+        assert [st.ack(r) for r in range(layout.tp_size)][-1] is True
+        assert st.abort() is False  # completed: never taken back
+    assert None not in bank.slots(hashes)
+    assert len(bank.drain_events()) == 1

@@ -131,6 +131,15 @@ class PendingStore:
         host bank, another GPU, a non-default CAI stream) or ``rank``."""
     def ack(self, rank: int) -> bool:
         """True once every rank acknowledged (at once for an empty store)."""
+    def abort(self) -> bool:
+        """Rolls the store back on every rank if not every rank acked; True when it did."""
+    def __enter__(self) -> "PendingStore": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
 
 class PinServer:
     """A running pin service; a context manager that closes it."""
