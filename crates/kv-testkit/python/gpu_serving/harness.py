@@ -333,6 +333,8 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
             "admitted": advice.admitted,
             "fetched_tokens": on["fetched_tokens"],
             "fetch_us": on.get("fetch_us"),
+            # The prefill's torch-allocated device bytes before / after ON (None on the CPU).
+            "device_bytes": on.get("device_bytes"),
             "bytes": on["bytes"],
             "host_payload_bytes": on["host_payload_bytes"],
             "transport": on["transport"],

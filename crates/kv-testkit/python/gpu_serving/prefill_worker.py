@@ -185,6 +185,9 @@ class PrefillWorker(EngineWorker):
 
     def op_on(self, prompt: List[int], hint: Optional[bytes], hashes: List[int], manifest: Union[bytes, str, None],
               kill_donor: Optional[int] = None) -> Dict[str, Any]:
+        # torch's allocation counter around the request (a counter read, no
+        # sync), outside the timed part: the turn's device memory before/after.
+        bytes_before = _device_bytes(self.device)
         sw = engine.Stopwatch(self.device)
         self.resident = None
         fetch: Dict[str, Any] = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
@@ -218,7 +221,9 @@ class PrefillWorker(EngineWorker):
         # Checksums are not part of a TTFT: the harness asks for them in a
         # separate, untimed ``fetched_checksums`` (they cost tens of ms at 8K
         # when they were computed before this reply went out).
-        return {"worker_ms": ms, "fetch_ms": fetch_ms, "phases_ms": sw.phases, "fell_back": fell_back, **fetch, **self._first(r)}
+        device_bytes = {"before": bytes_before, "after": _device_bytes(self.device)}
+        return {"worker_ms": ms, "fetch_ms": fetch_ms, "phases_ms": sw.phases, "fell_back": fell_back,
+                "device_bytes": device_bytes, **fetch, **self._first(r)}
 
     def op_fetched_checksums(self) -> Dict[str, Any]:
         """``engine.block_checksums`` of the blocks the last ``on`` / ``warm_on`` used (``[]`` when none); untimed."""

@@ -47,6 +47,9 @@ def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
         assert len(t["samples_ms"]["on"]) == 2 and t["on_ms"] == min(t["samples_ms"]["on"])
         assert set(t["on_phases_ms"]) == {"advise", "fetch", "relayout", "forward", "readback", "rpc"}
         assert set(t["ideal_phases_ms"]) == {"relayout", "forward", "readback", "rpc"}
+        # The fetch's own split (µs) adds up within the whole; no device bytes on the CPU.
+        assert set(t["fetch_us"]) == {"import", "transfer", "rest"} and min(t["fetch_us"].values()) >= 0
+        assert t["device_bytes"] == {"before": None, "after": None}
     assert set(r["phase_p50_ms"]["on"]) >= {"fetch", "forward"} and r["phase_p50_ms"]["on"]["forward"] > 0
     # Every request kind of both workers is in the phase budget, and the phases add up.
     assert {"start", "advise", "prefill.on", "prefill.off", "decode.turn"} <= set(r["phases_s"])
@@ -93,6 +96,10 @@ def test_tiny_cuda_run_lands_fetches_in_the_engine_cache(tmp_path):
     assert all(t["checksums_equal"] and t["logits_bit_equal_to_donor"] for t in fetched)
     for t in fetched:
         assert "relayout" not in t["on_phases_ms"] and "relayout" not in t["ideal_phases_ms"]
+        # torch's allocation counter around ON: the landing cache and model are resident.
+        assert t["device_bytes"]["before"] > 0 and t["device_bytes"]["after"] > 0
+    # The kept donor imports were dropped before the final leak count.
+    assert r["leaks"] == 0 and r["leaks_detail"]["prefill_imported_donors"] is not None
     warm = [t["warm"] for t in r["turns"] if t.get("warm", {}).get("fetched_tokens", 0) > 0]
     assert all(w["checksums_equal"] for w in warm)
     assert r["false_completions"] == 0 and r["leaks"] == 0
