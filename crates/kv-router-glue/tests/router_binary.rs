@@ -324,12 +324,37 @@ async fn wait_admitted(
     }
 }
 
-#[test]
-fn a_router_started_after_a_donor_went_idle_or_restarted_after_sigkill_finds_its_blocks() {
-    use agents_common::*;
+/// A donor agent on `url` with its record in `bucket`, answering
+/// inventory snapshots (what a decode worker process runs).
+async fn open_donor(
+    url: &str,
+    bucket: &str,
+    cfg: kv_router_glue::DonorAgentConfig,
+) -> kv_router_glue::DonorAgent {
     use kv_router_glue::{
         DonorAgent, InventoryPlane, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
     };
+    use std::sync::Arc;
+    let plane = NatsPlane::connect(url, NatsOptions::default())
+        .await
+        .unwrap();
+    let dir = NatsDirectory::connect(url, bucket, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let inventory = NatsInventory::connect(url).await.unwrap();
+    let donor = DonorAgent::open(cfg, Arc::new(dir), Arc::new(plane))
+        .await
+        .unwrap();
+    donor
+        .serve_inventory(Arc::new(inventory) as Arc<dyn InventoryPlane>)
+        .await
+        .unwrap();
+    donor
+}
+
+#[test]
+fn a_router_started_after_a_donor_went_idle_or_restarted_after_sigkill_finds_its_blocks() {
+    use agents_common::*;
     use std::sync::Arc;
 
     let Some(nats) = NatsServer::start_or_skip("router_binary_rebuild") else {
@@ -347,23 +372,10 @@ fn a_router_started_after_a_donor_went_idle_or_restarted_after_sigkill_finds_its
     let h: Vec<SequenceHash> = blocks.iter().map(|b| b.sequence_hash).collect();
     let target = EngineId(uuid::Uuid::from_u128(0x7a46e7));
     let (donor, client, ticker) = rt.block_on(async {
-        let plane = NatsPlane::connect(&url, NatsOptions::default())
-            .await
-            .unwrap();
-        let dir = NatsDirectory::connect(&url, REBUILD_BUCKET, Duration::from_secs(30))
-            .await
-            .unwrap();
-        let inventory = NatsInventory::connect(&url).await.unwrap();
         let mut cfg = donor_config("decode-0", &ep);
         // Shorter than its 6 events: a later router cannot replay them.
         cfg.event_ring = 2;
-        let donor = DonorAgent::open(cfg, Arc::new(dir), Arc::new(plane))
-            .await
-            .unwrap();
-        donor
-            .serve_inventory(Arc::new(inventory) as Arc<dyn InventoryPlane>)
-            .await
-            .unwrap();
+        let donor = open_donor(&url, REBUILD_BUCKET, cfg).await;
         for (k, chunk) in blocks.chunks(5).enumerate() {
             let parent = (k > 0).then(|| blocks[k * 5 - 1].sequence_hash);
             store_after(&donor, parent, chunk).await;
@@ -442,9 +454,6 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
     use agents_common::*;
     use kv_router_glue::service::VllmEndpointSpec;
     use kv_router_glue::vllm_events::{VllmEncoding, VllmEvent, VllmEventBatch, VllmZmqPublisher};
-    use kv_router_glue::{
-        DonorAgent, InventoryPlane, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
-    };
     use std::sync::Arc;
 
     const BUCKET: &str = "kv_rbv_donors";
@@ -462,24 +471,7 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
     let blocks = prompt(0); // tokens 0 .. 480, 16 per block
     let h: Vec<SequenceHash> = blocks.iter().map(|b| b.sequence_hash).collect();
     let (donor, ticker, mut publisher) = rt.block_on(async {
-        let plane = NatsPlane::connect(&url, NatsOptions::default())
-            .await
-            .unwrap();
-        let dir = NatsDirectory::connect(&url, BUCKET, Duration::from_secs(30))
-            .await
-            .unwrap();
-        let inventory = NatsInventory::connect(&url).await.unwrap();
-        let donor = DonorAgent::open(
-            donor_config("decode-0", &ep),
-            Arc::new(dir),
-            Arc::new(plane),
-        )
-        .await
-        .unwrap();
-        donor
-            .serve_inventory(Arc::new(inventory) as Arc<dyn InventoryPlane>)
-            .await
-            .unwrap();
+        let donor = open_donor(&url, BUCKET, donor_config("decode-0", &ep)).await;
         store(&donor, &blocks).await;
         let donor = Arc::new(donor);
         let d = donor.clone();
