@@ -65,14 +65,15 @@ impl RouterClient {
     /// Connects to the NATS server at `nats_url` (`nats://host:port`).
     /// `timeout_s` bounds the connection and each advise (seconds);
     /// `user`/`password` or `token` authenticate (the router's NATS
-    /// permissions, docs/security.md); `inbox_prefix` replaces `_INBOX` as
+    /// permissions, docs/security.md), or `creds` (a `.creds` file);
+    /// `tls_ca` (PEM CA file) turns TLS on; `inbox_prefix` replaces `_INBOX` as
     /// the prefix of its reply subjects (`_INBOX_target` with the example
     /// permissions). Releases the GIL while connecting.
     ///
     /// Raises `RouterUnavailable` when the server cannot be reached,
     /// `BadArgument` naming a bad argument.
     #[new]
-    #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = ADVISE_SUBJECT, user = None, password = None, token = None, inbox_prefix = None))]
+    #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = ADVISE_SUBJECT, user = None, password = None, token = None, inbox_prefix = None, creds = None, tls_ca = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -83,6 +84,8 @@ impl RouterClient {
         password: Option<String>,
         token: Option<String>,
         inbox_prefix: Option<String>,
+        creds: Option<std::path::PathBuf>,
+        tls_ca: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let timeout = seconds("timeout_s", timeout_s)?;
         if subject.is_empty() || subject.contains(char::is_whitespace) {
@@ -100,6 +103,33 @@ impl RouterClient {
                 return Err(bad_argument("inbox_prefix", why));
             }
             options = options.custom_inbox_prefix(prefix);
+        }
+        if let Some(path) = creds {
+            if user.is_some() || password.is_some() || token.is_some() {
+                return Err(bad_argument(
+                    "creds",
+                    "give one of `user`/`password`, `token` or `creds`",
+                ));
+            }
+            // Read here (async-nats' own reader is async): a missing or
+            // malformed file names `creds`, never its content.
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| bad_argument("creds", format!("{}: {e}", path.display())))?;
+            options = options.credentials(&text).map_err(|e| {
+                bad_argument(
+                    "creds",
+                    format!("{}: not a .creds file ({e})", path.display()),
+                )
+            })?;
+        }
+        if let Some(ca) = tls_ca {
+            if !ca.is_file() {
+                return Err(bad_argument(
+                    "tls_ca",
+                    format!("{} is not a readable file", ca.display()),
+                ));
+            }
+            options = options.require_tls(true).add_root_certificates(ca);
         }
         options = match (user, password, token) {
             (None, None, None) => options,

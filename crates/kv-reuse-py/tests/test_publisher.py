@@ -143,6 +143,14 @@ def test_a_server_that_authenticates_takes_the_roles_credentials_only(layout, tm
         t.close()
         with pytest.raises(kv_reuse.BadArgument, match="inbox_prefix"):
             kv_reuse.RouterClient(server.url, user="worker", password="s3cret", inbox_prefix="a..b")
+        # RouterClient's .creds file and TLS CA: refused by name before connecting.
+        bad = tmp_path / "bad.creds"
+        bad.write_text("not a creds file")
+        for kw, named in [({"creds": str(tmp_path / "missing.creds")}, "creds"), ({"creds": str(bad)}, "creds"),
+                          ({"creds": str(bad), "token": "t"}, "creds"),
+                          ({"tls_ca": str(tmp_path / "missing.pem")}, "tls_ca")]:
+            with pytest.raises(kv_reuse.BadArgument, match=named):
+                kv_reuse.RouterClient(server.url, **kw)
     finally:
         server.stop()
 

@@ -224,6 +224,8 @@ class RouterClient:
         password: Optional[str] = None,
         token: Optional[str] = None,
         inbox_prefix: Optional[str] = None,
+        creds: Optional[str] = None,
+        tls_ca: Optional[str] = None,
     ) -> None:
         """Connects (GIL released); raises RouterUnavailable or BadArgument."""
     @property
