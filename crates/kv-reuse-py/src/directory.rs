@@ -54,15 +54,8 @@ impl DonorDirectory {
         inbox_prefix: Option<String>,
     ) -> PyResult<Self> {
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
-        let options = NatsCredentials {
-            user,
-            password,
-            token,
-            creds,
-            tls_ca,
-            inbox_prefix,
-        }
-        .options("kv-reuse-py-directory", timeout)?;
+        let options = NatsCredentials::new(user, password, token, creds, tls_ca, inbox_prefix)
+            .options("kv-reuse-py-directory", timeout)?;
         let cache = Arc::new(Mutex::new(DonorCache::new()));
         let feed = cache.clone();
         let url = nats_url.to_owned();

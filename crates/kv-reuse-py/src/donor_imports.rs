@@ -9,10 +9,12 @@
 //! Invariants:
 //! - an entry is handed out only after every part's owner lease was found
 //!   live for this fetch (the check `RemoteDonor::open_cuda_ipc` makes when
-//!   it opens), and every fetch first drops the entries whose lease is no
-//!   longer live: a donor that closed (lease revoked), died (lease lapsed)
-//!   or was replaced by a new incarnation (another manifest, another key)
-//!   loses its mappings here at the next fetch;
+//!   it opens); the other entries' leases are checked at most once per
+//!   [`SWEEP_INTERVAL`] (each check reads a lease file: not every fetch
+//!   should pay one per kept donor), and those no longer live are dropped:
+//!   a donor that closed (lease revoked), died (lease lapsed) or was
+//!   replaced by a new incarnation (another manifest, another key) loses
+//!   its mappings here at the first fetch after the next sweep is due;
 //! - a fetch that fell back drops its donor (it may be gone), so the next
 //!   one imports afresh;
 //! - at most [`CAPACITY`] donors are held; the least recently used goes;
@@ -25,13 +27,16 @@
 //! until the next fetch, `Target.forget_donors()` or the target's end).
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kv_bank::{check_descriptor_lease, LeaseInstant};
 use kv_router_glue::{DonorSource, RemoteDonor};
 
 /// Most donors one target keeps imported.
 pub(crate) const CAPACITY: usize = 8;
+
+/// How often the entries not used by a fetch have their leases checked.
+pub(crate) const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
 struct Entry {
     manifest: Vec<u8>,
@@ -41,9 +46,21 @@ struct Entry {
 }
 
 /// A target's kept donors, most recently used last.
-#[derive(Default)]
 pub(crate) struct DonorImports {
-    entries: Mutex<Vec<Entry>>,
+    state: Mutex<State>,
+    sweep_interval: Duration,
+}
+
+struct State {
+    entries: Vec<Entry>,
+    /// When the last sweep of every entry's lease ran.
+    swept: Option<Instant>,
+}
+
+impl Default for DonorImports {
+    fn default() -> Self {
+        Self::with_sweep_interval(SWEEP_INTERVAL)
+    }
 }
 
 /// True while every part's owner lease is live.
@@ -57,9 +74,22 @@ fn live(donor: &RemoteDonor) -> bool {
 }
 
 impl DonorImports {
+    /// Kept donors whose unused entries are swept every `sweep_interval`.
+    pub fn with_sweep_interval(sweep_interval: Duration) -> Self {
+        Self {
+            state: Mutex::new(State {
+                entries: Vec::new(),
+                swept: None,
+            }),
+            sweep_interval,
+        }
+    }
+
     /// The kept donor for (`manifest`, `endpoint`, `timeout`), or the one
-    /// `open` makes (then kept). Entries whose lease lapsed are dropped
-    /// first. `open`'s error is returned as is, and nothing is kept.
+    /// `open` makes (then kept). Its lease is checked first (a kept donor
+    /// no longer live is dropped and opened anew); when a sweep is due, the
+    /// other entries' too. `open`'s error is returned as is, and nothing is
+    /// kept.
     pub fn get_or_open<E>(
         &self,
         manifest: &[u8],
@@ -70,20 +100,30 @@ impl DonorImports {
         let same =
             |e: &Entry| e.manifest == manifest && e.endpoint == endpoint && e.timeout == timeout;
         {
-            let mut entries = self.lock();
+            let mut st = self.lock();
             // Dropping an entry may close its mappings (a driver call)
             // under this lock; it guards only this target's own list.
-            entries.retain(|e| live(&e.donor));
-            if let Some(i) = entries.iter().position(same) {
-                let e = entries.remove(i);
-                let donor = e.donor.clone();
-                entries.push(e);
-                return Ok(donor);
+            let now = Instant::now();
+            if st
+                .swept
+                .is_none_or(|t| now.duration_since(t) >= self.sweep_interval)
+            {
+                st.entries.retain(|e| live(&e.donor));
+                st.swept = Some(now);
+            }
+            if let Some(i) = st.entries.iter().position(same) {
+                let e = st.entries.remove(i);
+                if live(&e.donor) {
+                    let donor = e.donor.clone();
+                    st.entries.push(e);
+                    return Ok(donor);
+                }
             }
         }
         // Opened without the lock: an import takes ~1 ms.
         let donor = Arc::new(open()?);
-        let mut entries = self.lock();
+        let mut st = self.lock();
+        let entries = &mut st.entries;
         if let Some(i) = entries.iter().position(same) {
             // Another fetch opened it meanwhile: keep one.
             return Ok(entries[i].donor.clone());
@@ -102,24 +142,26 @@ impl DonorImports {
 
     /// Drops `donor` if kept (after its fetch fell back).
     pub fn forget(&self, donor: &Arc<RemoteDonor>) {
-        self.lock().retain(|e| !Arc::ptr_eq(&e.donor, donor));
+        self.lock()
+            .entries
+            .retain(|e| !Arc::ptr_eq(&e.donor, donor));
     }
 
     /// Drops every kept donor; returns how many were kept.
     pub fn clear(&self) -> usize {
-        let mut entries = self.lock();
-        let n = entries.len();
-        entries.clear();
+        let mut st = self.lock();
+        let n = st.entries.len();
+        st.entries.clear();
         n
     }
 
     /// Donors kept now.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().entries.len()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Entry>> {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -158,7 +200,8 @@ mod tests {
 
     #[test]
     fn a_donor_is_opened_once_kept_least_recently_used_and_dropped_when_its_lease_ends() {
-        let imports = DonorImports::default();
+        // Every fetch sweeps here, so a dead entry goes at the very next one.
+        let imports = DonorImports::with_sweep_interval(Duration::ZERO);
         let banks: Vec<BankManager> = (0..=CAPACITY).map(|_| bank()).collect();
         let mut opened = 0;
         let a = get(&imports, &banks[0], &mut opened);
@@ -193,5 +236,32 @@ mod tests {
         assert_eq!(imports.clear(), CAPACITY - 1);
         assert_eq!(imports.len(), 0);
         drop((a, b));
+    }
+
+    #[test]
+    fn the_used_donor_is_lease_checked_at_every_fetch_the_others_at_each_sweep() {
+        let imports = DonorImports::with_sweep_interval(Duration::from_secs(3600));
+        let (used, other) = (bank(), bank());
+        let mut opened = 0;
+        get(&imports, &used, &mut opened);
+        get(&imports, &other, &mut opened);
+        // `other` closes: not swept within the hour, so it stays kept ...
+        other.close(Duration::from_secs(1)).unwrap();
+        get(&imports, &used, &mut opened);
+        assert_eq!((imports.len(), opened), (2, 2));
+        // ... but a fetch from it finds its lease gone and opens anew.
+        let bytes = other.manifest().to_wire().unwrap();
+        let again = imports.get_or_open(
+            &bytes,
+            "unix:/tmp/none.sock",
+            Duration::from_secs(2),
+            || RemoteDonor::open_host_shm(other.manifest().clone(), "unix:/tmp/none.sock"),
+        );
+        assert!(again.is_err(), "a closed bank cannot be opened again");
+        assert_eq!(
+            imports.len(),
+            1,
+            "the dead entry was dropped, nothing new kept"
+        );
     }
 }

@@ -1,7 +1,9 @@
 //! How the wheel's own NATS connections (`WorkerPublisher.donor` /
-//! `.target`, `DonorDirectory`) authenticate and encrypt: the keyword
-//! arguments `user` + `password`, `token` or `creds` (a `.creds` file) and
-//! `tls_ca`, and `inbox_prefix` (its reply subjects' prefix), mapped onto `kv_router_glue::NatsOptions` so that a donor
+//! `.target`, `DonorDirectory`, `RouterClient`) authenticate and encrypt:
+//! the keyword arguments `user` + `password`, `token` or `creds` (a `.creds`
+//! file), `tls_ca`, and `inbox_prefix` (its reply subjects' prefix), mapped
+//! onto `kv_router_glue::NatsOptions` (and through its `connect_options`
+//! onto async-nats, the one mapping of the project) so that a donor
 //! agent's plane, directory and inventory connections, and the target's,
 //! present the role's credentials to a server that enforces the
 //! permissions of docs/nats-permissions.conf. Secrets are never put in an
@@ -28,6 +30,46 @@ pub(crate) struct NatsCredentials {
 }
 
 impl NatsCredentials {
+    /// The keyword arguments, in the order every constructor takes them.
+    pub fn new(
+        user: Option<String>,
+        password: Option<String>,
+        token: Option<String>,
+        creds: Option<PathBuf>,
+        tls_ca: Option<PathBuf>,
+        inbox_prefix: Option<String>,
+    ) -> Self {
+        Self {
+            user,
+            password,
+            token,
+            creds,
+            tls_ca,
+            inbox_prefix,
+        }
+    }
+
+    /// [`NatsCredentials::options`] as async-nats connect options
+    /// (`NatsOptions::connect_options`: the `.creds` file read and parsed,
+    /// the TLS file checked), for a client that connects itself.
+    ///
+    /// Raises as `options`, and `BadArgument` naming `creds` (unreadable or
+    /// malformed file) or `tls_ca` (unreadable file).
+    pub fn connect_options(
+        self,
+        name: &str,
+        timeout: Duration,
+    ) -> PyResult<async_nats::ConnectOptions> {
+        self.options(name, timeout)?.connect_options().map_err(|e| {
+            let argument = match e.field {
+                "auth" => "creds",
+                "tls.root_certificates" => "tls_ca",
+                other => other,
+            };
+            bad_argument(argument, e.reason)
+        })
+    }
+
     /// The options of a connection named `name`, bounded by `timeout`.
     ///
     /// Raises `BadArgument` naming `inbox_prefix` (not a subject prefix),
@@ -66,10 +108,10 @@ impl NatsCredentials {
             name: name.to_owned(),
             connect_timeout: timeout,
             auth,
+            // A CA file turns TLS on by itself (`NatsTls::in_force`).
             tls: NatsTls {
-                require: self.tls_ca.is_some(),
                 root_certificates: self.tls_ca,
-                client_certificate: None,
+                ..NatsTls::default()
             },
             inbox_prefix: self.inbox_prefix,
             ..NatsOptions::default()
@@ -94,7 +136,7 @@ mod tests {
     fn each_kind_of_credentials_maps_to_its_auth() {
         let t = Duration::from_secs(1);
         let o = creds(None, None, None).options("x", t).unwrap();
-        assert!(matches!(o.auth, NatsAuth::None) && !o.tls.require);
+        assert!(matches!(o.auth, NatsAuth::None) && !o.tls.in_force());
         let o = creds(Some("u"), Some("p"), None).options("x", t).unwrap();
         assert!(matches!(o.auth, NatsAuth::UserPassword { ref user, .. } if user == "u"));
         let o = creds(None, None, Some("t")).options("x", t).unwrap();
@@ -106,7 +148,7 @@ mod tests {
         }
         .options("x", t)
         .unwrap();
-        assert!(matches!(o.auth, NatsAuth::CredentialsFile(_)) && o.tls.require);
+        assert!(matches!(o.auth, NatsAuth::CredentialsFile(_)) && o.tls.in_force());
         assert_eq!(o.connect_timeout, t);
     }
     // Refusals (BadArgument naming the argument) are tested from Python:

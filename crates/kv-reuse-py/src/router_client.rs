@@ -28,6 +28,7 @@ use kv_router_glue::service::{
 
 use crate::errors::{bad_argument, descriptor, uint, uints, AdviseRefused, RouterUnavailable};
 use crate::layout::engine_id;
+use crate::nats_auth::NatsCredentials;
 use crate::router::Advice;
 
 /// A client of the router service over NATS.
@@ -97,53 +98,12 @@ impl RouterClient {
         // `AdviseClient::connect` bounds the connection and each advise
         // with `timeout` (one message for every timeout) and turns
         // async-nats' own request timeout off.
-        let mut options = async_nats::ConnectOptions::new().name("kv-reuse-py");
-        if let Some(prefix) = inbox_prefix {
-            if let Some(why) = kv_router_glue::inbox_prefix_problem(&prefix) {
-                return Err(bad_argument("inbox_prefix", why));
-            }
-            options = options.custom_inbox_prefix(prefix);
-        }
-        if let Some(path) = creds {
-            if user.is_some() || password.is_some() || token.is_some() {
-                return Err(bad_argument(
-                    "creds",
-                    "give one of `user`/`password`, `token` or `creds`",
-                ));
-            }
-            // Read here (async-nats' own reader is async): a missing or
-            // malformed file names `creds`, never its content.
-            let text = std::fs::read_to_string(&path)
-                .map_err(|e| bad_argument("creds", format!("{}: {e}", path.display())))?;
-            options = options.credentials(&text).map_err(|e| {
-                bad_argument(
-                    "creds",
-                    format!("{}: not a .creds file ({e})", path.display()),
-                )
-            })?;
-        }
-        if let Some(ca) = tls_ca {
-            if !ca.is_file() {
-                return Err(bad_argument(
-                    "tls_ca",
-                    format!("{} is not a readable file", ca.display()),
-                ));
-            }
-            options = options.require_tls(true).add_root_certificates(ca);
-        }
-        options = match (user, password, token) {
-            (None, None, None) => options,
-            (Some(u), Some(p), None) => options.user_and_password(u, p),
-            (None, None, Some(t)) => options.token(t),
-            (Some(_), None, _) => return Err(bad_argument("password", "required with `user`")),
-            (None, Some(_), _) => return Err(bad_argument("user", "required with `password`")),
-            (_, _, Some(_)) => {
-                return Err(bad_argument(
-                    "token",
-                    "give either `token` or `user`/`password`",
-                ))
-            }
-        };
+        // The same mapping as every other connection (NatsOptions'
+        // `connect_options`); `AdviseClient::connect` bounds the connection
+        // and each advise with `timeout` and turns async-nats' own request
+        // timeout off.
+        let options = NatsCredentials::new(user, password, token, creds, tls_ca, inbox_prefix)
+            .connect_options("kv-reuse-py", timeout)?;
         let client = py
             .allow_threads(|| AdviseClient::connect(nats_url, options, subject, timeout))
             .map_err(unavailable)?;

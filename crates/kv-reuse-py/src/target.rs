@@ -242,7 +242,8 @@ impl Target {
     /// Donors whose CUDA IPC banks this target keeps imported between
     /// fetches (at most 8; each holds one mapping per TP rank). A donor's
     /// entry goes when its lease is no longer live (checked at every
-    /// fetch), when a fetch from it fell back, or by `forget_donors()`.
+    /// fetch from it, and for all at most once a second), when a fetch
+    /// from it fell back, or by `forget_donors()`.
     #[getter]
     fn imported_donors(&self) -> usize {
         self.imports.len()
@@ -607,9 +608,9 @@ pub(crate) struct FetchOutcome {
     /// The transport (`host-memcpy`, ...).
     #[pyo3(get)]
     transport: String,
-    /// Microseconds spent importing the donor's segments (CUDA IPC
-    /// mappings, from the process-wide cache after the first fetch; host
-    /// shm maps), before the executor ran.
+    /// Microseconds spent importing the donor's segments before the
+    /// executor ran: host shm maps, or CUDA IPC mappings (kept by this
+    /// target after its first fetch from that donor: a lease check then).
     #[pyo3(get)]
     import_us: u64,
     /// Microseconds of the delivery itself, first check to last

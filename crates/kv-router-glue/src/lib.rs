@@ -122,7 +122,9 @@ pub use error::{
     ResolveError, SettingsError,
 };
 #[cfg(feature = "nats")]
-pub use event_plane::{inbox_prefix_problem, NatsAuth, NatsOptions, NatsPlane, NatsTls};
+pub use event_plane::{
+    inbox_prefix_problem, NatsAuth, NatsOptions, NatsOptionsError, NatsPlane, NatsTls,
+};
 pub use event_plane::{
     EventPlane, InProcessPlane, PlaneFuture, PlaneMessage, Subject, Subscription, SUBJECT_ROOT,
 };

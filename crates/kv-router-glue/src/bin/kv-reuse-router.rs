@@ -261,7 +261,8 @@ fn nats_options(cli: &Cli) -> NatsOptions {
     };
     let client_certificate = cli.nats_tls_cert.clone().zip(cli.nats_tls_key.clone());
     let tls = NatsTls {
-        require: cli.nats_tls_required || cli.nats_tls_ca.is_some() || client_certificate.is_some(),
+        // Either file turns TLS on by itself (`NatsTls::in_force`).
+        require: cli.nats_tls_required,
         root_certificates: cli.nats_tls_ca.clone(),
         client_certificate,
     };
@@ -463,7 +464,7 @@ mod tests {
         }
         let o = nats_options(&parse(&[]).unwrap());
         assert!(matches!(o.auth, NatsAuth::None));
-        assert!(!o.tls.require && o.tls.root_certificates.is_none());
+        assert!(!o.tls.in_force() && o.tls.root_certificates.is_none());
         let o = nats_options(&parse(&["--nats-user", "router", "--nats-password", "pw"]).unwrap());
         assert!(
             matches!(&o.auth, NatsAuth::UserPassword { user, password } if user == "router" && password == "pw")
@@ -475,7 +476,7 @@ mod tests {
             matches!(&o.auth, NatsAuth::CredentialsFile(p) if p == std::path::Path::new("/r.creds"))
         );
         let o = nats_options(&parse(&["--nats-tls-ca", "/ca.pem"]).unwrap());
-        assert!(o.tls.require);
+        assert!(o.tls.in_force());
         assert_eq!(
             o.tls.root_certificates.as_deref(),
             Some(std::path::Path::new("/ca.pem"))
@@ -483,7 +484,7 @@ mod tests {
         let o = nats_options(
             &parse(&["--nats-tls-cert", "/c.pem", "--nats-tls-key", "/k.pem"]).unwrap(),
         );
-        assert!(o.tls.require && o.tls.client_certificate.is_some());
+        assert!(o.tls.in_force() && o.tls.client_certificate.is_some());
         assert!(
             nats_options(&parse(&["--nats-tls-required"]).unwrap())
                 .tls

@@ -410,9 +410,10 @@ class PrefillWorker(EngineWorker):
             t2 = time.perf_counter()
             launches.append(round((t1 - t0) * 1e3, 3))
             walls.append(round((t2 - t0) * 1e3, 3))
+        cores = sorted(os.sched_getaffinity(0))
         return {"wall_ms": walls, "launch_ms": launches, "gc_counts": list(gc.get_count()),
                 "gc_tracked": len(gc.get_objects()), "torch_threads": torch.get_num_threads(),
-                "cores": sorted(os.sched_getaffinity(0))[:4] + (["..."] if len(os.sched_getaffinity(0)) > 4 else [])}
+                "cores": cores[:4] + (["..."] if len(cores) > 4 else [])}
 
     def _steady_fds(self) -> None:
         """On the cuda transport, re-bases ``open_fds`` at the first fetch (once).

@@ -26,7 +26,7 @@ pub use in_process::InProcessPlane;
 #[cfg(feature = "nats")]
 pub(crate) use nats::server_round_trip;
 #[cfg(feature = "nats")]
-pub use nats::{inbox_prefix_problem, NatsAuth, NatsOptions, NatsPlane, NatsTls};
+pub use nats::{inbox_prefix_problem, NatsAuth, NatsOptions, NatsOptionsError, NatsPlane, NatsTls};
 
 use crate::PlaneError;
 

@@ -126,6 +126,120 @@ pub struct NatsTls {
     pub client_certificate: Option<(std::path::PathBuf, std::path::PathBuf)>,
 }
 
+impl NatsTls {
+    /// True when TLS is required: `require`, or either file set (a CA or
+    /// client certificate configured but unused over plain TCP would leave
+    /// an operator believing the connection is encrypted).
+    pub fn in_force(&self) -> bool {
+        self.require || self.root_certificates.is_some() || self.client_certificate.is_some()
+    }
+}
+
+/// A [`NatsOptions`] setting that cannot be used, named by its field
+/// (`auth`, `inbox_prefix`, `tls.root_certificates`,
+/// `tls.client_certificate`, `tls.client_key`). Never carries a secret.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{field}` {reason}")]
+pub struct NatsOptionsError {
+    /// The field, as named above.
+    pub field: &'static str,
+    /// Why, with the path or value seen.
+    pub reason: String,
+}
+
+impl NatsOptions {
+    /// These settings as async-nats connect options: name, connect timeout,
+    /// unbounded reconnects with the bounded back-off, credentials (a
+    /// `.creds` file is read and parsed here), inbox prefix and TLS. The one
+    /// mapping every connection of this project uses ([`NatsPlane::connect`],
+    /// the router service's advise client).
+    ///
+    /// ```
+    /// use kv_router_glue::{NatsOptions, NatsTls};
+    /// let o = NatsOptions { inbox_prefix: Some("_INBOX.>".into()), ..NatsOptions::default() };
+    /// assert_eq!(o.connect_options().unwrap_err().field, "inbox_prefix");
+    /// let o = NatsOptions {
+    ///     tls: NatsTls { root_certificates: Some("/no/such/ca.pem".into()), ..NatsTls::default() },
+    ///     ..NatsOptions::default()
+    /// };
+    /// assert_eq!(o.connect_options().unwrap_err().field, "tls.root_certificates");
+    /// ```
+    ///
+    /// # Errors
+    /// [`NatsOptionsError`] for an unreadable or malformed credentials file
+    /// (`auth`), a bad inbox prefix, or a TLS file that cannot be read (a
+    /// missing file would otherwise surface as a handshake error that names
+    /// no file).
+    pub fn connect_options(self) -> Result<async_nats::ConnectOptions, NatsOptionsError> {
+        let max = self.max_reconnect_delay;
+        let mut connect = async_nats::ConnectOptions::new()
+            .name(self.name)
+            .connection_timeout(self.connect_timeout)
+            .max_reconnects(None)
+            .reconnect_delay_callback(move |attempt| {
+                (Duration::from_millis(50) * attempt as u32).min(max)
+            });
+        connect = match self.auth {
+            NatsAuth::None => connect,
+            NatsAuth::UserPassword { user, password } => connect.user_and_password(user, password),
+            NatsAuth::Token(t) => connect.token(t),
+            NatsAuth::CredentialsFile(path) => {
+                let auth = |e: std::io::Error| NatsOptionsError {
+                    field: "auth",
+                    reason: format!("credentials file {}: {e}", path.display()),
+                };
+                let text = std::fs::read_to_string(&path).map_err(auth)?;
+                connect.credentials(&text).map_err(auth)?
+            }
+        };
+        if let Some(prefix) = self.inbox_prefix {
+            if let Some(why) = inbox_prefix_problem(&prefix) {
+                return Err(NatsOptionsError {
+                    field: "inbox_prefix",
+                    reason: format!("{prefix:?} {why}"),
+                });
+            }
+            connect = connect.custom_inbox_prefix(prefix);
+        }
+        let tls = self.tls;
+        for (field, path) in [("tls.root_certificates", tls.root_certificates.as_ref())]
+            .into_iter()
+            .chain(tls.client_certificate.iter().flat_map(|(c, k)| {
+                [
+                    ("tls.client_certificate", Some(c)),
+                    ("tls.client_key", Some(k)),
+                ]
+            }))
+        {
+            if let Some(p) = path {
+                let readable = std::fs::File::open(p).and_then(|f| {
+                    if f.metadata()?.is_file() {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::other("not a regular file"))
+                    }
+                });
+                if let Err(e) = readable {
+                    return Err(NatsOptionsError {
+                        field,
+                        reason: format!("{}: {e}", p.display()),
+                    });
+                }
+            }
+        }
+        if tls.in_force() {
+            connect = connect.require_tls(true);
+        }
+        if let Some(roots) = tls.root_certificates {
+            connect = connect.add_root_certificates(roots);
+        }
+        if let Some((cert, key)) = tls.client_certificate {
+            connect = connect.add_client_certificate(cert, key);
+        }
+        Ok(connect)
+    }
+}
+
 /// NATS header that marks a readiness probe on a data subject; subscribers
 /// answer it and never deliver it as data.
 pub const PROBE_HEADER: &str = "Kv-Ready-Probe";
@@ -166,65 +280,8 @@ impl NatsPlane {
             url: url.to_string(),
             reason,
         };
-        let max = options.max_reconnect_delay;
-        let mut connect = async_nats::ConnectOptions::new()
-            .name(options.name)
-            .connection_timeout(options.connect_timeout)
-            .max_reconnects(None)
-            .reconnect_delay_callback(move |attempt| {
-                (Duration::from_millis(50) * attempt as u32).min(max)
-            });
-        connect = match options.auth {
-            NatsAuth::None => connect,
-            NatsAuth::UserPassword { user, password } => connect.user_and_password(user, password),
-            NatsAuth::Token(t) => connect.token(t),
-            NatsAuth::CredentialsFile(path) => connect
-                .credentials_file(&path)
-                .await
-                .map_err(|e| err(format!("`auth` credentials file {}: {e}", path.display())))?,
-        };
-        if let Some(prefix) = options.inbox_prefix {
-            if let Some(why) = inbox_prefix_problem(&prefix) {
-                return Err(err(format!("`inbox_prefix` {prefix:?} {why}")));
-            }
-            connect = connect.custom_inbox_prefix(prefix);
-        }
-        let tls = options.tls;
-        for (field, path) in [("tls.root_certificates", tls.root_certificates.as_ref())]
-            .into_iter()
-            .chain(tls.client_certificate.iter().flat_map(|(c, k)| {
-                [
-                    ("tls.client_certificate", Some(c)),
-                    ("tls.client_key", Some(k)),
-                ]
-            }))
-        {
-            // A missing or unreadable file would otherwise surface as a TLS
-            // handshake error that names no file.
-            if let Some(p) = path {
-                let readable = std::fs::File::open(p).and_then(|f| {
-                    if f.metadata()?.is_file() {
-                        Ok(())
-                    } else {
-                        Err(std::io::Error::other("not a regular file"))
-                    }
-                });
-                if let Err(e) = readable {
-                    return Err(err(format!("`{field}` {}: {e}", p.display())));
-                }
-            }
-        }
-        let tls_in_force =
-            tls.require || tls.root_certificates.is_some() || tls.client_certificate.is_some();
-        if tls_in_force {
-            connect = connect.require_tls(true);
-        }
-        if let Some(roots) = tls.root_certificates {
-            connect = connect.add_root_certificates(roots);
-        }
-        if let Some((cert, key)) = tls.client_certificate {
-            connect = connect.add_client_certificate(cert, key);
-        }
+        let tls_in_force = options.tls.in_force();
+        let connect = options.connect_options().map_err(|e| err(e.to_string()))?;
         let client = connect.connect(url).await.map_err(|e| {
             // rustls' reasons (`received fatal alert: BadCertificate`,
             // `corrupt message`) do not say which side or setting is at fault.
