@@ -5,10 +5,12 @@
 //! at run time. Python classes: `Layout` (module `layout`), `Settings`
 //! (`settings`), `DonorBank`, `PendingStore`, `PinServer` (`donor`), `Router`,
 //! `Advice` (`router`), `RouterClient` (`router_client`, advise over NATS), `WorkerPublisher`
-//! (`publisher`, registration, KV events and the manifest on NATS), `Target`, `FetchOutcome` (`target`); exceptions in
+//! (`publisher`, registration, KV events and the manifest on NATS), `Target`, `FetchOutcome` (`target`),
+//! `StreamGate` (`stream_gate`: an engine stream released as soon as a fetch's copies are issued); exceptions in
 //! `errors`. Engine tensors cross zero-copy through `__array_interface__`,
-//! DLPack and `__cuda_array_interface__` (module `array`, the only unsafe
-//! code). API and examples: docs/python.md.
+//! DLPack and `__cuda_array_interface__` (module `array`). Unsafe code: `array`
+//! (foreign tensor memory) and `stream_gate` (a foreign CUDA stream handle).
+//! API and examples: docs/python.md.
 
 mod array;
 mod directory;
@@ -23,6 +25,7 @@ mod publisher;
 mod router;
 mod router_client;
 mod settings;
+mod stream_gate;
 mod target;
 
 use std::collections::HashMap;
@@ -114,5 +117,6 @@ fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<directory::DonorDirectory>()?;
     m.add_class::<target::Target>()?;
     m.add_class::<target::FetchOutcome>()?;
+    m.add_class::<stream_gate::StreamGate>()?;
     Ok(())
 }

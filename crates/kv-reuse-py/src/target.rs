@@ -23,6 +23,7 @@ use crate::errors::{
     bad_argument, descriptor, fetch, uint, uints, BankFailed, CudaUnavailable, FetchFellBack,
 };
 use crate::layout::Layout;
+use crate::stream_gate::StreamGate;
 
 /// A prefill target with `rows` destination rows (KV blocks) per TP rank:
 /// its own host buffers, or the engine's KV tensors (`kv_caches`).
@@ -300,7 +301,15 @@ impl Target {
     /// (tokens `fetch_from*T ..`). `BadArgument` names `dst_token_offset`
     /// when it is not a multiple of T, is given with `dst_blocks` or on
     /// another layout, or the blocks would end past `rows * T` tokens.
-    #[pyo3(signature = (hint, prompt_hashes, manifest, donor_alive = None, pin_timeout_s = None, dst_blocks = None, dst_token_offset = None))]
+    ///
+    /// `gate` (a `StreamGate`, CUDA targets only): the gate's stream is made
+    /// to wait for this fetch's copies as soon as they are issued and the
+    /// gate opens, so an engine thread blocked in `gate.wait()` can enqueue
+    /// its forward while this call (run from another thread) still
+    /// completes; work enqueued so must be discarded if this call raises.
+    /// `BadArgument` names `gate` when its device is none of the target's
+    /// GPUs, on a host target, or when it served a fetch already.
+    #[pyo3(signature = (hint, prompt_hashes, manifest, donor_alive = None, pin_timeout_s = None, dst_blocks = None, dst_token_offset = None, gate = None))]
     // One Rust argument per Python keyword argument (each optional).
     #[allow(clippy::too_many_arguments)]
     fn fetch(
@@ -313,7 +322,11 @@ impl Target {
         pin_timeout_s: Option<f64>,
         dst_blocks: Option<&Bound<'_, PyAny>>,
         dst_token_offset: Option<&Bound<'_, PyAny>>,
+        gate: Option<PyRef<'_, StreamGate>>,
     ) -> PyResult<FetchOutcome> {
+        // First: every way out of this call, an argument error included,
+        // ends the gate, so a thread waiting on it never hangs.
+        let _gate_end = gate.as_ref().map(|g| g.end_guard());
         let prompt: Vec<SequenceHash> = uints::<u64>("prompt_hashes", prompt_hashes)?
             .into_iter()
             .map(SequenceHash)
@@ -353,8 +366,24 @@ impl Target {
                 return Err(bad_argument("donor_alive", "is not callable"));
             }
         }
+        let consumer = match (&gate, &self.gpus) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(bad_argument(
+                    "gate",
+                    "a host target delivers to no CUDA stream",
+                ))
+            }
+            (Some(g), Some(gpus)) => {
+                let a = &actions[0];
+                let from = a.fetch_from;
+                let blocks = (a.sequence_hashes.len() as u32).saturating_sub(from);
+                Some(g.arm(gpus, from, blocks)?)
+            }
+        };
         let control = DeliveryControl {
             donor_alive: donor_alive.map(python_probe),
+            consumer,
             ..DeliveryControl::default()
         };
         let out = py.allow_threads(|| {

@@ -148,6 +148,30 @@ def test_negative_or_oversized_ints_are_refused_naming_the_argument(layout):
     assert bank.slots(store.sequence_hashes) == [0]
 
 
+def test_stream_gate_refusals_name_the_argument_and_an_argument_error_ends_the_gate(layout):
+    u32, u64 = r"0\.\.=4294967295", r"0\.\.=18446744073709551615"
+    with pytest.raises(kv_reuse.BadArgument, match=rf"^stream: -1 is not in {u64}$"):
+        kv_reuse.StreamGate(-1, 0)
+    with pytest.raises(kv_reuse.BadArgument, match=rf"^device: 4294967296 is not in {u32}$"):
+        kv_reuse.StreamGate(0, 2**32)
+    gate = kv_reuse.StreamGate(0x1234, 3)
+    assert (gate.stream, gate.device, gate.ended, gate.blocks) == (0x1234, 3, False, None)
+    for bad in (0, -1, float("nan"), 3601):
+        with pytest.raises(kv_reuse.BadArgument, match="^timeout_s: "):
+            gate.wait(timeout_s=bad)
+    # Not taken by a fetch yet: a bounded wait times out with False.
+    started = time.monotonic()
+    assert gate.wait(timeout_s=0.05) is False
+    assert time.monotonic() - started >= 0.04
+    # A fetch that fails on its arguments still ends the gate: a thread
+    # waiting on it is released.
+    target = kv_reuse.Target(layout, rows=4)
+    with pytest.raises(kv_reuse.DescriptorRefused):
+        target.fetch(b"", [1], b"", gate=gate)
+    assert gate.ended and gate.wait() is False
+    assert "ended=true" in repr(gate)
+
+
 def test_layout_refuses_unknown_dtype():
     with pytest.raises(kv_reuse.BadArgument, match="dtype"):
         kv_reuse.Layout(2, 2, 8, "int7", TOKENS_PER_BLOCK, 2)

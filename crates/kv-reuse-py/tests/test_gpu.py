@@ -221,3 +221,45 @@ def test_cuda_fetch_into_hf_caches_lands_at_token_positions(layout, enabled, pro
             want[:, :, 0, :, t0:t0 + T, :] = b.transpose(0, 1, 3, 2, 4)
         assert buf.cpu().numpy().tobytes() == want.tobytes()
     assert target.free_rows == rows
+
+
+def test_a_gated_fetch_releases_the_engine_stream_before_it_returns(layout, enabled, cuda_donor):
+    """StreamGate: the fetch runs on another thread; once the gate opens, a
+    copy enqueued on the engine's stream (behind the wait) reads every
+    fetched byte, while nothing was synchronised by the engine thread. The
+    gate names what the fetch delivers before the fetch returned."""
+    import concurrent.futures
+
+    torch = torch_cuda()
+    _, report = cuda_donor
+    n, rows = layout.rank_block_elems, 16
+    cache = torch.full((rows, n), -1.5, dtype=torch.float32, device="cuda:0")
+    torch.cuda.synchronize()
+    target = kv_reuse.Target(layout, rows=rows, kv_caches=[cache], gpus=[0])
+    advice = router_for(report, layout, enabled, target).advise("req-gate", report["hashes"], target.engine_id)
+    assert advice.admitted, advice.verdict
+    stream = torch.cuda.Stream(device="cuda:0")
+    gate = kv_reuse.StreamGate(stream.cuda_stream, 0)
+    assert gate.fetch_from is None and not gate.enqueued
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        job = pool.submit(target.fetch, advice.hint, report["hashes"], bytes.fromhex(report["manifest"]), gate=gate)
+        assert gate.wait(timeout_s=30)
+        assert gate.enqueued and (gate.fetch_from, gate.blocks) == (0, BLOCKS)
+        with torch.cuda.stream(stream):
+            seen = cache.clone()  # ordered after the fetch's copies by the gate's wait
+        out = job.result(timeout=30)
+    assert gate.ended
+    with out:
+        stream.synchronize()
+        want = np.full((rows, n), -1.5, dtype=np.float32)
+        for block, row in enumerate(out.rows):
+            want[row] = pattern(layout, 0, block)
+        assert seen.cpu().numpy().tobytes() == want.tobytes()
+    # One fetch per gate.
+    with pytest.raises(kv_reuse.BadArgument, match="gate"):
+        target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"]), gate=gate)
+    # A gate on a device the target does not deliver to is refused by name.
+    with pytest.raises(kv_reuse.BadArgument, match="gate"):
+        target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"]),
+                     gate=kv_reuse.StreamGate(stream.cuda_stream, 7))
+    assert target.free_rows == rows

@@ -113,6 +113,27 @@ def test_round_trip_store_events_advise_fetch_across_processes(donor, layout, en
     assert json.loads(proc.stdout.readline()) == {"pins": 0}
 
 
+def test_a_stream_gate_is_refused_by_a_host_target_and_never_left_waiting(donor, layout, enabled):
+    """A host target delivers to no CUDA stream: a gate is refused by name,
+    nothing was reserved or pinned, and the gate reads ended (wait() returns
+    False at once instead of blocking the engine thread)."""
+    proc, report = donor
+    target = kv_reuse.Target(layout, rows=8)
+    advice = router_for(report, layout, enabled, target).advise("req-gate-host", report["hashes"], target.engine_id)
+    assert advice.admitted, advice.verdict
+    gate = kv_reuse.StreamGate(0, 0)
+    with pytest.raises(kv_reuse.BadArgument, match="^gate: a host target"):
+        target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"]), gate=gate)
+    assert gate.ended and not gate.enqueued and gate.fetch_from is None
+    started = time.monotonic()
+    assert gate.wait() is False
+    assert time.monotonic() - started < 1.0
+    assert target.free_rows == 8
+    proc.stdin.write("pins\n")
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline()) == {"pins": 0}
+
+
 def test_reuse_off_by_default_attaches_no_hint(donor, layout):
     _, report = donor
     target = kv_reuse.Target(layout, rows=8)

@@ -94,9 +94,53 @@ struct Device {
     /// table and writes into memory it already touched.
     words: Vec<u32>,
     peers: HashMap<u32, bool>,
+    /// Recorded after a part's copies for a [`ConsumerStream`] to wait on
+    /// (created on first use, re-recorded per part: a wait captures the
+    /// event's state when it is enqueued).
+    enqueued: Option<cudarc::driver::CudaEvent>,
 }
 
 impl Device {
+    /// Makes `control`'s consumer stream, when it is on this device, wait
+    /// for everything issued on this device's stream so far, then tells the
+    /// caller (rank `rank`). A consumer on another device is left alone: its
+    /// rows are delivered by that device's part.
+    fn release_consumer(
+        &mut self,
+        control: &DeliveryControl,
+        rank: u32,
+    ) -> Result<(), TransferError> {
+        let Some(c) = control.consumer.as_ref() else {
+            return Ok(());
+        };
+        if c.ordinal() != self.ctx.ordinal() as u32 {
+            return Ok(());
+        }
+        if self.enqueued.is_none() {
+            self.enqueued = Some(
+                self.ctx
+                    .new_event(None)
+                    .map_err(cuda_err("cuEventCreate"))?,
+            );
+        }
+        let ev = self.enqueued.as_ref().expect("created above");
+        ev.record(&self.stream).map_err(cuda_err("cuEventRecord"))?;
+        // SAFETY: the event is alive (owned by this device, destroyed only
+        // with it); `ConsumerStream::new`'s contract makes `c.stream()` a
+        // live stream of this device's primary context (the context of
+        // `self.ctx`) for as long as the delivery runs.
+        unsafe {
+            cudarc::driver::result::stream::wait_event(
+                c.stream() as cudarc::driver::sys::CUstream,
+                ev.cu_event(),
+                cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(cuda_err("cuStreamWaitEvent"))?;
+        c.notify(rank);
+        Ok(())
+    }
+
     /// Waits for everything issued on the stream; afterwards nothing reads
     /// the table staging buffer.
     fn sync(&mut self) -> Result<(), TransferError> {
@@ -226,6 +270,7 @@ impl CudaCopyBackend {
             tables: Tables::new(),
             words: Vec::new(),
             peers: HashMap::new(),
+            enqueued: None,
         }));
         devs.insert(ordinal, d.clone());
         Ok(d)
@@ -346,8 +391,14 @@ impl CudaCopyBackend {
             &self.tuning,
             None,
         );
+        // The consumer waits only for a launch that was issued whole.
+        let released = match &launched {
+            Ok(_) => dev.release_consumer(control, rank),
+            Err(_) => Ok(()),
+        };
         let synced = dev.sync();
         let copies = launched?;
+        released?;
         synced?;
         Ok(PartOutcome {
             bytes: plan.bytes(),
@@ -506,6 +557,9 @@ impl CopyBackend for CudaCopyBackend {
                 }
             }
         }
+        if failed.is_none() {
+            failed = dev.release_consumer(control, part.tp_rank).err();
+        }
         // Quiesce before returning, whatever happened: the caller releases the
         // destination reservation and donor pins as soon as we return.
         let synced = dev.sync();
@@ -554,7 +608,7 @@ impl CudaCopyBackend {
                 .map_err(|e| TransferError::input("conversion", e.to_string()))?;
             return self.convert_rank(rank, &plan, src, dst, control);
         }
-        let dev = dev.lock();
+        let mut dev = dev.lock();
         dev.ctx
             .bind_to_thread()
             .map_err(cuda_err("cuCtxSetCurrent"))?;
@@ -583,6 +637,9 @@ impl CudaCopyBackend {
                 break;
             }
             copies += 1;
+        }
+        if failed.is_none() {
+            failed = dev.release_consumer(control, rank).err();
         }
         let synced = dev
             .stream

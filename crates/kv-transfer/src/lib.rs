@@ -105,7 +105,7 @@ pub mod plan;
 mod region;
 
 pub use ci::ci_requires;
-pub use control::{CancelToken, DeliveryControl, LivenessProbe};
+pub use control::{CancelToken, ConsumerStream, DeliveryControl, EnqueuedNotice, LivenessProbe};
 pub use delivery::{
     deliver, CopyBackend, DeliveryCounters, DeliveryReport, DeliveryStatus, NixlRemoteRegion,
     PartOutcome, PartReport, RankIo, SourceRegion,

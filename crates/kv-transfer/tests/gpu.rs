@@ -335,3 +335,130 @@ fn convert_blocks_refuses_a_region_shorter_than_its_layout_before_any_launch() {
         "{e:?}"
     );
 }
+
+/// A [`kv_transfer::ConsumerStream`]: the engine's stream is made to wait for
+/// the delivery's copies before the delivery returns, and work the notice
+/// enqueues on it (a copy of the destination into a check buffer) runs after
+/// every byte landed. Both the converting kernel and the scattered gather of
+/// pool rows are covered; each notice comes exactly once per part.
+#[test]
+fn a_consumer_stream_waits_for_the_copies_it_was_released_behind() {
+    use std::sync::{Arc, Mutex};
+
+    use kv_bank::BankMemory;
+    use kv_descriptor::{DType, KvLayout, KvRegionLayout, SequenceHash, TensorOrder};
+    use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
+    use kv_transfer::cuda_gather::{reference_convert, ConvertPlan};
+    use kv_transfer::plan::{BlockMove, RegionGeometry, TransferPlan};
+    use kv_transfer::{deliver, ConsumerStream, DeliveryControl, RankIo, SourceRegion};
+
+    if !gpu_or_skip() {
+        return;
+    }
+    // SAFETY: only probes whether libnvrtc can be loaded.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        println!("SKIP consumer stream: libnvrtc not loadable");
+        return;
+    }
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let consumer = ctx.new_stream().unwrap();
+    let backend = CudaCopyBackend::new(CudaMode::Auto).unwrap();
+    let g = KvLayout::new(4, 2, 64, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+    let bb = g.rank_block_bytes() as u64;
+    let slots = 64u32;
+    let pattern: Vec<u8> = (0..u64::from(slots) * bb)
+        .map(|i| (i * 29 + i / 1021) as u8 | 1)
+        .collect();
+    let src = kv_bank::CudaDeviceMemory::new(0, pattern.len()).unwrap();
+    src.write_bytes(0, &pattern).unwrap();
+
+    // The notice copies the whole destination into `check` on the consumer
+    // stream: ordered after the copies only by the wait the backend enqueued.
+    let control_for = |dst: u64, check: u64, len: usize, seen: Arc<Mutex<Vec<u32>>>| {
+        let stream = consumer.cu_stream() as u64;
+        let notice = Arc::new(move |rank: u32| {
+            seen.lock().unwrap().push(rank);
+            // SAFETY: `dst` and `check` are live device allocations of `len`
+            // bytes on device 0, and `stream` a live stream of its context.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    check,
+                    dst,
+                    len,
+                    stream as cudarc::driver::sys::CUstream,
+                )
+            }
+            .unwrap();
+        });
+        // SAFETY: `consumer` is a stream of device 0's primary context and
+        // outlives every delivery of this test.
+        let c = unsafe { ConsumerStream::new(0, consumer.cu_stream() as u64, notice) };
+        DeliveryControl {
+            consumer: Some(c),
+            ..DeliveryControl::new()
+        }
+    };
+
+    // Converting kernel: donor block-major -> HF tokens at offset 3.
+    let donor = KvRegionLayout::block_major(g, 0, 0, slots, u64::from(slots) * bb).unwrap();
+    let moves: Vec<(u32, u32)> = (0..24).map(|i| ((i * 7 + 3) % slots, i)).collect();
+    let (_, target) = convert_targets(&g, 24, 0)
+        .into_iter()
+        .find(|(l, _)| *l == "hf_tokens_at_3")
+        .unwrap();
+    let len = target.region_bytes() as usize;
+    let dst = kv_bank::CudaDeviceMemory::new(0, len).unwrap();
+    dst.write_bytes(0, &vec![0xEE; len]).unwrap();
+    let check = kv_bank::CudaDeviceMemory::new(0, len).unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let control = control_for(dst.base_addr(), check.base_addr(), len, seen.clone());
+    let plan = ConvertPlan::new(&donor, &target, &moves).unwrap();
+    backend.convert_blocks(&plan, &src, &dst, &control).unwrap();
+    consumer.synchronize().unwrap();
+    let mut want = vec![0xEE; len];
+    reference_convert(&donor, &target, &moves, &pattern, &mut want).unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![0]);
+    let got = check.read_vec(0, len).unwrap();
+    assert_eq!(got.iter().zip(&want).position(|(a, b)| a != b), None);
+
+    // Scattered gather of pool rows (enough runs for the kernel path).
+    let rows = 48u32;
+    let geo_src = RegionGeometry::dense(&g, slots);
+    let geo_dst = RegionGeometry::dense(&g, rows);
+    let moves: Vec<BlockMove> = (0..40u32)
+        .map(|i| BlockMove {
+            key: SequenceHash(u64::from(i) + 1),
+            src_slot: Some((i * 11 + 5) % slots),
+            dst_block: (i * 7) % rows,
+        })
+        .collect();
+    let plan = TransferPlan::new(&g, &g, &moves, &[geo_src], &[geo_dst]).unwrap();
+    let len = geo_dst.region_bytes() as usize;
+    let dst = kv_bank::CudaDeviceMemory::new(0, len).unwrap();
+    dst.write_bytes(0, &vec![0xEE; len]).unwrap();
+    let check = kv_bank::CudaDeviceMemory::new(0, len).unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let control = control_for(dst.base_addr(), check.base_addr(), len, seen.clone());
+    let io = [RankIo {
+        src: SourceRegion::Mapped(&src),
+        dst: &dst,
+    }];
+    let report = deliver(&plan, &backend, &io, &control).unwrap();
+    assert!(report.is_complete());
+    consumer.synchronize().unwrap();
+    let mut want = vec![0xEE; len];
+    for m in &moves {
+        let (s, d) = (
+            (u64::from(m.src_slot.unwrap()) * bb) as usize,
+            (u64::from(m.dst_block) * bb) as usize,
+        );
+        want[d..d + bb as usize].copy_from_slice(&pattern[s..s + bb as usize]);
+    }
+    assert_eq!(*seen.lock().unwrap(), vec![0]);
+    let got = check.read_vec(0, len).unwrap();
+    assert_eq!(got.iter().zip(&want).position(|(a, b)| a != b), None);
+    println!(
+        "consumer stream: converting and gathering deliveries released it behind their copies ({})",
+        report.counters.transport
+    );
+}

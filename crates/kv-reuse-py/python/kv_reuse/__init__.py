@@ -33,6 +33,7 @@ from ._native import (  # noqa: F401
     RouterUnavailable,
     Settings,
     SettingsRefused,
+    StreamGate,
     Target,
     WorkerPublisher,
     leak_counters,

@@ -448,6 +448,7 @@ class Target:
         pin_timeout_s: Optional[float] = None,
         dst_blocks: Optional[Sequence[int]] = None,
         dst_token_offset: Optional[int] = None,
+        gate: Optional["StreamGate"] = None,
     ) -> FetchOutcome:
         """Pin, copy, verify (GIL released). ``donor_alive`` is called before the first and
         after the last byte (False or raising = donor gone); ``pin_timeout_s`` bounds each
@@ -457,5 +458,37 @@ class Target:
         fetch_from*T); BadArgument names it when misaligned, past the capacity or with
         ``dst_blocks``. Raises PromptMismatch / HintRefused before anything is touched (the
         hint is checked against ``prompt_hashes`` before the donor is imported: a hint for
-        another prompt is PromptMismatch even when its donor is gone), else FetchFellBack."""
+        another prompt is PromptMismatch even when its donor is gone), else FetchFellBack.
+        ``gate`` (CUDA targets): its stream waits for the copies as soon as they are issued and
+        the gate opens, while this call (on another thread) completes; work enqueued behind it
+        must be discarded if this call raises. BadArgument names ``gate`` (not a target GPU,
+        host target, already used)."""
     def read_row(self, rank: int, row: int) -> bytes: ...
+
+class StreamGate:
+    """An engine CUDA stream that a fetch releases as soon as its copies are issued.
+
+    ``StreamGate(torch.cuda.current_stream(d).cuda_stream, d)``: pass it to
+    ``Target.fetch(..., gate=g)`` on a fetch thread; ``g.wait()`` returns True
+    once the stream waits for the copies (enqueue the forward then), False when
+    the fetch ended without that (take its result first). One fetch per gate.
+    The stream must belong to device ``d``'s primary context and outlive the
+    fetch. BadArgument names ``stream`` / ``device`` for a negative or too
+    large int."""
+    def __init__(self, stream: int, device: int) -> None: ...
+    def wait(self, timeout_s: Optional[float] = None) -> bool:
+        """Blocks (GIL released) until enqueued (True) or the fetch ended / ``timeout_s`` passed (False)."""
+    @property
+    def enqueued(self) -> bool: ...
+    @property
+    def ended(self) -> bool: ...
+    @property
+    def fetch_from(self) -> Optional[int]:
+        """The hint's first fetched block, once a fetch took the gate."""
+    @property
+    def blocks(self) -> Optional[int]:
+        """Blocks the fetch delivers from ``fetch_from`` on, once a fetch took the gate."""
+    @property
+    def stream(self) -> int: ...
+    @property
+    def device(self) -> int: ...

@@ -361,7 +361,7 @@ class PrefillResult:
 
 @torch.inference_mode()
 def prefill(model: LlamaForCausalLM, tokens: Sequence[int], cache: Optional[DynamicCache] = None,
-            sw: Optional["Stopwatch"] = None) -> PrefillResult:
+            sw: Optional["Stopwatch"] = None, ids: Optional[torch.Tensor] = None) -> PrefillResult:
     """Prefill ``tokens`` on top of ``cache`` (None: from scratch); greedy first token.
 
     Only the last position's logits are computed (``logits_to_keep=1``): a 32K
@@ -370,11 +370,17 @@ def prefill(model: LlamaForCausalLM, tokens: Sequence[int], cache: Optional[Dyna
     ``sw``: when given, its ``forward`` lap ends after the forward pass (device
     synchronised) and its ``readback`` lap after the first token reached the
     host, so a timed request says which of the two its time went to.
+    ``ids``: ``tokens`` already on the device (``[1, len(tokens)]`` long),
+    uploaded earlier by a caller whose stream is about to wait on other work.
+    Raises ``EngineError("ids", ...)`` when its shape does not match.
     """
     if len(tokens) == 0:
         raise EngineError("tokens", "a prefill needs at least one token")
     dev = model.device
-    ids = torch.tensor([list(tokens)], dtype=torch.long, device=dev)
+    if ids is None:
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=dev)
+    elif tuple(ids.shape) != (1, len(tokens)):
+        raise EngineError("ids", f"shape {tuple(ids.shape)}, expected (1, {len(tokens)})")
     if cache is None:
         cache = PreallocCache(model.config.num_hidden_layers)
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -564,6 +570,15 @@ class Stopwatch:
     def lap(self, name: str) -> float:
         """Ends phase ``name`` (added to it if repeated): its ms since the previous lap, device-synchronised."""
         sync(self.device)
+        now = time.perf_counter()
+        ms = (now - self._last) * 1e3
+        self._last = now
+        self.phases[name] = self.phases.get(name, 0.0) + ms
+        return ms
+
+    def mark(self, name: str) -> float:
+        """Ends phase ``name`` like :meth:`lap` on the host clock only (no device sync): queued work
+        (a fetch's copies in flight) goes on and is billed to the next synchronised lap."""
         now = time.perf_counter()
         ms = (now - self._last) * 1e3
         self._last = now

@@ -65,6 +65,14 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         "or rows (block-major rows, then re-laid; the host transport's only choice)",
     )
     p.add_argument(
+        "--fetch-overlap",
+        choices=("on", "off"),
+        default="on",
+        help="on (cache landing only): the fetch runs on a fetch thread and the suffix forward is enqueued behind its "
+        "copies (kv_reuse.StreamGate) while the fetch completes; its result is used only once the fetch succeeded. "
+        "off: the fetch returns before the forward starts",
+    )
+    p.add_argument(
         "--answer",
         choices=("greedy", "forced"),
         default="greedy",
@@ -167,7 +175,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     decode = rpc.Worker(decode_worker.main, {**cfg, "device": a.decode_device, "bank_slots": slots, "answer": a.answer})
     prefill = rpc.Worker(
         prefill_worker.main, {**cfg, "device": a.prefill_device, "target_rows": target_rows, "warm": a.regime == "both",
-                               "landing": a.landing}
+                               "landing": a.landing, "fetch_overlap": a.fetch_overlap == "on"}
     )
     result: Dict[str, Any] = {}
     try:
@@ -196,8 +204,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         decode.close()
         prefill.close()
         if svc is not None:
+            # The router's own time per advise, before it stops: what the
+            # client's advise_ms adds to it is NATS and the client.
+            latency = svc.advise_latency()
             codes = svc.stop()
-            result["router_service"] = {"url": svc.url, "exit_codes": codes}
+            result["router_service"] = {"url": svc.url, "exit_codes": codes, "advise_service_us": latency}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     return rc
@@ -524,6 +535,9 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
         # Where the prefill's fetches land: "cache" (the engine's own KV cache, HF
         # layout, converted inside the copy) or "rows" (block-major rows, re-laid).
         "landing": ph.get("landing", "rows"),
+        # True: ON's suffix forward was enqueued behind the fetch's copies
+        # while the fetch completed on another thread (StreamGate).
+        "fetch_overlap": ph.get("fetch_overlap", False),
         "turns": turns,
         "buckets": buckets,
         # Median per phase of the reported (minimum) samples of later turns

@@ -13,6 +13,13 @@ times it from send to reply):
   worker's own (``transport.Landing``), then re-laid into a cache
   (``relayout`` phase). A fetch that falls back (``FetchFellBack``) or is not
   advised recomputes the whole prompt, inside the timed request.
+  With ``fetch_overlap`` (cache landing on the ``cuda`` transport), the
+  fetch runs on this worker's fetch thread with a ``kv_reuse.StreamGate``:
+  once its copies are issued the torch stream waits for them and the suffix
+  forward is enqueued behind them, while the fetch completes (copy end,
+  donor probe, pin release, commit). The forward's first token is used only
+  when the fetch then succeeded; a fetch that fails after the forward was
+  enqueued is recomputed in full like any fallback.
 - ``ideal``: the same suffix prefill on the fetched KV already resident on the
   device (kept from the preceding ``on``): in the landing cache as it is
   (``cache``), or re-laid from the kept rows (``rows``).
@@ -27,6 +34,7 @@ import gc
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -51,6 +59,10 @@ class PrefillWorker(EngineWorker):
             raise engine.EngineError("landing", f"unknown {self.landing_kind!r}, expected one of {list(LANDINGS)}")
         self.landing = self._landing(cfg["target_rows"])
         self.target = self.landing.target
+        self.overlap = bool(cfg.get("fetch_overlap")) and self.landing_kind == "cache"
+        self.gpu = transport.ordinal(self.device, self.transport)
+        # One fetch thread: ``on`` with overlap runs its fetch there.
+        self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch") if self.overlap else None
         # The warm regime's target: another engine to the router (its held
         # blocks come from prefix_events), its own destination.
         self.warm_landing = self._landing(cfg["target_rows"]) if cfg.get("warm") else None
@@ -96,6 +108,7 @@ class PrefillWorker(EngineWorker):
             "device_bytes": _device_bytes(self.device),
             "build_s": self.build_s,
             "landing": self.landing_kind,
+            "fetch_overlap": self.overlap,
         }
 
     def _first(self, r: engine.PrefillResult) -> Dict[str, Any]:
@@ -133,7 +146,7 @@ class PrefillWorker(EngineWorker):
         return {"worker_ms": ms, "phases_ms": sw.phases, **self._first(r)}
 
     def _fetch(self, landing: transport.Landing, hint: bytes, hashes: List[int], manifest: Union[bytes, str, None],
-               held_blocks: int, kill_donor: Optional[int] = None):
+               held_blocks: int, kill_donor: Optional[int] = None, gate: Any = None):
         """Fetches the hinted blocks into ``landing``: (landed or None, fetch fields, fell_back, fetch_from).
 
         ``landed``: the fetched rows (``transport.Landing``) or the number of
@@ -147,6 +160,7 @@ class PrefillWorker(EngineWorker):
         churn); a hint starting past them is refused. ``kill_donor``: a donor
         pid SIGKILLed once its pins are granted, before the first byte (the
         wheel's ``donor_alive`` probe): the donor-killed-mid-fetch turn.
+        ``gate``: a ``kv_reuse.StreamGate`` for the wheel's fetch (overlap).
         """
         fetch: Dict[str, Any] = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
         if isinstance(manifest, str):
@@ -159,6 +173,8 @@ class PrefillWorker(EngineWorker):
         kw: Dict[str, Any] = {}
         if kill_donor is not None:
             kw["donor_alive"] = _killer(kill_donor)
+        if gate is not None:
+            kw["gate"] = gate
         try:
             with landing.target.fetch(hint, hashes, manifest, **kw) as out:
                 if out.fetch_from > held_blocks:
@@ -193,7 +209,13 @@ class PrefillWorker(EngineWorker):
         fetch: Dict[str, Any] = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
         fell_back: Optional[List[str]] = None
         landed = None
-        if hint is not None:
+        if hint is not None and self.overlap:
+            got = self._on_overlapped(prompt, hint, hashes, manifest, kill_donor, sw)
+            if got["result"] is not None:
+                return self._on_reply(got["result"], got["ms"], got["fetch_ms"], got["fetch"], got["fell_back"],
+                                      bytes_before, sw)
+            landed, fetch, fell_back = got["landed"], got["fetch"], got["fell_back"]
+        elif hint is not None:
             landed, fetch, fell_back, _ = self._fetch(self.landing, hint, hashes, manifest, 0, kill_donor)
         fetch_ms = sw.lap("fetch")
         f = fetch["fetched_tokens"]
@@ -218,12 +240,62 @@ class PrefillWorker(EngineWorker):
             self.fetched = None
             r = engine.prefill(self.model, prompt, sw=sw)
         ms = sw.stop()
+        return self._on_reply(r, ms, fetch_ms, fetch, fell_back, bytes_before, sw)
+
+    def _on_reply(self, r: engine.PrefillResult, ms: float, fetch_ms: float, fetch: Dict[str, Any],
+                  fell_back: Optional[List[str]], bytes_before: int, sw: engine.Stopwatch) -> Dict[str, Any]:
         # Checksums are not part of a TTFT: the harness asks for them in a
         # separate, untimed ``fetched_checksums`` (they cost tens of ms at 8K
         # when they were computed before this reply went out).
         device_bytes = {"before": bytes_before, "after": _device_bytes(self.device)}
         return {"worker_ms": ms, "fetch_ms": fetch_ms, "phases_ms": sw.phases, "fell_back": fell_back,
                 "device_bytes": device_bytes, **fetch, **self._first(r)}
+
+    def _on_overlapped(self, prompt: List[int], hint: bytes, hashes: List[int], manifest: Union[bytes, str, None],
+                       kill_donor: Optional[int], sw: engine.Stopwatch) -> Dict[str, Any]:
+        """``on``'s fetch on the fetch thread, the suffix forward enqueued behind its copies (StreamGate).
+
+        Returns ``result`` (the first token's ``PrefillResult``, with ``ms``,
+        ``fetch_ms``, ``fetch``, ``fell_back``) when this path produced it:
+        the fetch succeeded under the forward, or failed after the forward
+        was enqueued (then the forward's output is dropped and the whole
+        prompt recomputed). Returns ``result`` None with the fetch's
+        ``landed`` / ``fetch`` / ``fell_back`` when the gate never opened (the
+        fetch failed before any copy, or delivered nothing here): ``op_on``
+        goes on as without overlap.
+        """
+        # The prompt's ids reach the device before the stream waits for the
+        # copies: a pageable upload behind that wait could block this thread.
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
+        gate = self.kv.StreamGate(torch.cuda.current_stream(self.device).cuda_stream, self.gpu)
+        job = self.fetcher.submit(self._fetch, self.landing, hint, hashes, manifest, 0, kill_donor, gate)
+        if not gate.wait() or gate.fetch_from != 0:
+            # No copy was issued here (or the hint starts past what a churn
+            # target holds: refused by _fetch): the sequential path.
+            landed, fetch, fell_back, _ = job.result()
+            return {"result": None, "landed": landed, "fetch": fetch, "fell_back": fell_back}
+        end = gate.blocks * self.tpb
+        if end >= len(prompt):
+            end -= self.tpb  # at least one token computed for a first token
+        # Host clock only: a device sync here would wait for the copies.
+        fetch_ms = sw.mark("fetch_launch")
+        cache = self.landing.cache
+        cache.set_length(end)
+        r = engine.prefill(self.model, prompt[end:], cache, sw=sw, ids=ids[:, end:])
+        landed, fetch, fell_back, _ = job.result()
+        fetch_ms += sw.lap("fetch_join")
+        if landed is None or landed * self.tpb < end:
+            # The fetch failed (or delivered less) after the forward was
+            # enqueued on its rows: that forward's output is never used.
+            if landed is not None and fell_back is None:
+                fell_back = [f"landed {landed} blocks, the forward read {end // self.tpb}", "land", "short"]
+            self.fetched = None
+            fetch["fetched_tokens"] = 0
+            r = engine.prefill(self.model, prompt, sw=sw)
+        else:
+            fetch["fetched_tokens"] = end
+            self.resident = self.fetched = (cache, 0, end // self.tpb)
+        return {"result": r, "ms": sw.stop(), "fetch_ms": fetch_ms, "fetch": fetch, "fell_back": fell_back}
 
     def op_fetched_checksums(self) -> Dict[str, Any]:
         """``engine.block_checksums`` of the blocks the last ``on`` / ``warm_on`` used (``[]`` when none); untimed."""

@@ -25,7 +25,8 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Dict, List, Optional
+import urllib.request
+from typing import Dict, List, Optional, Tuple
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
 
@@ -140,6 +141,25 @@ class RouterService:
             raise ServiceError("router", f"first line is not the ready line: {line.strip()}")
         return got
 
+    def advise_latency(self) -> Optional[Dict[str, float]]:
+        """The router's own time per advise request (payload in to reply out), from its /metrics.
+
+        ``{"count", "mean_us", "p50_le_us", "p99_le_us"}``: the histogram's
+        request count, mean, and the upper bounds of the buckets holding the
+        median and the 99th percentile (``kv_reuse_advise_latency_seconds``,
+        buckets 1 µs x 2^k). None when the router is gone or serves no
+        metrics. What a client measures beyond this is NATS and the client.
+        """
+        addr = self.ready.get("metrics_addr") if isinstance(getattr(self, "ready", None), dict) else None
+        if not addr or not self.router_alive():
+            return None
+        try:
+            with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        return histogram_summary(text, "kv_reuse_advise_latency_seconds")
+
     def router_alive(self) -> bool:
         """True while the router process runs."""
         return self.router is not None and self.router.poll() is None
@@ -163,3 +183,27 @@ class RouterService:
         self.router = None
         shutil.rmtree(self.dir, ignore_errors=True)
         return codes
+
+
+def histogram_summary(text: str, name: str) -> Optional[Dict[str, float]]:
+    """Count, mean and the p50 / p99 bucket bounds (µs) of Prometheus histogram ``name`` in ``text``; None if absent."""
+    buckets: List[Tuple[float, float]] = []
+    total = count = None
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+        elif line.startswith(name + "_sum"):
+            total = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(name + "_count"):
+            count = float(line.rsplit(" ", 1)[1])
+    if not count or total is None:
+        return None
+
+    def bound(q: float) -> float:
+        for le, c in sorted(buckets):
+            if c >= q * count:
+                return le * 1e6
+        return float("inf")
+
+    return {"count": count, "mean_us": round(total / count * 1e6, 1), "p50_le_us": bound(0.5), "p99_le_us": bound(0.99)}

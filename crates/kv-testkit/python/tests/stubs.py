@@ -97,6 +97,7 @@ def _fake_torch() -> types.ModuleType:
     cuda.set_device = lambda d: None
     cuda.synchronize = lambda d=None: cuda.synced.append(str(d))
     cuda.memory_allocated = lambda d=None: 0
+    cuda.current_stream = lambda d=None: types.SimpleNamespace(cuda_stream=0x51)
     t.cuda = cuda
     nn = types.ModuleType("torch.nn")
     nn.Module = object

@@ -120,7 +120,7 @@ def fake_self(mods, rows, fetched_tokens):
     calls = []
     e.cache_from_blocks = lambda r, s, b: calls.append("cache_from_blocks") or "cache"
 
-    def prefill(model, toks, cache=None, sw=None):
+    def prefill(model, toks, cache=None, sw=None, ids=None):
         calls.append(("prefill", len(toks), cache))
         sw.lap("forward")
         sw.lap("readback")
@@ -130,7 +130,11 @@ def fake_self(mods, rows, fetched_tokens):
     e.block_checksums = lambda r: calls.append("block_checksums") or [len(r)] * len(r)
     fetch = {"fetched_tokens": fetched_tokens, "bytes": 1, "host_payload_bytes": 0, "transport": "cuda_ipc"}
     me = types.SimpleNamespace(device="cpu", tpb=4, shape=None, model=None, landing=None, resident=None, fetched=None,
-                               _fetch=lambda *a: (rows, dict(fetch), None, 0), _first=lambda r: {"first_token": r.first_token})
+                               overlap=False, _fetch=lambda *a: (rows, dict(fetch), None, 0),
+                               _first=lambda r: {"first_token": r.first_token})
+    P = mods.prefill_worker.PrefillWorker
+    me._on_reply = lambda *a: P._on_reply(me, *a)
+    me._on_overlapped = lambda *a: P._on_overlapped(me, *a)
     return me, calls
 
 
@@ -158,6 +162,83 @@ def test_on_without_a_fetch_has_no_relayout_and_no_checksums(mods):
     res = P.op_on(me, list(range(20)), None, [], None)
     assert list(res["phases_ms"]) == ["fetch", "forward", "readback"]
     assert P.op_fetched_checksums(me) == {"checksums": []}
+
+
+class FakeGate:
+    """A StreamGate stand-in: opens (or not) when the fetch thread starts, naming its blocks."""
+
+    def __init__(self, opens: bool, blocks: int) -> None:
+        self.opens, self.blocks, self.fetch_from = opens, blocks, 0
+        self.made = None
+
+    def __call__(self, stream, device):
+        self.made = (stream, device)
+        return self
+
+    def wait(self):
+        return self.opens
+
+
+class Now:
+    """A fetch 'thread' that runs the fetch when its result is asked for (after the forward was enqueued)."""
+
+    def __init__(self, order):
+        self.order = order
+
+    def submit(self, fn, *args):
+        self.order.append("submit")
+        fut = types.SimpleNamespace()
+        fut.result = lambda: self.order.append("result") or fn(*args)
+        return fut
+
+
+def overlapped_self(mods, fetch_result, opens=True, blocks=3):
+    """fake_self for op_on with fetch overlap on: the gate and fetch thread replaced."""
+    me, calls = fake_self(mods, None, 0)
+    order = []
+    gate = FakeGate(opens, blocks)
+    me.overlap, me.gpu, me.fetcher = True, 0, Now(order)
+    me.kv = types.SimpleNamespace(StreamGate=gate)
+    me.landing = types.SimpleNamespace(cache=types.SimpleNamespace(set_length=lambda n: calls.append(("set_length", n))))
+    me._fetch = lambda *a: order.append("fetch") or fetch_result
+    return me, calls, order, gate
+
+
+def test_overlapped_on_enqueues_the_forward_before_the_fetch_completes(mods):
+    P = mods.prefill_worker.PrefillWorker
+    fetch = {"fetched_tokens": 12, "bytes": 1, "host_payload_bytes": 0, "transport": "cuda_same_device_convert_kernel"}
+    me, calls, order, gate = overlapped_self(mods, (3, dict(fetch), None, 0))
+    res = P.op_on(me, list(range(20)), b"hint", [1, 2, 3], None)
+    assert gate.made == (0x51, 0)  # the worker's current stream, its GPU
+    # The suffix forward (8 of 20 tokens on 12 fetched) ran before the fetch's result was taken.
+    assert calls[:2] == [("set_length", 12), ("prefill", 8, me.landing.cache)]
+    assert order == ["submit", "result", "fetch"]
+    assert list(res["phases_ms"]) == ["fetch_launch", "forward", "readback", "fetch_join"]
+    assert res["fetched_tokens"] == 12 and res["fell_back"] is None and res["first_token"] == 3
+    assert me.fetched == (me.landing.cache, 0, 3)
+
+
+def test_a_fetch_failing_under_the_enqueued_forward_is_recomputed_in_full(mods):
+    P = mods.prefill_worker.PrefillWorker
+    none = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
+    me, calls, order, _ = overlapped_self(mods, (None, dict(none), ["donor gone", "transfer", "donor_dead"], 0))
+    res = P.op_on(me, list(range(20)), b"hint", [1, 2, 3], None)
+    # The forward on the fetched rows ran, then the whole prompt was recomputed from scratch.
+    assert [c for c in calls if c[0] == "prefill"] == [("prefill", 8, me.landing.cache), ("prefill", 20, None)]
+    assert res["fetched_tokens"] == 0 and res["fell_back"][1] == "transfer"
+    assert me.fetched is None and me.resident is None
+
+
+def test_a_gate_that_never_opens_falls_to_the_sequential_path(mods):
+    P = mods.prefill_worker.PrefillWorker
+    none = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
+    me, calls, order, _ = overlapped_self(mods, (None, dict(none), ["refused", "pin", "refused"], 0), opens=False)
+    res = P.op_on(me, list(range(20)), b"hint", [1, 2, 3], None)
+    # No forward before the fetch's result; one full prefill after it.
+    assert order == ["submit", "result", "fetch"]
+    assert [c for c in calls if c[0] == "prefill"] == [("prefill", 20, None)]
+    assert list(res["phases_ms"]) == ["fetch", "forward", "readback"]
+    assert res["fell_back"][1] == "pin"
 
 
 def probe_env(conn, cfg):
