@@ -39,6 +39,12 @@ struct GateState {
     /// First fetched block and blocks fetched (set when armed).
     fetch_from: u32,
     blocks: u32,
+    /// When the gate was made, a fetch took it, its copies were all
+    /// enqueued, and the fetch ended.
+    created: Option<Instant>,
+    armed_at: Option<Instant>,
+    enqueued_at: Option<Instant>,
+    ended_at: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -64,7 +70,11 @@ pub(crate) struct GateEnd(Arc<GateShared>);
 
 impl Drop for GateEnd {
     fn drop(&mut self) {
-        self.0.lock().ended = true;
+        {
+            let mut s = self.0.lock();
+            s.ended = true;
+            s.ended_at = Some(Instant::now());
+        }
         self.0.changed.notify_all();
     }
 }
@@ -98,10 +108,12 @@ pub(crate) struct StreamGate {
 impl StreamGate {
     #[new]
     fn new(stream: &Bound<'_, PyAny>, device: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let shared = Arc::new(GateShared::default());
+        shared.lock().created = Some(Instant::now());
         Ok(Self {
             stream: uint("stream", stream)?,
             device: uint("device", device)?,
-            shared: Arc::default(),
+            shared,
         })
     }
 
@@ -182,6 +194,20 @@ impl StreamGate {
         s.armed.then_some(s.blocks)
     }
 
+    /// µs from the gate's construction to each point reached so far:
+    /// `armed` (a fetch took it: its arguments parsed), `enqueued` (the
+    /// stream waits for every copy), `ended` (the fetch returned or
+    /// raised); a point not reached is absent.
+    #[getter]
+    fn times_us(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        let s = self.shared.lock();
+        let created = s.created.unwrap_or_else(Instant::now);
+        [("armed", s.armed_at), ("enqueued", s.enqueued_at), ("ended", s.ended_at)]
+            .into_iter()
+            .filter_map(|(k, t)| t.map(|t| (k, t.saturating_duration_since(created).as_micros() as u64)))
+            .collect()
+    }
+
     /// The raw `CUstream` handle given.
     #[getter]
     fn stream(&self) -> u64 {
@@ -242,12 +268,20 @@ impl StreamGate {
                 parts,
                 fetch_from,
                 blocks,
+                created: s.created,
+                armed_at: Some(Instant::now()),
                 ..GateState::default()
             };
         }
         let shared = self.shared.clone();
         let notice = Arc::new(move |_rank: u32| {
-            shared.lock().enqueued += 1;
+            {
+                let mut s = shared.lock();
+                s.enqueued += 1;
+                if s.enqueued >= s.parts {
+                    s.enqueued_at = Some(Instant::now());
+                }
+            }
             shared.changed.notify_all();
         });
         // SAFETY: `StreamGate`'s documented contract (module docs, class

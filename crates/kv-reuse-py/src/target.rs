@@ -438,6 +438,7 @@ impl Target {
             import_us,
             transfer_us: out.report.elapsed_us,
             total_us,
+            stages: out.stages,
             guard: Mutex::new(Some(out.target_blocks)),
         })
     }
@@ -651,11 +652,27 @@ pub(crate) struct FetchOutcome {
     /// `total_us - import_us - transfer_us` is the pin/verify/commit share.
     #[pyo3(get)]
     total_us: u64,
+    stages: kv_router_glue::FetchStages,
     guard: Mutex<Option<CompletedBlocks>>,
 }
 
 #[pymethods]
 impl FetchOutcome {
+    /// The executor's stages in µs, in the order they ran: `reserve` (hint
+    /// checks, destination rows), `plan` (the copy plan), `pin` (the donor's
+    /// pin grant, a round trip), `transfer` (copies issued and completed,
+    /// donor probed), `verify_commit` (pin release, checksums, commit).
+    #[getter]
+    fn stages_us(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        let s = &self.stages;
+        std::collections::BTreeMap::from([
+            ("reserve", s.reserve_us),
+            ("plan", s.plan_us),
+            ("pin", s.pin_us),
+            ("transfer", s.transfer_us),
+            ("verify_commit", s.verify_commit_us),
+        ])
+    }
     /// Returns the rows to the target's pool. Idempotent.
     fn release(&self) {
         drop(self.guard.lock().unwrap_or_else(|e| e.into_inner()).take());

@@ -118,6 +118,27 @@ pub struct FetchOutcome {
     pub fetched: Vec<SequenceHash>,
     /// The delivery's report (bytes, copies, host payload, transport).
     pub report: DeliveryReport,
+    /// Where the fetch's wall time went, stage by stage.
+    pub stages: FetchStages,
+}
+
+/// Wall time of one fetch's stages, in µs, in the order they run (each
+/// measured on the executor's thread with `Instant`). Their sum is the
+/// executor's share of a fetch; what a caller adds (donor import, argument
+/// parsing) is outside.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FetchStages {
+    /// Hint checks and reserving the destination rows.
+    pub reserve_us: u64,
+    /// Building the copy plan from the manifest's and the target's layouts.
+    pub plan_us: u64,
+    /// The donor's pin grant (a round trip to its pin service).
+    pub pin_us: u64,
+    /// The delivery: copies issued and completed, donor probed
+    /// ([`DeliveryReport::elapsed_us`] plus the backend's return).
+    pub transfer_us: u64,
+    /// Pin release, checksum verification and committing the rows.
+    pub verify_commit_us: u64,
 }
 
 /// One TP rank's destination inside the engine's own KV tensors.
@@ -483,6 +504,10 @@ impl FetchExecutor {
         donor: &dyn DonorSource,
         control: &DeliveryControl,
     ) -> Result<FetchOutcome, FetchError> {
+        let t0 = std::time::Instant::now();
+        let us = |a: std::time::Instant, b: std::time::Instant| {
+            b.saturating_duration_since(a).as_micros() as u64
+        };
         self.reclaim_quiesced();
         let mut hints = envelope.fetch_gpu_actions()?;
         if hints.len() != 1 {
@@ -515,6 +540,7 @@ impl FetchExecutor {
                 None => self.pool.reserve(n),
             })
             .map_err(|e| fallback("reserve", FallbackCause::Bank(e)))?;
+        let t_reserved = std::time::Instant::now();
         let fetched: Vec<SequenceHash> = hint.sequence_hashes[hint.fetch_from as usize..].to_vec();
         // Everything checkable here is checked before the donor is asked:
         // a refused plan must not have cost the donor a pin.
@@ -525,6 +551,7 @@ impl FetchExecutor {
                 return Err(fallback("plan", FallbackCause::Transfer(e)));
             }
         };
+        let t_planned = std::time::Instant::now();
         let pin = match donor.pin(&hint) {
             Ok(p) => p,
             Err(e) => {
@@ -533,8 +560,17 @@ impl FetchExecutor {
                 return Err(fallback("pin", FallbackCause::Pin(e)));
             }
         };
+        let t_pinned = std::time::Instant::now();
         let result = crate::spans::transfer(request_id)
             .in_scope(|| self.transfer(&plan, pin.as_ref(), control));
+        let t_transferred = std::time::Instant::now();
+        let stages = |end: std::time::Instant| FetchStages {
+            reserve_us: us(t0, t_reserved),
+            plan_us: us(t_reserved, t_planned),
+            pin_us: us(t_planned, t_pinned),
+            transfer_us: us(t_pinned, t_transferred),
+            verify_commit_us: us(t_transferred, end),
+        };
         let verify = crate::spans::verify(request_id);
         let checksums = pin.block_checksums().map(<[u64]>::to_vec);
         let released = pin.release();
@@ -555,13 +591,17 @@ impl FetchExecutor {
                 match verify
                     .in_scope(|| self.check_blocks(manifest, expected, reservation.blocks()))
                 {
-                    Ok(()) => Ok(FetchOutcome {
-                        target_blocks: crate::spans::commit(request_id)
-                            .in_scope(|| reservation.complete()),
-                        fetch_from: hint.fetch_from,
-                        fetched,
-                        report,
-                    }),
+                    Ok(()) => {
+                        let target_blocks = crate::spans::commit(request_id)
+                            .in_scope(|| reservation.complete());
+                        Ok(FetchOutcome {
+                            target_blocks,
+                            fetch_from: hint.fetch_from,
+                            fetched,
+                            report,
+                            stages: stages(std::time::Instant::now()),
+                        })
+                    }
                     Err(e) => {
                         reservation.cancel().quiesced();
                         Err(fallback("verify", FallbackCause::BlockChecksum(e)))
@@ -573,12 +613,14 @@ impl FetchExecutor {
                     report.is_complete() && report.counters.bytes == v.total_bytes
                 }) =>
             {
+                let target_blocks =
+                    crate::spans::commit(request_id).in_scope(|| reservation.complete());
                 Ok(FetchOutcome {
-                    target_blocks: crate::spans::commit(request_id)
-                        .in_scope(|| reservation.complete()),
+                    target_blocks,
                     fetch_from: hint.fetch_from,
                     fetched,
                     report,
+                    stages: stages(std::time::Instant::now()),
                 })
             }
             Ok(report) => {

@@ -344,6 +344,8 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
             "admitted": advice.admitted,
             "fetched_tokens": on["fetched_tokens"],
             "fetch_us": on.get("fetch_us"),
+            "fetch_stages_us": on.get("fetch_stages_us"),
+            "overlap_us": on.get("overlap_us"),
             # The prefill's torch-allocated device bytes before / after ON (None on the CPU).
             "device_bytes": on.get("device_bytes"),
             "bytes": on["bytes"],
@@ -547,6 +549,10 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
         },
         # The first repetition's fetch split (import / transfer / rest, µs), median over later fetched turns.
         "fetch_us_p50": phase_medians([r for r in later if r["fetched_tokens"] > 0 and r.get("fetch_us")], "fetch_us"),
+        # The executor's stages and, with fetch overlap, the launch's points (µs, medians).
+        "fetch_stages_us_p50": phase_medians([r for r in later if r["fetched_tokens"] > 0 and r.get("fetch_stages_us")],
+                                             "fetch_stages_us"),
+        "overlap_us_p50": phase_medians([r for r in later if r["fetched_tokens"] > 0 and r.get("overlap_us")], "overlap_us"),
         "repeats": a.repeats,
         "first_turns": {
             "turns": len(first),

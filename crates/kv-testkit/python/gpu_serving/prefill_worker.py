@@ -190,6 +190,8 @@ class PrefillWorker(EngineWorker):
                     # round trip, unpin, verify, commit).
                     "fetch_us": {"import": out.import_us, "transfer": out.transfer_us,
                                  "rest": out.total_us - out.import_us - out.transfer_us},
+                    # The executor's stages (reserve, plan, pin, transfer, verify_commit).
+                    "fetch_stages_us": out.stages_us,
                 }
                 start = out.fetch_from
             self._steady_fds()  # after the outcome released its rows
@@ -264,12 +266,12 @@ class PrefillWorker(EngineWorker):
         fetch failed before any copy, or delivered nothing here): ``op_on``
         goes on as without overlap.
         """
-        # The prompt's ids reach the device before the stream waits for the
-        # copies: a pageable upload behind that wait could block this thread.
-        ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
+        t0 = time.perf_counter()
         gate = self.kv.StreamGate(torch.cuda.current_stream(self.device).cuda_stream, self.gpu)
         job = self.fetcher.submit(self._fetch, self.landing, hint, hashes, manifest, 0, kill_donor, gate)
-        if not gate.wait() or gate.fetch_from != 0:
+        opened = gate.wait()
+        t_open = time.perf_counter()
+        if not opened or gate.fetch_from != 0:
             # No copy was issued here (or the hint starts past what a churn
             # target holds: refused by _fetch): the sequential path.
             landed, fetch, fell_back, _ = job.result()
@@ -277,13 +279,24 @@ class PrefillWorker(EngineWorker):
         end = gate.blocks * self.tpb
         if end >= len(prompt):
             end -= self.tpb  # at least one token computed for a first token
+        # The suffix's ids from pinned memory, asynchronously: the upload
+        # queues behind the stream's wait for the copies instead of blocking
+        # this thread (a pageable upload may), and only the suffix is built
+        # (a 32K-token list to a tensor costs ~2 ms on the host).
+        ids = torch.tensor([prompt[end:]], dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
         # Host clock only: a device sync here would wait for the copies.
         fetch_ms = sw.mark("fetch_launch")
         cache = self.landing.cache
         cache.set_length(end)
-        r = engine.prefill(self.model, prompt[end:], cache, sw=sw, ids=ids[:, end:])
+        r = engine.prefill(self.model, prompt[end:], cache, sw=sw, ids=ids)
+        t_fwd = time.perf_counter()
         landed, fetch, fell_back, _ = job.result()
         fetch_ms += sw.lap("fetch_join")
+        # Where the launch went: the gate's own clock (from its creation: the
+        # fetch thread took it, the copies were enqueued, the fetch ended)
+        # and this thread's (the gate opened, the forward was done).
+        fetch["overlap_us"] = {**{f"gate_{k}": v for k, v in gate.times_us.items()},
+                               "opened": round((t_open - t0) * 1e6), "forward_done": round((t_fwd - t0) * 1e6)}
         if landed is None or landed * self.tpb < end:
             # The fetch failed (or delivered less) after the forward was
             # enqueued on its rows: that forward's output is never used.

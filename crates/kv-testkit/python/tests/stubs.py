@@ -62,6 +62,9 @@ class FakeTensor:
     def cpu(self):
         return FakeTensor(self.a, self.dtype, "cpu")
 
+    def pin_memory(self):
+        return self
+
     def to(self, device, non_blocking=False):
         return FakeTensor(self.a.copy(), self.dtype, str(device))
 

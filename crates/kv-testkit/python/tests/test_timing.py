@@ -170,6 +170,7 @@ class FakeGate:
     def __init__(self, opens: bool, blocks: int) -> None:
         self.opens, self.blocks, self.fetch_from = opens, blocks, 0
         self.made = None
+        self.times_us = {"armed": 5, "enqueued": 9, "ended": 30}
 
     def __call__(self, stream, device):
         self.made = (stream, device)
@@ -216,6 +217,9 @@ def test_overlapped_on_enqueues_the_forward_before_the_fetch_completes(mods):
     assert list(res["phases_ms"]) == ["fetch_launch", "forward", "readback", "fetch_join"]
     assert res["fetched_tokens"] == 12 and res["fell_back"] is None and res["first_token"] == 3
     assert me.fetched == (me.landing.cache, 0, 3)
+    o = res["overlap_us"]
+    assert (o["gate_armed"], o["gate_enqueued"], o["gate_ended"]) == (5, 9, 30)
+    assert 0 <= o["opened"] <= o["forward_done"]
 
 
 def test_a_fetch_failing_under_the_enqueued_forward_is_recomputed_in_full(mods):
