@@ -3,7 +3,10 @@
 //!
 //! Runs are copied with `cuMemcpyDtoDAsync` when there are few of them; many
 //! scattered runs go through one launch of the converting gather kernel of
-//! [`crate::cuda_gather`] (compiled once per device with NVRTC), which also
+//! [`crate::cuda_gather`] (compiled once per device with NVRTC; under
+//! `KV_GATHER_UPLOAD=pipelined`, the default, a large part is cut into a few
+//! launches so the host packs the next while the stream runs one, see
+//! [`GatherUpload`]), which also
 //! lands blocks in another [`kv_descriptor::KvRegionLayout`]
 //! ([`CudaCopyBackend::convert_blocks`]). The kernel runs on the destination
 //! device; when the source lives on another device, peer access is enabled
@@ -92,6 +95,11 @@ struct Device {
     sms: u32,
     /// Block and piece tables of the launches on this device.
     tables: Tables,
+    /// Second stream of [`GatherUpload::Pipelined2`] (created on its first
+    /// use): odd chunks of a pipelined part run on it.
+    aux: Option<Arc<CudaStream>>,
+    /// A launch was issued on `aux` since the last [`Device::sync`].
+    aux_in_flight: bool,
     /// Packed-id Vec of the last direct gather, handed to the next one
     /// ([`RunsGather::with_words`]): a scattered fetch allocates no id
     /// table and writes into memory it already touched.
@@ -100,17 +108,24 @@ struct Device {
 }
 
 impl Device {
-    /// Waits for everything issued on the stream; afterwards nothing reads
-    /// the table staging buffer.
+    /// Waits for everything issued on the stream (and on `aux` when a
+    /// launch went there since the last sync); afterwards nothing reads the
+    /// table staging buffer. Both streams are waited for even when the
+    /// first wait fails; the first error is returned.
     fn sync(&mut self) -> Result<(), TransferError> {
-        let r = self
+        let main = self
             .stream
             .synchronize()
             .map_err(cuda_err("cuStreamSynchronize"));
-        if r.is_ok() {
+        let aux = match (&self.aux, self.aux_in_flight) {
+            (Some(a), true) => a.synchronize().map_err(cuda_err("cuStreamSynchronize")),
+            _ => Ok(()),
+        };
+        if main.is_ok() && aux.is_ok() {
             self.tables.quiesced();
+            self.aux_in_flight = false;
         }
-        r
+        main.and(aux)
     }
 }
 
@@ -190,7 +205,8 @@ pub fn upload_from_env(
 impl CudaCopyBackend {
     /// A backend; devices are initialised on first use. The block-table
     /// variant and pipeline chunking come from `KV_GATHER_UPLOAD`
-    /// (`params`, `pipelined` (default) or `copy`, see [`GatherUpload`]),
+    /// (`params`, `pipelined` (default), `pipelined2` or `copy`, see
+    /// [`GatherUpload`]),
     /// `KV_GATHER_PIPELINE_FIRST_KIB` and `KV_GATHER_PIPELINE_GROWTH`
     /// ([`Pipeline`]); [`CudaCopyBackend::with_upload`] sets them in code.
     ///
@@ -296,6 +312,8 @@ impl CudaCopyBackend {
             kernels,
             sms,
             tables: Tables::new(),
+            aux: None,
+            aux_in_flight: false,
             words: Vec::new(),
             peers: HashMap::new(),
         }));
@@ -417,6 +435,7 @@ impl CudaCopyBackend {
             (src.base_addr(), dst.base_addr()),
             &self.tuning,
             self.upload,
+            false,
             None,
         );
         let synced = dev.sync();
@@ -495,23 +514,47 @@ impl CudaCopyBackend {
         tuning: &GatherTuning,
         (upload, pipeline): (GatherUpload, &Pipeline),
     ) -> Result<(u64, u64), TransferError> {
-        if upload != GatherUpload::Pipelined {
-            return Self::gather_one(dev, sb, db, runs, block_bytes, regions, tuning, upload);
+        let one = (upload, false);
+        if !upload.pipelines() {
+            return Self::gather_one(dev, sb, db, runs, block_bytes, regions, tuning, one);
+        }
+        let two = upload == GatherUpload::Pipelined2;
+        if two && dev.aux.is_none() {
+            // Before the first chunk: a piece table uploaded for it is then
+            // waited for before the second stream can read it
+            // (`Tables::pieces` with two streams).
+            let s = dev.ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
+            dev.aux = Some(s);
         }
         let (mut launches, mut bytes) = (0, 0);
-        for chunk in pipeline.chunks(runs) {
-            let (l, b) =
-                Self::gather_one(dev, sb, db, chunk, block_bytes, regions, tuning, upload)?;
+        for (k, chunk) in pipeline.chunks(runs).enumerate() {
+            let on_aux = two && k % 2 == 1;
+            if on_aux {
+                // Set before the launch: `Device::sync` then waits for
+                // `aux` whatever the launch returns.
+                dev.aux_in_flight = true;
+            }
+            let (l, b) = Self::gather_one(
+                dev,
+                sb,
+                db,
+                chunk,
+                block_bytes,
+                regions,
+                tuning,
+                (upload, on_aux),
+            )?;
             launches += l;
             bytes += b;
         }
         Ok((launches, bytes))
     }
 
-    /// One launch of the converting gather for `runs`; returns `(launches,
-    /// bytes)`, the bytes being the rows the launch covers (every run
-    /// checked to be `blocks x block_bytes` long), so the part's outcome
-    /// needs no second pass over its runs.
+    /// One launch of the converting gather for `runs` (on the device's
+    /// second stream when `on_aux`); returns `(launches, bytes)`, the bytes
+    /// being the rows the launch covers (every run checked to be `blocks x
+    /// block_bytes` long), so the part's outcome needs no second pass over
+    /// its runs.
     #[allow(clippy::too_many_arguments)]
     fn gather_one(
         dev: &mut Device,
@@ -521,7 +564,7 @@ impl CudaCopyBackend {
         block_bytes: u64,
         regions: (u64, u64),
         tuning: &GatherTuning,
-        upload: GatherUpload,
+        (upload, on_aux): (GatherUpload, bool),
     ) -> Result<(u64, u64), TransferError> {
         let bad = |e: crate::cuda_gather::ConvertError| TransferError::input("runs", e.to_string());
         // Up to 8,128 blocks the launch writes the inline table (or packed
@@ -531,7 +574,7 @@ impl CudaCopyBackend {
         if let Some(direct) =
             RunsGather::with_words(runs, block_bytes, tuning, words).map_err(bad)?
         {
-            let launched = launch_convert(dev, &direct, (sb, db), tuning, upload, None);
+            let launched = launch_convert(dev, &direct, (sb, db), tuning, upload, on_aux, None);
             let bytes = direct.bytes();
             dev.words = direct.into_words();
             return Ok((launched?, bytes));
@@ -539,7 +582,7 @@ impl CudaCopyBackend {
         let plan = ConvertPlan::from_runs_tuned(runs, block_bytes, regions.0, regions.1, tuning)
             .map_err(bad)?;
         Ok((
-            launch_convert(dev, &plan, (sb, db), tuning, upload, None)?,
+            launch_convert(dev, &plan, (sb, db), tuning, upload, on_aux, None)?,
             plan.bytes(),
         ))
     }

@@ -385,6 +385,11 @@ fn every_upload_variant_lands_every_byte_of_a_scattered_fetch() {
             (GatherUpload::Copy, Pipeline::default()),
             (GatherUpload::Pipelined, Pipeline::default()),
             (GatherUpload::Pipelined, Pipeline::new(64 << 10, 2).unwrap()),
+            (GatherUpload::Pipelined2, Pipeline::default()),
+            (
+                GatherUpload::Pipelined2,
+                Pipeline::new(64 << 10, 2).unwrap(),
+            ),
         ] {
             let backend = CudaCopyBackend::new(CudaMode::Auto)
                 .unwrap()
@@ -412,9 +417,9 @@ fn every_upload_variant_lands_every_byte_of_a_scattered_fetch() {
             // 3,000 x 4 KiB is 11.7 MiB: one launch, or 2,048 + 952 rows
             // by default, or 16 + 32 + ... chunks cut small.
             let launches = rep.counters.copies;
-            match (upload, pipeline == Pipeline::default()) {
-                (GatherUpload::Pipelined, true) => assert_eq!(launches, 2),
-                (GatherUpload::Pipelined, false) => assert!(launches > 3, "{launches}"),
+            match (upload.pipelines(), pipeline == Pipeline::default()) {
+                (true, true) => assert_eq!(launches, 2),
+                (true, false) => assert!(launches > 3, "{launches}"),
                 _ => assert_eq!(launches, 1),
             }
             println!(

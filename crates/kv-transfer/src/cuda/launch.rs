@@ -246,19 +246,22 @@ impl Tables {
 
     /// Device address of the block table holding `plan`'s `2n` entries for
     /// regions at `sb` / `db`, uploaded on `stream` (exactly `2n` entries).
+    /// `all` are the device's streams (the launch stream among them).
     fn upload_blocks(
         &mut self,
         stream: &Arc<CudaStream>,
+        all: &[&Arc<CudaStream>],
         plan: &dyn BlockSource,
         (sb, db): (u64, u64),
     ) -> Result<u64, TransferError> {
         let n2 = 2 * plan.blocks();
         if self.staged_in_flight {
-            // An earlier launch of this part may still read the staging
-            // buffer; rare (parts over 65,536 blocks).
-            stream
-                .synchronize()
-                .map_err(cuda_err("cuStreamSynchronize"))?;
+            // An earlier launch of this part, on either stream, may still
+            // read the staging buffer or the device table; rare (parts over
+            // 65,536 blocks, or pipelined chunks whose ids do not pack).
+            for s in all {
+                s.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
+            }
             self.staged_in_flight = false;
         }
         if self.device.as_ref().is_none_or(|d| d.0.len() < n2) {
@@ -295,11 +298,17 @@ impl Tables {
     /// Device address of `plan`'s piece table, uploaded only when none of
     /// the kept tables equals it (pointer-equal tables of a cached shape
     /// skip the comparison). Past [`PIECE_TABLES`] the oldest is dropped:
-    /// its memory is freed in stream order (`cuMemFreeAsync` on this
-    /// stream), after every launch already issued that reads it.
+    /// its memory is freed in stream order (`cuMemFreeAsync` on `stream`,
+    /// the main stream every table is uploaded on), after every launch
+    /// already issued there that reads it. When the device has a second
+    /// stream (`all` longer than one), a miss first waits for every stream
+    /// (no launch on the other stream reads a table about to be dropped)
+    /// and then for the upload (the other stream may read the new table
+    /// next): only on a miss.
     fn pieces(
         &mut self,
         stream: &Arc<CudaStream>,
+        all: &[&Arc<CudaStream>],
         plan: &dyn BlockSource,
     ) -> Result<u64, TransferError> {
         let want = plan.pieces_arc();
@@ -310,6 +319,12 @@ impl Tables {
             .find(|(_, _, host)| Arc::ptr_eq(host, want) || **host == **want)
         {
             return Ok(*ptr);
+        }
+        let two = all.len() > 1;
+        if two {
+            for s in all {
+                s.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
+            }
         }
         let table: Vec<u64> = want.src.iter().chain(&want.dst).copied().collect();
         let mut t = stream
@@ -323,31 +338,53 @@ impl Tables {
             self.pieces.remove(0);
         }
         self.pieces.push((t, ptr, want.clone()));
+        if two {
+            stream
+                .synchronize()
+                .map_err(cuda_err("cuStreamSynchronize"))?;
+        }
         Ok(ptr)
     }
 }
 
 /// One launch of the converting gather for `plan` between the regions at
-/// `sb` / `db` on `dev`; returns the launches issued (1). Under
-/// [`GatherUpload::Copy`] the block table is always the device table. The
-/// caller synchronizes the stream (and calls [`Tables::quiesced`]) before
-/// it returns.
+/// `sb` / `db` on `dev` (on its second stream when `on_aux`, which must
+/// exist); returns the launches issued (1). Under [`GatherUpload::Copy`]
+/// the block table is always the device table. The caller synchronizes the
+/// streams ([`Device::sync`], which calls [`Tables::quiesced`]) before it
+/// returns.
 pub(super) fn launch_convert(
     dev: &mut Device,
     plan: &dyn BlockSource,
     (sb, db): (u64, u64),
     tuning: &GatherTuning,
     upload: GatherUpload,
+    on_aux: bool,
     mut events: Option<&mut LaunchEvents>,
 ) -> Result<u64, TransferError> {
     let host_t0 = std::time::Instant::now();
     let geo = plan.geometry_tuned(sb, db, dev.sms, tuning);
     let Device {
-        stream,
+        stream: main,
+        aux,
         kernels,
         tables,
         ..
     } = dev;
+    let main: &Arc<CudaStream> = main;
+    let aux: Option<&Arc<CudaStream>> = aux.as_ref();
+    let both = [main, aux.unwrap_or(main)];
+    let streams = &both[..if aux.is_some() { 2 } else { 1 }];
+    let stream = match (on_aux, aux) {
+        (false, _) => main,
+        (true, Some(a)) => a,
+        (true, None) => {
+            return Err(TransferError::Cuda {
+                op: "cuLaunchKernel",
+                reason: "a launch on the second stream before it was created".into(),
+            })
+        }
+    };
     let kernels = kernels.as_ref().ok_or_else(|| TransferError::Cuda {
         op: "nvrtcCompileProgram",
         reason: "libnvrtc not found: the converting gather kernel is unavailable".into(),
@@ -381,11 +418,11 @@ pub(super) fn launch_convert(
         ev.start = Some(record(stream)?);
     }
     let block_ptr = if placement == TablePlacement::Device {
-        tables.upload_blocks(stream, plan, (sb, db))?
+        tables.upload_blocks(stream, streams, plan, (sb, db))?
     } else {
         0
     };
-    let piece_ptr = tables.pieces(stream, plan)?;
+    let piece_ptr = tables.pieces(main, streams, plan)?;
     if let Some(ev) = events.as_deref_mut() {
         ev.uploaded = Some(record(stream)?);
     }

@@ -108,6 +108,7 @@ impl CudaCopyBackend {
             bases,
             &self.tuning,
             self.upload,
+            false,
             Some(&mut ev),
         );
         let synced = dev.sync();

@@ -21,7 +21,7 @@ use crate::plan::CopyRun;
 use super::INLINE_PACKED_BLOCKS;
 
 /// Environment variable selecting [`GatherUpload`] (`params`, `pipelined`,
-/// `copy`), read by `CudaCopyBackend::new`.
+/// `pipelined2`, `copy`), read by `CudaCopyBackend::new`.
 pub const UPLOAD_ENV: &str = "KV_GATHER_UPLOAD";
 /// Environment variable overriding [`Pipeline::first_bytes`] (KiB).
 pub const PIPELINE_FIRST_ENV: &str = "KV_GATHER_PIPELINE_FIRST_KIB";
@@ -38,9 +38,15 @@ pub enum GatherUpload {
     /// As [`GatherUpload::Params`], and a block-major part of more than
     /// [`Pipeline::first_bytes`] is cut into launches of growing size
     /// ([`PipelineChunks`]) so the host packs chunk `k + 1` while chunk `k`
-    /// runs.
+    /// runs. One stream: chunk `k + 1` starts when chunk `k` has finished.
     #[default]
     Pipelined,
+    /// As [`GatherUpload::Pipelined`], odd chunks on a second stream of the
+    /// device, so chunk `k + 1`'s CTAs can start while chunk `k` drains
+    /// (a small first chunk leaves SMs free). Chunks write disjoint target
+    /// rows (a `TransferPlan` writes no block twice); the part
+    /// synchronizes both streams before it returns.
+    Pipelined2,
     /// Always the device table: the block table written into page-locked
     /// memory and copied with one `cuMemcpyHtoDAsync` before the launch
     /// (the path of drivers older than CUDA 12.1), for comparison.
@@ -49,15 +55,22 @@ pub enum GatherUpload {
 
 impl GatherUpload {
     /// Every variant, in the order the benchmark documents them.
-    pub const ALL: [Self; 3] = [Self::Params, Self::Pipelined, Self::Copy];
+    pub const ALL: [Self; 4] = [Self::Params, Self::Pipelined, Self::Pipelined2, Self::Copy];
 
-    /// `params`, `pipelined` or `copy`: the value of [`UPLOAD_ENV`].
+    /// `params`, `pipelined`, `pipelined2` or `copy`: the value of
+    /// [`UPLOAD_ENV`].
     pub fn label(self) -> &'static str {
         match self {
             Self::Params => "params",
             Self::Pipelined => "pipelined",
+            Self::Pipelined2 => "pipelined2",
             Self::Copy => "copy",
         }
+    }
+
+    /// True for the variants that cut a part into [`PipelineChunks`].
+    pub fn pipelines(self) -> bool {
+        matches!(self, Self::Pipelined | Self::Pipelined2)
     }
 
     /// The variant named `s` (case-insensitive, surrounding space ignored).
@@ -69,7 +82,7 @@ impl GatherUpload {
         Self::ALL
             .into_iter()
             .find(|v| v.label().eq_ignore_ascii_case(t))
-            .ok_or_else(|| format!("`{s}` is not one of params, pipelined, copy"))
+            .ok_or_else(|| format!("`{s}` is not one of params, pipelined, pipelined2, copy"))
     }
 
     /// True when an inline (kernel parameter) table may be used.
@@ -291,7 +304,13 @@ mod tests {
         }
         assert_eq!(GatherUpload::parse(" PARAMS "), Ok(GatherUpload::Params));
         let e = GatherUpload::parse("mapped").unwrap_err();
-        assert!(e.contains("params, pipelined, copy"), "{e}");
+        assert!(e.contains("params, pipelined, pipelined2, copy"), "{e}");
+        assert_eq!(
+            GatherUpload::parse("pipelined2"),
+            Ok(GatherUpload::Pipelined2)
+        );
+        assert!(GatherUpload::Pipelined2.pipelines() && GatherUpload::Pipelined.pipelines());
+        assert!(!GatherUpload::Params.pipelines() && !GatherUpload::Copy.pipelines());
         assert!(!GatherUpload::Copy.inline_allowed());
         assert!(GatherUpload::Params.inline_allowed());
         assert!(GatherUpload::Pipelined.inline_allowed());
