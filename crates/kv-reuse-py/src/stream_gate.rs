@@ -202,10 +202,16 @@ impl StreamGate {
     fn times_us(&self) -> std::collections::BTreeMap<&'static str, u64> {
         let s = self.shared.lock();
         let created = s.created.unwrap_or_else(Instant::now);
-        [("armed", s.armed_at), ("enqueued", s.enqueued_at), ("ended", s.ended_at)]
-            .into_iter()
-            .filter_map(|(k, t)| t.map(|t| (k, t.saturating_duration_since(created).as_micros() as u64)))
-            .collect()
+        [
+            ("armed", s.armed_at),
+            ("enqueued", s.enqueued_at),
+            ("ended", s.ended_at),
+        ]
+        .into_iter()
+        .filter_map(|(k, t)| {
+            t.map(|t| (k, t.saturating_duration_since(created).as_micros() as u64))
+        })
+        .collect()
     }
 
     /// The raw `CUstream` handle given.
@@ -261,7 +267,10 @@ impl StreamGate {
         {
             let mut s = self.shared.lock();
             if s.armed || s.ended {
-                return Err(bad_argument("gate", "serves one fetch; it served one already"));
+                return Err(bad_argument(
+                    "gate",
+                    "serves one fetch; it served one already",
+                ));
             }
             *s = GateState {
                 armed: true,

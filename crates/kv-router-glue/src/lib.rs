@@ -129,7 +129,9 @@ pub use event_plane::{
     EventPlane, InProcessPlane, PlaneFuture, PlaneMessage, Subject, Subscription, SUBJECT_ROOT,
 };
 #[cfg(feature = "worker")]
-pub use fetch_executor::{DonorPin, DonorSource, EngineRegion, FetchExecutor, FetchOutcome, FetchStages};
+pub use fetch_executor::{
+    DonorPin, DonorSource, EngineRegion, FetchExecutor, FetchOutcome, FetchStages,
+};
 pub use hint_validation::{check_prompt_prefix, validate_hint, ValidatedFetch};
 pub use kv_events::{
     resync_subject, KvEventPublisher, KvEventReceiver, KvStreamItem, KvStreamResume,

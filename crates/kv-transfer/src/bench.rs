@@ -88,6 +88,13 @@ pub struct BenchRow {
     /// kernel-only medians (JSON key `phases`, absent elsewhere).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phases: Option<crate::bench_sweep::Phases>,
+    /// GPU rows of the gather backend (`cuda_ipc`, `cuda_convert`, sweep):
+    /// how block tables reached the kernel, as
+    /// [`CudaCopyBackend::upload_label`] says (`upload=params`,
+    /// `upload=pipelined first=8192KiB growth=4`, `upload=copy`; set with
+    /// `KV_GATHER_UPLOAD`). JSON key `gather_upload`, absent elsewhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gather_upload: Option<String>,
 }
 
 pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
@@ -192,6 +199,33 @@ pub(crate) fn verify(
     Ok(())
 }
 
+/// Checks every planned row of rank 0 against the donor bytes (one read of
+/// each region, after the timed runs): the GPU gather rows' byte oracle,
+/// so every upload variant's row stands on a fully checked copy.
+pub(crate) fn verify_all(
+    plan: &TransferPlan,
+    src: &dyn BankMemory,
+    dst: &dyn BankMemory,
+    name: &str,
+) -> Result<(), TransferError> {
+    let (mut a, mut b) = (vec![0u8; src.len()], vec![0u8; dst.len()]);
+    src.read_bytes(0, &mut a)?;
+    dst.read_bytes(0, &mut b)?;
+    for (i, r) in plan.parts()[0].runs.iter().enumerate() {
+        let (s, d, n) = (r.src_offset as usize, r.dst_offset as usize, r.len as usize);
+        if a[s..s + n] != b[d..d + n] {
+            return Err(TransferError::input(
+                "bench",
+                format!(
+                    "{name}: run {i} (target block {}) differs from its source",
+                    r.dst_block
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn time_delivery(
     plan: &TransferPlan,
     backend: &dyn CopyBackend,
@@ -282,6 +316,7 @@ pub(crate) fn row(
         ratio: g / rg,
         p50_us: t.as_secs_f64() * 1e6,
         phases: None,
+        gather_upload: None,
     }
 }
 
@@ -463,9 +498,18 @@ fn run_gpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
                     if !scattered && label == "cuda_copy_per_run" {
                         continue; // one run: identical to the row above
                     }
+                    // Zero the target first so the check below sees only
+                    // what these deliveries wrote.
+                    if label == "cuda_ipc" {
+                        dst.write_bytes(0, &vec![0u8; dst.len()])?;
+                    }
                     let t = time_delivery(&plan, backend, &io, repeats)?;
                     let name = format!("{prefix}/{label}/{pattern}/{}x{}", s.blocks, s.label);
-                    verify(&plan, &src, &dst, &name)?;
+                    if label == "cuda_ipc" {
+                        verify_all(&plan, &src, &dst, &name)?;
+                    } else {
+                        verify(&plan, &src, &dst, &name)?;
+                    }
                     let mut r = row(name, &plan, s.blocks, t, raw);
                     if scattered && label == "cuda_ipc" {
                         let (sl, dl) = (src.len() as u64, dst.len() as u64);
@@ -528,11 +572,59 @@ fn run_gpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
     rows.extend(crate::bench_convert::rows(
         &auto, opts.quick, repeats, &tuning, None,
     )?);
+    label_gather_rows(&mut rows, &auto.upload_label());
     Ok(rows)
+}
+
+/// Sets `gather_upload` on the rows the gather backend ran (`cuda_ipc`,
+/// `cuda_convert`, `sweep`), not on the per-run copy or NIXL rows.
+pub(crate) fn label_gather_rows(rows: &mut [BenchRow], label: &str) {
+    for r in rows {
+        if ["/cuda_ipc/", "/cuda_convert/"]
+            .iter()
+            .any(|k| r.name.contains(k))
+            || r.name.starts_with("sweep")
+        {
+            r.gather_upload = Some(label.to_string());
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn gather_rows_carry_the_upload_variant() {
+        let mut rows: Vec<BenchRow> = [
+            "gpu/cuda_ipc/scattered/1024x64KiB",
+            "gpu/cuda_copy_per_run/scattered/1024x64KiB",
+            "gpu/nixl_prepared/scattered/1024x64KiB",
+            "gpu/cuda_convert/8b_scattered_to_hf_tokens_at_48/512x2MiB",
+            "sweep/scattered/1024x64KiB/t256_c8_p64KiB",
+        ]
+        .into_iter()
+        .map(|n| BenchRow {
+            name: n.into(),
+            bytes: 1,
+            blocks: 1,
+            gbps: 1.0,
+            raw_gbps: 1.0,
+            ratio: 1.0,
+            p50_us: 1.0,
+            phases: None,
+            gather_upload: None,
+        })
+        .collect();
+        label_gather_rows(&mut rows, "upload=params");
+        let got: Vec<bool> = rows.iter().map(|r| r.gather_upload.is_some()).collect();
+        assert_eq!(got, [true, false, false, true, true]);
+        let json = serde_json::to_value(&rows[0]).unwrap();
+        assert_eq!(json["gather_upload"], "upload=params");
+        assert!(serde_json::to_value(&rows[1])
+            .unwrap()
+            .get("gather_upload")
+            .is_none());
+    }
+
     #[test]
     fn only_fail_closed_transport_refusals_skip_a_nixl_row() {
         let refused = TransferError::PartFailed {

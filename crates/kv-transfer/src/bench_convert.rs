@@ -260,5 +260,6 @@ fn row_of(name: String, bytes: u64, blocks: u32, t: Duration, raw: Duration) -> 
         ratio: g / rg,
         p50_us: t.as_secs_f64() * 1e6,
         phases: None,
+        gather_upload: None,
     }
 }

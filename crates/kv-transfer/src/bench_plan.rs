@@ -62,6 +62,7 @@ fn plan_row(name: String, bytes: u64, blocks: u64, t: Duration, raw_gbps: f64) -
         ratio: g / raw_gbps,
         p50_us: t.as_secs_f64() * 1e6,
         phases: None,
+        gather_upload: None,
     }
 }
 

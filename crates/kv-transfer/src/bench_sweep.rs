@@ -217,10 +217,12 @@ pub(crate) fn sweep(quick: bool, repeats: usize) -> Result<Vec<BenchRow>, Transf
         let plan = plan_for(&layout, s.blocks, true)?;
         mems.push((src, dst, raw, plan, s.blocks, s.label));
     }
+    let mut label_of = None;
     for &(t, c, p) in &GRID {
         let tuning =
             GatherTuning::new(t, c, p).map_err(|e| TransferError::input("sweep", e.to_string()))?;
         let backend = CudaCopyBackend::new(CudaMode::Auto)?.with_tuning(tuning);
+        label_of.get_or_insert_with(|| backend.upload_label());
         for (src, dst, raw, plan, blocks, size) in &mems {
             let io = [RankIo {
                 src: SourceRegion::Mapped(src),
@@ -244,6 +246,9 @@ pub(crate) fn sweep(quick: bool, repeats: usize) -> Result<Vec<BenchRow>, Transf
         }
     }
     best_rows(&mut rows);
+    if let Some(b) = &label_of {
+        crate::bench::label_gather_rows(&mut rows, b);
+    }
     Ok(rows)
 }
 
@@ -301,6 +306,7 @@ mod tests {
             ratio,
             p50_us: 1.0,
             phases: None,
+            gather_upload: None,
         }
     }
 

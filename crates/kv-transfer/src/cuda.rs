@@ -3,7 +3,10 @@
 //!
 //! Runs are copied with `cuMemcpyDtoDAsync` when there are few of them; many
 //! scattered runs go through one launch of the converting gather kernel of
-//! [`crate::cuda_gather`] (compiled once per device with NVRTC), which also
+//! [`crate::cuda_gather`] (compiled once per device with NVRTC; under
+//! `KV_GATHER_UPLOAD=pipelined`, the default, a large part is cut into a few
+//! launches so the host packs the next while the stream runs one, see
+//! [`GatherUpload`]), which also
 //! lands blocks in another [`kv_descriptor::KvRegionLayout`]
 //! ([`CudaCopyBackend::convert_blocks`]). The kernel runs on the destination
 //! device; when the source lives on another device, peer access is enabled
@@ -23,7 +26,10 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 use kv_bank::{BankMemory, MemoryKind};
 use parking_lot::Mutex;
 
-use crate::cuda_gather::{ConvertPlan, ConvertShape, GatherTuning, RunsGather};
+use crate::cuda_gather::{
+    ConvertPlan, ConvertShape, GatherTuning, GatherUpload, Pipeline, RunsGather,
+    PIPELINE_FIRST_ENV, PIPELINE_GROWTH_ENV, UPLOAD_ENV,
+};
 use crate::delivery::{CopyBackend, PartOutcome, RankIo, SourceRegion};
 use crate::plan::{CopyRun, PartPlan};
 use crate::{DeliveryControl, TransferError};
@@ -89,6 +95,11 @@ struct Device {
     sms: u32,
     /// Block and piece tables of the launches on this device.
     tables: Tables,
+    /// Second stream of [`GatherUpload::Pipelined2`] (created on its first
+    /// use): odd chunks of a pipelined part run on it.
+    aux: Option<Arc<CudaStream>>,
+    /// A launch was issued on `aux` since the last [`Device::sync`].
+    aux_in_flight: bool,
     /// Packed-id Vec of the last direct gather, handed to the next one
     /// ([`RunsGather::with_words`]): a scattered fetch allocates no id
     /// table and writes into memory it already touched.
@@ -102,7 +113,8 @@ struct Device {
 
 impl Device {
     /// Makes `control`'s consumer stream, when it is on this device, wait
-    /// for everything issued on this device's stream so far, then tells the
+    /// for everything issued on this device's stream (and on `aux` when a
+    /// launch went there since the last sync) so far, then tells the
     /// caller (rank `rank`). A consumer on another device is left alone: its
     /// rows are delivered by that device's part.
     fn release_consumer(
@@ -124,34 +136,46 @@ impl Device {
             );
         }
         let ev = self.enqueued.as_ref().expect("created above");
-        ev.record(&self.stream).map_err(cuda_err("cuEventRecord"))?;
-        // SAFETY: the event is alive (owned by this device, destroyed only
-        // with it); `ConsumerStream::new`'s contract makes `c.stream()` a
-        // live stream of this device's primary context (the context of
-        // `self.ctx`) for as long as the delivery runs.
-        unsafe {
-            cudarc::driver::result::stream::wait_event(
-                c.stream() as cudarc::driver::sys::CUstream,
-                ev.cu_event(),
-                cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
+        let aux = self.aux.as_ref().filter(|_| self.aux_in_flight);
+        // A wait captures the event's state when enqueued, so one event
+        // serves both streams: recorded on each, waited for after each.
+        for stream in std::iter::once(&self.stream).chain(aux) {
+            ev.record(stream).map_err(cuda_err("cuEventRecord"))?;
+            // SAFETY: the event is alive (owned by this device, destroyed
+            // only with it); `ConsumerStream::new`'s contract makes
+            // `c.stream()` a live stream of this device's primary context
+            // (the context of `self.ctx`) for as long as the delivery runs.
+            unsafe {
+                cudarc::driver::result::stream::wait_event(
+                    c.stream() as cudarc::driver::sys::CUstream,
+                    ev.cu_event(),
+                    cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(cuda_err("cuStreamWaitEvent"))?;
         }
-        .map_err(cuda_err("cuStreamWaitEvent"))?;
         c.notify(rank);
         Ok(())
     }
 
-    /// Waits for everything issued on the stream; afterwards nothing reads
-    /// the table staging buffer.
+    /// Waits for everything issued on the stream (and on `aux` when a
+    /// launch went there since the last sync); afterwards nothing reads the
+    /// table staging buffer. Both streams are waited for even when the
+    /// first wait fails; the first error is returned.
     fn sync(&mut self) -> Result<(), TransferError> {
-        let r = self
+        let main = self
             .stream
             .synchronize()
             .map_err(cuda_err("cuStreamSynchronize"));
-        if r.is_ok() {
+        let aux = match (&self.aux, self.aux_in_flight) {
+            (Some(a), true) => a.synchronize().map_err(cuda_err("cuStreamSynchronize")),
+            _ => Ok(()),
+        };
+        if main.is_ok() && aux.is_ok() {
             self.tables.quiesced();
+            self.aux_in_flight = false;
         }
-        r
+        main.and(aux)
     }
 }
 
@@ -162,6 +186,10 @@ pub struct CudaCopyBackend {
     devices: Mutex<HashMap<u32, Arc<Mutex<Device>>>>,
     use_kernel: bool,
     tuning: GatherTuning,
+    /// How block tables reach the kernel (`KV_GATHER_UPLOAD`).
+    upload: GatherUpload,
+    /// Chunk sizes of [`GatherUpload::Pipelined`].
+    pipeline: Pipeline,
     /// Shapes of the converting parts seen, newest last: a fetch into a
     /// known layout pair builds no piece table.
     shapes: Mutex<Vec<Arc<ConvertShape>>>,
@@ -173,6 +201,8 @@ impl std::fmt::Debug for CudaCopyBackend {
             .field("devices", &self.devices.lock().keys().collect::<Vec<_>>())
             .field("use_kernel", &self.use_kernel)
             .field("tuning", &self.tuning)
+            .field("upload", &self.upload)
+            .field("pipeline", &self.pipeline)
             .finish()
     }
 }
@@ -186,11 +216,54 @@ pub enum CudaMode {
     CopyPerRun,
 }
 
+/// The upload variant and pipeline chunking named by `KV_GATHER_UPLOAD`,
+/// `KV_GATHER_PIPELINE_FIRST_KIB` and `KV_GATHER_PIPELINE_GROWTH` as `get`
+/// reports them (unset: [`GatherUpload::default`], [`Pipeline::default`]).
+///
+/// # Errors
+/// [`TransferError::InvalidInput`] naming the variable.
+pub fn upload_from_env(
+    get: impl Fn(&str) -> Option<String>,
+) -> Result<(GatherUpload, Pipeline), TransferError> {
+    let upload = match get(UPLOAD_ENV) {
+        Some(v) => GatherUpload::parse(&v).map_err(|e| TransferError::input(UPLOAD_ENV, e))?,
+        None => GatherUpload::default(),
+    };
+    let num = |name: &'static str, default: u64| -> Result<u64, TransferError> {
+        get(name).map_or(Ok(default), |v| {
+            v.trim()
+                .parse()
+                .map_err(|_| TransferError::input(name, format!("`{v}` is not an integer")))
+        })
+    };
+    let d = Pipeline::default();
+    let first_kib = num(PIPELINE_FIRST_ENV, d.first_bytes() >> 10)?;
+    let growth = num(PIPELINE_GROWTH_ENV, d.growth())?;
+    let pipeline = Pipeline::new(first_kib.saturating_mul(1024), growth).map_err(|e| {
+        TransferError::input(
+            if e.starts_with("growth") {
+                PIPELINE_GROWTH_ENV
+            } else {
+                PIPELINE_FIRST_ENV
+            },
+            e,
+        )
+    })?;
+    Ok((upload, pipeline))
+}
+
 impl CudaCopyBackend {
-    /// A backend; devices are initialised on first use.
+    /// A backend; devices are initialised on first use. The block-table
+    /// variant and pipeline chunking come from `KV_GATHER_UPLOAD`
+    /// (`params`, `pipelined` (default), `pipelined2` or `copy`, see
+    /// [`GatherUpload`]),
+    /// `KV_GATHER_PIPELINE_FIRST_KIB` and `KV_GATHER_PIPELINE_GROWTH`
+    /// ([`Pipeline`]); [`CudaCopyBackend::with_upload`] sets them in code.
     ///
     /// # Errors
-    /// [`TransferError::Cuda`] naming `libcuda` when no driver is present.
+    /// [`TransferError::Cuda`] naming `libcuda` when no driver is present;
+    /// [`TransferError::InvalidInput`] naming one of those variables when
+    /// its value is not accepted.
     pub fn new(mode: CudaMode) -> Result<Self, TransferError> {
         if !driver_present() {
             return Err(TransferError::Cuda {
@@ -198,12 +271,33 @@ impl CudaCopyBackend {
                 reason: "CUDA driver library not found".into(),
             });
         }
+        let (upload, pipeline) = upload_from_env(|k| std::env::var(k).ok())?;
         Ok(Self {
             devices: Mutex::new(HashMap::new()),
             use_kernel: mode == CudaMode::Auto,
             tuning: GatherTuning::default(),
+            upload,
+            pipeline,
             shapes: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The same backend sending block tables the `upload` way, cutting
+    /// pipelined parts as `pipeline` says.
+    pub fn with_upload(mut self, upload: GatherUpload, pipeline: Pipeline) -> Self {
+        self.upload = upload;
+        self.pipeline = pipeline;
+        self
+    }
+
+    /// How block tables reach the kernel.
+    pub fn upload(&self) -> GatherUpload {
+        self.upload
+    }
+
+    /// Chunk sizes of [`GatherUpload::Pipelined`].
+    pub fn pipeline(&self) -> Pipeline {
+        self.pipeline
     }
 
     /// The same backend launching the gather with `tuning` (CTA size, grid
@@ -268,6 +362,8 @@ impl CudaCopyBackend {
             kernels,
             sms,
             tables: Tables::new(),
+            aux: None,
+            aux_in_flight: false,
             words: Vec::new(),
             peers: HashMap::new(),
             enqueued: None,
@@ -389,6 +485,8 @@ impl CudaCopyBackend {
             plan,
             (src.base_addr(), dst.base_addr()),
             &self.tuning,
+            self.upload,
+            false,
             None,
         );
         // The consumer waits only for a launch that was issued whole.
@@ -455,10 +553,14 @@ impl CudaCopyBackend {
         Ok((runs.len() as u64, bytes))
     }
 
-    /// One launch of the converting gather for `runs`; returns `(launches,
-    /// bytes)`, the bytes being the rows the launch covers (every run
-    /// checked to be `blocks x block_bytes` long), so the part's outcome
-    /// needs no second pass over its runs.
+    /// The converting gather for `runs`: one launch, or under
+    /// [`GatherUpload::Pipelined`] one per [`Pipeline::chunks`] slice, each
+    /// issued before the next slice is packed (the stream runs slice `k`
+    /// while the host packs `k + 1`; the caller synchronizes once after the
+    /// last). Returns `(launches, bytes)` as [`CudaCopyBackend::gather_one`].
+    /// On an error, the slices already launched may still run: the caller
+    /// synchronizes before it returns, whatever happened.
+    #[allow(clippy::too_many_arguments)]
     fn gather(
         dev: &mut Device,
         sb: u64,
@@ -467,6 +569,59 @@ impl CudaCopyBackend {
         block_bytes: u64,
         regions: (u64, u64),
         tuning: &GatherTuning,
+        (upload, pipeline): (GatherUpload, &Pipeline),
+    ) -> Result<(u64, u64), TransferError> {
+        let one = (upload, false);
+        if !upload.pipelines() {
+            return Self::gather_one(dev, sb, db, runs, block_bytes, regions, tuning, one);
+        }
+        let two = upload == GatherUpload::Pipelined2;
+        if two && dev.aux.is_none() {
+            // Before the first chunk: a piece table uploaded for it is then
+            // waited for before the second stream can read it
+            // (`Tables::pieces` with two streams).
+            let s = dev.ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
+            dev.aux = Some(s);
+        }
+        let (mut launches, mut bytes) = (0, 0);
+        for (k, chunk) in pipeline.chunks(runs).enumerate() {
+            let on_aux = two && k % 2 == 1;
+            if on_aux {
+                // Set before the launch: `Device::sync` then waits for
+                // `aux` whatever the launch returns.
+                dev.aux_in_flight = true;
+            }
+            let (l, b) = Self::gather_one(
+                dev,
+                sb,
+                db,
+                chunk,
+                block_bytes,
+                regions,
+                tuning,
+                (upload, on_aux),
+            )?;
+            launches += l;
+            bytes += b;
+        }
+        Ok((launches, bytes))
+    }
+
+    /// One launch of the converting gather for `runs` (on the device's
+    /// second stream when `on_aux`); returns `(launches, bytes)`, the bytes
+    /// being the rows the launch covers (every run checked to be `blocks x
+    /// block_bytes` long), so the part's outcome needs no second pass over
+    /// its runs.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_one(
+        dev: &mut Device,
+        sb: u64,
+        db: u64,
+        runs: &[CopyRun],
+        block_bytes: u64,
+        regions: (u64, u64),
+        tuning: &GatherTuning,
+        (upload, on_aux): (GatherUpload, bool),
     ) -> Result<(u64, u64), TransferError> {
         let bad = |e: crate::cuda_gather::ConvertError| TransferError::input("runs", e.to_string());
         // Up to 8,128 blocks the launch writes the inline table (or packed
@@ -476,7 +631,7 @@ impl CudaCopyBackend {
         if let Some(direct) =
             RunsGather::with_words(runs, block_bytes, tuning, words).map_err(bad)?
         {
-            let launched = launch_convert(dev, &direct, (sb, db), tuning, None);
+            let launched = launch_convert(dev, &direct, (sb, db), tuning, upload, on_aux, None);
             let bytes = direct.bytes();
             dev.words = direct.into_words();
             return Ok((launched?, bytes));
@@ -484,7 +639,7 @@ impl CudaCopyBackend {
         let plan = ConvertPlan::from_runs_tuned(runs, block_bytes, regions.0, regions.1, tuning)
             .map_err(bad)?;
         Ok((
-            launch_convert(dev, &plan, (sb, db), tuning, None)?,
+            launch_convert(dev, &plan, (sb, db), tuning, upload, on_aux, None)?,
             plan.bytes(),
         ))
     }
@@ -521,8 +676,15 @@ impl CopyBackend for CudaCopyBackend {
         let (dev, src_dev, dst_dev) = self.open_pair(part.tp_rank, src, io.dst)?;
         let mut dev = dev.lock();
         let kernel_ok = dev.kernels.is_some() && part.runs.len() > DIRECT_MAX_RUNS;
-        let planned_blocks: u64 = part.runs.iter().map(|r| u64::from(r.blocks)).sum();
-        let block_bytes = part.expected_bytes / planned_blocks.max(1);
+        // The rank block from the first run, not a pass over every run
+        // (4096 runs are 160 KiB): the gather refuses a run that is not
+        // `blocks` rows of it, and `deliver` a part whose bytes are not
+        // the expected bytes, so a wrong value cannot complete a fetch.
+        let block_bytes = part
+            .runs
+            .first()
+            .map_or(0, |r| r.len / u64::from(r.blocks.max(1)));
+        let planned_blocks = part.expected_bytes / block_bytes.max(1);
         let regions = (src.len() as u64, io.dst.len() as u64);
         dev.ctx
             .bind_to_thread()
@@ -542,7 +704,16 @@ impl CopyBackend for CudaCopyBackend {
                 break;
             }
             let r = if kernel_ok {
-                Self::gather(&mut dev, sb, db, batch, block_bytes, regions, &self.tuning)
+                Self::gather(
+                    &mut dev,
+                    sb,
+                    db,
+                    batch,
+                    block_bytes,
+                    regions,
+                    &self.tuning,
+                    (self.upload, &self.pipeline),
+                )
             } else {
                 Self::copy_runs(&dev, sb, db, batch)
             };
@@ -751,5 +922,43 @@ mod tests {
         assert_eq!(sizes, [vec![3, 4, 1], vec![9], vec![2]]);
         assert_eq!(launch_batches(&runs, 1 << 16).len(), 1);
         assert!(launch_batches(&[], 8).is_empty());
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let v: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(k, x)| (k.to_string(), x.to_string()))
+            .collect();
+        move |k| v.iter().find(|(n, _)| n == k).map(|(_, x)| x.clone())
+    }
+
+    #[test]
+    fn upload_variant_and_pipeline_come_from_the_environment_by_name() {
+        assert_eq!(
+            upload_from_env(env(&[])).unwrap(),
+            (GatherUpload::Pipelined, Pipeline::default())
+        );
+        for (v, want) in [
+            ("params", GatherUpload::Params),
+            ("pipelined", GatherUpload::Pipelined),
+            ("copy", GatherUpload::Copy),
+        ] {
+            assert_eq!(upload_from_env(env(&[(UPLOAD_ENV, v)])).unwrap().0, want);
+        }
+        let (_, p) = upload_from_env(env(&[
+            (PIPELINE_FIRST_ENV, "16384"),
+            (PIPELINE_GROWTH_ENV, "3"),
+        ]))
+        .unwrap();
+        assert_eq!((p.first_bytes(), p.growth()), (16 << 20, 3));
+        for (pairs, name) in [
+            ([(UPLOAD_ENV, "mapped")], UPLOAD_ENV),
+            ([(PIPELINE_FIRST_ENV, "8M")], PIPELINE_FIRST_ENV),
+            ([(PIPELINE_FIRST_ENV, "32")], PIPELINE_FIRST_ENV),
+            ([(PIPELINE_GROWTH_ENV, "1")], PIPELINE_GROWTH_ENV),
+        ] {
+            let e = upload_from_env(env(&pairs)).unwrap_err().to_string();
+            assert!(e.contains(name), "{e}");
+        }
     }
 }

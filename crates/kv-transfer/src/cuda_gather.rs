@@ -42,6 +42,7 @@ mod reference;
 mod runs;
 mod shape;
 mod source;
+mod upload;
 pub use packed::PackedIds;
 pub use reference::reference_convert;
 pub use runs::{BlockSource, RunsGather};
@@ -51,6 +52,10 @@ pub use source::{
     INLINE_LARGE_ENTRIES, INLINE_LARGE_NAMES, INLINE_PACKED_BLOCKS, INLINE_PACKED_ENTRIES,
     INLINE_PACKED_NAMES, INLINE_SMALL_BLOCKS, INLINE_SMALL_ENTRIES, INLINE_SMALL_NAMES,
     KERNEL_NAMES, PACKED_MAX_BLOCK_ID, PACKED_TIER_NAMES, WIDE_KERNEL_NAME,
+};
+pub use upload::{
+    GatherUpload, Pipeline, PipelineChunks, PIPELINE_FIRST_ENV, PIPELINE_GROWTH_ENV,
+    PIPELINE_MIN_RUNS, UPLOAD_ENV,
 };
 
 /// Threads per CTA of the converting gather.

@@ -250,20 +250,11 @@ pub fn deliver(
             .conversion
             .as_ref()
             .map_or((0, 0), |c| (c.src().region_bytes(), c.dst().region_bytes()));
-        let src_end = part
-            .runs
-            .iter()
-            .map(|r| r.src_offset + r.len)
-            .max()
-            .unwrap_or(0)
-            .max(conv_src);
-        let dst_end = part
-            .runs
-            .iter()
-            .map(|r| r.dst_offset + r.len)
-            .max()
-            .unwrap_or(0)
-            .max(conv_dst);
+        // One pass for both ends (a scattered part of 4096 runs is 160 KiB
+        // read before any byte moves).
+        let (src_end, dst_end) = part.runs.iter().fold((conv_src, conv_dst), |(s, d), r| {
+            (s.max(r.src_offset + r.len), d.max(r.dst_offset + r.len))
+        });
         if src_end > rio.src.len() {
             return Err(TransferError::input(
                 "io.src",

@@ -254,6 +254,7 @@ pub fn child_main(args: &[String]) -> Result<ChildReport, TransferError> {
             ratio: g / rg,
             p50_us: t.as_secs_f64() * 1e6,
             phases: None,
+            gather_upload: None,
         });
     }
     Ok(ChildReport {

@@ -592,8 +592,8 @@ impl FetchExecutor {
                     .in_scope(|| self.check_blocks(manifest, expected, reservation.blocks()))
                 {
                     Ok(()) => {
-                        let target_blocks = crate::spans::commit(request_id)
-                            .in_scope(|| reservation.complete());
+                        let target_blocks =
+                            crate::spans::commit(request_id).in_scope(|| reservation.complete());
                         Ok(FetchOutcome {
                             target_blocks,
                             fetch_from: hint.fetch_from,

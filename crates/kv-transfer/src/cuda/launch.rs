@@ -24,13 +24,18 @@ use cudarc::driver::{
 use super::profile::{record, LaunchEvents};
 use super::{cuda_err, Device};
 use crate::cuda_gather::{
-    BlockSource, GatherTuning, PieceTable, TablePlacement, CONVERT_KERNEL_SRC,
+    BlockSource, GatherTuning, GatherUpload, PieceTable, TablePlacement, CONVERT_KERNEL_SRC,
     INLINE_KERNEL_DEFINE, INLINE_LARGE_ENTRIES, INLINE_PACKED_ENTRIES, INLINE_SMALL_ENTRIES,
 };
 use crate::TransferError;
 
 /// CUDA driver API version that accepts kernel parameters past 4 KiB.
 const LARGE_PARAMS_DRIVER: i32 = 12010;
+/// Piece tables a device keeps (newest last): a pipelined part's chunks
+/// split their pieces by chunk size (1024 x 64 KiB: 8, 32 and 16 KiB
+/// pieces), and an executor fetches in a few sizes and layout pairs, so a
+/// fetch uploads no piece table it sent before.
+const PIECE_TABLES: usize = 8;
 
 /// Entry points of one table placement: by element width (bytes), then the
 /// 16-byte eight-wide one ([`TablePlacement::wide_name`]).
@@ -213,9 +218,10 @@ pub(super) struct Tables {
     /// A launch read the staging buffer and the stream was not synchronized
     /// since (only within one multi-launch part).
     staged_in_flight: bool,
-    /// Piece table on the device, its raw address and the host table it
-    /// holds: the same layout pair reuses it without an upload.
-    pieces: Option<(CudaSlice<u64>, u64, Arc<PieceTable>)>,
+    /// Piece tables on the device (at most [`PIECE_TABLES`], newest last),
+    /// each with its raw address and the host table it holds: a launch
+    /// whose pieces are one of them uploads nothing.
+    pieces: Vec<(CudaSlice<u64>, u64, Arc<PieceTable>)>,
 }
 
 // SAFETY: the raw staging pointer points into the `PinnedHostSlice` stored
@@ -229,7 +235,7 @@ impl Tables {
             packed: Box::new([0; INLINE_PACKED_ENTRIES]),
             device: None,
             staged_in_flight: false,
-            pieces: None,
+            pieces: Vec::new(),
         }
     }
 
@@ -240,19 +246,22 @@ impl Tables {
 
     /// Device address of the block table holding `plan`'s `2n` entries for
     /// regions at `sb` / `db`, uploaded on `stream` (exactly `2n` entries).
+    /// `all` are the device's streams (the launch stream among them).
     fn upload_blocks(
         &mut self,
         stream: &Arc<CudaStream>,
+        all: &[&Arc<CudaStream>],
         plan: &dyn BlockSource,
         (sb, db): (u64, u64),
     ) -> Result<u64, TransferError> {
         let n2 = 2 * plan.blocks();
         if self.staged_in_flight {
-            // An earlier launch of this part may still read the staging
-            // buffer; rare (parts over 65,536 blocks).
-            stream
-                .synchronize()
-                .map_err(cuda_err("cuStreamSynchronize"))?;
+            // An earlier launch of this part, on either stream, may still
+            // read the staging buffer or the device table; rare (parts over
+            // 65,536 blocks, or pipelined chunks whose ids do not pack).
+            for s in all {
+                s.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
+            }
             self.staged_in_flight = false;
         }
         if self.device.as_ref().is_none_or(|d| d.0.len() < n2) {
@@ -286,60 +295,106 @@ impl Tables {
         Ok(*ptr)
     }
 
-    /// Device address of `plan`'s piece table, uploaded only when it
-    /// differs from the one on the device (pointer-equal tables of a cached
-    /// shape skip the comparison).
+    /// Device address of `plan`'s piece table, uploaded only when none of
+    /// the kept tables equals it (pointer-equal tables of a cached shape
+    /// skip the comparison). Past [`PIECE_TABLES`] the oldest is dropped:
+    /// its memory is freed in stream order (`cuMemFreeAsync` on `stream`,
+    /// the main stream every table is uploaded on), after every launch
+    /// already issued there that reads it. When the device has a second
+    /// stream (`all` longer than one), a miss first waits for every stream
+    /// (no launch on the other stream reads a table about to be dropped)
+    /// and then for the upload (the other stream may read the new table
+    /// next): only on a miss.
     fn pieces(
         &mut self,
         stream: &Arc<CudaStream>,
+        all: &[&Arc<CudaStream>],
         plan: &dyn BlockSource,
     ) -> Result<u64, TransferError> {
         let want = plan.pieces_arc();
-        let same = self
+        if let Some((_, ptr, _)) = self
             .pieces
-            .as_ref()
-            .is_some_and(|(_, _, host)| Arc::ptr_eq(host, want) || **host == **want);
-        if !same {
-            let table: Vec<u64> = want.src.iter().chain(&want.dst).copied().collect();
-            let mut t = stream
-                .alloc_zeros::<u64>(table.len())
-                .map_err(cuda_err("cuMemAlloc"))?;
-            stream
-                .memcpy_htod(&table, &mut t)
-                .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
-            let ptr = t.device_ptr(stream).0;
-            self.pieces = Some((t, ptr, plan.pieces_arc().clone()));
+            .iter()
+            .rev()
+            .find(|(_, _, host)| Arc::ptr_eq(host, want) || **host == **want)
+        {
+            return Ok(*ptr);
         }
-        Ok(self.pieces.as_ref().expect("uploaded above").1)
+        let two = all.len() > 1;
+        if two {
+            for s in all {
+                s.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
+            }
+        }
+        let table: Vec<u64> = want.src.iter().chain(&want.dst).copied().collect();
+        let mut t = stream
+            .alloc_zeros::<u64>(table.len())
+            .map_err(cuda_err("cuMemAlloc"))?;
+        stream
+            .memcpy_htod(&table, &mut t)
+            .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
+        let ptr = t.device_ptr(stream).0;
+        if self.pieces.len() == PIECE_TABLES {
+            self.pieces.remove(0);
+        }
+        self.pieces.push((t, ptr, want.clone()));
+        if two {
+            stream
+                .synchronize()
+                .map_err(cuda_err("cuStreamSynchronize"))?;
+        }
+        Ok(ptr)
     }
 }
 
 /// One launch of the converting gather for `plan` between the regions at
-/// `sb` / `db` on `dev`; returns the launches issued (1). The caller
-/// synchronizes the stream (and calls [`Tables::quiesced`]) before it
+/// `sb` / `db` on `dev` (on its second stream when `on_aux`, which must
+/// exist); returns the launches issued (1). Under [`GatherUpload::Copy`]
+/// the block table is always the device table. The caller synchronizes the
+/// streams ([`Device::sync`], which calls [`Tables::quiesced`]) before it
 /// returns.
 pub(super) fn launch_convert(
     dev: &mut Device,
     plan: &dyn BlockSource,
     (sb, db): (u64, u64),
     tuning: &GatherTuning,
+    upload: GatherUpload,
+    on_aux: bool,
     mut events: Option<&mut LaunchEvents>,
 ) -> Result<u64, TransferError> {
     let host_t0 = std::time::Instant::now();
     let geo = plan.geometry_tuned(sb, db, dev.sms, tuning);
     let Device {
-        stream,
+        stream: main,
+        aux,
         kernels,
         tables,
         ..
     } = dev;
+    let main: &Arc<CudaStream> = main;
+    let aux: Option<&Arc<CudaStream>> = aux.as_ref();
+    let both = [main, aux.unwrap_or(main)];
+    let streams = &both[..if aux.is_some() { 2 } else { 1 }];
+    let stream = match (on_aux, aux) {
+        (false, _) => main,
+        (true, Some(a)) => a,
+        (true, None) => {
+            return Err(TransferError::Cuda {
+                op: "cuLaunchKernel",
+                reason: "a launch on the second stream before it was created".into(),
+            })
+        }
+    };
     let kernels = kernels.as_ref().ok_or_else(|| TransferError::Cuda {
         op: "nvrtcCompileProgram",
         reason: "libnvrtc not found: the converting gather kernel is unavailable".into(),
     })?;
     let packed = plan.packed();
-    let placement =
-        TablePlacement::for_blocks(plan.blocks(), kernels.inline_loaded(), packed.is_some());
+    let placement = TablePlacement::for_blocks(
+        plan.blocks(),
+        kernels.inline_loaded() && upload.inline_allowed(),
+        packed.is_some(),
+    );
     let func = kernels
         .function(placement, geo.width, geo.wide)
         .ok_or_else(|| TransferError::Cuda {
@@ -363,11 +418,11 @@ pub(super) fn launch_convert(
         ev.start = Some(record(stream)?);
     }
     let block_ptr = if placement == TablePlacement::Device {
-        tables.upload_blocks(stream, plan, (sb, db))?
+        tables.upload_blocks(stream, streams, plan, (sb, db))?
     } else {
         0
     };
-    let piece_ptr = tables.pieces(stream, plan)?;
+    let piece_ptr = tables.pieces(main, streams, plan)?;
     if let Some(ev) = events.as_deref_mut() {
         ev.uploaded = Some(record(stream)?);
     }
@@ -448,7 +503,9 @@ impl super::CudaCopyBackend {
     }
 
     /// One line saying how device `ordinal` places gather block tables:
-    /// `inline kernel parameters` or `device table upload (<why>)`, for the
+    /// `inline kernel parameters`, `device table upload (<why>)` or
+    /// `device table upload (KV_GATHER_UPLOAD=copy)`, then the upload
+    /// variant (`upload=pipelined first=8192KiB growth=4`), for the
     /// benchmark log.
     ///
     /// # Errors
@@ -456,13 +513,33 @@ impl super::CudaCopyBackend {
     pub fn table_path(&self, ordinal: u32) -> Result<String, TransferError> {
         let dev = self.device(ordinal)?;
         let dev = dev.lock();
-        Ok(match &dev.kernels {
+        let tables = match &dev.kernels {
             None => "no gather kernel (libnvrtc absent or CudaMode::CopyPerRun)".into(),
+            Some(_) if !self.upload.inline_allowed() => {
+                format!(
+                    "device table upload ({}=copy)",
+                    crate::cuda_gather::UPLOAD_ENV
+                )
+            }
             Some(k) => match &k.inline_absent {
                 None => "inline kernel parameters (small u64 / packed ids 4-32 KiB)".into(),
                 Some(why) => format!("device table upload ({why})"),
             },
-        })
+        };
+        Ok(format!("{tables}; {}", self.upload_label()))
+    }
+
+    /// `upload=<variant>`, with `first=<KiB>KiB growth=<n>` when pipelined:
+    /// the variant the benchmark rows were measured with.
+    pub fn upload_label(&self) -> String {
+        match self.upload {
+            GatherUpload::Pipelined => format!(
+                "upload=pipelined first={}KiB growth={}",
+                self.pipeline.first_bytes() >> 10,
+                self.pipeline.growth()
+            ),
+            u => format!("upload={}", u.label()),
+        }
     }
 }
 

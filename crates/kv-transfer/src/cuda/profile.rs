@@ -102,7 +102,15 @@ impl CudaCopyBackend {
             .map_err(cuda_err("cuCtxSetCurrent"))?;
         let mut ev = LaunchEvents::default();
         let bases = (src.base_addr(), dst.base_addr());
-        let launched = super::launch_convert(&mut dev, plan, bases, &self.tuning, Some(&mut ev));
+        let launched = super::launch_convert(
+            &mut dev,
+            plan,
+            bases,
+            &self.tuning,
+            self.upload,
+            false,
+            Some(&mut ev),
+        );
         let synced = dev.sync();
         launched?;
         synced?;

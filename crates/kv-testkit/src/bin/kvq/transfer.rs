@@ -325,6 +325,7 @@ mod tests {
                 kernel_us: 40.0,
                 kernel_ratio: 0.95,
             }),
+            gather_upload: None,
         };
         let t = bench_table(&[row]);
         assert!(
