@@ -4,8 +4,8 @@
 //! Runs are copied with `cuMemcpyDtoDAsync` when there are few of them; many
 //! scattered runs go through one launch of the converting gather kernel of
 //! [`crate::cuda_gather`] (compiled once per device with NVRTC; under
-//! `KV_GATHER_UPLOAD=pipelined`, the default, a large part is cut into a few
-//! launches so the host packs the next while the stream runs one, see
+//! `KV_GATHER_UPLOAD=pipelined2`, the default, a large part is cut into a few
+//! launches, odd ones on a second stream, so the host packs the next while a stream runs one, see
 //! [`GatherUpload`]), which also
 //! lands blocks in another [`kv_descriptor::KvRegionLayout`]
 //! ([`CudaCopyBackend::convert_blocks`]). The kernel runs on the destination
@@ -255,7 +255,7 @@ pub fn upload_from_env(
 impl CudaCopyBackend {
     /// A backend; devices are initialised on first use. The block-table
     /// variant and pipeline chunking come from `KV_GATHER_UPLOAD`
-    /// (`params`, `pipelined` (default), `pipelined2` or `copy`, see
+    /// (`params`, `pipelined`, `pipelined2` (default) or `copy`, see
     /// [`GatherUpload`]),
     /// `KV_GATHER_PIPELINE_FIRST_KIB` and `KV_GATHER_PIPELINE_GROWTH`
     /// ([`Pipeline`]); [`CudaCopyBackend::with_upload`] sets them in code.

@@ -39,13 +39,15 @@ pub enum GatherUpload {
     /// [`Pipeline::first_bytes`] is cut into launches of growing size
     /// ([`PipelineChunks`]) so the host packs chunk `k + 1` while chunk `k`
     /// runs. One stream: chunk `k + 1` starts when chunk `k` has finished.
-    #[default]
     Pipelined,
     /// As [`GatherUpload::Pipelined`], odd chunks on a second stream of the
     /// device, so chunk `k + 1`'s CTAs can start while chunk `k` drains
     /// (a small first chunk leaves SMs free). Chunks write disjoint target
     /// rows (a `TransferPlan` writes no block twice); the part
-    /// synchronizes both streams before it returns.
+    /// synchronizes both streams before it returns. The default: best or
+    /// tied of the four on every row of the H200 comparison
+    /// (`docs/qualification/h200-s13/call2/`).
+    #[default]
     Pipelined2,
     /// Always the device table: the block table written into page-locked
     /// memory and copied with one `cuMemcpyHtoDAsync` before the launch
@@ -298,7 +300,7 @@ mod tests {
 
     #[test]
     fn variants_parse_by_name_and_pipeline_knobs_are_checked() {
-        assert_eq!(GatherUpload::default(), GatherUpload::Pipelined);
+        assert_eq!(GatherUpload::default(), GatherUpload::Pipelined2);
         for v in GatherUpload::ALL {
             assert_eq!(GatherUpload::parse(v.label()), Ok(v));
         }
