@@ -258,7 +258,13 @@ fn a_closed_tcp_connection_releases_its_pins() {
         until(Duration::from_secs(2), || bank.pins_outstanding() == 0),
         "pins outlived their TCP connection"
     );
-    assert_eq!(svc.active_pins(), 0);
+    // The connection's thread releases the bank's pins, then its own count:
+    // the two reach 0 one after the other, not at once (seen in CI-like runs).
+    assert!(
+        until(Duration::from_secs(2), || svc.active_pins() == 0),
+        "the service still counts {} pins",
+        svc.active_pins()
+    );
     assert_eq!(svc.stats().dropped_on_disconnect, 1);
     svc.shutdown(Duration::ZERO);
 }
