@@ -21,7 +21,9 @@
 
 use std::sync::Arc;
 
-use kv_bank::{BankManager, BankMemory, CompletedBlocks, DestinationPool, ManagerPin};
+use kv_bank::{
+    BankManager, BankMemory, CompletedBlocks, DestinationPool, DestinationReservation, ManagerPin,
+};
 use kv_descriptor::{
     BankManifest, DescriptorError, FetchGpuHint, HintEnvelope, KvLayout, KvRegionLayout,
     SequenceHash,
@@ -571,6 +573,18 @@ impl FetchExecutor {
             transfer_us: us(t_pinned, t_transferred),
             verify_commit_us: us(t_transferred, end),
         };
+        // Both successful arms below publish the rows the same way.
+        let commit = |reservation: DestinationReservation, report: DeliveryReport| {
+            let target_blocks =
+                crate::spans::commit(request_id).in_scope(|| reservation.complete());
+            FetchOutcome {
+                target_blocks,
+                fetch_from: hint.fetch_from,
+                fetched,
+                report,
+                stages: stages(std::time::Instant::now()),
+            }
+        };
         let verify = crate::spans::verify(request_id);
         let checksums = pin.block_checksums().map(<[u64]>::to_vec);
         let released = pin.release();
@@ -591,17 +605,7 @@ impl FetchExecutor {
                 match verify
                     .in_scope(|| self.check_blocks(manifest, expected, reservation.blocks()))
                 {
-                    Ok(()) => {
-                        let target_blocks =
-                            crate::spans::commit(request_id).in_scope(|| reservation.complete());
-                        Ok(FetchOutcome {
-                            target_blocks,
-                            fetch_from: hint.fetch_from,
-                            fetched,
-                            report,
-                            stages: stages(std::time::Instant::now()),
-                        })
-                    }
+                    Ok(()) => Ok(commit(reservation, report)),
                     Err(e) => {
                         reservation.cancel().quiesced();
                         Err(fallback("verify", FallbackCause::BlockChecksum(e)))
@@ -613,15 +617,7 @@ impl FetchExecutor {
                     report.is_complete() && report.counters.bytes == v.total_bytes
                 }) =>
             {
-                let target_blocks =
-                    crate::spans::commit(request_id).in_scope(|| reservation.complete());
-                Ok(FetchOutcome {
-                    target_blocks,
-                    fetch_from: hint.fetch_from,
-                    fetched,
-                    report,
-                    stages: stages(std::time::Instant::now()),
-                })
+                Ok(commit(reservation, report))
             }
             Ok(report) => {
                 reservation.cancel().quiesced();
