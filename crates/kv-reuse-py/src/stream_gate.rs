@@ -47,6 +47,13 @@ struct GateState {
     ended_at: Option<Instant>,
 }
 
+impl GateState {
+    /// Every rank part delivering to the gate's device was enqueued.
+    fn is_open(&self) -> bool {
+        self.armed && self.parts > 0 && self.enqueued >= self.parts
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct GateShared {
     state: Mutex<GateState>,
@@ -56,11 +63,6 @@ pub(crate) struct GateShared {
 impl GateShared {
     fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn open(&self) -> bool {
-        let s = self.lock();
-        s.armed && s.parts > 0 && s.enqueued >= s.parts
     }
 }
 
@@ -142,7 +144,7 @@ impl StreamGate {
         Ok(py.allow_threads(move || {
             let mut s = shared.lock();
             loop {
-                if s.armed && s.parts > 0 && s.enqueued >= s.parts {
+                if s.is_open() {
                     return true;
                 }
                 if s.ended {
@@ -169,7 +171,7 @@ impl StreamGate {
     /// True once the stream waits for every copy of the fetch to this device.
     #[getter]
     fn enqueued(&self) -> bool {
-        self.shared.open()
+        self.shared.lock().is_open()
     }
 
     /// True once the fetch returned or raised.
@@ -287,7 +289,7 @@ impl StreamGate {
             {
                 let mut s = shared.lock();
                 s.enqueued += 1;
-                if s.enqueued >= s.parts {
+                if s.is_open() {
                     s.enqueued_at = Some(Instant::now());
                 }
             }

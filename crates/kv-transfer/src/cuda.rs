@@ -22,7 +22,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaContext};
 use kv_bank::{BankMemory, MemoryKind};
 use parking_lot::Mutex;
 
@@ -34,11 +34,13 @@ use crate::delivery::{CopyBackend, PartOutcome, RankIo, SourceRegion};
 use crate::plan::{CopyRun, PartPlan};
 use crate::{DeliveryControl, TransferError};
 
+mod device;
 mod launch;
 mod profile;
+use device::Device;
 pub use launch::inline_compile_options;
 use launch::{launch_convert, Kernels, Tables};
-pub use profile::LaunchPhases;
+pub use profile::{time_raw_device_copy, LaunchPhases};
 
 /// At most this many runs go out as individual device copies; more use the kernel.
 const DIRECT_MAX_RUNS: usize = 4;
@@ -84,147 +86,6 @@ pub fn device_count() -> usize {
         return 0;
     }
     CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
-}
-
-struct Device {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    /// Entry points of the converting gather (absent without libnvrtc).
-    kernels: Option<Kernels>,
-    /// Streaming multiprocessors (sizes the grid).
-    sms: u32,
-    /// Block and piece tables of the launches on this device.
-    tables: Tables,
-    /// Second stream of [`GatherUpload::Pipelined2`] (created on its first
-    /// use): odd chunks of a pipelined part run on it.
-    aux: Option<Arc<CudaStream>>,
-    /// A launch was issued on `aux` since the last [`Device::sync`].
-    aux_in_flight: bool,
-    /// Packed-id Vec of the last direct gather, handed to the next one
-    /// ([`RunsGather::with_words`]): a scattered fetch allocates no id
-    /// table and writes into memory it already touched.
-    words: Vec<u32>,
-    peers: HashMap<u32, bool>,
-    /// Recorded after a part's copies for a [`ConsumerStream`] to wait on
-    /// (created on first use, re-recorded per part: a wait captures the
-    /// event's state when it is enqueued).
-    enqueued: Option<cudarc::driver::CudaEvent>,
-    /// Created with `CU_EVENT_BLOCKING_SYNC`: waited on instead of spinning
-    /// in `cuStreamSynchronize` once a consumer stream was released.
-    blocking: Option<cudarc::driver::CudaEvent>,
-    /// A consumer stream was released behind this part's copies (reset by
-    /// [`Device::sync`]).
-    released: bool,
-}
-
-impl Device {
-    /// Makes `control`'s consumer stream, when it is on this device, wait
-    /// for everything issued on this device's stream (and on `aux` when a
-    /// launch went there since the last sync) so far, then tells the
-    /// caller (rank `rank`). A consumer on another device is left alone: its
-    /// rows are delivered by that device's part.
-    fn release_consumer(
-        &mut self,
-        control: &DeliveryControl,
-        rank: u32,
-    ) -> Result<(), TransferError> {
-        let Some(c) = control.consumer.as_ref() else {
-            return Ok(());
-        };
-        if c.ordinal() != self.ctx.ordinal() as u32 {
-            return Ok(());
-        }
-        if self.enqueued.is_none() {
-            self.enqueued = Some(
-                self.ctx
-                    .new_event(None)
-                    .map_err(cuda_err("cuEventCreate"))?,
-            );
-        }
-        let ev = self.enqueued.as_ref().expect("created above");
-        let aux = self.aux.as_ref().filter(|_| self.aux_in_flight);
-        // A wait captures the event's state when enqueued, so one event
-        // serves both streams: recorded on each, waited for after each.
-        for stream in std::iter::once(&self.stream).chain(aux) {
-            ev.record(stream).map_err(cuda_err("cuEventRecord"))?;
-            // SAFETY: the event is alive (owned by this device, destroyed
-            // only with it); `ConsumerStream::new`'s contract makes
-            // `c.stream()` a live stream of this device's primary context
-            // (the context of `self.ctx`) for as long as the delivery runs.
-            unsafe {
-                cudarc::driver::result::stream::wait_event(
-                    c.stream() as cudarc::driver::sys::CUstream,
-                    ev.cu_event(),
-                    cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-            }
-            .map_err(cuda_err("cuStreamWaitEvent"))?;
-        }
-        c.notify(rank);
-        self.released = true;
-        Ok(())
-    }
-
-    /// Waits for everything issued on the stream (and `aux`) by blocking on
-    /// an event instead of spinning: once an engine's stream waits behind
-    /// the copies, the engine's thread is launching its forward, and a
-    /// thread spinning in `cuStreamSynchronize` on the same context takes
-    /// CPU and driver time from those launches (a host-bound forward ran
-    /// ~3 ms slower beside it on the H200). Completion is a little later to
-    /// notice, which nothing waits on: the engine's stream is ordered by
-    /// the event already.
-    fn wait_blocking(&mut self) -> Result<(), TransferError> {
-        if self.blocking.is_none() {
-            self.blocking = Some(
-                self.ctx
-                    .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
-                    .map_err(cuda_err("cuEventCreate"))?,
-            );
-        }
-        let ev = self.blocking.as_ref().expect("created above");
-        let aux = self.aux.as_ref().filter(|_| self.aux_in_flight);
-        let mut first = Ok(());
-        for stream in std::iter::once(&self.stream).chain(aux) {
-            let r = ev
-                .record(stream)
-                .map_err(cuda_err("cuEventRecord"))
-                .and_then(|()| ev.synchronize().map_err(cuda_err("cuEventSynchronize")));
-            if first.is_ok() {
-                first = r;
-            }
-        }
-        first
-    }
-
-    /// Waits for everything issued on the stream (and on `aux` when a
-    /// launch went there since the last sync); afterwards nothing reads the
-    /// table staging buffer. Both streams are waited for even when the
-    /// first wait fails; the first error is returned.
-    fn sync(&mut self) -> Result<(), TransferError> {
-        if std::mem::take(&mut self.released) {
-            // A failed blocking wait falls through to the plain
-            // synchronize below, which must succeed before anything is
-            // reported quiesced.
-            if self.wait_blocking().is_ok() {
-                self.tables.quiesced();
-                self.aux_in_flight = false;
-                return Ok(());
-            }
-        }
-        let main = self
-            .stream
-            .synchronize()
-            .map_err(cuda_err("cuStreamSynchronize"));
-        let aux = match (&self.aux, self.aux_in_flight) {
-            (Some(a), true) => a.synchronize().map_err(cuda_err("cuStreamSynchronize")),
-            _ => Ok(()),
-        };
-        if main.is_ok() && aux.is_ok() {
-            self.tables.quiesced();
-            self.aux_in_flight = false;
-        }
-        main.and(aux)
-    }
 }
 
 /// Copies between CUDA regions: device copies for a few runs, the NVRTC
@@ -898,115 +759,5 @@ fn launch_batches(runs: &[CopyRun], max_blocks: usize) -> Vec<&[CopyRun]> {
     out
 }
 
-/// Times `repeats` plain `cuMemcpyDtoDAsync` calls of `bytes` from `src` (on
-/// device `src_ordinal`) to `dst` (on device `ordinal`), each followed by a
-/// stream synchronize: the raw-copy baseline of the benchmark. Peer access is
-/// enabled first when the devices differ, so the baseline is a direct peer
-/// copy, not one staged through the host. One untimed warm-up copy runs first.
-///
-/// # Errors
-/// [`TransferError::Cuda`] naming the failing call.
-pub fn time_raw_device_copy(
-    src_ordinal: u32,
-    ordinal: u32,
-    dst: u64,
-    src: u64,
-    bytes: usize,
-    repeats: usize,
-) -> Result<Vec<std::time::Duration>, TransferError> {
-    let ctx = CudaContext::new(ordinal as usize).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
-    if src_ordinal != ordinal {
-        let peer =
-            CudaContext::new(src_ordinal as usize).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
-        if !enable_peer_access(&ctx, &peer)? {
-            return Err(TransferError::Cuda {
-                op: "cuCtxEnablePeerAccess",
-                reason: format!("device {ordinal} cannot access device {src_ordinal} directly"),
-            });
-        }
-    }
-    let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
-    let mut out = Vec::with_capacity(repeats);
-    for i in 0..=repeats {
-        let t0 = std::time::Instant::now();
-        // SAFETY: the caller passes two live device ranges of `bytes` bytes
-        // that nothing else uses during the benchmark.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
-            .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
-        stream
-            .synchronize()
-            .map_err(cuda_err("cuStreamSynchronize"))?;
-        if i > 0 {
-            out.push(t0.elapsed());
-        }
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn run(blocks: u32) -> CopyRun {
-        CopyRun {
-            src_block: 0,
-            dst_block: 0,
-            blocks,
-            src_offset: 0,
-            dst_offset: 0,
-            len: u64::from(blocks),
-        }
-    }
-
-    #[test]
-    fn launch_batches_cover_every_run_within_the_block_cap() {
-        let runs: Vec<CopyRun> = [3, 4, 1, 9, 2].into_iter().map(run).collect();
-        let b = launch_batches(&runs, 8);
-        let sizes: Vec<Vec<u32>> = b
-            .iter()
-            .map(|s| s.iter().map(|r| r.blocks).collect())
-            .collect();
-        assert_eq!(sizes, [vec![3, 4, 1], vec![9], vec![2]]);
-        assert_eq!(launch_batches(&runs, 1 << 16).len(), 1);
-        assert!(launch_batches(&[], 8).is_empty());
-    }
-
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let v: Vec<(String, String)> = pairs
-            .iter()
-            .map(|(k, x)| (k.to_string(), x.to_string()))
-            .collect();
-        move |k| v.iter().find(|(n, _)| n == k).map(|(_, x)| x.clone())
-    }
-
-    #[test]
-    fn upload_variant_and_pipeline_come_from_the_environment_by_name() {
-        assert_eq!(
-            upload_from_env(env(&[])).unwrap(),
-            (GatherUpload::Pipelined2, Pipeline::default())
-        );
-        for (v, want) in [
-            ("params", GatherUpload::Params),
-            ("pipelined", GatherUpload::Pipelined),
-            ("pipelined2", GatherUpload::Pipelined2),
-            ("copy", GatherUpload::Copy),
-        ] {
-            assert_eq!(upload_from_env(env(&[(UPLOAD_ENV, v)])).unwrap().0, want);
-        }
-        let (_, p) = upload_from_env(env(&[
-            (PIPELINE_FIRST_ENV, "16384"),
-            (PIPELINE_GROWTH_ENV, "3"),
-        ]))
-        .unwrap();
-        assert_eq!((p.first_bytes(), p.growth()), (16 << 20, 3));
-        for (pairs, name) in [
-            ([(UPLOAD_ENV, "mapped")], UPLOAD_ENV),
-            ([(PIPELINE_FIRST_ENV, "8M")], PIPELINE_FIRST_ENV),
-            ([(PIPELINE_FIRST_ENV, "32")], PIPELINE_FIRST_ENV),
-            ([(PIPELINE_GROWTH_ENV, "1")], PIPELINE_GROWTH_ENV),
-        ] {
-            let e = upload_from_env(env(&pairs)).unwrap_err().to_string();
-            assert!(e.contains(name), "{e}");
-        }
-    }
-}
+mod tests;

@@ -1,11 +1,12 @@
 //! Phase timing of the converting gather for the benchmark: CUDA events
 //! around the table upload and the kernel of one launch. Kept apart from the
-//! fetch path, which records no event.
+//! fetch path, which records no event. Also the benchmark's raw-copy
+//! baseline ([`time_raw_device_copy`]).
 
-use cudarc::driver::{sys, CudaEvent, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use kv_bank::BankMemory;
 
-use super::{cuda_err, CudaCopyBackend};
+use super::{cuda_err, enable_peer_access, CudaCopyBackend};
 use crate::cuda_gather::{BlockSource, ConvertPlan, RunsGather, TablePlacement};
 use crate::TransferError;
 
@@ -132,4 +133,49 @@ impl CudaCopyBackend {
             table: ev.placement,
         })
     }
+}
+
+/// Times `repeats` plain `cuMemcpyDtoDAsync` calls of `bytes` from `src` (on
+/// device `src_ordinal`) to `dst` (on device `ordinal`), each followed by a
+/// stream synchronize: the raw-copy baseline of the benchmark. Peer access is
+/// enabled first when the devices differ, so the baseline is a direct peer
+/// copy, not one staged through the host. One untimed warm-up copy runs first.
+///
+/// # Errors
+/// [`TransferError::Cuda`] naming the failing call.
+pub fn time_raw_device_copy(
+    src_ordinal: u32,
+    ordinal: u32,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    repeats: usize,
+) -> Result<Vec<std::time::Duration>, TransferError> {
+    let ctx = CudaContext::new(ordinal as usize).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+    if src_ordinal != ordinal {
+        let peer =
+            CudaContext::new(src_ordinal as usize).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+        if !enable_peer_access(&ctx, &peer)? {
+            return Err(TransferError::Cuda {
+                op: "cuCtxEnablePeerAccess",
+                reason: format!("device {ordinal} cannot access device {src_ordinal} directly"),
+            });
+        }
+    }
+    let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
+    let mut out = Vec::with_capacity(repeats);
+    for i in 0..=repeats {
+        let t0 = std::time::Instant::now();
+        // SAFETY: the caller passes two live device ranges of `bytes` bytes
+        // that nothing else uses during the benchmark.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
+            .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
+        if i > 0 {
+            out.push(t0.elapsed());
+        }
+    }
+    Ok(out)
 }
