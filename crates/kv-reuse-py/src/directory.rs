@@ -4,12 +4,11 @@
 //! (which refuses stale generations and lapsed leases), so that a hint's
 //! donor manifest is resolved by engine id instead of being passed around.
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict};
 
 use kv_descriptor::Wire;
 use kv_router_glue::{unix_now_ms, DirectoryPlane, DonorCache, NatsDirectory};
@@ -31,31 +30,26 @@ impl DonorDirectory {
     /// record first, then each change). `timeout_s` bounds connecting.
     /// Releases the GIL while it connects.
     ///
-    /// `user` + `password`, `token` or `creds` (a `.creds` file)
-    /// authenticate, `tls_ca` (PEM CA file) turns TLS on: the target role of
-    /// docs/nats-permissions.conf.
+    /// The NATS keywords (`**nats`, keyword only): `user` + `password`,
+    /// `token` or `creds` (a `.creds` file) authenticate, `tls_ca` (PEM CA
+    /// file) turns TLS on, `tls_cert` + `tls_key` present a client
+    /// certificate: the target role of docs/nats-permissions.conf.
     ///
     /// Raises `BadArgument` naming `timeout_s` or a credentials argument
     /// (incomplete or mixed), `PublishFailed` when NATS or JetStream cannot
     /// be reached or refuses the credentials.
     #[new]
-    #[pyo3(signature = (nats_url, bucket = "kv_donors", timeout_s = 5.0, *, user = None, password = None, token = None, creds = None, tls_ca = None, inbox_prefix = None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (nats_url, bucket = "kv_donors", timeout_s = 5.0, **nats))]
     fn new(
         py: Python<'_>,
         nats_url: &str,
         bucket: &str,
         timeout_s: f64,
-        user: Option<String>,
-        password: Option<String>,
-        token: Option<String>,
-        creds: Option<PathBuf>,
-        tls_ca: Option<PathBuf>,
-        inbox_prefix: Option<String>,
+        nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
-        let options = NatsCredentials::new(user, password, token, creds, tls_ca, inbox_prefix)
-            .options("kv-reuse-py-directory", timeout)?;
+        let options =
+            NatsCredentials::from_kwargs(nats)?.options("kv-reuse-py-directory", timeout)?;
         let cache = Arc::new(Mutex::new(DonorCache::new()));
         let feed = cache.clone();
         let url = nats_url.to_owned();

@@ -1,22 +1,39 @@
 //! How the wheel's own NATS connections (`WorkerPublisher.donor` /
 //! `.target`, `DonorDirectory`, `RouterClient`) authenticate and encrypt:
-//! the keyword arguments `user` + `password`, `token` or `creds` (a `.creds`
-//! file), `tls_ca`, and `inbox_prefix` (its reply subjects' prefix), mapped
-//! onto `kv_router_glue::NatsOptions` (and through its `connect_options`
-//! onto async-nats, the one mapping of the project) so that a donor
-//! agent's plane, directory and inventory connections, and the target's,
-//! present the role's credentials to a server that enforces the
-//! permissions of docs/nats-permissions.conf. Secrets are never put in an
-//! error message.
+//! the keyword arguments of [`NATS_KWARGS`], taken by every connecting
+//! constructor as `**nats` and read here once ([`NatsCredentials::from_kwargs`]):
+//! `user` + `password`, `token` or `creds` (a `.creds` file); `tls_ca` (PEM
+//! CA file) and `tls_cert` + `tls_key` (a client certificate, for a server
+//! that verifies clients: `nats-server --tlsverify`); `inbox_prefix` (its
+//! reply subjects' prefix). They map onto `kv_router_glue::NatsOptions` (and
+//! through its `connect_options` onto async-nats, the one mapping of the
+//! project) so that a donor agent's plane, directory and inventory
+//! connections, and the target's, present the role's credentials to a
+//! server that enforces the permissions of docs/nats-permissions.conf.
+//! Secrets are never put in an error message.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use kv_router_glue::{NatsAuth, NatsOptions, NatsTls};
 
 use crate::errors::bad_argument;
+
+/// The NATS keyword arguments every connecting constructor takes (`**nats`).
+pub(crate) const NATS_KWARGS: [&str; 8] = [
+    "user",
+    "password",
+    "token",
+    "creds",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
+    "inbox_prefix",
+];
 
 /// The credentials and TLS keyword arguments of one connecting call.
 #[derive(Default)]
@@ -26,27 +43,54 @@ pub(crate) struct NatsCredentials {
     pub token: Option<String>,
     pub creds: Option<PathBuf>,
     pub tls_ca: Option<PathBuf>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
     pub inbox_prefix: Option<String>,
 }
 
 impl NatsCredentials {
-    /// The keyword arguments, in the order every constructor takes them.
-    pub fn new(
-        user: Option<String>,
-        password: Option<String>,
-        token: Option<String>,
-        creds: Option<PathBuf>,
-        tls_ca: Option<PathBuf>,
-        inbox_prefix: Option<String>,
-    ) -> Self {
-        Self {
-            user,
-            password,
-            token,
-            creds,
-            tls_ca,
-            inbox_prefix,
+    /// The [`NATS_KWARGS`] among a constructor's `**nats` (`None`: none
+    /// given). A value of `None` is the same as leaving the argument out.
+    ///
+    /// Raises `TypeError` for a keyword that is none of them (as Python
+    /// does for an unknown keyword), `BadArgument` naming the argument when
+    /// its value is not a `str` (paths: `str` or `os.PathLike`).
+    pub fn from_kwargs(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let mut c = Self::default();
+        let Some(kwargs) = kwargs else {
+            return Ok(c);
+        };
+        for (key, value) in kwargs.iter() {
+            let key: String = key.extract()?;
+            if value.is_none() {
+                continue;
+            }
+            let text = |v: &Bound<'_, PyAny>| {
+                v.extract::<String>()
+                    .map_err(|_| bad_argument(&key, "must be a str"))
+            };
+            let path = |v: &Bound<'_, PyAny>| {
+                v.extract::<PathBuf>()
+                    .map_err(|_| bad_argument(&key, "must be a path (str or os.PathLike)"))
+            };
+            match key.as_str() {
+                "user" => c.user = Some(text(&value)?),
+                "password" => c.password = Some(text(&value)?),
+                "token" => c.token = Some(text(&value)?),
+                "inbox_prefix" => c.inbox_prefix = Some(text(&value)?),
+                "creds" => c.creds = Some(path(&value)?),
+                "tls_ca" => c.tls_ca = Some(path(&value)?),
+                "tls_cert" => c.tls_cert = Some(path(&value)?),
+                "tls_key" => c.tls_key = Some(path(&value)?),
+                other => {
+                    return Err(PyTypeError::new_err(format!(
+                        "got an unexpected keyword argument {other:?} (NATS keywords: {})",
+                        NATS_KWARGS.join(", ")
+                    )))
+                }
+            }
         }
+        Ok(c)
     }
 
     /// [`NatsCredentials::options`] as async-nats connect options
@@ -54,7 +98,7 @@ impl NatsCredentials {
     /// the TLS file checked), for a client that connects itself.
     ///
     /// Raises as `options`, and `BadArgument` naming `creds` (unreadable or
-    /// malformed file) or `tls_ca` (unreadable file).
+    /// malformed file), `tls_ca`, `tls_cert` or `tls_key` (unreadable file).
     pub fn connect_options(
         self,
         name: &str,
@@ -64,6 +108,8 @@ impl NatsCredentials {
             let argument = match e.field {
                 "auth" => "creds",
                 "tls.root_certificates" => "tls_ca",
+                "tls.client_certificate" => "tls_cert",
+                "tls.client_key" => "tls_key",
                 other => other,
             };
             bad_argument(argument, e.reason)
@@ -75,7 +121,8 @@ impl NatsCredentials {
     /// Raises `BadArgument` naming `inbox_prefix` (not a subject prefix),
     /// `password` (a `user` without one),
     /// `user` (a `password` without one), `token` or `creds` (given with
-    /// another kind of credentials).
+    /// another kind of credentials), `tls_key` (a `tls_cert` without one) or
+    /// `tls_cert` (a `tls_key` without one).
     pub fn options(self, name: &str, timeout: Duration) -> PyResult<NatsOptions> {
         if let Some(why) = self
             .inbox_prefix
@@ -104,13 +151,20 @@ impl NatsCredentials {
                 ))
             }
         };
+        let client_certificate = match (self.tls_cert, self.tls_key) {
+            (None, None) => None,
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (Some(_), None) => return Err(bad_argument("tls_key", "required with `tls_cert`")),
+            (None, Some(_)) => return Err(bad_argument("tls_cert", "required with `tls_key`")),
+        };
         Ok(NatsOptions {
             name: name.to_owned(),
             connect_timeout: timeout,
             auth,
-            // A CA file turns TLS on by itself (`NatsTls::in_force`).
+            // Either file turns TLS on by itself (`NatsTls::in_force`).
             tls: NatsTls {
                 root_certificates: self.tls_ca,
+                client_certificate,
                 ..NatsTls::default()
             },
             inbox_prefix: self.inbox_prefix,
@@ -150,6 +204,16 @@ mod tests {
         .unwrap();
         assert!(matches!(o.auth, NatsAuth::CredentialsFile(_)) && o.tls.in_force());
         assert_eq!(o.connect_timeout, t);
+        let o = NatsCredentials {
+            tls_cert: Some("/c.pem".into()),
+            tls_key: Some("/c.key".into()),
+            ..NatsCredentials::default()
+        }
+        .options("x", t)
+        .unwrap();
+        let pair = o.tls.client_certificate.clone().unwrap();
+        assert_eq!(pair, ("/c.pem".into(), "/c.key".into()));
+        assert!(o.tls.in_force() && o.tls.root_certificates.is_none());
     }
     // Refusals (BadArgument naming the argument) are tested from Python:
     // tests/test_publisher.py, which needs an interpreter to raise them.

@@ -20,11 +20,11 @@
 //! the wire forms). The extension owns one small tokio runtime per publisher;
 //! every blocking call releases the GIL.
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use kv_bank::{sealed_blocks, BankConfig, LeaseConfig};
 use kv_descriptor::{
@@ -175,9 +175,10 @@ impl WorkerPublisher {
     /// `record_ttl_s` (default `lease_s`) bounds one put of the record (it is
     /// re-put after a third of it). `timeout_s` bounds connecting and each
     /// publish call. Releases the GIL while it connects and publishes.
-    /// `user` + `password`, `token` or `creds` (a `.creds` file)
-    /// authenticate its one NATS connection, `tls_ca` (PEM CA file) turns
-    /// TLS on: the decode role of docs/nats-permissions.conf.
+    /// The NATS keywords (`**nats`): `user` + `password`, `token` or
+    /// `creds` (a `.creds` file) authenticate its one NATS connection,
+    /// `tls_ca` (PEM CA file) turns TLS on, `tls_cert` + `tls_key` present a
+    /// client certificate: the decode role of docs/nats-permissions.conf.
     ///
     /// Raises `BadArgument` naming `slots`, `lease_s`, `record_ttl_s`,
     /// `store_timeout_s`, `announce_period_s`, `timeout_s`, `gpus`,
@@ -187,7 +188,7 @@ impl WorkerPublisher {
     /// cannot open; `PinServiceFailed` when `pin_endpoint` cannot be bound;
     /// `PublishFailed` when NATS (or JetStream) is unreachable or refuses.
     #[staticmethod]
-    #[pyo3(signature = (nats_url, worker_key, layout, slots, pin_endpoint, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", bucket = "kv_donors", lease_s = 15.0, record_ttl_s = None, store_timeout_s = 5.0, announce_period_s = 1.0, event_ring = None, timeout_s = 5.0, user = None, password = None, token = None, creds = None, tls_ca = None, inbox_prefix = None))]
+    #[pyo3(signature = (nats_url, worker_key, layout, slots, pin_endpoint, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", bucket = "kv_donors", lease_s = 15.0, record_ttl_s = None, store_timeout_s = 5.0, announce_period_s = 1.0, event_ring = None, timeout_s = 5.0, **nats))]
     #[allow(clippy::too_many_arguments)]
     fn donor(
         py: Python<'_>,
@@ -207,12 +208,7 @@ impl WorkerPublisher {
         announce_period_s: f64,
         event_ring: Option<&Bound<'_, PyAny>>,
         timeout_s: f64,
-        user: Option<String>,
-        password: Option<String>,
-        token: Option<String>,
-        creds: Option<PathBuf>,
-        tls_ca: Option<PathBuf>,
-        inbox_prefix: Option<String>,
+        nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let slots: u64 = uint("slots", slots)?;
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
@@ -231,8 +227,7 @@ impl WorkerPublisher {
         let store_timeout = seconds_in("store_timeout_s", store_timeout_s, 0.001..=3_600.0)?;
         let period = seconds_in("announce_period_s", announce_period_s, 0.01..=60.0)?;
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
-        let options = NatsCredentials::new(user, password, token, creds, tls_ca, inbox_prefix)
-            .options("kv-reuse-py-donor", timeout)?;
+        let options = NatsCredentials::from_kwargs(nats)?.options("kv-reuse-py-donor", timeout)?;
         if event_ring == 0 {
             return Err(bad_argument("event_ring", "must be at least 1"));
         }
@@ -344,7 +339,7 @@ impl WorkerPublisher {
     /// `PublishFailed` when NATS is unreachable or the first announcement
     /// is not sent.
     #[staticmethod]
-    #[pyo3(signature = (nats_url, worker_key, layout, engine_id, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", announce_period_s = 1.0, timeout_s = 5.0, user = None, password = None, token = None, creds = None, tls_ca = None, inbox_prefix = None))]
+    #[pyo3(signature = (nats_url, worker_key, layout, engine_id, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", announce_period_s = 1.0, timeout_s = 5.0, **nats))]
     #[allow(clippy::too_many_arguments)]
     fn target(
         py: Python<'_>,
@@ -358,19 +353,13 @@ impl WorkerPublisher {
         namespace: &str,
         announce_period_s: f64,
         timeout_s: f64,
-        user: Option<String>,
-        password: Option<String>,
-        token: Option<String>,
-        creds: Option<PathBuf>,
-        tls_ca: Option<PathBuf>,
-        inbox_prefix: Option<String>,
+        nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
         let engine = crate::layout::engine_id(engine_id, "engine_id")?;
         let period = seconds_in("announce_period_s", announce_period_s, 0.01..=60.0)?;
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
-        let options = NatsCredentials::new(user, password, token, creds, tls_ca, inbox_prefix)
-            .options("kv-reuse-py-target", timeout)?;
+        let options = NatsCredentials::from_kwargs(nats)?.options("kv-reuse-py-target", timeout)?;
         let tp = layout.inner.tp_size();
         if let Some(g) = &gpus {
             if g.len() != tp as usize {

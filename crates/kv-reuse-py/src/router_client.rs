@@ -18,7 +18,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict};
 
 use kv_descriptor::{SequenceHash, Wire};
 use kv_router_glue::service::{
@@ -65,28 +65,24 @@ fn seconds(argument: &str, s: f64) -> PyResult<Duration> {
 impl RouterClient {
     /// Connects to the NATS server at `nats_url` (`nats://host:port`).
     /// `timeout_s` bounds the connection and each advise (seconds);
-    /// `user`/`password` or `token` authenticate (the router's NATS
-    /// permissions, docs/security.md), or `creds` (a `.creds` file);
-    /// `tls_ca` (PEM CA file) turns TLS on; `inbox_prefix` replaces `_INBOX` as
-    /// the prefix of its reply subjects (`_INBOX_target` with the example
-    /// permissions). Releases the GIL while connecting.
+    /// the NATS keywords (`**nats`, keyword only): `user`/`password` or
+    /// `token` authenticate (the router's NATS permissions,
+    /// docs/security.md), or `creds` (a `.creds` file); `tls_ca` (PEM CA
+    /// file) turns TLS on, `tls_cert` + `tls_key` present a client
+    /// certificate; `inbox_prefix` replaces `_INBOX` as the prefix of its
+    /// reply subjects (`_INBOX_target` with the example permissions).
+    /// Releases the GIL while connecting.
     ///
     /// Raises `RouterUnavailable` when the server cannot be reached,
     /// `BadArgument` naming a bad argument.
     #[new]
-    #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = ADVISE_SUBJECT, user = None, password = None, token = None, inbox_prefix = None, creds = None, tls_ca = None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = ADVISE_SUBJECT, **nats))]
     fn new(
         py: Python<'_>,
         nats_url: &str,
         timeout_s: f64,
         subject: &str,
-        user: Option<String>,
-        password: Option<String>,
-        token: Option<String>,
-        inbox_prefix: Option<String>,
-        creds: Option<std::path::PathBuf>,
-        tls_ca: Option<std::path::PathBuf>,
+        nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let timeout = seconds("timeout_s", timeout_s)?;
         if subject.is_empty() || subject.contains(char::is_whitespace) {
@@ -95,15 +91,12 @@ impl RouterClient {
                 format!("{subject:?} is not a NATS subject"),
             ));
         }
-        // `AdviseClient::connect` bounds the connection and each advise
-        // with `timeout` (one message for every timeout) and turns
-        // async-nats' own request timeout off.
         // The same mapping as every other connection (NatsOptions'
         // `connect_options`); `AdviseClient::connect` bounds the connection
         // and each advise with `timeout` and turns async-nats' own request
         // timeout off.
-        let options = NatsCredentials::new(user, password, token, creds, tls_ca, inbox_prefix)
-            .connect_options("kv-reuse-py", timeout)?;
+        let options =
+            NatsCredentials::from_kwargs(nats)?.connect_options("kv-reuse-py", timeout)?;
         let client = py
             .allow_threads(|| AdviseClient::connect(nats_url, options, subject, timeout))
             .map_err(unavailable)?;

@@ -146,3 +146,39 @@ def find_router_binary():
         if cand and os.access(cand, os.X_OK):
             return cand
     return None
+
+
+def _openssl(*args):
+    """Runs `openssl args...`; raises RuntimeError with its stderr on failure."""
+    try:
+        out = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise RuntimeError(f"cannot run openssl: {e}") from e
+    if out.returncode != 0:
+        raise RuntimeError(f"openssl {args[0]} failed ({out.returncode}): {out.stderr.strip()}")
+
+
+def make_pki(directory, clients=()):
+    """A throwaway PKI in `directory` (the Rust tests' kv_router_glue::test_pki
+    made the same way): CA `ca.pem`/`ca.key`, a server certificate for
+    IP:127.0.0.1 (`server.pem`/`server.key`) and one client certificate
+    `<name>.pem`/`<name>.key` (clientAuth) per name in `clients`, RSA-2048,
+    valid one day. Skips (fails under CI=true) when openssl cannot make them.
+    Returns {name: (pem, key)} with "ca" and "server" included."""
+    d = str(directory)
+    os.makedirs(d, exist_ok=True)
+    p = lambda name: os.path.join(d, name)  # noqa: E731
+    try:
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kv-test-ca",
+                 "-keyout", p("ca.key"), "-out", p("ca.pem"))
+        for name, cn, ext in [("server", "127.0.0.1", "subjectAltName=IP:127.0.0.1"),
+                              *[(c, c, "extendedKeyUsage=clientAuth") for c in clients]]:
+            with open(p(f"{name}.ext"), "w") as f:
+                f.write(ext + "\n")
+            _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}",
+                     "-keyout", p(f"{name}.key"), "-out", p(f"{name}.csr"))
+            _openssl("x509", "-req", "-in", p(f"{name}.csr"), "-CA", p("ca.pem"), "-CAkey", p("ca.key"),
+                     "-CAcreateserial", "-days", "1", "-extfile", p(f"{name}.ext"), "-out", p(f"{name}.pem"))
+    except RuntimeError as e:
+        skip_or_fail("openssl", f"could not make test certificates ({e})")
+    return {name: (p(f"{name}.pem"), p(f"{name}.key")) for name in ("ca", "server", *clients)}

@@ -1,7 +1,8 @@
 """A decode worker that publishes on NATS, in its own process, for the
 router-service tests (test_publisher.py).
 
-argv: nats_url, socket path, tokens_per_block, blocks, tp. Opens a
+argv: nats_url, socket path, tokens_per_block, blocks, tp, and optionally
+the NATS keywords as JSON (credentials, TLS files). Opens a
 `WorkerPublisher.donor`, stores `blocks` blocks of tokens 0.. (rank r of
 block b = `pattern(layout, r, b)`), publishes their events, prints one JSON
 line (engine id, pin endpoint, the manifest as hex), then keeps publishing
@@ -25,9 +26,10 @@ def pattern(layout, rank, block):
 def main():
     url, sock = sys.argv[1], sys.argv[2]
     tpb, blocks, tp = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    nats = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
     layout = kv_reuse.Layout(2, 2, 8, "f32", tpb, tp)
     pub = kv_reuse.WorkerPublisher.donor(url, "decode-py", layout, blocks + 2, "unix:" + sock,
-                                         lease_s=5.0, announce_period_s=0.2)
+                                         lease_s=5.0, announce_period_s=0.2, **nats)
     with pub:
         bank = pub.bank
         tokens = list(range(tpb * blocks))

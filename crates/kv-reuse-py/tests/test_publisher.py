@@ -17,7 +17,7 @@ import pytest
 
 import kv_reuse
 from conftest import TOKENS_PER_BLOCK, TP
-from nats_fake import NatsServer, find_nats_server, find_router_binary, skip_or_fail
+from nats_fake import NatsServer, find_nats_server, find_router_binary, make_pki, skip_or_fail
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Enough blocks for the default cost model to admit a fetch (conftest).
@@ -59,10 +59,10 @@ def pattern(layout, rank, block):
     return base + np.float32(1000 * block + 100000 * rank)
 
 
-def start_donor(url, sock):
+def start_donor(url, sock, nats_kwargs=None):
     proc = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "publisher_proc.py"), url, sock,
-         str(TOKENS_PER_BLOCK), str(BLOCKS), str(TP)],
+         str(TOKENS_PER_BLOCK), str(BLOCKS), str(TP), json.dumps(nats_kwargs or {})],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     assert line, f"the donor process printed nothing (rc {proc.poll()})"
@@ -108,13 +108,27 @@ def test_incomplete_or_mixed_credentials_are_refused_naming_them(layout):
                       ({"user": "u", "password": "p", "token": "t"}, "token"),
                       ({"token": "t", "creds": "/x.creds"}, "token"),
                       ({"user": "u", "password": "p", "creds": "/x.creds"}, "creds"),
-                      ({"inbox_prefix": "_INBOX.>"}, "inbox_prefix"), ({"inbox_prefix": ""}, "inbox_prefix")]:
+                      ({"inbox_prefix": "_INBOX.>"}, "inbox_prefix"), ({"inbox_prefix": ""}, "inbox_prefix"),
+                      ({"tls_cert": "/c.pem"}, "tls_key"), ({"tls_key": "/c.key"}, "tls_cert"),
+                      ({"user": 7, "password": "p"}, "user"), ({"tls_ca": 3.5}, "tls_ca")]:
         with pytest.raises(kv_reuse.BadArgument, match=named):
             kv_reuse.WorkerPublisher.target(url, "p", layout, uuid, **kw)
         with pytest.raises(kv_reuse.BadArgument, match=named):
             kv_reuse.DonorDirectory(url, **kw)
         with pytest.raises(kv_reuse.BadArgument, match=named):
             kv_reuse.WorkerPublisher.donor(url, "d", layout, 4, "unix:/tmp/x", **kw)
+        with pytest.raises(kv_reuse.BadArgument, match=named):
+            kv_reuse.RouterClient(url, **kw)
+    # An unknown keyword is a TypeError naming it, as for any Python call.
+    for make in (lambda **kw: kv_reuse.WorkerPublisher.target(url, "p", layout, uuid, **kw),
+                 lambda **kw: kv_reuse.DonorDirectory(url, **kw),
+                 lambda **kw: kv_reuse.WorkerPublisher.donor(url, "d", layout, 4, "unix:/tmp/x", **kw),
+                 lambda **kw: kv_reuse.RouterClient(url, **kw)):
+        with pytest.raises(TypeError, match="tls_certificate"):
+            make(tls_certificate="/c.pem")
+    # The credentials are keyword only: a fourth positional is refused.
+    with pytest.raises(TypeError):
+        kv_reuse.RouterClient(url, 2.0, "kv_reuse.advise", "user")
 
 
 def test_a_server_that_authenticates_takes_the_roles_credentials_only(layout, tmp_path):
@@ -299,3 +313,67 @@ def test_prefix_events_refuse_bad_arguments_and_a_donor(nats, layout, tmp_path):
         with pytest.raises(kv_reuse.PublishFailed,
                            match=r"publish_prefix_removed: a donor's KV events come from its bank"):
             donor.publish_prefix_removed([1])
+
+
+def test_over_mutual_tls_the_router_admits_a_python_donor_and_a_client_without_a_certificate_is_refused(
+        layout, tmp_path):
+    """Mutual TLS end to end: a nats-server that verifies client certificates;
+    the router binary, the donor process and every prefill-side connection
+    (RouterClient, DonorDirectory, WorkerPublisher.target) present a
+    certificate of the deployment's CA. A client without one, or without TLS,
+    gets no connection."""
+    binary, router_bin = find_nats_server(), find_router_binary()
+    if binary is None:
+        skip_or_fail("nats-server", "not on $PATH, $KV_NATS_SERVER or target/nats (cargo xtask install)")
+    if router_bin is None:
+        skip_or_fail("kv-reuse-router", "not built (target/debug/kv-reuse-router, $KVQ_ROUTER_BIN)")
+    pki = make_pki(tmp_path / "pki", clients=("router", "decode", "prefill"))
+    ca = pki["ca"][0]
+    server = NatsServer(binary, tmp_path / "js",
+                        ("--tls", "--tlscert", pki["server"][0], "--tlskey", pki["server"][1],
+                         "--tlsverify", "--tlscacert", ca))
+    tls = lambda who: {"tls_ca": ca, "tls_cert": pki[who][0], "tls_key": pki[who][1]}  # noqa: E731
+    router = donor = None
+    try:
+        router = subprocess.Popen(
+            [router_bin, "--nats-url", server.url, "--metrics-addr", "127.0.0.1:0",
+             "--tokens-per-block", str(TOKENS_PER_BLOCK), "--announce-period-ms", "200",
+             "--enable-decode-to-prefill-reuse", "--nats-tls-ca", ca,
+             "--nats-tls-cert", pki["router"][0], "--nats-tls-key", pki["router"][1]],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        ready = json.loads(router.stdout.readline())
+        assert ready["event"] == "ready", ready
+        donor, hello = start_donor(server.url, str(tmp_path / "pins.sock"), tls("decode"))
+        hashes = kv_reuse.sequence_hashes(list(range(TOKENS_PER_BLOCK * BLOCKS)), TOKENS_PER_BLOCK)
+        target = kv_reuse.Target(layout, rows=16)
+        with kv_reuse.RouterClient(server.url, timeout_s=5.0, **tls("prefill")) as client, \
+                kv_reuse.DonorDirectory(server.url, **tls("prefill")) as directory, \
+                kv_reuse.WorkerPublisher.target(server.url, "prefill-tls", layout, target.engine_id,
+                                                announce_period_s=0.2, **tls("prefill")):
+            advice = advise_until_admitted(client, hashes, target.engine_id)
+            manifest = directory.manifest(hello["engine_id"], wait_s=10.0)
+            assert manifest == bytes.fromhex(hello["manifest"])
+            with target.fetch(advice.hint, hashes, manifest) as out:
+                assert out.fetched == hashes
+                for k, row in enumerate(out.rows):
+                    for rank in range(TP):
+                        got = np.frombuffer(target.read_row(rank, row), dtype=np.float32)
+                        np.testing.assert_array_equal(got, pattern(layout, rank, k))
+        # The server's CA but no client certificate: refused at the handshake.
+        with pytest.raises(kv_reuse.RouterUnavailable, match="nats_url"):
+            kv_reuse.RouterClient(server.url, timeout_s=2.0, tls_ca=ca)
+        with pytest.raises(kv_reuse.PublishFailed, match="nats_url"):
+            kv_reuse.DonorDirectory(server.url, timeout_s=2.0, tls_ca=ca)
+        # No TLS at all: refused too (the server requires it).
+        with pytest.raises(kv_reuse.RouterUnavailable, match="nats_url"):
+            kv_reuse.RouterClient(server.url, timeout_s=2.0)
+    finally:
+        if donor is not None:
+            donor.stdin.close()
+            donor.wait(timeout=15)
+            donor.stdout.close()
+        if router is not None:
+            router.terminate()
+            assert router.wait(timeout=15) == 0, "the router drains and exits 0"
+            router.stdout.close()
+        server.stop()

@@ -96,6 +96,8 @@ pub use metrics::spans;
 pub use plane::vllm_events;
 #[cfg(feature = "qualify")]
 pub use qualify::nats_server;
+#[cfg(all(feature = "qualify", feature = "nats"))]
+pub use qualify::test_pki;
 pub use router::dynamo_events;
 
 // Crate-internal short paths (`crate::cost`, `crate::pin_service`, ...), so

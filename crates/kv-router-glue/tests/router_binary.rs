@@ -580,3 +580,176 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
     result.unwrap();
     assert_eq!(status.code(), Some(0), "drain exits 0: {status}");
 }
+
+/// Mutual TLS end to end (issue 18, "who may read KV"): a nats-server that
+/// verifies client certificates; the router binary, a donor agent (events,
+/// directory record, inventory) and a prefill target each connect with a
+/// certificate of the deployment's CA, and the router admits a fetch from
+/// the donor over it. A router without a client certificate does not start
+/// (exit 1, the TLS refusal on stderr) and a client without one is refused.
+#[test]
+fn over_mutual_tls_the_router_admits_a_donor_and_refuses_to_start_without_a_certificate() {
+    use agents_common::*;
+    use kv_router_glue::test_pki::TestPki;
+    use kv_router_glue::{
+        DonorAgent, InventoryPlane, NatsAuth, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
+    };
+    use std::sync::Arc;
+
+    const TEST: &str = "router_binary_mutual_tls";
+    const BUCKET: &str = "kv_rbtls_donors";
+    // Both probes first: each skips (or fails under CI) with its reason.
+    if NatsServer::start_or_skip(TEST).is_none() {
+        return;
+    }
+    let Some(pki) = TestPki::new_or_skip(TEST) else {
+        return;
+    };
+    let (router_cert, router_key) = pki.issue_client("ca", "router");
+    let decode_cert = pki.issue_client("ca", "decode");
+    let nats = pki.start_server(&["--tlsverify", "--tlscacert", &pki.arg("ca.pem")]);
+    let url = nats.url();
+    let options = |who: &str, cert| NatsOptions {
+        name: who.into(),
+        auth: NatsAuth::None,
+        tls: pki.client_tls(Some(cert)),
+        ..NatsOptions::default()
+    };
+
+    // No client certificate: the server refuses the router's handshake and
+    // the binary exits 1 naming the connection, instead of serving nothing.
+    let mut refused = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+        .args(["--nats-url", &url, "--namespace", NS])
+        .args(["--metrics-addr", "127.0.0.1:0"])
+        .args(["--nats-tls-ca", &pki.arg("ca.pem")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A router that got in would serve until killed: bound the wait, so
+    // the test fails instead of hanging.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while refused.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = refused.kill();
+            let out = refused.wait_with_output().unwrap();
+            panic!(
+                "a router without a client certificate kept running: {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = refused.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(err.contains(&url), "the refusal names the server: {err}");
+    assert!(out.stdout.is_empty(), "no ready line without a connection");
+
+    let mut router = spawn_router_with(
+        &url,
+        NS,
+        &[
+            "--nats-tls-ca",
+            &pki.arg("ca.pem"),
+            "--nats-tls-cert",
+            &router_cert.to_string_lossy(),
+            "--nats-tls-key",
+            &router_key.to_string_lossy(),
+            "--directory-bucket",
+            BUCKET,
+            "--announce-period-ms",
+            "100",
+            "--missed-periods",
+            "50",
+        ],
+    );
+    assert_eq!(router.ready["event"], "ready");
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let sock = tempfile::tempdir().unwrap();
+    let ep = format!("unix:{}", sock.path().join("d0.sock").display());
+    let blocks = prompt(0);
+    let h: Vec<SequenceHash> = blocks.iter().map(|b| b.sequence_hash).collect();
+    let target = EngineId(uuid::Uuid::from_u128(0x7a15));
+    let result = rt.block_on(async {
+        // The donor's three connections (events, directory, inventory) all
+        // under its own certificate.
+        let plane = NatsPlane::connect(&url, options("decode-0", decode_cert.clone()))
+            .await
+            .unwrap();
+        let dir = NatsDirectory::from_client(
+            plane.client().clone(),
+            &url,
+            BUCKET,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+        let inventory = NatsInventory::from_client(plane.client().clone());
+        let donor = DonorAgent::open(
+            donor_config("decode-0", &ep),
+            Arc::new(dir),
+            Arc::new(plane),
+        )
+        .await
+        .unwrap();
+        donor
+            .serve_inventory(Arc::new(inventory) as Arc<dyn InventoryPlane>)
+            .await
+            .unwrap();
+        store(&donor, &blocks).await;
+        let client = NatsPlane::connect(&url, options("prefill-0", decode_cert.clone()))
+            .await
+            .unwrap()
+            .client()
+            .clone();
+        let announcement = WorkerAnnouncement {
+            layout_fingerprint: layout().fingerprint(),
+            tp_size: TP,
+            gpus: gpus(),
+            event_subject: "kv.agt.prefill.kv_events".into(),
+            ..prefill_announcement(target)
+        }
+        .to_wire()
+        .unwrap();
+        let subject = announce_subject(NS).unwrap().as_str().to_string();
+        let donor = Arc::new(donor);
+        let (d, c) = (donor.clone(), client.clone());
+        let ticker = tokio::spawn(async move {
+            loop {
+                let _ = d.tick().await;
+                let _ = c
+                    .publish(subject.clone(), announcement.clone().into())
+                    .await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        let admitted =
+            wait_admitted(&client, target, donor.bank().owner().engine_id, &h, "mtls").await;
+        // A client without a certificate of the CA gets no connection at all.
+        let anonymous = NatsOptions {
+            tls: pki.client_tls(None),
+            ..NatsOptions::default()
+        };
+        let refused = NatsPlane::connect(&url, anonymous).await.err();
+        ticker.abort();
+        let _ = ticker.await;
+        let donor = Arc::try_unwrap(donor).unwrap_or_else(|_| panic!("donor still shared"));
+        donor.close(Duration::from_secs(1)).await.unwrap();
+        (admitted, refused)
+    });
+    let status = signal_and_wait(&mut router, "TERM");
+    let (admitted, refused) = result;
+    admitted.unwrap();
+    assert!(
+        matches!(refused, Some(kv_router_glue::PlaneError::Connect { .. })),
+        "a client without a certificate must be refused: {refused:?}"
+    );
+    assert_eq!(status.code(), Some(0), "{status}");
+}

@@ -220,12 +220,15 @@ class RouterClient:
         nats_url: str,
         timeout_s: float = 2.0,
         subject: str = "kv_reuse.advise",
+        *,
         user: Optional[str] = None,
         password: Optional[str] = None,
         token: Optional[str] = None,
-        inbox_prefix: Optional[str] = None,
         creds: Optional[str] = None,
         tls_ca: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
+        inbox_prefix: Optional[str] = None,
     ) -> None:
         """Connects (GIL released); raises RouterUnavailable or BadArgument."""
     @property
@@ -274,12 +277,14 @@ class WorkerPublisher:
         token: Optional[str] = None,
         creds: Optional[str] = None,
         tls_ca: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
         inbox_prefix: Optional[str] = None,
     ) -> "WorkerPublisher":
         """Opens the bank (``bank``), serves pins on ``pin_endpoint``, puts the record in bucket
         ``bucket``, announces every ``announce_period_s`` s (GIL released). One NATS connection,
         authenticated by ``user``/``password``, ``token`` or ``creds`` (a ``.creds`` file), TLS with
-        ``tls_ca``. Raises BadArgument (naming the argument), BankFailed, PinServiceFailed,
+        ``tls_ca`` (and a client certificate ``tls_cert`` + ``tls_key``). Raises BadArgument (naming the argument), BankFailed, PinServiceFailed,
         PublishFailed."""
     @staticmethod
     def target(
@@ -299,6 +304,8 @@ class WorkerPublisher:
         token: Optional[str] = None,
         creds: Optional[str] = None,
         tls_ca: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
         inbox_prefix: Optional[str] = None,
     ) -> "WorkerPublisher":
         """Announces prefill engine ``engine_id`` (``Target.engine_id``). Raises BadArgument,
@@ -356,6 +363,8 @@ class DonorDirectory:
         token: Optional[str] = None,
         creds: Optional[str] = None,
         tls_ca: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
         inbox_prefix: Optional[str] = None,
     ) -> None:
         """Connects (credentials and TLS as ``WorkerPublisher.donor``) and watches (GIL released);

@@ -5,9 +5,12 @@
 
 //!
 //! With it, [`nats_server`]: a throwaway `nats-server` for tests and the
-//! qualification (harness code, not used by the roles).
+//! qualification, and [`test_pki`]: certificates for its TLS tests (harness
+//! code, not used by the roles).
 
 pub mod nats_server;
+#[cfg(feature = "nats")]
+pub mod test_pki;
 
 use std::sync::Arc;
 use std::time::Instant;
