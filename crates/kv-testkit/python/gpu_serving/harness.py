@@ -306,7 +306,10 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
             rid = f"{sess.id}-t{t}" + (f"-r{rep}" if rep else "")
             o, adv, smp = timed(
                 prefill, "on",
-                lambda adv: {"prompt": prompt, "hint": adv.hint, "hashes": hashes, "manifest": manifest},
+                # Without a hint nothing is fetched: the request carries no hashes
+                # (a first turn pays no pickling of them).
+                lambda adv: {"prompt": prompt, "hint": adv.hint, "hashes": hashes if adv.hint is not None else None,
+                             "manifest": manifest},
                 before=lambda: router.advise(rid, hashes, ph["engine_id"]),
             )
             ons.append(smp)

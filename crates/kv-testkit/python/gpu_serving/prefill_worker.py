@@ -201,7 +201,7 @@ class PrefillWorker(EngineWorker):
         except (self.kv.KvReuseError, ValueError) as e:
             return None, fetch, [repr(e), "refused", type(e).__name__], 0
 
-    def op_on(self, prompt: List[int], hint: Optional[bytes], hashes: List[int], manifest: Union[bytes, str, None],
+    def op_on(self, prompt: List[int], hint: Optional[bytes], hashes: Optional[List[int]], manifest: Union[bytes, str, None],
               kill_donor: Optional[int] = None) -> Dict[str, Any]:
         # torch's allocation counter around the request (a counter read, no
         # sync), outside the timed part: the turn's device memory before/after.
@@ -356,7 +356,7 @@ class PrefillWorker(EngineWorker):
         return {"worker_ms": ms, "phases_ms": sw.phases, "held_tokens": held, "first_token": r.first_token,
                 "logits": _bits(r.logits)}
 
-    def op_warm_on(self, session: str, prompt: List[int], hint: Optional[bytes], hashes: List[int],
+    def op_warm_on(self, session: str, prompt: List[int], hint: Optional[bytes], hashes: Optional[List[int]],
                    manifest: Union[bytes, str, None]) -> Dict[str, Any]:
         """Reuse on, warm: the advised fetch (only the blocks past what this worker holds), then the rest."""
         cache_landing = self.landing_kind == "cache"

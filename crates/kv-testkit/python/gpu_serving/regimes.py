@@ -65,7 +65,8 @@ class WarmRegime:
             rid = f"{sess_id}-t{t}-warm" + (f"-r{rep}" if rep else "")
             o, adv, smp = timed(
                 prefill, "warm_on",
-                lambda adv: {"session": sess_id, "prompt": prompt, "hint": adv.hint, "hashes": hashes, "manifest": manifest},
+                lambda adv: {"session": sess_id, "prompt": prompt, "hint": adv.hint,
+                             "hashes": hashes if adv.hint is not None else None, "manifest": manifest},
                 before=lambda: self.router.advise(rid, hashes, self.engine),
             )
             ons.append(smp)

@@ -164,6 +164,10 @@ def test_every_part_of_a_turn_runs_and_lands_in_the_summary(harness_mods):
     warmups = [c[1]["tokens"] for c in prefill.calls if c[0] == "warmup"]
     assert warmups == [1024 + 60] + [64] * 48
     assert prefill.calls[1][0] == "warmup" and all(t["warmup_ms"] == 5.0 for t in r["turns"])
+    # A request without a hint carries no hashes (nothing is fetched); one with a hint carries them.
+    ons = [kw for op, kw in prefill.calls if op in ("on", "warm_on")]
+    assert any(kw["hint"] is None for kw in ons) and any(kw["hint"] is not None for kw in ons)
+    assert all((kw["hashes"] is None) == (kw["hint"] is None) for kw in ons)
 
 
 def test_a_failing_warm_request_stops_warm_only(harness_mods):
