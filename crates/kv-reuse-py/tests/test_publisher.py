@@ -59,6 +59,15 @@ def pattern(layout, rank, block):
     return base + np.float32(1000 * block + 100000 * rank)
 
 
+def assert_rows_are_the_donors(target, out, layout, first_block=0):
+    """Every rank of every fetched row holds the donor's bytes of block
+    `first_block + k` (publisher_proc.py's `pattern`)."""
+    for k, row in enumerate(out.rows):
+        for rank in range(TP):
+            got = np.frombuffer(target.read_row(rank, row), dtype=np.float32)
+            np.testing.assert_array_equal(got, pattern(layout, rank, first_block + k))
+
+
 def start_donor(url, sock, nats_kwargs=None):
     proc = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "publisher_proc.py"), url, sock,
@@ -162,7 +171,9 @@ def test_a_server_that_authenticates_takes_the_roles_credentials_only(layout, tm
         bad.write_text("not a creds file")
         for kw, named in [({"creds": str(tmp_path / "missing.creds")}, "creds"), ({"creds": str(bad)}, "creds"),
                           ({"creds": str(bad), "token": "t"}, "creds"),
-                          ({"tls_ca": str(tmp_path / "missing.pem")}, "tls_ca")]:
+                          ({"tls_ca": str(tmp_path / "missing.pem")}, "tls_ca"),
+                          ({"tls_cert": str(tmp_path / "missing.pem"), "tls_key": str(tmp_path / "c.key")},
+                           "tls_cert")]:
             with pytest.raises(kv_reuse.BadArgument, match=named):
                 kv_reuse.RouterClient(server.url, **kw)
     finally:
@@ -203,10 +214,7 @@ def test_the_router_service_admits_a_python_donor_and_the_target_fetches(
                 assert manifest == bytes.fromhex(hello["manifest"])
                 with target.fetch(advice.hint, hashes, manifest) as out:
                     assert out.fetched == hashes
-                    for k, row in enumerate(out.rows):
-                        for rank in range(TP):
-                            got = np.frombuffer(target.read_row(rank, row), dtype=np.float32)
-                            np.testing.assert_array_equal(got, pattern(layout, rank, k))
+                    assert_rows_are_the_donors(target, out, layout)
             # The donor closes: its record leaves the directory.
             donor.stdin.close()
             closed = json.loads(donor.stdout.readline())
@@ -238,10 +246,7 @@ def fetch_until_from(client, target, hashes, manifest, want_from, layout, deadli
                 if out.fetch_from == want_from:
                     assert out.fetched == hashes[want_from:]
                     assert len(out.rows) == len(hashes) - want_from
-                    for k, row in enumerate(out.rows):
-                        for rank in range(TP):
-                            got = np.frombuffer(target.read_row(rank, row), dtype=np.float32)
-                            np.testing.assert_array_equal(got, pattern(layout, rank, want_from + k))
+                    assert_rows_are_the_donors(target, out, layout, want_from)
                     return len(seen)
         else:
             seen.append(advice.verdict)
@@ -355,10 +360,7 @@ def test_over_mutual_tls_the_router_admits_a_python_donor_and_a_client_without_a
             assert manifest == bytes.fromhex(hello["manifest"])
             with target.fetch(advice.hint, hashes, manifest) as out:
                 assert out.fetched == hashes
-                for k, row in enumerate(out.rows):
-                    for rank in range(TP):
-                        got = np.frombuffer(target.read_row(rank, row), dtype=np.float32)
-                        np.testing.assert_array_equal(got, pattern(layout, rank, k))
+                assert_rows_are_the_donors(target, out, layout)
         # The server's CA but no client certificate: refused at the handshake.
         with pytest.raises(kv_reuse.RouterUnavailable, match="nats_url"):
             kv_reuse.RouterClient(server.url, timeout_s=2.0, tls_ca=ca)

@@ -325,23 +325,23 @@ async fn wait_admitted(
 }
 
 /// A donor agent on `url` with its record in `bucket`, answering
-/// inventory snapshots (what a decode worker process runs).
+/// inventory snapshots (what a decode worker process runs): its events,
+/// directory record and inventory answers on one connection made with
+/// `options` (credentials, TLS), as `DonorAgent`'s own deployments do.
 async fn open_donor(
     url: &str,
     bucket: &str,
     cfg: kv_router_glue::DonorAgentConfig,
+    options: kv_router_glue::NatsOptions,
 ) -> kv_router_glue::DonorAgent {
-    use kv_router_glue::{
-        DonorAgent, InventoryPlane, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
-    };
+    use kv_router_glue::{DonorAgent, InventoryPlane, NatsDirectory, NatsInventory, NatsPlane};
     use std::sync::Arc;
-    let plane = NatsPlane::connect(url, NatsOptions::default())
-        .await
-        .unwrap();
-    let dir = NatsDirectory::connect(url, bucket, Duration::from_secs(30))
-        .await
-        .unwrap();
-    let inventory = NatsInventory::connect(url).await.unwrap();
+    let plane = NatsPlane::connect(url, options).await.unwrap();
+    let dir =
+        NatsDirectory::from_client(plane.client().clone(), url, bucket, Duration::from_secs(30))
+            .await
+            .unwrap();
+    let inventory = NatsInventory::from_client(plane.client().clone());
     let donor = DonorAgent::open(cfg, Arc::new(dir), Arc::new(plane))
         .await
         .unwrap();
@@ -350,6 +350,75 @@ async fn open_donor(
         .await
         .unwrap();
     donor
+}
+
+/// What the donor tests share: a runtime, the donor's pin socket
+/// endpoint, and the prompt's 30 blocks (`agents_common::prompt(0)`) with
+/// their sequence hashes.
+struct DonorSetup {
+    rt: tokio::runtime::Runtime,
+    _sock: tempfile::TempDir,
+    ep: String,
+    blocks: Vec<kv_descriptor::StoredBlock>,
+    h: Vec<SequenceHash>,
+}
+
+impl DonorSetup {
+    fn new() -> Self {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let sock = tempfile::tempdir().unwrap();
+        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
+        let blocks = agents_common::prompt(0);
+        let h = blocks.iter().map(|b| b.sequence_hash).collect();
+        Self {
+            rt,
+            _sock: sock,
+            ep,
+            blocks,
+            h,
+        }
+    }
+}
+
+/// The announcement of prefill `target` with the agents' layout, TP and GPUs.
+fn agents_target_announcement(target: EngineId) -> Vec<u8> {
+    use agents_common::{gpus, layout, TP};
+    WorkerAnnouncement {
+        layout_fingerprint: layout().fingerprint(),
+        tp_size: TP,
+        gpus: gpus(),
+        event_subject: "kv.agt.prefill.kv_events".into(),
+        ..prefill_announcement(target)
+    }
+    .to_wire()
+    .unwrap()
+}
+
+/// Every 100 ms: the donor's tick (announcement, record renewal) and, on
+/// `client`, the prefill target's `announcement`, as both workers do every
+/// period, until the task is aborted.
+fn announce_every_100ms(
+    donor: std::sync::Arc<kv_router_glue::DonorAgent>,
+    client: async_nats::Client,
+    announcement: Vec<u8>,
+) -> tokio::task::JoinHandle<()> {
+    let subject = announce_subject(agents_common::NS)
+        .unwrap()
+        .as_str()
+        .to_string();
+    tokio::spawn(async move {
+        loop {
+            let _ = donor.tick().await;
+            let _ = client
+                .publish(subject.clone(), announcement.clone().into())
+                .await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
 }
 
 #[test]
@@ -361,21 +430,25 @@ fn a_router_started_after_a_donor_went_idle_or_restarted_after_sigkill_finds_its
         return;
     };
     let url = nats.url();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let sock = tempfile::tempdir().unwrap();
-    let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-    let blocks = prompt(0);
-    let h: Vec<SequenceHash> = blocks.iter().map(|b| b.sequence_hash).collect();
+    let DonorSetup {
+        rt,
+        _sock,
+        ep,
+        blocks,
+        h,
+    } = DonorSetup::new();
     let target = EngineId(uuid::Uuid::from_u128(0x7a46e7));
     let (donor, client, ticker) = rt.block_on(async {
         let mut cfg = donor_config("decode-0", &ep);
         // Shorter than its 6 events: a later router cannot replay them.
         cfg.event_ring = 2;
-        let donor = open_donor(&url, REBUILD_BUCKET, cfg).await;
+        let donor = open_donor(
+            &url,
+            REBUILD_BUCKET,
+            cfg,
+            kv_router_glue::NatsOptions::default(),
+        )
+        .await;
         for (k, chunk) in blocks.chunks(5).enumerate() {
             let parent = (k > 0).then(|| blocks[k * 5 - 1].sequence_hash);
             store_after(&donor, parent, chunk).await;
@@ -384,26 +457,11 @@ fn a_router_started_after_a_donor_went_idle_or_restarted_after_sigkill_finds_its
         // record), as a worker does every period; so does the prefill target.
         let donor = Arc::new(donor);
         let client = async_nats::connect(&url).await.unwrap();
-        let target_announcement = WorkerAnnouncement {
-            layout_fingerprint: layout().fingerprint(),
-            tp_size: TP,
-            gpus: gpus(),
-            event_subject: "kv.agt.prefill.kv_events".into(),
-            ..prefill_announcement(target)
-        }
-        .to_wire()
-        .unwrap();
-        let subject = announce_subject(NS).unwrap().as_str().to_string();
-        let (d, c) = (donor.clone(), client.clone());
-        let ticker = tokio::spawn(async move {
-            loop {
-                let _ = d.tick().await;
-                let _ = c
-                    .publish(subject.clone(), target_announcement.clone().into())
-                    .await;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        });
+        let ticker = announce_every_100ms(
+            donor.clone(),
+            client.clone(),
+            agents_target_announcement(target),
+        );
         (donor, client, ticker)
     });
     let donor_id = donor.bank().owner().engine_id;
@@ -461,17 +519,22 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
         return;
     };
     let url = nats.url();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let sock = tempfile::tempdir().unwrap();
-    let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-    let blocks = prompt(0); // tokens 0 .. 480, 16 per block
-    let h: Vec<SequenceHash> = blocks.iter().map(|b| b.sequence_hash).collect();
+    // Tokens 0 .. 480, 16 per block.
+    let DonorSetup {
+        rt,
+        _sock,
+        ep,
+        blocks,
+        h,
+    } = DonorSetup::new();
     let (donor, ticker, mut publisher) = rt.block_on(async {
-        let donor = open_donor(&url, BUCKET, donor_config("decode-0", &ep)).await;
+        let donor = open_donor(
+            &url,
+            BUCKET,
+            donor_config("decode-0", &ep),
+            kv_router_glue::NatsOptions::default(),
+        )
+        .await;
         store(&donor, &blocks).await;
         let donor = Arc::new(donor);
         let d = donor.clone();
@@ -591,9 +654,7 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
 fn over_mutual_tls_the_router_admits_a_donor_and_refuses_to_start_without_a_certificate() {
     use agents_common::*;
     use kv_router_glue::test_pki::TestPki;
-    use kv_router_glue::{
-        DonorAgent, InventoryPlane, NatsAuth, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
-    };
+    use kv_router_glue::{NatsAuth, NatsOptions, NatsPlane};
     use std::sync::Arc;
 
     const TEST: &str = "router_binary_mutual_tls";
@@ -607,6 +668,7 @@ fn over_mutual_tls_the_router_admits_a_donor_and_refuses_to_start_without_a_cert
     };
     let (router_cert, router_key) = pki.issue_client("ca", "router");
     let decode_cert = pki.issue_client("ca", "decode");
+    let prefill_cert = pki.issue_client("ca", "prefill");
     let nats = pki.start_server(&["--tlsverify", "--tlscacert", &pki.arg("ca.pem")]);
     let url = nats.url();
     let options = |who: &str, cert| NatsOptions {
@@ -667,69 +729,36 @@ fn over_mutual_tls_the_router_admits_a_donor_and_refuses_to_start_without_a_cert
     );
     assert_eq!(router.ready["event"], "ready");
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let sock = tempfile::tempdir().unwrap();
-    let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-    let blocks = prompt(0);
-    let h: Vec<SequenceHash> = blocks.iter().map(|b| b.sequence_hash).collect();
+    let DonorSetup {
+        rt,
+        _sock,
+        ep,
+        blocks,
+        h,
+    } = DonorSetup::new();
     let target = EngineId(uuid::Uuid::from_u128(0x7a15));
     let result = rt.block_on(async {
-        // The donor's three connections (events, directory, inventory) all
-        // under its own certificate.
-        let plane = NatsPlane::connect(&url, options("decode-0", decode_cert.clone()))
-            .await
-            .unwrap();
-        let dir = NatsDirectory::from_client(
-            plane.client().clone(),
+        // The donor's one connection (events, directory, inventory) and the
+        // prefill target's, each under its own certificate.
+        let donor = open_donor(
             &url,
             BUCKET,
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap();
-        let inventory = NatsInventory::from_client(plane.client().clone());
-        let donor = DonorAgent::open(
             donor_config("decode-0", &ep),
-            Arc::new(dir),
-            Arc::new(plane),
+            options("decode-0", decode_cert),
         )
-        .await
-        .unwrap();
-        donor
-            .serve_inventory(Arc::new(inventory) as Arc<dyn InventoryPlane>)
-            .await
-            .unwrap();
+        .await;
         store(&donor, &blocks).await;
-        let client = NatsPlane::connect(&url, options("prefill-0", decode_cert.clone()))
+        let client = NatsPlane::connect(&url, options("prefill-0", prefill_cert))
             .await
             .unwrap()
             .client()
             .clone();
-        let announcement = WorkerAnnouncement {
-            layout_fingerprint: layout().fingerprint(),
-            tp_size: TP,
-            gpus: gpus(),
-            event_subject: "kv.agt.prefill.kv_events".into(),
-            ..prefill_announcement(target)
-        }
-        .to_wire()
-        .unwrap();
-        let subject = announce_subject(NS).unwrap().as_str().to_string();
         let donor = Arc::new(donor);
-        let (d, c) = (donor.clone(), client.clone());
-        let ticker = tokio::spawn(async move {
-            loop {
-                let _ = d.tick().await;
-                let _ = c
-                    .publish(subject.clone(), announcement.clone().into())
-                    .await;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        });
+        let ticker = announce_every_100ms(
+            donor.clone(),
+            client.clone(),
+            agents_target_announcement(target),
+        );
         let admitted =
             wait_admitted(&client, target, donor.bank().owner().engine_id, &h, "mtls").await;
         // A client without a certificate of the CA gets no connection at all.
