@@ -168,30 +168,115 @@ fn pin_round_trip_latency() {
     let a = store_chain(&bank, 1, 8).unwrap();
     let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
     let h = hint(&bank, &a, svc.endpoint());
-    let mut pin_us = Vec::new();
-    let mut release_us = Vec::new();
-    for _ in 0..300 {
+    let q = |v: &mut Vec<u64>, f: f64| {
+        v.sort_unstable();
+        v[((v.len() - 1) as f64 * f) as usize]
+    };
+    // Alternating rounds of a new connection per pin and the kept one, so
+    // both see the same machine; printed, never asserted on.
+    let (mut fresh, mut kept, mut release_us) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..300 {
+        let new_connection = i % 2 == 0;
+        if new_connection {
+            donor.close_kept_connection();
+        }
         let t0 = Instant::now();
         let mut p = donor.pin_remote(&h).unwrap();
-        pin_us.push(t0.elapsed().as_micros() as u64);
+        let us = t0.elapsed().as_micros() as u64;
+        if new_connection {
+            &mut fresh
+        } else {
+            &mut kept
+        }
+        .push(us);
         assert_eq!(bank.pins_outstanding(), 8);
         let t1 = Instant::now();
         p.release_now().unwrap();
         release_us.push(t1.elapsed().as_micros() as u64);
         assert_eq!(bank.pins_outstanding(), 0);
     }
-    pin_us.sort_unstable();
-    release_us.sort_unstable();
-    let q = |v: &[u64], f: f64| v[((v.len() - 1) as f64 * f) as usize];
     println!(
-        "pin (connect + request + grant), 8 blocks TP2: p50 {} us, p99 {} us; \
-         release round trip: p50 {} us, p99 {} us",
-        q(&pin_us, 0.5),
-        q(&pin_us, 0.99),
-        q(&release_us, 0.5),
-        q(&release_us, 0.99)
+        "pin, 8 blocks TP2: new connection (connect + request + grant) p50 {} us, p99 {} us; \
+         kept connection (request + grant) p50 {} us, p99 {} us; release round trip: p50 {} us, p99 {} us",
+        q(&mut fresh, 0.5),
+        q(&mut fresh, 0.99),
+        q(&mut kept, 0.5),
+        q(&mut kept, 0.99),
+        q(&mut release_us, 0.5),
+        q(&mut release_us, 0.99)
     );
-    assert_eq!(svc.shutdown(Duration::ZERO).granted, 300);
+    let stats = svc.shutdown(Duration::ZERO);
+    assert_eq!(stats.granted, 300);
+    // Every odd pin rode the connection its predecessor released.
+    assert_eq!(stats.connections, 150);
+}
+
+#[test]
+fn a_kept_connection_carries_the_next_pin_and_yields_to_a_new_target_at_the_limit() {
+    let config = PinServiceConfig {
+        max_connections: 1,
+        ..PinServiceConfig::default()
+    };
+    let (_g, _dir, bank, svc) = donor_service(4, config);
+    let a = store_chain(&bank, 1, 2).unwrap();
+    let h = hint(&bank, &a, svc.endpoint());
+    let first = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
+    let second = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
+    for _ in 0..3 {
+        first.pin_remote(&h).unwrap().release_now().unwrap();
+    }
+    assert_eq!(
+        svc.stats().connections,
+        1,
+        "three pins on one kept connection"
+    );
+    let kept_idle = || svc.active_connections() == 1 && svc.idle_connections() == 1;
+    assert!(until(Duration::from_secs(1), kept_idle).is_some());
+    // Another target at the limit: the idle kept connection is closed for it.
+    let p = second.pin_remote(&h).unwrap();
+    assert_eq!(bank.pins_outstanding(), 2);
+    assert_eq!(svc.stats().idle_closed, 1);
+    assert_eq!(svc.stats().connections_refused, 0);
+    // While `second` holds its pin, its connection is not idle: `first`'s
+    // kept connection is gone, its new one is over the limit and refused.
+    let e = first.pin_remote(&h).unwrap_err();
+    assert_eq!(refusal_reason(&e), "too_many_pins", "{e}");
+    assert!(e.to_string().contains("connection limit"), "{e}");
+    drop(p);
+    assert_eq!(bank.pins_outstanding(), 0);
+    // `second`'s released connection is kept and idle: `first` pins again.
+    assert!(until(Duration::from_secs(1), kept_idle).is_some());
+    let p = first.pin_remote(&h).unwrap();
+    assert_eq!(bank.pins_outstanding(), 2);
+    drop(p);
+    let stats = svc.shutdown(Duration::ZERO);
+    assert_eq!(
+        (stats.idle_closed, stats.granted, stats.released),
+        (2, 5, 5)
+    );
+    assert_eq!(stats.connections, 4);
+}
+
+#[test]
+fn a_pin_on_a_kept_connection_the_donor_closed_goes_on_a_new_one() {
+    let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
+    let a = store_chain(&bank, 1, 2).unwrap();
+    let h = hint(&bank, &a, svc.endpoint());
+    let donor = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
+    donor.pin_remote(&h).unwrap().release_now().unwrap();
+    // The donor's service restarts on the same bank: the kept connection
+    // ends with the old service.
+    let endpoint = svc.endpoint().to_owned();
+    svc.shutdown(Duration::ZERO);
+    let svc = PinService::bind(bank.clone(), &endpoint, PinServiceConfig::default()).unwrap();
+    let p = donor.pin_remote(&h).unwrap();
+    assert_eq!(bank.pins_outstanding(), 2);
+    drop(p);
+    let stats = svc.shutdown(Duration::ZERO);
+    assert_eq!(
+        (stats.connections, stats.granted, stats.released),
+        (1, 1, 1)
+    );
 }
 
 #[test]
@@ -499,19 +584,24 @@ fn pin_and_connection_limits_refuse_with_too_many_pins() {
     assert_eq!(refusal_reason(&e), "too_many_pins", "{e}");
     assert_eq!(bank.pins_outstanding(), 2, "the refused pin pinned nothing");
     // The refused request's connection ends; `first` holds the other one,
-    // and one idle connection then fills the limit.
+    // and a connection in the middle of a frame (busy, not idle: it is not
+    // closed for a newcomer) then fills the limit.
     assert!(until(Duration::from_secs(1), || svc.active_connections() == 1).is_some());
-    let idle = raw_client(svc.endpoint());
-    assert!(until(Duration::from_secs(1), || svc.active_connections() == 2).is_some());
+    let mut busy = raw_client(svc.endpoint());
+    send_raw(&mut busy, &[0u8]);
+    let busy_counted = || svc.active_connections() == 2 && svc.idle_connections() == 0;
+    assert!(until(Duration::from_secs(1), busy_counted).is_some());
     let e = donor.pin_remote(&h).unwrap_err();
     assert_eq!(refusal_reason(&e), "too_many_pins", "{e}");
     assert!(e.to_string().contains("connection limit"), "{e}");
-    drop(idle);
+    drop(busy);
     drop(first);
-    assert!(until(Duration::from_secs(1), || svc.active_connections() == 0).is_some());
+    // `first`'s connection is kept for the next pin, which rides it.
+    assert!(until(Duration::from_secs(1), || svc.active_connections() == 1).is_some());
     donor.pin_remote(&h).unwrap().release_now().unwrap();
     let stats = svc.shutdown(Duration::ZERO);
     assert_eq!(stats.connections_refused, 1);
+    assert_eq!((stats.connections, stats.idle_closed), (4, 0));
 }
 
 #[test]

@@ -382,9 +382,14 @@ fn an_over_limit_tcp_connection_is_closed_before_any_byte() {
         ..PinServiceConfig::default()
     };
     let svc = tcp_service(&bank, config);
-    let (_held, status) = raw_handshake(svc.endpoint(), KEY);
+    let (mut held, status) = raw_handshake(svc.endpoint(), KEY);
     assert_eq!(status, 1);
-    assert!(until(Duration::from_secs(2), || svc.active_connections() == 1));
+    // A frame in progress: the connection is busy, so it is not closed to
+    // admit a newcomer (an idle one would be).
+    held.write_all(&[0u8]).unwrap();
+    assert!(until(Duration::from_secs(2), || {
+        svc.active_connections() == 1 && svc.idle_connections() == 0
+    }));
     // Over the limit: no refusal frame to a peer that has not
     // authenticated, the connection is just closed.
     let mut s = TcpStream::connect(tcp_addr(svc.endpoint())).unwrap();

@@ -60,8 +60,13 @@ fn a_stalled_over_limit_refusal_does_not_stop_the_accept_loop() {
         .unwrap();
     let path = unix_endpoint_path(&endpoint).unwrap();
 
-    let a = UnixStream::connect(&path).unwrap();
-    assert!(until(Duration::from_secs(2), || svc.active_connections() == 1));
+    let mut a = UnixStream::connect(&path).unwrap();
+    // A frame in progress: A is busy, so B is refused rather than A closed
+    // to admit it (an idle connection would be).
+    std::io::Write::write_all(&mut a, &[0u8]).unwrap();
+    assert!(until(Duration::from_secs(2), || {
+        svc.active_connections() == 1 && svc.idle_connections() == 0
+    }));
     // Over the limit: its refusal's write stalls.
     let b = UnixStream::connect(&path).unwrap();
     entered

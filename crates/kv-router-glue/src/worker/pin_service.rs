@@ -19,8 +19,17 @@
 //!   throughout and must not trust what it read);
 //! - [`PinService::shutdown`].
 //!
+//! A connection serves any number of pins, one after another or at once: a
+//! target keeps its connection after a release for its next pin (saving the
+//! connect, this service's thread start and, over TCP, the key exchange).
+//! At the connection limit, a connection that served a frame, holds no pin
+//! and waits for the next is closed to admit the new one, so kept
+//! connections never cost a target a refusal (one that never sent a whole
+//! frame is not closed so: it is not a kept connection).
+//!
 //! Threads: one accept thread, one thread per connection, at most
-//! [`PinServiceConfig::max_connections`], and one refuser thread: a
+//! [`PinServiceConfig::max_connections`] with a pin or a frame in progress,
+//! and one refuser thread: a
 //! connection over the limit gets one `too_many_pins` refusal, written by
 //! the refuser (never by the accept thread, which does no socket I/O beyond
 //! `accept`, so one target that does not read cannot stall every other
@@ -119,6 +128,9 @@ pub struct PinServiceStats {
     /// TCP connections closed because they did not prove the key (wrong
     /// key, no key, or no proof within `io_timeout`).
     pub auth_refused: u64,
+    /// Idle connections (no pin held, kept by their target for its next
+    /// pin) closed at the connection limit to admit a new one.
+    pub idle_closed: u64,
 }
 
 /// Why a [`PinService`] could not start.
@@ -162,6 +174,7 @@ struct Counters {
     connections_refused: AtomicU64,
     malformed: AtomicU64,
     auth_refused: AtomicU64,
+    idle_closed: AtomicU64,
 }
 
 struct Conn {
@@ -169,6 +182,12 @@ struct Conn {
     /// taken (closed) by the thread when it ends.
     wake: Option<PinStream>,
     handle: Option<JoinHandle<()>>,
+    /// Set by the connection's thread while it waits for a frame holding
+    /// no pin after serving one (a target keeping the connection for its
+    /// next pin); the
+    /// accept thread may then close it to admit a new connection
+    /// ([`evict_idle`]).
+    idle: Arc<AtomicBool>,
 }
 
 struct Shared {
@@ -355,6 +374,17 @@ impl PinService {
         self.shared.live_connections.load(Ordering::SeqCst)
     }
 
+    /// Of [`PinService::active_connections`], those holding no pin and
+    /// waiting for a frame (kept by their targets for the next pin; closed
+    /// at the connection limit to admit a new one).
+    pub fn idle_connections(&self) -> usize {
+        let conns = self.shared.conns.lock();
+        conns
+            .values()
+            .filter(|c| c.wake.is_some() && c.idle.load(Ordering::SeqCst))
+            .count()
+    }
+
     /// Counters since start.
     pub fn stats(&self) -> PinServiceStats {
         let c = &self.shared.counters;
@@ -369,6 +399,7 @@ impl PinService {
             connections_refused: l(&c.connections_refused),
             malformed: l(&c.malformed),
             auth_refused: l(&c.auth_refused),
+            idle_closed: l(&c.idle_closed),
         }
     }
 
@@ -481,7 +512,9 @@ fn accept_loop(
         };
         s.counters.connections.fetch_add(1, Ordering::SeqCst);
         let _ = stream.set_write_timeout(Some(s.config.io_timeout));
-        if s.live_connections.fetch_add(1, Ordering::SeqCst) >= s.config.max_connections {
+        if s.live_connections.fetch_add(1, Ordering::SeqCst) >= s.config.max_connections
+            && !evict_idle(s)
+        {
             s.live_connections.fetch_sub(1, Ordering::SeqCst);
             refusals::hand_over(s, refusals, stream);
             continue;
@@ -491,19 +524,21 @@ fn accept_loop(
             continue;
         };
         let id = s.next_conn.fetch_add(1, Ordering::SeqCst);
+        let idle = Arc::new(AtomicBool::new(false));
         // Registered before the thread starts, so shutdown always sees it.
         s.conns.lock().insert(
             id,
             Conn {
                 wake: Some(wake),
                 handle: None,
+                idle: idle.clone(),
             },
         );
         let sc = s.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("kv-pin-conn-{id}"))
             .spawn(move || {
-                serve_connection(&sc, stream);
+                serve_connection(&sc, stream, &idle);
                 if let Some(c) = sc.conns.lock().get_mut(&id) {
                     c.wake = None;
                 }
@@ -522,6 +557,35 @@ fn accept_loop(
             }
         }
     }
+}
+
+/// Accept thread, at the connection limit: closes one connection that
+/// served a frame, holds no pin and waits for its next frame (a target's kept connection,
+/// see `remote_donor`), so kept connections never make a new target's pin
+/// be refused. Returns whether one was closed; the new connection is then
+/// admitted while the closed one's thread ends (its `read` returns at
+/// once), so the limit is exceeded by at most the connections closed and
+/// not yet ended.
+///
+/// A race with a target that sends its next pin on the connection just as
+/// it is closed is safe: either the frame is never read, or its grant
+/// cannot be sent and the pin drops with the connection; the target sees
+/// the connection end and pins again on a new one.
+fn evict_idle(s: &Shared) -> bool {
+    let conns = s.conns.lock();
+    for c in conns.values() {
+        let Some(wake) = &c.wake else { continue };
+        // Claimed here: a connection is closed by one eviction only.
+        if c.idle
+            .compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            let _ = wake.shutdown(std::net::Shutdown::Both);
+            s.counters.idle_closed.fetch_add(1, Ordering::SeqCst);
+            return true;
+        }
+    }
+    false
 }
 
 struct Held {
@@ -580,7 +644,7 @@ impl Drop for ConnPins<'_> {
     }
 }
 
-fn serve_connection(s: &Shared, mut stream: PinStream) {
+fn serve_connection(s: &Shared, mut stream: PinStream, idle: &AtomicBool) {
     if stream.is_tcp() {
         // `bind` refuses TCP without a key, so `auth` is set here.
         let Some(key) = &s.auth else { return };
@@ -598,11 +662,13 @@ fn serve_connection(s: &Shared, mut stream: PinStream) {
     let mut buf: Vec<u8> = Vec::new();
     let mut chunk = vec![0u8; 64 * 1024];
     let mut frame_started: Option<Instant> = None;
+    let mut served = false;
     loop {
         // Answer every whole frame already buffered.
         loop {
             match split_pin_frame(&buf) {
                 Ok(Some((body, used))) => {
+                    served = true;
                     let reply = handle(s, &mut pins, body);
                     buf.drain(..used);
                     if send(&mut stream, &reply).is_err() {
@@ -644,7 +710,16 @@ fn serve_connection(s: &Shared, mut stream: PinStream) {
         }
         // A zero timeout is an error for set_read_timeout; 1 ms is the floor.
         let _ = stream.set_read_timeout(wait.map(|w| w.max(Duration::from_millis(1))));
-        match stream.read(&mut chunk) {
+        // Idle: a frame served already (a kept connection, not one still
+        // to send its first), no pin held or owed an `expired` answer, no
+        // partial frame.
+        idle.store(
+            served && pins.held.is_empty() && pins.expired.is_empty() && buf.is_empty(),
+            Ordering::SeqCst,
+        );
+        let got = stream.read(&mut chunk);
+        idle.store(false, Ordering::SeqCst);
+        match got {
             Ok(0) => return,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
             Err(e)

@@ -3,21 +3,30 @@
 //! [`PinService`](crate::PinService) on its control endpoint.
 //!
 //! [`RemoteDonor`] holds the donor's manifest and this process's mappings
-//! of its rank memories; [`DonorSource::pin`] opens one connection to the
-//! endpoint, sends a [`PinRequest`] for the hinted slots and returns a
-//! [`RemotePin`] only on a grant. The connection stays open while the pin
+//! of its rank memories; [`DonorSource::pin`] sends a [`PinRequest`] for the
+//! hinted slots on a connection to the endpoint and returns a [`RemotePin`]
+//! only on a grant. The connection is the pin's for as long as the pin
 //! lives: if this process dies, the kernel closes it and the donor drops the
 //! pin. [`RemotePin`] releases on [`DonorPin::release`] (which reports
 //! whether the donor held the pin for the whole time) or on drop.
 //!
-//! One connection per pin keeps pins independent: a failure on one never
-//! ends another, and no request/reply matching across threads is needed.
-//! A connect and a round trip on a Unix socket cost tens of microseconds,
-//! small beside a fetch. Over TCP (`tcp:<host>:<port>`, a donor on another
-//! host) each connection first passes the key exchange of [`PinAuthKey`]
-//! (one more round trip), so a TCP endpoint needs
-//! [`RemoteDonor::with_auth_key`]; without it a pin fails with
-//! [`PinError::Auth`] before anything is sent.
+//! Each pin has a connection of its own while it is held, so pins stay
+//! independent: a failure on one never ends another, and no request/reply
+//! matching across threads is needed. **Connection reuse**: a connection
+//! whose pin was released cleanly is kept (one per donor) and carries the
+//! next pin, which then costs one round trip instead of a connect, the
+//! donor's thread start and, over TCP, the key exchange (the H200 runs
+//! measured the pin stage at ~0.49 ms p50 with a new connection per pin,
+//! `docs/qualification/h200-s13/`). A kept connection the donor has closed
+//! meanwhile (restart, its idle eviction at the connection limit) fails on
+//! its first exchange with an I/O error before any grant: the pin is then
+//! asked once more on a new connection. Nothing is lost by that retry: a
+//! grant the donor made on a connection that ended is dropped with it.
+//!
+//! Over TCP (`tcp:<host>:<port>`, a donor on another host) each new
+//! connection first passes the key exchange of [`PinAuthKey`] (one more
+//! round trip), so a TCP endpoint needs [`RemoteDonor::with_auth_key`];
+//! without it a pin fails with [`PinError::Auth`] before anything is sent.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -65,6 +74,9 @@ pub struct RemoteDonor {
     /// The pre-shared key for `tcp:` endpoints.
     auth: Option<PinAuthKey>,
     next_request: AtomicU64,
+    /// The connection of the last cleanly released pin, for the next pin
+    /// (module docs, "Connection reuse"); at most one is kept.
+    kept: parking_lot::Mutex<Option<PinStream>>,
 }
 
 impl RemoteDonor {
@@ -118,6 +130,7 @@ impl RemoteDonor {
             timeout: DEFAULT_PIN_TIMEOUT,
             auth: None,
             next_request: AtomicU64::new(1),
+            kept: parking_lot::Mutex::new(None),
         }
     }
 
@@ -258,12 +271,33 @@ impl RemoteDonor {
             RankSources::Nixl(_) => req.with_block_checksums(),
             RankSources::Mapped(_) => req,
         };
-        let mut stream = connect(&self.endpoint, self.timeout, self.auth.as_ref())?;
         let frame =
             encode_pin_frame(&PinClientMessage::Pin(req)).map_err(|e| PinError::Protocol {
                 detail: format!("encoding the pin request: {e}"),
             })?;
-        let sent = std::io::Write::write_all(&mut stream, &frame);
+        let kept = self.kept.lock().take();
+        if let Some(stream) = kept {
+            match self.exchange_pin(stream, &frame, request_id) {
+                // The donor closed the kept connection (it restarted, or
+                // closed it to admit another at its limit): no grant can
+                // survive on it, so a new connection asks again.
+                Err(PinError::Io { .. }) => {}
+                done => return done,
+            }
+        }
+        let stream = connect(&self.endpoint, self.timeout, self.auth.as_ref())?;
+        self.exchange_pin(stream, &frame, request_id)
+    }
+
+    /// Sends one encoded pin request on `stream` and reads the donor's
+    /// answer: a [`RemotePin`] owning `stream` on a grant.
+    fn exchange_pin(
+        &self,
+        mut stream: PinStream,
+        frame: &[u8],
+        request_id: u64,
+    ) -> Result<RemotePin<'_>, PinError> {
+        let sent = std::io::Write::write_all(&mut stream, frame);
         // A donor over its connection limit answers before reading and
         // closes, so a failed write may still have a refusal waiting.
         let reply = read_donor_message(&mut stream, self.timeout);
@@ -287,6 +321,21 @@ impl RemoteDonor {
                 detail: format!("unexpected reply to pin request {request_id}: {other:?}"),
             }),
         }
+    }
+
+    /// Keeps `stream` (its pin released, the donor's answer read) for the
+    /// next pin, unless one is kept already.
+    fn keep(&self, stream: PinStream) {
+        let mut kept = self.kept.lock();
+        if kept.is_none() {
+            *kept = Some(stream);
+        }
+    }
+
+    /// Closes the kept connection, if any (the donor's service thread for
+    /// it then ends). Pins held now keep their own connections.
+    pub fn close_kept_connection(&self) {
+        drop(self.kept.lock().take());
     }
 }
 
@@ -478,13 +527,19 @@ impl RemotePin<'_> {
         std::io::Write::write_all(&mut stream, &frame)
             .map_err(|e| PinError::io("release", e, timeout))?;
         match read_donor_message(&mut stream, timeout) {
+            // The donor answered this release: the connection holds nothing
+            // of this pin and is in step, so the next pin may use it.
             Ok(PinDonorMessage::Released(r)) if r.pin_id == pin_id && !r.expired => {
+                self.donor.keep(stream);
                 Ok(self.granted_at.elapsed())
             }
-            Ok(PinDonorMessage::Released(r)) if r.pin_id == pin_id => Err(PinError::Expired {
-                pin_id,
-                max_hold_ms: self.grant.max_hold_ms,
-            }),
+            Ok(PinDonorMessage::Released(r)) if r.pin_id == pin_id => {
+                self.donor.keep(stream);
+                Err(PinError::Expired {
+                    pin_id,
+                    max_hold_ms: self.grant.max_hold_ms,
+                })
+            }
             Ok(other) => Err(PinError::Protocol {
                 detail: format!("unexpected reply to release {pin_id}: {other:?}"),
             }),
