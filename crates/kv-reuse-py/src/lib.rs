@@ -117,6 +117,7 @@ fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<directory::DonorDirectory>()?;
     m.add_class::<target::Target>()?;
     m.add_class::<target::FetchOutcome>()?;
+    m.add_class::<target::FetchJob>()?;
     m.add_class::<stream_gate::StreamGate>()?;
     Ok(())
 }

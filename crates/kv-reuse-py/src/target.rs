@@ -41,6 +41,95 @@ pub(crate) struct Target {
     executor: FetchExecutor,
     /// CUDA IPC donors kept imported between fetches (donor_imports.rs).
     imports: DonorImports,
+    /// The thread `fetch_async` runs fetches on.
+    jobs: FetchJobs,
+}
+
+/// A fetch whose arguments `Target::prepare` checked, ready to run without
+/// the GIL (on the calling thread, or the target's fetch thread).
+struct PreparedFetch {
+    envelope: HintEnvelope,
+    prompt: Vec<SequenceHash>,
+    /// The manifest's wire bytes: the key of kept CUDA IPC imports.
+    manifest_bytes: Vec<u8>,
+    manifest: BankManifest,
+    dst_blocks: Option<Vec<u32>>,
+    endpoint: String,
+    pin_timeout: Duration,
+    control: DeliveryControl,
+    /// Ends the fetch's `StreamGate` when the fetch is done (dropped).
+    _gate_end: Option<crate::stream_gate::GateEnd>,
+}
+
+/// A fetch running on its target's fetch thread (`Target.fetch_async`).
+///
+/// ```python
+/// job = target.fetch_async(advice.hint, hashes, manifest, gate=gate)
+/// if gate.wait():
+///     ...  # enqueue the forward on the gate's stream
+/// with job.result() as out:  # raises FetchFellBack: discard that forward
+///     rows = out.rows
+/// ```
+#[pyclass(frozen, module = "kv_reuse")]
+pub(crate) struct FetchJob {
+    rx: Mutex<Option<std::sync::mpsc::Receiver<PyResult<FetchOutcome>>>>,
+}
+
+#[pymethods]
+impl FetchJob {
+    /// Waits for the fetch (GIL released) and returns its `FetchOutcome`,
+    /// or raises what `Target.fetch` raises. A job's result is taken once:
+    /// a second call raises `BadArgument` naming `result`. A job dropped
+    /// without its result still completes, and its rows are released.
+    fn result(&self, py: Python<'_>) -> PyResult<FetchOutcome> {
+        let rx = self
+            .rx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| bad_argument("result", "this job's result was taken already"))?;
+        py.allow_threads(move || rx.recv()).unwrap_or_else(|_| {
+            Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "the target's fetch thread ended without a result",
+            ))
+        })
+    }
+}
+
+/// Work for the target's fetch thread.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The target's fetch thread, started at its first `fetch_async` and fed
+/// through a channel, one job after another; it ends when the target is
+/// dropped (the channel closes) after the jobs queued before.
+#[derive(Default)]
+struct FetchJobs {
+    tx: Mutex<Option<std::sync::mpsc::Sender<Job>>>,
+}
+
+impl FetchJobs {
+    fn submit(&self, job: Job) -> PyResult<()> {
+        let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.is_none() {
+            let (send, jobs) = std::sync::mpsc::channel::<Job>();
+            std::thread::Builder::new()
+                .name("kv-target-fetch".into())
+                .spawn(move || jobs.into_iter().for_each(|job| job()))
+                .map_err(|e| {
+                    pyo3::exceptions::PyRuntimeError::new_err(format!(
+                        "cannot start the target's fetch thread: {e}"
+                    ))
+                })?;
+            *tx = Some(send);
+        }
+        tx.as_ref()
+            .map(|t| t.send(job))
+            .transpose()
+            .map_err(|_| {
+                pyo3::exceptions::PyRuntimeError::new_err("the target's fetch thread is gone")
+            })
+            .map(drop)
+    }
 }
 
 #[pymethods]
@@ -237,6 +326,7 @@ impl Target {
             regions,
             executor,
             imports: DonorImports::default(),
+            jobs: FetchJobs::default(),
         })
     }
 
@@ -324,9 +414,130 @@ impl Target {
         dst_token_offset: Option<&Bound<'_, PyAny>>,
         gate: Option<PyRef<'_, StreamGate>>,
     ) -> PyResult<FetchOutcome> {
+        let prepared = self.prepare(
+            py,
+            hint,
+            prompt_hashes,
+            manifest,
+            donor_alive,
+            pin_timeout_s,
+            dst_blocks,
+            dst_token_offset,
+            gate,
+        )?;
+        py.allow_threads(|| self.run(prepared))
+    }
+
+    /// `fetch` on the target's fetch thread: the same arguments, checked
+    /// here (so `PromptMismatch`, `HintRefused` and `BadArgument` raise from
+    /// this call, before anything runs), then the fetch runs on a thread of
+    /// the wheel's own that never takes the GIL (unless `donor_alive` is
+    /// given: the probe takes it). Returns a `FetchJob` at once; its
+    /// `result()` returns the `FetchOutcome` or raises what `fetch` would
+    /// (`FetchFellBack`, ...).
+    ///
+    /// Why: with `gate`, the engine thread enqueues its forward while the
+    /// fetch completes. A Python thread running `fetch` needs the GIL to
+    /// start and to finish, which it takes from the engine thread in the
+    /// middle of the forward's launches; the wheel's thread does not. Fetches
+    /// of one target run one after another on that thread, in call order.
+    #[pyo3(signature = (hint, prompt_hashes, manifest, donor_alive = None, pin_timeout_s = None, dst_blocks = None, dst_token_offset = None, gate = None))]
+    // One Rust argument per Python keyword argument (each optional).
+    #[allow(clippy::too_many_arguments)]
+    fn fetch_async(
+        slf: &Bound<'_, Self>,
+        hint: &[u8],
+        prompt_hashes: &Bound<'_, PyAny>,
+        manifest: &[u8],
+        donor_alive: Option<Py<PyAny>>,
+        pin_timeout_s: Option<f64>,
+        dst_blocks: Option<&Bound<'_, PyAny>>,
+        dst_token_offset: Option<&Bound<'_, PyAny>>,
+        gate: Option<PyRef<'_, StreamGate>>,
+    ) -> PyResult<FetchJob> {
+        let this = slf.get();
+        let prepared = this.prepare(
+            slf.py(),
+            hint,
+            prompt_hashes,
+            manifest,
+            donor_alive,
+            pin_timeout_s,
+            dst_blocks,
+            dst_token_offset,
+            gate,
+        )?;
+        let target: Py<Target> = slf.clone().unbind();
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        this.jobs.submit(Box::new(move || {
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                target.get().run(prepared)
+            }));
+            let _ = tx.send(ran.unwrap_or_else(|_| {
+                Err(pyo3::exceptions::PyRuntimeError::new_err(
+                    "the fetch panicked on the target's fetch thread",
+                ))
+            }));
+            // Without the GIL, pyo3 defers this decref to the next holder.
+            drop(target);
+        }))?;
+        Ok(FetchJob {
+            rx: Mutex::new(Some(rx)),
+        })
+    }
+
+    /// The bytes of destination row `row` of rank `rank` (a copy; use
+    /// `numpy.frombuffer(..., dtype)` to view them).
+    ///
+    /// Raises `BadArgument` naming `rank` (not below `tp_size`, negative)
+    /// or `row` (past the rows, negative, on another layout than block-major).
+    fn read_row<'py>(
+        &self,
+        py: Python<'py>,
+        rank: &Bound<'_, PyAny>,
+        row: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let (rank, row): (u32, u32) = (uint("rank", rank)?, uint("row", row)?);
+        let region = self.regions.get(rank as usize).ok_or_else(|| {
+            bad_argument("rank", format!("{rank} >= tp_size {}", self.regions.len()))
+        })?;
+        if self.order != EngineOrder::BlockMajor {
+            return Err(bad_argument(
+                "row",
+                "read_row reads block-major rows; read the engine's kv_caches instead",
+            ));
+        }
+        let rbb = self.layout.inner.rank_block_bytes();
+        let mut buf = vec![0u8; rbb];
+        region
+            .read_bytes(row as usize * rbb, &mut buf)
+            .map_err(|e| bad_argument("row", e))?;
+        Ok(PyBytes::new(py, &buf))
+    }
+}
+
+impl Target {
+    /// `fetch`'s checks, with the GIL: the arguments decoded, the hint
+    /// checked against the prompt, the gate armed. Every way out ends the
+    /// gate (its end guard travels in the result and ends it when the fetch
+    /// is done).
+    // One Rust argument per Python keyword argument (each optional).
+    #[allow(clippy::too_many_arguments)]
+    fn prepare(
+        &self,
+        py: Python<'_>,
+        hint: &[u8],
+        prompt_hashes: &Bound<'_, PyAny>,
+        manifest: &[u8],
+        donor_alive: Option<Py<PyAny>>,
+        pin_timeout_s: Option<f64>,
+        dst_blocks: Option<&Bound<'_, PyAny>>,
+        dst_token_offset: Option<&Bound<'_, PyAny>>,
+        gate: Option<PyRef<'_, StreamGate>>,
+    ) -> PyResult<PreparedFetch> {
         // First: every way out of this call, an argument error included,
         // ends the gate, so a thread waiting on it never hangs.
-        let _gate_end = gate.as_ref().map(|g| g.end_guard());
+        let gate_end = gate.as_ref().map(|g| g.end_guard());
         let prompt: Vec<SequenceHash> = uints::<u64>("prompt_hashes", prompt_hashes)?
             .into_iter()
             .map(SequenceHash)
@@ -337,7 +548,7 @@ impl Target {
             .map(|o| uint("dst_token_offset", o))
             .transpose()?;
         let envelope = HintEnvelope::from_wire(hint).map_err(descriptor)?;
-        let manifest_bytes = manifest;
+        let manifest_bytes = manifest.to_vec();
         let manifest = BankManifest::from_wire(manifest).map_err(descriptor)?;
         let actions = envelope.fetch_gpu_actions().map_err(descriptor)?;
         // The hint is checked against the prompt before the donor is
@@ -386,7 +597,33 @@ impl Target {
             consumer,
             ..DeliveryControl::default()
         };
-        let out = py.allow_threads(|| {
+        Ok(PreparedFetch {
+            envelope,
+            prompt,
+            manifest_bytes,
+            manifest,
+            dst_blocks,
+            endpoint,
+            pin_timeout,
+            control,
+            _gate_end: gate_end,
+        })
+    }
+
+    /// Runs a prepared fetch; needs no GIL (a `donor_alive` probe takes it).
+    fn run(&self, p: PreparedFetch) -> PyResult<FetchOutcome> {
+        let PreparedFetch {
+            envelope,
+            prompt,
+            manifest_bytes,
+            manifest,
+            dst_blocks,
+            endpoint,
+            pin_timeout,
+            control,
+            _gate_end,
+        } = p;
+        let out = (|| {
             let started = std::time::Instant::now();
             // A donor whose segments are gone (it exited) is a fallback like
             // a refused pin: the request recomputes.
@@ -404,7 +641,7 @@ impl Target {
                 // lease is live.
                 Some(g) => self
                     .imports
-                    .get_or_open(manifest_bytes, &endpoint, pin_timeout, || {
+                    .get_or_open(&manifest_bytes, &endpoint, pin_timeout, || {
                         RemoteDonor::open_cuda_ipc(manifest, g, &endpoint)
                             .map(|d| d.with_timeout(pin_timeout))
                     })
@@ -426,7 +663,7 @@ impl Target {
             result
                 .map(|out| (out, import_us, micros(started.elapsed())))
                 .map_err(fetch)
-        })?;
+        })()?;
         let (out, import_us, total_us) = out;
         Ok(FetchOutcome {
             rows: out.target_blocks.to_vec(),
@@ -443,37 +680,6 @@ impl Target {
         })
     }
 
-    /// The bytes of destination row `row` of rank `rank` (a copy; use
-    /// `numpy.frombuffer(..., dtype)` to view them).
-    ///
-    /// Raises `BadArgument` naming `rank` (not below `tp_size`, negative)
-    /// or `row` (past the rows, negative, on another layout than block-major).
-    fn read_row<'py>(
-        &self,
-        py: Python<'py>,
-        rank: &Bound<'_, PyAny>,
-        row: &Bound<'_, PyAny>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        let (rank, row): (u32, u32) = (uint("rank", rank)?, uint("row", row)?);
-        let region = self.regions.get(rank as usize).ok_or_else(|| {
-            bad_argument("rank", format!("{rank} >= tp_size {}", self.regions.len()))
-        })?;
-        if self.order != EngineOrder::BlockMajor {
-            return Err(bad_argument(
-                "row",
-                "read_row reads block-major rows; read the engine's kv_caches instead",
-            ));
-        }
-        let rbb = self.layout.inner.rank_block_bytes();
-        let mut buf = vec![0u8; rbb];
-        region
-            .read_bytes(row as usize * rbb, &mut buf)
-            .map_err(|e| bad_argument("row", e))?;
-        Ok(PyBytes::new(py, &buf))
-    }
-}
-
-impl Target {
     /// The destination blocks of an HF-layout fetch (see `fetch`), or
     /// `dst_blocks` unchanged on the other layouts.
     fn hf_dst_blocks(

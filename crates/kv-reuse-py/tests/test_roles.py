@@ -113,6 +113,54 @@ def test_round_trip_store_events_advise_fetch_across_processes(donor, layout, en
     assert json.loads(proc.stdout.readline()) == {"pins": 0}
 
 
+def test_fetch_async_runs_on_the_targets_thread_and_returns_what_fetch_does(donor, layout, enabled):
+    """``fetch_async`` checks its arguments on the calling thread, runs the
+    fetch on the target's own thread while this one keeps the GIL, and its
+    job gives the same outcome (rows, bytes) as ``fetch``; the result is
+    taken once; a fallback raises from ``result()``, leaving nothing held."""
+    proc, report = donor
+    prompt, manifest = report["hashes"], bytes.fromhex(report["manifest"])
+    target = kv_reuse.Target(layout, rows=16)
+    router = router_for(report, layout, enabled, target)
+    advice = router.advise("req-async", prompt, target.engine_id)
+    assert advice.admitted, advice.verdict
+    other = kv_reuse.sequence_hashes(list(range(5, 5 + TOKENS_PER_BLOCK * BLOCKS)), TOKENS_PER_BLOCK)
+    with pytest.raises(kv_reuse.PromptMismatch):
+        target.fetch_async(advice.hint, other, manifest)
+    jobs = [target.fetch_async(advice.hint, prompt, manifest) for _ in range(2)]
+    for job in jobs:
+        with job.result() as out:
+            assert out.fetched == prompt and len(out.rows) == BLOCKS
+            assert out.bytes == BLOCKS * TP * layout.rank_block_bytes
+            for block, row in enumerate(out.rows):
+                for rank in range(TP):
+                    got = np.frombuffer(target.read_row(rank, row), dtype=np.float32)
+                    np.testing.assert_array_equal(got, pattern(layout, rank, block))
+        assert out.released
+        with pytest.raises(kv_reuse.BadArgument, match="^result: "):
+            job.result()
+    assert target.free_rows == 16
+    # A job dropped without its result completes and releases its rows.
+    del job, jobs
+    dropped = target.fetch_async(advice.hint, prompt, manifest)
+    del dropped
+    deadline = time.monotonic() + 5
+    while target.free_rows != 16 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert target.free_rows == 16
+    proc.stdin.write("pins\n")
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline()) == {"pins": 0}
+    proc.kill()
+    proc.wait(timeout=10)
+    job = target.fetch_async(advice.hint, prompt, manifest)
+    with pytest.raises(kv_reuse.FetchFellBack) as e:
+        job.result()
+    assert e.value.args[1] in ("import", "pin", "transfer"), e.value.args
+    del e
+    assert target.free_rows == 16
+
+
 def test_a_stream_gate_is_refused_by_a_host_target_and_never_left_waiting(donor, layout, enabled):
     """A host target delivers to no CUDA stream: a gate is refused by name,
     nothing was reserved or pinned, and the gate reads ended (wait() returns

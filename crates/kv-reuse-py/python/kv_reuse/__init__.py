@@ -18,6 +18,7 @@ from ._native import (  # noqa: F401
     DonorBank,
     DonorDirectory,
     FetchFellBack,
+    FetchJob,
     FetchOutcome,
     HintRefused,
     KvReuseError,

@@ -472,7 +472,31 @@ class Target:
         the gate opens, while this call (on another thread) completes; work enqueued behind it
         must be discarded if this call raises. BadArgument names ``gate`` (not a target GPU,
         host target, already used)."""
+    def fetch_async(
+        self,
+        hint: bytes,
+        prompt_hashes: Sequence[int],
+        manifest: bytes,
+        donor_alive: Optional[Callable[[], bool]] = None,
+        pin_timeout_s: Optional[float] = None,
+        dst_blocks: Optional[Sequence[int]] = None,
+        dst_token_offset: Optional[int] = None,
+        gate: Optional["StreamGate"] = None,
+    ) -> "FetchJob":
+        """``fetch`` on the target's own fetch thread, which needs no GIL (only a
+        ``donor_alive`` probe takes it): the arguments are checked here (PromptMismatch,
+        HintRefused, BadArgument raise from this call), then it returns at once. With
+        ``gate``, the engine thread enqueues its forward while the fetch completes without
+        taking the GIL from it. Fetches of one target run in call order."""
     def read_row(self, rank: int, row: int) -> bytes: ...
+
+class FetchJob:
+    """A fetch running on its target's fetch thread (``Target.fetch_async``)."""
+
+    def result(self) -> FetchOutcome:
+        """Waits (GIL released) and returns the outcome, or raises what ``Target.fetch``
+        raises (FetchFellBack, ...). Taken once: a second call raises BadArgument naming
+        ``result``. A job dropped without its result still completes; its rows are released."""
 
 class StreamGate:
     """An engine CUDA stream that a fetch releases as soon as its copies are issued.

@@ -34,7 +34,6 @@ import gc
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -61,8 +60,6 @@ class PrefillWorker(EngineWorker):
         self.target = self.landing.target
         self.overlap = bool(cfg.get("fetch_overlap")) and self.landing_kind == "cache"
         self.gpu = transport.ordinal(self.device, self.transport)
-        # One fetch thread: ``on`` with overlap runs its fetch there.
-        self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch") if self.overlap else None
         # The warm regime's target: another engine to the router (its held
         # blocks come from prefix_events), its own destination.
         self.warm_landing = self._landing(cfg["target_rows"]) if cfg.get("warm") else None
@@ -162,21 +159,48 @@ class PrefillWorker(EngineWorker):
         wheel's ``donor_alive`` probe): the donor-killed-mid-fetch turn.
         ``gate``: a ``kv_reuse.StreamGate`` for the wheel's fetch (overlap).
         """
-        fetch: Dict[str, Any] = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
+        return self._fetch_finish(landing, held_blocks,
+                                  self._fetch_begin(landing, hint, hashes, manifest, kill_donor, gate, False))
+
+    @staticmethod
+    def _no_fetch() -> Dict[str, Any]:
+        return {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
+
+    def _fetch_begin(self, landing: transport.Landing, hint: bytes, hashes: List[int],
+                     manifest: Union[bytes, str, None], kill_donor: Optional[int], gate: Any, run_async: bool):
+        """Starts ``_fetch``'s fetch: a callable giving its ``FetchOutcome`` (raising what the fetch raises), or
+        ``_fetch``'s result tuple when it cannot start.
+
+        ``run_async``: on the target's own fetch thread (``Target.fetch_async``,
+        which takes no GIL from this process's engine thread), the callable
+        being the job's ``result``; else ``Target.fetch`` when called.
+        """
         if isinstance(manifest, str):
             # A donor engine id: its manifest from the donor directory (a
             # local lookup in the watched bucket), inside the timed request.
             got = self.directory.manifest(manifest) if self.directory is not None else None
             if got is None:
-                return None, fetch, [f"donor {manifest} not in the directory", "resolve", "no_record"], 0
+                return None, self._no_fetch(), [f"donor {manifest} not in the directory", "resolve", "no_record"], 0
             manifest = got
         kw: Dict[str, Any] = {}
         if kill_donor is not None:
             kw["donor_alive"] = _killer(kill_donor)
         if gate is not None:
             kw["gate"] = gate
+        if not run_async:
+            return lambda: landing.target.fetch(hint, hashes, manifest, **kw)
         try:
-            with landing.target.fetch(hint, hashes, manifest, **kw) as out:
+            return landing.target.fetch_async(hint, hashes, manifest, **kw).result
+        except (self.kv.KvReuseError, ValueError) as e:
+            return None, self._no_fetch(), [repr(e), "refused", type(e).__name__], 0
+
+    def _fetch_finish(self, landing: transport.Landing, held_blocks: int, started: Any):
+        """``_fetch``'s result from ``_fetch_begin``'s ``started``."""
+        if isinstance(started, tuple):
+            return started
+        fetch = self._no_fetch()
+        try:
+            with started() as out:
                 if out.fetch_from > held_blocks:
                     raise ValueError(f"fetch_from {out.fetch_from} past the {held_blocks} blocks held")
                 rows = landing.land(out)
@@ -268,13 +292,15 @@ class PrefillWorker(EngineWorker):
         """
         t0 = time.perf_counter()
         gate = self.kv.StreamGate(torch.cuda.current_stream(self.device).cuda_stream, self.gpu)
-        job = self.fetcher.submit(self._fetch, self.landing, hint, hashes, manifest, 0, kill_donor, gate)
+        # On the target's own thread (no Python thread: nothing here waits
+        # for it to take the GIL, and it takes none from the forward below).
+        started = self._fetch_begin(self.landing, hint, hashes, manifest, kill_donor, gate, True)
         opened = gate.wait()
         t_open = time.perf_counter()
         if not opened or gate.fetch_from != 0:
             # No copy was issued here (or the hint starts past what a churn
             # target holds: refused by _fetch): the sequential path.
-            landed, fetch, fell_back, _ = job.result()
+            landed, fetch, fell_back, _ = self._fetch_finish(self.landing, 0, started)
             return {"result": None, "landed": landed, "fetch": fetch, "fell_back": fell_back}
         end = gate.blocks * self.tpb
         if end >= len(prompt):
@@ -290,7 +316,7 @@ class PrefillWorker(EngineWorker):
         cache.set_length(end)
         r = engine.prefill(self.model, prompt[end:], cache, sw=sw, ids=ids)
         t_fwd = time.perf_counter()
-        landed, fetch, fell_back, _ = job.result()
+        landed, fetch, fell_back, _ = self._fetch_finish(self.landing, 0, started)
         fetch_ms += sw.lap("fetch_join")
         # Where the launch went: the gate's own clock (from its creation: the
         # fetch thread took it, the copies were enqueued, the fetch ended)

@@ -180,28 +180,28 @@ class FakeGate:
         return self.opens
 
 
-class Now:
-    """A fetch 'thread' that runs the fetch when its result is asked for (after the forward was enqueued)."""
-
-    def __init__(self, order):
-        self.order = order
-
-    def submit(self, fn, *args):
-        self.order.append("submit")
-        fut = types.SimpleNamespace()
-        fut.result = lambda: self.order.append("result") or fn(*args)
-        return fut
-
-
 def overlapped_self(mods, fetch_result, opens=True, blocks=3):
-    """fake_self for op_on with fetch overlap on: the gate and fetch thread replaced."""
+    """fake_self for op_on with fetch overlap on: the gate and the fetch's start and finish replaced.
+
+    The fetch's finish (taking the job's result) is recorded in ``calls``, so
+    tests see it relative to the forward."""
     me, calls = fake_self(mods, None, 0)
     order = []
     gate = FakeGate(opens, blocks)
-    me.overlap, me.gpu, me.fetcher = True, 0, Now(order)
+    me.overlap, me.gpu = True, 0
     me.kv = types.SimpleNamespace(StreamGate=gate)
     me.landing = types.SimpleNamespace(cache=types.SimpleNamespace(set_length=lambda n: calls.append(("set_length", n))))
-    me._fetch = lambda *a: order.append("fetch") or fetch_result
+
+    def begin(landing, hint, hashes, manifest, kill_donor, g, run_async):
+        order.append(("begin", g is gate, run_async))
+        return "started"
+
+    def finish(landing, held, started):
+        assert started == "started"
+        calls.append(("finish",))
+        return fetch_result
+
+    me._fetch_begin, me._fetch_finish = begin, finish
     return me, calls, order, gate
 
 
@@ -211,9 +211,10 @@ def test_overlapped_on_enqueues_the_forward_before_the_fetch_completes(mods):
     me, calls, order, gate = overlapped_self(mods, (3, dict(fetch), None, 0))
     res = P.op_on(me, list(range(20)), b"hint", [1, 2, 3], None)
     assert gate.made == (0x51, 0)  # the worker's current stream, its GPU
-    # The suffix forward (8 of 20 tokens on 12 fetched) ran before the fetch's result was taken.
-    assert calls[:2] == [("set_length", 12), ("prefill", 8, me.landing.cache)]
-    assert order == ["submit", "result", "fetch"]
+    # Started on the target's own thread with the gate; the suffix forward
+    # (8 of 20 tokens on 12 fetched) ran before the fetch's result was taken.
+    assert order == [("begin", True, True)]
+    assert calls[:3] == [("set_length", 12), ("prefill", 8, me.landing.cache), ("finish",)]
     assert list(res["phases_ms"]) == ["fetch_launch", "forward", "readback", "fetch_join"]
     assert res["fetched_tokens"] == 12 and res["fell_back"] is None and res["first_token"] == 3
     assert me.fetched == (me.landing.cache, 0, 3)
@@ -239,8 +240,8 @@ def test_a_gate_that_never_opens_falls_to_the_sequential_path(mods):
     me, calls, order, _ = overlapped_self(mods, (None, dict(none), ["refused", "pin", "refused"], 0), opens=False)
     res = P.op_on(me, list(range(20)), b"hint", [1, 2, 3], None)
     # No forward before the fetch's result; one full prefill after it.
-    assert order == ["submit", "result", "fetch"]
-    assert [c for c in calls if c[0] == "prefill"] == [("prefill", 20, None)]
+    assert order == [("begin", True, True)]
+    assert [c for c in calls if c[0] in ("prefill", "finish")] == [("finish",), ("prefill", 20, None)]
     assert list(res["phases_ms"]) == ["fetch", "forward", "readback"]
     assert res["fell_back"][1] == "pin"
 
