@@ -13,7 +13,9 @@ shows:
 3. ``with_decode``: both, with a decode worker process on the same GPU;
 4. ``after_fetch``: after a decode turn retained the history and the child fetched it (CUDA IPC import, ``on`` and ``ideal``);
 5. ``after_off``: after a full prefill of ``--off-tokens`` tokens in the child;
-6. ``gc_frozen``: the child after ``gc.freeze()``.
+6. ``gc_frozen``: the child after ``gc.freeze()``;
+7. ``after_off_spin50``: a 50 ms busy loop before the reps; ``long_run``: 40 reps
+   in a row with each rep's start time, core and core clock.
 
 Run on the GPU machine, with the bundle's python dir (the wheel) and this
 checkout's harness on PYTHONPATH::
@@ -126,7 +128,11 @@ def main() -> int:
             after_off("after_off_collect", pre="collect")
             after_off("after_off_empty_cache", pre="empty_cache")
             after_off("after_off_sleep200", pre="sleep:200")
+            after_off("after_off_spin50", pre="spin:50")
             record("plain_again", child.call("probe", **probe)[0])
+            # Many reps in a row, each with its start time, core and core clock,
+            # to line up with a GPU clock log (nvidia-smi) taken beside the run.
+            record("long_run", child.call("probe", **{**probe, "reps": 40})[0])
             # Host-bound forwards: fewer intra-op threads, then pinned cores.
             record("threads4", child.call("probe", **probe, threads=4)[0])
             after_off("threads4_after_off")

@@ -479,8 +479,14 @@ class PrefillWorker(EngineWorker):
         worker is slower than in a fresh process.
 
         Before the reps: ``pre`` is ``none``, ``collect`` (``gc.collect``),
-        ``empty_cache`` (``torch.cuda.empty_cache``) or ``sleep:<ms>``;
-        ``threads`` sets ``torch.set_num_threads``; ``cores`` pins this
+        ``empty_cache`` (``torch.cuda.empty_cache``), ``sleep:<ms>`` or
+        ``spin:<ms>`` (a busy loop on this thread: does a core kept busy
+        run the next host-bound forward faster?);
+        ``threads`` sets ``torch.set_num_threads``;
+        per rep, ``at_unix_s`` (its start, to line up with a clock log such
+        as ``nvidia-smi --query-gpu=clocks.sm``), ``cpu`` (the core it began
+        on) and ``cpu_khz`` (that core's ``scaling_cur_freq``, None where the
+        host has no cpufreq); ``cores`` pins this
         process to those CPU cores (``os.sched_setaffinity``). Both stay set
         for the process's later calls.
         """
@@ -499,8 +505,12 @@ class PrefillWorker(EngineWorker):
             torch.cuda.empty_cache()
         elif pre.startswith("sleep:"):
             time.sleep(float(pre[6:]) / 1e3)
+        elif pre.startswith("spin:"):
+            until = time.perf_counter() + float(pre[5:]) / 1e3
+            while time.perf_counter() < until:
+                pass
         elif pre != "none":
-            raise engine.EngineError("pre", f"unknown {pre!r}: none, collect, empty_cache or sleep:<ms>")
+            raise engine.EngineError("pre", f"unknown {pre!r}: none, collect, empty_cache, sleep:<ms> or spin:<ms>")
         ids = [i % self.shape.vocab for i in range(history + suffix)]
         if self.landing_kind == "cache":
             cache = self.landing.cache
@@ -508,8 +518,12 @@ class PrefillWorker(EngineWorker):
                 raise engine.EngineError("history", f"{history + suffix} tokens past the landing cache's {cache.capacity()}")
         else:
             cache = engine.prefill(self.model, ids[:history]).cache
-        walls, launches = [], []
+        walls, launches, at, on_cpu, khz = [], [], [], [], []
         for _ in range(reps):
+            cpu = _current_cpu()
+            at.append(round(time.time(), 4))
+            on_cpu.append(cpu)
+            khz.append(_cpu_khz(cpu))
             cache.set_length(history)
             engine.sync(self.device)
             t0 = time.perf_counter()
@@ -522,7 +536,8 @@ class PrefillWorker(EngineWorker):
             launches.append(round((t1 - t0) * 1e3, 3))
             walls.append(round((t2 - t0) * 1e3, 3))
         cores = sorted(os.sched_getaffinity(0))
-        return {"wall_ms": walls, "launch_ms": launches, "gc_counts": list(gc.get_count()),
+        return {"wall_ms": walls, "launch_ms": launches, "at_unix_s": at, "cpu": on_cpu, "cpu_khz": khz,
+                "gc_counts": list(gc.get_count()),
                 "gc_tracked": len(gc.get_objects()), "torch_threads": torch.get_num_threads(),
                 "cores": cores[:4] + (["..."] if len(cores) > 4 else [])}
 
@@ -587,6 +602,26 @@ class PrefillWorker(EngineWorker):
             p.close()
         if self.directory is not None:
             self.directory.close()
+
+
+def _current_cpu() -> Optional[int]:
+    """The core this thread last ran on: field 39 of ``/proc/thread-self/stat`` (proc(5)); None off Linux."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cpu_khz(cpu: Optional[int]) -> Optional[int]:
+    """``scaling_cur_freq`` of core ``cpu`` in kHz (Linux cpufreq); None where the host does not expose it."""
+    if cpu is None:
+        return None
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/cpufreq/scaling_cur_freq") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _killer(pid: int):
