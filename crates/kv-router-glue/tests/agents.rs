@@ -22,18 +22,15 @@ use kv_transfer::{DeliveryControl, HostBuffer, HostCopyBackend};
 #[test]
 fn donor_stores_router_advises_target_fetches_then_close_falls_back() {
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (plane, dir) = (&p.plane, &p.dir);
+        let ep = p.endpoint("d0");
         let (tgt, rows) = target(dir.as_ref()).await;
         let target_id = EngineId::fresh();
         let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
         let before = kv_bank::leaks::snapshot();
 
-        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
-            .await
-            .unwrap();
+        let donor = p.donor("decode-0", &ep).await;
         let blocks = prompt(0);
         let h = hashes(&blocks);
         store(&donor, &blocks).await;
@@ -93,18 +90,15 @@ fn donor_stores_router_advises_target_fetches_then_close_falls_back() {
 #[test]
 fn a_new_incarnation_under_the_same_worker_key_replaces_the_old_one() {
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep_a = format!("unix:{}", sock.path().join("a.sock").display());
-        let ep_b = format!("unix:{}", sock.path().join("b.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (plane, dir) = (&p.plane, &p.dir);
+        let ep_a = p.endpoint("a");
+        let ep_b = p.endpoint("b");
         let (tgt, rows) = target(dir.as_ref()).await;
         let target_id = EngineId::fresh();
         let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
 
-        let old = DonorAgent::open(donor_config("decode-0", &ep_a), dir.clone(), plane.clone())
-            .await
-            .unwrap();
+        let old = p.donor("decode-0", &ep_a).await;
         let blocks = prompt(0);
         let h = hashes(&blocks);
         store(&old, &blocks).await;
@@ -114,9 +108,7 @@ fn a_new_incarnation_under_the_same_worker_key_replaces_the_old_one() {
 
         // The worker restarts under the same key (the old incarnation is not
         // closed: a crash, whose record is still in the directory).
-        let new = DonorAgent::open(donor_config("decode-0", &ep_b), dir.clone(), plane.clone())
-            .await
-            .unwrap();
+        let new = p.donor("decode-0", &ep_b).await;
         let new_id = new.bank().owner().engine_id;
         store(&new, &blocks).await;
         router.pump().await;
@@ -159,10 +151,9 @@ fn a_new_incarnation_under_the_same_worker_key_replaces_the_old_one() {
 #[test]
 fn the_record_is_re_put_before_it_lapses_and_a_lapsed_one_is_refused() {
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (plane, dir) = (&p.plane, &p.dir);
+        let ep = p.endpoint("d0");
         let mut cfg = donor_config("decode-0", &ep);
         cfg.record_ttl = Duration::from_millis(300);
         let donor = DonorAgent::open(cfg, dir.clone(), plane.clone())
@@ -238,10 +229,9 @@ fn the_record_is_re_put_before_it_lapses_and_a_lapsed_one_is_refused() {
 #[test]
 fn bad_donor_configs_are_refused_naming_the_field_and_open_nothing() {
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (plane, dir) = (&p.plane, &p.dir);
+        let ep = p.endpoint("d0");
         let before = kv_bank::leaks::snapshot();
 
         let mut cfg = donor_config("decode-0", &ep);

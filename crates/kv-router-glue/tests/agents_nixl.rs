@@ -36,13 +36,9 @@ fn a_donor_publishes_its_nixl_agent_and_the_target_loads_it() {
         return;
     }
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
-        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
-            .await
-            .unwrap();
+        let p = Planes::new();
+        let (ep, dir) = (p.endpoint("d0"), &p.dir);
+        let donor = p.donor("decode-0", &ep).await;
         let engine = donor.bank().owner().engine_id;
         let (target, _rows) = target(dir.as_ref()).await;
         let target_nixl = NixlAgent::new("kv-agents-nixl-target").unwrap();
@@ -55,11 +51,7 @@ fn a_donor_publishes_its_nixl_agent_and_the_target_loads_it() {
 
         // The donor's NIXL agent registers every rank of the bank.
         let donor_nixl = NixlAgent::new("kv-agents-nixl-donor").unwrap();
-        for r in 0..TP {
-            donor_nixl
-                .register(donor.bank().rank(r).unwrap().memory().as_ref())
-                .unwrap();
-        }
+        register_ranks(&donor_nixl, &donor);
         let metadata = donor_nixl.metadata().unwrap();
         assert!(!metadata.is_empty() && metadata.len() <= MAX_NIXL_METADATA_BYTES);
 
@@ -130,6 +122,16 @@ fn a_donor_publishes_its_nixl_agent_and_the_target_loads_it() {
     });
 }
 
+/// Registers every rank of `donor`'s bank with `agent` (what a donor does
+/// before it publishes its NIXL agent).
+fn register_ranks(agent: &NixlAgent, donor: &DonorAgent) {
+    for r in 0..TP {
+        agent
+            .register(donor.bank().rank(r).unwrap().memory().as_ref())
+            .unwrap();
+    }
+}
+
 /// A target executor on a NIXL backend over `agent`: TP host rows, each
 /// registered with `agent` (NIXL READs land only in registered memory).
 async fn nixl_target(
@@ -164,27 +166,15 @@ fn a_target_reads_the_pinned_slots_over_nixl_and_refuses_a_stale_or_unknown_dono
         return;
     }
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (ep, plane, dir) = (p.endpoint("d0"), &p.plane, &p.dir);
         let target_nixl = Arc::new(NixlAgent::new("kv-nixl-fetch-target").unwrap());
         let (tgt, rows) = nixl_target(dir.as_ref(), &target_nixl).await;
         let target_id = kv_descriptor::EngineId::fresh();
         let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
 
-        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
-            .await
-            .unwrap();
-        let blocks = prompt(0);
-        let h = hashes(&blocks);
-        store(&donor, &blocks).await;
-        router.pump().await;
-        let env = router
-            .advisor
-            .advise("r1", &h, target_id)
-            .hint
-            .expect("hint attached");
+        let donor = p.donor("decode-0", &ep).await;
+        let (h, env) = store_and_advise(&mut router, &donor, target_id).await;
         let hint = env.fetch_gpu_actions().unwrap().remove(0);
 
         // No NIXL agent in the record yet: refused before anything is pinned.
@@ -194,11 +184,7 @@ fn a_target_reads_the_pinned_slots_over_nixl_and_refuses_a_stale_or_unknown_dono
         }
 
         let donor_nixl = NixlAgent::new("kv-nixl-fetch-donor").unwrap();
-        for r in 0..TP {
-            donor_nixl
-                .register(donor.bank().rank(r).unwrap().memory().as_ref())
-                .unwrap();
-        }
+        register_ranks(&donor_nixl, &donor);
         donor
             .publish_nixl_agent(donor_nixl.name().into(), donor_nixl.metadata().unwrap())
             .await
@@ -273,32 +259,16 @@ fn a_registered_but_wrong_nixl_address_falls_back_at_verify() {
         return;
     }
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (ep, plane, dir) = (p.endpoint("d0"), &p.plane, &p.dir);
         let target_nixl = Arc::new(NixlAgent::new("kv-nixl-wrong-target").unwrap());
         let (tgt, rows) = nixl_target(dir.as_ref(), &target_nixl).await;
         let target_id = kv_descriptor::EngineId::fresh();
         let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
-        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
-            .await
-            .unwrap();
-        let blocks = prompt(0);
-        let h = hashes(&blocks);
-        store(&donor, &blocks).await;
-        router.pump().await;
-        let env = router
-            .advisor
-            .advise("r1", &h, target_id)
-            .hint
-            .expect("hint attached");
+        let donor = p.donor("decode-0", &ep).await;
+        let (h, env) = store_and_advise(&mut router, &donor, target_id).await;
         let donor_nixl = NixlAgent::new("kv-nixl-wrong-donor").unwrap();
-        for r in 0..TP {
-            donor_nixl
-                .register(donor.bank().rank(r).unwrap().memory().as_ref())
-                .unwrap();
-        }
+        register_ranks(&donor_nixl, &donor);
         donor
             .publish_nixl_agent(donor_nixl.name().into(), donor_nixl.metadata().unwrap())
             .await
@@ -358,13 +328,9 @@ fn a_registered_but_wrong_nixl_address_falls_back_at_verify() {
 #[test]
 fn open_nixl_refuses_regions_that_are_not_the_manifest_parts() {
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
-        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane)
-            .await
-            .unwrap();
+        let p = Planes::new();
+        let ep = p.endpoint("d0");
+        let donor = p.donor("decode-0", &ep).await;
         let manifest = donor.bank().manifest().clone();
         let region = |agent: &str, len: u64, kind| kv_transfer::NixlRemoteRegion {
             agent_name: agent.into(),
@@ -424,24 +390,12 @@ fn open_nixl_refuses_regions_that_are_not_the_manifest_parts() {
 #[test]
 fn a_nixl_pin_grant_carries_the_checksums_of_the_pinned_blocks() {
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (ep, plane, dir) = (p.endpoint("d0"), &p.plane, &p.dir);
         let target_id = kv_descriptor::EngineId::fresh();
         let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
-        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
-            .await
-            .unwrap();
-        let blocks = prompt(0);
-        let h = hashes(&blocks);
-        store(&donor, &blocks).await;
-        router.pump().await;
-        let env = router
-            .advisor
-            .advise("r1", &h, target_id)
-            .hint
-            .expect("hint attached");
+        let donor = p.donor("decode-0", &ep).await;
+        let (h, env) = store_and_advise(&mut router, &donor, target_id).await;
         let hint = env.fetch_gpu_actions().unwrap().remove(0);
         let manifest = donor.bank().manifest().clone();
         let fetched = &h[hint.fetch_from as usize..];
@@ -523,24 +477,12 @@ impl DonorSource for Checksummed<'_> {
 #[test]
 fn checksummed_pins_complete_only_when_every_block_matches() {
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (ep, plane, dir) = (p.endpoint("d0"), &p.plane, &p.dir);
         let target_id = kv_descriptor::EngineId::fresh();
         let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
-        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
-            .await
-            .unwrap();
-        let blocks = prompt(0);
-        let h = hashes(&blocks);
-        store(&donor, &blocks).await;
-        router.pump().await;
-        let env = router
-            .advisor
-            .advise("r1", &h, target_id)
-            .hint
-            .expect("hint attached");
+        let donor = p.donor("decode-0", &ep).await;
+        let (h, env) = store_and_advise(&mut router, &donor, target_id).await;
         let hint = env.fetch_gpu_actions().unwrap().remove(0);
         let fetched = &h[hint.fetch_from as usize..];
         let good: Vec<u64> = (0..TP)

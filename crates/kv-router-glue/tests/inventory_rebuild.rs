@@ -36,10 +36,9 @@ fn assert_hint_from(advice: &Advice, donor: EngineId, h: &[SequenceHash]) {
 #[test]
 fn a_restarted_router_finds_the_donor_of_an_idle_worker() {
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (plane, dir) = (&p.plane, &p.dir);
+        let ep = p.endpoint("d0");
         let target_id = EngineId::fresh();
         let mut cfg = donor_config("decode-0", &ep);
         cfg.event_ring = 4;
@@ -131,10 +130,9 @@ fn assert_index_holds(
 #[test]
 fn a_router_restarted_mid_stream_takes_the_stream_from_the_snapshot_on() {
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (plane, dir) = (&p.plane, &p.dir);
+        let ep = p.endpoint("d0");
         let inventory: Arc<dyn InventoryPlane> = Arc::new(InProcessInventory::new());
         let target_id = EngineId::fresh();
         let mut cfg = donor_config("decode-0", &ep);
@@ -218,15 +216,12 @@ fn a_router_restarted_mid_stream_takes_the_stream_from_the_snapshot_on() {
 #[test]
 fn two_router_replicas_on_one_stream_both_find_the_donor() {
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (plane, dir) = (&p.plane, &p.dir);
+        let ep = p.endpoint("d0");
         let inventory: Arc<dyn InventoryPlane> = Arc::new(InProcessInventory::new());
         let target_id = EngineId::fresh();
-        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
-            .await
-            .unwrap();
+        let donor = p.donor("decode-0", &ep).await;
         donor.serve_inventory(inventory.clone()).await.unwrap();
         let donor_id = donor.bank().owner().engine_id;
         // Replica 1 runs from the start; replica 2 starts after the worker
@@ -267,25 +262,20 @@ fn two_router_replicas_on_one_stream_both_find_the_donor() {
 #[test]
 fn a_retired_incarnations_snapshot_is_ignored() {
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep_a = format!("unix:{}", sock.path().join("a.sock").display());
-        let ep_b = format!("unix:{}", sock.path().join("b.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (plane, dir) = (&p.plane, &p.dir);
+        let ep_a = p.endpoint("a");
+        let ep_b = p.endpoint("b");
         let inventory: Arc<dyn InventoryPlane> = Arc::new(InProcessInventory::new());
         let target_id = EngineId::fresh();
-        let old = DonorAgent::open(donor_config("decode-0", &ep_a), dir.clone(), plane.clone())
-            .await
-            .unwrap();
+        let old = p.donor("decode-0", &ep_a).await;
         old.serve_inventory(inventory.clone()).await.unwrap();
         let old_id = old.bank().owner().engine_id;
         let a = prompt(0);
         store_in_six(&old, &a).await;
         // The worker restarts under the same key; the old incarnation still
         // answers (a crash whose process lingers).
-        let new = DonorAgent::open(donor_config("decode-0", &ep_b), dir.clone(), plane.clone())
-            .await
-            .unwrap();
+        let new = p.donor("decode-0", &ep_b).await;
         new.serve_inventory(inventory.clone()).await.unwrap();
         let new_id = new.bank().owner().engine_id;
         let mut r =
@@ -348,16 +338,13 @@ fn a_retired_incarnations_snapshot_is_ignored() {
 #[test]
 fn a_gap_the_ring_still_holds_is_replayed_not_lost() {
     serial(|| async {
-        let sock = tempfile::tempdir().unwrap();
-        let ep = format!("unix:{}", sock.path().join("d0.sock").display());
-        let plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
-        let dir = Arc::new(InProcessDirectory::new());
+        let p = Planes::new();
+        let (plane, dir) = (&p.plane, &p.dir);
+        let ep = p.endpoint("d0");
         let target_id = EngineId::fresh();
         // Ring of 64: the whole history. No inventory server: only the
         // stream can repair this router.
-        let donor = DonorAgent::open(donor_config("decode-0", &ep), dir.clone(), plane.clone())
-            .await
-            .unwrap();
+        let donor = p.donor("decode-0", &ep).await;
         let donor_id = donor.bank().owner().engine_id;
         let a = prompt(0);
         store_in_six(&donor, &a).await;

@@ -119,6 +119,67 @@ pub async fn store_after(donor: &DonorAgent, parent: Option<SequenceHash>, block
     assert_eq!(status, StoreStatus::Ready);
 }
 
+/// What most agent tests start from: a temporary folder for the donors'
+/// Unix-socket pin endpoints, an in-process event plane and an in-process
+/// donor directory (the folder is removed when this is dropped).
+pub struct Planes {
+    pub sock: tempfile::TempDir,
+    pub plane: Arc<dyn EventPlane>,
+    pub dir: Arc<InProcessDirectory>,
+}
+
+impl Default for Planes {
+    fn default() -> Self {
+        Self {
+            sock: tempfile::tempdir().unwrap(),
+            plane: Arc::new(InProcessPlane::new()),
+            dir: Arc::new(InProcessDirectory::new()),
+        }
+    }
+}
+
+impl Planes {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// `unix:<folder>/<name>.sock`, a pin endpoint no other donor uses.
+    pub fn endpoint(&self, name: &str) -> String {
+        format!(
+            "unix:{}",
+            self.sock.path().join(format!("{name}.sock")).display()
+        )
+    }
+
+    /// A donor agent of [`donor_config`] on these planes.
+    pub async fn donor(&self, worker_key: &str, endpoint: &str) -> DonorAgent {
+        DonorAgent::open(
+            donor_config(worker_key, endpoint),
+            self.dir.clone(),
+            self.plane.clone(),
+        )
+        .await
+        .unwrap()
+    }
+}
+
+/// Stores [`prompt`]`(0)` in `donor`, lets `router` apply the events and
+/// advises `target` for it: the prompt's hashes and the attached hint
+/// envelope (fails the test when the advice is not admitted).
+pub async fn store_and_advise(
+    router: &mut Router,
+    donor: &DonorAgent,
+    target: EngineId,
+) -> (Vec<SequenceHash>, HintEnvelope) {
+    let blocks = prompt(0);
+    let h = hashes(&blocks);
+    store(donor, &blocks).await;
+    router.pump().await;
+    let advice = router.advisor.advise("r1", &h, target);
+    assert!(advice.decision.admitted(), "{}", advice.decision);
+    (h, advice.hint.expect("hint attached"))
+}
+
 /// A router built only from what the planes carry.
 pub struct Router {
     pub index: Arc<InventoryIndex>,
