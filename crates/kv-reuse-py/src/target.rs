@@ -102,14 +102,31 @@ type Job = Box<dyn FnOnce() + Send>;
 /// The target's fetch thread, started at its first `fetch_async` and fed
 /// through a channel, one job after another; it ends when the target is
 /// dropped (the channel closes) after the jobs queued before.
+///
+/// The sender remembers the process that started the thread: a forked
+/// child (multiprocessing's default start method on Linux) inherits the
+/// sender but not the thread, so its jobs would queue forever and their
+/// `result()` never return; the child starts a thread of its own instead.
 #[derive(Default)]
 struct FetchJobs {
-    tx: Mutex<Option<std::sync::mpsc::Sender<Job>>>,
+    tx: Mutex<Option<(u32, std::sync::mpsc::Sender<Job>)>>,
 }
 
 impl FetchJobs {
     fn submit(&self, job: Job) -> PyResult<()> {
         let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let pid = std::process::id();
+        if tx
+            .as_ref()
+            .is_some_and(|(started_by, _)| *started_by != pid)
+        {
+            // Forgotten, not dropped: the channel's state was copied at the
+            // fork, possibly mid-operation by the parent's thread, so this
+            // process does not touch it again (a few bytes leaked once).
+            if let Some(inherited) = tx.take() {
+                std::mem::forget(inherited);
+            }
+        }
         if tx.is_none() {
             let (send, jobs) = std::sync::mpsc::channel::<Job>();
             std::thread::Builder::new()
@@ -120,10 +137,10 @@ impl FetchJobs {
                         "cannot start the target's fetch thread: {e}"
                     ))
                 })?;
-            *tx = Some(send);
+            *tx = Some((pid, send));
         }
         tx.as_ref()
-            .map(|t| t.send(job))
+            .map(|(_, t)| t.send(job))
             .transpose()
             .map_err(|_| {
                 pyo3::exceptions::PyRuntimeError::new_err("the target's fetch thread is gone")

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -158,6 +159,50 @@ def test_fetch_async_runs_on_the_targets_thread_and_returns_what_fetch_does(dono
         job.result()
     assert e.value.args[1] in ("import", "pin", "transfer"), e.value.args
     del e
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+def test_fetch_async_in_a_forked_child_runs_on_a_thread_of_the_child(donor, layout, enabled):
+    """A child forked after the target's fetch thread started inherits the
+    target but not the thread: its ``fetch_async`` starts a thread of its
+    own, so ``result()`` returns (it used to wait forever)."""
+    proc, report = donor
+    prompt, manifest = report["hashes"], bytes.fromhex(report["manifest"])
+    target = kv_reuse.Target(layout, rows=16)
+    router = router_for(report, layout, enabled, target)
+    advice = router.advise("req-fork", prompt, target.engine_id)
+    assert advice.admitted, advice.verdict
+    with target.fetch_async(advice.hint, prompt, manifest).result() as out:
+        assert out.fetched == prompt  # the parent's fetch thread is running
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave without running pytest's teardown
+        try:
+            os.close(r)
+            job = target.fetch_async(advice.hint, prompt, manifest)
+            done = []
+            t = threading.Thread(target=lambda: done.append(job.result()), daemon=True)
+            t.start()
+            t.join(10)
+            if done:
+                with done[0] as out:
+                    msg = f"ok {len(out.rows)} {int(out.fetched == prompt)}"
+            else:
+                msg = "hung"
+            os.write(w, msg.encode())
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            os.write(w, f"error {type(e).__name__}: {e}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        got = f.read().decode()
+    os.waitpid(pid, 0)
+    assert got == f"ok {BLOCKS} 1", got
+    # The parent's own thread still serves the parent.
+    with target.fetch_async(advice.hint, prompt, manifest).result() as out:
+        assert out.fetched == prompt
+    assert target.free_rows == 16
     assert target.free_rows == 16
 
 

@@ -75,8 +75,11 @@ pub struct RemoteDonor {
     auth: Option<PinAuthKey>,
     next_request: AtomicU64,
     /// The connection of the last cleanly released pin, for the next pin
-    /// (module docs, "Connection reuse"); at most one is kept.
-    kept: parking_lot::Mutex<Option<PinStream>>,
+    /// (module docs, "Connection reuse"); at most one is kept, with the
+    /// process that kept it: a forked child inherits the socket, and two
+    /// processes interleaving frames on one connection would break its
+    /// request/reply order, so a child never reuses it.
+    kept: parking_lot::Mutex<Option<(u32, PinStream)>>,
 }
 
 impl RemoteDonor {
@@ -275,8 +278,10 @@ impl RemoteDonor {
             encode_pin_frame(&PinClientMessage::Pin(req)).map_err(|e| PinError::Protocol {
                 detail: format!("encoding the pin request: {e}"),
             })?;
+        // An inherited connection (`pid` differs) is dropped here, which
+        // closes only this process's descriptor of it.
         let kept = self.kept.lock().take();
-        if let Some(stream) = kept {
+        if let Some(stream) = kept.and_then(|(pid, s)| (pid == std::process::id()).then_some(s)) {
             match self.exchange_pin(stream, &frame, request_id) {
                 // The donor closed the kept connection (it restarted, or
                 // closed it to admit another at its limit): no grant can
@@ -328,7 +333,7 @@ impl RemoteDonor {
     fn keep(&self, stream: PinStream) {
         let mut kept = self.kept.lock();
         if kept.is_none() {
-            *kept = Some(stream);
+            *kept = Some((std::process::id(), stream));
         }
     }
 
