@@ -35,7 +35,13 @@ use crate::router::Advice;
 #[pyclass(frozen, module = "kv_reuse")]
 pub(crate) struct RouterClient {
     conn: Mutex<Option<AdviseClient>>,
+    /// The window given to `AdviseClient::set_busy_poll`, µs.
+    busy_poll_us: u64,
 }
+
+/// Largest `busy_poll_us` (one second): a longer spin would outlast any
+/// reply worth waiting for on a spinning core.
+const MAX_BUSY_POLL_US: u64 = 1_000_000;
 
 /// The Python exception for a failed connect or round trip: bad arguments
 /// name the argument, everything else means no router answered.
@@ -71,20 +77,37 @@ impl RouterClient {
     /// file) turns TLS on, `tls_cert` + `tls_key` present a client
     /// certificate; `inbox_prefix` replaces `_INBOX` as the prefix of its
     /// reply subjects (`_INBOX_target` with the example permissions).
-    /// Releases the GIL while connecting.
+    /// `busy_poll_us` (keyword only, 0 to 1,000,000 µs, default 0): poll
+    /// for each reply without sleeping for up to that long, then sleep
+    /// until it arrives, so the calling thread is not parked and woken
+    /// while the reply is on its way (`AdviseClient::set_busy_poll`;
+    /// docs/router-service.md, "Latency: busy polling": it pays only on a
+    /// host with a core to spare for the spin). Releases the GIL while
+    /// connecting.
     ///
     /// Raises `RouterUnavailable` when the server cannot be reached,
     /// `BadArgument` naming a bad argument.
     #[new]
-    #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = ADVISE_SUBJECT, **nats))]
+    #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = ADVISE_SUBJECT, *, busy_poll_us = None, **nats))]
     fn new(
         py: Python<'_>,
         nats_url: &str,
         timeout_s: f64,
         subject: &str,
+        busy_poll_us: Option<&Bound<'_, PyAny>>,
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let timeout = seconds("timeout_s", timeout_s)?;
+        let busy_poll: u64 = match busy_poll_us {
+            Some(v) => uint("busy_poll_us", v)?,
+            None => 0,
+        };
+        if busy_poll > MAX_BUSY_POLL_US {
+            return Err(bad_argument(
+                "busy_poll_us",
+                format!("{busy_poll} is above {MAX_BUSY_POLL_US} µs"),
+            ));
+        }
         if subject.is_empty() || subject.contains(char::is_whitespace) {
             return Err(bad_argument(
                 "subject",
@@ -97,12 +120,20 @@ impl RouterClient {
         // timeout off.
         let options =
             NatsCredentials::from_kwargs(nats)?.connect_options("kv-reuse-py", timeout)?;
-        let client = py
+        let mut client = py
             .allow_threads(|| AdviseClient::connect(nats_url, options, subject, timeout))
             .map_err(unavailable)?;
+        client.set_busy_poll(Duration::from_micros(busy_poll));
         Ok(Self {
             conn: Mutex::new(Some(client)),
+            busy_poll_us: busy_poll,
         })
+    }
+
+    /// The busy-poll window of each advise, µs (0: never spins).
+    #[getter]
+    fn busy_poll_us(&self) -> u64 {
+        self.busy_poll_us
     }
 
     /// Asks the router service whether request `request_id` (prompt block

@@ -34,6 +34,9 @@ def test_bad_arguments_are_refused_naming_them():
         kv_reuse.RouterClient("nats://127.0.0.1:1", subject="a b")
     with pytest.raises(kv_reuse.BadArgument, match="password"):
         kv_reuse.RouterClient("nats://127.0.0.1:1", user="router")
+    for bad in (-1, 1_000_001, 2**64):
+        with pytest.raises(kv_reuse.BadArgument, match="busy_poll_us"):
+            kv_reuse.RouterClient("nats://127.0.0.1:1", busy_poll_us=bad)
 
 
 def test_an_unreachable_server_raises_router_unavailable():
@@ -71,6 +74,42 @@ def test_a_refusal_from_the_service_raises_advise_refused(nats):
     # The request went out as MessagePack naming the request and its keys.
     assert len(replica.requests) == 1
     assert b"req-drain" in replica.requests[0] and b"sequence_hashes" in replica.requests[0]
+
+
+def test_a_busy_polling_client_gets_the_same_replies(nats):
+    """busy_poll_us only changes how the caller waits: each reply is still
+    the one for its request (the client checks the reply's request_id), and
+    a silent replica still times out after the spin."""
+    answered = []
+
+    def answer(_req):
+        rid = f"req-bp-{len(answered)}"
+        answered.append(rid)
+        return msgpack({"request_id": rid, "result": {"refused": "draining"}})
+
+    replica = Replier(nats.url, "kv_reuse.advise", answer)
+    replica.start()
+    try:
+        with kv_reuse.RouterClient(nats.url, timeout_s=1.0, busy_poll_us=200_000) as client:
+            assert client.busy_poll_us == 200_000
+            for i in range(3):
+                with pytest.raises(kv_reuse.AdviseRefused, match="draining"):
+                    client.advise(f"req-bp-{i}", [i + 1], TARGET)
+    finally:
+        replica.stop()
+    assert answered == ["req-bp-0", "req-bp-1", "req-bp-2"]
+    silent = Replier(nats.url, "kv_reuse.advise", None)
+    silent.start()
+    try:
+        with kv_reuse.RouterClient(nats.url, timeout_s=0.3, busy_poll_us=1_000) as client:
+            t0 = time.monotonic()
+            with pytest.raises(kv_reuse.RouterUnavailable):
+                client.advise("req-bp-silent", [1], TARGET)
+            assert 0.25 < time.monotonic() - t0 < 1.5
+    finally:
+        silent.stop()
+    with kv_reuse.RouterClient(nats.url) as client:
+        assert client.busy_poll_us == 0
 
 
 def test_advise_tokens_sends_token_ids_and_refuses_a_zero_block_size(nats):

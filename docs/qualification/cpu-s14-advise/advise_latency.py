@@ -2,7 +2,9 @@
 
 Run from the repository root with a Python that has the kv_reuse wheel and numpy, nats-server on PATH
 and the router binary as $KVQ_ROUTER_BIN (README.md next to this file). LOOP=S: S seconds of
-back-to-back 2,048-block advises instead of the table, printing how many completed."""
+back-to-back 2,048-block advises instead of the table, printing how many completed.
+CLIENT_BUSY_POLL_US=N: the RouterClient polls N us for each reply before sleeping (default 0);
+arguments are passed to the router (e.g. --advise-busy-poll-us N)."""
 import json, os, subprocess, sys, time, statistics
 TESTS = os.path.join(os.getcwd(), "crates", "kv-reuse-py", "tests")
 sys.path.insert(0, TESTS)
@@ -29,7 +31,9 @@ def main():
     target = kv_reuse.Target(layout, rows=16)
     other = "00000000-0000-4000-8000-00000000abcd"
     try:
-        with kv_reuse.RouterClient(server.url, timeout_s=5.0) as c, \
+        busy = int(os.environ.get("CLIENT_BUSY_POLL_US", "0"))
+        print(f"client busy poll {busy} us; router args {sys.argv[1:]}", flush=True)
+        with kv_reuse.RouterClient(server.url, timeout_s=5.0, busy_poll_us=busy) as c, \
              kv_reuse.WorkerPublisher.target(server.url, "p", layout, target.engine_id, announce_period_s=0.2), \
              kv_reuse.WorkerPublisher.target(server.url, "q", kv_reuse.Layout(2, 2, 8, "f32", TPB, 1), other, announce_period_s=0.2):
             tokens = list(range(TPB * blocks_max))

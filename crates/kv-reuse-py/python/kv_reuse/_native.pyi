@@ -221,6 +221,7 @@ class RouterClient:
         timeout_s: float = 2.0,
         subject: str = "kv_reuse.advise",
         *,
+        busy_poll_us: int = 0,
         user: Optional[str] = None,
         password: Optional[str] = None,
         token: Optional[str] = None,
@@ -230,9 +231,12 @@ class RouterClient:
         tls_key: Optional[str] = None,
         inbox_prefix: Optional[str] = None,
     ) -> None:
-        """Connects (GIL released); raises RouterUnavailable or BadArgument."""
+        """Connects (GIL released); raises RouterUnavailable or BadArgument. ``busy_poll_us``
+        (0 to 1,000,000): each advise polls for its reply that long before sleeping."""
     @property
     def connected(self) -> bool: ...
+    @property
+    def busy_poll_us(self) -> int: ...
     def advise(self, request_id: str, sequence_hashes: Sequence[int], target: str) -> Advice:
         """Same Advice as Router.advise (GIL released). Raises AdviseRefused, RouterUnavailable,
         DescriptorRefused (reply does not decode)."""

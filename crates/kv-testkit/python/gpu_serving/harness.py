@@ -99,6 +99,14 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         "donor directory) and the harness advising through kv_reuse.RouterClient",
     )
     p.add_argument(
+        "--advise-busy-poll-us",
+        type=int,
+        default=0,
+        help="--router service: the busy-poll window, µs, of the router's advise thread after each answer "
+        "(kv-reuse-router --advise-busy-poll-us) and of the harness's RouterClient while a reply is outstanding "
+        "(busy_poll_us); 0, the default, never spins (docs/router-service.md, \"Latency: busy polling\")",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=0.0,
@@ -122,6 +130,9 @@ def bf16_bits_to_f32(bits: bytes):
 
 def main(argv: Optional[List[str]] = None) -> int:
     a = parse(argv)
+    if not 0 <= a.advise_busy_poll_us <= 1_000_000:
+        print(f"gpu_serving: --advise-busy-poll-us must be in 0..=1000000, got {a.advise_busy_poll_us}", file=sys.stderr)
+        return 2
     if a.repeats < 1:
         p_err = f"--repeats must be at least 1, got {a.repeats}"
         print(f"gpu_serving: {p_err}", file=sys.stderr)
@@ -167,7 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from . import service
 
         try:
-            svc = service.RouterService(tpb, [k for k, v in router_settings().items() if v is True])
+            svc = service.RouterService(tpb, [k for k, v in router_settings().items() if v is True],
+                                        ["--advise-busy-poll-us", str(a.advise_busy_poll_us)])
         except service.ServiceError as e:
             return skip(a.out, f"--router service: {e}")
         cfg["nats_url"] = a.nats_url = svc.url
@@ -208,7 +220,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             # client's advise_ms adds to it is NATS and the client.
             latency = svc.advise_latency()
             codes = svc.stop()
-            result["router_service"] = {"url": svc.url, "exit_codes": codes, "advise_service_us": latency}
+            result["router_service"] = {"url": svc.url, "exit_codes": codes, "advise_service_us": latency,
+                                        "advise_busy_poll_us": a.advise_busy_poll_us}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     return rc
@@ -246,7 +259,7 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
     s = __import__("gpu_serving.engine", fromlist=["shape"]).shape(a.model)
     layout = kv_reuse.Layout(s.num_layers, s.num_kv_heads, s.head_dim, "bf16", tpb, 1)
     if a.router == "service":
-        router = ServiceRouter(kv_reuse, a.nats_url, prefill)
+        router = ServiceRouter(kv_reuse, a.nats_url, prefill, busy_poll_us=a.advise_busy_poll_us)
         router.wait_known([ph["engine_id"]] + ([ph["warm_engine_id"]] if a.regime == "both" else []), tpb)
     else:
         settings = kv_reuse.Settings(router_settings(), env={})
@@ -472,10 +485,10 @@ class ServiceRouter:
     worker's warm target publisher).
     """
 
-    def __init__(self, kv_reuse: Any, nats_url: str, prefill: Any, timeout_s: float = 5.0) -> None:
+    def __init__(self, kv_reuse: Any, nats_url: str, prefill: Any, timeout_s: float = 5.0, busy_poll_us: int = 0) -> None:
         self.kv = kv_reuse
         self.prefill = prefill
-        self.client = kv_reuse.RouterClient(nats_url, timeout_s=timeout_s)
+        self.client = kv_reuse.RouterClient(nats_url, timeout_s=timeout_s, busy_poll_us=busy_poll_us)
 
     def advise(self, request_id: str, hashes: List[int], target: str) -> Any:
         return self.client.advise(request_id, hashes, target)
@@ -561,6 +574,10 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
             "turns": len(first),
             "off_p50_ms": percentile([r["off_ms"] for r in first], 50),
             "on_p50_ms": percentile([r["on_ms"] for r in first], 50),
+            # Per turn ON - OFF (the same prompt), then the median: the two p50s
+            # above come from turns of different sizes, so one noisy turn moves them.
+            "on_minus_off_p50_ms": percentile([r["on_ms"] - r["off_ms"] for r in first], 50),
+            "advise_p50_ms": percentile([r["advise_ms"] for r in first], 50),
         },
         "bytes_moved": sum(r["bytes"] for r in turns),
         "host_payload_bytes": sum(r["host_payload_bytes"] for r in turns),

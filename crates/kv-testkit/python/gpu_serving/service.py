@@ -79,7 +79,8 @@ class RouterService:
 
     ``tokens_per_block``: the engines' block size (the router's cost model).
     ``settings``: reuse flags of the router (``--enable-...`` names without
-    dashes), e.g. ``enable_decode_to_prefill_gpu_reuse``. ``url`` is the NATS
+    dashes), e.g. ``enable_decode_to_prefill_gpu_reuse``; ``extra_args``: more router
+    arguments as given (``["--advise-busy-poll-us", "200"]``). ``url`` is the NATS
     URL; ``ready`` the router's ready line (JSON). :meth:`stop` terminates
     both (SIGTERM: the router drains) and removes the JetStream store.
     Raises :class:`ServiceError` when a binary is missing, the server does
@@ -87,7 +88,7 @@ class RouterService:
     ready line within 30 s.
     """
 
-    def __init__(self, tokens_per_block: int, settings: List[str]) -> None:
+    def __init__(self, tokens_per_block: int, settings: List[str], extra_args: Optional[List[str]] = None) -> None:
         nats_bin, router_bin = find_nats_server(), find_router()
         if nats_bin is None:
             raise ServiceError("nats_server", "not found ($KV_NATS_SERVER, $PATH, target/nats: cargo xtask install)")
@@ -104,7 +105,8 @@ class RouterService:
             args = [router_bin, "--nats-url", self.url, "--metrics-addr", "127.0.0.1:0",
                     "--tokens-per-block", str(tokens_per_block),
                     "--announce-period-ms", str(int(ANNOUNCE_PERIOD_S * 1000)),
-                    "--missed-periods", str(MISSED_PERIODS)] + ["--" + s.replace("_", "-") for s in settings]
+                    "--missed-periods", str(MISSED_PERIODS)] + ["--" + s.replace("_", "-") for s in settings] \
+                + list(extra_args or [])
             # KV_REUSE_* variables are router settings; none of the harness's own may leak in.
             env = {k: v for k, v in os.environ.items() if not k.startswith("KV_REUSE_")}
             self.router = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env)

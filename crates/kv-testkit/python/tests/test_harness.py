@@ -141,10 +141,17 @@ def test_tiny_run_through_the_router_service(tmp_path, device):
     transport = "cuda" if device.startswith("cuda") else "host"
     argv = ["--model", "tiny", "--prefill-device", device, "--decode-device", device, "--tokens-per-block", "16",
             "--transport", transport, "--router", "service", "--out", str(out), "--sessions", "4", "--turns", "3",
-            "--history-max", "1024", "--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--repeats", "2"]
+            "--history-max", "1024", "--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--repeats", "2",
+            # Router and client both spin briefly for replies (the flag reaches both).
+            "--advise-busy-poll-us", "300"]
     assert harness.main(argv) == 0
     r = json.loads(out.read_text())
     assert r["router_service"]["exit_codes"]["router"] == 0  # drained on SIGTERM
+    assert r["router_service"]["advise_busy_poll_us"] == 300
+    first = r["first_turns"]
+    diffs = sorted(t["on_ms"] - t["off_ms"] for t in r["turns"] if t["turn"] == 0)
+    assert first["turns"] == 4 and first["on_minus_off_p50_ms"] == diffs[1]  # nearest-rank p50 of 4
+    assert first["advise_p50_ms"] > 0
     fetched = [t for t in r["turns"] if t["fetched_tokens"] > 0]
     assert fetched, "the router service admitted no fetch"
     assert all(t["checksums_equal"] and t["logits_bit_equal_to_donor"] for t in fetched)
