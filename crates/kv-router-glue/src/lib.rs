@@ -176,7 +176,7 @@ pub use plane::registry::{
 #[cfg(feature = "qualify")]
 pub use qualify::{qualify_section, GlueQualifySection};
 #[cfg(feature = "worker")]
-pub use remote_donor::{RemoteDonor, RemotePin, DEFAULT_PIN_TIMEOUT};
+pub use remote_donor::{RemoteDonor, RemotePin, DEFAULT_KEPT_IDLE_LIMIT, DEFAULT_PIN_TIMEOUT};
 pub use router::remote_directory::{unix_now_ms, RemoteDonorDirectory};
 pub use settings::{
     settings_markdown, spec, EnvSnapshot, LoadedSettings, ReuseArgs, ReuseSettings, SettingKind,

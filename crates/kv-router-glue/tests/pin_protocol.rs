@@ -258,6 +258,39 @@ fn a_kept_connection_carries_the_next_pin_and_yields_to_a_new_target_at_the_limi
 }
 
 #[test]
+fn a_connection_idle_past_the_limit_is_not_reused() {
+    let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
+    let a = store_chain(&bank, 1, 2).unwrap();
+    let h = hint(&bank, &a, svc.endpoint());
+    let open = || RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint()).unwrap();
+    // Reuse off: every pin connects.
+    let never = open().with_kept_idle_limit(Duration::ZERO);
+    for _ in 0..2 {
+        never.pin_remote(&h).unwrap().release_now().unwrap();
+    }
+    assert_eq!(svc.stats().connections, 2);
+    // A 150 ms limit: the next pin within it reuses, one after it connects.
+    let short = open().with_kept_idle_limit(Duration::from_millis(150));
+    short.pin_remote(&h).unwrap().release_now().unwrap();
+    short.pin_remote(&h).unwrap().release_now().unwrap();
+    assert_eq!(
+        svc.stats().connections,
+        3,
+        "the second pin reused the first's connection"
+    );
+    std::thread::sleep(Duration::from_millis(250));
+    short.pin_remote(&h).unwrap().release_now().unwrap();
+    assert_eq!(
+        svc.stats().connections,
+        4,
+        "an idle connection past the limit was reused"
+    );
+    assert_eq!(bank.pins_outstanding(), 0);
+    let stats = svc.shutdown(Duration::ZERO);
+    assert_eq!((stats.granted, stats.released), (5, 5));
+}
+
+#[test]
 fn a_pin_on_a_kept_connection_the_donor_closed_goes_on_a_new_one() {
     let (_g, _dir, bank, svc) = donor_service(4, PinServiceConfig::default());
     let a = store_chain(&bank, 1, 2).unwrap();

@@ -21,7 +21,11 @@
 //! meanwhile (restart, its idle eviction at the connection limit) fails on
 //! its first exchange with an I/O error before any grant: the pin is then
 //! asked once more on a new connection. Nothing is lost by that retry: a
-//! grant the donor made on a connection that ended is dropped with it.
+//! grant the donor made on a connection that ended is dropped with it. A
+//! connection idle for longer than [`DEFAULT_KEPT_IDLE_LIMIT`]
+//! ([`RemoteDonor::with_kept_idle_limit`]) is not reused: a middlebox may
+//! have dropped the flow silently, and a pin on it would only fail after the
+//! whole reply timeout. A forked child never reuses its parent's connection.
 //!
 //! Over TCP (`tcp:<host>:<port>`, a donor on another host) each new
 //! connection first passes the key exchange of [`PinAuthKey`] (one more
@@ -55,6 +59,16 @@ enum RankSources {
 /// Default time to wait for the donor's reply to a pin or release (2 s).
 pub const DEFAULT_PIN_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long a kept connection may sit idle and still carry the next pin
+/// (default of [`RemoteDonor::with_kept_idle_limit`]). A connection idle
+/// for longer is closed and a new one made: a NAT, firewall or load
+/// balancer between the hosts may have dropped an idle TCP flow without
+/// telling either end, and a pin sent on it would wait for the whole
+/// reply timeout before failing. 30 s is below the idle timeouts of common
+/// cloud NAT gateways (350 s and up) and still carries every pin of a
+/// session whose turns come seconds apart.
+pub const DEFAULT_KEPT_IDLE_LIMIT: Duration = Duration::from_secs(30);
+
 /// A donor bank in another process, pinned over its control endpoint.
 ///
 /// ```no_run
@@ -79,7 +93,17 @@ pub struct RemoteDonor {
     /// process that kept it: a forked child inherits the socket, and two
     /// processes interleaving frames on one connection would break its
     /// request/reply order, so a child never reuses it.
-    kept: parking_lot::Mutex<Option<(u32, PinStream)>>,
+    kept: parking_lot::Mutex<Option<Kept>>,
+    /// Longest idle time after which a kept connection is not reused.
+    kept_idle_limit: Duration,
+}
+
+/// A kept connection: the process that kept it, when, and the stream.
+#[derive(Debug)]
+struct Kept {
+    pid: u32,
+    since: Instant,
+    stream: PinStream,
 }
 
 impl RemoteDonor {
@@ -134,6 +158,7 @@ impl RemoteDonor {
             auth: None,
             next_request: AtomicU64::new(1),
             kept: parking_lot::Mutex::new(None),
+            kept_idle_limit: DEFAULT_KEPT_IDLE_LIMIT,
         }
     }
 
@@ -243,6 +268,14 @@ impl RemoteDonor {
         self
     }
 
+    /// Replaces [`DEFAULT_KEPT_IDLE_LIMIT`]: a released pin's connection
+    /// idle for longer is not reused (closed, a new one made).
+    /// `Duration::ZERO` turns connection reuse off (every pin connects).
+    pub fn with_kept_idle_limit(mut self, limit: Duration) -> Self {
+        self.kept_idle_limit = limit;
+        self
+    }
+
     /// Sets the pre-shared key proven to a `tcp:` endpoint (unused on a
     /// Unix socket, whose file mode is the control).
     pub fn with_auth_key(mut self, key: PinAuthKey) -> Self {
@@ -278,10 +311,13 @@ impl RemoteDonor {
             encode_pin_frame(&PinClientMessage::Pin(req)).map_err(|e| PinError::Protocol {
                 detail: format!("encoding the pin request: {e}"),
             })?;
-        // An inherited connection (`pid` differs) is dropped here, which
-        // closes only this process's descriptor of it.
+        // An inherited connection (`pid` differs) or one idle past the limit
+        // is dropped here (for an inherited one that closes only this
+        // process's descriptor).
         let kept = self.kept.lock().take();
-        if let Some(stream) = kept.and_then(|(pid, s)| (pid == std::process::id()).then_some(s)) {
+        let usable =
+            |k: &Kept| k.pid == std::process::id() && k.since.elapsed() < self.kept_idle_limit;
+        if let Some(stream) = kept.filter(usable).map(|k| k.stream) {
             match self.exchange_pin(stream, &frame, request_id) {
                 // The donor closed the kept connection (it restarted, or
                 // closed it to admit another at its limit): no grant can
@@ -332,8 +368,12 @@ impl RemoteDonor {
     /// next pin, unless one is kept already.
     fn keep(&self, stream: PinStream) {
         let mut kept = self.kept.lock();
-        if kept.is_none() {
-            *kept = Some((std::process::id(), stream));
+        if kept.is_none() && !self.kept_idle_limit.is_zero() {
+            *kept = Some(Kept {
+                pid: std::process::id(),
+                since: Instant::now(),
+                stream,
+            });
         }
     }
 
