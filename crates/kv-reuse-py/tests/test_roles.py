@@ -114,17 +114,23 @@ def test_round_trip_store_events_advise_fetch_across_processes(donor, layout, en
     assert json.loads(proc.stdout.readline()) == {"pins": 0}
 
 
+def admitted_target(report, layout, enabled, request_id):
+    """The donor's prompt and manifest, a 16-row host target and the
+    router's admitted advice for it: ``(prompt, manifest, target, advice)``."""
+    prompt, manifest = report["hashes"], bytes.fromhex(report["manifest"])
+    target = kv_reuse.Target(layout, rows=16)
+    advice = router_for(report, layout, enabled, target).advise(request_id, prompt, target.engine_id)
+    assert advice.admitted, advice.verdict
+    return prompt, manifest, target, advice
+
+
 def test_fetch_async_runs_on_the_targets_thread_and_returns_what_fetch_does(donor, layout, enabled):
     """``fetch_async`` checks its arguments on the calling thread, runs the
     fetch on the target's own thread while this one keeps the GIL, and its
     job gives the same outcome (rows, bytes) as ``fetch``; the result is
     taken once; a fallback raises from ``result()``, leaving nothing held."""
     proc, report = donor
-    prompt, manifest = report["hashes"], bytes.fromhex(report["manifest"])
-    target = kv_reuse.Target(layout, rows=16)
-    router = router_for(report, layout, enabled, target)
-    advice = router.advise("req-async", prompt, target.engine_id)
-    assert advice.admitted, advice.verdict
+    prompt, manifest, target, advice = admitted_target(report, layout, enabled, "req-async")
     other = kv_reuse.sequence_hashes(list(range(5, 5 + TOKENS_PER_BLOCK * BLOCKS)), TOKENS_PER_BLOCK)
     with pytest.raises(kv_reuse.PromptMismatch):
         target.fetch_async(advice.hint, other, manifest)
@@ -166,12 +172,8 @@ def test_fetch_async_in_a_forked_child_runs_on_a_thread_of_the_child(donor, layo
     """A child forked after the target's fetch thread started inherits the
     target but not the thread: its ``fetch_async`` starts a thread of its
     own, so ``result()`` returns (it used to wait forever)."""
-    proc, report = donor
-    prompt, manifest = report["hashes"], bytes.fromhex(report["manifest"])
-    target = kv_reuse.Target(layout, rows=16)
-    router = router_for(report, layout, enabled, target)
-    advice = router.advise("req-fork", prompt, target.engine_id)
-    assert advice.admitted, advice.verdict
+    _, report = donor
+    prompt, manifest, target, advice = admitted_target(report, layout, enabled, "req-fork")
     with target.fetch_async(advice.hint, prompt, manifest).result() as out:
         assert out.fetched == prompt  # the parent's fetch thread is running
     r, w = os.pipe()
