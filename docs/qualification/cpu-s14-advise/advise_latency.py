@@ -55,7 +55,9 @@ def main():
                 deadline = time.time() + 20
                 while not c.advise("w", hashes, target.engine_id).admitted:
                     assert time.time() < deadline; time.sleep(0.1)
-                for label, tgt in (("admitted", target.engine_id), ("nodonor", other)):
+                # "other": the second announced prefill target (same layout, so admitted too;
+                # logs before session 19 call it "nodonor").
+                for label, tgt in (("admitted", target.engine_id), ("other", other)):
                     for gap in (0.0, 0.02):
                         lat = []
                         for i in range(200 if gap == 0 else 60):
