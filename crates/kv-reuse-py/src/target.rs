@@ -79,20 +79,60 @@ pub(crate) struct FetchJob {
 impl FetchJob {
     /// Waits for the fetch (GIL released) and returns its `FetchOutcome`,
     /// or raises what `Target.fetch` raises. A job's result is taken once:
-    /// a second call raises `BadArgument` naming `result`. A job dropped
-    /// without its result still completes, and its rows are released.
-    fn result(&self, py: Python<'_>) -> PyResult<FetchOutcome> {
+    /// a second call raises `BadArgument` naming `result` (as does a call
+    /// while another thread waits for it). A job dropped without its result
+    /// still completes, and its rows are released.
+    ///
+    /// `timeout_s` (seconds, >= 0; `None`: wait as long as the fetch takes,
+    /// which the target's pin and transfer timeouts bound): when the fetch
+    /// has not finished by then, raises `TimeoutError` and leaves the
+    /// result to a later call (the fetch goes on; its gate, if any, is
+    /// unaffected). `BadArgument` names `timeout_s` when negative or not
+    /// finite.
+    #[pyo3(signature = (timeout_s = None))]
+    fn result(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<FetchOutcome> {
+        let limit = match timeout_s {
+            None => None,
+            Some(t) if t.is_finite() && t >= 0.0 => Some(std::time::Duration::from_secs_f64(t)),
+            Some(t) => {
+                return Err(bad_argument(
+                    "timeout_s",
+                    format!("{t} is not a finite number of seconds >= 0"),
+                ))
+            }
+        };
         let rx = self
             .rx
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .ok_or_else(|| bad_argument("result", "this job's result was taken already"))?;
-        py.allow_threads(move || rx.recv()).unwrap_or_else(|_| {
-            Err(pyo3::exceptions::PyRuntimeError::new_err(
+        let gone = || {
+            pyo3::exceptions::PyRuntimeError::new_err(
                 "the target's fetch thread ended without a result",
-            ))
-        })
+            )
+        };
+        let Some(limit) = limit else {
+            return py
+                .allow_threads(move || rx.recv())
+                .unwrap_or_else(|_| Err(gone()));
+        };
+        let (rx, got) = py.allow_threads(move || {
+            let got = rx.recv_timeout(limit);
+            (rx, got)
+        });
+        match got {
+            Ok(outcome) => outcome,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                // Put back for the next call: the fetch has not finished.
+                *self.rx.lock().unwrap_or_else(|e| e.into_inner()) = Some(rx);
+                Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
+                    "the fetch did not finish within timeout_s={}",
+                    limit.as_secs_f64()
+                )))
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(gone()),
+        }
     }
 }
 

@@ -3,6 +3,7 @@ store -> events -> advise -> fetch, a dead donor falling back, and refusals."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -165,6 +166,33 @@ def test_fetch_async_runs_on_the_targets_thread_and_returns_what_fetch_does(dono
         job.result()
     assert e.value.args[1] in ("import", "pin", "transfer"), e.value.args
     del e
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="SIGSTOP is POSIX only")
+def test_fetch_job_result_with_a_timeout_raises_and_keeps_the_result(donor, layout, enabled):
+    """``result(timeout_s=...)`` on a fetch that cannot finish yet (the donor
+    process stopped before the pin) raises TimeoutError and keeps the job:
+    once the donor runs again, ``result()`` returns the fetch's outcome."""
+    proc, report = donor
+    prompt, manifest, target, advice = admitted_target(report, layout, enabled, "req-timeout")
+    job = target.fetch_async(advice.hint, prompt, manifest)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(kv_reuse.BadArgument, match="^timeout_s: "):
+            job.result(timeout_s=bad)
+    with job.result() as out:  # the bad values left the job's result in place
+        assert out.fetched == prompt
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        job = target.fetch_async(advice.hint, prompt, manifest)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="timeout_s=0.2"):
+            job.result(timeout_s=0.2)
+        assert 0.15 < time.monotonic() - t0 < 1.5
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    with job.result(timeout_s=10) as out:
+        assert out.fetched == prompt and len(out.rows) == BLOCKS
+    assert target.free_rows == 16
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")

@@ -497,10 +497,12 @@ class Target:
 class FetchJob:
     """A fetch running on its target's fetch thread (``Target.fetch_async``)."""
 
-    def result(self) -> FetchOutcome:
+    def result(self, timeout_s: Optional[float] = None) -> FetchOutcome:
         """Waits (GIL released) and returns the outcome, or raises what ``Target.fetch``
         raises (FetchFellBack, ...). Taken once: a second call raises BadArgument naming
-        ``result``. A job dropped without its result still completes; its rows are released."""
+        ``result``. A job dropped without its result still completes; its rows are released.
+        ``timeout_s``: raises TimeoutError when the fetch is not done by then, leaving the
+        result to a later call."""
 
 class StreamGate:
     """An engine CUDA stream that a fetch releases as soon as its copies are issued.
