@@ -5,7 +5,8 @@
 //! at run time. Python classes: `Layout` (module `layout`), `Settings`
 //! (`settings`), `DonorBank`, `PendingStore`, `PinServer` (`donor`), `Router`,
 //! `Advice` (`router`), `RouterClient` (`router_client`, advise over NATS), `WorkerPublisher`
-//! (`publisher`, registration, KV events and the manifest on NATS), `Target`, `FetchOutcome` (`target`),
+//! (`publisher`, registration, KV events and the manifest on NATS), `Target` (`target`), `FetchJob`
+//! (`fetch_job`), `FetchOutcome` (`fetch_outcome`),
 //! `StreamGate` (`stream_gate`: an engine stream released as soon as a fetch's copies are issued); exceptions in
 //! `errors`. Engine tensors cross zero-copy through `__array_interface__`,
 //! DLPack and `__cuda_array_interface__` (module `array`). Unsafe code: `array`
@@ -19,6 +20,8 @@ mod donor_imports;
 mod engine_layout;
 mod errors;
 mod events;
+mod fetch_job;
+mod fetch_outcome;
 mod layout;
 mod nats_auth;
 mod publisher;
@@ -116,8 +119,8 @@ fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<publisher::WorkerPublisher>()?;
     m.add_class::<directory::DonorDirectory>()?;
     m.add_class::<target::Target>()?;
-    m.add_class::<target::FetchOutcome>()?;
-    m.add_class::<target::FetchJob>()?;
+    m.add_class::<fetch_outcome::FetchOutcome>()?;
+    m.add_class::<fetch_job::FetchJob>()?;
     m.add_class::<stream_gate::StreamGate>()?;
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use kv_bank::{BankMemory, CompletedBlocks, DestinationPool, MemoryKind};
+use kv_bank::{BankMemory, DestinationPool, MemoryKind};
 use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
 use kv_router_glue::{
     check_prompt_prefix, EngineRegion, FetchError, FetchExecutor, RemoteDonor, DEFAULT_PIN_TIMEOUT,
@@ -22,6 +22,8 @@ use crate::engine_layout::EngineOrder;
 use crate::errors::{
     bad_argument, descriptor, fetch, uint, uints, BankFailed, CudaUnavailable, FetchFellBack,
 };
+use crate::fetch_job::{FetchJob, FetchJobs};
+use crate::fetch_outcome::FetchOutcome;
 use crate::layout::Layout;
 use crate::stream_gate::StreamGate;
 
@@ -59,134 +61,6 @@ struct PreparedFetch {
     control: DeliveryControl,
     /// Ends the fetch's `StreamGate` when the fetch is done (dropped).
     _gate_end: Option<crate::stream_gate::GateEnd>,
-}
-
-/// A fetch running on its target's fetch thread (`Target.fetch_async`).
-///
-/// ```python
-/// job = target.fetch_async(advice.hint, hashes, manifest, gate=gate)
-/// if gate.wait():
-///     ...  # enqueue the forward on the gate's stream
-/// with job.result() as out:  # raises FetchFellBack: discard that forward
-///     rows = out.rows
-/// ```
-#[pyclass(frozen, module = "kv_reuse")]
-pub(crate) struct FetchJob {
-    rx: Mutex<Option<std::sync::mpsc::Receiver<PyResult<FetchOutcome>>>>,
-}
-
-#[pymethods]
-impl FetchJob {
-    /// Waits for the fetch (GIL released) and returns its `FetchOutcome`,
-    /// or raises what `Target.fetch` raises. A job's result is taken once:
-    /// a second call raises `BadArgument` naming `result` (as does a call
-    /// while another thread waits for it). A job dropped without its result
-    /// still completes, and its rows are released.
-    ///
-    /// `timeout_s` (seconds, >= 0; `None`: wait as long as the fetch takes,
-    /// which the target's pin and transfer timeouts bound): when the fetch
-    /// has not finished by then, raises `TimeoutError` and leaves the
-    /// result to a later call (the fetch goes on; its gate, if any, is
-    /// unaffected). `BadArgument` names `timeout_s` when negative or not
-    /// finite.
-    #[pyo3(signature = (timeout_s = None))]
-    fn result(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<FetchOutcome> {
-        let limit = match timeout_s {
-            None => None,
-            Some(t) if t.is_finite() && t >= 0.0 => Some(std::time::Duration::from_secs_f64(t)),
-            Some(t) => {
-                return Err(bad_argument(
-                    "timeout_s",
-                    format!("{t} is not a finite number of seconds >= 0"),
-                ))
-            }
-        };
-        let rx = self
-            .rx
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| bad_argument("result", "this job's result was taken already"))?;
-        let gone = || {
-            pyo3::exceptions::PyRuntimeError::new_err(
-                "the target's fetch thread ended without a result",
-            )
-        };
-        let Some(limit) = limit else {
-            return py
-                .allow_threads(move || rx.recv())
-                .unwrap_or_else(|_| Err(gone()));
-        };
-        let (rx, got) = py.allow_threads(move || {
-            let got = rx.recv_timeout(limit);
-            (rx, got)
-        });
-        match got {
-            Ok(outcome) => outcome,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                // Put back for the next call: the fetch has not finished.
-                *self.rx.lock().unwrap_or_else(|e| e.into_inner()) = Some(rx);
-                Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
-                    "the fetch did not finish within timeout_s={}",
-                    limit.as_secs_f64()
-                )))
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(gone()),
-        }
-    }
-}
-
-/// Work for the target's fetch thread.
-type Job = Box<dyn FnOnce() + Send>;
-
-/// The target's fetch thread, started at its first `fetch_async` and fed
-/// through a channel, one job after another; it ends when the target is
-/// dropped (the channel closes) after the jobs queued before.
-///
-/// The sender remembers the process that started the thread: a forked
-/// child (multiprocessing's default start method on Linux) inherits the
-/// sender but not the thread, so its jobs would queue forever and their
-/// `result()` never return; the child starts a thread of its own instead.
-#[derive(Default)]
-struct FetchJobs {
-    tx: Mutex<Option<(u32, std::sync::mpsc::Sender<Job>)>>,
-}
-
-impl FetchJobs {
-    fn submit(&self, job: Job) -> PyResult<()> {
-        let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        let pid = std::process::id();
-        if tx
-            .as_ref()
-            .is_some_and(|(started_by, _)| *started_by != pid)
-        {
-            // Forgotten, not dropped: the channel's state was copied at the
-            // fork, possibly mid-operation by the parent's thread, so this
-            // process does not touch it again (a few bytes leaked once).
-            if let Some(inherited) = tx.take() {
-                std::mem::forget(inherited);
-            }
-        }
-        if tx.is_none() {
-            let (send, jobs) = std::sync::mpsc::channel::<Job>();
-            std::thread::Builder::new()
-                .name("kv-target-fetch".into())
-                .spawn(move || jobs.into_iter().for_each(|job| job()))
-                .map_err(|e| {
-                    pyo3::exceptions::PyRuntimeError::new_err(format!(
-                        "cannot start the target's fetch thread: {e}"
-                    ))
-                })?;
-            *tx = Some((pid, send));
-        }
-        tx.as_ref()
-            .map(|(_, t)| t.send(job))
-            .transpose()
-            .map_err(|_| {
-                pyo3::exceptions::PyRuntimeError::new_err("the target's fetch thread is gone")
-            })
-            .map(drop)
-    }
 }
 
 #[pymethods]
@@ -538,9 +412,7 @@ impl Target {
             // Without the GIL, pyo3 defers this decref to the next holder.
             drop(target);
         }))?;
-        Ok(FetchJob {
-            rx: Mutex::new(Some(rx)),
-        })
+        Ok(FetchJob::new(rx))
     }
 
     /// The bytes of destination row `row` of rank `rank` (a copy; use
@@ -877,83 +749,4 @@ fn python_probe(probe: Py<PyAny>) -> LivenessProbe {
                 .unwrap_or(false)
         })
     })
-}
-
-/// A completed fetch. Its rows stay out of the pool until `release()` (or
-/// the end of a `with` block): keep it while the request reads them.
-#[pyclass(frozen, module = "kv_reuse")]
-pub(crate) struct FetchOutcome {
-    /// Destination rows, one per fetched block, in prefix order.
-    #[pyo3(get)]
-    rows: Vec<u32>,
-    /// Index of the first fetched block in the prompt.
-    #[pyo3(get)]
-    fetch_from: u32,
-    /// Sequence hashes of the fetched blocks.
-    #[pyo3(get)]
-    fetched: Vec<u64>,
-    /// Bytes moved (all ranks).
-    #[pyo3(get)]
-    bytes: u64,
-    /// Bytes that crossed host memory (all of them on the host-shm path).
-    #[pyo3(get)]
-    host_payload_bytes: u64,
-    /// The transport (`host-memcpy`, ...).
-    #[pyo3(get)]
-    transport: String,
-    /// Microseconds spent importing the donor's segments before the
-    /// executor ran: host shm maps, or CUDA IPC mappings (kept by this
-    /// target after its first fetch from that donor: a lease check then).
-    #[pyo3(get)]
-    import_us: u64,
-    /// Microseconds of the delivery itself, first check to last
-    /// (`DeliveryReport::elapsed_us`: the copies and their completion).
-    #[pyo3(get)]
-    transfer_us: u64,
-    /// Microseconds of the whole fetch without the GIL: import, reserve,
-    /// plan, pin round trip, delivery, unpin, checksum verify, commit.
-    /// `total_us - import_us - transfer_us` is the pin/verify/commit share.
-    #[pyo3(get)]
-    total_us: u64,
-    stages: kv_router_glue::FetchStages,
-    guard: Mutex<Option<CompletedBlocks>>,
-}
-
-#[pymethods]
-impl FetchOutcome {
-    /// The executor's stages in µs, in the order they ran: `reserve` (hint
-    /// checks, destination rows), `plan` (the copy plan), `pin` (the donor's
-    /// pin grant, a round trip), `transfer` (copies issued and completed,
-    /// donor probed), `verify_commit` (pin release, checksums, commit).
-    #[getter]
-    fn stages_us(&self) -> std::collections::BTreeMap<&'static str, u64> {
-        let s = &self.stages;
-        std::collections::BTreeMap::from([
-            ("reserve", s.reserve_us),
-            ("plan", s.plan_us),
-            ("pin", s.pin_us),
-            ("transfer", s.transfer_us),
-            ("verify_commit", s.verify_commit_us),
-        ])
-    }
-    /// Returns the rows to the target's pool. Idempotent.
-    fn release(&self) {
-        drop(self.guard.lock().unwrap_or_else(|e| e.into_inner()).take());
-    }
-    /// True after `release()`.
-    #[getter]
-    fn released(&self) -> bool {
-        self.guard
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_none()
-    }
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.release();
-        false
-    }
 }

@@ -438,13 +438,16 @@ pub fn report(r: &Record, dir: &Path, md: &mut String) -> Result<(), String> {
     if !ft.is_null() {
         let _ = writeln!(
             md,
-            "\nFirst turns (nothing to fetch; {} turns): OFF p50 {}, ON p50 {}, per-turn ON - OFF p50 {}, advise p50 {} ms; router advise busy poll {} µs.",
+            "\nFirst turns (nothing to fetch; {} turns): OFF p50 {}, ON p50 {}, per-turn ON - OFF p50 {}, advise p50 {} ms{}.",
             ft["turns"],
             f(&ft["off_p50_ms"]),
             f(&ft["on_p50_ms"]),
             f(&ft["on_minus_off_p50_ms"]),
             f(&ft["advise_p50_ms"]),
+            // Only the router service has a busy-poll window.
             v["router_service"]["advise_busy_poll_us"]
+                .as_u64()
+                .map_or(String::new(), |us| format!("; advise busy poll {us} µs"))
         );
     }
     if let Some(wb) = v["warm"]["buckets"].as_array() {

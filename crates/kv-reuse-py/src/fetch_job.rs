@@ -1,0 +1,143 @@
+//! `Target.fetch_async`'s machinery: the target's fetch thread
+//! ([`FetchJobs`], one per target, started at its first `fetch_async`, fed
+//! through a channel and restarted in a forked child) and the handle a
+//! caller waits on ([`FetchJob`]: the result taken once, with an optional
+//! wait timeout that leaves the job in place).
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pyo3::exceptions::{PyRuntimeError, PyTimeoutError};
+use pyo3::prelude::*;
+
+use crate::errors::bad_argument;
+use crate::fetch_outcome::FetchOutcome;
+
+/// A fetch running on its target's fetch thread (`Target.fetch_async`).
+///
+/// ```python
+/// job = target.fetch_async(advice.hint, hashes, manifest, gate=gate)
+/// if gate.wait():
+///     ...  # enqueue the forward on the gate's stream
+/// with job.result() as out:  # raises FetchFellBack: discard that forward
+///     rows = out.rows
+/// ```
+#[pyclass(frozen, module = "kv_reuse")]
+pub(crate) struct FetchJob {
+    rx: Mutex<Option<Receiver<PyResult<FetchOutcome>>>>,
+}
+
+#[pymethods]
+impl FetchJob {
+    /// Waits for the fetch (GIL released) and returns its `FetchOutcome`,
+    /// or raises what `Target.fetch` raises. A job's result is taken once:
+    /// a second call raises `BadArgument` naming `result` (as does a call
+    /// while another thread waits for it). A job dropped without its result
+    /// still completes, and its rows are released.
+    ///
+    /// `timeout_s` (seconds, >= 0; `None`: wait as long as the fetch takes,
+    /// which the target's pin and transfer timeouts bound): when the fetch
+    /// has not finished by then, raises `TimeoutError` and leaves the
+    /// result to a later call (the fetch goes on; its gate, if any, is
+    /// unaffected). `BadArgument` names `timeout_s` when negative or not
+    /// finite.
+    #[pyo3(signature = (timeout_s = None))]
+    fn result(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<FetchOutcome> {
+        let limit = match timeout_s {
+            None => None,
+            Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t)),
+            Some(t) => {
+                return Err(bad_argument(
+                    "timeout_s",
+                    format!("{t} is not a finite number of seconds >= 0"),
+                ))
+            }
+        };
+        let rx = self
+            .rx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| bad_argument("result", "this job's result was taken already"))?;
+        let (rx, got) = py.allow_threads(move || {
+            let got = match limit {
+                Some(limit) => rx.recv_timeout(limit),
+                None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            };
+            (rx, got)
+        });
+        match got {
+            Ok(outcome) => outcome,
+            Err(RecvTimeoutError::Timeout) => {
+                // Put back for the next call: the fetch has not finished.
+                *self.rx.lock().unwrap_or_else(|e| e.into_inner()) = Some(rx);
+                Err(PyTimeoutError::new_err(format!(
+                    "the fetch did not finish within timeout_s={}",
+                    limit.map_or(0.0, |l| l.as_secs_f64())
+                )))
+            }
+            Err(RecvTimeoutError::Disconnected) => Err(PyRuntimeError::new_err(
+                "the target's fetch thread ended without a result",
+            )),
+        }
+    }
+}
+
+/// Work for the target's fetch thread.
+pub(crate) type Job = Box<dyn FnOnce() + Send>;
+
+/// The target's fetch thread, started at its first `fetch_async` and fed
+/// through a channel, one job after another; it ends when the target is
+/// dropped (the channel closes) after the jobs queued before.
+///
+/// The sender remembers the process that started the thread: a forked
+/// child (multiprocessing's default start method on Linux) inherits the
+/// sender but not the thread, so its jobs would queue forever and their
+/// `result()` never return; the child starts a thread of its own instead.
+#[derive(Default)]
+pub(crate) struct FetchJobs {
+    tx: Mutex<Option<(u32, Sender<Job>)>>,
+}
+
+impl FetchJobs {
+    pub(crate) fn submit(&self, job: Job) -> PyResult<()> {
+        let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let pid = std::process::id();
+        if tx
+            .as_ref()
+            .is_some_and(|(started_by, _)| *started_by != pid)
+        {
+            // Forgotten, not dropped: the channel's state was copied at the
+            // fork, possibly mid-operation by the parent's thread, so this
+            // process does not touch it again (a few bytes leaked once).
+            if let Some(inherited) = tx.take() {
+                std::mem::forget(inherited);
+            }
+        }
+        if tx.is_none() {
+            let (send, jobs) = std::sync::mpsc::channel::<Job>();
+            std::thread::Builder::new()
+                .name("kv-target-fetch".into())
+                .spawn(move || jobs.into_iter().for_each(|job| job()))
+                .map_err(|e| {
+                    PyRuntimeError::new_err(format!("cannot start the target's fetch thread: {e}"))
+                })?;
+            *tx = Some((pid, send));
+        }
+        tx.as_ref()
+            .map(|(_, t)| t.send(job))
+            .transpose()
+            .map_err(|_| PyRuntimeError::new_err("the target's fetch thread is gone"))
+            .map(drop)
+    }
+}
+
+impl FetchJob {
+    /// The handle of a job whose outcome arrives on `rx`.
+    pub(crate) fn new(rx: Receiver<PyResult<FetchOutcome>>) -> Self {
+        Self {
+            rx: Mutex::new(Some(rx)),
+        }
+    }
+}

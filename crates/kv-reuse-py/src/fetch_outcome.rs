@@ -1,0 +1,89 @@
+//! What a completed fetch hands back to Python ([`FetchOutcome`]): the rows
+//! it filled, what moved and how long each stage took, and the rows' guard,
+//! which returns them to the target's pool on `release()` (or at the end of
+//! a `with` block).
+
+use std::sync::Mutex;
+
+use pyo3::prelude::*;
+
+use kv_bank::CompletedBlocks;
+
+/// A completed fetch. Its rows stay out of the pool until `release()` (or
+/// the end of a `with` block): keep it while the request reads them.
+#[pyclass(frozen, module = "kv_reuse")]
+pub(crate) struct FetchOutcome {
+    /// Destination rows, one per fetched block, in prefix order.
+    #[pyo3(get)]
+    pub(crate) rows: Vec<u32>,
+    /// Index of the first fetched block in the prompt.
+    #[pyo3(get)]
+    pub(crate) fetch_from: u32,
+    /// Sequence hashes of the fetched blocks.
+    #[pyo3(get)]
+    pub(crate) fetched: Vec<u64>,
+    /// Bytes moved (all ranks).
+    #[pyo3(get)]
+    pub(crate) bytes: u64,
+    /// Bytes that crossed host memory (all of them on the host-shm path).
+    #[pyo3(get)]
+    pub(crate) host_payload_bytes: u64,
+    /// The transport (`host-memcpy`, ...).
+    #[pyo3(get)]
+    pub(crate) transport: String,
+    /// Microseconds spent importing the donor's segments before the
+    /// executor ran: host shm maps, or CUDA IPC mappings (kept by this
+    /// target after its first fetch from that donor: a lease check then).
+    #[pyo3(get)]
+    pub(crate) import_us: u64,
+    /// Microseconds of the delivery itself, first check to last
+    /// (`DeliveryReport::elapsed_us`: the copies and their completion).
+    #[pyo3(get)]
+    pub(crate) transfer_us: u64,
+    /// Microseconds of the whole fetch without the GIL: import, reserve,
+    /// plan, pin round trip, delivery, unpin, checksum verify, commit.
+    /// `total_us - import_us - transfer_us` is the pin/verify/commit share.
+    #[pyo3(get)]
+    pub(crate) total_us: u64,
+    pub(crate) stages: kv_router_glue::FetchStages,
+    pub(crate) guard: Mutex<Option<CompletedBlocks>>,
+}
+
+#[pymethods]
+impl FetchOutcome {
+    /// The executor's stages in µs, in the order they ran: `reserve` (hint
+    /// checks, destination rows), `plan` (the copy plan), `pin` (the donor's
+    /// pin grant, a round trip), `transfer` (copies issued and completed,
+    /// donor probed), `verify_commit` (pin release, checksums, commit).
+    #[getter]
+    fn stages_us(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        let s = &self.stages;
+        std::collections::BTreeMap::from([
+            ("reserve", s.reserve_us),
+            ("plan", s.plan_us),
+            ("pin", s.pin_us),
+            ("transfer", s.transfer_us),
+            ("verify_commit", s.verify_commit_us),
+        ])
+    }
+    /// Returns the rows to the target's pool. Idempotent.
+    fn release(&self) {
+        drop(self.guard.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
+    /// True after `release()`.
+    #[getter]
+    fn released(&self) -> bool {
+        self.guard
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+    }
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.release();
+        false
+    }
+}
