@@ -249,6 +249,11 @@ impl InventoryIndex {
 
     /// Applies one event (see [`InventoryIndex::apply_events`] for batches).
     ///
+    /// Calls from several threads at once are combined: the first to take
+    /// the writer lock applies every event queued by then, in queue order,
+    /// and publishes them together; each call still returns its own
+    /// outcome, after its event is visible to lookups.
+    ///
     /// An event of an unknown publisher registers it (keyed by
     /// [`WorkerKey::of_engine`]). Stored blocks are indexed by their sequence
     /// hash alone (a chained hash names its whole prefix; coverage from the
@@ -267,8 +272,15 @@ impl InventoryIndex {
     pub fn apply_event(&self, event: &KvEvent) -> Result<EventOutcome, LookupError> {
         // Clone and hash-chain check outside the writer lock: writer
         // threads do that part in parallel, and the replay skips it.
+        // Concurrent callers are combined: one applies all their events and
+        // publishes once (see `crate::twin`).
         let checked = CheckedEvent::new(event);
-        self.state.write(|b| apply_logged(b, checked))
+        let out = match self.state.submit(Mutation::Event(checked)) {
+            Effect::Event(r) => r,
+            _ => unreachable!("an event reports an event outcome"),
+        };
+        log_needs_resync(event.publisher, event.event_id, &out);
+        out
     }
 
     /// Applies events in order and publishes them at once: a lookup sees
@@ -380,7 +392,13 @@ fn apply_logged(
         Effect::Event(r) => r,
         _ => unreachable!("an event reports an event outcome"),
     };
-    match &out {
+    log_needs_resync(engine, event_id, &out);
+    out
+}
+
+/// Warns of an event outcome that leaves the worker waiting for a resync.
+fn log_needs_resync(engine: EngineId, event_id: u64, out: &Result<EventOutcome, LookupError>) {
+    match out {
         Ok(EventOutcome::Unchained { cause }) => {
             tracing::warn!(%engine, event_id, ?cause, "kv event does not chain: not stored, worker needs resync");
         }
@@ -389,7 +407,6 @@ fn apply_logged(
         }
         _ => {}
     }
-    out
 }
 
 /// Group index and bit of a worker slot.

@@ -31,6 +31,9 @@
 //!   reads the published copy without a lock and never waits for events;
 //!   mutations are serialized, go to the other copy and are published
 //!   whole (a batch is seen entirely or not at all) when the call returns.
+//!   Concurrent [`InventoryIndex::apply_event`] calls are combined: one
+//!   caller applies all of them and publishes once, each gets its own
+//!   outcome, and one thread's events apply in its call order.
 //!
 //! # Deliberately absent
 //! Cost decisions (kv-router-glue), choosing the prefill target, pinning or

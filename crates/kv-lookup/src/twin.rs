@@ -14,7 +14,18 @@
 //!
 //! Costs: twice the memory, every mutation applied twice (the replay runs
 //! while the writer lock is held, not while a reader waits), one pointer swap
-//! per write call (batches amortize it).
+//! and one wait for readers per write call (batches amortize them).
+//!
+//! Writers that arrive together are *combined* ([`Twin::submit`], flat
+//! combining): each queues its mutation, then takes the writer lock; the
+//! first to get it applies every queued mutation in one batch, publishes
+//! once and leaves the others' results for them; a writer that finds its
+//! result waiting returns it without touching a copy. Without this, `E`
+//! event threads each paid the wait for readers and the swap per event, and
+//! their lock convoy cut events/s as `E` grew (16-core rows in
+//! `benches/RESULTS.md`: 69k events/s at one event thread, 38k at eight).
+//! A batch holds at most one mutation per submitting thread, so a combiner
+//! works for at most that many others.
 //!
 //! Memory ordering: a reader's last access to a copy happens-before the
 //! writer's first mutation of it, by the same guarantee that lets
@@ -42,12 +53,29 @@ pub(crate) trait Replay {
 struct Standby<S: Replay> {
     copy: Arc<S>,
     missed: Vec<S::Op>,
+    /// Results a combiner left for submitters that have not taken them yet,
+    /// by ticket; at most one per waiting thread.
+    done: Vec<(u64, S::Out)>,
+    /// The queue's vector between batches (swapped in, so draining the
+    /// queue allocates nothing in the steady state).
+    spare: Vec<(u64, S::Op)>,
+    /// Publications so far (one per write that applied anything).
+    published: u64,
 }
 
-/// Readers: [`Twin::read`]; the one writer: [`Twin::write`].
+/// Mutations submitted and not yet taken by a combiner, with their tickets.
+struct Queue<Op> {
+    next_ticket: u64,
+    ops: Vec<(u64, Op)>,
+}
+
+/// Readers: [`Twin::read`]; writers: [`Twin::write`], [`Twin::submit`].
 pub(crate) struct Twin<S: Replay> {
     live: ArcSwap<S>,
     writer: Mutex<Standby<S>>,
+    /// Locked only to push or drain (never while applying), and always
+    /// after `writer` when both are held, so the two cannot deadlock.
+    queue: Mutex<Queue<S::Op>>,
 }
 
 /// Mutations of one [`Twin::write`] call, applied to the standby copy.
@@ -73,6 +101,13 @@ impl<S: Replay> Twin<S> {
             writer: Mutex::new(Standby {
                 copy: Arc::new(b),
                 missed: Vec::new(),
+                done: Vec::new(),
+                spare: Vec::new(),
+                published: 0,
+            }),
+            queue: Mutex::new(Queue {
+                next_ticket: 0,
+                ops: Vec::new(),
             }),
         }
     }
@@ -88,7 +123,62 @@ impl<S: Replay> Twin<S> {
     /// publishes it if `f` applied anything. Writers are serialized.
     pub(crate) fn write<R>(&self, f: impl FnOnce(&mut Batch<'_, S>) -> R) -> R {
         let mut guard = self.writer.lock();
+        self.write_locked(&mut guard, f)
+    }
+
+    /// Applies `op` and publishes it before returning, like a
+    /// [`Twin::write`] of one mutation, but combined with the mutations
+    /// other threads submit at the same time (see the module docs): one of
+    /// the callers applies them all in one batch and publishes once.
+    ///
+    /// Each caller gets its own op's result. Per thread, ops apply in call
+    /// order; ops of concurrent calls apply in queue order.
+    ///
+    /// # Panics
+    /// When the thread that took this op panicked while applying its batch
+    /// (a bug in [`Replay::apply`]); the op's effect is then unknown.
+    pub(crate) fn submit(&self, op: S::Op) -> S::Out {
+        let ticket = {
+            let mut q = self.queue.lock();
+            let t = q.next_ticket;
+            q.next_ticket += 1;
+            q.ops.push((t, op));
+            t
+        };
+        let mut guard = self.writer.lock();
+        // A combiner that took our op left its result here before it
+        // released the lock we now hold.
+        if let Some(i) = guard.done.iter().position(|(t, _)| *t == ticket) {
+            return guard.done.swap_remove(i).1;
+        }
+        // Otherwise no combiner has taken it: it is still queued and this
+        // thread combines.
         let standby = &mut *guard;
+        let mut ops = std::mem::take(&mut standby.spare);
+        std::mem::swap(&mut self.queue.lock().ops, &mut ops);
+        let mut done = std::mem::take(&mut standby.done);
+        let mut mine = None;
+        self.write_locked(standby, |b| {
+            for (t, op) in ops.drain(..) {
+                let out = b.apply(op);
+                if t == ticket {
+                    mine = Some(out);
+                } else {
+                    done.push((t, out));
+                }
+            }
+        });
+        standby.done = done;
+        standby.spare = ops;
+        mine.expect("a submitted op is queued until its submitter or a combiner applies it")
+    }
+
+    /// [`Twin::write`] with the writer lock held.
+    fn write_locked<R>(
+        &self,
+        standby: &mut Standby<S>,
+        f: impl FnOnce(&mut Batch<'_, S>) -> R,
+    ) -> R {
         let state = exclusive(&mut standby.copy);
         for op in &standby.missed {
             state.apply(op);
@@ -104,8 +194,16 @@ impl<S: Replay> Twin<S> {
             // strong count, so `exclusive` sees them all.
             let old = self.live.swap(Arc::clone(&standby.copy));
             standby.copy = old;
+            standby.published += 1;
         }
         out
+    }
+
+    /// Publications so far: one per write or combined batch that applied
+    /// anything.
+    #[cfg(test)]
+    pub(crate) fn publications(&self) -> u64 {
+        self.writer.lock().published
     }
 
     /// Both copies after a replay, for tests that they stay equal.
@@ -217,6 +315,118 @@ mod tests {
         let before = twin.read_full_ptr();
         twin.write(|_| ());
         assert_eq!(before, twin.read_full_ptr());
+    }
+
+    /// Ops submitted while another write holds the lock are applied by
+    /// one of their submitters in one batch: one publication for all.
+    #[test]
+    fn submits_queued_behind_a_write_are_combined_into_one_publication() {
+        let twin = Twin::new(Seq::default(), Seq::default());
+        std::thread::scope(|s| {
+            let handles = twin.write(|b| {
+                b.apply(0);
+                let handles: Vec<_> = (1..=3u64)
+                    .map(|k| {
+                        let twin = &twin;
+                        s.spawn(move || (k, twin.submit(k)))
+                    })
+                    .collect();
+                // All three are queued before this write releases the lock.
+                while twin.queue.lock().ops.len() < 3 {
+                    std::thread::yield_now();
+                }
+                handles
+            });
+            let mut lens: Vec<usize> = handles
+                .into_iter()
+                .map(|h| {
+                    let (k, len) = h.join().unwrap();
+                    // Each submitter got the length after its own op.
+                    assert_eq!(twin.read().items[len - 1], k);
+                    len
+                })
+                .collect();
+            lens.sort_unstable();
+            assert_eq!(lens, [2, 3, 4]);
+        });
+        assert_eq!(twin.publications(), 2, "the write, then one combined batch");
+        let (live, standby) = twin.both();
+        assert_eq!(live.sum, 6);
+        assert_eq!(*live, *standby);
+        assert!(twin.queue.lock().ops.is_empty());
+        assert!(twin.writer.lock().done.is_empty());
+    }
+
+    /// A state whose result names the op and where it landed, so a result
+    /// handed to the wrong submitter shows.
+    #[derive(Default, PartialEq, Eq, Debug)]
+    struct Echo {
+        items: Vec<u64>,
+    }
+
+    impl Replay for Echo {
+        type Op = u64;
+        type Out = (u64, usize);
+        fn apply(&mut self, op: &u64) -> (u64, usize) {
+            self.items.push(*op);
+            (*op, self.items.len() - 1)
+        }
+    }
+
+    #[test]
+    fn concurrent_submitters_get_their_own_results_in_call_order() {
+        const THREADS: u64 = 4;
+        const OPS: u64 = 2_000;
+        let twin = Arc::new(Twin::new(Echo::default(), Echo::default()));
+        let reader_done = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (twin, done) = (twin.clone(), reader_done.clone());
+            std::thread::spawn(move || {
+                let mut last = 0;
+                while !done.load(Ordering::Acquire) {
+                    let n = twin.read().items.len();
+                    assert!(n >= last, "a published copy went back");
+                    last = n;
+                }
+            })
+        };
+        let writers: Vec<_> = (0..THREADS)
+            .map(|k| {
+                let twin = twin.clone();
+                std::thread::spawn(move || {
+                    let mut last_pos = None;
+                    for i in 0..OPS {
+                        let op = k * 1_000_000 + i;
+                        let (echo, pos) = twin.submit(op);
+                        assert_eq!(echo, op, "another submitter's result");
+                        assert!(last_pos < Some(pos), "applied out of call order");
+                        last_pos = Some(pos);
+                        // Read-your-writes.
+                        assert_eq!(twin.read().items[pos], op);
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().unwrap();
+        }
+        reader_done.store(true, Ordering::Release);
+        reader.join().unwrap();
+        let (live, standby) = twin.both();
+        assert_eq!(*live, *standby);
+        assert_eq!(live.items.len() as u64, THREADS * OPS);
+        for k in 0..THREADS {
+            let mine: Vec<u64> = live
+                .items
+                .iter()
+                .copied()
+                .filter(|v| v / 1_000_000 == k)
+                .collect();
+            let want: Vec<u64> = (0..OPS).map(|i| k * 1_000_000 + i).collect();
+            assert_eq!(mine, want);
+        }
+        assert!(twin.publications() <= THREADS * OPS);
+        assert!(twin.writer.lock().done.is_empty());
     }
 
     impl<S: Replay> Twin<S> {
