@@ -143,7 +143,8 @@ pub use kv_events::{
 pub use ols::OlsFit;
 #[cfg(feature = "worker")]
 pub use pin_service::{
-    PinService, PinServiceConfig, PinServiceError, PinServiceStats, UNIX_SOCKET_MODE,
+    PinService, PinServiceConfig, PinServiceError, PinServiceStats, MAX_PROVISIONAL,
+    UNIX_SOCKET_MODE,
 };
 #[cfg(feature = "worker")]
 pub use pin_transport::auth::{PinAuthError, PinAuthKey, AUTH_MAGIC, MIN_KEY_BYTES};

@@ -59,11 +59,23 @@ fn mac(key: &[u8], role: &[u8], donor_nonce: &[u8], target_nonce: &[u8]) -> Hmac
 /// A raw TCP client: reads the challenge, proves `key`, returns the stream
 /// and the donor's status byte (checking the donor's proof on success).
 fn raw_handshake(endpoint: &str, key: &[u8]) -> (TcpStream, u8) {
+    let (mut s, hello) = raw_challenge(endpoint);
+    let status = raw_prove(&mut s, &hello, key);
+    (s, status)
+}
+
+/// The first half of [`raw_handshake`]: connects and reads the challenge.
+fn raw_challenge(endpoint: &str) -> (TcpStream, [u8; 40]) {
     let mut s = TcpStream::connect(tcp_addr(endpoint)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut hello = [0u8; 40];
     s.read_exact(&mut hello).unwrap();
     assert_eq!(&hello[..8], &AUTH_MAGIC);
+    (s, hello)
+}
+
+/// The second half: proves `key` against `hello`, returns the status byte.
+fn raw_prove(s: &mut TcpStream, hello: &[u8; 40], key: &[u8]) -> u8 {
     let donor_nonce = &hello[8..];
     let target_nonce = [7u8; 32];
     let tag = mac(key, b"kv.pin-auth@1 target", donor_nonce, &target_nonce)
@@ -80,7 +92,7 @@ fn raw_handshake(endpoint: &str, key: &[u8]) -> (TcpStream, u8) {
             .verify_slice(&donor_tag)
             .expect("the donor proves the same key");
     }
-    (s, status[0])
+    status[0]
 }
 
 fn read_reply(s: &mut TcpStream) -> PinDonorMessage {
@@ -416,6 +428,100 @@ fn an_over_limit_tcp_connection_is_closed_before_any_byte() {
     assert_eq!((svc.active_pins(), bank.pins_outstanding()), (0, 0));
     let stats = svc.shutdown(Duration::ZERO);
     assert_eq!((stats.connections_refused, stats.granted), (2, 0));
+}
+
+/// At the connection limit, an over-limit TCP newcomer closes a target's
+/// idle kept connection only after it proved the key: one with a wrong key
+/// leaves the kept connection serving, one with the key takes its place.
+#[test]
+fn at_the_limit_only_a_peer_with_the_key_closes_an_idle_kept_connection() {
+    let _g = lock();
+    let bank = bank(4, "pin-sec");
+    let a = store(&bank, 2);
+    let config = PinServiceConfig {
+        max_connections: 1,
+        ..PinServiceConfig::default()
+    };
+    let svc = tcp_service(&bank, config);
+    let h = hint(&bank, &a, svc.endpoint());
+    let open = |k: PinAuthKey| {
+        RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint())
+            .unwrap()
+            .with_auth_key(k)
+    };
+    let kept = open(key());
+    kept.pin_remote(&h).unwrap().release_now().unwrap();
+    assert!(until(Duration::from_secs(2), || svc.idle_connections() == 1));
+    // A wrong key over the limit: admitted to the exchange, refused, and
+    // the idle connection is left alone.
+    let wrong = PinAuthKey::from_bytes(b"ffffffffffffffffffffffffffffffff".to_vec()).unwrap();
+    let e = open(wrong).pin_remote(&h).unwrap_err();
+    assert!(matches!(e, PinError::Auth(PinAuthError::Refused)), "{e:?}");
+    assert!(until(Duration::from_secs(2), || svc.stats().auth_refused == 1));
+    assert_eq!(svc.stats().idle_closed, 0);
+    // The kept connection still carries the next pin (no new connection).
+    kept.pin_remote(&h).unwrap().release_now().unwrap();
+    assert_eq!(svc.stats().connections, 2);
+    assert!(until(Duration::from_secs(2), || svc.idle_connections() == 1));
+    // The right key over the limit closes the idle connection and pins.
+    let other = open(key());
+    let mut p = other.pin_remote(&h).unwrap();
+    assert_eq!(bank.pins_outstanding(), 2);
+    p.release_now().unwrap();
+    drop(p);
+    let stats = svc.shutdown(Duration::ZERO);
+    assert_eq!(
+        (
+            stats.idle_closed,
+            stats.auth_refused,
+            stats.granted,
+            stats.connections_refused
+        ),
+        (1, 1, 3, 0)
+    );
+    assert_eq!(bank.pins_outstanding(), 0);
+}
+
+/// Two over-limit TCP newcomers admitted while one connection is idle:
+/// the first to prove the key closes it, the second, authenticated too,
+/// finds none idle and gets a typed `too_many_pins` refusal.
+#[test]
+fn two_provisional_newcomers_share_one_idle_connection_and_the_second_is_refused_typed() {
+    let _g = lock();
+    let bank = bank(4, "pin-sec");
+    let a = store(&bank, 2);
+    let config = PinServiceConfig {
+        max_connections: 1,
+        ..PinServiceConfig::default()
+    };
+    let svc = tcp_service(&bank, config);
+    let kept = RemoteDonor::open_host_shm(bank.manifest().clone(), svc.endpoint())
+        .unwrap()
+        .with_auth_key(key());
+    kept.pin_remote(&hint(&bank, &a, svc.endpoint()))
+        .unwrap()
+        .release_now()
+        .unwrap();
+    assert!(until(Duration::from_secs(2), || svc.idle_connections() == 1));
+    // Both get the challenge: each was admitted while the kept one was idle.
+    let (mut first, hello1) = raw_challenge(svc.endpoint());
+    let (mut second, hello2) = raw_challenge(svc.endpoint());
+    assert_eq!(raw_prove(&mut first, &hello1, KEY), 1);
+    assert!(until(Duration::from_secs(2), || svc.stats().idle_closed == 1));
+    assert_eq!(raw_prove(&mut second, &hello2, KEY), 1);
+    match read_reply(&mut second) {
+        PinDonorMessage::Refused(r) => {
+            assert_eq!(r.reason, PinRefusalReason::TooManyPins);
+            assert!(r.detail.contains("no idle connection"), "{}", r.detail);
+        }
+        other => panic!("{other:?}"),
+    }
+    drop((first, second));
+    let stats = svc.shutdown(Duration::ZERO);
+    assert_eq!(
+        (stats.idle_closed, stats.connections_refused, stats.granted),
+        (1, 1, 1)
+    );
 }
 
 #[test]

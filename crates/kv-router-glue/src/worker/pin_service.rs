@@ -25,7 +25,13 @@
 //! At the connection limit, a connection that served a frame, holds no pin
 //! and waits for the next is closed to admit the new one, so kept
 //! connections never cost a target a refusal (one that never sent a whole
-//! frame is not closed so: it is not a kept connection).
+//! frame is not closed so: it is not a kept connection). Over TCP the
+//! eviction waits until the newcomer proved the key: an over-limit TCP
+//! connection is admitted *provisionally* when an idle one exists (at most
+//! [`MAX_PROVISIONAL`] at once), does the key exchange, and only then
+//! closes an idle connection, or gets `too_many_pins` when none is idle
+//! any more; so a peer without the key cannot close targets' kept
+//! connections.
 //!
 //! Threads: one accept thread, one thread per connection, at most
 //! [`PinServiceConfig::max_connections`] with a pin or a frame in progress,
@@ -79,6 +85,12 @@ use connection::{claim_for_eviction, refusal, send, serve_connection};
 /// Mode of a donor's Unix socket file: owner read/write only (connecting
 /// needs write permission), so other users cannot pin.
 pub const UNIX_SOCKET_MODE: u32 = 0o600;
+
+/// Over-limit TCP connections admitted at once to prove the key before
+/// they may close an idle connection (see the module docs); more are closed
+/// at once, as when no connection is idle. Each costs one thread for at most
+/// [`PinServiceConfig::io_timeout`].
+pub const MAX_PROVISIONAL: usize = 4;
 
 /// Limits of a [`PinService`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,6 +220,9 @@ struct Shared {
     pins_changed: Condvar,
     pins_lock: Mutex<()>,
     live_connections: AtomicUsize,
+    /// Over-limit TCP connections doing the key exchange before they may
+    /// evict an idle one (at most [`MAX_PROVISIONAL`]).
+    provisional: AtomicUsize,
     next_pin: AtomicU64,
     next_conn: AtomicU64,
     conns: Mutex<HashMap<u64, Conn>>,
@@ -336,6 +351,7 @@ impl PinService {
             pins_changed: Condvar::new(),
             pins_lock: Mutex::new(()),
             live_connections: AtomicUsize::new(0),
+            provisional: AtomicUsize::new(0),
             next_pin: AtomicU64::new(1),
             next_conn: AtomicU64::new(1),
             conns: Mutex::new(HashMap::new()),
@@ -515,13 +531,19 @@ fn accept_loop(
         };
         s.counters.connections.fetch_add(1, Ordering::SeqCst);
         let _ = stream.set_write_timeout(Some(s.config.io_timeout));
-        if s.live_connections.fetch_add(1, Ordering::SeqCst) >= s.config.max_connections
-            && !evict_idle(s)
-        {
+        let over = s.live_connections.fetch_add(1, Ordering::SeqCst) >= s.config.max_connections;
+        let admission = match (over, stream.is_tcp()) {
+            (false, _) => Some(Admission::Within),
+            // Not authenticated yet: it may close an idle connection only
+            // after the key exchange (`serve_connection`).
+            (true, true) => admit_provisionally(s).then_some(Admission::Provisional),
+            (true, false) => evict_idle(s).then_some(Admission::Within),
+        };
+        let Some(admission) = admission else {
             s.live_connections.fetch_sub(1, Ordering::SeqCst);
             refusals::hand_over(s, refusals, stream);
             continue;
-        }
+        };
         let Ok(wake) = stream.try_clone() else {
             s.live_connections.fetch_sub(1, Ordering::SeqCst);
             continue;
@@ -541,7 +563,7 @@ fn accept_loop(
         let spawned = std::thread::Builder::new()
             .name(format!("kv-pin-conn-{id}"))
             .spawn(move || {
-                serve_connection(&sc, stream, &idle);
+                serve_connection(&sc, stream, &idle, admission);
                 if let Some(c) = sc.conns.lock().get_mut(&id) {
                     c.wake = None;
                 }
@@ -557,9 +579,40 @@ fn accept_loop(
                 tracing::warn!("pin service: cannot spawn a connection thread: {e}");
                 s.conns.lock().remove(&id);
                 s.live_connections.fetch_sub(1, Ordering::SeqCst);
+                if admission == Admission::Provisional {
+                    s.provisional.fetch_sub(1, Ordering::SeqCst);
+                }
             }
         }
     }
+}
+
+/// How an accepted connection was let in.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Admission {
+    /// Within the limit (or an idle connection was closed for it).
+    Within,
+    /// Over the limit, TCP: it must prove the key, then close an idle
+    /// connection ([`evict_idle`]) or be refused; counted in
+    /// `Shared::provisional` until then.
+    Provisional,
+}
+
+/// Accept thread, at the limit, for a TCP connection: true (counted in
+/// `provisional`) when some connection is idle now and fewer than
+/// [`MAX_PROVISIONAL`] are provisional. Nothing is closed here.
+fn admit_provisionally(s: &Shared) -> bool {
+    let any_idle = s
+        .conns
+        .lock()
+        .values()
+        .any(|c| c.wake.is_some() && c.idle.load(Ordering::SeqCst));
+    any_idle
+        && s.provisional
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < MAX_PROVISIONAL).then_some(n + 1)
+            })
+            .is_ok()
 }
 
 /// Accept thread, at the connection limit: closes one connection that

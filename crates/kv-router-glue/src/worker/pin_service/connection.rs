@@ -79,13 +79,50 @@ impl Drop for ConnPins<'_> {
     }
 }
 
-pub(super) fn serve_connection(s: &Shared, mut stream: PinStream, idle: &AtomicBool) {
+/// Ends a provisional admission (`Shared::provisional`) on every way out
+/// of the key exchange.
+struct ProvisionalSlot<'a>(&'a Shared);
+
+impl Drop for ProvisionalSlot<'_> {
+    fn drop(&mut self) {
+        self.0.provisional.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+pub(super) fn serve_connection(
+    s: &Shared,
+    mut stream: PinStream,
+    idle: &AtomicBool,
+    admission: Admission,
+) {
+    let provisional = (admission == Admission::Provisional).then(|| ProvisionalSlot(s));
     if stream.is_tcp() {
         // `bind` refuses TCP without a key, so `auth` is set here.
         let Some(key) = &s.auth else { return };
         if let Err(e) = donor_handshake(&mut stream, key, s.config.io_timeout) {
             tracing::info!("pin service: TCP connection refused: {e}");
             s.counters.auth_refused.fetch_add(1, Ordering::SeqCst);
+            return;
+        }
+    }
+    if let Some(slot) = provisional {
+        // Authenticated: now it may take an idle connection's place.
+        drop(slot);
+        if !super::evict_idle(s) {
+            s.counters
+                .connections_refused
+                .fetch_add(1, Ordering::SeqCst);
+            let _ = send(
+                &mut stream,
+                &refusal(
+                    0,
+                    PinRefusalReason::TooManyPins,
+                    format!(
+                        "connection limit {} reached (no idle connection to close)",
+                        s.config.max_connections
+                    ),
+                ),
+            );
             return;
         }
     }
