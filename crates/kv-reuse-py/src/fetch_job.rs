@@ -2,17 +2,102 @@
 //! ([`FetchJobs`], one per target, started at its first `fetch_async`, fed
 //! through a channel and restarted in a forked child) and the handle a
 //! caller waits on ([`FetchJob`]: the result taken once, with an optional
-//! wait timeout that leaves the job in place).
+//! wait timeout that leaves the job in place; `cancel`, which skips a job
+//! still queued and stops a running one's delivery at its next check).
+//!
+//! A job's life is one [`JobState`] word: the fetch thread moves it from
+//! queued to running when it starts the job, `cancel` from queued to
+//! cancelled; both are compare-and-swaps on the same word, so exactly one
+//! of them wins and a cancelled job never pins or copies anything.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use kv_transfer::CancelToken;
 
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError};
 use pyo3::prelude::*;
 
-use crate::errors::bad_argument;
+use crate::errors::{bad_argument, FetchFellBack};
 use crate::fetch_outcome::FetchOutcome;
+
+/// Where a job is: [`JobState::QUEUED`] until the fetch thread starts it
+/// ([`JobState::RUNNING`], then [`JobState::DONE`] once its result is sent)
+/// or `cancel` takes it first ([`JobState::CANCELLED`]).
+pub(crate) struct JobState(AtomicU8);
+
+impl JobState {
+    const QUEUED: u8 = 0;
+    const RUNNING: u8 = 1;
+    const DONE: u8 = 2;
+    const CANCELLED: u8 = 3;
+
+    fn new() -> Self {
+        Self(AtomicU8::new(Self::QUEUED))
+    }
+
+    /// The fetch thread's side: true when the job is to run (it was
+    /// queued, not cancelled).
+    fn start(&self) -> bool {
+        self.take(Self::RUNNING)
+    }
+
+    /// `cancel`'s side: true when the job had not started and now never will.
+    fn cancel(&self) -> bool {
+        self.take(Self::CANCELLED)
+    }
+
+    fn take(&self, to: u8) -> bool {
+        self.0
+            .compare_exchange(Self::QUEUED, to, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    fn finish(&self) {
+        self.0.store(Self::DONE, Ordering::Release);
+    }
+
+    fn label(&self) -> &'static str {
+        match self.0.load(Ordering::Acquire) {
+            Self::QUEUED => "queued",
+            Self::RUNNING => "running",
+            Self::DONE => "done",
+            _ => "cancelled",
+        }
+    }
+}
+
+/// Runs `fetch` on the fetch thread unless the job was cancelled first;
+/// sends what it returned (or the cancellation, or a panic) on `tx`.
+pub(crate) fn run_job(
+    state: &JobState,
+    tx: &std::sync::mpsc::SyncSender<PyResult<FetchOutcome>>,
+    fetch: impl FnOnce() -> PyResult<FetchOutcome>,
+) {
+    let started = state.start();
+    let out = if started {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(fetch)).unwrap_or_else(|_| {
+            Err(PyRuntimeError::new_err(
+                "the fetch panicked on the target's fetch thread",
+            ))
+        })
+    } else {
+        // `fetch` is dropped unrun: its gate ends without opening.
+        drop(fetch);
+        Err(FetchFellBack::new_err((
+            "the fetch was cancelled before it started: nothing was pinned or copied".to_string(),
+            "queued",
+            "cancelled",
+        )))
+    };
+    if started {
+        // Before the send, so a caller holding the result reads `done`.
+        state.finish();
+    }
+    let _ = tx.send(out);
+}
 
 /// A fetch running on its target's fetch thread (`Target.fetch_async`).
 ///
@@ -26,6 +111,9 @@ use crate::fetch_outcome::FetchOutcome;
 #[pyclass(frozen, module = "kv_reuse")]
 pub(crate) struct FetchJob {
     rx: Mutex<Option<Receiver<PyResult<FetchOutcome>>>>,
+    state: Arc<JobState>,
+    /// The fetch's delivery token (`DeliveryControl::cancel`).
+    cancel: CancelToken,
 }
 
 #[pymethods]
@@ -42,6 +130,29 @@ impl FetchJob {
     /// result to a later call (the fetch goes on; its gate, if any, is
     /// unaffected). `BadArgument` names `timeout_s` when negative or not
     /// finite.
+    /// Cancels the fetch, for a request the engine gave up on. True when
+    /// this call stopped the job before it started: it never runs (no pin, no copy), its gate
+    /// ends without opening, and `result()` raises `FetchFellBack` with
+    /// stage `queued` and cause `cancelled`; later jobs of the target no
+    /// longer wait for it. False when it was running, done or cancelled
+    /// already: a running
+    /// delivery stops at its next check between copy batches (a pin round
+    /// trip under way finishes or times out first) and `result()` raises
+    /// `FetchFellBack` (cause `transfer_cancelled`), unless the fetch got
+    /// past its last check, when it returns the outcome as usual. Either way
+    /// the result is truthful: take it, or drop the job.
+    fn cancel(&self) -> bool {
+        self.cancel.cancel();
+        self.state.cancel()
+    }
+
+    /// `queued`, `running`, `done` (its result is waiting or was taken) or
+    /// `cancelled` (before it started).
+    #[getter]
+    fn state(&self) -> &'static str {
+        self.state.label()
+    }
+
     #[pyo3(signature = (timeout_s = None))]
     fn result(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<FetchOutcome> {
         let limit = match timeout_s {
@@ -134,10 +245,22 @@ impl FetchJobs {
 }
 
 impl FetchJob {
-    /// The handle of a job whose outcome arrives on `rx`.
-    pub(crate) fn new(rx: Receiver<PyResult<FetchOutcome>>) -> Self {
+    /// The handle of a job whose outcome arrives on `rx`, its life in
+    /// `state` (shared with [`run_job`]), its delivery stopped by `cancel`.
+    pub(crate) fn new(
+        rx: Receiver<PyResult<FetchOutcome>>,
+        state: Arc<JobState>,
+        cancel: CancelToken,
+    ) -> Self {
         Self {
             rx: Mutex::new(Some(rx)),
+            state,
+            cancel,
         }
+    }
+
+    /// A fresh job state, for [`FetchJob::new`] and [`run_job`].
+    pub(crate) fn new_state() -> Arc<JobState> {
+        Arc::new(JobState::new())
     }
 }

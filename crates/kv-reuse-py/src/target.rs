@@ -22,7 +22,7 @@ use crate::engine_layout::EngineOrder;
 use crate::errors::{
     bad_argument, descriptor, fetch, uint, uints, BankFailed, CudaUnavailable, FetchFellBack,
 };
-use crate::fetch_job::{FetchJob, FetchJobs};
+use crate::fetch_job::{run_job, FetchJob, FetchJobs};
 use crate::fetch_outcome::FetchOutcome;
 use crate::layout::Layout;
 use crate::stream_gate::StreamGate;
@@ -400,19 +400,16 @@ impl Target {
         )?;
         let target: Py<Target> = slf.clone().unbind();
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let state = FetchJob::new_state();
+        let cancel = prepared.control.cancel.clone();
+        let job_state = state.clone();
         this.jobs.submit(Box::new(move || {
-            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                target.get().run(prepared)
-            }));
-            let _ = tx.send(ran.unwrap_or_else(|_| {
-                Err(pyo3::exceptions::PyRuntimeError::new_err(
-                    "the fetch panicked on the target's fetch thread",
-                ))
-            }));
+            let fetch = || target.get().run(prepared);
+            run_job(&job_state, &tx, fetch);
             // Without the GIL, pyo3 defers this decref to the next holder.
             drop(target);
         }))?;
-        Ok(FetchJob::new(rx))
+        Ok(FetchJob::new(rx, state, cancel))
     }
 
     /// The bytes of destination row `row` of rank `rank` (a copy; use

@@ -195,6 +195,45 @@ def test_fetch_job_result_with_a_timeout_raises_and_keeps_the_result(donor, layo
     assert target.free_rows == 16
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="SIGSTOP is POSIX only")
+def test_fetch_job_cancel_skips_a_queued_job_and_stops_a_running_one(donor, layout, enabled):
+    """With the donor stopped, the first job waits in its pin and two more
+    queue behind it. Cancelling the second before it started skips it (no
+    pin: the donor never sees it; FetchFellBack stage ``queued``); cancelling the running first one makes its delivery
+    fall back once the pin answers; the third, not cancelled, completes."""
+    proc, report = donor
+    prompt, manifest, target, advice = admitted_target(report, layout, enabled, "req-cancel")
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        running = target.fetch_async(advice.hint, prompt, manifest)
+        skipped = target.fetch_async(advice.hint, prompt, manifest)
+        kept = target.fetch_async(advice.hint, prompt, manifest)
+        deadline = time.monotonic() + 5
+        while running.state != "running" and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert (running.state, skipped.state, kept.state) == ("running", "queued", "queued")
+        assert skipped.cancel() is True
+        assert skipped.state == "cancelled"
+        assert skipped.cancel() is False  # already cancelled, by the call before
+        assert running.cancel() is False
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    with pytest.raises(kv_reuse.FetchFellBack) as e:
+        running.result(timeout_s=10)
+    assert e.value.args[2] == "transfer_cancelled", e.value.args
+    with pytest.raises(kv_reuse.FetchFellBack) as e:
+        skipped.result(timeout_s=10)
+    assert e.value.args[1:] == ("queued", "cancelled"), e.value.args
+    del e
+    with kept.result(timeout_s=10) as out:
+        assert out.fetched == prompt and len(out.rows) == BLOCKS
+    assert kept.state == "done" and kept.cancel() is False
+    assert target.free_rows == 16
+    proc.stdin.write("pins\n")
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline()) == {"pins": 0}
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
 def test_fetch_async_in_a_forked_child_runs_on_a_thread_of_the_child(donor, layout, enabled):
     """A child forked after the target's fetch thread started inherits the

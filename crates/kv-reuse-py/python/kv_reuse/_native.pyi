@@ -503,6 +503,15 @@ class FetchJob:
         ``result``. A job dropped without its result still completes; its rows are released.
         ``timeout_s``: raises TimeoutError when the fetch is not done by then, leaving the
         result to a later call."""
+    def cancel(self) -> bool:
+        """Cancels the fetch. True: this call stopped it before it started; it never runs (no pin, no copy;
+        ``result()`` raises FetchFellBack with stage ``queued``, cause ``cancelled``; its
+        gate ends unopened). False: it was running, done or cancelled already; a running delivery stops at
+        its next check (``result()`` raises FetchFellBack, cause ``transfer_cancelled``)
+        unless it got past its last check. Take the result or drop the job either way."""
+    @property
+    def state(self) -> str:
+        """``queued``, ``running``, ``done`` or ``cancelled`` (before it started)."""
 
 class StreamGate:
     """An engine CUDA stream that a fetch releases as soon as its copies are issued.
