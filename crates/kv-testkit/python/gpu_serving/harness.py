@@ -73,6 +73,14 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         "off: the fetch returns before the forward starts",
     )
     p.add_argument(
+        "--stage-prompt",
+        choices=("on", "off"),
+        default="on",
+        help="on: an ON request's prompt goes to the prefill worker (one-way 'stage') before the router is asked, "
+        "so the worker receives and uploads it while the advise is in flight; the request then carries the hint. "
+        "off: advise first, then one request with prompt and hint (OFF and ideal always send one request)",
+    )
+    p.add_argument(
         "--answer",
         choices=("greedy", "forced"),
         default="greedy",
@@ -283,6 +291,7 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
     advise_total = 0.0
     truncated = None
     warm_error = None
+    staged = a.stage_prompt == "on"
     for t, sess, user, gen in w.rounds(sessions):
         if a.budget_s and time.perf_counter() - t_start > a.budget_s:
             truncated = f"--budget-s {a.budget_s} reached after {len(turns)} turns"
@@ -321,9 +330,10 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
                 prefill, "on",
                 # Without a hint nothing is fetched: the request carries no hashes
                 # (a first turn pays no pickling of them).
-                lambda adv: {"prompt": prompt, "hint": adv.hint, "hashes": hashes if adv.hint is not None else None,
-                             "manifest": manifest},
+                lambda adv: {"prompt": None if staged else prompt, "hint": adv.hint,
+                             "hashes": hashes if adv.hint is not None else None, "manifest": manifest},
                 before=lambda: router.advise(rid, hashes, ph["engine_id"]),
+                stage={"prompt": prompt} if staged else None,
             )
             ons.append(smp)
             on_logits_all.append(o["logits"])
@@ -404,7 +414,7 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
             try:
                 prefill.call("warmup", tokens=64)  # the decode's reference / checksums ran on the GPU meanwhile
                 wr = warm.turn(prefill, sess.id, t, prompt, hashes, manifest, on_first=len(turns) % 2 == 0,
-                               repeats=a.repeats)
+                               repeats=a.repeats, staged=staged)
             except rpc.WorkerError as e:
                 # The churn measurement goes on; the JSON says why warm stopped
                 # (kvq's warm_regime check fails on it).
@@ -556,6 +566,8 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
         # True: ON's suffix forward was enqueued behind the fetch's copies
         # while the fetch completed on another thread (StreamGate).
         "fetch_overlap": ph.get("fetch_overlap", False),
+        # True: ON requests sent their prompt ahead of the advise (--stage-prompt on).
+        "prompt_staged": a.stage_prompt == "on",
         "turns": turns,
         "buckets": buckets,
         # Median per phase of the reported (minimum) samples of later turns
@@ -578,6 +590,11 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
             # above come from turns of different sizes, so one noisy turn moves them.
             "on_minus_off_p50_ms": percentile([r["on_ms"] - r["off_ms"] for r in first], 50),
             "advise_p50_ms": percentile([r["advise_ms"] for r in first], 50),
+            # Per turn ON's forward phase - OFF's, then the median: how much of the
+            # difference above is the forward itself (the same computation; with a
+            # staged prompt ON's excludes building the ids tensor, done during the advise).
+            "forward_on_minus_off_p50_ms": percentile(
+                [r["on_phases_ms"].get("forward", 0.0) - r["off_phases_ms"].get("forward", 0.0) for r in first], 50),
         },
         "bytes_moved": sum(r["bytes"] for r in turns),
         "host_payload_bytes": sum(r["host_payload_bytes"] for r in turns),

@@ -34,7 +34,7 @@ import gc
 import os
 import signal
 import time
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -49,7 +49,11 @@ GREEDY_HEADROOM = 1024
 
 
 class PrefillWorker(EngineWorker):
-    """Requests: ``hello``, ``off``, ``on``, ``ideal``, ``greedy``, ``stats``."""
+    """Requests: ``hello``, ``off``, ``on``, ``ideal``, ``greedy``, ``stats``; one-way: ``stage``."""
+
+    # Requests answered by no reply (rpc.serve): the harness sends an ON
+    # request's prompt ahead of its advise.
+    ONE_WAY_OPS = ("stage",)
 
     def __init__(self, cfg: Dict[str, Any]) -> None:
         super().__init__(cfg)
@@ -72,6 +76,8 @@ class PrefillWorker(EngineWorker):
         # (cache, first block, blocks).
         self.fetched: Optional[Any] = None
         self.last: Optional[engine.PrefillResult] = None  # for ``greedy``, untimed
+        # The prompt of the next on / warm_on, sent ahead (``stage``): (tokens, ids on the device).
+        self.staged: Optional[Tuple[List[int], Any]] = None
         # ``nats_url`` (the harness's --router service): each target is
         # announced to the router service, and a donor's manifest is resolved
         # from the donor directory (JetStream bucket) by its engine id.
@@ -135,6 +141,38 @@ class PrefillWorker(EngineWorker):
         r = engine.prefill(self.model, ids[:-1])
         engine.prefill(self.model, ids[-1:] * 16, r.cache)
         return {"worker_ms": sw.stop()}
+
+    def op_stage(self, prompt: List[int]) -> Dict[str, Any]:
+        """One-way: keeps ``prompt`` for the next ``on`` / ``warm_on`` and starts uploading its ids.
+
+        Why: the harness sends an ON request's prompt before it asks the
+        router for advice, so this process receives it, unpickles it and
+        turns it into a device tensor (~2 ms for a 32K-token list on the H200
+        host, inside the forward otherwise) while the advise is in flight;
+        the request itself then carries the hint alone. The upload goes from
+        pinned memory without blocking; the request's stopwatch synchronises
+        the device before its clock starts. A later ``stage`` replaces an
+        unused one. Raises ``EngineError("prompt", ...)`` when empty.
+        """
+        if not prompt:
+            raise engine.EngineError("prompt", "a staged prompt needs at least one token")
+        host = torch.tensor([prompt], dtype=torch.long)
+        if self.device != "cpu":
+            host = host.pin_memory()
+        self.staged = (prompt, host.to(self.device, non_blocking=True))
+        return {}
+
+    def _prompt_ids(self, prompt: Optional[List[int]]) -> Tuple[List[int], Optional[Any]]:
+        """(tokens, their device ids or None): ``prompt`` as sent, or the staged one when None.
+
+        Raises ``EngineError("prompt", ...)`` when neither is there.
+        """
+        got, self.staged = self.staged, None
+        if prompt is not None:
+            return prompt, None
+        if got is None:
+            raise engine.EngineError("prompt", "no prompt given and none staged")
+        return got
 
     def op_off(self, prompt: List[int]) -> Dict[str, Any]:
         sw = engine.Stopwatch(self.device)
@@ -225,8 +263,10 @@ class PrefillWorker(EngineWorker):
         except (self.kv.KvReuseError, ValueError) as e:
             return None, fetch, [repr(e), "refused", type(e).__name__], 0
 
-    def op_on(self, prompt: List[int], hint: Optional[bytes], hashes: Optional[List[int]], manifest: Union[bytes, str, None],
-              kill_donor: Optional[int] = None) -> Dict[str, Any]:
+    def op_on(self, prompt: Optional[List[int]], hint: Optional[bytes], hashes: Optional[List[int]],
+              manifest: Union[bytes, str, None], kill_donor: Optional[int] = None) -> Dict[str, Any]:
+        """Reuse on, churn: the advised fetch into the landing, then the rest of ``prompt`` (None: the staged one)."""
+        prompt, ids = self._prompt_ids(prompt)
         # torch's allocation counter around the request (a counter read, no
         # sync), outside the timed part: the turn's device memory before/after.
         bytes_before = _device_bytes(self.device)
@@ -236,7 +276,7 @@ class PrefillWorker(EngineWorker):
         fell_back: Optional[List[str]] = None
         landed = None
         if hint is not None and self.overlap:
-            got = self._on_overlapped(prompt, hint, hashes, manifest, kill_donor, sw)
+            got = self._on_overlapped(prompt, ids, hint, hashes, manifest, kill_donor, sw)
             if got["result"] is not None:
                 return self._on_reply(got["result"], got["ms"], got["fetch_ms"], got["fetch"], got["fell_back"],
                                       bytes_before, sw)
@@ -260,11 +300,11 @@ class PrefillWorker(EngineWorker):
                 cache = engine.cache_from_blocks(landed, self.shape, self.tpb)
                 sw.lap("relayout")
                 self.resident = self.fetched = landed
-            r = engine.prefill(self.model, prompt[f:], cache, sw=sw)
+            r = engine.prefill(self.model, prompt[f:], cache, sw=sw, ids=_tail(ids, f))
         else:
             f = fetch["fetched_tokens"] = 0
             self.fetched = None
-            r = engine.prefill(self.model, prompt, sw=sw)
+            r = engine.prefill(self.model, prompt, sw=sw, ids=ids)
         ms = sw.stop()
         return self._on_reply(r, ms, fetch_ms, fetch, fell_back, bytes_before, sw)
 
@@ -277,8 +317,9 @@ class PrefillWorker(EngineWorker):
         return {"worker_ms": ms, "fetch_ms": fetch_ms, "phases_ms": sw.phases, "fell_back": fell_back,
                 "device_bytes": device_bytes, **fetch, **self._first(r)}
 
-    def _on_overlapped(self, prompt: List[int], hint: bytes, hashes: List[int], manifest: Union[bytes, str, None],
-                       kill_donor: Optional[int], sw: engine.Stopwatch) -> Dict[str, Any]:
+    def _on_overlapped(self, prompt: List[int], ids: Optional[Any], hint: bytes, hashes: List[int],
+                       manifest: Union[bytes, str, None], kill_donor: Optional[int],
+                       sw: engine.Stopwatch) -> Dict[str, Any]:
         """``on``'s fetch on the fetch thread, the suffix forward enqueued behind its copies (StreamGate).
 
         Returns ``result`` (the first token's ``PrefillResult``, with ``ms``,
@@ -305,16 +346,18 @@ class PrefillWorker(EngineWorker):
         end = gate.blocks * self.tpb
         if end >= len(prompt):
             end -= self.tpb  # at least one token computed for a first token
-        # The suffix's ids from pinned memory, asynchronously: the upload
+        # The suffix's ids: a view of the staged prompt's (uploaded before
+        # the gate), or from pinned memory, asynchronously: the upload
         # queues behind the stream's wait for the copies instead of blocking
         # this thread (a pageable upload may), and only the suffix is built
         # (a 32K-token list to a tensor costs ~2 ms on the host).
-        ids = torch.tensor([prompt[end:]], dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+        suffix_ids = _tail(ids, end) if ids is not None else \
+            torch.tensor([prompt[end:]], dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
         # Host clock only: a device sync here would wait for the copies.
         fetch_ms = sw.mark("fetch_launch")
         cache = self.landing.cache
         cache.set_length(end)
-        r = engine.prefill(self.model, prompt[end:], cache, sw=sw, ids=ids)
+        r = engine.prefill(self.model, prompt[end:], cache, sw=sw, ids=suffix_ids)
         t_fwd = time.perf_counter()
         landed, fetch, fell_back, _ = self._fetch_finish(self.landing, 0, started)
         fetch_ms += sw.lap("fetch_join")
@@ -330,7 +373,7 @@ class PrefillWorker(EngineWorker):
                 fell_back = [f"landed {landed} blocks, the forward read {end // self.tpb}", "land", "short"]
             self.fetched = None
             fetch["fetched_tokens"] = 0
-            r = engine.prefill(self.model, prompt, sw=sw)
+            r = engine.prefill(self.model, prompt, sw=sw, ids=ids)
         else:
             fetch["fetched_tokens"] = end
             self.resident = self.fetched = (cache, 0, end // self.tpb)
@@ -382,9 +425,12 @@ class PrefillWorker(EngineWorker):
         return {"worker_ms": ms, "phases_ms": sw.phases, "held_tokens": held, "first_token": r.first_token,
                 "logits": _bits(r.logits)}
 
-    def op_warm_on(self, session: str, prompt: List[int], hint: Optional[bytes], hashes: Optional[List[int]],
+    def op_warm_on(self, session: str, prompt: Optional[List[int]], hint: Optional[bytes], hashes: Optional[List[int]],
                    manifest: Union[bytes, str, None]) -> Dict[str, Any]:
-        """Reuse on, warm: the advised fetch (only the blocks past what this worker holds), then the rest."""
+        """Reuse on, warm: the advised fetch (only the blocks past what this worker holds), then the rest.
+
+        ``prompt`` None: the staged one."""
+        prompt, ids = self._prompt_ids(prompt)
         cache_landing = self.landing_kind == "cache"
         if cache_landing:
             # Untimed, like _warm_base's copy: this worker's own cached prefix
@@ -426,7 +472,7 @@ class PrefillWorker(EngineWorker):
                 # after a fallback): put them back before they are read.
                 engine.load_prefix(cache, own, held, first=min(start * self.tpb, held) if landed is not None else 0)
             cache, f, n = base, held, 0
-        r = engine.prefill(self.model, prompt[f:], cache if held or n else None, sw=sw)
+        r = engine.prefill(self.model, prompt[f:], cache if held or n else None, sw=sw, ids=_tail(ids, f))
         ms = sw.stop()
         fetch["fetched_tokens"] = n * self.tpb
         # Checksummed by fetched_checksums, untimed.
@@ -602,6 +648,11 @@ class PrefillWorker(EngineWorker):
             p.close()
         if self.directory is not None:
             self.directory.close()
+
+
+def _tail(ids: Optional[Any], start: int) -> Optional[Any]:
+    """``ids[:, start:]`` (a view, no copy) or None when ``ids`` is None."""
+    return None if ids is None else ids[:, start:]
 
 
 def _current_cpu() -> Optional[int]:

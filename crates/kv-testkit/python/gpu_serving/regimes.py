@@ -47,8 +47,10 @@ class WarmRegime:
             self.events.learn(e)
 
     def turn(self, prefill: Any, sess_id: str, t: int, prompt: List[int], hashes: List[int], manifest: Optional[bytes],
-             on_first: bool, repeats: int = 1) -> Dict[str, Any]:
+             on_first: bool, repeats: int = 1, staged: bool = False) -> Dict[str, Any]:
         """OFF-warm and ON-warm of one turn, ``repeats`` times each (order alternating, starting per ``on_first``).
+
+        ``staged``: ON-warm sends its prompt ahead of the advise (``timing.timed``'s ``stage``).
 
         The turn's ``warm`` row: the minimum of each (``timing.timed`` samples,
         all kept in ``samples_ms``), the first ON's fetch fields. The fetched
@@ -65,9 +67,10 @@ class WarmRegime:
             rid = f"{sess_id}-t{t}-warm" + (f"-r{rep}" if rep else "")
             o, adv, smp = timed(
                 prefill, "warm_on",
-                lambda adv: {"session": sess_id, "prompt": prompt, "hint": adv.hint,
+                lambda adv: {"session": sess_id, "prompt": None if staged else prompt, "hint": adv.hint,
                              "hashes": hashes if adv.hint is not None else None, "manifest": manifest},
                 before=lambda: self.router.advise(rid, hashes, self.engine),
+                stage={"prompt": prompt} if staged else None,
             )
             ons.append(smp)
             logits_all.append(o["logits"])

@@ -52,9 +52,14 @@ def freeze_startup_objects() -> None:
 def serve(conn, handler: Any) -> None:
     """Answers requests on ``conn`` with ``handler.op_<name>(**args)`` until ``op == "exit"``.
 
-    Freezes the startup objects first (``freeze_startup_objects``).
+    Freezes the startup objects first (``freeze_startup_objects``). Ops named
+    in ``handler.ONE_WAY_OPS`` get no reply (``Worker.send``); one that raises
+    leaves its error to be answered, instead of the next request, to that
+    request's caller, so no error is lost and no reply is unpaired.
     """
     freeze_startup_objects()
+    one_way = frozenset(getattr(handler, "ONE_WAY_OPS", ()))
+    pending: Any = None  # the error of a one-way op, owed to the next request
     while True:
         try:
             req = conn.recv()
@@ -64,11 +69,20 @@ def serve(conn, handler: Any) -> None:
         if op == "exit":
             conn.send({"ok": True})
             return
+        if pending is not None and op not in one_way:
+            conn.send({"ok": False, "error": pending})
+            pending = None
+            continue
         try:
             res = getattr(handler, "op_" + op)(**req)
-            conn.send({"ok": True, **res})
+            if op not in one_way:
+                conn.send({"ok": True, **res})
         except Exception as e:  # reported to the harness, which records it
-            conn.send({"ok": False, "error": f"{e!r}\n{traceback.format_exc()}"})
+            err = f"{e!r}\n{traceback.format_exc()}"
+            if op in one_way:
+                pending = pending or f"{op} (one-way, before this request): {err}"
+            else:
+                conn.send({"ok": False, "error": err})
         finally:
             # A timed request turns the collector off (engine.Stopwatch); one
             # that raised mid-way must not leave it off for the rest of the run.
@@ -107,6 +121,17 @@ class Worker:
             raise WorkerError("start", f"worker exited with code {self.proc.exitcode}") from None
         if not res.get("ok"):
             raise WorkerError("start", res.get("error", "?"))
+
+    def send(self, op: str, **args: Any) -> float:
+        """Sends a one-way request (the worker's ``ONE_WAY_OPS``: no reply); milliseconds the send took.
+
+        An error it raises in the worker is the reply to the next ``call``.
+        """
+        t0 = time.perf_counter()
+        self.conn.send({"op": op, **args})
+        ms = (time.perf_counter() - t0) * 1e3
+        self.totals_ms[op] = self.totals_ms.get(op, 0.0) + ms
+        return ms
 
     def call(self, op: str, **args: Any) -> Tuple[Dict[str, Any], float]:
         """(reply, milliseconds from send to reply); raises ``WorkerError`` on an error reply."""

@@ -10,7 +10,8 @@ minimum and keeps every sample).
 
 A sample's ``phases_ms`` is where its client-observed time went: the
 worker's laps (``fetch``, ``relayout``, ``forward``, ``readback``; which
-appear depends on the request), ``advise`` (the router, in the harness) and
+appear depends on the request), ``stage`` (sending an ON request's prompt
+ahead of its advise, when staged), ``advise`` (the router, in the harness) and
 ``rpc`` (client time minus the worker's own: pickling, the pipe, the reply's
 logits copy).
 """
@@ -24,34 +25,42 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .workload import percentile
 
 
-def timed(worker: Any, op: str, args: Any, before: Optional[Callable[[], Any]] = None) -> Tuple[Dict[str, Any], Any, Dict[str, Any]]:
+def timed(worker: Any, op: str, args: Any, before: Optional[Callable[[], Any]] = None,
+          stage: Optional[Dict[str, Any]] = None) -> Tuple[Dict[str, Any], Any, Dict[str, Any]]:
     """One timed request ``op``: (reply, ``before()``'s result or None, sample).
 
     ``args``: the request's arguments, a dict, or with ``before`` a callable
     of ``before()``'s result giving the dict. ``before`` runs inside the
     timed region ahead of the request (ON's router advice, whose ``hint``
-    the request needs) and is reported as the ``advise`` phase. The sample
-    is ``{"ms": client ms incl. before, "worker_ms", "phases_ms"}``. Raises
-    what ``worker.call`` raises (``rpc.WorkerError``).
+    the request needs) and is reported as the ``advise`` phase. ``stage``:
+    arguments of a one-way ``stage`` request sent first, inside the timed
+    region (ON's prompt, which the worker unpickles and uploads while
+    ``before`` waits for the router), reported as the ``stage`` phase (the
+    send alone). The sample is ``{"ms": client ms incl. stage and before,
+    "worker_ms", "phases_ms"}``. Raises what ``worker.call`` raises
+    (``rpc.WorkerError``; a failed stage is the reply to ``op``).
     """
     worker.call("quiesce")
     gc.collect()
     was = gc.isenabled()
     gc.disable()
     try:
-        t0 = time.perf_counter()
+        stage_ms = worker.send("stage", **stage) if stage is not None else None
+        t_pre = time.perf_counter()
         pre = before() if before is not None else None
-        pre_ms = (time.perf_counter() - t0) * 1e3 if before is not None else 0.0
+        pre_ms = (time.perf_counter() - t_pre) * 1e3 if before is not None else 0.0
         reply, call_ms = worker.call(op, **(args(pre) if callable(args) else args))
     finally:
         if was:
             gc.enable()
     phases = dict(reply.get("phases_ms") or {})
+    if stage_ms is not None:
+        phases["stage"] = stage_ms
     if before is not None:
         phases["advise"] = pre_ms
     worker_ms = reply.get("worker_ms", call_ms)
     phases["rpc"] = max(call_ms - worker_ms, 0.0)
-    sample = {"ms": pre_ms + call_ms, "worker_ms": worker_ms, "phases_ms": {k: round(v, 3) for k, v in phases.items()}}
+    sample = {"ms": (stage_ms or 0.0) + pre_ms + call_ms, "worker_ms": worker_ms, "phases_ms": {k: round(v, 3) for k, v in phases.items()}}
     return reply, pre, sample
 
 

@@ -81,10 +81,21 @@ class Decode:
 class Prefill:
     def __init__(self, fail_warm_at=None):
         self.totals_ms, self.calls, self.fail_warm_at = {}, [], fail_warm_at
+        self.staged = None
+
+    def send(self, op, **kw):
+        assert op == "stage" and kw["prompt"]
+        self.calls.append((op, kw))
+        self.staged = kw["prompt"]
+        return 0.1
 
     def call(self, op, **kw):
         from gpu_serving import rpc
 
+        if op in ("on", "warm_on") and kw["prompt"] is None:  # the worker's _prompt_ids
+            assert self.staged is not None, "no prompt given and none staged"
+            kw = {**kw, "prompt": self.staged}
+        self.staged = None
         self.calls.append((op, kw))
         first = {"first_token": 1, "logits": LOGITS}
         if op == "hello":
@@ -170,6 +181,22 @@ def test_every_part_of_a_turn_runs_and_lands_in_the_summary(harness_mods):
     assert all((kw["hashes"] is None) == (kw["hint"] is None) for kw in ons)
 
 
+def test_stage_prompt_off_sends_each_prompt_with_its_request(harness_mods):
+    harness, kv = harness_mods
+    staged, plain = Prefill(), Prefill()
+    r_on, r_off = run(harness, kv, staged), run(harness, kv, plain, "--stage-prompt", "off")
+    assert r_on["prompt_staged"] is True and r_off["prompt_staged"] is False
+    assert not any(op == "stage" for op, _ in plain.calls)
+    assert all(kw["prompt"] for op, kw in plain.calls if op in ("on", "warm_on"))
+    # Staged: every timed ON and ON-warm request (not the donor-kill turn's) had its prompt sent ahead.
+    timed_ons = [kw for op, kw in staged.calls if op in ("on", "warm_on") and not kw.get("kill_donor")]
+    assert sum(op == "stage" for op, _ in staged.calls) == len(timed_ons) == 48
+    # Same flow and outcome either way.
+    for k in ("fetched_turns", "fallbacks", "false_completions", "leaks", "logits_bit_equal_to_donor"):
+        assert r_on[k] == r_off[k], k
+    assert "forward_on_minus_off_p50_ms" in r_on["first_turns"]
+
+
 def test_a_failing_warm_request_stops_warm_only(harness_mods):
     harness, kv = harness_mods
     r = run(harness, kv, Prefill(fail_warm_at=3))
@@ -187,13 +214,17 @@ def test_repeats_report_the_minimum_keep_every_sample_and_time_per_phase(harness
     assert len(t["samples_ms"]["on"]) == 3 and len(t["samples_ms"]["off"]) == 3 and len(t["samples_ms"]["ideal"]) == 3
     assert t["on_ms"] == min(t["samples_ms"]["on"]) < t["samples_ms"]["on"][0]
     assert t["on_phases_ms"]["fetch"] == 0.25 and t["on_phases_ms"]["rpc"] == 0.0  # the min sample: 1.0 ms call, 1.0 in the worker
-    assert set(t["on_phases_ms"]) == {"fetch", "forward", "advise", "rpc"}
+    assert set(t["on_phases_ms"]) == {"fetch", "forward", "stage", "advise", "rpc"} and t["on_phases_ms"]["stage"] == 0.1
     assert r["phase_p50_ms"]["on"]["forward"] == 0.5 and "advise" in r["phase_p50_ms"]["on"]
     assert "advise" not in r["phase_p50_ms"]["ideal"] and r["phase_p50_ms"]["off"] == {"rpc": 2.0}
     assert len(t["warm"]["samples_ms"]["on"]) == 3 and t["warm"]["on_repeats_bit_equal"] is True
     # Every timed request was preceded by an untimed quiesce; checksums asked once per ON turn, untimed.
     ops = [c[0] for c in prefill.calls]
     for i, op in enumerate(ops):
-        if op in ("on", "off", "ideal", "warm_on", "warm_off") and not prefill.calls[i][1].get("kill_donor"):
+        if op in ("on", "warm_on") and not prefill.calls[i][1].get("kill_donor"):
+            # ON's prompt was staged (the default) inside the timed region: quiesce, stage, request.
+            assert ops[i - 2 : i] == ["quiesce", "stage"], (i, op)
+            assert prefill.calls[i - 1][1]["prompt"] == prefill.calls[i][1]["prompt"]
+        elif op in ("off", "ideal", "warm_off"):
             assert ops[i - 1] == "quiesce", (i, op)
     assert ops.count("fetched_checksums") == 2 * 24  # one per churn turn and one per warm turn

@@ -105,6 +105,46 @@ def test_timed_quiesces_first_keeps_gc_off_and_splits_advise_and_rpc(mods):
     assert s["phases_ms"]["fetch"] == 2.0 and s["phases_ms"]["rpc"] == 2.5 and s["phases_ms"]["advise"] >= 0.0
 
 
+class StagingWorker(Worker):
+    """A fake rpc.Worker that also takes one-way sends."""
+
+    def send(self, op, **kw):
+        self.calls.append((op, kw, gc.isenabled()))
+        return 0.25
+
+
+def test_timed_sends_the_staged_prompt_before_the_advise_and_times_it(mods):
+    w = StagingWorker({"on": {"worker_ms": 7.5, "phases_ms": {"forward": 5.0}}})
+    seen = []
+    reply, adv, s = mods.timing.timed(w, "on", lambda h: {"prompt": None, "hint": h},
+                                      before=lambda: seen.append([c[0] for c in w.calls]) or "H",
+                                      stage={"prompt": [1, 2, 3]})
+    assert seen == [["quiesce", "stage"]]  # the prompt left before the router was asked
+    assert [c[0] for c in w.calls] == ["quiesce", "stage", "on"] and w.calls[1][1] == {"prompt": [1, 2, 3]}
+    assert w.calls[1][2] is False  # inside the timed region
+    assert s["phases_ms"]["stage"] == 0.25 and s["phases_ms"]["rpc"] == 2.5
+    assert s["ms"] >= 10.0 + s["phases_ms"]["advise"]
+
+
+def test_a_staged_prompt_feeds_the_next_on_once_as_device_ids(mods):
+    P = mods.prefill_worker.PrefillWorker
+    me, calls = fake_self(mods, Rows([0, 1, 2]), 12)
+    P.op_stage(me, list(range(20)))
+    res = P.op_on(me, None, b"hint", [1, 2, 3], None)
+    assert res["fetched_tokens"] == 12
+    # The suffix forward read the staged ids from token 12 on (a view, no new upload).
+    assert calls[-1] == ("prefill", 8, "cache") and me.ids_seen == [8]
+    assert me.staged is None  # consumed
+    with pytest.raises(mods.engine.EngineError, match="none staged"):
+        P.op_on(me, None, None, None, None)
+    with pytest.raises(mods.engine.EngineError, match="prompt"):
+        P.op_stage(me, [])
+    # A prompt sent with the request wins over (and drops) a staged one.
+    P.op_stage(me, list(range(20)))
+    P.op_on(me, list(range(16)), None, None, None)
+    assert calls[-1] == ("prefill", 16, None) and me.staged is None and me.ids_seen == [8]
+
+
 def test_best_and_phase_medians(mods):
     t = mods.timing
     assert t.best([{"ms": 3.0, "i": 0}, {"ms": 1.0, "i": 1}, {"ms": 1.0, "i": 2}])["i"] == 1
@@ -117,11 +157,14 @@ def test_best_and_phase_medians(mods):
 def fake_self(mods, rows, fetched_tokens):
     """A PrefillWorker's state for op_on with engine calls replaced by recorders."""
     e = mods.engine
-    calls = []
+    calls, ids_seen = [], []
     e.cache_from_blocks = lambda r, s, b: calls.append("cache_from_blocks") or "cache"
 
     def prefill(model, toks, cache=None, sw=None, ids=None):
         calls.append(("prefill", len(toks), cache))
+        if ids is not None:  # ids given with the tokens are exactly those tokens
+            assert list(ids.numpy()[0]) == list(toks)
+            ids_seen.append(len(toks))
         sw.lap("forward")
         sw.lap("readback")
         return e.PrefillResult(3, "logits", "cache")
@@ -131,8 +174,9 @@ def fake_self(mods, rows, fetched_tokens):
     fetch = {"fetched_tokens": fetched_tokens, "bytes": 1, "host_payload_bytes": 0, "transport": "cuda_ipc"}
     me = types.SimpleNamespace(device="cpu", tpb=4, shape=None, model=None, landing=None, resident=None, fetched=None,
                                overlap=False, _fetch=lambda *a: (rows, dict(fetch), None, 0),
-                               _first=lambda r: {"first_token": r.first_token})
+                               _first=lambda r: {"first_token": r.first_token}, staged=None, ids_seen=ids_seen)
     P = mods.prefill_worker.PrefillWorker
+    me._prompt_ids = lambda p: P._prompt_ids(me, p)
     me._on_reply = lambda *a: P._on_reply(me, *a)
     me._on_overlapped = lambda *a: P._on_overlapped(me, *a)
     return me, calls

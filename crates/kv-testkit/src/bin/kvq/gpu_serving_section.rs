@@ -438,12 +438,19 @@ pub fn report(r: &Record, dir: &Path, md: &mut String) -> Result<(), String> {
     if !ft.is_null() {
         let _ = writeln!(
             md,
-            "\nFirst turns (nothing to fetch; {} turns): OFF p50 {}, ON p50 {}, per-turn ON - OFF p50 {}, advise p50 {} ms{}.",
+            "\nFirst turns (nothing to fetch; {} turns): OFF p50 {}, ON p50 {}, per-turn ON - OFF p50 {} (of it the forward's own ON - OFF p50 {}), advise p50 {} ms{}{}.",
             ft["turns"],
             f(&ft["off_p50_ms"]),
             f(&ft["on_p50_ms"]),
             f(&ft["on_minus_off_p50_ms"]),
+            f(&ft["forward_on_minus_off_p50_ms"]),
             f(&ft["advise_p50_ms"]),
+            // ON's prompt went to the prefill worker ahead of its advise (harness --stage-prompt).
+            if v["prompt_staged"].as_bool() == Some(true) {
+                "; ON's prompt staged ahead of the advise"
+            } else {
+                ""
+            },
             // Only the router service has a busy-poll window.
             v["router_service"]["advise_busy_poll_us"]
                 .as_u64()

@@ -1,0 +1,60 @@
+"""rpc.serve's one-way requests: no reply, and an error owed to the next request (no torch)."""
+
+import gc
+import multiprocessing as mp
+import os
+import sys
+import threading
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from gpu_serving import rpc  # noqa: E402
+
+
+class Handler:
+    ONE_WAY_OPS = ("stage",)
+
+    def __init__(self):
+        self.staged = None
+
+    def op_stage(self, prompt):
+        if not prompt:
+            raise ValueError("empty prompt")
+        self.staged = prompt
+        return {}
+
+    def op_take(self):
+        got, self.staged = self.staged, None
+        return {"prompt": got}
+
+
+def serving():
+    client, server = mp.Pipe()
+    t = threading.Thread(target=rpc.serve, args=(server, Handler()), daemon=True)
+    t.start()
+    w = rpc.Worker.__new__(rpc.Worker)  # its call / send over our pipe, no process
+    w.conn, w.totals_ms = client, {}
+    return w, t
+
+
+def test_one_way_requests_get_no_reply_and_an_error_answers_the_next_request():
+    w, t = serving()
+    try:
+        assert w.send("stage", prompt=[1, 2]) >= 0.0
+        assert not w.conn.poll(0.2)  # nothing came back for the one-way request
+        assert w.call("take")[0] == {"prompt": [1, 2]}
+        w.send("stage", prompt=[])  # raises in the worker: owed to the next request
+        try:
+            w.call("take")
+            raise AssertionError("the stage error was not reported")
+        except rpc.WorkerError as e:
+            assert "stage (one-way, before this request)" in str(e) and "empty prompt" in str(e)
+        # The failed request was answered with the error, not run; the next one runs.
+        assert w.call("take")[0] == {"prompt": None}
+        assert set(w.totals_ms) == {"stage", "take"}
+        w.conn.send({"op": "exit"})
+        assert w.conn.recv() == {"ok": True}
+    finally:
+        t.join(5)
+        gc.unfreeze()
+        gc.enable()
+    assert not t.is_alive()

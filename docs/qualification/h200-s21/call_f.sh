@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Session 21, device call F (one H200): gpu_serving with ON's prompt staged
+# ahead of the advise (--stage-prompt on, the harness default since this
+# session) and without (--stage-prompt off), on one machine lease, the advise
+# busy poll on at both ends as in session 19's call C. The first-turn goal
+# (ON - OFF <= 1 ms) is judged per run on paired turns, so the two runs are
+# compared through their own paired medians. Carry .bundle; results are tarred
+# into $OUT/f.tar.gz (the device tool returns few files).
+set -u
+R=$OUT/f; mkdir -p $R
+for v in on off; do
+  KVQ_GPU_SERVING_ARGS="--stage-prompt $v --advise-busy-poll-us 1000000 --budget-s 230" \
+    timeout 290 bash .bundle/run.sh qualify --profile gpu --only gpu_serving --out $R/st-$v > $R/st-$v.log 2>&1
+  echo "stage=$v rc=$?" >> $R/rc.txt
+  rm -f $R/st-$v/*.svg
+done
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > $R/gpu.txt 2>&1
+cd $OUT && tar czf f.tar.gz f && rm -rf f
