@@ -6,10 +6,12 @@
 # (ON - OFF <= 1 ms) is judged per run on paired turns, so the two runs are
 # compared through their own paired medians. Carry .bundle; results are tarred
 # into $OUT/f.tar.gz (the device tool returns few files).
+# F_EXTRA: more harness arguments; "--regime churn" on an H100 (80 GB), where
+# the warm regime's per-session caches (~30 GB) do not fit beside the rest.
 set -u
 R=$OUT/f; mkdir -p $R
 for v in on off; do
-  KVQ_GPU_SERVING_ARGS="--stage-prompt $v --advise-busy-poll-us 1000000 --budget-s 230" \
+  KVQ_GPU_SERVING_ARGS="--stage-prompt $v --advise-busy-poll-us 1000000 --budget-s 230 ${F_EXTRA:-}" \
     timeout 290 bash .bundle/run.sh qualify --profile gpu --only gpu_serving --out $R/st-$v > $R/st-$v.log 2>&1
   echo "stage=$v rc=$?" >> $R/rc.txt
   rm -f $R/st-$v/*.svg
