@@ -76,8 +76,11 @@ class PrefillWorker(EngineWorker):
         # (cache, first block, blocks).
         self.fetched: Optional[Any] = None
         self.last: Optional[engine.PrefillResult] = None  # for ``greedy``, untimed
-        # The prompt of the next on / warm_on, sent ahead (``stage``): (tokens, ids on the device).
+        # The prompt of the next on / warm_on, sent ahead (``stage``): (tokens, ids on the device),
+        # the host ms the stage took, and that of the stage the last on / warm_on used.
         self.staged: Optional[Tuple[List[int], Any]] = None
+        self.stage_ms: Optional[float] = None
+        self.used_stage_ms: Optional[float] = None
         # ``nats_url`` (the harness's --router service): each target is
         # announced to the router service, and a donor's manifest is resolved
         # from the donor directory (JetStream bucket) by its engine id.
@@ -154,12 +157,15 @@ class PrefillWorker(EngineWorker):
         the device before its clock starts. A later ``stage`` replaces an
         unused one. Raises ``EngineError("prompt", ...)`` when empty.
         """
+        self.staged = None  # a failed stage must not leave an earlier prompt for the next request
+        t0 = time.perf_counter()
         if not prompt:
             raise engine.EngineError("prompt", "a staged prompt needs at least one token")
         host = torch.tensor([prompt], dtype=torch.long)
         if self.device != "cpu":
             host = host.pin_memory()
         self.staged = (prompt, host.to(self.device, non_blocking=True))
+        self.stage_ms = (time.perf_counter() - t0) * 1e3
         return {}
 
     def _prompt_ids(self, prompt: Optional[List[int]]) -> Tuple[List[int], Optional[Any]]:
@@ -168,6 +174,7 @@ class PrefillWorker(EngineWorker):
         Raises ``EngineError("prompt", ...)`` when neither is there.
         """
         got, self.staged = self.staged, None
+        self.used_stage_ms, self.stage_ms = (self.stage_ms if prompt is None else None), None
         if prompt is not None:
             return prompt, None
         if got is None:
@@ -315,7 +322,7 @@ class PrefillWorker(EngineWorker):
         # when they were computed before this reply went out).
         device_bytes = {"before": bytes_before, "after": _device_bytes(self.device)}
         return {"worker_ms": ms, "fetch_ms": fetch_ms, "phases_ms": sw.phases, "fell_back": fell_back,
-                "device_bytes": device_bytes, **fetch, **self._first(r)}
+                "device_bytes": device_bytes, "stage_worker_ms": self.used_stage_ms, **fetch, **self._first(r)}
 
     def _on_overlapped(self, prompt: List[int], ids: Optional[Any], hint: bytes, hashes: List[int],
                        manifest: Union[bytes, str, None], kill_donor: Optional[int],
@@ -479,7 +486,8 @@ class PrefillWorker(EngineWorker):
         self.fetched = None if n == 0 else (cache, start, n) if cache_landing else landed
         return {
             "worker_ms": ms, "fetch_ms": fetch_ms, "phases_ms": sw.phases, "fell_back": fell_back, "held_tokens": held,
-            "fetch_from": start, **fetch, "first_token": r.first_token, "logits": _bits(r.logits),
+            "fetch_from": start, "stage_worker_ms": self.used_stage_ms, **fetch, "first_token": r.first_token,
+            "logits": _bits(r.logits),
         }
 
     def op_warm_commit(self, session: str) -> Dict[str, Any]:

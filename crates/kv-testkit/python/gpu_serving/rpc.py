@@ -28,6 +28,10 @@ def child_env(env: Dict[str, str]) -> Dict[str, str]:
     return {} if env.get(ALLOC_CONF) else {ALLOC_CONF: ALLOC_DEFAULT}
 
 
+# A request carrying this key set gets no reply (``Worker.send``, ``serve``).
+ONE_WAY_KEY = "_one_way"
+
+
 class WorkerError(RuntimeError):
     """A worker answered a request with an error; ``op`` names the request."""
 
@@ -52,34 +56,40 @@ def freeze_startup_objects() -> None:
 def serve(conn, handler: Any) -> None:
     """Answers requests on ``conn`` with ``handler.op_<name>(**args)`` until ``op == "exit"``.
 
-    Freezes the startup objects first (``freeze_startup_objects``). Ops named
-    in ``handler.ONE_WAY_OPS`` get no reply (``Worker.send``); one that raises
-    leaves its error to be answered, instead of the next request, to that
-    request's caller, so no error is lost and no reply is unpaired.
+    Freezes the startup objects first (``freeze_startup_objects``). A
+    request marked one-way (``Worker.send``) gets no reply: it must name an
+    op in ``handler.ONE_WAY_OPS``, else it is not run. A one-way request that
+    raises or is refused leaves its error to be answered to the next request
+    instead of running it (``exit`` included), so no error is lost and every
+    reply pairs with its request; the sender's flag, not the handler, decides
+    whether a reply is sent.
     """
     freeze_startup_objects()
-    one_way = frozenset(getattr(handler, "ONE_WAY_OPS", ()))
-    pending: Any = None  # the error of a one-way op, owed to the next request
+    one_way_ops = frozenset(getattr(handler, "ONE_WAY_OPS", ()))
+    pending: Any = None  # the error of a one-way request, owed to the next request
     while True:
         try:
             req = conn.recv()
         except EOFError:
             return
         op = req.pop("op")
+        one_way = bool(req.pop(ONE_WAY_KEY, False))
         if op == "exit":
-            conn.send({"ok": True})
+            conn.send({"ok": True} if pending is None else {"ok": False, "error": pending})
             return
-        if pending is not None and op not in one_way:
+        if pending is not None and not one_way:
             conn.send({"ok": False, "error": pending})
             pending = None
             continue
         try:
+            if one_way and op not in one_way_ops:
+                raise ValueError(f"{op!r} sent one-way, but the worker's one-way ops are {sorted(one_way_ops)}")
             res = getattr(handler, "op_" + op)(**req)
-            if op not in one_way:
+            if not one_way:
                 conn.send({"ok": True, **res})
         except Exception as e:  # reported to the harness, which records it
             err = f"{e!r}\n{traceback.format_exc()}"
-            if op in one_way:
+            if one_way:
                 pending = pending or f"{op} (one-way, before this request): {err}"
             else:
                 conn.send({"ok": False, "error": err})
@@ -128,7 +138,7 @@ class Worker:
         An error it raises in the worker is the reply to the next ``call``.
         """
         t0 = time.perf_counter()
-        self.conn.send({"op": op, **args})
+        self.conn.send({"op": op, ONE_WAY_KEY: True, **args})
         ms = (time.perf_counter() - t0) * 1e3
         self.totals_ms[op] = self.totals_ms.get(op, 0.0) + ms
         return ms

@@ -13,7 +13,10 @@ worker's laps (``fetch``, ``relayout``, ``forward``, ``readback``; which
 appear depends on the request), ``stage`` (sending an ON request's prompt
 ahead of its advise, when staged), ``advise`` (the router, in the harness) and
 ``rpc`` (client time minus the worker's own: pickling, the pipe, the reply's
-logits copy).
+logits copy, and with a staged prompt whatever of the worker's staging
+outlasted the advise). ``stage_worker`` (staged ON only) is the worker's own
+time on the staged prompt (unpickled before it, so not counting that): it ran
+beside the advise and is not added into the total.
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ def timed(worker: Any, op: str, args: Any, before: Optional[Callable[[], Any]] =
     phases = dict(reply.get("phases_ms") or {})
     if stage_ms is not None:
         phases["stage"] = stage_ms
+        if reply.get("stage_worker_ms") is not None:
+            # Not additive: the worker's own time on the staged prompt ran
+            # beside the advise; what outlasted the advise is part of ``rpc``.
+            phases["stage_worker"] = reply["stage_worker_ms"]
     if before is not None:
         phases["advise"] = pre_ms
     worker_ms = reply.get("worker_ms", call_ms)

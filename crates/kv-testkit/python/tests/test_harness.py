@@ -26,7 +26,7 @@ def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
     argv += ["--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--greedy-every", "2", "--repeats", "2"]
     assert harness.main(argv) == 0
     r = json.loads(out.read_text())
-    assert r["model"] == "tiny" and r["regime"] == "churn+warm"
+    assert r["model"] == "tiny" and r["regime"] == "churn+warm" and r["prompt_staged"] is True
     assert len(r["turns"]) == 24
     fetched = [t for t in r["turns"] if t["fetched_tokens"] > 0]
     assert fetched, "the cost model admitted no fetch: nothing was checked"
@@ -45,7 +45,9 @@ def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
     assert r["repeats"] == 2
     for t in fetched:
         assert len(t["samples_ms"]["on"]) == 2 and t["on_ms"] == min(t["samples_ms"]["on"])
-        assert set(t["on_phases_ms"]) == {"advise", "fetch", "relayout", "forward", "readback", "rpc"}
+        # ON's prompt was staged ahead of its advise (the default): its send is the stage phase.
+        assert set(t["on_phases_ms"]) == {"stage", "stage_worker", "advise", "fetch", "relayout", "forward", "readback",
+                                          "rpc"}
         assert set(t["ideal_phases_ms"]) == {"relayout", "forward", "readback", "rpc"}
         # The fetch's own split (µs) adds up within the whole; no device bytes on the CPU.
         assert set(t["fetch_us"]) == {"import", "transfer", "rest"} and min(t["fetch_us"].values()) >= 0
@@ -87,10 +89,12 @@ def test_tiny_cuda_run_lands_fetches_in_the_engine_cache(tmp_path):
     out = tmp_path / "r.json"
     argv = ["--model", "tiny", "--prefill-device", "cuda:0", "--decode-device", "cuda:0", "--tokens-per-block", "16",
             "--transport", "cuda", "--out", str(out), "--sessions", "4", "--turns", "3", "--history-max", "1024",
-            "--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--greedy-every", "2", "--repeats", "2"]
+            "--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--greedy-every", "2", "--repeats", "2",
+            "--stage-prompt", "off"]  # the prompt sent with the request (staging: the router service test's cuda run)
     assert harness.main(argv) == 0
     r = json.loads(out.read_text())
-    assert r["landing"] == "cache" and r["host_payload_bytes"] == 0
+    assert r["landing"] == "cache" and r["host_payload_bytes"] == 0 and r["prompt_staged"] is False
+    assert not any("stage" in t["on_phases_ms"] for t in r["turns"])
     fetched = [t for t in r["turns"] if t["fetched_tokens"] > 0]
     assert fetched, "the cost model admitted no fetch: nothing was checked"
     assert all(t["checksums_equal"] and t["logits_bit_equal_to_donor"] for t in fetched)

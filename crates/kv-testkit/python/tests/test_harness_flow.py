@@ -82,6 +82,7 @@ class Prefill:
     def __init__(self, fail_warm_at=None):
         self.totals_ms, self.calls, self.fail_warm_at = {}, [], fail_warm_at
         self.staged = None
+        self.effective = []
 
     def send(self, op, **kw):
         assert op == "stage" and kw["prompt"]
@@ -92,11 +93,12 @@ class Prefill:
     def call(self, op, **kw):
         from gpu_serving import rpc
 
+        self.calls.append((op, kw))  # as sent
         if op in ("on", "warm_on") and kw["prompt"] is None:  # the worker's _prompt_ids
             assert self.staged is not None, "no prompt given and none staged"
             kw = {**kw, "prompt": self.staged}
         self.staged = None
-        self.calls.append((op, kw))
+        self.effective.append((op, kw))  # with the staged prompt in place
         first = {"first_token": 1, "logits": LOGITS}
         if op == "hello":
             return {"engine_id": "p", "warm_engine_id": "pw", "weights_checksum": 1, "device_bytes": 0, "build_s": 1.0}, 1.0
@@ -128,7 +130,7 @@ class Prefill:
         if op == "warm_on":
             fetch.update(held_tokens=10, fetch_from=1 if hint else 0)
         # Later ON samples are faster: the row must report the minimum.
-        ms = 2.0 - 0.5 * len([c for c in self.calls if c[0] == op and c[1].get("session") == kw.get("session")
+        ms = 2.0 - 0.5 * len([c for c in self.effective if c[0] == op and c[1].get("session") == kw.get("session")
                                and c[1]["prompt"] == kw["prompt"]][1:])
         return {"worker_ms": 1.0, "phases_ms": {"fetch": 0.25, "forward": 0.5}, **fetch, **first}, ms
 
@@ -222,9 +224,15 @@ def test_repeats_report_the_minimum_keep_every_sample_and_time_per_phase(harness
     ops = [c[0] for c in prefill.calls]
     for i, op in enumerate(ops):
         if op in ("on", "warm_on") and not prefill.calls[i][1].get("kill_donor"):
-            # ON's prompt was staged (the default) inside the timed region: quiesce, stage, request.
+            # ON's prompt was staged (the default) inside the timed region: quiesce, stage, request
+            # without a prompt; the staged prompt is this turn's (its OFF's, sent with the request).
             assert ops[i - 2 : i] == ["quiesce", "stage"], (i, op)
-            assert prefill.calls[i - 1][1]["prompt"] == prefill.calls[i][1]["prompt"]
+            assert prefill.calls[i][1]["prompt"] is None
+            off = "off" if op == "on" else "warm_off"
+            # The nearest such OFF, before or after (OFF and ON alternate which runs first).
+            same_turn = min(((abs(j - i), kw) for j, (o, kw) in enumerate(prefill.calls) if o == off),
+                            key=lambda x: x[0])[1]
+            assert prefill.calls[i - 1][1]["prompt"] == same_turn["prompt"]
         elif op in ("off", "ideal", "warm_off"):
             assert ops[i - 1] == "quiesce", (i, op)
     assert ops.count("fetched_checksums") == 2 * 24  # one per churn turn and one per warm turn

@@ -58,3 +58,27 @@ def test_one_way_requests_get_no_reply_and_an_error_answers_the_next_request():
         gc.unfreeze()
         gc.enable()
     assert not t.is_alive()
+
+
+def test_a_two_way_op_sent_one_way_is_refused_without_a_reply_and_exit_reports_a_pending_error():
+    w, t = serving()
+    try:
+        # "take" answers: sent one-way, a reply would pair with the next call.
+        w.send("take")
+        assert not w.conn.poll(0.2)
+        try:
+            w.call("take")
+            raise AssertionError("the refused one-way request was not reported")
+        except rpc.WorkerError as e:
+            assert "sent one-way" in str(e)
+        w.send("stage", prompt=[7])
+        assert w.call("take")[0] == {"prompt": [7]}  # replies pair with their requests again
+        w.send("stage", prompt=[])  # fails; the worker exits before another request
+        w.conn.send({"op": "exit"})
+        got = w.conn.recv()
+        assert got["ok"] is False and "empty prompt" in got["error"]
+    finally:
+        t.join(5)
+        gc.unfreeze()
+        gc.enable()
+    assert not t.is_alive()

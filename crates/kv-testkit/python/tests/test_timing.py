@@ -123,7 +123,14 @@ def test_timed_sends_the_staged_prompt_before_the_advise_and_times_it(mods):
     assert [c[0] for c in w.calls] == ["quiesce", "stage", "on"] and w.calls[1][1] == {"prompt": [1, 2, 3]}
     assert w.calls[1][2] is False  # inside the timed region
     assert s["phases_ms"]["stage"] == 0.25 and s["phases_ms"]["rpc"] == 2.5
-    assert s["ms"] >= 10.0 + s["phases_ms"]["advise"]
+    # The total holds the stage's send, the advise and the request, nothing else.
+    assert s["ms"] == pytest.approx(10.25 + s["phases_ms"]["advise"], abs=2e-3)
+    assert "stage_worker" not in s["phases_ms"]
+    w.replies["on"]["stage_worker_ms"] = 1.5  # the worker's staging time: reported, not added
+    _, _, s2 = mods.timing.timed(w, "on", lambda h: {"prompt": None, "hint": h}, before=lambda: "H",
+                                 stage={"prompt": [1, 2, 3]})
+    assert s2["phases_ms"]["stage_worker"] == 1.5
+    assert s2["ms"] == pytest.approx(10.25 + s2["phases_ms"]["advise"], abs=2e-3)
 
 
 def test_a_staged_prompt_feeds_the_next_on_once_as_device_ids(mods):
@@ -141,8 +148,25 @@ def test_a_staged_prompt_feeds_the_next_on_once_as_device_ids(mods):
         P.op_stage(me, [])
     # A prompt sent with the request wins over (and drops) a staged one.
     P.op_stage(me, list(range(20)))
-    P.op_on(me, list(range(16)), None, None, None)
+    res = P.op_on(me, list(range(16)), None, None, None)
     assert calls[-1] == ("prefill", 16, None) and me.staged is None and me.ids_seen == [8]
+    assert res["stage_worker_ms"] is None  # it used no staged prompt
+    # A failed stage leaves no earlier prompt behind for the next request.
+    P.op_stage(me, list(range(20)))
+    with pytest.raises(mods.engine.EngineError):
+        P.op_stage(me, [])
+    with pytest.raises(mods.engine.EngineError, match="none staged"):
+        P.op_on(me, None, None, None, None)
+
+
+def test_a_staged_prompt_reports_its_worker_time_and_drops_the_last_block_like_a_sent_one(mods):
+    P = mods.prefill_worker.PrefillWorker
+    me, calls = fake_self(mods, Rows([0, 1, 2, 3, 4]), 20)
+    P.op_stage(me, list(range(100, 120)))
+    res = P.op_on(me, None, b"hint", [1], None)
+    # All 20 tokens fetched: the last block is dropped so one block is computed, from its own ids.
+    assert res["fetched_tokens"] == 16 and calls[-1] == ("prefill", 4, "cache") and me.ids_seen == [4]
+    assert res["stage_worker_ms"] is not None and res["stage_worker_ms"] >= 0.0
 
 
 def test_best_and_phase_medians(mods):
@@ -174,7 +198,8 @@ def fake_self(mods, rows, fetched_tokens):
     fetch = {"fetched_tokens": fetched_tokens, "bytes": 1, "host_payload_bytes": 0, "transport": "cuda_ipc"}
     me = types.SimpleNamespace(device="cpu", tpb=4, shape=None, model=None, landing=None, resident=None, fetched=None,
                                overlap=False, _fetch=lambda *a: (rows, dict(fetch), None, 0),
-                               _first=lambda r: {"first_token": r.first_token}, staged=None, ids_seen=ids_seen)
+                               _first=lambda r: {"first_token": r.first_token}, staged=None, ids_seen=ids_seen,
+                               stage_ms=None, used_stage_ms=None)
     P = mods.prefill_worker.PrefillWorker
     me._prompt_ids = lambda p: P._prompt_ids(me, p)
     me._on_reply = lambda *a: P._on_reply(me, *a)
@@ -339,3 +364,43 @@ def test_repeats_below_one_is_refused(tmp_path, capsys):
 
     assert harness.main(["--out", str(tmp_path / "r.json"), "--repeats", "0"]) == 2
     assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
+
+
+# A staged prompt on the overlapped path: the suffix forward, and the full
+# recompute after a late failure, read views of the staged ids.
+
+
+def test_overlapped_on_reads_the_staged_ids_from_the_gate_on(mods):
+    P = mods.prefill_worker.PrefillWorker
+    fetch = {"fetched_tokens": 12, "bytes": 1, "host_payload_bytes": 0, "transport": "x"}
+    me, calls, order, gate = overlapped_self(mods, (3, dict(fetch), None, 0))
+    P.op_stage(me, list(range(100, 120)))
+    res = P.op_on(me, None, b"h", [1], None)
+    assert me.ids_seen == [8] and res["fetched_tokens"] == 12
+
+
+def test_overlapped_on_with_everything_fetched_computes_the_last_block_from_staged_ids(mods):
+    P = mods.prefill_worker.PrefillWorker
+    fetch = {"fetched_tokens": 20, "bytes": 1, "host_payload_bytes": 0, "transport": "x"}
+    me, calls, order, gate = overlapped_self(mods, (5, dict(fetch), None, 0), blocks=5)
+    P.op_stage(me, list(range(100, 120)))
+    res = P.op_on(me, None, b"h", [1], None)
+    assert me.ids_seen == [4] and res["fetched_tokens"] == 16
+
+
+def test_overlapped_on_failing_after_the_forward_recomputes_from_all_staged_ids(mods):
+    P = mods.prefill_worker.PrefillWorker
+    none = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
+    me, calls, order, _ = overlapped_self(mods, (None, dict(none), ["x", "transfer", "y"], 0))
+    P.op_stage(me, list(range(100, 120)))
+    P.op_on(me, None, b"h", [1], None)
+    assert me.ids_seen == [8, 20]  # the suffix forward (dropped), then the whole prompt
+
+
+def test_overlapped_on_whose_gate_never_opened_computes_all_staged_ids(mods):
+    P = mods.prefill_worker.PrefillWorker
+    none = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
+    me, calls, order, _ = overlapped_self(mods, (None, dict(none), ["x", "pin", "y"], 0), opens=False)
+    P.op_stage(me, list(range(100, 120)))
+    P.op_on(me, None, b"h", [1], None)
+    assert me.ids_seen == [20]
