@@ -75,9 +75,10 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument(
         "--stage-prompt",
         choices=("on", "off"),
-        default="on",
+        default="off",
         help="on: an ON request's prompt goes to the prefill worker (one-way 'stage') before the router is asked, "
-        "so the worker receives and uploads it while the advise is in flight; the request then carries the hint. "
+        "so the worker receives and uploads it while the advise is in flight; the request then carries the hint "
+        "(measured on an H100 in session 21: no gain, slower at 32K; docs/gpu-serving.md). "
         "off: advise first, then one request with prompt and hint (OFF and ideal always send one request)",
     )
     p.add_argument(

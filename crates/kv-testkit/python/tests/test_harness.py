@@ -24,6 +24,7 @@ def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
     out = tmp_path / "r.json"
     argv = TINY + ["--out", str(out), "--sessions", "8", "--turns", "3", "--history-max", "1024"]
     argv += ["--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--greedy-every", "2", "--repeats", "2"]
+    argv += ["--stage-prompt", "on"]  # through real worker processes (the cuda run below: the default, off)
     assert harness.main(argv) == 0
     r = json.loads(out.read_text())
     assert r["model"] == "tiny" and r["regime"] == "churn+warm" and r["prompt_staged"] is True
@@ -45,7 +46,7 @@ def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
     assert r["repeats"] == 2
     for t in fetched:
         assert len(t["samples_ms"]["on"]) == 2 and t["on_ms"] == min(t["samples_ms"]["on"])
-        # ON's prompt was staged ahead of its advise (the default): its send is the stage phase.
+        # ON's prompt was staged ahead of its advise: its send is the stage phase.
         assert set(t["on_phases_ms"]) == {"stage", "stage_worker", "advise", "fetch", "relayout", "forward", "readback",
                                           "rpc"}
         assert set(t["ideal_phases_ms"]) == {"relayout", "forward", "readback", "rpc"}
@@ -90,7 +91,7 @@ def test_tiny_cuda_run_lands_fetches_in_the_engine_cache(tmp_path):
     argv = ["--model", "tiny", "--prefill-device", "cuda:0", "--decode-device", "cuda:0", "--tokens-per-block", "16",
             "--transport", "cuda", "--out", str(out), "--sessions", "4", "--turns", "3", "--history-max", "1024",
             "--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--greedy-every", "2", "--repeats", "2",
-            "--stage-prompt", "off"]  # the prompt sent with the request (staging: the router service test's cuda run)
+            ]  # --stage-prompt off, the default: the prompt goes with the request
     assert harness.main(argv) == 0
     r = json.loads(out.read_text())
     assert r["landing"] == "cache" and r["host_payload_bytes"] == 0 and r["prompt_staged"] is False

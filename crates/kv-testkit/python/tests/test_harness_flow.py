@@ -186,7 +186,7 @@ def test_every_part_of_a_turn_runs_and_lands_in_the_summary(harness_mods):
 def test_stage_prompt_off_sends_each_prompt_with_its_request(harness_mods):
     harness, kv = harness_mods
     staged, plain = Prefill(), Prefill()
-    r_on, r_off = run(harness, kv, staged), run(harness, kv, plain, "--stage-prompt", "off")
+    r_on, r_off = run(harness, kv, staged, "--stage-prompt", "on"), run(harness, kv, plain)  # off: the default
     assert r_on["prompt_staged"] is True and r_off["prompt_staged"] is False
     assert not any(op == "stage" for op, _ in plain.calls)
     assert all(kw["prompt"] for op, kw in plain.calls if op in ("on", "warm_on"))
@@ -210,7 +210,7 @@ def test_a_failing_warm_request_stops_warm_only(harness_mods):
 def test_repeats_report_the_minimum_keep_every_sample_and_time_per_phase(harness_mods):
     harness, kv = harness_mods
     prefill = Prefill()
-    r = run(harness, kv, prefill, "--repeats", "3")
+    r = run(harness, kv, prefill, "--repeats", "3", "--stage-prompt", "on")
     assert r["repeats"] == 3 and r["logits_bit_equal_to_donor"] is True and r["false_completions"] == 0
     t = next(x for x in r["turns"] if x["turn"] > 0 and x["fetched_tokens"] > 0)
     assert len(t["samples_ms"]["on"]) == 3 and len(t["samples_ms"]["off"]) == 3 and len(t["samples_ms"]["ideal"]) == 3
@@ -224,7 +224,7 @@ def test_repeats_report_the_minimum_keep_every_sample_and_time_per_phase(harness
     ops = [c[0] for c in prefill.calls]
     for i, op in enumerate(ops):
         if op in ("on", "warm_on") and not prefill.calls[i][1].get("kill_donor"):
-            # ON's prompt was staged (the default) inside the timed region: quiesce, stage, request
+            # ON's prompt was staged (--stage-prompt on) inside the timed region: quiesce, stage, request
             # without a prompt; the staged prompt is this turn's (its OFF's, sent with the request).
             assert ops[i - 2 : i] == ["quiesce", "stage"], (i, op)
             assert prefill.calls[i][1]["prompt"] is None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 21, device call F (one H200): gpu_serving with ON's prompt staged
+# Session 21, device call F (planned for one H200; run on one H100, see COMMANDS.md): gpu_serving with ON's prompt staged
 # ahead of the advise (--stage-prompt on, the harness default since this
 # session) and without (--stage-prompt off), on one machine lease, the advise
 # busy poll on at both ends as in session 19's call C. The first-turn goal

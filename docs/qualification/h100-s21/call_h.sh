@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 21, device call H (one H200, after F and G on the same lease):
+# Session 21, device call H (not run; one H200, after F and G on the same lease):
 # gpu_serving with the harness defaults (prompt staged, no advise busy poll),
 # the configuration an operator gets without tuning. Carry .bundle; results
 # are tarred into $OUT/h.tar.gz.

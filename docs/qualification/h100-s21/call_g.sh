@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 21, device call G (one H200, its 16 cores; right after F on the same
+# Session 21, device call G (planned for one H200, run on one H100: its 16 cores; right after F on the same
 # lease): kv-lookup's concurrent rows with the bench binaries before
 # (dcebd6e) and after (d98feb0) the combined event writers, and with the run
 # skip (lookup-bench-skip) when it was built, one run each (session 20's call
