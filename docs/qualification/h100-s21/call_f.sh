@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Session 21, device call F (planned for one H200; run on one H100, see COMMANDS.md): gpu_serving with ON's prompt staged
-# ahead of the advise (--stage-prompt on, the harness default since this
-# session) and without (--stage-prompt off), on one machine lease, the advise
+# ahead of the advise (--stage-prompt on, new this session; off by default
+# after this call) and without (--stage-prompt off), on one machine lease, the advise
 # busy poll on at both ends as in session 19's call C. The first-turn goal
 # (ON - OFF <= 1 ms) is judged per run on paired turns, so the two runs are
 # compared through their own paired medians. Carry .bundle; results are tarred
 # into $OUT/f.tar.gz (the device tool returns few files).
-# F_EXTRA: more harness arguments; "--regime churn" on an H100 (80 GB), where
-# the warm regime's per-session caches (~30 GB) do not fit beside the rest.
+# F_EXTRA: more harness arguments; on the H100 (80 GB) "--regime churn" still
+# ran out of memory, "--regime churn --sessions 4" fit (COMMANDS.md).
 set -u
 R=$OUT/f; mkdir -p $R
 for v in on off; do
