@@ -393,6 +393,19 @@ impl HolderTable {
         &self.runs[loc.run as usize].hot[loc.off as usize + 1..]
     }
 
+    /// The whole chunks of [`Self::after`]`(loc)`: `(skew, sums)`, where
+    /// `after(loc)[skew + j * CHUNK ..][..CHUNK]` is the chunk summarized by
+    /// `sums[j]` (a summary is zero for a chunk that is not chained; see the
+    /// module docs). The run's last, partial chunk is left out.
+    #[inline]
+    pub(crate) fn chunks_after(&self, loc: Loc) -> (usize, &[[u64; 2]]) {
+        let r = &self.runs[loc.run as usize];
+        let next = loc.off as usize + 1;
+        let first = next.div_ceil(CHUNK);
+        let whole = r.hot.len() / CHUNK;
+        (first * CHUNK - next, &r.sums[first.min(whole)..whole])
+    }
+
     /// Ends the current Stored event: its new entries stop sharing a run
     /// with the next event's.
     pub(crate) fn close_run(&mut self) {
