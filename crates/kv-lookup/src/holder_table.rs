@@ -183,6 +183,7 @@ impl Run {
 
     /// Appends `e` (a `cold` slot, if any, is the caller's), keeping the
     /// last chunk's summary exact: `AND` in the new bits.
+    #[inline]
     fn push(&mut self, e: HotEntry) {
         let off = self.hot.len();
         self.hot.push(e);
@@ -443,10 +444,11 @@ impl HolderTable {
         let flag = 1u64 << bit;
         if let Some(i) = self.find(hash.0) {
             let loc = self.slots[i].loc;
-            let w = self.runs[loc.run as usize].word(loc.off as usize, tier);
+            let r = &mut self.runs[loc.run as usize];
+            let w = r.word(loc.off as usize, tier);
             let was_clear = *w & flag == 0;
             *w |= flag;
-            if was_clear && place(tier).0 {
+            if was_clear && place(tier).0 && r.ordered {
                 // The chunk's `AND` may now have this bit: recompute it at
                 // `close_run`. Consecutive blocks share a chunk.
                 let key = (loc.run, loc.off / CHUNK as u32);

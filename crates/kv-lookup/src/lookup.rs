@@ -346,6 +346,14 @@ fn walk_group(
             let limit = next.len().min(n - i).min(probes);
             let (next, ahead) = (&next[..limit], &hashes[i..i + limit]);
             let (skew, sums) = table.chunks_after(loc);
+            // The first chunks' last entries and summaries: the per-block
+            // prefetch does not reach that far, and the skip loop prefetches
+            // from `SKIP_PREFETCH` chunks on.
+            let ends = (skew + CHUNK - 1..limit).step_by(CHUNK);
+            for (c, last) in ends.take(SKIP_PREFETCH).enumerate() {
+                prefetch_read(next.as_ptr().wrapping_add(last));
+                prefetch_read(sums.as_ptr().wrapping_add(c));
+            }
             // Blocks walked, units spent, and whether the units ran out.
             let (mut used, mut spent, mut out_of_units) = (0, 0, false);
             // Where the next chunk starts in `next`.
