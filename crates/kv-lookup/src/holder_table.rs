@@ -14,6 +14,21 @@
 //! ends. This is what a compressed radix tree gains from its edges, without a
 //! tree to keep balanced.
 //!
+//! Chunks: each run is cut into [`CHUNK`]-entry chunks at offsets that are
+//! multiples of [`CHUNK`], and each chunk keeps a summary: the `AND` of its
+//! entries' hot bitsets if the run is *ordered*, zero otherwise. A run is
+//! ordered when the Stored event that filled it passed its chain check:
+//! its blocks are one chain, so every entry is an ancestor of every later
+//! entry. Consecutive entries are not always parent and child (the event
+//! appends only hashes new to the table, so a block another worker already
+//! holds leaves a hole, and compaction drops dead entries from between
+//! live ones), and the skip does not need them to be; compaction keeps the
+//! order, so an ordered run stays ordered. A resync's unchecked list makes
+//! a run that is not ordered. A walk that finds nobody it follows missing
+//! from a summary and the chunk's last key equal to the request's hash at
+//! that position takes the whole chunk with one compare (see `walk_group`
+//! in `lookup.rs` for why that suffices).
+//!
 //! Invariants:
 //! - Every hash with at least one holder bit has exactly one entry, and the
 //!   index points at it. An entry whose last bit is cleared leaves the index
@@ -23,6 +38,10 @@
 //!   at least 64 entries with under a quarter live is compacted into a fresh
 //!   run, so dead entries cost at most 3x the live ones (plus short runs).
 //! - The index's load factor stays at or below 3/4.
+//! - A chunk summary never claims a bit that one of its entries lacks, and
+//!   is zero in a run that is not ordered. A summary may lag *below* the true `AND` while a Stored event is
+//!   applied (bits set on entries that already existed); [`HolderTable::close_run`]
+//!   recomputes those chunks, and a low summary only costs a skip.
 
 use kv_descriptor::{SequenceHash, StorageTier};
 
@@ -72,6 +91,12 @@ pub(crate) const PREFETCH_DISTANCE: usize = 12;
 /// How far ahead (in hashes) event application prefetches index slots.
 pub(crate) const SLOT_PREFETCH_DISTANCE: usize = 32;
 
+/// Entries per chunk summary (see the module docs). 32 entries are 768
+/// bytes of hot entries: a walk that enters a run at a random offset walks
+/// at most 31 blocks one by one before it can skip, and one holder dropping
+/// out costs at most 32 per-block steps.
+pub(crate) const CHUNK: usize = 32;
+
 /// What a donor walk reads of one entry: its key and the two tiers a
 /// lookup needs, 24 bytes, so a walk streams one array.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -90,6 +115,13 @@ struct Run {
     /// `[host_pinned, disk, external]` bitsets; empty until the run's first
     /// cold bit (most runs never get one), then as long as `hot`.
     cold: Vec<[u64; 3]>,
+    /// Filled by one Stored event that passed its chain check: each entry
+    /// is an ancestor of every later one (see the module docs).
+    ordered: bool,
+    /// Per chunk (entries `c * CHUNK ..`, the last one possibly partial):
+    /// the `AND` of the hot bits if the run is ordered, else zero. Never
+    /// above the true value (see the module docs).
+    sums: Vec<[u64; 2]>,
     /// Entries with a non-zero bit.
     live: u32,
 }
@@ -148,6 +180,30 @@ impl Run {
         let (h, c) = (self.hot[off].bits, self.cold_at(off));
         [h[HOT_DEVICE], c[0], c[1], c[2], h[HOT_RETAINED]]
     }
+
+    /// Appends `e` (a `cold` slot, if any, is the caller's), keeping the
+    /// last chunk's summary exact: `AND` in the new bits.
+    #[inline]
+    fn push(&mut self, e: HotEntry) {
+        let off = self.hot.len();
+        self.hot.push(e);
+        if off % CHUNK == 0 {
+            self.sums.push(if self.ordered { e.bits } else { [0; 2] });
+        } else {
+            let s = self.sums.last_mut().expect("a chunk per CHUNK entries");
+            *s = [s[0] & e.bits[0], s[1] & e.bits[1]];
+        }
+    }
+
+    /// Recomputes the summary of chunk `c` from its entries (exact).
+    fn resum(&mut self, c: usize) {
+        let (lo, hi) = (c * CHUNK, ((c + 1) * CHUNK).min(self.hot.len()));
+        let mut s = [if self.ordered { u64::MAX } else { 0 }; 2];
+        for e in &self.hot[lo..hi] {
+            s = [s[0] & e.bits[0], s[1] & e.bits[1]];
+        }
+        self.sums[c] = s;
+    }
 }
 
 /// Where an entry lives.
@@ -205,6 +261,9 @@ pub(crate) struct HolderTable {
     free_runs: Vec<u32>,
     /// Run that new entries of the current Stored event append to.
     open_run: Option<u32>,
+    /// `(run, chunk)` whose summary [`Self::set`] may have left below the
+    /// true `AND`; recomputed by [`Self::close_run`].
+    stale: Vec<(u32, u32)>,
 }
 
 impl HolderTable {
@@ -220,6 +279,7 @@ impl HolderTable {
             runs: Vec::new(),
             free_runs: Vec::new(),
             open_run: None,
+            stale: Vec::new(),
         }
     }
 
@@ -234,7 +294,7 @@ impl HolderTable {
             + self
                 .runs
                 .iter()
-                .map(|r| r.hot.capacity() * 24 + r.cold.capacity() * 24)
+                .map(|r| r.hot.capacity() * 24 + r.cold.capacity() * 24 + r.sums.capacity() * 16)
                 .sum::<usize>()
     }
 
@@ -334,21 +394,68 @@ impl HolderTable {
         &self.runs[loc.run as usize].hot[loc.off as usize + 1..]
     }
 
+    /// The whole chunks of [`Self::after`]`(loc)`: `(skew, sums)`, where
+    /// `after(loc)[skew + j * CHUNK ..][..CHUNK]` is the chunk summarized by
+    /// `sums[j]` (a summary is zero for a chunk that is not chained; see the
+    /// module docs). The run's last, partial chunk is left out.
+    #[inline]
+    pub(crate) fn chunks_after(&self, loc: Loc) -> (usize, &[[u64; 2]]) {
+        let r = &self.runs[loc.run as usize];
+        let next = loc.off as usize + 1;
+        let first = next.div_ceil(CHUNK);
+        let whole = r.hot.len() / CHUNK;
+        (first * CHUNK - next, &r.sums[first.min(whole)..whole])
+    }
+
     /// Ends the current Stored event: its new entries stop sharing a run
     /// with the next event's.
     pub(crate) fn close_run(&mut self) {
         self.open_run = None;
+        self.resum_stale();
+    }
+
+    /// Recomputes the chunk summaries that [`Self::set`] left low: once per
+    /// chunk and event, not once per bit (an event that re-stores a prefix
+    /// another worker holds sets a bit in every entry of its chunks).
+    fn resum_stale(&mut self) {
+        if self.stale.is_empty() {
+            return;
+        }
+        self.stale.sort_unstable();
+        self.stale.dedup();
+        for &(run, c) in &self.stale {
+            // Recomputing is exact, so a chunk whose run was freed or
+            // reused since it was listed is still summarized correctly.
+            if let Some(r) = self.runs.get_mut(run as usize) {
+                if (c as usize) < r.sums.len() {
+                    r.resum(c as usize);
+                }
+            }
+        }
+        self.stale.clear();
     }
 
     /// Sets bit `bit` of tier `tier` for `hash`; returns true if it was clear.
     /// A new hash is appended to the open run (one run per Stored event).
-    pub(crate) fn set(&mut self, hash: SequenceHash, tier: usize, bit: u32) -> bool {
+    /// `chained`: the caller proved that the hashes it sets between two
+    /// [`Self::close_run`] calls are one chain, in chain order (a Stored
+    /// event that passed its chain check), so the run is ordered.
+    pub(crate) fn set(&mut self, hash: SequenceHash, tier: usize, bit: u32, chained: bool) -> bool {
         let flag = 1u64 << bit;
         if let Some(i) = self.find(hash.0) {
             let loc = self.slots[i].loc;
-            let w = self.runs[loc.run as usize].word(loc.off as usize, tier);
+            let r = &mut self.runs[loc.run as usize];
+            let w = r.word(loc.off as usize, tier);
             let was_clear = *w & flag == 0;
             *w |= flag;
+            if was_clear && place(tier).0 && r.ordered {
+                // The chunk's `AND` may now have this bit: recompute it at
+                // `close_run`. Consecutive blocks share a chunk.
+                let key = (loc.run, loc.off / CHUNK as u32);
+                if self.stale.last() != Some(&key) {
+                    self.stale.push(key);
+                }
+            }
             return was_clear;
         }
         if (self.len + 1) * 4 > self.slots.len() * 3 {
@@ -365,18 +472,29 @@ impl HolderTable {
                     }
                 };
                 self.open_run = Some(r);
+                self.runs[r as usize].ordered = chained;
                 r
             }
         };
         let r = &mut self.runs[run as usize];
+        if r.ordered && !chained {
+            // Not reached through `store` (one kind of hash list per run),
+            // but an unproven entry must not join an ordered run's skips.
+            r.ordered = false;
+            r.sums.fill([0; 2]);
+        }
         let loc = Loc {
             run,
             off: r.hot.len() as u32,
         };
-        r.hot.push(HotEntry {
+        let mut e = HotEntry {
             key: hash.0,
             bits: [0; 2],
-        });
+        };
+        if let (true, i) = place(tier) {
+            e.bits[i] = flag;
+        }
+        r.push(e);
         if !r.cold.is_empty() {
             r.cold.push([0; 3]);
         }
@@ -403,7 +521,12 @@ impl HolderTable {
         if !self.runs[run_id].test(off, tier, flag) {
             return false;
         }
-        *self.runs[run_id].word(off, tier) &= !flag;
+        let r = &mut self.runs[run_id];
+        *r.word(off, tier) &= !flag;
+        if let (true, i) = place(tier) {
+            // Keeps the summary at or below the chunk's true `AND`.
+            r.sums[off / CHUNK][i] &= !flag;
+        }
         if !self.runs[run_id].is_live(off) {
             self.len -= 1;
             self.backward_shift(i);
@@ -441,6 +564,9 @@ impl HolderTable {
         let mut fresh = Run {
             hot: Vec::with_capacity(taken.live as usize),
             cold: Vec::new(),
+            // A subsequence of an ordered run is ordered.
+            ordered: taken.ordered,
+            sums: Vec::new(),
             live: taken.live,
         };
         for (off, h) in taken.hot.iter().enumerate() {
@@ -459,7 +585,7 @@ impl HolderTable {
                 run: new,
                 off: fresh.hot.len() as u32,
             };
-            fresh.hot.push(*h);
+            fresh.push(*h);
             if !taken.cold.is_empty() {
                 fresh.cold.push(taken.cold[off]);
             }
@@ -510,6 +636,36 @@ impl HolderTable {
     }
 }
 
+/// Test-only checks of the chunk invariants (see the module docs).
+#[cfg(test)]
+impl HolderTable {
+    /// Asserts that every chunk summary is exactly what its entries give:
+    /// the state after every `close_run` and `clear`.
+    pub(crate) fn assert_summaries_exact(&self) {
+        for (r, run) in self.runs.iter().enumerate() {
+            assert_eq!(run.sums.len(), run.hot.len().div_ceil(CHUNK), "run {r}");
+            let mut fresh = Run {
+                hot: run.hot.clone(),
+                ordered: run.ordered,
+                sums: run.sums.clone(),
+                ..Run::default()
+            };
+            for c in 0..run.sums.len() {
+                fresh.resum(c);
+                assert_eq!(run.sums[c], fresh.sums[c], "run {r} chunk {c}");
+            }
+        }
+    }
+
+    /// Whether the run that holds `hash` is ordered, its length and its
+    /// chunk summaries.
+    pub(crate) fn run_of(&self, hash: SequenceHash) -> (bool, usize, Vec<[u64; 2]>) {
+        let (loc, _) = self.locate(hash).expect("held");
+        let run = &self.runs[loc.run as usize];
+        (run.ordered, run.hot.len(), run.sums.clone())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -549,8 +705,8 @@ mod tests {
         // enough to exercise probe runs and backward shifts.
         let keys: Vec<u64> = (0..3000u64).map(|k| k * 1024).collect();
         for (n, &k) in keys.iter().enumerate() {
-            assert!(t.set(SequenceHash(k), n % TIERS, (n % 64) as u32));
-            assert!(!t.set(SequenceHash(k), n % TIERS, (n % 64) as u32));
+            assert!(t.set(SequenceHash(k), n % TIERS, (n % 64) as u32, false));
+            assert!(!t.set(SequenceHash(k), n % TIERS, (n % 64) as u32, false));
         }
         t.close_run();
         assert_eq!(t.len(), 3000);
@@ -580,12 +736,12 @@ mod tests {
         let mut t = HolderTable::with_capacity(0);
         let chain: Vec<SequenceHash> = (1..=6).map(SequenceHash).collect();
         for h in &chain {
-            t.set(*h, 4, 0);
+            t.set(*h, 4, 0, false);
         }
         t.close_run();
         // Block 3 dies in run 0, then is stored again by worker 1 (new run).
         assert!(t.clear(chain[3], 4, 0));
-        t.set(chain[3], 4, 1);
+        t.set(chain[3], 4, 1, false);
         t.close_run();
         let mut c = Cursor::default();
         let got: Vec<u64> = chain
@@ -598,7 +754,7 @@ mod tests {
             t.clear(*h, 4, 0);
         }
         assert_eq!((t.free_runs.len(), t.len()), (1, 1));
-        t.set(SequenceHash(99), 0, 5);
+        t.set(SequenceHash(99), 0, 5, false);
         assert_eq!(t.free_runs.len(), 0, "the freed run is reused");
         assert_eq!(t.get(chain[3])[4], 2);
     }
@@ -608,7 +764,7 @@ mod tests {
         let mut t = HolderTable::with_capacity(0);
         let chain: Vec<SequenceHash> = (1..=256).map(SequenceHash).collect();
         for h in &chain {
-            t.set(*h, 4, 3);
+            t.set(*h, 4, 3, false);
         }
         t.close_run();
         // Keep every 5th block (52 of 256, under a quarter).
@@ -639,6 +795,74 @@ mod tests {
         }
     }
 
+    /// `keys` stored as one chained Stored event by `bit`.
+    fn store_chained(t: &mut HolderTable, keys: &[u64], tier: usize, bit: u32) {
+        for &k in keys {
+            t.set(SequenceHash(k), tier, bit, true);
+        }
+        t.close_run();
+    }
+
+    #[test]
+    fn only_checked_stores_fill_ordered_runs() {
+        let mut t = HolderTable::with_capacity(0);
+        store_chained(&mut t, &(10..20).collect::<Vec<_>>(), 4, 0);
+        // 0..40: 10..20 exist already and leave a hole; the run of the
+        // other 30 is still ordered.
+        store_chained(&mut t, &(0..40).collect::<Vec<_>>(), 4, 1);
+        assert_eq!(t.run_of(SequenceHash(0)), (true, 30, vec![[0, 2]]));
+        // An unchecked list (a resync) makes a run that is never skipped.
+        for k in 100..140 {
+            t.set(SequenceHash(k), 4, 2, false);
+        }
+        t.close_run();
+        assert_eq!(t.run_of(SequenceHash(100)), (false, 40, vec![[0; 2]; 2]));
+        t.assert_summaries_exact();
+    }
+
+    #[test]
+    fn summaries_follow_sets_clears_and_compaction() {
+        let mut t = HolderTable::with_capacity(0);
+        let keys: Vec<u64> = (1..=256).collect();
+        store_chained(&mut t, &keys, 4, 0);
+        let (loc, _) = t.locate(SequenceHash(1)).unwrap();
+        let sums = |t: &HolderTable| t.runs[loc.run as usize].sums.clone();
+        assert_eq!(sums(&t), vec![[0, 1]; 8]);
+        // A second holder of keys 1..=40: chunk 0 gains its bit, chunk 1
+        // (keys 33..=64) only when all of it is held.
+        store_chained(&mut t, &keys[..40], 4, 1);
+        assert_eq!(sums(&t)[..2], [[0, 3], [0, 1]]);
+        store_chained(&mut t, &keys[32..64], 4, 1);
+        assert_eq!(sums(&t)[..2], [[0, 3], [0, 3]]);
+        // A device bit on every entry of chunk 2.
+        store_chained(&mut t, &keys[64..96], 0, 5);
+        assert_eq!(sums(&t)[2], [1 << 5, 1]);
+        // A cold-tier bit changes no hot summary.
+        store_chained(&mut t, &keys[96..128], 2, 7);
+        assert_eq!(sums(&t)[3], [0, 1]);
+        // One removal inside a chunk drops the bit from its summary at once.
+        assert!(t.clear(SequenceHash(50), 4, 1));
+        assert_eq!(sums(&t)[1], [0, 1]);
+        t.assert_summaries_exact();
+        // Thin the run out to 63 of 256 entries, so that the last death
+        // compacts it.
+        let kept: Vec<u64> = (1..=240u64)
+            .filter(|k| k % 4 == 0)
+            .chain(241..=243)
+            .collect();
+        assert_eq!(kept.len(), 63);
+        for k in (1..=256u64).filter(|k| !kept.contains(k)) {
+            t.clear(SequenceHash(k), 4, 0);
+            t.clear(SequenceHash(k), 4, 1);
+            t.clear(SequenceHash(k), 0, 5);
+            t.clear(SequenceHash(k), 2, 7);
+        }
+        t.assert_summaries_exact();
+        // Compacted: 63 entries, still ordered, only worker 0 on them all.
+        let (ordered, len, sums) = t.run_of(SequenceHash(kept[0]));
+        assert_eq!((ordered, len, sums), (true, 63, vec![[0, 1]; 2]));
+    }
+
     proptest::proptest! {
         /// One long run thinned out at random (compactions happen) and
         /// partly re-stored: every entry stays reachable, walks agree.
@@ -650,7 +874,7 @@ mod tests {
             let mut t = HolderTable::with_capacity(0);
             let mut m: HashMap<u64, u64> = HashMap::new();
             for k in 0..n as u64 {
-                t.set(SequenceHash(k), 4, 0);
+                t.set(SequenceHash(k), 4, 0, false);
                 m.insert(k, 1);
             }
             t.close_run();
@@ -661,7 +885,7 @@ mod tests {
                     proptest::prop_assert_eq!(t.clear(SequenceHash(k), 4, 0), held != 0);
                     m.remove(&k);
                 } else {
-                    proptest::prop_assert_eq!(t.set(SequenceHash(k), 4, 0), held == 0);
+                    proptest::prop_assert_eq!(t.set(SequenceHash(k), 4, 0, false), held == 0);
                     t.close_run();
                     m.insert(k, 1);
                 }
@@ -694,11 +918,11 @@ mod tests {
                         e[tier] &= !(1 << bit);
                     }
                     45..=98 => {
-                        proptest::prop_assert_eq!(t.set(SequenceHash(key), tier, bit), !before);
+                        proptest::prop_assert_eq!(t.set(SequenceHash(key), tier, bit, false), !before);
                         e[tier] |= 1 << bit;
                     }
                     _ => {
-                        proptest::prop_assert_eq!(t.set(SequenceHash(key), tier, bit), !before);
+                        proptest::prop_assert_eq!(t.set(SequenceHash(key), tier, bit, false), !before);
                         e[tier] |= 1 << bit;
                         t.close_run();
                     }
@@ -718,6 +942,39 @@ mod tests {
                 let key = k.wrapping_mul(1 << 54);
                 let want = m.get(&key).copied().unwrap_or_default();
                 proptest::prop_assert_eq!(t.step(&mut c, SequenceHash(key)), [want[0], want[4]]);
+            }
+        }
+
+        /// Chained stores of random segments by random holders and tiers,
+        /// random removals and unchained stores: after every step each
+        /// chunk summary is exact.
+        #[test]
+        fn chunk_summaries_stay_exact(
+            n in 1usize..400,
+            ops in proptest::collection::vec(
+                (0usize..400, 0usize..400, 0usize..TIERS, 0u32..6, 0u8..10), 0..60),
+        ) {
+            let mut t = HolderTable::with_capacity(0);
+            let keys: Vec<u64> = (0..n as u64).map(|k| k * 7 + 1).collect();
+            store_chained(&mut t, &keys, 4, 0);
+            for (a, b, tier, bit, op) in ops {
+                let (a, b) = (a % n, b % n);
+                let (lo, hi) = (a.min(b), a.max(b) + 1);
+                match op {
+                    0..=3 => store_chained(&mut t, &keys[lo..hi], tier, bit),
+                    4..=7 => {
+                        for &k in &keys[lo..hi.min(lo + 1 + (op as usize - 4) * 20)] {
+                            t.clear(SequenceHash(k), tier, bit);
+                        }
+                    }
+                    _ => {
+                        for &k in keys[lo..hi].iter().rev() {
+                            t.set(SequenceHash(k), tier, bit, false);
+                        }
+                        t.close_run();
+                    }
+                }
+                t.assert_summaries_exact();
             }
         }
     }

@@ -582,14 +582,23 @@ impl State {
     /// Sets `slot`'s bit in `tier` for every hash of `hashes`, prefetching
     /// index slots and entries ahead (events carry hashes that are random in
     /// the table: without prefetch each block waits for two misses in turn).
-    pub(crate) fn store(&mut self, slot: u32, tier: usize, hashes: &[SequenceHash]) -> u64 {
+    /// `chained`: `hashes` are proven to be one chain in chain order (a
+    /// Stored event that passed its chain check), so their run may be
+    /// skipped through by chunks; a resync's unchecked list is not.
+    pub(crate) fn store(
+        &mut self,
+        slot: u32,
+        tier: usize,
+        hashes: &[SequenceHash],
+        chained: bool,
+    ) -> u64 {
         let (g, bit) = split(slot);
         let table = &mut self.groups[g];
         let rec = self.workers[slot as usize].as_mut().expect("live slot");
         let mut changed = 0;
         for (i, &h) in hashes.iter().enumerate() {
             table.prefetch_pass(hashes, i);
-            if table.set(h, tier, bit) {
+            if table.set(h, tier, bit, chained) {
                 rec.logs[tier].push(h);
                 changed += 1;
             }
@@ -670,7 +679,10 @@ impl State {
                 self.unchained += 1;
                 0
             }
-            (KvEventData::Stored { .. }, None) => self.store(slot, tier, &c.stored_hashes),
+            (KvEventData::Stored { .. }, None) => {
+                // Chained: `why_unchained` found no broken link.
+                self.store(slot, tier, &c.stored_hashes, true)
+            }
             (KvEventData::Removed { sequence_hashes }, None) => {
                 self.remove(slot, tier, sequence_hashes)
             }

@@ -49,6 +49,16 @@
 //! donor walk reads the next entry of the current run while it matches the
 //! next request block (sequential memory, one `AND`-and-test per block) and
 //! asks the index only where a run ends.
+//! Each run also keeps, per aligned chunk of 32 entries, the `AND` of the
+//! chunk's holder bitsets, if the run was filled by one Stored event that
+//! passed its chain check (then each entry is an ancestor of every later
+//! one). At a chunk start a walk takes the whole chunk with one compare
+//! when nobody it follows is missing from that `AND` and the chunk's last
+//! sequence hash is the request's at that position: chained hashes name
+//! their prefix, so the entries between are exactly the request's blocks
+//! between (`walk_group` in `lookup.rs` gives the argument). A skipped
+//! chunk counts 32 probes, as if walked block by block, so results, probe
+//! counts and the probe budget are those of the per-block walk.
 //! Benchmark against `dynamo-kv-router`'s indexers (single-threaded and
 //! concurrent):
 //! `cargo bench -p kv-lookup --bench lookup -- [--json FILE]`.

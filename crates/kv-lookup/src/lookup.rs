@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use kv_descriptor::{EngineId, Role, SequenceHash};
 
-use crate::holder_table::{HolderTable, Loc, HOT_DEVICE as DEVICE, HOT_RETAINED as RETAINED};
+use crate::holder_table::{
+    HolderTable, Loc, CHUNK, HOT_DEVICE as DEVICE, HOT_RETAINED as RETAINED,
+};
 use crate::index::{split, State};
 use crate::prefetch::prefetch_read;
 use crate::worker::WorkerKey;
@@ -16,7 +18,9 @@ use crate::InventoryIndex;
 /// [`INDEX_PROBE_UNITS`] (a likely cache miss, ~100 ns). Reading the clock
 /// costs 20-70 ns, more than a sequential probe, so it is read only this
 /// often: the time budget can be overrun by at most this much work (128
-/// sequential probes or 16 index probes, about 2 µs in the worst case).
+/// sequential probes or 16 index probes, about 2 µs in the worst case). A
+/// walk that takes a whole chunk of a run at once pays as much as an index
+/// probe per attempt, however many blocks it takes.
 pub const CLOCK_CHECK_INTERVAL: u32 = 128;
 
 /// Entries (24 bytes each) prefetched ahead of a walk inside a run: about
@@ -25,6 +29,14 @@ const RUN_PREFETCH_ENTRIES: usize = 16;
 
 /// Work units charged for one index probe; see [`CLOCK_CHECK_INTERVAL`].
 pub const INDEX_PROBE_UNITS: u32 = 8;
+
+/// Work units charged for one chunk skip attempt (see `walk_group`): it
+/// reads a chunk summary and the chunk's last entry, two cache lines that
+/// may both miss, so it is charged like an index probe.
+const SKIP_UNITS: u32 = INDEX_PROBE_UNITS;
+
+/// Chunks ahead whose last entry and summary a skipping walk prefetches.
+const SKIP_PREFETCH: usize = 4;
 
 /// Work and time a lookup may spend.
 ///
@@ -164,34 +176,36 @@ struct Meter<'c> {
 }
 
 impl Meter<'_> {
-    /// Probes allowed before the next budget check; 0 (and `exhausted`)
-    /// when the budget is spent.
+    /// Probes and work units allowed before the next budget check (both
+    /// non-zero); `None` (and `exhausted`) when the budget is spent.
     #[inline]
-    fn quota(&mut self) -> u32 {
+    fn quota(&mut self) -> Option<(u32, u32)> {
         if self.probes >= self.max_probes {
             self.exhausted = true;
-            return 0;
+            return None;
         }
         if self.units >= self.next_check {
             if (self.cancelled)() {
                 self.exhausted = true;
                 self.was_cancelled = true;
-                return 0;
+                return None;
             }
             if Instant::now() >= self.deadline {
                 self.exhausted = true;
-                return 0;
+                return None;
             }
             self.next_check = self.units + CLOCK_CHECK_INTERVAL;
         }
-        (self.next_check - self.units).min(self.max_probes - self.probes)
+        Some((self.max_probes - self.probes, self.next_check - self.units))
     }
 
-    /// Charges `n` probes that continued a run.
+    /// Charges `probes` blocks that continued a run, worth `units` work
+    /// units (one per block walked one by one, [`SKIP_UNITS`] per chunk
+    /// skip attempt).
     #[inline]
-    fn sequential(&mut self, n: u32) {
-        self.probes += n;
-        self.units += n;
+    fn sequential(&mut self, probes: u32, units: u32) {
+        self.probes += probes;
+        self.units += units;
     }
 
     /// Charges one index probe.
@@ -203,7 +217,7 @@ impl Meter<'_> {
 }
 
 /// Walk result over one worker group.
-#[derive(Default)]
+#[derive(Default, Debug, PartialEq, Eq)]
 struct GroupWalk {
     /// Donors with the longest coverage, and that coverage.
     best: u64,
@@ -247,6 +261,23 @@ impl Walk {
         }
         (self.active | self.native | self.retained) != 0
     }
+
+    /// The result of a walk that stopped before block `i`: whoever is
+    /// still followed covers `0..i`.
+    fn finish(self, i: usize) -> GroupWalk {
+        let mut out = self.out;
+        if self.active != 0 {
+            out.best = self.active;
+            out.best_blocks = i as u32;
+        }
+        if self.native != 0 {
+            out.native_blocks = i as u32;
+        }
+        if self.retained != 0 {
+            out.retained_blocks = i as u32;
+        }
+        out
+    }
 }
 
 /// Walks `hashes` from the root in one group: `donors` lose their bit at the
@@ -256,6 +287,38 @@ impl Walk {
 /// Consecutive blocks are first looked for right after the previous block's
 /// entry (a tight loop over two arrays); the index is asked only where that
 /// fails. Every block examined, either way, is one probe.
+///
+/// Inside a run, at a chunk start (see [`CHUNK`]) with a whole chunk left in
+/// the run, the request and the probe quota, the walk takes the chunk's
+/// `CHUNK` blocks at once when its summary drops nobody still followed
+/// (`!loses_any`) and its last entry's key is the request's hash at that
+/// position. That is the per-block walk's result exactly:
+/// - The summary is at most the `AND` of the chunk's hot bits and covers
+///   everyone still followed (never nobody while the walk goes on), so
+///   every entry of the chunk is live and drops nobody.
+/// - The keys are the request's: a summary is non-zero only in an *ordered*
+///   run (filled by one Stored event that passed its chain check, so each
+///   entry is an ancestor of every later one; see `holder_table`). The
+///   cursor entry before the chunk is the request's block `i - 1` (the
+///   walk matched it) and the chunk's last entry is block `i + CHUNK - 1`;
+///   a sequence hash names its whole prefix (it hashes its parent's hash
+///   and its own tokens; equal hashes are trusted to be equal prefixes, as
+///   everywhere in the index, up to a 64-bit collision), so the `CHUNK - 1`
+///   entries between, distinct descendants of block `i - 1` and ancestors
+///   of block `i + CHUNK - 1`, are exactly blocks `i .. i + CHUNK - 1`.
+///   Holes in the chain (blocks another worker had stored first) would
+///   shift the last key off that position, so they fail the compare.
+///
+/// This needs the request's hashes to be a chain, as
+/// [`kv_descriptor::sequence_hashes`] makes them. Any other chunk, or a
+/// failed check, is walked one block at a time, which finds exactly where
+/// someone drops out.
+///
+/// A skip is charged `CHUNK` probes, like the blocks it stands for, so
+/// probe counts, the probe budget and where it runs out are the per-block
+/// walk's. Its work, two cache lines that may miss like an index probe, is
+/// charged [`SKIP_UNITS`] units per attempt (successful or not), which keeps
+/// the clock-check overrun bound of [`CLOCK_CHECK_INTERVAL`] in real work.
 fn walk_group(
     table: &HolderTable,
     hashes: &[SequenceHash],
@@ -273,38 +336,85 @@ fn walk_group(
     let mut cursor: Option<Loc> = None;
     let mut i = 0;
     let mut alive = (donors | target) != 0;
-    'walk: while i < n && alive {
-        let quota = meter.quota() as usize;
-        if quota == 0 {
+    while i < n && alive {
+        let Some((probes, units)) = meter.quota() else {
             break;
-        }
-        let mut used = 0;
+        };
+        let (probes, units) = (probes as usize, units as usize);
         if let Some(loc) = cursor {
             let next = table.after(loc);
-            let limit = next.len().min(n - i).min(quota);
+            let limit = next.len().min(n - i).min(probes);
             let (next, ahead) = (&next[..limit], &hashes[i..i + limit]);
-            while used < limit && next[used].key == ahead[used].0 && next[used].bits != [0; 2] {
-                // The run is contiguous but may be cold: keep a few cache
-                // lines in flight ahead of the compare.
-                prefetch_read(next.as_ptr().wrapping_add(used + RUN_PREFETCH_ENTRIES));
-                let bits = next[used].bits;
-                // Most blocks change nothing: one test instead of three.
-                if w.loses_any(bits) {
-                    alive = w.block(i + used, bits);
-                    if !alive {
-                        used += 1;
+            let (skew, sums) = table.chunks_after(loc);
+            // The first chunks' last entries and summaries: the per-block
+            // prefetch does not reach that far, and the skip loop prefetches
+            // from `SKIP_PREFETCH` chunks on.
+            let ends = (skew + CHUNK - 1..limit).step_by(CHUNK);
+            for (c, last) in ends.take(SKIP_PREFETCH).enumerate() {
+                prefetch_read(next.as_ptr().wrapping_add(last));
+                prefetch_read(sums.as_ptr().wrapping_add(c));
+            }
+            // Blocks walked, units spent, and whether the units ran out.
+            let (mut used, mut spent, mut out_of_units) = (0, 0, false);
+            // Where the next chunk starts in `next`.
+            let mut boundary = skew;
+            'run: loop {
+                // One block at a time up to the chunk start.
+                let end = boundary.min(limit);
+                let stop = end.min(used + units.saturating_sub(spent));
+                let start = used;
+                while used < stop && next[used].key == ahead[used].0 && next[used].bits != [0; 2] {
+                    // The run is contiguous but may be cold: keep a few cache
+                    // lines in flight ahead of the compare.
+                    prefetch_read(next.as_ptr().wrapping_add(used + RUN_PREFETCH_ENTRIES));
+                    let bits = next[used].bits;
+                    // Most blocks change nothing: one test instead of three.
+                    if w.loses_any(bits) {
+                        alive = w.block(i + used, bits);
+                        if !alive {
+                            used += 1;
+                            break;
+                        }
+                    }
+                    used += 1;
+                }
+                spent += used - start;
+                if !alive || used < stop || used == limit {
+                    break;
+                }
+                if used < end {
+                    out_of_units = true;
+                    break;
+                }
+                // At a chunk start: take whole chunks while they qualify.
+                while used + CHUNK <= limit {
+                    // Like an index probe, an attempt needs one unit left
+                    // and may overrun the quota by the rest of its cost.
+                    if spent >= units {
+                        out_of_units = true;
+                        break 'run;
+                    }
+                    spent += SKIP_UNITS as usize;
+                    let c = (used - skew) / CHUNK;
+                    let last = used + CHUNK - 1;
+                    if w.loses_any(sums[c]) || next[last].key != ahead[last].0 {
                         break;
                     }
+                    // Chunk ends and summaries a few chunks on: a long
+                    // match reads one line per chunk, far apart.
+                    prefetch_read(next.as_ptr().wrapping_add(last + SKIP_PREFETCH * CHUNK));
+                    prefetch_read(sums.as_ptr().wrapping_add(c + SKIP_PREFETCH));
+                    used += CHUNK;
                 }
-                used += 1;
+                boundary = used + CHUNK;
             }
             if used > 0 {
                 cursor = Some(loc.advanced(used));
             }
             i += used;
-            meter.sequential(used as u32);
-            if !alive || i == n || used == quota {
-                continue 'walk;
+            meter.sequential(used as u32, spent as u32);
+            if !alive || i == n || used == probes || out_of_units {
+                continue;
             }
         }
         // The run did not continue with block `i`: one index probe.
@@ -330,18 +440,7 @@ fn walk_group(
         alive = w.block(i, hot);
         i += 1;
     }
-    let mut out = w.out;
-    if w.active != 0 {
-        out.best = w.active;
-        out.best_blocks = i as u32;
-    }
-    if w.native != 0 {
-        out.native_blocks = i as u32;
-    }
-    if w.retained != 0 {
-        out.retained_blocks = i as u32;
-    }
-    out
+    w.finish(i)
 }
 
 /// Position of the `n`-th set bit of `mask` (`n < mask.count_ones()`).
@@ -366,7 +465,9 @@ impl InventoryIndex {
     /// so the donor may drop the blocks before a fetch, which then falls back.
     ///
     /// Cost: one probe per block and worker group, stopping as soon as no
-    /// donor and no target run is left; never more than `budget.max_probes`
+    /// donor and no target run is left (inside a long run, a chunk of 32
+    /// blocks that nobody drops out of is taken with one compare and still
+    /// counts 32 probes; this relies on `sequence_hashes` being chained); never more than `budget.max_probes`
     /// probes, and never more than `budget.time` plus
     /// [`CLOCK_CHECK_INTERVAL`] work units. On exhaustion the best donor found so
     /// far is returned with `budget_exhausted` set.
@@ -617,6 +718,189 @@ mod tests {
             "{:?}",
             out.elapsed
         );
+    }
+
+    /// A meter with all the time in the world and `max_probes`.
+    fn meter(max_probes: u32) -> Meter<'static> {
+        Meter {
+            probes: 0,
+            max_probes,
+            deadline: Instant::now() + Duration::from_secs(3600),
+            units: 0,
+            next_check: CLOCK_CHECK_INTERVAL,
+            exhausted: false,
+            cancelled: &|| false,
+            was_cancelled: false,
+        }
+    }
+
+    /// The walk without runs or chunks: every block through `get`, one
+    /// probe each. Returns the result, probes and whether the budget ran out.
+    fn per_block(
+        table: &HolderTable,
+        hashes: &[SequenceHash],
+        donors: u64,
+        target: u64,
+        max_probes: u32,
+    ) -> (GroupWalk, u32, bool) {
+        let mut w = Walk {
+            active: donors,
+            native: target,
+            retained: target,
+            out: GroupWalk::default(),
+        };
+        let (mut i, mut probes, mut alive) = (0, 0, (donors | target) != 0);
+        while i < hashes.len() && alive {
+            if probes >= max_probes {
+                return (w.finish(i), probes, true);
+            }
+            let b = table.get(hashes[i]);
+            probes += 1;
+            alive = w.block(i, [b[0], b[4]]);
+            i += 1;
+        }
+        (w.finish(i), probes, false)
+    }
+
+    /// True chains: `chains[0]` of `len` blocks, the others branching off
+    /// it at random blocks with their own tokens.
+    fn chains(rng: &mut crate::reference::SplitMix, len: usize) -> Vec<Vec<SequenceHash>> {
+        use kv_descriptor::{chain_sequence_hash, TokenBlockHash};
+        let grow = |rng: &mut crate::reference::SplitMix, mut c: Vec<SequenceHash>, n| {
+            for _ in 0..n {
+                let token = TokenBlockHash(rng.next());
+                c.push(chain_sequence_hash(c.last().copied(), token));
+            }
+            c
+        };
+        let base = grow(rng, Vec::new(), len);
+        let mut out = vec![base.clone()];
+        for _ in 0..4 {
+            let at = rng.below(len as u64 + 1) as usize;
+            let extra = len - at + rng.below(80) as usize;
+            out.push(grow(rng, base[..at].to_vec(), extra));
+        }
+        out
+    }
+
+    /// Random holders on true chains: Stored events of random segments in
+    /// random tiers (chained, as the index stores them), removals of single
+    /// blocks and ranges, whole-tier drops, and unchained resync stores.
+    fn random_table(rng: &mut crate::reference::SplitMix, cs: &[Vec<SequenceHash>]) -> HolderTable {
+        let mut t = HolderTable::with_capacity(0);
+        let tiers = [4, 4, 4, 0, 0, 1, 3];
+        for _ in 0..40 {
+            let c = &cs[rng.below(cs.len() as u64) as usize];
+            let bit = rng.below(8) as u32;
+            let tier = tiers[rng.below(tiers.len() as u64) as usize];
+            let lo = if rng.below(2) == 0 {
+                0
+            } else {
+                rng.below(c.len() as u64) as usize
+            };
+            let hi = lo + rng.below((c.len() - lo) as u64 + 1) as usize;
+            match rng.below(10) {
+                0..=4 => {
+                    for &h in &c[lo..hi] {
+                        t.set(h, tier, bit, true);
+                    }
+                    t.close_run();
+                }
+                5..=6 => {
+                    // A single block (half the time), or a short range.
+                    let hi = (lo + 1 + rng.below(2) as usize * rng.below(40) as usize).min(c.len());
+                    for &h in &c[lo..hi] {
+                        t.clear(h, tier, bit);
+                    }
+                }
+                7 => {
+                    for c in cs {
+                        for &h in c {
+                            t.clear(h, tier, bit);
+                        }
+                    }
+                }
+                _ => {
+                    // An unchecked list (a resync): in chain order but with
+                    // one block of another chain in place of its own, so
+                    // its neighbours are no chain; or reversed.
+                    let mut list = c[lo..hi].to_vec();
+                    if !list.is_empty() {
+                        let other = &cs[rng.below(cs.len() as u64) as usize];
+                        let k = rng.below(list.len() as u64) as usize;
+                        list[k] = other[rng.below(other.len() as u64) as usize];
+                    }
+                    if rng.below(4) == 0 {
+                        list.reverse();
+                    }
+                    for h in list {
+                        t.set(h, tier, bit, false);
+                    }
+                    t.close_run();
+                }
+            }
+        }
+        t.assert_summaries_exact();
+        t
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, ..Default::default() })]
+        /// The chunk-skipping walk gives the per-block walk's result, probe
+        /// count and exhaustion on random tables over long true chains,
+        /// for requests that end mid-chunk or diverge inside a chunk.
+        #[test]
+        fn skipping_walk_equals_the_per_block_walk(seed in proptest::prelude::any::<u64>()) {
+            let mut rng = crate::reference::SplitMix(seed);
+            let len = [40, 300, 2_100][rng.below(3) as usize] + rng.below(64) as usize;
+            let cs = chains(&mut rng, len);
+            let t = random_table(&mut rng, &cs);
+            for _ in 0..24 {
+                let c = &cs[rng.below(cs.len() as u64) as usize];
+                let n = if rng.below(2) == 0 { c.len() } else { 1 + rng.below(c.len() as u64) as usize };
+                let target_bit = rng.below(9);
+                let target = if target_bit < 8 { 1u64 << target_bit } else { 0 };
+                let donors = if rng.below(2) == 0 { 0xFF } else { rng.next() & 0xFF } & !target;
+                let max_probes = if rng.below(3) == 0 { rng.below(n as u64 + 1) as u32 } else { u32::MAX };
+                let mut m = meter(max_probes);
+                let got = walk_group(&t, &c[..n], donors, target, &mut m);
+                let want = per_block(&t, &c[..n], donors, target, max_probes);
+                proptest::prop_assert_eq!((got, m.probes, m.exhausted), want);
+            }
+        }
+    }
+
+    #[test]
+    fn a_long_shared_run_is_skipped_chunk_by_chunk() {
+        let mut rng = crate::reference::SplitMix(5);
+        let c = chains(&mut rng, 2_048).swap_remove(0);
+        let mut t = HolderTable::with_capacity(0);
+        // Worker 0 stores the chain; worker 1 re-stores it (bits set on
+        // existing entries: their chunk summaries are recomputed).
+        for bit in [0, 1] {
+            for &h in &c {
+                t.set(h, 4, bit, true);
+            }
+            t.close_run();
+        }
+        let mut m = meter(u32::MAX);
+        let got = walk_group(&t, &c, 0b10, 0, &mut m);
+        assert_eq!((got.best, got.best_blocks, m.probes), (0b10, 2_048, 2_048));
+        // One index probe, 31 blocks to the first chunk start, then 63
+        // skips: 8 + 31 + 63 * 8 units instead of 8 + 2_047.
+        assert_eq!(m.units, 8 + 31 + 63 * 8);
+        // Worker 1 drops block 1_000 (mid-chunk): the walk stops exactly there.
+        assert!(t.clear(c[1_000], 4, 1));
+        let mut m = meter(u32::MAX);
+        let got = walk_group(&t, &c, 0b11, 0, &mut m);
+        assert_eq!((got.best, got.best_blocks), (0b01, 2_048));
+        let mut m = meter(u32::MAX);
+        let got = walk_group(&t, &c, 0b10, 0, &mut m);
+        assert_eq!((got.best, got.best_blocks, m.probes), (0b10, 1_000, 1_001));
+        // A probe budget that ends mid-chunk is spent exactly.
+        let mut m = meter(777);
+        let got = walk_group(&t, &c, 0b01, 0, &mut m);
+        assert_eq!((got.best_blocks, m.probes, m.exhausted), (777, 777, true));
     }
 
     #[test]

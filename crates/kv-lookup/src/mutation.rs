@@ -103,7 +103,8 @@ impl State {
             .ok_or(LookupError::UnknownEngine { engine })?;
         self.drop_entries(slot);
         for (tier, hashes) in inventory {
-            self.store(slot, tier_index(*tier), hashes);
+            // A snapshot's order is unchecked: its entries are never linked.
+            self.store(slot, tier_index(*tier), hashes, false);
         }
         let rec = self.workers[slot as usize]
             .as_mut()

@@ -568,6 +568,89 @@ fn budget_exhaustion_returns_best_so_far_flagged() {
     );
 }
 
+/// Lookups take whole chunks of a long run at once; every way a holder
+/// can drop out inside a chunk must still end its coverage exactly there.
+/// A chunk summary left stale by any of these events would let a walk
+/// skip past the missing block (the per-block walk and the reference
+/// model see it).
+#[test]
+fn long_runs_end_coverage_exactly_where_a_holder_drops_out() {
+    let index = InventoryIndex::new();
+    let t = registered(&index, 1, Role::Prefill);
+    let a = registered(&index, 2, Role::Decode);
+    let b = registered(&index, 3, Role::Decode);
+    let h = chain(21, 2_100);
+    index.apply_event(&event(&a, 1, RET, stored(&h))).unwrap();
+    // B's store only sets bits on A's entries.
+    index.apply_event(&event(&b, 1, RET, stored(&h))).unwrap();
+    index
+        .apply_event(&event(&t, 1, DEV, stored(&h[..1_500])))
+        .unwrap();
+    let look = |hashes: &[SequenceHash], budget| {
+        let out = index.lookup(hashes, t.engine, budget);
+        let d = out.donor.unwrap();
+        (
+            d.engine,
+            d.blocks,
+            d.tied,
+            out.baseline.native_blocks,
+            out.probes,
+        )
+    };
+    let (_, blocks, tied, native, probes) = look(&h, BIG);
+    assert_eq!((blocks, tied, native, probes), (2_100, 2, 1_500, 2_100));
+    // A drops one block mid-chunk, B a range that ends mid-chunk.
+    index
+        .apply_event(&event(&a, 2, RET, removed(&h[1_000..1_001])))
+        .unwrap();
+    assert_eq!(look(&h, BIG), (b.engine, 2_100, 1, 1_500, 2_100));
+    index
+        .apply_event(&event(&b, 2, RET, removed(&h[1_990..1_995])))
+        .unwrap();
+    assert_eq!(look(&h, BIG), (b.engine, 1_990, 1, 1_500, 1_991));
+    // The target's device copy loses a block: its baseline ends there.
+    index
+        .apply_event(&event(&t, 2, DEV, removed(&h[700..701])))
+        .unwrap();
+    assert_eq!(look(&h, BIG), (b.engine, 1_990, 1, 700, 1_991));
+    // A request that ends mid-chunk, one that diverges inside a chunk
+    // (same tokens up to a token of block 1_234), a budget that ends
+    // mid-chunk.
+    assert_eq!(look(&h[..1_234], BIG), (b.engine, 1_234, 1, 700, 1_234));
+    let mut tokens: Vec<u32> = (0..2_100u32 * 16)
+        .map(|t| t.wrapping_mul(2654435761).wrapping_add(21))
+        .collect();
+    tokens[1_234 * 16 + 3] ^= 1;
+    let forked = sequence_hashes(&tokens, 16);
+    assert_eq!(forked[..1_234], h[..1_234]);
+    assert_eq!(look(&forked, BIG), (b.engine, 1_234, 1, 700, 1_235));
+    let (_, blocks, tied, native, probes) = look(&h, LookupBudget::new(1_000_000, 777));
+    assert_eq!((blocks, tied, native, probes), (777, 2, 700, 777));
+    // A re-stores its block (a bit set on B's entry): both hold 0..1_990.
+    index
+        .apply_event(&event(
+            &a,
+            3,
+            RET,
+            stored_after(Some(h[999]), &h[1_000..1_001]),
+        ))
+        .unwrap();
+    assert_eq!(look(&h, BIG), (a.engine, 2_100, 1, 700, 2_100));
+    // A worker restart drops all of A; a resync brings part of it back as
+    // an unchecked list in reverse order (bits set on B's entries, plus new
+    // entries in a run that is never skipped).
+    let a2 = WorkerInfo {
+        engine: EngineId::fresh(),
+        ..a
+    };
+    index.register_worker(WorkerKey(2), a2).unwrap();
+    assert_eq!(look(&h, BIG), (b.engine, 1_990, 1, 700, 1_991));
+    let mut back: Vec<SequenceHash> = h[..1_993].to_vec();
+    back.reverse();
+    index.resync_worker(a2.engine, 0, &[(RET, back)]).unwrap();
+    assert_eq!(look(&h, BIG), (a2.engine, 1_993, 1, 700, 1_994));
+}
+
 #[test]
 fn a_cancelled_lookup_stops_walking_and_proposes_no_donor() {
     use std::cell::Cell;
