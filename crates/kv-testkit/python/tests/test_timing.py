@@ -367,40 +367,24 @@ def test_repeats_below_one_is_refused(tmp_path, capsys):
 
 
 # A staged prompt on the overlapped path: the suffix forward, and the full
-# recompute after a late failure, read views of the staged ids.
+# recompute after a late failure or a gate that never opened, read views of
+# the staged ids: (fetch result, gate opens, gate blocks, ids lengths seen,
+# fetched tokens reported).
+FETCHED = {"bytes": 1, "host_payload_bytes": 0, "transport": "x"}
+NONE = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
+OVERLAPPED_STAGED = {
+    "suffix_from_the_gate": ((3, {"fetched_tokens": 12, **FETCHED}, None, 0), True, 3, [8], 12),
+    "everything_fetched_keeps_the_last_block": ((5, {"fetched_tokens": 20, **FETCHED}, None, 0), True, 5, [4], 16),
+    "failed_after_the_forward_recomputes_all": ((None, dict(NONE), ["x", "transfer", "y"], 0), True, 3, [8, 20], 0),
+    "gate_never_opened_computes_all": ((None, dict(NONE), ["x", "pin", "y"], 0), False, 3, [20], 0),
+}
 
 
-def test_overlapped_on_reads_the_staged_ids_from_the_gate_on(mods):
+@pytest.mark.parametrize("case", sorted(OVERLAPPED_STAGED))
+def test_overlapped_on_reads_views_of_the_staged_ids(mods, case):
+    result, opens, blocks, seen, fetched = OVERLAPPED_STAGED[case]
     P = mods.prefill_worker.PrefillWorker
-    fetch = {"fetched_tokens": 12, "bytes": 1, "host_payload_bytes": 0, "transport": "x"}
-    me, calls, order, gate = overlapped_self(mods, (3, dict(fetch), None, 0))
+    me, calls, order, _ = overlapped_self(mods, result, opens=opens, blocks=blocks)
     P.op_stage(me, list(range(100, 120)))
     res = P.op_on(me, None, b"h", [1], None)
-    assert me.ids_seen == [8] and res["fetched_tokens"] == 12
-
-
-def test_overlapped_on_with_everything_fetched_computes_the_last_block_from_staged_ids(mods):
-    P = mods.prefill_worker.PrefillWorker
-    fetch = {"fetched_tokens": 20, "bytes": 1, "host_payload_bytes": 0, "transport": "x"}
-    me, calls, order, gate = overlapped_self(mods, (5, dict(fetch), None, 0), blocks=5)
-    P.op_stage(me, list(range(100, 120)))
-    res = P.op_on(me, None, b"h", [1], None)
-    assert me.ids_seen == [4] and res["fetched_tokens"] == 16
-
-
-def test_overlapped_on_failing_after_the_forward_recomputes_from_all_staged_ids(mods):
-    P = mods.prefill_worker.PrefillWorker
-    none = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
-    me, calls, order, _ = overlapped_self(mods, (None, dict(none), ["x", "transfer", "y"], 0))
-    P.op_stage(me, list(range(100, 120)))
-    P.op_on(me, None, b"h", [1], None)
-    assert me.ids_seen == [8, 20]  # the suffix forward (dropped), then the whole prompt
-
-
-def test_overlapped_on_whose_gate_never_opened_computes_all_staged_ids(mods):
-    P = mods.prefill_worker.PrefillWorker
-    none = {"fetched_tokens": 0, "bytes": 0, "host_payload_bytes": 0, "transport": "none"}
-    me, calls, order, _ = overlapped_self(mods, (None, dict(none), ["x", "pin", "y"], 0), opens=False)
-    P.op_stage(me, list(range(100, 120)))
-    P.op_on(me, None, b"h", [1], None)
-    assert me.ids_seen == [20]
+    assert me.ids_seen == seen and res["fetched_tokens"] == fetched
