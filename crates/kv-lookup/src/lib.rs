@@ -73,6 +73,7 @@ mod lookup;
 mod mutation;
 mod prefetch;
 pub mod reference;
+mod report;
 mod twin;
 mod worker;
 
