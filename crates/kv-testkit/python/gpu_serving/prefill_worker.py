@@ -76,11 +76,9 @@ class PrefillWorker(EngineWorker):
         # (cache, first block, blocks).
         self.fetched: Optional[Any] = None
         self.last: Optional[engine.PrefillResult] = None  # for ``greedy``, untimed
-        # The prompt of the next on / warm_on, sent ahead (``stage``): (tokens, ids on the device),
-        # the host ms the stage took, and that of the stage the last on / warm_on used.
-        self.staged: Optional[Tuple[List[int], Any]] = None
-        self.stage_ms: Optional[float] = None
-        self.used_stage_ms: Optional[float] = None
+        # The prompt of the next on / warm_on, sent ahead (``stage``): (tokens, ids on the device,
+        # host ms the stage took).
+        self.staged: Optional[Tuple[List[int], Any, float]] = None
         # ``nats_url`` (the harness's --router service): each target is
         # announced to the router service, and a donor's manifest is resolved
         # from the donor directory (JetStream bucket) by its engine id.
@@ -164,19 +162,19 @@ class PrefillWorker(EngineWorker):
         host = torch.tensor([prompt], dtype=torch.long)
         if self.device != "cpu":
             host = host.pin_memory()
-        self.staged = (prompt, host.to(self.device, non_blocking=True))
-        self.stage_ms = (time.perf_counter() - t0) * 1e3
+        ids = host.to(self.device, non_blocking=True)
+        self.staged = (prompt, ids, (time.perf_counter() - t0) * 1e3)
         return {}
 
-    def _prompt_ids(self, prompt: Optional[List[int]]) -> Tuple[List[int], Optional[Any]]:
-        """(tokens, their device ids or None): ``prompt`` as sent, or the staged one when None.
+    def _prompt_ids(self, prompt: Optional[List[int]]) -> Tuple[List[int], Optional[Any], Optional[float]]:
+        """(tokens, their device ids, the stage's host ms): ``prompt`` as sent (ids and ms None), or
+        the staged one when None. Either way nothing stays staged.
 
         Raises ``EngineError("prompt", ...)`` when neither is there.
         """
         got, self.staged = self.staged, None
-        self.used_stage_ms, self.stage_ms = (self.stage_ms if prompt is None else None), None
         if prompt is not None:
-            return prompt, None
+            return prompt, None, None
         if got is None:
             raise engine.EngineError("prompt", "no prompt given and none staged")
         return got
@@ -273,7 +271,7 @@ class PrefillWorker(EngineWorker):
     def op_on(self, prompt: Optional[List[int]], hint: Optional[bytes], hashes: Optional[List[int]],
               manifest: Union[bytes, str, None], kill_donor: Optional[int] = None) -> Dict[str, Any]:
         """Reuse on, churn: the advised fetch into the landing, then the rest of ``prompt`` (None: the staged one)."""
-        prompt, ids = self._prompt_ids(prompt)
+        prompt, ids, stage_ms = self._prompt_ids(prompt)
         # torch's allocation counter around the request (a counter read, no
         # sync), outside the timed part: the turn's device memory before/after.
         bytes_before = _device_bytes(self.device)
@@ -286,7 +284,7 @@ class PrefillWorker(EngineWorker):
             got = self._on_overlapped(prompt, ids, hint, hashes, manifest, kill_donor, sw)
             if got["result"] is not None:
                 return self._on_reply(got["result"], got["ms"], got["fetch_ms"], got["fetch"], got["fell_back"],
-                                      bytes_before, sw)
+                                      bytes_before, sw, stage_ms)
             landed, fetch, fell_back = got["landed"], got["fetch"], got["fell_back"]
         elif hint is not None:
             landed, fetch, fell_back, _ = self._fetch(self.landing, hint, hashes, manifest, 0, kill_donor)
@@ -313,16 +311,17 @@ class PrefillWorker(EngineWorker):
             self.fetched = None
             r = engine.prefill(self.model, prompt, sw=sw, ids=ids)
         ms = sw.stop()
-        return self._on_reply(r, ms, fetch_ms, fetch, fell_back, bytes_before, sw)
+        return self._on_reply(r, ms, fetch_ms, fetch, fell_back, bytes_before, sw, stage_ms)
 
     def _on_reply(self, r: engine.PrefillResult, ms: float, fetch_ms: float, fetch: Dict[str, Any],
-                  fell_back: Optional[List[str]], bytes_before: int, sw: engine.Stopwatch) -> Dict[str, Any]:
+                  fell_back: Optional[List[str]], bytes_before: int, sw: engine.Stopwatch,
+                  stage_ms: Optional[float]) -> Dict[str, Any]:
         # Checksums are not part of a TTFT: the harness asks for them in a
         # separate, untimed ``fetched_checksums`` (they cost tens of ms at 8K
         # when they were computed before this reply went out).
         device_bytes = {"before": bytes_before, "after": _device_bytes(self.device)}
         return {"worker_ms": ms, "fetch_ms": fetch_ms, "phases_ms": sw.phases, "fell_back": fell_back,
-                "device_bytes": device_bytes, "stage_worker_ms": self.used_stage_ms, **fetch, **self._first(r)}
+                "device_bytes": device_bytes, "stage_worker_ms": stage_ms, **fetch, **self._first(r)}
 
     def _on_overlapped(self, prompt: List[int], ids: Optional[Any], hint: bytes, hashes: List[int],
                        manifest: Union[bytes, str, None], kill_donor: Optional[int],
@@ -437,7 +436,7 @@ class PrefillWorker(EngineWorker):
         """Reuse on, warm: the advised fetch (only the blocks past what this worker holds), then the rest.
 
         ``prompt`` None: the staged one."""
-        prompt, ids = self._prompt_ids(prompt)
+        prompt, ids, stage_ms = self._prompt_ids(prompt)
         cache_landing = self.landing_kind == "cache"
         if cache_landing:
             # Untimed, like _warm_base's copy: this worker's own cached prefix
@@ -486,7 +485,7 @@ class PrefillWorker(EngineWorker):
         self.fetched = None if n == 0 else (cache, start, n) if cache_landing else landed
         return {
             "worker_ms": ms, "fetch_ms": fetch_ms, "phases_ms": sw.phases, "fell_back": fell_back, "held_tokens": held,
-            "fetch_from": start, "stage_worker_ms": self.used_stage_ms, **fetch, "first_token": r.first_token,
+            "fetch_from": start, "stage_worker_ms": stage_ms, **fetch, "first_token": r.first_token,
             "logits": _bits(r.logits),
         }
 

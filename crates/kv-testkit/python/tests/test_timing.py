@@ -198,8 +198,7 @@ def fake_self(mods, rows, fetched_tokens):
     fetch = {"fetched_tokens": fetched_tokens, "bytes": 1, "host_payload_bytes": 0, "transport": "cuda_ipc"}
     me = types.SimpleNamespace(device="cpu", tpb=4, shape=None, model=None, landing=None, resident=None, fetched=None,
                                overlap=False, _fetch=lambda *a: (rows, dict(fetch), None, 0),
-                               _first=lambda r: {"first_token": r.first_token}, staged=None, ids_seen=ids_seen,
-                               stage_ms=None, used_stage_ms=None)
+                               _first=lambda r: {"first_token": r.first_token}, staged=None, ids_seen=ids_seen)
     P = mods.prefill_worker.PrefillWorker
     me._prompt_ids = lambda p: P._prompt_ids(me, p)
     me._on_reply = lambda *a: P._on_reply(me, *a)
