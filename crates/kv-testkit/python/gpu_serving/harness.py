@@ -342,7 +342,8 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
             if rep == 0:
                 on, advice = o, adv
                 on_greedy = prefill.call("greedy", n=a.greedy_tokens)[0]["greedy"] if greedy_now else None
-                on_sums = prefill.call("fetched_checksums")[0]["checksums"]  # untimed
+                got = prefill.call("fetched_checksums")[0]  # untimed
+                on_sums, on_device_bytes = got["checksums"], got.get("device_bytes")
             if o["fetched_tokens"] > 0:
                 idl, _, smp = timed(prefill, "ideal", {"prompt": prompt})
                 ideals.append(smp)
@@ -374,7 +375,7 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
             "fetch_stages_us": on.get("fetch_stages_us"),
             "overlap_us": on.get("overlap_us"),
             # The prefill's torch-allocated device bytes before / after ON (None on the CPU).
-            "device_bytes": on.get("device_bytes"),
+            "device_bytes": on_device_bytes,
             "bytes": on["bytes"],
             "host_payload_bytes": on["host_payload_bytes"],
             "transport": on["transport"],

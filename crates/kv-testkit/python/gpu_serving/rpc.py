@@ -63,9 +63,15 @@ def serve(conn, handler: Any) -> None:
     instead of running it (``exit`` included), so no error is lost and every
     reply pairs with its request; the sender's flag, not the handler, decides
     whether a reply is sent.
+
+    After a request's reply has gone out, ``handler.after_reply(op)`` runs
+    when the handler has one: untimed bookkeeping (the client already holds
+    its reply and has stopped its clock), done before the next request is
+    read. An error there is owed to the next request like a one-way one's.
     """
     freeze_startup_objects()
     one_way_ops = frozenset(getattr(handler, "ONE_WAY_OPS", ()))
+    after_reply = getattr(handler, "after_reply", None)
     pending: Any = None  # the error of a one-way request, owed to the next request
     while True:
         try:
@@ -87,6 +93,11 @@ def serve(conn, handler: Any) -> None:
             res = getattr(handler, "op_" + op)(**req)
             if not one_way:
                 conn.send({"ok": True, **res})
+                if after_reply is not None:
+                    try:
+                        after_reply(op)
+                    except Exception as e:
+                        pending = f"after_reply({op}) (after its reply, before this request): {e!r}\n{traceback.format_exc()}"
         except Exception as e:  # reported to the harness, which records it
             err = f"{e!r}\n{traceback.format_exc()}"
             if one_way:

@@ -1,4 +1,4 @@
-"""rpc.serve's one-way requests: no reply, and an error owed to the next request (no torch)."""
+"""rpc.serve's one-way requests (no reply, an error owed to the next request) and its after-reply hook (no torch)."""
 
 import gc
 import multiprocessing as mp
@@ -27,9 +27,28 @@ class Handler:
         return {"prompt": got}
 
 
-def serving():
+class AfterHandler(Handler):
+    """Records, in ``after_reply``, each op whose reply went out; fails after ``boom``."""
+
+    def __init__(self):
+        super().__init__()
+        self.after = []
+
+    def op_boom(self):
+        return {}
+
+    def op_after(self):
+        return {"after": list(self.after)}
+
+    def after_reply(self, op):
+        self.after.append(op)
+        if op == "boom":
+            raise RuntimeError("after boom")
+
+
+def serving(handler=None):
     client, server = mp.Pipe()
-    t = threading.Thread(target=rpc.serve, args=(server, Handler()), daemon=True)
+    t = threading.Thread(target=rpc.serve, args=(server, handler or Handler()), daemon=True)
     t.start()
     w = rpc.Worker.__new__(rpc.Worker)  # its call / send over our pipe, no process
     w.conn, w.totals_ms = client, {}
@@ -77,6 +96,30 @@ def test_a_two_way_op_sent_one_way_is_refused_without_a_reply_and_exit_reports_a
         w.conn.send({"op": "exit"})
         got = w.conn.recv()
         assert got["ok"] is False and "empty prompt" in got["error"]
+    finally:
+        t.join(5)
+        gc.unfreeze()
+        gc.enable()
+    assert not t.is_alive()
+
+
+def test_after_reply_runs_after_each_reply_and_its_error_answers_the_next_request():
+    w, t = serving(AfterHandler())
+    try:
+        w.send("stage", prompt=[1])  # one-way: no reply, so no after_reply
+        assert w.call("take")[0] == {"prompt": [1]}
+        # The reply to "after" was built before its own after_reply ran.
+        assert w.call("after")[0] == {"after": ["take"]}
+        assert w.call("boom")[0] == {}  # its reply went out; the hook then failed
+        try:
+            w.call("after")
+            raise AssertionError("the after_reply error was not reported")
+        except rpc.WorkerError as e:
+            assert "after_reply(boom)" in str(e) and "after boom" in str(e)
+        # That request was answered with the error, not run; the next one runs.
+        assert w.call("after")[0] == {"after": ["take", "after", "boom"]}
+        w.conn.send({"op": "exit"})
+        assert w.conn.recv() == {"ok": True}
     finally:
         t.join(5)
         gc.unfreeze()

@@ -198,7 +198,8 @@ def fake_self(mods, rows, fetched_tokens):
     fetch = {"fetched_tokens": fetched_tokens, "bytes": 1, "host_payload_bytes": 0, "transport": "cuda_ipc"}
     me = types.SimpleNamespace(device="cpu", tpb=4, shape=None, model=None, landing=None, resident=None, fetched=None,
                                overlap=False, _fetch=lambda *a: (rows, dict(fetch), None, 0),
-                               _first=lambda r: {"first_token": r.first_token}, staged=None, ids_seen=ids_seen)
+                               _first=lambda r: {"first_token": r.first_token}, staged=None, ids_seen=ids_seen,
+                               quiesced_device_bytes=None, on_device_bytes=None)
     P = mods.prefill_worker.PrefillWorker
     me._prompt_ids = lambda p: P._prompt_ids(me, p)
     me._on_reply = lambda *a: P._on_reply(me, *a)
@@ -220,8 +221,8 @@ def test_on_reply_carries_phases_and_no_checksums_which_come_untimed_after(mods)
     assert list(res["phases_ms"]) == ["fetch", "relayout", "forward", "readback"]
     assert res["fetch_ms"] == res["phases_ms"]["fetch"] and res["fetched_tokens"] == 12
     assert calls[-1] == ("prefill", 8, "cache")
-    assert P.op_fetched_checksums(me) == {"checksums": [3, 3, 3]}
-    assert P.op_fetched_checksums(me) == {"checksums": []}  # consumed
+    assert P.op_fetched_checksums(me) == {"checksums": [3, 3, 3], "device_bytes": None}
+    assert P.op_fetched_checksums(me) == {"checksums": [], "device_bytes": None}  # consumed
 
 
 def test_on_without_a_fetch_has_no_relayout_and_no_checksums(mods):
@@ -229,7 +230,27 @@ def test_on_without_a_fetch_has_no_relayout_and_no_checksums(mods):
     me, calls = fake_self(mods, None, 0)
     res = P.op_on(me, list(range(20)), None, [], None)
     assert list(res["phases_ms"]) == ["fetch", "forward", "readback"]
-    assert P.op_fetched_checksums(me) == {"checksums": []}
+    assert P.op_fetched_checksums(me) == {"checksums": [], "device_bytes": None}
+
+
+def test_on_reads_no_device_memory_in_its_timed_path_quiesce_and_after_reply_do(mods, monkeypatch):
+    """``torch.cuda.memory_allocated`` costs ~0.1-0.3 ms of Python: ON must not pay it (OFF does not)."""
+    P = mods.prefill_worker.PrefillWorker
+    reads = []
+    allocated = iter([100, 250, 999])
+    monkeypatch.setattr(mods.prefill_worker, "_device_bytes", lambda dev: reads.append(dev) or next(allocated))
+    monkeypatch.setattr(mods.engine, "sync", lambda dev: None, raising=False)
+    me, _ = fake_self(mods, Rows([0, 1, 2]), 12)
+    P.op_quiesce(me)
+    assert reads == ["cpu"] and me.quiesced_device_bytes == 100
+    res = P.op_on(me, list(range(20)), b"hint", [1, 2, 3], None)
+    assert reads == ["cpu"], "on read the device memory inside its own (client-timed) request"
+    assert "device_bytes" not in res
+    P.after_reply(me, "greedy")  # another op's reply: nothing read
+    assert reads == ["cpu"]
+    P.after_reply(me, "on")
+    assert P.op_fetched_checksums(me) == {"checksums": [3, 3, 3], "device_bytes": {"before": 100, "after": 250}}
+    assert P.op_fetched_checksums(me)["device_bytes"] is None  # handed out once
 
 
 class FakeGate:
