@@ -110,7 +110,10 @@ class Prefill:
             return {}, 0.1
         if op == "fetched_checksums":
             last = next(c for c in reversed(self.calls) if c[0] in ("on", "warm_on"))
-            return {"checksums": [11] * 2 if last[1].get("hint") and not last[1].get("kill_donor") else []}, 0.1
+            n_on = sum(1 for c in self.calls if c[0] == "on")
+            return {"checksums": [11] * 2 if last[1].get("hint") and not last[1].get("kill_donor") else [],
+                    # What after_reply read for the last "on": numbered, so a row shows which ON it got.
+                    "device_bytes": {"before": 1000 * n_on, "after": 1000 * n_on + 7}}, 0.1
         if op == "greedy":
             return {"greedy": [1] * kw["n"]}, 1.0
         if op == "warm_commit":
@@ -236,3 +239,27 @@ def test_repeats_report_the_minimum_keep_every_sample_and_time_per_phase(harness
         elif op in ("off", "ideal", "warm_off"):
             assert ops[i - 1] == "quiesce", (i, op)
     assert ops.count("fetched_checksums") == 2 * 24  # one per churn turn and one per warm turn
+
+
+def test_first_turns_take_their_own_repeats_and_rows_get_their_on_device_bytes(harness_mods):
+    harness, kv = harness_mods
+    prefill = Prefill()
+    r = run(harness, kv, prefill, "--repeats", "2", "--first-turn-repeats", "5")
+    assert r["repeats"] == 2 and r["first_turn_repeats"] == 5
+    for t in r["turns"]:
+        n = 5 if t["turn"] == 0 else 2
+        assert (len(t["samples_ms"]["off"]), len(t["samples_ms"]["on"])) == (n, n), t["turn"]
+    # Each row's device bytes are those fetched_checksums handed out right after
+    # that turn's first ON (rep 0): count the ONs sent up to it.
+    ons = 0
+    seen = []
+    for op, kw in prefill.calls:
+        if op == "on":
+            ons += 1
+        if op == "fetched_checksums" and (not seen or seen[-1] != ons):
+            seen.append(ons)
+    churn_rows = [t["device_bytes"] for t in r["turns"]]
+    assert churn_rows[0] == {"before": 1000 * seen[0], "after": 1000 * seen[0] + 7}
+    assert all(d["after"] - d["before"] == 7 for d in churn_rows)
+    assert r["turns"][0]["device_bytes"] != r["turns"][1]["device_bytes"]
+    assert harness.main(["--out", "x", "--first-turn-repeats", "0"]) == 2

@@ -51,7 +51,10 @@ pub const TIMEOUT_ENV: &str = "KVQ_GPU_SERVING_TIMEOUT_S";
 /// kv-reuse-router as processes, the workers' agents publishing on NATS),
 /// each timed request three times (`--repeats 3`, the minimum kept: single
 /// forwards of one shape scattered 22-40 ms on the H200, and two samples
-/// left ON/ideal at 16K moving by 10% between runs),
+/// left ON/ideal at 16K moving by 10% between runs), a session's first turn
+/// five times (`--first-turn-repeats 5`: its goal is ON within 1 ms of OFF on
+/// forwards of up to 32K tokens, ~1.3 s, whose minimum of three still moved
+/// by several ms between ON and OFF),
 /// cut to fit one 600 s device call: the decode's answers are `forced` (first
 /// token greedy, the rest seeded, their KV in one forward pass instead of one
 /// decode step each), greedy agreement on every 4th later turn, and no turn
@@ -80,6 +83,8 @@ pub fn profile_args(profile: Profile) -> Vec<String> {
             "service",
             "--repeats",
             "3",
+            "--first-turn-repeats",
+            "5",
             "--budget-s",
             "440",
         ],
@@ -671,6 +676,7 @@ mod tests {
         assert!(gpu.contains("--model llama-3.1-8b") && gpu.contains("--prefill-device cuda:0"));
         assert!(gpu.contains("--transport cuda") && gpu.contains("--answer forced"));
         assert!(gpu.contains("--router service") && gpu.contains("--repeats 3"));
+        assert!(gpu.contains("--first-turn-repeats 5"));
         let cpu = profile_args(Profile::Cpu).join(" ");
         assert!(cpu.contains("--model tiny") && cpu.contains("--decode-device cpu"));
         assert!(cpu.contains("--transport host"));
