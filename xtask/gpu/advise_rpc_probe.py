@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -91,6 +92,32 @@ def worker_main(conn: Any, cfg: Dict[str, Any]) -> None:
     rpc.serve(conn, w)
 
 
+class Nats:
+    """nats-server with JetStream (the router's donor directory) on a free loopback port."""
+
+    def __init__(self, binary: str, store: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"nats://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("nats-server did not listen within 10 s")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--router-bin", required=True)
@@ -103,13 +130,11 @@ def main() -> int:
     p.add_argument("--json")
     a = p.parse_args()
 
-    sys.path.insert(0, os.path.join(os.getcwd(), "crates", "kv-reuse-py", "tests"))
     import kv_reuse
     from gpu_serving import rpc
-    from nats_fake import NatsServer
 
     store = tempfile.mkdtemp(prefix="advise-rpc-probe-")
-    server = NatsServer(a.nats_server, store)
+    server = Nats(a.nats_server, store)
     router = subprocess.Popen(
         [a.router_bin, "--nats-url", server.url, "--metrics-addr", "127.0.0.1:0", "--tokens-per-block", str(TPB),
          "--announce-period-ms", "1000", "--enable-decode-to-prefill-reuse",
