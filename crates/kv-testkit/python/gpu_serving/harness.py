@@ -606,6 +606,17 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
             # staged prompt ON's excludes building the ids tensor, done during the advise).
             "forward_on_minus_off_p50_ms": percentile(
                 [r["on_phases_ms"].get("forward", 0.0) - r["off_phases_ms"].get("forward", 0.0) for r in first], 50),
+            # Per turn, what ON adds outside the forward (advise, the empty fetch, the
+            # rest of the request's own time against OFF's), then the median: the goal's
+            # measure. A first turn fetches nothing, so both forwards are the same
+            # computation on the same inputs; their difference is the GPU's sample spread.
+            "added_p50_ms": percentile(
+                [(r["on_ms"] - r["on_phases_ms"].get("forward", 0.0)) - (r["off_ms"] - r["off_phases_ms"].get("forward", 0.0))
+                 for r in first], 50),
+            # Per turn, the range (max - min) of OFF's own samples, then the median: the
+            # spread one forward of a first turn shows between identical requests.
+            "off_spread_p50_ms": percentile(
+                [max(r["samples_ms"]["off"]) - min(r["samples_ms"]["off"]) for r in first], 50),
         },
         "bytes_moved": sum(r["bytes"] for r in turns),
         "host_payload_bytes": sum(r["host_payload_bytes"] for r in turns),

@@ -200,6 +200,14 @@ def test_stage_prompt_off_sends_each_prompt_with_its_request(harness_mods):
     for k in ("fetched_turns", "fallbacks", "false_completions", "leaks", "logits_bit_equal_to_donor"):
         assert r_on[k] == r_off[k], k
     assert "forward_on_minus_off_p50_ms" in r_on["first_turns"]
+    # The fakes' ON and OFF forwards both take 0.5 ms, OFF has no phases (its
+    # forward reads as 0): ON adds its own time minus its forward, minus OFF's.
+    for r in (r_on, r_off):
+        ft = r["first_turns"]
+        first = [t for t in r["turns"] if t["turn"] == 0]
+        want = sorted((t["on_ms"] - t["on_phases_ms"]["forward"]) - t["off_ms"] for t in first)
+        assert ft["added_p50_ms"] == want[(len(want) + 1) // 2 - 1]
+        assert ft["off_spread_p50_ms"] == 0.0  # one OFF sample per turn
 
 
 def test_a_failing_warm_request_stops_warm_only(harness_mods):

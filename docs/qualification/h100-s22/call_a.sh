@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 22, device call A: (1) what one torch.cuda.memory_allocated read costs
+# Session 22, device call A (planned for an H200, ran on an H100; COMMANDS.md): (1) what one torch.cuda.memory_allocated read costs
 # (the prefill worker read it twice inside each timed ON, never in OFF, until
 # this session); (2) advise_rpc_probe.py: is a pipe request right after a
 # router-service advise slower than one after nothing or after a sleep of the
