@@ -175,13 +175,35 @@ def bucket_table(w: Any, rows: List[Dict[str, Any]], ideal: bool) -> List[Dict[s
     return out
 
 
+def warm_added_ms(r: Dict[str, Any]) -> float:
+    """What ON-warm added to warm turn ``r`` against OFF-warm, ms.
+
+    A turn that fetched: the whole difference (its forward computes less).
+    One that did not (refused by the cost model, or fell back): the
+    difference outside the forward (advise, the request's own time), because
+    both forwards are then the same computation on the same inputs and their
+    difference is the sample spread (rows without phases: the whole difference).
+    """
+    whole = r["on_ms"] - r["off_ms"]
+    if r["fetched_tokens"] > 0 or "on_phases_ms" not in r or "off_phases_ms" not in r:
+        return whole
+    return whole - (r["on_phases_ms"].get("forward", 0.0) - r["off_phases_ms"].get("forward", 0.0))
+
+
 def warm_summary(w: Any, turns: List[Dict[str, Any]], unreported: int) -> Optional[Dict[str, Any]]:
-    """The JSON's ``warm``: later turns' buckets (OFF-warm vs ON-warm), fetches, fallbacks; None when not run."""
+    """The JSON's ``warm``: later turns' buckets (OFF-warm vs ON-warm), fetches, fallbacks; None when not run.
+
+    ``within_1ms``, the goal (ON-warm no slower than OFF-warm by more than
+    1 ms): in every bucket the median over its turns of ``warm_added_ms``
+    is <= 1 ms; ``p50_within_1ms``: the bucket p50s compared instead.
+    """
     rows = [dict(r["warm"], bucket=r["bucket"], turn=r["turn"]) for r in turns if "warm" in r]
     if not rows:
         return None
     later = [r for r in rows if r["turn"] > 0]
     buckets = bucket_table(w, later, ideal=False)
+    for b in buckets:
+        b["added_p50_ms"] = percentile([warm_added_ms(r) for r in later if r["bucket"] == b["history"]], 50)
     fetched = [r for r in later if r["fetched_tokens"] > 0]
     return {
         "buckets": buckets,
@@ -193,7 +215,8 @@ def warm_summary(w: Any, turns: List[Dict[str, Any]], unreported: int) -> Option
         "fallbacks": sum(1 for r in later if r["advised"] and r["fetched_tokens"] == 0),
         "bytes_moved": sum(r["bytes"] for r in rows),
         "host_payload_bytes": sum(r["host_payload_bytes"] for r in rows),
-        "within_1ms": all(b["on_p50_ms"] <= b["off_p50_ms"] + 1.0 for b in buckets) if buckets else None,
+        "within_1ms": all(b["added_p50_ms"] <= 1.0 for b in buckets) if buckets else None,
+        "p50_within_1ms": all(b["on_p50_ms"] <= b["off_p50_ms"] + 1.0 for b in buckets) if buckets else None,
         "unreported_blocks": unreported,
     }
 

@@ -98,8 +98,33 @@ def test_warm_summary_compares_on_with_the_prefills_own_cache():
     assert s["within_1ms"] is True and s["buckets"][0]["turns"] == 2
     rows.append(turn(3, 5.0, 9.0, 16))
     rows.append(turn(4, 5.0, 9.0, 16))
-    assert warm_summary(w, rows, 0)["within_1ms"] is False
+    rows.append(turn(5, 5.0, 9.0, 16))
+    s = warm_summary(w, rows, 0)
+    assert s["within_1ms"] is False and s["p50_within_1ms"] is False
+    assert s["buckets"][0]["added_p50_ms"] == 4.0
     assert warm_summary(w, [{"turn": 1, "bucket": 256}], 0) is None
+
+
+def test_warm_goal_reads_an_unfetched_turn_outside_its_forward_and_a_fetched_one_whole():
+    w = Workload(history_max=1024, turn_tokens=(40, 60), gen_tokens=(8, 16), vocab=256)
+
+    def turn(t, off, on, fetched, fwd_off, fwd_on):
+        return {"turn": t, "bucket": 256, "warm": {
+            "off_ms": off, "on_ms": on, "fetched_tokens": fetched, "held_tokens": 100, "advised": fetched > 0,
+            "bytes": 0, "host_payload_bytes": 0,
+            "off_phases_ms": {"forward": fwd_off, "rpc": 0.5}, "on_phases_ms": {"forward": fwd_on, "advise": 0.6}}}
+    # Refused turns whose ON forward happened to run 3 ms slower: 0.6 ms added outside it.
+    rows = [turn(1, 30.0, 33.6, 0, 29.5, 32.5), turn(2, 30.0, 33.6, 0, 29.5, 32.5)]
+    s = warm_summary(w, rows, 0)
+    assert s["buckets"][0]["added_p50_ms"] == pytest.approx(0.6)
+    assert s["within_1ms"] is True and s["p50_within_1ms"] is False
+    # A fetched turn counts whole: 4 ms slower although its forward was shorter.
+    rows = [turn(1, 30.0, 34.0, 16, 29.5, 20.0)] * 2
+    s = warm_summary(w, rows, 0)
+    assert s["buckets"][0]["added_p50_ms"] == pytest.approx(4.0) and s["within_1ms"] is False
+    # Outside the forward, over 1 ms: missed.
+    rows = [turn(1, 30.0, 31.6, 0, 29.5, 29.5)] * 2
+    assert warm_summary(w, rows, 0)["within_1ms"] is False
 
 
 def test_donor_kill_turn_passes_the_pid_and_fails_on_a_fetch_or_a_leak():

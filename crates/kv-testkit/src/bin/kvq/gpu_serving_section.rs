@@ -384,8 +384,10 @@ pub fn goals(v: &Value) -> Value {
             _ => Value::Null,
         },
     );
-    // The warm regime (when run): ON-warm p50 no slower than OFF-warm p50
-    // (the prefill's own prefix cache) by more than 1 ms in every bucket.
+    // The warm regime (when run): ON-warm no slower than OFF-warm (the
+    // prefill's own prefix cache) by more than 1 ms in every bucket, by the
+    // harness's per-turn measure (`gpu_serving.regimes.warm_added_ms`:
+    // whole where ON fetched, outside the forward where it did not).
     g.insert(
         "warm_turns_within_1ms".into(),
         v["warm"]["within_1ms"]
@@ -473,7 +475,7 @@ pub fn report(r: &Record, dir: &Path, md: &mut String) -> Result<(), String> {
     if let Some(wb) = v["warm"]["buckets"].as_array() {
         let _ = writeln!(
             md,
-            "\nWarm regime (the prefill keeps its own prefix cache; the cost model decides what to fetch): {} of {} later turns fetched (p50 {} tokens), {} refused by the cost model, {} fallbacks.\n\n| history | turns | OFF p50 | ON p50 | OFF p99 | ON p99 | OFF/ON |\n| --- | --- | --- | --- | --- | --- | --- |",
+            "\nWarm regime (the prefill keeps its own prefix cache; the cost model decides what to fetch): {} of {} later turns fetched (p50 {} tokens), {} refused by the cost model, {} fallbacks.\n\n| history | turns | OFF p50 | ON p50 | OFF p99 | ON p99 | OFF/ON | ON adds p50 |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n\n`ON adds`: the median per turn of what ON-warm added, whole where it fetched, outside the forward where it did not (both forwards the same computation); the goal's measure.",
             v["warm"]["fetched_turns"],
             v["warm"]["later_turns"],
             v["warm"]["fetched_tokens_p50"],
@@ -483,14 +485,15 @@ pub fn report(r: &Record, dir: &Path, md: &mut String) -> Result<(), String> {
         for b in wb {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
                 b["history"],
                 b["turns"],
                 f(&b["off_p50_ms"]),
                 f(&b["on_p50_ms"]),
                 f(&b["off_p99_ms"]),
                 f(&b["on_p99_ms"]),
-                f(&b["ratio"])
+                f(&b["ratio"]),
+                f(&b["added_p50_ms"])
             );
         }
     }
