@@ -17,7 +17,13 @@
 //!   8B shape into block-major, vLLM kv-first and HF at token offset 48, the
 //!   shape built once per target (as `CudaCopyBackend` caches it);
 //! - `cpu/plan_build_cold/8b_to_<target>/..`: `ConvertPlan::new`, which
-//!   builds the piece table again on every call.
+//!   builds the piece table again on every call;
+//! - `cpu/transfer_plan/scattered/<n>x<size>`: `TransferPlan::new` of the
+//!   scattered moves (checks, sort, runs), built before `deliver` is called;
+//! - `cpu/deliver_host/scattered/<n>x<size>`: `deliver` of that plan through a
+//!   backend that moves nothing and reports the part's expected bytes:
+//!   `deliver`'s own host work per fetch (region bounds, control checks,
+//!   report), the part of a GPU fetch's host time outside the backend.
 //!
 //! `p50_us` is the build time. `GBps` is the fetch's bytes over the build
 //! time and `raw_GBps` the raw memcpy rate of the copy rows' same block size
@@ -27,11 +33,36 @@
 
 use std::time::{Duration, Instant};
 
-use crate::bench::{gbps, median, plan_for, sizes, BenchRow};
+use crate::bench::{gbps, median, moves_for, plan_of_moves, sizes, BenchRow};
 use crate::bench_convert::{bad, case, Case};
 use crate::bench_sweep::plan_of_runs;
 use crate::cuda_gather::{ConvertPlan, ConvertShape, GatherTuning, RunsGather};
-use crate::TransferError;
+use crate::delivery::{CopyBackend, PartOutcome, RankIo, SourceRegion};
+use crate::plan::PartPlan;
+use crate::{deliver, DeliveryControl, HostBuffer, TransferError};
+
+/// A backend that moves nothing and reports each part's expected bytes, so
+/// `deliver` completes: times `deliver`'s own host work.
+struct NoCopy;
+
+impl CopyBackend for NoCopy {
+    fn name(&self) -> &'static str {
+        "no_copy"
+    }
+    fn copy_part(
+        &self,
+        part: &PartPlan,
+        _io: &RankIo<'_>,
+        _control: &DeliveryControl,
+    ) -> Result<PartOutcome, TransferError> {
+        Ok(PartOutcome {
+            bytes: part.expected_bytes,
+            copies: 0,
+            host_payload_bytes: 0,
+            transport: "none".into(),
+        })
+    }
+}
 
 /// Median of `repeats` timed calls of `f` after one warm-up.
 fn time<T>(
@@ -87,7 +118,25 @@ pub(crate) fn rows(
     let mut out = Vec::new();
     for s in sizes(quick) {
         let layout = crate::bench::layout_for(s.block_bytes)?;
-        let plan = plan_for(&layout, s.blocks, true)?;
+        let moves = moves_for(s.blocks, true);
+        let plan = plan_of_moves(&layout, s.blocks, &moves)?;
+        let transfer_plan = time(repeats, || plan_of_moves(&layout, s.blocks, &moves))?;
+        // Regions of the plan's sizes (never touched: `NoCopy` moves nothing).
+        let total = s.blocks as usize * s.block_bytes;
+        let (src, dst) = (HostBuffer::zeroed(2 * total)?, HostBuffer::zeroed(total)?);
+        let io = [RankIo {
+            src: SourceRegion::Mapped(&src),
+            dst: &dst,
+        }];
+        let control = DeliveryControl::new();
+        let deliver_host = time(repeats, || {
+            let r = deliver(&plan, &NoCopy, &io, &control)?;
+            if r.is_complete() {
+                Ok(r)
+            } else {
+                Err(TransferError::input("bench", "a no-copy delivery was not complete"))
+            }
+        })?;
         let len = 2 * s.blocks as u64 * s.block_bytes as u64;
         let t = time(repeats, || plan_of_runs(&plan, len, len, &tuning))?;
         let part = &plan.parts()[0];
@@ -104,9 +153,14 @@ pub(crate) fn rows(
             }))
         })?;
         let size = format!("{}x{}", s.blocks, s.label);
-        for (kind, t) in [("runs", t), ("runs_direct", direct)] {
+        for (kind, t) in [
+            ("plan_build/runs", t),
+            ("plan_build/runs_direct", direct),
+            ("transfer_plan/scattered", transfer_plan),
+            ("deliver_host/scattered", deliver_host),
+        ] {
             out.push(plan_row(
-                format!("cpu/plan_build/{kind}/{size}"),
+                format!("cpu/{kind}/{size}"),
                 plan.expected_bytes(),
                 u64::from(s.blocks),
                 t,
