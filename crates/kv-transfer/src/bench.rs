@@ -529,8 +529,10 @@ fn run_gpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
                     let mut r = row(name, &plan, s.blocks, t, raw);
                     if scattered && label == "cuda_ipc" {
                         let (sl, dl) = (src.len() as u64, dst.len() as u64);
-                        let build =
-                            |w| crate::bench_sweep::launch_of_runs(&plan, sl, dl, &tuning, w);
+                        let pieces = Default::default();
+                        let build = |w| {
+                            crate::bench_sweep::launch_of_runs(&plan, sl, dl, &tuning, (w, &pieces))
+                        };
                         r.phases = Some(crate::bench_sweep::phases(
                             &auto, &build, &src, &dst, repeats, raw,
                         )?);
@@ -686,14 +688,17 @@ mod tests {
                 "cpu/host_memcpy/scattered/64x2MiB",
                 "cpu/plan_build/runs/64x64KiB",
                 "cpu/plan_build/runs_direct/64x64KiB",
+                "cpu/plan_build/packed_rows/64x64KiB",
                 "cpu/transfer_plan/scattered/64x64KiB",
                 "cpu/deliver_host/scattered/64x64KiB",
                 "cpu/plan_build/runs/64x16KiB",
                 "cpu/plan_build/runs_direct/64x16KiB",
+                "cpu/plan_build/packed_rows/64x16KiB",
                 "cpu/transfer_plan/scattered/64x16KiB",
                 "cpu/deliver_host/scattered/64x16KiB",
                 "cpu/plan_build/runs/64x2MiB",
                 "cpu/plan_build/runs_direct/64x2MiB",
+                "cpu/plan_build/packed_rows/64x2MiB",
                 "cpu/transfer_plan/scattered/64x2MiB",
                 "cpu/deliver_host/scattered/64x2MiB",
                 "cpu/plan_build/8b_to_block_major/32x256KiB",

@@ -9,10 +9,15 @@
 //!   scattered `TransferPlan`'s rows, what `deliver` builds per rank past
 //!   8,128 blocks;
 //! - `cpu/plan_build/runs_direct/<n>x<size>`: `RunsGather::with_words`,
-//!   what `deliver` does instead up to 8,128 blocks (one branch-free pass
-//!   that checks the runs and, past 128 blocks, packs the ids into the
-//!   previous fetch's Vec; the launch writes the table from the runs; a
-//!   larger fetch returns at once and builds the plan);
+//!   what `deliver` does up to 8,128 blocks for a part without packed rows
+//!   (one branch-free pass that checks the runs and, past 128 blocks, packs
+//!   the ids into the previous fetch's Vec; the launch writes the table from
+//!   the runs; a larger fetch returns at once and builds the plan);
+//! - `cpu/plan_build/packed_rows/<n>x<size>`: `PackedRows::gather` of the
+//!   whole part with the piece table kept from the previous fetch, what
+//!   `deliver` builds per fetch for a part whose plan packed its ids (more
+//!   than 128 blocks, ids below 65,536: both scattered shapes; the 128-block
+//!   row has none and repeats `runs_direct`'s work);
 //! - `cpu/plan_build/8b_to_<target>/<n>x<size>`: `ConvertShape::plan` of the
 //!   8B shape into block-major, vLLM kv-first and HF at token offset 48, the
 //!   shape built once per target (as `CudaCopyBackend` caches it);
@@ -36,7 +41,7 @@ use std::time::{Duration, Instant};
 use crate::bench::{gbps, median, moves_for, plan_of_moves, sizes, BenchRow};
 use crate::bench_convert::{bad, case, Case};
 use crate::bench_sweep::plan_of_runs;
-use crate::cuda_gather::{ConvertPlan, ConvertShape, GatherTuning, RunsGather};
+use crate::cuda_gather::{ContiguousPieces, ConvertPlan, ConvertShape, GatherTuning, RunsGather};
 use crate::delivery::{CopyBackend, PartOutcome, RankIo, SourceRegion};
 use crate::plan::PartPlan;
 use crate::{deliver, DeliveryControl, HostBuffer, TransferError};
@@ -134,7 +139,10 @@ pub(crate) fn rows(
             if r.is_complete() {
                 Ok(r)
             } else {
-                Err(TransferError::input("bench", "a no-copy delivery was not complete"))
+                Err(TransferError::input(
+                    "bench",
+                    "a no-copy delivery was not complete",
+                ))
             }
         })?;
         let len = 2 * s.blocks as u64 * s.block_bytes as u64;
@@ -152,10 +160,26 @@ pub(crate) fn rows(
                 bytes
             }))
         })?;
+        // As the CUDA backend does per fetch: the part's packed rows (built
+        // with the plan) as one launch, its piece table kept by the device.
+        let mut pieces = ContiguousPieces::default();
+        let rows = time(repeats, || match part.packed_rows() {
+            Some(rows) => {
+                let p = pieces.get(bb, rows.blocks(), tuning.max_piece_bytes());
+                let g = rows
+                    .gather(0, rows.blocks(), p)
+                    .map_err(|e| TransferError::input("runs", e.to_string()))?;
+                Ok(g.bytes())
+            }
+            None => RunsGather::with_words(&part.runs, bb, &tuning, std::mem::take(&mut words))
+                .map_err(|e| TransferError::input("runs", e.to_string()))
+                .map(|g| g.map_or(0, |g| g.bytes())),
+        })?;
         let size = format!("{}x{}", s.blocks, s.label);
         for (kind, t) in [
             ("plan_build/runs", t),
             ("plan_build/runs_direct", direct),
+            ("plan_build/packed_rows", rows),
             ("transfer_plan/scattered", transfer_plan),
             ("deliver_host/scattered", deliver_host),
         ] {

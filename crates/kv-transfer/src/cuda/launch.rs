@@ -2,8 +2,9 @@
 //! device, where each launch's block table goes ([`TablePlacement`]), and
 //! the launch itself.
 //!
-//! Per fetch the host writes `2n` table entries (or `n` packed ids) and
-//! issues one launch; with an inline table (up to
+//! Per fetch the host writes `2n` table entries (or copies `n` packed ids,
+//! for a `deliver` part of more than 128 blocks a slice of the ids its plan
+//! packed, `PackedRows`) and issues one launch; with an inline table (up to
 //! [`crate::cuda_gather::INLINE_SMALL_BLOCKS`] blocks as u64 addresses,
 //! 129..=[`crate::cuda_gather::INLINE_PACKED_BLOCKS`] as packed ids in the
 //! smallest parameter tier that holds them) nothing else goes to the
@@ -389,7 +390,7 @@ pub(super) fn launch_convert(
         op: "nvrtcCompileProgram",
         reason: "libnvrtc not found: the converting gather kernel is unavailable".into(),
     })?;
-    let packed = plan.packed();
+    let packed = plan.packed_ref();
     let placement = TablePlacement::for_blocks(
         plan.blocks(),
         kernels.inline_loaded() && upload.inline_allowed(),
@@ -407,7 +408,7 @@ pub(super) fn launch_convert(
     match (placement, packed) {
         (TablePlacement::Device, _) => {}
         (p, Some(ids)) if p.packed_capacity().is_some() => {
-            tables.packed[..ids.words.len()].copy_from_slice(&ids.words);
+            tables.packed[..ids.words.len()].copy_from_slice(ids.words);
         }
         _ => plan.write_block_table(sb, db, &mut tables.inline[..2 * plan.blocks()]),
     }
@@ -468,9 +469,13 @@ pub(super) fn launch_convert(
     // to `2n` uploaded entries. Every block base + piece offset + piece
     // length lies inside its region: `ConvertPlan` / `RunsGather` built the
     // offsets from validated `KvRegionLayout`s (or in-range plan runs that
-    // `deliver` checked against both regions) and the callers
-    // checked both regions are at least the plan's region bytes long; the
-    // width divides every address (`ConvertPlan::geometry`).
+    // `deliver` checked against both regions), and a `RowsGather` is a slice
+    // of `PackedRows` whose ends were derived from those same ids and
+    // strides (`PackedRows::of_ids`: every `id x stride + block_bytes` is at
+    // most its end, and its pieces tile exactly `block_bytes`); the callers
+    // checked both regions are at least the plan's region bytes (or those
+    // ends) long; the width divides every address (`geometry_tuned`: the OR
+    // of every offset, the piece length and both bases).
     unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
     if let Some(ev) = events {
         ev.done = Some(record(stream)?);
