@@ -134,18 +134,17 @@ pub(crate) fn shuffled(n: u32, seed: u64) -> Vec<u32> {
     v
 }
 
-pub(crate) fn plan_for(
-    layout: &KvLayout,
-    blocks: u32,
-    scattered: bool,
-) -> Result<TransferPlan, TransferError> {
+/// The benchmark's moves: `blocks` target blocks in order from donor slots
+/// `0..blocks` (contiguous) or every other slot of twice as many, shuffled
+/// (scattered).
+pub(crate) fn moves_for(blocks: u32, scattered: bool) -> Vec<BlockMove> {
     // Donor has twice the slots; scattered picks every other slot, shuffled.
     let src_slots: Vec<u32> = if scattered {
         shuffled(blocks, 7).into_iter().map(|s| 2 * s + 1).collect()
     } else {
         (0..blocks).collect()
     };
-    let moves: Vec<BlockMove> = src_slots
+    src_slots
         .iter()
         .enumerate()
         .map(|(i, &s)| BlockMove {
@@ -153,14 +152,31 @@ pub(crate) fn plan_for(
             src_slot: Some(s),
             dst_block: i as u32,
         })
-        .collect();
+        .collect()
+}
+
+/// [`TransferPlan::new`] of [`moves_for`] over dense regions (donor twice
+/// the target's blocks).
+pub(crate) fn plan_of_moves(
+    layout: &KvLayout,
+    blocks: u32,
+    moves: &[BlockMove],
+) -> Result<TransferPlan, TransferError> {
     TransferPlan::new(
         layout,
         layout,
-        &moves,
+        moves,
         &[RegionGeometry::dense(layout, 2 * blocks)],
         &[RegionGeometry::dense(layout, blocks)],
     )
+}
+
+pub(crate) fn plan_for(
+    layout: &KvLayout,
+    blocks: u32,
+    scattered: bool,
+) -> Result<TransferPlan, TransferError> {
+    plan_of_moves(layout, blocks, &moves_for(blocks, scattered))
 }
 
 pub(crate) fn fill(mem: &dyn BankMemory, seed: u8) -> Result<(), TransferError> {
@@ -513,8 +529,10 @@ fn run_gpu(opts: &BenchOpts, repeats: usize) -> Result<Vec<BenchRow>, TransferEr
                     let mut r = row(name, &plan, s.blocks, t, raw);
                     if scattered && label == "cuda_ipc" {
                         let (sl, dl) = (src.len() as u64, dst.len() as u64);
-                        let build =
-                            |w| crate::bench_sweep::launch_of_runs(&plan, sl, dl, &tuning, w);
+                        let pieces = Default::default();
+                        let build = |w| {
+                            crate::bench_sweep::launch_of_runs(&plan, sl, dl, &tuning, (w, &pieces))
+                        };
                         r.phases = Some(crate::bench_sweep::phases(
                             &auto, &build, &src, &dst, repeats, raw,
                         )?);
@@ -670,10 +688,19 @@ mod tests {
                 "cpu/host_memcpy/scattered/64x2MiB",
                 "cpu/plan_build/runs/64x64KiB",
                 "cpu/plan_build/runs_direct/64x64KiB",
+                "cpu/plan_build/packed_rows/64x64KiB",
+                "cpu/transfer_plan/scattered/64x64KiB",
+                "cpu/deliver_host/scattered/64x64KiB",
                 "cpu/plan_build/runs/64x16KiB",
                 "cpu/plan_build/runs_direct/64x16KiB",
+                "cpu/plan_build/packed_rows/64x16KiB",
+                "cpu/transfer_plan/scattered/64x16KiB",
+                "cpu/deliver_host/scattered/64x16KiB",
                 "cpu/plan_build/runs/64x2MiB",
                 "cpu/plan_build/runs_direct/64x2MiB",
+                "cpu/plan_build/packed_rows/64x2MiB",
+                "cpu/transfer_plan/scattered/64x2MiB",
+                "cpu/deliver_host/scattered/64x2MiB",
                 "cpu/plan_build/8b_to_block_major/32x256KiB",
                 "cpu/plan_build_cold/8b_to_block_major/32x256KiB",
                 "cpu/plan_build/8b_to_vllm_kv_first/32x256KiB",

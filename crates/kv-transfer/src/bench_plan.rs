@@ -9,15 +9,26 @@
 //!   scattered `TransferPlan`'s rows, what `deliver` builds per rank past
 //!   8,128 blocks;
 //! - `cpu/plan_build/runs_direct/<n>x<size>`: `RunsGather::with_words`,
-//!   what `deliver` does instead up to 8,128 blocks (one branch-free pass
-//!   that checks the runs and, past 128 blocks, packs the ids into the
-//!   previous fetch's Vec; the launch writes the table from the runs; a
-//!   larger fetch returns at once and builds the plan);
+//!   what `deliver` does up to 8,128 blocks for a part without packed rows
+//!   (one branch-free pass that checks the runs and, past 128 blocks, packs
+//!   the ids into the previous fetch's Vec; the launch writes the table from
+//!   the runs; a larger fetch returns at once and builds the plan);
+//! - `cpu/plan_build/packed_rows/<n>x<size>`: `PackedRows::gather` of the
+//!   whole part with the piece table kept from the previous fetch, what
+//!   `deliver` builds per fetch for a part whose plan packed its ids (more
+//!   than 128 blocks, ids below 65,536: both scattered shapes; the 128-block
+//!   row has none and repeats `runs_direct`'s work);
 //! - `cpu/plan_build/8b_to_<target>/<n>x<size>`: `ConvertShape::plan` of the
 //!   8B shape into block-major, vLLM kv-first and HF at token offset 48, the
 //!   shape built once per target (as `CudaCopyBackend` caches it);
 //! - `cpu/plan_build_cold/8b_to_<target>/..`: `ConvertPlan::new`, which
-//!   builds the piece table again on every call.
+//!   builds the piece table again on every call;
+//! - `cpu/transfer_plan/scattered/<n>x<size>`: `TransferPlan::new` of the
+//!   scattered moves (checks, sort, runs), built before `deliver` is called;
+//! - `cpu/deliver_host/scattered/<n>x<size>`: `deliver` of that plan through a
+//!   backend that moves nothing and reports the part's expected bytes:
+//!   `deliver`'s own host work per fetch (region bounds, control checks,
+//!   report), the part of a GPU fetch's host time outside the backend.
 //!
 //! `p50_us` is the build time. `GBps` is the fetch's bytes over the build
 //! time and `raw_GBps` the raw memcpy rate of the copy rows' same block size
@@ -27,11 +38,36 @@
 
 use std::time::{Duration, Instant};
 
-use crate::bench::{gbps, median, plan_for, sizes, BenchRow};
+use crate::bench::{gbps, median, moves_for, plan_of_moves, sizes, BenchRow};
 use crate::bench_convert::{bad, case, Case};
 use crate::bench_sweep::plan_of_runs;
-use crate::cuda_gather::{ConvertPlan, ConvertShape, GatherTuning, RunsGather};
-use crate::TransferError;
+use crate::cuda_gather::{ContiguousPieces, ConvertPlan, ConvertShape, GatherTuning, RunsGather};
+use crate::delivery::{CopyBackend, PartOutcome, RankIo, SourceRegion};
+use crate::plan::PartPlan;
+use crate::{deliver, DeliveryControl, HostBuffer, TransferError};
+
+/// A backend that moves nothing and reports each part's expected bytes, so
+/// `deliver` completes: times `deliver`'s own host work.
+struct NoCopy;
+
+impl CopyBackend for NoCopy {
+    fn name(&self) -> &'static str {
+        "no_copy"
+    }
+    fn copy_part(
+        &self,
+        part: &PartPlan,
+        _io: &RankIo<'_>,
+        _control: &DeliveryControl,
+    ) -> Result<PartOutcome, TransferError> {
+        Ok(PartOutcome {
+            bytes: part.expected_bytes,
+            copies: 0,
+            host_payload_bytes: 0,
+            transport: "none".into(),
+        })
+    }
+}
 
 /// Median of `repeats` timed calls of `f` after one warm-up.
 fn time<T>(
@@ -87,7 +123,28 @@ pub(crate) fn rows(
     let mut out = Vec::new();
     for s in sizes(quick) {
         let layout = crate::bench::layout_for(s.block_bytes)?;
-        let plan = plan_for(&layout, s.blocks, true)?;
+        let moves = moves_for(s.blocks, true);
+        let plan = plan_of_moves(&layout, s.blocks, &moves)?;
+        let transfer_plan = time(repeats, || plan_of_moves(&layout, s.blocks, &moves))?;
+        // Regions of the plan's sizes (never touched: `NoCopy` moves nothing).
+        let total = s.blocks as usize * s.block_bytes;
+        let (src, dst) = (HostBuffer::zeroed(2 * total)?, HostBuffer::zeroed(total)?);
+        let io = [RankIo {
+            src: SourceRegion::Mapped(&src),
+            dst: &dst,
+        }];
+        let control = DeliveryControl::new();
+        let deliver_host = time(repeats, || {
+            let r = deliver(&plan, &NoCopy, &io, &control)?;
+            if r.is_complete() {
+                Ok(r)
+            } else {
+                Err(TransferError::input(
+                    "bench",
+                    "a no-copy delivery was not complete",
+                ))
+            }
+        })?;
         let len = 2 * s.blocks as u64 * s.block_bytes as u64;
         let t = time(repeats, || plan_of_runs(&plan, len, len, &tuning))?;
         let part = &plan.parts()[0];
@@ -103,10 +160,31 @@ pub(crate) fn rows(
                 bytes
             }))
         })?;
+        // As the CUDA backend does per fetch: the part's packed rows (built
+        // with the plan) as one launch, its piece table kept by the device.
+        let mut pieces = ContiguousPieces::default();
+        let rows = time(repeats, || match part.packed_rows() {
+            Some(rows) => {
+                let p = pieces.get(bb, rows.blocks(), tuning.max_piece_bytes());
+                let g = rows
+                    .gather(0, rows.blocks(), p)
+                    .map_err(|e| TransferError::input("runs", e.to_string()))?;
+                Ok(g.bytes())
+            }
+            None => RunsGather::with_words(&part.runs, bb, &tuning, std::mem::take(&mut words))
+                .map_err(|e| TransferError::input("runs", e.to_string()))
+                .map(|g| g.map_or(0, |g| g.bytes())),
+        })?;
         let size = format!("{}x{}", s.blocks, s.label);
-        for (kind, t) in [("runs", t), ("runs_direct", direct)] {
+        for (kind, t) in [
+            ("plan_build/runs", t),
+            ("plan_build/runs_direct", direct),
+            ("plan_build/packed_rows", rows),
+            ("transfer_plan/scattered", transfer_plan),
+            ("deliver_host/scattered", deliver_host),
+        ] {
             out.push(plan_row(
-                format!("cpu/plan_build/{kind}/{size}"),
+                format!("cpu/{kind}/{size}"),
                 plan.expected_bytes(),
                 u64::from(s.blocks),
                 t,

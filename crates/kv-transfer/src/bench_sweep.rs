@@ -1,9 +1,11 @@
 //! Phase timing and the launch-knob sweep of the GPU benchmark.
 //!
 //! Phases (every GPU scattered `cuda_ipc` row and every converting row):
-//! host plan (what `deliver` builds from the fetch's runs, a [`RunsGather`]
-//! up to 8,128 blocks and a [`ConvertPlan`] past that, or the converting
-//! rows' [`ConvertPlan`] from moves),
+//! host plan (what `deliver` builds per fetch before the launch: for a part
+//! of more than 128 blocks with 16-bit ids the [`RowsGather`] of its plan's
+//! packed rows, O(1); otherwise from the fetch's runs, a [`RunsGather`] up
+//! to 8,128 blocks and a [`ConvertPlan`] past that; or the converting rows'
+//! [`ConvertPlan`] from moves),
 //! host tables (launch geometry and the block table written into pinned
 //! memory), table upload and kernel alone (CUDA events), each a median of
 //! `repeats` profiled launches after one warm-up; `kernel_ratio` is the raw
@@ -23,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bench::{median, BenchRow};
 use crate::cuda::CudaCopyBackend;
-use crate::cuda_gather::{ConvertPlan, GatherTuning, RunsGather};
+use crate::cuda_gather::{ContiguousPieces, ConvertPlan, GatherTuning, RowsGather, RunsGather};
 use crate::plan::TransferPlan;
 use crate::TransferError;
 
@@ -101,6 +103,9 @@ pub fn env_tuning() -> Result<GatherTuning, TransferError> {
 /// What `deliver` launches for a block-major part: the rows straight from
 /// the runs ([`RunsGather`]) or a built plan.
 pub(crate) enum Built<'a> {
+    /// The plan's packed rows (more than 128 blocks, 16-bit ids), as the
+    /// unchunked launch of `deliver` (`upload=params`).
+    Rows(RowsGather<'a>),
     /// Up to 8,128 blocks.
     Runs(RunsGather<'a>),
     /// Larger fetches, and every converting row.
@@ -126,6 +131,7 @@ pub(crate) fn phases<'a>(
         let built = build(std::mem::take(&mut words))?;
         let host_plan = t0.elapsed();
         let p = match &built {
+            Built::Rows(g) => backend.profile_rows(g, src, dst)?,
             Built::Runs(g) => backend.profile_runs(g, src, dst)?,
             Built::Plan(plan) => backend.profile_convert(plan, src, dst)?,
         };
@@ -151,16 +157,26 @@ pub(crate) fn phases<'a>(
 }
 
 /// What `deliver` builds for rank 0 of `plan` (block-major rows): the
-/// direct [`RunsGather`] (packing into `words`, the last fetch's Vec) when
-/// the fetch fits it, else [`plan_of_runs`].
+/// [`RowsGather`] of the plan's packed rows (its piece table from `pieces`,
+/// kept across fetches as the backend keeps it) when the part has them,
+/// else the direct [`RunsGather`] (packing into `words`, the last fetch's
+/// Vec) when the fetch fits it, else [`plan_of_runs`].
 pub(crate) fn launch_of_runs<'a>(
     plan: &'a TransferPlan,
     src_len: u64,
     dst_len: u64,
     tuning: &GatherTuning,
-    words: Vec<u32>,
+    (words, pieces): (Vec<u32>, &std::cell::RefCell<ContiguousPieces>),
 ) -> Result<Built<'a>, TransferError> {
     let part = &plan.parts()[0];
+    if let Some(rows) = part.packed_rows() {
+        let (n, bb) = (rows.blocks(), rows.block_bytes());
+        let p = pieces.borrow_mut().get(bb, n, tuning.max_piece_bytes());
+        return rows
+            .gather(0, n, p)
+            .map(Built::Rows)
+            .map_err(|e| TransferError::input("runs", e.to_string()));
+    }
     let blocks: u64 = part.runs.iter().map(|r| u64::from(r.blocks)).sum();
     let bb = part.expected_bytes / blocks.max(1);
     match RunsGather::with_words(&part.runs, bb, tuning, words)
@@ -232,7 +248,8 @@ pub(crate) fn sweep(quick: bool, repeats: usize) -> Result<Vec<BenchRow>, Transf
             let name = format!("sweep/scattered/{blocks}x{size}/{}", label(&tuning));
             verify(plan, src, dst, &name)?;
             let (sl, dl) = (src.len() as u64, dst.len() as u64);
-            let build = |w| launch_of_runs(plan, sl, dl, &tuning, w);
+            let pieces = Default::default();
+            let build = |w| launch_of_runs(plan, sl, dl, &tuning, (w, &pieces));
             let mut r = row(name, plan, *blocks, time, *raw);
             r.phases = Some(phases(&backend, &build, src, dst, repeats, *raw)?);
             rows.push(r);

@@ -16,6 +16,12 @@
 //! Without libnvrtc the kernel is unavailable and every run is a device copy
 //! (correct, slower for scattered blocks; a warning is logged).
 //!
+//! A part of more than 128 blocks whose ids fit 16 bits launches from the
+//! ids its plan packed ([`crate::plan::PartPlan::packed_rows`]): before its
+//! first launch the host does O(1) work (two compares of the rows' ends
+//! against the regions, a slice of the ids into the parameter image), no
+//! pass over the runs.
+//!
 //! Only the table (24 bytes per run) crosses the host: payload bytes never
 //! do, so `host_payload_bytes` is 0. Every CUDA call of the crate lives here.
 
@@ -27,7 +33,7 @@ use kv_bank::{BankMemory, MemoryKind};
 use parking_lot::Mutex;
 
 use crate::cuda_gather::{
-    ConvertPlan, ConvertShape, GatherTuning, GatherUpload, Pipeline, RunsGather,
+    ConvertPlan, ConvertShape, GatherTuning, GatherUpload, PackedRows, Pipeline, RunsGather,
     PIPELINE_FIRST_ENV, PIPELINE_GROWTH_ENV, UPLOAD_ENV,
 };
 use crate::delivery::{CopyBackend, PartOutcome, RankIo, SourceRegion};
@@ -273,6 +279,7 @@ impl CudaCopyBackend {
             tables: Tables::new(),
             aux: None,
             aux_in_flight: false,
+            row_pieces: Default::default(),
             words: Vec::new(),
             peers: HashMap::new(),
             enqueued: None,
@@ -554,6 +561,53 @@ impl CudaCopyBackend {
             plan.bytes(),
         ))
     }
+
+    /// The converting gather for a part's [`PackedRows`] (its plan packed
+    /// the ids): one launch, or under [`GatherUpload::Pipelined`] one per
+    /// [`Pipeline::block_chunks`] range (odd ones on the second stream under
+    /// `Pipelined2`), each a slice of the plan's words; no pass over the
+    /// runs, no allocation once the device has seen the block size. The
+    /// caller checked `rows.region_bytes()` against both regions and
+    /// synchronizes after the last launch, whatever happened. Returns
+    /// `(launches, bytes)` as [`CudaCopyBackend::gather_one`].
+    fn gather_rows(
+        dev: &mut Device,
+        (sb, db): (u64, u64),
+        rows: &PackedRows,
+        tuning: &GatherTuning,
+        (upload, pipeline): (GatherUpload, &Pipeline),
+    ) -> Result<(u64, u64), TransferError> {
+        let bad = |e: crate::cuda_gather::ConvertError| TransferError::input("runs", e.to_string());
+        let (n, bb) = (rows.blocks(), rows.block_bytes());
+        let two = upload == GatherUpload::Pipelined2;
+        if two && dev.aux.is_none() {
+            // Before the first chunk, as in `gather`.
+            let s = dev.ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
+            dev.aux = Some(s);
+        }
+        let mut chunks = pipeline.block_chunks(n, bb);
+        let whole = [(0, n)];
+        let mut one = whole.iter().copied();
+        let ranges: &mut dyn Iterator<Item = (usize, usize)> = if upload.pipelines() {
+            &mut chunks
+        } else {
+            &mut one
+        };
+        let (mut launches, mut bytes) = (0, 0);
+        for (k, (start, len)) in ranges.enumerate() {
+            let on_aux = two && k % 2 == 1;
+            let pieces = dev.row_pieces.get(bb, len, tuning.max_piece_bytes());
+            let g = rows.gather(start, len, pieces).map_err(bad)?;
+            if on_aux {
+                // Set before the launch: `Device::sync` then waits for
+                // `aux` whatever the launch returns.
+                dev.aux_in_flight = true;
+            }
+            launches += launch_convert(dev, &g, (sb, db), tuning, upload, on_aux, None)?;
+            bytes += g.bytes();
+        }
+        Ok((launches, bytes))
+    }
 }
 
 impl CopyBackend for CudaCopyBackend {
@@ -587,6 +641,16 @@ impl CopyBackend for CudaCopyBackend {
         let (dev, src_dev, dst_dev) = self.open_pair(part.tp_rank, src, io.dst)?;
         let mut dev = dev.lock();
         let kernel_ok = dev.kernels.is_some() && part.runs.len() > DIRECT_MAX_RUNS;
+        if let Some(rows) = part.packed_rows().filter(|_| kernel_ok) {
+            return self.copy_rows(
+                &mut dev,
+                part.tp_rank,
+                rows,
+                (src, io.dst),
+                control,
+                src_dev == dst_dev,
+            );
+        }
         // The rank block from the first run, not a pass over every run
         // (4096 runs are 160 KiB): the gather refuses a run that is not
         // `blocks` rows of it, and `deliver` a part whose bytes are not
@@ -664,6 +728,73 @@ impl CopyBackend for CudaCopyBackend {
 }
 
 impl CudaCopyBackend {
+    /// A block-major part launched from its plan's [`PackedRows`]: O(1) host
+    /// work before the first launch (two compares of the rows' own ends
+    /// against the regions, a slice of the plan's ids into the parameter
+    /// image). Quiesced before returning, whatever happened.
+    fn copy_rows(
+        &self,
+        dev: &mut Device,
+        rank: u32,
+        rows: &PackedRows,
+        (src, dst): (&dyn BankMemory, &dyn BankMemory),
+        control: &DeliveryControl,
+        same_device: bool,
+    ) -> Result<PartOutcome, TransferError> {
+        // The ends `deliver` checked were found from the runs; these come
+        // from the ids and strides the kernel reads, so the launch is in
+        // bounds whoever called.
+        let (src_end, dst_end) = rows.region_bytes();
+        for (field, end, len) in [
+            ("io.src", src_end, src.len() as u64),
+            ("io.dst", dst_end, dst.len() as u64),
+        ] {
+            if end > len {
+                return Err(TransferError::input(
+                    field,
+                    format!("rank {rank} addresses up to byte {end} of a {len}-byte region"),
+                ));
+            }
+        }
+        dev.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        let mut failed = control.check().err();
+        let mut done = (0, 0);
+        if failed.is_none() {
+            match Self::gather_rows(
+                dev,
+                (src.base_addr(), dst.base_addr()),
+                rows,
+                &self.tuning,
+                (self.upload, &self.pipeline),
+            ) {
+                Ok(d) => done = d,
+                Err(e) => failed = Some(e),
+            }
+        }
+        if failed.is_none() {
+            failed = dev.release_consumer(control, rank).err();
+        }
+        // Quiesce before returning, whatever happened (as `copy_part`).
+        let synced = dev.sync();
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        synced?;
+        let (copies, bytes) = done;
+        Ok(PartOutcome {
+            bytes,
+            copies,
+            host_payload_bytes: 0,
+            transport: if same_device {
+                "cuda_same_device_gather_kernel".into()
+            } else {
+                "cuda_peer_gather_kernel".into()
+            },
+        })
+    }
+
     /// A converting part ([`crate::convert::Conversion`] of a converting
     /// `TransferPlan`): one launch of the converting gather when the kernel is
     /// loaded, else one device copy per piece (correct, slow; cancellation and

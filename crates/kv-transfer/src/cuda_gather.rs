@@ -39,12 +39,14 @@ mod mirror;
 
 mod packed;
 mod reference;
+mod rows;
 mod runs;
 mod shape;
 mod source;
 mod upload;
-pub use packed::PackedIds;
+pub use packed::{PackedIds, PackedRef};
 pub use reference::reference_convert;
+pub use rows::{contiguous_piece_bytes, ContiguousPieces, PackedRows, RowsGather};
 pub use runs::{BlockSource, RunsGather};
 pub use shape::ConvertShape;
 pub use source::{
@@ -54,7 +56,7 @@ pub use source::{
     KERNEL_NAMES, PACKED_MAX_BLOCK_ID, PACKED_TIER_NAMES, WIDE_KERNEL_NAME,
 };
 pub use upload::{
-    GatherUpload, Pipeline, PipelineChunks, PIPELINE_FIRST_ENV, PIPELINE_GROWTH_ENV,
+    BlockChunks, GatherUpload, Pipeline, PipelineChunks, PIPELINE_FIRST_ENV, PIPELINE_GROWTH_ENV,
     PIPELINE_MIN_RUNS, UPLOAD_ENV,
 };
 
@@ -646,12 +648,7 @@ impl ConvertPlan {
             }
             // The device table of a packed plan (no inline module): the
             // addresses the packed entry points would form.
-            Blocks::Packed(p) => {
-                for ((os, od), w) in s.iter_mut().zip(d.iter_mut()).zip(&p.words) {
-                    *os = src_base + u64::from(w >> 16) * p.src_stride;
-                    *od = dst_base + u64::from(w & 0xFFFF) * p.dst_stride;
-                }
-            }
+            Blocks::Packed(p) => p.view().write_block_table(src_base, dst_base, out),
         }
     }
 

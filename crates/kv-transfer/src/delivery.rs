@@ -246,15 +246,11 @@ pub fn deliver(
         }
         // A conversion's pieces lie inside its layouts' regions (checked
         // when the layouts were built); the regions must fit the memory.
-        let (conv_src, conv_dst) = part
-            .conversion
-            .as_ref()
-            .map_or((0, 0), |c| (c.src().region_bytes(), c.dst().region_bytes()));
-        // One pass for both ends (a scattered part of 4096 runs is 160 KiB
-        // read before any byte moves).
-        let (src_end, dst_end) = part.runs.iter().fold((conv_src, conv_dst), |(s, d), r| {
-            (s.max(r.src_offset + r.len), d.max(r.dst_offset + r.len))
-        });
+        // For rows, the furthest run end on each side, found when the plan
+        // was built (its runs cannot change since): no pass over the runs
+        // before the first byte moves (a scattered part of 4096 runs is
+        // 160 KiB).
+        let (src_end, dst_end) = part.region_ends();
         if src_end > rio.src.len() {
             return Err(TransferError::input(
                 "io.src",

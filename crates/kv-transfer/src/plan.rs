@@ -8,10 +8,12 @@
 //! geometry (stride, count) may differ per rank.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use kv_descriptor::{KvLayout, KvRegionLayout, SequenceHash, TensorOrder};
 
 use crate::convert::{BlockPair, Conversion};
+use crate::cuda_gather::{PackedRows, INLINE_SMALL_BLOCKS, PACKED_MAX_BLOCK_ID};
 use crate::TransferError;
 
 /// Geometry of one rank's region: `blocks` rows of `stride_bytes` each,
@@ -102,6 +104,30 @@ pub struct PartPlan {
     /// [`crate::CopyBackend::converts`] is true executes it; [`crate::deliver`]
     /// refuses it for any other before a byte moves.
     pub conversion: Option<Conversion>,
+    /// Bytes the donor / target region must have: the furthest run end
+    /// (a conversion: its layouts' region bytes), found when the plan was
+    /// built, so `deliver` checks the regions without a pass over the runs.
+    ends: (u64, u64),
+    /// The rows as packed ids (parts of more than 128 blocks whose ids fit
+    /// 16 bits), so the gather launches without a pass over the runs.
+    packed: Option<PackedRows>,
+}
+
+impl PartPlan {
+    /// `(donor, target)` bytes the regions must have: the end of the
+    /// furthest run on each side, or for a converting part its layouts'
+    /// region bytes. O(1): found when the plan was built.
+    pub fn region_ends(&self) -> (u64, u64) {
+        self.ends
+    }
+
+    /// The rows of a block-major part as packed 16-bit ids (block `i` of the
+    /// runs, in order, is `words()[i]`), present when the part has more than
+    /// [`INLINE_SMALL_BLOCKS`] blocks and every id is at most
+    /// [`PACKED_MAX_BLOCK_ID`]; the CUDA backend launches from them.
+    pub fn packed_rows(&self) -> Option<&PackedRows> {
+        self.packed.as_ref()
+    }
 }
 
 /// A validated copy plan over a TP group. Only [`TransferPlan::new`] and
@@ -193,8 +219,9 @@ impl TransferPlan {
         // Sorting by donor slot lets consecutive slots meet; the target side
         // must also be consecutive for the pair to merge.
         present.sort_unstable();
+        let words = packed_words(&present, src_limit, dst_limit);
         let parts = (0..tp)
-            .map(|r| row_part(r as u32, &present, bb, donor[r], target[r]))
+            .map(|r| row_part(r as u32, &present, bb, donor[r], target[r], words.as_ref()))
             .collect();
         Ok(Self {
             parts,
@@ -312,12 +339,15 @@ impl TransferPlan {
         let (mut present, missing) = check_moves(moves, src_limit, dst_limit)?;
         present.sort_unstable();
         let bb = first.geometry().rank_block_bytes() as u64;
+        let words = packed_words(&present, src_limit, dst_limit);
         let parts = donor
             .iter()
             .zip(target)
             .enumerate()
             .map(|(r, (d, t))| match (block_rows(d), block_rows(t)) {
-                (Some(src), Some(dst)) => row_part(r as u32, &present, bb, src, dst),
+                (Some(src), Some(dst)) => {
+                    row_part(r as u32, &present, bb, src, dst, words.as_ref())
+                }
                 _ => {
                     let pairs = present
                         .iter()
@@ -336,7 +366,9 @@ impl TransferPlan {
                         expected_bytes: bb * present.len() as u64,
                         src: none,
                         dst: none,
+                        ends: (d.region_bytes(), t.region_bytes()),
                         conversion: Some(Conversion::new(d.clone(), t.clone(), pairs)),
+                        packed: None,
                     }
                 }
             })
@@ -371,18 +403,42 @@ impl TransferPlan {
     }
 }
 
+/// `donor slot << 16 | target block` of every present move (in `present`'s
+/// order, shared by every rank's [`PackedRows`]) when there are more than
+/// [`INLINE_SMALL_BLOCKS`] and every id fits 16 bits (decided from the
+/// limits every id was checked against, or else one pass).
+fn packed_words(present: &[SlotToBlock], src_limit: u32, dst_limit: u32) -> Option<Arc<[u32]>> {
+    if present.len() <= INLINE_SMALL_BLOCKS {
+        return None;
+    }
+    // The limit is 16 set bits: the OR of every id stays below it exactly
+    // when each id does.
+    let limit = PACKED_MAX_BLOCK_ID;
+    let fits = src_limit.max(dst_limit) <= limit + 1
+        || present.iter().fold(0, |m, &(s, d)| m | s | d) <= limit;
+    fits.then(|| present.iter().map(|&(s, d)| s << 16 | d).collect())
+}
+
 /// One rank's part over block rows: `present` (sorted by slot) coalesced
-/// into runs where both regions are dense and both ids are consecutive.
+/// into runs where both regions are dense and both ids are consecutive;
+/// with `words` (see [`packed_words`]), the rows as [`PackedRows`] too.
 fn row_part(
     tp_rank: u32,
     present: &[(u32, u32)],
     bb: u64,
     src: RegionGeometry,
     dst: RegionGeometry,
+    words: Option<&Arc<[u32]>>,
 ) -> PartPlan {
     let dense = src.stride_bytes == bb && dst.stride_bytes == bb;
     let mut runs: Vec<CopyRun> = Vec::new();
+    // Every row ends at `id x stride + bb` (a merged run's rows too: dense,
+    // so its end is its last row's), so the furthest run end on each side
+    // is the largest of those.
+    let (mut src_end, mut dst_end) = (0u64, 0u64);
     for &(s, d) in present {
+        src_end = src_end.max(u64::from(s) * src.stride_bytes + bb);
+        dst_end = dst_end.max(u64::from(d) * dst.stride_bytes + bb);
         if let Some(last) = runs.last_mut() {
             if dense && last.src_block + last.blocks == s && last.dst_block + last.blocks == d {
                 last.blocks += 1;
@@ -406,6 +462,9 @@ fn row_part(
         src,
         dst,
         conversion: None,
+        ends: (src_end, dst_end),
+        packed: words
+            .and_then(|w| PackedRows::of_ids(w.clone(), src.stride_bytes, dst.stride_bytes, bb)),
     }
 }
 
@@ -652,6 +711,83 @@ mod tests {
         assert_eq!(c.bytes(), bb);
     }
 
+    /// Every row of `part.runs`, in order, as `(slot, block)`.
+    fn rows_of(part: &PartPlan) -> Vec<(u32, u32)> {
+        part.runs
+            .iter()
+            .flat_map(|r| (0..r.blocks).map(move |k| (r.src_block + k, r.dst_block + k)))
+            .collect()
+    }
+
+    #[test]
+    fn parts_past_128_blocks_with_16_bit_ids_carry_packed_rows() {
+        let l = layout(2);
+        let bb = l.rank_block_bytes() as u64;
+        // Rank 0 dense (runs of 3 merge), rank 1 with a padded donor stride
+        // (nothing merges): both pack the same ids, each with its strides.
+        let donor = [
+            RegionGeometry::dense(&l, 1000),
+            RegionGeometry {
+                stride_bytes: bb + 64,
+                blocks: 1000,
+            },
+        ];
+        let target = [RegionGeometry::dense(&l, 300); 2];
+        let moves: Vec<BlockMove> = (0..300u32)
+            .map(|i| mv(u64::from(i), Some(999 - (i / 3) * 3 - (2 - i % 3)), i))
+            .collect();
+        let p = TransferPlan::new(&l, &l, &moves, &donor, &target).unwrap();
+        let (a, b) = (&p.parts()[0], &p.parts()[1]);
+        assert_eq!((a.runs.len(), b.runs.len()), (100, 300));
+        let (ra, rb) = (a.packed_rows().unwrap(), b.packed_rows().unwrap());
+        for (part, rows, ss) in [(a, ra, bb), (b, rb, bb + 64)] {
+            let want: Vec<u32> = rows_of(part).iter().map(|&(s, d)| s << 16 | d).collect();
+            assert_eq!(rows.words(), &want[..]);
+            assert_eq!(rows.strides(), (ss, bb));
+            assert_eq!(rows.block_bytes(), bb);
+            assert_eq!(rows.region_bytes(), part.region_ends());
+            assert_eq!(part.region_ends(), (999 * ss + bb, 300 * bb));
+        }
+        assert!(std::ptr::eq(ra.words(), rb.words()), "ranks share the ids");
+        // 128 blocks: the small inline table is written from the runs.
+        let p = TransferPlan::new(&l, &l, &moves[..128], &donor, &target).unwrap();
+        assert!(p.parts()[0].packed_rows().is_none());
+        let p = TransferPlan::new(&l, &l, &moves[..129], &donor, &target).unwrap();
+        assert_eq!(p.parts()[0].packed_rows().unwrap().blocks(), 129);
+        // An id past 16 bits (regions larger than 65,536 rows): none, but a
+        // larger region whose used ids all fit still packs.
+        let big = [RegionGeometry::dense(&l, 70_000); 2];
+        let mut far = moves.clone();
+        far[7].src_slot = Some(65_536);
+        let p = TransferPlan::new(&l, &l, &far, &big, &target).unwrap();
+        assert!(p.parts().iter().all(|p| p.packed_rows().is_none()));
+        far[7].src_slot = Some(65_535);
+        let p = TransferPlan::new(&l, &l, &far, &big, &target).unwrap();
+        assert!(p.parts().iter().all(|p| p.packed_rows().is_some()));
+        // Missing keys are not rows.
+        let mut gone = moves.clone();
+        gone[5].src_slot = None;
+        let p = TransferPlan::new(&l, &l, &gone, &donor, &target).unwrap();
+        assert_eq!(p.parts()[0].packed_rows().unwrap().blocks(), 299);
+    }
+
+    #[test]
+    fn a_converting_part_needs_its_layouts_regions_and_has_no_rows() {
+        let l = layout(1);
+        let bb = l.rank_block_bytes() as u64;
+        let t = [KvRegionLayout::vllm_block_first(l, 0, 0, 200 * bb / 2, 200, 200 * bb).unwrap()];
+        let donor = regions(l, 400);
+        let moves: Vec<BlockMove> = (0..200).map(|i| mv(u64::from(i), Some(2 * i), i)).collect();
+        let p = TransferPlan::converting(&donor, &t, &moves).unwrap();
+        let part = &p.parts()[0];
+        assert!(part.packed_rows().is_none());
+        assert_eq!(part.region_ends(), (400 * bb, 200 * bb));
+        // Bank rows on both sides are the row plan, with its packed rows.
+        let p = TransferPlan::converting(&donor, &regions(l, 200), &moves).unwrap();
+        assert_eq!(p.parts()[0].packed_rows().unwrap().blocks(), 200);
+        assert_eq!(p.parts()[0].region_ends(), (399 * bb, 200 * bb));
+    }
+
     proptest! {
         /// Runs cover exactly the present moves, never overlap on the target,
         /// and stay inside both regions.
@@ -683,6 +819,11 @@ mod tests {
                         covered.push((r.src_block + k, r.dst_block + k));
                     }
                 }
+                // The ends found with the plan are the furthest run ends.
+                let ends = part.runs.iter().fold((0, 0), |(s, d), r| {
+                    (s.max(r.src_offset + r.len), d.max(r.dst_offset + r.len))
+                });
+                prop_assert_eq!(part.region_ends(), ends);
                 covered.sort_unstable();
                 let mut want: Vec<_> = present.iter().map(|m| (m.src_slot.unwrap(), m.dst_block)).collect();
                 want.sort_unstable();

@@ -484,7 +484,10 @@ fn every_upload_variant_lands_every_byte_of_a_scattered_fetch() {
     let bb = l.rank_block_bytes();
     assert_eq!(bb, 4096);
     let n = 3000u32;
-    for slot_base in [0u32, 70_000] {
+    // Ids below 65,536 (the plan packs them: launched from its packed rows),
+    // past it (from the runs), and runs of 5 merged rows (packed rows whose
+    // chunks cut through runs).
+    for (slot_base, merged) in [(0u32, false), (70_000, false), (0, true)] {
         let slots = slot_base + 2 * n + 2;
         let src = kv_bank::CudaDeviceMemory::new(0, slots as usize * bb).unwrap();
         let pattern: Vec<u8> = (0..src.len())
@@ -495,7 +498,11 @@ fn every_upload_variant_lands_every_byte_of_a_scattered_fetch() {
         let moves: Vec<BlockMove> = (0..n)
             .map(|i| BlockMove {
                 key: SequenceHash(u64::from(i)),
-                src_slot: Some(slot_base + 2 * (n - i) - 1),
+                src_slot: Some(if merged {
+                    i + 2 * (i / 5)
+                } else {
+                    slot_base + 2 * (n - i) - 1
+                }),
                 dst_block: i,
             })
             .collect();
@@ -507,6 +514,9 @@ fn every_upload_variant_lands_every_byte_of_a_scattered_fetch() {
             &[RegionGeometry::dense(&l, n + 1)],
         )
         .unwrap();
+        let part = &plan.parts()[0];
+        assert_eq!(part.packed_rows().is_some(), slot_base == 0);
+        assert_eq!(part.runs.len(), if merged { 600 } else { 3000 });
         for (upload, pipeline) in [
             (GatherUpload::Params, Pipeline::default()),
             (GatherUpload::Copy, Pipeline::default()),
@@ -550,7 +560,7 @@ fn every_upload_variant_lands_every_byte_of_a_scattered_fetch() {
                 _ => assert_eq!(launches, 1),
             }
             println!(
-                "{upload:?} first {} KiB growth {}, slots from {slot_base}: {launches} launches, every byte matches",
+                "{upload:?} first {} KiB growth {}, slots from {slot_base}, merged {merged}: {launches} launches, every byte matches",
                 pipeline.first_bytes() >> 10,
                 pipeline.growth()
             );

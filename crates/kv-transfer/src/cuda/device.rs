@@ -28,6 +28,9 @@ pub(super) struct Device {
     pub(super) aux: Option<Arc<CudaStream>>,
     /// A launch was issued on `aux` since the last [`Device::sync`].
     pub(super) aux_in_flight: bool,
+    /// Piece tables of block-major rows by block and piece length: a part
+    /// launched from its plan's packed rows builds none.
+    pub(super) row_pieces: crate::cuda_gather::ContiguousPieces,
     /// Packed-id Vec of the last direct gather, handed to the next one
     /// ([`RunsGather::with_words`]): a scattered fetch allocates no id
     /// table and writes into memory it already touched.

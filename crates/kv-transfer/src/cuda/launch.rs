@@ -2,8 +2,9 @@
 //! device, where each launch's block table goes ([`TablePlacement`]), and
 //! the launch itself.
 //!
-//! Per fetch the host writes `2n` table entries (or `n` packed ids) and
-//! issues one launch; with an inline table (up to
+//! Per fetch the host writes `2n` table entries (or copies `n` packed ids,
+//! for a `deliver` part of more than 128 blocks a slice of the ids its plan
+//! packed, `PackedRows`) and issues one launch; with an inline table (up to
 //! [`crate::cuda_gather::INLINE_SMALL_BLOCKS`] blocks as u64 addresses,
 //! 129..=[`crate::cuda_gather::INLINE_PACKED_BLOCKS`] as packed ids in the
 //! smallest parameter tier that holds them) nothing else goes to the
@@ -389,7 +390,7 @@ pub(super) fn launch_convert(
         op: "nvrtcCompileProgram",
         reason: "libnvrtc not found: the converting gather kernel is unavailable".into(),
     })?;
-    let packed = plan.packed();
+    let packed = plan.packed_ref();
     let placement = TablePlacement::for_blocks(
         plan.blocks(),
         kernels.inline_loaded() && upload.inline_allowed(),
@@ -404,10 +405,18 @@ pub(super) fn launch_convert(
                 geo.width, geo.wide
             ),
         })?;
+    // Packed ids exactly as many as their tier holds (a 1,024- or 4,096-block
+    // part launched whole from its plan's rows) go out from where they are:
+    // the driver reads the tier's size from the pointer, all of them ids.
+    let exact = packed
+        .filter(|ids| placement.packed_capacity() == Some(ids.words.len()))
+        .map(|ids| ids.words);
     match (placement, packed) {
         (TablePlacement::Device, _) => {}
         (p, Some(ids)) if p.packed_capacity().is_some() => {
-            tables.packed[..ids.words.len()].copy_from_slice(&ids.words);
+            if exact.is_none() {
+                tables.packed[..ids.words.len()].copy_from_slice(ids.words);
+            }
         }
         _ => plan.write_block_table(sb, db, &mut tables.inline[..2 * plan.blocks()]),
     }
@@ -434,20 +443,21 @@ pub(super) fn launch_convert(
     let small: &[u64; INLINE_SMALL_ENTRIES] = tables.inline[..INLINE_SMALL_ENTRIES]
         .try_into()
         .expect("the inline image holds the small table");
-    // The packed tiers: prefixes of the one host image, each exactly its
-    // kernel struct's size (the driver copies that many parameter bytes).
-    let tier = |n: usize| &tables.packed[..n];
-    let packed_1024: &[u32; 1024] = tier(1024).try_into().expect("tier fits");
-    let packed_2048: &[u32; 2048] = tier(2048).try_into().expect("tier fits");
-    let packed_4096: &[u32; 4096] = tier(4096).try_into().expect("tier fits");
+    // The packed tiers: prefixes of the one host image (or the exact ids),
+    // each exactly its kernel struct's size (the driver copies that many
+    // parameter bytes).
+    let words: &[u32] = exact.unwrap_or(&tables.packed[..]);
+    fn tier<const N: usize>(words: &[u32]) -> &[u32; N] {
+        words[..N].try_into().expect("tier fits")
+    }
     let mut launch = stream.launch_builder(func);
     match placement {
         TablePlacement::InlineSmall => launch.arg(small),
         TablePlacement::InlineLarge => launch.arg(&*tables.inline),
-        TablePlacement::InlinePacked => launch.arg(&*tables.packed),
-        TablePlacement::InlinePacked1024 => launch.arg(packed_1024),
-        TablePlacement::InlinePacked2048 => launch.arg(packed_2048),
-        TablePlacement::InlinePacked4096 => launch.arg(packed_4096),
+        TablePlacement::InlinePacked => launch.arg(tier::<INLINE_PACKED_ENTRIES>(words)),
+        TablePlacement::InlinePacked1024 => launch.arg(tier::<1024>(words)),
+        TablePlacement::InlinePacked2048 => launch.arg(tier::<2048>(words)),
+        TablePlacement::InlinePacked4096 => launch.arg(tier::<4096>(words)),
         TablePlacement::Device => launch.arg(&block_ptr),
     };
     if placement.packed_capacity().is_some() {
@@ -464,13 +474,18 @@ pub(super) fn launch_convert(
     // u32 x 5) as pushed: the table is the entry point's inline struct (same
     // entry count, filled for `2n` entries, or `n` packed ids whose bases and
     // strides follow, in the tier struct of exactly the pushed array's size
-    // with `n <= packed_capacity()`; copied by the driver at the launch) or a device pointer
-    // to `2n` uploaded entries. Every block base + piece offset + piece
+    // with `n <= packed_capacity()`: the image, or the source's own ids when
+    // `n` is the capacity, borrowed for this call; copied by the driver at
+    // the launch) or a device pointer to `2n` uploaded entries. Every block base + piece offset + piece
     // length lies inside its region: `ConvertPlan` / `RunsGather` built the
     // offsets from validated `KvRegionLayout`s (or in-range plan runs that
-    // `deliver` checked against both regions) and the callers
-    // checked both regions are at least the plan's region bytes long; the
-    // width divides every address (`ConvertPlan::geometry`).
+    // `deliver` checked against both regions), and a `RowsGather` is a slice
+    // of `PackedRows` whose ends were derived from those same ids and
+    // strides (`PackedRows::of_ids`: every `id x stride + block_bytes` is at
+    // most its end, and its pieces tile exactly `block_bytes`); the callers
+    // checked both regions are at least the plan's region bytes (or those
+    // ends) long; the width divides every address (`geometry_tuned`: the OR
+    // of every offset, the piece length and both bases).
     unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
     if let Some(ev) = events {
         ev.done = Some(record(stream)?);

@@ -7,7 +7,7 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use kv_bank::BankMemory;
 
 use super::{cuda_err, enable_peer_access, CudaCopyBackend};
-use crate::cuda_gather::{BlockSource, ConvertPlan, RunsGather, TablePlacement};
+use crate::cuda_gather::{BlockSource, ConvertPlan, RowsGather, RunsGather, TablePlacement};
 use crate::TransferError;
 
 /// Timing points of one profiled launch ([`CudaCopyBackend::profile_convert`]).
@@ -72,6 +72,20 @@ impl CudaCopyBackend {
     pub fn profile_runs(
         &self,
         gather: &RunsGather<'_>,
+        src: &dyn BankMemory,
+        dst: &dyn BankMemory,
+    ) -> Result<LaunchPhases, TransferError> {
+        self.profile_source(gather, gather.region_bytes(), src, dst)
+    }
+
+    /// [`CudaCopyBackend::profile_convert`] of a [`RowsGather`], the launch
+    /// `deliver` issues from a part's packed rows (the unchunked one).
+    ///
+    /// # Errors
+    /// As [`CudaCopyBackend::profile_runs`].
+    pub fn profile_rows(
+        &self,
+        gather: &RowsGather<'_>,
         src: &dyn BankMemory,
         dst: &dyn BankMemory,
     ) -> Result<LaunchPhases, TransferError> {

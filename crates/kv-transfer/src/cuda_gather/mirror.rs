@@ -455,3 +455,108 @@ fn mirror_lands_packed_id_fetches_like_the_reference() {
     assert!(writes.iter().all(|&c| c <= 1), "a byte stored twice");
     assert!(mem == want, "packed rows differ from one memcpy per run");
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// A `deliver` part launched from its plan's packed rows, as
+    /// `CudaCopyBackend::gather_rows` issues it: one launch, or chunks of
+    /// `Pipeline::block_chunks` (cutting through merged runs too), each its
+    /// own geometry, piece table from the kept tables and block table in
+    /// the placement its size picks (small u64 image with stale entries, or
+    /// packed ids). Every target byte equals one memcpy per run, no byte is
+    /// stored twice, and nothing outside the moved rows is written.
+    #[test]
+    fn mirror_lands_a_part_from_its_packed_rows_chunk_by_chunk(
+        bb_kind in 0u8..3, n in 140u32..700, merge in 0u32..4, src_pad in 0u64..3,
+        dst_pad in 0u64..2, first_kib in prop_oneof![Just(64u64), Just(256), Just(8192)],
+        growth in 2u64..5, pipelined in any::<bool>(), missing in 0u32..5,
+    ) {
+        use crate::cuda_gather::{BlockSource, ContiguousPieces, Pipeline, TablePlacement};
+        use crate::plan::{BlockMove, RegionGeometry, TransferPlan};
+        use kv_descriptor::SequenceHash;
+        let l = match bb_kind {
+            0 => KvLayout::new(1, 1, 8, DType::Bf16, 2, TensorOrder::BlockMajor, 1),
+            1 => KvLayout::new(1, 2, 16, DType::Bf16, 2, TensorOrder::BlockMajor, 1),
+            _ => KvLayout::new(2, 1, 32, DType::Bf16, 16, TensorOrder::BlockMajor, 1),
+        }
+        .unwrap();
+        let bb = l.rank_block_bytes() as u64;
+        // Runs of `merge + 1` consecutive slots to consecutive blocks (they
+        // merge over dense regions), shuffled target groups, a few keys gone.
+        let group = merge + 1;
+        let groups = n.div_ceil(group);
+        let mut order: Vec<u32> = (0..groups).collect();
+        let mut x = u64::from(n) | 1;
+        for i in (1..order.len()).rev() {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            order.swap(i, (x >> 33) as usize % (i + 1));
+        }
+        let moves: Vec<BlockMove> = (0..n)
+            .map(|i| {
+                let (gi, k) = (i / group, i % group);
+                BlockMove {
+                    key: SequenceHash(u64::from(i)),
+                    src_slot: (missing == 0 || i % 97 != missing).then_some(
+                        (2 * (groups - 1 - gi) + 1) * group + k),
+                    dst_block: order[gi as usize] * group + k,
+                }
+            })
+            .collect();
+        let slots = (2 * groups + 1) * group;
+        let (ss, ds) = (bb + src_pad * 16, bb + dst_pad * 32);
+        let plan = TransferPlan::new(
+            &l, &l, &moves,
+            &[RegionGeometry { stride_bytes: ss, blocks: slots }],
+            &[RegionGeometry { stride_bytes: ds, blocks: groups * group }],
+        )
+        .unwrap();
+        let part = &plan.parts()[0];
+        let rows = part.packed_rows().expect("more than 128 blocks, 16-bit ids");
+        prop_assert_eq!(rows.blocks() as u64 * bb, part.expected_bytes);
+        prop_assert_eq!(rows.region_bytes(), part.region_ends());
+        let (sl, dl) = (u64::from(slots) * ss, u64::from(groups * group) * ds);
+        prop_assert!(part.region_ends().0 <= sl && part.region_ends().1 <= dl);
+        let (src_at, dst_at) = (4096u64, 4096 + sl.next_multiple_of(4096));
+        let size = (dst_at + dl) as usize;
+        let mut mem: Vec<u8> = (0..size).map(|i| (i * 13 + i / 241) as u8 | 1).collect();
+        mem[dst_at as usize..].fill(0);
+        let mut want = mem.clone();
+        for r in &part.runs {
+            let (s, d) = ((src_at + r.src_offset) as usize, (dst_at + r.dst_offset) as usize);
+            want.copy_within(s..s + r.len as usize, d);
+        }
+        let tuning = GatherTuning::default();
+        let pipeline = Pipeline::new(first_kib << 10, growth).unwrap();
+        let ranges: Vec<(usize, usize)> = if pipelined {
+            pipeline.block_chunks(rows.blocks(), bb).collect()
+        } else {
+            vec![(0, rows.blocks())]
+        };
+        let mut pieces = ContiguousPieces::default();
+        let mut writes = vec![0u8; size];
+        let mut image = vec![u64::MAX / 2; INLINE_LARGE_ENTRIES];
+        let mut bytes = 0;
+        for (start, len) in ranges {
+            let g = rows.gather(start, len, pieces.get(bb, len, tuning.max_piece_bytes())).unwrap();
+            let geo = g.geometry_tuned(src_at, dst_at, 2, &tuning);
+            let placement = TablePlacement::for_blocks(len, true, true);
+            let p = g.packed_ref().unwrap();
+            let table = if placement == TablePlacement::InlineSmall {
+                g.write_block_table(src_at, dst_at, &mut image);
+                Table::Addrs(&image)
+            } else {
+                prop_assert!(placement.packed_capacity().is_some_and(|c| len <= c));
+                Table::Packed { words: p.words, bases: (src_at, dst_at),
+                                strides: (p.src_stride, p.dst_stride) }
+            };
+            let pt: Vec<u64> = g.pieces_arc().src.iter().chain(&g.pieces_arc().dst).copied().collect();
+            run_kernel(&geo, &table, &pt, &mut mem, &mut writes);
+            bytes += g.bytes();
+        }
+        prop_assert_eq!(bytes, part.expected_bytes);
+        prop_assert!(writes.iter().all(|&c| c <= 1), "a byte stored twice");
+        prop_assert_eq!(writes.iter().filter(|&&c| c == 1).count() as u64, part.expected_bytes);
+        prop_assert!(mem == want, "target differs from one memcpy per run");
+    }
+}

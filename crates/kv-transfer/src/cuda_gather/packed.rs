@@ -26,6 +26,38 @@ pub struct PackedIds {
     pub words: Vec<u32>,
 }
 
+/// Packed ids as a launch reads them (borrowed from a plan's [`PackedIds`],
+/// a [`super::RunsGather`]'s, or a slice of a `deliver` part's
+/// [`super::PackedRows`]): block `i` at `src_stride x (words[i] >> 16)` and
+/// `dst_stride x (words[i] & 0xFFFF)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackedRef<'a> {
+    /// Donor block stride, bytes.
+    pub src_stride: u64,
+    /// Target block stride, bytes.
+    pub dst_stride: u64,
+    /// `donor id << 16 | target id`, one per block.
+    pub words: &'a [u32],
+}
+
+impl PackedRef<'_> {
+    /// The device table of these ids (no inline module, or past the packed
+    /// tiers): `n` donor block addresses, then `n` target block addresses,
+    /// for regions at `src_base` / `dst_base`, into `out[..2n]`; the
+    /// addresses the packed entry points would form.
+    ///
+    /// # Panics
+    /// When `out` is shorter than `2n` (a caller bug).
+    pub fn write_block_table(&self, src_base: u64, dst_base: u64, out: &mut [u64]) {
+        let n = self.words.len();
+        let (s, d) = out[..2 * n].split_at_mut(n);
+        for ((os, od), w) in s.iter_mut().zip(d.iter_mut()).zip(self.words) {
+            *os = src_base + u64::from(w >> 16) * self.src_stride;
+            *od = dst_base + u64::from(w & 0xFFFF) * self.dst_stride;
+        }
+    }
+}
+
 /// `(donor, target)` block strides of a part of single-row runs: the first
 /// row past id 0 on each side gives it (`block_bytes` when there is none);
 /// every row must then be checked against it.

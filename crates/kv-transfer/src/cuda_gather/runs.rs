@@ -18,7 +18,7 @@ use crate::plan::CopyRun;
 
 use super::{
     launch_geometry, packed::single_row_strides, ConvertError, ConvertPlan, GatherTuning,
-    LaunchGeometry, PackedIds, PieceTable, INLINE_PACKED_BLOCKS, INLINE_SMALL_BLOCKS,
+    LaunchGeometry, PackedIds, PackedRef, PieceTable, INLINE_PACKED_BLOCKS, INLINE_SMALL_BLOCKS,
     PACKED_MAX_BLOCK_ID,
 };
 
@@ -33,7 +33,7 @@ pub trait BlockSource {
     /// How each block is cut.
     fn pieces_arc(&self) -> &Arc<PieceTable>;
     /// Packed 16-bit ids, when the source has them.
-    fn packed(&self) -> Option<&PackedIds>;
+    fn packed_ref(&self) -> Option<PackedRef<'_>>;
     /// `n` donor block addresses, then `n` target block addresses, for
     /// regions at `src_base` / `dst_base`, into `out[..2n]`.
     ///
@@ -57,8 +57,8 @@ impl BlockSource for ConvertPlan {
     fn pieces_arc(&self) -> &Arc<PieceTable> {
         ConvertPlan::pieces_arc(self)
     }
-    fn packed(&self) -> Option<&PackedIds> {
-        ConvertPlan::packed(self)
+    fn packed_ref(&self) -> Option<PackedRef<'_>> {
+        ConvertPlan::packed(self).map(PackedIds::view)
     }
     fn write_block_table(&self, src_base: u64, dst_base: u64, out: &mut [u64]) {
         ConvertPlan::write_block_table(self, src_base, dst_base, out);
@@ -219,6 +219,11 @@ impl<'a> RunsGather<'a> {
         }))
     }
 
+    /// The packed ids, when the part's ids pack (129..=8,128 blocks).
+    pub fn packed(&self) -> Option<&PackedIds> {
+        self.packed.as_ref()
+    }
+
     /// The packed-id Vec, to pass to the next fetch's
     /// [`RunsGather::with_words`] (empty when the ids did not pack).
     pub fn into_words(self) -> Vec<u32> {
@@ -247,8 +252,8 @@ impl BlockSource for RunsGather<'_> {
     fn pieces_arc(&self) -> &Arc<PieceTable> {
         &self.pieces
     }
-    fn packed(&self) -> Option<&PackedIds> {
-        self.packed.as_ref()
+    fn packed_ref(&self) -> Option<PackedRef<'_>> {
+        self.packed.as_ref().map(PackedIds::view)
     }
     fn write_block_table(&self, src_base: u64, dst_base: u64, out: &mut [u64]) {
         let n = self.n;

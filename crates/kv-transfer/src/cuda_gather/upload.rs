@@ -161,6 +161,62 @@ impl Pipeline {
             growth: self.growth,
         }
     }
+
+    /// The launches of `blocks` rows of `block_bytes` each, as `(first
+    /// row, rows)`: the chunks [`Pipeline::chunks`] cuts from as many
+    /// single-row runs, found by arithmetic (a part launched from its
+    /// [`super::PackedRows`] reads no run). A merged run of the plan is
+    /// rows like any other here: a launch only needs its rows' ids.
+    pub fn block_chunks(&self, blocks: usize, block_bytes: u64) -> BlockChunks {
+        BlockChunks {
+            blocks,
+            block_bytes,
+            next: 0,
+            target: self.first_bytes,
+            growth: self.growth,
+        }
+    }
+}
+
+/// Consecutive row ranges of a part, one launch each: [`Pipeline::block_chunks`].
+#[derive(Debug, Clone)]
+pub struct BlockChunks {
+    blocks: usize,
+    block_bytes: u64,
+    next: usize,
+    /// Bytes the next chunk covers at least (as [`PipelineChunks`]).
+    target: u64,
+    growth: u64,
+}
+
+impl Iterator for BlockChunks {
+    /// `(first row, rows)`.
+    type Item = (usize, usize);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let start = self.next;
+        let left = self.blocks.checked_sub(start).filter(|&l| l > 0)?;
+        // `PipelineChunks` adds one row at a time while the chunk is short
+        // of the target bytes or of the fewest runs, stopping at the block
+        // cap (the first row always goes) or the end: the smallest count
+        // meeting both, capped.
+        let to_target = match self.block_bytes {
+            0 => usize::MAX,
+            b => usize::try_from(self.target.div_ceil(b)).unwrap_or(usize::MAX),
+        };
+        let mut rows = to_target
+            .clamp(PIPELINE_MIN_RUNS, INLINE_PACKED_BLOCKS)
+            .min(left);
+        // A short remainder joins this chunk when the cap allows.
+        let rest = left - rows;
+        if rest > 0 && rest < PIPELINE_MIN_RUNS && rows + rest <= INLINE_PACKED_BLOCKS {
+            rows += rest;
+        }
+        self.next = start + rows;
+        let bytes = rows as u64 * self.block_bytes;
+        self.target = bytes.max(1).saturating_mul(self.growth);
+        Some((start, rows))
+    }
 }
 
 /// Consecutive slices of a part's runs, one launch each (see [`Pipeline`]).
@@ -279,6 +335,43 @@ mod tests {
         // 8,128-block cap (162 runs); the last 10 do not fit it and go
         // alone.
         assert_eq!(sizes(&p, &rows(300, 50, 4096)), [128, 162, 10]);
+    }
+
+    /// Row ranges of a packed part are exactly the chunks of as many
+    /// single-row runs, for the benchmark shapes and any knobs.
+    #[test]
+    fn block_chunks_are_the_chunks_of_single_row_runs() {
+        let p = Pipeline::default();
+        let got: Vec<(usize, usize)> = p.block_chunks(1024, 64 << 10).collect();
+        assert_eq!(got, [(0, 128), (128, 512), (640, 384)]);
+        let got: Vec<(usize, usize)> = p.block_chunks(4096, 16 << 10).collect();
+        assert_eq!(got, [(0, 512), (512, 2048), (2560, 1536)]);
+        assert!(p.block_chunks(0, 64).next().is_none());
+        for first_kib in [64u64, 1024, 2048, 8192, 65536] {
+            for growth in [2u64, 3, 4, 64] {
+                let p = Pipeline::new(first_kib << 10, growth).unwrap();
+                for n in [
+                    1u32, 127, 128, 129, 255, 256, 700, 1024, 4096, 8128, 8129, 9000, 20000,
+                ] {
+                    for bb in [64u64, 4 << 10, 16 << 10, 64 << 10, 2 << 20, 3 << 20] {
+                        let runs = rows(n, 1, bb);
+                        let want: Vec<usize> = sizes(&p, &runs);
+                        let got: Vec<(usize, usize)> = p.block_chunks(n as usize, bb).collect();
+                        let lens: Vec<usize> = got.iter().map(|c| c.1).collect();
+                        assert_eq!(
+                            lens, want,
+                            "{n} x {bb}, first {first_kib} KiB, growth {growth}"
+                        );
+                        let mut at = 0;
+                        for (start, len) in got {
+                            assert_eq!(start, at);
+                            at += len;
+                        }
+                        assert_eq!(at, n as usize);
+                    }
+                }
+            }
+        }
     }
 
     #[test]
