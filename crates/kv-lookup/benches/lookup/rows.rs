@@ -225,7 +225,10 @@ where
                     format!("{name} {:.2}x {vs}", ratio(*o, *dv, *hi))
                 })
                 .collect();
-            println!("    against the best dynamo indexer: {}", vs_best.join(", "));
+            println!(
+                "    against the best dynamo indexer: {}",
+                vs_best.join(", ")
+            );
         }
     }
     rows
