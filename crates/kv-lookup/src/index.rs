@@ -500,7 +500,7 @@ impl State {
         let mut changed = 0;
         for (i, &h) in hashes.iter().enumerate() {
             table.prefetch_pass(hashes, i);
-            if table.set(h, tier, bit, chained) {
+            if table.set_with_room(h, tier, bit, chained, hashes.len() - i) {
                 rec.logs[tier].push(h);
                 changed += 1;
             }

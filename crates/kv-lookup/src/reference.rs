@@ -612,7 +612,11 @@ mod tests {
             for (c, h) in hashes.iter().enumerate() {
                 let i = (step * 7 + c * 113) % h.len();
                 let want = naive.lookup(&h[..=i], infos[4].engine).unwrap();
-                let got = fast.lookup(&h[..=i], infos[4].engine, LookupBudget::new(1_000_000, u32::MAX));
+                let got = fast.lookup(
+                    &h[..=i],
+                    infos[4].engine,
+                    LookupBudget::new(1_000_000, u32::MAX),
+                );
                 assert_eq!(
                     (got.baseline.native_blocks, got.baseline.retained_blocks),
                     (want.native_blocks, want.retained_blocks),
@@ -643,13 +647,25 @@ mod tests {
                 let log: usize = rec.logs.iter().map(Vec::len).sum();
                 let held: u64 = rec.live.iter().sum();
                 // Uncompacted, a log holds every hash its stores logged.
-                assert!(logged[k] > 2 * (log as u64 + 1_024), "worker {k}: {logged:?} {log}");
+                assert!(
+                    logged[k] > 2 * (log as u64 + 1_024),
+                    "worker {k}: {logged:?} {log}"
+                );
                 assert!(log as u64 <= 2 * held + 1_024 + 700, "worker {k}");
             }
         }
         assert_eq!(
-            live.workers.iter().flatten().map(|w| w.logs.clone()).collect::<Vec<_>>(),
-            standby.workers.iter().flatten().map(|w| w.logs.clone()).collect::<Vec<_>>(),
+            live.workers
+                .iter()
+                .flatten()
+                .map(|w| w.logs.clone())
+                .collect::<Vec<_>>(),
+            standby
+                .workers
+                .iter()
+                .flatten()
+                .map(|w| w.logs.clone())
+                .collect::<Vec<_>>(),
         );
         drop((live, standby));
         // A clear drops exactly what the compacted log lists: everything held.
