@@ -409,8 +409,16 @@ impl HolderTable {
 
     /// Ends the current Stored event: its new entries stop sharing a run
     /// with the next event's.
+    /// Trims the run's room if [`Self::set_with_room`] reserved much more
+    /// than the event appended (most of its hashes existed already).
     pub(crate) fn close_run(&mut self) {
-        self.open_run = None;
+        if let Some(r) = self.open_run.take() {
+            let r = &mut self.runs[r as usize];
+            if r.hot.capacity() > r.hot.len() + r.hot.len() / 4 + 4 {
+                r.hot.shrink_to_fit();
+                r.sums.shrink_to_fit();
+            }
+        }
         self.resum_stale();
     }
 
@@ -435,12 +443,29 @@ impl HolderTable {
         self.stale.clear();
     }
 
+    /// [`Self::set_with_room`] without room: a run it opens grows as needed.
+    #[cfg(test)]
+    pub(crate) fn set(&mut self, hash: SequenceHash, tier: usize, bit: u32, chained: bool) -> bool {
+        self.set_with_room(hash, tier, bit, chained, 0)
+    }
+
     /// Sets bit `bit` of tier `tier` for `hash`; returns true if it was clear.
     /// A new hash is appended to the open run (one run per Stored event).
     /// `chained`: the caller proved that the hashes it sets between two
     /// [`Self::close_run`] calls are one chain, in chain order (a Stored
     /// event that passed its chain check), so the run is ordered.
-    pub(crate) fn set(&mut self, hash: SequenceHash, tier: usize, bit: u32, chained: bool) -> bool {
+    /// `room`: hashes the event has left, this one included; a run this
+    /// call opens reserves room for all of them at once instead of growing
+    /// by doubling (five reallocations and copies for a 64-block event, in
+    /// each copy of the state); [`Self::close_run`] trims it.
+    pub(crate) fn set_with_room(
+        &mut self,
+        hash: SequenceHash,
+        tier: usize,
+        bit: u32,
+        chained: bool,
+        room: usize,
+    ) -> bool {
         let flag = 1u64 << bit;
         if let Some(i) = self.find(hash.0) {
             let loc = self.slots[i].loc;
@@ -472,7 +497,10 @@ impl HolderTable {
                     }
                 };
                 self.open_run = Some(r);
-                self.runs[r as usize].ordered = chained;
+                let run = &mut self.runs[r as usize];
+                run.ordered = chained;
+                run.hot.reserve_exact(room);
+                run.sums.reserve_exact(room.div_ceil(CHUNK));
                 r
             }
         };

@@ -2,13 +2,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use kv_descriptor::{
-    EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, SequenceHash, StorageTier,
-};
+use kv_descriptor::{EngineId, KvEvent, LayoutFingerprint, Role, SequenceHash, StorageTier};
 
 use crate::chain::UnchainedStore;
 use crate::holder_table::{tier_index, HolderTable, ALL_TIERS, TIERS};
-use crate::mutation::{CheckedEvent, Effect, Mutation};
+use crate::mutation::{Change, CheckedEvent, Effect, Mutation};
 pub use crate::report::{EventBatchReport, EventOutcome, IndexStats, Registration};
 use crate::twin::Twin;
 use crate::worker::{WorkerInfo, WorkerKey, WorkerRecord};
@@ -286,7 +284,7 @@ fn apply_logged(
     batch: &mut crate::twin::Batch<'_, State>,
     checked: CheckedEvent,
 ) -> Result<EventOutcome, LookupError> {
-    let (engine, event_id) = (checked.event.publisher, checked.event.event_id);
+    let (engine, event_id) = (checked.publisher, checked.event_id);
     let out = match batch.apply(Mutation::Event(checked)) {
         Effect::Event(r) => r,
         _ => unreachable!("an event reports an event outcome"),
@@ -315,7 +313,7 @@ pub(crate) fn split(slot: u32) -> (usize, u32) {
 }
 
 impl State {
-    fn new(group_capacity: usize) -> Self {
+    pub(crate) fn new(group_capacity: usize) -> Self {
         Self {
             groups: Vec::new(),
             workers: Vec::new(),
@@ -484,12 +482,17 @@ impl State {
     /// `chained`: `hashes` are proven to be one chain in chain order (a
     /// Stored event that passed its chain check), so their run may be
     /// skipped through by chunks; a resync's unchecked list is not.
+    /// `memo`: where the mutation being applied keeps a compaction of the
+    /// worker's log for the replay on the other copy (see [`CompactedLog`]);
+    /// `None` where the mutation has none (a resync, which empties the log
+    /// first and so never compacts it).
     pub(crate) fn store(
         &mut self,
         slot: u32,
         tier: usize,
         hashes: &[SequenceHash],
         chained: bool,
+        memo: Option<&CompactedLog>,
     ) -> u64 {
         let (g, bit) = split(slot);
         let table = &mut self.groups[g];
@@ -497,7 +500,7 @@ impl State {
         let mut changed = 0;
         for (i, &h) in hashes.iter().enumerate() {
             table.prefetch_pass(hashes, i);
-            if table.set(h, tier, bit, chained) {
+            if table.set_with_room(h, tier, bit, chained, hashes.len() - i) {
                 rec.logs[tier].push(h);
                 changed += 1;
             }
@@ -505,7 +508,7 @@ impl State {
         table.close_run();
         rec.live[tier] += changed;
         if rec.log_needs_compaction(tier) {
-            compact_log(table, rec, tier, bit);
+            compact_log(table, rec, tier, bit, memo);
         }
         changed
     }
@@ -526,10 +529,9 @@ impl State {
         changed
     }
 
-    /// Applies `c.event`, with the parts of it computed once before the
+    /// Applies event `e`, with the parts of it computed once before the
     /// lock ([`CheckedEvent`]).
-    pub(crate) fn apply_event(&mut self, c: &CheckedEvent) -> Result<EventOutcome, LookupError> {
-        let (e, broken_link) = (&c.event, c.broken_link);
+    pub(crate) fn apply_event(&mut self, e: &CheckedEvent) -> Result<EventOutcome, LookupError> {
         let engine = e.publisher;
         if e.event_id == 0 {
             return Err(LookupError::ZeroEventId { engine });
@@ -567,25 +569,25 @@ impl State {
         let gap = e.event_id != last + 1;
         rec.last_event_id = e.event_id;
         let tier = tier_index(e.tier);
-        let unchained = match &e.data {
-            KvEventData::Stored { parent, blocks } => {
-                self.why_unchained(slot, tier, *parent, blocks, broken_link)
-            }
+        let unchained = match &e.change {
+            Change::Stored {
+                parent,
+                hashes,
+                broken_link,
+            } => self.why_unchained(slot, tier, *parent, hashes.is_empty(), *broken_link),
             _ => None,
         };
-        let changed = match (&e.data, unchained) {
+        let changed = match (&e.change, unchained) {
             (_, Some(_)) => {
                 self.unchained += 1;
                 0
             }
-            (KvEventData::Stored { .. }, None) => {
+            (Change::Stored { hashes, .. }, None) => {
                 // Chained: `why_unchained` found no broken link.
-                self.store(slot, tier, &c.stored_hashes, true)
+                self.store(slot, tier, hashes, true, Some(&e.compacted))
             }
-            (KvEventData::Removed { sequence_hashes }, None) => {
-                self.remove(slot, tier, sequence_hashes)
-            }
-            (KvEventData::Cleared, None) => self.clear_tier(slot, tier),
+            (Change::Removed { hashes }, None) => self.remove(slot, tier, hashes),
+            (Change::Cleared, None) => self.clear_tier(slot, tier),
         };
         if gap || unchained.is_some() {
             self.mark_needs_resync(slot);
@@ -613,10 +615,10 @@ impl State {
         slot: u32,
         tier: usize,
         parent: Option<SequenceHash>,
-        blocks: &[kv_descriptor::StoredBlock],
+        no_blocks: bool,
         broken_link: Option<UnchainedStore>,
     ) -> Option<UnchainedStore> {
-        if blocks.is_empty() {
+        if no_blocks {
             return None;
         }
         if let Some(p) = parent {
@@ -689,26 +691,99 @@ fn check_identity(
     Ok(())
 }
 
-/// Drops log entries the worker no longer holds, and duplicates.
+/// A worker log compacted while one copy applied a mutation, kept with the
+/// mutation for its replay on the other copy (see [`crate::twin`]).
+///
+/// Both copies are equal before a mutation and apply it alike, so they
+/// compact the same log against the same table and keep the same hashes:
+/// the replay takes the first copy's result instead of probing the table
+/// again for every logged hash. A compaction reads about twice the worker's
+/// live hashes at random (and sorts them when the log holds duplicates);
+/// in the churn bench (`--threads 0+1`) it was ~30% of an event thread's
+/// time when both copies paid it. Debug builds (the tests) recompute the
+/// compaction on the replay and check that it equals the memo.
+#[derive(Default)]
+pub(crate) struct CompactedLog(parking_lot::Mutex<Option<Vec<SequenceHash>>>);
+
+impl CompactedLog {
+    /// Keeps `log` for the replay (the first application's compaction).
+    pub(crate) fn put(&self, log: Vec<SequenceHash>) {
+        *self.0.lock() = Some(log);
+    }
+
+    /// The first application's compaction, once.
+    pub(crate) fn take(&self) -> Option<Vec<SequenceHash>> {
+        self.0.lock().take()
+    }
+
+    /// Whether a compaction waits for the replay.
+    #[cfg(test)]
+    pub(crate) fn is_set(&self) -> bool {
+        self.0.lock().is_some()
+    }
+}
+
+/// Drops log entries the worker no longer holds, and duplicates; takes the
+/// result from `memo` when the other copy left it there, else computes it
+/// (and leaves a copy in `memo` for the replay). Either way the log keeps
+/// its buffer: it grows back to its next compaction without reallocating.
+fn compact_log(
+    table: &HolderTable,
+    rec: &mut WorkerRecord,
+    tier: usize,
+    bit: u32,
+    memo: Option<&CompactedLog>,
+) {
+    let (log, live) = (&mut rec.logs[tier], rec.live[tier]);
+    if let Some(kept) = memo.and_then(CompactedLog::take) {
+        #[cfg(debug_assertions)]
+        {
+            let mut mine = log.clone();
+            compact_in_place(table, &mut mine, live, tier, bit);
+            assert_eq!(
+                kept, mine,
+                "the other copy compacted the same log against the same table"
+            );
+        }
+        log.clear();
+        log.extend_from_slice(&kept);
+        return;
+    }
+    compact_in_place(table, log, live, tier, bit);
+    if let Some(memo) = memo {
+        memo.put(log.clone());
+    }
+}
+
+/// Keeps the hashes of `log` that bit `bit` of `tier` still holds in
+/// `table`, each once (`live` of them), in place.
 ///
 /// Each log entry is a random table access; they are prefetched like an
 /// event's blocks (unprefetched, a compaction of a 70k-entry log waited for
 /// ~140k misses in turn, about a quarter of the event thread's time). The
 /// sort that finds duplicates runs only when there are any: every live hash
 /// is in the log, so a kept log as long as the live count has none.
-fn compact_log(table: &HolderTable, rec: &mut WorkerRecord, tier: usize, bit: u32) {
-    let log = std::mem::take(&mut rec.logs[tier]);
-    let mut kept = Vec::with_capacity(rec.live[tier] as usize);
-    for (i, &h) in log.iter().enumerate() {
-        table.prefetch_pass(&log, i);
+fn compact_in_place(
+    table: &HolderTable,
+    log: &mut Vec<SequenceHash>,
+    live: u64,
+    tier: usize,
+    bit: u32,
+) {
+    let mut kept = 0;
+    for i in 0..log.len() {
+        // Reads ahead of `i` only, where nothing was overwritten yet.
+        table.prefetch_pass(log, i);
+        let h = log[i];
         if table.get(h)[tier] >> bit & 1 == 1 {
-            kept.push(h);
+            log[kept] = h;
+            kept += 1;
         }
     }
-    if kept.len() as u64 != rec.live[tier] {
-        kept.sort_unstable();
-        kept.dedup();
+    log.truncate(kept);
+    if kept as u64 != live {
+        log.sort_unstable();
+        log.dedup();
     }
-    debug_assert_eq!(kept.len() as u64, rec.live[tier]);
-    rec.logs[tier] = kept;
+    debug_assert_eq!(log.len() as u64, live);
 }

@@ -2,11 +2,13 @@
 //! index's state can replay what the published copy already applied (see
 //! [`crate::twin`]).
 
-use kv_descriptor::{EngineId, KvEvent, KvEventData, SequenceHash, StorageTier};
+use kv_descriptor::{
+    EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, SequenceHash, StorageTier,
+};
 
 use crate::chain::{first_broken_link, UnchainedStore};
 use crate::holder_table::tier_index;
-use crate::index::{EventOutcome, Registration, State};
+use crate::index::{CompactedLog, EventOutcome, Registration, State};
 use crate::twin::Replay;
 use crate::worker::{WorkerInfo, WorkerKey};
 use crate::LookupError;
@@ -27,32 +29,66 @@ pub(crate) enum Mutation {
     },
 }
 
-/// An event with the part of its chain check that depends on the event
-/// alone (each block's sequence hash chained from its parent's), done once
-/// outside the writer lock; whether the index holds its `parent` is checked
-/// when it is applied.
+/// An event as the index applies it, with the part of its chain check that
+/// depends on the event alone (each block's sequence hash chained from its
+/// parent's) done once outside the writer lock; whether the index holds its
+/// `parent` is checked when it is applied.
+///
+/// It keeps what both copies need (the replay applies it later) and no
+/// more: a Stored event's token hashes and slots are read by the chain
+/// check only, so its blocks are not copied, only their sequence hashes.
 pub(crate) struct CheckedEvent {
-    pub(crate) event: KvEvent,
-    /// [`first_broken_link`] of a Stored event's blocks; `None` otherwise.
-    pub(crate) broken_link: Option<UnchainedStore>,
-    /// A Stored event's sequence hashes in block order (empty otherwise),
-    /// gathered once outside the lock for both copies' prefetch passes.
-    pub(crate) stored_hashes: Vec<SequenceHash>,
+    // The event's header, as sent.
+    pub(crate) publisher: EngineId,
+    pub(crate) event_id: u64,
+    pub(crate) role: Role,
+    pub(crate) layout_fingerprint: LayoutFingerprint,
+    pub(crate) tp_size: u32,
+    pub(crate) tier: StorageTier,
+    pub(crate) change: Change,
+    /// The worker log compaction this event's store triggered on the first
+    /// copy, for the replay on the other.
+    pub(crate) compacted: CompactedLog,
+}
+
+/// [`KvEventData`] as the index applies it.
+pub(crate) enum Change {
+    /// [`KvEventData::Stored`].
+    Stored {
+        parent: Option<SequenceHash>,
+        /// The blocks' sequence hashes in block order.
+        hashes: Vec<SequenceHash>,
+        /// [`first_broken_link`] of the blocks.
+        broken_link: Option<UnchainedStore>,
+    },
+    /// [`KvEventData::Removed`].
+    Removed { hashes: Vec<SequenceHash> },
+    /// [`KvEventData::Cleared`].
+    Cleared,
 }
 
 impl CheckedEvent {
     pub(crate) fn new(event: &KvEvent) -> Self {
-        let (broken_link, stored_hashes) = match &event.data {
-            KvEventData::Stored { parent, blocks } => (
-                first_broken_link(*parent, blocks),
-                blocks.iter().map(|b| b.sequence_hash).collect(),
-            ),
-            _ => (None, Vec::new()),
+        let change = match &event.data {
+            KvEventData::Stored { parent, blocks } => Change::Stored {
+                parent: *parent,
+                hashes: blocks.iter().map(|b| b.sequence_hash).collect(),
+                broken_link: first_broken_link(*parent, blocks),
+            },
+            KvEventData::Removed { sequence_hashes } => Change::Removed {
+                hashes: sequence_hashes.clone(),
+            },
+            KvEventData::Cleared => Change::Cleared,
         };
         Self {
-            event: event.clone(),
-            broken_link,
-            stored_hashes,
+            publisher: event.publisher,
+            event_id: event.event_id,
+            role: event.role,
+            layout_fingerprint: event.layout_fingerprint,
+            tp_size: event.tp_size,
+            tier: event.tier,
+            change,
+            compacted: CompactedLog::default(),
         }
     }
 }
@@ -104,7 +140,7 @@ impl State {
         self.drop_entries(slot);
         for (tier, hashes) in inventory {
             // A snapshot's order is unchecked: its entries are never linked.
-            self.store(slot, tier_index(*tier), hashes, false);
+            self.store(slot, tier_index(*tier), hashes, false, None);
         }
         let rec = self.workers[slot as usize]
             .as_mut()
@@ -241,6 +277,94 @@ mod tests {
         // is not a removal round), 10 retained blocks each.
         assert_eq!(live.stats().workers, 4);
         assert_eq!(live.stats().held_blocks[4], 40);
+    }
+
+    /// The events of `log_compaction_drops_duplicates_...` below, applied to
+    /// two equal states by hand: the 4th store compacts the log. Returns the
+    /// two states after the ops before it, the op itself and the chain.
+    fn states_before_a_compacting_store() -> (State, State, Mutation, Vec<SequenceHash>) {
+        let (mut a, mut b) = (State::new(0), State::new(0));
+        let info = WorkerInfo {
+            engine: EngineId::fresh(),
+            role: Role::Decode,
+            layout_fingerprint: LayoutFingerprint(1),
+            tp_size: 1,
+        };
+        let c = chain(3, 700);
+        let hashes: Vec<SequenceHash> = c.iter().map(|b| b.sequence_hash).collect();
+        let ev = |id, data| {
+            Mutation::Event(CheckedEvent::new(&KvEvent {
+                publisher: info.engine,
+                event_id: id,
+                role: info.role,
+                layout_fingerprint: info.layout_fingerprint,
+                tp_size: 1,
+                tier: StorageTier::RetainedGpuDirect,
+                data,
+            }))
+        };
+        let stored = || KvEventData::Stored {
+            parent: None,
+            blocks: c.clone(),
+        };
+        let removed = || KvEventData::Removed {
+            sequence_hashes: hashes.clone(),
+        };
+        let mut ops = vec![Mutation::Register {
+            key: WorkerKey(1),
+            info,
+        }];
+        ops.push(ev(1, stored()));
+        for k in 0..3 {
+            ops.push(ev(2 + 2 * k, removed()));
+            ops.push(ev(3 + 2 * k, stored()));
+        }
+        let last = ops.pop().expect("the 4th store");
+        for op in &ops {
+            a.apply(op);
+            b.apply(op);
+        }
+        assert_eq!(a.workers[0].as_ref().unwrap().logs[4].len(), 2100);
+        (a, b, last, hashes)
+    }
+
+    /// A compaction is computed on the first copy and taken by the replay
+    /// from the event (it would otherwise stay there), with the same result.
+    #[test]
+    fn the_replay_takes_the_first_copys_log_compaction_from_the_event() {
+        let (mut a, mut b, op, hashes) = states_before_a_compacting_store();
+        let Mutation::Event(c) = &op else {
+            unreachable!()
+        };
+        assert!(!c.compacted.is_set());
+        a.apply(&op);
+        assert!(c.compacted.is_set(), "the first copy left its compaction");
+        b.apply(&op);
+        assert!(!c.compacted.is_set(), "the replay took it");
+        let (la, lb) = (
+            &a.workers[0].as_ref().unwrap().logs[4],
+            &b.workers[0].as_ref().unwrap().logs[4],
+        );
+        assert_eq!(la.len(), 700);
+        assert_eq!(la, lb);
+        assert_eq!(digest(&a, &hashes), digest(&b, &hashes));
+    }
+
+    /// Debug builds check the memo against a recomputation: a replay handed
+    /// another log panics instead of diverging from the first copy.
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "the other copy compacted the same log")]
+    fn a_wrong_compaction_memo_is_caught_in_debug_builds() {
+        let (mut a, mut b, op, _) = states_before_a_compacting_store();
+        let Mutation::Event(c) = &op else {
+            unreachable!()
+        };
+        a.apply(&op);
+        let mut kept = c.compacted.take().expect("compacted");
+        kept.pop();
+        c.compacted.put(kept);
+        b.apply(&op);
     }
 
     /// A chain stored and removed over and over leaves its hash in the log

@@ -14,7 +14,10 @@
 //!
 //! Costs: twice the memory, every mutation applied twice (the replay runs
 //! while the writer lock is held, not while a reader waits), one pointer swap
-//! and one wait for readers per write call (batches amortize them).
+//! and one wait for readers per write call (batches amortize them). A
+//! mutation may carry work its first application did for the replay, as
+//! long as the replay's result is the one it would compute itself (the
+//! index's worker-log compactions: `index::CompactedLog`).
 //!
 //! Writers that arrive together are *combined* ([`Twin::submit`], flat
 //! combining): each queues its mutation, then takes the writer lock; the

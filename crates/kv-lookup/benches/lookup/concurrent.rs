@@ -8,16 +8,25 @@
 //! holds `KEEP` churn chains, removes the oldest, so the index size stays
 //! put. Lookups are the workload's requests, round robin per thread.
 //!
-//! How each indexer takes events:
-//! - ours: `InventoryIndex::apply_event` on the event thread;
+//! How each indexer takes events, and when an event counts (only once it is
+//! visible to lookups, so the same events are compared under two contracts):
+//! - ours, per event ([`Publish::PerEvent`], the strict contract):
+//!   `InventoryIndex::apply_event` on the event thread; the event is visible
+//!   to every lookup when the call returns (read-your-writes), and counts then;
+//! - ours, batched ([`Publish::Batched`], crtc-pool's contract): each event
+//!   thread collects its next [`BATCH`] events and applies them with one
+//!   `InventoryIndex::apply_events` call (one publication: lookups see the
+//!   64 at once when it returns); they count when it returns, events still
+//!   collected when the run stops do not count;
 //! - `positional`: `PositionalIndexer::apply_event` on the event thread, with
 //!   the per-writer block map Dynamo's pool threads keep (churn under
 //!   `dp_rank` 1, so each thread's map knows everything its writers hold);
 //! - `crtc-pool`: `ConcurrentRadixTreeCompressed` in a `ThreadPoolIndexer`
 //!   with `E` pool threads (its `apply_event` is private); one producer
-//!   thread enqueues the same churn and waits for a flush every 64 events,
-//!   so queues stay bounded and every counted event was applied. Dynamo gets
-//!   `E + 1` event-side threads there.
+//!   thread enqueues the same churn and waits for a flush every [`BATCH`]
+//!   events, so queues stay bounded; events count when their flush
+//!   returns (all applied and visible), events enqueued after the last
+//!   flush do not count. Dynamo gets `E + 1` event-side threads there.
 //!
 //! Measured over `secs` of wall time: lookups/s, KV events/s (one event is
 //! one 64-block store or removal), their sum, and the p99 of every lookup's
@@ -35,7 +44,7 @@ use dynamo_kv_router::indexer::{
 use kv_descriptor::{
     EngineId, KvEvent, KvEventData, SequenceHash, StorageTier, StoredBlock, TokenBlockHash,
 };
-use kv_lookup::{EventOutcome, LookupBudget};
+use kv_lookup::{EventBatchReport, EventOutcome, LookupBudget};
 
 use crate::flash::{local_hashes, removed_event, stored_event, JUMP};
 use crate::{chain_blocks, role, Block, Op, SplitMix, DECODES, FP};
@@ -44,6 +53,20 @@ use crate::{chain_blocks, role, Block, Op, SplitMix, DECODES, FP};
 const KEEP: usize = 4;
 /// Blocks per churn chain (one KV event).
 const CHURN_LEN: usize = 64;
+/// Events per publication of crtc-pool (one flush) and of ours batched
+/// (one `apply_events` call).
+pub(crate) const BATCH: usize = 64;
+
+/// How kv-lookup's event threads publish their events: the visibility
+/// contract a row of ours measures.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Publish {
+    /// One `apply_event` per event: visible when the call returns.
+    PerEvent,
+    /// One `apply_events` per [`BATCH`] events of a thread: visible together
+    /// when the call returns, as crtc-pool's events at its flush.
+    Batched,
+}
 
 /// One concurrent measurement.
 pub(crate) struct Load {
@@ -77,9 +100,15 @@ pub(crate) struct Write<'a> {
     blocks: &'a [Block],
 }
 
+/// Event thread `k`'s apply function: takes the thread's next write and
+/// returns how many events became visible to lookups during the call (all
+/// earlier writes of the thread not counted yet, this one included).
+type Apply = Box<dyn FnMut(&Write<'_>) -> u64 + Send>;
+
 /// Runs `t` lookup threads and `e` event threads for `secs`; `writer(k)`
 /// makes event thread `k`'s apply function, `lookup(r)` does the lookup of
 /// request `r` (`0..requests`) and returns (budget exhausted, probes).
+/// Events count when their apply function reports them visible.
 ///
 /// Each indexer's request keys are built once before the run (a router has
 /// them from hashing the prompt), so a timed lookup is the index's own work:
@@ -94,7 +123,7 @@ fn drive<W, L>(
     lookup: L,
 ) -> Load
 where
-    W: Fn(usize) -> Box<dyn FnMut(&Write<'_>) + Send> + Sync,
+    W: Fn(usize) -> Apply + Sync,
     L: Fn(usize) -> (bool, u32) + Sync,
 {
     let stop = AtomicBool::new(false);
@@ -112,21 +141,19 @@ where
                 while !stop.load(Ordering::Relaxed) {
                     let c = k + (i % chains.1) * e;
                     let w = owned[i % owned.len()];
-                    apply(&Write {
+                    n += apply(&Write {
                         worker: w,
                         remove: false,
                         blocks: &chains.0[c],
                     });
                     held[w].push_back(c);
-                    n += 1;
                     if held[w].len() > KEEP {
                         let old = held[w].pop_front().expect("held");
-                        apply(&Write {
+                        n += apply(&Write {
                             worker: w,
                             remove: true,
                             blocks: &chains.0[old],
                         });
-                        n += 1;
                     }
                     i += 1;
                 }
@@ -182,7 +209,8 @@ where
     }
 }
 
-/// Ours: preload `ops`, then the concurrent phase.
+/// Ours: preload `ops`, then the concurrent phase, events published as
+/// `publish` says.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn ours<'a>(
     ops: impl Iterator<Item = Op<'a>>,
@@ -193,6 +221,7 @@ pub(crate) fn ours<'a>(
     e: usize,
     secs: f64,
     budget: LookupBudget,
+    publish: Publish,
 ) -> Load {
     let (index, engines, next_id) = crate::load_ours(ops, capacity);
     let index = Arc::new(index);
@@ -202,9 +231,10 @@ pub(crate) fn ours<'a>(
         .collect();
     // Each worker belongs to one event thread, so a per-thread copy of the
     // next ids is exact for the workers it writes.
-    let writer = |_k: usize| -> Box<dyn FnMut(&Write<'_>) + Send> {
+    let writer = |_k: usize| -> Apply {
         let (index, engines) = (index.clone(), engines.clone());
         let mut next_id = next_id.clone();
+        let mut pending: Vec<KvEvent> = Vec::with_capacity(BATCH);
         Box::new(move |w: &Write<'_>| {
             let data = if w.remove {
                 KvEventData::Removed {
@@ -236,8 +266,28 @@ pub(crate) fn ours<'a>(
                 tier: StorageTier::RetainedGpuDirect,
                 data,
             };
-            let r = index.apply_event(&e);
-            assert!(matches!(r, Ok(EventOutcome::Applied { .. })), "{r:?}");
+            match publish {
+                Publish::PerEvent => {
+                    let r = index.apply_event(&e);
+                    assert!(matches!(r, Ok(EventOutcome::Applied { .. })), "{r:?}");
+                    1
+                }
+                Publish::Batched => {
+                    pending.push(e);
+                    if pending.len() < BATCH {
+                        return 0;
+                    }
+                    let r = index.apply_events(&pending);
+                    let applied_all = EventBatchReport {
+                        applied: BATCH as u64,
+                        changed: r.changed,
+                        ..Default::default()
+                    };
+                    assert_eq!(r, applied_all, "every event of the batch applied");
+                    pending.clear();
+                    BATCH as u64
+                }
+            }
         })
     };
     let lookup = |r: usize| {
@@ -264,7 +314,7 @@ pub(crate) fn positional<'a>(
             .apply_event(&mut m, ev, None)
             .expect("positional preload");
     });
-    let writer = |_k: usize| -> Box<dyn FnMut(&Write<'_>) + Send> {
+    let writer = |_k: usize| -> Apply {
         let index = index.clone();
         let mut blocks_of = Default::default();
         let mut ids = vec![1u64; DECODES];
@@ -279,6 +329,7 @@ pub(crate) fn positional<'a>(
             index
                 .apply_event(&mut blocks_of, ev, None)
                 .expect("positional event");
+            1
         })
     };
     let keys: Vec<_> = requests.iter().map(|(_, b)| local_hashes(b)).collect();
@@ -308,7 +359,7 @@ pub(crate) fn crtc_pool<'a>(
     futures::executor::block_on(pool.flush_and_wait()).expect("crtc flush");
     // One producer for all `e` lanes (see the module docs): thread 0 of
     // `drive` with ownership of every decode, the others idle.
-    let writer = |_k: usize| -> Box<dyn FnMut(&Write<'_>) + Send> {
+    let writer = |_k: usize| -> Apply {
         let pool = pool.clone();
         let mut ids = ids.clone();
         let mut since_flush = 0;
@@ -322,10 +373,12 @@ pub(crate) fn crtc_pool<'a>(
             };
             pool.enqueue_event(ev).expect("crtc event");
             since_flush += 1;
-            if since_flush == 64 {
-                futures::executor::block_on(pool.flush_and_wait()).expect("crtc flush");
-                since_flush = 0;
+            if since_flush < BATCH as u64 {
+                return 0;
             }
+            futures::executor::block_on(pool.flush_and_wait()).expect("crtc flush");
+            since_flush = 0;
+            BATCH as u64
         })
     };
     let keys: Vec<_> = requests.iter().map(|(_, b)| local_hashes(b)).collect();

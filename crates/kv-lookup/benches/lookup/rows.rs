@@ -84,7 +84,40 @@ where
     rows
 }
 
+/// The four concurrent metrics of one load: (name, value, unit, higher is
+/// better).
+fn metrics(l: &concurrent::Load) -> [(&'static str, f64, &'static str, bool); 4] {
+    [
+        ("lookups/s", l.lookups_per_s, "1/s", true),
+        ("events/s", l.events_per_s, "1/s", true),
+        (
+            "lookups+events/s",
+            l.lookups_per_s + l.events_per_s,
+            "1/s",
+            true,
+        ),
+        ("lookup p99 under load", l.p99_us, "us", false),
+    ]
+}
+
+/// `ours / dynamo` for rates, `dynamo / ours` for latencies.
+fn ratio(ours: f64, dynamo: f64, higher_better: bool) -> f64 {
+    if higher_better {
+        ours / dynamo
+    } else {
+        dynamo / ours
+    }
+}
+
 /// Concurrent rows of one workload for each `T+E` of `args`.
+///
+/// Ours runs twice per `T+E`, with the same events: per event (rows
+/// `... T1+E1 lookups/s` etc., against each dynamo indexer: the strict
+/// contract, each event visible when its `apply_event` returns) and batched
+/// (rows `... T1+E1 batched lookups/s` etc., against the best dynamo indexer
+/// of each metric: crtc-pool's contract, events visible [`concurrent::BATCH`]
+/// at a time). Both are printed with their ratio against the best dynamo
+/// indexer.
 pub(crate) fn concurrent_rows<'a, F, I>(
     prefix: &str,
     args: &Args,
@@ -96,17 +129,33 @@ where
     F: Fn() -> I,
     I: Iterator<Item = Op<'a>>,
 {
+    use concurrent::Publish;
     let budget = LookupBudget::default();
     let mut rows = Vec::new();
     for &(t, e) in &args.threads {
         let chains = concurrent::churn_chains(e, 7 + e as u64);
         let secs = args.seconds;
-        let ours = concurrent::ours(ops(), capacity, requests, &chains, t, e, secs, budget);
-        // The budget guarantee under load: never more probes than allowed
-        // (a lookup the OS deschedules past its time budget is flagged
-        // `budget_exhausted`, which is allowed and counted).
-        assert!(ours.max_probes <= budget.max_probes);
-        for (vs, d) in [
+        let run_ours = |publish| {
+            let l = concurrent::ours(
+                ops(),
+                capacity,
+                requests,
+                &chains,
+                t,
+                e,
+                secs,
+                budget,
+                publish,
+            );
+            // The budget guarantee under load: never more probes than allowed
+            // (a lookup the OS deschedules past its time budget is flagged
+            // `budget_exhausted`, which is allowed and counted).
+            assert!(l.max_probes <= budget.max_probes);
+            l
+        };
+        let ours = run_ours(Publish::PerEvent);
+        let batched = run_ours(Publish::Batched);
+        let dynamo = [
             (
                 "CRTC-pool",
                 concurrent::crtc_pool(ops(), requests, &chains, t, e, secs),
@@ -115,50 +164,72 @@ where
                 "Positional",
                 concurrent::positional(ops(), requests, &chains, t, e, secs),
             ),
-        ] {
-            let name = |m: &str| format!("{prefix} T{t}+E{e} {m}");
-            let (oc, dc) = (
-                ours.lookups_per_s + ours.events_per_s,
-                d.lookups_per_s + d.events_per_s,
-            );
-            for (m, o, dv, unit, ratio) in [
-                (
-                    "lookups/s",
-                    ours.lookups_per_s,
-                    d.lookups_per_s,
-                    "1/s",
-                    ours.lookups_per_s / d.lookups_per_s,
-                ),
-                (
-                    "events/s",
-                    ours.events_per_s,
-                    d.events_per_s,
-                    "1/s",
-                    ours.events_per_s / d.events_per_s,
-                ),
-                ("lookups+events/s", oc, dc, "1/s", oc / dc),
-                (
-                    "lookup p99 under load",
-                    ours.p99_us,
-                    d.p99_us,
-                    "us",
-                    d.p99_us / ours.p99_us,
-                ),
-            ] {
+        ];
+        let name = |m: &str| format!("{prefix} T{t}+E{e} {m}");
+        for (vs, d) in &dynamo {
+            for ((m, o, unit, hi), (_, dv, _, _)) in metrics(&ours).into_iter().zip(metrics(d)) {
                 rows.push(Row {
                     name: name(m),
                     vs,
                     ours: o,
                     dynamo: dv,
                     unit,
-                    ratio,
+                    ratio: ratio(o, dv, hi),
                 });
             }
         }
-        println!(
-            "{prefix} T{t}+E{e}: ours {:.0} lookups/s, {:.0} events/s, p99 {:.2} us, max probes {} (budget {}), {} lookups flagged budget-exhausted",
-            ours.lookups_per_s, ours.events_per_s, ours.p99_us, ours.max_probes, budget.max_probes, ours.exhausted
-        );
+        // Per metric, the best dynamo indexer's value and name.
+        let best: Vec<(&'static str, f64)> = (0..4)
+            .map(|i| {
+                let hi = metrics(&ours)[i].3;
+                dynamo
+                    .iter()
+                    .map(|(vs, d)| (*vs, metrics(d)[i].1))
+                    .reduce(|a, b| {
+                        let better = if hi { b.1 > a.1 } else { b.1 < a.1 };
+                        if better {
+                            b
+                        } else {
+                            a
+                        }
+                    })
+                    .expect("dynamo indexers")
+            })
+            .collect();
+        for ((m, o, unit, hi), &(vs, dv)) in metrics(&batched).into_iter().zip(&best) {
+            rows.push(Row {
+                name: name(&format!("batched {m}")),
+                vs,
+                ours: o,
+                dynamo: dv,
+                unit,
+                ratio: ratio(o, dv, hi),
+            });
+        }
+        for (label, l) in [
+            ("per event (visible when apply_event returns)", &ours),
+            (
+                "batched (64 per apply_events, visible per batch, as crtc-pool)",
+                &batched,
+            ),
+        ] {
+            let m = metrics(l);
+            println!(
+                "{prefix} T{t}+E{e}: ours {label}: {:.0} lookups/s, {:.0} events/s, p99 {:.2} us, max probes {} (budget {}), {} lookups flagged budget-exhausted",
+                l.lookups_per_s, l.events_per_s, l.p99_us, l.max_probes, budget.max_probes, l.exhausted
+            );
+            let vs_best: Vec<String> = m
+                .iter()
+                .zip(&best)
+                .map(|((name, o, _, hi), (vs, dv))| {
+                    format!("{name} {:.2}x {vs}", ratio(*o, *dv, *hi))
+                })
+                .collect();
+            println!(
+                "    against the best dynamo indexer: {}",
+                vs_best.join(", ")
+            );
+        }
     }
     rows
 }

@@ -30,6 +30,38 @@ impl HolderTable {
     }
 }
 
+/// An event's run is allocated once for the hashes it has left, and
+/// trimmed when most of them existed already.
+#[test]
+fn a_run_reserves_the_events_room_once_and_is_trimmed_to_what_it_got() {
+    let mut t = HolderTable::with_capacity(0);
+    let fresh: Vec<SequenceHash> = (1..=100).map(SequenceHash).collect();
+    for (i, &h) in fresh.iter().enumerate() {
+        assert!(t.set_with_room(h, 4, 0, true, fresh.len() - i));
+    }
+    t.close_run();
+    fn run(t: &HolderTable, h: SequenceHash) -> &Run {
+        &t.runs[t.locate(h).unwrap().0.run as usize]
+    }
+    // By doubling the run would hold 128 entries' room.
+    assert_eq!(run(&t, fresh[0]).hot.capacity(), 100);
+    assert_eq!(run(&t, fresh[0]).sums.capacity(), 4);
+    // 90 of 100 exist already (another worker's bit), 10 are new.
+    let mixed: Vec<SequenceHash> = fresh[..90]
+        .iter()
+        .copied()
+        .chain((101..=110).map(SequenceHash))
+        .collect();
+    for (i, &h) in mixed.iter().enumerate() {
+        assert!(t.set_with_room(h, 4, 1, true, mixed.len() - i));
+    }
+    t.close_run();
+    let r = run(&t, SequenceHash(101));
+    assert_eq!(r.hot.len(), 10);
+    assert!(r.hot.capacity() <= 10 + 10 / 4 + 4, "{}", r.hot.capacity());
+    t.assert_summaries_exact();
+}
+
 #[test]
 fn set_get_clear_round_trip_with_colliding_keys() {
     let mut t = HolderTable::with_capacity(0);
