@@ -23,7 +23,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from . import rpc
-from .regimes import WarmRegime, bucket_table, donor_kill, warm_summary
+from .regimes import WarmRegime, bucket_table, donor_kill, paired_ms, warm_summary
 from .timing import best, phase_medians, timed
 from .workload import Workload, percentile
 # What --transport moves the KV through (the JSON's ``transport_path``).
@@ -606,10 +606,15 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
             # staged prompt ON's excludes building the ids tensor, done during the advise).
             "forward_on_minus_off_p50_ms": percentile(
                 [r["on_phases_ms"].get("forward", 0.0) - r["off_phases_ms"].get("forward", 0.0) for r in first], 50),
-            # Per turn, what ON adds outside the forward (advise, the empty fetch, the
-            # rest of the request's own time against OFF's), then the median: the goal's
-            # measure. A first turn fetches nothing, so both forwards are the same
-            # computation on the same inputs; their difference is the GPU's sample spread.
+            # ON - OFF of every repetition of every first turn, paired by repetition
+            # (the two ran back to back), then the median: the goal's measure. It keeps
+            # all of ON's cost, in the forward too, and a drift slower than one
+            # repetition cancels in each pair.
+            "paired_p50_ms": percentile(paired_ms(first), 50),
+            "pairs": len(paired_ms(first)),
+            # Diagnosis, not the goal: per turn, what ON adds outside the forward
+            # (advise, the empty fetch, the request's own time against OFF's), then the
+            # median. It leaves out anything ON makes slower inside the forward.
             "added_p50_ms": percentile(
                 [(r["on_ms"] - r["on_phases_ms"].get("forward", 0.0)) - (r["off_ms"] - r["off_phases_ms"].get("forward", 0.0))
                  for r in first], 50),

@@ -336,7 +336,10 @@ class PrefillWorker(EngineWorker):
         in the untimed ``quiesce`` that precedes each timed request.
         """
         if op == "on":
-            self.on_device_bytes = {"before": self.quiesced_device_bytes, "after": _device_bytes(self.device)}
+            # The reading of the quiesce before this request, taken once: an ``on``
+            # without its own quiesce (the donor-kill turn) gets None, never an older one.
+            before, self.quiesced_device_bytes = self.quiesced_device_bytes, None
+            self.on_device_bytes = {"before": before, "after": _device_bytes(self.device)}
 
     def _on_overlapped(self, prompt: List[int], ids: Optional[Any], hint: bytes, hashes: List[int],
                        manifest: Union[bytes, str, None], kill_donor: Optional[int],

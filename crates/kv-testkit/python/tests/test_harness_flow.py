@@ -208,6 +208,8 @@ def test_stage_prompt_off_sends_each_prompt_with_its_request(harness_mods):
         want = sorted((t["on_ms"] - t["on_phases_ms"]["forward"]) - t["off_ms"] for t in first)
         assert ft["added_p50_ms"] == want[(len(want) + 1) // 2 - 1]
         assert ft["off_spread_p50_ms"] == 0.0  # one OFF sample per turn
+        pairs = sorted(on - off for t in first for on, off in zip(t["samples_ms"]["on"], t["samples_ms"]["off"]))
+        assert ft["pairs"] == len(first) and ft["paired_p50_ms"] == pairs[(len(pairs) + 1) // 2 - 1]
 
 
 def test_a_failing_warm_request_stops_warm_only(harness_mods):

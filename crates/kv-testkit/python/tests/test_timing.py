@@ -251,6 +251,8 @@ def test_on_reads_no_device_memory_in_its_timed_path_quiesce_and_after_reply_do(
     P.after_reply(me, "on")
     assert P.op_fetched_checksums(me) == {"checksums": [3, 3, 3], "device_bytes": {"before": 100, "after": 250}}
     assert P.op_fetched_checksums(me)["device_bytes"] is None  # handed out once
+    P.after_reply(me, "on")  # an on without its own quiesce: no stale "before"
+    assert P.op_fetched_checksums(me)["device_bytes"] == {"before": None, "after": 999}
 
 
 class FakeGate:
