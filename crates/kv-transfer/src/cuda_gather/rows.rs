@@ -207,7 +207,7 @@ impl BlockSource for RowsGather<'_> {
 }
 
 /// Piece length of `block_bytes` contiguous bytes cut as
-/// [`PieceTable::split_for`] cuts [`PieceTable::contiguous`] for a fetch of
+/// `PieceTable::split_for` cuts [`PieceTable::contiguous`] for a fetch of
 /// `blocks` blocks (no table built).
 pub fn contiguous_piece_bytes(block_bytes: u64, blocks: u64, max_piece_bytes: u64) -> u64 {
     let (mut b, mut count) = (block_bytes, 1u64);
