@@ -177,12 +177,15 @@ impl TransferPlan {
     ///   then twice), `moves.src_slot` (range, then twice).
     ///
     /// # Cost
-    /// Linear in `moves` (no sort, no SipHash): ~13 / ~50 us for 1,024 /
-    /// 4,096 scattered moves on one rank of the 2-core CPU build machine
-    /// (`cpu/transfer_plan/scattered/*`, `crates/kv-transfer/MEASURED.md`),
-    /// plus a bit per donor slot and per target block of the smallest
-    /// regions where those are at most ~256 ids per move (else the ids are
-    /// hashed and the rows sorted).
+    /// Linear in `moves` (no sort, no SipHash): 13-20 / 54-89 us for 1,024
+    /// / 4,096 scattered moves on one rank of the shared 2-core CPU build
+    /// machine (`cpu/transfer_plan/scattered/*`,
+    /// `crates/kv-transfer/MEASURED.md`; 150-240 / 620-1,050 us before).
+    /// Scratch memory: a bit per donor slot and per target block of the
+    /// smallest regions where those are at most ~256 rows per move (plus
+    /// 65,536), 4 bytes per donor slot where at most 16 per move (plus
+    /// 4,096), and up to 32 bytes per move for the keys; past those
+    /// bounds the ids are hashed like the keys and the rows sorted.
     pub fn new(
         donor_layout: &KvLayout,
         target_layout: &KvLayout,

@@ -20,8 +20,9 @@
 //!   of 4 steps per bucket its keys move into a `BTreeSet`, so even a flood
 //!   of collisions costs O(n log n), never O(n^2).
 //!
-//! `TransferPlan::new` of 1,024 / 4,096 scattered moves: ~150 / ~620 us
-//! with the `HashSet`s, ~13 / ~50 us now, of which this check is ~8 / ~34 us
+//! `TransferPlan::new` of 1,024 / 4,096 scattered moves on the 2-core CPU
+//! build machine: 152-243 / 625-1045 us with the `HashSet`s, 13-20 / 54-89
+//! us now (~13 / ~55 at load ~2), of which this check is ~8 / ~34 us
 //! (`crates/kv-transfer/MEASURED.md`).
 
 use std::collections::hash_map::RandomState;
