@@ -7,7 +7,6 @@
 //! on every rank), so one list of moves serves all ranks; only the region
 //! geometry (stride, count) may differ per rank.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use kv_descriptor::{KvLayout, KvRegionLayout, SequenceHash, TensorOrder};
@@ -15,6 +14,10 @@ use kv_descriptor::{KvLayout, KvRegionLayout, SequenceHash, TensorOrder};
 use crate::convert::{BlockPair, Conversion};
 use crate::cuda_gather::{PackedRows, INLINE_SMALL_BLOCKS, PACKED_MAX_BLOCK_ID};
 use crate::TransferError;
+
+mod check;
+
+use check::{check_moves, Sets};
 
 /// Geometry of one rank's region: `blocks` rows of `stride_bytes` each,
 /// starting at offset 0 of the region. A block's payload is the first
@@ -169,7 +172,20 @@ impl TransferPlan {
     /// - `donor` / `target`: not exactly `tp_size` entries, or a stride smaller
     ///   than `rank_block_bytes`;
     /// - `moves`: empty, a slot or block out of range, a key or target block
-    ///   listed twice, or a donor slot listed twice.
+    ///   listed twice, or a donor slot listed twice. The first refused move
+    ///   decides, its checks in the order key, `moves.dst_block` (range,
+    ///   then twice), `moves.src_slot` (range, then twice).
+    ///
+    /// # Cost
+    /// Linear in `moves` (no sort, no SipHash): 13-20 / 54-89 us for 1,024
+    /// / 4,096 scattered moves on one rank of the shared 2-core CPU build
+    /// machine (`cpu/transfer_plan/scattered/*`,
+    /// `crates/kv-transfer/MEASURED.md`; 150-240 / 620-1,050 us before).
+    /// Scratch memory: a bit per donor slot and per target block of the
+    /// smallest regions where those are at most ~256 rows per move (plus
+    /// 65,536), 4 bytes per donor slot where at most 16 per move (plus
+    /// 4,096), and up to 32 bytes per move for the keys; past those
+    /// bounds the ids are hashed like the keys and the rows sorted.
     pub fn new(
         donor_layout: &KvLayout,
         target_layout: &KvLayout,
@@ -215,10 +231,9 @@ impl TransferPlan {
         }
         let src_limit = donor.iter().map(|g| g.blocks).min().unwrap_or(0);
         let dst_limit = target.iter().map(|g| g.blocks).min().unwrap_or(0);
-        let (mut present, missing) = check_moves(moves, src_limit, dst_limit)?;
-        // Sorting by donor slot lets consecutive slots meet; the target side
+        // Sorted by donor slot, so consecutive slots meet; the target side
         // must also be consecutive for the pair to merge.
-        present.sort_unstable();
+        let (present, missing) = check_moves(moves, src_limit, dst_limit, Sets::AUTO)?;
         let words = packed_words(&present, src_limit, dst_limit);
         let parts = (0..tp)
             .map(|r| row_part(r as u32, &present, bb, donor[r], target[r], words.as_ref()))
@@ -336,8 +351,7 @@ impl TransferPlan {
         }
         let src_limit = donor.iter().map(|l| l.num_blocks()).min().unwrap_or(0);
         let dst_limit = target.iter().map(|l| l.num_blocks()).min().unwrap_or(0);
-        let (mut present, missing) = check_moves(moves, src_limit, dst_limit)?;
-        present.sort_unstable();
+        let (present, missing) = check_moves(moves, src_limit, dst_limit, Sets::AUTO)?;
         let bb = first.geometry().rank_block_bytes() as u64;
         let words = packed_words(&present, src_limit, dst_limit);
         let parts = donor
@@ -419,9 +433,10 @@ fn packed_words(present: &[SlotToBlock], src_limit: u32, dst_limit: u32) -> Opti
     fits.then(|| present.iter().map(|&(s, d)| s << 16 | d).collect())
 }
 
-/// One rank's part over block rows: `present` (sorted by slot) coalesced
-/// into runs where both regions are dense and both ids are consecutive;
-/// with `words` (see [`packed_words`]), the rows as [`PackedRows`] too.
+/// One rank's part over block rows: `present` (sorted by slot, each slot
+/// once) coalesced into runs where both regions are dense and both ids are
+/// consecutive; with `words` (see [`packed_words`]), the rows as
+/// [`PackedRows`] too.
 fn row_part(
     tp_rank: u32,
     present: &[(u32, u32)],
@@ -434,11 +449,10 @@ fn row_part(
     let mut runs: Vec<CopyRun> = Vec::new();
     // Every row ends at `id x stride + bb` (a merged run's rows too: dense,
     // so its end is its last row's), so the furthest run end on each side
-    // is the largest of those.
-    let (mut src_end, mut dst_end) = (0u64, 0u64);
+    // is the largest id's: the last slot (sorted), the largest block.
+    let mut max_d = 0;
     for &(s, d) in present {
-        src_end = src_end.max(u64::from(s) * src.stride_bytes + bb);
-        dst_end = dst_end.max(u64::from(d) * dst.stride_bytes + bb);
+        max_d = max_d.max(d);
         if let Some(last) = runs.last_mut() {
             if dense && last.src_block + last.blocks == s && last.dst_block + last.blocks == d {
                 last.blocks += 1;
@@ -462,7 +476,13 @@ fn row_part(
         src,
         dst,
         conversion: None,
-        ends: (src_end, dst_end),
+        ends: match present.last() {
+            Some(&(s, _)) => (
+                u64::from(s) * src.stride_bytes + bb,
+                u64::from(max_d) * dst.stride_bytes + bb,
+            ),
+            None => (0, 0),
+        },
         packed: words
             .and_then(|w| PackedRows::of_ids(w.clone(), src.stride_bytes, dst.stride_bytes, bb)),
     }
@@ -477,76 +497,12 @@ fn block_rows(l: &KvRegionLayout) -> Option<RegionGeometry> {
 /// A present move: `(donor slot, target block)`.
 type SlotToBlock = (u32, u32);
 
-/// Checks `moves` against the donor's `src_limit` slots and the target's
-/// `dst_limit` blocks; returns the present `(slot, block)` pairs (input
-/// order) and the missing keys.
-fn check_moves(
-    moves: &[BlockMove],
-    src_limit: u32,
-    dst_limit: u32,
-) -> Result<(Vec<SlotToBlock>, Vec<MissingKey>), TransferError> {
-    if moves.is_empty() {
-        return Err(TransferError::input(
-            "moves",
-            "at least one block must be requested",
-        ));
-    }
-    let (mut keys, mut dsts, mut srcs) = (HashSet::new(), HashSet::new(), HashSet::new());
-    let mut present = Vec::with_capacity(moves.len());
-    let mut missing = Vec::new();
-    for (i, m) in moves.iter().enumerate() {
-        if !keys.insert(m.key) {
-            return Err(TransferError::input(
-                "moves.key",
-                format!("move {i}: key {:?} listed twice", m.key),
-            ));
-        }
-        if m.dst_block >= dst_limit {
-            return Err(TransferError::input(
-                "moves.dst_block",
-                format!(
-                    "move {i}: block {} is not below the target's {dst_limit} blocks",
-                    m.dst_block
-                ),
-            ));
-        }
-        if !dsts.insert(m.dst_block) {
-            return Err(TransferError::input(
-                "moves.dst_block",
-                format!("move {i}: block {} is written twice", m.dst_block),
-            ));
-        }
-        match m.src_slot {
-            None => missing.push(MissingKey {
-                index: i,
-                key: m.key,
-                dst_block: m.dst_block,
-            }),
-            Some(s) => {
-                if s >= src_limit {
-                    return Err(TransferError::input(
-                        "moves.src_slot",
-                        format!("move {i}: slot {s} is not below the donor's {src_limit} slots"),
-                    ));
-                }
-                if !srcs.insert(s) {
-                    return Err(TransferError::input(
-                        "moves.src_slot",
-                        format!("move {i}: slot {s} listed twice"),
-                    ));
-                }
-                present.push((s, m.dst_block));
-            }
-        }
-    }
-    Ok((present, missing))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use kv_descriptor::DType;
     use proptest::prelude::*;
+    use std::collections::HashSet;
 
     fn layout(tp: u32) -> KvLayout {
         KvLayout::new(2, 4, 8, DType::F32, 4, TensorOrder::BlockMajor, tp).unwrap()
