@@ -1,5 +1,6 @@
 """rpc.serve's one-way requests (no reply, an error owed to the next request) and its after-reply hook (no torch)."""
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -46,18 +47,29 @@ class AfterHandler(Handler):
             raise RuntimeError("after boom")
 
 
+@contextlib.contextmanager
 def serving(handler=None):
+    """A ``Worker`` whose call / send go over a pipe to ``rpc.serve`` on a thread (no process).
+
+    The body must end the serve loop (``exit``); afterwards the thread has
+    stopped and the collector is back as ``serve`` found it.
+    """
     client, server = mp.Pipe()
     t = threading.Thread(target=rpc.serve, args=(server, handler or Handler()), daemon=True)
     t.start()
-    w = rpc.Worker.__new__(rpc.Worker)  # its call / send over our pipe, no process
+    w = rpc.Worker.__new__(rpc.Worker)
     w.conn, w.totals_ms = client, {}
-    return w, t
+    try:
+        yield w
+    finally:
+        t.join(5)
+        gc.unfreeze()
+        gc.enable()
+    assert not t.is_alive()
 
 
 def test_one_way_requests_get_no_reply_and_an_error_answers_the_next_request():
-    w, t = serving()
-    try:
+    with serving() as w:
         assert w.send("stage", prompt=[1, 2]) >= 0.0
         assert not w.conn.poll(0.2)  # nothing came back for the one-way request
         assert w.call("take")[0] == {"prompt": [1, 2]}
@@ -72,16 +84,10 @@ def test_one_way_requests_get_no_reply_and_an_error_answers_the_next_request():
         assert set(w.totals_ms) == {"stage", "take"}
         w.conn.send({"op": "exit"})
         assert w.conn.recv() == {"ok": True}
-    finally:
-        t.join(5)
-        gc.unfreeze()
-        gc.enable()
-    assert not t.is_alive()
 
 
 def test_a_two_way_op_sent_one_way_is_refused_without_a_reply_and_exit_reports_a_pending_error():
-    w, t = serving()
-    try:
+    with serving() as w:
         # "take" answers: sent one-way, a reply would pair with the next call.
         w.send("take")
         assert not w.conn.poll(0.2)
@@ -96,16 +102,10 @@ def test_a_two_way_op_sent_one_way_is_refused_without_a_reply_and_exit_reports_a
         w.conn.send({"op": "exit"})
         got = w.conn.recv()
         assert got["ok"] is False and "empty prompt" in got["error"]
-    finally:
-        t.join(5)
-        gc.unfreeze()
-        gc.enable()
-    assert not t.is_alive()
 
 
 def test_after_reply_runs_after_each_reply_and_its_error_answers_the_next_request():
-    w, t = serving(AfterHandler())
-    try:
+    with serving(AfterHandler()) as w:
         w.send("stage", prompt=[1])  # one-way: no reply, so no after_reply
         assert w.call("take")[0] == {"prompt": [1]}
         # The reply to "after" was built before its own after_reply ran.
@@ -120,8 +120,3 @@ def test_after_reply_runs_after_each_reply_and_its_error_answers_the_next_reques
         assert w.call("after")[0] == {"after": ["take", "after", "boom"]}
         w.conn.send({"op": "exit"})
         assert w.conn.recv() == {"ok": True}
-    finally:
-        t.join(5)
-        gc.unfreeze()
-        gc.enable()
-    assert not t.is_alive()
