@@ -745,9 +745,15 @@ fn compact_log(
                 "the other copy compacted the same log against the same table"
             );
         }
-        log.clear();
-        log.extend_from_slice(&kept);
-        return;
+        // A release build trusts the memo only as far as one compare: it
+        // must keep exactly the `live` hashes this copy counts. One that
+        // does not (the copies disagree, a bug elsewhere) is dropped and
+        // this copy compacts its own log.
+        if kept.len() as u64 == live {
+            log.clear();
+            log.extend_from_slice(&kept);
+            return;
+        }
     }
     compact_in_place(table, log, live, tier, bit);
     if let Some(memo) = memo {
