@@ -341,39 +341,25 @@ mod tests {
         assert!(c.compacted.is_set(), "the first copy left its compaction");
         b.apply(&op);
         assert!(!c.compacted.is_set(), "the replay took it");
+        assert_compacted_alike(&a, &b, &hashes);
+    }
+
+    /// Both copies' logs of the compacting worker hold its 700 live hashes,
+    /// alike, and the copies answer alike for `hashes`.
+    fn assert_compacted_alike(a: &State, b: &State, hashes: &[SequenceHash]) {
         let (la, lb) = (
             &a.workers[0].as_ref().unwrap().logs[4],
             &b.workers[0].as_ref().unwrap().logs[4],
         );
         assert_eq!(la.len(), 700);
         assert_eq!(la, lb);
-        assert_eq!(digest(&a, &hashes), digest(&b, &hashes));
+        assert_eq!(digest(a, hashes), digest(b, hashes));
     }
 
-    /// Debug builds check the memo against a recomputation: a replay handed
-    /// another log panics instead of diverging from the first copy.
-    #[cfg(debug_assertions)]
-    #[test]
-    #[should_panic(expected = "the other copy compacted the same log")]
-    fn a_wrong_compaction_memo_is_caught_in_debug_builds() {
-        let (mut a, mut b, op, _) = states_before_a_compacting_store();
-        let Mutation::Event(c) = &op else {
-            unreachable!()
-        };
-        a.apply(&op);
-        let mut kept = c.compacted.take().expect("compacted");
-        kept.pop();
-        c.compacted.put(kept);
-        b.apply(&op);
-    }
-
-    /// Release builds check only the memo's length: one that does not keep
-    /// exactly the worker's live hashes is dropped and the replay compacts
-    /// its own log, so the copies stay equal. (Runs under `cargo test
-    /// --release`; debug builds panic first, test above.)
-    #[cfg(not(debug_assertions))]
-    #[test]
-    fn a_memo_of_the_wrong_length_is_recomputed_in_release_builds() {
+    /// The compacting store applied to the first copy, the memo it left
+    /// one hash short, then the replay on the second: (first, second,
+    /// the chain's hashes).
+    fn replay_with_a_short_memo() -> (State, State, Vec<SequenceHash>) {
         let (mut a, mut b, op, hashes) = states_before_a_compacting_store();
         let Mutation::Event(c) = &op else {
             unreachable!()
@@ -383,13 +369,27 @@ mod tests {
         kept.pop();
         c.compacted.put(kept);
         b.apply(&op);
-        let (la, lb) = (
-            &a.workers[0].as_ref().unwrap().logs[4],
-            &b.workers[0].as_ref().unwrap().logs[4],
-        );
-        assert_eq!(la.len(), 700);
-        assert_eq!(la, lb);
-        assert_eq!(digest(&a, &hashes), digest(&b, &hashes));
+        (a, b, hashes)
+    }
+
+    /// Debug builds check the memo against a recomputation: a replay handed
+    /// another log panics instead of diverging from the first copy.
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "the other copy compacted the same log")]
+    fn a_wrong_compaction_memo_is_caught_in_debug_builds() {
+        replay_with_a_short_memo();
+    }
+
+    /// Release builds check only the memo's length: one that does not keep
+    /// exactly the worker's live hashes is dropped and the replay compacts
+    /// its own log, so the copies stay equal. (Runs under `cargo test
+    /// --release`; debug builds panic first, test above.)
+    #[cfg(not(debug_assertions))]
+    #[test]
+    fn a_memo_of_the_wrong_length_is_recomputed_in_release_builds() {
+        let (a, b, hashes) = replay_with_a_short_memo();
+        assert_compacted_alike(&a, &b, &hashes);
     }
 
     /// A chain stored and removed over and over leaves its hash in the log

@@ -570,6 +570,19 @@ mod tests {
             naive.register(WorkerKey(k as u64), *info);
         }
         let mut next_id = [1u64; 5];
+        // Worker `k`'s next event, its id taken in order.
+        let mut event = |k: usize, info: WorkerInfo, tier: StorageTier, data: KvEventData| {
+            next_id[k] += 1;
+            KvEvent {
+                publisher: info.engine,
+                event_id: next_id[k] - 1,
+                role: info.role,
+                layout_fingerprint: info.layout_fingerprint,
+                tp_size: 1,
+                tier,
+                data,
+            }
+        };
         // Holder bits set by each worker's stores (what its log received).
         let mut logged = [0u64; 5];
         for step in 0..1_200 {
@@ -594,16 +607,7 @@ mod tests {
                 }
             };
             let stores = matches!(data, KvEventData::Stored { .. });
-            let e = KvEvent {
-                publisher: info.engine,
-                event_id: next_id[k],
-                role: info.role,
-                layout_fingerprint: info.layout_fingerprint,
-                tp_size: 1,
-                tier,
-                data,
-            };
-            next_id[k] += 1;
+            let e = event(k, info, tier, data);
             let got = fast.apply_event(&e).ok();
             assert_eq!(got, naive.apply(&e), "step {step}");
             if let (true, Some(EventOutcome::Applied { changed })) = (stores, got) {
@@ -675,15 +679,7 @@ mod tests {
             } else {
                 StorageTier::Device
             };
-            let e = KvEvent {
-                publisher: info.engine,
-                event_id: next_id[k],
-                role: info.role,
-                layout_fingerprint: info.layout_fingerprint,
-                tp_size: 1,
-                tier,
-                data: KvEventData::Cleared,
-            };
+            let e = event(k, *info, tier, KvEventData::Cleared);
             assert_eq!(fast.apply_event(&e).ok(), naive.apply(&e), "clear {k}");
         }
         assert_eq!(fast.stats().held_blocks, [0; TIERS]);

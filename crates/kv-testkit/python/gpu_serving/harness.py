@@ -544,6 +544,7 @@ def rpc_error(op: str, msg: str):
 def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, fallbacks, false_completions, notes, slots, target_rows):
     later = [r for r in turns if r["turn"] > 0]
     first = [r for r in turns if r["turn"] == 0]
+    first_pairs = paired_ms(first)
     buckets = bucket_table(w, later, ideal=True)
     transports = sorted({r["transport"] for r in turns if r["fetched_tokens"] > 0})
     leaks = sum(ps["leaks_grown"].values()) + (ds["pins_outstanding"] or 0)
@@ -610,8 +611,8 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
             # (the two ran back to back), then the median: the goal's measure. It keeps
             # all of ON's cost, in the forward too, and a drift slower than one
             # repetition cancels in each pair.
-            "paired_p50_ms": percentile(paired_ms(first), 50),
-            "pairs": len(paired_ms(first)),
+            "paired_p50_ms": percentile(first_pairs, 50),
+            "pairs": len(first_pairs),
             # Diagnosis, not the goal: per turn, what ON adds outside the forward
             # (advise, the empty fetch, the request's own time against OFF's), then the
             # median. It leaves out anything ON makes slower inside the forward.

@@ -127,6 +127,28 @@ impl Device {
         first
     }
 
+    /// Ends a part of rank `rank`: when nothing `failed`, releases
+    /// `control`'s consumer; then synchronizes whatever happened, since the
+    /// caller releases the destination reservation and the donor pins as
+    /// soon as the part returns. The first error wins: `failed`, the
+    /// release's, the synchronization's.
+    pub(super) fn settle(
+        &mut self,
+        control: &DeliveryControl,
+        rank: u32,
+        failed: Option<TransferError>,
+    ) -> Result<(), TransferError> {
+        let failed = match failed {
+            None => self.release_consumer(control, rank).err(),
+            f => f,
+        };
+        let synced = self.sync();
+        match failed {
+            Some(e) => Err(e),
+            None => synced,
+        }
+    }
+
     /// Waits for everything issued on the stream (and on `aux` when a
     /// launch went there since the last sync); afterwards nothing reads the
     /// table staging buffer. Both streams are waited for even when the

@@ -1,6 +1,7 @@
 //! Unit tests of the CUDA backend's host logic (no device needed).
 
 use super::*;
+use crate::plan::CopyRun;
 
 fn run(blocks: u32) -> CopyRun {
     CopyRun {
