@@ -15,8 +15,15 @@ enter it).
 
 How the prompt's KV reaches decode: the decode worker continues on its own
 retained KV and computes only the tokens it lacks (the new user turn; the whole
-prompt on a session's first turn). That is untimed: the measured TTFT is the
-prefill worker's.
+prompt on a session's first turn, in chunks of ``prefill_chunk`` tokens when
+set). That is untimed: the measured TTFT is the prefill worker's.
+
+Where an idle session's KV waits (``decode_cache``): ``device`` keeps every
+session's cache on the card beside the bank's copy of its blocks; ``host``
+keeps it in pinned host memory and restores it for the session's next turn
+or a reference request (untimed), so the card holds one session's working
+cache at a time. The harness picks ``host`` where the workload would not fit
+the card otherwise (an 80 GB card for 8 sessions to 32K).
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import engine, rpc, service, transport
+
+DECODE_CACHES = ("device", "host")
+
+# Tokens a restored cache holds past the turn's prompt and answer.
+RESTORE_HEADROOM = 512
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -85,6 +97,11 @@ class DecodeWorker(EngineWorker):
         else:
             self.bank = transport.open_bank(kv_reuse, self.layout, cfg["bank_slots"], self.device, self.transport)
             self.pins = self.bank.serve_pins(self.endpoint)
+        self.decode_cache = cfg.get("decode_cache", "device")
+        if self.decode_cache not in DECODE_CACHES:
+            raise engine.EngineError("decode_cache", f"unknown {self.decode_cache!r}, expected one of {list(DECODE_CACHES)}")
+        self.prefill_chunk = int(cfg.get("prefill_chunk", 0))
+        # decode_cache "device": session -> its cache; "host": session -> engine.HostCopy.
         self.caches: Dict[str, Any] = {}
         self.checksums: Dict[int, int] = {}  # sequence hash -> block checksum (engine.block_checksums)
         self.store_failures: List[str] = []
@@ -108,18 +125,45 @@ class DecodeWorker(EngineWorker):
         r = engine.prefill(self.model, out[:-1], first.cache)
         return out, r.cache
 
+    def _session_cache(self, session: str, tokens: Optional[int], capacity: int) -> Any:
+        """The session's cache on the device with room for ``capacity`` tokens (None: none yet).
+
+        ``tokens``: how many of its tokens to keep (None: all). On ``host`` a
+        fresh device cache restored from the host copy; on ``device`` the kept
+        cache itself (grown in place) or, with ``tokens``, a cropped copy.
+        """
+        kept = self.caches.get(session)
+        if kept is None:
+            return None
+        if self.decode_cache == "host":
+            return kept.restore(kept.tokens if tokens is None else tokens, capacity, self.device)
+        if tokens is not None:
+            return engine.cropped(kept, tokens)
+        if isinstance(kept, engine.PreallocCache) and kept.capacity() < capacity:
+            kept.reserve(capacity)  # one growth for the whole turn, not one per chunk
+        return kept
+
     def op_turn(self, session: str, prompt: List[int], gen: int) -> Dict[str, Any]:
         """Prefill what this worker lacks of ``prompt``, generate ``gen`` tokens, retain the blocks."""
-        cache = self.caches.get(session)
+        room = len(prompt) + gen + RESTORE_HEADROOM
+        cache = self._session_cache(session, None, room)
+        if cache is None and self.prefill_chunk and len(prompt) > self.prefill_chunk:
+            cache = engine.PreallocCache.for_shape(self.shape, room, self.device)
         held = engine.cache_len(cache) if cache is not None else 0
         sw = engine.Stopwatch(self.device)
-        first = engine.prefill(self.model, prompt[held:], cache)
+        first = engine.prefill(self.model, prompt[held:], cache, chunk=self.prefill_chunk)
         out, cache = self._answer(session, prompt, first, gen)
         decode_ms = sw.stop()
-        self.caches[session] = cache
         kv_tokens = (list(prompt) + out)[: engine.cache_len(cache)]
         sw = engine.Stopwatch(self.device)
         hashes = self._retain(cache, kv_tokens)
+        if self.decode_cache == "host":
+            self.caches.setdefault(session, engine.HostCopy()).update(cache)
+            del cache, first
+            if self.device.startswith("cuda"):
+                torch.cuda.empty_cache()  # this turn's working cache and retain rows go back to the card
+        else:
+            self.caches[session] = cache
         return {
             "output": out,
             "computed_tokens": len(prompt) - held,
@@ -183,7 +227,9 @@ class DecodeWorker(EngineWorker):
     def _rows(self, cache: Any, blocks: List[int], n: int):
         """(device rows of ``blocks`` in order, their checksums, what ``PendingStore.write`` reads)."""
         lo = blocks[0]
-        rows = engine.to_blocks(cache, lo, n - lo, self.tpb)[[i - lo for i in blocks]]
+        rows = engine.to_blocks(cache, lo, n - lo, self.tpb)
+        if blocks != list(range(lo, n)):  # a gap (blocks the bank already holds): a copy of the rest
+            rows = rows[[i - lo for i in blocks]]
         return rows, engine.block_checksums(rows), transport.store_source(rows, self.transport)
 
     def op_reference(self, session: str, prompt: List[int], fetched_tokens: int, greedy_n: int) -> Dict[str, Any]:
@@ -193,8 +239,10 @@ class DecodeWorker(EngineWorker):
         (a cropped copy), the rest of ``prompt`` is prefilled on top: the same
         kernels and inputs as the target's ON path.
         """
-        cache = self.caches[session]
-        r = engine.prefill(self.model, prompt[fetched_tokens:], engine.cropped(cache, fetched_tokens))
+        if session not in self.caches:
+            raise engine.EngineError("session", f"{session!r} has no turn on this worker")
+        cache = self._session_cache(session, fetched_tokens, len(prompt) + greedy_n + RESTORE_HEADROOM)
+        r = engine.prefill(self.model, prompt[fetched_tokens:], cache)
         toks = engine.greedy(self.model, r, greedy_n)[0] if greedy_n else []
         return {"logits": _bits(r.logits), "first_token": r.first_token, "greedy": toks}
 

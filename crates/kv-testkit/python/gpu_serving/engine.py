@@ -85,6 +85,12 @@ class ModelShape:
         """Bytes of K and V of one token over all layers, bf16."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
 
+    def weight_bytes(self) -> int:
+        """Bytes of the bf16 weights :func:`build_model` creates (untied embeddings; Llama blocks)."""
+        attn = self.hidden * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return 2 * (2 * self.vocab * self.hidden + self.num_layers * per_layer + self.hidden)
+
 
 SHAPES = {
     # Llama-3.1-8B's config.json geometry (Meta's model card); the llama3 RoPE
@@ -361,7 +367,7 @@ class PrefillResult:
 
 @torch.inference_mode()
 def prefill(model: LlamaForCausalLM, tokens: Sequence[int], cache: Optional[DynamicCache] = None,
-            sw: Optional["Stopwatch"] = None, ids: Optional[torch.Tensor] = None) -> PrefillResult:
+            sw: Optional["Stopwatch"] = None, ids: Optional[torch.Tensor] = None, chunk: int = 0) -> PrefillResult:
     """Prefill ``tokens`` on top of ``cache`` (None: from scratch); greedy first token.
 
     Only the last position's logits are computed (``logits_to_keep=1``): a 32K
@@ -373,9 +379,17 @@ def prefill(model: LlamaForCausalLM, tokens: Sequence[int], cache: Optional[Dyna
     ``ids``: ``tokens`` already on the device (``[1, len(tokens)]`` long),
     uploaded earlier by a caller whose stream is about to wait on other work.
     Raises ``EngineError("ids", ...)`` when its shape does not match.
+    ``chunk`` (tokens, 0: one pass): a chunked prefill, every chunk's forward
+    on top of the previous chunks' KV, so activations scale with ``chunk``
+    instead of ``len(tokens)`` (a 32K one-pass prefill of the 8B shape peaks
+    at ~13 GiB). The KV equals a one-pass prefill's only up to rounding; the
+    decode worker uses it (untimed) to fit both workers on one 80 GB card.
+    Raises ``EngineError("chunk", ...)`` when negative or given with ``sw``.
     """
     if len(tokens) == 0:
         raise EngineError("tokens", "a prefill needs at least one token")
+    if chunk < 0 or (chunk and sw is not None):
+        raise EngineError("chunk", f"{chunk}: a chunk is >= 0 tokens and never timed")
     dev = model.device
     if ids is None:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=dev)
@@ -383,6 +397,11 @@ def prefill(model: LlamaForCausalLM, tokens: Sequence[int], cache: Optional[Dyna
         raise EngineError("ids", f"shape {tuple(ids.shape)}, expected (1, {len(tokens)})")
     if cache is None:
         cache = PreallocCache(model.config.num_hidden_layers)
+    if chunk and len(tokens) > chunk:
+        last = (len(tokens) - 1) // chunk * chunk
+        for lo in range(0, last, chunk):
+            cache = model(input_ids=ids[:, lo : lo + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
+        ids = ids[:, last:]
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     logits = out.logits[0, -1]
     if sw is not None:
@@ -475,6 +494,50 @@ def cropped(cache: DynamicCache, tokens: int) -> DynamicCache:
     return cache_from_kv([(k[:, :, :tokens], v[:, :, :tokens]) for k, v in layer_kv(cache)])
 
 
+class HostCopy:
+    """A cache's first ``tokens`` tokens in host memory, one ``[L, 2, 1, H, capacity, D]`` tensor.
+
+    The decode worker's ``decode_cache="host"`` keeps each idle session's KV
+    here instead of on the device (restored for the session's next turn or a
+    reference request; untimed), so the card holds one session's KV beside
+    the bank rather than every session's twice. :meth:`update` reuses the
+    buffer while it is large enough. Pinned host memory when the cache is on a
+    CUDA device (faster copies both ways).
+    """
+
+    def __init__(self) -> None:
+        self.buf: Optional[torch.Tensor] = None
+        self.tokens = 0
+
+    def update(self, cache: DynamicCache, headroom: int = 2048) -> None:
+        """Copies every token of ``cache`` here (layer by layer: one layer's temporary at a time)."""
+        kv = layer_kv(cache)
+        t = cache_len(cache)
+        k0 = kv[0][0]
+        if self.buf is None or self.buf.shape[4] < t or self.buf.shape[3] != k0.shape[1]:
+            shape = (len(kv), 2, 1, k0.shape[1], t + headroom, k0.shape[3])
+            self.buf = torch.empty(shape, dtype=k0.dtype, pin_memory=k0.is_cuda)
+        for l, (k, v) in enumerate(kv):
+            self.buf[l, 0, :, :, :t].copy_(k[:, :, :t])
+            self.buf[l, 1, :, :, :t].copy_(v[:, :, :t])
+        self.tokens = t
+
+    def restore(self, tokens: int, capacity: int, device: str) -> PreallocCache:
+        """A device cache of capacity ``>= capacity`` holding the first ``tokens`` tokens kept here.
+
+        Raises ``EngineError("tokens", ...)`` past what is kept or past ``capacity``.
+        """
+        if self.buf is None or not 0 < tokens <= min(self.tokens, capacity):
+            raise EngineError("tokens", f"{tokens} not in 1..={min(self.tokens, capacity)} (kept {self.tokens})")
+        like = torch.empty((1, self.buf.shape[3], 0, self.buf.shape[5]), dtype=self.buf.dtype, device=device)
+        cache = PreallocCache(self.buf.shape[0], capacity, like)
+        for l, (kb, vb) in enumerate(cache.buffers()):
+            kb[:, :, :tokens].copy_(self.buf[l, 0, :, :, :tokens])
+            vb[:, :, :tokens].copy_(self.buf[l, 1, :, :, :tokens])
+        cache.set_length(tokens)
+        return cache
+
+
 def extended(cache: DynamicCache, tokens: int, kv: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     """A new cache: the first ``tokens`` tokens of ``cache`` followed by ``kv`` (per-layer ``[1, H, T, D]``).
 
@@ -502,19 +565,22 @@ def to_blocks(cache: DynamicCache, first_block: int, num_blocks: int, tokens_per
 
     Returns a contiguous int16 tensor ``[num_blocks, L * 2 * B * H * D]`` (bf16 bits)
     on the cache's device. Raises ``EngineError("num_blocks", ...)`` when the
-    cache holds fewer tokens.
+    cache holds fewer tokens. One allocation of the result and one strided
+    copy per layer and K / V into it: no intermediate stacks, so a 30K-token
+    retain needs its result's 3.8 GiB (8B shape) and nothing more (an 80 GB
+    card holding both workers has no room for three copies).
     """
     lo, hi = first_block * tokens_per_block, (first_block + num_blocks) * tokens_per_block
     if num_blocks < 1 or hi > cache_len(cache):
         raise EngineError("num_blocks", f"blocks {first_block}..{first_block + num_blocks} exceed {cache_len(cache)} tokens")
-    per_layer = []
-    for k, v in layer_kv(cache):
-        kv = torch.stack([k[0, :, lo:hi], v[0, :, lo:hi]], 0)  # [2, H, n*B, D]
-        per_layer.append(kv)
-    x = torch.stack(per_layer, 0)  # [L, 2, H, n*B, D]
-    L, _, H, _, D = x.shape
-    x = x.view(L, 2, H, num_blocks, tokens_per_block, D).permute(3, 0, 1, 4, 2, 5)
-    return x.contiguous().view(torch.int16).reshape(num_blocks, -1)
+    kv = layer_kv(cache)
+    H, D = kv[0][0].shape[1], kv[0][0].shape[3]
+    out = torch.empty((num_blocks, len(kv), 2, tokens_per_block, H, D), dtype=kv[0][0].dtype, device=kv[0][0].device)
+    for l, pair in enumerate(kv):
+        for j, t in enumerate(pair):
+            # t[0, :, lo:hi] is [H, n*B, D]; viewed [H, n, B, D] and permuted it is out[:, l, j] ([n, B, H, D]).
+            out[:, l, j].copy_(t[0, :, lo:hi].view(H, num_blocks, tokens_per_block, D).permute(1, 2, 0, 3))
+    return out.view(torch.int16).reshape(num_blocks, -1)
 
 
 def from_blocks(rows: torch.Tensor, s: ModelShape, tokens_per_block: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:

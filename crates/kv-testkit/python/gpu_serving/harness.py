@@ -124,6 +124,22 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         "(busy_poll_us); 0, the default, never spins (docs/router-service.md, \"Latency: busy polling\")",
     )
     p.add_argument(
+        "--decode-cache",
+        choices=("auto", "device", "host"),
+        default="auto",
+        help="where the decode worker keeps an idle session's KV between its turns: device (beside the bank's copy "
+        "of its blocks), host (pinned host memory, restored for the session's next turn, untimed), or auto: host "
+        "when the estimated device memory with device caches exceeds the decode device's (an 80 GB card for the "
+        "full workload), else device. Decode is never timed",
+    )
+    p.add_argument(
+        "--decode-prefill-chunk",
+        type=int,
+        default=None,
+        help="tokens per chunk of the decode worker's own (untimed) prefill; 0: one pass. Default: 8192 with "
+        "--decode-cache host, else 0 (a 32K one-pass prefill of the 8B shape peaks at ~13 GiB of activations)",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=0.0,
@@ -154,6 +170,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if v is not None and v < 1:
             print(f"gpu_serving: {flag} must be at least 1, got {v}", file=sys.stderr)
             return 2
+    if a.decode_prefill_chunk is not None and a.decode_prefill_chunk < 0:
+        print(f"gpu_serving: --decode-prefill-chunk must be >= 0, got {a.decode_prefill_chunk}", file=sys.stderr)
+        return 2
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -188,6 +207,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         if fit < slots:
             notes.append(f"bank cut from {slots} to {max(fit, 1)} slots by /dev/shm ({shm_free} bytes free): LRU eviction")
             slots = max(fit, 1)
+    need = memory_estimate(s, sessions, a, slots * block_bytes, target_rows * block_bytes)
+    total = device_total_bytes(a.decode_device)
+    decode_cache = a.decode_cache
+    if decode_cache == "auto":
+        decode_cache = "host" if total is not None and need["device"] > total else "device"
+    chunk = a.decode_prefill_chunk if a.decode_prefill_chunk is not None else (8192 if decode_cache == "host" else 0)
+    # Where the decode kept idle sessions' KV, its prefill chunk, and the
+    # estimate that chose them (bytes; memory_estimate): into the result.
+    memory = {"decode_cache": decode_cache, "decode_prefill_chunk": chunk, "memory_estimate_bytes": need}
+    gib = 1 << 30
+    print(f"gpu_serving: device memory estimate {need['device'] / gib:.1f} GiB with the decode's session caches on "
+          f"the device, {need['host'] / gib:.1f} GiB on the host; decode device holds "
+          f"{'?' if total is None else f'{total / gib:.1f}'} GiB: decode cache {decode_cache}, prefill chunk {chunk}",
+          flush=True)
+    if total is not None and need[decode_cache] > total:
+        notes.append(f"estimated device memory {need[decode_cache] / gib:.1f} GiB exceeds the decode device's "
+                     f"{total / gib:.1f} GiB: expect out-of-memory (fewer --sessions, or --regime churn, which keeps "
+                     f"no warm caches)")
     cfg = {"model": a.model, "seed": a.seed, "tokens_per_block": tpb, "transport": a.transport}
     t_start = time.perf_counter()
     svc = None
@@ -201,7 +238,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return skip(a.out, f"--router service: {e}")
         cfg["nats_url"] = a.nats_url = svc.url
         print(f"gpu_serving: router service on {svc.url} ({svc.ready})", flush=True)
-    decode = rpc.Worker(decode_worker.main, {**cfg, "device": a.decode_device, "bank_slots": slots, "answer": a.answer})
+    decode = rpc.Worker(decode_worker.main, {**cfg, "device": a.decode_device, "bank_slots": slots, "answer": a.answer,
+                                                "decode_cache": decode_cache, "prefill_chunk": chunk})
     prefill = rpc.Worker(
         prefill_worker.main, {**cfg, "device": a.prefill_device, "target_rows": target_rows, "warm": a.regime == "both",
                                "landing": a.landing, "fetch_overlap": a.fetch_overlap == "on"}
@@ -214,6 +252,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"gpu_serving: phase start {started_s:.1f} s (both workers built their models)", flush=True)
         rpc.freeze_startup_objects()  # this process imported torch too; timed() collects before each sample
         result = run(a, w, sessions, decode, prefill, kv_reuse, notes, slots, target_rows, t_start)
+        result.update(memory)
         result["wall_s"] = round(time.perf_counter() - t_start, 1)
         result["phases_s"] = phases(started_s, result.pop("_advise_ms"), decode, prefill, result["wall_s"])
         for k, v in result["phases_s"].items():
@@ -242,6 +281,49 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     return rc
+
+
+def memory_estimate(s, sessions, a, bank_bytes: int, landing_bytes: int) -> Dict[str, int]:
+    """Device bytes both workers hold at their peaks, by where the decode keeps idle sessions' KV.
+
+    ``{"device": ..., "host": ...}`` (``--decode-cache``), summed over both
+    workers as if on one device (the worst case, and the harness's default):
+
+    - prefill: weights, its landing cache (two in the warm regime), the warm
+      regime's per-session caches, OFF's own cache of the longest prompt, and
+      the activations of that one-pass prefill;
+    - decode: weights, the bank, the rows of one retain (up to the longest
+      prompt's blocks), and either every session's cache plus a one-pass
+      prefill's activations (``device``) or one working cache plus a chunked
+      prefill's (``host``, chunks of ``--decode-prefill-chunk`` or 8192).
+
+    Activations: ``(16 x hidden + 4 x intermediate) x 2`` bytes a token (bf16),
+    which puts the 8B shape's 32K prefill at 7.6 GiB; with the caches above it
+    lands near the prefill worker's measured 32.4 GiB (session 21, H100). An
+    estimate to choose ``--decode-cache auto`` and to warn; the record's
+    ``device_bytes`` are measured.
+    """
+    kv = s.kv_bytes_per_token()
+    histories = sum(x.target_history + a.turn_tokens[1] + a.gen_tokens[1] for x in sessions) * kv
+    longest = a.history_max + a.turn_tokens[1] + a.gen_tokens[1]
+    per_token_act = (16 * s.hidden + 4 * s.intermediate) * 2
+    warm = a.regime == "both"
+    prefill = s.weight_bytes() + landing_bytes * (2 if warm else 1) + (histories if warm else 0) + longest * (kv + per_token_act)
+    decode = s.weight_bytes() + bank_bytes + longest * kv
+    chunk = a.decode_prefill_chunk or 8192
+    return {
+        "device": prefill + decode + histories + longest * per_token_act,
+        "host": prefill + decode + longest * kv + min(chunk, longest) * per_token_act,
+    }
+
+
+def device_total_bytes(device: str) -> Optional[int]:
+    """Total memory of CUDA device ``device`` (None for a CPU device)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
 
 
 def router_settings() -> Dict[str, Any]:
@@ -565,6 +647,7 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
             "answer": a.answer,
             "greedy_every": a.greedy_every,
         },
+
         "router": ("service: kv-reuse-router and nats-server as processes, advice over NATS (kv_reuse.RouterClient), "
                    "cost model deciding" if a.router == "service" else
                    "in-process kv_reuse.Router (the wheel), cost model deciding"),

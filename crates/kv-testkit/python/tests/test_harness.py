@@ -76,6 +76,34 @@ def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
     # The donor SIGKILLed mid-fetch: fell back, first token produced, nothing kept.
     k = r["donor_kill"]
     assert k["ok"] and k["first_token_produced"] and k["fell_back"] and k["prefill_leaks_grown"] == {}
+    # --decode-cache auto on a CPU device: nothing to estimate against, the caches stay where they are.
+    assert r["decode_cache"] == "device" and r["decode_prefill_chunk"] == 0
+    assert set(r["memory_estimate_bytes"]) == {"device", "host"}
+    assert 0 < r["memory_estimate_bytes"]["host"] < r["memory_estimate_bytes"]["device"]
+
+
+def test_tiny_run_with_the_decode_caches_on_the_host(tmp_path):
+    """--decode-cache host: the decode worker keeps idle sessions' KV in host
+    memory and prefills its own first turns in chunks; what it retains and
+    what a reference continues on are still its own KV, bit for bit."""
+    out = tmp_path / "r.json"
+    argv = TINY + ["--out", str(out), "--sessions", "4", "--turns", "3", "--history-max", "1024", "--regime", "churn"]
+    argv += ["--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--decode-cache", "host"]
+    argv += ["--decode-prefill-chunk", "48", "--donor-kill", "off"]
+    assert harness.main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["decode_cache"] == "host" and r["decode_prefill_chunk"] == 48
+    fetched = [t for t in r["turns"] if t["fetched_tokens"] > 0]
+    assert fetched, "the cost model admitted no fetch: nothing was checked"
+    assert all(t["checksums_equal"] and t["logits_bit_equal_to_donor"] for t in fetched)
+    assert r["false_completions"] == 0 and r["leaks"] == 0 and r["fallbacks"] == 0
+    assert r["store_failures"] == 0
+
+
+def test_bad_decode_prefill_chunk_is_refused(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert harness.main(TINY + ["--out", str(out), "--decode-prefill-chunk", "-1"]) == 2
+    assert "--decode-prefill-chunk" in capsys.readouterr().err
 
 
 def test_tiny_cuda_run_lands_fetches_in_the_engine_cache(tmp_path):
