@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -157,7 +158,11 @@ class PreallocLayer(DynamicLayer):
 
     def __init__(self, owner: "PreallocCache", index: int) -> None:
         super().__init__()
-        self.owner, self.index = owner, index
+        # A weak reference: a strong one would make every cache a reference
+        # cycle (cache -> layer -> cache), freed only by the garbage collector,
+        # which the workers run only before timed requests; the decode worker
+        # restoring a 4 GiB cache per turn ran an 80 GB card out of memory so.
+        self.owner, self.index = weakref.proxy(owner), index
         self.n = 0
         self.kb: Optional[torch.Tensor] = None
         self.vb: Optional[torch.Tensor] = None

@@ -257,3 +257,20 @@ def test_chunked_prefill_holds_every_token_and_the_same_first_token(models):
         with pytest.raises(engine.EngineError) as e:
             engine.prefill(donor, prompt, chunk=chunk, sw=sw)
         assert e.value.field == "chunk"
+
+
+def test_a_dropped_cache_is_freed_without_the_garbage_collector(models):
+    import gc
+    import weakref
+
+    donor, _ = models
+    gc.disable()
+    try:
+        r = engine.prefill(donor, tokens(random.Random(13), 20))
+        gone = weakref.ref(r.cache)
+        arena = weakref.ref(r.cache.arena)
+        del r
+        # No cycle (cache -> layer -> cache): reference counting frees cache and arena at once.
+        assert gone() is None and arena() is None
+    finally:
+        gc.enable()
