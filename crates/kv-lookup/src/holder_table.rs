@@ -36,7 +36,8 @@
 //!   with all bits zero (*dead*) and a walk never trusts a dead position.
 //! - A run whose entries are all dead is freed and its id reused; a run of
 //!   at least 64 entries with under a quarter live is compacted into a fresh
-//!   run, so dead entries cost at most 3x the live ones (plus short runs).
+//!   run (at the end of the removal that left it so:
+//!   [`HolderTable::finish_clears`]), so dead entries cost at most 3x the live ones (plus short runs).
 //! - The index's load factor stays at or below 3/4.
 //! - A chunk summary never claims a bit that one of its entries lacks, and
 //!   is zero in a run that is not ordered. A summary may lag *below* the true `AND` while a Stored event is
@@ -264,6 +265,9 @@ pub(crate) struct HolderTable {
     /// `(run, chunk)` whose summary [`Self::set`] may have left below the
     /// true `AND`; recomputed by [`Self::close_run`].
     stale: Vec<(u32, u32)>,
+    /// Runs that [`Self::clear_deferring`] left under a quarter live, to be
+    /// compacted by [`Self::finish_clears`] unless they died first.
+    sparse: Vec<u32>,
 }
 
 impl HolderTable {
@@ -280,6 +284,7 @@ impl HolderTable {
             free_runs: Vec::new(),
             open_run: None,
             stale: Vec::new(),
+            sparse: Vec::new(),
         }
     }
 
@@ -539,7 +544,20 @@ impl HolderTable {
 
     /// Clears bit `bit` of tier `tier` for `hash`; returns true if it was set.
     /// The entry dies when its last bit goes.
+    #[cfg(test)]
     pub(crate) fn clear(&mut self, hash: SequenceHash, tier: usize, bit: u32) -> bool {
+        let was_set = self.clear_deferring(hash, tier, bit);
+        self.finish_clears();
+        was_set
+    }
+
+    /// [`Self::clear`], but a run it leaves under a quarter live is only
+    /// noted, for [`Self::finish_clears`] (call it before the table is
+    /// published). A removal of a whole chain clears its run in order, so
+    /// compacting at the crossing moved the last quarter of the run into a
+    /// fresh one (an allocation and an index update per entry) just before
+    /// the same event killed it; deferred, the run dies first and is freed.
+    pub(crate) fn clear_deferring(&mut self, hash: SequenceHash, tier: usize, bit: u32) -> bool {
         let flag = 1u64 << bit;
         let Some(i) = self.find(hash.0) else {
             return false;
@@ -566,11 +584,32 @@ impl HolderTable {
                 if self.open_run == Some(loc.run) {
                     self.open_run = None;
                 }
-            } else if r.hot.len() >= COMPACT_MIN_LEN && (r.live as usize) * 4 < r.hot.len() {
-                self.compact_run(loc.run);
+            } else if Self::is_sparse(r) && self.sparse.last() != Some(&loc.run) {
+                self.sparse.push(loc.run);
             }
         }
         true
+    }
+
+    /// Whether `r` is long enough and under a quarter live, so compacted.
+    fn is_sparse(r: &Run) -> bool {
+        r.hot.len() >= COMPACT_MIN_LEN && (r.live as usize) * 4 < r.hot.len()
+    }
+
+    /// Compacts the runs [`Self::clear_deferring`] noted that are still
+    /// sparse (alive, under a quarter live). A noted id may since have been
+    /// freed or reused; the check on the run now covers both.
+    pub(crate) fn finish_clears(&mut self) {
+        let mut sparse = std::mem::take(&mut self.sparse);
+        for &r in &sparse {
+            let run = &self.runs[r as usize];
+            if run.live > 0 && Self::is_sparse(run) {
+                self.compact_run(r);
+            }
+        }
+        sparse.clear();
+        // Keeps the buffer: no allocation per removal event.
+        self.sparse = sparse;
     }
 
     /// Moves the live entries of a mostly dead run into a fresh run (order

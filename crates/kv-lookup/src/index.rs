@@ -1,6 +1,7 @@
 //! [`InventoryIndex`]: who holds which sequence hash in which tier, fed by KV events.
 
 use std::collections::{HashMap, HashSet};
+use std::hash::BuildHasherDefault;
 
 use kv_descriptor::{EngineId, KvEvent, LayoutFingerprint, Role, SequenceHash, StorageTier};
 
@@ -468,10 +469,13 @@ impl State {
         let (g, bit) = split(slot);
         let rec = self.workers[slot as usize].as_mut().expect("live slot");
         let log = std::mem::take(&mut rec.logs[tier]);
+        rec.removed[tier] = Vec::new();
         let mut changed = 0;
+        let table = &mut self.groups[g];
         for h in log {
-            changed += u64::from(self.groups[g].clear(h, tier, bit));
+            changed += u64::from(table.clear_deferring(h, tier, bit));
         }
+        table.finish_clears();
         rec.live[tier] = 0;
         changed
     }
@@ -520,8 +524,13 @@ impl State {
         let mut changed = 0;
         for (i, &h) in hashes.iter().enumerate() {
             table.prefetch_pass(hashes, i);
-            changed += u64::from(table.clear(h, tier, bit));
+            if table.clear_deferring(h, tier, bit) {
+                // For the next log compaction (see `WorkerRecord::removed`).
+                rec.removed[tier].push(h);
+                changed += 1;
+            }
         }
+        table.finish_clears();
         // No log compaction here: removals never grow the log, and
         // compacting while a worker drains would re-read every entry it
         // still lists. The next store compacts if the log got too stale.
@@ -696,11 +705,11 @@ fn check_identity(
 ///
 /// Both copies are equal before a mutation and apply it alike, so they
 /// compact the same log against the same table and keep the same hashes:
-/// the replay takes the first copy's result instead of probing the table
-/// again for every logged hash. A compaction reads about twice the worker's
-/// live hashes at random (and sorts them when the log holds duplicates);
-/// in the churn bench (`--threads 0+1`) it was ~30% of an event thread's
-/// time when both copies paid it. Debug builds (the tests) recompute the
+/// the replay takes the first copy's result instead of computing it again
+/// (a pass over about twice the worker's live hashes and a count of its
+/// removals, see `compact_in_place`; when both copies probed the table for
+/// every logged hash it was ~30% of an event thread's time in the churn
+/// bench, `--threads 0+1`). Debug builds (the tests) recompute the
 /// compaction on the replay and check that it equals the memo.
 #[derive(Default)]
 pub(crate) struct CompactedLog(parking_lot::Mutex<Option<Vec<SequenceHash>>>);
@@ -734,12 +743,12 @@ fn compact_log(
     bit: u32,
     memo: Option<&CompactedLog>,
 ) {
-    let (log, live) = (&mut rec.logs[tier], rec.live[tier]);
+    let (log, removed, live) = (&mut rec.logs[tier], &mut rec.removed[tier], rec.live[tier]);
     if let Some(kept) = memo.and_then(CompactedLog::take) {
         #[cfg(debug_assertions)]
         {
-            let mut mine = log.clone();
-            compact_in_place(table, &mut mine, live, tier, bit);
+            let (mut mine, mut gone) = (log.clone(), removed.clone());
+            compact_in_place(table, &mut mine, &mut gone, live, tier, bit);
             assert_eq!(
                 kept, mine,
                 "the other copy compacted the same log against the same table"
@@ -752,44 +761,79 @@ fn compact_log(
         if kept.len() as u64 == live {
             log.clear();
             log.extend_from_slice(&kept);
+            removed.clear();
             return;
         }
     }
-    compact_in_place(table, log, live, tier, bit);
+    compact_in_place(table, log, removed, live, tier, bit);
     if let Some(memo) = memo {
         memo.put(log.clone());
     }
 }
 
 /// Keeps the hashes of `log` that bit `bit` of `tier` still holds in
-/// `table`, each once (`live` of them), in place.
+/// `table`, each once (`live` of them), in place and in log order, and
+/// empties `removed`.
 ///
-/// Each log entry is a random table access; they are prefetched like an
-/// event's blocks (unprefetched, a compaction of a 70k-entry log waited for
-/// ~140k misses in turn, about a quarter of the event thread's time). The
-/// sort that finds duplicates runs only when there are any: every live hash
-/// is in the log, so a kept log as long as the live count has none.
+/// The table is not read: as multisets, `log` minus `removed` is the live
+/// set (see [`WorkerRecord::removed`]), so each removal cancels the earliest
+/// logged copy of its hash that is not cancelled yet, and what is left is
+/// the live set once. Counting the removals takes a map as large as
+/// `removed`, which fits in cache; probing the table for every log entry
+/// instead (the method before) cost one or two DRAM and TLB misses per
+/// entry, ~12% of the event thread in the churn bench (`--threads 0+1`).
+/// Debug builds check the result against the table.
 fn compact_in_place(
     table: &HolderTable,
     log: &mut Vec<SequenceHash>,
+    removed: &mut Vec<SequenceHash>,
     live: u64,
     tier: usize,
     bit: u32,
 ) {
-    let mut kept = 0;
-    for i in 0..log.len() {
-        // Reads ahead of `i` only, where nothing was overwritten yet.
-        table.prefetch_pass(log, i);
-        let h = log[i];
-        if table.get(h)[tier] >> bit & 1 == 1 {
-            log[kept] = h;
-            kept += 1;
+    let mut gone: HashMap<u64, u32, BuildHasherDefault<SpreadHasher>> =
+        HashMap::with_capacity_and_hasher(removed.len(), Default::default());
+    for h in removed.drain(..) {
+        *gone.entry(h.0).or_default() += 1;
+    }
+    log.retain(|h| match gone.get_mut(&h.0) {
+        Some(n) if *n > 0 => {
+            *n -= 1;
+            false
+        }
+        _ => true,
+    });
+    #[cfg(debug_assertions)]
+    {
+        assert_eq!(log.len() as u64, live, "the log keeps the live hashes");
+        assert!(gone.values().all(|&n| n == 0), "each removal was logged");
+        for &h in log.iter() {
+            assert_eq!(table.get(h)[tier] >> bit & 1, 1, "a kept hash is held");
         }
     }
-    log.truncate(kept);
-    if kept as u64 != live {
-        log.sort_unstable();
-        log.dedup();
+    #[cfg(not(debug_assertions))]
+    let _ = (table, live, tier, bit);
+}
+
+/// Hasher of the compaction's removal counts: keys are sequence hashes
+/// (already XXH3 outputs; tests also use small integers), so one multiply
+/// and a fold spread them; SipHash would cost more than the map's probes.
+#[derive(Default)]
+struct SpreadHasher(u64);
+
+impl std::hash::Hasher for SpreadHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
     }
-    debug_assert_eq!(log.len() as u64, live);
+
+    fn write_u64(&mut self, x: u64) {
+        let m = (self.0 ^ x).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = m ^ (m >> 32);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }

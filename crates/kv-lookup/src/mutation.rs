@@ -392,6 +392,80 @@ mod tests {
         assert_compacted_alike(&a, &b, &hashes);
     }
 
+    /// The compaction counts removals instead of probing the table: a hash
+    /// stored, removed and stored again is logged twice and removed once,
+    /// so it stays once, at its later position; a removed chain leaves; the
+    /// kept log is in log order, `removed` is emptied, both copies alike.
+    #[test]
+    fn a_compaction_cancels_each_removal_against_the_earliest_logged_copy() {
+        let index = InventoryIndex::new();
+        let info = WorkerInfo {
+            engine: EngineId::fresh(),
+            role: Role::Decode,
+            layout_fingerprint: LayoutFingerprint(1),
+            tp_size: 1,
+        };
+        index.register_worker(WorkerKey(1), info).unwrap();
+        let (a, b) = (chain(5, 600), chain(6, 600));
+        let hashes = |c: &[StoredBlock]| -> Vec<SequenceHash> {
+            c.iter().map(|x| x.sequence_hash).collect()
+        };
+        let mut id = 0;
+        let mut apply = |data| {
+            id += 1;
+            let e = KvEvent {
+                publisher: info.engine,
+                event_id: id,
+                role: info.role,
+                layout_fingerprint: info.layout_fingerprint,
+                tp_size: 1,
+                tier: StorageTier::RetainedGpuDirect,
+                data,
+            };
+            assert!(matches!(
+                index.apply_event(&e),
+                Ok(EventOutcome::Applied { .. })
+            ));
+        };
+        let stored = |c: &[StoredBlock]| KvEventData::Stored {
+            parent: None,
+            blocks: c.to_vec(),
+        };
+        // Log: a (600), b (600), a[..100] again; removed: a[..100], b.
+        apply(stored(&a));
+        apply(stored(&b));
+        apply(KvEventData::Removed {
+            sequence_hashes: hashes(&a[..100]),
+        });
+        apply(KvEventData::Removed {
+            sequence_hashes: hashes(&b),
+        });
+        apply(stored(&a[..100]));
+        apply(stored(&b));
+        // Log 1900, live 1200: under 2 * 1200 + 1024, no compaction yet.
+        let (live, standby) = index.state.both();
+        assert_eq!(live.workers[0].as_ref().unwrap().logs[4].len(), 1900);
+        drop((live, standby));
+        apply(KvEventData::Removed {
+            sequence_hashes: hashes(&b),
+        });
+        apply(KvEventData::Removed {
+            sequence_hashes: hashes(&a[100..]),
+        });
+        // Live 100 (a[..100]); log 1900 > 2 * 100 + 1024: the next store
+        // compacts. It stores c, 30 fresh blocks.
+        let c = chain(7, 30);
+        apply(stored(&c));
+        let want: Vec<SequenceHash> = hashes(&a[..100]).into_iter().chain(hashes(&c)).collect();
+        let (live, standby) = index.state.both();
+        for st in [&live, &standby] {
+            let rec = st.workers[0].as_ref().unwrap();
+            assert_eq!(rec.logs[4], want, "live hashes once, in log order");
+            assert!(rec.removed[4].is_empty());
+            assert_eq!(rec.live[4], 130);
+        }
+    }
+
     /// A chain stored and removed over and over leaves its hash in the log
     /// once per store; the compaction that the 4th store triggers (a log of
     /// 2800 is over 2 * 700 live + 1024 slack) must keep each live hash

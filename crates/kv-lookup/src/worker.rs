@@ -73,6 +73,11 @@ pub(crate) struct WorkerRecord {
     /// Per tier: every hash stored since the last compaction (may contain
     /// hashes removed since, and duplicates); a superset of the live set.
     pub(crate) logs: [Vec<SequenceHash>; TIERS],
+    /// Per tier: every hash a removal cleared since the last compaction,
+    /// once per clearing. As multisets, `logs[t]` minus `removed[t]` is the
+    /// live set (a hash is logged each time its bit is set and listed here
+    /// each time a removal clears it), so a compaction needs no table probe.
+    pub(crate) removed: [Vec<SequenceHash>; TIERS],
     /// Per tier: number of hashes this worker holds right now.
     pub(crate) live: [u64; TIERS],
 }
@@ -85,6 +90,7 @@ impl WorkerRecord {
             last_event_id: 0,
             needs_resync: false,
             logs: Default::default(),
+            removed: Default::default(),
             live: [0; TIERS],
         }
     }

@@ -123,6 +123,45 @@ fn walk_follows_runs_and_never_trusts_a_dead_entry() {
     assert_eq!(t.get(chain[3])[4], 2);
 }
 
+/// A removal that clears a whole run in order frees it without first
+/// moving its last quarter into a fresh run; one that leaves it under a
+/// quarter live compacts it once, at `finish_clears`.
+#[test]
+fn clears_of_one_removal_compact_a_run_only_if_it_stays_sparse() {
+    let mut t = HolderTable::with_capacity(0);
+    let chain: Vec<SequenceHash> = (1..=64).map(SequenceHash).collect();
+    for h in &chain {
+        t.set(*h, 4, 0, true);
+    }
+    t.close_run();
+    for h in &chain {
+        assert!(t.clear_deferring(*h, 4, 0));
+    }
+    t.finish_clears();
+    assert_eq!(t.len(), 0);
+    // One run ever: the one the chain filled, now free (with a compaction
+    // at the crossing there were two).
+    assert_eq!((t.runs.len(), t.free_runs.len()), (1, 1));
+    for h in &chain {
+        t.set(*h, 4, 0, true);
+    }
+    t.close_run();
+    for h in &chain[..50] {
+        assert!(t.clear_deferring(*h, 4, 0));
+    }
+    // Noted, not compacted yet: the run still has its 64 positions.
+    assert_eq!(t.locate(chain[50]).unwrap().0.off, 50);
+    t.finish_clears();
+    let loc = t.locate(chain[50]).unwrap().0;
+    assert_eq!(loc.off, 0, "compacted: the 14 survivors start a fresh run");
+    assert_eq!(t.runs[loc.run as usize].hot.len(), 14);
+    t.assert_summaries_exact();
+    let mut c = Cursor::default();
+    for h in &chain[50..] {
+        assert_eq!(t.step(&mut c, *h), [0, 1]);
+    }
+}
+
 #[test]
 fn a_mostly_dead_run_is_compacted_in_order() {
     let mut t = HolderTable::with_capacity(0);
