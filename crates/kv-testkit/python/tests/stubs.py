@@ -174,7 +174,7 @@ def install() -> Dict[str, Any]:
     machine; the real engines are checked by test_engine / test_harness where
     torch is installed. Returns what :func:`restore` puts back.
     """
-    saved = {n: m for n, m in sys.modules.items() if n in ("torch", "transformers", "transformers.cache_utils", "kv_reuse") or n.startswith("gpu_serving")}
+    saved = {n: m for n, m in sys.modules.items() if _swapped(n)}
     for name in saved:
         del sys.modules[name]
     sys.modules["torch"] = _fake_torch()
@@ -187,6 +187,17 @@ def install() -> Dict[str, Any]:
 
 def restore(saved: Dict[str, Any]) -> None:
     """Removes the stand-ins and the modules imported on top of them; puts ``saved`` back."""
-    for name in [n for n in sys.modules if n in ("torch", "transformers", "transformers.cache_utils", "kv_reuse") or n.startswith("gpu_serving")]:
+    for name in [n for n in sys.modules if _swapped(n)]:
         del sys.modules[name]
     sys.modules.update(saved)
+
+
+def _swapped(name: str) -> bool:
+    """Whether ``install`` / ``restore`` swap module ``name``: the stand-ins' packages with all their submodules.
+
+    Submodules too: a real ``torch.nn.attention`` left in ``sys.modules``
+    while the fake ``torch`` is installed, or one imported on top of the fake
+    and left after ``restore``, breaks the real torch's lazy submodules
+    (``torch._dynamo``) for the tests that run after these in one process.
+    """
+    return any(name == p or name.startswith(p + ".") for p in ("torch", "transformers", "kv_reuse")) or name.startswith("gpu_serving")
