@@ -232,10 +232,10 @@ impl CopyBackend for Failing {
         _: &DeliveryControl,
     ) -> Result<PartOutcome, TransferError> {
         assert!(
-            part.conversion.is_some(),
+            part.conversion().is_some(),
             "a vLLM target is a converting part"
         );
-        if part.tp_rank == 1 && self.stall {
+        if part.tp_rank() == 1 && self.stall {
             self.in_flight.fetch_add(1, Ordering::SeqCst);
             return Err(TransferError::NotQuiesced {
                 rank: 1,
@@ -366,7 +366,7 @@ fn the_pool_path_is_unchanged_and_bank_rows_need_no_conversion() {
             io: &RankIo<'_>,
             c: &DeliveryControl,
         ) -> Result<PartOutcome, TransferError> {
-            assert!(p.conversion.is_none());
+            assert!(p.conversion().is_none());
             HostCopyBackend.copy_part(p, io, c)
         }
     }

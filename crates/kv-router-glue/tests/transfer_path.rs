@@ -119,12 +119,12 @@ impl CopyBackend for StalledRank1 {
         _io: &RankIo<'_>,
         _c: &DeliveryControl,
     ) -> Result<PartOutcome, TransferError> {
-        if part.tp_rank == 0 {
+        if part.tp_rank() == 0 {
             return Err(TransferError::Cancelled);
         }
         self.in_flight.fetch_add(1, Ordering::SeqCst);
         Err(TransferError::NotQuiesced {
-            rank: part.tp_rank,
+            rank: part.tp_rank(),
             reason: "injected: read stalled on a cut link".into(),
         })
     }

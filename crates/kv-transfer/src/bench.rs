@@ -199,7 +199,7 @@ pub(crate) fn verify(
     dst: &dyn BankMemory,
     name: &str,
 ) -> Result<(), TransferError> {
-    let runs = &plan.parts()[0].runs;
+    let runs = plan.parts()[0].runs();
     let bb = plan.rank_block_bytes() as usize;
     for r in [runs.first(), runs.last()].into_iter().flatten() {
         let (mut a, mut b) = (vec![0u8; bb], vec![0u8; bb]);
@@ -227,7 +227,7 @@ pub(crate) fn verify_all(
     let (mut a, mut b) = (vec![0u8; src.len()], vec![0u8; dst.len()]);
     src.read_bytes(0, &mut a)?;
     dst.read_bytes(0, &mut b)?;
-    for (i, r) in plan.parts()[0].runs.iter().enumerate() {
+    for (i, r) in plan.parts()[0].runs().iter().enumerate() {
         let (s, d, n) = (r.src_offset as usize, r.dst_offset as usize, r.len as usize);
         if a[s..s + n] != b[d..d + n] {
             return Err(TransferError::input(

@@ -61,7 +61,7 @@ impl CopyBackend for NoCopy {
         _control: &DeliveryControl,
     ) -> Result<PartOutcome, TransferError> {
         Ok(PartOutcome {
-            bytes: part.expected_bytes,
+            bytes: part.expected_bytes(),
             copies: 0,
             host_payload_bytes: 0,
             transport: "none".into(),
@@ -152,7 +152,7 @@ pub(crate) fn rows(
         // As `deliver` does: each fetch packs into the previous one's Vec.
         let mut words = Vec::new();
         let direct = time(repeats, || {
-            let g = RunsGather::with_words(&part.runs, bb, &tuning, std::mem::take(&mut words))
+            let g = RunsGather::with_words(part.runs(), bb, &tuning, std::mem::take(&mut words))
                 .map_err(|e| TransferError::input("runs", e.to_string()))?;
             Ok(g.map(|g| {
                 let bytes = g.bytes();
@@ -171,7 +171,7 @@ pub(crate) fn rows(
                     .map_err(|e| TransferError::input("runs", e.to_string()))?;
                 Ok(g.bytes())
             }
-            None => RunsGather::with_words(&part.runs, bb, &tuning, std::mem::take(&mut words))
+            None => RunsGather::with_words(part.runs(), bb, &tuning, std::mem::take(&mut words))
                 .map_err(|e| TransferError::input("runs", e.to_string()))
                 .map(|g| g.map_or(0, |g| g.bytes())),
         })?;

@@ -177,9 +177,9 @@ pub(crate) fn launch_of_runs<'a>(
             .map(Built::Rows)
             .map_err(|e| TransferError::input("runs", e.to_string()));
     }
-    let blocks: u64 = part.runs.iter().map(|r| u64::from(r.blocks)).sum();
-    let bb = part.expected_bytes / blocks.max(1);
-    match RunsGather::with_words(&part.runs, bb, tuning, words)
+    let blocks: u64 = part.runs().iter().map(|r| u64::from(r.blocks)).sum();
+    let bb = part.expected_bytes() / blocks.max(1);
+    match RunsGather::with_words(part.runs(), bb, tuning, words)
         .map_err(|e| TransferError::input("runs", e.to_string()))?
     {
         Some(g) => Ok(Built::Runs(g)),
@@ -196,9 +196,9 @@ pub(crate) fn plan_of_runs(
     tuning: &GatherTuning,
 ) -> Result<ConvertPlan, TransferError> {
     let part = &plan.parts()[0];
-    let blocks: u64 = part.runs.iter().map(|r| u64::from(r.blocks)).sum();
-    let bb = part.expected_bytes / blocks.max(1);
-    ConvertPlan::from_runs_tuned(&part.runs, bb, src_len, dst_len, tuning)
+    let blocks: u64 = part.runs().iter().map(|r| u64::from(r.blocks)).sum();
+    let bb = part.expected_bytes() / blocks.max(1);
+    ConvertPlan::from_runs_tuned(part.runs(), bb, src_len, dst_len, tuning)
         .map_err(|e| TransferError::input("runs", e.to_string()))
 }
 

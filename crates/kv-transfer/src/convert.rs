@@ -117,7 +117,7 @@ impl Conversion {
     /// let target = KvRegionLayout::vllm_kv_first(g, 0, 0, 256, 8, 256).unwrap();
     /// let m = BlockMove { key: SequenceHash(1), src_slot: Some(3), dst_block: 5 };
     /// let plan = TransferPlan::converting(&[donor], &[target], &[m]).unwrap();
-    /// let conv = plan.parts()[0].conversion.as_ref().unwrap();
+    /// let conv = plan.parts()[0].conversion().unwrap();
     /// let p: Vec<_> = conv.pieces().map(|p| (p.src_offset, p.dst_offset, p.len)).collect();
     /// // K of block 3 (16 bytes) to K of block 5, V to V at 128 + 5 x 16.
     /// assert_eq!(p, [(96, 80, 16), (112, 208, 16)]);

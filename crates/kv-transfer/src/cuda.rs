@@ -465,21 +465,21 @@ impl CopyBackend for CudaCopyBackend {
         let SourceRegion::Mapped(src) = io.src else {
             return Err(TransferError::UnsupportedMemory {
                 backend: "cuda_ipc",
-                rank: part.tp_rank,
+                rank: part.tp_rank(),
                 src: io.src.kind().to_string(),
                 dst: io.dst.kind().to_string(),
             });
         };
-        if let Some(c) = &part.conversion {
-            return self.copy_conversion(part.tp_rank, c, src, io.dst, control);
+        if let Some(c) = part.conversion() {
+            return self.copy_conversion(part.tp_rank(), c, src, io.dst, control);
         }
-        let (dev, src_dev, dst_dev) = self.open_pair(part.tp_rank, src, io.dst)?;
+        let (dev, src_dev, dst_dev) = self.open_pair(part.tp_rank(), src, io.dst)?;
         let mut dev = dev.lock();
-        let kernel_ok = dev.kernels.is_some() && part.runs.len() > DIRECT_MAX_RUNS;
+        let kernel_ok = dev.kernels.is_some() && part.runs().len() > DIRECT_MAX_RUNS;
         if let Some(rows) = part.packed_rows().filter(|_| kernel_ok) {
             return self.copy_rows(
                 &mut dev,
-                part.tp_rank,
+                part.tp_rank(),
                 rows,
                 (src, io.dst),
                 control,
@@ -491,10 +491,10 @@ impl CopyBackend for CudaCopyBackend {
         // `blocks` rows of it, and `deliver` a part whose bytes are not
         // the expected bytes, so a wrong value cannot complete a fetch.
         let block_bytes = part
-            .runs
+            .runs()
             .first()
             .map_or(0, |r| r.len / u64::from(r.blocks.max(1)));
-        let planned_blocks = part.expected_bytes / block_bytes.max(1);
+        let planned_blocks = part.expected_bytes() / block_bytes.max(1);
         let regions = (src.len() as u64, io.dst.len() as u64);
         dev.ctx
             .bind_to_thread()
@@ -504,9 +504,9 @@ impl CopyBackend for CudaCopyBackend {
         let mut failed = None;
         // A fetch within one launch needs no second pass over its runs.
         let batches = if planned_blocks <= BLOCKS_PER_LAUNCH as u64 {
-            vec![&part.runs[..]]
+            vec![part.runs()]
         } else {
-            launch_batches(&part.runs, BLOCKS_PER_LAUNCH)
+            launch_batches(part.runs(), BLOCKS_PER_LAUNCH)
         };
         for batch in batches {
             if let Err(e) = control.check() {
@@ -538,7 +538,7 @@ impl CopyBackend for CudaCopyBackend {
                 }
             }
         }
-        dev.settle(control, part.tp_rank, failed)?;
+        dev.settle(control, part.tp_rank(), failed)?;
         Ok(PartOutcome {
             bytes,
             copies,

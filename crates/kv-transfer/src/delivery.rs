@@ -234,11 +234,11 @@ pub fn deliver(
         ));
     }
     for (part, rio) in plan.parts().iter().zip(io) {
-        if let Some(c) = &part.conversion {
+        if let Some(c) = part.conversion() {
             if !backend.converts() {
                 return Err(TransferError::UnsupportedLayout {
                     backend: backend.name(),
-                    rank: part.tp_rank,
+                    rank: part.tp_rank(),
                     src: format!("{:?}", c.src().order()),
                     dst: format!("{:?}", c.dst().order()),
                 });
@@ -256,7 +256,7 @@ pub fn deliver(
                 "io.src",
                 format!(
                     "rank {} reads up to byte {src_end} of a {}-byte donor region",
-                    part.tp_rank,
+                    part.tp_rank(),
                     rio.src.len()
                 ),
             ));
@@ -266,7 +266,7 @@ pub fn deliver(
                 "io.dst",
                 format!(
                     "rank {} writes up to byte {dst_end} of a {}-byte target region",
-                    part.tp_rank,
+                    part.tp_rank(),
                     rio.dst.len()
                 ),
             ));
@@ -274,7 +274,7 @@ pub fn deliver(
     }
     control.check()?;
     for part in plan.parts() {
-        control.check_donor(part.tp_rank)?;
+        control.check_donor(part.tp_rank())?;
     }
 
     let outcomes: Vec<Result<PartOutcome, TransferError>> = if plan.parts().len() == 1 {
@@ -306,7 +306,7 @@ pub fn deliver(
         .iter()
         .position(|o| matches!(o, Err(e) if e.may_still_write()))
     {
-        let rank = plan.parts()[idx].tp_rank;
+        let rank = plan.parts()[idx].tp_rank();
         if let Some(Err(e)) = outcomes.into_iter().nth(idx) {
             return Err(TransferError::PartFailed {
                 rank,
@@ -333,21 +333,21 @@ pub fn deliver(
             }
             Err(e) => {
                 return Err(TransferError::PartFailed {
-                    rank: part.tp_rank,
+                    rank: part.tp_rank(),
                     source: Box::new(e),
                 })
             }
         };
-        if o.bytes != part.expected_bytes {
+        if o.bytes != part.expected_bytes() {
             return Err(TransferError::ShortPart {
-                rank: part.tp_rank,
+                rank: part.tp_rank(),
                 got: o.bytes,
-                expected: part.expected_bytes,
+                expected: part.expected_bytes(),
             });
         }
         if matches!(rio.dst.kind(), MemoryKind::Cuda { .. }) && o.host_payload_bytes > 0 {
             return Err(TransferError::HostStaged {
-                rank: part.tp_rank,
+                rank: part.tp_rank(),
                 bytes: o.host_payload_bytes,
             });
         }
@@ -358,7 +358,7 @@ pub fn deliver(
             transports.push(o.transport);
         }
         parts.push(PartReport {
-            tp_rank: part.tp_rank,
+            tp_rank: part.tp_rank(),
             bytes: o.bytes,
             copies: o.copies,
         });
@@ -366,7 +366,7 @@ pub fn deliver(
     counters.transport = transports.join("+");
     control.check()?;
     for part in plan.parts() {
-        control.check_donor(part.tp_rank)?;
+        control.check_donor(part.tp_rank())?;
     }
     let status = if plan.missing().is_empty() {
         DeliveryStatus::Complete

@@ -41,7 +41,7 @@ impl CopyBackend for HostCopyBackend {
             other => {
                 return Err(TransferError::UnsupportedMemory {
                     backend: self.name(),
-                    rank: part.tp_rank,
+                    rank: part.tp_rank(),
                     src: format!("{:?}", other.kind()),
                     dst: format!("{:?}", io.dst.kind()),
                 })
@@ -50,7 +50,7 @@ impl CopyBackend for HostCopyBackend {
         if io.dst.kind() != MemoryKind::Host {
             return Err(TransferError::UnsupportedMemory {
                 backend: self.name(),
-                rank: part.tp_rank,
+                rank: part.tp_rank(),
                 src: "Host".into(),
                 dst: format!("{:?}", io.dst.kind()),
             });
@@ -87,14 +87,14 @@ impl CopyBackend for HostCopyBackend {
             copies += 1;
             Ok::<(), TransferError>(())
         };
-        match &part.conversion {
+        match part.conversion() {
             Some(c) => {
                 for p in c.pieces() {
                     copy(p.src_offset, p.dst_offset, p.len)?;
                 }
             }
             None => {
-                for run in &part.runs {
+                for run in part.runs() {
                     copy(run.src_offset, run.dst_offset, run.len)?;
                 }
             }

@@ -433,7 +433,8 @@ impl NixlBackend {
         if self.notify {
             let msg = format!(
                 "kv-transfer:rank={}:bytes={}",
-                part.tp_rank, part.expected_bytes
+                part.tp_rank(),
+                part.expected_bytes()
             );
             a.set_has_notification(true)
                 .map_err(nixl_err("opt_args_set_has_notif"))?;
@@ -480,28 +481,37 @@ impl NixlBackend {
         remote: &NixlRemoteRegion,
         io: &RankIo<'_>,
     ) -> Result<(nixl_sys::XferRequest, u64, u64), TransferError> {
-        let rank = part.tp_rank;
+        let rank = part.tp_rank();
         let (dst_base, dst_kind) = (io.dst.base_addr(), io.dst.kind());
         match self.mode {
             NixlMode::Prepared => {
                 let key = PreparedKey {
                     remote: remote.agent_name.clone(),
                     src_base: remote.base_addr,
-                    src_stride: part.src.stride_bytes,
-                    src_rows: part.src.blocks,
+                    src_stride: part.src().stride_bytes,
+                    src_rows: part.src().blocks,
                     dst_base,
-                    dst_stride: part.dst.stride_bytes,
-                    dst_rows: part.dst.blocks,
-                    block_bytes: part.runs.first().map_or(0, |r| r.len / u64::from(r.blocks)),
+                    dst_stride: part.dst().stride_bytes,
+                    dst_rows: part.dst().blocks,
+                    block_bytes: part
+                        .runs()
+                        .first()
+                        .map_or(0, |r| r.len / u64::from(r.blocks)),
                 };
                 let mut cache = self.agent.prepared.lock();
                 if !cache.contains_key(&key) {
-                    let local =
-                        self.prepare_rows("", dst_base, part.dst, key.block_bytes, dst_kind, rank)?;
+                    let local = self.prepare_rows(
+                        "",
+                        dst_base,
+                        part.dst(),
+                        key.block_bytes,
+                        dst_kind,
+                        rank,
+                    )?;
                     let rem = self.prepare_rows(
                         &remote.agent_name,
                         remote.base_addr,
-                        part.src,
+                        part.src(),
                         key.block_bytes,
                         remote.kind,
                         rank,
@@ -510,7 +520,7 @@ impl NixlBackend {
                 }
                 let pair = &cache[&key];
                 let (mut li, mut ri) = (Vec::new(), Vec::new());
-                for r in &part.runs {
+                for r in part.runs() {
                     for k in 0..r.blocks {
                         li.push((r.dst_block + k) as i32);
                         ri.push((r.src_block + k) as i32);
@@ -537,7 +547,7 @@ impl NixlBackend {
                 let mut local = XferDescList::new(lm).map_err(nixl_err("create_xfer_dlist"))?;
                 let mut rem = XferDescList::new(rm).map_err(nixl_err("create_xfer_dlist"))?;
                 let (mut n, mut bytes) = (0u64, 0u64);
-                for r in &part.runs {
+                for r in part.runs() {
                     let pieces = if per_block { r.blocks } else { 1 };
                     let piece = r.len / u64::from(pieces);
                     for k in 0..u64::from(pieces) {
@@ -590,12 +600,12 @@ impl CopyBackend for NixlBackend {
         let SourceRegion::Nixl(remote) = io.src else {
             return Err(TransferError::UnsupportedMemory {
                 backend: self.name(),
-                rank: part.tp_rank,
+                rank: part.tp_rank(),
                 src: format!("mapped {}", io.src.kind()),
                 dst: io.dst.kind().to_string(),
             });
         };
-        if part.runs.is_empty() {
+        if part.runs().is_empty() {
             return Ok(PartOutcome {
                 bytes: 0,
                 copies: 0,
@@ -607,7 +617,7 @@ impl CopyBackend for NixlBackend {
         let agent = &self.agent.agent;
         let mut in_flight = agent
             .post_xfer_req(&req, None)
-            .map_err(|e| Self::unreachable(part.tp_rank, &remote.agent_name, e))?;
+            .map_err(|e| Self::unreachable(part.tp_rank(), &remote.agent_name, e))?;
         // Poll without sleeping: UCX advances a transfer only inside progress
         // calls (here `get_xfer_status`), so a sleep between polls caps the
         // bandwidth at one fragment per sleep (~0.4 GB/s with 20 µs naps).
@@ -616,18 +626,18 @@ impl CopyBackend for NixlBackend {
                 Ok(XferStatus::Success) => in_flight = false,
                 Ok(XferStatus::InProgress) => {
                     if let Err(e) = control.check() {
-                        return Err(self.abandon(req, &remote.agent_name, part.tp_rank, e));
+                        return Err(self.abandon(req, &remote.agent_name, part.tp_rank(), e));
                     }
                     std::thread::yield_now();
                 }
-                Err(e) => return Err(Self::unreachable(part.tp_rank, &remote.agent_name, e)),
+                Err(e) => return Err(Self::unreachable(part.tp_rank(), &remote.agent_name, e)),
             }
         }
         // The read has ended: a refusal here leaves nothing in flight.
         let rows = ucx_rows(io.dst.kind(), remote.kind);
         let transport = transport_label(rows.as_deref());
         let host = part_host_payload(
-            part.tp_rank,
+            part.tp_rank(),
             io.dst.kind(),
             remote.kind,
             rows.as_deref(),

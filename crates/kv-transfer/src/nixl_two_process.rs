@@ -343,7 +343,7 @@ fn clear(mem: &dyn BankMemory) -> Result<(), TransferError> {
 /// Every byte of every planned destination row against the donor pattern.
 fn verify_rows(plan: &TransferPlan, dst: &dyn BankMemory) -> Result<bool, TransferError> {
     let mut ok = true;
-    for r in &plan.parts()[0].runs {
+    for r in plan.parts()[0].runs() {
         let mut got = vec![0u8; r.len as usize];
         dst.read_bytes(r.dst_offset as usize, &mut got)?;
         let base = r.src_offset as usize;
@@ -620,7 +620,7 @@ mod tests {
         let l = layout_for(o.block_bytes).unwrap();
         let p = plan_for(&l, &o, true).unwrap();
         let mut slots: Vec<u64> = p.parts()[0]
-            .runs
+            .runs()
             .iter()
             .map(|r| r.src_offset / o.block_bytes as u64)
             .collect();
@@ -628,7 +628,7 @@ mod tests {
         slots.sort_unstable();
         assert_eq!(slots, (0..64).map(|i| 2 * i + 1).collect::<Vec<_>>());
         let c = plan_for(&l, &o, false).unwrap();
-        assert_eq!(c.parts()[0].runs.len(), 1);
+        assert_eq!(c.parts()[0].runs().len(), 1);
         assert_eq!(c.expected_bytes(), 64 * (16 << 10));
     }
 

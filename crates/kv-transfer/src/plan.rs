@@ -88,25 +88,52 @@ pub struct CopyRun {
 }
 
 /// One rank's share of a plan.
+///
+/// Built only by [`TransferPlan::new`] and [`TransferPlan::converting`] and
+/// read through its accessors: a part also carries data derived from its
+/// runs when the plan was built ([`PartPlan::region_ends`],
+/// [`PartPlan::packed_rows`]), which backends launch from, so its runs are
+/// not editable (an edited copy would launch the rows it was built with).
+///
+/// ```
+/// use kv_descriptor::{DType, KvLayout, SequenceHash, TensorOrder};
+/// use kv_transfer::plan::{BlockMove, RegionGeometry, TransferPlan};
+/// let l = KvLayout::new(2, 4, 8, DType::F32, 4, TensorOrder::BlockMajor, 1).unwrap();
+/// let bb = l.rank_block_bytes() as u64;
+/// let m = BlockMove { key: SequenceHash(1), src_slot: Some(3), dst_block: 0 };
+/// let g = [RegionGeometry::dense(&l, 16)];
+/// let p = TransferPlan::new(&l, &l, &[m], &g, &g).unwrap();
+/// let part = &p.parts()[0];
+/// assert_eq!((part.tp_rank(), part.runs().len(), part.expected_bytes()), (0, 1, bb));
+/// assert_eq!(part.region_ends(), (4 * bb, bb));
+/// ```
+///
+/// A copy's runs cannot be edited:
+///
+/// ```compile_fail,E0616
+/// use kv_descriptor::{DType, KvLayout, SequenceHash, TensorOrder};
+/// use kv_transfer::plan::{BlockMove, RegionGeometry, TransferPlan};
+/// let l = KvLayout::new(2, 4, 8, DType::F32, 4, TensorOrder::BlockMajor, 1).unwrap();
+/// let m = BlockMove { key: SequenceHash(1), src_slot: Some(3), dst_block: 0 };
+/// let g = [RegionGeometry::dense(&l, 16)];
+/// let p = TransferPlan::new(&l, &l, &[m], &g, &g).unwrap();
+/// let mut edited = p.parts()[0].clone();
+/// edited.runs.clear();
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PartPlan {
     /// TP rank (index in [`TransferPlan::parts`]).
-    pub tp_rank: u32,
+    tp_rank: u32,
     /// Coalesced runs, sorted by source offset.
-    pub runs: Vec<CopyRun>,
+    runs: Vec<CopyRun>,
     /// Bytes this part must deliver: present blocks x `rank_block_bytes`.
-    pub expected_bytes: u64,
+    expected_bytes: u64,
     /// Donor region geometry of this rank.
-    pub src: RegionGeometry,
+    src: RegionGeometry,
     /// Target region geometry of this rank.
-    pub dst: RegionGeometry,
-    /// `Some` for a converting part ([`TransferPlan::converting`] between
-    /// two memory orders): then `runs` is empty, `src` / `dst` are unused
-    /// (zero rows), and the bytes to move are
-    /// [`Conversion::pieces`]. Only a backend whose
-    /// [`crate::CopyBackend::converts`] is true executes it; [`crate::deliver`]
-    /// refuses it for any other before a byte moves.
-    pub conversion: Option<Conversion>,
+    dst: RegionGeometry,
+    /// `Some` for a converting part (see [`PartPlan::conversion`]).
+    conversion: Option<Conversion>,
     /// Bytes the donor / target region must have: the furthest run end
     /// (a conversion: its layouts' region bytes), found when the plan was
     /// built, so `deliver` checks the regions without a pass over the runs.
@@ -117,6 +144,46 @@ pub struct PartPlan {
 }
 
 impl PartPlan {
+    /// TP rank of this part: its index in [`TransferPlan::parts`].
+    pub fn tp_rank(&self) -> u32 {
+        self.tp_rank
+    }
+
+    /// The coalesced runs, sorted by source offset (byte offsets and
+    /// lengths in bytes, relative to each region's first byte). Empty for a
+    /// converting part ([`PartPlan::conversion`]).
+    pub fn runs(&self) -> &[CopyRun] {
+        &self.runs
+    }
+
+    /// Bytes this part must deliver: present blocks x `rank_block_bytes`
+    /// (a converting part too).
+    pub fn expected_bytes(&self) -> u64 {
+        self.expected_bytes
+    }
+
+    /// Donor region geometry of this rank (stride in bytes, rows); zero
+    /// rows for a converting part, which does not use it.
+    pub fn src(&self) -> RegionGeometry {
+        self.src
+    }
+
+    /// Target region geometry of this rank (stride in bytes, rows); zero
+    /// rows for a converting part, which does not use it.
+    pub fn dst(&self) -> RegionGeometry {
+        self.dst
+    }
+
+    /// `Some` for a converting part ([`TransferPlan::converting`] between
+    /// two memory orders): then [`PartPlan::runs`] is empty,
+    /// [`PartPlan::src`] / [`PartPlan::dst`] are unused (zero rows), and
+    /// the bytes to move are [`Conversion::pieces`]. Only a backend whose
+    /// [`crate::CopyBackend::converts`] is true executes it;
+    /// [`crate::deliver`] refuses it for any other before a byte moves.
+    pub fn conversion(&self) -> Option<&Conversion> {
+        self.conversion.as_ref()
+    }
+
     /// `(donor, target)` bytes the regions must have: the end of the
     /// furthest run on each side, or for a converting part its layouts'
     /// region bytes. O(1): found when the plan was built.
@@ -146,8 +213,8 @@ impl PartPlan {
 /// let g = [RegionGeometry::dense(&l, 16); 2];
 /// let p = TransferPlan::new(&l, &l, &moves, &g, &g).unwrap();
 /// assert_eq!(p.parts().len(), 2);
-/// assert_eq!(p.parts()[1].runs.len(), 2);
-/// assert_eq!(p.parts()[1].expected_bytes, 3 * l.rank_block_bytes() as u64);
+/// assert_eq!(p.parts()[1].runs().len(), 2);
+/// assert_eq!(p.parts()[1].expected_bytes(), 3 * l.rank_block_bytes() as u64);
 /// assert_eq!(p.missing()[0].dst_block, 6);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -274,9 +341,9 @@ impl TransferPlan {
     /// // The engine's allocator chose blocks 17 and 4; key 3 is gone on the donor.
     /// let p = TransferPlan::converting(&donor, &target, &[m(1, Some(2), 17), m(2, Some(3), 4), m(3, None, 9)])
     ///     .unwrap();
-    /// let conv = p.parts()[1].conversion.as_ref().unwrap();
+    /// let conv = p.parts()[1].conversion().unwrap();
     /// assert_eq!(conv.pairs().len(), 2);
-    /// assert_eq!(p.parts()[1].expected_bytes, 2 * bb);
+    /// assert_eq!(p.parts()[1].expected_bytes(), 2 * bb);
     /// assert_eq!(p.missing()[0].dst_block, 9);
     /// // A TP-rank mix-up is refused before a byte moves, naming the field.
     /// let e = TransferPlan::converting(&donor, &[target[1].clone(), target[0].clone()], &[m(1, Some(2), 17)])
@@ -413,7 +480,7 @@ impl TransferPlan {
     }
     /// Bytes the whole delivery must move: sum of the parts' expected bytes.
     pub fn expected_bytes(&self) -> u64 {
-        self.parts.iter().map(|p| p.expected_bytes).sum()
+        self.parts.iter().map(|p| p.expected_bytes()).sum()
     }
 }
 
@@ -528,7 +595,7 @@ mod tests {
             mv(4, Some(8), 20),
         ];
         let p = TransferPlan::new(&l, &l, &moves, &g, &g).unwrap();
-        let runs = &p.parts()[0].runs;
+        let runs = p.parts()[0].runs();
         assert_eq!(runs.len(), 2);
         assert_eq!(
             runs[0],
@@ -558,8 +625,8 @@ mod tests {
         let dst = [RegionGeometry::dense(&l, 8)];
         let p =
             TransferPlan::new(&l, &l, &[mv(1, Some(0), 0), mv(2, Some(1), 1)], &src, &dst).unwrap();
-        assert_eq!(p.parts()[0].runs.len(), 2);
-        assert_eq!(p.parts()[0].runs[1].src_offset, bb + 64);
+        assert_eq!(p.parts()[0].runs().len(), 2);
+        assert_eq!(p.parts()[0].runs()[1].src_offset, bb + 64);
     }
 
     #[test]
@@ -609,7 +676,7 @@ mod tests {
             [RegionGeometry::dense(&l, 32); 2],
         );
         assert_eq!(p, TransferPlan::new(&l, &l, &moves, &g.0, &g.1).unwrap());
-        assert!(p.parts().iter().all(|p| p.conversion.is_none()));
+        assert!(p.parts().iter().all(|p| p.conversion().is_none()));
     }
 
     #[test]
@@ -662,14 +729,14 @@ mod tests {
             assert!(e.contains(want), "{e} should mention {want}");
         }
         let p = TransferPlan::converting(&donor, &t, &[mv(1, Some(7), 3)]).unwrap();
-        let c = p.parts()[0].conversion.as_ref().unwrap();
-        assert!(p.parts()[0].runs.is_empty());
+        let c = p.parts()[0].conversion().unwrap();
+        assert!(p.parts()[0].runs().is_empty());
         assert_eq!(c.bytes(), bb);
     }
 
-    /// Every row of `part.runs`, in order, as `(slot, block)`.
+    /// Every row of `part.runs()`, in order, as `(slot, block)`.
     fn rows_of(part: &PartPlan) -> Vec<(u32, u32)> {
-        part.runs
+        part.runs()
             .iter()
             .flat_map(|r| (0..r.blocks).map(move |k| (r.src_block + k, r.dst_block + k)))
             .collect()
@@ -694,7 +761,7 @@ mod tests {
             .collect();
         let p = TransferPlan::new(&l, &l, &moves, &donor, &target).unwrap();
         let (a, b) = (&p.parts()[0], &p.parts()[1]);
-        assert_eq!((a.runs.len(), b.runs.len()), (100, 300));
+        assert_eq!((a.runs().len(), b.runs().len()), (100, 300));
         let (ra, rb) = (a.packed_rows().unwrap(), b.packed_rows().unwrap());
         for (part, rows, ss) in [(a, ra, bb), (b, rb, bb + 64)] {
             let want: Vec<u32> = rows_of(part).iter().map(|&(s, d)| s << 16 | d).collect();
@@ -767,16 +834,16 @@ mod tests {
             prop_assert_eq!(p.missing().len(), moves.len() - present.len());
             for part in p.parts() {
                 let mut covered = Vec::new();
-                for r in &part.runs {
+                for r in part.runs() {
                     prop_assert_eq!(r.len, u64::from(r.blocks) * bb);
-                    prop_assert!(r.src_offset + r.len <= part.src.region_bytes());
-                    prop_assert!(r.dst_offset + r.len <= part.dst.region_bytes());
+                    prop_assert!(r.src_offset + r.len <= part.src().region_bytes());
+                    prop_assert!(r.dst_offset + r.len <= part.dst().region_bytes());
                     for k in 0..r.blocks {
                         covered.push((r.src_block + k, r.dst_block + k));
                     }
                 }
                 // The ends found with the plan are the furthest run ends.
-                let ends = part.runs.iter().fold((0, 0), |(s, d), r| {
+                let ends = part.runs().iter().fold((0, 0), |(s, d), r| {
                     (s.max(r.src_offset + r.len), d.max(r.dst_offset + r.len))
                 });
                 prop_assert_eq!(part.region_ends(), ends);
@@ -784,7 +851,72 @@ mod tests {
                 let mut want: Vec<_> = present.iter().map(|m| (m.src_slot.unwrap(), m.dst_block)).collect();
                 want.sort_unstable();
                 prop_assert_eq!(covered, want);
-                prop_assert_eq!(part.expected_bytes, present.len() as u64 * bb);
+                prop_assert_eq!(part.expected_bytes(), present.len() as u64 * bb);
+            }
+        }
+
+        /// The packed rows a backend launches from are the part's `runs()`,
+        /// row for row and in order, over the part's own strides and ends:
+        /// present exactly past [`INLINE_SMALL_BLOCKS`] rows whose ids all
+        /// fit [`PACKED_MAX_BLOCK_ID`], on every rank (padded or dense), and
+        /// a clone carries the same pair.
+        #[test]
+        fn packed_rows_are_the_runs(
+            pairs in proptest::collection::btree_map(0u32..1200, 0u32..1200, 100..400),
+            drop_mask in any::<u64>(),
+            pads in (0u64..3, 0u64..3, 0u64..3, 0u64..3),
+            far in proptest::option::of((any::<prop::sample::Index>(), 0u32..2)),
+            big in any::<bool>(),
+        ) {
+            let l = layout(2);
+            let bb = l.rank_block_bytes() as u64;
+            let mut used_dst = HashSet::new();
+            let mut moves: Vec<_> = pairs
+                .iter()
+                .filter(|(_, d)| used_dst.insert(**d))
+                .enumerate()
+                .map(|(i, (s, d))| mv(i as u64, (drop_mask >> (i % 64) & 1 == 0).then_some(*s), *d))
+                .collect();
+            // At times one id past 16 bits (a slot or a block), so no rank packs.
+            if let Some((at, side)) = far {
+                let i = at.index(moves.len());
+                let m = &mut moves[i];
+                if side == 0 && m.src_slot.is_some() {
+                    m.src_slot = Some(PACKED_MAX_BLOCK_ID + 1 + m.key.0 as u32);
+                } else if side == 1 {
+                    m.dst_block = PACKED_MAX_BLOCK_ID + 1 + m.key.0 as u32;
+                }
+            }
+            // Strides of 0, 64 or 128 bytes past the block on each side and
+            // rank; regions past 65,536 rows (ids then checked one by one) or
+            // not.
+            let blocks = if big || far.is_some() { 70_000 } else { 1200 };
+            let g = |pad: u64| RegionGeometry { stride_bytes: bb + 64 * pad, blocks };
+            let donor = [g(pads.0), g(pads.1)];
+            let target = [g(pads.2), g(pads.3)];
+            let p = TransferPlan::new(&l, &l, &moves, &donor, &target).unwrap();
+            for part in p.parts() {
+                let rows = rows_of(part);
+                prop_assert_eq!(rows.len(), p.present_blocks());
+                prop_assert_eq!(part.expected_bytes(), rows.len() as u64 * bb);
+                let fits = rows.iter().all(|&(s, d)| s.max(d) <= PACKED_MAX_BLOCK_ID);
+                let packs = rows.len() > INLINE_SMALL_BLOCKS && fits;
+                prop_assert_eq!(part.packed_rows().is_some(), packs);
+                if let Some(packed) = part.packed_rows() {
+                    let want: Vec<u32> = rows.iter().map(|&(s, d)| s << 16 | d).collect();
+                    prop_assert_eq!(packed.words(), &want[..]);
+                    prop_assert_eq!(packed.blocks(), rows.len());
+                    prop_assert_eq!(
+                        packed.strides(),
+                        (part.src().stride_bytes, part.dst().stride_bytes)
+                    );
+                    prop_assert_eq!(packed.block_bytes(), bb);
+                    prop_assert_eq!(packed.region_bytes(), part.region_ends());
+                }
+                let copy = part.clone();
+                prop_assert_eq!(copy.runs(), part.runs());
+                prop_assert_eq!(copy.packed_rows(), part.packed_rows());
+                prop_assert_eq!(copy.region_ends(), part.region_ends());
             }
         }
     }

@@ -101,7 +101,7 @@ impl CopyBackend for FaultyRank {
         io: &RankIo<'_>,
         c: &DeliveryControl,
     ) -> Result<PartOutcome, TransferError> {
-        if part.tp_rank == self.rank {
+        if part.tp_rank() == self.rank {
             return (self.fault)(part);
         }
         HostCopyBackend.copy_part(part, io, c)
@@ -147,7 +147,7 @@ fn any_failing_rank_fails_the_delivery() {
         rank: 1,
         fault: |p| {
             Err(TransferError::DonorUnreachable {
-                rank: p.tp_rank,
+                rank: p.tp_rank(),
                 reason: "injected".into(),
             })
         },
@@ -179,7 +179,7 @@ fn a_short_part_is_never_complete() {
         rank: 0,
         fault: |p| {
             Ok(PartOutcome {
-                bytes: p.expected_bytes - 1,
+                bytes: p.expected_bytes() - 1,
                 copies: 1,
                 host_payload_bytes: 0,
                 transport: "test".into(),
@@ -289,9 +289,9 @@ fn host_payload_toward_a_gpu_destination_is_refused() {
         rank: 0,
         fault: |p| {
             Ok(PartOutcome {
-                bytes: p.expected_bytes,
+                bytes: p.expected_bytes(),
                 copies: 1,
-                host_payload_bytes: p.expected_bytes,
+                host_payload_bytes: p.expected_bytes(),
                 transport: "tcp/lo".into(),
             })
         },
@@ -369,7 +369,7 @@ impl CopyBackend for FaultPerRank {
         io: &RankIo<'_>,
         c: &DeliveryControl,
     ) -> Result<PartOutcome, TransferError> {
-        match self.faults[part.tp_rank as usize] {
+        match self.faults[part.tp_rank() as usize] {
             Some(f) => f(part),
             None => HostCopyBackend.copy_part(part, io, c),
         }
@@ -378,7 +378,7 @@ impl CopyBackend for FaultPerRank {
 
 fn not_quiesced(p: &PartPlan) -> Result<PartOutcome, TransferError> {
     Err(TransferError::NotQuiesced {
-        rank: p.tp_rank,
+        rank: p.tp_rank(),
         reason: "injected: read stalled on a cut link".into(),
     })
 }
@@ -398,7 +398,7 @@ fn a_part_that_may_still_write_decides_the_error_whatever_rank_0_reports() {
         }),
         ("short part", |p| {
             Ok(PartOutcome {
-                bytes: p.expected_bytes - 1,
+                bytes: p.expected_bytes() - 1,
                 copies: 1,
                 host_payload_bytes: 0,
                 transport: "test".into(),
@@ -406,7 +406,7 @@ fn a_part_that_may_still_write_decides_the_error_whatever_rank_0_reports() {
         }),
         ("donor unreachable", |p| {
             Err(TransferError::DonorUnreachable {
-                rank: p.tp_rank,
+                rank: p.tp_rank(),
                 reason: "injected".into(),
             })
         }),

@@ -516,7 +516,7 @@ fn every_upload_variant_lands_every_byte_of_a_scattered_fetch() {
         .unwrap();
         let part = &plan.parts()[0];
         assert_eq!(part.packed_rows().is_some(), slot_base == 0);
-        assert_eq!(part.runs.len(), if merged { 600 } else { 3000 });
+        assert_eq!(part.runs().len(), if merged { 600 } else { 3000 });
         for (upload, pipeline) in [
             (GatherUpload::Params, Pipeline::default()),
             (GatherUpload::Copy, Pipeline::default()),

@@ -759,7 +759,7 @@ impl FetchExecutor {
     ) -> Result<DeliveryReport, Failed> {
         let mut io = Vec::with_capacity(plan.parts().len());
         for part in plan.parts() {
-            let r = part.tp_rank;
+            let r = part.tp_rank();
             let src = pin.rank_source(r).ok_or(Failed {
                 error: FetchError::Fallback {
                     stage: "pin",

@@ -73,10 +73,10 @@ impl CopyBackend for FaultBackend {
         control: &DeliveryControl,
     ) -> Result<PartOutcome, TransferError> {
         match &self.strike {
-            Strike::FailRank(r) if *r == part.tp_rank => {
+            Strike::FailRank(r) if *r == part.tp_rank() => {
                 return Err(TransferError::Host(format!("injected failure of rank {r}")))
             }
-            Strike::BeforeRank(r, act) if *r == part.tp_rank => act(),
+            Strike::BeforeRank(r, act) if *r == part.tp_rank() => act(),
             _ => {}
         }
         let out = self.inner.copy_part(part, io, control)?;

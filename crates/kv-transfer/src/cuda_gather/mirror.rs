@@ -293,7 +293,7 @@ proptest! {
         let src_g = RegionGeometry { stride_bytes: bb + pad * 48, blocks: 40 };
         let dst_g = RegionGeometry::dense(&l, 40);
         let plan = TransferPlan::new(&l, &l, &moves, &[src_g], &[dst_g]).unwrap();
-        let runs = &plan.parts()[0].runs;
+        let runs = plan.parts()[0].runs();
         let cp = ConvertPlan::from_runs(runs, bb, src_g.region_bytes(), dst_g.region_bytes())
             .unwrap();
         prop_assert_eq!(cp.bytes(), plan.expected_bytes());
@@ -343,10 +343,7 @@ fn mirror_matches_the_host_pieces_of_a_converting_transfer_plan() {
             &moves,
         )
         .unwrap();
-        let c = plan.parts()[0]
-            .conversion
-            .as_ref()
-            .expect("a converting part");
+        let c = plan.parts()[0].conversion().expect("a converting part");
         let pairs: Vec<(u32, u32)> = c
             .pairs()
             .iter()
@@ -513,7 +510,7 @@ proptest! {
         .unwrap();
         let part = &plan.parts()[0];
         let rows = part.packed_rows().expect("more than 128 blocks, 16-bit ids");
-        prop_assert_eq!(rows.blocks() as u64 * bb, part.expected_bytes);
+        prop_assert_eq!(rows.blocks() as u64 * bb, part.expected_bytes());
         prop_assert_eq!(rows.region_bytes(), part.region_ends());
         let (sl, dl) = (u64::from(slots) * ss, u64::from(groups * group) * ds);
         prop_assert!(part.region_ends().0 <= sl && part.region_ends().1 <= dl);
@@ -522,7 +519,7 @@ proptest! {
         let mut mem: Vec<u8> = (0..size).map(|i| (i * 13 + i / 241) as u8 | 1).collect();
         mem[dst_at as usize..].fill(0);
         let mut want = mem.clone();
-        for r in &part.runs {
+        for r in part.runs() {
             let (s, d) = ((src_at + r.src_offset) as usize, (dst_at + r.dst_offset) as usize);
             want.copy_within(s..s + r.len as usize, d);
         }
@@ -554,9 +551,9 @@ proptest! {
             run_kernel(&geo, &table, &pt, &mut mem, &mut writes);
             bytes += g.bytes();
         }
-        prop_assert_eq!(bytes, part.expected_bytes);
+        prop_assert_eq!(bytes, part.expected_bytes());
         prop_assert!(writes.iter().all(|&c| c <= 1), "a byte stored twice");
-        prop_assert_eq!(writes.iter().filter(|&&c| c == 1).count() as u64, part.expected_bytes);
+        prop_assert_eq!(writes.iter().filter(|&&c| c == 1).count() as u64, part.expected_bytes());
         prop_assert!(mem == want, "target differs from one memcpy per run");
     }
 }
