@@ -20,4 +20,14 @@ KVQ_GPU_SERVING_ARGS="--advise-busy-poll-us 1000000 --regime $REGIME ${B_EXTRA:-
 echo "serving rc=$?" >> $R/rc.txt
 kill $MON
 rm -f $R/serving/*.svg
+# Issue 22 on 16 cores, after the serving run: kv-lookup's concurrent rows of main
+# before (lookup-bins/lookup-bench-main23, d051e42) and after the session's event-path
+# change (lookup-bins/lookup-bench-events23, 6ca6b83), one run each, if carried.
+for v in main23 events23; do
+  bin=lookup-bins/lookup-bench-$v
+  [ -x $bin ] || continue
+  timeout 70 $bin --only concurrent --threads 1+1,8+8,12+4 --seconds 2 \
+    --trace data/traces/mooncake_conversation_trace.jsonl --json $R/lookup-$v.json > $R/lookup-$v.log 2>&1
+  echo "lookup $v rc=$?" >> $R/rc.txt
+done
 cd $OUT && tar czf b.tar.gz b && rm -rf b
