@@ -16,10 +16,11 @@ MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 REGIME=churn; [ "${MIB:-0}" -gt 100000 ] && REGIME=both
 echo "memory.total ${MIB} MiB: --regime $REGIME" >> $R/rc.txt
 KVQ_GPU_SERVING_ARGS="--advise-busy-poll-us 1000000 --regime $REGIME ${B_EXTRA:-}" \
-  timeout ${B_SERVING_S:-540} bash .bundle/run.sh qualify --profile gpu --only gpu_serving --out $R/serving > $R/serving.log 2>&1
+  timeout ${B_SERVING_S:-430} bash .bundle/run.sh qualify --profile gpu --only gpu_serving --out $R/serving > $R/serving.log 2>&1
 echo "serving rc=$?" >> $R/rc.txt
 kill $MON
 rm -f $R/serving/*.svg
+(cd $OUT && tar czf b-serving.tar.gz b)  # kept even if what follows runs past the call's limit
 # Issue 22 on 16 cores, after the serving run: kv-lookup's concurrent rows of main
 # before (lookup-bins/lookup-bench-main23, d051e42) and after the session's event-path
 # change (lookup-bins/lookup-bench-events23, 6ca6b83), one run each, if carried.
