@@ -185,12 +185,23 @@ impl InventoryIndex {
     /// none or all of the batch. Cheaper per event than
     /// [`InventoryIndex::apply_event`] (one publication and one wait for
     /// readers per batch); a refused event does not stop the batch.
+    ///
+    /// Each event's outcome is the one [`InventoryIndex::apply_event`]
+    /// would have returned for it, applied one by one in the same order:
+    /// [`EventBatchReport::outcomes`] holds them in batch order, refusals
+    /// included (also listed in [`EventBatchReport::refused`]), and the
+    /// other fields total them. An empty batch publishes nothing.
     pub fn apply_events(&self, events: &[KvEvent]) -> EventBatchReport {
-        let mut report = EventBatchReport::default();
+        let mut report = EventBatchReport {
+            outcomes: Vec::with_capacity(events.len()),
+            ..EventBatchReport::default()
+        };
         let checked: Vec<CheckedEvent> = events.iter().map(CheckedEvent::new).collect();
         self.state.write(|b| {
             for ((i, e), c) in events.iter().enumerate().zip(checked) {
-                match apply_logged(b, c) {
+                let out = apply_logged(b, c);
+                report.outcomes.push(out.clone());
+                match out {
                     Ok(EventOutcome::Applied { changed }) => {
                         report.applied += 1;
                         report.changed += changed;
@@ -237,6 +248,17 @@ impl InventoryIndex {
             Effect::Resync(r) => r,
             _ => unreachable!("a resync reports a resync"),
         }
+    }
+
+    /// How many times a new state was published to lookups since the index
+    /// was created: one per mutating call that changed anything
+    /// ([`InventoryIndex::apply_events`] once per batch, concurrent
+    /// [`InventoryIndex::apply_event`] calls once per combined batch,
+    /// registrations, removals, resyncs). Each publication makes lookups
+    /// switch copies, so fewer is cheaper for them. One relaxed atomic
+    /// load, no lock; meant for metrics and tests.
+    pub fn publications(&self) -> u64 {
+        self.state.publications()
     }
 
     /// Live incarnations that saw a gap and wait for

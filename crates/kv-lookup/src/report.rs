@@ -47,7 +47,8 @@ pub enum EventOutcome {
     },
 }
 
-/// Totals of [`crate::InventoryIndex::apply_events`].
+/// What [`crate::InventoryIndex::apply_events`] did: per-event outcomes
+/// ([`EventBatchReport::outcomes`]) and their totals.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EventBatchReport {
     /// Events applied (in order or after a gap).
@@ -66,6 +67,10 @@ pub struct EventBatchReport {
     pub unchained: Vec<(EngineId, u64, UnchainedStore)>,
     /// Refused events: index in the batch and why. Nothing of them was applied.
     pub refused: Vec<(usize, LookupError)>,
+    /// Every event's own result, in batch order (one per event): what
+    /// [`crate::InventoryIndex::apply_event`] would have returned for it.
+    /// The fields above are totals of these.
+    pub outcomes: Vec<Result<EventOutcome, LookupError>>,
 }
 
 /// Result of [`crate::InventoryIndex::register_worker`].

@@ -845,3 +845,98 @@ proptest::proptest! {
         proptest::prop_assert!(r.is_ok(), "{}", r.unwrap_err());
     }
 }
+
+/// `apply_events` reports, per event and in order, what `apply_event` one
+/// by one reports, leaves the same state, and publishes once.
+#[test]
+fn a_batch_reports_each_events_outcome_as_one_by_one_and_publishes_once() {
+    let (per_event, batched) = (InventoryIndex::new(), InventoryIndex::new());
+    // The same workers (same engine ids) in both: `d`, and `old`, which is
+    // replaced by `new` under key 2 before the events.
+    let d = info(Role::Decode);
+    let (old, new) = (info(Role::Decode), info(Role::Decode));
+    for index in [&per_event, &batched] {
+        index.register_worker(WorkerKey(1), d).unwrap();
+        index.register_worker(WorkerKey(2), old).unwrap();
+        index.register_worker(WorkerKey(2), new).unwrap();
+    }
+    let (a, b) = (chain(61, 3), chain(62, 2));
+    let mut wrong_tp = event(&d, 7, RET, stored(&b));
+    wrong_tp.tp_size = 2;
+    let events = vec![
+        event(&d, 1, RET, stored(&a)),
+        event(&d, 1, RET, stored(&a)),       // duplicate
+        event(&d, 0, RET, stored(&b)),       // refused: id 0
+        event(&d, 2, RET, removed(&a[2..])), // in order
+        event(&d, 4, RET, stored(&b)),       // gap (3 lost)
+        event(&old, 1, RET, stored(&b)),     // retired
+        event(&new, 1, RET, stored_after(Some(a[0]), &b[1..])), // unchained
+        wrong_tp,                            // refused: TP
+        event(&new, 2, DEV, stored(&b)),
+    ];
+    let one_by_one: Vec<_> = events.iter().map(|e| per_event.apply_event(e)).collect();
+    let before = batched.publications();
+    let report = batched.apply_events(&events);
+    assert_eq!(
+        batched.publications() - before,
+        1,
+        "one publication per batch"
+    );
+    assert_eq!(report.outcomes, one_by_one);
+    assert_eq!(report.outcomes.len(), events.len());
+    assert_eq!(report.outcomes[0], Ok(EventOutcome::Applied { changed: 3 }));
+    assert_eq!(
+        report.outcomes[1],
+        Ok(EventOutcome::Duplicate { last_event_id: 1 })
+    );
+    assert_eq!(
+        report.outcomes[2],
+        Err(LookupError::ZeroEventId { engine: d.engine })
+    );
+    assert_eq!(
+        report.outcomes[4],
+        Ok(EventOutcome::Gap {
+            expected: 3,
+            got: 4,
+            changed: 2
+        })
+    );
+    assert_eq!(report.outcomes[5], Ok(EventOutcome::FromRetiredIncarnation));
+    assert!(matches!(
+        report.outcomes[6],
+        Ok(EventOutcome::Unchained { .. })
+    ));
+    assert!(matches!(
+        report.outcomes[7],
+        Err(LookupError::IdentityMismatch {
+            field: "tp_size",
+            ..
+        })
+    ));
+    // The totals agree with the outcomes.
+    assert_eq!(
+        (report.applied, report.duplicates, report.from_retired),
+        (4, 1, 1)
+    );
+    assert_eq!(report.changed, 3 + 1 + 2 + 2);
+    assert_eq!(report.gaps, vec![(d.engine, 3, 4)]);
+    assert_eq!(
+        report.refused.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        vec![2, 7]
+    );
+    assert_eq!(report.unchained.len(), 1);
+    // Same state either way.
+    assert_eq!(batched.stats(), per_event.stats());
+    for h in a.iter().chain(&b) {
+        for w in [&d, &new] {
+            assert_eq!(batched.holds(w.engine, *h), per_event.holds(w.engine, *h));
+        }
+    }
+    assert_eq!(batched.holds(d.engine, a[0]), vec![RET]);
+    assert!(batched.holds(d.engine, a[2]).is_empty());
+    assert_eq!(batched.holds(new.engine, b[1]), vec![DEV]);
+    // An empty batch publishes nothing.
+    let before = batched.publications();
+    assert!(batched.apply_events(&[]).outcomes.is_empty());
+    assert_eq!(batched.publications(), before);
+}

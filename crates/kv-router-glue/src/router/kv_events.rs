@@ -519,12 +519,47 @@ impl KvEventReceiver {
                 }
             };
             let msg = msg?;
-            match KvEvent::from_wire(&msg.payload) {
-                Ok(e) => self.accept(e).await,
-                Err(e) => {
-                    self.stats.undecodable += 1;
-                    tracing::warn!(error = %e, subject = %msg.subject, "undecodable KV event");
+            self.take(msg).await;
+        }
+    }
+
+    /// The next item if one is available without waiting: delivered
+    /// already, released by a queued [`KvStreamResume`] or a gap deadline
+    /// that has passed, or made of a message the plane already queued.
+    /// `None` when nothing is; a later [`KvEventReceiver::next`] waits for
+    /// more (and reports a closed plane). Items come in the order `next`
+    /// gives them; this awaits only the resync requests it sends (as `next`
+    /// does), never a message or a deadline. The router's event follower
+    /// calls it after each `next` to apply what a burst queued together.
+    pub async fn try_next(&mut self) -> Option<KvStreamItem> {
+        loop {
+            self.apply_resumes().await;
+            if let Some(item) = self.ready.pop_front() {
+                return Some(item);
+            }
+            let now = Instant::now();
+            if self
+                .tracks
+                .values()
+                .any(|t| t.gap_deadline.is_some_and(|d| d <= now))
+            {
+                self.expire_gaps();
+                if let Some(item) = self.ready.pop_front() {
+                    return Some(item);
                 }
+            }
+            let msg = self.sub.try_next()?;
+            self.take(msg).await;
+        }
+    }
+
+    /// Decodes one message of the plane and accepts its event.
+    async fn take(&mut self, msg: crate::PlaneMessage) {
+        match KvEvent::from_wire(&msg.payload) {
+            Ok(e) => self.accept(e).await,
+            Err(e) => {
+                self.stats.undecodable += 1;
+                tracing::warn!(error = %e, subject = %msg.subject, "undecodable KV event");
             }
         }
     }

@@ -20,10 +20,16 @@
 //!   next announcement.
 //! - **KV events** on every announced subject, in per-publisher order
 //!   ([`KvEventReceiver`]): applied once through
-//!   [`InventorySync::apply_event`] to the index and to the
+//!   [`InventorySync::apply_events`] to the index and to the
 //!   [`RemoteDonorDirectory`]'s slot maps (events a snapshot already holds
-//!   are duplicates). A [`KvStreamItem::Lost`] range the snapshot does not
-//!   cover asks a new snapshot ([`InventorySync::on_lost`]).
+//!   are duplicates). Group commit: with each item it receives, a subject's
+//!   follower takes every item its receiver already holds
+//!   ([`KvEventReceiver::try_next`], at most `FOLLOW_BATCH_MAX`) and applies
+//!   each run of consecutive events with one index publication
+//!   ([`RouterInventory::on_events`]); it never waits for more, so a lone
+//!   event applies at once. A [`KvStreamItem::Lost`] range ends a run (the
+//!   events before it apply first); one the snapshot does not cover asks a
+//!   new snapshot ([`InventorySync::on_lost`]).
 //! - **The donor directory** ([`DirectoryPlane::watch`]): applied to the
 //!   [`RemoteDonorDirectory`], except puts of retired incarnations (a
 //!   replaced donor's last renewal must not bring it back). A new generation
@@ -35,8 +41,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kv_descriptor::{EngineId, Role};
-use kv_lookup::{EventOutcome, InventoryIndex, WorkerInfo, WorkerKey};
+use kv_descriptor::{EngineId, KvEvent, Role};
+use kv_lookup::{EventOutcome, InventoryIndex, LookupError, WorkerInfo, WorkerKey};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -46,6 +52,13 @@ use crate::{
     InventoryError, InventorySync, KvEventReceiver, KvStreamItem, PlaneError, Registration,
     RemoteDonorDirectory, Subject, SyncOutcome, WorkerAnnouncement, WorkerRegistry, SUBJECT_ROOT,
 };
+
+/// Most stream items an event follower takes from its receiver at once
+/// (the first awaited, the rest already waiting) before applying them.
+/// Bounds the run of events one index publication carries (and the time
+/// the follower holds the state lock for it); 256 events of a few blocks
+/// take well under a millisecond.
+pub(crate) const FOLLOW_BATCH_MAX: usize = 256;
 
 /// Counters of what the followers took in (all since start).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -367,30 +380,74 @@ impl RouterInventory {
         dead.len()
     }
 
+    /// Counts one event's result (and logs a refusal).
+    fn count_event(&self, event: &KvEvent, result: &Result<EventOutcome, LookupError>) {
+        let c = &self.counters;
+        match result {
+            Ok(EventOutcome::Applied { .. } | EventOutcome::Gap { .. }) => bump(&c.events_applied),
+            Ok(EventOutcome::Duplicate { .. }) => bump(&c.events_duplicate),
+            Ok(EventOutcome::FromRetiredIncarnation) => bump(&c.late_events_ignored),
+            Ok(EventOutcome::Unchained { .. }) => bump(&c.events_refused),
+            Err(err) => {
+                bump(&c.events_refused);
+                tracing::debug!(publisher = %event.publisher, error = %err, "KV event refused by the index");
+            }
+        }
+    }
+
+    /// Takes in items of one KV event stream, in order, as
+    /// [`RouterInventory::on_event`] one item at a time would (same index
+    /// content, donor slot maps and counters), but applies each run of
+    /// consecutive events with one [`InventorySync::apply_events`]: one
+    /// index publication per run instead of one per event. A
+    /// [`KvStreamItem::Lost`] ends a run: the events before it are applied
+    /// first, then it is handled (which may await a snapshot), then the
+    /// events after it. Nothing is waited for beyond `items`.
+    pub async fn on_events(&self, items: impl IntoIterator<Item = KvStreamItem>) {
+        let mut run: Vec<KvEvent> = Vec::new();
+        for item in items {
+            match item {
+                KvStreamItem::Event(e) => run.push(e),
+                lost @ KvStreamItem::Lost { .. } => {
+                    self.apply_run(&run).await;
+                    run.clear();
+                    self.on_event(lost).await;
+                }
+            }
+        }
+        self.apply_run(&run).await;
+    }
+
+    /// Applies `run` (consecutive events of one stream) under the state
+    /// lock with one index publication, and counts each event.
+    async fn apply_run(&self, run: &[KvEvent]) {
+        if run.is_empty() {
+            return;
+        }
+        let mut guard = self.state.lock().await;
+        let st = &mut *guard;
+        let results = st
+            .sync
+            .apply_events(run, &self.index, &self.remote, &st.registry);
+        for (event, result) in run.iter().zip(&results) {
+            self.count_event(event, result);
+        }
+    }
+
     /// Takes in one item of a KV event stream: an event through
     /// [`InventorySync::apply_event`]; a lost range through
-    /// [`InventorySync::on_lost`] (which may await a snapshot).
+    /// [`InventorySync::on_lost`] (which may await a snapshot). The
+    /// follower takes in what its receiver holds together
+    /// ([`RouterInventory::on_events`]).
     pub async fn on_event(&self, item: KvStreamItem) {
         let mut guard = self.state.lock().await;
         let st = &mut *guard;
         match item {
             KvStreamItem::Event(e) => {
-                let c = &self.counters;
-                match st
+                let result = st
                     .sync
-                    .apply_event(&e, &self.index, &self.remote, &st.registry)
-                {
-                    Ok(EventOutcome::Applied { .. } | EventOutcome::Gap { .. }) => {
-                        bump(&c.events_applied)
-                    }
-                    Ok(EventOutcome::Duplicate { .. }) => bump(&c.events_duplicate),
-                    Ok(EventOutcome::FromRetiredIncarnation) => bump(&c.late_events_ignored),
-                    Ok(EventOutcome::Unchained { .. }) => bump(&c.events_refused),
-                    Err(err) => {
-                        bump(&c.events_refused);
-                        tracing::debug!(publisher = %e.publisher, error = %err, "KV event refused by the index");
-                    }
-                }
+                    .apply_event(&e, &self.index, &self.remote, &st.registry);
+                self.count_event(&e, &result);
             }
             KvStreamItem::Lost {
                 publisher,
@@ -502,8 +559,7 @@ impl RouterInventory {
         subject: Subject,
         stop: CancellationToken,
     ) {
-        let mut rx = match KvEventReceiver::subscribe(plane, &subject, Duration::from_secs(1)).await
-        {
+        let rx = match KvEventReceiver::subscribe(plane, &subject, Duration::from_secs(1)).await {
             Ok(rx) => rx,
             Err(e) => {
                 tracing::warn!(%subject, error = %e, "cannot follow KV events");
@@ -514,11 +570,36 @@ impl RouterInventory {
         };
         self.followed_with(&subject, rx.resume_handle()).await;
         tracing::info!(%subject, "following KV events");
+        self.follow_receiver(rx, subject, stop).await;
+    }
+
+    /// The event loop of one subject's receiver `rx`, until `stop` or the
+    /// plane closes. Group commit: each item awaited comes with every item
+    /// the receiver already holds ([`KvEventReceiver::try_next`], up to
+    /// [`FOLLOW_BATCH_MAX`] in all), taken in together
+    /// ([`RouterInventory::on_events`]); nothing waits for more, so a lone
+    /// event is applied as soon as it arrives.
+    async fn follow_receiver(
+        self: Arc<Self>,
+        mut rx: KvEventReceiver,
+        subject: Subject,
+        stop: CancellationToken,
+    ) {
+        let mut batch: Vec<KvStreamItem> = Vec::new();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 item = rx.next() => match item {
-                    Some(item) => self.on_event(item).await,
+                    Some(item) => {
+                        batch.push(item);
+                        while batch.len() < FOLLOW_BATCH_MAX {
+                            match rx.try_next().await {
+                                Some(more) => batch.push(more),
+                                None => break,
+                            }
+                        }
+                        self.on_events(batch.drain(..)).await;
+                    }
                     None => {
                         self.state.lock().await.sync.remove_stream_resume(&subject);
                         return;

@@ -1,6 +1,8 @@
 //! [`RouterInventory`] against in-process planes: registrations, retired
 //! incarnations, silence, an unresponsive worker's snapshot request (asked
-//! outside the state lock), and the stream resume of the followed receivers.
+//! outside the state lock), the stream resume of the followed receivers, and
+//! group commit (a burst applied in runs, one index publication each, with
+//! the same result as one event at a time).
 
 use kv_descriptor::{GpuIdentity, KvEvent, KvEventData, LayoutFingerprint, StorageTier, Wire};
 
@@ -378,4 +380,377 @@ async fn a_followed_receiver_resumes_after_the_snapshot() {
     assert_eq!((st.lost_ranges, st.events_applied), (0, 1), "{st:?}");
     stop.cancel();
     answering.abort();
+}
+
+// --- Group commit on the follow path -------------------------------------
+
+/// A Stored event of `publisher` at `event_id`: one root chain of two
+/// blocks made from `seed`, with slots `2 * seed` and `2 * seed + 1`.
+fn stored_chain(publisher: EngineId, event_id: u64, seed: u32) -> KvEvent {
+    let tokens: Vec<u32> = (0..32).map(|t| seed * 1_000 + t).collect();
+    let mut blocks = kv_bank::sealed_blocks(None, &tokens, 16);
+    for (i, b) in blocks.iter_mut().enumerate() {
+        b.slot = Some(2 * seed + i as u32);
+    }
+    KvEvent {
+        data: KvEventData::Stored {
+            parent: None,
+            blocks,
+        },
+        ..stored(publisher, event_id)
+    }
+}
+
+/// The sequence hashes [`stored_chain`] stores for `seed`.
+fn chain_hashes(seed: u32) -> Vec<kv_descriptor::SequenceHash> {
+    let tokens: Vec<u32> = (0..32).map(|t| seed * 1_000 + t).collect();
+    kv_bank::sealed_blocks(None, &tokens, 16)
+        .iter()
+        .map(|b| b.sequence_hash)
+        .collect()
+}
+
+/// Removes the last block of `seed`'s chain.
+fn removed_tail(publisher: EngineId, event_id: u64, seed: u32) -> KvEvent {
+    KvEvent {
+        data: KvEventData::Removed {
+            sequence_hashes: vec![chain_hashes(seed)[1]],
+        },
+        ..stored(publisher, event_id)
+    }
+}
+
+/// Two router inventories with the same workers: decode `d0` (with a
+/// directory record, so its slot maps resolve), decode `d1`, and `old`,
+/// replaced by `new` under one worker key. Nothing is followed.
+struct Twins {
+    batched: Arc<RouterInventory>,
+    per_event: Arc<RouterInventory>,
+    d0: EngineId,
+    d1: EngineId,
+    old: EngineId,
+    new: EngineId,
+}
+
+async fn twins(plane: &crate::InProcessInventory) -> Twins {
+    let lease = kv_descriptor::OwnerLease::fresh(Role::Decode);
+    let (d0, d1) = (lease.engine_id, EngineId::fresh());
+    let (old, new) = (EngineId::fresh(), EngineId::fresh());
+    let subject = "kv.t.decode.e";
+    let make = || async {
+        let inv = inventory_on(plane.clone(), Duration::from_secs(2));
+        for (key, engine) in [("d0", d0), ("d1", d1), ("d2", old), ("d2", new)] {
+            inv.on_announcement(&announcement(key, engine, Role::Decode, subject), 0)
+                .await;
+        }
+        let record = crate::plane::directory::tests_support::record(lease, u64::MAX - 1);
+        inv.on_directory(DirectoryChange::Put(record)).await;
+        inv
+    };
+    Twins {
+        batched: make().await,
+        per_event: make().await,
+        d0,
+        d1,
+        old,
+        new,
+    }
+}
+
+impl Twins {
+    /// Applies `items` one at a time to `per_event` (the reference).
+    async fn one_by_one(&self, items: &[KvStreamItem]) {
+        for item in items {
+            self.per_event.on_event(item.clone()).await;
+        }
+    }
+
+    /// Both inventories hold the same: index content and counters, donor
+    /// slot maps of `d0`, applied high-water marks, follow counters.
+    async fn assert_same(&self, seeds: impl IntoIterator<Item = u32>) {
+        let (a, b) = (&self.batched, &self.per_event);
+        assert_eq!(a.stats(), b.stats());
+        assert_eq!(a.index().stats(), b.index().stats());
+        use crate::DonorDirectory as _;
+        for seed in seeds {
+            for h in chain_hashes(seed) {
+                for e in [self.d0, self.d1, self.old, self.new] {
+                    assert_eq!(a.index().holds(e, h), b.index().holds(e, h), "{seed}");
+                }
+                assert_eq!(
+                    a.remote.resolve(self.d0, &[h]).map(|r| r.slot_ids),
+                    b.remote.resolve(self.d0, &[h]).map(|r| r.slot_ids),
+                    "{seed}"
+                );
+            }
+        }
+        let (sa, sb) = (a.state.lock().await, b.state.lock().await);
+        for e in [self.d0, self.d1, self.old, self.new] {
+            assert_eq!(sa.sync.applied_event_id(e), sb.sync.applied_event_id(e));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_queued_before_the_follower_runs_is_applied_with_fewer_publications() {
+    use crate::InProcessPlane;
+
+    let t = twins(&crate::InProcessInventory::new()).await;
+    // 310 events on one subject: d0 and d1 interleaved (150 each, every
+    // fifth one a removal, d1's 40th of another layout), then 10 late
+    // events of the retired `old`.
+    let mut events = Vec::new();
+    for id in 1..=150u64 {
+        for (n, engine) in [(0u32, t.d0), (1, t.d1)] {
+            let seed = 2 * id as u32 + n;
+            let mut e = if id % 5 == 0 {
+                removed_tail(engine, id, seed - 2)
+            } else {
+                stored_chain(engine, id, seed)
+            };
+            if engine == t.d1 && id == 40 {
+                e.layout_fingerprint = LayoutFingerprint(10);
+            }
+            events.push(e);
+        }
+    }
+    events.extend((1..=10).map(|id| stored_chain(t.old, id, 1_000 + id as u32)));
+    let items: Vec<KvStreamItem> = events.iter().cloned().map(KvStreamItem::Event).collect();
+
+    let events_plane: Arc<dyn EventPlane> = Arc::new(InProcessPlane::new());
+    let subject = crate::Subject::new("t", "decode", "e").unwrap();
+    let rx = KvEventReceiver::subscribe(events_plane.clone(), &subject, Duration::from_secs(1))
+        .await
+        .unwrap();
+    for e in &events {
+        events_plane
+            .publish(&subject, e.to_wire().unwrap())
+            .await
+            .unwrap();
+    }
+    let before = t.batched.index().publications();
+    let stop = CancellationToken::new();
+    let follower = tokio::spawn(t.batched.clone().follow_receiver(
+        rx,
+        subject.clone(),
+        stop.clone(),
+    ));
+    let taken = |s: FollowStats| {
+        s.events_applied + s.events_duplicate + s.late_events_ignored + s.events_refused
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while taken(t.batched.stats()) < 310 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            t.batched.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // All 310 were queued when the follower started: 256, then 54, each
+    // run with one publication.
+    assert_eq!(t.batched.index().publications() - before, 2);
+
+    let before = t.per_event.index().publications();
+    t.one_by_one(&items).await;
+    // One by one: one per event that reaches the index (not the retired).
+    assert_eq!(t.per_event.index().publications() - before, 300);
+    t.assert_same((0..=302).chain(1_001..=1_010)).await;
+    let st = t.batched.stats();
+    assert_eq!(
+        (
+            st.events_applied,
+            st.events_duplicate,
+            st.late_events_ignored,
+            st.events_refused
+        ),
+        (299, 0, 10, 1),
+        "{st:?}"
+    );
+    // What the events left: d0 holds seed 2 whole, seed 8's tail removed
+    // (event 5 removed it), a held slot resolves.
+    let (d0, idx) = (t.d0, t.batched.index());
+    assert!(!idx.holds(d0, chain_hashes(2)[1]).is_empty());
+    assert!(!idx.holds(d0, chain_hashes(8)[0]).is_empty());
+    assert!(idx.holds(d0, chain_hashes(8)[1]).is_empty());
+    assert!(idx.holds(t.old, chain_hashes(1_001)[0]).is_empty());
+    {
+        use crate::DonorDirectory as _;
+        assert_eq!(
+            t.batched
+                .remote
+                .resolve(d0, &[chain_hashes(2)[1]])
+                .unwrap()
+                .slot_ids,
+            vec![5]
+        );
+    }
+    assert_eq!(
+        t.batched.state.lock().await.sync.applied_event_id(d0),
+        Some(150)
+    );
+
+    // An idle stream: a lone event is applied at once, with one publication.
+    let before = t.batched.index().publications();
+    events_plane
+        .publish(&subject, stored_chain(d0, 151, 2_000).to_wire().unwrap())
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while t.batched.stats().events_applied < 300 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            t.batched.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(t.batched.index().publications() - before, 1);
+    assert!(!idx.holds(d0, chain_hashes(2_000)[1]).is_empty());
+    stop.cancel();
+    follower.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_range_inside_a_burst_is_handled_between_the_events_around_it() {
+    use kv_descriptor::{SequenceHash, TokenBlockHash};
+
+    // d0's snapshot: one block, consistent with event 2.
+    let plane = crate::InProcessInventory::new();
+    let t = twins(&plane).await;
+    let d0 = t.d0;
+    let mut server = plane
+        .serve(&crate::inventory_subject("t", d0).unwrap())
+        .await
+        .unwrap();
+    let snapshot = crate::InventoryReply::Snapshot(crate::InventorySnapshot {
+        engine_id: d0,
+        bank_generation: 1,
+        layout_fingerprint: LayoutFingerprint(9),
+        tp_size: 1,
+        last_event_id: 2,
+        blocks: vec![crate::SnapshotBlock {
+            sequence_hash: SequenceHash(5000),
+            token_hash: TokenBlockHash(7),
+            parent: None,
+            slot: 0,
+            rank_acks: crate::plane::inventory::all_ranks(1),
+        }],
+        next_slot: None,
+    })
+    .to_wire()
+    .unwrap();
+    let answering = tokio::spawn(async move {
+        while let Some(req) = server.next().await {
+            req.respond(snapshot.clone());
+        }
+    });
+    let items = vec![
+        KvStreamItem::Event(stored_chain(d0, 1, 1)),
+        KvStreamItem::Event(stored_chain(d0, 2, 2)),
+        KvStreamItem::Lost {
+            publisher: d0,
+            from_event_id: 3,
+            to_event_id: 4,
+        },
+        KvStreamItem::Event(stored_chain(d0, 5, 5)),
+        KvStreamItem::Event(removed_tail(d0, 6, 5)),
+    ];
+    let before = t.batched.index().publications();
+    t.batched.on_events(items.clone()).await;
+    // Events 1-2 (one publication), the snapshot, events 5-6 (one).
+    assert_eq!(t.batched.index().publications() - before, 3);
+    let st = t.batched.stats();
+    // Events 1 and 2 applied before the snapshot (after it they would be
+    // duplicates of it), 5 and 6 after it (before it, the snapshot at 2
+    // would be stale against 6 and fail).
+    assert_eq!(
+        (
+            st.events_applied,
+            st.events_duplicate,
+            st.lost_ranges,
+            st.lost_covered,
+            st.snapshots_applied,
+            st.snapshots_failed
+        ),
+        (4, 0, 1, 0, 1, 0),
+        "{st:?}"
+    );
+    let idx = t.batched.index();
+    assert!(!idx.holds(d0, SequenceHash(5000)).is_empty());
+    assert!(
+        idx.holds(d0, chain_hashes(1)[0]).is_empty(),
+        "replaced by the snapshot"
+    );
+    assert!(
+        idx.holds(d0, chain_hashes(2)[1]).is_empty(),
+        "replaced by the snapshot"
+    );
+    assert!(!idx.holds(d0, chain_hashes(5)[0]).is_empty());
+    assert!(
+        idx.holds(d0, chain_hashes(5)[1]).is_empty(),
+        "removed by event 6"
+    );
+    assert_eq!(
+        t.batched.state.lock().await.sync.applied_event_id(d0),
+        Some(6)
+    );
+    t.one_by_one(&items).await;
+    t.assert_same([1, 2, 5]).await;
+    answering.abort();
+}
+
+#[tokio::test]
+async fn duplicates_and_a_retired_incarnation_inside_a_batch_count_as_before() {
+    let t = twins(&crate::InProcessInventory::new()).await;
+    let (d0, d1, old, new) = (t.d0, t.d1, t.old, t.new);
+    let mut other_layout = stored_chain(d1, 3, 31);
+    other_layout.layout_fingerprint = LayoutFingerprint(10);
+    let mut unchained = stored_chain(d1, 2, 32);
+    if let KvEventData::Stored { parent, .. } = &mut unchained.data {
+        // A parent d1 does not hold.
+        *parent = Some(chain_hashes(99)[1]);
+    }
+    let items: Vec<KvStreamItem> = [
+        stored_chain(d0, 1, 1),
+        stored_chain(d0, 1, 1), // duplicate
+        stored_chain(d0, 2, 2),
+        stored_chain(old, 1, 3), // retired incarnation
+        stored_chain(d0, 2, 2),  // duplicate
+        stored_chain(new, 1, 4),
+        stored_chain(d1, 1, 30),
+        unchained,               // refused: does not chain
+        other_layout,            // refused by the index
+        stored_chain(old, 2, 5), // retired incarnation
+        removed_tail(d0, 3, 1),
+    ]
+    .into_iter()
+    .map(KvStreamItem::Event)
+    .collect();
+    let before = t.batched.index().publications();
+    t.batched.on_events(items.clone()).await;
+    assert_eq!(t.batched.index().publications() - before, 1);
+    let st = t.batched.stats();
+    assert_eq!(
+        (
+            st.events_applied,
+            st.events_duplicate,
+            st.late_events_ignored,
+            st.events_refused
+        ),
+        (5, 2, 2, 2),
+        "{st:?}"
+    );
+    assert!(t.batched.index().holds(old, chain_hashes(3)[0]).is_empty());
+    assert!(!t.batched.index().holds(new, chain_hashes(4)[0]).is_empty());
+    assert!(t.batched.index().holds(d0, chain_hashes(1)[1]).is_empty());
+    assert!(!t.batched.index().holds(d0, chain_hashes(2)[1]).is_empty());
+    {
+        let st = t.batched.state.lock().await;
+        assert_eq!(st.sync.applied_event_id(d0), Some(3));
+        assert_eq!(st.sync.applied_event_id(d1), Some(1));
+        assert_eq!(st.sync.applied_event_id(old), None);
+    }
+    t.one_by_one(&items).await;
+    t.assert_same([1, 2, 3, 4, 5, 30, 31, 32, 99]).await;
 }

@@ -379,3 +379,46 @@ async fn a_resume_handle_wakes_a_waiting_receiver() {
         "a dropped receiver has nothing to resume"
     );
 }
+
+#[tokio::test]
+async fn try_next_takes_what_is_queued_without_waiting() {
+    // Gap timeout 100 ms, no resync server: a gap ends as `Lost`.
+    let (mut rx, wire, plane, subject) = raw_setup(DEFAULT_MAX_EVENT_ID_JUMP).await;
+    let resync = resync_subject(&subject).unwrap();
+    let mut asked = plane.subscribe(&resync).await.unwrap();
+    let quick = Duration::from_millis(50);
+    // Nothing queued: `None` at once.
+    assert_eq!(tokio::time::timeout(quick, rx.try_next()).await, Ok(None));
+    for id in [1, 2, 3] {
+        plane.publish(&subject, wire(id)).await.unwrap();
+    }
+    let mut got = Vec::new();
+    while let Some(i) = tokio::time::timeout(quick, rx.try_next()).await.unwrap() {
+        got.push(i);
+    }
+    assert_eq!(ids(&got), ["1", "2", "3"]);
+    // 5 waits behind the hole at 4 (the resync request is sent), then 4
+    // releases both, in order.
+    plane.publish(&subject, wire(5)).await.unwrap();
+    assert_eq!(tokio::time::timeout(quick, rx.try_next()).await, Ok(None));
+    let req: ResyncRequest = rmp_serde::from_slice(&asked.try_next().unwrap().payload).unwrap();
+    assert_eq!(req.from_event_id, 4);
+    plane.publish(&subject, wire(4)).await.unwrap();
+    let mut got = Vec::new();
+    while let Some(i) = rx.try_next().await {
+        got.push(i);
+    }
+    assert_eq!(ids(&got), ["4", "5"]);
+    // A hole whose gap timeout has passed comes out as `Lost`, then the
+    // events after it, without `next`.
+    plane.publish(&subject, wire(7)).await.unwrap();
+    assert_eq!(rx.try_next().await, None);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let mut got = Vec::new();
+    while let Some(i) = rx.try_next().await {
+        got.push(i);
+    }
+    assert_eq!(ids(&got), ["lost 6-6", "7"]);
+    let st = rx.stats();
+    assert_eq!((st.delivered, st.gaps, st.lost), (6, 2, 1));
+}

@@ -163,6 +163,13 @@ impl Subscription {
         self.rx.recv().await
     }
 
+    /// The next message if one is already queued, without waiting; `None`
+    /// when none is (or the plane is closed: [`Subscription::next`] tells
+    /// the two apart).
+    pub fn try_next(&mut self) -> Option<PlaneMessage> {
+        self.rx.try_recv().ok()
+    }
+
     /// Next message, or `None` when `timeout` passes first or the plane is closed.
     pub async fn next_timeout(&mut self, timeout: Duration) -> Option<PlaneMessage> {
         tokio::time::timeout(timeout, self.rx.recv())

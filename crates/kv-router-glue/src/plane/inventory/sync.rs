@@ -407,6 +407,80 @@ impl InventorySync {
             return Ok(EventOutcome::FromRetiredIncarnation);
         }
         let outcome = index.apply_event(event)?;
+        self.note_outcome(event, &outcome, remote);
+        Ok(outcome)
+    }
+
+    /// Applies consecutive events of the stream as
+    /// [`InventorySync::apply_event`] one by one would, in order, but with
+    /// one [`InventoryIndex::apply_events`] call: the index publishes them
+    /// together (a lookup sees none or all of them), so lookups switch
+    /// copies once per run instead of once per event. Returns each event's
+    /// result, in order: what `apply_event` would have returned for it
+    /// (events of a retired incarnation are
+    /// [`EventOutcome::FromRetiredIncarnation`] and reach neither the index
+    /// nor `remote`; the others reach `remote` when applied, as there).
+    ///
+    /// Errors are per event, in the returned vector (the index's
+    /// [`LookupError`], e.g. a layout mismatch): a refused event does not
+    /// stop the others.
+    pub fn apply_events(
+        &mut self,
+        events: &[KvEvent],
+        index: &InventoryIndex,
+        remote: &RemoteDonorDirectory,
+        registry: &WorkerRegistry,
+    ) -> Vec<Result<EventOutcome, LookupError>> {
+        if events.is_empty() {
+            return Vec::new();
+        }
+        let live: Vec<bool> = events
+            .iter()
+            .map(|e| !registry.is_retired(e.publisher))
+            .collect();
+        let applied = if live.iter().all(|&l| l) {
+            index.apply_events(events).outcomes
+        } else {
+            // Late events of a replaced worker are rare: copy the others.
+            let kept: Vec<KvEvent> = events
+                .iter()
+                .zip(&live)
+                .filter(|&(_, &l)| l)
+                .map(|(e, _)| e.clone())
+                .collect();
+            if kept.is_empty() {
+                Vec::new()
+            } else {
+                index.apply_events(&kept).outcomes
+            }
+        };
+        let mut applied = applied.into_iter();
+        let mut out = Vec::with_capacity(events.len());
+        for (event, live) in events.iter().zip(live) {
+            if !live {
+                out.push(Ok(EventOutcome::FromRetiredIncarnation));
+                continue;
+            }
+            let result = applied
+                .next()
+                .expect("the index reports one outcome per event");
+            if let Ok(outcome) = &result {
+                self.note_outcome(event, outcome, remote);
+            }
+            out.push(result);
+        }
+        out
+    }
+
+    /// What follows an event's index outcome: an applied event (in order
+    /// or after a gap) goes to `remote` and raises the publisher's applied
+    /// high-water mark.
+    fn note_outcome(
+        &mut self,
+        event: &KvEvent,
+        outcome: &EventOutcome,
+        remote: &RemoteDonorDirectory,
+    ) {
         match outcome {
             EventOutcome::Applied { .. } | EventOutcome::Gap { .. } => {
                 remote.ingest_event(event);
@@ -417,7 +491,13 @@ impl InventorySync {
             | EventOutcome::FromRetiredIncarnation
             | EventOutcome::Unchained { .. } => {}
         }
-        Ok(outcome)
+    }
+
+    /// The highest event id of `engine` applied so far, from its snapshot
+    /// or its stream (`None` before either, or after
+    /// [`InventorySync::forget`]). A snapshot older than it is stale.
+    pub fn applied_event_id(&self, engine: EngineId) -> Option<u64> {
+        self.applied.get(&engine).copied()
     }
 }
 
