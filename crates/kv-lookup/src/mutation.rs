@@ -164,6 +164,29 @@ mod tests {
     use crate::index::split;
     use crate::InventoryIndex;
 
+    /// A decode worker of layout fingerprint 1 and TP 1, as these tests register it.
+    fn decode_info() -> WorkerInfo {
+        WorkerInfo {
+            engine: EngineId::fresh(),
+            role: Role::Decode,
+            layout_fingerprint: LayoutFingerprint(1),
+            tp_size: 1,
+        }
+    }
+
+    /// Event `event_id` of worker `info` on the retained GPU tier.
+    fn retained_event(info: &WorkerInfo, event_id: u64, data: KvEventData) -> KvEvent {
+        KvEvent {
+            publisher: info.engine,
+            event_id,
+            role: info.role,
+            layout_fingerprint: info.layout_fingerprint,
+            tp_size: info.tp_size,
+            tier: StorageTier::RetainedGpuDirect,
+            data,
+        }
+    }
+
     fn chain(seed: u32, n: usize) -> Vec<StoredBlock> {
         let tokens: Vec<u32> = (0..n as u32 * 4).map(|t| t * 31 + seed).collect();
         sequence_hashes(&tokens, 4)
@@ -226,15 +249,7 @@ mod tests {
                             .register_worker(WorkerKey(u64::from(k)), info)
                             .unwrap();
                         let c = chain(k + 2 * (round % 4), 40);
-                        let ev = |id, data| KvEvent {
-                            publisher: info.engine,
-                            event_id: id,
-                            role: info.role,
-                            layout_fingerprint: info.layout_fingerprint,
-                            tp_size: 1,
-                            tier: StorageTier::RetainedGpuDirect,
-                            data,
-                        };
+                        let ev = |id, data| retained_event(&info, id, data);
                         let removed = KvEventData::Removed {
                             sequence_hashes: c[30..].iter().map(|b| b.sequence_hash).collect(),
                         };
@@ -284,25 +299,10 @@ mod tests {
     /// two states after the ops before it, the op itself and the chain.
     fn states_before_a_compacting_store() -> (State, State, Mutation, Vec<SequenceHash>) {
         let (mut a, mut b) = (State::new(0), State::new(0));
-        let info = WorkerInfo {
-            engine: EngineId::fresh(),
-            role: Role::Decode,
-            layout_fingerprint: LayoutFingerprint(1),
-            tp_size: 1,
-        };
+        let info = decode_info();
         let c = chain(3, 700);
         let hashes: Vec<SequenceHash> = c.iter().map(|b| b.sequence_hash).collect();
-        let ev = |id, data| {
-            Mutation::Event(CheckedEvent::new(&KvEvent {
-                publisher: info.engine,
-                event_id: id,
-                role: info.role,
-                layout_fingerprint: info.layout_fingerprint,
-                tp_size: 1,
-                tier: StorageTier::RetainedGpuDirect,
-                data,
-            }))
-        };
+        let ev = |id, data| Mutation::Event(CheckedEvent::new(&retained_event(&info, id, data)));
         let stored = || KvEventData::Stored {
             parent: None,
             blocks: c.clone(),
@@ -399,12 +399,7 @@ mod tests {
     #[test]
     fn a_compaction_cancels_each_removal_against_the_earliest_logged_copy() {
         let index = InventoryIndex::new();
-        let info = WorkerInfo {
-            engine: EngineId::fresh(),
-            role: Role::Decode,
-            layout_fingerprint: LayoutFingerprint(1),
-            tp_size: 1,
-        };
+        let info = decode_info();
         index.register_worker(WorkerKey(1), info).unwrap();
         let (a, b) = (chain(5, 600), chain(6, 600));
         let hashes = |c: &[StoredBlock]| -> Vec<SequenceHash> {
@@ -413,15 +408,7 @@ mod tests {
         let mut id = 0;
         let mut apply = |data| {
             id += 1;
-            let e = KvEvent {
-                publisher: info.engine,
-                event_id: id,
-                role: info.role,
-                layout_fingerprint: info.layout_fingerprint,
-                tp_size: 1,
-                tier: StorageTier::RetainedGpuDirect,
-                data,
-            };
+            let e = retained_event(&info, id, data);
             assert!(matches!(
                 index.apply_event(&e),
                 Ok(EventOutcome::Applied { .. })
@@ -474,23 +461,10 @@ mod tests {
     #[test]
     fn log_compaction_drops_duplicates_of_a_re_stored_chain_in_both_copies() {
         let index = InventoryIndex::new();
-        let info = WorkerInfo {
-            engine: EngineId::fresh(),
-            role: Role::Decode,
-            layout_fingerprint: LayoutFingerprint(1),
-            tp_size: 1,
-        };
+        let info = decode_info();
         index.register_worker(WorkerKey(1), info).unwrap();
         let c = chain(3, 700);
-        let ev = |id, data| KvEvent {
-            publisher: info.engine,
-            event_id: id,
-            role: info.role,
-            layout_fingerprint: info.layout_fingerprint,
-            tp_size: 1,
-            tier: StorageTier::RetainedGpuDirect,
-            data,
-        };
+        let ev = |id, data| retained_event(&info, id, data);
         let mut id = 0;
         let mut next = || {
             id += 1;
