@@ -98,8 +98,10 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument(
         "--regime",
         choices=("churn", "both"),
-        default="both",
-        help="churn: the prefill keeps no prefix cache; both: also the warm regime (its own cache kept), same run",
+        default=None,
+        help="churn: the prefill keeps no prefix cache; both: also the warm regime (its own cache kept), same run. "
+        "Default: both where the workload fits the card by harness.memory_estimate, else churn with a note "
+        "(8 sessions to 32K on an 80 GB card)",
     )
     p.add_argument(
         "--donor-kill",
@@ -207,8 +209,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         if fit < slots:
             notes.append(f"bank cut from {slots} to {max(fit, 1)} slots by /dev/shm ({shm_free} bytes free): LRU eviction")
             slots = max(fit, 1)
-    need = memory_estimate(s, sessions, a, slots * block_bytes, target_rows * block_bytes)
     total = device_total_bytes(a.decode_device)
+    gib = 1 << 30
+    if a.regime is None:
+        # The warm regime keeps the prefill's own per-session caches on the
+        # card as well: where even the smaller estimate does not fit, the
+        # run measures what fits (churn) and says so rather than failing
+        # out of memory in its first round.
+        a.regime = "both"
+        both = min(memory_estimate(s, sessions, a, slots * block_bytes, target_rows * block_bytes).values())
+        if total is not None and both > total:
+            a.regime = "churn"
+            notes.append(f"warm regime not run: both regimes need an estimated {both / gib:.1f} GiB, more than the "
+                         f"decode device's {total / gib:.1f} GiB (--regime both runs it anyway)")
+    need = memory_estimate(s, sessions, a, slots * block_bytes, target_rows * block_bytes)
     decode_cache = a.decode_cache
     if decode_cache == "auto":
         decode_cache = "host" if total is not None and need["device"] > total else "device"
@@ -216,7 +230,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Where the decode kept idle sessions' KV, its prefill chunk, and the
     # estimate that chose them (bytes; memory_estimate): into the result.
     memory = {"decode_cache": decode_cache, "decode_prefill_chunk": chunk, "memory_estimate_bytes": need}
-    gib = 1 << 30
     print(f"gpu_serving: device memory estimate {need['device'] / gib:.1f} GiB with the decode's session caches on "
           f"the device, {need['host'] / gib:.1f} GiB on the host; decode device holds "
           f"{'?' if total is None else f'{total / gib:.1f}'} GiB: decode cache {decode_cache}, prefill chunk {chunk}",

@@ -196,3 +196,39 @@ def test_tiny_run_through_the_router_service(tmp_path, device):
             assert t["warm"]["fetch_from"] > 0 and t["warm"]["checksums_equal"]
     k = r["donor_kill"]
     assert k["ok"] and k["first_token_produced"] and k["fell_back"] and k["prefill_leaks_grown"] == {}
+
+
+def test_the_default_regime_is_both_unless_the_estimate_exceeds_the_card(monkeypatch, tmp_path):
+    """Without --regime: both regimes where the workload fits the decode
+    device by harness.memory_estimate (a CPU device always), else churn with
+    a note saying why; an explicit --regime is never changed."""
+    out = tmp_path / "r.json"
+    base = TINY + ["--out", str(out), "--sessions", "2", "--turns", "2", "--history-max", "1024",
+                   "--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--donor-kill", "off"]
+    assert harness.main(base) == 0
+    r = json.loads(out.read_text())
+    assert r["regime"] == "churn+warm" and not any("warm regime" in n for n in r["notes"])
+    # A card smaller than the smaller estimate with both regimes, larger than the churn one.
+    a = harness.parse(base)
+    from gpu_serving import engine
+    from gpu_serving.workload import Workload
+
+    s = engine.shape("tiny")
+    w = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), s.vocab, a.seed)
+    sessions, bb = w.build(), s.kv_bytes_per_token() * 16
+    # The bank and landing sizes main() derives (bank: every session's final history; landing: the longest prompt).
+    slots = sum(x.target_history + 60 + 16 for x in sessions) // 16 + 2 * len(sessions)
+    rows = (1024 + 60 + 16) // 16 + 2
+    est = {}
+    for regime in ("both", "churn"):
+        a.regime = regime
+        est[regime] = min(harness.memory_estimate(s, sessions, a, slots * bb, rows * bb).values())
+    assert est["churn"] < est["both"]
+    card = (est["churn"] + est["both"]) // 2
+    monkeypatch.setattr(harness, "device_total_bytes", lambda device: card)
+    assert harness.main(base) == 0
+    r = json.loads(out.read_text())
+    assert r["regime"] == "churn"
+    assert any(n.startswith("warm regime not run: both regimes need an estimated") for n in r["notes"])
+    assert harness.main(base + ["--regime", "both"]) == 0
+    assert json.loads(out.read_text())["regime"] == "churn+warm"

@@ -156,7 +156,8 @@ def run(harness, kv, prefill, *extra):
 
     argv = ["--out", "x", "--model", "tiny", "--prefill-device", "cpu", "--decode-device", "cpu", "--transport", "host",
             "--sessions", "8", "--turns", "3", "--history-max", "1024", "--turn-tokens", "40", "60",
-            "--gen-tokens", "8", "16", "--tokens-per-block", str(B), "--greedy-every", "2", *extra]
+            "--gen-tokens", "8", "16", "--tokens-per-block", str(B), "--greedy-every", "2",
+            "--regime", "both", *extra]  # main's choice on a CPU device (nothing to fit)
     a = harness.parse(argv)
     w = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), 256, a.seed)
     return harness.run(a, w, w.build(), Decode(), prefill, kv, [], 100, 70, 0.0)
