@@ -139,8 +139,10 @@ class DecodeWorker(EngineWorker):
             return kept.restore(kept.tokens if tokens is None else tokens, capacity, self.device)
         if tokens is not None:
             return engine.cropped(kept, tokens)
-        if isinstance(kept, engine.PreallocCache) and kept.capacity() < capacity:
-            kept.reserve(capacity)  # one growth for the whole turn, not one per chunk
+        if isinstance(kept, engine.PreallocCache) and kept.capacity() < capacity - RESTORE_HEADROOM:
+            # One growth for the whole turn (not one per chunk), and only when
+            # the turn does not fit: the same growths as before chunking.
+            kept.reserve(capacity)
         return kept
 
     def op_turn(self, session: str, prompt: List[int], gen: int) -> Dict[str, Any]:

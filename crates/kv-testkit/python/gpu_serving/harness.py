@@ -306,9 +306,10 @@ def memory_estimate(s, sessions, a, bank_bytes: int, landing_bytes: int) -> Dict
       regime's per-session caches, OFF's own cache of the longest prompt, and
       the activations of that one-pass prefill;
     - decode: weights, the bank, the rows of one retain (up to the longest
-      prompt's blocks), and either every session's cache plus a one-pass
-      prefill's activations (``device``) or one working cache plus a chunked
-      prefill's (``host``, chunks of ``--decode-prefill-chunk`` or 8192).
+      prompt's blocks), either every session's cache (``device``) or one
+      working cache (``host``), and the activations of its own prefill pass:
+      ``--decode-prefill-chunk`` tokens when given (0: one pass), else the
+      default of each mode (one pass on ``device``, 8192 tokens on ``host``).
 
     Activations: ``(16 x hidden + 4 x intermediate) x 2`` bytes a token (bf16),
     which puts the 8B shape's 32K prefill at 7.6 GiB; with the caches above it
@@ -323,10 +324,15 @@ def memory_estimate(s, sessions, a, bank_bytes: int, landing_bytes: int) -> Dict
     warm = a.regime == "both"
     prefill = s.weight_bytes() + landing_bytes * (2 if warm else 1) + (histories if warm else 0) + longest * (kv + per_token_act)
     decode = s.weight_bytes() + bank_bytes + longest * kv
-    chunk = a.decode_prefill_chunk or 8192
+    # The decode's prefill pass: --decode-prefill-chunk when given (0: one
+    # pass), else the default of each mode (device: one pass, host: 8192).
+    def pass_tokens(default: int) -> int:
+        chunk = default if a.decode_prefill_chunk is None else a.decode_prefill_chunk
+        return min(chunk, longest) if chunk > 0 else longest
+
     return {
-        "device": prefill + decode + histories + longest * per_token_act,
-        "host": prefill + decode + longest * kv + min(chunk, longest) * per_token_act,
+        "device": prefill + decode + histories + pass_tokens(0) * per_token_act,
+        "host": prefill + decode + longest * kv + pass_tokens(8192) * per_token_act,
     }
 
 

@@ -232,3 +232,33 @@ def test_the_default_regime_is_both_unless_the_estimate_exceeds_the_card(monkeyp
     assert any(n.startswith("warm regime not run: both regimes need an estimated") for n in r["notes"])
     assert harness.main(base + ["--regime", "both"]) == 0
     assert json.loads(out.read_text())["regime"] == "churn+warm"
+
+
+def test_the_memory_estimate_counts_the_decode_prefill_pass_in_use():
+    """Each mode's estimate counts the decode prefill's pass it will run:
+    the flag when given (0: one pass), else one pass on device and 8192
+    tokens on host; the 8B full workload's figures of docs/gpu-serving.md."""
+    from gpu_serving import engine
+    from gpu_serving.workload import Workload
+
+    s = engine.shape("llama-3.1-8b")
+    a = harness.parse(["--out", "x", "--regime", "churn"])
+    sessions = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), s.vocab,
+                        a.seed).build()
+    bb = s.kv_bytes_per_token() * a.tokens_per_block
+    slots = sum(x.target_history + 256 + 128 for x in sessions) // 64 + 16
+    est = lambda: harness.memory_estimate(s, sessions, a, slots * bb, (33152 // 64 + 2) * bb)  # noqa: E731
+    act = (16 * s.hidden + 4 * s.intermediate) * 2
+    default = est()
+    assert [round(default[k] / 2**30, 1) for k in ("device", "host")] == [87.1, 70.6]
+    a.decode_prefill_chunk = 0
+    one_pass = est()
+    assert one_pass["device"] == default["device"]
+    assert one_pass["host"] - default["host"] == (33152 - 8192) * act
+    a.decode_prefill_chunk = 4096
+    chunked = est()
+    assert default["device"] - chunked["device"] == (33152 - 4096) * act
+    assert default["host"] - chunked["host"] == (8192 - 4096) * act
+    a.regime = "both"
+    a.decode_prefill_chunk = None
+    assert [round(v / 2**30, 1) for v in est().values()] == [106.1, 89.5]
