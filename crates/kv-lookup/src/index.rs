@@ -251,7 +251,9 @@ impl InventoryIndex {
     }
 
     /// How many times a new state was published to lookups since the index
-    /// was created: one per mutating call that changed anything
+    /// was created: one per mutating call that applied at least one
+    /// mutation, whether or not it changed the content (a duplicate or a
+    /// refused event still publishes; an empty batch does not)
     /// ([`InventoryIndex::apply_events`] once per batch, concurrent
     /// [`InventoryIndex::apply_event`] calls once per combined batch,
     /// registrations, removals, resyncs). Each publication makes lookups
