@@ -353,6 +353,10 @@ impl std::fmt::Debug for KvEventReceiver {
     }
 }
 
+/// Messages one [`KvEventReceiver::try_next`] takes from the plane before it
+/// looks at expired gap deadlines anyway (see there).
+const TRY_NEXT_MESSAGES: usize = 1024;
+
 impl KvEventReceiver {
     /// Subscribes to `events` (ready on return). A gap not repaired within
     /// `gap_timeout` becomes [`KvStreamItem::Lost`]. The jump bound is
@@ -532,10 +536,23 @@ impl KvEventReceiver {
     /// does), never a message or a deadline. The router's event follower
     /// calls it after each `next` to apply what a burst queued together.
     pub async fn try_next(&mut self) -> Option<KvStreamItem> {
+        // Queued messages come before a gap's expiry: the replay that fills
+        // a hole may be among them, and expiring first would report the
+        // range lost and ask for a snapshot nobody needs. Bounded, so a
+        // stream that keeps queueing behind a hole cannot hold its expiry
+        // off: past the bound the rest waits for the next call.
+        let mut taken = 0;
         loop {
             self.apply_resumes().await;
             if let Some(item) = self.ready.pop_front() {
                 return Some(item);
+            }
+            if taken < TRY_NEXT_MESSAGES {
+                if let Some(msg) = self.sub.try_next() {
+                    taken += 1;
+                    self.take(msg).await;
+                    continue;
+                }
             }
             let now = Instant::now();
             if self
@@ -544,12 +561,8 @@ impl KvEventReceiver {
                 .any(|t| t.gap_deadline.is_some_and(|d| d <= now))
             {
                 self.expire_gaps();
-                if let Some(item) = self.ready.pop_front() {
-                    return Some(item);
-                }
             }
-            let msg = self.sub.try_next()?;
-            self.take(msg).await;
+            return self.ready.pop_front();
         }
     }
 
