@@ -1,7 +1,6 @@
 //! [`InventoryIndex`]: who holds which sequence hash in which tier, fed by KV events.
 
 use std::collections::{HashMap, HashSet};
-use std::hash::BuildHasherDefault;
 
 use kv_descriptor::{EngineId, KvEvent, LayoutFingerprint, Role, SequenceHash, StorageTier};
 
@@ -12,6 +11,11 @@ pub use crate::report::{EventBatchReport, EventOutcome, IndexStats, Registration
 use crate::twin::Twin;
 use crate::worker::{WorkerInfo, WorkerKey, WorkerRecord};
 use crate::LookupError;
+
+mod compaction;
+
+use compaction::compact_log;
+pub(crate) use compaction::CompactedLog;
 
 /// Most workers (live incarnations) one index tracks: 64 groups of 64.
 pub const MAX_WORKERS: usize = 4096;
@@ -722,142 +726,4 @@ fn check_identity(
         return Err(LookupError::tp_mismatch(known.engine, known.tp_size, tp));
     }
     Ok(())
-}
-
-/// A worker log compacted while one copy applied a mutation, kept with the
-/// mutation for its replay on the other copy (see [`crate::twin`]).
-///
-/// Both copies are equal before a mutation and apply it alike, so they
-/// compact the same log against the same table and keep the same hashes:
-/// the replay takes the first copy's result instead of computing it again
-/// (a pass over about twice the worker's live hashes and a count of its
-/// removals, see `compact_in_place`; when both copies probed the table for
-/// every logged hash it was ~30% of an event thread's time in the churn
-/// bench, `--threads 0+1`). Debug builds (the tests) recompute the
-/// compaction on the replay and check that it equals the memo.
-#[derive(Default)]
-pub(crate) struct CompactedLog(parking_lot::Mutex<Option<Vec<SequenceHash>>>);
-
-impl CompactedLog {
-    /// Keeps `log` for the replay (the first application's compaction).
-    pub(crate) fn put(&self, log: Vec<SequenceHash>) {
-        *self.0.lock() = Some(log);
-    }
-
-    /// The first application's compaction, once.
-    pub(crate) fn take(&self) -> Option<Vec<SequenceHash>> {
-        self.0.lock().take()
-    }
-
-    /// Whether a compaction waits for the replay.
-    #[cfg(test)]
-    pub(crate) fn is_set(&self) -> bool {
-        self.0.lock().is_some()
-    }
-}
-
-/// Drops log entries the worker no longer holds, and duplicates; takes the
-/// result from `memo` when the other copy left it there, else computes it
-/// (and leaves a copy in `memo` for the replay). Either way the log keeps
-/// its buffer: it grows back to its next compaction without reallocating.
-fn compact_log(
-    table: &HolderTable,
-    rec: &mut WorkerRecord,
-    tier: usize,
-    bit: u32,
-    memo: Option<&CompactedLog>,
-) {
-    let (log, removed, live) = (&mut rec.logs[tier], &mut rec.removed[tier], rec.live[tier]);
-    if let Some(kept) = memo.and_then(CompactedLog::take) {
-        #[cfg(debug_assertions)]
-        {
-            let (mut mine, mut gone) = (log.clone(), removed.clone());
-            compact_in_place(table, &mut mine, &mut gone, live, tier, bit);
-            assert_eq!(
-                kept, mine,
-                "the other copy compacted the same log against the same table"
-            );
-        }
-        // A release build trusts the memo only as far as one compare: it
-        // must keep exactly the `live` hashes this copy counts. One that
-        // does not (the copies disagree, a bug elsewhere) is dropped and
-        // this copy compacts its own log.
-        if kept.len() as u64 == live {
-            log.clear();
-            log.extend_from_slice(&kept);
-            removed.clear();
-            return;
-        }
-    }
-    compact_in_place(table, log, removed, live, tier, bit);
-    if let Some(memo) = memo {
-        memo.put(log.clone());
-    }
-}
-
-/// Keeps the hashes of `log` that bit `bit` of `tier` still holds in
-/// `table`, each once (`live` of them), in place and in log order, and
-/// empties `removed`.
-///
-/// The table is not read: as multisets, `log` minus `removed` is the live
-/// set (see [`WorkerRecord::removed`]), so each removal cancels the earliest
-/// logged copy of its hash that is not cancelled yet, and what is left is
-/// the live set once. Counting the removals takes a map as large as
-/// `removed`, which fits in cache; probing the table for every log entry
-/// instead (the method before) cost one or two DRAM and TLB misses per
-/// entry, ~12% of the event thread in the churn bench (`--threads 0+1`).
-/// Debug builds check the result against the table.
-fn compact_in_place(
-    table: &HolderTable,
-    log: &mut Vec<SequenceHash>,
-    removed: &mut Vec<SequenceHash>,
-    live: u64,
-    tier: usize,
-    bit: u32,
-) {
-    let mut gone: HashMap<u64, u32, BuildHasherDefault<SpreadHasher>> =
-        HashMap::with_capacity_and_hasher(removed.len(), Default::default());
-    for h in removed.drain(..) {
-        *gone.entry(h.0).or_default() += 1;
-    }
-    log.retain(|h| match gone.get_mut(&h.0) {
-        Some(n) if *n > 0 => {
-            *n -= 1;
-            false
-        }
-        _ => true,
-    });
-    #[cfg(debug_assertions)]
-    {
-        assert_eq!(log.len() as u64, live, "the log keeps the live hashes");
-        assert!(gone.values().all(|&n| n == 0), "each removal was logged");
-        for &h in log.iter() {
-            assert_eq!(table.get(h)[tier] >> bit & 1, 1, "a kept hash is held");
-        }
-    }
-    #[cfg(not(debug_assertions))]
-    let _ = (table, live, tier, bit);
-}
-
-/// Hasher of the compaction's removal counts: keys are sequence hashes
-/// (already XXH3 outputs; tests also use small integers), so one multiply
-/// and a fold spread them; SipHash would cost more than the map's probes.
-#[derive(Default)]
-struct SpreadHasher(u64);
-
-impl std::hash::Hasher for SpreadHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, x: u64) {
-        let m = (self.0 ^ x).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.0 = m ^ (m >> 32);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
 }
