@@ -122,5 +122,6 @@ fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<fetch_outcome::FetchOutcome>()?;
     m.add_class::<fetch_job::FetchJob>()?;
     m.add_class::<stream_gate::StreamGate>()?;
+    m.add_function(wrap_pyfunction!(stream_gate::layer_group_ranges, m)?)?;
     Ok(())
 }

@@ -12,11 +12,22 @@
 //! discard that work when the fetch raised (`FetchFellBack`): no false
 //! completion.
 //!
+//! With `layer_groups=G` (G >= 2) the fetch is released layer group by
+//! layer group instead (`kv_transfer::ConsumerStream::with_layer_groups`):
+//! a converting part is launched per group, and the engine calls
+//! `g.wait_layer(l)` before layer `l` reads its KV, which makes the stream
+//! wait for that layer's group only, so the forward's first layers run
+//! while later layers are still being copied (vLLM's connector calls this
+//! point `wait_for_layer_load`).
+//!
 //! Invariants: a gate serves one fetch (a second is refused, `BadArgument`
-//! naming `gate`); `wait` returns on every path of that fetch, because the
-//! fetch marks the gate ended when it returns or raises, before or after the
-//! copies; True means every rank part delivering to the gate's device was
-//! enqueued behind the wait.
+//! naming `gate`); `wait` and `wait_layer` return on every path of that
+//! fetch, because the fetch marks the gate ended when it returns or raises,
+//! before or after the copies; True from `wait` means every rank part
+//! delivering to the gate's device was enqueued behind the wait (layered:
+//! every part's first group was issued); True from `wait_layer(l)` means
+//! the stream now waits for layer `l`'s group of every such part (and for
+//! every earlier group).
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -45,12 +56,35 @@ struct GateState {
     armed_at: Option<Instant>,
     enqueued_at: Option<Instant>,
     ended_at: Option<Instant>,
+    /// Layer groups issued so far (layered gates), in arrival order, and
+    /// whether the stream was made to wait for each.
+    groups: Vec<(kv_transfer::LayersReady, bool)>,
+    /// Parts whose first layer group was issued.
+    first_groups: u32,
+    /// When the first and the last layer group arrived.
+    first_group_at: Option<Instant>,
+    last_group_at: Option<Instant>,
 }
 
 impl GateState {
     /// Every rank part delivering to the gate's device was enqueued.
-    fn is_open(&self) -> bool {
-        self.armed && self.parts > 0 && self.enqueued >= self.parts
+    fn is_open(&self, layered: bool) -> bool {
+        let issued = if layered {
+            self.first_groups
+        } else {
+            self.enqueued
+        };
+        self.armed && self.parts > 0 && issued >= self.parts
+    }
+
+    /// Groups of every part that cover `layer` were issued.
+    fn covers(&self, layer: u32) -> bool {
+        let n = self
+            .groups
+            .iter()
+            .filter(|(g, _)| g.layers().contains(&layer))
+            .count() as u32;
+        self.armed && self.parts > 0 && n >= self.parts
     }
 }
 
@@ -63,6 +97,46 @@ pub(crate) struct GateShared {
 impl GateShared {
     fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// `layer_group_ranges(layers, groups)`: the layer groups (Python `range`s,
+/// in layer order) a fetch released to a `StreamGate(..., layer_groups=groups)`
+/// is cut into for a model of `layers` layers, as `kv_transfer::layer_group_ranges`
+/// cuts them: `min(groups, layers)` contiguous ranges, sizes differing by at
+/// most one, larger first. An engine hooks the first layer of each.
+/// Raises `BadArgument` naming `layers` / `groups` for a negative int.
+///
+/// ```text
+/// >>> [r.start for r in kv_reuse.layer_group_ranges(32, 8)]
+/// [0, 4, 8, 12, 16, 20, 24, 28]
+/// ```
+#[pyfunction]
+pub(crate) fn layer_group_ranges<'py>(
+    py: Python<'py>,
+    layers: &Bound<'py, PyAny>,
+    groups: &Bound<'py, PyAny>,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let (layers, groups): (u32, u32) = (uint("layers", layers)?, uint("groups", groups)?);
+    let range = py.import("builtins")?.getattr("range")?;
+    kv_transfer::layer_group_ranges(layers, groups)
+        .into_iter()
+        .map(|r| range.call1((r.start, r.end)))
+        .collect()
+}
+
+/// The instant `timeout_s` seconds from now (None: no limit); `BadArgument`
+/// naming `timeout_s` unless it is in (0, 3600].
+fn deadline(timeout_s: Option<f64>) -> PyResult<Option<Instant>> {
+    match timeout_s {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s > 0.0 && s <= 3600.0 => {
+            Ok(Some(Instant::now() + Duration::from_secs_f64(s)))
+        }
+        Some(s) => Err(bad_argument(
+            "timeout_s",
+            format!("{s} is not in (0, 3600] seconds"),
+        )),
     }
 }
 
@@ -99,22 +173,63 @@ impl Drop for GateEnd {
 /// streams are) and stay alive until the fetch returned; the handle is passed
 /// to the CUDA driver as it is. Raises `BadArgument` naming `stream` or
 /// `device` for a negative int or one past u64 / u32.
+///
+/// `layer_groups` (int, 1..=1024; None or 1: the whole fetch at once): cut a
+/// converting fetch into that many layer groups
+/// (`kv_reuse.layer_group_ranges(layers, layer_groups)`), each released on
+/// its own; the engine then calls `wait_layer(l)` before layer `l` reads
+/// its KV (a forward pre-hook on each group's first layer does):
+///
+/// ```text
+/// gate = kv_reuse.StreamGate(stream, 0, layer_groups=8)
+/// fut = pool.submit(target.fetch, hint, hashes, manifest, gate=gate)
+/// if gate.wait():                      # the first group is issued
+///     starts = {r.start for r in kv_reuse.layer_group_ranges(32, 8)}
+///     hooks = [layers[i].register_forward_pre_hook(lambda m, a, i=i: gate.wait_layer(i))
+///              for i in starts]
+///     logits = model(...)              # layer l reads its KV after its group landed
+/// ```
+///
+/// Raises `BadArgument` naming `layer_groups` outside 1..=1024.
 #[pyclass(module = "kv_reuse", frozen)]
 pub(crate) struct StreamGate {
     stream: u64,
     device: u32,
+    /// Layer groups asked for (>= 2), None for the whole fetch at once.
+    layer_groups: Option<u32>,
     shared: Arc<GateShared>,
 }
+
+/// Most layer groups a gate may ask for.
+const MAX_LAYER_GROUPS: u32 = 1024;
 
 #[pymethods]
 impl StreamGate {
     #[new]
-    fn new(stream: &Bound<'_, PyAny>, device: &Bound<'_, PyAny>) -> PyResult<Self> {
+    #[pyo3(signature = (stream, device, layer_groups = None))]
+    fn new(
+        stream: &Bound<'_, PyAny>,
+        device: &Bound<'_, PyAny>,
+        layer_groups: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let layer_groups = match layer_groups {
+            None => None,
+            Some(v) => match uint::<u32>("layer_groups", v)? {
+                g @ 1..=MAX_LAYER_GROUPS => Some(g).filter(|&g| g > 1),
+                g => {
+                    return Err(bad_argument(
+                        "layer_groups",
+                        format!("{g} is not in 1..={MAX_LAYER_GROUPS}"),
+                    ))
+                }
+            },
+        };
         let shared = Arc::new(GateShared::default());
         shared.lock().created = Some(Instant::now());
         Ok(Self {
             stream: uint("stream", stream)?,
             device: uint("device", device)?,
+            layer_groups,
             shared,
         })
     }
@@ -128,23 +243,13 @@ impl StreamGate {
     /// (0, 3600] seconds.
     #[pyo3(signature = (timeout_s = None))]
     fn wait(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<bool> {
-        let limit = match timeout_s {
-            None => None,
-            Some(s) if s.is_finite() && s > 0.0 && s <= 3600.0 => {
-                Some(Instant::now() + Duration::from_secs_f64(s))
-            }
-            Some(s) => {
-                return Err(bad_argument(
-                    "timeout_s",
-                    format!("{s} is not in (0, 3600] seconds"),
-                ))
-            }
-        };
+        let limit = deadline(timeout_s)?;
         let shared = self.shared.clone();
+        let layered = self.layer_groups.is_some();
         Ok(py.allow_threads(move || {
             let mut s = shared.lock();
             loop {
-                if s.is_open() {
+                if s.is_open(layered) {
                     return true;
                 }
                 if s.ended {
@@ -168,10 +273,101 @@ impl StreamGate {
         }))
     }
 
-    /// True once the stream waits for every copy of the fetch to this device.
+    /// Layered gates: blocks (GIL released) until layer `layer`'s group of
+    /// every rank part delivering to this device was issued, makes the
+    /// stream wait for it (and for every earlier group not waited for yet),
+    /// and returns True; False when the fetch ended without issuing it (it
+    /// raised: take its result, discard what was computed) or `timeout_s`
+    /// passed. Call it on the engine's thread right before the layer's
+    /// kernels are enqueued. Without layer groups it is `wait(timeout_s)`.
+    /// Raises `BadArgument` naming `timeout_s` as `wait`, and
+    /// `KvReuseError` when the driver refuses the stream wait.
+    #[pyo3(signature = (layer, timeout_s = None))]
+    fn wait_layer(
+        &self,
+        py: Python<'_>,
+        layer: &Bound<'_, PyAny>,
+        timeout_s: Option<f64>,
+    ) -> PyResult<bool> {
+        let layer: u32 = uint("layer", layer)?;
+        if self.layer_groups.is_none() {
+            return self.wait(py, timeout_s);
+        }
+        let limit = deadline(timeout_s)?;
+        let shared = self.shared.clone();
+        let due: Option<Vec<kv_transfer::LayersReady>> = py.allow_threads(move || {
+            let mut s = shared.lock();
+            loop {
+                if s.covers(layer) {
+                    // This layer's groups and every earlier one not waited for.
+                    let due = s
+                        .groups
+                        .iter_mut()
+                        .filter(|(g, waited)| !*waited && g.layers().start <= layer)
+                        .map(|(g, waited)| {
+                            *waited = true;
+                            g.clone()
+                        })
+                        .collect();
+                    return Some(due);
+                }
+                if s.ended {
+                    return None;
+                }
+                s = match limit {
+                    None => shared.changed.wait(s).unwrap_or_else(|e| e.into_inner()),
+                    Some(at) => {
+                        let left = at.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            return None;
+                        }
+                        shared
+                            .changed
+                            .wait_timeout(s, left)
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0
+                    }
+                };
+            }
+        });
+        let Some(due) = due else {
+            return Ok(false);
+        };
+        // SAFETY: `StreamGate`'s documented contract: `stream` is a live
+        // stream of device `device`'s primary context while the engine
+        // uses the gate (it is the stream the engine enqueues on).
+        let on =
+            unsafe { kv_transfer::ConsumerStream::new(self.device, self.stream, Arc::new(|_| {})) };
+        for g in &due {
+            g.enqueue_wait(&on)
+                .map_err(|e| crate::errors::KvReuseError::new_err(e.to_string()))?;
+        }
+        Ok(true)
+    }
+
+    /// Layer groups asked for (None: the whole fetch at once).
+    #[getter]
+    fn layer_groups(&self) -> Option<u32> {
+        self.layer_groups
+    }
+
+    /// Layered gates: the layer ranges `(start, end)` of the groups issued
+    /// so far, in arrival order (a part that could not be cut by layer is
+    /// one group `(0, 2**32 - 1)`); `[]` otherwise.
+    #[getter]
+    fn groups_issued(&self) -> Vec<(u32, u32)> {
+        let s = self.shared.lock();
+        s.groups
+            .iter()
+            .map(|(g, _)| (g.layers().start, g.layers().end))
+            .collect()
+    }
+
+    /// True once the stream waits for every copy of the fetch to this
+    /// device (layered: once every part issued its first group).
     #[getter]
     fn enqueued(&self) -> bool {
-        self.shared.lock().is_open()
+        self.shared.lock().is_open(self.layer_groups.is_some())
     }
 
     /// True once the fetch returned or raised.
@@ -198,8 +394,10 @@ impl StreamGate {
 
     /// µs from the gate's construction to each point reached so far:
     /// `armed` (a fetch took it: its arguments parsed), `enqueued` (the
-    /// stream waits for every copy), `ended` (the fetch returned or
-    /// raised); a point not reached is absent.
+    /// stream waits for every copy; layered: every part issued all its
+    /// groups), `ended` (the fetch returned or raised), and for layered
+    /// gates `first_group` / `last_group` (the first and the last layer
+    /// group issued); a point not reached is absent.
     #[getter]
     fn times_us(&self) -> std::collections::BTreeMap<&'static str, u64> {
         let s = self.shared.lock();
@@ -208,6 +406,8 @@ impl StreamGate {
             ("armed", s.armed_at),
             ("enqueued", s.enqueued_at),
             ("ended", s.ended_at),
+            ("first_group", s.first_group_at),
+            ("last_group", s.last_group_at),
         ]
         .into_iter()
         .filter_map(|(k, t)| {
@@ -231,8 +431,8 @@ impl StreamGate {
     fn __repr__(&self) -> String {
         let s = self.shared.lock();
         format!(
-            "StreamGate(stream={:#x}, device={}, armed={}, enqueued={}/{}, ended={})",
-            self.stream, self.device, s.armed, s.enqueued, s.parts, s.ended
+            "StreamGate(stream={:#x}, device={}, layer_groups={:?}, armed={}, enqueued={}/{}, groups={}, ended={})",
+            self.stream, self.device, self.layer_groups, s.armed, s.enqueued, s.parts, s.groups.len(), s.ended
         )
     }
 }
@@ -289,7 +489,7 @@ impl StreamGate {
             {
                 let mut s = shared.lock();
                 s.enqueued += 1;
-                if s.is_open() {
+                if s.is_open(false) {
                     s.enqueued_at = Some(Instant::now());
                 }
             }
@@ -299,6 +499,27 @@ impl StreamGate {
         // docs): `stream` is a live stream of device `device`'s primary
         // context until the fetch returned, and the fetch holds this control
         // only until it returns.
-        Ok(unsafe { kv_transfer::ConsumerStream::new(self.device, self.stream, notice) })
+        let consumer =
+            unsafe { kv_transfer::ConsumerStream::new(self.device, self.stream, notice) };
+        let Some(groups) = self.layer_groups else {
+            return Ok(consumer);
+        };
+        let shared = self.shared.clone();
+        let on_group = Arc::new(move |g: kv_transfer::LayersReady| {
+            {
+                let mut s = shared.lock();
+                let now = Some(Instant::now());
+                if g.layers().start == 0 {
+                    s.first_groups += 1;
+                }
+                s.first_group_at = s.first_group_at.or(now);
+                s.last_group_at = now;
+                s.groups.push((g, false));
+            }
+            shared.changed.notify_all();
+        });
+        consumer
+            .with_layer_groups(groups, on_group)
+            .map_err(|e| bad_argument("layer_groups", e.to_string()))
     }
 }

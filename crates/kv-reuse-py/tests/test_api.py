@@ -172,6 +172,30 @@ def test_stream_gate_refusals_name_the_argument_and_an_argument_error_ends_the_g
     assert "ended=true" in repr(gate)
 
 
+def test_layer_groups_are_checked_and_cut_like_the_backend(layout):
+    assert [(r.start, r.stop) for r in kv_reuse.layer_group_ranges(10, 4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert [r.start for r in kv_reuse.layer_group_ranges(32, 8)] == [0, 4, 8, 12, 16, 20, 24, 28]
+    assert kv_reuse.layer_group_ranges(2, 8) == [range(0, 1), range(1, 2)]
+    with pytest.raises(kv_reuse.BadArgument, match="^layers: "):
+        kv_reuse.layer_group_ranges(-1, 2)
+    for bad in (0, 1025, -3):
+        with pytest.raises(kv_reuse.BadArgument, match="^layer_groups: "):
+            kv_reuse.StreamGate(0x1234, 0, layer_groups=bad)
+    # 1 (or None) is the whole fetch at once; wait_layer is then wait.
+    assert kv_reuse.StreamGate(0x1234, 0, layer_groups=1).layer_groups is None
+    gate = kv_reuse.StreamGate(0x1234, 0, layer_groups=4)
+    assert gate.layer_groups == 4 and gate.groups_issued == [] and "layer_groups=Some(4)" in repr(gate)
+    with pytest.raises(kv_reuse.BadArgument, match="^layer: "):
+        gate.wait_layer(-1)
+    # Not taken by a fetch: a bounded wait_layer times out with False.
+    assert gate.wait_layer(0, timeout_s=0.05) is False
+    # A fetch that fails on its arguments ends a layered gate too.
+    target = kv_reuse.Target(layout, rows=4)
+    with pytest.raises(kv_reuse.DescriptorRefused):
+        target.fetch(b"", [1], b"", gate=gate)
+    assert gate.ended and gate.wait_layer(3) is False and gate.wait() is False
+
+
 def test_layout_refuses_unknown_dtype():
     with pytest.raises(kv_reuse.BadArgument, match="dtype"):
         kv_reuse.Layout(2, 2, 8, "int7", TOKENS_PER_BLOCK, 2)

@@ -223,6 +223,49 @@ def test_cuda_fetch_into_hf_caches_lands_at_token_positions(layout, enabled, pro
     assert target.free_rows == rows
 
 
+def test_a_layered_gate_releases_each_layer_group_behind_its_own_copies(layout, enabled, cuda_donor):
+    """StreamGate(layer_groups=2) on a converting (kv_layout="hf") fetch: one
+    group per layer, issued in layer order; a copy of layer 0 enqueued
+    behind wait_layer(0) reads every fetched byte of layer 0, and one of the
+    whole cache behind wait_layer(1) every fetched byte."""
+    import concurrent.futures
+
+    torch = torch_cuda()
+    _, report = cuda_donor
+    L, T, H, D, rows = 2, TOKENS_PER_BLOCK, 2, 8, 16
+    cap = rows * T
+    buf = torch.full((L, 2, 1, H, cap, D), -1.5, dtype=torch.float32, device="cuda:0")
+    views = [buf[l, kv] for l in range(L) for kv in range(2)]
+    torch.cuda.synchronize()
+    target = kv_reuse.Target(layout, rows=rows, kv_caches=[views], gpus=[0], kv_layout="hf")
+    advice = router_for(report, layout, enabled, target).advise("req-gate-layers", report["hashes"], target.engine_id)
+    assert advice.admitted, advice.verdict
+    stream = torch.cuda.Stream(device="cuda:0")
+    gate = kv_reuse.StreamGate(stream.cuda_stream, 0, layer_groups=2)
+    assert gate.layer_groups == 2 and gate.groups_issued == []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        job = pool.submit(target.fetch, advice.hint, report["hashes"], bytes.fromhex(report["manifest"]), gate=gate)
+        assert gate.wait(timeout_s=30)
+        assert gate.wait_layer(0, timeout_s=30)
+        with torch.cuda.stream(stream):
+            layer0 = buf[0].clone()  # behind group 0's copies only
+        assert gate.wait_layer(1, timeout_s=30)
+        with torch.cuda.stream(stream):
+            whole = buf.clone()
+        out = job.result(timeout=30)
+    assert gate.ended and gate.groups_issued == [(0, 1), (1, 2)]
+    assert {"first_group", "last_group"} <= set(gate.times_us)
+    with out:
+        stream.synchronize()
+        want = np.full((L, 2, 1, H, cap, D), -1.5, dtype=np.float32)
+        for j in range(BLOCKS):
+            b = pattern(layout, 0, j).reshape(L, 2, T, H, D)
+            want[:, :, 0, :, j * T:(j + 1) * T, :] = b.transpose(0, 1, 3, 2, 4)
+        assert layer0.cpu().numpy().tobytes() == want[0].tobytes()
+        assert whole.cpu().numpy().tobytes() == want.tobytes()
+    assert target.free_rows == rows
+
+
 def test_a_gated_fetch_releases_the_engine_stream_before_it_returns(layout, enabled, cuda_donor):
     """StreamGate: the fetch runs on another thread; once the gate opens, a
     copy enqueued on the engine's stream (behind the wait) reads every

@@ -72,6 +72,107 @@ pub struct ConsumerStream {
     ordinal: u32,
     stream: u64,
     notice: EnqueuedNotice,
+    /// Per-layer release ([`ConsumerStream::with_layer_groups`]): the
+    /// number of layer groups asked for and where each group goes.
+    layers: Option<(u32, LayerNotice)>,
+}
+
+/// Called once per layer group of a converting rank part, in layer order,
+/// as soon as that group's copies are issued ([`ConsumerStream::with_layer_groups`]).
+pub type LayerNotice = Arc<dyn Fn(LayersReady) + Send + Sync>;
+
+/// What makes a stream wait for one layer group's copies: a closure over
+/// the event the backend recorded after them ([`LayersReady::new`]).
+pub type GroupWait = Arc<dyn Fn(&ConsumerStream) -> Result<(), TransferError> + Send + Sync>;
+
+/// The copies of layers `layers` of rank `rank`'s part are issued (not yet
+/// landed): [`LayersReady::enqueue_wait`] makes the consumer stream wait for
+/// them, and work enqueued there afterwards reads those layers' rows once
+/// they landed. Layers of other groups may still be in flight; an engine
+/// waits for group `g` before the first layer of `g` reads its KV (vLLM's
+/// connector calls this point `wait_for_layer_load`).
+///
+/// Made by backends ([`LayersReady::new`]); the event it waits on stays
+/// alive as long as the value does.
+///
+/// ```
+/// use std::sync::Arc;
+/// let r = kv_transfer::LayersReady::new(0, 0..4, Arc::new(|_| Ok(())));
+/// assert_eq!((r.rank(), r.layers()), (0, 0..4));
+/// ```
+#[derive(Clone)]
+pub struct LayersReady {
+    rank: u32,
+    layers: std::ops::Range<u32>,
+    wait: GroupWait,
+}
+
+impl std::fmt::Debug for LayersReady {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayersReady")
+            .field("rank", &self.rank)
+            .field("layers", &self.layers)
+            .finish()
+    }
+}
+
+impl LayersReady {
+    /// Layers `layers` (model layer indices, end exclusive) of TP rank
+    /// `rank` are issued; `wait` enqueues a wait for them on the stream it
+    /// is given (a backend's closure over its event; the host backend's
+    /// copies have landed when it returns, so its closure does nothing).
+    pub fn new(rank: u32, layers: std::ops::Range<u32>, wait: GroupWait) -> Self {
+        Self { rank, layers, wait }
+    }
+
+    /// TP rank of the part.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Model layers whose copies this group issued (end exclusive).
+    pub fn layers(&self) -> std::ops::Range<u32> {
+        self.layers.clone()
+    }
+
+    /// Makes `on` wait for this group's copies: work enqueued on `on`
+    /// afterwards runs after they landed. Safe: [`ConsumerStream::new`]'s
+    /// contract is that its stream is live while it is used, and the event
+    /// lives as long as `self`.
+    ///
+    /// # Errors
+    /// [`TransferError::Cuda`] naming `cuStreamWaitEvent`.
+    pub fn enqueue_wait(&self, on: &ConsumerStream) -> Result<(), TransferError> {
+        (self.wait)(on)
+    }
+}
+
+/// The layer groups a converting part of `layers` model layers is cut into
+/// when a consumer asks for `groups` ([`ConsumerStream::with_layer_groups`]):
+/// `min(groups, layers)` contiguous ranges in layer order, sizes differing
+/// by at most one, the larger ones first; empty when `layers` or `groups`
+/// is 0.
+///
+/// ```
+/// assert_eq!(kv_transfer::layer_group_ranges(32, 8)[1], 4..8);
+/// assert_eq!(kv_transfer::layer_group_ranges(10, 4), [0..3, 3..6, 6..8, 8..10]);
+/// assert_eq!(kv_transfer::layer_group_ranges(2, 8), [0..1, 1..2]);
+/// ```
+pub fn layer_group_ranges(layers: u32, groups: u32) -> Vec<std::ops::Range<u32>> {
+    let g = groups.min(layers);
+    if g == 0 {
+        return Vec::new();
+    }
+    let (base, extra) = (layers / g, layers % g);
+    let mut start = 0;
+    (0..g)
+        .map(|k| {
+            let end = start + base + u32::from(k < extra);
+            let r = start..end;
+            start = end;
+            r
+        })
+        .collect()
 }
 
 impl std::fmt::Debug for ConsumerStream {
@@ -79,6 +180,7 @@ impl std::fmt::Debug for ConsumerStream {
         f.debug_struct("ConsumerStream")
             .field("ordinal", &self.ordinal)
             .field("stream", &format_args!("{:#x}", self.stream))
+            .field("layer_groups", &self.layer_groups())
             .finish()
     }
 }
@@ -100,6 +202,52 @@ impl ConsumerStream {
             ordinal,
             stream,
             notice,
+            layers: None,
+        }
+    }
+
+    /// The same stream released layer group by layer group: a converting
+    /// part on this stream's device is launched as [`layer_group_ranges`]`(layers,
+    /// groups)` (one launch per group, in layer order), and after each
+    /// launch `on_group` gets a [`LayersReady`] for it; the stream itself is
+    /// *not* made to wait for the whole part (the engine enqueues each
+    /// group's wait before the layer that reads it, so its forward starts
+    /// after the first group instead of the last). `notice` is still called
+    /// once per part after its last group. A part that cannot be cut by
+    /// layer (block-major pool rows, one layer) is released as without
+    /// groups, then reported as one group of every layer whose wait does
+    /// nothing (the stream waits already). The stream must stay live for
+    /// every [`LayersReady::enqueue_wait`] on it, as for the delivery.
+    ///
+    /// # Errors
+    /// [`TransferError::InvalidInput`] naming `layer_groups` when `groups`
+    /// is 0.
+    pub fn with_layer_groups(
+        mut self,
+        groups: u32,
+        on_group: LayerNotice,
+    ) -> Result<Self, TransferError> {
+        if groups == 0 {
+            return Err(TransferError::input(
+                "layer_groups",
+                "at least one layer group".to_string(),
+            ));
+        }
+        self.layers = Some((groups, on_group));
+        Ok(self)
+    }
+
+    /// Layer groups asked for ([`ConsumerStream::with_layer_groups`]); None
+    /// when the stream is released once per part.
+    pub fn layer_groups(&self) -> Option<u32> {
+        self.layers.as_ref().map(|(g, _)| *g)
+    }
+
+    /// Hands a layer group's readiness to the consumer (backends call this
+    /// in layer order; no-op without layer groups).
+    pub fn notify_layers(&self, ready: LayersReady) {
+        if let Some((_, f)) = &self.layers {
+            f(ready)
         }
     }
 

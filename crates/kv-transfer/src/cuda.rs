@@ -33,7 +33,7 @@ use kv_bank::{BankMemory, MemoryKind};
 use parking_lot::Mutex;
 
 use crate::cuda_gather::{
-    ConvertPlan, ConvertShape, GatherTuning, GatherUpload, PackedRows, Pipeline,
+    ConvertPlan, ConvertShape, GatherTuning, GatherUpload, LayeredShape, PackedRows, Pipeline,
     PIPELINE_FIRST_ENV, PIPELINE_GROWTH_ENV, UPLOAD_ENV,
 };
 use crate::delivery::{CopyBackend, PartOutcome, RankIo, SourceRegion};
@@ -110,6 +110,9 @@ pub struct CudaCopyBackend {
     /// Shapes of the converting parts seen, newest last: a fetch into a
     /// known layout pair builds no piece table.
     shapes: Mutex<Vec<Arc<ConvertShape>>>,
+    /// Cached shapes cut into layer groups (by shape pointer and group
+    /// count), for consumers released layer group by layer group.
+    layered: Mutex<Vec<(u32, Arc<LayeredShape>)>>,
 }
 
 impl std::fmt::Debug for CudaCopyBackend {
@@ -196,6 +199,7 @@ impl CudaCopyBackend {
             upload,
             pipeline,
             shapes: Mutex::new(Vec::new()),
+            layered: Mutex::new(Vec::new()),
         })
     }
 
@@ -246,6 +250,28 @@ impl CudaCopyBackend {
         }
         shapes.push(s.clone());
         Ok(s)
+    }
+
+    /// `shape` cut into `groups` layer groups, cached while `shape` is
+    /// (same pointer, same count).
+    fn layered(
+        &self,
+        shape: Arc<ConvertShape>,
+        groups: u32,
+    ) -> Result<Arc<LayeredShape>, crate::cuda_gather::ConvertError> {
+        let mut cache = self.layered.lock();
+        if let Some((_, l)) = cache
+            .iter()
+            .find(|(g, l)| *g == groups && Arc::ptr_eq(l.whole(), &shape))
+        {
+            return Ok(l.clone());
+        }
+        let l = Arc::new(LayeredShape::new(shape, groups)?);
+        if cache.len() == CACHED_SHAPES {
+            cache.remove(0);
+        }
+        cache.push((groups, l.clone()));
+        Ok(l)
     }
 
     fn device(&self, ordinal: u32) -> Result<Arc<Mutex<Device>>, TransferError> {
@@ -417,6 +443,82 @@ impl CudaCopyBackend {
         dev.settle(control, rank, failed)?;
         Ok(PartOutcome {
             bytes: plan.bytes(),
+            copies,
+            host_payload_bytes: 0,
+            transport: if src_dev == dst_dev {
+                "cuda_same_device_convert_kernel".into()
+            } else {
+                "cuda_peer_convert_kernel".into()
+            },
+        })
+    }
+
+    /// [`CudaCopyBackend::convert_rank`] as one launch per layer group
+    /// (`plans` in layer order, every plan over the same blocks and
+    /// regions), each followed by [`Device::release_layers`] for its
+    /// layers; cancellation and the deadline are checked between groups.
+    fn convert_rank_layered(
+        &self,
+        rank: u32,
+        plans: &[(std::ops::Range<u32>, ConvertPlan)],
+        src: &dyn BankMemory,
+        dst: &dyn BankMemory,
+        control: &DeliveryControl,
+    ) -> Result<PartOutcome, TransferError> {
+        let Some((_, first)) = plans.first() else {
+            return Err(TransferError::input("conversion", "no layer group"));
+        };
+        for (field, have, need) in [
+            ("src.len", src.len() as u64, first.src_region_bytes()),
+            ("dst.len", dst.len() as u64, first.dst_region_bytes()),
+        ] {
+            if have < need {
+                return Err(TransferError::input(
+                    field,
+                    format!("region has {have} bytes, its layout addresses {need}"),
+                ));
+            }
+        }
+        let (dev, src_dev, dst_dev) = self.open_pair(rank, src, dst)?;
+        let mut dev = dev.lock();
+        dev.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        control.check()?;
+        let (mut copies, mut bytes, mut failed) = (0, 0, None);
+        for (layers, plan) in plans {
+            let r = control
+                .check()
+                .and_then(|()| {
+                    launch_convert(
+                        &mut dev,
+                        plan,
+                        (src.base_addr(), dst.base_addr()),
+                        &self.tuning,
+                        self.upload,
+                        false,
+                        None,
+                    )
+                })
+                // The consumer waits only for a group whose launch was issued whole.
+                .and_then(|n| {
+                    dev.release_layers(control, rank, layers.clone())
+                        .map(|()| n)
+                });
+            match r {
+                Ok(n) => {
+                    copies += n;
+                    bytes += plan.bytes();
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        dev.settle_layered(control, rank, failed)?;
+        Ok(PartOutcome {
+            bytes,
             copies,
             host_payload_bytes: 0,
             transport: if src_dev == dst_dev {
@@ -633,10 +735,26 @@ impl CudaCopyBackend {
         let (dev, src_dev, dst_dev) = self.open_pair(rank, src, dst)?;
         if dev.lock().kernels.is_some() {
             drop(dev);
-            let plan = self
-                .shape(c.src(), c.dst())
-                .and_then(|shape| shape.plan(&pairs))
-                .map_err(|e| TransferError::input("conversion", e.to_string()))?;
+            // A consumer on the destination device that asked for layer
+            // groups gets one launch per group, each released on its own.
+            let groups = control
+                .consumer
+                .as_ref()
+                .filter(|s| s.ordinal() == dst_dev)
+                .and_then(|s| s.layer_groups())
+                .filter(|&g| g > 1 && c.src().layer_offsets().len() > 1);
+            let input = |e: crate::cuda_gather::ConvertError| {
+                TransferError::input("conversion", e.to_string())
+            };
+            let shape = self.shape(c.src(), c.dst()).map_err(input)?;
+            if let Some(g) = groups {
+                let plans = self
+                    .layered(shape, g)
+                    .and_then(|l| l.plans(&pairs))
+                    .map_err(input)?;
+                return self.convert_rank_layered(rank, &plans, src, dst, control);
+            }
+            let plan = shape.plan(&pairs).map_err(input)?;
             return self.convert_rank(rank, &plan, src, dst, control);
         }
         let mut dev = dev.lock();

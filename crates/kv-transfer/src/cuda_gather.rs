@@ -48,7 +48,7 @@ pub use packed::{PackedIds, PackedRef};
 pub use reference::reference_convert;
 pub use rows::{contiguous_piece_bytes, ContiguousPieces, PackedRows, RowsGather};
 pub use runs::{BlockSource, RunsGather};
-pub use shape::ConvertShape;
+pub use shape::{ConvertShape, LayeredShape};
 pub use source::{
     wide_piece, TablePlacement, CONVERT_KERNEL_SRC, INLINE_KERNEL_DEFINE, INLINE_LARGE_BLOCKS,
     INLINE_LARGE_ENTRIES, INLINE_LARGE_NAMES, INLINE_PACKED_BLOCKS, INLINE_PACKED_ENTRIES,
@@ -286,7 +286,33 @@ impl PieceTable {
     /// [`ConvertError::Layout`] when [`KvRegionLayout::check_compatible`]
     /// refuses the pair; [`ConvertError::TooLarge`] past [`MAX_PIECES`].
     pub fn convert(donor: &KvRegionLayout, target: &KvRegionLayout) -> Result<Self, ConvertError> {
+        Self::convert_layers(donor, target, 0..donor.layer_offsets().len() as u32)
+    }
+
+    /// [`PieceTable::convert`] restricted to model layers `layers` (end
+    /// exclusive, within the geometry): the pieces of those layers only,
+    /// in the same order, so the tables of consecutive ranges concatenated
+    /// are the whole table's pieces (up to layer merging). A launch per
+    /// range delivers a block layer group by layer group
+    /// ([`crate::ConsumerStream::with_layer_groups`]).
+    ///
+    /// # Errors
+    /// As [`PieceTable::convert`]; [`ConvertError::TooLarge`] naming
+    /// `layers` for an empty range or one past the geometry's layers.
+    pub(crate) fn convert_layers(
+        donor: &KvRegionLayout,
+        target: &KvRegionLayout,
+        layer_range: std::ops::Range<u32>,
+    ) -> Result<Self, ConvertError> {
         donor.check_compatible(target)?;
+        let all = donor.layer_offsets().len() as u32;
+        if layer_range.is_empty() || layer_range.end > all {
+            return Err(ConvertError::TooLarge {
+                field: "layers",
+                got: u64::from(layer_range.end),
+                limit: u64::from(all),
+            });
+        }
         let g = donor.geometry();
         let elem = g.dtype().size_bytes() as u64;
         let (s, t) = (donor.strides(), target.strides());
@@ -324,13 +350,16 @@ impl PieceTable {
             merged[k] = true;
             run *= dims[k].n;
         }
-        let layers = donor.layer_offsets().len();
+        let (first, layers) = (
+            layer_range.start as usize,
+            (layer_range.end - layer_range.start) as usize,
+        );
         // Whole layers merge too when both sides place them back to back
         // (block-major -> block-major: the block is one piece).
         let layer_merge = merged.iter().all(|&m| m)
             && [donor.layer_offsets(), target.layer_offsets()]
                 .iter()
-                .all(|o| (0..layers).all(|l| o[l] == o[0] + l as u64 * run * elem));
+                .all(|o| (0..layers).all(|l| o[first + l] == o[first] + l as u64 * run * elem));
         let piece_bytes = run * elem * if layer_merge { layers as u64 } else { 1 };
         for (k, m) in merged.iter().enumerate() {
             if *m {
@@ -356,7 +385,12 @@ impl PieceTable {
                 .expect("indices below the geometry's extents")
                 + d * sd * elem
         };
-        for l in 0..if layer_merge { 1 } else { layers as u32 } {
+        let last = if layer_merge {
+            layer_range.start + 1
+        } else {
+            layer_range.end
+        };
+        for l in layer_range.start..last {
             for kv in 0..dims[3].n {
                 for tok in 0..dims[2].n {
                     for h in 0..dims[1].n {

@@ -105,7 +105,10 @@ pub mod plan;
 mod region;
 
 pub use ci::ci_requires;
-pub use control::{CancelToken, ConsumerStream, DeliveryControl, EnqueuedNotice, LivenessProbe};
+pub use control::{
+    layer_group_ranges, CancelToken, ConsumerStream, DeliveryControl, EnqueuedNotice, GroupWait,
+    LayerNotice, LayersReady, LivenessProbe,
+};
 pub use delivery::{
     deliver, CopyBackend, DeliveryCounters, DeliveryReport, DeliveryStatus, NixlRemoteRegion,
     PartOutcome, PartReport, RankIo, SourceRegion,

@@ -336,6 +336,189 @@ fn convert_blocks_refuses_a_region_shorter_than_its_layout_before_any_launch() {
     );
 }
 
+/// A consumer released layer group by layer group
+/// ([`kv_transfer::ConsumerStream::with_layer_groups`]): a converting part
+/// is launched per group and each group's `LayersReady` arrives in layer
+/// order; work enqueued on the consumer stream behind a group's wait (a
+/// copy of the whole target taken right then) sees every byte of that
+/// group's layers and the earlier ones landed. A block-major part on the
+/// same consumer is one group of every layer. The part notice comes once.
+#[test]
+fn a_layered_consumer_reads_each_group_after_its_copies() {
+    use std::sync::{Arc, Mutex};
+
+    use kv_bank::BankMemory;
+    use kv_descriptor::{DType, KvLayout, KvRegionLayout, SequenceHash, TensorOrder};
+    use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
+    use kv_transfer::cuda_gather::reference_convert;
+    use kv_transfer::plan::{BlockMove, RegionGeometry, TransferPlan};
+    use kv_transfer::{
+        deliver, layer_group_ranges, ConsumerStream, DeliveryControl, LayersReady, RankIo,
+        SourceRegion,
+    };
+
+    if !gpu_or_skip() {
+        return;
+    }
+    // SAFETY: only probes whether libnvrtc can be loaded.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        println!("SKIP layered consumer: libnvrtc not loadable");
+        return;
+    }
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let consumer = ctx.new_stream().unwrap();
+    let cs = consumer.cu_stream() as u64;
+    let backend = CudaCopyBackend::new(CudaMode::Auto).unwrap();
+    // 6 layers in 4 groups (2, 2, 1, 1 layers): uneven groups covered.
+    let g = KvLayout::new(6, 2, 64, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
+    let bb = g.rank_block_bytes() as u64;
+    let slots = 64u32;
+    let pattern: Vec<u8> = (0..u64::from(slots) * bb)
+        .map(|i| (i * 31 + i / 1019) as u8 | 1)
+        .collect();
+    let src = kv_bank::CudaDeviceMemory::new(0, pattern.len()).unwrap();
+    src.write_bytes(0, &pattern).unwrap();
+    let donor = KvRegionLayout::block_major(g, 0, 0, slots, u64::from(slots) * bb).unwrap();
+
+    for (name, target) in convert_targets(&g, 24, 0)
+        .into_iter()
+        .filter(|(l, _)| *l != "block_major")
+    {
+        let len = target.region_bytes() as usize;
+        let dst = kv_bank::CudaDeviceMemory::new(0, len).unwrap();
+        dst.write_bytes(0, &vec![0u8; len]).unwrap();
+        let checks: Arc<Vec<kv_bank::CudaDeviceMemory>> = Arc::new(
+            (0..4)
+                .map(|_| kv_bank::CudaDeviceMemory::new(0, len).unwrap())
+                .collect(),
+        );
+        let seen: Arc<Mutex<Vec<std::ops::Range<u32>>>> = Arc::default();
+        let parts: Arc<Mutex<Vec<u32>>> = Arc::default();
+        let (s2, c2, d2) = (seen.clone(), checks.clone(), dst.base_addr());
+        let on_group = Arc::new(move |r: LayersReady| {
+            let k = s2.lock().unwrap().len();
+            // SAFETY: `consumer` is a live stream of device 0's primary
+            // context for the whole test.
+            let on = unsafe { ConsumerStream::new(0, cs, Arc::new(|_| {})) };
+            r.enqueue_wait(&on).unwrap();
+            // SAFETY: both are live device allocations of `len` bytes.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    c2[k].base_addr(),
+                    d2,
+                    len,
+                    cs as cudarc::driver::sys::CUstream,
+                )
+            }
+            .unwrap();
+            s2.lock().unwrap().push(r.layers());
+        });
+        let p2 = parts.clone();
+        // SAFETY: as above.
+        let c =
+            unsafe { ConsumerStream::new(0, cs, Arc::new(move |r| p2.lock().unwrap().push(r))) }
+                .with_layer_groups(4, on_group)
+                .unwrap();
+        let control = DeliveryControl {
+            consumer: Some(c),
+            ..DeliveryControl::new()
+        };
+        let moves: Vec<BlockMove> = (0..24u32)
+            .map(|i| BlockMove {
+                key: SequenceHash(u64::from(i) + 1),
+                src_slot: Some((i * 7 + 3) % slots),
+                dst_block: i,
+            })
+            .collect();
+        let plan = TransferPlan::converting(
+            std::slice::from_ref(&donor),
+            std::slice::from_ref(&target),
+            &moves,
+        )
+        .unwrap();
+        let io = [RankIo {
+            src: SourceRegion::Mapped(&src),
+            dst: &dst,
+        }];
+        let report = deliver(&plan, &backend, &io, &control).unwrap();
+        assert!(report.is_complete(), "{name}");
+        consumer.synchronize().unwrap();
+        let ranges = layer_group_ranges(6, 4);
+        assert_eq!(*seen.lock().unwrap(), ranges, "{name}");
+        assert_eq!(*parts.lock().unwrap(), vec![0], "{name}");
+        let pairs: Vec<(u32, u32)> = moves
+            .iter()
+            .map(|m| (m.src_slot.unwrap(), m.dst_block))
+            .collect();
+        let mut want = vec![0u8; len];
+        reference_convert(&donor, &target, &pairs, &pattern, &mut want).unwrap();
+        for (k, r) in ranges.iter().enumerate() {
+            // The reference of layers ..r.end only: a donor with later layers zeroed.
+            let mut part_src = vec![0u8; pattern.len()];
+            // One head_dim run (64 bf16, dense) per (layer, block, K/V, token, head).
+            let run = 64 * 2;
+            for l in 0..r.end {
+                for b in 0..slots {
+                    for kv in 0..2 {
+                        for t in 0..16 {
+                            for h in 0..2 {
+                                let at = donor.run_offset(l, b, kv, t, h).unwrap() as usize;
+                                part_src[at..at + run].copy_from_slice(&pattern[at..at + run]);
+                            }
+                        }
+                    }
+                }
+            }
+            let mut landed = vec![0u8; len];
+            reference_convert(&donor, &target, &pairs, &part_src, &mut landed).unwrap();
+            let got = checks[k].read_vec(0, len).unwrap();
+            let bad = (0..len).find(|&i| landed[i] != 0 && got[i] != want[i]);
+            assert_eq!(
+                bad, None,
+                "{name}: group {k} ({r:?}) read before its layers landed"
+            );
+        }
+        assert_eq!(checks[3].read_vec(0, len).unwrap(), want, "{name}");
+    }
+
+    // Block-major pool rows on a layered consumer: one group of every layer.
+    let seen: Arc<Mutex<Vec<std::ops::Range<u32>>>> = Arc::default();
+    let s2 = seen.clone();
+    // SAFETY: as above.
+    let c = unsafe { ConsumerStream::new(0, cs, Arc::new(|_| {})) }
+        .with_layer_groups(
+            4,
+            Arc::new(move |r: LayersReady| s2.lock().unwrap().push(r.layers())),
+        )
+        .unwrap();
+    let control = DeliveryControl {
+        consumer: Some(c),
+        ..DeliveryControl::new()
+    };
+    let rows = 48u32;
+    let moves: Vec<BlockMove> = (0..40u32)
+        .map(|i| BlockMove {
+            key: SequenceHash(u64::from(i) + 1),
+            src_slot: Some((i * 11 + 5) % slots),
+            dst_block: (i * 7) % rows,
+        })
+        .collect();
+    let geo_src = RegionGeometry::dense(&g, slots);
+    let geo_dst = RegionGeometry::dense(&g, rows);
+    let plan = TransferPlan::new(&g, &g, &moves, &[geo_src], &[geo_dst]).unwrap();
+    let dst = kv_bank::CudaDeviceMemory::new(0, geo_dst.region_bytes() as usize).unwrap();
+    let io = [RankIo {
+        src: SourceRegion::Mapped(&src),
+        dst: &dst,
+    }];
+    assert!(deliver(&plan, &backend, &io, &control)
+        .unwrap()
+        .is_complete());
+    consumer.synchronize().unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![0..u32::MAX]);
+    println!("layered consumer: 4 groups per converting part, each read after its layers landed");
+}
+
 /// A [`kv_transfer::ConsumerStream`]: the engine's stream is made to wait for
 /// the delivery's copies before the delivery returns, and work the notice
 /// enqueues on it (a copy of the destination into a check buffer) runs after

@@ -37,6 +37,7 @@ from ._native import (  # noqa: F401
     StreamGate,
     Target,
     WorkerPublisher,
+    layer_group_ranges,
     leak_counters,
     reclaim_stale,
     encode_kv_event,

@@ -522,10 +522,32 @@ class StreamGate:
     the fetch ended without that (take its result first). One fetch per gate.
     The stream must belong to device ``d``'s primary context and outlive the
     fetch. BadArgument names ``stream`` / ``device`` for a negative or too
-    large int."""
-    def __init__(self, stream: int, device: int) -> None: ...
+    large int.
+
+    ``layer_groups`` (1..=1024; None or 1: the whole fetch at once): the fetch
+    is released layer group by layer group (``layer_group_ranges(layers,
+    layer_groups)``); ``wait()`` returns True once the first group is issued, and
+    the engine calls ``wait_layer(l)`` before layer ``l`` reads its KV (a forward
+    pre-hook on each group's first layer), so its first layers run while later
+    ones are still copied. BadArgument names ``layer_groups`` outside 1..=1024."""
+    def __init__(self, stream: int, device: int, layer_groups: Optional[int] = None) -> None: ...
     def wait(self, timeout_s: Optional[float] = None) -> bool:
         """Blocks (GIL released) until enqueued (True) or the fetch ended / ``timeout_s`` passed (False)."""
+    def wait_layer(self, layer: int, timeout_s: Optional[float] = None) -> bool:
+        """Layered gates: blocks (GIL released) until layer ``layer``'s group is issued, makes
+        the stream wait for it (and every earlier group), True; False when the fetch ended
+        without it (discard what was computed) or ``timeout_s`` passed. Without layer groups:
+        ``wait(timeout_s)``."""
+    @property
+    def layer_groups(self) -> Optional[int]: ...
+    @property
+    def groups_issued(self) -> List[Tuple[int, int]]:
+        """Layered gates: ``(start, end)`` of each group issued so far (a part that could not be
+        cut by layer: one group ``(0, 2**32 - 1)``)."""
+    @property
+    def times_us(self) -> Dict[str, int]:
+        """µs from construction to ``armed``, ``enqueued``, ``ended``, ``first_group``, ``last_group``
+        (points not reached are absent)."""
     @property
     def enqueued(self) -> bool: ...
     @property
@@ -540,3 +562,7 @@ class StreamGate:
     def stream(self) -> int: ...
     @property
     def device(self) -> int: ...
+
+def layer_group_ranges(layers: int, groups: int) -> List[range]:
+    """The layer groups a fetch to a ``StreamGate(..., layer_groups=groups)`` is cut into for a
+    ``layers``-layer model: ``min(groups, layers)`` contiguous ranges, larger first."""

@@ -74,11 +74,19 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     )
     p.add_argument(
         "--fetch-overlap",
-        choices=("on", "off"),
+        choices=("on", "layers", "off"),
         default="on",
         help="on (cache landing only): the fetch runs on a fetch thread and the suffix forward is enqueued behind its "
         "copies (kv_reuse.StreamGate) while the fetch completes; its result is used only once the fetch succeeded. "
+        "layers: as on, the fetch released layer group by layer group (--layer-groups), each decoder layer waiting "
+        "only for its own group, so the forward's first layers run while later layers are still copied. "
         "off: the fetch returns before the forward starts",
+    )
+    p.add_argument(
+        "--layer-groups",
+        type=int,
+        default=8,
+        help="with --fetch-overlap layers: layer groups a fetch is cut into (2..=1024; kv_reuse.layer_group_ranges)",
     )
     p.add_argument(
         "--stage-prompt",
@@ -147,7 +155,10 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         default=0.0,
         help="stop starting turns after this many seconds since start (0: no limit); the JSON says truncated",
     )
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.fetch_overlap == "layers" and not 2 <= a.layer_groups <= 1024:
+        p.error(f"--layer-groups {a.layer_groups}: 2..=1024 with --fetch-overlap layers")
+    return a
 
 
 def skip(out: str, reason: str) -> int:
@@ -255,7 +266,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                 "decode_cache": decode_cache, "prefill_chunk": chunk})
     prefill = rpc.Worker(
         prefill_worker.main, {**cfg, "device": a.prefill_device, "target_rows": target_rows, "warm": a.regime == "both",
-                               "landing": a.landing, "fetch_overlap": a.fetch_overlap == "on"}
+                               "landing": a.landing, "fetch_overlap": a.fetch_overlap != "off",
+                               "layer_groups": a.layer_groups if a.fetch_overlap == "layers" else None}
     )
     result: Dict[str, Any] = {}
     try:
@@ -679,6 +691,8 @@ def summarise(a, w, turns, dh, ph, ds, ps, bit_equal, max_diff, agree, agree_n, 
         # True: ON's suffix forward was enqueued behind the fetch's copies
         # while the fetch completed on another thread (StreamGate).
         "fetch_overlap": ph.get("fetch_overlap", False),
+        # Layer groups the overlapped fetch was released in (None: the whole fetch at once).
+        "layer_groups": ph.get("layer_groups"),
         # True: ON requests sent their prompt ahead of the advise (--stage-prompt on).
         "prompt_staged": a.stage_prompt == "on",
         "turns": turns,

@@ -19,7 +19,11 @@ times it from send to reply):
   forward is enqueued behind them, while the fetch completes (copy end,
   donor probe, pin release, commit). The forward's first token is used only
   when the fetch then succeeded; a fetch that fails after the forward was
-  enqueued is recomputed in full like any fallback.
+  enqueued is recomputed in full like any fallback. With ``layer_groups``
+  (``--fetch-overlap layers``) the gate releases the fetch layer group by
+  layer group: a pre-hook on each group's first decoder layer makes the
+  stream wait for that group only (``gate.wait_layer``), so the first
+  layers compute while later layers are still being copied.
 - ``ideal``: the same suffix prefill on the fetched KV already resident on the
   device (kept from the preceding ``on``): in the landing cache as it is
   (``cache``), or re-laid from the kept rows (``rows``).
@@ -30,6 +34,7 @@ a ``FetchOutcome`` into KV the engine reads.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -63,6 +68,8 @@ class PrefillWorker(EngineWorker):
         self.landing = self._landing(cfg["target_rows"])
         self.target = self.landing.target
         self.overlap = bool(cfg.get("fetch_overlap")) and self.landing_kind == "cache"
+        # Layer groups of an overlapped fetch (None: the stream waits for the whole fetch).
+        self.layer_groups = cfg.get("layer_groups") if self.overlap else None
         self.gpu = transport.ordinal(self.device, self.transport)
         # The warm regime's target: another engine to the router (its held
         # blocks come from prefix_events), its own destination.
@@ -118,6 +125,7 @@ class PrefillWorker(EngineWorker):
             "build_s": self.build_s,
             "landing": self.landing_kind,
             "fetch_overlap": self.overlap,
+            "layer_groups": self.layer_groups,
         }
 
     def _first(self, r: engine.PrefillResult) -> Dict[str, Any]:
@@ -356,7 +364,9 @@ class PrefillWorker(EngineWorker):
         goes on as without overlap.
         """
         t0 = time.perf_counter()
-        gate = self.kv.StreamGate(torch.cuda.current_stream(self.device).cuda_stream, self.gpu)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        gate = self.kv.StreamGate(stream, self.gpu, layer_groups=self.layer_groups) if self.layer_groups else \
+            self.kv.StreamGate(stream, self.gpu)
         # On the target's own thread (no Python thread: nothing here waits
         # for it to take the GIL, and it takes none from the forward below).
         started = self._fetch_begin(self.landing, hint, hashes, manifest, kill_donor, gate, True)
@@ -381,13 +391,16 @@ class PrefillWorker(EngineWorker):
         fetch_ms = sw.mark("fetch_launch")
         cache = self.landing.cache
         cache.set_length(end)
-        r = engine.prefill(self.model, prompt[end:], cache, sw=sw, ids=suffix_ids)
+        with _layer_waits(self.model, gate, self.layer_groups, self.kv):
+            r = engine.prefill(self.model, prompt[end:], cache, sw=sw, ids=suffix_ids)
         t_fwd = time.perf_counter()
         landed, fetch, fell_back, _ = self._fetch_finish(self.landing, 0, started)
         fetch_ms += sw.lap("fetch_join")
         # Where the launch went: the gate's own clock (from its creation: the
         # fetch thread took it, the copies were enqueued, the fetch ended)
         # and this thread's (the gate opened, the forward was done).
+        if self.layer_groups:
+            fetch["layer_groups_issued"] = len(gate.groups_issued)
         fetch["overlap_us"] = {**{f"gate_{k}": v for k, v in gate.times_us.items()},
                                "opened": round((t_open - t0) * 1e6), "forward_done": round((t_fwd - t0) * 1e6)}
         if landed is None or landed * self.tpb < end:
@@ -678,6 +691,28 @@ class PrefillWorker(EngineWorker):
             p.close()
         if self.directory is not None:
             self.directory.close()
+
+
+@contextlib.contextmanager
+def _layer_waits(model: Any, gate: Any, groups: Optional[int], kv: Any):
+    """With ``groups``: a forward pre-hook on the first decoder layer of each layer group
+    (``kv.layer_group_ranges``, ``kv`` the wheel's module) that makes the stream wait for that group's copies
+    (``gate.wait_layer``) before the layer reads its KV; removed on exit. Without: nothing.
+
+    A ``wait_layer`` that returns False (the fetch ended without issuing the group) lets the
+    forward go on over rows that were not delivered: the caller drops that forward's output
+    when the fetch failed or landed less, as it does without layer groups."""
+    if not groups:
+        yield
+        return
+    layers = model.model.layers
+    hooks = [layers[r.start].register_forward_pre_hook(lambda _m, _a, i=r.start: gate.wait_layer(i) and None)
+             for r in kv.layer_group_ranges(len(layers), groups)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _tail(ids: Optional[Any], start: int) -> Optional[Any]:

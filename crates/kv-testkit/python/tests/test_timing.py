@@ -199,7 +199,7 @@ def fake_self(mods, rows, fetched_tokens):
     me = types.SimpleNamespace(device="cpu", tpb=4, shape=None, model=None, landing=None, resident=None, fetched=None,
                                overlap=False, _fetch=lambda *a: (rows, dict(fetch), None, 0),
                                _first=lambda r: {"first_token": r.first_token}, staged=None, ids_seen=ids_seen,
-                               quiesced_device_bytes=None, on_device_bytes=None)
+                               quiesced_device_bytes=None, on_device_bytes=None, layer_groups=None)
     P = mods.prefill_worker.PrefillWorker
     me._prompt_ids = lambda p: P._prompt_ids(me, p)
     me._on_reply = lambda *a: P._on_reply(me, *a)
@@ -263,12 +263,17 @@ class FakeGate:
         self.made = None
         self.times_us = {"armed": 5, "enqueued": 9, "ended": 30}
 
-    def __call__(self, stream, device):
-        self.made = (stream, device)
+    def __call__(self, stream, device, layer_groups=None):
+        self.made = (stream, device) if layer_groups is None else (stream, device, layer_groups)
+        self.waited, self.groups_issued = [], [(0, 2), (2, 4)]
         return self
 
     def wait(self):
         return self.opens
+
+    def wait_layer(self, layer):
+        self.waited.append(layer)
+        return True
 
 
 def overlapped_self(mods, fetch_result, opens=True, blocks=3):
@@ -312,6 +317,44 @@ def test_overlapped_on_enqueues_the_forward_before_the_fetch_completes(mods):
     o = res["overlap_us"]
     assert (o["gate_armed"], o["gate_enqueued"], o["gate_ended"]) == (5, 9, 30)
     assert 0 <= o["opened"] <= o["forward_done"]
+
+
+class FakeLayer:
+    """A decoder layer that keeps its forward pre-hooks (torch's ``register_forward_pre_hook``)."""
+
+    def __init__(self) -> None:
+        self.hooks = []
+
+    def register_forward_pre_hook(self, fn):
+        self.hooks.append(fn)
+        return types.SimpleNamespace(remove=lambda: self.hooks.remove(fn))
+
+
+def test_layered_overlap_waits_for_each_group_before_its_first_layer(mods):
+    P = mods.prefill_worker.PrefillWorker
+    fetch = {"fetched_tokens": 12, "bytes": 1, "host_payload_bytes": 0, "transport": "cuda_same_device_convert_kernel"}
+    me, calls, order, gate = overlapped_self(mods, (3, dict(fetch), None, 0))
+    layers = [FakeLayer() for _ in range(4)]
+    me.model = types.SimpleNamespace(model=types.SimpleNamespace(layers=layers))
+    me.layer_groups = 2
+    me.kv.layer_group_ranges = lambda n, g: [range(0, 2), range(2, 4)] if (n, g) == (4, 2) else None
+    inner, hooked = mods.engine.prefill, []
+
+    def prefill(model, toks, cache=None, sw=None, ids=None):
+        # The forward runs every layer: each pre-hook fires before its layer.
+        hooked.append([len(layer.hooks) for layer in layers])
+        for layer in layers:
+            for h in list(layer.hooks):
+                h(layer, ())
+        return inner(model, toks, cache, sw=sw, ids=ids)
+
+    mods.engine.prefill = prefill
+    res = P.op_on(me, list(range(20)), b"hint", [1, 2, 3], None)
+    assert gate.made == (0x51, 0, 2)
+    assert hooked == [[1, 0, 1, 0]]  # one hook on each group's first layer, during the forward
+    assert gate.waited == [0, 2]
+    assert all(not layer.hooks for layer in layers)  # removed after it
+    assert res["fetched_tokens"] == 12 and res["layer_groups_issued"] == 2
 
 
 def test_a_fetch_failing_under_the_enqueued_forward_is_recomputed_in_full(mods):

@@ -1,9 +1,10 @@
 //! One CUDA device as the backend uses it: its context and stream(s),
 //! kernels and tables, and the two ways a part ends: releasing a consumer
 //! stream behind its copies, and waiting for them (spinning, or on a
-//! blocking-sync event once a consumer was released). The only unsafe code
-//! here is `cuStreamWaitEvent` on a consumer's foreign stream handle, argued
-//! at the call.
+//! blocking-sync event once a consumer was released), or releasing it layer
+//! group by layer group. The only unsafe code here is `cuStreamWaitEvent` on
+//! a consumer's foreign stream handle (at the release, or later from a
+//! layer group's `LayersReady`), argued at each call.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -92,8 +93,87 @@ impl Device {
             .map_err(cuda_err("cuStreamWaitEvent"))?;
         }
         c.notify(rank);
+        // A consumer released by layer group gets this part as one group of
+        // every layer: its stream waits already, so the group's wait is empty.
+        if c.layer_groups().is_some() {
+            c.notify_layers(crate::LayersReady::new(
+                rank,
+                0..u32::MAX,
+                Arc::new(|_| Ok(())),
+            ));
+        }
         self.released = true;
         Ok(())
+    }
+
+    /// Hands layers `layers` of rank `rank`'s converting part to `control`'s
+    /// consumer (when it is on this device and asked for layer groups): a
+    /// fresh event recorded on the main stream after the launches issued so
+    /// far, which [`crate::LayersReady::enqueue_wait`] makes the consumer's
+    /// stream wait for. The event lives as long as the `LayersReady` (the
+    /// consumer may enqueue its wait after this part returned).
+    pub(super) fn release_layers(
+        &mut self,
+        control: &DeliveryControl,
+        rank: u32,
+        layers: std::ops::Range<u32>,
+    ) -> Result<(), TransferError> {
+        let Some(c) = control.consumer.as_ref() else {
+            return Ok(());
+        };
+        if c.ordinal() != self.ctx.ordinal() as u32 {
+            return Ok(());
+        }
+        let ev = self
+            .ctx
+            .new_event(None)
+            .map_err(cuda_err("cuEventCreate"))?;
+        ev.record(&self.stream).map_err(cuda_err("cuEventRecord"))?;
+        let ev = Arc::new(ev);
+        let wait = Arc::new(move |on: &crate::ConsumerStream| {
+            // SAFETY: the event is alive (this closure owns a reference);
+            // `ConsumerStream::new`'s contract makes `on.stream()` a live
+            // stream of its device's primary context while it is used, and
+            // the driver accepts an event of another context or device.
+            unsafe {
+                cudarc::driver::result::stream::wait_event(
+                    on.stream() as sys::CUstream,
+                    ev.cu_event(),
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(cuda_err("cuStreamWaitEvent"))
+        });
+        c.notify_layers(crate::LayersReady::new(rank, layers, wait));
+        Ok(())
+    }
+
+    /// Ends a part of rank `rank` that was released layer group by layer
+    /// group ([`Device::release_layers`]): when nothing `failed`, tells the
+    /// consumer the part is issued (no whole-stream wait: each group has
+    /// its own); then synchronizes, blocking rather than spinning (the
+    /// engine is launching its forward meanwhile). The first error wins.
+    pub(super) fn settle_layered(
+        &mut self,
+        control: &DeliveryControl,
+        rank: u32,
+        failed: Option<TransferError>,
+    ) -> Result<(), TransferError> {
+        if failed.is_none() {
+            if let Some(c) = control
+                .consumer
+                .as_ref()
+                .filter(|c| c.ordinal() == self.ctx.ordinal() as u32)
+            {
+                c.notify(rank);
+                self.released = true;
+            }
+        }
+        let synced = self.sync();
+        match failed {
+            Some(e) => Err(e),
+            None => synced,
+        }
     }
 
     /// Waits for everything issued on the stream (and `aux`) by blocking on

@@ -34,9 +34,11 @@ use crate::TransferError;
 const LARGE_PARAMS_DRIVER: i32 = 12010;
 /// Piece tables a device keeps (newest last): a pipelined part's chunks
 /// split their pieces by chunk size (1024 x 64 KiB: 8, 32 and 16 KiB
-/// pieces), and an executor fetches in a few sizes and layout pairs, so a
-/// fetch uploads no piece table it sent before.
-const PIECE_TABLES: usize = 8;
+/// pieces), an executor fetches in a few sizes and layout pairs, and a
+/// fetch released by layer group launches one table per group (8 by
+/// default in the serving harness), so a fetch uploads no piece table it
+/// sent before.
+const PIECE_TABLES: usize = 24;
 
 /// Entry points of one table placement: by element width (bytes), then the
 /// 16-byte eight-wide one ([`TablePlacement::wide_name`]).

@@ -557,3 +557,83 @@ proptest! {
         prop_assert!(mem == want, "target differs from one memcpy per run");
     }
 }
+
+/// Bytes of `layout`'s region that hold layers `layers` of any block.
+fn layer_bytes(layout: &KvRegionLayout, layers: std::ops::Range<u32>) -> Vec<bool> {
+    let g = layout.geometry();
+    let e = g.dtype().size_bytes() as u64;
+    let mut mask = vec![false; layout.region_bytes() as usize];
+    for l in layers {
+        for b in 0..layout.num_blocks() {
+            for kv in 0..2 {
+                for t in 0..g.tokens_per_block() {
+                    for h in 0..g.heads_per_rank() {
+                        let at = layout.run_offset(l, b, kv, t, h).unwrap();
+                        for d in 0..u64::from(g.head_dim()) {
+                            let o = (at + d * layout.strides().dim * e) as usize;
+                            mask[o..o + e as usize].fill(true);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    mask
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// A fetch released layer group by layer group (`LayeredShape::plans`,
+    /// one launch per group): after the launches of groups `0..=k` every
+    /// target byte of their layers is the reference's and no byte of a
+    /// later layer was written; all groups together land exactly the whole
+    /// plan's bytes, each once.
+    #[test]
+    fn layer_group_plans_land_their_layers_only_and_together_the_whole_fetch(
+        layers in 1u32..7, groups in 1u32..6, heads in 1u32..3, tokens in 1u32..4,
+        dt in 0u8..4, src_order in 0u8..4, dst_order in 0u8..4,
+        pick in proptest::collection::vec((0u32..6, 0u32..5), 1..6), sms in 1u32..3,
+    ) {
+        let g = KvLayout::new(layers, heads, 8, dtype(dt), tokens, TensorOrder::BlockMajor, 1)
+            .unwrap();
+        let donor = region(&g, src_order, 6, 0, 0);
+        let target = region(&g, dst_order, 5, 0, 0);
+        let mut seen = std::collections::HashSet::new();
+        let moves: Vec<(u32, u32)> = pick.into_iter().filter(|m| seen.insert(m.1)).collect();
+        let tuning = GatherTuning::default();
+        let whole = std::sync::Arc::new(super::ConvertShape::new(&donor, &target, &tuning).unwrap());
+        let layered = super::LayeredShape::new(whole, groups).unwrap();
+        let plans = layered.plans(&moves).unwrap();
+        let ranges: Vec<_> = plans.iter().map(|(r, _)| r.clone()).collect();
+        prop_assert_eq!(ranges, crate::layer_group_ranges(layers, groups));
+        let (sl, dl) = (donor.region_bytes(), target.region_bytes());
+        let (src_at, dst_at) = (0u64, sl.next_multiple_of(4096));
+        let size = (dst_at + dl) as usize;
+        let mut mem: Vec<u8> = (0..size).map(|i| (i * 7 + i / 251) as u8 | 1).collect();
+        mem[dst_at as usize..].fill(0);
+        let mut want = vec![0u8; dl as usize];
+        reference_convert(&donor, &target, &moves, &mem[..sl as usize], &mut want).unwrap();
+        let mut writes = vec![0u8; size];
+        let mut bytes = 0;
+        for (r, plan) in &plans {
+            let geo = plan.geometry_tuned(src_at, dst_at, sms, &tuning);
+            let mut table = vec![u64::MAX / 2; INLINE_LARGE_ENTRIES.max(2 * plan.blocks())];
+            plan.write_block_table(src_at, dst_at, &mut table);
+            run_kernel(&geo, &Table::Addrs(&table), &plan.piece_table(), &mut mem, &mut writes);
+            bytes += plan.bytes();
+            let done = layer_bytes(&target, 0..r.end);
+            let t = &mem[dst_at as usize..];
+            for (i, &d) in done.iter().enumerate() {
+                if d {
+                    prop_assert_eq!(t[i], want[i], "layer byte {} after layers ..{}", i, r.end);
+                } else {
+                    prop_assert_eq!(writes[dst_at as usize + i], 0, "byte {} of a later layer", i);
+                }
+            }
+        }
+        prop_assert!(writes.iter().all(|&c| c <= 1), "a byte stored twice");
+        prop_assert_eq!(bytes, moves.len() as u64 * g.rank_block_bytes() as u64);
+        prop_assert!(mem[dst_at as usize..] == want[..], "target differs from reference");
+    }
+}

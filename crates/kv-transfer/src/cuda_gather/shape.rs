@@ -308,3 +308,84 @@ mod tests {
         }
     }
 }
+
+/// A [`ConvertShape`] cut into layer groups ([`crate::layer_group_ranges`]):
+/// one piece table per group, built once, so a fetch released layer group
+/// by layer group ([`crate::ConsumerStream::with_layer_groups`]) launches
+/// one plan per group without walking the layouts again.
+///
+/// Invariant: the groups' tables together hold exactly the bytes of the
+/// whole shape's table (every layer in one group, groups in layer order).
+#[derive(Debug)]
+pub struct LayeredShape {
+    whole: Arc<ConvertShape>,
+    groups: Vec<(std::ops::Range<u32>, Arc<PieceTable>, u64)>,
+}
+
+impl LayeredShape {
+    /// `whole` cut into `layer_group_ranges(layers, groups)`.
+    ///
+    /// # Errors
+    /// As [`ConvertShape::new`] (never for a shape `new` accepted).
+    pub fn new(whole: Arc<ConvertShape>, groups: u32) -> Result<Self, ConvertError> {
+        let layers = whole.donor.layer_offsets().len() as u32;
+        let groups = crate::control::layer_group_ranges(layers, groups)
+            .into_iter()
+            .map(|r| {
+                let t = PieceTable::convert_layers(&whole.donor, &whole.target, r.clone())?
+                    .split_for(MIN_WORK_ITEMS, whole.tuning.max_piece_bytes());
+                let b = bits(&t);
+                Ok((r, Arc::new(t), b))
+            })
+            .collect::<Result<Vec<_>, ConvertError>>()?;
+        Ok(Self { whole, groups })
+    }
+
+    /// The whole shape this one cuts.
+    pub fn whole(&self) -> &Arc<ConvertShape> {
+        &self.whole
+    }
+
+    /// Layer groups (end exclusive), in layer order.
+    pub fn ranges(&self) -> impl Iterator<Item = std::ops::Range<u32>> + '_ {
+        self.groups.iter().map(|g| g.0.clone())
+    }
+
+    /// One plan per layer group for `moves`, in layer order: the blocks of
+    /// [`ConvertShape::plan`]`(moves)` (checked once), each with its group's
+    /// pieces (split further for a small fetch, as `plan` splits).
+    ///
+    /// # Errors
+    /// As [`ConvertShape::plan`].
+    pub fn plans(
+        &self,
+        moves: &[(u32, u32)],
+    ) -> Result<Vec<(std::ops::Range<u32>, ConvertPlan)>, ConvertError> {
+        let whole = self.whole.plan(moves)?;
+        let n = moves.len() as u64;
+        let block_bits = whole.blocks.bits();
+        Ok(self
+            .groups
+            .iter()
+            .map(|(r, t, b)| {
+                let small = n * (t.len() as u64) < MIN_WORK_ITEMS
+                    && t.piece_bytes >= 2 * MIN_SPLIT_PIECE_BYTES;
+                let (pieces, piece_bits) = if small {
+                    let t = t.split_for(n, self.whole.tuning.max_piece_bytes());
+                    let b = bits(&t);
+                    (Arc::new(t), b)
+                } else {
+                    (t.clone(), *b)
+                };
+                let plan = ConvertPlan {
+                    pieces,
+                    blocks: whole.blocks.clone(),
+                    src_region_bytes: whole.src_region_bytes,
+                    dst_region_bytes: whole.dst_region_bytes,
+                    offset_bits: block_bits | piece_bits,
+                };
+                (r.clone(), plan)
+            })
+            .collect())
+    }
+}
