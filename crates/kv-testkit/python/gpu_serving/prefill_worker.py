@@ -706,7 +706,15 @@ def _layer_waits(model: Any, gate: Any, groups: Optional[int], kv: Any):
         yield
         return
     layers = model.model.layers
-    hooks = [layers[r.start].register_forward_pre_hook(lambda _m, _a, i=r.start: gate.wait_layer(i) and None)
+
+    def waits_for(layer: int):
+        def hook(_module, _args):
+            gate.wait_layer(layer)  # False: the fetch ended without this group (see above)
+            return None  # a pre-hook returning anything else replaces the layer's arguments
+
+        return hook
+
+    hooks = [layers[r.start].register_forward_pre_hook(waits_for(r.start))
              for r in kv.layer_group_ranges(len(layers), groups)]
     try:
         yield
