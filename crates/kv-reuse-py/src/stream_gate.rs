@@ -98,6 +98,38 @@ impl GateShared {
     fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Blocks until `ready` returns Some (its value), or the fetch ended
+    /// or `limit` passed (None); `ready` is tried first on every wake-up,
+    /// so a condition met by the fetch's last notice wins over its end.
+    fn wait_for<T>(
+        &self,
+        limit: Option<Instant>,
+        mut ready: impl FnMut(&mut GateState) -> Option<T>,
+    ) -> Option<T> {
+        let mut s = self.lock();
+        loop {
+            if let Some(t) = ready(&mut s) {
+                return Some(t);
+            }
+            if s.ended {
+                return None;
+            }
+            s = match limit {
+                None => self.changed.wait(s).unwrap_or_else(|e| e.into_inner()),
+                Some(at) => {
+                    let left = at.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    self.changed
+                        .wait_timeout(s, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+        }
+    }
 }
 
 /// `layer_group_ranges(layers, groups)`: the layer groups (Python `range`s,
@@ -247,29 +279,9 @@ impl StreamGate {
         let shared = self.shared.clone();
         let layered = self.layer_groups.is_some();
         Ok(py.allow_threads(move || {
-            let mut s = shared.lock();
-            loop {
-                if s.is_open(layered) {
-                    return true;
-                }
-                if s.ended {
-                    return false;
-                }
-                s = match limit {
-                    None => shared.changed.wait(s).unwrap_or_else(|e| e.into_inner()),
-                    Some(at) => {
-                        let left = at.saturating_duration_since(Instant::now());
-                        if left.is_zero() {
-                            return false;
-                        }
-                        shared
-                            .changed
-                            .wait_timeout(s, left)
-                            .unwrap_or_else(|e| e.into_inner())
-                            .0
-                    }
-                };
-            }
+            shared
+                .wait_for(limit, |s| s.is_open(layered).then_some(()))
+                .is_some()
         }))
     }
 
@@ -296,39 +308,19 @@ impl StreamGate {
         let limit = deadline(timeout_s)?;
         let shared = self.shared.clone();
         let due: Option<Vec<kv_transfer::LayersReady>> = py.allow_threads(move || {
-            let mut s = shared.lock();
-            loop {
-                if s.covers(layer) {
-                    // This layer's groups and every earlier one not waited for.
-                    let due = s
-                        .groups
+            shared.wait_for(limit, |s| {
+                // This layer's groups and every earlier one not waited for.
+                s.covers(layer).then(|| {
+                    s.groups
                         .iter_mut()
                         .filter(|(g, waited)| !*waited && g.layers().start <= layer)
                         .map(|(g, waited)| {
                             *waited = true;
                             g.clone()
                         })
-                        .collect();
-                    return Some(due);
-                }
-                if s.ended {
-                    return None;
-                }
-                s = match limit {
-                    None => shared.changed.wait(s).unwrap_or_else(|e| e.into_inner()),
-                    Some(at) => {
-                        let left = at.saturating_duration_since(Instant::now());
-                        if left.is_zero() {
-                            return None;
-                        }
-                        shared
-                            .changed
-                            .wait_timeout(s, left)
-                            .unwrap_or_else(|e| e.into_inner())
-                            .0
-                    }
-                };
-            }
+                        .collect()
+                })
+            })
         });
         let Some(due) = due else {
             return Ok(false);

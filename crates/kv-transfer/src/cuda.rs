@@ -409,63 +409,25 @@ impl CudaCopyBackend {
         dst: &dyn BankMemory,
         control: &DeliveryControl,
     ) -> Result<PartOutcome, TransferError> {
-        for (field, have, need) in [
-            ("src.len", src.len() as u64, plan.src_region_bytes()),
-            ("dst.len", dst.len() as u64, plan.dst_region_bytes()),
-        ] {
-            if have < need {
-                return Err(TransferError::input(
-                    field,
-                    format!("region has {have} bytes, its layout addresses {need}"),
-                ));
-            }
-        }
-        let (dev, src_dev, dst_dev) = self.open_pair(rank, src, dst)?;
-        let mut dev = dev.lock();
-        dev.ctx
-            .bind_to_thread()
-            .map_err(cuda_err("cuCtxSetCurrent"))?;
-        control.check()?;
-        let launched = launch_convert(
-            &mut dev,
-            plan,
-            (src.base_addr(), dst.base_addr()),
-            &self.tuning,
-            self.upload,
-            false,
-            None,
-        );
-        // The consumer waits only for a launch that was issued whole.
-        let (copies, failed) = match launched {
-            Ok(n) => (n, None),
-            Err(e) => (0, Some(e)),
-        };
-        dev.settle(control, rank, failed)?;
-        Ok(PartOutcome {
-            bytes: plan.bytes(),
-            copies,
-            host_payload_bytes: 0,
-            transport: if src_dev == dst_dev {
-                "cuda_same_device_convert_kernel".into()
-            } else {
-                "cuda_peer_convert_kernel".into()
-            },
-        })
+        self.convert_groups(rank, &[(None, plan)], src, dst, control)
     }
 
-    /// [`CudaCopyBackend::convert_rank`] as one launch per layer group
-    /// (`plans` in layer order, every plan over the same blocks and
-    /// regions), each followed by [`Device::release_layers`] for its
-    /// layers; cancellation and the deadline are checked between groups.
-    fn convert_rank_layered(
+    /// Launches `groups` in order (every plan over the same blocks and
+    /// regions), checking cancellation and the deadline before each. A
+    /// group with a layer range is released on its own right after its
+    /// launch ([`Device::release_layers`]) and the part ends with
+    /// [`Device::settle_layered`]; a single group without one is released
+    /// whole at the end ([`Device::settle`]). A consumer waits only for a
+    /// launch that was issued whole.
+    fn convert_groups(
         &self,
         rank: u32,
-        plans: &[(std::ops::Range<u32>, ConvertPlan)],
+        groups: &[(Option<std::ops::Range<u32>>, &ConvertPlan)],
         src: &dyn BankMemory,
         dst: &dyn BankMemory,
         control: &DeliveryControl,
     ) -> Result<PartOutcome, TransferError> {
-        let Some((_, first)) = plans.first() else {
+        let Some((_, first)) = groups.first() else {
             return Err(TransferError::input("conversion", "no layer group"));
         };
         for (field, have, need) in [
@@ -485,14 +447,14 @@ impl CudaCopyBackend {
             .bind_to_thread()
             .map_err(cuda_err("cuCtxSetCurrent"))?;
         control.check()?;
+        let layered = groups.iter().any(|(layers, _)| layers.is_some());
         let (mut copies, mut bytes, mut failed) = (0, 0, None);
-        for (layers, plan) in plans {
-            let r = control
-                .check()
+        for (i, (layers, plan)) in groups.iter().enumerate() {
+            let r = (if i > 0 { control.check() } else { Ok(()) })
                 .and_then(|()| {
                     launch_convert(
                         &mut dev,
-                        plan,
+                        *plan,
                         (src.base_addr(), dst.base_addr()),
                         &self.tuning,
                         self.upload,
@@ -500,10 +462,9 @@ impl CudaCopyBackend {
                         None,
                     )
                 })
-                // The consumer waits only for a group whose launch was issued whole.
-                .and_then(|n| {
-                    dev.release_layers(control, rank, layers.clone())
-                        .map(|()| n)
+                .and_then(|n| match layers {
+                    Some(l) => dev.release_layers(control, rank, l.clone()).map(|()| n),
+                    None => Ok(n),
                 });
             match r {
                 Ok(n) => {
@@ -516,7 +477,11 @@ impl CudaCopyBackend {
                 }
             }
         }
-        dev.settle_layered(control, rank, failed)?;
+        if layered {
+            dev.settle_layered(control, rank, failed)?;
+        } else {
+            dev.settle(control, rank, failed)?;
+        }
         Ok(PartOutcome {
             bytes,
             copies,
@@ -752,7 +717,8 @@ impl CudaCopyBackend {
                     .layered(shape, g)
                     .and_then(|l| l.plans(&pairs))
                     .map_err(input)?;
-                return self.convert_rank_layered(rank, &plans, src, dst, control);
+                let groups: Vec<_> = plans.iter().map(|(r, p)| (Some(r.clone()), p)).collect();
+                return self.convert_groups(rank, &groups, src, dst, control);
             }
             let plan = shape.plan(&pairs).map_err(input)?;
             return self.convert_rank(rank, &plan, src, dst, control);

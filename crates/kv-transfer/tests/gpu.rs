@@ -336,6 +336,30 @@ fn convert_blocks_refuses_a_region_shorter_than_its_layout_before_any_launch() {
     );
 }
 
+/// A GPU with the converting kernel (libnvrtc loadable), else prints why
+/// `what` is skipped.
+fn kernel_or_skip(what: &str) -> bool {
+    if !gpu_or_skip() {
+        return false;
+    }
+    // SAFETY: only probes whether libnvrtc can be loaded.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        println!("SKIP {what}: libnvrtc not loadable");
+        return false;
+    }
+    true
+}
+
+/// `len` donor bytes on device 0 with no zero byte (`i * mul + i / div`,
+/// odd), and their host copy.
+fn donor_rows(len: u64, mul: u64, div: u64) -> (Vec<u8>, kv_bank::CudaDeviceMemory) {
+    use kv_bank::BankMemory;
+    let pattern: Vec<u8> = (0..len).map(|i| (i * mul + i / div) as u8 | 1).collect();
+    let src = kv_bank::CudaDeviceMemory::new(0, pattern.len()).unwrap();
+    src.write_bytes(0, &pattern).unwrap();
+    (pattern, src)
+}
+
 /// A consumer released layer group by layer group
 /// ([`kv_transfer::ConsumerStream::with_layer_groups`]): a converting part
 /// is launched per group and each group's `LayersReady` arrives in layer
@@ -357,12 +381,7 @@ fn a_layered_consumer_reads_each_group_after_its_copies() {
         SourceRegion,
     };
 
-    if !gpu_or_skip() {
-        return;
-    }
-    // SAFETY: only probes whether libnvrtc can be loaded.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        println!("SKIP layered consumer: libnvrtc not loadable");
+    if !kernel_or_skip("layered consumer") {
         return;
     }
     let ctx = cudarc::driver::CudaContext::new(0).unwrap();
@@ -373,11 +392,7 @@ fn a_layered_consumer_reads_each_group_after_its_copies() {
     let g = KvLayout::new(6, 2, 64, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
     let bb = g.rank_block_bytes() as u64;
     let slots = 64u32;
-    let pattern: Vec<u8> = (0..u64::from(slots) * bb)
-        .map(|i| (i * 31 + i / 1019) as u8 | 1)
-        .collect();
-    let src = kv_bank::CudaDeviceMemory::new(0, pattern.len()).unwrap();
-    src.write_bytes(0, &pattern).unwrap();
+    let (pattern, src) = donor_rows(u64::from(slots) * bb, 31, 1019);
     let donor = KvRegionLayout::block_major(g, 0, 0, slots, u64::from(slots) * bb).unwrap();
 
     for (name, target) in convert_targets(&g, 24, 0)
@@ -535,12 +550,7 @@ fn a_consumer_stream_waits_for_the_copies_it_was_released_behind() {
     use kv_transfer::plan::{BlockMove, RegionGeometry, TransferPlan};
     use kv_transfer::{deliver, ConsumerStream, DeliveryControl, RankIo, SourceRegion};
 
-    if !gpu_or_skip() {
-        return;
-    }
-    // SAFETY: only probes whether libnvrtc can be loaded.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        println!("SKIP consumer stream: libnvrtc not loadable");
+    if !kernel_or_skip("consumer stream") {
         return;
     }
     let ctx = cudarc::driver::CudaContext::new(0).unwrap();
@@ -549,11 +559,7 @@ fn a_consumer_stream_waits_for_the_copies_it_was_released_behind() {
     let g = KvLayout::new(4, 2, 64, DType::Bf16, 16, TensorOrder::BlockMajor, 1).unwrap();
     let bb = g.rank_block_bytes() as u64;
     let slots = 64u32;
-    let pattern: Vec<u8> = (0..u64::from(slots) * bb)
-        .map(|i| (i * 29 + i / 1021) as u8 | 1)
-        .collect();
-    let src = kv_bank::CudaDeviceMemory::new(0, pattern.len()).unwrap();
-    src.write_bytes(0, &pattern).unwrap();
+    let (pattern, src) = donor_rows(u64::from(slots) * bb, 29, 1021);
 
     // The notice copies the whole destination into `check` on the consumer
     // stream: ordered after the copies only by the wait the backend enqueued.
