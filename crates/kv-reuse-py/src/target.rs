@@ -313,7 +313,9 @@ impl Target {
     /// even when its donor is gone), `FetchFellBack` (stage, cause) after:
     /// recompute the prefix then. `BadArgument` names `prompt_hashes[i]`,
     /// `dst_blocks[i]` or `dst_token_offset` for a negative int or one past
-    /// u64 (hashes, offset) / u32 (block ids).
+    /// u64 (hashes, offset) / u32 (block ids), `dst_blocks` when it does not
+    /// hold one id per fetched block, and `dst_blocks[i]` for an id not
+    /// below `rows` or given twice (checked before anything is touched).
     ///
     /// On `kv_layout="hf"` block `b` is tokens `b*T .. (b+1)*T` of every
     /// cache tensor; `dst_token_offset=N` (a multiple of T) lands the
@@ -482,6 +484,9 @@ impl Target {
         // `PromptMismatch` even when its donor is gone.
         for action in &actions {
             check_prompt_prefix(action, &prompt).map_err(fetch)?;
+        }
+        if let (Some(d), Some(a)) = (&dst_blocks, actions.first()) {
+            check_dst_blocks(d, a, self.rows)?;
         }
         let dst_blocks = self.hf_dst_blocks(&actions, dst_blocks, dst_token_offset)?;
         let endpoint = actions
@@ -657,6 +662,48 @@ impl Target {
         }
         Ok(Some((first..first + n).map(|b| b as u32).collect()))
     }
+}
+
+/// The engine's block ids for a fetch, checked before anything is touched:
+/// one per block the hint fetches (`sequence_hashes` from `fetch_from` on),
+/// each below `rows` and none repeated. `BadArgument` naming `dst_blocks`
+/// (count) or `dst_blocks[i]` (the first bad id): an allocator bug of the
+/// engine is an argument error, not a fallback counted in the metrics.
+fn check_dst_blocks(
+    dst: &[u32],
+    action: &kv_descriptor::FetchGpuHint,
+    rows: u32,
+) -> PyResult<()> {
+    let want = action
+        .sequence_hashes
+        .len()
+        .saturating_sub(action.fetch_from as usize);
+    if dst.len() != want {
+        return Err(bad_argument(
+            "dst_blocks",
+            format!(
+                "{} ids given, the hint fetches {want} blocks (from block {})",
+                dst.len(),
+                action.fetch_from
+            ),
+        ));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(dst.len());
+    for (i, &b) in dst.iter().enumerate() {
+        if b >= rows {
+            return Err(bad_argument(
+                &format!("dst_blocks[{i}]"),
+                format!("{b} is not below rows {rows}"),
+            ));
+        }
+        if !seen.insert(b) {
+            return Err(bad_argument(
+                &format!("dst_blocks[{i}]"),
+                format!("{b} is given twice"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Byte ranges of the destination tensors seen so far, by memory kind.

@@ -80,11 +80,12 @@ def test_engine_layout_refusals_name_the_argument(donor, layout, enabled):  # no
     router = router_for(report, layout, enabled, target)
     advice = router.advise("req-bad-dst", report["hashes"], target.engine_id)
     manifest = bytes.fromhex(report["manifest"])
-    for dst, why in ([[1, 2]], "dst_blocks"), ([[1, 1, 2, 3, 4, 5]], "dst_blocks"), ([[1, 2, 3, 4, 5, ROWS]], "dst_blocks"):
-        with pytest.raises(kv_reuse.FetchFellBack, match=why) as e:
-            target.fetch(advice.hint, report["hashes"], manifest, dst_blocks=dst[0])
-        assert e.value.args[1] == "reserve", e.value.args
-        del e
+    # An allocator bug is an argument error, named before anything is touched (not a fallback).
+    for dst, why in (([1, 2], r"^dst_blocks: 2 ids given, the hint fetches 6 blocks"),
+                     ([1, 1, 2, 3, 4, 5], r"^dst_blocks\[1\]: 1 is given twice$"),
+                     ([1, 2, 3, 4, 5, ROWS], rf"^dst_blocks\[5\]: {ROWS} is not below rows {ROWS}$")):
+        with pytest.raises(kv_reuse.BadArgument, match=why):
+            target.fetch(advice.hint, report["hashes"], manifest, dst_blocks=dst)
     # Nothing was written or kept by the refused fetches.
     assert all(not c.any() for c in ok)
     assert target.free_rows == ROWS

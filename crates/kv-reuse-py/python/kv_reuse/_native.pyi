@@ -466,7 +466,8 @@ class Target:
         """Pin, copy, verify (GIL released). ``donor_alive`` is called before the first and
         after the last byte (False or raising = donor gone); ``pin_timeout_s`` bounds each
         pin exchange (default 2 s); ``dst_blocks``: the engine's block ids for the fetched
-        blocks (default: the pool picks); ``dst_token_offset`` (kv_layout="hf" only, a multiple
+        blocks (default: the pool picks; BadArgument names ``dst_blocks`` for a wrong count and
+        ``dst_blocks[i]`` for an id not below ``rows`` or repeated); ``dst_token_offset`` (kv_layout="hf" only, a multiple
         of T): the fetched blocks land at tokens N, N+T, ... (default: their prompt positions,
         fetch_from*T); BadArgument names it when misaligned, past the capacity or with
         ``dst_blocks``. Raises PromptMismatch / HintRefused before anything is touched (the
