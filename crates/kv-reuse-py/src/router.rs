@@ -118,8 +118,11 @@ impl Router {
 
     /// Registers worker `key` (engine id, `"decode"` or `"prefill"`, layout).
     ///
-    /// Raises `BadArgument` naming `key` (negative, past u64), `engine` or
-    /// `role`; `LookupFailed` when the index refuses the worker.
+    /// Raises `BadArgument` naming `key` (negative, past u64), `engine`,
+    /// `role`, or `layout` when its tokens per block differ from the
+    /// router's (its blocks' hashes could never match a prompt's, so
+    /// reuse would be off for it without a word); `LookupFailed` when the
+    /// index refuses the worker.
     fn register_worker(
         &self,
         key: &Bound<'_, PyAny>,
@@ -128,6 +131,16 @@ impl Router {
         layout: Layout,
     ) -> PyResult<()> {
         let key: u64 = uint("key", key)?;
+        let (given, ours) = (
+            layout.inner.tokens_per_block(),
+            self.advisor.model().current().tokens_per_block(),
+        );
+        if given != ours {
+            return Err(bad_argument(
+                "layout",
+                format!("{given} tokens per block, this router hashes blocks of {ours}"),
+            ));
+        }
         let info = WorkerInfo {
             engine: engine_id(engine, "engine")?,
             role: role(role_name)?,

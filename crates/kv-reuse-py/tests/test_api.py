@@ -127,6 +127,10 @@ def test_negative_or_oversized_ints_are_refused_naming_the_argument(layout):
         (lambda: kv_reuse.Layout(2, 2, -8, "f32", 64, 2), rf"^head_dim: -8 is not in {u32}$"),
         (lambda: kv_reuse.Router(settings, -64), rf"^tokens_per_block: -64 is not in {u32}$"),
         (lambda: router.register_worker(-1, bank.engine_id, "decode", layout), rf"^key: -1 is not in {u64}$"),
+        # A worker whose blocks hash another block size could never match: refused, not silently off.
+        (lambda: router.register_worker(9, bank.engine_id, "decode",
+                                         kv_reuse.Layout(2, 2, 8, "f32", TOKENS_PER_BLOCK // 4, 2)),
+         rf"^layout: {TOKENS_PER_BLOCK // 4} tokens per block, this router hashes blocks of {TOKENS_PER_BLOCK}$"),
         (lambda: router.report_donor(bank.manifest(), "unix:/x", {7: -1}), rf"^slots\[7\]: -1 is not in {u32}$"),
         (lambda: router.advise("r", [1, -1], target.engine_id), rf"^sequence_hashes\[1\]: -1 is not in {u64}$"),
         # A huge int is shown cut short.
