@@ -114,8 +114,9 @@ impl KvLayout {
     ///
     /// # Errors
     /// [`DescriptorError::InvalidField`] naming `layout.<field>` when a count is
-    /// zero, when `num_kv_heads` is not divisible by `tp_size`, or when one
-    /// rank's block part would exceed [`MAX_RANK_BLOCK_BYTES`].
+    /// zero, when `num_kv_heads` is not divisible by `tp_size`, or (naming
+    /// `layout`) when one rank's block part would exceed
+    /// [`MAX_RANK_BLOCK_BYTES`], a product past `u64` included.
     pub fn new(
         num_layers: u32,
         num_kv_heads: u32,
@@ -154,21 +155,31 @@ impl KvLayout {
             tensor_order,
             tp_size,
         };
-        let bytes = 2u64
-            * u64::from(num_layers)
-            * u64::from(tokens_per_block)
-            * u64::from(l.heads_per_rank())
-            * u64::from(head_dim)
-            * dtype.size_bytes() as u64;
-        if bytes > MAX_RANK_BLOCK_BYTES {
-            return Err(DescriptorError::field(
+        // Five u32 factors reach 2^131: multiplied checked, so that a
+        // hostile layout is refused instead of panicking (debug builds) or
+        // wrapping to a small size that passes the bound (release builds).
+        let bytes = [
+            u64::from(num_layers),
+            u64::from(tokens_per_block),
+            u64::from(l.heads_per_rank()),
+            u64::from(head_dim),
+            dtype.size_bytes() as u64,
+        ]
+        .into_iter()
+        .try_fold(2u64, u64::checked_mul);
+        match bytes {
+            Some(b) if b <= MAX_RANK_BLOCK_BYTES => Ok(l),
+            _ => Err(DescriptorError::field(
                 "layout",
                 format!(
-                    "one rank's block part would be {bytes} bytes, above {MAX_RANK_BLOCK_BYTES}"
+                    "one rank's block part would be {}, above {MAX_RANK_BLOCK_BYTES}",
+                    match bytes {
+                        Some(b) => format!("{b} bytes"),
+                        None => "more than 2^64 bytes".to_string(),
+                    }
                 ),
-            ));
+            )),
         }
-        Ok(l)
     }
 
     /// Number of transformer layers.
@@ -206,6 +217,9 @@ impl KvLayout {
 
     /// Bytes of one rank's part of one block across all layers, K and V:
     /// `2 x num_layers x tokens_per_block x heads_per_rank x head_dim x dtype`.
+    ///
+    /// At most [`MAX_RANK_BLOCK_BYTES`] (checked by [`KvLayout::new`]), so
+    /// the product cannot overflow here.
     pub fn rank_block_bytes(&self) -> usize {
         2 * self.num_layers as usize
             * self.tokens_per_block as usize
@@ -215,6 +229,9 @@ impl KvLayout {
     }
 
     /// Bytes of one block over the whole TP group (`rank_block_bytes x tp_size`).
+    ///
+    /// At most `2^30 x 2^32` (`tp_size` divides `num_kv_heads`, a `u32`),
+    /// which fits a 64-bit `usize`.
     pub fn block_bytes(&self) -> usize {
         self.rank_block_bytes() * self.tp_size as usize
     }

@@ -250,7 +250,9 @@ impl KvRegionLayout {
     /// # Errors
     /// [`RegionLayoutError::Zero`] for `region.batch` / `region.max_tokens`,
     /// [`RegionLayoutError::OutOfBounds`] naming `region.batch_index` or
-    /// `region.token_offset` when they exceed the cache; else as
+    /// `region.token_offset` when they exceed the cache,
+    /// [`RegionLayoutError::Overflow`] naming `region.max_tokens` or
+    /// `region.batch` when the cache's strides pass `u64`; else as
     /// [`KvRegionLayout::new`].
     #[allow(clippy::too_many_arguments)]
     pub fn hf_tokens(
@@ -296,17 +298,25 @@ impl KvRegionLayout {
             });
         }
         let token = d;
-        let head = max_tokens * d;
-        let seq = h * head;
-        let kv = u64::from(batch) * seq;
+        // `max_tokens` and `batch` are the caller's: the strides they span
+        // are multiplied checked, so an impossible cache is refused as
+        // `Overflow` instead of panicking or wrapping into a small stride.
+        let overflow = |field| RegionLayoutError::Overflow { field };
+        let head = max_tokens
+            .checked_mul(d)
+            .ok_or(overflow("region.max_tokens"))?;
+        let seq = h.checked_mul(head).ok_or(overflow("region.max_tokens"))?;
+        let kv = u64::from(batch)
+            .checked_mul(seq)
+            .ok_or(overflow("region.batch"))?;
         let elem = geometry.dtype().size_bytes() as u64;
         // The sequence and the token offset shift each layer's origin; the
-        // block stride then walks whole blocks of tokens.
+        // block stride then walks whole blocks of tokens. Both terms are
+        // below `kv` (batch_index < batch, token_offset < max_tokens), so
+        // only the byte scaling can overflow.
         let shift = (u64::from(batch_index) * seq + token_offset * token)
             .checked_mul(elem)
-            .ok_or(RegionLayoutError::Overflow {
-                field: "region.token_offset",
-            })?;
+            .ok_or(overflow("region.token_offset"))?;
         let mut offsets = byte_layer_offsets(&geometry, base, layer_stride_bytes)?;
         for o in &mut offsets {
             *o = o.checked_add(shift).ok_or(RegionLayoutError::Overflow {

@@ -189,6 +189,21 @@ fn fuzz_corpus_replays_cleanly() {
     );
 }
 
+#[test]
+fn regression_inputs_reach_the_check_they_guard() {
+    // `regress-layout-overflow`: a seed whose layouts say 2^31 layers and
+    // 2^31 tokens per block (the product passes u64). It panicked the
+    // decoder in debug builds; now the layout is refused by name. Guards
+    // against a corpus edit that stops the input reaching that check.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
+    let read =
+        |target: &str| std::fs::read(dir.join(target).join("regress-layout-overflow")).unwrap();
+    let e = BankDescriptor::from_wire(&read("descriptor")).unwrap_err();
+    assert!(e.to_string().contains("invalid `layout`"), "{e}");
+    let e = BankManifest::from_wire(&read("manifest")).unwrap_err();
+    assert!(e.to_string().contains("invalid `layout`"), "{e}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 

@@ -93,6 +93,67 @@ fn oversized_rank_block_is_refused() {
     assert_eq!(at_limit.rank_block_bytes() as u64, MAX_RANK_BLOCK_BYTES);
 }
 
+#[test]
+fn a_product_past_u64_is_refused_not_wrapped_or_panicking() {
+    // 2 x 2^31 x 2^31 x 1 x 4 x 4 = 2^67: wrapped to 0 in release builds
+    // (accepted with rank_block_bytes() == 0) and panicked in debug builds.
+    let e = assert_field(
+        KvLayout::new(
+            1 << 31,
+            1,
+            4,
+            DType::F32,
+            1 << 31,
+            TensorOrder::BlockMajor,
+            1,
+        ),
+        "layout",
+    );
+    assert!(e.to_string().contains("more than 2^64 bytes"), "{e}");
+    // As `kv_reuse.Layout(2**31, 2**31, 2**31, "f32", 64, 1)` from Python.
+    assert_field(
+        KvLayout::new(
+            1 << 31,
+            1 << 31,
+            1 << 31,
+            DType::F32,
+            64,
+            TensorOrder::BlockMajor,
+            1,
+        ),
+        "layout",
+    );
+    // Every field at its maximum: 2 x 4 x (2^32 - 1)^4, past u128 too.
+    assert_field(
+        KvLayout::new(
+            u32::MAX,
+            u32::MAX,
+            u32::MAX,
+            DType::F32,
+            u32::MAX,
+            TensorOrder::BlockMajor,
+            1,
+        ),
+        "layout",
+    );
+}
+
+#[test]
+fn the_wire_decoder_refuses_an_overflowing_layout_without_panicking() {
+    let raw = RawLayout {
+        num_layers: 1 << 31,
+        num_kv_heads: 1,
+        head_dim: 4,
+        dtype: DType::F32,
+        tokens_per_block: 1 << 31,
+        tensor_order: TensorOrder::BlockMajor,
+        tp_size: 1,
+    };
+    let bytes = rmp_serde::to_vec_named(&raw).unwrap();
+    let e = rmp_serde::from_slice::<KvLayout>(&bytes).unwrap_err();
+    assert!(e.to_string().contains("invalid `layout`"), "{e}");
+}
+
 /// The documented fingerprint encoding, re-derived here independently.
 fn documented_fingerprint(fields: [u32; 5], dtype_code: u8, order_code: u8) -> u64 {
     let mut buf = b"kvlayout1".to_vec();
@@ -172,6 +233,11 @@ fn decoder_runs_the_constructor_checks() {
     assert_eq!(l, llama8b(4).unwrap());
 }
 
+/// A non-zero count: half small (products near the bound), half anywhere in `u32`.
+fn count(small: u32) -> impl proptest::strategy::Strategy<Value = u32> {
+    proptest::prop_oneof![1..small, 1..=u32::MAX]
+}
+
 fn dtype() -> impl proptest::strategy::Strategy<Value = DType> {
     proptest::sample::select(vec![DType::Bf16, DType::Fp16, DType::Fp8E4m3, DType::F32])
 }
@@ -209,6 +275,31 @@ proptest::proptest! {
             }
             (Err(e), Some(f)) => proptest::prop_assert_eq!(common::field_of(&e), f),
             (r, f) => proptest::prop_assert!(false, "got {:?}, expected refusal of {:?}", r, f),
+        }
+    }
+
+    /// Over the whole `u32` range (where the product passes `u64`), `new`
+    /// never panics and accepts exactly the layouts whose exact product,
+    /// computed here in `u128` (saturating: 2^131 passes it too), is within
+    /// the bound; an accepted layout's sizes are that product.
+    #[test]
+    fn size_bound_holds_over_the_whole_u32_range(
+        layers in count(64),
+        heads in count(64),
+        dim in count(256),
+        dt in dtype(),
+        tpb in count(64),
+    ) {
+        let r = KvLayout::new(layers, heads, dim, dt, tpb, TensorOrder::BlockMajor, 1);
+        let exact = [layers, tpb, heads, dim, dt.size_bytes() as u32]
+            .iter()
+            .fold(2u128, |acc, &v| acc.saturating_mul(u128::from(v)));
+        if exact <= u128::from(MAX_RANK_BLOCK_BYTES) {
+            let l = r.unwrap();
+            proptest::prop_assert_eq!(l.rank_block_bytes() as u128, exact);
+            proptest::prop_assert_eq!(l.block_bytes() as u128, exact);
+        } else {
+            proptest::prop_assert_eq!(common::field_of(&r.unwrap_err()), "layout");
         }
     }
 }

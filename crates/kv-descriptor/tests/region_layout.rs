@@ -187,3 +187,58 @@ fn fingerprint_value_is_stable() {
     assert_eq!(l.fingerprint().0, EXPECTED_LLAMA8B_TP2);
 }
 const EXPECTED_LLAMA8B_TP2: u64 = 0xb1ec_71f1_a9d3_c544;
+
+#[test]
+fn an_hf_cache_whose_strides_pass_u64_is_refused_not_wrapped() {
+    let g = geo(DType::Bf16);
+    // head stride = max_tokens x head_dim: u64::MAX x 8 overflowed (a panic
+    // in debug builds, a wrapped stride in release builds).
+    assert_eq!(
+        KvRegionLayout::hf_tokens(g, 0, 0, 1 << 12, 2, 0, u64::MAX, 0, 1, u64::MAX).unwrap_err(),
+        RegionLayoutError::Overflow {
+            field: "region.max_tokens"
+        }
+    );
+    // head x heads fits, the batch stride does not: 2^59 x 2 heads x u32::MAX.
+    assert_eq!(
+        KvRegionLayout::hf_tokens(g, 0, 0, 1 << 12, u32::MAX, 0, 1 << 56, 0, 1, u64::MAX)
+            .unwrap_err(),
+        RegionLayoutError::Overflow {
+            field: "region.batch"
+        }
+    );
+}
+
+proptest::proptest! {
+    /// Whatever the caller's numbers, the constructors refuse or build; they
+    /// never panic on arithmetic (tests run with overflow checks on), and
+    /// what they build addresses only bytes inside the region.
+    #[test]
+    fn constructors_never_panic_on_any_numbers(
+        base in proptest::num::u64::ANY,
+        stride in proptest::num::u64::ANY,
+        batch in proptest::num::u32::ANY,
+        batch_index in proptest::num::u32::ANY,
+        max_tokens in proptest::num::u64::ANY,
+        token_offset in proptest::num::u64::ANY,
+        num_blocks in proptest::num::u32::ANY,
+        region_bytes in proptest::num::u64::ANY,
+    ) {
+        let g = geo(DType::Bf16);
+        let built = [
+            KvRegionLayout::block_major(g, 0, base, num_blocks, region_bytes),
+            KvRegionLayout::vllm_kv_first(g, 0, base, stride, num_blocks, region_bytes),
+            KvRegionLayout::vllm_block_first(g, 0, base, stride, num_blocks, region_bytes),
+            KvRegionLayout::hf_tokens(
+                g, 0, base, stride, batch, batch_index, max_tokens, token_offset, num_blocks,
+                region_bytes,
+            ),
+        ];
+        for r in built.into_iter().flatten() {
+            let last = r
+                .run_offset(2, r.num_blocks() - 1, 1, 3, 1)
+                .expect("indices in range");
+            proptest::prop_assert!(last < r.region_bytes());
+        }
+    }
+}

@@ -59,12 +59,23 @@ pub enum SettingsError {
         /// Why.
         reason: String,
     },
-    /// A live retune the cost model cannot use.
-    #[error("retune refused: `{key}` {reason}")]
+    /// Settings the cost model cannot use, whether it is being built or
+    /// retuned live (the message says neither: it reaches operators through
+    /// the router binary and Python, where both happen).
+    #[error("unusable setting `{key}` {reason}")]
     Unusable {
         /// Key whose value makes the model unusable.
         key: &'static str,
         /// Why.
+        reason: String,
+    },
+    /// An argument given next to the settings (not a setting key) is out
+    /// of its range, e.g. the cost model's `tokens_per_block`.
+    #[error("invalid `{argument}`: {reason}")]
+    InvalidArgument {
+        /// Argument name, as the constructor and its callers spell it.
+        argument: &'static str,
+        /// The value seen and the range allowed.
         reason: String,
     },
     /// A settings file could not be read.
@@ -144,6 +155,15 @@ pub enum PlaneError {
         field: &'static str,
         /// Token seen.
         value: String,
+    },
+    /// A JetStream key-value bucket name NATS would refuse (checked before
+    /// any request, so the error names the bucket, not the connection).
+    #[error("invalid key-value bucket name {bucket:?}: {reason}")]
+    InvalidBucket {
+        /// Name seen.
+        bucket: String,
+        /// Why ([`crate::bucket_name_problem`]).
+        reason: &'static str,
     },
     /// Connecting to the NATS server failed.
     #[error("cannot connect to NATS at {url}: {reason}")]

@@ -156,9 +156,10 @@ pub use pin_transport::{
 #[cfg(feature = "nats")]
 pub use plane::directory::NatsDirectory;
 pub use plane::directory::{
-    directory_key, CacheUpdate, DirectoryChange, DirectoryPlane, DirectoryWatch, DonorCache,
-    DonorRecord, DonorRecordError, DonorRecordParts, InProcessDirectory, NixlMemKind,
-    NixlRankRegion, MAX_DONOR_RECORD_BYTES, MAX_NAME_BYTES, MAX_NIXL_AGENT_NAME_BYTES,
+    bucket_name_problem, directory_key, CacheUpdate, DirectoryChange, DirectoryPlane,
+    DirectoryWatch, DonorCache, DonorRecord, DonorRecordError, DonorRecordParts,
+    InProcessDirectory, NixlMemKind, NixlRankRegion, MAX_DONOR_RECORD_BYTES, MAX_NAME_BYTES,
+    MAX_NIXL_AGENT_NAME_BYTES,
 };
 #[cfg(feature = "nats")]
 pub use plane::inventory::NatsInventory;

@@ -269,12 +269,114 @@ fn bad_flags_are_refused_with_exit_code_2() {
     }
 }
 
+/// A URL where no NATS server listens (port 1): a router that got as far
+/// as connecting would exit 1, so an exit 2 proves the refusal came first.
+const NO_NATS: &str = "nats://127.0.0.1:1";
+
+/// Runs the binary with `args` against [`NO_NATS`]; (exit code, stderr).
+fn run_without_nats(args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+        .args(["--nats-url", NO_NATS, "--metrics-addr", "127.0.0.1:0"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.stdout.is_empty(), "{args:?}: no ready line");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Every configuration mistake exits 2 naming its flag, before any
+/// connection (no nats-server needed): values out of range, tokens NATS
+/// would refuse, files that cannot be read.
+#[test]
+fn configuration_errors_exit_2_naming_the_flag_before_connecting() {
+    let dir = tempfile::tempdir().unwrap();
+    let garbage = dir.path().join("garbage");
+    std::fs::write(&garbage, "not a creds file").unwrap();
+    let garbage = garbage.to_str().unwrap();
+    for (args, flag) in [
+        (&["--max-probes", "0"][..], "--max-probes"),
+        (&["--missed-periods", "0"][..], "--missed-periods"),
+        (&["--announce-period-ms", "0"][..], "--announce-period-ms"),
+        (&["--directory-ttl-ms", "0"][..], "--directory-ttl-ms"),
+        (&["--decision-log", "0"][..], "--decision-log"),
+        (
+            &["--advise-busy-poll-us", "99999999999"][..],
+            "--advise-busy-poll-us",
+        ),
+        (&["--tokens-per-block", "0"][..], "--tokens-per-block"),
+        (&["--namespace", "a.b"][..], "--namespace"),
+        (
+            &["--directory-bucket", "bad bucket.name"][..],
+            "--directory-bucket",
+        ),
+        (&["--nats-tls-ca", "/nonexistent.pem"][..], "--nats-tls-ca"),
+        (
+            &[
+                "--nats-tls-cert",
+                "/nonexistent-c.pem",
+                "--nats-tls-key",
+                garbage,
+            ][..],
+            "--nats-tls-cert",
+        ),
+        (&["--nats-creds", "/nonexistent.creds"][..], "--nats-creds"),
+        (&["--nats-creds", garbage][..], "--nats-creds"),
+    ] {
+        let (code, err) = run_without_nats(args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains(flag), "{args:?} names {flag}: {err}");
+        assert!(!err.contains("cannot connect"), "{args:?}: {err}");
+    }
+}
+
+/// A valid configuration gets as far as connecting: with no server there,
+/// that is exit 1 naming the URL (a run-time failure, not a flag error),
+/// and the log lines on a non-terminal stderr carry no colour codes.
+#[test]
+fn an_unreachable_server_exits_1_and_logs_without_colour_codes() {
+    let (code, err) = run_without_nats(&["--namespace", "rbt-none"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("cannot connect to NATS") && err.contains(NO_NATS),
+        "{err}"
+    );
+    assert!(
+        err.contains("settings in force"),
+        "the log reached stderr: {err}"
+    );
+    assert!(!err.contains('\x1b'), "ANSI escape in piped logs: {err:?}");
+}
+
 #[test]
 fn sigint_drains_and_exits_0_too() {
     let Some(nats) = NatsServer::start_or_skip("router_binary_sigint") else {
         return;
     };
-    let mut router = spawn_router(&nats.url(), "rbt-int");
+    // Every bounded flag at a bound still starts.
+    let mut router = spawn_router_with(
+        &nats.url(),
+        "rbt-int",
+        &[
+            "--max-probes",
+            "1",
+            "--missed-periods",
+            "1000",
+            "--announce-period-ms",
+            "10",
+            "--directory-ttl-ms",
+            "100",
+            "--decision-log",
+            "1",
+            "--advise-busy-poll-us",
+            "1000000",
+            "--directory-bucket",
+            "kv_rbt-int",
+        ],
+    );
     let status = signal_and_wait(&mut router, "INT");
     assert_eq!(status.code(), Some(0), "{status}");
 }

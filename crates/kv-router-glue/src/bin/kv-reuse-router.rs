@@ -8,15 +8,17 @@
 //! on SIGTERM/SIGINT (exit 0). When it serves, it prints one line to stdout:
 //! `{"event":"ready","metrics_addr":"127.0.0.1:PORT","subject":"kv_reuse.advise"}`.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
+use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::builder::RangedU64ValueParser;
+use clap::{value_parser, Parser};
 use kv_descriptor::Role;
 use kv_lookup::InventoryIndex;
 use kv_router_glue::metrics::{Health, MetricsServer, ReuseMetrics};
@@ -26,9 +28,9 @@ use kv_router_glue::service::{
 };
 use kv_router_glue::vllm_events::{VllmEventError, VllmIngest, VllmSubscriber};
 use kv_router_glue::{
-    Advisor, CostModel, DecisionLog, EnvSnapshot, EventPlane, InventoryError, InventorySync,
-    LiveCostModel, NatsAuth, NatsDirectory, NatsInventory, NatsOptions, NatsPlane, NatsTls,
-    PlaneError, RemoteDonorDirectory, ReuseArgs, SettingsError, SettingsLoader,
+    announce_subject, Advisor, CostModel, DecisionLog, EnvSnapshot, EventPlane, InventoryError,
+    InventorySync, LiveCostModel, NatsAuth, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
+    NatsTls, PlaneError, RemoteDonorDirectory, ReuseArgs, SettingsError, SettingsLoader,
     DEFAULT_INVENTORY_TIMEOUT,
 };
 use tokio_util::sync::CancellationToken;
@@ -110,8 +112,9 @@ struct Cli {
     #[arg(long, env = "KV_ROUTER_NATS_INBOX_PREFIX", value_parser = inbox_prefix)]
     nats_inbox_prefix: Option<String>,
 
-    /// Namespace token of the worker subjects (`kv.<NAMESPACE>.workers.announce`).
-    #[arg(long, default_value = "default")]
+    /// Namespace token of the worker subjects (`kv.<NAMESPACE>.workers.announce`):
+    /// one NATS subject token, non-empty, without `.`, `*`, `>` or whitespace.
+    #[arg(long, default_value = "default", value_parser = namespace_token)]
     namespace: String,
 
     /// TOML file of reuse settings (keys as in docs/settings.md).
@@ -130,49 +133,97 @@ struct Cli {
     #[arg(long, default_value = "127.0.0.1:9464")]
     metrics_addr: SocketAddr,
 
-    /// JetStream key-value bucket of the donor directory.
-    #[arg(long, default_value = "kv_donors")]
+    /// JetStream key-value bucket of the donor directory: ASCII letters,
+    /// digits, `_` and `-` only (the NATS rule for bucket names).
+    #[arg(long, default_value = "kv_donors", value_parser = bucket_name)]
     directory_bucket: String,
 
     /// `max_age` of the directory bucket when this router creates it, ms
-    /// (donors' record TTL; an existing bucket keeps its own).
-    #[arg(long, default_value_t = 30_000)]
+    /// (donors' record TTL; an existing bucket keeps its own); 100 (the
+    /// server's minimum) to 86,400,000 (one day).
+    #[arg(
+        long,
+        default_value_t = 30_000,
+        value_parser = value_parser!(u64).range(DIRECTORY_TTL_MS)
+    )]
     directory_ttl_ms: u64,
 
-    /// Workers' announce period, ms.
-    #[arg(long, default_value_t = 1_000)]
+    /// Workers' announce period, ms; 10 to 60,000 (the workers' own range).
+    #[arg(
+        long,
+        default_value_t = 1_000,
+        value_parser = value_parser!(u64).range(ANNOUNCE_PERIOD_MS)
+    )]
     announce_period_ms: u64,
 
-    /// Announce periods a worker may miss before it is dropped.
-    #[arg(long, default_value_t = 3)]
+    /// Announce periods a worker may miss before it is dropped; 1 to 1,000.
+    #[arg(
+        long,
+        default_value_t = 3,
+        value_parser = value_parser!(u32).range(MISSED_PERIODS)
+    )]
     missed_periods: u32,
 
-    /// Tokens per KV block of the cost model (the engines' block size).
-    #[arg(long, default_value_t = 16)]
+    /// Tokens per KV block of the cost model (the engines' block size);
+    /// at least 1.
+    #[arg(long, default_value_t = 16, value_parser = value_parser!(u32).range(1..))]
     tokens_per_block: u32,
 
-    /// Most index probes one donor lookup may spend.
-    #[arg(long, default_value_t = 16_384)]
+    /// Most index probes one donor lookup may spend; at least 1.
+    #[arg(long, default_value_t = 16_384, value_parser = value_parser!(u32).range(1..))]
     max_probes: u32,
 
-    /// Decisions kept in the in-memory decision log.
-    #[arg(long, default_value_t = 1_024)]
+    /// Decisions kept in the in-memory decision log; 1 to 1,000,000.
+    #[arg(
+        long,
+        default_value_t = 1_024,
+        value_parser = RangedU64ValueParser::<usize>::new().range(DECISION_LOG)
+    )]
     decision_log: usize,
 
     /// After each advise answer, poll for the next request without sleeping
-    /// for this many µs (0: never spin). Saves a thread wake-up per request
+    /// for this many µs (0: never spin); 0 to 1,000,000 (one second, the
+    /// Python client's bound too). Saves a thread wake-up per request
     /// while requests come closer than this; spends up to this much of one
     /// core per request. Only with cores to spare.
-    #[arg(long, default_value_t = 0)]
+    #[arg(
+        long,
+        default_value_t = 0,
+        value_parser = value_parser!(u64).range(ADVISE_BUSY_POLL_US)
+    )]
     advise_busy_poll_us: u64,
 
     #[command(flatten)]
     reuse: ReuseArgs,
 }
 
+/// `--directory-ttl-ms`: 0 would create a bucket whose records never
+/// expire (NATS `max_age` 0 is "no limit"), so a dead donor's record would
+/// stay; nats-server refuses a `max_age` below 100 ms; one day is the
+/// donors' longest lease (`lease_s` in `kv_reuse.WorkerPublisher.donor`).
+const DIRECTORY_TTL_MS: RangeInclusive<u64> = 100..=86_400_000;
+/// `--announce-period-ms`: 0 ticked the drop check as fast as possible and
+/// dropped every worker between two announcements; the range is the
+/// workers' own (`announce_period_s` 0.01 to 60 s).
+const ANNOUNCE_PERIOD_MS: RangeInclusive<u64> = 10..=60_000;
+/// `--missed-periods`: 0 was silently taken as 1; a bound keeps a dead
+/// worker from being advised for hours (1,000 x 60 s is already 16 h).
+const MISSED_PERIODS: RangeInclusive<i64> = 1..=1_000;
+/// `--decision-log`: 0 was silently taken as 1; the upper bound keeps the
+/// log's memory to a few hundred MB.
+const DECISION_LOG: RangeInclusive<u64> = 1..=1_000_000;
+/// `--advise-busy-poll-us`: 0 is off; above one second a spin outlasts any
+/// reply worth waiting for and burns a core (the Python client's
+/// `busy_poll_us` bound is the same).
+const ADVISE_BUSY_POLL_US: RangeInclusive<u64> = 0..=1_000_000;
+
 /// Why the router did not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 enum RouterError {
+    /// A flag whose value passed parsing but cannot be used (an unreadable
+    /// TLS or credentials file), found before connecting.
+    #[error("`{flag}` {reason}")]
+    Config { flag: &'static str, reason: String },
     #[error("settings: {0}")]
     Settings(#[from] SettingsError),
     #[error("NATS: {0}")]
@@ -197,10 +248,16 @@ enum RouterError {
 }
 
 impl RouterError {
-    /// 2 for configuration errors, 1 for anything at run time.
+    /// 2 for configuration errors, 1 for anything at run time (NATS, the
+    /// directory bucket or a vLLM endpoint unreachable, a failed subscription).
     fn exit_code(&self) -> u8 {
         match self {
-            RouterError::Settings(_) | RouterError::Metrics { .. } | RouterError::Inventory(_) => 2,
+            RouterError::Config { .. }
+            | RouterError::Settings(_)
+            | RouterError::Metrics { .. }
+            | RouterError::Inventory(_)
+            | RouterError::Plane(PlaneError::InvalidSubject { .. })
+            | RouterError::Plane(PlaneError::InvalidBucket { .. }) => 2,
             _ => 1,
         }
     }
@@ -208,12 +265,18 @@ impl RouterError {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Colour only on a terminal: escape codes in a log file or a journal
+    // are noise. `with_ansi` overrides tracing-subscriber's own NO_COLOR
+    // check, so it is repeated here.
+    let ansi = std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KV_ROUTER_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -240,6 +303,52 @@ fn inbox_prefix(v: &str) -> Result<String, String> {
         None => Ok(v.to_owned()),
         Some(why) => Err(why.to_owned()),
     }
+}
+
+/// `--namespace`'s check, by the rule of the subjects built from it
+/// (`kv.<ns>.workers.announce`, `kv.<ns>.inventory.<engine>`), so a bad
+/// token is a flag error before any connection.
+fn namespace_token(v: &str) -> Result<String, String> {
+    announce_subject(v).map(|_| v.to_owned()).map_err(|_| {
+        "must be one NATS subject token: non-empty, without `.`, `*`, `>` or whitespace".to_owned()
+    })
+}
+
+/// `--directory-bucket`'s check (NATS key-value bucket names).
+fn bucket_name(v: &str) -> Result<String, String> {
+    match kv_router_glue::bucket_name_problem(v) {
+        None => Ok(v.to_owned()),
+        Some(why) => Err(why.to_owned()),
+    }
+}
+
+/// The flag behind a [`kv_router_glue::NatsOptionsError`] field (`nats_options` maps
+/// the flags to these fields).
+fn nats_option_flag(field: &str) -> &'static str {
+    match field {
+        "auth" => "--nats-creds",
+        "inbox_prefix" => "--nats-inbox-prefix",
+        "tls.root_certificates" => "--nats-tls-ca",
+        "tls.client_certificate" => "--nats-tls-cert",
+        "tls.client_key" => "--nats-tls-key",
+        _ => "--nats-*",
+    }
+}
+
+/// The NATS options as the connection will use them, checked before
+/// connecting: an unreadable or malformed credentials file and an
+/// unreadable TLS file are configuration errors (exit 2) naming the flag,
+/// not a failed connection (exit 1).
+fn checked_nats_options(cli: &Cli) -> Result<NatsOptions, RouterError> {
+    let options = nats_options(cli);
+    options
+        .clone()
+        .connect_options()
+        .map_err(|e| RouterError::Config {
+            flag: nats_option_flag(e.field),
+            reason: e.reason,
+        })?;
+    Ok(options)
 }
 
 /// The router's NATS connection options from its `--nats-*` flags (clap
@@ -287,7 +396,7 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     tracing::info!("settings in force:\n{}", loaded.describe());
     let model = CostModel::new(loaded.settings.clone(), cli.tokens_per_block)?;
 
-    let options = nats_options(&cli);
+    let options = checked_nats_options(&cli)?;
     let plane = Arc::new(NatsPlane::connect(&cli.nats_url, options.clone()).await?);
     // The plane's own connection: the directory reads under the router's
     // credentials (a second, anonymous connection is refused by a server
@@ -447,20 +556,26 @@ mod tests {
         Cli::try_parse_from(std::iter::once("kv-reuse-router").chain(args.iter().copied()))
     }
 
-    #[test]
-    fn nats_flags_pick_the_auth_and_tls() {
-        // Only these tests' own flags: a KV_ROUTER_NATS_* variable in the
-        // test's environment would change clap's defaults.
-        for v in [
+    /// A `KV_ROUTER_NATS_*` variable set in the test's environment (it
+    /// would change clap's defaults, so the NATS flag tests skip).
+    fn nats_env_set() -> Option<&'static str> {
+        [
             "KV_ROUTER_NATS_USER",
             "KV_ROUTER_NATS_PASSWORD",
             "KV_ROUTER_NATS_TOKEN",
             "KV_ROUTER_NATS_INBOX_PREFIX",
-        ] {
-            if std::env::var_os(v).is_some() {
-                eprintln!("SKIP nats flag test: {v} is set in this environment");
-                return;
-            }
+        ]
+        .into_iter()
+        .find(|v| std::env::var_os(v).is_some())
+    }
+
+    #[test]
+    fn nats_flags_pick_the_auth_and_tls() {
+        // Only these tests' own flags: a KV_ROUTER_NATS_* variable in the
+        // test's environment would change clap's defaults.
+        if let Some(v) = nats_env_set() {
+            eprintln!("SKIP nats flag test: {v} is set in this environment");
+            return;
         }
         let o = nats_options(&parse(&[]).unwrap());
         assert!(matches!(o.auth, NatsAuth::None));
@@ -492,6 +607,107 @@ mod tests {
         );
         let o = nats_options(&parse(&["--nats-inbox-prefix", "_INBOX_router"]).unwrap());
         assert_eq!(o.inbox_prefix.as_deref(), Some("_INBOX_router"));
+    }
+
+    #[test]
+    fn out_of_range_or_malformed_values_are_refused_naming_the_flag() {
+        // (flag, refused values, accepted values: the bounds themselves).
+        let cases: &[(&str, &[&str], &[&str])] = &[
+            ("--max-probes", &["0"], &["1", "4294967295"]),
+            ("--missed-periods", &["0", "1001"], &["1", "1000"]),
+            (
+                "--announce-period-ms",
+                &["0", "9", "60001"],
+                &["10", "60000"],
+            ),
+            (
+                "--directory-ttl-ms",
+                &["0", "99", "86400001"],
+                &["100", "86400000"],
+            ),
+            ("--decision-log", &["0", "1000001"], &["1", "1000000"]),
+            (
+                "--advise-busy-poll-us",
+                &["1000001", "99999999999"],
+                &["0", "1000000"],
+            ),
+            ("--tokens-per-block", &["0"], &["1", "4294967295"]),
+            (
+                "--namespace",
+                &["a.b", "", "a*", "a>", "a b"],
+                &["default", "prod-1_x"],
+            ),
+            (
+                "--directory-bucket",
+                &["bad bucket.name", "", "kv.donors", "kv*"],
+                &["kv_donors", "KV-2"],
+            ),
+        ];
+        for (flag, refused, accepted) in cases {
+            for v in *refused {
+                let e = parse(&[flag, v]).expect_err(&format!("{flag} {v:?} must be refused"));
+                assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{e}");
+                // Exit status 2, like every flag error.
+                assert_eq!(e.exit_code(), 2);
+                assert!(e.to_string().contains(flag), "{flag} {v:?}: {e}");
+            }
+            for v in *accepted {
+                parse(&[flag, v]).unwrap_or_else(|e| panic!("{flag} {v:?}: {e}"));
+            }
+        }
+    }
+
+    #[test]
+    fn unreadable_nats_files_are_configuration_errors_naming_the_flag() {
+        if let Some(v) = nats_env_set() {
+            eprintln!("SKIP nats file test: {v} is set in this environment");
+            return;
+        }
+        let garbage = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(garbage.path(), "not a creds file").unwrap();
+        let garbage = garbage.path().to_str().unwrap();
+        for (args, flag) in [
+            (
+                &["--nats-tls-ca", "/nonexistent/ca.pem"][..],
+                "--nats-tls-ca",
+            ),
+            (&["--nats-tls-ca", "/"][..], "--nats-tls-ca"),
+            (
+                &[
+                    "--nats-tls-cert",
+                    "/nonexistent/c.pem",
+                    "--nats-tls-key",
+                    "/nonexistent/k.pem",
+                ][..],
+                "--nats-tls-cert",
+            ),
+            (
+                &[
+                    "--nats-tls-cert",
+                    garbage,
+                    "--nats-tls-key",
+                    "/nonexistent/k.pem",
+                ][..],
+                "--nats-tls-key",
+            ),
+            (
+                &["--nats-creds", "/nonexistent/r.creds"][..],
+                "--nats-creds",
+            ),
+            (&["--nats-creds", garbage][..], "--nats-creds"),
+        ] {
+            match checked_nats_options(&parse(args).unwrap()) {
+                Err(e @ RouterError::Config { flag: f, .. }) => {
+                    assert_eq!(f, flag, "{args:?}: {e}");
+                    assert_eq!(e.exit_code(), 2);
+                    assert!(e.to_string().contains(flag), "{e}");
+                }
+                other => panic!("{args:?}: expected a config error, got {other:?}"),
+            }
+        }
+        // Readable files pass (their content is the TLS handshake's business).
+        checked_nats_options(&parse(&["--nats-tls-ca", garbage]).unwrap()).unwrap();
+        checked_nats_options(&parse(&[]).unwrap()).unwrap();
     }
 
     #[test]

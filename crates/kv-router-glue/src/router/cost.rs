@@ -193,13 +193,14 @@ impl CostModel {
     /// when reuse is enabled but an enabled path's block cost is at least the
     /// recompute cost of a whole block (`block_us >= tokens_per_block x
     /// prefill_token_us`): no fetch could ever save time, so enabling it is a
-    /// configuration mistake. `tokens_per_block` 0 is refused the same way.
+    /// configuration mistake. [`SettingsError::InvalidArgument`] naming
+    /// `tokens_per_block` when it is 0.
     pub fn new(settings: ReuseSettings, tokens_per_block: u32) -> Result<Self, SettingsError> {
         settings.validate()?;
         if tokens_per_block == 0 {
-            return Err(SettingsError::Unusable {
-                key: "tokens_per_block",
-                reason: "must be at least 1".into(),
+            return Err(SettingsError::InvalidArgument {
+                argument: "tokens_per_block",
+                reason: format!("{tokens_per_block}, must be at least 1"),
             });
         }
         if settings.enable_decode_to_prefill_reuse {

@@ -81,6 +81,12 @@ fn retune_refuses_settings_the_model_cannot_use_and_keeps_the_old_one() {
     let mut bad = on();
     bad.transfer_source_gpu_estimated_block_us = 480.0; // = 16 tokens x 30 µs: can never save
     let e = live.retune(bad).unwrap_err();
+    // No internal jargon ("retune") in what an operator reads.
+    assert!(
+        e.to_string()
+            .starts_with("unusable setting `transfer_source_gpu_estimated_block_us` = 480 µs"),
+        "{e}"
+    );
     assert!(
         matches!(
             e,
@@ -117,6 +123,23 @@ fn retune_refuses_settings_the_model_cannot_use_and_keeps_the_old_one() {
         40.0
     );
     assert_eq!(live.current().tokens_per_block(), 16);
+}
+
+#[test]
+fn zero_tokens_per_block_is_refused_naming_the_argument() {
+    let e = CostModel::new(on(), 0).unwrap_err();
+    assert_eq!(
+        e,
+        SettingsError::InvalidArgument {
+            argument: "tokens_per_block",
+            reason: "0, must be at least 1".into(),
+        }
+    );
+    // The text reaches operators (router binary, Python `Router(settings, 0)`).
+    assert_eq!(
+        e.to_string(),
+        "invalid `tokens_per_block`: 0, must be at least 1"
+    );
 }
 
 #[test]

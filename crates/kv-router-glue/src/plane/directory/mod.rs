@@ -34,6 +34,31 @@ use tokio::sync::mpsc;
 
 use crate::{PlaneError, PlaneFuture};
 
+/// Why `bucket` is not a JetStream key-value bucket name, or `None` when it
+/// is one: non-empty ASCII letters, digits, `_` and `-` only (the rule of
+/// async-nats and the NATS clients; the stream behind it is `KV_<bucket>`).
+/// Checked before any request so that a bad name reads as a configuration
+/// error rather than a failed connection.
+///
+/// ```
+/// use kv_router_glue::bucket_name_problem;
+/// assert_eq!(bucket_name_problem("kv_donors-2"), None);
+/// assert!(bucket_name_problem("bad bucket.name").is_some());
+/// assert!(bucket_name_problem("").is_some());
+/// ```
+pub fn bucket_name_problem(bucket: &str) -> Option<&'static str> {
+    if bucket.is_empty() {
+        Some("is empty")
+    } else if !bucket
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        Some("may hold only ASCII letters, digits, `_` and `-`")
+    } else {
+        None
+    }
+}
+
 /// One change seen by a directory watch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DirectoryChange {

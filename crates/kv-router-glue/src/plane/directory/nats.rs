@@ -44,16 +44,18 @@ impl NatsDirectory {
     /// and opens bucket `bucket` ([`NatsDirectory::from_client`]).
     ///
     /// # Errors
-    /// [`PlaneError::Connect`] naming `url` when the server is unreachable,
-    /// refuses the credentials (its reason then says `authorization
-    /// violation`), demands TLS the options do not give, has no JetStream,
-    /// or the bucket can be neither opened nor created.
+    /// [`PlaneError::InvalidBucket`] before connecting, for a name NATS
+    /// would refuse; [`PlaneError::Connect`] naming `url` when the server is
+    /// unreachable, refuses the credentials (its reason then says
+    /// `authorization violation`), demands TLS the options do not give, has
+    /// no JetStream, or the bucket can be neither opened nor created.
     pub async fn connect_with(
         url: &str,
         options: NatsOptions,
         bucket: &str,
         lease_ttl: Duration,
     ) -> Result<Self, PlaneError> {
+        check_bucket(bucket)?;
         let plane = NatsPlane::connect(url, options).await?;
         Self::from_client(plane.client().clone(), url, bucket, lease_ttl).await
     }
@@ -67,6 +69,8 @@ impl NatsDirectory {
     /// `$JS.API.STREAM.CREATE` must still be able to use it.
     ///
     /// # Errors
+    /// [`PlaneError::InvalidBucket`] for a name NATS would refuse
+    /// ([`crate::bucket_name_problem`]), before any request;
     /// [`PlaneError::Connect`] naming `url` (only used in the message) when
     /// the server has no JetStream or the bucket can be neither opened nor
     /// created.
@@ -76,6 +80,7 @@ impl NatsDirectory {
         bucket: &str,
         lease_ttl: Duration,
     ) -> Result<Self, PlaneError> {
+        check_bucket(bucket)?;
         let connect_err = |reason: String| PlaneError::Connect {
             url: url.to_string(),
             reason,
@@ -164,5 +169,16 @@ impl DirectoryPlane for NatsDirectory {
                 _guard: Some(AbortOnDrop(task)),
             })
         })
+    }
+}
+
+/// [`crate::bucket_name_problem`] as a [`PlaneError::InvalidBucket`].
+fn check_bucket(bucket: &str) -> Result<(), PlaneError> {
+    match super::bucket_name_problem(bucket) {
+        None => Ok(()),
+        Some(reason) => Err(PlaneError::InvalidBucket {
+            bucket: bucket.to_string(),
+            reason,
+        }),
     }
 }

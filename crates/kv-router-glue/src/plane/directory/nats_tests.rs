@@ -17,6 +17,24 @@ async fn next(w: &mut DirectoryWatch) -> Option<DirectoryChange> {
 }
 
 #[tokio::test]
+async fn a_bad_bucket_name_is_refused_before_connecting() {
+    // No server anywhere near: the refusal must come from the name alone,
+    // not as a failed connection (port 1 is never a NATS server).
+    for bucket in ["bad bucket.name", "", "kv.donors", "kv>", "kv*"] {
+        match NatsDirectory::connect("nats://127.0.0.1:1", bucket, Duration::from_secs(30)).await {
+            Err(crate::PlaneError::InvalidBucket { bucket: b, reason }) => {
+                assert_eq!(b, bucket);
+                assert_eq!(Some(reason), bucket_name_problem(bucket));
+            }
+            other => panic!("{bucket:?}: expected InvalidBucket, got {other:?}"),
+        }
+    }
+    for ok in ["kv_donors", "KV-donors-2", "_"] {
+        assert_eq!(bucket_name_problem(ok), None, "{ok}");
+    }
+}
+
+#[tokio::test]
 async fn nats_directory_put_watch_delete_across_two_clients() {
     const TEST: &str = "nats_directory_put_watch_delete_across_two_clients";
     let Some(server) = NatsServer::start_or_skip(TEST) else {
