@@ -84,8 +84,9 @@ impl Router {
     /// A router deciding with `settings` for blocks of `tokens_per_block`.
     ///
     /// Raises `SettingsRefused` when the cost model cannot use the settings,
-    /// `BadArgument` naming `tokens_per_block` or `max_probes` when negative
-    /// or past u32.
+    /// `BadArgument` naming `tokens_per_block` or `max_probes` when 0 (no
+    /// block could be hashed, no lookup could probe: every advise would be
+    /// refused), negative or past u32.
     #[new]
     #[pyo3(signature = (settings, tokens_per_block, max_probes = None))]
     fn new(
@@ -98,6 +99,11 @@ impl Router {
             .map(|m| uint("max_probes", m))
             .transpose()?
             .unwrap_or(MAX_PROBES);
+        for (argument, v) in [("tokens_per_block", tokens_per_block), ("max_probes", max_probes)] {
+            if v == 0 {
+                return Err(bad_argument(argument, "0, must be at least 1"));
+            }
+        }
         let model = CostModel::new(settings.inner.settings.clone(), tokens_per_block)
             .map_err(crate::errors::settings)?;
         let index = Arc::new(InventoryIndex::new());

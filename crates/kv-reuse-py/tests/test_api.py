@@ -126,6 +126,8 @@ def test_negative_or_oversized_ints_are_refused_naming_the_argument(layout):
         (lambda: kv_reuse.Target(layout, rows=2**32), rf"^rows: 4294967296 is not in {u32}$"),
         (lambda: kv_reuse.Layout(2, 2, -8, "f32", 64, 2), rf"^head_dim: -8 is not in {u32}$"),
         (lambda: kv_reuse.Router(settings, -64), rf"^tokens_per_block: -64 is not in {u32}$"),
+        (lambda: kv_reuse.Router(settings, 0), r"^tokens_per_block: 0, must be at least 1$"),
+        (lambda: kv_reuse.Router(settings, TOKENS_PER_BLOCK, max_probes=0), r"^max_probes: 0, must be at least 1$"),
         (lambda: router.register_worker(-1, bank.engine_id, "decode", layout), rf"^key: -1 is not in {u64}$"),
         # A worker whose blocks hash another block size could never match: refused, not silently off.
         (lambda: router.register_worker(9, bank.engine_id, "decode",
