@@ -12,7 +12,31 @@
 use kv_descriptor::{chain_sequence_hash, SequenceHash, StoredBlock};
 
 /// Why a Stored event was not stored: its blocks do not chain from what the
-/// index knows of the publisher.
+/// index knows of the publisher ([`crate::EventOutcome::Unchained`]).
+///
+/// ```
+/// # use kv_descriptor::*;
+/// # use kv_lookup::*;
+/// # let index = InventoryIndex::new();
+/// # let fp = LayoutFingerprint(42);
+/// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+/// # let tokens: Vec<u32> = (0..64).collect();
+/// # let hashes = sequence_hashes(&tokens, 16);
+/// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+/// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+/// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+/// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+/// use kv_lookup::{EventOutcome, UnchainedStore};
+/// let d = worker(Role::Decode);
+/// // Blocks 2 and 3, announced as children of block 1, which `d` never stored.
+/// let orphan = KvEventData::Stored { parent: Some(hashes[1]), blocks: blocks[2..].to_vec() };
+/// let out = index.apply_event(&event(&d, 1, StorageTier::RetainedGpuDirect, orphan))?;
+/// let cause = UnchainedStore::ParentNotHeld { parent: hashes[1] };
+/// assert_eq!(out, EventOutcome::Unchained { cause });
+/// assert!(index.holds(d.engine, hashes[2]).is_empty()); // nothing stored
+/// assert_eq!(index.workers_needing_resync(), vec![d.engine]);
+/// # Ok::<(), LookupError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum UnchainedStore {
     /// `parent` is not held by the publisher in the event's tier (it was never

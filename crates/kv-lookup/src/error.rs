@@ -5,7 +5,21 @@ use kv_descriptor::{EngineId, LayoutFingerprint, Role};
 /// Why the index refused an event, a registration or a resync.
 ///
 /// A refused call changes nothing: the index checks everything it can before
-/// it touches any holder set.
+/// it touches any holder set. The message names the refused field.
+///
+/// ```
+/// use kv_descriptor::{EngineId, LayoutFingerprint, Role};
+/// use kv_lookup::{InventoryIndex, LookupError, WorkerInfo, WorkerKey};
+/// let index = InventoryIndex::new();
+/// let w = WorkerInfo { engine: EngineId::fresh(), role: Role::Decode, layout_fingerprint: LayoutFingerprint(7), tp_size: 1 };
+/// index.register_worker(WorkerKey(1), w)?;
+/// // The same incarnation cannot change its TP size.
+/// let err = index.register_worker(WorkerKey(1), WorkerInfo { tp_size: 2, ..w }).unwrap_err();
+/// assert!(matches!(err, LookupError::IdentityMismatch { field: "tp_size", .. }));
+/// assert!(err.to_string().ends_with("`tp_size` is 2 but the registered value is 1"));
+/// assert_eq!(index.worker(w.engine).unwrap().1.tp_size, 1); // unchanged
+/// # Ok::<(), LookupError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LookupError {
     /// An event or registration disagrees with what the index knows about

@@ -87,7 +87,7 @@ pub(crate) struct State {
 /// assert_eq!(index.apply_event(&stored).unwrap(), EventOutcome::Applied { changed: 4 });
 /// // Replaying the same event is a duplicate and changes nothing.
 /// assert!(matches!(index.apply_event(&stored).unwrap(), EventOutcome::Duplicate { .. }));
-/// assert_eq!(index.stats().held_blocks[4], 4);
+/// assert_eq!(index.stats().held_blocks_in(StorageTier::RetainedGpuDirect), 4);
 /// ```
 pub struct InventoryIndex {
     pub(crate) state: Twin<State>,
@@ -101,6 +101,17 @@ impl Default for InventoryIndex {
 
 impl InventoryIndex {
     /// An empty index with small tables (they grow by doubling).
+    ///
+    /// ```
+    /// use kv_descriptor::{EngineId, SequenceHash};
+    /// use kv_lookup::{InventoryIndex, LookupBudget, NoDonorReason};
+    /// let index = InventoryIndex::new();
+    /// let stats = index.stats();
+    /// assert_eq!((stats.workers, stats.entries, stats.table_bytes), (0, 0, 0));
+    /// let target = EngineId::fresh();
+    /// let out = index.lookup(&[SequenceHash(1)], target, LookupBudget::default());
+    /// assert_eq!(out.donor, Err(NoDonorReason::UnknownTarget(target)));
+    /// ```
     pub fn new() -> Self {
         Self::with_capacity(0)
     }
@@ -108,6 +119,18 @@ impl InventoryIndex {
     /// An empty index whose first worker group holds `blocks` distinct
     /// sequence hashes without rehashing (a rehash holds the write lock for
     /// time linear in the table size, ~tens of ms at a million blocks).
+    ///
+    /// ```
+    /// use kv_descriptor::{EngineId, LayoutFingerprint, Role};
+    /// use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
+    /// let w = WorkerInfo { engine: EngineId::fresh(), role: Role::Decode, layout_fingerprint: LayoutFingerprint(7), tp_size: 1 };
+    /// let (small, sized) = (InventoryIndex::new(), InventoryIndex::with_capacity(100_000));
+    /// for index in [&small, &sized] {
+    ///     index.register_worker(WorkerKey(1), w)?; // creates the first group's table
+    /// }
+    /// assert!(sized.stats().table_bytes > 100 * small.stats().table_bytes);
+    /// # Ok::<(), kv_lookup::LookupError>(())
+    /// ```
     pub fn with_capacity(blocks: usize) -> Self {
         Self {
             state: Twin::new(State::new(blocks), State::new(blocks)),
@@ -126,6 +149,35 @@ impl InventoryIndex {
     /// [`LookupError::RetiredIncarnation`], [`LookupError::ZeroTpSize`],
     /// [`LookupError::IdentityMismatch`] when the engine is known with another
     /// role, layout fingerprint or TP size, [`LookupError::TooManyWorkers`].
+    ///
+    /// # Examples
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// const RET: StorageTier = StorageTier::RetainedGpuDirect;
+    /// let old = worker(Role::Decode);
+    /// assert_eq!(index.register_worker(WorkerKey(1), old)?, Registration::Registered);
+    /// index.apply_event(&event(&old, 1, RET, stored(4)))?;
+    /// // The worker restarts: a new incarnation under the same key replaces the old one.
+    /// let new = WorkerInfo { engine: EngineId::fresh(), ..old };
+    /// assert_eq!(index.register_worker(WorkerKey(1), new)?, Registration::Replaced { old: old.engine });
+    /// assert_eq!(index.stats().held_blocks_in(RET), 0); // the old one's 4 blocks are gone
+    /// // The old incarnation's late events are ignored and it cannot come back.
+    /// assert_eq!(index.apply_event(&event(&old, 2, RET, stored(4)))?, EventOutcome::FromRetiredIncarnation);
+    /// let refused = index.register_worker(WorkerKey(2), old);
+    /// assert_eq!(refused, Err(LookupError::RetiredIncarnation { engine: old.engine }));
+    /// # Ok::<(), LookupError>(())
+    /// ```
     pub fn register_worker(
         &self,
         key: WorkerKey,
@@ -142,6 +194,29 @@ impl InventoryIndex {
 
     /// Retires an incarnation: drops all its entries and ignores its later
     /// events. Returns false when the engine was not live.
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// let d = worker(Role::Decode);
+    /// index.apply_event(&event(&d, 1, StorageTier::Device, stored(4)))?;
+    /// assert!(index.remove_worker(d.engine));
+    /// assert!(!index.remove_worker(d.engine)); // no longer live
+    /// assert_eq!((index.stats().workers, index.stats().entries), (0, 0));
+    /// let late = index.apply_event(&event(&d, 2, StorageTier::Device, KvEventData::Cleared))?;
+    /// assert_eq!(late, EventOutcome::FromRetiredIncarnation);
+    /// # Ok::<(), LookupError>(())
+    /// ```
     pub fn remove_worker(&self, engine: EngineId) -> bool {
         match self.state.write(|b| b.apply(Mutation::Remove { engine })) {
             Effect::Remove(r) => r,
@@ -171,6 +246,34 @@ impl InventoryIndex {
     /// [`LookupError::ZeroEventId`], [`LookupError::ZeroTpSize`],
     /// [`LookupError::IdentityMismatch`], [`LookupError::TooManyWorkers`];
     /// nothing is applied then.
+    ///
+    /// # Examples
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// const DEV: StorageTier = StorageTier::Device;
+    /// // Never registered: its first event registers it.
+    /// let d = worker(Role::Decode);
+    /// assert_eq!(index.apply_event(&event(&d, 1, DEV, stored(4)))?, EventOutcome::Applied { changed: 4 });
+    /// assert_eq!(index.holds(d.engine, hashes[3]), vec![DEV]);
+    /// assert_eq!(index.apply_event(&event(&d, 2, DEV, KvEventData::Cleared))?, EventOutcome::Applied { changed: 4 });
+    /// assert!(index.holds(d.engine, hashes[3]).is_empty());
+    /// // Refused, nothing applied: the same engine claiming another role.
+    /// let liar = WorkerInfo { role: Role::Prefill, ..d };
+    /// let err = index.apply_event(&event(&liar, 3, DEV, stored(4))).unwrap_err();
+    /// assert!(matches!(err, LookupError::IdentityMismatch { field: "role", .. }));
+    /// # Ok::<(), LookupError>(())
+    /// ```
     pub fn apply_event(&self, event: &KvEvent) -> Result<EventOutcome, LookupError> {
         // Clone and hash-chain check outside the writer lock: writer
         // threads do that part in parallel, and the replay skips it.
@@ -195,6 +298,31 @@ impl InventoryIndex {
     /// [`EventBatchReport::outcomes`] holds them in batch order, refusals
     /// included (also listed in [`EventBatchReport::refused`]), and the
     /// other fields total them. An empty batch publishes nothing.
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// const RET: StorageTier = StorageTier::RetainedGpuDirect;
+    /// let d = worker(Role::Decode);
+    /// let before = index.publications();
+    /// let report = index.apply_events(&[
+    ///     event(&d, 1, RET, stored(4)),
+    ///     event(&d, 2, RET, KvEventData::Removed { sequence_hashes: vec![hashes[3]] }),
+    /// ]);
+    /// assert_eq!(report.outcomes, vec![Ok(EventOutcome::Applied { changed: 4 }), Ok(EventOutcome::Applied { changed: 1 })]);
+    /// assert_eq!(index.publications(), before + 1); // lookups saw both events at once
+    /// assert_eq!(index.stats().held_blocks_in(RET), 3);
+    /// ```
     pub fn apply_events(&self, events: &[KvEvent]) -> EventBatchReport {
         let mut report = EventBatchReport {
             outcomes: Vec::with_capacity(events.len()),
@@ -237,6 +365,36 @@ impl InventoryIndex {
     ///
     /// # Errors
     /// [`LookupError::UnknownEngine`] when the engine is not live.
+    ///
+    /// # Examples
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// const RET: StorageTier = StorageTier::RetainedGpuDirect;
+    /// let (d, p) = (worker(Role::Decode), worker(Role::Prefill));
+    /// index.register_worker(WorkerKey(1), d)?;
+    /// index.register_worker(WorkerKey(2), p)?;
+    /// index.apply_event(&event(&d, 1, RET, stored(2)))?;
+    /// index.apply_event(&event(&d, 4, RET, stored(4)))?; // events 2 and 3 were lost
+    /// let donor = || index.lookup(&hashes, p.engine, LookupBudget::default()).donor;
+    /// assert_eq!(donor(), Err(NoDonorReason::NoCompatibleDonor)); // excluded until resynced
+    /// // The worker's inventory as of its event 4: 4 retained blocks.
+    /// index.resync_worker(d.engine, 4, &[(RET, hashes.clone())])?;
+    /// assert_eq!(donor().unwrap().blocks, 4);
+    /// let unknown = EngineId::fresh();
+    /// assert_eq!(index.resync_worker(unknown, 1, &[]), Err(LookupError::UnknownEngine { engine: unknown }));
+    /// # Ok::<(), LookupError>(())
+    /// ```
     pub fn resync_worker(
         &self,
         engine: EngineId,
@@ -263,12 +421,48 @@ impl InventoryIndex {
     /// registrations, removals, resyncs). Each publication makes lookups
     /// switch copies, so fewer is cheaper for them. One relaxed atomic
     /// load, no lock; meant for metrics and tests.
+    ///
+    /// ```
+    /// use kv_descriptor::{EngineId, LayoutFingerprint, Role};
+    /// use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
+    /// let index = InventoryIndex::new();
+    /// assert_eq!(index.publications(), 0);
+    /// let w = WorkerInfo { engine: EngineId::fresh(), role: Role::Decode, layout_fingerprint: LayoutFingerprint(7), tp_size: 1 };
+    /// index.register_worker(WorkerKey(1), w)?;
+    /// index.register_worker(WorkerKey(1), w)?; // no change, still published
+    /// assert_eq!(index.publications(), 2);
+    /// index.apply_events(&[]); // an empty batch publishes nothing
+    /// assert_eq!(index.publications(), 2);
+    /// # Ok::<(), kv_lookup::LookupError>(())
+    /// ```
     pub fn publications(&self) -> u64 {
         self.state.publications()
     }
 
     /// Live incarnations that saw a gap and wait for
     /// [`InventoryIndex::resync_worker`].
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// let d = worker(Role::Decode);
+    /// index.apply_event(&event(&d, 1, StorageTier::Device, stored(4)))?;
+    /// assert!(index.workers_needing_resync().is_empty());
+    /// index.apply_event(&event(&d, 3, StorageTier::Device, KvEventData::Cleared))?; // event 2 was lost
+    /// assert_eq!(index.workers_needing_resync(), vec![d.engine]);
+    /// assert_eq!(index.stats().workers_needing_resync, 1);
+    /// # Ok::<(), LookupError>(())
+    /// ```
     pub fn workers_needing_resync(&self) -> Vec<EngineId> {
         let st = self.state.read();
         st.workers
@@ -280,6 +474,17 @@ impl InventoryIndex {
     }
 
     /// Identity of a live incarnation.
+    ///
+    /// ```
+    /// use kv_descriptor::{EngineId, LayoutFingerprint, Role};
+    /// use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
+    /// let index = InventoryIndex::new();
+    /// let w = WorkerInfo { engine: EngineId::fresh(), role: Role::Prefill, layout_fingerprint: LayoutFingerprint(7), tp_size: 2 };
+    /// index.register_worker(WorkerKey(3), w)?;
+    /// assert_eq!(index.worker(w.engine), Some((WorkerKey(3), w)));
+    /// assert_eq!(index.worker(EngineId::fresh()), None);
+    /// # Ok::<(), kv_lookup::LookupError>(())
+    /// ```
     pub fn worker(&self, engine: EngineId) -> Option<(WorkerKey, WorkerInfo)> {
         let st = self.state.read();
         let slot = *st.by_engine.get(&engine)?;
@@ -287,6 +492,29 @@ impl InventoryIndex {
     }
 
     /// Tiers in which `engine` holds `hash` (empty for unknown engines).
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// use kv_descriptor::StorageTier::{Device, RetainedGpuDirect};
+    /// let d = worker(Role::Decode);
+    /// index.apply_event(&event(&d, 1, RetainedGpuDirect, stored(4)))?;
+    /// index.apply_event(&event(&d, 2, Device, stored(2)))?;
+    /// assert_eq!(index.holds(d.engine, hashes[1]), vec![Device, RetainedGpuDirect]);
+    /// assert_eq!(index.holds(d.engine, hashes[3]), vec![RetainedGpuDirect]);
+    /// assert!(index.holds(EngineId::fresh(), hashes[0]).is_empty());
+    /// # Ok::<(), LookupError>(())
+    /// ```
     pub fn holds(&self, engine: EngineId, hash: SequenceHash) -> Vec<StorageTier> {
         let st = self.state.read();
         let Some(&slot) = st.by_engine.get(&engine) else {
@@ -302,6 +530,29 @@ impl InventoryIndex {
     }
 
     /// Counters and sizes.
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// const RET: StorageTier = StorageTier::RetainedGpuDirect;
+    /// let d = worker(Role::Decode);
+    /// index.apply_event(&event(&d, 1, RET, stored(4)))?;
+    /// index.apply_event(&event(&d, 2, RET, KvEventData::Removed { sequence_hashes: vec![hashes[3]] }))?;
+    /// let stats = index.stats();
+    /// assert_eq!((stats.workers, stats.events_applied), (1, 2));
+    /// assert_eq!(stats.held_blocks_in(RET), 3);
+    /// # Ok::<(), LookupError>(())
+    /// ```
     pub fn stats(&self) -> IndexStats {
         self.state.read().stats()
     }

@@ -7,6 +7,55 @@
 //! retained bank covers the longest prefix of the request from the root, plus
 //! the target's own baseline.
 //!
+//! # Example
+//! A decode worker retains the first 4 blocks of a conversation; a 6-block
+//! request routed to a prefill worker finds it as donor of those 4; once the
+//! decode worker evicts them, the request finds no donor.
+//!
+//! ```
+//! use kv_descriptor::{
+//!     sequence_hashes, token_block_hashes, EngineId, KvEvent, KvEventData, LayoutFingerprint,
+//!     Role, StorageTier, StoredBlock,
+//! };
+//! use kv_lookup::{InventoryIndex, LookupBudget, NoDonorReason, WorkerInfo, WorkerKey};
+//!
+//! let index = InventoryIndex::new();
+//! let layout = LayoutFingerprint(42); // both run the same model: same `KvLayout::fingerprint`
+//! let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: layout, tp_size: 1 };
+//! let (decode, prefill) = (worker(Role::Decode), worker(Role::Prefill));
+//! index.register_worker(WorkerKey(1), decode)?;
+//! index.register_worker(WorkerKey(2), prefill)?;
+//!
+//! // 96 tokens at 16 tokens per block: 6 chained block hashes, root first.
+//! let tokens: Vec<u32> = (0..96).collect();
+//! let hashes = sequence_hashes(&tokens, 16);
+//! let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+//!     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None })
+//!     .collect();
+//! // The decode worker's event stream (ids from 1), in its retained tier.
+//! let event = |event_id, data| KvEvent {
+//!     publisher: decode.engine, event_id, role: Role::Decode, layout_fingerprint: layout,
+//!     tp_size: 1, tier: StorageTier::RetainedGpuDirect, data,
+//! };
+//! index.apply_event(&event(1, KvEventData::Stored { parent: None, blocks: blocks[..4].to_vec() }))?;
+//!
+//! let out = index.lookup(&hashes, prefill.engine, LookupBudget::default());
+//! let donor = out.donor.unwrap();
+//! assert_eq!((donor.engine, donor.worker, donor.blocks), (decode.engine, WorkerKey(1), 4));
+//! assert_eq!(out.baseline.blocks(), 0); // the prefill worker holds none of it
+//!
+//! index.apply_event(&event(2, KvEventData::Removed { sequence_hashes: hashes[..4].to_vec() }))?;
+//! let out = index.lookup(&hashes, prefill.engine, LookupBudget::default());
+//! assert_eq!(out.donor, Err(NoDonorReason::NoRootCoverage));
+//! assert!(index.holds(decode.engine, hashes[0]).is_empty());
+//! # Ok::<(), kv_lookup::LookupError>(())
+//! ```
+//!
+//! Most item examples below hide this setup (`# ` lines): `index` (empty),
+//! `worker(role)` (a fresh [`WorkerInfo`], one layout, TP 1), `hashes` (4
+//! chained blocks of 16 tokens), `stored(n)` (a Stored event's data: the
+//! first `n` of them from the root) and `event(&worker, event_id, tier, data)`.
+//!
 //! # Invariants
 //! - Per publisher, events apply in `event_id` order: a repeated or older id
 //!   is ignored ([`EventOutcome::Duplicate`]); a skipped id is applied but

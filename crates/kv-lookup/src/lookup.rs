@@ -56,6 +56,14 @@ pub struct LookupBudget {
 
 impl LookupBudget {
     /// `time_us` microseconds and `max_probes` probes.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use kv_lookup::LookupBudget;
+    /// let b = LookupBudget::new(250, 1_024);
+    /// assert_eq!((b.time, b.max_probes), (Duration::from_micros(250), 1_024));
+    /// assert_eq!(LookupBudget::default(), LookupBudget::new(1_000, 16_384));
+    /// ```
     pub const fn new(time_us: u64, max_probes: u32) -> Self {
         Self {
             time: Duration::from_micros(time_us),
@@ -72,6 +80,35 @@ impl Default for LookupBudget {
 }
 
 /// A donor that holds the request's prefix from the root in its retained bank.
+///
+/// ```
+/// # use kv_descriptor::*;
+/// # use kv_lookup::*;
+/// # let index = InventoryIndex::new();
+/// # let fp = LayoutFingerprint(42);
+/// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+/// # let tokens: Vec<u32> = (0..64).collect();
+/// # let hashes = sequence_hashes(&tokens, 16);
+/// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+/// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+/// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+/// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+/// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+/// use kv_lookup::DonorMatch;
+/// const RET: StorageTier = StorageTier::RetainedGpuDirect;
+/// let (d1, d2, p) = (worker(Role::Decode), worker(Role::Decode), worker(Role::Prefill));
+/// for (key, w) in [(1, d1), (2, d2), (3, p)] {
+///     index.register_worker(WorkerKey(key), w)?;
+/// }
+/// index.apply_event(&event(&d1, 1, RET, stored(3)))?;
+/// index.apply_event(&event(&d2, 1, RET, stored(3)))?;
+/// // Both decode workers hold blocks 0..3: one is chosen, the tie is reported.
+/// let donor: DonorMatch = index.lookup(&hashes, p.engine, LookupBudget::default()).donor.unwrap();
+/// assert_eq!((donor.blocks, donor.tied), (3, 2));
+/// assert!([d1.engine, d2.engine].contains(&donor.engine));
+/// assert_eq!(index.worker(donor.engine).unwrap().0, donor.worker);
+/// # Ok::<(), LookupError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DonorMatch {
     /// Donor incarnation (decode role, same layout and TP as the target).
@@ -86,6 +123,32 @@ pub struct DonorMatch {
 }
 
 /// What the target already has: the donor must beat this to be worth a fetch.
+///
+/// ```
+/// # use kv_descriptor::*;
+/// # use kv_lookup::*;
+/// # let index = InventoryIndex::new();
+/// # let fp = LayoutFingerprint(42);
+/// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+/// # let tokens: Vec<u32> = (0..64).collect();
+/// # let hashes = sequence_hashes(&tokens, 16);
+/// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+/// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+/// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+/// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+/// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+/// use kv_lookup::{NoDonorReason, TargetBaseline};
+/// let (d, p) = (worker(Role::Decode), worker(Role::Prefill));
+/// index.register_worker(WorkerKey(1), d)?;
+/// index.register_worker(WorkerKey(2), p)?;
+/// index.apply_event(&event(&d, 1, StorageTier::RetainedGpuDirect, stored(2)))?;
+/// index.apply_event(&event(&p, 1, StorageTier::Device, stored(3)))?;
+/// // The target already computed 3 blocks; a donor of 2 is not worth a fetch.
+/// let out = index.lookup(&hashes, p.engine, LookupBudget::default());
+/// assert_eq!(out.baseline, TargetBaseline { native_blocks: 3, retained_blocks: 0 });
+/// assert_eq!(out.donor, Err(NoDonorReason::NotBeyondBaseline { donor_blocks: 2, baseline_blocks: 3 }));
+/// # Ok::<(), LookupError>(())
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TargetBaseline {
     /// Root-prefix blocks in the target's native device cache.
@@ -97,12 +160,45 @@ pub struct TargetBaseline {
 
 impl TargetBaseline {
     /// Blocks the target does not need from a donor: the longer of both.
+    ///
+    /// ```
+    /// use kv_lookup::TargetBaseline;
+    /// let baseline = TargetBaseline { native_blocks: 3, retained_blocks: 5 };
+    /// assert_eq!(baseline.blocks(), 5);
+    /// ```
     pub fn blocks(&self) -> u32 {
         self.native_blocks.max(self.retained_blocks)
     }
 }
 
 /// Why a lookup returned no donor.
+///
+/// ```
+/// # use kv_descriptor::*;
+/// # use kv_lookup::*;
+/// # let index = InventoryIndex::new();
+/// # let fp = LayoutFingerprint(42);
+/// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+/// # let tokens: Vec<u32> = (0..64).collect();
+/// # let hashes = sequence_hashes(&tokens, 16);
+/// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+/// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+/// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+/// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+/// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+/// use kv_lookup::NoDonorReason;
+/// let (d, p) = (worker(Role::Decode), worker(Role::Prefill));
+/// let budget = LookupBudget::default();
+/// index.register_worker(WorkerKey(2), p)?;
+/// assert_eq!(index.lookup(&[], p.engine, budget).donor, Err(NoDonorReason::EmptyRequest));
+/// assert_eq!(index.lookup(&hashes, p.engine, budget).donor, Err(NoDonorReason::NoCompatibleDonor));
+/// index.register_worker(WorkerKey(1), d)?;
+/// assert_eq!(index.lookup(&hashes, p.engine, budget).donor, Err(NoDonorReason::NoRootCoverage));
+/// let why = index.lookup(&hashes, d.engine, budget).donor.unwrap_err();
+/// assert_eq!(why, NoDonorReason::TargetNotPrefill(d.engine, Role::Decode));
+/// assert!(why.to_string().ends_with("has role Decode, not Prefill"));
+/// # Ok::<(), LookupError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum NoDonorReason {
     /// The request has no full block.
@@ -146,6 +242,34 @@ pub enum NoDonorReason {
 }
 
 /// Result of [`InventoryIndex::lookup`].
+///
+/// ```
+/// # use kv_descriptor::*;
+/// # use kv_lookup::*;
+/// # let index = InventoryIndex::new();
+/// # let fp = LayoutFingerprint(42);
+/// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+/// # let tokens: Vec<u32> = (0..64).collect();
+/// # let hashes = sequence_hashes(&tokens, 16);
+/// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+/// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+/// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+/// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+/// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+/// use kv_lookup::LookupOutcome;
+/// let (d, p) = (worker(Role::Decode), worker(Role::Prefill));
+/// index.register_worker(WorkerKey(1), d)?;
+/// index.register_worker(WorkerKey(2), p)?;
+/// index.apply_event(&event(&d, 1, StorageTier::RetainedGpuDirect, stored(4)))?;
+/// // 2 probes for a 4-block request: the walk stops early, with the best so far.
+/// let out: LookupOutcome = index.lookup(&hashes, p.engine, LookupBudget::new(1_000_000, 2));
+/// assert!(out.budget_exhausted);
+/// assert_eq!((out.donor.unwrap().blocks, out.probes), (2, 2));
+/// let out = index.lookup(&hashes, p.engine, LookupBudget::default());
+/// assert!(!out.budget_exhausted);
+/// assert_eq!((out.donor.unwrap().blocks, out.probes), (4, 4)); // a probe per block and group
+/// # Ok::<(), LookupError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LookupOutcome {
     /// Best donor, or why there is none.
@@ -517,13 +641,35 @@ impl InventoryIndex {
     /// nobody waits for. Costs one call per clock check.
     ///
     /// ```
-    /// use kv_descriptor::{EngineId, sequence_hashes};
-    /// use kv_lookup::{InventoryIndex, LookupBudget, NoDonorReason};
-    /// let index = InventoryIndex::new();
-    /// let hashes = sequence_hashes(&(0..64).collect::<Vec<u32>>(), 16);
-    /// let out = index.lookup_cancellable(&hashes, EngineId::fresh(), LookupBudget::default(), &|| true);
-    /// // An unknown target is refused before the walk; a known one would be cancelled.
-    /// assert!(matches!(out.donor, Err(NoDonorReason::UnknownTarget(_))));
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// use std::sync::atomic::{AtomicBool, Ordering};
+    /// use kv_lookup::NoDonorReason;
+    /// let (d, p) = (worker(Role::Decode), worker(Role::Prefill));
+    /// index.register_worker(WorkerKey(1), d)?;
+    /// index.register_worker(WorkerKey(2), p)?;
+    /// index.apply_event(&event(&d, 1, StorageTier::RetainedGpuDirect, stored(4)))?;
+    /// // Set by whoever learns that the client went away (another thread in practice).
+    /// let gone = AtomicBool::new(false);
+    /// let is_gone = || gone.load(Ordering::Relaxed);
+    /// let out = index.lookup_cancellable(&hashes, p.engine, LookupBudget::default(), &is_gone);
+    /// assert_eq!(out.donor.unwrap().blocks, 4);
+    /// gone.store(true, Ordering::Relaxed);
+    /// let out = index.lookup_cancellable(&hashes, p.engine, LookupBudget::default(), &is_gone);
+    /// // Asked before the first probe: nothing walked, no donor proposed.
+    /// assert_eq!(out.donor, Err(NoDonorReason::Cancelled { probes: 0 }));
+    /// assert!(!out.budget_exhausted); // cancelled, not out of budget
+    /// # Ok::<(), LookupError>(())
     /// ```
     pub fn lookup_cancellable(
         &self,

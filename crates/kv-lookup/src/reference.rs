@@ -28,6 +28,36 @@ struct NaiveWorker {
 }
 
 /// Reference model: the rules of [`crate::InventoryIndex`], written plainly.
+///
+/// ```
+/// # use kv_descriptor::*;
+/// # use kv_lookup::*;
+/// # let index = InventoryIndex::new();
+/// # let fp = LayoutFingerprint(42);
+/// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+/// # let tokens: Vec<u32> = (0..64).collect();
+/// # let hashes = sequence_hashes(&tokens, 16);
+/// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+/// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+/// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+/// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+/// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+/// use kv_lookup::reference::NaiveIndex;
+/// const RET: StorageTier = StorageTier::RetainedGpuDirect;
+/// let mut naive = NaiveIndex::default();
+/// let (d, p) = (worker(Role::Decode), worker(Role::Prefill));
+/// for (key, w) in [(1, d), (2, p)] {
+///     index.register_worker(WorkerKey(key), w)?;
+///     naive.register(WorkerKey(key), w);
+/// }
+/// // Same event, same outcome; same lookup, same donor and coverage.
+/// let e = event(&d, 1, RET, stored(3));
+/// assert_eq!(naive.apply(&e), Some(index.apply_event(&e)?));
+/// let fast = index.lookup(&hashes, p.engine, LookupBudget::default()).donor.unwrap();
+/// let slow = naive.lookup(&hashes, p.engine).unwrap();
+/// assert_eq!((slow.best_donors, slow.donor_blocks), (vec![fast.engine], fast.blocks));
+/// # Ok::<(), LookupError>(())
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct NaiveIndex {
     workers: HashMap<EngineId, NaiveWorker>,
@@ -36,6 +66,32 @@ pub struct NaiveIndex {
 }
 
 /// What the reference lookup found (no budget, so never flagged).
+///
+/// ```
+/// # use kv_descriptor::*;
+/// # use kv_lookup::*;
+/// # let index = InventoryIndex::new();
+/// # let fp = LayoutFingerprint(42);
+/// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+/// # let tokens: Vec<u32> = (0..64).collect();
+/// # let hashes = sequence_hashes(&tokens, 16);
+/// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+/// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+/// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+/// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+/// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+/// use kv_lookup::reference::{NaiveIndex, NaiveLookup};
+/// let mut naive = NaiveIndex::default();
+/// let (d, p) = (worker(Role::Decode), worker(Role::Prefill));
+/// naive.register(WorkerKey(1), d);
+/// naive.register(WorkerKey(2), p);
+/// naive.apply(&event(&d, 1, StorageTier::RetainedGpuDirect, stored(4)));
+/// naive.apply(&event(&p, 1, StorageTier::Device, stored(1)));
+/// assert_eq!(
+///     naive.lookup(&hashes, p.engine),
+///     Some(NaiveLookup { best_donors: vec![d.engine], donor_blocks: 4, native_blocks: 1, retained_blocks: 0 }),
+/// );
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NaiveLookup {
     /// Every donor with the longest root coverage, and that coverage in
@@ -52,6 +108,28 @@ pub struct NaiveLookup {
 impl NaiveIndex {
     /// Registers `info` under `key`, retiring the key's previous incarnation.
     /// Returns false (and changes nothing) for a retired engine.
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// use kv_lookup::reference::NaiveIndex;
+    /// let mut naive = NaiveIndex::default();
+    /// let w = worker(Role::Decode);
+    /// assert!(naive.register(WorkerKey(1), w));
+    /// let restarted = WorkerInfo { engine: EngineId::fresh(), ..w };
+    /// assert!(naive.register(WorkerKey(1), restarted)); // retires `w`
+    /// assert!(!naive.register(WorkerKey(2), w));
+    /// ```
     pub fn register(&mut self, key: WorkerKey, info: WorkerInfo) -> bool {
         if self.retired.contains(&info.engine) {
             return false;
@@ -75,6 +153,29 @@ impl NaiveIndex {
     }
 
     /// Retires an incarnation.
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// use kv_lookup::reference::NaiveIndex;
+    /// let mut naive = NaiveIndex::default();
+    /// let d = worker(Role::Decode);
+    /// naive.apply(&event(&d, 1, StorageTier::Device, stored(2)));
+    /// naive.remove(d.engine);
+    /// assert!(naive.holds(d.engine, hashes[0]).is_empty());
+    /// let late = naive.apply(&event(&d, 2, StorageTier::Device, KvEventData::Cleared));
+    /// assert_eq!(late, Some(EventOutcome::FromRetiredIncarnation));
+    /// ```
     pub fn remove(&mut self, engine: EngineId) {
         if self.workers.remove(&engine).is_some() {
             self.retired.insert(engine);
@@ -84,6 +185,28 @@ impl NaiveIndex {
 
     /// Applies an event; `None` when the event would be refused (identity
     /// mismatch or zero ids), otherwise what happened.
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// use kv_lookup::reference::NaiveIndex;
+    /// const RET: StorageTier = StorageTier::RetainedGpuDirect;
+    /// let mut naive = NaiveIndex::default();
+    /// let d = worker(Role::Decode); // registered by its first event
+    /// assert_eq!(naive.apply(&event(&d, 1, RET, stored(4))), Some(EventOutcome::Applied { changed: 4 }));
+    /// assert_eq!(naive.apply(&event(&d, 1, RET, stored(4))), Some(EventOutcome::Duplicate { last_event_id: 1 }));
+    /// assert_eq!(naive.apply(&event(&d, 0, RET, KvEventData::Cleared)), None); // refused: ids start at 1
+    /// ```
     pub fn apply(&mut self, e: &KvEvent) -> Option<EventOutcome> {
         if e.event_id == 0 || e.tp_size == 0 {
             return None;
@@ -150,6 +273,31 @@ impl NaiveIndex {
     }
 
     /// Replaces a worker's inventory (see [`crate::InventoryIndex::resync_worker`]).
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// use kv_lookup::reference::NaiveIndex;
+    /// const RET: StorageTier = StorageTier::RetainedGpuDirect;
+    /// let mut naive = NaiveIndex::default();
+    /// let d = worker(Role::Decode);
+    /// naive.apply(&event(&d, 1, RET, stored(1)));
+    /// let gap = naive.apply(&event(&d, 3, RET, stored(1)));
+    /// assert_eq!(gap, Some(EventOutcome::Gap { expected: 2, got: 3, changed: 0 }));
+    /// naive.resync(d.engine, 3, &[(RET, hashes.clone())]);
+    /// assert_eq!(naive.holds(d.engine, hashes[3]), vec![RET]);
+    /// assert_eq!(naive.apply(&event(&d, 3, RET, stored(1))), Some(EventOutcome::Duplicate { last_event_id: 3 }));
+    /// ```
     pub fn resync(
         &mut self,
         engine: EngineId,
@@ -167,6 +315,29 @@ impl NaiveIndex {
     }
 
     /// Tiers in which `engine` holds `hash`.
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// use kv_descriptor::StorageTier::{Device, RetainedGpuDirect};
+    /// use kv_lookup::reference::NaiveIndex;
+    /// let mut naive = NaiveIndex::default();
+    /// let d = worker(Role::Decode);
+    /// naive.apply(&event(&d, 1, RetainedGpuDirect, stored(4)));
+    /// naive.apply(&event(&d, 2, Device, stored(2)));
+    /// assert_eq!(naive.holds(d.engine, hashes[1]), vec![Device, RetainedGpuDirect]);
+    /// assert!(naive.holds(EngineId::fresh(), hashes[1]).is_empty());
+    /// ```
     pub fn holds(&self, engine: EngineId, hash: SequenceHash) -> Vec<StorageTier> {
         let Some(w) = self.workers.get(&engine) else {
             return Vec::new();
@@ -180,6 +351,31 @@ impl NaiveIndex {
 
     /// Unbounded lookup by the same rules; `None` when the target is unknown
     /// or not a prefill worker.
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// use kv_lookup::reference::NaiveIndex;
+    /// let mut naive = NaiveIndex::default();
+    /// let (d, p) = (worker(Role::Decode), worker(Role::Prefill));
+    /// naive.register(WorkerKey(1), d);
+    /// naive.register(WorkerKey(2), p);
+    /// naive.apply(&event(&p, 1, StorageTier::Device, stored(2)));
+    /// let out = naive.lookup(&hashes, p.engine).unwrap();
+    /// assert_eq!((out.best_donors.len(), out.native_blocks), (0, 2));
+    /// assert_eq!(naive.lookup(&hashes, d.engine), None); // not a prefill worker
+    /// assert_eq!(naive.lookup(&hashes, EngineId::fresh()), None); // unknown
+    /// ```
     pub fn lookup(&self, hashes: &[SequenceHash], target: EngineId) -> Option<NaiveLookup> {
         let t = self.workers.get(&target)?;
         if t.info.role != Role::Prefill {
@@ -244,6 +440,15 @@ fn naive_unchained(
 }
 
 /// Summary of a passing [`cross_check`].
+///
+/// ```
+/// use kv_lookup::reference::{cross_check, CrossCheckReport};
+/// let r: CrossCheckReport = cross_check(11, 1_000)?;
+/// assert!(r.events + r.lookups <= 1_000); // at most one of them per step
+/// assert!(0 < r.donors_found && r.donors_found <= r.lookups);
+/// assert_eq!(cross_check(11, 1_000)?, r); // reproduces from its seed
+/// # Ok::<(), String>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CrossCheckReport {
     /// Events applied to both.
@@ -280,6 +485,7 @@ impl SplitMix {
 /// # Errors
 /// A description of the first disagreement, with the step number and seed.
 ///
+/// # Examples
 /// ```
 /// let r = kv_lookup::reference::cross_check(7, 2_000).unwrap();
 /// assert!(r.lookups > 0 && r.donors_found > 0);

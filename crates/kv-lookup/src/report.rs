@@ -2,13 +2,39 @@
 //! totals of a batch, a registration's result and the index's counters.
 //! Plain data; nothing here changes the index.
 
-use kv_descriptor::EngineId;
+use kv_descriptor::{EngineId, StorageTier};
 
 use crate::chain::UnchainedStore;
-use crate::holder_table::TIERS;
+use crate::holder_table::{tier_index, TIERS};
 use crate::LookupError;
 
 /// What applying one event did.
+///
+/// ```
+/// # use kv_descriptor::*;
+/// # use kv_lookup::*;
+/// # let index = InventoryIndex::new();
+/// # let fp = LayoutFingerprint(42);
+/// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+/// # let tokens: Vec<u32> = (0..64).collect();
+/// # let hashes = sequence_hashes(&tokens, 16);
+/// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+/// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+/// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+/// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+/// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+/// use kv_lookup::EventOutcome;
+/// const RET: StorageTier = StorageTier::RetainedGpuDirect;
+/// let d = worker(Role::Decode);
+/// assert_eq!(index.apply_event(&event(&d, 1, RET, stored(4)))?, EventOutcome::Applied { changed: 4 });
+/// // A replayed id changes nothing.
+/// assert_eq!(index.apply_event(&event(&d, 1, RET, stored(4)))?, EventOutcome::Duplicate { last_event_id: 1 });
+/// // Event 2 was lost: event 3 still applies, but `d` is no donor until resynced.
+/// let gone = KvEventData::Removed { sequence_hashes: vec![hashes[3]] };
+/// assert_eq!(index.apply_event(&event(&d, 3, RET, gone))?, EventOutcome::Gap { expected: 2, got: 3, changed: 1 });
+/// assert_eq!(index.workers_needing_resync(), vec![d.engine]);
+/// # Ok::<(), LookupError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventOutcome {
     /// Applied in order; `changed` block entries were added or dropped.
@@ -49,6 +75,34 @@ pub enum EventOutcome {
 
 /// What [`crate::InventoryIndex::apply_events`] did: per-event outcomes
 /// ([`EventBatchReport::outcomes`]) and their totals.
+///
+/// ```
+/// # use kv_descriptor::*;
+/// # use kv_lookup::*;
+/// # let index = InventoryIndex::new();
+/// # let fp = LayoutFingerprint(42);
+/// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+/// # let tokens: Vec<u32> = (0..64).collect();
+/// # let hashes = sequence_hashes(&tokens, 16);
+/// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+/// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+/// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+/// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+/// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+/// use kv_lookup::{EventBatchReport, LookupError};
+/// const DEV: StorageTier = StorageTier::Device;
+/// let d = worker(Role::Decode);
+/// let report: EventBatchReport = index.apply_events(&[
+///     event(&d, 1, DEV, stored(4)),                // applied: 4 bits set
+///     event(&d, 1, DEV, stored(4)),                // duplicate
+///     event(&d, 0, DEV, KvEventData::Cleared),     // refused: ids start at 1
+///     event(&d, 3, DEV, KvEventData::Cleared),     // applied after a gap: 4 bits cleared
+/// ]);
+/// assert_eq!((report.applied, report.changed, report.duplicates), (2, 8, 1));
+/// assert_eq!(report.gaps, vec![(d.engine, 2, 3)]);
+/// assert_eq!(report.refused, vec![(2, LookupError::ZeroEventId { engine: d.engine })]);
+/// assert_eq!(report.outcomes.len(), 4);
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EventBatchReport {
     /// Events applied (in order or after a gap).
@@ -74,6 +128,19 @@ pub struct EventBatchReport {
 }
 
 /// Result of [`crate::InventoryIndex::register_worker`].
+///
+/// ```
+/// use kv_descriptor::{EngineId, LayoutFingerprint, Role};
+/// use kv_lookup::{InventoryIndex, Registration, WorkerInfo, WorkerKey};
+/// let index = InventoryIndex::new();
+/// let first = WorkerInfo { engine: EngineId::fresh(), role: Role::Decode, layout_fingerprint: LayoutFingerprint(7), tp_size: 1 };
+/// assert_eq!(index.register_worker(WorkerKey(1), first)?, Registration::Registered);
+/// assert_eq!(index.register_worker(WorkerKey(1), first)?, Registration::AlreadyRegistered);
+/// // The worker restarted: same key, new engine id.
+/// let restarted = WorkerInfo { engine: EngineId::fresh(), ..first };
+/// assert_eq!(index.register_worker(WorkerKey(1), restarted)?, Registration::Replaced { old: first.engine });
+/// # Ok::<(), kv_lookup::LookupError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Registration {
     /// A new worker.
@@ -88,7 +155,36 @@ pub enum Registration {
     },
 }
 
-/// Counters and sizes of an index, for metrics and benchmarks.
+/// Counters and sizes of an index, for metrics and benchmarks
+/// ([`crate::InventoryIndex::stats`]).
+///
+/// ```
+/// # use kv_descriptor::*;
+/// # use kv_lookup::*;
+/// # let index = InventoryIndex::new();
+/// # let fp = LayoutFingerprint(42);
+/// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+/// # let tokens: Vec<u32> = (0..64).collect();
+/// # let hashes = sequence_hashes(&tokens, 16);
+/// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+/// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+/// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+/// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+/// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+/// use kv_lookup::IndexStats;
+/// let (d1, d2) = (worker(Role::Decode), worker(Role::Decode));
+/// index.apply_event(&event(&d1, 1, StorageTier::RetainedGpuDirect, stored(4)))?;
+/// index.apply_event(&event(&d2, 1, StorageTier::RetainedGpuDirect, stored(2)))?;
+/// index.apply_event(&event(&d2, 1, StorageTier::RetainedGpuDirect, stored(2)))?; // duplicate
+/// let stats: IndexStats = index.stats();
+/// assert_eq!(stats.workers, 2);
+/// // Both workers share one group: 4 distinct hashes, 6 held (worker, block) pairs.
+/// assert_eq!(stats.entries, 4);
+/// assert_eq!(stats.held_blocks_in(StorageTier::RetainedGpuDirect), 6);
+/// assert_eq!((stats.events_applied, stats.duplicates, stats.gaps), (2, 1, 0));
+/// assert!(stats.table_bytes > 0);
+/// # Ok::<(), LookupError>(())
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct IndexStats {
     /// Live worker incarnations.
@@ -98,7 +194,8 @@ pub struct IndexStats {
     /// Distinct (sequence hash, worker group) entries.
     pub entries: usize,
     /// Held (worker, block) pairs per tier, in the order Device, HostPinned,
-    /// Disk, External, RetainedGpuDirect.
+    /// Disk, External, RetainedGpuDirect ([`IndexStats::held_blocks_in`]
+    /// reads one tier by name).
     pub held_blocks: [u64; TIERS],
     /// Bytes of the holder tables.
     pub table_bytes: usize,
@@ -113,4 +210,61 @@ pub struct IndexStats {
     /// Stored events not stored because they did not chain, since creation
     /// (also those reported as a gap).
     pub unchained: u64,
+}
+
+impl IndexStats {
+    /// Held (worker, block) pairs in `tier`: the entry of
+    /// [`IndexStats::held_blocks`] for that tier, a count of blocks summed
+    /// over workers (a block two workers hold counts twice).
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let index = InventoryIndex::new();
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// let d = worker(Role::Decode);
+    /// index.apply_event(&event(&d, 1, StorageTier::Device, stored(4)))?;
+    /// index.apply_event(&event(&d, 2, StorageTier::HostPinned, stored(1)))?;
+    /// let stats = index.stats();
+    /// assert_eq!(stats.held_blocks_in(StorageTier::Device), 4);
+    /// assert_eq!(stats.held_blocks_in(StorageTier::HostPinned), 1);
+    /// assert_eq!(stats.held_blocks_in(StorageTier::RetainedGpuDirect), 0);
+    /// # Ok::<(), LookupError>(())
+    /// ```
+    pub fn held_blocks_in(&self, tier: StorageTier) -> u64 {
+        self.held_blocks[tier_index(tier)]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::holder_table::ALL_TIERS;
+
+    #[test]
+    fn held_blocks_in_reads_the_documented_position_of_each_tier() {
+        let stats = IndexStats {
+            held_blocks: [10, 11, 12, 13, 14],
+            ..IndexStats::default()
+        };
+        let named = [
+            StorageTier::Device,
+            StorageTier::HostPinned,
+            StorageTier::Disk,
+            StorageTier::External,
+            StorageTier::RetainedGpuDirect,
+        ];
+        assert_eq!(named, ALL_TIERS);
+        for (i, tier) in named.into_iter().enumerate() {
+            assert_eq!(stats.held_blocks_in(tier), 10 + i as u64, "{tier:?}");
+        }
+    }
 }

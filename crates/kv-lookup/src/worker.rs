@@ -12,6 +12,19 @@ use crate::holder_table::TIERS;
 /// An [`EngineId`] names one incarnation; a `WorkerKey` names the worker.
 /// Registering a new incarnation under a known key retires the old one and
 /// drops all its entries.
+///
+/// ```
+/// use kv_descriptor::{EngineId, LayoutFingerprint, Role};
+/// use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
+/// let index = InventoryIndex::new();
+/// let old = WorkerInfo { engine: EngineId::fresh(), role: Role::Decode, layout_fingerprint: LayoutFingerprint(7), tp_size: 1 };
+/// let new = WorkerInfo { engine: EngineId::fresh(), ..old };
+/// index.register_worker(WorkerKey(7), old)?;
+/// index.register_worker(WorkerKey(7), new)?; // a restart: same key, new incarnation
+/// assert_eq!(index.worker(new.engine), Some((WorkerKey(7), new)));
+/// assert_eq!(index.worker(old.engine), None);
+/// # Ok::<(), kv_lookup::LookupError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerKey(pub u64);
 
@@ -20,6 +33,21 @@ impl WorkerKey {
     /// [`crate::InventoryIndex::register_worker`] call: the engine id folded to
     /// 64 bits. Such a worker is its own incarnation; its restart cannot be
     /// linked to it, so the old incarnation stays until removed.
+    ///
+    /// ```
+    /// use kv_descriptor::*;
+    /// use kv_lookup::{InventoryIndex, WorkerKey};
+    /// let index = InventoryIndex::new();
+    /// let engine = EngineId(uuid::Uuid::from_u128(5 << 64 | 3));
+    /// assert_eq!(WorkerKey::of_engine(engine), WorkerKey(5 ^ 3));
+    /// // An event of an unregistered engine registers it under this key.
+    /// index.apply_event(&KvEvent {
+    ///     publisher: engine, event_id: 1, role: Role::Decode, layout_fingerprint: LayoutFingerprint(7),
+    ///     tp_size: 1, tier: StorageTier::Device, data: KvEventData::Cleared,
+    /// })?;
+    /// assert_eq!(index.worker(engine).unwrap().0, WorkerKey::of_engine(engine));
+    /// # Ok::<(), kv_lookup::LookupError>(())
+    /// ```
     pub fn of_engine(engine: EngineId) -> Self {
         let v = engine.0.as_u128();
         Self((v as u64) ^ ((v >> 64) as u64))
@@ -51,6 +79,17 @@ impl WorkerInfo {
     /// True when blocks can move between the two as they are: equal layout
     /// fingerprint and equal TP size (no resharding; the fingerprint already
     /// includes TP, the explicit check guards against a mis-set fingerprint).
+    /// Role and engine do not matter.
+    ///
+    /// ```
+    /// use kv_descriptor::{EngineId, LayoutFingerprint, Role};
+    /// use kv_lookup::WorkerInfo;
+    /// let decode = WorkerInfo { engine: EngineId::fresh(), role: Role::Decode, layout_fingerprint: LayoutFingerprint(7), tp_size: 2 };
+    /// let prefill = WorkerInfo { engine: EngineId::fresh(), role: Role::Prefill, ..decode };
+    /// assert!(decode.compatible_with(&prefill));
+    /// // Another model or KV dtype: another fingerprint, no transfer.
+    /// assert!(!decode.compatible_with(&WorkerInfo { layout_fingerprint: LayoutFingerprint(8), ..prefill }));
+    /// ```
     pub fn compatible_with(&self, other: &WorkerInfo) -> bool {
         self.layout_fingerprint == other.layout_fingerprint && self.tp_size == other.tp_size
     }
