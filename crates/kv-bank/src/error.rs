@@ -113,6 +113,41 @@ pub enum BankError {
         /// Ranks that had not acknowledged.
         missing: Vec<u32>,
     },
+    /// A rank acknowledged a pending store while some of its entries were
+    /// never written (or their last write failed): acking them would publish
+    /// whatever the slots held before (another block's bytes). The store stays
+    /// pending: the rank may write the entries and ack again, or fail it; the
+    /// store timeout rolls it back otherwise.
+    #[error(
+        "store {store_id}: `rank` {rank} acked with {missing} unwritten entries \
+         (first `index` {first}); write them (write_pending / write_pending_from_device) \
+         before acking, or fail the store"
+    )]
+    Unwritten {
+        /// Store id.
+        store_id: u64,
+        /// Rank that acked.
+        rank: u32,
+        /// How many of the rank's entries are unwritten.
+        missing: usize,
+        /// Index (in the store's entries) of the first unwritten entry.
+        first: usize,
+    },
+    /// A write to a pending store by a rank that already acked it: that
+    /// rank's part is sealed, its bytes may not change under a block that is
+    /// (or is about to be) ready.
+    #[error(
+        "store {store_id}: `rank` {rank} already acked, its entries are sealed \
+         (write to `index` {index} refused)"
+    )]
+    RankAcked {
+        /// Store id.
+        store_id: u64,
+        /// Rank that wrote after its ack.
+        rank: u32,
+        /// First entry index of the refused write.
+        index: usize,
+    },
     /// The bank is closing or closed: no new pins or stores.
     #[error("bank generation {generation} is closed")]
     Closed {

@@ -131,10 +131,9 @@ fn fill(bank: &BankManager, seed: u32, n: u32) -> Result<Vec<(SequenceHash, u32)
     let blocks = sealed_blocks(None, &tokens, tpb as usize);
     let p = bank.store(None, &blocks)?;
     for r in 0..bank.manifest().tp_size() {
-        let rb = bank.rank(r)?;
-        let len = rb.descriptor().slot_bytes() as usize;
-        for (h, slot) in &p.entries {
-            rb.write_slot(*slot, &pattern(*h, r, len))?;
+        let len = bank.manifest().parts()[r as usize].slot_bytes() as usize;
+        for (index, (h, _)) in p.entries.iter().enumerate() {
+            bank.write_pending(p.store_id, r, index, &pattern(*h, r, len))?;
         }
         bank.ack(p.store_id, r)?;
     }

@@ -45,8 +45,15 @@
 //! # Invariants
 //! - A slot holds one rank's part of one sealed (full) block. A store is
 //!   *ready* (visible to lookups, pins, inventory and events) only after
-//!   every rank acknowledged its part; a failed or timed-out rank rolls it
-//!   back on all ranks, with no event.
+//!   every rank wrote and acknowledged its part; a failed or timed-out rank
+//!   rolls it back on all ranks, with no event.
+//! - A rank's ack is checked, not trusted: it is refused
+//!   ([`BankError::Unwritten`], the store stays pending) until every entry
+//!   of that rank was written by a successful
+//!   [`BankManager::write_pending`] / [`BankManager::write_pending_from_device`]
+//!   (the only writers a store counts), so a block never becomes ready
+//!   holding an evicted block's bytes. Once acked, the rank's part is sealed:
+//!   its writes are refused ([`BankError::RankAcked`]).
 //! - Eviction is LRU over ready, unpinned slots and never touches a pinned or
 //!   pending slot. Pins are RAII guards ([`ManagerPin`]).
 //! - Retained blocks are copies, independent of the engine's native cache; the

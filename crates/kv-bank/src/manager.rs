@@ -1,7 +1,7 @@
 //! The bank manager of one role: one retained bank (TP1) or one rank-local
 //! bank per TP rank sharing logical slot ids, with stores that become ready
-//! only after every rank acknowledged, pins, LRU eviction, inventory events
-//! and close.
+//! only after every rank wrote and acknowledged, pins, LRU eviction,
+//! inventory events and close.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -195,11 +195,63 @@ enum Phase {
 #[derive(Debug)]
 struct Pending {
     entries: Vec<(StoredBlock, Option<SequenceHash>, u32)>,
-    acked: Vec<bool>,
+    /// One per TP rank: what that rank wrote and whether it acked.
+    ranks: Vec<RankPart>,
     started: Instant,
-    /// `write_pending` copies into this store's slots running now (outside
-    /// the state lock); the ack that makes the store ready waits for 0.
+}
+
+impl Pending {
+    fn new(entries: Vec<(StoredBlock, Option<SequenceHash>, u32)>, tp_size: u32) -> Self {
+        let part = RankPart {
+            written: vec![false; entries.len()],
+            acked: false,
+            in_flight: 0,
+        };
+        Self {
+            ranks: vec![part; tp_size as usize],
+            entries,
+            started: Instant::now(),
+        }
+    }
+    fn acked(&self) -> impl Iterator<Item = bool> + '_ {
+        self.ranks.iter().map(|r| r.acked)
+    }
+    /// Ranks that have not acked.
+    fn missing_ranks(&self) -> Vec<u32> {
+        (0u32..)
+            .zip(&self.ranks)
+            .filter(|(_, r)| !r.acked)
+            .map(|(rank, _)| rank)
+            .collect()
+    }
+    /// Copies into this store running now, all ranks.
+    fn in_flight(&self) -> u32 {
+        self.ranks.iter().map(|r| r.in_flight).sum()
+    }
+}
+
+/// One rank's part of a pending store.
+#[derive(Debug, Clone)]
+struct RankPart {
+    /// `written[i]`: a `write_pending*` copy of this rank into entry `i`
+    /// succeeded (and no later one into it failed). The ack refuses while
+    /// one is false ([`BankError::Unwritten`]).
+    written: Vec<bool>,
+    /// The rank acked: its part is sealed, writes are refused
+    /// ([`BankError::RankAcked`]).
+    acked: bool,
+    /// This rank's `write_pending*` copies into the store running now
+    /// (outside the state lock); its ack waits for 0 before it checks
+    /// `written`.
     in_flight: u32,
+}
+
+impl RankPart {
+    /// How many entries are unwritten, and the first of them.
+    fn unwritten(&self) -> Option<(usize, usize)> {
+        let first = self.written.iter().position(|w| !w)?;
+        Some((self.written.iter().filter(|w| !**w).count(), first))
+    }
 }
 
 #[derive(Debug)]
@@ -242,8 +294,11 @@ struct Shared {
 ///
 /// Lifecycle of a block: [`BankManager::store`] takes logical slots (free
 /// ones first, then LRU eviction of unpinned ready ones) and marks them
-/// pending; every rank writes its part of each slot and calls
-/// [`BankManager::ack`]; when the last rank acks the blocks become ready,
+/// pending; every rank writes its part of each slot
+/// ([`BankManager::write_pending`] or
+/// [`BankManager::write_pending_from_device`], the only writers an ack
+/// counts) and calls [`BankManager::ack`], refused until the rank wrote every
+/// entry; when the last rank acks the blocks become ready,
 /// appear in [`BankManager::inventory`] and a `Stored` event is queued. A
 /// failed rank ([`BankManager::fail`]) or a missed deadline rolls the store
 /// back on all ranks, with no event. Ready blocks are pinned by
@@ -251,7 +306,7 @@ struct Shared {
 /// touches a pinned slot. [`BankManager::close`] kills the generation.
 ///
 /// ```
-/// use kv_bank::{BankConfig, BankManager, sealed_blocks, StoreStatus};
+/// use kv_bank::{BankConfig, BankError, BankManager, sealed_blocks, StoreStatus};
 /// use kv_descriptor::*;
 /// let layout = KvLayout::new(2, 2, 8, DType::F32, 4, TensorOrder::BlockMajor, 2).unwrap();
 /// let cfg = BankConfig::new(layout, OwnerLease::fresh(Role::Decode), 8 * layout.block_bytes() as u64);
@@ -259,8 +314,18 @@ struct Shared {
 /// assert_eq!(bank.manifest().tp_size(), 2);
 /// let blocks = sealed_blocks(None, &(0..12).collect::<Vec<u32>>(), 4);
 /// let p = bank.store(None, &blocks).unwrap();
+/// let write = |rank: u32| {
+///     for i in 0..p.entries.len() {
+///         let part = vec![rank as u8 + 1; layout.rank_block_bytes()];
+///         bank.write_pending(p.store_id, rank, i, &part).unwrap();
+///     }
+/// };
+/// // A rank acks only after writing its part of every entry.
+/// assert!(matches!(bank.ack(p.store_id, 0), Err(BankError::Unwritten { rank: 0, .. })));
+/// write(0);
 /// assert_eq!(bank.ack(p.store_id, 0).unwrap(), StoreStatus::Waiting { missing: vec![1] });
 /// assert!(bank.inventory().ready.is_empty()); // not before every rank acked
+/// write(1);
 /// assert_eq!(bank.ack(p.store_id, 1).unwrap(), StoreStatus::Ready);
 /// assert_eq!(bank.inventory().ready.len(), 3);
 /// let hashes: Vec<_> = blocks.iter().map(|b| b.sequence_hash).collect();

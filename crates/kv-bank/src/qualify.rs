@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use kv_descriptor::{DType, KvEventData, KvLayout, OwnerLease, Role, SequenceHash, TensorOrder};
 
-use crate::{sealed_blocks, BankConfig, BankError, BankManager, ExclusionLineage, StoreStatus};
+use crate::{
+    sealed_blocks, BankConfig, BankError, BankManager, ExclusionLineage, PendingStore, StoreStatus,
+};
 
 /// One named check of the section.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -105,11 +107,11 @@ fn hashes(b: &[kv_descriptor::StoredBlock]) -> Vec<SequenceHash> {
     b.iter().map(|b| b.sequence_hash).collect()
 }
 
-fn fill(bank: &BankManager, entries: &[(SequenceHash, u32)], rank: u32) -> Result<(), BankError> {
-    let rb = bank.rank(rank)?;
-    for (h, slot) in entries {
-        let bytes = pattern(h, rank, rb.descriptor().slot_bytes() as usize);
-        rb.write_slot(*slot, &bytes)?;
+/// Writes rank `rank`'s pattern into every entry of pending store `p`.
+fn fill(bank: &BankManager, p: &PendingStore, rank: u32) -> Result<(), BankError> {
+    let len = bank.manifest().parts()[rank as usize].slot_bytes() as usize;
+    for (index, (h, _)) in p.entries.iter().enumerate() {
+        bank.write_pending(p.store_id, rank, index, &pattern(h, rank, len))?;
     }
     Ok(())
 }
@@ -148,10 +150,32 @@ fn lifecycle(
     let tokens: Vec<u32> = (100..118).collect(); // 4 sealed blocks + 2 unsealed tokens
     let a = sealed_blocks(None, &tokens, 4);
     let p = bank.store(None, &a)?;
-    fill(&bank, &p.entries, 0)?;
+    // An ack before the rank wrote would publish whatever the slots held.
+    let unwritten = bank.ack(p.store_id, 0);
+    fill(&bank, &p, 0)?;
     let after_one = bank.ack(p.store_id, 0)?;
+    let sealed = bank.write_pending(
+        p.store_id,
+        0,
+        0,
+        &vec![0; bank.manifest().parts()[0].slot_bytes() as usize],
+    );
+    check(
+        checks,
+        "ack_only_after_the_rank_wrote_and_writes_sealed_by_it",
+        matches!(
+            unwritten,
+            Err(BankError::Unwritten {
+                rank: 0,
+                missing: 4,
+                first: 0,
+                ..
+            })
+        ) && matches!(sealed, Err(BankError::RankAcked { rank: 0, .. })),
+        format!("ack before writing: {unwritten:?}; write after ack: {sealed:?}"),
+    );
     let hidden = bank.inventory().ready.is_empty() && bank.pin_prefix(&hashes(&a)[..1]).is_err();
-    fill(&bank, &p.entries, 1)?;
+    fill(&bank, &p, 1)?;
     let ready = bank.ack(p.store_id, 1)? == StoreStatus::Ready;
     check(
         checks,
@@ -189,11 +213,12 @@ fn lifecycle(
 
     let b = sealed_blocks(None, &(500..508).collect::<Vec<u32>>(), 4);
     let pb = bank.store(None, &b)?;
-    fill(&bank, &pb.entries, 0)?;
+    fill(&bank, &pb, 0)?;
     bank.ack(pb.store_id, 0)?;
     bank.fail(pb.store_id, 1)?;
     let rolled = bank.inventory().ready.len() == 4 && bank.lookup(&b[0].sequence_hash).is_none();
     let pc = bank.store(None, &b)?;
+    fill(&bank, &pc, 0)?;
     bank.ack(pc.store_id, 0)?;
     std::thread::sleep(Duration::from_millis(60));
     let timed_out = matches!(
@@ -239,7 +264,7 @@ fn lifecycle(
         &sealed_blocks(None, &(900..912).collect::<Vec<u32>>(), 4),
     )?;
     for r in 0..2 {
-        fill(&bank, &pd.entries, r)?;
+        fill(&bank, &pd, r)?;
         bank.ack(pd.store_id, r)?;
     }
     let kept = bank.ready_prefix_len(&hashes(&a));

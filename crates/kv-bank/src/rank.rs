@@ -20,6 +20,16 @@ pub struct RankMemory {
 /// each (`slot_bytes` = the layout's rank block bytes), slot `s` at byte
 /// offset `s x slot_bytes` of the memory. Which block a slot holds is decided
 /// by the owning [`crate::BankManager`], identically for every rank.
+///
+/// A store's slots are filled only through
+/// [`crate::BankManager::write_pending`] (host bytes) and
+/// [`crate::BankManager::write_pending_from_device`] (device rows): they
+/// check the slot is pending for that store and record which entries each
+/// rank wrote, and [`crate::BankManager::ack`] refuses a rank until it wrote
+/// every entry ([`BankError::Unwritten`]). The raw writers here
+/// ([`RankBank::write_slot`], [`RankBank::write_slots_from_device`], or a
+/// copy to [`RankBank::slot_addr`]) are unchecked and not recorded: a slot
+/// filled with them alone does not let its rank ack.
 #[derive(Debug, Clone)]
 pub struct RankBank {
     descriptor: BankDescriptor,
@@ -52,6 +62,12 @@ impl RankBank {
     }
     /// Address of slot `slot` in this process (host pointer or `CUdeviceptr`).
     ///
+    /// For reading and for diagnostics: a copy written to this address is
+    /// not recorded as written (see the type's docs), so storing a block goes
+    /// through [`crate::BankManager::write_pending`] or
+    /// [`crate::BankManager::write_pending_from_device`], never a direct
+    /// write here.
+    ///
     /// # Errors
     /// `slot` not below `slot_count`.
     pub fn slot_addr(&self, slot: u32) -> Result<u64, BankError> {
@@ -59,8 +75,10 @@ impl RankBank {
     }
     /// Copies `bytes` (exactly `slot_bytes` long) into slot `slot`.
     ///
-    /// Unchecked against the slot's state: write only slots of a pending
-    /// store you own (or use [`crate::BankManager::write_pending`], which checks).
+    /// Unchecked against the slot's state and not recorded as a store's
+    /// write: a rank that fills its slots with this cannot ack. Stores use
+    /// [`crate::BankManager::write_pending`], which checks the slot, records
+    /// the write and calls this.
     ///
     /// # Errors
     /// `slot` out of range, `bytes` of the wrong length, or the memory's copy error.
@@ -83,8 +101,9 @@ impl RankBank {
     /// every `i`, device to device; synchronous (see
     /// [`BankMemory::copy_from_device`]).
     ///
-    /// Unchecked against the slots' state, as [`RankBank::write_slot`]
-    /// (use [`crate::BankManager::write_pending_from_device`], which checks).
+    /// Unchecked and unrecorded, as [`RankBank::write_slot`] (stores use
+    /// [`crate::BankManager::write_pending_from_device`], which checks,
+    /// records the write and calls this).
     ///
     /// # Errors
     /// [`BankError::InvalidArgument`] naming `slot` (out of range) or

@@ -53,9 +53,13 @@ fn pinned_bytes_survive_concurrent_stores_and_close_drains_pins() {
                             // The bank may close between these calls: errors then are expected.
                             if let Ok(p) = bank.store(None, c) {
                                 for r in 0..2 {
-                                    let Ok(rb) = bank.rank(r) else { return };
-                                    for (h, slot) in &p.entries {
-                                        let _ = rb.write_slot(*slot, &pattern(*h, r, slot_bytes));
+                                    for (i, (h, _)) in p.entries.iter().enumerate() {
+                                        let _ = bank.write_pending(
+                                            p.store_id,
+                                            r,
+                                            i,
+                                            &pattern(*h, r, slot_bytes),
+                                        );
                                     }
                                     let _ = bank.ack(p.store_id, r);
                                 }

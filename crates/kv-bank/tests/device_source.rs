@@ -136,12 +136,10 @@ fn device_rows_land_in_the_slots_of_their_entries_in_one_copy_call() {
 fn host_writes_count_as_host_payload() {
     let b = bank(2, 8);
     let p = store_ready(&b, None, &chain(0, 3));
-    let stats = b.stats();
     let rbb = layout(2).rank_block_bytes() as u64;
     assert_eq!(p.entries.len(), 3);
-    // store_ready writes through RankBank::write_slot (unchecked, uncounted);
-    // write_pending is the counted path.
-    assert_eq!(stats.store_bytes_from_host, 0);
+    // store_ready writes every entry of both ranks through write_pending.
+    assert_eq!(b.stats().store_bytes_from_host, 6 * rbb);
     let q = b.store(None, &chain(100, 2)).unwrap();
     for r in 0..2 {
         for i in 0..2 {
@@ -149,7 +147,7 @@ fn host_writes_count_as_host_payload() {
                 .unwrap();
         }
     }
-    assert_eq!(b.stats().store_bytes_from_host, 4 * rbb);
+    assert_eq!(b.stats().store_bytes_from_host, 10 * rbb);
     assert_eq!(b.stats().store_bytes_from_device, 0);
 }
 

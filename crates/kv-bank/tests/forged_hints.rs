@@ -15,10 +15,10 @@ fn stored(bank: &BankManager, n: u32) -> Vec<(SequenceHash, u32)> {
     let blocks = sealed_blocks(None, &(0..4 * n).collect::<Vec<u32>>(), 4);
     let p = bank.store(None, &blocks).unwrap();
     for r in 0..2 {
-        let rb = bank.rank(r).unwrap();
-        let len = rb.descriptor().slot_bytes() as usize;
-        for (h, slot) in &p.entries {
-            rb.write_slot(*slot, &vec![h.0 as u8; len]).unwrap();
+        let len = bank.manifest().parts()[r as usize].slot_bytes() as usize;
+        for (i, (h, _)) in p.entries.iter().enumerate() {
+            bank.write_pending(p.store_id, r, i, &vec![h.0 as u8; len])
+                .unwrap();
         }
         bank.ack(p.store_id, r).unwrap();
     }

@@ -43,9 +43,14 @@ fn device_bank_stores_and_reads_back() {
     let blocks = sealed_blocks(None, &(0..16 * 8).collect::<Vec<u32>>(), 16);
     let p = bank.store(None, &blocks).unwrap();
     let rb = bank.rank(0).unwrap();
-    for (i, (_, slot)) in p.entries.iter().enumerate() {
-        rb.write_slot(*slot, &vec![i as u8 + 1; layout.rank_block_bytes()])
-            .unwrap();
+    for i in 0..p.entries.len() {
+        bank.write_pending(
+            p.store_id,
+            0,
+            i,
+            &vec![i as u8 + 1; layout.rank_block_bytes()],
+        )
+        .unwrap();
     }
     assert_eq!(bank.ack(p.store_id, 0).unwrap(), StoreStatus::Ready);
     let mut out = vec![0u8; layout.rank_block_bytes()];

@@ -70,10 +70,7 @@ fn wall_clock_step_does_not_lapse_a_live_lease() {
         &(0..8).collect::<Vec<u32>>(),
         l.tokens_per_block() as usize,
     );
-    let p = bank.store(None, &blocks[..1]).unwrap();
-    for r in 0..2 {
-        bank.ack(p.store_id, r).unwrap();
-    }
+    common::store_ready(&bank, None, &blocks[..1]);
 
     let before = SystemTime::now();
     WALL_OFFSET_S.store(STEP_S, Ordering::SeqCst);
@@ -108,10 +105,10 @@ fn wall_clock_step_does_not_lapse_a_live_lease() {
     assert_eq!(reclaim.live, 2, "both ranks' leases are live: {reclaim:?}");
     let next = next.expect("store after the step");
     assert_eq!(
-        bank.ack(next.store_id, 0).unwrap(),
+        common::write_and_ack(&bank, &next, 0),
         StoreStatus::Waiting { missing: vec![1] }
     );
-    assert_eq!(bank.ack(next.store_id, 1).unwrap(), StoreStatus::Ready);
+    assert_eq!(common::write_and_ack(&bank, &next, 1), StoreStatus::Ready);
     assert_eq!(
         bank.ready_prefix_len(&blocks.iter().map(|b| b.sequence_hash).collect::<Vec<_>>()),
         2

@@ -307,10 +307,7 @@ fn retained_blocks_are_copies_independent_of_the_native_cache() {
     let p = bank.store(None, &blocks).unwrap();
     let mut buf = vec![0u8; n];
     native.read_bytes(3 * n, &mut buf).unwrap();
-    bank.rank(0)
-        .unwrap()
-        .write_slot(p.entries[0].1, &buf)
-        .unwrap();
+    bank.write_pending(p.store_id, 0, 0, &buf).unwrap();
     bank.ack(p.store_id, 0).unwrap();
     let before = bank.inventory();
     // Native clear: the engine wipes and reuses its blocks.

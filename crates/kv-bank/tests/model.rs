@@ -15,8 +15,10 @@ use proptest::prelude::*;
 enum Op {
     /// Store the first `n` blocks of chain `c`.
     Store { c: usize, n: usize },
-    /// Ack rank `rank` of the `i`-th pending store (modulo count).
-    Ack { i: usize, rank: u32 },
+    /// Ack rank `rank` of the `i`-th pending store (modulo count), after
+    /// writing its every entry when `write` (else the ack is refused, or a
+    /// repeated one of a rank that acked).
+    Ack { i: usize, rank: u32, write: bool },
     /// Fail the `i`-th pending store.
     Fail { i: usize },
     /// Pin the first `n` blocks of chain `c`.
@@ -28,7 +30,8 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0..4usize, 1..=5usize).prop_map(|(c, n)| Op::Store { c, n }),
-        4 => (0..8usize, 0..2u32).prop_map(|(i, rank)| Op::Ack { i, rank }),
+        4 => (0..8usize, 0..2u32, prop::bool::weighted(0.8))
+            .prop_map(|(i, rank, write)| Op::Ack { i, rank, write }),
         1 => (0..8usize).prop_map(|i| Op::Fail { i }),
         2 => (0..4usize, 1..=5usize).prop_map(|(c, n)| Op::Pin { c, n }),
         2 => (0..8usize).prop_map(|i| Op::Unpin { i }),
@@ -74,18 +77,41 @@ proptest! {
                         Err(e) => prop_assert!(false, "unexpected store error {e}"),
                     }
                 }
-                Op::Ack { i, rank } if !pending.is_empty() => {
+                Op::Ack { i, rank, write } if !pending.is_empty() => {
                     let i = i % pending.len();
                     let (p, acked) = &mut pending[i];
-                    write_and_ack_raw(&bank, p, rank, slot_bytes);
-                    acked[rank as usize] = true;
-                    let status = bank.ack(p.store_id, rank).unwrap();
-                    if acked.iter().all(|&a| a) {
-                        prop_assert_eq!(status, StoreStatus::Ready);
-                        retained.extend(p.entries.iter().map(|e| e.0));
-                        pending.remove(i);
+                    let sealed = acked[rank as usize];
+                    if sealed {
+                        // Sealed: a second write is refused, a second ack is not.
+                        let again = bank.write_pending(p.store_id, rank, 0, &vec![0; slot_bytes]);
+                        prop_assert!(
+                            matches!(again, Err(BankError::RankAcked { index: 0, .. })),
+                            "write after ack: {:?}", again
+                        );
+                    } else if write {
+                        write_raw(&bank, p, rank, slot_bytes);
+                    }
+                    if sealed || write {
+                        acked[rank as usize] = true;
+                        let status = bank.ack(p.store_id, rank).unwrap();
+                        if acked.iter().all(|&a| a) {
+                            prop_assert_eq!(status, StoreStatus::Ready);
+                            retained.extend(p.entries.iter().map(|e| e.0));
+                            pending.remove(i);
+                        } else {
+                            prop_assert!(matches!(status, StoreStatus::Waiting { .. }), "expected waiting");
+                        }
                     } else {
-                        prop_assert!(matches!(status, StoreStatus::Waiting { .. }), "expected waiting");
+                        // Never written: refused, the store stays pending, nothing published.
+                        let refused = bank.ack(p.store_id, rank);
+                        prop_assert!(
+                            matches!(
+                                refused,
+                                Err(BankError::Unwritten { missing, first: 0, .. })
+                                    if missing == p.entries.len()
+                            ),
+                            "ack without writes: {:?}", refused
+                        );
                     }
                 }
                 Op::Fail { i } if !pending.is_empty() => {
@@ -164,9 +190,10 @@ proptest! {
     }
 }
 
-fn write_and_ack_raw(bank: &kv_bank::BankManager, p: &PendingStore, rank: u32, n: usize) {
-    let rb = bank.rank(rank).unwrap();
-    for (h, slot) in &p.entries {
-        rb.write_slot(*slot, &pattern(*h, rank, n)).unwrap();
+/// Writes rank `rank`'s pattern into every entry of `p` (`write_pending`).
+fn write_raw(bank: &kv_bank::BankManager, p: &PendingStore, rank: u32, n: usize) {
+    for (i, (h, _)) in p.entries.iter().enumerate() {
+        bank.write_pending(p.store_id, rank, i, &pattern(*h, rank, n))
+            .unwrap();
     }
 }

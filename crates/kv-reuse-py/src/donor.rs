@@ -281,13 +281,15 @@ impl PendingStore {
     ///   (`stats["store_bytes_from_device"]`).
     ///
     /// Releases the GIL while it copies; the engine must not write `blocks`
-    /// until `write` returned.
+    /// until `write` returned. Only rows whose copy succeeded count as
+    /// written for `ack`; a rank that acked can no longer write.
     ///
     /// Raises `BadArgument` naming `blocks` (dtype, shape, strides, a CUDA
     /// tensor on a host bank, a tensor on another GPU than the rank's, a
     /// CUDA array interface stream that is not a default one, a pointer
     /// that is not inside one device allocation) or `rank` (not below
-    /// `tp_size`, negative); `BankFailed` from the bank.
+    /// `tp_size`, negative); `BankFailed` from the bank (also when `rank`
+    /// already acked: its part is sealed).
     fn write(
         &self,
         py: Python<'_>,
@@ -352,8 +354,16 @@ impl PendingStore {
     /// blocks are in the inventory and a Stored event is queued). True at
     /// once for a store with no blocks to write (`sequence_hashes` empty).
     ///
+    /// The bank checks the ack: it is refused while a block of `rank` was
+    /// not written by a successful `write` (acking it would publish what the
+    /// slot held before, another block's KV). A refused ack changes nothing:
+    /// the store stays pending, nothing is published; write and ack again,
+    /// or `abort` (the `with` block does), or the store timeout rolls it back.
+    ///
     /// Raises `BadArgument` naming `rank` (not below `tp_size`, negative);
-    /// `BankFailed` from the bank (the store timed out or was rolled back).
+    /// `BankFailed` from the bank: the rank has unwritten blocks (the message
+    /// names the rank and the first unwritten row), or the store timed out
+    /// or was rolled back.
     fn ack(&self, rank: &Bound<'_, PyAny>) -> PyResult<bool> {
         let rank: u32 = uint("rank", rank)?;
         let tp = self.layout.inner.tp_size();

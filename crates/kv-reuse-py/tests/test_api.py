@@ -311,3 +311,68 @@ def test_kv_event_codec_round_trips_a_donor_event_and_names_bad_json(layout):
         kv_reuse.encode_kv_event(json.dumps({**fields, "publisher": "not-a-uuid"}))
     with pytest.raises(kv_reuse.DescriptorRefused):
         kv_reuse.decode_kv_event(ev[:-1])
+
+
+def test_an_ack_without_writes_is_refused_and_never_publishes_the_evicted_blocks_kv(layout, enabled, tmp_path):
+    """A rank's ack is checked, not trusted: store A (5.0) fills the bank,
+    store B evicts A's slots, and acking B without writing it would publish
+    A's KV under B's sequence hashes (a cross-request leak)."""
+    import json
+
+    from test_store import rows_for
+
+    n = layout.rank_block_elems
+    bank = kv_reuse.DonorBank(layout, slots=4)
+    a = bank.store(list(range(TOKENS_PER_BLOCK * 4)))
+    for r in range(layout.tp_size):
+        a.write(r, np.full((4, n), 5.0, np.float32))
+    assert [a.ack(r) for r in range(layout.tp_size)] == [False, True]
+    b_tokens = list(range(1000, 1000 + TOKENS_PER_BLOCK * 4))
+    b_hashes = kv_reuse.sequence_hashes(b_tokens, TOKENS_PER_BLOCK)
+    b = bank.store(b_tokens)  # evicts A's 4 slots
+    assert b.sequence_hashes == b_hashes
+    for r in range(layout.tp_size):
+        with pytest.raises(kv_reuse.BankFailed,
+                           match=rf"`rank` {r} acked with 4 unwritten entries \(first `index` 0\)"):
+            b.ack(r)
+    # The router is never told: A's Stored and Removed only, no Stored event
+    # for B, and B is not in the bank.
+    raw = bank.drain_events()
+    events = [json.loads(kv_reuse.decode_kv_event(e)) for e in raw]
+    assert [list(e["data"]) for e in events] == [["stored"], ["removed"]], events
+    assert bank.slots(b_hashes) == [None] * 4
+    assert bank.stats["stores_ready"] == 1
+    endpoint = "unix:" + str(tmp_path / "pin.sock")
+    caches = [np.full((16, n), -1.0, dtype=np.float32) for _ in range(layout.tp_size)]
+    with bank.serve_pins(endpoint):
+        target = kv_reuse.Target(layout, rows=16, kv_caches=caches)
+        router = kv_reuse.Router(enabled, TOKENS_PER_BLOCK)
+        router.register_worker(1, bank.engine_id, "decode", layout)
+        router.register_worker(2, target.engine_id, "prefill", layout)
+        for e in raw:
+            router.apply_event(e)
+        router.report_donor(bank.manifest(), endpoint, {})
+        assert not router.advise("req-b", b_hashes, target.engine_id).admitted
+
+        # The store stayed pending: rank 0 writes and acks, rank 1 is still refused.
+        b.write(0, rows_for(layout, 0, range(4)))
+        assert b.ack(0) is False
+        # Rank 0 acked: its part is sealed, a second write is refused.
+        with pytest.raises(kv_reuse.BankFailed, match=r"`rank` 0 already acked, its entries are sealed"):
+            b.write(0, np.full((4, n), 7.0, np.float32))
+        with pytest.raises(kv_reuse.BankFailed, match=r"`rank` 1 acked with 4 unwritten"):
+            b.ack(1)
+        assert bank.drain_events() == []
+        # Once rank 1 wrote, its ack publishes B, and a fetch returns B's own KV.
+        b.write(1, rows_for(layout, 1, range(4)))
+        assert b.ack(1) is True
+        for e in bank.drain_events():
+            router.apply_event(e)
+        router.report_donor(bank.manifest(), endpoint, dict(zip(b_hashes, bank.slots(b_hashes))))
+        advice = router.advise("req-b2", b_hashes, target.engine_id)
+        assert advice.admitted, advice.verdict
+        with target.fetch(advice.hint, b_hashes, bank.manifest()) as out:
+            assert len(out.rows) == 4
+            for r in range(layout.tp_size):
+                for block, row in enumerate(out.rows):
+                    assert caches[r][row].tobytes() == rows_for(layout, r, [block])[0].tobytes(), (r, block)

@@ -318,10 +318,10 @@ pub fn run(profile: Profile) -> Result<LayoutOracleReport, TransferError> {
         let sealed = sealed_blocks(None, &tokens, tpb);
         let pending = donor.store(None, &sealed)?;
         for r in 0..tp {
-            let bank = donor.rank(r)?;
-            for &(h, slot) in &pending.entries {
+            // Through write_pending: the ack counts only its writes.
+            for (index, &(h, _)) in pending.entries.iter().enumerate() {
                 let bytes: Vec<u8> = (0..bb).map(|i| pattern(r, h, i)).collect();
-                bank.write_slot(slot, &bytes)?;
+                donor.write_pending(pending.store_id, r, index, &bytes)?;
             }
             donor.ack(pending.store_id, r)?;
         }

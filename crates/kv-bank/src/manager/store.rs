@@ -1,5 +1,6 @@
-//! The store path of a bank manager: stores taken, written (`write_pending`),
-//! acked by every rank, failed, timed out and rolled back.
+//! The store path of a bank manager: stores taken, written (`write_pending`,
+//! `write_pending_from_device`), acked by every rank once it wrote every
+//! entry, failed, timed out and rolled back.
 
 use std::time::Instant;
 
@@ -52,12 +53,8 @@ impl BankManager {
         st.stats.stores_rolled_back += 1;
         let quiet = match why {
             Rollback::Closing => true,
-            Rollback::Failed(rank) => p
-                .acked
-                .iter()
-                .enumerate()
-                .all(|(r, &a)| a || r as u32 == rank),
-            Rollback::TimedOut => p.acked.iter().all(|&a| a),
+            Rollback::Failed(rank) => (0u32..).zip(p.acked()).all(|(r, a)| a || r == rank),
+            Rollback::TimedOut => p.acked().all(|a| a),
         };
         if quiet {
             free_unwritten_locked(st, &slots);
@@ -179,16 +176,13 @@ impl BankManager {
         if !slots.is_empty() {
             st.pending.insert(
                 store_id,
-                Pending {
-                    entries: new
-                        .into_iter()
+                Pending::new(
+                    new.into_iter()
                         .zip(slots)
                         .map(|((b, p), s)| (b, p, s))
                         .collect(),
-                    acked: vec![false; self.shared.config.layout.tp_size() as usize],
-                    started: Instant::now(),
-                    in_flight: 0,
-                },
+                    self.shared.config.layout.tp_size(),
+                ),
             );
         }
         Ok(PendingStore {
@@ -202,8 +196,20 @@ impl BankManager {
     /// Writes rank `rank`'s part of entry `index` of pending store `store_id`
     /// (host-copy path). Unlike [`RankBank::write_slot`], this refuses any
     /// slot that is not pending for that store, so it can never overwrite a
-    /// ready or pinned block. Device-copy paths write to
-    /// [`RankBank::slot_addr`] of the store's slots under the same rule.
+    /// ready or pinned block. The device-copy path is
+    /// [`BankManager::write_pending_from_device`]. These two are the only way
+    /// to fill a pending store: [`BankManager::ack`] accepts a rank only once
+    /// each of its entries was written through them, so a slot written any
+    /// other way (through [`RankBank::write_slot`] or
+    /// [`RankBank::slot_addr`]) does not count, and its ack is refused.
+    ///
+    /// An entry counts as written when its copy returned `Ok`; a copy that
+    /// fails leaves its entries unwritten, even ones written before (the
+    /// failed copy may have changed part of their bytes), so the rank writes
+    /// them again before it acks. Once the rank acked, its part is sealed:
+    /// every later write of that rank to the store is refused
+    /// ([`BankError::RankAcked`]), so a sealed part's bytes never change under
+    /// a block that is, or is about to be, ready.
     ///
     /// The copy (a blocking host-to-device copy for device memory) runs
     /// outside the bank's lock, so other ranks' writes, pins, lookups and
@@ -217,7 +223,8 @@ impl BankManager {
     /// # Errors
     /// [`BankError::UnknownStore`] (also when the store was rolled back
     /// while the copy ran: the bytes landed in a slot that is freed, not
-    /// retained); [`BankError::BadRank`];
+    /// retained); [`BankError::BadRank`]; [`BankError::RankAcked`] when
+    /// `rank` already acked the store (nothing is copied);
     /// [`BankError::InvalidArgument`] for `index` out of range or a wrong
     /// byte count; the memory's copy error.
     pub fn write_pending(
@@ -244,9 +251,10 @@ impl BankManager {
     ///
     /// The same slot rules as [`BankManager::write_pending`]: only slots
     /// pending for this store, marked as being written for the copy's
-    /// duration (a rollback meanwhile frees them only after it), and the
-    /// last ack waits for it. The caller keeps `src` allocated and unwritten
-    /// until this returns.
+    /// duration (a rollback meanwhile frees them only after it), the rank's
+    /// ack waits for it, its entries count as written only if it succeeded,
+    /// and a rank that acked can no longer write. The caller keeps `src`
+    /// allocated and unwritten until this returns.
     ///
     /// # Errors
     /// As [`BankManager::write_pending`], with
@@ -269,8 +277,10 @@ impl BankManager {
 
     /// The bookkeeping around a copy into entries `first..first + n` of a
     /// pending store: the slots are looked up and marked as being written
-    /// under the lock, `copy` runs outside it, then the marks are undone
-    /// (freeing slots orphaned by a rollback meanwhile) and the bytes counted.
+    /// under the lock (refused when `rank` already acked), `copy` runs
+    /// outside it, then the marks are undone (freeing slots orphaned by a
+    /// rollback meanwhile), the entries recorded as written by `rank` (or
+    /// unwritten, when the copy failed) and the bytes counted.
     fn write_entries(
         &self,
         store_id: u64,
@@ -279,7 +289,7 @@ impl BankManager {
         n: usize,
         copy: impl FnOnce(&RankBank, &[u32]) -> Result<Source, BankError>,
     ) -> Result<(), BankError> {
-        let (bank, slots) = {
+        let (bank, slots, end) = {
             let mut st = self.shared.state.lock();
             let p = st
                 .pending
@@ -303,20 +313,29 @@ impl BankManager {
             // The clone keeps the rank's memory alive even if the generation
             // is closed (and its `banks` dropped) while the copy runs.
             let bank = self.rank_locked(&st, rank)?;
-            st.pending
-                .get_mut(&store_id)
-                .expect("present above")
-                .in_flight += 1;
+            if p.ranks[rank as usize].acked {
+                return Err(BankError::RankAcked {
+                    store_id,
+                    rank,
+                    index: first,
+                });
+            }
+            let p = st.pending.get_mut(&store_id).expect("present above");
+            p.ranks[rank as usize].in_flight += 1;
             for slot in &slots {
                 *st.writing.entry(*slot).or_insert(0) += 1;
             }
-            (bank, slots)
+            (bank, slots, end)
         };
         let copied = copy(&bank, &slots);
         let mut st = self.shared.state.lock();
         let still_pending = match st.pending.get_mut(&store_id) {
             Some(p) => {
-                p.in_flight -= 1;
+                let part = &mut p.ranks[rank as usize];
+                part.in_flight -= 1;
+                // A failed copy may have changed part of the bytes: its
+                // entries are unwritten until a copy into them succeeds.
+                part.written[first..end].fill(copied.is_ok());
                 true
             }
             None => false,
@@ -346,20 +365,41 @@ impl BankManager {
         }
     }
 
-    /// Rank `rank` wrote its part of every slot of store `store_id`.
+    /// Rank `rank` wrote its part of every slot of store `store_id`: its
+    /// part is sealed (later writes of the rank are refused).
+    ///
+    /// The bank checks it rather than trusting the caller: the ack first
+    /// waits (lock released, at most until the store's deadline) for the
+    /// rank's `write_pending*` copies still running, then refuses with
+    /// [`BankError::Unwritten`] while any entry of the rank was not written
+    /// by a successful [`BankManager::write_pending`] /
+    /// [`BankManager::write_pending_from_device`]. Otherwise a rank that
+    /// acked without writing would publish what its slots held before: the
+    /// bytes of an evicted block (another request's KV) under this store's
+    /// sequence hashes.
+    ///
+    /// A refused ack changes nothing and does not roll the store back: the
+    /// store stays pending and invisible (no lookup, pin or event sees it),
+    /// the rank may write the missing entries and ack again, or
+    /// [`BankManager::fail`] it; otherwise the store timeout rolls it back.
+    /// Nothing is half-published either way, since only the last rank's
+    /// successful ack makes the store ready.
     ///
     /// When the last rank acks, the blocks become ready and one `Stored`
     /// event per contiguous run of new blocks is queued. A block excluded
     /// while the store was pending ([`BankManager::exclude`]), or whose parent
     /// was, and every later block of the store join the lineage and are freed
-    /// instead, as [`BankManager::store`] would have refused them.
+    /// instead, as [`BankManager::store`] would have refused them. Acking
+    /// again a rank that acked returns the store's status again.
     ///
     /// # Errors
     /// [`BankError::BadRank`]; [`BankError::UnknownStore`] (already ready,
-    /// rolled back, or never made); [`BankError::StoreTimedOut`] when the
-    /// deadline passed: the store is rolled back on all ranks;
-    /// [`BankError::LeaseExpired`] / [`BankError::LeaseLost`] when the lease
-    /// lapsed (every pending store is rolled back with the generation).
+    /// rolled back, or never made); [`BankError::Unwritten`] (naming the
+    /// rank's first unwritten entry; the store stays pending);
+    /// [`BankError::StoreTimedOut`] when the deadline passed: the store is
+    /// rolled back on all ranks; [`BankError::LeaseExpired`] /
+    /// [`BankError::LeaseLost`] when the lease lapsed (every pending store is
+    /// rolled back with the generation).
     pub fn ack(&self, store_id: u64, rank: u32) -> Result<StoreStatus, BankError> {
         let tp = self.shared.config.layout.tp_size();
         if rank >= tp {
@@ -368,19 +408,23 @@ impl BankManager {
         let mut st = self.shared.state.lock();
         self.enforce_lease_locked(&mut st)?;
         let timeout = self.shared.config.store_timeout;
-        // The last ack makes the blocks readable, so it first waits (lock
-        // released) for `write_pending` copies into the store still running,
-        // at most until the store's deadline.
+        // The ack seals the rank's part (and the last one makes the blocks
+        // readable), so it first waits (lock released) for the rank's
+        // `write_pending*` copies still running, at most until the store's
+        // deadline: only a finished copy counts as written. The last ack
+        // waits for every rank's copies (a rank that acked has none: its
+        // ack waited for them, and it can start no more).
         loop {
             let Some(p) = st.pending.get(&store_id) else {
                 return Err(BankError::UnknownStore(store_id));
             };
-            let last = p
-                .acked
-                .iter()
-                .enumerate()
-                .all(|(r, &a)| a || r as u32 == rank);
-            if !last || p.in_flight == 0 {
+            let last = (0u32..).zip(p.acked()).all(|(r, a)| a || r == rank);
+            let running = if last {
+                p.in_flight()
+            } else {
+                p.ranks[rank as usize].in_flight
+            };
+            if running == 0 {
                 break;
             }
             let deadline = p.started + timeout;
@@ -398,7 +442,7 @@ impl BankManager {
         };
         let waited = p.started.elapsed();
         if waited >= timeout {
-            let missing = missing_ranks(&p.acked);
+            let missing = p.missing_ranks();
             self.rollback_locked(&mut st, store_id, Rollback::TimedOut);
             return Err(BankError::StoreTimedOut {
                 store_id,
@@ -406,8 +450,24 @@ impl BankManager {
                 missing,
             });
         }
-        p.acked[rank as usize] = true;
-        let missing = missing_ranks(&p.acked);
+        let part = &mut p.ranks[rank as usize];
+        if let Some((missing, first)) = part.unwritten() {
+            tracing::warn!(
+                store_id,
+                rank,
+                missing,
+                first,
+                "rank acked a store with unwritten entries; ack refused, the store stays pending"
+            );
+            return Err(BankError::Unwritten {
+                store_id,
+                rank,
+                missing,
+                first,
+            });
+        }
+        part.acked = true;
+        let missing = p.missing_ranks();
         if !missing.is_empty() {
             return Ok(StoreStatus::Waiting { missing });
         }
@@ -508,13 +568,4 @@ fn free_unwritten_locked(st: &mut State, slots: &[u32]) {
     let (busy, free): (Vec<u32>, Vec<u32>) = slots.iter().partition(|s| st.writing.contains_key(s));
     st.orphaned_writes.extend(busy);
     st.table.rollback(&free);
-}
-
-fn missing_ranks(acked: &[bool]) -> Vec<u32> {
-    acked
-        .iter()
-        .enumerate()
-        .filter(|(_, &a)| !a)
-        .map(|(r, _)| r as u32)
-        .collect()
 }

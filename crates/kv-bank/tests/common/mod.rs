@@ -35,12 +35,13 @@ pub fn pattern(hash: SequenceHash, rank: u32, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// Writes rank `rank`'s pattern into every slot of `p`, then acks.
+/// Writes rank `rank`'s pattern into every entry of `p` (`write_pending`),
+/// then acks.
 pub fn write_and_ack(bank: &BankManager, p: &PendingStore, rank: u32) -> StoreStatus {
-    let rb = bank.rank(rank).unwrap();
-    let n = rb.descriptor().slot_bytes() as usize;
-    for (h, slot) in &p.entries {
-        rb.write_slot(*slot, &pattern(*h, rank, n)).unwrap();
+    let n = bank.manifest().parts()[rank as usize].slot_bytes() as usize;
+    for (i, (h, _)) in p.entries.iter().enumerate() {
+        bank.write_pending(p.store_id, rank, i, &pattern(*h, rank, n))
+            .unwrap();
     }
     bank.ack(p.store_id, rank).unwrap()
 }

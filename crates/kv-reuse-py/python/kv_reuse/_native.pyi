@@ -128,9 +128,13 @@ class PendingStore:
         ``__cuda_array_interface__``) is copied device to device, synchronized
         before return (``stats["store_bytes_from_device"]``, no host payload).
         BadArgument names ``blocks`` (dtype, shape, strides, a CUDA tensor on a
-        host bank, another GPU, a non-default CAI stream) or ``rank``."""
+        host bank, another GPU, a non-default CAI stream) or ``rank``;
+        BankFailed when ``rank`` already acked (its part is sealed)."""
     def ack(self, rank: int) -> bool:
-        """True once every rank acknowledged (at once for an empty store)."""
+        """True once every rank acknowledged (at once for an empty store).
+        Refused (BankFailed naming the rank and its first unwritten row) until
+        ``write`` succeeded for every row of ``rank``: the store stays pending
+        and nothing is published; write and ack again, or ``abort``."""
     def abort(self) -> bool:
         """Rolls the store back on every rank if not every rank acked; True when it did."""
     def __enter__(self) -> "PendingStore": ...
