@@ -99,7 +99,10 @@ impl Router {
             .map(|m| uint("max_probes", m))
             .transpose()?
             .unwrap_or(MAX_PROBES);
-        for (argument, v) in [("tokens_per_block", tokens_per_block), ("max_probes", max_probes)] {
+        for (argument, v) in [
+            ("tokens_per_block", tokens_per_block),
+            ("max_probes", max_probes),
+        ] {
             if v == 0 {
                 return Err(bad_argument(argument, "0, must be at least 1"));
             }

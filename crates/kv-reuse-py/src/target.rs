@@ -669,11 +669,7 @@ impl Target {
 /// each below `rows` and none repeated. `BadArgument` naming `dst_blocks`
 /// (count) or `dst_blocks[i]` (the first bad id): an allocator bug of the
 /// engine is an argument error, not a fallback counted in the metrics.
-fn check_dst_blocks(
-    dst: &[u32],
-    action: &kv_descriptor::FetchGpuHint,
-    rows: u32,
-) -> PyResult<()> {
+fn check_dst_blocks(dst: &[u32], action: &kv_descriptor::FetchGpuHint, rows: u32) -> PyResult<()> {
     let want = action
         .sequence_hashes
         .len()
