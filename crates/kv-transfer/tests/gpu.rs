@@ -360,6 +360,18 @@ fn donor_rows(len: u64, mul: u64, div: u64) -> (Vec<u8>, kv_bank::CudaDeviceMemo
     (pattern, src)
 }
 
+/// 40 pool rows gathered from scattered donor slots (enough runs for the
+/// kernel path): key `i + 1`, slot `(11 i + 5) % slots`, row `7 i % rows`.
+fn scattered_pool_moves(slots: u32, rows: u32) -> Vec<kv_transfer::plan::BlockMove> {
+    (0..40u32)
+        .map(|i| kv_transfer::plan::BlockMove {
+            key: kv_descriptor::SequenceHash(u64::from(i) + 1),
+            src_slot: Some((i * 11 + 5) % slots),
+            dst_block: (i * 7) % rows,
+        })
+        .collect()
+}
+
 /// A consumer released layer group by layer group
 /// ([`kv_transfer::ConsumerStream::with_layer_groups`]): a converting part
 /// is launched per group and each group's `LayersReady` arrives in layer
@@ -511,13 +523,7 @@ fn a_layered_consumer_reads_each_group_after_its_copies() {
         ..DeliveryControl::new()
     };
     let rows = 48u32;
-    let moves: Vec<BlockMove> = (0..40u32)
-        .map(|i| BlockMove {
-            key: SequenceHash(u64::from(i) + 1),
-            src_slot: Some((i * 11 + 5) % slots),
-            dst_block: (i * 7) % rows,
-        })
-        .collect();
+    let moves = scattered_pool_moves(slots, rows);
     let geo_src = RegionGeometry::dense(&g, slots);
     let geo_dst = RegionGeometry::dense(&g, rows);
     let plan = TransferPlan::new(&g, &g, &moves, &[geo_src], &[geo_dst]).unwrap();
@@ -544,10 +550,10 @@ fn a_consumer_stream_waits_for_the_copies_it_was_released_behind() {
     use std::sync::{Arc, Mutex};
 
     use kv_bank::BankMemory;
-    use kv_descriptor::{DType, KvLayout, KvRegionLayout, SequenceHash, TensorOrder};
+    use kv_descriptor::{DType, KvLayout, KvRegionLayout, TensorOrder};
     use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
     use kv_transfer::cuda_gather::{reference_convert, ConvertPlan};
-    use kv_transfer::plan::{BlockMove, RegionGeometry, TransferPlan};
+    use kv_transfer::plan::{RegionGeometry, TransferPlan};
     use kv_transfer::{deliver, ConsumerStream, DeliveryControl, RankIo, SourceRegion};
 
     if !kernel_or_skip("consumer stream") {
@@ -614,13 +620,7 @@ fn a_consumer_stream_waits_for_the_copies_it_was_released_behind() {
     let rows = 48u32;
     let geo_src = RegionGeometry::dense(&g, slots);
     let geo_dst = RegionGeometry::dense(&g, rows);
-    let moves: Vec<BlockMove> = (0..40u32)
-        .map(|i| BlockMove {
-            key: SequenceHash(u64::from(i) + 1),
-            src_slot: Some((i * 11 + 5) % slots),
-            dst_block: (i * 7) % rows,
-        })
-        .collect();
+    let moves = scattered_pool_moves(slots, rows);
     let plan = TransferPlan::new(&g, &g, &moves, &[geo_src], &[geo_dst]).unwrap();
     let len = geo_dst.region_bytes() as usize;
     let dst = kv_bank::CudaDeviceMemory::new(0, len).unwrap();
