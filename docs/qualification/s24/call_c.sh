@@ -9,11 +9,14 @@ set -u
 R=$OUT/c; mkdir -p $R
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; } > $R/machine.txt 2>&1
 bash .bundle/run.sh --help > /dev/null 2>&1
+# Ordered by value, each step tarred, so a call cut short by the budget still returns the first ones.
 timeout 150 bash .bundle/run.sh tests > $R/tests.log 2>&1; echo "tests rc=$?" >> $R/rc.txt
-(cd $OUT && tar czf c-first.tar.gz c)
+(cd $OUT && tar czf c-1.tar.gz c)
+timeout 40 bash .bundle/run.sh bench transfer --profile gpu --repeats 10 --json $R/transfer-1.json > $R/transfer-1.log 2>&1
+echo "transfer 1 rc=$?" >> $R/rc.txt
+(cd $OUT && tar czf c-2.tar.gz c)
 timeout 90 bash .bundle/run.sh pytest-gpu > $R/pytest_gpu.log 2>&1; echo "pytest gpu rc=$?" >> $R/rc.txt
-for i in 1 2; do
-  timeout 40 bash .bundle/run.sh bench transfer --profile gpu --repeats 10 --json $R/transfer-$i.json > $R/transfer-$i.log 2>&1
-  echo "transfer $i rc=$?" >> $R/rc.txt
-done
+(cd $OUT && tar czf c-3.tar.gz c)
+timeout 40 bash .bundle/run.sh bench transfer --profile gpu --repeats 10 --json $R/transfer-2.json > $R/transfer-2.log 2>&1
+echo "transfer 2 rc=$?" >> $R/rc.txt
 cd $OUT && tar czf c.tar.gz c && rm -rf c
