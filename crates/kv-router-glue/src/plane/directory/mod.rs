@@ -11,7 +11,7 @@
 //!
 //! Rules of the cache: an entry whose `lease_expires_unix_ms` is past, or
 //! whose generation is older than one already seen for that engine, is never
-//! used (a typed [`ResolveError`]).
+//! used (a typed [`ResolveError`](crate::ResolveError)).
 
 mod cache;
 #[cfg(feature = "nats")]

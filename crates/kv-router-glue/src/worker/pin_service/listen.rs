@@ -9,7 +9,7 @@ use crate::pin_transport::{tcp_wake_addr, PinEndpoint};
 
 use super::*;
 
-/// What [`listen`] bound: the listener, the endpoint to publish, the socket
+/// What [`listen()`] bound: the listener, the endpoint to publish, the socket
 /// file to remove at shutdown (Unix), and where shutdown wakes the accept
 /// thread from.
 pub(super) type Bound = (PinListener, String, Option<PathBuf>, WakeAddr);
