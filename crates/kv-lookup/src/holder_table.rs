@@ -262,7 +262,7 @@ pub(crate) struct HolderTable {
     free_runs: Vec<u32>,
     /// Run that new entries of the current Stored event append to.
     open_run: Option<u32>,
-    /// `(run, chunk)` whose summary [`Self::set`] may have left below the
+    /// `(run, chunk)` whose summary `set` may have left below the
     /// true `AND`; recomputed by [`Self::close_run`].
     stale: Vec<(u32, u32)>,
     /// Runs that [`Self::clear_deferring`] left under a quarter live, to be
@@ -427,7 +427,7 @@ impl HolderTable {
         self.resum_stale();
     }
 
-    /// Recomputes the chunk summaries that [`Self::set`] left low: once per
+    /// Recomputes the chunk summaries that `set` left low: once per
     /// chunk and event, not once per bit (an event that re-stores a prefix
     /// another worker holds sets a bit in every entry of its chunks).
     fn resum_stale(&mut self) {
@@ -551,7 +551,7 @@ impl HolderTable {
         was_set
     }
 
-    /// [`Self::clear`], but a run it leaves under a quarter live is only
+    /// `clear`, but a run it leaves under a quarter live is only
     /// noted, for [`Self::finish_clears`] (call it before the table is
     /// published). A removal of a whole chain clears its run in order, so
     /// compacting at the crossing moved the last quarter of the run into a

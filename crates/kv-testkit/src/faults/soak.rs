@@ -51,7 +51,7 @@ pub fn soak(minutes: f64, seed: u64) -> SoakReport {
     soak_with(minutes, seed, None)
 }
 
-/// [`soak`], with the donor-process faults when `child` is given (kvq:
+/// [`soak()`], with the donor-process faults when `child` is given (kvq:
 /// `Some(&ChildCommand::current_kvq())`).
 pub fn soak_with(minutes: f64, seed: u64, child: Option<&ChildCommand>) -> SoakReport {
     let t0 = Instant::now();

@@ -24,7 +24,7 @@ pub(super) struct Device {
     pub(super) sms: u32,
     /// Block and piece tables of the launches on this device.
     pub(super) tables: Tables,
-    /// Second stream of [`GatherUpload::Pipelined2`] (created on its first
+    /// Second stream of [`GatherUpload::Pipelined2`](crate::cuda_gather::GatherUpload::Pipelined2) (created on its first
     /// use): odd chunks of a pipelined part run on it.
     pub(super) aux: Option<Arc<CudaStream>>,
     /// A launch was issued on `aux` since the last [`Device::sync`].
@@ -33,11 +33,11 @@ pub(super) struct Device {
     /// launched from its plan's packed rows builds none.
     pub(super) row_pieces: crate::cuda_gather::ContiguousPieces,
     /// Packed-id Vec of the last direct gather, handed to the next one
-    /// ([`RunsGather::with_words`]): a scattered fetch allocates no id
+    /// ([`RunsGather::with_words`](crate::cuda_gather::RunsGather::with_words)): a scattered fetch allocates no id
     /// table and writes into memory it already touched.
     pub(super) words: Vec<u32>,
     pub(super) peers: HashMap<u32, bool>,
-    /// Recorded after a part's copies for a [`ConsumerStream`] to wait on
+    /// Recorded after a part's copies for a [`ConsumerStream`](crate::ConsumerStream) to wait on
     /// (created on first use, re-recorded per part: a wait captures the
     /// event's state when it is enqueued).
     pub(super) enqueued: Option<cudarc::driver::CudaEvent>,
