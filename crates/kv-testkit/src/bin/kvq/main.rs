@@ -59,9 +59,9 @@ enum Cmd {
         /// Mooncake JSONL trace (default: the project's copy).
         #[arg(long)]
         trace: Option<PathBuf>,
-        /// Use only the first N requests of the trace.
-        #[arg(long)]
-        trace_requests: Option<usize>,
+        /// Use only the first N requests of the trace (at least 1).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        trace_requests: Option<u64>,
         /// Run only these sections (repeatable).
         #[arg(long)]
         only: Vec<String>,
@@ -176,7 +176,13 @@ fn main() -> ExitCode {
                     Profile::Gpu => "gpu",
                 })
             });
-            qualify(profile, out, trace, trace_requests, &only)
+            qualify(
+                profile,
+                out,
+                trace,
+                trace_requests.map(|n| n as usize),
+                &only,
+            )
         }
         Cmd::List => {
             // The profile names as `--profile` takes them.
@@ -256,7 +262,7 @@ fn qualify(
         return ExitCode::from(2);
     }
     if selected.is_empty() {
-        eprintln!("kvq: no section of profile {profile:?} matches --only {only:?}: nothing would be checked");
+        eprintln!("kvq: no section of profile {profile} matches --only {only:?}: nothing would be checked");
         return ExitCode::from(2);
     }
     // A GPU qualification without a GPU would pass on its CPU-only sections alone.

@@ -18,6 +18,16 @@ pub enum Profile {
     Gpu,
 }
 
+impl std::fmt::Display for Profile {
+    /// `cpu` / `gpu`, as on the command line and in `record.json`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Cpu => "cpu",
+            Self::Gpu => "gpu",
+        })
+    }
+}
+
 /// What every section gets.
 #[derive(Debug, Clone)]
 // `profile` and `out_dir` are for sections that differ by profile or write
