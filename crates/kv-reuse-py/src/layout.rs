@@ -88,8 +88,54 @@ impl Layout {
     fn tp_size(&self) -> u32 {
         self.inner.tp_size()
     }
+    /// Model layers.
+    #[getter]
+    fn num_layers(&self) -> u32 {
+        self.inner.num_layers()
+    }
+    /// KV heads of the whole model (all TP ranks).
+    #[getter]
+    fn num_kv_heads(&self) -> u32 {
+        self.inner.num_kv_heads()
+    }
+    /// KV heads one TP rank holds (`num_kv_heads / tp_size`).
+    #[getter]
+    fn heads_per_rank(&self) -> u32 {
+        self.inner.heads_per_rank()
+    }
+    /// Elements per head.
+    #[getter]
+    fn head_dim(&self) -> u32 {
+        self.inner.head_dim()
+    }
+    /// Element type: `f32`, `fp16`, `bf16` or `fp8_e4m3` (the names `Layout` takes).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        dtype_name(self.inner.dtype())
+    }
+    /// `Layout(num_layers=.., num_kv_heads=.., head_dim=.., dtype='..',
+    /// tokens_per_block=.., tp_size=..)`: the constructor's arguments.
     fn __repr__(&self) -> String {
-        format!("{:?}", self.inner)
+        let l = &self.inner;
+        format!(
+            "Layout(num_layers={}, num_kv_heads={}, head_dim={}, dtype='{}', tokens_per_block={}, tp_size={})",
+            l.num_layers(),
+            l.num_kv_heads(),
+            l.head_dim(),
+            dtype_name(l.dtype()),
+            l.tokens_per_block(),
+            l.tp_size()
+        )
+    }
+}
+
+/// The name `Layout` takes for `d` (the inverse of [`parse_dtype`]'s first names).
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::Fp16 => "fp16",
+        DType::Bf16 => "bf16",
+        DType::Fp8E4m3 => "fp8_e4m3",
     }
 }
 

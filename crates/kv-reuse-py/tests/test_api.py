@@ -178,6 +178,16 @@ def test_stream_gate_refusals_name_the_argument_and_an_argument_error_ends_the_g
     assert "ended=true" in repr(gate)
 
 
+def test_layout_reads_back_what_it_was_given():
+    l = kv_reuse.Layout(32, 8, 128, "bfloat16", 16, 2)
+    assert (l.num_layers, l.num_kv_heads, l.heads_per_rank, l.head_dim, l.dtype, l.tokens_per_block, l.tp_size) \
+        == (32, 8, 4, 128, "bf16", 16, 2)
+    assert l.rank_block_bytes == 32 * 2 * 16 * 4 * 128 * 2
+    assert repr(l) == "Layout(num_layers=32, num_kv_heads=8, head_dim=128, dtype='bf16', tokens_per_block=16, tp_size=2)"
+    # The repr is the constructor call that makes the same layout.
+    assert repr(eval(repr(l), {"Layout": kv_reuse.Layout})) == repr(l)
+
+
 def test_layer_groups_are_checked_and_cut_like_the_backend(layout):
     assert [(r.start, r.stop) for r in kv_reuse.layer_group_ranges(10, 4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
     assert [r.start for r in kv_reuse.layer_group_ranges(32, 8)] == [0, 4, 8, 12, 16, 20, 24, 28]

@@ -80,6 +80,18 @@ class Layout:
     def tokens_per_block(self) -> int: ...
     @property
     def tp_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def heads_per_rank(self) -> int:
+        """``num_kv_heads / tp_size``."""
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> str:
+        """``f32``, ``fp16``, ``bf16`` or ``fp8_e4m3``."""
 
 class Settings:
     """Validated reuse settings: ``values`` under ``env`` (None = os env) under ``argv``.
