@@ -212,7 +212,11 @@ impl DonorBank {
     }
 
     /// Serves source pins on `endpoint` (`unix:/path`). Use as a context manager.
+    ///
+    /// Raises `BadArgument` naming `endpoint` when it does not parse (scheme,
+    /// path length), `PinServiceFailed` when binding it fails.
     fn serve_pins(&self, endpoint: &str) -> PyResult<PinServer> {
+        kv_router_glue::PinEndpoint::parse(endpoint).map_err(|e| bad_argument("endpoint", e))?;
         let svc = PinService::bind(self.inner.clone(), endpoint, PinServiceConfig::default())
             .map_err(|e| PinServiceFailed::new_err(e.to_string()))?;
         Ok(PinServer {

@@ -263,6 +263,9 @@ def test_pin_server_is_a_context_manager_and_refuses_a_bad_endpoint(layout, tmp_
     # bank) past the leak check.
     with pytest.raises(kv_reuse.PinServiceFailed, match=r"endpoint tcp://10\.0\.0\.1:9: TCP requires a pre-shared key"):
         bank.serve_pins("tcp://10.0.0.1:9")
+    # An endpoint that does not parse is an argument error, named, before anything binds.
+    with pytest.raises(kv_reuse.BadArgument, match=r"^endpoint: endpoint \"foo\": scheme must be"):
+        bank.serve_pins("foo")
 
 
 def test_reclaim_and_lease_refusals_name_the_argument(layout):
