@@ -193,7 +193,10 @@ def test_the_router_service_admits_a_python_donor_and_the_target_fetches(
     donor, hello = start_donor(nats.url, str(tmp_path / "pins.sock"))
     try:
         assert hello["ready"] == [False] * (TP - 1) + [True], hello
-        assert hello["published"] == 1, "one Stored event for the store"
+        # One Stored event for the store: published by this explicit call, or already by the
+        # publisher's own period (0.2 s here) between the ack and the call, which then finds
+        # none queued. Either way the router must learn it: the admission below needs it.
+        assert hello["published"] in (0, 1), hello
         assert hello["role"] == "decode"
         assert hello["endpoint"] == "unix:" + str(tmp_path / "pins.sock")
         hashes = kv_reuse.sequence_hashes(list(range(TOKENS_PER_BLOCK * BLOCKS)), TOKENS_PER_BLOCK)
