@@ -1,6 +1,7 @@
 //! Unit tests of `lookup.rs` (kept beside it so that file holds only what it owns).
 
 use super::*;
+use crate::worker::WorkerKey;
 use kv_descriptor::LayoutFingerprint;
 
 #[test]
