@@ -106,6 +106,10 @@ class DecodeWorker(EngineWorker):
         self.checksums: Dict[int, int] = {}  # sequence hash -> block checksum (engine.block_checksums)
         self.store_failures: List[str] = []
 
+    def op_export_weights(self) -> Dict[str, Any]:
+        """The model's parameters for another worker on the same device (``engine.export_weights``)."""
+        return {"weights": engine.export_weights(self.model)}
+
     def op_hello(self) -> Dict[str, Any]:
         return {
             "engine_id": self.bank.engine_id,

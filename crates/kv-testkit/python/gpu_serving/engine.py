@@ -347,6 +347,51 @@ def build_model(name: str, device: str, seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
+def export_weights(model: torch.nn.Module) -> bytes:
+    """Every parameter of ``model`` as one blob another process can map (:func:`adopt_weights`).
+
+    ``multiprocessing``'s pickler with torch's reductions: a CUDA tensor
+    travels as a CUDA IPC handle to its storage, a CPU tensor as shared
+    memory, so no weight byte is copied. The blob is opaque bytes, so a
+    process that only forwards it (the harness) never maps a tensor or
+    creates a CUDA context. The exporting process must keep ``model`` (and
+    stay alive) while any process uses the adopted weights.
+    """
+    import torch.multiprocessing  # noqa: F401  (registers torch's reductions)
+    from multiprocessing.reduction import ForkingPickler
+
+    return bytes(ForkingPickler.dumps({n: p.detach() for n, p in model.named_parameters()}))
+
+
+def adopt_weights(model: torch.nn.Module, blob: bytes) -> int:
+    """Replaces every parameter of ``model`` by the same-named tensor of ``blob`` (:func:`export_weights`).
+
+    Both models must have the same parameter names, shapes, dtypes and
+    device; anything else raises :class:`EngineError` naming ``weights``
+    before a parameter is replaced. Returns the bytes of the parameters
+    given up (freed once nothing else holds them; the caller empties the
+    allocator's cache). Buffers (RoPE's ``inv_freq``) stay the model's own.
+    """
+    import pickle
+
+    import torch.multiprocessing  # noqa: F401
+
+    theirs = pickle.loads(blob)
+    mine = dict(model.named_parameters())
+    if set(theirs) != set(mine):
+        raise EngineError("weights", f"parameter names differ: {sorted(set(theirs) ^ set(mine))[:4]}")
+    for n, p in mine.items():
+        t = theirs[n]
+        if (t.shape, t.dtype, t.device) != (p.shape, p.dtype, p.device):
+            raise EngineError("weights", f"{n}: {tuple(t.shape)} {t.dtype} on {t.device}, "
+                                         f"this model has {tuple(p.shape)} {p.dtype} on {p.device}")
+    freed = 0
+    for n, p in mine.items():
+        freed += p.numel() * p.element_size()
+        p.data = theirs[n]
+    return freed
+
+
 def weights_checksum(model: torch.nn.Module) -> int:
     """Sum over all parameters of their bf16 bit patterns as int64 (equal weights -> equal sums)."""
     total = 0

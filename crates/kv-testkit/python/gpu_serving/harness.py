@@ -150,6 +150,15 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         "--decode-cache host, else 0 (a 32K one-pass prefill of the 8B shape peaks at ~13 GiB of activations)",
     )
     p.add_argument(
+        "--share-weights",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="on: the prefill worker runs on the decode worker's parameters, mapped from its process (CUDA IPC "
+        "on a GPU, shared memory on the CPU), so the card holds the weights once; off: each worker keeps its own "
+        "copy (same seed, same bits). auto: on when both workers use the same CUDA device. Nothing timed "
+        "changes (same kernels on the same bytes); it is what lets both regimes of 8 sessions fit an 80 GB card",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=0.0,
@@ -185,6 +194,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
     if a.decode_prefill_chunk is not None and a.decode_prefill_chunk < 0:
         print(f"gpu_serving: --decode-prefill-chunk must be >= 0, got {a.decode_prefill_chunk}", file=sys.stderr)
+        return 2
+    try:
+        a.share_weights = share_weights(a.share_weights, a.prefill_device, a.decode_device)
+    except ValueError as e:
+        print(f"gpu_serving: {e}", file=sys.stderr)
         return 2
     try:
         import torch  # noqa: F401
@@ -240,7 +254,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     chunk = a.decode_prefill_chunk if a.decode_prefill_chunk is not None else (8192 if decode_cache == "host" else 0)
     # Where the decode kept idle sessions' KV, its prefill chunk, and the
     # estimate that chose them (bytes; memory_estimate): into the result.
-    memory = {"decode_cache": decode_cache, "decode_prefill_chunk": chunk, "memory_estimate_bytes": need}
+    memory = {"decode_cache": decode_cache, "decode_prefill_chunk": chunk, "memory_estimate_bytes": need,
+              "shared_weights": a.share_weights}
     print(f"gpu_serving: device memory estimate {need['device'] / gib:.1f} GiB with the decode's session caches on "
           f"the device, {need['host'] / gib:.1f} GiB on the host; decode device holds "
           f"{'?' if total is None else f'{total / gib:.1f}'} GiB: decode cache {decode_cache}, prefill chunk {chunk}",
@@ -273,6 +288,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         decode.wait_started()
         prefill.wait_started()
+        if a.share_weights:
+            blob, _ = decode.call("export_weights")
+            adopted, _ = prefill.call("adopt_weights", weights=blob["weights"])
+            del blob
+            memory["shared_weights_freed_bytes"] = adopted["freed_bytes"]
+            print(f"gpu_serving: prefill runs on the decode's weights ({adopted['freed_bytes'] / gib:.1f} GiB of "
+                  f"its own freed)", flush=True)
         started_s = time.perf_counter() - t_start
         print(f"gpu_serving: phase start {started_s:.1f} s (both workers built their models)", flush=True)
         rpc.freeze_startup_objects()  # this process imported torch too; timed() collects before each sample
@@ -294,8 +316,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"gpu_serving: {e}", file=sys.stderr)
         rc = 1
     finally:
-        decode.close()
+        # The prefill first: it may map the decode's weights (and fetched
+        # from its bank), and an exporter must outlive its importers.
         prefill.close()
+        decode.close()
         if svc is not None:
             # The router's own time per advise, before it stops: what the
             # client's advise_ms adds to it is NATS and the client.
@@ -308,13 +332,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     return rc
 
 
+def share_weights(asked: str, prefill_device: str, decode_device: str) -> bool:
+    """Whether the prefill worker adopts the decode's parameters (``--share-weights``).
+
+    ``auto``: only when both workers use the same CUDA device (the case
+    where holding them twice costs the card's memory); ``on`` / ``off`` as
+    asked. Raises ``ValueError`` naming ``--share-weights`` for ``on``
+    across two devices (a mapped tensor stays on its own device).
+    """
+    same = prefill_device == decode_device or (
+        prefill_device.startswith("cuda") and decode_device.startswith("cuda")
+        and _ordinal(prefill_device) == _ordinal(decode_device))
+    if asked == "on" and not same:
+        raise ValueError(f"--share-weights on: the workers use {prefill_device} and {decode_device}; "
+                         "parameters can be shared on one device only")
+    return same and (asked == "on" or (asked == "auto" and decode_device.startswith("cuda")))
+
+
+def _ordinal(device: str) -> int:
+    """``cuda`` -> 0, ``cuda:3`` -> 3."""
+    return int(device.split(":", 1)[1]) if ":" in device else 0
+
+
 def memory_estimate(s, sessions, a, bank_bytes: int, landing_bytes: int) -> Dict[str, int]:
     """Device bytes both workers hold at their peaks, by where the decode keeps idle sessions' KV.
 
     ``{"device": ..., "host": ...}`` (``--decode-cache``), summed over both
     workers as if on one device (the worst case, and the harness's default):
 
-    - prefill: weights, its landing cache (two in the warm regime), the warm
+    - prefill: weights (none of its own when ``a.share_weights`` is True, as
+      resolved by :func:`share_weights`), its landing cache (two in the warm regime), the warm
       regime's per-session caches, OFF's own cache of the longest prompt, and
       the activations of that one-pass prefill;
     - decode: weights, the bank, the rows of one retain (up to the longest
@@ -334,7 +381,7 @@ def memory_estimate(s, sessions, a, bank_bytes: int, landing_bytes: int) -> Dict
     longest = a.history_max + a.turn_tokens[1] + a.gen_tokens[1]
     per_token_act = (16 * s.hidden + 4 * s.intermediate) * 2
     warm = a.regime == "both"
-    prefill = s.weight_bytes() + landing_bytes * (2 if warm else 1) + (histories if warm else 0) + longest * (kv + per_token_act)
+    prefill = (0 if getattr(a, "share_weights", False) is True else s.weight_bytes()) + landing_bytes * (2 if warm else 1) + (histories if warm else 0) + longest * (kv + per_token_act)
     decode = s.weight_bytes() + bank_bytes + longest * kv
     # The decode's prefill pass: --decode-prefill-chunk when given (0: one
     # pass), else the default of each mode (device: one pass, host: 8192).

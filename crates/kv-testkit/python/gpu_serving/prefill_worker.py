@@ -116,6 +116,25 @@ class PrefillWorker(EngineWorker):
         cache = engine.PreallocCache.for_shape(self.shape, rows * self.tpb + GREEDY_HEADROOM, self.device)
         return transport.CacheLanding(self.kv, self.layout, cache, rows, self.device, self.transport)
 
+    def op_adopt_weights(self, weights: bytes) -> Dict[str, Any]:
+        """Runs on the decode worker's parameters from now on (``engine.adopt_weights``); frees its own.
+
+        Same seed, same bits: the weights were already equal, this only
+        stops the card holding them twice (the harness's --share-weights).
+        """
+        freed = engine.adopt_weights(self.model, weights)
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        # The mapped parameters hold file descriptors for the rest of the
+        # run (one per shared storage on the CPU, the driver's on a GPU):
+        # deliberate, like the driver's own at the first fetch, so they are
+        # part of the baseline the leak check compares against.
+        fds = self.kv.leak_counters().get("open_fds")
+        if fds is not None:
+            self.leaks_at_start["open_fds"] = fds
+        return {"freed_bytes": freed, "device_bytes": _device_bytes(self.device)}
+
     def op_hello(self) -> Dict[str, Any]:
         return {
             "engine_id": self.target.engine_id,

@@ -274,3 +274,30 @@ def test_a_dropped_cache_is_freed_without_the_garbage_collector(models):
         assert gone() is None and arena() is None
     finally:
         gc.enable()
+
+
+def test_adopted_weights_are_the_exporters_own_memory():
+    """``adopt_weights`` maps the exporter's parameters (no copy): a change
+    made through the exporter is seen by the adopter, the logits stay the
+    same bits, and a model of another shape is refused naming ``weights``
+    before any parameter is replaced."""
+    exporter = engine.build_model("tiny", "cpu", seed=5)
+    adopter = engine.build_model("tiny", "cpu", seed=5)
+    prompt = list(range(2 * B))
+    before = engine.prefill(adopter, prompt).logits.clone()
+    own = engine.weights_checksum(adopter)
+    freed = engine.adopt_weights(adopter, engine.export_weights(exporter))
+    assert freed == sum(p.numel() * 2 for p in adopter.parameters())  # bf16
+    assert engine.weights_checksum(adopter) == own
+    assert torch.equal(engine.prefill(adopter, prompt).logits, before)
+    name, p = next(iter(exporter.named_parameters()))
+    with torch.no_grad():
+        p.add_(1.0)
+    assert torch.equal(dict(adopter.named_parameters())[name], p)
+    other = engine.build_model("tiny", "cpu", seed=5)
+    other.model.norm.weight = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    kept = other.model.embed_tokens.weight
+    with pytest.raises(engine.EngineError) as e:
+        engine.adopt_weights(other, engine.export_weights(exporter))
+    assert e.value.field == "weights" and "model.norm.weight" in str(e.value)
+    assert other.model.embed_tokens.weight is kept and not torch.equal(kept, exporter.model.embed_tokens.weight)

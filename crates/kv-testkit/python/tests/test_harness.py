@@ -89,10 +89,12 @@ def test_tiny_run_with_the_decode_caches_on_the_host(tmp_path):
     out = tmp_path / "r.json"
     argv = TINY + ["--out", str(out), "--sessions", "4", "--turns", "3", "--history-max", "1024", "--regime", "churn"]
     argv += ["--turn-tokens", "40", "60", "--gen-tokens", "8", "16", "--decode-cache", "host"]
-    argv += ["--decode-prefill-chunk", "48", "--donor-kill", "off"]
+    argv += ["--decode-prefill-chunk", "48", "--donor-kill", "off", "--share-weights", "on"]
     assert harness.main(argv) == 0
     r = json.loads(out.read_text())
     assert r["decode_cache"] == "host" and r["decode_prefill_chunk"] == 48
+    # The prefill ran on the decode's parameters (shared memory on the CPU).
+    assert r["shared_weights"] is True and r["shared_weights_freed_bytes"] > 0
     fetched = [t for t in r["turns"] if t["fetched_tokens"] > 0]
     assert fetched, "the cost model admitted no fetch: nothing was checked"
     assert all(t["checksums_equal"] and t["logits_bit_equal_to_donor"] for t in fetched)
@@ -262,3 +264,39 @@ def test_the_memory_estimate_counts_the_decode_prefill_pass_in_use():
     a.regime = "both"
     a.decode_prefill_chunk = None
     assert [round(v / 2**30, 1) for v in est().values()] == [106.1, 89.5]
+
+
+def test_share_weights_resolves_by_device_and_refuses_two_devices(tmp_path, capsys):
+    """auto shares only on one CUDA device; on shares on any one device and
+    is refused across two (exit 2 naming the flag); off never shares."""
+    sw = harness.share_weights
+    assert sw("auto", "cuda", "cuda:0") and sw("auto", "cuda:1", "cuda:1")
+    assert not sw("auto", "cpu", "cpu") and not sw("auto", "cuda:0", "cuda:1")
+    assert sw("on", "cpu", "cpu") and not sw("off", "cuda:0", "cuda:0")
+    with pytest.raises(ValueError, match="--share-weights on"):
+        sw("on", "cuda:0", "cuda:1")
+    out = tmp_path / "r.json"
+    argv = ["--out", str(out), "--prefill-device", "cuda:0", "--decode-device", "cuda:1", "--share-weights", "on"]
+    assert harness.main(argv) == 2
+    assert "--share-weights on" in capsys.readouterr().err
+
+
+def test_shared_weights_leave_the_prefill_estimate_without_its_copy():
+    """Both regimes of the full 8B workload on the host cache: 89.5 GiB with
+    two copies of the weights, one copy (14.96 GiB) less when shared (74.6), which
+    fits an 80 GB card."""
+    from gpu_serving import engine
+    from gpu_serving.workload import Workload
+
+    s = engine.shape("llama-3.1-8b")
+    a = harness.parse(["--out", "x", "--regime", "both"])
+    sessions = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), s.vocab,
+                        a.seed).build()
+    bb = s.kv_bytes_per_token() * a.tokens_per_block
+    slots = sum(x.target_history + 256 + 128 for x in sessions) // 64 + 16
+    a.share_weights = False
+    two = harness.memory_estimate(s, sessions, a, slots * bb, (33152 // 64 + 2) * bb)
+    a.share_weights = True
+    one = harness.memory_estimate(s, sessions, a, slots * bb, (33152 // 64 + 2) * bb)
+    assert {k: two[k] - one[k] for k in two} == {"device": s.weight_bytes(), "host": s.weight_bytes()}
+    assert round(two["host"] / 2**30, 1) == 89.5 and round(one["host"] / 2**30, 1) == 74.6
