@@ -1,33 +1,30 @@
 #!/usr/bin/env bash
-# Session 25, device call A (one H200, asked with needs_h200: the full workload's
-# two regimes at 8 sessions do not fit an 80 GB card, session 23 call A):
-# (1) every GPU test binary (the layered consumer is new) and the wheel's gate
-# tests on torch; (2) gpu_serving, the issue-21 workload (8 sessions x 6 turns
-# to 32K) in both regimes with the whole-fetch gate (--fetch-overlap on, the
-# default), advise busy poll on at both ends as in every serving record since
-# session 18; (3) kvq bench transfer --profile gpu twice (issue 19's ratios,
-# unmeasured on an H200 since session 19). Carry .bundle (cargo xtask
-# gpu-bundle --with-tests); results are tarred into $OUT/a.tar.gz
-# (a-first.tar.gz after the serving run, in case the rest runs past the limit).
+# Session 25, device call A: gpu_serving, the issue-21 workload (8 sessions x 6
+# turns to 32K, both regimes where the harness's memory estimate fits the card)
+# with the prefill running on the decode's weights (--share-weights auto: one
+# CUDA device, so on). Sessions 23-24 ran the churn regime alone on 80 GB
+# cards: both regimes need ~90 GiB with two copies of the 8B weights, ~75 GiB
+# with one. The harness chooses the regime (no --regime): on an H200 it keeps
+# the decode's caches on the device, on an H100 in host memory. Advise busy
+# poll at both ends as in every serving record since session 18.
+# If the run fails in its first 150 s (weights not shareable on this torch),
+# it is rerun with --share-weights off (then churn alone on an 80 GB card).
+# Carry .bundle (cargo xtask gpu-bundle --with-tests); results in $OUT/a.tar.gz.
 set -u
 R=$OUT/a; mkdir -p $R
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; lscpu | grep -E "Model name"; } > $R/machine.txt 2>&1
 bash .bundle/run.sh --help > /dev/null 2>&1  # unpacks the bundle once
-timeout 150 bash .bundle/run.sh tests > $R/tests.log 2>&1; echo "tests rc=$?" >> $R/rc.txt
-timeout 60 bash .bundle/run.sh pytest-gpu test_gpu.py -k gate > $R/pytest_gate.log 2>&1; echo "pytest gate rc=$?" >> $R/rc.txt
 ( while sleep 5; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; done ) > $R/memory_used_mib.txt 2>&1 &
 MON=$!
-MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-REGIME=churn; [ "${MIB:-0}" -gt 100000 ] && REGIME=both
-echo "memory.total ${MIB} MiB: --regime $REGIME" >> $R/rc.txt
-KVQ_GPU_SERVING_ARGS="--advise-busy-poll-us 1000000 --regime $REGIME" \
-  timeout 280 bash .bundle/run.sh qualify --profile gpu --only gpu_serving --out $R/serving > $R/serving.log 2>&1
-echo "serving rc=$?" >> $R/rc.txt
+T0=$(date +%s)
+KVQ_GPU_SERVING_TIMEOUT_S=530 KVQ_GPU_SERVING_ARGS="--advise-busy-poll-us 1000000 --budget-s 460" \
+  timeout 550 bash .bundle/run.sh qualify --profile gpu --only gpu_serving --out $R/serving > $R/serving.log 2>&1
+RC=$?; T1=$(date +%s)
+echo "serving rc=$RC in $((T1 - T0)) s" >> $R/rc.txt
+if [ $RC -ne 0 ] && [ $((T1 - T0)) -lt 150 ]; then
+  KVQ_GPU_SERVING_TIMEOUT_S=380 KVQ_GPU_SERVING_ARGS="--advise-busy-poll-us 1000000 --budget-s 330 --share-weights off" \
+    timeout 400 bash .bundle/run.sh qualify --profile gpu --only gpu_serving --out $R/serving-unshared > $R/serving-unshared.log 2>&1
+  echo "serving (--share-weights off) rc=$? in $(( $(date +%s) - T1 )) s" >> $R/rc.txt
+fi
 kill $MON
-rm -f $R/serving/*.svg
-(cd $OUT && tar czf a-first.tar.gz a)
-for i in 1 2; do
-  timeout 40 bash .bundle/run.sh bench transfer --profile gpu --repeats 10 --json $R/transfer-$i.json > $R/transfer-$i.log 2>&1
-  echo "transfer $i rc=$?" >> $R/rc.txt
-done
 cd $OUT && tar czf a.tar.gz a && rm -rf a
