@@ -485,8 +485,12 @@ impl Target {
         for action in &actions {
             check_prompt_prefix(action, &prompt).map_err(fetch)?;
         }
+        // The executor's own check (count, then each id below the pool's
+        // `rows`, none repeated), run here so that an allocator bug raises
+        // `BadArgument` from this call, before the donor is imported or
+        // asked (and from `fetch_async` itself, not its job).
         if let (Some(d), Some(a)) = (&dst_blocks, actions.first()) {
-            check_dst_blocks(d, a, self.rows)?;
+            self.executor.check_dst_blocks(a, d).map_err(fetch)?;
         }
         let dst_blocks = self.hf_dst_blocks(&actions, dst_blocks, dst_token_offset)?;
         let endpoint = actions
@@ -662,44 +666,6 @@ impl Target {
         }
         Ok(Some((first..first + n).map(|b| b as u32).collect()))
     }
-}
-
-/// The engine's block ids for a fetch, checked before anything is touched:
-/// one per block the hint fetches (`sequence_hashes` from `fetch_from` on),
-/// each below `rows` and none repeated. `BadArgument` naming `dst_blocks`
-/// (count) or `dst_blocks[i]` (the first bad id): an allocator bug of the
-/// engine is an argument error, not a fallback counted in the metrics.
-fn check_dst_blocks(dst: &[u32], action: &kv_descriptor::FetchGpuHint, rows: u32) -> PyResult<()> {
-    let want = action
-        .sequence_hashes
-        .len()
-        .saturating_sub(action.fetch_from as usize);
-    if dst.len() != want {
-        return Err(bad_argument(
-            "dst_blocks",
-            format!(
-                "{} ids given, the hint fetches {want} blocks (from block {})",
-                dst.len(),
-                action.fetch_from
-            ),
-        ));
-    }
-    let mut seen = std::collections::HashSet::with_capacity(dst.len());
-    for (i, &b) in dst.iter().enumerate() {
-        if b >= rows {
-            return Err(bad_argument(
-                &format!("dst_blocks[{i}]"),
-                format!("{b} is not below rows {rows}"),
-            ));
-        }
-        if !seen.insert(b) {
-            return Err(bad_argument(
-                &format!("dst_blocks[{i}]"),
-                format!("{b} is given twice"),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Byte ranges of the destination tensors seen so far, by memory kind.
