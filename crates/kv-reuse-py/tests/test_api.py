@@ -217,6 +217,25 @@ def test_layout_refuses_unknown_dtype():
         kv_reuse.Layout(2, 2, 8, "int7", TOKENS_PER_BLOCK, 2)
 
 
+def test_layout_refuses_every_invalid_count_as_bad_argument_naming_it():
+    # A zero was DescriptorRefused while -1 was BadArgument: one class for
+    # every invalid count, naming the argument.
+    names = ["num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "tp_size"]
+    good = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "tokens_per_block": 64, "tp_size": 2}
+    for name in names:
+        for bad, why in ((0, r"0, must be at least 1"), (-1, r"-1 is not in 0\.\.=4294967295")):
+            kw = dict(good, **{name: bad})
+            with pytest.raises(kv_reuse.BadArgument, match=rf"^{name}: {why}$"):
+                kv_reuse.Layout(kw["num_layers"], kw["num_kv_heads"], kw["head_dim"], "f32",
+                                kw["tokens_per_block"], kw["tp_size"])
+    # A tp_size that does not divide the heads is that argument's refusal too.
+    with pytest.raises(kv_reuse.BadArgument, match=r"^tp_size: num_kv_heads 3 is not divisible by tp_size 2"):
+        kv_reuse.Layout(2, 3, 8, "f32", 64, 2)
+    # Only the layout as a whole past kv_descriptor's size bound is a descriptor refusal.
+    with pytest.raises(kv_reuse.DescriptorRefused, match="one rank's block part would be"):
+        kv_reuse.Layout(2**31, 2, 2**31, "f32", 64, 2)
+
+
 def test_store_refuses_wrong_dtype_shape_strides_and_non_arrays(layout):
     # Bank and store are locals (not fixture values, which pytest keeps
     # until after the leak check), so they are gone when the test returns.
