@@ -8,7 +8,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use kv_bank::{BankMemory, DestinationPool, MemoryKind};
+use kv_bank::{BankError, BankMemory, DestinationPool, MemoryKind};
 use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
 use kv_router_glue::{
     check_prompt_prefix, EngineRegion, FetchError, FetchExecutor, RemoteDonor, DEFAULT_PIN_TIMEOUT,
@@ -418,7 +418,8 @@ impl Target {
     /// `numpy.frombuffer(..., dtype)` to view them).
     ///
     /// Raises `BadArgument` naming `rank` (not below `tp_size`, negative)
-    /// or `row` (past the rows, negative, on another layout than block-major).
+    /// or `row` (not below the target's `rows`, with both numbers;
+    /// negative; on another layout than block-major or rows in CUDA memory).
     fn read_row<'py>(
         &self,
         py: Python<'py>,
@@ -435,11 +436,28 @@ impl Target {
                 "read_row reads block-major rows; read the engine's kv_caches instead",
             ));
         }
+        if row >= self.rows {
+            return Err(bad_argument(
+                "row",
+                format!("{row} is not below rows {}", self.rows),
+            ));
+        }
         let rbb = self.layout.inner.rank_block_bytes();
         let mut buf = vec![0u8; rbb];
         region
             .read_bytes(row as usize * rbb, &mut buf)
-            .map_err(|e| bad_argument("row", e))?;
+            .map_err(|e| match e {
+                // kv_bank names its own call (`read_bytes`); say what the
+                // Python caller can do instead.
+                BankError::Unsupported { kind, .. } => bad_argument(
+                    "row",
+                    format!(
+                        "read_row reads host rows, rank {rank}'s are in {kind} memory; \
+                         read the engine's kv_caches instead"
+                    ),
+                ),
+                other => bad_argument("row", other),
+            })?;
         Ok(PyBytes::new(py, &buf))
     }
 }

@@ -217,6 +217,15 @@ def test_layout_refuses_unknown_dtype():
         kv_reuse.Layout(2, 2, 8, "int7", TOKENS_PER_BLOCK, 2)
 
 
+def test_read_row_past_the_rows_names_the_row_and_the_row_count(layout):
+    # Not kv_bank's byte range: the row asked for and the target's rows.
+    target = kv_reuse.Target(layout, rows=4)
+    assert len(target.read_row(1, 3)) == layout.rank_block_bytes
+    for row in (4, 5, 2**32 - 1):
+        with pytest.raises(kv_reuse.BadArgument, match=rf"^row: {row} is not below rows 4$"):
+            target.read_row(0, row)
+
+
 def test_layout_refuses_every_invalid_count_as_bad_argument_naming_it():
     # A zero was DescriptorRefused while -1 was BadArgument: one class for
     # every invalid count, naming the argument.

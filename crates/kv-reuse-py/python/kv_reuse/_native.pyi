@@ -511,7 +511,10 @@ class Target:
         HintRefused, BadArgument raise from this call), then it returns at once. With
         ``gate``, the engine thread enqueues its forward while the fetch completes without
         taking the GIL from it. Fetches of one target run in call order."""
-    def read_row(self, rank: int, row: int) -> bytes: ...
+    def read_row(self, rank: int, row: int) -> bytes:
+        """A copy of destination row ``row`` of rank ``rank`` (block-major host rows).
+        BadArgument names ``rank`` (not below tp_size) or ``row`` (not below ``rows``, on
+        another layout, rows in CUDA memory)."""
 
 class FetchJob:
     """A fetch running on its target's fetch thread (``Target.fetch_async``)."""
