@@ -373,8 +373,11 @@ def test_an_ack_without_writes_is_refused_and_never_publishes_the_evicted_blocks
     b = bank.store(b_tokens)  # evicts A's 4 slots
     assert b.sequence_hashes == b_hashes
     for r in range(layout.tp_size):
+        # The message names what a Python caller calls (write, abort), not
+        # kv_bank's Rust calls (write_pending, fail) or arguments (index).
         with pytest.raises(kv_reuse.BankFailed,
-                           match=rf"`rank` {r} acked with 4 unwritten entries \(first `index` 0\)"):
+                           match=rf"^store \d+: `rank` {r} acked with 4 unwritten rows \(first: row 0 of "
+                                 rf"`blocks`\); `write\({r}, blocks\)` before acking, or `abort\(\)` the store$"):
             b.ack(r)
     # The router is never told: A's Stored and Removed only, no Stored event
     # for B, and B is not in the bank.
@@ -399,9 +402,10 @@ def test_an_ack_without_writes_is_refused_and_never_publishes_the_evicted_blocks
         b.write(0, rows_for(layout, 0, range(4)))
         assert b.ack(0) is False
         # Rank 0 acked: its part is sealed, a second write is refused.
-        with pytest.raises(kv_reuse.BankFailed, match=r"`rank` 0 already acked, its entries are sealed"):
+        with pytest.raises(kv_reuse.BankFailed,
+                           match=r"^store \d+: `rank` 0 already acked, its rows are sealed \(`write` refused\)$"):
             b.write(0, np.full((4, n), 7.0, np.float32))
-        with pytest.raises(kv_reuse.BankFailed, match=r"`rank` 1 acked with 4 unwritten"):
+        with pytest.raises(kv_reuse.BankFailed, match=r"`rank` 1 acked with 4 unwritten rows"):
             b.ack(1)
         assert bank.drain_events() == []
         # Once rank 1 wrote, its ack publishes B, and a fetch returns B's own KV.
