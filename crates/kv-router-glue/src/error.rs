@@ -212,6 +212,20 @@ pub enum PlaneError {
     /// The plane was closed.
     #[error("event plane closed")]
     Closed,
+    /// A TTL below nats-server's floor for a key-value bucket's `max_age`
+    /// (`NATS_MIN_MAX_AGE`, 100 ms, feature `nats`): the server would
+    /// refuse to create the bucket. Refused before any request.
+    #[error(
+        "`{field}` {ttl:?} is below nats-server's {floor:?} floor for a key-value bucket's max_age"
+    )]
+    TtlBelowFloor {
+        /// The argument (`lease_ttl`).
+        field: &'static str,
+        /// The TTL given.
+        ttl: std::time::Duration,
+        /// The floor (`NATS_MIN_MAX_AGE`).
+        floor: std::time::Duration,
+    },
 }
 
 /// Why a fetch hint was refused, the caller's destination blocks were

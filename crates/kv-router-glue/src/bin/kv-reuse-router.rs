@@ -31,7 +31,7 @@ use kv_router_glue::{
     announce_subject, Advisor, CostModel, DecisionLog, EnvSnapshot, EventPlane, InventoryError,
     InventorySync, LiveCostModel, NatsAuth, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
     NatsTls, PlaneError, RemoteDonorDirectory, ReuseArgs, SettingsError, SettingsLoader,
-    DEFAULT_INVENTORY_TIMEOUT,
+    DEFAULT_INVENTORY_TIMEOUT, NATS_MIN_MAX_AGE,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -201,7 +201,7 @@ struct Cli {
 /// expire (NATS `max_age` 0 is "no limit"), so a dead donor's record would
 /// stay; nats-server refuses a `max_age` below 100 ms; one day is the
 /// donors' longest lease (`lease_s` in `kv_reuse.WorkerPublisher.donor`).
-const DIRECTORY_TTL_MS: RangeInclusive<u64> = 100..=86_400_000;
+const DIRECTORY_TTL_MS: RangeInclusive<u64> = NATS_MIN_MAX_AGE.as_millis() as u64..=86_400_000;
 /// `--announce-period-ms`: 0 ticked the drop check as fast as possible and
 /// dropped every worker between two announcements; the range is the
 /// workers' own (`announce_period_s` 0.01 to 60 s).
@@ -257,7 +257,8 @@ impl RouterError {
             | RouterError::Metrics { .. }
             | RouterError::Inventory(_)
             | RouterError::Plane(PlaneError::InvalidSubject { .. })
-            | RouterError::Plane(PlaneError::InvalidBucket { .. }) => 2,
+            | RouterError::Plane(PlaneError::InvalidBucket { .. })
+            | RouterError::Plane(PlaneError::TtlBelowFloor { .. }) => 2,
             _ => 1,
         }
     }
