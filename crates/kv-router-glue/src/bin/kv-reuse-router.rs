@@ -236,6 +236,8 @@ enum RouterError {
         endpoint: String,
         source: VllmEventError,
     },
+    /// `--metrics-addr` cannot be bound (in use, not an address of this
+    /// host, a privileged port), found before connecting.
     #[error("`--metrics-addr` {addr}: {source}")]
     Metrics {
         addr: SocketAddr,
@@ -398,6 +400,15 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     let model = CostModel::new(loaded.settings.clone(), cli.tokens_per_block)?;
 
     let options = checked_nats_options(&cli)?;
+    // Bound before any connection, served once the health probe's inputs
+    // exist: an address in use or not this host's is a flag error (exit 2)
+    // whether or not NATS is reachable, as the other flags' errors.
+    let metrics_listener = tokio::net::TcpListener::bind(cli.metrics_addr)
+        .await
+        .map_err(|source| RouterError::Metrics {
+            addr: cli.metrics_addr,
+            source,
+        })?;
     let plane = Arc::new(NatsPlane::connect(&cli.nats_url, options.clone()).await?);
     // The plane's own connection: the directory reads under the router's
     // credentials (a second, anonymous connection is refused by a server
@@ -497,12 +508,12 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
             }
         })
     };
-    let http = MetricsServer::bind_with_health(cli.metrics_addr, metrics.clone(), probe)
-        .await
-        .map_err(|source| RouterError::Metrics {
+    let http = MetricsServer::serve_with_health(metrics_listener, metrics.clone(), probe).map_err(
+        |source| RouterError::Metrics {
             addr: cli.metrics_addr,
             source,
-        })?;
+        },
+    )?;
 
     // Handlers before the ready line: a harness may signal right after it.
     use tokio::signal::unix::{signal, SignalKind};
