@@ -226,6 +226,22 @@ def test_read_row_past_the_rows_names_the_row_and_the_row_count(layout):
             target.read_row(0, row)
 
 
+def test_report_donor_refuses_an_endpoint_that_does_not_parse_naming_it(layout):
+    # As serve_pins: a hint carrying it would only fail at the target's pin
+    # exchange, as a fallback far from the call that took it.
+    bank = kv_reuse.DonorBank(layout, slots=2)
+    router = kv_reuse.Router(kv_reuse.Settings(env={}), TOKENS_PER_BLOCK)
+    for endpoint, why in (("foo", r"^endpoint: endpoint \"foo\": scheme must be `unix:<path>` or `tcp:<host>:<port>`$"),
+                          ("unix:", r"^endpoint: endpoint \"unix:\": socket path must hold 1\.\.=107 bytes$"),
+                          ("unix:/" + "x" * 107, r"^endpoint: endpoint \"unix:/x+\": socket path must hold"),
+                          ("tcp:10.0.0.1", r"^endpoint: endpoint \"tcp:10\.0\.0\.1\": `tcp:` needs `<host>:<port>`")):
+        with pytest.raises(kv_reuse.BadArgument, match=why):
+            router.report_donor(bank.manifest(), endpoint, {})
+    # Endpoints that parse are taken (the donor need not be up yet).
+    router.report_donor(bank.manifest(), "unix:/tmp/kv-reuse-not-listening.sock", {})
+    router.report_donor(bank.manifest(), "tcp:10.0.0.1:7301", {})
+
+
 def test_layout_refuses_every_invalid_count_as_bad_argument_naming_it():
     # A zero was DescriptorRefused while -1 was BadArgument: one class for
     # every invalid count, naming the argument.
