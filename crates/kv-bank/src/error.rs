@@ -184,11 +184,35 @@ pub enum BankError {
         /// Milliseconds waited.
         waited_ms: u64,
     },
-    /// Destination blocks already reserved by another fetch.
+    /// A destination block, in range and listed once, that is not free: held
+    /// by another fetch (reserved, orphaned, or completed and still held).
+    /// Contention: the caller may fall back and retry later.
     #[error("destination block {block} is already reserved")]
     AlreadyReserved {
         /// Native block id.
         block: u32,
+    },
+    /// A destination block id at or above the pool's capacity: no such
+    /// block exists. A caller bug (the engine's allocator), not contention.
+    #[error("`blocks[{index}]` = {block} is not below the destination pool's capacity {capacity}")]
+    BlockOutOfRange {
+        /// Index of the id in the list given.
+        index: usize,
+        /// Block id given.
+        block: u32,
+        /// Blocks of the pool (ids `0..capacity`).
+        capacity: u32,
+    },
+    /// A destination block id listed twice in one reservation request. A
+    /// caller bug (one block cannot hold two fetched blocks), not contention.
+    #[error("`blocks[{index}]` = {block} repeats `blocks[{first}]`")]
+    DuplicateBlock {
+        /// Index of the repeated id in the list given.
+        index: usize,
+        /// Block id given.
+        block: u32,
+        /// Index of its first occurrence.
+        first: usize,
     },
     /// Not enough free destination blocks.
     #[error("destination pool has {free} free blocks, {needed} requested")]

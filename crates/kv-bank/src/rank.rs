@@ -26,10 +26,11 @@ pub struct RankMemory {
 /// [`crate::BankManager::write_pending_from_device`] (device rows): they
 /// check the slot is pending for that store and record which entries each
 /// rank wrote, and [`crate::BankManager::ack`] refuses a rank until it wrote
-/// every entry ([`BankError::Unwritten`]). The raw writers here
-/// ([`RankBank::write_slot`], [`RankBank::write_slots_from_device`], or a
-/// copy to [`RankBank::slot_addr`]) are unchecked and not recorded: a slot
-/// filled with them alone does not let its rank ack.
+/// every entry ([`BankError::Unwritten`]). Those are the only public
+/// writers: the raw slot writers they call are crate-private (a write
+/// through them would be unchecked and not recorded), and a copy to
+/// [`RankBank::slot_addr`] is not recorded either: a slot filled that way
+/// does not let its rank ack.
 #[derive(Debug, Clone)]
 pub struct RankBank {
     descriptor: BankDescriptor,
@@ -76,13 +77,13 @@ impl RankBank {
     /// Copies `bytes` (exactly `slot_bytes` long) into slot `slot`.
     ///
     /// Unchecked against the slot's state and not recorded as a store's
-    /// write: a rank that fills its slots with this cannot ack. Stores use
-    /// [`crate::BankManager::write_pending`], which checks the slot, records
-    /// the write and calls this.
+    /// write, hence crate-private: a rank that filled its slots with this
+    /// could not ack. Stores use [`crate::BankManager::write_pending`], which
+    /// checks the slot, records the write and calls this.
     ///
     /// # Errors
     /// `slot` out of range, `bytes` of the wrong length, or the memory's copy error.
-    pub fn write_slot(&self, slot: u32, bytes: &[u8]) -> Result<(), BankError> {
+    pub(crate) fn write_slot(&self, slot: u32, bytes: &[u8]) -> Result<(), BankError> {
         let off = self.slot_offset(slot)?;
         if bytes.len() as u64 != self.descriptor.slot_bytes() {
             return Err(BankError::arg(
@@ -101,7 +102,8 @@ impl RankBank {
     /// every `i`, device to device; synchronous (see
     /// [`BankMemory::copy_from_device`]).
     ///
-    /// Unchecked and unrecorded, as [`RankBank::write_slot`] (stores use
+    /// Unchecked and unrecorded, hence crate-private, as
+    /// [`RankBank::write_slot`] (stores use
     /// [`crate::BankManager::write_pending_from_device`], which checks,
     /// records the write and calls this).
     ///
@@ -110,7 +112,11 @@ impl RankBank {
     /// `source` (`row_bytes` is not the slot size, `rows` is not
     /// `slots.len()`); the memory's copy error ([`BankError::Unsupported`]
     /// on a host bank).
-    pub fn write_slots_from_device(&self, slots: &[u32], src: DeviceRows) -> Result<(), BankError> {
+    pub(crate) fn write_slots_from_device(
+        &self,
+        slots: &[u32],
+        src: DeviceRows,
+    ) -> Result<(), BankError> {
         if src.row_bytes as u64 != self.descriptor.slot_bytes() {
             return Err(BankError::arg(
                 "source",
@@ -142,7 +148,8 @@ impl RankBank {
     /// Copies slot `slot` into `out` (exactly `slot_bytes` long).
     ///
     /// # Errors
-    /// As [`RankBank::write_slot`].
+    /// [`BankError::InvalidArgument`] naming `slot` (not below `slot_count`)
+    /// or `out` (not `slot_bytes` long); the memory's copy error.
     pub fn read_slot(&self, slot: u32, out: &mut [u8]) -> Result<(), BankError> {
         let off = self.slot_offset(slot)?;
         if out.len() as u64 != self.descriptor.slot_bytes() {

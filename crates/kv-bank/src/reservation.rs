@@ -93,12 +93,15 @@ impl Drop for PoolState {
 #[derive(Debug, Clone)]
 pub struct DestinationPool {
     state: Arc<Mutex<PoolState>>,
+    /// Ids are `0..capacity`; each is in exactly one of the state's sets.
+    capacity: u32,
 }
 
 impl DestinationPool {
     /// A pool of `capacity` free blocks, ids `0..capacity`.
     pub fn new(capacity: u32) -> Self {
         Self {
+            capacity,
             state: Arc::new(Mutex::new(PoolState {
                 free: (0..capacity).collect(),
                 reserved: BTreeSet::new(),
@@ -127,19 +130,83 @@ impl DestinationPool {
 
     /// Reserves exactly `blocks` (e.g. blocks the engine's allocator chose).
     ///
+    /// The list is checked first ([`DestinationPool::check_blocks`]: every id
+    /// below the capacity, none repeated), whatever the pool's state, so a
+    /// caller bug is never reported as contention; then every block must be
+    /// free.
+    ///
+    /// ```
+    /// use kv_bank::{BankError, DestinationPool};
+    /// let pool = DestinationPool::new(4);
+    /// let held = pool.reserve_exact(&[2]).unwrap();
+    /// // Contention: block 2 is another fetch's.
+    /// assert!(matches!(pool.reserve_exact(&[1, 2]), Err(BankError::AlreadyReserved { block: 2 })));
+    /// // Caller bugs, whatever the pool holds: no block 9, block 1 twice.
+    /// assert!(matches!(
+    ///     pool.reserve_exact(&[2, 9]),
+    ///     Err(BankError::BlockOutOfRange { index: 1, block: 9, capacity: 4 })
+    /// ));
+    /// assert!(matches!(
+    ///     pool.reserve_exact(&[1, 0, 1]),
+    ///     Err(BankError::DuplicateBlock { index: 2, block: 1, first: 0 })
+    /// ));
+    /// # held.cancel().quiesced();
+    /// ```
+    ///
     /// # Errors
+    /// Nothing is reserved on error.
+    /// [`BankError::BlockOutOfRange`] or [`BankError::DuplicateBlock`] for
+    /// the first bad id of the list (a caller bug);
     /// [`BankError::AlreadyReserved`] naming the first block that is not free
-    /// (reserved, orphaned, duplicated in `blocks`, or out of range); nothing reserved.
+    /// (reserved, orphaned, or completed and still held: contention).
     pub fn reserve_exact(&self, blocks: &[u32]) -> Result<DestinationReservation, BankError> {
+        self.check_blocks(blocks)?;
         let mut st = self.state.lock();
-        let mut seen = BTreeSet::new();
-        for &b in blocks {
-            if !st.free.contains(&b) || !seen.insert(b) {
-                return Err(BankError::AlreadyReserved { block: b });
-            }
+        if let Some(&block) = blocks.iter().find(|b| !st.free.contains(b)) {
+            return Err(BankError::AlreadyReserved { block });
         }
         st.shift(blocks, BlockState::Free, BlockState::Reserved);
         Ok(self.handle(blocks.to_vec()))
+    }
+
+    /// Checks a list of block ids for [`DestinationPool::reserve_exact`]
+    /// without reserving anything or reading the pool's state: every id
+    /// below [`DestinationPool::capacity`], none listed twice. A caller can
+    /// run it before anything else is touched (the answer cannot change).
+    ///
+    /// ```
+    /// use kv_bank::{BankError, DestinationPool};
+    /// let pool = DestinationPool::new(8);
+    /// assert!(pool.check_blocks(&[7, 0, 3]).is_ok());
+    /// assert!(matches!(
+    ///     pool.check_blocks(&[7, 8]),
+    ///     Err(BankError::BlockOutOfRange { index: 1, block: 8, capacity: 8 })
+    /// ));
+    /// ```
+    ///
+    /// # Errors
+    /// [`BankError::BlockOutOfRange`] or [`BankError::DuplicateBlock`] for
+    /// the first bad id, in list order.
+    pub fn check_blocks(&self, blocks: &[u32]) -> Result<(), BankError> {
+        let mut seen = std::collections::HashMap::with_capacity(blocks.len());
+        for (index, &block) in blocks.iter().enumerate() {
+            if block >= self.capacity {
+                return Err(BankError::BlockOutOfRange {
+                    index,
+                    block,
+                    capacity: self.capacity,
+                });
+            }
+            if let Some(&first) = seen.get(&block) {
+                return Err(BankError::DuplicateBlock {
+                    index,
+                    block,
+                    first,
+                });
+            }
+            seen.insert(block, index);
+        }
+        Ok(())
     }
 
     fn handle(&self, blocks: Vec<u32>) -> DestinationReservation {
@@ -163,9 +230,7 @@ impl DestinationPool {
     /// r.cancel().quiesced();
     /// ```
     pub fn capacity(&self) -> u32 {
-        let st = self.state.lock();
-        // Every id is in exactly one of the four sets.
-        (st.free.len() + st.reserved.len() + st.orphaned.len() + st.completed.len()) as u32
+        self.capacity
     }
 
     /// Free blocks now.

@@ -515,6 +515,106 @@ fn close_waits_for_pins_refuses_new_ones_and_kills_the_generation() {
     assert!(bank2.rank(0).is_err());
 }
 
+/// An id past the pool or listed twice is the caller's bug, told apart from
+/// contention (`AlreadyReserved`, which callers count as a fallback): typed,
+/// naming the entry, and decided before the pool's state is looked at, so a
+/// list holding both a busy block and a bad id is refused as the bad id.
+#[test]
+fn reserve_exact_tells_caller_bugs_from_contention() {
+    let pool = DestinationPool::new(6);
+    let held = pool.reserve_exact(&[2]).unwrap();
+    let refused = |blocks: &[u32]| match pool.reserve_exact(blocks) {
+        Err(e) => e,
+        Ok(r) => panic!("{blocks:?} reserved {:?}", r.blocks()),
+    };
+    let e = refused(&[1, 6]);
+    assert!(
+        matches!(
+            e,
+            BankError::BlockOutOfRange {
+                index: 1,
+                block: 6,
+                capacity: 6
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "`blocks[1]` = 6 is not below the destination pool's capacity 6"
+    );
+    let e = refused(&[u32::MAX]);
+    assert!(
+        matches!(
+            e,
+            BankError::BlockOutOfRange {
+                index: 0,
+                block: u32::MAX,
+                capacity: 6
+            }
+        ),
+        "{e:?}"
+    );
+    let e = refused(&[3, 0, 3]);
+    assert!(
+        matches!(
+            e,
+            BankError::DuplicateBlock {
+                index: 2,
+                block: 3,
+                first: 0
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(e.to_string(), "`blocks[2]` = 3 repeats `blocks[0]`");
+    // Block 2 is held (contention) but the list is also bad: the bug wins,
+    // whichever comes first in the list.
+    let e = refused(&[2, 9]);
+    assert!(
+        matches!(
+            e,
+            BankError::BlockOutOfRange {
+                index: 1,
+                block: 9,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = refused(&[2, 1, 1]);
+    assert!(
+        matches!(
+            e,
+            BankError::DuplicateBlock {
+                index: 2,
+                block: 1,
+                first: 1
+            }
+        ),
+        "{e:?}"
+    );
+    // A valid list with a held block is contention, naming the block.
+    let e = refused(&[1, 2]);
+    assert!(
+        matches!(e, BankError::AlreadyReserved { block: 2 }),
+        "{e:?}"
+    );
+    // `check_blocks` decides the same without reserving or reading state.
+    assert!(matches!(
+        pool.check_blocks(&[5, 6]),
+        Err(BankError::BlockOutOfRange {
+            index: 1,
+            block: 6,
+            capacity: 6
+        })
+    ));
+    pool.check_blocks(&[2, 5, 0]).unwrap();
+    assert_eq!(pool.free_blocks(), 5, "refused requests reserved nothing");
+    held.cancel().quiesced();
+    assert_eq!(pool.free_blocks(), 6);
+}
+
 #[test]
 fn destination_reservations_hold_blocks_until_complete_or_quiesced() {
     let pool = DestinationPool::new(6);
@@ -528,7 +628,17 @@ fn destination_reservations_hold_blocks_until_complete_or_quiesced() {
         pool.reserve_exact(&[4, 2]),
         Err(BankError::AlreadyReserved { block: 2 })
     ));
-    assert!(pool.reserve_exact(&[4, 4]).is_err(), "duplicates refused");
+    assert!(
+        matches!(
+            pool.reserve_exact(&[4, 4]),
+            Err(BankError::DuplicateBlock {
+                index: 1,
+                block: 4,
+                first: 0
+            })
+        ),
+        "duplicates refused as a caller bug"
+    );
     assert_eq!(
         pool.free_blocks(),
         2,

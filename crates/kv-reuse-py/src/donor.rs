@@ -335,7 +335,7 @@ impl PendingStore {
                             field: "source",
                             reason,
                         } => bad_argument("blocks", reason),
-                        other => bank(other),
+                        other => store_error(other),
                     });
             }
         }
@@ -348,7 +348,7 @@ impl PendingStore {
             for (index, chunk) in bytes.chunks_exact(rbb).enumerate() {
                 self.bank
                     .write_pending(self.store_id, rank, index, chunk)
-                    .map_err(bank)?;
+                    .map_err(store_error)?;
             }
             Ok(())
         })
@@ -378,7 +378,7 @@ impl PendingStore {
             // kv_bank keeps no pending store for an empty one.
             return Ok(true);
         }
-        Ok(self.bank.ack(self.store_id, rank).map_err(bank)? == StoreStatus::Ready)
+        Ok(self.bank.ack(self.store_id, rank).map_err(store_error)? == StoreStatus::Ready)
     }
 
     /// Rolls the store back on every rank if it is still pending (not
@@ -466,4 +466,31 @@ impl PinServer {
         self.close(py);
         false
     }
+}
+
+/// A refusal of `PendingStore.write` / `ack` as `BankFailed`, in the words
+/// of the Python API: kv_bank's own text names its Rust calls
+/// (`write_pending` / `write_pending_from_device`, `fail`) and arguments
+/// (`index`, `store_id`), which a Python caller never sees; the rest is
+/// kv_bank's text.
+fn store_error(e: BankError) -> PyErr {
+    let msg = match e {
+        BankError::Unwritten {
+            store_id,
+            rank,
+            missing,
+            first,
+        } => format!(
+            "store {store_id}: `rank` {rank} acked with {missing} unwritten rows (first: row \
+             {first} of `blocks`); `write({rank}, blocks)` before acking, or `abort()` the store"
+        ),
+        BankError::RankAcked { store_id, rank, .. } => format!(
+            "store {store_id}: `rank` {rank} already acked, its rows are sealed (`write` refused)"
+        ),
+        BankError::UnknownStore(store_id) => format!(
+            "store {store_id} is no longer pending (it completed, was aborted or timed out)"
+        ),
+        other => return bank(other),
+    };
+    crate::errors::BankFailed::new_err(msg)
 }

@@ -110,9 +110,35 @@ pub(crate) fn lookup(e: kv_lookup::LookupError) -> PyErr {
 }
 
 /// Maps a fetch error to its class; a fallback carries (stage, cause label).
+/// The caller's bad `dst_blocks` ([`FetchError::is_argument_error`]: an
+/// allocator bug, not a fallback) is `BadArgument` naming `dst_blocks` (a
+/// wrong count) or `dst_blocks[i]` (the first bad id), in the words of the
+/// Python API (`rows`: the `Target`'s rows, which are its pool's blocks).
 pub(crate) fn fetch(e: FetchError) -> PyErr {
     let msg = e.to_string();
     match e {
+        FetchError::DstBlocksCount {
+            given,
+            fetched,
+            fetch_from,
+        } => bad_argument(
+            "dst_blocks",
+            format!(
+                "{given} ids given, the hint fetches {fetched} blocks (from block {fetch_from})"
+            ),
+        ),
+        FetchError::DstBlockOutOfRange {
+            index,
+            block,
+            capacity,
+        } => bad_argument(
+            &format!("dst_blocks[{index}]"),
+            format!("{block} is not below rows {capacity}"),
+        ),
+        FetchError::DstBlockRepeated { index, block, .. } => bad_argument(
+            &format!("dst_blocks[{index}]"),
+            format!("{block} is given twice"),
+        ),
         FetchError::Fallback { stage, cause } => {
             FetchFellBack::new_err((msg, stage, cause.label()))
         }

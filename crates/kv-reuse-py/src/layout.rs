@@ -2,7 +2,7 @@
 
 use pyo3::prelude::*;
 
-use kv_descriptor::{DType, EngineId, KvLayout, TensorOrder};
+use kv_descriptor::{DType, DescriptorError, EngineId, KvLayout, TensorOrder};
 
 use crate::errors::{bad_argument, descriptor, uint};
 
@@ -39,8 +39,9 @@ impl Layout {
     /// split over `tp_size` TP ranks.
     ///
     /// Raises `BadArgument` naming `dtype`, or the int argument that is
-    /// negative or past u32; `DescriptorRefused` when kv_descriptor refuses
-    /// the layout (a zero, heads not divisible by `tp_size`).
+    /// negative, past u32 or zero, or `tp_size` when `num_kv_heads` is not
+    /// divisible by it; `DescriptorRefused` when kv_descriptor refuses the
+    /// layout as a whole (one rank's block part past its size bound).
     #[new]
     #[pyo3(signature = (num_layers, num_kv_heads, head_dim, dtype, tokens_per_block, tp_size))]
     fn new(
@@ -52,15 +53,23 @@ impl Layout {
         tp_size: &Bound<'_, PyAny>,
     ) -> PyResult<Self> {
         let inner = KvLayout::new(
-            uint("num_layers", num_layers)?,
-            uint("num_kv_heads", num_kv_heads)?,
-            uint("head_dim", head_dim)?,
+            count("num_layers", num_layers)?,
+            count("num_kv_heads", num_kv_heads)?,
+            count("head_dim", head_dim)?,
             parse_dtype(dtype)?,
-            uint("tokens_per_block", tokens_per_block)?,
+            count("tokens_per_block", tokens_per_block)?,
             TensorOrder::BlockMajor,
-            uint("tp_size", tp_size)?,
+            count("tp_size", tp_size)?,
         )
-        .map_err(descriptor)?;
+        .map_err(|e| match e {
+            // The one per-argument rule kv_descriptor checks beyond `count`:
+            // the Python argument it names, as the other argument errors.
+            DescriptorError::InvalidField {
+                field: "layout.tp_size",
+                reason,
+            } => bad_argument("tp_size", reason),
+            other => descriptor(other),
+        })?;
         Ok(Self { inner })
     }
     /// Bytes of one TP rank's part of one block.
@@ -126,6 +135,16 @@ impl Layout {
             l.tokens_per_block(),
             l.tp_size()
         )
+    }
+}
+
+/// A count argument of `Layout` as u32: `BadArgument` naming `argument` when
+/// it is negative or past u32 ([`uint`]) or zero (as `Router`'s counts), the
+/// same class for every invalid count.
+fn count(argument: &str, v: &Bound<'_, PyAny>) -> PyResult<u32> {
+    match uint(argument, v)? {
+        0 => Err(bad_argument(argument, "0, must be at least 1")),
+        n => Ok(n),
     }
 }
 

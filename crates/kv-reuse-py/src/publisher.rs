@@ -57,6 +57,27 @@ pub(crate) fn seconds_in(
     }
 }
 
+/// nats-server's floor for a key-value bucket's `max_age`
+/// ([`kv_router_glue::NATS_MIN_MAX_AGE`], 100 ms), in seconds: a donor's
+/// record TTL (and so its lease) may not be shorter.
+const NATS_MAX_AGE_FLOOR_S: f64 = kv_router_glue::NATS_MIN_MAX_AGE.as_secs_f64();
+
+/// `BadArgument` naming `argument` and the floor when `s` seconds is below
+/// [`NATS_MAX_AGE_FLOOR_S`] (the range check that follows it refuses the
+/// rest: NaN, infinities, past the maximum).
+fn not_below_nats_floor(argument: &str, s: f64) -> PyResult<()> {
+    if s < NATS_MAX_AGE_FLOOR_S {
+        return Err(bad_argument(
+            argument,
+            format!(
+                "{s} s is below nats-server's {NATS_MAX_AGE_FLOOR_S} s floor for a key-value \
+                 max_age (the directory record's TTL)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The runtime that drives a publisher's NATS connections.
 pub(crate) fn runtime(what: &str) -> PyResult<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
@@ -171,9 +192,11 @@ impl WorkerPublisher {
     /// `kv.<namespace>.workers.announce` every `announce_period_s` seconds,
     /// and inventory snapshots answered for a router that starts later.
     ///
-    /// `lease_s` is the bank's owner lease (renewed every fifth of it);
-    /// `record_ttl_s` (default `lease_s`) bounds one put of the record (it is
-    /// re-put after a third of it). `timeout_s` bounds connecting and each
+    /// `lease_s` is the bank's owner lease (renewed every fifth of it; 0.1
+    /// to 86,400 s); `record_ttl_s` (default `lease_s`, 0.1 s to `lease_s`)
+    /// bounds one put of the record (it is re-put after a third of it) and is
+    /// the directory bucket's `max_age` when this creates it: neither may be
+    /// below nats-server's 100 ms `max_age` floor. `timeout_s` bounds connecting and each
     /// publish call. Releases the GIL while it connects and publishes.
     /// The NATS keywords (`**nats`): `user` + `password`, `token` or
     /// `creds` (a `.creds` file) authenticate its one NATS connection,
@@ -219,9 +242,17 @@ impl WorkerPublisher {
         if slots == 0 {
             return Err(bad_argument("slots", "must be at least 1"));
         }
-        let lease = seconds_in("lease_s", lease_s, 0.05..=86_400.0)?;
+        // The record's TTL is the directory bucket's `max_age` when this
+        // creates it, and `record_ttl_s` defaults to (and may not exceed)
+        // `lease_s`: neither may go below nats-server's floor, which would
+        // otherwise refuse the bucket as an unexplained `PublishFailed`.
+        not_below_nats_floor("lease_s", lease_s)?;
+        let lease = seconds_in("lease_s", lease_s, NATS_MAX_AGE_FLOOR_S..=86_400.0)?;
         let record_ttl = match record_ttl_s {
-            Some(s) => seconds_in("record_ttl_s", s, 0.05..=lease_s)?,
+            Some(s) => {
+                not_below_nats_floor("record_ttl_s", s)?;
+                seconds_in("record_ttl_s", s, NATS_MAX_AGE_FLOOR_S..=lease_s)?
+            }
             None => lease,
         };
         let store_timeout = seconds_in("store_timeout_s", store_timeout_s, 0.001..=3_600.0)?;

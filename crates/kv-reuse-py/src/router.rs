@@ -173,14 +173,19 @@ impl Router {
     /// earlier report.
     ///
     /// Raises `DescriptorRefused` for a manifest that does not decode,
-    /// `BadArgument` naming `slots` (a hash key negative or past u64) or
-    /// `slots[h]` (a slot negative or past u32).
+    /// `BadArgument` naming `endpoint` (not a pin endpoint that parses:
+    /// scheme, path length; as `DonorBank.serve_pins`), `slots` (a hash key
+    /// negative or past u64) or `slots[h]` (a slot negative or past u32).
+    /// Nothing is recorded when it raises.
     fn report_donor(
         &self,
         manifest: &[u8],
         endpoint: &str,
         slots: &Bound<'_, PyDict>,
     ) -> PyResult<()> {
+        // A hint carrying it would only fail at the target's pin exchange,
+        // as a fallback far from this call.
+        kv_router_glue::PinEndpoint::parse(endpoint).map_err(|e| bad_argument("endpoint", e))?;
         let slots = slots
             .iter()
             .map(|(h, s)| {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use kv_bank::{BankMemory, DestinationPool, MemoryKind};
+use kv_bank::{BankError, BankMemory, DestinationPool, MemoryKind};
 use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
 use kv_router_glue::{
     check_prompt_prefix, EngineRegion, FetchError, FetchExecutor, RemoteDonor, DEFAULT_PIN_TIMEOUT,
@@ -418,7 +418,8 @@ impl Target {
     /// `numpy.frombuffer(..., dtype)` to view them).
     ///
     /// Raises `BadArgument` naming `rank` (not below `tp_size`, negative)
-    /// or `row` (past the rows, negative, on another layout than block-major).
+    /// or `row` (not below the target's `rows`, with both numbers;
+    /// negative; on another layout than block-major or rows in CUDA memory).
     fn read_row<'py>(
         &self,
         py: Python<'py>,
@@ -435,11 +436,28 @@ impl Target {
                 "read_row reads block-major rows; read the engine's kv_caches instead",
             ));
         }
+        if row >= self.rows {
+            return Err(bad_argument(
+                "row",
+                format!("{row} is not below rows {}", self.rows),
+            ));
+        }
         let rbb = self.layout.inner.rank_block_bytes();
         let mut buf = vec![0u8; rbb];
         region
             .read_bytes(row as usize * rbb, &mut buf)
-            .map_err(|e| bad_argument("row", e))?;
+            .map_err(|e| match e {
+                // kv_bank names its own call (`read_bytes`); say what the
+                // Python caller can do instead.
+                BankError::Unsupported { kind, .. } => bad_argument(
+                    "row",
+                    format!(
+                        "read_row reads host rows, rank {rank}'s are in {kind} memory; \
+                         read the engine's kv_caches instead"
+                    ),
+                ),
+                other => bad_argument("row", other),
+            })?;
         Ok(PyBytes::new(py, &buf))
     }
 }
@@ -485,8 +503,12 @@ impl Target {
         for action in &actions {
             check_prompt_prefix(action, &prompt).map_err(fetch)?;
         }
+        // The executor's own check (count, then each id below the pool's
+        // `rows`, none repeated), run here so that an allocator bug raises
+        // `BadArgument` from this call, before the donor is imported or
+        // asked (and from `fetch_async` itself, not its job).
         if let (Some(d), Some(a)) = (&dst_blocks, actions.first()) {
-            check_dst_blocks(d, a, self.rows)?;
+            self.executor.check_dst_blocks(a, d).map_err(fetch)?;
         }
         let dst_blocks = self.hf_dst_blocks(&actions, dst_blocks, dst_token_offset)?;
         let endpoint = actions
@@ -662,44 +684,6 @@ impl Target {
         }
         Ok(Some((first..first + n).map(|b| b as u32).collect()))
     }
-}
-
-/// The engine's block ids for a fetch, checked before anything is touched:
-/// one per block the hint fetches (`sequence_hashes` from `fetch_from` on),
-/// each below `rows` and none repeated. `BadArgument` naming `dst_blocks`
-/// (count) or `dst_blocks[i]` (the first bad id): an allocator bug of the
-/// engine is an argument error, not a fallback counted in the metrics.
-fn check_dst_blocks(dst: &[u32], action: &kv_descriptor::FetchGpuHint, rows: u32) -> PyResult<()> {
-    let want = action
-        .sequence_hashes
-        .len()
-        .saturating_sub(action.fetch_from as usize);
-    if dst.len() != want {
-        return Err(bad_argument(
-            "dst_blocks",
-            format!(
-                "{} ids given, the hint fetches {want} blocks (from block {})",
-                dst.len(),
-                action.fetch_from
-            ),
-        ));
-    }
-    let mut seen = std::collections::HashSet::with_capacity(dst.len());
-    for (i, &b) in dst.iter().enumerate() {
-        if b >= rows {
-            return Err(bad_argument(
-                &format!("dst_blocks[{i}]"),
-                format!("{b} is not below rows {rows}"),
-            ));
-        }
-        if !seen.insert(b) {
-            return Err(bad_argument(
-                &format!("dst_blocks[{i}]"),
-                format!("{b} is given twice"),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Byte ranges of the destination tensors seen so far, by memory kind.

@@ -217,6 +217,50 @@ def test_layout_refuses_unknown_dtype():
         kv_reuse.Layout(2, 2, 8, "int7", TOKENS_PER_BLOCK, 2)
 
 
+def test_read_row_past_the_rows_names_the_row_and_the_row_count(layout):
+    # Not kv_bank's byte range: the row asked for and the target's rows.
+    target = kv_reuse.Target(layout, rows=4)
+    assert len(target.read_row(1, 3)) == layout.rank_block_bytes
+    for row in (4, 5, 2**32 - 1):
+        with pytest.raises(kv_reuse.BadArgument, match=rf"^row: {row} is not below rows 4$"):
+            target.read_row(0, row)
+
+
+def test_report_donor_refuses_an_endpoint_that_does_not_parse_naming_it(layout):
+    # As serve_pins: a hint carrying it would only fail at the target's pin
+    # exchange, as a fallback far from the call that took it.
+    bank = kv_reuse.DonorBank(layout, slots=2)
+    router = kv_reuse.Router(kv_reuse.Settings(env={}), TOKENS_PER_BLOCK)
+    for endpoint, why in (("foo", r"^endpoint: endpoint \"foo\": scheme must be `unix:<path>` or `tcp:<host>:<port>`$"),
+                          ("unix:", r"^endpoint: endpoint \"unix:\": socket path must hold 1\.\.=107 bytes$"),
+                          ("unix:/" + "x" * 107, r"^endpoint: endpoint \"unix:/x+\": socket path must hold"),
+                          ("tcp:10.0.0.1", r"^endpoint: endpoint \"tcp:10\.0\.0\.1\": `tcp:` needs `<host>:<port>`")):
+        with pytest.raises(kv_reuse.BadArgument, match=why):
+            router.report_donor(bank.manifest(), endpoint, {})
+    # Endpoints that parse are taken (the donor need not be up yet).
+    router.report_donor(bank.manifest(), "unix:/tmp/kv-reuse-not-listening.sock", {})
+    router.report_donor(bank.manifest(), "tcp:10.0.0.1:7301", {})
+
+
+def test_layout_refuses_every_invalid_count_as_bad_argument_naming_it():
+    # A zero was DescriptorRefused while -1 was BadArgument: one class for
+    # every invalid count, naming the argument.
+    names = ["num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "tp_size"]
+    good = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "tokens_per_block": 64, "tp_size": 2}
+    for name in names:
+        for bad, why in ((0, r"0, must be at least 1"), (-1, r"-1 is not in 0\.\.=4294967295")):
+            kw = dict(good, **{name: bad})
+            with pytest.raises(kv_reuse.BadArgument, match=rf"^{name}: {why}$"):
+                kv_reuse.Layout(kw["num_layers"], kw["num_kv_heads"], kw["head_dim"], "f32",
+                                kw["tokens_per_block"], kw["tp_size"])
+    # A tp_size that does not divide the heads is that argument's refusal too.
+    with pytest.raises(kv_reuse.BadArgument, match=r"^tp_size: num_kv_heads 3 is not divisible by tp_size 2"):
+        kv_reuse.Layout(2, 3, 8, "f32", 64, 2)
+    # Only the layout as a whole past kv_descriptor's size bound is a descriptor refusal.
+    with pytest.raises(kv_reuse.DescriptorRefused, match="one rank's block part would be"):
+        kv_reuse.Layout(2**31, 2, 2**31, "f32", 64, 2)
+
+
 def test_store_refuses_wrong_dtype_shape_strides_and_non_arrays(layout):
     # Bank and store are locals (not fixture values, which pytest keeps
     # until after the leak check), so they are gone when the test returns.
@@ -345,8 +389,11 @@ def test_an_ack_without_writes_is_refused_and_never_publishes_the_evicted_blocks
     b = bank.store(b_tokens)  # evicts A's 4 slots
     assert b.sequence_hashes == b_hashes
     for r in range(layout.tp_size):
+        # The message names what a Python caller calls (write, abort), not
+        # kv_bank's Rust calls (write_pending, fail) or arguments (index).
         with pytest.raises(kv_reuse.BankFailed,
-                           match=rf"`rank` {r} acked with 4 unwritten entries \(first `index` 0\)"):
+                           match=rf"^store \d+: `rank` {r} acked with 4 unwritten rows \(first: row 0 of "
+                                 rf"`blocks`\); `write\({r}, blocks\)` before acking, or `abort\(\)` the store$"):
             b.ack(r)
     # The router is never told: A's Stored and Removed only, no Stored event
     # for B, and B is not in the bank.
@@ -371,9 +418,10 @@ def test_an_ack_without_writes_is_refused_and_never_publishes_the_evicted_blocks
         b.write(0, rows_for(layout, 0, range(4)))
         assert b.ack(0) is False
         # Rank 0 acked: its part is sealed, a second write is refused.
-        with pytest.raises(kv_reuse.BankFailed, match=r"`rank` 0 already acked, its entries are sealed"):
+        with pytest.raises(kv_reuse.BankFailed,
+                           match=r"^store \d+: `rank` 0 already acked, its rows are sealed \(`write` refused\)$"):
             b.write(0, np.full((4, n), 7.0, np.float32))
-        with pytest.raises(kv_reuse.BankFailed, match=r"`rank` 1 acked with 4 unwritten"):
+        with pytest.raises(kv_reuse.BankFailed, match=r"`rank` 1 acked with 4 unwritten rows"):
             b.ack(1)
         assert bank.drain_events() == []
         # Once rank 1 wrote, its ack publishes B, and a fetch returns B's own KV.

@@ -104,6 +104,18 @@ def test_bad_arguments_are_refused_naming_them(layout):
                                        lease_s=1.0, record_ttl_s=2.0)
     with pytest.raises(kv_reuse.BadArgument, match="worker_key"):
         kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "a.b", layout, 4, "unix:/tmp/x")
+    # Below nats-server's 100 ms max_age floor (the record TTL is the bucket's
+    # max_age; it defaults to lease_s): refused before connecting, naming the
+    # argument and the floor, instead of a PublishFailed from the server.
+    floor = r"s is below nats-server's 0\.1 s floor for a key-value max_age"
+    for kw, named in (({"lease_s": 0.05}, "lease_s"), ({"lease_s": 0.099}, "lease_s"),
+                      ({"lease_s": 1.0, "record_ttl_s": 0.05}, "record_ttl_s")):
+        with pytest.raises(kv_reuse.BadArgument, match=rf"^{named}: {kw[named]} {floor}"):
+            kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "d", layout, 4, "unix:/tmp/x", **kw)
+    # At the floor the arguments pass: the call goes on to NATS (unreachable here).
+    with pytest.raises(kv_reuse.PublishFailed, match="nats_url"):
+        kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "d", layout, 4, "unix:/tmp/x",
+                                       lease_s=0.1, record_ttl_s=0.1, timeout_s=0.5)
     with pytest.raises(kv_reuse.BadArgument, match="gpu_uuids"):
         kv_reuse.WorkerPublisher.target("nats://127.0.0.1:1", "p", layout,
                                         "00000000-0000-4000-8000-000000000001", gpu_uuids=["x"])

@@ -138,6 +138,15 @@ def test_a_store_left_without_every_ack_is_rolled_back_and_a_completed_one_is_ke
     # Rolled back on every rank: nothing retained, no event, the blocks are new again.
     assert bank.slots(hashes) == [None] * 4
     assert bank.drain_events() == []
+    # A rolled-back store refuses writes and acks in the Python API's words
+    # (not kv_bank's `store_id` argument).
+    st = bank.store(tokens)
+    assert st.abort() is True
+    with pytest.raises(kv_reuse.BankFailed,
+                       match=r"^store \d+ is no longer pending \(it completed, was aborted or timed out\)$"):
+        st.write(0, rows_for(layout, 0, range(4)))
+    with pytest.raises(kv_reuse.BankFailed, match=r"^store \d+ is no longer pending"):
+        st.ack(0)
     with bank.store(tokens) as st:
         assert st.sequence_hashes == hashes and st.already_retained == 0
         for rank in range(layout.tp_size):

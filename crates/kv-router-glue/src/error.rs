@@ -212,10 +212,26 @@ pub enum PlaneError {
     /// The plane was closed.
     #[error("event plane closed")]
     Closed,
+    /// A TTL below nats-server's floor for a key-value bucket's `max_age`
+    /// (`NATS_MIN_MAX_AGE`, 100 ms, feature `nats`): the server would
+    /// refuse to create the bucket. Refused before any request.
+    #[error(
+        "`{field}` {ttl:?} is below nats-server's {floor:?} floor for a key-value bucket's max_age"
+    )]
+    TtlBelowFloor {
+        /// The argument (`lease_ttl`).
+        field: &'static str,
+        /// The TTL given.
+        ttl: std::time::Duration,
+        /// The floor (`NATS_MIN_MAX_AGE`).
+        floor: std::time::Duration,
+    },
 }
 
-/// Why a fetch hint was refused or a fetch fell back. Hint errors are raised
-/// before any memory is reserved or read.
+/// Why a fetch hint was refused, the caller's destination blocks were
+/// refused, or a fetch fell back. Hint errors and the caller's argument
+/// errors ([`FetchError::is_argument_error`]) are raised before any memory
+/// is reserved or read.
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
     /// The hint is internally inconsistent (field named by the descriptor error).
@@ -286,6 +302,41 @@ pub enum FetchError {
         /// Sealed blocks of the prompt.
         prompt_blocks: usize,
     },
+    /// `dst_blocks` ([`crate::FetchExecutor::execute_at`]) does not hold one
+    /// block id per fetched block. A caller bug (the engine's allocator),
+    /// refused before the pool or the donor is touched; not a fallback.
+    #[error("`dst_blocks` holds {given} block ids, the hint fetches {fetched} blocks (from block {fetch_from})")]
+    DstBlocksCount {
+        /// Ids given.
+        given: usize,
+        /// Blocks the hint fetches (`sequence_hashes` from `fetch_from` on).
+        fetched: usize,
+        /// The hint's `fetch_from`.
+        fetch_from: u32,
+    },
+    /// An id of `dst_blocks` at or above the executor's destination blocks
+    /// (its pool's capacity). A caller bug, refused before the pool or the
+    /// donor is touched; not a fallback.
+    #[error("`dst_blocks[{index}]` = {block} is not below the destination's {capacity} blocks")]
+    DstBlockOutOfRange {
+        /// Index in `dst_blocks`.
+        index: usize,
+        /// Block id given.
+        block: u32,
+        /// Destination blocks (ids `0..capacity`).
+        capacity: u32,
+    },
+    /// An id of `dst_blocks` listed twice. A caller bug, refused before the
+    /// pool or the donor is touched; not a fallback.
+    #[error("`dst_blocks[{index}]` = {block} repeats `dst_blocks[{first}]`")]
+    DstBlockRepeated {
+        /// Index in `dst_blocks` of the repeat.
+        index: usize,
+        /// Block id given.
+        block: u32,
+        /// Index of its first occurrence.
+        first: usize,
+    },
     /// The transfer or a step around it failed; the request recomputes.
     #[error("fetch fell back at `{stage}`: {cause}")]
     Fallback {
@@ -298,20 +349,35 @@ pub enum FetchError {
 
 impl FetchError {
     /// The stage label of `kv_reuse_fallbacks_total`: `hint` for a hint
-    /// refused before anything was touched, else the failing stage
-    /// (`reserve`, `pin`, `plan`, `transfer`, `verify`).
+    /// refused before anything was touched, `argument` for the caller's
+    /// `dst_blocks` refused ([`FetchError::is_argument_error`]), else the
+    /// failing stage (`reserve`, `pin`, `plan`, `transfer`, `verify`).
     pub fn stage(&self) -> &'static str {
         match self {
             Self::Fallback { stage, .. } => stage,
+            _ if self.is_argument_error() => "argument",
             _ => "hint",
         }
+    }
+
+    /// True for the caller's own mistakes ([`FetchError::DstBlocksCount`],
+    /// [`FetchError::DstBlockOutOfRange`], [`FetchError::DstBlockRepeated`]):
+    /// a bug to report, not a hint refusal or a fallback to recompute quietly.
+    pub fn is_argument_error(&self) -> bool {
+        matches!(
+            self,
+            Self::DstBlocksCount { .. }
+                | Self::DstBlockOutOfRange { .. }
+                | Self::DstBlockRepeated { .. }
+        )
     }
 
     /// The cause label of `kv_reuse_fallbacks_total`: one stable
     /// `snake_case` value per hint-error variant (`malformed`,
     /// `wrong_engine`, `stale_generation`, `not_a_donor`, `layout_mismatch`,
     /// `slot_out_of_range`, `inconsistent_slots`, `prompt_mismatch`,
-    /// `hint_beyond_prompt`), else
+    /// `hint_beyond_prompt`; `dst_blocks_count`, `dst_block_out_of_range`,
+    /// `dst_block_repeated` for the argument errors), else
     /// [`FallbackCause::label`].
     pub fn cause_label(&self) -> &'static str {
         match self {
@@ -324,6 +390,9 @@ impl FetchError {
             Self::InconsistentSlots { .. } => "inconsistent_slots",
             Self::PromptMismatch { .. } => "prompt_mismatch",
             Self::HintBeyondPrompt { .. } => "hint_beyond_prompt",
+            Self::DstBlocksCount { .. } => "dst_blocks_count",
+            Self::DstBlockOutOfRange { .. } => "dst_block_out_of_range",
+            Self::DstBlockRepeated { .. } => "dst_block_repeated",
             Self::Fallback { cause, .. } => cause.label(),
         }
     }

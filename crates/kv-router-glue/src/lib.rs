@@ -153,14 +153,14 @@ pub use pin_transport::{
     unix_endpoint_path, PinEndpoint, PinEndpointError, MAX_SOCKET_PATH_BYTES, TCP_ENDPOINT_PREFIX,
     UNIX_ENDPOINT_PREFIX,
 };
-#[cfg(feature = "nats")]
-pub use plane::directory::NatsDirectory;
 pub use plane::directory::{
     bucket_name_problem, directory_key, CacheUpdate, DirectoryChange, DirectoryPlane,
     DirectoryWatch, DonorCache, DonorRecord, DonorRecordError, DonorRecordParts,
     InProcessDirectory, NixlMemKind, NixlRankRegion, MAX_DONOR_RECORD_BYTES, MAX_NAME_BYTES,
     MAX_NIXL_AGENT_NAME_BYTES,
 };
+#[cfg(feature = "nats")]
+pub use plane::directory::{NatsDirectory, NATS_MIN_MAX_AGE};
 #[cfg(feature = "nats")]
 pub use plane::inventory::NatsInventory;
 pub use plane::inventory::{

@@ -139,16 +139,55 @@ fn a_fetch_lands_at_engine_chosen_blocks_in_every_engine_layout() {
     }
 }
 
+/// A caller's bad `dst_blocks` (an allocator bug) is an argument error,
+/// typed and naming the entry, not a fallback: refused before the pool or
+/// the donor is touched, with its own metrics labels.
 #[test]
-fn repeated_out_of_range_or_miscounted_block_ids_are_refused_before_a_pin() {
+fn repeated_out_of_range_or_miscounted_block_ids_are_argument_errors_before_a_pin() {
     let _g = lock();
     let bank = bank(8, "eng-refuse");
     let a = store(&bank, 3);
     let (mems, exec) = engine_executor(0, Arc::new(HostCopyBackend));
-    for (dst, want) in [
-        (&[3u32, 3, 4][..], "listed twice"),
-        (&[1, 2, BLOCKS][..], "not below"),
-        (&[1, 2][..], "2 block ids for 3"),
+    let check = |dst: &[u32], e: &FetchError| match (dst, e) {
+        (
+            [3, 3, 4],
+            FetchError::DstBlockRepeated {
+                index: 1,
+                block: 3,
+                first: 0,
+            },
+        ) => "dst_block_repeated",
+        (
+            [1, 2, BLOCKS],
+            FetchError::DstBlockOutOfRange {
+                index: 2,
+                block: BLOCKS,
+                capacity: BLOCKS,
+            },
+        ) => "dst_block_out_of_range",
+        (
+            [1, 2],
+            FetchError::DstBlocksCount {
+                given: 2,
+                fetched: 3,
+                fetch_from: 0,
+            },
+        ) => "dst_blocks_count",
+        _ => panic!("{dst:?}: {e:?}"),
+    };
+    for (dst, message) in [
+        (
+            &[3u32, 3, 4][..],
+            "`dst_blocks[1]` = 3 repeats `dst_blocks[0]`",
+        ),
+        (
+            &[1, 2, BLOCKS][..],
+            "`dst_blocks[2]` = 16 is not below the destination's 16 blocks",
+        ),
+        (
+            &[1, 2][..],
+            "`dst_blocks` holds 2 block ids, the hint fetches 3 blocks (from block 0)",
+        ),
     ] {
         let e = exec
             .execute_at(
@@ -158,17 +197,13 @@ fn repeated_out_of_range_or_miscounted_block_ids_are_refused_before_a_pin() {
                 &DeliveryControl::new(),
             )
             .unwrap_err();
-        match &e {
-            FetchError::Fallback {
-                stage: "reserve",
-                cause:
-                    FallbackCause::Transfer(TransferError::InvalidInput {
-                        field: "dst_blocks",
-                        reason,
-                    }),
-            } => assert!(reason.contains(want), "{reason} should say {want}"),
-            other => panic!("{dst:?}: {other}"),
-        }
+        let cause = check(dst, &e);
+        assert_eq!(e.to_string(), message);
+        assert!(e.is_argument_error() && e.fallback_cause().is_none(), "{e}");
+        assert_eq!(metrics::fallback_labels(&e), ("argument", cause));
+        // The same answer from the early check, before any fetch.
+        let hint = &envelope(&bank, &a).fetch_gpu_actions().unwrap()[0];
+        check(dst, &exec.check_dst_blocks(hint, dst).unwrap_err());
         assert_eq!(
             exec.pool().free_blocks(),
             BLOCKS as usize,
@@ -177,6 +212,63 @@ fn repeated_out_of_range_or_miscounted_block_ids_are_refused_before_a_pin() {
         assert_eq!(bank.pins_outstanding(), 0, "the donor was not asked");
     }
     assert!(mems.iter().all(|m| image(m).iter().all(|&b| b == POISON)));
+}
+
+/// The bound is the pool's capacity, which may be below the regions'
+/// blocks: an id between the two used to reach `reserve_exact` and come
+/// back as `AlreadyReserved` (contention, a fallback); it is the caller's
+/// out-of-range id. And a list holding both a held block and a repeat is
+/// the repeat (the caller's bug), not contention.
+#[test]
+fn block_ids_past_a_smaller_pool_or_repeated_beside_a_held_one_are_not_contention() {
+    let _g = lock();
+    let bank = bank(8, "eng-smallpool");
+    let a = store(&bank, 3);
+    let (_mems, regions) = engine_regions(3);
+    let exec = FetchExecutor::with_engine_regions(
+        layout(),
+        DestinationPool::new(BLOCKS / 2),
+        regions,
+        Arc::new(HostCopyBackend),
+    )
+    .unwrap();
+    let run = |dst: &[u32]| {
+        exec.execute_at(
+            &envelope(&bank, &a),
+            dst,
+            bank.as_ref(),
+            &DeliveryControl::new(),
+        )
+        .unwrap_err()
+    };
+    let e = run(&[1, BLOCKS / 2 + 2, 3]);
+    assert!(
+        matches!(
+            e,
+            FetchError::DstBlockOutOfRange {
+                index: 1,
+                block: 10,
+                capacity: 8
+            }
+        ),
+        "{e:?}"
+    );
+    let held = exec.pool().reserve_exact(&[5]).unwrap();
+    let e = run(&[5, 2, 2]);
+    assert!(
+        matches!(
+            e,
+            FetchError::DstBlockRepeated {
+                index: 2,
+                block: 2,
+                first: 1
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(exec.pool().free_blocks(), BLOCKS as usize / 2 - 1);
+    assert_eq!(bank.pins_outstanding(), 0);
+    held.cancel().quiesced();
 }
 
 #[test]

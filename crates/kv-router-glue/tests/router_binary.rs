@@ -333,6 +333,32 @@ fn configuration_errors_exit_2_naming_the_flag_before_connecting() {
     }
 }
 
+/// A `--metrics-addr` that cannot be bound is a flag error too: exit 2
+/// naming the flag and the address, before any connection (it used to be
+/// bound after NATS was reached, so with NATS down the same mistake exited
+/// 1 as an unreachable server).
+#[test]
+fn a_metrics_addr_in_use_or_not_of_this_host_exits_2_naming_the_flag_before_connecting() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = taken.local_addr().unwrap().to_string();
+    // TEST-NET-1 (RFC 5737): never an address of this host.
+    for addr in [taken.as_str(), "192.0.2.1:9464"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+            .args(["--nats-url", NO_NATS, "--metrics-addr", addr])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{addr}: {err}");
+        assert!(
+            err.contains(&format!("`--metrics-addr` {addr}: ")),
+            "{addr}: {err}"
+        );
+        assert!(!err.contains("cannot connect"), "{addr}: {err}");
+        assert!(out.stdout.is_empty(), "{addr}: no ready line");
+    }
+}
+
 /// A valid configuration gets as far as connecting: with no server there,
 /// that is exit 1 naming the URL (a run-time failure, not a flag error),
 /// and the log lines on a non-terminal stderr carry no colour codes.

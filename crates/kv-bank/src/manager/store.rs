@@ -194,14 +194,14 @@ impl BankManager {
     }
 
     /// Writes rank `rank`'s part of entry `index` of pending store `store_id`
-    /// (host-copy path). Unlike [`RankBank::write_slot`], this refuses any
-    /// slot that is not pending for that store, so it can never overwrite a
-    /// ready or pinned block. The device-copy path is
-    /// [`BankManager::write_pending_from_device`]. These two are the only way
-    /// to fill a pending store: [`BankManager::ack`] accepts a rank only once
-    /// each of its entries was written through them, so a slot written any
-    /// other way (through [`RankBank::write_slot`] or
-    /// [`RankBank::slot_addr`]) does not count, and its ack is refused.
+    /// (host-copy path). It refuses any slot that is not pending for that
+    /// store, so it can never overwrite a ready or pinned block. The
+    /// device-copy path is [`BankManager::write_pending_from_device`]. These
+    /// two are the only public way to write a slot, and the only way to fill
+    /// a pending store: [`BankManager::ack`] accepts a rank only once each of
+    /// its entries was written through them, so a slot written any other way
+    /// (a copy to [`RankBank::slot_addr`]) does not count, and its ack is
+    /// refused.
     ///
     /// An entry counts as written when its copy returned `Ok`; a copy that
     /// fails leaves its entries unwritten, even ones written before (the

@@ -221,7 +221,10 @@ class Router:
     def __init__(self, settings: Settings, tokens_per_block: int, max_probes: int = 16384) -> None: ...
     def register_worker(self, key: int, engine: str, role_name: str, layout: Layout) -> None: ...
     def apply_event(self, event: bytes) -> None: ...
-    def report_donor(self, manifest: bytes, endpoint: str, slots: Mapping[int, int]) -> None: ...
+    def report_donor(self, manifest: bytes, endpoint: str, slots: Mapping[int, int]) -> None:
+        """Records a donor (manifest, pin endpoint, ``{sequence_hash: slot}``). BadArgument names
+        ``endpoint`` when it does not parse (as ``DonorBank.serve_pins``), ``slots`` / ``slots[h]``
+        for an int out of range; DescriptorRefused for a manifest that does not decode."""
     def advise(self, request_id: str, sequence_hashes: Sequence[int], target: str) -> Advice: ...
 
 class RouterUnavailable(KvReuseError):
@@ -306,8 +309,10 @@ class WorkerPublisher:
         """Opens the bank (``bank``), serves pins on ``pin_endpoint``, puts the record in bucket
         ``bucket``, announces every ``announce_period_s`` s (GIL released). One NATS connection,
         authenticated by ``user``/``password``, ``token`` or ``creds`` (a ``.creds`` file), TLS with
-        ``tls_ca`` (and a client certificate ``tls_cert`` + ``tls_key``). Raises BadArgument (naming the argument), BankFailed, PinServiceFailed,
-        PublishFailed."""
+        ``tls_ca`` (and a client certificate ``tls_cert`` + ``tls_key``). ``lease_s`` (0.1 to 86400 s)
+        and ``record_ttl_s`` (default ``lease_s``, 0.1 s to ``lease_s``; the bucket's max_age when
+        this creates it) may not be below nats-server's 100 ms max_age floor. Raises BadArgument
+        (naming the argument), BankFailed, PinServiceFailed, PublishFailed."""
     @staticmethod
     def target(
         nats_url: str,
@@ -511,7 +516,10 @@ class Target:
         HintRefused, BadArgument raise from this call), then it returns at once. With
         ``gate``, the engine thread enqueues its forward while the fetch completes without
         taking the GIL from it. Fetches of one target run in call order."""
-    def read_row(self, rank: int, row: int) -> bytes: ...
+    def read_row(self, rank: int, row: int) -> bytes:
+        """A copy of destination row ``row`` of rank ``rank`` (block-major host rows).
+        BadArgument names ``rank`` (not below tp_size) or ``row`` (not below ``rows``, on
+        another layout, rows in CUDA memory)."""
 
 class FetchJob:
     """A fetch running on its target's fetch thread (``Target.fetch_async``)."""

@@ -31,7 +31,7 @@ use kv_router_glue::{
     announce_subject, Advisor, CostModel, DecisionLog, EnvSnapshot, EventPlane, InventoryError,
     InventorySync, LiveCostModel, NatsAuth, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
     NatsTls, PlaneError, RemoteDonorDirectory, ReuseArgs, SettingsError, SettingsLoader,
-    DEFAULT_INVENTORY_TIMEOUT,
+    DEFAULT_INVENTORY_TIMEOUT, NATS_MIN_MAX_AGE,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -201,7 +201,7 @@ struct Cli {
 /// expire (NATS `max_age` 0 is "no limit"), so a dead donor's record would
 /// stay; nats-server refuses a `max_age` below 100 ms; one day is the
 /// donors' longest lease (`lease_s` in `kv_reuse.WorkerPublisher.donor`).
-const DIRECTORY_TTL_MS: RangeInclusive<u64> = 100..=86_400_000;
+const DIRECTORY_TTL_MS: RangeInclusive<u64> = NATS_MIN_MAX_AGE.as_millis() as u64..=86_400_000;
 /// `--announce-period-ms`: 0 ticked the drop check as fast as possible and
 /// dropped every worker between two announcements; the range is the
 /// workers' own (`announce_period_s` 0.01 to 60 s).
@@ -236,6 +236,8 @@ enum RouterError {
         endpoint: String,
         source: VllmEventError,
     },
+    /// `--metrics-addr` cannot be bound (in use, not an address of this
+    /// host, a privileged port), found before connecting.
     #[error("`--metrics-addr` {addr}: {source}")]
     Metrics {
         addr: SocketAddr,
@@ -257,7 +259,8 @@ impl RouterError {
             | RouterError::Metrics { .. }
             | RouterError::Inventory(_)
             | RouterError::Plane(PlaneError::InvalidSubject { .. })
-            | RouterError::Plane(PlaneError::InvalidBucket { .. }) => 2,
+            | RouterError::Plane(PlaneError::InvalidBucket { .. })
+            | RouterError::Plane(PlaneError::TtlBelowFloor { .. }) => 2,
             _ => 1,
         }
     }
@@ -397,6 +400,15 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     let model = CostModel::new(loaded.settings.clone(), cli.tokens_per_block)?;
 
     let options = checked_nats_options(&cli)?;
+    // Bound before any connection, served once the health probe's inputs
+    // exist: an address in use or not this host's is a flag error (exit 2)
+    // whether or not NATS is reachable, as the other flags' errors.
+    let metrics_listener = tokio::net::TcpListener::bind(cli.metrics_addr)
+        .await
+        .map_err(|source| RouterError::Metrics {
+            addr: cli.metrics_addr,
+            source,
+        })?;
     let plane = Arc::new(NatsPlane::connect(&cli.nats_url, options.clone()).await?);
     // The plane's own connection: the directory reads under the router's
     // credentials (a second, anonymous connection is refused by a server
@@ -496,12 +508,12 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
             }
         })
     };
-    let http = MetricsServer::bind_with_health(cli.metrics_addr, metrics.clone(), probe)
-        .await
-        .map_err(|source| RouterError::Metrics {
+    let http = MetricsServer::serve_with_health(metrics_listener, metrics.clone(), probe).map_err(
+        |source| RouterError::Metrics {
             addr: cli.metrics_addr,
             source,
-        })?;
+        },
+    )?;
 
     // Handlers before the ready line: a harness may signal right after it.
     use tokio::signal::unix::{signal, SignalKind};

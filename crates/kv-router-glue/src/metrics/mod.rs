@@ -355,12 +355,36 @@ impl MetricsServer {
         Self::bind_inner(addr, metrics, Some(health)).await
     }
 
+    /// [`MetricsServer::bind_with_health`] on a listener the caller bound
+    /// earlier: the router binary binds its `--metrics-addr` before it
+    /// connects to anything, so an address that cannot be bound is a flag
+    /// error, and serves it once the probe's inputs exist (connections made
+    /// meanwhile wait in the listener's backlog). Must run inside a tokio
+    /// runtime.
+    ///
+    /// # Errors
+    /// The listener's `local_addr` error.
+    pub fn serve_with_health(
+        listener: TcpListener,
+        metrics: Arc<ReuseMetrics>,
+        health: HealthProbe,
+    ) -> std::io::Result<Self> {
+        Self::serve(listener, metrics, Some(health))
+    }
+
     async fn bind_inner(
         addr: SocketAddr,
         metrics: Arc<ReuseMetrics>,
         health: Option<HealthProbe>,
     ) -> std::io::Result<Self> {
-        let listener = TcpListener::bind(addr).await?;
+        Self::serve(TcpListener::bind(addr).await?, metrics, health)
+    }
+
+    fn serve(
+        listener: TcpListener,
+        metrics: Arc<ReuseMetrics>,
+        health: Option<HealthProbe>,
+    ) -> std::io::Result<Self> {
         let addr = listener.local_addr()?;
         let (stop_tx, mut stop_rx) = oneshot::channel();
         let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));

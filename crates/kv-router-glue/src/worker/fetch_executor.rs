@@ -439,12 +439,13 @@ impl FetchExecutor {
     /// ```
     ///
     /// # Errors
-    /// As [`FetchExecutor::execute`]; before the pool or the donor is
-    /// touched, [`FetchError::Fallback`] at `reserve` with
-    /// [`kv_transfer::TransferError::InvalidInput`] naming `dst_blocks` when
-    /// their count is not the fetched blocks', an id is not below the
-    /// regions' `num_blocks`, or an id repeats; at `reserve` with
-    /// [`kv_bank::BankError::AlreadyReserved`] when another fetch holds one.
+    /// As [`FetchExecutor::execute`]; after the hint checks and before the
+    /// pool or the donor is touched, the argument errors of
+    /// [`FetchExecutor::check_dst_blocks`] ([`FetchError::DstBlocksCount`],
+    /// [`FetchError::DstBlockOutOfRange`], [`FetchError::DstBlockRepeated`]:
+    /// a caller bug, not a fallback); [`FetchError::Fallback`] at `reserve`
+    /// with [`kv_bank::BankError::AlreadyReserved`] when another fetch holds
+    /// one of the blocks (contention).
     pub fn execute_at(
         &self,
         envelope: &HintEnvelope,
@@ -453,6 +454,68 @@ impl FetchExecutor {
         control: &DeliveryControl,
     ) -> Result<FetchOutcome, FetchError> {
         self.run(envelope, None, Some(dst_blocks), donor, control)
+    }
+
+    /// Checks `dst_blocks` for a fetch of `hint` as
+    /// [`FetchExecutor::execute_at`] will, without touching the pool or the
+    /// donor: one id per fetched block ([`FetchGpuHint::fetch_blocks`]),
+    /// each below the pool's capacity, none repeated. The answer depends on
+    /// the arguments and the pool's capacity only, so a caller may check
+    /// early (e.g. before importing the donor) and report an allocator bug
+    /// as an argument error.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use kv_bank::DestinationPool;
+    /// use kv_descriptor::{DType, KvLayout, TensorOrder};
+    /// use kv_router_glue::{FetchError, FetchExecutor};
+    /// # use kv_descriptor::{EngineId, FetchGpuHint, FetchPart, SequenceHash};
+    /// let g = KvLayout::new(1, 1, 4, DType::F32, 4, TensorOrder::BlockMajor, 1).unwrap();
+    /// let rows: Arc<dyn kv_bank::BankMemory> =
+    ///     Arc::new(kv_transfer::HostBuffer::zeroed(8 * g.rank_block_bytes()).unwrap());
+    /// let exec = FetchExecutor::new(
+    ///     g, DestinationPool::new(8), vec![rows], 8, Arc::new(kv_transfer::HostCopyBackend),
+    /// ).unwrap();
+    /// # let hint = FetchGpuHint {
+    /// #     donor_engine_id: EngineId(uuid::Uuid::nil()), bank_generation: 1,
+    /// #     layout_fingerprint: g.fingerprint(), tp_size: 1,
+    /// #     sequence_hashes: vec![SequenceHash(1), SequenceHash(2)], fetch_from: 0,
+    /// #     parts: vec![FetchPart { tp_rank: 0, slot_ids: vec![0, 1], expected_bytes: 0 }],
+    /// #     donor_control_endpoint: "unix:/x".into(),
+    /// # };
+    /// // `hint` fetches 2 blocks.
+    /// exec.check_dst_blocks(&hint, &[7, 3]).unwrap();
+    /// assert!(matches!(
+    ///     exec.check_dst_blocks(&hint, &[7, 8]),
+    ///     Err(FetchError::DstBlockOutOfRange { index: 1, block: 8, capacity: 8 })
+    /// ));
+    /// assert!(matches!(
+    ///     exec.check_dst_blocks(&hint, &[3, 3]),
+    ///     Err(FetchError::DstBlockRepeated { index: 1, block: 3, first: 0 })
+    /// ));
+    /// assert!(matches!(
+    ///     exec.check_dst_blocks(&hint, &[3]),
+    ///     Err(FetchError::DstBlocksCount { given: 1, fetched: 2, fetch_from: 0 })
+    /// ));
+    /// ```
+    ///
+    /// # Errors
+    /// [`FetchError::DstBlocksCount`], then [`FetchError::DstBlockOutOfRange`]
+    /// or [`FetchError::DstBlockRepeated`] for the first bad id.
+    pub fn check_dst_blocks(
+        &self,
+        hint: &FetchGpuHint,
+        dst_blocks: &[u32],
+    ) -> Result<(), FetchError> {
+        let fetched = hint.fetch_blocks();
+        if dst_blocks.len() != fetched {
+            return Err(FetchError::DstBlocksCount {
+                given: dst_blocks.len(),
+                fetched,
+                fetch_from: hint.fetch_from,
+            });
+        }
+        self.pool.check_blocks(dst_blocks).map_err(reserve_error)
     }
 
     /// [`FetchExecutor::execute_at`] after [`check_prompt_prefix`], as
@@ -533,15 +596,14 @@ impl FetchExecutor {
             |stage: &'static str, cause: FallbackCause| FetchError::Fallback { stage, cause };
         let request_id = envelope.message_id.as_str();
         if let Some(b) = dst_blocks {
-            self.check_dst_blocks(b, n)
-                .map_err(|e| fallback("reserve", FallbackCause::Transfer(e)))?;
+            self.check_dst_blocks(&hint, b)?;
         }
         let reservation = crate::spans::reserve(request_id)
             .in_scope(|| match dst_blocks {
                 Some(b) => self.pool.reserve_exact(b),
                 None => self.pool.reserve(n),
             })
-            .map_err(|e| fallback("reserve", FallbackCause::Bank(e)))?;
+            .map_err(reserve_error)?;
         let t_reserved = std::time::Instant::now();
         let fetched: Vec<SequenceHash> = hint.sequence_hashes[hint.fetch_from as usize..].to_vec();
         // Everything checkable here is checked before the donor is asked:
@@ -725,32 +787,6 @@ impl FetchExecutor {
 
     /// Engine-chosen ids must name `n` distinct blocks of the regions;
     /// checked before the pool or the donor is touched.
-    fn check_dst_blocks(&self, blocks: &[u32], n: usize) -> Result<(), TransferError> {
-        let invalid = |reason: String| TransferError::InvalidInput {
-            field: "dst_blocks",
-            reason,
-        };
-        if blocks.len() != n {
-            return Err(invalid(format!(
-                "{} block ids for {n} fetched blocks",
-                blocks.len()
-            )));
-        }
-        let mut seen = std::collections::HashSet::with_capacity(n);
-        for (i, &b) in blocks.iter().enumerate() {
-            if b >= self.blocks {
-                return Err(invalid(format!(
-                    "entry {i}: block {b} is not below the regions' {} blocks",
-                    self.blocks
-                )));
-            }
-            if !seen.insert(b) {
-                return Err(invalid(format!("entry {i}: block {b} listed twice")));
-            }
-        }
-        Ok(())
-    }
-
     fn transfer(
         &self,
         plan: &TransferPlan,
@@ -779,6 +815,38 @@ impl FetchExecutor {
                 cause: FallbackCause::Transfer(e),
             },
         })
+    }
+}
+
+/// A destination pool refusal as the fetch's error: a bad id of the
+/// caller's list (out of range, repeated) is the caller's argument error;
+/// anything else (a block another fetch holds, a full pool) is contention,
+/// a fallback at `reserve`.
+fn reserve_error(e: kv_bank::BankError) -> FetchError {
+    use kv_bank::BankError as B;
+    match e {
+        B::BlockOutOfRange {
+            index,
+            block,
+            capacity,
+        } => FetchError::DstBlockOutOfRange {
+            index,
+            block,
+            capacity,
+        },
+        B::DuplicateBlock {
+            index,
+            block,
+            first,
+        } => FetchError::DstBlockRepeated {
+            index,
+            block,
+            first,
+        },
+        e => FetchError::Fallback {
+            stage: "reserve",
+            cause: FallbackCause::Bank(e),
+        },
     }
 }
 

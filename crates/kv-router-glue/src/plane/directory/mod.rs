@@ -21,7 +21,7 @@ mod record;
 
 pub use cache::{CacheUpdate, DonorCache};
 #[cfg(feature = "nats")]
-pub use nats::NatsDirectory;
+pub use nats::{NatsDirectory, NATS_MIN_MAX_AGE};
 pub use nixl_regions::{NixlMemKind, NixlRankRegion};
 pub use record::{
     DonorRecord, DonorRecordError, DonorRecordParts, MAX_DONOR_RECORD_BYTES, MAX_NAME_BYTES,

@@ -15,6 +15,11 @@ use super::{decode_change, directory_key, DirectoryChange, DirectoryPlane, Direc
 use crate::event_plane::AbortOnDrop;
 use crate::{NatsOptions, NatsPlane, PlaneError, PlaneFuture};
 
+/// nats-server's floor for a key-value bucket's `max_age`: it refuses to
+/// create a bucket whose `max_age` is shorter (0 means "no limit", which a
+/// directory must not have: a dead donor's record would never expire).
+pub const NATS_MIN_MAX_AGE: Duration = Duration::from_millis(100);
+
 /// A JetStream key-value directory.
 pub struct NatsDirectory {
     store: kv::Store,
@@ -45,7 +50,8 @@ impl NatsDirectory {
     ///
     /// # Errors
     /// [`PlaneError::InvalidBucket`] before connecting, for a name NATS
-    /// would refuse; [`PlaneError::Connect`] naming `url` when the server is
+    /// would refuse; [`PlaneError::TtlBelowFloor`] before connecting, for a
+    /// `lease_ttl` below [`NATS_MIN_MAX_AGE`]; [`PlaneError::Connect`] naming `url` when the server is
     /// unreachable, refuses the credentials (its reason then says
     /// `authorization violation`), demands TLS the options do not give, has
     /// no JetStream, or the bucket can be neither opened nor created.
@@ -56,6 +62,7 @@ impl NatsDirectory {
         lease_ttl: Duration,
     ) -> Result<Self, PlaneError> {
         check_bucket(bucket)?;
+        check_ttl(lease_ttl)?;
         let plane = NatsPlane::connect(url, options).await?;
         Self::from_client(plane.client().clone(), url, bucket, lease_ttl).await
     }
@@ -70,7 +77,9 @@ impl NatsDirectory {
     ///
     /// # Errors
     /// [`PlaneError::InvalidBucket`] for a name NATS would refuse
-    /// ([`crate::bucket_name_problem`]), before any request;
+    /// ([`crate::bucket_name_problem`]), [`PlaneError::TtlBelowFloor`] for a
+    /// `lease_ttl` below [`NATS_MIN_MAX_AGE`] (whether or not the bucket
+    /// exists), before any request;
     /// [`PlaneError::Connect`] naming `url` (only used in the message) when
     /// the server has no JetStream or the bucket can be neither opened nor
     /// created.
@@ -81,6 +90,7 @@ impl NatsDirectory {
         lease_ttl: Duration,
     ) -> Result<Self, PlaneError> {
         check_bucket(bucket)?;
+        check_ttl(lease_ttl)?;
         let connect_err = |reason: String| PlaneError::Connect {
             url: url.to_string(),
             reason,
@@ -181,4 +191,16 @@ fn check_bucket(bucket: &str) -> Result<(), PlaneError> {
             reason,
         }),
     }
+}
+
+/// A `lease_ttl` below [`NATS_MIN_MAX_AGE`] as a [`PlaneError::TtlBelowFloor`].
+fn check_ttl(lease_ttl: Duration) -> Result<(), PlaneError> {
+    if lease_ttl < NATS_MIN_MAX_AGE {
+        return Err(PlaneError::TtlBelowFloor {
+            field: "lease_ttl",
+            ttl: lease_ttl,
+            floor: NATS_MIN_MAX_AGE,
+        });
+    }
+    Ok(())
 }

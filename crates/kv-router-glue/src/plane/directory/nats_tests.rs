@@ -35,6 +35,45 @@ async fn a_bad_bucket_name_is_refused_before_connecting() {
 }
 
 #[tokio::test]
+async fn a_ttl_below_the_servers_max_age_floor_is_refused_before_connecting() {
+    // nats-server refuses a key-value `max_age` under 100 ms; the refusal
+    // names the argument and the floor instead of a failed connection.
+    for ms in [0, 1, 50, 99] {
+        let ttl = Duration::from_millis(ms);
+        match NatsDirectory::connect("nats://127.0.0.1:1", "kv_donors", ttl).await {
+            Err(e @ crate::PlaneError::TtlBelowFloor { .. }) => {
+                assert_eq!(
+                    e,
+                    crate::PlaneError::TtlBelowFloor {
+                        field: "lease_ttl",
+                        ttl,
+                        floor: Duration::from_millis(100),
+                    }
+                );
+                assert_eq!(
+                    e.to_string(),
+                    format!(
+                        "`lease_ttl` {ttl:?} is below nats-server's 100ms floor for a \
+                         key-value bucket's max_age"
+                    )
+                );
+            }
+            other => panic!("{ms} ms: expected TtlBelowFloor, got {other:?}"),
+        }
+    }
+    // At the floor the TTL passes: whatever fails next is the connection.
+    let at_floor = tokio::time::timeout(
+        Duration::from_secs(10),
+        NatsDirectory::connect("nats://127.0.0.1:1", "kv_donors", NATS_MIN_MAX_AGE),
+    )
+    .await;
+    assert!(
+        !matches!(at_floor, Ok(Err(crate::PlaneError::TtlBelowFloor { .. }))),
+        "{at_floor:?}"
+    );
+}
+
+#[tokio::test]
 async fn nats_directory_put_watch_delete_across_two_clients() {
     const TEST: &str = "nats_directory_put_watch_delete_across_two_clients";
     let Some(server) = NatsServer::start_or_skip(TEST) else {
