@@ -250,7 +250,12 @@ class DecodeWorker(EngineWorker):
         cache = self._session_cache(session, fetched_tokens, len(prompt) + greedy_n + RESTORE_HEADROOM)
         r = engine.prefill(self.model, prompt[fetched_tokens:], cache)
         toks = engine.greedy(self.model, r, greedy_n)[0] if greedy_n else []
-        return {"logits": _bits(r.logits), "first_token": r.first_token, "greedy": toks}
+        out = {"logits": _bits(r.logits), "first_token": r.first_token, "greedy": toks}
+        if self.decode_cache == "host":
+            del cache, r
+            if self.device.startswith("cuda"):
+                torch.cuda.empty_cache()  # the restored cache goes back to the card, as after a turn
+        return out
 
     def op_checksums(self, hashes: List[int]) -> Dict[str, Any]:
         """The checksum recorded when each block was retained (None: not retained here)."""

@@ -660,6 +660,25 @@ class PrefillWorker(EngineWorker):
             self.fds_rebased = True
             self.fds_at_first_fetch = self.kv.leak_counters().get("open_fds")
 
+    def op_trim(self) -> Dict[str, Any]:
+        """Untimed: hands the allocator's cached free blocks back to the device (``torch.cuda.empty_cache``).
+
+        Why: on a card the two workers barely fit (``--decode-cache host``),
+        the memory an OFF prefill of 32K tokens leaves cached here (~12 GiB
+        of activations and cache) is what the decode's next restore needs
+        (session 25, H100: out of memory in ``reference`` with the weights
+        shared and both regimes). The harness trims before the decode's
+        requests, between turns; a turn's timed repetitions run back to back
+        and the minimum is kept, so a repetition that maps memory again is
+        never the one reported. Returns the bytes reserved before and after.
+        """
+        gc.collect()
+        if not self.device.startswith("cuda"):
+            return {"reserved_before": None, "reserved_after": None}
+        before = torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return {"reserved_before": before, "reserved_after": torch.cuda.memory_reserved(self.device)}
+
     def op_quiesce(self) -> Dict[str, Any]:
         """Untimed, before each timed request: collect garbage, drain the device's queue, read the device memory."""
         gc.collect()

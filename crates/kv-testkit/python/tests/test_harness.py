@@ -42,6 +42,7 @@ def test_tiny_run_fetches_bit_equal_kv_and_leaks_nothing(tmp_path):
     # Today's wheel moves the bytes through host shared memory: honest host payload.
     assert r["transport"] == ["memcpy"] and r["transport_path"] == "host_shm"
     assert r["truncated"] is None
+    assert r["prefill_trim"] is False and "prefill.trim" not in r["phases_s"]  # device decode cache: no trim
     # Two samples of each timed request, the minimum reported, ON split per phase.
     assert r["repeats"] == 2
     for t in fetched:
@@ -95,6 +96,10 @@ def test_tiny_run_with_the_decode_caches_on_the_host(tmp_path):
     assert r["decode_cache"] == "host" and r["decode_prefill_chunk"] == 48
     # The prefill ran on the decode's parameters (shared memory on the CPU).
     assert r["shared_weights"] is True and r["shared_weights_freed_bytes"] > 0
+    # The host decode cache trims the prefill's allocator before the decode's
+    # requests: one trim before each reference and each decode turn.
+    assert r["prefill_trim"] is True and r["phases_s"]["prefill.trim"] >= 0
+    assert r["decode_cache"] == "host"
     fetched = [t for t in r["turns"] if t["fetched_tokens"] > 0]
     assert fetched, "the cost model admitted no fetch: nothing was checked"
     assert all(t["checksums_equal"] and t["logits_bit_equal_to_donor"] for t in fetched)
