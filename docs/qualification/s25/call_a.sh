@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 25, device call A: gpu_serving, the issue-21 workload (8 sessions x 6
+# Session 25, device call A (A1 ran out of memory in the decode's restore: records in a1/;
+# A2 with the prefill trimming its allocator cache before the decode's requests): gpu_serving, the issue-21 workload (8 sessions x 6
 # turns to 32K, both regimes where the harness's memory estimate fits the card)
 # with the prefill running on the decode's weights (--share-weights auto: one
 # CUDA device, so on). Sessions 23-24 ran the churn regime alone on 80 GB
