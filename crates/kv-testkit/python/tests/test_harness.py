@@ -241,20 +241,28 @@ def test_the_default_regime_is_both_unless_the_estimate_exceeds_the_card(monkeyp
     assert json.loads(out.read_text())["regime"] == "churn+warm"
 
 
-def test_the_memory_estimate_counts_the_decode_prefill_pass_in_use():
-    """Each mode's estimate counts the decode prefill's pass it will run:
-    the flag when given (0: one pass), else one pass on device and 8192
-    tokens on host; the 8B full workload's figures of docs/gpu-serving.md."""
+def full_8b_workload(regime):
+    """The 8B shape, the default arguments with ``--regime regime``, and a
+    function giving ``memory_estimate`` of the issue's full workload with
+    the bank and landing sizes ``main`` derives for it (every session's
+    final history; the longest prompt, 33,152 tokens)."""
     from gpu_serving import engine
     from gpu_serving.workload import Workload
 
     s = engine.shape("llama-3.1-8b")
-    a = harness.parse(["--out", "x", "--regime", "churn"])
+    a = harness.parse(["--out", "x", "--regime", regime])
     sessions = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), s.vocab,
                         a.seed).build()
     bb = s.kv_bytes_per_token() * a.tokens_per_block
     slots = sum(x.target_history + 256 + 128 for x in sessions) // 64 + 16
-    est = lambda: harness.memory_estimate(s, sessions, a, slots * bb, (33152 // 64 + 2) * bb)  # noqa: E731
+    return s, a, lambda: harness.memory_estimate(s, sessions, a, slots * bb, (33152 // 64 + 2) * bb)
+
+
+def test_the_memory_estimate_counts_the_decode_prefill_pass_in_use():
+    """Each mode's estimate counts the decode prefill's pass it will run:
+    the flag when given (0: one pass), else one pass on device and 8192
+    tokens on host; the 8B full workload's figures of docs/gpu-serving.md."""
+    s, a, est = full_8b_workload("churn")
     act = (16 * s.hidden + 4 * s.intermediate) * 2
     default = est()
     assert [round(default[k] / 2**30, 1) for k in ("device", "host")] == [87.1, 70.6]
@@ -290,18 +298,10 @@ def test_shared_weights_leave_the_prefill_estimate_without_its_copy():
     """Both regimes of the full 8B workload on the host cache: 89.5 GiB with
     two copies of the weights, one copy (14.96 GiB) less when shared (74.6), which
     fits an 80 GB card."""
-    from gpu_serving import engine
-    from gpu_serving.workload import Workload
-
-    s = engine.shape("llama-3.1-8b")
-    a = harness.parse(["--out", "x", "--regime", "both"])
-    sessions = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), s.vocab,
-                        a.seed).build()
-    bb = s.kv_bytes_per_token() * a.tokens_per_block
-    slots = sum(x.target_history + 256 + 128 for x in sessions) // 64 + 16
+    s, a, est = full_8b_workload("both")
     a.share_weights = False
-    two = harness.memory_estimate(s, sessions, a, slots * bb, (33152 // 64 + 2) * bb)
+    two = est()
     a.share_weights = True
-    one = harness.memory_estimate(s, sessions, a, slots * bb, (33152 // 64 + 2) * bb)
+    one = est()
     assert {k: two[k] - one[k] for k in two} == {"device": s.weight_bytes(), "host": s.weight_bytes()}
     assert round(two["host"] / 2**30, 1) == 89.5 and round(one["host"] / 2**30, 1) == 74.6
