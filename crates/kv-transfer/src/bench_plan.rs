@@ -28,7 +28,12 @@
 //! - `cpu/deliver_host/scattered/<n>x<size>`: `deliver` of that plan through a
 //!   backend that moves nothing and reports the part's expected bytes:
 //!   `deliver`'s own host work per fetch (region bounds, control checks,
-//!   report), the part of a GPU fetch's host time outside the backend.
+//!   report), the part of a GPU fetch's host time outside the backend;
+//! - `cpu/destination_pool/reserve_complete/<n>x<size>`: the target's
+//!   destination bookkeeping per fetch, `kv_bank::DestinationPool::reserve_exact`
+//!   of `n` engine-chosen blocks (scattered ids of a pool of `n + 8`), then
+//!   `complete` and the release of its `CompletedBlocks` (before the copies,
+//!   after them, and once the engine read them).
 //!
 //! `p50_us` is the build time. `GBps` is the fetch's bytes over the build
 //! time and `raw_GBps` the raw memcpy rate of the copy rows' same block size
@@ -175,6 +180,17 @@ pub(crate) fn rows(
                 .map_err(|e| TransferError::input("runs", e.to_string()))
                 .map(|g| g.map_or(0, |g| g.bytes())),
         })?;
+        // The target's destination bookkeeping per fetch: the engine-chosen
+        // blocks reserved (scattered, as an allocator hands them out),
+        // completed, then released when the engine's cache is done with them.
+        let pool = kv_bank::DestinationPool::new(s.blocks + 8);
+        let ids: Vec<u32> = (0..s.blocks).rev().collect();
+        let destination = time(repeats, || {
+            let r = pool
+                .reserve_exact(&ids)
+                .map_err(|e| TransferError::input("bench", e.to_string()))?;
+            Ok(r.complete())
+        })?;
         let size = format!("{}x{}", s.blocks, s.label);
         for (kind, t) in [
             ("plan_build/runs", t),
@@ -182,6 +198,7 @@ pub(crate) fn rows(
             ("plan_build/packed_rows", rows),
             ("transfer_plan/scattered", transfer_plan),
             ("deliver_host/scattered", deliver_host),
+            ("destination_pool/reserve_complete", destination),
         ] {
             out.push(plan_row(
                 format!("cpu/{kind}/{size}"),
