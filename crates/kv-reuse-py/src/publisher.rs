@@ -6,8 +6,9 @@
 //!   ([`NatsDirectory`]): it owns the bank (exposed as a `DonorBank`), serves
 //!   pins and inventory snapshots, puts its `DonorRecord` (the bank manifest)
 //!   in the directory, publishes its KV events and its `WorkerAnnouncement`.
-//!   A background task calls `DonorAgent::tick` every `announce_period_s`
-//!   (events, record renewal before its TTL lapses, announcement); `close`
+//!   A background task calls `DonorAgent::tick` every `announce_period_s`,
+//!   or every third of the record TTL when that is shorter (events, record
+//!   renewal before its TTL lapses, announcement); `close`
 //!   deletes the record and publishes the bank's `Cleared`.
 //! - target role (prefill worker): its `WorkerAnnouncement` (role prefill)
 //!   every `announce_period_s`, so that the service accepts advise requests
@@ -189,8 +190,10 @@ impl WorkerPublisher {
     /// `pin_endpoint` (`unix:/path`), its record (bank manifest + pin
     /// endpoint) put in the JetStream KV bucket `bucket`, its KV events on
     /// `kv.<namespace>.<worker_key>.kv_events`, its announcement on
-    /// `kv.<namespace>.workers.announce` every `announce_period_s` seconds,
-    /// and inventory snapshots answered for a router that starts later.
+    /// `kv.<namespace>.workers.announce` every `announce_period_s` seconds
+    /// (every third of `record_ttl_s` when that is shorter, so that the
+    /// record never lapses between renewals), and inventory snapshots
+    /// answered for a router that starts later.
     ///
     /// `lease_s` is the bank's owner lease (renewed every fifth of it; 0.1
     /// to 86,400 s); `record_ttl_s` (default `lease_s`, 0.1 s to `lease_s`)
@@ -331,8 +334,14 @@ impl WorkerPublisher {
             Ok::<_, PyErr>((rt, agent))
         })?;
         let ticking = agent.clone();
+        // The record is re-put only by a tick, once a third of its TTL has
+        // passed: ticking every `announce_period_s` alone let a record TTL
+        // shorter than the period (`lease_s=0.3`, the default 1 s period)
+        // lapse between ticks, the donor missing from the directory most of
+        // the time. A third of the TTL at most keeps the "3 periods of slack".
+        let tick_period = period.min(record_ttl / 3);
         let ticker = rt.spawn(async move {
-            let mut every = tokio::time::interval(period);
+            let mut every = tokio::time::interval(tick_period);
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 every.tick().await;

@@ -123,6 +123,25 @@ def test_bad_arguments_are_refused_naming_them(layout):
         kv_reuse.WorkerPublisher.target("nats://127.0.0.1:1", "p", layout, "not-a-uuid")
 
 
+def test_a_record_ttl_shorter_than_the_announce_period_never_lapses(nats, layout, tmp_path):
+    # lease_s 0.3 passes the 0.1 s floor, with the default announce period
+    # (1 s): the record is re-put at a tick, so ticking only every
+    # announce_period_s let it lapse for ~0.7 s of every second (the
+    # directory answered None to ~70 % of reads, and the router dropped the
+    # donor). The record must be renewed before a third of its TTL passed.
+    endpoint = "unix:" + str(tmp_path / "pin.sock")
+    with kv_reuse.WorkerPublisher.donor(nats.url, "d-short", layout, 4, endpoint, bucket="kv_short",
+                                        lease_s=0.3) as pub, \
+            kv_reuse.DonorDirectory(nats.url, bucket="kv_short") as directory:
+        engine = pub.bank.engine_id
+        assert directory.manifest(engine, wait_s=2.0) is not None
+        missing = 0
+        for _ in range(30):  # 1.5 s: at least one whole announce period
+            time.sleep(0.05)
+            missing += directory.manifest(engine) is None
+        assert missing == 0, f"the record was missing at {missing} of 30 reads"
+
+
 def test_incomplete_or_mixed_credentials_are_refused_naming_them(layout):
     url, uuid = "nats://127.0.0.1:1", "00000000-0000-4000-8000-000000000001"
     for kw, named in [({"user": "u"}, "password"), ({"password": "p"}, "user"),

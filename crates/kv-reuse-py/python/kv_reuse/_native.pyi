@@ -307,7 +307,7 @@ class WorkerPublisher:
         inbox_prefix: Optional[str] = None,
     ) -> "WorkerPublisher":
         """Opens the bank (``bank``), serves pins on ``pin_endpoint``, puts the record in bucket
-        ``bucket``, announces every ``announce_period_s`` s (GIL released). One NATS connection,
+        ``bucket``, announces every ``announce_period_s`` s (every third of ``record_ttl_s`` when shorter; GIL released). One NATS connection,
         authenticated by ``user``/``password``, ``token`` or ``creds`` (a ``.creds`` file), TLS with
         ``tls_ca`` (and a client certificate ``tls_cert`` + ``tls_key``). ``lease_s`` (0.1 to 86400 s)
         and ``record_ttl_s`` (default ``lease_s``, 0.1 s to ``lease_s``; the bucket's max_age when

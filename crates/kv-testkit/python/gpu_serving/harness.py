@@ -341,8 +341,12 @@ def share_weights(asked: str, prefill_device: str, decode_device: str) -> bool:
     ``auto``: only when both workers use the same CUDA device (the case
     where holding them twice costs the card's memory); ``on`` / ``off`` as
     asked. Raises ``ValueError`` naming ``--share-weights`` for ``on``
-    across two devices (a mapped tensor stays on its own device).
+    across two devices (a mapped tensor stays on its own device), and
+    naming the device for ``auto`` / ``on`` with a CUDA device that is not
+    ``cuda`` or ``cuda:N``; ``off`` reads neither device.
     """
+    if asked == "off":
+        return False
     same = prefill_device == decode_device or (
         prefill_device.startswith("cuda") and decode_device.startswith("cuda")
         and _ordinal(prefill_device) == _ordinal(decode_device))
@@ -353,8 +357,13 @@ def share_weights(asked: str, prefill_device: str, decode_device: str) -> bool:
 
 
 def _ordinal(device: str) -> int:
-    """``cuda`` -> 0, ``cuda:3`` -> 3."""
-    return int(device.split(":", 1)[1]) if ":" in device else 0
+    """``cuda`` -> 0, ``cuda:3`` -> 3; ``ValueError`` naming ``device`` for anything else."""
+    if device == "cuda":
+        return 0
+    prefix, _, n = device.partition(":")
+    if prefix != "cuda" or not n.isdigit():
+        raise ValueError(f"--share-weights: device {device!r} is not `cuda` or `cuda:N`")
+    return int(n)
 
 
 def memory_estimate(s, sessions, a, bank_bytes: int, landing_bytes: int) -> Dict[str, int]:

@@ -294,6 +294,21 @@ def test_share_weights_resolves_by_device_and_refuses_two_devices(tmp_path, caps
     assert "--share-weights on" in capsys.readouterr().err
 
 
+def test_share_weights_names_a_device_it_cannot_read_and_off_reads_none(tmp_path, capsys):
+    """A CUDA device string that is not cuda / cuda:N was int()'s bare
+    "invalid literal" (exit 2, naming nothing), even with --share-weights
+    off, which shares nothing."""
+    sw = harness.share_weights
+    assert sw("off", "cuda:0", "cuda:x") is False
+    for asked in ("auto", "on"):
+        with pytest.raises(ValueError, match=r"^--share-weights: device 'cuda:x' is not `cuda` or `cuda:N`$"):
+            sw(asked, "cuda:0", "cuda:x")
+    out = tmp_path / "r.json"
+    argv = ["--out", str(out), "--prefill-device", "cuda:0", "--decode-device", "cuda:x"]
+    assert harness.main(argv) == 2
+    assert "device 'cuda:x' is not `cuda` or `cuda:N`" in capsys.readouterr().err
+
+
 def test_shared_weights_leave_the_prefill_estimate_without_its_copy():
     """Both regimes of the full 8B workload on the host cache: 89.5 GiB with
     two copies of the weights, one copy (14.96 GiB) less when shared (74.6), which
