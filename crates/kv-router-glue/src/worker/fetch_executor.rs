@@ -443,7 +443,9 @@ impl FetchExecutor {
     /// pool or the donor is touched, the argument errors of
     /// [`FetchExecutor::check_dst_blocks`] ([`FetchError::DstBlocksCount`],
     /// [`FetchError::DstBlockOutOfRange`], [`FetchError::DstBlockRepeated`]:
-    /// a caller bug, not a fallback); [`FetchError::Fallback`] at `reserve`
+    /// a caller bug, not a [`FetchError::Fallback`], though the request
+    /// recomputes and the metrics count it under stage `argument`);
+    /// [`FetchError::Fallback`] at `reserve`
     /// with [`kv_bank::BankError::AlreadyReserved`] when another fetch holds
     /// one of the blocks (contention).
     pub fn execute_at(
@@ -785,8 +787,6 @@ impl FetchExecutor {
         verify(checksums, &self.regions, dst_blocks, rbb)
     }
 
-    /// Engine-chosen ids must name `n` distinct blocks of the regions;
-    /// checked before the pool or the donor is touched.
     fn transfer(
         &self,
         plan: &TransferPlan,

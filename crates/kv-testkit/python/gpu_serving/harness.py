@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 from . import rpc
 from .regimes import WarmRegime, bucket_table, donor_kill, paired_ms, warm_summary
 from .timing import best, phase_medians, timed
-from .workload import Workload, percentile
+from .workload import Workload, WorkloadError, percentile
 # What --transport moves the KV through (the JSON's ``transport_path``).
 TRANSPORT_PATH = {"cuda": "cuda_ipc", "host": "host_shm"}
 
@@ -219,7 +219,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     from . import decode_worker, engine, prefill_worker
 
     w = Workload(a.sessions, a.turns, a.history_max, tuple(a.turn_tokens), tuple(a.gen_tokens), engine.shape(a.model).vocab, a.seed)
-    sessions = w.build()
+    try:
+        sessions = w.build()
+    except WorkloadError as e:
+        # A usage error like the flags' own (exit 2), naming the flag.
+        print(f"gpu_serving: --{e.field.replace('_', '-')}: {str(e).split(': ', 1)[1]}", file=sys.stderr)
+        return 2
     tpb = a.tokens_per_block
     s = engine.shape(a.model)
     block_bytes = s.kv_bytes_per_token() * tpb

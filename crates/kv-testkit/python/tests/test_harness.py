@@ -107,6 +107,15 @@ def test_tiny_run_with_the_decode_caches_on_the_host(tmp_path):
     assert r["store_failures"] == 0
 
 
+def test_a_workload_the_flags_cannot_build_is_a_usage_error_naming_the_flag(tmp_path, capsys):
+    """A history too short for the turn sizes: exit 2 naming --history-max, no traceback, no JSON."""
+    out = tmp_path / "r.json"
+    assert harness.main(TINY + ["--out", str(out), "--history-max", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--history-max: " in err and "Traceback" not in err
+    assert not out.exists()
+
+
 def test_bad_decode_prefill_chunk_is_refused(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert harness.main(TINY + ["--out", str(out), "--decode-prefill-chunk", "-1"]) == 2
