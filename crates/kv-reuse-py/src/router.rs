@@ -174,7 +174,9 @@ impl Router {
     ///
     /// Raises `DescriptorRefused` for a manifest that does not decode,
     /// `BadArgument` naming `endpoint` (not a pin endpoint that parses:
-    /// scheme, path length; as `DonorBank.serve_pins`), `slots` (a hash key
+    /// scheme, path length, the parse `DonorBank.serve_pins` runs; a
+    /// `tcp:` endpoint parses, since a Rust donor may serve one with a
+    /// pre-shared key, although `serve_pins` itself refuses `tcp:`), `slots` (a hash key
     /// negative or past u64) or `slots[h]` (a slot negative or past u32).
     /// Nothing is recorded when it raises.
     fn report_donor(

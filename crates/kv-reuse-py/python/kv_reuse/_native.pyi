@@ -223,7 +223,8 @@ class Router:
     def apply_event(self, event: bytes) -> None: ...
     def report_donor(self, manifest: bytes, endpoint: str, slots: Mapping[int, int]) -> None:
         """Records a donor (manifest, pin endpoint, ``{sequence_hash: slot}``). BadArgument names
-        ``endpoint`` when it does not parse (as ``DonorBank.serve_pins``), ``slots`` / ``slots[h]``
+        ``endpoint`` when it does not parse (the parse ``DonorBank.serve_pins`` runs; a ``tcp:``
+        endpoint of a Rust donor with a pre-shared key parses, though ``serve_pins`` refuses ``tcp:``), ``slots`` / ``slots[h]``
         for an int out of range; DescriptorRefused for a manifest that does not decode."""
     def advise(self, request_id: str, sequence_hashes: Sequence[int], target: str) -> Advice: ...
 
