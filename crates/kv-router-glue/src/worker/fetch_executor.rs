@@ -21,127 +21,20 @@
 
 use std::sync::Arc;
 
-use kv_bank::{
-    BankManager, BankMemory, CompletedBlocks, DestinationPool, DestinationReservation, ManagerPin,
-};
+use kv_bank::{BankMemory, DestinationPool, DestinationReservation};
 use kv_descriptor::{
     BankManifest, DescriptorError, FetchGpuHint, HintEnvelope, KvLayout, KvRegionLayout,
     SequenceHash,
 };
 use kv_transfer::plan::{BlockMove, RegionGeometry, TransferPlan};
-use kv_transfer::{
-    deliver, CopyBackend, DeliveryControl, DeliveryReport, RankIo, SourceRegion, TransferError,
-};
+use kv_transfer::{deliver, CopyBackend, DeliveryControl, DeliveryReport, RankIo, TransferError};
 
-use crate::{check_prompt_prefix, validate_hint, FallbackCause, FetchError, PinError};
+use crate::{check_prompt_prefix, validate_hint, FallbackCause, FetchError};
 
-/// Pinned donor slots; the pin is released on drop.
-pub trait DonorPin {
-    /// Rank `rank`'s donor region (offset 0 = slot 0), mapped in this process.
-    fn rank_memory(&self, rank: u32) -> Option<&dyn BankMemory>;
-
-    /// Where rank `rank`'s donor bytes are read from. Defaults to the mapped
-    /// [`DonorPin::rank_memory`]; a donor reached through a NIXL agent (another
-    /// host) returns [`SourceRegion::Nixl`] instead, with `rank_memory` `None`.
-    fn rank_source(&self, rank: u32) -> Option<SourceRegion<'_>> {
-        self.rank_memory(rank).map(SourceRegion::Mapped)
-    }
-
-    /// Releases the pin, reporting whether it held from grant to now.
-    ///
-    /// The executor calls this after the delivery and completes the fetch
-    /// only on `Ok`: a pin the donor dropped early (a remote pin past its
-    /// hold bound, or whose connection failed) may have let the slots be
-    /// reused while they were read. An in-process [`ManagerPin`] cannot end
-    /// early, so the default (drop, `Ok`) is right for it.
-    ///
-    /// # Errors
-    /// Why the pin cannot be trusted to have held throughout (e.g.
-    /// [`PinError::Expired`], or a transport [`PinError::Io`] /
-    /// [`PinError::Timeout`] after which the donor may have dropped it).
-    fn release(self: Box<Self>) -> Result<(), PinError> {
-        Ok(())
-    }
-
-    /// The donor's checksums of the pinned blocks, rank-major (see
-    /// [`kv_descriptor::PinGrant::block_checksums`]), when this pin's
-    /// reads must be verified against them; the executor then completes
-    /// only if every received block matches. `None` (the default): the
-    /// source is bound to the donor's memory by its export handle (a
-    /// mapping or an in-process pin), nothing to check. A `Some` holding
-    /// the wrong count (e.g. empty from a donor that sends none) falls back.
-    fn block_checksums(&self) -> Option<&[u64]> {
-        None
-    }
-}
-
-/// A donor bank the target can read.
-pub trait DonorSource {
-    /// The donor's manifest, as the target trusts it (imported from the donor).
-    fn manifest(&self) -> &BankManifest;
-    /// Pins the hinted slots, checking that they still hold the hinted blocks.
-    ///
-    /// # Errors
-    /// A [`PinError`]: a refusal carrying its
-    /// [`kv_descriptor::PinRefusalReason`] (stale generation, slot reused,
-    /// closed, ...; [`PinError::refusal_reason`]), or a transport, timeout
-    /// or protocol failure. Nothing is pinned on error.
-    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, PinError>;
-}
-
-impl DonorPin for ManagerPin {
-    fn rank_memory(&self, rank: u32) -> Option<&dyn BankMemory> {
-        self.rank(rank).ok().map(|b| b.memory().as_ref())
-    }
-}
-
-impl DonorSource for BankManager {
-    fn manifest(&self) -> &BankManifest {
-        BankManager::manifest(self)
-    }
-    fn pin<'a>(&'a self, hint: &FetchGpuHint) -> Result<Box<dyn DonorPin + 'a>, PinError> {
-        self.pin_hint(hint)
-            .map(|p| Box::new(p) as Box<dyn DonorPin>)
-            .map_err(PinError::Bank)
-    }
-}
-
-/// A completed fetch: the target blocks now hold the fetched prefix.
-#[derive(Debug, PartialEq, Eq)]
-pub struct FetchOutcome {
-    /// Target block ids, one per fetched block, in prefix order. They stay
-    /// out of the executor's pool, so no later fetch overwrites them, until
-    /// this outcome (or the moved-out guard) is dropped: keep it while the
-    /// request's cache reads them.
-    pub target_blocks: CompletedBlocks,
-    /// Index of the first fetched block in the request.
-    pub fetch_from: u32,
-    /// Sequence hashes of the fetched blocks.
-    pub fetched: Vec<SequenceHash>,
-    /// The delivery's report (bytes, copies, host payload, transport).
-    pub report: DeliveryReport,
-    /// Where the fetch's wall time went, stage by stage.
-    pub stages: FetchStages,
-}
-
-/// Wall time of one fetch's stages, in µs, in the order they run (each
-/// measured on the executor's thread with `Instant`). Their sum is the
-/// executor's share of a fetch; what a caller adds (donor import, argument
-/// parsing) is outside.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct FetchStages {
-    /// Hint checks and reserving the destination rows.
-    pub reserve_us: u64,
-    /// Building the copy plan from the manifest's and the target's layouts.
-    pub plan_us: u64,
-    /// The donor's pin grant (a round trip to its pin service).
-    pub pin_us: u64,
-    /// The delivery: copies issued and completed, donor probed
-    /// ([`DeliveryReport::elapsed_us`] plus the backend's return).
-    pub transfer_us: u64,
-    /// Pin release, checksum verification and committing the rows.
-    pub verify_commit_us: u64,
-}
+mod donor;
+mod outcome;
+pub use donor::{DonorPin, DonorSource};
+pub use outcome::{FetchOutcome, FetchStages};
 
 /// One TP rank's destination inside the engine's own KV tensors.
 ///
@@ -509,6 +402,14 @@ impl FetchExecutor {
         hint: &FetchGpuHint,
         dst_blocks: &[u32],
     ) -> Result<(), FetchError> {
+        Self::check_dst_count(hint, dst_blocks)?;
+        self.pool.check_blocks(dst_blocks).map_err(reserve_error)
+    }
+
+    /// [`FetchError::DstBlocksCount`] unless `dst_blocks` has one id per
+    /// block `hint` fetches; the rest of [`FetchExecutor::check_dst_blocks`]
+    /// is the pool's own check, which `reserve_exact` runs first anyway.
+    fn check_dst_count(hint: &FetchGpuHint, dst_blocks: &[u32]) -> Result<(), FetchError> {
         let fetched = hint.fetch_blocks();
         if dst_blocks.len() != fetched {
             return Err(FetchError::DstBlocksCount {
@@ -517,7 +418,7 @@ impl FetchExecutor {
                 fetch_from: hint.fetch_from,
             });
         }
-        self.pool.check_blocks(dst_blocks).map_err(reserve_error)
+        Ok(())
     }
 
     /// [`FetchExecutor::execute_at`] after [`check_prompt_prefix`], as
@@ -598,7 +499,9 @@ impl FetchExecutor {
             |stage: &'static str, cause: FallbackCause| FetchError::Fallback { stage, cause };
         let request_id = envelope.message_id.as_str();
         if let Some(b) = dst_blocks {
-            self.check_dst_blocks(&hint, b)?;
+            // Range and repeats: `reserve_exact` checks them before it reads
+            // the pool's state (mapped to the same argument errors).
+            Self::check_dst_count(&hint, b)?;
         }
         let reservation = crate::spans::reserve(request_id)
             .in_scope(|| match dst_blocks {
