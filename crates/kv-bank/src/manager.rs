@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_descriptor::{
-    chain_sequence_hash, token_block_hashes, BankDescriptor, BankManifest, BankParts, FetchGpuHint,
-    KvEvent, KvEventData, KvLayout, MemoryLocation, OwnerLease, SequenceHash, StorageTier,
-    StoredBlock,
+    chain_sequence_hash, chain_stored_blocks, token_block_hashes, BankDescriptor, BankManifest,
+    BankParts, FetchGpuHint, KvEvent, KvEventData, KvLayout, MemoryLocation, OwnerLease,
+    SequenceHash, StorageTier, StoredBlock,
 };
 use parking_lot::{Condvar, Mutex};
 
@@ -85,19 +85,7 @@ pub fn sealed_blocks(
     tokens: &[u32],
     tokens_per_block: usize,
 ) -> Vec<StoredBlock> {
-    let mut prev = parent;
-    token_block_hashes(tokens, tokens_per_block)
-        .into_iter()
-        .map(|token_hash| {
-            let sequence_hash = chain_sequence_hash(prev, token_hash);
-            prev = Some(sequence_hash);
-            StoredBlock {
-                sequence_hash,
-                token_hash,
-                slot: None,
-            }
-        })
-        .collect()
+    chain_stored_blocks(parent, token_block_hashes(tokens, tokens_per_block))
 }
 
 /// A store waiting for rank acknowledgements, as handed to the ranks.

@@ -14,7 +14,7 @@
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::XXH3_SEED;
+use crate::{StoredBlock, XXH3_SEED};
 
 /// Hash of one block's tokens alone (Dynamo's `LocalBlockHash`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -211,4 +211,45 @@ pub fn sequence_hashes(tokens: &[u32], tokens_per_block: usize) -> Vec<SequenceH
         parent = Some(s);
     }
     out
+}
+
+/// The [`StoredBlock`]s of a chain of blocks whose token hashes are
+/// `token_hashes` (root first), the first a child of `parent` (`None`: the
+/// chain starts at the root): each block's sequence hash chained from the
+/// one before ([`chain_sequence_hash`]), its token hash, and no slot (a
+/// retained bank's events set theirs when the slots are known).
+///
+/// `chain_stored_blocks(None, token_block_hashes(t, n))` names the same
+/// blocks as [`sequence_hashes`]`(t, n)`, with their token hashes: what a
+/// `Stored` event carries.
+///
+/// ```
+/// use kv_descriptor::{chain_stored_blocks, sequence_hashes, token_block_hash, token_block_hashes};
+/// let t: Vec<u32> = (0..48).collect();
+/// let blocks = chain_stored_blocks(None, token_block_hashes(&t, 16));
+/// let seq: Vec<_> = blocks.iter().map(|b| b.sequence_hash).collect();
+/// assert_eq!(seq, sequence_hashes(&t, 16));
+/// assert_eq!(blocks[2].token_hash, token_block_hash(&t[32..]));
+/// assert!(blocks.iter().all(|b| b.slot.is_none()));
+/// // From a parent: the rest of the same chain.
+/// let tail = chain_stored_blocks(Some(seq[0]), token_block_hashes(&t[16..], 16));
+/// assert_eq!(tail, blocks[1..]);
+/// ```
+pub fn chain_stored_blocks(
+    parent: Option<SequenceHash>,
+    token_hashes: impl IntoIterator<Item = TokenBlockHash>,
+) -> Vec<StoredBlock> {
+    let mut prev = parent;
+    token_hashes
+        .into_iter()
+        .map(|token_hash| {
+            let sequence_hash = chain_sequence_hash(prev, token_hash);
+            prev = Some(sequence_hash);
+            StoredBlock {
+                sequence_hash,
+                token_hash,
+                slot: None,
+            }
+        })
+        .collect()
 }

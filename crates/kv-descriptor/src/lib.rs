@@ -69,8 +69,9 @@ pub use bank::{
     MAX_NIXL_METADATA_BYTES, MAX_SLOTS,
 };
 pub use block_hash::{
-    chain_sequence_hash, sequence_hashes, sequence_hashes_keyed, token_block_hash,
-    token_block_hash_keyed, token_block_hashes, HashNamespace, SequenceHash, TokenBlockHash,
+    chain_sequence_hash, chain_stored_blocks, sequence_hashes, sequence_hashes_keyed,
+    token_block_hash, token_block_hash_keyed, token_block_hashes, HashNamespace, SequenceHash,
+    TokenBlockHash,
 };
 pub use error::DescriptorError;
 pub use event::{KvEvent, KvEventData, StorageTier, StoredBlock};

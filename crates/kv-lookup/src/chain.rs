@@ -89,22 +89,10 @@ pub(crate) fn first_broken_link(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kv_descriptor::{token_block_hash, TokenBlockHash};
+    use kv_descriptor::{chain_stored_blocks, token_block_hash, TokenBlockHash};
 
     fn blocks(parent: Option<SequenceHash>, n: u32) -> Vec<StoredBlock> {
-        let mut prev = parent;
-        (0..n)
-            .map(|i| {
-                let token_hash = token_block_hash(&[i, i + 1]);
-                let sequence_hash = chain_sequence_hash(prev, token_hash);
-                prev = Some(sequence_hash);
-                StoredBlock {
-                    sequence_hash,
-                    token_hash,
-                    slot: None,
-                }
-            })
-            .collect()
+        chain_stored_blocks(parent, (0..n).map(|i| token_block_hash(&[i, i + 1])))
     }
 
     #[test]

@@ -1,4 +1,5 @@
 use super::*;
+use kv_descriptor::chain_stored_blocks;
 
 /// Stores and removals of long chains, over and over and without clears,
 /// resyncs or restarts, so that every worker's log is compacted many
@@ -12,21 +13,7 @@ fn churn_that_compacts_worker_logs_agrees_with_the_reference_model() {
     let fast = InventoryIndex::new();
     let mut naive = NaiveIndex::default();
     let chains: Vec<Vec<StoredBlock>> = (0..6)
-        .map(|_| {
-            let mut prev = None;
-            (0..700)
-                .map(|_| {
-                    let token_hash = TokenBlockHash(rng.next());
-                    let sequence_hash = chain_sequence_hash(prev, token_hash);
-                    prev = Some(sequence_hash);
-                    StoredBlock {
-                        sequence_hash,
-                        token_hash,
-                        slot: None,
-                    }
-                })
-                .collect()
-        })
+        .map(|_| chain_stored_blocks(None, (0..700).map(|_| TokenBlockHash(rng.next()))))
         .collect();
     let hashes: Vec<Vec<SequenceHash>> = chains
         .iter()
