@@ -11,7 +11,8 @@ use pyo3::types::PyBytes;
 use kv_bank::{BankError, BankMemory, DestinationPool, MemoryKind};
 use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
 use kv_router_glue::{
-    check_prompt_prefix, EngineRegion, FetchError, FetchExecutor, RemoteDonor, DEFAULT_PIN_TIMEOUT,
+    check_prompt_prefix, validate_hint, EngineRegion, FetchError, FetchExecutor, RemoteDonor,
+    DEFAULT_PIN_TIMEOUT,
 };
 use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
 use kv_transfer::{CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, LivenessProbe};
@@ -308,9 +309,13 @@ impl Target {
     /// Either way `FetchOutcome.rows` says where the blocks landed.
     ///
     /// Raises `PromptMismatch` / `HintRefused` before anything is touched
-    /// (the hint is checked against `prompt_hashes` before the donor's
-    /// segments are imported, so a hint for another prompt is a mismatch
-    /// even when its donor is gone), `FetchFellBack` (stage, cause) after:
+    /// (the hint is checked against `prompt_hashes`, then against
+    /// `manifest` and this target's layout: donor engine, bank generation,
+    /// layout, TP size, slots; all before `dst_blocks` is checked and the
+    /// donor's segments are imported, so a hint for another prompt is a
+    /// mismatch even when its donor is gone, and a hint for another donor
+    /// or a closed generation is `HintRefused` naming that, whatever
+    /// `dst_blocks` holds), `FetchFellBack` (stage, cause) after:
     /// recompute the prefix then. `BadArgument` names `prompt_hashes[i]`,
     /// `dst_blocks[i]` or `dst_token_offset` for a negative int or one past
     /// u64 (hashes, offset) / u32 (block ids), `dst_blocks` when it does not
@@ -502,6 +507,15 @@ impl Target {
         // `PromptMismatch` even when its donor is gone.
         for action in &actions {
             check_prompt_prefix(action, &prompt).map_err(fetch)?;
+        }
+        // Then the hint against the donor's manifest and this target's
+        // layout (donor engine, bank generation, layout, TP size, slots),
+        // the executor's own first check, run here so that a hint for
+        // another donor or a closed generation is `HintRefused` naming that
+        // cause before the `dst_blocks` checks below: its block count means
+        // nothing, and an allocator's "wrong count" would hide the real cause.
+        for action in &actions {
+            validate_hint(action, &manifest, &self.layout.inner).map_err(fetch)?;
         }
         // The executor's own check (count, then each id below the pool's
         // `rows`, none repeated), run here so that an allocator bug raises

@@ -358,6 +358,32 @@ def test_a_hint_for_another_prompt_is_refused_before_its_dead_donor_is_imported(
     assert target.free_rows == 8
 
 
+def test_a_hint_for_another_donor_or_generation_is_refused_before_dst_blocks(donor, layout, enabled):
+    """The hint's identity (donor engine, bank generation) is checked before
+    ``dst_blocks``: a hint that is not for this manifest is HintRefused naming
+    that cause, not BadArgument for a block count that means nothing."""
+    _, report = donor
+    prompt, manifest, target, advice = admitted_target(report, layout, enabled, "req-ident")
+    # Another donor's manifest (another engine): the hint is not for it.
+    other = kv_reuse.DonorBank(layout, slots=2).manifest()
+    # The same donor, but a hint for another generation of its bank (the
+    # envelope's payload is a string-keyed map: the key, then its fixint).
+    field = b"\xafbank_generation"
+    assert advice.hint.count(field + b"\x01") == 1
+    stale = advice.hint.replace(field + b"\x01", field + b"\x02")
+    for hint, man, why in ((advice.hint, other, r"`hint\.donor_engine_id` \S+ but the donor bank belongs to"),
+                           (stale, manifest, r"`hint\.bank_generation` 2 but the donor bank is generation 1")):
+        for dst in ([0], None, list(range(BLOCKS))):
+            with pytest.raises(kv_reuse.HintRefused, match=why) as e:
+                target.fetch(hint, prompt, man, dst_blocks=dst)
+            assert type(e.value) is kv_reuse.HintRefused, e.value
+            del e  # the traceback would keep this frame's objects past the leak check
+    assert target.free_rows == 16
+    # The right manifest and generation with a wrong count: the allocator's bug.
+    with pytest.raises(kv_reuse.BadArgument, match=rf"^dst_blocks: 1 ids given, the hint fetches {BLOCKS} blocks"):
+        target.fetch(advice.hint, prompt, manifest, dst_blocks=[0])
+
+
 def _killing_probe(proc, honest_after):
     """A liveness probe that SIGKILLs the donor process on its first call
     (before the first byte: the donor dies mid-fetch, after granting the

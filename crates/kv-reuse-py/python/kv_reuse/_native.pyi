@@ -495,8 +495,11 @@ class Target:
         of T): the fetched blocks land at tokens N, N+T, ... (default: their prompt positions,
         fetch_from*T); BadArgument names it when misaligned, past the capacity or with
         ``dst_blocks``. Raises PromptMismatch / HintRefused before anything is touched (the
-        hint is checked against ``prompt_hashes`` before the donor is imported: a hint for
-        another prompt is PromptMismatch even when its donor is gone), else FetchFellBack.
+        hint is checked against ``prompt_hashes``, then against ``manifest`` (donor engine,
+        generation, layout, slots), before ``dst_blocks`` and before the donor is imported:
+        a hint for another prompt is PromptMismatch even when its donor is gone, one for
+        another donor or generation HintRefused whatever ``dst_blocks`` holds), else
+        FetchFellBack.
         ``gate`` (CUDA targets): its stream waits for the copies as soon as they are issued and
         the gate opens, while this call (on another thread) completes; work enqueued behind it
         must be discarded if this call raises. BadArgument names ``gate`` (not a target GPU,
