@@ -12,7 +12,7 @@ use kv_bank::{
     StoreStatus,
 };
 use kv_descriptor::{OwnerLease, Role, SequenceHash, Wire};
-use kv_router_glue::{PinService, PinServiceConfig};
+use kv_router_glue::{PinEndpoint, PinService, PinServiceConfig};
 
 use crate::array::{on_cuda, ArrayView, Want};
 use crate::errors::{
@@ -214,9 +214,11 @@ impl DonorBank {
     /// Serves source pins on `endpoint` (`unix:/path`). Use as a context manager.
     ///
     /// Raises `BadArgument` naming `endpoint` when it does not parse (scheme,
-    /// path length), `PinServiceFailed` when binding it fails.
+    /// path length) or its socket path is relative (the endpoint is handed
+    /// to targets with other working directories), `PinServiceFailed` when
+    /// binding it fails.
     fn serve_pins(&self, endpoint: &str) -> PyResult<PinServer> {
-        kv_router_glue::PinEndpoint::parse(endpoint).map_err(|e| bad_argument("endpoint", e))?;
+        pin_endpoint("endpoint", endpoint)?;
         let svc = PinService::bind(self.inner.clone(), endpoint, PinServiceConfig::default())
             .map_err(|e| PinServiceFailed::new_err(e.to_string()))?;
         Ok(PinServer {
@@ -466,6 +468,29 @@ impl PinServer {
         self.close(py);
         false
     }
+}
+
+/// `endpoint` parsed as a pin endpoint (`unix:<path>`, a plain absolute
+/// path, or `tcp:<host>:<port>`), or `BadArgument` naming `argument`: when
+/// it does not parse ([`PinEndpoint::parse`]: scheme, path length, port),
+/// or when its Unix socket path is relative. The endpoint travels (in a
+/// hint, the donor's record) to targets in other processes, which would
+/// resolve a relative path against their own working directory: another
+/// socket, or none, found only at the target's pin exchange as a fallback.
+pub(crate) fn pin_endpoint(argument: &str, endpoint: &str) -> PyResult<PinEndpoint> {
+    let parsed = PinEndpoint::parse(endpoint).map_err(|e| bad_argument(argument, e))?;
+    if let PinEndpoint::Unix(path) = &parsed {
+        if !path.is_absolute() {
+            return Err(bad_argument(
+                argument,
+                format!(
+                    "endpoint {endpoint:?}: socket path {path:?} is relative (each process \
+                     would resolve it against its own working directory); give an absolute path"
+                ),
+            ));
+        }
+    }
+    Ok(parsed)
 }
 
 /// A refusal of `PendingStore.write` / `ack` as `BankFailed`, in the words

@@ -206,7 +206,9 @@ impl WorkerPublisher {
     /// `tls_ca` (PEM CA file) turns TLS on, `tls_cert` + `tls_key` present a
     /// client certificate: the decode role of docs/nats-permissions.conf.
     ///
-    /// Raises `BadArgument` naming `slots`, `lease_s`, `record_ttl_s`,
+    /// Raises `BadArgument` naming `pin_endpoint` (it does not parse, or its
+    /// socket path is relative: targets resolve it in other working
+    /// directories), `slots`, `lease_s`, `record_ttl_s`,
     /// `store_timeout_s`, `announce_period_s`, `timeout_s`, `gpus`,
     /// `gpu_uuids`, `worker_key`, `namespace`, `event_ring` (the ints
     /// also when negative or past u64 / u32), `user`, `password`, `token`
@@ -237,6 +239,9 @@ impl WorkerPublisher {
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let slots: u64 = uint("slots", slots)?;
+        // Published in the donor's record for targets in other processes:
+        // refused here, before connecting, not at the first fetch.
+        crate::donor::pin_endpoint("pin_endpoint", pin_endpoint)?;
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
         let event_ring: usize = event_ring
             .map(|e| uint("event_ring", e))

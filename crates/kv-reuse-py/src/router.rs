@@ -14,6 +14,7 @@ use kv_router_glue::{
     Advisor, CostModel, DecisionLog, DonorDirectory, LiveCostModel, ResolveError, ResolvedDonor,
 };
 
+use crate::donor::pin_endpoint;
 use crate::errors::{bad_argument, descriptor, lookup, uint, uints};
 use crate::layout::{engine_id, Layout};
 use crate::settings::Settings;
@@ -175,8 +176,10 @@ impl Router {
     /// Raises `DescriptorRefused` for a manifest that does not decode,
     /// `BadArgument` naming `endpoint` (not a pin endpoint that parses:
     /// scheme, path length, the parse `DonorBank.serve_pins` runs; a
-    /// `tcp:` endpoint parses, since a Rust donor may serve one with a
-    /// pre-shared key, although `serve_pins` itself refuses `tcp:`), `slots` (a hash key
+    /// `unix:` socket path that is relative, which each target would
+    /// resolve against its own working directory; a `tcp:` endpoint
+    /// parses, since a Rust donor may serve one with a pre-shared key,
+    /// although `serve_pins` itself refuses `tcp:`), `slots` (a hash key
     /// negative or past u64) or `slots[h]` (a slot negative or past u32).
     /// Nothing is recorded when it raises.
     fn report_donor(
@@ -187,7 +190,7 @@ impl Router {
     ) -> PyResult<()> {
         // A hint carrying it would only fail at the target's pin exchange,
         // as a fallback far from this call.
-        kv_router_glue::PinEndpoint::parse(endpoint).map_err(|e| bad_argument("endpoint", e))?;
+        pin_endpoint("endpoint", endpoint)?;
         let slots = slots
             .iter()
             .map(|(h, s)| {

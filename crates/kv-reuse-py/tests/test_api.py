@@ -234,11 +234,17 @@ def test_report_donor_refuses_an_endpoint_that_does_not_parse_naming_it(layout):
     for endpoint, why in (("foo", r"^endpoint: endpoint \"foo\": scheme must be `unix:<path>` or `tcp:<host>:<port>`$"),
                           ("unix:", r"^endpoint: endpoint \"unix:\": socket path must hold 1\.\.=107 bytes$"),
                           ("unix:/" + "x" * 107, r"^endpoint: endpoint \"unix:/x+\": socket path must hold"),
-                          ("tcp:10.0.0.1", r"^endpoint: endpoint \"tcp:10\.0\.0\.1\": `tcp:` needs `<host>:<port>`")):
+                          ("tcp:10.0.0.1", r"^endpoint: endpoint \"tcp:10\.0\.0\.1\": `tcp:` needs `<host>:<port>`"),
+                          # A relative socket path names another socket in each
+                          # target's working directory (or none).
+                          ("unix:rel/sock", r"^endpoint: endpoint \"unix:rel/sock\": socket path \"rel/sock\" is relative"),
+                          ("unix:./pin.sock", r"^endpoint: endpoint \"unix:\./pin\.sock\": socket path \"\./pin\.sock\" is relative")):
         with pytest.raises(kv_reuse.BadArgument, match=why):
             router.report_donor(bank.manifest(), endpoint, {})
-    # Endpoints that parse are taken (the donor need not be up yet).
+    # Endpoints that parse are taken (the donor need not be up yet): an
+    # absolute socket path, with or without `unix:`, and `tcp:`.
     router.report_donor(bank.manifest(), "unix:/tmp/kv-reuse-not-listening.sock", {})
+    router.report_donor(bank.manifest(), "/tmp/kv-reuse-not-listening.sock", {})
     router.report_donor(bank.manifest(), "tcp:10.0.0.1:7301", {})
 
 
@@ -310,6 +316,16 @@ def test_pin_server_is_a_context_manager_and_refuses_a_bad_endpoint(layout, tmp_
     # An endpoint that does not parse is an argument error, named, before anything binds.
     with pytest.raises(kv_reuse.BadArgument, match=r"^endpoint: endpoint \"foo\": scheme must be"):
         bank.serve_pins("foo")
+    # So is a relative socket path (targets would look for it in their own
+    # working directory): nothing is bound under this process's.
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        with pytest.raises(kv_reuse.BadArgument, match=r"^endpoint: endpoint \"unix:rel\.sock\": socket path \"rel\.sock\" is relative"):
+            bank.serve_pins("unix:rel.sock")
+        assert not os.path.exists("rel.sock")
+    finally:
+        os.chdir(cwd)
 
 
 def test_reclaim_and_lease_refusals_name_the_argument(layout):

@@ -104,6 +104,11 @@ def test_bad_arguments_are_refused_naming_them(layout):
                                        lease_s=1.0, record_ttl_s=2.0)
     with pytest.raises(kv_reuse.BadArgument, match="worker_key"):
         kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "a.b", layout, 4, "unix:/tmp/x")
+    # The record carries the pin endpoint to targets in other working
+    # directories: a relative socket path is refused before connecting (not
+    # a PublishFailed from the unreachable server).
+    with pytest.raises(kv_reuse.BadArgument, match=r"^pin_endpoint: endpoint \"unix:pins\.sock\": socket path \"pins\.sock\" is relative"):
+        kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "d", layout, 4, "unix:pins.sock")
     # Below nats-server's 100 ms max_age floor (the record TTL is the bucket's
     # max_age; it defaults to lease_s): refused before connecting, naming the
     # argument and the floor, instead of a PublishFailed from the server.

@@ -203,7 +203,8 @@ class DonorBank:
     def drain_events(self) -> List[bytes]: ...
     def serve_pins(self, endpoint: str) -> PinServer:
         """Serves source pins on ``endpoint`` (``unix:/path``); a context manager. BadArgument names
-        ``endpoint`` when it does not parse, PinServiceFailed when binding fails."""
+        ``endpoint`` when it does not parse or its socket path is relative, PinServiceFailed when
+        binding fails."""
 
 class Advice:
     """The router's decision for one request."""
@@ -224,7 +225,9 @@ class Router:
     def report_donor(self, manifest: bytes, endpoint: str, slots: Mapping[int, int]) -> None:
         """Records a donor (manifest, pin endpoint, ``{sequence_hash: slot}``). BadArgument names
         ``endpoint`` when it does not parse (the parse ``DonorBank.serve_pins`` runs; a ``tcp:``
-        endpoint of a Rust donor with a pre-shared key parses, though ``serve_pins`` refuses ``tcp:``), ``slots`` / ``slots[h]``
+        endpoint of a Rust donor with a pre-shared key parses, though ``serve_pins`` refuses ``tcp:``)
+        or its socket path is relative (each target would resolve it in its own working
+        directory), ``slots`` / ``slots[h]``
         for an int out of range; DescriptorRefused for a manifest that does not decode."""
     def advise(self, request_id: str, sequence_hashes: Sequence[int], target: str) -> Advice: ...
 
@@ -313,7 +316,8 @@ class WorkerPublisher:
         ``tls_ca`` (and a client certificate ``tls_cert`` + ``tls_key``). ``lease_s`` (0.1 to 86400 s)
         and ``record_ttl_s`` (default ``lease_s``, 0.1 s to ``lease_s``; the bucket's max_age when
         this creates it) may not be below nats-server's 100 ms max_age floor. Raises BadArgument
-        (naming the argument), BankFailed, PinServiceFailed, PublishFailed."""
+        (naming the argument; ``pin_endpoint`` also for a relative socket path), BankFailed,
+        PinServiceFailed, PublishFailed."""
     @staticmethod
     def target(
         nats_url: str,
