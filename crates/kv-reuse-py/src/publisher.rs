@@ -179,7 +179,10 @@ pub(crate) struct WorkerPublisher {
     engine_id: EngineId,
     nats_url: String,
     timeout: Duration,
-    bank: Option<Py<DonorBank>>,
+    /// The donor's bank view (None for a target), released by `close()`:
+    /// it holds the bank manager, and with it the bank's lease files
+    /// (`lease_holders`, one per TP rank) until its last reference goes.
+    bank: Mutex<Option<Py<DonorBank>>>,
 }
 
 #[pymethods]
@@ -367,7 +370,7 @@ impl WorkerPublisher {
             role: Role::Decode,
             nats_url: nats_url.to_owned(),
             timeout,
-            bank: Some(bank),
+            bank: Mutex::new(Some(bank)),
         })
     }
 
@@ -486,7 +489,7 @@ impl WorkerPublisher {
             engine_id: engine,
             nats_url: nats_url.to_owned(),
             timeout,
-            bank: None,
+            bank: Mutex::new(None),
         })
     }
 
@@ -506,11 +509,18 @@ impl WorkerPublisher {
         self.engine_id.to_string()
     }
 
-    /// The donor's bank (store blocks through it), None for a target. Do
-    /// not call its `drain_events`: the publisher publishes those events.
+    /// The donor's bank (store blocks through it), None for a target and
+    /// after `close()`. Do not call its `drain_events`: the publisher
+    /// publishes those events. A reference kept past `close()` (this
+    /// `DonorBank`, or one of its `PendingStore`s) keeps the closed bank's
+    /// lease files mapped until it is dropped.
     #[getter]
     fn bank(&self, py: Python<'_>) -> Option<Py<DonorBank>> {
-        self.bank.as_ref().map(|b| b.clone_ref(py))
+        self.bank
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|b| b.clone_ref(py))
     }
 
     /// The pin endpoint published in the donor's record, None for a target.
@@ -649,7 +659,10 @@ impl WorkerPublisher {
 
     /// Stops publishing. A donor deletes its directory record, stops its pin
     /// service (waiting up to `drain_s` seconds for held pins), closes the
-    /// bank and publishes its `Cleared` event. Idempotent. Releases the GIL.
+    /// bank, publishes its `Cleared` event and lets go of its bank: its
+    /// lease files are unmapped now (`leak_counters()["lease_holders"]`
+    /// drops by the TP size), unless the caller still holds the `bank` or
+    /// one of its stores. Idempotent. Releases the GIL.
     ///
     /// Raises `BankFailed` when pins outlived `drain_s`, `PublishFailed`
     /// when the record could not be deleted (it then lapses with its TTL).
@@ -666,6 +679,11 @@ impl WorkerPublisher {
         };
         let timeout = self.timeout + drain;
         let url = self.nats_url.clone();
+        // Taken now and dropped (with the GIL) when this call returns, after
+        // the agent closed the bank, whatever the outcome: a closed
+        // publisher has no use for it, and this reference alone kept the
+        // closed bank's lease files mapped until the publisher was dropped.
+        let _bank = self.bank.lock().unwrap_or_else(|e| e.into_inner()).take();
         py.allow_threads(move || {
             r.ticker.abort();
             let closed = r.runtime.block_on(async {

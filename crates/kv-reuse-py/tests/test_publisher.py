@@ -147,6 +147,23 @@ def test_a_record_ttl_shorter_than_the_announce_period_never_lapses(nats, layout
         assert missing == 0, f"the record was missing at {missing} of 30 reads"
 
 
+def test_close_lets_go_of_the_bank_and_its_leases(nats, layout, tmp_path):
+    """close() releases the publisher's bank, so the bank's lease files (one
+    per TP rank) are unmapped at close, not when the publisher is deleted."""
+    before = kv_reuse.leak_counters()
+    pub = kv_reuse.WorkerPublisher.donor(nats.url, "d-close", layout, 4, f"unix:{tmp_path}/pins.sock",
+                                         bucket="kv_close")
+    held = kv_reuse.leak_counters()
+    assert held["lease_holders"] == before["lease_holders"] + TP, (before, held)
+    assert pub.bank is not None
+    pub.close()
+    after = kv_reuse.leak_counters()
+    for key in ("lease_holders", "shm_mappings", "shm_entries"):
+        assert after[key] == before[key], (key, before[key], held[key], after[key])
+    assert pub.bank is None and not pub.open
+    pub.close()  # idempotent
+
+
 def test_incomplete_or_mixed_credentials_are_refused_naming_them(layout):
     url, uuid = "nats://127.0.0.1:1", "00000000-0000-4000-8000-000000000001"
     for kw, named in [({"user": "u"}, "password"), ({"password": "p"}, "user"),

@@ -348,7 +348,8 @@ class WorkerPublisher:
     def engine_id(self) -> str: ...
     @property
     def bank(self) -> Optional[DonorBank]:
-        """The donor's bank (None for a target); do not drain its events yourself."""
+        """The donor's bank (None for a target and after ``close()``); do not drain its events
+        yourself. A reference kept past ``close()`` keeps the closed bank's lease files mapped."""
     @property
     def pin_endpoint(self) -> Optional[str]: ...
     @property
@@ -372,7 +373,9 @@ class WorkerPublisher:
         or after ``close()``."""
     def publish_nixl_agent(self, name: str, metadata: bytes) -> None: ...
     def close(self, drain_s: float = 1.0) -> None:
-        """Deletes the record, stops pins (waiting ``drain_s``), closes the bank. Idempotent."""
+        """Deletes the record, stops pins (waiting ``drain_s``), closes the bank and lets go of it
+        (its lease files are unmapped now unless the caller still holds ``bank`` or one of its
+        stores). Idempotent."""
     def __enter__(self) -> "WorkerPublisher": ...
     def __exit__(
         self,
