@@ -1,12 +1,14 @@
 //! Python exceptions mirroring the Rust error enums: a class per cause under
 //! the base `KvReuseError`, the message is the Rust error's `Display` (which
 //! names the field), and the int-argument extraction every module uses
-//! (`uint` / `uints`: a negative or too large int is `BadArgument` naming
-//! the argument, not pyo3's unnamed `OverflowError`).
+//! (`uint` / `uints`: a negative or too large int, or a bool for a single
+//! int, is `BadArgument` naming the argument, not pyo3's unnamed
+//! `OverflowError` or a silent 0 / 1).
 
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
+use pyo3::types::PyBool;
 
 use kv_router_glue::{FetchError, SettingsError};
 
@@ -169,8 +171,17 @@ impl Unsigned for usize {
 
 /// An int argument as `T`: `BadArgument` naming `argument` when it is
 /// negative or above `T::MAX` (pyo3's own extraction raises an unnamed
-/// `OverflowError`), `TypeError` naming it when it is not an int.
+/// `OverflowError`) or a bool, `TypeError` naming it when it is not an int.
+///
+/// A bool is an int to Python (`True == 1`), so pyo3 takes it: a count,
+/// size or id given as `True` (`Layout(..., tp_size=True)`) is a caller's
+/// mistake that would otherwise pass as 1. Sequences ([`uints`]) are not
+/// checked element by element: a prompt's token ids would pay a second
+/// pass for it.
 pub(crate) fn uint<T: Unsigned>(argument: &str, v: &Bound<'_, PyAny>) -> PyResult<T> {
+    if v.is_instance_of::<PyBool>() {
+        return Err(bad_argument(argument, format!("{v} is a bool, not an int")));
+    }
     v.extract().map_err(|e| int_refusal::<T>(argument, v, e))
 }
 

@@ -39,7 +39,8 @@ impl Layout {
     /// split over `tp_size` TP ranks.
     ///
     /// Raises `BadArgument` naming `dtype`, or the int argument that is
-    /// negative, past u32 or zero, or `tp_size` when `num_kv_heads` is not
+    /// negative, past u32, zero or a bool (`True` would pass as 1), or
+    /// `tp_size` when `num_kv_heads` is not
     /// divisible by it; `DescriptorRefused` when kv_descriptor refuses the
     /// layout as a whole (one rank's block part past its size bound).
     #[new]
@@ -139,8 +140,8 @@ impl Layout {
 }
 
 /// A count argument of `Layout` as u32: `BadArgument` naming `argument` when
-/// it is negative or past u32 ([`uint`]) or zero (as `Router`'s counts), the
-/// same class for every invalid count.
+/// it is negative, past u32 or a bool ([`uint`]) or zero (as `Router`'s
+/// counts), the same class for every invalid count.
 fn count(argument: &str, v: &Bound<'_, PyAny>) -> PyResult<u32> {
     match uint(argument, v)? {
         0 => Err(bad_argument(argument, "0, must be at least 1")),

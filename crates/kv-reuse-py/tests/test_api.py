@@ -254,7 +254,9 @@ def test_layout_refuses_every_invalid_count_as_bad_argument_naming_it():
     names = ["num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "tp_size"]
     good = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "tokens_per_block": 64, "tp_size": 2}
     for name in names:
-        for bad, why in ((0, r"0, must be at least 1"), (-1, r"-1 is not in 0\.\.=4294967295")):
+        # A bool is an int to Python: True passed as 1 (`tp_size=True` made a TP-1 layout).
+        for bad, why in ((0, r"0, must be at least 1"), (-1, r"-1 is not in 0\.\.=4294967295"),
+                         (True, r"True is a bool, not an int"), (False, r"False is a bool, not an int")):
             kw = dict(good, **{name: bad})
             with pytest.raises(kv_reuse.BadArgument, match=rf"^{name}: {why}$"):
                 kv_reuse.Layout(kw["num_layers"], kw["num_kv_heads"], kw["head_dim"], "f32",
@@ -265,6 +267,31 @@ def test_layout_refuses_every_invalid_count_as_bad_argument_naming_it():
     # Only the layout as a whole past kv_descriptor's size bound is a descriptor refusal.
     with pytest.raises(kv_reuse.DescriptorRefused, match="one rank's block part would be"):
         kv_reuse.Layout(2**31, 2, 2**31, "f32", 64, 2)
+
+
+def test_a_bool_is_refused_for_every_single_int_argument_naming_it(layout):
+    # One extraction helper takes every single int argument: a bool is
+    # refused for all of them, not only Layout's counts.
+    settings = kv_reuse.Settings(env={})
+    bank = kv_reuse.DonorBank(layout, slots=2)
+    target = kv_reuse.Target(layout, rows=2)
+    router = kv_reuse.Router(settings, TOKENS_PER_BLOCK)
+    cases = [
+        ("rows", lambda: kv_reuse.Target(layout, rows=True)),
+        ("slots", lambda: kv_reuse.DonorBank(layout, slots=True)),
+        ("tokens_per_block", lambda: kv_reuse.Router(settings, True)),
+        ("max_probes", lambda: kv_reuse.Router(settings, TOKENS_PER_BLOCK, max_probes=True)),
+        ("key", lambda: router.register_worker(False, bank.engine_id, "decode", layout)),
+        ("tokens_per_block", lambda: kv_reuse.sequence_hashes([1, 2], True)),
+        ("rank", lambda: target.read_row(False, 0)),
+        ("row", lambda: target.read_row(0, True)),
+    ]
+    for name, call in cases:
+        with pytest.raises(kv_reuse.BadArgument, match=rf"^{name}: (True|False) is a bool, not an int$"):
+            call()
+    # The same calls with ints work.
+    assert len(target.read_row(0, 1)) == layout.rank_block_bytes
+    assert kv_reuse.Target(layout, rows=1).free_rows == 1
 
 
 def test_store_refuses_wrong_dtype_shape_strides_and_non_arrays(layout):
