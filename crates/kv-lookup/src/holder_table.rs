@@ -106,15 +106,12 @@ pub(crate) type TierBits = [u64; TIERS];
 
 const NO_BITS: TierBits = [0; TIERS];
 
-/// How far ahead (in hashes) event application prefetches entries.
-/// Entry prefetches read the hash's index slot, so slots are prefetched
-/// further ahead ([`SLOT_PREFETCH_DISTANCE`]) for the slot to be cached by
-/// then: with the slot only 16 hashes ahead, the entry prefetch waited for
-/// the slot's miss and was ~3/4 of the event thread's time in a
-/// `perf record` of the churn bench (removals of cold chains).
+/// How far ahead (in hashes) a replay prefetches entries (it knows where
+/// they are from the first application's answers).
 pub(crate) const PREFETCH_DISTANCE: usize = 12;
 
-/// How far ahead (in hashes) event application prefetches index slots.
+/// How far ahead (in hashes) a first application prefetches slots of the
+/// writer's full map.
 pub(crate) const SLOT_PREFETCH_DISTANCE: usize = 32;
 
 /// Entries per chunk summary (see the module docs). 32 entries are 768
@@ -150,6 +147,10 @@ struct Run {
     sums: Vec<[u64; 2]>,
     /// Entries with a non-zero bit.
     live: u32,
+    /// Bit `off % 64` of word `off / 64`: the entry at `off` is an entry
+    /// point (indexed in [`HolderTable::entry_points`]). Read where an
+    /// entry dies or its predecessor did, instead of probing that index.
+    points: Vec<u64>,
 }
 
 /// Position of `tier` in a run: `(is_hot, index)`.
@@ -213,12 +214,26 @@ impl Run {
     fn push(&mut self, e: HotEntry) {
         let off = self.hot.len();
         self.hot.push(e);
+        if off % 64 == 0 {
+            self.points.push(0);
+        }
         if off % CHUNK == 0 {
             self.sums.push(if self.ordered { e.bits } else { [0; 2] });
         } else {
             let s = self.sums.last_mut().expect("a chunk per CHUNK entries");
             *s = [s[0] & e.bits[0], s[1] & e.bits[1]];
         }
+    }
+
+    #[inline]
+    fn is_point(&self, off: usize) -> bool {
+        self.points[off / 64] >> (off % 64) & 1 == 1
+    }
+
+    #[inline]
+    fn set_point(&mut self, off: usize, on: bool) {
+        let (w, b) = (off / 64, off % 64);
+        self.points[w] = self.points[w] & !(1 << b) | u64::from(on) << b;
     }
 
     /// Recomputes the summary of chunk `c` from its entries (exact).
@@ -291,6 +306,7 @@ impl HolderTable {
     }
 
     /// Entry points indexed (see the module docs).
+    #[cfg(test)]
     pub(crate) fn entry_points(&self) -> usize {
         self.entry_points.len()
     }
@@ -322,18 +338,20 @@ impl HolderTable {
 
     /// Prefetches for a pass that handles `hashes` in order, called before
     /// it handles `hashes[i]`, where each hash asks `locator` once: on the
-    /// map, the slot of `hashes[i + SLOT_PREFETCH_DISTANCE]` and the entry
-    /// of `hashes[i + PREFETCH_DISTANCE]`; on a replay, that entry from the
-    /// logged answer (at `i == 0` also everything nearer, so the first
-    /// hashes do not start cold).
+    /// map, the slot of `hashes[i + SLOT_PREFETCH_DISTANCE]`; on a replay,
+    /// the entry of `hashes[i + PREFETCH_DISTANCE]` from the logged answer
+    /// (at `i == 0` also everything nearer, so the first hashes do not
+    /// start cold).
+    ///
+    /// The map's pass prefetches no entries: finding one reads its map
+    /// slot, a demand load that waited for the slot's miss when the slot
+    /// prefetch was late (~1/5 of the event thread in `perf record` of the
+    /// churn bench); a pass over a chain reads entries in run order, which
+    /// the hardware prefetcher follows, and the replay prefetches its own.
     #[inline]
     pub(crate) fn prefetch_pass(&self, locator: &Locator<'_>, hashes: &[SequenceHash], i: usize) {
         let entry = |k: usize| {
-            let loc = match locator {
-                Locator::Map { .. } => hashes.get(i + k).and_then(|h| locator.get_unlogged(h.0)),
-                Locator::Replay { .. } => locator.peek(k),
-            };
-            if let Some(loc) = loc {
+            if let Some(loc) = locator.peek(k) {
                 self.prefetch_loc(loc);
             }
         };
@@ -533,6 +551,7 @@ impl HolderTable {
         // The entry before it in the run is its parent's only if this
         // event appended both, one right after the other.
         if !(follows && self.appended_last) {
+            r.set_point(loc.off as usize, true);
             self.entry_points.insert_new(hash.0, loc);
         }
         self.appended_last = true;
@@ -575,10 +594,11 @@ impl HolderTable {
         if !self.runs[run_id].is_live(off) {
             self.len -= 1;
             locator.removed(hash.0);
-            if self.entry_points.get(hash.0) == Some(loc) {
+            let r = &mut self.runs[run_id];
+            if r.is_point(off) {
+                r.set_point(off, false);
                 self.entry_points.remove(hash.0);
             }
-            let r = &mut self.runs[run_id];
             r.live -= 1;
             if r.live == 0 {
                 *r = Run::default();
@@ -613,12 +633,10 @@ impl HolderTable {
         let mut deaths = std::mem::take(&mut self.deaths);
         for &d in &deaths {
             let next = d.off as usize + 1;
-            let r = &self.runs[d.run as usize];
-            if next < r.hot.len() && r.is_live(next) {
-                let key = r.hot[next].key;
-                if self.entry_points.get(key).is_none() {
-                    self.entry_points.insert_new(key, d.advanced(1));
-                }
+            let r = &mut self.runs[d.run as usize];
+            if next < r.hot.len() && r.is_live(next) && !r.is_point(next) {
+                r.set_point(next, true);
+                self.entry_points.insert_new(r.hot[next].key, d.advanced(1));
             }
         }
         deaths.clear();
@@ -661,6 +679,7 @@ impl HolderTable {
             ordered: taken.ordered,
             sums: Vec::new(),
             live: taken.live,
+            points: Vec::new(),
         };
         for (off, h) in taken.hot.iter().enumerate() {
             if !taken.is_live(off) {
@@ -681,10 +700,11 @@ impl HolderTable {
                     || locator.get_unlogged(h.key) == Some(was)
             );
             locator.moved(h.key, now);
-            if self.entry_points.get(h.key) == Some(was) {
+            fresh.push(*h);
+            if taken.is_point(off) {
+                fresh.set_point(now.off as usize, true);
                 self.entry_points.set_loc(h.key, now);
             }
-            fresh.push(*h);
             if !taken.cold.is_empty() {
                 fresh.cold.push(taken.cold[off]);
             }
@@ -786,6 +806,37 @@ impl HolderTable {
                 assert_eq!(run.sums[c], fresh.sums[c], "run {r} chunk {c}");
             }
         }
+    }
+
+    /// Asserts that the entry-point index holds exactly the live entries
+    /// marked as entry points, at their places, and that every other live
+    /// entry sits right after a live entry (its parent's, by construction).
+    pub(crate) fn assert_entry_points_exact(&self) {
+        let mut points = 0;
+        for (r, run) in self.runs.iter().enumerate() {
+            for off in 0..run.hot.len() {
+                let here = Loc {
+                    run: r as u32,
+                    off: off as u32,
+                };
+                let key = run.hot[off].key;
+                if !run.is_live(off) {
+                    assert!(!run.is_point(off), "dead {here:?} is no entry point");
+                    continue;
+                }
+                if run.is_point(off) {
+                    points += 1;
+                    assert_eq!(self.entry_points.get(key), Some(here), "{key:#x}");
+                } else {
+                    assert!(
+                        off > 0 && run.is_live(off - 1),
+                        "{here:?} follows a live entry"
+                    );
+                    assert_eq!(self.entry_points.get(key), None, "{key:#x}");
+                }
+            }
+        }
+        assert_eq!(self.entry_points.len(), points);
     }
 
     /// Whether the run that holds `hash` is ordered, its length and its

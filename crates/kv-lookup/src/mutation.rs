@@ -325,6 +325,9 @@ mod tests {
         assert!(!std::ptr::eq(&*live, &*standby));
         let (a, b) = (digest(&live, &all), digest(&standby, &all));
         assert_eq!(a, b);
+        for t in live.groups.iter().chain(&standby.groups) {
+            t.assert_entry_points_exact();
+        }
         // The copies hold what the last rounds left: 4 live workers (round 29
         // is not a removal round), 10 retained blocks each.
         assert_eq!(live.stats().workers, 4);

@@ -74,6 +74,7 @@ impl LocIndex {
     }
 
     /// Keys held.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.len
     }
@@ -258,8 +259,8 @@ impl Locator<'_> {
         }
     }
 
-    /// Where `key`'s entry is, without logging, for a prefetch; `None` on
-    /// a replay (see [`Self::peek`]).
+    /// Where `key`'s entry is, without logging (debug checks); `None` on a
+    /// replay.
     #[inline]
     pub(crate) fn get_unlogged(&self, key: u64) -> Option<Loc> {
         match self {

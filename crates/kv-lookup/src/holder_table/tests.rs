@@ -60,6 +60,7 @@ fn a_run_reserves_the_events_room_once_and_is_trimmed_to_what_it_got() {
     assert_eq!(r.hot.len(), 10);
     assert!(r.hot.capacity() <= 10 + 10 / 4 + 4, "{}", r.hot.capacity());
     t.assert_summaries_exact();
+    t.assert_entry_points_exact();
 }
 
 #[test]
@@ -160,6 +161,7 @@ fn clears_of_one_removal_compact_a_run_only_if_it_stays_sparse() {
     assert_eq!(loc.off, 0, "compacted: the 14 survivors start a fresh run");
     assert_eq!(t.runs[loc.run as usize].hot.len(), 14);
     t.assert_summaries_exact();
+    t.assert_entry_points_exact();
     let mut c = Cursor::default();
     for h in &chain[50..] {
         assert_eq!(t.step(&mut c, *h), [0, 1]);
@@ -225,6 +227,7 @@ fn only_checked_stores_fill_ordered_runs() {
     t.close_run();
     assert_eq!(t.run_of(SequenceHash(100)), (false, 40, vec![[0; 2]; 2]));
     t.assert_summaries_exact();
+    t.assert_entry_points_exact();
 }
 
 #[test]
@@ -251,6 +254,7 @@ fn summaries_follow_sets_clears_and_compaction() {
     assert!(t.clear(SequenceHash(50), 4, 1));
     assert_eq!(sums(&t)[1], [0, 1]);
     t.assert_summaries_exact();
+    t.assert_entry_points_exact();
     // Thin the run out to 63 of 256 entries, so that the last death
     // compacts it.
     let kept: Vec<u64> = (1..=240u64)
@@ -265,6 +269,7 @@ fn summaries_follow_sets_clears_and_compaction() {
         t.clear(SequenceHash(k), 2, 7);
     }
     t.assert_summaries_exact();
+    t.assert_entry_points_exact();
     // Compacted: 63 entries, still ordered, only worker 0 on them all.
     let (ordered, len, sums) = t.run_of(SequenceHash(kept[0]));
     assert_eq!((ordered, len, sums), (true, 63, vec![[0, 1]; 2]));
@@ -382,6 +387,7 @@ proptest::proptest! {
                 }
             }
             t.assert_summaries_exact();
+            t.assert_entry_points_exact();
         }
     }
 }

@@ -153,6 +153,7 @@ fn random_table(rng: &mut crate::reference::SplitMix, cs: &[Vec<SequenceHash>]) 
         }
     }
     t.assert_summaries_exact();
+    t.assert_entry_points_exact();
     t
 }
 
