@@ -6,13 +6,33 @@
 //!
 //! Layout, chosen for the donor walk: entries (hash + tier bitsets) live in
 //! *runs*, arrays filled in the order in which a Stored event announced new
-//! blocks, i.e. in chain order. A small open-addressing index maps a hash to
-//! its entry (`run`, `offset`). A walk that found block `i` at `(r, o)` first
-//! checks `(r, o + 1)` for block `i + 1`: consecutive blocks of a stored
-//! conversation are adjacent in memory, so a walk reads memory sequentially and
-//! only goes through the index (a random access, prefetched) where a run
-//! ends. This is what a compressed radix tree gains from its edges, without a
-//! tree to keep balanced.
+//! blocks, i.e. in chain order. A walk that found block `i` at `(r, o)`
+//! first checks `(r, o + 1)` for block `i + 1`: consecutive blocks of a
+//! stored conversation are adjacent in memory, so a walk reads memory
+//! sequentially and only goes through an index (a random access,
+//! prefetched) where a run ends. This is what a compressed radix tree
+//! gains from its edges, without a tree to keep balanced.
+//!
+//! Entry points: the table's own index (what lookups probe) maps only the
+//! hashes a walk cannot reach by reading on. An entry *follows* when the
+//! entry right before it in its run is its parent's and is live; every
+//! other live entry is an *entry point* and is indexed. A walk at block
+//! `i - 1` (a live entry `E`) that looks for block `i`: if block `i`'s
+//! entry follows, the entry before it is its parent's, and a hash has one
+//! entry, so that is `E` and block `i` is at `E + 1`; otherwise it is
+//! indexed. So "next entry, else the entry-point index" finds every live
+//! entry a per-hash index would, with an index of about one key per stored
+//! turn instead of one per block (it stays in cache). A new entry follows
+//! only when the Stored event appended its parent right before it; when an
+//! entry dies, its live successor becomes an entry point
+//! ([`HolderTable::finish_clears`]); compaction keeps each follower right
+//! after its (live) parent.
+//!
+//! The full map, hash -> entry for every live entry, is what event
+//! application needs (is this hash new, where is the entry a removal
+//! clears). It is not part of the table: both copies of the index keep
+//! their runs in the same layout, so one map on the writer's side serves
+//! both ([`Locator`]; `crate::index::WriterMaps`).
 //!
 //! Chunks: each run is cut into [`CHUNK`]-entry chunks at offsets that are
 //! multiples of [`CHUNK`], and each chunk keeps a summary: the `AND` of its
@@ -31,14 +51,16 @@
 //!
 //! Invariants:
 //! - Every hash with at least one holder bit has exactly one entry, and the
-//!   index points at it. An entry whose last bit is cleared leaves the index
-//!   at once (backward-shift deletion, no tombstones); its run position stays
-//!   with all bits zero (*dead*) and a walk never trusts a dead position.
+//!   writer's full map points at it; the entry-point index holds exactly
+//!   the live entries that do not follow (see above). An entry whose last
+//!   bit is cleared leaves both at once (backward-shift deletion, no
+//!   tombstones); its run position stays with all bits zero (*dead*) and a
+//!   walk never trusts a dead position.
 //! - A run whose entries are all dead is freed and its id reused; a run of
 //!   at least 64 entries with under a quarter live is compacted into a fresh
 //!   run (at the end of the removal that left it so:
 //!   [`HolderTable::finish_clears`]), so dead entries cost at most 3x the live ones (plus short runs).
-//! - The index's load factor stays at or below 3/4.
+//! - Each index's load factor stays at or below 3/4.
 //! - A chunk summary never claims a bit that one of its entries lacks, and
 //!   is zero in a run that is not ordered. A summary may lag *below* the true `AND` while a Stored event is
 //!   applied (bits set on entries that already existed); [`HolderTable::close_run`]
@@ -47,6 +69,9 @@
 use kv_descriptor::{SequenceHash, StorageTier};
 
 use crate::prefetch::prefetch_read;
+
+mod loc_index;
+pub(crate) use loc_index::{Loc, LocIndex, Locator};
 
 /// Number of storage tiers the index distinguishes.
 pub(crate) const TIERS: usize = 5;
@@ -81,15 +106,12 @@ pub(crate) type TierBits = [u64; TIERS];
 
 const NO_BITS: TierBits = [0; TIERS];
 
-/// How far ahead (in hashes) event application prefetches entries.
-/// Entry prefetches read the hash's index slot, so slots are prefetched
-/// further ahead ([`SLOT_PREFETCH_DISTANCE`]) for the slot to be cached by
-/// then: with the slot only 16 hashes ahead, the entry prefetch waited for
-/// the slot's miss and was ~3/4 of the event thread's time in a
-/// `perf record` of the churn bench (removals of cold chains).
+/// How far ahead (in hashes) a replay prefetches entries (it knows where
+/// they are from the first application's answers).
 pub(crate) const PREFETCH_DISTANCE: usize = 12;
 
-/// How far ahead (in hashes) event application prefetches index slots.
+/// How far ahead (in hashes) a first application prefetches slots of the
+/// writer's full map.
 pub(crate) const SLOT_PREFETCH_DISTANCE: usize = 32;
 
 /// Entries per chunk summary (see the module docs). 32 entries are 768
@@ -125,6 +147,10 @@ struct Run {
     sums: Vec<[u64; 2]>,
     /// Entries with a non-zero bit.
     live: u32,
+    /// Bit `off % 64` of word `off / 64`: the entry at `off` is an entry
+    /// point (indexed in [`HolderTable::entry_points`]). Read where an
+    /// entry dies or its predecessor did, instead of probing that index.
+    points: Vec<u64>,
 }
 
 /// Position of `tier` in a run: `(is_hot, index)`.
@@ -188,12 +214,26 @@ impl Run {
     fn push(&mut self, e: HotEntry) {
         let off = self.hot.len();
         self.hot.push(e);
+        if off % 64 == 0 {
+            self.points.push(0);
+        }
         if off % CHUNK == 0 {
             self.sums.push(if self.ordered { e.bits } else { [0; 2] });
         } else {
             let s = self.sums.last_mut().expect("a chunk per CHUNK entries");
             *s = [s[0] & e.bits[0], s[1] & e.bits[1]];
         }
+    }
+
+    #[inline]
+    fn is_point(&self, off: usize) -> bool {
+        self.points[off / 64] >> (off % 64) & 1 == 1
+    }
+
+    #[inline]
+    fn set_point(&mut self, off: usize, on: bool) {
+        let (w, b) = (off / 64, off % 64);
+        self.points[w] = self.points[w] & !(1 << b) | u64::from(on) << b;
     }
 
     /// Recomputes the summary of chunk `c` from its entries (exact).
@@ -207,84 +247,56 @@ impl Run {
     }
 }
 
-/// Where an entry lives.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) struct Loc {
-    run: u32,
-    off: u32,
-}
-
-impl Loc {
-    /// The entry `k` places further in the same run.
-    #[inline]
-    pub(crate) fn advanced(self, k: usize) -> Loc {
-        Loc {
-            run: self.run,
-            off: self.off + k as u32,
-        }
-    }
-}
-
-/// Index slot: hash -> entry location; `run == EMPTY` marks a free slot.
-#[derive(Clone, Copy)]
-struct Slot {
-    key: u64,
-    loc: Loc,
-}
-
-const EMPTY: u32 = u32::MAX;
-const FREE_SLOT: Slot = Slot {
-    key: 0,
-    loc: Loc { run: EMPTY, off: 0 },
-};
-
 /// Runs shorter than this are never compacted (not worth the moves).
 const COMPACT_MIN_LEN: usize = 64;
 
-/// Smallest index capacity (slots); a power of two.
-const MIN_CAPACITY: usize = 1024;
-
-/// Fibonacci-hashing multiplier (2^64 / golden ratio). Sequence hashes are
-/// already XXH3 outputs, but tests and callers also use small integers; the
-/// multiply spreads those over the index, and taking the top bits keeps the
-/// best-mixed part.
-const SPREAD: u64 = 0x9E37_79B9_7F4A_7C15;
-
 /// Hash -> tier bitsets of one worker group (see the module docs).
 pub(crate) struct HolderTable {
-    slots: Vec<Slot>,
-    /// `capacity - 1`.
-    mask: usize,
-    /// `64 - log2(capacity)`.
-    shift: u32,
+    /// Hash -> entry, for the entries a walk cannot reach by reading on
+    /// from its parent's entry (see the module docs, "Entry points").
+    entry_points: LocIndex,
+    /// Entries with at least one holder bit.
     len: usize,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
     /// Run that new entries of the current Stored event append to.
     open_run: Option<u32>,
+    /// Whether the last [`Self::set_with_room`] of the current Stored event
+    /// appended a new entry (so the next new entry sits right after it).
+    appended_last: bool,
     /// `(run, chunk)` whose summary `set` may have left below the
     /// true `AND`; recomputed by [`Self::close_run`].
     stale: Vec<(u32, u32)>,
     /// Runs that [`Self::clear_deferring`] left under a quarter live, to be
     /// compacted by [`Self::finish_clears`] unless they died first.
     sparse: Vec<u32>,
+    /// Entries that [`Self::clear_deferring`] killed since the last
+    /// [`Self::finish_clears`], whose successors may need to become entry
+    /// points.
+    deaths: Vec<Loc>,
+    /// The full map of a table used on its own (unit tests): what the
+    /// index keeps once on the writer's side.
+    #[cfg(test)]
+    pub(crate) test_map: LocIndex,
 }
 
 impl HolderTable {
-    /// A table that holds `expected` entries without rehashing its index.
+    /// A table that holds `expected` entries without growing much.
     pub(crate) fn with_capacity(expected: usize) -> Self {
-        let want = expected.saturating_mul(4) / 3 + 1;
-        let cap = want.next_power_of_two().max(MIN_CAPACITY);
         Self {
-            slots: vec![FREE_SLOT; cap],
-            mask: cap - 1,
-            shift: 64 - cap.trailing_zeros(),
+            // Most entries follow their parent in a run; entry points are
+            // about one per stored turn.
+            entry_points: LocIndex::with_capacity(expected / 8),
             len: 0,
             runs: Vec::new(),
             free_runs: Vec::new(),
             open_run: None,
+            appended_last: false,
             stale: Vec::new(),
             sparse: Vec::new(),
+            deaths: Vec::new(),
+            #[cfg(test)]
+            test_map: LocIndex::with_capacity(expected),
         }
     }
 
@@ -293,9 +305,16 @@ impl HolderTable {
         self.len
     }
 
-    /// Bytes of the index and the runs' entries (capacity, not just use).
+    /// Entry points indexed (see the module docs).
+    #[cfg(test)]
+    pub(crate) fn entry_points(&self) -> usize {
+        self.entry_points.len()
+    }
+
+    /// Bytes of the entry-point index and the runs' entries (capacity, not
+    /// just use); the writer's full map is counted by its owner.
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.slots.len() * std::mem::size_of::<Slot>()
+        self.entry_points.memory_bytes()
             + self
                 .runs
                 .iter()
@@ -303,88 +322,84 @@ impl HolderTable {
                 .sum::<usize>()
     }
 
-    #[inline]
-    fn home(&self, key: u64) -> usize {
-        (key.wrapping_mul(SPREAD) >> self.shift) as usize
-    }
-
-    /// Asks the CPU to load the index slot of `hash` (see [`prefetch_read`]).
+    /// Asks the CPU to load the entry-point slot of `hash` (a walk's next
+    /// index probe; see [`prefetch_read`]).
     #[inline]
     pub(crate) fn prefetch(&self, hash: SequenceHash) {
-        let i = self.home(hash.0);
-        prefetch_read(self.slots.as_ptr().wrapping_add(i));
+        self.entry_points.prefetch(hash.0);
     }
 
-    /// Asks the CPU to load the entry of `hash`, if it exists. Reads the
-    /// index slot (call [`Self::prefetch`] for it some time before), so it
-    /// is the second stage of a two-stage prefetch.
     #[inline]
-    pub(crate) fn prefetch_entry(&self, hash: SequenceHash) {
-        if let Some(i) = self.find(hash.0) {
-            let loc = self.slots[i].loc;
-            prefetch_read(
-                self.runs[loc.run as usize]
-                    .hot
-                    .as_ptr()
-                    .wrapping_add(loc.off as usize),
-            );
+    fn prefetch_loc(&self, loc: Loc) {
+        if let Some(r) = self.runs.get(loc.run as usize) {
+            prefetch_read(r.hot.as_ptr().wrapping_add(loc.off as usize));
         }
     }
 
     /// Prefetches for a pass that handles `hashes` in order, called before
-    /// it handles `hashes[i]`: the slot of `hashes[i + SLOT_PREFETCH_DISTANCE]`
-    /// and the entry of `hashes[i + PREFETCH_DISTANCE]` (at `i == 0` also
-    /// everything nearer, so the first hashes do not start cold).
+    /// it handles `hashes[i]`, where each hash asks `locator` once: on the
+    /// map, the slot of `hashes[i + SLOT_PREFETCH_DISTANCE]`; on a replay,
+    /// the entry of `hashes[i + PREFETCH_DISTANCE]` from the logged answer
+    /// (at `i == 0` also everything nearer, so the first hashes do not
+    /// start cold).
+    ///
+    /// The map's pass prefetches no entries: finding one reads its map
+    /// slot, a demand load that waited for the slot's miss when the slot
+    /// prefetch was late (~1/5 of the event thread in `perf record` of the
+    /// churn bench); a pass over a chain reads entries in run order, which
+    /// the hardware prefetcher follows, and the replay prefetches its own.
     #[inline]
-    pub(crate) fn prefetch_pass(&self, hashes: &[SequenceHash], i: usize) {
-        if i == 0 {
-            for &h in hashes.iter().take(SLOT_PREFETCH_DISTANCE) {
-                self.prefetch(h);
+    pub(crate) fn prefetch_pass(&self, locator: &Locator<'_>, hashes: &[SequenceHash], i: usize) {
+        let entry = |k: usize| {
+            if let Some(loc) = locator.peek(k) {
+                self.prefetch_loc(loc);
             }
-            for &h in hashes.iter().take(PREFETCH_DISTANCE) {
-                self.prefetch_entry(h);
+        };
+        if i == 0 {
+            if matches!(locator, Locator::Map { .. }) {
+                for &h in hashes.iter().take(SLOT_PREFETCH_DISTANCE) {
+                    locator.prefetch(h.0);
+                }
+            }
+            for k in 0..PREFETCH_DISTANCE.min(hashes.len()) {
+                entry(k);
             }
         }
         if let Some(&h) = hashes.get(i + SLOT_PREFETCH_DISTANCE) {
-            self.prefetch(h);
+            locator.prefetch(h.0);
         }
-        if let Some(&h) = hashes.get(i + PREFETCH_DISTANCE) {
-            self.prefetch_entry(h);
-        }
+        entry(PREFETCH_DISTANCE);
     }
 
-    /// Index slot holding `key`, if any.
-    #[inline]
-    fn find(&self, key: u64) -> Option<usize> {
-        let mut i = self.home(key);
-        loop {
-            let s = &self.slots[i];
-            if s.loc.run == EMPTY {
-                return None;
-            }
-            if s.key == key {
-                return Some(i);
-            }
-            i = (i + 1) & self.mask;
-        }
+    /// Tier bitsets of `hash` (one answer of `locator`), or all zero when
+    /// no worker of the group holds it.
+    pub(crate) fn get(&self, locator: &mut Locator<'_>, hash: SequenceHash) -> TierBits {
+        self.bits_at(locator.find(hash.0), hash)
     }
 
-    /// Tier bitsets of `hash`, or all zero when no worker of the group holds it.
-    pub(crate) fn get(&self, hash: SequenceHash) -> TierBits {
-        match self.find(hash.0) {
-            Some(i) => {
-                let loc = self.slots[i].loc;
-                self.runs[loc.run as usize].bits(loc.off as usize)
+    /// [`Self::get`] through the writer's full map, read only.
+    pub(crate) fn get_in(&self, map: &LocIndex, hash: SequenceHash) -> TierBits {
+        self.bits_at(map.get(hash.0), hash)
+    }
+
+    fn bits_at(&self, loc: Option<Loc>, hash: SequenceHash) -> TierBits {
+        match loc {
+            Some(loc) => {
+                let r = &self.runs[loc.run as usize];
+                debug_assert_eq!(r.hot[loc.off as usize].key, hash.0, "map and runs agree");
+                r.bits(loc.off as usize)
             }
             None => NO_BITS,
         }
     }
 
-    /// Entry of `hash` through the index, with its `[device, retained]`
-    /// bitsets; `None` when no worker of the group holds it.
+    /// Entry of `hash` through the entry-point index, with its `[device,
+    /// retained]` bitsets; `None` when `hash` is not an entry point (then
+    /// no worker of the group holds it, or its entry follows its parent's:
+    /// see the module docs).
     #[inline]
     pub(crate) fn locate(&self, hash: SequenceHash) -> Option<(Loc, [u64; 2])> {
-        let loc = self.slots[self.find(hash.0)?].loc;
+        let loc = self.entry_points.get(hash.0)?;
         Some((loc, self.runs[loc.run as usize].hot[loc.off as usize].bits))
     }
 
@@ -417,6 +432,7 @@ impl HolderTable {
     /// Trims the run's room if [`Self::set_with_room`] reserved much more
     /// than the event appended (most of its hashes existed already).
     pub(crate) fn close_run(&mut self) {
+        self.appended_last = false;
         if let Some(r) = self.open_run.take() {
             let r = &mut self.runs[r as usize];
             if r.hot.capacity() > r.hot.len() + r.hot.len() / 4 + 4 {
@@ -448,33 +464,34 @@ impl HolderTable {
         self.stale.clear();
     }
 
-    /// [`Self::set_with_room`] without room: a run it opens grows as needed.
-    #[cfg(test)]
-    pub(crate) fn set(&mut self, hash: SequenceHash, tier: usize, bit: u32, chained: bool) -> bool {
-        self.set_with_room(hash, tier, bit, chained, 0)
-    }
-
     /// Sets bit `bit` of tier `tier` for `hash`; returns true if it was clear.
     /// A new hash is appended to the open run (one run per Stored event).
     /// `chained`: the caller proved that the hashes it sets between two
     /// [`Self::close_run`] calls are one chain, in chain order (a Stored
     /// event that passed its chain check), so the run is ordered.
+    /// `follows`: `hash`'s parent is the hash of the previous call of this
+    /// event (chained and not the event's first block); a new entry
+    /// appended right after its parent's is no entry point.
     /// `room`: hashes the event has left, this one included; a run this
     /// call opens reserves room for all of them at once instead of growing
     /// by doubling (five reallocations and copies for a 64-block event, in
     /// each copy of the state); [`Self::close_run`] trims it.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn set_with_room(
         &mut self,
+        locator: &mut Locator<'_>,
         hash: SequenceHash,
         tier: usize,
         bit: u32,
         chained: bool,
+        follows: bool,
         room: usize,
     ) -> bool {
         let flag = 1u64 << bit;
-        if let Some(i) = self.find(hash.0) {
-            let loc = self.slots[i].loc;
+        if let Some(loc) = locator.find(hash.0) {
+            self.appended_last = false;
             let r = &mut self.runs[loc.run as usize];
+            debug_assert_eq!(r.hot[loc.off as usize].key, hash.0, "map and runs agree");
             let w = r.word(loc.off as usize, tier);
             let was_clear = *w & flag == 0;
             *w |= flag;
@@ -487,9 +504,6 @@ impl HolderTable {
                 }
             }
             return was_clear;
-        }
-        if (self.len + 1) * 4 > self.slots.len() * 3 {
-            self.grow();
         }
         let run = match self.open_run {
             Some(r) => r,
@@ -533,37 +547,41 @@ impl HolderTable {
         }
         *r.word(loc.off as usize, tier) = flag;
         r.live += 1;
-        let mut i = self.home(hash.0);
-        while self.slots[i].loc.run != EMPTY {
-            i = (i + 1) & self.mask;
+        locator.inserted(hash.0, loc);
+        // The entry before it in the run is its parent's only if this
+        // event appended both, one right after the other.
+        if !(follows && self.appended_last) {
+            r.set_point(loc.off as usize, true);
+            self.entry_points.insert_new(hash.0, loc);
         }
-        self.slots[i] = Slot { key: hash.0, loc };
+        self.appended_last = true;
         self.len += 1;
         true
     }
 
     /// Clears bit `bit` of tier `tier` for `hash`; returns true if it was set.
     /// The entry dies when its last bit goes.
-    #[cfg(test)]
-    pub(crate) fn clear(&mut self, hash: SequenceHash, tier: usize, bit: u32) -> bool {
-        let was_set = self.clear_deferring(hash, tier, bit);
-        self.finish_clears();
-        was_set
-    }
-
-    /// `clear`, but a run it leaves under a quarter live is only
-    /// noted, for [`Self::finish_clears`] (call it before the table is
-    /// published). A removal of a whole chain clears its run in order, so
-    /// compacting at the crossing moved the last quarter of the run into a
-    /// fresh one (an allocation and an index update per entry) just before
-    /// the same event killed it; deferred, the run dies first and is freed.
-    pub(crate) fn clear_deferring(&mut self, hash: SequenceHash, tier: usize, bit: u32) -> bool {
+    ///
+    /// A run it leaves under a quarter live is only noted, and so is the
+    /// entry point an entry's death may make of its successor: both for
+    /// [`Self::finish_clears`] (call it before the table is published). A
+    /// removal of a whole chain clears its run in order, so compacting at
+    /// the crossing moved the last quarter of the run into a fresh one (an
+    /// allocation and an index update per entry) just before the same
+    /// event killed it; deferred, the run dies first and is freed.
+    pub(crate) fn clear_deferring(
+        &mut self,
+        locator: &mut Locator<'_>,
+        hash: SequenceHash,
+        tier: usize,
+        bit: u32,
+    ) -> bool {
         let flag = 1u64 << bit;
-        let Some(i) = self.find(hash.0) else {
+        let Some(loc) = locator.find(hash.0) else {
             return false;
         };
-        let loc = self.slots[i].loc;
         let (run_id, off) = (loc.run as usize, loc.off as usize);
+        debug_assert_eq!(self.runs[run_id].hot[off].key, hash.0, "map and runs agree");
         if !self.runs[run_id].test(off, tier, flag) {
             return false;
         }
@@ -575,8 +593,12 @@ impl HolderTable {
         }
         if !self.runs[run_id].is_live(off) {
             self.len -= 1;
-            self.backward_shift(i);
+            locator.removed(hash.0);
             let r = &mut self.runs[run_id];
+            if r.is_point(off) {
+                r.set_point(off, false);
+                self.entry_points.remove(hash.0);
+            }
             r.live -= 1;
             if r.live == 0 {
                 *r = Run::default();
@@ -584,8 +606,11 @@ impl HolderTable {
                 if self.open_run == Some(loc.run) {
                     self.open_run = None;
                 }
-            } else if Self::is_sparse(r) && self.sparse.last() != Some(&loc.run) {
-                self.sparse.push(loc.run);
+            } else {
+                self.deaths.push(loc);
+                if Self::is_sparse(r) && self.sparse.last() != Some(&loc.run) {
+                    self.sparse.push(loc.run);
+                }
             }
         }
         true
@@ -596,15 +621,31 @@ impl HolderTable {
         r.hot.len() >= COMPACT_MIN_LEN && (r.live as usize) * 4 < r.hot.len()
     }
 
-    /// Compacts the runs [`Self::clear_deferring`] noted that are still
-    /// sparse (alive, under a quarter live). A noted id may since have been
-    /// freed or reused; the check on the run now covers both.
-    pub(crate) fn finish_clears(&mut self) {
+    /// Finishes the clears since the last call: makes an entry point of
+    /// each live entry whose predecessor died (a walk can no longer reach
+    /// it from there), then compacts the runs [`Self::clear_deferring`]
+    /// noted that are still sparse (alive, under a quarter live).
+    ///
+    /// Deaths are handled before any compaction, so no run was freed and
+    /// reused since they were noted: a noted run is the one that was there,
+    /// or was freed (empty: nothing to do).
+    pub(crate) fn finish_clears(&mut self, locator: &mut Locator<'_>) {
+        let mut deaths = std::mem::take(&mut self.deaths);
+        for &d in &deaths {
+            let next = d.off as usize + 1;
+            let r = &mut self.runs[d.run as usize];
+            if next < r.hot.len() && r.is_live(next) && !r.is_point(next) {
+                r.set_point(next, true);
+                self.entry_points.insert_new(r.hot[next].key, d.advanced(1));
+            }
+        }
+        deaths.clear();
+        self.deaths = deaths;
         let mut sparse = std::mem::take(&mut self.sparse);
         for &r in &sparse {
             let run = &self.runs[r as usize];
             if run.live > 0 && Self::is_sparse(run) {
-                self.compact_run(r);
+                self.compact_run(locator, r);
             }
         }
         sparse.clear();
@@ -616,7 +657,10 @@ impl HolderTable {
     /// kept, so walks stay sequential) and frees the old one. Without this
     /// one long-lived block would keep its whole run's memory. Costs the
     /// run's length, paid for by the 3/4 of it that died since it was built.
-    fn compact_run(&mut self, old: u32) {
+    ///
+    /// An entry that followed its parent still does: the parent was live,
+    /// right before it, and stays right before it.
+    fn compact_run(&mut self, locator: &mut Locator<'_>, old: u32) {
         let taken = std::mem::take(&mut self.runs[old as usize]);
         if self.open_run == Some(old) {
             self.open_run = None;
@@ -635,24 +679,32 @@ impl HolderTable {
             ordered: taken.ordered,
             sums: Vec::new(),
             live: taken.live,
+            points: Vec::new(),
         };
         for (off, h) in taken.hot.iter().enumerate() {
             if !taken.is_live(off) {
                 continue;
             }
-            let slot = self.find(h.key).expect("a live entry is indexed");
-            debug_assert_eq!(
-                self.slots[slot].loc,
+            let (was, now) = (
                 Loc {
                     run: old,
-                    off: off as u32
-                }
+                    off: off as u32,
+                },
+                Loc {
+                    run: new,
+                    off: fresh.hot.len() as u32,
+                },
             );
-            self.slots[slot].loc = Loc {
-                run: new,
-                off: fresh.hot.len() as u32,
-            };
+            debug_assert!(
+                matches!(locator, Locator::Replay { .. })
+                    || locator.get_unlogged(h.key) == Some(was)
+            );
+            locator.moved(h.key, now);
             fresh.push(*h);
+            if taken.is_point(off) {
+                fresh.set_point(now.off as usize, true);
+                self.entry_points.set_loc(h.key, now);
+            }
             if !taken.cold.is_empty() {
                 fresh.cold.push(taken.cold[off]);
             }
@@ -660,46 +712,78 @@ impl HolderTable {
         self.runs[new as usize] = fresh;
         self.free_runs.push(old);
     }
+}
 
-    /// Refills the hole at `hole` from later slots of its probe run so that
-    /// every remaining key stays reachable from its home slot (Knuth's
-    /// Algorithm R for linear probing).
-    fn backward_shift(&mut self, mut hole: usize) {
-        self.slots[hole] = FREE_SLOT;
-        let mut j = hole;
-        loop {
-            j = (j + 1) & self.mask;
-            if self.slots[j].loc.run == EMPTY {
-                return;
-            }
-            let home = self.home(self.slots[j].key);
-            // The slot at `j` may move to `hole` only if `hole` lies on its
-            // probe path, i.e. cyclically in [home, j).
-            let movable = if hole <= j {
-                home <= hole || home > j
-            } else {
-                home <= hole && home > j
-            };
-            if movable {
-                self.slots[hole] = self.slots[j];
-                self.slots[j] = FREE_SLOT;
-                hole = j;
-            }
-        }
+/// A table used on its own, with its own full map ([`HolderTable::test_map`]):
+/// what the index does through the writer's map, for unit tests.
+#[cfg(test)]
+impl HolderTable {
+    fn with_own_map<R>(&mut self, f: impl FnOnce(&mut Self, &mut Locator<'_>) -> R) -> R {
+        let mut map = std::mem::replace(&mut self.test_map, LocIndex::with_capacity(0));
+        let out = f(
+            self,
+            &mut Locator::Map {
+                map: &mut map,
+                log: None,
+            },
+        );
+        self.test_map = map;
+        out
     }
 
-    fn grow(&mut self) {
-        let cap = self.slots.len() * 2;
-        let old = std::mem::replace(&mut self.slots, vec![FREE_SLOT; cap]);
-        self.mask = cap - 1;
-        self.shift = 64 - cap.trailing_zeros();
-        for s in old.into_iter().filter(|s| s.loc.run != EMPTY) {
-            let mut i = self.home(s.key);
-            while self.slots[i].loc.run != EMPTY {
-                i = (i + 1) & self.mask;
+    /// [`Self::set_with_room`] without room: a run it opens grows as
+    /// needed; `follows` when `chained`.
+    pub(crate) fn set(&mut self, hash: SequenceHash, tier: usize, bit: u32, chained: bool) -> bool {
+        self.with_own_map(|t, l| t.set_with_room(l, hash, tier, bit, chained, chained, 0))
+    }
+
+    /// [`Self::set_with_room`] with room, through the own map.
+    pub(crate) fn set_room(
+        &mut self,
+        hash: SequenceHash,
+        tier: usize,
+        bit: u32,
+        chained: bool,
+        room: usize,
+    ) -> bool {
+        self.with_own_map(|t, l| t.set_with_room(l, hash, tier, bit, chained, chained, room))
+    }
+
+    /// Clears and finishes at once.
+    pub(crate) fn clear(&mut self, hash: SequenceHash, tier: usize, bit: u32) -> bool {
+        self.with_own_map(|t, l| {
+            let was_set = t.clear_deferring(l, hash, tier, bit);
+            t.finish_clears(l);
+            was_set
+        })
+    }
+
+    /// [`Self::clear_deferring`] through the own map.
+    pub(crate) fn clear_deferred(&mut self, hash: SequenceHash, tier: usize, bit: u32) -> bool {
+        self.with_own_map(|t, l| t.clear_deferring(l, hash, tier, bit))
+    }
+
+    /// [`Self::finish_clears`] through the own map.
+    pub(crate) fn finish(&mut self) {
+        self.with_own_map(|t, l| t.finish_clears(l))
+    }
+
+    /// Bits through the own map.
+    pub(crate) fn bits_of(&self, hash: SequenceHash) -> TierBits {
+        self.get_in(&self.test_map, hash)
+    }
+
+    /// Bits of `hash`'s live entry found by scanning every run (no map:
+    /// for comparing copies of the index as they are).
+    pub(crate) fn bits_by_scan(&self, hash: SequenceHash) -> TierBits {
+        for r in &self.runs {
+            for (off, e) in r.hot.iter().enumerate() {
+                if e.key == hash.0 && r.is_live(off) {
+                    return r.bits(off);
+                }
             }
-            self.slots[i] = s;
         }
+        NO_BITS
     }
 }
 
@@ -724,10 +808,41 @@ impl HolderTable {
         }
     }
 
+    /// Asserts that the entry-point index holds exactly the live entries
+    /// marked as entry points, at their places, and that every other live
+    /// entry sits right after a live entry (its parent's, by construction).
+    pub(crate) fn assert_entry_points_exact(&self) {
+        let mut points = 0;
+        for (r, run) in self.runs.iter().enumerate() {
+            for off in 0..run.hot.len() {
+                let here = Loc {
+                    run: r as u32,
+                    off: off as u32,
+                };
+                let key = run.hot[off].key;
+                if !run.is_live(off) {
+                    assert!(!run.is_point(off), "dead {here:?} is no entry point");
+                    continue;
+                }
+                if run.is_point(off) {
+                    points += 1;
+                    assert_eq!(self.entry_points.get(key), Some(here), "{key:#x}");
+                } else {
+                    assert!(
+                        off > 0 && run.is_live(off - 1),
+                        "{here:?} follows a live entry"
+                    );
+                    assert_eq!(self.entry_points.get(key), None, "{key:#x}");
+                }
+            }
+        }
+        assert_eq!(self.entry_points.len(), points);
+    }
+
     /// Whether the run that holds `hash` is ordered, its length and its
     /// chunk summaries.
     pub(crate) fn run_of(&self, hash: SequenceHash) -> (bool, usize, Vec<[u64; 2]>) {
-        let (loc, _) = self.locate(hash).expect("held");
+        let loc = self.test_map.get(hash.0).expect("held");
         let run = &self.runs[loc.run as usize];
         (run.ordered, run.hot.len(), run.sums.clone())
     }

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use kv_descriptor::{EngineId, KvEvent, LayoutFingerprint, Role, SequenceHash, StorageTier};
 
 use crate::chain::UnchainedStore;
-use crate::holder_table::{tier_index, HolderTable, ALL_TIERS, TIERS};
+use crate::holder_table::{tier_index, HolderTable, Loc, LocIndex, Locator, ALL_TIERS, TIERS};
 use crate::mutation::{Change, CheckedEvent, Effect, Mutation};
 pub use crate::report::{EventBatchReport, EventOutcome, IndexStats, Registration};
 use crate::twin::Twin;
@@ -32,9 +32,83 @@ pub(crate) struct DonorMask {
     pub(crate) groups: Vec<u64>,
 }
 
+/// The writer's side of the index, kept once for both copies (the
+/// [`Twin`]'s shared state): per worker group, the full map from each held
+/// sequence hash to its entry. Both copies keep their runs in the same
+/// layout, so one map serves both (see `holder_table`'s module docs).
+pub(crate) struct WriterMaps {
+    pub(crate) groups: Vec<LocIndex>,
+    /// Capacity hint for the first group's map (entries).
+    first_capacity: usize,
+}
+
+impl WriterMaps {
+    pub(crate) fn new(first_capacity: usize) -> Self {
+        Self {
+            groups: Vec::new(),
+            first_capacity,
+        }
+    }
+
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.groups.iter().map(LocIndex::memory_bytes).sum()
+    }
+}
+
+/// What a mutation's first application leaves for its replay.
+#[derive(Default)]
+pub(crate) struct MutationMemo {
+    /// The full map's answers, in the order the application asked.
+    pub(crate) locs: Vec<Option<Loc>>,
+    /// [`WriterMaps`]' bytes after the mutation (for [`IndexStats`]).
+    pub(crate) map_bytes: usize,
+}
+
+/// How one application of a mutation reaches the full maps: the writer's
+/// maps themselves (first application, answers logged) or the log
+/// (replay).
+pub(crate) enum Locs<'a> {
+    First {
+        maps: &'a mut WriterMaps,
+        log: &'a mut Vec<Option<Loc>>,
+    },
+    Replay {
+        log: &'a [Option<Loc>],
+        pos: usize,
+    },
+}
+
+impl Locs<'_> {
+    /// The locator of group `g`'s table.
+    pub(crate) fn group(&mut self, g: usize) -> Locator<'_> {
+        match self {
+            Locs::First { maps, log } => Locator::Map {
+                map: &mut maps.groups[g],
+                log: Some(&mut **log),
+            },
+            Locs::Replay { log, pos } => Locator::Replay { log, pos },
+        }
+    }
+
+    /// A new group's map (the copies create its table themselves).
+    fn add_group(&mut self) {
+        if let Locs::First { maps, .. } = self {
+            let cap = if maps.groups.is_empty() {
+                maps.first_capacity
+            } else {
+                0
+            };
+            maps.groups.push(LocIndex::with_capacity(cap));
+        }
+    }
+}
+
 /// Everything the index knows; it exists twice (see [`crate::twin`]).
 pub(crate) struct State {
     pub(crate) groups: Vec<HolderTable>,
+    /// Bytes of the writer's full maps after the last mutation (they are
+    /// not part of a copy; counted in [`IndexStats::table_bytes`]).
+    pub(crate) map_bytes: usize,
     /// Worker records by slot (`slot = 64 * group + bit`).
     pub(crate) workers: Vec<Option<WorkerRecord>>,
     pub(crate) by_engine: HashMap<EngineId, u32>,
@@ -60,8 +134,10 @@ pub(crate) struct State {
 /// lock and never wait for event application; mutations are serialized,
 /// applied to the other copy and published with one pointer swap when the
 /// call returns (read-your-writes), then replayed on the copy readers left.
-/// Costs: twice the memory of one copy ([`IndexStats::table_bytes`] counts
-/// one), each mutation applied twice.
+/// Costs: twice the memory of one copy's runs and entry points, plus one
+/// full hash map that only the writer uses ([`IndexStats::table_bytes`]
+/// counts one copy and that map); each mutation applied twice, the replay
+/// without probing any map.
 ///
 /// ```
 /// use kv_descriptor::*;
@@ -134,7 +210,11 @@ impl InventoryIndex {
     /// ```
     pub fn with_capacity(blocks: usize) -> Self {
         Self {
-            state: Twin::new(State::new(blocks), State::new(blocks)),
+            state: Twin::new(
+                State::new(blocks),
+                State::new(blocks),
+                WriterMaps::new(blocks),
+            ),
         }
     }
 
@@ -493,6 +573,8 @@ impl InventoryIndex {
     }
 
     /// Tiers in which `engine` holds `hash` (empty for unknown engines).
+    /// Takes the writer lock (it reads the writer's full map): meant for
+    /// checks and tests, not the request path.
     ///
     /// ```
     /// # use kv_descriptor::*;
@@ -517,17 +599,20 @@ impl InventoryIndex {
     /// # Ok::<(), LookupError>(())
     /// ```
     pub fn holds(&self, engine: EngineId, hash: SequenceHash) -> Vec<StorageTier> {
-        let st = self.state.read();
-        let Some(&slot) = st.by_engine.get(&engine) else {
-            return Vec::new();
-        };
-        let (g, bit) = split(slot);
-        let bits = st.groups[g].get(hash);
-        ALL_TIERS
-            .iter()
-            .copied()
-            .filter(|&t| bits[tier_index(t)] >> bit & 1 == 1)
-            .collect()
+        // Only the writer's full map finds any hash (a copy indexes entry
+        // points only), so this waits for a write in progress.
+        self.state.inspect(|st, maps| {
+            let Some(&slot) = st.by_engine.get(&engine) else {
+                return Vec::new();
+            };
+            let (g, bit) = split(slot);
+            let bits = st.groups[g].get_in(&maps.groups[g], hash);
+            ALL_TIERS
+                .iter()
+                .copied()
+                .filter(|&t| bits[tier_index(t)] >> bit & 1 == 1)
+                .collect()
+        })
     }
 
     /// Counters and sizes.

@@ -94,10 +94,16 @@
 //! Workers occupy slots; 64 slots form a group. Per group, block entries
 //! (sequence hash + one `u64` holder bitset per tier) are stored in *runs*,
 //! arrays filled in the order Stored events announced new blocks (chain
-//! order), and a compact open-addressing index maps a hash to its entry. A
-//! donor walk reads the next entry of the current run while it matches the
-//! next request block (sequential memory, one `AND`-and-test per block) and
-//! asks the index only where a run ends.
+//! order). A donor walk reads the next entry of the current run while it
+//! matches the next request block (sequential memory, one `AND`-and-test
+//! per block) and asks an index only where a run ends. That index, one per
+//! copy, holds only *entry points*: the entries a walk cannot reach by
+//! reading on from their parent's entry (about one per stored turn, so it
+//! stays in cache). The full map, hash -> entry for every held hash, is
+//! what event application needs; both copies keep their runs in the same
+//! layout, so it exists once, on the writer's side, and the replay on the
+//! second copy takes the first application's answers instead of probing
+//! any map.
 //! Each run also keeps, per aligned chunk of 32 entries, the `AND` of the
 //! chunk's holder bitsets, if the run was filled by one Stored event that
 //! passed its chain check (then each entry is an ancestor of every later

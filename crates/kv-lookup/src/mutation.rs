@@ -8,8 +8,10 @@ use kv_descriptor::{
 
 use crate::chain::{first_broken_link, UnchainedStore};
 use crate::holder_table::tier_index;
-use crate::index::{CompactedLog, EventOutcome, Registration, State};
-use crate::twin::Replay;
+use crate::index::{
+    CompactedLog, EventOutcome, Locs, MutationMemo, Registration, State, WriterMaps,
+};
+use crate::twin::{Pass, Replay};
 use crate::worker::{WorkerInfo, WorkerKey};
 use crate::LookupError;
 
@@ -104,24 +106,58 @@ pub(crate) enum Effect {
 impl Replay for State {
     type Op = Mutation;
     type Out = Effect;
+    type Shared = WriterMaps;
+    type Memo = MutationMemo;
 
-    fn apply(&mut self, op: &Mutation) -> Effect {
+    fn apply(&mut self, op: &Mutation, pass: Pass<'_, Self>) -> Effect {
+        match pass {
+            Pass::First { shared, memo } => {
+                memo.locs.clear();
+                let out = self.apply_with(
+                    op,
+                    &mut Locs::First {
+                        maps: shared,
+                        log: &mut memo.locs,
+                    },
+                );
+                memo.map_bytes = shared.memory_bytes();
+                self.map_bytes = memo.map_bytes;
+                out
+            }
+            Pass::Replay { memo } => {
+                let mut locs = Locs::Replay {
+                    log: &memo.locs,
+                    pos: 0,
+                };
+                let out = self.apply_with(op, &mut locs);
+                if let Locs::Replay { log, pos } = locs {
+                    debug_assert_eq!(pos, log.len(), "the replay asked what the first asked");
+                }
+                self.map_bytes = memo.map_bytes;
+                out
+            }
+        }
+    }
+}
+
+impl State {
+    fn apply_with(&mut self, op: &Mutation, locs: &mut Locs<'_>) -> Effect {
         match op {
-            Mutation::Register { key, info } => Effect::Register(self.register(*key, *info)),
+            Mutation::Register { key, info } => Effect::Register(self.register(*key, *info, locs)),
             Mutation::Remove { engine } => Effect::Remove(match self.by_engine.get(engine) {
                 Some(&slot) => {
-                    self.retire(slot);
+                    self.retire(slot, locs);
                     self.rebuild_donor_masks();
                     true
                 }
                 None => false,
             }),
-            Mutation::Event(c) => Effect::Event(self.apply_event(c)),
+            Mutation::Event(c) => Effect::Event(self.apply_event(c, locs)),
             Mutation::Resync {
                 engine,
                 last_event_id,
                 inventory,
-            } => Effect::Resync(self.resync(*engine, *last_event_id, inventory)),
+            } => Effect::Resync(self.resync(*engine, *last_event_id, inventory, locs)),
         }
     }
 }
@@ -132,15 +168,16 @@ impl State {
         engine: EngineId,
         last_event_id: u64,
         inventory: &[(StorageTier, Vec<SequenceHash>)],
+        locs: &mut Locs<'_>,
     ) -> Result<(), LookupError> {
         let slot = *self
             .by_engine
             .get(&engine)
             .ok_or(LookupError::UnknownEngine { engine })?;
-        self.drop_entries(slot);
+        self.drop_entries(slot, locs);
         for (tier, hashes) in inventory {
             // A snapshot's order is unchecked: its entries are never linked.
-            self.store(slot, tier_index(*tier), hashes, false, None);
+            self.store(slot, tier_index(*tier), hashes, false, None, locs);
         }
         let rec = self.workers[slot as usize]
             .as_mut()
@@ -209,7 +246,7 @@ mod tests {
             let (g, bit) = split(slot as u32);
             let bits: Vec<u64> = hashes
                 .iter()
-                .flat_map(|&h| st.groups[g].get(h).map(|w| w >> bit & 1))
+                .flat_map(|&h| st.groups[g].bits_by_scan(h).map(|w| w >> bit & 1))
                 .collect();
             out += &format!(
                 "{slot} {:?} {:?} {} {} {:?} {bits:?}\n",
@@ -288,6 +325,9 @@ mod tests {
         assert!(!std::ptr::eq(&*live, &*standby));
         let (a, b) = (digest(&live, &all), digest(&standby, &all));
         assert_eq!(a, b);
+        for t in live.groups.iter().chain(&standby.groups) {
+            t.assert_entry_points_exact();
+        }
         // The copies hold what the last rounds left: 4 live workers (round 29
         // is not a removal round), 10 retained blocks each.
         assert_eq!(live.stats().workers, 4);
@@ -297,8 +337,9 @@ mod tests {
     /// The events of `log_compaction_drops_duplicates_...` below, applied to
     /// two equal states by hand: the 4th store compacts the log. Returns the
     /// two states after the ops before it, the op itself and the chain.
-    fn states_before_a_compacting_store() -> (State, State, Mutation, Vec<SequenceHash>) {
-        let (mut a, mut b) = (State::new(0), State::new(0));
+    fn states_before_a_compacting_store() -> (State, State, WriterMaps, Mutation, Vec<SequenceHash>)
+    {
+        let (mut a, mut b, mut maps) = (State::new(0), State::new(0), WriterMaps::new(0));
         let info = decode_info();
         let c = chain(3, 700);
         let hashes: Vec<SequenceHash> = c.iter().map(|b| b.sequence_hash).collect();
@@ -321,25 +362,32 @@ mod tests {
         }
         let last = ops.pop().expect("the 4th store");
         for op in &ops {
-            a.apply(op);
-            b.apply(op);
+            let mut memo = MutationMemo::default();
+            a.apply(op, first(&mut maps, &mut memo));
+            b.apply(op, Pass::Replay { memo: &mut memo });
         }
         assert_eq!(a.workers[0].as_ref().unwrap().logs[4].len(), 2100);
-        (a, b, last, hashes)
+        (a, b, maps, last, hashes)
+    }
+
+    /// The first application's pass.
+    fn first<'a>(maps: &'a mut WriterMaps, memo: &'a mut MutationMemo) -> Pass<'a, State> {
+        Pass::First { shared: maps, memo }
     }
 
     /// A compaction is computed on the first copy and taken by the replay
     /// from the event (it would otherwise stay there), with the same result.
     #[test]
     fn the_replay_takes_the_first_copys_log_compaction_from_the_event() {
-        let (mut a, mut b, op, hashes) = states_before_a_compacting_store();
+        let (mut a, mut b, mut maps, op, hashes) = states_before_a_compacting_store();
         let Mutation::Event(c) = &op else {
             unreachable!()
         };
         assert!(!c.compacted.is_set());
-        a.apply(&op);
+        let mut memo = MutationMemo::default();
+        a.apply(&op, first(&mut maps, &mut memo));
         assert!(c.compacted.is_set(), "the first copy left its compaction");
-        b.apply(&op);
+        b.apply(&op, Pass::Replay { memo: &mut memo });
         assert!(!c.compacted.is_set(), "the replay took it");
         assert_compacted_alike(&a, &b, &hashes);
     }
@@ -360,15 +408,16 @@ mod tests {
     /// one hash short, then the replay on the second: (first, second,
     /// the chain's hashes).
     fn replay_with_a_short_memo() -> (State, State, Vec<SequenceHash>) {
-        let (mut a, mut b, op, hashes) = states_before_a_compacting_store();
+        let (mut a, mut b, mut maps, op, hashes) = states_before_a_compacting_store();
         let Mutation::Event(c) = &op else {
             unreachable!()
         };
-        a.apply(&op);
+        let mut memo = MutationMemo::default();
+        a.apply(&op, first(&mut maps, &mut memo));
         let mut kept = c.compacted.take().expect("compacted");
         kept.pop();
         c.compacted.put(kept);
-        b.apply(&op);
+        b.apply(&op, Pass::Replay { memo: &mut memo });
         (a, b, hashes)
     }
 

@@ -197,7 +197,8 @@ pub struct IndexStats {
     /// Disk, External, RetainedGpuDirect ([`IndexStats::held_blocks_in`]
     /// reads one tier by name).
     pub held_blocks: [u64; TIERS],
-    /// Bytes of the holder tables.
+    /// Bytes of one copy's holder tables (runs and entry-point indexes)
+    /// plus the writer's full hash maps (one for both copies).
     pub table_bytes: usize,
     /// Events applied since creation.
     pub events_applied: u64,

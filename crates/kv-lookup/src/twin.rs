@@ -15,9 +15,12 @@
 //! Costs: twice the memory, every mutation applied twice (the replay runs
 //! while the writer lock is held, not while a reader waits), one pointer swap
 //! and one wait for readers per write call (batches amortize them). A
-//! mutation may carry work its first application did for the replay, as
-//! long as the replay's result is the one it would compute itself (the
-//! index's worker-log compactions: `index::CompactedLog`).
+//! mutation's first application may leave work for its replay (its
+//! [`Replay::Memo`]), as long as the replay's result is the one it would
+//! compute itself (the index's full-map answers and worker-log
+//! compactions). State that only mutations need exists once
+//! ([`Replay::Shared`], the index's full hash maps): the first application
+//! reads and updates it, the replay works from the memo alone.
 //!
 //! Writers that arrive together are *combined* ([`Twin::submit`], flat
 //! combining): each queues its mutation, then takes the writer lock; the
@@ -48,15 +51,38 @@ pub(crate) trait Replay {
     type Op;
     /// What applying it reports.
     type Out;
-    /// Applies `op`. Must depend only on `self` and `op` (no clocks, no
-    /// random state, no iteration over randomly seeded hash maps).
-    fn apply(&mut self, op: &Self::Op) -> Self::Out;
+    /// State only mutations read and write, kept once for both copies on
+    /// the writer's side (readers never see it; see [`Pass`]).
+    type Shared;
+    /// What an op's first application leaves for its replay.
+    type Memo: Default;
+    /// Applies `op`. Must depend only on `self`, `op` and the pass (no
+    /// clocks, no random state, no iteration over randomly seeded hash
+    /// maps), so that the replay leaves the other copy equal.
+    fn apply(&mut self, op: &Self::Op, pass: Pass<'_, Self>) -> Self::Out;
+}
+
+/// Which application of an op this is.
+pub(crate) enum Pass<'a, S: Replay + ?Sized> {
+    /// The first, on the copy about to be published: the writer's shared
+    /// state (which it updates) and the op's memo to fill.
+    First {
+        shared: &'a mut S::Shared,
+        memo: &'a mut S::Memo,
+    },
+    /// The replay on the other copy, with what the first left. The shared
+    /// state already reflects the op (and maybe later ones): a replay must
+    /// take what it needs from the memo.
+    Replay { memo: &'a mut S::Memo },
 }
 
 /// The writer's side: the unpublished copy and what it has not seen yet.
 struct Standby<S: Replay> {
     copy: Arc<S>,
-    missed: Vec<S::Op>,
+    /// Ops the copy has not seen, with their first application's memos.
+    missed: Vec<(S::Op, S::Memo)>,
+    /// The writer-side state of both copies.
+    shared: S::Shared,
     /// Results a combiner left for submitters that have not taken them yet,
     /// by ticket; at most one per waiting thread.
     done: Vec<(u64, S::Out)>,
@@ -86,26 +112,36 @@ pub(crate) struct Twin<S: Replay> {
 /// Mutations of one [`Twin::write`] call, applied to the standby copy.
 pub(crate) struct Batch<'a, S: Replay> {
     state: &'a mut S,
-    log: &'a mut Vec<S::Op>,
+    shared: &'a mut S::Shared,
+    log: &'a mut Vec<(S::Op, S::Memo)>,
 }
 
 impl<S: Replay> Batch<'_, S> {
     /// Applies `op` to the standby copy and keeps it for the other one.
     pub(crate) fn apply(&mut self, op: S::Op) -> S::Out {
-        let out = self.state.apply(&op);
-        self.log.push(op);
+        let mut memo = S::Memo::default();
+        let out = self.state.apply(
+            &op,
+            Pass::First {
+                shared: self.shared,
+                memo: &mut memo,
+            },
+        );
+        self.log.push((op, memo));
         out
     }
 }
 
 impl<S: Replay> Twin<S> {
-    /// Two copies that must be equal (built the same way).
-    pub(crate) fn new(a: S, b: S) -> Self {
+    /// Two copies that must be equal (built the same way), and the
+    /// writer's state that goes with them.
+    pub(crate) fn new(a: S, b: S, shared: S::Shared) -> Self {
         Self {
             live: ArcSwap::from_pointee(a),
             writer: Mutex::new(Standby {
                 copy: Arc::new(b),
                 missed: Vec::new(),
+                shared,
                 done: Vec::new(),
                 spare: Vec::new(),
             }),
@@ -185,12 +221,13 @@ impl<S: Replay> Twin<S> {
         f: impl FnOnce(&mut Batch<'_, S>) -> R,
     ) -> R {
         let state = exclusive(&mut standby.copy);
-        for op in &standby.missed {
-            state.apply(op);
+        for (op, memo) in &mut standby.missed {
+            state.apply(op, Pass::Replay { memo });
         }
         standby.missed.clear();
         let mut batch = Batch {
             state,
+            shared: &mut standby.shared,
             log: &mut standby.missed,
         };
         let out = f(&mut batch);
@@ -210,6 +247,17 @@ impl<S: Replay> Twin<S> {
     /// anything. Takes no lock; a publication in progress may be missed.
     pub(crate) fn publications(&self) -> u64 {
         self.published.load(Ordering::Relaxed)
+    }
+
+    /// Runs `f` on the published copy and the writer's shared state, with
+    /// the writer lock held: no mutation is in progress, so the shared
+    /// state is exactly the published copy's (every write publishes
+    /// before it releases the lock). For queries that need the writer's
+    /// state; they wait for writers like a writer.
+    pub(crate) fn inspect<R>(&self, f: impl FnOnce(&S, &S::Shared) -> R) -> R {
+        let standby = self.writer.lock();
+        let live = self.live.load();
+        f(&live, &standby.shared)
     }
 
     /// Both copies after a replay, for tests that they stay equal.
@@ -257,7 +305,9 @@ mod tests {
     impl Replay for Seq {
         type Op = u64;
         type Out = usize;
-        fn apply(&mut self, op: &u64) -> usize {
+        type Shared = ();
+        type Memo = ();
+        fn apply(&mut self, op: &u64, _: Pass<'_, Self>) -> usize {
             self.items.push(*op);
             self.sum += op;
             self.items.len()
@@ -266,7 +316,7 @@ mod tests {
 
     #[test]
     fn copies_stay_equal_and_readers_see_whole_writes() {
-        let twin = Arc::new(Twin::new(Seq::default(), Seq::default()));
+        let twin = Arc::new(Twin::new(Seq::default(), Seq::default(), ()));
         let done = Arc::new(AtomicBool::new(false));
         let start = Arc::new(std::sync::Barrier::new(4));
         let readers: Vec<_> = (0..3)
@@ -316,7 +366,7 @@ mod tests {
 
     #[test]
     fn a_write_that_applies_nothing_publishes_nothing() {
-        let twin = Twin::new(Seq::default(), Seq::default());
+        let twin = Twin::new(Seq::default(), Seq::default(), ());
         twin.write(|b| b.apply(0));
         let before = twin.read_full_ptr();
         twin.write(|_| ());
@@ -327,7 +377,7 @@ mod tests {
     /// one of their submitters in one batch: one publication for all.
     #[test]
     fn submits_queued_behind_a_write_are_combined_into_one_publication() {
-        let twin = Twin::new(Seq::default(), Seq::default());
+        let twin = Twin::new(Seq::default(), Seq::default(), ());
         std::thread::scope(|s| {
             let handles = twin.write(|b| {
                 b.apply(0);
@@ -373,7 +423,9 @@ mod tests {
     impl Replay for Echo {
         type Op = u64;
         type Out = (u64, usize);
-        fn apply(&mut self, op: &u64) -> (u64, usize) {
+        type Shared = ();
+        type Memo = ();
+        fn apply(&mut self, op: &u64, _: Pass<'_, Self>) -> (u64, usize) {
             self.items.push(*op);
             (*op, self.items.len() - 1)
         }
@@ -383,7 +435,7 @@ mod tests {
     fn concurrent_submitters_get_their_own_results_in_call_order() {
         const THREADS: u64 = 4;
         const OPS: u64 = 2_000;
-        let twin = Arc::new(Twin::new(Echo::default(), Echo::default()));
+        let twin = Arc::new(Twin::new(Echo::default(), Echo::default(), ()));
         let reader_done = Arc::new(AtomicBool::new(false));
         let reader = {
             let (twin, done) = (twin.clone(), reader_done.clone());

@@ -37,7 +37,7 @@ fn a_run_reserves_the_events_room_once_and_is_trimmed_to_what_it_got() {
     let mut t = HolderTable::with_capacity(0);
     let fresh: Vec<SequenceHash> = (1..=100).map(SequenceHash).collect();
     for (i, &h) in fresh.iter().enumerate() {
-        assert!(t.set_with_room(h, 4, 0, true, fresh.len() - i));
+        assert!(t.set_room(h, 4, 0, true, fresh.len() - i));
     }
     t.close_run();
     fn run(t: &HolderTable, h: SequenceHash) -> &Run {
@@ -53,13 +53,14 @@ fn a_run_reserves_the_events_room_once_and_is_trimmed_to_what_it_got() {
         .chain((101..=110).map(SequenceHash))
         .collect();
     for (i, &h) in mixed.iter().enumerate() {
-        assert!(t.set_with_room(h, 4, 1, true, mixed.len() - i));
+        assert!(t.set_room(h, 4, 1, true, mixed.len() - i));
     }
     t.close_run();
     let r = run(&t, SequenceHash(101));
     assert_eq!(r.hot.len(), 10);
     assert!(r.hot.capacity() <= 10 + 10 / 4 + 4, "{}", r.hot.capacity());
     t.assert_summaries_exact();
+    t.assert_entry_points_exact();
 }
 
 #[test]
@@ -74,11 +75,11 @@ fn set_get_clear_round_trip_with_colliding_keys() {
     }
     t.close_run();
     assert_eq!(t.len(), 3000);
-    assert!(t.slots.len() >= 4000, "grew to keep load <= 3/4");
+    assert!(t.test_map.capacity() >= 4000, "grew to keep load <= 3/4");
     for (n, &k) in keys.iter().enumerate() {
         let mut want = [0u64; TIERS];
         want[n % TIERS] = 1 << (n % 64);
-        assert_eq!(t.get(SequenceHash(k)), want);
+        assert_eq!(t.bits_of(SequenceHash(k)), want);
     }
     for (n, &k) in keys.iter().enumerate().filter(|(n, _)| n % 3 == 0) {
         assert!(t.clear(SequenceHash(k), n % TIERS, (n % 64) as u32));
@@ -86,7 +87,7 @@ fn set_get_clear_round_trip_with_colliding_keys() {
     }
     assert_eq!(t.len(), 2000);
     for (n, &k) in keys.iter().enumerate() {
-        let got = t.get(SequenceHash(k));
+        let got = t.bits_of(SequenceHash(k));
         if n % 3 == 0 {
             assert_eq!(got, [0; TIERS]);
         } else {
@@ -120,7 +121,7 @@ fn walk_follows_runs_and_never_trusts_a_dead_entry() {
     assert_eq!((t.free_runs.len(), t.len()), (1, 1));
     t.set(SequenceHash(99), 0, 5, false);
     assert_eq!(t.free_runs.len(), 0, "the freed run is reused");
-    assert_eq!(t.get(chain[3])[4], 2);
+    assert_eq!(t.bits_of(chain[3])[4], 2);
 }
 
 /// A removal that clears a whole run in order frees it without first
@@ -135,9 +136,9 @@ fn clears_of_one_removal_compact_a_run_only_if_it_stays_sparse() {
     }
     t.close_run();
     for h in &chain {
-        assert!(t.clear_deferring(*h, 4, 0));
+        assert!(t.clear_deferred(*h, 4, 0));
     }
-    t.finish_clears();
+    t.finish();
     assert_eq!(t.len(), 0);
     // One run ever: the one the chain filled, now free (with a compaction
     // at the crossing there were two).
@@ -147,15 +148,20 @@ fn clears_of_one_removal_compact_a_run_only_if_it_stays_sparse() {
     }
     t.close_run();
     for h in &chain[..50] {
-        assert!(t.clear_deferring(*h, 4, 0));
+        assert!(t.clear_deferred(*h, 4, 0));
     }
-    // Noted, not compacted yet: the run still has its 64 positions.
-    assert_eq!(t.locate(chain[50]).unwrap().0.off, 50);
-    t.finish_clears();
+    // Noted, not compacted yet: the run still has its 64 positions, and
+    // block 50 still follows its dead parent (not an entry point yet).
+    assert_eq!(t.test_map.get(chain[50].0).unwrap().off, 50);
+    assert!(t.locate(chain[50]).is_none());
+    t.finish();
+    // Its parent died: it is an entry point now, in the fresh run.
     let loc = t.locate(chain[50]).unwrap().0;
+    assert_eq!(t.entry_points(), 1, "block 50 only: 51.. follow it");
     assert_eq!(loc.off, 0, "compacted: the 14 survivors start a fresh run");
     assert_eq!(t.runs[loc.run as usize].hot.len(), 14);
     t.assert_summaries_exact();
+    t.assert_entry_points_exact();
     let mut c = Cursor::default();
     for h in &chain[50..] {
         assert_eq!(t.step(&mut c, *h), [0, 1]);
@@ -187,7 +193,7 @@ fn a_mostly_dead_run_is_compacted_in_order() {
     assert_eq!(live_runs, vec![63]);
     assert_eq!(t.free_runs.len(), 1);
     for h in &kept {
-        assert_eq!(t.get(*h)[4], 1 << 3);
+        assert_eq!(t.bits_of(*h)[4], 1 << 3);
     }
     // Survivors keep their order, so walks over them stay sequential.
     let offs: Vec<u32> = kept.iter().map(|h| t.locate(*h).unwrap().0.off).collect();
@@ -221,6 +227,7 @@ fn only_checked_stores_fill_ordered_runs() {
     t.close_run();
     assert_eq!(t.run_of(SequenceHash(100)), (false, 40, vec![[0; 2]; 2]));
     t.assert_summaries_exact();
+    t.assert_entry_points_exact();
 }
 
 #[test]
@@ -247,6 +254,7 @@ fn summaries_follow_sets_clears_and_compaction() {
     assert!(t.clear(SequenceHash(50), 4, 1));
     assert_eq!(sums(&t)[1], [0, 1]);
     t.assert_summaries_exact();
+    t.assert_entry_points_exact();
     // Thin the run out to 63 of 256 entries, so that the last death
     // compacts it.
     let kept: Vec<u64> = (1..=240u64)
@@ -261,6 +269,7 @@ fn summaries_follow_sets_clears_and_compaction() {
         t.clear(SequenceHash(k), 2, 7);
     }
     t.assert_summaries_exact();
+    t.assert_entry_points_exact();
     // Compacted: 63 entries, still ordered, only worker 0 on them all.
     let (ordered, len, sums) = t.run_of(SequenceHash(kept[0]));
     assert_eq!((ordered, len, sums), (true, 63, vec![[0, 1]; 2]));
@@ -297,7 +306,7 @@ proptest::proptest! {
         let mut c = Cursor::default();
         for k in 0..n as u64 {
             let want = m.get(&k).copied().unwrap_or(0);
-            proptest::prop_assert_eq!(t.get(SequenceHash(k))[4], want);
+            proptest::prop_assert_eq!(t.bits_of(SequenceHash(k))[4], want);
             proptest::prop_assert_eq!(t.step(&mut c, SequenceHash(k)), [0, want]);
         }
     }
@@ -337,7 +346,7 @@ proptest::proptest! {
         proptest::prop_assert_eq!(t.len(), m.len());
         for k in 0u64..300 {
             let key = k.wrapping_mul(1 << 54);
-            proptest::prop_assert_eq!(t.get(SequenceHash(key)), m.get(&key).copied().unwrap_or_default());
+            proptest::prop_assert_eq!(t.bits_of(SequenceHash(key)), m.get(&key).copied().unwrap_or_default());
         }
         // A walk in any order sees the same bits as point lookups.
         let mut c = Cursor::default();
@@ -378,6 +387,7 @@ proptest::proptest! {
                 }
             }
             t.assert_summaries_exact();
+            t.assert_entry_points_exact();
         }
     }
 }

@@ -10,6 +10,7 @@ impl State {
     pub(crate) fn new(group_capacity: usize) -> Self {
         Self {
             groups: Vec::new(),
+            map_bytes: 0,
             workers: Vec::new(),
             by_engine: HashMap::new(),
             by_key: HashMap::new(),
@@ -44,7 +45,12 @@ impl State {
                 .count(),
             entries: st.groups.iter().map(HolderTable::len).sum(),
             held_blocks: held,
-            table_bytes: st.groups.iter().map(HolderTable::memory_bytes).sum(),
+            table_bytes: st
+                .groups
+                .iter()
+                .map(HolderTable::memory_bytes)
+                .sum::<usize>()
+                + st.map_bytes,
             events_applied: st.events_applied,
             duplicates: st.duplicates,
             gaps: st.gaps,
@@ -57,6 +63,7 @@ impl State {
         &mut self,
         key: WorkerKey,
         info: WorkerInfo,
+        locs: &mut Locs<'_>,
     ) -> Result<Registration, LookupError> {
         let engine = info.engine;
         if self.retired.contains(&engine) {
@@ -76,7 +83,7 @@ impl State {
             // Re-key (the engine was first seen through an event); whoever
             // held the new key before is an older incarnation.
             let old_key = rec.key;
-            let replaced = self.retire_holder_of(key);
+            let replaced = self.retire_holder_of(key, locs);
             self.by_key.remove(&old_key);
             self.by_key.insert(key, slot);
             self.workers[slot as usize].as_mut().expect("live").key = key;
@@ -86,15 +93,20 @@ impl State {
                 None => Registration::AlreadyRegistered,
             });
         }
-        let replaced = self.retire_holder_of(key);
-        self.insert_worker(key, info)?;
+        let replaced = self.retire_holder_of(key, locs);
+        self.insert_worker(key, info, locs)?;
         Ok(match replaced {
             Some(old) => Registration::Replaced { old },
             None => Registration::Registered,
         })
     }
 
-    fn insert_worker(&mut self, key: WorkerKey, info: WorkerInfo) -> Result<u32, LookupError> {
+    fn insert_worker(
+        &mut self,
+        key: WorkerKey,
+        info: WorkerInfo,
+        locs: &mut Locs<'_>,
+    ) -> Result<u32, LookupError> {
         let slot = match self.free_slots.pop() {
             Some(s) => s,
             None => {
@@ -117,6 +129,7 @@ impl State {
                 0
             };
             self.groups.push(HolderTable::with_capacity(cap));
+            locs.add_group();
         }
         self.workers[slot as usize] = Some(WorkerRecord::new(key, info));
         self.by_engine.insert(info.engine, slot);
@@ -126,20 +139,20 @@ impl State {
     }
 
     /// Retires the incarnation that holds `key`, if any, and returns it.
-    fn retire_holder_of(&mut self, key: WorkerKey) -> Option<EngineId> {
+    fn retire_holder_of(&mut self, key: WorkerKey, locs: &mut Locs<'_>) -> Option<EngineId> {
         let slot = *self.by_key.get(&key)?;
         let old = self.workers[slot as usize]
             .as_ref()
             .expect("live")
             .info
             .engine;
-        self.retire(slot);
+        self.retire(slot, locs);
         Some(old)
     }
 
     /// Drops every entry of `slot`, frees it and remembers the engine as retired.
-    pub(crate) fn retire(&mut self, slot: u32) {
-        self.drop_entries(slot);
+    pub(crate) fn retire(&mut self, slot: u32, locs: &mut Locs<'_>) {
+        self.drop_entries(slot, locs);
         let rec = self.workers[slot as usize]
             .take()
             .expect("retiring a live slot");
@@ -152,23 +165,24 @@ impl State {
     }
 
     /// Clears every tier of `slot` using its logs (exact, no table scan).
-    pub(crate) fn drop_entries(&mut self, slot: u32) {
+    pub(crate) fn drop_entries(&mut self, slot: u32, locs: &mut Locs<'_>) {
         for t in 0..TIERS {
-            self.clear_tier(slot, t);
+            self.clear_tier(slot, t, locs);
         }
     }
 
-    fn clear_tier(&mut self, slot: u32, tier: usize) -> u64 {
+    fn clear_tier(&mut self, slot: u32, tier: usize, locs: &mut Locs<'_>) -> u64 {
         let (g, bit) = split(slot);
         let rec = self.workers[slot as usize].as_mut().expect("live slot");
         let log = std::mem::take(&mut rec.logs[tier]);
         rec.removed[tier] = Vec::new();
         let mut changed = 0;
         let table = &mut self.groups[g];
+        let mut locator = locs.group(g);
         for h in log {
-            changed += u64::from(table.clear_deferring(h, tier, bit));
+            changed += u64::from(table.clear_deferring(&mut locator, h, tier, bit));
         }
-        table.finish_clears();
+        table.finish_clears(&mut locator);
         rec.live[tier] = 0;
         changed
     }
@@ -190,14 +204,19 @@ impl State {
         hashes: &[SequenceHash],
         chained: bool,
         memo: Option<&CompactedLog>,
+        locs: &mut Locs<'_>,
     ) -> u64 {
         let (g, bit) = split(slot);
         let table = &mut self.groups[g];
+        let mut locator = locs.group(g);
         let rec = self.workers[slot as usize].as_mut().expect("live slot");
         let mut changed = 0;
         for (i, &h) in hashes.iter().enumerate() {
-            table.prefetch_pass(hashes, i);
-            if table.set_with_room(h, tier, bit, chained, hashes.len() - i) {
+            table.prefetch_pass(&locator, hashes, i);
+            // In a chained list block `i`'s parent is block `i - 1`.
+            let follows = chained && i > 0;
+            let room = hashes.len() - i;
+            if table.set_with_room(&mut locator, h, tier, bit, chained, follows, room) {
                 rec.logs[tier].push(h);
                 changed += 1;
             }
@@ -205,25 +224,32 @@ impl State {
         table.close_run();
         rec.live[tier] += changed;
         if rec.log_needs_compaction(tier) {
-            compact_log(table, rec, tier, bit, memo);
+            compact_log(table, locator.map(), rec, tier, bit, memo);
         }
         changed
     }
 
-    fn remove(&mut self, slot: u32, tier: usize, hashes: &[SequenceHash]) -> u64 {
+    fn remove(
+        &mut self,
+        slot: u32,
+        tier: usize,
+        hashes: &[SequenceHash],
+        locs: &mut Locs<'_>,
+    ) -> u64 {
         let (g, bit) = split(slot);
         let table = &mut self.groups[g];
+        let mut locator = locs.group(g);
         let rec = self.workers[slot as usize].as_mut().expect("live slot");
         let mut changed = 0;
         for (i, &h) in hashes.iter().enumerate() {
-            table.prefetch_pass(hashes, i);
-            if table.clear_deferring(h, tier, bit) {
+            table.prefetch_pass(&locator, hashes, i);
+            if table.clear_deferring(&mut locator, h, tier, bit) {
                 // For the next log compaction (see `WorkerRecord::removed`).
                 rec.removed[tier].push(h);
                 changed += 1;
             }
         }
-        table.finish_clears();
+        table.finish_clears(&mut locator);
         // No log compaction here: removals never grow the log, and
         // compacting while a worker drains would re-read every entry it
         // still lists. The next store compacts if the log got too stale.
@@ -233,7 +259,11 @@ impl State {
 
     /// Applies event `e`, with the parts of it computed once before the
     /// lock ([`CheckedEvent`]).
-    pub(crate) fn apply_event(&mut self, e: &CheckedEvent) -> Result<EventOutcome, LookupError> {
+    pub(crate) fn apply_event(
+        &mut self,
+        e: &CheckedEvent,
+        locs: &mut Locs<'_>,
+    ) -> Result<EventOutcome, LookupError> {
         let engine = e.publisher;
         if e.event_id == 0 {
             return Err(LookupError::ZeroEventId { engine });
@@ -254,7 +284,7 @@ impl State {
                     layout_fingerprint: e.layout_fingerprint,
                     tp_size: e.tp_size,
                 };
-                self.insert_worker(WorkerKey::of_engine(engine), info)?
+                self.insert_worker(WorkerKey::of_engine(engine), info, locs)?
             }
         };
         let rec = self.workers[slot as usize]
@@ -276,7 +306,7 @@ impl State {
                 parent,
                 hashes,
                 broken_link,
-            } => self.why_unchained(slot, tier, *parent, hashes.is_empty(), *broken_link),
+            } => self.why_unchained(slot, tier, *parent, hashes.is_empty(), *broken_link, locs),
             _ => None,
         };
         let changed = match (&e.change, unchained) {
@@ -286,10 +316,10 @@ impl State {
             }
             (Change::Stored { hashes, .. }, None) => {
                 // Chained: `why_unchained` found no broken link.
-                self.store(slot, tier, hashes, true, Some(&e.compacted))
+                self.store(slot, tier, hashes, true, Some(&e.compacted), locs)
             }
-            (Change::Removed { hashes }, None) => self.remove(slot, tier, hashes),
-            (Change::Cleared, None) => self.clear_tier(slot, tier),
+            (Change::Removed { hashes }, None) => self.remove(slot, tier, hashes, locs),
+            (Change::Cleared, None) => self.clear_tier(slot, tier, locs),
         };
         if gap || unchained.is_some() {
             self.mark_needs_resync(slot);
@@ -311,7 +341,7 @@ impl State {
     }
 
     /// Why a Stored event of `slot` in `tier` does not chain, if it does not
-    /// (see [`InventoryIndex::apply_event`]). Reads only.
+    /// (see [`InventoryIndex::apply_event`]). Reads only (one map answer).
     fn why_unchained(
         &self,
         slot: u32,
@@ -319,13 +349,14 @@ impl State {
         parent: Option<SequenceHash>,
         no_blocks: bool,
         broken_link: Option<UnchainedStore>,
+        locs: &mut Locs<'_>,
     ) -> Option<UnchainedStore> {
         if no_blocks {
             return None;
         }
         if let Some(p) = parent {
             let (g, bit) = split(slot);
-            if self.groups[g].get(p)[tier] >> bit & 1 == 0 {
+            if self.groups[g].get(&mut locs.group(g), p)[tier] >> bit & 1 == 0 {
                 return Some(UnchainedStore::ParentNotHeld { parent: p });
             }
         }

@@ -66,7 +66,7 @@ fn per_block(
         if probes >= max_probes {
             return (w.finish(i), probes, true);
         }
-        let b = table.get(hashes[i]);
+        let b = table.bits_of(hashes[i]);
         probes += 1;
         alive = w.block(i, [b[0], b[4]]);
         i += 1;
@@ -153,6 +153,7 @@ fn random_table(rng: &mut crate::reference::SplitMix, cs: &[Vec<SequenceHash>]) 
         }
     }
     t.assert_summaries_exact();
+    t.assert_entry_points_exact();
     t
 }
 
