@@ -9,8 +9,8 @@
 use std::collections::{HashMap, HashSet};
 
 use kv_descriptor::{
-    chain_sequence_hash, EngineId, KvEvent, KvEventData, LayoutFingerprint, Role, SequenceHash,
-    StorageTier, StoredBlock, TokenBlockHash,
+    chain_sequence_hash, chain_stored_blocks, EngineId, KvEvent, KvEventData, LayoutFingerprint,
+    Role, SequenceHash, StorageTier, StoredBlock, TokenBlockHash,
 };
 
 use crate::holder_table::{tier_index, ALL_TIERS, TIERS};
@@ -513,20 +513,13 @@ pub(crate) fn cross_check_shaped(
     // blocks with c-1 (c/2 for 24 blocks).
     let mut chains: Vec<Vec<StoredBlock>> = Vec::new();
     for c in 0..8u64 {
-        let mut chain: Vec<StoredBlock> = Vec::new();
-        for i in 0..blocks {
-            let token_hash = match chains.last() {
+        let token_hashes: Vec<TokenBlockHash> = (0..blocks)
+            .map(|i| match chains.last() {
                 Some(prev) if i < c * blocks / 48 => prev[i as usize].token_hash,
                 _ => TokenBlockHash(rng.next()),
-            };
-            let parent = chain.last().map(|b| b.sequence_hash);
-            chain.push(StoredBlock {
-                sequence_hash: chain_sequence_hash(parent, token_hash),
-                slot: None,
-                token_hash,
-            });
-        }
-        chains.push(chain);
+            })
+            .collect();
+        chains.push(chain_stored_blocks(None, token_hashes));
     }
     let convs: Vec<Vec<SequenceHash>> = chains
         .iter()

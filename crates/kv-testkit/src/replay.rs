@@ -35,7 +35,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kv_descriptor::{
-    chain_sequence_hash, token_block_hashes, DType, EngineId, KvEvent, KvEventData, KvLayout, Role,
+    chain_stored_blocks, token_block_hashes, DType, EngineId, KvEvent, KvEventData, KvLayout, Role,
     SequenceHash, StorageTier, StoredBlock, TensorOrder,
 };
 use kv_lookup::{InventoryIndex, LookupBudget, WorkerInfo, WorkerKey};
@@ -269,19 +269,7 @@ pub struct Workload {
 /// Full-block chain of `tokens`: sequence and token hashes, root first
 /// (Dynamo's scheme, see [`kv_descriptor::sequence_hashes`]).
 pub fn block_chain(tokens: &[u32], tokens_per_block: usize) -> Vec<StoredBlock> {
-    let mut parent = None;
-    token_block_hashes(tokens, tokens_per_block)
-        .into_iter()
-        .map(|token_hash| {
-            let s = chain_sequence_hash(parent, token_hash);
-            parent = Some(s);
-            StoredBlock {
-                sequence_hash: s,
-                token_hash,
-                slot: None,
-            }
-        })
-        .collect()
+    chain_stored_blocks(None, token_block_hashes(tokens, tokens_per_block))
 }
 
 /// Synthetic output token `pos` of request `salt`: unique to that request.
