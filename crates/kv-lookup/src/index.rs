@@ -14,6 +14,8 @@ use crate::LookupError;
 
 mod compaction;
 mod state;
+#[cfg(test)]
+mod stress_tests;
 
 use compaction::compact_log;
 pub(crate) use compaction::CompactedLog;
