@@ -941,6 +941,52 @@ fn a_batch_reports_each_events_outcome_as_one_by_one_and_publishes_once() {
     assert_eq!(batched.publications(), before);
 }
 
+/// `holds` takes the writer lock (it reads the writer's full map), so a
+/// thread that holds a copy of the index, i.e. a lookup, must not call it:
+/// a writer that waits for that copy holds the lock `holds` waits for.
+/// The only code a caller runs inside a lookup is the cancellation check.
+/// Before the entry-point index `holds` read the published copy without a
+/// lock, and this returned.
+#[test]
+#[ignore = "deadlocks by design since `holds` takes the writer lock: a cancellation check must not call into the index"]
+fn holds_inside_a_cancellation_check_while_a_writer_waits_for_the_lookups_copy() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+    let index = Arc::new(InventoryIndex::new());
+    let d = registered(&index, 1, Role::Decode);
+    let p = registered(&index, 2, Role::Prefill);
+    let h = chain(90, 4);
+    index.apply_event(&event(&d, 1, RET, stored(&h))).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let index = index.clone();
+        std::thread::spawn(move || {
+            let asked = AtomicBool::new(false);
+            let cancelled = || {
+                if !asked.swap(true, Ordering::SeqCst) {
+                    // While this lookup holds the published copy: one write
+                    // publishes the other copy, the next waits for this one.
+                    let w = index.clone();
+                    let hs = h.clone();
+                    std::thread::spawn(move || {
+                        w.apply_event(&event(&d, 2, RET, removed(&hs[3..])))
+                            .unwrap();
+                        w.apply_event(&event(&d, 3, RET, removed(&hs[2..3])))
+                            .unwrap();
+                    });
+                    std::thread::sleep(Duration::from_millis(200));
+                    assert_eq!(index.holds(d.engine, h[0]), vec![RET]);
+                }
+                false
+            };
+            let out = index.lookup_cancellable(&h, p.engine, BIG, &cancelled);
+            tx.send(out.donor.map(|m| m.blocks)).unwrap();
+        });
+    }
+    let got = rx.recv_timeout(Duration::from_secs(10));
+    assert_eq!(got.expect("the lookup returned"), Ok(4));
+}
+
 /// Applies `e` to both, asserting the same outcome.
 fn both_apply(index: &InventoryIndex, naive: &mut kv_lookup::reference::NaiveIndex, e: KvEvent) {
     assert_eq!(index.apply_event(&e).ok(), naive.apply(&e), "{e:?}");
