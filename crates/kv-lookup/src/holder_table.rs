@@ -846,6 +846,46 @@ impl HolderTable {
         let run = &self.runs[loc.run as usize];
         (run.ordered, run.hot.len(), run.sums.clone())
     }
+
+    /// Asserts that `map` (the writer's full map) points every live entry's
+    /// hash at that entry and holds nothing else.
+    pub(crate) fn assert_map_exact(&self, map: &LocIndex) {
+        let mut live = 0;
+        for (r, run) in self.runs.iter().enumerate() {
+            for (off, e) in run.hot.iter().enumerate() {
+                if run.is_live(off) {
+                    live += 1;
+                    let here = Loc {
+                        run: r as u32,
+                        off: off as u32,
+                    };
+                    assert_eq!(map.get(e.key), Some(here), "map of {:#x}", e.key);
+                }
+            }
+        }
+        assert_eq!(live, self.len, "live entries counted");
+        assert_eq!(map.len(), live, "the map holds only live entries");
+    }
+
+    /// Everything of the table's layout a walk or a mutation reads (runs,
+    /// bits, entry-point marks, summaries, free runs, entry-point count),
+    /// for comparing the two copies of the index.
+    pub(crate) fn layout_digest(&self) -> String {
+        let mut out = format!(
+            "len {} free {:?} open {:?} points {}\n",
+            self.len,
+            self.free_runs,
+            self.open_run,
+            self.entry_points.len()
+        );
+        for (r, run) in self.runs.iter().enumerate() {
+            out += &format!(
+                "run {r} ordered {} live {} hot {:?} cold {:?} sums {:?} points {:?}\n",
+                run.ordered, run.live, run.hot, run.cold, run.sums, run.points
+            );
+        }
+        out
+    }
 }
 
 #[cfg(test)]

@@ -14,6 +14,8 @@ use crate::LookupError;
 
 mod compaction;
 mod state;
+#[cfg(test)]
+mod stress_tests;
 
 use compaction::compact_log;
 pub(crate) use compaction::CompactedLog;
@@ -574,7 +576,10 @@ impl InventoryIndex {
 
     /// Tiers in which `engine` holds `hash` (empty for unknown engines).
     /// Takes the writer lock (it reads the writer's full map): meant for
-    /// checks and tests, not the request path.
+    /// checks and tests, not the request path. Never call it from a
+    /// [`InventoryIndex::lookup_cancellable`] check: that lookup holds a
+    /// copy, and a writer waiting for that copy holds the lock this waits
+    /// for (a deadlock).
     ///
     /// ```
     /// # use kv_descriptor::*;

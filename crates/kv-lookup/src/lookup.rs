@@ -393,7 +393,10 @@ impl InventoryIndex {
     /// every clock check (each [`CLOCK_CHECK_INTERVAL`] work units); once it
     /// returns true the walk stops and `donor` is
     /// [`NoDonorReason::Cancelled`], so nothing is proposed for a request
-    /// nobody waits for. Costs one call per clock check.
+    /// nobody waits for. Costs one call per clock check. `cancelled` runs
+    /// while the lookup holds its copy of the index: it must not call
+    /// [`InventoryIndex::holds`] or a mutating method of this index (a
+    /// writer that waits for that copy would wait forever).
     ///
     /// ```
     /// # use kv_descriptor::*;
