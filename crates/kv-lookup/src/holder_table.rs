@@ -393,6 +393,22 @@ impl HolderTable {
         }
     }
 
+    /// Tier bitsets of `hash` found by scanning every run for its live
+    /// entry, without any map: time linear in the table's entries (a 1M
+    /// block table is ~24 MiB of hot entries). For readers of a copy that
+    /// cannot take the writer's map ([`crate::InventoryIndex::holds`]), and
+    /// tests that compare copies as they are.
+    pub(crate) fn bits_by_scan(&self, hash: SequenceHash) -> TierBits {
+        for r in &self.runs {
+            for (off, e) in r.hot.iter().enumerate() {
+                if e.key == hash.0 && r.is_live(off) {
+                    return r.bits(off);
+                }
+            }
+        }
+        NO_BITS
+    }
+
     /// Entry of `hash` through the entry-point index, with its `[device,
     /// retained]` bitsets; `None` when `hash` is not an entry point (then
     /// no worker of the group holds it, or its entry follows its parent's:
@@ -771,19 +787,6 @@ impl HolderTable {
     /// Bits through the own map.
     pub(crate) fn bits_of(&self, hash: SequenceHash) -> TierBits {
         self.get_in(&self.test_map, hash)
-    }
-
-    /// Bits of `hash`'s live entry found by scanning every run (no map:
-    /// for comparing copies of the index as they are).
-    pub(crate) fn bits_by_scan(&self, hash: SequenceHash) -> TierBits {
-        for r in &self.runs {
-            for (off, e) in r.hot.iter().enumerate() {
-                if e.key == hash.0 && r.is_live(off) {
-                    return r.bits(off);
-                }
-            }
-        }
-        NO_BITS
     }
 }
 

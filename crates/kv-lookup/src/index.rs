@@ -5,7 +5,9 @@ use std::collections::{HashMap, HashSet};
 use kv_descriptor::{EngineId, KvEvent, LayoutFingerprint, Role, SequenceHash, StorageTier};
 
 use crate::chain::UnchainedStore;
-use crate::holder_table::{tier_index, HolderTable, Loc, LocIndex, Locator, ALL_TIERS, TIERS};
+use crate::holder_table::{
+    tier_index, HolderTable, Loc, LocIndex, Locator, TierBits, ALL_TIERS, TIERS,
+};
 use crate::mutation::{Change, CheckedEvent, Effect, Mutation};
 pub use crate::report::{EventBatchReport, EventOutcome, IndexStats, Registration};
 use crate::twin::Twin;
@@ -22,6 +24,11 @@ pub(crate) use compaction::CompactedLog;
 
 /// Most workers (live incarnations) one index tracks: 64 groups of 64.
 pub const MAX_WORKERS: usize = 4096;
+
+/// How long [`InventoryIndex::holds`] waits for the writer lock before it
+/// scans the published copy instead: writes hold the lock for microseconds
+/// (a large batch for milliseconds).
+pub const HOLDS_LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// Workers per holder-table group (bits of a `u64`).
 pub(crate) const GROUP_WIDTH: usize = 64;
@@ -574,12 +581,14 @@ impl InventoryIndex {
         st.workers[slot as usize].as_ref().map(|w| (w.key, w.info))
     }
 
-    /// Tiers in which `engine` holds `hash` (empty for unknown engines).
-    /// Takes the writer lock (it reads the writer's full map): meant for
-    /// checks and tests, not the request path. Never call it from a
-    /// [`InventoryIndex::lookup_cancellable`] check: that lookup holds a
-    /// copy, and a writer waiting for that copy holds the lock this waits
-    /// for (a deadlock).
+    /// Tiers in which `engine` holds `hash` (empty for unknown engines), as
+    /// of every write that returned before this call. Meant for checks and
+    /// tests, not the request path: a copy indexes entry points only, so
+    /// this reads the writer's full map under the writer lock; when a
+    /// writer keeps the lock for [`HOLDS_LOCK_WAIT`] it scans the published
+    /// copy's runs instead (time linear in the entries; no deadlock when it
+    /// is called while the caller holds a copy, e.g. from a
+    /// [`InventoryIndex::lookup_cancellable`] check that a writer waits for).
     ///
     /// ```
     /// # use kv_descriptor::*;
@@ -604,19 +613,29 @@ impl InventoryIndex {
     /// # Ok::<(), LookupError>(())
     /// ```
     pub fn holds(&self, engine: EngineId, hash: SequenceHash) -> Vec<StorageTier> {
-        // Only the writer's full map finds any hash (a copy indexes entry
-        // points only), so this waits for a write in progress.
-        self.state.inspect(|st, maps| {
+        let tiers = |st: &State, bits: &dyn Fn(usize) -> TierBits| {
             let Some(&slot) = st.by_engine.get(&engine) else {
                 return Vec::new();
             };
             let (g, bit) = split(slot);
-            let bits = st.groups[g].get_in(&maps.groups[g], hash);
+            let bits = bits(g);
             ALL_TIERS
                 .iter()
                 .copied()
                 .filter(|&t| bits[tier_index(t)] >> bit & 1 == 1)
                 .collect()
+        };
+        // Only the writer's full map finds any hash quickly (a copy indexes
+        // entry points only), and it is only read under the writer lock.
+        let mapped = self.state.try_inspect_for(HOLDS_LOCK_WAIT, |st, maps| {
+            tiers(st, &|g| st.groups[g].get_in(&maps.groups[g], hash))
+        });
+        mapped.unwrap_or_else(|| {
+            // The lock stayed taken: perhaps by a writer waiting for a copy
+            // this thread holds. The published copy has every returned
+            // write; a scan of its runs finds the hash's one live entry.
+            let st = self.state.read();
+            tiers(&st, &|g| st.groups[g].bits_by_scan(hash))
         })
     }
 

@@ -135,7 +135,8 @@ mod worker;
 pub use chain::UnchainedStore;
 pub use error::LookupError;
 pub use index::{
-    EventBatchReport, EventOutcome, IndexStats, InventoryIndex, Registration, MAX_WORKERS,
+    EventBatchReport, EventOutcome, IndexStats, InventoryIndex, Registration, HOLDS_LOCK_WAIT,
+    MAX_WORKERS,
 };
 pub use lookup::{
     DonorMatch, LookupBudget, LookupOutcome, NoDonorReason, TargetBaseline, CLOCK_CHECK_INTERVAL,

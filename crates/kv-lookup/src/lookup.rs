@@ -394,9 +394,10 @@ impl InventoryIndex {
     /// returns true the walk stops and `donor` is
     /// [`NoDonorReason::Cancelled`], so nothing is proposed for a request
     /// nobody waits for. Costs one call per clock check. `cancelled` runs
-    /// while the lookup holds its copy of the index: it must not call
-    /// [`InventoryIndex::holds`] or a mutating method of this index (a
-    /// writer that waits for that copy would wait forever).
+    /// while the lookup holds its copy of the index: it must not call a
+    /// mutating method of this index (a writer that waits for that copy
+    /// would wait forever); [`InventoryIndex::holds`] is safe there (it
+    /// falls back to the published copy when the writer lock stays taken).
     ///
     /// ```
     /// # use kv_descriptor::*;

@@ -253,11 +253,24 @@ impl<S: Replay> Twin<S> {
     /// the writer lock held: no mutation is in progress, so the shared
     /// state is exactly the published copy's (every write publishes
     /// before it releases the lock). For queries that need the writer's
-    /// state; they wait for writers like a writer.
+    /// state; they wait for writers like a writer (tests).
+    #[cfg(test)]
     pub(crate) fn inspect<R>(&self, f: impl FnOnce(&S, &S::Shared) -> R) -> R {
         let standby = self.writer.lock();
         let live = self.live.load();
         f(&live, &standby.shared)
+    }
+
+    /// [`Twin::inspect`] if the writer lock is free within `wait`; `None`
+    /// (and `f` not run) if it is not.
+    pub(crate) fn try_inspect_for<R>(
+        &self,
+        wait: std::time::Duration,
+        f: impl FnOnce(&S, &S::Shared) -> R,
+    ) -> Option<R> {
+        let standby = self.writer.try_lock_for(wait)?;
+        let live = self.live.load();
+        Some(f(&live, &standby.shared))
     }
 
     /// Both copies after a replay, for tests that they stay equal.
