@@ -33,6 +33,11 @@
 //! A batch holds at most one mutation per submitting thread, so a combiner
 //! works for at most that many others.
 //!
+//! A write that panics while applying (a bug in [`Replay::apply`]) leaves
+//! the twin *poisoned*: the published copy is whole and stays readable,
+//! every later write panics instead of building on a half-applied standby
+//! copy and shared state.
+//!
 //! Memory ordering: a reader's last access to a copy happens-before the
 //! writer's first mutation of it, by the same guarantee that lets
 //! `arc_swap` free a swapped-out value: its guards pay their debt into the
@@ -83,6 +88,11 @@ struct Standby<S: Replay> {
     missed: Vec<(S::Op, S::Memo)>,
     /// The writer-side state of both copies.
     shared: S::Shared,
+    /// Set while a write applies and left set if it unwinds (a panic in
+    /// [`Replay::apply`]): the standby copy, its log and the shared state
+    /// may then disagree, so no later write may build on them. The
+    /// published copy is whole and stays readable.
+    poisoned: bool,
     /// Results a combiner left for submitters that have not taken them yet,
     /// by ticket; at most one per waiting thread.
     done: Vec<(u64, S::Out)>,
@@ -142,6 +152,7 @@ impl<S: Replay> Twin<S> {
                 copy: Arc::new(b),
                 missed: Vec::new(),
                 shared,
+                poisoned: false,
                 done: Vec::new(),
                 spare: Vec::new(),
             }),
@@ -177,7 +188,10 @@ impl<S: Replay> Twin<S> {
     ///
     /// # Panics
     /// When the thread that took this op panicked while applying its batch
-    /// (a bug in [`Replay::apply`]); the op's effect is then unknown.
+    /// (a bug in [`Replay::apply`]); the op's effect is then unknown, and
+    /// every later write panics too (the twin is *poisoned*: its standby
+    /// copy, log and shared state may disagree), while readers keep the
+    /// last published copy.
     pub(crate) fn submit(&self, op: S::Op) -> S::Out {
         let ticket = {
             let mut q = self.queue.lock();
@@ -220,6 +234,12 @@ impl<S: Replay> Twin<S> {
         standby: &mut Standby<S>,
         f: impl FnOnce(&mut Batch<'_, S>) -> R,
     ) -> R {
+        assert!(
+            !standby.poisoned,
+            "an earlier mutation of this index panicked while it was applied; \
+             no later mutation applies (lookups still read the last published state)"
+        );
+        standby.poisoned = true;
         let state = exclusive(&mut standby.copy);
         for (op, memo) in &mut standby.missed {
             state.apply(op, Pass::Replay { memo });
@@ -240,6 +260,7 @@ impl<S: Replay> Twin<S> {
             // what orders the copy for readers.
             self.published.fetch_add(1, Ordering::Relaxed);
         }
+        standby.poisoned = false;
         out
     }
 
@@ -261,14 +282,17 @@ impl<S: Replay> Twin<S> {
         f(&live, &standby.shared)
     }
 
-    /// [`Twin::inspect`] if the writer lock is free within `wait`; `None`
-    /// (and `f` not run) if it is not.
+    /// [`Twin::inspect`] if the writer lock is free within `wait` and no
+    /// write panicked (see `poisoned`); `None` (and `f` not run) if not.
     pub(crate) fn try_inspect_for<R>(
         &self,
         wait: std::time::Duration,
         f: impl FnOnce(&S, &S::Shared) -> R,
     ) -> Option<R> {
         let standby = self.writer.try_lock_for(wait)?;
+        if standby.poisoned {
+            return None;
+        }
         let live = self.live.load();
         Some(f(&live, &standby.shared))
     }
@@ -498,6 +522,62 @@ mod tests {
         }
         assert!(twin.publications() <= THREADS * OPS);
         assert!(twin.writer.lock().done.is_empty());
+    }
+
+    /// A write whose op panics mid-apply leaves the published copy as it
+    /// was and readable, and every later write panics naming the cause
+    /// instead of building on a half-applied standby copy.
+    #[test]
+    fn a_panic_while_applying_poisons_later_writes_but_not_reads() {
+        /// `Seq`, but op 99 panics after its half of the work.
+        #[derive(Default)]
+        struct Fragile(Seq);
+        impl Replay for Fragile {
+            type Op = u64;
+            type Out = usize;
+            type Shared = ();
+            type Memo = ();
+            fn apply(&mut self, op: &u64, pass: Pass<'_, Self>) -> usize {
+                let pass = match pass {
+                    Pass::First { .. } => Pass::First {
+                        shared: &mut (),
+                        memo: &mut (),
+                    },
+                    Pass::Replay { .. } => Pass::Replay { memo: &mut () },
+                };
+                let n = self.0.apply(op, pass);
+                assert_ne!(*op, 99, "op 99 fails mid-apply");
+                n
+            }
+        }
+        let twin = Twin::new(Fragile::default(), Fragile::default(), ());
+        assert_eq!(twin.write(|b| b.apply(1)), 1);
+        let quiet = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            twin.write(|b| {
+                b.apply(2);
+                b.apply(99)
+            })
+        }));
+        assert!(quiet.is_err());
+        // Readers see the last whole publication.
+        assert_eq!(twin.read().0.items, [1]);
+        assert_eq!(twin.publications(), 1);
+        assert!(twin
+            .try_inspect_for(std::time::Duration::ZERO, |_, _| ())
+            .is_none());
+        let later =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| twin.write(|b| b.apply(3))));
+        let msg = later.expect_err("a later write panics");
+        let msg = msg
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| msg.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        assert!(
+            msg.contains("an earlier mutation of this index panicked"),
+            "{msg}"
+        );
+        assert_eq!(twin.read().0.items, [1]);
     }
 
     impl<S: Replay> Twin<S> {
