@@ -15,8 +15,8 @@ use kv_descriptor::{
 
 use crate::holder_table::{tier_index, ALL_TIERS, TIERS};
 use crate::{
-    EventOutcome, InventoryIndex, LookupBudget, NoDonorReason, UnchainedStore, WorkerInfo,
-    WorkerKey,
+    EventOutcome, InventoryIndex, LookupBudget, LookupOutcome, NoDonorReason, UnchainedStore,
+    WorkerInfo, WorkerKey,
 };
 
 #[derive(Debug, Clone)]
@@ -476,6 +476,60 @@ impl SplitMix {
     }
 }
 
+/// Where the index's lookup `got` disagrees with the reference model's
+/// answer `want` for the same request and target (`None`: an unknown or
+/// non-prefill target), named for a report; `None` when they agree. A
+/// donor must cover exactly the model's best coverage, beyond the
+/// baseline, be one of the model's best donors and count its ties; a
+/// refusal must be the model's.
+pub(crate) fn lookup_disagreement(
+    got: &LookupOutcome,
+    want: Option<&NaiveLookup>,
+) -> Option<&'static str> {
+    let Some(w) = want else {
+        return got
+            .donor
+            .is_ok()
+            .then_some("donor for an unknown or non-prefill target");
+    };
+    if (got.baseline.native_blocks, got.baseline.retained_blocks)
+        != (w.native_blocks, w.retained_blocks)
+    {
+        return Some("baseline");
+    }
+    let base = w.native_blocks.max(w.retained_blocks);
+    match got.donor {
+        Ok(d) => {
+            if d.blocks != w.donor_blocks || d.blocks <= base || !w.best_donors.contains(&d.engine)
+            {
+                return Some("donor");
+            }
+            if d.tied as usize != w.best_donors.len() {
+                return Some("tie count");
+            }
+        }
+        Err(NoDonorReason::NotBeyondBaseline {
+            donor_blocks,
+            baseline_blocks,
+        }) => {
+            if (donor_blocks, baseline_blocks) != (w.donor_blocks, base) || donor_blocks > base {
+                return Some("coverage not beyond the baseline");
+            }
+        }
+        Err(NoDonorReason::NoRootCoverage) => {
+            if w.donor_blocks != 0 {
+                return Some("root coverage");
+            }
+        }
+        Err(_) => {
+            if w.donor_blocks > base {
+                return Some("missed donor");
+            }
+        }
+    }
+    None
+}
+
 /// Drives [`crate::InventoryIndex`] and [`NaiveIndex`] with the same random
 /// workload (`steps` operations from `seed`: stores from the root and from a
 /// parent that may not be held, stores with a broken chain, removals, clears,
@@ -590,57 +644,13 @@ pub(crate) fn cross_check_shaped(
             let want = naive.lookup(c, target);
             let got = fast.lookup(c, target, LookupBudget::new(1_000_000, u32::MAX));
             report.lookups += 1;
-            let mismatch = |what: &str| {
-                format!("seed {seed} step {step}: {what}: fast {got:?} naive {want:?}")
-            };
-            match &want {
-                None => {
-                    if got.donor.is_ok() {
-                        return Err(mismatch("donor for an unknown or non-prefill target"));
-                    }
-                }
-                Some(w) => {
-                    if (got.baseline.native_blocks, got.baseline.retained_blocks)
-                        != (w.native_blocks, w.retained_blocks)
-                    {
-                        return Err(mismatch("baseline"));
-                    }
-                    let base = w.native_blocks.max(w.retained_blocks);
-                    match got.donor {
-                        Ok(d) => {
-                            report.donors_found += 1;
-                            if d.blocks != w.donor_blocks
-                                || d.blocks <= base
-                                || !w.best_donors.contains(&d.engine)
-                            {
-                                return Err(mismatch("donor"));
-                            }
-                            if d.tied as usize != w.best_donors.len() {
-                                return Err(mismatch("tie count"));
-                            }
-                        }
-                        Err(NoDonorReason::NotBeyondBaseline {
-                            donor_blocks,
-                            baseline_blocks,
-                        }) => {
-                            if (donor_blocks, baseline_blocks) != (w.donor_blocks, base)
-                                || donor_blocks > base
-                            {
-                                return Err(mismatch("coverage not beyond the baseline"));
-                            }
-                        }
-                        Err(NoDonorReason::NoRootCoverage) => {
-                            if w.donor_blocks != 0 {
-                                return Err(mismatch("root coverage"));
-                            }
-                        }
-                        Err(_) => {
-                            if w.donor_blocks > base {
-                                return Err(mismatch("missed donor"));
-                            }
-                        }
-                    }
-                }
+            if got.donor.is_ok() {
+                report.donors_found += 1;
+            }
+            if let Some(what) = lookup_disagreement(&got, want.as_ref()) {
+                return Err(format!(
+                    "seed {seed} step {step}: {what}: fast {got:?} naive {want:?}"
+                ));
             }
             continue;
         }

@@ -3,11 +3,11 @@
 //! every mutating call: entry points exact, chunk summaries exact, the map
 //! pointing at exactly the live entries, both copies laid out alike.
 
-use kv_descriptor::{chain_sequence_hash, KvEventData, StoredBlock, TokenBlockHash};
+use kv_descriptor::{chain_stored_blocks, KvEventData, StoredBlock, TokenBlockHash};
 
 use super::*;
-use crate::reference::{NaiveIndex, SplitMix};
-use crate::{LookupBudget, NoDonorReason};
+use crate::reference::{lookup_disagreement, NaiveIndex, SplitMix};
+use crate::LookupBudget;
 
 const BIG: LookupBudget = LookupBudget::new(1_000_000, u32::MAX);
 
@@ -46,50 +46,10 @@ fn compare_lookup(
 ) -> Result<(), String> {
     let want = naive.lookup(hashes, target);
     let got = fast.lookup(hashes, target, BIG);
-    let bad = |what: &str| format!("{what}: fast {got:?} naive {want:?}");
-    let Some(w) = &want else {
-        return if got.donor.is_ok() {
-            Err(bad("donor for a non-prefill target"))
-        } else {
-            Ok(())
-        };
-    };
-    if (got.baseline.native_blocks, got.baseline.retained_blocks)
-        != (w.native_blocks, w.retained_blocks)
-    {
-        return Err(bad("baseline"));
+    match lookup_disagreement(&got, want.as_ref()) {
+        Some(what) => Err(format!("{what}: fast {got:?} naive {want:?}")),
+        None => Ok(()),
     }
-    let base = w.native_blocks.max(w.retained_blocks);
-    match got.donor {
-        Ok(d) => {
-            if d.blocks != w.donor_blocks
-                || d.blocks <= base
-                || !w.best_donors.contains(&d.engine)
-                || d.tied as usize != w.best_donors.len()
-            {
-                return Err(bad("donor"));
-            }
-        }
-        Err(NoDonorReason::NotBeyondBaseline {
-            donor_blocks,
-            baseline_blocks,
-        }) => {
-            if (donor_blocks, baseline_blocks) != (w.donor_blocks, base) {
-                return Err(bad("not beyond baseline"));
-            }
-        }
-        Err(NoDonorReason::NoRootCoverage) => {
-            if w.donor_blocks != 0 {
-                return Err(bad("root coverage"));
-            }
-        }
-        Err(_) => {
-            if w.donor_blocks > base {
-                return Err(bad("missed donor"));
-            }
-        }
-    }
-    Ok(())
 }
 
 struct Live {
@@ -112,20 +72,13 @@ fn fuzz(seed: u64, steps: u64, workers: u64, blocks: usize, check_every: u64) {
     // Conversation c shares its first c * blocks / 8 blocks with c - 1.
     let mut chains: Vec<Vec<StoredBlock>> = Vec::new();
     for c in 0..6usize {
-        let mut chain: Vec<StoredBlock> = Vec::new();
-        for i in 0..blocks {
-            let token_hash = match chains.last() {
+        let token_hashes: Vec<TokenBlockHash> = (0..blocks)
+            .map(|i| match chains.last() {
                 Some(prev) if i < c * blocks / 8 => prev[i].token_hash,
                 _ => TokenBlockHash(rng.next()),
-            };
-            let parent = chain.last().map(|b| b.sequence_hash);
-            chain.push(StoredBlock {
-                sequence_hash: chain_sequence_hash(parent, token_hash),
-                token_hash,
-                slot: None,
-            });
-        }
-        chains.push(chain);
+            })
+            .collect();
+        chains.push(chain_stored_blocks(None, token_hashes));
     }
     let convs: Vec<Vec<SequenceHash>> = chains
         .iter()
