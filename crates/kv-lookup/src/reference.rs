@@ -476,6 +476,67 @@ impl SplitMix {
     }
 }
 
+/// A worker incarnation of a random workload and its next event id.
+pub(crate) struct Live {
+    pub(crate) info: WorkerInfo,
+    pub(crate) next_id: u64,
+}
+
+impl Live {
+    /// The id of this worker's next event: in order, except one in
+    /// `odds` a duplicate of the last and one in `odds` a gap of one.
+    pub(crate) fn event_id(&mut self, rng: &mut SplitMix, odds: u64) -> u64 {
+        let id = match rng.below(odds) {
+            0 => self.next_id.saturating_sub(1).max(1),
+            1 => self.next_id + 1,
+            _ => self.next_id,
+        };
+        self.next_id = self.next_id.max(id + 1);
+        id
+    }
+
+    /// Event `event_id` of this worker, with its identity as registered.
+    pub(crate) fn event(&self, event_id: u64, tier: StorageTier, data: KvEventData) -> KvEvent {
+        KvEvent {
+            publisher: self.info.engine,
+            event_id,
+            role: self.info.role,
+            layout_fingerprint: self.info.layout_fingerprint,
+            tp_size: self.info.tp_size,
+            tier,
+            data,
+        }
+    }
+}
+
+/// `count` conversations of `blocks` blocks each, as the index's tests
+/// store them: true chains (sequence hashes chained from random token
+/// hashes by the Dynamo rule), conversation `c` sharing its first
+/// `shared(c)` blocks with conversation `c - 1`. Returns the blocks and
+/// their sequence hashes, per conversation.
+pub(crate) fn conversations(
+    rng: &mut SplitMix,
+    count: usize,
+    blocks: usize,
+    shared: impl Fn(usize) -> usize,
+) -> (Vec<Vec<StoredBlock>>, Vec<Vec<SequenceHash>>) {
+    let mut chains: Vec<Vec<StoredBlock>> = Vec::new();
+    for c in 0..count {
+        let token_hashes: Vec<TokenBlockHash> = (0..blocks)
+            .map(|i| match chains.last() {
+                Some(prev) if i < shared(c) => prev[i].token_hash,
+                _ => TokenBlockHash(rng.next()),
+            })
+            .collect();
+        chains.push(chain_stored_blocks(None, token_hashes));
+    }
+    let hashes = chains
+        .iter()
+        .map(|c| c.iter().map(|b| b.sequence_hash).collect())
+        .collect();
+    (chains, hashes)
+}
+
 /// Where the index's lookup `got` disagrees with the reference model's
 /// answer `want` for the same request and target (`None`: an unknown or
 /// non-prefill target), named for a report; `None` when they agree. A
@@ -565,24 +626,8 @@ pub(crate) fn cross_check_shaped(
     // Conversations: true chains of `blocks` blocks (token hashes chained by
     // the Dynamo rule); conversation c shares its first c * blocks / 48
     // blocks with c-1 (c/2 for 24 blocks).
-    let mut chains: Vec<Vec<StoredBlock>> = Vec::new();
-    for c in 0..8u64 {
-        let token_hashes: Vec<TokenBlockHash> = (0..blocks)
-            .map(|i| match chains.last() {
-                Some(prev) if i < c * blocks / 48 => prev[i as usize].token_hash,
-                _ => TokenBlockHash(rng.next()),
-            })
-            .collect();
-        chains.push(chain_stored_blocks(None, token_hashes));
-    }
-    let convs: Vec<Vec<SequenceHash>> = chains
-        .iter()
-        .map(|c| c.iter().map(|b| b.sequence_hash).collect())
-        .collect();
-    struct Live {
-        info: WorkerInfo,
-        next_id: u64,
-    }
+    let n = blocks as usize;
+    let (chains, convs) = conversations(&mut rng, 8, n, |c| c * n / 48);
     let mut live: Vec<Live> = Vec::new();
     for k in 0..12u64 {
         let info = WorkerInfo {
@@ -656,12 +701,7 @@ pub(crate) fn cross_check_shaped(
         }
         // An event: mostly in order, sometimes duplicated or with a gap.
         let l = &mut live[k];
-        let id = match rng.below(20) {
-            0 => l.next_id.saturating_sub(1).max(1),
-            1 => l.next_id + 1,
-            _ => l.next_id,
-        };
-        l.next_id = l.next_id.max(id + 1);
+        let id = l.event_id(&mut rng, 20);
         let tier = if rng.below(3) == 0 {
             ALL_TIERS[rng.below(TIERS as u64) as usize]
         } else if l.info.role == Role::Decode {
@@ -703,15 +743,7 @@ pub(crate) fn cross_check_shaped(
                 blocks: blocks[..hi].to_vec(),
             },
         };
-        let e = KvEvent {
-            publisher: l.info.engine,
-            event_id: id,
-            role: l.info.role,
-            layout_fingerprint: l.info.layout_fingerprint,
-            tp_size: l.info.tp_size,
-            tier,
-            data,
-        };
+        let e = l.event(id, tier, data);
         let got = fast.apply_event(&e).ok();
         let want = naive.apply(&e);
         if got != want {

@@ -3,10 +3,10 @@
 //! every mutating call: entry points exact, chunk summaries exact, the map
 //! pointing at exactly the live entries, both copies laid out alike.
 
-use kv_descriptor::{chain_stored_blocks, KvEventData, StoredBlock, TokenBlockHash};
+use kv_descriptor::KvEventData;
 
 use super::*;
-use crate::reference::{lookup_disagreement, NaiveIndex, SplitMix};
+use crate::reference::{conversations, lookup_disagreement, Live, NaiveIndex, SplitMix};
 use crate::LookupBudget;
 
 const BIG: LookupBudget = LookupBudget::new(1_000_000, u32::MAX);
@@ -52,11 +52,6 @@ fn compare_lookup(
     }
 }
 
-struct Live {
-    info: WorkerInfo,
-    next_id: u64,
-}
-
 /// A random workload over `workers` workers (more than 64 spans groups)
 /// and conversations of `blocks` blocks, with batches, cold tiers,
 /// resyncs with shuffled and repeated hashes, removals in reverse order
@@ -70,20 +65,7 @@ fn fuzz(seed: u64, steps: u64, workers: u64, blocks: usize, check_every: u64) {
     let mut naive = NaiveIndex::default();
     let fp = LayoutFingerprint(1);
     // Conversation c shares its first c * blocks / 8 blocks with c - 1.
-    let mut chains: Vec<Vec<StoredBlock>> = Vec::new();
-    for c in 0..6usize {
-        let token_hashes: Vec<TokenBlockHash> = (0..blocks)
-            .map(|i| match chains.last() {
-                Some(prev) if i < c * blocks / 8 => prev[i].token_hash,
-                _ => TokenBlockHash(rng.next()),
-            })
-            .collect();
-        chains.push(chain_stored_blocks(None, token_hashes));
-    }
-    let convs: Vec<Vec<SequenceHash>> = chains
-        .iter()
-        .map(|c| c.iter().map(|b| b.sequence_hash).collect())
-        .collect();
+    let (chains, convs) = conversations(&mut rng, 6, blocks, |c| c * blocks / 8);
     let new_info = |rng: &mut SplitMix, k: u64| WorkerInfo {
         engine: EngineId(uuid::Uuid::from_u64_pair(rng.next() | 1, k)),
         role: if k % 4 == 0 {
@@ -180,12 +162,7 @@ fn fuzz(seed: u64, steps: u64, workers: u64, blocks: usize, check_every: u64) {
                     rng.below(workers) as usize
                 };
                 let l = &mut live[k];
-                let id = match rng.below(25) {
-                    0 => l.next_id.saturating_sub(1).max(1),
-                    1 => l.next_id + 1,
-                    _ => l.next_id,
-                };
-                l.next_id = l.next_id.max(id + 1);
+                let id = l.event_id(&mut rng, 25);
                 let tier = match rng.below(6) {
                     0 => ALL_TIERS[rng.below(TIERS as u64) as usize],
                     1 => StorageTier::HostPinned,
@@ -247,15 +224,7 @@ fn fuzz(seed: u64, steps: u64, workers: u64, blocks: usize, check_every: u64) {
                         blocks: bl[..hi].to_vec(),
                     },
                 };
-                events.push(KvEvent {
-                    publisher: l.info.engine,
-                    event_id: id,
-                    role: l.info.role,
-                    layout_fingerprint: l.info.layout_fingerprint,
-                    tp_size: l.info.tp_size,
-                    tier,
-                    data,
-                });
+                events.push(l.event(id, tier, data));
             }
             let want: Vec<_> = events.iter().map(|e| naive.apply(e)).collect();
             let got: Vec<_> = if events.len() == 1 && rng.below(2) == 0 {
