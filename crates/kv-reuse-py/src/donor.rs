@@ -470,27 +470,14 @@ impl PinServer {
     }
 }
 
-/// `endpoint` parsed as a pin endpoint (`unix:<path>`, a plain absolute
-/// path, or `tcp:<host>:<port>`), or `BadArgument` naming `argument`: when
-/// it does not parse ([`PinEndpoint::parse`]: scheme, path length, port),
-/// or when its Unix socket path is relative. The endpoint travels (in a
-/// hint, the donor's record) to targets in other processes, which would
-/// resolve a relative path against their own working directory: another
-/// socket, or none, found only at the target's pin exchange as a fallback.
+/// `endpoint` parsed as a pin endpoint (`unix:<absolute path>`, a plain
+/// absolute path, or `tcp:<host>:<port>`), or `BadArgument` naming
+/// `argument` with [`PinEndpoint::parse`]'s reason: scheme, path length, a
+/// relative socket path (the endpoint travels to targets in other
+/// processes, which would resolve it against their own working
+/// directories), port.
 pub(crate) fn pin_endpoint(argument: &str, endpoint: &str) -> PyResult<PinEndpoint> {
-    let parsed = PinEndpoint::parse(endpoint).map_err(|e| bad_argument(argument, e))?;
-    if let PinEndpoint::Unix(path) = &parsed {
-        if !path.is_absolute() {
-            return Err(bad_argument(
-                argument,
-                format!(
-                    "endpoint {endpoint:?}: socket path {path:?} is relative (each process \
-                     would resolve it against its own working directory); give an absolute path"
-                ),
-            ));
-        }
-    }
-    Ok(parsed)
+    PinEndpoint::parse(endpoint).map_err(|e| bad_argument(argument, e))
 }
 
 /// A refusal of `PendingStore.write` / `ack` as `BankFailed`, in the words

@@ -350,11 +350,14 @@ fn endpoints_and_keys_refuse_bad_input_naming_the_field() {
         ("pid:42", "scheme"),
         ("relative/d.sock", "scheme"),
         ("unix:", "path"),
+        ("unix:run/d.sock", "relative"),
+        ("unix:./d.sock", "relative"),
     ] {
         let got = match PinEndpoint::parse(ep) {
             Err(PinEndpointError::TcpAddress { .. }) => "tcp",
             Err(PinEndpointError::Scheme { .. }) => "scheme",
             Err(PinEndpointError::PathLength { .. }) => "path",
+            Err(PinEndpointError::RelativePath { .. }) => "relative",
             Ok(p) => panic!("{ep} parsed as {p:?}"),
         };
         assert_eq!(got, want, "{ep}");

@@ -46,6 +46,19 @@ pub enum PinEndpointError {
         /// The endpoint as given.
         endpoint: String,
     },
+    /// The Unix socket path is relative. The endpoint travels (in a hint,
+    /// the donor's directory record) to processes that would resolve it
+    /// against their own working directories: another socket, or none.
+    #[error(
+        "endpoint {endpoint:?}: socket path {path:?} is relative (each process would resolve it \
+         against its own working directory); give an absolute path"
+    )]
+    RelativePath {
+        /// The endpoint as given.
+        endpoint: String,
+        /// Its socket path.
+        path: String,
+    },
     /// The `tcp:` address has no `host:port` with a numeric port.
     #[error("endpoint {endpoint:?}: `tcp:` needs `<host>:<port>` with a port in 0..=65535")]
     TcpAddress {
@@ -65,14 +78,20 @@ pub enum PinEndpoint {
 }
 
 impl PinEndpoint {
-    /// Parses `unix:<path>`, `tcp:<host>:<port>` or a plain absolute path
-    /// (read as `unix:`, as endpoints were written before TCP existed).
+    /// Parses `unix:<absolute path>`, `tcp:<host>:<port>` or a plain
+    /// absolute path (read as `unix:`, as endpoints were written before TCP
+    /// existed).
     ///
     /// ```
     /// use kv_router_glue::PinEndpoint;
     /// assert_eq!(PinEndpoint::parse("/run/kv/d0.sock").unwrap(), PinEndpoint::Unix("/run/kv/d0.sock".into()));
     /// assert_eq!(PinEndpoint::parse("tcp:10.0.0.7:7301").unwrap(), PinEndpoint::Tcp("10.0.0.7:7301".into()));
     /// assert!(PinEndpoint::parse("tcp:10.0.0.7").is_err());
+    /// // Every process that reads it would resolve a relative path in its own directory.
+    /// assert!(matches!(
+    ///     PinEndpoint::parse("unix:run/d0.sock"),
+    ///     Err(kv_router_glue::PinEndpointError::RelativePath { .. })
+    /// ));
     /// ```
     ///
     /// # Errors
@@ -101,6 +120,12 @@ impl PinEndpoint {
         if path.is_empty() || path.len() > MAX_SOCKET_PATH_BYTES {
             return Err(PinEndpointError::PathLength {
                 endpoint: endpoint.to_owned(),
+            });
+        }
+        if !path.starts_with('/') {
+            return Err(PinEndpointError::RelativePath {
+                endpoint: endpoint.to_owned(),
+                path: path.to_owned(),
             });
         }
         Ok(Self::Unix(PathBuf::from(path)))
