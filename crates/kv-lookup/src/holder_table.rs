@@ -70,8 +70,13 @@ use kv_descriptor::{SequenceHash, StorageTier};
 
 use crate::prefetch::prefetch_read;
 
+#[cfg(test)]
+mod checks;
 mod loc_index;
+mod run;
+
 pub(crate) use loc_index::{Loc, LocIndex, Locator};
+use run::Run;
 
 /// Number of storage tiers the index distinguishes.
 pub(crate) const TIERS: usize = 5;
@@ -130,29 +135,6 @@ pub(crate) struct HotEntry {
     pub(crate) bits: [u64; 2],
 }
 
-/// Entries in the order a Stored event announced them, as parallel arrays:
-/// `hot` is all a walk touches, `cold` holds the tiers lookups never read.
-#[derive(Default)]
-struct Run {
-    hot: Vec<HotEntry>,
-    /// `[host_pinned, disk, external]` bitsets; empty until the run's first
-    /// cold bit (most runs never get one), then as long as `hot`.
-    cold: Vec<[u64; 3]>,
-    /// Filled by one Stored event that passed its chain check: each entry
-    /// is an ancestor of every later one (see the module docs).
-    ordered: bool,
-    /// Per chunk (entries `c * CHUNK ..`, the last one possibly partial):
-    /// the `AND` of the hot bits if the run is ordered, else zero. Never
-    /// above the true value (see the module docs).
-    sums: Vec<[u64; 2]>,
-    /// Entries with a non-zero bit.
-    live: u32,
-    /// Bit `off % 64` of word `off / 64`: the entry at `off` is an entry
-    /// point (indexed in [`HolderTable::entry_points`]). Read where an
-    /// entry dies or its predecessor did, instead of probing that index.
-    points: Vec<u64>,
-}
-
 /// Position of `tier` in a run: `(is_hot, index)`.
 #[inline]
 const fn place(tier: usize) -> (bool, usize) {
@@ -167,85 +149,6 @@ const fn place(tier: usize) -> (bool, usize) {
 pub(crate) const HOT_DEVICE: usize = 0;
 /// Index of the retained tier in a walk step's result.
 pub(crate) const HOT_RETAINED: usize = 1;
-
-impl Run {
-    /// The bitset word of `tier` at `off`, materializing `cold` if needed.
-    #[inline]
-    fn word(&mut self, off: usize, tier: usize) -> &mut u64 {
-        match place(tier) {
-            (true, i) => &mut self.hot[off].bits[i],
-            (false, i) => {
-                if self.cold.is_empty() {
-                    self.cold.resize(self.hot.len(), [0; 3]);
-                }
-                &mut self.cold[off][i]
-            }
-        }
-    }
-
-    #[inline]
-    fn cold_at(&self, off: usize) -> [u64; 3] {
-        self.cold.get(off).copied().unwrap_or([0; 3])
-    }
-
-    #[inline]
-    fn test(&self, off: usize, tier: usize, flag: u64) -> bool {
-        match place(tier) {
-            (true, i) => self.hot[off].bits[i] & flag != 0,
-            (false, i) => self.cold_at(off)[i] & flag != 0,
-        }
-    }
-
-    /// Reads `cold` only when the hot bits are zero and the run has cold
-    /// bits at all: removing a block usually touches one cache line.
-    #[inline]
-    fn is_live(&self, off: usize) -> bool {
-        self.hot[off].bits != [0; 2] || self.cold_at(off) != [0; 3]
-    }
-
-    fn bits(&self, off: usize) -> TierBits {
-        let (h, c) = (self.hot[off].bits, self.cold_at(off));
-        [h[HOT_DEVICE], c[0], c[1], c[2], h[HOT_RETAINED]]
-    }
-
-    /// Appends `e` (a `cold` slot, if any, is the caller's), keeping the
-    /// last chunk's summary exact: `AND` in the new bits.
-    #[inline]
-    fn push(&mut self, e: HotEntry) {
-        let off = self.hot.len();
-        self.hot.push(e);
-        if off % 64 == 0 {
-            self.points.push(0);
-        }
-        if off % CHUNK == 0 {
-            self.sums.push(if self.ordered { e.bits } else { [0; 2] });
-        } else {
-            let s = self.sums.last_mut().expect("a chunk per CHUNK entries");
-            *s = [s[0] & e.bits[0], s[1] & e.bits[1]];
-        }
-    }
-
-    #[inline]
-    fn is_point(&self, off: usize) -> bool {
-        self.points[off / 64] >> (off % 64) & 1 == 1
-    }
-
-    #[inline]
-    fn set_point(&mut self, off: usize, on: bool) {
-        let (w, b) = (off / 64, off % 64);
-        self.points[w] = self.points[w] & !(1 << b) | u64::from(on) << b;
-    }
-
-    /// Recomputes the summary of chunk `c` from its entries (exact).
-    fn resum(&mut self, c: usize) {
-        let (lo, hi) = (c * CHUNK, ((c + 1) * CHUNK).min(self.hot.len()));
-        let mut s = [if self.ordered { u64::MAX } else { 0 }; 2];
-        for e in &self.hot[lo..hi] {
-            s = [s[0] & e.bits[0], s[1] & e.bits[1]];
-        }
-        self.sums[c] = s;
-    }
-}
 
 /// Runs shorter than this are never compacted (not worth the moves).
 const COMPACT_MIN_LEN: usize = 64;
@@ -318,7 +221,12 @@ impl HolderTable {
             + self
                 .runs
                 .iter()
-                .map(|r| r.hot.capacity() * 24 + r.cold.capacity() * 24 + r.sums.capacity() * 16)
+                .map(|r| {
+                    r.hot.capacity() * 24
+                        + r.cold.capacity() * 24
+                        + r.sums.capacity() * 16
+                        + r.points.capacity() * 8
+                })
                 .sum::<usize>()
     }
 
@@ -356,10 +264,8 @@ impl HolderTable {
             }
         };
         if i == 0 {
-            if matches!(locator, Locator::Map { .. }) {
-                for &h in hashes.iter().take(SLOT_PREFETCH_DISTANCE) {
-                    locator.prefetch(h.0);
-                }
+            for &h in hashes.iter().take(SLOT_PREFETCH_DISTANCE) {
+                locator.prefetch(h.0);
             }
             for k in 0..PREFETCH_DISTANCE.min(hashes.len()) {
                 entry(k);
@@ -524,13 +430,7 @@ impl HolderTable {
         let run = match self.open_run {
             Some(r) => r,
             None => {
-                let r = match self.free_runs.pop() {
-                    Some(r) => r,
-                    None => {
-                        self.runs.push(Run::default());
-                        (self.runs.len() - 1) as u32
-                    }
-                };
+                let r = self.new_run_id();
                 self.open_run = Some(r);
                 let run = &mut self.runs[r as usize];
                 run.ordered = chained;
@@ -632,6 +532,14 @@ impl HolderTable {
         true
     }
 
+    /// The id of an empty run: a freed one, else a new one.
+    fn new_run_id(&mut self) -> u32 {
+        self.free_runs.pop().unwrap_or_else(|| {
+            self.runs.push(Run::default());
+            (self.runs.len() - 1) as u32
+        })
+    }
+
     /// Whether `r` is long enough and under a quarter live, so compacted.
     fn is_sparse(r: &Run) -> bool {
         r.hot.len() >= COMPACT_MIN_LEN && (r.live as usize) * 4 < r.hot.len()
@@ -681,13 +589,7 @@ impl HolderTable {
         if self.open_run == Some(old) {
             self.open_run = None;
         }
-        let new = match self.free_runs.pop() {
-            Some(r) => r,
-            None => {
-                self.runs.push(Run::default());
-                (self.runs.len() - 1) as u32
-            }
-        };
+        let new = self.new_run_id();
         let mut fresh = Run {
             hot: Vec::with_capacity(taken.live as usize),
             cold: Vec::new(),
@@ -711,10 +613,7 @@ impl HolderTable {
                     off: fresh.hot.len() as u32,
                 },
             );
-            debug_assert!(
-                matches!(locator, Locator::Replay { .. })
-                    || locator.get_unlogged(h.key) == Some(was)
-            );
+            debug_assert!(locator.map().is_none_or(|m| m.get(h.key) == Some(was)));
             locator.moved(h.key, now);
             fresh.push(*h);
             if taken.is_point(off) {
@@ -727,167 +626,6 @@ impl HolderTable {
         }
         self.runs[new as usize] = fresh;
         self.free_runs.push(old);
-    }
-}
-
-/// A table used on its own, with its own full map ([`HolderTable::test_map`]):
-/// what the index does through the writer's map, for unit tests.
-#[cfg(test)]
-impl HolderTable {
-    fn with_own_map<R>(&mut self, f: impl FnOnce(&mut Self, &mut Locator<'_>) -> R) -> R {
-        let mut map = std::mem::replace(&mut self.test_map, LocIndex::with_capacity(0));
-        let out = f(
-            self,
-            &mut Locator::Map {
-                map: &mut map,
-                log: None,
-            },
-        );
-        self.test_map = map;
-        out
-    }
-
-    /// [`Self::set_with_room`] without room: a run it opens grows as
-    /// needed; `follows` when `chained`.
-    pub(crate) fn set(&mut self, hash: SequenceHash, tier: usize, bit: u32, chained: bool) -> bool {
-        self.with_own_map(|t, l| t.set_with_room(l, hash, tier, bit, chained, chained, 0))
-    }
-
-    /// [`Self::set_with_room`] with room, through the own map.
-    pub(crate) fn set_room(
-        &mut self,
-        hash: SequenceHash,
-        tier: usize,
-        bit: u32,
-        chained: bool,
-        room: usize,
-    ) -> bool {
-        self.with_own_map(|t, l| t.set_with_room(l, hash, tier, bit, chained, chained, room))
-    }
-
-    /// Clears and finishes at once.
-    pub(crate) fn clear(&mut self, hash: SequenceHash, tier: usize, bit: u32) -> bool {
-        self.with_own_map(|t, l| {
-            let was_set = t.clear_deferring(l, hash, tier, bit);
-            t.finish_clears(l);
-            was_set
-        })
-    }
-
-    /// [`Self::clear_deferring`] through the own map.
-    pub(crate) fn clear_deferred(&mut self, hash: SequenceHash, tier: usize, bit: u32) -> bool {
-        self.with_own_map(|t, l| t.clear_deferring(l, hash, tier, bit))
-    }
-
-    /// [`Self::finish_clears`] through the own map.
-    pub(crate) fn finish(&mut self) {
-        self.with_own_map(|t, l| t.finish_clears(l))
-    }
-
-    /// Bits through the own map.
-    pub(crate) fn bits_of(&self, hash: SequenceHash) -> TierBits {
-        self.get_in(&self.test_map, hash)
-    }
-}
-
-/// Test-only checks of the chunk invariants (see the module docs).
-#[cfg(test)]
-impl HolderTable {
-    /// Asserts that every chunk summary is exactly what its entries give:
-    /// the state after every `close_run` and `clear`.
-    pub(crate) fn assert_summaries_exact(&self) {
-        for (r, run) in self.runs.iter().enumerate() {
-            assert_eq!(run.sums.len(), run.hot.len().div_ceil(CHUNK), "run {r}");
-            let mut fresh = Run {
-                hot: run.hot.clone(),
-                ordered: run.ordered,
-                sums: run.sums.clone(),
-                ..Run::default()
-            };
-            for c in 0..run.sums.len() {
-                fresh.resum(c);
-                assert_eq!(run.sums[c], fresh.sums[c], "run {r} chunk {c}");
-            }
-        }
-    }
-
-    /// Asserts that the entry-point index holds exactly the live entries
-    /// marked as entry points, at their places, and that every other live
-    /// entry sits right after a live entry (its parent's, by construction).
-    pub(crate) fn assert_entry_points_exact(&self) {
-        let mut points = 0;
-        for (r, run) in self.runs.iter().enumerate() {
-            for off in 0..run.hot.len() {
-                let here = Loc {
-                    run: r as u32,
-                    off: off as u32,
-                };
-                let key = run.hot[off].key;
-                if !run.is_live(off) {
-                    assert!(!run.is_point(off), "dead {here:?} is no entry point");
-                    continue;
-                }
-                if run.is_point(off) {
-                    points += 1;
-                    assert_eq!(self.entry_points.get(key), Some(here), "{key:#x}");
-                } else {
-                    assert!(
-                        off > 0 && run.is_live(off - 1),
-                        "{here:?} follows a live entry"
-                    );
-                    assert_eq!(self.entry_points.get(key), None, "{key:#x}");
-                }
-            }
-        }
-        assert_eq!(self.entry_points.len(), points);
-    }
-
-    /// Whether the run that holds `hash` is ordered, its length and its
-    /// chunk summaries.
-    pub(crate) fn run_of(&self, hash: SequenceHash) -> (bool, usize, Vec<[u64; 2]>) {
-        let loc = self.test_map.get(hash.0).expect("held");
-        let run = &self.runs[loc.run as usize];
-        (run.ordered, run.hot.len(), run.sums.clone())
-    }
-
-    /// Asserts that `map` (the writer's full map) points every live entry's
-    /// hash at that entry and holds nothing else.
-    pub(crate) fn assert_map_exact(&self, map: &LocIndex) {
-        let mut live = 0;
-        for (r, run) in self.runs.iter().enumerate() {
-            for (off, e) in run.hot.iter().enumerate() {
-                if run.is_live(off) {
-                    live += 1;
-                    let here = Loc {
-                        run: r as u32,
-                        off: off as u32,
-                    };
-                    assert_eq!(map.get(e.key), Some(here), "map of {:#x}", e.key);
-                }
-            }
-        }
-        assert_eq!(live, self.len, "live entries counted");
-        assert_eq!(map.len(), live, "the map holds only live entries");
-    }
-
-    /// Everything of the table's layout a walk or a mutation reads (runs,
-    /// bits, entry-point marks, summaries, free runs, entry-point count),
-    /// for comparing the two copies of the index.
-    pub(crate) fn layout_digest(&self) -> String {
-        let mut out = format!(
-            "len {} free {:?} open {:?} points {}\n",
-            self.len,
-            self.free_runs,
-            self.open_run,
-            self.entry_points.len()
-        );
-        for (r, run) in self.runs.iter().enumerate() {
-            out += &format!(
-                "run {r} ordered {} live {} hot {:?} cold {:?} sums {:?} points {:?}\n",
-                run.ordered, run.live, run.hot, run.cold, run.sums, run.points
-            );
-        }
-        out
     }
 }
 

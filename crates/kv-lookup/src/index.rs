@@ -20,7 +20,6 @@ mod state;
 mod stress_tests;
 
 use compaction::compact_log;
-pub(crate) use compaction::CompactedLog;
 
 /// Most workers (live incarnations) one index tracks: 64 groups of 64.
 pub const MAX_WORKERS: usize = 4096;
@@ -71,6 +70,8 @@ pub(crate) struct MutationMemo {
     pub(crate) locs: Vec<Option<Loc>>,
     /// [`WriterMaps`]' bytes after the mutation (for [`IndexStats`]).
     pub(crate) map_bytes: usize,
+    /// The worker log a store compacted, if any (`compaction::compact_log`).
+    pub(crate) compacted: Option<Vec<SequenceHash>>,
 }
 
 /// How one application of a mutation reaches the full maps: the writer's
@@ -80,22 +81,61 @@ pub(crate) enum Locs<'a> {
     First {
         maps: &'a mut WriterMaps,
         log: &'a mut Vec<Option<Loc>>,
+        compacted: &'a mut Option<Vec<SequenceHash>>,
     },
     Replay {
         log: &'a [Option<Loc>],
         pos: usize,
+        compacted: &'a mut Option<Vec<SequenceHash>>,
     },
 }
 
-impl Locs<'_> {
+impl<'a> Locs<'a> {
+    /// This application's view of `memo`: the first (with the writer's
+    /// maps) or the replay.
+    pub(crate) fn of(maps: Option<&'a mut WriterMaps>, memo: &'a mut MutationMemo) -> Self {
+        match maps {
+            Some(maps) => Locs::First {
+                maps,
+                log: &mut memo.locs,
+                compacted: &mut memo.compacted,
+            },
+            None => Locs::Replay {
+                log: &memo.locs,
+                pos: 0,
+                compacted: &mut memo.compacted,
+            },
+        }
+    }
+
     /// The locator of group `g`'s table.
     pub(crate) fn group(&mut self, g: usize) -> Locator<'_> {
+        self.group_and_compaction(g).0
+    }
+
+    /// [`Self::group`], and where a worker-log compaction is kept for the
+    /// replay ([`MutationMemo::compacted`]).
+    pub(crate) fn group_and_compaction(
+        &mut self,
+        g: usize,
+    ) -> (Locator<'_>, &mut Option<Vec<SequenceHash>>) {
         match self {
-            Locs::First { maps, log } => Locator::Map {
-                map: &mut maps.groups[g],
-                log: Some(&mut **log),
-            },
-            Locs::Replay { log, pos } => Locator::Replay { log, pos },
+            Locs::First {
+                maps,
+                log,
+                compacted,
+            } => (
+                Locator::Map {
+                    map: &mut maps.groups[g],
+                    log: Some(&mut **log),
+                },
+                &mut **compacted,
+            ),
+            Locs::Replay {
+                log,
+                pos,
+                compacted,
+            } => (Locator::Replay { log, pos }, &mut **compacted),
         }
     }
 

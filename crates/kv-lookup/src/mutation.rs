@@ -8,9 +8,7 @@ use kv_descriptor::{
 
 use crate::chain::{first_broken_link, UnchainedStore};
 use crate::holder_table::tier_index;
-use crate::index::{
-    CompactedLog, EventOutcome, Locs, MutationMemo, Registration, State, WriterMaps,
-};
+use crate::index::{EventOutcome, Locs, MutationMemo, Registration, State, WriterMaps};
 use crate::twin::{Pass, Replay};
 use crate::worker::{WorkerInfo, WorkerKey};
 use crate::LookupError;
@@ -48,9 +46,6 @@ pub(crate) struct CheckedEvent {
     pub(crate) tp_size: u32,
     pub(crate) tier: StorageTier,
     pub(crate) change: Change,
-    /// The worker log compaction this event's store triggered on the first
-    /// copy, for the replay on the other.
-    pub(crate) compacted: CompactedLog,
 }
 
 /// [`KvEventData`] as the index applies it.
@@ -90,7 +85,6 @@ impl CheckedEvent {
             tp_size: event.tp_size,
             tier: event.tier,
             change,
-            compacted: CompactedLog::default(),
         }
     }
 }
@@ -113,24 +107,15 @@ impl Replay for State {
         match pass {
             Pass::First { shared, memo } => {
                 memo.locs.clear();
-                let out = self.apply_with(
-                    op,
-                    &mut Locs::First {
-                        maps: shared,
-                        log: &mut memo.locs,
-                    },
-                );
+                let out = self.apply_with(op, &mut Locs::of(Some(&mut *shared), memo));
                 memo.map_bytes = shared.memory_bytes();
                 self.map_bytes = memo.map_bytes;
                 out
             }
             Pass::Replay { memo } => {
-                let mut locs = Locs::Replay {
-                    log: &memo.locs,
-                    pos: 0,
-                };
+                let mut locs = Locs::of(None, memo);
                 let out = self.apply_with(op, &mut locs);
-                if let Locs::Replay { log, pos } = locs {
+                if let Locs::Replay { log, pos, .. } = locs {
                     debug_assert_eq!(pos, log.len(), "the replay asked what the first asked");
                 }
                 self.map_bytes = memo.map_bytes;
@@ -177,7 +162,7 @@ impl State {
         self.drop_entries(slot, locs);
         for (tier, hashes) in inventory {
             // A snapshot's order is unchecked: its entries are never linked.
-            self.store(slot, tier_index(*tier), hashes, false, None, locs);
+            self.store(slot, tier_index(*tier), hashes, false, false, locs);
         }
         let rec = self.workers[slot as usize]
             .as_mut()
@@ -376,19 +361,20 @@ mod tests {
     }
 
     /// A compaction is computed on the first copy and taken by the replay
-    /// from the event (it would otherwise stay there), with the same result.
+    /// from the mutation's memo (it would otherwise stay there), with the
+    /// same result.
     #[test]
-    fn the_replay_takes_the_first_copys_log_compaction_from_the_event() {
+    fn the_replay_takes_the_first_copys_log_compaction_from_the_memo() {
         let (mut a, mut b, mut maps, op, hashes) = states_before_a_compacting_store();
-        let Mutation::Event(c) = &op else {
-            unreachable!()
-        };
-        assert!(!c.compacted.is_set());
         let mut memo = MutationMemo::default();
+        assert!(memo.compacted.is_none());
         a.apply(&op, first(&mut maps, &mut memo));
-        assert!(c.compacted.is_set(), "the first copy left its compaction");
+        assert!(
+            memo.compacted.is_some(),
+            "the first copy left its compaction"
+        );
         b.apply(&op, Pass::Replay { memo: &mut memo });
-        assert!(!c.compacted.is_set(), "the replay took it");
+        assert!(memo.compacted.is_none(), "the replay took it");
         assert_compacted_alike(&a, &b, &hashes);
     }
 
@@ -409,14 +395,9 @@ mod tests {
     /// the chain's hashes).
     fn replay_with_a_short_memo() -> (State, State, Vec<SequenceHash>) {
         let (mut a, mut b, mut maps, op, hashes) = states_before_a_compacting_store();
-        let Mutation::Event(c) = &op else {
-            unreachable!()
-        };
         let mut memo = MutationMemo::default();
         a.apply(&op, first(&mut maps, &mut memo));
-        let mut kept = c.compacted.take().expect("compacted");
-        kept.pop();
-        c.compacted.put(kept);
+        memo.compacted.as_mut().expect("compacted").pop();
         b.apply(&op, Pass::Replay { memo: &mut memo });
         (a, b, hashes)
     }

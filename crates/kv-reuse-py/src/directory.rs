@@ -15,7 +15,7 @@ use kv_router_glue::{unix_now_ms, DirectoryPlane, DonorCache, NatsDirectory};
 
 use crate::errors::descriptor;
 use crate::nats_auth::NatsCredentials;
-use crate::publisher::{runtime, seconds_in, within};
+use crate::nats_runtime::{runtime, seconds_in, within};
 
 /// The donor directory as seen from a prefill worker (module docs).
 #[pyclass(frozen, module = "kv_reuse")]

@@ -24,6 +24,7 @@ mod fetch_job;
 mod fetch_outcome;
 mod layout;
 mod nats_auth;
+mod nats_runtime;
 mod publisher;
 mod router;
 mod router_client;

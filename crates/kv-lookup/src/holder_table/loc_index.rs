@@ -259,16 +259,6 @@ impl Locator<'_> {
         }
     }
 
-    /// Where `key`'s entry is, without logging (debug checks); `None` on a
-    /// replay.
-    #[inline]
-    pub(crate) fn get_unlogged(&self, key: u64) -> Option<Loc> {
-        match self {
-            Locator::Map { map, .. } => map.get(key),
-            Locator::Replay { .. } => None,
-        }
-    }
-
     /// The full map, if this is a first application (for debug checks).
     pub(crate) fn map(&self) -> Option<&LocIndex> {
         match self {

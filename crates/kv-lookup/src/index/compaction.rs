@@ -1,6 +1,6 @@
 //! Worker-log compaction: a worker's per-tier log of stored hashes shrunk
 //! back to the hashes it still holds, computed once per mutation and
-//! carried to the replay on the other copy ([`CompactedLog`]).
+//! carried to the replay on the other copy (in the mutation's memo).
 //!
 //! Invariant relied on: as multisets, a worker's `logs[t]` minus its
 //! `removed[t]` is its live set in tier `t` (a hash is logged each time its
@@ -16,42 +16,20 @@ use kv_descriptor::SequenceHash;
 use crate::holder_table::{HolderTable, LocIndex};
 use crate::worker::WorkerRecord;
 
-/// A worker log compacted while one copy applied a mutation, kept with the
-/// mutation for its replay on the other copy (see [`crate::twin`]).
-///
-/// Both copies are equal before a mutation and apply it alike, so they
-/// compact the same log against the same table and keep the same hashes:
-/// the replay takes the first copy's result instead of computing it again
-/// (a pass over about twice the worker's live hashes and a count of its
-/// removals, see `compact_in_place`; when both copies probed the table for
-/// every logged hash it was ~30% of an event thread's time in the churn
-/// bench, `--threads 0+1`). Debug builds (the tests) recompute the
-/// compaction on the replay and check that it equals the memo.
-#[derive(Default)]
-pub(crate) struct CompactedLog(parking_lot::Mutex<Option<Vec<SequenceHash>>>);
-
-impl CompactedLog {
-    /// Keeps `log` for the replay (the first application's compaction).
-    pub(crate) fn put(&self, log: Vec<SequenceHash>) {
-        *self.0.lock() = Some(log);
-    }
-
-    /// The first application's compaction, once.
-    pub(crate) fn take(&self) -> Option<Vec<SequenceHash>> {
-        self.0.lock().take()
-    }
-
-    /// Whether a compaction waits for the replay.
-    #[cfg(test)]
-    pub(crate) fn is_set(&self) -> bool {
-        self.0.lock().is_some()
-    }
-}
-
 /// Drops log entries the worker no longer holds, and duplicates; takes the
 /// result from `memo` when the other copy left it there, else computes it
 /// (and leaves a copy in `memo` for the replay). Either way the log keeps
 /// its buffer: it grows back to its next compaction without reallocating.
+///
+/// `memo` is the mutation's [`super::MutationMemo::compacted`]. Both copies
+/// are equal before a mutation and apply it alike, so they compact the
+/// same log against the same table and keep the same hashes: the replay
+/// takes the first copy's result instead of computing it again (a pass
+/// over about twice the worker's live hashes and a count of its removals,
+/// see `compact_in_place`; when both copies probed the table for every
+/// logged hash it was ~30% of an event thread's time in the churn bench,
+/// `--threads 0+1`). Debug builds (the tests) recompute the compaction on
+/// the replay and check that it equals the memo.
 ///
 /// `map`: the writer's full map on a first application (debug builds check
 /// the result against the table through it), `None` on a replay.
@@ -61,10 +39,10 @@ pub(super) fn compact_log(
     rec: &mut WorkerRecord,
     tier: usize,
     bit: u32,
-    memo: Option<&CompactedLog>,
+    memo: &mut Option<Vec<SequenceHash>>,
 ) {
     let (log, removed, live) = (&mut rec.logs[tier], &mut rec.removed[tier], rec.live[tier]);
-    if let Some(kept) = memo.and_then(CompactedLog::take) {
+    if let Some(kept) = memo.take() {
         #[cfg(debug_assertions)]
         {
             let (mut mine, mut gone) = (log.clone(), removed.clone());
@@ -86,9 +64,7 @@ pub(super) fn compact_log(
         }
     }
     compact_in_place(table, map, log, removed, live, tier, bit);
-    if let Some(memo) = memo {
-        memo.put(log.clone());
-    }
+    *memo = Some(log.clone());
 }
 
 /// Keeps the hashes of `log` that bit `bit` of `tier` still holds in

@@ -193,22 +193,22 @@ impl State {
     /// `chained`: `hashes` are proven to be one chain in chain order (a
     /// Stored event that passed its chain check), so their run may be
     /// skipped through by chunks; a resync's unchecked list is not.
-    /// `memo`: where the mutation being applied keeps a compaction of the
-    /// worker's log for the replay on the other copy (see [`CompactedLog`]);
-    /// `None` where the mutation has none (a resync, which empties the log
-    /// first and so never compacts it).
+    /// `memoize`: a compaction of the worker's log is handed to the replay
+    /// on the other copy ([`MutationMemo::compacted`]); false where a
+    /// mutation may store more than once (a resync, which empties the log
+    /// first and so never compacts it): each copy then compacts its own.
     pub(crate) fn store(
         &mut self,
         slot: u32,
         tier: usize,
         hashes: &[SequenceHash],
         chained: bool,
-        memo: Option<&CompactedLog>,
+        memoize: bool,
         locs: &mut Locs<'_>,
     ) -> u64 {
         let (g, bit) = split(slot);
         let table = &mut self.groups[g];
-        let mut locator = locs.group(g);
+        let (mut locator, memo) = locs.group_and_compaction(g);
         let rec = self.workers[slot as usize].as_mut().expect("live slot");
         let mut changed = 0;
         for (i, &h) in hashes.iter().enumerate() {
@@ -224,6 +224,8 @@ impl State {
         table.close_run();
         rec.live[tier] += changed;
         if rec.log_needs_compaction(tier) {
+            let mut own = None;
+            let memo = if memoize { memo } else { &mut own };
             compact_log(table, locator.map(), rec, tier, bit, memo);
         }
         changed
@@ -316,7 +318,7 @@ impl State {
             }
             (Change::Stored { hashes, .. }, None) => {
                 // Chained: `why_unchained` found no broken link.
-                self.store(slot, tier, hashes, true, Some(&e.compacted), locs)
+                self.store(slot, tier, hashes, true, true, locs)
             }
             (Change::Removed { hashes }, None) => self.remove(slot, tier, hashes, locs),
             (Change::Cleared, None) => self.clear_tier(slot, tier, locs),

@@ -4,7 +4,7 @@ use kv_descriptor::chain_stored_blocks;
 /// Stores and removals of long chains, over and over and without clears,
 /// resyncs or restarts, so that every worker's log is compacted many
 /// times (each compaction is computed on one copy and taken by the
-/// replay from the event, `index::CompactedLog`): the index keeps
+/// replay from the mutation's memo, `index::MutationMemo`): the index keeps
 /// agreeing with the reference model on every outcome, every lookup and
 /// `holds`, and the logs stay compacted.
 #[test]
