@@ -27,6 +27,10 @@ pub struct Tally {
     pub skipped: u64,
     /// `SKIP ...` lines printed by tests that skipped themselves.
     pub skipped_at_run_time: Vec<String>,
+    /// Names of the failed tests, from libtest's `failures:` lists.
+    pub failed_tests: Vec<String>,
+    /// Inside a `failures:` list (until the next `test result:` line).
+    pub(crate) in_failures: bool,
 }
 
 impl Tally {
@@ -36,6 +40,24 @@ impl Tally {
     /// The line format is libtest's: `test result: ok. 12 passed; 0 failed;
     /// 1 ignored; 0 measured; 0 filtered out; finished in 0.01s`.
     pub fn add_line(&mut self, line: &str) -> bool {
+        if line == "failures:" {
+            self.in_failures = true;
+            return false;
+        }
+        // libtest lists each failed test as `    name` (four spaces) under
+        // `failures:`; with `--nocapture` nothing else in the list is indented.
+        if self.in_failures {
+            if let Some(name) = line.strip_prefix("    ") {
+                let name = name.trim();
+                if !name.is_empty()
+                    && !name.contains(' ')
+                    && !self.failed_tests.iter().any(|n| n == name)
+                {
+                    self.failed_tests.push(name.to_string());
+                }
+                return false;
+            }
+        }
         // libtest may print `test name ... ` before the test's own output.
         if let Some(at) = line.find("SKIP ") {
             self.skipped_at_run_time.push(line[at..].trim().to_string());
@@ -44,6 +66,7 @@ impl Tally {
         let Some(rest) = line.trim().strip_prefix("test result: ") else {
             return false;
         };
+        self.in_failures = false;
         let Some((_, counts)) = rest.split_once(". ") else {
             return false;
         };
@@ -77,6 +100,71 @@ impl Tally {
             self.skipped + run_time,
             self.skipped
         )
+    }
+}
+
+/// Panic messages on the test run's stderr, so that the closing lines name
+/// why each failed test failed (CI keeps only the head and tail of a long
+/// log; a panic in the middle was lost).
+///
+/// libtest runs each test on a thread named after the test, and the default
+/// panic hook prints `thread '<name>' (<tid>) panicked at <file:line:col>:`
+/// followed by the message lines.
+#[derive(Debug, Default)]
+pub struct PanicLog {
+    /// (thread name, `panicked at <location>: <message>`), in order.
+    panics: Vec<(String, String)>,
+    /// Message lines still to append to the last panic.
+    open: usize,
+}
+
+/// Message lines kept per panic (an assertion's `left`/`right` included).
+const PANIC_MESSAGE_LINES: usize = 4;
+
+impl PanicLog {
+    /// Records one stderr line.
+    pub fn add_line(&mut self, line: &str) {
+        if let Some((thread, location)) = line
+            .strip_prefix("thread '")
+            .and_then(|rest| rest.split_once('\''))
+            .and_then(|(name, after)| {
+                let at = after.find("panicked at ")?;
+                Some((
+                    name,
+                    after[at + "panicked at ".len()..].trim_end_matches(':'),
+                ))
+            })
+        {
+            self.panics
+                .push((thread.to_string(), format!("panicked at {location}")));
+            self.open = PANIC_MESSAGE_LINES;
+            return;
+        }
+        if self.open == 0 {
+            return;
+        }
+        if line.is_empty() || line.starts_with("note: ") || line.starts_with("stack backtrace:") {
+            self.open = 0;
+            return;
+        }
+        if let Some((_, message)) = self.panics.last_mut() {
+            message.push_str(if self.open == PANIC_MESSAGE_LINES {
+                ": "
+            } else {
+                " | "
+            });
+            message.push_str(line.trim());
+        }
+        self.open -= 1;
+    }
+
+    /// The last panic of the thread named `test`, if any.
+    pub fn of(&self, test: &str) -> Option<&str> {
+        self.panics
+            .iter()
+            .rev()
+            .find(|(thread, _)| thread == test)
+            .map(|(_, m)| m.as_str())
     }
 }
 
@@ -181,7 +269,7 @@ pub fn run(extra: &[String]) -> Result<()> {
     }
     test.arg("--nocapture");
     prereq.apply(&mut test);
-    let (mut tally, status) = tee_and_tally(&mut test, &mut std::io::stdout().lock())?;
+    let (mut tally, panics, status) = tee_and_tally(&mut test, &mut std::io::stdout().lock())?;
     if !status.success() && tally.failed == 0 {
         let why = if tally.passed == 0 {
             "before any test ran: a build failure, or an argument cargo rejected; see its output above"
@@ -240,6 +328,10 @@ pub fn run(extra: &[String]) -> Result<()> {
     for s in &tally.skipped_at_run_time {
         println!("skipped at run time: {s}");
     }
+    for name in &tally.failed_tests {
+        let why = panics.of(name).unwrap_or("no panic message seen on stderr");
+        println!("failed test: {name}: {why}");
+    }
     println!("{}", tally.closing_line());
     if tally.failed > 0 || !step_failures.is_empty() {
         return Err(XtaskError::TestsFailed {
@@ -263,18 +355,33 @@ fn layering_check() -> Result<usize> {
 
 /// Runs `cmd`, copying its stdout to `out` line by line while counting
 /// libtest summaries; stderr (cargo's build output) passes straight through.
+/// Runs `cmd`, copying its stdout to `out` and its stderr to this stderr,
+/// and returns the tally of stdout, the panics seen on stderr and the status.
 fn tee_and_tally(
     cmd: &mut Command,
     out: &mut impl Write,
-) -> Result<(Tally, std::process::ExitStatus)> {
+) -> Result<(Tally, PanicLog, std::process::ExitStatus)> {
     eprintln!("$ {}", command::describe(cmd));
     let mut child = cmd
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .map_err(|source| XtaskError::Spawn {
             program: "cargo".into(),
             source,
         })?;
+    let stderr = child.stderr.take().expect("stderr was piped");
+    // Read apart: a child blocked on a full stderr pipe would stall stdout.
+    let panics = std::thread::spawn(move || {
+        let mut log = PanicLog::default();
+        let mut err = std::io::stderr();
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            log.add_line(&line);
+            let _ = writeln!(err, "{line}");
+        }
+        log
+    });
     let mut tally = Tally::default();
     let stdout = child.stdout.take().expect("stdout was piped");
     for line in BufReader::new(stdout).lines() {
@@ -284,7 +391,8 @@ fn tee_and_tally(
         let _ = writeln!(out, "{line}");
     }
     let status = child.wait().map_err(XtaskError::io("<cargo test>"))?;
-    Ok((tally, status))
+    let panics = panics.join().unwrap_or_default();
+    Ok((tally, panics, status))
 }
 
 #[cfg(test)]
@@ -307,12 +415,54 @@ mod tests {
                 failed: 2,
                 skipped: 1,
                 skipped_at_run_time: vec!["SKIP gpu test: libcuda not loadable".into()],
+                ..Tally::default()
             }
         );
         assert_eq!(
             t.closing_line(),
             "14 passed, 2 failed, 2 skipped (1 ignored, 1 at run time)"
         );
+    }
+
+    #[test]
+    fn names_each_failed_test_with_its_panic_message() {
+        let mut t = Tally::default();
+        for line in [
+            "test a::slow ... ok",
+            "",
+            "failures:",
+            "    a::flaky",
+            "    b::broken",
+            "",
+            "test result: FAILED. 1 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1.00s",
+            "    indented output of a later test",
+        ] {
+            t.add_line(line);
+        }
+        assert_eq!(t.failed_tests, ["a::flaky", "b::broken"]);
+        let mut p = PanicLog::default();
+        for line in [
+            "thread 'a::flaky' (123) panicked at src/a.rs:10:5:",
+            "assertion `left == right` failed: counts",
+            "  left: 1",
+            " right: 2",
+            "note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace",
+            "thread 'b::broken' (124) panicked at src/b.rs:3:9:",
+            "called `Option::unwrap()` on a `None` value",
+            "stack backtrace:",
+            "   0: frame",
+        ] {
+            p.add_line(line);
+        }
+        assert_eq!(
+            p.of("a::flaky"),
+            Some("panicked at src/a.rs:10:5: assertion `left == right` failed: counts | left: 1 | right: 2")
+        );
+        assert_eq!(
+            p.of("b::broken"),
+            Some("panicked at src/b.rs:3:9: called `Option::unwrap()` on a `None` value")
+        );
+        assert_eq!(p.of("c::passed"), None);
     }
 
     #[test]
@@ -325,7 +475,7 @@ mod tests {
         // Into a buffer: a summary line on the real stdout would be counted
         // by the `cargo xtask test` run that executes this test.
         let mut copy = Vec::new();
-        let (t, status) = tee_and_tally(&mut c, &mut copy).unwrap();
+        let (t, _, status) = tee_and_tally(&mut c, &mut copy).unwrap();
         assert_eq!((t.passed, t.failed), (4, 0));
         assert!(String::from_utf8(copy)
             .unwrap()

@@ -251,7 +251,7 @@ mod tests {
             passed: 10,
             failed: 0,
             skipped: 1,
-            skipped_at_run_time: vec![],
+            ..Tally::default()
         };
         let line = "==== 2 failed, 5 passed, 3 skipped, 1 error in 0.31s ====";
         assert!(is_pytest_summary(line));

@@ -497,7 +497,6 @@ mod tests {
     use super::*;
     use crate::qualify::{Scenario, DONOR_BLOCKS, TARGET_BASELINE};
     use crate::spans::{ObservedAdvisor, ObservedExecutor};
-    use crate::ReuseSettings;
 
     /// What one client connection got from the endpoint.
     #[derive(Debug, PartialEq, Eq)]
@@ -661,10 +660,7 @@ mod tests {
     async fn scraped_endpoint_reports_decisions_fetches_fallbacks_bytes_latency_and_banks() {
         let s = Scenario::new().unwrap();
         let metrics = Arc::new(ReuseMetrics::new());
-        let settings = ReuseSettings {
-            enable_decode_to_prefill_reuse: true,
-            ..ReuseSettings::default()
-        };
+        let settings = crate::qualify::admitting_settings();
         let advisor = ObservedAdvisor::new(s.advisor(settings).unwrap(), metrics.clone());
         let exec = ObservedExecutor::new(s.executor().unwrap(), metrics.clone());
         let ctl = DeliveryControl::new();

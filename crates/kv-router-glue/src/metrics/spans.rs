@@ -226,7 +226,6 @@ mod tests {
 
     use super::*;
     use crate::qualify::Scenario;
-    use crate::ReuseSettings;
 
     /// Spans seen: name, parent name, fields (as text).
     #[derive(Debug, Clone, Default)]
@@ -296,10 +295,7 @@ mod tests {
         let capture = capture();
         let s = Scenario::new().unwrap();
         let metrics = Arc::new(ReuseMetrics::new());
-        let settings = ReuseSettings {
-            enable_decode_to_prefill_reuse: true,
-            ..ReuseSettings::default()
-        };
+        let settings = crate::qualify::admitting_settings();
         let advisor = ObservedAdvisor::new(s.advisor(settings).unwrap(), metrics.clone());
         let exec = ObservedExecutor::new(s.executor().unwrap(), metrics);
         let env = advisor.advise("req-77", &s.hashes, s.target).hint.unwrap();

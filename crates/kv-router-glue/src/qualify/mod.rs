@@ -35,6 +35,26 @@ pub(crate) const TARGET_BASELINE: usize = 2;
 /// Destination rows of the target.
 pub(crate) const TARGET_ROWS: u32 = 64;
 
+/// Reuse on, with pricing that admits a [`Scenario`] request whatever the
+/// test machine's load: the advisor prices the lookup's measured wall time
+/// (`saving = reused x prefill_token_us - blocks x block_us - lookup_us`),
+/// and a debug-build lookup preempted on a loaded 2-core runner took 1 to
+/// 5.4 ms, past the 1 ms default budget and the default 3.68 ms margin.
+/// Here the lookup budget is at its maximum (1 s) and a token costs 2 ms to
+/// recompute, so 46 blocks (736 tokens) save 1.47 s - 18.4 ms of transfer,
+/// more than any lookup within the budget takes; no minimum saving. Tests of
+/// the thresholds and of the default pricing set their own values.
+#[cfg(test)]
+pub(crate) fn admitting_settings() -> ReuseSettings {
+    ReuseSettings {
+        enable_decode_to_prefill_reuse: true,
+        transfer_source_lookup_budget_ms: 1_000.0,
+        minimum_estimated_ttft_saving_ms: 0.0,
+        transfer_source_prefill_token_us: 2_000.0,
+        ..ReuseSettings::default()
+    }
+}
+
 /// A decode donor with a retained TP2 host bank, a prefill target, and an
 /// index that saw the donor's events.
 pub(crate) struct Scenario {

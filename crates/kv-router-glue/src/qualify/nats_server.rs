@@ -1,5 +1,11 @@
 //! A throwaway `nats-server` on a free loopback port, for tests and `qualify`.
 //!
+//! The server picks its own port (`-p -1`) and reports it in a ports file
+//! (`--ports_file_dir`): a port chosen here and handed over would be free
+//! only until released, and two tests starting servers at once (or an
+//! outgoing connection taking it as its local port) could be given the same
+//! one, leaving one test talking to the other's server.
+//!
 //! The binary is `$KV_NATS_SERVER`, else `nats-server` on `PATH`, else
 //! `/usr/sbin/nats-server`; it must be executable and report version >=
 //! 2.10.0 from `--version` ([`find_nats_server`], [`NatsServerError`]). When
@@ -12,7 +18,7 @@
 //! that lives as long as the [`NatsServer`] (kept across restarts, so
 //! JetStream state survives [`NatsServer::restart`]) and is removed on drop.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -186,18 +192,16 @@ impl NatsServer {
     /// As [`NatsServer::start`].
     pub fn start_with_args(extra: &[&str]) -> Result<Self, String> {
         let binary = find_nats_server().map_err(|e| e.to_string())?;
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|e| format!("no free loopback port: {e}"))?
-            .port();
-        // Port and pid make the name unique among live servers on this host.
-        let store_dir =
-            std::env::temp_dir().join(format!("kv-nats-js-{}-{port}", std::process::id()));
+        // Pid and a per-process counter make the name unique among live
+        // servers on this host (the port is not known yet).
+        static STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let store_dir = std::env::temp_dir().join(format!("kv-nats-js-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&store_dir)
             .map_err(|e| format!("cannot create {}: {e}", store_dir.display()))?;
         let mut s = Self {
             binary,
-            port,
+            port: 0,
             child: None,
             extra: extra.iter().map(|a| a.to_string()).collect(),
             store_dir,
@@ -224,9 +228,22 @@ impl NatsServer {
         Some(Self::start().unwrap_or_else(|e| panic!("{test}: {e}")))
     }
 
+    /// Starts the child: on the port of an earlier start (a restart), else
+    /// on one the server picks and reports in its ports file.
     fn spawn(&mut self) -> Result<(), String> {
+        let ports_dir = self.store_dir.join("ports");
+        let _ = std::fs::remove_dir_all(&ports_dir);
+        std::fs::create_dir_all(&ports_dir)
+            .map_err(|e| format!("cannot create {}: {e}", ports_dir.display()))?;
         let mut cmd = Command::new(&self.binary);
-        cmd.args(["-a", "127.0.0.1", "-p", &self.port.to_string()]);
+        let port = if self.port == 0 {
+            "-1".to_string()
+        } else {
+            self.port.to_string()
+        };
+        cmd.args(["-a", "127.0.0.1", "-p", &port])
+            .arg("--ports_file_dir")
+            .arg(&ports_dir);
         // A configuration file (`-c`) brings its own `jetstream` block;
         // nats-server refuses a store dir given twice.
         if !self.extra.iter().any(|a| a == "-c" || a == "--config") {
@@ -240,24 +257,27 @@ impl NatsServer {
             .spawn()
             .map_err(|e| format!("cannot start {}: {e}", self.binary.display()))?;
         self.child = Some(child);
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
         let start = Instant::now();
         while start.elapsed() < Duration::from_secs(10) {
-            if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
-                return Ok(());
+            // The ports file is written once the client listener is bound.
+            if let Some(port) = read_ports_file(&ports_dir) {
+                let addr = SocketAddr::from(([127, 0, 0, 1], port));
+                if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
+                    self.port = port;
+                    return Ok(());
+                }
             }
             if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
                 return Err(format!(
-                    "nats-server exited early with {status} (port {} taken?)",
-                    self.port
+                    "nats-server exited early with {status} (-p {port})"
                 ));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         self.stop();
         Err(format!(
-            "nats-server did not listen on port {} within 10 s",
-            self.port
+            "nats-server did not report a listening port in {} within 10 s",
+            ports_dir.display()
         ))
     }
 
@@ -282,6 +302,19 @@ impl NatsServer {
         self.stop();
         self.spawn()
     }
+}
+
+/// The client port in the one `*.ports` file of `dir`, written by
+/// `nats-server --ports_file_dir` as `{"nats":["nats://127.0.0.1:<port>"],...}`.
+fn read_ports_file(dir: &std::path::Path) -> Option<u16> {
+    let entry = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .find(|e| e.path().extension().is_some_and(|x| x == "ports"))?;
+    let text = std::fs::read_to_string(entry.path()).ok()?;
+    let doc: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let url = doc.get("nats")?.as_array()?.first()?.as_str()?;
+    url.rsplit_once(':')?.1.parse().ok()
 }
 
 impl Drop for NatsServer {

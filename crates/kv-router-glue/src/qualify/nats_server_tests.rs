@@ -80,3 +80,47 @@ fn version_parsing_reads_the_first_semver_word() {
     assert_eq!(parse_version("nats-server: 2.10.22"), None);
     assert_eq!(parse_version("v2.10"), None);
 }
+
+/// The NATS `INFO` line a server sends first on a connection, which names
+/// its `server_id` (distinct per server process).
+fn server_id(port: u16) -> String {
+    use std::io::{BufRead, BufReader};
+    let stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line).unwrap();
+    let info: serde_json::Value =
+        serde_json::from_str(line.strip_prefix("INFO ").expect("INFO first")).unwrap();
+    info["server_id"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn servers_started_at_once_get_their_own_ports_and_a_restart_keeps_its_port() {
+    const TEST: &str = "servers_started_at_once_get_their_own_ports_and_a_restart_keeps_its_port";
+    if super::NatsServer::start_or_skip(TEST).is_none() {
+        return;
+    }
+    let servers: Vec<super::NatsServer> = std::thread::scope(|s| {
+        let started: Vec<_> = (0..6)
+            .map(|_| s.spawn(|| super::NatsServer::start().unwrap()))
+            .collect();
+        started.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let ports: std::collections::BTreeSet<u16> = servers.iter().map(|s| s.port).collect();
+    assert_eq!(ports.len(), servers.len(), "{ports:?}");
+    let ids: std::collections::BTreeSet<String> =
+        servers.iter().map(|s| server_id(s.port)).collect();
+    assert_eq!(ids.len(), servers.len(), "each port is its own server");
+    let mut first = servers.into_iter().next().unwrap();
+    let (port, before) = (first.port, server_id(first.port));
+    first.restart().unwrap();
+    assert_eq!(first.port, port);
+    assert_eq!(first.url(), format!("nats://127.0.0.1:{port}"));
+    assert_ne!(
+        server_id(port),
+        before,
+        "a new process answers on the same port"
+    );
+}

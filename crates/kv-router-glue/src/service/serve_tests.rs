@@ -11,15 +11,9 @@ use super::*;
 use crate::metrics::ReuseMetrics;
 use crate::qualify::nats_server::NatsServer;
 use crate::qualify::{Scenario, DONOR_BLOCKS, TARGET_BASELINE};
-use crate::ReuseSettings;
 
 fn service(s: &Scenario) -> Arc<RouterService> {
-    let advisor = s
-        .advisor(ReuseSettings {
-            enable_decode_to_prefill_reuse: true,
-            ..ReuseSettings::default()
-        })
-        .unwrap();
+    let advisor = s.advisor(crate::qualify::admitting_settings()).unwrap();
     let svc = RouterService::new(Arc::new(advisor));
     svc.add_target(s.target);
     Arc::new(svc)

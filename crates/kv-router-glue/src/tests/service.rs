@@ -9,12 +9,7 @@ use crate::service::*;
 use crate::*;
 
 fn service(s: &Scenario) -> RouterService {
-    let advisor = s
-        .advisor(ReuseSettings {
-            enable_decode_to_prefill_reuse: true,
-            ..ReuseSettings::default()
-        })
-        .unwrap();
+    let advisor = s.advisor(crate::qualify::admitting_settings()).unwrap();
     let svc = RouterService::new(Arc::new(advisor));
     svc.add_target(s.target);
     svc

@@ -236,8 +236,15 @@ impl Router {
             )
             .unwrap();
         let remote = Arc::new(RemoteDonorDirectory::new());
+        // Pricing that admits whatever the runner's load: the advisor prices
+        // the lookup's wall time, and a preempted debug-build lookup took 1 to
+        // 5.4 ms (past the 1 ms default budget and the default margin). At 2 ms
+        // a token, even a 4-block fetch saves 128 ms.
         let settings = ReuseSettings {
             enable_decode_to_prefill_reuse: true,
+            transfer_source_lookup_budget_ms: 1_000.0,
+            minimum_estimated_ttft_saving_ms: 0.0,
+            transfer_source_prefill_token_us: 2_000.0,
             ..ReuseSettings::default()
         };
         let model = CostModel::new(settings, TOKENS as u32).unwrap();
