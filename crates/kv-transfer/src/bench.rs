@@ -91,7 +91,7 @@ pub struct BenchRow {
     /// GPU rows of the gather backend (`cuda_ipc`, `cuda_convert`, sweep):
     /// how block tables reached the kernel, as
     /// [`CudaCopyBackend::upload_label`] says (`upload=params`,
-    /// `upload=pipelined first=8192KiB growth=4`, `upload=copy`; set with
+    /// `upload=pipelined first=16384KiB growth=4`, `upload=copy`; set with
     /// `KV_GATHER_UPLOAD`). JSON key `gather_upload`, absent elsewhere.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gather_upload: Option<String>,

@@ -712,6 +712,7 @@ fn every_upload_variant_lands_every_byte_of_a_scattered_fetch() {
             (GatherUpload::Pipelined, Pipeline::default()),
             (GatherUpload::Pipelined, Pipeline::new(64 << 10, 2).unwrap()),
             (GatherUpload::Pipelined2, Pipeline::default()),
+            (GatherUpload::Pipelined2, Pipeline::new(8 << 20, 4).unwrap()),
             (
                 GatherUpload::Pipelined2,
                 Pipeline::new(64 << 10, 2).unwrap(),
@@ -740,12 +741,14 @@ fn every_upload_variant_lands_every_byte_of_a_scattered_fetch() {
                 );
             }
             assert!(got[n as usize * bb..].iter().all(|&b| b == 0));
-            // 3,000 x 4 KiB is 11.7 MiB: one launch, or 2,048 + 952 rows
-            // by default, or 16 + 32 + ... chunks cut small.
+            // 3,000 x 4 KiB is 11.7 MiB: one launch unpipelined or under
+            // the default 16 MiB first chunk, 2,048 + 952 rows under an
+            // 8 MiB one, many chunks when cut small.
             let launches = rep.counters.copies;
-            match (upload.pipelines(), pipeline == Pipeline::default()) {
-                (true, true) => assert_eq!(launches, 2),
-                (true, false) => assert!(launches > 3, "{launches}"),
+            let first = pipeline.first_bytes();
+            match (upload.pipelines(), first) {
+                (true, f) if f == 8 << 20 => assert_eq!(launches, 2),
+                (true, f) if f == 64 << 10 => assert!(launches > 3, "{launches}"),
                 _ => assert_eq!(launches, 1),
             }
             println!(

@@ -522,7 +522,7 @@ impl super::CudaCopyBackend {
     /// One line saying how device `ordinal` places gather block tables:
     /// `inline kernel parameters`, `device table upload (<why>)` or
     /// `device table upload (KV_GATHER_UPLOAD=copy)`, then the upload
-    /// variant (`upload=pipelined first=8192KiB growth=4`), for the
+    /// variant (`upload=pipelined first=16384KiB growth=4`), for the
     /// benchmark log.
     ///
     /// # Errors

@@ -7,7 +7,7 @@
 //! that checks the runs and packs the ids (5.3 / 11.4 µs for 1024 / 4096
 //! runs on the H200's host, against a 44-45 µs kernel). The pipelined
 //! variant packs and launches only a first chunk of the runs (by default
-//! 8 MiB of rows), then packs chunk `k + 1` while chunk `k`'s kernel runs:
+//! 16 MiB of rows), then packs chunk `k + 1` while chunk `k`'s kernel runs:
 //! only the first chunk's packing is exposed, at the price of one kernel
 //! boundary per extra launch on the stream. Every chunk is the same launch
 //! as an unchunked fetch of its runs (its own [`super::RunsGather`], its own
@@ -111,13 +111,18 @@ pub struct Pipeline {
 }
 
 impl Default for Pipeline {
-    /// 8 MiB first (128 x 64 KiB or 512 x 16 KiB rows: about 5.5 µs of
-    /// kernel on an H200, longer than packing the next 512 / 2048 runs and
-    /// launching them), growth 4 (1024 x 64 KiB: 128 + 512 + 384 rows,
-    /// 4096 x 16 KiB: 512 + 2048 + 1536).
+    /// 16 MiB first (256 x 64 KiB or 1024 x 16 KiB rows: about 11 µs of
+    /// kernel on an H200, longer than packing the rest and launching it),
+    /// growth 4: 1024 x 64 KiB goes as 256 + 768 rows, 4096 x 16 KiB as
+    /// 1024 + 3072, two launches on the two streams of
+    /// [`GatherUpload::Pipelined2`]. Measured on an H100 (session 27,
+    /// `docs/qualification/s27/`, two rounds each, ratio to the raw copy):
+    /// 1024 x 64 KiB 0.939 / 0.927 against 0.892 / 0.901 at the former 8 MiB
+    /// (three launches) and 0.901 / 0.902 as one launch (`params`);
+    /// 4096 x 16 KiB 0.914 / 0.917 against 0.887 / 0.887 and 0.868 / 0.872.
     fn default() -> Self {
         Self {
-            first_bytes: 8 << 20,
+            first_bytes: 16 << 20,
             growth: 4,
         }
     }
@@ -292,10 +297,9 @@ mod tests {
     #[test]
     fn default_chunks_of_the_benchmark_shapes() {
         let p = Pipeline::default();
-        assert_eq!((p.first_bytes(), p.growth()), (8 << 20, 4));
-        assert_eq!(sizes(&p, &rows(1024, 1, 64 << 10)), [128, 512, 384]);
-        assert_eq!(sizes(&p, &rows(4096, 1, 16 << 10)), [512, 2048, 1536]);
-        // 128 x 2 MiB: 4 rows make the first 8 MiB, then 16, then the rest.
+        assert_eq!((p.first_bytes(), p.growth()), (16 << 20, 4));
+        assert_eq!(sizes(&p, &rows(1024, 1, 64 << 10)), [256, 768]);
+        assert_eq!(sizes(&p, &rows(4096, 1, 16 << 10)), [1024, 3072]);
         // 128 x 2 MiB: fewer runs than a chunk's minimum, one launch.
         assert_eq!(sizes(&p, &rows(128, 1, 2 << 20)), [128]);
         // A fetch no larger than the first chunk is one launch, and a
@@ -303,10 +307,12 @@ mod tests {
         assert_eq!(sizes(&p, &rows(7, 1, 32 << 10)), [7]);
         assert_eq!(sizes(&p, &rows(128, 1, 64 << 10)), [128]);
         assert_eq!(sizes(&p, &rows(255, 1, 64 << 10)), [255]);
-        assert_eq!(sizes(&p, &rows(256, 1, 64 << 10)), [128, 128]);
-        assert_eq!(sizes(&p, &rows(700, 1, 64 << 10)), [128, 572]);
-        // 4 KiB rows: the first 8 MiB is 2,048 runs, the rest fits one.
-        assert_eq!(sizes(&p, &rows(8128, 1, 4 << 10)), [2048, 6080]);
+        assert_eq!(sizes(&p, &rows(256, 1, 64 << 10)), [256]);
+        assert_eq!(sizes(&p, &rows(384, 1, 64 << 10)), [256, 128]);
+        assert_eq!(sizes(&p, &rows(383, 1, 64 << 10)), [383]);
+        assert_eq!(sizes(&p, &rows(700, 1, 64 << 10)), [256, 444]);
+        // 4 KiB rows: the first 16 MiB is 4,096 runs, the rest fits one.
+        assert_eq!(sizes(&p, &rows(8128, 1, 4 << 10)), [4096, 4032]);
         assert!(p.chunks(&[]).next().is_none());
     }
 
@@ -343,9 +349,9 @@ mod tests {
     fn block_chunks_are_the_chunks_of_single_row_runs() {
         let p = Pipeline::default();
         let got: Vec<(usize, usize)> = p.block_chunks(1024, 64 << 10).collect();
-        assert_eq!(got, [(0, 128), (128, 512), (640, 384)]);
+        assert_eq!(got, [(0, 256), (256, 768)]);
         let got: Vec<(usize, usize)> = p.block_chunks(4096, 16 << 10).collect();
-        assert_eq!(got, [(0, 512), (512, 2048), (2560, 1536)]);
+        assert_eq!(got, [(0, 1024), (1024, 3072)]);
         assert!(p.block_chunks(0, 64).next().is_none());
         for first_kib in [64u64, 1024, 2048, 8192, 65536] {
             for growth in [2u64, 3, 4, 64] {
@@ -414,6 +420,6 @@ mod tests {
             .contains("first_bytes"));
         assert!(Pipeline::new(8 << 20, 1).unwrap_err().contains("growth"));
         assert!(Pipeline::new(8 << 20, 65).unwrap_err().contains("growth"));
-        assert_eq!(Pipeline::new(8 << 20, 4).unwrap(), Pipeline::default());
+        assert_eq!(Pipeline::new(16 << 20, 4).unwrap(), Pipeline::default());
     }
 }
