@@ -2,6 +2,7 @@
 standing in for a router replica (the NATS client protocol is text: INFO,
 CONNECT, SUB, MSG, PUB, PING/PONG)."""
 
+import json
 import os
 import shutil
 import socket
@@ -40,32 +41,49 @@ def skip_or_fail(what, why):
     pytest.skip(line)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def reported_port(ports_dir):
+    """The client port nats-server wrote to its ports file in `ports_dir`
+    (`--ports_file_dir`: `{"nats": ["nats://127.0.0.1:<port>"], ...}`),
+    None until the file is there and whole."""
+    for name in os.listdir(ports_dir):
+        if name.endswith(".ports"):
+            try:
+                with open(os.path.join(ports_dir, name)) as f:
+                    return int(json.load(f)["nats"][0].rsplit(":", 1)[1])
+            except (OSError, ValueError, KeyError, IndexError):
+                return None
+    return None
 
 
 class NatsServer:
-    """A nats-server on a free loopback port, stopped by `stop()`."""
+    """A nats-server on a loopback port it picks itself (`-p -1`, reported
+    in its ports file: a port picked here and released could be taken
+    before the server binds it), stopped by `stop()`."""
 
     def __init__(self, binary, store_dir, extra_args=()):
-        self.port = free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
+        ports_dir = os.path.join(str(store_dir), "ports")
+        os.makedirs(ports_dir, exist_ok=True)
         # JetStream on: the router binary keeps its donor directory in a KV bucket.
         # `extra_args`: e.g. ("--user", "u", "--pass", "p") for a server that authenticates.
-        self.proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(self.port),
+        self.proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", "-1", "--ports_file_dir", ports_dir,
                                       "-js", "-sd", str(store_dir), *extra_args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
+            port = reported_port(ports_dir)
+            if port is not None:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    self.port = port
+                    self.url = f"nats://127.0.0.1:{port}"
+                    return
+                except OSError:
+                    pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with code {self.proc.returncode}")
+            time.sleep(0.05)
         self.stop()
-        raise RuntimeError("nats-server did not listen within 10 s")
+        raise RuntimeError("nats-server reported no listening port within 10 s")
 
     def stop(self):
         if self.proc.poll() is None:

@@ -68,14 +68,24 @@ def find_router() -> Optional[str]:
                         os.path.join(REPO, "target", "debug", "kv-reuse-router")])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _reported_port(ports_dir: str) -> Optional[int]:
+    """The client port nats-server wrote to its ports file in ``ports_dir``
+    (``--ports_file_dir``: ``{"nats": ["nats://127.0.0.1:<port>"], ...}``);
+    None until the file is there and whole."""
+    for name in os.listdir(ports_dir):
+        if name.endswith(".ports"):
+            try:
+                with open(os.path.join(ports_dir, name)) as f:
+                    return int(json.load(f)["nats"][0].rsplit(":", 1)[1])
+            except (OSError, ValueError, KeyError, IndexError):
+                return None
+    return None
 
 
 class RouterService:
-    """A JetStream nats-server on a free loopback port and a ``kv-reuse-router`` following it.
+    """A JetStream nats-server on a loopback port it picks itself (``-p -1``, read
+    back from its ports file: a port picked here and released could be taken
+    before the server binds it) and a ``kv-reuse-router`` following it.
 
     ``tokens_per_block``: the engines' block size (the router's cost model).
     ``settings``: reuse flags of the router (``--enable-...`` names without
@@ -95,9 +105,12 @@ class RouterService:
         if router_bin is None:
             raise ServiceError("router", "kv-reuse-router not found ($KVQ_ROUTER_BIN, target/release, target/debug)")
         self.dir = tempfile.mkdtemp(prefix="gpu-serving-nats-")
-        self.port = _free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.nats = subprocess.Popen([nats_bin, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.dir],
+        self.ports_dir = os.path.join(self.dir, "ports")
+        os.makedirs(self.ports_dir)
+        self.port = 0
+        self.url = ""
+        self.nats = subprocess.Popen([nats_bin, "-a", "127.0.0.1", "-p", "-1", "--ports_file_dir", self.ports_dir,
+                                      "-js", "-sd", self.dir],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.router: Optional[subprocess.Popen] = None
         try:
@@ -120,12 +133,17 @@ class RouterService:
         while time.monotonic() < deadline:
             if self.nats.poll() is not None:
                 raise ServiceError("nats_server", f"exited with code {self.nats.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise ServiceError("nats_server", f"no connection on port {self.port} within 10 s")
+            port = _reported_port(self.ports_dir)
+            if port is not None:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                        self.port = port
+                        self.url = f"nats://127.0.0.1:{port}"
+                        return
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        raise ServiceError("nats_server", f"reported no listening port in {self.ports_dir} within 10 s")
 
     def _ready_line(self) -> Dict:
         assert self.router is not None and self.router.stdout is not None
