@@ -4,7 +4,8 @@
 //! runtime wheel, nats-server, libclang), the workspace test run with its
 //! closing `N passed, N failed` line, the layering check, and driving the
 //! `kvq` binary (kv-testkit) for qualification, benchmarks and the GPU bundle,
-//! and timed cargo-fuzz runs of the kv-descriptor decoders (`fuzz`).
+//! timed cargo-fuzz runs of the kv-descriptor decoders (`fuzz`), and the loom
+//! model tests of kv-lookup's left-right twin (`loom`).
 //!
 //! Invariant: xtask depends on no workspace crate and nothing that needs
 //! libclang or CUDA, so `cargo xtask` starts on a fresh machine and installs
@@ -23,6 +24,7 @@ mod fuzz;
 mod kvq;
 mod layering;
 mod libclang;
+mod loom;
 mod nats;
 mod nixl;
 mod pip;
@@ -102,6 +104,9 @@ enum Cmd {
         #[arg(long = "target", value_name = "NAME")]
         targets: Vec<String>,
     },
+    /// Run kv-lookup's loom model tests of the left-right twin (`--cfg
+    /// kv_loom`, own target dir `target/loom`); part of `cargo xtask test`.
+    Loom,
     /// Build the `kv_reuse` Python wheel into `target/wheels/` (venv in
     /// `target/py-venv`) and install it there.
     Wheel {
@@ -185,6 +190,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             command::run(&mut c)
         }
         Cmd::Fuzz { seconds, targets } => fuzz::run(seconds, &targets),
+        Cmd::Loom => command::run(&mut loom::command()),
         Cmd::GpuBundle { with_tests } => bundle::run(with_tests),
         Cmd::Wheel { release } => {
             // The extension links kv-transfer with its default `nixl`

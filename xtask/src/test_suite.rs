@@ -223,7 +223,9 @@ fn report_free_disk() {
 /// Runs prerequisites, the layering check, the feature sets of
 /// [`feature_sets::FEATURE_SETS`] (each `cargo check`ed alone, its graph
 /// checked for CUDA / NIXL crates), `cargo fmt --all --check`,
-/// `cargo test --workspace --no-fail-fast [extra]`, `cargo clippy --workspace
+/// `cargo test --workspace --no-fail-fast [extra]`, kv-lookup's loom models
+/// ([`crate::loom`], their own cfg and target directory), the Python tests,
+/// `cargo clippy --workspace
 /// --all-targets -- -D warnings` and `cargo doc --workspace --no-deps` with
 /// `-D warnings` (every crate's docs, intra-doc links included); every step
 /// runs even after an earlier one failed, so one run shows every problem.
@@ -269,7 +271,7 @@ pub fn run(extra: &[String]) -> Result<()> {
     }
     test.arg("--nocapture");
     prereq.apply(&mut test);
-    let (mut tally, panics, status) = tee_and_tally(&mut test, &mut std::io::stdout().lock())?;
+    let (mut tally, mut panics, status) = tee_and_tally(&mut test, &mut std::io::stdout().lock())?;
     if !status.success() && tally.failed == 0 {
         let why = if tally.passed == 0 {
             "before any test ran: a build failure, or an argument cargo rejected; see its output above"
@@ -281,6 +283,26 @@ pub fn run(extra: &[String]) -> Result<()> {
             command::describe(&test)
         ));
     }
+
+    // kv-lookup's loom models of the left-right twin: their own cfg and
+    // target directory (`loom.rs`), so they never rebuild the units above.
+    let mut models = crate::loom::command();
+    if crate::prerequisites::in_ci() {
+        models.env("CARGO_INCREMENTAL", "0");
+    }
+    let (loom_tally, loom_panics, loom_status) =
+        tee_and_tally(&mut models, &mut std::io::stdout().lock())?;
+    panics.panics.extend(loom_panics.panics);
+    if !loom_status.success() && loom_tally.failed == 0 {
+        step_failures.push(format!(
+            "`{}` exited with {loom_status} before any model failed (a build failure?)",
+            command::describe(&models)
+        ));
+    }
+    tally.passed += loom_tally.passed;
+    tally.failed += loom_tally.failed;
+    tally.skipped += loom_tally.skipped;
+    tally.failed_tests.extend(loom_tally.failed_tests);
 
     // The Python wheel, built with the workspace target directory (its
     // dependencies are the test build's), and its pytest counts.
