@@ -2,9 +2,9 @@
 standing in for a router replica (the NATS client protocol is text: INFO,
 CONNECT, SUB, MSG, PUB, PING/PONG)."""
 
-import json
 import os
 import shutil
+import sys
 import socket
 import subprocess
 import threading
@@ -13,6 +13,10 @@ import time
 import pytest
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
+# The gpu_serving harness's reading of nats-server's ports file (stdlib only).
+sys.path.insert(0, os.path.join(REPO, "crates", "kv-testkit", "python"))
+from gpu_serving.service import reported_port  # noqa: E402
 
 
 def find_nats_server():
@@ -39,20 +43,6 @@ def skip_or_fail(what, why):
     if ci_requires():
         pytest.fail(line + " (CI)")
     pytest.skip(line)
-
-
-def reported_port(ports_dir):
-    """The client port nats-server wrote to its ports file in `ports_dir`
-    (`--ports_file_dir`: `{"nats": ["nats://127.0.0.1:<port>"], ...}`),
-    None until the file is there and whole."""
-    for name in os.listdir(ports_dir):
-        if name.endswith(".ports"):
-            try:
-                with open(os.path.join(ports_dir, name)) as f:
-                    return int(json.load(f)["nats"][0].rsplit(":", 1)[1])
-            except (OSError, ValueError, KeyError, IndexError):
-                return None
-    return None
 
 
 class NatsServer:

@@ -68,7 +68,7 @@ def find_router() -> Optional[str]:
                         os.path.join(REPO, "target", "debug", "kv-reuse-router")])
 
 
-def _reported_port(ports_dir: str) -> Optional[int]:
+def reported_port(ports_dir: str) -> Optional[int]:
     """The client port nats-server wrote to its ports file in ``ports_dir``
     (``--ports_file_dir``: ``{"nats": ["nats://127.0.0.1:<port>"], ...}``);
     None until the file is there and whole."""
@@ -133,7 +133,7 @@ class RouterService:
         while time.monotonic() < deadline:
             if self.nats.poll() is not None:
                 raise ServiceError("nats_server", f"exited with code {self.nats.returncode}")
-            port = _reported_port(self.ports_dir)
+            port = reported_port(self.ports_dir)
             if port is not None:
                 try:
                     with socket.create_connection(("127.0.0.1", port), timeout=0.2):
