@@ -34,6 +34,8 @@ pub struct Tally {
     /// Names of the current `failures:` list, taken into `failed_tests` at
     /// its binary's `test result:` line.
     pub(crate) pending_failures: Vec<String>,
+    /// pytest's failed and erroring tests, `id - reason` (`wheel::pytest`).
+    pub python_failures: Vec<String>,
 }
 
 impl Tally {
@@ -299,6 +301,7 @@ pub fn run(extra: &[String]) -> Result<()> {
             tally.passed += py.passed;
             tally.failed += py.failed;
             tally.skipped += py.skipped;
+            tally.python_failures = py.failed_tests;
         }
         Err(e) => step_failures.push(format!("python wheel: {e}")),
     }
@@ -336,6 +339,9 @@ pub fn run(extra: &[String]) -> Result<()> {
     for name in &tally.failed_tests {
         let why = panics.of(name).unwrap_or("no panic message seen on stderr");
         println!("failed test: {name}: {why}");
+    }
+    for failure in &tally.python_failures {
+        println!("failed test: {failure}");
     }
     println!("{}", tally.closing_line());
     if tally.failed > 0 || !step_failures.is_empty() {
