@@ -31,6 +31,11 @@ pub struct Tally {
     pub failed_tests: Vec<String>,
     /// Inside a `failures:` list (until the next `test result:` line).
     pub(crate) in_failures: bool,
+    /// Names of the current `failures:` list, taken into `failed_tests` at
+    /// its binary's `test result:` line.
+    pub(crate) pending_failures: Vec<String>,
+    /// pytest's failed and erroring tests, `id - reason` (`wheel::pytest`).
+    pub python_failures: Vec<String>,
 }
 
 impl Tally {
@@ -40,20 +45,21 @@ impl Tally {
     /// The line format is libtest's: `test result: ok. 12 passed; 0 failed;
     /// 1 ignored; 0 measured; 0 filtered out; finished in 0.01s`.
     pub fn add_line(&mut self, line: &str) -> bool {
+        // libtest prints `failures:` twice: first over the failed tests'
+        // captured output (`---- name stdout ----` blocks, whose lines may
+        // be indented too), then over the list of names, each as `    name`
+        // (four spaces). Only the last list before `test result:` counts, and
+        // a name may hold spaces: a doctest is `src/lib.rs - f (line 3)`.
         if line == "failures:" {
             self.in_failures = true;
+            self.pending_failures.clear();
             return false;
         }
-        // libtest lists each failed test as `    name` (four spaces) under
-        // `failures:`; with `--nocapture` nothing else in the list is indented.
         if self.in_failures {
             if let Some(name) = line.strip_prefix("    ") {
                 let name = name.trim();
-                if !name.is_empty()
-                    && !name.contains(' ')
-                    && !self.failed_tests.iter().any(|n| n == name)
-                {
-                    self.failed_tests.push(name.to_string());
+                if !name.is_empty() {
+                    self.pending_failures.push(name.to_string());
                 }
                 return false;
             }
@@ -67,6 +73,7 @@ impl Tally {
             return false;
         };
         self.in_failures = false;
+        self.failed_tests.append(&mut self.pending_failures);
         let Some((_, counts)) = rest.split_once(". ") else {
             return false;
         };
@@ -316,6 +323,7 @@ pub fn run(extra: &[String]) -> Result<()> {
             tally.passed += py.passed;
             tally.failed += py.failed;
             tally.skipped += py.skipped;
+            tally.python_failures = py.failed_tests;
         }
         Err(e) => step_failures.push(format!("python wheel: {e}")),
     }
@@ -353,6 +361,9 @@ pub fn run(extra: &[String]) -> Result<()> {
     for name in &tally.failed_tests {
         let why = panics.of(name).unwrap_or("no panic message seen on stderr");
         println!("failed test: {name}: {why}");
+    }
+    for failure in &tally.python_failures {
+        println!("failed test: {failure}");
     }
     println!("{}", tally.closing_line());
     if tally.failed > 0 || !step_failures.is_empty() {
@@ -462,6 +473,7 @@ mod tests {
             t.add_line(line);
         }
         assert_eq!(t.failed_tests, ["a::flaky", "b::broken"]);
+        assert_eq!(t.failed, 2);
         let mut p = PanicLog::default();
         for line in [
             "thread 'a::flaky' (123) panicked at src/a.rs:10:5:",
@@ -485,6 +497,55 @@ mod tests {
             Some("panicked at src/b.rs:3:9: called `Option::unwrap()` on a `None` value")
         );
         assert_eq!(p.of("c::passed"), None);
+    }
+
+    /// libtest's stdout for a failed doctest (name with spaces) and for a
+    /// binary whose failures carry captured output (`cargo test --
+    /// --nocapture --no-fail-fast`, rustc 1.95): every failed test is
+    /// named once, and nothing from the captured output is taken as a name.
+    #[test]
+    fn names_failed_doctests_and_skips_captured_output() {
+        let mut t = Tally::default();
+        for line in [
+            "running 1 test",
+            "src/lib.rs - two (line 1) --- FAILED",
+            "",
+            "failures:",
+            "",
+            "failures:",
+            "    src/lib.rs - two (line 1)",
+            "",
+            "test result: FAILED. 0 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.00s",
+            "running 2 tests",
+            "",
+            "failures:",
+            "",
+            "---- c::should_panic stdout ----",
+            "    |",
+            "    = note: captured output of a test",
+            "",
+            "failures:",
+            "    c::should_panic",
+            "    c::same_name",
+            "",
+            "test result: FAILED. 0 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.00s",
+            "running 1 test",
+            "failures:",
+            "    c::same_name",
+            "test result: FAILED. 0 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.00s",
+        ] {
+            t.add_line(line);
+        }
+        assert_eq!(
+            t.failed_tests,
+            [
+                "src/lib.rs - two (line 1)",
+                "c::should_panic",
+                "c::same_name",
+                "c::same_name"
+            ]
+        );
+        assert_eq!(t.failed, t.failed_tests.len() as u64);
     }
 
     #[test]

@@ -196,7 +196,9 @@ pub fn pytest() -> Result<(Tally, bool)> {
     let root = workspace::root();
     let mut c = Command::new(venv_bin("python"));
     c.current_dir(&root)
-        .args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"])
+        // `-r` replaces pytest's default `fE`: list failures and errors
+        // (`FAILED id - reason`) beside the skips, for the closing lines.
+        .args(["-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"])
         .arg(root.join("crates/kv-reuse-py/tests"))
         // The gpu_serving harness's tests: those needing torch skip with the
         // reason in this venv (torch is never a CI dependency).
@@ -209,7 +211,21 @@ pub fn pytest() -> Result<(Tally, bool)> {
     if let Some(line) = text.lines().rev().find(|l| is_pytest_summary(l)) {
         add_pytest_summary(&mut tally, line);
     }
+    tally
+        .failed_tests
+        .extend(text.lines().filter_map(pytest_failure));
     Ok((tally, out.status.success()))
+}
+
+/// A failed or erroring test of pytest's short summary (`-rfE`),
+/// `FAILED tests/t.py::test_x - AssertionError: ...` or `ERROR ...`, as
+/// `tests/t.py::test_x - AssertionError: ...`.
+fn pytest_failure(line: &str) -> Option<String> {
+    let rest = line
+        .strip_prefix("FAILED ")
+        .or_else(|| line.strip_prefix("ERROR "))?;
+    let id = rest.split(" - ").next()?;
+    (id.contains("::") || id.ends_with(".py")).then(|| rest.trim().to_string())
 }
 
 fn is_pytest_summary(line: &str) -> bool {
@@ -258,6 +274,27 @@ mod tests {
         add_pytest_summary(&mut t, line);
         assert_eq!((t.passed, t.failed, t.skipped), (15, 3, 4));
         assert!(!is_pytest_summary("tests/test_roles.py ....s"));
+    }
+
+    /// pytest 9.2's `-rfEs` short summary: failures and errors are named
+    /// with their reason, skips and other lines are not failures.
+    #[test]
+    fn pytest_failures_and_errors_are_named_with_their_reason() {
+        assert_eq!(
+            pytest_failure("FAILED pt/test_x.py::test_bad - AssertionError: one is not two"),
+            Some("pt/test_x.py::test_bad - AssertionError: one is not two".into())
+        );
+        assert_eq!(
+            pytest_failure("ERROR pt/test_y.py::test_err - RuntimeError: fixture broke"),
+            Some("pt/test_y.py::test_err - RuntimeError: fixture broke".into())
+        );
+        assert_eq!(
+            pytest_failure("ERROR tests/test_z.py - ImportError: no kv_reuse"),
+            Some("tests/test_z.py - ImportError: no kv_reuse".into())
+        );
+        assert_eq!(pytest_failure("SKIPPED [1] pt/test_x.py:4: why"), None);
+        assert_eq!(pytest_failure("E   AssertionError: one is not two"), None);
+        assert_eq!(pytest_failure("FAILED to start something"), None);
     }
 
     /// `cargo tree` lines `name vX (path)|features` → package → feature sets.

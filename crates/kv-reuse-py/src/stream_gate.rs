@@ -137,7 +137,10 @@ impl GateShared {
 /// is cut into for a model of `layers` layers, as `kv_transfer::layer_group_ranges`
 /// cuts them: `min(groups, layers)` contiguous ranges, sizes differing by at
 /// most one, larger first. An engine hooks the first layer of each.
-/// Raises `BadArgument` naming `layers` / `groups` for a negative int.
+/// Raises `BadArgument` naming `layers` / `groups` for a negative int, for
+/// `layers` 0, and for `groups` outside 1..=1024 (what `StreamGate`'s
+/// `layer_groups` accepts: a larger count once asked the allocator for
+/// 8 bytes a group, 34 GB for 2^32 - 1, and aborted the interpreter).
 ///
 /// ```text
 /// >>> [r.start for r in kv_reuse.layer_group_ranges(32, 8)]
@@ -150,6 +153,15 @@ pub(crate) fn layer_group_ranges<'py>(
     groups: &Bound<'py, PyAny>,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let (layers, groups): (u32, u32) = (uint("layers", layers)?, uint("groups", groups)?);
+    if layers == 0 {
+        return Err(bad_argument("layers", "must be at least 1"));
+    }
+    if !(1..=MAX_LAYER_GROUPS).contains(&groups) {
+        return Err(bad_argument(
+            "groups",
+            format!("{groups} is not in 1..={MAX_LAYER_GROUPS}"),
+        ));
+    }
     let range = py.import("builtins")?.getattr("range")?;
     kv_transfer::layer_group_ranges(layers, groups)
         .into_iter()

@@ -212,6 +212,17 @@ def test_layer_groups_are_checked_and_cut_like_the_backend(layout):
     assert gate.ended and gate.wait_layer(3) is False and gate.wait() is False
 
 
+def test_layer_group_ranges_refuses_what_a_stream_gate_refuses_and_never_aborts():
+    # groups as StreamGate's layer_groups (1..=1024); 2**32 - 1 groups of
+    # 2**32 - 1 layers once asked for a 34 GB Vec and aborted the process.
+    for layers, groups, named in [(4, 0, "groups"), (4, 1025, "groups"), (0, 2, "layers"),
+                                  (2**32 - 1, 2**32 - 1, "groups")]:
+        with pytest.raises(kv_reuse.BadArgument, match=f"^{named}: "):
+            kv_reuse.layer_group_ranges(layers, groups)
+    assert len(kv_reuse.layer_group_ranges(2**32 - 1, 1024)) == 1024
+    assert kv_reuse.layer_group_ranges(3, 1) == [range(0, 3)]
+
+
 def test_layout_refuses_unknown_dtype():
     with pytest.raises(kv_reuse.BadArgument, match="dtype"):
         kv_reuse.Layout(2, 2, 8, "int7", TOKENS_PER_BLOCK, 2)

@@ -28,7 +28,7 @@ BLOCKS = 8
 def nats(tmp_path):
     binary = find_nats_server()
     if binary is None:
-        skip_or_fail("nats-server", "not on $PATH, $KV_NATS_SERVER or target/nats (cargo xtask install)")
+        skip_or_fail("nats-server", "no nats-server >= 2.10.0 at $KV_NATS_SERVER, on $PATH or in target/nats (cargo xtask install)")
     server = NatsServer(binary, tmp_path / "js")
     yield server
     server.stop()
@@ -196,7 +196,7 @@ def test_incomplete_or_mixed_credentials_are_refused_naming_them(layout):
 def test_a_server_that_authenticates_takes_the_roles_credentials_only(layout, tmp_path):
     binary = find_nats_server()
     if binary is None:
-        skip_or_fail("nats-server", "not on $PATH, $KV_NATS_SERVER or target/nats (cargo xtask install)")
+        skip_or_fail("nats-server", "no nats-server >= 2.10.0 at $KV_NATS_SERVER, on $PATH or in target/nats (cargo xtask install)")
     server = NatsServer(binary, tmp_path / "js", ("--user", "worker", "--pass", "s3cret"))
     try:
         uuid = "00000000-0000-4000-8000-000000000002"
@@ -385,7 +385,7 @@ def test_over_mutual_tls_the_router_admits_a_python_donor_and_a_client_without_a
     gets no connection."""
     binary, router_bin = find_nats_server(), find_router_binary()
     if binary is None:
-        skip_or_fail("nats-server", "not on $PATH, $KV_NATS_SERVER or target/nats (cargo xtask install)")
+        skip_or_fail("nats-server", "no nats-server >= 2.10.0 at $KV_NATS_SERVER, on $PATH or in target/nats (cargo xtask install)")
     if router_bin is None:
         skip_or_fail("kv-reuse-router", "not built (target/debug/kv-reuse-router, $KVQ_ROUTER_BIN)")
     pki = make_pki(tmp_path / "pki", clients=("router", "decode", "prefill"))

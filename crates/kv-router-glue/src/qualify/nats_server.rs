@@ -197,8 +197,7 @@ impl NatsServer {
         static STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let store_dir = std::env::temp_dir().join(format!("kv-nats-js-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&store_dir)
-            .map_err(|e| format!("cannot create {}: {e}", store_dir.display()))?;
+        fresh_dir(&store_dir)?;
         let mut s = Self {
             binary,
             port: 0,
@@ -302,6 +301,21 @@ impl NatsServer {
         self.stop();
         self.spawn()
     }
+}
+
+/// Creates `dir` empty. A directory of that name left by an earlier
+/// process is removed first: a process killed before [`NatsServer`]'s drop
+/// leaves its store behind, and a later process given the same pid (pids
+/// are reused, and each process counts its servers from 0) would otherwise
+/// start its server on that process's JetStream state (its buckets and
+/// donor records).
+fn fresh_dir(dir: &std::path::Path) -> Result<(), String> {
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("cannot remove stale {}: {e}", dir.display())),
+    }
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))
 }
 
 /// The client port in the one `*.ports` file of `dir`, written by

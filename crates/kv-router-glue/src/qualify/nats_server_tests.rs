@@ -3,7 +3,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use super::{find_in, parse_version, NatsServerError};
+use super::{find_in, fresh_dir, parse_version, NatsServerError};
 
 /// A temp dir holding `nats-server`, a shell script printing `version_line`
 /// for `--version`, with mode `mode`.
@@ -123,4 +123,28 @@ fn servers_started_at_once_get_their_own_ports_and_a_restart_keeps_its_port() {
         before,
         "a new process answers on the same port"
     );
+}
+
+#[test]
+fn a_store_dir_left_by_an_earlier_process_is_emptied_before_use() {
+    // What a killed process with this pid left: a JetStream store.
+    let dir = std::env::temp_dir().join(format!("kv-fake-nats-{}-stale", std::process::id()));
+    std::fs::create_dir_all(dir.join("jetstream/$G/streams/KV_kv_donors")).unwrap();
+    std::fs::write(
+        dir.join("jetstream/$G/streams/KV_kv_donors/meta.inf"),
+        b"{}",
+    )
+    .unwrap();
+    fresh_dir(&dir).unwrap();
+    assert!(dir.is_dir());
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "stale store kept"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    // A missing one is created.
+    fresh_dir(&dir).unwrap();
+    assert!(dir.is_dir());
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import socket
@@ -55,10 +56,35 @@ def _executable(cands: List[Optional[str]]) -> Optional[str]:
     return None
 
 
+MIN_NATS_SERVER_VERSION = (2, 10, 0)
+
+
+def nats_server_version(binary: str) -> Optional[Tuple[int, int, int]]:
+    """(major, minor, patch) of the first ``vX.Y.Z`` word of ``binary --version``
+    (``nats-server: v2.10.22``); None when it prints none or fails."""
+    try:
+        out = subprocess.run([binary, "--version"], stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for word in (out.stdout + out.stderr).split():
+        m = re.fullmatch(r"v(\d+)\.(\d+)\.(\d+)(?:[-+].*)?", word)
+        if m:
+            return (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+    return None
+
+
 def find_nats_server() -> Optional[str]:
-    """``$KV_NATS_SERVER``, ``nats-server`` on ``$PATH`` or ``target/nats``; None when none is executable."""
-    return _executable([os.environ.get("KV_NATS_SERVER"), shutil.which("nats-server"),
-                        os.path.join(REPO, "target", "nats", "bin", "nats-server")])
+    """``$KV_NATS_SERVER``, ``nats-server`` on ``$PATH`` or ``target/nats``, passing over
+    one older than 2.10.0 (the JetStream donor directory fails against it, and
+    kv_router_glue's find_nats_server refuses it); None when none is usable."""
+    for c in (os.environ.get("KV_NATS_SERVER"), shutil.which("nats-server"),
+              os.path.join(REPO, "target", "nats", "bin", "nats-server")):
+        if c and os.access(c, os.X_OK):
+            version = nats_server_version(c)
+            if version is not None and version >= MIN_NATS_SERVER_VERSION:
+                return c
+    return None
 
 
 def find_router() -> Optional[str]:
