@@ -3,7 +3,6 @@ standing in for a router replica (the NATS client protocol is text: INFO,
 CONNECT, SUB, MSG, PUB, PING/PONG)."""
 
 import os
-import re
 import shutil
 import sys
 import socket
@@ -15,42 +14,11 @@ import pytest
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
-# The gpu_serving harness's reading of nats-server's ports file (stdlib only).
+# The gpu_serving harness's nats-server discovery (`$KV_NATS_SERVER`, `$PATH`,
+# target/nats; a server older than 2.10.0 passed over, as the Rust harness
+# does) and its reading of the server's ports file: one copy (stdlib only).
 sys.path.insert(0, os.path.join(REPO, "crates", "kv-testkit", "python"))
-from gpu_serving.service import reported_port  # noqa: E402
-
-
-MIN_NATS_SERVER_VERSION = (2, 10, 0)
-
-
-def nats_server_version(binary):
-    """(major, minor, patch) of the first `vX.Y.Z` word of `binary
-    --version` (`nats-server: v2.10.22`), None when it prints none or fails."""
-    try:
-        out = subprocess.run([binary, "--version"], stdin=subprocess.DEVNULL,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for word in (out.stdout + out.stderr).split():
-        m = re.fullmatch(r"v(\d+)\.(\d+)\.(\d+)(?:[-+].*)?", word)
-        if m:
-            return tuple(int(x) for x in m.groups())
-    return None
-
-
-def find_nats_server():
-    """$KV_NATS_SERVER (what `cargo xtask install` exports), $PATH, or the
-    PyPI copy under target/nats, passing over a server older than 2.10.0
-    (Debian 12's 2.9.10 fails the JetStream tests with a confusing error,
-    the Rust harness's kv_router_glue::qualify::find_nats_server refuses it
-    too); None when none is usable."""
-    for cand in (os.environ.get("KV_NATS_SERVER"), shutil.which("nats-server"),
-                 os.path.join(REPO, "target", "nats", "bin", "nats-server")):
-        if cand and os.access(cand, os.X_OK):
-            version = nats_server_version(cand)
-            if version is not None and version >= MIN_NATS_SERVER_VERSION:
-                return cand
-    return None
+from gpu_serving.service import find_nats_server, reported_port  # noqa: E402,F401
 
 
 def ci_requires():

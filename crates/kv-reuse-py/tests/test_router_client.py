@@ -11,7 +11,6 @@ import pytest
 
 import kv_reuse
 from nats_fake import (ROUTER_SOURCE, NatsServer, Replier, find_nats_server, find_router_binary,
-                       nats_server_version,
                        msgpack, skip_or_fail)
 from test_gil import Ticker
 
@@ -188,22 +187,3 @@ def test_a_round_trip_through_the_router_binary(nats):
         router.terminate()
         router.wait(timeout=15)
         router.stdout.close()
-
-
-def test_a_nats_server_older_than_2_10_is_passed_over(tmp_path, monkeypatch):
-    # Debian 12's nats-server 2.9.10 started and then failed the JetStream
-    # tests ("data did not match any variant of untagged enum Response");
-    # the Rust harness refuses it, so this one passes it over too.
-    old = tmp_path / "nats-server"
-    old.write_text("#!/bin/sh\necho 'nats-server: v2.9.10'\n")
-    old.chmod(0o755)
-    monkeypatch.setenv("KV_NATS_SERVER", str(old))
-    monkeypatch.setenv("PATH", str(tmp_path))
-    assert nats_server_version(str(old)) == (2, 9, 10)
-    assert find_nats_server() != str(old)
-    old.write_text("#!/bin/sh\necho 'nats-server: v2.10.0-RC.1'\n")
-    assert nats_server_version(str(old)) == (2, 10, 0)
-    assert find_nats_server() == str(old)
-    old.write_text("#!/bin/sh\necho hello\n")
-    assert nats_server_version(str(old)) is None
-    assert find_nats_server() != str(old)

@@ -19,3 +19,9 @@ def test_a_nats_server_older_than_2_10_is_passed_over(tmp_path, monkeypatch):
     assert service.find_nats_server() != str(old)
     old.write_text("#!/bin/sh\necho 'nats-server: v2.11.3'\n")
     assert service.find_nats_server() == str(old)
+    old.write_text("#!/bin/sh\necho 'nats-server: v2.10.0-RC.1'\n")
+    assert service.nats_server_version(str(old)) == (2, 10, 0)
+    assert service.find_nats_server() == str(old)
+    old.write_text("#!/bin/sh\necho hello\n")
+    assert service.nats_server_version(str(old)) is None
+    assert service.find_nats_server() != str(old)
