@@ -49,12 +49,14 @@ fn upload_variant_and_pipeline_come_from_the_environment_by_name() {
     ] {
         assert_eq!(upload_from_env(env(&[(UPLOAD_ENV, v)])).unwrap().0, want);
     }
+    // Neither value is the default (16 MiB, 4): the override shows.
     let (_, p) = upload_from_env(env(&[
-        (PIPELINE_FIRST_ENV, "16384"),
+        (PIPELINE_FIRST_ENV, "32768"),
         (PIPELINE_GROWTH_ENV, "3"),
     ]))
     .unwrap();
-    assert_eq!((p.first_bytes(), p.growth()), (16 << 20, 3));
+    assert_eq!((p.first_bytes(), p.growth()), (32 << 20, 3));
+    assert_ne!(p.first_bytes(), Pipeline::default().first_bytes());
     for (pairs, name) in [
         ([(UPLOAD_ENV, "mapped")], UPLOAD_ENV),
         ([(PIPELINE_FIRST_ENV, "8M")], PIPELINE_FIRST_ENV),
