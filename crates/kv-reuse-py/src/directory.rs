@@ -44,7 +44,7 @@ impl DonorDirectory {
         py: Python<'_>,
         nats_url: &str,
         bucket: &str,
-        timeout_s: f64,
+        #[pyo3(from_py_with = "crate::errors::seconds")] timeout_s: f64,
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
@@ -92,7 +92,7 @@ impl DonorDirectory {
         &self,
         py: Python<'py>,
         engine_id: &str,
-        wait_s: f64,
+        #[pyo3(from_py_with = "crate::errors::seconds")] wait_s: f64,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let engine = crate::layout::engine_id(engine_id, "engine_id")?;
         let wait = seconds_in("wait_s", wait_s, 0.0..=3_600.0)?;

@@ -62,8 +62,8 @@ impl DonorBank {
         slots: &Bound<'_, PyAny>,
         host_id: &str,
         gpus: Option<&Bound<'_, PyAny>>,
-        lease_s: f64,
-        store_timeout_s: f64,
+        #[pyo3(from_py_with = "crate::errors::seconds")] lease_s: f64,
+        #[pyo3(from_py_with = "crate::errors::seconds")] store_timeout_s: f64,
     ) -> PyResult<Self> {
         let slots: u64 = uint("slots", slots)?;
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;

@@ -157,6 +157,10 @@ pub(crate) trait Unsigned: for<'py> FromPyObject<'py> {
     const MAX: u64;
 }
 
+impl Unsigned for u8 {
+    const MAX: u64 = u8::MAX as u64;
+}
+
 impl Unsigned for u32 {
     const MAX: u64 = u32::MAX as u64;
 }
@@ -202,6 +206,43 @@ pub(crate) fn uints<T: Unsigned>(argument: &str, v: &Bound<'_, PyAny>) -> PyResu
         }
         int_refusal::<T>(argument, v, e)
     })
+}
+
+/// A number of seconds from Python (`#[pyo3(from_py_with = "errors::seconds")]`):
+/// an int or a float, never a bool.
+///
+/// A bool is a number to Python (`True == 1`), so pyo3 takes it as 1.0: a
+/// `lease_s=True` is a caller's mistake, refused as a `TypeError` (pyo3
+/// prefixes `argument 'lease_s':`). An int too large for a float (past
+/// ~1.8e308, `10**400`) is ±infinity here, so the caller's range check
+/// refuses it with `BadArgument` naming the argument; pyo3's own extraction
+/// raised an `OverflowError` that named nothing. Every caller checks its
+/// range (finite, within bounds) before use.
+pub(crate) fn seconds(v: &Bound<'_, PyAny>) -> PyResult<f64> {
+    if v.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "{v} is a bool, not a number of seconds"
+        )));
+    }
+    match v.extract::<f64>() {
+        Ok(s) => Ok(s),
+        // Only an int overflows (a float already is one).
+        Err(e) if e.is_instance_of::<PyOverflowError>(v.py()) => Ok(if v.lt(0)? {
+            f64::NEG_INFINITY
+        } else {
+            f64::INFINITY
+        }),
+        Err(e) => Err(e),
+    }
+}
+
+/// [`seconds`] for an optional argument (`None` passes through).
+pub(crate) fn seconds_or_none(v: &Bound<'_, PyAny>) -> PyResult<Option<f64>> {
+    if v.is_none() {
+        Ok(None)
+    } else {
+        seconds(v).map(Some)
+    }
 }
 
 /// pyo3's extraction error `e` for int argument `v` as a refusal naming

@@ -154,7 +154,11 @@ impl FetchJob {
     }
 
     #[pyo3(signature = (timeout_s = None))]
-    fn result(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<FetchOutcome> {
+    fn result(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = "crate::errors::seconds_or_none")] timeout_s: Option<f64>,
+    ) -> PyResult<FetchOutcome> {
         let limit = match timeout_s {
             None => None,
             Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t)),

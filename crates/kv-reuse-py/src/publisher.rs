@@ -174,12 +174,12 @@ impl WorkerPublisher {
         gpu_uuids: Option<Vec<String>>,
         namespace: &str,
         bucket: &str,
-        lease_s: f64,
-        record_ttl_s: Option<f64>,
-        store_timeout_s: f64,
-        announce_period_s: f64,
+        #[pyo3(from_py_with = "crate::errors::seconds")] lease_s: f64,
+        #[pyo3(from_py_with = "crate::errors::seconds_or_none")] record_ttl_s: Option<f64>,
+        #[pyo3(from_py_with = "crate::errors::seconds")] store_timeout_s: f64,
+        #[pyo3(from_py_with = "crate::errors::seconds")] announce_period_s: f64,
         event_ring: Option<&Bound<'_, PyAny>>,
-        timeout_s: f64,
+        #[pyo3(from_py_with = "crate::errors::seconds")] timeout_s: f64,
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let slots: u64 = uint("slots", slots)?;
@@ -340,8 +340,8 @@ impl WorkerPublisher {
         gpus: Option<&Bound<'_, PyAny>>,
         gpu_uuids: Option<Vec<String>>,
         namespace: &str,
-        announce_period_s: f64,
-        timeout_s: f64,
+        #[pyo3(from_py_with = "crate::errors::seconds")] announce_period_s: f64,
+        #[pyo3(from_py_with = "crate::errors::seconds")] timeout_s: f64,
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
@@ -580,7 +580,13 @@ impl WorkerPublisher {
     ///
     /// Raises `BadArgument` naming `name` / `metadata` (empty, too large),
     /// `PublishFailed` when the put fails or for a target.
-    fn publish_nixl_agent(&self, py: Python<'_>, name: String, metadata: Vec<u8>) -> PyResult<()> {
+    fn publish_nixl_agent(
+        &self,
+        py: Python<'_>,
+        name: String,
+        metadata: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let metadata: Vec<u8> = uints("metadata", metadata)?;
         if self.role != Role::Decode {
             return Err(PublishFailed::new_err(
                 "publish_nixl_agent: a target publishes no NIXL agent",
@@ -608,7 +614,11 @@ impl WorkerPublisher {
     /// Raises `BankFailed` when pins outlived `drain_s`, `PublishFailed`
     /// when the record could not be deleted (it then lapses with its TTL).
     #[pyo3(signature = (drain_s = 1.0))]
-    fn close(&self, py: Python<'_>, drain_s: f64) -> PyResult<()> {
+    fn close(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = "crate::errors::seconds")] drain_s: f64,
+    ) -> PyResult<()> {
         let drain = seconds_in("drain_s", drain_s, 0.0..=3_600.0)?;
         let running = self
             .running

@@ -92,7 +92,7 @@ impl RouterClient {
     fn new(
         py: Python<'_>,
         nats_url: &str,
-        timeout_s: f64,
+        #[pyo3(from_py_with = "crate::errors::seconds")] timeout_s: f64,
         subject: &str,
         busy_poll_us: Option<&Bound<'_, PyAny>>,
         nats: Option<&Bound<'_, PyDict>>,

@@ -286,7 +286,11 @@ impl StreamGate {
     /// the rows. Raises `BadArgument` naming `timeout_s` unless it is in
     /// (0, 3600] seconds.
     #[pyo3(signature = (timeout_s = None))]
-    fn wait(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<bool> {
+    fn wait(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = "crate::errors::seconds_or_none")] timeout_s: Option<f64>,
+    ) -> PyResult<bool> {
         let limit = deadline(timeout_s)?;
         let shared = self.shared.clone();
         let layered = self.layer_groups.is_some();
@@ -311,7 +315,7 @@ impl StreamGate {
         &self,
         py: Python<'_>,
         layer: &Bound<'_, PyAny>,
-        timeout_s: Option<f64>,
+        #[pyo3(from_py_with = "crate::errors::seconds_or_none")] timeout_s: Option<f64>,
     ) -> PyResult<bool> {
         let layer: u32 = uint("layer", layer)?;
         if self.layer_groups.is_none() {

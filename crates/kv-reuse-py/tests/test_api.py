@@ -305,6 +305,36 @@ def test_a_bool_is_refused_for_every_single_int_argument_naming_it(layout):
     assert kv_reuse.Target(layout, rows=1).free_rows == 1
 
 
+def test_seconds_arguments_refuse_bools_and_name_ints_past_a_float(layout):
+    # One extraction helper (errors::seconds) takes every seconds argument:
+    # a bool is a TypeError naming it, an int too large for a float is
+    # +-infinity and the argument's range check names it (pyo3's own
+    # extraction raised an unnamed OverflowError).
+    gate = kv_reuse.StreamGate(0x1234, 3)
+    target = kv_reuse.Target(layout, rows=2)
+    bools = [
+        ("lease_s", lambda: kv_reuse.DonorBank(layout, slots=2, lease_s=True)),
+        ("store_timeout_s", lambda: kv_reuse.DonorBank(layout, slots=2, store_timeout_s=True)),
+        ("timeout_s", lambda: gate.wait(timeout_s=True)),
+        ("pin_timeout_s", lambda: target.fetch(b"", [1], b"", pin_timeout_s=False)),
+    ]
+    for name, call in bools:
+        with pytest.raises(TypeError, match=rf"argument '{name}': (True|False) is a bool, not a number of seconds"):
+            call()
+    huge = [
+        ("lease_s", lambda: kv_reuse.DonorBank(layout, slots=2, lease_s=10**400)),
+        ("store_timeout_s", lambda: kv_reuse.DonorBank(layout, slots=2, store_timeout_s=-10**400)),
+        ("timeout_s", lambda: gate.wait(timeout_s=10**400)),
+    ]
+    for name, call in huge:
+        with pytest.raises(kv_reuse.BadArgument, match=rf"^{name}: -?inf is not in"):
+            call()
+    # Ints and floats in range still work, and None where it is allowed.
+    assert gate.wait(timeout_s=0.01) is False
+    bank = kv_reuse.DonorBank(layout, slots=2, lease_s=15, store_timeout_s=1)
+    assert bank.manifest()
+
+
 def test_store_refuses_wrong_dtype_shape_strides_and_non_arrays(layout):
     # Bank and store are locals (not fixture values, which pytest keeps
     # until after the leak check), so they are gone when the test returns.

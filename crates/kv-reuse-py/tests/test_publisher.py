@@ -164,6 +164,26 @@ def test_close_lets_go_of_the_bank_and_its_leases(nats, layout, tmp_path):
     pub.close()  # idempotent
 
 
+def test_seconds_and_metadata_arguments_past_their_types_are_refused_naming_them(nats, layout, tmp_path):
+    # Past a float: +-infinity, refused by the range check naming the
+    # argument (was an unnamed OverflowError); a bool is a TypeError.
+    for kw, named in (({"timeout_s": 10**400}, "timeout_s"), ({"announce_period_s": -10**400}, "announce_period_s"),
+                      ({"lease_s": 10**400}, "lease_s")):
+        with pytest.raises(kv_reuse.BadArgument, match=rf"^{named}: -?inf "):
+            kv_reuse.WorkerPublisher.donor(nats.url, "d", layout, 4, "unix:/tmp/x", **kw)
+    with pytest.raises(TypeError, match="argument 'timeout_s': True is a bool"):
+        kv_reuse.WorkerPublisher.donor(nats.url, "d", layout, 4, "unix:/tmp/x", timeout_s=True)
+    with kv_reuse.WorkerPublisher.donor(nats.url, "d-meta", layout, 4, f"unix:{tmp_path}/pins.sock",
+                                        bucket="kv_meta") as pub:
+        with pytest.raises(kv_reuse.BadArgument, match=r"^metadata\[1\]: 256 is not in 0\.\.=255$"):
+            pub.publish_nixl_agent("agent", [1, 256])
+        with pytest.raises(kv_reuse.BadArgument, match=r"^metadata\[0\]: -1 is not in 0\.\.=255$"):
+            pub.publish_nixl_agent("agent", [-1])
+        with pytest.raises(kv_reuse.BadArgument, match=r"^drain_s: inf "):
+            pub.close(drain_s=10**400)
+        pub.publish_nixl_agent("agent", b"\x01\x02")
+
+
 def test_incomplete_or_mixed_credentials_are_refused_naming_them(layout):
     url, uuid = "nats://127.0.0.1:1", "00000000-0000-4000-8000-000000000001"
     for kw, named in [({"user": "u"}, "password"), ({"password": "p"}, "user"),
