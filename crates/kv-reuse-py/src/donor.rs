@@ -65,11 +65,9 @@ impl DonorBank {
         #[pyo3(from_py_with = "crate::errors::seconds")] lease_s: f64,
         #[pyo3(from_py_with = "crate::errors::seconds")] store_timeout_s: f64,
     ) -> PyResult<Self> {
-        let slots: u64 = uint("slots", slots)?;
+        let slots = slot_count(slots)?;
+        check_host_id(host_id)?;
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
-        if slots == 0 {
-            return Err(bad_argument("slots", "must be at least 1"));
-        }
         // kv_bank accepts 1 ms ..= 1 day; below 50 ms a renewal every fifth
         // of it would be a busy thread.
         if !(lease_s.is_finite() && (0.05..=86_400.0).contains(&lease_s)) {
@@ -214,9 +212,9 @@ impl DonorBank {
     /// Serves source pins on `endpoint` (`unix:/path`). Use as a context manager.
     ///
     /// Raises `BadArgument` naming `endpoint` when it does not parse (scheme,
-    /// path length) or its socket path is relative (the endpoint is handed
-    /// to targets with other working directories), `PinServiceFailed` when
-    /// binding it fails.
+    /// path length, a NUL byte) or its socket path is relative (the endpoint
+    /// is handed to targets with other working directories),
+    /// `PinServiceFailed` when binding it fails.
     fn serve_pins(&self, endpoint: &str) -> PyResult<PinServer> {
         pin_endpoint("endpoint", endpoint)?;
         let svc = PinService::bind(self.inner.clone(), endpoint, PinServiceConfig::default())
@@ -470,10 +468,43 @@ impl PinServer {
     }
 }
 
+/// `host_id` as a bank's location (`location.host_id` of its manifest):
+/// 1..=255 bytes without control characters, or `BadArgument` naming
+/// `host_id`. kv-descriptor checks the length only (as `location.host_id`,
+/// a name a Python caller never sees); a NUL or newline in a host name is
+/// a caller's mistake that would travel in every manifest and record.
+pub(crate) fn check_host_id(host_id: &str) -> PyResult<()> {
+    if host_id.is_empty() || host_id.len() > 255 {
+        return Err(bad_argument(
+            "host_id",
+            format!("{host_id:?} must hold 1..=255 bytes"),
+        ));
+    }
+    if host_id.chars().any(char::is_control) {
+        return Err(bad_argument(
+            "host_id",
+            format!("{host_id:?} holds a control character"),
+        ));
+    }
+    Ok(())
+}
+
+/// A bank's slot count: an int in `1..=kv_descriptor::MAX_SLOTS`, or
+/// `BadArgument` naming `slots` (kv_bank would refuse a larger one as an
+/// invalid `budget_bytes`, a name a Python caller never gave).
+pub(crate) fn slot_count(slots: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let n: u64 = uint("slots", slots)?;
+    let max = u64::from(kv_descriptor::MAX_SLOTS);
+    if !(1..=max).contains(&n) {
+        return Err(bad_argument("slots", format!("{n} is not in 1..={max}")));
+    }
+    Ok(n)
+}
+
 /// `endpoint` parsed as a pin endpoint (`unix:<absolute path>`, a plain
 /// absolute path, or `tcp:<host>:<port>`), or `BadArgument` naming
 /// `argument` with [`PinEndpoint::parse`]'s reason: scheme, path length, a
-/// relative socket path (the endpoint travels to targets in other
+/// NUL byte, a relative socket path (the endpoint travels to targets in other
 /// processes, which would resolve it against their own working
 /// directories), port.
 pub(crate) fn pin_endpoint(argument: &str, endpoint: &str) -> PyResult<PinEndpoint> {

@@ -182,7 +182,8 @@ impl WorkerPublisher {
         #[pyo3(from_py_with = "crate::errors::seconds")] timeout_s: f64,
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let slots: u64 = uint("slots", slots)?;
+        let slots = crate::donor::slot_count(slots)?;
+        crate::donor::check_host_id(host_id)?;
         // Published in the donor's record for targets in other processes:
         // refused here, before connecting, not at the first fetch.
         crate::donor::pin_endpoint("pin_endpoint", pin_endpoint)?;
@@ -191,9 +192,6 @@ impl WorkerPublisher {
             .map(|e| uint("event_ring", e))
             .transpose()?
             .unwrap_or(EVENT_RING);
-        if slots == 0 {
-            return Err(bad_argument("slots", "must be at least 1"));
-        }
         // The record's TTL is the directory bucket's `max_age` when this
         // creates it, and `record_ttl_s` defaults to (and may not exceed)
         // `lease_s`: neither may go below nats-server's floor, which would
@@ -344,6 +342,7 @@ impl WorkerPublisher {
         #[pyo3(from_py_with = "crate::errors::seconds")] timeout_s: f64,
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
+        crate::donor::check_host_id(host_id)?;
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
         let engine = crate::layout::engine_id(engine_id, "engine_id")?;
         let period = seconds_in("announce_period_s", announce_period_s, 0.01..=60.0)?;

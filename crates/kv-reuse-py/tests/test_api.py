@@ -335,6 +335,22 @@ def test_seconds_arguments_refuse_bools_and_name_ints_past_a_float(layout):
     assert bank.manifest()
 
 
+def test_slot_counts_host_ids_and_socket_paths_are_refused_naming_them(layout, tmp_path):
+    # kv_bank named a slot count past MAX_SLOTS as `budget_bytes` and an empty
+    # host id as `location.host_id`; a NUL in a socket path failed late as
+    # PinServiceFailed. Each is now BadArgument naming the argument.
+    for slots in (0, 2**24 + 1, 2**40):
+        with pytest.raises(kv_reuse.BadArgument, match=rf"^slots: {slots} is not in 1\.\.=16777216$"):
+            kv_reuse.DonorBank(layout, slots=slots)
+    for host, why in (("", "must hold 1..=255 bytes"), ("h" * 256, "must hold 1..=255 bytes"),
+                      ("a\x00b", "holds a control character"), ("a\nb", "holds a control character")):
+        with pytest.raises(kv_reuse.BadArgument, match=rf"^host_id: .* {re.escape(why)}$"):
+            kv_reuse.DonorBank(layout, slots=2, host_id=host)
+    bank = kv_reuse.DonorBank(layout, slots=2, host_id="h" * 255)
+    with pytest.raises(kv_reuse.BadArgument, match=r"socket path holds a NUL byte"):
+        bank.serve_pins(f"unix:{tmp_path}/p\x00.sock")
+
+
 def test_store_refuses_wrong_dtype_shape_strides_and_non_arrays(layout):
     # Bank and store are locals (not fixture values, which pytest keeps
     # until after the leak check), so they are gone when the test returns.

@@ -352,12 +352,15 @@ fn endpoints_and_keys_refuse_bad_input_naming_the_field() {
         ("unix:", "path"),
         ("unix:run/d.sock", "relative"),
         ("unix:./d.sock", "relative"),
+        ("unix:/run/d\0.sock", "nul"),
+        ("/run/\0", "nul"),
     ] {
         let got = match PinEndpoint::parse(ep) {
             Err(PinEndpointError::TcpAddress { .. }) => "tcp",
             Err(PinEndpointError::Scheme { .. }) => "scheme",
             Err(PinEndpointError::PathLength { .. }) => "path",
             Err(PinEndpointError::RelativePath { .. }) => "relative",
+            Err(PinEndpointError::NulInPath { .. }) => "nul",
             Ok(p) => panic!("{ep} parsed as {p:?}"),
         };
         assert_eq!(got, want, "{ep}");

@@ -59,6 +59,14 @@ pub enum PinEndpointError {
         /// Its socket path.
         path: String,
     },
+    /// The Unix socket path holds a NUL byte, which no socket path can
+    /// (the kernel reads the path as a C string: it would name another
+    /// socket, or bind would fail late as an I/O error).
+    #[error("endpoint {endpoint:?}: socket path holds a NUL byte")]
+    NulInPath {
+        /// The endpoint as given.
+        endpoint: String,
+    },
     /// The `tcp:` address has no `host:port` with a numeric port.
     #[error("endpoint {endpoint:?}: `tcp:` needs `<host>:<port>` with a port in 0..=65535")]
     TcpAddress {
@@ -126,6 +134,11 @@ impl PinEndpoint {
             return Err(PinEndpointError::RelativePath {
                 endpoint: endpoint.to_owned(),
                 path: path.to_owned(),
+            });
+        }
+        if path.contains('\0') {
+            return Err(PinEndpointError::NulInPath {
+                endpoint: endpoint.to_owned(),
             });
         }
         Ok(Self::Unix(PathBuf::from(path)))
