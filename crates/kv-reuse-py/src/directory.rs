@@ -13,7 +13,7 @@ use pyo3::types::{PyBytes, PyDict};
 use kv_descriptor::Wire;
 use kv_router_glue::{unix_now_ms, DirectoryPlane, DonorCache, NatsDirectory};
 
-use crate::errors::descriptor;
+use crate::errors::{descriptor, PublishFailed};
 use crate::nats_auth::NatsCredentials;
 use crate::nats_runtime::{runtime, seconds_in, within};
 
@@ -22,6 +22,24 @@ use crate::nats_runtime::{runtime, seconds_in, within};
 pub(crate) struct DonorDirectory {
     cache: Arc<Mutex<DonorCache>>,
     running: Mutex<Option<(tokio::runtime::Runtime, tokio::task::JoinHandle<()>)>>,
+}
+
+impl DonorDirectory {
+    /// `PublishFailed` once closed: the watch no longer runs, so what the
+    /// cache holds may be stale.
+    fn check_open(&self) -> PyResult<()> {
+        if self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+        {
+            return Err(PublishFailed::new_err(
+                "the donor directory is closed: its watch stopped, so its records may be stale",
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[pymethods]
@@ -86,7 +104,9 @@ impl DonorDirectory {
     /// record to arrive; None when it has none (never published, deleted on
     /// close, lease lapsed). Releases the GIL while it waits.
     ///
-    /// Raises `BadArgument` naming `engine_id` or `wait_s`.
+    /// Raises `BadArgument` naming `engine_id` or `wait_s`, `PublishFailed`
+    /// after [`DonorDirectory::close`] (its watch stopped: the records it
+    /// holds would be stale, a deleted or lapsed donor still answered).
     #[pyo3(signature = (engine_id, wait_s = 0.0))]
     fn manifest<'py>(
         &self,
@@ -96,6 +116,7 @@ impl DonorDirectory {
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let engine = crate::layout::engine_id(engine_id, "engine_id")?;
         let wait = seconds_in("wait_s", wait_s, 0.0..=3_600.0)?;
+        self.check_open()?;
         let deadline = Instant::now() + wait;
         let found = py.allow_threads(|| loop {
             let got = self
@@ -116,13 +137,16 @@ impl DonorDirectory {
             .map(|b| b.map(|b| PyBytes::new(py, &b)))
     }
 
-    /// Donors with a record now (count).
+    /// Donors with a record now (count). Raises `PublishFailed` after
+    /// [`DonorDirectory::close`], as `manifest` does.
     #[getter]
-    fn donors(&self) -> usize {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).len()
+    fn donors(&self) -> PyResult<usize> {
+        self.check_open()?;
+        Ok(self.cache.lock().unwrap_or_else(|e| e.into_inner()).len())
     }
 
-    /// Stops watching. Idempotent.
+    /// Stops watching; later `manifest` calls and `donors` raise
+    /// `PublishFailed`. Idempotent.
     fn close(&self, py: Python<'_>) {
         let running = self
             .running

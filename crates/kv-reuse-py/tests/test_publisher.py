@@ -455,3 +455,15 @@ def test_over_mutual_tls_the_router_admits_a_python_donor_and_a_client_without_a
             assert router.wait(timeout=15) == 0, "the router drains and exits 0"
             router.stdout.close()
         server.stop()
+
+
+def test_a_closed_directory_refuses_instead_of_answering_from_a_stale_cache(nats):
+    engine = "00000000-0000-4000-8000-0000000000aa"
+    directory = kv_reuse.DonorDirectory(nats.url, bucket="kv_closed")
+    assert directory.manifest(engine) is None and directory.donors == 0
+    directory.close()
+    with pytest.raises(kv_reuse.PublishFailed, match="closed"):
+        directory.manifest(engine)
+    with pytest.raises(kv_reuse.PublishFailed, match="closed"):
+        directory.donors
+    directory.close()  # idempotent
