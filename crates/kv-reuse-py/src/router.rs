@@ -180,8 +180,8 @@ impl Router {
     /// resolve against its own working directory; a `tcp:` endpoint
     /// parses, since a Rust donor may serve one with a pre-shared key,
     /// although `serve_pins` itself refuses `tcp:`), `slots` (a hash key
-    /// negative or past u64) or `slots[h]` (a slot negative or past u32).
-    /// Nothing is recorded when it raises.
+    /// negative or past u64) or `slots[h]` (a slot negative, past u32 or
+    /// past the manifest's slot count). Nothing is recorded when it raises.
     fn report_donor(
         &self,
         manifest: &[u8],
@@ -199,6 +199,14 @@ impl Router {
             })
             .collect::<PyResult<HashMap<u64, u32>>>()?;
         let m = BankManifest::from_wire(manifest).map_err(descriptor)?;
+        // A slot past the bank would be refused only at the donor's pin
+        // check, as a fallback far from this call.
+        if let Some((hash, slot)) = slots.iter().find(|(_, &s)| s >= m.slot_count()) {
+            return Err(bad_argument(
+                &format!("slots[{hash}]"),
+                format!("{slot} is past the manifest's {} slots", m.slot_count()),
+            ));
+        }
         let engine = m.owner().engine_id;
         self.directory
             .donors

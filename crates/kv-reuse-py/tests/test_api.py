@@ -134,6 +134,8 @@ def test_negative_or_oversized_ints_are_refused_naming_the_argument(layout):
                                          kv_reuse.Layout(2, 2, 8, "f32", TOKENS_PER_BLOCK // 4, 2)),
          rf"^layout: {TOKENS_PER_BLOCK // 4} tokens per block, this router hashes blocks of {TOKENS_PER_BLOCK}$"),
         (lambda: router.report_donor(bank.manifest(), "unix:/x", {7: -1}), rf"^slots\[7\]: -1 is not in {u32}$"),
+        # The bank has 4 slots (the fixture): slot 4 is past it.
+        (lambda: router.report_donor(bank.manifest(), "unix:/x", {7: 3, 8: 4}), r"^slots\[8\]: 4 is past the manifest's 4 slots$"),
         (lambda: router.advise("r", [1, -1], target.engine_id), rf"^sequence_hashes\[1\]: -1 is not in {u64}$"),
         # A huge int is shown cut short.
         (lambda: target.fetch(b"", [10**100], b""),
