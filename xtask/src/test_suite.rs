@@ -150,7 +150,16 @@ impl PanicLog {
         if self.open == 0 {
             return;
         }
-        if line.is_empty() || line.starts_with("note: ") || line.starts_with("stack backtrace:") {
+        // After the message's first line, only indented lines continue it
+        // (`assert_eq!`'s `  left:` / ` right:`): the hook prints its `note:`
+        // after a process's first panic only, so a later panic's message
+        // may be followed directly by another test's output.
+        let continues = self.open == PANIC_MESSAGE_LINES || line.starts_with(' ');
+        if line.is_empty()
+            || line.starts_with("note: ")
+            || line.starts_with("stack backtrace:")
+            || !continues
+        {
             self.open = 0;
             return;
         }
@@ -485,6 +494,12 @@ mod tests {
             "called `Option::unwrap()` on a `None` value",
             "stack backtrace:",
             "   0: frame",
+            // A later panic: no `note:` line follows, another test's
+            // output does, and is not part of the message.
+            "thread 'c::later' (125) panicked at src/c.rs:7:1:",
+            "boom",
+            "SKIP gpu test: libcuda not loadable",
+            "  indented output of another test",
         ] {
             p.add_line(line);
         }
@@ -496,6 +511,7 @@ mod tests {
             p.of("b::broken"),
             Some("panicked at src/b.rs:3:9: called `Option::unwrap()` on a `None` value")
         );
+        assert_eq!(p.of("c::later"), Some("panicked at src/c.rs:7:1: boom"));
         assert_eq!(p.of("c::passed"), None);
     }
 
