@@ -156,25 +156,44 @@ pub fn reclaim_stale(prefix: &str, now: ScanTime) -> Result<ReclaimReport, BankE
     reclaim_stale_with(prefix, now, &ReclaimPolicy::default())
 }
 
+/// Whether `prefix` may start a scan: non-empty (an empty prefix would
+/// scan other software's objects), without `/` (shared-memory names are
+/// flat) and without control characters (no bank name holds one: a `NUL`
+/// or newline is a caller's mistake that would match nothing, silently).
+///
+/// ```
+/// use kv_bank::reclaim::check_prefix;
+/// assert!(check_prefix("kvbank").is_ok());
+/// for bad in ["", "a/b", "kv\0bank", "kv\n"] {
+///     assert!(check_prefix(bad).unwrap_err().to_string().contains("`prefix`"));
+/// }
+/// ```
+///
+/// # Errors
+/// [`BankError::InvalidArgument`] naming `prefix`.
+pub fn check_prefix(prefix: &str) -> Result<(), BankError> {
+    if prefix.is_empty() || prefix.contains('/') || prefix.chars().any(char::is_control) {
+        return Err(BankError::arg(
+            "prefix",
+            format!("must be non-empty without `/` or control characters, got {prefix:?}"),
+        ));
+    }
+    Ok(())
+}
+
 /// Reclaims stale banks whose names start with `prefix` (see the module
 /// docs), judging leases at `now.lease` and file ages at `now.wall`.
 /// Per-entry failures are reported in
 /// [`ReclaimReport::errors`], not returned.
 ///
 /// # Errors
-/// [`BankError::InvalidArgument`] naming `prefix` when it is empty or
-/// contains `/` (an empty prefix would scan other software's objects).
+/// [`BankError::InvalidArgument`] naming `prefix` as [`check_prefix`] does.
 pub fn reclaim_stale_with(
     prefix: &str,
     now: ScanTime,
     policy: &ReclaimPolicy,
 ) -> Result<ReclaimReport, BankError> {
-    if prefix.is_empty() || prefix.contains('/') {
-        return Err(BankError::arg(
-            "prefix",
-            format!("must be non-empty without `/`, got {prefix:?}"),
-        ));
-    }
+    check_prefix(prefix)?;
     let names = shm_names(prefix);
     let mut report = ReclaimReport::default();
     let mut partnered = std::collections::HashSet::new();
@@ -418,7 +437,7 @@ mod tests {
 
     #[test]
     fn empty_or_slashed_prefix_is_refused() {
-        for p in ["", "a/b"] {
+        for p in ["", "a/b", "a\0", "kvbank\n"] {
             let e = reclaim_stale(p, ScanTime::now()).unwrap_err();
             assert!(e.to_string().contains("`prefix`"), "{e}");
         }

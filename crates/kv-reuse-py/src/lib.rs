@@ -85,16 +85,17 @@ fn leak_counters() -> HashMap<&'static str, u64> {
 /// (kv_bank::reclaim_stale; live leases are never touched). Returns the
 /// names unlinked (`/name`). Releases the GIL while it scans.
 ///
-/// Raises `BadArgument` naming `prefix` when it is empty or contains `/`.
+/// Raises `BadArgument` naming `prefix` when it is empty or contains `/`
+/// or a control character (`kv_bank::reclaim::check_prefix`).
 #[pyfunction]
 #[pyo3(signature = (prefix = "kvbank"))]
 fn reclaim_stale(py: Python<'_>, prefix: &str) -> PyResult<Vec<String>> {
-    if prefix.is_empty() || prefix.contains('/') {
-        return Err(errors::bad_argument(
+    kv_bank::reclaim::check_prefix(prefix).map_err(|_| {
+        errors::bad_argument(
             "prefix",
-            format!("{prefix:?} must be non-empty without `/`"),
-        ));
-    }
+            format!("{prefix:?} must be non-empty without `/` or control characters"),
+        )
+    })?;
     py.allow_threads(|| kv_bank::reclaim_stale(prefix, kv_bank::reclaim::ScanTime::now()))
         .map(|r| r.removed_names())
         .map_err(errors::bank)

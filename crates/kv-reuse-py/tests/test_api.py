@@ -419,6 +419,8 @@ def test_reclaim_and_lease_refusals_name_the_argument(layout):
         kv_reuse.reclaim_stale("a/b")
     with pytest.raises(kv_reuse.BadArgument, match="prefix"):
         kv_reuse.reclaim_stale("")
+    with pytest.raises(kv_reuse.BadArgument, match="^prefix: .* control characters$"):
+        kv_reuse.reclaim_stale("kvbank\x00")
     with pytest.raises(kv_reuse.BadArgument, match=r"lease_s: 0.01 is not in"):
         kv_reuse.DonorBank(layout, slots=2, lease_s=0.01)
     # A live bank of this process is never reclaimed.
