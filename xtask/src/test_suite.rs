@@ -34,8 +34,6 @@ pub struct Tally {
     /// Names of the current `failures:` list, taken into `failed_tests` at
     /// its binary's `test result:` line.
     pub(crate) pending_failures: Vec<String>,
-    /// pytest's failed and erroring tests, `id - reason` (`wheel::pytest`).
-    pub python_failures: Vec<String>,
 }
 
 impl Tally {
@@ -94,6 +92,16 @@ impl Tally {
             any = true;
         }
         any
+    }
+
+    /// Adds the counts, run-time skips and failed tests of another run
+    /// (the loom models' `cargo test`).
+    pub fn absorb(&mut self, other: Tally) {
+        self.passed += other.passed;
+        self.failed += other.failed;
+        self.skipped += other.skipped;
+        self.skipped_at_run_time.extend(other.skipped_at_run_time);
+        self.failed_tests.extend(other.failed_tests);
     }
 
     /// The closing line: `N passed, N failed, N skipped`, where passed
@@ -315,13 +323,12 @@ pub fn run(extra: &[String]) -> Result<()> {
             command::describe(&models)
         ));
     }
-    tally.passed += loom_tally.passed;
-    tally.failed += loom_tally.failed;
-    tally.skipped += loom_tally.skipped;
-    tally.failed_tests.extend(loom_tally.failed_tests);
+    tally.absorb(loom_tally);
 
     // The Python wheel, built with the workspace target directory (its
-    // dependencies are the test build's), and its pytest counts.
+    // dependencies are the test build's), and its pytest counts; its
+    // failures come named with their reason (`id - reason`).
+    let mut python_failures = Vec::new();
     match crate::wheel::build_and_install().and_then(|_| crate::wheel::pytest()) {
         Ok((py, clean)) => {
             if !clean && py.failed == 0 {
@@ -332,7 +339,7 @@ pub fn run(extra: &[String]) -> Result<()> {
             tally.passed += py.passed;
             tally.failed += py.failed;
             tally.skipped += py.skipped;
-            tally.python_failures = py.failed_tests;
+            python_failures = py.failed_tests;
         }
         Err(e) => step_failures.push(format!("python wheel: {e}")),
     }
@@ -371,7 +378,7 @@ pub fn run(extra: &[String]) -> Result<()> {
         let why = panics.of(name).unwrap_or("no panic message seen on stderr");
         println!("failed test: {name}: {why}");
     }
-    for failure in &tally.python_failures {
+    for failure in &python_failures {
         println!("failed test: {failure}");
     }
     println!("{}", tally.closing_line());
@@ -396,9 +403,9 @@ fn layering_check() -> Result<usize> {
 }
 
 /// Runs `cmd`, copying its stdout to `out` line by line while counting
-/// libtest summaries; stderr (cargo's build output) passes straight through.
-/// Runs `cmd`, copying its stdout to `out` and its stderr to this stderr,
-/// and returns the tally of stdout, the panics seen on stderr and the status.
+/// libtest summaries, and its stderr (cargo's build output, the panic hook's
+/// messages) to this stderr while noting panics; returns the tally, the
+/// panics and the status.
 fn tee_and_tally(
     cmd: &mut Command,
     out: &mut impl Write,
@@ -483,6 +490,17 @@ mod tests {
         }
         assert_eq!(t.failed_tests, ["a::flaky", "b::broken"]);
         assert_eq!(t.failed, 2);
+        // Another run (the loom models) adds its counts and names.
+        let mut models = Tally::default();
+        models.add_line("failures:");
+        models.add_line("    twin::model_tests::model_x");
+        models.add_line("test result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 27 filtered out; finished in 7.00s");
+        t.absorb(models);
+        assert_eq!((t.passed, t.failed), (3, 3));
+        assert_eq!(
+            t.failed_tests,
+            ["a::flaky", "b::broken", "twin::model_tests::model_x"]
+        );
         let mut p = PanicLog::default();
         for line in [
             "thread 'a::flaky' (123) panicked at src/a.rs:10:5:",

@@ -255,14 +255,12 @@ impl BankDescriptor {
             ));
         }
         match &parts.location {
-            MemoryLocation::Host { host_id } if host_id.is_empty() || host_id.len() > 255 => {
-                return Err(DescriptorError::field(
-                    "location.host_id",
-                    "must be 1..=255 bytes",
-                ));
+            MemoryLocation::Host { host_id } => {
+                if let Some(why) = crate::host_id_refusal(host_id) {
+                    return Err(DescriptorError::field("location.host_id", why));
+                }
             }
             MemoryLocation::Gpu(g) => g.validate()?,
-            _ => {}
         }
         parts.owner.validate()?;
         parts.export.validate(&parts.location)?;

@@ -5,6 +5,35 @@ use uuid::Uuid;
 
 use crate::DescriptorError;
 
+/// Longest host identifier (bytes) a GPU identity or a bank location carries.
+pub const MAX_HOST_ID_BYTES: usize = 255;
+
+/// Why `host_id` cannot name a host in a [`GpuIdentity`] or a bank's
+/// [`crate::MemoryLocation`]: empty, longer than [`MAX_HOST_ID_BYTES`], or
+/// holding a control character (a NUL or newline is a caller's mistake that
+/// would travel in every manifest and directory record). `None` when it can.
+/// One rule for every constructor, decoder and the Python binding.
+///
+/// ```
+/// use kv_descriptor::host_id_refusal;
+/// assert_eq!(host_id_refusal("node-a"), None);
+/// assert!(host_id_refusal("").is_some());
+/// assert!(host_id_refusal(&"h".repeat(256)).is_some());
+/// assert!(host_id_refusal("a\0b").unwrap().contains("control character"));
+/// ```
+pub fn host_id_refusal(host_id: &str) -> Option<String> {
+    if host_id.is_empty() || host_id.len() > MAX_HOST_ID_BYTES {
+        return Some(format!(
+            "must be 1..={MAX_HOST_ID_BYTES} bytes, got {}",
+            host_id.len()
+        ));
+    }
+    host_id
+        .chars()
+        .any(char::is_control)
+        .then(|| format!("{host_id:?} holds a control character"))
+}
+
 /// NVLink fabric membership for multi-node NVLink (MNNVL): GPUs in the same
 /// cluster and clique can map each other's memory through fabric handles.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -60,13 +89,10 @@ impl GpuIdentity {
     /// Checks the fields; used by every constructor and decoder.
     ///
     /// # Errors
-    /// `gpu.host_id` empty or longer than 255 bytes, `gpu.uuid` nil.
+    /// `gpu.host_id` refused by [`host_id_refusal`], `gpu.uuid` nil.
     pub fn validate(&self) -> Result<(), DescriptorError> {
-        if self.host_id.is_empty() || self.host_id.len() > 255 {
-            return Err(DescriptorError::field(
-                "gpu.host_id",
-                format!("must be 1..=255 bytes, got {}", self.host_id.len()),
-            ));
+        if let Some(why) = host_id_refusal(&self.host_id) {
+            return Err(DescriptorError::field("gpu.host_id", why));
         }
         if self.uuid.is_nil() {
             return Err(DescriptorError::field(

@@ -79,7 +79,9 @@ pub use hint::{
     FetchGpuHint, FetchPart, HintAction, HintEnvelope, FETCH_GPU_ACTION_TYPE,
     FETCH_GPU_ACTION_VERSION, HINT_PROTOCOL_VERSION, MAX_HINT_BLOCKS,
 };
-pub use identity::{EngineId, GpuIdentity, NvlinkFabric, OwnerLease, Role};
+pub use identity::{
+    host_id_refusal, EngineId, GpuIdentity, NvlinkFabric, OwnerLease, Role, MAX_HOST_ID_BYTES,
+};
 pub use layout::{DType, KvLayout, LayoutFingerprint, TensorOrder, MAX_RANK_BLOCK_BYTES};
 pub use manifest::{BankManifest, MAX_MANIFEST_BYTES};
 pub use pin_control::{

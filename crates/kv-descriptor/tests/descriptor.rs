@@ -97,6 +97,15 @@ fn rejection_cases() -> Vec<Case> {
             }),
         ),
         (
+            "gpu.host_id",
+            Box::new(|p| {
+                p.location = MemoryLocation::Gpu(GpuIdentity {
+                    host_id: "node\na".into(),
+                    ..gpu(1)
+                })
+            }),
+        ),
+        (
             "gpu.uuid",
             Box::new(|p| {
                 p.location = MemoryLocation::Gpu(GpuIdentity {
@@ -159,6 +168,14 @@ fn host_rejection_cases() -> Vec<Case> {
             Box::new(|p| {
                 p.location = MemoryLocation::Host {
                     host_id: String::new(),
+                }
+            }),
+        ),
+        (
+            "location.host_id",
+            Box::new(|p| {
+                p.location = MemoryLocation::Host {
+                    host_id: "node\0a".into(),
                 }
             }),
         ),

@@ -468,25 +468,15 @@ impl PinServer {
     }
 }
 
-/// `host_id` as a bank's location (`location.host_id` of its manifest):
-/// 1..=255 bytes without control characters, or `BadArgument` naming
-/// `host_id`. kv-descriptor checks the length only (as `location.host_id`,
-/// a name a Python caller never sees); a NUL or newline in a host name is
-/// a caller's mistake that would travel in every manifest and record.
+/// `host_id` as a bank's location, or `BadArgument` naming `host_id` with
+/// [`kv_descriptor::host_id_refusal`]'s reason (kv-descriptor refuses the
+/// same as `location.host_id` / `gpu.host_id`, names a Python caller never
+/// sees).
 pub(crate) fn check_host_id(host_id: &str) -> PyResult<()> {
-    if host_id.is_empty() || host_id.len() > 255 {
-        return Err(bad_argument(
-            "host_id",
-            format!("{host_id:?} must hold 1..=255 bytes"),
-        ));
+    match kv_descriptor::host_id_refusal(host_id) {
+        Some(why) => Err(bad_argument("host_id", why)),
+        None => Ok(()),
     }
-    if host_id.chars().any(char::is_control) {
-        return Err(bad_argument(
-            "host_id",
-            format!("{host_id:?} holds a control character"),
-        ));
-    }
-    Ok(())
 }
 
 /// A bank's slot count: an int in `1..=kv_descriptor::MAX_SLOTS`, or

@@ -90,11 +90,11 @@ fn leak_counters() -> HashMap<&'static str, u64> {
 #[pyfunction]
 #[pyo3(signature = (prefix = "kvbank"))]
 fn reclaim_stale(py: Python<'_>, prefix: &str) -> PyResult<Vec<String>> {
-    kv_bank::reclaim::check_prefix(prefix).map_err(|_| {
-        errors::bad_argument(
-            "prefix",
-            format!("{prefix:?} must be non-empty without `/` or control characters"),
-        )
+    kv_bank::reclaim::check_prefix(prefix).map_err(|e| match e {
+        kv_bank::BankError::InvalidArgument { reason, .. } => {
+            errors::bad_argument("prefix", reason)
+        }
+        other => errors::bank(other),
     })?;
     py.allow_threads(|| kv_bank::reclaim_stale(prefix, kv_bank::reclaim::ScanTime::now()))
         .map(|r| r.removed_names())

@@ -3,12 +3,10 @@ standing in for a router replica (the NATS client protocol is text: INFO,
 CONNECT, SUB, MSG, PUB, PING/PONG)."""
 
 import os
-import shutil
 import sys
 import socket
 import subprocess
 import threading
-import time
 
 import pytest
 
@@ -16,9 +14,9 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 
 # The gpu_serving harness's nats-server discovery (`$KV_NATS_SERVER`, `$PATH`,
 # target/nats; a server older than 2.10.0 passed over, as the Rust harness
-# does) and its reading of the server's ports file: one copy (stdlib only).
+# does) and start (on a port it picks itself): one copy (stdlib only).
 sys.path.insert(0, os.path.join(REPO, "crates", "kv-testkit", "python"))
-from gpu_serving.service import find_nats_server, reported_port  # noqa: E402,F401
+from gpu_serving.service import find_nats_server, start_nats_server  # noqa: E402,F401
 
 
 def ci_requires():
@@ -38,34 +36,14 @@ def skip_or_fail(what, why):
 
 
 class NatsServer:
-    """A nats-server on a loopback port it picks itself (`-p -1`, reported
-    in its ports file: a port picked here and released could be taken
-    before the server binds it), stopped by `stop()`."""
+    """A nats-server on a loopback port it picks itself
+    (`gpu_serving.service.start_nats_server`), stopped by `stop()`."""
 
     def __init__(self, binary, store_dir, extra_args=()):
-        ports_dir = os.path.join(str(store_dir), "ports")
-        os.makedirs(ports_dir, exist_ok=True)
         # JetStream on: the router binary keeps its donor directory in a KV bucket.
         # `extra_args`: e.g. ("--user", "u", "--pass", "p") for a server that authenticates.
-        self.proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", "-1", "--ports_file_dir", ports_dir,
-                                      "-js", "-sd", str(store_dir), *extra_args],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            port = reported_port(ports_dir)
-            if port is not None:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                    self.port = port
-                    self.url = f"nats://127.0.0.1:{port}"
-                    return
-                except OSError:
-                    pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with code {self.proc.returncode}")
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("nats-server reported no listening port within 10 s")
+        self.proc, self.port = start_nats_server(binary, str(store_dir), tuple(extra_args))
+        self.url = f"nats://127.0.0.1:{self.port}"
 
     def stop(self):
         if self.proc.poll() is None:

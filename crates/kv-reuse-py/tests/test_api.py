@@ -344,9 +344,9 @@ def test_slot_counts_host_ids_and_socket_paths_are_refused_naming_them(layout, t
     for slots in (0, 2**24 + 1, 2**40):
         with pytest.raises(kv_reuse.BadArgument, match=rf"^slots: {slots} is not in 1\.\.=16777216$"):
             kv_reuse.DonorBank(layout, slots=slots)
-    for host, why in (("", "must hold 1..=255 bytes"), ("h" * 256, "must hold 1..=255 bytes"),
+    for host, why in (("", "must be 1..=255 bytes, got 0"), ("h" * 256, "must be 1..=255 bytes, got 256"),
                       ("a\x00b", "holds a control character"), ("a\nb", "holds a control character")):
-        with pytest.raises(kv_reuse.BadArgument, match=rf"^host_id: .* {re.escape(why)}$"):
+        with pytest.raises(kv_reuse.BadArgument, match=rf"^host_id: (.* )?{re.escape(why)}$"):
             kv_reuse.DonorBank(layout, slots=2, host_id=host)
     bank = kv_reuse.DonorBank(layout, slots=2, host_id="h" * 255)
     with pytest.raises(kv_reuse.BadArgument, match=r"socket path holds a NUL byte"):
@@ -419,7 +419,7 @@ def test_reclaim_and_lease_refusals_name_the_argument(layout):
         kv_reuse.reclaim_stale("a/b")
     with pytest.raises(kv_reuse.BadArgument, match="prefix"):
         kv_reuse.reclaim_stale("")
-    with pytest.raises(kv_reuse.BadArgument, match="^prefix: .* control characters$"):
+    with pytest.raises(kv_reuse.BadArgument, match=r"^prefix: must be non-empty without `/` or control characters, got"):
         kv_reuse.reclaim_stale("kvbank\x00")
     with pytest.raises(kv_reuse.BadArgument, match=r"lease_s: 0.01 is not in"):
         kv_reuse.DonorBank(layout, slots=2, lease_s=0.01)

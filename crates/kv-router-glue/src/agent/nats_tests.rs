@@ -288,17 +288,9 @@ async fn a_donor_agent_in_another_process_serves_a_router_started_later_and_a_ta
         "the child is idle"
     );
 
-    // Pricing that admits whatever the runner's load: the advisor prices
-    // the lookup's wall time, and a preempted debug-build lookup took 1 to
-    // 5.4 ms (past the 1 ms default budget and the default margin). At 2 ms
-    // a token, even a 4-block fetch saves 128 ms.
-    let settings = ReuseSettings {
-        enable_decode_to_prefill_reuse: true,
-        transfer_source_lookup_budget_ms: 1_000.0,
-        minimum_estimated_ttft_saving_ms: 0.0,
-        transfer_source_prefill_token_us: 2_000.0,
-        ..ReuseSettings::default()
-    };
+    // Pricing that admits whatever the runner's load (the lookup's wall time
+    // is priced; see `admitting_settings`).
+    let settings = crate::qualify::admitting_settings();
     let advisor = Advisor::new(
         index.clone(),
         remote.clone(),

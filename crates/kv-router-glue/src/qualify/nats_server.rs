@@ -230,10 +230,9 @@ impl NatsServer {
     /// Starts the child: on the port of an earlier start (a restart), else
     /// on one the server picks and reports in its ports file.
     fn spawn(&mut self) -> Result<(), String> {
+        // Empty: a ports file of the previous start names an old port.
         let ports_dir = self.store_dir.join("ports");
-        let _ = std::fs::remove_dir_all(&ports_dir);
-        std::fs::create_dir_all(&ports_dir)
-            .map_err(|e| format!("cannot create {}: {e}", ports_dir.display()))?;
+        fresh_dir(&ports_dir)?;
         let mut cmd = Command::new(&self.binary);
         let port = if self.port == 0 {
             "-1".to_string()

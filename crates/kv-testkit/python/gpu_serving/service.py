@@ -108,6 +108,38 @@ def reported_port(ports_dir: str) -> Optional[int]:
     return None
 
 
+def start_nats_server(binary: str, store_dir: str,
+                      extra_args: Tuple[str, ...] = ()) -> Tuple[subprocess.Popen, int]:
+    """A JetStream nats-server with its store in ``store_dir`` on a loopback port it
+    picks itself (``-p -1``, read back from its ports file under ``store_dir``: a port
+    picked here and released could be taken before the server binds it), once it
+    accepts connections; ``extra_args`` as given (``--user``, ``--tls``, ...).
+
+    Returns the process and its port. Raises :class:`ServiceError` (``nats_server``)
+    when it exits or reports no listening port within 10 s (the process is killed).
+    """
+    ports_dir = os.path.join(store_dir, "ports")
+    os.makedirs(ports_dir, exist_ok=True)
+    proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", "-1", "--ports_file_dir", ports_dir,
+                             "-js", "-sd", store_dir, *extra_args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServiceError("nats_server", f"exited with code {proc.returncode}")
+        port = reported_port(ports_dir)
+        if port is not None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return proc, port
+            except OSError:
+                pass
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    raise ServiceError("nats_server", f"reported no listening port in {ports_dir} within 10 s")
+
+
 class RouterService:
     """A JetStream nats-server on a loopback port it picks itself (``-p -1``, read
     back from its ports file: a port picked here and released could be taken
@@ -131,16 +163,11 @@ class RouterService:
         if router_bin is None:
             raise ServiceError("router", "kv-reuse-router not found ($KVQ_ROUTER_BIN, target/release, target/debug)")
         self.dir = tempfile.mkdtemp(prefix="gpu-serving-nats-")
-        self.ports_dir = os.path.join(self.dir, "ports")
-        os.makedirs(self.ports_dir)
-        self.port = 0
-        self.url = ""
-        self.nats = subprocess.Popen([nats_bin, "-a", "127.0.0.1", "-p", "-1", "--ports_file_dir", self.ports_dir,
-                                      "-js", "-sd", self.dir],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.nats: Optional[subprocess.Popen] = None
         self.router: Optional[subprocess.Popen] = None
         try:
-            self._wait_for_port()
+            self.nats, self.port = start_nats_server(nats_bin, self.dir)
+            self.url = f"nats://127.0.0.1:{self.port}"
             args = [router_bin, "--nats-url", self.url, "--metrics-addr", "127.0.0.1:0",
                     "--tokens-per-block", str(tokens_per_block),
                     "--announce-period-ms", str(int(ANNOUNCE_PERIOD_S * 1000)),
@@ -153,23 +180,6 @@ class RouterService:
         except BaseException:
             self.stop()
             raise
-
-    def _wait_for_port(self) -> None:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.nats.poll() is not None:
-                raise ServiceError("nats_server", f"exited with code {self.nats.returncode}")
-            port = reported_port(self.ports_dir)
-            if port is not None:
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                        self.port = port
-                        self.url = f"nats://127.0.0.1:{port}"
-                        return
-                except OSError:
-                    pass
-            time.sleep(0.05)
-        raise ServiceError("nats_server", f"reported no listening port in {self.ports_dir} within 10 s")
 
     def _ready_line(self) -> Dict:
         assert self.router is not None and self.router.stdout is not None
