@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 28, device call A (issue 19): the bundle of `cargo xtask gpu-bundle --with-tests` at
-# ecf5cb3 (kv-transfer's code is unchanged since; later commits touch only a CPU test of it).
+# b1fa715 (build-info says dirty: call_b.sh was not committed yet; no source differed).
 # First the GPU test that session 27 changed (`every_upload_variant_lands_every_byte_of_a_
 # scattered_fetch`: one launch for an 11.7 MiB fetch at the 16 MiB default, two at an explicit
 # 8 MiB), then `kvq bench transfer --profile gpu --repeats 10` at the default and at
