@@ -90,8 +90,9 @@ pub enum AnnouncementError {
         /// The limit.
         limit: usize,
     },
-    /// Bytes that do not decode (the message names the field).
-    #[error("cannot decode `worker_announcement`: {0}")]
+    /// Bytes that do not decode (the message names the type and the
+    /// field; it already starts with "cannot decode `worker_announcement`").
+    #[error("{0}")]
     Decode(kv_descriptor::DescriptorError),
 }
 

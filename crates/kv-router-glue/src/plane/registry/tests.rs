@@ -133,6 +133,29 @@ fn bad_announcements_are_refused_naming_the_field() {
     ));
 }
 
+/// An undecodable announcement names its type once: the log line of a
+/// refused announcement read "cannot decode `worker_announcement`: cannot
+/// decode `worker_announcement`: ..." (seen on a router fed garbage).
+#[test]
+fn undecodable_announcements_name_the_type_once() {
+    for bytes in [
+        &b"\xff\xfe garbage"[..],
+        b"",
+        &rmp_serde::to_vec_named(&1u8).unwrap(),
+    ] {
+        let text = WorkerAnnouncement::decode(bytes).unwrap_err().to_string();
+        assert_eq!(
+            text.matches("worker_announcement").count(),
+            1,
+            "{bytes:?}: {text}"
+        );
+        assert!(
+            text.starts_with("cannot decode `worker_announcement`: "),
+            "{text}"
+        );
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
     /// The decoder never panics on arbitrary bytes.
