@@ -137,6 +137,17 @@ impl WorkerAnnouncement {
                 ));
             }
         }
+        // Checked here, before the router registers anything: an
+        // announcement whose events cannot be followed (a wildcard, another
+        // shape) used to register the worker, make a prefill an advise
+        // target and replace a live incarnation, and only then be found
+        // unusable.
+        if let Err(e) = Subject::parse(&self.event_subject) {
+            return Err(bad(
+                "event_subject",
+                format!("{e} (expected `kv.<namespace>.<component>.<topic>`)"),
+            ));
+        }
         if self.tp_size == 0 || self.tp_size as usize > MAX_ANNOUNCED_GPUS {
             return Err(bad(
                 "tp_size",

@@ -112,6 +112,25 @@ fn bad_announcements_are_refused_naming_the_field() {
             "gpus",
         ),
     ];
+    // An event subject the router could never follow: a wildcard (it would
+    // subscribe to every subject), another shape than
+    // `kv.<ns>.<component>.<topic>`, a token with whitespace.
+    let subjects = [
+        ">",
+        "kv.qa.*.events",
+        "kv_reuse.advise",
+        "kv.qa.decode",
+        "kv.qa.de code.e",
+    ];
+    let cases = cases.into_iter().chain(subjects.into_iter().map(|s| {
+        (
+            WorkerAnnouncement {
+                event_subject: s.into(),
+                ..ann("k", e)
+            },
+            "event_subject",
+        )
+    }));
     for (a, want) in cases {
         match a.validate() {
             Err(AnnouncementError::InvalidField { field, .. }) => assert_eq!(field, want),
