@@ -26,7 +26,9 @@ pub use in_process::InProcessPlane;
 #[cfg(feature = "nats")]
 pub(crate) use nats::server_round_trip;
 #[cfg(feature = "nats")]
-pub use nats::{inbox_prefix_problem, NatsAuth, NatsOptions, NatsOptionsError, NatsPlane, NatsTls};
+pub use nats::{
+    inbox_prefix_problem, redact_url, NatsAuth, NatsOptions, NatsOptionsError, NatsPlane, NatsTls,
+};
 
 use crate::PlaneError;
 
