@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,11 +50,14 @@ use tokio_util::sync::CancellationToken;
 #[derive(Parser, Debug)]
 #[command(name = "kv-reuse-router", version, about, long_about)]
 struct Cli {
-    /// NATS server URL.
+    /// NATS server URL: one server, `nats://`, `tls://`, `ws://` or
+    /// `wss://` (no scheme: `nats://`); the client learns the cluster's
+    /// other servers from it.
     #[arg(
         long,
         env = "KV_ROUTER_NATS_URL",
-        default_value = "nats://127.0.0.1:4222"
+        default_value = "nats://127.0.0.1:4222",
+        value_parser = nats_url
     )]
     nats_url: String,
 
@@ -306,6 +310,20 @@ fn inbox_prefix(v: &str) -> Result<String, String> {
         None => Ok(v.to_owned()),
         Some(why) => Err(why.to_owned()),
     }
+}
+
+/// `--nats-url`'s check, by async-nats' own parser of the value it is
+/// given, so a malformed URL is a flag error (exit 2 naming the flag)
+/// before any connection rather than a failed connection (exit 1).
+fn nats_url(v: &str) -> Result<String, String> {
+    if v.contains(',') {
+        return Err("must be one server URL (a comma-separated list is not supported)".into());
+    }
+    let addr = async_nats::ServerAddr::from_str(v).map_err(|e| e.to_string())?;
+    if addr.host().is_empty() {
+        return Err("has no host".into());
+    }
+    Ok(v.to_owned())
 }
 
 /// `--namespace`'s check, by the rule of the subjects built from it
@@ -653,6 +671,20 @@ mod tests {
                 "--directory-bucket",
                 &["bad bucket.name", "", "kv.donors", "kv*"],
                 &["kv_donors", "KV-2"],
+            ),
+            // These exited 1 as an unreachable server ("cannot connect to
+            // NATS at not a url"), not 2 naming the flag; a list is not one
+            // URL (async-nats parses the flag's value as one server).
+            (
+                "--nats-url",
+                &[
+                    "not a url",
+                    "http://127.0.0.1:4222",
+                    "",
+                    "nats://",
+                    "nats://127.0.0.1:1,nats://127.0.0.1:2",
+                ],
+                &["nats://127.0.0.1:4222", "127.0.0.1:4222", "tls://n1:4222"],
             ),
         ];
         for (flag, refused, accepted) in cases {
