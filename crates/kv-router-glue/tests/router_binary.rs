@@ -37,6 +37,11 @@ fn spawn_router(nats_url: &str, namespace: &str) -> Router {
 
 /// [`spawn_router`] with `extra` flags appended.
 fn spawn_router_with(nats_url: &str, namespace: &str, extra: &[&str]) -> Router {
+    spawn_router_logging(nats_url, namespace, extra, Stdio::inherit())
+}
+
+/// [`spawn_router_with`], its log (stderr) going to `stderr`.
+fn spawn_router_logging(nats_url: &str, namespace: &str, extra: &[&str], stderr: Stdio) -> Router {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
         .args([
             "--nats-url",
@@ -50,7 +55,7 @@ fn spawn_router_with(nats_url: &str, namespace: &str, extra: &[&str]) -> Router 
         .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .expect("spawn kv-reuse-router");
     let stdout = child.stdout.take().unwrap();
@@ -238,6 +243,61 @@ fn router_binary_serves_refuses_reports_and_drains_on_sigterm() {
 
     let status = signal_and_wait(&mut router, "TERM");
     assert_eq!(status.code(), Some(0), "drain exits 0: {status}");
+}
+
+/// The `stopped` log line accounts for every request taken: one published
+/// without a reply subject was counted (`ServeReport::no_reply`) but the
+/// line printed only `received`, `decided`, `refused` and
+/// `after_shutdown`, so `received=12 decided=0 refused=11` did not add up
+/// and the dropped request was nowhere to be seen.
+#[test]
+fn the_stop_line_counts_requests_without_a_reply_subject() {
+    let Some(nats) = NatsServer::start_or_skip("router_binary_stop_line") else {
+        return;
+    };
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut router = spawn_router_logging(
+        &nats.url(),
+        "rbt-stop",
+        &[],
+        Stdio::from(log.reopen().unwrap()),
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = async_nats::connect(nats.url()).await.unwrap();
+        client
+            .publish(ADVISE_SUBJECT, b"no reply subject".to_vec().into())
+            .await
+            .unwrap();
+        // Answered after the publish above (one subscription, in order).
+        let reply = ask(&client, b"not msgpack".to_vec()).await;
+        assert!(
+            matches!(
+                reply.result,
+                AdviseResult::Refused(AdviseRefusal::Malformed(_))
+            ),
+            "{reply:?}"
+        );
+    });
+    let status = signal_and_wait(&mut router, "TERM");
+    assert_eq!(status.code(), Some(0), "{status}");
+    let text = std::fs::read_to_string(log.path()).unwrap();
+    let stopped = text
+        .lines()
+        .find(|l| l.contains(" stopped "))
+        .unwrap_or_else(|| panic!("no stop line in {text}"));
+    for field in [
+        "received=2",
+        "decided=0",
+        "refused=1",
+        "no_reply=1",
+        "reply_errors=0",
+    ] {
+        assert!(stopped.contains(field), "{field} missing: {stopped}");
+    }
 }
 
 #[test]

@@ -571,6 +571,8 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
         received = report.received,
         decided = report.decided,
         refused = report.refused,
+        no_reply = report.no_reply,
+        reply_errors = report.reply_errors,
         after_shutdown = report.after_shutdown,
         follow = ?inventory.stats(),
         "stopped"
