@@ -703,6 +703,63 @@ mod tests {
         }
     }
 
+    /// Every `--flag` the operator docs name in backticks is a flag of
+    /// this binary or of the other tools listed here: docs/security.md
+    /// called the bucket flag `--bucket` (it is `--directory-bucket`).
+    #[test]
+    fn flags_named_in_the_operator_docs_exist() {
+        use clap::CommandFactory;
+        // Flags of other programs the same pages quote, and `--nats-*`
+        // family prefixes written with a trailing dash.
+        const OTHER_TOOLS: &[&str] = &[
+            "--tlsverify",        // nats-server
+            "--kv-events-config", // vllm serve
+            "--time",             // unshare
+            "--prefix",           // kv-bank-reclaim
+            "--every",            // kv-bank-reclaim
+            "--quick",            // kvq bench advise
+            "--json",             // cargo xtask bench advise
+            "--busy-poll-us",     // kvq bench advise
+            "--bin",              // cargo build
+            "--features",         // cargo build
+            "--no-default-features",
+            "--key", // "--key=value", the generic form of a setting flag
+        ];
+        let mut cmd = Cli::command();
+        // Adds the generated `--help` and `--version`.
+        cmd.build();
+        let ours: Vec<String> = cmd
+            .get_arguments()
+            .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
+            .collect();
+        let docs = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/");
+        let mut unknown = Vec::new();
+        for page in ["router-service.md", "security.md", "operator-guide.md"] {
+            let text = std::fs::read_to_string(format!("{docs}{page}")).unwrap();
+            // Inline code spans: every odd piece between backticks.
+            for code in text.split('`').skip(1).step_by(2) {
+                for (i, _) in code.match_indices("--") {
+                    let flag: String = code[i..]
+                        .chars()
+                        .take_while(|c| *c == '-' || c.is_ascii_alphanumeric())
+                        .collect();
+                    let family = flag.ends_with('-');
+                    if flag.len() > 2
+                        && !family
+                        && !ours.contains(&flag)
+                        && !OTHER_TOOLS.contains(&flag.as_str())
+                    {
+                        unknown.push(format!("{page}: {flag}"));
+                    }
+                }
+            }
+        }
+        assert!(
+            unknown.is_empty(),
+            "flags in the docs that kv-reuse-router lacks: {unknown:?}"
+        );
+    }
+
     #[test]
     fn unreadable_nats_files_are_configuration_errors_naming_the_flag() {
         if let Some(v) = nats_env_set() {
