@@ -300,6 +300,42 @@ fn the_stop_line_counts_requests_without_a_reply_subject() {
     }
 }
 
+/// Once serving, the log says what the router is connected to and
+/// listening on (NATS server, namespace, bucket, metrics address, advise
+/// subject); it used to log only the settings and async-nats' "connected
+/// successfully server=4222", so a journal did not tell which server,
+/// namespace or port the process used.
+#[test]
+fn the_log_says_what_the_router_serves_on() {
+    let Some(nats) = NatsServer::start_or_skip("router_binary_serving_line") else {
+        return;
+    };
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut router = spawn_router_logging(
+        &nats.url(),
+        "rbt-serving",
+        &["--directory-bucket", "kv_rbt_serving"],
+        Stdio::from(log.reopen().unwrap()),
+    );
+    let metrics_addr = router.ready["metrics_addr"].as_str().unwrap().to_string();
+    let status = signal_and_wait(&mut router, "TERM");
+    assert_eq!(status.code(), Some(0), "{status}");
+    let text = std::fs::read_to_string(log.path()).unwrap();
+    let serving = text
+        .lines()
+        .find(|l| l.contains(" serving "))
+        .unwrap_or_else(|| panic!("no serving line in {text}"));
+    for field in [
+        format!("nats_url={}", nats.url()),
+        "namespace=rbt-serving".into(),
+        "directory_bucket=kv_rbt_serving".into(),
+        format!("metrics_addr={metrics_addr}"),
+        format!("subject={ADVISE_SUBJECT}"),
+    ] {
+        assert!(serving.contains(&field), "{field} missing: {serving}");
+    }
+}
+
 #[test]
 fn bad_flags_are_refused_with_exit_code_2() {
     let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))

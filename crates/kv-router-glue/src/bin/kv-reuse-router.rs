@@ -538,6 +538,17 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     let mut term = signal(SignalKind::terminate()).map_err(RouterError::Signal)?;
     let mut int = signal(SignalKind::interrupt()).map_err(RouterError::Signal)?;
 
+    // The journal's record of what this process uses: the stdout ready
+    // line says only the metrics address.
+    tracing::info!(
+        nats_url = %kv_router_glue::redact_url(&cli.nats_url),
+        namespace = %cli.namespace,
+        directory_bucket = %cli.directory_bucket,
+        metrics_addr = %http.local_addr(),
+        subject = %ADVISE_SUBJECT,
+        vllm_streams = cli.vllm_events.len(),
+        "serving"
+    );
     let ready = serde_json::json!({
         "event": "ready",
         "metrics_addr": http.local_addr().to_string(),
