@@ -336,6 +336,23 @@ fn the_log_says_what_the_router_serves_on() {
     }
 }
 
+/// A `KV_ROUTER_LOG` that is not a valid filter is a configuration error
+/// naming the variable (exit 2), as a bad `KV_REUSE_*` value is; it used
+/// to be ignored silently (logging at `info`).
+#[test]
+fn a_malformed_log_filter_exits_2_naming_kv_router_log() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+        .args(["--nats-url", NO_NATS, "--metrics-addr", "127.0.0.1:0"])
+        .env("KV_ROUTER_LOG", "kv_reuse=loud")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("KV_ROUTER_LOG"), "{err}");
+    assert!(!err.contains("cannot connect"), "{err}");
+}
+
 #[test]
 fn bad_flags_are_refused_with_exit_code_2() {
     let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))

@@ -272,16 +272,31 @@ impl RouterError {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // A filter that does not parse is a configuration error like a bad
+    // `KV_REUSE_*` value (exit 2 naming the variable), not a silent `info`:
+    // an operator who asked for debug logs would otherwise never learn why
+    // they do not come.
+    let filter = match std::env::var("KV_ROUTER_LOG") {
+        Err(std::env::VarError::NotPresent) => tracing_subscriber::EnvFilter::new("info"),
+        Err(e) => {
+            eprintln!("kv-reuse-router: `KV_ROUTER_LOG`: {e}");
+            return ExitCode::from(2);
+        }
+        Ok(v) => match tracing_subscriber::EnvFilter::builder().parse(&v) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("kv-reuse-router: `KV_ROUTER_LOG` {v:?} is not a log filter: {e}");
+                return ExitCode::from(2);
+            }
+        },
+    };
     // Colour only on a terminal: escape codes in a log file or a journal
     // are noise. `with_ansi` overrides tracing-subscriber's own NO_COLOR
     // check, so it is repeated here.
     let ansi = std::io::stderr().is_terminal()
         && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KV_ROUTER_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(ansi)
         .init();
