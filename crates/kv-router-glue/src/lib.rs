@@ -125,7 +125,7 @@ pub use error::{
 };
 #[cfg(feature = "nats")]
 pub use event_plane::{
-    inbox_prefix_problem, NatsAuth, NatsOptions, NatsOptionsError, NatsPlane, NatsTls,
+    inbox_prefix_problem, redact_url, NatsAuth, NatsOptions, NatsOptionsError, NatsPlane, NatsTls,
 };
 pub use event_plane::{
     EventPlane, InProcessPlane, PlaneFuture, PlaneMessage, Subject, Subscription, SUBJECT_ROOT,

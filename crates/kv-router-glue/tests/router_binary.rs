@@ -37,6 +37,11 @@ fn spawn_router(nats_url: &str, namespace: &str) -> Router {
 
 /// [`spawn_router`] with `extra` flags appended.
 fn spawn_router_with(nats_url: &str, namespace: &str, extra: &[&str]) -> Router {
+    spawn_router_logging(nats_url, namespace, extra, Stdio::inherit())
+}
+
+/// [`spawn_router_with`], its log (stderr) going to `stderr`.
+fn spawn_router_logging(nats_url: &str, namespace: &str, extra: &[&str], stderr: Stdio) -> Router {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
         .args([
             "--nats-url",
@@ -50,7 +55,7 @@ fn spawn_router_with(nats_url: &str, namespace: &str, extra: &[&str]) -> Router 
         .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .expect("spawn kv-reuse-router");
     let stdout = child.stdout.take().unwrap();
@@ -238,6 +243,114 @@ fn router_binary_serves_refuses_reports_and_drains_on_sigterm() {
 
     let status = signal_and_wait(&mut router, "TERM");
     assert_eq!(status.code(), Some(0), "drain exits 0: {status}");
+}
+
+/// The `stopped` log line accounts for every request taken: one published
+/// without a reply subject was counted (`ServeReport::no_reply`) but the
+/// line printed only `received`, `decided`, `refused` and
+/// `after_shutdown`, so `received=12 decided=0 refused=11` did not add up
+/// and the dropped request was nowhere to be seen.
+#[test]
+fn the_stop_line_counts_requests_without_a_reply_subject() {
+    let Some(nats) = NatsServer::start_or_skip("router_binary_stop_line") else {
+        return;
+    };
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut router = spawn_router_logging(
+        &nats.url(),
+        "rbt-stop",
+        &[],
+        Stdio::from(log.reopen().unwrap()),
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = async_nats::connect(nats.url()).await.unwrap();
+        client
+            .publish(ADVISE_SUBJECT, b"no reply subject".to_vec().into())
+            .await
+            .unwrap();
+        // Answered after the publish above (one subscription, in order).
+        let reply = ask(&client, b"not msgpack".to_vec()).await;
+        assert!(
+            matches!(
+                reply.result,
+                AdviseResult::Refused(AdviseRefusal::Malformed(_))
+            ),
+            "{reply:?}"
+        );
+    });
+    let status = signal_and_wait(&mut router, "TERM");
+    assert_eq!(status.code(), Some(0), "{status}");
+    let text = std::fs::read_to_string(log.path()).unwrap();
+    let stopped = text
+        .lines()
+        .find(|l| l.contains(" stopped "))
+        .unwrap_or_else(|| panic!("no stop line in {text}"));
+    for field in [
+        "received=2",
+        "decided=0",
+        "refused=1",
+        "no_reply=1",
+        "reply_errors=0",
+    ] {
+        assert!(stopped.contains(field), "{field} missing: {stopped}");
+    }
+}
+
+/// Once serving, the log says what the router is connected to and
+/// listening on (NATS server, namespace, bucket, metrics address, advise
+/// subject); it used to log only the settings and async-nats' "connected
+/// successfully server=4222", so a journal did not tell which server,
+/// namespace or port the process used.
+#[test]
+fn the_log_says_what_the_router_serves_on() {
+    let Some(nats) = NatsServer::start_or_skip("router_binary_serving_line") else {
+        return;
+    };
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut router = spawn_router_logging(
+        &nats.url(),
+        "rbt-serving",
+        &["--directory-bucket", "kv_rbt_serving"],
+        Stdio::from(log.reopen().unwrap()),
+    );
+    let metrics_addr = router.ready["metrics_addr"].as_str().unwrap().to_string();
+    let status = signal_and_wait(&mut router, "TERM");
+    assert_eq!(status.code(), Some(0), "{status}");
+    let text = std::fs::read_to_string(log.path()).unwrap();
+    let serving = text
+        .lines()
+        .find(|l| l.contains(" serving "))
+        .unwrap_or_else(|| panic!("no serving line in {text}"));
+    for field in [
+        format!("nats_url={}", nats.url()),
+        "namespace=rbt-serving".into(),
+        "directory_bucket=kv_rbt_serving".into(),
+        format!("metrics_addr={metrics_addr}"),
+        format!("subject={ADVISE_SUBJECT}"),
+    ] {
+        assert!(serving.contains(&field), "{field} missing: {serving}");
+    }
+}
+
+/// A `KV_ROUTER_LOG` that is not a valid filter is a configuration error
+/// naming the variable (exit 2), as a bad `KV_REUSE_*` value is; it used
+/// to be ignored silently (logging at `info`).
+#[test]
+fn a_malformed_log_filter_exits_2_naming_kv_router_log() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+        .args(["--nats-url", NO_NATS, "--metrics-addr", "127.0.0.1:0"])
+        .env("KV_ROUTER_LOG", "kv_reuse=loud")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("KV_ROUTER_LOG"), "{err}");
+    assert!(!err.contains("cannot connect"), "{err}");
 }
 
 #[test]

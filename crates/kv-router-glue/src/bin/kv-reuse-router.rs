@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,11 +50,14 @@ use tokio_util::sync::CancellationToken;
 #[derive(Parser, Debug)]
 #[command(name = "kv-reuse-router", version, about, long_about)]
 struct Cli {
-    /// NATS server URL.
+    /// NATS server URL: one server, `nats://`, `tls://`, `ws://` or
+    /// `wss://` (no scheme: `nats://`); the client learns the cluster's
+    /// other servers from it.
     #[arg(
         long,
         env = "KV_ROUTER_NATS_URL",
-        default_value = "nats://127.0.0.1:4222"
+        default_value = "nats://127.0.0.1:4222",
+        value_parser = nats_url
     )]
     nats_url: String,
 
@@ -268,16 +272,31 @@ impl RouterError {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // A filter that does not parse is a configuration error like a bad
+    // `KV_REUSE_*` value (exit 2 naming the variable), not a silent `info`:
+    // an operator who asked for debug logs would otherwise never learn why
+    // they do not come.
+    let filter = match std::env::var("KV_ROUTER_LOG") {
+        Err(std::env::VarError::NotPresent) => tracing_subscriber::EnvFilter::new("info"),
+        Err(e) => {
+            eprintln!("kv-reuse-router: `KV_ROUTER_LOG`: {e}");
+            return ExitCode::from(2);
+        }
+        Ok(v) => match tracing_subscriber::EnvFilter::builder().parse(&v) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("kv-reuse-router: `KV_ROUTER_LOG` {v:?} is not a log filter: {e}");
+                return ExitCode::from(2);
+            }
+        },
+    };
     // Colour only on a terminal: escape codes in a log file or a journal
     // are noise. `with_ansi` overrides tracing-subscriber's own NO_COLOR
     // check, so it is repeated here.
     let ansi = std::io::stderr().is_terminal()
         && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KV_ROUTER_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(ansi)
         .init();
@@ -306,6 +325,20 @@ fn inbox_prefix(v: &str) -> Result<String, String> {
         None => Ok(v.to_owned()),
         Some(why) => Err(why.to_owned()),
     }
+}
+
+/// `--nats-url`'s check, by async-nats' own parser of the value it is
+/// given, so a malformed URL is a flag error (exit 2 naming the flag)
+/// before any connection rather than a failed connection (exit 1).
+fn nats_url(v: &str) -> Result<String, String> {
+    if v.contains(',') {
+        return Err("must be one server URL (a comma-separated list is not supported)".into());
+    }
+    let addr = async_nats::ServerAddr::from_str(v).map_err(|e| e.to_string())?;
+    if addr.host().is_empty() {
+        return Err("has no host".into());
+    }
+    Ok(v.to_owned())
 }
 
 /// `--namespace`'s check, by the rule of the subjects built from it
@@ -520,6 +553,17 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     let mut term = signal(SignalKind::terminate()).map_err(RouterError::Signal)?;
     let mut int = signal(SignalKind::interrupt()).map_err(RouterError::Signal)?;
 
+    // The journal's record of what this process uses: the stdout ready
+    // line says only the metrics address.
+    tracing::info!(
+        nats_url = %kv_router_glue::redact_url(&cli.nats_url),
+        namespace = %cli.namespace,
+        directory_bucket = %cli.directory_bucket,
+        metrics_addr = %http.local_addr(),
+        subject = %ADVISE_SUBJECT,
+        vllm_streams = cli.vllm_events.len(),
+        "serving"
+    );
     let ready = serde_json::json!({
         "event": "ready",
         "metrics_addr": http.local_addr().to_string(),
@@ -553,6 +597,8 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
         received = report.received,
         decided = report.decided,
         refused = report.refused,
+        no_reply = report.no_reply,
+        reply_errors = report.reply_errors,
         after_shutdown = report.after_shutdown,
         follow = ?inventory.stats(),
         "stopped"
@@ -654,6 +700,20 @@ mod tests {
                 &["bad bucket.name", "", "kv.donors", "kv*"],
                 &["kv_donors", "KV-2"],
             ),
+            // These exited 1 as an unreachable server ("cannot connect to
+            // NATS at not a url"), not 2 naming the flag; a list is not one
+            // URL (async-nats parses the flag's value as one server).
+            (
+                "--nats-url",
+                &[
+                    "not a url",
+                    "http://127.0.0.1:4222",
+                    "",
+                    "nats://",
+                    "nats://127.0.0.1:1,nats://127.0.0.1:2",
+                ],
+                &["nats://127.0.0.1:4222", "127.0.0.1:4222", "tls://n1:4222"],
+            ),
         ];
         for (flag, refused, accepted) in cases {
             for v in *refused {
@@ -667,6 +727,63 @@ mod tests {
                 parse(&[flag, v]).unwrap_or_else(|e| panic!("{flag} {v:?}: {e}"));
             }
         }
+    }
+
+    /// Every `--flag` the operator docs name in backticks is a flag of
+    /// this binary or of the other tools listed here: docs/security.md
+    /// called the bucket flag `--bucket` (it is `--directory-bucket`).
+    #[test]
+    fn flags_named_in_the_operator_docs_exist() {
+        use clap::CommandFactory;
+        // Flags of other programs the same pages quote, and `--nats-*`
+        // family prefixes written with a trailing dash.
+        const OTHER_TOOLS: &[&str] = &[
+            "--tlsverify",        // nats-server
+            "--kv-events-config", // vllm serve
+            "--time",             // unshare
+            "--prefix",           // kv-bank-reclaim
+            "--every",            // kv-bank-reclaim
+            "--quick",            // kvq bench advise
+            "--json",             // cargo xtask bench advise
+            "--busy-poll-us",     // kvq bench advise
+            "--bin",              // cargo build
+            "--features",         // cargo build
+            "--no-default-features",
+            "--key", // "--key=value", the generic form of a setting flag
+        ];
+        let mut cmd = Cli::command();
+        // Adds the generated `--help` and `--version`.
+        cmd.build();
+        let ours: Vec<String> = cmd
+            .get_arguments()
+            .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
+            .collect();
+        let docs = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/");
+        let mut unknown = Vec::new();
+        for page in ["router-service.md", "security.md", "operator-guide.md"] {
+            let text = std::fs::read_to_string(format!("{docs}{page}")).unwrap();
+            // Inline code spans: every odd piece between backticks.
+            for code in text.split('`').skip(1).step_by(2) {
+                for (i, _) in code.match_indices("--") {
+                    let flag: String = code[i..]
+                        .chars()
+                        .take_while(|c| *c == '-' || c.is_ascii_alphanumeric())
+                        .collect();
+                    let family = flag.ends_with('-');
+                    if flag.len() > 2
+                        && !family
+                        && !ours.contains(&flag)
+                        && !OTHER_TOOLS.contains(&flag.as_str())
+                    {
+                        unknown.push(format!("{page}: {flag}"));
+                    }
+                }
+            }
+        }
+        assert!(
+            unknown.is_empty(),
+            "flags in the docs that kv-reuse-router lacks: {unknown:?}"
+        );
     }
 
     #[test]

@@ -445,9 +445,13 @@ async fn serve_one(mut stream: TcpStream, metrics: Arc<ReuseMetrics>, health: Op
     let mut parts = head.lines().next().unwrap_or("").split_whitespace();
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let path = path.split('?').next().unwrap_or("");
+    // HEAD is GET without the body (RFC 9110): some load balancers' health
+    // checks send it, and a 404 for it read as a wrong path.
+    let head = method == "HEAD";
+    let known = path == "/metrics" || (path == "/healthz" && health.is_some());
     let (status, content_type, body) = match (method, path) {
-        ("GET", "/metrics") => ("200 OK", METRICS_CONTENT_TYPE, metrics.encode()),
-        ("GET", "/healthz") if health.is_some() => match health.as_ref().map(|h| h()) {
+        ("GET" | "HEAD", "/metrics") => ("200 OK", METRICS_CONTENT_TYPE, metrics.encode()),
+        ("GET" | "HEAD", "/healthz") if health.is_some() => match health.as_ref().map(|h| h()) {
             Some(Health::Unavailable(reason)) => (
                 "503 Service Unavailable",
                 "text/plain",
@@ -455,16 +459,22 @@ async fn serve_one(mut stream: TcpStream, metrics: Arc<ReuseMetrics>, health: Op
             ),
             _ => ("200 OK", "text/plain", "ok\n".to_owned()),
         },
-        (_, "/metrics") => (
+        _ if known => (
             "405 Method Not Allowed",
             "text/plain",
-            "only GET\n".to_owned(),
+            "only GET or HEAD\n".to_owned(),
         ),
         _ => ("404 Not Found", "text/plain", "try /metrics\n".to_owned()),
     };
+    let allow = if status.starts_with("405") {
+        "Allow: GET, HEAD\r\n"
+    } else {
+        ""
+    };
     let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n{allow}Connection: close\r\n\r\n{}",
+        body.len(),
+        if head { "" } else { body.as_str() }
     );
     if let Err(e) = stream.write_all(response.as_bytes()).await {
         tracing::debug!(error = %e, "metrics response not written");
@@ -610,6 +620,41 @@ mod tests {
         let plain = MetricsServer::bind(any, m).await.unwrap();
         let none = http(plain.local_addr(), get).await;
         assert!(none.starts_with("HTTP/1.1 404"), "{none}");
+    }
+
+    /// `HEAD` (what some load balancers' health checks send) is answered
+    /// as `GET` without the body, and another method on `/healthz` is 405
+    /// as on `/metrics`: both used to get "404 Not Found, try /metrics",
+    /// which reads as a wrong path.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn head_is_get_without_a_body_and_other_methods_are_405() {
+        let probe: HealthProbe = Arc::new(|| Health::Unavailable("draining"));
+        let m = Arc::new(ReuseMetrics::new());
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        let server = MetricsServer::bind_with_health(any, m, probe)
+            .await
+            .unwrap();
+        let addr = server.local_addr();
+        let head = http(addr, "HEAD /healthz HTTP/1.1\r\n\r\n").await;
+        assert!(
+            head.starts_with("HTTP/1.1 503 Service Unavailable"),
+            "{head}"
+        );
+        // The length of the body GET would send ("draining\n"), and none sent.
+        assert!(head.contains("Content-Length: 9\r\n"), "{head}");
+        assert!(head.ends_with("\r\n\r\n"), "{head}");
+        let head = http(addr, "HEAD /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(head.starts_with("HTTP/1.1 200 OK"), "{head}");
+        assert!(head.ends_with("\r\n\r\n"), "{head}");
+        for path in ["/healthz", "/metrics"] {
+            let post = http(addr, &format!("POST {path} HTTP/1.1\r\n\r\n")).await;
+            assert!(
+                post.starts_with("HTTP/1.1 405 Method Not Allowed"),
+                "{path}: {post}"
+            );
+            assert!(post.contains("Allow: GET, HEAD\r\n"), "{path}: {post}");
+        }
+        server.shutdown().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

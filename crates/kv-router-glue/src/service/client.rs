@@ -172,7 +172,7 @@ impl AdviseClient {
             return Err(AdviseClientError::Timeout);
         }
         let start = |what: &'static str| {
-            let url = url.to_string();
+            let url = crate::redact_url(url);
             move |e: std::io::Error| AdviseClientError::Start {
                 url,
                 what,
@@ -189,11 +189,11 @@ impl AdviseClient {
         let client = runtime
             .block_on(async { tokio::time::timeout(timeout, options.connect(url)).await })
             .map_err(|_| AdviseClientError::ConnectTimeout {
-                url: url.into(),
+                url: crate::redact_url(url),
                 timeout,
             })?
             .map_err(|e| AdviseClientError::Connect {
-                url: url.into(),
+                url: crate::redact_url(url),
                 reason: e.to_string(),
             })?;
         let (stop, stopped) = mpsc::channel::<()>();

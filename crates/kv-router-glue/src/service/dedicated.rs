@@ -91,7 +91,7 @@ impl DedicatedAdviseServer {
                         Ok(p) => p,
                         Err(e) => {
                             let _ = ready_tx.send(Err(ServiceError::Connect {
-                                url,
+                                url: crate::redact_url(&url),
                                 reason: e.to_string(),
                             }));
                             return;

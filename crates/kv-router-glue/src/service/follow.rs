@@ -50,7 +50,7 @@ use super::RouterService;
 use crate::{
     announce_subject, unix_now_ms, CacheUpdate, DirectoryChange, DirectoryPlane, EventPlane,
     InventoryError, InventorySync, KvEventReceiver, KvStreamItem, PlaneError, Registration,
-    RemoteDonorDirectory, Subject, SyncOutcome, WorkerAnnouncement, WorkerRegistry, SUBJECT_ROOT,
+    RemoteDonorDirectory, Subject, SyncOutcome, WorkerAnnouncement, WorkerRegistry,
 };
 
 /// Most stream items an event follower takes from its receiver at once
@@ -153,20 +153,14 @@ impl std::fmt::Debug for RouterInventory {
     }
 }
 
-/// Parses a full subject string `kv.<namespace>.<component>.<topic>`.
+/// Parses a full subject string `kv.<namespace>.<component>.<topic>`
+/// ([`Subject::parse`]).
 ///
 /// # Errors
 /// [`PlaneError::InvalidSubject`] naming `subject` when it has another root
 /// or shape, or the failing token's field.
 pub fn parse_subject(full: &str) -> Result<Subject, PlaneError> {
-    let parts: Vec<&str> = full.split('.').collect();
-    match parts.as_slice() {
-        [root, ns, component, topic] if *root == SUBJECT_ROOT => Subject::new(ns, component, topic),
-        _ => Err(PlaneError::InvalidSubject {
-            field: "subject",
-            value: full.to_string(),
-        }),
-    }
+    Subject::parse(full)
 }
 
 impl RouterInventory {

@@ -64,6 +64,27 @@ pub enum VllmSpecError {
         /// Key.
         key: &'static str,
     },
+    /// A key given more than once (which one was meant is unknown).
+    #[error("`--vllm-events` key `{key}` is given more than once")]
+    Repeated {
+        /// Key.
+        key: &'static str,
+    },
+}
+
+/// Keys of a `--vllm-events` value, in the order of the module table.
+const KEYS: [&str; 6] = ["replay", "fingerprint", "role", "tp", "block", "worker"];
+
+/// `value` checked as a ZeroMQ endpoint (what the subscriber connects to),
+/// so a typo is a flag error before the router connects to anything.
+fn zmq_endpoint(key: &'static str, value: &str) -> Result<String, VllmSpecError> {
+    zeromq::Endpoint::from_str(value)
+        .map(|_| value.to_string())
+        .map_err(|_| VllmSpecError::InvalidValue {
+            key,
+            value: value.to_string(),
+            expected: "a ZeroMQ endpoint: tcp://HOST:PORT or ipc://PATH",
+        })
 }
 
 impl FromStr for VllmEndpointSpec {
@@ -75,12 +96,20 @@ impl FromStr for VllmEndpointSpec {
         if endpoint.is_empty() {
             return Err(VllmSpecError::EmptyEndpoint);
         }
+        let endpoint = zmq_endpoint("endpoint", &endpoint)?;
         let (mut replay, mut fingerprint, mut role, mut tp, mut block, mut name) =
             (None, None, Role::Decode, 1u32, 16u32, None);
+        let mut seen: Vec<&str> = Vec::new();
         for item in items {
             let Some((k, v)) = item.split_once('=') else {
                 return Err(VllmSpecError::UnknownKey { item: item.into() });
             };
+            if let Some(key) = KEYS.into_iter().find(|key| *key == k.trim()) {
+                if seen.contains(&key) {
+                    return Err(VllmSpecError::Repeated { key });
+                }
+                seen.push(key);
+            }
             let invalid = |key, expected| VllmSpecError::InvalidValue {
                 key,
                 value: v.to_string(),
@@ -93,7 +122,7 @@ impl FromStr for VllmEndpointSpec {
                     .ok_or_else(|| invalid(key, "an integer >= 1"))
             };
             match k.trim() {
-                "replay" => replay = Some(v.to_string()),
+                "replay" => replay = Some(zmq_endpoint("replay", v)?),
                 "fingerprint" => {
                     let parsed = match v.strip_prefix("0x") {
                         Some(hex) => u64::from_str_radix(hex, 16),
@@ -190,5 +219,57 @@ mod tests {
                 item: "colour=red".into()
             }
         );
+    }
+
+    /// A key given twice is refused, not silently taken from its last
+    /// occurrence (`tcp://d0:5557,fingerprint=1,fingerprint=2` started a
+    /// router with fingerprint 2).
+    #[test]
+    fn a_repeated_key_is_refused_naming_it() {
+        for (spec, key) in [
+            ("tcp://x:1,fingerprint=1,fingerprint=2", "fingerprint"),
+            ("tcp://x:1,fingerprint=1,role=decode,role=prefill", "role"),
+            (
+                "tcp://x:1,replay=tcp://x:2,fingerprint=1,replay=tcp://x:3",
+                "replay",
+            ),
+        ] {
+            let e = spec
+                .parse::<VllmEndpointSpec>()
+                .expect_err(&format!("{spec} must be refused"));
+            let text = e.to_string();
+            assert!(text.contains(&format!("key `{key}`")), "{text}");
+            assert!(text.contains("more than once"), "{text}");
+        }
+    }
+
+    /// An endpoint ZeroMQ cannot parse is a flag error (exit 2 naming the
+    /// key), not a failed connection at start (exit 1): `notanendpoint`
+    /// got as far as connecting to NATS and exited 1.
+    #[test]
+    fn an_endpoint_zeromq_cannot_parse_is_refused_naming_the_key() {
+        for (spec, key) in [
+            ("notanendpoint,fingerprint=1", "endpoint"),
+            ("http://x:1,fingerprint=1", "endpoint"),
+            ("tcp://x,fingerprint=1", "endpoint"),
+            ("tcp://x:99999,fingerprint=1", "endpoint"),
+            ("tcp://x:1,replay=x:2,fingerprint=1", "replay"),
+            ("tcp://x:1,replay=,fingerprint=1", "replay"),
+        ] {
+            match spec.parse::<VllmEndpointSpec>() {
+                Err(e @ VllmSpecError::InvalidValue { key: k, .. }) => {
+                    assert_eq!(k, key, "{spec}: {e}");
+                }
+                other => panic!("{spec}: {other:?}"),
+            }
+        }
+        for ok in [
+            "tcp://127.0.0.1:5557,fingerprint=1",
+            "tcp://decode-0:5557,replay=tcp://decode-0:5558,fingerprint=1",
+            "ipc:///tmp/vllm.sock,fingerprint=1",
+        ] {
+            ok.parse::<VllmEndpointSpec>()
+                .unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
     }
 }

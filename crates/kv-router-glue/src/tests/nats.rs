@@ -476,3 +476,25 @@ async fn mutual_tls_accepts_a_client_certificate_of_the_ca_and_refuses_others() 
     .await;
     assert!(reason.contains("tls.client_key"), "{reason}");
 }
+
+/// A password embedded in the URL (`nats://user:password@host`) is not
+/// repeated in the connection error, which the router binary prints and
+/// logs: `kv-reuse-router --nats-url nats://router:s3cr3t@127.0.0.1:1`
+/// printed "cannot connect to NATS at nats://router:s3cr3t@127.0.0.1:1".
+#[tokio::test]
+async fn a_password_in_the_url_is_not_printed_in_the_connect_error() {
+    // Port 1: nothing listens, the connection is refused at once.
+    let err = NatsPlane::connect(
+        "nats://router:s3cr3t@127.0.0.1:1",
+        NatsOptions {
+            connect_timeout: Duration::from_secs(2),
+            ..NatsOptions::default()
+        },
+    )
+    .await
+    .unwrap_err();
+    let text = err.to_string();
+    assert!(!text.contains("s3cr3t"), "{text}");
+    assert!(text.contains("nats://router:***@127.0.0.1:1"), "{text}");
+    assert!(!format!("{err:?}").contains("s3cr3t"), "{err:?}");
+}

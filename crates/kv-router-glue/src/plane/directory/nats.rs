@@ -92,7 +92,7 @@ impl NatsDirectory {
         check_bucket(bucket)?;
         check_ttl(lease_ttl)?;
         let connect_err = |reason: String| PlaneError::Connect {
-            url: url.to_string(),
+            url: crate::redact_url(url),
             reason,
         };
         let js = jetstream::new(client);

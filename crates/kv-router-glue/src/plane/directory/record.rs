@@ -106,8 +106,9 @@ pub enum DonorRecordError {
         /// The limit in bytes.
         limit: usize,
     },
-    /// Bytes that do not decode (the decoder's message, which names the field).
-    #[error("cannot decode `donor_record`: {0}")]
+    /// Bytes that do not decode (the decoder's message, which names the
+    /// field and already starts with "cannot decode `donor_record`").
+    #[error("{0}")]
     Decode(DescriptorError),
 }
 

@@ -192,6 +192,17 @@ fn bad_records_are_refused_naming_the_field() {
     );
 }
 
+/// An undecodable record names its type once (the decoder's message
+/// already starts with "cannot decode `donor_record`").
+#[test]
+fn undecodable_records_name_the_type_once() {
+    for bytes in [&b"\xff\xfe garbage"[..], b""] {
+        let text = DonorRecord::decode(bytes).unwrap_err().to_string();
+        assert_eq!(text.matches("donor_record").count(), 1, "{text}");
+        assert!(text.starts_with("cannot decode `donor_record`: "), "{text}");
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
     /// The decoder never panics on arbitrary bytes.

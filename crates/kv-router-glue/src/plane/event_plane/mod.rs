@@ -26,7 +26,9 @@ pub use in_process::InProcessPlane;
 #[cfg(feature = "nats")]
 pub(crate) use nats::server_round_trip;
 #[cfg(feature = "nats")]
-pub use nats::{inbox_prefix_problem, NatsAuth, NatsOptions, NatsOptionsError, NatsPlane, NatsTls};
+pub use nats::{
+    inbox_prefix_problem, redact_url, NatsAuth, NatsOptions, NatsOptionsError, NatsPlane, NatsTls,
+};
 
 use crate::PlaneError;
 
@@ -81,6 +83,32 @@ impl Subject {
     /// The full subject string.
     pub fn as_str(&self) -> &str {
         &self.full
+    }
+
+    /// Parses a full subject string `kv.<namespace>.<component>.<topic>`
+    /// (what a worker announcement's `event_subject` carries).
+    ///
+    /// ```
+    /// use kv_router_glue::Subject;
+    /// assert_eq!(Subject::parse("kv.prod.d0.kv_events").unwrap().as_str(), "kv.prod.d0.kv_events");
+    /// assert!(Subject::parse(">").is_err());
+    /// assert!(Subject::parse("kv.prod.*.kv_events").is_err());
+    /// ```
+    ///
+    /// # Errors
+    /// [`PlaneError::InvalidSubject`] naming `subject` when it has another
+    /// root or shape, or the failing token's field.
+    pub fn parse(full: &str) -> Result<Self, PlaneError> {
+        let parts: Vec<&str> = full.split('.').collect();
+        match parts.as_slice() {
+            [root, ns, component, topic] if *root == SUBJECT_ROOT => {
+                Self::new(ns, component, topic)
+            }
+            _ => Err(PlaneError::InvalidSubject {
+                field: "subject",
+                value: full.to_string(),
+            }),
+        }
     }
 
     /// A sibling subject with another topic (same namespace and component).

@@ -66,6 +66,42 @@ pub fn inbox_prefix_problem(prefix: &str) -> Option<&'static str> {
     }
 }
 
+/// `url` as it may be printed: the password of a `user:password@` and a
+/// token of a `token@` user info replaced by `***`, in each server of a
+/// comma-separated list. Errors and logs name the server the router tried;
+/// a secret written into the URL must not reach them (operator guide,
+/// "Secrets are never printed"). Anything without user info is returned as
+/// given.
+///
+/// ```
+/// use kv_router_glue::redact_url;
+/// assert_eq!(redact_url("nats://router:pw@n1:4222"), "nats://router:***@n1:4222");
+/// assert_eq!(redact_url("tls://t0k3n@n1"), "tls://***@n1");
+/// assert_eq!(redact_url("nats://n1:4222"), "nats://n1:4222");
+/// ```
+pub fn redact_url(url: &str) -> String {
+    url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
+}
+
+fn redact_one(server: &str) -> String {
+    let (scheme, rest) = match server.split_once("://") {
+        Some((s, r)) => (Some(s), r),
+        None => (None, server),
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    // The last `@` ends the user info (a password may itself hold one).
+    let Some(at) = authority.rfind('@') else {
+        return server.to_string();
+    };
+    let info = match authority[..at].split_once(':') {
+        Some((user, _)) => format!("{user}:***"),
+        None => "***".to_string(),
+    };
+    let scheme = scheme.map(|s| format!("{s}://")).unwrap_or_default();
+    format!("{scheme}{info}@{}{tail}", &authority[at + 1..])
+}
+
 /// How a NATS client proves who it is (the server's `authorization` /
 /// `accounts` configuration decides which one it wants).
 ///
@@ -277,7 +313,7 @@ impl NatsPlane {
     /// [`PlaneError::Connect`] when the first connection fails.
     pub async fn connect(url: &str, options: NatsOptions) -> Result<Self, PlaneError> {
         let err = |reason: String| PlaneError::Connect {
-            url: url.to_string(),
+            url: redact_url(url),
             reason,
         };
         let tls_in_force = options.tls.in_force();

@@ -26,7 +26,7 @@ impl NatsInventory {
         let client = async_nats::connect(url)
             .await
             .map_err(|e| InventoryError::Transport {
-                subject: format!("<connect {url}>"),
+                subject: format!("<connect {}>", crate::redact_url(url)),
                 reason: e.to_string(),
             })?;
         Ok(Self { client })

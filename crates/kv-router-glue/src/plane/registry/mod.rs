@@ -90,8 +90,9 @@ pub enum AnnouncementError {
         /// The limit.
         limit: usize,
     },
-    /// Bytes that do not decode (the message names the field).
-    #[error("cannot decode `worker_announcement`: {0}")]
+    /// Bytes that do not decode (the message names the type and the
+    /// field; it already starts with "cannot decode `worker_announcement`").
+    #[error("{0}")]
     Decode(kv_descriptor::DescriptorError),
 }
 
@@ -135,6 +136,17 @@ impl WorkerAnnouncement {
                     format!("must be 1..={MAX_NAME} bytes, got {}", v.len()),
                 ));
             }
+        }
+        // Checked here, before the router registers anything: an
+        // announcement whose events cannot be followed (a wildcard, another
+        // shape) used to register the worker, make a prefill an advise
+        // target and replace a live incarnation, and only then be found
+        // unusable.
+        if let Err(e) = Subject::parse(&self.event_subject) {
+            return Err(bad(
+                "event_subject",
+                format!("{e} (expected `kv.<namespace>.<component>.<topic>`)"),
+            ));
         }
         if self.tp_size == 0 || self.tp_size as usize > MAX_ANNOUNCED_GPUS {
             return Err(bad(

@@ -112,6 +112,25 @@ fn bad_announcements_are_refused_naming_the_field() {
             "gpus",
         ),
     ];
+    // An event subject the router could never follow: a wildcard (it would
+    // subscribe to every subject), another shape than
+    // `kv.<ns>.<component>.<topic>`, a token with whitespace.
+    let subjects = [
+        ">",
+        "kv.qa.*.events",
+        "kv_reuse.advise",
+        "kv.qa.decode",
+        "kv.qa.de code.e",
+    ];
+    let cases = cases.into_iter().chain(subjects.into_iter().map(|s| {
+        (
+            WorkerAnnouncement {
+                event_subject: s.into(),
+                ..ann("k", e)
+            },
+            "event_subject",
+        )
+    }));
     for (a, want) in cases {
         match a.validate() {
             Err(AnnouncementError::InvalidField { field, .. }) => assert_eq!(field, want),
@@ -131,6 +150,29 @@ fn bad_announcements_are_refused_naming_the_field() {
         WorkerAnnouncement::decode(&big),
         Err(AnnouncementError::TooLarge { .. })
     ));
+}
+
+/// An undecodable announcement names its type once: the log line of a
+/// refused announcement read "cannot decode `worker_announcement`: cannot
+/// decode `worker_announcement`: ..." (seen on a router fed garbage).
+#[test]
+fn undecodable_announcements_name_the_type_once() {
+    for bytes in [
+        &b"\xff\xfe garbage"[..],
+        b"",
+        &rmp_serde::to_vec_named(&1u8).unwrap(),
+    ] {
+        let text = WorkerAnnouncement::decode(bytes).unwrap_err().to_string();
+        assert_eq!(
+            text.matches("worker_announcement").count(),
+            1,
+            "{bytes:?}: {text}"
+        );
+        assert!(
+            text.starts_with("cannot decode `worker_announcement`: "),
+            "{text}"
+        );
+    }
 }
 
 proptest! {
