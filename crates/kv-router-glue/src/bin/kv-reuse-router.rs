@@ -29,10 +29,10 @@ use kv_router_glue::service::{
 };
 use kv_router_glue::vllm_events::{VllmEventError, VllmIngest, VllmSubscriber};
 use kv_router_glue::{
-    announce_subject, Advisor, CostModel, DecisionLog, EnvSnapshot, EventPlane, InventoryError,
-    InventorySync, LiveCostModel, NatsAuth, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
-    NatsTls, PlaneError, RemoteDonorDirectory, ReuseArgs, SettingsError, SettingsLoader,
-    DEFAULT_INVENTORY_TIMEOUT, NATS_MIN_MAX_AGE,
+    announce_subject, Advisor, CostModel, DecisionLog, DirectoryPlane, EnvSnapshot, EventPlane,
+    InventoryError, InventorySync, LiveCostModel, NatsAuth, NatsDirectory, NatsInventory,
+    NatsOptions, NatsPlane, NatsTls, PlaneError, RemoteDonorDirectory, ReuseArgs, SettingsError,
+    SettingsLoader, DEFAULT_INVENTORY_TIMEOUT, NATS_MIN_MAX_AGE,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -446,13 +446,15 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     // The plane's own connection: the directory reads under the router's
     // credentials (a second, anonymous connection is refused by a server
     // that requires them).
-    let directory = NatsDirectory::from_client(
-        plane.client().clone(),
-        &cli.nats_url,
-        &cli.directory_bucket,
-        Duration::from_millis(cli.directory_ttl_ms),
-    )
-    .await?;
+    let directory: Arc<dyn DirectoryPlane> = Arc::new(
+        NatsDirectory::from_client(
+            plane.client().clone(),
+            &cli.nats_url,
+            &cli.directory_bucket,
+            Duration::from_millis(cli.directory_ttl_ms),
+        )
+        .await?,
+    );
 
     let index = Arc::new(InventoryIndex::new());
     let remote = Arc::new(RemoteDonorDirectory::new());
@@ -483,7 +485,7 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     let followers = inventory
         .follow(
             plane.clone() as Arc<dyn EventPlane>,
-            &directory,
+            directory,
             &cli.namespace,
             Duration::from_millis(cli.announce_period_ms.max(1)),
             stop_following.clone(),
@@ -527,7 +529,7 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     .await?;
     let draining = Arc::new(AtomicBool::new(false));
     let probe = {
-        let (draining, plane) = (draining.clone(), plane.clone());
+        let (draining, plane, inventory) = (draining.clone(), plane.clone(), inventory.clone());
         let advise = server.client().clone();
         Arc::new(move || {
             if draining.load(Ordering::SeqCst) {
@@ -536,6 +538,10 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
                 || advise.connection_state() != async_nats::connection::State::Connected
             {
                 Health::Unavailable("nats disconnected")
+            } else if let Some(down) = inventory.follower_down() {
+                // The index or donor directory is going stale until the
+                // follower's stream is open again.
+                Health::Unavailable(down)
             } else {
                 Health::Serving
             }

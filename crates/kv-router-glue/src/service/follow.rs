@@ -35,9 +35,19 @@
 //!   replaced donor's last renewal must not bring it back). A new generation
 //!   of a donor whose snapshot was applied resets its slot map, so the
 //!   snapshot is forgotten and asked again at the next announcement.
+//! - **Re-opening.** A follower whose stream ends (a NATS key-value watch
+//!   ends on an error such as its bucket being deleted; a subscription
+//!   ends when its client closes) is not left dead: the directory watch is
+//!   re-opened and the announcements subscribed again, after
+//!   [`REOPEN_BACKOFF_MIN`] doubling to [`REOPEN_BACKOFF_MAX`] between
+//!   failed tries, and [`RouterInventory::follower_down`] names it until
+//!   then (the router's `/healthz` answers 503 with that reason). A re-opened
+//!   watch delivers every current record again (renewals change nothing);
+//!   a record deleted while no watch was open stays cached until its lease
+//!   lapses, which is when the advisor stops resolving it anyway.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,6 +69,13 @@ use crate::{
 /// the follower holds the state lock for it); 256 events of a few blocks
 /// take well under a millisecond.
 pub(crate) const FOLLOW_BATCH_MAX: usize = 256;
+
+/// First wait before re-opening a follower's ended stream (the directory
+/// watch, the announcements subscription); doubled after each failed try.
+pub const REOPEN_BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// Longest wait between tries to re-open an ended stream: a bucket deleted
+/// by an operator is watched again within this of being recreated.
+pub const REOPEN_BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// Counters of what the followers took in (all since start).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -93,6 +110,10 @@ pub struct FollowStats {
     pub directory_changes: u64,
     /// Directory puts of retired incarnations, ignored.
     pub directory_puts_ignored: u64,
+    /// Times the directory watch ended and was opened again.
+    pub directory_watch_reopened: u64,
+    /// Times the announcements subscription ended and was made again.
+    pub announcements_resubscribed: u64,
 }
 
 #[derive(Debug, Default)]
@@ -110,6 +131,8 @@ struct Counters {
     snapshots_failed: AtomicU64,
     directory_changes: AtomicU64,
     directory_puts_ignored: AtomicU64,
+    directory_watch_reopened: AtomicU64,
+    announcements_resubscribed: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -140,6 +163,10 @@ pub struct RouterInventory {
     service: Arc<RouterService>,
     state: tokio::sync::Mutex<Tracked>,
     counters: Counters,
+    /// Set while the directory watch has ended and is not open again.
+    directory_down: AtomicBool,
+    /// Set while the announcements subscription has ended and is not made again.
+    announcements_down: AtomicBool,
 }
 
 impl std::fmt::Debug for RouterInventory {
@@ -187,6 +214,37 @@ impl RouterInventory {
                 subjects: HashMap::new(),
             }),
             counters: Counters::default(),
+            directory_down: AtomicBool::new(false),
+            announcements_down: AtomicBool::new(false),
+        }
+    }
+
+    /// Which follower stream has ended and is not open again yet, if any:
+    /// `"donor directory watch down"` or `"worker announcements down"`
+    /// (what the router's `/healthz` answers 503 with). `None` before
+    /// [`RouterInventory::follow`] and while both are open.
+    ///
+    /// ```
+    /// # use kv_router_glue::*;
+    /// # use kv_router_glue::service::{RouterInventory, RouterService};
+    /// # use std::sync::Arc;
+    /// # let index = Arc::new(kv_lookup::InventoryIndex::new());
+    /// # let remote = Arc::new(RemoteDonorDirectory::new());
+    /// # let model = LiveCostModel::new(CostModel::new(ReuseSettings::default(), 16).unwrap());
+    /// # let advisor = Advisor::new(index.clone(), remote.clone(), model, Arc::new(DecisionLog::new(8)), 1024);
+    /// # let service = Arc::new(RouterService::new(Arc::new(advisor)));
+    /// # let timeout = std::time::Duration::from_secs(1);
+    /// # let sync = InventorySync::new(Arc::new(InProcessInventory::new()), "ns", timeout).unwrap();
+    /// let inventory = RouterInventory::new(index, remote, service, sync, 1000, 3);
+    /// assert_eq!(inventory.follower_down(), None);
+    /// ```
+    pub fn follower_down(&self) -> Option<&'static str> {
+        if self.directory_down.load(Ordering::SeqCst) {
+            Some("donor directory watch down")
+        } else if self.announcements_down.load(Ordering::SeqCst) {
+            Some("worker announcements down")
+        } else {
+            None
         }
     }
 
@@ -213,6 +271,8 @@ impl RouterInventory {
             snapshots_failed: get(&c.snapshots_failed),
             directory_changes: get(&c.directory_changes),
             directory_puts_ignored: get(&c.directory_puts_ignored),
+            directory_watch_reopened: get(&c.directory_watch_reopened),
+            announcements_resubscribed: get(&c.announcements_resubscribed),
         }
     }
 
@@ -494,19 +554,21 @@ impl RouterInventory {
 
     /// Runs the followers on `plane` and `directory` until `shutdown`:
     /// announcements (and the event subscriptions they name), the silence
-    /// tick every `announce_period`, and the directory watch.
+    /// tick every `announce_period`, and the directory watch. A stream that
+    /// ends is opened again (module docs, "Re-opening").
     ///
     /// # Errors
     /// The plane's or directory's subscribe error at start (nothing runs).
     pub async fn follow(
         self: &Arc<Self>,
         plane: Arc<dyn EventPlane>,
-        directory: &dyn DirectoryPlane,
+        directory: Arc<dyn DirectoryPlane>,
         namespace: &str,
         announce_period: Duration,
         shutdown: CancellationToken,
     ) -> Result<JoinSet<()>, PlaneError> {
-        let mut announcements = plane.subscribe(&announce_subject(namespace)?).await?;
+        let announce = announce_subject(namespace)?;
+        let mut announcements = plane.subscribe(&announce).await?;
         let mut watch = directory.watch().await?;
         let mut tasks = JoinSet::new();
         let (me, stop) = (self.clone(), shutdown.clone());
@@ -517,8 +579,12 @@ impl RouterInventory {
                     c = watch.next() => match c {
                         Some(c) => me.on_directory(c).await,
                         None => {
-                            tracing::warn!("donor directory watch ended");
-                            return;
+                            let flag = (&me.directory_down, &me.counters.directory_watch_reopened);
+                            let reopened = reopen("donor directory watch", flag, &stop, || directory.watch()).await;
+                            match reopened {
+                                Some(w) => watch = w,
+                                None => return,
+                            }
                         }
                     },
                 }
@@ -533,7 +599,14 @@ impl RouterInventory {
                     _ = stop.cancelled() => return,
                     _ = tick.tick() => { me.tick(unix_now_ms()).await; }
                     m = announcements.next() => {
-                        let Some(m) = m else { return };
+                        let Some(m) = m else {
+                            let flag = (&me.announcements_down, &me.counters.announcements_resubscribed);
+                            match reopen("worker announcements", flag, &stop, || plane.subscribe(&announce)).await {
+                                Some(s) => announcements = s,
+                                None => return,
+                            }
+                            continue;
+                        };
                         if let Some(subject) = me.on_announcement(&m.payload, unix_now_ms()).await {
                             // One receiver per subject; its own task so a slow
                             // subscribe does not hold up announcements.
@@ -599,6 +672,42 @@ impl RouterInventory {
                         return;
                     }
                 },
+            }
+        }
+    }
+}
+
+/// Opens an ended follower stream (`what`, for the log) again with `open`,
+/// waiting [`REOPEN_BACKOFF_MIN`] doubling to [`REOPEN_BACKOFF_MAX`] before
+/// each try; `down` is set from the end until it is open and `reopened`
+/// counts the success. `None` when `stop` comes first.
+async fn reopen<'a, T, F>(
+    what: &'static str,
+    (down, reopened): (&AtomicBool, &AtomicU64),
+    stop: &CancellationToken,
+    mut open: impl FnMut() -> F,
+) -> Option<T>
+where
+    F: std::future::Future<Output = Result<T, PlaneError>> + 'a,
+{
+    down.store(true, Ordering::SeqCst);
+    tracing::warn!(stream = what, "follower stream ended; opening it again");
+    let mut wait = REOPEN_BACKOFF_MIN;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return None,
+            _ = tokio::time::sleep(wait) => {}
+        }
+        match open().await {
+            Ok(s) => {
+                down.store(false, Ordering::SeqCst);
+                bump(reopened);
+                tracing::info!(stream = what, "follower stream open again");
+                return Some(s);
+            }
+            Err(e) => {
+                wait = (wait * 2).min(REOPEN_BACKOFF_MAX);
+                tracing::warn!(stream = what, error = %e, retry_in_ms = wait.as_millis() as u64, "cannot open follower stream");
             }
         }
     }

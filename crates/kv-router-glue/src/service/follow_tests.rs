@@ -320,7 +320,7 @@ async fn a_followed_receiver_resumes_after_the_snapshot() {
             req.respond(snapshot.clone());
         }
     });
-    let directory = InProcessDirectory::new();
+    let directory = Arc::new(InProcessDirectory::new());
     directory
         .put(&crate::plane::directory::tests_support::record(
             lease,
@@ -335,7 +335,7 @@ async fn a_followed_receiver_resumes_after_the_snapshot() {
     let _followers = inv
         .follow(
             events.clone(),
-            &directory,
+            directory.clone(),
             "t",
             Duration::from_secs(1),
             stop.clone(),
@@ -753,4 +753,107 @@ async fn duplicates_and_a_retired_incarnation_inside_a_batch_count_as_before() {
     }
     t.one_by_one(&items).await;
     t.assert_same([1, 2, 3, 4, 5, 30, 31, 32, 99]).await;
+}
+
+/// Polls `cond` every millisecond for up to `secs`; panics with `what`.
+async fn eventually(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_directory_watch_or_announcements_subscription_is_opened_again() {
+    use crate::plane::directory::tests_support::record;
+    use crate::{InProcessDirectory, InProcessPlane};
+
+    let plane = InProcessPlane::new();
+    let directory = Arc::new(InProcessDirectory::new());
+    let inv = inventory_on(crate::InProcessInventory::new(), Duration::from_secs(1));
+    let stop = CancellationToken::new();
+    let _followers = inv
+        .follow(
+            Arc::new(plane.clone()),
+            directory.clone(),
+            "t",
+            Duration::from_secs(1),
+            stop.clone(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(inv.follower_down(), None);
+    let first = kv_descriptor::OwnerLease::fresh(Role::Decode);
+    directory.put(&record(first, u64::MAX - 1)).await.unwrap();
+    eventually(2, "first record applied", || {
+        inv.stats().directory_changes == 1
+    })
+    .await;
+
+    // The watch ends (a deleted bucket): reported down, then opened again,
+    // which delivers the current record once more.
+    directory.end_watches();
+    eventually(2, "directory watch reported down", || {
+        inv.follower_down() == Some("donor directory watch down")
+    })
+    .await;
+    eventually(2, "directory watch open again", || {
+        inv.stats().directory_watch_reopened == 1
+    })
+    .await;
+    assert_eq!(inv.follower_down(), None);
+    eventually(2, "current record delivered again", || {
+        inv.stats().directory_changes == 2
+    })
+    .await;
+    // A record put after the re-open is followed.
+    let second = kv_descriptor::OwnerLease::fresh(Role::Decode);
+    directory.put(&record(second, u64::MAX - 1)).await.unwrap();
+    eventually(2, "later record applied", || {
+        inv.stats().directory_changes == 3
+    })
+    .await;
+
+    // The announcements subscription ends (a closed client): subscribed
+    // again, and a later announcement registers its worker.
+    let announce = crate::announce_subject("t").unwrap();
+    plane.end_subscriptions(announce.as_str());
+    eventually(2, "announcements reported down", || {
+        inv.follower_down() == Some("worker announcements down")
+    })
+    .await;
+    eventually(2, "announcements subscribed again", || {
+        inv.stats().announcements_resubscribed == 1
+    })
+    .await;
+    assert_eq!(inv.follower_down(), None);
+    let a = WorkerAnnouncement {
+        worker_key: "p0".into(),
+        engine_id: EngineId::fresh(),
+        role: Role::Prefill,
+        layout_fingerprint: LayoutFingerprint(9),
+        tp_size: 1,
+        gpus: vec![GpuIdentity::new(uuid::Uuid::from_u128(2), 0, "h").unwrap()],
+        pin_endpoint: "unix:/tmp/p".into(),
+        event_subject: "kv.t.prefill.kv_events".into(),
+    }
+    .to_wire()
+    .unwrap();
+    plane.publish(&announce, a).await.unwrap();
+    eventually(2, "announcement after the re-subscribe", || {
+        inv.stats().announcements == 1
+    })
+    .await;
+    let st = inv.stats();
+    assert_eq!(
+        (
+            st.directory_watch_reopened,
+            st.announcements_resubscribed,
+            st.announcements_ignored
+        ),
+        (1, 1, 0),
+        "{st:?}"
+    );
+    stop.cancel();
 }

@@ -151,6 +151,13 @@ impl InProcessDirectory {
         st.entries.insert(key.to_string(), bytes);
         st.watchers.retain(|w| w.send(change.clone()).is_ok());
     }
+
+    /// Ends every open watch, as a backend that went away does (tests of a
+    /// follower that opens its watch again).
+    #[cfg(test)]
+    pub(crate) fn end_watches(&self) {
+        self.inner.lock().watchers.clear();
+    }
 }
 
 /// A stored value as a watcher sees it.

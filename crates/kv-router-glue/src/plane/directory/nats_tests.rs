@@ -111,6 +111,50 @@ async fn nats_directory_put_watch_delete_across_two_clients() {
 }
 
 #[tokio::test]
+async fn a_deleted_bucket_ends_the_watch_and_a_recreated_one_is_watched_again() {
+    // What the router's directory follower relies on to open its watch
+    // again (service::follow, "Re-opening"): the watch ends instead of
+    // hanging, and the same handle watches the bucket once it exists again.
+    const TEST: &str = "a_deleted_bucket_ends_the_watch_and_a_recreated_one_is_watched_again";
+    let Some(server) = NatsServer::start_or_skip(TEST) else {
+        return;
+    };
+    let ttl = Duration::from_secs(30);
+    let reader = NatsDirectory::connect(&server.url(), "kv_donors", ttl)
+        .await
+        .unwrap();
+    let r1 = record(OwnerLease::fresh(Role::Decode), u64::MAX - 1);
+    reader.put(&r1).await.unwrap();
+    let mut w = reader.watch().await.unwrap();
+    assert_eq!(next(&mut w).await, Some(DirectoryChange::Put(r1)));
+    let client = async_nats::connect(server.url()).await.unwrap();
+    async_nats::jetstream::new(client.clone())
+        .delete_key_value("kv_donors")
+        .await
+        .unwrap();
+    // The watch's consumer notices by its missed heartbeats: 10.0 s here.
+    let t0 = std::time::Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(40), w.next()).await;
+    assert!(
+        matches!(ended, Ok(None)),
+        "watch after the bucket was deleted: {ended:?}"
+    );
+    eprintln!(
+        "{TEST}: the watch ended {:?} after the delete",
+        t0.elapsed()
+    );
+    // Recreated (a donor's directory opens it again), then watched again
+    // through the reader's handle.
+    let donor = NatsDirectory::connect(&server.url(), "kv_donors", ttl)
+        .await
+        .unwrap();
+    let r2 = record(OwnerLease::fresh(Role::Decode), u64::MAX - 1);
+    donor.put(&r2).await.unwrap();
+    let mut again = reader.watch().await.unwrap();
+    assert_eq!(next(&mut again).await, Some(DirectoryChange::Put(r2)));
+}
+
+#[tokio::test]
 async fn nats_directory_entry_expires_with_the_bucket_max_age() {
     const TEST: &str = "nats_directory_entry_expires_with_the_bucket_max_age";
     let Some(server) = NatsServer::start_or_skip(TEST) else {

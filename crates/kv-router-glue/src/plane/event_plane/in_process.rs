@@ -39,6 +39,13 @@ impl InProcessPlane {
         Self::default()
     }
 
+    /// Ends every subscription to `subject`, as a closed client's do
+    /// (tests of a follower that subscribes again).
+    #[cfg(test)]
+    pub(crate) fn end_subscriptions(&self, subject: &str) {
+        self.subscribers.lock().remove(subject);
+    }
+
     fn live_count(&self, subject: &str) -> usize {
         let mut map = self.subscribers.lock();
         match map.get_mut(subject) {
