@@ -47,10 +47,14 @@ pub enum DescriptorError {
         known: &'static str,
     },
     /// MessagePack bytes that do not decode into the expected type.
-    #[error("cannot decode `{what}`: {reason}")]
+    #[error("cannot decode `{what}`{}: {reason}", at_field(.field))]
     Decode {
         /// Target type (`bank_descriptor`, `kv_event`, ...).
         what: &'static str,
+        /// Where in the value decoding failed, as a path of field names and
+        /// indices (`target`, `data.blocks[3].slot`); `None` when the value
+        /// itself is wrong (not a map, trailing bytes, too deep).
+        field: Option<String>,
         /// Decoder message.
         reason: String,
     },
@@ -71,4 +75,12 @@ impl DescriptorError {
             reason: reason.into(),
         }
     }
+}
+
+/// ` at `FIELD`` for [`DescriptorError::Decode`]'s message, or nothing.
+fn at_field(field: &Option<String>) -> String {
+    field
+        .as_deref()
+        .map(|f| format!(" at `{f}`"))
+        .unwrap_or_default()
 }

@@ -321,6 +321,7 @@ impl HintEnvelope {
                 rmpv::encode::write_value(&mut bytes, &map).map_err(|e| {
                     DescriptorError::Decode {
                         what: "fetch_gpu_hint",
+                        field: None,
                         reason: e.to_string(),
                     }
                 })?;

@@ -54,19 +54,39 @@ pub(crate) fn decode_bounded<T: DeserializeOwned>(
     what: &'static str,
     bytes: &[u8],
 ) -> Result<T, DescriptorError> {
-    let decode_err = |reason: String| DescriptorError::Decode { what, reason };
+    let decode_err = |field, reason: String| DescriptorError::Decode {
+        what,
+        field,
+        reason,
+    };
     let mut de = rmp_serde::Deserializer::new(std::io::Cursor::new(bytes));
     de.set_max_depth(MAX_WIRE_DEPTH);
-    let value = T::deserialize(&mut de).map_err(|e| decode_err(e.to_string()))?;
+    let value = T::deserialize(&mut de)
+        .map_err(|e| decode_err(failing_field::<T>(bytes), e.to_string()))?;
     let used = de.position();
     if used != bytes.len() as u64 {
-        return Err(decode_err(format!(
-            "{} trailing bytes after the value (read {used} of {})",
-            bytes.len() as u64 - used,
-            bytes.len()
-        )));
+        return Err(decode_err(
+            None,
+            format!(
+                "{} trailing bytes after the value (read {used} of {})",
+                bytes.len() as u64 - used,
+                bytes.len()
+            ),
+        ));
     }
     Ok(value)
+}
+
+/// The field path where decoding `bytes` as `T` fails (`target`,
+/// `data.blocks[3].slot`), found by decoding again through
+/// `serde_path_to_error`; `None` when the failure is at the top. Only
+/// called after a failed decode, so a well-formed value pays nothing for it.
+fn failing_field<T: DeserializeOwned>(bytes: &[u8]) -> Option<String> {
+    let mut de = rmp_serde::Deserializer::new(std::io::Cursor::new(bytes));
+    de.set_max_depth(MAX_WIRE_DEPTH);
+    let e = serde_path_to_error::deserialize::<_, T>(&mut de).err()?;
+    let path = e.path().to_string();
+    (path != "." && !path.is_empty()).then_some(path)
 }
 
 impl Wire for crate::BankDescriptor {

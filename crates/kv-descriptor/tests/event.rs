@@ -165,8 +165,9 @@ fn our_reader_refuses_tiers_it_does_not_know() {
             e,
             DescriptorError::Decode {
                 what: "kv_event",
+                field: Some(ref f),
                 ..
-            }
+            } if f == "tier"
         ),
         "{e:?}"
     );
@@ -223,4 +224,70 @@ fn stored_block_slot_is_optional_on_the_wire() {
     assert!(new_bytes.len() > old_bytes.len());
     let as_old: StoredBlockWithoutSlot = rmp_serde::from_slice(&new_bytes).unwrap();
     assert_eq!(as_old, old);
+}
+
+#[test]
+fn a_bad_nested_field_is_named_by_its_path() {
+    let blocks = (0..3u64)
+        .map(|i| StoredBlock {
+            sequence_hash: SequenceHash(10 + i),
+            token_hash: TokenBlockHash(20 + i),
+            slot: Some(i as u32),
+        })
+        .collect();
+    let good = event(
+        StorageTier::RetainedGpuDirect,
+        KvEventData::Stored {
+            parent: None,
+            blocks,
+        },
+    )
+    .to_wire()
+    .unwrap();
+    let mut v = rmpv::decode::read_value(&mut &good[..]).unwrap();
+    // The third block's slot becomes a string.
+    fn edit(v: &mut rmpv::Value, path: &[&str], to: rmpv::Value) {
+        let Some((head, rest)) = path.split_first() else {
+            *v = to;
+            return;
+        };
+        match v {
+            rmpv::Value::Map(m) => {
+                let (_, val) = m
+                    .iter_mut()
+                    .find(|(k, _)| k.as_str() == Some(head))
+                    .unwrap_or_else(|| panic!("no key {head}"));
+                edit(val, rest, to)
+            }
+            rmpv::Value::Array(a) => edit(&mut a[head.parse::<usize>().unwrap()], rest, to),
+            other => panic!("{other:?} at {head}"),
+        }
+    }
+    edit(
+        &mut v,
+        &["data", "stored", "blocks", "2", "slot"],
+        rmpv::Value::from("seven"),
+    );
+    let mut bytes = Vec::new();
+    rmpv::encode::write_value(&mut bytes, &v).unwrap();
+    let e = KvEvent::from_wire(&bytes).unwrap_err();
+    let DescriptorError::Decode { what, field, .. } = &e else {
+        panic!("{e:?}")
+    };
+    assert_eq!(
+        (*what, field.as_deref()),
+        ("kv_event", Some("data.stored.blocks[2].slot")),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .starts_with("cannot decode `kv_event` at `data.stored.blocks[2].slot`: "),
+        "{e}"
+    );
+    // The value itself wrong (not a map): no field.
+    let e = KvEvent::from_wire(&[0x07]).unwrap_err();
+    assert!(
+        matches!(e, DescriptorError::Decode { field: None, .. }),
+        "{e:?}"
+    );
 }

@@ -57,3 +57,33 @@ proptest! {
         prop_assert!(reply.is_ok(), "the service's reply does not decode: {:?}", reply.err());
     }
 }
+
+/// A field of the wrong type is named in the refusal (helper-20: a bad
+/// `target` used to read only "UUID parsing failed").
+#[test]
+fn a_malformed_request_names_the_field() {
+    let good = request(EngineId::fresh(), vec![1, 2]).to_wire().unwrap();
+    for (key, bad, field) in [
+        ("target", rmpv::Value::from("not-a-uuid"), "target"),
+        ("request_id", rmpv::Value::from(7), "request_id"),
+    ] {
+        let mut v = rmpv::decode::read_value(&mut &good[..]).unwrap();
+        let rmpv::Value::Map(entries) = &mut v else {
+            panic!("{v:?}")
+        };
+        let (_, val) = entries
+            .iter_mut()
+            .find(|(k, _)| k.as_str() == Some(key))
+            .unwrap();
+        *val = bad;
+        let mut bytes = Vec::new();
+        rmpv::encode::write_value(&mut bytes, &v).unwrap();
+        match AdviseRequest::decode(&bytes) {
+            Err(AdviseRefusal::Malformed(m)) => assert!(
+                m.starts_with(&format!("cannot decode `advise_request` at `{field}`: ")),
+                "{m}"
+            ),
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+}
