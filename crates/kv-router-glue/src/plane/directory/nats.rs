@@ -98,7 +98,7 @@ impl NatsDirectory {
         let js = jetstream::new(client);
         let store = match js.get_key_value(bucket).await {
             Ok(store) => store,
-            Err(_) => js
+            Err(_) => match js
                 .create_key_value(kv::Config {
                     bucket: bucket.to_string(),
                     history: 1,
@@ -106,7 +106,25 @@ impl NatsDirectory {
                     ..Default::default()
                 })
                 .await
-                .map_err(|e| connect_err(format!("key-value bucket `{bucket}`: {e}")))?,
+            {
+                Ok(store) => store,
+                Err(e) => {
+                    // The connection works; say what the operator must change
+                    // when the cause is a server without JetStream.
+                    let no_js = matches!(
+                        js.query_account().await,
+                        Err(a) if a.kind() == jetstream::context::AccountErrorKind::JetStreamUnavailable
+                    );
+                    let hint = if no_js {
+                        "the server has no JetStream (start nats-server with -js, or a `jetstream` block in its config); "
+                    } else {
+                        ""
+                    };
+                    return Err(connect_err(format!(
+                        "{hint}key-value bucket `{bucket}`: {e}"
+                    )));
+                }
+            },
         };
         Ok(Self {
             store,

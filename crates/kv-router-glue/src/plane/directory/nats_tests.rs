@@ -155,6 +155,34 @@ async fn a_deleted_bucket_ends_the_watch_and_a_recreated_one_is_watched_again() 
 }
 
 #[tokio::test]
+async fn a_server_without_jetstream_is_refused_saying_so() {
+    const TEST: &str = "a_server_without_jetstream_is_refused_saying_so";
+    if NatsServer::start_or_skip(TEST).is_none() {
+        return;
+    }
+    // A configuration file without a `jetstream` block: the harness then
+    // passes no -js.
+    let dir = std::env::temp_dir().join(format!("kv-nojs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = dir.join("nojs.conf");
+    std::fs::write(&conf, "# core NATS only\n").unwrap();
+    let server = NatsServer::start_with_args(&["-c", conf.to_str().unwrap()]).unwrap();
+    let url = server.url();
+    match NatsDirectory::connect(&url, "kv_donors", Duration::from_secs(30)).await {
+        Err(crate::PlaneError::Connect { url: u, reason }) => {
+            assert_eq!(u, url);
+            assert!(
+                reason.starts_with("the server has no JetStream (start nats-server with -js"),
+                "{reason}"
+            );
+        }
+        other => panic!("expected Connect saying JetStream is off, got {other:?}"),
+    }
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
 async fn nats_directory_entry_expires_with_the_bucket_max_age() {
     const TEST: &str = "nats_directory_entry_expires_with_the_bucket_max_age";
     let Some(server) = NatsServer::start_or_skip(TEST) else {
