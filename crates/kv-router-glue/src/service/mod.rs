@@ -34,7 +34,8 @@ mod wire_props;
 pub use client::{AdviseClient, AdviseClientError, KEEPALIVE_INTERVAL};
 pub use dedicated::{DedicatedAdviseServer, DedicatedOptions};
 pub use follow::{
-    parse_subject, FollowStats, RouterInventory, REOPEN_BACKOFF_MAX, REOPEN_BACKOFF_MIN,
+    parse_subject, FollowStats, RouterInventory, REFUSAL_LOG_EVERY, REOPEN_BACKOFF_MAX,
+    REOPEN_BACKOFF_MIN,
 };
 pub use router_service::RouterService;
 pub use serve::{serve_advise, AdviseServer, ServeReport, ServerStages, ServiceError, StageProbe};
