@@ -13,6 +13,8 @@
 #     --threads 1+1,8+8,12+4 --seconds 2`), as far as the time goes.
 # Results in $OUT/c.tar.gz (c-first.tar.gz after each step, in case the call is cut).
 set -u
+# H: seconds this call may run (585 for a full 600 s call; less when the device budget is short).
+H=${H:-585}
 TS=$(date +%s)
 R=$OUT/c; mkdir -p $R
 B=.bundle-c28
@@ -33,23 +35,24 @@ for r in 1 2; do
   done
 done
 snap
-KVQ_GPU_SERVING_TIMEOUT_S=400 KVQ_GPU_SERVING_ARGS="--advise-busy-poll-us 1000000 --budget-s 330" \
-  timeout 480 bash $B/run.sh qualify --profile gpu --out $R/qualify > $R/qualify.log 2>&1
+Q=$(( H - $(el) - 15 )); [ $Q -gt 480 ] && Q=480
+KVQ_GPU_SERVING_TIMEOUT_S=$(( Q - 70 )) KVQ_GPU_SERVING_ARGS="--advise-busy-poll-us 1000000 --budget-s $(( Q - 140 ))" \
+  timeout $Q bash $B/run.sh qualify --profile gpu --out $R/qualify > $R/qualify.log 2>&1
 echo "qualify rc=$? at $(el) s" >> $R/rc.txt
 snap
-LEFT=$(( 585 - $(el) ))
+LEFT=$(( H - $(el) ))
 if [ $LEFT -gt 40 ]; then
   timeout $(( LEFT > 120 ? 90 : LEFT - 20 )) bash $B/run.sh tests > $R/tests.log 2>&1
   echo "tests rc=$? at $(el) s" >> $R/rc.txt; snap
 fi
 L=lookup-bins28/lookup-bench-main28
 TR=data/traces/mooncake_conversation_trace.jsonl
-LEFT=$(( 585 - $(el) ))
+LEFT=$(( H - $(el) ))
 if [ $LEFT -gt 30 ]; then
   timeout $(( LEFT - 10 )) $L --only single --trace $TR --json $R/single-main28.json > $R/single-main28.log 2>&1
   echo "single main28 rc=$? at $(el) s" >> $R/rc.txt; snap
 fi
-LEFT=$(( 585 - $(el) ))
+LEFT=$(( H - $(el) ))
 if [ $LEFT -gt 40 ]; then
   TH=1+1; [ $LEFT -gt 110 ] && TH=1+1,8+8,12+4
   timeout $(( LEFT - 10 )) $L --only concurrent --threads $TH --seconds 2 --trace $TR --json $R/concurrent-main28.json > $R/concurrent-main28.log 2>&1
