@@ -240,6 +240,30 @@ fn router_binary_serves_refuses_reports_and_drains_on_sigterm() {
         Some(1.0),
         "{text}"
     );
+    // The followers' state, copied into /metrics once a second: the one
+    // announced worker, both streams open, its announcements counted.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, text) = get(&metrics_addr, "/metrics");
+        let seen = (
+            sample(&text, "kv_reuse_router_workers"),
+            sample(&text, "kv_reuse_router_follower_up{stream=\"directory\"}"),
+            sample(
+                &text,
+                "kv_reuse_router_follower_up{stream=\"announcements\"}",
+            ),
+            sample(
+                &text,
+                "kv_reuse_router_follow_total{item=\"announcements\"}",
+            )
+            .is_some_and(|n| n >= 1.0),
+        );
+        if seen == (Some(1.0), Some(1.0), Some(1.0), true) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{seen:?}\n{text}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     let status = signal_and_wait(&mut router, "TERM");
     assert_eq!(status.code(), Some(0), "drain exits 0: {status}");

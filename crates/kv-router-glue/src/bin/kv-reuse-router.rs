@@ -510,6 +510,24 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     }
 
     let metrics = Arc::new(ReuseMetrics::new());
+    // The followers' state into /metrics once a second (workers, streams
+    // open, counters), until the followers stop.
+    let observing = {
+        let (metrics, inventory, stop) =
+            (metrics.clone(), inventory.clone(), stop_following.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => {
+                        let workers = inventory.workers().await;
+                        metrics.observe_router(workers, &inventory.followers_up(), &inventory.stats());
+                    }
+                }
+            }
+        })
+    };
     // Advise requests on their own thread and connection (same name,
     // credentials and TLS as the plane's), so no other router task sits
     // between a request and its reply (docs/router-service.md, "Latency").
@@ -594,6 +612,7 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     service.drain();
     stop_following.cancel();
     drop(followers);
+    let _ = observing.await;
     for (spec, sub) in cli.vllm_events.iter().zip(vllm) {
         let (_, stats) = sub.stop().await;
         tracing::info!(endpoint = %spec.endpoint, stats = ?stats, "vLLM KV events stopped");

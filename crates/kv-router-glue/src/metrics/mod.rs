@@ -15,6 +15,9 @@
 //! | `kv_reuse_retained_bytes` | gauge | `engine`, `rank` | bytes of ready blocks in a retained bank |
 //! | `kv_reuse_advise_requests_total` | counter | `outcome` | advise requests the router service answered: `decided` or the refusal kind (`AdviseRefusal::label`) |
 //! | `kv_reuse_advise_latency_seconds` | histogram | | router service time of one advise request, payload in to reply out |
+//! | `kv_reuse_router_workers` | gauge | | workers the router has registered (announced, not dropped) |
+//! | `kv_reuse_router_follower_up` | gauge | `stream` | 1 while the router's `directory` watch / `announcements` subscription is open, 0 while it is opened again |
+//! | `kv_reuse_router_follow_total` | counter | `item` | what the router's followers took in, one `item` per `FollowStats` field (`announcements`, `events_applied`, `events_refused`, `snapshots_failed`, `directory_watch_reopened`, ...) |
 //!
 //! [`MetricsServer`] serves the registry on `GET /metrics` over HTTP/1.1 (one
 //! response per connection, `Connection: close`), for the worker and the
@@ -83,6 +86,9 @@ pub struct ReuseMetrics {
     lookup_latency: Histogram,
     retained_bytes: Family<Labels, Gauge>,
     advise_requests: Family<Labels, Counter>,
+    router_workers: Gauge,
+    follower_up: Family<Labels, Gauge>,
+    follow: Family<Labels, Counter>,
     advise_latency: Histogram,
 }
 
@@ -202,8 +208,29 @@ impl ReuseMetrics {
             prometheus_client::registry::Unit::Seconds,
             advise_latency.clone(),
         );
+        let router_workers = Gauge::default();
+        let follower_up = Family::<Labels, Gauge>::default();
+        let follow = Family::<Labels, Counter>::default();
+        registry.register(
+            "router_workers",
+            "Workers the router has registered (announced and not dropped)",
+            router_workers.clone(),
+        );
+        registry.register(
+            "router_follower_up",
+            "1 while the router's follower stream is open, 0 while it is opened again",
+            follower_up.clone(),
+        );
+        registry.register(
+            "router_follow",
+            "What the router's followers took in, by item (a FollowStats field)",
+            follow.clone(),
+        );
         Self {
             registry,
+            router_workers,
+            follower_up,
+            follow,
             decisions,
             fetches,
             fallbacks,
@@ -291,6 +318,51 @@ impl ReuseMetrics {
         let engine = bank.owner().engine_id;
         for rank in 0..bank.manifest().layout().tp_size() {
             self.set_retained_bytes(engine, rank, bytes);
+        }
+    }
+
+    /// Copies a router's follower state in: `workers` registered, whether
+    /// each follower stream is open (`RouterInventory::followers_up`: the
+    /// `directory` watch, the `announcements` subscription), and every
+    /// counter of `stats` (each raised to its new value; they only grow).
+    /// The router binary calls it once a second, so `/metrics` lags by at
+    /// most that.
+    ///
+    /// ```
+    /// use kv_router_glue::metrics::ReuseMetrics;
+    /// use kv_router_glue::service::FollowStats;
+    /// let m = ReuseMetrics::new();
+    /// let stats = FollowStats { events_applied: 7, ..FollowStats::default() };
+    /// m.observe_router(3, &[("directory", false), ("announcements", true)], &stats);
+    /// let text = m.encode();
+    /// assert!(text.contains("kv_reuse_router_workers 3"));
+    /// assert!(text.contains("kv_reuse_router_follower_up{stream=\"directory\"} 0"));
+    /// assert!(text.contains("kv_reuse_router_follow_total{item=\"events_applied\"} 7"));
+    /// ```
+    #[cfg(feature = "service")]
+    pub fn observe_router(
+        &self,
+        workers: usize,
+        followers_up: &[(&'static str, bool)],
+        stats: &crate::service::FollowStats,
+    ) {
+        self.router_workers
+            .set(i64::try_from(workers).unwrap_or(i64::MAX));
+        for &(stream, up) in followers_up {
+            self.follower_up
+                .get_or_create(&label("stream", stream))
+                .set(i64::from(up));
+        }
+        // Every field, by name: a counter added to `FollowStats` shows up
+        // here without a second list to keep in step.
+        let serde_json::Value::Object(fields) =
+            serde_json::to_value(stats).expect("FollowStats is plain counters")
+        else {
+            unreachable!("FollowStats serializes as a map")
+        };
+        for (item, v) in fields {
+            let c = self.follow.get_or_create(&label("item", item));
+            c.inc_by(v.as_u64().unwrap_or(0).saturating_sub(c.get()));
         }
     }
 

@@ -276,13 +276,32 @@ impl RouterInventory {
     /// assert_eq!(inventory.follower_down(), None);
     /// ```
     pub fn follower_down(&self) -> Option<&'static str> {
-        if self.directory_down.load(Ordering::SeqCst) {
-            Some("donor directory watch down")
-        } else if self.announcements_down.load(Ordering::SeqCst) {
-            Some("worker announcements down")
-        } else {
-            None
-        }
+        self.followers_up()
+            .into_iter()
+            .find(|(_, up)| !up)
+            .map(|(stream, _)| match stream {
+                "directory" => "donor directory watch down",
+                _ => "worker announcements down",
+            })
+    }
+
+    /// Whether each follower stream is open: `("directory", _)` the donor
+    /// directory watch, `("announcements", _)` the announcements
+    /// subscription (what `/metrics` shows as `kv_reuse_router_follower_up`).
+    pub fn followers_up(&self) -> [(&'static str, bool); 2] {
+        [
+            ("directory", !self.directory_down.load(Ordering::SeqCst)),
+            (
+                "announcements",
+                !self.announcements_down.load(Ordering::SeqCst),
+            ),
+        ]
+    }
+
+    /// Workers registered now (announced and not dropped); waits for the
+    /// state lock, which a follower holds for one batch at a time.
+    pub async fn workers(&self) -> usize {
+        self.state.lock().await.registry.len()
     }
 
     /// The index the advisor reads.
