@@ -1047,3 +1047,59 @@ fn over_mutual_tls_the_router_admits_a_donor_and_refuses_to_start_without_a_cert
     );
     assert_eq!(status.code(), Some(0), "{status}");
 }
+
+/// SIGTERM or SIGINT while the router is still connecting (here to a
+/// listener that accepts and never speaks NATS, so the connect waits its
+/// 5 s) stops it with a log line and exit 0: before, the process died of
+/// the signal (status 143) with nothing in the log (helper-20 finding 16).
+#[test]
+fn a_signal_during_startup_stops_it_with_a_log_line_and_exit_0() {
+    for sig in ["TERM", "INT"] {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("nats://{}", silent.local_addr().unwrap());
+        let log = tempfile::NamedTempFile::new().unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+            .args(["--nats-url", &url, "--namespace", "rbt-start"])
+            .args(["--metrics-addr", "127.0.0.1:0"])
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log.reopen().unwrap())
+            .spawn()
+            .expect("spawn kv-reuse-router");
+        // Connecting: past the settings line, before any ready line.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !std::fs::read_to_string(log.path())
+            .unwrap()
+            .contains("settings in force")
+        {
+            assert!(Instant::now() < deadline, "no settings line");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let sent = Command::new("kill")
+            .args([&format!("-{sig}"), &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        let start = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(3),
+                "SIG{sig}: still running"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let text = std::fs::read_to_string(log.path()).unwrap();
+        assert_eq!(status.code(), Some(0), "SIG{sig}: {status}\n{text}");
+        assert!(
+            text.contains("stopped during startup")
+                && text.contains(&format!("signal=\"SIG{sig}\"")),
+            "{text}"
+        );
+        drop(silent);
+    }
+}

@@ -310,7 +310,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match runtime.block_on(run(cli)) {
+    match runtime.block_on(run_until_signal(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kv-reuse-router: {e}");
@@ -420,7 +420,39 @@ fn nats_options(cli: &Cli) -> NatsOptions {
     }
 }
 
-async fn run(cli: Cli) -> Result<(), RouterError> {
+/// [`run`], stopped cleanly (log line, exit 0) by SIGTERM or SIGINT before
+/// it is ready: without this a signal during startup (the NATS connect
+/// waits up to 5 s) killed the process with status 143 and no log.
+/// Once `run` has its own handlers it drains on the signal itself.
+async fn run_until_signal(cli: Cli) -> Result<(), RouterError> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).map_err(RouterError::Signal)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(RouterError::Signal)?;
+    let handled = Arc::new(AtomicBool::new(false));
+    let startup_signal = async {
+        loop {
+            let name = tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            };
+            if !handled.load(Ordering::SeqCst) {
+                return name;
+            }
+        }
+    };
+    tokio::select! {
+        r = run(cli, handled.clone()) => r,
+        name = startup_signal => {
+            tracing::info!(signal = name, "stopped during startup");
+            Ok(())
+        }
+    }
+}
+
+/// The router: settings, connections, followers, advise server, metrics;
+/// sets `handled` once its own signal handlers are installed, then drains
+/// on SIGTERM or SIGINT.
+async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
     let mut loader = SettingsLoader::new();
     if let Some(path) = &cli.settings {
         loader = loader.toml_file(path)?;
@@ -576,6 +608,7 @@ async fn run(cli: Cli) -> Result<(), RouterError> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).map_err(RouterError::Signal)?;
     let mut int = signal(SignalKind::interrupt()).map_err(RouterError::Signal)?;
+    handled.store(true, Ordering::SeqCst);
 
     // The journal's record of what this process uses: the stdout ready
     // line says only the metrics address.
