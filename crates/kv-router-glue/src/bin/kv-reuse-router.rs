@@ -57,7 +57,7 @@ struct Cli {
         long,
         env = "KV_ROUTER_NATS_URL",
         default_value = "nats://127.0.0.1:4222",
-        value_parser = nats_url
+        value_parser = NatsUrlParser
     )]
     nats_url: String,
 
@@ -330,6 +330,43 @@ fn inbox_prefix(v: &str) -> Result<String, String> {
 /// `--nats-url`'s check, by async-nats' own parser of the value it is
 /// given, so a malformed URL is a flag error (exit 2 naming the flag)
 /// before any connection rather than a failed connection (exit 1).
+/// `--nats-url`'s parser: [`nats_url`], with the refused value shown with
+/// its password replaced by `***` (clap's own "invalid value" message
+/// repeats the value as given, password included; helper-20 finding 26).
+#[derive(Clone, Copy, Debug)]
+struct NatsUrlParser;
+
+impl clap::builder::TypedValueParser for NatsUrlParser {
+    type Value = String;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<String, clap::Error> {
+        use clap::error::ErrorKind;
+        let flag = arg.map_or_else(|| "--nats-url".to_string(), |a| a.to_string());
+        let Some(v) = value.to_str() else {
+            return Err(clap::Error::raw(
+                ErrorKind::InvalidUtf8,
+                format!("invalid UTF-8 in the value of '{flag}'\n"),
+            )
+            .with_cmd(cmd));
+        };
+        nats_url(v).map_err(|reason| {
+            clap::Error::raw(
+                ErrorKind::ValueValidation,
+                format!(
+                    "invalid value '{}' for '{flag}': {reason}\n",
+                    kv_router_glue::redact_url(v)
+                ),
+            )
+            .with_cmd(cmd)
+        })
+    }
+}
+
 fn nats_url(v: &str) -> Result<String, String> {
     if v.contains(',') {
         return Err("must be one server URL (a comma-separated list is not supported)".into());
@@ -773,6 +810,16 @@ mod tests {
                 &["nats://127.0.0.1:4222", "127.0.0.1:4222", "tls://n1:4222"],
             ),
         ];
+        // A refused URL is shown with its password replaced.
+        let e = parse(&["--nats-url", "http://router:s3cr3t@127.0.0.1:4222"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{e}");
+        let text = e.to_string();
+        assert!(!text.contains("s3cr3t"), "{text}");
+        assert!(
+            text.contains("'http://router:***@127.0.0.1:4222'"),
+            "{text}"
+        );
+        assert!(text.contains("--nats-url"), "{text}");
         for (flag, refused, accepted) in cases {
             for v in *refused {
                 let e = parse(&[flag, v]).expect_err(&format!("{flag} {v:?} must be refused"));
