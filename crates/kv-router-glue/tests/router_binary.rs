@@ -1103,3 +1103,36 @@ fn a_signal_during_startup_stops_it_with_a_log_line_and_exit_0() {
         drop(silent);
     }
 }
+
+/// A bad `KV_REUSE_*` value exits 2 naming the variable (clap, which reads
+/// them for the flags' defaults, named only the flag: `invalid value '0'
+/// for '--minimum-transfer-prefix-blocks <N>'`; helper-20 finding 17).
+#[test]
+fn a_bad_reuse_environment_variable_exits_2_naming_it() {
+    for (var, value, says) in [
+        (
+            "KV_REUSE_MINIMUM_TRANSFER_PREFIX_BLOCKS",
+            "0",
+            "is out of range",
+        ),
+        (
+            "KV_REUSE_ENABLE_DECODE_TO_PREFILL_REUSE",
+            "maybe",
+            "expected true / false",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+            .args(["--nats-url", NO_NATS, "--metrics-addr", "127.0.0.1:0"])
+            .env(var, value)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{var}={value}: {err}");
+        assert!(
+            err.starts_with(&format!("kv-reuse-router: `{var}`: ")) && err.contains(says),
+            "{var}={value}: {err}"
+        );
+        assert!(out.stdout.is_empty());
+    }
+}

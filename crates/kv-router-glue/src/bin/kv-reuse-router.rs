@@ -271,6 +271,24 @@ impl RouterError {
 }
 
 fn main() -> ExitCode {
+    // `KV_REUSE_*` first, through the loader that names the variable:
+    // clap reads them too (the flags' `env`), and its message named only
+    // the flag (`invalid value '0' for '--minimum-transfer-prefix-blocks'`
+    // for `KV_REUSE_MINIMUM_TRANSFER_PREFIX_BLOCKS=0`; helper-20 finding
+    // 17). `run` reads them again through the same loader.
+    let env = EnvSnapshot::capture();
+    if let Err(e) = SettingsLoader::new().env(&env) {
+        // The loader's message names the setting; say which variable.
+        let var = env.vars().find(|&(name, raw)| {
+            let one = EnvSnapshot::from_pairs([(name, raw)]);
+            SettingsLoader::new().env(&one).is_err()
+        });
+        match var {
+            Some((name, _)) => eprintln!("kv-reuse-router: `{name}`: {e}"),
+            None => eprintln!("kv-reuse-router: {e}"),
+        }
+        return ExitCode::from(2);
+    }
     let cli = Cli::parse();
     // A filter that does not parse is a configuration error like a bad
     // `KV_REUSE_*` value (exit 2 naming the variable), not a silent `info`:
