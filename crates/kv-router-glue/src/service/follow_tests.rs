@@ -764,6 +764,18 @@ async fn eventually(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Waits for `inv` to report `reason` (a follower stream ended), then for
+/// `reopened` of its stats to count the stream open again, nothing down.
+async fn down_then_open_again(
+    inv: &RouterInventory,
+    reason: &str,
+    reopened: fn(&FollowStats) -> u64,
+) {
+    eventually(2, reason, || inv.follower_down() == Some(reason)).await;
+    eventually(2, "open again", || reopened(&inv.stats()) == 1).await;
+    assert_eq!(inv.follower_down(), None);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ended_directory_watch_or_announcements_subscription_is_opened_again() {
     use crate::plane::directory::tests_support::record;
@@ -794,15 +806,10 @@ async fn an_ended_directory_watch_or_announcements_subscription_is_opened_again(
     // The watch ends (a deleted bucket): reported down, then opened again,
     // which delivers the current record once more.
     directory.end_watches();
-    eventually(2, "directory watch reported down", || {
-        inv.follower_down() == Some("donor directory watch down")
+    down_then_open_again(&inv, "donor directory watch down", |st| {
+        st.directory_watch_reopened
     })
     .await;
-    eventually(2, "directory watch open again", || {
-        inv.stats().directory_watch_reopened == 1
-    })
-    .await;
-    assert_eq!(inv.follower_down(), None);
     eventually(2, "current record delivered again", || {
         inv.stats().directory_changes == 2
     })
@@ -819,15 +826,10 @@ async fn an_ended_directory_watch_or_announcements_subscription_is_opened_again(
     // again, and a later announcement registers its worker.
     let announce = crate::announce_subject("t").unwrap();
     plane.end_subscriptions(announce.as_str());
-    eventually(2, "announcements reported down", || {
-        inv.follower_down() == Some("worker announcements down")
+    down_then_open_again(&inv, "worker announcements down", |st| {
+        st.announcements_resubscribed
     })
     .await;
-    eventually(2, "announcements subscribed again", || {
-        inv.stats().announcements_resubscribed == 1
-    })
-    .await;
-    assert_eq!(inv.follower_down(), None);
     let a = WorkerAnnouncement {
         worker_key: "p0".into(),
         engine_id: EngineId::fresh(),
