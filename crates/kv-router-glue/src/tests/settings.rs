@@ -341,6 +341,22 @@ fn toml_file_and_errors() {
         matches!(&e, SettingsError::UnknownKey { key, origin } if key == "reuse" && origin == "a.toml"),
         "{e}"
     );
+    // A file's boolean is TOML's own: the message does not offer the text
+    // spellings only flags and environment variables take.
+    let e = SettingsLoader::new()
+        .toml_str("enable_decode_to_prefill_reuse = \"yes\"", "a.toml")
+        .unwrap_err();
+    match &e {
+        SettingsError::InvalidValue {
+            key: "enable_decode_to_prefill_reuse",
+            value,
+            expected,
+        } => {
+            assert_eq!(value, "\"yes\"");
+            assert!(expected.starts_with("true or false, unquoted"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
     let e = SettingsLoader::new()
         .toml_str("minimum_transfer_prefix_blocks = 2.5", "a.toml")
         .unwrap_err();

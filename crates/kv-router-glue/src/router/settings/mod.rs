@@ -374,10 +374,18 @@ fn decode_value<'de, D>(
 where
     D: serde::Deserializer<'de>,
 {
+    // A file's boolean is the format's own `true` / `false`: the text
+    // spellings `range_text` lists (1 / 0, yes / no, on / off) are for
+    // flags and environment variables, and naming them here sent an
+    // operator who wrote "yes" in TOML in a circle (helper-20 finding 18).
+    let expected = match spec.kind {
+        SettingKind::Bool => "true or false, unquoted (1 / 0, yes / no, on / off are for flags and environment variables only)".to_string(),
+        _ => spec.kind.range_text(),
+    };
     let bad = |_| SettingsError::InvalidValue {
         key: spec.key,
         value: shown.to_string(),
-        expected: spec.kind.range_text(),
+        expected: expected.clone(),
     };
     let v = match spec.kind {
         SettingKind::Bool => SettingValue::Bool(bool::deserialize(value).map_err(bad)?),
