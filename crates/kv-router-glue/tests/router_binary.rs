@@ -1136,3 +1136,55 @@ fn a_bad_reuse_environment_variable_exits_2_naming_it() {
         assert!(out.stdout.is_empty());
     }
 }
+
+/// With NATS gone the drain waits out its timeouts (~10 s); a second
+/// SIGINT stops the router at once, exit 1, saying the drain was cut
+/// (it used to be ignored; helper-20 finding 15).
+#[test]
+fn a_second_signal_cuts_a_drain_that_cannot_reach_nats() {
+    let Some(mut nats) = NatsServer::start_or_skip("router_binary_drain_cut") else {
+        return;
+    };
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut router = spawn_router_logging(
+        &nats.url(),
+        "rbt-cut",
+        &[],
+        Stdio::from(log.reopen().unwrap()),
+    );
+    nats.stop();
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = router.child.id().to_string();
+    let kill = |sig: &str| {
+        let sent = Command::new("kill")
+            .args([&format!("-{sig}"), &pid])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    };
+    kill("INT");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        router.child.try_wait().unwrap().is_none(),
+        "still draining after the first signal"
+    );
+    kill("INT");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = router.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "the second SIGINT did not stop it"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let text = std::fs::read_to_string(log.path()).unwrap();
+    assert_eq!(status.code(), Some(1), "{status}\n{text}");
+    assert!(
+        text.contains("second signal: stopping without finishing the drain")
+            && text.contains("SIGINT during the drain"),
+        "{text}"
+    );
+}

@@ -251,6 +251,10 @@ enum RouterError {
     Service(#[from] ServiceError),
     #[error("signal handler: {0}")]
     Signal(std::io::Error),
+    /// A second SIGTERM / SIGINT while the advise subscription drained
+    /// (with NATS gone the drain waits out its 5 s + 5 s timeouts).
+    #[error("{0} during the drain: stopped before the advise subscription was drained")]
+    DrainCut(&'static str),
 }
 
 impl RouterError {
@@ -694,7 +698,21 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
     };
     tracing::info!(signal = signal_name, "draining");
     draining.store(true, Ordering::SeqCst);
-    let report = server.stop().await?;
+    // A second signal cuts the drain short (exit 1): with NATS gone the
+    // drain waits out its timeouts, and an operator pressing Ctrl-C again
+    // expects the process to go (helper-20 finding 15).
+    let report = tokio::select! {
+        r = server.stop() => r?,
+        second = async {
+            tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            }
+        } => {
+            tracing::warn!(signal = second, "second signal: stopping without finishing the drain");
+            return Err(RouterError::DrainCut(second));
+        }
+    };
     // Requests arriving after this (none reach us once unsubscribed) would
     // be refused as draining.
     service.drain();
