@@ -713,6 +713,9 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
             return Err(RouterError::DrainCut(second));
         }
     };
+    if !report.drain_confirmed {
+        tracing::warn!("the drain did not reach NATS: requests routed here before the stop may have gone unanswered (their callers time out and recompute)");
+    }
     // Requests arriving after this (none reach us once unsubscribed) would
     // be refused as draining.
     service.drain();
@@ -731,6 +734,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
         no_reply = report.no_reply,
         reply_errors = report.reply_errors,
         after_shutdown = report.after_shutdown,
+        drain_confirmed = report.drain_confirmed,
         follow = ?inventory.stats(),
         "stopped"
     );

@@ -104,6 +104,13 @@ pub struct ServeReport {
     /// Of the received, those that arrived after the shutdown began (routed
     /// before the server processed the `UNSUB`), all answered.
     pub after_shutdown: u64,
+    /// The drain reached the server: it answered the round trip after the
+    /// `UNSUB` (so every request routed here before it was taken) and the
+    /// replies were flushed, each within 5 s. `false` when the
+    /// connection was down at shutdown (requests the server routed here may
+    /// have gone unanswered: their callers time out and recompute) or the
+    /// subscription had already ended.
+    pub drain_confirmed: bool,
 }
 
 /// When the advise server passed each stage of one request (monotonic
@@ -285,6 +292,7 @@ impl AdviseServer {
                 _ = tokio::task::yield_now(), if Instant::now() < hot_until => {}
             }
         }
+        let mut unsubscribed = false;
         if ended.is_none() {
             if let Err(e) = self.subscriber.drain().await {
                 ended = Some(ServiceError::Drain {
@@ -295,16 +303,25 @@ impl AdviseServer {
                 // The stream ends once the server answered the PING after
                 // the UNSUB: everything routed here before it is delivered.
                 let deadline = tokio::time::Instant::now() + SERVER_WAIT;
-                while let Ok(Some(m)) =
-                    tokio::time::timeout_at(deadline, self.subscriber.next()).await
-                {
-                    self.answer(m, &mut counters, true).await;
+                loop {
+                    match tokio::time::timeout_at(deadline, self.subscriber.next()).await {
+                        Ok(Some(m)) => self.answer(m, &mut counters, true).await,
+                        Ok(None) => {
+                            unsubscribed = true;
+                            break;
+                        }
+                        Err(_) => break,
+                    }
                 }
             }
         }
         // Replies are queued in the client; push them to the server before
         // the caller closes the connection (a lost reply makes a caller time out).
-        let _ = tokio::time::timeout(SERVER_WAIT, self.client.flush()).await;
+        let flushed = matches!(
+            tokio::time::timeout(SERVER_WAIT, self.client.flush()).await,
+            Ok(Ok(()))
+        );
+        counters.drain_confirmed = unsubscribed && flushed;
         match ended {
             Some(e) => Err(e),
             None => Ok(counters),

@@ -132,6 +132,7 @@ async fn serves_decisions_and_typed_refusals_then_unsubscribes() {
             no_reply: 1,
             reply_errors: 0,
             after_shutdown: 0,
+            drain_confirmed: true,
         }
     );
     let text = metrics.encode();
@@ -204,6 +205,7 @@ async fn shutdown_answers_every_request_routed_before_the_unsubscribe() {
     assert_eq!(report.received, N as u64);
     assert_eq!(report.after_shutdown, N as u64);
     assert_eq!(report.decided, N as u64);
+    assert!(report.drain_confirmed, "{report:?}");
 
     let mut ids = std::collections::HashSet::new();
     for _ in 0..N {
@@ -219,4 +221,34 @@ async fn shutdown_answers_every_request_routed_before_the_unsubscribe() {
         ids.insert(reply.request_id);
     }
     assert_eq!(ids.len(), N, "one reply per request");
+}
+
+/// A shutdown while the connection is down cannot drain through the server:
+/// the report says so (`drain_confirmed: false`) after the bounded waits (5 s
+/// for the round trip after the `UNSUB`, 5 s for the flush),
+/// instead of looking like a clean drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_without_the_server_is_reported_unconfirmed() {
+    let Some(mut nats) = NatsServer::start_or_skip("a_drain_without_the_server") else {
+        return;
+    };
+    let s = Scenario::new().unwrap();
+    let server_client = async_nats::connect(nats.url()).await.unwrap();
+    let server = AdviseServer::bind(server_client, service(&s))
+        .await
+        .unwrap();
+    nats.stop();
+    let shutdown = CancellationToken::new();
+    shutdown.cancel();
+    let t0 = std::time::Instant::now();
+    let report = tokio::time::timeout(Duration::from_secs(30), server.run(shutdown))
+        .await
+        .expect("the drain's waits are bounded")
+        .unwrap();
+    assert!(!report.drain_confirmed, "{report:?}");
+    assert!(
+        t0.elapsed() <= Duration::from_secs(12),
+        "{:?}",
+        t0.elapsed()
+    );
 }
