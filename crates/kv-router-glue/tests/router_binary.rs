@@ -128,23 +128,37 @@ fn prefill_announcement(engine: EngineId) -> WorkerAnnouncement {
 
 /// Sends `SIG<signal>` to the router and waits at most 5 s for its exit.
 fn signal_and_wait(router: &mut Router, signal: &str) -> std::process::ExitStatus {
-    let pid = router.child.id().to_string();
+    send_signal(&router.child, signal);
+    wait_exit(&mut router.child, Duration::from_secs(5), signal)
+}
+
+/// Sends `SIG<signal>` to `child` with `kill`.
+fn send_signal(child: &std::process::Child, signal: &str) {
+    let pid = child.id().to_string();
     let flag = format!("-{signal}");
     let sent = Command::new("kill")
         .args([flag.as_str(), &pid])
         .status()
         .unwrap();
     assert!(sent.success(), "kill {flag} {pid}");
+}
+
+/// Waits at most `limit` for `child` to exit (after `SIG<signal>`).
+fn wait_exit(
+    child: &mut std::process::Child,
+    limit: Duration,
+    signal: &str,
+) -> std::process::ExitStatus {
     let start = Instant::now();
     loop {
-        if let Some(status) = router.child.try_wait().unwrap() {
+        if let Some(status) = child.try_wait().unwrap() {
             return status;
         }
         assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "router still running 5 s after SIG{signal}"
+            start.elapsed() < limit,
+            "router still running {limit:?} after SIG{signal}"
         );
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
@@ -1077,22 +1091,8 @@ fn a_signal_during_startup_stops_it_with_a_log_line_and_exit_0() {
             std::thread::sleep(Duration::from_millis(10));
         }
         std::thread::sleep(Duration::from_millis(200));
-        let sent = Command::new("kill")
-            .args([&format!("-{sig}"), &child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(sent.success());
-        let start = Instant::now();
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(3),
-                "SIG{sig}: still running"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        send_signal(&child, sig);
+        let status = wait_exit(&mut child, Duration::from_secs(3), sig);
         let text = std::fs::read_to_string(log.path()).unwrap();
         assert_eq!(status.code(), Some(0), "SIG{sig}: {status}\n{text}");
         assert!(
@@ -1154,32 +1154,14 @@ fn a_second_signal_cuts_a_drain_that_cannot_reach_nats() {
     );
     nats.stop();
     std::thread::sleep(Duration::from_millis(300));
-    let pid = router.child.id().to_string();
-    let kill = |sig: &str| {
-        let sent = Command::new("kill")
-            .args([&format!("-{sig}"), &pid])
-            .status()
-            .unwrap();
-        assert!(sent.success());
-    };
-    kill("INT");
+    send_signal(&router.child, "INT");
     std::thread::sleep(Duration::from_millis(500));
     assert!(
         router.child.try_wait().unwrap().is_none(),
         "still draining after the first signal"
     );
-    kill("INT");
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = router.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "the second SIGINT did not stop it"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    send_signal(&router.child, "INT");
+    let status = wait_exit(&mut router.child, Duration::from_secs(2), "INT");
     let text = std::fs::read_to_string(log.path()).unwrap();
     assert_eq!(status.code(), Some(1), "{status}\n{text}");
     assert!(

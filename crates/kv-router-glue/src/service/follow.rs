@@ -276,13 +276,13 @@ impl RouterInventory {
     /// assert_eq!(inventory.follower_down(), None);
     /// ```
     pub fn follower_down(&self) -> Option<&'static str> {
+        // In `followers_up`'s order.
+        const DOWN: [&str; 2] = ["donor directory watch down", "worker announcements down"];
         self.followers_up()
             .into_iter()
-            .find(|(_, up)| !up)
-            .map(|(stream, _)| match stream {
-                "directory" => "donor directory watch down",
-                _ => "worker announcements down",
-            })
+            .zip(DOWN)
+            .find(|((_, up), _)| !up)
+            .map(|(_, why)| why)
     }
 
     /// Whether each follower stream is open: `("directory", _)` the donor
