@@ -8,7 +8,11 @@
 //!   donor directory, targets, inventory sync) and its late events and
 //!   directory renewals are ignored; a worker silent for `missed_periods`
 //!   announce periods is dropped the same way. The first announcement naming
-//!   an event subject subscribes to it.
+//!   an event subject subscribes to it; once no registered worker names a
+//!   subject any more (its last worker dropped, or announcing another
+//!   subject), its subscription is dropped (`event_subjects_released`), so
+//!   a fleet whose worker keys change with every restart (pod names) does
+//!   not accumulate subscriptions, tasks and receivers of dead workers.
 //! - **Inventory rebuild** ([`InventorySync`], issue 18): a decode worker
 //!   announced while its event subject is already followed and its directory
 //!   record already applied is asked for its inventory snapshot once, so a
@@ -148,6 +152,11 @@ pub struct FollowStats {
     pub directory_watch_reopened: u64,
     /// Times the announcements subscription ended and was made again.
     pub announcements_resubscribed: u64,
+    /// Event subjects subscribed to (first named by an announcement).
+    pub event_subjects_followed: u64,
+    /// Event subjects unsubscribed because no registered worker names them
+    /// any more; followed minus released is how many are subscribed now.
+    pub event_subjects_released: u64,
 }
 
 #[derive(Debug, Default)]
@@ -167,6 +176,8 @@ struct Counters {
     directory_puts_ignored: AtomicU64,
     directory_watch_reopened: AtomicU64,
     announcements_resubscribed: AtomicU64,
+    event_subjects_followed: AtomicU64,
+    event_subjects_released: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -184,9 +195,32 @@ struct Tracked {
     sync: InventorySync,
     /// Engines whose directory record is applied to the remote directory.
     recorded: HashSet<EngineId>,
-    /// Event subjects followed: `false` while the receiver subscribes,
-    /// `true` once it is subscribed (a snapshot may be asked from then on).
-    subjects: HashMap<String, bool>,
+    /// Event subjects named by registered workers, with their followers.
+    subjects: HashMap<String, SubjectFollower>,
+    /// Generation of the next subject follower.
+    next_generation: u64,
+}
+
+/// One event subject's follower, as the state knows it.
+struct SubjectFollower {
+    /// `false` while the receiver subscribes, `true` once it is subscribed
+    /// (a snapshot may be asked from then on).
+    followed: bool,
+    /// Tells this subject's follower task whether it is still the one: a
+    /// subject released and named again gets a new follower, and the old
+    /// task (still subscribing, say) must not touch the new one's state.
+    generation: u64,
+    /// Cancelled when the subject is released.
+    stop: CancellationToken,
+}
+
+impl Tracked {
+    /// Whether `generation` is still `subject`'s follower.
+    fn is_current(&self, subject: &Subject, generation: u64) -> bool {
+        self.subjects
+            .get(subject.as_str())
+            .is_some_and(|f| f.generation == generation)
+    }
 }
 
 /// The router's inventory state: index, donor directory, worker registry,
@@ -248,6 +282,7 @@ impl RouterInventory {
                 sync,
                 recorded: HashSet::new(),
                 subjects: HashMap::new(),
+                next_generation: 0,
             }),
             counters: Counters::default(),
             directory_down: AtomicBool::new(false),
@@ -329,6 +364,8 @@ impl RouterInventory {
             directory_puts_ignored: get(&c.directory_puts_ignored),
             directory_watch_reopened: get(&c.directory_watch_reopened),
             announcements_resubscribed: get(&c.announcements_resubscribed),
+            event_subjects_followed: get(&c.event_subjects_followed),
+            event_subjects_released: get(&c.event_subjects_released),
         }
     }
 
@@ -339,6 +376,29 @@ impl RouterInventory {
         st.sync.forget(engine);
         st.recorded.remove(&engine);
         bump(&self.counters.workers_dropped);
+    }
+
+    /// Drops the follower of every event subject no registered worker
+    /// names any more: its task stops (dropping the receiver unsubscribes)
+    /// and its resume handle goes. A later announcement naming it follows
+    /// it afresh.
+    fn release_unnamed_subjects(&self, st: &mut Tracked) {
+        let named: HashSet<&str> = st.registry.event_subjects().collect();
+        let unnamed: Vec<String> = st
+            .subjects
+            .keys()
+            .filter(|s| !named.contains(s.as_str()))
+            .cloned()
+            .collect();
+        for subject in unnamed {
+            let follower = st.subjects.remove(&subject).expect("listed above");
+            follower.stop.cancel();
+            if let Ok(s) = parse_subject(&subject) {
+                st.sync.remove_stream_resume(&s);
+            }
+            bump(&self.counters.event_subjects_released);
+            tracing::info!(%subject, "no worker names the event subject: unsubscribed");
+        }
     }
 
     /// Counts and logs one snapshot outcome (`None`: nothing was asked).
@@ -370,6 +430,16 @@ impl RouterInventory {
     /// is followed and its directory record applied (this awaits the
     /// worker's answer, at most the sync's timeout per page).
     pub async fn on_announcement(&self, payload: &[u8], now_ms: u64) -> Option<Subject> {
+        self.announce(payload, now_ms).await.map(|(s, _)| s)
+    }
+
+    /// [`RouterInventory::on_announcement`], with the new subject's
+    /// follower generation and stop token for the task that follows it.
+    async fn announce(
+        &self,
+        payload: &[u8],
+        now_ms: u64,
+    ) -> Option<(Subject, (u64, CancellationToken))> {
         let a = match WorkerAnnouncement::decode(payload) {
             Ok(a) => a,
             Err(e) => {
@@ -382,6 +452,12 @@ impl RouterInventory {
         };
         let mut guard = self.state.lock().await;
         let st = &mut *guard;
+        // A worker (a refresh or a new incarnation) may move to another
+        // subject, leaving its old one unnamed.
+        let moved = st
+            .registry
+            .get(&a.worker_key)
+            .is_some_and(|prev| prev.event_subject != a.event_subject);
         let registration = st.registry.announce(a.clone(), now_ms);
         match registration {
             Registration::Retired => {
@@ -390,6 +466,9 @@ impl RouterInventory {
             }
             Registration::Replaced { dropped } => self.drop_engine(st, dropped),
             Registration::New | Registration::Refreshed => {}
+        }
+        if moved {
+            self.release_unnamed_subjects(st);
         }
         bump(&self.counters.announcements);
         let info = WorkerInfo {
@@ -414,12 +493,24 @@ impl RouterInventory {
         };
         let fresh = !st.subjects.contains_key(subject.as_str());
         if fresh {
-            st.subjects.insert(subject.as_str().to_string(), false);
+            let generation = st.next_generation;
+            st.next_generation += 1;
+            let stop = CancellationToken::new();
+            let follower = SubjectFollower {
+                followed: false,
+                generation,
+                stop: stop.clone(),
+            };
+            st.subjects.insert(subject.as_str().to_string(), follower);
+            bump(&self.counters.event_subjects_followed);
             // Not followed yet: the snapshot waits for the next announcement.
-            return Some(subject);
+            return Some((subject, (generation, stop)));
         }
-        let followed =
-            st.subjects.get(subject.as_str()) == Some(&true) && st.recorded.contains(&a.engine_id);
+        let followed = st
+            .subjects
+            .get(subject.as_str())
+            .is_some_and(|f| f.followed)
+            && st.recorded.contains(&a.engine_id);
         if followed && st.sync.note_registration(&a, &registration) {
             drop(guard);
             let outcome = self.rebuild(a.engine_id).await;
@@ -462,11 +553,9 @@ impl RouterInventory {
     /// Marks `subject` followed (its receiver is subscribed): announcements
     /// from now on may ask its workers' snapshots.
     pub async fn followed(&self, subject: &Subject) {
-        self.state
-            .lock()
-            .await
-            .subjects
-            .insert(subject.as_str().to_string(), true);
+        if let Some(f) = self.state.lock().await.subjects.get_mut(subject.as_str()) {
+            f.followed = true;
+        }
     }
 
     /// [`RouterInventory::followed`] for the receiver `events` of
@@ -476,8 +565,10 @@ impl RouterInventory {
     /// applied at once instead of after a gap timeout and a covered `Lost`.
     pub async fn followed_with(&self, subject: &Subject, events: crate::KvStreamResume) {
         let mut st = self.state.lock().await;
-        st.sync.add_stream_resume(subject, events);
-        st.subjects.insert(subject.as_str().to_string(), true);
+        if let Some(f) = st.subjects.get_mut(subject.as_str()) {
+            f.followed = true;
+            st.sync.add_stream_resume(subject, events);
+        }
     }
 
     /// Drops workers silent too long at `now_ms`; returns how many.
@@ -488,6 +579,9 @@ impl RouterInventory {
         for (key, engine) in &dead {
             tracing::info!(worker = %key, engine = %engine, "worker silent: dropped");
             self.drop_engine(st, *engine);
+        }
+        if !dead.is_empty() {
+            self.release_unnamed_subjects(st);
         }
         dead.len()
     }
@@ -665,12 +759,14 @@ impl RouterInventory {
                             }
                             continue;
                         };
-                        if let Some(subject) = me.on_announcement(&m.payload, unix_now_ms()).await {
+                        if let Some((subject, own)) = me.announce(&m.payload, unix_now_ms()).await {
                             // One receiver per subject; its own task so a slow
                             // subscribe does not hold up announcements.
                             let (me, stop, plane) = (me.clone(), stop.clone(), plane.clone());
-                            streams.spawn(async move { me.follow_events(plane, subject, stop).await });
+                            streams.spawn(async move { me.follow_events(plane, subject, own, stop).await });
                         }
+                        // Reap the tasks of released subjects as they end.
+                        while streams.try_join_next().is_some() {}
                     }
                 }
             }
@@ -678,24 +774,47 @@ impl RouterInventory {
         Ok(tasks)
     }
 
+    /// Follows `subject`'s KV events until `stop` or `own`'s token (the
+    /// subject released); `own.0` is this follower's generation.
     async fn follow_events(
         self: Arc<Self>,
         plane: Arc<dyn EventPlane>,
         subject: Subject,
+        (generation, released): (u64, CancellationToken),
         stop: CancellationToken,
     ) {
-        let rx = match KvEventReceiver::subscribe(plane, &subject, Duration::from_secs(1)).await {
+        let subscribed = tokio::select! {
+            biased;
+            _ = released.cancelled() => return,
+            s = KvEventReceiver::subscribe(plane, &subject, Duration::from_secs(1)) => s,
+        };
+        let rx = match subscribed {
             Ok(rx) => rx,
             Err(e) => {
                 tracing::warn!(%subject, error = %e, "cannot follow KV events");
                 // Let a later announcement try again.
-                self.state.lock().await.subjects.remove(subject.as_str());
+                let mut st = self.state.lock().await;
+                if st.is_current(&subject, generation) {
+                    st.subjects.remove(subject.as_str());
+                }
                 return;
             }
         };
-        self.followed_with(&subject, rx.resume_handle()).await;
+        {
+            let mut st = self.state.lock().await;
+            if !st.is_current(&subject, generation) {
+                // Released while subscribing; dropping `rx` unsubscribes.
+                return;
+            }
+            st.sync.add_stream_resume(&subject, rx.resume_handle());
+            st.subjects
+                .get_mut(subject.as_str())
+                .expect("current")
+                .followed = true;
+        }
         tracing::info!(%subject, "following KV events");
-        self.follow_receiver(rx, subject, stop).await;
+        self.follow_receiver(rx, subject, generation, released, stop)
+            .await;
     }
 
     /// The event loop of one subject's receiver `rx`, until `stop` or the
@@ -708,12 +827,16 @@ impl RouterInventory {
         self: Arc<Self>,
         mut rx: KvEventReceiver,
         subject: Subject,
+        generation: u64,
+        released: CancellationToken,
         stop: CancellationToken,
     ) {
         let mut batch: Vec<KvStreamItem> = Vec::new();
         loop {
             tokio::select! {
+                biased;
                 _ = stop.cancelled() => return,
+                _ = released.cancelled() => return,
                 item = rx.next() => match item {
                     Some(item) => {
                         batch.push(item);
@@ -726,7 +849,10 @@ impl RouterInventory {
                         self.on_events(batch.drain(..)).await;
                     }
                     None => {
-                        self.state.lock().await.sync.remove_stream_resume(&subject);
+                        let mut st = self.state.lock().await;
+                        if st.is_current(&subject, generation) {
+                            st.sync.remove_stream_resume(&subject);
+                        }
                         return;
                     }
                 },

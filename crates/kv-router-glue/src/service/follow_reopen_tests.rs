@@ -7,7 +7,7 @@ use kv_descriptor::Role;
 use super::*;
 
 /// Polls `cond` every millisecond for up to `secs`; panics with `what`.
-async fn eventually(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
+pub(super) async fn eventually(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(secs);
     while !cond() {
         assert!(std::time::Instant::now() < deadline, "{what}");

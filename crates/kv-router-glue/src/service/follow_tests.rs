@@ -512,6 +512,8 @@ async fn a_burst_queued_before_the_follower_runs_is_applied_with_fewer_publicati
     let follower = tokio::spawn(t.batched.clone().follow_receiver(
         rx,
         subject.clone(),
+        0,
+        CancellationToken::new(),
         stop.clone(),
     ));
     let taken = |s: FollowStats| {
@@ -752,3 +754,6 @@ async fn follow_in_process(
 
 #[path = "follow_reopen_tests.rs"]
 mod reopen;
+
+#[path = "follow_release_tests.rs"]
+mod release;

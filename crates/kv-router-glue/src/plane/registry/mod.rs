@@ -289,6 +289,14 @@ impl WorkerRegistry {
         self.retired.contains(&engine)
     }
 
+    /// The event subjects registered workers announce (a subject once per
+    /// worker naming it).
+    pub fn event_subjects(&self) -> impl Iterator<Item = &str> {
+        self.by_key
+            .values()
+            .map(|e| e.announcement.event_subject.as_str())
+    }
+
     /// The live announcement of `worker_key`.
     pub fn get(&self, worker_key: &str) -> Option<&WorkerAnnouncement> {
         self.by_key.get(worker_key).map(|e| &e.announcement)

@@ -1,0 +1,161 @@
+//! [`RouterInventory`] drops the subscription of an event subject that no
+//! registered worker names any more (helper-20 finding 24: with worker keys
+//! that change at every restart, subscriptions of dead workers piled up).
+
+use kv_descriptor::Role;
+
+use super::reopen::eventually;
+use super::*;
+
+const P0: &str = "kv.t.p0.kv_events";
+const SHARED: &str = "kv.t.shared.kv_events";
+
+async fn subjects(inv: &RouterInventory) -> Vec<String> {
+    let mut s: Vec<String> = inv.state.lock().await.subjects.keys().cloned().collect();
+    s.sort();
+    s
+}
+
+#[tokio::test]
+async fn a_subject_no_registered_worker_names_is_released() {
+    let (inv, _) = inventory();
+    let e = |n: u128| EngineId(uuid::Uuid::from_u128(n));
+    let fresh = |s: Option<Subject>| s.map(|s| s.as_str().to_string());
+    // p0 alone on its subject; d1 and d2 share one.
+    assert_eq!(
+        fresh(
+            inv.on_announcement(&announcement("p0", e(1), Role::Prefill, P0), 0)
+                .await
+        ),
+        Some(P0.to_string())
+    );
+    assert_eq!(
+        fresh(
+            inv.on_announcement(&announcement("d1", e(2), Role::Decode, SHARED), 0)
+                .await
+        ),
+        Some(SHARED.to_string())
+    );
+    assert_eq!(
+        inv.on_announcement(&announcement("d2", e(3), Role::Decode, SHARED), 0)
+            .await,
+        None,
+        "a subject already followed is not subscribed twice"
+    );
+    // d2 stays; p0 and d1 fall silent (limit 3 x 1000 ms).
+    inv.on_announcement(&announcement("d2", e(3), Role::Decode, SHARED), 2_500)
+        .await;
+    assert_eq!(inv.tick(3_500).await, 2);
+    assert_eq!(
+        subjects(&inv).await,
+        [SHARED],
+        "d2 still names the shared subject"
+    );
+    let st = inv.stats();
+    assert_eq!(
+        (st.event_subjects_followed, st.event_subjects_released),
+        (2, 1)
+    );
+
+    // p0 comes back as a new incarnation: its subject is followed afresh.
+    assert_eq!(
+        fresh(
+            inv.on_announcement(&announcement("p0", e(4), Role::Prefill, P0), 3_600)
+                .await
+        ),
+        Some(P0.to_string())
+    );
+    // d2 moves to another subject: the shared one has nobody left.
+    let moved = "kv.t.moved.kv_events";
+    assert_eq!(
+        fresh(
+            inv.on_announcement(&announcement("d2", e(3), Role::Decode, moved), 3_700)
+                .await
+        ),
+        Some(moved.to_string())
+    );
+    assert_eq!(subjects(&inv).await, [moved, P0]);
+    // p0's next incarnation announces another subject: its old one goes.
+    let p0b = "kv.t.p0b.kv_events";
+    inv.on_announcement(&announcement("p0", e(5), Role::Prefill, p0b), 3_800)
+        .await;
+    assert_eq!(subjects(&inv).await, [moved, p0b]);
+    let st = inv.stats();
+    assert_eq!(
+        (st.event_subjects_followed, st.event_subjects_released),
+        (5, 3)
+    );
+    // A late announcement of a retired incarnation changes nothing.
+    inv.on_announcement(&announcement("p0", e(4), Role::Prefill, P0), 3_900)
+        .await;
+    assert_eq!(subjects(&inv).await, [moved, p0b]);
+    assert_eq!(inv.stats().event_subjects_released, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_subject_is_unsubscribed_and_followed_again_when_named() {
+    use crate::{InProcessDirectory, InProcessPlane};
+
+    let plane = InProcessPlane::new();
+    let inv = inventory_on(crate::InProcessInventory::new(), Duration::from_secs(1));
+    let (_followers, stop) = follow_in_process(
+        &inv,
+        Arc::new(plane.clone()),
+        Arc::new(InProcessDirectory::new()),
+    )
+    .await;
+    let announce = announce_subject("t").unwrap();
+    let say = |key: &'static str, engine: u128, subject: &'static str| {
+        let plane = plane.clone();
+        let announce = announce.clone();
+        async move {
+            let a = announcement(
+                key,
+                EngineId(uuid::Uuid::from_u128(engine)),
+                Role::Decode,
+                subject,
+            );
+            plane.publish(&announce, a).await.unwrap();
+        }
+    };
+    let old = "kv.t.d0.kv_events";
+    let new = "kv.t.d0b.kv_events";
+    plane
+        .wait_for_subscribers(&announce, 1, Duration::from_secs(2))
+        .await
+        .unwrap();
+    say("d0", 1, old).await;
+    plane
+        .wait_for_subscribers(&parse_subject(old).unwrap(), 1, Duration::from_secs(2))
+        .await
+        .unwrap();
+    // A new incarnation on another subject: the old subscription goes, the
+    // new subject is subscribed.
+    say("d0", 2, new).await;
+    plane
+        .wait_for_subscribers(&parse_subject(new).unwrap(), 1, Duration::from_secs(2))
+        .await
+        .unwrap();
+    eventually(2, "old subject unsubscribed", || {
+        plane.subscriber_count(old) == 0
+    })
+    .await;
+    assert_eq!(inv.stats().event_subjects_released, 1);
+    // Named again (a third incarnation back on it): followed again, once.
+    say("d0", 3, old).await;
+    plane
+        .wait_for_subscribers(&parse_subject(old).unwrap(), 1, Duration::from_secs(2))
+        .await
+        .unwrap();
+    eventually(2, "new subject unsubscribed", || {
+        plane.subscriber_count(new) == 0
+    })
+    .await;
+    assert_eq!(plane.subscriber_count(old), 1);
+    let st = inv.stats();
+    assert_eq!(
+        (st.event_subjects_followed, st.event_subjects_released),
+        (3, 2)
+    );
+    stop.cancel();
+}
