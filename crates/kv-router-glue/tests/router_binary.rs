@@ -344,7 +344,7 @@ fn the_stop_line_counts_requests_without_a_reply_subject() {
 /// successfully server=4222", so a journal did not tell which server,
 /// namespace or port the process used.
 #[test]
-fn the_log_says_what_the_router_serves_on() {
+fn the_log_says_what_the_router_serves_on_and_sighup_changes_nothing() {
     let Some(nats) = NatsServer::start_or_skip("router_binary_serving_line") else {
         return;
     };
@@ -356,9 +356,29 @@ fn the_log_says_what_the_router_serves_on() {
         Stdio::from(log.reopen().unwrap()),
     );
     let metrics_addr = router.ready["metrics_addr"].as_str().unwrap().to_string();
+    // SIGHUP (a habitual "reload") is logged and changes nothing; its
+    // default action used to kill the router.
+    send_signal(&router.child, "HUP");
+    let start = Instant::now();
+    while !std::fs::read_to_string(log.path())
+        .unwrap()
+        .contains("SIGHUP")
+    {
+        assert!(start.elapsed() < Duration::from_secs(5), "no SIGHUP line");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        router.child.try_wait().unwrap().is_none(),
+        "SIGHUP stopped the router"
+    );
+    assert_eq!(get(&metrics_addr, "/healthz").0, 200);
     let status = signal_and_wait(&mut router, "TERM");
     assert_eq!(status.code(), Some(0), "{status}");
     let text = std::fs::read_to_string(log.path()).unwrap();
+    assert!(
+        text.contains("ignored: settings are read once at start"),
+        "{text}"
+    );
     let serving = text
         .lines()
         .find(|l| l.contains(" serving "))

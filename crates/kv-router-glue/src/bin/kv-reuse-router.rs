@@ -487,6 +487,18 @@ async fn run_until_signal(cli: Cli) -> Result<(), RouterError> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).map_err(RouterError::Signal)?;
     let mut int = signal(SignalKind::interrupt()).map_err(RouterError::Signal)?;
+    // SIGHUP's default action kills the process; a daemon is sent one by
+    // habit (a reload, a closed terminal). The settings are read once at
+    // start, so it is logged and changes nothing.
+    let mut hup = signal(SignalKind::hangup()).map_err(RouterError::Signal)?;
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            tracing::info!(
+                signal = "SIGHUP",
+                "ignored: settings are read once at start; restart the router to change them"
+            );
+        }
+    });
     let handled = Arc::new(AtomicBool::new(false));
     let startup_signal = async {
         loop {

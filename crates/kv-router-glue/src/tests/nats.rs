@@ -498,3 +498,60 @@ async fn a_password_in_the_url_is_not_printed_in_the_connect_error() {
     assert!(text.contains("nats://router:***@127.0.0.1:1"), "{text}");
     assert!(!format!("{err:?}").contains("s3cr3t"), "{err:?}");
 }
+
+#[tokio::test]
+async fn nats_a_subscriber_that_falls_behind_costs_bounded_memory_and_drops_are_counted() {
+    const TEST: &str =
+        "nats_a_subscriber_that_falls_behind_costs_bounded_memory_and_drops_are_counted";
+    let Some(server) = NatsServer::start_or_skip(TEST) else {
+        return;
+    };
+    // async-nats' default per-subscription buffer; ours holds FORWARD_CAPACITY more.
+    const CLIENT_BUFFER: usize = 65_536;
+    const SENT: usize = 100_000;
+    let publisher = connect(&server, "publisher").await;
+    let subscriber = connect(&server, "slow").await;
+    let subject = Subject::new("qa", "slow", "events").unwrap();
+    let mut sub = subscriber.subscribe(&subject).await.unwrap();
+    let drops_before = nats_slow_consumer_drops();
+    // Nobody reads while all of it is published: the forwarding task stops
+    // at FORWARD_CAPACITY, the client's buffer fills, the rest is dropped.
+    for i in 0..SENT as u32 {
+        publisher
+            .publish(&subject, i.to_le_bytes().to_vec())
+            .await
+            .unwrap();
+    }
+    publisher.flush().await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while nats_slow_consumer_drops() == drops_before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no slow-consumer drop seen"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // What is held is delivered, in publish order, and is at most the two buffers.
+    let mut got = Vec::new();
+    while let Some(m) = sub.next_timeout(Duration::from_millis(500)).await {
+        got.push(u32::from_le_bytes(m.payload[..4].try_into().unwrap()));
+    }
+    assert!(!got.is_empty());
+    assert!(
+        got.len() <= CLIENT_BUFFER + FORWARD_CAPACITY + 1,
+        "{} messages held for a subscriber that did not read",
+        got.len()
+    );
+    assert!(got.windows(2).all(|w| w[0] < w[1]), "order kept");
+    assert_eq!(
+        got[0], 0,
+        "the first messages were held, the overflow dropped"
+    );
+    // The subscription still works after the overflow.
+    publisher
+        .publish(&subject, u32::MAX.to_le_bytes().to_vec())
+        .await
+        .unwrap();
+    let m = sub.next_timeout(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(m.payload, u32::MAX.to_le_bytes());
+}

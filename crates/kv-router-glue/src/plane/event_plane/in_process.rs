@@ -46,6 +46,13 @@ impl InProcessPlane {
         self.subscribers.lock().remove(subject);
     }
 
+    /// Live subscriptions to `subject` (tests of a follower that
+    /// unsubscribes).
+    #[cfg(test)]
+    pub(crate) fn subscriber_count(&self, subject: &str) -> usize {
+        self.live_count(subject)
+    }
+
     fn live_count(&self, subject: &str) -> usize {
         let mut map = self.subscribers.lock();
         match map.get_mut(subject) {
@@ -87,6 +94,7 @@ impl EventPlane for InProcessPlane {
                 .entry(subject.as_str().to_string())
                 .or_default()
                 .push(tx);
+            let rx = super::Inbox::Unbounded(rx);
             Ok(Subscription::new(subject.as_str().to_string(), rx, None))
         })
     }

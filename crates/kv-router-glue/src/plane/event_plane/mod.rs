@@ -27,7 +27,8 @@ pub use in_process::InProcessPlane;
 pub(crate) use nats::server_round_trip;
 #[cfg(feature = "nats")]
 pub use nats::{
-    inbox_prefix_problem, redact_url, NatsAuth, NatsOptions, NatsOptionsError, NatsPlane, NatsTls,
+    inbox_prefix_problem, nats_slow_consumer_drops, redact_url, NatsAuth, NatsOptions,
+    NatsOptionsError, NatsPlane, NatsTls, FORWARD_CAPACITY,
 };
 
 use crate::PlaneError;
@@ -147,8 +148,34 @@ pub struct PlaneMessage {
 /// A live subscription; dropping it unsubscribes.
 pub struct Subscription {
     subject: String,
-    rx: tokio::sync::mpsc::UnboundedReceiver<PlaneMessage>,
+    rx: Inbox,
     _guard: Option<AbortOnDrop>,
+}
+
+/// Where a subscription's messages wait: unbounded in process (a slow
+/// subscriber costs memory, never a lost event), bounded behind NATS so a
+/// slow subscriber leaves messages in the client's own bounded buffer,
+/// whose overflow async-nats drops and reports (slow consumer) instead of
+/// this side growing without bound.
+pub(crate) enum Inbox {
+    Unbounded(tokio::sync::mpsc::UnboundedReceiver<PlaneMessage>),
+    Bounded(tokio::sync::mpsc::Receiver<PlaneMessage>),
+}
+
+impl Inbox {
+    async fn recv(&mut self) -> Option<PlaneMessage> {
+        match self {
+            Inbox::Unbounded(rx) => rx.recv().await,
+            Inbox::Bounded(rx) => rx.recv().await,
+        }
+    }
+
+    fn try_recv(&mut self) -> Option<PlaneMessage> {
+        match self {
+            Inbox::Unbounded(rx) => rx.try_recv().ok(),
+            Inbox::Bounded(rx) => rx.try_recv().ok(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Subscription {
@@ -169,11 +196,7 @@ impl Drop for AbortOnDrop {
 }
 
 impl Subscription {
-    pub(crate) fn new(
-        subject: String,
-        rx: tokio::sync::mpsc::UnboundedReceiver<PlaneMessage>,
-        guard: Option<AbortOnDrop>,
-    ) -> Self {
+    pub(crate) fn new(subject: String, rx: Inbox, guard: Option<AbortOnDrop>) -> Self {
         Self {
             subject,
             rx,
@@ -195,7 +218,7 @@ impl Subscription {
     /// when none is (or the plane is closed: [`Subscription::next`] tells
     /// the two apart).
     pub fn try_next(&mut self) -> Option<PlaneMessage> {
-        self.rx.try_recv().ok()
+        self.rx.try_recv()
     }
 
     /// Next message, or `None` when `timeout` passes first or the plane is closed.

@@ -1,6 +1,7 @@
 //! The NATS event plane (`async-nats`), for several processes or hosts.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -209,6 +210,7 @@ impl NatsOptions {
     pub fn connect_options(self) -> Result<async_nats::ConnectOptions, NatsOptionsError> {
         let max = self.max_reconnect_delay;
         let mut connect = async_nats::ConnectOptions::new()
+            .event_callback(|event| async move { log_client_event(&event) })
             .name(self.name)
             .connection_timeout(self.connect_timeout)
             .max_reconnects(None)
@@ -273,6 +275,57 @@ impl NatsOptions {
             connect = connect.add_client_certificate(cert, key);
         }
         Ok(connect)
+    }
+}
+
+/// Messages a NATS subscription's forwarding task holds for a subscriber
+/// that has not taken them yet; beyond it, messages wait in async-nats'
+/// buffer (65,536 per subscription by default) and past that are dropped.
+pub const FORWARD_CAPACITY: usize = 1024;
+
+/// Messages async-nats dropped in this process because a subscription's
+/// buffer was full (slow consumer), since start.
+static SLOW_CONSUMER_DROPS: AtomicU64 = AtomicU64::new(0);
+/// Unix second of the last slow-consumer log line.
+static SLOW_CONSUMER_LOGGED_S: AtomicU64 = AtomicU64::new(0);
+
+/// Messages async-nats dropped in this process because a subscriber fell
+/// behind its subscription's buffer (NATS calls it a slow consumer), since
+/// start. On a KV event subject each drop is a gap in a publisher's event
+/// ids, which the receiver reports as lost and a snapshot repairs.
+///
+/// ```
+/// assert_eq!(kv_router_glue::nats_slow_consumer_drops(), 0);
+/// ```
+pub fn nats_slow_consumer_drops() -> u64 {
+    SLOW_CONSUMER_DROPS.load(Ordering::Relaxed)
+}
+
+/// Logs a NATS client event: connection changes and server errors as they
+/// come; slow-consumer drops (one event per dropped message) counted and
+/// logged at most once a second with the running total.
+fn log_client_event(event: &async_nats::Event) {
+    use async_nats::Event;
+    match event {
+        Event::Connected => tracing::info!("NATS connected"),
+        Event::Disconnected => tracing::warn!("NATS disconnected: reconnecting"),
+        Event::SlowConsumer(sid) => {
+            let total = SLOW_CONSUMER_DROPS.fetch_add(1, Ordering::Relaxed) + 1;
+            let now_s = crate::unix_now_ms() / 1000;
+            let last = SLOW_CONSUMER_LOGGED_S.load(Ordering::Relaxed);
+            if now_s > last
+                && SLOW_CONSUMER_LOGGED_S
+                    .compare_exchange(last, now_s, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+            {
+                tracing::warn!(
+                    subscription = sid,
+                    dropped_total = total,
+                    "NATS slow consumer: messages dropped (the subscriber fell behind its buffer)"
+                );
+            }
+        }
+        other => tracing::warn!(event = %other, "NATS client event"),
     }
 }
 
@@ -424,7 +477,11 @@ impl EventPlane for NatsPlane {
             self.server_round_trip(ROUND_TRIP_TIMEOUT)
                 .await
                 .map_err(sub_err)?;
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            // Bounded: a subscriber that falls behind stops this task, so
+            // messages wait in async-nats' own bounded buffer, whose
+            // overflow is dropped and logged (`log_client_event`); KV event
+            // ids turn the drop into a gap that a snapshot repairs.
+            let (tx, rx) = tokio::sync::mpsc::channel(FORWARD_CAPACITY);
             let id = uuid::Uuid::new_v4().to_string();
             let client = self.client.clone();
             let task = tokio::spawn(async move {
@@ -439,7 +496,7 @@ impl EventPlane for NatsPlane {
                             }
                             Some(m) => {
                                 let msg = PlaneMessage { subject: m.subject.to_string(), payload: m.payload.to_vec() };
-                                if tx.send(msg).is_err() {
+                                if tx.send(msg).await.is_err() {
                                     break;
                                 }
                             }
@@ -451,7 +508,7 @@ impl EventPlane for NatsPlane {
             });
             Ok(Subscription::new(
                 subject.as_str().to_string(),
-                rx,
+                super::Inbox::Bounded(rx),
                 Some(AbortOnDrop(task)),
             ))
         })
