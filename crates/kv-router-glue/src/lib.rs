@@ -125,8 +125,8 @@ pub use error::{
 };
 #[cfg(feature = "nats")]
 pub use event_plane::{
-    inbox_prefix_problem, nats_slow_consumer_drops, redact_url, NatsAuth, NatsOptions,
-    NatsOptionsError, NatsPlane, NatsTls, FORWARD_CAPACITY,
+    inbox_prefix_problem, nats_server_addrs, nats_slow_consumer_drops, redact_url, NatsAuth,
+    NatsOptions, NatsOptionsError, NatsPlane, NatsTls, FORWARD_CAPACITY,
 };
 pub use event_plane::{
     EventPlane, InProcessPlane, PlaneFuture, PlaneMessage, Subject, Subscription, SUBJECT_ROOT,

@@ -553,9 +553,11 @@ fn sigint_drains_and_exits_0_too() {
     let Some(nats) = NatsServer::start_or_skip("router_binary_sigint") else {
         return;
     };
-    // Every bounded flag at a bound still starts.
+    // Every bounded flag at a bound still starts, and a server list whose
+    // first server does not answer reaches the second.
+    let servers = format!("nats://127.0.0.1:1,{}", nats.url());
     let mut router = spawn_router_with(
-        &nats.url(),
+        &servers,
         "rbt-int",
         &[
             "--max-probes",

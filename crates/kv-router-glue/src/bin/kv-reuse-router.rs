@@ -13,7 +13,6 @@ use std::net::SocketAddr;
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,9 +49,10 @@ use tokio_util::sync::CancellationToken;
 #[derive(Parser, Debug)]
 #[command(name = "kv-reuse-router", version, about, long_about)]
 struct Cli {
-    /// NATS server URL: one server, `nats://`, `tls://`, `ws://` or
-    /// `wss://` (no scheme: `nats://`); the client learns the cluster's
-    /// other servers from it.
+    /// NATS servers: one URL or a comma-separated list, each `nats://`,
+    /// `tls://`, `ws://` or `wss://` (no scheme: `nats://`); the client
+    /// reaches one, moves to another when it is lost, and learns the
+    /// cluster's other servers from the one it reaches.
     #[arg(
         long,
         env = "KV_ROUTER_NATS_URL",
@@ -390,14 +390,7 @@ impl clap::builder::TypedValueParser for NatsUrlParser {
 }
 
 fn nats_url(v: &str) -> Result<String, String> {
-    if v.contains(',') {
-        return Err("must be one server URL (a comma-separated list is not supported)".into());
-    }
-    let addr = async_nats::ServerAddr::from_str(v).map_err(|e| e.to_string())?;
-    if addr.host().is_empty() {
-        return Err("has no host".into());
-    }
-    Ok(v.to_owned())
+    kv_router_glue::nats_server_addrs(v).map(|_| v.to_owned())
 }
 
 /// `--namespace`'s check, by the rule of the subjects built from it

@@ -185,9 +185,14 @@ impl AdviseClient {
                 .build()
                 .map_err(start("runtime"))?,
         );
+        let servers =
+            crate::nats_server_addrs(url).map_err(|reason| AdviseClientError::Connect {
+                url: crate::redact_url(url),
+                reason,
+            })?;
         let options = options.connection_timeout(timeout).request_timeout(None);
         let client = runtime
-            .block_on(async { tokio::time::timeout(timeout, options.connect(url)).await })
+            .block_on(async { tokio::time::timeout(timeout, options.connect(servers)).await })
             .map_err(|_| AdviseClientError::ConnectTimeout {
                 url: crate::redact_url(url),
                 timeout,

@@ -93,8 +93,8 @@ fn out_of_range_or_malformed_values_are_refused_naming_the_flag() {
             &["kv_donors", "KV-2"],
         ),
         // These exited 1 as an unreachable server ("cannot connect to
-        // NATS at not a url"), not 2 naming the flag; a list is not one
-        // URL (async-nats parses the flag's value as one server).
+        // NATS at not a url"), not 2 naming the flag; a list is checked
+        // server by server.
         (
             "--nats-url",
             &[
@@ -102,9 +102,16 @@ fn out_of_range_or_malformed_values_are_refused_naming_the_flag() {
                 "http://127.0.0.1:4222",
                 "",
                 "nats://",
-                "nats://127.0.0.1:1,nats://127.0.0.1:2",
+                "nats://127.0.0.1:1,,nats://127.0.0.1:2",
+                "nats://127.0.0.1:1,http://127.0.0.1:2",
             ],
-            &["nats://127.0.0.1:4222", "127.0.0.1:4222", "tls://n1:4222"],
+            &[
+                "nats://127.0.0.1:4222",
+                "127.0.0.1:4222",
+                "tls://n1:4222",
+                "nats://127.0.0.1:1,nats://127.0.0.1:2",
+                "nats://n1:4222, nats://n2:4222",
+            ],
         ),
     ];
     // A refused URL is shown with its password replaced.

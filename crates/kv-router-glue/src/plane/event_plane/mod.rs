@@ -27,8 +27,8 @@ pub use in_process::InProcessPlane;
 pub(crate) use nats::server_round_trip;
 #[cfg(feature = "nats")]
 pub use nats::{
-    inbox_prefix_problem, nats_slow_consumer_drops, redact_url, NatsAuth, NatsOptions,
-    NatsOptionsError, NatsPlane, NatsTls, FORWARD_CAPACITY,
+    inbox_prefix_problem, nats_server_addrs, nats_slow_consumer_drops, redact_url, NatsAuth,
+    NatsOptions, NatsOptionsError, NatsPlane, NatsTls, FORWARD_CAPACITY,
 };
 
 use crate::PlaneError;

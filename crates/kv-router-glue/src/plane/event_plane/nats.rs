@@ -103,6 +103,46 @@ fn redact_one(server: &str) -> String {
     format!("{scheme}{info}@{}{tail}", &authority[at + 1..])
 }
 
+/// The NATS servers of `url`: one server URL or a comma-separated list of
+/// them (`nats://n1:4222,nats://n2:4222`; spaces around each are ignored),
+/// each `nats://`, `tls://`, `ws://` or `wss://` (no scheme: `nats://`).
+/// The client connects to one of them and moves to another when it is
+/// lost; it also learns the cluster's other servers from the one it reaches.
+///
+/// ```
+/// use kv_router_glue::nats_server_addrs;
+/// assert_eq!(nats_server_addrs("nats://n1:4222, n2:4223").unwrap().len(), 2);
+/// assert!(nats_server_addrs("nats://n1:4222,,nats://n2:4222").is_err());
+/// assert!(nats_server_addrs("http://n1:4222").is_err());
+/// ```
+///
+/// # Errors
+/// Why the list or one of its servers is refused (an empty entry, an
+/// unknown scheme, no host), naming the entry with any password replaced
+/// by `***`.
+pub fn nats_server_addrs(url: &str) -> Result<Vec<async_nats::ServerAddr>, String> {
+    url.split(',')
+        .map(|one| {
+            let one = one.trim();
+            let named = |why: String| {
+                if url.contains(',') {
+                    format!("server {:?}: {why}", redact_one(one))
+                } else {
+                    why
+                }
+            };
+            if one.is_empty() {
+                return Err(named("is empty".into()));
+            }
+            let addr: async_nats::ServerAddr = one.parse().map_err(|e| named(format!("{e}")))?;
+            if addr.host().is_empty() {
+                return Err(named("has no host".into()));
+            }
+            Ok(addr)
+        })
+        .collect()
+}
+
 /// How a NATS client proves who it is (the server's `authorization` /
 /// `accounts` configuration decides which one it wants).
 ///
@@ -360,18 +400,22 @@ pub struct NatsPlane {
 }
 
 impl NatsPlane {
-    /// Connects to `url` (e.g. `nats://127.0.0.1:4222`).
+    /// Connects to `url`: one server (e.g. `nats://127.0.0.1:4222`) or a
+    /// comma-separated list of them ([`nats_server_addrs`]), of which the
+    /// client reaches one and moves to another when it is lost.
     ///
     /// # Errors
-    /// [`PlaneError::Connect`] when the first connection fails.
+    /// [`PlaneError::Connect`] when `url` is not a server list or the first
+    /// connection fails.
     pub async fn connect(url: &str, options: NatsOptions) -> Result<Self, PlaneError> {
         let err = |reason: String| PlaneError::Connect {
             url: redact_url(url),
             reason,
         };
+        let servers = nats_server_addrs(url).map_err(err)?;
         let tls_in_force = options.tls.in_force();
         let connect = options.connect_options().map_err(|e| err(e.to_string()))?;
-        let client = connect.connect(url).await.map_err(|e| {
+        let client = connect.connect(servers).await.map_err(|e| {
             // rustls' reasons (`received fatal alert: BadCertificate`,
             // `corrupt message`) do not say which side or setting is at fault.
             err(if tls_in_force {

@@ -23,12 +23,14 @@ impl NatsInventory {
     /// # Errors
     /// [`InventoryError::Transport`] when the server is unreachable.
     pub async fn connect(url: &str) -> Result<Self, InventoryError> {
-        let client = async_nats::connect(url)
+        let failed = |reason: String| InventoryError::Transport {
+            subject: format!("<connect {}>", crate::redact_url(url)),
+            reason,
+        };
+        let servers = crate::nats_server_addrs(url).map_err(failed)?;
+        let client = async_nats::connect(servers)
             .await
-            .map_err(|e| InventoryError::Transport {
-                subject: format!("<connect {}>", crate::redact_url(url)),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| failed(e.to_string()))?;
         Ok(Self { client })
     }
 
