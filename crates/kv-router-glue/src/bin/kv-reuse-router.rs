@@ -619,6 +619,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
                     _ = tick.tick() => {
                         let workers = inventory.workers().await;
                         metrics.observe_router(workers, &inventory.followers_up(), &inventory.stats());
+                        metrics.observe_nats_slow_consumer_drops(kv_router_glue::nats_slow_consumer_drops());
                     }
                 }
             }

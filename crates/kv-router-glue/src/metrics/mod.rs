@@ -18,6 +18,7 @@
 //! | `kv_reuse_router_workers` | gauge | | workers the router has registered (announced, not dropped) |
 //! | `kv_reuse_router_follower_up` | gauge | `stream` | 1 while the router's `directory` watch / `announcements` subscription is open, 0 while it is opened again |
 //! | `kv_reuse_router_follow_total` | counter | `item` | what the router's followers took in, one `item` per `FollowStats` field (`announcements`, `events_applied`, `events_refused`, `snapshots_failed`, `directory_watch_reopened`, ...) |
+//! | `kv_reuse_nats_slow_consumer_drops_total` | counter | | messages the process's NATS client dropped because a subscriber fell behind its buffer (`nats_slow_consumer_drops`) |
 //!
 //! [`MetricsServer`] serves the registry on `GET /metrics` over HTTP/1.1 (one
 //! response per connection, `Connection: close`), for the worker and the
@@ -80,6 +81,7 @@ pub struct ReuseMetrics {
     router_workers: Gauge,
     follower_up: Family<Labels, Gauge>,
     follow: Family<Labels, Counter>,
+    nats_slow_consumer_drops: Counter,
     advise_latency: Histogram,
 }
 
@@ -217,8 +219,15 @@ impl ReuseMetrics {
             "What the router's followers took in, by item (a FollowStats field)",
             follow.clone(),
         );
+        let nats_slow_consumer_drops = Counter::default();
+        registry.register(
+            "nats_slow_consumer_drops",
+            "Messages the NATS client dropped because a subscriber fell behind its buffer",
+            nats_slow_consumer_drops.clone(),
+        );
         Self {
             registry,
+            nats_slow_consumer_drops,
             router_workers,
             follower_up,
             follow,
@@ -310,6 +319,22 @@ impl ReuseMetrics {
         for rank in 0..bank.manifest().layout().tp_size() {
             self.set_retained_bytes(engine, rank, bytes);
         }
+    }
+
+    /// Raises `kv_reuse_nats_slow_consumer_drops_total` to `total` (the
+    /// process's count so far, `nats_slow_consumer_drops`; a smaller value
+    /// changes nothing).
+    ///
+    /// ```
+    /// use kv_router_glue::metrics::ReuseMetrics;
+    /// let m = ReuseMetrics::new();
+    /// m.observe_nats_slow_consumer_drops(5);
+    /// m.observe_nats_slow_consumer_drops(3);
+    /// assert!(m.encode().contains("kv_reuse_nats_slow_consumer_drops_total 5"));
+    /// ```
+    pub fn observe_nats_slow_consumer_drops(&self, total: u64) {
+        let c = &self.nats_slow_consumer_drops;
+        c.inc_by(total.saturating_sub(c.get()));
     }
 
     /// Copies a router's follower state in: `workers` registered, whether
