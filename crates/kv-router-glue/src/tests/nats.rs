@@ -499,14 +499,20 @@ async fn a_password_in_the_url_is_not_printed_in_the_connect_error() {
     assert!(!format!("{err:?}").contains("s3cr3t"), "{err:?}");
 }
 
+/// The slow-consumer tests, one at a time: each reads the process-wide
+/// drop count.
+static SLOW_CONSUMER_TESTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test]
 async fn nats_a_subscriber_that_falls_behind_costs_bounded_memory_and_drops_are_counted() {
     const TEST: &str =
         "nats_a_subscriber_that_falls_behind_costs_bounded_memory_and_drops_are_counted";
+    let _one_at_a_time = SLOW_CONSUMER_TESTS.lock().await;
     let Some(server) = NatsServer::start_or_skip(TEST) else {
         return;
     };
-    // async-nats' default per-subscription buffer; ours holds FORWARD_CAPACITY more.
+    // async-nats' default per-subscription buffer, which the forwarding
+    // task keeps nearly empty; ours holds FORWARD_CAPACITY.
     const CLIENT_BUFFER: usize = 65_536;
     const SENT: usize = 100_000;
     let publisher = connect(&server, "publisher").await;
@@ -514,8 +520,8 @@ async fn nats_a_subscriber_that_falls_behind_costs_bounded_memory_and_drops_are_
     let subject = Subject::new("qa", "slow", "events").unwrap();
     let mut sub = subscriber.subscribe(&subject).await.unwrap();
     let drops_before = nats_slow_consumer_drops();
-    // Nobody reads while all of it is published: the forwarding task stops
-    // at FORWARD_CAPACITY, the client's buffer fills, the rest is dropped.
+    // Nobody reads while all of it is published: the forwarding task holds
+    // FORWARD_CAPACITY and drops the rest.
     for i in 0..SENT as u32 {
         publisher
             .publish(&subject, i.to_le_bytes().to_vec())
@@ -554,4 +560,73 @@ async fn nats_a_subscriber_that_falls_behind_costs_bounded_memory_and_drops_are_
         .unwrap();
     let m = sub.next_timeout(Duration::from_secs(5)).await.unwrap();
     assert_eq!(m.payload, u32::MAX.to_le_bytes());
+}
+
+/// `nats_slow_consumer_drops` (and `/metrics`' total) counts every message
+/// dropped for a subscriber that fell behind. When the drops happened in
+/// async-nats' buffer, only its reports were counted: one
+/// `Event::SlowConsumer` per drop through a 128-slot queue written with
+/// `try_send`, so a burst lost most of them (33,439 dropped, 13,310
+/// counted).
+#[tokio::test]
+async fn nats_slow_consumer_drops_count_every_dropped_message() {
+    const TEST: &str = "nats_slow_consumer_drops_count_every_dropped_message";
+    let _one_at_a_time = SLOW_CONSUMER_TESTS.lock().await;
+    let Some(server) = NatsServer::start_or_skip(TEST) else {
+        return;
+    };
+    const SENT: usize = 100_000;
+    let publisher = connect(&server, "publisher").await;
+    let subscriber = connect(&server, "slow").await;
+    let subject = Subject::new("qa", "slowcount", "events").unwrap();
+    let mut sub = subscriber.subscribe(&subject).await.unwrap();
+    let drops_before = nats_slow_consumer_drops();
+    for i in 0..SENT as u32 {
+        publisher
+            .publish(&subject, i.to_le_bytes().to_vec())
+            .await
+            .unwrap();
+    }
+    publisher.flush().await.unwrap();
+    // Let the client take in everything and report its drops.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut got = 0usize;
+    while sub.next_timeout(Duration::from_millis(500)).await.is_some() {
+        got += 1;
+    }
+    let dropped = (SENT - got) as u64;
+    let counted = nats_slow_consumer_drops() - drops_before;
+    assert!(dropped > 0);
+    assert_eq!(
+        counted, dropped,
+        "{dropped} messages dropped, {counted} counted ({got} delivered)"
+    );
+}
+
+/// A subscription whose holder is FORWARD_CAPACITY messages behind still
+/// answers readiness probes. When the forwarding task waited in `send`, the
+/// probe stayed unread behind the backlog and `wait_for_subscribers`
+/// reported a registered subscription as not ready (`NotReady`, 0 of 1).
+#[tokio::test]
+async fn nats_a_subscription_behind_by_more_than_the_forward_capacity_still_answers_probes() {
+    const TEST: &str =
+        "nats_a_subscription_behind_by_more_than_the_forward_capacity_still_answers_probes";
+    let Some(server) = NatsServer::start_or_skip(TEST) else {
+        return;
+    };
+    let publisher = connect(&server, "publisher").await;
+    let subscriber = connect(&server, "behind").await;
+    let subject = Subject::new("qa", "behind", "events").unwrap();
+    let _sub = subscriber.subscribe(&subject).await.unwrap();
+    for i in 0..(FORWARD_CAPACITY as u32 + 10) {
+        publisher
+            .publish(&subject, i.to_le_bytes().to_vec())
+            .await
+            .unwrap();
+    }
+    publisher.flush().await.unwrap();
+    let ready = publisher
+        .wait_for_subscribers(&subject, 1, Duration::from_secs(3))
+        .await;
+    assert_eq!(ready.as_ref().ok(), Some(&1), "{ready:?}");
 }

@@ -153,10 +153,9 @@ pub struct Subscription {
 }
 
 /// Where a subscription's messages wait: unbounded in process (a slow
-/// subscriber costs memory, never a lost event), bounded behind NATS so a
-/// slow subscriber leaves messages in the client's own bounded buffer,
-/// whose overflow async-nats drops and reports (slow consumer) instead of
-/// this side growing without bound.
+/// subscriber costs memory, never a lost event), bounded behind NATS
+/// (`FORWARD_CAPACITY`): a slow subscriber's overflow is dropped and
+/// counted (slow consumer) instead of this side growing without bound.
 pub(crate) enum Inbox {
     Unbounded(tokio::sync::mpsc::UnboundedReceiver<PlaneMessage>),
     Bounded(tokio::sync::mpsc::Receiver<PlaneMessage>),

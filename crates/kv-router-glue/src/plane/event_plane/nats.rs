@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
+use tokio::sync::mpsc::error::TrySendError;
 
 use super::{AbortOnDrop, EventPlane, PlaneFuture, PlaneMessage, Subject, Subscription};
 use crate::PlaneError;
@@ -318,21 +319,30 @@ impl NatsOptions {
     }
 }
 
-/// Messages a NATS subscription's forwarding task holds for a subscriber
-/// that has not taken them yet; beyond it, messages wait in async-nats'
-/// buffer (65,536 per subscription by default) and past that are dropped.
-pub const FORWARD_CAPACITY: usize = 1024;
+/// Messages a NATS subscription holds for a subscriber that has not taken
+/// them yet. Its forwarding task takes every message off async-nats' own
+/// buffer as it arrives (answering readiness probes on the way) and drops
+/// one that finds these FORWARD_CAPACITY waiting, counting it
+/// ([`nats_slow_consumer_drops`]): the newest go, as NATS drops a slow
+/// consumer's overflow. async-nats' buffer (65,536 per subscription by
+/// default) fills only while the forwarding task itself cannot run; its
+/// overflow is dropped there and reported by async-nats.
+pub const FORWARD_CAPACITY: usize = 65_536;
 
-/// Messages async-nats dropped in this process because a subscription's
-/// buffer was full (slow consumer), since start.
+/// Messages dropped in this process because a subscriber fell behind
+/// (slow consumer), since start.
 static SLOW_CONSUMER_DROPS: AtomicU64 = AtomicU64::new(0);
 /// Unix second of the last slow-consumer log line.
 static SLOW_CONSUMER_LOGGED_S: AtomicU64 = AtomicU64::new(0);
 
-/// Messages async-nats dropped in this process because a subscriber fell
-/// behind its subscription's buffer (NATS calls it a slow consumer), since
-/// start. On a KV event subject each drop is a gap in a publisher's event
-/// ids, which the receiver reports as lost and a snapshot repairs.
+/// Messages dropped in this process because a subscriber fell behind its
+/// subscription's buffer (NATS calls it a slow consumer), since start:
+/// each one a NATS subscription's forwarding task found
+/// [`FORWARD_CAPACITY`] waiting for, plus those async-nats reports dropping
+/// itself (only while a forwarding task cannot run; async-nats queues at
+/// most 128 such reports and drops the rest, so those are a lower bound).
+/// On a KV event subject each drop is a gap in a publisher's event ids,
+/// which the receiver reports as lost and a snapshot repairs.
 ///
 /// ```
 /// assert_eq!(kv_router_glue::nats_slow_consumer_drops(), 0);
@@ -341,30 +351,36 @@ pub fn nats_slow_consumer_drops() -> u64 {
     SLOW_CONSUMER_DROPS.load(Ordering::Relaxed)
 }
 
+/// Counts one message dropped for a slow consumer (`what`: the subject, or
+/// async-nats' subscription id) and logs at most once a second with the
+/// running total.
+fn note_slow_consumer_drop(what: &dyn std::fmt::Display) {
+    let total = SLOW_CONSUMER_DROPS.fetch_add(1, Ordering::Relaxed) + 1;
+    let now_s = crate::unix_now_ms() / 1000;
+    let last = SLOW_CONSUMER_LOGGED_S.load(Ordering::Relaxed);
+    if now_s > last
+        && SLOW_CONSUMER_LOGGED_S
+            .compare_exchange(last, now_s, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        tracing::warn!(
+            subscription = %what,
+            dropped_total = total,
+            "NATS slow consumer: messages dropped (the subscriber fell behind its buffer)"
+        );
+    }
+}
+
 /// Logs a NATS client event: connection changes and server errors as they
-/// come; slow-consumer drops (one event per dropped message) counted and
-/// logged at most once a second with the running total.
+/// come; a message async-nats dropped for a slow consumer (one event per
+/// dropped message) counted and logged at most once a second with the
+/// running total ([`note_slow_consumer_drop`]).
 fn log_client_event(event: &async_nats::Event) {
     use async_nats::Event;
     match event {
         Event::Connected => tracing::info!("NATS connected"),
         Event::Disconnected => tracing::warn!("NATS disconnected: reconnecting"),
-        Event::SlowConsumer(sid) => {
-            let total = SLOW_CONSUMER_DROPS.fetch_add(1, Ordering::Relaxed) + 1;
-            let now_s = crate::unix_now_ms() / 1000;
-            let last = SLOW_CONSUMER_LOGGED_S.load(Ordering::Relaxed);
-            if now_s > last
-                && SLOW_CONSUMER_LOGGED_S
-                    .compare_exchange(last, now_s, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_ok()
-            {
-                tracing::warn!(
-                    subscription = sid,
-                    dropped_total = total,
-                    "NATS slow consumer: messages dropped (the subscriber fell behind its buffer)"
-                );
-            }
-        }
+        Event::SlowConsumer(sid) => note_slow_consumer_drop(&format!("sid {sid}")),
         other => tracing::warn!(event = %other, "NATS client event"),
     }
 }
@@ -521,11 +537,15 @@ impl EventPlane for NatsPlane {
             self.server_round_trip(ROUND_TRIP_TIMEOUT)
                 .await
                 .map_err(sub_err)?;
-            // Bounded: a subscriber that falls behind stops this task, so
-            // messages wait in async-nats' own bounded buffer, whose
-            // overflow is dropped and logged (`log_client_event`); KV event
-            // ids turn the drop into a gap that a snapshot repairs.
+            // Bounded, and this task never waits on it: a subscriber that
+            // falls behind loses the newest messages here, each counted
+            // (`nats_slow_consumer_drops`), while probes keep being answered
+            // (waiting in `send` left them unread behind the backlog, so a
+            // barrier timed out on a registered subscription, and
+            // async-nats' 128-slot event queue lost most drop reports). KV
+            // event ids turn a drop into a gap that a snapshot repairs.
             let (tx, rx) = tokio::sync::mpsc::channel(FORWARD_CAPACITY);
+            let name = subject.as_str().to_string();
             let id = uuid::Uuid::new_v4().to_string();
             let client = self.client.clone();
             let task = tokio::spawn(async move {
@@ -540,8 +560,10 @@ impl EventPlane for NatsPlane {
                             }
                             Some(m) => {
                                 let msg = PlaneMessage { subject: m.subject.to_string(), payload: m.payload.to_vec() };
-                                if tx.send(msg).await.is_err() {
-                                    break;
+                                match tx.try_send(msg) {
+                                    Ok(()) => {}
+                                    Err(TrySendError::Full(_)) => note_slow_consumer_drop(&name),
+                                    Err(TrySendError::Closed(_)) => break,
                                 }
                             }
                             None => break,
