@@ -154,8 +154,10 @@ pub struct FollowStats {
     pub announcements_resubscribed: u64,
     /// Event subjects subscribed to (first named by an announcement).
     pub event_subjects_followed: u64,
-    /// Event subjects unsubscribed because no registered worker names them
-    /// any more; followed minus released is how many are subscribed now.
+    /// Event subjects given up: unsubscribed because no registered worker
+    /// names them any more, or not subscribed because the subscribe failed
+    /// (the next announcement naming one follows it again); followed minus
+    /// released is how many are subscribed (or subscribing) now.
     pub event_subjects_released: u64,
 }
 
@@ -792,10 +794,12 @@ impl RouterInventory {
             Ok(rx) => rx,
             Err(e) => {
                 tracing::warn!(%subject, error = %e, "cannot follow KV events");
-                // Let a later announcement try again.
+                // Let a later announcement try again; counted released, so
+                // that followed minus released stays what is subscribed.
                 let mut st = self.state.lock().await;
                 if st.is_current(&subject, generation) {
                     st.subjects.remove(subject.as_str());
+                    bump(&self.counters.event_subjects_released);
                 }
                 return;
             }

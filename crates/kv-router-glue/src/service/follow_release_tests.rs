@@ -159,3 +159,109 @@ async fn a_released_subject_is_unsubscribed_and_followed_again_when_named() {
     );
     stop.cancel();
 }
+
+/// An in-process plane whose `subscribe` to a gated subject waits until the
+/// gate opens, and to a failing subject fails (once each).
+#[derive(Clone)]
+struct GatedPlane {
+    inner: crate::InProcessPlane,
+    gated: Arc<parking_lot::Mutex<HashSet<String>>>,
+    fail_once: Arc<parking_lot::Mutex<HashSet<String>>>,
+    gate: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl GatedPlane {
+    fn new() -> Self {
+        Self {
+            inner: crate::InProcessPlane::new(),
+            gated: Arc::default(),
+            fail_once: Arc::default(),
+            gate: Arc::new(tokio::sync::watch::channel(false).0),
+        }
+    }
+}
+
+impl EventPlane for GatedPlane {
+    fn name(&self) -> &'static str {
+        "gated"
+    }
+    fn publish<'a>(
+        &'a self,
+        subject: &'a Subject,
+        payload: Vec<u8>,
+    ) -> crate::plane::event_plane::PlaneFuture<'a, ()> {
+        self.inner.publish(subject, payload)
+    }
+    fn subscribe<'a>(
+        &'a self,
+        subject: &'a Subject,
+    ) -> crate::plane::event_plane::PlaneFuture<'a, crate::Subscription> {
+        Box::pin(async move {
+            if self.fail_once.lock().remove(subject.as_str()) {
+                return Err(PlaneError::Subscribe {
+                    subject: subject.to_string(),
+                    reason: "test: refused once".into(),
+                });
+            }
+            if self.gated.lock().contains(subject.as_str()) {
+                let mut rx = self.gate.subscribe();
+                rx.wait_for(|open| *open).await.unwrap();
+            }
+            self.inner.subscribe(subject).await
+        })
+    }
+    fn wait_for_subscribers<'a>(
+        &'a self,
+        subject: &'a Subject,
+        n: usize,
+        timeout: Duration,
+    ) -> crate::plane::event_plane::PlaneFuture<'a, usize> {
+        self.inner.wait_for_subscribers(subject, n, timeout)
+    }
+}
+
+async fn say(plane: &GatedPlane, key: &str, engine: u128, subject: &str) {
+    let a = announcement(
+        key,
+        EngineId(uuid::Uuid::from_u128(engine)),
+        Role::Decode,
+        subject,
+    );
+    plane
+        .publish(&announce_subject("t").unwrap(), a)
+        .await
+        .unwrap();
+}
+
+/// `FollowStats` says "followed minus released is how many are subscribed
+/// now". A follower whose subscribe failed removed its subject (so a later
+/// announcement follows it again) without counting it released: after one
+/// failure and one success the stats said 2 subscribed, with 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followed_minus_released_is_how_many_are_subscribed_after_a_failed_subscribe() {
+    use crate::InProcessDirectory;
+    let plane = GatedPlane::new();
+    let s = "kv.t.s.kv_events";
+    plane.fail_once.lock().insert(s.to_string());
+    let inv = inventory_on(crate::InProcessInventory::new(), Duration::from_secs(1));
+    let (_f, stop) = follow_in_process(
+        &inv,
+        Arc::new(plane.clone()),
+        Arc::new(InProcessDirectory::new()),
+    )
+    .await;
+    let subscribed = || {
+        let st = inv.stats();
+        st.event_subjects_followed - st.event_subjects_released
+    };
+    say(&plane, "d0", 1, s).await;
+    eventually(2, "subscribe failed", || plane.fail_once.lock().is_empty()).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(plane.inner.subscriber_count(s), 0);
+    assert_eq!(subscribed(), 0, "nothing is subscribed after the failure");
+    // The next announcement follows it again.
+    say(&plane, "d0", 1, s).await;
+    eventually(2, "subscribed", || plane.inner.subscriber_count(s) == 1).await;
+    assert_eq!(subscribed(), 1);
+    stop.cancel();
+}
