@@ -148,9 +148,11 @@ impl std::fmt::Debug for AdviseClient {
 }
 
 impl AdviseClient {
-    /// Connects to `url` with `options` (name, credentials, TLS; its
-    /// request timeout is not used: `timeout` bounds the connection and
-    /// each request) and starts the keep-alive thread. Advise requests go
+    /// Connects to `url` (one server or a comma-separated list,
+    /// [`crate::nats_server_addrs`]) with `options` (name, credentials, TLS;
+    /// its request timeout is not used: `timeout` bounds the connection and
+    /// each request; with a list, each server is tried for its share of
+    /// `timeout`) and starts the keep-alive thread. Advise requests go
     /// to `subject` ([`super::ADVISE_SUBJECT`] for the router service).
     ///
     /// # Errors
@@ -190,7 +192,14 @@ impl AdviseClient {
                 url: crate::redact_url(url),
                 reason,
             })?;
-        let options = options.connection_timeout(timeout).request_timeout(None);
+        // async-nats tries the servers one after the other (in random
+        // order), each for the connection timeout: with all of `timeout`
+        // each, a hung server tried first used up the whole bound before
+        // a live one was tried. Each gets its share.
+        let share = u32::try_from(servers.len()).unwrap_or(u32::MAX).max(1);
+        let options = options
+            .connection_timeout(timeout / share)
+            .request_timeout(None);
         let client = runtime
             .block_on(async { tokio::time::timeout(timeout, options.connect(servers)).await })
             .map_err(|_| AdviseClientError::ConnectTimeout {

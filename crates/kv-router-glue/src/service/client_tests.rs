@@ -268,3 +268,24 @@ fn busy_polling_ends_answer_and_still_time_out_and_shut_down() {
         (20, 20, 0)
     );
 }
+
+/// A server list reaches its live server even when another one hangs (a
+/// dead host whose packets are dropped; here a listener that never says
+/// `INFO`). async-nats tries the servers in random order, each for the
+/// options' connection timeout; that was `timeout` itself, the bound of the
+/// whole connect, so whenever the hung server came first the connect timed
+/// out before the live one was tried (about one call in two).
+#[test]
+fn a_server_list_with_a_hung_server_connects_to_the_live_one() {
+    let Some(nats) = NatsServer::start_or_skip("advise_client_server_list") else {
+        return;
+    };
+    // Accepted by the kernel's backlog, never answered.
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("nats://{},{}", hung.local_addr().unwrap(), nats.url());
+    for attempt in 0..6 {
+        let options = NatsOptions::default().connect_options().unwrap();
+        let c = AdviseClient::connect(&url, options, ADVISE_SUBJECT, Duration::from_secs(2));
+        assert!(c.is_ok(), "attempt {attempt}: {:?}", c.err());
+    }
+}
