@@ -379,6 +379,10 @@ fn the_log_says_what_the_router_serves_on_and_sighup_changes_nothing() {
         text.contains("ignored: settings are read once at start"),
         "{text}"
     );
+    // A clean stop warns about nothing: the NATS client's `closed` event
+    // used to be logged as a WARN ("NATS client event event=closed").
+    let warnings: Vec<&str> = text.lines().filter(|l| l.contains(" WARN ")).collect();
+    assert!(warnings.is_empty(), "{warnings:#?}");
     let serving = text
         .lines()
         .find(|l| l.contains(" serving "))

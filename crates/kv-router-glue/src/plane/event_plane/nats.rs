@@ -371,8 +371,8 @@ fn note_slow_consumer_drop(what: &dyn std::fmt::Display) {
     }
 }
 
-/// Logs a NATS client event: connection changes and server errors as they
-/// come; a message async-nats dropped for a slow consumer (one event per
+/// Logs a NATS client event: connection changes (a close or drain, as at
+/// every clean stop, at info) and server errors as they come; a message async-nats dropped for a slow consumer (one event per
 /// dropped message) counted and logged at most once a second with the
 /// running total ([`note_slow_consumer_drop`]).
 fn log_client_event(event: &async_nats::Event) {
@@ -380,6 +380,9 @@ fn log_client_event(event: &async_nats::Event) {
     match event {
         Event::Connected => tracing::info!("NATS connected"),
         Event::Disconnected => tracing::warn!("NATS disconnected: reconnecting"),
+        // The end of every connection, a clean stop included: not a warning.
+        Event::Closed => tracing::info!("NATS connection closed"),
+        Event::Draining => tracing::info!("NATS connection draining"),
         Event::SlowConsumer(sid) => note_slow_consumer_drop(&format!("sid {sid}")),
         other => tracing::warn!(event = %other, "NATS client event"),
     }
