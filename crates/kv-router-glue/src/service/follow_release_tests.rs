@@ -105,17 +105,25 @@ async fn a_released_subject_is_unsubscribed_and_followed_again_when_named() {
     )
     .await;
     let announce = announce_subject("t").unwrap();
-    let say = |key: &'static str, engine: u128, subject: &'static str| {
-        let plane = plane.clone();
-        let announce = announce.clone();
+    // d0's incarnation `engine` announces `to`: `to` gets subscribed and
+    // `from` (when given) unsubscribed.
+    let moves_to = |engine: u128, to: &'static str, from: Option<&'static str>| {
+        let (plane, announce) = (plane.clone(), announce.clone());
         async move {
-            let a = announcement(
-                key,
-                EngineId(uuid::Uuid::from_u128(engine)),
-                Role::Decode,
-                subject,
-            );
+            let id = EngineId(uuid::Uuid::from_u128(engine));
+            let a = announcement("d0", id, Role::Decode, to);
             plane.publish(&announce, a).await.unwrap();
+            let to = parse_subject(to).unwrap();
+            plane
+                .wait_for_subscribers(&to, 1, Duration::from_secs(2))
+                .await
+                .unwrap();
+            if let Some(from) = from {
+                eventually(2, "left subject unsubscribed", || {
+                    plane.subscriber_count(from) == 0
+                })
+                .await;
+            }
         }
     };
     let old = "kv.t.d0.kv_events";
@@ -124,33 +132,13 @@ async fn a_released_subject_is_unsubscribed_and_followed_again_when_named() {
         .wait_for_subscribers(&announce, 1, Duration::from_secs(2))
         .await
         .unwrap();
-    say("d0", 1, old).await;
-    plane
-        .wait_for_subscribers(&parse_subject(old).unwrap(), 1, Duration::from_secs(2))
-        .await
-        .unwrap();
+    moves_to(1, old, None).await;
     // A new incarnation on another subject: the old subscription goes, the
     // new subject is subscribed.
-    say("d0", 2, new).await;
-    plane
-        .wait_for_subscribers(&parse_subject(new).unwrap(), 1, Duration::from_secs(2))
-        .await
-        .unwrap();
-    eventually(2, "old subject unsubscribed", || {
-        plane.subscriber_count(old) == 0
-    })
-    .await;
+    moves_to(2, new, Some(old)).await;
     assert_eq!(inv.stats().event_subjects_released, 1);
     // Named again (a third incarnation back on it): followed again, once.
-    say("d0", 3, old).await;
-    plane
-        .wait_for_subscribers(&parse_subject(old).unwrap(), 1, Duration::from_secs(2))
-        .await
-        .unwrap();
-    eventually(2, "new subject unsubscribed", || {
-        plane.subscriber_count(new) == 0
-    })
-    .await;
+    moves_to(3, old, Some(new)).await;
     assert_eq!(plane.subscriber_count(old), 1);
     let st = inv.stats();
     assert_eq!(
