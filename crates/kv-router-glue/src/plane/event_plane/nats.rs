@@ -230,7 +230,10 @@ impl NatsOptions {
     /// unbounded reconnects with the bounded back-off, credentials (a
     /// `.creds` file is read and parsed here), inbox prefix and TLS. The one
     /// mapping every connection of this project uses ([`NatsPlane::connect`],
-    /// the router service's advise client).
+    /// the router service's advise client). It also sets the client's event
+    /// callback, which logs connection changes and counts slow-consumer
+    /// drops ([`nats_slow_consumer_drops`]): a caller that sets its own
+    /// `event_callback` on the result replaces it, and loses both.
     ///
     /// ```
     /// use kv_router_glue::{NatsOptions, NatsTls};
