@@ -77,6 +77,8 @@
 #[cfg(feature = "worker")]
 mod agent;
 mod error;
+#[cfg(feature = "nats")]
+mod log_throttle;
 pub mod metrics;
 mod plane;
 // The harness scenario is also what this crate's own worker tests run.

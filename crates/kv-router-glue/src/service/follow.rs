@@ -52,6 +52,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,7 +61,10 @@ use kv_lookup::{EventOutcome, InventoryIndex, LookupError, WorkerInfo, WorkerKey
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+pub use super::follow_stats::FollowStats;
+use super::follow_stats::{bump, Counters};
 use super::RouterService;
+use crate::log_throttle::LogThrottle;
 use crate::{
     announce_subject, unix_now_ms, CacheUpdate, DirectoryChange, DirectoryPlane, EventPlane,
     InventoryError, InventorySync, KvEventReceiver, KvStreamItem, PlaneError, Registration,
@@ -86,105 +90,6 @@ pub const REOPEN_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// garbage announcements in 0.15 s wrote 20,000 WARN lines (3.8 MB) before
 /// (helper-20). Every refusal is still counted (`announcements_ignored`).
 pub const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(1);
-
-/// At most one log line per [`REFUSAL_LOG_EVERY`] for one kind of refusal,
-/// carrying how many were not logged since the line before.
-#[derive(Debug, Default)]
-struct LogThrottle {
-    /// When the last line was logged, and refusals since then.
-    last: parking_lot::Mutex<Option<(std::time::Instant, u64)>>,
-}
-
-impl LogThrottle {
-    /// `Some(suppressed)` when the refusal seen at `now` is to be logged,
-    /// `suppressed` being how many were not logged since the last line;
-    /// `None` (and counted) inside [`REFUSAL_LOG_EVERY`] of that line.
-    fn admit(&self, now: std::time::Instant) -> Option<u64> {
-        let mut last = self.last.lock();
-        match &mut *last {
-            Some((at, n)) if now.saturating_duration_since(*at) < REFUSAL_LOG_EVERY => {
-                *n += 1;
-                None
-            }
-            slot => {
-                let suppressed = slot.map_or(0, |(_, n)| n);
-                *slot = Some((now, 0));
-                Some(suppressed)
-            }
-        }
-    }
-}
-
-/// Counters of what the followers took in (all since start).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct FollowStats {
-    /// Announcements accepted (new, refreshed or replacing).
-    pub announcements: u64,
-    /// Announcements refused (undecodable, invalid) or of retired incarnations.
-    pub announcements_ignored: u64,
-    /// Workers dropped (replaced or silent).
-    pub workers_dropped: u64,
-    /// KV events applied to the index (in order, or after a gap).
-    pub events_applied: u64,
-    /// KV events at or below what the index already holds of the publisher
-    /// (its snapshot, or a replay), ignored.
-    pub events_duplicate: u64,
-    /// KV events of retired incarnations, ignored.
-    pub late_events_ignored: u64,
-    /// Events the index refused (unknown worker, layout mismatch) or could
-    /// not chain to what it holds of the publisher.
-    pub events_refused: u64,
-    /// [`KvStreamItem::Lost`] ranges seen (the inventory of that publisher
-    /// is incomplete until it republishes or a snapshot rebuilds it).
-    pub lost_ranges: u64,
-    /// Lost ranges an applied snapshot already covered (nothing asked).
-    pub lost_covered: u64,
-    /// Inventory snapshots applied.
-    pub snapshots_applied: u64,
-    /// Inventory snapshots that failed (asked again at the worker's next
-    /// announcement).
-    pub snapshots_failed: u64,
-    /// Directory changes applied.
-    pub directory_changes: u64,
-    /// Directory puts of retired incarnations, ignored.
-    pub directory_puts_ignored: u64,
-    /// Times the directory watch ended and was opened again.
-    pub directory_watch_reopened: u64,
-    /// Times the announcements subscription ended and was made again.
-    pub announcements_resubscribed: u64,
-    /// Event subjects subscribed to (first named by an announcement).
-    pub event_subjects_followed: u64,
-    /// Event subjects given up: unsubscribed because no registered worker
-    /// names them any more, or not subscribed because the subscribe failed
-    /// (the next announcement naming one follows it again); followed minus
-    /// released is how many are subscribed (or subscribing) now.
-    pub event_subjects_released: u64,
-}
-
-#[derive(Debug, Default)]
-struct Counters {
-    announcements: AtomicU64,
-    announcements_ignored: AtomicU64,
-    workers_dropped: AtomicU64,
-    events_applied: AtomicU64,
-    events_duplicate: AtomicU64,
-    late_events_ignored: AtomicU64,
-    events_refused: AtomicU64,
-    lost_ranges: AtomicU64,
-    lost_covered: AtomicU64,
-    snapshots_applied: AtomicU64,
-    snapshots_failed: AtomicU64,
-    directory_changes: AtomicU64,
-    directory_puts_ignored: AtomicU64,
-    directory_watch_reopened: AtomicU64,
-    announcements_resubscribed: AtomicU64,
-    event_subjects_followed: AtomicU64,
-    event_subjects_released: AtomicU64,
-}
-
-fn bump(c: &AtomicU64) {
-    c.fetch_add(1, Ordering::Relaxed);
-}
 
 /// What one async mutex guards: the registry and the sync must be seen
 /// together (every sync call reads `is_retired`, and a snapshot must not
@@ -289,7 +194,7 @@ impl RouterInventory {
             counters: Counters::default(),
             directory_down: AtomicBool::new(false),
             announcements_down: AtomicBool::new(false),
-            refused_log: LogThrottle::default(),
+            refused_log: LogThrottle::new(REFUSAL_LOG_EVERY),
         }
     }
 
@@ -348,27 +253,7 @@ impl RouterInventory {
 
     /// Counters so far.
     pub fn stats(&self) -> FollowStats {
-        let c = &self.counters;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        FollowStats {
-            announcements: get(&c.announcements),
-            announcements_ignored: get(&c.announcements_ignored),
-            workers_dropped: get(&c.workers_dropped),
-            events_applied: get(&c.events_applied),
-            events_duplicate: get(&c.events_duplicate),
-            late_events_ignored: get(&c.late_events_ignored),
-            events_refused: get(&c.events_refused),
-            lost_ranges: get(&c.lost_ranges),
-            lost_covered: get(&c.lost_covered),
-            snapshots_applied: get(&c.snapshots_applied),
-            snapshots_failed: get(&c.snapshots_failed),
-            directory_changes: get(&c.directory_changes),
-            directory_puts_ignored: get(&c.directory_puts_ignored),
-            directory_watch_reopened: get(&c.directory_watch_reopened),
-            announcements_resubscribed: get(&c.announcements_resubscribed),
-            event_subjects_followed: get(&c.event_subjects_followed),
-            event_subjects_released: get(&c.event_subjects_released),
-        }
+        self.counters.snapshot()
     }
 
     fn drop_engine(&self, st: &mut Tracked, engine: EngineId) {

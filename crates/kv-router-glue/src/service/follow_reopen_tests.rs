@@ -95,19 +95,3 @@ async fn an_ended_directory_watch_or_announcements_subscription_is_opened_again(
     );
     stop.cancel();
 }
-
-#[test]
-fn refused_announcements_are_logged_at_most_once_a_second_with_the_count_between() {
-    let t = LogThrottle::default();
-    let t0 = std::time::Instant::now();
-    assert_eq!(t.admit(t0), Some(0));
-    for ms in [1, 10, 500, 999] {
-        assert_eq!(t.admit(t0 + Duration::from_millis(ms)), None, "{ms} ms");
-    }
-    assert_eq!(t.admit(t0 + REFUSAL_LOG_EVERY), Some(4));
-    assert_eq!(
-        t.admit(t0 + REFUSAL_LOG_EVERY + Duration::from_millis(1)),
-        None
-    );
-    assert_eq!(t.admit(t0 + 5 * REFUSAL_LOG_EVERY), Some(1));
-}

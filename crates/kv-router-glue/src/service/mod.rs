@@ -21,6 +21,7 @@ mod client;
 mod client_tests;
 mod dedicated;
 mod follow;
+mod follow_stats;
 mod router_service;
 mod serve;
 #[cfg(all(test, feature = "worker"))]

@@ -158,6 +158,7 @@ pub struct Subscription {
 /// counted (slow consumer) instead of this side growing without bound.
 pub(crate) enum Inbox {
     Unbounded(tokio::sync::mpsc::UnboundedReceiver<PlaneMessage>),
+    #[cfg(feature = "nats")]
     Bounded(tokio::sync::mpsc::Receiver<PlaneMessage>),
 }
 
@@ -165,6 +166,7 @@ impl Inbox {
     async fn recv(&mut self) -> Option<PlaneMessage> {
         match self {
             Inbox::Unbounded(rx) => rx.recv().await,
+            #[cfg(feature = "nats")]
             Inbox::Bounded(rx) => rx.recv().await,
         }
     }
@@ -172,6 +174,7 @@ impl Inbox {
     fn try_recv(&mut self) -> Option<PlaneMessage> {
         match self {
             Inbox::Unbounded(rx) => rx.try_recv().ok(),
+            #[cfg(feature = "nats")]
             Inbox::Bounded(rx) => rx.try_recv().ok(),
         }
     }

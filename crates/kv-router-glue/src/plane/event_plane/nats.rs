@@ -8,6 +8,7 @@ use futures::StreamExt;
 use tokio::sync::mpsc::error::TrySendError;
 
 use super::{AbortOnDrop, EventPlane, PlaneFuture, PlaneMessage, Subject, Subscription};
+use crate::log_throttle::LogThrottle;
 use crate::PlaneError;
 
 /// Connection options of a [`NatsPlane`].
@@ -335,8 +336,8 @@ pub const FORWARD_CAPACITY: usize = 65_536;
 /// Messages dropped in this process because a subscriber fell behind
 /// (slow consumer), since start.
 static SLOW_CONSUMER_DROPS: AtomicU64 = AtomicU64::new(0);
-/// Unix second of the last slow-consumer log line.
-static SLOW_CONSUMER_LOGGED_S: AtomicU64 = AtomicU64::new(0);
+/// The slow-consumer log line, at most once a second.
+static SLOW_CONSUMER_LOG: LogThrottle = LogThrottle::new(Duration::from_secs(1));
 
 /// Messages dropped in this process because a subscriber fell behind its
 /// subscription's buffer (NATS calls it a slow consumer), since start:
@@ -359,16 +360,11 @@ pub fn nats_slow_consumer_drops() -> u64 {
 /// running total.
 fn note_slow_consumer_drop(what: &dyn std::fmt::Display) {
     let total = SLOW_CONSUMER_DROPS.fetch_add(1, Ordering::Relaxed) + 1;
-    let now_s = crate::unix_now_ms() / 1000;
-    let last = SLOW_CONSUMER_LOGGED_S.load(Ordering::Relaxed);
-    if now_s > last
-        && SLOW_CONSUMER_LOGGED_S
-            .compare_exchange(last, now_s, Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
-    {
+    if let Some(suppressed) = SLOW_CONSUMER_LOG.admit(std::time::Instant::now()) {
         tracing::warn!(
             subscription = %what,
             dropped_total = total,
+            suppressed,
             "NATS slow consumer: messages dropped (the subscriber fell behind its buffer)"
         );
     }
