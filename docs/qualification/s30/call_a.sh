@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 29, device call A (issues 19 and 22), bundle of `cargo xtask gpu-bundle --with-tests` at the
-# commit in .bundle-a29/build-info.json (hard links of .bundle less its wheel and pytest files: run.sh, build-info.json, data, exe,
-# nixl-libs, nats-server, python, tests) and lookup-bins29/lookup-bench-29 (the stripped
+# Session 30, device call A (issues 19 and 22), bundle of `cargo xtask gpu-bundle --with-tests` at the
+# commit in .bundle-a30/build-info.json (hard links of .bundle less its wheel and pytest files: run.sh, build-info.json, data, exe,
+# nixl-libs, nats-server, python, tests) and lookup-bins30/lookup-bench-30 (the stripped
 # `cargo bench -p kv-lookup --bench lookup --no-run` binary of the same commit). In order:
 #  1. issue 19: the GPU test session 27 changed (`every_upload_variant_lands_every_byte_of_a_
 #     scattered_fetch`: one launch for 11.7 MiB at the 16 MiB default, two at 8 MiB), then
@@ -15,8 +15,8 @@ set -u
 H=${H:-585}
 TS=$(date +%s)
 R=$OUT/a; mkdir -p $R
-B=.bundle-a29
-L=lookup-bins29/lookup-bench-29
+B=.bundle-a30
+L=lookup-bins30/lookup-bench-30
 TR=data/traces/mooncake_conversation_trace.jsonl
 el() { echo $(( $(date +%s) - TS )); }
 snap() { (cd $OUT && tar czf a-first.tar.gz a); }
@@ -42,13 +42,13 @@ if [ $LEFT -gt 60 ]; then
 fi
 LEFT=$(( H - $(el) ))
 if [ $LEFT -gt 30 ]; then
-  timeout $(( LEFT > 70 ? 60 : LEFT - 10 )) $L --only single --trace $TR --json $R/single-29.json > $R/single-29.log 2>&1
+  timeout $(( LEFT > 70 ? 60 : LEFT - 10 )) $L --only single --trace $TR --json $R/single-30.json > $R/single-30.log 2>&1
   echo "single rc=$? at $(el) s" >> $R/rc.txt; snap
 fi
 LEFT=$(( H - $(el) ))
 if [ $LEFT -gt 40 ]; then
   TH=1+1; [ $LEFT -gt 110 ] && TH=1+1,8+8,12+4
-  timeout $(( LEFT - 10 )) $L --only concurrent --threads $TH --seconds 2 --trace $TR --json $R/concurrent-29.json > $R/concurrent-29.log 2>&1
+  timeout $(( LEFT - 10 )) $L --only concurrent --threads $TH --seconds 2 --trace $TR --json $R/concurrent-30.json > $R/concurrent-30.log 2>&1
   echo "concurrent ($TH) rc=$? at $(el) s" >> $R/rc.txt
 fi
 echo "total $(el) s" >> $R/rc.txt

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 29, device call C: call A cut to what fits a short budget, most wanted first (same
-# carry: .bundle-a29, lookup-bins29). In order, each step only while time is left (H: seconds):
+# Session 30, device call C: call A cut to what fits a short budget, most wanted first (same
+# carry: .bundle-a30, lookup-bins30). In order, each step only while time is left (H: seconds):
 #  1. issue 19: `kvq bench transfer --profile gpu --repeats 10` at the 16 MiB default, then at
 #     KV_GATHER_PIPELINE_FIRST_KIB=8192;
 #  2. the GPU test session 27 changed (`every_upload_variant_lands_every_byte_of_a_scattered_fetch`);
@@ -10,8 +10,8 @@ set -u
 H=${H:-150}
 TS=$(date +%s)
 R=$OUT/c; mkdir -p $R
-B=.bundle-a29
-L=lookup-bins29/lookup-bench-29
+B=.bundle-a30
+L=lookup-bins30/lookup-bench-30
 TR=data/traces/mooncake_conversation_trace.jsonl
 el() { echo $(( $(date +%s) - TS )); }
 snap() { (cd $OUT && tar czf c-first.tar.gz c); }
@@ -32,7 +32,7 @@ done
 snap
 LEFT=$(( H - $(el) ))
 if [ $LEFT -gt 40 ]; then
-  timeout $(( LEFT - 10 )) $L --only concurrent --threads 1+1 --seconds 2 --trace $TR --json $R/concurrent-29.json > $R/concurrent-29.log 2>&1
+  timeout $(( LEFT - 10 )) $L --only concurrent --threads 1+1 --seconds 2 --trace $TR --json $R/concurrent-30.json > $R/concurrent-30.log 2>&1
   echo "concurrent 1+1 rc=$? at $(el) s" >> $R/rc.txt
 fi
 echo "total $(el) s" >> $R/rc.txt
