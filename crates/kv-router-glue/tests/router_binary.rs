@@ -1163,8 +1163,40 @@ fn a_bad_reuse_environment_variable_exits_2_naming_it() {
     }
 }
 
-/// With NATS gone the drain waits out its timeouts (~10 s); a second
-/// SIGINT stops the router at once, exit 1, saying the drain was cut
+/// With NATS gone one SIGTERM still stops the router, within the drain's
+/// grace for a reconnect (1 s + 1 s; it was 5 s + 5 s), exit 0, warning
+/// that the drain did not reach NATS (helper-20 finding 15).
+#[test]
+fn a_signal_with_nats_gone_stops_within_the_grace_saying_the_drain_did_not_reach_nats() {
+    let Some(mut nats) = NatsServer::start_or_skip("router_binary_drain_gone") else {
+        return;
+    };
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut router = spawn_router_logging(
+        &nats.url(),
+        "rbt-gone",
+        &[],
+        Stdio::from(log.reopen().unwrap()),
+    );
+    nats.stop();
+    // Long enough for the client to read the closed socket (the healthz
+    // test above sees it in well under this).
+    std::thread::sleep(Duration::from_millis(500));
+    let t0 = std::time::Instant::now();
+    send_signal(&router.child, "TERM");
+    let status = wait_exit(&mut router.child, Duration::from_secs(6), "TERM");
+    let took = t0.elapsed();
+    let text = std::fs::read_to_string(log.path()).unwrap();
+    assert_eq!(status.code(), Some(0), "{status}\n{text}");
+    assert!(took < Duration::from_secs(6), "{took:?}\n{text}");
+    assert!(
+        text.contains("the drain did not reach NATS") && text.contains("drain_confirmed=false"),
+        "{text}"
+    );
+}
+
+/// With NATS gone the drain gives a reconnect its grace (1 s + 1 s); a
+/// second SIGINT inside it stops the router at once, exit 1, saying the drain was cut
 /// (it used to be ignored; helper-20 finding 15).
 #[test]
 fn a_second_signal_cuts_a_drain_that_cannot_reach_nats() {

@@ -252,7 +252,8 @@ enum RouterError {
     #[error("signal handler: {0}")]
     Signal(std::io::Error),
     /// A second SIGTERM / SIGINT while the advise subscription drained
-    /// (with NATS gone the drain waits out its 5 s + 5 s timeouts).
+    /// (a drain waits up to 5 s + 5 s for a server that stopped answering,
+    /// 1 s + 1 s when the connection is already down).
     #[error("{0} during the drain: stopped before the advise subscription was drained")]
     DrainCut(&'static str),
 }
@@ -704,7 +705,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
     };
     tracing::info!(signal = signal_name, "draining");
     draining.store(true, Ordering::SeqCst);
-    // A second signal cuts the drain short (exit 1): with NATS gone the
+    // A second signal cuts the drain short (exit 1): with NATS hung the
     // drain waits out its timeouts, and an operator pressing Ctrl-C again
     // expects the process to go (helper-20 finding 15).
     let report = tokio::select! {

@@ -23,7 +23,8 @@ use std::pin::Pin;
 use std::time::Duration;
 
 pub use in_process::InProcessPlane;
-#[cfg(feature = "nats")]
+// The advise server's drain (service feature) is its only user outside.
+#[cfg(feature = "service")]
 pub(crate) use nats::server_round_trip;
 #[cfg(feature = "nats")]
 pub use nats::{

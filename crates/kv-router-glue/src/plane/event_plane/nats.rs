@@ -370,18 +370,21 @@ fn note_slow_consumer_drop(what: &dyn std::fmt::Display) {
     }
 }
 
-/// Logs a NATS client event: connection changes (a close or drain, as at
-/// every clean stop, at info) and server errors as they come; a message async-nats dropped for a slow consumer (one event per
-/// dropped message) counted and logged at most once a second with the
-/// running total ([`note_slow_consumer_drop`]).
+/// Logs what async-nats' own lines leave out or understate. async-nats logs
+/// every client event at info (`event: ...`, and `connected successfully`
+/// with the server's port), so a connect, close or drain is only repeated
+/// at debug here; a disconnect is raised to a warning (the router loses
+/// events and advise requests until it is back), other client events (server
+/// errors) are warnings, and a message async-nats dropped for a slow consumer
+/// (one event per dropped message) is counted and logged at most once a
+/// second with the running total ([`note_slow_consumer_drop`]).
 fn log_client_event(event: &async_nats::Event) {
     use async_nats::Event;
     match event {
-        Event::Connected => tracing::info!("NATS connected"),
+        Event::Connected | Event::Closed | Event::Draining => {
+            tracing::debug!(event = %event, "NATS client event")
+        }
         Event::Disconnected => tracing::warn!("NATS disconnected: reconnecting"),
-        // The end of every connection, a clean stop included: not a warning.
-        Event::Closed => tracing::info!("NATS connection closed"),
-        Event::Draining => tracing::info!("NATS connection draining"),
         Event::SlowConsumer(sid) => note_slow_consumer_drop(&format!("sid {sid}")),
         other => tracing::warn!(event = %other, "NATS client event"),
     }
