@@ -1163,25 +1163,40 @@ fn a_bad_reuse_environment_variable_exits_2_naming_it() {
     }
 }
 
+/// A router that came up on a throwaway nats-server, after that server
+/// stopped and `settle` passed (its client reads the closed socket within
+/// it), with the file its stderr log goes to; `None` (the test skips) where
+/// no nats-server can be started.
+fn router_after_nats_stops(
+    test: &str,
+    namespace: &str,
+    settle: Duration,
+) -> Option<(Router, tempfile::NamedTempFile)> {
+    let mut nats = NatsServer::start_or_skip(test)?;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let router = spawn_router_logging(
+        &nats.url(),
+        namespace,
+        &[],
+        Stdio::from(log.reopen().unwrap()),
+    );
+    nats.stop();
+    std::thread::sleep(settle);
+    Some((router, log))
+}
+
 /// With NATS gone one SIGTERM still stops the router, within the drain's
 /// grace for a reconnect (1 s + 1 s; it was 5 s + 5 s), exit 0, warning
 /// that the drain did not reach NATS (helper-20 finding 15).
 #[test]
 fn a_signal_with_nats_gone_stops_within_the_grace_saying_the_drain_did_not_reach_nats() {
-    let Some(mut nats) = NatsServer::start_or_skip("router_binary_drain_gone") else {
+    let Some((mut router, log)) = router_after_nats_stops(
+        "router_binary_drain_gone",
+        "rbt-gone",
+        Duration::from_millis(500),
+    ) else {
         return;
     };
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let mut router = spawn_router_logging(
-        &nats.url(),
-        "rbt-gone",
-        &[],
-        Stdio::from(log.reopen().unwrap()),
-    );
-    nats.stop();
-    // Long enough for the client to read the closed socket (the healthz
-    // test above sees it in well under this).
-    std::thread::sleep(Duration::from_millis(500));
     let t0 = std::time::Instant::now();
     send_signal(&router.child, "TERM");
     let status = wait_exit(&mut router.child, Duration::from_secs(6), "TERM");
@@ -1200,18 +1215,13 @@ fn a_signal_with_nats_gone_stops_within_the_grace_saying_the_drain_did_not_reach
 /// (it used to be ignored; helper-20 finding 15).
 #[test]
 fn a_second_signal_cuts_a_drain_that_cannot_reach_nats() {
-    let Some(mut nats) = NatsServer::start_or_skip("router_binary_drain_cut") else {
+    let Some((mut router, log)) = router_after_nats_stops(
+        "router_binary_drain_cut",
+        "rbt-cut",
+        Duration::from_millis(300),
+    ) else {
         return;
     };
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let mut router = spawn_router_logging(
-        &nats.url(),
-        "rbt-cut",
-        &[],
-        Stdio::from(log.reopen().unwrap()),
-    );
-    nats.stop();
-    std::thread::sleep(Duration::from_millis(300));
     send_signal(&router.child, "INT");
     std::thread::sleep(Duration::from_millis(500));
     assert!(
