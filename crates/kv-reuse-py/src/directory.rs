@@ -118,19 +118,28 @@ impl DonorDirectory {
         let wait = seconds_in("wait_s", wait_s, 0.0..=3_600.0)?;
         self.check_open()?;
         let deadline = Instant::now() + wait;
-        let found = py.allow_threads(|| loop {
-            let got = self
-                .cache
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(engine, unix_now_ms())
-                .ok()
-                .map(|r| r.manifest().to_wire());
+        let found = loop {
+            // Slices without the GIL, so that Ctrl-C is raised within one
+            // (`SIGNAL_SLICE`), not after all of `wait_s`.
+            let slice_end = (Instant::now() + crate::fetch_job::SIGNAL_SLICE).min(deadline);
+            let got = py.allow_threads(|| loop {
+                let got = self
+                    .cache
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(engine, unix_now_ms())
+                    .ok()
+                    .map(|r| r.manifest().to_wire());
+                if got.is_some() || Instant::now() >= slice_end {
+                    break got;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            });
             if got.is_some() || Instant::now() >= deadline {
                 break got;
             }
-            std::thread::sleep(Duration::from_millis(10));
-        });
+            py.check_signals()?;
+        };
         found
             .transpose()
             .map_err(descriptor)

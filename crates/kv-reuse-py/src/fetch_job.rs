@@ -13,7 +13,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kv_transfer::CancelToken;
 
@@ -175,29 +175,50 @@ impl FetchJob {
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .ok_or_else(|| bad_argument("result", "this job's result was taken already"))?;
-        let (rx, got) = py.allow_threads(move || {
-            let got = match limit {
-                Some(limit) => rx.recv_timeout(limit),
-                None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
-            };
-            (rx, got)
-        });
-        match got {
-            Ok(outcome) => outcome,
-            Err(RecvTimeoutError::Timeout) => {
-                // Put back for the next call: the fetch has not finished.
+        let deadline = limit.map(|l| Instant::now() + l);
+        let mut rx = rx;
+        loop {
+            // Slices of at most SIGNAL_SLICE without the GIL, so that a
+            // Ctrl-C (or another signal handler's exception) is raised
+            // within it instead of after the whole wait (helper-22 finding 9).
+            let slice = deadline.map_or(SIGNAL_SLICE, |d| {
+                d.saturating_duration_since(Instant::now())
+                    .min(SIGNAL_SLICE)
+            });
+            let (back, got) = py.allow_threads(move || {
+                let got = rx.recv_timeout(slice);
+                (rx, got)
+            });
+            rx = back;
+            match got {
+                Ok(outcome) => return outcome,
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(PyRuntimeError::new_err(
+                        "the target's fetch thread ended without a result",
+                    ))
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
+            let interrupted = py.check_signals();
+            if timed_out || interrupted.is_err() {
+                // Put back for the next call: the fetch has not finished
+                // (an interrupt leaves it running, like a timeout).
                 *self.rx.lock().unwrap_or_else(|e| e.into_inner()) = Some(rx);
-                Err(PyTimeoutError::new_err(format!(
+                interrupted?;
+                return Err(PyTimeoutError::new_err(format!(
                     "the fetch did not finish within timeout_s={}",
                     limit.map_or(0.0, |l| l.as_secs_f64())
-                )))
+                )));
             }
-            Err(RecvTimeoutError::Disconnected) => Err(PyRuntimeError::new_err(
-                "the target's fetch thread ended without a result",
-            )),
         }
     }
 }
+
+/// Longest wait without the GIL between two checks for a pending signal
+/// (Ctrl-C) in a blocking call that may wait long (`FetchJob.result`,
+/// `DonorDirectory.manifest`).
+pub(crate) const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 
 /// Work for the target's fetch thread.
 pub(crate) type Job = Box<dyn FnOnce() + Send>;

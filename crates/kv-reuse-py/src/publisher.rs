@@ -113,9 +113,15 @@ struct Running {
 }
 
 /// A worker's presence on NATS for the router service (module docs).
+///
+/// Threads: calls from several Python threads run concurrently. `running`'s
+/// lock is only ever held for a clone or a take, never across a blocking
+/// call or a GIL release: a thread that held it through `allow_threads`
+/// while another waited for it holding the GIL deadlocked both (helper-22
+/// finding 1).
 #[pyclass(frozen, module = "kv_reuse")]
 pub(crate) struct WorkerPublisher {
-    running: Mutex<Option<Running>>,
+    running: Mutex<Option<Arc<Running>>>,
     role: Role,
     engine_id: EngineId,
     nats_url: String,
@@ -300,12 +306,12 @@ impl WorkerPublisher {
         let bank = Py::new(py, DonorBank::from_manager(agent.bank().clone(), layout))?;
         Ok(Self {
             engine_id: agent.bank().owner().engine_id,
-            running: Mutex::new(Some(Running {
+            running: Mutex::new(Some(Arc::new(Running {
                 runtime: rt,
                 ticker,
                 agent: Some(agent),
                 prefix: None,
-            })),
+            }))),
             role: Role::Decode,
             nats_url: nats_url.to_owned(),
             timeout,
@@ -419,12 +425,12 @@ impl WorkerPublisher {
             EVENT_RING,
         );
         Ok(Self {
-            running: Mutex::new(Some(Running {
+            running: Mutex::new(Some(Arc::new(Running {
                 runtime: rt,
                 ticker,
                 agent: None,
                 prefix: Some((Arc::new(prefix), layout.inner.tokens_per_block())),
-            })),
+            }))),
             role: Role::Prefill,
             engine_id: engine,
             nats_url: nats_url.to_owned(),
@@ -624,7 +630,7 @@ impl WorkerPublisher {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        let Some(r) = running else {
+        let Some(shared) = running else {
             return Ok(());
         };
         let timeout = self.timeout + drain;
@@ -634,7 +640,13 @@ impl WorkerPublisher {
         // publisher has no use for it, and this reference alone kept the
         // closed bank's lease files mapped until the publisher was dropped.
         let _bank = self.bank.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let in_flight = self.timeout;
         py.allow_threads(move || {
+            // Calls that started before the take hold their own reference
+            // for at most the publisher's timeout each.
+            let r = wait_for_sole(shared, in_flight + Duration::from_secs(1)).ok_or_else(|| {
+                PublishFailed::new_err("close: a call on another thread is still running")
+            })?;
             r.ticker.abort();
             let closed = r.runtime.block_on(async {
                 // The aborted ticker's clone of the agent is dropped once
@@ -675,14 +687,20 @@ impl WorkerPublisher {
 const EVENT_RING: usize = 4096;
 
 impl WorkerPublisher {
+    /// The running state, cloned under a lock held for the clone only;
+    /// `PublishFailed` naming `what` after `close()`.
+    fn running(&self, what: &str) -> PyResult<Arc<Running>> {
+        self.running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| PublishFailed::new_err(format!("{what}: the publisher is closed")))
+    }
+
     /// A target's prefix-cache event publisher and its tokens per block;
     /// `PublishFailed` naming `what` for a donor or after `close()`.
     fn prefix_publisher(&self, what: &str) -> PyResult<(Arc<KvEventPublisher>, u32)> {
-        let guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        let r = guard
-            .as_ref()
-            .ok_or_else(|| PublishFailed::new_err(format!("{what}: the publisher is closed")))?;
-        r.prefix.clone().ok_or_else(|| {
+        self.running(what)?.prefix.clone().ok_or_else(|| {
             PublishFailed::new_err(format!(
                 "{what}: a donor's KV events come from its bank (publish_events)"
             ))
@@ -692,17 +710,17 @@ impl WorkerPublisher {
     /// Publishes `data` (tier `device`) from the target's prefix publisher
     /// and flushes, bounded by the publisher's timeout, without the GIL.
     fn publish_prefix(&self, py: Python<'_>, data: KvEventData) -> PyResult<()> {
-        let guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        let r = guard
-            .as_ref()
-            .ok_or_else(|| PublishFailed::new_err("publish_prefix: the publisher is closed"))?;
-        let Some((publisher, _)) = r.prefix.as_ref() else {
+        let r = self.running("publish_prefix")?;
+        if r.prefix.is_none() {
             return Err(PublishFailed::new_err(
                 "publish_prefix: a donor's KV events come from its bank (publish_events)",
             ));
-        };
+        }
         let (timeout, url) = (self.timeout, self.nats_url.clone());
-        py.allow_threads(|| {
+        // `r` moves in: if `close()` gave up waiting for this call, the last
+        // reference (the runtime) drops here, without the GIL.
+        py.allow_threads(move || {
+            let (publisher, _) = r.prefix.as_ref().expect("checked above");
             r.runtime.block_on(within(&url, timeout, async {
                 publisher
                     .publish(StorageTier::Device, data)
@@ -725,15 +743,12 @@ impl WorkerPublisher {
         F: FnOnce(Arc<DonorAgent>) -> Fut + Send,
         Fut: std::future::Future<Output = PyResult<T>> + Send,
     {
-        let guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        let r = guard
-            .as_ref()
-            .ok_or_else(|| PublishFailed::new_err("the publisher is closed"))?;
+        let r = self.running("publish")?;
         let Some(agent) = r.agent.clone() else {
             return Ok(None);
         };
         let (timeout, url) = (self.timeout, self.nats_url.clone());
-        py.allow_threads(|| {
+        py.allow_threads(move || {
             r.runtime.block_on(async {
                 match tokio::time::timeout(timeout, f(agent)).await {
                     Ok(v) => v.map(Some),
@@ -746,16 +761,35 @@ impl WorkerPublisher {
     }
 }
 
+/// `shared` once no other reference is left, waiting up to `limit` for the
+/// calls that hold one to return; `None` past it (the caller's reference
+/// dropped, the last call's drop then stops the runtime).
+fn wait_for_sole<T>(mut shared: Arc<T>, limit: Duration) -> Option<T> {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        match Arc::try_unwrap(shared) {
+            Ok(t) => return Some(t),
+            Err(back) if std::time::Instant::now() < deadline => {
+                shared = back;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(_) => return None,
+        }
+    }
+}
+
 impl Drop for WorkerPublisher {
     fn drop(&mut self) {
         // Not closed: stop the ticker and runtime without blocking; the
         // agent's bank closes when its last reference drops, and the record
-        // lapses with its TTL.
+        // lapses with its TTL. No call is in flight (each borrows `self`),
+        // so this is the last reference.
         if let Some(r) = self
             .running
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .take()
+            .and_then(|r| Arc::try_unwrap(r).ok())
         {
             r.ticker.abort();
             r.runtime.shutdown_background();

@@ -13,8 +13,14 @@
 //! first runtime of the process also creates tokio's process-wide signal
 //! socket pair (2 fds kept until exit); later clients add none that
 //! outlive them.
+//!
+//! Threads: one client may serve several Python threads (an executor's, as
+//! docs/python.md suggests for async code); their advises run concurrently.
+//! `conn`'s lock is held for a clone or a take only, never across a round
+//! trip or a GIL release: held through `allow_threads` while another thread
+//! waited for it holding the GIL, it deadlocked both (helper-22 finding 1).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pyo3::prelude::*;
@@ -34,7 +40,7 @@ use crate::router::Advice;
 /// A client of the router service over NATS.
 #[pyclass(frozen, module = "kv_reuse")]
 pub(crate) struct RouterClient {
-    conn: Mutex<Option<AdviseClient>>,
+    conn: Mutex<Option<Arc<AdviseClient>>>,
     /// The window given to `AdviseClient::set_busy_poll`, µs.
     busy_poll_us: u64,
 }
@@ -125,7 +131,7 @@ impl RouterClient {
             .map_err(unavailable)?;
         client.set_busy_poll(Duration::from_micros(busy_poll));
         Ok(Self {
-            conn: Mutex::new(Some(client)),
+            conn: Mutex::new(Some(Arc::new(client))),
             busy_poll_us: busy_poll,
         })
     }
@@ -180,10 +186,17 @@ impl RouterClient {
     }
 
     /// Closes the connection (flushing for up to 1 s). Idempotent.
+    /// Advises in flight on other threads finish (each within `timeout_s`)
+    /// on the closing connection; the last of them shuts it down.
     fn close(&self, py: Python<'_>) {
         let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(mut c) = conn {
-            py.allow_threads(|| c.close());
+        if let Some(c) = conn {
+            py.allow_threads(move || match Arc::try_unwrap(c) {
+                Ok(mut c) => c.close(),
+                Err(shared) => {
+                    shared.flush(Duration::from_secs(1));
+                }
+            });
         }
     }
 
@@ -227,14 +240,17 @@ impl RouterClient {
             .check()
             .map_err(|e| AdviseRefused::new_err(e.to_string()))?;
         let payload = request.to_wire().map_err(descriptor)?;
-        let mut guard = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        let client = guard
-            .as_mut()
+        let client = self
+            .conn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
             .ok_or_else(|| RouterUnavailable::new_err("the client is closed"))?;
+        // `client` moves in: after a `close()` on another thread the last
+        // reference (and the connection's shutdown) drops here, without the GIL.
         let reply = py
-            .allow_threads(|| client.request(payload))
+            .allow_threads(move || client.request(payload))
             .map_err(unavailable)?;
-        drop(guard);
         let reply = AdviseReply::from_wire(&reply).map_err(descriptor)?;
         if reply.request_id != request_id {
             return Err(RouterUnavailable::new_err(format!(

@@ -467,3 +467,23 @@ def test_a_closed_directory_refuses_instead_of_answering_from_a_stale_cache(nats
     with pytest.raises(kv_reuse.PublishFailed, match="closed"):
         directory.donors
     directory.close()  # idempotent
+
+
+def test_one_client_and_one_publisher_serve_several_threads_at_once(nats, router):
+    """A RouterClient and a WorkerPublisher shared by 7 threads (advises,
+    `connected`, prefix events, ticks), then a close during advises: every
+    call returns (in a child process with a timeout: the deadlock this
+    guards against hung the whole interpreter, helper-22 finding 1)."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "threads_proc.py"), nats.url,
+         str(TOKENS_PER_BLOCK), str(TP)],
+        capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    # An unknown target: refused, every one of 4 x 50.
+    assert counts["refused"] == 200 and counts["other"] == 0, counts
+    assert counts["connected_reads"] == 2000, counts
+    # 4 sealed blocks named by each of 2 x 20 prefix events.
+    assert counts["prefix"] == 160 and counts["ticks"] == 40, counts
+    assert set(counts["after_close"]) <= {"AdviseRefused", "RouterUnavailable"}, counts
+    assert counts["connected_after_close"] is False, counts

@@ -196,6 +196,33 @@ def test_fetch_job_result_with_a_timeout_raises_and_keeps_the_result(donor, layo
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="SIGSTOP is POSIX only")
+def test_ctrl_c_interrupts_a_waiting_fetch_job_result_and_keeps_the_job(donor, layout, enabled):
+    """A SIGINT while ``result()`` waits (the donor stopped before the pin)
+    raises KeyboardInterrupt within about the 50 ms signal slice, not after
+    the pin timeout; the job keeps running and a later ``result()`` returns
+    its outcome (helper-22 finding 9: the wait ignored Ctrl-C)."""
+    proc, report = donor
+    prompt, manifest, target, advice = admitted_target(report, layout, enabled, "req-sigint")
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        job = target.fetch_async(advice.hint, prompt, manifest, pin_timeout_s=8.0)
+        timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            job.result()
+        took = time.monotonic() - t0
+        timer.join()
+        assert took < 2.0, took
+        assert job.state == "running"
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    with job.result(timeout_s=10) as out:
+        assert out.fetched == prompt and len(out.rows) == BLOCKS
+    assert target.free_rows == 16
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="SIGSTOP is POSIX only")
 def test_fetch_job_cancel_skips_a_queued_job_and_stops_a_running_one(donor, layout, enabled):
     """With the donor stopped, the first job waits in its pin and two more
     queue behind it. Cancelling the second before it started skips it (no

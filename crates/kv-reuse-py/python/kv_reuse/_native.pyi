@@ -238,7 +238,8 @@ class AdviseRefused(KvReuseError):
     """The router service refused the request; the message names the field or cause."""
 
 class RouterClient:
-    """A client of the router service: advise as NATS request/reply on ``kv_reuse.advise``."""
+    """A client of the router service: advise as NATS request/reply on ``kv_reuse.advise``.
+    One client may serve several threads at once."""
 
     def __init__(
         self,
@@ -540,7 +541,8 @@ class FetchJob:
         raises (FetchFellBack, ...). Taken once: a second call raises BadArgument naming
         ``result``. A job dropped without its result still completes; its rows are released.
         ``timeout_s``: raises TimeoutError when the fetch is not done by then, leaving the
-        result to a later call."""
+        result to a later call. Ctrl-C raises KeyboardInterrupt within ~50 ms and likewise
+        leaves the job running and its result to a later call."""
     def cancel(self) -> bool:
         """Cancels the fetch. True: this call stopped it before it started; it never runs (no pin, no copy;
         ``result()`` raises FetchFellBack with stage ``queued``, cause ``cancelled``; its

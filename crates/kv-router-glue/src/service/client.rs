@@ -20,6 +20,12 @@
 //! `PING`s, runs the client's timers and reconnects. While a call holds the
 //! runtime, the keep-alive's turn returns at once without it.
 //!
+//! Threads: [`AdviseClient::request`] takes `&self`, so several threads may
+//! share one client (behind an `Arc`); each drives the runtime in its own
+//! `block_on` (a current-thread runtime lets one of them drive the socket
+//! while the others' futures are polled when woken), and the muxed inbox
+//! routes each reply to its request.
+//!
 //! Busy polling ([`AdviseClient::set_busy_poll`], off by default): while a
 //! reply is outstanding the caller keeps polling the socket for up to the
 //! given time instead of sleeping in `epoll_wait`, which saves the wake-up
@@ -267,7 +273,7 @@ impl AdviseClient {
     /// [`AdviseClientError::Closed`], [`AdviseClientError::Request`] (no
     /// responders: nothing subscribes to the subject; connection closed;
     /// payload over the server's limit), [`AdviseClientError::NoReply`].
-    pub fn request(&mut self, payload: Vec<u8>) -> Result<Vec<u8>, AdviseClientError> {
+    pub fn request(&self, payload: Vec<u8>) -> Result<Vec<u8>, AdviseClientError> {
         let (Some(runtime), Some(client)) = (&self.runtime, &self.client) else {
             return Err(AdviseClientError::Closed);
         };
@@ -308,7 +314,7 @@ impl AdviseClient {
     /// # Errors
     /// [`AdviseClient::request`]'s, [`AdviseClientError::Wire`],
     /// [`AdviseClientError::WrongReply`].
-    pub fn advise(&mut self, request: &AdviseRequest) -> Result<AdviseReply, AdviseClientError> {
+    pub fn advise(&self, request: &AdviseRequest) -> Result<AdviseReply, AdviseClientError> {
         let payload = request.to_wire().map_err(|e| AdviseClientError::Wire {
             what: "request",
             reason: e.to_string(),
@@ -327,15 +333,23 @@ impl AdviseClient {
         Ok(reply)
     }
 
+    /// Pushes queued messages to the server, waiting up to `wait`; false
+    /// when that did not finish (or the client is closed).
+    pub fn flush(&self, wait: Duration) -> bool {
+        let (Some(runtime), Some(client)) = (&self.runtime, &self.client) else {
+            return false;
+        };
+        matches!(
+            runtime.block_on(async { tokio::time::timeout(wait, client.flush()).await }),
+            Ok(Ok(()))
+        )
+    }
+
     /// Flushes queued messages (up to 1 s), stops the keep-alive thread and
     /// closes the connection. Idempotent; later requests fail with
     /// [`AdviseClientError::Closed`].
     pub fn close(&mut self) {
-        if let (Some(runtime), Some(client)) = (&self.runtime, &self.client) {
-            let _ = runtime.block_on(async {
-                tokio::time::timeout(Duration::from_secs(1), client.flush()).await
-            });
-        }
+        self.flush(Duration::from_secs(1));
         self.shut_down(Duration::from_secs(1));
     }
 

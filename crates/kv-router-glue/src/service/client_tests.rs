@@ -133,7 +133,7 @@ fn decides_refuses_and_reports_no_responders() {
     );
 
     // Nothing subscribes here: NATS says "no responders" at once.
-    let mut lonely = connect(&nats.url(), "kv_reuse.nobody");
+    let lonely = connect(&nats.url(), "kv_reuse.nobody");
     let t0 = Instant::now();
     let e = lonely.advise(&req).unwrap_err();
     assert!(
@@ -171,7 +171,7 @@ fn an_idle_client_answers_server_pings_and_keeps_its_connection() {
     let s = Scenario::new().unwrap();
     let rt = server_runtime();
     let server = start_server(&rt, &nats.url(), &s);
-    let mut client = connect(&nats.url(), ADVISE_SUBJECT);
+    let client = connect(&nats.url(), ADVISE_SUBJECT);
     let req = AdviseRequest {
         request_id: "idle".into(),
         target: s.target,
@@ -288,4 +288,52 @@ fn a_server_list_with_a_hung_server_connects_to_the_live_one() {
         let c = AdviseClient::connect(&url, options, ADVISE_SUBJECT, Duration::from_secs(2));
         assert!(c.is_ok(), "attempt {attempt}: {:?}", c.err());
     }
+}
+
+/// One client shared by 8 threads (the wheel's `RouterClient` in an
+/// executor): every request gets its own reply, all decided, none lost or
+/// crossed, each thread driving the current-thread runtime in turn.
+#[test]
+fn one_client_serves_several_threads_at_once() {
+    let Some(nats) = NatsServer::start_or_skip("advise_client_threads") else {
+        return;
+    };
+    let s = Scenario::new().unwrap();
+    let rt = server_runtime();
+    let server = start_server(&rt, &nats.url(), &s);
+    let client = Arc::new(connect(&nats.url(), ADVISE_SUBJECT));
+    const THREADS: usize = 8;
+    const EACH: usize = 50;
+    let t0 = Instant::now();
+    let answered: Vec<usize> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (client, s) = (&client, &s);
+                scope.spawn(move || {
+                    let mut ok = 0;
+                    for i in 0..EACH {
+                        let req = AdviseRequest {
+                            request_id: format!("t{t}-{i}"),
+                            target: s.target,
+                            keys: AdviseKeys::SequenceHashes(s.hashes.clone()),
+                        };
+                        let reply = client.advise(&req).unwrap();
+                        assert_eq!(reply.request_id, req.request_id);
+                        ok += usize::from(matches!(
+                            reply.result,
+                            AdviseResult::Decided { hint: Some(_), .. }
+                        ));
+                    }
+                    ok
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    assert_eq!(answered, vec![EACH; THREADS]);
+    // 400 round trips of well under 1 ms each; the 5 s request timeout
+    // would show as minutes if any thread waited for another's reply.
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    let report = rt.block_on(server.stop()).unwrap();
+    assert_eq!(report.decided, (THREADS * EACH) as u64);
 }
