@@ -23,11 +23,54 @@ pub enum BankError {
     HostMemory {
         /// Shared-memory object name (`/...`).
         name: String,
-        /// The failing call (`shm_open`, `ftruncate`, `mmap`, `fstat`).
+        /// The failing call (`shm_open`, `ftruncate`, `fstatvfs`, `fallocate`,
+        /// `mmap`, `fstat`).
         op: &'static str,
         /// OS error.
         #[source]
         source: std::io::Error,
+    },
+    /// The host's shared-memory filesystem ([`crate::SHM_DIR`], a tmpfs)
+    /// cannot hold a new segment: its pages are reserved when it is created
+    /// (`fallocate`), and that failed with `ENOSPC`. Nothing was left
+    /// behind. (Unreserved, the segment would be created and the first write
+    /// past the free space would kill the process with `SIGBUS`.)
+    #[error(
+        "`{field}`: {bytes} bytes of host shared memory do not fit in {dir} ({free}); \
+         ask for less or enlarge {dir} (docker: --shm-size)",
+        dir = crate::SHM_DIR,
+        free = free_text(.free_bytes)
+    )]
+    ShmNoSpace {
+        /// What asked for the bytes: `len` (one segment,
+        /// [`crate::HostShmMemory::create`]), `budget_bytes` (a host bank,
+        /// every rank together, [`crate::BankManager::new_host_shm`]),
+        /// `lease` (a lease file).
+        field: &'static str,
+        /// Bytes asked for (for `budget_bytes`, every rank's segment; their
+        /// lease files take a page each on top).
+        bytes: u64,
+        /// Bytes free there after the refusal (`statvfs`), `None` when that
+        /// could not be read or the filesystem reports no size limit.
+        free_bytes: Option<u64>,
+    },
+    /// A call that writes a bank's shared memory or renews its lease, made
+    /// in another process than the one that created the bank: a forked
+    /// child inherits the bank's mappings but not its ownership, and its
+    /// copy of the slot table goes stale at once, so a store there would
+    /// overwrite blocks the creator retains (and serves to targets).
+    #[error(
+        "`{op}` refused in process {pid}: the bank belongs to process {creator_pid} \
+         (a forked child inherits the bank's memory, not its ownership); \
+         open a bank of its own in this process"
+    )]
+    NotCreator {
+        /// The refused call (`store`, `write_pending`, `renew_lease`, ...).
+        op: &'static str,
+        /// This process.
+        pid: u32,
+        /// The process that created the bank.
+        creator_pid: u32,
     },
     /// No usable CUDA driver or device: GPU memory cannot be used here.
     #[error("CUDA unavailable: {reason}")]
@@ -66,8 +109,14 @@ pub enum BankError {
     /// A descriptor could not be built or was invalid.
     #[error("descriptor: {0}")]
     Descriptor(#[from] DescriptorError),
-    /// The bank's budget leaves no room: every slot is pinned or being written.
-    #[error("bank full: need {needed} slots, {available} free or evictable of {slot_count} (the rest are pinned or pending)")]
+    /// The bank's budget leaves no room: every other slot is pinned,
+    /// pending (an open store), quarantined after a rollback, or holds the
+    /// store's own prefix.
+    #[error(
+        "bank full: need {needed} slots, {available} free or evictable of {slot_count} \
+         ({pinned} pinned, {pending} pending in open stores{})",
+        quarantine_text(*.quarantined, .quarantine_release_ms)
+    )]
     BankFull {
         /// Slots the store needs.
         needed: usize,
@@ -75,6 +124,18 @@ pub enum BankError {
         available: usize,
         /// Total slots.
         slot_count: u32,
+        /// Slots with at least one pin.
+        pinned: usize,
+        /// Slots of stores not yet acknowledged by every rank.
+        pending: usize,
+        /// Slots of rolled-back stores held back until a rank that may
+        /// still be writing them can no longer land a copy (see
+        /// [`crate::BankManager::fail`]; [`crate::BankManager::abort`]
+        /// does not quarantine).
+        quarantined: usize,
+        /// Milliseconds until the first quarantined slots are released,
+        /// `None` when none are.
+        quarantine_release_ms: Option<u64>,
     },
     /// A block's sequence hash does not chain from its parent and token hash.
     #[error("`blocks[{index}].sequence_hash` {got:#018x} does not chain from its parent (expected {expected:#018x})")]
@@ -293,7 +354,42 @@ pub enum BankError {
     Child(String),
 }
 
+/// The free-space part of [`BankError::ShmNoSpace`]'s message.
+fn free_text(free: &Option<u64>) -> String {
+    match free {
+        Some(b) => format!("{b} bytes free"),
+        None => "free space unknown".into(),
+    }
+}
+
+/// The quarantine part of [`BankError::BankFull`]'s message: empty when no
+/// slot is quarantined.
+fn quarantine_text(quarantined: usize, release_ms: &Option<u64>) -> String {
+    match (quarantined, release_ms) {
+        (0, _) => String::new(),
+        (n, Some(ms)) => format!(
+            ", {n} quarantined after a rolled-back store (failed rank or store timeout) \
+             until {ms} ms from now"
+        ),
+        (n, None) => format!(", {n} quarantined after a rolled-back store"),
+    }
+}
+
 impl BankError {
+    /// [`BankError::ShmNoSpace`] with its `free_bytes` read now (other
+    /// errors unchanged): called once the refused object was removed, so the
+    /// figure is what a smaller request could use.
+    pub(crate) fn with_free_space(self) -> Self {
+        match self {
+            Self::ShmNoSpace { field, bytes, .. } => Self::ShmNoSpace {
+                field,
+                bytes,
+                free_bytes: crate::shm::shm_free_bytes(),
+            },
+            other => other,
+        }
+    }
+
     pub(crate) fn arg(field: &'static str, reason: impl Into<String>) -> Self {
         Self::InvalidArgument {
             field,

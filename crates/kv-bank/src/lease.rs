@@ -52,7 +52,7 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use crate::leaks;
 use crate::lease_clock::LeaseInstant;
-use crate::BankError;
+use crate::{BankError, CreatorProcess};
 
 mod record;
 pub use record::LeaseRecord;
@@ -399,11 +399,14 @@ impl LeaseMap {
 }
 
 /// The owner's side of one lease file: creates it, renews it, and revokes
-/// and unlinks it when dropped.
+/// and unlinks it when dropped. A copy inherited by a forked child does
+/// none of that: the lease is the creating process's, and revoking it from
+/// the child would kill the parent's live bank for every importer.
 #[derive(Debug)]
 pub(crate) struct LeaseHolder {
     map: LeaseMap,
     duration_us: u64,
+    creator: CreatorProcess,
     _live: leaks::Live,
 }
 
@@ -440,6 +443,12 @@ impl LeaseHolder {
                 source,
             });
         }
+        // The record is written through the mapping below: on a full
+        // /dev/shm an unreserved page would kill this process with SIGBUS.
+        if let Err(e) = crate::shm::reserve_pages(&file, name, "lease", LEASE_FILE_BYTES as u64) {
+            unlink();
+            return Err(e.with_free_space());
+        }
         let map = match LeaseMap::map_file(name, &file) {
             Ok(m) => m,
             Err(e) => {
@@ -474,6 +483,7 @@ impl LeaseHolder {
         Ok(Self {
             map,
             duration_us,
+            creator: CreatorProcess::current(),
             _live: leaks::Live::new(&leaks::LEASE_HOLDERS),
         })
     }
@@ -493,6 +503,18 @@ impl LeaseHolder {
     /// Extends the lease to `now + duration`, only if it has not lapsed,
     /// was not revoked, and the file is still linked under its name.
     pub(crate) fn renew(&self, now: LeaseInstant) -> Result<u64, BankError> {
+        if !self.creator.is_current() {
+            // A forked child renewing would keep the bank importable after
+            // its creator died.
+            return Err(BankError::LeaseLost {
+                lease: self.map.name.clone(),
+                reason: format!(
+                    "only its creating process {} renews it, this is process {}",
+                    self.creator.pid(),
+                    std::process::id()
+                ),
+            });
+        }
         let now_us = now.as_micros();
         let e = self.map.expiry();
         let mut seen = e.load(Ordering::Acquire);
@@ -519,7 +541,7 @@ impl LeaseHolder {
             }
         }
         if !self.map.still_linked() {
-            self.revoke();
+            self.revoke(false);
             return Err(BankError::LeaseLost {
                 lease: self.map.name.clone(),
                 reason: "lease file unlinked by someone else".into(),
@@ -534,16 +556,24 @@ impl LeaseHolder {
         Ok(self.expires_at_us())
     }
 
-    /// Marks the lease dead at once (importers refuse it from now on).
-    pub(crate) fn revoke(&self) {
+    /// Marks the lease dead at once (importers refuse it from now on) and,
+    /// with `unlink`, removes its name. Only in the creating process: a
+    /// forked child's copy maps the same file, and the lease is not its to
+    /// end.
+    pub(crate) fn revoke(&self, unlink: bool) {
+        if !self.creator.is_current() {
+            return;
+        }
         self.map.expiry().store(0, Ordering::Release);
+        if unlink {
+            self.map.unlink_if_ours();
+        }
     }
 }
 
 impl Drop for LeaseHolder {
     fn drop(&mut self) {
-        self.revoke();
-        self.map.unlink_if_ours();
+        self.revoke(true);
     }
 }
 
@@ -662,17 +692,18 @@ impl OwnerLeases {
     pub(crate) fn revoke_all(&self) {
         self.lost.store(true, Ordering::Release);
         for h in &self.holders {
-            h.revoke();
-            h.map.unlink_if_ours();
+            h.revoke(true);
         }
     }
 }
 
-/// Background renewal of one bank's leases; stops (and joins) when dropped.
+/// Background renewal of one bank's leases; stops (and joins) when dropped
+/// in the process that started it.
 #[derive(Debug)]
 pub(crate) struct Renewer {
     stop: Option<mpsc::Sender<()>>,
     thread: Option<JoinHandle<()>>,
+    creator: CreatorProcess,
 }
 
 impl Renewer {
@@ -699,12 +730,24 @@ impl Renewer {
         Ok(Self {
             stop: Some(stop),
             thread: Some(thread),
+            creator: CreatorProcess::current(),
         })
     }
 }
 
 impl Drop for Renewer {
     fn drop(&mut self) {
+        if !self.creator.is_current() {
+            // A forked child has no renewal thread: joining it would panic
+            // (std finds a thread that never finished). The channel is
+            // forgotten too, as its state was copied at the fork, possibly
+            // mid-operation by the parent's thread.
+            if let Some(t) = self.thread.take() {
+                let _ = self.creator.join_or_forget(t);
+            }
+            std::mem::forget(self.stop.take());
+            return;
+        }
         drop(self.stop.take());
         if let Some(t) = self.thread.take() {
             if t.thread().id() != std::thread::current().id() {

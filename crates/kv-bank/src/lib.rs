@@ -65,6 +65,13 @@
 //! - A closed generation is dead: pins, stores and descriptors naming it are
 //!   refused; memory is freed once pins drained.
 //! - Every failing operation leaves nothing half-registered.
+//! - Host segments reserve their pages when they are created, so a bank that
+//!   does not fit in [`SHM_DIR`] is refused ([`BankError::ShmNoSpace`])
+//!   instead of killing the process with `SIGBUS` at a later write.
+//! - A bank belongs to the process that created it ([`CreatorProcess`]): a
+//!   forked child that inherits it cannot store into it or renew its leases
+//!   ([`BankError::NotCreator`]), and dropping the child's copy only unmaps:
+//!   the creator's segments, leases and renewal thread are left alone.
 //! - A bank is importable only while its owner lease is live and names the
 //!   importer's engine id and generation. A lapsed lease is never renewed:
 //!   the owner's generation dies with it (as by close), and a reclaimer
@@ -90,6 +97,7 @@
 
 #[cfg(feature = "qualify")]
 pub mod child_process;
+mod creator;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;
@@ -113,6 +121,7 @@ mod reservation;
 mod shm;
 mod slots;
 
+pub use creator::CreatorProcess;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     cuda_probe, device_memory_info, gpu_location, ipc_cache_stats, CudaDeviceInfo,

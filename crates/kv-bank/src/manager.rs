@@ -16,7 +16,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::lease::{LeaseConfig, LeaseRenewal, OwnerLeases, Renewer};
 use crate::slots::{SlotState, SlotTable};
-use crate::{BankError, ExclusionLineage, HostShmMemory, RankBank, RankMemory};
+use crate::{BankError, CreatorProcess, ExclusionLineage, HostShmMemory, RankBank, RankMemory};
 
 mod lease_ops;
 mod pins;
@@ -171,6 +171,9 @@ enum Rollback {
     Failed(u32),
     TimedOut,
     Closing,
+    /// [`BankManager::abort`]: the caller vouches that every write went
+    /// through `write_pending*`, whose running copies the bank tracks.
+    Aborted,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -276,6 +279,10 @@ struct Shared {
     leases: Arc<OwnerLeases>,
     /// Taken (stopped) when the generation dies.
     renewer: Mutex<Option<Renewer>>,
+    /// The process that created the bank: the only one that may write its
+    /// slots or renew its leases (a forked child's copy of the slot table
+    /// is stale at once).
+    creator: CreatorProcess,
 }
 
 /// The bank manager of one role (TP1 or TP-N). Cheap to clone (shared).
@@ -414,6 +421,7 @@ impl BankManager {
                 writes_done: Condvar::new(),
                 leases,
                 renewer: Mutex::new(renewer),
+                creator: CreatorProcess::current(),
             }),
         })
     }
@@ -421,13 +429,22 @@ impl BankManager {
     /// A manager whose ranks live in fresh POSIX shared-memory objects on `host_id` (CPU profile).
     ///
     /// Segments are named `/<config.shm_prefix>-<pid>-<n>-<hex>`, each with
-    /// its lease next to it (`….lease`).
+    /// its lease next to it (`….lease`). Every segment's pages are reserved
+    /// at creation ([`HostShmMemory::create`]), so a bank that does not fit
+    /// in `/dev/shm` is refused here instead of killing the process with
+    /// `SIGBUS` at a later write.
     ///
     /// # Errors
-    /// As [`BankManager::new`] and [`HostShmMemory::create`].
+    /// As [`BankManager::new`] and [`HostShmMemory::create`], except that
+    /// [`BankError::ShmNoSpace`] names `budget_bytes` and counts the bytes of
+    /// every rank together (with the space free once the ranks made so far
+    /// were removed again).
     pub fn new_host_shm(config: BankConfig, host_id: &str) -> Result<Self, BankError> {
         let host = host_id.to_string();
         let prefix = config.shm_prefix.clone();
+        let total = config.slot_count()
+            * u64::from(config.layout.tp_size())
+            * config.layout.rank_block_bytes() as u64;
         Self::new(config, |_, bytes| {
             Ok(RankMemory {
                 memory: Arc::new(HostShmMemory::create_unique(&prefix, bytes)?),
@@ -435,6 +452,17 @@ impl BankManager {
                     host_id: host.clone(),
                 },
             })
+        })
+        // `new` dropped (unlinked) the ranks made before the refused one,
+        // so the free space read now is what a smaller bank could use.
+        .map_err(|e| match e {
+            BankError::ShmNoSpace { .. } => BankError::ShmNoSpace {
+                field: "budget_bytes",
+                bytes: total,
+                free_bytes: None,
+            }
+            .with_free_space(),
+            other => other,
         })
     }
 
@@ -510,6 +538,27 @@ impl BankManager {
             Some(b) if st.phase == Phase::Open => Ok(b[rank as usize].clone()),
             _ => Err(self.closed()),
         }
+    }
+
+    /// The process that created this bank. Only there are its slots
+    /// written ([`BankManager::store`], `write_pending*`) and its leases
+    /// renewed or revoked; a child forked from it that drops its copy
+    /// leaves the bank's segments and leases alone.
+    pub fn creator(&self) -> CreatorProcess {
+        self.shared.creator
+    }
+
+    /// [`BankError::NotCreator`] for `op` outside the creating process.
+    fn require_creator(&self, op: &'static str) -> Result<(), BankError> {
+        let creator = self.shared.creator;
+        if creator.is_current() {
+            return Ok(());
+        }
+        Err(BankError::NotCreator {
+            op,
+            pid: std::process::id(),
+            creator_pid: creator.pid(),
+        })
     }
 
     fn closed(&self) -> BankError {

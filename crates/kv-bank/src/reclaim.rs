@@ -354,6 +354,7 @@ pub struct Reclaimer {
     totals: Arc<Mutex<ReclaimerTotals>>,
     stop: Option<mpsc::Sender<()>>,
     thread: Option<JoinHandle<()>>,
+    creator: crate::CreatorProcess,
 }
 
 impl Reclaimer {
@@ -406,6 +407,7 @@ impl Reclaimer {
             totals,
             stop: Some(stop),
             thread: Some(thread),
+            creator: crate::CreatorProcess::current(),
         })
     }
 
@@ -417,9 +419,15 @@ impl Reclaimer {
 
 impl Drop for Reclaimer {
     fn drop(&mut self) {
-        drop(self.stop.take());
+        if !self.creator.is_current() {
+            // A forked child has no scanning thread (see `CreatorProcess`):
+            // neither joined nor signalled through the copied channel.
+            std::mem::forget(self.stop.take());
+        } else {
+            drop(self.stop.take());
+        }
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            let _ = self.creator.join_or_forget(t);
         }
     }
 }

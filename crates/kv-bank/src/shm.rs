@@ -2,8 +2,14 @@
 //! (`shm_open` through rustix, so without unsafe) mapped with `mmap`.
 //!
 //! The creating process owns the name and unlinks it on drop; importers open
-//! the same name and map it. Every unsafe call of this crate's host path lives
-//! in this module.
+//! the same name and map it. A child forked from the creator inherits the
+//! value but not the name: its drop only unmaps. Every unsafe call of this
+//! crate's host path lives in this module.
+//!
+//! A segment's pages are reserved when it is created (`fallocate`): tmpfs
+//! otherwise allocates them on first touch, so a segment larger than the
+//! free space of `/dev/shm` would be created without error and the first
+//! write past the free space would kill the process with `SIGBUS`.
 
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,14 +20,17 @@ use rustix::fs::Mode;
 use rustix::shm;
 
 use crate::memory::check_range;
-use crate::{BankError, BankMemory, MemoryKind};
+use crate::{BankError, BankMemory, CreatorProcess, MemoryKind};
 
 /// A mapped POSIX shared-memory object (`/dev/shm/<name>` on Linux).
 ///
-/// Created zero-filled by [`HostShmMemory::create`] (the owner, which
-/// `shm_unlink`s the name when dropped: importers that already mapped it keep
-/// their mapping, later opens fail), or opened by [`HostShmMemory::open`] in
-/// another process. Exported as [`ExportHandle::HostShm`].
+/// Created zero-filled, its pages reserved, by [`HostShmMemory::create`]
+/// (the owner, which `shm_unlink`s the name when dropped: importers that
+/// already mapped it keep their mapping, later opens fail), or opened by
+/// [`HostShmMemory::open`] in another process. Exported as
+/// [`ExportHandle::HostShm`]. A copy inherited by a forked child is not the
+/// owner there ([`HostShmMemory::is_owner`] is false): dropping it only
+/// unmaps, the creator's name stays.
 ///
 /// ```
 /// use kv_bank::{BankMemory, HostShmMemory};
@@ -41,6 +50,9 @@ pub struct HostShmMemory {
     name: String,
     map: MmapRaw,
     owner: bool,
+    /// The process that created or opened this value: only a creating
+    /// owner unlinks the name, and only in that process.
+    creator: CreatorProcess,
     _live: crate::leaks::Live,
 }
 
@@ -68,12 +80,17 @@ fn io_err(name: &str, op: &'static str, e: rustix::io::Errno) -> BankError {
 impl HostShmMemory {
     /// Creates a new shared-memory object `name` of `len` bytes (zero-filled)
     /// and maps it read-write. Fails if the name exists (`O_EXCL`): two owners
-    /// never share a name.
+    /// never share a name. Every page is reserved before it is mapped
+    /// (`fallocate`), so a segment that does not fit in `/dev/shm` is refused
+    /// here rather than killing the process with `SIGBUS` at its first write
+    /// past the free space.
     ///
     /// # Errors
     /// [`BankError::InvalidArgument`] for a bad `shm.name` or `len` 0;
-    /// [`BankError::HostMemory`] naming the failing call (`shm_open`,
-    /// `ftruncate`, `mmap`). On error the object is unlinked again.
+    /// [`BankError::ShmNoSpace`] naming `len` when `/dev/shm` cannot hold
+    /// `len` more bytes; [`BankError::HostMemory`] naming the failing call
+    /// (`shm_open`, `ftruncate`, `fallocate`, `mmap`). On error the object is
+    /// unlinked again: nothing is left behind.
     pub fn create(name: &str, len: usize) -> Result<Self, BankError> {
         let cname = check_name(name)?;
         if len == 0 {
@@ -100,11 +117,16 @@ impl HostShmMemory {
                 source,
             });
         }
+        if let Err(e) = reserve_pages(&file, name, "len", len as u64) {
+            unlink();
+            return Err(e.with_free_space());
+        }
         match MmapOptions::new().len(len).map_raw(&file) {
             Ok(map) => Ok(Self {
                 name: name.to_string(),
                 map,
                 owner: true,
+                creator: CreatorProcess::current(),
                 _live: crate::leaks::Live::new(&crate::leaks::SHM_MAPPINGS),
             }),
             Err(source) => {
@@ -186,6 +208,7 @@ impl HostShmMemory {
             name: name.to_string(),
             map,
             owner: false,
+            creator: CreatorProcess::current(),
             _live: crate::leaks::Live::new(&crate::leaks::SHM_MAPPINGS),
         })
     }
@@ -219,9 +242,11 @@ impl HostShmMemory {
         &self.name
     }
 
-    /// True for the creating process (which unlinks the name on drop).
+    /// True for the value that created the object, in the process that
+    /// created it (which unlinks the name on drop); false for an importer
+    /// and for a copy inherited by a forked child.
     pub fn is_owner(&self) -> bool {
-        self.owner
+        self.owner && self.creator.is_current()
     }
 }
 
@@ -271,10 +296,78 @@ impl BankMemory for HostShmMemory {
 
 impl Drop for HostShmMemory {
     fn drop(&mut self) {
-        if self.owner {
+        // Only the creating process: a forked child's copy (a helper that
+        // exits runs every destructor) must not unlink the parent's live
+        // segment. Either way the mapping is unmapped when `map` drops.
+        if self.is_owner() {
             // The name was created by this value (O_EXCL); a failure here
             // (already unlinked by an operator's cleanup) leaves nothing to do.
             let _ = shm::unlink(self.name.as_str());
         }
     }
+}
+
+/// Reserves the pages of `len` bytes of `file`, a fresh object in the
+/// shared-memory filesystem, so that writing them can never fail later.
+///
+/// tmpfs allocates a shared mapping's pages on first touch; when the
+/// filesystem is full then, the kernel can only deliver `SIGBUS`, which
+/// kills the process (no error reaches the caller). `fallocate` allocates
+/// them now, or fails with `ENOSPC` (at once when `len` exceeds the
+/// filesystem's size, after undoing what it allocated otherwise).
+///
+/// # Errors
+/// [`BankError::ShmNoSpace`] naming `field` on `ENOSPC` (its `free_bytes`
+/// still unknown: the caller fills it in once it removed the object, see
+/// [`BankError::with_free_space`]); [`BankError::HostMemory`] naming
+/// `fallocate` for any other failure. A filesystem without `fallocate`
+/// (`EOPNOTSUPP`: `/dev/shm` is not a tmpfs) is not an error: the pages stay
+/// unreserved, as before this check existed.
+///
+/// A tmpfs mounted without a size limit (it reports 0 blocks) is not
+/// reserved either: it never refuses a page for space, so no `SIGBUS` comes
+/// from it, and reserving there would only take the memory early (an absurd
+/// size would wake the OOM killer instead of failing).
+pub(crate) fn reserve_pages(
+    file: &File,
+    name: &str,
+    field: &'static str,
+    len: u64,
+) -> Result<(), BankError> {
+    match rustix::fs::fstatvfs(file) {
+        Ok(st) if st.f_blocks == 0 => return Ok(()),
+        Ok(_) => {}
+        Err(e) => return Err(io_err(name, "fstatvfs", e)),
+    }
+    loop {
+        match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, len) {
+            Ok(()) => return Ok(()),
+            // A large reservation is interruptible (tmpfs checks for
+            // pending signals while it allocates) and undone; try again.
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(rustix::io::Errno::NOSPC) => {
+                return Err(BankError::ShmNoSpace {
+                    field,
+                    bytes: len,
+                    free_bytes: None,
+                })
+            }
+            Err(rustix::io::Errno::OPNOTSUPP) => {
+                tracing::debug!(
+                    name,
+                    "the shared-memory filesystem has no fallocate; pages not reserved"
+                );
+                return Ok(());
+            }
+            Err(e) => return Err(io_err(name, "fallocate", e)),
+        }
+    }
+}
+
+/// Bytes free for an unprivileged writer in [`crate::SHM_DIR`] now, or
+/// `None` when it cannot be read or the filesystem reports no size (a tmpfs
+/// mounted without a size limit reports 0 blocks).
+pub(crate) fn shm_free_bytes() -> Option<u64> {
+    let st = rustix::fs::statvfs(crate::SHM_DIR).ok()?;
+    (st.f_blocks > 0).then(|| st.f_bavail.saturating_mul(st.f_frsize))
 }

@@ -129,6 +129,97 @@ fn failed_rank_rolls_back_the_store_on_all_ranks() {
 }
 
 #[test]
+fn an_aborted_store_frees_its_slots_at_once() {
+    let bank = bank(2, 4);
+    // Nothing was written.
+    let p = bank.store(None, &chain(20, 3)).unwrap();
+    bank.abort(p.store_id).unwrap();
+    let inv = bank.inventory();
+    assert_eq!(
+        (inv.pending_slots, inv.quarantined_slots, inv.free_slots),
+        (0, 0, 4)
+    );
+    // One rank wrote every entry (its copies returned), the other none:
+    // `fail` would quarantine the slots for a store timeout, `abort` does not.
+    let p = bank.store(None, &chain(40, 3)).unwrap();
+    let n = bank.manifest().parts()[0].slot_bytes() as usize;
+    for (i, (h, _)) in p.entries.iter().enumerate() {
+        bank.write_pending(p.store_id, 0, i, &pattern(*h, 0, n))
+            .unwrap();
+    }
+    bank.abort(p.store_id).unwrap();
+    let inv = bank.inventory();
+    assert_eq!(
+        (inv.pending_slots, inv.quarantined_slots, inv.free_slots),
+        (0, 0, 4)
+    );
+    assert_eq!(bank.stats().stores_rolled_back, 2);
+    assert!(
+        bank.drain_events().is_empty(),
+        "an aborted store is never announced"
+    );
+    // The store is gone: no write, ack or second abort reaches it.
+    assert!(matches!(
+        bank.write_pending(p.store_id, 1, 0, &vec![0; n]),
+        Err(BankError::UnknownStore(_))
+    ));
+    assert!(matches!(
+        bank.ack(p.store_id, 0),
+        Err(BankError::UnknownStore(_))
+    ));
+    assert!(matches!(
+        bank.abort(p.store_id),
+        Err(BankError::UnknownStore(_))
+    ));
+    // Every slot is usable by the next store.
+    let q = store_ready(&bank, None, &chain(60, 4));
+    assert_eq!(q.entries.len(), 4);
+    assert_eq!(bank.inventory().ready.len(), 4);
+}
+
+#[test]
+fn bank_full_names_the_quarantined_slots_and_when_they_return() {
+    let bank = bank(2, 4); // store timeout 30 s
+    let pinned = store_ready(&bank, None, &chain(0, 1));
+    let _pin = bank.pin_prefix(&[pinned.entries[0].0]).unwrap();
+    let p = bank.store(None, &chain(20, 2)).unwrap();
+    // Rank 0 neither acked nor failed: it may still be copying.
+    bank.fail(p.store_id, 1).unwrap();
+    let err = bank.store(None, &chain(40, 2)).unwrap_err();
+    match err {
+        BankError::BankFull {
+            needed: 2,
+            available: 1,
+            slot_count: 4,
+            pinned: 1,
+            pending: 0,
+            quarantined: 2,
+            quarantine_release_ms: Some(ms),
+        } => assert!(
+            (29_000..=30_000).contains(&ms),
+            "released one store timeout after the rollback, got {ms} ms"
+        ),
+        ref other => panic!("expected BankFull with 2 quarantined slots, got {other:?}"),
+    }
+    let text = err.to_string();
+    assert!(
+        text.contains(
+            "1 pinned, 0 pending in open stores, 2 quarantined after a rolled-back store"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("ms from now"), "{text}");
+    // Without a quarantine the message has no such part.
+    let small = common::bank(1, 1);
+    let _open = small.store(None, &chain(0, 1)).unwrap();
+    let text = small.store(None, &chain(40, 1)).unwrap_err().to_string();
+    assert!(
+        text.ends_with("(0 pinned, 1 pending in open stores)"),
+        "{text}"
+    );
+}
+
+#[test]
 fn timed_out_rank_rolls_the_store_back() {
     let l = layout(2);
     let mut cfg = BankConfig::new(
@@ -286,9 +377,21 @@ fn allocation_failure_on_a_later_rank_leaves_nothing_behind() {
         !std::path::Path::new(&format!("/dev/shm{}", names[0])).exists(),
         "rank 0 memory must be freed"
     );
-    // A real host allocation failure: an absurd size is refused by the OS.
+    // A real host allocation failure: an absurd size is refused by the OS,
+    // by the page reservation on a sized /dev/shm (ShmNoSpace), by `mmap`
+    // on one without a size limit (no reservation there).
     let e = HostShmMemory::create_unique("kvbank-test", 1 << 50).unwrap_err();
-    assert!(matches!(e, BankError::HostMemory { .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            BankError::ShmNoSpace {
+                field: "len",
+                bytes: 1_125_899_906_842_624,
+                ..
+            } | BankError::HostMemory { op: "mmap", .. }
+        ),
+        "{e}"
+    );
 }
 
 fn libc_enomem() -> i32 {

@@ -206,3 +206,36 @@ fn a_slot_rolled_back_mid_copy_is_not_reused_until_the_copy_ended() {
     let r = bank.store(None, &chain(300, 1)).unwrap();
     assert_eq!(r.entries[0].1, 0);
 }
+
+#[test]
+fn an_abort_mid_copy_frees_the_slot_only_when_the_copy_ended() {
+    let (bank, entered, release) = gated_bank(2, 0);
+    let p = bank.store(None, &chain(0, 2)).unwrap();
+    let n = bank.manifest().parts()[0].slot_bytes() as usize;
+    let writer = {
+        let (bank, id) = (bank.clone(), p.store_id);
+        std::thread::spawn(move || bank.write_pending(id, 0, 0, &vec![7u8; n]))
+    };
+    entered.recv_timeout(Duration::from_secs(10)).unwrap();
+    let b = bank.clone();
+    let id = p.store_id;
+    within(Duration::from_secs(3), move || b.abort(id))
+        .expect("abort blocked behind a running copy")
+        .unwrap();
+    // Slot 1 (not being written) is free at once, slot 0 is not: the copy
+    // into it still runs, and a new store there could be overwritten by it.
+    let inv = bank.inventory();
+    assert_eq!((inv.free_slots, inv.quarantined_slots), (1, 0));
+    assert!(matches!(
+        bank.store(None, &chain(100, 2)),
+        Err(BankError::BankFull { available: 1, .. })
+    ));
+    release.send(()).unwrap();
+    assert!(
+        matches!(writer.join().unwrap(), Err(BankError::UnknownStore(s)) if s == p.store_id),
+        "a copy whose store was aborted reports it"
+    );
+    assert_eq!(bank.inventory().free_slots, 2);
+    let q = bank.store(None, &chain(300, 2)).unwrap();
+    assert_eq!(q.entries.len(), 2);
+}

@@ -48,13 +48,24 @@ impl DonorBank {
     ///
     /// `store_timeout_s` bounds how long an open store (`store()` until every
     /// rank's `ack`) may hold its reserved slots before it is rolled back
-    /// (kv_bank's `BankConfig::store_timeout`, default 5 s).
+    /// (kv_bank's `BankConfig::store_timeout`, default 5 s). A store rolled
+    /// back by that timeout keeps its slots quarantined for one more
+    /// `store_timeout_s` (a rank may still be copying into them): a `store`
+    /// that needs them meanwhile raises `BankFailed` ("bank full") naming
+    /// the quarantined slots and when they return. `abort()` (and leaving a
+    /// `with` block) frees them at once.
+    ///
+    /// A host bank takes its `slots x tp_size x rank_block_bytes` bytes of
+    /// `/dev/shm` here, at creation (the pages are reserved, so a full
+    /// `/dev/shm` can never kill a later `write` with SIGBUS).
     ///
     /// Raises `BadArgument` naming `slots`, `lease_s`, `store_timeout_s` or
     /// `gpus` (also `slots` / `gpus[i]` for a negative int or one past
     /// u64 / u32), `CudaUnavailable`
     /// when `gpus` is given where no CUDA device is, `BankFailed` when the
-    /// segments or allocations cannot be created.
+    /// segments or allocations cannot be created (naming `slots`, the bytes
+    /// and the free space when `/dev/shm` cannot hold the bank; nothing is
+    /// left behind).
     #[new]
     #[pyo3(signature = (layout, slots, host_id = "kv-reuse-py", gpus = None, lease_s = 15.0, store_timeout_s = 5.0))]
     fn new(
@@ -383,17 +394,22 @@ impl PendingStore {
 
     /// Rolls the store back on every rank if it is still pending (not
     /// every rank acked): its blocks never become visible, no event is sent,
-    /// and its slots return to the bank (after one store timeout if a rank
-    /// may still be writing). Returns True when it rolled back, False when
-    /// the store had already completed, timed out or been rolled back.
-    /// Idempotent.
+    /// and its slots return to the bank at once (a `write` still copying
+    /// on another thread keeps its rows until it returns). Returns True when
+    /// it rolled back, False when the store had already completed, timed
+    /// out or been rolled back. Idempotent. A `PendingStore` dropped before
+    /// every rank acked is aborted the same way.
     fn abort(&self, py: Python<'_>) -> bool {
         if self.hashes.is_empty() {
             return false;
         }
-        // `fail` refuses a store that is no longer pending (UnknownStore):
-        // a completed store's blocks are never taken back.
-        py.allow_threads(|| self.bank.fail(self.store_id, 0).is_ok())
+        // Every write of a Python store goes through `write`, i.e. kv_bank's
+        // `write_pending*`, whose running copies the bank tracks: nothing
+        // can land in the slots later, so kv_bank's `abort` frees them now
+        // (its `fail` would quarantine them for a store timeout, for ranks
+        // that write by address). It refuses a store that is no longer
+        // pending (UnknownStore): a completed store is never taken back.
+        py.allow_threads(|| self.bank.abort(self.store_id).is_ok())
     }
 
     /// A context manager: leaving the `with` block without every rank's
@@ -407,6 +423,19 @@ impl PendingStore {
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
         self.abort(py);
         false
+    }
+}
+
+impl Drop for PendingStore {
+    /// A store nobody can finish any more (this object was its only handle)
+    /// gives its slots back now rather than at the store timeout, followed
+    /// by a quarantine. Only in the bank's process: a forked child's copy
+    /// of the bank is not its to change (and its lock may have been copied
+    /// held).
+    fn drop(&mut self) {
+        if !self.hashes.is_empty() && self.bank.creator().is_current() {
+            let _ = self.bank.abort(self.store_id);
+        }
     }
 }
 

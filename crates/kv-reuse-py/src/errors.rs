@@ -99,8 +99,29 @@ pub(crate) fn settings(e: SettingsError) -> PyErr {
     SettingsRefused::new_err(e.to_string())
 }
 
+/// A bank's refusal as `BankFailed`, in the words of the Python API where
+/// they differ from kv_bank's: a host bank too large for `/dev/shm` names
+/// `slots` (its budget, kv_bank's `budget_bytes`, is what `slots` made).
 pub(crate) fn bank(e: kv_bank::BankError) -> PyErr {
-    BankFailed::new_err(e.to_string())
+    match e {
+        kv_bank::BankError::ShmNoSpace {
+            field: "budget_bytes",
+            bytes,
+            free_bytes,
+        } => {
+            let free = free_bytes.map_or_else(
+                || "free space unknown".to_owned(),
+                |f| format!("{f} bytes free"),
+            );
+            BankFailed::new_err(format!(
+                "slots: the bank needs {bytes} bytes of host shared memory for its slots \
+                 (every TP rank's) and a page per rank for its lease, more than {dir} can \
+                 hold ({free}); lower `slots` or enlarge {dir} (docker: --shm-size)",
+                dir = kv_bank::SHM_DIR
+            ))
+        }
+        other => BankFailed::new_err(other.to_string()),
+    }
 }
 
 pub(crate) fn descriptor(e: kv_descriptor::DescriptorError) -> PyErr {

@@ -269,6 +269,21 @@ impl FetchJobs {
     }
 }
 
+impl Drop for FetchJobs {
+    fn drop(&mut self) {
+        // As in `submit`: a sender inherited from the parent of a fork is
+        // forgotten, not dropped (its channel's state was copied, possibly
+        // mid-operation by the parent's thread, which this process lacks).
+        let tx = self.tx.get_mut().unwrap_or_else(|e| e.into_inner());
+        if tx
+            .as_ref()
+            .is_some_and(|(started_by, _)| *started_by != std::process::id())
+        {
+            std::mem::forget(tx.take());
+        }
+    }
+}
+
 impl FetchJob {
     /// The handle of a job whose outcome arrives on `rx`, its life in
     /// `state` (shared with [`run_job`]), its delivery stopped by `cancel`.

@@ -81,8 +81,11 @@ impl BankManager {
     /// [`BankError::Closed`]; [`BankError::LeaseLost`] or
     /// [`BankError::LeaseExpired`] when the lease already lapsed or was
     /// revoked: a lapsed lease is never renewed, and the generation dies
-    /// (as by [`BankManager::close`] without waiting).
+    /// (as by [`BankManager::close`] without waiting);
+    /// [`BankError::NotCreator`] in a process forked from the creator (its
+    /// renewals would keep the bank importable after the creator died).
     pub fn renew_lease(&self) -> Result<LeaseStatus, BankError> {
+        self.require_creator("renew_lease")?;
         let mut st = self.shared.state.lock();
         self.enforce_lease_locked(&mut st)?;
         if st.phase != Phase::Open {

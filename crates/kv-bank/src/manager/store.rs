@@ -42,9 +42,11 @@ impl BankManager {
 
     /// Removes pending store `id`. Its slots are freed at once only when no
     /// rank can still be writing them (every rank acked or is the one that
-    /// failed, or the bank is closing); otherwise they are quarantined for one
+    /// failed, the bank is closing, or the caller aborted: every write went
+    /// through `write_pending*`); otherwise they are quarantined for one
     /// more store timeout, so a late copy of a slow rank can never land in a
-    /// slot that was handed to another store meanwhile.
+    /// slot that was handed to another store meanwhile. Either way a slot
+    /// with a `write_pending*` copy running is freed only when it ends.
     pub(super) fn rollback_locked(&self, st: &mut State, id: u64, why: Rollback) {
         let Some(p) = st.pending.remove(&id) else {
             return;
@@ -52,7 +54,7 @@ impl BankManager {
         let slots: Vec<u32> = p.entries.iter().map(|e| e.2).collect();
         st.stats.stores_rolled_back += 1;
         let quiet = match why {
-            Rollback::Closing => true,
+            Rollback::Closing | Rollback::Aborted => true,
             Rollback::Failed(rank) => (0u32..).zip(p.acked()).all(|(r, a)| a || r == rank),
             Rollback::TimedOut => p.acked().all(|a| a),
         };
@@ -78,12 +80,14 @@ impl BankManager {
     /// does not chain from its parent and token hash; [`BankError::BankFull`]
     /// when not enough slots are free or evictable; [`BankError::LeaseExpired`]
     /// or [`BankError::LeaseLost`] when the bank's lease lapsed (the generation
-    /// ends). On error nothing changed.
+    /// ends); [`BankError::NotCreator`] in a process forked from the
+    /// bank's creator. On error nothing changed.
     pub fn store(
         &self,
         parent: Option<SequenceHash>,
         blocks: &[StoredBlock],
     ) -> Result<PendingStore, BankError> {
+        self.require_creator("store")?;
         let mut prev = parent;
         for (index, b) in blocks.iter().enumerate() {
             let expected = chain_sequence_hash(prev, b.token_hash);
@@ -150,14 +154,28 @@ impl BankManager {
             .into_iter()
             .chain(blocks[..cut].iter().map(|b| b.sequence_hash))
             .collect();
-        let (slots, evicted) =
-            st.table
-                .allocate(store_id, &hashes, &protect)
-                .map_err(|available| BankError::BankFull {
+        let (slots, evicted) = match st.table.allocate(store_id, &hashes, &protect) {
+            Ok(allocated) => allocated,
+            Err(available) => {
+                let now = Instant::now();
+                return Err(BankError::BankFull {
                     needed: hashes.len(),
                     available,
                     slot_count: st.table.slot_count(),
-                })?;
+                    pinned: st.table.pinned_slots(),
+                    pending: st.pending.values().map(|p| p.entries.len()).sum(),
+                    quarantined: st.quarantine.iter().map(|(_, s)| s.len()).sum(),
+                    // Rounded up: "0 ms" would read as free already.
+                    quarantine_release_ms: st.quarantine.iter().map(|(at, _)| *at).min().map(
+                        |at| {
+                            at.saturating_duration_since(now)
+                                .as_nanos()
+                                .div_ceil(1_000_000) as u64
+                        },
+                    ),
+                });
+            }
+        };
         // Only now is the store certain: record the lineage and effects.
         lineage.mark(&excluded);
         st.stats.blocks_excluded += excluded.len() as u64;
@@ -226,7 +244,9 @@ impl BankManager {
     /// retained); [`BankError::BadRank`]; [`BankError::RankAcked`] when
     /// `rank` already acked the store (nothing is copied);
     /// [`BankError::InvalidArgument`] for `index` out of range or a wrong
-    /// byte count; the memory's copy error.
+    /// byte count; the memory's copy error; [`BankError::NotCreator`] in a
+    /// process forked from the bank's creator (its writes would land in the
+    /// creator's memory, unknown to the creator's slot table).
     pub fn write_pending(
         &self,
         store_id: u64,
@@ -289,6 +309,7 @@ impl BankManager {
         n: usize,
         copy: impl FnOnce(&RankBank, &[u32]) -> Result<Source, BankError>,
     ) -> Result<(), BankError> {
+        self.require_creator("write_pending")?;
         let (bank, slots, end) = {
             let mut st = self.shared.state.lock();
             let p = st
@@ -533,7 +554,9 @@ impl BankManager {
     /// ranks at once (never visible, no event). If another rank had neither
     /// acked nor failed, it may still be copying into the slots, so they stay
     /// quarantined for one more store timeout before reuse; the same holds for
-    /// a store that timed out.
+    /// a store that timed out. A caller whose ranks write only through
+    /// `write_pending*` rolls back with [`BankManager::abort`] instead, which
+    /// frees the slots at once.
     ///
     /// # Errors
     /// [`BankError::BadRank`]; [`BankError::UnknownStore`].
@@ -552,6 +575,31 @@ impl BankManager {
             "rank failed its store part; rolling back on all ranks"
         );
         self.rollback_locked(&mut st, store_id, Rollback::Failed(rank));
+        Ok(())
+    }
+
+    /// Rolls pending store `store_id` back on every rank (never visible, no
+    /// event) and frees its slots at once: the caller's word that every
+    /// rank wrote the store only through [`BankManager::write_pending`] /
+    /// [`BankManager::write_pending_from_device`], the writers the bank
+    /// tracks. A slot one of them is copying into right now is freed when
+    /// that copy ends (and the copy returns [`BankError::UnknownStore`]); a
+    /// later call of them is refused, so no byte lands in a reused slot.
+    ///
+    /// [`BankManager::fail`] is the call for ranks that may write otherwise
+    /// (a rank process copying into the slots by address): it quarantines
+    /// the slots for one more store timeout while a rank has neither acked
+    /// nor failed, which `abort` does not.
+    ///
+    /// # Errors
+    /// [`BankError::UnknownStore`] when the store is not pending (already
+    /// ready, rolled back, timed out, or never made).
+    pub fn abort(&self, store_id: u64) -> Result<(), BankError> {
+        let mut st = self.shared.state.lock();
+        if !st.pending.contains_key(&store_id) {
+            return Err(BankError::UnknownStore(store_id));
+        }
+        self.rollback_locked(&mut st, store_id, Rollback::Aborted);
         Ok(())
     }
 }

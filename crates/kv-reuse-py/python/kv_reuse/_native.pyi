@@ -148,7 +148,12 @@ class PendingStore:
         ``write`` succeeded for every row of ``rank``: the store stays pending
         and nothing is published; write and ack again, or ``abort``."""
     def abort(self) -> bool:
-        """Rolls the store back on every rank if not every rank acked; True when it did."""
+        """Rolls the store back on every rank if not every rank acked; True when it did.
+        Its slots return to the bank at once (a ``write`` still copying on another thread
+        keeps its rows until it returns). A store dropped unacked is aborted the same way;
+        one rolled back by ``store_timeout_s`` instead stays quarantined for one more
+        timeout (BankFailed "bank full" then names the quarantined slots and when they
+        return)."""
     def __enter__(self) -> "PendingStore": ...
     def __exit__(
         self,
@@ -187,7 +192,12 @@ class DonorBank:
     ) -> None:
         """``gpus``: one CUDA ordinal per TP rank (CUDA IPC bank); CudaUnavailable without CUDA.
         ``lease_s``: owner lease; a dead donor's segments are reclaimable after it.
-        ``store_timeout_s``: an open store not acked by every rank within it is rolled back."""
+        ``store_timeout_s``: an open store not acked by every rank within it is rolled back,
+        and its slots are quarantined for one more timeout (``abort()`` frees them at once).
+        A host bank reserves its ``slots x tp_size x rank_block_bytes`` bytes of /dev/shm
+        here: BankFailed naming ``slots`` (with the free space) when they do not fit.
+        A forked child inherits the bank but not its ownership: ``store`` / ``write`` there
+        raise BankFailed, and dropping it leaves the parent's segments alone."""
     @property
     def engine_id(self) -> str: ...
     @property

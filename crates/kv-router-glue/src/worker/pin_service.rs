@@ -260,6 +260,11 @@ pub struct PinService {
     shared: Arc<Shared>,
     accept: Option<JoinHandle<()>>,
     refuser: Option<JoinHandle<()>>,
+    /// The process that bound the endpoint and started the threads: a
+    /// forked child inherits this value but neither the threads nor the
+    /// socket file, so there stopping only forgets them
+    /// ([`PinService::shutdown`]).
+    creator: kv_bank::CreatorProcess,
 }
 
 impl std::fmt::Debug for PinService {
@@ -374,6 +379,7 @@ impl PinService {
             shared,
             accept: Some(accept),
             refuser: Some(refuser),
+            creator: kv_bank::CreatorProcess::current(),
         })
     }
 
@@ -432,12 +438,21 @@ impl PinService {
     /// once, pins still held get up to `drain` to be released by their
     /// targets, then every connection is closed (dropping its pins), every
     /// thread joined and the socket file removed. Returns the counters.
+    ///
+    /// In a process forked from the one that bound it (also when such a
+    /// child drops it) nothing of that happens: the service, its threads and
+    /// its socket file are the creator's, still serving there. The child
+    /// only forgets the thread handles it inherited.
     pub fn shutdown(mut self, drain: Duration) -> PinServiceStats {
         self.stop(drain);
         self.stats()
     }
 
     fn stop(&mut self, drain: Duration) {
+        if !self.creator.is_current() {
+            self.forget_inherited();
+            return;
+        }
         let Some(accept) = self.accept.take() else {
             return;
         };
@@ -467,6 +482,36 @@ impl PinService {
         }
         if let Some(p) = &s.path {
             let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+impl PinService {
+    /// A forked child's stop: joining the creator's threads would panic
+    /// (they do not exist here), waking them would poke the creator's
+    /// listener, and removing the socket file would cut the creator's
+    /// targets off. Their handles are forgotten instead, not dropped (a
+    /// dropped handle detaches a thread id that means nothing here).
+    fn forget_inherited(&mut self) {
+        for handle in [self.accept.take(), self.refuser.take()]
+            .into_iter()
+            .flatten()
+        {
+            let _ = self.creator.join_or_forget(handle);
+        }
+        // The connection map's lock was copied with the process and may
+        // have been held by a creator's thread then: only taken if free.
+        // Otherwise `Shared` is never dropped here, so its connection
+        // handles are not either.
+        match self.shared.conns.try_lock() {
+            Some(mut conns) => {
+                for (_, mut c) in conns.drain() {
+                    if let Some(h) = c.handle.take() {
+                        let _ = self.creator.join_or_forget(h);
+                    }
+                }
+            }
+            None => std::mem::forget(self.shared.clone()),
         }
     }
 }

@@ -1,0 +1,130 @@
+"""The donor's shared memory across fork and when a store is rolled back:
+a forked child that exits leaves the parent's segments, leases and pin
+socket alone (and does not panic), a bank too large for /dev/shm is refused
+up front naming ``slots``, and aborted or dropped stores give their slots
+back at once."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import kv_reuse
+from conftest import TOKENS_PER_BLOCK
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+@pytest.mark.parametrize("mode", ["exit", "del"])
+def test_a_forked_child_leaves_the_parents_donor_serving(mode, tmp_path):
+    """``exit``: the child of a donor simply exits (finalization drops the
+    inherited bank, pin server and target). ``del``: it deletes them. Either
+    way the parent's /dev/shm entries and socket stay, a fetch from it after
+    the child is gone returns every byte, and the child's drop raises
+    nothing (it used to unlink the segments and raise PanicException
+    ``threads should not terminate unexpectedly``)."""
+    sock = tmp_path / "pin.sock"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "fork_proc.py"), str(sock), mode],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "panicked" not in proc.stderr and "PanicException" not in proc.stderr, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["child_exit"] == 0
+    assert len(result["before"]) == 4, result  # 2 segments + 2 leases
+    assert result["after"] == result["before"], "the child's exit removed the parent's shm"
+    assert result["socket"], "the child's exit removed the parent's pin socket"
+    assert result["fetch"] is True, result["fetch"]
+    if mode == "del":
+        # A store in the child would write the parent's memory behind its slot table.
+        assert result["child"]["store"].startswith("`store` refused in process "), result["child"]
+        assert result["child"]["del"] == "ok", result["child"]
+
+
+def test_a_bank_larger_than_dev_shm_is_refused_naming_slots():
+    """The pages are reserved at creation: a bank that does not fit is
+    ``BankFailed`` naming ``slots`` here, never a SIGBUS at a later write,
+    and leaves no segment or lease behind."""
+    st = os.statvfs("/dev/shm")
+    if st.f_blocks == 0:
+        pytest.skip("/dev/shm has no size limit: nothing is refused up front")
+    size = st.f_blocks * st.f_frsize
+    layout = kv_reuse.Layout(32, 8, 128, "f32", 64, 2)  # 8 MiB per rank block
+    slots = size // layout.rank_block_bytes + 1  # each rank alone exceeds /dev/shm
+    mine = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(f"kvbank-{os.getpid()}-")]  # noqa: E731
+    before = mine()
+    with pytest.raises(kv_reuse.BankFailed) as e:
+        kv_reuse.DonorBank(layout, slots=slots)
+    msg = str(e.value)
+    assert msg.startswith("slots: the bank needs %d bytes of host shared memory for its slots" % (2 * slots * layout.rank_block_bytes)), msg
+    assert "bytes free" in msg and "/dev/shm" in msg, msg
+    assert mine() == before
+
+
+def refusal(call):
+    """The message of the ``BankFailed`` that ``call()`` raises."""
+    try:
+        call()
+    except kv_reuse.BankFailed as e:
+        return str(e)
+    raise AssertionError("BankFailed not raised")
+
+
+def blocks(layout, n):
+    return np.ones((n, layout.rank_block_elems), dtype=np.float32)
+
+
+def test_an_aborted_or_dropped_store_gives_its_slots_back_at_once(layout):
+    """With a 30 s store timeout a quarantine would hold the slots for 30 s:
+    ``abort()``, a ``with`` block left by an exception and a dropped store
+    free them at once (Python's ``write`` returned before any of them, so
+    nothing can still be copying)."""
+    bank = kv_reuse.DonorBank(layout, slots=4, store_timeout_s=30.0)
+    full = list(range(10**6, 10**6 + 4 * TOKENS_PER_BLOCK))
+
+    def store_all_four():
+        s = bank.store(full)
+        assert len(s.sequence_hashes) == 4
+        assert s.abort() is True
+
+    s = bank.store(list(range(2 * TOKENS_PER_BLOCK)))  # no write ran
+    assert s.abort() is True and s.abort() is False
+    store_all_four()
+    with pytest.raises(RuntimeError, match="engine failed"):
+        with bank.store(list(range(2 * TOKENS_PER_BLOCK))) as s:
+            s.write(0, blocks(layout, 2))  # one rank wrote, the other never will
+            raise RuntimeError("engine failed")
+    store_all_four()
+    s = bank.store(list(range(3 * TOKENS_PER_BLOCK)))
+    s.write(1, blocks(layout, 3))
+    del s  # nobody can ack it any more
+    store_all_four()
+    assert bank.stats["stores_rolled_back"] == 6
+    assert bank.stats["stores_ready"] == 0
+
+
+def test_a_timed_out_store_is_quarantined_and_the_error_says_until_when(layout):
+    """A store rolled back by ``store_timeout_s`` (a rank may still be
+    copying) keeps its slots for one more timeout: the refusal names them
+    as quarantined and when they return, not as pinned or pending."""
+    bank = kv_reuse.DonorBank(layout, slots=4, store_timeout_s=0.3)
+    late = bank.store(list(range(3 * TOKENS_PER_BLOCK)))
+    late.write(0, blocks(layout, 3))
+    time.sleep(0.4)
+    # The message only: an ExceptionInfo kept here would hold this frame
+    # (and the bank) in a reference cycle past the leak check.
+    msg = refusal(lambda: bank.store(list(range(10**6, 10**6 + 2 * TOKENS_PER_BLOCK))))
+    assert "0 pinned, 0 pending in open stores, 3 quarantined after a rolled-back store" in msg, msg
+    ms = int(msg.split("until ")[1].split(" ms from now")[0])
+    assert 0 < ms <= 300, msg
+    assert late.abort() is False  # already rolled back by the timeout
+    time.sleep(0.35)
+    s = bank.store(list(range(10**6, 10**6 + 4 * TOKENS_PER_BLOCK)))
+    assert len(s.sequence_hashes) == 4
+    s.abort()
