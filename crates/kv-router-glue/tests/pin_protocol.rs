@@ -725,3 +725,55 @@ fn bind_refuses_a_live_endpoint_and_replaces_a_stale_socket_file() {
     assert!(PinService::bind(bank.clone(), "tcp:1.2.3.4:5", PinServiceConfig::default()).is_err());
     svc.shutdown(Duration::ZERO);
 }
+
+/// A mistyped endpoint naming someone's file must not delete it (helper-22
+/// finding 3: `serve_pins("unix:.../config.yaml")` removed config.yaml).
+#[test]
+fn bind_refuses_a_path_holding_anything_but_a_socket_and_leaves_it_alone() {
+    let (_g, dir, bank, svc) = donor_service(2, PinServiceConfig::default());
+    let refused = |path: &Path, found: &str| {
+        let ep = format!("unix:{}", path.display());
+        let e = PinService::bind(bank.clone(), &ep, PinServiceConfig::default()).unwrap_err();
+        match &e {
+            PinServiceError::NotASocket {
+                endpoint,
+                path: p,
+                found: f,
+            } => {
+                assert_eq!(endpoint, &ep);
+                assert_eq!(p, path);
+                assert_eq!(*f, found);
+            }
+            other => panic!("{path:?}: expected NotASocket, got {other:?}"),
+        }
+        assert!(e.to_string().contains(&ep), "{e}");
+        assert!(e.to_string().contains(found), "{e}");
+    };
+    let file = dir.path().join("config.yaml");
+    std::fs::write(&file, b"keep: me\n").unwrap();
+    refused(&file, "regular file");
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep: me\n");
+    let sub = dir.path().join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    std::fs::write(sub.join("inner"), b"x").unwrap();
+    refused(&sub, "directory");
+    assert!(sub.join("inner").is_file());
+    // A symlink is not followed: neither the link nor its target (here a
+    // stale socket, which would be replaced if named directly) is removed.
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    let link = dir.path().join("link.sock");
+    std::os::unix::fs::symlink(&stale, &link).unwrap();
+    refused(&link, "symbolic link");
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert!(std::fs::symlink_metadata(&stale).is_ok());
+    // The stale socket itself is still replaced, and the new service serves.
+    let ep = format!("unix:{}", stale.display());
+    let replaced = PinService::bind(bank.clone(), &ep, PinServiceConfig::default()).unwrap();
+    assert!(UnixStream::connect(&stale).is_ok());
+    replaced.shutdown(Duration::ZERO);
+    svc.shutdown(Duration::ZERO);
+}

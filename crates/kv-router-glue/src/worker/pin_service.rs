@@ -160,6 +160,21 @@ pub enum PinServiceError {
         /// The endpoint.
         endpoint: String,
     },
+    /// Something other than a socket (a regular file, directory, symlink,
+    /// ...) is at the Unix endpoint's path. It is left untouched: only a
+    /// stale socket is ever replaced.
+    #[error(
+        "pin service endpoint {endpoint}: {path} is a {found}, not a socket; \
+         refusing to replace it (choose another path)"
+    )]
+    NotASocket {
+        /// The endpoint.
+        endpoint: String,
+        /// The path the endpoint names.
+        path: PathBuf,
+        /// What is there (`regular file`, `directory`, `symbolic link`, ...).
+        found: &'static str,
+    },
     /// A `tcp:` endpoint was given no key ([`PinService::bind_authenticated`]).
     #[error("pin service endpoint {endpoint}: TCP requires a pre-shared key (`auth_key`)")]
     AuthRequired {
@@ -282,11 +297,15 @@ impl PinService {
     /// [`UNIX_SOCKET_MODE`] (0600).
     ///
     /// A stale socket file at the path (one nobody accepts on) is replaced;
-    /// a live one is an error, so two donors never share an endpoint.
+    /// a live one is an error, so two donors never share an endpoint. Any
+    /// other file at the path (regular file, directory, symlink) is left
+    /// alone and refused.
     ///
     /// # Errors
     /// [`PinServiceError::Endpoint`] for a bad endpoint;
     /// [`PinServiceError::InUse`] for a path another service listens on;
+    /// [`PinServiceError::NotASocket`] for a path holding anything but a
+    /// socket;
     /// [`PinServiceError::AuthRequired`] for a `tcp:` endpoint (use
     /// [`PinService::bind_authenticated`]); [`PinServiceError::Socket`] when
     /// bind, chmod or the accept thread fails.

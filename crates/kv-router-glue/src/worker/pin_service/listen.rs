@@ -1,8 +1,9 @@
 //! Binding a [`PinService`] endpoint: a Unix socket made
 //! [`UNIX_SOCKET_MODE`], or a TCP port (only with a key).
 
+use std::fs::FileType;
 use std::net::TcpListener;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
 
 use crate::pin_transport::{tcp_wake_addr, PinEndpoint};
@@ -54,13 +55,29 @@ fn bind_unix(endpoint: &str, path: &PathBuf) -> Result<(PinListener, WakeAddr), 
         op,
         source,
     };
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(PinServiceError::InUse {
+    // `symlink_metadata`, not `exists()`: the path itself is checked, so a
+    // symlink is never followed to (and its target never removed).
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(sock_err("stat", e)),
+        Ok(meta) if meta.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(PinServiceError::InUse {
+                    endpoint: endpoint.to_owned(),
+                });
+            }
+            // Nobody accepts on it: a crashed donor's socket, safe to replace.
+            std::fs::remove_file(path).map_err(|e| sock_err("remove stale socket", e))?;
+        }
+        // Anything else is someone's data (a mistyped endpoint naming a
+        // config file, say): never removed, only refused.
+        Ok(meta) => {
+            return Err(PinServiceError::NotASocket {
                 endpoint: endpoint.to_owned(),
+                path: path.clone(),
+                found: file_kind(meta.file_type()),
             });
         }
-        std::fs::remove_file(path).map_err(|e| sock_err("remove stale socket", e))?;
     }
     let listener = UnixListener::bind(path).map_err(|e| sock_err("bind", e))?;
     let chmod = std::fs::set_permissions(path, std::fs::Permissions::from_mode(UNIX_SOCKET_MODE))
@@ -74,4 +91,22 @@ fn bind_unix(endpoint: &str, path: &PathBuf) -> Result<(PinListener, WakeAddr), 
         return Err(sock_err("chmod 0600", e));
     }
     Ok((PinListener::Unix(listener), WakeAddr::Unix(path.clone())))
+}
+
+/// What a non-socket file at a socket path is, for
+/// [`PinServiceError::NotASocket`].
+fn file_kind(t: FileType) -> &'static str {
+    if t.is_file() {
+        "regular file"
+    } else if t.is_dir() {
+        "directory"
+    } else if t.is_symlink() {
+        "symbolic link"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_block_device() || t.is_char_device() {
+        "device file"
+    } else {
+        "file that is not a socket"
+    }
 }
