@@ -36,6 +36,9 @@ const DL_CUDA_HOST: i32 = 3;
 const DL_UINT: u8 = 1;
 const DL_FLOAT: u8 = 2;
 const DL_BFLOAT: u8 = 4;
+/// `kDLFloat8_e4m3fn` (dlpack.h v1.1): torch's `float8_e4m3fn`, the E4M3
+/// format of vLLM's `fp8` KV cache and of the layout's `fp8_e4m3`.
+const DL_FLOAT8_E4M3FN: u8 = 10;
 
 /// Where a view's memory must live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,6 +102,9 @@ struct Raw {
     readonly: bool,
     dtype_ok: bool,
     dtype_name: String,
+    /// Read through DLPack: a dtype refusal then lists the DLPack types
+    /// accepted ([`dlpack_expected`]), not only the typestr.
+    dlpack: bool,
 }
 
 #[repr(C)]
@@ -143,14 +149,45 @@ pub(crate) fn typestr(dtype: DType) -> &'static str {
     }
 }
 
-/// True when DLPack dtype (code, bits) carries `dtype`'s bytes.
+/// True when DLPack dtype (code, bits) carries `dtype`'s bytes: the
+/// format itself, or the unsigned int of its width (the raw bytes, as the
+/// typestr has it).
 fn dlpack_dtype_ok(dtype: DType, code: u8, bits: u8) -> bool {
     match dtype {
         DType::F32 => (code, bits) == (DL_FLOAT, 32),
         DType::Fp16 => (code, bits) == (DL_FLOAT, 16),
         DType::Bf16 => (code, bits) == (DL_BFLOAT, 16) || (code, bits) == (DL_UINT, 16),
-        DType::Fp8E4m3 => (code, bits) == (DL_UINT, 8),
+        DType::Fp8E4m3 => (code, bits) == (DL_FLOAT8_E4M3FN, 8) || (code, bits) == (DL_UINT, 8),
     }
+}
+
+/// What a DLPack tensor for `dtype` may be, for a dtype refusal.
+fn dlpack_expected(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "<f4 (DLPack float32)",
+        DType::Fp16 => "<f2 (DLPack float16)",
+        DType::Bf16 => "<u2 (DLPack bfloat16 or uint16)",
+        DType::Fp8E4m3 => "|u1 (DLPack float8_e4m3fn or uint8)",
+    }
+}
+
+/// The torch / dlpack.h name of DLPack dtype (code, bits), when known.
+fn dlpack_type_name(code: u8, bits: u8) -> Option<String> {
+    let base = match code {
+        0 => "int",
+        1 => "uint",
+        2 => "float",
+        4 => "bfloat",
+        5 => "complex",
+        6 => return Some("bool".into()),
+        8 => return Some("float8_e4m3".into()),
+        10 => return Some("float8_e4m3fn".into()),
+        11 => return Some("float8_e4m3fnuz".into()),
+        12 => return Some("float8_e5m2".into()),
+        13 => return Some("float8_e5m2fnuz".into()),
+        _ => return None,
+    };
+    Some(format!("{base}{bits}"))
 }
 
 /// True when `obj` offers protocol attribute `name`. An attribute that
@@ -170,7 +207,12 @@ fn dlpack_device(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<Option<(i32
     if !has(obj, "__dlpack_device__")? {
         return Ok(None);
     }
-    let d = obj.call_method0("__dlpack_device__")?;
+    // An exporter that cannot say (torch raises ValueError for a `meta`
+    // tensor, which has no memory) is refused naming the argument, as a
+    // failing `__dlpack__()` is.
+    let d = obj
+        .call_method0("__dlpack_device__")
+        .map_err(|e| bad_argument(argument, format!("__dlpack_device__() failed: {e}")))?;
     let (t, id): (i32, i32) = d
         .extract()
         .map_err(|_| bad_argument(argument, "__dlpack_device__() is not (type, id)"))?;
@@ -220,6 +262,7 @@ fn interface(dict: &Bound<'_, PyAny>, argument: &str, proto: &str, dtype: DType)
         readonly,
         dtype_ok: norm(&ts) == norm(typestr(dtype)),
         dtype_name: ts,
+        dlpack: false,
     })
 }
 
@@ -402,9 +445,14 @@ impl<'py> ArrayView<'py> {
         dense: Dense,
     ) -> PyResult<(usize, Vec<isize>)> {
         if !raw.dtype_ok || raw.itemsize != dtype.size_bytes() {
+            let expected = if raw.dlpack {
+                dlpack_expected(dtype)
+            } else {
+                typestr(dtype)
+            };
             return Err(bad_argument(
                 argument,
-                format!("dtype {}, expected {}", raw.dtype_name, typestr(dtype)),
+                format!("dtype {}, expected {expected}", raw.dtype_name),
             ));
         }
         if let Some(shape) = shape {
@@ -652,9 +700,15 @@ fn read_dlpack<'py>(
         readonly: false,
         dtype_ok: t.dtype.lanes == 1 && dlpack_dtype_ok(dtype, t.dtype.code, t.dtype.bits),
         dtype_name: format!(
-            "dlpack(code={}, bits={}, lanes={})",
-            t.dtype.code, t.dtype.bits, t.dtype.lanes
+            "dlpack(code={}, bits={}, lanes={}){}",
+            t.dtype.code,
+            t.dtype.bits,
+            t.dtype.lanes,
+            dlpack_type_name(t.dtype.code, t.dtype.bits)
+                .map(|n| format!(" = {n}"))
+                .unwrap_or_default()
         ),
+        dlpack: true,
     };
     let device = (t.device.device_type, t.device.device_id);
     Ok((raw, cap, device))

@@ -11,11 +11,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use kv_descriptor::Wire;
-use kv_router_glue::{unix_now_ms, DirectoryPlane, DonorCache, NatsDirectory};
+use kv_router_glue::{unix_now_ms, DirectoryPlane, DonorCache, NatsDirectory, NatsPlane};
 
 use crate::errors::{descriptor, PublishFailed};
 use crate::nats_auth::NatsCredentials;
-use crate::nats_runtime::{runtime, seconds_in, within};
+use crate::nats_runtime::{check_bucket, check_nats_url, runtime, seconds_in, within};
 
 /// The donor directory as seen from a prefill worker (module docs).
 #[pyclass(frozen, module = "kv_reuse")]
@@ -48,23 +48,36 @@ impl DonorDirectory {
     /// record first, then each change). `timeout_s` bounds connecting.
     /// Releases the GIL while it connects.
     ///
+    /// `create` (keyword only, default False): a missing bucket is refused
+    /// (`BadArgument` naming `bucket`) instead of created. A reader that
+    /// created it on a mistyped name would watch an empty bucket no donor
+    /// writes, `manifest` answering None forever with no error; the router
+    /// and every `WorkerPublisher.donor` create the bucket when they start.
+    /// `create=True` creates an absent bucket (a prefill worker that may
+    /// start before any router or donor).
+    ///
     /// The NATS keywords (`**nats`, keyword only): `user` + `password`,
     /// `token` or `creds` (a `.creds` file) authenticate, `tls_ca` (PEM CA
     /// file) turns TLS on, `tls_cert` + `tls_key` present a client
     /// certificate: the target role of docs/nats-permissions.conf.
     ///
-    /// Raises `BadArgument` naming `timeout_s` or a credentials argument
-    /// (incomplete or mixed), `PublishFailed` when NATS or JetStream cannot
-    /// be reached or refuses the credentials.
+    /// Raises `BadArgument` naming `nats_url` (not a NATS URL), `bucket`
+    /// (not a key-value bucket name, or absent without `create=True`),
+    /// `timeout_s` or a credentials argument (incomplete or mixed),
+    /// `PublishFailed` when NATS or JetStream cannot be reached or refuses
+    /// the credentials.
     #[new]
-    #[pyo3(signature = (nats_url, bucket = "kv_donors", timeout_s = 5.0, **nats))]
+    #[pyo3(signature = (nats_url, bucket = "kv_donors", timeout_s = 5.0, *, create = false, **nats))]
     fn new(
         py: Python<'_>,
         nats_url: &str,
         bucket: &str,
         #[pyo3(from_py_with = "crate::errors::seconds")] timeout_s: f64,
+        create: bool,
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
+        check_nats_url(nats_url)?;
+        check_bucket(bucket)?;
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
         let options =
             NatsCredentials::from_kwargs(nats)?.options("kv-reuse-py-directory", timeout)?;
@@ -75,13 +88,18 @@ impl DonorDirectory {
         let running = py.allow_threads(|| {
             let rt = runtime("directory")?;
             let mut watch = rt.block_on(async {
-                // The bucket's max_age only matters if this creates it; the
-                // router and the donors create it with their own.
-                let dir = within(
-                    &url,
-                    timeout,
-                    NatsDirectory::connect_with(&url, options, &bucket, Duration::from_secs(30)),
-                )
+                let dir = within(&url, timeout, async {
+                    let nats = NatsPlane::connect(&url, options).await?;
+                    let client = nats.client().clone();
+                    if create {
+                        // The bucket's max_age only matters if this creates
+                        // it; the router and the donors create it with their own.
+                        NatsDirectory::from_client(client, &url, &bucket, Duration::from_secs(30))
+                            .await
+                    } else {
+                        NatsDirectory::open_existing(client, &url, &bucket).await
+                    }
+                })
                 .await?;
                 let watch = within(&url, timeout, dir.watch()).await?;
                 Ok::<_, PyErr>(watch)

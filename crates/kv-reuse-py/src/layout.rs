@@ -11,8 +11,12 @@ use crate::errors::{bad_argument, descriptor, uint};
 /// `dtype` is one of `"f32"`, `"fp16"`, `"bf16"`, `"fp8_e4m3"`. One TP rank's
 /// part of one KV block is `rank_block_bytes` bytes; numpy arrays for it have
 /// `rank_block_elems` elements of `typestr`.
-#[pyclass(frozen, module = "kv_reuse")]
-#[derive(Clone, Copy)]
+///
+/// A value: two layouts built from the same arguments are equal (`==`) and
+/// hash alike, so a layout can be compared with an engine's or used as a
+/// dict key.
+#[pyclass(frozen, eq, hash, module = "kv_reuse")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Layout {
     pub(crate) inner: KvLayout,
 }

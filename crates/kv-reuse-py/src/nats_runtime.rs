@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 
-use kv_router_glue::PlaneError;
+use kv_router_glue::{redact_url, PlaneError};
 
 use crate::errors::{bad_argument, PublishFailed};
 
@@ -57,7 +57,46 @@ pub(crate) fn runtime(what: &str) -> PyResult<tokio::runtime::Runtime> {
         .map_err(|e| PublishFailed::new_err(format!("{what}: tokio runtime: {e}")))
 }
 
-/// `f` within `timeout`, else `PublishFailed` naming `nats_url`.
+/// `BadArgument` naming `nats_url` when it is not a NATS server URL or a
+/// comma-separated list of them (empty, an `http://` scheme, no host):
+/// refused before connecting, so a malformed URL does not read as an
+/// unreachable server. Any password in it is shown as `***`.
+pub(crate) fn check_nats_url(url: &str) -> PyResult<()> {
+    kv_router_glue::nats_server_addrs(url)
+        .map(|_| ())
+        .map_err(|why| bad_argument("nats_url", format!("{:?}: {why}", redact_url(url))))
+}
+
+/// `BadArgument` naming `bucket` when NATS would refuse it as a key-value
+/// bucket name; checked before connecting, so it is not reported as a
+/// NATS failure.
+pub(crate) fn check_bucket(bucket: &str) -> PyResult<()> {
+    match kv_router_glue::bucket_name_problem(bucket) {
+        None => Ok(()),
+        Some(why) => Err(bad_argument("bucket", format!("{bucket:?}: {why}"))),
+    }
+}
+
+/// A NATS plane error as the Python exception: the caller's bucket name
+/// (refused, or absent where it may not be created) is `BadArgument`
+/// naming `bucket`; anything else `PublishFailed` naming `nats_url`.
+pub(crate) fn plane_error(url: &str, e: PlaneError) -> PyErr {
+    match e {
+        PlaneError::InvalidBucket { .. } => bad_argument("bucket", e),
+        PlaneError::NoSuchBucket { bucket } => bad_argument(
+            "bucket",
+            format!(
+                "key-value bucket {bucket:?} does not exist on the NATS server: no donor or \
+                 router created it (check the name against the donors' `bucket` and the \
+                 router's --directory-bucket, or pass create=True)"
+            ),
+        ),
+        other => PublishFailed::new_err(format!("nats_url {}: {other}", redact_url(url))),
+    }
+}
+
+/// `f` within `timeout`, else `PublishFailed` naming `nats_url` (errors
+/// as [`plane_error`]).
 pub(crate) async fn within<T>(
     url: &str,
     timeout: Duration,
@@ -65,9 +104,10 @@ pub(crate) async fn within<T>(
 ) -> PyResult<T> {
     match tokio::time::timeout(timeout, f).await {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(PublishFailed::new_err(format!("nats_url {url}: {e}"))),
+        Ok(Err(e)) => Err(plane_error(url, e)),
         Err(_) => Err(PublishFailed::new_err(format!(
-            "nats_url {url}: no answer within {timeout:?}"
+            "nats_url {}: no answer within {timeout:?}",
+            redact_url(url)
         ))),
     }
 }

@@ -42,7 +42,8 @@ use crate::errors::{bad_argument, bank, uint, uints, PinServiceFailed, PublishFa
 use crate::layout::Layout;
 use crate::nats_auth::NatsCredentials;
 use crate::nats_runtime::{
-    not_below_nats_floor, runtime, seconds_in, within, NATS_MAX_AGE_FLOOR_S,
+    check_bucket, check_nats_url, not_below_nats_floor, runtime, seconds_in, within,
+    NATS_MAX_AGE_FLOOR_S,
 };
 
 /// An agent refusal as the Python exception of its cause.
@@ -160,7 +161,8 @@ impl WorkerPublisher {
     /// socket path is relative: targets resolve it in other working
     /// directories), `slots`, `lease_s`, `record_ttl_s`,
     /// `store_timeout_s`, `announce_period_s`, `timeout_s`, `gpus`,
-    /// `gpu_uuids`, `worker_key`, `namespace`, `event_ring` (the ints
+    /// `gpu_uuids`, `worker_key`, `namespace`, `nats_url` (not a NATS URL),
+    /// `bucket` (not a key-value bucket name), `event_ring` (the ints
     /// also when negative or past u64 / u32), `user`, `password`, `token`
     /// or `creds` (incomplete or mixed credentials); `BankFailed` when the bank
     /// cannot open; `PinServiceFailed` when `pin_endpoint` cannot be bound;
@@ -188,6 +190,8 @@ impl WorkerPublisher {
         #[pyo3(from_py_with = "crate::errors::seconds")] timeout_s: f64,
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
+        check_nats_url(nats_url)?;
+        check_bucket(bucket)?;
         let slots = crate::donor::slot_count(slots)?;
         crate::donor::check_host_id(host_id)?;
         // Published in the donor's record for targets in other processes:
@@ -228,9 +232,11 @@ impl WorkerPublisher {
             }
         }
         let identities = gpu_identities(tp, host_id, gpu_uuids, gpus.as_deref())?;
+        // The namespace first: the event subject holds both, and a bad
+        // namespace must not be reported as a bad `worker_key`.
+        announce_subject(namespace).map_err(|e| bad_argument("namespace", e))?;
         let event_subject = Subject::new(namespace, worker_key, "kv_events")
             .map_err(|e| bad_argument("worker_key", e))?;
-        announce_subject(namespace).map_err(|e| bad_argument("namespace", e))?;
         let bytes = slots
             .checked_mul(u64::from(tp) * layout.inner.rank_block_bytes() as u64)
             .ok_or_else(|| bad_argument("slots", format!("{slots} slots overflow u64 bytes")))?;
@@ -327,7 +333,7 @@ impl WorkerPublisher {
     /// Credentials and TLS as for `donor` (the prefill role).
     ///
     /// Raises `BadArgument` naming `engine_id`, `worker_key`, `namespace`,
-    /// `gpus`, `gpu_uuids`, `announce_period_s`, `timeout_s` or a
+    /// `nats_url`, `gpus`, `gpu_uuids`, `announce_period_s`, `timeout_s` or a
     /// credentials argument;
     /// `PublishFailed` when NATS is unreachable or the first announcement
     /// is not sent.
@@ -348,6 +354,7 @@ impl WorkerPublisher {
         #[pyo3(from_py_with = "crate::errors::seconds")] timeout_s: f64,
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
+        check_nats_url(nats_url)?;
         crate::donor::check_host_id(host_id)?;
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
         let engine = crate::layout::engine_id(engine_id, "engine_id")?;

@@ -171,7 +171,9 @@ impl Router {
 
     /// Records a donor: its manifest (wire form), control endpoint and the
     /// slot of each block it holds (`{sequence_hash: slot}`), replacing any
-    /// earlier report.
+    /// earlier report of that donor whole: `slots` must map every block the
+    /// donor holds (merge each store's slots into one dict), not the last
+    /// store's only, or the blocks left out are refused as no longer held.
     ///
     /// Raises `DescriptorRefused` for a manifest that does not decode,
     /// `BadArgument` naming `endpoint` (not a pin endpoint that parses:

@@ -92,7 +92,8 @@ impl RouterClient {
     /// connecting.
     ///
     /// Raises `RouterUnavailable` when the server cannot be reached,
-    /// `BadArgument` naming a bad argument.
+    /// `BadArgument` naming a bad argument (`nats_url` when it is not a
+    /// NATS URL: empty, another scheme, no host).
     #[new]
     #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = ADVISE_SUBJECT, *, busy_poll_us = None, **nats))]
     fn new(
@@ -103,6 +104,8 @@ impl RouterClient {
         busy_poll_us: Option<&Bound<'_, PyAny>>,
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
+        // A malformed URL is the caller's argument, not an unreachable router.
+        crate::nats_runtime::check_nats_url(nats_url)?;
         let timeout = seconds("timeout_s", timeout_s)?;
         let busy_poll: u64 = match busy_poll_us {
             Some(v) => uint("busy_poll_us", v)?,
@@ -151,7 +154,9 @@ impl RouterClient {
     /// message names the field or the cause: unknown target, draining),
     /// `RouterUnavailable` when no replica answered within `timeout_s` (or
     /// none listens), `DescriptorRefused` for a reply that does not decode,
-    /// `BadArgument` naming `sequence_hashes[i]` (negative, past u64).
+    /// `BadArgument` naming `sequence_hashes[i]` (negative, past u64) or
+    /// `sequence_hashes` when it is empty (refused before sending: a prompt
+    /// of no block has nothing to reuse).
     fn advise(
         &self,
         py: Python<'_>,
@@ -160,6 +165,12 @@ impl RouterClient {
         target: &str,
     ) -> PyResult<Advice> {
         let hashes = uints::<u64>("sequence_hashes", sequence_hashes)?;
+        if hashes.is_empty() {
+            return Err(bad_argument(
+                "sequence_hashes",
+                "is empty: a prompt with no sealed block has nothing to reuse",
+            ));
+        }
         let keys = AdviseKeys::SequenceHashes(hashes.into_iter().map(SequenceHash).collect());
         self.ask(py, request_id, keys, target)
     }
@@ -169,7 +180,9 @@ impl RouterClient {
     /// a partial tail block is ignored). Raises as `advise`; `AdviseRefused`
     /// names `tokens_per_block` when it is 0 and `token_ids` when there are
     /// more than the service takes; `BadArgument` names `token_ids[i]` or
-    /// `tokens_per_block` when negative or past u32.
+    /// `tokens_per_block` when negative or past u32, and `token_ids` when
+    /// they fill no whole block (refused before sending, as `advise`
+    /// refuses empty `sequence_hashes`).
     fn advise_tokens(
         &self,
         py: Python<'_>,
@@ -178,9 +191,21 @@ impl RouterClient {
         tokens_per_block: &Bound<'_, PyAny>,
         target: &str,
     ) -> PyResult<Advice> {
+        let token_ids: Vec<u32> = uints("token_ids", token_ids)?;
+        let tokens_per_block: u32 = uint("tokens_per_block", tokens_per_block)?;
+        // 0 is left to the request's own check (`AdviseRefused` naming it).
+        if tokens_per_block > 0 && token_ids.len() < tokens_per_block as usize {
+            return Err(bad_argument(
+                "token_ids",
+                format!(
+                    "{} tokens fill no block of {tokens_per_block}: nothing to reuse",
+                    token_ids.len()
+                ),
+            ));
+        }
         let keys = AdviseKeys::Tokens {
-            token_ids: uints("token_ids", token_ids)?,
-            tokens_per_block: uint("tokens_per_block", tokens_per_block)?,
+            token_ids,
+            tokens_per_block,
         };
         self.ask(py, request_id, keys, target)
     }

@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -60,6 +61,8 @@ struct PreparedFetch {
     endpoint: String,
     pin_timeout: Duration,
     control: DeliveryControl,
+    /// What the `donor_alive` probe raised, if it did (its `__cause__`).
+    probe_error: Option<ProbeError>,
     /// Ends the fetch's `StreamGate` when the fetch is done (dropped).
     _gate_end: Option<crate::stream_gate::GateEnd>,
 }
@@ -300,7 +303,8 @@ impl Target {
     /// donor is gone (its process exited, its lease lapsed); it is called
     /// (with the GIL) before the first byte and after the last one, so bytes
     /// read from a donor that died meanwhile are never reported complete. A
-    /// probe that raises counts as a dead donor. `pin_timeout_s` bounds each
+    /// probe that raises (or returns a non-bool) counts as a dead donor; its
+    /// exception is the `__cause__` of the `FetchFellBack`. `pin_timeout_s` bounds each
     /// exchange with the donor's pin service (default 2 s).
     ///
     /// `dst_blocks`, when given, are the engine's block ids (rows of
@@ -559,8 +563,9 @@ impl Target {
                 Some(g.arm(gpus, from, blocks)?)
             }
         };
+        let (probe, probe_error) = donor_alive.map(python_probe).unzip();
         let control = DeliveryControl {
-            donor_alive: donor_alive.map(python_probe),
+            donor_alive: probe,
             consumer,
             ..DeliveryControl::default()
         };
@@ -573,6 +578,7 @@ impl Target {
             endpoint,
             pin_timeout,
             control,
+            probe_error,
             _gate_end: gate_end,
         })
     }
@@ -588,6 +594,7 @@ impl Target {
             endpoint,
             pin_timeout,
             control,
+            probe_error,
             _gate_end,
         } = p;
         let out = (|| {
@@ -630,7 +637,8 @@ impl Target {
             result
                 .map(|out| (out, import_us, micros(started.elapsed())))
                 .map_err(fetch)
-        })()?;
+        })()
+        .map_err(|e| with_probe_cause(e, probe_error.as_ref()))?;
         let (out, import_us, total_us) = out;
         Ok(FetchOutcome {
             rows: out.target_blocks.to_vec(),
@@ -775,16 +783,50 @@ fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
+/// The first exception a `donor_alive` probe raised during one fetch,
+/// chained as the `__cause__` of the error that fetch raises.
+type ProbeError = Arc<Mutex<Option<PyErr>>>;
+
 /// A Python callable as the delivery's liveness probe. The delivery runs
 /// without the GIL, so the probe takes it for each call; an exception or a
-/// non-bool result counts as "donor gone" (fail closed: recompute).
-fn python_probe(probe: Py<PyAny>) -> LivenessProbe {
-    Arc::new(move || {
+/// non-bool result counts as "donor gone" (fail closed: recompute). The
+/// exception is kept in the returned slot: a buggy probe must not pass for
+/// a dead donor without a trace ([`with_probe_cause`]).
+fn python_probe(probe: Py<PyAny>) -> (LivenessProbe, ProbeError) {
+    let raised: ProbeError = Arc::default();
+    let slot = raised.clone();
+    let live = Arc::new(move || {
         Python::with_gil(|py| {
-            probe
-                .call0(py)
-                .and_then(|v| v.extract::<bool>(py))
-                .unwrap_or(false)
+            match probe.call0(py).and_then(|v| {
+                v.extract::<bool>(py).map_err(|_| {
+                    let shown = v
+                        .bind(py)
+                        .repr()
+                        .map(|r| r.to_string())
+                        .unwrap_or_else(|_| "a value".into());
+                    PyTypeError::new_err(format!("donor_alive returned {shown}, not a bool"))
+                })
+            }) {
+                Ok(alive) => alive,
+                Err(e) => {
+                    slot.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get_or_insert(e);
+                    false
+                }
+            }
         })
-    })
+    });
+    (live, raised)
+}
+
+/// `e` with the probe's exception (if it raised) as its `__cause__`, so the
+/// fallback's traceback shows the probe's own error. Takes the GIL only
+/// when there is one (the probe took it anyway).
+fn with_probe_cause(e: PyErr, raised: Option<&ProbeError>) -> PyErr {
+    let cause = raised.and_then(|r| r.lock().unwrap_or_else(|p| p.into_inner()).take());
+    if let Some(cause) = cause {
+        Python::with_gil(|py| e.set_cause(py, Some(cause)));
+    }
+    e
 }

@@ -541,3 +541,73 @@ def test_an_ack_without_writes_is_refused_and_never_publishes_the_evicted_blocks
             for r in range(layout.tp_size):
                 for block, row in enumerate(out.rows):
                     assert caches[r][row].tobytes() == rows_for(layout, r, [block])[0].tobytes(), (r, block)
+
+
+def test_layouts_are_values_equal_and_hashed_by_their_arguments():
+    a = kv_reuse.Layout(2, 2, 8, "f32", 64, 2)
+    b = kv_reuse.Layout(2, 2, 8, "float32", 64, 2)  # the same dtype by its other name
+    assert a == b and not (a != b) and hash(a) == hash(b)
+    assert len({a, b}) == 1 and {a: "x"}[b] == "x"
+    for other in (kv_reuse.Layout(2, 2, 8, "f32", 64, 1), kv_reuse.Layout(2, 2, 8, "bf16", 64, 2),
+                  kv_reuse.Layout(3, 2, 8, "f32", 64, 2), kv_reuse.Layout(2, 2, 8, "f32", 32, 2)):
+        assert a != other and not (a == other)
+    assert a != "Layout(2, 2, 8, 'f32', 64, 2)" and a != None  # noqa: E711
+
+
+def test_serve_pins_never_removes_a_file_that_is_not_a_socket(layout, tmp_path):
+    # A mistyped endpoint naming someone's file deleted it (helper-22 finding 3).
+    bank = kv_reuse.DonorBank(layout, slots=2)
+    config = tmp_path / "config.yaml"
+    config.write_text("keep: me\n")
+    sub = tmp_path / "dir"
+    sub.mkdir()
+    link = tmp_path / "link.sock"
+    link.symlink_to(config)
+    for path, found in ((config, "regular file"), (sub, "directory"), (link, "symbolic link")):
+        endpoint = f"unix:{path}"
+        why = f"pin service endpoint {endpoint}: {path} is a {found}, not a socket; refusing to replace it"
+        with pytest.raises(kv_reuse.PinServiceFailed, match=re.escape(why)):
+            bank.serve_pins(endpoint)
+    assert config.read_text() == "keep: me\n" and sub.is_dir() and link.is_symlink()
+    # A stale socket (nobody accepts on it) is still replaced.
+    import socket
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale))
+    s.close()
+    with bank.serve_pins(f"unix:{stale}") as server:
+        assert server.endpoint == f"unix:{stale}"
+        probe = socket.socket(socket.AF_UNIX)
+        probe.connect(str(stale))
+        probe.close()
+
+
+def test_nats_urls_buckets_and_namespaces_are_refused_naming_them_before_connecting(layout):
+    # Each was a RouterUnavailable / PublishFailed, or named another argument.
+    url, uuid = "nats://127.0.0.1:1", "00000000-0000-4000-8000-000000000001"
+    for bad, why in (("", "is empty"), ("http://x", "")):
+        with pytest.raises(kv_reuse.BadArgument, match="^nats_url: " + re.escape(f'"{bad}": {why}')):
+            kv_reuse.RouterClient(bad)
+        with pytest.raises(kv_reuse.BadArgument, match="^nats_url: "):
+            kv_reuse.DonorDirectory(bad)
+        with pytest.raises(kv_reuse.BadArgument, match="^nats_url: "):
+            kv_reuse.WorkerPublisher.target(bad, "p", layout, uuid)
+        with pytest.raises(kv_reuse.BadArgument, match="^nats_url: "):
+            kv_reuse.WorkerPublisher.donor(bad, "d", layout, 4, "unix:/tmp/x.sock")
+    # A password in a refused URL is not echoed.
+    with pytest.raises(kv_reuse.BadArgument, match=r'^nats_url: "http://u:\*\*\*@x"') as info:
+        kv_reuse.RouterClient("http://u:s3cret@x")
+    assert "s3cret" not in str(info.value)
+    del info
+    with pytest.raises(kv_reuse.BadArgument, match=r'^namespace: invalid subject `namespace` token "a\.b"'):
+        kv_reuse.WorkerPublisher.donor(url, "d", layout, 4, "unix:/tmp/x.sock", namespace="a.b")
+    with pytest.raises(kv_reuse.BadArgument, match=r'^namespace: invalid subject `namespace` token "a\.b"'):
+        kv_reuse.WorkerPublisher.target(url, "p", layout, uuid, namespace="a.b")
+    with pytest.raises(kv_reuse.BadArgument, match=r'^worker_key: invalid subject `component` token "d\.x"'):
+        kv_reuse.WorkerPublisher.donor(url, "d.x", layout, 4, "unix:/tmp/x.sock")
+    only = "may hold only ASCII letters, digits, `_` and `-`"
+    for bucket, why in (("a.b", only), ("a b", only), ("", "is empty")):
+        with pytest.raises(kv_reuse.BadArgument, match="^bucket: " + re.escape(f'"{bucket}": {why}') + "$"):
+            kv_reuse.WorkerPublisher.donor(url, "d", layout, 4, "unix:/tmp/x.sock", bucket=bucket)
+        with pytest.raises(kv_reuse.BadArgument, match="^bucket: " + re.escape(f'"{bucket}": {why}') + "$"):
+            kv_reuse.DonorDirectory(url, bucket=bucket)

@@ -3,6 +3,8 @@ __cuda_array_interface__ objects as bank sources and fetch destinations,
 and their refusals naming the argument (dtype, shape, strides, contiguity,
 read-only, device, CPU vs GPU path)."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -36,6 +38,40 @@ class DlpackOnly:
 
     def __dlpack_device__(self):
         return self._arr.__dlpack_device__()
+
+
+class RecodedDlpack:
+    """A numpy array exported through DLPack with the capsule's dtype code
+    rewritten: how torch exports its float8 types (dlpack.h v1.1 codes:
+    10 float8_e4m3fn, 12 float8_e5m2), testable without torch. The bytes
+    are the array's own; only the declared type changes."""
+
+    def __init__(self, arr, code):
+        self._arr, self._code = arr, code
+
+    def __dlpack__(self, stream=None):
+        import ctypes
+        capsule = self._arr.__dlpack__()
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        # DLTensor: data (8 bytes), device (2 x i32), ndim (i32), then
+        # dtype {code: u8, bits: u8, lanes: u16} at byte 20.
+        ctypes.c_uint8.from_address(get(capsule, b"dltensor") + 20).value = self._code
+        return capsule
+
+    def __dlpack_device__(self):
+        return self._arr.__dlpack_device__()
+
+
+class MetaLike:
+    """What torch's ``meta`` tensor does: ``__dlpack_device__`` raises
+    ValueError (it has no memory to export)."""
+
+    def __dlpack__(self, stream=None):
+        raise BufferError("no data")
+
+    def __dlpack_device__(self):
+        raise ValueError("Unknown device type meta for Dlpack")
 
 
 def store_of(layout, n=2):
@@ -194,3 +230,83 @@ def test_the_gpu_path_without_a_driver_raises_cuda_unavailable(layout):
         kv_reuse.DonorBank(layout, slots=2, gpus=[0, 0])
     with pytest.raises(kv_reuse.BadArgument, match="gpus: 1 ordinals"):
         kv_reuse.DonorBank(layout, slots=2, gpus=[0])
+
+
+def fp8_layout():
+    return kv_reuse.Layout(2, 2, 8, "fp8_e4m3", TOKENS_PER_BLOCK, 2)
+
+
+def test_a_float8_e4m3fn_dlpack_source_is_stored_byte_for_byte(enabled, tmp_path):
+    # torch.float8_e4m3fn through DLPack (vLLM's fp8 KV cache) was refused as
+    # `dlpack(code=10, ...)`: it is the layout's own format, taken as bf16 is.
+    layout = fp8_layout()
+    bank, store = store_of(layout, BLOCKS)
+    n = layout.rank_block_elems
+    rows = [((np.arange(BLOCKS * n) * 7 + 13 * r) % 251).astype(np.uint8).reshape(BLOCKS, n)
+            for r in range(layout.tp_size)]
+    for r in range(layout.tp_size):
+        store.write(r, RecodedDlpack(rows[r], 10))
+        store.ack(r)
+    hashes = store.sequence_hashes
+    endpoint = "unix:" + str(tmp_path / "pin.sock")
+    # The destinations are float8_e4m3fn through DLPack too.
+    caches = [np.zeros((8, n), dtype=np.uint8) for _ in range(layout.tp_size)]
+    with bank.serve_pins(endpoint):
+        target = kv_reuse.Target(layout, rows=8, kv_caches=[RecodedDlpack(c, 10) for c in caches])
+        router = router_for_bank(bank, endpoint, hashes, layout, enabled, target)
+        advice = router.advise("req-fp8", hashes, target.engine_id)
+        assert advice.admitted, advice.verdict
+        with target.fetch(advice.hint, hashes, bank.manifest()) as out:
+            assert len(out.rows) == BLOCKS
+            for r in range(layout.tp_size):
+                for block, row in enumerate(out.rows):
+                    assert caches[r][row].tobytes() == rows[r][block].tobytes()
+
+
+def test_dtype_refusals_through_dlpack_list_what_dlpack_may_carry(layout):
+    # Another FP8 format is not the layout's (its bytes mean other numbers):
+    # refused, saying which DLPack types are taken.
+    _bank, store = store_of(fp8_layout())
+    n = fp8_layout().rank_block_elems
+    e5m2 = RecodedDlpack(np.zeros((2, n), dtype=np.uint8), 12)
+    with pytest.raises(kv_reuse.BadArgument, match=re.escape(
+            "blocks: dtype dlpack(code=12, bits=8, lanes=1) = float8_e5m2, "
+            "expected |u1 (DLPack float8_e4m3fn or uint8)")):
+        store.write(0, e5m2)
+    # On an f32 layout a float8 tensor is refused the same way.
+    _bank, store = store_of(layout)
+    n = layout.rank_block_elems
+    with pytest.raises(kv_reuse.BadArgument, match=re.escape(
+            "blocks: dtype dlpack(code=10, bits=8, lanes=1) = float8_e4m3fn, expected <f4 (DLPack float32)")):
+        store.write(0, RecodedDlpack(np.zeros((2, n), dtype=np.uint8), 10))
+    # numpy's typestr path still names the typestr alone.
+    with pytest.raises(kv_reuse.BadArgument, match=r"^blocks: dtype \|u1, expected <f4$"):
+        store.write(0, np.zeros((2, n), dtype=np.uint8))
+
+
+def test_an_exporter_that_cannot_name_its_device_is_refused_naming_the_argument(layout):
+    # torch's `meta` tensor raised its own ValueError through the call.
+    _bank, store = store_of(layout)
+    why = r"__dlpack_device__\(\) failed: ValueError: Unknown device type meta for Dlpack"
+    with pytest.raises(kv_reuse.BadArgument, match=r"^blocks: " + why):
+        store.write(0, MetaLike())
+    ok = np.zeros((4, layout.rank_block_elems), dtype=np.float32)
+    with pytest.raises(kv_reuse.BadArgument, match=r"^kv_caches\[1\]: " + why):
+        kv_reuse.Target(layout, rows=4, kv_caches=[ok, MetaLike()])
+
+
+def test_torch_float8_and_meta_tensors(layout):
+    """The same with torch itself (skipped without torch)."""
+    torch = pytest.importorskip("torch")
+    fp8 = fp8_layout()
+    n = fp8.rank_block_elems
+    bank, store = store_of(fp8)
+    rows = torch.arange(2 * n, dtype=torch.uint8).reshape(2, n)
+    store.write(0, rows.view(torch.float8_e4m3fn))
+    store.write(1, rows)
+    assert [store.ack(r) for r in range(2)] == [False, True]
+    with pytest.raises(kv_reuse.BadArgument, match=r"float8_e5m2, expected \|u1 \(DLPack float8_e4m3fn or uint8\)"):
+        bank.store(list(range(TOKENS_PER_BLOCK * 3))).write(0, torch.zeros((1, n), dtype=torch.float8_e5m2))
+    _bank, store = store_of(layout)
+    with pytest.raises(kv_reuse.BadArgument, match=r"^blocks: __dlpack_device__\(\) failed: ValueError"):
+        store.write(0, torch.zeros((2, layout.rank_block_elems), dtype=torch.float32, device="meta"))

@@ -225,7 +225,8 @@ def test_a_server_that_authenticates_takes_the_roles_credentials_only(layout, tm
         with pytest.raises(kv_reuse.PublishFailed, match=r"nats_url"):
             kv_reuse.WorkerPublisher.target(server.url, "p", layout, uuid, timeout_s=2.0,
                                             user="worker", password="wrong")
-        with kv_reuse.DonorDirectory(server.url, timeout_s=5.0, user="worker", password="s3cret") as d:
+        with kv_reuse.DonorDirectory(server.url, timeout_s=5.0, create=True, user="worker",
+                                     password="s3cret") as d:
             assert d.manifest(uuid) is None
             # The donor's one connection carries its record (directory), events and announcements.
             donor = kv_reuse.WorkerPublisher.donor(server.url, "d-auth", layout, 4, f"unix:{tmp_path}/pins.sock",
@@ -459,7 +460,7 @@ def test_over_mutual_tls_the_router_admits_a_python_donor_and_a_client_without_a
 
 def test_a_closed_directory_refuses_instead_of_answering_from_a_stale_cache(nats):
     engine = "00000000-0000-4000-8000-0000000000aa"
-    directory = kv_reuse.DonorDirectory(nats.url, bucket="kv_closed")
+    directory = kv_reuse.DonorDirectory(nats.url, bucket="kv_closed", create=True)
     assert directory.manifest(engine) is None and directory.donors == 0
     directory.close()
     with pytest.raises(kv_reuse.PublishFailed, match="closed"):
@@ -487,3 +488,24 @@ def test_one_client_and_one_publisher_serve_several_threads_at_once(nats, router
     assert counts["prefix"] == 160 and counts["ticks"] == 40, counts
     assert set(counts["after_close"]) <= {"AdviseRefused", "RouterUnavailable"}, counts
     assert counts["connected_after_close"] is False, counts
+
+
+def test_a_directory_refuses_a_bucket_nothing_created_unless_asked_to_create_it(nats, layout, tmp_path):
+    # A typo in `bucket` created an empty bucket and manifest() answered None
+    # forever (helper-22 finding 10): now it is refused naming `bucket`, and
+    # the refusal creates nothing (a second reader is refused too).
+    why = r'^bucket: key-value bucket "kv_typo" does not exist on the NATS server: no donor or router created it'
+    for _ in range(2):
+        with pytest.raises(kv_reuse.BadArgument, match=why):
+            kv_reuse.DonorDirectory(nats.url, bucket="kv_typo")
+    # create=True makes it (a prefill worker up before any router or donor);
+    # a strict reader then opens it.
+    with kv_reuse.DonorDirectory(nats.url, bucket="kv_typo", create=True) as made:
+        assert made.donors == 0
+    with kv_reuse.DonorDirectory(nats.url, bucket="kv_typo") as strict:
+        assert strict.donors == 0
+    # A bucket a donor created is opened by a strict reader and shows its record.
+    endpoint = "unix:" + str(tmp_path / "pin.sock")
+    with kv_reuse.WorkerPublisher.donor(nats.url, "d-strict", layout, 4, endpoint, bucket="kv_real") as pub, \
+            kv_reuse.DonorDirectory(nats.url, bucket="kv_real") as directory:
+        assert directory.manifest(pub.bank.engine_id, wait_s=5.0) == pub.bank.manifest()

@@ -464,9 +464,24 @@ def test_a_raising_or_non_bool_probe_counts_as_a_dead_donor(donor, layout, enabl
     def raising():
         raise RuntimeError("probe broke")
 
-    for probe in (raising, lambda: "yes"):
-        with pytest.raises(kv_reuse.FetchFellBack, match="DonorUnreachable|liveness"):
-            target.fetch(advice.hint, report["hashes"], manifest, donor_alive=probe)
+    # Still a fallback (fail closed), but the probe's own error is the
+    # fallback's __cause__: a buggy probe must not pass for a dead donor
+    # without a trace. Through fetch and through fetch_async's job alike.
+    cases = ((raising, RuntimeError, "probe broke"),
+             (lambda: "yes", TypeError, "donor_alive returned 'yes', not a bool"))
+    for probe, kind, text in cases:
+        for run in (lambda p: target.fetch(advice.hint, report["hashes"], manifest, donor_alive=p),
+                    lambda p: target.fetch_async(advice.hint, report["hashes"], manifest,
+                                                 donor_alive=p).result()):
+            with pytest.raises(kv_reuse.FetchFellBack, match="DonorUnreachable|liveness") as info:
+                run(probe)
+            cause = info.value.__cause__
+            assert type(cause) is kind and str(cause) == text, repr(cause)
+            # The tracebacks hold this frame (and the target) past the leak check.
+            del info, cause
+    # A probe that answers True raises nothing and chains nothing.
+    with target.fetch(advice.hint, report["hashes"], manifest, donor_alive=lambda: True) as out:
+        assert out.fetched == report["hashes"]
     with pytest.raises(kv_reuse.BadArgument, match="donor_alive: is not callable"):
         target.fetch(advice.hint, report["hashes"], manifest, donor_alive=3)
     with pytest.raises(kv_reuse.BadArgument, match="pin_timeout_s"):

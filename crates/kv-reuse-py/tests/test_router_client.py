@@ -76,6 +76,30 @@ def test_a_refusal_from_the_service_raises_advise_refused(nats):
     assert b"req-drain" in replica.requests[0] and b"sequence_hashes" in replica.requests[0]
 
 
+def test_a_prompt_of_no_block_is_refused_before_sending(nats):
+    # docs/python.md: RouterClient refuses an empty field before sending.
+    # Empty sequence_hashes went out and came back as a NoDonor verdict (or
+    # `unknown target engine`), naming nothing the caller passed.
+    reply = msgpack({"request_id": "req-ok", "result": {"refused": "draining"}})
+    replica = Replier(nats.url, "kv_reuse.advise", lambda _: reply)
+    replica.start()
+    try:
+        with kv_reuse.RouterClient(nats.url) as client:
+            with pytest.raises(kv_reuse.BadArgument, match=r"^sequence_hashes: is empty"):
+                client.advise("req-empty", [], TARGET)
+            with pytest.raises(kv_reuse.BadArgument, match=r"^token_ids: 15 tokens fill no block of 16"):
+                client.advise_tokens("req-short", list(range(15)), 16, TARGET)
+            with pytest.raises(kv_reuse.BadArgument, match=r"^token_ids: 0 tokens fill no block of 16"):
+                client.advise_tokens("req-short", [], 16, TARGET)
+            # One block is enough to be sent (the replica answers draining).
+            with pytest.raises(kv_reuse.AdviseRefused, match="draining"):
+                client.advise_tokens("req-ok", list(range(16)), 16, TARGET)
+    finally:
+        replica.stop()
+    # None of the refused requests reached the replica.
+    assert len(replica.requests) == 1 and b"req-ok" in replica.requests[0]
+
+
 def test_a_busy_polling_client_gets_the_same_replies(nats):
     """busy_poll_us only changes how the caller waits: each reply is still
     the one for its request (the client checks the reply's request_id), and

@@ -165,6 +165,15 @@ pub enum PlaneError {
         /// Why ([`crate::bucket_name_problem`]).
         reason: &'static str,
     },
+    /// The key-value bucket does not exist and the caller asked not to
+    /// create it ([`crate::NatsDirectory::open_existing`], feature `nats`):
+    /// a reader's mistyped name, or nothing (no donor, no router) created
+    /// the bucket yet.
+    #[error("key-value bucket {bucket:?} does not exist on the server")]
+    NoSuchBucket {
+        /// Name seen.
+        bucket: String,
+    },
     /// Connecting to the NATS server failed.
     #[error("cannot connect to NATS at {url}: {reason}")]
     Connect {

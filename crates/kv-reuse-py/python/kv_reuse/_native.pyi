@@ -92,6 +92,9 @@ class Layout:
     @property
     def dtype(self) -> str:
         """``f32``, ``fp16``, ``bf16`` or ``fp8_e4m3``."""
+    def __eq__(self, other: object) -> bool:
+        """Equal when built from the same arguments (a value; hashable alike)."""
+    def __hash__(self) -> int: ...
 
 class Settings:
     """Validated reuse settings: ``values`` under ``env`` (None = os env) under ``argv``.
@@ -233,7 +236,8 @@ class Router:
     def register_worker(self, key: int, engine: str, role_name: str, layout: Layout) -> None: ...
     def apply_event(self, event: bytes) -> None: ...
     def report_donor(self, manifest: bytes, endpoint: str, slots: Mapping[int, int]) -> None:
-        """Records a donor (manifest, pin endpoint, ``{sequence_hash: slot}``). BadArgument names
+        """Records a donor (manifest, pin endpoint, ``{sequence_hash: slot}``), replacing its whole
+        earlier report: ``slots`` maps every block the donor holds (merged across stores). BadArgument names
         ``endpoint`` when it does not parse (the parse ``DonorBank.serve_pins`` runs; a ``tcp:``
         endpoint of a Rust donor with a pre-shared key parses, though ``serve_pins`` refuses ``tcp:``)
         or its socket path is relative (each target would resolve it in its own working
@@ -275,11 +279,13 @@ class RouterClient:
     def busy_poll_us(self) -> int: ...
     def advise(self, request_id: str, sequence_hashes: Sequence[int], target: str) -> Advice:
         """Same Advice as Router.advise (GIL released). Raises AdviseRefused, RouterUnavailable,
-        DescriptorRefused (reply does not decode)."""
+        DescriptorRefused (reply does not decode), BadArgument naming ``sequence_hashes`` when it
+        is empty (before sending)."""
     def advise_tokens(
         self, request_id: str, token_ids: Sequence[int], tokens_per_block: int, target: str
     ) -> Advice:
-        """``advise`` keyed by token ids; the service hashes whole blocks of ``tokens_per_block``."""
+        """``advise`` keyed by token ids; the service hashes whole blocks of ``tokens_per_block``.
+        BadArgument names ``token_ids`` when they fill no whole block (before sending)."""
     def close(self) -> None: ...
     def __enter__(self) -> "RouterClient": ...
     def __exit__(
@@ -404,6 +410,7 @@ class DonorDirectory:
         bucket: str = "kv_donors",
         timeout_s: float = 5.0,
         *,
+        create: bool = False,
         user: Optional[str] = None,
         password: Optional[str] = None,
         token: Optional[str] = None,
@@ -413,8 +420,9 @@ class DonorDirectory:
         tls_key: Optional[str] = None,
         inbox_prefix: Optional[str] = None,
     ) -> None:
-        """Connects (credentials and TLS as ``WorkerPublisher.donor``) and watches (GIL released);
-        raises BadArgument, PublishFailed."""
+        """Connects (credentials and TLS as ``WorkerPublisher.donor``) and watches (GIL released).
+        Without ``create=True`` a bucket that does not exist is refused (BadArgument naming
+        ``bucket``) instead of created empty; raises BadArgument, PublishFailed."""
     def manifest(self, engine_id: str, wait_s: float = 0.0) -> Optional[bytes]:
         """The donor's manifest (wire form) or None, waiting up to ``wait_s`` s for it."""
     @property

@@ -78,8 +78,13 @@ pub enum AdviseRefusal {
         /// Field name (`request_id`, `tokens_per_block`).
         field: String,
     },
-    /// The target engine is not a prefill worker this router knows.
-    #[error("unknown target engine {0}")]
+    /// The target engine is not a prefill worker this router knows. The
+    /// message says where to look: most often the target announces in
+    /// another namespace than the router's (the router then never sees it).
+    #[error(
+        "unknown target engine {0} (no prefill announcement of it reached the router: is the \
+         target announcing, on `kv.<namespace>.workers.announce` of the router's --namespace?)"
+    )]
     UnknownTarget(EngineId),
     /// The router is draining and takes no new requests.
     #[error("router is draining")]

@@ -111,6 +111,14 @@ fn refusals_are_typed_and_change_nothing() {
         ),
         "{garbage:?}"
     );
+    // An unknown target is most often one announcing in another namespace:
+    // the message says so (helper-22 finding 8: nothing pointed there).
+    let unknown = AdviseRefusal::UnknownTarget(EngineId(uuid::Uuid::from_u128(7))).to_string();
+    assert!(
+        unknown.starts_with("unknown target engine 00000000-0000-0000-0000-000000000007 ("),
+        "{unknown}"
+    );
+    assert!(unknown.contains("router's --namespace"), "{unknown}");
     assert_eq!(svc.refused(), 5);
     assert_eq!(
         svc.advisor().log().recent().len(),

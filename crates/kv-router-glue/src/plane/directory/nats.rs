@@ -91,14 +91,58 @@ impl NatsDirectory {
     ) -> Result<Self, PlaneError> {
         check_bucket(bucket)?;
         check_ttl(lease_ttl)?;
+        Self::open(client, url, bucket, Some(lease_ttl)).await
+    }
+
+    /// Opens bucket `bucket` on an existing connection only if it exists:
+    /// never creates it. For a reader (a prefill worker's directory watch):
+    /// a mistyped bucket name would otherwise create an empty bucket that no
+    /// donor writes, and every lookup would find nothing, with no error.
+    ///
+    /// # Errors
+    /// [`PlaneError::InvalidBucket`] for a name NATS would refuse, before
+    /// any request; [`PlaneError::NoSuchBucket`] when the server has no
+    /// such bucket; [`PlaneError::Connect`] naming `url` (only used in the
+    /// message) when the server has no JetStream or the bucket cannot be
+    /// opened.
+    pub async fn open_existing(
+        client: async_nats::Client,
+        url: &str,
+        bucket: &str,
+    ) -> Result<Self, PlaneError> {
+        check_bucket(bucket)?;
+        Self::open(client, url, bucket, None).await
+    }
+
+    /// Opens `bucket`; when it is absent, creates it with `max_age` =
+    /// `create` if that is given, else refuses with
+    /// [`PlaneError::NoSuchBucket`].
+    async fn open(
+        client: async_nats::Client,
+        url: &str,
+        bucket: &str,
+        create: Option<Duration>,
+    ) -> Result<Self, PlaneError> {
         let connect_err = |reason: String| PlaneError::Connect {
             url: crate::redact_url(url),
             reason,
         };
         let js = jetstream::new(client);
-        let store = match js.get_key_value(bucket).await {
-            Ok(store) => store,
-            Err(_) => match js
+        let opened = js.get_key_value(bucket).await;
+        let store = match (opened, create) {
+            (Ok(store), _) => store,
+            (Err(e), None) => {
+                if stream_not_found(&e) {
+                    return Err(PlaneError::NoSuchBucket {
+                        bucket: bucket.to_string(),
+                    });
+                }
+                let hint = no_jetstream_hint(&js).await;
+                return Err(connect_err(format!(
+                    "{hint}key-value bucket `{bucket}`: {e}"
+                )));
+            }
+            (Err(_), Some(lease_ttl)) => match js
                 .create_key_value(kv::Config {
                     bucket: bucket.to_string(),
                     history: 1,
@@ -109,17 +153,7 @@ impl NatsDirectory {
             {
                 Ok(store) => store,
                 Err(e) => {
-                    // The connection works; say what the operator must change
-                    // when the cause is a server without JetStream.
-                    let no_js = matches!(
-                        js.query_account().await,
-                        Err(a) if a.kind() == jetstream::context::AccountErrorKind::JetStreamUnavailable
-                    );
-                    let hint = if no_js {
-                        "the server has no JetStream (start nats-server with -js, or a `jetstream` block in its config); "
-                    } else {
-                        ""
-                    };
+                    let hint = no_jetstream_hint(&js).await;
                     return Err(connect_err(format!(
                         "{hint}key-value bucket `{bucket}`: {e}"
                     )));
@@ -130,6 +164,34 @@ impl NatsDirectory {
             store,
             bucket: bucket.to_string(),
         })
+    }
+}
+
+/// True when opening a bucket failed because its stream (`KV_<bucket>`)
+/// does not exist (JetStream error 10059), as opposed to no JetStream, a
+/// permission refusal or a timeout.
+fn stream_not_found(e: &jetstream::context::KeyValueError) -> bool {
+    use jetstream::context::{GetStreamError, GetStreamErrorKind};
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<GetStreamError>())
+        .is_some_and(|g| {
+            matches!(g.kind(), GetStreamErrorKind::JetStream(j)
+                if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+        })
+}
+
+/// The connection works but a bucket could not be opened or created: say
+/// what the operator must change when the cause is a server without
+/// JetStream (empty otherwise).
+async fn no_jetstream_hint(js: &jetstream::Context) -> &'static str {
+    let no_js = matches!(
+        js.query_account().await,
+        Err(a) if a.kind() == jetstream::context::AccountErrorKind::JetStreamUnavailable
+    );
+    if no_js {
+        "the server has no JetStream (start nats-server with -js, or a `jetstream` block in its config); "
+    } else {
+        ""
     }
 }
 

@@ -111,6 +111,46 @@ async fn nats_directory_put_watch_delete_across_two_clients() {
 }
 
 #[tokio::test]
+async fn open_existing_refuses_a_missing_bucket_without_creating_it() {
+    // A reader's mistyped bucket used to be created empty, so every lookup
+    // found nothing with no error (helper-22 finding 10).
+    const TEST: &str = "open_existing_refuses_a_missing_bucket_without_creating_it";
+    let Some(server) = NatsServer::start_or_skip(TEST) else {
+        return;
+    };
+    let client = async_nats::connect(server.url()).await.unwrap();
+    match NatsDirectory::open_existing(client.clone(), &server.url(), "kv_donrs").await {
+        Err(e @ crate::PlaneError::NoSuchBucket { .. }) => {
+            assert_eq!(
+                e,
+                crate::PlaneError::NoSuchBucket {
+                    bucket: "kv_donrs".into()
+                }
+            );
+        }
+        other => panic!("expected NoSuchBucket, got {other:?}"),
+    }
+    // Nothing was created: the stream behind the bucket is still absent.
+    let js = async_nats::jetstream::new(client.clone());
+    assert!(js.get_key_value("kv_donrs").await.is_err());
+    assert!(matches!(
+        NatsDirectory::open_existing(client.clone(), &server.url(), "bad.name").await,
+        Err(crate::PlaneError::InvalidBucket { .. })
+    ));
+    // Once a writer created it, the reader opens it and sees its records.
+    let donor = NatsDirectory::connect(&server.url(), "kv_donors", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let r = record(OwnerLease::fresh(Role::Decode), u64::MAX - 1);
+    donor.put(&r).await.unwrap();
+    let reader = NatsDirectory::open_existing(client, &server.url(), "kv_donors")
+        .await
+        .unwrap();
+    let mut w = reader.watch().await.unwrap();
+    assert_eq!(next(&mut w).await, Some(DirectoryChange::Put(r)));
+}
+
+#[tokio::test]
 async fn a_deleted_bucket_ends_the_watch_and_a_recreated_one_is_watched_again() {
     // What the router's directory follower relies on to open its watch
     // again (service::follow, "Re-opening"): the watch ends instead of
@@ -177,6 +217,16 @@ async fn a_server_without_jetstream_is_refused_saying_so() {
             );
         }
         other => panic!("expected Connect saying JetStream is off, got {other:?}"),
+    }
+    // A reader that may not create the bucket is told the same, not that
+    // the bucket is missing (which would send the operator to its name).
+    let client = async_nats::connect(&url).await.unwrap();
+    match NatsDirectory::open_existing(client, &url, "kv_donors").await {
+        Err(crate::PlaneError::Connect { reason, .. }) => assert!(
+            reason.starts_with("the server has no JetStream (start nats-server with -js"),
+            "{reason}"
+        ),
+        other => panic!("open_existing: expected Connect saying JetStream is off, got {other:?}"),
     }
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
