@@ -5,7 +5,6 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -16,7 +15,7 @@ use kv_router_glue::{
     DEFAULT_PIN_TIMEOUT,
 };
 use kv_transfer::cuda::{CudaCopyBackend, CudaMode};
-use kv_transfer::{CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, LivenessProbe};
+use kv_transfer::{CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend};
 
 use crate::array::{ArrayView, ExternalMemory, Want};
 use crate::donor_imports::DonorImports;
@@ -783,50 +782,5 @@ fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
-/// The first exception a `donor_alive` probe raised during one fetch,
-/// chained as the `__cause__` of the error that fetch raises.
-type ProbeError = Arc<Mutex<Option<PyErr>>>;
-
-/// A Python callable as the delivery's liveness probe. The delivery runs
-/// without the GIL, so the probe takes it for each call; an exception or a
-/// non-bool result counts as "donor gone" (fail closed: recompute). The
-/// exception is kept in the returned slot: a buggy probe must not pass for
-/// a dead donor without a trace ([`with_probe_cause`]).
-fn python_probe(probe: Py<PyAny>) -> (LivenessProbe, ProbeError) {
-    let raised: ProbeError = Arc::default();
-    let slot = raised.clone();
-    let live = Arc::new(move || {
-        Python::with_gil(|py| {
-            match probe.call0(py).and_then(|v| {
-                v.extract::<bool>(py).map_err(|_| {
-                    let shown = v
-                        .bind(py)
-                        .repr()
-                        .map(|r| r.to_string())
-                        .unwrap_or_else(|_| "a value".into());
-                    PyTypeError::new_err(format!("donor_alive returned {shown}, not a bool"))
-                })
-            }) {
-                Ok(alive) => alive,
-                Err(e) => {
-                    slot.lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .get_or_insert(e);
-                    false
-                }
-            }
-        })
-    });
-    (live, raised)
-}
-
-/// `e` with the probe's exception (if it raised) as its `__cause__`, so the
-/// fallback's traceback shows the probe's own error. Takes the GIL only
-/// when there is one (the probe took it anyway).
-fn with_probe_cause(e: PyErr, raised: Option<&ProbeError>) -> PyErr {
-    let cause = raised.and_then(|r| r.lock().unwrap_or_else(|p| p.into_inner()).take());
-    if let Some(cause) = cause {
-        Python::with_gil(|py| e.set_cause(py, Some(cause)));
-    }
-    e
-}
+mod probe;
+use probe::{python_probe, with_probe_cause, ProbeError};
