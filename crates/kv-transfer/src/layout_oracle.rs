@@ -29,13 +29,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kv_bank::{sealed_blocks, BankConfig, BankManager, BankMemory, DestinationPool};
-use kv_descriptor::{DType, KvLayout, KvRegionLayout, OwnerLease, Role, SequenceHash, TensorOrder};
+use kv_bank::{BankMemory, DestinationPool};
+use kv_descriptor::{KvLayout, KvRegionLayout};
 use serde::{Deserialize, Serialize};
 
 use crate::cuda::{CudaCopyBackend, CudaMode};
 pub use crate::oracle::Profile;
-use crate::oracle::{case_keys, pin_moves};
+use crate::oracle::{case_keys, pin_moves, OracleDonor, KEYS};
 use crate::plan::{BlockMove, TransferPlan};
 use crate::{
     deliver, CopyBackend, DeliveryControl, HostBuffer, HostCopyBackend, RankIo, SourceRegion,
@@ -72,7 +72,6 @@ pub const HF_TOKEN_OFFSET: u64 = 24;
 /// Engine-chosen target blocks of the fetch: scattered, not ascending.
 pub const ENGINE_BLOCKS: [u32; KEYS] = [13, 2, 7, 8, 9, 30, 21];
 
-const KEYS: usize = 7;
 const POISON: u8 = 0xA5;
 const ABSENT: [usize; 2] = [1, 4];
 const TARGET_BLOCKS: u32 = 32;
@@ -271,12 +270,6 @@ impl LayoutOracleReport {
     }
 }
 
-/// Byte `i` of `key`'s part on `rank`: what the donor stored.
-fn pattern(rank: u32, key: SequenceHash, i: usize) -> u8 {
-    let x = key.0 ^ (u64::from(rank) << 56) ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (x ^ (x >> 29) ^ (x >> 47)) as u8
-}
-
 /// Runs the layout oracle on `profile` with its native backend.
 ///
 /// # Errors
@@ -284,59 +277,15 @@ fn pattern(rank: u32, key: SequenceHash, i: usize) -> u8 {
 /// delivery errors other than a backend's [`TransferError::UnsupportedLayout`].
 /// Check failures are `false` fields and `passed() == false`.
 pub fn run(profile: Profile) -> Result<LayoutOracleReport, TransferError> {
-    let tp = match profile {
-        Profile::Cpu => 2,
-        Profile::Gpu => match crate::cuda::device_count() {
-            0 => {
-                return Err(TransferError::Cuda {
-                    op: "cuDeviceGetCount",
-                    reason: "no CUDA device visible".into(),
-                })
-            }
-            n => n.min(2) as u32,
-        },
-    };
-    let layout = KvLayout::new(4, 4 * tp, 64, DType::Bf16, 16, TensorOrder::BlockMajor, tp)
-        .map_err(|e| TransferError::input("layout", e.to_string()))?;
-    let bb = layout.rank_block_bytes();
-    let slots = 32u32;
-    let config = BankConfig::new(
+    let OracleDonor {
+        tp,
         layout,
-        OwnerLease::fresh(Role::Decode),
-        u64::from(tp) * u64::from(slots) * bb as u64,
-    );
-    let donor = match profile {
-        Profile::Cpu => BankManager::new_host_shm(config, "layout-oracle-host")?,
-        Profile::Gpu => {
-            BankManager::new_cuda(config, "layout-oracle-host", &(0..tp).collect::<Vec<_>>())?
-        }
-    };
-    let tpb = layout.tokens_per_block() as usize;
-    let mut wanted = Vec::new();
-    for (seed, blocks) in [(1_000u32, 3usize), (0, KEYS)] {
-        let tokens: Vec<u32> = (0..(blocks * tpb) as u32).map(|t| t + seed).collect();
-        let sealed = sealed_blocks(None, &tokens, tpb);
-        let pending = donor.store(None, &sealed)?;
-        for r in 0..tp {
-            // Through write_pending: the ack counts only its writes.
-            for (index, &(h, _)) in pending.entries.iter().enumerate() {
-                let bytes: Vec<u8> = (0..bb).map(|i| pattern(r, h, i)).collect();
-                donor.write_pending(pending.store_id, r, index, &bytes)?;
-            }
-            donor.ack(pending.store_id, r)?;
-        }
-        wanted = sealed.iter().map(|b| b.sequence_hash).collect();
-    }
-    let absent: Vec<SequenceHash> = sealed_blocks(
-        None,
-        &(0..(KEYS * tpb) as u32)
-            .map(|t| t + 9_000)
-            .collect::<Vec<_>>(),
-        tpb,
-    )
-    .iter()
-    .map(|b| b.sequence_hash)
-    .collect();
+        block_bytes: bb,
+        slots,
+        bank: donor,
+        wanted,
+        absent,
+    } = OracleDonor::new(profile, "layout-oracle-host", &[(1_000, 3)])?;
     let engine: Box<dyn CopyBackend> = match profile {
         Profile::Cpu => Box::new(HostCopyBackend),
         Profile::Gpu => Box::new(CudaCopyBackend::new(CudaMode::Auto)?),

@@ -1,5 +1,7 @@
 use super::*;
+use crate::oracle::pattern;
 use crate::PartOutcome;
+use kv_descriptor::{DType, SequenceHash, TensorOrder};
 use proptest::prelude::*;
 
 /// A region layout of kind `k` (0 block-major at 0, 1 vLLM kv-first,

@@ -137,7 +137,7 @@ impl OracleReport {
     }
 }
 
-const KEYS: usize = 7;
+pub(crate) const KEYS: usize = 7;
 const POISON: u8 = 0xA5;
 /// Target rows of the fetch: two runs and three singles.
 const DST_BLOCKS: [u32; KEYS] = [3, 4, 9, 10, 11, 20, 30];
@@ -145,9 +145,103 @@ const DST_BLOCKS: [u32; KEYS] = [3, 4, 9, 10, 11, 20, 30];
 const ABSENT: [usize; 2] = [2, 5];
 
 /// Byte `i` of `key`'s part on `rank`: what the donor stored.
-fn pattern(rank: u32, key: SequenceHash, i: usize) -> u8 {
+pub(crate) fn pattern(rank: u32, key: SequenceHash, i: usize) -> u8 {
     let x = key.0 ^ (u64::from(rank) << 56) ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     (x ^ (x >> 29) ^ (x >> 47)) as u8
+}
+
+/// The donor both oracles fetch from: a decode bank of 32 slots per rank on
+/// a TP2 group (TP1 on a single-GPU machine), 64 KiB per block and rank,
+/// holding the filler sequences first (so the fetched blocks sit mid-bank),
+/// then [`KEYS`] blocks, every byte written with [`pattern`] through
+/// `write_pending` (the ack counts only its writes).
+pub(crate) struct OracleDonor {
+    /// TP size of the group.
+    pub(crate) tp: u32,
+    /// The donor's geometry: 4 layers, `4 x tp` KV heads, head_dim 64, bf16,
+    /// 16-token blocks, block-major.
+    pub(crate) layout: KvLayout,
+    /// Bytes of one block on one rank.
+    pub(crate) block_bytes: usize,
+    /// Slots per rank.
+    pub(crate) slots: u32,
+    /// The bank (host shm on [`Profile::Cpu`], CUDA device memory on
+    /// [`Profile::Gpu`], one GPU per rank).
+    pub(crate) bank: BankManager,
+    /// The [`KEYS`] stored keys, root first.
+    pub(crate) wanted: Vec<SequenceHash>,
+    /// [`KEYS`] keys the donor never stored.
+    pub(crate) absent: Vec<SequenceHash>,
+}
+
+impl OracleDonor {
+    /// Builds the bank named `name` and stores `fillers` (`(token seed,
+    /// blocks)` each, root chains) and then the keys.
+    ///
+    /// # Errors
+    /// [`TransferError::Cuda`] when [`Profile::Gpu`] sees no CUDA device; bank
+    /// and memory errors.
+    pub(crate) fn new(
+        profile: Profile,
+        name: &str,
+        fillers: &[(u32, usize)],
+    ) -> Result<Self, TransferError> {
+        let tp = match profile {
+            Profile::Cpu => 2,
+            Profile::Gpu => match crate::cuda::device_count() {
+                0 => {
+                    return Err(TransferError::Cuda {
+                        op: "cuDeviceGetCount",
+                        reason: "no CUDA device visible".into(),
+                    })
+                }
+                n => n.min(2) as u32,
+            },
+        };
+        // 64 KiB per block per rank: 2 x 4 layers x 16 tokens x (8/tp) heads x 64 dims x 2 bytes x tp/2.
+        let layout = KvLayout::new(4, 4 * tp, 64, DType::Bf16, 16, TensorOrder::BlockMajor, tp)
+            .map_err(|e| TransferError::input("layout", e.to_string()))?;
+        let bb = layout.rank_block_bytes();
+        let slots = 32u32;
+        let config = BankConfig::new(
+            layout,
+            OwnerLease::fresh(Role::Decode),
+            u64::from(tp) * u64::from(slots) * bb as u64,
+        );
+        let bank = match profile {
+            Profile::Cpu => BankManager::new_host_shm(config, name)?,
+            Profile::Gpu => BankManager::new_cuda(config, name, &(0..tp).collect::<Vec<_>>())?,
+        };
+        let tpb = layout.tokens_per_block() as usize;
+        let mut wanted = Vec::new();
+        for &(seed, blocks) in fillers.iter().chain([(0, KEYS)].iter()) {
+            let tokens: Vec<u32> = (0..(blocks * tpb) as u32).map(|t| t + seed).collect();
+            let sealed = sealed_blocks(None, &tokens, tpb);
+            let pending = bank.store(None, &sealed)?;
+            for r in 0..tp {
+                for (index, &(h, _)) in pending.entries.iter().enumerate() {
+                    let bytes: Vec<u8> = (0..bb).map(|i| pattern(r, h, i)).collect();
+                    bank.write_pending(pending.store_id, r, index, &bytes)?;
+                }
+                bank.ack(pending.store_id, r)?;
+            }
+            wanted = sealed.iter().map(|b| b.sequence_hash).collect();
+        }
+        let absent_tokens: Vec<u32> = (0..(KEYS * tpb) as u32).map(|t| t + 9_000).collect();
+        let absent = sealed_blocks(None, &absent_tokens, tpb)
+            .iter()
+            .map(|b| b.sequence_hash)
+            .collect();
+        Ok(Self {
+            tp,
+            layout,
+            block_bytes: bb,
+            slots,
+            bank,
+            wanted,
+            absent,
+        })
+    }
 }
 
 /// Runs the oracle with the native backend of `profile`.
@@ -168,61 +262,15 @@ pub fn run_backend(
     profile: Profile,
     backend: OracleBackend,
 ) -> Result<OracleReport, TransferError> {
-    let tp = match profile {
-        Profile::Cpu => 2,
-        Profile::Gpu => match crate::cuda::device_count() {
-            0 => {
-                return Err(TransferError::Cuda {
-                    op: "cuDeviceGetCount",
-                    reason: "no CUDA device visible".into(),
-                })
-            }
-            n => n.min(2) as u32,
-        },
-    };
-    // 64 KiB per block per rank: 2 x 4 layers x 16 tokens x (8/tp) heads x 64 dims x 2 bytes x tp/2.
-    let layout = KvLayout::new(4, 4 * tp, 64, DType::Bf16, 16, TensorOrder::BlockMajor, tp)
-        .map_err(|e| TransferError::input("layout", e.to_string()))?;
-    let bb = layout.rank_block_bytes();
-    let slots = 32u32;
-    let config = BankConfig::new(
+    let OracleDonor {
+        tp,
         layout,
-        OwnerLease::fresh(Role::Decode),
-        u64::from(tp) * u64::from(slots) * bb as u64,
-    );
-    let donor = match profile {
-        Profile::Cpu => BankManager::new_host_shm(config, "oracle-host")?,
-        Profile::Gpu => BankManager::new_cuda(config, "oracle-host", &(0..tp).collect::<Vec<_>>())?,
-    };
-
-    // Store two filler sequences first so the fetched blocks sit mid-bank.
-    let tpb = layout.tokens_per_block() as usize;
-    let mut stored = Vec::new();
-    for (seed, blocks) in [(1_000u32, 3usize), (2_000, 2), (0, KEYS)] {
-        let tokens: Vec<u32> = (0..(blocks * tpb) as u32).map(|t| t + seed).collect();
-        let sealed = sealed_blocks(None, &tokens, tpb);
-        let pending = donor.store(None, &sealed)?;
-        for r in 0..tp {
-            // Through write_pending: the ack counts only its writes.
-            for (index, &(h, _)) in pending.entries.iter().enumerate() {
-                let bytes: Vec<u8> = (0..bb).map(|i| pattern(r, h, i)).collect();
-                donor.write_pending(pending.store_id, r, index, &bytes)?;
-            }
-            donor.ack(pending.store_id, r)?;
-        }
-        stored = sealed.iter().map(|b| b.sequence_hash).collect();
-    }
-    let wanted: Vec<SequenceHash> = stored;
-    let absent: Vec<SequenceHash> = sealed_blocks(
-        None,
-        &(0..(KEYS * tpb) as u32)
-            .map(|t| t + 9_000)
-            .collect::<Vec<_>>(),
-        tpb,
-    )
-    .iter()
-    .map(|b| b.sequence_hash)
-    .collect();
+        block_bytes: bb,
+        slots,
+        bank: donor,
+        wanted,
+        absent,
+    } = OracleDonor::new(profile, "oracle-host", &[(1_000, 3), (2_000, 2)])?;
 
     // Target rows: one region per rank, 64 rows, poisoned before each case.
     let target_rows = 64u32;
