@@ -16,18 +16,24 @@ use kv_router_glue::{unix_now_ms, DirectoryPlane, DonorCache, NatsDirectory, Nat
 use crate::errors::{descriptor, PublishFailed};
 use crate::nats_auth::NatsCredentials;
 use crate::nats_runtime::{check_bucket, check_nats_url, runtime, seconds_in, within};
+use crate::process_bound::ProcessBound;
 
 /// The donor directory as seen from a prefill worker (module docs).
 #[pyclass(frozen, module = "kv_reuse")]
 pub(crate) struct DonorDirectory {
     cache: Arc<Mutex<DonorCache>>,
     running: Mutex<Option<(tokio::runtime::Runtime, tokio::task::JoinHandle<()>)>>,
+    /// The process that watches: in a forked child the watch does not run
+    /// (its runtime's worker is the parent's), so the cache would never
+    /// change again; reads there are refused (crate::process_bound).
+    home: ProcessBound,
 }
 
 impl DonorDirectory {
-    /// `PublishFailed` once closed: the watch no longer runs, so what the
-    /// cache holds may be stale.
-    fn check_open(&self) -> PyResult<()> {
+    /// `PublishFailed` once closed, or naming `call` in a forked child: the
+    /// watch no longer runs, so what the cache holds may be stale.
+    fn check_open(&self, call: &str) -> PyResult<()> {
+        self.home.check(call, PublishFailed::new_err)?;
         if self
             .running
             .lock()
@@ -114,6 +120,7 @@ impl DonorDirectory {
         Ok(Self {
             cache,
             running: Mutex::new(Some(running)),
+            home: ProcessBound::here("DonorDirectory"),
         })
     }
 
@@ -134,7 +141,7 @@ impl DonorDirectory {
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let engine = crate::layout::engine_id(engine_id, "engine_id")?;
         let wait = seconds_in("wait_s", wait_s, 0.0..=3_600.0)?;
-        self.check_open()?;
+        self.check_open("manifest")?;
         let deadline = Instant::now() + wait;
         let found = loop {
             // Slices without the GIL, so that Ctrl-C is raised within one
@@ -168,7 +175,7 @@ impl DonorDirectory {
     /// [`DonorDirectory::close`], as `manifest` does.
     #[getter]
     fn donors(&self) -> PyResult<usize> {
-        self.check_open()?;
+        self.check_open("donors")?;
         Ok(self.cache.lock().unwrap_or_else(|e| e.into_inner()).len())
     }
 
@@ -180,7 +187,7 @@ impl DonorDirectory {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some((rt, task)) = running {
+        if let Some((rt, task)) = running.and_then(|r| self.home.keep_here(r)) {
             py.allow_threads(|| {
                 task.abort();
                 rt.shutdown_timeout(Duration::from_secs(1));
@@ -201,11 +208,13 @@ impl DonorDirectory {
 
 impl Drop for DonorDirectory {
     fn drop(&mut self) {
+        let home = self.home;
         if let Some((rt, task)) = self
             .running
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .take()
+            .and_then(|r| home.keep_here(r))
         {
             task.abort();
             rt.shutdown_background();

@@ -25,6 +25,7 @@ mod fetch_outcome;
 mod layout;
 mod nats_auth;
 mod nats_runtime;
+mod process_bound;
 mod publisher;
 mod router;
 mod router_client;

@@ -45,6 +45,7 @@ use crate::nats_runtime::{
     check_bucket, check_nats_url, not_below_nats_floor, runtime, seconds_in, within,
     NATS_MAX_AGE_FLOOR_S,
 };
+use crate::process_bound::ProcessBound;
 
 /// An agent refusal as the Python exception of its cause.
 fn agent_error(e: AgentError) -> PyErr {
@@ -113,6 +114,10 @@ fn gpu_identities(
 #[pyclass(frozen, module = "kv_reuse")]
 pub(crate) struct WorkerPublisher {
     running: Mutex<Option<Arc<Running>>>,
+    /// The process that connected: in a forked child every call that
+    /// reaches `running` is refused, and close and drop forget it
+    /// (crate::process_bound).
+    home: ProcessBound,
     role: Role,
     engine_id: EngineId,
     nats_url: String,
@@ -308,6 +313,7 @@ impl WorkerPublisher {
                 agent: Some(agent),
                 prefix: None,
             }))),
+            home: ProcessBound::here("WorkerPublisher"),
             role: Role::Decode,
             nats_url: nats_url.to_owned(),
             timeout,
@@ -428,6 +434,7 @@ impl WorkerPublisher {
                 agent: None,
                 prefix: Some((Arc::new(prefix), layout.inner.tokens_per_block())),
             }))),
+            home: ProcessBound::here("WorkerPublisher"),
             role: Role::Prefill,
             engine_id: engine,
             nats_url: nats_url.to_owned(),
@@ -472,13 +479,16 @@ impl WorkerPublisher {
         self.with_agent(|a| a.pin_endpoint().to_owned())
     }
 
-    /// True until `close()`.
+    /// True until `close()`; false in a forked child, where every call that
+    /// publishes is refused.
     #[getter]
     fn open(&self) -> bool {
-        self.running
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.home.is_home()
+            && self
+                .running
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some()
     }
 
     /// Publishes the donor bank's queued KV events now (a completed store's
@@ -488,7 +498,7 @@ impl WorkerPublisher {
     /// Raises `PublishFailed` when a publish failed (the event ids are
     /// consumed: the router sees a gap and resyncs) or after `close()`.
     fn publish_events(&self, py: Python<'_>) -> PyResult<usize> {
-        self.on_agent(py, |agent| async move {
+        self.on_agent(py, "publish_events", |agent| async move {
             agent.publish_events().await.map_err(agent_error)
         })
         .map(|n| n.unwrap_or(0))
@@ -499,7 +509,7 @@ impl WorkerPublisher {
     ///
     /// Raises `PublishFailed` (the first failing step) or after `close()`.
     fn tick(&self, py: Python<'_>) -> PyResult<()> {
-        self.on_agent(py, |agent| async move {
+        self.on_agent(py, "tick", |agent| async move {
             agent.tick().await.map_err(agent_error)
         })
         .map(|_| ())
@@ -594,7 +604,7 @@ impl WorkerPublisher {
                 "publish_nixl_agent: a target publishes no NIXL agent",
             ));
         }
-        self.on_agent(py, |agent| async move {
+        self.on_agent(py, "publish_nixl_agent", |agent| async move {
             agent
                 .publish_nixl_agent(name, metadata)
                 .await
@@ -615,6 +625,10 @@ impl WorkerPublisher {
     ///
     /// Raises `BankFailed` when pins outlived `drain_s`, `PublishFailed`
     /// when the record could not be deleted (it then lapses with its TTL).
+    ///
+    /// In a forked child it only lets go of what the child inherited: the
+    /// record, pins, bank and connection stay the parent's
+    /// (crate::process_bound).
     #[pyo3(signature = (drain_s = 1.0))]
     fn close(
         &self,
@@ -627,7 +641,7 @@ impl WorkerPublisher {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        let Some(shared) = running else {
+        let Some(shared) = running.and_then(|r| self.home.keep_here(r)) else {
             return Ok(());
         };
         let timeout = self.timeout + drain;

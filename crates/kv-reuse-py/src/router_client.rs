@@ -35,12 +35,16 @@ use kv_router_glue::service::{
 use crate::errors::{bad_argument, descriptor, uint, uints, AdviseRefused, RouterUnavailable};
 use crate::layout::engine_id;
 use crate::nats_auth::NatsCredentials;
+use crate::process_bound::ProcessBound;
 use crate::router::Advice;
 
 /// A client of the router service over NATS.
 #[pyclass(frozen, module = "kv_reuse")]
 pub(crate) struct RouterClient {
     conn: Mutex<Option<Arc<AdviseClient>>>,
+    /// The process that connected: a forked child may not advise on the
+    /// parent's connection (crate::process_bound).
+    home: ProcessBound,
     /// The window given to `AdviseClient::set_busy_poll`, µs.
     busy_poll_us: u64,
 }
@@ -135,6 +139,7 @@ impl RouterClient {
         client.set_busy_poll(Duration::from_micros(busy_poll));
         Ok(Self {
             conn: Mutex::new(Some(Arc::new(client))),
+            home: ProcessBound::here("RouterClient"),
             busy_poll_us: busy_poll,
         })
     }
@@ -172,7 +177,7 @@ impl RouterClient {
             ));
         }
         let keys = AdviseKeys::SequenceHashes(hashes.into_iter().map(SequenceHash).collect());
-        self.ask(py, request_id, keys, target)
+        self.ask(py, "advise", request_id, keys, target)
     }
 
     /// `advise` for a prompt given as token ids: the service hashes its
@@ -207,15 +212,17 @@ impl RouterClient {
             token_ids,
             tokens_per_block,
         };
-        self.ask(py, request_id, keys, target)
+        self.ask(py, "advise_tokens", request_id, keys, target)
     }
 
     /// Closes the connection (flushing for up to 1 s). Idempotent.
     /// Advises in flight on other threads finish (each within `timeout_s`)
-    /// on the closing connection; the last of them shuts it down.
+    /// on the closing connection; the last of them shuts it down. In a
+    /// forked child it only lets go of the inherited connection, which stays
+    /// the parent's (crate::process_bound).
     fn close(&self, py: Python<'_>) {
         let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(c) = conn {
+        if let Some(c) = conn.and_then(|c| self.home.keep_here(c)) {
             py.allow_threads(move || match Arc::try_unwrap(c) {
                 Ok(mut c) => c.close(),
                 Err(shared) => {
@@ -225,13 +232,16 @@ impl RouterClient {
         }
     }
 
-    /// True until `close()`.
+    /// True until `close()`; false in a forked child, where `advise` is
+    /// refused.
     #[getter]
     fn connected(&self) -> bool {
-        self.conn
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.home.is_home()
+            && self
+                .conn
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some()
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -246,14 +256,19 @@ impl RouterClient {
 }
 
 impl RouterClient {
-    /// One advise round trip for `keys` (the request/reply of `advise`).
+    /// One advise round trip for `keys` (the request/reply of `advise`);
+    /// `call` names the Python method in a refusal.
     fn ask(
         &self,
         py: Python<'_>,
+        call: &str,
         request_id: &str,
         keys: AdviseKeys,
         target: &str,
     ) -> PyResult<Advice> {
+        // Before anything else: in a forked child the connection is the
+        // parent's, and `RouterUnavailable` sends the caller to recompute.
+        self.home.check(call, RouterUnavailable::new_err)?;
         let request = AdviseRequest {
             request_id: request_id.to_owned(),
             target: engine_id(target, "target")?,
@@ -305,12 +320,13 @@ impl RouterClient {
 impl Drop for RouterClient {
     fn drop(&mut self) {
         // `AdviseClient`'s drop stops its keep-alive thread and shuts its
-        // runtime down without waiting; it never takes the GIL.
-        drop(
-            self.conn
-                .get_mut()
-                .unwrap_or_else(|e| e.into_inner())
-                .take(),
-        );
+        // runtime down without waiting; it never takes the GIL. In a forked
+        // child that thread does not exist: the client is forgotten.
+        let conn = self
+            .conn
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        drop(conn.and_then(|c| self.home.keep_here(c)));
     }
 }

@@ -26,6 +26,20 @@ LEAK_KEYS = (
 
 
 @pytest.fixture
+def nats(tmp_path):
+    """A nats-server with JetStream on a free loopback port (skipped, or
+    failed under CI=true, when none is installed)."""
+    from nats_fake import NatsServer, find_nats_server, skip_or_fail
+
+    binary = find_nats_server()
+    if binary is None:
+        skip_or_fail("nats-server", "no nats-server >= 2.10.0 at $KV_NATS_SERVER, on $PATH or in target/nats (cargo xtask install)")
+    server = NatsServer(binary, tmp_path / "js")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def layout():
     return kv_reuse.Layout(2, 2, 8, "f32", TOKENS_PER_BLOCK, TP)
 

@@ -128,3 +128,45 @@ def test_a_timed_out_store_is_quarantined_and_the_error_says_until_when(layout):
     s = bank.store(list(range(10**6, 10**6 + 4 * TOKENS_PER_BLOCK)))
     assert len(s.sequence_hashes) == 4
     s.abort()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+@pytest.mark.parametrize("which", ["client", "directory", "publisher"])
+@pytest.mark.parametrize("mode", ["use", "exit"])
+def test_a_forked_child_refuses_the_parents_nats_connection(which, mode, nats):
+    """A RouterClient, DonorDirectory or target WorkerPublisher inherited by
+    a forked child: its calls are refused naming the call and both
+    processes (they would block on a runtime whose worker thread is the
+    parent's, or write into the parent's NATS stream), ``close()`` returns
+    at once, and the child's drop raises nothing. Before, the child's
+    ``close()`` of a publisher hung and its drop of a RouterClient raised
+    ``PanicException: threads should not terminate unexpectedly``. The
+    parent's connection still works afterwards."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "fork_nats_proc.py"), nats.url, which, mode],
+        capture_output=True, text=True, timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "panicked" not in proc.stderr and "PanicException" not in proc.stderr, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["status"] == 0, result
+    if mode == "use":
+        child = result["child"]
+        cls = {"client": "RouterClient", "directory": "DonorDirectory", "publisher": "WorkerPublisher"}[which]
+        call = {"client": "advise", "directory": "manifest", "publisher": "publish_prefix_stored"}[which]
+        exc = "RouterUnavailable" if which == "client" else "PublishFailed"
+        assert child["call"].startswith(f"{exc}: `{call}` refused in process "), child
+        assert f"this {cls} was created in process {os.getpid()}" not in child["call"]  # the script's pid, not pytest's
+        assert f"create a new {cls} in this process" in child["call"], child
+        if which == "directory":
+            assert child["flag"].startswith("PublishFailed: `donors` refused in process "), child
+        else:
+            assert child["flag"] is False, child  # connected / open
+        assert child["close_s"] < 1.0, child
+    after = result["after"]
+    if which == "client":
+        assert after == "AdviseRefused: router is draining", after  # answered over the parent's connection
+    elif which == "directory":
+        assert after == {"donors": 0, "manifest": None}, after
+    else:
+        assert after == 2, after  # two sealed blocks of 16 published

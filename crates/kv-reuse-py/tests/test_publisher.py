@@ -25,16 +25,6 @@ BLOCKS = 8
 
 
 @pytest.fixture
-def nats(tmp_path):
-    binary = find_nats_server()
-    if binary is None:
-        skip_or_fail("nats-server", "no nats-server >= 2.10.0 at $KV_NATS_SERVER, on $PATH or in target/nats (cargo xtask install)")
-    server = NatsServer(binary, tmp_path / "js")
-    yield server
-    server.stop()
-
-
-@pytest.fixture
 def router(nats):
     binary = find_router_binary()
     if binary is None:

@@ -17,16 +17,6 @@ from test_gil import Ticker
 TARGET = "00000000-0000-4000-8000-000000000002"
 
 
-@pytest.fixture
-def nats(tmp_path):
-    binary = find_nats_server()
-    if binary is None:
-        skip_or_fail("nats-server", "no nats-server >= 2.10.0 at $KV_NATS_SERVER, on $PATH or in target/nats (cargo xtask install)")
-    server = NatsServer(binary, tmp_path / "js")
-    yield server
-    server.stop()
-
-
 def test_bad_arguments_are_refused_naming_them():
     with pytest.raises(kv_reuse.BadArgument, match="timeout_s"):
         kv_reuse.RouterClient("nats://127.0.0.1:1", timeout_s=0)

@@ -253,7 +253,9 @@ class AdviseRefused(KvReuseError):
 
 class RouterClient:
     """A client of the router service: advise as NATS request/reply on ``kv_reuse.advise``.
-    One client may serve several threads at once."""
+    One client may serve several threads at once. It belongs to the process that made it: in a
+    forked child ``advise`` raises RouterUnavailable (`` `advise` refused in process ...``),
+    ``connected`` is False and ``close()`` touches nothing of the parent's."""
 
     def __init__(
         self,
@@ -297,7 +299,9 @@ class RouterClient:
 
 class WorkerPublisher:
     """A worker's presence on NATS for the router service: a donor agent (bank, pins, record,
-    KV events, announcement, inventory) or a prefill target's announcement. Context manager."""
+    KV events, announcement, inventory) or a prefill target's announcement. Context manager.
+    In a forked child its calls raise PublishFailed (`` `tick` refused in process ...``),
+    ``open`` is False and ``close()`` touches nothing of the parent's."""
 
     @staticmethod
     def donor(
@@ -402,7 +406,9 @@ class WorkerPublisher:
     ) -> bool: ...
 
 class DonorDirectory:
-    """The donor directory (JetStream KV bucket of donor records) watched from a prefill worker."""
+    """The donor directory (JetStream KV bucket of donor records) watched from a prefill worker.
+    In a forked child (where the watch does not run) ``manifest`` and ``donors`` raise
+    PublishFailed."""
 
     def __init__(
         self,

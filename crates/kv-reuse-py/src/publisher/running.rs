@@ -18,6 +18,7 @@ impl WorkerPublisher {
     /// The running state, cloned under a lock held for the clone only;
     /// `PublishFailed` naming `what` after `close()`.
     pub(super) fn running(&self, what: &str) -> PyResult<Arc<Running>> {
+        self.home.check(what, PublishFailed::new_err)?;
         self.running
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -64,14 +65,20 @@ impl WorkerPublisher {
     }
 
     /// Runs `f(agent)` on the runtime without the GIL, bounded by the
-    /// publisher's timeout; `Ok(None)` for a target.
-    pub(super) fn on_agent<T, F, Fut>(&self, py: Python<'_>, f: F) -> PyResult<Option<T>>
+    /// publisher's timeout; `Ok(None)` for a target. `call` names the Python
+    /// method in a refusal.
+    pub(super) fn on_agent<T, F, Fut>(
+        &self,
+        py: Python<'_>,
+        call: &str,
+        f: F,
+    ) -> PyResult<Option<T>>
     where
         T: Send,
         F: FnOnce(Arc<DonorAgent>) -> Fut + Send,
         Fut: std::future::Future<Output = PyResult<T>> + Send,
     {
-        let r = self.running("publish")?;
+        let r = self.running(call)?;
         let Some(agent) = r.agent.clone() else {
             return Ok(None);
         };
@@ -111,12 +118,15 @@ impl Drop for WorkerPublisher {
         // Not closed: stop the ticker and runtime without blocking; the
         // agent's bank closes when its last reference drops, and the record
         // lapses with its TTL. No call is in flight (each borrows `self`),
-        // so this is the last reference.
+        // so this is the last reference. In a forked child the runtime's
+        // worker does not exist and the record is the parent's: forgotten.
+        let home = self.home;
         if let Some(r) = self
             .running
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .take()
+            .and_then(|r| home.keep_here(r))
             .and_then(|r| Arc::try_unwrap(r).ok())
         {
             r.ticker.abort();
