@@ -5,7 +5,9 @@ exit runs interpreter finalization with nothing of pytest in the process.
 
 argv: exporter kind, pin socket path. Exporter kinds: ``numpy`` (numpy arrays), ``dlpack`` (a class of this
 script implementing ``__dlpack__`` / ``__dlpack_device__``) or
-``array_interface`` (a class of this script with ``__array_interface__``).
+``array_interface`` (a class of this script with ``__array_interface__``);
+``failed_job``: numpy, and after the fetch a ``fetch_async`` whose
+``donor_alive`` (a function of this script) raises, its result never taken.
 The donor stores a prompt, serves pins, and the target fetches it into its
 ``kv_caches``; then the script prints one JSON line (this process's
 ``/dev/shm`` entries, the fetched rows) and returns without deleting
@@ -20,6 +22,7 @@ it, and only if the ``Target`` tells the collector what it holds."""
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -52,7 +55,7 @@ class InterfaceCache:
 
 
 def exporter(array):
-    if KIND == "numpy":
+    if KIND in ("numpy", "failed_job"):
         return array
     if KIND == "dlpack":
         return DlpackCache(array)
@@ -82,6 +85,19 @@ router.report_donor(donor.manifest(), pins.endpoint, dict(zip(prompt, donor.slot
 advice = router.advise("req-1", prompt, target.engine_id)
 with target.fetch(advice.hint, prompt, donor.manifest()) as outcome:
     rows = list(outcome.rows)
+
+
+def failing_probe():
+    raise RuntimeError("the probe failed")
+
+
+if KIND == "failed_job":
+    # The job's FetchFellBack has the probe's exception as its __cause__,
+    # whose traceback holds this script's frame and so its globals, which
+    # hold the job: a cycle through the FetchJob, left untaken.
+    job = target.fetch_async(advice.hint, prompt, donor.manifest(), donor_alive=failing_probe)
+    while job.state != "done":
+        time.sleep(0.01)
 me = os.getpid()
 print(
     json.dumps(

@@ -21,7 +21,19 @@ from conftest import BLOCKS, TOKENS_PER_BLOCK, TP
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("kind", ["numpy", "dlpack", "array_interface"])
+UNTAKEN_FAILED_JOB = pytest.param(
+    "failed_job",
+    marks=pytest.mark.xfail(
+        strict=True,
+        reason="known library leak: a FetchJob's untaken result (a FetchFellBack "
+        "whose __cause__ is the donor_alive probe's exception, its traceback "
+        "holding the script's globals) sits in a channel the garbage collector "
+        "cannot see; remove this mark once FetchJob shows it (__traverse__)",
+    ),
+)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "dlpack", "array_interface", UNTAKEN_FAILED_JOB])
 def test_a_donor_held_in_globals_leaves_no_shm_at_exit(kind, tmp_path):
     """With ``kv_caches`` from a class of the script (``dlpack``,
     ``array_interface``) the script's globals, the target and its exporters
