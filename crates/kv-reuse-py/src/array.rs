@@ -22,6 +22,7 @@ use std::ffi::c_void;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict};
+use pyo3::{PyTraverseError, PyVisit};
 
 use kv_bank::{BankError, BankMemory, MemoryKind};
 use kv_descriptor::{DType, ExportHandle};
@@ -566,7 +567,7 @@ impl<'py> ArrayView<'py> {
             ptr: self.ptr,
             len: self.len,
             kind: self.kind,
-            _owners: vec![(self.owner.unbind(), self.capsule.map(Bound::unbind))],
+            owners: vec![(self.owner.unbind(), self.capsule.map(Bound::unbind))],
         }
     }
 }
@@ -586,11 +587,28 @@ impl ExternalMemory {
             ptr: base,
             len,
             kind,
-            _owners: views
+            owners: views
                 .into_iter()
                 .map(|v| (v.owner.unbind(), v.capsule.map(Bound::unbind)))
                 .collect(),
         }
+    }
+
+    /// Shows the garbage collector each exporter and DLPack capsule this
+    /// region holds (one strong reference each), for the `__traverse__` of
+    /// the one pyclass that owns the region (`Target`). Without it a
+    /// reference cycle through that pyclass (an exporter whose class is
+    /// defined in a script: its methods' globals hold the target) is never
+    /// collected, and whatever else the cycle holds (a donor bank in the
+    /// same globals) outlives interpreter exit with its /dev/shm entries.
+    pub(crate) fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        for (exporter, capsule) in &self.owners {
+            visit.call(exporter)?;
+            if let Some(capsule) = capsule {
+                visit.call(capsule)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -720,7 +738,7 @@ fn read_dlpack<'py>(
 #[derive(Debug)]
 pub(crate) struct ExternalMemory {
     /// Each exporter and its DLPack capsule, kept alive with the region.
-    _owners: Vec<(Py<PyAny>, Option<Py<PyAny>>)>,
+    owners: Vec<(Py<PyAny>, Option<Py<PyAny>>)>,
     ptr: usize,
     len: usize,
     kind: MemoryKind,
@@ -763,7 +781,7 @@ impl BankMemory for ExternalMemory {
     fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
         self.host_range("write_bytes", offset, src.len())?;
         // SAFETY: host memory of `len` writable bytes (checked writable
-        // when viewed) kept alive by `_owners`; the range is in bounds. A
+        // when viewed) kept alive by `owners`; the range is in bounds. A
         // spanning region (HF cache) may hold gaps between its tensors: its
         // region layout was built from the tensors' own addresses and
         // strides, so the converting copy writes only their elements. The engine does not touch rows reserved for a fetch (the

@@ -125,6 +125,8 @@ pub(crate) struct WorkerPublisher {
     /// The donor's bank view (None for a target), released by `close()`:
     /// it holds the bank manager, and with it the bank's lease files
     /// (`lease_holders`, one per TP rank) until its last reference goes.
+    /// No `__traverse__` shows it to the garbage collector: a `DonorBank`
+    /// holds no Python object, so no reference cycle passes through it.
     bank: Mutex<Option<Py<DonorBank>>>,
 }
 

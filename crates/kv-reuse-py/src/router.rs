@@ -259,6 +259,8 @@ pub(crate) struct Advice {
     /// The verdict with its reason (`Admit`, `Refuse(NoDonor)`, ...).
     verdict: String,
     /// The hint envelope (MessagePack) to send to the target, when admitted.
+    /// Bytes hold no references: no cycle passes through an `Advice`, so it
+    /// needs no `__traverse__`.
     hint: Option<Py<PyBytes>>,
 }
 

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use pyo3::{PyTraverseError, PyVisit};
 
 use kv_bank::{BankError, BankMemory, DestinationPool, MemoryKind};
 use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
@@ -41,6 +42,12 @@ pub(crate) struct Target {
     /// Destination rows (KV blocks) per TP rank.
     rows: u32,
     regions: Vec<Arc<dyn BankMemory>>,
+    /// The regions that are the engine's tensors (`kv_caches`), typed: the
+    /// Python objects they hold are shown to the garbage collector
+    /// (`__traverse__`). Every clone of these `Arc`s lives in this target
+    /// (`regions`, `executor`), so the references they hold are this
+    /// target's alone.
+    external: Vec<Arc<ExternalMemory>>,
     executor: FetchExecutor,
     /// CUDA IPC donors kept imported between fetches (donor_imports.rs).
     imports: DonorImports,
@@ -138,6 +145,7 @@ impl Target {
         // Bytes each destination tensor claimed: two ranks (or layers) must
         // not be given the same memory.
         let mut claimed = Claimed::default();
+        let mut external = Vec::new();
         let regions: Vec<Arc<dyn BankMemory>> = match kv_caches {
             None => (0..tp)
                 .map(|_| {
@@ -177,8 +185,9 @@ impl Target {
                         crate::engine_layout::hf_region(layout.inner, r as u32, rows, &views)?;
                     let kind = views[0].memory_kind();
                     hf_layouts.push(region);
-                    out.push(Arc::new(ExternalMemory::spanning(views, base, len, kind))
-                        as Arc<dyn BankMemory>);
+                    let memory = Arc::new(ExternalMemory::spanning(views, base, len, kind));
+                    external.push(memory.clone());
+                    out.push(memory as Arc<dyn BankMemory>);
                 }
                 out
             }
@@ -200,7 +209,9 @@ impl Target {
                             .and_then(|v| v.writable(&arg))?;
                         // C-contiguous: the span is exactly its bytes.
                         claimed.claim(&arg, v.memory_kind(), v.addr(), v.span_bytes())?;
-                        Ok(Arc::new(v.into_memory()) as Arc<dyn BankMemory>)
+                        let memory = Arc::new(v.into_memory());
+                        external.push(memory.clone());
+                        Ok(memory as Arc<dyn BankMemory>)
                     })
                     .collect::<PyResult<Vec<_>>>()?
             }
@@ -258,10 +269,41 @@ impl Target {
             layout,
             rows,
             regions,
+            external,
             executor,
             imports: DonorImports::default(),
             jobs: FetchJobs::default(),
         })
+    }
+
+    /// Shows the garbage collector the engine's tensors (exporters and
+    /// DLPack capsules) this target holds, so that a reference cycle
+    /// through it is collected: a `kv_caches` exporter whose class is
+    /// defined in the engine's script reaches the script's globals, which
+    /// hold the target; unseen, that cycle (and a donor bank in the same
+    /// globals, with its /dev/shm segments and leases) outlived interpreter
+    /// exit. Visits every Python object the target holds; it holds no
+    /// other (`donor_alive` lives with a fetch, not the target).
+    ///
+    /// There is deliberately no `__clear__`: the exporters are the memory a
+    /// fetch writes through raw pointers, so the target lets go of them
+    /// only in its own drop, when no fetch can run (each fetch holds the
+    /// target: `fetch` through its caller's reference, a `fetch_async` job
+    /// through the `Py<Target>` it owns until it ends). Those references
+    /// are invisible to the collector, so a target with a fetch in flight
+    /// is never part of garbage at all. A cycle through a target is broken
+    /// by clearing its other members (the exporter's `__dict__`, the
+    /// script's globals), after which the target's refcount reaches zero
+    /// and its drop releases the exporters. Such a clear may free an
+    /// exporter's memory before the target's drop (an `__array_interface__`
+    /// object whose `__dict__` held the array): harmless, since nothing
+    /// reaches the garbage target to start a fetch and its drop reads or
+    /// writes none of that memory.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        for memory in &self.external {
+            memory.traverse(&visit)?;
+        }
+        Ok(())
     }
 
     /// Donors whose CUDA IPC banks this target keeps imported between

@@ -129,7 +129,8 @@ def test_fetch_async_runs_on_the_targets_thread_and_returns_what_fetch_does(dono
     """``fetch_async`` checks its arguments on the calling thread, runs the
     fetch on the target's own thread while this one keeps the GIL, and its
     job gives the same outcome (rows, bytes) as ``fetch``; the result is
-    taken once; a fallback raises from ``result()``, leaving nothing held."""
+    taken once; a fallback raises from ``result()``, leaving nothing held
+    (the killed donor's /dev/shm entries are reclaimed)."""
     proc, report = donor
     prompt, manifest, target, advice = admitted_target(report, layout, enabled, "req-async")
     other = kv_reuse.sequence_hashes(list(range(5, 5 + TOKENS_PER_BLOCK * BLOCKS)), TOKENS_PER_BLOCK)
@@ -166,6 +167,10 @@ def test_fetch_async_runs_on_the_targets_thread_and_returns_what_fetch_does(dono
         job.result()
     assert e.value.args[1] in ("import", "pin", "transfer"), e.value.args
     del e
+    # The killed donor could not unlink its segments and leases: reclaimed
+    # here once its lease lapsed, as an operator's sweep would, not left in
+    # /dev/shm by every run.
+    assert_reclaimed(proc.pid)
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="SIGSTOP is POSIX only")
