@@ -89,7 +89,7 @@ def advise_until_admitted(client, hashes, target, deadline_s=20.0):
             advice = client.advise(f"req-{time.monotonic_ns()}", hashes, target)
             if advice.admitted:
                 return advice
-            last = advice.verdict
+            last = f"{advice.reason}: {advice.detail}"
         except kv_reuse.AdviseRefused as e:
             last = str(e)
         time.sleep(0.1)
@@ -287,6 +287,12 @@ def test_the_router_service_admits_a_python_donor_and_the_target_fetches(
                 assert announced.bank is None
                 advice = advise_until_admitted(client, hashes, target.engine_id)
                 assert advice.hint is not None
+                # The service's reply carries the decision's terms (wire-formats.md, "Advise").
+                assert advice.reason is None and advice.detail is None
+                t = advice.terms
+                assert (t.path, t.transfer_blocks) == ("host", BLOCKS)
+                assert t.reused_tokens == BLOCKS * TOKENS_PER_BLOCK
+                assert t.saving_us == t.recompute_saved_us - t.transfer_cost_us - t.lookup_us
                 manifest = directory.manifest(hello["engine_id"], wait_s=10.0)
                 assert manifest == bytes.fromhex(hello["manifest"])
                 with target.fetch(advice.hint, hashes, manifest) as out:
@@ -326,7 +332,7 @@ def fetch_until_from(client, target, hashes, manifest, want_from, layout, deadli
                     assert_rows_are_the_donors(target, out, layout, want_from)
                     return len(seen)
         else:
-            seen.append(advice.verdict)
+            seen.append(advice.reason)
         time.sleep(0.1)
     pytest.fail(f"no fetch from block {want_from} within {deadline_s} s; seen {seen[-5:]}")
 
