@@ -158,8 +158,9 @@ pub(crate) struct Advice {
     /// None when admitted; else the refusal in words (the lookup's no-donor
     /// reason, the thresholds missed): for logs, not for branching.
     detail: Option<String>,
-    /// The cost estimate, or None when none was made (reuse off, no donor,
-    /// no hint).
+    /// The cost estimate, or None when none was made: reuse off, no donor,
+    /// cancelled, or a donor record the hint could not be built from
+    /// (a `hint_unavailable` found after pricing keeps its terms).
     terms: Option<Py<CostTerms>>,
     /// The hint envelope (MessagePack) to send to the target, when admitted.
     hint: Option<Py<PyBytes>>,

@@ -284,7 +284,8 @@ class Advice:
         """None when admitted; else the refusal in words (free text, for logs)."""
     @property
     def terms(self) -> Optional[CostTerms]:
-        """The cost estimate; None when none was made (reuse off, no donor, no hint)."""
+        """The cost estimate; None when none was made (reuse off, no donor, cancelled, a donor
+        record the hint could not be built from)."""
     @property
     def hint(self) -> Optional[bytes]:
         """The hint envelope (MessagePack) for ``Target.fetch``, when admitted."""
