@@ -3,8 +3,8 @@
 //!
 //! The module loads without CUDA or NIXL: the Rust crates below resolve both
 //! at run time. Python classes: `Layout` (module `layout`), `Settings`
-//! (`settings`), `DonorBank`, `PendingStore`, `PinServer` (`donor`), `Router`,
-//! `Advice` (`router`), `RouterClient` (`router_client`, advise over NATS), `WorkerPublisher`
+//! (`settings`), `DonorBank`, `PendingStore`, `PinServer` (`donor`), `Router`
+//! (`router`), `Advice` and `CostTerms` (`advice`), `RouterClient` (`router_client`, advise over NATS), `WorkerPublisher`
 //! (`publisher`, registration, KV events and the manifest on NATS), `Target` (`target`), `FetchJob`
 //! (`fetch_job`), `FetchOutcome` (`fetch_outcome`),
 //! `StreamGate` (`stream_gate`: an engine stream released as soon as a fetch's copies are issued); exceptions in
@@ -13,6 +13,7 @@
 //! (foreign tensor memory) and `stream_gate` (a foreign CUDA stream handle).
 //! API and examples: docs/python.md.
 
+mod advice;
 mod array;
 mod directory;
 mod donor;
@@ -117,7 +118,8 @@ fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<donor::PendingStore>()?;
     m.add_class::<donor::PinServer>()?;
     m.add_class::<router::Router>()?;
-    m.add_class::<router::Advice>()?;
+    m.add_class::<advice::Advice>()?;
+    m.add_class::<advice::CostTerms>()?;
     m.add_class::<router_client::RouterClient>()?;
     m.add_class::<publisher::WorkerPublisher>()?;
     m.add_class::<directory::DonorDirectory>()?;

@@ -32,9 +32,9 @@ use kv_descriptor::{
     EngineId, GpuIdentity, KvEventData, OwnerLease, Role, SequenceHash, StorageTier, Wire,
 };
 use kv_router_glue::{
-    announce_subject, AgentError, DirectoryPlane, DonorAgent, DonorAgentConfig, EventPlane,
-    KvEventPublisher, NatsDirectory, NatsInventory, NatsPlane, PinServiceConfig, PublisherHeader,
-    Subject, WorkerAnnouncement,
+    announce_subject, redact_url, AgentError, DirectoryPlane, DonorAgent, DonorAgentConfig,
+    EventPlane, KvEventPublisher, NatsDirectory, NatsInventory, NatsPlane, PinServiceConfig,
+    PublisherHeader, Subject, WorkerAnnouncement,
 };
 
 use crate::donor::DonorBank;
@@ -120,7 +120,10 @@ pub(crate) struct WorkerPublisher {
     home: ProcessBound,
     role: Role,
     engine_id: EngineId,
-    nats_url: String,
+    /// `nats_url` with any password or token as `***` (`redact_url`): the
+    /// only form kept, since it is only ever printed (error messages), and
+    /// a secret in the URL must not reach them.
+    shown_url: String,
     timeout: Duration,
     /// The donor's bank view (None for a target), released by `close()`:
     /// it holds the bank manager, and with it the bank's lease files
@@ -317,7 +320,7 @@ impl WorkerPublisher {
             }))),
             home: ProcessBound::here("WorkerPublisher"),
             role: Role::Decode,
-            nats_url: nats_url.to_owned(),
+            shown_url: redact_url(nats_url),
             timeout,
             bank: Mutex::new(Some(bank)),
         })
@@ -439,7 +442,7 @@ impl WorkerPublisher {
             home: ProcessBound::here("WorkerPublisher"),
             role: Role::Prefill,
             engine_id: engine,
-            nats_url: nats_url.to_owned(),
+            shown_url: redact_url(nats_url),
             timeout,
             bank: Mutex::new(None),
         })
@@ -647,7 +650,7 @@ impl WorkerPublisher {
             return Ok(());
         };
         let timeout = self.timeout + drain;
-        let url = self.nats_url.clone();
+        let url = self.shown_url.clone();
         // Taken now and dropped (with the GIL) when this call returns, after
         // the agent closed the bank, whatever the outcome: a closed
         // publisher has no use for it, and this reference alone kept the

@@ -14,6 +14,7 @@ use kv_router_glue::{
     Advisor, CostModel, DecisionLog, DonorDirectory, LiveCostModel, ResolveError, ResolvedDonor,
 };
 
+use crate::advice::Advice;
 use crate::donor::pin_endpoint;
 use crate::errors::{bad_argument, descriptor, lookup, uint, uints};
 use crate::layout::{engine_id, Layout};
@@ -243,44 +244,6 @@ impl Router {
             .transpose()
             .map_err(descriptor)?
             .map(|b| PyBytes::new(py, &b).unbind());
-        Ok(Advice::new(
-            advice.decision.admitted(),
-            format!("{:?}", advice.decision.verdict),
-            hint,
-        ))
-    }
-}
-
-/// What the router decided for one request.
-#[pyclass(frozen, get_all, module = "kv_reuse")]
-pub(crate) struct Advice {
-    /// True when a fetch hint is attached.
-    admitted: bool,
-    /// The verdict with its reason (`Admit`, `Refuse(NoDonor)`, ...).
-    verdict: String,
-    /// The hint envelope (MessagePack) to send to the target, when admitted.
-    /// Bytes hold no references: no cycle passes through an `Advice`, so it
-    /// needs no `__traverse__`.
-    hint: Option<Py<PyBytes>>,
-}
-
-impl Advice {
-    /// The Python form of one decision (in-process `Router` or the service).
-    pub(crate) fn new(admitted: bool, verdict: String, hint: Option<Py<PyBytes>>) -> Self {
-        Self {
-            admitted,
-            verdict,
-            hint,
-        }
-    }
-}
-
-#[pymethods]
-impl Advice {
-    fn __repr__(&self) -> String {
-        format!(
-            "Advice(admitted={}, verdict={:?})",
-            self.admitted, self.verdict
-        )
+        Advice::new(py, &advice.decision, hint)
     }
 }

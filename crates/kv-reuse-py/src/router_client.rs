@@ -32,11 +32,11 @@ use kv_router_glue::service::{
     ADVISE_SUBJECT,
 };
 
+use crate::advice::Advice;
 use crate::errors::{bad_argument, descriptor, uint, uints, AdviseRefused, RouterUnavailable};
 use crate::layout::engine_id;
 use crate::nats_auth::NatsCredentials;
 use crate::process_bound::ProcessBound;
-use crate::router::Advice;
 
 /// A client of the router service over NATS.
 #[pyclass(frozen, module = "kv_reuse")]
@@ -307,11 +307,7 @@ impl RouterClient {
                     .transpose()
                     .map_err(descriptor)?
                     .map(|b| PyBytes::new(py, &b).unbind());
-                Ok(Advice::new(
-                    decision.admitted(),
-                    format!("{:?}", decision.verdict),
-                    hint,
-                ))
+                Advice::new(py, &decision, hint)
             }
         }
     }

@@ -5,6 +5,7 @@ CONNECT, SUB, MSG, PUB, PING/PONG)."""
 import os
 import sys
 import socket
+import struct
 import subprocess
 import threading
 
@@ -52,7 +53,17 @@ class NatsServer:
 
 
 def msgpack(v):
-    """MessagePack of str / dict-of-str values (all a refusal reply needs)."""
+    """MessagePack of None, bool, a non-negative int, float (as float64), str
+    and dict values: a refusal reply, or a decision with its cost terms."""
+    if v is None:
+        return b"\xc0"
+    if isinstance(v, bool):
+        return b"\xc3" if v else b"\xc2"
+    if isinstance(v, int):
+        assert 0 <= v < 2**64
+        return bytes([v]) if v < 128 else b"\xcf" + struct.pack(">Q", v)
+    if isinstance(v, float):
+        return b"\xcb" + struct.pack(">d", v)
     if isinstance(v, str):
         b = v.encode()
         assert len(b) < 256

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -129,6 +130,23 @@ def round_trip(torch, layout, enabled, report, protocol, request_id):
                 want[row] = pattern(layout, rank, block)
             assert caches[rank].cpu().numpy().tobytes() == want.tobytes()
     assert target.free_rows == rows
+
+
+def test_a_gpu_donor_is_priced_on_the_gpu_path_and_refused_when_it_is_off(cuda_donor, layout, enabled):
+    """A CUDA bank's advice prices the GPU path (``terms.path == "gpu"``, the
+    GPU block cost); with ``enable_decode_to_prefill_gpu_reuse`` off the
+    router refuses it as ``gpu_path_disabled``, keeping its terms."""
+    _, report = cuda_donor
+    target = types.SimpleNamespace(engine_id="00000000-0000-4000-8000-0000000000b1")
+    advice = router_for(report, layout, enabled, target).advise("req-gpu", report["hashes"], target.engine_id)
+    assert advice.admitted and advice.reason is None, advice.detail
+    assert advice.terms.path == "gpu" and advice.terms.transfer_blocks == BLOCKS
+    host_only = kv_reuse.Settings({"enable_decode_to_prefill_reuse": True}, env={})
+    advice = router_for(report, layout, host_only, target).advise("req-gpu-off", report["hashes"],
+                                                                  target.engine_id)
+    assert (advice.admitted, advice.reason) == (False, "gpu_path_disabled")
+    assert "enable_decode_to_prefill_gpu_reuse is off" in advice.detail
+    assert advice.terms.path == "gpu" and advice.hint is None
 
 
 @pytest.mark.parametrize("protocol", ["cuda_array_interface", "dlpack"])

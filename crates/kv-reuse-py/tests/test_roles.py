@@ -334,7 +334,7 @@ def test_reuse_off_by_default_attaches_no_hint(donor, layout):
     router = router_for(report, layout, kv_reuse.Settings(env={}), target)
     advice = router.advise("req-off", report["hashes"], target.engine_id)
     assert not advice.admitted and advice.hint is None
-    assert "Refuse" in advice.verdict
+    assert advice.reason == "reuse_disabled" and advice.terms is None
 
 
 def test_a_killed_donor_falls_back(donor, layout, enabled):

@@ -154,6 +154,67 @@ def test_a_garbled_reply_is_a_descriptor_error(nats):
         replica.stop()
 
 
+def terms(path, blocks, minimum_blocks=4, minimum_saving_us=2000.0, lookup_us=12.5):
+    """A CostTerms map as the router service encodes it (docs/wire-formats.md,
+    "Advise"): 64-token blocks, 30 µs a token, 400 µs a block."""
+    recompute, transfer = blocks * 64 * 30.0, blocks * 400.0
+    return {"path": path, "reused_tokens": blocks * 64, "prefill_token_us": 30.0,
+            "recompute_saved_us": recompute, "transfer_blocks": blocks, "block_us": 400.0,
+            "transfer_cost_us": transfer, "lookup_us": lookup_us,
+            "saving_us": recompute - transfer - lookup_us,
+            "minimum_saving_us": minimum_saving_us, "minimum_blocks": minimum_blocks}
+
+
+# Every refusal kind of kv_router_glue's RefuseReason as the service sends it:
+# (verdict's reason on the wire, terms, Advice.reason, a part of Advice.detail).
+SERVICE_REFUSALS = [
+    ("reuse_disabled", None, "reuse_disabled", "enable_decode_to_prefill_reuse is off"),
+    ("gpu_path_disabled", terms("gpu", 6), "gpu_path_disabled", "enable_decode_to_prefill_gpu_reuse is off"),
+    ("too_few_blocks", terms("host", 2), "too_few_blocks",
+     "2 blocks to fetch, fewer than minimum_transfer_prefix_blocks = 4"),
+    ("saving_below_minimum", terms("host", 6, minimum_saving_us=1e7), "saving_below_minimum",
+     "estimated saving 9107.5 µs is below minimum_estimated_ttft_saving_ms (10000000.0 µs)"),
+    ({"no_donor": "no worker holds block 0"}, None, "no_donor", "no worker holds block 0"),
+    ({"hint_unavailable": "block 3 is gone"}, None, "hint_unavailable", "block 3 is gone"),
+    ("cancelled", None, "cancelled", "cancelled during its donor lookup"),
+]
+
+
+def test_a_decided_reply_gives_the_same_typed_fields_as_the_router(nats):
+    """The service's reply carries the whole decision (verdict and cost
+    terms): RouterClient's Advice has the same reason code, detail and
+    terms as Router.advise, for every kind of refusal, including those a
+    CPU-only in-process router cannot provoke (gpu_path_disabled,
+    cancelled)."""
+    replies = [
+        msgpack({"request_id": f"req-d{i}", "result": {"decided": {
+            "decision": {"request_id": f"req-d{i}", "terms": t, "verdict": {"refuse": wire}},
+            "hint": None}}})
+        for i, (wire, t, _, _) in enumerate(SERVICE_REFUSALS)
+    ]
+    replica = Replier(nats.url, "kv_reuse.advise", lambda _: replies.pop(0))
+    replica.start()
+    try:
+        with kv_reuse.RouterClient(nats.url) as client:
+            for i, (wire, sent, reason, detail) in enumerate(SERVICE_REFUSALS):
+                advice = client.advise(f"req-d{i}", [1, 2], TARGET)
+                assert not advice.admitted and advice.hint is None
+                assert advice.reason == reason
+                assert detail in advice.detail, advice.detail
+                assert advice.verdict.startswith("Refuse(")
+                if sent is None:
+                    assert advice.terms is None
+                    continue
+                got = {k: getattr(advice.terms, k) for k in sent}
+                assert got == sent
+                assert advice.terms.saving_us == (advice.terms.recompute_saved_us
+                                                  - advice.terms.transfer_cost_us
+                                                  - advice.terms.lookup_us)
+    finally:
+        replica.stop()
+    assert replies == []
+
+
 def test_advise_releases_the_gil_while_a_replica_is_silent(nats):
     replica = Replier(nats.url, "kv_reuse.advise", None)
     replica.start()

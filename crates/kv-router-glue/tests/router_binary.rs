@@ -425,12 +425,23 @@ fn bad_flags_are_refused_with_exit_code_2() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("`fingerprint` is required"), "{err}");
 
+    // A password in KV_ROUTER_NATS_URL (or the other secrets' variables)
+    // must not be echoed by `--help`, which prints set env values by default.
     let help = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
         .arg("--help")
+        .env(
+            "KV_ROUTER_NATS_URL",
+            "nats://router:pw-in-url@127.0.0.1:4222",
+        )
+        .env("KV_ROUTER_NATS_PASSWORD", "pw-in-var")
+        .env("KV_ROUTER_NATS_TOKEN", "tok-in-var")
         .output()
         .unwrap();
     assert!(help.status.success());
     let text = String::from_utf8_lossy(&help.stdout);
+    for secret in ["pw-in-url", "pw-in-var", "tok-in-var"] {
+        assert!(!text.contains(secret), "--help shows {secret}:\n{text}");
+    }
     for flag in [
         "--nats-url",
         "--namespace",

@@ -13,6 +13,7 @@ from ._native import (  # noqa: F401
     AdviseRefused,
     BadArgument,
     BankFailed,
+    CostTerms,
     CudaUnavailable,
     DescriptorRefused,
     DonorBank,

@@ -1,7 +1,7 @@
 """Type stubs of the compiled kv_reuse module (crates/kv-reuse-py/src)."""
 
 from types import TracebackType
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Type
 
 class KvReuseError(Exception):
     """Base of every kv_reuse error."""
@@ -219,15 +219,81 @@ class DonorBank:
         ``endpoint`` when it does not parse or its socket path is relative, PinServiceFailed when
         binding fails."""
 
-class Advice:
-    """The router's decision for one request."""
+class CostTerms:
+    """Every term of the router's cost estimate for one request (µs unless named otherwise):
+    ``saving_us = recompute_saved_us - transfer_cost_us - lookup_us``; admitted only when
+    ``transfer_blocks >= minimum_blocks`` and ``saving_us >= minimum_saving_us``."""
 
     @property
-    def admitted(self) -> bool: ...
+    def path(self) -> Literal["gpu", "host"]:
+        """The transfer path priced: the donor's bank in device or in host memory."""
     @property
-    def verdict(self) -> str: ...
+    def reused_tokens(self) -> int:
+        """Tokens not recomputed (``transfer_blocks x tokens_per_block``)."""
     @property
-    def hint(self) -> Optional[bytes]: ...
+    def prefill_token_us(self) -> float:
+        """Prefill cost per token used, µs."""
+    @property
+    def recompute_saved_us(self) -> float:
+        """``reused_tokens x prefill_token_us``, µs."""
+    @property
+    def transfer_blocks(self) -> int:
+        """Blocks the fetch would move."""
+    @property
+    def block_us(self) -> float:
+        """Per-block transfer cost used for ``path``, µs."""
+    @property
+    def transfer_cost_us(self) -> float:
+        """``transfer_blocks x block_us``, µs."""
+    @property
+    def lookup_us(self) -> float:
+        """Time the donor lookup took, charged against the saving, µs."""
+    @property
+    def saving_us(self) -> float:
+        """``recompute_saved_us - transfer_cost_us - lookup_us``, µs."""
+    @property
+    def minimum_saving_us(self) -> float:
+        """Threshold: ``minimum_estimated_ttft_saving_ms x 1000``, µs."""
+    @property
+    def minimum_blocks(self) -> int:
+        """Threshold: ``minimum_transfer_prefix_blocks``."""
+
+# Stub-only alias (no runtime name): the codes of `Advice.reason`.
+_RefuseCode = Literal[
+    "no_donor",
+    "too_few_blocks",
+    "saving_below_minimum",
+    "reuse_disabled",
+    "gpu_path_disabled",
+    "hint_unavailable",
+    "cancelled",
+]
+
+class Advice:
+    """The router's decision for one request (``Router.advise`` and ``RouterClient.advise``
+    give the same fields)."""
+
+    @property
+    def admitted(self) -> bool:
+        """True when a fetch hint is attached."""
+    @property
+    def reason(self) -> Optional[_RefuseCode]:
+        """None when admitted; else a stable code to branch on."""
+    @property
+    def detail(self) -> Optional[str]:
+        """None when admitted; else the refusal in words (free text, for logs)."""
+    @property
+    def terms(self) -> Optional[CostTerms]:
+        """The cost estimate; None when none was made (reuse off, no donor, cancelled, a donor
+        record the hint could not be built from)."""
+    @property
+    def hint(self) -> Optional[bytes]:
+        """The hint envelope (MessagePack) for ``Target.fetch``, when admitted."""
+    @property
+    def verdict(self) -> str:
+        """Deprecated: the Rust ``Debug`` text of the verdict (``Admit``,
+        ``Refuse(NoDonor("..."))``), kept unchanged for readers that log it; its form is not
+        stable. Use ``admitted``, ``reason`` and ``detail``."""
 
 class Router:
     """An in-process router: index + donor directory + advisor."""

@@ -45,7 +45,7 @@ impl WorkerPublisher {
                 "publish_prefix: a donor's KV events come from its bank (publish_events)",
             ));
         }
-        let (timeout, url) = (self.timeout, self.nats_url.clone());
+        let (timeout, url) = (self.timeout, self.shown_url.clone());
         // `r` moves in: if `close()` gave up waiting for this call, the last
         // reference (the runtime) drops here, without the GIL.
         py.allow_threads(move || {
@@ -82,7 +82,7 @@ impl WorkerPublisher {
         let Some(agent) = r.agent.clone() else {
             return Ok(None);
         };
-        let (timeout, url) = (self.timeout, self.nats_url.clone());
+        let (timeout, url) = (self.timeout, self.shown_url.clone());
         py.allow_threads(move || {
             r.runtime.block_on(async {
                 match tokio::time::timeout(timeout, f(agent)).await {

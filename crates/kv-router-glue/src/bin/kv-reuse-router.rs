@@ -53,9 +53,12 @@ struct Cli {
     /// `tls://`, `ws://` or `wss://` (no scheme: `nats://`); the client
     /// reaches one, moves to another when it is lost, and learns the
     /// cluster's other servers from the one it reaches.
+    // `hide_env_values`: `--help` would print the variable's value as set,
+    // and a URL may carry a password (`nats://user:pw@host`).
     #[arg(
         long,
         env = "KV_ROUTER_NATS_URL",
+        hide_env_values = true,
         default_value = "nats://127.0.0.1:4222",
         value_parser = NatsUrlParser
     )]
