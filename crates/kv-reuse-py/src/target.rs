@@ -67,8 +67,10 @@ struct PreparedFetch {
     endpoint: String,
     pin_timeout: Duration,
     control: DeliveryControl,
-    /// What the `donor_alive` probe raised, if it did (its `__cause__`).
-    probe_error: Option<ProbeError>,
+    /// The `donor_alive` probe's callable and what it raised (the
+    /// fallback's `__cause__`), taken back by the caller once the fetch
+    /// ended: a clone of this `Arc` is taken before the fetch runs.
+    probe: Option<Arc<Probe>>,
     /// Ends the fetch's `StreamGate` when the fetch is done (dropped).
     _gate_end: Option<crate::stream_gate::GateEnd>,
 }
@@ -289,9 +291,13 @@ impl Target {
     /// fetch writes through raw pointers, so the target lets go of them
     /// only in its own drop, when no fetch can run (each fetch holds the
     /// target: `fetch` through its caller's reference, a `fetch_async` job
-    /// through the `Py<Target>` it owns until it ends). Those references
-    /// are invisible to the collector, so a target with a fetch in flight
-    /// is never part of garbage at all. A cycle through a target is broken
+    /// through the `Py<Target>` its fetch thread owns until the fetch
+    /// ends). Those references are invisible to the collector, so a target
+    /// with a fetch in flight is never part of garbage at all. (Once the
+    /// fetch ended, the fetch thread hands that reference to the
+    /// `FetchJob`, which shows it and may drop it in its `__clear__`:
+    /// nothing writes into the target for that job any more.) A cycle
+    /// through a target is broken
     /// by clearing its other members (the exporter's `__dict__`, the
     /// script's globals), after which the target's refcount reaches zero
     /// and its drop releases the exporters. Such a clear may free an
@@ -408,7 +414,11 @@ impl Target {
             dst_token_offset,
             gate,
         )?;
-        py.allow_threads(|| self.run(prepared))
+        let probe = prepared.probe.clone();
+        let out = py.allow_threads(|| self.run(prepared));
+        // With the GIL: the callable is released here, not queued by pyo3.
+        let left = probe.map(|p| p.take());
+        out.map_err(|e| with_cause(py, e, left.and_then(|l| l.raised)))
     }
 
     /// `fetch` on the target's fetch thread: the same arguments, checked
@@ -451,17 +461,22 @@ impl Target {
             gate,
         )?;
         let target: Py<Target> = slf.clone().unbind();
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let state = FetchJob::new_state();
         let cancel = prepared.control.cancel.clone();
-        let job_state = state.clone();
+        let probe = prepared.probe.clone();
+        let (job, done) = FetchJob::new(cancel);
         this.jobs.submit(Box::new(move || {
-            let fetch = || target.get().run(prepared);
-            run_job(&job_state, &tx, fetch);
-            // Without the GIL, pyo3 defers this decref to the next holder.
-            drop(target);
+            let out = run_job(done.state(), || target.get().run(prepared));
+            // The fetch ended (or never started): its Python references
+            // (the target, the probe's callable and exception) go to the
+            // job, which releases them with the GIL and shows them to the
+            // collector meanwhile. Dropped here, without the GIL, pyo3 would
+            // queue their decrefs until the next call into the wheel.
+            let left = probe.map(|p| p.take());
+            let (raised, callable) = left.map_or((None, None), |l| (l.raised, l.callable));
+            let held = std::iter::once(target.into_any()).chain(callable).collect();
+            done.finish(out, raised, held);
         }))?;
-        Ok(FetchJob::new(rx, state, cancel))
+        Ok(job)
     }
 
     /// The bytes of destination row `row` of rank `rank` (a copy; use
@@ -604,9 +619,9 @@ impl Target {
                 Some(g.arm(gpus, from, blocks)?)
             }
         };
-        let (probe, probe_error) = donor_alive.map(python_probe).unzip();
+        let (live, probe) = donor_alive.map(python_probe).unzip();
         let control = DeliveryControl {
-            donor_alive: probe,
+            donor_alive: live,
             consumer,
             ..DeliveryControl::default()
         };
@@ -619,12 +634,15 @@ impl Target {
             endpoint,
             pin_timeout,
             control,
-            probe_error,
+            probe,
             _gate_end: gate_end,
         })
     }
 
     /// Runs a prepared fetch; needs no GIL (a `donor_alive` probe takes it).
+    /// Its error holds no Python object (made without the GIL); the probe's
+    /// exception, if it raised, is chained by the caller, which takes it
+    /// back from the `Probe` (a clone of `p.probe` taken before this call).
     fn run(&self, p: PreparedFetch) -> PyResult<FetchOutcome> {
         let PreparedFetch {
             envelope,
@@ -635,7 +653,7 @@ impl Target {
             endpoint,
             pin_timeout,
             control,
-            probe_error,
+            probe: _,
             _gate_end,
         } = p;
         let out = (|| {
@@ -678,8 +696,7 @@ impl Target {
             result
                 .map(|out| (out, import_us, micros(started.elapsed())))
                 .map_err(fetch)
-        })()
-        .map_err(|e| with_probe_cause(e, probe_error.as_ref()))?;
+        })()?;
         let (out, import_us, total_us) = out;
         Ok(FetchOutcome {
             rows: out.target_blocks.to_vec(),
@@ -825,4 +842,5 @@ fn micros(d: Duration) -> u64 {
 }
 
 mod probe;
-use probe::{python_probe, with_probe_cause, ProbeError};
+pub(crate) use probe::with_cause;
+use probe::{python_probe, Probe};

@@ -21,19 +21,7 @@ from conftest import BLOCKS, TOKENS_PER_BLOCK, TP
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-UNTAKEN_FAILED_JOB = pytest.param(
-    "failed_job",
-    marks=pytest.mark.xfail(
-        strict=True,
-        reason="known library leak: a FetchJob's untaken result (a FetchFellBack "
-        "whose __cause__ is the donor_alive probe's exception, its traceback "
-        "holding the script's globals) sits in a channel the garbage collector "
-        "cannot see; remove this mark once FetchJob shows it (__traverse__)",
-    ),
-)
-
-
-@pytest.mark.parametrize("kind", ["numpy", "dlpack", "array_interface", UNTAKEN_FAILED_JOB])
+@pytest.mark.parametrize("kind", ["numpy", "dlpack", "array_interface", "failed_job"])
 def test_a_donor_held_in_globals_leaves_no_shm_at_exit(kind, tmp_path):
     """With ``kv_caches`` from a class of the script (``dlpack``,
     ``array_interface``) the script's globals, the target and its exporters
@@ -41,7 +29,10 @@ def test_a_donor_held_in_globals_leaves_no_shm_at_exit(kind, tmp_path):
     target must show the collector the exporters it holds
     (``Target.__traverse__``), or the cycle, and the donor in those globals,
     outlive finalization and the bank's segments and leases stay in
-    /dev/shm."""
+    /dev/shm. ``failed_job``: an untaken ``FetchJob`` whose fallback chains
+    the probe's exception (its traceback holds the script's globals) must
+    show the collector that result (``FetchJob.__traverse__``) for the
+    same reason."""
     sock = tmp_path / "pin.sock"
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "exit_proc.py"), kind, str(sock)],
@@ -85,6 +76,20 @@ def stored_bank(layout, tokens):
     return bank
 
 
+def admitted(enabled, layout, bank, pins, target, prompt):
+    """The router's admitted advice for fetching ``prompt`` from ``bank``
+    (serving pins at ``pins``) into ``target``."""
+    router = kv_reuse.Router(enabled, TOKENS_PER_BLOCK)
+    router.register_worker(1, bank.engine_id, "decode", layout)
+    router.register_worker(2, target.engine_id, "prefill", layout)
+    for event in bank.drain_events():
+        router.apply_event(event)
+    router.report_donor(bank.manifest(), pins.endpoint, dict(zip(prompt, bank.slots(prompt))))
+    advice = router.advise("req-gc", prompt, target.engine_id)
+    assert advice.admitted, advice.verdict
+    return advice
+
+
 def test_a_fetch_in_flight_keeps_a_target_in_a_cycle_from_being_collected(layout, enabled, tmp_path):
     """A target reachable only through a reference cycle and its running
     ``fetch_async`` job: a collection during the fetch (run by the
@@ -99,14 +104,7 @@ def test_a_fetch_in_flight_keeps_a_target_in_a_cycle_from_being_collected(layout
         arrays = [np.zeros((8, layout.rank_block_elems), dtype=np.float32) for _ in range(TP)]
         caches = [DlpackCache(a) for a in arrays]
         target = kv_reuse.Target(layout, rows=8, kv_caches=caches)
-        router = kv_reuse.Router(enabled, TOKENS_PER_BLOCK)
-        router.register_worker(1, bank.engine_id, "decode", layout)
-        router.register_worker(2, target.engine_id, "prefill", layout)
-        for event in bank.drain_events():
-            router.apply_event(event)
-        router.report_donor(bank.manifest(), pins.endpoint, dict(zip(prompt, bank.slots(prompt))))
-        advice = router.advise("req-gc", prompt, target.engine_id)
-        assert advice.admitted, advice.verdict
+        advice = admitted(enabled, layout, bank, pins, target, prompt)
         caches[0].target = target  # the cycle: target -> exporter -> target
         exporter = weakref.ref(caches[0])
         seen = []
@@ -132,3 +130,51 @@ def test_a_fetch_in_flight_keeps_a_target_in_a_cycle_from_being_collected(layout
             gc.collect()
             time.sleep(0.01)
         assert exporter() is None, "the cycle through the target was not collected"
+
+
+class RaisingProbe:
+    """A ``donor_alive`` probe that raises: its exception's traceback holds
+    the frame of ``__call__``, whose ``self`` is this probe."""
+
+    def __call__(self):
+        raise RuntimeError("the probe failed")
+
+
+def test_an_untaken_failed_job_in_a_reference_cycle_is_collected(layout, enabled, tmp_path):
+    """A finished job whose result was never taken shows the collector what
+    it holds (its target, the probe, the probe's exception: a
+    ``FetchFellBack.__cause__`` to be) and lets go of it once taken. In a
+    cycle through that exception (probe -> job -> exception -> traceback ->
+    frame -> probe, as exit_proc.py's ``failed_job`` forms through the
+    script's globals) it is collected; when the result sat where the
+    collector could not see it, the cycle was never freed."""
+    tokens = list(range(TOKENS_PER_BLOCK * BLOCKS))
+    prompt = kv_reuse.sequence_hashes(tokens, TOKENS_PER_BLOCK)
+    bank = stored_bank(layout, tokens)
+    with bank.serve_pins("unix:" + str(tmp_path / "pin.sock")) as pins:
+        target = kv_reuse.Target(layout, rows=8)
+        advice = admitted(enabled, layout, bank, pins, target, prompt)
+        probe = RaisingProbe()
+        job = target.fetch_async(advice.hint, prompt, bank.manifest(), donor_alive=probe)
+        deadline = time.monotonic() + 10
+        while job.state != "done" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert job.state == "done"
+        held = gc.get_referents(job)
+        assert any(o is target for o in held) and any(o is probe for o in held), held
+        causes = [o for o in held if isinstance(o, RuntimeError)]
+        assert [str(c) for c in causes] == ["the probe failed"], held
+        del held, causes
+        # Taken, the result lets go of all of it.
+        taken = target.fetch_async(advice.hint, prompt, bank.manifest(), donor_alive=probe)
+        with pytest.raises(kv_reuse.FetchFellBack) as info:
+            taken.result(timeout_s=10)
+        assert type(info.value.__cause__) is RuntimeError
+        del info
+        assert gc.get_referents(taken) == []
+        probe.job = job  # the cycle
+        gone = weakref.ref(probe)
+        del job, probe, taken
+        gc.collect()
+        assert gone() is None, "the cycle through the untaken job was not collected"
+        assert target.free_rows == 8
