@@ -85,8 +85,11 @@ impl DonorDirectory {
         check_nats_url(nats_url)?;
         check_bucket(bucket)?;
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
-        let options =
-            NatsCredentials::from_kwargs(nats)?.options("kv-reuse-py-directory", timeout)?;
+        let options = NatsCredentials::from_kwargs(nats)?.options(
+            nats_url,
+            "kv-reuse-py-directory",
+            timeout,
+        )?;
         let cache = Arc::new(Mutex::new(DonorCache::new()));
         let feed = cache.clone();
         let url = nats_url.to_owned();

@@ -10,6 +10,9 @@
 //! project) so that a donor agent's plane, directory and inventory
 //! connections, and the target's, present the role's credentials to a
 //! server that enforces the permissions of docs/nats-permissions.conf.
+//! Credentials may instead be written in `nats_url`
+//! (`nats://user:password@host`, `nats://token@host`); that mapping takes
+//! them from there and refuses them next to these keywords.
 //! Secrets are never put in an error message.
 
 use std::path::PathBuf;
@@ -93,37 +96,39 @@ impl NatsCredentials {
         Ok(c)
     }
 
-    /// [`NatsCredentials::options`] as async-nats connect options
-    /// (`NatsOptions::connect_options`: the `.creds` file read and parsed,
-    /// the TLS file checked), for a client that connects itself.
+    /// [`NatsCredentials::options`] as async-nats connect options for the
+    /// servers of `nats_url` (`NatsOptions::connect_options`: the `.creds`
+    /// file read and parsed, the TLS file checked, credentials written in
+    /// the URL taken from it), for a client that connects itself.
     ///
     /// Raises as `options`, and `BadArgument` naming `creds` (unreadable or
-    /// malformed file), `tls_ca`, `tls_cert` or `tls_key` (unreadable file).
+    /// malformed file), `tls_ca`, `tls_cert` or `tls_key` (unreadable file)
+    /// or `nats_url` (its servers carry different credentials, or it
+    /// carries credentials and keywords give some too).
     pub fn connect_options(
         self,
+        nats_url: &str,
         name: &str,
         timeout: Duration,
     ) -> PyResult<async_nats::ConnectOptions> {
-        self.options(name, timeout)?.connect_options().map_err(|e| {
-            let argument = match e.field {
-                "auth" => "creds",
-                "tls.root_certificates" => "tls_ca",
-                "tls.client_certificate" => "tls_cert",
-                "tls.client_key" => "tls_key",
-                other => other,
-            };
-            bad_argument(argument, e.reason)
-        })
+        self.options(nats_url, name, timeout)?
+            .connect_options(nats_url)
+            .map_err(options_error)
     }
 
-    /// The options of a connection named `name`, bounded by `timeout`.
+    /// The options of a connection to `nats_url` named `name`, bounded by
+    /// `timeout`. Credentials written in `nats_url` are not put in them
+    /// (the connection takes them from the URL: `NatsPlane::connect`), only
+    /// checked here, so that a mixed set is refused before connecting.
     ///
-    /// Raises `BadArgument` naming `inbox_prefix` (not a subject prefix),
+    /// Raises `BadArgument` naming `nats_url` (its servers carry different
+    /// credentials, or it carries credentials and keywords give some too),
+    /// `inbox_prefix` (not a subject prefix),
     /// `password` (a `user` without one),
     /// `user` (a `password` without one), `token` or `creds` (given with
     /// another kind of credentials), `tls_key` (a `tls_cert` without one) or
     /// `tls_cert` (a `tls_key` without one).
-    pub fn options(self, name: &str, timeout: Duration) -> PyResult<NatsOptions> {
+    pub fn options(self, nats_url: &str, name: &str, timeout: Duration) -> PyResult<NatsOptions> {
         if let Some(why) = self
             .inbox_prefix
             .as_deref()
@@ -157,7 +162,7 @@ impl NatsCredentials {
             (Some(_), None) => return Err(bad_argument("tls_key", "required with `tls_cert`")),
             (None, Some(_)) => return Err(bad_argument("tls_cert", "required with `tls_key`")),
         };
-        Ok(NatsOptions {
+        let options = NatsOptions {
             name: name.to_owned(),
             connect_timeout: timeout,
             auth,
@@ -169,8 +174,26 @@ impl NatsCredentials {
             },
             inbox_prefix: self.inbox_prefix,
             ..NatsOptions::default()
-        })
+        };
+        options
+            .clone()
+            .with_url_credentials(nats_url)
+            .map_err(options_error)?;
+        Ok(options)
     }
+}
+
+/// A `NatsOptionsError` as `BadArgument` naming the keyword argument behind
+/// its field (`nats_url` for the URL's credentials).
+fn options_error(e: kv_router_glue::NatsOptionsError) -> PyErr {
+    let argument = match e.field {
+        "auth" => "creds",
+        "tls.root_certificates" => "tls_ca",
+        "tls.client_certificate" => "tls_cert",
+        "tls.client_key" => "tls_key",
+        other => other,
+    };
+    bad_argument(argument, e.reason)
 }
 
 #[cfg(test)]
@@ -189,18 +212,24 @@ mod tests {
     #[test]
     fn each_kind_of_credentials_maps_to_its_auth() {
         let t = Duration::from_secs(1);
-        let o = creds(None, None, None).options("x", t).unwrap();
+        let o = creds(None, None, None)
+            .options("nats://n1", "x", t)
+            .unwrap();
         assert!(matches!(o.auth, NatsAuth::None) && !o.tls.in_force());
-        let o = creds(Some("u"), Some("p"), None).options("x", t).unwrap();
+        let o = creds(Some("u"), Some("p"), None)
+            .options("nats://n1", "x", t)
+            .unwrap();
         assert!(matches!(o.auth, NatsAuth::UserPassword { ref user, .. } if user == "u"));
-        let o = creds(None, None, Some("t")).options("x", t).unwrap();
+        let o = creds(None, None, Some("t"))
+            .options("nats://n1", "x", t)
+            .unwrap();
         assert!(matches!(o.auth, NatsAuth::Token(ref s) if s == "t"));
         let o = NatsCredentials {
             creds: Some("/d.creds".into()),
             tls_ca: Some("/ca.pem".into()),
             ..NatsCredentials::default()
         }
-        .options("x", t)
+        .options("nats://n1", "x", t)
         .unwrap();
         assert!(matches!(o.auth, NatsAuth::CredentialsFile(_)) && o.tls.in_force());
         assert_eq!(o.connect_timeout, t);
@@ -209,7 +238,7 @@ mod tests {
             tls_key: Some("/c.key".into()),
             ..NatsCredentials::default()
         }
-        .options("x", t)
+        .options("nats://n1", "x", t)
         .unwrap();
         let pair = o.tls.client_certificate.clone().unwrap();
         assert_eq!(pair, ("/c.pem".into(), "/c.key".into()));

@@ -218,7 +218,8 @@ impl WorkerPublisher {
         let store_timeout = seconds_in("store_timeout_s", store_timeout_s, 0.001..=3_600.0)?;
         let period = seconds_in("announce_period_s", announce_period_s, 0.01..=60.0)?;
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
-        let options = NatsCredentials::from_kwargs(nats)?.options("kv-reuse-py-donor", timeout)?;
+        let options =
+            NatsCredentials::from_kwargs(nats)?.options(nats_url, "kv-reuse-py-donor", timeout)?;
         if event_ring == 0 {
             return Err(bad_argument("event_ring", "must be at least 1"));
         }
@@ -361,7 +362,8 @@ impl WorkerPublisher {
         let engine = crate::layout::engine_id(engine_id, "engine_id")?;
         let period = seconds_in("announce_period_s", announce_period_s, 0.01..=60.0)?;
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
-        let options = NatsCredentials::from_kwargs(nats)?.options("kv-reuse-py-target", timeout)?;
+        let options =
+            NatsCredentials::from_kwargs(nats)?.options(nats_url, "kv-reuse-py-target", timeout)?;
         let tp = layout.inner.tp_size();
         if let Some(g) = &gpus {
             if g.len() != tp as usize {

@@ -97,7 +97,9 @@ impl RouterClient {
     ///
     /// Raises `RouterUnavailable` when the server cannot be reached,
     /// `BadArgument` naming a bad argument (`nats_url` when it is not a
-    /// NATS URL: empty, another scheme, no host).
+    /// NATS URL: empty, another scheme, no host; or when it carries
+    /// credentials, `nats://user:password@host` or `nats://token@host`,
+    /// and keywords give some too, or its servers carry different ones).
     #[new]
     #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = ADVISE_SUBJECT, *, busy_poll_us = None, **nats))]
     fn new(
@@ -131,8 +133,11 @@ impl RouterClient {
         // `connect_options`); `AdviseClient::connect` bounds the connection
         // and each advise with `timeout` and turns async-nats' own request
         // timeout off.
-        let options =
-            NatsCredentials::from_kwargs(nats)?.connect_options("kv-reuse-py", timeout)?;
+        let options = NatsCredentials::from_kwargs(nats)?.connect_options(
+            nats_url,
+            "kv-reuse-py",
+            timeout,
+        )?;
         let mut client = py
             .allow_threads(|| AdviseClient::connect(nats_url, options, subject, timeout))
             .map_err(unavailable)?;

@@ -245,6 +245,39 @@ def test_a_server_that_authenticates_takes_the_roles_credentials_only(layout, tm
         server.stop()
 
 
+def test_credentials_in_nats_url_log_in_and_are_refused_next_to_keywords(layout, tmp_path):
+    """`nats://user:password@host` logs in as the keywords would (async-nats
+    ignores a URL's user info; every other NATS client takes it), for the
+    directory, the publishers and RouterClient; credentials in the URL and
+    in keywords, or differing between its servers, are refused before
+    connecting, naming `nats_url` and showing no secret."""
+    binary = find_nats_server()
+    if binary is None:
+        skip_or_fail("nats-server", "no nats-server >= 2.10.0 at $KV_NATS_SERVER, on $PATH or in target/nats (cargo xtask install)")
+    server = NatsServer(binary, tmp_path / "js", ("--user", "worker", "--pass", "s3cret"))
+    try:
+        url = server.url.replace("nats://", "nats://worker:s3cret@", 1)
+        with kv_reuse.DonorDirectory(url, timeout_s=5.0, create=True) as d:
+            assert d.manifest(TARGET_ID) is None
+        kv_reuse.WorkerPublisher.target(url, "p", layout, TARGET_ID, timeout_s=5.0).close()
+        kv_reuse.RouterClient(url, timeout_s=5.0).close()
+        mixed = (r"^nats_url: carries credentials \(user and password\) and credentials are given "
+                 r"separately too \(token\): give them in one place, not both$")
+        differing = r"^nats_url: has servers with different credentials"
+        other = server.url.replace("nats://", "nats://worker:0ther@", 1)
+        for make in (lambda u, **kw: kv_reuse.RouterClient(u, timeout_s=2.0, **kw),
+                     lambda u, **kw: kv_reuse.DonorDirectory(u, timeout_s=2.0, **kw),
+                     lambda u, **kw: kv_reuse.WorkerPublisher.target(u, "p", layout, TARGET_ID,
+                                                                     timeout_s=2.0, **kw)):
+            for bad, kw, why in ((url, {"token": "t0ken"}, mixed), (f"{url},{other}", {}, differing)):
+                with pytest.raises(kv_reuse.BadArgument, match=why) as e:
+                    make(bad, **kw)
+                for secret in ("s3cret", "0ther", "t0ken"):
+                    assert secret not in str(e.value), str(e.value)
+    finally:
+        server.stop()
+
+
 def test_an_unreachable_server_raises_publish_failed(layout):
     with pytest.raises(kv_reuse.PublishFailed, match=r"nats_url nats://127\.0\.0\.1:1"):
         kv_reuse.WorkerPublisher.target("nats://127.0.0.1:1", "p", layout,

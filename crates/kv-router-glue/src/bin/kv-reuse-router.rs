@@ -52,7 +52,10 @@ struct Cli {
     /// NATS servers: one URL or a comma-separated list, each `nats://`,
     /// `tls://`, `ws://` or `wss://` (no scheme: `nats://`); the client
     /// reaches one, moves to another when it is lost, and learns the
-    /// cluster's other servers from the one it reaches.
+    /// cluster's other servers from the one it reaches. Credentials may be
+    /// written in it (`nats://user:password@host`, `nats://token@host`; the
+    /// same on every server), instead of the `--nats-user` / `--nats-token`
+    /// / `--nats-creds` flags, not as well.
     // `hide_env_values`: `--help` would print the variable's value as set,
     // and a URL may carry a password (`nats://user:pw@host`).
     #[arg(
@@ -419,6 +422,7 @@ fn bucket_name(v: &str) -> Result<String, String> {
 fn nats_option_flag(field: &str) -> &'static str {
     match field {
         "auth" => "--nats-creds",
+        "nats_url" => "--nats-url",
         "inbox_prefix" => "--nats-inbox-prefix",
         "tls.root_certificates" => "--nats-tls-ca",
         "tls.client_certificate" => "--nats-tls-cert",
@@ -428,14 +432,15 @@ fn nats_option_flag(field: &str) -> &'static str {
 }
 
 /// The NATS options as the connection will use them, checked before
-/// connecting: an unreadable or malformed credentials file and an
-/// unreadable TLS file are configuration errors (exit 2) naming the flag,
-/// not a failed connection (exit 1).
+/// connecting: an unreadable or malformed credentials file, an unreadable
+/// TLS file and credentials both in `--nats-url` and in the `--nats-user`,
+/// `--nats-token` or `--nats-creds` flags are configuration errors (exit 2)
+/// naming the flag, not a failed connection (exit 1).
 fn checked_nats_options(cli: &Cli) -> Result<NatsOptions, RouterError> {
     let options = nats_options(cli);
     options
         .clone()
-        .connect_options()
+        .connect_options(&cli.nats_url)
         .map_err(|e| RouterError::Config {
             flag: nats_option_flag(e.field),
             reason: e.reason,

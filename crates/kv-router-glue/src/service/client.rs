@@ -156,6 +156,9 @@ impl std::fmt::Debug for AdviseClient {
 impl AdviseClient {
     /// Connects to `url` (one server or a comma-separated list,
     /// [`crate::nats_server_addrs`]) with `options` (name, credentials, TLS;
+    /// build them with [`crate::NatsOptions::connect_options`] for the same
+    /// `url`: async-nats ignores credentials written into the URL, and that
+    /// method takes them from it;
     /// its request timeout is not used: `timeout` bounds the connection and
     /// each request; with a list, each server is tried for its share of
     /// `timeout`) and starts the keep-alive thread. Advise requests go

@@ -284,7 +284,7 @@ fn a_server_list_with_a_hung_server_connects_to_the_live_one() {
     let hung = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("nats://{},{}", hung.local_addr().unwrap(), nats.url());
     for attempt in 0..6 {
-        let options = NatsOptions::default().connect_options().unwrap();
+        let options = NatsOptions::default().connect_options(&url).unwrap();
         let c = AdviseClient::connect(&url, options, ADVISE_SUBJECT, Duration::from_secs(2));
         assert!(c.is_ok(), "attempt {attempt}: {:?}", c.err());
     }

@@ -594,3 +594,144 @@ async fn nats_a_subscription_behind_by_more_than_the_forward_capacity_still_answ
         .await;
     assert_eq!(ready.as_ref().ok(), Some(&1), "{ready:?}");
 }
+
+/// `server`'s URL with `userinfo@` before its host.
+fn url_with(server: &NatsServer, userinfo: &str) -> String {
+    server
+        .url()
+        .replacen("nats://", &format!("nats://{userinfo}@"), 1)
+}
+
+fn url_options() -> NatsOptions {
+    NatsOptions {
+        name: "url-auth-test".into(),
+        connect_timeout: Duration::from_secs(2),
+        ..NatsOptions::default()
+    }
+}
+
+/// Credentials written in the URL log in, as with the nats CLI, nats.go or
+/// nats.py: `user:password@` (percent-decoded: `%40` is the password's
+/// `@`) and `token@`. async-nats 0.51 ignores the URL's user info, so
+/// both were refused with "authorization violation" before
+/// `NatsOptions::connect_options` took them from it.
+#[tokio::test]
+async fn credentials_in_the_url_log_in_to_an_authenticating_server() {
+    const TEST: &str = "credentials_in_the_url_log_in_to_an_authenticating_server";
+    if NatsServer::start_or_skip(TEST).is_none() {
+        return;
+    }
+    let server = NatsServer::start_with_args(&["--user", "kv", "--pass", "s3@cret"]).unwrap();
+    let url = url_with(&server, "kv:s3%40cret");
+    let plane = NatsPlane::connect(&url, url_options())
+        .await
+        .unwrap_or_else(|e| panic!("user and password in the URL: {e}"));
+    round_trip(&plane).await;
+    // The same URL, comma-listed twice: one set of credentials for both.
+    let listed = format!("{url},{url}");
+    round_trip(&NatsPlane::connect(&listed, url_options()).await.unwrap()).await;
+    // A wrong password in the URL is sent, and refused.
+    let wrong = url_with(&server, "kv:wrong");
+    match NatsPlane::connect(&wrong, url_options()).await {
+        Err(PlaneError::Connect { url, reason }) => {
+            assert_eq!(url, url_with(&server, "kv:***"));
+            assert!(reason.contains("authorization"), "{reason}");
+        }
+        other => panic!("a wrong password in the URL: {other:?}"),
+    }
+
+    let token_server = NatsServer::start_with_args(&["--auth", "t0ken"]).unwrap();
+    let plane = NatsPlane::connect(&url_with(&token_server, "t0ken"), url_options())
+        .await
+        .unwrap_or_else(|e| panic!("a token in the URL: {e}"));
+    round_trip(&plane).await;
+}
+
+/// The router service's advise client takes the URL's credentials too
+/// (through `NatsOptions::connect_options`, as the wheel's `RouterClient`).
+#[test]
+fn the_advise_client_logs_in_with_credentials_in_the_url() {
+    const TEST: &str = "the_advise_client_logs_in_with_credentials_in_the_url";
+    if NatsServer::start_or_skip(TEST).is_none() {
+        return;
+    }
+    let server = NatsServer::start_with_args(&["--user", "kv", "--pass", "s3cret"]).unwrap();
+    let token_server = NatsServer::start_with_args(&["--auth", "t0ken"]).unwrap();
+    for url in [
+        url_with(&server, "kv:s3cret"),
+        url_with(&token_server, "t0ken"),
+    ] {
+        let options = url_options().connect_options(&url).unwrap();
+        let client = crate::service::AdviseClient::connect(
+            &url,
+            options,
+            crate::service::ADVISE_SUBJECT,
+            Duration::from_secs(5),
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", redact_url(&url)));
+        assert_eq!(client.connection_count(), 1);
+    }
+}
+
+/// Credentials both in the URL and in `auth`, and servers of one list with
+/// different credentials, are refused naming `nats_url`, before any
+/// connection (nothing listens on port 1), with no secret in the message.
+#[tokio::test]
+async fn mixed_or_differing_credentials_in_the_url_are_refused_without_the_secret() {
+    let refused = |url: &'static str, auth: NatsAuth| async move {
+        let options = NatsOptions {
+            auth,
+            ..url_options()
+        };
+        match NatsPlane::connect(url, options).await {
+            Err(e @ PlaneError::Connect { .. }) => {
+                let shown = format!("{e} / {e:?}");
+                for secret in ["s3cret", "0ther", "t0ken"] {
+                    assert!(!shown.contains(secret), "{secret} in {shown}");
+                }
+                e.to_string()
+            }
+            other => panic!("{url}: {other:?}"),
+        }
+    };
+    let token = || NatsAuth::Token("t0ken".into());
+    let text = refused("nats://kv:s3cret@127.0.0.1:1", token()).await;
+    assert!(
+        text.ends_with(
+            "`nats_url` carries credentials (user and password) and credentials are given \
+             separately too (token): give them in one place, not both"
+        ),
+        "{text}"
+    );
+    // Equal ones too: one place for credentials, as for any two kinds.
+    let same = NatsAuth::UserPassword {
+        user: "kv".into(),
+        password: "s3cret".into(),
+    };
+    let text = refused("nats://kv:s3cret@127.0.0.1:1", same).await;
+    assert!(text.contains("`nats_url` carries credentials"), "{text}");
+    let text = refused(
+        "nats://t0ken@127.0.0.1:1",
+        NatsAuth::CredentialsFile("/x.creds".into()),
+    )
+    .await;
+    assert!(
+        text.contains("carries credentials (token) and credentials are given separately too (credentials file)"),
+        "{text}"
+    );
+    let differing = "`nats_url` has servers with different credentials: give every server \
+                     the same user info, or none";
+    for url in [
+        "nats://kv:s3cret@127.0.0.1:1,nats://kv:0ther@127.0.0.1:2",
+        "nats://kv:s3cret@127.0.0.1:1,nats://127.0.0.1:2",
+        "nats://t0ken@127.0.0.1:1,nats://kv:s3cret@127.0.0.1:2",
+    ] {
+        let text = refused(url, NatsAuth::None).await;
+        assert!(text.ends_with(differing), "{text}");
+    }
+    let text = refused("nats://:s3cret@127.0.0.1:1", NatsAuth::None).await;
+    assert!(
+        text.ends_with("`nats_url` has a password but no user (`user:password@host`)"),
+        "{text}"
+    );
+}

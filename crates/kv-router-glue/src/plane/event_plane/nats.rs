@@ -189,6 +189,76 @@ impl std::fmt::Debug for NatsAuth {
     }
 }
 
+impl NatsAuth {
+    /// The kind of credentials, for messages that must not show them.
+    fn kind(&self) -> &'static str {
+        match self {
+            NatsAuth::None => "none",
+            NatsAuth::UserPassword { .. } => "user and password",
+            NatsAuth::Token(_) => "token",
+            NatsAuth::CredentialsFile(_) => "credentials file",
+        }
+    }
+}
+
+/// The credentials written into `url`'s user info, by the NATS convention
+/// (the nats CLI, nats.go, nats.py): `user:password@` is
+/// [`NatsAuth::UserPassword`], a user alone (`token@`) is
+/// [`NatsAuth::Token`], none is [`NatsAuth::None`]. Both parts are
+/// percent-decoded (`p%40ss` is `p@ss`). async-nats 0.51 parses the user
+/// info but never sends it, so a URL with credentials was refused by an
+/// authenticating server ("authorization violation") unless they are
+/// taken from it here.
+///
+/// # Errors
+/// As [`NatsOptions::with_url_credentials`], but for credentials given
+/// both ways (`nats_url`); no message shows a secret.
+fn url_auth(url: &str) -> Result<NatsAuth, NatsOptionsError> {
+    let refused = |reason: String| NatsOptionsError {
+        field: "nats_url",
+        reason,
+    };
+    let decoded = |part: &str, what: &str| {
+        percent_encoding::percent_decode_str(part)
+            .decode_utf8()
+            .map(|p| p.into_owned())
+            .map_err(|_| {
+                refused(format!(
+                    "has a {what} that is not UTF-8 once percent-decoded"
+                ))
+            })
+    };
+    let mut found: Option<NatsAuth> = None;
+    for server in nats_server_addrs(url).map_err(refused)? {
+        // `ServerAddr` gives both parts still percent-encoded (`url::Url`).
+        let auth = match (server.username(), server.password()) {
+            (None, None) => NatsAuth::None,
+            (Some(user), Some(password)) => NatsAuth::UserPassword {
+                user: decoded(user, "user")?,
+                password: decoded(password, "password")?,
+            },
+            (Some(token), None) => NatsAuth::Token(decoded(token, "token")?),
+            (None, Some(_)) => {
+                return Err(refused(
+                    "has a password but no user (`user:password@host`)".into(),
+                ))
+            }
+        };
+        match &found {
+            None => found = Some(auth),
+            Some(first) if *first == auth => {}
+            Some(_) => {
+                return Err(refused(
+                    "has servers with different credentials: give every server the \
+                     same user info, or none"
+                        .into(),
+                ))
+            }
+        }
+    }
+    Ok(found.unwrap_or_default())
+}
+
 /// TLS settings of a NATS connection (PEM files).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NatsTls {
@@ -216,7 +286,8 @@ impl NatsTls {
 
 /// A [`NatsOptions`] setting that cannot be used, named by its field
 /// (`auth`, `inbox_prefix`, `tls.root_certificates`,
-/// `tls.client_certificate`, `tls.client_key`). Never carries a secret.
+/// `tls.client_certificate`, `tls.client_key`), or the NATS URL's
+/// credentials (`nats_url`). Never carries a secret.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("`{field}` {reason}")]
 pub struct NatsOptionsError {
@@ -227,42 +298,62 @@ pub struct NatsOptionsError {
 }
 
 impl NatsOptions {
-    /// These settings as async-nats connect options: name, connect timeout,
-    /// unbounded reconnects with the bounded back-off, credentials (a
-    /// `.creds` file is read and parsed here), inbox prefix and TLS. The one
-    /// mapping every connection of this project uses ([`NatsPlane::connect`],
-    /// the router service's advise client). It also sets the client's event
-    /// callback, which logs connection changes and counts slow-consumer
-    /// drops ([`nats_slow_consumer_drops`]): a caller that sets its own
+    /// These settings as async-nats connect options for the servers of
+    /// `url` ([`nats_server_addrs`]): name, connect timeout, unbounded
+    /// reconnects with the bounded back-off, credentials (a `.creds` file is
+    /// read and parsed here), inbox prefix and TLS. The one mapping every
+    /// connection of this project uses ([`NatsPlane::connect`], the router
+    /// service's advise client). It also sets the client's event callback,
+    /// which logs connection changes and counts slow-consumer drops
+    /// ([`nats_slow_consumer_drops`]): a caller that sets its own
     /// `event_callback` on the result replaces it, and loses both.
     ///
+    /// Credentials in `url` (`nats://user:password@host`, `nats://token@host`)
+    /// are used as if given in `auth` (async-nats itself ignores them): the
+    /// same user info on every server of the list, and `auth` left at
+    /// [`NatsAuth::None`]. Credentials given both ways are refused, even
+    /// equal ones, as any other two kinds of credentials are: give them in
+    /// one place.
+    ///
     /// ```
-    /// use kv_router_glue::{NatsOptions, NatsTls};
+    /// use kv_router_glue::{NatsAuth, NatsOptions, NatsTls};
+    /// let url = "nats://n1:4222";
     /// let o = NatsOptions { inbox_prefix: Some("_INBOX.>".into()), ..NatsOptions::default() };
-    /// assert_eq!(o.connect_options().unwrap_err().field, "inbox_prefix");
+    /// assert_eq!(o.connect_options(url).unwrap_err().field, "inbox_prefix");
     /// let o = NatsOptions {
     ///     tls: NatsTls { root_certificates: Some("/no/such/ca.pem".into()), ..NatsTls::default() },
     ///     ..NatsOptions::default()
     /// };
-    /// assert_eq!(o.connect_options().unwrap_err().field, "tls.root_certificates");
+    /// assert_eq!(o.connect_options(url).unwrap_err().field, "tls.root_certificates");
+    /// // Credentials in the URL: fine alone, refused next to `auth`.
+    /// assert!(NatsOptions::default().connect_options("nats://u:s3cr3t@n1:4222").is_ok());
+    /// let o = NatsOptions { auth: NatsAuth::Token("t0k3n".into()), ..NatsOptions::default() };
+    /// let e = o.connect_options("nats://u:s3cr3t@n1:4222").unwrap_err();
+    /// assert_eq!(e.field, "nats_url");
+    /// assert!(!e.to_string().contains("s3cr3t") && !e.to_string().contains("t0k3n"));
     /// ```
     ///
     /// # Errors
     /// [`NatsOptionsError`] for an unreadable or malformed credentials file
-    /// (`auth`), a bad inbox prefix, or a TLS file that cannot be read (a
+    /// (`auth`), a bad inbox prefix, a TLS file that cannot be read (a
     /// missing file would otherwise surface as a handshake error that names
-    /// no file).
-    pub fn connect_options(self) -> Result<async_nats::ConnectOptions, NatsOptionsError> {
-        let max = self.max_reconnect_delay;
+    /// no file), or `url` (`nats_url`): not a server list, servers with
+    /// different credentials, or credentials both in it and in `auth`.
+    pub fn connect_options(
+        self,
+        url: &str,
+    ) -> Result<async_nats::ConnectOptions, NatsOptionsError> {
+        let this = self.with_url_credentials(url)?;
+        let max = this.max_reconnect_delay;
         let mut connect = async_nats::ConnectOptions::new()
             .event_callback(|event| async move { log_client_event(&event) })
-            .name(self.name)
-            .connection_timeout(self.connect_timeout)
+            .name(this.name)
+            .connection_timeout(this.connect_timeout)
             .max_reconnects(None)
             .reconnect_delay_callback(move |attempt| {
                 (Duration::from_millis(50) * attempt as u32).min(max)
             });
-        connect = match self.auth {
+        connect = match this.auth {
             NatsAuth::None => connect,
             NatsAuth::UserPassword { user, password } => connect.user_and_password(user, password),
             NatsAuth::Token(t) => connect.token(t),
@@ -275,7 +366,7 @@ impl NatsOptions {
                 connect.credentials(&text).map_err(auth)?
             }
         };
-        if let Some(prefix) = self.inbox_prefix {
+        if let Some(prefix) = this.inbox_prefix {
             if let Some(why) = inbox_prefix_problem(&prefix) {
                 return Err(NatsOptionsError {
                     field: "inbox_prefix",
@@ -284,7 +375,7 @@ impl NatsOptions {
             }
             connect = connect.custom_inbox_prefix(prefix);
         }
-        let tls = self.tls;
+        let tls = this.tls;
         for (field, path) in [("tls.root_certificates", tls.root_certificates.as_ref())]
             .into_iter()
             .chain(tls.client_certificate.iter().flat_map(|(c, k)| {
@@ -320,6 +411,52 @@ impl NatsOptions {
             connect = connect.add_client_certificate(cert, key);
         }
         Ok(connect)
+    }
+
+    /// These options with the credentials written in `url`'s user info
+    /// (`nats://user:password@host` is [`NatsAuth::UserPassword`],
+    /// `nats://token@host` a [`NatsAuth::Token`], both percent-decoded) as
+    /// `auth`; unchanged when it has none. [`NatsOptions::connect_options`]
+    /// applies it: call it only to check options early (applied twice it
+    /// refuses, as below).
+    ///
+    /// ```
+    /// use kv_router_glue::{NatsAuth, NatsOptions};
+    /// let o = NatsOptions::default().with_url_credentials("nats://kv:p%40ss@n1,nats://kv:p%40ss@n2").unwrap();
+    /// assert_eq!(o.auth, NatsAuth::UserPassword { user: "kv".into(), password: "p@ss".into() });
+    /// let o = NatsOptions::default().with_url_credentials("nats://t0k3n@n1").unwrap();
+    /// assert_eq!(o.auth, NatsAuth::Token("t0k3n".into()));
+    /// let e = NatsOptions::default().with_url_credentials("nats://kv:s3cr3t@n1,nats://n2").unwrap_err();
+    /// assert_eq!(e.field, "nats_url");
+    /// assert!(!e.to_string().contains("s3cr3t"));
+    /// ```
+    ///
+    /// # Errors
+    /// [`NatsOptionsError`] with field `nats_url` when `url` is not a
+    /// server list ([`nats_server_addrs`]); its servers carry different
+    /// user info (one set of credentials serves every server of the list,
+    /// and those the client learns from the cluster: a server without any
+    /// differs too); a password comes without a user; a part is not UTF-8
+    /// once decoded; or `url` carries credentials while `auth` is not
+    /// [`NatsAuth::None`]: two sets are refused, even equal ones, as two
+    /// kinds of credentials are anywhere else. No message shows a secret.
+    pub fn with_url_credentials(mut self, url: &str) -> Result<Self, NatsOptionsError> {
+        match url_auth(url)? {
+            NatsAuth::None => {}
+            from_url if self.auth == NatsAuth::None => self.auth = from_url,
+            from_url => {
+                return Err(NatsOptionsError {
+                    field: "nats_url",
+                    reason: format!(
+                        "carries credentials ({}) and credentials are given separately \
+                         too ({}): give them in one place, not both",
+                        from_url.kind(),
+                        self.auth.kind()
+                    ),
+                })
+            }
+        }
+        Ok(self)
     }
 }
 
@@ -423,11 +560,13 @@ pub struct NatsPlane {
 impl NatsPlane {
     /// Connects to `url`: one server (e.g. `nats://127.0.0.1:4222`) or a
     /// comma-separated list of them ([`nats_server_addrs`]), of which the
-    /// client reaches one and moves to another when it is lost.
+    /// client reaches one and moves to another when it is lost. Credentials
+    /// in `url` are used ([`NatsOptions::connect_options`]).
     ///
     /// # Errors
-    /// [`PlaneError::Connect`] when `url` is not a server list or the first
-    /// connection fails.
+    /// [`PlaneError::Connect`] when `url` is not a server list, `options`
+    /// cannot be used with it ([`NatsOptions::connect_options`]) or the
+    /// first connection fails.
     pub async fn connect(url: &str, options: NatsOptions) -> Result<Self, PlaneError> {
         let err = |reason: String| PlaneError::Connect {
             url: redact_url(url),
@@ -435,7 +574,9 @@ impl NatsPlane {
         };
         let servers = nats_server_addrs(url).map_err(err)?;
         let tls_in_force = options.tls.in_force();
-        let connect = options.connect_options().map_err(|e| err(e.to_string()))?;
+        let connect = options
+            .connect_options(url)
+            .map_err(|e| err(e.to_string()))?;
         let client = connect.connect(servers).await.map_err(|e| {
             // rustls' reasons (`received fatal alert: BadCertificate`,
             // `corrupt message`) do not say which side or setting is at fault.

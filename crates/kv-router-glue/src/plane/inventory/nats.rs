@@ -17,21 +17,23 @@ pub struct NatsInventory {
 }
 
 impl NatsInventory {
-    /// Connects to `url` without credentials (for servers with
-    /// authentication build the client yourself: [`NatsInventory::from_client`]).
+    /// Connects to `url` with the default [`crate::NatsOptions`]: no
+    /// credentials but those written in `url` (for others, or TLS, build
+    /// the client yourself: [`NatsInventory::from_client`]).
     ///
     /// # Errors
-    /// [`InventoryError::Transport`] when the server is unreachable.
+    /// [`InventoryError::Transport`] when `url` is refused or the server is
+    /// unreachable.
     pub async fn connect(url: &str) -> Result<Self, InventoryError> {
-        let failed = |reason: String| InventoryError::Transport {
-            subject: format!("<connect {}>", crate::redact_url(url)),
-            reason,
-        };
-        let servers = crate::nats_server_addrs(url).map_err(failed)?;
-        let client = async_nats::connect(servers)
+        let plane = crate::NatsPlane::connect(url, crate::NatsOptions::default())
             .await
-            .map_err(|e| failed(e.to_string()))?;
-        Ok(Self { client })
+            .map_err(|e| InventoryError::Transport {
+                subject: format!("<connect {}>", crate::redact_url(url)),
+                reason: e.to_string(),
+            })?;
+        Ok(Self {
+            client: plane.client().clone(),
+        })
     }
 
     /// Uses an existing connection (its credentials, TLS and reconnect policy).
