@@ -36,6 +36,13 @@ impl CreatorProcess {
         }
     }
 
+    /// A creator with pid `pid`: in tests, another process (a parent
+    /// before a fork) without forking.
+    #[cfg(test)]
+    pub(crate) fn of_pid(pid: u32) -> Self {
+        Self { pid }
+    }
+
     /// The creator's pid.
     pub fn pid(&self) -> u32 {
         self.pid

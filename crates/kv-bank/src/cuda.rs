@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 
 use crate::ipc_cache::{MapKey, MappingCache};
 use crate::memory::check_range;
-use crate::{BankError, BankMemory, MemoryKind};
+use crate::{BankError, BankMemory, CreatorProcess, MemoryKind};
 
 mod device;
 mod import;
@@ -64,21 +64,48 @@ pub struct CudaDeviceInfo {
     pub fabric_supported: bool,
 }
 
-static DRIVER: OnceLock<Result<(), String>> = OnceLock::new();
+/// The driver's initialization, once per process image: the process that
+/// ran `cuInit`, or why it could not.
+static DRIVER: OnceLock<Result<CreatorProcess, String>> = OnceLock::new();
 
 fn driver() -> Result<(), BankError> {
-    DRIVER
-        .get_or_init(|| {
-            // SAFETY: only tries to dlopen libcuda; no CUDA symbol is called.
-            if !unsafe { sys::is_culib_present() } {
-                return Err(
-                    "libcuda (the CUDA driver library) is not present on this machine".into(),
-                );
-            }
-            result::init().map_err(|e| format!("cuInit failed: {e:?}"))
-        })
-        .clone()
-        .map_err(|reason| BankError::CudaUnavailable { reason })
+    let init = DRIVER.get_or_init(|| {
+        // SAFETY: only tries to dlopen libcuda; no CUDA symbol is called.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("libcuda (the CUDA driver library) is not present on this machine".into());
+        }
+        result::init()
+            .map(|()| CreatorProcess::current())
+            .map_err(|e| format!("cuInit failed: {e:?}"))
+    });
+    usable_here(init)
+}
+
+/// `Ok` when the CUDA driver state `init` describes belongs to this
+/// process. A child forked after the parent initialized CUDA inherits that
+/// state but may not use it (CUDA does not support `fork()` after `cuInit`:
+/// a call there can fail, or block on a lock a parent thread held at the
+/// fork). So in such a child every entry point of this module, the drops of
+/// device memory and imports included (they call CUDA only after `bind`
+/// succeeds), gets [`BankError::CudaUnavailable`] saying so, instead of
+/// touching the driver: the parent's allocations stay the parent's, as
+/// host banks do ([`CreatorProcess`]).
+fn usable_here(init: &Result<CreatorProcess, String>) -> Result<(), BankError> {
+    match init {
+        Ok(creator) if creator.is_current() => Ok(()),
+        Ok(creator) => Err(BankError::CudaUnavailable {
+            reason: format!(
+                "CUDA was initialized by process {}, and this process ({}) is a child forked \
+                 from it, where the inherited CUDA state may not be used: create CUDA banks \
+                 in a process that did not inherit it (multiprocessing's \"spawn\" start method)",
+                creator.pid(),
+                std::process::id()
+            ),
+        }),
+        Err(reason) => Err(BankError::CudaUnavailable {
+            reason: reason.clone(),
+        }),
+    }
 }
 
 /// Primary contexts retained by this process, by ordinal. Retained once and
@@ -441,6 +468,27 @@ impl Drop for VmmRegion {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_forked_child_may_not_use_the_cuda_state_it_inherited() {
+        assert!(usable_here(&Ok(CreatorProcess::current())).is_ok());
+        // Any other pid stands for the parent that ran cuInit before a fork.
+        let parent = CreatorProcess::of_pid(std::process::id().wrapping_add(1));
+        let e = usable_here(&Ok(parent)).unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, BankError::CudaUnavailable { .. }), "{e:?}");
+        assert!(
+            text.starts_with(&format!(
+                "CUDA unavailable: CUDA was initialized by process {}, and this process ({}) is a \
+                 child forked from it",
+                parent.pid(),
+                std::process::id()
+            )),
+            "{text}"
+        );
+        let e = usable_here(&Err("cuInit failed: X".into())).unwrap_err();
+        assert_eq!(e.to_string(), "CUDA unavailable: cuInit failed: X");
+    }
 
     #[test]
     fn without_gpu_every_entry_point_says_why() {
