@@ -5,16 +5,17 @@
 //! service's `AdviseReply` carries the whole decision, terms included), so
 //! the two paths give the same fields for the same decision.
 //!
-//! `reason` is a stable snake_case code an engine may branch on. It is
-//! mapped by an exhaustive `match` on `RefuseReason` (no wildcard): a new
-//! refusal kind in kv_router_glue fails to compile here until it has a
-//! code, instead of reaching Python as an unknown string. The codes equal
-//! the `verdict` label of `kv_reuse_decisions_total`
-//! (`kv_router_glue::metrics::refuse_label`; a unit test checks both agree).
+//! `reason` is a stable snake_case code an engine may branch on: the
+//! `verdict` label of `kv_reuse_decisions_total`
+//! (`kv_router_glue::metrics::refuse_label`, an exhaustive `match` on
+//! `RefuseReason`), so a new refusal kind has a code before it reaches
+//! Python, and Python and the metrics name a refusal alike. Its detail is
+//! an exhaustive `match` here (no wildcard).
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyFloat, PyString};
 
+use kv_router_glue::metrics::refuse_label;
 use kv_router_glue::{AdmissionDecision, RefuseReason, TransferPath, Verdict};
 
 /// Every term of the router's cost estimate for one request, in µs unless
@@ -100,49 +101,42 @@ impl CostTerms {
     }
 }
 
-/// The stable code of a refusal and its human detail (`terms` words the
-/// threshold refusals). Exhaustive on purpose (module doc): no wildcard.
+/// The stable code of a refusal (the router's metric label,
+/// [`refuse_label`], so Python and `kv_reuse_decisions_total` name a
+/// refusal alike) and its human detail (`terms` words the threshold
+/// refusals).
 fn refusal(
     reason: &RefuseReason,
     terms: Option<&kv_router_glue::CostTerms>,
 ) -> (&'static str, String) {
+    (refuse_label(reason), refusal_detail(reason, terms))
+}
+
+/// The human detail of a refusal (see [`refusal`]). Exhaustive on purpose
+/// (module doc): no wildcard.
+fn refusal_detail(reason: &RefuseReason, terms: Option<&kv_router_glue::CostTerms>) -> String {
     match reason {
-        RefuseReason::ReuseDisabled => (
-            "reuse_disabled",
-            "enable_decode_to_prefill_reuse is off".into(),
-        ),
-        RefuseReason::GpuPathDisabled => (
-            "gpu_path_disabled",
-            "the donor's bank is in GPU memory and enable_decode_to_prefill_gpu_reuse is off"
-                .into(),
-        ),
-        RefuseReason::TooFewBlocks => (
-            "too_few_blocks",
-            match terms {
-                Some(t) => format!(
-                    "{} blocks to fetch, fewer than minimum_transfer_prefix_blocks = {}",
-                    t.transfer_blocks, t.minimum_blocks
-                ),
-                None => "fewer blocks to fetch than minimum_transfer_prefix_blocks".into(),
-            },
-        ),
-        RefuseReason::SavingBelowMinimum => (
-            "saving_below_minimum",
-            match terms {
-                Some(t) => format!(
-                    "estimated saving {:.1} µs is below minimum_estimated_ttft_saving_ms \
-                     ({:.1} µs)",
-                    t.saving_us, t.minimum_saving_us
-                ),
-                None => "estimated saving below minimum_estimated_ttft_saving_ms".into(),
-            },
-        ),
-        RefuseReason::NoDonor(why) => ("no_donor", why.clone()),
-        RefuseReason::HintUnavailable(why) => ("hint_unavailable", why.clone()),
-        RefuseReason::Cancelled => (
-            "cancelled",
-            "the request was cancelled during its donor lookup".into(),
-        ),
+        RefuseReason::ReuseDisabled => "enable_decode_to_prefill_reuse is off".into(),
+        RefuseReason::GpuPathDisabled => {
+            "the donor's bank is in GPU memory and enable_decode_to_prefill_gpu_reuse is off".into()
+        }
+        RefuseReason::TooFewBlocks => match terms {
+            Some(t) => format!(
+                "{} blocks to fetch, fewer than minimum_transfer_prefix_blocks = {}",
+                t.transfer_blocks, t.minimum_blocks
+            ),
+            None => "fewer blocks to fetch than minimum_transfer_prefix_blocks".into(),
+        },
+        RefuseReason::SavingBelowMinimum => match terms {
+            Some(t) => format!(
+                "estimated saving {:.1} µs is below minimum_estimated_ttft_saving_ms \
+                 ({:.1} µs)",
+                t.saving_us, t.minimum_saving_us
+            ),
+            None => "estimated saving below minimum_estimated_ttft_saving_ms".into(),
+        },
+        RefuseReason::NoDonor(why) | RefuseReason::HintUnavailable(why) => why.clone(),
+        RefuseReason::Cancelled => "the request was cancelled during its donor lookup".into(),
     }
 }
 
@@ -268,14 +262,28 @@ mod tests {
     }
 
     #[test]
-    fn codes_equal_the_metrics_labels_and_are_distinct() {
+    fn codes_are_the_documented_ones_and_distinct() {
         let mut seen = std::collections::HashSet::new();
+        let mut codes = Vec::new();
         for r in every_reason() {
             let (code, detail) = refusal(&r, None);
-            assert_eq!(code, kv_router_glue::metrics::refuse_label(&r), "{r:?}");
             assert!(seen.insert(code), "{code} given twice");
             assert!(!detail.is_empty(), "{r:?} has no detail");
+            codes.push(code);
         }
+        // The Python API's values (docs/python.md, _native.pyi).
+        assert_eq!(
+            codes,
+            [
+                "reuse_disabled",
+                "gpu_path_disabled",
+                "too_few_blocks",
+                "saving_below_minimum",
+                "no_donor",
+                "hint_unavailable",
+                "cancelled"
+            ]
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use pyo3::{PyTraverseError, PyVisit};
 
-use kv_bank::{BankError, BankMemory, DestinationPool, MemoryKind};
+use kv_bank::{BankError, BankMemory, DestinationPool};
 use kv_descriptor::{BankManifest, EngineId, HintEnvelope, SequenceHash, Wire};
 use kv_router_glue::{
     check_prompt_prefix, validate_hint, EngineRegion, FetchError, FetchExecutor, RemoteDonor,
@@ -766,81 +766,13 @@ impl Target {
     }
 }
 
-/// Byte ranges of the destination tensors seen so far, by memory kind.
-#[derive(Default)]
-struct Claimed(Vec<(String, MemoryKind, usize, usize)>);
-
-impl Claimed {
-    /// Records `len` bytes at `addr` for `argument`; `BadArgument` naming
-    /// `argument` when they overlap an earlier tensor's (the same tensor
-    /// passed twice, or views sharing bytes): a fetch for one rank would
-    /// overwrite another's rows.
-    fn claim(&mut self, argument: &str, kind: MemoryKind, addr: usize, len: usize) -> PyResult<()> {
-        let end = addr.saturating_add(len);
-        if let Some((other, ..)) = self
-            .0
-            .iter()
-            .find(|(_, k, a, e)| *k == kind && addr < *e && *a < end)
-        {
-            return Err(bad_argument(
-                argument,
-                format!(
-                    "overlaps the memory of {other} (the same tensor, or views sharing bytes); \
-                     each destination needs its own memory"
-                ),
-            ));
-        }
-        self.0.push((argument.to_owned(), kind, addr, end));
-        Ok(())
-    }
-}
-
-/// The `2 * L` tensors of one rank's HF cache: a list of `2 * L` tensors
-/// (K0, V0, K1, ...) or of `L` (K, V) pairs; `BadArgument` names
-/// `kv_caches[r]` for another count.
-fn hf_tensors<'py>(
-    list: &Bound<'py, PyAny>,
-    r: usize,
-    layers: usize,
-) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let arg = format!("kv_caches[{r}]");
-    let items: Vec<Bound<'py, PyAny>> = list
-        .extract()
-        .map_err(|_| bad_argument(&arg, "is not a list of tensors or (K, V) pairs"))?;
-    let flat: Vec<Bound<'py, PyAny>> = if items.len() == layers
-        && items.iter().all(|i| {
-            i.extract::<(Bound<'py, PyAny>, Bound<'py, PyAny>)>()
-                .is_ok()
-        }) {
-        items
-            .iter()
-            .flat_map(|i| {
-                let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) =
-                    i.extract().expect("checked above");
-                [k, v]
-            })
-            .collect()
-    } else {
-        items
-    };
-    if flat.len() != 2 * layers {
-        return Err(bad_argument(
-            &arg,
-            format!(
-                "{} tensors, expected 2 * num_layers = {} (K0, V0, K1, ...) or {layers} (K, V) pairs",
-                flat.len(),
-                2 * layers
-            ),
-        ));
-    }
-    Ok(flat)
-}
-
 /// `d` in whole microseconds (saturating at u64::MAX, ~584,000 years).
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
+mod kv_caches;
+use kv_caches::{hf_tensors, Claimed};
 mod probe;
 pub(crate) use probe::with_cause;
 use probe::{python_probe, Probe};

@@ -79,6 +79,22 @@ def store_of(layout, n=2):
     return bank, bank.store(list(range(TOKENS_PER_BLOCK * n)))
 
 
+def fetch_into(bank, endpoint, hashes, layout, enabled, kv_caches, caches, rows, request_id):
+    """Serves `bank`'s pins on `endpoint`, fetches `hashes` into a Target over
+    `kv_caches` (the exporters handed to it) and checks that every fetched row
+    of `caches` (the arrays behind them) holds the donor's `rows`."""
+    with bank.serve_pins(endpoint):
+        target = kv_reuse.Target(layout, rows=8, kv_caches=kv_caches)
+        router = router_for_bank(bank, endpoint, hashes, layout, enabled, target)
+        advice = router.advise(request_id, hashes, target.engine_id)
+        assert advice.admitted, advice.verdict
+        with target.fetch(advice.hint, hashes, bank.manifest()) as out:
+            assert len(out.rows) == BLOCKS
+            for r in range(layout.tp_size):
+                for block, row in enumerate(out.rows):
+                    assert caches[r][row].tobytes() == rows[r][block].tobytes()
+
+
 def test_a_dlpack_cpu_source_is_stored_byte_for_byte(layout, enabled, tmp_path):
     bank, store = store_of(layout, BLOCKS)
     n = layout.rank_block_elems
@@ -90,16 +106,7 @@ def test_a_dlpack_cpu_source_is_stored_byte_for_byte(layout, enabled, tmp_path):
     hashes = store.sequence_hashes
     endpoint = "unix:" + str(tmp_path / "pin.sock")
     caches = [np.zeros((8, n), dtype=np.float32) for _ in range(layout.tp_size)]
-    with bank.serve_pins(endpoint):
-        target = kv_reuse.Target(layout, rows=8, kv_caches=caches)
-        router = router_for_bank(bank, endpoint, hashes, layout, enabled, target)
-        advice = router.advise("req-dl", hashes, target.engine_id)
-        assert advice.admitted, advice.verdict
-        with target.fetch(advice.hint, hashes, bank.manifest()) as out:
-            assert len(out.rows) == BLOCKS
-            for r in range(layout.tp_size):
-                for block, row in enumerate(out.rows):
-                    assert caches[r][row].tobytes() == rows[r][block].tobytes()
+    fetch_into(bank, endpoint, hashes, layout, enabled, caches, caches, rows, "req-dl")
 
 
 def test_source_refusals_name_blocks(layout):
@@ -251,16 +258,8 @@ def test_a_float8_e4m3fn_dlpack_source_is_stored_byte_for_byte(enabled, tmp_path
     endpoint = "unix:" + str(tmp_path / "pin.sock")
     # The destinations are float8_e4m3fn through DLPack too.
     caches = [np.zeros((8, n), dtype=np.uint8) for _ in range(layout.tp_size)]
-    with bank.serve_pins(endpoint):
-        target = kv_reuse.Target(layout, rows=8, kv_caches=[RecodedDlpack(c, 10) for c in caches])
-        router = router_for_bank(bank, endpoint, hashes, layout, enabled, target)
-        advice = router.advise("req-fp8", hashes, target.engine_id)
-        assert advice.admitted, advice.verdict
-        with target.fetch(advice.hint, hashes, bank.manifest()) as out:
-            assert len(out.rows) == BLOCKS
-            for r in range(layout.tp_size):
-                for block, row in enumerate(out.rows):
-                    assert caches[r][row].tobytes() == rows[r][block].tobytes()
+    exporters = [RecodedDlpack(c, 10) for c in caches]
+    fetch_into(bank, endpoint, hashes, layout, enabled, exporters, caches, rows, "req-fp8")
 
 
 def test_dtype_refusals_through_dlpack_list_what_dlpack_may_carry(layout):

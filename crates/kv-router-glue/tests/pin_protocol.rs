@@ -71,14 +71,6 @@ fn send_raw(s: &mut UnixStream, bytes: &[u8]) {
     s.write_all(bytes).unwrap();
 }
 
-fn read_reply(s: &mut UnixStream) -> PinDonorMessage {
-    let mut header = [0u8; PIN_FRAME_HEADER_BYTES];
-    s.read_exact(&mut header).unwrap();
-    let mut body = vec![0u8; pin_frame_len(header).unwrap()];
-    s.read_exact(&mut body).unwrap();
-    PinDonorMessage::from_wire(&body).unwrap()
-}
-
 fn raw_client(ep: &str) -> UnixStream {
     let s = UnixStream::connect(unix_endpoint_path(ep).unwrap()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -323,7 +315,10 @@ fn a_closed_connection_releases_its_pins() {
             &mut s,
             &encode_pin_frame(&PinClientMessage::Pin(req)).unwrap(),
         );
-        assert!(matches!(read_reply(&mut s), PinDonorMessage::Granted(_)));
+        assert!(matches!(
+            read_pin_reply(&mut s),
+            PinDonorMessage::Granted(_)
+        ));
     }
     assert_eq!((svc.active_pins(), bank.pins_outstanding()), (2, 3));
     drop(s); // no release
@@ -458,7 +453,7 @@ fn malformed_frames_are_refused_naming_the_field() {
     // A body that is not a message: refused, and the connection goes on.
     let mut s = raw_client(svc.endpoint());
     send_raw(&mut s, &[0, 0, 0, 3, 0xc1, 0xc1, 0xc1]);
-    match read_reply(&mut s) {
+    match read_pin_reply(&mut s) {
         PinDonorMessage::Refused(r) => {
             assert_eq!(r.reason, PinRefusalReason::Malformed);
             assert!(r.detail.contains("pin_client_message"), "{}", r.detail);
@@ -471,7 +466,7 @@ fn malformed_frames_are_refused_naming_the_field() {
     let body = rmp_serde::to_vec_named(&PinClientMessage::Pin(req)).unwrap();
     send_raw(&mut s, &(body.len() as u32).to_be_bytes());
     send_raw(&mut s, &body);
-    match read_reply(&mut s) {
+    match read_pin_reply(&mut s) {
         PinDonorMessage::Refused(r) => {
             assert_eq!(r.reason, PinRefusalReason::Malformed);
             assert!(
@@ -488,18 +483,18 @@ fn malformed_frames_are_refused_naming_the_field() {
         &mut s,
         &encode_pin_frame(&PinClientMessage::Pin(req)).unwrap(),
     );
-    assert!(matches!(read_reply(&mut s), PinDonorMessage::Granted(g) if g.request_id == 6));
+    assert!(matches!(read_pin_reply(&mut s), PinDonorMessage::Granted(g) if g.request_id == 6));
     // A release of a pin never granted.
     let rel = PinClientMessage::Release(PinRelease { pin_id: 999_999 });
     send_raw(&mut s, &encode_pin_frame(&rel).unwrap());
     assert!(
-        matches!(read_reply(&mut s), PinDonorMessage::Refused(r) if r.reason == PinRefusalReason::UnknownPin)
+        matches!(read_pin_reply(&mut s), PinDonorMessage::Refused(r) if r.reason == PinRefusalReason::UnknownPin)
     );
 
     // A header above the limit: refused naming the length, then closed,
     // which also drops the pin this connection held.
     send_raw(&mut s, &(MAX_PIN_FRAME_BYTES as u32 + 1).to_be_bytes());
-    match read_reply(&mut s) {
+    match read_pin_reply(&mut s) {
         PinDonorMessage::Refused(r) => {
             assert_eq!(r.reason, PinRefusalReason::Malformed);
             assert!(r.detail.contains("pin_frame.length"), "{}", r.detail);
@@ -676,7 +671,7 @@ fn shutdown_leaves_no_fd_thread_pin_or_socket() {
         &encode_pin_frame(&PinClientMessage::Pin(req)).unwrap(),
     );
     assert!(matches!(
-        read_reply(&mut stuck),
+        read_pin_reply(&mut stuck),
         PinDonorMessage::Granted(_)
     ));
     let _idle = raw_client(&ep);

@@ -95,14 +95,6 @@ fn raw_prove(s: &mut TcpStream, hello: &[u8; 40], key: &[u8]) -> u8 {
     status[0]
 }
 
-fn read_reply(s: &mut TcpStream) -> PinDonorMessage {
-    let mut header = [0u8; PIN_FRAME_HEADER_BYTES];
-    s.read_exact(&mut header).unwrap();
-    let mut body = vec![0u8; pin_frame_len(header).unwrap()];
-    s.read_exact(&mut body).unwrap();
-    PinDonorMessage::from_wire(&body).unwrap()
-}
-
 #[test]
 fn a_tcp_pin_with_the_key_holds_its_slots_until_released() {
     let _g = lock();
@@ -263,7 +255,10 @@ fn a_closed_tcp_connection_releases_its_pins() {
     let req = PinRequest::for_hint(1, &hint(&bank, &a, svc.endpoint()));
     s.write_all(&encode_pin_frame(&PinClientMessage::Pin(req)).unwrap())
         .unwrap();
-    assert!(matches!(read_reply(&mut s), PinDonorMessage::Granted(_)));
+    assert!(matches!(
+        read_pin_reply(&mut s),
+        PinDonorMessage::Granted(_)
+    ));
     assert_eq!((svc.active_pins(), bank.pins_outstanding()), (1, 3));
     drop(s); // no release
     assert!(
@@ -515,7 +510,7 @@ fn two_provisional_newcomers_share_one_idle_connection_and_the_second_is_refused
     assert_eq!(raw_prove(&mut first, &hello1, KEY), 1);
     assert!(until(Duration::from_secs(2), || svc.stats().idle_closed == 1));
     assert_eq!(raw_prove(&mut second, &hello2, KEY), 1);
-    match read_reply(&mut second) {
+    match read_pin_reply(&mut second) {
         PinDonorMessage::Refused(r) => {
             assert_eq!(r.reason, PinRefusalReason::TooManyPins);
             assert!(r.detail.contains("no idle connection"), "{}", r.detail);

@@ -10,7 +10,7 @@
 mod common;
 use common::*;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
@@ -39,11 +39,7 @@ fn pin_over(path: &Path, req: PinRequest) -> PinDonorMessage {
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     s.write_all(&encode_pin_frame(&PinClientMessage::Pin(req)).unwrap())
         .unwrap();
-    let mut header = [0u8; PIN_FRAME_HEADER_BYTES];
-    s.read_exact(&mut header).unwrap();
-    let mut body = vec![0u8; pin_frame_len(header).unwrap()];
-    s.read_exact(&mut body).unwrap();
-    PinDonorMessage::from_wire(&body).unwrap()
+    read_pin_reply(&mut s)
 }
 
 #[test]

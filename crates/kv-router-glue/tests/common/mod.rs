@@ -146,3 +146,15 @@ pub fn host_executor(rows: u32) -> (Vec<Arc<HostBuffer>>, FetchExecutor) {
     .unwrap();
     (regions, exec)
 }
+
+/// Reads one framed pin-protocol message from the donor (header, then
+/// body) off `s`, a Unix or TCP stream; panics on a short read or a body
+/// that does not decode (a test failure).
+pub fn read_pin_reply(s: &mut impl std::io::Read) -> kv_descriptor::PinDonorMessage {
+    use kv_descriptor::Wire;
+    let mut header = [0u8; kv_descriptor::PIN_FRAME_HEADER_BYTES];
+    s.read_exact(&mut header).unwrap();
+    let mut body = vec![0u8; kv_descriptor::pin_frame_len(header).unwrap()];
+    s.read_exact(&mut body).unwrap();
+    kv_descriptor::PinDonorMessage::from_wire(&body).unwrap()
+}
