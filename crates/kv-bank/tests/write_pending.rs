@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use common::*;
 use kv_bank::{
-    BankConfig, BankError, BankManager, BankMemory, HostShmMemory, MemoryKind, RankMemory,
-    StoreStatus,
+    BankConfig, BankError, BankManager, BankMemory, HostShmMemory, MemoryKind, PendingStore,
+    RankMemory, StoreStatus,
 };
 use kv_descriptor::{ExportHandle, MemoryLocation, OwnerLease, Role};
 
@@ -86,6 +86,35 @@ fn gated_bank(slots: u64, gated_slot: u32) -> (BankManager, mpsc::Receiver<()>, 
     })
     .unwrap();
     (bank, entered, release)
+}
+
+/// A 2-block store on a gated 2-slot bank whose copy into slot 0 is held
+/// inside the gate while `roll_back(bank, store_id)` (named `what`) runs,
+/// which must return within 3 s instead of waiting for the copy. Returns
+/// the bank, the store, the writer thread and the gate's release.
+#[allow(clippy::type_complexity)]
+fn rolled_back_mid_copy(
+    what: &str,
+    roll_back: fn(&BankManager, u64) -> Result<(), BankError>,
+) -> (
+    BankManager,
+    PendingStore,
+    std::thread::JoinHandle<Result<(), BankError>>,
+    mpsc::Sender<()>,
+) {
+    let (bank, entered, release) = gated_bank(2, 0);
+    let p = bank.store(None, &chain(0, 2)).unwrap();
+    let n = bank.manifest().parts()[0].slot_bytes() as usize;
+    let writer = {
+        let (bank, id) = (bank.clone(), p.store_id);
+        std::thread::spawn(move || bank.write_pending(id, 0, 0, &vec![7u8; n]))
+    };
+    entered.recv_timeout(Duration::from_secs(10)).unwrap();
+    let (b, id) = (bank.clone(), p.store_id);
+    within(Duration::from_secs(3), move || roll_back(&b, id))
+        .unwrap_or_else(|| panic!("{what} blocked behind a running copy"))
+        .unwrap();
+    (bank, p, writer, release)
 }
 
 /// Runs `f` on another thread and waits at most `limit` for it.
@@ -175,20 +204,8 @@ fn the_ack_that_makes_a_store_ready_waits_for_its_running_copy() {
 
 #[test]
 fn a_slot_rolled_back_mid_copy_is_not_reused_until_the_copy_ended() {
-    let (bank, entered, release) = gated_bank(2, 0);
-    let p = bank.store(None, &chain(0, 2)).unwrap();
+    let (bank, p, writer, release) = rolled_back_mid_copy("fail", |b, id| b.fail(id, 0));
     assert_eq!(p.entries.iter().map(|e| e.1).collect::<Vec<_>>(), [0, 1]);
-    let n = bank.manifest().parts()[0].slot_bytes() as usize;
-    let writer = {
-        let (bank, id) = (bank.clone(), p.store_id);
-        std::thread::spawn(move || bank.write_pending(id, 0, 0, &vec![7u8; n]))
-    };
-    entered.recv_timeout(Duration::from_secs(10)).unwrap();
-    let b = bank.clone();
-    let id = p.store_id;
-    within(Duration::from_secs(3), move || b.fail(id, 0))
-        .expect("fail blocked behind a running copy")
-        .unwrap();
     // Slot 1 is free again; slot 0 is still being written, so a 2-block
     // store does not fit and a 1-block store gets slot 1.
     assert!(matches!(
@@ -209,19 +226,7 @@ fn a_slot_rolled_back_mid_copy_is_not_reused_until_the_copy_ended() {
 
 #[test]
 fn an_abort_mid_copy_frees_the_slot_only_when_the_copy_ended() {
-    let (bank, entered, release) = gated_bank(2, 0);
-    let p = bank.store(None, &chain(0, 2)).unwrap();
-    let n = bank.manifest().parts()[0].slot_bytes() as usize;
-    let writer = {
-        let (bank, id) = (bank.clone(), p.store_id);
-        std::thread::spawn(move || bank.write_pending(id, 0, 0, &vec![7u8; n]))
-    };
-    entered.recv_timeout(Duration::from_secs(10)).unwrap();
-    let b = bank.clone();
-    let id = p.store_id;
-    within(Duration::from_secs(3), move || b.abort(id))
-        .expect("abort blocked behind a running copy")
-        .unwrap();
+    let (bank, p, writer, release) = rolled_back_mid_copy("abort", |b, id| b.abort(id));
     // Slot 1 (not being written) is free at once, slot 0 is not: the copy
     // into it still runs, and a new store there could be overwritten by it.
     let inv = bank.inventory();
