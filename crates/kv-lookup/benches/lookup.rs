@@ -8,7 +8,9 @@
 //! (ratio > 1: ours is better; for latencies `dynamo / ours`, for rates
 //! `ours / dynamo`). Single-threaded rows first, then the concurrent rows of
 //! `lookup/concurrent.rs` for each `T+E` (lookup threads + event threads;
-//! default `1+1` with `--quick`, else `1+1,2+2,4+4,8+8`), `S` seconds each
+//! default `1+1` with `--quick`, else `1+1,2+2,4+4,8+8`; `T+0` is the
+//! lookups-alone baseline, against which a `T+E` row's lookups/s show what
+//! the event threads cost the lookups), `S` seconds each
 //! (default 1 with `--quick`, else 2). Ours runs the concurrent load twice
 //! with the same events: per event (`apply_event`, each event visible when
 //! its call returns: rows `T+E lookups/s` etc., against each dynamo indexer)

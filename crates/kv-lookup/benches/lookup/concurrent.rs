@@ -81,8 +81,12 @@ pub(crate) struct Load {
 }
 
 /// Fresh churn chains: `per_thread` for each of `e` event threads
-/// (thread `k` uses chains `k, k + e, ...`).
+/// (thread `k` uses chains `k, k + e, ...`); none for `e == 0`, the
+/// lookups-alone baseline (`T+0`).
 pub(crate) fn churn_chains(e: usize, seed: u64) -> (Vec<Vec<Block>>, usize) {
+    if e == 0 {
+        return (Vec::new(), 0);
+    }
     let owned = DECODES.div_ceil(e);
     // A chain comes back only after its previous holder removed it.
     let per_thread = 2 * (KEEP + 1) * owned + 8;
@@ -342,7 +346,8 @@ pub(crate) fn positional<'a>(
     drive(t, e, secs, keys.len(), chains, writer, lookup)
 }
 
-/// `ConcurrentRadixTreeCompressed` in a `ThreadPoolIndexer` of `e` threads.
+/// `ConcurrentRadixTreeCompressed` in a `ThreadPoolIndexer` of `e` threads
+/// (one for the preload when `e == 0`, which then runs no producer).
 pub(crate) fn crtc_pool<'a>(
     ops: impl Iterator<Item = Op<'a>>,
     requests: &[(usize, Vec<Block>)],
@@ -353,7 +358,7 @@ pub(crate) fn crtc_pool<'a>(
 ) -> Load {
     let pool = Arc::new(ThreadPoolIndexer::new(
         ConcurrentRadixTreeCompressed::new(),
-        e,
+        e.max(1),
         16,
     ));
     let ids = preload_dynamo(ops, |ev| pool.enqueue_event(ev).expect("crtc preload"));
@@ -388,7 +393,7 @@ pub(crate) fn crtc_pool<'a>(
         std::hint::black_box(s);
         (false, 0)
     };
-    drive(t, 1, secs, keys.len(), chains, writer, lookup)
+    drive(t, e.min(1), secs, keys.len(), chains, writer, lookup)
 }
 
 /// Feeds the stores and removals of `ops` to `apply` as Dynamo events;
