@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use crate::error::Result;
+use crate::error::{Result, XtaskError};
 use crate::kvq::{self, BuildProfile};
 use crate::prerequisites::Prerequisites;
 use crate::{command, workspace};
@@ -62,8 +62,16 @@ pub fn run(
     build: BuildProfile,
     extra: &[String],
 ) -> Result<()> {
-    let prereq = Prerequisites::ensure()?;
     let profile = profile.resolve();
+    // Before the prerequisites and the kvq build (minutes on a fresh
+    // clone): kvq refuses this too, but only once it was built.
+    if profile == Profile::Gpu && !gpu_present() {
+        return Err(XtaskError::Usage {
+            flag: "--profile",
+            reason: "gpu, but `nvidia-smi -L` lists no GPU (use --profile cpu, or auto)".into(),
+        });
+    }
+    let prereq = Prerequisites::ensure()?;
     let out = match out {
         Some(o) => std::env::current_dir().map(|d| d.join(&o)).unwrap_or(o),
         None => default_out(profile),

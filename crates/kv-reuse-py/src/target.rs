@@ -348,8 +348,9 @@ impl Target {
     ///
     /// `donor_alive`, when given, is a callable returning False once the
     /// donor is gone (its process exited, its lease lapsed); it is called
-    /// (with the GIL) before the first byte and after the last one, so bytes
-    /// read from a donor that died meanwhile are never reported complete. A
+    /// (with the GIL) before the first byte and after the last one of each
+    /// TP rank's transfer (`2 * tp_size` calls a fetch), so bytes read from
+    /// a donor that died meanwhile are never reported complete. A
     /// probe that raises (or returns a non-bool) counts as a dead donor; its
     /// exception is the `__cause__` of the `FetchFellBack`. `pin_timeout_s` bounds each
     /// exchange with the donor's pin service (default 2 s).

@@ -174,6 +174,21 @@ pub enum PlaneError {
         /// Name seen.
         bucket: String,
     },
+    /// Connected to the NATS server, but the key-value bucket could be
+    /// neither opened nor created (feature `nats`): most often a server
+    /// without JetStream (`reason` then starts with what to change), else a
+    /// permission refusal or a JetStream timeout. Distinct from
+    /// [`PlaneError::Connect`] so that a message never says "cannot connect"
+    /// to a server the client did reach.
+    #[error("NATS at {url} is reachable, but key-value bucket `{bucket}` cannot be opened or created: {reason}")]
+    BucketUnavailable {
+        /// Server URL (a password or token replaced by `***`).
+        url: String,
+        /// Bucket name.
+        bucket: String,
+        /// Why, with the JetStream hint first when it applies.
+        reason: String,
+    },
     /// Connecting to the NATS server failed.
     #[error("cannot connect to NATS at {url}: {reason}")]
     Connect {

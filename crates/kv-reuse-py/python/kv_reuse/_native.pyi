@@ -586,7 +586,7 @@ class Target:
         gate: Optional["StreamGate"] = None,
     ) -> FetchOutcome:
         """Pin, copy, verify (GIL released). ``donor_alive`` is called before the first and
-        after the last byte (False or raising = donor gone); ``pin_timeout_s`` bounds each
+        after the last byte of each TP rank (2 * tp_size calls; False or raising = donor gone); ``pin_timeout_s`` bounds each
         pin exchange (default 2 s); ``dst_blocks``: the engine's block ids for the fetched
         blocks (default: the pool picks; BadArgument names ``dst_blocks`` for a wrong count and
         ``dst_blocks[i]`` for an id not below ``rows`` or repeated); ``dst_token_offset`` (kv_layout="hf" only, a multiple

@@ -47,7 +47,13 @@ use tokio_util::sync::CancellationToken;
 /// Reuse settings (the `--enable-decode-to-prefill-reuse` ... flags below) are
 /// layered: defaults < `--settings` TOML file < `KV_REUSE_*` environment < flags.
 #[derive(Parser, Debug)]
-#[command(name = "kv-reuse-router", version, about, long_about)]
+#[command(
+    name = "kv-reuse-router",
+    version,
+    about,
+    long_about,
+    allow_negative_numbers = true
+)]
 struct Cli {
     /// NATS servers: one URL or a comma-separated list, each `nats://`,
     /// `tls://`, `ws://` or `wss://` (no scheme: `nats://`); the client

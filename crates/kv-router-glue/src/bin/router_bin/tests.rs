@@ -63,25 +63,25 @@ fn nats_flags_pick_the_auth_and_tls() {
 fn out_of_range_or_malformed_values_are_refused_naming_the_flag() {
     // (flag, refused values, accepted values: the bounds themselves).
     let cases: &[(&str, &[&str], &[&str])] = &[
-        ("--max-probes", &["0"], &["1", "4294967295"]),
-        ("--missed-periods", &["0", "1001"], &["1", "1000"]),
+        ("--max-probes", &["0", "-1"], &["1", "4294967295"]),
+        ("--missed-periods", &["0", "1001", "-1"], &["1", "1000"]),
         (
             "--announce-period-ms",
-            &["0", "9", "60001"],
+            &["0", "9", "60001", "-1"],
             &["10", "60000"],
         ),
         (
             "--directory-ttl-ms",
-            &["0", "99", "86400001"],
+            &["0", "99", "86400001", "-1"],
             &["100", "86400000"],
         ),
-        ("--decision-log", &["0", "1000001"], &["1", "1000000"]),
+        ("--decision-log", &["0", "1000001", "-1"], &["1", "1000000"]),
         (
             "--advise-busy-poll-us",
-            &["1000001", "99999999999"],
+            &["1000001", "99999999999", "-1"],
             &["0", "1000000"],
         ),
-        ("--tokens-per-block", &["0"], &["1", "4294967295"]),
+        ("--tokens-per-block", &["0", "-1"], &["1", "4294967295"]),
         (
             "--namespace",
             &["a.b", "", "a*", "a>", "a b"],
@@ -114,6 +114,9 @@ fn out_of_range_or_malformed_values_are_refused_naming_the_flag() {
             ],
         ),
     ];
+    // `--flag -1` (separate word) used to be read as an unknown flag `-1`
+    // ("unexpected argument '-1' found"), naming no flag: negative numbers
+    // are values (`allow_negative_numbers`), refused by the flag's range.
     // A refused URL is shown with its password replaced.
     let e = parse(&["--nats-url", "http://router:s3cr3t@127.0.0.1:4222"]).unwrap_err();
     assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{e}");

@@ -123,8 +123,9 @@ impl NatsDirectory {
         bucket: &str,
         create: Option<Duration>,
     ) -> Result<Self, PlaneError> {
-        let connect_err = |reason: String| PlaneError::Connect {
+        let bucket_err = |reason: String| PlaneError::BucketUnavailable {
             url: crate::redact_url(url),
+            bucket: bucket.to_string(),
             reason,
         };
         let js = jetstream::new(client);
@@ -138,9 +139,7 @@ impl NatsDirectory {
                     });
                 }
                 let hint = no_jetstream_hint(&js).await;
-                return Err(connect_err(format!(
-                    "{hint}key-value bucket `{bucket}`: {e}"
-                )));
+                return Err(bucket_err(format!("{hint}{e}")));
             }
             (Err(_), Some(lease_ttl)) => match js
                 .create_key_value(kv::Config {
@@ -154,9 +153,7 @@ impl NatsDirectory {
                 Ok(store) => store,
                 Err(e) => {
                     let hint = no_jetstream_hint(&js).await;
-                    return Err(connect_err(format!(
-                        "{hint}key-value bucket `{bucket}`: {e}"
-                    )));
+                    return Err(bucket_err(format!("{hint}{e}")));
                 }
             },
         };

@@ -208,25 +208,37 @@ async fn a_server_without_jetstream_is_refused_saying_so() {
     std::fs::write(&conf, "# core NATS only\n").unwrap();
     let server = NatsServer::start_with_args(&["-c", conf.to_str().unwrap()]).unwrap();
     let url = server.url();
-    match NatsDirectory::connect(&url, "kv_donors", Duration::from_secs(30)).await {
-        Err(crate::PlaneError::Connect { url: u, reason }) => {
-            assert_eq!(u, url);
+    let refused = NatsDirectory::connect(&url, "kv_donors", Duration::from_secs(30)).await;
+    match &refused {
+        Err(crate::PlaneError::BucketUnavailable {
+            url: u,
+            bucket,
+            reason,
+        }) => {
+            assert_eq!(u, &url);
+            assert_eq!(bucket, "kv_donors");
             assert!(
                 reason.starts_with("the server has no JetStream (start nats-server with -js"),
                 "{reason}"
             );
         }
-        other => panic!("expected Connect saying JetStream is off, got {other:?}"),
+        other => panic!("expected BucketUnavailable saying JetStream is off, got {other:?}"),
     }
+    // It did connect: the message must not say it could not.
+    let shown = refused.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(shown.contains("is reachable"), "{shown}");
+    assert!(!shown.contains("cannot connect"), "{shown}");
     // A reader that may not create the bucket is told the same, not that
     // the bucket is missing (which would send the operator to its name).
     let client = async_nats::connect(&url).await.unwrap();
     match NatsDirectory::open_existing(client, &url, "kv_donors").await {
-        Err(crate::PlaneError::Connect { reason, .. }) => assert!(
+        Err(crate::PlaneError::BucketUnavailable { reason, .. }) => assert!(
             reason.starts_with("the server has no JetStream (start nats-server with -js"),
             "{reason}"
         ),
-        other => panic!("open_existing: expected Connect saying JetStream is off, got {other:?}"),
+        other => panic!(
+            "open_existing: expected BucketUnavailable saying JetStream is off, got {other:?}"
+        ),
     }
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
