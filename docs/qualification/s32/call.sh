@@ -12,7 +12,7 @@ H=${H:-585}
 NAME=${NAME:-f}
 TS=$(date +%s)
 R=$OUT/$NAME; mkdir -p $R
-B=.bundle
+B=${B:-.bundle}   # .bundle-e: the same bundle without nats-server (transfer and pytest need none)
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; lscpu | grep -E "Model name|L3"; cat $B/build-info.json; } > $R/machine.txt 2>&1
 left() { echo $(( H - ($(date +%s) - TS) )); }
 for step in "$@"; do
