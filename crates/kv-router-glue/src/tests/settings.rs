@@ -395,6 +395,15 @@ fn toml_file_and_errors() {
         .toml_str("= nope", "a.toml")
         .unwrap_err();
     assert!(matches!(e, SettingsError::Toml { .. }), "{e}");
+    // Where: line and column (1-based), as an editor shows them.
+    let e = SettingsLoader::new()
+        .toml_str("minimum_transfer_prefix_blocks = 4\nbad key\n", "b.toml")
+        .unwrap_err();
+    let shown = e.to_string();
+    assert!(
+        shown.starts_with("invalid TOML in b.toml: line 2, column "),
+        "{shown}"
+    );
     let e = SettingsLoader::new()
         .toml_file(dir.path().join("missing.toml"))
         .unwrap_err();

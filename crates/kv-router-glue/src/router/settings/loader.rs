@@ -176,7 +176,13 @@ impl SettingsLoader {
             text.parse()
                 .map_err(|e: toml::de::Error| SettingsError::Toml {
                     file: name.to_string(),
-                    reason: e.message().to_string(),
+                    reason: match e.span() {
+                        Some(span) => {
+                            let (line, column) = line_column(text, span.start);
+                            format!("line {line}, column {column}: {}", e.message())
+                        }
+                        None => e.message().to_string(),
+                    },
                 })?;
         for (key, value) in table {
             let spec = known(&key, name)?;
@@ -254,4 +260,14 @@ impl SettingsLoader {
             origins: self.origins,
         })
     }
+}
+
+/// 1-based line and column (in characters) of byte `offset` of `text`, as
+/// editors show them, so a TOML error points at the place to fix.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    // The parser's spans start on a character; `get` keeps a bad one from panicking.
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, column)
 }
