@@ -557,9 +557,19 @@ fn an_unreachable_server_exits_1_and_logs_without_colour_codes() {
         "{err}"
     );
     assert!(
-        err.contains("settings in force"),
+        err.contains("setting in force"),
         "the log reached stderr: {err}"
     );
+    // One log line per setting (a multi-line message arrived split in log
+    // collectors), each with its key as a field.
+    for s in kv_router_glue::SETTINGS {
+        let key = format!("key=\"{}\"", s.key);
+        let lines = err
+            .lines()
+            .filter(|l| l.contains("setting in force") && l.contains(&key))
+            .count();
+        assert_eq!(lines, 1, "{key}: {err}");
+    }
     assert!(!err.contains('\x1b'), "ANSI escape in piped logs: {err:?}");
 }
 
@@ -1122,7 +1132,7 @@ fn a_signal_during_startup_stops_it_with_a_log_line_and_exit_0() {
         let deadline = Instant::now() + Duration::from_secs(5);
         while !std::fs::read_to_string(log.path())
             .unwrap()
-            .contains("settings in force")
+            .contains("setting in force")
         {
             assert!(Instant::now() < deadline, "no settings line");
             std::thread::sleep(Duration::from_millis(10));

@@ -101,6 +101,8 @@ impl LoadedSettings {
                 .cloned()
                 .unwrap_or(SettingOrigin::Default);
             let unit = spec(key).map(|s| s.unit).unwrap_or("-");
+            // `SettingValue`'s Display ignores width: pad its text.
+            let value = value.to_string();
             out.push_str(&format!("{key:<40} = {value:<10} {unit:<6} ({origin})\n"));
         }
         out
