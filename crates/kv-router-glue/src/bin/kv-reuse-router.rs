@@ -30,8 +30,8 @@ use kv_router_glue::vllm_events::{VllmEventError, VllmIngest, VllmSubscriber};
 use kv_router_glue::{
     announce_subject, Advisor, CostModel, DecisionLog, DirectoryPlane, EnvSnapshot, EventPlane,
     InventoryError, InventorySync, LiveCostModel, NatsAuth, NatsDirectory, NatsInventory,
-    NatsOptions, NatsPlane, NatsTls, PlaneError, RemoteDonorDirectory, ReuseArgs, SettingOrigin,
-    SettingsError, SettingsLoader, DEFAULT_INVENTORY_TIMEOUT, NATS_MIN_MAX_AGE,
+    NatsOptions, NatsPlane, NatsTls, PlaneError, RemoteDonorDirectory, ReuseArgs, SettingsError,
+    SettingsLoader, DEFAULT_INVENTORY_TIMEOUT, NATS_MIN_MAX_AGE,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -542,13 +542,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
         .build()?;
     // One event per setting (key, value, unit and origin as fields), so a
     // log collector keeps each whole; a multi-line message arrived split.
-    for (key, value) in loaded.settings.entries() {
-        let origin = loaded
-            .origins
-            .get(key)
-            .cloned()
-            .unwrap_or(SettingOrigin::Default);
-        let unit = kv_router_glue::spec(key).map_or("-", |s| s.unit);
+    for (key, value, unit, origin) in loaded.in_force() {
         tracing::info!(key, value = %value, unit, origin = %origin, "setting in force");
     }
     let model = CostModel::new(loaded.settings.clone(), cli.tokens_per_block)?;

@@ -91,16 +91,39 @@ pub struct LoadedSettings {
 }
 
 impl LoadedSettings {
+    /// The settings in force in registry order: `(key, value, unit,
+    /// origin)`, the unit as registered (`-` for none).
+    ///
+    /// ```
+    /// use kv_router_glue::{SettingOrigin, SettingsLoader};
+    /// let loaded = SettingsLoader::new()
+    ///     .toml_str("minimum_transfer_prefix_blocks = 6", "a.toml").unwrap()
+    ///     .build().unwrap();
+    /// let row = loaded.in_force().into_iter()
+    ///     .find(|r| r.0 == "minimum_transfer_prefix_blocks").unwrap();
+    /// assert_eq!((row.1.to_string().as_str(), row.2), ("6", "blocks"));
+    /// assert_eq!(row.3, SettingOrigin::File("a.toml".into()));
+    /// ```
+    pub fn in_force(&self) -> Vec<(&'static str, SettingValue, &'static str, SettingOrigin)> {
+        self.settings
+            .entries()
+            .into_iter()
+            .map(|(key, value)| {
+                let origin = self
+                    .origins
+                    .get(key)
+                    .cloned()
+                    .unwrap_or(SettingOrigin::Default);
+                let unit = spec(key).map_or("-", |s| s.unit);
+                (key, value, unit, origin)
+            })
+            .collect()
+    }
+
     /// A table of the settings in force with their origins, one line per key.
     pub fn describe(&self) -> String {
         let mut out = String::new();
-        for (key, value) in self.settings.entries() {
-            let origin = self
-                .origins
-                .get(key)
-                .cloned()
-                .unwrap_or(SettingOrigin::Default);
-            let unit = spec(key).map(|s| s.unit).unwrap_or("-");
+        for (key, value, unit, origin) in self.in_force() {
             // `SettingValue`'s Display ignores width: pad its text.
             let value = value.to_string();
             out.push_str(&format!("{key:<40} = {value:<10} {unit:<6} ({origin})\n"));
