@@ -36,10 +36,16 @@ impl CreatorProcess {
         }
     }
 
-    /// A creator with pid `pid`: in tests, another process (a parent
-    /// before a fork) without forking.
-    #[cfg(test)]
-    pub(crate) fn of_pid(pid: u32) -> Self {
+    /// A creator with pid `pid`: a process other than this one (a parent
+    /// before a fork) without forking, for tests of what a value does
+    /// outside its creator (here and in the crates above, e.g.
+    /// kv-transfer's CUDA objects). Values record [`CreatorProcess::current`].
+    ///
+    /// ```
+    /// let parent = kv_bank::CreatorProcess::of_pid(std::process::id() ^ 1);
+    /// assert!(!parent.is_current());
+    /// ```
+    pub fn of_pid(pid: u32) -> Self {
         Self { pid }
     }
 

@@ -92,20 +92,66 @@ fn driver() -> Result<(), BankError> {
 /// host banks do ([`CreatorProcess`]).
 fn usable_here(init: &Result<CreatorProcess, String>) -> Result<(), BankError> {
     match init {
-        Ok(creator) if creator.is_current() => Ok(()),
-        Ok(creator) => Err(BankError::CudaUnavailable {
-            reason: format!(
-                "CUDA was initialized by process {}, and this process ({}) is a child forked \
-                 from it, where the inherited CUDA state may not be used: create CUDA banks \
-                 in a process that did not inherit it (multiprocessing's \"spawn\" start method)",
-                creator.pid(),
-                std::process::id()
-            ),
-        }),
+        Ok(creator) => cuda_usable_here(*creator, "CUDA was initialized"),
         Err(reason) => Err(BankError::CudaUnavailable {
             reason: reason.clone(),
         }),
     }
+}
+
+/// Initializes the CUDA driver for this process on first use (`cuInit`,
+/// recording this process as the one that ran it) and says whether this
+/// process may use CUDA. Another crate that makes CUDA objects of its own
+/// (kv-transfer's copy backend: streams, events, the gather module) calls
+/// it first, so that the one record of who ran `cuInit` refuses its use in
+/// a forked child as it refuses kv-bank's.
+///
+/// ```
+/// // On a machine without a GPU this is an error that says why.
+/// if let Err(e) = kv_bank::cuda_driver_here() {
+///     assert!(e.to_string().starts_with("CUDA unavailable: "));
+/// }
+/// ```
+///
+/// # Errors
+/// [`BankError::CudaUnavailable`] when `libcuda` is missing, `cuInit`
+/// fails, or this process is a child forked after another process (named,
+/// with this one) initialized the driver.
+pub fn cuda_driver_here() -> Result<(), BankError> {
+    driver()
+}
+
+/// `Ok` when CUDA state that process `made_by` set up may be used, and
+/// destroyed, in this process: only in `made_by` itself. A child forked from
+/// it inherits the state (the driver's initialization, and every stream,
+/// event, module or allocation made after it) but CUDA does not support
+/// using it there: a call can fail, or block on a lock a parent thread held
+/// at the fork. So there the caller neither calls CUDA on it nor frees it:
+/// it forgets it (the memory is the parent's, which the child cannot free
+/// anyway). `what` says what `made_by` did, for the error (`CUDA was
+/// initialized`, `this copy backend's device 0 was set up`).
+///
+/// ```
+/// use kv_bank::{cuda_usable_here, CreatorProcess};
+/// assert!(cuda_usable_here(CreatorProcess::current(), "CUDA was initialized").is_ok());
+/// ```
+///
+/// # Errors
+/// [`BankError::CudaUnavailable`] in any other process, naming `made_by`'s
+/// pid and this one's.
+pub fn cuda_usable_here(made_by: CreatorProcess, what: &str) -> Result<(), BankError> {
+    if made_by.is_current() {
+        return Ok(());
+    }
+    Err(BankError::CudaUnavailable {
+        reason: format!(
+            "{what} by process {}, and this process ({}) is a child forked from it, where the \
+             inherited CUDA state may not be used: use CUDA in a process that did not inherit it \
+             (multiprocessing's \"spawn\" start method)",
+            made_by.pid(),
+            std::process::id()
+        ),
+    })
 }
 
 /// Primary contexts retained by this process, by ordinal. Retained once and

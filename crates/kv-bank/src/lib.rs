@@ -124,8 +124,9 @@ mod slots;
 pub use creator::CreatorProcess;
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    cuda_probe, device_memory_info, gpu_location, ipc_cache_stats, CudaDeviceInfo,
-    CudaDeviceMemory, CudaIpcImport, DeviceMemoryInfo, IpcCacheStats,
+    cuda_driver_here, cuda_probe, cuda_usable_here, device_memory_info, gpu_location,
+    ipc_cache_stats, CudaDeviceInfo, CudaDeviceMemory, CudaIpcImport, DeviceMemoryInfo,
+    IpcCacheStats,
 };
 pub use error::BankError;
 #[cfg(feature = "qualify")]

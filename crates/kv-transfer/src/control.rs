@@ -141,7 +141,11 @@ impl LayersReady {
     /// lives as long as `self`.
     ///
     /// # Errors
-    /// [`TransferError::Cuda`] naming `cuStreamWaitEvent`.
+    /// [`TransferError::Cuda`] naming `cuStreamWaitEvent`;
+    /// [`TransferError::CudaUnavailable`] in a child forked after the
+    /// event was recorded (nothing is enqueued there: CUDA may not be used
+    /// after `fork()`, and the child's copy of the event is forgotten, not
+    /// destroyed, when the last clone of `self` goes).
     pub fn enqueue_wait(&self, on: &ConsumerStream) -> Result<(), TransferError> {
         (self.wait)(on)
     }

@@ -43,11 +43,13 @@ use crate::{DeliveryControl, TransferError};
 mod device;
 mod gather;
 mod launch;
+mod process_bound;
 mod profile;
 use device::Device;
 use gather::launch_batches;
 pub use launch::inline_compile_options;
 use launch::{launch_convert, Kernels, Tables};
+use process_bound::{cuda_unavailable, ProcessBound};
 pub use profile::{time_raw_device_copy, LaunchPhases};
 
 /// At most this many runs go out as individual device copies; more use the kernel.
@@ -96,11 +98,21 @@ pub fn device_count() -> usize {
     CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
 }
 
+/// A device's CUDA objects, used and dropped only by the process that set
+/// them up ([`ProcessBound`]: a forked child forgets them).
+type SharedDevice = Arc<ProcessBound<Mutex<Device>>>;
+
 /// Copies between CUDA regions: device copies for a few runs, the NVRTC
 /// gather kernel for many. One stream per destination device; parts on the
 /// same device are serialized.
+///
+/// After `fork()` a child inherits the backend but may not use its CUDA
+/// objects: there every copy is refused
+/// ([`TransferError::CudaUnavailable`], naming both processes) and the
+/// drop forgets the devices' streams, events and kernels instead of
+/// destroying them (`cuda/process_bound.rs`).
 pub struct CudaCopyBackend {
-    devices: Mutex<HashMap<u32, Arc<Mutex<Device>>>>,
+    devices: Mutex<HashMap<u32, SharedDevice>>,
     use_kernel: bool,
     tuning: GatherTuning,
     /// How block tables reach the kernel (`KV_GATHER_UPLOAD`).
@@ -274,11 +286,22 @@ impl CudaCopyBackend {
         Ok(l)
     }
 
-    fn device(&self, ordinal: u32) -> Result<Arc<Mutex<Device>>, TransferError> {
+    /// Device `ordinal`'s objects, set up on first use.
+    ///
+    /// # Errors
+    /// [`TransferError::CudaUnavailable`] in a child forked after the
+    /// device was set up, or after CUDA was initialized (kv-bank's record
+    /// of `cuInit`, which a first set-up makes here), before any CUDA call;
+    /// [`TransferError::Cuda`] for a failing call.
+    fn device(&self, ordinal: u32) -> Result<SharedDevice, TransferError> {
         let mut devs = self.devices.lock();
         if let Some(d) = devs.get(&ordinal) {
+            d.usable()?;
             return Ok(d.clone());
         }
+        // Through kv-bank's driver initialization, so that its record of
+        // the process that ran `cuInit` covers these objects too.
+        kv_bank::cuda_driver_here().map_err(cuda_unavailable)?;
         let ctx =
             CudaContext::new(ordinal as usize).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
         let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
@@ -299,7 +322,7 @@ impl CudaCopyBackend {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cuda_err("cuDeviceGetAttribute"))?
             .max(1) as u32;
-        let d = Arc::new(Mutex::new(Device {
+        let device = Mutex::new(Device {
             ctx,
             stream,
             kernels,
@@ -313,7 +336,11 @@ impl CudaCopyBackend {
             enqueued: None,
             blocking: None,
             released: false,
-        }));
+        });
+        let d = Arc::new(ProcessBound::new(
+            device,
+            format!("this copy backend's CUDA stream and kernels of device {ordinal} were set up"),
+        ));
         devs.insert(ordinal, d.clone());
         Ok(d)
     }
@@ -331,7 +358,7 @@ impl CudaCopyBackend {
         rank: u32,
         src: &dyn BankMemory,
         dst: &dyn BankMemory,
-    ) -> Result<(Arc<Mutex<Device>>, u32, u32), TransferError> {
+    ) -> Result<(SharedDevice, u32, u32), TransferError> {
         let unsupported = || TransferError::UnsupportedMemory {
             backend: "cuda_ipc",
             rank,

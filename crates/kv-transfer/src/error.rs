@@ -153,6 +153,15 @@ pub enum TransferError {
         /// Driver error text.
         reason: String,
     },
+    /// CUDA may not be used in this process (the rule of
+    /// `kv_bank::cuda_usable_here`): a child forked after another process
+    /// initialized CUDA or made the backend's CUDA objects (the reason names
+    /// both processes; nothing was launched), or no driver to initialize.
+    #[error("CUDA unavailable: {reason}")]
+    CudaUnavailable {
+        /// Why, as kv-bank words it.
+        reason: String,
+    },
     /// A bank operation (store, pin, import, close) failed.
     #[error("bank: {0}")]
     Bank(#[from] kv_bank::BankError),

@@ -735,3 +735,72 @@ async fn mixed_or_differing_credentials_in_the_url_are_refused_without_the_secre
         "{text}"
     );
 }
+
+/// The user info of a NATS URL read as nats.go reads it (no server):
+/// `u:@` is user `u` with an empty password (the url crate drops an empty
+/// password, which made it the token `u`), `u@` a token, `u:p@` a user and
+/// password, and only a literal `:` separates the two (`%3A` is part of a
+/// name).
+#[test]
+fn url_user_info_is_read_as_nats_go_reads_it() {
+    let read = |url: &str| {
+        NatsOptions::default()
+            .with_url_credentials(url)
+            .unwrap_or_else(|e| panic!("{url}: {e}"))
+            .auth
+    };
+    let user = |user: &str, password: &str| NatsAuth::UserPassword {
+        user: user.into(),
+        password: password.into(),
+    };
+    let cases = [
+        ("nats://u:@host", user("u", "")),
+        ("nats://u:@host:4222/", user("u", "")),
+        ("u:@host", user("u", "")),
+        ("nats://u:@n1, nats://u:@n2", user("u", "")),
+        ("nats://u@host", NatsAuth::Token("u".into())),
+        ("nats://u:p@host", user("u", "p")),
+        ("nats://u%3Ap@host", NatsAuth::Token("u:p".into())),
+        ("nats://u%3A@host", NatsAuth::Token("u:".into())),
+        ("nats://u:p%3Aq@host", user("u", "p:q")),
+        ("nats://u:p:q@host", user("u", "p:q")),
+        ("nats://u%3Ax:@host", user("u:x", "")),
+        ("nats://:@host", NatsAuth::None),
+        ("nats://host", NatsAuth::None),
+    ];
+    for (url, want) in cases {
+        assert_eq!(read(url), want, "{url}");
+    }
+    // An empty password is credentials of their own: not those of a token
+    // `u` on another server of the list.
+    let e = NatsOptions::default()
+        .with_url_credentials("nats://u:@n1,nats://u@n2")
+        .unwrap_err();
+    assert_eq!(e.field, "nats_url");
+    assert!(
+        e.reason
+            .starts_with("has servers with different credentials"),
+        "{e}"
+    );
+}
+
+/// nats-server accepts an empty password (`--user u --pass ''`), and
+/// `nats://u:@host` logs in to it; `nats://u@host` (a token) is refused.
+#[tokio::test]
+async fn an_empty_password_in_the_url_logs_in() {
+    const TEST: &str = "an_empty_password_in_the_url_logs_in";
+    if NatsServer::start_or_skip(TEST).is_none() {
+        return;
+    }
+    let server = NatsServer::start_with_args(&["--user", "u", "--pass", ""]).unwrap();
+    let plane = NatsPlane::connect(&url_with(&server, "u:"), url_options())
+        .await
+        .unwrap_or_else(|e| panic!("user and empty password in the URL: {e}"));
+    round_trip(&plane).await;
+    match NatsPlane::connect(&url_with(&server, "u"), url_options()).await {
+        Err(PlaneError::Connect { reason, .. }) => {
+            assert!(reason.contains("authorization"), "{reason}")
+        }
+        other => panic!("the token `u` was accepted: {other:?}"),
+    }
+}

@@ -555,7 +555,10 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
             "advise_ms": round(advise_ms, 3),
             "warmup_ms": round(warmup_ms, 3),
             "fetch_ms": round(on["fetch_ms"], 3),
-            "verdict": advice.verdict,
+            # The stable refusal code (None when admitted) and its words, not
+            # the deprecated `Advice.verdict` (a Debug text of no stable form).
+            "reason": advice.reason,
+            "detail": advice.detail,
             "admitted": advice.admitted,
             "fetched_tokens": on["fetched_tokens"],
             "fetch_us": on.get("fetch_us"),
@@ -644,7 +647,7 @@ def run(a, w: Workload, sessions, decode, prefill, kv_reuse, notes, slots, targe
         turns.append(row)
         print(
             f"gpu_serving: [{time.perf_counter() - t_start:.0f} s] {sess.id} turn {t} history {row['history']}: OFF {off_ms:.1f} ms, ON {on_ms:.1f} ms"
-            f" ({row['fetched_tokens']} fetched, {row['verdict']}; "
+            f" ({row['fetched_tokens']} fetched, {row['reason'] or 'admitted'}; "
             + " ".join(f"{k} {v:.1f}" for k, v in row["on_phases_ms"].items())
             + f"), ideal {row.get('ideal_ms', float('nan')):.1f} ms"
             + (f"; warm OFF {row['warm']['off_ms']:.1f} ms, ON {row['warm']['on_ms']:.1f} ms"

@@ -94,7 +94,8 @@ class WarmRegime:
             "on_ms": round(on_s["ms"], 3),
             "advise_ms": round(on_s["phases_ms"]["advise"], 3),
             "fetch_ms": round(on["fetch_ms"], 3),
-            "verdict": advice.verdict,
+            "reason": advice.reason,  # the stable refusal code, None when admitted
+            "detail": advice.detail,
             "held_tokens": on["held_tokens"],
             "fetch_from": on["fetch_from"],
             "fetched_tokens": on["fetched_tokens"],
@@ -239,7 +240,8 @@ def donor_kill(prefill: Any, router: Any, target_engine: str, decode_pid: int, s
         "session": sess.id,
         "history": len(sess.history),
         "advised": advice.hint is not None,
-        "verdict": str(advice.verdict),
+        "reason": advice.reason,  # the stable refusal code, None when admitted
+        "detail": advice.detail,
         "fell_back": on["fell_back"],
         "fetched_tokens": on["fetched_tokens"],
         "first_token_produced": isinstance(on.get("first_token"), int),

@@ -167,6 +167,21 @@ def _fake_kv_reuse() -> types.ModuleType:
     return m
 
 
+def advice(hint: Any, reason: str = "no_donor", detail: str = "no donor holds the prefix") -> types.SimpleNamespace:
+    """A router's answer with the fields of ``kv_reuse.Advice`` a harness may read.
+
+    Admitted when ``hint`` is not None (``reason`` and ``detail`` then None),
+    else refused with ``reason`` (a stable code) and ``detail`` (words). It
+    has no ``verdict``: the wheel's is deprecated, so a harness that still
+    reads it fails here.
+    """
+    admitted = hint is not None
+    return types.SimpleNamespace(
+        admitted=admitted, hint=hint, terms=None,
+        reason=None if admitted else reason, detail=None if admitted else detail,
+    )
+
+
 def install() -> Dict[str, Any]:
     """Puts stand-ins for torch, transformers and kv_reuse into ``sys.modules`` (replacing real ones).
 

@@ -46,7 +46,7 @@ class FakeRouter:
     def advise(self, request_id, hashes, target):
         assert target in self.workers
         ok = bool(hashes) and hashes[0] in self.held
-        return types.SimpleNamespace(hint=b"hint" if ok else None, admitted=ok, verdict="Admit" if ok else "Refuse(NoDonor)")
+        return stubs.advice(b"hint" if ok else None)
 
 
 class Decode:
@@ -172,8 +172,16 @@ def test_every_part_of_a_turn_runs_and_lands_in_the_summary(harness_mods):
     assert r["false_completions"] == 0 and r["leaks"] == 0 and r["fallbacks"] == 0
     assert r["warm"]["later_turns"] == 16 and r["warm"]["fetched_turns"] == 16
     assert all(t["warm"]["checksums_equal"] for t in r["turns"] if t["turn"] > 0)
+    # Each advice is recorded by its stable code and words, never the deprecated `verdict`.
+    refused = [t for t in r["turns"] if not t["admitted"]]
+    assert len(refused) == 8 and all(t["turn"] == 0 for t in refused)
+    assert all((t["reason"], t["detail"]) == ("no_donor", "no donor holds the prefix") for t in refused)
+    assert all(t["reason"] is None and t["detail"] is None for t in r["turns"] if t["admitted"])
+    assert all((t["warm"]["reason"], t["warm"]["detail"]) == (None, None) for t in r["turns"] if t["turn"] > 0)
+    assert not any("verdict" in t or "verdict" in t.get("warm", {}) for t in r["turns"])
     k = r["donor_kill"]
     assert k["ok"] and k["advised"] and k["fell_back"][1] == "transfer"
+    assert (k["reason"], k["detail"]) == (None, None) and "verdict" not in k
     (kill,) = [c for c in prefill.calls if c[1].get("kill_donor")]
     assert kill[1]["kill_donor"] == 424242
     assert [c[0] for c in prefill.calls[-3:]] == ["on", "stats", "stats"]  # the kill turn comes last

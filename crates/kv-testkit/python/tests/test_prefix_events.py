@@ -77,14 +77,14 @@ def test_the_cost_model_fetches_only_what_the_warm_prefill_lacks():
             hw.learn(ev)
         hr.report_donor(donor.manifest(), endpoint, dict(zip(hashes, donor.slots(hashes))))
         hr.apply_event(hw.stored(None, hashes[:4]))
-        assert hr.advise("warm-h", hashes, target.engine_id).verdict == "Refuse(TooFewBlocks)"
+        assert hr.advise("warm-h", hashes, target.engine_id).reason == "too_few_blocks"
         with pytest.raises(pe.EventError) as e:
             warm.stored(None, [12345])
         assert e.value.field == "token_hash"
         # The prefill computed the first 4 blocks itself and kept them.
         router.apply_event(warm.stored(None, hashes[:4]))
         advice = router.advise("warm-1", hashes, target.engine_id)
-        assert advice.admitted, advice.verdict
+        assert advice.admitted, (advice.reason, advice.detail)
         with target.fetch(advice.hint, hashes, donor.manifest()) as out:
             assert out.fetch_from == 4 and list(out.fetched) == hashes[4:]
             assert [target.read_row(0, r)[0] for r in out.rows] == [4, 5]
@@ -98,7 +98,7 @@ def test_the_cost_model_fetches_only_what_the_warm_prefill_lacks():
 
 def test_the_harness_router_settings_turn_the_gpu_path_on():
     # A CUDA donor bank is the GPU path; without this setting every advice on
-    # the H200 was Refuse(GpuPathDisabled) and nothing was fetched.
+    # the H200 was refused (`gpu_path_disabled`) and nothing was fetched.
     from gpu_serving import harness
 
     entries = kv_reuse.Settings(harness.router_settings(), env={}).entries()

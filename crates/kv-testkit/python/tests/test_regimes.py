@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import stubs  # noqa: E402
 from gpu_serving import prefix_events as pe  # noqa: E402
 from gpu_serving.regimes import WarmRegime, donor_kill, warm_summary  # noqa: E402
 from gpu_serving.workload import Workload  # noqa: E402
@@ -31,7 +32,7 @@ class FakeRouter:
 
     def advise(self, request_id, hashes, target):
         self.advised.append((request_id, target))
-        return types.SimpleNamespace(hint=self.hint, verdict="Admit" if self.hint else "Refuse(NotWorthIt)")
+        return stubs.advice(self.hint, "saving_below_minimum", "saving 1.0 ms below the minimum 2.0 ms")
 
 
 class FakePrefill:
@@ -85,6 +86,13 @@ def test_a_warm_turn_advises_the_warm_engine_and_commits_after_both_runs():
         assert next(c for c in prefill.calls if c[0] == "warm_on")[1]["hint"] == b"hint"
         assert row["on_ms"] > 10.0 and row["off_ms"] == 10.0  # ON includes the advise
         assert row["fetch_from"] == 2 and row["advised"] and row["_logits"] == (b"on", b"off")
+        assert (row["reason"], row["detail"]) == (None, None) and "verdict" not in row
+    # A refused warm turn records the router's code and words.
+    prefill = FakePrefill({"warm_on": {**on, "fetched_tokens": 0}, "warm_off": {"logits": b"off"},
+                           "fetched_checksums": {"checksums": []}})
+    row = WarmRegime(FakeRouter(hint=None), WARM, B).turn(prefill, "s1", 2, [1] * 12, [9, 8, 7], b"m", True)
+    assert not row["advised"] and row["reason"] == "saving_below_minimum"
+    assert row["detail"] == "saving 1.0 ms below the minimum 2.0 ms"
 
 
 def test_warm_summary_compares_on_with_the_prefills_own_cache():
@@ -129,15 +137,19 @@ def test_warm_goal_is_the_median_of_paired_repetitions_whole():
 
 def test_donor_kill_turn_passes_the_pid_and_fails_on_a_fetch_or_a_leak():
     sess = types.SimpleNamespace(id="s3", history=[1] * 20)
-    def run(on, after_leaks, free_after=9):
+    def run(on, after_leaks, free_after=9, hint=b"hint"):
         prefill = FakePrefill({"on": on})
         stats = iter([{"leaks_grown": {}, "free_rows": 9}, {"leaks_grown": after_leaks, "free_rows": free_after}])
         prefill.call = (lambda orig: lambda op, **kw: (next(stats), 1.0) if op == "stats" else orig(op, **kw))(prefill.call)
-        r = donor_kill(prefill, FakeRouter(), "tgt", 4242, sess, [2] * 5, lambda toks: [len(toks)], b"m")
+        r = donor_kill(prefill, FakeRouter(hint), "tgt", 4242, sess, [2] * 5, lambda toks: [len(toks)], b"m")
         return r, prefill
     fell = {"fell_back": ["donor gone", "transfer", "dead"], "fetched_tokens": 0, "first_token": 7}
     r, prefill = run(fell, {})
     assert r["ok"] and r["first_token_produced"] and r["history"] == 20
+    assert (r["reason"], r["detail"]) == (None, None) and "verdict" not in r
+    refused = run(fell, {}, hint=None)[0]
+    assert not refused["ok"] and not refused["advised"]
+    assert (refused["reason"], refused["detail"]) == ("saving_below_minimum", "saving 1.0 ms below the minimum 2.0 ms")
     (op, kw), = [c for c in prefill.calls if c[0] == "on"]
     assert kw["kill_donor"] == 4242 and kw["prompt"] == [1] * 20 + [2] * 5 and kw["hashes"] == [25]
     assert not run(fell, {"open_fds": 2})[0]["ok"]
@@ -146,8 +158,6 @@ def test_donor_kill_turn_passes_the_pid_and_fails_on_a_fetch_or_a_leak():
 
 
 def test_the_donor_alive_probe_sigkills_the_donor_once():
-    import stubs
-
     saved = stubs.install()
     try:
         from gpu_serving import prefill_worker

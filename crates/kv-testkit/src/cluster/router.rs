@@ -124,20 +124,26 @@ fn stable_key(bytes: &[u8]) -> u64 {
 }
 
 async fn serve(url: &str, gpu: bool) -> Result<(), ClusterError> {
+    // Every connection of this process is made from these options, through
+    // kv-router-glue's one NATS connect path: credentials in the URL, TLS or
+    // any setting added here apply to each alike; only the name differs.
+    let nats = NatsOptions {
+        name: "cluster-router".into(),
+        ..NatsOptions::default()
+    };
+    let named = |suffix: &str| NatsOptions {
+        name: format!("{}-{suffix}", nats.name),
+        ..nats.clone()
+    };
     let plane: Arc<dyn EventPlane> = Arc::new(
-        NatsPlane::connect(
-            url,
-            NatsOptions {
-                name: "cluster-router".into(),
-                ..NatsOptions::default()
-            },
-        )
-        .await
-        .map_err(|e| fail("nats", e))?,
+        NatsPlane::connect(url, nats.clone())
+            .await
+            .map_err(|e| fail("nats", e))?,
     );
-    let directory = NatsDirectory::connect(url, DIRECTORY_BUCKET, RECORD_TTL * 4)
-        .await
-        .map_err(|e| fail("directory", e))?;
+    let directory =
+        NatsDirectory::connect_with(url, named("directory"), DIRECTORY_BUCKET, RECORD_TTL * 4)
+            .await
+            .map_err(|e| fail("directory", e))?;
     let settings = settings(gpu)?;
     let bs = layout(1)?.tokens_per_block();
     let model = CostModel::new(settings, bs).map_err(|e| fail("cost model", e))?;
@@ -169,12 +175,13 @@ async fn serve(url: &str, gpu: bool) -> Result<(), ClusterError> {
         .await
         .map_err(|e| fail("announcements", e))?;
     let mut watch = directory.watch().await.map_err(|e| fail("watch", e))?;
-    let client = async_nats::ConnectOptions::new()
-        .name("cluster-router-advise")
-        .max_reconnects(None)
-        .connect(url)
+    // Its own connection (as before), made as the plane's: NatsPlane::connect
+    // (unbounded reconnects with the bounded back-off); only the client is kept.
+    let client = NatsPlane::connect(url, named("advise"))
         .await
-        .map_err(|e| fail("advise client", e))?;
+        .map_err(|e| fail("advise client", e))?
+        .client()
+        .clone();
     let mut advise = client
         .queue_subscribe(ADVISE_SUBJECT, ADVISE_QUEUE_GROUP.into())
         .await

@@ -107,18 +107,23 @@ async fn serve(
     gpu: bool,
 ) -> Result<(), ClusterError> {
     let fail = |what: &str| step(key, what);
-    let plane = NatsPlane::connect(
-        url,
-        NatsOptions {
-            name: key.to_string(),
-            ..NatsOptions::default()
-        },
-    )
-    .await
-    .map_err(|e| fail("nats")(e.to_string()))?;
+    // Every connection of this process is made from these options, through
+    // kv-router-glue's one NATS connect path: credentials in the URL, TLS or
+    // any setting added here apply to each alike; only the name differs.
+    let nats = NatsOptions {
+        name: key.to_string(),
+        ..NatsOptions::default()
+    };
+    let named = |suffix: &str| NatsOptions {
+        name: format!("{key}-{suffix}"),
+        ..nats.clone()
+    };
+    let plane = NatsPlane::connect(url, nats.clone())
+        .await
+        .map_err(|e| fail("nats")(e.to_string()))?;
     let plane: Arc<dyn EventPlane> = Arc::new(plane);
     let directory: Arc<dyn DirectoryPlane> = Arc::new(
-        NatsDirectory::connect(url, DIRECTORY_BUCKET, RECORD_TTL * 4)
+        NatsDirectory::connect_with(url, named("directory"), DIRECTORY_BUCKET, RECORD_TTL * 4)
             .await
             .map_err(|e| fail("directory")(e.to_string()))?,
     );
@@ -142,12 +147,11 @@ async fn serve(
     // a prefill worker has its own client for it.
     let client = match role {
         Role::Prefill => Some(
-            async_nats::ConnectOptions::new()
-                .name(format!("{key}-advise"))
-                .max_reconnects(None)
-                .connect(url)
+            NatsPlane::connect(url, named("advise"))
                 .await
-                .map_err(|e| fail("advise client")(e.to_string()))?,
+                .map_err(|e| fail("advise client")(e.to_string()))?
+                .client()
+                .clone(),
         ),
         Role::Decode => None,
     };

@@ -129,8 +129,15 @@ impl Device {
             .new_event(None)
             .map_err(cuda_err("cuEventCreate"))?;
         ev.record(&self.stream).map_err(cuda_err("cuEventRecord"))?;
-        let ev = Arc::new(ev);
+        // The consumer may keep the `LayersReady`, and a child forked from
+        // this process inherit it: there its wait is refused and its drop
+        // forgets the event (`cuEventDestroy` on the parent's state).
+        let ev = Arc::new(super::ProcessBound::new(
+            ev,
+            "this layer group's CUDA event was recorded",
+        ));
         let wait = Arc::new(move |on: &crate::ConsumerStream| {
+            ev.usable()?;
             // SAFETY: the event is alive (this closure owns a reference);
             // `ConsumerStream::new`'s contract makes `on.stream()` a live
             // stream of its device's primary context while it is used, and

@@ -156,6 +156,8 @@ impl CudaCopyBackend {
 /// copy, not one staged through the host. One untimed warm-up copy runs first.
 ///
 /// # Errors
+/// [`TransferError::CudaUnavailable`] in a child forked after CUDA was
+/// initialized (kv-bank's record of `cuInit`), before any CUDA call;
 /// [`TransferError::Cuda`] naming the failing call.
 pub fn time_raw_device_copy(
     src_ordinal: u32,
@@ -165,6 +167,7 @@ pub fn time_raw_device_copy(
     bytes: usize,
     repeats: usize,
 ) -> Result<Vec<std::time::Duration>, TransferError> {
+    kv_bank::cuda_driver_here().map_err(super::cuda_unavailable)?;
     let ctx = CudaContext::new(ordinal as usize).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
     if src_ordinal != ordinal {
         let peer =

@@ -11,6 +11,10 @@ use super::{AbortOnDrop, EventPlane, PlaneFuture, PlaneMessage, Subject, Subscri
 use crate::log_throttle::LogThrottle;
 use crate::PlaneError;
 
+mod server_url;
+use server_url::url_auth;
+pub use server_url::{nats_server_addrs, redact_url};
+
 /// Connection options of a [`NatsPlane`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct NatsOptions {
@@ -69,82 +73,6 @@ pub fn inbox_prefix_problem(prefix: &str) -> Option<&'static str> {
     }
 }
 
-/// `url` as it may be printed: the password of a `user:password@` and a
-/// token of a `token@` user info replaced by `***`, in each server of a
-/// comma-separated list. Errors and logs name the server the router tried;
-/// a secret written into the URL must not reach them (operator guide,
-/// "Secrets are never printed"). Anything without user info is returned as
-/// given.
-///
-/// ```
-/// use kv_router_glue::redact_url;
-/// assert_eq!(redact_url("nats://router:pw@n1:4222"), "nats://router:***@n1:4222");
-/// assert_eq!(redact_url("tls://t0k3n@n1"), "tls://***@n1");
-/// assert_eq!(redact_url("nats://n1:4222"), "nats://n1:4222");
-/// ```
-pub fn redact_url(url: &str) -> String {
-    url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
-}
-
-fn redact_one(server: &str) -> String {
-    let (scheme, rest) = match server.split_once("://") {
-        Some((s, r)) => (Some(s), r),
-        None => (None, server),
-    };
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    // The last `@` ends the user info (a password may itself hold one).
-    let Some(at) = authority.rfind('@') else {
-        return server.to_string();
-    };
-    let info = match authority[..at].split_once(':') {
-        Some((user, _)) => format!("{user}:***"),
-        None => "***".to_string(),
-    };
-    let scheme = scheme.map(|s| format!("{s}://")).unwrap_or_default();
-    format!("{scheme}{info}@{}{tail}", &authority[at + 1..])
-}
-
-/// The NATS servers of `url`: one server URL or a comma-separated list of
-/// them (`nats://n1:4222,nats://n2:4222`; spaces around each are ignored),
-/// each `nats://`, `tls://`, `ws://` or `wss://` (no scheme: `nats://`).
-/// The client connects to one of them and moves to another when it is
-/// lost; it also learns the cluster's other servers from the one it reaches.
-///
-/// ```
-/// use kv_router_glue::nats_server_addrs;
-/// assert_eq!(nats_server_addrs("nats://n1:4222, n2:4223").unwrap().len(), 2);
-/// assert!(nats_server_addrs("nats://n1:4222,,nats://n2:4222").is_err());
-/// assert!(nats_server_addrs("http://n1:4222").is_err());
-/// ```
-///
-/// # Errors
-/// Why the list or one of its servers is refused (an empty entry, an
-/// unknown scheme, no host), naming the entry with any password replaced
-/// by `***`.
-pub fn nats_server_addrs(url: &str) -> Result<Vec<async_nats::ServerAddr>, String> {
-    url.split(',')
-        .map(|one| {
-            let one = one.trim();
-            let named = |why: String| {
-                if url.contains(',') {
-                    format!("server {:?}: {why}", redact_one(one))
-                } else {
-                    why
-                }
-            };
-            if one.is_empty() {
-                return Err(named("is empty".into()));
-            }
-            let addr: async_nats::ServerAddr = one.parse().map_err(|e| named(format!("{e}")))?;
-            if addr.host().is_empty() {
-                return Err(named("has no host".into()));
-            }
-            Ok(addr)
-        })
-        .collect()
-}
-
 /// How a NATS client proves who it is (the server's `authorization` /
 /// `accounts` configuration decides which one it wants).
 ///
@@ -201,64 +129,6 @@ impl NatsAuth {
     }
 }
 
-/// The credentials written into `url`'s user info, by the NATS convention
-/// (the nats CLI, nats.go, nats.py): `user:password@` is
-/// [`NatsAuth::UserPassword`], a user alone (`token@`) is
-/// [`NatsAuth::Token`], none is [`NatsAuth::None`]. Both parts are
-/// percent-decoded (`p%40ss` is `p@ss`). async-nats 0.51 parses the user
-/// info but never sends it, so a URL with credentials was refused by an
-/// authenticating server ("authorization violation") unless they are
-/// taken from it here.
-///
-/// # Errors
-/// As [`NatsOptions::with_url_credentials`], but for credentials given
-/// both ways (`nats_url`); no message shows a secret.
-fn url_auth(url: &str) -> Result<NatsAuth, NatsOptionsError> {
-    let refused = |reason: String| NatsOptionsError {
-        field: "nats_url",
-        reason,
-    };
-    let decoded = |part: &str, what: &str| {
-        percent_encoding::percent_decode_str(part)
-            .decode_utf8()
-            .map(|p| p.into_owned())
-            .map_err(|_| {
-                refused(format!(
-                    "has a {what} that is not UTF-8 once percent-decoded"
-                ))
-            })
-    };
-    let mut found: Option<NatsAuth> = None;
-    for server in nats_server_addrs(url).map_err(refused)? {
-        // `ServerAddr` gives both parts still percent-encoded (`url::Url`).
-        let auth = match (server.username(), server.password()) {
-            (None, None) => NatsAuth::None,
-            (Some(user), Some(password)) => NatsAuth::UserPassword {
-                user: decoded(user, "user")?,
-                password: decoded(password, "password")?,
-            },
-            (Some(token), None) => NatsAuth::Token(decoded(token, "token")?),
-            (None, Some(_)) => {
-                return Err(refused(
-                    "has a password but no user (`user:password@host`)".into(),
-                ))
-            }
-        };
-        match &found {
-            None => found = Some(auth),
-            Some(first) if *first == auth => {}
-            Some(_) => {
-                return Err(refused(
-                    "has servers with different credentials: give every server the \
-                     same user info, or none"
-                        .into(),
-                ))
-            }
-        }
-    }
-    Ok(found.unwrap_or_default())
-}
-
 /// TLS settings of a NATS connection (PEM files).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NatsTls {
@@ -308,8 +178,10 @@ impl NatsOptions {
     /// ([`nats_slow_consumer_drops`]): a caller that sets its own
     /// `event_callback` on the result replaces it, and loses both.
     ///
-    /// Credentials in `url` (`nats://user:password@host`, `nats://token@host`)
-    /// are used as if given in `auth` (async-nats itself ignores them): the
+    /// Credentials in `url` (`nats://user:password@host`, `nats://user:@host`
+    /// for an empty password, `nats://token@host`; read as
+    /// [`NatsOptions::with_url_credentials`] says) are used as if given in
+    /// `auth` (async-nats itself ignores them): the
     /// same user info on every server of the list, and `auth` left at
     /// [`NatsAuth::None`]. Credentials given both ways are refused, even
     /// equal ones, as any other two kinds of credentials are: give them in
@@ -414,9 +286,12 @@ impl NatsOptions {
     }
 
     /// These options with the credentials written in `url`'s user info
-    /// (`nats://user:password@host` is [`NatsAuth::UserPassword`],
-    /// `nats://token@host` a [`NatsAuth::Token`], both percent-decoded) as
-    /// `auth`; unchanged when it has none. [`NatsOptions::connect_options`]
+    /// (`nats://user:password@host` is [`NatsAuth::UserPassword`], and so is
+    /// `nats://user:@host`, with an empty password, as nats.go reads it;
+    /// `nats://token@host` a [`NatsAuth::Token`]; both parts
+    /// percent-decoded, and only a literal `:` separates them, so
+    /// `nats://a%3Ab@host` is the token `a:b`) as `auth`; unchanged when it
+    /// has none (`nats://:@host`, an empty user and password, counts as none). [`NatsOptions::connect_options`]
     /// applies it: call it only to check options early (applied twice it
     /// refuses, as below).
     ///
@@ -426,6 +301,8 @@ impl NatsOptions {
     /// assert_eq!(o.auth, NatsAuth::UserPassword { user: "kv".into(), password: "p@ss".into() });
     /// let o = NatsOptions::default().with_url_credentials("nats://t0k3n@n1").unwrap();
     /// assert_eq!(o.auth, NatsAuth::Token("t0k3n".into()));
+    /// let o = NatsOptions::default().with_url_credentials("nats://kv:@n1").unwrap();
+    /// assert_eq!(o.auth, NatsAuth::UserPassword { user: "kv".into(), password: "".into() });
     /// let e = NatsOptions::default().with_url_credentials("nats://kv:s3cr3t@n1,nats://n2").unwrap_err();
     /// assert_eq!(e.field, "nats_url");
     /// assert!(!e.to_string().contains("s3cr3t"));

@@ -35,7 +35,7 @@ use crate::service::{
     AdviseClient, AdviseReply, AdviseRequest, AdviseResult, AdviseServer, DedicatedAdviseServer,
     DedicatedOptions, RouterService, ServerStages, StageProbe, ADVISE_SUBJECT,
 };
-use crate::NatsOptions;
+use crate::{NatsOptions, NatsPlane};
 
 /// Requests per turn when two passes alternate.
 const CHUNK: usize = 500;
@@ -101,6 +101,27 @@ pub(super) struct NatsSamples {
 
 fn nats_err(what: &'static str) -> impl Fn(String) -> AdviseBenchError {
     move |reason| AdviseBenchError::Nats { what, reason }
+}
+
+/// The options every connection of the bench is made with (the dedicated
+/// server's and each caller's): one value, applied through
+/// [`NatsOptions::connect_options`] as by every other client of the
+/// project, so credentials in the URL, TLS or any other setting added here
+/// reach all of them alike.
+fn bench_options() -> NatsOptions {
+    NatsOptions {
+        name: "kv-advise-bench".into(),
+        ..NatsOptions::default()
+    }
+}
+
+/// A caller's connection to `url`, made as [`NatsPlane::connect`] makes
+/// its own (the plane itself is not needed: only its client).
+async fn connect(url: &str, options: &NatsOptions) -> Result<async_nats::Client, AdviseBenchError> {
+    NatsPlane::connect(url, options.clone())
+        .await
+        .map(|plane| plane.client().clone())
+        .map_err(|e| nats_err("connect")(e.to_string()))
 }
 
 fn check(reply: &AdviseReply, req: &AdviseRequest) -> Result<bool, AdviseBenchError> {
@@ -251,7 +272,7 @@ struct HandoffClient {
 }
 
 impl HandoffClient {
-    fn connect(url: &str) -> Result<Self, AdviseBenchError> {
+    fn connect(url: &str, options: &NatsOptions) -> Result<Self, AdviseBenchError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -260,9 +281,7 @@ impl HandoffClient {
                 what: "runtime",
                 reason: e.to_string(),
             })?;
-        let client = runtime
-            .block_on(async_nats::connect(url))
-            .map_err(|e| nats_err("connect")(e.to_string()))?;
+        let client = runtime.block_on(connect(url, options))?;
         Ok(Self { runtime, client })
     }
 
@@ -291,20 +310,21 @@ impl HandoffClient {
 /// of [`CHUNK`] requests; must run outside any runtime (both block).
 fn blocking_passes(
     url: &str,
+    options: &NatsOptions,
     reqs: &[AdviseRequest],
     warmup: usize,
     busy_poll: Duration,
     out: &mut NatsSamples,
 ) -> Result<(), AdviseBenchError> {
-    let mut blocking = AdviseClient::connect(
-        url,
-        async_nats::ConnectOptions::new(),
-        ADVISE_SUBJECT,
-        Duration::from_secs(5),
-    )
-    .map_err(|e| nats_err("connect")(e.to_string()))?;
+    let connect_options = options
+        .clone()
+        .connect_options(url)
+        .map_err(|e| nats_err("connect")(e.to_string()))?;
+    let mut blocking =
+        AdviseClient::connect(url, connect_options, ADVISE_SUBJECT, Duration::from_secs(5))
+            .map_err(|e| nats_err("connect")(e.to_string()))?;
     blocking.set_busy_poll(busy_poll);
-    let handoff = HandoffClient::connect(url)?;
+    let handoff = HandoffClient::connect(url, options)?;
     for chunk in (0..reqs.len()).collect::<Vec<_>>().chunks(CHUNK) {
         for pass in 0..2 {
             for &i in chunk {
@@ -343,11 +363,7 @@ pub(super) fn run_nats_passes(
     warmup: usize,
     busy_poll: Duration,
 ) -> Result<NatsSamples, AdviseBenchError> {
-    let connect = |url: String| async move {
-        async_nats::connect(url)
-            .await
-            .map_err(|e| nats_err("connect")(e.to_string()))
-    };
+    let options = bench_options();
     let mut out = NatsSamples::default();
 
     // Before: one shared multi-thread runtime for server and caller.
@@ -360,8 +376,8 @@ pub(super) fn run_nats_passes(
             reason: e.to_string(),
         })?;
     let (samples, admitted) = shared.block_on(async {
-        let server_client = connect(url.to_string()).await?;
-        let caller = connect(url.to_string()).await?;
+        let server_client = connect(url, &options).await?;
+        let caller = connect(url, &options).await?;
         let server = AdviseServer::bind(server_client, service.clone()).await?;
         let shutdown = CancellationToken::new();
         let serving = tokio::spawn(server.run(shutdown.clone()));
@@ -380,10 +396,7 @@ pub(super) fn run_nats_passes(
     let rt = current_thread()?;
     let server = rt.block_on(DedicatedAdviseServer::start(
         url,
-        NatsOptions {
-            name: "kv-advise-bench".into(),
-            ..NatsOptions::default()
-        },
+        options.clone(),
         service.clone(),
         DedicatedOptions {
             metrics: None,
@@ -391,10 +404,10 @@ pub(super) fn run_nats_passes(
             busy_poll,
         },
     ))?;
-    blocking_passes(url, reqs, warmup, busy_poll, &mut out)?;
+    blocking_passes(url, &options, reqs, warmup, busy_poll, &mut out)?;
     probe.take();
     rt.block_on(async {
-        let caller = connect(url.to_string()).await?;
+        let caller = connect(url, &options).await?;
         let (samples, admitted) = request_loop(&caller, reqs, warmup).await?;
         out.round_trip_us = samples;
         out.admitted += admitted;
