@@ -204,7 +204,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except Exception as e:  # ImportError, or a broken install
-        return skip(a.out, f"torch/transformers cannot be imported ({e!r})")
+        return skip(
+            a.out,
+            f"torch/transformers cannot be imported by {sys.executable} ({e!r}); "
+            "set KVQ_PYTHON to an interpreter that has them",
+        )
     try:
         import kv_reuse
     except Exception as e:
