@@ -5,14 +5,15 @@
 # backend was used: its copy refused naming both pids, its drops return, the parent copies every
 # byte again), gpu and gpu_layouts (the copy backend whose devices and events are now held by
 # ProcessBound, every layout checked byte by byte), kv-bank's gpu_bank and gpu_ipc (CUDA banks,
-# whose driver record now goes through cuda_usable_here). NIXL libraries from .bundle-e when
-# carried. Results in $OUT/$NAME.tar.gz, NAME=${NAME:-g}.
+# whose driver record now goes through cuda_usable_here). NIXL libraries from the first carried
+# bundle folder that has them (B=.bundle-t by default). Results in $OUT/$NAME.tar.gz, NAME=${NAME:-g}.
 set -u
 NAME=${NAME:-g}
 R=$OUT/$NAME; mkdir -p $R
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; lscpu | grep -E "Model name|L3"; } > $R/machine.txt 2>&1
-if [ -f .bundle-e/nixl-libs.tar.gz ]; then
-  mkdir -p /tmp/nixl && tar xzf .bundle-e/nixl-libs.tar.gz -C /tmp/nixl
+B=${B:-.bundle-t}
+if [ -f $B/nixl-libs.tar.gz ]; then
+  mkdir -p /tmp/nixl && tar xzf $B/nixl-libs.tar.gz -C /tmp/nixl
   export LD_LIBRARY_PATH="/tmp/nixl/.nixl_cu13.mesonpy.libs:/tmp/nixl/nixl_cu13.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export NIXL_PLUGIN_DIR=/tmp/nixl/.nixl_cu13.mesonpy.libs/plugins KV_NIXL_LIB_DIR=/tmp/nixl/.nixl_cu13.mesonpy.libs
 fi
