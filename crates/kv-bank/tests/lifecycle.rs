@@ -961,3 +961,56 @@ fn a_store_into_a_full_bank_keeps_the_parent_it_announces() {
     assert!(ev.iter().any(|e| matches!(&e.data,
         KvEventData::Stored { parent: Some(p), .. } if *p == parent)));
 }
+
+/// `unlink_names` (the Python wheel's exit hook) removes the bank's names
+/// from /dev/shm (every segment and lease) and nothing else: a mapping made
+/// before keeps reading, the creator keeps storing into its memory, a new
+/// import is refused (no lease), and the drop afterwards finds the names
+/// gone without complaint.
+#[test]
+fn unlink_names_removes_the_names_and_leaves_the_bank_working() {
+    let bank = bank(2, 4);
+    let l = layout(2);
+    let first = store_ready(&bank, None, &chain(0, 1));
+    let parts = bank.manifest().parts().to_vec();
+    let mapped = HostShmMemory::open_descriptor(&parts[1]).unwrap();
+    let mut names: Vec<String> = parts
+        .iter()
+        .map(|d| match d.export() {
+            ExportHandle::HostShm { name } => name.clone(),
+            other => panic!("a host bank exports shm, got {other:?}"),
+        })
+        .chain(bank.lease_status().names)
+        .collect();
+    names.sort();
+    let exists = |n: &str| std::path::Path::new(&format!("{SHM_DIR}{n}")).exists();
+    assert!(names.iter().all(|n| exists(n)), "{names:?}");
+
+    let mut removed = bank.unlink_names();
+    removed.sort();
+    assert_eq!(removed, names, "every segment and lease, nothing else");
+    assert!(names.iter().all(|n| !exists(n)), "{names:?}");
+    assert!(
+        bank.unlink_names().is_empty(),
+        "a second call finds nothing"
+    );
+
+    // The memory stays: the creator stores, the earlier mapping reads.
+    let second = store_ready(&bank, None, &chain(100, 1));
+    let slot_bytes = l.rank_block_bytes();
+    for (p, hash) in [(&first, first.entries[0].0), (&second, second.entries[0].0)] {
+        let off = p.entries[0].1 as usize * slot_bytes;
+        let mut got = vec![0u8; slot_bytes];
+        mapped.read_bytes(off, &mut got).unwrap();
+        assert_eq!(got, pattern(hash, 1, slot_bytes));
+    }
+    // No new importer: the lease is gone with its name.
+    assert!(matches!(
+        HostShmMemory::open_descriptor(&parts[0]),
+        Err(BankError::LeaseMissing { .. })
+    ));
+    drop(mapped);
+    bank.close(Duration::from_secs(1)).unwrap();
+    drop(bank);
+    assert!(names.iter().all(|n| !exists(n)));
+}

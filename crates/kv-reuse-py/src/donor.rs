@@ -31,6 +31,7 @@ impl DonorBank {
     /// A Python view of a bank opened elsewhere (a `WorkerPublisher`'s
     /// donor agent owns it), stored into through the same calls.
     pub(crate) fn from_manager(inner: Arc<BankManager>, layout: Layout) -> Self {
+        crate::exit_unlink::register(&inner);
         Self { inner, layout }
     }
 }
@@ -57,7 +58,12 @@ impl DonorBank {
     ///
     /// A host bank takes its `slots x tp_size x rank_block_bytes` bytes of
     /// `/dev/shm` here, at creation (the pages are reserved, so a full
-    /// `/dev/shm` can never kill a later `write` with SIGBUS).
+    /// `/dev/shm` can never kill a later `write` with SIGBUS). Its names
+    /// (segments and `.lease` files) are removed when it is dropped, or at
+    /// interpreter exit by the wheel's `atexit` hook if it is still alive
+    /// then (a daemon thread holding the script's globals keeps
+    /// finalization from dropping it); the hook removes names only, so a
+    /// thread still running keeps its mapping.
     ///
     /// Raises `BadArgument` naming `slots`, `lease_s`, `store_timeout_s` or
     /// `gpus` (also `slots` / `gpus[i]` for a negative int or one past
@@ -121,10 +127,11 @@ impl DonorBank {
                 })?
             }
         };
-        Ok(Self {
-            inner: Arc::new(inner),
-            layout,
-        })
+        let inner = Arc::new(inner);
+        // Its /dev/shm names go at interpreter exit even if finalization
+        // never drops it (a daemon thread holding the script's globals).
+        crate::exit_unlink::register(&inner);
+        Ok(Self { inner, layout })
     }
 
     /// This donor's engine id (UUID string).

@@ -11,6 +11,8 @@
 //! `errors`. Engine tensors cross zero-copy through `__array_interface__`,
 //! DLPack and `__cuda_array_interface__` (module `array`). Unsafe code: `array`
 //! (foreign tensor memory) and `stream_gate` (a foreign CUDA stream handle).
+//! Module `exit_unlink`: the `atexit` hook (registered at import) that
+//! removes the `/dev/shm` names of every bank still alive at interpreter exit.
 //! API and examples: docs/python.md.
 
 mod advice;
@@ -21,6 +23,7 @@ mod donor_imports;
 mod engine_layout;
 mod errors;
 mod events;
+mod exit_unlink;
 mod fetch_job;
 mod fetch_outcome;
 mod layout;
@@ -107,6 +110,7 @@ fn reclaim_stale(py: Python<'_>, prefix: &str) -> PyResult<Vec<String>> {
 #[pyo3(name = "_native")]
 fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
+    exit_unlink::register_hook(m)?;
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(leak_counters, m)?)?;
     m.add_function(wrap_pyfunction!(reclaim_stale, m)?)?;

@@ -199,6 +199,9 @@ class DonorBank:
         and its slots are quarantined for one more timeout (``abort()`` frees them at once).
         A host bank reserves its ``slots x tp_size x rank_block_bytes`` bytes of /dev/shm
         here: BankFailed naming ``slots`` (with the free space) when they do not fit.
+        Its /dev/shm names go when it is dropped, or at interpreter exit (an atexit hook
+        registered at import removes those of every bank still alive, names only: a daemon
+        thread holding the script's globals keeps finalization from dropping the bank).
         A forked child inherits the bank but not its ownership: ``store`` / ``write`` there
         raise BankFailed, and dropping it leaves the parent's segments alone."""
     @property
