@@ -2,6 +2,9 @@
 
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -154,6 +157,36 @@ def test_negative_or_oversized_ints_are_refused_naming_the_argument(layout):
         store.write(rank, rows)
     assert [store.ack(r) for r in range(layout.tp_size)] == [False, True]
     assert bank.slots(store.sequence_hashes) == [0]
+
+
+@pytest.mark.parametrize("call", ["wait()", "wait_layer(3)"])
+def test_ctrl_c_interrupts_a_stream_gate_wait_that_no_fetch_will_end(call):
+    """A gate no fetch ever takes, waited on without ``timeout_s``, blocked
+    forever, and a SIGINT could not stop it (the wait slept without the GIL
+    and never ran signal handlers). Now it raises KeyboardInterrupt, as
+    ``FetchJob.result`` does. In a subprocess, so a wait that never ends
+    fails this test rather than hanging the suite; 10 s is only a bound for
+    "does not hang"."""
+    code = (
+        "import sys, kv_reuse\n"
+        "gate = kv_reuse.StreamGate(0, 0, layer_groups=4)\n"
+        "print('waiting', flush=True)\n"
+        f"gate.{call}\n"
+        "print('returned', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "waiting\n"
+        time.sleep(0.3)  # into the wait (an earlier SIGINT would raise as well)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0 and "returned" not in out, (out, err)
+    assert err.rstrip().splitlines()[-1] == "KeyboardInterrupt", err
 
 
 def test_stream_gate_refusals_name_the_argument_and_an_argument_error_ends_the_gate(layout):

@@ -665,12 +665,14 @@ class StreamGate:
     ones are still copied. BadArgument names ``layer_groups`` outside 1..=1024."""
     def __init__(self, stream: int, device: int, layer_groups: Optional[int] = None) -> None: ...
     def wait(self, timeout_s: Optional[float] = None) -> bool:
-        """Blocks (GIL released) until enqueued (True) or the fetch ended / ``timeout_s`` passed (False)."""
+        """Blocks (GIL released) until enqueued (True) or the fetch ended / ``timeout_s`` passed (False).
+        Without ``timeout_s`` a gate no fetch takes waits forever: Ctrl-C (any signal handler's
+        exception) is raised within ~50 ms, as in ``FetchJob.result``."""
     def wait_layer(self, layer: int, timeout_s: Optional[float] = None) -> bool:
         """Layered gates: blocks (GIL released) until layer ``layer``'s group is issued, makes
         the stream wait for it (and every earlier group), True; False when the fetch ended
         without it (discard what was computed) or ``timeout_s`` passed. Without layer groups:
-        ``wait(timeout_s)``."""
+        ``wait(timeout_s)``. Ctrl-C raises KeyboardInterrupt within ~50 ms, as in ``wait``."""
     @property
     def layer_groups(self) -> Optional[int]: ...
     @property
