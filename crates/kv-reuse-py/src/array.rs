@@ -4,8 +4,8 @@
 //! Protocols read (abi3 for Python 3.9 has no buffer-protocol API, since
 //! `PyBuffer` needs 3.11):
 //! - NumPy `__array_interface__` (version 3): `data` = (address, read_only),
-//!   `typestr` (`<f4`, `|u1`, ...), `shape`, `strides` in bytes (None = C
-//!   contiguous);
+//!   `typestr` (`<f4`, `|u1`, ...), `shape`, `strides` in bytes (absent or
+//!   None = C contiguous);
 //! - `__cuda_array_interface__` (version 2/3, Numba's definition; CuPy,
 //!   torch): the same fields for device memory;
 //! - DLPack (`__dlpack__()` returning a `dltensor` capsule around a
@@ -196,13 +196,14 @@ fn interface(dict: &Bound<'_, PyAny>, argument: &str, proto: &str, dtype: DType)
     let shape: Vec<usize> = get("shape")?
         .extract()
         .map_err(|_| bad_argument(argument, format!("{proto} shape is not a tuple of ints")))?;
-    let strides = get("strides")?;
-    let strides = if strides.is_none() {
-        None
-    } else {
-        Some(strides.extract::<Vec<isize>>().map_err(|_| {
+    // Optional in both protocols: absent or None means C-contiguous (NumPy's
+    // array interface spec; numpy itself puts None there, other exporters
+    // leave the key out).
+    let strides = match ai.get_item("strides")? {
+        Some(s) if !s.is_none() => Some(s.extract::<Vec<isize>>().map_err(|_| {
             bad_argument(argument, format!("{proto} strides are not a tuple of ints"))
-        })?)
+        })?),
+        _ => None,
     };
     let (ptr, readonly): (usize, bool) = get("data")?.extract().map_err(|_| {
         bad_argument(

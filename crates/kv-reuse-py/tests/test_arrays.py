@@ -109,6 +109,40 @@ def test_a_dlpack_cpu_source_is_stored_byte_for_byte(layout, enabled, tmp_path):
     fetch_into(bank, endpoint, hashes, layout, enabled, caches, caches, rows, "req-dl")
 
 
+class NoStrides:
+    """An exporter whose ``__array_interface__`` leaves out ``strides``:
+    optional in NumPy's array interface spec, absent meaning C-contiguous
+    (numpy writes None; other exporters omit the key)."""
+
+    def __init__(self, arr):
+        assert arr.flags.c_contiguous
+        self.arr = arr
+        ai = dict(arr.__array_interface__)
+        del ai["strides"]
+        self.__array_interface__ = ai
+
+
+def test_an_array_interface_without_strides_is_read_as_c_contiguous(layout, enabled, tmp_path):
+    """Such an exporter was refused (``blocks: __array_interface__ lacks
+    `strides```) as a store source and as a fetch destination; it is stored
+    and fetched into byte for byte. The CUDA array interface reads the key
+    the same way: its refusal is about the dtype, not the strides."""
+    bank, store = store_of(layout, BLOCKS)
+    n = layout.rank_block_elems
+    rows = [np.arange(BLOCKS * n, dtype=np.float32).reshape(BLOCKS, n) + 11 * r
+            for r in range(layout.tp_size)]
+    for r in range(layout.tp_size):
+        store.write(r, NoStrides(rows[r]))
+        assert store.ack(r) == (r == layout.tp_size - 1)
+    caches = [np.zeros((8, n), dtype=np.float32) for _ in range(layout.tp_size)]
+    fetch_into(bank, "unix:" + str(tmp_path / "pin.sock"), store.sequence_hashes, layout, enabled,
+               [NoStrides(c) for c in caches], caches, rows, "req-nostrides")
+    cuda = FakeCuda((4, n), typestr="<f2", device=0)
+    del cuda.__cuda_array_interface__["strides"]
+    with pytest.raises(kv_reuse.BadArgument, match=r"^kv_caches\[0\]: dtype <f2, expected <f4$"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[cuda, cuda], gpus=[0, 0])
+
+
 def test_source_refusals_name_blocks(layout):
     _bank, store = store_of(layout)
     n = layout.rank_block_elems
