@@ -2,7 +2,7 @@
 //! arrays acknowledged per rank, events, the manifest, and the pin service.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -49,7 +49,9 @@ impl DonorBank {
     ///
     /// `store_timeout_s` bounds how long an open store (`store()` until every
     /// rank's `ack`) may hold its reserved slots before it is rolled back
-    /// (kv_bank's `BankConfig::store_timeout`, default 5 s). A store rolled
+    /// (kv_bank's `BankConfig::store_timeout`, default 5 s); a `write` or
+    /// `ack` of it after that raises `BankFailed` naming the store and
+    /// `store_timeout_s` (the store is rolled back). A store rolled
     /// back by that timeout keeps its slots quarantined for one more
     /// `store_timeout_s` (a rank may still be copying into them): a `store`
     /// that needs them meanwhile raises `BankFailed` ("bank full") naming
@@ -164,6 +166,7 @@ impl DonorBank {
         }
         let st = self.inner.store(None, &sealed).map_err(bank)?;
         Ok(PendingStore {
+            started: Instant::now(),
             bank: self.inner.clone(),
             layout: self.layout,
             store_id: st.store_id,
@@ -255,6 +258,10 @@ pub(crate) struct PendingStore {
     bank: Arc<BankManager>,
     layout: Layout,
     store_id: u64,
+    /// Taken right after kv_bank's store began (its deadline is
+    /// `store_timeout_s` from a moment earlier), to tell a store that timed
+    /// out from one completed or aborted once kv_bank forgot it.
+    started: Instant,
     /// The blocks this store writes (new to the bank), in prefix order.
     hashes: Vec<u64>,
     already_retained: usize,
@@ -311,7 +318,10 @@ impl PendingStore {
     /// CUDA array interface stream that is not a default one, a pointer
     /// that is not inside one device allocation) or `rank` (not below
     /// `tp_size`, negative); `BankFailed` from the bank (also when `rank`
-    /// already acked: its part is sealed).
+    /// already acked: its part is sealed; and once the bank's
+    /// `store_timeout_s` passed since `store()`: nothing is copied, the
+    /// store is rolled back, and the message names the store and
+    /// `store_timeout_s`, as `ack`'s does then).
     fn write(
         &self,
         py: Python<'_>,
@@ -353,7 +363,7 @@ impl PendingStore {
                             field: "source",
                             reason,
                         } => bad_argument("blocks", reason),
-                        other => store_error(other),
+                        other => self.store_error(other, "write"),
                     });
             }
         }
@@ -366,7 +376,7 @@ impl PendingStore {
             for (index, chunk) in bytes.chunks_exact(rbb).enumerate() {
                 self.bank
                     .write_pending(self.store_id, rank, index, chunk)
-                    .map_err(store_error)?;
+                    .map_err(|e| self.store_error(e, "write"))?;
             }
             Ok(())
         })
@@ -385,7 +395,7 @@ impl PendingStore {
     /// Raises `BadArgument` naming `rank` (not below `tp_size`, negative);
     /// `BankFailed` from the bank: the rank has unwritten blocks (the message
     /// names the rank and the first unwritten row), or the store timed out
-    /// or was rolled back.
+    /// (naming the store and `store_timeout_s`) or was rolled back.
     fn ack(&self, rank: &Bound<'_, PyAny>) -> PyResult<bool> {
         let rank: u32 = uint("rank", rank)?;
         let tp = self.layout.inner.tp_size();
@@ -396,7 +406,11 @@ impl PendingStore {
             // kv_bank keeps no pending store for an empty one.
             return Ok(true);
         }
-        Ok(self.bank.ack(self.store_id, rank).map_err(store_error)? == StoreStatus::Ready)
+        Ok(self
+            .bank
+            .ack(self.store_id, rank)
+            .map_err(|e| self.store_error(e, "ack"))?
+            == StoreStatus::Ready)
     }
 
     /// Rolls the store back on every rank if it is still pending (not
@@ -537,29 +551,54 @@ pub(crate) fn pin_endpoint(argument: &str, endpoint: &str) -> PyResult<PinEndpoi
     PinEndpoint::parse(endpoint).map_err(|e| bad_argument(argument, e))
 }
 
-/// A refusal of `PendingStore.write` / `ack` as `BankFailed`, in the words
-/// of the Python API: kv_bank's own text names its Rust calls
-/// (`write_pending` / `write_pending_from_device`, `fail`) and arguments
-/// (`index`, `store_id`), which a Python caller never sees; the rest is
-/// kv_bank's text.
-fn store_error(e: BankError) -> PyErr {
-    let msg = match e {
-        BankError::Unwritten {
-            store_id,
-            rank,
-            missing,
-            first,
-        } => format!(
-            "store {store_id}: `rank` {rank} acked with {missing} unwritten rows (first: row \
-             {first} of `blocks`); `write({rank}, blocks)` before acking, or `abort()` the store"
-        ),
-        BankError::RankAcked { store_id, rank, .. } => format!(
-            "store {store_id}: `rank` {rank} already acked, its rows are sealed (`write` refused)"
-        ),
-        BankError::UnknownStore(store_id) => format!(
-            "store {store_id} is no longer pending (it completed, was aborted or timed out)"
-        ),
-        other => return bank(other),
-    };
-    crate::errors::BankFailed::new_err(msg)
+impl PendingStore {
+    /// A refusal of `write` / `ack` (`call`) as `BankFailed`, in the words
+    /// of the Python API: kv_bank's own text names its Rust calls
+    /// (`write_pending` / `write_pending_from_device`, `fail`), arguments
+    /// (`index`, `store_id`) and settings (its store timeout in ms), which a
+    /// Python caller never sees; the rest is kv_bank's text.
+    fn store_error(&self, e: BankError, call: &str) -> PyErr {
+        let timeout_s = self.bank.config().store_timeout.as_secs_f64();
+        let msg = match e {
+            BankError::Unwritten {
+                store_id,
+                rank,
+                missing,
+                first,
+            } => format!(
+                "store {store_id}: `rank` {rank} acked with {missing} unwritten rows (first: row \
+                 {first} of `blocks`); `write({rank}, blocks)` before acking, or `abort()` the store"
+            ),
+            BankError::RankAcked { store_id, rank, .. } => format!(
+                "store {store_id}: `rank` {rank} already acked, its rows are sealed (`write` refused)"
+            ),
+            // The setting the caller gave (`store_timeout_s`), not only the
+            // time that passed: a late write or ack names what it missed.
+            BankError::StoreTimedOut {
+                store_id,
+                waited_ms,
+                missing,
+                ..
+            } => format!(
+                "store {store_id} timed out: store_timeout_s={timeout_s} passed before every rank \
+                 acked (ranks {missing:?} had not; {waited_ms} ms since `store`); it was rolled \
+                 back, `{call}` refused"
+            ),
+            // kv_bank forgets a store its expiry sweep (any `store()`)
+            // rolled back: past the deadline, that is what happened to it.
+            BankError::UnknownStore(store_id)
+                if self.started.elapsed().as_secs_f64() >= timeout_s =>
+            {
+                format!(
+                    "store {store_id} timed out: store_timeout_s={timeout_s} passed before every \
+                     rank acked; it was rolled back, `{call}` refused"
+                )
+            }
+            BankError::UnknownStore(store_id) => format!(
+                "store {store_id} is no longer pending (it completed, was aborted or timed out)"
+            ),
+            other => return bank(other),
+        };
+        crate::errors::BankFailed::new_err(msg)
+    }
 }

@@ -464,6 +464,47 @@ def test_reclaim_and_lease_refusals_name_the_argument(layout):
     del bank
 
 
+def bank_failed(call):
+    """The message of the ``BankFailed`` that ``call()`` raises (the message
+    only: an ExceptionInfo kept in a frame would hold the bank past the leak
+    check)."""
+    try:
+        call()
+    except kv_reuse.BankFailed as e:
+        return str(e)
+    raise AssertionError("BankFailed not raised")
+
+
+def test_a_write_after_store_timeout_s_is_refused_naming_it(layout):
+    """A ``write`` once ``store_timeout_s`` passed copied into a store that
+    could never complete (only the next ``ack`` raised, quoting the time
+    that passed, ``timed out after 600 ms``, not the 200 ms setting). It is
+    refused now, without copying, and rolls the store back; the messages
+    name the store and ``store_timeout_s``, also for a store that a later
+    ``store()`` swept (kv_bank forgot it)."""
+    one = np.ones((1, layout.rank_block_elems), dtype=np.float32)
+    bank = kv_reuse.DonorBank(layout, slots=2, store_timeout_s=0.2)
+    store = bank.store(list(range(TOKENS_PER_BLOCK)))
+    store.write(0, one)  # in time
+    time.sleep(0.6)
+    msg = bank_failed(lambda: store.write(1, one))
+    assert re.fullmatch(r"store (\d+) timed out: store_timeout_s=0\.2 passed before every rank acked "
+                        r"\(ranks \[0, 1\] had not; \d+ ms since `store`\); it was rolled back, "
+                        r"`write` refused", msg), msg
+    assert int(msg.split()[1]) > 0
+    stats = bank.stats
+    assert (stats["store_bytes_from_host"], stats["stores_rolled_back"]) == (layout.rank_block_bytes, 1)
+    timed_out = r"store \d+ timed out: store_timeout_s=0\.2 passed before every rank acked; it was rolled back, "
+    assert re.fullmatch(timed_out + "`ack` refused", bank_failed(lambda: store.ack(0)))
+    assert bank.slots(store.sequence_hashes) == [None]
+    # Swept by a later `store` (it runs kv_bank's expiry): the same words.
+    swept = bank.store(list(range(TOKENS_PER_BLOCK, 2 * TOKENS_PER_BLOCK)))
+    time.sleep(0.6)
+    bank.store(list(range(2 * TOKENS_PER_BLOCK, 3 * TOKENS_PER_BLOCK))).abort()
+    assert re.fullmatch(timed_out + "`write` refused", bank_failed(lambda: swept.write(0, one)))
+    assert bank.stats["store_bytes_from_host"] == layout.rank_block_bytes
+
+
 def test_store_timeout_is_the_donors_choice_and_refused_out_of_range(layout):
     with pytest.raises(kv_reuse.BadArgument, match=r"store_timeout_s: 0 is not in"):
         kv_reuse.DonorBank(layout, slots=2, store_timeout_s=0)

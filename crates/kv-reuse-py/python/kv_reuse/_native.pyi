@@ -144,12 +144,15 @@ class PendingStore:
         before return (``stats["store_bytes_from_device"]``, no host payload).
         BadArgument names ``blocks`` (dtype, shape, strides, a CUDA tensor on a
         host bank, another GPU, a non-default CAI stream) or ``rank``;
-        BankFailed when ``rank`` already acked (its part is sealed)."""
+        BankFailed when ``rank`` already acked (its part is sealed), or once ``store_timeout_s``
+        passed (nothing is copied, the store is rolled back; the message names the store and
+        ``store_timeout_s``)."""
     def ack(self, rank: int) -> bool:
         """True once every rank acknowledged (at once for an empty store).
         Refused (BankFailed naming the rank and its first unwritten row) until
         ``write`` succeeded for every row of ``rank``: the store stays pending
-        and nothing is published; write and ack again, or ``abort``."""
+        and nothing is published; write and ack again, or ``abort``. BankFailed naming the
+        store and ``store_timeout_s`` once that passed (the store is rolled back)."""
     def abort(self) -> bool:
         """Rolls the store back on every rank if not every rank acked; True when it did.
         Its slots return to the bank at once (a ``write`` still copying on another thread
