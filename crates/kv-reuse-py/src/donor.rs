@@ -67,9 +67,9 @@ impl DonorBank {
     /// finalization from dropping it); the hook removes names only, so a
     /// thread still running keeps its mapping.
     ///
-    /// Raises `BadArgument` naming `slots`, `lease_s`, `store_timeout_s` or
-    /// `gpus` (also `slots` / `gpus[i]` for a negative int or one past
-    /// u64 / u32), `CudaUnavailable`
+    /// Raises `BadArgument` naming `slots` (outside 1..=16777216, negative
+    /// included), `lease_s`, `store_timeout_s` or `gpus` (also `gpus[i]`
+    /// for a negative int or one past u32), `CudaUnavailable`
     /// when `gpus` is given where no CUDA device is, `BankFailed` when the
     /// segments or allocations cannot be created (naming `slots`, the bytes
     /// and the free space when `/dev/shm` cannot hold the bank; nothing is
@@ -313,8 +313,9 @@ impl PendingStore {
     /// until `write` returned. Only rows whose copy succeeded count as
     /// written for `ack`; a rank that acked can no longer write.
     ///
-    /// Raises `BadArgument` naming `blocks` (dtype, shape, strides, a CUDA
-    /// tensor on a host bank, a tensor on another GPU than the rank's, a
+    /// Raises `BadArgument` naming `blocks` (dtype, a typestr that is none,
+    /// shape, strides, an exporter whose protocol attribute or call raises,
+    /// its exception the `__cause__`, a CUDA tensor on a host bank, a tensor on another GPU than the rank's, a
     /// CUDA array interface stream that is not a default one, a pointer
     /// that is not inside one device allocation) or `rank` (not below
     /// `tp_size`, negative); `BankFailed` from the bank (also when `rank`
@@ -530,15 +531,11 @@ pub(crate) fn check_host_id(host_id: &str) -> PyResult<()> {
 }
 
 /// A bank's slot count: an int in `1..=kv_descriptor::MAX_SLOTS`, or
-/// `BadArgument` naming `slots` (kv_bank would refuse a larger one as an
-/// invalid `budget_bytes`, a name a Python caller never gave).
+/// `BadArgument` naming `slots` and that range, also for a negative int or
+/// one past u64 (kv_bank would refuse a larger one as an invalid
+/// `budget_bytes`, a name a Python caller never gave).
 pub(crate) fn slot_count(slots: &Bound<'_, PyAny>) -> PyResult<u64> {
-    let n: u64 = uint("slots", slots)?;
-    let max = u64::from(kv_descriptor::MAX_SLOTS);
-    if !(1..=max).contains(&n) {
-        return Err(bad_argument("slots", format!("{n} is not in 1..={max}")));
-    }
-    Ok(n)
+    crate::errors::uint_in("slots", slots, 1..=u64::from(kv_descriptor::MAX_SLOTS))
 }
 
 /// `endpoint` parsed as a pin endpoint (`unix:<absolute path>`, a plain

@@ -46,20 +46,16 @@ use pyo3::prelude::*;
 /// no hash.
 ///
 /// Raises `BadArgument` naming `tokens_per_block` (0, negative) or
-/// `tokens[i]` (a negative id or one past u32).
+/// `tokens[i]` (a negative id or one past u32), `TypeError` naming `tokens`
+/// when it is not a sequence of ints (a str: the prompt's text).
 #[pyfunction]
 fn sequence_hashes(
     tokens: &Bound<'_, PyAny>,
     tokens_per_block: &Bound<'_, PyAny>,
 ) -> PyResult<Vec<u64>> {
     let tokens: Vec<u32> = errors::uints("tokens", tokens)?;
-    let tokens_per_block: usize = errors::uint("tokens_per_block", tokens_per_block)?;
-    if tokens_per_block == 0 {
-        return Err(errors::bad_argument(
-            "tokens_per_block",
-            "must be at least 1",
-        ));
-    }
+    let tokens_per_block: usize =
+        errors::uint_in("tokens_per_block", tokens_per_block, 1..=usize::MAX as u64)?;
     Ok(kv_descriptor::sequence_hashes(&tokens, tokens_per_block)
         .into_iter()
         .map(|h| h.0)

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 
-use crate::errors::{bad_argument, uint};
+use crate::errors::{bad_argument, uint, uint_in};
 use crate::fetch_job::SIGNAL_SLICE;
 
 /// What the fetch told the gate so far.
@@ -181,16 +181,8 @@ pub(crate) fn layer_group_ranges<'py>(
     layers: &Bound<'py, PyAny>,
     groups: &Bound<'py, PyAny>,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let (layers, groups): (u32, u32) = (uint("layers", layers)?, uint("groups", groups)?);
-    if layers == 0 {
-        return Err(bad_argument("layers", "must be at least 1"));
-    }
-    if !(1..=MAX_LAYER_GROUPS).contains(&groups) {
-        return Err(bad_argument(
-            "groups",
-            format!("{groups} is not in 1..={MAX_LAYER_GROUPS}"),
-        ));
-    }
+    let layers: u32 = uint_in("layers", layers, 1..=u64::from(u32::MAX))?;
+    let groups: u32 = uint_in("groups", groups, 1..=u64::from(MAX_LAYER_GROUPS))?;
     let range = py.import("builtins")?.getattr("range")?;
     kv_transfer::layer_group_ranges(layers, groups)
         .into_iter()
@@ -287,15 +279,8 @@ impl StreamGate {
     ) -> PyResult<Self> {
         let layer_groups = match layer_groups {
             None => None,
-            Some(v) => match uint::<u32>("layer_groups", v)? {
-                g @ 1..=MAX_LAYER_GROUPS => Some(g).filter(|&g| g > 1),
-                g => {
-                    return Err(bad_argument(
-                        "layer_groups",
-                        format!("{g} is not in 1..={MAX_LAYER_GROUPS}"),
-                    ))
-                }
-            },
+            Some(v) => uint_in::<u32>("layer_groups", v, 1..=u64::from(MAX_LAYER_GROUPS))
+                .map(|g| Some(g).filter(|&g| g > 1))?,
         };
         let shared = Arc::new(GateShared::default());
         shared.lock().created = Some(Instant::now());

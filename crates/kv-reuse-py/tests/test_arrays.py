@@ -143,6 +143,57 @@ def test_an_array_interface_without_strides_is_read_as_c_contiguous(layout, enab
         kv_reuse.Target(layout, rows=4, kv_caches=[cuda, cuda], gpus=[0, 0])
 
 
+class RaisingInterface:
+    """An exporter whose ``__array_interface__`` property raises (a
+    framework's tensor that cannot export itself)."""
+
+    @property
+    def __array_interface__(self):
+        raise RuntimeError("cannot export a lazy tensor")
+
+
+class OddTypestr:
+    def __init__(self, arr, typestr):
+        self.arr = arr
+        self.__array_interface__ = dict(arr.__array_interface__, typestr=typestr)
+
+
+def test_an_exporter_whose_array_interface_raises_is_refused_naming_the_argument(layout):
+    """A raising ``__array_interface__`` let a bare RuntimeError through,
+    while a raising ``__dlpack__`` was ``BadArgument`` naming the argument:
+    the same now, the exporter's exception kept as ``__cause__``."""
+    _bank, store = store_of(layout)
+    why = r"__array_interface__ failed: RuntimeError: cannot export a lazy tensor$"
+    with pytest.raises(kv_reuse.BadArgument, match=r"^blocks: " + why) as e:
+        store.write(0, RaisingInterface())
+    cause = e.value.__cause__
+    assert type(cause) is RuntimeError and str(cause) == "cannot export a lazy tensor"
+    del e, cause
+    ok = np.zeros((4, layout.rank_block_elems), dtype=np.float32)
+    with pytest.raises(kv_reuse.BadArgument, match=r"^kv_caches\[1\]: " + why):
+        kv_reuse.Target(layout, rows=4, kv_caches=[ok, RaisingInterface()])
+    # A raising __dlpack__ keeps its cause too.
+    with pytest.raises(kv_reuse.BadArgument, match=r"^blocks: __dlpack_device__\(\) failed: ValueError") as e:
+        store.write(0, MetaLike())
+    assert type(e.value.__cause__) is ValueError
+    del e
+
+
+def test_a_typestr_that_is_no_typestr_says_what_is_wrong(layout):
+    """``typestr "zz"`` alone did not say what was wrong with it."""
+    _bank, store = store_of(layout)
+    rows = np.zeros((2, layout.rank_block_elems), dtype=np.float32)
+    for bad in ("zz", "<f", "", "<fx"):
+        with pytest.raises(kv_reuse.BadArgument,
+                           match=rf'^blocks: __array_interface__ typestr "{re.escape(bad)}" is not a supported '
+                                 r'typestr \(byte order, kind and size in bytes, as numpy writes them\); '
+                                 r'this layout takes "<f4"$'):
+            store.write(0, OddTypestr(rows, bad))
+    # A well-formed typestr of another dtype keeps its dtype refusal.
+    with pytest.raises(kv_reuse.BadArgument, match=r"^blocks: dtype <i4, expected <f4$"):
+        store.write(0, OddTypestr(rows, "<i4"))
+
+
 def test_source_refusals_name_blocks(layout):
     _bank, store = store_of(layout)
     n = layout.rank_block_elems

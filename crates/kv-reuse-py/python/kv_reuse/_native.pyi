@@ -13,7 +13,8 @@ class BadArgument(KvReuseError):
     """An argument was refused; the message starts with the argument's name (``rank``,
     ``kv_caches[1]``, ``values["key"]``). Every int argument is refused so when it is
     negative or past its width (u32 or u64), an element of a sequence as ``name[i]``
-    (``prompt_hashes[3]: -1 is not in 0..=18446744073709551615``); a non-int is a
+    (``prompt_hashes[3]: -1 is not in 0..=18446744073709551615``), and a count with a
+    narrower range names that range (``slots: -1 is not in 1..=16777216``); a non-int is a
     TypeError naming it."""
 
 class BankFailed(KvReuseError):
@@ -346,7 +347,9 @@ class RouterClient:
         inbox_prefix: Optional[str] = None,
     ) -> None:
         """Connects (GIL released); raises RouterUnavailable or BadArgument. ``busy_poll_us``
-        (0 to 1,000,000): each advise polls for its reply that long before sleeping."""
+        (0 to 1,000,000): each advise polls for its reply that long before sleeping.
+        ``subject`` must be one a request can be published to: a wildcard (``*``, ``>``), an
+        empty token or whitespace raises BadArgument naming ``subject``."""
     @property
     def connected(self) -> bool: ...
     @property
@@ -538,6 +541,12 @@ class FetchOutcome:
     @property
     def total_us(self) -> int:
         """Microseconds of the whole fetch; the rest past import and transfer is pin, verify and commit."""
+    @property
+    def stages_us(self) -> Dict[str, int]:
+        """The executor's stages in microseconds, in the order they ran: ``reserve`` (hint
+        checks, destination rows), ``plan`` (the copy plan), ``pin`` (the donor's pin grant, a
+        round trip), ``transfer`` (copies issued and completed, donor probed),
+        ``verify_commit`` (pin release, checksums, commit)."""
     @property
     def released(self) -> bool: ...
     def release(self) -> None: ...
