@@ -164,11 +164,18 @@ pub enum BankError {
         /// TP size.
         tp_size: u32,
     },
-    /// A pending store passed its deadline before every rank acknowledged; it was rolled back.
-    #[error("store {store_id} timed out after {waited_ms} ms waiting for ranks {missing:?}; rolled back")]
+    /// A pending store passed its deadline before every rank acknowledged
+    /// (found by an ack or a write of the store); it was rolled back.
+    #[error(
+        "store {store_id} timed out: not acked by every rank within the store timeout of \
+         {timeout_ms} ms ({waited_ms} ms since it began; ranks {missing:?} had not acked); \
+         rolled back"
+    )]
     StoreTimedOut {
         /// Store id.
         store_id: u64,
+        /// The bank's store timeout (`BankConfig::store_timeout`), ms.
+        timeout_ms: u64,
         /// Milliseconds since the store began.
         waited_ms: u64,
         /// Ranks that had not acknowledged.

@@ -492,6 +492,13 @@ impl LeaseHolder {
         &self.map.name
     }
 
+    /// Removes the lease's name (if it is still this file) without revoking
+    /// it: the mapping stays, so the holder still renews into it until its
+    /// renewal notices the name is gone. Only in the creating process.
+    pub(crate) fn unlink_name(&self) -> bool {
+        self.creator.is_current() && self.map.unlink_if_ours()
+    }
+
     pub(crate) fn expires_at_us(&self) -> u64 {
         self.map.expiry().load(Ordering::Acquire)
     }
@@ -686,6 +693,16 @@ impl OwnerLeases {
             }
         }
         Ok(())
+    }
+
+    /// Removes every lease's name, leaving the leases mapped and unrevoked
+    /// ([`LeaseHolder::unlink_name`]); returns the names removed.
+    pub(crate) fn unlink_names(&self) -> Vec<String> {
+        self.holders
+            .iter()
+            .filter(|h| h.unlink_name())
+            .map(|h| h.name().to_string())
+            .collect()
     }
 
     /// Revokes every lease and removes their names (the bank is dead).

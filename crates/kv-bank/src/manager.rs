@@ -277,6 +277,11 @@ struct Shared {
     /// Notified when a `write_pending` copy ends (with `state`).
     writes_done: Condvar,
     leases: Arc<OwnerLeases>,
+    /// The shm names of the ranks' memory that this bank created (host
+    /// segments), for [`BankManager::unlink_names`]: kept apart from
+    /// `state` so that call never waits for the state lock (at interpreter
+    /// exit a thread may hold it and never run again).
+    owned_names: Vec<String>,
     /// Taken (stopped) when the generation dies.
     renewer: Mutex<Option<Renewer>>,
     /// The process that created the bank: the only one that may write its
@@ -391,6 +396,10 @@ impl BankManager {
             banks.push(RankBank::new(descriptor, memory));
         }
         let manifest = BankManifest::new(banks.iter().map(|b| b.descriptor().clone()).collect())?;
+        let owned_names = banks
+            .iter()
+            .filter_map(|b| b.memory().owned_shm_name())
+            .collect();
         // Leases last: until they exist no importer accepts the bank, and on
         // error the ones made are removed with the memory.
         let leases = OwnerLeases::create(manifest.parts(), config.lease)?;
@@ -420,6 +429,7 @@ impl BankManager {
                 drained: Condvar::new(),
                 writes_done: Condvar::new(),
                 leases,
+                owned_names,
                 renewer: Mutex::new(renewer),
                 creator: CreatorProcess::current(),
             }),
@@ -668,6 +678,49 @@ impl BankManager {
     /// Total pins held now (all slots).
     pub fn pins_outstanding(&self) -> u64 {
         self.shared.state.lock().table.total_pins()
+    }
+
+    /// Removes this bank's names from the shared-memory filesystem now:
+    /// every host segment it created and every rank's lease file. Nothing
+    /// else changes: the memory stays mapped, stores, writes and pins go on
+    /// in this process, and the leases are not revoked (the renewal finds
+    /// its file gone and stops). Other processes can no longer open the
+    /// bank (no name, no lease), and those that mapped it keep their
+    /// mappings. The bank's later drop or close finds the names gone and
+    /// carries on. Returns the names removed (`/...`); empty on a second
+    /// call and outside the creating process (a forked child's copy of the
+    /// bank removes nothing of its parent's).
+    ///
+    /// For a process that exits while a thread may still use the bank (the
+    /// Python wheel's exit hook: a bank that interpreter finalization never
+    /// drops would leave its names in `/dev/shm` until a reclaim). Takes no
+    /// lock of the bank.
+    ///
+    /// ```
+    /// use kv_bank::{BankConfig, BankManager};
+    /// use kv_descriptor::*;
+    /// let layout = KvLayout::new(2, 2, 8, DType::F32, 4, TensorOrder::BlockMajor, 2).unwrap();
+    /// let cfg = BankConfig::new(layout, OwnerLease::fresh(Role::Decode), 8 * layout.block_bytes() as u64);
+    /// let bank = BankManager::new_host_shm(cfg, "host-a").unwrap();
+    /// let names = bank.unlink_names();
+    /// assert_eq!(names.len(), 4); // a segment and a lease per rank
+    /// assert!(names.iter().all(|n| !std::path::Path::new(&format!("/dev/shm{n}")).exists()));
+    /// assert!(bank.unlink_names().is_empty());
+    /// drop(bank); // finds the names gone
+    /// ```
+    pub fn unlink_names(&self) -> Vec<String> {
+        if !self.shared.creator.is_current() {
+            return Vec::new();
+        }
+        let mut removed: Vec<String> = self
+            .shared
+            .owned_names
+            .iter()
+            .filter(|n| crate::shm::unlink_name(n))
+            .cloned()
+            .collect();
+        removed.extend(self.shared.leases.unlink_names());
+        removed
     }
 
     /// True once [`BankManager::close`] began: the generation is dead.

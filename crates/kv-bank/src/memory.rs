@@ -172,6 +172,23 @@ pub trait BankMemory: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// The shared-memory name this value created and removes when dropped
+    /// (`/...`): `Some` only for the creating owner in its creating process
+    /// ([`crate::HostShmMemory`]'s owner), `None` for an import, a forked
+    /// child's copy and memory without a name (the default).
+    /// [`crate::BankManager::unlink_names`] removes exactly these names.
+    ///
+    /// ```
+    /// use kv_bank::{BankMemory, HostShmMemory};
+    /// let owner = HostShmMemory::create_unique("kvbank-doc-owned", 4096).unwrap();
+    /// assert_eq!(owner.owned_shm_name(), Some(owner.name().to_string()));
+    /// let import = HostShmMemory::open(owner.name(), 4096).unwrap();
+    /// assert_eq!(import.owned_shm_name(), None);
+    /// ```
+    fn owned_shm_name(&self) -> Option<String> {
+        None
+    }
+
     /// Copies `src` into the region at byte `offset`.
     ///
     /// # Errors

@@ -265,6 +265,9 @@ impl BankMemory for HostShmMemory {
             name: self.name.clone(),
         })
     }
+    fn owned_shm_name(&self) -> Option<String> {
+        self.is_owner().then(|| self.name.clone())
+    }
     fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<(), BankError> {
         check_range("offset", offset, src.len(), self.map.len())?;
         // SAFETY: the range was checked to lie inside the live mapping, and `src`
@@ -305,6 +308,15 @@ impl Drop for HostShmMemory {
             let _ = shm::unlink(self.name.as_str());
         }
     }
+}
+
+/// Removes the shared-memory name `name` (`/...`); true when it existed.
+/// The mappings of the object stay valid (the kernel frees its pages once
+/// the last one is unmapped). Used by [`crate::BankManager::unlink_names`]
+/// for names this process created; the owner's later drop finds the name
+/// gone and ignores that.
+pub(crate) fn unlink_name(name: &str) -> bool {
+    shm::unlink(name).is_ok()
 }
 
 /// Reserves the pages of `len` bytes of `file`, a fresh object in the

@@ -4,7 +4,8 @@
 //! copy (a helper that simply exits runs every destructor), the creator's
 //! segments and leases must stay, and the drop must not panic; a store in
 //! the child, which would write the creator's memory behind its slot table,
-//! is refused.
+//! is refused, and `unlink_names` (the Python wheel's exit hook) removes
+//! nothing of the creator's.
 //!
 //! One test in this binary: `fork` copies only the calling thread, and no
 //! other test thread may hold a lock the child would need.
@@ -23,6 +24,7 @@ const CHILD_OK: i32 = 0;
 const CHILD_STORE_NOT_REFUSED: i32 = 3;
 const CHILD_RENEW_NOT_REFUSED: i32 = 4;
 const CHILD_PANICKED: i32 = 5;
+const CHILD_UNLINKED: i32 = 6;
 
 /// Runs in the forked child: tries to store and renew (both must be
 /// refused), then drops the bank; never returns.
@@ -42,6 +44,11 @@ fn child(bank: BankManager) -> ! {
             })
         ) {
             return CHILD_RENEW_NOT_REFUSED;
+        }
+        // The Python wheel's exit hook runs in a forked child that exits
+        // normally: it must remove none of the creator's names.
+        if !bank.unlink_names().is_empty() {
+            return CHILD_UNLINKED;
         }
         // The drop an exiting helper runs: renewal thread, leases, segments.
         drop(bank);
@@ -108,7 +115,8 @@ fn a_forked_child_dropping_the_bank_leaves_the_creators_segments_and_leases() {
     assert_eq!(
         libc::WEXITSTATUS(status),
         CHILD_OK,
-        "child: 3 store not refused, 4 renew not refused, 5 panicked while dropping"
+        "child: 3 store not refused, 4 renew not refused, 5 panicked while dropping, \
+         6 unlink_names removed the creator's names"
     );
     let status = bank.lease_status();
     assert!(

@@ -256,6 +256,59 @@ fn timed_out_rank_rolls_the_store_back() {
     assert!(bank.drain_events().is_empty());
 }
 
+/// A write into a store past its deadline is refused and rolls the store
+/// back, as the ack past it does: it could never become ready, and it was
+/// copied into for nothing. The error names the store timeout itself, not
+/// only the time that passed.
+#[test]
+fn a_write_past_the_store_deadline_is_refused_and_rolls_the_store_back() {
+    let l = layout(2);
+    let mut cfg = BankConfig::new(
+        l,
+        OwnerLease::fresh(Role::Decode),
+        4 * l.block_bytes() as u64,
+    );
+    cfg.store_timeout = Duration::from_millis(30);
+    let bank = BankManager::new_host_shm(cfg, "h").unwrap();
+    let p = bank.store(None, &chain(0, 2)).unwrap();
+    let part = pattern(p.entries[0].0, 0, l.rank_block_bytes());
+    bank.write_pending(p.store_id, 0, 0, &part).unwrap(); // in time
+    std::thread::sleep(Duration::from_millis(40));
+    let e = bank.write_pending(p.store_id, 0, 1, &part).unwrap_err();
+    match &e {
+        BankError::StoreTimedOut {
+            store_id,
+            timeout_ms,
+            waited_ms,
+            missing,
+        } => {
+            assert_eq!(
+                (*store_id, *timeout_ms, missing.clone()),
+                (p.store_id, 30, vec![0, 1])
+            );
+            assert!(*waited_ms >= 30, "{e}");
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(
+        e.to_string().contains("within the store timeout of 30 ms"),
+        "{e}"
+    );
+    // Rolled back: no rank acked, so the slots are quarantined, and the
+    // store is gone for every later call.
+    let inv = bank.inventory();
+    assert_eq!((inv.pending_slots, inv.quarantined_slots), (0, 2));
+    assert!(matches!(
+        bank.write_pending(p.store_id, 1, 0, &part),
+        Err(BankError::UnknownStore(id)) if id == p.store_id
+    ));
+    assert!(matches!(
+        bank.ack(p.store_id, 0),
+        Err(BankError::UnknownStore(id)) if id == p.store_id
+    ));
+    assert_eq!(bank.stats().store_bytes_from_host, part.len() as u64);
+}
+
 #[test]
 fn lru_eviction_skips_pinned_slots_and_pins_are_raii() {
     let bank = bank(2, 4);
@@ -960,4 +1013,57 @@ fn a_store_into_a_full_bank_keeps_the_parent_it_announces() {
     );
     assert!(ev.iter().any(|e| matches!(&e.data,
         KvEventData::Stored { parent: Some(p), .. } if *p == parent)));
+}
+
+/// `unlink_names` (the Python wheel's exit hook) removes the bank's names
+/// from /dev/shm (every segment and lease) and nothing else: a mapping made
+/// before keeps reading, the creator keeps storing into its memory, a new
+/// import is refused (no lease), and the drop afterwards finds the names
+/// gone without complaint.
+#[test]
+fn unlink_names_removes_the_names_and_leaves_the_bank_working() {
+    let bank = bank(2, 4);
+    let l = layout(2);
+    let first = store_ready(&bank, None, &chain(0, 1));
+    let parts = bank.manifest().parts().to_vec();
+    let mapped = HostShmMemory::open_descriptor(&parts[1]).unwrap();
+    let mut names: Vec<String> = parts
+        .iter()
+        .map(|d| match d.export() {
+            ExportHandle::HostShm { name } => name.clone(),
+            other => panic!("a host bank exports shm, got {other:?}"),
+        })
+        .chain(bank.lease_status().names)
+        .collect();
+    names.sort();
+    let exists = |n: &str| std::path::Path::new(&format!("{SHM_DIR}{n}")).exists();
+    assert!(names.iter().all(|n| exists(n)), "{names:?}");
+
+    let mut removed = bank.unlink_names();
+    removed.sort();
+    assert_eq!(removed, names, "every segment and lease, nothing else");
+    assert!(names.iter().all(|n| !exists(n)), "{names:?}");
+    assert!(
+        bank.unlink_names().is_empty(),
+        "a second call finds nothing"
+    );
+
+    // The memory stays: the creator stores, the earlier mapping reads.
+    let second = store_ready(&bank, None, &chain(100, 1));
+    let slot_bytes = l.rank_block_bytes();
+    for (p, hash) in [(&first, first.entries[0].0), (&second, second.entries[0].0)] {
+        let off = p.entries[0].1 as usize * slot_bytes;
+        let mut got = vec![0u8; slot_bytes];
+        mapped.read_bytes(off, &mut got).unwrap();
+        assert_eq!(got, pattern(hash, 1, slot_bytes));
+    }
+    // No new importer: the lease is gone with its name.
+    assert!(matches!(
+        HostShmMemory::open_descriptor(&parts[0]),
+        Err(BankError::LeaseMissing { .. })
+    ));
+    drop(mapped);
+    bank.close(Duration::from_secs(1)).unwrap();
+    drop(bank);
+    assert!(names.iter().all(|n| !exists(n)));
 }

@@ -4,8 +4,8 @@
 //! Protocols read (abi3 for Python 3.9 has no buffer-protocol API, since
 //! `PyBuffer` needs 3.11):
 //! - NumPy `__array_interface__` (version 3): `data` = (address, read_only),
-//!   `typestr` (`<f4`, `|u1`, ...), `shape`, `strides` in bytes (None = C
-//!   contiguous);
+//!   `typestr` (`<f4`, `|u1`, ...), `shape`, `strides` in bytes (absent or
+//!   None = C contiguous);
 //! - `__cuda_array_interface__` (version 2/3, Numba's definition; CuPy,
 //!   torch): the same fields for device memory;
 //! - DLPack (`__dlpack__()` returning a `dltensor` capsule around a
@@ -58,7 +58,7 @@ pub(crate) enum Want {
 /// True when `obj` is a CUDA tensor: it has `__cuda_array_interface__` or
 /// its `__dlpack_device__()` is CUDA (torch, CuPy).
 pub(crate) fn on_cuda(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<bool> {
-    Ok(has(obj, "__cuda_array_interface__")?
+    Ok(has(obj, "__cuda_array_interface__", argument)?
         || matches!(dlpack_device(obj, argument)?, Some((DL_CUDA, _))))
 }
 
@@ -151,16 +151,42 @@ pub(crate) fn typestr(dtype: DType) -> &'static str {
 /// raises it for bf16 tensors (the interface has no bf16 typestr), which
 /// `hasattr` does not swallow; such a tensor is then read through DLPack,
 /// which carries bf16.
-fn has(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+///
+/// Any other exception of the attribute (a property that raises) is the
+/// exporter's failure: `BadArgument` naming `argument` and the attribute,
+/// with the exporter's exception as `__cause__` ([`exporter_failed`]), as
+/// a failing `__dlpack__()` is, not a bare `RuntimeError` from inside.
+fn has(obj: &Bound<'_, PyAny>, name: &str, argument: &str) -> PyResult<bool> {
     match obj.hasattr(name) {
         Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(obj.py()) => Ok(false),
+        Err(e) => Err(exporter_failed(obj.py(), argument, name, e)),
         other => other,
     }
 }
 
+/// `BadArgument` for an exporter whose protocol attribute or call `what`
+/// raised `e`: the message names `argument`, `what` and `e`, and `e` is
+/// kept as its `__cause__` (its traceback shows where the exporter failed).
+fn exporter_failed(py: Python<'_>, argument: &str, what: &str, e: PyErr) -> PyErr {
+    let err = bad_argument(argument, format!("{what} failed: {e}"));
+    err.set_cause(py, Some(e));
+    err
+}
+
+/// `obj.<name>`, an attribute [`has`] found: read again, it may raise this
+/// time (a property), refused as [`exporter_failed`].
+fn protocol_attr<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+    argument: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    obj.getattr(name)
+        .map_err(|e| exporter_failed(obj.py(), argument, name, e))
+}
+
 /// `(device_type, device_id)` from `__dlpack_device__()`, when the object has it.
 fn dlpack_device(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<Option<(i32, i32)>> {
-    if !has(obj, "__dlpack_device__")? {
+    if !has(obj, "__dlpack_device__", argument)? {
         return Ok(None);
     }
     // An exporter that cannot say (torch raises ValueError for a `meta`
@@ -168,7 +194,7 @@ fn dlpack_device(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<Option<(i32
     // failing `__dlpack__()` is.
     let d = obj
         .call_method0("__dlpack_device__")
-        .map_err(|e| bad_argument(argument, format!("__dlpack_device__() failed: {e}")))?;
+        .map_err(|e| exporter_failed(obj.py(), argument, "__dlpack_device__()", e))?;
     let (t, id): (i32, i32) = d
         .extract()
         .map_err(|_| bad_argument(argument, "__dlpack_device__() is not (type, id)"))?;
@@ -189,20 +215,27 @@ fn interface(dict: &Bound<'_, PyAny>, argument: &str, proto: &str, dtype: DType)
         .map_err(|_| bad_argument(argument, format!("{proto} typestr is not a str")))?;
     // `=` and `<` are both little-endian on x86-64 (the only wheel target).
     let norm = |s: &str| s.replace('=', "<");
-    let itemsize: usize = ts
-        .get(2..)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| bad_argument(argument, format!("typestr {ts:?}")))?;
+    let itemsize: usize = ts.get(2..).and_then(|s| s.parse().ok()).ok_or_else(|| {
+        bad_argument(
+            argument,
+            format!(
+                "{proto} typestr {ts:?} is not a supported typestr (byte order, kind and \
+                     size in bytes, as numpy writes them); this layout takes {:?}",
+                typestr(dtype)
+            ),
+        )
+    })?;
     let shape: Vec<usize> = get("shape")?
         .extract()
         .map_err(|_| bad_argument(argument, format!("{proto} shape is not a tuple of ints")))?;
-    let strides = get("strides")?;
-    let strides = if strides.is_none() {
-        None
-    } else {
-        Some(strides.extract::<Vec<isize>>().map_err(|_| {
+    // Optional in both protocols: absent or None means C-contiguous (NumPy's
+    // array interface spec; numpy itself puts None there, other exporters
+    // leave the key out).
+    let strides = match ai.get_item("strides")? {
+        Some(s) if !s.is_none() => Some(s.extract::<Vec<isize>>().map_err(|_| {
             bad_argument(argument, format!("{proto} strides are not a tuple of ints"))
-        })?)
+        })?),
+        _ => None,
     };
     let (ptr, readonly): (usize, bool) = get("data")?.extract().map_err(|_| {
         bad_argument(
@@ -287,8 +320,8 @@ impl<'py> ArrayView<'py> {
         let mut capsule = None;
         let (raw, kind) = match want {
             Want::Host => {
-                let cuda =
-                    has(obj, "__cuda_array_interface__")? || matches!(device, Some((DL_CUDA, _)));
+                let cuda = has(obj, "__cuda_array_interface__", argument)?
+                    || matches!(device, Some((DL_CUDA, _)));
                 if cuda {
                     return Err(bad_argument(
                         argument,
@@ -301,10 +334,10 @@ impl<'py> ArrayView<'py> {
                         format!("DLPack device type {t} is not host memory"),
                     ));
                 }
-                let raw = if has(obj, "__array_interface__")? {
-                    let ai = obj.getattr("__array_interface__")?;
+                let raw = if has(obj, "__array_interface__", argument)? {
+                    let ai = protocol_attr(obj, "__array_interface__", argument)?;
                     interface(&ai, argument, "__array_interface__", dtype)?
-                } else if has(obj, "__dlpack__")? {
+                } else if has(obj, "__dlpack__", argument)? {
                     let (raw, cap, dev) = read_dlpack(obj, argument, dtype, None)?;
                     if dev.0 != DL_CPU && dev.0 != DL_CUDA_HOST {
                         return Err(bad_argument(
@@ -338,10 +371,10 @@ impl<'py> ArrayView<'py> {
                         ));
                     }
                 }
-                let cai = has(obj, "__cuda_array_interface__")?;
-                let dlpack = has(obj, "__dlpack__")?;
+                let cai = has(obj, "__cuda_array_interface__", argument)?;
+                let dlpack = has(obj, "__dlpack__", argument)?;
                 let raw = if cai && !(source && dlpack) {
-                    let ai = obj.getattr("__cuda_array_interface__")?;
+                    let ai = protocol_attr(obj, "__cuda_array_interface__", argument)?;
                     if source {
                         check_cai_stream(&ai, argument)?;
                     }
@@ -363,7 +396,7 @@ impl<'py> ArrayView<'py> {
                     }
                     capsule = Some(cap);
                     raw
-                } else if has(obj, "__array_interface__")? {
+                } else if has(obj, "__array_interface__", argument)? {
                     return Err(bad_argument(
                         argument,
                         "a CPU tensor on the GPU path; pass a CUDA tensor",
@@ -625,7 +658,7 @@ fn read_dlpack<'py>(
     };
     let cap = with_stream
         .unwrap_or_else(|| obj.call_method0("__dlpack__"))
-        .map_err(|e| bad_argument(argument, format!("__dlpack__() failed: {e}")))?;
+        .map_err(|e| exporter_failed(py, argument, "__dlpack__()", e))?;
     let capsule = cap
         .downcast::<PyCapsule>()
         .map_err(|_| bad_argument(argument, "__dlpack__() did not return a capsule"))?;

@@ -2,7 +2,7 @@
 //! arrays acknowledged per rank, events, the manifest, and the pin service.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -31,6 +31,7 @@ impl DonorBank {
     /// A Python view of a bank opened elsewhere (a `WorkerPublisher`'s
     /// donor agent owns it), stored into through the same calls.
     pub(crate) fn from_manager(inner: Arc<BankManager>, layout: Layout) -> Self {
+        crate::exit_unlink::register(&inner);
         Self { inner, layout }
     }
 }
@@ -48,7 +49,9 @@ impl DonorBank {
     ///
     /// `store_timeout_s` bounds how long an open store (`store()` until every
     /// rank's `ack`) may hold its reserved slots before it is rolled back
-    /// (kv_bank's `BankConfig::store_timeout`, default 5 s). A store rolled
+    /// (kv_bank's `BankConfig::store_timeout`, default 5 s); a `write` or
+    /// `ack` of it after that raises `BankFailed` naming the store and
+    /// `store_timeout_s` (the store is rolled back). A store rolled
     /// back by that timeout keeps its slots quarantined for one more
     /// `store_timeout_s` (a rank may still be copying into them): a `store`
     /// that needs them meanwhile raises `BankFailed` ("bank full") naming
@@ -57,11 +60,16 @@ impl DonorBank {
     ///
     /// A host bank takes its `slots x tp_size x rank_block_bytes` bytes of
     /// `/dev/shm` here, at creation (the pages are reserved, so a full
-    /// `/dev/shm` can never kill a later `write` with SIGBUS).
+    /// `/dev/shm` can never kill a later `write` with SIGBUS). Its names
+    /// (segments and `.lease` files) are removed when it is dropped, or at
+    /// interpreter exit by the wheel's `atexit` hook if it is still alive
+    /// then (a daemon thread holding the script's globals keeps
+    /// finalization from dropping it); the hook removes names only, so a
+    /// thread still running keeps its mapping.
     ///
-    /// Raises `BadArgument` naming `slots`, `lease_s`, `store_timeout_s` or
-    /// `gpus` (also `slots` / `gpus[i]` for a negative int or one past
-    /// u64 / u32), `CudaUnavailable`
+    /// Raises `BadArgument` naming `slots` (outside 1..=16777216, negative
+    /// included), `lease_s`, `store_timeout_s` or `gpus` (also `gpus[i]`
+    /// for a negative int or one past u32), `CudaUnavailable`
     /// when `gpus` is given where no CUDA device is, `BankFailed` when the
     /// segments or allocations cannot be created (naming `slots`, the bytes
     /// and the free space when `/dev/shm` cannot hold the bank; nothing is
@@ -121,10 +129,11 @@ impl DonorBank {
                 })?
             }
         };
-        Ok(Self {
-            inner: Arc::new(inner),
-            layout,
-        })
+        let inner = Arc::new(inner);
+        // Its /dev/shm names go at interpreter exit even if finalization
+        // never drops it (a daemon thread holding the script's globals).
+        crate::exit_unlink::register(&inner);
+        Ok(Self { inner, layout })
     }
 
     /// This donor's engine id (UUID string).
@@ -157,6 +166,7 @@ impl DonorBank {
         }
         let st = self.inner.store(None, &sealed).map_err(bank)?;
         Ok(PendingStore {
+            started: Instant::now(),
             bank: self.inner.clone(),
             layout: self.layout,
             store_id: st.store_id,
@@ -248,6 +258,10 @@ pub(crate) struct PendingStore {
     bank: Arc<BankManager>,
     layout: Layout,
     store_id: u64,
+    /// Taken right after kv_bank's store began (its deadline is
+    /// `store_timeout_s` from a moment earlier), to tell a store that timed
+    /// out from one completed or aborted once kv_bank forgot it.
+    started: Instant,
     /// The blocks this store writes (new to the bank), in prefix order.
     hashes: Vec<u64>,
     already_retained: usize,
@@ -299,12 +313,16 @@ impl PendingStore {
     /// until `write` returned. Only rows whose copy succeeded count as
     /// written for `ack`; a rank that acked can no longer write.
     ///
-    /// Raises `BadArgument` naming `blocks` (dtype, shape, strides, a CUDA
-    /// tensor on a host bank, a tensor on another GPU than the rank's, a
+    /// Raises `BadArgument` naming `blocks` (dtype, a typestr that is none,
+    /// shape, strides, an exporter whose protocol attribute or call raises,
+    /// its exception the `__cause__`, a CUDA tensor on a host bank, a tensor on another GPU than the rank's, a
     /// CUDA array interface stream that is not a default one, a pointer
     /// that is not inside one device allocation) or `rank` (not below
     /// `tp_size`, negative); `BankFailed` from the bank (also when `rank`
-    /// already acked: its part is sealed).
+    /// already acked: its part is sealed; and once the bank's
+    /// `store_timeout_s` passed since `store()`: nothing is copied, the
+    /// store is rolled back, and the message names the store and
+    /// `store_timeout_s`, as `ack`'s does then).
     fn write(
         &self,
         py: Python<'_>,
@@ -346,7 +364,7 @@ impl PendingStore {
                             field: "source",
                             reason,
                         } => bad_argument("blocks", reason),
-                        other => store_error(other),
+                        other => self.store_error(other, "write"),
                     });
             }
         }
@@ -359,7 +377,7 @@ impl PendingStore {
             for (index, chunk) in bytes.chunks_exact(rbb).enumerate() {
                 self.bank
                     .write_pending(self.store_id, rank, index, chunk)
-                    .map_err(store_error)?;
+                    .map_err(|e| self.store_error(e, "write"))?;
             }
             Ok(())
         })
@@ -378,7 +396,7 @@ impl PendingStore {
     /// Raises `BadArgument` naming `rank` (not below `tp_size`, negative);
     /// `BankFailed` from the bank: the rank has unwritten blocks (the message
     /// names the rank and the first unwritten row), or the store timed out
-    /// or was rolled back.
+    /// (naming the store and `store_timeout_s`) or was rolled back.
     fn ack(&self, rank: &Bound<'_, PyAny>) -> PyResult<bool> {
         let rank: u32 = uint("rank", rank)?;
         let tp = self.layout.inner.tp_size();
@@ -389,7 +407,11 @@ impl PendingStore {
             // kv_bank keeps no pending store for an empty one.
             return Ok(true);
         }
-        Ok(self.bank.ack(self.store_id, rank).map_err(store_error)? == StoreStatus::Ready)
+        Ok(self
+            .bank
+            .ack(self.store_id, rank)
+            .map_err(|e| self.store_error(e, "ack"))?
+            == StoreStatus::Ready)
     }
 
     /// Rolls the store back on every rank if it is still pending (not
@@ -509,15 +531,11 @@ pub(crate) fn check_host_id(host_id: &str) -> PyResult<()> {
 }
 
 /// A bank's slot count: an int in `1..=kv_descriptor::MAX_SLOTS`, or
-/// `BadArgument` naming `slots` (kv_bank would refuse a larger one as an
-/// invalid `budget_bytes`, a name a Python caller never gave).
+/// `BadArgument` naming `slots` and that range, also for a negative int or
+/// one past u64 (kv_bank would refuse a larger one as an invalid
+/// `budget_bytes`, a name a Python caller never gave).
 pub(crate) fn slot_count(slots: &Bound<'_, PyAny>) -> PyResult<u64> {
-    let n: u64 = uint("slots", slots)?;
-    let max = u64::from(kv_descriptor::MAX_SLOTS);
-    if !(1..=max).contains(&n) {
-        return Err(bad_argument("slots", format!("{n} is not in 1..={max}")));
-    }
-    Ok(n)
+    crate::errors::uint_in("slots", slots, 1..=u64::from(kv_descriptor::MAX_SLOTS))
 }
 
 /// `endpoint` parsed as a pin endpoint (`unix:<absolute path>`, a plain
@@ -530,29 +548,54 @@ pub(crate) fn pin_endpoint(argument: &str, endpoint: &str) -> PyResult<PinEndpoi
     PinEndpoint::parse(endpoint).map_err(|e| bad_argument(argument, e))
 }
 
-/// A refusal of `PendingStore.write` / `ack` as `BankFailed`, in the words
-/// of the Python API: kv_bank's own text names its Rust calls
-/// (`write_pending` / `write_pending_from_device`, `fail`) and arguments
-/// (`index`, `store_id`), which a Python caller never sees; the rest is
-/// kv_bank's text.
-fn store_error(e: BankError) -> PyErr {
-    let msg = match e {
-        BankError::Unwritten {
-            store_id,
-            rank,
-            missing,
-            first,
-        } => format!(
-            "store {store_id}: `rank` {rank} acked with {missing} unwritten rows (first: row \
-             {first} of `blocks`); `write({rank}, blocks)` before acking, or `abort()` the store"
-        ),
-        BankError::RankAcked { store_id, rank, .. } => format!(
-            "store {store_id}: `rank` {rank} already acked, its rows are sealed (`write` refused)"
-        ),
-        BankError::UnknownStore(store_id) => format!(
-            "store {store_id} is no longer pending (it completed, was aborted or timed out)"
-        ),
-        other => return bank(other),
-    };
-    crate::errors::BankFailed::new_err(msg)
+impl PendingStore {
+    /// A refusal of `write` / `ack` (`call`) as `BankFailed`, in the words
+    /// of the Python API: kv_bank's own text names its Rust calls
+    /// (`write_pending` / `write_pending_from_device`, `fail`), arguments
+    /// (`index`, `store_id`) and settings (its store timeout in ms), which a
+    /// Python caller never sees; the rest is kv_bank's text.
+    fn store_error(&self, e: BankError, call: &str) -> PyErr {
+        let timeout_s = self.bank.config().store_timeout.as_secs_f64();
+        let msg = match e {
+            BankError::Unwritten {
+                store_id,
+                rank,
+                missing,
+                first,
+            } => format!(
+                "store {store_id}: `rank` {rank} acked with {missing} unwritten rows (first: row \
+                 {first} of `blocks`); `write({rank}, blocks)` before acking, or `abort()` the store"
+            ),
+            BankError::RankAcked { store_id, rank, .. } => format!(
+                "store {store_id}: `rank` {rank} already acked, its rows are sealed (`write` refused)"
+            ),
+            // The setting the caller gave (`store_timeout_s`), not only the
+            // time that passed: a late write or ack names what it missed.
+            BankError::StoreTimedOut {
+                store_id,
+                waited_ms,
+                missing,
+                ..
+            } => format!(
+                "store {store_id} timed out: store_timeout_s={timeout_s} passed before every rank \
+                 acked (ranks {missing:?} had not; {waited_ms} ms since `store`); it was rolled \
+                 back, `{call}` refused"
+            ),
+            // kv_bank forgets a store its expiry sweep (any `store()`)
+            // rolled back: past the deadline, that is what happened to it.
+            BankError::UnknownStore(store_id)
+                if self.started.elapsed().as_secs_f64() >= timeout_s =>
+            {
+                format!(
+                    "store {store_id} timed out: store_timeout_s={timeout_s} passed before every \
+                     rank acked; it was rolled back, `{call}` refused"
+                )
+            }
+            BankError::UnknownStore(store_id) => format!(
+                "store {store_id} is no longer pending (it completed, was aborted or timed out)"
+            ),
+            other => return bank(other),
+        };
+        crate::errors::BankFailed::new_err(msg)
+    }
 }

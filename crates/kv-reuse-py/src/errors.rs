@@ -173,25 +173,39 @@ pub(crate) fn fetch(e: FetchError) -> PyErr {
 }
 
 /// Unsigned integer types an argument is extracted as ([`uint`], [`uints`]).
-pub(crate) trait Unsigned: for<'py> FromPyObject<'py> {
+pub(crate) trait Unsigned: for<'py> FromPyObject<'py> + Copy {
     /// The largest value, for the refusal's range.
     const MAX: u64;
+    /// The value as u64 (lossless: every implementor fits).
+    fn as_u64(self) -> u64;
 }
 
 impl Unsigned for u8 {
     const MAX: u64 = u8::MAX as u64;
+    fn as_u64(self) -> u64 {
+        self.into()
+    }
 }
 
 impl Unsigned for u32 {
     const MAX: u64 = u32::MAX as u64;
+    fn as_u64(self) -> u64 {
+        self.into()
+    }
 }
 
 impl Unsigned for u64 {
     const MAX: u64 = u64::MAX;
+    fn as_u64(self) -> u64 {
+        self
+    }
 }
 
 impl Unsigned for usize {
     const MAX: u64 = usize::MAX as u64;
+    fn as_u64(self) -> u64 {
+        self as u64
+    }
 }
 
 /// An int argument as `T`: `BadArgument` naming `argument` when it is
@@ -210,18 +224,75 @@ pub(crate) fn uint<T: Unsigned>(argument: &str, v: &Bound<'_, PyAny>) -> PyResul
     v.extract().map_err(|e| int_refusal::<T>(argument, v, e))
 }
 
+/// [`uint`] for an argument whose real range is `range`, narrower than
+/// `T`'s: every value outside it (negative, past `T`, or past the range) is
+/// refused naming that range, `{v} is not in {lo}..={hi}`. Before, a count
+/// that must be at least 1 said `-1 is not in 0..=4294967295` (the width of
+/// its type) while 0 was refused as well.
+pub(crate) fn uint_in<T: Unsigned>(
+    argument: &str,
+    v: &Bound<'_, PyAny>,
+    range: std::ops::RangeInclusive<u64>,
+) -> PyResult<T> {
+    if v.is_instance_of::<PyBool>() {
+        return Err(bad_argument(argument, format!("{v} is a bool, not an int")));
+    }
+    let n: T = v
+        .extract()
+        .map_err(|e| int_refusal_in(argument, v, e, &range))?;
+    if !range.contains(&n.as_u64()) {
+        return Err(bad_argument(
+            argument,
+            format!(
+                "{} is not in {}..={}",
+                n.as_u64(),
+                range.start(),
+                range.end()
+            ),
+        ));
+    }
+    Ok(n)
+}
+
+/// `r`, an int argument's extraction run by `#[pyo3(from_py_with = ...)]`
+/// (a signature with a literal default, which `inspect.signature` shows):
+/// pyo3 prefixes a `TypeError` from there with `argument '<name>': `, so a
+/// `TypeError` of [`uint`] / [`uint_in`], which names the argument itself,
+/// is made again without its own prefix (not named twice). `BadArgument`
+/// passes unchanged.
+pub(crate) fn named_by_pyo3<T>(argument: &str, r: PyResult<T>) -> PyResult<T> {
+    r.map_err(|e| {
+        Python::with_gil(|py| {
+            if !e.is_instance_of::<PyTypeError>(py) {
+                return e;
+            }
+            let msg = e.value(py).to_string();
+            match msg.strip_prefix(&format!("{argument}: ")) {
+                Some(rest) => PyTypeError::new_err(rest.to_owned()),
+                None => e,
+            }
+        })
+    })
+}
+
 /// A sequence of ints as `Vec<T>`; a refused element is named
 /// `argument[i]` (as [`uint`]), a non-sequence `argument` (`TypeError`).
 /// The common case costs what pyo3's `Vec<T>` extraction costs.
 pub(crate) fn uints<T: Unsigned>(argument: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<T>> {
     v.extract::<Vec<T>>().map_err(|e| {
-        if !v.is_instance_of::<pyo3::types::PyString>() {
-            if let Ok(items) = v.try_iter() {
-                for (i, item) in items.enumerate() {
-                    let Ok(item) = item else { break };
-                    if let Err(e) = item.extract::<T>() {
-                        return int_refusal::<T>(&format!("{argument}[{i}]"), &item, e);
-                    }
+        // pyo3 refuses a str as a Vec ("Can't extract `str` to `Vec`"),
+        // which does not say what to pass instead (a prompt's text where
+        // its token ids were due).
+        if v.is_instance_of::<pyo3::types::PyString>() {
+            return PyTypeError::new_err(format!(
+                "{argument}: must be a sequence of ints, not str"
+            ));
+        }
+        if let Ok(items) = v.try_iter() {
+            for (i, item) in items.enumerate() {
+                let Ok(item) = item else { break };
+                if let Err(e) = item.extract::<T>() {
+                    return int_refusal::<T>(&format!("{argument}[{i}]"), &item, e);
                 }
             }
         }
@@ -270,6 +341,17 @@ pub(crate) fn seconds_or_none(v: &Bound<'_, PyAny>) -> PyResult<Option<f64>> {
 /// `argument`: an overflow (negative, too large) as `BadArgument` with the
 /// range, a type error as `TypeError`, anything else unchanged.
 fn int_refusal<T: Unsigned>(argument: &str, v: &Bound<'_, PyAny>, e: PyErr) -> PyErr {
+    int_refusal_in(argument, v, e, &(0..=T::MAX))
+}
+
+/// [`int_refusal`] naming `range` (the argument's real range) in an
+/// overflow's refusal.
+fn int_refusal_in(
+    argument: &str,
+    v: &Bound<'_, PyAny>,
+    e: PyErr,
+    range: &std::ops::RangeInclusive<u64>,
+) -> PyErr {
     let py = v.py();
     if e.is_instance_of::<PyOverflowError>(py) {
         let mut shown = v
@@ -279,7 +361,10 @@ fn int_refusal<T: Unsigned>(argument: &str, v: &Bound<'_, PyAny>, e: PyErr) -> P
         if shown.len() > 40 {
             shown = format!("{}... ({} digits)", &shown[..24], shown.len());
         }
-        bad_argument(argument, format!("{shown} is not in 0..={}", T::MAX))
+        bad_argument(
+            argument,
+            format!("{shown} is not in {}..={}", range.start(), range.end()),
+        )
     } else if e.is_instance_of::<PyTypeError>(py) {
         PyTypeError::new_err(format!("{argument}: {}", e.value(py)))
     } else {

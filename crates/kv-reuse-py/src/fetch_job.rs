@@ -400,7 +400,7 @@ impl FetchJob {
 
 /// Longest wait without the GIL between two checks for a pending signal
 /// (Ctrl-C) in a blocking call that may wait long (`FetchJob.result`,
-/// `DonorDirectory.manifest`).
+/// `StreamGate.wait` / `wait_layer`, `DonorDirectory.manifest`).
 pub(crate) const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 
 /// Work for the target's fetch thread.

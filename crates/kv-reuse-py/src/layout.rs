@@ -4,7 +4,7 @@ use pyo3::prelude::*;
 
 use kv_descriptor::{DType, DescriptorError, EngineId, KvLayout, TensorOrder};
 
-use crate::errors::{bad_argument, descriptor, uint};
+use crate::errors::{bad_argument, descriptor, uint_in};
 
 /// A block-major KV layout (kv_descriptor::KvLayout).
 ///
@@ -143,14 +143,11 @@ impl Layout {
     }
 }
 
-/// A count argument of `Layout` as u32: `BadArgument` naming `argument` when
-/// it is negative, past u32 or a bool ([`uint`]) or zero (as `Router`'s
-/// counts), the same class for every invalid count.
+/// A count argument of `Layout` as u32: `BadArgument` naming `argument` and
+/// its real range `1..=4294967295` when it is zero, negative or past u32,
+/// or a bool ([`uint_in`]), the same class for every invalid count.
 fn count(argument: &str, v: &Bound<'_, PyAny>) -> PyResult<u32> {
-    match uint(argument, v)? {
-        0 => Err(bad_argument(argument, "0, must be at least 1")),
-        n => Ok(n),
-    }
+    uint_in(argument, v, 1..=u64::from(u32::MAX))
 }
 
 /// The name `Layout` takes for `d` (the inverse of [`parse_dtype`]'s first names).

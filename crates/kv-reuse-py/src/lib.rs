@@ -11,6 +11,8 @@
 //! `errors`. Engine tensors cross zero-copy through `__array_interface__`,
 //! DLPack and `__cuda_array_interface__` (module `array`). Unsafe code: `array`
 //! (foreign tensor memory) and `stream_gate` (a foreign CUDA stream handle).
+//! Module `exit_unlink`: the `atexit` hook (registered at import) that
+//! removes the `/dev/shm` names of every bank still alive at interpreter exit.
 //! API and examples: docs/python.md.
 
 mod advice;
@@ -21,6 +23,7 @@ mod donor_imports;
 mod engine_layout;
 mod errors;
 mod events;
+mod exit_unlink;
 mod fetch_job;
 mod fetch_outcome;
 mod layout;
@@ -43,20 +46,16 @@ use pyo3::prelude::*;
 /// no hash.
 ///
 /// Raises `BadArgument` naming `tokens_per_block` (0, negative) or
-/// `tokens[i]` (a negative id or one past u32).
+/// `tokens[i]` (a negative id or one past u32), `TypeError` naming `tokens`
+/// when it is not a sequence of ints (a str: the prompt's text).
 #[pyfunction]
 fn sequence_hashes(
     tokens: &Bound<'_, PyAny>,
     tokens_per_block: &Bound<'_, PyAny>,
 ) -> PyResult<Vec<u64>> {
     let tokens: Vec<u32> = errors::uints("tokens", tokens)?;
-    let tokens_per_block: usize = errors::uint("tokens_per_block", tokens_per_block)?;
-    if tokens_per_block == 0 {
-        return Err(errors::bad_argument(
-            "tokens_per_block",
-            "must be at least 1",
-        ));
-    }
+    let tokens_per_block: usize =
+        errors::uint_in("tokens_per_block", tokens_per_block, 1..=usize::MAX as u64)?;
     Ok(kv_descriptor::sequence_hashes(&tokens, tokens_per_block)
         .into_iter()
         .map(|h| h.0)
@@ -107,6 +106,7 @@ fn reclaim_stale(py: Python<'_>, prefix: &str) -> PyResult<Vec<String>> {
 #[pyo3(name = "_native")]
 fn kv_reuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
+    exit_unlink::register_hook(m)?;
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(leak_counters, m)?)?;
     m.add_function(wrap_pyfunction!(reclaim_stale, m)?)?;

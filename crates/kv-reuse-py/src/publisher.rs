@@ -58,6 +58,31 @@ fn agent_error(e: AgentError) -> PyErr {
     }
 }
 
+/// `gpu_uuids[i]`, `s`, as a UUID: `GPU-` (optional) and the UUID. A
+/// refusal names `gpu_uuids[i]` and the whole value, and a bad character's
+/// index in it: the uuid crate counts from after the prefix it never saw
+/// (`GPU-x` said `found 'x' at 0`).
+fn gpu_uuid(i: usize, s: &str) -> PyResult<uuid::Uuid> {
+    let body = s.strip_prefix("GPU-").unwrap_or(s);
+    uuid::Uuid::parse_str(body).map_err(|e| {
+        let skipped = s.len() - body.len();
+        let why = match body
+            .char_indices()
+            .find(|(_, c)| !(c.is_ascii_hexdigit() || *c == '-'))
+        {
+            Some((at, c)) => format!("{c:?} at index {} is not a hex digit or `-`", skipped + at),
+            None => e.to_string(),
+        };
+        bad_argument(
+            &format!("gpu_uuids[{i}]"),
+            format!(
+                "{s:?} is not a GPU UUID (`GPU-` and 32 hex digits, as \
+                 torch.cuda.get_device_properties(i).uuid or nvidia-smi -L give): {why}"
+            ),
+        )
+    })
+}
+
 /// One identity per TP rank: parsed from `gpu_uuids` (torch's
 /// `get_device_properties(i).uuid`, with or without the `GPU-` prefix), or
 /// made up from `host_id` and the rank where none are given (the router
@@ -77,10 +102,8 @@ fn gpu_identities(
                 ));
             }
             list.iter()
-                .map(|s| {
-                    uuid::Uuid::parse_str(s.trim_start_matches("GPU-"))
-                        .map_err(|e| bad_argument("gpu_uuids", format!("`{s}`: {e}")))
-                })
+                .enumerate()
+                .map(|(i, s)| gpu_uuid(i, s))
                 .collect::<PyResult<_>>()?
         }
         None => {
@@ -156,19 +179,24 @@ impl WorkerPublisher {
     /// `creds` (a `.creds` file) authenticate its one NATS connection,
     /// `tls_ca` (PEM CA file) turns TLS on, `tls_cert` + `tls_key` present a
     /// client certificate: the decode role of docs/nats-permissions.conf.
+    /// `gpu_uuids` (one per TP rank, `GPU-<uuid>` as `nvidia-smi -L` or
+    /// torch's `get_device_properties(i).uuid` give, the prefix optional)
+    /// are the announcement's GPU identities; without them each rank's is
+    /// made up from `host_id` and the rank.
     ///
     /// Raises `BadArgument` naming `pin_endpoint` (it does not parse, or its
     /// socket path is relative: targets resolve it in other working
     /// directories), `slots`, `lease_s`, `record_ttl_s`,
     /// `store_timeout_s`, `announce_period_s`, `timeout_s`, `gpus`,
-    /// `gpu_uuids`, `worker_key`, `namespace`, `nats_url` (not a NATS URL),
+    /// `gpu_uuids` (count) or `gpu_uuids[i]` (not a UUID, naming the value
+    /// and where it is wrong), `worker_key`, `namespace`, `nats_url` (not a NATS URL),
     /// `bucket` (not a key-value bucket name), `event_ring` (the ints
     /// also when negative or past u64 / u32), `user`, `password`, `token`
     /// or `creds` (incomplete or mixed credentials); `BankFailed` when the bank
     /// cannot open; `PinServiceFailed` when `pin_endpoint` cannot be bound;
     /// `PublishFailed` when NATS (or JetStream) is unreachable or refuses.
     #[staticmethod]
-    #[pyo3(signature = (nats_url, worker_key, layout, slots, pin_endpoint, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", bucket = "kv_donors", lease_s = 15.0, record_ttl_s = None, store_timeout_s = 5.0, announce_period_s = 1.0, event_ring = None, timeout_s = 5.0, **nats))]
+    #[pyo3(signature = (nats_url, worker_key, layout, slots, pin_endpoint, *, host_id = "kv-reuse-py", gpus = None, gpu_uuids = None, namespace = "default", bucket = "kv_donors", lease_s = 15.0, record_ttl_s = None, store_timeout_s = 5.0, announce_period_s = 1.0, event_ring = 4096, timeout_s = 5.0, **nats))]
     #[allow(clippy::too_many_arguments)]
     fn donor(
         py: Python<'_>,
@@ -186,7 +214,7 @@ impl WorkerPublisher {
         #[pyo3(from_py_with = "crate::errors::seconds_or_none")] record_ttl_s: Option<f64>,
         #[pyo3(from_py_with = "crate::errors::seconds")] store_timeout_s: f64,
         #[pyo3(from_py_with = "crate::errors::seconds")] announce_period_s: f64,
-        event_ring: Option<&Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = "event_ring_arg")] event_ring: usize,
         #[pyo3(from_py_with = "crate::errors::seconds")] timeout_s: f64,
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
@@ -198,10 +226,6 @@ impl WorkerPublisher {
         // refused here, before connecting, not at the first fetch.
         crate::donor::pin_endpoint("pin_endpoint", pin_endpoint)?;
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
-        let event_ring: usize = event_ring
-            .map(|e| uint("event_ring", e))
-            .transpose()?
-            .unwrap_or(EVENT_RING);
         // The record's TTL is the directory bucket's `max_age` when this
         // creates it, and `record_ttl_s` defaults to (and may not exceed)
         // `lease_s`: neither may go below nats-server's floor, which would
@@ -220,9 +244,6 @@ impl WorkerPublisher {
         let timeout = seconds_in("timeout_s", timeout_s, 0.01..=3_600.0)?;
         let options =
             NatsCredentials::from_kwargs(nats)?.options(nats_url, "kv-reuse-py-donor", timeout)?;
-        if event_ring == 0 {
-            return Err(bad_argument("event_ring", "must be at least 1"));
-        }
         let tp = layout.inner.tp_size();
         if let Some(g) = &gpus {
             if g.len() != tp as usize {
@@ -331,8 +352,9 @@ impl WorkerPublisher {
     /// `engine_id` (`Target.engine_id`) with KV `layout`, on
     /// `kv.<namespace>.workers.announce` every `announce_period_s` seconds,
     /// so that the router service accepts advise requests routed to it.
-    /// `gpus` are the CUDA ordinals of its TP ranks (announced only).
-    /// Credentials and TLS as for `donor` (the prefill role).
+    /// `gpus` are the CUDA ordinals of its TP ranks and `gpu_uuids` their
+    /// UUIDs, as for `donor` (announced only). Credentials and TLS as for
+    /// `donor` (the prefill role).
     ///
     /// Raises `BadArgument` naming `engine_id`, `worker_key`, `namespace`,
     /// `nats_url`, `gpus`, `gpu_uuids`, `announce_period_s`, `timeout_s` or a
@@ -536,19 +558,15 @@ impl WorkerPublisher {
     /// sealed blocks or negative, `tokens[i]` for an id that is negative or
     /// past u32; `PublishFailed` for a donor (its events come from its
     /// bank), when the publish fails, or after `close()`.
-    #[pyo3(signature = (tokens, first_block = None))]
+    #[pyo3(signature = (tokens, first_block = 0))]
     fn publish_prefix_stored(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
-        first_block: Option<&Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = "first_block_arg")] first_block: usize,
     ) -> PyResult<usize> {
         let (_, tpb) = self.prefix_publisher("publish_prefix_stored")?;
         let tokens: Vec<u32> = uints("tokens", tokens)?;
-        let first_block: usize = first_block
-            .map(|f| uint("first_block", f))
-            .transpose()?
-            .unwrap_or(0);
         // The bank's own sealing (hashes as `sequence_hashes(tokens, T)`).
         let mut blocks = sealed_blocks(None, &tokens, tpb as usize);
         if first_block > blocks.len() {
@@ -703,6 +721,28 @@ impl WorkerPublisher {
 /// Events a publisher keeps for a router's resync: a donor's default
 /// `event_ring`, and a target's prefix-cache publisher.
 const EVENT_RING: usize = 4096;
+// The literal of `WorkerPublisher.donor`'s signature (`inspect.signature`
+// shows it).
+const _: () = assert!(EVENT_RING == 4096);
+
+/// `event_ring` as given: an int in 1..=usize::MAX, or None for the default.
+fn event_ring_arg(v: &Bound<'_, PyAny>) -> PyResult<usize> {
+    if v.is_none() {
+        return Ok(EVENT_RING);
+    }
+    crate::errors::named_by_pyo3(
+        "event_ring",
+        crate::errors::uint_in("event_ring", v, 1..=usize::MAX as u64),
+    )
+}
+
+/// `first_block` as given: an int, or None for 0.
+fn first_block_arg(v: &Bound<'_, PyAny>) -> PyResult<usize> {
+    if v.is_none() {
+        return Ok(0);
+    }
+    crate::errors::named_by_pyo3("first_block", uint("first_block", v))
+}
 
 mod running;
 use running::{wait_for_sole, Running};

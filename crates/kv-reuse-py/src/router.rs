@@ -16,7 +16,7 @@ use kv_router_glue::{
 
 use crate::advice::Advice;
 use crate::donor::pin_endpoint;
-use crate::errors::{bad_argument, descriptor, lookup, uint, uints};
+use crate::errors::{bad_argument, descriptor, lookup, uint, uint_in, uints};
 use crate::layout::{engine_id, Layout};
 use crate::settings::Settings;
 
@@ -72,14 +72,27 @@ fn role(s: &str) -> PyResult<Role> {
         "decode" => Ok(Role::Decode),
         "prefill" => Ok(Role::Prefill),
         other => Err(bad_argument(
-            "role",
+            "role_name",
             format!("`{other}` is not decode or prefill"),
         )),
     }
 }
 
-/// A lookup's probe budget when `Router(max_probes=None)`.
+/// A lookup's probe budget by default (and for `Router(max_probes=None)`).
 const MAX_PROBES: u32 = 16384;
+// The literal of `Router`'s signature, so that `inspect.signature` shows it.
+const _: () = assert!(MAX_PROBES == 16384);
+
+/// `max_probes` as given: an int in 1..=u32::MAX, or None for the default.
+fn max_probes_arg(v: &Bound<'_, PyAny>) -> PyResult<u32> {
+    if v.is_none() {
+        return Ok(MAX_PROBES);
+    }
+    crate::errors::named_by_pyo3(
+        "max_probes",
+        uint_in("max_probes", v, 1..=u64::from(u32::MAX)),
+    )
+}
 
 #[pymethods]
 impl Router {
@@ -90,25 +103,17 @@ impl Router {
     /// block could be hashed, no lookup could probe: every advise would be
     /// refused), negative or past u32.
     #[new]
-    #[pyo3(signature = (settings, tokens_per_block, max_probes = None))]
+    #[pyo3(signature = (settings, tokens_per_block, max_probes = 16384))]
     fn new(
         settings: &Settings,
         tokens_per_block: &Bound<'_, PyAny>,
-        max_probes: Option<&Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = "max_probes_arg")] max_probes: u32,
     ) -> PyResult<Self> {
-        let tokens_per_block: u32 = uint("tokens_per_block", tokens_per_block)?;
-        let max_probes: u32 = max_probes
-            .map(|m| uint("max_probes", m))
-            .transpose()?
-            .unwrap_or(MAX_PROBES);
-        for (argument, v) in [
-            ("tokens_per_block", tokens_per_block),
-            ("max_probes", max_probes),
-        ] {
-            if v == 0 {
-                return Err(bad_argument(argument, "0, must be at least 1"));
-            }
-        }
+        let tokens_per_block: u32 = uint_in(
+            "tokens_per_block",
+            tokens_per_block,
+            1..=u64::from(u32::MAX),
+        )?;
         let model = CostModel::new(settings.inner.settings.clone(), tokens_per_block)
             .map_err(crate::errors::settings)?;
         let index = Arc::new(InventoryIndex::new());
@@ -130,7 +135,7 @@ impl Router {
     /// Registers worker `key` (engine id, `"decode"` or `"prefill"`, layout).
     ///
     /// Raises `BadArgument` naming `key` (negative, past u64), `engine`,
-    /// `role`, or `layout` when its tokens per block differ from the
+    /// `role_name`, or `layout` when its tokens per block differ from the
     /// router's (its blocks' hashes could never match a prompt's, so
     /// reuse would be off for it without a word); `LookupFailed` when the
     /// index refuses the worker.

@@ -53,13 +53,44 @@ pub(crate) struct RouterClient {
 /// reply worth waiting for on a spinning core.
 const MAX_BUSY_POLL_US: u64 = 1_000_000;
 
+// `RouterClient`'s signature names the subject as a literal (so that
+// `inspect.signature` shows it): the same as kv-router-glue's.
+const _: () = assert!(str_eq(ADVISE_SUBJECT, "kv_reuse.advise"));
+
+const fn str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// `busy_poll_us` as given: an int in 0..=MAX_BUSY_POLL_US µs, or None for 0.
+fn busy_poll_us_arg(v: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if v.is_none() {
+        return Ok(0);
+    }
+    crate::errors::named_by_pyo3(
+        "busy_poll_us",
+        crate::errors::uint_in("busy_poll_us", v, 0..=MAX_BUSY_POLL_US),
+    )
+}
+
 /// The Python exception for a failed connect or round trip: bad arguments
 /// name the argument, everything else means no router answered.
 fn unavailable(e: AdviseClientError) -> PyErr {
     match e {
-        AdviseClientError::Subject { subject } => {
-            bad_argument("subject", format!("{subject:?} is not a NATS subject"))
-        }
+        AdviseClientError::Subject { subject, reason } => bad_argument(
+            "subject",
+            format!("{subject:?} is not a NATS subject to publish to: {reason}"),
+        ),
         AdviseClientError::Timeout => bad_argument("timeout_s", "must be positive"),
         other => RouterUnavailable::new_err(other.to_string()),
     }
@@ -99,36 +130,28 @@ impl RouterClient {
     /// `BadArgument` naming a bad argument (`nats_url` when it is not a
     /// NATS URL: empty, another scheme, no host; or when it carries
     /// credentials, `nats://user:password@host` or `nats://token@host`,
-    /// and keywords give some too, or its servers carry different ones).
+    /// and keywords give some too, or its servers carry different ones;
+    /// `subject` when a request cannot be published to it: empty,
+    /// whitespace, an empty token, or a wildcard `*` / `>`, a subscriber's
+    /// pattern that no replica answers, so every advise would fail with
+    /// "no responders"; `busy_poll_us` outside 0..=1000000).
     #[new]
-    #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = ADVISE_SUBJECT, *, busy_poll_us = None, **nats))]
+    #[pyo3(signature = (nats_url, timeout_s = 2.0, subject = "kv_reuse.advise", *, busy_poll_us = 0, **nats))]
     fn new(
         py: Python<'_>,
         nats_url: &str,
         #[pyo3(from_py_with = "crate::errors::seconds")] timeout_s: f64,
         subject: &str,
-        busy_poll_us: Option<&Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = "busy_poll_us_arg")] busy_poll_us: u64,
         nats: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         // A malformed URL is the caller's argument, not an unreachable router.
         crate::nats_runtime::check_nats_url(nats_url)?;
         let timeout = seconds("timeout_s", timeout_s)?;
-        let busy_poll: u64 = match busy_poll_us {
-            Some(v) => uint("busy_poll_us", v)?,
-            None => 0,
-        };
-        if busy_poll > MAX_BUSY_POLL_US {
-            return Err(bad_argument(
-                "busy_poll_us",
-                format!("{busy_poll} is above {MAX_BUSY_POLL_US} µs"),
-            ));
-        }
-        if subject.is_empty() || subject.contains(char::is_whitespace) {
-            return Err(bad_argument(
-                "subject",
-                format!("{subject:?} is not a NATS subject"),
-            ));
-        }
+        let busy_poll = busy_poll_us;
+        // Before the credentials are read: a wildcard (`kv_reuse.>`) was
+        // taken and every advise then failed with "no responders".
+        kv_router_glue::service::check_advise_subject(subject).map_err(unavailable)?;
         // The same mapping as every other connection (NatsOptions'
         // `connect_options`); `AdviseClient::connect` bounds the connection
         // and each advise with `timeout` and turns async-nats' own request

@@ -34,7 +34,8 @@ use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 
-use crate::errors::{bad_argument, uint};
+use crate::errors::{bad_argument, uint, uint_in};
+use crate::fetch_job::SIGNAL_SLICE;
 
 /// What the fetch told the gate so far.
 #[derive(Debug, Default)]
@@ -99,37 +100,65 @@ impl GateShared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Blocks until `ready` returns Some (its value), or the fetch ended
-    /// or `limit` passed (None); `ready` is tried first on every wake-up,
-    /// so a condition met by the fetch's last notice wins over its end.
+    /// Blocks until `ready` returns Some (its value: [`Waited::Ready`]), or
+    /// the fetch ended ([`Waited::Ended`]) or `until` passed
+    /// ([`Waited::TimedOut`]); `ready` is tried first on every wake-up, so
+    /// a condition met by the fetch's last notice wins over its end.
     fn wait_for<T>(
         &self,
-        limit: Option<Instant>,
+        until: Instant,
         mut ready: impl FnMut(&mut GateState) -> Option<T>,
-    ) -> Option<T> {
+    ) -> Waited<T> {
         let mut s = self.lock();
         loop {
             if let Some(t) = ready(&mut s) {
-                return Some(t);
+                return Waited::Ready(t);
             }
             if s.ended {
-                return None;
+                return Waited::Ended;
             }
-            s = match limit {
-                None => self.changed.wait(s).unwrap_or_else(|e| e.into_inner()),
-                Some(at) => {
-                    let left = at.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return None;
-                    }
-                    self.changed
-                        .wait_timeout(s, left)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0
-                }
-            };
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Waited::TimedOut;
+            }
+            s = self
+                .changed
+                .wait_timeout(s, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
+
+    /// [`GateShared::wait_for`] from Python: without the GIL, in slices of
+    /// at most [`SIGNAL_SLICE`] between which pending signals run their
+    /// handlers (`py.check_signals()`), so a Ctrl-C raises
+    /// `KeyboardInterrupt` within a slice. A gate no fetch ever takes would
+    /// otherwise block `wait()` forever, deaf to SIGINT. `None` when the
+    /// fetch ended without `ready` or `limit` passed.
+    fn wait_from_python<T: Send>(
+        &self,
+        py: Python<'_>,
+        limit: Option<Instant>,
+        mut ready: impl FnMut(&mut GateState) -> Option<T> + Send,
+    ) -> PyResult<Option<T>> {
+        loop {
+            let slice = Instant::now() + SIGNAL_SLICE;
+            let until = limit.map_or(slice, |l| l.min(slice));
+            match py.allow_threads(|| self.wait_for(until, &mut ready)) {
+                Waited::Ready(t) => return Ok(Some(t)),
+                Waited::Ended => return Ok(None),
+                Waited::TimedOut if limit.is_some_and(|l| Instant::now() >= l) => return Ok(None),
+                Waited::TimedOut => py.check_signals()?,
+            }
+        }
+    }
+}
+
+/// How a [`GateShared::wait_for`] ended.
+enum Waited<T> {
+    Ready(T),
+    Ended,
+    TimedOut,
 }
 
 /// `layer_group_ranges(layers, groups)`: the layer groups (Python `range`s,
@@ -152,16 +181,8 @@ pub(crate) fn layer_group_ranges<'py>(
     layers: &Bound<'py, PyAny>,
     groups: &Bound<'py, PyAny>,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let (layers, groups): (u32, u32) = (uint("layers", layers)?, uint("groups", groups)?);
-    if layers == 0 {
-        return Err(bad_argument("layers", "must be at least 1"));
-    }
-    if !(1..=MAX_LAYER_GROUPS).contains(&groups) {
-        return Err(bad_argument(
-            "groups",
-            format!("{groups} is not in 1..={MAX_LAYER_GROUPS}"),
-        ));
-    }
+    let layers: u32 = uint_in("layers", layers, 1..=u64::from(u32::MAX))?;
+    let groups: u32 = uint_in("groups", groups, 1..=u64::from(MAX_LAYER_GROUPS))?;
     let range = py.import("builtins")?.getattr("range")?;
     kv_transfer::layer_group_ranges(layers, groups)
         .into_iter()
@@ -258,15 +279,8 @@ impl StreamGate {
     ) -> PyResult<Self> {
         let layer_groups = match layer_groups {
             None => None,
-            Some(v) => match uint::<u32>("layer_groups", v)? {
-                g @ 1..=MAX_LAYER_GROUPS => Some(g).filter(|&g| g > 1),
-                g => {
-                    return Err(bad_argument(
-                        "layer_groups",
-                        format!("{g} is not in 1..={MAX_LAYER_GROUPS}"),
-                    ))
-                }
-            },
+            Some(v) => uint_in::<u32>("layer_groups", v, 1..=u64::from(MAX_LAYER_GROUPS))
+                .map(|g| Some(g).filter(|&g| g > 1))?,
         };
         let shared = Arc::new(GateShared::default());
         shared.lock().created = Some(Instant::now());
@@ -283,8 +297,11 @@ impl StreamGate {
     /// without that (False: it raised before any copy, delivers to another
     /// device only, or ran on a backend without streams), or `timeout_s`
     /// passed (False). After False, take the fetch's result before reading
-    /// the rows. Raises `BadArgument` naming `timeout_s` unless it is in
-    /// (0, 3600] seconds.
+    /// the rows. Without `timeout_s` a gate that no fetch takes waits
+    /// forever, so the wait wakes every ~50 ms to run pending signal
+    /// handlers: Ctrl-C raises `KeyboardInterrupt` (as in
+    /// `FetchJob.result`), and the gate stays usable. Raises `BadArgument`
+    /// naming `timeout_s` unless it is in (0, 3600] seconds.
     #[pyo3(signature = (timeout_s = None))]
     fn wait(
         &self,
@@ -292,13 +309,11 @@ impl StreamGate {
         #[pyo3(from_py_with = "crate::errors::seconds_or_none")] timeout_s: Option<f64>,
     ) -> PyResult<bool> {
         let limit = deadline(timeout_s)?;
-        let shared = self.shared.clone();
         let layered = self.layer_groups.is_some();
-        Ok(py.allow_threads(move || {
-            shared
-                .wait_for(limit, |s| s.is_open(layered).then_some(()))
-                .is_some()
-        }))
+        Ok(self
+            .shared
+            .wait_from_python(py, limit, |s| s.is_open(layered).then_some(()))?
+            .is_some())
     }
 
     /// Layered gates: blocks (GIL released) until layer `layer`'s group of
@@ -308,6 +323,7 @@ impl StreamGate {
     /// raised: take its result, discard what was computed) or `timeout_s`
     /// passed. Call it on the engine's thread right before the layer's
     /// kernels are enqueued. Without layer groups it is `wait(timeout_s)`.
+    /// Ctrl-C raises `KeyboardInterrupt` within ~50 ms, as in `wait`.
     /// Raises `BadArgument` naming `timeout_s` as `wait`, and
     /// `KvReuseError` when the driver refuses the stream wait.
     #[pyo3(signature = (layer, timeout_s = None))]
@@ -322,9 +338,8 @@ impl StreamGate {
             return self.wait(py, timeout_s);
         }
         let limit = deadline(timeout_s)?;
-        let shared = self.shared.clone();
-        let due: Option<Vec<kv_transfer::LayersReady>> = py.allow_threads(move || {
-            shared.wait_for(limit, |s| {
+        let due: Option<Vec<kv_transfer::LayersReady>> =
+            self.shared.wait_from_python(py, limit, |s| {
                 // This layer's groups and every earlier one not waited for.
                 s.covers(layer).then(|| {
                     s.groups
@@ -336,8 +351,7 @@ impl StreamGate {
                         })
                         .collect()
                 })
-            })
-        });
+            })?;
         let Some(due) = due else {
             return Ok(false);
         };

@@ -105,7 +105,8 @@ impl Target {
     /// overlaps an earlier `kv_caches` tensor's: the same tensor twice), or
     /// `rows` / `gpus[i]` for a negative int or one past u32;
     /// `CudaUnavailable` on the GPU path without a CUDA driver; `BankFailed`
-    /// when the host rows cannot be allocated.
+    /// when the host rows cannot be allocated (naming `rows` and the bytes
+    /// they would take).
     #[new]
     #[pyo3(signature = (layout, rows, kv_caches = None, gpus = None, kv_layout = "block_major"))]
     fn new(
@@ -115,11 +116,8 @@ impl Target {
         gpus: Option<&Bound<'_, PyAny>>,
         kv_layout: &str,
     ) -> PyResult<Self> {
-        let rows: u32 = uint("rows", rows)?;
+        let rows: u32 = crate::errors::uint_in("rows", rows, 1..=u64::from(u32::MAX))?;
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
-        if rows == 0 {
-            return Err(bad_argument("rows", "must be at least 1"));
-        }
         let order = EngineOrder::parse(kv_layout)?;
         if order != EngineOrder::BlockMajor && kv_caches.is_none() {
             return Err(bad_argument(
@@ -155,7 +153,17 @@ impl Target {
                         .map(|b| Arc::new(b) as Arc<dyn BankMemory>)
                 })
                 .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| BankFailed::new_err(e.to_string()))?,
+                // `rows` is what asked for the memory: name it and what it
+                // would take, not only the allocator's byte count.
+                .map_err(|e| {
+                    BankFailed::new_err(format!(
+                        "rows: {rows} rows of {rbb} bytes on each of {tp} TP ranks need {} bytes \
+                         of host memory ({} bytes a rank), which could not be allocated ({e}); \
+                         lower `rows` or pass the engine's `kv_caches`",
+                        (rows as u128) * (rbb as u128) * (tp as u128),
+                        rows as usize * rbb,
+                    ))
+                })?,
             Some(caches) if order == EngineOrder::Hf => {
                 if caches.len() != tp {
                     return Err(bad_argument(

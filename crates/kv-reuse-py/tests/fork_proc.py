@@ -4,10 +4,14 @@ Python process (no pytest state in it) whose exit runs interpreter
 finalization.
 
 argv: socket path, mode: ``exit`` (the child returns from ``sys.exit(0)``:
-finalization drops the bank, pin server and target) or ``del`` (the child
+finalization drops the bank, pin server and target), ``daemon`` (as
+``exit``, with a bank of the child's own that a daemon thread still running
+at exit keeps from being dropped: the wheel's exit hook runs in the child,
+removes that bank's names and none of the parent's) or ``del`` (the child
 tries ``store`` and ``write`` on the inherited bank, then deletes every
 object and exits normally). Prints one JSON line: what the child reported
-(``del``), the parent's /dev/shm entries before and after the child, whether
+(``del``; ``daemon``: its pid, its own bank's entries while alive and, read
+by the parent, after the child exited), the parent's /dev/shm entries before and after the child, whether
 the socket file survived, and the bytes of a fetch made after the child
 exited, or the error it raised."""
 
@@ -46,6 +50,22 @@ def main():
     pid = os.fork()
     if pid == 0:
         os.close(r)
+        if mode == "daemon":
+            # A bank of the child's own, held past finalization by a daemon
+            # thread still running at exit: only the exit hook removes its
+            # names, and that hook must leave the inherited (parent's) bank
+            # alone.
+            import threading
+            import time
+
+            own = kv_reuse.DonorBank(layout, slots=2, lease_s=5.0)
+            child = os.getpid()
+            def hold(bank):  # its running frame holds the bank
+                time.sleep(100)
+
+            threading.Thread(target=hold, args=(own,), daemon=True).start()
+            own_names = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kvbank-{child}-"))
+            os.write(w, json.dumps({"pid": child, "own": own_names}).encode())
         if mode == "del":
             report = {}
             try:
@@ -65,8 +85,11 @@ def main():
     with os.fdopen(r, "rb") as f:
         child = f.read().decode()
     _, status = os.waitpid(pid, 0)
+    child = json.loads(child) if child else None
+    if mode == "daemon":
+        child["own_after"] = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kvbank-{child['pid']}-"))
     result = {
-        "child": json.loads(child) if child else None,
+        "child": child,
         "child_exit": os.waitstatus_to_exitcode(status),
         "before": before,
         "after": mine(),

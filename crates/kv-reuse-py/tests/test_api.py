@@ -2,6 +2,9 @@
 
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -114,20 +117,21 @@ def test_negative_or_oversized_ints_are_refused_naming_the_argument(layout):
         (lambda: bank.store([0] * (TOKENS_PER_BLOCK - 1) + [-5]), rf"^tokens\[{TOKENS_PER_BLOCK - 1}\]: -5 is not in {u32}$"),
         (lambda: bank.store([2**32] * TOKENS_PER_BLOCK), rf"^tokens\[0\]: 4294967296 is not in {u32}$"),
         (lambda: bank.slots([1, 2**64]), rf"^hashes\[1\]: 18446744073709551616 is not in {u64}$"),
-        (lambda: kv_reuse.DonorBank(layout, slots=-1), rf"^slots: -1 is not in {u64}$"),
+        # Counts name their real range, not their type's.
+        (lambda: kv_reuse.DonorBank(layout, slots=-1), r"^slots: -1 is not in 1\.\.=16777216$"),
         (lambda: kv_reuse.DonorBank(layout, slots=2, gpus=[0, -1]), rf"^gpus\[1\]: -1 is not in {u32}$"),
         (lambda: kv_reuse.sequence_hashes([1, -1], 4), rf"^tokens\[1\]: -1 is not in {u32}$"),
-        (lambda: kv_reuse.sequence_hashes([1], -4), r"^tokens_per_block: -4 is not in 0\.\.="),
+        (lambda: kv_reuse.sequence_hashes([1], -4), r"^tokens_per_block: -4 is not in 1\.\.=18446744073709551615$"),
         (lambda: target.fetch(b"", [1, -2], b""), rf"^prompt_hashes\[1\]: -2 is not in {u64}$"),
         (lambda: target.fetch(b"", [1], b"", dst_blocks=[0, -1]), rf"^dst_blocks\[1\]: -1 is not in {u32}$"),
         (lambda: target.fetch(b"", [1], b"", dst_token_offset=-64), rf"^dst_token_offset: -64 is not in {u64}$"),
         (lambda: target.read_row(-1, 0), rf"^rank: -1 is not in {u32}$"),
         (lambda: target.read_row(0, 2**40), rf"^row: 1099511627776 is not in {u32}$"),
-        (lambda: kv_reuse.Target(layout, rows=2**32), rf"^rows: 4294967296 is not in {u32}$"),
-        (lambda: kv_reuse.Layout(2, 2, -8, "f32", 64, 2), rf"^head_dim: -8 is not in {u32}$"),
-        (lambda: kv_reuse.Router(settings, -64), rf"^tokens_per_block: -64 is not in {u32}$"),
-        (lambda: kv_reuse.Router(settings, 0), r"^tokens_per_block: 0, must be at least 1$"),
-        (lambda: kv_reuse.Router(settings, TOKENS_PER_BLOCK, max_probes=0), r"^max_probes: 0, must be at least 1$"),
+        (lambda: kv_reuse.Target(layout, rows=2**32), r"^rows: 4294967296 is not in 1\.\.=4294967295$"),
+        (lambda: kv_reuse.Layout(2, 2, -8, "f32", 64, 2), r"^head_dim: -8 is not in 1\.\.=4294967295$"),
+        (lambda: kv_reuse.Router(settings, -64), r"^tokens_per_block: -64 is not in 1\.\.=4294967295$"),
+        (lambda: kv_reuse.Router(settings, 0), r"^tokens_per_block: 0 is not in 1\.\.=4294967295$"),
+        (lambda: kv_reuse.Router(settings, TOKENS_PER_BLOCK, max_probes=0), r"^max_probes: 0 is not in 1\.\.=4294967295$"),
         (lambda: router.register_worker(-1, bank.engine_id, "decode", layout), rf"^key: -1 is not in {u64}$"),
         # A worker whose blocks hash another block size could never match: refused, not silently off.
         (lambda: router.register_worker(9, bank.engine_id, "decode",
@@ -154,6 +158,36 @@ def test_negative_or_oversized_ints_are_refused_naming_the_argument(layout):
         store.write(rank, rows)
     assert [store.ack(r) for r in range(layout.tp_size)] == [False, True]
     assert bank.slots(store.sequence_hashes) == [0]
+
+
+@pytest.mark.parametrize("call", ["wait()", "wait_layer(3)"])
+def test_ctrl_c_interrupts_a_stream_gate_wait_that_no_fetch_will_end(call):
+    """A gate no fetch ever takes, waited on without ``timeout_s``, blocked
+    forever, and a SIGINT could not stop it (the wait slept without the GIL
+    and never ran signal handlers). Now it raises KeyboardInterrupt, as
+    ``FetchJob.result`` does. In a subprocess, so a wait that never ends
+    fails this test rather than hanging the suite; 10 s is only a bound for
+    "does not hang"."""
+    code = (
+        "import sys, kv_reuse\n"
+        "gate = kv_reuse.StreamGate(0, 0, layer_groups=4)\n"
+        "print('waiting', flush=True)\n"
+        f"gate.{call}\n"
+        "print('returned', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "waiting\n"
+        time.sleep(0.3)  # into the wait (an earlier SIGINT would raise as well)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0 and "returned" not in out, (out, err)
+    assert err.rstrip().splitlines()[-1] == "KeyboardInterrupt", err
 
 
 def test_stream_gate_refusals_name_the_argument_and_an_argument_error_ends_the_gate(layout):
@@ -268,7 +302,9 @@ def test_layout_refuses_every_invalid_count_as_bad_argument_naming_it():
     good = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "tokens_per_block": 64, "tp_size": 2}
     for name in names:
         # A bool is an int to Python: True passed as 1 (`tp_size=True` made a TP-1 layout).
-        for bad, why in ((0, r"0, must be at least 1"), (-1, r"-1 is not in 0\.\.=4294967295"),
+        # The range named is the real one: 0 is refused too.
+        for bad, why in ((0, r"0 is not in 1\.\.=4294967295"), (-1, r"-1 is not in 1\.\.=4294967295"),
+                         (2**32, r"4294967296 is not in 1\.\.=4294967295"),
                          (True, r"True is a bool, not an int"), (False, r"False is a bool, not an int")):
             kw = dict(good, **{name: bad})
             with pytest.raises(kv_reuse.BadArgument, match=rf"^{name}: {why}$"):
@@ -429,6 +465,47 @@ def test_reclaim_and_lease_refusals_name_the_argument(layout):
     assert kv_reuse.reclaim_stale(f"kvbank-{os.getpid()}-") == []
     assert bank.manifest()
     del bank
+
+
+def bank_failed(call):
+    """The message of the ``BankFailed`` that ``call()`` raises (the message
+    only: an ExceptionInfo kept in a frame would hold the bank past the leak
+    check)."""
+    try:
+        call()
+    except kv_reuse.BankFailed as e:
+        return str(e)
+    raise AssertionError("BankFailed not raised")
+
+
+def test_a_write_after_store_timeout_s_is_refused_naming_it(layout):
+    """A ``write`` once ``store_timeout_s`` passed copied into a store that
+    could never complete (only the next ``ack`` raised, quoting the time
+    that passed, ``timed out after 600 ms``, not the 200 ms setting). It is
+    refused now, without copying, and rolls the store back; the messages
+    name the store and ``store_timeout_s``, also for a store that a later
+    ``store()`` swept (kv_bank forgot it)."""
+    one = np.ones((1, layout.rank_block_elems), dtype=np.float32)
+    bank = kv_reuse.DonorBank(layout, slots=2, store_timeout_s=0.2)
+    store = bank.store(list(range(TOKENS_PER_BLOCK)))
+    store.write(0, one)  # in time
+    time.sleep(0.6)
+    msg = bank_failed(lambda: store.write(1, one))
+    assert re.fullmatch(r"store (\d+) timed out: store_timeout_s=0\.2 passed before every rank acked "
+                        r"\(ranks \[0, 1\] had not; \d+ ms since `store`\); it was rolled back, "
+                        r"`write` refused", msg), msg
+    assert int(msg.split()[1]) > 0
+    stats = bank.stats
+    assert (stats["store_bytes_from_host"], stats["stores_rolled_back"]) == (layout.rank_block_bytes, 1)
+    timed_out = r"store \d+ timed out: store_timeout_s=0\.2 passed before every rank acked; it was rolled back, "
+    assert re.fullmatch(timed_out + "`ack` refused", bank_failed(lambda: store.ack(0)))
+    assert bank.slots(store.sequence_hashes) == [None]
+    # Swept by a later `store` (it runs kv_bank's expiry): the same words.
+    swept = bank.store(list(range(TOKENS_PER_BLOCK, 2 * TOKENS_PER_BLOCK)))
+    time.sleep(0.6)
+    bank.store(list(range(2 * TOKENS_PER_BLOCK, 3 * TOKENS_PER_BLOCK))).abort()
+    assert re.fullmatch(timed_out + "`write` refused", bank_failed(lambda: swept.write(0, one)))
+    assert bank.stats["store_bytes_from_host"] == layout.rank_block_bytes
 
 
 def test_store_timeout_is_the_donors_choice_and_refused_out_of_range(layout):
@@ -611,3 +688,159 @@ def test_nats_urls_buckets_and_namespaces_are_refused_naming_them_before_connect
             kv_reuse.WorkerPublisher.donor(url, "d", layout, 4, "unix:/tmp/x.sock", bucket=bucket)
         with pytest.raises(kv_reuse.BadArgument, match="^bucket: " + re.escape(f'"{bucket}": {why}') + "$"):
             kv_reuse.DonorDirectory(url, bucket=bucket)
+
+
+def test_every_count_names_the_range_it_really_takes():
+    """A count that must be at least 1 (or has a cap) said the range of its
+    type: ``Layout(-1, ...)`` ``num_layers: -1 is not in 0..=4294967295``
+    though 0 is refused too, ``DonorBank(slots=-1)`` ``not in
+    0..=18446744073709551615`` though slots are 1..=16777216,
+    ``layer_group_ranges(-1, 4)`` the same. Each names its real range for
+    every value outside it: negative, zero, past the cap, past the type."""
+    layout = kv_reuse.Layout(2, 2, 8, "f32", TOKENS_PER_BLOCK, 2)
+    u32 = r"1\.\.=4294967295"
+    cases = [
+        (lambda: kv_reuse.Layout(-1, 2, 8, "f32", 64, 2), rf"^num_layers: -1 is not in {u32}$"),
+        (lambda: kv_reuse.Layout(2, 2, 8, "f32", 2**40, 2), rf"^tokens_per_block: 1099511627776 is not in {u32}$"),
+        (lambda: kv_reuse.DonorBank(layout, slots=-1), r"^slots: -1 is not in 1\.\.=16777216$"),
+        (lambda: kv_reuse.DonorBank(layout, slots=0), r"^slots: 0 is not in 1\.\.=16777216$"),
+        (lambda: kv_reuse.DonorBank(layout, slots=2**64), r"^slots: 18446744073709551616 is not in 1\.\.=16777216$"),
+        (lambda: kv_reuse.layer_group_ranges(-1, 4), rf"^layers: -1 is not in {u32}$"),
+        (lambda: kv_reuse.layer_group_ranges(0, 4), rf"^layers: 0 is not in {u32}$"),
+        (lambda: kv_reuse.layer_group_ranges(4, -1), r"^groups: -1 is not in 1\.\.=1024$"),
+        (lambda: kv_reuse.StreamGate(0, 0, layer_groups=-1), r"^layer_groups: -1 is not in 1\.\.=1024$"),
+        (lambda: kv_reuse.sequence_hashes([1], 0), r"^tokens_per_block: 0 is not in 1\.\.=18446744073709551615$"),
+        (lambda: kv_reuse.Target(layout, rows=-1), rf"^rows: -1 is not in {u32}$"),
+        (lambda: kv_reuse.Target(layout, rows=0), rf"^rows: 0 is not in {u32}$"),
+        (lambda: kv_reuse.Router(kv_reuse.Settings(env={}), 64, max_probes=-1), rf"^max_probes: -1 is not in {u32}$"),
+        (lambda: kv_reuse.RouterClient("nats://127.0.0.1:1", busy_poll_us=-1),
+         r"^busy_poll_us: -1 is not in 0\.\.=1000000$"),
+        (lambda: kv_reuse.RouterClient("nats://127.0.0.1:1", busy_poll_us=10**6 + 1),
+         r"^busy_poll_us: 1000001 is not in 0\.\.=1000000$"),
+        (lambda: kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "d", layout, 4, "unix:/tmp/kv-none.sock",
+                                                event_ring=-1),
+         r"^event_ring: -1 is not in 1\.\.=18446744073709551615$"),
+    ]
+    for call, want in cases:
+        with pytest.raises(kv_reuse.BadArgument, match=want):
+            call()
+
+
+def test_a_str_where_ints_are_due_says_so():
+    """``sequence_hashes("abcd", 2)`` (a prompt's text for its token ids)
+    said ``tokens: Can't extract 'str' to 'Vec'``."""
+    with pytest.raises(TypeError, match=r"^tokens: must be a sequence of ints, not str$"):
+        kv_reuse.sequence_hashes("abcd", 2)
+    layout = kv_reuse.Layout(2, 2, 8, "f32", TOKENS_PER_BLOCK, 2)
+    bank = kv_reuse.DonorBank(layout, slots=2)
+    with pytest.raises(TypeError, match=r"^hashes: must be a sequence of ints, not str$"):
+        bank.slots("12")
+    # Other non-sequences keep their own words, naming the argument.
+    with pytest.raises(TypeError, match=r"^tokens: "):
+        kv_reuse.sequence_hashes(7, 2)
+
+
+def test_register_worker_names_role_name_as_the_caller_wrote_it():
+    router = kv_reuse.Router(kv_reuse.Settings(env={}), TOKENS_PER_BLOCK)
+    layout = kv_reuse.Layout(2, 2, 8, "f32", TOKENS_PER_BLOCK, 2)
+    engine = "00000000-0000-4000-8000-000000000009"
+    with pytest.raises(kv_reuse.BadArgument, match=r"^role_name: `x` is not decode or prefill$"):
+        router.register_worker(1, engine, role_name="x", layout=layout)
+
+
+def test_a_target_too_large_to_allocate_names_rows_and_the_bytes():
+    """``Target(layout, 2**31)`` said ``BankFailed: host memory: allocation
+    of 17592186044416 bytes failed``, naming no argument. 2**31 rows of
+    32 MiB blocks need 64 PiB, past any address space, so the allocation
+    fails whatever the host's overcommit policy."""
+    big = kv_reuse.Layout(64, 8, 128, "f32", 64, 1)
+    assert big.rank_block_bytes == 2**25
+    with pytest.raises(kv_reuse.BankFailed) as e:
+        kv_reuse.Target(big, rows=2**31)
+    msg = str(e.value)
+    del e
+    assert msg.startswith(f"rows: {2**31} rows of {2**25} bytes on each of 1 TP ranks need {2**56} bytes "
+                          "of host memory"), msg
+    assert "lower `rows` or pass the engine's `kv_caches`" in msg, msg
+
+
+def _stub():
+    import ast
+
+    path = os.path.join(os.path.dirname(kv_reuse.__file__), "_native.pyi")
+    return ast.parse(open(path, encoding="utf-8").read())
+
+
+def test_the_stubs_declare_every_public_attribute_of_the_native_classes():
+    """``_native.pyi`` lacked ``FetchOutcome.stages_us`` (there at run
+    time): every public name of the module and every public attribute of
+    its classes is declared."""
+    import ast
+
+    from kv_reuse import _native
+
+    tree = _stub()
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    top |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    top |= {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    missing = []
+    for name in dir(_native):
+        if name.startswith("_"):
+            continue
+        if name not in top:
+            missing.append(name)
+            continue
+        cls = getattr(_native, name)
+        if isinstance(cls, type) and not issubclass(cls, BaseException):
+            declared = {f.name for f in classes[name].body if isinstance(f, ast.FunctionDef)}
+            missing += [f"{name}.{a}" for a in vars(cls) if not a.startswith("_") and a not in declared]
+    assert missing == []
+
+
+def test_signatures_show_the_defaults_the_stubs_declare():
+    """``inspect.signature(RouterClient)`` showed ``subject=Ellipsis`` and
+    ``Router`` ``max_probes=None`` where the stubs say ``"kv_reuse.advise"``
+    and 16384 (also ``busy_poll_us``, ``event_ring``, ``first_block``):
+    every default the run-time signature shows is the stub's."""
+    import ast
+    import inspect
+
+    from kv_reuse import _native
+
+    def defaults(fn):
+        a = fn.args
+        pos = a.posonlyargs + a.args
+        out = dict(zip([p.arg for p in pos[len(pos) - len(a.defaults):]], map(ast.literal_eval, a.defaults)))
+        out.update((p.arg, ast.literal_eval(d)) for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None)
+        return out
+
+    compared, wrong = 0, []
+    for node in _stub().body:
+        if isinstance(node, ast.FunctionDef):
+            pairs = [(node.name, getattr(_native, node.name), node)]
+        elif isinstance(node, ast.ClassDef) and not issubclass(getattr(_native, node.name), BaseException):
+            cls = getattr(_native, node.name)
+            pairs = [(f"{node.name}.{f.name}", cls if f.name == "__init__" else getattr(cls, f.name), f)
+                     for f in node.body if isinstance(f, ast.FunctionDef)]
+        else:
+            continue
+        for name, obj, fn in pairs:
+            try:
+                params = inspect.signature(obj).parameters
+            except (TypeError, ValueError):
+                continue  # a property or a slot wrapper
+            for p, want in defaults(fn).items():
+                if p in params and params[p].default is not inspect.Parameter.empty:
+                    compared += 1
+                    if params[p].default != want:
+                        wrong.append((name, p, want, params[p].default))
+    assert wrong == []
+    assert compared > 20  # the comparison found the signatures
+    client = inspect.signature(kv_reuse.RouterClient).parameters
+    assert (client["subject"].default, client["busy_poll_us"].default) == ("kv_reuse.advise", 0)
+    assert inspect.signature(kv_reuse.Router).parameters["max_probes"].default == 16384
+    # None still means the default, and a non-int is named once.
+    kv_reuse.Router(kv_reuse.Settings(env={}), TOKENS_PER_BLOCK, max_probes=None)
+    with pytest.raises(TypeError, match=r"^argument 'max_probes': 'str' object cannot be interpreted as an integer$"):
+        kv_reuse.Router(kv_reuse.Settings(env={}), TOKENS_PER_BLOCK, max_probes="16")

@@ -109,6 +109,91 @@ def test_a_dlpack_cpu_source_is_stored_byte_for_byte(layout, enabled, tmp_path):
     fetch_into(bank, endpoint, hashes, layout, enabled, caches, caches, rows, "req-dl")
 
 
+class NoStrides:
+    """An exporter whose ``__array_interface__`` leaves out ``strides``:
+    optional in NumPy's array interface spec, absent meaning C-contiguous
+    (numpy writes None; other exporters omit the key)."""
+
+    def __init__(self, arr):
+        assert arr.flags.c_contiguous
+        self.arr = arr
+        ai = dict(arr.__array_interface__)
+        del ai["strides"]
+        self.__array_interface__ = ai
+
+
+def test_an_array_interface_without_strides_is_read_as_c_contiguous(layout, enabled, tmp_path):
+    """Such an exporter was refused (``blocks: __array_interface__ lacks
+    `strides```) as a store source and as a fetch destination; it is stored
+    and fetched into byte for byte. The CUDA array interface reads the key
+    the same way: its refusal is about the dtype, not the strides."""
+    bank, store = store_of(layout, BLOCKS)
+    n = layout.rank_block_elems
+    rows = [np.arange(BLOCKS * n, dtype=np.float32).reshape(BLOCKS, n) + 11 * r
+            for r in range(layout.tp_size)]
+    for r in range(layout.tp_size):
+        store.write(r, NoStrides(rows[r]))
+        assert store.ack(r) == (r == layout.tp_size - 1)
+    caches = [np.zeros((8, n), dtype=np.float32) for _ in range(layout.tp_size)]
+    fetch_into(bank, "unix:" + str(tmp_path / "pin.sock"), store.sequence_hashes, layout, enabled,
+               [NoStrides(c) for c in caches], caches, rows, "req-nostrides")
+    cuda = FakeCuda((4, n), typestr="<f2", device=0)
+    del cuda.__cuda_array_interface__["strides"]
+    with pytest.raises(kv_reuse.BadArgument, match=r"^kv_caches\[0\]: dtype <f2, expected <f4$"):
+        kv_reuse.Target(layout, rows=4, kv_caches=[cuda, cuda], gpus=[0, 0])
+
+
+class RaisingInterface:
+    """An exporter whose ``__array_interface__`` property raises (a
+    framework's tensor that cannot export itself)."""
+
+    @property
+    def __array_interface__(self):
+        raise RuntimeError("cannot export a lazy tensor")
+
+
+class OddTypestr:
+    def __init__(self, arr, typestr):
+        self.arr = arr
+        self.__array_interface__ = dict(arr.__array_interface__, typestr=typestr)
+
+
+def test_an_exporter_whose_array_interface_raises_is_refused_naming_the_argument(layout):
+    """A raising ``__array_interface__`` let a bare RuntimeError through,
+    while a raising ``__dlpack__`` was ``BadArgument`` naming the argument:
+    the same now, the exporter's exception kept as ``__cause__``."""
+    _bank, store = store_of(layout)
+    why = r"__array_interface__ failed: RuntimeError: cannot export a lazy tensor$"
+    with pytest.raises(kv_reuse.BadArgument, match=r"^blocks: " + why) as e:
+        store.write(0, RaisingInterface())
+    cause = e.value.__cause__
+    assert type(cause) is RuntimeError and str(cause) == "cannot export a lazy tensor"
+    del e, cause
+    ok = np.zeros((4, layout.rank_block_elems), dtype=np.float32)
+    with pytest.raises(kv_reuse.BadArgument, match=r"^kv_caches\[1\]: " + why):
+        kv_reuse.Target(layout, rows=4, kv_caches=[ok, RaisingInterface()])
+    # A raising __dlpack__ keeps its cause too.
+    with pytest.raises(kv_reuse.BadArgument, match=r"^blocks: __dlpack_device__\(\) failed: ValueError") as e:
+        store.write(0, MetaLike())
+    assert type(e.value.__cause__) is ValueError
+    del e
+
+
+def test_a_typestr_that_is_no_typestr_says_what_is_wrong(layout):
+    """``typestr "zz"`` alone did not say what was wrong with it."""
+    _bank, store = store_of(layout)
+    rows = np.zeros((2, layout.rank_block_elems), dtype=np.float32)
+    for bad in ("zz", "<f", "", "<fx"):
+        with pytest.raises(kv_reuse.BadArgument,
+                           match=rf'^blocks: __array_interface__ typestr "{re.escape(bad)}" is not a supported '
+                                 r'typestr \(byte order, kind and size in bytes, as numpy writes them\); '
+                                 r'this layout takes "<f4"$'):
+            store.write(0, OddTypestr(rows, bad))
+    # A well-formed typestr of another dtype keeps its dtype refusal.
+    with pytest.raises(kv_reuse.BadArgument, match=r"^blocks: dtype <i4, expected <f4$"):
+        store.write(0, OddTypestr(rows, "<i4"))
+
+
 def test_source_refusals_name_blocks(layout):
     _bank, store = store_of(layout)
     n = layout.rank_block_elems

@@ -178,3 +178,33 @@ def test_an_untaken_failed_job_in_a_reference_cycle_is_collected(layout, enabled
         gc.collect()
         assert gone() is None, "the cycle through the untaken job was not collected"
         assert target.free_rows == 8
+
+
+@pytest.mark.parametrize("mode", ["accept", "sleep", "builtin"])
+def test_a_donor_in_globals_leaves_no_shm_at_exit_with_a_daemon_thread_alive(mode):
+    """A daemon thread still running at exit whose frames hold the script's
+    globals (``accept``: a server loop blocked in ``socket.accept()``;
+    ``sleep``: a function of the script) keeps the globals, and the donor in
+    them, from ever being dropped: finalization cannot clear a running
+    thread's frames. The wheel's exit hook (``atexit``, registered at
+    import) removes the names of every bank still alive, so nothing of the
+    donor stays in /dev/shm; before it, the 2 segments and 2 leases were
+    left there until a ``reclaim_stale`` after the lease lapsed.
+    ``builtin``: a thread of ``time.sleep`` itself, which holds nothing of
+    the script."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "exit_daemon_proc.py"), mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "panicked" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    # One segment and one lease per TP rank while the donor lived.
+    assert len(report["shm"]) == 4, report["shm"]
+    assert sum(n.endswith(".lease") for n in report["shm"]) == 2, report["shm"]
+    left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kvbank-{report['pid']}-"))
+    for name in left:  # a failure here must not leave them for the next run
+        os.unlink(os.path.join("/dev/shm", name))
+    assert left == [], f"left in /dev/shm with a daemon thread ({mode}): {left}"

@@ -20,10 +20,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
-@pytest.mark.parametrize("mode", ["exit", "del"])
+@pytest.mark.parametrize("mode", ["exit", "daemon", "del"])
 def test_a_forked_child_leaves_the_parents_donor_serving(mode, tmp_path):
     """``exit``: the child of a donor simply exits (finalization drops the
-    inherited bank, pin server and target). ``del``: it deletes them. Either
+    inherited bank, pin server and target; the wheel's exit hook runs and
+    must remove none of the parent's names). ``daemon``: the same with a
+    bank of the child's own kept alive past finalization by a daemon
+    thread, which the exit hook must remove. ``del``: it deletes them. Either
     way the parent's /dev/shm entries and socket stay, a fetch from it after
     the child is gone returns every byte, and the child's drop raises
     nothing (it used to unlink the segments and raise PanicException
@@ -41,6 +44,16 @@ def test_a_forked_child_leaves_the_parents_donor_serving(mode, tmp_path):
     assert result["after"] == result["before"], "the child's exit removed the parent's shm"
     assert result["socket"], "the child's exit removed the parent's pin socket"
     assert result["fetch"] is True, result["fetch"]
+    if mode == "daemon":
+        # The exit hook ran in the child: its own bank's names are gone
+        # (held by a live daemon thread, finalization never dropped it),
+        # while the parent's above were left alone.
+        child = result["child"]
+        assert len(child["own"]) == 4, child
+        left = child["own_after"]
+        for name in left:
+            os.unlink(os.path.join("/dev/shm", name))
+        assert left == [], f"the child's own bank left {left}"
     if mode == "del":
         # A store in the child would write the parent's memory behind its slot table.
         assert result["child"]["store"].startswith("`store` refused in process "), result["child"]

@@ -115,6 +115,20 @@ def test_bad_arguments_are_refused_naming_them(layout):
     with pytest.raises(kv_reuse.BadArgument, match="gpu_uuids"):
         kv_reuse.WorkerPublisher.target("nats://127.0.0.1:1", "p", layout,
                                         "00000000-0000-4000-8000-000000000001", gpu_uuids=["x"])
+    # A UUID that does not parse is named by its index, with the whole value
+    # and where in it the bad character is (the uuid crate counted from
+    # after `GPU-`: "found 'x' at 0"), here and on a donor.
+    good = "GPU-8a2c5f3e-1b7d-4c9e-a0f4-2d6b8e1c3a5f"
+    not_uuid = r'is not a GPU UUID \(`GPU-` and 32 hex digits, as torch\.cuda\.get_device_properties\(i\)\.uuid or nvidia-smi -L give\): '
+    for uuids, want in (([good, "GPU-x"], r'^gpu_uuids\[1\]: "GPU-x" ' + not_uuid + r"'x' at index 4 is not a hex digit or `-`$"),
+                        (["8a2c5f3e-1b7d-4c9e-a0f4-2d6b8e1c3a5g", good],
+                         r'^gpu_uuids\[0\]: "8a2c5f3e-1b7d-4c9e-a0f4-2d6b8e1c3a5g" ' + not_uuid + r"'g' at index 35 "),
+                        ([good, "GPU-8a2c5f3e-1b7d"], r'^gpu_uuids\[1\]: "GPU-8a2c5f3e-1b7d" ' + not_uuid)):
+        with pytest.raises(kv_reuse.BadArgument, match=want):
+            kv_reuse.WorkerPublisher.target("nats://127.0.0.1:1", "p", layout,
+                                            "00000000-0000-4000-8000-000000000001", gpu_uuids=uuids)
+        with pytest.raises(kv_reuse.BadArgument, match=want):
+            kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "d", layout, 4, "unix:/tmp/x", gpu_uuids=uuids)
     with pytest.raises(kv_reuse.BadArgument, match="engine_id"):
         kv_reuse.WorkerPublisher.target("nats://127.0.0.1:1", "p", layout, "not-a-uuid")
 

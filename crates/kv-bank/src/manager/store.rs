@@ -66,6 +66,26 @@ impl BankManager {
         }
     }
 
+    /// When pending store `store_id` is past its deadline, rolls it back
+    /// (as the expiry sweep would) and returns the [`BankError::StoreTimedOut`]
+    /// its ack or write reports; `None` while it is in time (or unknown).
+    fn time_out_locked(&self, st: &mut State, store_id: u64) -> Option<BankError> {
+        let timeout = self.shared.config.store_timeout;
+        let p = st.pending.get(&store_id)?;
+        let waited = p.started.elapsed();
+        if waited < timeout {
+            return None;
+        }
+        let missing = p.missing_ranks();
+        self.rollback_locked(st, store_id, Rollback::TimedOut);
+        Some(BankError::StoreTimedOut {
+            store_id,
+            timeout_ms: timeout.as_millis() as u64,
+            waited_ms: waited.as_millis() as u64,
+            missing,
+        })
+    }
+
     /// Starts storing `blocks` (sealed blocks in prefix order, the first a
     /// child of `parent`, `None` for a root block).
     ///
@@ -241,7 +261,10 @@ impl BankManager {
     /// # Errors
     /// [`BankError::UnknownStore`] (also when the store was rolled back
     /// while the copy ran: the bytes landed in a slot that is freed, not
-    /// retained); [`BankError::BadRank`]; [`BankError::RankAcked`] when
+    /// retained); [`BankError::StoreTimedOut`] when the store's deadline
+    /// ([`BankConfig::store_timeout`] after [`BankManager::store`]) passed:
+    /// nothing is copied and the store is rolled back on every rank, as
+    /// [`BankManager::ack`] does; [`BankError::BadRank`]; [`BankError::RankAcked`] when
     /// `rank` already acked the store (nothing is copied);
     /// [`BankError::InvalidArgument`] for `index` out of range or a wrong
     /// byte count; the memory's copy error; [`BankError::NotCreator`] in a
@@ -312,6 +335,12 @@ impl BankManager {
         self.require_creator("write_pending")?;
         let (bank, slots, end) = {
             let mut st = self.shared.state.lock();
+            // A store past its deadline can no longer become ready (its
+            // ack would time out): refused and rolled back here, as the ack
+            // does, rather than copied into for nothing.
+            if let Some(e) = self.time_out_locked(&mut st, store_id) {
+                return Err(e);
+            }
             let p = st
                 .pending
                 .get(&store_id)
@@ -458,19 +487,12 @@ impl BankManager {
                 break; // past the deadline: rolled back just below
             }
         }
+        if let Some(e) = self.time_out_locked(&mut st, store_id) {
+            return Err(e);
+        }
         let Some(p) = st.pending.get_mut(&store_id) else {
             return Err(BankError::UnknownStore(store_id));
         };
-        let waited = p.started.elapsed();
-        if waited >= timeout {
-            let missing = p.missing_ranks();
-            self.rollback_locked(&mut st, store_id, Rollback::TimedOut);
-            return Err(BankError::StoreTimedOut {
-                store_id,
-                waited_ms: waited.as_millis() as u64,
-                missing,
-            });
-        }
         let part = &mut p.ranks[rank as usize];
         if let Some((missing, first)) = part.unwritten() {
             tracing::warn!(

@@ -13,7 +13,8 @@ class BadArgument(KvReuseError):
     """An argument was refused; the message starts with the argument's name (``rank``,
     ``kv_caches[1]``, ``values["key"]``). Every int argument is refused so when it is
     negative or past its width (u32 or u64), an element of a sequence as ``name[i]``
-    (``prompt_hashes[3]: -1 is not in 0..=18446744073709551615``); a non-int is a
+    (``prompt_hashes[3]: -1 is not in 0..=18446744073709551615``), and a count with a
+    narrower range names that range (``slots: -1 is not in 1..=16777216``); a non-int is a
     TypeError naming it."""
 
 class BankFailed(KvReuseError):
@@ -144,12 +145,15 @@ class PendingStore:
         before return (``stats["store_bytes_from_device"]``, no host payload).
         BadArgument names ``blocks`` (dtype, shape, strides, a CUDA tensor on a
         host bank, another GPU, a non-default CAI stream) or ``rank``;
-        BankFailed when ``rank`` already acked (its part is sealed)."""
+        BankFailed when ``rank`` already acked (its part is sealed), or once ``store_timeout_s``
+        passed (nothing is copied, the store is rolled back; the message names the store and
+        ``store_timeout_s``)."""
     def ack(self, rank: int) -> bool:
         """True once every rank acknowledged (at once for an empty store).
         Refused (BankFailed naming the rank and its first unwritten row) until
         ``write`` succeeded for every row of ``rank``: the store stays pending
-        and nothing is published; write and ack again, or ``abort``."""
+        and nothing is published; write and ack again, or ``abort``. BankFailed naming the
+        store and ``store_timeout_s`` once that passed (the store is rolled back)."""
     def abort(self) -> bool:
         """Rolls the store back on every rank if not every rank acked; True when it did.
         Its slots return to the bank at once (a ``write`` still copying on another thread
@@ -199,6 +203,9 @@ class DonorBank:
         and its slots are quarantined for one more timeout (``abort()`` frees them at once).
         A host bank reserves its ``slots x tp_size x rank_block_bytes`` bytes of /dev/shm
         here: BankFailed naming ``slots`` (with the free space) when they do not fit.
+        Its /dev/shm names go when it is dropped, or at interpreter exit (an atexit hook
+        registered at import removes those of every bank still alive, names only: a daemon
+        thread holding the script's globals keeps finalization from dropping the bank).
         A forked child inherits the bank but not its ownership: ``store`` / ``write`` there
         raise BankFailed, and dropping it leaves the parent's segments alone."""
     @property
@@ -340,7 +347,9 @@ class RouterClient:
         inbox_prefix: Optional[str] = None,
     ) -> None:
         """Connects (GIL released); raises RouterUnavailable or BadArgument. ``busy_poll_us``
-        (0 to 1,000,000): each advise polls for its reply that long before sleeping."""
+        (0 to 1,000,000): each advise polls for its reply that long before sleeping.
+        ``subject`` must be one a request can be published to: a wildcard (``*``, ``>``), an
+        empty token or whitespace raises BadArgument naming ``subject``."""
     @property
     def connected(self) -> bool: ...
     @property
@@ -533,6 +542,12 @@ class FetchOutcome:
     def total_us(self) -> int:
         """Microseconds of the whole fetch; the rest past import and transfer is pin, verify and commit."""
     @property
+    def stages_us(self) -> Dict[str, int]:
+        """The executor's stages in microseconds, in the order they ran: ``reserve`` (hint
+        checks, destination rows), ``plan`` (the copy plan), ``pin`` (the donor's pin grant, a
+        round trip), ``transfer`` (copies issued and completed, donor probed),
+        ``verify_commit`` (pin release, checksums, commit)."""
+    @property
     def released(self) -> bool: ...
     def release(self) -> None: ...
     def __enter__(self) -> "FetchOutcome": ...
@@ -662,12 +677,14 @@ class StreamGate:
     ones are still copied. BadArgument names ``layer_groups`` outside 1..=1024."""
     def __init__(self, stream: int, device: int, layer_groups: Optional[int] = None) -> None: ...
     def wait(self, timeout_s: Optional[float] = None) -> bool:
-        """Blocks (GIL released) until enqueued (True) or the fetch ended / ``timeout_s`` passed (False)."""
+        """Blocks (GIL released) until enqueued (True) or the fetch ended / ``timeout_s`` passed (False).
+        Without ``timeout_s`` a gate no fetch takes waits forever: Ctrl-C (any signal handler's
+        exception) is raised within ~50 ms, as in ``FetchJob.result``."""
     def wait_layer(self, layer: int, timeout_s: Optional[float] = None) -> bool:
         """Layered gates: blocks (GIL released) until layer ``layer``'s group is issued, makes
         the stream wait for it (and every earlier group), True; False when the fetch ended
         without it (discard what was computed) or ``timeout_s`` passed. Without layer groups:
-        ``wait(timeout_s)``."""
+        ``wait(timeout_s)``. Ctrl-C raises KeyboardInterrupt within ~50 ms, as in ``wait``."""
     @property
     def layer_groups(self) -> Optional[int]: ...
     @property

@@ -53,14 +53,65 @@ use super::wire::{AdviseReply, AdviseRequest};
 /// and short enough that a reconnect's back-off timers fire on time.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_millis(100);
 
+/// Checks that `subject` is one an advise request can be published to:
+/// not empty, no whitespace, no empty token (a leading, trailing or doubled
+/// `.`) and no wildcard (`*`, `>`). A wildcard is a subscriber's pattern: a
+/// request published there reaches no replica (NATS answers "no
+/// responders"), so the client is refused at construction instead of
+/// failing every advise later.
+///
+/// ```
+/// use kv_router_glue::service::{check_advise_subject, AdviseClientError};
+/// assert!(check_advise_subject("kv_reuse.advise").is_ok());
+/// let e = check_advise_subject("kv_reuse.>").unwrap_err();
+/// assert!(matches!(e, AdviseClientError::Subject { .. }));
+/// assert!(e.to_string().contains("wildcard"), "{e}");
+/// ```
+///
+/// # Errors
+/// [`AdviseClientError::Subject`] naming the subject and what is wrong.
+pub fn check_advise_subject(subject: &str) -> Result<(), AdviseClientError> {
+    let reason = if subject.is_empty() {
+        "it is empty"
+    } else if subject.contains(char::is_whitespace) {
+        "it contains whitespace"
+    } else if subject.contains(['*', '>']) {
+        "it contains a wildcard (`*` or `>`), which only a subscriber may use; a request \
+         published there reaches no replica"
+    } else if subject.split('.').any(str::is_empty) {
+        "it has an empty token (a leading, trailing or doubled `.`)"
+    } else {
+        return Ok(());
+    };
+    Err(AdviseClientError::Subject {
+        subject: subject.into(),
+        reason,
+    })
+}
+
+/// async-nats' words for a failed request: its kind, then its source unless
+/// that only repeats the kind (a `NoResponders` error's source is the text
+/// "no responders", which its `Display` showed as "no responders: no
+/// responders").
+fn request_reason(e: &async_nats::RequestError) -> String {
+    let kind = e.kind().to_string();
+    match std::error::Error::source(e).map(ToString::to_string) {
+        Some(source) if source != kind => format!("{kind}: {source}"),
+        _ => kind,
+    }
+}
+
 /// Why an [`AdviseClient`] could not connect or a round trip failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AdviseClientError {
-    /// `subject` is empty or has whitespace.
-    #[error("subject {subject:?} is not a NATS subject")]
+    /// `subject` is not one a request can be published to
+    /// ([`check_advise_subject`]).
+    #[error("subject {subject:?} is not a NATS subject to publish to: {reason}")]
     Subject {
         /// The rejected subject.
         subject: String,
+        /// What is wrong with it.
+        reason: &'static str,
     },
     /// `timeout` is zero.
     #[error("timeout must be positive")]
@@ -174,11 +225,7 @@ impl AdviseClient {
         subject: &str,
         timeout: Duration,
     ) -> Result<Self, AdviseClientError> {
-        if subject.is_empty() || subject.contains(char::is_whitespace) {
-            return Err(AdviseClientError::Subject {
-                subject: subject.into(),
-            });
-        }
+        check_advise_subject(subject)?;
         if timeout.is_zero() {
             return Err(AdviseClientError::Timeout);
         }
@@ -301,7 +348,7 @@ impl AdviseClient {
                 Ok(Ok(m)) => Ok(m.payload.to_vec()),
                 Ok(Err(e)) => Err(AdviseClientError::Request {
                     subject: subject.clone(),
-                    reason: e.to_string(),
+                    reason: request_reason(&e),
                 }),
                 Err(_) => Err(AdviseClientError::NoReply {
                     subject: subject.clone(),

@@ -56,9 +56,34 @@ fn bad_arguments_and_an_unreachable_server_are_typed_errors() {
     assert_eq!(
         e.unwrap_err(),
         AdviseClientError::Subject {
-            subject: "a b".into()
+            subject: "a b".into(),
+            reason: "it contains whitespace",
         }
     );
+    // A wildcard or an empty token is refused before anything connects,
+    // not left to fail every advise with "no responders".
+    for (subject, why) in [
+        ("kv_reuse.>", "wildcard"),
+        ("kv_reuse.*.advise", "wildcard"),
+        ("kv_reuse..advise", "empty token"),
+        (".kv_reuse", "empty token"),
+        ("", "empty"),
+    ] {
+        let e = AdviseClient::connect(
+            "nats://127.0.0.1:1",
+            opts(),
+            subject,
+            Duration::from_secs(1),
+        )
+        .unwrap_err();
+        match &e {
+            AdviseClientError::Subject { subject: s, reason } => {
+                assert_eq!(s, subject);
+                assert!(reason.contains(why), "{subject:?}: {e}");
+            }
+            other => panic!("{subject:?}: {other:?}"),
+        }
+    }
     let e = AdviseClient::connect("nats://127.0.0.1:1", opts(), ADVISE_SUBJECT, Duration::ZERO);
     assert_eq!(e.unwrap_err(), AdviseClientError::Timeout);
     let t0 = Instant::now();
@@ -140,6 +165,8 @@ fn decides_refuses_and_reports_no_responders() {
         matches!(&e, AdviseClientError::Request { subject, .. } if subject == "kv_reuse.nobody"),
         "{e:?}"
     );
+    // Said once: async-nats' kind and source are both "no responders".
+    assert_eq!(e.to_string(), "advise on kv_reuse.nobody: no responders");
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
 
     client.close();

@@ -32,7 +32,7 @@ mod wire;
 #[cfg(all(test, feature = "worker"))]
 mod wire_props;
 
-pub use client::{AdviseClient, AdviseClientError, KEEPALIVE_INTERVAL};
+pub use client::{check_advise_subject, AdviseClient, AdviseClientError, KEEPALIVE_INTERVAL};
 pub use dedicated::{DedicatedAdviseServer, DedicatedOptions};
 pub use follow::{
     parse_subject, FollowStats, RouterInventory, REFUSAL_LOG_EVERY, REOPEN_BACKOFF_MAX,
