@@ -219,8 +219,8 @@ fn bank_full_names_the_quarantined_slots_and_when_they_return() {
     );
 }
 
-#[test]
-fn timed_out_rank_rolls_the_store_back() {
+/// A host bank of 4 slots (TP 2) whose stores time out after 30 ms.
+fn four_slot_bank_with_a_30ms_store_timeout() -> (KvLayout, BankManager) {
     let l = layout(2);
     let mut cfg = BankConfig::new(
         l,
@@ -228,7 +228,12 @@ fn timed_out_rank_rolls_the_store_back() {
         4 * l.block_bytes() as u64,
     );
     cfg.store_timeout = Duration::from_millis(30);
-    let bank = BankManager::new_host_shm(cfg, "h").unwrap();
+    (l, BankManager::new_host_shm(cfg, "h").unwrap())
+}
+
+#[test]
+fn timed_out_rank_rolls_the_store_back() {
+    let (l, bank) = four_slot_bank_with_a_30ms_store_timeout();
     let p = bank.store(None, &chain(0, 2)).unwrap();
     write_and_ack(&bank, &p, 0);
     std::thread::sleep(Duration::from_millis(40));
@@ -262,14 +267,7 @@ fn timed_out_rank_rolls_the_store_back() {
 /// only the time that passed.
 #[test]
 fn a_write_past_the_store_deadline_is_refused_and_rolls_the_store_back() {
-    let l = layout(2);
-    let mut cfg = BankConfig::new(
-        l,
-        OwnerLease::fresh(Role::Decode),
-        4 * l.block_bytes() as u64,
-    );
-    cfg.store_timeout = Duration::from_millis(30);
-    let bank = BankManager::new_host_shm(cfg, "h").unwrap();
+    let (l, bank) = four_slot_bank_with_a_30ms_store_timeout();
     let p = bank.store(None, &chain(0, 2)).unwrap();
     let part = pattern(p.entries[0].0, 0, l.rank_block_bytes());
     bank.write_pending(p.store_id, 0, 0, &part).unwrap(); // in time

@@ -95,11 +95,18 @@ def fetch_into(bank, endpoint, hashes, layout, enabled, kv_caches, caches, rows,
                     assert caches[r][row].tobytes() == rows[r][block].tobytes()
 
 
+def ramp_rows(layout, step):
+    """Per rank, ``BLOCKS`` rows of a float32 ramp, rank ``r``'s shifted by ``step * r``
+    (every block and rank distinct)."""
+    n = layout.rank_block_elems
+    return [np.arange(BLOCKS * n, dtype=np.float32).reshape(BLOCKS, n) + step * r
+            for r in range(layout.tp_size)]
+
+
 def test_a_dlpack_cpu_source_is_stored_byte_for_byte(layout, enabled, tmp_path):
     bank, store = store_of(layout, BLOCKS)
     n = layout.rank_block_elems
-    rows = [np.arange(BLOCKS * n, dtype=np.float32).reshape(BLOCKS, n) + 7 * r
-            for r in range(layout.tp_size)]
+    rows = ramp_rows(layout, 7)
     for r in range(layout.tp_size):
         store.write(r, DlpackOnly(rows[r]))
         store.ack(r)
@@ -129,8 +136,7 @@ def test_an_array_interface_without_strides_is_read_as_c_contiguous(layout, enab
     the same way: its refusal is about the dtype, not the strides."""
     bank, store = store_of(layout, BLOCKS)
     n = layout.rank_block_elems
-    rows = [np.arange(BLOCKS * n, dtype=np.float32).reshape(BLOCKS, n) + 11 * r
-            for r in range(layout.tp_size)]
+    rows = ramp_rows(layout, 11)
     for r in range(layout.tp_size):
         store.write(r, NoStrides(rows[r]))
         assert store.ack(r) == (r == layout.tp_size - 1)
