@@ -336,8 +336,8 @@ def test_a_password_in_nats_url_never_reaches_an_error_message(layout, tmp_path)
     binary = find_nats_server()
     if binary is None:
         skip_or_fail("nats-server", "no nats-server >= 2.10.0 (cargo xtask install)")
-    # No auth on the server: async-nats 0.51 does not authenticate with a URL's user info
-    # (credentials go in the keywords), but the URL is still printed as given.
+    # No auth on the server: the URL's user and password are sent (NatsOptions takes them from
+    # the URL) and ignored by it; what is checked is how the URL is printed.
     server = NatsServer(binary, tmp_path / "js")
     url = f"nats://donor:{SECRET}@127.0.0.1:{server.port}"
     shown = f"nats_url nats://donor:***@127.0.0.1:{server.port}: "
