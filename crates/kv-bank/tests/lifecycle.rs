@@ -233,7 +233,7 @@ fn four_slot_bank_with_a_30ms_store_timeout() -> (KvLayout, BankManager) {
 
 #[test]
 fn timed_out_rank_rolls_the_store_back() {
-    let (l, bank) = four_slot_bank_with_a_30ms_store_timeout();
+    let (_, bank) = four_slot_bank_with_a_30ms_store_timeout();
     let p = bank.store(None, &chain(0, 2)).unwrap();
     write_and_ack(&bank, &p, 0);
     std::thread::sleep(Duration::from_millis(40));
