@@ -67,10 +67,25 @@ impl CreatorProcess {
     /// not dropped: dropping it would detach a thread id that means nothing
     /// in this process (a few bytes are leaked, once per value).
     pub fn join_or_forget<T>(&self, handle: JoinHandle<T>) -> Option<std::thread::Result<T>> {
+        self.keep_here(handle).map(JoinHandle::join)
+    }
+
+    /// `value`, state the creating process made, back in that process; in
+    /// another (a forked child) it is forgotten, never dropped, and `None`
+    /// returned: its drop would act on state the child only has a copy of
+    /// (a thread, a channel mid-operation, CUDA objects), so the child leaks
+    /// its copy on purpose (the parent still frees its own).
+    ///
+    /// ```
+    /// use kv_bank::CreatorProcess;
+    /// assert_eq!(CreatorProcess::current().keep_here(7), Some(7));
+    /// assert_eq!(CreatorProcess::of_pid(std::process::id() ^ 1).keep_here(7), None);
+    /// ```
+    pub fn keep_here<T>(&self, value: T) -> Option<T> {
         if self.is_current() {
-            Some(handle.join())
+            Some(value)
         } else {
-            std::mem::forget(handle);
+            std::mem::forget(value);
             None
         }
     }

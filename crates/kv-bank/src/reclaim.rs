@@ -419,13 +419,9 @@ impl Reclaimer {
 
 impl Drop for Reclaimer {
     fn drop(&mut self) {
-        if !self.creator.is_current() {
-            // A forked child has no scanning thread (see `CreatorProcess`):
-            // neither joined nor signalled through the copied channel.
-            std::mem::forget(self.stop.take());
-        } else {
-            drop(self.stop.take());
-        }
+        // A forked child has no scanning thread (see `CreatorProcess`): it
+        // neither joins it nor signals it through the copied channel.
+        drop(self.creator.keep_here(self.stop.take()));
         if let Some(t) = self.thread.take() {
             let _ = self.creator.join_or_forget(t);
         }

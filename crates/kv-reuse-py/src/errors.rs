@@ -254,6 +254,21 @@ pub(crate) fn uint_in<T: Unsigned>(
     Ok(n)
 }
 
+/// An optional int argument read by `#[pyo3(from_py_with = ...)]`: None
+/// is `default`, anything else [`uint_in`] over `range`, named once
+/// ([`named_by_pyo3`]).
+pub(crate) fn uint_in_or<T: Unsigned>(
+    argument: &str,
+    v: &Bound<'_, PyAny>,
+    range: std::ops::RangeInclusive<u64>,
+    default: T,
+) -> PyResult<T> {
+    if v.is_none() {
+        return Ok(default);
+    }
+    named_by_pyo3(argument, uint_in(argument, v, range))
+}
+
 /// `r`, an int argument's extraction run by `#[pyo3(from_py_with = ...)]`
 /// (a signature with a literal default, which `inspect.signature` shows):
 /// pyo3 prefixes a `TypeError` from there with `argument '<name>': `, so a

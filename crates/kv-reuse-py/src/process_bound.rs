@@ -60,11 +60,6 @@ impl ProcessBound {
     /// in another process forgets `value` (its drop would stop threads or
     /// flush a connection that belong to the creator) and returns `None`.
     pub(crate) fn keep_here<T>(&self, value: T) -> Option<T> {
-        if self.creator.is_current() {
-            Some(value)
-        } else {
-            std::mem::forget(value);
-            None
-        }
+        self.creator.keep_here(value)
     }
 }

@@ -38,7 +38,7 @@ use kv_router_glue::{
 };
 
 use crate::donor::DonorBank;
-use crate::errors::{bad_argument, bank, uint, uints, PinServiceFailed, PublishFailed};
+use crate::errors::{bad_argument, bank, uints, PinServiceFailed, PublishFailed};
 use crate::layout::Layout;
 use crate::nats_auth::NatsCredentials;
 use crate::nats_runtime::{
@@ -727,21 +727,13 @@ const _: () = assert!(EVENT_RING == 4096);
 
 /// `event_ring` as given: an int in 1..=usize::MAX, or None for the default.
 fn event_ring_arg(v: &Bound<'_, PyAny>) -> PyResult<usize> {
-    if v.is_none() {
-        return Ok(EVENT_RING);
-    }
-    crate::errors::named_by_pyo3(
-        "event_ring",
-        crate::errors::uint_in("event_ring", v, 1..=usize::MAX as u64),
-    )
+    crate::errors::uint_in_or("event_ring", v, 1..=usize::MAX as u64, EVENT_RING)
 }
 
 /// `first_block` as given: an int, or None for 0.
 fn first_block_arg(v: &Bound<'_, PyAny>) -> PyResult<usize> {
-    if v.is_none() {
-        return Ok(0);
-    }
-    crate::errors::named_by_pyo3("first_block", uint("first_block", v))
+    // Its whole type's range: the refusal is `uint`'s, word for word.
+    crate::errors::uint_in_or("first_block", v, 0..=usize::MAX as u64, 0)
 }
 
 mod running;

@@ -85,13 +85,7 @@ const _: () = assert!(MAX_PROBES == 16384);
 
 /// `max_probes` as given: an int in 1..=u32::MAX, or None for the default.
 fn max_probes_arg(v: &Bound<'_, PyAny>) -> PyResult<u32> {
-    if v.is_none() {
-        return Ok(MAX_PROBES);
-    }
-    crate::errors::named_by_pyo3(
-        "max_probes",
-        uint_in("max_probes", v, 1..=u64::from(u32::MAX)),
-    )
+    crate::errors::uint_in_or("max_probes", v, 1..=u64::from(u32::MAX), MAX_PROBES)
 }
 
 #[pymethods]

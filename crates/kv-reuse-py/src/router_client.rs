@@ -74,13 +74,7 @@ const fn str_eq(a: &str, b: &str) -> bool {
 
 /// `busy_poll_us` as given: an int in 0..=MAX_BUSY_POLL_US µs, or None for 0.
 fn busy_poll_us_arg(v: &Bound<'_, PyAny>) -> PyResult<u64> {
-    if v.is_none() {
-        return Ok(0);
-    }
-    crate::errors::named_by_pyo3(
-        "busy_poll_us",
-        crate::errors::uint_in("busy_poll_us", v, 0..=MAX_BUSY_POLL_US),
-    )
+    crate::errors::uint_in_or("busy_poll_us", v, 0..=MAX_BUSY_POLL_US, 0)
 }
 
 /// The Python exception for a failed connect or round trip: bad arguments

@@ -89,11 +89,7 @@ impl<T> Drop for ProcessBound<T> {
     /// elsewhere forgets it (module docs: the leak is deliberate).
     fn drop(&mut self) {
         if let Some(value) = self.value.take() {
-            if self.usable().is_ok() {
-                drop(value);
-            } else {
-                std::mem::forget(value);
-            }
+            drop(self.made_by.keep_here(value));
         }
     }
 }
