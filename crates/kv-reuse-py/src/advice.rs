@@ -198,6 +198,22 @@ impl Advice {
     }
 }
 
+impl Advice {
+    /// The advice for a prompt of no whole block, as the index refuses it
+    /// (`NoDonorReason::EmptyRequest`): what `Router.advise` gives such a
+    /// prompt, for `RouterClient` to give without asking the service.
+    pub(crate) fn empty_prompt(py: Python<'_>, request_id: &str) -> PyResult<Self> {
+        let decision = AdmissionDecision {
+            request_id: request_id.to_owned(),
+            terms: None,
+            verdict: Verdict::Refuse(RefuseReason::NoDonor(
+                kv_lookup::NoDonorReason::EmptyRequest.to_string(),
+            )),
+        };
+        Self::new(py, &decision, None)
+    }
+}
+
 #[pymethods]
 impl Advice {
     /// `Advice(admitted=True, terms=CostTerms(...))` or `Advice(admitted=False,

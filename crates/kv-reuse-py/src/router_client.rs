@@ -181,9 +181,10 @@ impl RouterClient {
     /// message names the field or the cause: unknown target, draining),
     /// `RouterUnavailable` when no replica answered within `timeout_s` (or
     /// none listens), `DescriptorRefused` for a reply that does not decode,
-    /// `BadArgument` naming `sequence_hashes[i]` (negative, past u64) or
-    /// `sequence_hashes` when it is empty (refused before sending: a prompt
-    /// of no block has nothing to reuse).
+    /// `BadArgument` naming `sequence_hashes[i]` (negative, past u64).
+    /// An empty `sequence_hashes` (a prompt of no whole block) is answered
+    /// here, without a round trip, with the advice `Router.advise` gives it:
+    /// `reason='no_donor'`, the index's `EmptyRequest` detail.
     fn advise(
         &self,
         py: Python<'_>,
@@ -192,12 +193,6 @@ impl RouterClient {
         target: &str,
     ) -> PyResult<Advice> {
         let hashes = uints::<u64>("sequence_hashes", sequence_hashes)?;
-        if hashes.is_empty() {
-            return Err(bad_argument(
-                "sequence_hashes",
-                "is empty: a prompt with no sealed block has nothing to reuse",
-            ));
-        }
         let keys = AdviseKeys::SequenceHashes(hashes.into_iter().map(SequenceHash).collect());
         self.ask(py, "advise", request_id, keys, target)
     }
@@ -207,9 +202,9 @@ impl RouterClient {
     /// a partial tail block is ignored). Raises as `advise`; `AdviseRefused`
     /// names `tokens_per_block` when it is 0 and `token_ids` when there are
     /// more than the service takes; `BadArgument` names `token_ids[i]` or
-    /// `tokens_per_block` when negative or past u32, and `token_ids` when
-    /// they fill no whole block (refused before sending, as `advise`
-    /// refuses empty `sequence_hashes`).
+    /// `tokens_per_block` when negative or past u32. Token ids that fill no
+    /// whole block are answered here as `advise` answers an empty
+    /// `sequence_hashes` (`reason='no_donor'`, no round trip).
     fn advise_tokens(
         &self,
         py: Python<'_>,
@@ -220,16 +215,6 @@ impl RouterClient {
     ) -> PyResult<Advice> {
         let token_ids: Vec<u32> = uints("token_ids", token_ids)?;
         let tokens_per_block: u32 = uint("tokens_per_block", tokens_per_block)?;
-        // 0 is left to the request's own check (`AdviseRefused` naming it).
-        if tokens_per_block > 0 && token_ids.len() < tokens_per_block as usize {
-            return Err(bad_argument(
-                "token_ids",
-                format!(
-                    "{} tokens fill no block of {tokens_per_block}: nothing to reuse",
-                    token_ids.len()
-                ),
-            ));
-        }
         let keys = AdviseKeys::Tokens {
             token_ids,
             tokens_per_block,
@@ -301,6 +286,13 @@ impl RouterClient {
         request
             .check()
             .map_err(|e| AdviseRefused::new_err(e.to_string()))?;
+        // A prompt of no whole block: the service's advisor would refuse it
+        // as the in-process `Router.advise` does; answering here gives the
+        // same advice without a round trip (and without a reply about the
+        // target, which is beside the point for such a prompt).
+        if whole_blocks(&request.keys) == 0 {
+            return Advice::empty_prompt(py, request_id);
+        }
         let payload = request.to_wire().map_err(descriptor)?;
         let client = self
             .conn
@@ -332,6 +324,18 @@ impl RouterClient {
                 Advice::new(py, &decision, hint)
             }
         }
+    }
+}
+
+/// Whole blocks of a request's prompt: the hashes given, or the token ids
+/// the service would hash (`tokens_per_block` > 0, checked before).
+fn whole_blocks(keys: &AdviseKeys) -> usize {
+    match keys {
+        AdviseKeys::SequenceHashes(h) => h.len(),
+        AdviseKeys::Tokens {
+            token_ids,
+            tokens_per_block,
+        } => token_ids.len() / (*tokens_per_block).max(1) as usize,
     }
 }
 

@@ -99,6 +99,17 @@ def test_a_refusal_by_the_settings_names_its_code(layout, values, reason, detail
     assert repr(advice).startswith(f"Advice(admitted=False, reason='{reason}', detail=")
 
 
+def test_a_prompt_of_no_block_is_no_donor_in_process_as_through_the_client(layout):
+    # The same advice RouterClient gives without a round trip
+    # (test_router_client.py): a short prompt is not an error.
+    bank, prompt = stored(layout)
+    r = router(bank, layout, prompt, ON)
+    advice = r.advise("req-empty", [], TARGET)
+    assert (advice.admitted, advice.reason, advice.terms, advice.hint) == (
+        False, "no_donor", None, None)
+    assert advice.detail == "`sequence_hashes` is empty"
+
+
 def test_no_donor_and_a_record_missing_a_block_are_refused_by_code(layout):
     bank, prompt = stored(layout)
     # A prompt no donor holds.

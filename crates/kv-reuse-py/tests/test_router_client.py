@@ -75,27 +75,36 @@ def test_a_refusal_from_the_service_raises_advise_refused(nats):
     assert b"req-drain" in replica.requests[0] and b"sequence_hashes" in replica.requests[0]
 
 
-def test_a_prompt_of_no_block_is_refused_before_sending(nats):
-    # docs/python.md: RouterClient refuses an empty field before sending.
-    # Empty sequence_hashes went out and came back as a NoDonor verdict (or
-    # `unknown target engine`), naming nothing the caller passed.
+def test_a_prompt_of_no_block_gets_the_in_process_advice_without_a_round_trip(nats):
+    # docs/python.md: a prompt of no whole block is answered by the client
+    # itself, with the advice the in-process Router.advise gives it (the
+    # index's EmptyRequest), not an exception: a short prompt is routine.
+    # It used to raise BadArgument here (and earlier went out and came back
+    # as whatever the service said about the target).
     reply = msgpack({"request_id": "req-ok", "result": {"refused": "draining"}})
     replica = Replier(nats.url, "kv_reuse.advise", lambda _: reply)
     replica.start()
     try:
         with kv_reuse.RouterClient(nats.url) as client:
-            with pytest.raises(kv_reuse.BadArgument, match=r"^sequence_hashes: is empty"):
-                client.advise("req-empty", [], TARGET)
-            with pytest.raises(kv_reuse.BadArgument, match=r"^token_ids: 15 tokens fill no block of 16"):
-                client.advise_tokens("req-short", list(range(15)), 16, TARGET)
-            with pytest.raises(kv_reuse.BadArgument, match=r"^token_ids: 0 tokens fill no block of 16"):
-                client.advise_tokens("req-short", [], 16, TARGET)
+            for advice in (client.advise("req-empty", [], TARGET),
+                           client.advise_tokens("req-short", list(range(15)), 16, TARGET),
+                           client.advise_tokens("req-none", [], 16, TARGET)):
+                assert (advice.admitted, advice.reason, advice.terms, advice.hint) == (
+                    False, "no_donor", None, None)
+                assert advice.detail == "`sequence_hashes` is empty"
+            # The request's own fields are still checked first.
+            with pytest.raises(kv_reuse.AdviseRefused, match="request_id"):
+                client.advise("", [], TARGET)
+            with pytest.raises(kv_reuse.AdviseRefused, match="tokens_per_block"):
+                client.advise_tokens("req-zero", [], 0, TARGET)
+            with pytest.raises(kv_reuse.BadArgument, match="^target"):
+                client.advise("req-empty", [], "not-a-uuid")
             # One block is enough to be sent (the replica answers draining).
             with pytest.raises(kv_reuse.AdviseRefused, match="draining"):
                 client.advise_tokens("req-ok", list(range(16)), 16, TARGET)
     finally:
         replica.stop()
-    # None of the refused requests reached the replica.
+    # None of the prompts of no block reached the replica.
     assert len(replica.requests) == 1 and b"req-ok" in replica.requests[0]
 
 

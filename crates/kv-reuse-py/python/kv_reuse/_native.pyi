@@ -356,13 +356,13 @@ class RouterClient:
     def busy_poll_us(self) -> int: ...
     def advise(self, request_id: str, sequence_hashes: Sequence[int], target: str) -> Advice:
         """Same Advice as Router.advise (GIL released). Raises AdviseRefused, RouterUnavailable,
-        DescriptorRefused (reply does not decode), BadArgument naming ``sequence_hashes`` when it
-        is empty (before sending)."""
+        DescriptorRefused (reply does not decode), BadArgument naming ``sequence_hashes[i]``. An
+        empty ``sequence_hashes`` gets Router.advise's ``no_donor`` advice without a round trip."""
     def advise_tokens(
         self, request_id: str, token_ids: Sequence[int], tokens_per_block: int, target: str
     ) -> Advice:
         """``advise`` keyed by token ids; the service hashes whole blocks of ``tokens_per_block``.
-        BadArgument names ``token_ids`` when they fill no whole block (before sending)."""
+        Token ids that fill no whole block get ``advise([])``'s advice, without a round trip."""
     def close(self) -> None: ...
     def __enter__(self) -> "RouterClient": ...
     def __exit__(
