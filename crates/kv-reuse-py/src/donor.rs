@@ -16,7 +16,7 @@ use kv_router_glue::{PinEndpoint, PinService, PinServiceConfig};
 
 use crate::array::{on_cuda, ArrayView, Want};
 use crate::errors::{
-    bad_argument, bank, descriptor, uint, uints, CudaUnavailable, PinServiceFailed,
+    bad_argument, bank, descriptor, index_below, uints, CudaUnavailable, PinServiceFailed,
 };
 use crate::layout::Layout;
 
@@ -329,11 +329,7 @@ impl PendingStore {
         rank: &Bound<'_, PyAny>,
         blocks: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let rank: u32 = uint("rank", rank)?;
-        let tp = self.layout.inner.tp_size();
-        if rank >= tp {
-            return Err(bad_argument("rank", format!("{rank} >= tp_size {tp}")));
-        }
+        let rank = index_below("rank", rank, self.layout.inner.tp_size(), "tp_size")?;
         let rbb = self.layout.inner.rank_block_bytes();
         let dtype = self.layout.inner.dtype();
         let shape = [self.hashes.len(), rbb / dtype.size_bytes()];
@@ -398,11 +394,7 @@ impl PendingStore {
     /// names the rank and the first unwritten row), or the store timed out
     /// (naming the store and `store_timeout_s`) or was rolled back.
     fn ack(&self, rank: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let rank: u32 = uint("rank", rank)?;
-        let tp = self.layout.inner.tp_size();
-        if rank >= tp {
-            return Err(bad_argument("rank", format!("{rank} >= tp_size {tp}")));
-        }
+        let rank = index_below("rank", rank, self.layout.inner.tp_size(), "tp_size")?;
         if self.hashes.is_empty() {
             // kv_bank keeps no pending store for an empty one.
             return Ok(true);

@@ -254,6 +254,38 @@ pub(crate) fn uint_in<T: Unsigned>(
     Ok(n)
 }
 
+/// An index into something of `bound` elements (a rank below `tp_size`, a
+/// row below `rows`): every value outside `0..bound`, negative and past
+/// u64 included, is refused naming that bound, `{v} is not below
+/// {bound_name} {bound}`, rather than the width of the index's type, which
+/// is not what the caller got wrong.
+pub(crate) fn index_below(
+    argument: &str,
+    v: &Bound<'_, PyAny>,
+    bound: u32,
+    bound_name: &str,
+) -> PyResult<u32> {
+    if v.is_instance_of::<PyBool>() {
+        return Err(bad_argument(argument, format!("{v} is a bool, not an int")));
+    }
+    let py = v.py();
+    let not_below = || {
+        bad_argument(
+            argument,
+            format!("{} is not below {bound_name} {bound}", shown(v)),
+        )
+    };
+    match v.extract::<u64>() {
+        Ok(n) if n < u64::from(bound) => Ok(n as u32),
+        Ok(_) => Err(not_below()),
+        Err(e) if e.is_instance_of::<PyOverflowError>(py) => Err(not_below()),
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => {
+            Err(PyTypeError::new_err(format!("{argument}: {}", e.value(py))))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// An optional int argument read by `#[pyo3(from_py_with = ...)]`: None
 /// is `default`, anything else [`uint_in`] over `range`, named once
 /// ([`named_by_pyo3`]).
@@ -361,6 +393,19 @@ fn int_refusal<T: Unsigned>(argument: &str, v: &Bound<'_, PyAny>, e: PyErr) -> P
 
 /// [`int_refusal`] naming `range` (the argument's real range) in an
 /// overflow's refusal.
+/// An int as a refusal shows it: its digits, cut to 24 and a count past 40.
+fn shown(v: &Bound<'_, PyAny>) -> String {
+    let s = v
+        .str()
+        .map(|s| s.to_string())
+        .unwrap_or_else(|_| "the value".into());
+    if s.len() > 40 {
+        format!("{}... ({} digits)", &s[..24], s.len())
+    } else {
+        s
+    }
+}
+
 fn int_refusal_in(
     argument: &str,
     v: &Bound<'_, PyAny>,
@@ -369,16 +414,9 @@ fn int_refusal_in(
 ) -> PyErr {
     let py = v.py();
     if e.is_instance_of::<PyOverflowError>(py) {
-        let mut shown = v
-            .str()
-            .map(|s| s.to_string())
-            .unwrap_or_else(|_| "the value".into());
-        if shown.len() > 40 {
-            shown = format!("{}... ({} digits)", &shown[..24], shown.len());
-        }
         bad_argument(
             argument,
-            format!("{shown} is not in {}..={}", range.start(), range.end()),
+            format!("{} is not in {}..={}", shown(v), range.start(), range.end()),
         )
     } else if e.is_instance_of::<PyTypeError>(py) {
         PyTypeError::new_err(format!("{argument}: {}", e.value(py)))

@@ -22,7 +22,8 @@ use crate::array::{ArrayView, ExternalMemory, Want};
 use crate::donor_imports::DonorImports;
 use crate::engine_layout::EngineOrder;
 use crate::errors::{
-    bad_argument, descriptor, fetch, uint, uints, BankFailed, CudaUnavailable, FetchFellBack,
+    bad_argument, descriptor, fetch, index_below, uint, uints, BankFailed, CudaUnavailable,
+    FetchFellBack,
 };
 use crate::fetch_job::{run_job, FetchJob, FetchJobs};
 use crate::fetch_outcome::FetchOutcome;
@@ -500,22 +501,16 @@ impl Target {
         rank: &Bound<'_, PyAny>,
         row: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let (rank, row): (u32, u32) = (uint("rank", rank)?, uint("row", row)?);
-        let region = self.regions.get(rank as usize).ok_or_else(|| {
-            bad_argument("rank", format!("{rank} >= tp_size {}", self.regions.len()))
-        })?;
+        let tp_size = self.regions.len() as u32;
+        let rank = index_below("rank", rank, tp_size, "tp_size")?;
+        let region = &self.regions[rank as usize];
         if self.order != EngineOrder::BlockMajor {
             return Err(bad_argument(
                 "row",
                 "read_row reads block-major rows; read the engine's kv_caches instead",
             ));
         }
-        if row >= self.rows {
-            return Err(bad_argument(
-                "row",
-                format!("{row} is not below rows {}", self.rows),
-            ));
-        }
+        let row = index_below("row", row, self.rows, "rows")?;
         let rbb = self.layout.inner.rank_block_bytes();
         let mut buf = vec![0u8; rbb];
         region

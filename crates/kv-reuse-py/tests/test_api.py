@@ -111,9 +111,12 @@ def test_negative_or_oversized_ints_are_refused_naming_the_argument(layout):
     router = kv_reuse.Router(settings, TOKENS_PER_BLOCK)
     u32, u64 = r"0\.\.=4294967295", r"0\.\.=18446744073709551615"
     cases = [
-        (lambda: store.write(-1, rows), rf"^rank: -1 is not in {u32}$"),
-        (lambda: store.write(2**32, rows), rf"^rank: 4294967296 is not in {u32}$"),
-        (lambda: store.ack(-1), rf"^rank: -1 is not in {u32}$"),
+        # An index names its object's bound, not its type's width.
+        (lambda: store.write(-1, rows), rf"^rank: -1 is not below tp_size {layout.tp_size}$"),
+        (lambda: store.write(2**32, rows), rf"^rank: 4294967296 is not below tp_size {layout.tp_size}$"),
+        (lambda: store.write(2**70, rows), r"^rank: 1180591620717411303424 is not below tp_size"),
+        (lambda: store.ack(-1), rf"^rank: -1 is not below tp_size {layout.tp_size}$"),
+        (lambda: store.ack(layout.tp_size), rf"^rank: {layout.tp_size} is not below tp_size {layout.tp_size}$"),
         (lambda: bank.store([0] * (TOKENS_PER_BLOCK - 1) + [-5]), rf"^tokens\[{TOKENS_PER_BLOCK - 1}\]: -5 is not in {u32}$"),
         (lambda: bank.store([2**32] * TOKENS_PER_BLOCK), rf"^tokens\[0\]: 4294967296 is not in {u32}$"),
         (lambda: bank.slots([1, 2**64]), rf"^hashes\[1\]: 18446744073709551616 is not in {u64}$"),
@@ -125,8 +128,9 @@ def test_negative_or_oversized_ints_are_refused_naming_the_argument(layout):
         (lambda: target.fetch(b"", [1, -2], b""), rf"^prompt_hashes\[1\]: -2 is not in {u64}$"),
         (lambda: target.fetch(b"", [1], b"", dst_blocks=[0, -1]), rf"^dst_blocks\[1\]: -1 is not in {u32}$"),
         (lambda: target.fetch(b"", [1], b"", dst_token_offset=-64), rf"^dst_token_offset: -64 is not in {u64}$"),
-        (lambda: target.read_row(-1, 0), rf"^rank: -1 is not in {u32}$"),
-        (lambda: target.read_row(0, 2**40), rf"^row: 1099511627776 is not in {u32}$"),
+        (lambda: target.read_row(-1, 0), rf"^rank: -1 is not below tp_size {layout.tp_size}$"),
+        (lambda: target.read_row(0, -3), r"^row: -3 is not below rows 4$"),
+        (lambda: target.read_row(0, 2**40), r"^row: 1099511627776 is not below rows 4$"),
         (lambda: kv_reuse.Target(layout, rows=2**32), r"^rows: 4294967296 is not in 1\.\.=4294967295$"),
         (lambda: kv_reuse.Layout(2, 2, -8, "f32", 64, 2), r"^head_dim: -8 is not in 1\.\.=4294967295$"),
         (lambda: kv_reuse.Router(settings, -64), r"^tokens_per_block: -64 is not in 1\.\.=4294967295$"),
