@@ -616,7 +616,7 @@ def test_an_ack_without_writes_is_refused_and_never_publishes_the_evicted_blocks
             router.apply_event(e)
         router.report_donor(bank.manifest(), endpoint, dict(zip(b_hashes, bank.slots(b_hashes))))
         advice = router.advise("req-b2", b_hashes, target.engine_id)
-        assert advice.admitted, advice.verdict
+        assert advice.admitted, advice
         with target.fetch(advice.hint, b_hashes, bank.manifest()) as out:
             assert len(out.rows) == 4
             for r in range(layout.tp_size):

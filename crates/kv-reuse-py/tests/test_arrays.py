@@ -87,7 +87,7 @@ def fetch_into(bank, endpoint, hashes, layout, enabled, kv_caches, caches, rows,
         target = kv_reuse.Target(layout, rows=8, kv_caches=kv_caches)
         router = router_for_bank(bank, endpoint, hashes, layout, enabled, target)
         advice = router.advise(request_id, hashes, target.engine_id)
-        assert advice.admitted, advice.verdict
+        assert advice.admitted, advice
         with target.fetch(advice.hint, hashes, bank.manifest()) as out:
             assert len(out.rows) == BLOCKS
             for r in range(layout.tp_size):
@@ -224,7 +224,7 @@ def test_fetch_into_the_engines_numpy_kv_cache_every_byte(donor, layout, enabled
     target = kv_reuse.Target(layout, rows=rows, kv_caches=caches)
     router = router_for(report, layout, enabled, target)
     advice = router.advise("req-cache", report["hashes"], target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     with target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"])) as out:
         assert out.host_payload_bytes == out.bytes == len(out.rows) * layout.tp_size * layout.rank_block_bytes
         # The fetch's time split: import and delivery are parts of the whole.

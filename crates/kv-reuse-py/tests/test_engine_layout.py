@@ -50,7 +50,7 @@ def test_fetch_lands_at_the_engines_blocks_every_byte(donor, layout, enabled, kv
     target = kv_reuse.Target(layout, rows=ROWS, kv_caches=caches, kv_layout=kv_layout)
     router = router_for(report, layout, enabled, target)
     advice = router.advise("req-engine", report["hashes"], target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     dst = ENGINE_BLOCKS if engine_chosen else None
     with target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"]),
                       dst_blocks=dst) as out:

@@ -50,7 +50,7 @@ def test_hf_fetch_lands_at_token_positions_every_byte(donor, layout, enabled, of
     target = kv_reuse.Target(layout, rows=ROWS, kv_caches=caches, kv_layout="hf")
     router = router_for(report, layout, enabled, target)
     advice = router.advise("req-hf", report["hashes"], target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     kw = {} if offset_blocks is None else {"dst_token_offset": offset_blocks * T}
     with target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"]), **kw) as out:
         assert out.fetch_from == 0

@@ -86,7 +86,7 @@ def admitted(enabled, layout, bank, pins, target, prompt):
         router.apply_event(event)
     router.report_donor(bank.manifest(), pins.endpoint, dict(zip(prompt, bank.slots(prompt))))
     advice = router.advise("req-gc", prompt, target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     return advice
 
 

@@ -37,7 +37,7 @@ def test_fetch_releases_the_gil_while_the_pin_service_stalls(donor, layout, enab
     fake = dict(report, endpoint="unix:" + path)
     router = router_for(fake, layout, enabled, target)
     advice = router.advise("req-gil", report["hashes"], target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     ticker = Ticker()
     ticker.start()
     time.sleep(0.02)

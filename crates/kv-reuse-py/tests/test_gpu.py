@@ -120,7 +120,7 @@ def round_trip(torch, layout, enabled, report, protocol, request_id):
     target = kv_reuse.Target(layout, rows=rows, kv_caches=given, gpus=[0] * TP)
     router = router_for(report, layout, enabled, target)
     advice = router.advise(request_id, report["hashes"], target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     with target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"])) as out:
         assert out.host_payload_bytes == 0, out.transport
         assert out.bytes == BLOCKS * TP * layout.rank_block_bytes
@@ -226,7 +226,7 @@ def test_cuda_fetch_into_hf_caches_lands_at_token_positions(layout, enabled, pro
     torch.cuda.synchronize()
     target = kv_reuse.Target(layout, rows=rows, kv_caches=[given], gpus=[0], kv_layout="hf")
     advice = router_for(report, layout, enabled, target).advise("req-gpu-hf", report["hashes"], target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     with target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"]),
                       dst_token_offset=2 * T) as out:
         assert out.host_payload_bytes == 0, out.transport
@@ -257,7 +257,7 @@ def test_a_layered_gate_releases_each_layer_group_behind_its_own_copies(layout, 
     torch.cuda.synchronize()
     target = kv_reuse.Target(layout, rows=rows, kv_caches=[views], gpus=[0], kv_layout="hf")
     advice = router_for(report, layout, enabled, target).advise("req-gate-layers", report["hashes"], target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     stream = torch.cuda.Stream(device="cuda:0")
     gate = kv_reuse.StreamGate(stream.cuda_stream, 0, layer_groups=2)
     assert gate.layer_groups == 2 and gate.groups_issued == []
@@ -298,7 +298,7 @@ def test_a_gated_fetch_releases_the_engine_stream_before_it_returns(layout, enab
     torch.cuda.synchronize()
     target = kv_reuse.Target(layout, rows=rows, kv_caches=[cache], gpus=[0])
     advice = router_for(report, layout, enabled, target).advise("req-gate", report["hashes"], target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     stream = torch.cuda.Stream(device="cuda:0")
     gate = kv_reuse.StreamGate(stream.cuda_stream, 0)
     assert gate.fetch_from is None and not gate.enqueued

@@ -29,7 +29,7 @@ def fetch_back(bank, layout, enabled, hashes, tmp_path):
         target = kv_reuse.Target(layout, rows=16, kv_caches=caches)
         router = router_for_bank(bank, endpoint, hashes, layout, enabled, target)
         advice = router.advise("req-store", hashes, target.engine_id)
-        assert advice.admitted, advice.verdict
+        assert advice.admitted, advice
         with target.fetch(advice.hint, hashes, bank.manifest()) as out:
             assert len(out.rows) == len(hashes)
             return [[caches[r][row].tobytes() for row in out.rows] for r in range(layout.tp_size)]
