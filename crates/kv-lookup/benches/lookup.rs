@@ -1,5 +1,5 @@
 //! `cargo bench -p kv-lookup --bench lookup -- [--json FILE] [--quick]
-//! [--threads T+E,...] [--seconds S] [--only single|concurrent]`
+//! [--threads T+E,...] [--seconds S] [--only single|concurrent|interference]`
 //!
 //! Runs the same event streams and lookups through `kv_lookup::InventoryIndex`
 //! and every dynamo-kv-router 1.6.1 indexer that takes these events (`RadixTree`,
@@ -20,7 +20,9 @@
 //! metric); events count once visible. Not measured: `BranchShardedIndexer`
 //! (a router-side sharding of the same CRTC shards) and the cuckoo-filter
 //! `DcCkfState` / `LocalCkfAdapter` (approximate membership, keyed by
-//! canonical hashes these workloads do not produce).
+//! canonical hashes these workloads do not produce). `--only interference`
+//! runs neither table but `lookup/interference.rs`'s rows: each indexer's
+//! lookups under another index's event load (synthetic workload only).
 //!
 //! Workloads:
 //! - `synthetic`: 64 workers (32 decode publishing retained blocks, 32
@@ -61,6 +63,8 @@ use kv_lookup::{InventoryIndex, LookupBudget, WorkerInfo, WorkerKey};
 mod concurrent;
 #[path = "lookup/flash.rs"]
 mod flash;
+#[path = "lookup/interference.rs"]
+mod interference;
 #[path = "lookup/rows.rs"]
 mod rows;
 
@@ -80,6 +84,8 @@ struct Args {
     seconds: f64,
     single: bool,
     concurrent: bool,
+    /// `--only interference` (`lookup/interference.rs`).
+    interference: bool,
 }
 
 fn parse_args() -> Args {
@@ -97,6 +103,7 @@ fn parse_args() -> Args {
         seconds: 0.0,
         single: true,
         concurrent: true,
+        interference: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -131,7 +138,10 @@ fn parse_args() -> Args {
             "--only" => match it.next().as_deref() {
                 Some("single") => a.concurrent = false,
                 Some("concurrent") => a.single = false,
-                other => panic!("--only single|concurrent, got {other:?}"),
+                Some("interference") => {
+                    (a.single, a.concurrent, a.interference) = (false, false, true)
+                }
+                other => panic!("--only single|concurrent|interference, got {other:?}"),
             },
             // cargo bench passes `--bench`; libtest-style filters are ignored too.
             _ => {}
@@ -607,6 +617,18 @@ fn main() {
             capacity,
             &s.requests,
         ));
+    }
+    if args.interference {
+        let stores = || synthetic_ops(&s).filter(|op| matches!(op, Op::Store { .. }));
+        interference::interference_rows(
+            &prefix,
+            &args.threads,
+            args.seconds,
+            stores,
+            capacity,
+            &s.requests,
+        );
+        return;
     }
     drop(s);
 

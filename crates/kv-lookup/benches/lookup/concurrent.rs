@@ -41,6 +41,7 @@ use dynamo_kv_router::indexer::{
     concurrent_radix_tree_compressed::ConcurrentRadixTreeCompressed, positional::PositionalIndexer,
     SyncIndexer, ThreadPoolIndexer,
 };
+use dynamo_kv_router::protocols::LocalBlockHash;
 use kv_descriptor::{
     EngineId, KvEvent, KvEventData, SequenceHash, StorageTier, StoredBlock, TokenBlockHash,
 };
@@ -107,7 +108,7 @@ pub(crate) struct Write<'a> {
 /// Event thread `k`'s apply function: takes the thread's next write and
 /// returns how many events became visible to lookups during the call (all
 /// earlier writes of the thread not counted yet, this one included).
-type Apply = Box<dyn FnMut(&Write<'_>) -> u64 + Send>;
+pub(crate) type Apply = Box<dyn FnMut(&Write<'_>) -> u64 + Send>;
 
 /// Runs `t` lookup threads and `e` event threads for `secs`; `writer(k)`
 /// makes event thread `k`'s apply function, `lookup(r)` does the lookup of
@@ -117,7 +118,7 @@ type Apply = Box<dyn FnMut(&Write<'_>) -> u64 + Send>;
 /// Each indexer's request keys are built once before the run (a router has
 /// them from hashing the prompt), so a timed lookup is the index's own work:
 /// no per-request allocation or copy of a request's (up to ~8k) hashes.
-fn drive<W, L>(
+pub(crate) fn drive<W, L>(
     t: usize,
     e: usize,
     secs: f64,
@@ -213,6 +214,118 @@ where
     }
 }
 
+/// Ours, loaded: the index, its engines, each worker's next event id and
+/// each request's (target, hashes), built once before any timed run.
+pub(crate) struct Ours {
+    index: Arc<kv_lookup::InventoryIndex>,
+    engines: Vec<EngineId>,
+    next_id: Vec<u64>,
+    keys: Vec<(EngineId, Vec<SequenceHash>)>,
+}
+
+impl Ours {
+    /// Preloads `ops` into a fresh index sized for `capacity` blocks.
+    pub(crate) fn load<'a>(
+        ops: impl Iterator<Item = Op<'a>>,
+        capacity: usize,
+        requests: &[(usize, Vec<Block>)],
+    ) -> Self {
+        let (index, engines, next_id) = crate::load_ours(ops, capacity);
+        let keys = requests
+            .iter()
+            .map(|(w, b)| (engines[*w], b.iter().map(|x| SequenceHash(x.0)).collect()))
+            .collect();
+        Self {
+            index: Arc::new(index),
+            engines,
+            next_id,
+            keys,
+        }
+    }
+
+    /// Event thread `k`'s apply function, publishing as `publish` says. An
+    /// index takes one run of events: the ids go on from the preload's.
+    pub(crate) fn writer(&self, publish: Publish) -> impl Fn(usize) -> Apply + Sync + '_ {
+        let (index, engines, next_id) = (&self.index, &self.engines, &self.next_id);
+        move |_k: usize| -> Apply {
+            // Each worker belongs to one event thread, so a per-thread copy of the
+            // next ids is exact for the workers it writes.
+            let (index, engines) = (index.clone(), engines.clone());
+            let mut next_id = next_id.clone();
+            let mut pending: Vec<KvEvent> = Vec::with_capacity(BATCH);
+            Box::new(move |w: &Write<'_>| {
+                let data = if w.remove {
+                    KvEventData::Removed {
+                        sequence_hashes: w.blocks.iter().map(|b| SequenceHash(b.0)).collect(),
+                    }
+                } else {
+                    KvEventData::Stored {
+                        parent: None,
+                        blocks: w
+                            .blocks
+                            .iter()
+                            .map(|&(s, t)| StoredBlock {
+                                sequence_hash: SequenceHash(s),
+                                token_hash: TokenBlockHash(t),
+                                slot: None,
+                            })
+                            .collect(),
+                    }
+                };
+                let e = KvEvent {
+                    publisher: engines[w.worker],
+                    event_id: {
+                        next_id[w.worker] += 1;
+                        next_id[w.worker] - 1
+                    },
+                    role: role(w.worker),
+                    layout_fingerprint: FP,
+                    tp_size: 1,
+                    tier: StorageTier::RetainedGpuDirect,
+                    data,
+                };
+                match publish {
+                    Publish::PerEvent => {
+                        let r = index.apply_event(&e);
+                        assert!(matches!(r, Ok(EventOutcome::Applied { .. })), "{r:?}");
+                        1
+                    }
+                    Publish::Batched => {
+                        pending.push(e);
+                        if pending.len() < BATCH {
+                            return 0;
+                        }
+                        let r = index.apply_events(&pending);
+                        let applied_all = r.applied == BATCH as u64
+                            && r.duplicates == 0
+                            && r.from_retired == 0
+                            && r.gaps.is_empty()
+                            && r.unchained.is_empty()
+                            && r.refused.is_empty();
+                        assert!(applied_all, "every event of the batch applied: {r:?}");
+                        pending.clear();
+                        BATCH as u64
+                    }
+                }
+            })
+        }
+    }
+
+    /// One lookup of request `r` on this index: (budget exhausted, probes).
+    pub(crate) fn lookup(&self, budget: LookupBudget) -> impl Fn(usize) -> (bool, u32) + Sync + '_ {
+        move |r: usize| {
+            let (target, hashes) = &self.keys[r];
+            let out = self.index.lookup(hashes, *target, budget);
+            (out.budget_exhausted, out.probes)
+        }
+    }
+
+    /// Requests this index was loaded with.
+    pub(crate) fn requests(&self) -> usize {
+        self.keys.len()
+    }
+}
+
 /// Ours: preload `ops`, then the concurrent phase, events published as
 /// `publish` says.
 #[allow(clippy::too_many_arguments)]
@@ -227,80 +340,16 @@ pub(crate) fn ours<'a>(
     budget: LookupBudget,
     publish: Publish,
 ) -> Load {
-    let (index, engines, next_id) = crate::load_ours(ops, capacity);
-    let index = Arc::new(index);
-    let keys: Vec<(EngineId, Vec<SequenceHash>)> = requests
-        .iter()
-        .map(|(w, b)| (engines[*w], b.iter().map(|x| SequenceHash(x.0)).collect()))
-        .collect();
-    // Each worker belongs to one event thread, so a per-thread copy of the
-    // next ids is exact for the workers it writes.
-    let writer = |_k: usize| -> Apply {
-        let (index, engines) = (index.clone(), engines.clone());
-        let mut next_id = next_id.clone();
-        let mut pending: Vec<KvEvent> = Vec::with_capacity(BATCH);
-        Box::new(move |w: &Write<'_>| {
-            let data = if w.remove {
-                KvEventData::Removed {
-                    sequence_hashes: w.blocks.iter().map(|b| SequenceHash(b.0)).collect(),
-                }
-            } else {
-                KvEventData::Stored {
-                    parent: None,
-                    blocks: w
-                        .blocks
-                        .iter()
-                        .map(|&(s, t)| StoredBlock {
-                            sequence_hash: SequenceHash(s),
-                            token_hash: TokenBlockHash(t),
-                            slot: None,
-                        })
-                        .collect(),
-                }
-            };
-            let e = KvEvent {
-                publisher: engines[w.worker],
-                event_id: {
-                    next_id[w.worker] += 1;
-                    next_id[w.worker] - 1
-                },
-                role: role(w.worker),
-                layout_fingerprint: FP,
-                tp_size: 1,
-                tier: StorageTier::RetainedGpuDirect,
-                data,
-            };
-            match publish {
-                Publish::PerEvent => {
-                    let r = index.apply_event(&e);
-                    assert!(matches!(r, Ok(EventOutcome::Applied { .. })), "{r:?}");
-                    1
-                }
-                Publish::Batched => {
-                    pending.push(e);
-                    if pending.len() < BATCH {
-                        return 0;
-                    }
-                    let r = index.apply_events(&pending);
-                    let applied_all = r.applied == BATCH as u64
-                        && r.duplicates == 0
-                        && r.from_retired == 0
-                        && r.gaps.is_empty()
-                        && r.unchained.is_empty()
-                        && r.refused.is_empty();
-                    assert!(applied_all, "every event of the batch applied: {r:?}");
-                    pending.clear();
-                    BATCH as u64
-                }
-            }
-        })
-    };
-    let lookup = |r: usize| {
-        let (target, hashes) = &keys[r];
-        let out = index.lookup(hashes, *target, budget);
-        (out.budget_exhausted, out.probes)
-    };
-    drive(t, e, secs, keys.len(), chains, writer, lookup)
+    let o = Ours::load(ops, capacity, requests);
+    drive(
+        t,
+        e,
+        secs,
+        o.requests(),
+        chains,
+        o.writer(publish),
+        o.lookup(budget),
+    )
 }
 
 /// `PositionalIndexer`: preload inline, churn from `e` threads.
@@ -346,6 +395,76 @@ pub(crate) fn positional<'a>(
     drive(t, e, secs, keys.len(), chains, writer, lookup)
 }
 
+/// `ConcurrentRadixTreeCompressed` in a `ThreadPoolIndexer`, loaded: the
+/// pool, each worker's next event id and each request's local hashes.
+pub(crate) struct Crtc {
+    pool: Arc<ThreadPoolIndexer<ConcurrentRadixTreeCompressed>>,
+    ids: Vec<u64>,
+    keys: Vec<Vec<LocalBlockHash>>,
+}
+
+impl Crtc {
+    /// Preloads `ops` into a fresh tree whose pool has `e` threads (one
+    /// for the preload when `e == 0`).
+    pub(crate) fn load<'a>(
+        ops: impl Iterator<Item = Op<'a>>,
+        requests: &[(usize, Vec<Block>)],
+        e: usize,
+    ) -> Self {
+        let pool = Arc::new(ThreadPoolIndexer::new(
+            ConcurrentRadixTreeCompressed::new(),
+            e.max(1),
+            16,
+        ));
+        let ids = preload_dynamo(ops, |ev| pool.enqueue_event(ev).expect("crtc preload"));
+        futures::executor::block_on(pool.flush_and_wait()).expect("crtc flush");
+        let keys = requests.iter().map(|(_, b)| local_hashes(b)).collect();
+        Self { pool, ids, keys }
+    }
+
+    /// The producer's apply function: one producer for all of the pool's
+    /// lanes (see the module docs), so `drive` runs it as event thread 0
+    /// with ownership of every decode. A tree takes one run of events.
+    pub(crate) fn writer(&self) -> impl Fn(usize) -> Apply + Sync + '_ {
+        move |_k: usize| -> Apply {
+            let pool = self.pool.clone();
+            let mut ids = self.ids.clone();
+            let mut since_flush = 0;
+            Box::new(move |w: &Write<'_>| {
+                let id = ids[w.worker];
+                ids[w.worker] += 1;
+                let ev = if w.remove {
+                    removed_event(w.worker as u64, 0, id, w.blocks)
+                } else {
+                    stored_event(w.worker as u64, 0, id, None, w.blocks)
+                };
+                pool.enqueue_event(ev).expect("crtc event");
+                since_flush += 1;
+                if since_flush < BATCH as u64 {
+                    return 0;
+                }
+                futures::executor::block_on(pool.flush_and_wait()).expect("crtc flush");
+                since_flush = 0;
+                BATCH as u64
+            })
+        }
+    }
+
+    /// One lookup of request `r` on this tree (no budget: (false, 0)).
+    pub(crate) fn lookup(&self) -> impl Fn(usize) -> (bool, u32) + Sync + '_ {
+        move |r: usize| {
+            let s = self.pool.backend().find_matches(&self.keys[r], false);
+            std::hint::black_box(s);
+            (false, 0)
+        }
+    }
+
+    /// Requests this tree was loaded with.
+    pub(crate) fn requests(&self) -> usize {
+        self.keys.len()
+    }
+}
+
 /// `ConcurrentRadixTreeCompressed` in a `ThreadPoolIndexer` of `e` threads
 /// (one for the preload when `e == 0`, which then runs no producer).
 pub(crate) fn crtc_pool<'a>(
@@ -356,44 +475,16 @@ pub(crate) fn crtc_pool<'a>(
     e: usize,
     secs: f64,
 ) -> Load {
-    let pool = Arc::new(ThreadPoolIndexer::new(
-        ConcurrentRadixTreeCompressed::new(),
-        e.max(1),
-        16,
-    ));
-    let ids = preload_dynamo(ops, |ev| pool.enqueue_event(ev).expect("crtc preload"));
-    futures::executor::block_on(pool.flush_and_wait()).expect("crtc flush");
-    // One producer for all `e` lanes (see the module docs): thread 0 of
-    // `drive` with ownership of every decode, the others idle.
-    let writer = |_k: usize| -> Apply {
-        let pool = pool.clone();
-        let mut ids = ids.clone();
-        let mut since_flush = 0;
-        Box::new(move |w: &Write<'_>| {
-            let id = ids[w.worker];
-            ids[w.worker] += 1;
-            let ev = if w.remove {
-                removed_event(w.worker as u64, 0, id, w.blocks)
-            } else {
-                stored_event(w.worker as u64, 0, id, None, w.blocks)
-            };
-            pool.enqueue_event(ev).expect("crtc event");
-            since_flush += 1;
-            if since_flush < BATCH as u64 {
-                return 0;
-            }
-            futures::executor::block_on(pool.flush_and_wait()).expect("crtc flush");
-            since_flush = 0;
-            BATCH as u64
-        })
-    };
-    let keys: Vec<_> = requests.iter().map(|(_, b)| local_hashes(b)).collect();
-    let lookup = |r: usize| {
-        let s = pool.backend().find_matches(&keys[r], false);
-        std::hint::black_box(s);
-        (false, 0)
-    };
-    drive(t, e.min(1), secs, keys.len(), chains, writer, lookup)
+    let c = Crtc::load(ops, requests, e);
+    drive(
+        t,
+        e.min(1),
+        secs,
+        c.requests(),
+        chains,
+        c.writer(),
+        c.lookup(),
+    )
 }
 
 /// Feeds the stores and removals of `ops` to `apply` as Dynamo events;

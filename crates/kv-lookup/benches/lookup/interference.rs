@@ -1,0 +1,159 @@
+//! `--only interference`: what one event thread costs an indexer's lookups
+//! when it writes *another* index, against when it writes the index the
+//! lookups read (synthetic workload only, where kv-lookup's `T1+E1` row is
+//! below crtc-pool's; see `benches/RESULTS.md`, session 32).
+//!
+//! For each `T+E` of `--threads` (`E >= 1`), lookups on an index loaded
+//! once and never written run under four event loads: none (`T+0`), ours
+//! per event on a second, freshly loaded copy of ours, crtc-pool's on a
+//! freshly loaded tree, and the indexer's own events on the index itself
+//! (the usual concurrent row). The same for crtc-pool's lookups. A lookup
+//! that loses as much under the other index's events as under its own
+//! loses it to the memory traffic of event application (the shared caches
+//! and DRAM), not to publication or locks in its index; the two event
+//! loads compare that traffic. Every event target is fresh for its run, so
+//! each run applies the same churn from the same state.
+
+use kv_lookup::LookupBudget;
+
+use crate::concurrent::{churn_chains, drive, Crtc, Load, Ours, Publish};
+use crate::{Block, Op};
+
+/// Prints, for each `T+E`, lookups/s and lookup p99 of ours and of
+/// crtc-pool under each event load, and the events/s of that load.
+pub(crate) fn interference_rows<'a, F, I>(
+    prefix: &str,
+    threads: &[(usize, usize)],
+    secs: f64,
+    ops: F,
+    capacity: usize,
+    requests: &[(usize, Vec<Block>)],
+) where
+    F: Fn() -> I,
+    I: Iterator<Item = Op<'a>>,
+{
+    let budget = LookupBudget::default();
+    for &(t, e) in threads.iter().filter(|(_, e)| *e > 0) {
+        let chains = churn_chains(e, 7 + e as u64);
+        let none = churn_chains(0, 0);
+        let print = |reader: &str, load: &str, l: &Load, alone: f64| {
+            println!(
+                "{prefix} T{t}+E{e} interference: {reader} lookups, {load}: {:.0} lookups/s \
+                 ({:+.1} % against none), lookup p99 {:.2} us, {:.0} events/s",
+                l.lookups_per_s,
+                100.0 * (l.lookups_per_s / alone - 1.0),
+                l.p99_us,
+                l.events_per_s
+            );
+        };
+        // Ours reading; events: none, ours elsewhere, crtc elsewhere, ours on it.
+        let reader = Ours::load(ops(), capacity, requests);
+        let n = reader.requests();
+        let alone = drive(
+            t,
+            0,
+            secs,
+            n,
+            &none,
+            |_| unreachable!(),
+            reader.lookup(budget),
+        );
+        print("ours", "no events", &alone, alone.lookups_per_s);
+        let other = Ours::load(ops(), capacity, requests);
+        let l = drive(
+            t,
+            e,
+            secs,
+            n,
+            &chains,
+            other.writer(Publish::PerEvent),
+            reader.lookup(budget),
+        );
+        print(
+            "ours",
+            "ours per event on another index",
+            &l,
+            alone.lookups_per_s,
+        );
+        drop(other);
+        let tree = Crtc::load(ops(), requests, e);
+        let l = drive(
+            t,
+            e.min(1),
+            secs,
+            n,
+            &chains,
+            tree.writer(),
+            reader.lookup(budget),
+        );
+        print("ours", "crtc-pool's on its tree", &l, alone.lookups_per_s);
+        drop(tree);
+        drop(reader);
+        let own = Ours::load(ops(), capacity, requests);
+        let l = drive(
+            t,
+            e,
+            secs,
+            n,
+            &chains,
+            own.writer(Publish::PerEvent),
+            own.lookup(budget),
+        );
+        print(
+            "ours",
+            "ours per event on the same index",
+            &l,
+            alone.lookups_per_s,
+        );
+        drop(own);
+
+        // crtc-pool reading; events: none, crtc elsewhere, ours elsewhere, crtc on it.
+        let reader = Crtc::load(ops(), requests, e);
+        let n = reader.requests();
+        let alone = drive(t, 0, secs, n, &none, |_| unreachable!(), reader.lookup());
+        print("crtc-pool", "no events", &alone, alone.lookups_per_s);
+        let tree = Crtc::load(ops(), requests, e);
+        let l = drive(
+            t,
+            e.min(1),
+            secs,
+            n,
+            &chains,
+            tree.writer(),
+            reader.lookup(),
+        );
+        print(
+            "crtc-pool",
+            "crtc-pool's on another tree",
+            &l,
+            alone.lookups_per_s,
+        );
+        drop(tree);
+        let other = Ours::load(ops(), capacity, requests);
+        let l = drive(
+            t,
+            e,
+            secs,
+            n,
+            &chains,
+            other.writer(Publish::PerEvent),
+            reader.lookup(),
+        );
+        print(
+            "crtc-pool",
+            "ours per event on our index",
+            &l,
+            alone.lookups_per_s,
+        );
+        drop(other);
+        drop(reader);
+        let own = Crtc::load(ops(), requests, e);
+        let l = drive(t, e.min(1), secs, n, &chains, own.writer(), own.lookup());
+        print(
+            "crtc-pool",
+            "crtc-pool's on the same tree",
+            &l,
+            alone.lookups_per_s,
+        );
+    }
+}
