@@ -15,8 +15,11 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyFloat, PyString};
 
+use kv_descriptor::{HintEnvelope, Wire};
 use kv_router_glue::metrics::refuse_label;
 use kv_router_glue::{AdmissionDecision, RefuseReason, TransferPath, Verdict};
+
+use crate::errors::descriptor;
 
 /// Every term of the router's cost estimate for one request, in µs unless
 /// the name says otherwise (kv_router_glue's `CostTerms`):
@@ -160,6 +163,10 @@ pub(crate) struct Advice {
     /// Bytes and `CostTerms` hold no Python references: no cycle passes
     /// through an `Advice`, so it needs no `__traverse__`.
     hint: Option<Py<PyBytes>>,
+    /// The donor the hint names (its engine id, a UUID string), when
+    /// admitted: the key of its `DonorDirectory.manifest`, which
+    /// `Target.fetch` needs with the hint. None when refused.
+    donor_engine_id: Option<String>,
     /// Deprecated: the Rust `Debug` text of the verdict (`Admit`,
     /// `Refuse(NoDonor("..."))`), unchanged from earlier versions for
     /// readers that log it; its form is not stable. Use `admitted`,
@@ -169,12 +176,26 @@ pub(crate) struct Advice {
 
 impl Advice {
     /// The Python form of `decision` (in-process `Router` or the service)
-    /// with its encoded hint.
+    /// with its hint, encoded, and the donor the hint names.
+    ///
+    /// # Errors
+    /// `DescriptorRefused` when the hint does not encode, or its actions
+    /// do not decode.
     pub(crate) fn new(
         py: Python<'_>,
         decision: &AdmissionDecision,
-        hint: Option<Py<PyBytes>>,
+        hint: Option<&HintEnvelope>,
     ) -> PyResult<Self> {
+        let (hint, donor_engine_id) = match hint {
+            Some(h) => {
+                let wire = h.to_wire().map_err(descriptor)?;
+                let actions = h.fetch_gpu_actions().map_err(descriptor)?;
+                // An advisor's hint has exactly one `kv.fetch_gpu` action.
+                let donor = actions.first().map(|a| a.donor_engine_id.to_string());
+                (Some(PyBytes::new(py, &wire).unbind()), donor)
+            }
+            None => (None, None),
+        };
         let (reason, detail) = match &decision.verdict {
             Verdict::Admit => (None, None),
             Verdict::Refuse(r) => {
@@ -193,6 +214,7 @@ impl Advice {
             detail,
             terms,
             hint,
+            donor_engine_id,
             verdict: format!("{:?}", decision.verdict),
         })
     }
@@ -216,7 +238,7 @@ impl Advice {
 
 #[pymethods]
 impl Advice {
-    /// `Advice(admitted=True, terms=CostTerms(...))` or `Advice(admitted=False,
+    /// `Advice(admitted=True, donor_engine_id='...', terms=CostTerms(...))` or `Advice(admitted=False,
     /// reason='no_donor', detail='...', terms=None)`.
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let terms = match &self.terms {
@@ -229,10 +251,16 @@ impl Advice {
                 py_bool(self.admitted),
                 PyString::new(py, detail).repr()?,
             )),
-            _ => Ok(format!(
-                "Advice(admitted={}, terms={terms})",
-                py_bool(self.admitted)
-            )),
+            _ => match &self.donor_engine_id {
+                Some(donor) => Ok(format!(
+                    "Advice(admitted={}, donor_engine_id='{donor}', terms={terms})",
+                    py_bool(self.admitted)
+                )),
+                None => Ok(format!(
+                    "Advice(admitted={}, terms={terms})",
+                    py_bool(self.admitted)
+                )),
+            },
         }
     }
 }

@@ -174,12 +174,18 @@ impl DonorDirectory {
             .map(|b| b.map(|b| PyBytes::new(py, &b)))
     }
 
-    /// Donors with a record now (count). Raises `PublishFailed` after
-    /// [`DonorDirectory::close`], as `manifest` does.
+    /// Donors whose record `manifest` would answer now (count): a record
+    /// whose lease lapsed does not count, though the bucket keeps it until
+    /// its own `max_age`. Raises `PublishFailed` after `close()`, as
+    /// `manifest` does.
     #[getter]
     fn donors(&self) -> PyResult<usize> {
         self.check_open("donors")?;
-        Ok(self.cache.lock().unwrap_or_else(|e| e.into_inner()).len())
+        Ok(self
+            .cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .live(unix_now_ms()))
     }
 
     /// Stops watching; later `manifest` calls and `donors` raise

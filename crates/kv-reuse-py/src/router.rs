@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyDict;
 
 use kv_descriptor::{BankManifest, EngineId, KvEvent, Role, SequenceHash, Wire};
 use kv_lookup::{InventoryIndex, WorkerInfo, WorkerKey};
@@ -236,13 +236,6 @@ impl Router {
             .collect();
         let target = engine_id(target, "target")?;
         let advice = py.allow_threads(|| self.advisor.advise(request_id, &hashes, target));
-        let hint = advice
-            .hint
-            .as_ref()
-            .map(|h| h.to_wire())
-            .transpose()
-            .map_err(descriptor)?
-            .map(|b| PyBytes::new(py, &b).unbind());
-        Advice::new(py, &advice.decision, hint)
+        Advice::new(py, &advice.decision, advice.hint.as_ref())
     }
 }

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyDict;
 
 use kv_descriptor::{SequenceHash, Wire};
 use kv_router_glue::service::{
@@ -314,15 +314,7 @@ impl RouterClient {
         }
         match reply.result {
             AdviseResult::Refused(r) => Err(AdviseRefused::new_err(r.to_string())),
-            AdviseResult::Decided { decision, hint } => {
-                let hint = hint
-                    .as_ref()
-                    .map(|h| h.to_wire())
-                    .transpose()
-                    .map_err(descriptor)?
-                    .map(|b| PyBytes::new(py, &b).unbind());
-                Advice::new(py, &decision, hint)
-            }
+            AdviseResult::Decided { decision, hint } => Advice::new(py, &decision, hint.as_ref()),
         }
     }
 }

@@ -23,7 +23,7 @@ use crate::donor_imports::DonorImports;
 use crate::engine_layout::EngineOrder;
 use crate::errors::{
     bad_argument, descriptor, fetch, index_below, uint, uints, BankFailed, CudaUnavailable,
-    FetchFellBack,
+    FetchFellBack, HintRefused,
 };
 use crate::fetch_job::{run_job, FetchJob, FetchJobs};
 use crate::fetch_outcome::FetchOutcome;
@@ -369,6 +369,10 @@ impl Target {
     /// engine's allocator; by default the target's pool picks free rows.
     /// Either way `FetchOutcome.rows` says where the blocks landed.
     ///
+    /// `manifest` is the donor's `DonorDirectory.manifest` (or
+    /// `DonorBank.manifest()` in process); None, which the directory
+    /// answers once the donor's record is gone, is `HintRefused`.
+    ///
     /// Raises `PromptMismatch` / `HintRefused` before anything is touched
     /// (the hint is checked against `prompt_hashes`, then against
     /// `manifest` and this target's layout: donor engine, bank generation,
@@ -406,7 +410,7 @@ impl Target {
         py: Python<'_>,
         hint: &[u8],
         prompt_hashes: &Bound<'_, PyAny>,
-        manifest: &[u8],
+        manifest: Option<&[u8]>,
         donor_alive: Option<Py<PyAny>>,
         #[pyo3(from_py_with = "crate::errors::seconds_or_none")] pin_timeout_s: Option<f64>,
         dst_blocks: Option<&Bound<'_, PyAny>>,
@@ -451,7 +455,7 @@ impl Target {
         slf: &Bound<'_, Self>,
         hint: &[u8],
         prompt_hashes: &Bound<'_, PyAny>,
-        manifest: &[u8],
+        manifest: Option<&[u8]>,
         donor_alive: Option<Py<PyAny>>,
         #[pyo3(from_py_with = "crate::errors::seconds_or_none")] pin_timeout_s: Option<f64>,
         dst_blocks: Option<&Bound<'_, PyAny>>,
@@ -543,7 +547,7 @@ impl Target {
         py: Python<'_>,
         hint: &[u8],
         prompt_hashes: &Bound<'_, PyAny>,
-        manifest: &[u8],
+        manifest: Option<&[u8]>,
         donor_alive: Option<Py<PyAny>>,
         pin_timeout_s: Option<f64>,
         dst_blocks: Option<&Bound<'_, PyAny>>,
@@ -563,8 +567,10 @@ impl Target {
             .map(|o| uint("dst_token_offset", o))
             .transpose()?;
         let envelope = HintEnvelope::from_wire(hint).map_err(descriptor)?;
-        let manifest_bytes = manifest.to_vec();
-        let manifest = BankManifest::from_wire(manifest).map_err(descriptor)?;
+        let manifest = manifest
+            .map(|m| BankManifest::from_wire(m).map(|d| (m.to_vec(), d)))
+            .transpose()
+            .map_err(descriptor)?;
         let actions = envelope.fetch_gpu_actions().map_err(descriptor)?;
         // The hint is checked against the prompt before the donor is
         // imported or asked anything: a hint for another prompt is
@@ -572,6 +578,19 @@ impl Target {
         for action in &actions {
             check_prompt_prefix(action, &prompt).map_err(fetch)?;
         }
+        // `DonorDirectory.manifest` answers None once the donor's record is
+        // gone: a donor that stopped is a refused hint (a `KvReuseError`
+        // the engine falls back on), not a `TypeError`.
+        let Some((manifest_bytes, manifest)) = manifest else {
+            let donor = actions.first().map_or_else(
+                || "the hint's donor".to_string(),
+                |a| format!("donor {}", a.donor_engine_id),
+            );
+            return Err(HintRefused::new_err(format!(
+                "manifest: None: {donor} has no directory record (it stopped, or its lease \
+                 lapsed): recompute the prefix"
+            )));
+        };
         // Then the hint against the donor's manifest and this target's
         // layout (donor engine, bank generation, layout, TP size, slots),
         // the executor's own first check, run here so that a hint for

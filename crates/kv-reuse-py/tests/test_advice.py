@@ -49,6 +49,8 @@ def test_an_admitted_advice_carries_every_cost_term(layout):
     assert advice.admitted and advice.hint is not None
     assert advice.reason is None and advice.detail is None
     assert advice.verdict == "Admit"  # the deprecated Debug text, unchanged
+    # The donor the hint names: the key of its DonorDirectory record.
+    assert advice.donor_engine_id == bank.engine_id
     t = advice.terms
     assert isinstance(t, kv_reuse.CostTerms)
     assert t.path == "host"
@@ -64,7 +66,8 @@ def test_an_admitted_advice_carries_every_cost_term(layout):
     assert t.saving_us == t.recompute_saved_us - t.transfer_cost_us - t.lookup_us
     assert t.saving_us >= t.minimum_saving_us
     text = repr(advice)
-    assert text.startswith("Advice(admitted=True, terms=CostTerms(path='host', reused_tokens=384, ")
+    assert text.startswith(f"Advice(admitted=True, donor_engine_id='{bank.engine_id}', "
+                           "terms=CostTerms(path='host', reused_tokens=384, ")
     assert "minimum_blocks=4))" in text and "reason" not in text
     with pytest.raises(AttributeError):
         t.saving_us = 0.0  # frozen
@@ -118,8 +121,30 @@ def test_no_donor_and_a_record_missing_a_block_are_refused_by_code(layout):
     r = router(bank, layout, prompt, ON, slots_of=prompt[:2])
     advice = r.advise("req-none", other, TARGET)
     assert (advice.admitted, advice.reason, advice.terms) == (False, "no_donor", None)
+    assert advice.donor_engine_id is None
     assert advice.detail and advice.detail in advice.verdict  # the lookup's own words
     # The index holds the prompt, the donor's report only its first 2 blocks.
     advice = r.advise("req-gone", prompt, TARGET)
     assert (advice.admitted, advice.reason, advice.terms) == (False, "hint_unavailable", None)
     assert advice.detail and advice.verdict.startswith("Refuse(HintUnavailable(")
+
+
+def test_a_fetch_given_no_manifest_is_refused_after_the_prompt_check(layout):
+    # DonorDirectory.manifest answers None once the donor's record is gone;
+    # passed on to fetch it raised TypeError, which an engine catching
+    # KvReuseError to fall back did not catch.
+    bank, prompt = stored(layout)
+    advice = router(bank, layout, prompt, ON).advise("req-gone", prompt, TARGET)
+    assert advice.admitted
+    target = kv_reuse.Target(layout, rows=8)
+    no_record = rf"^manifest: None: donor {advice.donor_engine_id} has no directory record"
+    with pytest.raises(kv_reuse.HintRefused, match=no_record):
+        target.fetch(advice.hint, prompt, None)
+    assert issubclass(kv_reuse.HintRefused, kv_reuse.KvReuseError)
+    with pytest.raises(kv_reuse.HintRefused, match=no_record):
+        target.fetch_async(advice.hint, prompt, None)
+    # A hint for another prompt is still a mismatch first, donor gone or not.
+    with pytest.raises(kv_reuse.PromptMismatch):
+        target.fetch(advice.hint, [h ^ 1 for h in prompt], None)
+    # Nothing was fetched: every row is still free.
+    assert target.free_rows == 8

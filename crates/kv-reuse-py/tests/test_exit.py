@@ -7,6 +7,7 @@ collected, but never while a fetch into its tensors runs."""
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -208,3 +209,36 @@ def test_a_donor_in_globals_leaves_no_shm_at_exit_with_a_daemon_thread_alive(mod
     for name in left:  # a failure here must not leave them for the next run
         os.unlink(os.path.join("/dev/shm", name))
     assert left == [], f"left in /dev/shm with a daemon thread ({mode}): {left}"
+
+
+@pytest.mark.parametrize("mode", ["handler", "default"])
+def test_a_donor_stopped_by_sigterm_cleans_up_only_with_the_documented_handler(mode, tmp_path):
+    """docs/python.md: Python runs no `atexit` hook when SIGTERM's default
+    action ends the process, so a donor stopped that way (systemd, docker
+    stop) leaves its /dev/shm names and pin socket; with the one-line
+    handler the doc gives, SIGTERM is a normal exit and leaves nothing."""
+    sock = tmp_path / "pin.sock"
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "sigterm_proc.py"), mode, str(sock)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        report = json.loads(proc.stdout.readline())
+        assert len(report["shm"]) == 4, report  # a segment and a lease per rank
+        assert sock.exists()
+        proc.terminate()
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kvbank-{report['pid']}-"))
+    for name in left:  # never leave them for the next run
+        os.unlink(os.path.join("/dev/shm", name))
+    if mode == "handler":
+        assert rc == 0
+        assert left == [] and not sock.exists(), (left, sock.exists())
+    else:
+        # What the doc warns of; if Python ever ran atexit here, the doc must change.
+        assert rc == -signal.SIGTERM
+        assert left == report["shm"] and sock.exists()

@@ -389,7 +389,9 @@ def test_the_router_service_admits_a_python_donor_and_the_target_fetches(
                 assert (t.path, t.transfer_blocks) == ("host", BLOCKS)
                 assert t.reused_tokens == BLOCKS * TOKENS_PER_BLOCK
                 assert t.saving_us == t.recompute_saved_us - t.transfer_cost_us - t.lookup_us
-                manifest = directory.manifest(hello["engine_id"], wait_s=10.0)
+                # The advice names its donor: the prefill resolves it from the directory.
+                assert advice.donor_engine_id == hello["engine_id"]
+                manifest = directory.manifest(advice.donor_engine_id, wait_s=10.0)
                 assert manifest == bytes.fromhex(hello["manifest"])
                 with target.fetch(advice.hint, hashes, manifest) as out:
                     assert out.fetched == hashes
@@ -535,7 +537,7 @@ def test_over_mutual_tls_the_router_admits_a_python_donor_and_a_client_without_a
                 kv_reuse.WorkerPublisher.target(server.url, "prefill-tls", layout, target.engine_id,
                                                 announce_period_s=0.2, **tls("prefill")):
             advice = advise_until_admitted(client, hashes, target.engine_id)
-            manifest = directory.manifest(hello["engine_id"], wait_s=10.0)
+            manifest = directory.manifest(advice.donor_engine_id, wait_s=10.0)
             assert manifest == bytes.fromhex(hello["manifest"])
             with target.fetch(advice.hint, hashes, manifest) as out:
                 assert out.fetched == hashes

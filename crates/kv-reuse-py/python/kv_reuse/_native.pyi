@@ -297,6 +297,10 @@ class Advice:
     def hint(self) -> Optional[bytes]:
         """The hint envelope (MessagePack) for ``Target.fetch``, when admitted."""
     @property
+    def donor_engine_id(self) -> Optional[str]:
+        """The donor the hint names (engine id, a UUID string), when admitted: the key of its
+        ``DonorDirectory.manifest``, which ``Target.fetch`` takes with the hint."""
+    @property
     def verdict(self) -> str:
         """Deprecated: the Rust ``Debug`` text of the verdict (``Admit``,
         ``Refuse(NoDonor("..."))``), kept unchanged for readers that log it; its form is not
@@ -593,7 +597,7 @@ class Target:
         self,
         hint: bytes,
         prompt_hashes: Sequence[int],
-        manifest: bytes,
+        manifest: Optional[bytes],
         donor_alive: Optional[Callable[[], bool]] = None,
         pin_timeout_s: Optional[float] = None,
         dst_blocks: Optional[Sequence[int]] = None,
@@ -611,8 +615,9 @@ class Target:
         hint is checked against ``prompt_hashes``, then against ``manifest`` (donor engine,
         generation, layout, slots), before ``dst_blocks`` and before the donor is imported:
         a hint for another prompt is PromptMismatch even when its donor is gone, one for
-        another donor or generation HintRefused whatever ``dst_blocks`` holds), else
-        FetchFellBack.
+        another donor or generation HintRefused whatever ``dst_blocks`` holds; ``manifest``
+        None, which ``DonorDirectory.manifest`` answers once the donor's record is gone, is
+        HintRefused after the prompt check), else FetchFellBack.
         ``gate`` (CUDA targets): its stream waits for the copies as soon as they are issued and
         the gate opens, while this call (on another thread) completes; work enqueued behind it
         must be discarded if this call raises. BadArgument names ``gate`` (not a target GPU,
@@ -621,7 +626,7 @@ class Target:
         self,
         hint: bytes,
         prompt_hashes: Sequence[int],
-        manifest: bytes,
+        manifest: Optional[bytes],
         donor_alive: Optional[Callable[[], bool]] = None,
         pin_timeout_s: Optional[float] = None,
         dst_blocks: Optional[Sequence[int]] = None,

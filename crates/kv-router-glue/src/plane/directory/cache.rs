@@ -107,6 +107,22 @@ impl DonorCache {
         self.entries.len()
     }
 
+    /// Entries whose lease has not lapsed at `now_unix_ms`: the donors
+    /// [`Self::get`] would resolve now. A lapsed record stays in the bucket
+    /// until the bucket's own `max_age` (the directory TTL of whoever
+    /// created it, not the donor's lease) deletes it.
+    ///
+    /// ```
+    /// use kv_router_glue::DonorCache;
+    /// assert_eq!(DonorCache::new().live(0), 0);
+    /// ```
+    pub fn live(&self, now_unix_ms: u64) -> usize {
+        self.entries
+            .values()
+            .filter(|r| r.lease_expires_unix_ms() > now_unix_ms)
+            .count()
+    }
+
     /// Whether no entry is held.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()

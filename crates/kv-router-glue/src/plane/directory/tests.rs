@@ -243,6 +243,8 @@ fn cache_never_uses_a_lapsed_lease_or_an_older_generation() {
         }
     );
     assert_eq!(c.get(g1.engine_id, 4_999).unwrap().generation(), 1);
+    // `live` counts what `get` resolves: the lapsed record is held, not live.
+    assert_eq!((c.len(), c.live(4_999), c.live(5_000)), (1, 1, 0));
     assert_eq!(
         c.get(g1.engine_id, 5_000).unwrap_err(),
         ResolveError::LeaseLapsed {
