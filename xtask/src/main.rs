@@ -54,7 +54,8 @@ enum Cmd {
     Install,
     /// Check that workspace crates depend only downward (cargo metadata).
     Deps,
-    /// Prerequisites, layering check, every workspace test, kv-descriptor docs.
+    /// Prerequisites, layering check, each feature set, fmt, every workspace test, loom, the wheel
+    /// and its pytest suite, clippy and workspace docs (all with -D warnings).
     Test {
         /// Extra arguments for `cargo test` (e.g. `-- --nocapture`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
