@@ -133,7 +133,7 @@ impl DonorDirectory {
     /// close, lease lapsed). Releases the GIL while it waits.
     ///
     /// Raises `BadArgument` naming `engine_id` or `wait_s`, `PublishFailed`
-    /// after [`DonorDirectory::close`] (its watch stopped: the records it
+    /// after `close()` (its watch stopped: the records it
     /// holds would be stale, a deleted or lapsed donor still answered).
     #[pyo3(signature = (engine_id, wait_s = 0.0))]
     fn manifest<'py>(

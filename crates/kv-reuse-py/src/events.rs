@@ -35,7 +35,7 @@ pub fn encode_kv_event<'py>(py: Python<'py>, event_json: &str) -> PyResult<Bound
 }
 
 /// Decodes one KV event's wire bytes into JSON of its fields (the inverse of
-/// [`encode_kv_event`]).
+/// `encode_kv_event`).
 ///
 /// Raises `DescriptorRefused` for bytes that are not one valid `KvEvent`
 /// (trailing bytes included).

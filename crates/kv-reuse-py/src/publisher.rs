@@ -127,13 +127,13 @@ fn gpu_identities(
         .collect()
 }
 
-/// A worker's presence on NATS for the router service (module docs).
-///
-/// Threads: calls from several Python threads run concurrently. `running`'s
-/// lock is only ever held for a clone or a take, never across a blocking
-/// call or a GIL release: a thread that held it through `allow_threads`
-/// while another waited for it holding the GIL deadlocked both (helper-22
-/// finding 1).
+/// A worker's presence on NATS for the router service (see docs/python.md,
+/// "Publishing a worker on NATS"). Calls from several Python threads run
+/// concurrently.
+// `running`'s lock is only ever held for a clone or a take, never across a
+// blocking call or a GIL release: a thread that held it through
+// `allow_threads` while another waited for it holding the GIL deadlocked
+// both (a review finding of session 22).
 #[pyclass(frozen, module = "kv_reuse")]
 pub(crate) struct WorkerPublisher {
     running: Mutex<Option<Arc<Running>>>,
@@ -652,8 +652,7 @@ impl WorkerPublisher {
     /// when the record could not be deleted (it then lapses with its TTL).
     ///
     /// In a forked child it only lets go of what the child inherited: the
-    /// record, pins, bank and connection stay the parent's
-    /// (crate::process_bound).
+    /// record, pins, bank and connection stay the parent's.
     #[pyo3(signature = (drain_s = 1.0))]
     fn close(
         &self,

@@ -226,7 +226,7 @@ impl RouterClient {
     /// Advises in flight on other threads finish (each within `timeout_s`)
     /// on the closing connection; the last of them shuts it down. In a
     /// forked child it only lets go of the inherited connection, which stays
-    /// the parent's (crate::process_bound).
+    /// the parent's.
     fn close(&self, py: Python<'_>) {
         let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(c) = conn.and_then(|c| self.home.keep_here(c)) {

@@ -1,5 +1,6 @@
 """Settings, hashes and refusals of bad input, in one process."""
 
+import inspect
 import os
 import re
 import signal
@@ -848,3 +849,22 @@ def test_signatures_show_the_defaults_the_stubs_declare():
     kv_reuse.Router(kv_reuse.Settings(env={}), TOKENS_PER_BLOCK, max_probes=None)
     with pytest.raises(TypeError, match=r"^argument 'max_probes': 'str' object cannot be interpreted as an integer$"):
         kv_reuse.Router(kv_reuse.Settings(env={}), TOKENS_PER_BLOCK, max_probes="16")
+
+
+def test_no_docstring_python_shows_carries_rust_internals():
+    # help() showed a review note ("helper-22 finding 1"), rustdoc links
+    # ("[`DonorDirectory::close`]") and Rust module paths (crate::...): the
+    # Rust doc comments of pyo3 items are the Python docstrings.
+    internal = re.compile(r"helper-\d|\bfinding \d|\[`[^`]+`\](?!\()|crate::")
+    hits = []
+    for name in dir(kv_reuse):
+        obj = getattr(kv_reuse, name)
+        items = [(name, obj)]
+        if inspect.isclass(obj):
+            items += [(f"{name}.{a}", getattr(obj, a, None)) for a in vars(obj)
+                      if not a.startswith("__") or a == "__init__"]
+        for shown, item in items:
+            doc = getattr(item, "__doc__", None)
+            if isinstance(doc, str) and internal.search(doc):
+                hits.append((shown, internal.findall(doc)))
+    assert hits == []
