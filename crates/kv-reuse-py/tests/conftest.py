@@ -1,6 +1,8 @@
 """Shared fixtures: a layout and settings that admit a fetch, and a leak
 check around every test (the kv_bank leak counters, exposed to Python)."""
 
+import os
+import signal
 import time
 
 import pytest
@@ -23,6 +25,24 @@ LEAK_KEYS = (
     "lease_holders",
     "background_threads",
 )
+
+
+def stop_process(proc, within_s=10.0):
+    """SIGSTOPs the child process ``proc`` and returns once every thread of
+    it has stopped. ``os.kill`` returns before that: the kernel wakes one
+    thread to begin the group stop, and until it gets a CPU the others still
+    run. On a loaded machine a nats-server stopped so still acknowledged the
+    next JetStream put (test_publisher), and a donor's pin service can still
+    grant a pin. ``waitpid(WUNTRACED)`` reports the stop once it is complete."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + within_s
+    while True:
+        pid, status = os.waitpid(proc.pid, os.WUNTRACED | os.WNOHANG)
+        if pid:
+            assert os.WIFSTOPPED(status), f"process {proc.pid} did not stop (wait status {status})"
+            return
+        assert time.monotonic() < deadline, f"process {proc.pid} not stopped {within_s} s after SIGSTOP"
+        time.sleep(0.001)
 
 
 @pytest.fixture

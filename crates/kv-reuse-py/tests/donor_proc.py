@@ -5,7 +5,9 @@ device memory on GPU 0 (every rank), exported over CUDA IPC, filled from
 numpy rows (host-to-device); "cuda-torch" for the same bank filled from
 torch CUDA tensors on GPU 0 (device to device)]. Prints one JSON line with
 the engine id, manifest, events, slot table (bytes as hex) and the bank's
-stats, then serves pins until stdin closes or says `quit`."""
+stats, then serves pins until stdin closes or says `quit`; answers `pins`
+with the pins held now and `taken` with the pins taken so far (one JSON
+line each)."""
 
 import json
 import sys
@@ -70,6 +72,8 @@ def main():
                 break
             if line.strip() == "pins":
                 print(json.dumps({"pins": bank.pins_outstanding}), flush=True)
+            if line.strip() == "taken":
+                print(json.dumps({"taken": bank.stats["pins"]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kv_reuse
-from conftest import TOKENS_PER_BLOCK, TP
+from conftest import TOKENS_PER_BLOCK, TP, stop_process
 from nats_fake import NatsServer, find_nats_server, find_router_binary, make_pki, skip_or_fail
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -344,7 +344,7 @@ def test_a_password_in_nats_url_never_reaches_an_error_message(layout, tmp_path)
     try:
         pub = kv_reuse.WorkerPublisher.donor(url, "d-secret", layout, 4, f"unix:{tmp_path}/pins.sock",
                                              bucket="kv_secret", timeout_s=1.0)
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        stop_process(server.proc)
         try:
             with pytest.raises(kv_reuse.PublishFailed, match="no answer within") as e:
                 pub.publish_nixl_agent("agent-0", b"meta")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kv_reuse
-from conftest import BLOCKS, TOKENS_PER_BLOCK, TP
+from conftest import BLOCKS, TOKENS_PER_BLOCK, TP, stop_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -115,6 +115,13 @@ def test_round_trip_store_events_advise_fetch_across_processes(donor, layout, en
     assert json.loads(proc.stdout.readline()) == {"pins": 0}
 
 
+def ask(proc, command):
+    """The donor process's one-line JSON answer to ``command``."""
+    proc.stdin.write(command + "\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())
+
+
 def admitted_target(report, layout, enabled, request_id):
     """The donor's prompt and manifest, a 16-row host target and the
     router's admitted advice for it: ``(prompt, manifest, target, advice)``."""
@@ -149,14 +156,20 @@ def test_fetch_async_runs_on_the_targets_thread_and_returns_what_fetch_does(dono
         with pytest.raises(kv_reuse.BadArgument, match="^result: "):
             job.result()
     assert target.free_rows == 16
-    # A job dropped without its result completes and releases its rows.
+    # A job dropped without its result completes and releases its rows. Its
+    # end is seen through the job after it: one target's jobs run one after
+    # another, in call order. (Polling free_rows back to 16 passed at once
+    # when the fetch thread had not reserved the dropped job's rows yet,
+    # and the donor then still held its pin: {"pins": 6} below.)
     del job, jobs
+    taken = ask(proc, "taken")["taken"]
     dropped = target.fetch_async(advice.hint, prompt, manifest)
     del dropped
-    deadline = time.monotonic() + 5
-    while target.free_rows != 16 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    with target.fetch_async(advice.hint, prompt, manifest).result() as out:
+        assert out.fetched == prompt
+        assert target.free_rows == 16 - BLOCKS  # the dropped job's rows are back
     assert target.free_rows == 16
+    assert ask(proc, "taken")["taken"] == taken + 2  # the dropped job ran: it pinned too
     proc.stdin.write("pins\n")
     proc.stdin.flush()
     assert json.loads(proc.stdout.readline()) == {"pins": 0}
@@ -186,7 +199,7 @@ def test_fetch_job_result_with_a_timeout_raises_and_keeps_the_result(donor, layo
             job.result(timeout_s=bad)
     with job.result() as out:  # the bad values left the job's result in place
         assert out.fetched == prompt
-    os.kill(proc.pid, signal.SIGSTOP)
+    stop_process(proc)
     try:
         job = target.fetch_async(advice.hint, prompt, manifest)
         t0 = time.monotonic()
@@ -208,7 +221,7 @@ def test_ctrl_c_interrupts_a_waiting_fetch_job_result_and_keeps_the_job(donor, l
     its outcome (helper-22 finding 9: the wait ignored Ctrl-C)."""
     proc, report = donor
     prompt, manifest, target, advice = admitted_target(report, layout, enabled, "req-sigint")
-    os.kill(proc.pid, signal.SIGSTOP)
+    stop_process(proc)
     try:
         job = target.fetch_async(advice.hint, prompt, manifest, pin_timeout_s=8.0)
         timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
@@ -235,7 +248,7 @@ def test_fetch_job_cancel_skips_a_queued_job_and_stops_a_running_one(donor, layo
     fall back once the pin answers; the third, not cancelled, completes."""
     proc, report = donor
     prompt, manifest, target, advice = admitted_target(report, layout, enabled, "req-cancel")
-    os.kill(proc.pid, signal.SIGSTOP)
+    stop_process(proc)
     try:
         running = target.fetch_async(advice.hint, prompt, manifest)
         skipped = target.fetch_async(advice.hint, prompt, manifest)
