@@ -98,7 +98,7 @@ def test_round_trip_store_events_advise_fetch_across_processes(donor, layout, en
     target = kv_reuse.Target(layout, rows=16)
     router = router_for(report, layout, enabled, target)
     advice = router.advise("req-1", prompt, target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     with target.fetch(advice.hint, prompt, bytes.fromhex(report["manifest"])) as out:
         assert out.fetch_from == 0
         assert out.fetched == prompt
@@ -128,7 +128,7 @@ def admitted_target(report, layout, enabled, request_id):
     prompt, manifest = report["hashes"], bytes.fromhex(report["manifest"])
     target = kv_reuse.Target(layout, rows=16)
     advice = router_for(report, layout, enabled, target).advise(request_id, prompt, target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     return prompt, manifest, target, advice
 
 
@@ -327,7 +327,7 @@ def test_a_stream_gate_is_refused_by_a_host_target_and_never_left_waiting(donor,
     proc, report = donor
     target = kv_reuse.Target(layout, rows=8)
     advice = router_for(report, layout, enabled, target).advise("req-gate-host", report["hashes"], target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     gate = kv_reuse.StreamGate(0, 0)
     with pytest.raises(kv_reuse.BadArgument, match="^gate: a host target"):
         target.fetch(advice.hint, report["hashes"], bytes.fromhex(report["manifest"]), gate=gate)
@@ -385,7 +385,7 @@ def test_a_hint_for_another_prompt_is_refused_before_its_dead_donor_is_imported(
     target = kv_reuse.Target(layout, rows=8)
     router = router_for(report, layout, enabled, target)
     advice = router.advise("req-gone", report["hashes"], target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     manifest = bytes.fromhex(report["manifest"])
     proc.kill()
     proc.wait(timeout=10)
@@ -453,7 +453,7 @@ def test_a_donor_killed_mid_fetch_falls_back_without_leaks(donor, layout, enable
     target = kv_reuse.Target(layout, rows=8)
     router = router_for(report, layout, enabled, target)
     advice = router.advise("req-mid", report["hashes"], target.engine_id)
-    assert advice.admitted, advice.verdict
+    assert advice.admitted, advice
     before = kv_reuse.leak_counters()
     probe, calls = _killing_probe(proc, honest_after)
     with pytest.raises(kv_reuse.FetchFellBack) as e:
