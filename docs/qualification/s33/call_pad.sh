@@ -2,7 +2,8 @@
 # Session 33, issue 22: `--only interference --threads 1+1` of two stripped bench binaries,
 # alternated (main, pad, main, pad): lookup-bins33/lookup-bench (kv-lookup of 0c9b374) and
 # lookup-bins33/lookup-pad (the same with the fields lookups read on cache lines apart from
-# those mutations write: kv-lookup's cache_line.rs). Results in $OUT/$NAME.tar.gz, NAME=${NAME:-p}.
+# those mutations write, the published pointer apart from the writer's state: kv-lookup's
+# cache_line.rs). Results in $OUT/$NAME.tar.gz, NAME=${NAME:-p}.
 set -u
 NAME=${NAME:-p}
 R=$OUT/$NAME; mkdir -p $R
