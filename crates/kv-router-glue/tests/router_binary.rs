@@ -827,6 +827,140 @@ fn a_router_started_after_a_donor_went_idle_or_restarted_after_sigkill_finds_its
     assert_eq!(status.code(), Some(0), "{status}");
 }
 
+/// The donor directory bucket of the NATS outage test.
+const OUTAGE_BUCKET: &str = "kv_rbt_outage";
+
+/// A NATS outage longer than the silence window (`--missed-periods` x
+/// `--announce-period-ms`: 3 x 100 ms here, the outage 1.5 s) does not
+/// make the router drop its live workers (trial h33, BUG 1: it dropped
+/// them as silent and ignored their announcements for good, so every
+/// advise after it was refused). After it the same donor is admitted
+/// again, once its inventory snapshot is applied (its events while the
+/// router was away could have been lost).
+#[test]
+fn a_nats_outage_longer_than_the_silence_window_keeps_the_workers() {
+    use agents_common::*;
+    use std::sync::Arc;
+
+    let Some(mut nats) = NatsServer::start_or_skip("router_binary_outage") else {
+        return;
+    };
+    let url = nats.url();
+    let DonorSetup {
+        rt,
+        _sock,
+        ep,
+        blocks,
+        h,
+    } = DonorSetup::new();
+    let target = EngineId(uuid::Uuid::from_u128(0x0a7a6e));
+    let (donor, client, ticker) = rt.block_on(async {
+        let donor = open_donor(
+            &url,
+            OUTAGE_BUCKET,
+            donor_config("decode-0", &ep),
+            kv_router_glue::NatsOptions::default(),
+        )
+        .await;
+        for (k, chunk) in blocks.chunks(5).enumerate() {
+            let parent = (k > 0).then(|| blocks[k * 5 - 1].sequence_hash);
+            store_after(&donor, parent, chunk).await;
+        }
+        let donor = Arc::new(donor);
+        let client = async_nats::connect(&url).await.unwrap();
+        let ticker = announce_every_100ms(
+            donor.clone(),
+            client.clone(),
+            agents_target_announcement(target),
+        );
+        (donor, client, ticker)
+    });
+    let donor_id = donor.bank().owner().engine_id;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let router = spawn_router_logging(
+        &url,
+        NS,
+        &[
+            "--directory-bucket",
+            OUTAGE_BUCKET,
+            "--announce-period-ms",
+            "100",
+            "--missed-periods",
+            "3",
+        ],
+        Stdio::from(log.reopen().unwrap()),
+    );
+    let metrics_addr = router.ready["metrics_addr"].as_str().unwrap().to_string();
+    let before = rt.block_on(wait_admitted(&client, target, donor_id, &h, "before"));
+
+    nats.stop();
+    std::thread::sleep(Duration::from_millis(1_500));
+    nats.restart().unwrap();
+    // The router serves again (both its connections back), and so does
+    // this test's client.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while get(&metrics_addr, "/healthz").0 != 200
+        || client.connection_state() != async_nats::connection::State::Connected
+    {
+        assert!(
+            Instant::now() < deadline,
+            "router not serving after the restart"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let after = rt.block_on(wait_admitted(
+        &client,
+        target,
+        donor_id,
+        &h,
+        "after the outage",
+    ));
+    // /metrics copies the counters in once a second: read until the
+    // snapshot after the outage shows (or 5 s).
+    let snapshots = |text: &str| {
+        sample(
+            text,
+            "kv_reuse_router_follow_total{item=\"snapshots_applied\"}",
+        )
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        let (_, text) = get(&metrics_addr, "/metrics");
+        if snapshots(&text) >= Some(2.0) || Instant::now() >= deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+
+    rt.block_on(async {
+        ticker.abort();
+        let _ = ticker.await;
+        let donor = Arc::try_unwrap(donor).unwrap_or_else(|_| panic!("donor still shared"));
+        let _ = donor.close(Duration::from_secs(1)).await;
+    });
+    drop(router);
+    let logged = std::fs::read_to_string(log.path()).unwrap();
+    before.unwrap();
+    after.unwrap_or_else(|e| panic!("{e}\nrouter log:\n{logged}"));
+    let follow = |item: &str| {
+        sample(
+            &text,
+            &format!("kv_reuse_router_follow_total{{item=\"{item}\"}}"),
+        )
+    };
+    assert_eq!(
+        sample(&text, "kv_reuse_router_workers"),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(follow("workers_dropped"), Some(0.0), "{text}");
+    assert_eq!(follow("announcements_ignored"), Some(0.0), "{text}");
+    assert!(follow("connection_losses") >= Some(1.0), "{text}");
+    // The first snapshot, then the one after the outage.
+    assert!(follow("snapshots_applied") >= Some(2.0), "{text}");
+    assert!(logged.contains("router's NATS connection back"), "{logged}");
+}
+
 /// `--vllm-events`: the binary subscribes to a vLLM prefill engine's ZMQ
 /// KV event stream (PUB + ROUTER replay, vLLM 0.33's wire format), makes
 /// that engine an advise target, and counts what its native prefix cache

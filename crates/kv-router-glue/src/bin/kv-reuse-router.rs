@@ -173,6 +173,9 @@ struct Cli {
     announce_period_ms: u64,
 
     /// Announce periods a worker may miss before it is dropped; 1 to 1,000.
+    /// A dropped worker is taken back when it announces again; while the
+    /// router's own NATS connection is down nobody's silence counts
+    /// (docs/router-service.md, "Silence and NATS outages").
     #[arg(
         long,
         default_value_t = 3,

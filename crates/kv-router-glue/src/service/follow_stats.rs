@@ -32,10 +32,18 @@ macro_rules! follow_counters {
 follow_counters! {
     /// Announcements accepted (new, refreshed or replacing).
     announcements,
-    /// Announcements refused (undecodable, invalid) or of retired incarnations.
+    /// Announcements refused (undecodable, invalid) or of replaced
+    /// incarnations (logged at most once per `RETIRED_LOG_EVERY`).
     announcements_ignored,
     /// Workers dropped (replaced or silent).
     workers_dropped,
+    /// Workers dropped for silence that announced again and were taken
+    /// back (each a donor again only after its inventory snapshot).
+    workers_readmitted,
+    /// Times the router found its own NATS connection down: no worker's
+    /// silence counts until it is back, and then every decode worker is
+    /// resynced before it is a donor again.
+    connection_losses,
     /// KV events applied to the index (in order, or after a gap).
     events_applied,
     /// KV events at or below what the index already holds of the publisher

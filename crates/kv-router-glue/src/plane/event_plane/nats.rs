@@ -533,6 +533,10 @@ impl EventPlane for NatsPlane {
         "nats"
     }
 
+    fn is_connected(&self) -> bool {
+        NatsPlane::is_connected(self)
+    }
+
     fn publish<'a>(&'a self, subject: &'a Subject, payload: Vec<u8>) -> PlaneFuture<'a, ()> {
         Box::pin(async move {
             self.client
