@@ -519,6 +519,32 @@ fn configuration_errors_exit_2_naming_the_flag_before_connecting() {
     }
 }
 
+/// `--tokens-per-block` checks the settings at start only when given
+/// (trial h33, BUG 2: its default of 16 refused 1000 µs a block, which
+/// 64-token engines make worth it, although decisions price the donor
+/// layout's own block size). Without it, the router goes on to connect
+/// (exit 1 here, no NATS); with 16 it refuses naming the setting and the
+/// block size (exit 2); with 64 it goes on.
+#[test]
+fn tokens_per_block_checks_the_settings_at_start_only_when_given() {
+    let slow = [
+        "--enable-decode-to-prefill-reuse",
+        "--transfer-source-estimated-block-us",
+        "1000",
+    ];
+    let (code, err) = run_without_nats(&slow);
+    assert_eq!(code, Some(1), "not refused without the flag: {err}");
+    assert!(!err.contains("no fetch could save time"), "{err}");
+    let (code, err) = run_without_nats(&[&slow[..], &["--tokens-per-block", "16"]].concat());
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("transfer_source_estimated_block_us") && err.contains("16 tokens x 30"),
+        "{err}"
+    );
+    let (code, err) = run_without_nats(&[&slow[..], &["--tokens-per-block", "64"]].concat());
+    assert_eq!(code, Some(1), "{err}");
+}
+
 /// A `--metrics-addr` that cannot be bound is a flag error too: exit 2
 /// naming the flag and the address, before any connection (it used to be
 /// bound after NATS was reached, so with NATS down the same mistake exited

@@ -183,10 +183,15 @@ struct Cli {
     )]
     missed_periods: u32,
 
-    /// Tokens per KV block of the cost model (the engines' block size);
-    /// at least 1.
-    #[arg(long, default_value_t = 16, value_parser = value_parser!(u32).range(1..))]
-    tokens_per_block: u32,
+    /// The engines' tokens per KV block, to check the reuse settings at
+    /// start: with it, the router refuses to start (exit 2) when no fetch of
+    /// such blocks could save time, and warns about each donor layout of
+    /// another block size. Without it (the default) each donor layout is
+    /// checked when its first directory record arrives (a warning, and
+    /// `donor_layouts_unprofitable` in /metrics). Decisions always price
+    /// the donor layout's own block size. At least 1.
+    #[arg(long, value_parser = value_parser!(u32).range(1..))]
+    tokens_per_block: Option<u32>,
 
     /// Most index probes one donor lookup may spend; at least 1.
     #[arg(long, default_value_t = 16_384, value_parser = value_parser!(u32).range(1..))]
@@ -548,7 +553,12 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
     for (key, value, unit, origin) in loaded.in_force() {
         tracing::info!(key, value = %value, unit, origin = %origin, "setting in force");
     }
-    let model = CostModel::new(loaded.settings.clone(), cli.tokens_per_block)?;
+    // Checked against a block size only when the operator gave one; each
+    // donor layout's own is checked as it becomes known (RouterInventory).
+    let model = match cli.tokens_per_block {
+        Some(tpb) => CostModel::new(loaded.settings.clone(), tpb)?,
+        None => CostModel::for_announced_layouts(loaded.settings.clone())?,
+    };
 
     let options = checked_nats_options(&cli)?;
     // Bound before any connection, served once the health probe's inputs

@@ -128,6 +128,9 @@ struct Tracked {
     subjects: HashMap<String, SubjectFollower>,
     /// Generation of the next subject follower.
     next_generation: u64,
+    /// Donor layouts whose block size was checked against the cost model
+    /// ([`RouterInventory::check_layout`]), each once.
+    checked_layouts: HashSet<kv_descriptor::LayoutFingerprint>,
 }
 
 /// One event subject's follower, as the state knows it.
@@ -217,6 +220,7 @@ impl RouterInventory {
                 recorded: HashSet::new(),
                 subjects: HashMap::new(),
                 next_generation: 0,
+                checked_layouts: HashSet::new(),
             }),
             counters: Counters::default(),
             directory_down: AtomicBool::new(false),
@@ -668,6 +672,43 @@ impl RouterInventory {
         }
     }
 
+    /// Checks the block size of `record`'s layout against the cost model,
+    /// once per layout fingerprint: the advisor prices each decision with
+    /// the donor layout's own tokens per block, so the settings must let a
+    /// fetch of such blocks save time ([`crate::CostModel::check_block_size`];
+    /// warning and `donor_layouts_unprofitable` when not: this layout's
+    /// donors are never admitted), and a `--tokens-per-block` given at
+    /// start that differs is named (`donor_layouts_block_size_mismatch`).
+    fn check_layout(&self, st: &mut Tracked, record: &crate::DonorRecord) {
+        let layout = record.manifest().layout();
+        if !st.checked_layouts.insert(layout.fingerprint()) {
+            return;
+        }
+        let model = self.service.advisor().model().current();
+        let block = layout.tokens_per_block();
+        let fingerprint = format!("{:#x}", layout.fingerprint().0);
+        if let Some(given) = model.tokens_per_block().filter(|&t| t != block) {
+            bump(&self.counters.donor_layouts_block_size_mismatch);
+            tracing::warn!(
+                layout = %fingerprint,
+                donor = %record.engine_id(),
+                tokens_per_block = block,
+                setting = given,
+                "donor layout's block size differs from `--tokens-per-block`: decisions price the layout's own blocks"
+            );
+        }
+        if let Err(e) = crate::CostModel::check_block_size(model.settings(), block) {
+            bump(&self.counters.donor_layouts_unprofitable);
+            tracing::warn!(
+                layout = %fingerprint,
+                donor = %record.engine_id(),
+                tokens_per_block = block,
+                error = %e,
+                "no fetch from donors of this layout can save time: every one is refused"
+            );
+        }
+    }
+
     /// Takes in one directory change.
     pub async fn on_directory(&self, change: DirectoryChange) {
         let mut guard = self.state.lock().await;
@@ -679,6 +720,9 @@ impl RouterInventory {
             }
         }
         bump(&self.counters.directory_changes);
+        if let DirectoryChange::Put(r) = &change {
+            self.check_layout(st, r);
+        }
         match self.remote.apply_directory(change) {
             CacheUpdate::NewGeneration { engine, .. } => {
                 // The put reset the donor's slot map: a snapshot applied

@@ -68,6 +68,13 @@ follow_counters! {
     directory_changes,
     /// Directory puts of retired incarnations, ignored.
     directory_puts_ignored,
+    /// Donor layouts (by fingerprint, each counted once) whose blocks are
+    /// too small for the settings: no fetch of them could save time, so
+    /// every decision about them refuses.
+    donor_layouts_unprofitable,
+    /// Donor layouts (each counted once) whose tokens per block differ from
+    /// the router's `--tokens-per-block` (given at start).
+    donor_layouts_block_size_mismatch,
     /// Times the directory watch ended and was opened again.
     directory_watch_reopened,
     /// Times the announcements subscription ended and was made again.

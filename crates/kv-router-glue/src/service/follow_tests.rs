@@ -306,6 +306,67 @@ async fn a_worker_dropped_for_silence_is_a_donor_again_after_its_snapshot() {
     answering.abort();
 }
 
+/// A router inventory whose advisor prices with `model`.
+fn inventory_with(model: CostModel) -> Arc<RouterInventory> {
+    let index = Arc::new(InventoryIndex::new());
+    let remote = Arc::new(RemoteDonorDirectory::new());
+    let advisor = Advisor::new(
+        index.clone(),
+        remote.clone(),
+        LiveCostModel::new(model),
+        Arc::new(DecisionLog::new(8)),
+        1024,
+    );
+    let service = Arc::new(RouterService::new(Arc::new(advisor)));
+    let sync = crate::InventorySync::new(
+        Arc::new(crate::InProcessInventory::new()),
+        "t",
+        Duration::from_secs(1),
+    )
+    .unwrap();
+    Arc::new(RouterInventory::new(index, remote, service, sync, 1_000, 3))
+}
+
+/// Each donor layout's block size is checked once, when its first record
+/// arrives (trial h33, BUG 2): the records here have 4-token blocks, which
+/// recompute in 4 x 30 µs = 120 µs, below the default 400 µs a host block
+/// costs, so no fetch of them can save time; a `--tokens-per-block` of 64
+/// given at start is named as differing.
+#[tokio::test]
+async fn each_donor_layout_is_checked_once_against_the_settings() {
+    use crate::plane::directory::tests_support::record;
+    let enabled = ReuseSettings {
+        enable_decode_to_prefill_reuse: true,
+        ..ReuseSettings::default()
+    };
+    let cheap = ReuseSettings {
+        transfer_source_estimated_block_us: 100.0,
+        ..enabled.clone()
+    };
+    for (model, expected) in [
+        (CostModel::new(enabled.clone(), 64).unwrap(), (1, 1)),
+        (CostModel::for_announced_layouts(enabled).unwrap(), (1, 0)),
+        (CostModel::for_announced_layouts(cheap).unwrap(), (0, 0)),
+    ] {
+        let inv = inventory_with(model);
+        for _ in 0..2 {
+            let r = record(kv_descriptor::OwnerLease::fresh(Role::Decode), u64::MAX - 1);
+            assert_eq!(r.manifest().layout().tokens_per_block(), 4);
+            inv.on_directory(DirectoryChange::Put(r)).await;
+        }
+        let st = inv.stats();
+        assert_eq!(
+            (
+                st.donor_layouts_unprofitable,
+                st.donor_layouts_block_size_mismatch
+            ),
+            expected,
+            "{st:?}"
+        );
+        assert_eq!(st.directory_changes, 2);
+    }
+}
+
 /// A router inventory asking snapshots over `plane` under namespace `t`
 /// with a per-page timeout of `timeout`.
 fn inventory_on(plane: crate::InProcessInventory, timeout: Duration) -> Arc<RouterInventory> {
