@@ -1344,6 +1344,46 @@ fn a_bad_reuse_environment_variable_exits_2_naming_it() {
     }
 }
 
+/// A bad `KV_ROUTER_*` value (read by clap for a flag the command line
+/// lacks) is refused naming the variable, not only the flag (trial h33,
+/// nit 6); the same value given as the flag names the flag alone.
+#[test]
+fn a_bad_router_environment_variable_exits_2_naming_it() {
+    for (var, value) in [
+        ("KV_ROUTER_NATS_URL", "foo://x"),
+        ("KV_ROUTER_NATS_INBOX_PREFIX", "_INBOX.>"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+            .args(["--metrics-addr", "127.0.0.1:0"])
+            .env(var, value)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{var}={value}: {err}");
+        assert!(
+            err.starts_with(&format!(
+                "kv-reuse-router: `{var}` (environment variable): "
+            )),
+            "{var}={value}: {err}"
+        );
+        assert!(err.contains(value), "{var}={value}: {err}");
+    }
+    // On the command line: clap's own message, naming the flag.
+    let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+        .args(["--nats-url", "foo://x"])
+        .env("KV_ROUTER_NATS_URL", "nats://127.0.0.1:1")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--nats-url") && !err.contains("KV_ROUTER_NATS_URL"),
+        "{err}"
+    );
+}
+
 /// A router that came up on a throwaway nats-server, after that server
 /// stopped and `settle` passed (its client reads the closed socket within
 /// it), with the file its stderr log goes to; `None` (the test skips) where
