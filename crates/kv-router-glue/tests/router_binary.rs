@@ -985,6 +985,19 @@ fn a_nats_outage_longer_than_the_silence_window_keeps_the_workers() {
     // The first snapshot, then the one after the outage.
     assert!(follow("snapshots_applied") >= Some(2.0), "{text}");
     assert!(logged.contains("router's NATS connection back"), "{logged}");
+    // Each failed reconnect attempt was logged twice, a few a second
+    // (trial h33, nit 7): now once per 10 s per process, with the servers.
+    let client_errors: Vec<&str> = logged
+        .lines()
+        .filter(|l| l.contains("client error"))
+        .collect();
+    assert!(client_errors.len() <= 2, "{client_errors:#?}");
+    assert!(
+        client_errors
+            .iter()
+            .all(|l| l.contains("NATS client error") && l.contains("servers=")),
+        "{client_errors:#?}"
+    );
 }
 
 /// `--vllm-events`: the binary subscribes to a vLLM prefill engine's ZMQ

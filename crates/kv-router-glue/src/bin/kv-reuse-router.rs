@@ -241,6 +241,12 @@ const DECISION_LOG: RangeInclusive<u64> = 1..=1_000_000;
 /// `busy_poll_us` bound is the same).
 const ADVISE_BUSY_POLL_US: RangeInclusive<u64> = 0..=1_000_000;
 
+/// The log filter without `KV_ROUTER_LOG`: info, except async-nats' own
+/// info lines, which repeat each client event our event callback logs
+/// (with the servers, rate-limited), and so doubled every failed reconnect
+/// attempt while NATS was down (trial h33, nit 7).
+const DEFAULT_LOG: &str = "info,async_nats=warn";
+
 /// Why the router did not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 enum RouterError {
@@ -356,7 +362,7 @@ fn main() -> ExitCode {
     // an operator who asked for debug logs would otherwise never learn why
     // they do not come.
     let filter = match std::env::var("KV_ROUTER_LOG") {
-        Err(std::env::VarError::NotPresent) => tracing_subscriber::EnvFilter::new("info"),
+        Err(std::env::VarError::NotPresent) => tracing_subscriber::EnvFilter::new(DEFAULT_LOG),
         Err(e) => {
             eprintln!("kv-reuse-router: `KV_ROUTER_LOG`: {e}");
             return ExitCode::from(2);
