@@ -815,10 +815,40 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
         reply_errors = report.reply_errors,
         after_shutdown = report.after_shutdown,
         drain_confirmed = report.drain_confirmed,
-        follow = ?inventory.stats(),
         "stopped"
     );
+    // The followers' counters as fields of their own line: a log pipeline
+    // reads each as a field, where a Debug dump of the struct
+    // (`FollowStats { ... }`) was one opaque string (trial h33, nit 8).
+    log_follow_stats(&inventory.stats());
     Ok(())
+}
+
+/// Logs `stats` as one line of structured fields: the counters that
+/// matter most by name, and every counter (new ones included) in
+/// `follow` as `name=value` pairs.
+fn log_follow_stats(stats: &kv_router_glue::service::FollowStats) {
+    let all = match serde_json::to_value(stats) {
+        Ok(serde_json::Value::Object(fields)) => fields
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => String::new(),
+    };
+    tracing::info!(
+        announcements = stats.announcements,
+        announcements_ignored = stats.announcements_ignored,
+        workers_dropped = stats.workers_dropped,
+        workers_readmitted = stats.workers_readmitted,
+        events_applied = stats.events_applied,
+        events_refused = stats.events_refused,
+        lost_ranges = stats.lost_ranges,
+        snapshots_applied = stats.snapshots_applied,
+        snapshots_failed = stats.snapshots_failed,
+        follow = %all,
+        "follower counters at stop"
+    );
 }
 
 #[cfg(test)]
