@@ -46,6 +46,15 @@ use tokio_util::sync::CancellationToken;
 ///
 /// Reuse settings (the `--enable-decode-to-prefill-reuse` ... flags below) are
 /// layered: defaults < `--settings` TOML file < `KV_REUSE_*` environment < flags.
+///
+/// Logs go to stderr; `KV_ROUTER_LOG` sets the filter (tracing-subscriber
+/// syntax, default `info,async_nats=warn`; a malformed one exits 2). Exit
+/// codes: 0 after a drain (SIGTERM, SIGINT) or a signal during startup; 1 for
+/// a run-time failure (NATS, the directory bucket or a vLLM endpoint
+/// unreachable, a second signal cutting the drain); 2 for a configuration
+/// error (flag, environment variable, settings file). SIGHUP is logged and
+/// ignored (settings are read once: restart to change them). Details:
+/// docs/router-service.md.
 #[derive(Parser, Debug)]
 #[command(
     name = "kv-reuse-router",
