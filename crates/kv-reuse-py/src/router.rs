@@ -141,11 +141,10 @@ impl Router {
         layout: Layout,
     ) -> PyResult<()> {
         let key: u64 = uint("key", key)?;
-        let (given, ours) = (
-            layout.inner.tokens_per_block(),
-            self.advisor.model().current().tokens_per_block(),
-        );
-        if given != ours {
+        let given = layout.inner.tokens_per_block();
+        // This router's model is always built with a block size.
+        let ours = self.advisor.model().current().tokens_per_block();
+        if let Some(ours) = ours.filter(|&ours| ours != given) {
             return Err(bad_argument(
                 "layout",
                 format!("{given} tokens per block, this router hashes blocks of {ours}"),

@@ -179,11 +179,15 @@ mod tests {
         }
         let value = "6\"\nenable_decode_to_prefill_reuse = true\n\"\0\u{7f}";
         let text = format!("minimum_transfer_prefix_blocks = {}\n", toml_string(value));
-        match SettingsLoader::new().toml_str(&text, "values") {
+        match SettingsLoader::new()
+            .toml_str(&text, "values")
+            .as_ref()
+            .map_err(SettingsError::root)
+        {
             Err(SettingsError::InvalidValue {
                 key, value: shown, ..
             }) => {
-                assert_eq!(key, "minimum_transfer_prefix_blocks");
+                assert_eq!(*key, "minimum_transfer_prefix_blocks");
                 assert!(shown.contains("enable_decode_to_prefill_reuse"), "{shown}");
             }
             other => panic!("{:?}", other.map(|_| ())),

@@ -86,6 +86,17 @@ pub enum SettingsError {
         /// OS error.
         reason: String,
     },
+    /// A setting of a file refused ([`SettingsError::InvalidValue`],
+    /// [`SettingsError::OutOfRange`], [`SettingsError::Removed`]), naming
+    /// the file: environment variables and flags layer over it, so the
+    /// key alone does not say where to fix the value.
+    #[error("{error} (from {file})")]
+    InFile {
+        /// File name, as given.
+        file: String,
+        /// The refusal.
+        error: Box<SettingsError>,
+    },
     /// TOML syntax error or nested table.
     #[error("invalid TOML in {file}: {reason}")]
     Toml {
@@ -100,6 +111,26 @@ pub enum SettingsError {
         /// Parser message.
         reason: String,
     },
+}
+
+impl SettingsError {
+    /// The refusal itself, without the file [`SettingsError::InFile`]
+    /// names (any other error is its own root).
+    ///
+    /// ```
+    /// use kv_router_glue::{SettingsError, SettingsLoader};
+    /// let e = SettingsLoader::new()
+    ///     .toml_str("minimum_transfer_prefix_blocks = -1", "s3.toml")
+    ///     .unwrap_err();
+    /// assert!(e.to_string().ends_with("(from s3.toml)"), "{e}");
+    /// assert!(matches!(e.root(), SettingsError::OutOfRange { .. }));
+    /// ```
+    pub fn root(&self) -> &SettingsError {
+        match self {
+            SettingsError::InFile { error, .. } => error.root(),
+            other => other,
+        }
+    }
 }
 
 /// Why calibration could not fit a model (a fit that shows no gain is not an

@@ -519,6 +519,32 @@ fn configuration_errors_exit_2_naming_the_flag_before_connecting() {
     }
 }
 
+/// `--tokens-per-block` checks the settings at start only when given
+/// (trial h33, BUG 2: its default of 16 refused 1000 µs a block, which
+/// 64-token engines make worth it, although decisions price the donor
+/// layout's own block size). Without it, the router goes on to connect
+/// (exit 1 here, no NATS); with 16 it refuses naming the setting and the
+/// block size (exit 2); with 64 it goes on.
+#[test]
+fn tokens_per_block_checks_the_settings_at_start_only_when_given() {
+    let slow = [
+        "--enable-decode-to-prefill-reuse",
+        "--transfer-source-estimated-block-us",
+        "1000",
+    ];
+    let (code, err) = run_without_nats(&slow);
+    assert_eq!(code, Some(1), "not refused without the flag: {err}");
+    assert!(!err.contains("no fetch could save time"), "{err}");
+    let (code, err) = run_without_nats(&[&slow[..], &["--tokens-per-block", "16"]].concat());
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("transfer_source_estimated_block_us") && err.contains("16 tokens x 30"),
+        "{err}"
+    );
+    let (code, err) = run_without_nats(&[&slow[..], &["--tokens-per-block", "64"]].concat());
+    assert_eq!(code, Some(1), "{err}");
+}
+
 /// A `--metrics-addr` that cannot be bound is a flag error too: exit 2
 /// naming the flag and the address, before any connection (it used to be
 /// bound after NATS was reached, so with NATS down the same mistake exited
@@ -825,6 +851,153 @@ fn a_router_started_after_a_donor_went_idle_or_restarted_after_sigkill_finds_its
     started_later.unwrap();
     restarted.unwrap();
     assert_eq!(status.code(), Some(0), "{status}");
+}
+
+/// The donor directory bucket of the NATS outage test.
+const OUTAGE_BUCKET: &str = "kv_rbt_outage";
+
+/// A NATS outage longer than the silence window (`--missed-periods` x
+/// `--announce-period-ms`: 3 x 100 ms here, the outage 1.5 s) does not
+/// make the router drop its live workers (trial h33, BUG 1: it dropped
+/// them as silent and ignored their announcements for good, so every
+/// advise after it was refused). After it the same donor is admitted
+/// again, once its inventory snapshot is applied (its events while the
+/// router was away could have been lost).
+#[test]
+fn a_nats_outage_longer_than_the_silence_window_keeps_the_workers() {
+    use agents_common::*;
+    use std::sync::Arc;
+
+    let Some(mut nats) = NatsServer::start_or_skip("router_binary_outage") else {
+        return;
+    };
+    let url = nats.url();
+    let DonorSetup {
+        rt,
+        _sock,
+        ep,
+        blocks,
+        h,
+    } = DonorSetup::new();
+    let target = EngineId(uuid::Uuid::from_u128(0x0a7a6e));
+    let (donor, client, ticker) = rt.block_on(async {
+        let donor = open_donor(
+            &url,
+            OUTAGE_BUCKET,
+            donor_config("decode-0", &ep),
+            kv_router_glue::NatsOptions::default(),
+        )
+        .await;
+        for (k, chunk) in blocks.chunks(5).enumerate() {
+            let parent = (k > 0).then(|| blocks[k * 5 - 1].sequence_hash);
+            store_after(&donor, parent, chunk).await;
+        }
+        let donor = Arc::new(donor);
+        let client = async_nats::connect(&url).await.unwrap();
+        let ticker = announce_every_100ms(
+            donor.clone(),
+            client.clone(),
+            agents_target_announcement(target),
+        );
+        (donor, client, ticker)
+    });
+    let donor_id = donor.bank().owner().engine_id;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let router = spawn_router_logging(
+        &url,
+        NS,
+        &[
+            "--directory-bucket",
+            OUTAGE_BUCKET,
+            "--announce-period-ms",
+            "100",
+            "--missed-periods",
+            "3",
+        ],
+        Stdio::from(log.reopen().unwrap()),
+    );
+    let metrics_addr = router.ready["metrics_addr"].as_str().unwrap().to_string();
+    let before = rt.block_on(wait_admitted(&client, target, donor_id, &h, "before"));
+
+    nats.stop();
+    std::thread::sleep(Duration::from_millis(1_500));
+    nats.restart().unwrap();
+    // The router serves again (both its connections back), and so does
+    // this test's client.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while get(&metrics_addr, "/healthz").0 != 200
+        || client.connection_state() != async_nats::connection::State::Connected
+    {
+        assert!(
+            Instant::now() < deadline,
+            "router not serving after the restart"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let after = rt.block_on(wait_admitted(
+        &client,
+        target,
+        donor_id,
+        &h,
+        "after the outage",
+    ));
+    // /metrics copies the counters in once a second: read until the
+    // snapshot after the outage shows (or 5 s).
+    let snapshots = |text: &str| {
+        sample(
+            text,
+            "kv_reuse_router_follow_total{item=\"snapshots_applied\"}",
+        )
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        let (_, text) = get(&metrics_addr, "/metrics");
+        if snapshots(&text) >= Some(2.0) || Instant::now() >= deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+
+    rt.block_on(async {
+        ticker.abort();
+        let _ = ticker.await;
+        let donor = Arc::try_unwrap(donor).unwrap_or_else(|_| panic!("donor still shared"));
+        let _ = donor.close(Duration::from_secs(1)).await;
+    });
+    drop(router);
+    let logged = std::fs::read_to_string(log.path()).unwrap();
+    before.unwrap();
+    after.unwrap_or_else(|e| panic!("{e}\nrouter log:\n{logged}"));
+    let follow = |item: &str| {
+        sample(
+            &text,
+            &format!("kv_reuse_router_follow_total{{item=\"{item}\"}}"),
+        )
+    };
+    assert_eq!(
+        sample(&text, "kv_reuse_router_workers"),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(follow("workers_dropped"), Some(0.0), "{text}");
+    assert_eq!(follow("announcements_ignored"), Some(0.0), "{text}");
+    assert!(follow("connection_losses") >= Some(1.0), "{text}");
+    // The first snapshot, then the one after the outage.
+    assert!(follow("snapshots_applied") >= Some(2.0), "{text}");
+    assert!(logged.contains("router's NATS connection back"), "{logged}");
+    // Each failed reconnect attempt was logged twice, a few a second
+    // (trial h33, nit 7): now once per 10 s per process, with the servers.
+    let client_errors: Vec<&str> = logged
+        .lines()
+        .filter(|l| l.contains("client error"))
+        .collect();
+    assert!(client_errors.len() <= 2, "{client_errors:#?}");
+    assert!(
+        client_errors
+            .iter()
+            .all(|l| l.contains("NATS client error") && l.contains("servers=")),
+        "{client_errors:#?}"
+    );
 }
 
 /// `--vllm-events`: the binary subscribes to a vLLM prefill engine's ZMQ
@@ -1182,6 +1355,46 @@ fn a_bad_reuse_environment_variable_exits_2_naming_it() {
         );
         assert!(out.stdout.is_empty());
     }
+}
+
+/// A bad `KV_ROUTER_*` value (read by clap for a flag the command line
+/// lacks) is refused naming the variable, not only the flag (trial h33,
+/// nit 6); the same value given as the flag names the flag alone.
+#[test]
+fn a_bad_router_environment_variable_exits_2_naming_it() {
+    for (var, value) in [
+        ("KV_ROUTER_NATS_URL", "foo://x"),
+        ("KV_ROUTER_NATS_INBOX_PREFIX", "_INBOX.>"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+            .args(["--metrics-addr", "127.0.0.1:0"])
+            .env(var, value)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{var}={value}: {err}");
+        assert!(
+            err.starts_with(&format!(
+                "kv-reuse-router: `{var}` (environment variable): "
+            )),
+            "{var}={value}: {err}"
+        );
+        assert!(err.contains(value), "{var}={value}: {err}");
+    }
+    // On the command line: clap's own message, naming the flag.
+    let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+        .args(["--nats-url", "foo://x"])
+        .env("KV_ROUTER_NATS_URL", "nats://127.0.0.1:1")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--nats-url") && !err.contains("KV_ROUTER_NATS_URL"),
+        "{err}"
+    );
 }
 
 /// A router that came up on a throwaway nats-server, after that server

@@ -101,6 +101,34 @@ impl State {
         })
     }
 
+    /// [`State::register`] for an incarnation that may have been removed:
+    /// its retirement is forgotten, and the worker starts empty and
+    /// excluded as a donor until a resync (its events were missed).
+    pub(crate) fn readmit(
+        &mut self,
+        key: WorkerKey,
+        info: WorkerInfo,
+        locs: &mut Locs<'_>,
+    ) -> Result<Registration, LookupError> {
+        self.retired.remove(&info.engine);
+        let registration = self.register(key, info, locs)?;
+        let slot = *self.by_engine.get(&info.engine).expect("just registered");
+        self.mark_needs_resync(slot);
+        Ok(registration)
+    }
+
+    /// Marks a live engine as needing a resync (no donor until then);
+    /// false when it is not live.
+    pub(crate) fn require_resync(&mut self, engine: EngineId) -> bool {
+        match self.by_engine.get(&engine) {
+            Some(&slot) => {
+                self.mark_needs_resync(slot);
+                true
+            }
+            None => false,
+        }
+    }
+
     fn insert_worker(
         &mut self,
         key: WorkerKey,

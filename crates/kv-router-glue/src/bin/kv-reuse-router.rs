@@ -46,6 +46,15 @@ use tokio_util::sync::CancellationToken;
 ///
 /// Reuse settings (the `--enable-decode-to-prefill-reuse` ... flags below) are
 /// layered: defaults < `--settings` TOML file < `KV_REUSE_*` environment < flags.
+///
+/// Logs go to stderr; `KV_ROUTER_LOG` sets the filter (tracing-subscriber
+/// syntax, default `info,async_nats=warn`; a malformed one exits 2). Exit
+/// codes: 0 after a drain (SIGTERM, SIGINT) or a signal during startup; 1 for
+/// a run-time failure (NATS, the directory bucket or a vLLM endpoint
+/// unreachable, a second signal cutting the drain); 2 for a configuration
+/// error (flag, environment variable, settings file). SIGHUP is logged and
+/// ignored (settings are read once: restart to change them). Details:
+/// docs/router-service.md.
 #[derive(Parser, Debug)]
 #[command(
     name = "kv-reuse-router",
@@ -173,6 +182,9 @@ struct Cli {
     announce_period_ms: u64,
 
     /// Announce periods a worker may miss before it is dropped; 1 to 1,000.
+    /// A dropped worker is taken back when it announces again; while the
+    /// router's own NATS connection is down nobody's silence counts
+    /// (docs/router-service.md, "Silence and NATS outages").
     #[arg(
         long,
         default_value_t = 3,
@@ -180,10 +192,15 @@ struct Cli {
     )]
     missed_periods: u32,
 
-    /// Tokens per KV block of the cost model (the engines' block size);
-    /// at least 1.
-    #[arg(long, default_value_t = 16, value_parser = value_parser!(u32).range(1..))]
-    tokens_per_block: u32,
+    /// The engines' tokens per KV block, to check the reuse settings at
+    /// start: with it, the router refuses to start (exit 2) when no fetch of
+    /// such blocks could save time, and warns about each donor layout of
+    /// another block size. Without it (the default) each donor layout is
+    /// checked when its first directory record arrives (a warning, and
+    /// `donor_layouts_unprofitable` in /metrics). Decisions always price
+    /// the donor layout's own block size. At least 1.
+    #[arg(long, value_parser = value_parser!(u32).range(1..))]
+    tokens_per_block: Option<u32>,
 
     /// Most index probes one donor lookup may spend; at least 1.
     #[arg(long, default_value_t = 16_384, value_parser = value_parser!(u32).range(1..))]
@@ -232,6 +249,12 @@ const DECISION_LOG: RangeInclusive<u64> = 1..=1_000_000;
 /// reply worth waiting for and burns a core (the Python client's
 /// `busy_poll_us` bound is the same).
 const ADVISE_BUSY_POLL_US: RangeInclusive<u64> = 0..=1_000_000;
+
+/// The log filter without `KV_ROUTER_LOG`: info, except async-nats' own
+/// info lines, which repeat each client event our event callback logs
+/// (with the servers, rate-limited), and so doubled every failed reconnect
+/// attempt while NATS was down (trial h33, nit 7).
+const DEFAULT_LOG: &str = "info,async_nats=warn";
 
 /// Why the router did not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -287,6 +310,30 @@ impl RouterError {
     }
 }
 
+/// The environment variable `err` (clap's refusal of a flag's value) came
+/// from, when it came from one: an `env`-backed flag that the message names,
+/// absent from the command line, whose variable is set. clap's own message
+/// names only the flag (trial h33, nit 6). Found from the message, because
+/// the value parsers' own errors (`--nats-url`'s) carry no context.
+fn env_source(err: &clap::Error, args: &[std::ffi::OsString]) -> Option<String> {
+    use clap::CommandFactory;
+    let shown = err.to_string();
+    let cmd = Cli::command();
+    let var = cmd.get_arguments().find_map(|arg| {
+        let long = arg.get_long()?;
+        let var = arg.get_env()?.to_str()?;
+        let flag = format!("--{long}");
+        // `'--nats-url'` or `'--nats-url <NATS_URL>'`: not a longer flag.
+        let named = shown.contains(&format!("'{flag}'")) || shown.contains(&format!("'{flag} "));
+        let on_command_line = args.iter().any(|a| {
+            a.to_str()
+                .is_some_and(|a| a == flag || a.starts_with(&format!("{flag}=")))
+        });
+        (named && !on_command_line && std::env::var_os(var).is_some()).then(|| var.to_string())
+    });
+    var
+}
+
 fn main() -> ExitCode {
     // `KV_REUSE_*` first, through the loader that names the variable:
     // clap reads them too (the flags' `env`), and its message named only
@@ -306,13 +353,25 @@ fn main() -> ExitCode {
         }
         return ExitCode::from(2);
     }
-    let cli = Cli::parse();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cli = match Cli::try_parse_from(&args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            if let Some(var) = env_source(&e, &args) {
+                // clap's text ("error: invalid value 'x' for '--flag'")
+                // names the flag; say the variable it was read from.
+                eprint!("kv-reuse-router: `{var}` (environment variable): {e}");
+                return ExitCode::from(2);
+            }
+            e.exit()
+        }
+    };
     // A filter that does not parse is a configuration error like a bad
     // `KV_REUSE_*` value (exit 2 naming the variable), not a silent `info`:
     // an operator who asked for debug logs would otherwise never learn why
     // they do not come.
     let filter = match std::env::var("KV_ROUTER_LOG") {
-        Err(std::env::VarError::NotPresent) => tracing_subscriber::EnvFilter::new("info"),
+        Err(std::env::VarError::NotPresent) => tracing_subscriber::EnvFilter::new(DEFAULT_LOG),
         Err(e) => {
             eprintln!("kv-reuse-router: `KV_ROUTER_LOG`: {e}");
             return ExitCode::from(2);
@@ -545,7 +604,12 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
     for (key, value, unit, origin) in loaded.in_force() {
         tracing::info!(key, value = %value, unit, origin = %origin, "setting in force");
     }
-    let model = CostModel::new(loaded.settings.clone(), cli.tokens_per_block)?;
+    // Checked against a block size only when the operator gave one; each
+    // donor layout's own is checked as it becomes known (RouterInventory).
+    let model = match cli.tokens_per_block {
+        Some(tpb) => CostModel::new(loaded.settings.clone(), tpb)?,
+        None => CostModel::for_announced_layouts(loaded.settings.clone())?,
+    };
 
     let options = checked_nats_options(&cli)?;
     // Bound before any connection, served once the health probe's inputs
@@ -760,10 +824,40 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
         reply_errors = report.reply_errors,
         after_shutdown = report.after_shutdown,
         drain_confirmed = report.drain_confirmed,
-        follow = ?inventory.stats(),
         "stopped"
     );
+    // The followers' counters as fields of their own line: a log pipeline
+    // reads each as a field, where a Debug dump of the struct
+    // (`FollowStats { ... }`) was one opaque string (trial h33, nit 8).
+    log_follow_stats(&inventory.stats());
     Ok(())
+}
+
+/// Logs `stats` as one line of structured fields: the counters that
+/// matter most by name, and every counter (new ones included) in
+/// `follow` as `name=value` pairs.
+fn log_follow_stats(stats: &kv_router_glue::service::FollowStats) {
+    let all = match serde_json::to_value(stats) {
+        Ok(serde_json::Value::Object(fields)) => fields
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => String::new(),
+    };
+    tracing::info!(
+        announcements = stats.announcements,
+        announcements_ignored = stats.announcements_ignored,
+        workers_dropped = stats.workers_dropped,
+        workers_readmitted = stats.workers_readmitted,
+        events_applied = stats.events_applied,
+        events_refused = stats.events_refused,
+        lost_ranges = stats.lost_ranges,
+        snapshots_applied = stats.snapshots_applied,
+        snapshots_failed = stats.snapshots_failed,
+        follow = %all,
+        "follower counters at stop"
+    );
 }
 
 #[cfg(test)]

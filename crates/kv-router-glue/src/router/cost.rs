@@ -182,11 +182,16 @@ impl std::fmt::Display for AdmissionDecision {
 #[derive(Debug, Clone, PartialEq)]
 pub struct CostModel {
     settings: ReuseSettings,
-    tokens_per_block: u32,
+    /// The block size the settings were checked against at construction;
+    /// `None` for [`CostModel::for_announced_layouts`]. Never used for
+    /// pricing: [`CostInputs::reused_tokens`] carries the donor layout's
+    /// own block size.
+    tokens_per_block: Option<u32>,
 }
 
 impl CostModel {
-    /// Builds a model, refusing settings it cannot use.
+    /// Builds a model, refusing settings it cannot use for blocks of
+    /// `tokens_per_block` tokens ([`CostModel::check_block_size`]).
     ///
     /// # Errors
     /// Validation errors of [`ReuseSettings::validate`]; [`SettingsError::Unusable`]
@@ -197,42 +202,86 @@ impl CostModel {
     /// `tokens_per_block` when it is 0.
     pub fn new(settings: ReuseSettings, tokens_per_block: u32) -> Result<Self, SettingsError> {
         settings.validate()?;
+        Self::check_block_size(&settings, tokens_per_block)?;
+        Ok(Self {
+            settings,
+            tokens_per_block: Some(tokens_per_block),
+        })
+    }
+
+    /// Builds a model without a block size: the settings are validated,
+    /// and [`CostModel::check_block_size`] is left to the caller for each
+    /// donor layout as it becomes known (the advisor prices every decision
+    /// with the donor layout's own block size). What the router service
+    /// does when `--tokens-per-block` is not given.
+    ///
+    /// # Errors
+    /// Validation errors of [`ReuseSettings::validate`].
+    pub fn for_announced_layouts(settings: ReuseSettings) -> Result<Self, SettingsError> {
+        settings.validate()?;
+        Ok(Self {
+            settings,
+            tokens_per_block: None,
+        })
+    }
+
+    /// Whether a fetch of blocks of `tokens_per_block` tokens could ever
+    /// save time under `settings`: with reuse enabled, each enabled path's
+    /// block cost must be below the recompute cost of a block
+    /// (`tokens_per_block x transfer_source_prefill_token_us`).
+    ///
+    /// ```
+    /// use kv_router_glue::*;
+    /// let mut s = ReuseSettings::default();
+    /// s.enable_decode_to_prefill_reuse = true;
+    /// s.transfer_source_estimated_block_us = 1000.0;
+    /// // 16 x 30 µs = 480 µs a block: never worth 1000 µs; 64 x 30 = 1920 µs is.
+    /// assert!(CostModel::check_block_size(&s, 16).is_err());
+    /// assert!(CostModel::check_block_size(&s, 64).is_ok());
+    /// ```
+    ///
+    /// # Errors
+    /// [`SettingsError::Unusable`] naming the path's key, its value and the
+    /// recompute cost; [`SettingsError::InvalidArgument`] naming
+    /// `tokens_per_block` when it is 0.
+    pub fn check_block_size(
+        settings: &ReuseSettings,
+        tokens_per_block: u32,
+    ) -> Result<(), SettingsError> {
         if tokens_per_block == 0 {
             return Err(SettingsError::InvalidArgument {
                 argument: "tokens_per_block",
                 reason: format!("{tokens_per_block}, must be at least 1"),
             });
         }
-        if settings.enable_decode_to_prefill_reuse {
-            let block_recompute =
-                f64::from(tokens_per_block) * settings.transfer_source_prefill_token_us;
-            let mut paths = vec![(
-                "transfer_source_estimated_block_us",
-                settings.transfer_source_estimated_block_us,
-            )];
-            if settings.enable_decode_to_prefill_gpu_reuse {
-                paths.push((
-                    "transfer_source_gpu_estimated_block_us",
-                    settings.transfer_source_gpu_estimated_block_us,
-                ));
-            }
-            for (key, block_us) in paths {
-                if block_us >= block_recompute {
-                    return Err(SettingsError::Unusable {
-                        key,
-                        reason: format!(
-                            "= {block_us} µs is not below the recompute cost of a block \
-                             ({tokens_per_block} tokens x {} µs = {block_recompute} µs): no fetch could save time",
-                            settings.transfer_source_prefill_token_us
-                        ),
-                    });
-                }
+        if !settings.enable_decode_to_prefill_reuse {
+            return Ok(());
+        }
+        let block_recompute =
+            f64::from(tokens_per_block) * settings.transfer_source_prefill_token_us;
+        let mut paths = vec![(
+            "transfer_source_estimated_block_us",
+            settings.transfer_source_estimated_block_us,
+        )];
+        if settings.enable_decode_to_prefill_gpu_reuse {
+            paths.push((
+                "transfer_source_gpu_estimated_block_us",
+                settings.transfer_source_gpu_estimated_block_us,
+            ));
+        }
+        for (key, block_us) in paths {
+            if block_us >= block_recompute {
+                return Err(SettingsError::Unusable {
+                    key,
+                    reason: format!(
+                        "= {block_us} µs is not below the recompute cost of a block \
+                         ({tokens_per_block} tokens x {} µs = {block_recompute} µs): no fetch could save time",
+                        settings.transfer_source_prefill_token_us
+                    ),
+                });
             }
         }
-        Ok(Self {
-            settings,
-            tokens_per_block,
-        })
+        Ok(())
     }
 
     /// The settings in force.
@@ -240,8 +289,11 @@ impl CostModel {
         &self.settings
     }
 
-    /// Tokens per block of the layout this model prices.
-    pub fn tokens_per_block(&self) -> u32 {
+    /// The block size the settings were checked against by
+    /// [`CostModel::new`] (`None` for [`CostModel::for_announced_layouts`]).
+    /// Pricing never uses it: each decision counts the donor layout's own
+    /// tokens per block.
+    pub fn tokens_per_block(&self) -> Option<u32> {
         self.tokens_per_block
     }
 
@@ -323,13 +375,16 @@ impl LiveCostModel {
         self.inner.read().clone()
     }
 
-    /// Replaces the settings, keeping the tokens per block.
+    /// Replaces the settings, keeping the block size they are checked
+    /// against (none for [`CostModel::for_announced_layouts`]).
     ///
     /// # Errors
     /// As [`CostModel::new`]; on error the previous model stays in force.
     pub fn retune(&self, settings: ReuseSettings) -> Result<(), SettingsError> {
-        let tpb = self.current().tokens_per_block;
-        let next = CostModel::new(settings, tpb)?;
+        let next = match self.current().tokens_per_block {
+            Some(tpb) => CostModel::new(settings, tpb)?,
+            None => CostModel::for_announced_layouts(settings)?,
+        };
         *self.inner.write() = Arc::new(next);
         Ok(())
     }

@@ -6,8 +6,19 @@
 //!   its `worker_key`); a prefill worker becomes an advise target; a new
 //!   incarnation under a known key drops the old one everywhere (index,
 //!   donor directory, targets, inventory sync) and its late events and
-//!   directory renewals are ignored; a worker silent for `missed_periods`
-//!   announce periods is dropped the same way. The first announcement naming
+//!   directory renewals are ignored, for good (an announcement of it is
+//!   counted in `announcements_ignored` and logged at most once per
+//!   [`RETIRED_LOG_EVERY`]). A worker silent for `missed_periods` announce
+//!   periods is dropped the same way, except that it is not replaced: when
+//!   it announces again it is taken back (`workers_readmitted`), excluded
+//!   as a donor until its inventory snapshot is applied (its events while it
+//!   was away were missed). The router's own disconnection is no worker's
+//!   silence: while the event plane reports its connection down (polled
+//!   every [`CONNECTION_POLL`]) no worker is dropped, and once it is back
+//!   every worker gets a fresh deadline and every decode worker is asked a
+//!   new snapshot, those that served one before being no donor until it is
+//!   applied ([`RouterInventory::on_connection`]).
+//!   The first announcement naming
 //!   an event subject subscribes to it; once no registered worker names a
 //!   subject any more (its last worker dropped, or announcing another
 //!   subject), its subscription is dropped (`event_subjects_released`), so
@@ -91,6 +102,17 @@ pub const REOPEN_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// (helper-20). Every refusal is still counted (`announcements_ignored`).
 pub const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(1);
 
+/// Shortest time between two log lines of ignored announcements of
+/// replaced incarnations: such an incarnation (two live processes under one
+/// worker key, say) announces every period for as long as it runs.
+pub const RETIRED_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// How often the follower checks the event plane's connection
+/// ([`EventPlane::is_connected`]): well below any announce period (10 ms
+/// at least, 3 periods of silence at least), so that the router's own
+/// disconnection is seen before it could count as the workers' silence.
+pub const CONNECTION_POLL: Duration = Duration::from_millis(20);
+
 /// What one async mutex guards: the registry and the sync must be seen
 /// together (every sync call reads `is_retired`, and a snapshot must not
 /// interleave with the events and directory changes it is ordered against).
@@ -106,6 +128,9 @@ struct Tracked {
     subjects: HashMap<String, SubjectFollower>,
     /// Generation of the next subject follower.
     next_generation: u64,
+    /// Donor layouts whose block size was checked against the cost model
+    /// ([`RouterInventory::check_layout`]), each once.
+    checked_layouts: HashSet<kv_descriptor::LayoutFingerprint>,
 }
 
 /// One event subject's follower, as the state knows it.
@@ -144,6 +169,11 @@ pub struct RouterInventory {
     announcements_down: AtomicBool,
     /// Log lines of undecodable announcements.
     refused_log: LogThrottle,
+    /// Log lines of ignored announcements of replaced incarnations.
+    retired_log: LogThrottle,
+    /// Set while the router's own connection is down (the registry is
+    /// paused); read without the state lock by each connection poll.
+    connection_down: AtomicBool,
 }
 
 impl std::fmt::Debug for RouterInventory {
@@ -190,11 +220,14 @@ impl RouterInventory {
                 recorded: HashSet::new(),
                 subjects: HashMap::new(),
                 next_generation: 0,
+                checked_layouts: HashSet::new(),
             }),
             counters: Counters::default(),
             directory_down: AtomicBool::new(false),
             announcements_down: AtomicBool::new(false),
             refused_log: LogThrottle::new(REFUSAL_LOG_EVERY),
+            retired_log: LogThrottle::new(RETIRED_LOG_EVERY),
+            connection_down: AtomicBool::new(false),
         }
     }
 
@@ -349,9 +382,27 @@ impl RouterInventory {
         match registration {
             Registration::Retired => {
                 bump(&self.counters.announcements_ignored);
+                if let Some(suppressed) = self.retired_log.admit(std::time::Instant::now()) {
+                    let now = st.registry.get(&a.worker_key).map(|n| n.engine_id);
+                    tracing::warn!(
+                        worker = %a.worker_key,
+                        engine = %a.engine_id,
+                        replaced_by = ?now,
+                        suppressed,
+                        "announcement of a replaced incarnation ignored (is a second process announcing this worker key?)"
+                    );
+                }
                 return None;
             }
             Registration::Replaced { dropped } => self.drop_engine(st, dropped),
+            Registration::Readmitted => {
+                bump(&self.counters.workers_readmitted);
+                tracing::info!(
+                    worker = %a.worker_key,
+                    engine = %a.engine_id,
+                    "worker dropped for silence announced again: taken back (no donor until its inventory snapshot)"
+                );
+            }
             Registration::New | Registration::Refreshed => {}
         }
         if moved {
@@ -365,7 +416,15 @@ impl RouterInventory {
             tp_size: a.tp_size,
         };
         let key = WorkerKey(xxhash_rust::xxh3::xxh3_64(a.worker_key.as_bytes()));
-        if let Err(e) = self.index.register_worker(key, info) {
+        // A readmitted worker's inventory is unknown (its events while it
+        // was away were missed): the index takes it back excluded as a
+        // donor until the snapshot asked below is applied.
+        let registered = if registration == Registration::Readmitted {
+            self.index.readmit_worker(key, info)
+        } else {
+            self.index.register_worker(key, info)
+        };
+        if let Err(e) = registered {
             tracing::warn!(worker = %a.worker_key, error = %e, "index refused the worker");
         }
         if a.role == Role::Prefill {
@@ -473,6 +532,58 @@ impl RouterInventory {
         dead.len()
     }
 
+    /// Takes in the state of the router's own connection to the event
+    /// plane at `now_ms`. Down: no worker is dropped for silence until it
+    /// is back (their announcements cannot arrive). Back: every worker's
+    /// silence is counted afresh from `now_ms`, and every decode worker is
+    /// asked its inventory snapshot again at its next announcement (its
+    /// events while the router was away were lost, and a later one need not
+    /// show the gap soon). One that has answered a snapshot before is
+    /// excluded as a donor until the new one is applied; one that never has
+    /// (a worker without an inventory server) stays a donor as before,
+    /// repaired only by the gaps its later events show, since excluding it
+    /// would exclude it for good. Returns whether the state changed.
+    pub async fn on_connection(&self, connected: bool, now_ms: u64) -> bool {
+        // The poll's common case (no change) takes no lock.
+        if connected != self.connection_down.load(Ordering::SeqCst) {
+            return false;
+        }
+        let mut guard = self.state.lock().await;
+        self.connection_down.store(!connected, Ordering::SeqCst);
+        let st = &mut *guard;
+        match (connected, st.registry.is_paused()) {
+            (false, false) => {
+                st.registry.pause();
+                bump(&self.counters.connection_losses);
+                tracing::warn!(
+                    workers = st.registry.len(),
+                    "router's NATS connection down: no worker is dropped for silence until it is back"
+                );
+                true
+            }
+            (true, true) => {
+                st.registry.resume(now_ms);
+                let decode = st.registry.engines(Role::Decode);
+                let mut excluded = 0;
+                for &engine in &decode {
+                    if st.sync.snapshot_event_id(engine).is_some() {
+                        self.index.require_resync(engine);
+                        excluded += 1;
+                    }
+                    st.sync.forget(engine);
+                }
+                tracing::info!(
+                    workers = st.registry.len(),
+                    resyncing = decode.len(),
+                    excluded,
+                    "router's NATS connection back: silence counted from now; decode workers that serve snapshots are donors again after their new one"
+                );
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Counts one event's result (and logs a refusal).
     fn count_event(&self, event: &KvEvent, result: &Result<EventOutcome, LookupError>) {
         let c = &self.counters;
@@ -561,6 +672,43 @@ impl RouterInventory {
         }
     }
 
+    /// Checks the block size of `record`'s layout against the cost model,
+    /// once per layout fingerprint: the advisor prices each decision with
+    /// the donor layout's own tokens per block, so the settings must let a
+    /// fetch of such blocks save time ([`crate::CostModel::check_block_size`];
+    /// warning and `donor_layouts_unprofitable` when not: this layout's
+    /// donors are never admitted), and a `--tokens-per-block` given at
+    /// start that differs is named (`donor_layouts_block_size_mismatch`).
+    fn check_layout(&self, st: &mut Tracked, record: &crate::DonorRecord) {
+        let layout = record.manifest().layout();
+        if !st.checked_layouts.insert(layout.fingerprint()) {
+            return;
+        }
+        let model = self.service.advisor().model().current();
+        let block = layout.tokens_per_block();
+        let fingerprint = format!("{:#x}", layout.fingerprint().0);
+        if let Some(given) = model.tokens_per_block().filter(|&t| t != block) {
+            bump(&self.counters.donor_layouts_block_size_mismatch);
+            tracing::warn!(
+                layout = %fingerprint,
+                donor = %record.engine_id(),
+                tokens_per_block = block,
+                setting = given,
+                "donor layout's block size differs from `--tokens-per-block`: decisions price the layout's own blocks"
+            );
+        }
+        if let Err(e) = crate::CostModel::check_block_size(model.settings(), block) {
+            bump(&self.counters.donor_layouts_unprofitable);
+            tracing::warn!(
+                layout = %fingerprint,
+                donor = %record.engine_id(),
+                tokens_per_block = block,
+                error = %e,
+                "no fetch from donors of this layout can save time: every one is refused"
+            );
+        }
+    }
+
     /// Takes in one directory change.
     pub async fn on_directory(&self, change: DirectoryChange) {
         let mut guard = self.state.lock().await;
@@ -572,6 +720,9 @@ impl RouterInventory {
             }
         }
         bump(&self.counters.directory_changes);
+        if let DirectoryChange::Put(r) = &change {
+            self.check_layout(st, r);
+        }
         match self.remote.apply_directory(change) {
             CacheUpdate::NewGeneration { engine, .. } => {
                 // The put reset the donor's slot map: a snapshot applied
@@ -632,11 +783,23 @@ impl RouterInventory {
         let (me, stop) = (self.clone(), shutdown.clone());
         tasks.spawn(async move {
             let mut tick = tokio::time::interval(announce_period);
+            let mut poll = tokio::time::interval(CONNECTION_POLL);
+            poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut streams: JoinSet<()> = JoinSet::new();
             loop {
                 tokio::select! {
+                    // Biased: the connection's state is taken in before a
+                    // silence tick that comes at the same time.
+                    biased;
                     _ = stop.cancelled() => return,
-                    _ = tick.tick() => { me.tick(unix_now_ms()).await; }
+                    _ = poll.tick() => { me.on_connection(plane.is_connected(), unix_now_ms()).await; }
+                    _ = tick.tick() => {
+                        // Checked again right before: a disconnection since
+                        // the last poll must not count as silence.
+                        let now = unix_now_ms();
+                        me.on_connection(plane.is_connected(), now).await;
+                        me.tick(now).await;
+                    }
                     m = announcements.next() => {
                         let Some(m) = m else {
                             let flag = (&me.announcements_down, &me.counters.announcements_resubscribed);

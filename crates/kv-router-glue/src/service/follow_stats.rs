@@ -32,10 +32,18 @@ macro_rules! follow_counters {
 follow_counters! {
     /// Announcements accepted (new, refreshed or replacing).
     announcements,
-    /// Announcements refused (undecodable, invalid) or of retired incarnations.
+    /// Announcements refused (undecodable, invalid) or of replaced
+    /// incarnations (logged at most once per `RETIRED_LOG_EVERY`).
     announcements_ignored,
     /// Workers dropped (replaced or silent).
     workers_dropped,
+    /// Workers dropped for silence that announced again and were taken
+    /// back (each a donor again only after its inventory snapshot).
+    workers_readmitted,
+    /// Times the router found its own NATS connection down: no worker's
+    /// silence counts until it is back, and then every decode worker is
+    /// resynced before it is a donor again.
+    connection_losses,
     /// KV events applied to the index (in order, or after a gap).
     events_applied,
     /// KV events at or below what the index already holds of the publisher
@@ -60,6 +68,13 @@ follow_counters! {
     directory_changes,
     /// Directory puts of retired incarnations, ignored.
     directory_puts_ignored,
+    /// Donor layouts (by fingerprint, each counted once) whose blocks are
+    /// too small for the settings: no fetch of them could save time, so
+    /// every decision about them refuses.
+    donor_layouts_unprofitable,
+    /// Donor layouts (each counted once) whose tokens per block differ from
+    /// the router's `--tokens-per-block` (given at start).
+    donor_layouts_block_size_mismatch,
     /// Times the directory watch ended and was opened again.
     directory_watch_reopened,
     /// Times the announcements subscription ended and was made again.

@@ -122,7 +122,7 @@ fn retune_refuses_settings_the_model_cannot_use_and_keeps_the_old_one() {
         live.current().settings().transfer_source_prefill_token_us,
         40.0
     );
-    assert_eq!(live.current().tokens_per_block(), 16);
+    assert_eq!(live.current().tokens_per_block(), Some(16));
 }
 
 #[test]

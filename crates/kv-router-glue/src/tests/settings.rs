@@ -346,7 +346,9 @@ fn toml_file_and_errors() {
     let e = SettingsLoader::new()
         .toml_str("enable_decode_to_prefill_reuse = \"yes\"", "a.toml")
         .unwrap_err();
-    match &e {
+    // Named with its file (trial h33, nit 5), as an unknown key is.
+    assert!(e.to_string().ends_with("(from a.toml)"), "{e}");
+    match e.root() {
         SettingsError::InvalidValue {
             key: "enable_decode_to_prefill_reuse",
             value,
@@ -362,7 +364,7 @@ fn toml_file_and_errors() {
         .unwrap_err();
     assert!(
         matches!(
-            e,
+            e.root(),
             SettingsError::InvalidValue {
                 key: "minimum_transfer_prefix_blocks",
                 ..
@@ -373,9 +375,15 @@ fn toml_file_and_errors() {
     let e = SettingsLoader::new()
         .toml_str("minimum_transfer_prefix_blocks = -1", "a.toml")
         .unwrap_err();
+    let shown = e.to_string();
+    assert!(
+        shown.starts_with("`minimum_transfer_prefix_blocks` = -1 is out of range")
+            && shown.ends_with("(from a.toml)"),
+        "{shown}"
+    );
     assert!(
         matches!(
-            e,
+            e.root(),
             SettingsError::OutOfRange {
                 key: "minimum_transfer_prefix_blocks",
                 ..

@@ -312,7 +312,8 @@ impl Router {
                     self.remote.forget(*dropped);
                 }
                 Registration::Retired => continue,
-                Registration::New | Registration::Refreshed => {}
+                // Time is 0 here: nothing is dropped for silence.
+                Registration::New | Registration::Refreshed | Registration::Readmitted => {}
             }
             self.index
                 .register_worker(

@@ -71,25 +71,31 @@ impl Router {
         let Ok(mut reg) = self.registry.lock() else {
             return;
         };
-        match reg.announce(a.clone(), unix_now_ms()) {
+        let registration = reg.announce(a.clone(), unix_now_ms());
+        match registration {
             Registration::Retired => return,
             Registration::Replaced { dropped } => {
                 self.index.remove_worker(dropped);
                 self.remote.forget(dropped);
                 self.service.remove_target(dropped);
             }
-            Registration::New | Registration::Refreshed => {}
+            Registration::New | Registration::Refreshed | Registration::Readmitted => {}
         }
         drop(reg);
-        let _ = self.index.register_worker(
-            WorkerKey(stable_key(a.worker_key.as_bytes())),
-            WorkerInfo {
-                engine: a.engine_id,
-                role: a.role,
-                layout_fingerprint: a.layout_fingerprint,
-                tp_size: a.tp_size,
-            },
-        );
+        let key = WorkerKey(stable_key(a.worker_key.as_bytes()));
+        let info = WorkerInfo {
+            engine: a.engine_id,
+            role: a.role,
+            layout_fingerprint: a.layout_fingerprint,
+            tp_size: a.tp_size,
+        };
+        // A worker dropped for silence comes back excluded as a donor until
+        // a resync (its events while away were missed).
+        let _ = if registration == Registration::Readmitted {
+            self.index.readmit_worker(key, info)
+        } else {
+            self.index.register_worker(key, info)
+        };
         if a.role == KvRole::Prefill {
             self.service.add_target(a.engine_id);
         }
@@ -102,9 +108,21 @@ impl Router {
             .unwrap_or(true)
     }
 
-    fn silent(&self) {
+    /// Drops the workers silent too long; `connected`: whether the router's
+    /// own NATS connection is up (while it is down nobody's silence counts,
+    /// and once back every worker's is counted from then).
+    fn silent(&self, connected: bool) {
         let dead = match self.registry.lock() {
-            Ok(mut r) => r.tick(unix_now_ms()),
+            Ok(mut r) if !connected => {
+                r.pause();
+                return;
+            }
+            Ok(mut r) => {
+                if r.is_paused() {
+                    r.resume(unix_now_ms());
+                }
+                r.tick(unix_now_ms())
+            }
             Err(_) => return,
         };
         for (_, engine) in dead {
@@ -243,7 +261,7 @@ async fn serve(url: &str, gpu: bool) -> Result<(), ClusterError> {
                     }
                 }
             }
-            _ = tick.tick() => router.silent(),
+            _ = tick.tick() => router.silent(plane.is_connected()),
         }
     }
     Ok(())

@@ -259,4 +259,12 @@ pub trait EventPlane: Send + Sync {
         n: usize,
         timeout: Duration,
     ) -> PlaneFuture<'a, usize>;
+
+    /// Whether this process's connection to the transport is up now (a
+    /// plane without one, such as the in-process plane, always is). A
+    /// follower uses it to tell its own disconnection, during which nothing
+    /// published reaches it, from the publishers' silence.
+    fn is_connected(&self) -> bool {
+        true
+    }
 }

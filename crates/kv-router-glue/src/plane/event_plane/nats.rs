@@ -2,6 +2,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -217,8 +218,14 @@ impl NatsOptions {
     ) -> Result<async_nats::ConnectOptions, NatsOptionsError> {
         let this = self.with_url_credentials(url)?;
         let max = this.max_reconnect_delay;
+        // The servers (without credentials) for the log lines: async-nats'
+        // own events name none.
+        let servers: Arc<str> = redact_url(url).into();
         let mut connect = async_nats::ConnectOptions::new()
-            .event_callback(|event| async move { log_client_event(&event) })
+            .event_callback(move |event| {
+                let servers = servers.clone();
+                async move { log_client_event(&event, &servers) }
+            })
             .name(this.name)
             .connection_timeout(this.connect_timeout)
             .max_reconnects(None)
@@ -384,23 +391,40 @@ fn note_slow_consumer_drop(what: &dyn std::fmt::Display) {
     }
 }
 
-/// Logs what async-nats' own lines leave out or understate. async-nats logs
-/// every client event at info (`event: ...`, and `connected successfully`
-/// with the server's port), so a connect, close or drain is only repeated
-/// at debug here; a disconnect is raised to a warning (the router loses
-/// events and advise requests until it is back), other client events (server
-/// errors) are warnings, and a message async-nats dropped for a slow consumer
-/// (one event per dropped message) is counted and logged at most once a
-/// second with the running total ([`note_slow_consumer_drop`]).
-fn log_client_event(event: &async_nats::Event) {
+/// Shortest time between two log lines of NATS client errors: while a
+/// server is down every reconnect attempt fails with one (a few a second),
+/// and each was logged twice (async-nats' info line and ours; trial h33,
+/// nit 7).
+pub const CLIENT_ERROR_LOG_EVERY: Duration = Duration::from_secs(10);
+
+static CLIENT_ERROR_LOG: LogThrottle = LogThrottle::new(CLIENT_ERROR_LOG_EVERY);
+
+/// Logs a client event of the connection to `servers` (redacted). async-nats
+/// logs every client event at info itself (`event: ...`, and `connected
+/// successfully` with the server's port); the router's default log filter
+/// leaves those out (`async_nats=warn`), so these lines are the record: a
+/// connect at info, a disconnect as a warning (the process loses events and
+/// requests until it is back), client errors (each failed reconnect attempt)
+/// as a warning at most once per [`CLIENT_ERROR_LOG_EVERY`] with the cause and
+/// how many were left out, other events (server errors) as warnings, and a
+/// message async-nats dropped for a slow consumer (one event per dropped
+/// message) counted and logged at most once a second with the running total
+/// ([`note_slow_consumer_drop`]).
+fn log_client_event(event: &async_nats::Event, servers: &str) {
     use async_nats::Event;
     match event {
-        Event::Connected | Event::Closed | Event::Draining => {
-            tracing::debug!(event = %event, "NATS client event")
+        Event::Connected => tracing::info!(servers, "NATS connected"),
+        Event::Closed | Event::Draining => {
+            tracing::debug!(servers, event = %event, "NATS client event")
         }
-        Event::Disconnected => tracing::warn!("NATS disconnected: reconnecting"),
+        Event::Disconnected => tracing::warn!(servers, "NATS disconnected: reconnecting"),
         Event::SlowConsumer(sid) => note_slow_consumer_drop(&format!("sid {sid}")),
-        other => tracing::warn!(event = %other, "NATS client event"),
+        Event::ClientError(cause) => {
+            if let Some(suppressed) = CLIENT_ERROR_LOG.admit(std::time::Instant::now()) {
+                tracing::warn!(servers, cause = %cause, suppressed, "NATS client error");
+            }
+        }
+        other => tracing::warn!(servers, event = %other, "NATS client event"),
     }
 }
 
@@ -531,6 +555,10 @@ const ROUND_TRIP_TIMEOUT: Duration = Duration::from_secs(5);
 impl EventPlane for NatsPlane {
     fn name(&self) -> &'static str {
         "nats"
+    }
+
+    fn is_connected(&self) -> bool {
+        NatsPlane::is_connected(self)
     }
 
     fn publish<'a>(&'a self, subject: &'a Subject, payload: Vec<u8>) -> PlaneFuture<'a, ()> {

@@ -208,7 +208,8 @@ impl InventorySync {
         match registration {
             Registration::Retired => return false,
             Registration::Replaced { dropped } => self.forget(*dropped),
-            Registration::New | Registration::Refreshed => {}
+            // A readmitted worker was forgotten when it was dropped.
+            Registration::New | Registration::Refreshed | Registration::Readmitted => {}
         }
         self.engine_subject
             .insert(announcement.engine_id, announcement.event_subject.clone());

@@ -6,9 +6,15 @@
 //! Rules: a new incarnation (engine id) under a known worker key replaces
 //! the old one, and the dropped engine id is returned so the caller drops its
 //! inventory from the kv-lookup index and ignores its late events
-//! ([`WorkerRegistry::is_retired`]); a worker silent for
-//! `missed_periods` announce periods is removed by [`WorkerRegistry::tick`].
-//! Time is passed in (ms on any monotonic clock) so tests never sleep.
+//! ([`WorkerRegistry::is_retired`]); a replaced incarnation is refused for
+//! good. A worker silent for `missed_periods` announce periods is removed by
+//! [`WorkerRegistry::tick`], and its events are ignored while it is away,
+//! but it is not replaced: when it announces again (a network partition
+//! ended) it is taken back ([`Registration::Readmitted`]), unless a new
+//! incarnation took its key meanwhile. While the router's own connection
+//! is down ([`WorkerRegistry::pause`]) nobody's silence counts: the
+//! workers' announcements cannot reach it. Time is passed in (ms on any
+//! monotonic clock) so tests never sleep.
 
 use std::collections::{HashMap, HashSet};
 
@@ -197,6 +203,12 @@ pub enum Registration {
     },
     /// An announcement of an incarnation already replaced: ignored.
     Retired,
+    /// An incarnation [`WorkerRegistry::tick`] removed for silence
+    /// announces again, and no other incarnation took its key: registered
+    /// again. The caller missed its events while it was away, so it treats
+    /// its inventory as unknown until a resync (the kv-lookup index's
+    /// `readmit_worker`, then an inventory snapshot).
+    Readmitted,
 }
 
 #[derive(Debug, Clone)]
@@ -211,7 +223,15 @@ pub struct WorkerRegistry {
     announce_period_ms: u64,
     missed_periods: u32,
     by_key: HashMap<String, Entry>,
+    /// Replaced incarnations: refused for good.
     retired: HashSet<EngineId>,
+    /// Incarnations removed for silence, with their worker key: taken back
+    /// when they announce again, retired when another incarnation
+    /// registers under their key.
+    silenced: HashMap<EngineId, String>,
+    /// Set by [`WorkerRegistry::pause`]: [`WorkerRegistry::tick`] removes
+    /// nobody.
+    paused: bool,
 }
 
 impl WorkerRegistry {
@@ -223,6 +243,8 @@ impl WorkerRegistry {
             missed_periods: missed_periods.max(1),
             by_key: HashMap::new(),
             retired: HashSet::new(),
+            silenced: HashMap::new(),
+            paused: false,
         }
     }
 
@@ -231,15 +253,29 @@ impl WorkerRegistry {
         if self.retired.contains(&a.engine_id) {
             return Registration::Retired;
         }
+        let entry = |a| Entry {
+            announcement: a,
+            last_seen_ms: now_ms,
+        };
+        if self.silenced.remove(&a.engine_id).is_some() {
+            // Its key is free: a new incarnation under it would have
+            // retired this one (below).
+            debug_assert!(!self.by_key.contains_key(&a.worker_key));
+            self.by_key.insert(a.worker_key.clone(), entry(a));
+            return Registration::Readmitted;
+        }
         match self.by_key.get_mut(&a.worker_key) {
             None => {
-                self.by_key.insert(
-                    a.worker_key.clone(),
-                    Entry {
-                        announcement: a,
-                        last_seen_ms: now_ms,
-                    },
-                );
+                // An incarnation of this key removed for silence is
+                // replaced now: it must not come back next to this one.
+                self.silenced.retain(|engine, key| {
+                    let same = *key == a.worker_key;
+                    if same {
+                        self.retired.insert(*engine);
+                    }
+                    !same
+                });
+                self.by_key.insert(a.worker_key.clone(), entry(a));
                 Registration::New
             }
             Some(e) if e.announcement.engine_id == a.engine_id => {
@@ -250,19 +286,53 @@ impl WorkerRegistry {
             Some(e) => {
                 let dropped = e.announcement.engine_id;
                 self.retired.insert(dropped);
-                *e = Entry {
-                    announcement: a,
-                    last_seen_ms: now_ms,
-                };
+                *e = entry(a);
                 Registration::Replaced { dropped }
             }
         }
     }
 
+    /// Stops counting silence: while the router's own connection to the
+    /// workers is down their announcements cannot arrive, and
+    /// [`WorkerRegistry::tick`] removes nobody until
+    /// [`WorkerRegistry::resume`].
+    pub fn pause(&mut self) {
+        self.paused = true;
+    }
+
+    /// Counts silence again from `now_ms`: every registered worker gets a
+    /// fresh deadline (`missed_periods` periods from now), as if it had
+    /// just announced, since the time the router was away tells nothing of
+    /// it. Also right without a [`WorkerRegistry::pause`] before.
+    pub fn resume(&mut self, now_ms: u64) {
+        self.paused = false;
+        for e in self.by_key.values_mut() {
+            e.last_seen_ms = e.last_seen_ms.max(now_ms);
+        }
+    }
+
+    /// Whether [`WorkerRegistry::pause`] is in force.
+    pub fn is_paused(&self) -> bool {
+        self.paused
+    }
+
+    /// The engine ids of the registered workers of `role`.
+    pub fn engines(&self, role: Role) -> Vec<EngineId> {
+        self.by_key
+            .values()
+            .filter(|e| e.announcement.role == role)
+            .map(|e| e.announcement.engine_id)
+            .collect()
+    }
+
     /// Removes every worker silent for more than the allowed periods at
-    /// `now_ms`; returns their (worker key, engine id), which the caller
-    /// drops from the index. Their late events are ignored afterwards.
+    /// `now_ms` (nobody while paused); returns their (worker key, engine
+    /// id), which the caller drops from the index. Their events are ignored
+    /// until they announce again ([`Registration::Readmitted`]).
     pub fn tick(&mut self, now_ms: u64) -> Vec<(String, EngineId)> {
+        if self.paused {
+            return Vec::new();
+        }
         let limit = self
             .announce_period_ms
             .saturating_mul(self.missed_periods as u64);
@@ -278,14 +348,21 @@ impl WorkerRegistry {
                     .remove(&k)
                     .map(|e| (k, e.announcement.engine_id))
             })
-            .inspect(|(_, id)| {
-                self.retired.insert(*id);
+            .inspect(|(k, id)| {
+                self.silenced.insert(*id, k.clone());
             })
             .collect()
     }
 
-    /// Whether `engine` was replaced or removed: its events are ignored.
+    /// Whether `engine` was replaced, or removed for silence and has not
+    /// announced since: its events and directory records are ignored.
     pub fn is_retired(&self, engine: EngineId) -> bool {
+        self.retired.contains(&engine) || self.silenced.contains_key(&engine)
+    }
+
+    /// Whether `engine` was replaced by a newer incarnation (refused for
+    /// good, unlike one removed for silence).
+    pub fn is_replaced(&self, engine: EngineId) -> bool {
         self.retired.contains(&engine)
     }
 

@@ -72,6 +72,61 @@ fn a_worker_silent_for_the_allowed_periods_is_removed() {
 }
 
 #[test]
+fn a_worker_dropped_for_silence_is_taken_back_when_it_announces_again() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let a = EngineId::fresh();
+    reg.announce(ann("decode-0", a), 0);
+    assert_eq!(reg.tick(3_001), vec![("decode-0".to_string(), a)]);
+    // Away: its events are ignored, but it is not replaced.
+    assert!(reg.is_retired(a));
+    assert!(!reg.is_replaced(a));
+    assert_eq!(
+        reg.announce(ann("decode-0", a), 9_000),
+        Registration::Readmitted
+    );
+    assert!(!reg.is_retired(a));
+    assert_eq!(reg.get("decode-0").unwrap().engine_id, a);
+    assert_eq!(
+        reg.announce(ann("decode-0", a), 9_500),
+        Registration::Refreshed
+    );
+    // Its silence is counted from its last announcement again.
+    assert!(reg.tick(12_500).is_empty());
+    assert_eq!(reg.tick(12_501), vec![("decode-0".to_string(), a)]);
+}
+
+#[test]
+fn a_silent_worker_whose_key_a_new_incarnation_took_stays_refused() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let (old, new) = (EngineId::fresh(), EngineId::fresh());
+    reg.announce(ann("decode-0", old), 0);
+    assert_eq!(reg.tick(3_001).len(), 1);
+    assert_eq!(reg.announce(ann("decode-0", new), 4_000), Registration::New);
+    assert!(reg.is_replaced(old));
+    assert_eq!(
+        reg.announce(ann("decode-0", old), 4_100),
+        Registration::Retired
+    );
+    assert_eq!(reg.get("decode-0").unwrap().engine_id, new);
+    assert_eq!(reg.len(), 1);
+}
+
+#[test]
+fn nobody_is_dropped_while_paused_and_silence_restarts_from_the_resume() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let a = EngineId::fresh();
+    reg.announce(ann("decode-0", a), 0);
+    reg.pause();
+    assert!(reg.is_paused());
+    // Far past the 3 s allowed: the router was away, not the worker.
+    assert!(reg.tick(60_000).is_empty());
+    reg.resume(60_000);
+    assert!(!reg.is_paused());
+    assert!(reg.tick(63_000).is_empty());
+    assert_eq!(reg.tick(63_001), vec![("decode-0".to_string(), a)]);
+}
+
+#[test]
 fn bad_announcements_are_refused_naming_the_field() {
     let e = EngineId::fresh();
     let cases: Vec<(WorkerAnnouncement, &str)> = vec![

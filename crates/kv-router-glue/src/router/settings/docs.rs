@@ -11,7 +11,7 @@ pub fn settings_markdown() -> String {
          the test `docs_match_registry` fails when this file is stale. -->\n\n\
          Precedence: defaults < TOML file < environment (`KV_REUSE_<KEY>`, captured once at start) \
          < CLI flags (`--key value`, `--key=value`, a bare `--key` for true; exact keys, dashes or \
-         underscores, never prefixes). Unknown, removed and out-of-range keys are refused with the key named. \
+         underscores, never prefixes). Unknown, removed and out-of-range keys are refused with the key named, and the file or environment variable they came from. \
          Everything is off by default.\n\n\
          | key | env | unit | default | range | meaning |\n\
          | --- | --- | --- | --- | --- | --- |\n",

@@ -193,9 +193,10 @@ impl SettingsLoader {
     ///
     /// # Errors
     /// [`SettingsError::Toml`] for a syntax error,
-    /// [`SettingsError::InvalidValue`] for a nested table or a value of the wrong type,
-    /// [`SettingsError::UnknownKey`], [`SettingsError::Removed`],
-    /// [`SettingsError::InvalidValue`], [`SettingsError::OutOfRange`].
+    /// [`SettingsError::UnknownKey`] (naming `name`); [`SettingsError::InFile`]
+    /// naming `name` around [`SettingsError::Removed`],
+    /// [`SettingsError::InvalidValue`] (a nested table, a value of the
+    /// wrong type) or [`SettingsError::OutOfRange`].
     pub fn toml_str(mut self, text: &str, name: &str) -> Result<Self, SettingsError> {
         let table: toml::Table =
             text.parse()
@@ -209,10 +210,18 @@ impl SettingsLoader {
                         None => e.message().to_string(),
                     },
                 })?;
+        let in_file = |e: SettingsError| match e {
+            // These name the file already.
+            SettingsError::UnknownKey { .. } | SettingsError::Toml { .. } => e,
+            e => SettingsError::InFile {
+                file: name.to_string(),
+                error: Box::new(e),
+            },
+        };
         for (key, value) in table {
-            let spec = known(&key, name)?;
+            let spec = known(&key, name).map_err(in_file)?;
             let shown = value.to_string();
-            let v = decode_value(spec, value, &shown)?;
+            let v = decode_value(spec, value, &shown).map_err(in_file)?;
             self.put(spec, v, SettingOrigin::File(name.to_string()));
         }
         Ok(self)
