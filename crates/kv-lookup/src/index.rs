@@ -645,7 +645,7 @@ impl InventoryIndex {
     /// assert!(index.workers_needing_resync().is_empty());
     /// index.apply_event(&event(&d, 3, StorageTier::Device, KvEventData::Cleared))?; // event 2 was lost
     /// assert_eq!(index.workers_needing_resync(), vec![d.engine]);
-    /// assert_eq!(index.workers_needing_resync(), vec![d.engine]);
+    /// assert_eq!(index.stats().workers_needing_resync, 1);
     /// # Ok::<(), LookupError>(())
     /// ```
     pub fn workers_needing_resync(&self) -> Vec<EngineId> {
