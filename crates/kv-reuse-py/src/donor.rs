@@ -237,7 +237,7 @@ impl DonorBank {
     /// is handed to targets with other working directories),
     /// `PinServiceFailed` when binding it fails.
     fn serve_pins(&self, endpoint: &str) -> PyResult<PinServer> {
-        pin_endpoint("endpoint", endpoint)?;
+        served_pin_endpoint("endpoint", endpoint)?;
         let svc = PinService::bind(self.inner.clone(), endpoint, PinServiceConfig::default())
             .map_err(|e| PinServiceFailed::new_err(e.to_string()))?;
         Ok(PinServer {
@@ -538,6 +538,25 @@ pub(crate) fn slot_count(slots: &Bound<'_, PyAny>) -> PyResult<u64> {
 /// directories), port.
 pub(crate) fn pin_endpoint(argument: &str, endpoint: &str) -> PyResult<PinEndpoint> {
     PinEndpoint::parse(endpoint).map_err(|e| bad_argument(argument, e))
+}
+
+/// [`pin_endpoint`] for an endpoint this process serves pins on: a `tcp:`
+/// one is refused too. kv-router-glue's TCP pins need a pre-shared key,
+/// which this API does not take: refused here naming the argument, not
+/// later by the pin service naming its Rust setting (`auth_key`). (A
+/// router may still be told of a Rust donor's TCP endpoint.)
+pub(crate) fn served_pin_endpoint(argument: &str, endpoint: &str) -> PyResult<PinEndpoint> {
+    let parsed = pin_endpoint(argument, endpoint)?;
+    if endpoint.starts_with("tcp:") {
+        return Err(bad_argument(
+            argument,
+            format!(
+                "{endpoint:?}: TCP pin endpoints are not served from Python (they need a \
+                 pre-shared key this API does not take); use `unix:<absolute path>`"
+            ),
+        ));
+    }
+    Ok(parsed)
 }
 
 impl PendingStore {

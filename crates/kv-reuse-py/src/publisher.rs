@@ -34,7 +34,7 @@ use kv_descriptor::{
 use kv_router_glue::{
     announce_subject, redact_url, AgentError, DirectoryPlane, DonorAgent, DonorAgentConfig,
     EventPlane, KvEventPublisher, NatsDirectory, NatsInventory, NatsPlane, PinServiceConfig,
-    PublisherHeader, Subject, WorkerAnnouncement,
+    PlaneError, PublisherHeader, Subject, WorkerAnnouncement,
 };
 
 use crate::donor::DonorBank;
@@ -125,6 +125,22 @@ fn gpu_identities(
                 .map_err(|e| bad_argument("gpu_uuids", format!("rank {r}: {e}")))
         })
         .collect()
+}
+
+/// A `worker_key` the event subject cannot hold, named as the Python
+/// argument: kv-router-glue names the subject's token (`component`), which
+/// a Python caller never passed.
+fn worker_key_refusal(e: PlaneError) -> PyErr {
+    match e {
+        PlaneError::InvalidSubject { value, .. } => bad_argument(
+            "worker_key",
+            format!(
+                "{value:?} is not one NATS subject token (empty, or it holds '.', '*', '>' or \
+                 whitespace)"
+            ),
+        ),
+        other => bad_argument("worker_key", other),
+    }
 }
 
 /// A worker's presence on NATS for the router service (see docs/python.md,
@@ -224,7 +240,7 @@ impl WorkerPublisher {
         crate::donor::check_host_id(host_id)?;
         // Published in the donor's record for targets in other processes:
         // refused here, before connecting, not at the first fetch.
-        crate::donor::pin_endpoint("pin_endpoint", pin_endpoint)?;
+        crate::donor::served_pin_endpoint("pin_endpoint", pin_endpoint)?;
         let gpus: Option<Vec<u32>> = gpus.map(|g| uints("gpus", g)).transpose()?;
         // The record's TTL is the directory bucket's `max_age` when this
         // creates it, and `record_ttl_s` defaults to (and may not exceed)
@@ -257,8 +273,8 @@ impl WorkerPublisher {
         // The namespace first: the event subject holds both, and a bad
         // namespace must not be reported as a bad `worker_key`.
         announce_subject(namespace).map_err(|e| bad_argument("namespace", e))?;
-        let event_subject = Subject::new(namespace, worker_key, "kv_events")
-            .map_err(|e| bad_argument("worker_key", e))?;
+        let event_subject =
+            Subject::new(namespace, worker_key, "kv_events").map_err(worker_key_refusal)?;
         let bytes = slots
             .checked_mul(u64::from(tp) * layout.inner.rank_block_bytes() as u64)
             .ok_or_else(|| bad_argument("slots", format!("{slots} slots overflow u64 bytes")))?;
@@ -399,8 +415,8 @@ impl WorkerPublisher {
         // A prefill worker serves no pins and this one publishes no KV
         // events; the announcement still names a well-formed subject (its
         // own, where an engine's prefix-cache events would go).
-        let event_subject = Subject::new(namespace, worker_key, "kv_events")
-            .map_err(|e| bad_argument("worker_key", e))?;
+        let event_subject =
+            Subject::new(namespace, worker_key, "kv_events").map_err(worker_key_refusal)?;
         let announcement = WorkerAnnouncement {
             worker_key: worker_key.to_owned(),
             engine_id: engine,

@@ -93,8 +93,20 @@ def test_bad_arguments_are_refused_naming_them(layout):
     with pytest.raises(kv_reuse.BadArgument, match="record_ttl_s"):
         kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "d", layout, 4, "unix:/tmp/x",
                                        lease_s=1.0, record_ttl_s=2.0)
-    with pytest.raises(kv_reuse.BadArgument, match="worker_key"):
-        kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "a.b", layout, 4, "unix:/tmp/x")
+    # The Python argument's name, not the subject token's (`component`).
+    for key in ("a.b", "", "a b"):
+        with pytest.raises(kv_reuse.BadArgument,
+                           match=rf'^worker_key: "{key}" is not one NATS subject token'):
+            kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", key, layout, 4, "unix:/tmp/x")
+        with pytest.raises(kv_reuse.BadArgument,
+                           match=rf'^worker_key: "{key}" is not one NATS subject token'):
+            kv_reuse.WorkerPublisher.target("nats://127.0.0.1:1", key, layout,
+                                            "00000000-0000-4000-8000-000000000001")
+    # TCP pins need a pre-shared key the Python API does not take: refused
+    # naming the argument, not by the pin service naming `auth_key`.
+    with pytest.raises(kv_reuse.BadArgument,
+                       match=r'^pin_endpoint: "tcp:127\.0\.0\.1:0": TCP pin endpoints are not served from Python'):
+        kv_reuse.WorkerPublisher.donor("nats://127.0.0.1:1", "d", layout, 4, "tcp:127.0.0.1:0")
     # The record carries the pin endpoint to targets in other working
     # directories: a relative socket path is refused before connecting (not
     # a PublishFailed from the unreachable server).
