@@ -9,6 +9,7 @@ mod agents_common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_descriptor::{EngineId, GpuIdentity, LayoutFingerprint, Role, SequenceHash, Wire};
@@ -687,7 +688,6 @@ async fn open_donor(
     options: kv_router_glue::NatsOptions,
 ) -> kv_router_glue::DonorAgent {
     use kv_router_glue::{DonorAgent, InventoryPlane, NatsDirectory, NatsInventory, NatsPlane};
-    use std::sync::Arc;
     let plane = NatsPlane::connect(url, options).await.unwrap();
     let dir =
         NatsDirectory::from_client(plane.client().clone(), url, bucket, Duration::from_secs(30))
@@ -750,11 +750,52 @@ fn agents_target_announcement(target: EngineId) -> Vec<u8> {
     .unwrap()
 }
 
+/// A donor (`cfg`, directory `bucket`) that stores `blocks` in chains of
+/// 5 (each chained to the last) and is then idle: it and the prefill
+/// `target` only announce, every 100 ms, as workers do every period.
+/// Returns the donor, this test's own client and the announcing task.
+async fn stored_then_announcing(
+    url: &str,
+    bucket: &str,
+    cfg: kv_router_glue::DonorAgentConfig,
+    blocks: &[kv_descriptor::StoredBlock],
+    target: EngineId,
+) -> (
+    Arc<kv_router_glue::DonorAgent>,
+    async_nats::Client,
+    tokio::task::JoinHandle<()>,
+) {
+    let donor = open_donor(url, bucket, cfg, kv_router_glue::NatsOptions::default()).await;
+    for (k, chunk) in blocks.chunks(5).enumerate() {
+        let parent = (k > 0).then(|| blocks[k * 5 - 1].sequence_hash);
+        agents_common::store_after(&donor, parent, chunk).await;
+    }
+    let donor = Arc::new(donor);
+    let client = async_nats::connect(url).await.unwrap();
+    let ticker = announce_every_100ms(
+        donor.clone(),
+        client.clone(),
+        agents_target_announcement(target),
+    );
+    (donor, client, ticker)
+}
+
+/// Stops [`stored_then_announcing`]'s task, then closes its donor.
+async fn stop_announcing_and_close(
+    donor: Arc<kv_router_glue::DonorAgent>,
+    ticker: tokio::task::JoinHandle<()>,
+) -> Result<kv_router_glue::DonorCloseReport, kv_router_glue::AgentError> {
+    ticker.abort();
+    let _ = ticker.await;
+    let donor = Arc::try_unwrap(donor).unwrap_or_else(|_| panic!("donor still shared"));
+    donor.close(Duration::from_secs(1)).await
+}
+
 /// Every 100 ms: the donor's tick (announcement, record renewal) and, on
 /// `client`, the prefill target's `announcement`, as both workers do every
 /// period, until the task is aborted.
 fn announce_every_100ms(
-    donor: std::sync::Arc<kv_router_glue::DonorAgent>,
+    donor: Arc<kv_router_glue::DonorAgent>,
     client: async_nats::Client,
     announcement: Vec<u8>,
 ) -> tokio::task::JoinHandle<()> {
@@ -776,7 +817,6 @@ fn announce_every_100ms(
 #[test]
 fn a_router_started_after_a_donor_went_idle_or_restarted_after_sigkill_finds_its_blocks() {
     use agents_common::*;
-    use std::sync::Arc;
 
     let Some(nats) = NatsServer::start_or_skip("router_binary_rebuild") else {
         return;
@@ -790,32 +830,16 @@ fn a_router_started_after_a_donor_went_idle_or_restarted_after_sigkill_finds_its
         h,
     } = DonorSetup::new();
     let target = EngineId(uuid::Uuid::from_u128(0x7a46e7));
-    let (donor, client, ticker) = rt.block_on(async {
-        let mut cfg = donor_config("decode-0", &ep);
-        // Shorter than its 6 events: a later router cannot replay them.
-        cfg.event_ring = 2;
-        let donor = open_donor(
-            &url,
-            REBUILD_BUCKET,
-            cfg,
-            kv_router_glue::NatsOptions::default(),
-        )
-        .await;
-        for (k, chunk) in blocks.chunks(5).enumerate() {
-            let parent = (k > 0).then(|| blocks[k * 5 - 1].sequence_hash);
-            store_after(&donor, parent, chunk).await;
-        }
-        // From here on the donor is idle: it only announces (and renews its
-        // record), as a worker does every period; so does the prefill target.
-        let donor = Arc::new(donor);
-        let client = async_nats::connect(&url).await.unwrap();
-        let ticker = announce_every_100ms(
-            donor.clone(),
-            client.clone(),
-            agents_target_announcement(target),
-        );
-        (donor, client, ticker)
-    });
+    let mut cfg = donor_config("decode-0", &ep);
+    // Shorter than its 6 events: a later router cannot replay them.
+    cfg.event_ring = 2;
+    let (donor, client, ticker) = rt.block_on(stored_then_announcing(
+        &url,
+        REBUILD_BUCKET,
+        cfg,
+        &blocks,
+        target,
+    ));
     let donor_id = donor.bank().owner().engine_id;
     let flags = [
         "--directory-bucket",
@@ -842,12 +866,8 @@ fn a_router_started_after_a_donor_went_idle_or_restarted_after_sigkill_finds_its
     ));
     let status = signal_and_wait(&mut second, "TERM");
 
-    rt.block_on(async {
-        ticker.abort();
-        let _ = ticker.await;
-        let donor = Arc::try_unwrap(donor).unwrap_or_else(|_| panic!("donor still shared"));
-        donor.close(Duration::from_secs(1)).await.unwrap();
-    });
+    rt.block_on(stop_announcing_and_close(donor, ticker))
+        .unwrap();
     started_later.unwrap();
     restarted.unwrap();
     assert_eq!(status.code(), Some(0), "{status}");
@@ -866,7 +886,6 @@ const OUTAGE_BUCKET: &str = "kv_rbt_outage";
 #[test]
 fn a_nats_outage_longer_than_the_silence_window_keeps_the_workers() {
     use agents_common::*;
-    use std::sync::Arc;
 
     let Some(mut nats) = NatsServer::start_or_skip("router_binary_outage") else {
         return;
@@ -880,27 +899,13 @@ fn a_nats_outage_longer_than_the_silence_window_keeps_the_workers() {
         h,
     } = DonorSetup::new();
     let target = EngineId(uuid::Uuid::from_u128(0x0a7a6e));
-    let (donor, client, ticker) = rt.block_on(async {
-        let donor = open_donor(
-            &url,
-            OUTAGE_BUCKET,
-            donor_config("decode-0", &ep),
-            kv_router_glue::NatsOptions::default(),
-        )
-        .await;
-        for (k, chunk) in blocks.chunks(5).enumerate() {
-            let parent = (k > 0).then(|| blocks[k * 5 - 1].sequence_hash);
-            store_after(&donor, parent, chunk).await;
-        }
-        let donor = Arc::new(donor);
-        let client = async_nats::connect(&url).await.unwrap();
-        let ticker = announce_every_100ms(
-            donor.clone(),
-            client.clone(),
-            agents_target_announcement(target),
-        );
-        (donor, client, ticker)
-    });
+    let (donor, client, ticker) = rt.block_on(stored_then_announcing(
+        &url,
+        OUTAGE_BUCKET,
+        donor_config("decode-0", &ep),
+        &blocks,
+        target,
+    ));
     let donor_id = donor.bank().owner().engine_id;
     let log = tempfile::NamedTempFile::new().unwrap();
     let router = spawn_router_logging(
@@ -958,12 +963,8 @@ fn a_nats_outage_longer_than_the_silence_window_keeps_the_workers() {
         std::thread::sleep(Duration::from_millis(100));
     };
 
-    rt.block_on(async {
-        ticker.abort();
-        let _ = ticker.await;
-        let donor = Arc::try_unwrap(donor).unwrap_or_else(|_| panic!("donor still shared"));
-        let _ = donor.close(Duration::from_secs(1)).await;
-    });
+    // The donor's record may be gone with the outage: its close may fail.
+    let _ = rt.block_on(stop_announcing_and_close(donor, ticker));
     drop(router);
     let logged = std::fs::read_to_string(log.path()).unwrap();
     before.unwrap();
@@ -1011,7 +1012,6 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
     use agents_common::*;
     use kv_router_glue::service::VllmEndpointSpec;
     use kv_router_glue::vllm_events::{VllmEncoding, VllmEvent, VllmEventBatch, VllmZmqPublisher};
-    use std::sync::Arc;
 
     const BUCKET: &str = "kv_rbv_donors";
     let Some(nats) = NatsServer::start_or_skip("router_binary vllm") else {
@@ -1133,12 +1133,8 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
     });
     // Drained first, so a failure's log has the router's vLLM stats line.
     let status = signal_and_wait(&mut router, "TERM");
-    rt.block_on(async {
-        ticker.abort();
-        let _ = ticker.await;
-        let donor = Arc::try_unwrap(donor).unwrap_or_else(|_| panic!("donor still shared"));
-        donor.close(Duration::from_secs(1)).await.unwrap();
-    });
+    rt.block_on(stop_announcing_and_close(donor, ticker))
+        .unwrap();
     result.unwrap();
     assert_eq!(status.code(), Some(0), "drain exits 0: {status}");
 }
@@ -1154,7 +1150,6 @@ fn over_mutual_tls_the_router_admits_a_donor_and_refuses_to_start_without_a_cert
     use agents_common::*;
     use kv_router_glue::test_pki::TestPki;
     use kv_router_glue::{NatsAuth, NatsOptions, NatsPlane};
-    use std::sync::Arc;
 
     const TEST: &str = "router_binary_mutual_tls";
     const BUCKET: &str = "kv_rbtls_donors";
