@@ -46,48 +46,43 @@ pub(crate) fn interference_rows<'a, F, I>(
                 l.events_per_s
             );
         };
+        // Events from a freshly loaded second index (ours, per event) or
+        // tree (crtc-pool's) while `lookup` reads `n` requests elsewhere.
+        type Lookup<'l> = &'l (dyn Fn(usize) -> (bool, u32) + Sync);
+        let under_ours = |n: usize, lookup: Lookup<'_>| {
+            let other = Ours::load(ops(), capacity, requests);
+            drive(
+                t,
+                e,
+                secs,
+                n,
+                &chains,
+                other.writer(Publish::PerEvent),
+                lookup,
+            )
+        };
+        let under_crtc = |n: usize, lookup: Lookup<'_>| {
+            let tree = Crtc::load(ops(), requests, e);
+            drive(t, e.min(1), secs, n, &chains, tree.writer(), lookup)
+        };
+        let alone =
+            |n: usize, lookup: Lookup<'_>| drive(t, 0, secs, n, &none, |_| unreachable!(), lookup);
+
         // Ours reading; events: none, ours elsewhere, crtc elsewhere, ours on it.
         let reader = Ours::load(ops(), capacity, requests);
-        let n = reader.requests();
-        let alone = drive(
-            t,
-            0,
-            secs,
-            n,
-            &none,
-            |_| unreachable!(),
-            reader.lookup(budget),
-        );
-        print("ours", "no events", &alone, alone.lookups_per_s);
-        let other = Ours::load(ops(), capacity, requests);
-        let l = drive(
-            t,
-            e,
-            secs,
-            n,
-            &chains,
-            other.writer(Publish::PerEvent),
-            reader.lookup(budget),
-        );
+        let (n, lookup) = (reader.requests(), reader.lookup(budget));
+        let base = alone(n, &lookup);
+        print("ours", "no events", &base, base.lookups_per_s);
+        let l = under_ours(n, &lookup);
         print(
             "ours",
             "ours per event on another index",
             &l,
-            alone.lookups_per_s,
+            base.lookups_per_s,
         );
-        drop(other);
-        let tree = Crtc::load(ops(), requests, e);
-        let l = drive(
-            t,
-            e.min(1),
-            secs,
-            n,
-            &chains,
-            tree.writer(),
-            reader.lookup(budget),
-        );
-        print("ours", "crtc-pool's on its tree", &l, alone.lookups_per_s);
-        drop(tree);
+        let l = under_crtc(n, &lookup);
+        print("ours", "crtc-pool's on its tree", &l, base.lookups_per_s);
+        drop(lookup);
         drop(reader);
         let own = Ours::load(ops(), capacity, requests);
         let l = drive(
@@ -103,49 +98,30 @@ pub(crate) fn interference_rows<'a, F, I>(
             "ours",
             "ours per event on the same index",
             &l,
-            alone.lookups_per_s,
+            base.lookups_per_s,
         );
         drop(own);
 
         // crtc-pool reading; events: none, crtc elsewhere, ours elsewhere, crtc on it.
         let reader = Crtc::load(ops(), requests, e);
-        let n = reader.requests();
-        let alone = drive(t, 0, secs, n, &none, |_| unreachable!(), reader.lookup());
-        print("crtc-pool", "no events", &alone, alone.lookups_per_s);
-        let tree = Crtc::load(ops(), requests, e);
-        let l = drive(
-            t,
-            e.min(1),
-            secs,
-            n,
-            &chains,
-            tree.writer(),
-            reader.lookup(),
-        );
+        let (n, lookup) = (reader.requests(), reader.lookup());
+        let base = alone(n, &lookup);
+        print("crtc-pool", "no events", &base, base.lookups_per_s);
+        let l = under_crtc(n, &lookup);
         print(
             "crtc-pool",
             "crtc-pool's on another tree",
             &l,
-            alone.lookups_per_s,
+            base.lookups_per_s,
         );
-        drop(tree);
-        let other = Ours::load(ops(), capacity, requests);
-        let l = drive(
-            t,
-            e,
-            secs,
-            n,
-            &chains,
-            other.writer(Publish::PerEvent),
-            reader.lookup(),
-        );
+        let l = under_ours(n, &lookup);
         print(
             "crtc-pool",
             "ours per event on our index",
             &l,
-            alone.lookups_per_s,
+            base.lookups_per_s,
         );
-        drop(other);
+        drop(lookup);
         drop(reader);
         let own = Crtc::load(ops(), requests, e);
         let l = drive(t, e.min(1), secs, n, &chains, own.writer(), own.lookup());
@@ -153,7 +129,7 @@ pub(crate) fn interference_rows<'a, F, I>(
             "crtc-pool",
             "crtc-pool's on the same tree",
             &l,
-            alone.lookups_per_s,
+            base.lookups_per_s,
         );
     }
 }
