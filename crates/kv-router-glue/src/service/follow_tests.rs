@@ -47,6 +47,31 @@ fn announcement(key: &str, engine: EngineId, role: Role, subject: &str) -> Vec<u
     .unwrap()
 }
 
+/// A whole inventory snapshot (wire form) of `engine`'s bank generation
+/// `generation` at `last_event_id`: `blocks` unchained blocks in slots
+/// `0..blocks`, hashes `5000..`, of the layout these tests announce.
+fn snapshot_of(engine: EngineId, generation: u64, last_event_id: u64, blocks: u32) -> Vec<u8> {
+    crate::InventoryReply::Snapshot(crate::InventorySnapshot {
+        engine_id: engine,
+        bank_generation: generation,
+        layout_fingerprint: LayoutFingerprint(9),
+        tp_size: 1,
+        last_event_id,
+        blocks: (0..blocks)
+            .map(|slot| crate::SnapshotBlock {
+                sequence_hash: kv_descriptor::SequenceHash(5000 + u64::from(slot)),
+                token_hash: kv_descriptor::TokenBlockHash(7),
+                parent: None,
+                slot,
+                rank_acks: crate::plane::inventory::all_ranks(1),
+            })
+            .collect(),
+        next_slot: None,
+    })
+    .to_wire()
+    .unwrap()
+}
+
 fn stored(publisher: EngineId, event_id: u64) -> KvEvent {
     let blocks = kv_bank::sealed_blocks(None, &(0..32).collect::<Vec<u32>>(), 16);
     KvEvent {
@@ -211,7 +236,7 @@ async fn the_routers_own_disconnection_is_no_workers_silence() {
 /// was ignored for good).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_dropped_for_silence_is_a_donor_again_after_its_snapshot() {
-    use kv_descriptor::{SequenceHash, TokenBlockHash};
+    use kv_descriptor::SequenceHash;
 
     let lease = kv_descriptor::OwnerLease::fresh(Role::Decode);
     let engine = lease.engine_id;
@@ -228,25 +253,7 @@ async fn a_worker_dropped_for_silence_is_a_donor_again_after_its_snapshot() {
         tokio::spawn(async move {
             while let Some(req) = server.next().await {
                 let last_event_id = at.load(Ordering::SeqCst);
-                let snapshot = crate::InventoryReply::Snapshot(crate::InventorySnapshot {
-                    engine_id: engine,
-                    bank_generation: lease.generation,
-                    layout_fingerprint: LayoutFingerprint(9),
-                    tp_size: 1,
-                    last_event_id,
-                    blocks: (0..3)
-                        .map(|slot| crate::SnapshotBlock {
-                            sequence_hash: SequenceHash(5000 + u64::from(slot)),
-                            token_hash: TokenBlockHash(7),
-                            parent: None,
-                            slot,
-                            rank_acks: crate::plane::inventory::all_ranks(1),
-                        })
-                        .collect(),
-                    next_slot: None,
-                })
-                .to_wire()
-                .unwrap();
+                let snapshot = snapshot_of(engine, lease.generation, last_event_id, 3);
                 req.respond(snapshot);
             }
         })
@@ -477,7 +484,7 @@ async fn an_unresponsive_worker_does_not_hold_other_workers_events() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_followed_receiver_resumes_after_the_snapshot() {
-    use kv_descriptor::{SequenceHash, TokenBlockHash};
+    use kv_descriptor::SequenceHash;
 
     use crate::{InProcessDirectory, InProcessPlane};
 
@@ -502,25 +509,7 @@ async fn a_followed_receiver_resumes_after_the_snapshot() {
         .serve(&crate::inventory_subject("t", engine).unwrap())
         .await
         .unwrap();
-    let snapshot = crate::InventoryReply::Snapshot(crate::InventorySnapshot {
-        engine_id: engine,
-        bank_generation: lease.generation,
-        layout_fingerprint: LayoutFingerprint(9),
-        tp_size: 1,
-        last_event_id: 6,
-        blocks: (0..6)
-            .map(|slot| crate::SnapshotBlock {
-                sequence_hash: SequenceHash(5000 + u64::from(slot)),
-                token_hash: TokenBlockHash(7),
-                parent: None,
-                slot,
-                rank_acks: crate::plane::inventory::all_ranks(1),
-            })
-            .collect(),
-        next_slot: None,
-    })
-    .to_wire()
-    .unwrap();
+    let snapshot = snapshot_of(engine, lease.generation, 6, 6);
     let answering = tokio::spawn(async move {
         while let Some(req) = server.next().await {
             req.respond(snapshot.clone());
@@ -800,7 +789,7 @@ async fn a_burst_queued_before_the_follower_runs_is_applied_with_fewer_publicati
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_range_inside_a_burst_is_handled_between_the_events_around_it() {
-    use kv_descriptor::{SequenceHash, TokenBlockHash};
+    use kv_descriptor::SequenceHash;
 
     // d0's snapshot: one block, consistent with event 2.
     let plane = crate::InProcessInventory::new();
@@ -810,23 +799,7 @@ async fn a_lost_range_inside_a_burst_is_handled_between_the_events_around_it() {
         .serve(&crate::inventory_subject("t", d0).unwrap())
         .await
         .unwrap();
-    let snapshot = crate::InventoryReply::Snapshot(crate::InventorySnapshot {
-        engine_id: d0,
-        bank_generation: 1,
-        layout_fingerprint: LayoutFingerprint(9),
-        tp_size: 1,
-        last_event_id: 2,
-        blocks: vec![crate::SnapshotBlock {
-            sequence_hash: SequenceHash(5000),
-            token_hash: TokenBlockHash(7),
-            parent: None,
-            slot: 0,
-            rank_acks: crate::plane::inventory::all_ranks(1),
-        }],
-        next_slot: None,
-    })
-    .to_wire()
-    .unwrap();
+    let snapshot = snapshot_of(d0, 1, 2, 1);
     let answering = tokio::spawn(async move {
         while let Some(req) = server.next().await {
             req.respond(snapshot.clone());
