@@ -87,3 +87,9 @@ impl FetchOutcome {
         false
     }
 }
+
+/// `d` in whole microseconds (saturating at u64::MAX, ~584,000 years): the
+/// unit of [`FetchOutcome`]'s stage times.
+pub(crate) fn micros(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}

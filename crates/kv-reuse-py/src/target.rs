@@ -26,7 +26,7 @@ use crate::errors::{
     FetchFellBack, HintRefused,
 };
 use crate::fetch_job::{run_job, FetchJob, FetchJobs};
-use crate::fetch_outcome::FetchOutcome;
+use crate::fetch_outcome::{micros, FetchOutcome};
 use crate::layout::Layout;
 use crate::stream_gate::StreamGate;
 
@@ -787,11 +787,6 @@ impl Target {
         }
         Ok(Some((first..first + n).map(|b| b as u32).collect()))
     }
-}
-
-/// `d` in whole microseconds (saturating at u64::MAX, ~584,000 years).
-fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 mod kv_caches;

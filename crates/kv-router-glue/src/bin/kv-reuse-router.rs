@@ -28,10 +28,10 @@ use kv_router_glue::service::{
 };
 use kv_router_glue::vllm_events::{VllmEventError, VllmIngest, VllmSubscriber};
 use kv_router_glue::{
-    announce_subject, Advisor, CostModel, DecisionLog, DirectoryPlane, EnvSnapshot, EventPlane,
-    InventoryError, InventorySync, LiveCostModel, NatsAuth, NatsDirectory, NatsInventory,
-    NatsOptions, NatsPlane, NatsTls, PlaneError, RemoteDonorDirectory, ReuseArgs, SettingsError,
-    SettingsLoader, DEFAULT_INVENTORY_TIMEOUT, NATS_MIN_MAX_AGE,
+    Advisor, CostModel, DecisionLog, DirectoryPlane, EnvSnapshot, EventPlane, InventoryError,
+    InventorySync, LiveCostModel, NatsAuth, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
+    NatsTls, PlaneError, RemoteDonorDirectory, ReuseArgs, SettingsError, SettingsLoader,
+    DEFAULT_INVENTORY_TIMEOUT, NATS_MIN_MAX_AGE,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -413,75 +413,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// `--nats-inbox-prefix`'s check (clap names the flag in the error).
-fn inbox_prefix(v: &str) -> Result<String, String> {
-    match kv_router_glue::inbox_prefix_problem(v) {
-        None => Ok(v.to_owned()),
-        Some(why) => Err(why.to_owned()),
-    }
-}
-
-/// `--nats-url`'s check, by async-nats' own parser of the value it is
-/// given, so a malformed URL is a flag error (exit 2 naming the flag)
-/// before any connection rather than a failed connection (exit 1).
-/// `--nats-url`'s parser: [`nats_url`], with the refused value shown with
-/// its password replaced by `***` (clap's own "invalid value" message
-/// repeats the value as given, password included; helper-20 finding 26).
-#[derive(Clone, Copy, Debug)]
-struct NatsUrlParser;
-
-impl clap::builder::TypedValueParser for NatsUrlParser {
-    type Value = String;
-
-    fn parse_ref(
-        &self,
-        cmd: &clap::Command,
-        arg: Option<&clap::Arg>,
-        value: &std::ffi::OsStr,
-    ) -> Result<String, clap::Error> {
-        use clap::error::ErrorKind;
-        let flag = arg.map_or_else(|| "--nats-url".to_string(), |a| a.to_string());
-        let Some(v) = value.to_str() else {
-            return Err(clap::Error::raw(
-                ErrorKind::InvalidUtf8,
-                format!("invalid UTF-8 in the value of '{flag}'\n"),
-            )
-            .with_cmd(cmd));
-        };
-        nats_url(v).map_err(|reason| {
-            clap::Error::raw(
-                ErrorKind::ValueValidation,
-                format!(
-                    "invalid value '{}' for '{flag}': {reason}\n",
-                    kv_router_glue::redact_url(v)
-                ),
-            )
-            .with_cmd(cmd)
-        })
-    }
-}
-
-fn nats_url(v: &str) -> Result<String, String> {
-    kv_router_glue::nats_server_addrs(v).map(|_| v.to_owned())
-}
-
-/// `--namespace`'s check, by the rule of the subjects built from it
-/// (`kv.<ns>.workers.announce`, `kv.<ns>.inventory.<engine>`), so a bad
-/// token is a flag error before any connection.
-fn namespace_token(v: &str) -> Result<String, String> {
-    announce_subject(v).map(|_| v.to_owned()).map_err(|_| {
-        "must be one NATS subject token: non-empty, without `.`, `*`, `>` or whitespace".to_owned()
-    })
-}
-
-/// `--directory-bucket`'s check (NATS key-value bucket names).
-fn bucket_name(v: &str) -> Result<String, String> {
-    match kv_router_glue::bucket_name_problem(v) {
-        None => Ok(v.to_owned()),
-        Some(why) => Err(why.to_owned()),
-    }
-}
-
 /// The flag behind a [`kv_router_glue::NatsOptionsError`] field (`nats_options` maps
 /// the flags to these fields).
 fn nats_option_flag(field: &str) -> &'static str {
@@ -859,6 +790,10 @@ fn log_follow_stats(stats: &kv_router_glue::service::FollowStats) {
         "follower counters at stop"
     );
 }
+
+#[path = "router_bin/flag_values.rs"]
+mod flag_values;
+use flag_values::{bucket_name, inbox_prefix, namespace_token, NatsUrlParser};
 
 #[cfg(test)]
 #[path = "router_bin/tests.rs"]
