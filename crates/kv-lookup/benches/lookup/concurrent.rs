@@ -67,6 +67,12 @@ pub(crate) enum Publish {
     /// One `apply_events` per [`BATCH`] events of a thread: visible together
     /// when the call returns, as crtc-pool's events at its flush.
     Batched,
+    /// One `apply_event` per event, each event a removal of blocks no
+    /// worker holds: a publication per event that changes no entry, only
+    /// the publisher's event id (a diagnostic load of `--only
+    /// interference`, which separates the cost of publishing from that of
+    /// the writes).
+    NoChange,
 }
 
 /// One concurrent measurement.
@@ -254,7 +260,14 @@ impl Ours {
             let mut next_id = next_id.clone();
             let mut pending: Vec<KvEvent> = Vec::with_capacity(BATCH);
             Box::new(move |w: &Write<'_>| {
-                let data = if w.remove {
+                let data = if publish == Publish::NoChange {
+                    // The complement of a churn chain's (random 64-bit)
+                    // hash is held by no worker, but for a collision with
+                    // one of ~2^21 held hashes (~2^-43 per block).
+                    KvEventData::Removed {
+                        sequence_hashes: w.blocks.iter().map(|b| SequenceHash(!b.0)).collect(),
+                    }
+                } else if w.remove {
                     KvEventData::Removed {
                         sequence_hashes: w.blocks.iter().map(|b| SequenceHash(b.0)).collect(),
                     }
@@ -285,7 +298,7 @@ impl Ours {
                     data,
                 };
                 match publish {
-                    Publish::PerEvent => {
+                    Publish::PerEvent | Publish::NoChange => {
                         let r = index.apply_event(&e);
                         assert!(matches!(r, Ok(EventOutcome::Applied { .. })), "{r:?}");
                         1

@@ -7,7 +7,11 @@
 //! once and never written run under four event loads: none (`T+0`), ours
 //! per event on a second, freshly loaded copy of ours, crtc-pool's on a
 //! freshly loaded tree, and the indexer's own events on the index itself
-//! (the usual concurrent row). The same for crtc-pool's lookups. A lookup
+//! (the usual concurrent row), and two splits of that row: publications
+//! per event that change no entry ([`Publish::NoChange`]: what publishing
+//! alone costs the lookups) and the same events batched 64 per publication
+//! (the writes, with 64 times fewer publications). The same for crtc-pool's
+//! lookups, without the splits. A lookup
 //! that loses as much under the other index's events as under its own
 //! loses it to the memory traffic of event application (the shared caches
 //! and DRAM), not to publication or locks in its index; the two event
@@ -101,6 +105,28 @@ pub(crate) fn interference_rows<'a, F, I>(
             base.lookups_per_s,
         );
         drop(own);
+        // The same index under its own events, split: as many publications
+        // that change nothing, then the same writes published 64 times
+        // less often.
+        for (publish, load) in [
+            (
+                Publish::NoChange,
+                "ours per event changing no entry, same index",
+            ),
+            (Publish::Batched, "ours batched on the same index"),
+        ] {
+            let own = Ours::load(ops(), capacity, requests);
+            let l = drive(
+                t,
+                e,
+                secs,
+                n,
+                &chains,
+                own.writer(publish),
+                own.lookup(budget),
+            );
+            print("ours", load, &l, base.lookups_per_s);
+        }
 
         // crtc-pool reading; events: none, crtc elsewhere, ours elsewhere, crtc on it.
         let reader = Crtc::load(ops(), requests, e);
