@@ -1139,6 +1139,20 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
     assert_eq!(status.code(), Some(0), "drain exits 0: {status}");
 }
 
+/// A `--vllm-events` endpoint that does not answer fails the start (exit
+/// 1, naming the flag and the endpoint, after its 5 s connect timeout)
+/// before the router touches NATS. The router used to connect, subscribe,
+/// watch the directory and apply inventory snapshots first, and the error
+/// came after their log lines. No nats-server here: a router that got as
+/// far as NATS would fail with `cannot connect to NATS` instead.
+#[test]
+fn a_vllm_endpoint_that_does_not_answer_fails_the_start_before_nats() {
+    let (code, err) = run_without_nats(&["--vllm-events", "tcp://127.0.0.1:1,fingerprint=1"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("`--vllm-events` tcp://127.0.0.1:1: "), "{err}");
+    assert!(!err.contains("cannot connect to NATS"), "{err}");
+}
+
 /// Mutual TLS end to end (issue 18, "who may read KV"): a nats-server that
 /// verifies client certificates; the router binary, a donor agent (events,
 /// directory record, inventory) and a prefill target each connect with a
