@@ -176,7 +176,8 @@ pub use plane::inventory::{
 };
 pub use plane::registry::{
     announce_subject, AnnouncementError, Registration, WorkerAnnouncement, WorkerRegistry,
-    MAX_ANNOUNCED_GPUS, MAX_ANNOUNCEMENT_BYTES,
+    FORGET_AFTER_MIN_MS, FORGET_AFTER_SILENCE_WINDOWS, MAX_ANNOUNCED_GPUS, MAX_ANNOUNCEMENT_BYTES,
+    MAX_REMEMBERED,
 };
 #[cfg(feature = "qualify")]
 pub use qualify::{qualify_section, GlueQualifySection};

@@ -1057,7 +1057,8 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
         layout().fingerprint().0,
     );
     let target = spec.parse::<VllmEndpointSpec>().unwrap().worker.engine;
-    let mut router = spawn_router_with(
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut router = spawn_router_logging(
         &url,
         NS,
         &[
@@ -1070,6 +1071,7 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
             "--vllm-events",
             &spec,
         ],
+        Stdio::from(log.reopen().unwrap()),
     );
     assert_eq!(router.ready["event"], "ready");
     let result = rt.block_on(async {
@@ -1135,8 +1137,42 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
     let status = signal_and_wait(&mut router, "TERM");
     rt.block_on(stop_announcing_and_close(donor, ticker))
         .unwrap();
+    let text = std::fs::read_to_string(log.path()).unwrap();
+    eprintln!("{text}");
     result.unwrap();
     assert_eq!(status.code(), Some(0), "drain exits 0: {status}");
+    // The stream's counters as fields of their own; the line was a Debug
+    // dump (`stats=SubscriberStats { next_seq: 1, ... }`).
+    let stopped = text
+        .lines()
+        .find(|l| l.contains("vLLM KV events stopped"))
+        .unwrap_or_else(|| panic!("no vLLM stop line in {text}"));
+    for field in [
+        "worker=vllm-prefill-0",
+        &format!("engine={target}"),
+        "lost_batches=0",
+        "live_batches=",
+        "stored_blocks=",
+        "refused_by_index=0",
+        "skipped=0 skipped_by_reason=none",
+    ] {
+        assert!(stopped.contains(field), "{field} missing: {stopped}");
+    }
+    assert!(!stopped.contains("Stats {"), "{stopped}");
+}
+
+/// A `--vllm-events` endpoint that does not answer fails the start (exit
+/// 1, naming the flag and the endpoint, after its 5 s connect timeout)
+/// before the router touches NATS. The router used to connect, subscribe,
+/// watch the directory and apply inventory snapshots first, and the error
+/// came after their log lines. No nats-server here: a router that got as
+/// far as NATS would fail with `cannot connect to NATS` instead.
+#[test]
+fn a_vllm_endpoint_that_does_not_answer_fails_the_start_before_nats() {
+    let (code, err) = run_without_nats(&["--vllm-events", "tcp://127.0.0.1:1,fingerprint=1"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("`--vllm-events` tcp://127.0.0.1:1: "), "{err}");
+    assert!(!err.contains("cannot connect to NATS"), "{err}");
 }
 
 /// Mutual TLS end to end (issue 18, "who may read KV"): a nats-server that

@@ -19,14 +19,13 @@ use std::time::Duration;
 
 use clap::builder::RangedU64ValueParser;
 use clap::{value_parser, Parser};
-use kv_descriptor::Role;
 use kv_lookup::InventoryIndex;
 use kv_router_glue::metrics::{Health, MetricsServer, ReuseMetrics};
 use kv_router_glue::service::{
     DedicatedAdviseServer, DedicatedOptions, RouterInventory, RouterService, ServiceError,
     VllmEndpointSpec, ADVISE_SUBJECT,
 };
-use kv_router_glue::vllm_events::{VllmEventError, VllmIngest, VllmSubscriber};
+use kv_router_glue::vllm_events::VllmEventError;
 use kv_router_glue::{
     Advisor, CostModel, DecisionLog, DirectoryPlane, EnvSnapshot, EventPlane, InventoryError,
     InventorySync, LiveCostModel, NatsAuth, NatsDirectory, NatsInventory, NatsOptions, NatsPlane,
@@ -270,7 +269,9 @@ enum RouterError {
     /// Only a bad `--namespace` token (the inventory subjects are built from it).
     #[error("inventory sync: {0}")]
     Inventory(#[from] InventoryError),
-    #[error("vLLM events `{endpoint}`: {source}")]
+    /// A `--vllm-events` stream the index refused or whose endpoint did
+    /// not answer at start.
+    #[error("`--vllm-events` {endpoint}: {source}")]
     Vllm {
         endpoint: String,
         source: VllmEventError,
@@ -552,6 +553,22 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
             addr: cli.metrics_addr,
             source,
         })?;
+    let index = Arc::new(InventoryIndex::new());
+    let remote = Arc::new(RemoteDonorDirectory::new());
+    let advisor = Advisor::new(
+        index.clone(),
+        remote.clone(),
+        LiveCostModel::new(model),
+        Arc::new(DecisionLog::new(cli.decision_log)),
+        cli.max_probes,
+    );
+    let service = Arc::new(RouterService::new(Arc::new(advisor)));
+    // The vLLM streams before NATS: an endpoint that does not answer exits
+    // 1 with nothing done on NATS. It used to be found only after the
+    // router had subscribed and applied inventory snapshots, whose log
+    // lines buried the one error.
+    let vllm = vllm_streams::start(&cli.vllm_events, &index, &service).await?;
+
     let plane = Arc::new(NatsPlane::connect(&cli.nats_url, options.clone()).await?);
     // The plane's own connection: the directory reads under the router's
     // credentials (a second, anonymous connection is refused by a server
@@ -565,17 +582,6 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
         )
         .await?,
     );
-
-    let index = Arc::new(InventoryIndex::new());
-    let remote = Arc::new(RemoteDonorDirectory::new());
-    let advisor = Advisor::new(
-        index.clone(),
-        remote.clone(),
-        LiveCostModel::new(model),
-        Arc::new(DecisionLog::new(cli.decision_log)),
-        cli.max_probes,
-    );
-    let service = Arc::new(RouterService::new(Arc::new(advisor)));
     // Snapshots over the router's own connection (its credentials), so a
     // restarted router finds donors that stayed idle (docs/agents.md).
     let sync = InventorySync::new(
@@ -601,23 +607,6 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
             stop_following.clone(),
         )
         .await?;
-
-    let mut vllm = Vec::new();
-    for spec in &cli.vllm_events {
-        let vllm_err = |source| RouterError::Vllm {
-            endpoint: spec.endpoint.clone(),
-            source,
-        };
-        let ingest = VllmIngest::new(index.clone(), spec.worker).map_err(vllm_err)?;
-        let sub = VllmSubscriber::start(spec.subscriber_config(), ingest)
-            .await
-            .map_err(vllm_err)?;
-        if spec.worker.role == Role::Prefill {
-            service.add_target(spec.worker.engine);
-        }
-        tracing::info!(endpoint = %spec.endpoint, worker = %spec.worker_name, engine = %spec.worker.engine, "ingesting vLLM KV events");
-        vllm.push(sub);
-    }
 
     let metrics = Arc::new(ReuseMetrics::new());
     // The followers' state into /metrics once a second (workers, streams
@@ -742,10 +731,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
     stop_following.cancel();
     drop(followers);
     let _ = observing.await;
-    for (spec, sub) in cli.vllm_events.iter().zip(vllm) {
-        let (_, stats) = sub.stop().await;
-        tracing::info!(endpoint = %spec.endpoint, stats = ?stats, "vLLM KV events stopped");
-    }
+    vllm_streams::stop(&cli.vllm_events, vllm).await;
     http.shutdown().await;
     tracing::info!(
         received = report.received,
@@ -790,6 +776,9 @@ fn log_follow_stats(stats: &kv_router_glue::service::FollowStats) {
         "follower counters at stop"
     );
 }
+
+#[path = "router_bin/vllm_streams.rs"]
+mod vllm_streams;
 
 #[path = "router_bin/flag_values.rs"]
 mod flag_values;

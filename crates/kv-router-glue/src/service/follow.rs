@@ -6,18 +6,25 @@
 //!   its `worker_key`); a prefill worker becomes an advise target; a new
 //!   incarnation under a known key drops the old one everywhere (index,
 //!   donor directory, targets, inventory sync) and its late events and
-//!   directory renewals are ignored, for good (an announcement of it is
-//!   counted in `announcements_ignored` and logged at most once per
-//!   [`RETIRED_LOG_EVERY`]). A worker silent for `missed_periods` announce
-//!   periods is dropped the same way, except that it is not replaced: when
-//!   it announces again it is taken back (`workers_readmitted`), excluded
-//!   as a donor until its inventory snapshot is applied (its events while it
-//!   was away were missed). The router's own disconnection is no worker's
-//!   silence: while the event plane reports its connection down (polled
-//!   every [`CONNECTION_POLL`]) no worker is dropped, and once it is back
-//!   every worker gets a fresh deadline and every decode worker is asked a
-//!   new snapshot, those that served one before being no donor until it is
-//!   applied ([`RouterInventory::on_connection`]).
+//!   directory renewals are ignored while the registry remembers it (an
+//!   announcement of it is counted in `announcements_ignored` and logged at
+//!   most once per [`RETIRED_LOG_EVERY`]). A worker silent for
+//!   `missed_periods` announce periods is dropped the same way, except that
+//!   it is not replaced: when it announces again it is taken back
+//!   (`workers_readmitted`), excluded as a donor until its inventory
+//!   snapshot is applied (its events while it was away were missed). The
+//!   registry forgets such incarnations once not heard of for
+//!   [`crate::FORGET_AFTER_SILENCE_WINDOWS`] silence windows (at least
+//!   [`crate::FORGET_AFTER_MIN_MS`]) or past [`crate::MAX_REMEMBERED`]
+//!   (`incarnations_forgotten`); one that announces after that is taken
+//!   back the same way, since the index still knows it was removed
+//!   (`register_in_index` in `follow_liveness.rs`). The router's own
+//!   disconnection is no worker's silence: while the event plane reports
+//!   its connection down (polled every [`CONNECTION_POLL`]) no worker is
+//!   dropped, and once it is back every worker gets a fresh deadline and
+//!   every decode worker is asked a new snapshot, those that served one
+//!   before being no donor until it is applied
+//!   ([`RouterInventory::on_connection`]).
 //!   The first announcement naming
 //!   an event subject subscribes to it; once no registered worker names a
 //!   subject any more (its last worker dropped, or announcing another
@@ -68,7 +75,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kv_descriptor::{EngineId, KvEvent, Role};
-use kv_lookup::{EventOutcome, InventoryIndex, LookupError, WorkerInfo, WorkerKey};
+use kv_lookup::{EventOutcome, InventoryIndex, LookupError};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -379,6 +386,7 @@ impl RouterInventory {
             .get(&a.worker_key)
             .is_some_and(|prev| prev.event_subject != a.event_subject);
         let registration = st.registry.announce(a.clone(), now_ms);
+        self.note_forgotten(st);
         match registration {
             Registration::Retired => {
                 bump(&self.counters.announcements_ignored);
@@ -395,38 +403,13 @@ impl RouterInventory {
                 return None;
             }
             Registration::Replaced { dropped } => self.drop_engine(st, dropped),
-            Registration::Readmitted => {
-                bump(&self.counters.workers_readmitted);
-                tracing::info!(
-                    worker = %a.worker_key,
-                    engine = %a.engine_id,
-                    "worker dropped for silence announced again: taken back (no donor until its inventory snapshot)"
-                );
-            }
-            Registration::New | Registration::Refreshed => {}
+            Registration::New | Registration::Refreshed | Registration::Readmitted => {}
         }
         if moved {
             self.release_unnamed_subjects(st);
         }
         bump(&self.counters.announcements);
-        let info = WorkerInfo {
-            engine: a.engine_id,
-            role: a.role,
-            layout_fingerprint: a.layout_fingerprint,
-            tp_size: a.tp_size,
-        };
-        let key = WorkerKey(xxhash_rust::xxh3::xxh3_64(a.worker_key.as_bytes()));
-        // A readmitted worker's inventory is unknown (its events while it
-        // was away were missed): the index takes it back excluded as a
-        // donor until the snapshot asked below is applied.
-        let registered = if registration == Registration::Readmitted {
-            self.index.readmit_worker(key, info)
-        } else {
-            self.index.register_worker(key, info)
-        };
-        if let Err(e) = registered {
-            tracing::warn!(worker = %a.worker_key, error = %e, "index refused the worker");
-        }
+        self.register_in_index(&a, &registration);
         if a.role == Role::Prefill {
             self.service.add_target(a.engine_id);
         }

@@ -1,14 +1,17 @@
 //! [`RouterInventory`]'s liveness: which workers count as silent (and
-//! when none does: while the router's own NATS connection is down), and
-//! the one check of each donor layout against the settings. A child of
-//! `follow.rs`, so it reads `Tracked` and the counters directly.
+//! when none does: while the router's own NATS connection is down), how a
+//! worker that was dropped comes back into the index, what the registry
+//! forgot, and the one check of each donor layout against the settings. A
+//! child of `follow.rs`, so it reads `Tracked` and the counters directly.
 
 use std::sync::atomic::Ordering;
 
 use kv_descriptor::Role;
+use kv_lookup::{LookupError, WorkerInfo, WorkerKey};
 
 use super::super::follow_stats::bump;
 use super::{RouterInventory, Tracked};
+use crate::{Registration, WorkerAnnouncement};
 
 impl RouterInventory {
     /// Drops workers silent too long at `now_ms`; returns how many.
@@ -16,6 +19,7 @@ impl RouterInventory {
         let mut guard = self.state.lock().await;
         let st = &mut *guard;
         let dead = st.registry.tick(now_ms);
+        self.note_forgotten(st);
         for (key, engine) in &dead {
             tracing::info!(worker = %key, engine = %engine, "worker silent: dropped");
             self.drop_engine(st, *engine);
@@ -24,6 +28,74 @@ impl RouterInventory {
             self.release_unnamed_subjects(st);
         }
         dead.len()
+    }
+
+    /// Registers announced `a` with the index after the registry answered
+    /// `registration` (not [`Registration::Retired`]). A readmitted worker's
+    /// inventory is unknown (its events while it was away were missed): the
+    /// index takes it back excluded as a donor until its snapshot is
+    /// applied (`workers_readmitted`). So is an incarnation the index
+    /// refuses as removed although the registry took it as new or as a
+    /// replacement: one the registry forgot (not heard of for its
+    /// retention, or past its cap) that announces again, whose events while
+    /// it was away were missed just the same.
+    pub(super) fn register_in_index(&self, a: &WorkerAnnouncement, registration: &Registration) {
+        let info = WorkerInfo {
+            engine: a.engine_id,
+            role: a.role,
+            layout_fingerprint: a.layout_fingerprint,
+            tp_size: a.tp_size,
+        };
+        let key = WorkerKey(xxhash_rust::xxh3::xxh3_64(a.worker_key.as_bytes()));
+        let registered = if *registration == Registration::Readmitted {
+            bump(&self.counters.workers_readmitted);
+            tracing::info!(
+                worker = %a.worker_key,
+                engine = %a.engine_id,
+                "worker dropped for silence announced again: taken back (no donor until its inventory snapshot)"
+            );
+            self.index.readmit_worker(key, info)
+        } else {
+            match self.index.register_worker(key, info) {
+                Err(LookupError::RetiredIncarnation { .. }) => {
+                    bump(&self.counters.workers_readmitted);
+                    let replaced = match registration {
+                        Registration::Replaced { dropped } => Some(*dropped),
+                        _ => None,
+                    };
+                    tracing::warn!(
+                        worker = %a.worker_key,
+                        engine = %a.engine_id,
+                        replaced = ?replaced,
+                        "incarnation removed long ago (forgotten by the registry) announced again: taken back (no donor until its inventory snapshot)"
+                    );
+                    self.index.readmit_worker(key, info)
+                }
+                other => other,
+            }
+        };
+        if let Err(e) = registered {
+            tracing::warn!(worker = %a.worker_key, error = %e, "index refused the worker");
+        }
+    }
+
+    /// Copies the registry's count of forgotten incarnations into
+    /// `incarnations_forgotten` (the follower holds `st`, so one writer).
+    pub(super) fn note_forgotten(&self, st: &Tracked) {
+        let total = st.registry.forgotten();
+        let before = self
+            .counters
+            .incarnations_forgotten
+            .swap(total, Ordering::Relaxed);
+        if total > before {
+            let (replaced, silenced) = st.registry.remembered();
+            tracing::debug!(
+                forgotten = total - before,
+                replaced_remembered = replaced,
+                silenced_remembered = silenced,
+                "replaced or silenced incarnations forgotten: not heard of for the retention, or the oldest past the cap"
+            );
+        }
     }
 
     /// Takes in the state of the router's own connection to the event

@@ -131,6 +131,71 @@ async fn a_worker_dropped_for_silence_is_a_donor_again_after_its_snapshot() {
     answering.abort();
 }
 
+/// The registry forgets removed incarnations after its retention
+/// (`incarnations_forgotten`); one that announces after that is taken back
+/// as a readmitted one is, empty and no donor until its snapshot, never
+/// from what the index held of it before (without `register_in_index`'s
+/// fallback the index refused it as removed, and it stayed out for good).
+/// Within the retention a replaced incarnation's stray announcement is
+/// ignored.
+#[tokio::test]
+async fn an_incarnation_the_registry_forgot_comes_back_as_no_donor_until_its_snapshot() {
+    let (inv, _) = inventory();
+    let r = crate::WorkerRegistry::new(1_000, 3).retention_ms();
+    let (silent, old, new) = (EngineId::fresh(), EngineId::fresh(), EngineId::fresh());
+    let ann = |key, engine| announcement(key, engine, Role::Decode, "kv.t.decode.e");
+    inv.on_announcement(&ann("d0", silent), 0).await;
+    inv.on_announcement(&ann("d1", old), 0).await;
+    inv.on_event(KvStreamItem::Event(stored(silent, 1))).await;
+    inv.on_event(KvStreamItem::Event(stored(old, 1))).await;
+    inv.on_announcement(&ann("d1", new), 1_000).await;
+    assert_eq!(inv.tick(3_001).await, 1, "d0 silent");
+    // A stray announcement of the replaced one, within the retention.
+    inv.on_announcement(&ann("d1", old), 3_500).await;
+    assert_eq!(inv.stats().announcements_ignored, 1);
+    assert!(inv.index().worker(old).is_none());
+    // d1 (new) stays live; nothing more is heard of d0 after its drop
+    // (3_001) nor of old after its stray announcement (3_500).
+    let forgotten_at = |t: u64| {
+        let inv = inv.clone();
+        async move {
+            inv.on_announcement(&ann("d1", new), t).await;
+            assert_eq!(inv.tick(t).await, 0);
+            inv.stats().incarnations_forgotten
+        }
+    };
+    assert_eq!(forgotten_at(3_001 + r).await, 0);
+    assert_eq!(forgotten_at(3_002 + r).await, 1, "d0");
+    assert_eq!(forgotten_at(3_500 + r).await, 1);
+    assert_eq!(forgotten_at(3_501 + r).await, 2, "old");
+
+    inv.on_announcement(&ann("d0", silent), 3_502 + r).await;
+    assert!(inv.index().worker(silent).is_some(), "taken back");
+    assert_eq!(inv.index().workers_needing_resync(), vec![silent]);
+    // The forgotten replaced one is a new incarnation now: it takes d1's
+    // key (as a restart would), and is no donor either.
+    inv.on_announcement(&ann("d1", old), 3_502 + r).await;
+    assert!(inv.index().worker(new).is_none());
+    let mut resync = inv.index().workers_needing_resync();
+    resync.sort();
+    let mut want = vec![silent, old];
+    want.sort();
+    assert_eq!(resync, want);
+    // An event after the gap applies but makes neither a donor.
+    inv.on_event(KvStreamItem::Event(stored(silent, 8))).await;
+    assert_eq!(inv.index().workers_needing_resync().len(), 2);
+    let st = inv.stats();
+    assert_eq!(
+        (
+            st.workers_readmitted,
+            st.incarnations_forgotten,
+            st.workers_dropped
+        ),
+        (2, 2, 3),
+        "{st:?}"
+    );
+}
+
 /// Each donor layout's block size is checked once, when its first record
 /// arrives (trial h33, BUG 2): the records here have 4-token blocks, which
 /// recompute in 4 x 30 µs = 120 µs, below the default 400 µs a host block

@@ -38,12 +38,20 @@ follow_counters! {
     /// Workers dropped (replaced or silent).
     workers_dropped,
     /// Workers dropped for silence that announced again and were taken
-    /// back (each a donor again only after its inventory snapshot).
+    /// back, and removed incarnations the registry had forgotten that
+    /// announced again (each a donor again only after its inventory
+    /// snapshot).
     workers_readmitted,
     /// Times the router found its own NATS connection down: no worker's
     /// silence counts until it is back, and then every decode worker is
     /// resynced before it is a donor again.
     connection_losses,
+    /// Replaced or silenced incarnations the worker registry forgot: not
+    /// heard of for its retention (`FORGET_AFTER_SILENCE_WINDOWS` silence
+    /// windows, at least `FORGET_AFTER_MIN_MS`), or the oldest past
+    /// `MAX_REMEMBERED` of either kind. One that announces again is taken
+    /// back as a readmitted worker is.
+    incarnations_forgotten,
     /// KV events applied to the index (in order, or after a gap).
     events_applied,
     /// KV events at or below what the index already holds of the publisher

@@ -6,17 +6,32 @@
 //! Rules: a new incarnation (engine id) under a known worker key replaces
 //! the old one, and the dropped engine id is returned so the caller drops its
 //! inventory from the kv-lookup index and ignores its late events
-//! ([`WorkerRegistry::is_retired`]); a replaced incarnation is refused for
-//! good. A worker silent for `missed_periods` announce periods is removed by
-//! [`WorkerRegistry::tick`], and its events are ignored while it is away,
-//! but it is not replaced: when it announces again (a network partition
-//! ended) it is taken back ([`Registration::Readmitted`]), unless a new
-//! incarnation took its key meanwhile. While the router's own connection
-//! is down ([`WorkerRegistry::pause`]) nobody's silence counts: the
-//! workers' announcements cannot reach it. Time is passed in (ms on any
-//! monotonic clock) so tests never sleep.
+//! ([`WorkerRegistry::is_retired`]); a replaced incarnation is refused
+//! while it is remembered. A worker silent for `missed_periods` announce
+//! periods is removed by [`WorkerRegistry::tick`], and its events are
+//! ignored while it is away, but it is not replaced: when it announces again
+//! (a network partition ended) it is taken back
+//! ([`Registration::Readmitted`]), unless a new incarnation took its key
+//! meanwhile. While the router's own connection is down
+//! ([`WorkerRegistry::pause`]) nobody's silence counts: the workers'
+//! announcements cannot reach it. Time is passed in (ms on any monotonic
+//! clock) so tests never sleep.
+//!
+//! Memory: replaced and silenced incarnations are remembered for
+//! [`FORGET_AFTER_SILENCE_WINDOWS`] silence windows after they were last
+//! heard of (at least [`FORGET_AFTER_MIN_MS`]), at most
+//! [`MAX_REMEMBERED`] of each, the one heard of longest ago forgotten first
+//! ([`WorkerRegistry::forgotten`] counts them): without a bound a router
+//! kept one entry per worker restart for its whole life. A replaced
+//! incarnation that goes on announcing (a second process under its key) is
+//! heard of every period and so stays refused while it runs. A forgotten
+//! incarnation is unknown: when it announces again it registers as a new
+//! incarnation would ([`Registration::New`] with its key free,
+//! [`Registration::Replaced`] with its key taken), and the caller, whose
+//! index still knows it was removed, takes it back as it takes back a
+//! [`Registration::Readmitted`] one (no donor until a resync).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use kv_descriptor::{EngineId, GpuIdentity, LayoutFingerprint, Role, Wire};
 use serde::{Deserialize, Serialize};
@@ -28,6 +43,25 @@ pub const MAX_ANNOUNCEMENT_BYTES: usize = 16 * 1024;
 /// Most GPU identities an announcement may list (one per TP rank).
 pub const MAX_ANNOUNCED_GPUS: usize = 64;
 const MAX_NAME: usize = super::directory::MAX_NAME_BYTES;
+
+/// A replaced or silenced incarnation is forgotten once nothing of it was
+/// heard for this many silence windows (`missed_periods` x
+/// `announce_period_ms`), and not sooner than [`FORGET_AFTER_MIN_MS`]: its
+/// stray announcements and events are in flight for seconds, far less.
+pub const FORGET_AFTER_SILENCE_WINDOWS: u64 = 100;
+/// Shortest time, in ms, a replaced or silenced incarnation is remembered
+/// after it was last heard of (5 min); what a short announce period (10 ms
+/// at least) would make of [`FORGET_AFTER_SILENCE_WINDOWS`] alone is too
+/// little for a message delayed by a loaded server.
+pub const FORGET_AFTER_MIN_MS: u64 = 300_000;
+/// Most replaced incarnations, and most silenced ones, remembered at once
+/// (each; the kv-lookup index's worker limit, so that a whole fleet dropped
+/// at once is remembered); past it the one heard of longest ago is
+/// forgotten first.
+pub const MAX_REMEMBERED: usize = kv_lookup::MAX_WORKERS;
+
+mod memory;
+use memory::Remembered;
 
 /// The subject workers announce on, under `namespace`
 /// (`kv.<namespace>.workers.announce`).
@@ -201,7 +235,8 @@ pub enum Registration {
         /// The replaced incarnation.
         dropped: EngineId,
     },
-    /// An announcement of an incarnation already replaced: ignored.
+    /// An announcement of an incarnation already replaced (and still
+    /// remembered, [`WorkerRegistry::remembered`]): ignored.
     Retired,
     /// An incarnation [`WorkerRegistry::tick`] removed for silence
     /// announces again, and no other incarnation took its key: registered
@@ -223,12 +258,17 @@ pub struct WorkerRegistry {
     announce_period_ms: u64,
     missed_periods: u32,
     by_key: HashMap<String, Entry>,
-    /// Replaced incarnations: refused for good.
-    retired: HashSet<EngineId>,
+    /// Replaced incarnations: refused while remembered.
+    retired: Remembered<()>,
     /// Incarnations removed for silence, with their worker key: taken back
     /// when they announce again, retired when another incarnation
     /// registers under their key.
-    silenced: HashMap<EngineId, String>,
+    silenced: Remembered<String>,
+    /// How long, in ms, an incarnation in `retired` or `silenced` is
+    /// remembered after it was last heard of.
+    retention_ms: u64,
+    /// Incarnations forgotten from `retired` and `silenced` so far.
+    forgotten: u64,
     /// Set by [`WorkerRegistry::pause`]: [`WorkerRegistry::tick`] removes
     /// nobody.
     paused: bool,
@@ -236,28 +276,39 @@ pub struct WorkerRegistry {
 
 impl WorkerRegistry {
     /// A registry removing a worker silent for more than
-    /// `missed_periods` x `announce_period_ms`.
+    /// `missed_periods` x `announce_period_ms` (`missed_periods` 0 counts
+    /// as 1), remembering replaced and silenced incarnations as the module
+    /// documentation says.
     pub fn new(announce_period_ms: u64, missed_periods: u32) -> Self {
+        let missed_periods = missed_periods.max(1);
+        let window = announce_period_ms.saturating_mul(missed_periods as u64);
         Self {
             announce_period_ms,
-            missed_periods: missed_periods.max(1),
+            missed_periods,
             by_key: HashMap::new(),
-            retired: HashSet::new(),
-            silenced: HashMap::new(),
+            retired: Remembered::new(MAX_REMEMBERED),
+            silenced: Remembered::new(MAX_REMEMBERED),
+            retention_ms: window
+                .saturating_mul(FORGET_AFTER_SILENCE_WINDOWS)
+                .max(FORGET_AFTER_MIN_MS),
+            forgotten: 0,
             paused: false,
         }
     }
 
     /// Records an announcement seen at `now_ms`.
     pub fn announce(&mut self, a: WorkerAnnouncement, now_ms: u64) -> Registration {
-        if self.retired.contains(&a.engine_id) {
+        self.forget_expired(now_ms);
+        // Heard of again: a replaced incarnation that keeps announcing (a
+        // second process under the key) stays refused while it runs.
+        if self.retired.heard(&a.engine_id, now_ms) {
             return Registration::Retired;
         }
         let entry = |a| Entry {
             announcement: a,
             last_seen_ms: now_ms,
         };
-        if self.silenced.remove(&a.engine_id).is_some() {
+        if self.silenced.take(&a.engine_id).is_some() {
             // Its key is free: a new incarnation under it would have
             // retired this one (below).
             debug_assert!(!self.by_key.contains_key(&a.worker_key));
@@ -268,13 +319,9 @@ impl WorkerRegistry {
             None => {
                 // An incarnation of this key removed for silence is
                 // replaced now: it must not come back next to this one.
-                self.silenced.retain(|engine, key| {
-                    let same = *key == a.worker_key;
-                    if same {
-                        self.retired.insert(*engine);
-                    }
-                    !same
-                });
+                for (engine, _) in self.silenced.take_where(|_, key| *key == a.worker_key) {
+                    self.retire(engine, now_ms);
+                }
                 self.by_key.insert(a.worker_key.clone(), entry(a));
                 Registration::New
             }
@@ -285,11 +332,29 @@ impl WorkerRegistry {
             }
             Some(e) => {
                 let dropped = e.announcement.engine_id;
-                self.retired.insert(dropped);
                 *e = entry(a);
+                self.retire(dropped, now_ms);
                 Registration::Replaced { dropped }
             }
         }
+    }
+
+    /// Remembers `engine` as replaced at `now_ms`.
+    fn retire(&mut self, engine: EngineId, now_ms: u64) {
+        self.forgotten += self.retired.remember(engine, (), now_ms) as u64;
+    }
+
+    /// Forgets the replaced and silenced incarnations not heard of for the
+    /// retention at `now_ms`; nothing while paused (the router could hear
+    /// nothing of them).
+    fn forget_expired(&mut self, now_ms: u64) {
+        if self.paused {
+            return;
+        }
+        let retention = self.retention_ms;
+        let n = self.retired.forget_older_than(retention, now_ms)
+            + self.silenced.forget_older_than(retention, now_ms);
+        self.forgotten += n as u64;
     }
 
     /// Stops counting silence: while the router's own connection to the
@@ -302,13 +367,17 @@ impl WorkerRegistry {
 
     /// Counts silence again from `now_ms`: every registered worker gets a
     /// fresh deadline (`missed_periods` periods from now), as if it had
-    /// just announced, since the time the router was away tells nothing of
-    /// it. Also right without a [`WorkerRegistry::pause`] before.
+    /// just announced, and every remembered replaced or silenced
+    /// incarnation a fresh retention, since the time the router was away
+    /// tells nothing of them. Also right without a
+    /// [`WorkerRegistry::pause`] before.
     pub fn resume(&mut self, now_ms: u64) {
         self.paused = false;
         for e in self.by_key.values_mut() {
             e.last_seen_ms = e.last_seen_ms.max(now_ms);
         }
+        self.retired.restamp(now_ms);
+        self.silenced.restamp(now_ms);
     }
 
     /// Whether [`WorkerRegistry::pause`] is in force.
@@ -328,11 +397,14 @@ impl WorkerRegistry {
     /// Removes every worker silent for more than the allowed periods at
     /// `now_ms` (nobody while paused); returns their (worker key, engine
     /// id), which the caller drops from the index. Their events are ignored
-    /// until they announce again ([`Registration::Readmitted`]).
+    /// until they announce again ([`Registration::Readmitted`]). Also
+    /// forgets the replaced and silenced incarnations not heard of for the
+    /// retention ([`WorkerRegistry::forgotten`]).
     pub fn tick(&mut self, now_ms: u64) -> Vec<(String, EngineId)> {
         if self.paused {
             return Vec::new();
         }
+        self.forget_expired(now_ms);
         let limit = self
             .announce_period_ms
             .saturating_mul(self.missed_periods as u64);
@@ -349,19 +421,40 @@ impl WorkerRegistry {
                     .map(|e| (k, e.announcement.engine_id))
             })
             .inspect(|(k, id)| {
-                self.silenced.insert(*id, k.clone());
+                self.forgotten += self.silenced.remember(*id, k.clone(), now_ms) as u64;
             })
             .collect()
     }
 
-    /// Whether `engine` was replaced, or removed for silence and has not
-    /// announced since: its events and directory records are ignored.
-    pub fn is_retired(&self, engine: EngineId) -> bool {
-        self.retired.contains(&engine) || self.silenced.contains_key(&engine)
+    /// Replaced and silenced incarnations forgotten so far (not heard of
+    /// for the retention, or the oldest past [`MAX_REMEMBERED`]).
+    pub fn forgotten(&self) -> u64 {
+        self.forgotten
     }
 
-    /// Whether `engine` was replaced by a newer incarnation (refused for
-    /// good, unlike one removed for silence).
+    /// How long, in ms, a replaced or silenced incarnation is remembered
+    /// after it was last heard of: [`FORGET_AFTER_SILENCE_WINDOWS`] x
+    /// `missed_periods` x `announce_period_ms`, at least
+    /// [`FORGET_AFTER_MIN_MS`].
+    pub fn retention_ms(&self) -> u64 {
+        self.retention_ms
+    }
+
+    /// (replaced, silenced) incarnations remembered now, each at most
+    /// [`MAX_REMEMBERED`].
+    pub fn remembered(&self) -> (usize, usize) {
+        (self.retired.len(), self.silenced.len())
+    }
+
+    /// Whether `engine` was replaced, or removed for silence and has not
+    /// announced since, and is still remembered: its events and directory
+    /// records are ignored.
+    pub fn is_retired(&self, engine: EngineId) -> bool {
+        self.retired.contains(&engine) || self.silenced.contains(&engine)
+    }
+
+    /// Whether `engine` was replaced by a newer incarnation (refused while
+    /// remembered, unlike one removed for silence).
     pub fn is_replaced(&self, engine: EngineId) -> bool {
         self.retired.contains(&engine)
     }

@@ -126,6 +126,140 @@ fn nobody_is_dropped_while_paused_and_silence_restarts_from_the_resume() {
     assert_eq!(reg.tick(63_001), vec![("decode-0".to_string(), a)]);
 }
 
+/// A router's registry stays bounded however many workers restart: one
+/// worker key through `MAX_REMEMBERED` + 11 incarnations, and
+/// `MAX_REMEMBERED` + 5 workers dropped for silence at once, leave
+/// `MAX_REMEMBERED` of each remembered, the oldest forgotten (each set grew
+/// by one entry per restart for the router's life before).
+#[test]
+fn many_incarnations_leave_at_most_the_cap_remembered() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let engines: Vec<EngineId> = (0..MAX_REMEMBERED + 11)
+        .map(|_| EngineId::fresh())
+        .collect();
+    for (t, &e) in engines.iter().enumerate() {
+        reg.announce(ann("decode-0", e), t as u64);
+    }
+    assert_eq!(reg.remembered(), (MAX_REMEMBERED, 0));
+    assert_eq!(reg.forgotten(), 10);
+    let last = engines.len() - 1;
+    // The newest replaced ones are still refused, the oldest are not known.
+    assert!(reg.is_replaced(engines[last - 1]));
+    assert!(reg.is_replaced(engines[10]));
+    assert!(!reg.is_retired(engines[9]));
+    assert_eq!(
+        reg.announce(ann("decode-0", engines[last - 1]), 20_000),
+        Registration::Retired
+    );
+    assert_eq!(reg.get("decode-0").unwrap().engine_id, engines[last]);
+
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    for i in 0..MAX_REMEMBERED + 5 {
+        reg.announce(ann(&format!("decode-{i}"), EngineId::fresh()), 0);
+    }
+    assert_eq!(reg.tick(3_001).len(), MAX_REMEMBERED + 5);
+    assert_eq!(reg.remembered(), (0, MAX_REMEMBERED));
+    assert_eq!(reg.forgotten(), 5);
+}
+
+#[test]
+fn the_retention_is_a_multiple_of_the_silence_window_with_a_floor() {
+    // 100 windows of 3 x 1 s; 100 x 10 ms would be 1 s, raised to 5 min.
+    assert_eq!(WorkerRegistry::new(1_000, 3).retention_ms(), 300_000);
+    assert_eq!(
+        WorkerRegistry::new(10, 1).retention_ms(),
+        FORGET_AFTER_MIN_MS
+    );
+    assert_eq!(WorkerRegistry::new(2_000, 5).retention_ms(), 1_000_000);
+    assert_eq!(
+        WorkerRegistry::new(60_000, 1_000).retention_ms(),
+        60_000 * 1_000 * FORGET_AFTER_SILENCE_WINDOWS
+    );
+}
+
+/// A replaced incarnation's stray announcement within the retention is
+/// ignored and keeps it remembered (a second process under the key stays
+/// refused while it runs); once nothing of it was heard for the retention
+/// it is forgotten, and an announcement of it after that is a new
+/// incarnation's: it replaces the live one (the caller's index, which still
+/// knows it was removed, takes it back as no donor until a resync).
+#[test]
+fn a_replaced_incarnation_is_refused_for_the_retention_after_it_was_last_heard() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let r = reg.retention_ms();
+    let (old, new) = (EngineId::fresh(), EngineId::fresh());
+    reg.announce(ann("decode-0", old), 0);
+    reg.announce(ann("decode-0", new), 1_000);
+    assert_eq!(
+        reg.announce(ann("decode-0", old), 1_000 + r),
+        Registration::Retired
+    );
+    // Heard at 1_000 + r: remembered until 1_000 + 2r.
+    reg.announce(ann("decode-0", new), 1_000 + 2 * r);
+    assert!(reg.tick(1_000 + 2 * r).is_empty());
+    assert!(reg.is_replaced(old));
+    assert_eq!(reg.forgotten(), 0);
+    reg.announce(ann("decode-0", new), 1_001 + 2 * r);
+    assert!(reg.tick(1_001 + 2 * r).is_empty());
+    assert!(!reg.is_retired(old));
+    assert_eq!((reg.forgotten(), reg.remembered()), (1, (0, 0)));
+    assert_eq!(
+        reg.announce(ann("decode-0", old), 1_002 + 2 * r),
+        Registration::Replaced { dropped: new }
+    );
+    assert!(reg.is_replaced(new));
+}
+
+/// A worker dropped for silence is taken back within the retention; once
+/// forgotten it registers as new (its key is free), and the caller takes it
+/// back through its index as it takes back a readmitted one.
+#[test]
+fn a_silenced_worker_forgotten_after_the_retention_registers_as_new() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let r = reg.retention_ms();
+    let a = EngineId::fresh();
+    reg.announce(ann("decode-0", a), 0);
+    assert_eq!(reg.tick(3_001).len(), 1);
+    assert!(reg.tick(3_001 + r).is_empty());
+    assert!(reg.is_retired(a));
+    assert!(reg.tick(3_002 + r).is_empty());
+    assert!(!reg.is_retired(a));
+    assert_eq!((reg.forgotten(), reg.remembered()), (1, (0, 0)));
+    assert_eq!(
+        reg.announce(ann("decode-0", a), 3_003 + r),
+        Registration::New
+    );
+}
+
+/// While the router's own connection is down it hears nothing, so nothing
+/// is forgotten, and every remembered incarnation gets a fresh retention at
+/// the resume (as every worker gets a fresh silence deadline).
+#[test]
+fn nothing_is_forgotten_while_paused_and_the_retention_restarts_at_the_resume() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let r = reg.retention_ms();
+    let (old, new, silent) = (EngineId::fresh(), EngineId::fresh(), EngineId::fresh());
+    reg.announce(ann("decode-0", old), 0);
+    reg.announce(ann("decode-0", new), 0);
+    reg.announce(ann("decode-1", silent), 0);
+    reg.announce(ann("decode-0", new), 3_000);
+    assert_eq!(reg.tick(3_001), vec![("decode-1".to_string(), silent)]);
+    reg.pause();
+    assert!(reg.tick(10 * r).is_empty());
+    assert_eq!(
+        reg.announce(ann("decode-0", new), 10 * r),
+        Registration::Refreshed
+    );
+    assert_eq!((reg.forgotten(), reg.remembered()), (0, (1, 1)));
+    reg.resume(10 * r);
+    reg.announce(ann("decode-0", new), 11 * r);
+    assert!(reg.tick(11 * r).is_empty());
+    assert!(reg.is_replaced(old) && reg.is_retired(silent));
+    reg.announce(ann("decode-0", new), 11 * r + 1);
+    assert!(reg.tick(11 * r + 1).is_empty());
+    assert_eq!((reg.forgotten(), reg.remembered()), (2, (0, 0)));
+}
+
 #[test]
 fn bad_announcements_are_refused_naming_the_field() {
     let e = EngineId::fresh();

@@ -1,0 +1,149 @@
+//! The `--vllm-events` streams of the router: started before anything
+//! touches NATS, so that an endpoint that does not answer fails the start
+//! with no connection, subscription or snapshot behind it; stopped after
+//! the drain with one line of structured fields each.
+
+use std::sync::Arc;
+
+use kv_descriptor::Role;
+use kv_lookup::InventoryIndex;
+use kv_router_glue::service::{RouterService, VllmEndpointSpec};
+use kv_router_glue::vllm_events::{
+    IngestStats, SkipReason, SubscriberStats, VllmIngest, VllmSubscriber,
+};
+
+use super::RouterError;
+
+/// Registers each of `specs` with `index`, subscribes to it and catches up
+/// through its replay endpoint; a prefill engine becomes an advise target
+/// of `service`. One after the other, each within its connect timeout.
+///
+/// # Errors
+/// [`RouterError::Vllm`] naming the first endpoint that the index refuses
+/// or that does not answer (the streams started before it are stopped by
+/// their drop).
+pub(super) async fn start(
+    specs: &[VllmEndpointSpec],
+    index: &Arc<InventoryIndex>,
+    service: &RouterService,
+) -> Result<Vec<VllmSubscriber>, RouterError> {
+    let mut subscribers = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let vllm_err = |source| RouterError::Vllm {
+            endpoint: spec.endpoint.clone(),
+            source,
+        };
+        let ingest = VllmIngest::new(index.clone(), spec.worker).map_err(vllm_err)?;
+        let sub = VllmSubscriber::start(spec.subscriber_config(), ingest)
+            .await
+            .map_err(vllm_err)?;
+        if spec.worker.role == Role::Prefill {
+            service.add_target(spec.worker.engine);
+        }
+        tracing::info!(endpoint = %spec.endpoint, worker = %spec.worker_name, engine = %spec.worker.engine, "ingesting vLLM KV events");
+        subscribers.push(sub);
+    }
+    Ok(subscribers)
+}
+
+/// Stops each subscriber of `specs` (same order as [`start`] returned
+/// them) and logs its counters.
+pub(super) async fn stop(specs: &[VllmEndpointSpec], subscribers: Vec<VllmSubscriber>) {
+    for (spec, sub) in specs.iter().zip(subscribers) {
+        let (_, stats) = sub.stop().await;
+        log_stopped(spec, &stats);
+    }
+}
+
+/// Logs one stream's counters as fields of their own: a log pipeline reads
+/// each as a field, where the Debug dump of the stats
+/// (`SubscriberStats { next_seq: 3, ... }`) was one opaque string.
+fn log_stopped(spec: &VllmEndpointSpec, stats: &SubscriberStats) {
+    // Destructured whole, so a counter added to either struct fails to
+    // compile here until it is logged too.
+    let SubscriberStats {
+        next_seq,
+        live_batches,
+        replayed_batches,
+        duplicates,
+        replay_requests,
+        lost_batches,
+        undecodable,
+        malformed_frames,
+        restarts,
+        implausible_seq,
+        ingest:
+            IngestStats {
+                batches,
+                events,
+                stored_blocks,
+                removed_blocks,
+                clears,
+                unknown_removals,
+                skipped,
+                refused_by_index,
+                resets,
+                replacements,
+                marked_for_resync,
+            },
+    } = stats;
+    tracing::info!(
+        endpoint = %spec.endpoint,
+        worker = %spec.worker_name,
+        engine = %spec.worker.engine,
+        next_seq,
+        live_batches,
+        replayed_batches,
+        duplicates,
+        replay_requests,
+        lost_batches,
+        undecodable,
+        malformed_frames,
+        restarts,
+        implausible_seq,
+        batches,
+        events,
+        stored_blocks,
+        removed_blocks,
+        clears,
+        unknown_removals,
+        refused_by_index,
+        resets,
+        replacements,
+        marked_for_resync,
+        skipped = skipped.iter().sum::<u64>(),
+        skipped_by_reason = %skipped_pairs(&stats.ingest),
+        "vLLM KV events stopped"
+    );
+}
+
+/// The skipped events per reason as `reason=count` pairs (reasons with
+/// none left out), `none` when nothing was skipped (an empty field value
+/// reads as a missing one).
+fn skipped_pairs(ingest: &IngestStats) -> String {
+    let pairs = SkipReason::ALL
+        .iter()
+        .filter_map(|&r| {
+            let n = ingest.skipped(r);
+            (n > 0).then(|| format!("{}={n}", r.as_str()))
+        })
+        .collect::<Vec<_>>();
+    if pairs.is_empty() {
+        return "none".into();
+    }
+    pairs.join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn skipped_events_are_named_by_reason() {
+        let mut ingest = IngestStats::default();
+        assert_eq!(skipped_pairs(&ingest), "none");
+        ingest.skipped[SkipReason::Lora as usize] = 2;
+        ingest.skipped[SkipReason::UnknownMedium as usize] = 1;
+        assert_eq!(skipped_pairs(&ingest), "unknown_medium=1 lora=2");
+    }
+}
