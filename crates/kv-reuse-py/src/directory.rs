@@ -11,12 +11,15 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use kv_descriptor::Wire;
-use kv_router_glue::{unix_now_ms, DirectoryPlane, DonorCache, NatsDirectory, NatsPlane};
+use kv_router_glue::{
+    redact_url, unix_now_ms, DirectoryPlane, DonorCache, NatsDirectory, NatsPlane,
+};
 
 use crate::errors::{descriptor, PublishFailed};
 use crate::nats_auth::NatsCredentials;
 use crate::nats_runtime::{check_bucket, check_nats_url, runtime, seconds_in, within};
 use crate::process_bound::ProcessBound;
+use crate::reprs::Repr;
 
 /// The donor directory as seen from a prefill worker (module docs).
 #[pyclass(frozen, module = "kv_reuse")]
@@ -27,6 +30,10 @@ pub(crate) struct DonorDirectory {
     /// (its runtime's worker is the parent's), so the cache would never
     /// change again; reads there are refused (crate::process_bound).
     home: ProcessBound,
+    /// `nats_url` with any password or token as `***`, for the repr (the
+    /// raw URL is not kept).
+    shown_url: String,
+    bucket: String,
 }
 
 impl DonorDirectory {
@@ -93,7 +100,7 @@ impl DonorDirectory {
         let cache = Arc::new(Mutex::new(DonorCache::new()));
         let feed = cache.clone();
         let url = nats_url.to_owned();
-        let bucket = bucket.to_owned();
+        let watched = bucket.to_owned();
         let running = py.allow_threads(|| {
             let rt = runtime("directory")?;
             let mut watch = rt.block_on(async {
@@ -103,10 +110,10 @@ impl DonorDirectory {
                     if create {
                         // The bucket's max_age only matters if this creates
                         // it; the router and the donors create it with their own.
-                        NatsDirectory::from_client(client, &url, &bucket, Duration::from_secs(30))
+                        NatsDirectory::from_client(client, &url, &watched, Duration::from_secs(30))
                             .await
                     } else {
-                        NatsDirectory::open_existing(client, &url, &bucket).await
+                        NatsDirectory::open_existing(client, &url, &watched).await
                     }
                 })
                 .await?;
@@ -124,6 +131,8 @@ impl DonorDirectory {
             cache,
             running: Mutex::new(Some(running)),
             home: ProcessBound::here("DonorDirectory"),
+            shown_url: redact_url(nats_url),
+            bucket: bucket.to_owned(),
         })
     }
 
@@ -212,6 +221,23 @@ impl DonorDirectory {
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
         self.close(py);
         false
+    }
+
+    /// `<kv_reuse.DonorDirectory nats_url='nats://host:4222'
+    /// bucket='kv_donors' open=True donors=2>` (`donors` only while open:
+    /// a closed directory's count would be stale). No password or token.
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let open = self.check_open("__repr__").is_ok();
+        let r = Repr::object(py, "DonorDirectory")
+            .field("nats_url", self.shown_url.as_str())?
+            .field("bucket", self.bucket.as_str())?
+            .field("open", open)?;
+        Ok(if open {
+            r.field("donors", self.donors()?)?
+        } else {
+            r
+        }
+        .finish())
     }
 }
 

@@ -11,7 +11,7 @@ use kv_bank::{
     sealed_blocks, BankConfig, BankError, BankManager, DeviceRows, LeaseConfig, MemoryKind,
     StoreStatus,
 };
-use kv_descriptor::{OwnerLease, Role, SequenceHash, Wire};
+use kv_descriptor::{MemoryLocation, OwnerLease, Role, SequenceHash, Wire};
 use kv_router_glue::{PinEndpoint, PinService, PinServiceConfig};
 
 use crate::array::{on_cuda, ArrayView, Want};
@@ -19,6 +19,7 @@ use crate::errors::{
     bad_argument, bank, descriptor, index_below, uints, CudaUnavailable, PinServiceFailed,
 };
 use crate::layout::Layout;
+use crate::reprs::Repr;
 
 /// A decode worker's retained bank in host shared memory (kv_bank::BankManager).
 #[pyclass(frozen, module = "kv_reuse")]
@@ -244,6 +245,28 @@ impl DonorBank {
             inner: take_once::Slot::new(svc),
         })
     }
+
+    /// `<kv_reuse.DonorBank engine_id='...' slots=64 gpus=None closed=False
+    /// layout=Layout(...)>`: `gpus` the CUDA ordinal of each rank's bank,
+    /// None for a host-shm bank; `closed` once its publisher closed it.
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let manifest = self.inner.manifest();
+        let gpus: Option<Vec<u32>> = manifest
+            .parts()
+            .iter()
+            .map(|p| match p.location() {
+                MemoryLocation::Gpu(g) => Some(g.ordinal),
+                MemoryLocation::Host { .. } => None,
+            })
+            .collect();
+        Ok(Repr::object(py, "DonorBank")
+            .field("engine_id", self.engine_id())?
+            .field("slots", manifest.slot_count())?
+            .field("gpus", gpus)?
+            .field("closed", self.inner.is_closed())?
+            .shown("layout", &self.layout.__repr__())
+            .finish())
+    }
 }
 
 /// Blocks reserved in the bank, written per TP rank and acknowledged per rank.
@@ -438,6 +461,18 @@ impl PendingStore {
         self.abort(py);
         false
     }
+
+    /// `<kv_reuse.PendingStore store_id=3 blocks=6 already_retained=0
+    /// excluded=0>`: `blocks` counts `sequence_hashes` (the hashes
+    /// themselves are 20-digit ints that would fill the line).
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(Repr::object(py, "PendingStore")
+            .field("store_id", self.store_id)?
+            .field("blocks", self.hashes.len())?
+            .field("already_retained", self.already_retained)?
+            .field("excluded", self.excluded)?
+            .finish())
+    }
 }
 
 impl Drop for PendingStore {
@@ -508,6 +543,14 @@ impl PinServer {
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
         self.close(py);
         false
+    }
+    /// `<kv_reuse.PinServer endpoint='unix:/run/d0.sock' active_pins=0>`
+    /// (`endpoint=None` once closed).
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(Repr::object(py, "PinServer")
+            .field("endpoint", self.endpoint())?
+            .field("active_pins", self.active_pins())?
+            .finish())
     }
 }
 

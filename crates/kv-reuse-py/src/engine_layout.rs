@@ -47,6 +47,16 @@ impl EngineOrder {
         }
     }
 
+    /// The `kv_layout` name `parse` takes for this order.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::BlockMajor => "block_major",
+            Self::VllmKvFirst => "vllm_kv_first",
+            Self::VllmBlockFirst => "vllm_block_first",
+            Self::Hf => "hf",
+        }
+    }
+
     /// The shape one rank's tensor must have for `rows` blocks.
     pub(crate) fn shape(self, g: &KvLayout, rows: u32) -> Vec<usize> {
         let (l, t, h, d) = (

@@ -12,63 +12,68 @@ use pyo3::types::PyBool;
 
 use kv_router_glue::{FetchError, SettingsError};
 
+// Module `kv_reuse`, not `kv_reuse._native` where they are made: users
+// import them from `kv_reuse` (its `__init__` re-exports them), and the
+// module is what a traceback, a repr and pickle name. A `_native` module
+// printed `kv_reuse._native.AdviseRefused`, an internal path; pickle finds
+// `kv_reuse.AdviseRefused` as well, through the re-export.
 create_exception!(
-    kv_reuse._native,
+    kv_reuse,
     KvReuseError,
     PyException,
     "Base of every kv_reuse error."
 );
 create_exception!(
-    kv_reuse._native,
+    kv_reuse,
     SettingsRefused,
     KvReuseError,
     "A setting was refused (unknown key, bad or out-of-range value); the message names the key."
 );
-create_exception!(kv_reuse._native, BadArgument, KvReuseError, "An argument was refused (dtype, shape, strides, contiguity, range); the message names the argument.");
+create_exception!(kv_reuse, BadArgument, KvReuseError, "An argument was refused (dtype, shape, strides, contiguity, range); the message names the argument.");
 create_exception!(
-    kv_reuse._native,
+    kv_reuse,
     BankFailed,
     KvReuseError,
     "The donor bank refused an operation (kv_bank::BankError)."
 );
 create_exception!(
-    kv_reuse._native,
+    kv_reuse,
     DescriptorRefused,
     KvReuseError,
     "A manifest, event or hint did not decode or validate (kv_descriptor::DescriptorError)."
 );
 create_exception!(
-    kv_reuse._native,
+    kv_reuse,
     LookupFailed,
     KvReuseError,
     "The router index refused a worker or event (kv_lookup::LookupError)."
 );
 create_exception!(
-    kv_reuse._native,
+    kv_reuse,
     PinServiceFailed,
     KvReuseError,
     "The pin service could not bind or serve (PinServiceError)."
 );
 create_exception!(
-    kv_reuse._native,
+    kv_reuse,
     HintRefused,
     KvReuseError,
     "The fetch hint was refused before anything was touched (FetchError other than Fallback)."
 );
 create_exception!(
-    kv_reuse._native,
+    kv_reuse,
     PromptMismatch,
     HintRefused,
     "The hint is for another prompt (FetchError::PromptMismatch / HintBeyondPrompt)."
 );
-create_exception!(kv_reuse._native, FetchFellBack, KvReuseError, "The fetch fell back after validation (FetchError::Fallback): args are (message, stage, cause label). Recompute the prefix.");
+create_exception!(kv_reuse, FetchFellBack, KvReuseError, "The fetch fell back after validation (FetchError::Fallback): args are (message, stage, cause label). Recompute the prefix.");
 
-create_exception!(kv_reuse._native, RouterUnavailable, KvReuseError, "No router service answered (NATS unreachable, no replica listening, or no reply within the timeout): advise locally or recompute.");
-create_exception!(kv_reuse._native, AdviseRefused, KvReuseError, "The router service refused the advise request (kv_router_glue::service::AdviseRefusal); the message names the field or cause.");
+create_exception!(kv_reuse, RouterUnavailable, KvReuseError, "No router service answered (NATS unreachable, no replica listening, or no reply within the timeout): advise locally or recompute.");
+create_exception!(kv_reuse, AdviseRefused, KvReuseError, "The router service refused the advise request (kv_router_glue::service::AdviseRefusal); the message names the field or cause.");
 
-create_exception!(kv_reuse._native, PublishFailed, KvReuseError, "A worker publisher could not reach NATS / JetStream or a publish, put or delete failed (kv_router_glue::PlaneError / AgentError); the message names the URL or the step.");
+create_exception!(kv_reuse, PublishFailed, KvReuseError, "A worker publisher could not reach NATS / JetStream or a publish, put or delete failed (kv_router_glue::PlaneError / AgentError); the message names the URL or the step.");
 
-create_exception!(kv_reuse._native, CudaUnavailable, KvReuseError, "The GPU path was asked for where no CUDA driver or device is (kv_transfer / kv_bank CUDA errors); the message names the argument.");
+create_exception!(kv_reuse, CudaUnavailable, KvReuseError, "The GPU path was asked for where no CUDA driver or device is (kv_transfer / kv_bank CUDA errors); the message names the argument.");
 
 /// Registers the exception classes on the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

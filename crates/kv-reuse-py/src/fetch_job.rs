@@ -250,6 +250,13 @@ impl FetchJob {
         self.shared.state.label()
     }
 
+    /// `<kv_reuse.FetchJob state='running'>`.
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(crate::reprs::Repr::object(py, "FetchJob")
+            .field("state", self.state())?
+            .finish())
+    }
+
     /// Waits for the fetch (GIL released) and returns its `FetchOutcome`,
     /// or raises what `Target.fetch` raises. A job's result is taken once:
     /// a second call raises `BadArgument` naming `result` (as does a call

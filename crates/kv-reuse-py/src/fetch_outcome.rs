@@ -9,6 +9,8 @@ use pyo3::prelude::*;
 
 use kv_bank::CompletedBlocks;
 
+use crate::reprs::Repr;
+
 /// A completed fetch. Its rows stay out of the pool until `release()` (or
 /// the end of a `with` block): keep it while the request reads them.
 #[pyclass(frozen, module = "kv_reuse")]
@@ -49,6 +51,26 @@ pub(crate) struct FetchOutcome {
     pub(crate) guard: Mutex<Option<CompletedBlocks>>,
 }
 
+impl FetchOutcome {
+    /// The Python form of the executor's outcome `out`, with the import
+    /// and whole-fetch times the target measured around it.
+    pub(crate) fn new(out: kv_router_glue::FetchOutcome, import_us: u64, total_us: u64) -> Self {
+        Self {
+            rows: out.target_blocks.to_vec(),
+            fetch_from: out.fetch_from,
+            fetched: out.fetched.iter().map(|h| h.0).collect(),
+            bytes: out.report.counters.bytes,
+            host_payload_bytes: out.report.counters.host_payload_bytes,
+            transport: out.report.counters.transport.clone(),
+            import_us,
+            transfer_us: out.report.elapsed_us,
+            total_us,
+            stages: out.stages,
+            guard: Mutex::new(Some(out.target_blocks)),
+        }
+    }
+}
+
 #[pymethods]
 impl FetchOutcome {
     /// The executor's stages in µs, in the order they ran: `reserve` (hint
@@ -85,6 +107,21 @@ impl FetchOutcome {
     fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
         self.release();
         false
+    }
+    /// `FetchOutcome(fetch_from=2, rows=[5, 6, 7, 8], bytes=..,
+    /// host_payload_bytes=.., transport='host-memcpy', total_us=..,
+    /// released=False)`: a long fetch's `rows` cut after 8 (`...`), and
+    /// `fetched` left out (one 20-digit hash per row; `rows` says as much).
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(Repr::value(py, "FetchOutcome")
+            .field("fetch_from", self.fetch_from)?
+            .list("rows", &self.rows)
+            .field("bytes", self.bytes)?
+            .field("host_payload_bytes", self.host_payload_bytes)?
+            .field("transport", self.transport.as_str())?
+            .field("total_us", self.total_us)?
+            .field("released", self.released())?
+            .finish())
     }
 }
 

@@ -129,7 +129,7 @@ impl Layout {
     }
     /// `Layout(num_layers=.., num_kv_heads=.., head_dim=.., dtype='..',
     /// tokens_per_block=.., tp_size=..)`: the constructor's arguments.
-    fn __repr__(&self) -> String {
+    pub(crate) fn __repr__(&self) -> String {
         let l = &self.inner;
         format!(
             "Layout(num_layers={}, num_kv_heads={}, head_dim={}, dtype='{}', tokens_per_block={}, tp_size={})",

@@ -13,6 +13,8 @@
 //! (foreign tensor memory) and `stream_gate` (a foreign CUDA stream handle).
 //! Module `exit_unlink`: the `atexit` hook (registered at import) that
 //! removes the `/dev/shm` names of every bank still alive at interpreter exit.
+//! Module `reprs`: the `__repr__` forms (values `Name(...)`, objects owning
+//! a resource `<kv_reuse.Name ...>`, never a secret).
 //! API and examples: docs/python.md.
 
 mod advice;
@@ -31,6 +33,7 @@ mod nats_auth;
 mod nats_runtime;
 mod process_bound;
 mod publisher;
+mod reprs;
 mod router;
 mod router_client;
 mod settings;

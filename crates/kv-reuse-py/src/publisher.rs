@@ -46,6 +46,7 @@ use crate::nats_runtime::{
     NATS_MAX_AGE_FLOOR_S,
 };
 use crate::process_bound::ProcessBound;
+use crate::reprs::Repr;
 
 /// An agent refusal as the Python exception of its cause.
 fn agent_error(e: AgentError) -> PyErr {
@@ -159,9 +160,11 @@ pub(crate) struct WorkerPublisher {
     home: ProcessBound,
     role: Role,
     engine_id: EngineId,
+    /// The worker's key (its event subject's token), for the repr.
+    worker_key: String,
     /// `nats_url` with any password or token as `***` (`redact_url`): the
-    /// only form kept, since it is only ever printed (error messages), and
-    /// a secret in the URL must not reach them.
+    /// only form kept, since it is only ever printed (error messages, the
+    /// repr), and a secret in the URL must not reach them.
     shown_url: String,
     timeout: Duration,
     /// The donor's bank view (None for a target), released by `close()`:
@@ -358,6 +361,7 @@ impl WorkerPublisher {
             }))),
             home: ProcessBound::here("WorkerPublisher"),
             role: Role::Decode,
+            worker_key: worker_key.to_owned(),
             shown_url: redact_url(nats_url),
             timeout,
             bank: Mutex::new(Some(bank)),
@@ -482,6 +486,7 @@ impl WorkerPublisher {
             home: ProcessBound::here("WorkerPublisher"),
             role: Role::Prefill,
             engine_id: engine,
+            worker_key: worker_key.to_owned(),
             shown_url: redact_url(nats_url),
             timeout,
             bank: Mutex::new(None),
@@ -730,6 +735,20 @@ impl WorkerPublisher {
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
         self.close(py, 1.0)?;
         Ok(false)
+    }
+
+    /// `<kv_reuse.WorkerPublisher role='decode' worker_key='decode-0'
+    /// engine_id='...' nats_url='nats://user:***@host:4222' open=True>`: no
+    /// password or token (the URL is redacted, the credential keywords are
+    /// not kept).
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(Repr::object(py, "WorkerPublisher")
+            .field("role", self.role())?
+            .field("worker_key", self.worker_key.as_str())?
+            .field("engine_id", self.engine_id())?
+            .field("nats_url", self.shown_url.as_str())?
+            .field("open", self.open())?
+            .finish())
     }
 }
 

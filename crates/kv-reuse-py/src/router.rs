@@ -18,6 +18,7 @@ use crate::advice::Advice;
 use crate::donor::pin_endpoint;
 use crate::errors::{bad_argument, descriptor, lookup, uint, uint_in, uints};
 use crate::layout::{engine_id, Layout};
+use crate::reprs::Repr;
 use crate::settings::Settings;
 
 /// Donors known to this router by what they reported: the manifest, the
@@ -65,6 +66,9 @@ pub(crate) struct Router {
     index: Arc<InventoryIndex>,
     directory: Arc<ReportedDirectory>,
     advisor: Advisor,
+    /// As given, for the repr.
+    tokens_per_block: u32,
+    max_probes: u32,
 }
 
 fn role(s: &str) -> PyResult<Role> {
@@ -123,6 +127,8 @@ impl Router {
             index,
             directory,
             advisor,
+            tokens_per_block,
+            max_probes,
         })
     }
 
@@ -236,5 +242,22 @@ impl Router {
         let target = engine_id(target, "target")?;
         let advice = py.allow_threads(|| self.advisor.advise(request_id, &hashes, target));
         Advice::new(py, &advice.decision, advice.hint.as_ref())
+    }
+
+    /// `<kv_reuse.Router tokens_per_block=64 max_probes=16384 workers=2
+    /// donors=1>`: the workers registered and the donors reported.
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let donors = self
+            .directory
+            .donors
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .len();
+        Ok(Repr::object(py, "Router")
+            .field("tokens_per_block", self.tokens_per_block)?
+            .field("max_probes", self.max_probes)?
+            .field("workers", self.index.stats().workers)?
+            .field("donors", donors)?
+            .finish())
     }
 }

@@ -27,6 +27,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use kv_descriptor::{SequenceHash, Wire};
+use kv_router_glue::redact_url;
 use kv_router_glue::service::{
     AdviseClient, AdviseClientError, AdviseKeys, AdviseReply, AdviseRequest, AdviseResult,
     ADVISE_SUBJECT,
@@ -37,6 +38,7 @@ use crate::errors::{bad_argument, descriptor, uint, uints, AdviseRefused, Router
 use crate::layout::engine_id;
 use crate::nats_auth::NatsCredentials;
 use crate::process_bound::ProcessBound;
+use crate::reprs::Repr;
 
 /// A client of the router service over NATS.
 #[pyclass(frozen, module = "kv_reuse")]
@@ -47,6 +49,11 @@ pub(crate) struct RouterClient {
     home: ProcessBound,
     /// The window given to `AdviseClient::set_busy_poll`, µs.
     busy_poll_us: u64,
+    /// `nats_url` with any password or token as `***` (`redact_url`), for
+    /// the repr: the raw URL is not kept, so no repr can show its secret.
+    shown_url: String,
+    subject: String,
+    timeout_s: f64,
 }
 
 /// Largest `busy_poll_us` (one second): a longer spin would outlast any
@@ -163,6 +170,9 @@ impl RouterClient {
             conn: Mutex::new(Some(Arc::new(client))),
             home: ProcessBound::here("RouterClient"),
             busy_poll_us: busy_poll,
+            shown_url: redact_url(nats_url),
+            subject: subject.to_owned(),
+            timeout_s,
         })
     }
 
@@ -259,6 +269,20 @@ impl RouterClient {
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
         self.close(py);
         false
+    }
+
+    /// `<kv_reuse.RouterClient nats_url='nats://user:***@host:4222'
+    /// subject='kv_reuse.advise' timeout_s=2.0 busy_poll_us=0
+    /// connected=True>`: no password or token (the URL is redacted, the
+    /// credential keywords are not kept).
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(Repr::object(py, "RouterClient")
+            .field("nats_url", self.shown_url.as_str())?
+            .field("subject", self.subject.as_str())?
+            .field("timeout_s", self.timeout_s)?
+            .field("busy_poll_us", self.busy_poll_us)?
+            .field("connected", self.connected())?
+            .finish())
     }
 }
 

@@ -7,9 +7,10 @@ use std::collections::HashMap;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString};
 
-use kv_router_glue::{EnvSnapshot, LoadedSettings, SettingsLoader};
+use kv_router_glue::{EnvSnapshot, LoadedSettings, SettingOrigin, SettingValue, SettingsLoader};
 
 use crate::errors::{bad_argument, settings};
+use crate::reprs::Repr;
 
 /// Validated reuse settings with the origin of each key.
 #[pyclass(frozen, module = "kv_reuse")]
@@ -149,6 +150,26 @@ impl Settings {
     /// The settings-in-force table (one line per key with its origin).
     fn describe(&self) -> String {
         self.inner.describe()
+    }
+
+    /// `Settings(values={'key': value, ...})`: the keys set by the dict,
+    /// `env` or `argv` (not by default), in the registry's order, as the
+    /// `values` that make the same settings with `env={}`. Every key's
+    /// value and origin: `describe()`. Settings hold no secret (bools and
+    /// numbers only).
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let set = PyDict::new(py);
+        for (key, value, _, origin) in self.inner.in_force() {
+            if matches!(origin, SettingOrigin::Default) {
+                continue;
+            }
+            match value {
+                SettingValue::Bool(b) => set.set_item(key, b)?,
+                SettingValue::U32(n) => set.set_item(key, n)?,
+                SettingValue::F64(f) => set.set_item(key, f)?,
+            }
+        }
+        Ok(Repr::value(py, "Settings").field("values", set)?.finish())
     }
 }
 

@@ -450,12 +450,29 @@ impl StreamGate {
         self.device
     }
 
-    fn __repr__(&self) -> String {
-        let s = self.shared.lock();
-        format!(
-            "StreamGate(stream={:#x}, device={}, layer_groups={:?}, armed={}, enqueued={}/{}, groups={}, ended={})",
-            self.stream, self.device, self.layer_groups, s.armed, s.enqueued, s.parts, s.groups.len(), s.ended
-        )
+    /// `StreamGate(stream=0x1234, device=0, layer_groups=None, armed=False,
+    /// enqueued=0/0, groups=0, ended=False)`: the handle in hex as CUDA
+    /// tools print it, the rest as Python writes it (it printed Rust's
+    /// `Some(4)` and `true`).
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let (armed, enqueued, groups, ended) = {
+            let s = self.shared.lock();
+            (
+                s.armed,
+                format!("{}/{}", s.enqueued, s.parts),
+                s.groups.len(),
+                s.ended,
+            )
+        };
+        Ok(crate::reprs::Repr::value(py, "StreamGate")
+            .shown("stream", &format!("{:#x}", self.stream))
+            .field("device", self.device)?
+            .field("layer_groups", self.layer_groups)?
+            .field("armed", armed)?
+            .shown("enqueued", &enqueued)
+            .field("groups", groups)?
+            .field("ended", ended)?
+            .finish())
     }
 }
 

@@ -2,7 +2,7 @@
 //! with kv_router_glue's `FetchExecutor` into this target's host rows, pinning
 //! through the donor's pin service (`RemoteDonor`) and reading its host shm.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use pyo3::prelude::*;
@@ -349,6 +349,19 @@ impl Target {
     #[getter]
     fn free_rows(&self) -> u32 {
         self.executor.pool().free_blocks() as u32
+    }
+
+    /// `<kv_reuse.Target engine_id='...' rows=8 free_rows=8
+    /// kv_layout='block_major' gpus=None layout=Layout(...)>`.
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(crate::reprs::Repr::object(py, "Target")
+            .field("engine_id", self.engine_id())?
+            .field("rows", self.rows)?
+            .field("free_rows", self.free_rows())?
+            .field("kv_layout", self.order.name())?
+            .field("gpus", self.gpus.clone())?
+            .shown("layout", &self.layout.__repr__())
+            .finish())
     }
 
     /// Executes `hint` (MessagePack envelope from `Advice.hint`) for a prompt
@@ -721,19 +734,7 @@ impl Target {
                 .map_err(fetch)
         })()?;
         let (out, import_us, total_us) = out;
-        Ok(FetchOutcome {
-            rows: out.target_blocks.to_vec(),
-            fetch_from: out.fetch_from,
-            fetched: out.fetched.iter().map(|h| h.0).collect(),
-            bytes: out.report.counters.bytes,
-            host_payload_bytes: out.report.counters.host_payload_bytes,
-            transport: out.report.counters.transport.clone(),
-            import_us,
-            transfer_us: out.report.elapsed_us,
-            total_us,
-            stages: out.stages,
-            guard: Mutex::new(Some(out.target_blocks)),
-        })
+        Ok(FetchOutcome::new(out, import_us, total_us))
     }
 
     /// The destination blocks of an HF-layout fetch (see `fetch`), or
