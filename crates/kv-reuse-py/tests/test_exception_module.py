@@ -24,6 +24,16 @@ def test_every_public_class_and_exception_names_kv_reuse_as_its_module():
     assert [n for n, c in public_classes() if c.__qualname__ != n] == []
 
 
+def test_every_public_function_names_kv_reuse_as_its_module():
+    functions = [(n, f) for n, f in ((n, getattr(kv_reuse, n)) for n in kv_reuse.__all__)
+                 if callable(f) and not isinstance(f, type)]
+    assert sorted(n for n, _ in functions) == sorted([
+        "decode_kv_event", "encode_kv_event", "layer_group_ranges", "leak_counters",
+        "reclaim_stale", "sequence_hashes"])
+    assert [(n, f.__module__) for n, f in functions if f.__module__ != "kv_reuse"] == []
+    assert pickle.loads(pickle.dumps(kv_reuse.sequence_hashes)) is kv_reuse.sequence_hashes
+
+
 def test_an_exception_prints_and_pickles_as_kv_reuses():
     with pytest.raises(kv_reuse.BadArgument) as raised:
         kv_reuse.Layout(0, 2, 8, "f32", 64, 2)

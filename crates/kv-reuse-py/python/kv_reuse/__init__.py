@@ -47,3 +47,12 @@ from ._native import (  # noqa: F401
 )
 
 __all__ = [n for n in dir() if not n.startswith("_")]
+
+# The functions are the compiled module's, so help() and reprs named
+# ``kv_reuse._native``; users call them from here. Classes and exceptions are
+# declared with this module name in Rust; a pyfunction takes its module from
+# the one it is added to, so the functions are renamed here. Pickling a
+# function reference looks it up by this name, which exists.
+for _f in (layer_group_ranges, leak_counters, reclaim_stale, encode_kv_event, decode_kv_event, sequence_hashes):
+    _f.__module__ = __name__
+del _f
