@@ -462,9 +462,9 @@ impl InventoryIndex {
     /// refused event still publishes; an empty batch does not)
     /// ([`InventoryIndex::apply_events`] once per batch, concurrent
     /// [`InventoryIndex::apply_event`] calls once per combined batch,
-    /// registrations, removals, resyncs). Each publication makes lookups
-    /// switch copies, so fewer is cheaper for them. One relaxed atomic
-    /// load, no lock; meant for metrics and tests.
+    /// registrations, removals, resyncs, forgotten retirements). Each
+    /// publication makes lookups switch copies, so fewer is cheaper for
+    /// them. One relaxed atomic load, no lock; meant for metrics and tests.
     ///
     /// ```
     /// use kv_descriptor::{EngineId, LayoutFingerprint, Role};

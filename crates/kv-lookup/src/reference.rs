@@ -180,6 +180,57 @@ impl NaiveIndex {
         }
     }
 
+    /// Forgets that `engine` was retired (see
+    /// [`crate::InventoryIndex::forget_retired`]); false when it was not
+    /// remembered as retired.
+    ///
+    /// ```
+    /// # use kv_descriptor::*;
+    /// # use kv_lookup::*;
+    /// # let fp = LayoutFingerprint(42);
+    /// # let worker = |role| WorkerInfo { engine: EngineId::fresh(), role, layout_fingerprint: fp, tp_size: 1 };
+    /// # let tokens: Vec<u32> = (0..64).collect();
+    /// # let hashes = sequence_hashes(&tokens, 16);
+    /// # let blocks: Vec<StoredBlock> = hashes.iter().zip(token_block_hashes(&tokens, 16))
+    /// #     .map(|(&sequence_hash, token_hash)| StoredBlock { sequence_hash, token_hash, slot: None }).collect();
+    /// # let stored = |n: usize| KvEventData::Stored { parent: None, blocks: blocks[..n].to_vec() };
+    /// # let event = |w: &WorkerInfo, event_id, tier, data| KvEvent { publisher: w.engine, event_id, role: w.role,
+    /// #     layout_fingerprint: w.layout_fingerprint, tp_size: w.tp_size, tier, data };
+    /// use kv_lookup::reference::NaiveIndex;
+    /// const RET: StorageTier = StorageTier::RetainedGpuDirect;
+    /// let mut naive = NaiveIndex::default();
+    /// let d = worker(Role::Decode);
+    /// naive.apply(&event(&d, 1, RET, stored(2)));
+    /// naive.remove(d.engine);
+    /// assert!(!naive.register(WorkerKey(1), d)); // retired
+    /// assert!(naive.forget_retired(d.engine));
+    /// assert!(!naive.forget_retired(d.engine));
+    /// // Unknown now: its next event registers it, after a gap.
+    /// let next = naive.apply(&event(&d, 3, RET, stored(2)));
+    /// assert_eq!(next, Some(EventOutcome::Gap { expected: 1, got: 3, changed: 2 }));
+    /// ```
+    pub fn forget_retired(&mut self, engine: EngineId) -> bool {
+        self.retired.remove(&engine)
+    }
+
+    /// Retired incarnations remembered (what
+    /// [`crate::IndexStats::retired_incarnations`] counts).
+    ///
+    /// ```
+    /// use kv_descriptor::{EngineId, LayoutFingerprint, Role};
+    /// use kv_lookup::{reference::NaiveIndex, WorkerInfo, WorkerKey};
+    /// let mut naive = NaiveIndex::default();
+    /// let w = WorkerInfo { engine: EngineId::fresh(), role: Role::Decode, layout_fingerprint: LayoutFingerprint(7), tp_size: 1 };
+    /// naive.register(WorkerKey(1), w);
+    /// naive.register(WorkerKey(1), WorkerInfo { engine: EngineId::fresh(), ..w }); // a restart retires `w`
+    /// assert_eq!(naive.retired_incarnations(), 1);
+    /// naive.forget_retired(w.engine);
+    /// assert_eq!(naive.retired_incarnations(), 0);
+    /// ```
+    pub fn retired_incarnations(&self) -> usize {
+        self.retired.len()
+    }
+
     /// Applies an event; `None` when the event would be refused (identity
     /// mismatch or zero ids), otherwise what happened.
     ///
@@ -437,11 +488,11 @@ fn naive_unchained(
 }
 
 mod cross_check;
-pub use cross_check::{cross_check, CrossCheckReport};
 #[cfg(test)]
 pub(crate) use cross_check::{
     conversations, cross_check_shaped, lookup_disagreement, uuid_from, Live, SplitMix,
 };
+pub use cross_check::{cross_check, CrossCheckReport};
 
 #[cfg(test)]
 mod tests;

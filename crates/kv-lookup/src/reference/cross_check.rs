@@ -19,6 +19,7 @@ use crate::{InventoryIndex, LookupBudget, LookupOutcome, NoDonorReason, WorkerIn
 /// let r: CrossCheckReport = cross_check(11, 1_000)?;
 /// assert!(r.events + r.lookups <= 1_000); // at most one of them per step
 /// assert!(0 < r.donors_found && r.donors_found <= r.lookups);
+/// assert!(r.comebacks > 0);
 /// assert_eq!(cross_check(11, 1_000)?, r); // reproduces from its seed
 /// # Ok::<(), String>(())
 /// ```
@@ -30,6 +31,8 @@ pub struct CrossCheckReport {
     pub lookups: u64,
     /// Lookups that found a donor.
     pub donors_found: u64,
+    /// Retired incarnations both forgot that then registered again.
+    pub comebacks: u64,
 }
 
 /// SplitMix64: a tiny deterministic generator so that the cross-check needs
@@ -167,8 +170,9 @@ pub(crate) fn lookup_disagreement(
 /// Drives [`crate::InventoryIndex`] and [`NaiveIndex`] with the same random
 /// workload (`steps` operations from `seed`: stores from the root and from a
 /// parent that may not be held, stores with a broken chain, removals, clears,
-/// duplicates, gaps, restarts, resyncs, lookups over 12 workers and 8
-/// conversations sharing prefixes) and compares every outcome.
+/// duplicates, gaps, restarts, retired incarnations forgotten and back,
+/// resyncs, lookups over 12 workers and 8 conversations sharing prefixes)
+/// and compares every outcome.
 ///
 /// # Errors
 /// A description of the first disagreement, with the step number and seed.
@@ -218,10 +222,13 @@ pub(crate) fn cross_check_shaped(
         naive.register(WorkerKey(k), info);
         live.push(Live { info, next_id: 1 });
     }
+    // Incarnations retired by a restart, with their worker key index.
+    let mut gone: Vec<(usize, Live)> = Vec::new();
     let mut report = CrossCheckReport {
         events: 0,
         lookups: 0,
         donors_found: 0,
+        comebacks: 0,
     };
     for step in 0..steps {
         let k = rng.below(live.len() as u64) as usize;
@@ -235,7 +242,17 @@ pub(crate) fn cross_check_shaped(
             fast.register_worker(WorkerKey(k as u64), info)
                 .map_err(|e| e.to_string())?;
             naive.register(WorkerKey(k as u64), info);
-            live[k] = Live { info, next_id: 1 };
+            let old = std::mem::replace(&mut live[k], Live { info, next_id: 1 });
+            gone.push((k, old));
+            continue;
+        }
+        if op == 3 && !gone.is_empty() {
+            let back = gone.swap_remove(rng.below(gone.len() as u64) as usize);
+            forget_and_come_back(
+                &fast, &mut naive, &mut rng, &chains, &mut live, &mut gone, back,
+            )
+            .map_err(|what| format!("seed {seed} step {step}: {what}"))?;
+            report.comebacks += 1;
             continue;
         }
         if op < 5 {
@@ -327,6 +344,73 @@ pub(crate) fn cross_check_shaped(
         report.events += 1;
     }
     Ok(report)
+}
+
+/// A retired incarnation `back` (worker key index, last state) forgotten by
+/// both indexes and back under its old key, as a router does once its
+/// registry forgot it: its late event is ignored first (still
+/// remembered), both forget it (and neither forgets a live one); half the
+/// time a stray event of it comes before its registration (an unknown
+/// publisher's, registering it under `WorkerKey::of_engine`); then it
+/// registers under its key again, replacing the key's live incarnation
+/// (which joins `gone`). Its event ids go on from where they were, after
+/// some it published while away, so its first event back is a gap.
+fn forget_and_come_back(
+    fast: &InventoryIndex,
+    naive: &mut NaiveIndex,
+    rng: &mut SplitMix,
+    chains: &[Vec<StoredBlock>],
+    live: &mut [Live],
+    gone: &mut Vec<(usize, Live)>,
+    (k, mut back): (usize, Live),
+) -> Result<(), String> {
+    fn both(fast: &InventoryIndex, naive: &mut NaiveIndex, e: &KvEvent) -> Result<(), String> {
+        let (got, want) = (fast.apply_event(e).ok(), naive.apply(e));
+        match got == want {
+            true => Ok(()),
+            false => Err(format!("event {e:?}: fast {got:?} naive {want:?}")),
+        }
+    }
+    let engine = back.info.engine;
+    let late = back.event(back.next_id, StorageTier::Device, KvEventData::Cleared);
+    both(fast, naive, &late)?;
+    back.next_id += 2 + rng.below(3);
+    let forgot = (fast.forget_retired(engine), naive.forget_retired(engine));
+    let other = live[rng.below(live.len() as u64) as usize].info.engine;
+    let live_forgot = (fast.forget_retired(other), naive.forget_retired(other));
+    if forgot != (true, true) || live_forgot != (false, false) {
+        return Err(format!(
+            "forget_retired: fast/naive {forgot:?} for {engine}, {live_forgot:?} for live {other}"
+        ));
+    }
+    let retired = (
+        fast.stats().retired_incarnations,
+        naive.retired_incarnations(),
+    );
+    if retired.0 != retired.1 {
+        return Err(format!("retired incarnations: fast/naive {retired:?}"));
+    }
+    if rng.below(2) == 0 {
+        let c = &chains[rng.below(chains.len() as u64) as usize];
+        let blocks = c[..1 + rng.below(c.len() as u64) as usize].to_vec();
+        let tier = match back.info.role {
+            Role::Decode => StorageTier::RetainedGpuDirect,
+            _ => StorageTier::Device,
+        };
+        let stray = KvEventData::Stored {
+            parent: None,
+            blocks,
+        };
+        back.next_id += 1;
+        both(fast, naive, &back.event(back.next_id - 1, tier, stray))?;
+    }
+    fast.register_worker(WorkerKey(k as u64), back.info)
+        .map_err(|e| format!("registration of a forgotten incarnation: {e}"))?;
+    if !naive.register(WorkerKey(k as u64), back.info) {
+        return Err("the model refused a forgotten incarnation".into());
+    }
+    gone.push((k, std::mem::replace(&mut live[k], back)));
+    Ok(())
 }
 
 pub(crate) fn uuid_from(a: u64, b: u64) -> uuid::Uuid {
