@@ -48,8 +48,9 @@ pub enum LookupError {
         /// Engine incarnation.
         engine: EngineId,
     },
-    /// The engine id belongs to an incarnation that was replaced or removed;
-    /// its events and registrations are refused forever.
+    /// The engine id belongs to an incarnation that was replaced or removed:
+    /// its registrations are refused and its events ignored until
+    /// [`crate::InventoryIndex::forget_retired`] forgets it.
     #[error("engine {engine}: `publisher` is a retired incarnation")]
     RetiredIncarnation {
         /// The retired incarnation.

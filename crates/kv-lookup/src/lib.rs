@@ -62,7 +62,10 @@
 //!   reported ([`EventOutcome::Gap`]) and the worker is never offered as a
 //!   donor until [`InventoryIndex::resync_worker`] replaces its inventory.
 //! - A worker's new incarnation (same [`WorkerKey`], new `EngineId`) drops
-//!   every entry of the old one at once; the old one's late events are ignored.
+//!   every entry of the old one at once; the old one's late events are
+//!   ignored, until [`InventoryIndex::forget_retired`] forgets it (then its
+//!   id is unknown: it may register again, empty, and its first event after
+//!   that is a gap).
 //! - A Stored event must chain: its `parent` held by the publisher in that
 //!   tier, each block's sequence hash chained from its parent's. One that
 //!   does not is stored not at all ([`EventOutcome::Unchained`]), so it never

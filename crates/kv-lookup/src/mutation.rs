@@ -23,6 +23,8 @@ pub(crate) enum Mutation {
     Readmit { key: WorkerKey, info: WorkerInfo },
     /// [`crate::InventoryIndex::require_resync`].
     RequireResync { engine: EngineId },
+    /// [`crate::InventoryIndex::forget_retired`].
+    ForgetRetired { engine: EngineId },
     /// [`crate::InventoryIndex::apply_event`] (owned: the replay needs it later).
     Event(CheckedEvent),
     /// [`crate::InventoryIndex::resync_worker`].
@@ -98,6 +100,7 @@ pub(crate) enum Effect {
     Register(Result<Registration, LookupError>),
     Remove(bool),
     RequireResync(bool),
+    ForgetRetired(bool),
     Event(Result<EventOutcome, LookupError>),
     Resync(Result<(), LookupError>),
 }
@@ -145,6 +148,9 @@ impl State {
             Mutation::Readmit { key, info } => Effect::Register(self.readmit(*key, *info, locs)),
             Mutation::RequireResync { engine } => {
                 Effect::RequireResync(self.require_resync(*engine))
+            }
+            Mutation::ForgetRetired { engine } => {
+                Effect::ForgetRetired(self.forget_retired(*engine))
             }
             Mutation::Event(c) => Effect::Event(self.apply_event(c, locs)),
             Mutation::Resync {
@@ -313,6 +319,18 @@ mod tests {
                             assert!(index.require_resync(info.engine));
                             index.resync_worker(info.engine, 9, &[]).unwrap();
                         }
+                        if round % 7 == 3 {
+                            assert!(index.remove_worker(info.engine));
+                            // Forgotten as retired, registered again as new,
+                            // its next event a gap, resynced: both copies alike.
+                            assert!(index.forget_retired(info.engine));
+                            index
+                                .register_worker(WorkerKey(u64::from(k)), info)
+                                .unwrap();
+                            let gap = index.apply_event(&ev(7, KvEventData::Cleared));
+                            assert!(matches!(gap, Ok(EventOutcome::Gap { .. })));
+                            index.resync_worker(info.engine, 7, &[]).unwrap();
+                        }
                     }
                 })
             })
@@ -331,6 +349,9 @@ mod tests {
         // is not a removal round), 10 retained blocks each.
         assert_eq!(live.stats().workers, 4);
         assert_eq!(live.stats().held_blocks[4], 40);
+        // Each round's restart retires the round before's incarnation (29
+        // per thread); a removal taken back or forgotten leaves none.
+        assert_eq!(live.stats().retired_incarnations, 4 * 29);
     }
 
     /// The events of `log_compaction_drops_duplicates_...` below, applied to

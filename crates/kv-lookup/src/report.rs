@@ -191,6 +191,12 @@ pub struct IndexStats {
     pub workers: usize,
     /// Workers excluded as donors until resynced.
     pub workers_needing_resync: usize,
+    /// Retired incarnations (replaced or removed) the index remembers, so
+    /// that their late events are ignored and their registration refused,
+    /// until [`crate::InventoryIndex::forget_retired`] forgets them
+    /// (without it, one more per worker restart or removal for the
+    /// index's whole life).
+    pub retired_incarnations: usize,
     /// Distinct (sequence hash, worker group) entries.
     pub entries: usize,
     /// Held (worker, block) pairs per tier, in the order Device, HostPinned,

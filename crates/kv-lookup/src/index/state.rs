@@ -43,6 +43,7 @@ impl State {
                 .flatten()
                 .filter(|w| w.needs_resync)
                 .count(),
+            retired_incarnations: st.retired.len(),
             entries: st.groups.iter().map(HolderTable::len).sum(),
             held_blocks: held,
             table_bytes: st
@@ -115,6 +116,14 @@ impl State {
         let slot = *self.by_engine.get(&info.engine).expect("just registered");
         self.mark_needs_resync(slot);
         Ok(registration)
+    }
+
+    /// Forgets that `engine` was retired; false when it was not
+    /// remembered as retired (live, never seen, or forgotten already).
+    /// Nothing else of it is left to drop: `retire` dropped its entries
+    /// and its record.
+    pub(crate) fn forget_retired(&mut self, engine: EngineId) -> bool {
+        self.retired.remove(&engine)
     }
 
     /// Marks a live engine as needing a resync (no donor until then);

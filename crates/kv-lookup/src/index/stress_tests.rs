@@ -56,9 +56,9 @@ fn compare_lookup(
 /// and conversations of `blocks` blocks, with batches, cold tiers,
 /// resyncs with shuffled and repeated hashes, removals in reverse order
 /// and with repeats, stores listing a hash twice, empty events, restarts
-/// and removals of workers. Checks every outcome, lookups and `holds`
-/// against the reference model and, every `check_every` steps, the
-/// structure.
+/// and removals of workers (some forgotten as retired, then back). Checks
+/// every outcome, lookups and `holds` against the reference model and,
+/// every `check_every` steps, the structure.
 fn fuzz(seed: u64, steps: u64, workers: u64, blocks: usize, check_every: u64) {
     let mut rng = SplitMix(seed);
     let fast = InventoryIndex::new();
@@ -106,13 +106,31 @@ fn fuzz(seed: u64, steps: u64, workers: u64, blocks: usize, check_every: u64) {
             live[k] = Live { info, next_id: 1 };
             mutated = true;
         } else if op < 3 {
-            // Removed, then a new incarnation under the key.
-            assert!(fast.remove_worker(live[k].info.engine));
-            naive.remove(live[k].info.engine);
-            let info = new_info(&mut rng, k as u64);
+            // Removed, then under the key either a new incarnation or the
+            // same one once both forgot it was retired (its ids go on, so
+            // its next event is a gap).
+            let engine = live[k].info.engine;
+            assert!(fast.remove_worker(engine));
+            naive.remove(engine);
+            if rng.below(2) == 0 {
+                assert!(fast.forget_retired(engine), "{}", ctx("forget"));
+                assert!(naive.forget_retired(engine));
+                live[k].next_id += 1;
+            } else {
+                live[k] = Live {
+                    info: new_info(&mut rng, k as u64),
+                    next_id: 1,
+                };
+            }
+            let info = live[k].info;
             fast.register_worker(WorkerKey(k as u64), info).unwrap();
             assert!(naive.register(WorkerKey(k as u64), info));
-            live[k] = Live { info, next_id: 1 };
+            assert_eq!(
+                fast.stats().retired_incarnations,
+                naive.retired_incarnations(),
+                "{}",
+                ctx("retired")
+            );
             mutated = true;
         } else if op < 7 {
             // A resync: per tier, a prefix, a shuffled sample with repeats,

@@ -1,5 +1,6 @@
 use super::*;
-use kv_descriptor::chain_stored_blocks;
+use crate::{InventoryIndex, LookupBudget};
+use kv_descriptor::{chain_stored_blocks, LayoutFingerprint, TokenBlockHash};
 
 /// Stores and removals of long chains, over and over and without clears,
 /// resyncs or restarts, so that every worker's log is compacted many

@@ -16,9 +16,9 @@
 //!   registry forgets such incarnations once not heard of for
 //!   [`crate::FORGET_AFTER_SILENCE_WINDOWS`] silence windows (at least
 //!   [`crate::FORGET_AFTER_MIN_MS`]) or past [`crate::MAX_REMEMBERED`]
-//!   (`incarnations_forgotten`); one that announces after that is taken
-//!   back the same way, since the index still knows it was removed
-//!   (`register_in_index` in `follow_liveness.rs`). The router's own
+//!   (`incarnations_forgotten`), and the index forgets them with it; one
+//!   that announces after that registers as new, empty, its first event a
+//!   gap (`register_in_index` in `follow_liveness.rs`). The router's own
 //!   disconnection is no worker's silence: while the event plane reports
 //!   its connection down (polled every [`CONNECTION_POLL`]) no worker is
 //!   dropped, and once it is back every worker gets a fresh deadline and

@@ -1,8 +1,9 @@
 //! [`RouterInventory`]'s liveness: which workers count as silent (and
 //! when none does: while the router's own NATS connection is down), how a
 //! worker that was dropped comes back into the index, what the registry
-//! forgot, and the one check of each donor layout against the settings. A
-//! child of `follow.rs`, so it reads `Tracked` and the counters directly.
+//! forgot (forgotten in the index too), and the one check of each donor
+//! layout against the settings. A child of `follow.rs`, so it reads
+//! `Tracked` and the counters directly.
 
 use std::sync::atomic::Ordering;
 
@@ -19,11 +20,13 @@ impl RouterInventory {
         let mut guard = self.state.lock().await;
         let st = &mut *guard;
         let dead = st.registry.tick(now_ms);
-        self.note_forgotten(st);
         for (key, engine) in &dead {
             tracing::info!(worker = %key, engine = %engine, "worker silent: dropped");
             self.drop_engine(st, *engine);
         }
+        // After the drops: an id the registry forgot in this tick is one
+        // the index has removed already, so the index forgets it too.
+        self.note_forgotten(st);
         if !dead.is_empty() {
             self.release_unnamed_subjects(st);
         }
@@ -34,11 +37,16 @@ impl RouterInventory {
     /// `registration` (not [`Registration::Retired`]). A readmitted worker's
     /// inventory is unknown (its events while it was away were missed): the
     /// index takes it back excluded as a donor until its snapshot is
-    /// applied (`workers_readmitted`). So is an incarnation the index
-    /// refuses as removed although the registry took it as new or as a
-    /// replacement: one the registry forgot (not heard of for its
-    /// retention, or past its cap) that announces again, whose events while
-    /// it was away were missed just the same.
+    /// applied (`workers_readmitted`).
+    ///
+    /// An incarnation the registry forgot (not heard of for its retention,
+    /// or past its cap) was forgotten by the index too
+    /// ([`RouterInventory::note_forgotten`]), so when it announces again it
+    /// registers as a new worker: empty (the index dropped its entries when
+    /// it was removed), and its first event, its ids having gone on while
+    /// it was away, is a gap that excludes it as a donor until its
+    /// snapshot. Should the index still know it as removed (one the index
+    /// did not forget), it is taken back as a readmitted one instead.
     pub(super) fn register_in_index(&self, a: &WorkerAnnouncement, registration: &Registration) {
         let info = WorkerInfo {
             engine: a.engine_id,
@@ -79,9 +87,19 @@ impl RouterInventory {
         }
     }
 
-    /// Copies the registry's count of forgotten incarnations into
+    /// Forgets in the index every incarnation the registry forgot since
+    /// the last call ([`crate::WorkerRegistry::take_forgotten`]; each one
+    /// was removed from the index when it was dropped), so that the index's
+    /// memory of removed engines (`IndexStats::retired_incarnations`) is
+    /// bounded as the registry's is, and copies the registry's count into
     /// `incarnations_forgotten` (the follower holds `st`, so one writer).
-    pub(super) fn note_forgotten(&self, st: &Tracked) {
+    /// Called after every announcement and tick.
+    pub(super) fn note_forgotten(&self, st: &mut Tracked) {
+        let ids = st.registry.take_forgotten();
+        let in_index = ids
+            .iter()
+            .filter(|&&engine| self.index.forget_retired(engine))
+            .count();
         let total = st.registry.forgotten();
         let before = self
             .counters
@@ -91,6 +109,7 @@ impl RouterInventory {
             let (replaced, silenced) = st.registry.remembered();
             tracing::debug!(
                 forgotten = total - before,
+                forgotten_in_index = in_index,
                 replaced_remembered = replaced,
                 silenced_remembered = silenced,
                 "replaced or silenced incarnations forgotten: not heard of for the retention, or the oldest past the cap"

@@ -132,68 +132,167 @@ async fn a_worker_dropped_for_silence_is_a_donor_again_after_its_snapshot() {
 }
 
 /// The registry forgets removed incarnations after its retention
-/// (`incarnations_forgotten`); one that announces after that is taken back
-/// as a readmitted one is, empty and no donor until its snapshot, never
-/// from what the index held of it before (without `register_in_index`'s
-/// fallback the index refused it as removed, and it stayed out for good).
+/// (`incarnations_forgotten`), and the index forgets them with it: its
+/// count of retired incarnations goes back down (it grew by one per
+/// dropped worker for the router's whole life before). One that announces
+/// after that registers as a new worker, empty, never from what the index
+/// held of it before, and its first event (its ids went on while it was
+/// away) is a gap that keeps it from donor choice until its snapshot.
 /// Within the retention a replaced incarnation's stray announcement is
 /// ignored.
 #[tokio::test]
-async fn an_incarnation_the_registry_forgot_comes_back_as_no_donor_until_its_snapshot() {
+async fn an_incarnation_the_registry_forgot_is_forgotten_by_the_index_and_comes_back_empty() {
+    use kv_lookup::{LookupBudget, NoDonorReason};
+
     let (inv, _) = inventory();
     let r = crate::WorkerRegistry::new(1_000, 3).retention_ms();
-    let (silent, old, new) = (EngineId::fresh(), EngineId::fresh(), EngineId::fresh());
+    let (silent, old, new, p0) = (
+        EngineId::fresh(),
+        EngineId::fresh(),
+        EngineId::fresh(),
+        EngineId::fresh(),
+    );
     let ann = |key, engine| announcement(key, engine, Role::Decode, "kv.t.decode.e");
+    let prefill = announcement("p0", p0, Role::Prefill, "kv.t.prefill.e");
     inv.on_announcement(&ann("d0", silent), 0).await;
     inv.on_announcement(&ann("d1", old), 0).await;
     inv.on_event(KvStreamItem::Event(stored(silent, 1))).await;
     inv.on_event(KvStreamItem::Event(stored(old, 1))).await;
+    let hashes: Vec<_> = match &stored(silent, 1).data {
+        KvEventData::Stored { blocks, .. } => blocks.iter().map(|b| b.sequence_hash).collect(),
+        _ => unreachable!("a store"),
+    };
+    let donor = || {
+        inv.index()
+            .lookup(&hashes, p0, LookupBudget::default())
+            .donor
+            .map(|d| d.engine)
+    };
+    inv.on_announcement(&prefill, 1_000).await;
+    assert!(donor().is_ok(), "both hold the 2 blocks");
     inv.on_announcement(&ann("d1", new), 1_000).await;
     assert_eq!(inv.tick(3_001).await, 1, "d0 silent");
+    let retired = || inv.index().stats().retired_incarnations;
+    assert_eq!(retired(), 2, "old replaced, d0 dropped");
+    assert_eq!(donor(), Err(NoDonorReason::NoRootCoverage));
     // A stray announcement of the replaced one, within the retention.
     inv.on_announcement(&ann("d1", old), 3_500).await;
     assert_eq!(inv.stats().announcements_ignored, 1);
     assert!(inv.index().worker(old).is_none());
-    // d1 (new) stays live; nothing more is heard of d0 after its drop
-    // (3_001) nor of old after its stray announcement (3_500).
+    // d1 (new) and p0 stay live; nothing more is heard of d0 after its
+    // drop (3_001) nor of old after its stray announcement (3_500).
     let forgotten_at = |t: u64| {
-        let inv = inv.clone();
+        let (inv, prefill) = (inv.clone(), prefill.clone());
         async move {
             inv.on_announcement(&ann("d1", new), t).await;
+            inv.on_announcement(&prefill, t).await;
             assert_eq!(inv.tick(t).await, 0);
             inv.stats().incarnations_forgotten
         }
     };
     assert_eq!(forgotten_at(3_001 + r).await, 0);
+    assert_eq!(retired(), 2);
     assert_eq!(forgotten_at(3_002 + r).await, 1, "d0");
+    assert_eq!(retired(), 1);
     assert_eq!(forgotten_at(3_500 + r).await, 1);
     assert_eq!(forgotten_at(3_501 + r).await, 2, "old");
+    assert_eq!(retired(), 0, "the index forgot both with the registry");
 
+    // d0 registers as new: nothing of what it held before its drop.
     inv.on_announcement(&ann("d0", silent), 3_502 + r).await;
-    assert!(inv.index().worker(silent).is_some(), "taken back");
-    assert_eq!(inv.index().workers_needing_resync(), vec![silent]);
+    assert!(inv.index().worker(silent).is_some(), "registered again");
+    assert!(inv.index().holds(silent, hashes[0]).is_empty());
+    assert_eq!(donor(), Err(NoDonorReason::NoRootCoverage));
     // The forgotten replaced one is a new incarnation now: it takes d1's
-    // key (as a restart would), and is no donor either.
+    // key (as a restart would), and holds nothing either.
     inv.on_announcement(&ann("d1", old), 3_502 + r).await;
     assert!(inv.index().worker(new).is_none());
+    assert_eq!(retired(), 1, "new, replaced");
+    assert!(inv.index().holds(old, hashes[0]).is_empty());
+    // Their next events store the blocks again, after a gap: held, but
+    // neither is a donor until its snapshot.
+    inv.on_event(KvStreamItem::Event(stored(silent, 8))).await;
+    inv.on_event(KvStreamItem::Event(stored(old, 2))).await;
+    assert!(!inv.index().holds(silent, hashes[0]).is_empty());
     let mut resync = inv.index().workers_needing_resync();
     resync.sort();
     let mut want = vec![silent, old];
     want.sort();
     assert_eq!(resync, want);
-    // An event after the gap applies but makes neither a donor.
-    inv.on_event(KvStreamItem::Event(stored(silent, 8))).await;
-    assert_eq!(inv.index().workers_needing_resync().len(), 2);
+    assert_eq!(donor(), Err(NoDonorReason::NoCompatibleDonor));
     let st = inv.stats();
     assert_eq!(
         (
             st.workers_readmitted,
             st.incarnations_forgotten,
-            st.workers_dropped
+            st.workers_dropped,
+            st.events_applied
         ),
-        (2, 2, 3),
+        (0, 2, 3, 4),
         "{st:?}"
     );
+}
+
+/// A decode worker dropped for silence and forgotten by the registry and
+/// the index comes back as a new worker: no donor after its first event
+/// (a gap), a donor again once its inventory snapshot is applied, which
+/// the router asks as for any decode worker without one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forgotten_worker_that_comes_back_is_a_donor_after_its_snapshot() {
+    use kv_descriptor::SequenceHash;
+
+    let lease = kv_descriptor::OwnerLease::fresh(Role::Decode);
+    let engine = lease.engine_id;
+    let plane = crate::InProcessInventory::new();
+    let mut server = plane
+        .serve(&crate::inventory_subject("t", engine).unwrap())
+        .await
+        .unwrap();
+    // Its snapshot: 3 blocks, consistent with event 9 once it is back.
+    let answering = tokio::spawn(async move {
+        while let Some(req) = server.next().await {
+            req.respond(snapshot_of(engine, lease.generation, 9, 3));
+        }
+    });
+    let record = crate::plane::directory::tests_support::record(lease, u64::MAX - 1);
+    let inv = inventory_on(plane, Duration::from_secs(2));
+    let r = crate::WorkerRegistry::new(1_000, 3).retention_ms();
+    let a = announcement("d0", engine, Role::Decode, "kv.t.decode.e");
+    inv.on_announcement(&a, 0).await.expect("a new subject");
+    inv.on_event(KvStreamItem::Event(stored(engine, 1))).await;
+    assert_eq!(inv.tick(3_001).await, 1);
+    assert_eq!(inv.index().stats().retired_incarnations, 1);
+    assert_eq!(inv.tick(3_002 + r).await, 0);
+    assert_eq!(inv.stats().incarnations_forgotten, 1);
+    assert_eq!(inv.index().stats().retired_incarnations, 0);
+
+    // Back: registered as new, its subject followed again, its record
+    // applied again (ignored while the registry remembered it).
+    let subject = inv
+        .on_announcement(&a, 4_000 + r)
+        .await
+        .expect("released before");
+    inv.followed(&subject).await;
+    inv.on_directory(DirectoryChange::Put(record)).await;
+    assert_eq!(inv.stats().directory_puts_ignored, 0);
+    assert!(inv.index().workers_needing_resync().is_empty());
+    inv.on_event(KvStreamItem::Event(stored(engine, 8))).await;
+    assert_eq!(inv.index().workers_needing_resync(), vec![engine]);
+    // Its next announcement asks the snapshot: a donor again, with it.
+    inv.on_announcement(&a, 4_100 + r).await;
+    assert!(inv.index().workers_needing_resync().is_empty());
+    assert!(!inv.index().holds(engine, SequenceHash(5002)).is_empty());
+    let st = inv.stats();
+    assert_eq!(
+        (
+            st.workers_readmitted,
+            st.snapshots_applied,
+            st.snapshots_failed
+        ),
+        (0, 1, 0),
+        "{st:?}"
+    );
+    answering.abort();
 }
 
 /// Each donor layout's block size is checked once, when its first record

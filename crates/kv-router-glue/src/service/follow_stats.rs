@@ -38,9 +38,10 @@ follow_counters! {
     /// Workers dropped (replaced or silent).
     workers_dropped,
     /// Workers dropped for silence that announced again and were taken
-    /// back, and removed incarnations the registry had forgotten that
-    /// announced again (each a donor again only after its inventory
-    /// snapshot).
+    /// back (each a donor again only after its inventory snapshot), and
+    /// removed incarnations the index still knew as removed although the
+    /// registry had forgotten them (none while the index forgets what the
+    /// registry forgets).
     workers_readmitted,
     /// Times the router found its own NATS connection down: no worker's
     /// silence counts until it is back, and then every decode worker is
@@ -49,8 +50,10 @@ follow_counters! {
     /// Replaced or silenced incarnations the worker registry forgot: not
     /// heard of for its retention (`FORGET_AFTER_SILENCE_WINDOWS` silence
     /// windows, at least `FORGET_AFTER_MIN_MS`), or the oldest past
-    /// `MAX_REMEMBERED` of either kind. One that announces again is taken
-    /// back as a readmitted worker is.
+    /// `MAX_REMEMBERED` of either kind. Each is forgotten by the index too
+    /// (`InventoryIndex::forget_retired`); one that announces again
+    /// registers as a new worker, empty, and its first event is a gap that
+    /// keeps it from donor choice until its snapshot.
     incarnations_forgotten,
     /// KV events applied to the index (in order, or after a gap).
     events_applied,

@@ -72,6 +72,7 @@ impl Router {
             return;
         };
         let registration = reg.announce(a.clone(), unix_now_ms());
+        self.forget(reg.take_forgotten());
         match registration {
             Registration::Retired => return,
             Registration::Replaced { dropped } => {
@@ -112,7 +113,7 @@ impl Router {
     /// own NATS connection is up (while it is down nobody's silence counts,
     /// and once back every worker's is counted from then).
     fn silent(&self, connected: bool) {
-        let dead = match self.registry.lock() {
+        let (dead, forgotten) = match self.registry.lock() {
             Ok(mut r) if !connected => {
                 r.pause();
                 return;
@@ -121,7 +122,7 @@ impl Router {
                 if r.is_paused() {
                     r.resume(unix_now_ms());
                 }
-                r.tick(unix_now_ms())
+                (r.tick(unix_now_ms()), r.take_forgotten())
             }
             Err(_) => return,
         };
@@ -129,6 +130,17 @@ impl Router {
             self.index.remove_worker(engine);
             self.remote.forget(engine);
             self.service.remove_target(engine);
+        }
+        // After the removals: what the registry forgot, the index removed.
+        self.forget(forgotten);
+    }
+
+    /// Forgets in the index the incarnations the registry forgot (each
+    /// removed from it when dropped), so the index's memory of removed
+    /// engines stays bounded as the registry's does.
+    fn forget(&self, forgotten: Vec<kv_descriptor::EngineId>) {
+        for engine in forgotten {
+            self.index.forget_retired(engine);
         }
     }
 }

@@ -50,18 +50,18 @@ impl<V> Remembered<V> {
     }
 
     /// Remembers `engine` with `value`, heard of at `now_ms` (replacing
-    /// what was remembered of it); returns how many older entries the cap
-    /// made it forget.
-    pub(super) fn remember(&mut self, engine: EngineId, value: V, now_ms: u64) -> usize {
+    /// what was remembered of it); returns the older entries the cap made
+    /// it forget, the one heard of longest ago first.
+    pub(super) fn remember(&mut self, engine: EngineId, value: V, now_ms: u64) -> Vec<EngineId> {
         self.take(&engine);
         let stamp = self.stamp(now_ms);
         self.entries.insert(engine, (stamp, value));
         self.order.insert(stamp, engine);
-        let mut evicted = 0;
+        let mut evicted = Vec::new();
         while self.entries.len() > self.cap {
             let (_, oldest) = self.order.pop_first().expect("as many as entries");
             self.entries.remove(&oldest);
-            evicted += 1;
+            evicted.push(oldest);
         }
         evicted
     }
@@ -107,15 +107,15 @@ impl<V> Remembered<V> {
     }
 
     /// Forgets every entry last heard of more than `retention_ms` before
-    /// `now_ms`; returns how many.
-    pub(super) fn forget_older_than(&mut self, retention_ms: u64, now_ms: u64) -> usize {
-        let mut forgotten = 0;
+    /// `now_ms`; returns them, the one heard of longest ago first.
+    pub(super) fn forget_older_than(&mut self, retention_ms: u64, now_ms: u64) -> Vec<EngineId> {
+        let mut forgotten = Vec::new();
         while let Some((&(heard, _), &engine)) = self.order.first_key_value() {
             if now_ms.saturating_sub(heard) <= retention_ms {
                 break;
             }
             self.take(&engine);
-            forgotten += 1;
+            forgotten.push(engine);
         }
         forgotten
     }
@@ -146,11 +146,11 @@ mod tests {
         let e = ids(4);
         let mut m = Remembered::new(3);
         for (t, &id) in e[..3].iter().enumerate() {
-            assert_eq!(m.remember(id, (), t as u64), 0);
+            assert_eq!(m.remember(id, (), t as u64), []);
         }
         // e[0] heard again: e[1] is now the oldest.
         assert!(m.heard(&e[0], 10));
-        assert_eq!(m.remember(e[3], (), 11), 1);
+        assert_eq!(m.remember(e[3], (), 11), [e[1]]);
         assert_eq!(m.len(), 3);
         assert!(!m.contains(&e[1]));
         assert!(m.contains(&e[0]) && m.contains(&e[2]) && m.contains(&e[3]));
@@ -165,10 +165,10 @@ mod tests {
         m.remember(e[1], "b", 50);
         m.heard(&e[0], 100);
         // Exactly the retention is still remembered.
-        assert_eq!(m.forget_older_than(100, 150), 0);
-        assert_eq!(m.forget_older_than(100, 151), 1);
+        assert_eq!(m.forget_older_than(100, 150), []);
+        assert_eq!(m.forget_older_than(100, 151), [e[1]]);
         assert!(!m.contains(&e[1]) && m.contains(&e[0]));
-        assert_eq!(m.forget_older_than(100, 201), 1);
+        assert_eq!(m.forget_older_than(100, 201), [e[0]]);
         assert_eq!(m.len(), 0);
     }
 
@@ -180,11 +180,12 @@ mod tests {
         m.remember(e[1], (), 10);
         m.restamp(1_000);
         m.remember(e[2], (), 1_000);
-        assert_eq!(m.forget_older_than(100, 1_100), 0);
+        assert_eq!(m.forget_older_than(100, 1_100), []);
         // The order survives the restamp: e[0] goes first at the cap.
-        m.remember(EngineId::fresh(), (), 1_050);
-        assert!(!m.contains(&e[0]) && m.contains(&e[1]));
-        assert_eq!(m.forget_older_than(100, 1_101), 2);
+        let newest = EngineId::fresh();
+        assert_eq!(m.remember(newest, (), 1_050), [e[0]]);
+        assert!(m.contains(&e[1]));
+        assert_eq!(m.forget_older_than(100, 1_101), [e[1], e[2]]);
     }
 
     #[test]
@@ -200,6 +201,6 @@ mod tests {
         assert_eq!(m.len(), 1);
         assert!(m.contains(&e[1]));
         assert_eq!(m.take(&e[1]), Some(1));
-        assert_eq!(m.forget_older_than(0, u64::MAX), 0);
+        assert_eq!(m.forget_older_than(0, u64::MAX), []);
     }
 }

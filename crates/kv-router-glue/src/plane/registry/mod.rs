@@ -27,11 +27,15 @@
 //! heard of every period and so stays refused while it runs. A forgotten
 //! incarnation is unknown: when it announces again it registers as a new
 //! incarnation would ([`Registration::New`] with its key free,
-//! [`Registration::Replaced`] with its key taken), and the caller, whose
-//! index still knows it was removed, takes it back as it takes back a
-//! [`Registration::Readmitted`] one (no donor until a resync).
+//! [`Registration::Replaced`] with its key taken). The registry hands the
+//! ids it forgot to the caller ([`WorkerRegistry::take_forgotten`]), which
+//! forgets them in its kv-lookup index too (`forget_retired`), so that
+//! the index's memory of removed engines is bounded as this one is; there
+//! the forgotten incarnation that comes back registers as a new worker,
+//! empty, and its first event (its ids went on while it was away) is a gap
+//! that keeps it from donor choice until its inventory snapshot.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use kv_descriptor::{EngineId, GpuIdentity, LayoutFingerprint, Role, Wire};
 use serde::{Deserialize, Serialize};
@@ -59,6 +63,12 @@ pub const FORGET_AFTER_MIN_MS: u64 = 300_000;
 /// at once is remembered); past it the one heard of longest ago is
 /// forgotten first.
 pub const MAX_REMEMBERED: usize = kv_lookup::MAX_WORKERS;
+
+/// Most forgotten ids [`WorkerRegistry::take_forgotten`] holds for the
+/// caller: as many as both kinds of memory can forget at once, so a caller
+/// that takes them after every call loses none, and one that never does
+/// keeps a bounded list (the ones forgotten longest ago dropped first).
+const MAX_PENDING_FORGOTTEN: usize = 2 * MAX_REMEMBERED;
 
 mod memory;
 use memory::Remembered;
@@ -269,6 +279,9 @@ pub struct WorkerRegistry {
     retention_ms: u64,
     /// Incarnations forgotten from `retired` and `silenced` so far.
     forgotten: u64,
+    /// The ids of those not yet handed out by
+    /// [`WorkerRegistry::take_forgotten`], oldest first.
+    pending_forgotten: VecDeque<EngineId>,
     /// Set by [`WorkerRegistry::pause`]: [`WorkerRegistry::tick`] removes
     /// nobody.
     paused: bool,
@@ -292,6 +305,7 @@ impl WorkerRegistry {
                 .saturating_mul(FORGET_AFTER_SILENCE_WINDOWS)
                 .max(FORGET_AFTER_MIN_MS),
             forgotten: 0,
+            pending_forgotten: VecDeque::new(),
             paused: false,
         }
     }
@@ -341,7 +355,20 @@ impl WorkerRegistry {
 
     /// Remembers `engine` as replaced at `now_ms`.
     fn retire(&mut self, engine: EngineId, now_ms: u64) {
-        self.forgotten += self.retired.remember(engine, (), now_ms) as u64;
+        let evicted = self.retired.remember(engine, (), now_ms);
+        self.note_forgotten(evicted);
+    }
+
+    /// Counts `ids` as forgotten and keeps them for
+    /// [`WorkerRegistry::take_forgotten`].
+    fn note_forgotten(&mut self, ids: Vec<EngineId>) {
+        self.forgotten += ids.len() as u64;
+        self.pending_forgotten.extend(ids);
+        let over = self
+            .pending_forgotten
+            .len()
+            .saturating_sub(MAX_PENDING_FORGOTTEN);
+        self.pending_forgotten.drain(..over);
     }
 
     /// Forgets the replaced and silenced incarnations not heard of for the
@@ -352,9 +379,9 @@ impl WorkerRegistry {
             return;
         }
         let retention = self.retention_ms;
-        let n = self.retired.forget_older_than(retention, now_ms)
-            + self.silenced.forget_older_than(retention, now_ms);
-        self.forgotten += n as u64;
+        let mut ids = self.retired.forget_older_than(retention, now_ms);
+        ids.extend(self.silenced.forget_older_than(retention, now_ms));
+        self.note_forgotten(ids);
     }
 
     /// Stops counting silence: while the router's own connection to the
@@ -399,7 +426,8 @@ impl WorkerRegistry {
     /// id), which the caller drops from the index. Their events are ignored
     /// until they announce again ([`Registration::Readmitted`]). Also
     /// forgets the replaced and silenced incarnations not heard of for the
-    /// retention ([`WorkerRegistry::forgotten`]).
+    /// retention ([`WorkerRegistry::forgotten`],
+    /// [`WorkerRegistry::take_forgotten`]).
     pub fn tick(&mut self, now_ms: u64) -> Vec<(String, EngineId)> {
         if self.paused {
             return Vec::new();
@@ -414,22 +442,62 @@ impl WorkerRegistry {
             .filter(|(_, e)| now_ms.saturating_sub(e.last_seen_ms) > limit)
             .map(|(k, _)| k.clone())
             .collect();
-        dead.into_iter()
-            .filter_map(|k| {
-                self.by_key
-                    .remove(&k)
-                    .map(|e| (k, e.announcement.engine_id))
-            })
-            .inspect(|(k, id)| {
-                self.forgotten += self.silenced.remember(*id, k.clone(), now_ms) as u64;
-            })
-            .collect()
+        let mut removed = Vec::with_capacity(dead.len());
+        for k in dead {
+            if let Some(e) = self.by_key.remove(&k) {
+                let id = e.announcement.engine_id;
+                let evicted = self.silenced.remember(id, k.clone(), now_ms);
+                self.note_forgotten(evicted);
+                removed.push((k, id));
+            }
+        }
+        removed
     }
 
     /// Replaced and silenced incarnations forgotten so far (not heard of
     /// for the retention, or the oldest past [`MAX_REMEMBERED`]).
     pub fn forgotten(&self) -> u64 {
         self.forgotten
+    }
+
+    /// The engine ids forgotten since the last call (by
+    /// [`WorkerRegistry::announce`] or [`WorkerRegistry::tick`]), the one
+    /// forgotten longest ago first, each handed out once. The caller
+    /// forgets each in its kv-lookup index (`InventoryIndex::forget_retired`;
+    /// every one of them was dropped from it when it was replaced or
+    /// silenced), which otherwise remembers every removed engine for its
+    /// whole life. Of those not taken, at most 2 x [`MAX_REMEMBERED`] are
+    /// kept, the oldest dropped first: a caller that takes them after each
+    /// `announce` and `tick` loses none.
+    ///
+    /// ```
+    /// use kv_descriptor::{EngineId, GpuIdentity, LayoutFingerprint, Role};
+    /// use kv_router_glue::{Registration, WorkerAnnouncement, WorkerRegistry};
+    /// let announce = |engine_id| WorkerAnnouncement {
+    ///     worker_key: "host-1/gpu-0".into(),
+    ///     engine_id,
+    ///     role: Role::Decode,
+    ///     layout_fingerprint: LayoutFingerprint(7),
+    ///     tp_size: 1,
+    ///     gpus: vec![GpuIdentity::new(uuid::Uuid::from_u128(1), 0, "host-1").unwrap()],
+    ///     pin_endpoint: "unix:/tmp/pin".into(),
+    ///     event_subject: "kv.ns.decode.events".into(),
+    /// };
+    /// // Announce every 1 s, dropped after 3 silent periods: replaced and
+    /// // silenced incarnations are remembered 100 x 3 s = 300 s (5 min).
+    /// let mut registry = WorkerRegistry::new(1_000, 3);
+    /// let (old, new) = (EngineId::fresh(), EngineId::fresh());
+    /// registry.announce(announce(old), 0);
+    /// assert_eq!(registry.announce(announce(new), 1_000), Registration::Replaced { dropped: old });
+    /// assert!(registry.take_forgotten().is_empty());
+    /// registry.announce(announce(new), 301_000); // `new` stays live
+    /// registry.tick(301_001); // `old` not heard of for more than 300 s
+    /// assert_eq!(registry.take_forgotten(), vec![old]);
+    /// assert!(registry.take_forgotten().is_empty(), "handed out once");
+    /// assert_eq!(registry.forgotten(), 1);
+    /// ```
+    pub fn take_forgotten(&mut self) -> Vec<EngineId> {
+        self.pending_forgotten.drain(..).collect()
     }
 
     /// How long, in ms, a replaced or silenced incarnation is remembered

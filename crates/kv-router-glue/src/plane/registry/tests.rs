@@ -129,8 +129,9 @@ fn nobody_is_dropped_while_paused_and_silence_restarts_from_the_resume() {
 /// A router's registry stays bounded however many workers restart: one
 /// worker key through `MAX_REMEMBERED` + 11 incarnations, and
 /// `MAX_REMEMBERED` + 5 workers dropped for silence at once, leave
-/// `MAX_REMEMBERED` of each remembered, the oldest forgotten (each set grew
-/// by one entry per restart for the router's life before).
+/// `MAX_REMEMBERED` of each remembered, the oldest forgotten and handed
+/// out once for the caller's index (each set grew by one entry per restart
+/// for the router's life before).
 #[test]
 fn many_incarnations_leave_at_most_the_cap_remembered() {
     let mut reg = WorkerRegistry::new(1_000, 3);
@@ -142,6 +143,8 @@ fn many_incarnations_leave_at_most_the_cap_remembered() {
     }
     assert_eq!(reg.remembered(), (MAX_REMEMBERED, 0));
     assert_eq!(reg.forgotten(), 10);
+    assert_eq!(reg.take_forgotten(), engines[..10]);
+    assert!(reg.take_forgotten().is_empty());
     let last = engines.len() - 1;
     // The newest replaced ones are still refused, the oldest are not known.
     assert!(reg.is_replaced(engines[last - 1]));
@@ -157,9 +160,31 @@ fn many_incarnations_leave_at_most_the_cap_remembered() {
     for i in 0..MAX_REMEMBERED + 5 {
         reg.announce(ann(&format!("decode-{i}"), EngineId::fresh()), 0);
     }
-    assert_eq!(reg.tick(3_001).len(), MAX_REMEMBERED + 5);
+    let dropped = reg.tick(3_001);
+    assert_eq!(dropped.len(), MAX_REMEMBERED + 5);
     assert_eq!(reg.remembered(), (0, MAX_REMEMBERED));
     assert_eq!(reg.forgotten(), 5);
+    // The 5 dropped first (the tick's order) were forgotten at once.
+    let first: Vec<EngineId> = dropped[..5].iter().map(|&(_, e)| e).collect();
+    assert_eq!(reg.take_forgotten(), first);
+    assert!(dropped[5..].iter().all(|&(_, e)| reg.is_retired(e)));
+}
+
+/// The forgotten ids wait for [`WorkerRegistry::take_forgotten`], but no
+/// more than both kinds of memory can forget at once (2 x
+/// `MAX_REMEMBERED`): a caller that never takes them keeps a bounded list,
+/// the ids forgotten longest ago dropped first.
+#[test]
+fn forgotten_ids_not_taken_are_kept_bounded() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let n = 3 * MAX_REMEMBERED + 11;
+    let engines: Vec<EngineId> = (0..n).map(|_| EngineId::fresh()).collect();
+    for (t, &e) in engines.iter().enumerate() {
+        reg.announce(ann("decode-0", e), t as u64);
+    }
+    // n - 1 replaced, MAX_REMEMBERED of them remembered.
+    assert_eq!(reg.forgotten(), 2 * MAX_REMEMBERED as u64 + 10);
+    assert_eq!(reg.take_forgotten(), engines[10..2 * MAX_REMEMBERED + 10]);
 }
 
 #[test]
@@ -180,9 +205,9 @@ fn the_retention_is_a_multiple_of_the_silence_window_with_a_floor() {
 /// A replaced incarnation's stray announcement within the retention is
 /// ignored and keeps it remembered (a second process under the key stays
 /// refused while it runs); once nothing of it was heard for the retention
-/// it is forgotten, and an announcement of it after that is a new
-/// incarnation's: it replaces the live one (the caller's index, which still
-/// knows it was removed, takes it back as no donor until a resync).
+/// it is forgotten (handed out for the caller's index), and an
+/// announcement of it after that is a new incarnation's: it replaces the
+/// live one.
 #[test]
 fn a_replaced_incarnation_is_refused_for_the_retention_after_it_was_last_heard() {
     let mut reg = WorkerRegistry::new(1_000, 3);
@@ -203,6 +228,7 @@ fn a_replaced_incarnation_is_refused_for_the_retention_after_it_was_last_heard()
     assert!(reg.tick(1_001 + 2 * r).is_empty());
     assert!(!reg.is_retired(old));
     assert_eq!((reg.forgotten(), reg.remembered()), (1, (0, 0)));
+    assert_eq!(reg.take_forgotten(), [old]);
     assert_eq!(
         reg.announce(ann("decode-0", old), 1_002 + 2 * r),
         Registration::Replaced { dropped: new }
@@ -211,8 +237,8 @@ fn a_replaced_incarnation_is_refused_for_the_retention_after_it_was_last_heard()
 }
 
 /// A worker dropped for silence is taken back within the retention; once
-/// forgotten it registers as new (its key is free), and the caller takes it
-/// back through its index as it takes back a readmitted one.
+/// forgotten (handed out for the caller's index) it registers as new (its
+/// key is free).
 #[test]
 fn a_silenced_worker_forgotten_after_the_retention_registers_as_new() {
     let mut reg = WorkerRegistry::new(1_000, 3);
@@ -222,9 +248,11 @@ fn a_silenced_worker_forgotten_after_the_retention_registers_as_new() {
     assert_eq!(reg.tick(3_001).len(), 1);
     assert!(reg.tick(3_001 + r).is_empty());
     assert!(reg.is_retired(a));
+    assert!(reg.take_forgotten().is_empty());
     assert!(reg.tick(3_002 + r).is_empty());
     assert!(!reg.is_retired(a));
     assert_eq!((reg.forgotten(), reg.remembered()), (1, (0, 0)));
+    assert_eq!(reg.take_forgotten(), [a]);
     assert_eq!(
         reg.announce(ann("decode-0", a), 3_003 + r),
         Registration::New
@@ -251,6 +279,7 @@ fn nothing_is_forgotten_while_paused_and_the_retention_restarts_at_the_resume() 
         Registration::Refreshed
     );
     assert_eq!((reg.forgotten(), reg.remembered()), (0, (1, 1)));
+    assert!(reg.take_forgotten().is_empty());
     reg.resume(10 * r);
     reg.announce(ann("decode-0", new), 11 * r);
     assert!(reg.tick(11 * r).is_empty());
@@ -258,6 +287,8 @@ fn nothing_is_forgotten_while_paused_and_the_retention_restarts_at_the_resume() 
     reg.announce(ann("decode-0", new), 11 * r + 1);
     assert!(reg.tick(11 * r + 1).is_empty());
     assert_eq!((reg.forgotten(), reg.remembered()), (2, (0, 0)));
+    // Both expire at the same tick: the replaced kind first.
+    assert_eq!(reg.take_forgotten(), [old, silent]);
 }
 
 #[test]
