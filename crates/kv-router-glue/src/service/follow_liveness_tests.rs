@@ -3,6 +3,7 @@
 //! back, and the one check of each donor layout.
 
 use super::*;
+use std::sync::atomic::AtomicU64;
 
 /// The router's own disconnection (BUG 1 of trial h33): nobody is dropped
 /// however long it lasts; once back, each worker gets a fresh deadline and

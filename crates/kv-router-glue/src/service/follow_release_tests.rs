@@ -6,6 +6,7 @@ use kv_descriptor::Role;
 
 use super::reopen::eventually;
 use super::*;
+use crate::announce_subject;
 
 const P0: &str = "kv.t.p0.kv_events";
 const SHARED: &str = "kv.t.shared.kv_events";

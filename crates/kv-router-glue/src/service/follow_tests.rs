@@ -6,8 +6,13 @@
 
 use kv_descriptor::{GpuIdentity, KvEvent, KvEventData, LayoutFingerprint, StorageTier, Wire};
 
+use tokio::task::JoinSet;
+
 use super::*;
-use crate::{Advisor, CostModel, DecisionLog, InventoryPlane, LiveCostModel, ReuseSettings};
+use crate::{
+    Advisor, CostModel, DecisionLog, DirectoryPlane, EventPlane, InventoryPlane, KvEventReceiver,
+    LiveCostModel, ReuseSettings,
+};
 
 fn inventory() -> (Arc<RouterInventory>, Arc<RouterService>) {
     inventory_of(CostModel::new(ReuseSettings::default(), 16).unwrap())
