@@ -1,5 +1,5 @@
 //! The binary's flag parsing and configuration checks (no NATS needed);
-//! the process itself is tested in `tests/router_binary.rs`.
+//! the process itself is tested in `tests/router_binary/` (`main.rs`).
 
 use super::*;
 

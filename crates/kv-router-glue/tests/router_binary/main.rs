@@ -1,0 +1,16 @@
+//! The `kv-reuse-router` binary as a process, against a real nats-server:
+//! ready line, typed refusals over NATS, a prefill worker's announcement
+//! making it an advise target, `/healthz`, `/metrics`, SIGTERM drain, and
+//! the inventory rebuild of a router started (or SIGKILLed and restarted)
+//! after a donor went idle (issue 18).
+//!
+//! `process.rs` runs the binary (spawn, HTTP, signals); `lifecycle.rs` has
+//! the tests of start, serve, stop and configuration errors; `donors.rs`
+//! those with worker and donor processes (rebuild, outage, vLLM, TLS).
+
+#[path = "../agents_common/mod.rs"]
+mod agents_common;
+
+mod donors;
+mod lifecycle;
+mod process;
