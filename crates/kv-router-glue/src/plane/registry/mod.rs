@@ -246,10 +246,13 @@ pub enum Registration {
         dropped: EngineId,
     },
     /// An announcement of an incarnation already replaced (and still
-    /// remembered, [`WorkerRegistry::remembered`]): ignored.
+    /// remembered, [`WorkerRegistry::remembered`]) while another
+    /// incarnation holds its key: ignored.
     Retired,
     /// An incarnation [`WorkerRegistry::tick`] removed for silence
-    /// announces again, and no other incarnation took its key: registered
+    /// announces again, and no other incarnation took its key; or a
+    /// replaced incarnation announces again after what replaced it was
+    /// removed for silence (the key is free): registered
     /// again. The caller missed its events while it was away, so it treats
     /// its inventory as unknown until a resync (the kv-lookup index's
     /// `readmit_worker`, then an inventory snapshot).
@@ -313,15 +316,32 @@ impl WorkerRegistry {
     /// Records an announcement seen at `now_ms`.
     pub fn announce(&mut self, a: WorkerAnnouncement, now_ms: u64) -> Registration {
         self.forget_expired(now_ms);
-        // Heard of again: a replaced incarnation that keeps announcing (a
-        // second process under the key) stays refused while it runs.
-        if self.retired.heard(&a.engine_id, now_ms) {
-            return Registration::Retired;
-        }
         let entry = |a| Entry {
             announcement: a,
             last_seen_ms: now_ms,
         };
+        if self.retired.contains(&a.engine_id) {
+            // Heard of again: a replaced incarnation that keeps announcing (a
+            // second process under the key) stays refused while another
+            // incarnation holds its key.
+            if self.by_key.contains_key(&a.worker_key) {
+                self.retired.heard(&a.engine_id, now_ms);
+                return Registration::Retired;
+            }
+            // Nobody holds the key any more (what replaced it was dropped
+            // for silence): it is the only process announcing under it, so it
+            // is taken back like a silenced one instead of being refused
+            // while nobody serves the key (trial h39, 1: a stale incarnation
+            // back after the retention replaced the live one, which then
+            // stayed refused for as long as it ran, after the stale one died
+            // too). What replaced it, silenced, is replaced in its turn.
+            self.retired.take(&a.engine_id);
+            for (engine, _) in self.silenced.take_where(|_, key| *key == a.worker_key) {
+                self.retire(engine, now_ms);
+            }
+            self.by_key.insert(a.worker_key.clone(), entry(a));
+            return Registration::Readmitted;
+        }
         if self.silenced.take(&a.engine_id).is_some() {
             // Its key is free: a new incarnation under it would have
             // retired this one (below).

@@ -55,6 +55,51 @@ fn new_incarnation_replaces_the_old_and_retires_it() {
     assert_eq!(reg.len(), 1);
 }
 
+/// Trial h39, 1: a replaced incarnation still announcing gets its key back
+/// once what replaced it is dropped for silence, instead of staying refused
+/// with nobody serving the key. Before, `e1` (replaced by the stale `e2`,
+/// which then died) was refused for as long as it announced.
+#[test]
+fn a_replaced_incarnation_takes_its_key_back_once_its_replacement_is_silent() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let (e1, e2) = (EngineId::fresh(), EngineId::fresh());
+    assert_eq!(reg.announce(ann("decode-0", e1), 0), Registration::New);
+    assert_eq!(
+        reg.announce(ann("decode-0", e2), 500),
+        Registration::Replaced { dropped: e1 }
+    );
+    // Both announce: the key stays with e2, e1 is refused.
+    assert_eq!(
+        reg.announce(ann("decode-0", e1), 1_000),
+        Registration::Retired
+    );
+    assert_eq!(
+        reg.announce(ann("decode-0", e2), 1_000),
+        Registration::Refreshed
+    );
+    // e2 stops; e1 goes on announcing, refused until e2 is dropped.
+    assert_eq!(
+        reg.announce(ann("decode-0", e1), 3_000),
+        Registration::Retired
+    );
+    let dropped = reg.tick(4_500);
+    assert_eq!(dropped, vec![("decode-0".to_string(), e2)]);
+    assert_eq!(
+        reg.announce(ann("decode-0", e1), 5_000),
+        Registration::Readmitted
+    );
+    assert_eq!(reg.get("decode-0").unwrap().engine_id, e1);
+    assert!(!reg.is_retired(e1));
+    // e2 is the replaced one now: its late announcement is refused.
+    assert!(reg.is_retired(e2));
+    assert_eq!(
+        reg.announce(ann("decode-0", e2), 5_100),
+        Registration::Retired
+    );
+    assert_eq!(reg.get("decode-0").unwrap().engine_id, e1);
+    assert_eq!(reg.len(), 1);
+}
+
 #[test]
 fn a_worker_silent_for_the_allowed_periods_is_removed() {
     let mut reg = WorkerRegistry::new(1_000, 3);
