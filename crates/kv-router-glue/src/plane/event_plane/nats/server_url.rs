@@ -15,28 +15,66 @@ use super::{NatsAuth, NatsOptionsError};
 /// assert_eq!(redact_url("nats://router:pw@n1:4222"), "nats://router:***@n1:4222");
 /// assert_eq!(redact_url("tls://t0k3n@n1"), "tls://***@n1");
 /// assert_eq!(redact_url("nats://n1:4222"), "nats://n1:4222");
+/// // A secret holding `/`, `?`, `#` or `,` (which must be percent-encoded
+/// // to be used) is hidden all the same.
+/// assert_eq!(redact_url("nats://u:a/b,c@n1:4222"), "nats://u:***@n1:4222");
+/// assert_eq!(redact_url("nats://n1,nats://t#k@n2"), "nats://n1,nats://***@n2");
 /// ```
 pub fn redact_url(url: &str) -> String {
-    url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
+    // On the raw text, not on parsed entries: a secret may hold a `,`, `/`,
+    // `?` or `#` that a parser would cut it at, leaving the `@` beyond the
+    // cut and the secret shown (trial h39, 3). Each entry's user info runs
+    // from its `://` (or the text's start, or the `,` before a scheme-less
+    // entry) to the last `@` before the next entry's scheme: hiding too much
+    // of a malformed URL is fine, showing a secret is not.
+    let starts: Vec<usize> = url.match_indices("://").map(|(i, _)| i + 3).collect();
+    // Where each entry's text ends: where the next scheme's name starts
+    // (after the last `,` before its `://`), else the end.
+    let ends: Vec<usize> = url
+        .match_indices("://")
+        .skip(1)
+        .map(|(i, _)| url[..i].rfind(',').map_or(i, |c| c + 1))
+        .chain(std::iter::once(url.len()))
+        .collect();
+    let mut out = String::with_capacity(url.len());
+    let mut done = 0;
+    let first = url
+        .match_indices("://")
+        .next()
+        .map(|(i, _)| url[..i].rfind(',').map_or(0, |c| c + 1));
+    // Scheme-less text before the first scheme (or the whole text without one).
+    let lead_end = first.unwrap_or(url.len());
+    redact_span(url, 0, lead_end, &mut out, &mut done);
+    for (start, end) in starts.into_iter().zip(ends) {
+        out.push_str(&url[done..start]);
+        done = start;
+        redact_span(url, start, end.max(start), &mut out, &mut done);
+    }
+    out.push_str(&url[done..]);
+    out
 }
 
-fn redact_one(server: &str) -> String {
-    let (scheme, rest) = match server.split_once("://") {
-        Some((s, r)) => (Some(s), r),
-        None => (None, server),
-    };
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    // The last `@` ends the user info (a password may itself hold one).
-    let Some(at) = authority.rfind('@') else {
-        return server.to_string();
-    };
-    let info = match authority[..at].split_once(':') {
-        Some((user, _)) => format!("{user}:***"),
-        None => "***".to_string(),
-    };
-    let scheme = scheme.map(|s| format!("{s}://")).unwrap_or_default();
-    format!("{scheme}{info}@{}{tail}", &authority[at + 1..])
+/// Appends `url[start..end]` to `out` with everything before its last `@`
+/// hidden (`user:***`, or `***` for a token), and moves `done` to `end`.
+fn redact_span(url: &str, start: usize, end: usize, out: &mut String, done: &mut usize) {
+    let span = &url[start..end];
+    match span.rfind('@') {
+        Some(at) => {
+            // A user name is shown only when it cannot be part of a cut
+            // secret or of another entry (no `,`, `/`, `?` or `#` in it).
+            let info = &span[..at];
+            match info.split_once(':') {
+                Some((user, _)) if !user.contains([',', '/', '?', '#']) => {
+                    out.push_str(user);
+                    out.push_str(":***");
+                }
+                _ => out.push_str("***"),
+            }
+            out.push_str(&span[at..]);
+        }
+        None => out.push_str(span),
+    }
+    *done = end;
 }
 
 /// The NATS servers of `url`: one server URL or a comma-separated list of
@@ -57,18 +95,43 @@ fn redact_one(server: &str) -> String {
 /// unknown scheme, no host), naming the entry with any password replaced
 /// by `***`.
 pub fn nats_server_addrs(url: &str) -> Result<Vec<async_nats::ServerAddr>, String> {
-    url.split(',')
-        .map(|one| {
-            let one = one.trim();
+    let entries: Vec<&str> = url.split(',').map(str::trim).collect();
+    let n = entries.len();
+    // A scheme-less entry with user info after one with a scheme is a
+    // secret cut at a `,` (`nats://u:p,q@host`), not a second server: its
+    // first part would be connected to as a host (and looked up in DNS).
+    let schemed = entries.iter().any(|e| e.contains("://"));
+    entries
+        .iter()
+        .enumerate()
+        .map(|(i, &one)| {
+            // By position, not by text: the text of a cut entry may be part
+            // of a secret with no `@` to redact it by.
             let named = |why: String| {
-                if url.contains(',') {
-                    format!("server {:?}: {why}", redact_one(one))
+                if n > 1 {
+                    format!("server {} of {n}: {why}", i + 1)
                 } else {
                     why
                 }
             };
             if one.is_empty() {
                 return Err(named("is empty".into()));
+            }
+            let rest = one.split_once("://").map_or(one, |(_, r)| r);
+            let cut = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+            if rest[cut..].contains('@') {
+                return Err(named(
+                    "has a `/`, `?` or `#` in its user info: percent-encode it \
+                     (`%2F`, `%3F`, `%23`)"
+                        .into(),
+                ));
+            }
+            if schemed && !one.contains("://") && one.contains('@') {
+                return Err(named(
+                    "has user info but no scheme after a server with one: a `,` in a \
+                     password or token must be percent-encoded (`%2C`)"
+                        .into(),
+                ));
             }
             let addr: async_nats::ServerAddr = one.parse().map_err(|e| named(format!("{e}")))?;
             if addr.host().is_empty() {
@@ -158,4 +221,74 @@ fn raw_user_info(server: &str) -> &str {
     let rest = server.split_once("://").map_or(server, |(_, r)| r);
     let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
     authority.rfind('@').map_or("", |at| &authority[..at])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Trial h39, 3: a `/`, `?`, `#` or `,` in a password or token left it
+    /// in clear in every message naming the URL, and with `/` or `#` the
+    /// part before it was connected to as a host (a DNS lookup of a secret).
+    const CUT_SECRETS: [&str; 8] = [
+        "nats://router:SEC/RET123@127.0.0.1:14323",
+        "nats://router:SEC,RET123@127.0.0.1:14323",
+        "nats://router:SEC?RET123@127.0.0.1:14323",
+        "nats://router:SEC#RET123@127.0.0.1:14323",
+        "nats://SEC/RET123@127.0.0.1:14324",
+        "nats://SEC#RET123@127.0.0.1:14324",
+        "nats://SEC,RET123@127.0.0.1:14324",
+        "nats://n1:4222,tls://router:SEC/RET123@n2:4222",
+    ];
+
+    #[test]
+    fn a_secret_holding_a_separator_is_hidden_and_never_connected_to() {
+        for url in CUT_SECRETS {
+            let shown = redact_url(url);
+            assert!(
+                !shown.contains("SEC") && !shown.contains("RET123"),
+                "{url} -> {shown}"
+            );
+            let why = nats_server_addrs(url).expect_err(url);
+            assert!(
+                !why.contains("SEC") && !why.contains("RET123"),
+                "{url}: {why}"
+            );
+        }
+        assert_eq!(
+            redact_url(CUT_SECRETS[0]),
+            "nats://router:***@127.0.0.1:14323"
+        );
+        assert_eq!(redact_url(CUT_SECRETS[4]), "nats://***@127.0.0.1:14324");
+        assert_eq!(
+            redact_url(CUT_SECRETS[7]),
+            "nats://n1:4222,tls://router:***@n2:4222"
+        );
+        assert!(nats_server_addrs(CUT_SECRETS[0])
+            .unwrap_err()
+            .contains("percent-encode it"));
+        assert!(nats_server_addrs(CUT_SECRETS[6])
+            .unwrap_err()
+            .contains("`%2C`"));
+    }
+
+    #[test]
+    fn well_formed_urls_keep_their_text_and_entries_are_named_by_position() {
+        for url in ["nats://n1:4222", "nats://n1:4222, n2:4223", "[::1]:4222"] {
+            assert_eq!(redact_url(url), url);
+        }
+        assert_eq!(redact_url("u:p@n1:4222"), "u:***@n1:4222");
+        assert_eq!(
+            redact_url("nats://a:x@n1,nats://a:x@n2"),
+            "nats://a:***@n1,nats://a:***@n2"
+        );
+        assert_eq!(
+            nats_server_addrs("nats://n1:4222,,nats://n2:4222").unwrap_err(),
+            "server 2 of 3: is empty"
+        );
+        assert_eq!(
+            nats_server_addrs("nats://u:p%2Fq@n1:4222").unwrap().len(),
+            1
+        );
+    }
 }
