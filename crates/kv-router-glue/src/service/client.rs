@@ -243,11 +243,12 @@ impl AdviseClient {
                 .build()
                 .map_err(start("runtime"))?,
         );
-        let servers =
-            crate::nats_server_addrs(url).map_err(|reason| AdviseClientError::Connect {
+        let servers = crate::event_plane::connect_addrs(url).map_err(|reason| {
+            AdviseClientError::Connect {
                 url: crate::redact_url(url),
                 reason,
-            })?;
+            }
+        })?;
         // async-nats tries the servers one after the other (in random
         // order), each for the connection timeout: with all of `timeout`
         // each, a hung server tried first used up the whole bound before

@@ -26,6 +26,9 @@ pub use in_process::InProcessPlane;
 // The advise server's drain (service feature) is its only user outside.
 #[cfg(feature = "service")]
 pub(crate) use nats::server_round_trip;
+// The advise client (service feature) connects to these too.
+#[cfg(feature = "service")]
+pub(crate) use nats::connect_addrs;
 #[cfg(feature = "nats")]
 pub use nats::{
     inbox_prefix_problem, nats_server_addrs, nats_slow_consumer_drops, redact_url, NatsAuth,

@@ -13,6 +13,7 @@ use crate::log_throttle::LogThrottle;
 use crate::PlaneError;
 
 mod server_url;
+pub(crate) use server_url::connect_addrs;
 use server_url::url_auth;
 pub use server_url::{nats_server_addrs, redact_url};
 
@@ -473,7 +474,7 @@ impl NatsPlane {
             url: redact_url(url),
             reason,
         };
-        let servers = nats_server_addrs(url).map_err(err)?;
+        let servers = server_url::connect_addrs(url).map_err(err)?;
         let tls_in_force = options.tls.in_force();
         let connect = options
             .connect_options(url)

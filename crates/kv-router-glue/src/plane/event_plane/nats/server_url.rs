@@ -142,6 +142,28 @@ pub fn nats_server_addrs(url: &str) -> Result<Vec<async_nats::ServerAddr>, Strin
         .collect()
 }
 
+/// [`nats_server_addrs`] without their user info: what the client is given
+/// to connect to. The credentials are taken from the URL into the connect
+/// options ([`url_auth`]); left in the addresses, they were printed in
+/// clear by async-nats' own debug lines (`attempting connection ...
+/// password: Some(..)`, trial h39, 4) although it never sends them.
+///
+/// # Errors
+/// As [`nats_server_addrs`].
+pub(crate) fn connect_addrs(url: &str) -> Result<Vec<async_nats::ServerAddr>, String> {
+    nats_server_addrs(url)?
+        .into_iter()
+        .map(|addr| {
+            let mut u = addr.into_inner();
+            // Both only fail for URLs without a host, which
+            // nats_server_addrs refused.
+            let _ = u.set_password(None);
+            let _ = u.set_username("");
+            async_nats::ServerAddr::from_url(u).map_err(|e| e.to_string())
+        })
+        .collect()
+}
+
 /// The credentials written into `url`'s user info, by the NATS convention
 /// (the nats CLI, nats.go, nats.py): `user:password@` is
 /// [`NatsAuth::UserPassword`], also with an empty password (`user:@`, as
