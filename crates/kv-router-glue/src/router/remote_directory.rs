@@ -140,11 +140,28 @@ impl RemoteDonorDirectory {
     }
 
     /// Drops everything known of `engine` (a replaced or removed
-    /// incarnation, see [`crate::WorkerRegistry`]).
+    /// incarnation, see [`crate::WorkerRegistry`]) but the newest
+    /// generation seen of it, so that a late put of an older one is still
+    /// refused.
     pub fn forget(&self, engine: EngineId) {
         let mut st = self.state.write();
         st.cache.apply(DirectoryChange::Delete(engine));
         st.slots.remove(&engine);
+    }
+
+    /// [`Self::forget`], and the newest generation seen of `engine` too
+    /// ([`DonorCache::forget`]): for an incarnation the router's registry
+    /// forgot, whose puts can no longer be in flight.
+    pub fn forget_for_good(&self, engine: EngineId) {
+        let mut st = self.state.write();
+        st.cache.forget(engine);
+        st.slots.remove(&engine);
+    }
+
+    /// Engines whose newest generation the cache remembers
+    /// ([`DonorCache::generations_known`]).
+    pub fn generations_known(&self) -> usize {
+        self.state.read().cache.generations_known()
     }
 }
 

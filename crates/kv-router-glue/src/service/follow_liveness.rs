@@ -96,6 +96,10 @@ impl RouterInventory {
     /// Called after every announcement and tick.
     pub(super) fn note_forgotten(&self, st: &mut Tracked) {
         let ids = st.registry.take_forgotten();
+        for &engine in &ids {
+            // The directory kept its newest generation (trial h39, 2).
+            self.remote.forget_for_good(engine);
+        }
         let in_index = ids
             .iter()
             .filter(|&&engine| self.index.forget_retired(engine))

@@ -335,3 +335,42 @@ async fn each_donor_layout_is_checked_once_against_the_settings() {
         assert_eq!(st.directory_changes, 2);
     }
 }
+
+/// The donor directory forgets the newest generation of an incarnation
+/// the registry forgot (trial h39, 2: the cache kept it for every engine
+/// that ever published a record, one entry per donor restart for the
+/// router's whole life, while `incarnations_forgotten` counted them as
+/// forgotten).
+#[tokio::test]
+async fn the_directory_forgets_the_generations_of_forgotten_incarnations() {
+    use crate::plane::directory::tests_support::record;
+    use kv_descriptor::OwnerLease;
+
+    let (inv, _) = inventory();
+    let r = crate::WorkerRegistry::new(1_000, 3).retention_ms();
+    let (l1, l2) = (
+        OwnerLease::fresh(Role::Decode),
+        OwnerLease::fresh(Role::Decode),
+    );
+    let ann = |engine| announcement("d0", engine, Role::Decode, "kv.t.decode.e");
+    inv.on_announcement(&ann(l1.engine_id), 0).await;
+    inv.on_directory(DirectoryChange::Put(record(l1, u64::MAX - 1)))
+        .await;
+    assert_eq!(inv.remote.generations_known(), 1);
+    // l2 replaces l1 and publishes its own record.
+    inv.on_announcement(&ann(l2.engine_id), 1_000).await;
+    inv.on_directory(DirectoryChange::Put(record(l2, u64::MAX - 1)))
+        .await;
+    assert_eq!(
+        inv.remote.generations_known(),
+        2,
+        "l1's kept after its drop"
+    );
+    inv.on_announcement(&ann(l2.engine_id), 1_000 + r).await;
+    assert_eq!(inv.stats().incarnations_forgotten, 0);
+    assert_eq!(inv.remote.generations_known(), 2);
+    // Past l1's retention, l2 still announcing.
+    inv.on_announcement(&ann(l2.engine_id), 1_001 + r).await;
+    assert_eq!(inv.stats().incarnations_forgotten, 1);
+    assert_eq!(inv.remote.generations_known(), 1, "l1's forgotten with it");
+}

@@ -82,6 +82,30 @@ impl DonorCache {
         }
     }
 
+    /// Forgets `engine` for good: its record and the newest generation
+    /// seen of it, which a delete keeps so that a late put of an older
+    /// generation is still refused. For an engine nothing publishes for
+    /// any more (the router's registry forgot it, after its retention);
+    /// without this, `newest` kept one entry per engine ever seen (trial
+    /// h39, 2). Returns whether anything was known of it.
+    ///
+    /// ```
+    /// use kv_router_glue::DonorCache;
+    /// let mut cache = DonorCache::new();
+    /// assert!(!cache.forget(kv_descriptor::EngineId::fresh()));
+    /// assert_eq!(cache.generations_known(), 0);
+    /// ```
+    pub fn forget(&mut self, engine: EngineId) -> bool {
+        let had_record = self.entries.remove(&engine).is_some();
+        self.newest.remove(&engine).is_some() || had_record
+    }
+
+    /// Engines whose newest generation is remembered (those with a record
+    /// and those deleted but not [`Self::forget`]-ten).
+    pub fn generations_known(&self) -> usize {
+        self.newest.len()
+    }
+
     /// The usable record of `engine` at `now_unix_ms`.
     ///
     /// # Errors
