@@ -30,7 +30,7 @@ pub(crate) struct FetchOutcome {
     /// Bytes that crossed host memory (all of them on the host-shm path).
     #[pyo3(get)]
     pub(crate) host_payload_bytes: u64,
-    /// The transport (`host-memcpy`, ...).
+    /// The transport (`memcpy` for host memory, ...).
     #[pyo3(get)]
     pub(crate) transport: String,
     /// Microseconds spent importing the donor's segments before the
@@ -109,7 +109,7 @@ impl FetchOutcome {
         false
     }
     /// `FetchOutcome(fetch_from=2, rows=[5, 6, 7, 8], bytes=..,
-    /// host_payload_bytes=.., transport='host-memcpy', total_us=..,
+    /// host_payload_bytes=.., transport='memcpy', total_us=..,
     /// released=False)`: a long fetch's `rows` cut after 8 (`...`), and
     /// `fetched` left out (one 20-digit hash per row; `rows` says as much).
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
