@@ -389,11 +389,17 @@ impl RouterInventory {
             Registration::Retired => {
                 bump(&self.counters.announcements_ignored);
                 if let Some(suppressed) = self.retired_log.admit(std::time::Instant::now()) {
-                    let now = st.registry.get(&a.worker_key).map(|n| n.engine_id);
+                    // The incarnation holding the key now: not always the
+                    // one that replaced this one (trial h39, 9), and never
+                    // none, since a free key takes a replaced one back.
+                    let holder = st
+                        .registry
+                        .get(&a.worker_key)
+                        .map_or_else(|| "none".to_string(), |n| n.engine_id.to_string());
                     tracing::warn!(
                         worker = %a.worker_key,
                         engine = %a.engine_id,
-                        replaced_by = ?now,
+                        key_held_by = %holder,
                         suppressed,
                         "announcement of a replaced incarnation ignored (is a second process announcing this worker key?)"
                     );
