@@ -183,7 +183,9 @@ struct Cli {
     /// Announce periods a worker may miss before it is dropped; 1 to 1,000.
     /// A dropped worker is taken back when it announces again; while the
     /// router's own NATS connection is down nobody's silence counts
-    /// (docs/router-service.md, "Silence and NATS outages").
+    /// (docs/router-service.md, "Silence and NATS outages"). Dropped and
+    /// replaced incarnations are remembered for 100 such windows, at least
+    /// 5 min, at most 4,096 of each ("Memory of dropped workers").
     #[arg(
         long,
         default_value_t = 3,
