@@ -77,7 +77,7 @@
 #[cfg(feature = "worker")]
 mod agent;
 mod error;
-#[cfg(feature = "nats")]
+#[cfg(any(feature = "nats", feature = "vllm"))]
 mod log_throttle;
 pub mod metrics;
 mod plane;

@@ -44,7 +44,7 @@
 //! ([`VllmIngest::mark_needs_resync`]) and keeps its inventory.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
@@ -52,6 +52,7 @@ use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSoc
 
 use super::publisher::{multipart, REPLAY_END_SEQ};
 use super::{decode_batch, IngestStats, VllmEventError, VllmIngest};
+use crate::log_throttle::LogThrottle;
 
 /// Where and how to subscribe.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,6 +111,9 @@ pub struct SubscriberStats {
     pub duplicates: u64,
     /// Replay requests sent (start, gaps, idle probes).
     pub replay_requests: u64,
+    /// Replay round trips that failed: no reply in time, or the replay
+    /// socket not (re)connected (see [`REDIAL_BACKOFF_MAX`]).
+    pub replay_failures: u64,
     /// Batches lost for good (each loss resets the engine's inventory).
     pub lost_batches: u64,
     /// Batches whose payload did not decode (counted as lost too).
@@ -127,6 +131,19 @@ pub struct SubscriberStats {
 
 /// Payload digests kept per applied `seq` to tell duplicates from restarts.
 pub const RECENT_DIGESTS: usize = 16_384;
+
+/// First wait before connecting the replay socket again after a failed
+/// connect; doubled after each failure up to [`REDIAL_BACKOFF_MAX`].
+pub const REDIAL_BACKOFF_MIN: Duration = Duration::from_millis(500);
+/// Longest wait between two connects of a replay socket whose endpoint is
+/// down: a restarted engine is caught up at most about this (plus one
+/// `connect_timeout`) after its replay endpoint is back.
+pub const REDIAL_BACKOFF_MAX: Duration = Duration::from_secs(8);
+/// How long a replay waits for a connect it just started before answering
+/// "not connected" (the connect goes on in the background).
+const REDIAL_WAIT: Duration = Duration::from_millis(200);
+/// At most one "idle replay probe failed" line per this long.
+const PROBE_WARN_EVERY: Duration = Duration::from_secs(30);
 
 struct Shared {
     ingest: VllmIngest,
@@ -245,7 +262,34 @@ impl Drop for VllmSubscriber {
 struct Link {
     config: VllmSubscriberConfig,
     sub: SubSocket,
+    /// The open replay socket. `None` with a configured replay endpoint:
+    /// closed after a failed round trip, or its endpoint was down; it is
+    /// connected again at the next replay ([`Redial`]).
     dealer: Option<DealerSocket>,
+    redial: Redial,
+    probe_warn: LogThrottle,
+}
+
+type Dialing = tokio::task::JoinHandle<Result<DealerSocket, VllmEventError>>;
+
+/// Reconnecting a closed replay socket: one connect at a time, in the
+/// background, with a bounded exponential back-off between failed ones.
+#[derive(Default)]
+struct Redial {
+    dialing: Option<Dialing>,
+    /// No new connect before this.
+    not_before: Option<Instant>,
+    backoff: Duration,
+    /// Why the last connect failed.
+    last_error: Option<String>,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        if let Some(d) = self.redial.dialing.take() {
+            d.abort();
+        }
+    }
 }
 
 /// A message is `[topic, seq, payload]`.
@@ -343,6 +387,8 @@ impl Link {
             config: config.clone(),
             sub,
             dealer,
+            redial: Redial::default(),
+            probe_warn: LogThrottle::new(PROBE_WARN_EVERY),
         })
     }
 
@@ -360,7 +406,7 @@ impl Link {
     }
 
     async fn run(mut self, shared: Arc<Mutex<Shared>>, mut stop: oneshot::Receiver<()>) {
-        let idle = self.config.idle_probe.filter(|_| self.dealer.is_some());
+        let idle = self.config.idle_probe.filter(|_| self.has_replay());
         loop {
             let recv = async {
                 match idle {
@@ -376,7 +422,14 @@ impl Link {
                 // Idle: ask for anything newer than what we have.
                 None => {
                     if let Err(reason) = self.idle_probe(&shared).await {
-                        tracing::warn!(%reason, "vLLM idle replay probe failed");
+                        if let Some(suppressed) = self.probe_warn.admit(Instant::now()) {
+                            tracing::warn!(
+                                %reason,
+                                endpoint = %self.config.endpoint,
+                                suppressed,
+                                "vLLM idle replay probe failed"
+                            );
+                        }
                     }
                 }
                 Some(Err(e)) => {
@@ -409,13 +462,13 @@ impl Link {
             self.on_suspected_restart(shared, seq, payload).await;
             return;
         }
-        if self.dealer.is_none() {
+        if !self.has_replay() {
             let mut sh = shared.lock();
             sh.apply_unreplayed(seq, payload, self.config.max_seq_jump);
             return;
         }
         if seq > next {
-            match self.replay(next).await {
+            match self.replay(shared, next).await {
                 Ok(replies) => {
                     shared.lock().stats.replay_requests += 1;
                     let listed = replies.iter().any(|(s, _)| *s >= seq);
@@ -477,7 +530,7 @@ impl Link {
         let Some((last_seq, last_digest)) = last else {
             return self.repair(shared, None).await;
         };
-        let replies = self.replay(last_seq).await?;
+        let replies = self.replay(shared, last_seq).await?;
         shared.lock().stats.replay_requests += 1;
         let restarted = match replies.first() {
             Some((s, p)) if *s == last_seq => digest(p) != last_digest,
@@ -512,11 +565,11 @@ impl Link {
 
     /// A live batch under an already applied `seq` with another payload.
     async fn on_suspected_restart(&mut self, shared: &Mutex<Shared>, seq: u64, payload: Vec<u8>) {
-        if self.dealer.is_some() {
+        if self.has_replay() {
             // Confirmed only if the publisher's buffer holds this payload
             // under this seq (a new incarnation's batch, not a foreign frame).
             let want = digest(&payload);
-            match self.replay(seq).await {
+            match self.replay(shared, seq).await {
                 Ok(replies) => {
                     shared.lock().stats.replay_requests += 1;
                     if !replies.iter().any(|(s, p)| *s == seq && digest(p) == want) {
@@ -534,7 +587,7 @@ impl Link {
         }
         shared.lock().restart();
         self.resubscribe().await;
-        if self.dealer.is_some() {
+        if self.has_replay() {
             if let Err(reason) = self.repair(shared, None).await {
                 tracing::warn!(%reason, "vLLM replay after a restart failed");
             }
@@ -551,7 +604,7 @@ impl Link {
     /// counts the gap as lost.
     async fn repair(&mut self, shared: &Mutex<Shared>, upto: Option<u64>) -> Result<(), String> {
         let from = shared.lock().stats.next_seq;
-        let replies = match self.replay(from).await {
+        let replies = match self.replay(shared, from).await {
             Ok(r) => r,
             Err(reason) => {
                 if let Some(upto) = upto {
@@ -573,16 +626,41 @@ impl Link {
 
     /// One replay round trip: `[empty, from]` out, replies (either shape of
     /// [`parse_replay_reply`]) until the end marker.
-    async fn replay(&mut self, from: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
+    async fn replay(
+        &mut self,
+        shared: &Mutex<Shared>,
+        from: u64,
+    ) -> Result<Vec<(u64, Vec<u8>)>, String> {
+        let result = self.round_trip(from).await;
+        if result.is_err() {
+            shared.lock().stats.replay_failures += 1;
+        }
+        result
+    }
+
+    /// Whether a replay endpoint is configured (its socket may be closed
+    /// for now: [`Link::open_dealer`]).
+    fn has_replay(&self) -> bool {
+        self.config.replay_endpoint.is_some()
+    }
+
+    async fn round_trip(&mut self, from: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
+        if self.dealer.is_none() {
+            let opened = self.open_dealer().await?;
+            self.dealer = Some(opened);
+        }
         let Some(dealer) = self.dealer.as_mut() else {
-            return Err("no replay endpoint configured".into());
+            return Err("no replay socket".into());
         };
         let timeout = self.config.replay_timeout;
         let result = async {
-            dealer
-                .send(multipart(vec![Vec::new(), from.to_be_bytes().to_vec()]))
-                .await
-                .map_err(|e| format!("replay request not sent: {e}"))?;
+            tokio::time::timeout(
+                timeout,
+                dealer.send(multipart(vec![Vec::new(), from.to_be_bytes().to_vec()])),
+            )
+            .await
+            .map_err(|_| format!("replay request not sent within {timeout:?}"))?
+            .map_err(|e| format!("replay request not sent: {e}"))?;
             let mut out = Vec::new();
             loop {
                 let msg = tokio::time::timeout(timeout, dealer.recv())
@@ -599,11 +677,65 @@ impl Link {
         .await;
         if result.is_err() {
             // Late replies of this request must not be read as answers to
-            // the next one: start over with a fresh socket.
-            let ep = self.config.replay_endpoint.clone().unwrap_or_default();
-            self.dealer = Self::dealer(&ep, self.config.connect_timeout).await.ok();
+            // the next one: the next replay starts over with a fresh socket
+            // (connected then, so an endpoint down right now is not lost).
+            self.dealer = None;
         }
         result
+    }
+
+    /// Connects the replay socket again: one connect at a time, run in the
+    /// background (awaited here for at most [`REDIAL_WAIT`]); after a failed
+    /// one, none before a back-off from [`REDIAL_BACKOFF_MIN`] doubling up to
+    /// [`REDIAL_BACKOFF_MAX`]. The error says why there is no socket.
+    async fn open_dealer(&mut self) -> Result<DealerSocket, String> {
+        let Some(ep) = self.config.replay_endpoint.clone() else {
+            return Err("no replay endpoint configured".into());
+        };
+        let r = &mut self.redial;
+        if r.dialing.is_none() {
+            if let Some(at) = r.not_before {
+                let now = Instant::now();
+                if now < at {
+                    return Err(format!(
+                        "replay socket to {ep} not connected ({}); next connect in {:?}",
+                        r.last_error.as_deref().unwrap_or("connect failed"),
+                        at - now
+                    ));
+                }
+            }
+            let timeout = self.config.connect_timeout;
+            let endpoint = ep.clone();
+            r.dialing = Some(tokio::spawn(async move {
+                Self::dealer(&endpoint, timeout).await
+            }));
+        }
+        let Some(dialing) = r.dialing.as_mut() else {
+            unreachable!("started above");
+        };
+        let Ok(joined) = tokio::time::timeout(REDIAL_WAIT, dialing).await else {
+            return Err(format!("replay socket to {ep} not connected (connecting)"));
+        };
+        r.dialing = None;
+        match joined
+            .map_err(|e| e.to_string())
+            .and_then(|d| d.map_err(|e| e.to_string()))
+        {
+            Ok(dealer) => {
+                *r = Redial::default();
+                Ok(dealer)
+            }
+            Err(reason) => {
+                r.backoff = (r.backoff * 2).clamp(REDIAL_BACKOFF_MIN, REDIAL_BACKOFF_MAX);
+                r.not_before = Some(Instant::now() + r.backoff);
+                let msg = format!(
+                    "replay socket to {ep} not connected ({reason}); next connect in {:?}",
+                    r.backoff
+                );
+                r.last_error = Some(reason);
+                Err(msg)
+            }
+        }
     }
 }
 
@@ -792,5 +924,75 @@ mod tests {
         sh.restart();
         assert_eq!((sh.stats.next_seq, sh.stats.restarts), (0, 1));
         assert_eq!(sh.ingest.stats().replacements, 1);
+    }
+
+    async fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
+        let t0 = Instant::now();
+        while !ok() {
+            assert!(t0.elapsed() < limit, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Trial h39 #6: a replay endpoint that answered, died (its socket could
+    /// not be reconnected then) and came back on the same port must be
+    /// reconnected, and the restarted engine's batches that the SUB socket
+    /// missed caught up through it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replay_endpoint_back_after_an_outage_is_reconnected_and_the_restart_caught_up() {
+        use crate::vllm_events::VllmZmqPublisher;
+        let worker = VllmWorker {
+            key: WorkerKey(2),
+            engine: EngineId::fresh(),
+            role: Role::Decode,
+            layout_fingerprint: LayoutFingerprint(1),
+            tp_size: 1,
+            tokens_per_block: 4,
+        };
+        let ingest = VllmIngest::new(Arc::new(InventoryIndex::new()), worker).unwrap();
+        let batch = |ts: f64| VllmEventBatch {
+            ts,
+            events: vec![VllmEvent::AllBlocksCleared],
+            data_parallel_rank: None,
+        };
+        let any = "tcp://127.0.0.1:0";
+        let mut old = VllmZmqPublisher::bind(any, any, "", 100).await.unwrap();
+        let (ep, rep) = (old.endpoint().to_owned(), old.replay_endpoint().to_owned());
+        let mut config = VllmSubscriberConfig::new(ep.clone(), Some(rep.clone()));
+        config.idle_probe = Some(Duration::from_millis(100));
+        config.replay_timeout = Duration::from_millis(300);
+        config.connect_timeout = Duration::from_millis(300);
+        let sub = VllmSubscriber::start(config, ingest).await.unwrap();
+        for k in 0..3 {
+            old.publish(&batch(f64::from(k)), VllmEncoding::ArrayLike)
+                .await
+                .unwrap();
+        }
+        wait_for("3 batches", Duration::from_secs(10), || {
+            sub.stats().next_seq == 3
+        })
+        .await;
+
+        // The engine dies: probes fail, and so does reconnecting the socket.
+        drop(old);
+        wait_for("failed probes", Duration::from_secs(10), || {
+            sub.stats().replay_failures >= 3
+        })
+        .await;
+        assert_eq!(sub.stats().restarts, 0);
+
+        // A new engine on the same ports; the SUB socket misses its batches.
+        let mut new = VllmZmqPublisher::bind(&ep, &rep, "", 100).await.unwrap();
+        for k in 0..2 {
+            new.drop_live(&batch(100.0 + f64::from(k)), VllmEncoding::ArrayLike);
+        }
+        wait_for("the restart caught up", Duration::from_secs(20), || {
+            let st = sub.stats();
+            st.restarts == 1 && st.next_seq == 2
+        })
+        .await;
+        assert!(!new.replay_requests().is_empty());
+        let (_, st) = sub.stop().await;
+        assert!(st.replayed_batches >= 2 && st.lost_batches == 0, "{st:?}");
     }
 }
