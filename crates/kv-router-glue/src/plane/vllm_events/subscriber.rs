@@ -480,17 +480,23 @@ mod tests {
     use kv_descriptor::{EngineId, LayoutFingerprint, Role};
     use kv_lookup::{InventoryIndex, WorkerKey};
 
-    #[test]
-    fn a_repeated_seq_is_a_duplicate_only_with_the_same_payload() {
+    /// The ingest of a fresh decode engine (4-token blocks, TP 1) under
+    /// worker key `key`, into an index of its own.
+    fn decode_ingest(key: u64) -> VllmIngest {
         let worker = VllmWorker {
-            key: WorkerKey(1),
+            key: WorkerKey(key),
             engine: EngineId::fresh(),
             role: Role::Decode,
             layout_fingerprint: LayoutFingerprint(1),
             tp_size: 1,
             tokens_per_block: 4,
         };
-        let ingest = VllmIngest::new(Arc::new(InventoryIndex::new()), worker).unwrap();
+        VllmIngest::new(Arc::new(InventoryIndex::new()), worker).unwrap()
+    }
+
+    #[test]
+    fn a_repeated_seq_is_a_duplicate_only_with_the_same_payload() {
+        let ingest = decode_ingest(1);
         let mut sh = Shared {
             ingest,
             stats: SubscriberStats::default(),
@@ -535,15 +541,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_replay_endpoint_back_after_an_outage_is_reconnected_and_the_restart_caught_up() {
         use crate::vllm_events::VllmZmqPublisher;
-        let worker = VllmWorker {
-            key: WorkerKey(2),
-            engine: EngineId::fresh(),
-            role: Role::Decode,
-            layout_fingerprint: LayoutFingerprint(1),
-            tp_size: 1,
-            tokens_per_block: 4,
-        };
-        let ingest = VllmIngest::new(Arc::new(InventoryIndex::new()), worker).unwrap();
+        let ingest = decode_ingest(2);
         let batch = |ts: f64| VllmEventBatch {
             ts,
             events: vec![VllmEvent::AllBlocksCleared],
