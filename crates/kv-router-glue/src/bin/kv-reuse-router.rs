@@ -752,17 +752,31 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
     Ok(())
 }
 
+/// `name:value` pairs joined by `,` (`none` for no pair), as one field's
+/// value: with `=` and spaces (`a=1 b=2`) a logfmt reader took the pairs
+/// for more fields of the line (trial h39, 8).
+fn field_pairs(pairs: impl IntoIterator<Item = (String, String)>) -> String {
+    let joined = pairs
+        .into_iter()
+        .map(|(k, v)| format!("{k}:{v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    if joined.is_empty() {
+        "none".into()
+    } else {
+        joined
+    }
+}
+
 /// Logs `stats` as one line of structured fields: the counters that
 /// matter most by name, and every counter (new ones included) in
-/// `follow` as `name=value` pairs.
+/// `follow` as [`field_pairs`].
 fn log_follow_stats(stats: &kv_router_glue::service::FollowStats) {
     let all = match serde_json::to_value(stats) {
-        Ok(serde_json::Value::Object(fields)) => fields
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(" "),
-        _ => String::new(),
+        Ok(serde_json::Value::Object(fields)) => {
+            field_pairs(fields.iter().map(|(k, v)| (k.clone(), v.to_string())))
+        }
+        _ => field_pairs([]),
     };
     tracing::info!(
         announcements = stats.announcements,
