@@ -611,25 +611,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
         .await?;
 
     let metrics = Arc::new(ReuseMetrics::new());
-    // The followers' state into /metrics once a second (workers, streams
-    // open, counters), until the followers stop.
-    let observing = {
-        let (metrics, inventory, stop) =
-            (metrics.clone(), inventory.clone(), stop_following.clone());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tick.tick() => {
-                        let workers = inventory.workers().await;
-                        metrics.observe_router(workers, &inventory.followers_up(), &inventory.stats());
-                        metrics.observe_nats_slow_consumer_drops(kv_router_glue::nats_slow_consumer_drops());
-                    }
-                }
-            }
-        })
-    };
+    let observing = observe::spawn(metrics.clone(), inventory.clone(), stop_following.clone());
     // Advise requests on their own thread and connection (same name,
     // credentials and TLS as the plane's), so no other router task sits
     // between a request and its reply (docs/router-service.md, "Latency").
@@ -795,6 +777,9 @@ fn log_follow_stats(stats: &kv_router_glue::service::FollowStats) {
 
 #[path = "router_bin/vllm_streams.rs"]
 mod vllm_streams;
+
+#[path = "router_bin/observe.rs"]
+mod observe;
 
 #[path = "router_bin/flag_values.rs"]
 mod flag_values;
