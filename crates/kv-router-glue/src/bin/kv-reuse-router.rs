@@ -47,7 +47,7 @@ use tokio_util::sync::CancellationToken;
 /// layered: defaults < `--settings` TOML file < `KV_REUSE_*` environment < flags.
 ///
 /// Logs go to stderr; `KV_ROUTER_LOG` sets the filter (tracing-subscriber
-/// syntax, default `info,async_nats=warn`; a malformed one exits 2). Exit
+/// syntax, default `info,async_nats=warn,zeromq=error`; a malformed one exits 2). Exit
 /// codes: 0 after a drain (SIGTERM, SIGINT) or a signal during startup; 1 for
 /// a run-time failure (NATS, the directory bucket or a vLLM endpoint
 /// unreachable, a second signal cutting the drain); 2 for a configuration
@@ -254,8 +254,12 @@ const ADVISE_BUSY_POLL_US: RangeInclusive<u64> = 0..=1_000_000;
 /// The log filter without `KV_ROUTER_LOG`: info, except async-nats' own
 /// info lines, which repeat each client event our event callback logs
 /// (with the servers, rate-limited), and so doubled every failed reconnect
-/// attempt while NATS was down (trial h33, nit 7).
-const DEFAULT_LOG: &str = "info,async_nats=warn";
+/// attempt while NATS was down (trial h33, nit 7); and ZeroMQ's below
+/// error, which logged one warning per reconnect attempt to a lost
+/// `--vllm-events` endpoint and its raw peer identities (trial h39, 7): the
+/// subscriber warns itself, naming the endpoint, once when it is lost and
+/// once per 10 s while it stays lost.
+const DEFAULT_LOG: &str = "info,async_nats=warn,zeromq=error";
 
 /// Why the router did not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
