@@ -3,6 +3,8 @@
 //! puts): a kv_router_glue [`NatsDirectory`] watch feeding a [`DonorCache`]
 //! (which refuses stale generations and lapsed leases), so that a hint's
 //! donor manifest is resolved by engine id instead of being passed around.
+//! Bounded in time (`directory_memory`): an engine not heard of for 5 min
+//! without a usable record is forgotten for good.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -11,10 +13,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use kv_descriptor::Wire;
-use kv_router_glue::{
-    redact_url, unix_now_ms, DirectoryPlane, DonorCache, NatsDirectory, NatsPlane,
-};
+use kv_router_glue::{redact_url, unix_now_ms, DirectoryPlane, NatsDirectory, NatsPlane};
 
+use crate::directory_memory::HeardCache;
 use crate::errors::{descriptor, PublishFailed};
 use crate::nats_auth::NatsCredentials;
 use crate::nats_runtime::{check_bucket, check_nats_url, runtime, seconds_in, within};
@@ -24,7 +25,7 @@ use crate::reprs::Repr;
 /// The donor directory as seen from a prefill worker (module docs).
 #[pyclass(frozen, module = "kv_reuse")]
 pub(crate) struct DonorDirectory {
-    cache: Arc<Mutex<DonorCache>>,
+    cache: Arc<Mutex<HeardCache>>,
     running: Mutex<Option<(tokio::runtime::Runtime, tokio::task::JoinHandle<()>)>>,
     /// The process that watches: in a forked child the watch does not run
     /// (its runtime's worker is the parent's), so the cache would never
@@ -97,7 +98,7 @@ impl DonorDirectory {
             "kv-reuse-py-directory",
             timeout,
         )?;
-        let cache = Arc::new(Mutex::new(DonorCache::new()));
+        let cache = Arc::new(Mutex::new(HeardCache::default()));
         let feed = cache.clone();
         let url = nats_url.to_owned();
         let watched = bucket.to_owned();
@@ -122,7 +123,9 @@ impl DonorDirectory {
             })?;
             let task = rt.spawn(async move {
                 while let Some(change) = watch.next().await {
-                    feed.lock().unwrap_or_else(|e| e.into_inner()).apply(change);
+                    feed.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .apply(change, unix_now_ms());
                 }
             });
             Ok::<_, PyErr>((rt, task))
@@ -164,6 +167,7 @@ impl DonorDirectory {
                     .cache
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
+                    .cache()
                     .get(engine, unix_now_ms())
                     .ok()
                     .map(|r| r.manifest().to_wire());
@@ -194,6 +198,7 @@ impl DonorDirectory {
             .cache
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .cache()
             .live(unix_now_ms()))
     }
 

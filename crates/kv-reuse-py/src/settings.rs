@@ -152,11 +152,14 @@ impl Settings {
         self.inner.describe()
     }
 
-    /// `Settings(values={'key': value, ...})`: the keys set by the dict,
-    /// `env` or `argv` (not by default), in the registry's order, as the
-    /// `values` that make the same settings with `env={}`. Every key's
-    /// value and origin: `describe()`. Settings hold no secret (bools and
-    /// numbers only).
+    /// `Settings(values={'key': value, ...}, env={})`: the keys set by the
+    /// dict, `env` or `argv` (not by default), in the registry's order, as
+    /// the `values` that make the same settings, and `env={}`, so that
+    /// `eval(repr(s))` makes them whatever `KV_REUSE_*` variables the
+    /// evaluating process has (without it, `Settings()` reads the process
+    /// environment: a variable there would add a key, a mistyped one raise
+    /// `SettingsRefused`). Every key's value and origin: `describe()`.
+    /// Settings hold no secret (bools and numbers only).
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let set = PyDict::new(py);
         for (key, value, _, origin) in self.inner.in_force() {
@@ -169,7 +172,10 @@ impl Settings {
                 SettingValue::F64(f) => set.set_item(key, f)?,
             }
         }
-        Ok(Repr::value(py, "Settings").field("values", set)?.finish())
+        Ok(Repr::value(py, "Settings")
+            .field("values", set)?
+            .field("env", PyDict::new(py))?
+            .finish())
     }
 }
 

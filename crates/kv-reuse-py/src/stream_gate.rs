@@ -450,26 +450,25 @@ impl StreamGate {
         self.device
     }
 
-    /// `StreamGate(stream=0x1234, device=0, layer_groups=None, armed=False,
-    /// enqueued=0/0, groups=0, ended=False)`: the handle in hex as CUDA
-    /// tools print it, the rest as Python writes it (it printed Rust's
-    /// `Some(4)` and `true`).
+    /// `<kv_reuse.StreamGate stream=0x1234 device=0 layer_groups=None
+    /// armed=False enqueued=0 parts=0 groups=0 ended=False>`: the object
+    /// form, as the gate wraps a live CUDA stream and holds the state of the
+    /// fetch that took it (`armed`; `enqueued` of the `parts` delivering to
+    /// its device; layer `groups` released; `ended`), which no constructor
+    /// call rebuilds. The handle in hex as CUDA tools print it, the rest as
+    /// Python writes it (it printed Rust's `Some(4)` and `true`).
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        let (armed, enqueued, groups, ended) = {
+        let (armed, enqueued, parts, groups, ended) = {
             let s = self.shared.lock();
-            (
-                s.armed,
-                format!("{}/{}", s.enqueued, s.parts),
-                s.groups.len(),
-                s.ended,
-            )
+            (s.armed, s.enqueued, s.parts, s.groups.len(), s.ended)
         };
-        Ok(crate::reprs::Repr::value(py, "StreamGate")
+        Ok(crate::reprs::Repr::object(py, "StreamGate")
             .shown("stream", &format!("{:#x}", self.stream))
             .field("device", self.device)?
             .field("layer_groups", self.layer_groups)?
             .field("armed", armed)?
-            .shown("enqueued", &enqueued)
+            .field("enqueued", enqueued)?
+            .field("parts", parts)?
             .field("groups", groups)?
             .field("ended", ended)?
             .finish())

@@ -19,7 +19,7 @@ TARGET = "00000000-0000-4000-8000-0000000000b1"
 
 
 def test_settings_show_the_keys_that_were_set_as_the_values_that_make_them():
-    assert repr(kv_reuse.Settings(env={})) == "Settings(values={})"
+    assert repr(kv_reuse.Settings(env={})) == "Settings(values={}, env={})"
     s = kv_reuse.Settings({"minimum_transfer_prefix_blocks": 6, "enable_decode_to_prefill_reuse": True},
                           env={"KV_REUSE_MINIMUM_ESTIMATED_TTFT_SAVING_MS": "3"},
                           argv=["--enable-decode-to-prefill-gpu-reuse"])
@@ -27,18 +27,40 @@ def test_settings_show_the_keys_that_were_set_as_the_values_that_make_them():
     # float setting as a float.
     assert repr(s) == ("Settings(values={'enable_decode_to_prefill_reuse': True, "
                        "'enable_decode_to_prefill_gpu_reuse': True, "
-                       "'minimum_estimated_ttft_saving_ms': 3.0, 'minimum_transfer_prefix_blocks': 6})")
-    # The repr is the call that makes the same settings (with no KV_REUSE_* environment).
-    again = eval(repr(s).replace("})", "}, env={})"), {"Settings": kv_reuse.Settings})
+                       "'minimum_estimated_ttft_saving_ms': 3.0, 'minimum_transfer_prefix_blocks': 6}, env={})")
+    # The repr is the call that makes the same settings.
+    again = eval(repr(s), {"Settings": kv_reuse.Settings})
     assert again.to_json() == s.to_json()
+    assert repr(again) == repr(s)
+
+
+def test_a_settings_repr_rebuilds_the_same_settings_whatever_the_environment(monkeypatch):
+    # Trial h39, 12: the repr left `env={}` out, and `Settings()` reads the process
+    # environment: a KV_REUSE_* variable there added a key, a mistyped one raised.
+    s = kv_reuse.Settings({"enable_decode_to_prefill_reuse": True}, env={})
+    text = repr(s)
+    assert text == "Settings(values={'enable_decode_to_prefill_reuse': True}, env={})"
+    monkeypatch.setenv("KV_REUSE_MINIMUM_TRANSFER_PREFIX_BLOCKS", "9")
+    # The environment is read by a Settings made without `env`...
+    assert kv_reuse.Settings({"enable_decode_to_prefill_reuse": True}).to_json() != s.to_json()
+    # ...but not by the repr's call.
+    assert eval(text, {"Settings": kv_reuse.Settings}).to_json() == s.to_json()
+    monkeypatch.delenv("KV_REUSE_MINIMUM_TRANSFER_PREFIX_BLOCKS")
+    monkeypatch.setenv("KV_REUSE_MINIMUM_TRANSFER_PREFIX_BLOKCS", "9")
+    with pytest.raises(kv_reuse.SettingsRefused):
+        kv_reuse.Settings({"enable_decode_to_prefill_reuse": True})
+    assert eval(text, {"Settings": kv_reuse.Settings}).to_json() == s.to_json()
 
 
 def test_a_stream_gate_is_shown_in_python_spelling():
-    # It showed Rust's `layer_groups=Some(4)` and `armed=false`.
+    # It showed Rust's `layer_groups=Some(4)` and `armed=false`; then a value's
+    # `StreamGate(..., enqueued=0/0, ...)`, which no call rebuilds (trial h39, 12):
+    # it wraps a live CUDA stream and a fetch's state, so the object form.
     assert repr(kv_reuse.StreamGate(0x1234, 3)) == (
-        "StreamGate(stream=0x1234, device=3, layer_groups=None, armed=False, enqueued=0/0, groups=0, ended=False)")
+        "<kv_reuse.StreamGate stream=0x1234 device=3 layer_groups=None armed=False "
+        "enqueued=0 parts=0 groups=0 ended=False>")
     assert repr(kv_reuse.StreamGate(0x1234, 0, layer_groups=4)).startswith(
-        "StreamGate(stream=0x1234, device=0, layer_groups=4, armed=False, ")
+        "<kv_reuse.StreamGate stream=0x1234 device=0 layer_groups=4 armed=False ")
 
 
 def stored_bank(layout, blocks):

@@ -47,7 +47,7 @@ use tokio_util::sync::CancellationToken;
 /// layered: defaults < `--settings` TOML file < `KV_REUSE_*` environment < flags.
 ///
 /// Logs go to stderr; `KV_ROUTER_LOG` sets the filter (tracing-subscriber
-/// syntax, default `info,async_nats=warn`; a malformed one exits 2). Exit
+/// syntax, default `info,async_nats=warn,zeromq=error`; a malformed one exits 2). Exit
 /// codes: 0 after a drain (SIGTERM, SIGINT) or a signal during startup; 1 for
 /// a run-time failure (NATS, the directory bucket or a vLLM endpoint
 /// unreachable, a second signal cutting the drain); 2 for a configuration
@@ -254,8 +254,12 @@ const ADVISE_BUSY_POLL_US: RangeInclusive<u64> = 0..=1_000_000;
 /// The log filter without `KV_ROUTER_LOG`: info, except async-nats' own
 /// info lines, which repeat each client event our event callback logs
 /// (with the servers, rate-limited), and so doubled every failed reconnect
-/// attempt while NATS was down (trial h33, nit 7).
-const DEFAULT_LOG: &str = "info,async_nats=warn";
+/// attempt while NATS was down (trial h33, nit 7); and ZeroMQ's below
+/// error, which logged one warning per reconnect attempt to a lost
+/// `--vllm-events` endpoint and its raw peer identities (trial h39, 7): the
+/// subscriber warns itself, naming the endpoint, once when it is lost and
+/// once per 10 s while it stays lost.
+const DEFAULT_LOG: &str = "info,async_nats=warn,zeromq=error";
 
 /// Why the router did not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -611,25 +615,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
         .await?;
 
     let metrics = Arc::new(ReuseMetrics::new());
-    // The followers' state into /metrics once a second (workers, streams
-    // open, counters), until the followers stop.
-    let observing = {
-        let (metrics, inventory, stop) =
-            (metrics.clone(), inventory.clone(), stop_following.clone());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tick.tick() => {
-                        let workers = inventory.workers().await;
-                        metrics.observe_router(workers, &inventory.followers_up(), &inventory.stats());
-                        metrics.observe_nats_slow_consumer_drops(kv_router_glue::nats_slow_consumer_drops());
-                    }
-                }
-            }
-        })
-    };
+    let observing = observe::spawn(metrics.clone(), inventory.clone(), stop_following.clone());
     // Advise requests on their own thread and connection (same name,
     // credentials and TLS as the plane's), so no other router task sits
     // between a request and its reply (docs/router-service.md, "Latency").
@@ -795,6 +781,9 @@ fn log_follow_stats(stats: &kv_router_glue::service::FollowStats) {
 
 #[path = "router_bin/vllm_streams.rs"]
 mod vllm_streams;
+
+#[path = "router_bin/observe.rs"]
+mod observe;
 
 #[path = "router_bin/flag_values.rs"]
 mod flag_values;

@@ -17,6 +17,8 @@
 //! | `kv_reuse_advise_latency_seconds` | histogram | | router service time of one advise request, payload in to reply out |
 //! | `kv_reuse_router_workers` | gauge | | workers the router has registered (announced, not dropped) |
 //! | `kv_reuse_router_follower_up` | gauge | `stream` | 1 while the router's `directory` watch / `announcements` subscription is open, 0 while it is opened again |
+//! | `kv_reuse_router_incarnations_remembered` | gauge | `kind` | incarnations the router's worker registry remembers now: `replaced` ones and `silenced` ones (dropped for silence, not back yet); each kind is capped at `kv_reuse_router_incarnations_remembered_limit` |
+//! | `kv_reuse_router_incarnations_remembered_limit` | gauge | | most incarnations of each kind the registry remembers ([`crate::MAX_REMEMBERED`]); past it the one heard of longest ago is forgotten |
 //! | `kv_reuse_router_follow_total` | counter | `item` | what the router's followers took in, one `item` per `FollowStats` field (`announcements`, `events_applied`, `events_refused`, `snapshots_failed`, `directory_watch_reopened`, ...) |
 //! | `kv_reuse_nats_slow_consumer_drops_total` | counter | | messages the process's NATS client dropped because a subscriber fell behind its buffer (`nats_slow_consumer_drops`) |
 //!
@@ -80,6 +82,7 @@ pub struct ReuseMetrics {
     advise_requests: Family<Labels, Counter>,
     router_workers: Gauge,
     follower_up: Family<Labels, Gauge>,
+    incarnations_remembered: Family<Labels, Gauge>,
     follow: Family<Labels, Counter>,
     nats_slow_consumer_drops: Counter,
     advise_latency: Histogram,
@@ -204,6 +207,9 @@ impl ReuseMetrics {
         let router_workers = Gauge::default();
         let follower_up = Family::<Labels, Gauge>::default();
         let follow = Family::<Labels, Counter>::default();
+        let incarnations_remembered = Family::<Labels, Gauge>::default();
+        let incarnations_remembered_limit: Gauge = Gauge::default();
+        incarnations_remembered_limit.set(i64::try_from(crate::MAX_REMEMBERED).unwrap_or(i64::MAX));
         registry.register(
             "router_workers",
             "Workers the router has registered (announced and not dropped)",
@@ -213,6 +219,16 @@ impl ReuseMetrics {
             "router_follower_up",
             "1 while the router's follower stream is open, 0 while it is opened again",
             follower_up.clone(),
+        );
+        registry.register(
+            "router_incarnations_remembered",
+            "Incarnations the router's worker registry remembers now, by kind (replaced, silenced)",
+            incarnations_remembered.clone(),
+        );
+        registry.register(
+            "router_incarnations_remembered_limit",
+            "Most incarnations of each kind the worker registry remembers; past it the oldest is forgotten",
+            incarnations_remembered_limit,
         );
         registry.register(
             "router_follow",
@@ -230,6 +246,7 @@ impl ReuseMetrics {
             nats_slow_consumer_drops,
             router_workers,
             follower_up,
+            incarnations_remembered,
             follow,
             decisions,
             fetches,
@@ -379,6 +396,34 @@ impl ReuseMetrics {
         for (item, v) in fields {
             let c = self.follow.get_or_create(&label("item", item));
             c.inc_by(v.as_u64().unwrap_or(0).saturating_sub(c.get()));
+        }
+    }
+
+    /// Copies in how many incarnations a router's worker registry
+    /// remembers now (`RouterInventory::remembered`, from
+    /// [`crate::WorkerRegistry::remembered`]): `replaced` ones and
+    /// `silenced` ones, each series of
+    /// `kv_reuse_router_incarnations_remembered{kind}` set to its value.
+    /// Each kind is capped at [`crate::MAX_REMEMBERED`], which
+    /// `kv_reuse_router_incarnations_remembered_limit` shows, so that an
+    /// operator sees how near the cap the router is. The router binary
+    /// calls it once a second, with [`ReuseMetrics::observe_router`].
+    ///
+    /// ```
+    /// use kv_router_glue::metrics::ReuseMetrics;
+    /// let m = ReuseMetrics::new();
+    /// m.observe_remembered_incarnations(2, 1);
+    /// let text = m.encode();
+    /// assert!(text.contains("kv_reuse_router_incarnations_remembered{kind=\"replaced\"} 2"));
+    /// assert!(text.contains("kv_reuse_router_incarnations_remembered{kind=\"silenced\"} 1"));
+    /// assert!(text.contains("kv_reuse_router_incarnations_remembered_limit 4096"));
+    /// ```
+    #[cfg(feature = "service")]
+    pub fn observe_remembered_incarnations(&self, replaced: usize, silenced: usize) {
+        for (kind, n) in [("replaced", replaced), ("silenced", silenced)] {
+            self.incarnations_remembered
+                .get_or_create(&label("kind", kind))
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
 

@@ -284,6 +284,15 @@ impl RouterInventory {
         self.state.lock().await.registry.len()
     }
 
+    /// (replaced, silenced) incarnations the worker registry remembers now
+    /// ([`WorkerRegistry::remembered`], each at most
+    /// [`crate::MAX_REMEMBERED`]; what `/metrics` shows as
+    /// `kv_reuse_router_incarnations_remembered{kind}`); waits for the
+    /// state lock as [`RouterInventory::workers`] does.
+    pub async fn remembered(&self) -> (usize, usize) {
+        self.state.lock().await.registry.remembered()
+    }
+
     /// The index the advisor reads.
     pub fn index(&self) -> &Arc<InventoryIndex> {
         &self.index

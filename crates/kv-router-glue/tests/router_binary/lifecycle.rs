@@ -6,9 +6,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kv_descriptor::{EngineId, Wire};
-use kv_router_glue::announce_subject;
 use kv_router_glue::nats_server::NatsServer;
 use kv_router_glue::service::{AdviseRefusal, AdviseResult, ADVISE_SUBJECT};
+use kv_router_glue::{announce_subject, WorkerAnnouncement};
 
 use crate::process::*;
 
@@ -124,6 +124,100 @@ fn router_binary_serves_refuses_reports_and_drains_on_sigterm() {
 
     let status = signal_and_wait(&mut router, "TERM");
     assert_eq!(status.code(), Some(0), "drain exits 0: {status}");
+}
+
+/// `/metrics` shows how many incarnations the worker registry remembers
+/// now, by kind, and the cap of each (trial h39, 10: only
+/// `incarnations_forgotten` was exported, so an operator could not see how
+/// near the 4,096 cap the router was). One worker key is taken over by a
+/// new incarnation (one `replaced`), another worker falls silent (one
+/// `silenced`), and the replacing incarnation stays registered.
+#[test]
+fn metrics_show_the_incarnations_the_registry_remembers_and_the_cap() {
+    let Some(nats) = NatsServer::start_or_skip("router_binary_remembered") else {
+        return;
+    };
+    // Announce every 200 ms, dropped after 3 silent periods (600 ms).
+    let router = spawn_router_with(
+        &nats.url(),
+        "rbt-mem",
+        &["--announce-period-ms", "200", "--missed-periods", "3"],
+    );
+    let metrics_addr = router.ready["metrics_addr"].as_str().unwrap().to_string();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = rt.block_on(async_nats::connect(nats.url())).unwrap();
+    let subject = announce_subject("rbt-mem").unwrap().as_str().to_string();
+    let announce = |engines: &[(&str, EngineId)]| {
+        rt.block_on(async {
+            for &(key, engine) in engines {
+                let a = WorkerAnnouncement {
+                    worker_key: key.into(),
+                    ..prefill_announcement(engine)
+                };
+                client
+                    .publish(subject.clone(), a.to_wire().unwrap().into())
+                    .await
+                    .unwrap();
+            }
+            client.flush().await.unwrap();
+        })
+    };
+    let remembered = |text: &str| {
+        (
+            sample(text, "kv_reuse_router_workers"),
+            sample(
+                text,
+                "kv_reuse_router_incarnations_remembered{kind=\"replaced\"}",
+            ),
+            sample(
+                text,
+                "kv_reuse_router_incarnations_remembered{kind=\"silenced\"}",
+            ),
+        )
+    };
+    // Polls /metrics (copied in once a second) while announcing `engines`
+    // every 50 ms, until it shows `want` (or 10 s); returns its text.
+    let announce_until = |engines: &[(&str, EngineId)], want| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            announce(engines);
+            let (_, text) = get(&metrics_addr, "/metrics");
+            if remembered(&text) == want {
+                return text;
+            }
+            assert!(Instant::now() < deadline, "{:?}\n{text}", remembered(&text));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let [a, b, c] = [0xa, 0xb, 0xc].map(|n| EngineId(uuid::Uuid::from_u128(n)));
+    // Two workers registered, nothing remembered yet.
+    let text = announce_until(
+        &[("prefill-0", a), ("prefill-1", c)],
+        (Some(2.0), Some(0.0), Some(0.0)),
+    );
+    assert_eq!(
+        sample(&text, "kv_reuse_router_incarnations_remembered_limit"),
+        Some(4096.0),
+        "{text}"
+    );
+    // `b` takes `prefill-0` over from `a`; `prefill-1` (`c`) falls silent.
+    let text = announce_until(&[("prefill-0", b)], (Some(1.0), Some(1.0), Some(1.0)));
+    assert_eq!(
+        sample(&text, "kv_reuse_router_incarnations_remembered_limit"),
+        Some(kv_router_glue::MAX_REMEMBERED as f64),
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "kv_reuse_router_follow_total{item=\"incarnations_forgotten\"}"
+        ),
+        Some(0.0),
+        "remembered for 5 min: {text}"
+    );
 }
 
 /// The `stopped` log line accounts for every request taken: one published

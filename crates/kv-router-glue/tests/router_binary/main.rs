@@ -6,7 +6,8 @@
 //!
 //! `process.rs` runs the binary (spawn, HTTP, signals); `lifecycle.rs` has
 //! the tests of start, serve, stop and configuration errors; `donors.rs`
-//! those with worker and donor processes (rebuild, outage, vLLM, TLS).
+//! those with worker and donor processes (rebuild, outage, vLLM, TLS);
+//! `vllm_endpoint.rs` a `--vllm-events` endpoint lost after the start.
 
 #[path = "../agents_common/mod.rs"]
 mod agents_common;
@@ -14,3 +15,4 @@ mod agents_common;
 mod donors;
 mod lifecycle;
 mod process;
+mod vllm_endpoint;

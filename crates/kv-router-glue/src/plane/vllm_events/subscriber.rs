@@ -46,9 +46,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
-use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{
+    DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
+};
 
 use super::publisher::{multipart, REPLAY_END_SEQ};
 use super::{decode_batch, IngestStats, VllmEventError, VllmIngest};
@@ -114,6 +117,15 @@ pub struct SubscriberStats {
     /// Replay round trips that failed: no reply in time, or the replay
     /// socket not (re)connected (reconnects back off up to 8 s).
     pub replay_failures: u64,
+    /// Times the connection to the PUB endpoint was lost (the engine died
+    /// or restarts; ZeroMQ reconnects it by itself, and the subscriber
+    /// warns `vLLM event endpoint disconnected: reconnecting`, then
+    /// `still down` every 10 s while it stays lost).
+    pub disconnects: u64,
+    /// Times the connection to the PUB endpoint was made again after it
+    /// was lost (logged `vLLM event endpoint reconnected` with `down_for`);
+    /// `disconnects - reconnects` is 1 while it is down.
+    pub reconnects: u64,
     /// Batches lost for good (each loss resets the engine's inventory).
     pub lost_batches: u64,
     /// Batches whose payload did not decode (counted as lost too).
@@ -142,6 +154,9 @@ pub const REDIAL_BACKOFF_MAX: Duration = Duration::from_secs(8);
 /// How long a replay waits for a connect it just started before answering
 /// "not connected" (the connect goes on in the background).
 const REDIAL_WAIT: Duration = Duration::from_millis(200);
+/// While the PUB endpoint's connection stays lost, one "still down" warning
+/// per this long (as the NATS client's errors: one per 10 s).
+const DOWN_WARN_EVERY: Duration = Duration::from_secs(10);
 /// At most one "idle replay probe failed" line per this long.
 const PROBE_WARN_EVERY: Duration = Duration::from_secs(30);
 
@@ -586,5 +601,43 @@ mod tests {
         assert!(!new.replay_requests().is_empty());
         let (_, st) = sub.stop().await;
         assert!(st.replayed_batches >= 2 && st.lost_batches == 0, "{st:?}");
+    }
+    /// Trial h39 #7: a PUB endpoint that dies after the start is reported by
+    /// the subscriber itself (counted in `disconnects`, warned once, then
+    /// every 10 s), and ZeroMQ's own reconnect to the engine back on the same
+    /// port is counted in `reconnects`; `disconnects - reconnects` is 1 while
+    /// it is down. Without a replay socket, so only the SUB socket's monitor
+    /// can tell.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pub_endpoint_lost_after_the_start_is_counted_down_then_up_again() {
+        use crate::vllm_events::VllmZmqPublisher;
+        let any = "tcp://127.0.0.1:0";
+        let old = VllmZmqPublisher::bind(any, any, "", 100).await.unwrap();
+        let (ep, rep) = (old.endpoint().to_owned(), old.replay_endpoint().to_owned());
+        let mut config = VllmSubscriberConfig::new(ep.clone(), None);
+        config.idle_probe = None;
+        config.connect_timeout = Duration::from_millis(300);
+        let sub = VllmSubscriber::start(config, decode_ingest(3))
+            .await
+            .unwrap();
+        assert_eq!((sub.stats().disconnects, sub.stats().reconnects), (0, 0));
+
+        drop(old);
+        wait_for("the disconnect", Duration::from_secs(10), || {
+            sub.stats().disconnects == 1
+        })
+        .await;
+        // Still down: nothing reconnects to a closed port.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!((sub.stats().disconnects, sub.stats().reconnects), (1, 0));
+
+        // The engine back on the same ports: ZeroMQ reconnects by itself.
+        let _new = VllmZmqPublisher::bind(&ep, &rep, "", 100).await.unwrap();
+        wait_for("the reconnect", Duration::from_secs(20), || {
+            sub.stats().reconnects == 1
+        })
+        .await;
+        let (_, st) = sub.stop().await;
+        assert_eq!((st.disconnects, st.reconnects), (1, 1), "{st:?}");
     }
 }

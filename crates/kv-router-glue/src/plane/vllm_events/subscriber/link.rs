@@ -1,7 +1,10 @@
 //! [`Link`]: the SUB and replay (DEALER) sockets of one subscription, the
 //! replay round trip, reconnecting a closed replay socket with back-off
-//! ([`Redial`]), and the gap repair and restart checks that use them. A
-//! child of `subscriber.rs`, which owns the state these sockets feed.
+//! ([`Redial`]), the SUB socket's connection state (ZeroMQ reconnects a
+//! lost PUB endpoint by itself; the link watches its monitor and says so
+//! in its own, rate-limited words: [`Down`]), and the gap repair and
+//! restart checks that use them. A child of `subscriber.rs`, which owns the
+//! state these sockets feed.
 
 // The parent's imports and private items, as if this were still its body.
 use super::*;
@@ -10,6 +13,11 @@ use super::*;
 pub(super) struct Link {
     pub(super) config: VllmSubscriberConfig,
     pub(super) sub: SubSocket,
+    /// The SUB socket's monitor: its connection to the PUB endpoint lost
+    /// (`Disconnected`) and made again (`Connected`).
+    pub(super) sub_events: SubEvents,
+    /// Set while the PUB endpoint's connection is lost.
+    pub(super) down: Option<Down>,
     /// The open replay socket. `None` with a configured replay endpoint:
     /// closed after a failed round trip, or its endpoint was down; it is
     /// connected again at the next replay ([`Redial`]).
@@ -19,6 +27,21 @@ pub(super) struct Link {
 }
 
 pub(super) type Dialing = tokio::task::JoinHandle<Result<DealerSocket, VllmEventError>>;
+
+/// A SUB socket's monitor events.
+pub(super) type SubEvents = futures::channel::mpsc::Receiver<SocketEvent>;
+
+/// The PUB endpoint's connection is lost: ZeroMQ reconnects it in the
+/// background (its own back-off, up to about 30 s between attempts; its own
+/// per-attempt log lines are off in the router's default filter), and the
+/// link warns once when it is lost and again every [`DOWN_WARN_EVERY`]
+/// while it stays lost.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Down {
+    pub(super) since: Instant,
+    /// No "still down" warning before this.
+    pub(super) next_warn: Instant,
+}
 
 /// Reconnecting a closed replay socket: one connect at a time, in the
 /// background, with a bounded exponential back-off between failed ones.
@@ -46,15 +69,9 @@ impl Link {
             endpoint: endpoint.to_owned(),
             reason,
         };
-        let mut opts = SocketOptions::default();
-        opts.connect_timeout(config.connect_timeout);
-        let mut sub = SubSocket::with_options(opts);
-        sub.connect(&config.endpoint)
+        let (sub, sub_events) = Self::subscribe(config)
             .await
-            .map_err(|e| transport(&config.endpoint, e.to_string()))?;
-        sub.subscribe(&config.topic)
-            .await
-            .map_err(|e| transport(&config.endpoint, e.to_string()))?;
+            .map_err(|reason| transport(&config.endpoint, reason))?;
         let dealer = match &config.replay_endpoint {
             Some(ep) => Some(Self::dealer(ep, config.connect_timeout).await?),
             None => None,
@@ -62,10 +79,83 @@ impl Link {
         Ok(Self {
             config: config.clone(),
             sub,
+            sub_events,
+            down: None,
             dealer,
             redial: Redial::default(),
             probe_warn: LogThrottle::new(PROBE_WARN_EVERY),
         })
+    }
+
+    /// A SUB socket connected to `config.endpoint` and subscribed to its
+    /// topic, with its monitor (set before the connect, so no event of it
+    /// is missed).
+    pub(super) async fn subscribe(
+        config: &VllmSubscriberConfig,
+    ) -> Result<(SubSocket, SubEvents), String> {
+        let mut opts = SocketOptions::default();
+        opts.connect_timeout(config.connect_timeout);
+        let mut sub = SubSocket::with_options(opts);
+        let events = sub.monitor();
+        sub.connect(&config.endpoint)
+            .await
+            .map_err(|e| e.to_string())?;
+        sub.subscribe(&config.topic)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((sub, events))
+    }
+
+    /// Takes in one event of the SUB socket's monitor: a lost connection is
+    /// warned about once (`vLLM event endpoint disconnected: reconnecting`)
+    /// and counted (`disconnects`), one made again while it was lost is
+    /// logged with how long it was down and counted (`reconnects`); other
+    /// events change nothing.
+    pub(super) fn on_sub_event(&mut self, shared: &Mutex<Shared>, event: SocketEvent) {
+        match event {
+            SocketEvent::Disconnected(_) if self.down.is_none() => {
+                let now = Instant::now();
+                self.down = Some(Down {
+                    since: now,
+                    next_warn: now + DOWN_WARN_EVERY,
+                });
+                shared.lock().stats.disconnects += 1;
+                tracing::warn!(
+                    endpoint = %self.config.endpoint,
+                    replay = self.has_replay(),
+                    "vLLM event endpoint disconnected: reconnecting"
+                );
+            }
+            SocketEvent::Connected(..) => self.sub_up(shared),
+            _ => {}
+        }
+    }
+
+    /// The SUB socket is connected (ZeroMQ's reconnect, or a new socket
+    /// after a restart): ends a [`Down`], logged and counted.
+    pub(super) fn sub_up(&mut self, shared: &Mutex<Shared>) {
+        if let Some(down) = self.down.take() {
+            shared.lock().stats.reconnects += 1;
+            tracing::info!(
+                endpoint = %self.config.endpoint,
+                down_for = ?down.since.elapsed(),
+                "vLLM event endpoint reconnected"
+            );
+        }
+    }
+
+    /// While the PUB endpoint's connection stays lost: one warning per
+    /// [`DOWN_WARN_EVERY`], with how long it has been down.
+    pub(super) fn warn_still_down(&mut self) {
+        let Some(down) = self.down.as_mut() else {
+            return;
+        };
+        down.next_warn = Instant::now() + DOWN_WARN_EVERY;
+        tracing::warn!(
+            endpoint = %self.config.endpoint,
+            down_for = ?down.since.elapsed(),
+            "vLLM event endpoint still down: reconnecting"
+        );
     }
 
     pub(super) async fn dealer(
@@ -87,14 +177,30 @@ impl Link {
     pub(super) async fn run(mut self, shared: Arc<Mutex<Shared>>, mut stop: oneshot::Receiver<()>) {
         let idle = self.config.idle_probe.filter(|_| self.has_replay());
         loop {
+            let (sub, sub_events) = (&mut self.sub, &mut self.sub_events);
             let recv = async {
                 match idle {
-                    Some(d) => tokio::time::timeout(d, self.sub.recv()).await.ok(),
-                    None => Some(self.sub.recv().await),
+                    Some(d) => tokio::time::timeout(d, sub.recv()).await.ok(),
+                    None => Some(sub.recv().await),
+                }
+            };
+            let down = self.down;
+            let still_down = async {
+                match down {
+                    Some(d) => tokio::time::sleep_until(d.next_warn.into()).await,
+                    None => std::future::pending().await,
                 }
             };
             let got = tokio::select! {
                 _ = &mut stop => return,
+                Some(event) = sub_events.next() => {
+                    self.on_sub_event(&shared, event);
+                    continue;
+                }
+                () = still_down => {
+                    self.warn_still_down();
+                    continue;
+                }
                 got = recv => got,
             };
             match got {
@@ -218,7 +324,7 @@ impl Link {
         };
         if restarted {
             shared.lock().restart();
-            self.resubscribe().await;
+            self.resubscribe(shared).await;
             return self.repair(shared, None).await;
         }
         // The first reply is the batch we already hold: not a duplicate.
@@ -229,16 +335,16 @@ impl Link {
 
     /// A restarted engine bound its sockets anew: connect the SUB socket
     /// again rather than rely on the old connection's reconnects.
-    pub(super) async fn resubscribe(&mut self) {
-        let mut opts = SocketOptions::default();
-        opts.connect_timeout(self.config.connect_timeout);
-        let mut sub = SubSocket::with_options(opts);
-        let ok = sub.connect(&self.config.endpoint).await.is_ok()
-            && sub.subscribe(&self.config.topic).await.is_ok();
-        if ok {
-            self.sub = sub;
-        } else {
-            tracing::warn!(endpoint = %self.config.endpoint, "vLLM resubscribe after restart failed");
+    pub(super) async fn resubscribe(&mut self, shared: &Mutex<Shared>) {
+        match Self::subscribe(&self.config).await {
+            Ok((sub, events)) => {
+                self.sub = sub;
+                self.sub_events = events;
+                self.sub_up(shared);
+            }
+            Err(reason) => {
+                tracing::warn!(endpoint = %self.config.endpoint, %reason, "vLLM resubscribe after restart failed");
+            }
         }
     }
 
@@ -270,7 +376,7 @@ impl Link {
             }
         }
         shared.lock().restart();
-        self.resubscribe().await;
+        self.resubscribe(shared).await;
         if self.has_replay() {
             if let Err(reason) = self.repair(shared, None).await {
                 tracing::warn!(%reason, "vLLM replay after a restart failed");
