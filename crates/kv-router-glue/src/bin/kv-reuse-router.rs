@@ -298,6 +298,9 @@ enum RouterError {
     /// 1 s + 1 s when the connection is already down).
     #[error("{0} during the drain: stopped before the advise subscription was drained")]
     DrainCut(&'static str),
+    /// A follower task ended while serving (`router_bin/stop.rs`).
+    #[error("a follower of announcements or the donor directory ended while serving ({0}); exiting for a restart")]
+    FollowerEnded(String),
 }
 
 impl RouterError {
@@ -604,7 +607,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
         cli.missed_periods,
     ));
     let stop_following = CancellationToken::new();
-    let followers = inventory
+    let mut followers = inventory
         .follow(
             plane.clone() as Arc<dyn EventPlane>,
             directory,
@@ -689,10 +692,9 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
         let _ = out.flush();
     }
 
-    let signal_name = tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    };
+    let signal_name = stop::until_signal(&mut term, &mut int, &mut followers)
+        .await
+        .map_err(RouterError::FollowerEnded)?;
     tracing::info!(signal = signal_name, "draining");
     draining.store(true, Ordering::SeqCst);
     // A second signal cuts the drain short (exit 1): with NATS hung the
@@ -784,6 +786,8 @@ mod vllm_streams;
 
 #[path = "router_bin/observe.rs"]
 mod observe;
+#[path = "router_bin/stop.rs"]
+mod stop;
 
 #[path = "router_bin/flag_values.rs"]
 mod flag_values;

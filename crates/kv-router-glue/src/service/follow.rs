@@ -176,6 +176,8 @@ pub struct RouterInventory {
     refused_log: LogThrottle,
     /// Log lines of ignored announcements of replaced incarnations.
     retired_log: LogThrottle,
+    /// Rate limit of the warning about an announcement under a second key.
+    other_key_log: LogThrottle,
     /// Set while the router's own connection is down (the registry is
     /// paused); read without the state lock by each connection poll.
     connection_down: AtomicBool,
@@ -232,6 +234,7 @@ impl RouterInventory {
             announcements_down: AtomicBool::new(false),
             refused_log: LogThrottle::new(REFUSAL_LOG_EVERY),
             retired_log: LogThrottle::new(RETIRED_LOG_EVERY),
+            other_key_log: LogThrottle::new(RETIRED_LOG_EVERY),
             connection_down: AtomicBool::new(false),
         }
     }
@@ -411,6 +414,19 @@ impl RouterInventory {
                         key_held_by = %holder,
                         suppressed,
                         "announcement of a replaced incarnation ignored (is a second process announcing this worker key?)"
+                    );
+                }
+                return None;
+            }
+            Registration::OtherKey { registered_under } => {
+                bump(&self.counters.announcements_ignored);
+                if let Some(suppressed) = self.other_key_log.admit(std::time::Instant::now()) {
+                    tracing::warn!(
+                        worker = %a.worker_key,
+                        engine = %a.engine_id,
+                        registered_under = %registered_under,
+                        suppressed,
+                        "announcement under a second worker key ignored (one engine announces one worker key: is a worker key computed twice, or a config copied?)"
                     );
                 }
                 return None;

@@ -206,7 +206,7 @@ impl InventorySync {
         registration: &Registration,
     ) -> bool {
         match registration {
-            Registration::Retired => return false,
+            Registration::Retired | Registration::OtherKey { .. } => return false,
             Registration::Replaced { dropped } => self.forget(*dropped),
             // A readmitted worker was forgotten when it was dropped.
             Registration::New | Registration::Refreshed | Registration::Readmitted => {}

@@ -82,6 +82,11 @@ impl<V> Remembered<V> {
         true
     }
 
+    /// What is remembered of `engine`.
+    pub(super) fn get(&self, engine: &EngineId) -> Option<&V> {
+        self.entries.get(engine).map(|(_, v)| v)
+    }
+
     /// Forgets `engine`, returning its value.
     pub(super) fn take(&mut self, engine: &EngineId) -> Option<V> {
         let (stamp, value) = self.entries.remove(engine)?;

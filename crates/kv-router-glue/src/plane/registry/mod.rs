@@ -14,7 +14,10 @@
 //! ([`Registration::Readmitted`]), unless a new incarnation took its key
 //! meanwhile. While the router's own connection is down
 //! ([`WorkerRegistry::pause`]) nobody's silence counts: the workers'
-//! announcements cannot reach it. Time is passed in (ms on any monotonic
+//! announcements cannot reach it. One engine id serves one worker key: an
+//! incarnation announcing under a key other than its own is ignored
+//! ([`Registration::OtherKey`]), except one removed for silence whose new
+//! key is free (taken back under it). Time is passed in (ms on any monotonic
 //! clock) so tests never sleep.
 //!
 //! Memory: replaced and silenced incarnations are remembered for
@@ -257,6 +260,18 @@ pub enum Registration {
     /// its inventory as unknown until a resync (the kv-lookup index's
     /// `readmit_worker`, then an inventory snapshot).
     Readmitted,
+    /// An announcement of an incarnation under a worker key other than the
+    /// one it is registered under (or was replaced or removed for silence
+    /// under, while remembered): ignored. One engine id is one process, and
+    /// a process serves one worker key; taking the second key would drop
+    /// the worker under the first when that key goes silent, or let a
+    /// stale process take a live worker's key (trial h42, 1). An
+    /// incarnation removed for silence may come back under a new key that
+    /// is free (a key that changed while it was away).
+    OtherKey {
+        /// The key it is registered (or remembered) under.
+        registered_under: String,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -271,8 +286,11 @@ pub struct WorkerRegistry {
     announce_period_ms: u64,
     missed_periods: u32,
     by_key: HashMap<String, Entry>,
-    /// Replaced incarnations: refused while remembered.
-    retired: Remembered<()>,
+    /// The worker key of each engine in `by_key` (one key per engine).
+    key_of: HashMap<EngineId, String>,
+    /// Replaced incarnations, with the worker key they were replaced
+    /// under: refused while remembered.
+    retired: Remembered<String>,
     /// Incarnations removed for silence, with their worker key: taken back
     /// when they announce again, retired when another incarnation
     /// registers under their key.
@@ -302,6 +320,7 @@ impl WorkerRegistry {
             announce_period_ms,
             missed_periods,
             by_key: HashMap::new(),
+            key_of: HashMap::new(),
             retired: Remembered::new(MAX_REMEMBERED),
             silenced: Remembered::new(MAX_REMEMBERED),
             retention_ms: window
@@ -316,14 +335,25 @@ impl WorkerRegistry {
     /// Records an announcement seen at `now_ms`.
     pub fn announce(&mut self, a: WorkerAnnouncement, now_ms: u64) -> Registration {
         self.forget_expired(now_ms);
-        let entry = |a| Entry {
-            announcement: a,
-            last_seen_ms: now_ms,
-        };
-        if self.retired.contains(&a.engine_id) {
+        if let Some(key) = self.key_of.get(&a.engine_id) {
+            if *key != a.worker_key {
+                // Live under another key: that key's heartbeat is not
+                // refreshed by this (trial h42, 1).
+                return Registration::OtherKey {
+                    registered_under: key.clone(),
+                };
+            }
+        }
+        if let Some(replaced_under) = self.retired.get(&a.engine_id).cloned() {
             // Heard of again: a replaced incarnation that keeps announcing (a
             // second process under the key) stays refused while another
-            // incarnation holds its key.
+            // incarnation holds its key, and under any other key.
+            if replaced_under != a.worker_key {
+                self.retired.heard(&a.engine_id, now_ms);
+                return Registration::OtherKey {
+                    registered_under: replaced_under,
+                };
+            }
             if self.by_key.contains_key(&a.worker_key) {
                 self.retired.heard(&a.engine_id, now_ms);
                 return Registration::Retired;
@@ -336,27 +366,34 @@ impl WorkerRegistry {
             // stayed refused for as long as it ran, after the stale one died
             // too). What replaced it, silenced, is replaced in its turn.
             self.retired.take(&a.engine_id);
-            for (engine, _) in self.silenced.take_where(|_, key| *key == a.worker_key) {
-                self.retire(engine, now_ms);
-            }
-            self.by_key.insert(a.worker_key.clone(), entry(a));
+            self.retire_silenced_under(&a.worker_key, now_ms);
+            self.insert_live(a, now_ms);
             return Registration::Readmitted;
         }
-        if self.silenced.take(&a.engine_id).is_some() {
-            // Its key is free: a new incarnation under it would have
-            // retired this one (below).
-            debug_assert!(!self.by_key.contains_key(&a.worker_key));
-            self.by_key.insert(a.worker_key.clone(), entry(a));
+        if let Some(silenced_under) = self.silenced.get(&a.engine_id).cloned() {
+            if self.by_key.contains_key(&a.worker_key) {
+                // Its own key was taken by a new incarnation (which retired
+                // it from `silenced`), so this is another live worker's key:
+                // a process back from silence does not take it.
+                self.silenced.heard(&a.engine_id, now_ms);
+                return Registration::OtherKey {
+                    registered_under: silenced_under,
+                };
+            }
+            // Its key (or the new key it announces, free) is free: taken
+            // back. An incarnation removed for silence under that new key is
+            // replaced now, as by any new registration.
+            self.silenced.take(&a.engine_id);
+            self.retire_silenced_under(&a.worker_key, now_ms);
+            self.insert_live(a, now_ms);
             return Registration::Readmitted;
         }
         match self.by_key.get_mut(&a.worker_key) {
             None => {
                 // An incarnation of this key removed for silence is
                 // replaced now: it must not come back next to this one.
-                for (engine, _) in self.silenced.take_where(|_, key| *key == a.worker_key) {
-                    self.retire(engine, now_ms);
-                }
-                self.by_key.insert(a.worker_key.clone(), entry(a));
+                self.retire_silenced_under(&a.worker_key, now_ms);
+                self.insert_live(a, now_ms);
                 Registration::New
             }
             Some(e) if e.announcement.engine_id == a.engine_id => {
@@ -366,16 +403,44 @@ impl WorkerRegistry {
             }
             Some(e) => {
                 let dropped = e.announcement.engine_id;
-                *e = entry(a);
-                self.retire(dropped, now_ms);
+                let key = a.worker_key.clone();
+                *e = Entry {
+                    announcement: a,
+                    last_seen_ms: now_ms,
+                };
+                let engine = e.announcement.engine_id;
+                self.key_of.remove(&dropped);
+                self.key_of.insert(engine, key.clone());
+                self.retire(dropped, key, now_ms);
                 Registration::Replaced { dropped }
             }
         }
     }
 
-    /// Remembers `engine` as replaced at `now_ms`.
-    fn retire(&mut self, engine: EngineId, now_ms: u64) {
-        let evicted = self.retired.remember(engine, (), now_ms);
+    /// Registers `a` live under its (free) key.
+    fn insert_live(&mut self, a: WorkerAnnouncement, now_ms: u64) {
+        debug_assert!(!self.by_key.contains_key(&a.worker_key), "a free key");
+        self.key_of.insert(a.engine_id, a.worker_key.clone());
+        self.by_key.insert(
+            a.worker_key.clone(),
+            Entry {
+                announcement: a,
+                last_seen_ms: now_ms,
+            },
+        );
+    }
+
+    /// Retires every incarnation removed for silence under `key` (one that
+    /// registers under it replaces them).
+    fn retire_silenced_under(&mut self, key: &str, now_ms: u64) {
+        for (engine, k) in self.silenced.take_where(|_, k| k == key) {
+            self.retire(engine, k, now_ms);
+        }
+    }
+
+    /// Remembers `engine` as replaced under `key` at `now_ms`.
+    fn retire(&mut self, engine: EngineId, key: String, now_ms: u64) {
+        let evicted = self.retired.remember(engine, key, now_ms);
         self.note_forgotten(evicted);
     }
 
@@ -466,6 +531,7 @@ impl WorkerRegistry {
         for k in dead {
             if let Some(e) = self.by_key.remove(&k) {
                 let id = e.announcement.engine_id;
+                self.key_of.remove(&id);
                 let evicted = self.silenced.remember(id, k.clone(), now_ms);
                 self.note_forgotten(evicted);
                 removed.push((k, id));

@@ -55,6 +55,86 @@ fn new_incarnation_replaces_the_old_and_retires_it() {
     assert_eq!(reg.len(), 1);
 }
 
+/// Trial h42, 1: one engine id serves one worker key. Announced under a
+/// second key it is ignored (before, it was registered under both, and the
+/// first key's silence dropped the live engine); once its first key was
+/// dropped for silence, it comes back under the new key if that is free.
+#[test]
+fn an_engine_announcing_a_second_key_is_ignored_until_its_first_key_is_dropped() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let e = EngineId::fresh();
+    assert_eq!(reg.announce(ann("k1", e), 0), Registration::New);
+    let other = Registration::OtherKey {
+        registered_under: "k1".into(),
+    };
+    assert_eq!(reg.announce(ann("k2", e), 500), other);
+    assert_eq!((reg.len(), reg.get("k2")), (1, None));
+    // Announcing only under k2 keeps k1 silent: dropped after 3 periods.
+    assert_eq!(reg.announce(ann("k2", e), 2_500), other);
+    assert_eq!(reg.tick(3_001), vec![("k1".to_string(), e)]);
+    assert_eq!(reg.announce(ann("k2", e), 3_500), Registration::Readmitted);
+    assert_eq!(reg.get("k2").unwrap().engine_id, e);
+    assert_eq!((reg.len(), reg.get("k1")), (1, None));
+    assert!(!reg.is_retired(e));
+}
+
+/// Trial h42, 1: an incarnation removed for silence announcing under a key
+/// another live worker holds panicked the announcement follower (a debug
+/// assertion) and, in a release build, overwrote that worker's entry. It
+/// is ignored; the live worker keeps its key.
+#[test]
+fn a_silenced_engine_does_not_take_a_live_workers_key() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let (e, f) = (EngineId::fresh(), EngineId::fresh());
+    reg.announce(ann("k1", e), 0);
+    reg.announce(ann("k2", f), 0);
+    reg.announce(ann("k2", f), 3_000);
+    assert_eq!(reg.tick(3_500), vec![("k1".to_string(), e)]);
+    assert_eq!(
+        reg.announce(ann("k2", e), 3_600),
+        Registration::OtherKey {
+            registered_under: "k1".into()
+        }
+    );
+    assert_eq!(reg.get("k2").unwrap().engine_id, f);
+    assert_eq!(reg.len(), 1);
+    // Still remembered as silenced under k1: taken back there.
+    assert!(reg.is_retired(e) && !reg.is_replaced(e));
+    assert_eq!(reg.announce(ann("k1", e), 3_700), Registration::Readmitted);
+    assert_eq!(reg.len(), 2);
+}
+
+/// Trial h42, 1: a replaced incarnation took any free key as its own
+/// (`Readmitted` under a key it never had). It gets only its own key back.
+#[test]
+fn a_replaced_incarnation_does_not_take_another_free_key() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let (a, b) = (EngineId::fresh(), EngineId::fresh());
+    reg.announce(ann("k3", a), 0);
+    assert_eq!(
+        reg.announce(ann("k3", b), 100),
+        Registration::Replaced { dropped: a }
+    );
+    assert_eq!(
+        reg.announce(ann("k4", a), 200),
+        Registration::OtherKey {
+            registered_under: "k3".into()
+        }
+    );
+    assert_eq!((reg.len(), reg.get("k4")), (1, None));
+    assert!(reg.is_replaced(a));
+    // A live engine under a second key, held by another: ignored too.
+    let c = EngineId::fresh();
+    reg.announce(ann("k5", c), 300);
+    assert_eq!(
+        reg.announce(ann("k3", c), 400),
+        Registration::OtherKey {
+            registered_under: "k5".into()
+        }
+    );
+    assert_eq!(reg.get("k3").unwrap().engine_id, b);
+}
+
 /// Trial h39, 1: a replaced incarnation still announcing gets its key back
 /// once what replaced it is dropped for silence, instead of staying refused
 /// with nobody serving the key. Before, `e1` (replaced by the stale `e2`,

@@ -1,0 +1,59 @@
+//! What ends the serving phase: SIGTERM or SIGINT, or a follower task that
+//! ends on its own. The followers (announcements with the silence tick and
+//! the event subscriptions they name, the donor directory watch) run until
+//! the stop; one that ends before it panicked (a bug), and a router that
+//! served on would answer advise requests from an index nobody updates any
+//! more, with `/healthz` still 200 (trial h42, 1). So it exits instead (1),
+//! for its supervisor to restart it.
+
+use tokio::signal::unix::Signal;
+use tokio::task::{JoinError, JoinSet};
+
+/// Waits for SIGTERM or SIGINT (returns its name) or for a task of
+/// `followers` to end first (returns why, for the error).
+pub(crate) async fn until_signal(
+    term: &mut Signal,
+    int: &mut Signal,
+    followers: &mut JoinSet<()>,
+) -> Result<&'static str, String> {
+    tokio::select! {
+        _ = term.recv() => Ok("SIGTERM"),
+        _ = int.recv() => Ok("SIGINT"),
+        Some(ended) = followers.join_next() => Err(match ended {
+            Ok(()) => "it returned".to_string(),
+            Err(e) => why(e),
+        }),
+    }
+}
+
+fn why(e: JoinError) -> String {
+    if !e.is_panic() {
+        return format!("it was cancelled ({e})");
+    }
+    let payload = e.into_panic();
+    let message = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-text panic payload".into());
+    format!("it panicked: {message}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A panicking follower is reported with its message, before any signal.
+    #[tokio::test]
+    async fn a_follower_that_panics_ends_the_wait_with_its_message() {
+        use tokio::signal::unix::{signal, SignalKind};
+        // Real handlers for signals this test never sends.
+        let mut term = signal(SignalKind::user_defined1()).unwrap();
+        let mut int = signal(SignalKind::user_defined2()).unwrap();
+        let mut followers = JoinSet::new();
+        followers.spawn(std::future::pending::<()>());
+        followers.spawn(async { panic!("assertion failed: a free key") });
+        let got = until_signal(&mut term, &mut int, &mut followers).await;
+        assert_eq!(got, Err("it panicked: assertion failed: a free key".into()));
+    }
+}
