@@ -41,7 +41,7 @@ pub use follow::{
 pub use router_service::RouterService;
 pub use serve::{serve_advise, AdviseServer, ServeReport, ServerStages, ServiceError, StageProbe};
 #[cfg(feature = "vllm")]
-pub use vllm_spec::{VllmEndpointSpec, VllmSpecError};
+pub use vllm_spec::{vllm_worker_key, VllmEndpointSpec, VllmSpecError};
 pub use wire::{
     AdviseKeys, AdviseRefusal, AdviseReply, AdviseRequest, AdviseResult, ADVISE_QUEUE_GROUP,
     ADVISE_SUBJECT, MAX_ADVISE_BLOCKS, MAX_ADVISE_REQUEST_BYTES, MAX_ADVISE_TOKENS,

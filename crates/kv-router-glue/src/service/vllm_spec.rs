@@ -154,7 +154,7 @@ impl FromStr for VllmEndpointSpec {
         )));
         Ok(Self {
             worker: VllmWorker {
-                key: WorkerKey(xxhash_rust::xxh3::xxh3_64(worker_name.as_bytes())),
+                key: vllm_worker_key(&worker_name),
                 engine,
                 role,
                 layout_fingerprint: LayoutFingerprint(fingerprint),
@@ -166,6 +166,18 @@ impl FromStr for VllmEndpointSpec {
             worker_name,
         })
     }
+}
+
+/// The index's worker key of a `--vllm-events` stream named `worker_name`:
+/// XXH3-64 of `vllm:` followed by the name. The prefix keeps it apart from
+/// the key of an announced worker (XXH3-64 of its `worker_key`): with the
+/// bare name, a NATS-announced worker of the same name replaced the vLLM
+/// engine in the index for good, silently (trial h42, 11).
+pub fn vllm_worker_key(worker_name: &str) -> WorkerKey {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(b"vllm:");
+    h.update(worker_name.as_bytes());
+    WorkerKey(h.digest())
 }
 
 impl VllmEndpointSpec {
@@ -198,6 +210,21 @@ mod tests {
         assert_ne!(a.worker.engine, c.worker.engine);
         assert_eq!(c.worker_name, "tcp://d1:1");
         assert_eq!(c.worker.role, Role::Decode);
+    }
+
+    /// Trial h42, 11: the index key of a vLLM stream is not the one an
+    /// announced worker of the same name gets (XXH3-64 of its
+    /// `worker_key`), which used to replace the vLLM engine for good.
+    #[test]
+    fn a_vllm_worker_key_differs_from_an_announced_workers_of_the_same_name() {
+        let a: VllmEndpointSpec = "tcp://d0:1,fingerprint=1,worker=decode-0".parse().unwrap();
+        let announced = WorkerKey(xxhash_rust::xxh3::xxh3_64(b"decode-0"));
+        assert_ne!(a.worker.key, announced);
+        assert_eq!(a.worker.key, vllm_worker_key("decode-0"));
+        assert_eq!(
+            vllm_worker_key("decode-0"),
+            WorkerKey(xxhash_rust::xxh3::xxh3_64(b"vllm:decode-0"))
+        );
     }
 
     #[test]

@@ -282,3 +282,28 @@ fn conflicting_or_incomplete_nats_flags_are_refused_naming_them() {
         assert!(e.to_string().contains(named), "{args:?}: {e}");
     }
 }
+
+/// Trial h42, 4: two `--vllm-events` of one endpoint or one worker name
+/// exit 2 naming both occurrences; distinct ones pass.
+#[test]
+fn vllm_streams_of_one_endpoint_or_one_worker_name_are_refused() {
+    let spec = |s: &str| s.parse::<VllmEndpointSpec>().unwrap();
+    let a = spec("tcp://127.0.0.1:15684,fingerprint=1,worker=decode-0");
+    let b = spec("tcp://127.0.0.1:15694,fingerprint=1,worker=decode-0");
+    let c = spec("tcp://127.0.0.1:15704,fingerprint=1,worker=decode-1");
+    let d = spec("tcp://127.0.0.1:15704,fingerprint=1,worker=decode-2");
+    assert!(vllm_streams::check_distinct(&[a.clone(), c.clone()]).is_ok());
+    let e = vllm_streams::check_distinct(&[a, c.clone(), b]).unwrap_err();
+    assert_eq!(e.exit_code(), 2);
+    let text = e.to_string();
+    assert!(
+        text.contains("occurrences 1 and 3") && text.contains("worker `decode-0`"),
+        "{text}"
+    );
+    let e = vllm_streams::check_distinct(&[c, d]).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("occurrences 1 and 2 subscribe to the same endpoint tcp://127.0.0.1:15704"),
+        "{e}"
+    );
+}

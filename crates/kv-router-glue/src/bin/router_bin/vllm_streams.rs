@@ -14,6 +14,35 @@ use kv_router_glue::vllm_events::{
 
 use super::RouterError;
 
+/// Refuses two `--vllm-events` of one endpoint (every batch ingested twice
+/// into one engine) or of one worker name (two engines under one derived
+/// engine id, their blocks mixed and each one's restart resetting both):
+/// a copied flag with only the ports changed (trial h42, 4).
+///
+/// # Errors
+/// [`RouterError::Config`] (exit 2) naming both occurrences, counted from 1.
+pub(super) fn check_distinct(specs: &[VllmEndpointSpec]) -> Result<(), RouterError> {
+    for (i, later) in specs.iter().enumerate() {
+        for (j, earlier) in specs[..i].iter().enumerate() {
+            let clash = if later.endpoint == earlier.endpoint {
+                format!("subscribe to the same endpoint {}", later.endpoint)
+            } else if later.worker_name == earlier.worker_name {
+                format!(
+                    "name the same worker `{}` (one derived engine id for two engines: give each its own `worker=`)",
+                    later.worker_name
+                )
+            } else {
+                continue;
+            };
+            return Err(RouterError::Config {
+                flag: "--vllm-events",
+                reason: format!("occurrences {} and {} {clash}", j + 1, i + 1),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Registers each of `specs` with `index`, subscribes to it and catches up
 /// through its replay endpoint; a prefill engine becomes an advise target
 /// of `service`. One after the other, each within its connect timeout.
