@@ -19,6 +19,8 @@ use super::{NatsAuth, NatsOptionsError};
 /// // to be used) is hidden all the same.
 /// assert_eq!(redact_url("nats://u:a/b,c@n1:4222"), "nats://u:***@n1:4222");
 /// assert_eq!(redact_url("nats://n1,nats://t#k@n2"), "nats://n1,nats://***@n2");
+/// // One holding `://` too, user name and all.
+/// assert_eq!(redact_url("nats://u:a://b@n1"), "nats://***@n1");
 /// ```
 pub fn redact_url(url: &str) -> String {
     // On the raw text, not on parsed entries: a secret may hold a `,`, `/`,
@@ -27,23 +29,33 @@ pub fn redact_url(url: &str) -> String {
     // from its `://` (or the text's start, or the `,` before a scheme-less
     // entry) to the last `@` before the next entry's scheme: hiding too much
     // of a malformed URL is fine, showing a secret is not.
-    let starts: Vec<usize> = url.match_indices("://").map(|(i, _)| i + 3).collect();
-    // Where each entry's text ends: where the next scheme's name starts
-    // (after the last `,` before its `://`), else the end.
-    let ends: Vec<usize> = url
-        .match_indices("://")
+    // A `://` starts an entry only when it is the first one, or a bare
+    // scheme name follows the last `,` before it: a `://` inside a secret
+    // (`nats://u:SECa://RETb@h`) must not end the secret's span, which
+    // showed `SECa` (trial h42, 2).
+    let mut entries: Vec<(usize, usize)> = Vec::new(); // (text start, after `://`)
+    for (i, _) in url.match_indices("://") {
+        let text_start = url[..i].rfind(',').map(|c| c + 1);
+        let after_prev = entries.last().map_or(0, |&(_, s)| s);
+        match text_start {
+            _ if entries.is_empty() => entries.push((text_start.unwrap_or(0), i + 3)),
+            Some(t) if t > after_prev && is_scheme(url[t..i].trim()) => entries.push((t, i + 3)),
+            _ => {}
+        }
+    }
+    let starts: Vec<usize> = entries.iter().map(|&(_, s)| s).collect();
+    // Where each entry's text ends: where the next entry's text starts, else
+    // the end.
+    let ends: Vec<usize> = entries
+        .iter()
         .skip(1)
-        .map(|(i, _)| url[..i].rfind(',').map_or(i, |c| c + 1))
+        .map(|&(t, _)| t)
         .chain(std::iter::once(url.len()))
         .collect();
     let mut out = String::with_capacity(url.len());
     let mut done = 0;
-    let first = url
-        .match_indices("://")
-        .next()
-        .map(|(i, _)| url[..i].rfind(',').map_or(0, |c| c + 1));
     // Scheme-less text before the first scheme (or the whole text without one).
-    let lead_end = first.unwrap_or(url.len());
+    let lead_end = entries.first().map_or(url.len(), |&(t, _)| t);
     redact_span(url, 0, lead_end, &mut out, &mut done);
     for (start, end) in starts.into_iter().zip(ends) {
         out.push_str(&url[done..start]);
@@ -54,6 +66,14 @@ pub fn redact_url(url: &str) -> String {
     out
 }
 
+/// Whether `s` is a URL scheme name (RFC 3986: a letter, then letters,
+/// digits, `+`, `-` or `.`).
+fn is_scheme(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+}
+
 /// Appends `url[start..end]` to `out` with everything before its last `@`
 /// hidden (`user:***`, or `***` for a token), and moves `done` to `end`.
 fn redact_span(url: &str, start: usize, end: usize, out: &mut String, done: &mut usize) {
@@ -61,10 +81,13 @@ fn redact_span(url: &str, start: usize, end: usize, out: &mut String, done: &mut
     match span.rfind('@') {
         Some(at) => {
             // A user name is shown only when it cannot be part of a cut
-            // secret or of another entry (no `,`, `/`, `?` or `#` in it).
+            // secret or of another entry (no `,`, `/`, `?` or `#` in it), nor
+            // the start of a token holding `://` (`SEC://RET`).
             let info = &span[..at];
             match info.split_once(':') {
-                Some((user, _)) if !user.contains([',', '/', '?', '#']) => {
+                Some((user, _))
+                    if !user.contains([',', '/', '?', '#']) && !info.contains("://") =>
+                {
                     out.push_str(user);
                     out.push_str(":***");
                 }
@@ -252,7 +275,7 @@ mod tests {
     /// Trial h39, 3: a `/`, `?`, `#` or `,` in a password or token left it
     /// in clear in every message naming the URL, and with `/` or `#` the
     /// part before it was connected to as a host (a DNS lookup of a secret).
-    const CUT_SECRETS: [&str; 8] = [
+    const CUT_SECRETS: [&str; 11] = [
         "nats://router:SEC/RET123@127.0.0.1:14323",
         "nats://router:SEC,RET123@127.0.0.1:14323",
         "nats://router:SEC?RET123@127.0.0.1:14323",
@@ -261,6 +284,10 @@ mod tests {
         "nats://SEC#RET123@127.0.0.1:14324",
         "nats://SEC,RET123@127.0.0.1:14324",
         "nats://n1:4222,tls://router:SEC/RET123@n2:4222",
+        // Trial h42, 2: a `://` inside the secret.
+        "nats://router:SEC://RET123@127.0.0.1:1",
+        "nats://SEC://RET123@127.0.0.1:1",
+        "nats://n1:4222, tls://router:SEC://RET123@n2:4222",
     ];
 
     #[test]
@@ -285,6 +312,12 @@ mod tests {
         assert_eq!(
             redact_url(CUT_SECRETS[7]),
             "nats://n1:4222,tls://router:***@n2:4222"
+        );
+        assert_eq!(redact_url(CUT_SECRETS[8]), "nats://***@127.0.0.1:1");
+        assert_eq!(redact_url(CUT_SECRETS[9]), "nats://***@127.0.0.1:1");
+        assert_eq!(
+            redact_url(CUT_SECRETS[10]),
+            "nats://n1:4222, tls://***@n2:4222"
         );
         assert!(nats_server_addrs(CUT_SECRETS[0])
             .unwrap_err()
