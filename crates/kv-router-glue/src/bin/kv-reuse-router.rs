@@ -673,7 +673,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
     // The journal's record of what this process uses: the stdout ready
     // line says only the metrics address.
     tracing::info!(
-        nats_url = %kv_router_glue::redact_url(&cli.nats_url),
+        nats_url = ?kv_router_glue::redact_url(&cli.nats_url),
         namespace = %cli.namespace,
         directory_bucket = %cli.directory_bucket,
         metrics_addr = %http.local_addr(),

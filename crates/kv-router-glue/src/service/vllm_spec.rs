@@ -10,7 +10,7 @@
 //! | `role` | `decode` or `prefill` | `decode` |
 //! | `tp` | tensor-parallel size | `1` |
 //! | `block` | tokens per KV block | `16` |
-//! | `worker` | stable worker name | the endpoint |
+//! | `worker` | stable worker name (no whitespace, `=` or `"`) | the endpoint |
 //!
 //! vLLM does not publish an engine id, so the engine id is derived from the
 //! worker name (XXH3-128): the same worker gets the same id after a router
@@ -142,8 +142,20 @@ impl FromStr for VllmEndpointSpec {
                 }
                 "tp" => tp = positive("tp")?,
                 "block" => block = positive("block")?,
-                "worker" if !v.is_empty() => name = Some(v.to_string()),
-                "worker" => return Err(invalid("worker", "a non-empty name")),
+                // A name a log line can carry as one logfmt field (trial
+                // h42, 5: `worker=decode 0 restarts=99` read as two fields).
+                "worker"
+                    if !v.is_empty()
+                        && !v.contains(|c: char| c.is_whitespace() || c == '=' || c == '"') =>
+                {
+                    name = Some(v.to_string())
+                }
+                "worker" => {
+                    return Err(invalid(
+                        "worker",
+                        "a non-empty name without spaces, `=` or `\"`",
+                    ))
+                }
                 _ => return Err(VllmSpecError::UnknownKey { item: item.into() }),
             }
         }
@@ -243,6 +255,13 @@ mod tests {
             err("tcp://x:1,fingerprint=1,role=router"),
             VllmSpecError::InvalidValue { key: "role", .. }
         ));
+        // Trial h42, 5: a name a logfmt line cannot carry as one field.
+        for name in ["decode 0", "a=b", "d\"0", "d\t0"] {
+            assert!(matches!(
+                err(&format!("tcp://x:1,fingerprint=1,worker={name}")),
+                VllmSpecError::InvalidValue { key: "worker", .. }
+            ));
+        }
         assert_eq!(
             err("tcp://x:1,fingerprint=1,colour=red"),
             VllmSpecError::UnknownKey {
