@@ -112,7 +112,9 @@ pub struct SubscriberStats {
     pub replayed_batches: u64,
     /// Batches received again (live after replay, or replayed twice): ignored.
     pub duplicates: u64,
-    /// Replay requests sent (start, gaps, idle probes).
+    /// Replay round trips attempted (start, gaps, idle probes, restart
+    /// checks), each ending in a reply or a failure: at least
+    /// `replay_failures`.
     pub replay_requests: u64,
     /// Replay round trips that failed: no reply in time, or the replay
     /// socket not (re)connected (reconnects back off up to 8 s).
@@ -601,6 +603,9 @@ mod tests {
         assert!(!new.replay_requests().is_empty());
         let (_, st) = sub.stop().await;
         assert!(st.replayed_batches >= 2 && st.lost_batches == 0, "{st:?}");
+        // Every round trip counts as a request, failed or not (trial h42, 6:
+        // 26 failures of 25 requests).
+        assert!(st.replay_requests >= st.replay_failures + 2, "{st:?}");
     }
     /// Trial h39 #7: a PUB endpoint that dies after the start is reported by
     /// the subscriber itself (counted in `disconnects`, warned once, then
@@ -622,6 +627,25 @@ mod tests {
             .unwrap();
         assert_eq!((sub.stats().disconnects, sub.stats().reconnects), (0, 0));
 
+        // A batch through first: the publisher has then registered this
+        // subscriber. Dropped while still registering it, zeromq's PUB
+        // socket can keep the connection open (its shutdown clears the
+        // peers it has; one being added lands after), and the disconnect
+        // never came (1 run in ~9 with the other tests). Published until one
+        // arrives: a PUB socket drops what it sends before the SUB socket's
+        // subscription reached it.
+        let mut old = old;
+        let batch = VllmEventBatch {
+            ts: 1.0,
+            events: vec![VllmEvent::AllBlocksCleared],
+            data_parallel_rank: None,
+        };
+        let t0 = Instant::now();
+        while sub.stats().next_seq == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no batch arrived");
+            old.publish(&batch, VllmEncoding::ArrayLike).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         drop(old);
         wait_for("the disconnect", Duration::from_secs(10), || {
             sub.stats().disconnects == 1

@@ -255,7 +255,6 @@ impl Link {
         if seq > next {
             match self.replay(shared, next).await {
                 Ok(replies) => {
-                    shared.lock().stats.replay_requests += 1;
                     let listed = replies.iter().any(|(s, _)| *s >= seq);
                     let mut sh = shared.lock();
                     sh.apply_replies(replies);
@@ -316,7 +315,6 @@ impl Link {
             return self.repair(shared, None).await;
         };
         let replies = self.replay(shared, last_seq).await?;
-        shared.lock().stats.replay_requests += 1;
         let restarted = match replies.first() {
             Some((s, p)) if *s == last_seq => digest(p) != last_digest,
             Some(_) => false,
@@ -361,7 +359,6 @@ impl Link {
             let want = digest(&payload);
             match self.replay(shared, seq).await {
                 Ok(replies) => {
-                    shared.lock().stats.replay_requests += 1;
                     if !replies.iter().any(|(s, p)| *s == seq && digest(p) == want) {
                         tracing::warn!(seq, "vLLM batch repeats a seq with another payload, not from the publisher: refused");
                         shared.lock().stats.implausible_seq += 1;
@@ -407,7 +404,6 @@ impl Link {
                 return Err(reason);
             }
         };
-        shared.lock().stats.replay_requests += 1;
         let mut sh = shared.lock();
         sh.apply_replies(replies);
         if let Some(upto) = upto {
@@ -425,6 +421,9 @@ impl Link {
         shared: &Mutex<Shared>,
         from: u64,
     ) -> Result<Vec<(u64, Vec<u8>)>, String> {
+        // Counted per attempt, so that `replay_failures` never exceeds it
+        // (it was counted per success: trial h42, 6).
+        shared.lock().stats.replay_requests += 1;
         let result = self.round_trip(from).await;
         if result.is_err() {
             shared.lock().stats.replay_failures += 1;
