@@ -431,7 +431,18 @@ impl RouterInventory {
                 }
                 return None;
             }
-            Registration::Replaced { dropped } => self.drop_engine(st, dropped),
+            Registration::Replaced { dropped } => {
+                // Visible without inferring it from a later refusal: a
+                // restart, or an incarnation the registry forgot coming back
+                // and displacing the live one (trial h42, 3).
+                tracing::info!(
+                    worker = %a.worker_key,
+                    engine = %a.engine_id,
+                    replaced = %dropped,
+                    "worker replaced by a new incarnation"
+                );
+                self.drop_engine(st, dropped)
+            }
             Registration::New | Registration::Refreshed | Registration::Readmitted => {}
         }
         if moved {
