@@ -370,6 +370,16 @@ impl RouterInventory {
         self.announce(payload, now_ms).await.map(|(s, _)| s)
     }
 
+    /// Counts an ignored announcement (`announcements_ignored`) and, at most
+    /// once per `log`'s period, has `warn` log it with the number of lines
+    /// left out since the last one.
+    fn ignore_announcement(&self, log: &LogThrottle, warn: impl FnOnce(u64)) {
+        bump(&self.counters.announcements_ignored);
+        if let Some(suppressed) = log.admit(std::time::Instant::now()) {
+            warn(suppressed);
+        }
+    }
+
     /// [`RouterInventory::on_announcement`], with the new subject's
     /// follower generation and stop token for the task that follows it.
     async fn announce(
@@ -399,8 +409,7 @@ impl RouterInventory {
         self.note_forgotten(st);
         match registration {
             Registration::Retired => {
-                bump(&self.counters.announcements_ignored);
-                if let Some(suppressed) = self.retired_log.admit(std::time::Instant::now()) {
+                self.ignore_announcement(&self.retired_log, |suppressed| {
                     // The incarnation holding the key now: not always the
                     // one that replaced this one (trial h39, 9), and never
                     // none, since a free key takes a replaced one back.
@@ -415,12 +424,11 @@ impl RouterInventory {
                         suppressed,
                         "announcement of a replaced incarnation ignored (is a second process announcing this worker key?)"
                     );
-                }
+                });
                 return None;
             }
             Registration::OtherKey { registered_under } => {
-                bump(&self.counters.announcements_ignored);
-                if let Some(suppressed) = self.other_key_log.admit(std::time::Instant::now()) {
+                self.ignore_announcement(&self.other_key_log, |suppressed| {
                     tracing::warn!(
                         worker = %a.worker_key,
                         engine = %a.engine_id,
@@ -428,7 +436,7 @@ impl RouterInventory {
                         suppressed,
                         "announcement under a second worker key ignored (one engine announces one worker key: is a worker key computed twice, or a config copied?)"
                     );
-                }
+                });
                 return None;
             }
             Registration::Replaced { dropped } => {
