@@ -3,9 +3,10 @@
 //!
 //! It connects to NATS, follows worker announcements, KV events and the
 //! donor directory into a kv-lookup index (optionally also vLLM's ZMQ KV
-//! events), answers advise requests on `kv_reuse.advise` (queue group
-//! `kv_reuse_router`), serves `GET /metrics` and `GET /healthz`, and drains
-//! on SIGTERM/SIGINT (exit 0). When it serves, it prints one line to stdout:
+//! events), answers advise requests on `--advise-subject` (default
+//! `kv_reuse.advise`, queue group `kv_reuse_router`), serves `GET /metrics`
+//! and `GET /healthz`, and drains on SIGTERM/SIGINT (exit 0). When it serves,
+//! it prints one line to stdout:
 //! `{"event":"ready","metrics_addr":"127.0.0.1:PORT","subject":"kv_reuse.advise"}`.
 
 use std::io::{IsTerminal, Write};
@@ -23,7 +24,7 @@ use kv_lookup::InventoryIndex;
 use kv_router_glue::metrics::{Health, MetricsServer, ReuseMetrics};
 use kv_router_glue::service::{
     DedicatedAdviseServer, DedicatedOptions, RouterInventory, RouterService, ServiceError,
-    VllmEndpointSpec, ADVISE_SUBJECT,
+    VllmEndpointSpec,
 };
 use kv_router_glue::vllm_events::VllmEventError;
 use kv_router_glue::{
@@ -39,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 /// Follows workers over NATS (announcements on `kv.<NAMESPACE>.workers.announce`,
 /// the KV events on the subjects they announce, the donor directory in a
 /// JetStream key-value bucket) and answers advise requests on NATS subject
-/// `kv_reuse.advise` (queue group `kv_reuse_router`; msgpack schema in
+/// `--advise-subject` (queue group `kv_reuse_router`; msgpack schema in
 /// docs/wire-formats.md). Prints one JSON `ready` line on stdout once serving;
 /// SIGTERM or SIGINT stops taking requests, answers those in flight and exits 0.
 ///
@@ -140,6 +141,9 @@ struct Cli {
     /// one NATS subject token, non-empty, without `.`, `*`, `>` or whitespace.
     #[arg(long, default_value = "default", value_parser = namespace_token)]
     namespace: String,
+
+    #[command(flatten)]
+    advise: advise_subject::AdviseArgs,
 
     /// TOML file of reuse settings (keys as in docs/settings.md).
     #[arg(long, value_name = "PATH")]
@@ -545,6 +549,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
     for (key, value, unit, origin) in loaded.in_force() {
         tracing::info!(key, value = %value, unit, origin = %origin, "setting in force");
     }
+    advise_subject::warn_if_shared(&cli.namespace, &cli.advise.advise_subject);
     // Checked against a block size only when the operator gave one; each
     // donor layout's own is checked as it becomes known (RouterInventory).
     let model = match cli.tokens_per_block {
@@ -631,6 +636,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
         },
         service.clone(),
         DedicatedOptions {
+            subject: cli.advise.advise_subject.clone(),
             metrics: Some(metrics.clone()),
             probe: None,
             busy_poll: std::time::Duration::from_micros(cli.advise_busy_poll_us),
@@ -677,14 +683,14 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
         namespace = %cli.namespace,
         directory_bucket = %cli.directory_bucket,
         metrics_addr = %http.local_addr(),
-        subject = %ADVISE_SUBJECT,
+        subject = %cli.advise.advise_subject,
         vllm_streams = cli.vllm_events.len(),
         "serving"
     );
     let ready = serde_json::json!({
         "event": "ready",
         "metrics_addr": http.local_addr().to_string(),
-        "subject": ADVISE_SUBJECT,
+        "subject": cli.advise.advise_subject,
     });
     {
         let mut out = std::io::stdout().lock();
@@ -737,7 +743,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
     // The followers' counters as fields of their own line: a log pipeline
     // reads each as a field, where a Debug dump of the struct
     // (`FollowStats { ... }`) was one opaque string (trial h33, nit 8).
-    log_follow_stats(&inventory.stats());
+    stop::log_follow_stats(&inventory.stats());
     Ok(())
 }
 
@@ -757,31 +763,6 @@ fn field_pairs(pairs: impl IntoIterator<Item = (String, String)>) -> String {
     }
 }
 
-/// Logs `stats` as one line of structured fields: the counters that
-/// matter most by name, and every counter (new ones included) in
-/// `follow` as [`field_pairs`].
-fn log_follow_stats(stats: &kv_router_glue::service::FollowStats) {
-    let all = match serde_json::to_value(stats) {
-        Ok(serde_json::Value::Object(fields)) => {
-            field_pairs(fields.iter().map(|(k, v)| (k.clone(), v.to_string())))
-        }
-        _ => field_pairs([]),
-    };
-    tracing::info!(
-        announcements = stats.announcements,
-        announcements_ignored = stats.announcements_ignored,
-        workers_dropped = stats.workers_dropped,
-        workers_readmitted = stats.workers_readmitted,
-        events_applied = stats.events_applied,
-        events_refused = stats.events_refused,
-        lost_ranges = stats.lost_ranges,
-        snapshots_applied = stats.snapshots_applied,
-        snapshots_failed = stats.snapshots_failed,
-        follow = %all,
-        "follower counters at stop"
-    );
-}
-
 #[path = "router_bin/vllm_streams.rs"]
 mod vllm_streams;
 
@@ -790,6 +771,8 @@ mod observe;
 #[path = "router_bin/stop.rs"]
 mod stop;
 
+#[path = "router_bin/advise_subject.rs"]
+mod advise_subject;
 #[path = "router_bin/flag_values.rs"]
 mod flag_values;
 use flag_values::{bucket_name, inbox_prefix, namespace_token, NatsUrlParser};

@@ -23,13 +23,20 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use super::serve::{AdviseServer, ServeReport, ServiceError, StageProbe};
-use super::RouterService;
+use super::{RouterService, ADVISE_SUBJECT};
 use crate::metrics::ReuseMetrics;
 use crate::{NatsOptions, NatsPlane};
 
 /// What a [`DedicatedAdviseServer`] adds to [`AdviseServer`]'s own settings.
-#[derive(Debug, Default, Clone)]
+///
+/// Written with `..DedicatedOptions::default()` for the fields left as they
+/// are (a field added later then keeps its default).
+#[derive(Debug, Clone)]
 pub struct DedicatedOptions {
+    /// Subject to serve on (`AdviseServer::bind_on`); default
+    /// [`ADVISE_SUBJECT`]. Routers of different namespaces on one NATS
+    /// server need one each (`docs/router-service.md`, "Namespaces").
+    pub subject: String,
     /// Records answered requests (`AdviseServer::with_metrics`).
     pub metrics: Option<Arc<ReuseMetrics>>,
     /// Records per-stage timestamps (`AdviseServer::with_stage_probe`).
@@ -37,6 +44,17 @@ pub struct DedicatedOptions {
     /// Spin window after each answer (`AdviseServer::with_busy_poll`);
     /// zero (the default) never spins.
     pub busy_poll: std::time::Duration,
+}
+
+impl Default for DedicatedOptions {
+    fn default() -> Self {
+        Self {
+            subject: ADVISE_SUBJECT.to_string(),
+            metrics: None,
+            probe: None,
+            busy_poll: std::time::Duration::ZERO,
+        }
+    }
 }
 
 /// A running advise server on its own thread (module docs).
@@ -53,13 +71,14 @@ pub struct DedicatedAdviseServer {
 
 impl DedicatedAdviseServer {
     /// Starts the thread, connects to `url` with `options`, queue-subscribes
-    /// and returns once the server confirmed the subscription (as
-    /// [`AdviseServer::bind`]).
+    /// to `extra.subject` and returns once the server confirmed the
+    /// subscription (as [`AdviseServer::bind_on`]).
     ///
     /// # Errors
     /// [`ServiceError::Thread`] when the thread or its runtime cannot start,
     /// [`ServiceError::Connect`] when the connection fails (bad credentials,
-    /// TLS, unreachable server), and [`AdviseServer::bind`]'s errors.
+    /// TLS, unreachable server), and [`AdviseServer::bind_on`]'s errors
+    /// (naming `extra.subject`).
     pub async fn start(
         url: &str,
         options: NatsOptions,
@@ -97,8 +116,10 @@ impl DedicatedAdviseServer {
                             return;
                         }
                     };
-                    let mut server = match AdviseServer::bind(plane.client().clone(), service).await
-                    {
+                    let bound =
+                        AdviseServer::bind_on(plane.client().clone(), service, &extra.subject)
+                            .await;
+                    let mut server = match bound {
                         Ok(s) => s,
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));

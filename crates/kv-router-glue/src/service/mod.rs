@@ -1,6 +1,7 @@
 //! The router service: advise requests over the event plane's request/reply
-//! (NATS subject [`ADVISE_SUBJECT`], queue group [`ADVISE_QUEUE_GROUP`] so
-//! several router replicas share the requests), decided by [`RouterService`]
+//! (NATS subject [`ADVISE_SUBJECT`] by default, another per namespace where
+//! routers of several share one NATS server; queue group
+//! [`ADVISE_QUEUE_GROUP`] so several router replicas share the requests), decided by [`RouterService`]
 //! over the inventory index, a [`crate::DonorDirectory`] and the
 //! [`crate::Advisor`].
 //!
@@ -39,7 +40,10 @@ pub use follow::{
     REOPEN_BACKOFF_MIN,
 };
 pub use router_service::RouterService;
-pub use serve::{serve_advise, AdviseServer, ServeReport, ServerStages, ServiceError, StageProbe};
+pub use serve::{
+    serve_advise, serve_advise_on, AdviseServer, ServeReport, ServerStages, ServiceError,
+    StageProbe,
+};
 #[cfg(feature = "vllm")]
 pub use vllm_spec::{vllm_worker_key, VllmEndpointSpec, VllmSpecError};
 pub use wire::{

@@ -1,8 +1,10 @@
 //! Serving [`RouterService`] on NATS request/reply: [`serve_advise`] and
 //! [`AdviseServer`].
 //!
-//! One queue-group subscription on [`ADVISE_SUBJECT`] (group
-//! [`ADVISE_QUEUE_GROUP`]), so each request reaches one replica. Every
+//! One queue-group subscription on the advise subject ([`ADVISE_SUBJECT`]
+//! unless [`AdviseServer::bind_on`] names another; group
+//! [`ADVISE_QUEUE_GROUP`]), so each request reaches one replica of those
+//! serving that subject. Every
 //! request with a reply subject gets exactly one reply: the decision, or a
 //! typed [`crate::service::AdviseRefusal`] for a malformed, oversized or
 //! unknown-target request (the refusal is decided before any lookup, so it
@@ -44,7 +46,7 @@ pub enum ServiceError {
     /// The `SUB` could not be sent (connection closed).
     #[error("cannot subscribe to `{subject}` (queue group `{queue_group}`): {reason}")]
     Subscribe {
-        /// Subject ([`ADVISE_SUBJECT`]).
+        /// Subject ([`ADVISE_SUBJECT`] or [`AdviseServer::bind_on`]'s).
         subject: String,
         /// Queue group ([`ADVISE_QUEUE_GROUP`]).
         queue_group: String,
@@ -175,6 +177,23 @@ pub async fn serve_advise(
         .await
 }
 
+/// [`serve_advise`] on `subject` instead of [`ADVISE_SUBJECT`]
+/// ([`AdviseServer::bind_on`]).
+///
+/// # Errors
+/// As [`AdviseServer::bind_on`] and [`AdviseServer::run`].
+pub async fn serve_advise_on(
+    client: async_nats::Client,
+    service: Arc<RouterService>,
+    subject: &str,
+    shutdown: CancellationToken,
+) -> Result<ServeReport, ServiceError> {
+    AdviseServer::bind_on(client, service, subject)
+        .await?
+        .run(shutdown)
+        .await
+}
+
 /// An advise subscription the server has confirmed, not yet served.
 ///
 /// Split from [`AdviseServer::run`] so that a process can announce that it
@@ -185,12 +204,14 @@ pub struct AdviseServer {
     metrics: Option<Arc<ReuseMetrics>>,
     probe: Option<Arc<StageProbe>>,
     busy_poll: Duration,
+    subject: String,
     subscriber: async_nats::Subscriber,
 }
 
 impl std::fmt::Debug for AdviseServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AdviseServer")
+            .field("subject", &self.subject)
             .field("service", &self.service)
             .field("metrics", &self.metrics.is_some())
             .finish_non_exhaustive()
@@ -200,7 +221,8 @@ impl std::fmt::Debug for AdviseServer {
 impl AdviseServer {
     /// Queue-subscribes to [`ADVISE_SUBJECT`] in [`ADVISE_QUEUE_GROUP`] and
     /// waits until the server has processed the `SUB` (a request sent after
-    /// this returns reaches this replica or another of the group).
+    /// this returns reaches this replica or another of the group);
+    /// [`AdviseServer::bind_on`] with [`ADVISE_SUBJECT`].
     ///
     /// # Errors
     /// [`ServiceError::Subscribe`], [`ServiceError::NotConfirmed`].
@@ -208,18 +230,39 @@ impl AdviseServer {
         client: async_nats::Client,
         service: Arc<RouterService>,
     ) -> Result<Self, ServiceError> {
+        Self::bind_on(client, service, ADVISE_SUBJECT).await
+    }
+
+    /// Queue-subscribes to `subject` in [`ADVISE_QUEUE_GROUP`] and waits
+    /// until the server has processed the `SUB`. Routers serving different
+    /// namespaces on one NATS server need a subject each: the replicas of
+    /// one subject share its requests, whatever namespace each follows
+    /// (`docs/router-service.md`, "Namespaces"). Its callers publish to the
+    /// same subject ([`super::AdviseClient::connect`]'s `subject`).
+    ///
+    /// # Errors
+    /// [`ServiceError::Subscribe`] (also for a `subject` that
+    /// [`super::check_advise_subject`] refuses: empty, whitespace, an empty
+    /// token or a wildcard), [`ServiceError::NotConfirmed`].
+    pub async fn bind_on(
+        client: async_nats::Client,
+        service: Arc<RouterService>,
+        subject: &str,
+    ) -> Result<Self, ServiceError> {
+        let refused = |reason: String| ServiceError::Subscribe {
+            subject: subject.into(),
+            queue_group: ADVISE_QUEUE_GROUP.into(),
+            reason,
+        };
+        super::check_advise_subject(subject).map_err(|e| refused(e.to_string()))?;
         let subscriber = client
-            .queue_subscribe(ADVISE_SUBJECT, ADVISE_QUEUE_GROUP.to_string())
+            .queue_subscribe(subject.to_string(), ADVISE_QUEUE_GROUP.to_string())
             .await
-            .map_err(|e| ServiceError::Subscribe {
-                subject: ADVISE_SUBJECT.into(),
-                queue_group: ADVISE_QUEUE_GROUP.into(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| refused(e.to_string()))?;
         server_round_trip(&client, SERVER_WAIT)
             .await
             .map_err(|reason| ServiceError::NotConfirmed {
-                subject: ADVISE_SUBJECT.into(),
+                subject: subject.into(),
                 reason,
             })?;
         Ok(Self {
@@ -228,8 +271,14 @@ impl AdviseServer {
             metrics: None,
             probe: None,
             busy_poll: Duration::ZERO,
+            subject: subject.into(),
             subscriber,
         })
+    }
+
+    /// The subject this server answers on.
+    pub fn subject(&self) -> &str {
+        &self.subject
     }
 
     /// Records every answered request in `metrics`
@@ -290,7 +339,7 @@ impl AdviseServer {
                         }
                     }
                     None => {
-                        ended = Some(ServiceError::SubscriptionClosed { subject: ADVISE_SUBJECT.into() });
+                        ended = Some(ServiceError::SubscriptionClosed { subject: self.subject.clone() });
                         break;
                     }
                 },
@@ -308,7 +357,7 @@ impl AdviseServer {
         if ended.is_none() {
             if let Err(e) = self.subscriber.drain().await {
                 ended = Some(ServiceError::Drain {
-                    subject: ADVISE_SUBJECT.into(),
+                    subject: self.subject.clone(),
                     reason: e.to_string(),
                 });
             } else {

@@ -262,3 +262,86 @@ async fn a_drain_without_the_server_is_reported_unconfirmed_and_prompt() {
     // connection's 5 s waits would take 10 s here.
     assert!(took <= Duration::from_millis(3500), "{took:?}");
 }
+
+/// A server bound on another subject (one namespace's, `bind_on`) answers
+/// there only: the default subject has no responder, and a subject it
+/// cannot serve is refused naming it; the subject is carried in the errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_on_its_own_subject_answers_there_only() {
+    let Some(nats) = NatsServer::start_or_skip("advise_server_own_subject") else {
+        return;
+    };
+    let s = Scenario::new().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    for bad in ["kv_reuse.*", "kv_reuse..advise", "", "a b"] {
+        let e = AdviseServer::bind_on(client.clone(), service(&s), bad)
+            .await
+            .unwrap_err();
+        let ServiceError::Subscribe { subject, .. } = &e else {
+            panic!("{bad:?}: {e}");
+        };
+        assert_eq!(subject, bad);
+        assert!(e.to_string().contains(&format!("`{bad}`")), "{e}");
+    }
+    let server = AdviseServer::bind_on(client.clone(), service(&s), "kv_reuse.ns-a.advise")
+        .await
+        .unwrap();
+    assert_eq!(server.subject(), "kv_reuse.ns-a.advise");
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(server.run(shutdown.clone()));
+    let caller = async_nats::connect(nats.url()).await.unwrap();
+    let req = AdviseRequest {
+        request_id: "own".into(),
+        target: s.target,
+        keys: AdviseKeys::SequenceHashes(s.hashes.clone()),
+    }
+    .to_wire()
+    .unwrap();
+    let m = tokio::time::timeout(
+        Duration::from_secs(5),
+        caller.request("kv_reuse.ns-a.advise", req.clone().into()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let reply = AdviseReply::from_wire(&m.payload).unwrap();
+    assert_eq!(reply.request_id, "own");
+    assert!(
+        matches!(reply.result, AdviseResult::Decided { .. }),
+        "{reply:?}"
+    );
+    let e = tokio::time::timeout(
+        Duration::from_secs(5),
+        caller.request(ADVISE_SUBJECT, req.into()),
+    )
+    .await
+    .unwrap()
+    .unwrap_err();
+    assert_eq!(
+        e.kind(),
+        async_nats::client::RequestErrorKind::NoResponders,
+        "{e}"
+    );
+    shutdown.cancel();
+    let report = run.await.unwrap().unwrap();
+    assert_eq!((report.received, report.decided), (1, 1));
+
+    // An ended subscription names the subject it was on.
+    let closing = async_nats::connect(nats.url()).await.unwrap();
+    let server = AdviseServer::bind_on(closing.clone(), service(&s), "kv_reuse.ns-b.advise")
+        .await
+        .unwrap();
+    let run = tokio::spawn(server.run(CancellationToken::new()));
+    closing.drain().await.unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(5), run)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(
+        e,
+        ServiceError::SubscriptionClosed {
+            subject: "kv_reuse.ns-b.advise".into()
+        }
+    );
+}

@@ -19,6 +19,9 @@ const ANNOUNCE: &str = "kv.qa.workers.announce";
 const EVENTS: &str = "kv.qa.decode.kv_events";
 const RESYNC: &str = "kv.qa.decode.kv_events_resync";
 const ADVISE: &str = "kv_reuse.advise";
+/// One namespace's advise subject (docs/router-service.md, "Namespaces on
+/// one NATS server").
+const NAMESPACE_ADVISE: &str = "kv_reuse.prod.advise";
 const DIRECTORY_KEY: &str = "$KV.kv_donors.decode-0";
 
 /// The documented config with its environment references filled in (the
@@ -181,6 +184,32 @@ async fn each_role_reaches_its_own_subjects() {
     .unwrap();
     assert_eq!(&reply.payload[..], b"admitted");
     answer_advise.await.unwrap();
+
+    // A namespace's own advise subject (`--advise-subject`,
+    // `kv_reuse.<namespace>.advise`): the same two roles.
+    let mut own = router.subscribe(NAMESPACE_ADVISE).await.unwrap();
+    router.flush().await.unwrap();
+    ready(&target, &mut own, NAMESPACE_ADVISE).await;
+    let answer_own = tokio::spawn({
+        let router = router.clone();
+        async move {
+            let req = own.next().await.unwrap();
+            router
+                .publish(req.reply.unwrap(), "own".into())
+                .await
+                .unwrap();
+            router.flush().await.unwrap();
+        }
+    });
+    let reply = tokio::time::timeout(
+        Duration::from_secs(3),
+        target.request(NAMESPACE_ADVISE, "prompt".into()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(&reply.payload[..], b"own");
+    answer_own.await.unwrap();
 
     let answer_resync = tokio::spawn({
         let donor = donor.clone();

@@ -289,7 +289,14 @@ fn the_log_says_what_the_router_serves_on_and_sighup_changes_nothing() {
     let mut router = spawn_router_logging(
         &nats.url(),
         "rbt-serving",
-        &["--directory-bucket", "kv_rbt_serving"],
+        &[
+            "--directory-bucket",
+            "kv_rbt_serving",
+            // Its own subject: a namespace other than `default` on the
+            // default subject is warned about (advise_subject.rs).
+            "--advise-subject",
+            "kv_reuse.rbt-serving.advise",
+        ],
         Stdio::from(log.reopen().unwrap()),
     );
     let metrics_addr = router.ready["metrics_addr"].as_str().unwrap().to_string();
@@ -329,7 +336,7 @@ fn the_log_says_what_the_router_serves_on_and_sighup_changes_nothing() {
         "namespace=rbt-serving".into(),
         "directory_bucket=kv_rbt_serving".into(),
         format!("metrics_addr={metrics_addr}"),
-        format!("subject={ADVISE_SUBJECT}"),
+        "subject=kv_reuse.rbt-serving.advise".into(),
     ] {
         assert!(serving.contains(&field), "{field} missing: {serving}");
     }

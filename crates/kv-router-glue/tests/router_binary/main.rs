@@ -7,11 +7,13 @@
 //! `process.rs` runs the binary (spawn, HTTP, signals); `lifecycle.rs` has
 //! the tests of start, serve, stop and configuration errors; `donors.rs`
 //! those with worker and donor processes (rebuild, outage, vLLM, TLS);
-//! `vllm_endpoint.rs` a `--vllm-events` endpoint lost after the start.
+//! `vllm_endpoint.rs` a `--vllm-events` endpoint lost after the start;
+//! `advise_subject.rs` routers of two namespaces on their own advise subjects.
 
 #[path = "../agents_common/mod.rs"]
 mod agents_common;
 
+mod advise_subject;
 mod donors;
 mod lifecycle;
 mod process;

@@ -5,6 +5,8 @@
 //! served on would answer advise requests from an index nobody updates any
 //! more, with `/healthz` still 200 (trial h42, 1). So it exits instead (1),
 //! for its supervisor to restart it.
+//!
+//! After the stop, the followers' counters are logged on a line of their own.
 
 use tokio::signal::unix::Signal;
 use tokio::task::{JoinError, JoinSet};
@@ -37,6 +39,33 @@ fn why(e: JoinError) -> String {
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a non-text panic payload".into());
     format!("it panicked: {message}")
+}
+
+/// Logs `stats` as one line of structured fields: the counters that
+/// matter most by name, and every counter (new ones included) in
+/// `follow` as [`super::field_pairs`].
+pub(crate) fn log_follow_stats(stats: &kv_router_glue::service::FollowStats) {
+    let all = match serde_json::to_value(stats) {
+        Ok(serde_json::Value::Object(fields)) => {
+            super::field_pairs(fields.iter().map(|(k, v)| (k.clone(), v.to_string())))
+        }
+        _ => super::field_pairs([]),
+    };
+    // The binary's own target, as when this lived in its main module.
+    tracing::info!(
+        target: "kv_reuse_router",
+        announcements = stats.announcements,
+        announcements_ignored = stats.announcements_ignored,
+        workers_dropped = stats.workers_dropped,
+        workers_readmitted = stats.workers_readmitted,
+        events_applied = stats.events_applied,
+        events_refused = stats.events_refused,
+        lost_ranges = stats.lost_ranges,
+        snapshots_applied = stats.snapshots_applied,
+        snapshots_failed = stats.snapshots_failed,
+        follow = %all,
+        "follower counters at stop"
+    );
 }
 
 #[cfg(test)]

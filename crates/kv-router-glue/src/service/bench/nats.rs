@@ -402,6 +402,7 @@ pub(super) fn run_nats_passes(
             metrics: None,
             probe: Some(probe.clone()),
             busy_poll,
+            ..DedicatedOptions::default()
         },
     ))?;
     blocking_passes(url, &options, reqs, warmup, busy_poll, &mut out)?;
