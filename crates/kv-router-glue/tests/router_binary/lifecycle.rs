@@ -332,7 +332,8 @@ fn the_log_says_what_the_router_serves_on_and_sighup_changes_nothing() {
         .find(|l| l.contains(" serving "))
         .unwrap_or_else(|| panic!("no serving line in {text}"));
     for field in [
-        format!("nats_url={}", nats.url()),
+        // Quoted: a server list may hold spaces (trial h42, 5).
+        format!("nats_url=\"{}\"", nats.url()),
         "namespace=rbt-serving".into(),
         "directory_bucket=kv_rbt_serving".into(),
         format!("metrics_addr={metrics_addr}"),
