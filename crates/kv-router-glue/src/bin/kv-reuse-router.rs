@@ -51,7 +51,8 @@ use tokio_util::sync::CancellationToken;
 /// syntax, default `info,async_nats=warn,zeromq=error`; a malformed one exits 2). Exit
 /// codes: 0 after a drain (SIGTERM, SIGINT) or a signal during startup; 1 for
 /// a run-time failure (NATS, the directory bucket or a vLLM endpoint
-/// unreachable, a second signal cutting the drain); 2 for a configuration
+/// unreachable, a second signal cutting the drain, a follower task that
+/// ended while serving); 2 for a configuration
 /// error (flag, environment variable, settings file). SIGHUP is logged and
 /// ignored (settings are read once: restart to change them). Details:
 /// docs/router-service.md.

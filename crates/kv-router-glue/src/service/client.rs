@@ -53,8 +53,13 @@ use super::wire::{AdviseReply, AdviseRequest};
 /// and short enough that a reconnect's back-off timers fire on time.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_millis(100);
 
+/// Longest advise subject [`check_advise_subject`] takes, in bytes: far
+/// under nats-server's 4 KiB protocol line, which a `PUB` of it with its
+/// reply inbox must fit.
+pub const MAX_ADVISE_SUBJECT_BYTES: usize = 256;
+
 /// Checks that `subject` is one an advise request can be published to:
-/// not empty, no whitespace, no empty token (a leading, trailing or doubled
+/// not empty, at most [`MAX_ADVISE_SUBJECT_BYTES`], no whitespace, no empty token (a leading, trailing or doubled
 /// `.`) and no wildcard (`*`, `>`). A wildcard is a subscriber's pattern: a
 /// request published there reaches no replica (NATS answers "no
 /// responders"), so the client is refused at construction instead of
@@ -66,6 +71,7 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_millis(100);
 /// let e = check_advise_subject("kv_reuse.>").unwrap_err();
 /// assert!(matches!(e, AdviseClientError::Subject { .. }));
 /// assert!(e.to_string().contains("wildcard"), "{e}");
+/// assert!(check_advise_subject(&"a".repeat(257)).is_err());
 /// ```
 ///
 /// # Errors
@@ -73,6 +79,10 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_millis(100);
 pub fn check_advise_subject(subject: &str) -> Result<(), AdviseClientError> {
     let reason = if subject.is_empty() {
         "it is empty"
+    } else if subject.len() > MAX_ADVISE_SUBJECT_BYTES {
+        // nats-server refuses a protocol line over 4 KiB: the client then
+        // reconnected ~20 times a second (trial h44, 7).
+        "it is longer than 256 bytes"
     } else if subject.contains(char::is_whitespace) {
         "it contains whitespace"
     } else if subject.contains(['*', '>']) {

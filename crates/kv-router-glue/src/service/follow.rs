@@ -418,7 +418,7 @@ impl RouterInventory {
                         .get(&a.worker_key)
                         .map_or_else(|| "none".to_string(), |n| n.engine_id.to_string());
                     tracing::warn!(
-                        worker = %a.worker_key,
+                        worker = ?a.worker_key,
                         engine = %a.engine_id,
                         key_held_by = %holder,
                         suppressed,
@@ -430,7 +430,7 @@ impl RouterInventory {
             Registration::OtherKey { registered_under } => {
                 self.ignore_announcement(&self.other_key_log, |suppressed| {
                     tracing::warn!(
-                        worker = %a.worker_key,
+                        worker = ?a.worker_key,
                         engine = %a.engine_id,
                         registered_under = %registered_under,
                         suppressed,
@@ -444,7 +444,7 @@ impl RouterInventory {
                 // restart, or an incarnation the registry forgot coming back
                 // and displacing the live one (trial h42, 3).
                 tracing::info!(
-                    worker = %a.worker_key,
+                    worker = ?a.worker_key,
                     engine = %a.engine_id,
                     replaced = %dropped,
                     "worker replaced by a new incarnation"
@@ -464,7 +464,7 @@ impl RouterInventory {
         let subject = match parse_subject(&a.event_subject) {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(worker = %a.worker_key, error = %e, "announced event subject unusable");
+                tracing::warn!(worker = ?a.worker_key, error = %e, "announced event subject unusable");
                 return None;
             }
         };

@@ -21,7 +21,7 @@ impl RouterInventory {
         let st = &mut *guard;
         let dead = st.registry.tick(now_ms);
         for (key, engine) in &dead {
-            tracing::info!(worker = %key, engine = %engine, "worker silent: dropped");
+            tracing::info!(worker = ?key, engine = %engine, "worker silent: dropped");
             self.drop_engine(st, *engine);
         }
         // After the drops: an id the registry forgot in this tick is one
@@ -58,7 +58,7 @@ impl RouterInventory {
         let registered = if *registration == Registration::Readmitted {
             bump(&self.counters.workers_readmitted);
             tracing::info!(
-                worker = %a.worker_key,
+                worker = ?a.worker_key,
                 engine = %a.engine_id,
                 "worker dropped for silence announced again: taken back (no donor until its inventory snapshot)"
             );
@@ -72,7 +72,7 @@ impl RouterInventory {
                         _ => None,
                     };
                     tracing::warn!(
-                        worker = %a.worker_key,
+                        worker = ?a.worker_key,
                         engine = %a.engine_id,
                         replaced = ?replaced,
                         "incarnation removed long ago (forgotten by the registry) announced again: taken back (no donor until its inventory snapshot)"
@@ -83,7 +83,7 @@ impl RouterInventory {
             }
         };
         if let Err(e) = registered {
-            tracing::warn!(worker = %a.worker_key, error = %e, "index refused the worker");
+            tracing::warn!(worker = ?a.worker_key, error = %e, "index refused the worker");
         }
     }
 

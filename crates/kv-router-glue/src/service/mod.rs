@@ -33,7 +33,10 @@ mod wire;
 #[cfg(all(test, feature = "worker"))]
 mod wire_props;
 
-pub use client::{check_advise_subject, AdviseClient, AdviseClientError, KEEPALIVE_INTERVAL};
+pub use client::{
+    check_advise_subject, AdviseClient, AdviseClientError, KEEPALIVE_INTERVAL,
+    MAX_ADVISE_SUBJECT_BYTES,
+};
 pub use dedicated::{DedicatedAdviseServer, DedicatedOptions};
 pub use follow::{
     parse_subject, FollowStats, RouterInventory, REFUSAL_LOG_EVERY, REOPEN_BACKOFF_MAX,

@@ -181,16 +181,21 @@ impl FromStr for VllmEndpointSpec {
 }
 
 /// The index's worker key of a `--vllm-events` stream named `worker_name`:
-/// XXH3-64 of `vllm:` followed by the name. The prefix keeps it apart from
-/// the key of an announced worker (XXH3-64 of its `worker_key`): with the
-/// bare name, a NATS-announced worker of the same name replaced the vLLM
-/// engine in the index for good, silently (trial h42, 11).
+/// XXH3-64 of the name with seed [`VLLM_WORKER_KEY_SEED`], apart from the
+/// key of an announced worker (XXH3-64 of its `worker_key`, seed 0) of any
+/// name but by a 64-bit hash collision. With the bare name, a NATS-announced
+/// worker of the same name replaced the vLLM engine in the index for good,
+/// silently (trial h42, 11); with a `vllm:` prefix, one named `vllm:` plus
+/// the name did (trial h44, 2).
 pub fn vllm_worker_key(worker_name: &str) -> WorkerKey {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
-    h.update(b"vllm:");
-    h.update(worker_name.as_bytes());
-    WorkerKey(h.digest())
+    WorkerKey(xxhash_rust::xxh3::xxh3_64_with_seed(
+        worker_name.as_bytes(),
+        VLLM_WORKER_KEY_SEED,
+    ))
 }
+
+/// Seed of [`vllm_worker_key`] (`"vllm"` in ASCII).
+pub const VLLM_WORKER_KEY_SEED: u64 = 0x766c_6c6d;
 
 impl VllmEndpointSpec {
     /// The subscriber configuration (defaults of [`VllmSubscriberConfig::new`]).
@@ -233,10 +238,13 @@ mod tests {
         let announced = WorkerKey(xxhash_rust::xxh3::xxh3_64(b"decode-0"));
         assert_ne!(a.worker.key, announced);
         assert_eq!(a.worker.key, vllm_worker_key("decode-0"));
-        assert_eq!(
-            vllm_worker_key("decode-0"),
-            WorkerKey(xxhash_rust::xxh3::xxh3_64(b"vllm:decode-0"))
-        );
+        // Nor of one named with any prefix (trial h44, 2).
+        for name in ["vllm:decode-0", "decode-0\0", ""] {
+            assert_ne!(
+                a.worker.key,
+                WorkerKey(xxhash_rust::xxh3::xxh3_64(name.as_bytes()))
+            );
+        }
     }
 
     #[test]

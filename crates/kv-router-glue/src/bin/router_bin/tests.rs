@@ -300,6 +300,15 @@ fn vllm_streams_of_one_endpoint_or_one_worker_name_are_refused() {
         text.contains("occurrences 1 and 3") && text.contains("worker `decode-0`"),
         "{text}"
     );
+    // One replay endpoint behind two PUB endpoints (trial h44, 1).
+    let r1 = spec("tcp://127.0.0.1:15784,replay=tcp://127.0.0.1:15785,fingerprint=1,worker=a");
+    let r2 = spec("tcp://127.0.0.1:15794,replay=tcp://127.0.0.1:15785,fingerprint=1,worker=b");
+    let e = vllm_streams::check_distinct(&[r1, r2]).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("the same replay endpoint tcp://127.0.0.1:15785"),
+        "{e}"
+    );
     let e = vllm_streams::check_distinct(&[c, d]).unwrap_err();
     assert!(
         e.to_string()

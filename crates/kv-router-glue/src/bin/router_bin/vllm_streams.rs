@@ -26,6 +26,13 @@ pub(super) fn check_distinct(specs: &[VllmEndpointSpec]) -> Result<(), RouterErr
         for (j, earlier) in specs[..i].iter().enumerate() {
             let clash = if later.endpoint == earlier.endpoint {
                 format!("subscribe to the same endpoint {}", later.endpoint)
+            } else if later.replay.is_some() && later.replay == earlier.replay {
+                // One engine's replay serving the other's gaps: its blocks
+                // taken in as the other's (trial h44, 1).
+                format!(
+                    "name the same replay endpoint {}",
+                    later.replay.as_deref().unwrap_or_default()
+                )
             } else if later.worker_name == earlier.worker_name {
                 format!(
                     "name the same worker `{}` (one derived engine id for two engines: give each its own `worker=`)",

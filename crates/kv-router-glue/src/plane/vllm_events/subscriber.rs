@@ -225,7 +225,13 @@ impl VllmSubscriber {
                 })?;
         }
         let (stop_tx, stop_rx) = oneshot::channel();
-        let task = tokio::spawn(link.run(shared.clone(), stop_rx));
+        // Every line the stream logs names its endpoint (a restart or a
+        // loss did not say whose: trial h44, 8).
+        let span = tracing::info_span!("vllm_stream", endpoint = %config.endpoint);
+        let task = tokio::spawn(tracing::Instrument::instrument(
+            link.run(shared.clone(), stop_rx),
+            span,
+        ));
         Ok(Self {
             shared,
             stop: Some(stop_tx),

@@ -37,10 +37,11 @@ pub fn redact_url(url: &str) -> String {
     for (i, _) in url.match_indices("://") {
         let text_start = url[..i].rfind(',').map(|c| c + 1);
         let after_prev = entries.last().map_or(0, |&(_, s)| s);
-        match text_start {
-            _ if entries.is_empty() => entries.push((text_start.unwrap_or(0), i + 3)),
-            Some(t) if t > after_prev && is_scheme(url[t..i].trim()) => entries.push((t, i + 3)),
-            _ => {}
+        // The first one too: in a scheme-less `router:SECa://RETb@h` the
+        // `://` is the secret's (trial h44, 5).
+        let t = text_start.unwrap_or(0);
+        if (entries.is_empty() || t > after_prev) && is_scheme(url[t..i].trim()) {
+            entries.push((t, i + 3));
         }
     }
     let starts: Vec<usize> = entries.iter().map(|&(_, s)| s).collect();
@@ -95,7 +96,24 @@ fn redact_span(url: &str, start: usize, end: usize, out: &mut String, done: &mut
             }
             out.push_str(&span[at..]);
         }
-        None => out.push_str(span),
+        None => {
+            // No `@`, but a "port" that is no number: the part of a secret
+            // before a `,` that a list split at (`nats://u:SECa,c://RETb@h`,
+            // trial h44, 5). A host is shown, never what follows its `:`.
+            let authority_end = span.find(['/', '?', '#']).unwrap_or(span.len());
+            let authority = span[..authority_end].trim_end_matches([',', ' ']);
+            match authority.rsplit_once(':') {
+                Some((_, port))
+                    if !authority.ends_with(']')
+                        && !port.is_empty()
+                        && !port.bytes().all(|b| b.is_ascii_digit()) =>
+                {
+                    out.push_str("***");
+                    out.push_str(&span[authority.len()..]);
+                }
+                _ => out.push_str(span),
+            }
+        }
     }
     *done = end;
 }
@@ -275,7 +293,7 @@ mod tests {
     /// Trial h39, 3: a `/`, `?`, `#` or `,` in a password or token left it
     /// in clear in every message naming the URL, and with `/` or `#` the
     /// part before it was connected to as a host (a DNS lookup of a secret).
-    const CUT_SECRETS: [&str; 11] = [
+    const CUT_SECRETS: [&str; 14] = [
         "nats://router:SEC/RET123@127.0.0.1:14323",
         "nats://router:SEC,RET123@127.0.0.1:14323",
         "nats://router:SEC?RET123@127.0.0.1:14323",
@@ -284,6 +302,10 @@ mod tests {
         "nats://SEC#RET123@127.0.0.1:14324",
         "nats://SEC,RET123@127.0.0.1:14324",
         "nats://n1:4222,tls://router:SEC/RET123@n2:4222",
+        // Trial h44, 5: a `,`, a word and `://` inside it; no scheme.
+        "nats://router:SEC,c://RET123@127.0.0.1:1",
+        "nats://router:SEC,nats://RET123@127.0.0.1:1",
+        "router:SEC://RET123@127.0.0.1:1",
         // Trial h42, 2: a `://` inside the secret.
         "nats://router:SEC://RET123@127.0.0.1:1",
         "nats://SEC://RET123@127.0.0.1:1",
@@ -313,10 +335,10 @@ mod tests {
             redact_url(CUT_SECRETS[7]),
             "nats://n1:4222,tls://router:***@n2:4222"
         );
-        assert_eq!(redact_url(CUT_SECRETS[8]), "nats://***@127.0.0.1:1");
-        assert_eq!(redact_url(CUT_SECRETS[9]), "nats://***@127.0.0.1:1");
+        assert_eq!(redact_url(CUT_SECRETS[11]), "nats://***@127.0.0.1:1");
+        assert_eq!(redact_url(CUT_SECRETS[12]), "nats://***@127.0.0.1:1");
         assert_eq!(
-            redact_url(CUT_SECRETS[10]),
+            redact_url(CUT_SECRETS[13]),
             "nats://n1:4222, tls://***@n2:4222"
         );
         assert!(nats_server_addrs(CUT_SECRETS[0])
