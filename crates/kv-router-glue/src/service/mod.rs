@@ -48,7 +48,7 @@ pub use serve::{
     StageProbe,
 };
 #[cfg(feature = "vllm")]
-pub use vllm_spec::{vllm_worker_key, VllmEndpointSpec, VllmSpecError};
+pub use vllm_spec::{vllm_worker_key, VllmEndpointSpec, VllmSpecError, VLLM_WORKER_KEY_SEED};
 pub use wire::{
     AdviseKeys, AdviseRefusal, AdviseReply, AdviseRequest, AdviseResult, ADVISE_QUEUE_GROUP,
     ADVISE_SUBJECT, MAX_ADVISE_BLOCKS, MAX_ADVISE_REQUEST_BYTES, MAX_ADVISE_TOKENS,
