@@ -52,13 +52,8 @@ fn routers_of_two_namespaces_on_their_own_subjects_answer_only_their_own_request
     let Some(nats) = NatsServer::start_or_skip("router_binary_advise_subjects") else {
         return;
     };
-    let log_a = tempfile::NamedTempFile::new().unwrap();
-    let mut a = spawn_router_logging(
-        &nats.url(),
-        "rbt-ns-a",
-        &["--advise-subject", SUBJECT_A],
-        Stdio::from(log_a.reopen().unwrap()),
-    );
+    let (mut a, log_a) =
+        spawn_router_logged(&nats.url(), "rbt-ns-a", &["--advise-subject", SUBJECT_A]);
     let mut b = spawn_router_with(&nats.url(), "rbt-ns-b", &["--advise-subject", SUBJECT_B]);
     assert_eq!(a.ready["subject"], SUBJECT_A);
     assert_eq!(b.ready["subject"], SUBJECT_B);
@@ -151,10 +146,7 @@ fn routers_of_two_namespaces_on_their_own_subjects_answer_only_their_own_request
     assert_eq!(signal_and_wait(&mut b, "TERM").code(), Some(0));
     let text = std::fs::read_to_string(log_a.path()).unwrap();
     assert!(!text.contains(SHARED), "{text}");
-    let serving = text
-        .lines()
-        .find(|l| l.contains(" serving "))
-        .unwrap_or_else(|| panic!("no serving line in {text}"));
+    let serving = serving_line(&text);
     assert!(
         serving.contains(&format!("subject={SUBJECT_A}")),
         "{serving}"
@@ -168,13 +160,7 @@ fn a_namespace_on_the_default_subject_is_warned_about_once() {
     let Some(nats) = NatsServer::start_or_skip("router_binary_shared_subject") else {
         return;
     };
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let mut router = spawn_router_logging(
-        &nats.url(),
-        "rbt-ns-c",
-        &[],
-        Stdio::from(log.reopen().unwrap()),
-    );
+    let (mut router, log) = spawn_router_logged(&nats.url(), "rbt-ns-c", &[]);
     assert_eq!(router.ready["subject"], ADVISE_SUBJECT);
     assert_eq!(signal_and_wait(&mut router, "TERM").code(), Some(0));
     let text = std::fs::read_to_string(log.path()).unwrap();

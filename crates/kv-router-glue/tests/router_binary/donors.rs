@@ -290,8 +290,7 @@ fn a_nats_outage_longer_than_the_silence_window_keeps_the_workers() {
         target,
     ));
     let donor_id = donor.bank().owner().engine_id;
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let router = spawn_router_logging(
+    let (router, log) = spawn_router_logged(
         &url,
         NS,
         &[
@@ -302,7 +301,6 @@ fn a_nats_outage_longer_than_the_silence_window_keeps_the_workers() {
             "--missed-periods",
             "3",
         ],
-        Stdio::from(log.reopen().unwrap()),
     );
     let metrics_addr = router.ready["metrics_addr"].as_str().unwrap().to_string();
     let before = rt.block_on(wait_admitted(&client, target, donor_id, &h, "before"));
@@ -440,8 +438,7 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
         layout().fingerprint().0,
     );
     let target = spec.parse::<VllmEndpointSpec>().unwrap().worker.engine;
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let mut router = spawn_router_logging(
+    let (mut router, log) = spawn_router_logged(
         &url,
         NS,
         &[
@@ -454,7 +451,6 @@ fn vllm_events_flag_makes_a_vllm_prefill_a_target_whose_own_blocks_are_not_fetch
             "--vllm-events",
             &spec,
         ],
-        Stdio::from(log.reopen().unwrap()),
     );
     assert_eq!(router.ready["event"], "ready");
     let result = rt.block_on(async {

@@ -230,13 +230,7 @@ fn the_stop_line_counts_requests_without_a_reply_subject() {
     let Some(nats) = NatsServer::start_or_skip("router_binary_stop_line") else {
         return;
     };
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let mut router = spawn_router_logging(
-        &nats.url(),
-        "rbt-stop",
-        &[],
-        Stdio::from(log.reopen().unwrap()),
-    );
+    let (mut router, log) = spawn_router_logged(&nats.url(), "rbt-stop", &[]);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -285,8 +279,7 @@ fn the_log_says_what_the_router_serves_on_and_sighup_changes_nothing() {
     let Some(nats) = NatsServer::start_or_skip("router_binary_serving_line") else {
         return;
     };
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let mut router = spawn_router_logging(
+    let (mut router, log) = spawn_router_logged(
         &nats.url(),
         "rbt-serving",
         &[
@@ -297,7 +290,6 @@ fn the_log_says_what_the_router_serves_on_and_sighup_changes_nothing() {
             "--advise-subject",
             "kv_reuse.rbt-serving.advise",
         ],
-        Stdio::from(log.reopen().unwrap()),
     );
     let metrics_addr = router.ready["metrics_addr"].as_str().unwrap().to_string();
     // SIGHUP (a habitual "reload") is logged and changes nothing; its
@@ -327,10 +319,7 @@ fn the_log_says_what_the_router_serves_on_and_sighup_changes_nothing() {
     // used to be logged as a WARN ("NATS client event event=closed").
     let warnings: Vec<&str> = text.lines().filter(|l| l.contains(" WARN ")).collect();
     assert!(warnings.is_empty(), "{warnings:#?}");
-    let serving = text
-        .lines()
-        .find(|l| l.contains(" serving "))
-        .unwrap_or_else(|| panic!("no serving line in {text}"));
+    let serving = serving_line(&text);
     for field in [
         // Quoted: a server list may hold spaces (trial h42, 5).
         format!("nats_url=\"{}\"", nats.url()),
@@ -682,13 +671,7 @@ fn router_after_nats_stops(
     settle: Duration,
 ) -> Option<(Router, tempfile::NamedTempFile)> {
     let mut nats = NatsServer::start_or_skip(test)?;
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let router = spawn_router_logging(
-        &nats.url(),
-        namespace,
-        &[],
-        Stdio::from(log.reopen().unwrap()),
-    );
+    let (router, log) = spawn_router_logged(&nats.url(), namespace, &[]);
     nats.stop();
     std::thread::sleep(settle);
     Some((router, log))

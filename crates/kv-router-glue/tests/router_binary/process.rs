@@ -33,6 +33,30 @@ pub(crate) fn spawn_router_with(nats_url: &str, namespace: &str, extra: &[&str])
     spawn_router_logging(nats_url, namespace, extra, Stdio::inherit())
 }
 
+/// [`spawn_router_with`], its log (stderr) going to a fresh temporary
+/// file, returned with it (read it with `std::fs::read_to_string(log.path())`).
+pub(crate) fn spawn_router_logged(
+    nats_url: &str,
+    namespace: &str,
+    extra: &[&str],
+) -> (Router, tempfile::NamedTempFile) {
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let router = spawn_router_logging(
+        nats_url,
+        namespace,
+        extra,
+        Stdio::from(log.reopen().unwrap()),
+    );
+    (router, log)
+}
+
+/// The router's `serving` log line in `text`.
+pub(crate) fn serving_line(text: &str) -> &str {
+    text.lines()
+        .find(|l| l.contains(" serving "))
+        .unwrap_or_else(|| panic!("no serving line in {text}"))
+}
+
 /// [`spawn_router_with`], its log (stderr) going to `stderr`.
 pub(crate) fn spawn_router_logging(
     nats_url: &str,

@@ -3,7 +3,6 @@
 //! reconnect attempt (and its raw peer identities) are left out, the router
 //! warns once naming the endpoint, and the stop line counts the loss.
 
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use kv_router_glue::nats_server::NatsServer;
@@ -30,13 +29,8 @@ fn a_vllm_endpoint_lost_after_the_start_is_one_warning_naming_it_not_zeromq_line
         "{endpoint},replay={},fingerprint=7,role=prefill,worker=vllm-lost-0",
         publisher.replay_endpoint()
     );
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let mut router = spawn_router_logging(
-        &nats.url(),
-        "rbt-vllm-lost",
-        &["--vllm-events", &spec],
-        Stdio::from(log.reopen().unwrap()),
-    );
+    let (mut router, log) =
+        spawn_router_logged(&nats.url(), "rbt-vllm-lost", &["--vllm-events", &spec]);
     assert_eq!(router.ready["event"], "ready");
 
     // The engine dies.
