@@ -178,6 +178,8 @@ pub struct RouterInventory {
     retired_log: LogThrottle,
     /// Rate limit of the warning about an announcement under a second key.
     other_key_log: LogThrottle,
+    /// Rate limit of the warning about a worker the index refused.
+    index_refused_log: LogThrottle,
     /// Set while the router's own connection is down (the registry is
     /// paused); read without the state lock by each connection poll.
     connection_down: AtomicBool,
@@ -235,6 +237,7 @@ impl RouterInventory {
             refused_log: LogThrottle::new(REFUSAL_LOG_EVERY),
             retired_log: LogThrottle::new(RETIRED_LOG_EVERY),
             other_key_log: LogThrottle::new(RETIRED_LOG_EVERY),
+            index_refused_log: LogThrottle::new(RETIRED_LOG_EVERY),
             connection_down: AtomicBool::new(false),
         }
     }

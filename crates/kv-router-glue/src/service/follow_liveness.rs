@@ -83,7 +83,12 @@ impl RouterInventory {
             }
         };
         if let Err(e) = registered {
-            tracing::warn!(worker = ?a.worker_key, error = %e, "index refused the worker");
+            // Throttled: a worker whose identity changed under one engine id
+            // (its role, layout or TP) is refused at every announcement
+            // (trial h44, 6: a line per announcement period).
+            if let Some(suppressed) = self.index_refused_log.admit(std::time::Instant::now()) {
+                tracing::warn!(worker = ?a.worker_key, error = %e, suppressed, "index refused the worker");
+            }
         }
     }
 
