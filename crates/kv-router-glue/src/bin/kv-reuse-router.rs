@@ -582,7 +582,6 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
     // 1 with nothing done on NATS. It used to be found only after the
     // router had subscribed and applied inventory snapshots, whose log
     // lines buried the one error.
-    vllm_streams::check_distinct(&cli.vllm_events)?;
     let vllm = vllm_streams::start(&cli.vllm_events, &index, &service).await?;
 
     let plane = Arc::new(NatsPlane::connect(&cli.nats_url, options.clone()).await?);

@@ -43,10 +43,7 @@ pub use follow::{
     REOPEN_BACKOFF_MIN,
 };
 pub use router_service::RouterService;
-pub use serve::{
-    serve_advise, serve_advise_on, AdviseServer, ServeReport, ServerStages, ServiceError,
-    StageProbe,
-};
+pub use serve::{serve_advise, AdviseServer, ServeReport, ServerStages, ServiceError, StageProbe};
 #[cfg(feature = "vllm")]
 pub use vllm_spec::{vllm_worker_key, VllmEndpointSpec, VllmSpecError, VLLM_WORKER_KEY_SEED};
 pub use wire::{

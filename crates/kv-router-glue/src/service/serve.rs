@@ -177,23 +177,6 @@ pub async fn serve_advise(
         .await
 }
 
-/// [`serve_advise`] on `subject` instead of [`ADVISE_SUBJECT`]
-/// ([`AdviseServer::bind_on`]).
-///
-/// # Errors
-/// As [`AdviseServer::bind_on`] and [`AdviseServer::run`].
-pub async fn serve_advise_on(
-    client: async_nats::Client,
-    service: Arc<RouterService>,
-    subject: &str,
-    shutdown: CancellationToken,
-) -> Result<ServeReport, ServiceError> {
-    AdviseServer::bind_on(client, service, subject)
-        .await?
-        .run(shutdown)
-        .await
-}
-
 /// An advise subscription the server has confirmed, not yet served.
 ///
 /// Split from [`AdviseServer::run`] so that a process can announce that it

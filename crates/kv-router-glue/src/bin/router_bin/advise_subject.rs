@@ -16,8 +16,8 @@ pub(crate) struct AdviseArgs {
     /// callers must use the same (`RouterClient(subject=...)`). Routers of
     /// different `--namespace`s on one NATS server need one each, or each
     /// answers about half of the other's requests (`unknown target
-    /// engine`). A NATS subject without wildcards (`*`, `>`), whitespace or
-    /// empty tokens.
+    /// engine`). A NATS subject of at most 256 bytes, without wildcards
+    /// (`*`, `>`), whitespace or empty tokens.
     #[arg(
         long,
         env = "KV_ROUTER_ADVISE_SUBJECT",

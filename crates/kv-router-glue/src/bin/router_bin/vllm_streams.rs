@@ -55,14 +55,16 @@ pub(super) fn check_distinct(specs: &[VllmEndpointSpec]) -> Result<(), RouterErr
 /// of `service`. One after the other, each within its connect timeout.
 ///
 /// # Errors
-/// [`RouterError::Vllm`] naming the first endpoint that the index refuses
-/// or that does not answer (the streams started before it are stopped by
-/// their drop).
+/// [`RouterError::Config`] from [`check_distinct`], before any stream
+/// starts; [`RouterError::Vllm`] naming the first endpoint that the index
+/// refuses or that does not answer (the streams started before it are
+/// stopped by their drop).
 pub(super) async fn start(
     specs: &[VllmEndpointSpec],
     index: &Arc<InventoryIndex>,
     service: &RouterService,
 ) -> Result<Vec<VllmSubscriber>, RouterError> {
+    check_distinct(specs)?;
     let mut subscribers = Vec::with_capacity(specs.len());
     for spec in specs {
         let vllm_err = |source| RouterError::Vllm {

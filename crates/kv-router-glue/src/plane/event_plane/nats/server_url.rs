@@ -44,26 +44,16 @@ pub fn redact_url(url: &str) -> String {
             entries.push((t, i + 3));
         }
     }
-    let starts: Vec<usize> = entries.iter().map(|&(_, s)| s).collect();
-    // Where each entry's text ends: where the next entry's text starts, else
-    // the end.
-    let ends: Vec<usize> = entries
-        .iter()
-        .skip(1)
-        .map(|&(t, _)| t)
-        .chain(std::iter::once(url.len()))
-        .collect();
     let mut out = String::with_capacity(url.len());
-    let mut done = 0;
     // Scheme-less text before the first scheme (or the whole text without one).
     let lead_end = entries.first().map_or(url.len(), |&(t, _)| t);
-    redact_span(url, 0, lead_end, &mut out, &mut done);
-    for (start, end) in starts.into_iter().zip(ends) {
-        out.push_str(&url[done..start]);
-        done = start;
-        redact_span(url, start, end.max(start), &mut out, &mut done);
+    redact_span(&url[..lead_end], &mut out);
+    for (k, &(text_start, start)) in entries.iter().enumerate() {
+        // Each entry's text ends where the next one's starts, else at the end.
+        let end = entries.get(k + 1).map_or(url.len(), |&(t, _)| t);
+        out.push_str(&url[text_start..start]);
+        redact_span(&url[start..end], &mut out);
     }
-    out.push_str(&url[done..]);
     out
 }
 
@@ -75,10 +65,9 @@ fn is_scheme(s: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
 }
 
-/// Appends `url[start..end]` to `out` with everything before its last `@`
-/// hidden (`user:***`, or `***` for a token), and moves `done` to `end`.
-fn redact_span(url: &str, start: usize, end: usize, out: &mut String, done: &mut usize) {
-    let span = &url[start..end];
+/// Appends `span` to `out` with everything before its last `@` hidden
+/// (`user:***`, or `***` for a token).
+fn redact_span(span: &str, out: &mut String) {
     match span.rfind('@') {
         Some(at) => {
             // A user name is shown only when it cannot be part of a cut
@@ -115,7 +104,6 @@ fn redact_span(url: &str, start: usize, end: usize, out: &mut String, done: &mut
             }
         }
     }
-    *done = end;
 }
 
 /// The NATS servers of `url`: one server URL or a comma-separated list of
