@@ -159,6 +159,7 @@ pub fn run(with_tests: bool) -> Result<()> {
         tests.len()
     );
     println!("carry:  [\".bundle\"]");
+    carry_hint(size);
     println!("device command: bash .bundle/run.sh qualify --profile gpu --out $OUT");
     println!(
         "gpu_serving only: bash .bundle/run.sh qualify --profile gpu --only gpu_serving --out $OUT"
@@ -371,6 +372,34 @@ fn write_build_info(dir: &Path, build_line: &str) -> Result<()> {
     let path = dir.join("build-info.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&info).expect("json"))
         .map_err(XtaskError::io(&path))
+}
+
+/// Warns when the bundle and the checkout's tracked files together exceed
+/// [`CARRY_LIMIT`]: the device tool counts the whole working tree with the
+/// carried paths, and refuses the call before starting any machine
+/// (session 36: 40.6 MB of bundle with 26.2 MB of checkout). Names the
+/// two slim copies (hard links, no extra disk) that fit: one without the
+/// pytest files for `transfer` and `qualify`, one without nats-server for
+/// `pytest-gpu`.
+fn carry_hint(bundle: u64) {
+    let Some(checkout) = workspace::tracked_bytes() else {
+        return;
+    };
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let total = bundle + checkout;
+    println!(
+        "carry with the checkout's tracked files: {:.1} MiB of {:.0} MiB",
+        mib(total),
+        mib(CARRY_LIMIT)
+    );
+    if total > CARRY_LIMIT {
+        println!(
+            "warning: over the carry limit; carry slim copies instead:\n  \
+             cp -al .bundle .bundle-q && rm -rf .bundle-q/pytest-wheels .bundle-q/pytests.tar.gz   \
+             # transfer, qualify\n  \
+             cp -al .bundle .bundle-p && rm -f .bundle-p/nats-server.tar.gz   # pytest-gpu"
+        );
+    }
 }
 
 fn dir_size(dir: &Path) -> Result<u64> {

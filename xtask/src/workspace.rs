@@ -38,6 +38,23 @@ pub fn cargo() -> Command {
     c
 }
 
+/// Bytes of the files `git ls-files` lists under [`root`] (what a copy of
+/// the working tree carries besides ignored paths); `None` outside a git
+/// checkout or when git fails.
+pub fn tracked_bytes() -> Option<u64> {
+    let mut c = Command::new("git");
+    c.current_dir(root()).args(["ls-files", "-z"]);
+    let listed = command::capture(&mut c).ok()?;
+    Some(
+        listed
+            .split('\0')
+            .filter(|f| !f.is_empty())
+            .filter_map(|f| std::fs::metadata(root().join(f)).ok())
+            .map(|m| m.len())
+            .sum(),
+    )
+}
+
 /// Build provenance handed to `kvq` through `KVQ_*` variables.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Provenance {
@@ -73,5 +90,26 @@ impl Provenance {
             ("KVQ_GIT_DIRTY".into(), self.dirty.to_string()),
             ("KVQ_RUSTC".into(), self.rustc.clone()),
         ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tracked bytes count the workspace manifest and the lock file,
+    /// and nothing git ignores (the target folder alone is larger).
+    #[test]
+    fn tracked_bytes_counts_tracked_files_only() {
+        let Some(bytes) = tracked_bytes() else {
+            eprintln!("skipped: not a git checkout");
+            return;
+        };
+        let manifest = std::fs::metadata(root().join("Cargo.toml")).unwrap().len();
+        let lock = std::fs::metadata(root().join("Cargo.lock")).unwrap().len();
+        assert!(bytes > manifest + lock, "{bytes} bytes");
+        // The checkout is tens of MiB; a count that took in target/ (GiB) or
+        // .git would be far over this.
+        assert!(bytes < 512 << 20, "{bytes} bytes");
     }
 }
