@@ -304,7 +304,7 @@ enum RouterError {
     #[error("{0} during the drain: stopped before the advise subscription was drained")]
     DrainCut(&'static str),
     /// A follower task ended while serving (`router_bin/stop.rs`).
-    #[error("a follower of announcements or the donor directory ended while serving ({0}); exiting for a restart")]
+    #[error("a follower of announcements, KV events, the donor directory or a vLLM stream ended while serving ({0}); exiting for a restart")]
     FollowerEnded(String),
 }
 
@@ -622,6 +622,7 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
             stop_following.clone(),
         )
         .await?;
+    vllm_streams::supervise(&cli.vllm_events, &vllm, &mut followers);
 
     let metrics = Arc::new(ReuseMetrics::new());
     let observing = observe::spawn(metrics.clone(), inventory.clone(), stop_following.clone());

@@ -95,3 +95,81 @@ async fn an_ended_directory_watch_or_announcements_subscription_is_opened_again(
     );
     stop.cancel();
 }
+
+/// An [`EventPlane`] that panics when asked to subscribe to `panic_on` and
+/// passes everything else to an in-process plane: a bug in one subject's
+/// task, as seen by its follower.
+struct PanicOnSubscribe {
+    inner: crate::InProcessPlane,
+    panic_on: &'static str,
+}
+
+impl EventPlane for PanicOnSubscribe {
+    fn name(&self) -> &'static str {
+        "panic_on_subscribe"
+    }
+    fn publish<'a>(
+        &'a self,
+        subject: &'a crate::Subject,
+        payload: Vec<u8>,
+    ) -> crate::PlaneFuture<'a, ()> {
+        self.inner.publish(subject, payload)
+    }
+    fn subscribe<'a>(
+        &'a self,
+        subject: &'a crate::Subject,
+    ) -> crate::PlaneFuture<'a, crate::Subscription> {
+        assert_ne!(
+            subject.as_str(),
+            self.panic_on,
+            "a bug in this subject's task"
+        );
+        self.inner.subscribe(subject)
+    }
+    fn wait_for_subscribers<'a>(
+        &'a self,
+        subject: &'a crate::Subject,
+        n: usize,
+        timeout: Duration,
+    ) -> crate::PlaneFuture<'a, usize> {
+        self.inner.wait_for_subscribers(subject, n, timeout)
+    }
+}
+
+/// A panic in the task following one announced event subject ends the
+/// announcement follower with the same message (what the router binary
+/// exits 1 on), where it used to be reaped silently and that subject went
+/// unfollowed with the followers still running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_one_subjects_task_ends_the_announcement_follower() {
+    let plane = crate::InProcessPlane::new();
+    let subject = "kv.t.prefill.kv_events";
+    let faulty = PanicOnSubscribe {
+        inner: plane.clone(),
+        panic_on: subject,
+    };
+    let inv = inventory_on(crate::InProcessInventory::new(), Duration::from_secs(1));
+    let directory = Arc::new(crate::InProcessDirectory::new());
+    let (mut followers, stop) = follow_in_process(&inv, Arc::new(faulty), directory).await;
+    let announce = crate::announce_subject("t").unwrap();
+    let a = announcement("p0", EngineId::fresh(), Role::Prefill, subject);
+    plane.publish(&announce, a).await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(5), followers.join_next())
+        .await
+        .expect("a follower ends within 5 s")
+        .expect("a follower task");
+    let err = ended.expect_err("the follower panicked");
+    assert!(err.is_panic(), "{err}");
+    let payload = err.into_panic();
+    let message = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        message.contains("a bug in this subject's task"),
+        "{message}"
+    );
+    // The directory follower is still running: only the announcement one ended.
+    assert_eq!(followers.len(), 1);
+    stop.cancel();
+}

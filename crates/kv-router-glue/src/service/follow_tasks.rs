@@ -23,7 +23,10 @@ impl RouterInventory {
     /// Runs the followers on `plane` and `directory` until `shutdown`:
     /// announcements (and the event subscriptions they name), the silence
     /// tick every `announce_period`, and the directory watch. A stream that
-    /// ends is opened again (module docs, "Re-opening").
+    /// ends is opened again (module docs, "Re-opening"). The returned tasks
+    /// run until `shutdown`; a panic in one (or in the task of one event
+    /// subject, which the announcement follower re-raises) ends that task
+    /// with the panic, for the caller to stop on.
     ///
     /// # Errors
     /// The plane's or directory's subscribe error at start (nothing runs).
@@ -93,8 +96,18 @@ impl RouterInventory {
                             let (me, stop, plane) = (me.clone(), stop.clone(), plane.clone());
                             streams.spawn(async move { me.follow_events(plane, subject, own, stop).await });
                         }
-                        // Reap the tasks of released subjects as they end.
-                        while streams.try_join_next().is_some() {}
+                    }
+                    // Reaps the tasks of released subjects as they end. One
+                    // that panicked (a bug) panics this follower with its
+                    // payload, so that its end reaches the router's
+                    // supervisor (`router_bin/stop.rs`, exit 1): swallowed,
+                    // it silenced one subject while /healthz stayed 200.
+                    Some(ended) = streams.join_next() => {
+                        if let Err(e) = ended {
+                            if e.is_panic() {
+                                std::panic::resume_unwind(e.into_panic());
+                            }
+                        }
                     }
                 }
             }

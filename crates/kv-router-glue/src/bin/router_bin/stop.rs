@@ -1,12 +1,14 @@
 //! What ends the serving phase: SIGTERM or SIGINT, or a follower task that
-//! ends on its own. The two followers (announcements with the silence tick,
-//! the donor directory watch) run until the stop; one that ends before it
-//! panicked (a bug), and a router that
-//! served on would answer advise requests from an index nobody updates any
-//! more, with `/healthz` still 200 (trial h42, 1). So it exits instead (1),
-//! for its supervisor to restart it. Not covered: the task following one
-//! announced event subject (reaped by the announcement follower, so a panic
-//! there silences that subject only) and a vLLM subscriber's task.
+//! ends on its own. The followers (announcements with the silence tick,
+//! the donor directory watch, and one watcher per `--vllm-events` stream)
+//! run until the stop; one that ends before it panicked (a bug), and a
+//! router that served on would answer advise requests from an index nobody
+//! updates any more, with `/healthz` still 200 (trial h42, 1). So it exits
+//! instead (1), for its supervisor to restart it. A panic in the task
+//! following one announced event subject reaches here too: the
+//! announcement follower that reaps those tasks panics with its payload
+//! (`service/follow_tasks.rs`); a vLLM stream's task is watched through
+//! `VllmSubscriber::ended` (`vllm_streams::supervise`).
 //!
 //! After the stop, the followers' counters are logged on a line of their own.
 

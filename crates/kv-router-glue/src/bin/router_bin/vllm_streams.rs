@@ -84,6 +84,28 @@ pub(super) async fn start(
     Ok(subscribers)
 }
 
+/// Adds to `followers` one task per stream of `specs` (same order as
+/// [`start`] returned them) that ends when the stream's task does: before
+/// the stop only by a panic, which then ends the serving phase as any
+/// follower's end does (`stop.rs`, exit 1), after an error line naming the
+/// endpoint. Swallowed, it left that engine's blocks unfollowed while
+/// `/healthz` stayed 200. Dropping `followers` before [`stop`] aborts
+/// these first, so a stop is never reported as an end.
+pub(super) fn supervise(
+    specs: &[VllmEndpointSpec],
+    subscribers: &[VllmSubscriber],
+    followers: &mut tokio::task::JoinSet<()>,
+) {
+    for (spec, sub) in specs.iter().zip(subscribers) {
+        let ended = sub.ended();
+        let endpoint = spec.endpoint.clone();
+        followers.spawn(async move {
+            ended.await;
+            tracing::error!(%endpoint, "the vLLM stream's task ended while serving (a panic, reported above)");
+        });
+    }
+}
+
 /// Stops each subscriber of `specs` (same order as [`start`] returned
 /// them) and logs its counters.
 pub(super) async fn stop(specs: &[VllmEndpointSpec], subscribers: Vec<VllmSubscriber>) {

@@ -182,6 +182,9 @@ pub struct VllmSubscriber {
     shared: Arc<Mutex<Shared>>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
+    /// Closed when the task ends, however (its sender lives in the task,
+    /// dropped on return and on a panic's unwind alike); nothing is sent.
+    ended: tokio::sync::watch::Receiver<()>,
 }
 
 impl std::fmt::Debug for VllmSubscriber {
@@ -228,15 +231,36 @@ impl VllmSubscriber {
         // Every line the stream logs names its endpoint (a restart or a
         // loss did not say whose: trial h44, 8).
         let span = tracing::info_span!("vllm_stream", endpoint = %config.endpoint);
+        let (ended_tx, ended) = tokio::sync::watch::channel(());
+        let run = link.run(shared.clone(), stop_rx);
         let task = tokio::spawn(tracing::Instrument::instrument(
-            link.run(shared.clone(), stop_rx),
+            async move {
+                let _ended = ended_tx;
+                run.await
+            },
             span,
         ));
         Ok(Self {
             shared,
             stop: Some(stop_tx),
             task: Some(task),
+            ended,
         })
+    }
+
+    /// Resolves once the subscription's task has ended. It runs until
+    /// [`Self::stop`] (or the drop), so an end before that is a panic (a
+    /// bug; its message went to the panic hook): from then on nothing of
+    /// this endpoint is ingested, and a supervisor should restart the
+    /// process rather than serve from an index nobody updates. Any number
+    /// of these may wait; each owns what it needs.
+    pub fn ended(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut ended = self.ended.clone();
+        async move {
+            // Nothing is ever sent: `changed` returns only once the
+            // sender is dropped with the task.
+            while ended.changed().await.is_ok() {}
+        }
     }
 
     /// Current counters.
@@ -613,6 +637,42 @@ mod tests {
         // 26 failures of 25 requests).
         assert!(st.replay_requests >= st.replay_failures + 2, "{st:?}");
     }
+    /// `ended` stays pending while the subscription runs and resolves once
+    /// its task is gone without returning (aborted here; a panic drops the
+    /// task's future the same way) and after a stop.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ended_resolves_when_the_task_is_gone_and_not_before() {
+        use crate::vllm_events::VllmZmqPublisher;
+        let any = "tcp://127.0.0.1:0";
+        let publisher = VllmZmqPublisher::bind(any, any, "", 100).await.unwrap();
+        let config = |ep: &str| {
+            let mut c = VllmSubscriberConfig::new(ep.to_owned(), None);
+            c.idle_probe = None;
+            c.connect_timeout = Duration::from_millis(300);
+            c
+        };
+        let ep = publisher.endpoint().to_owned();
+        let sub = VllmSubscriber::start(config(&ep), decode_ingest(4))
+            .await
+            .unwrap();
+        let (first, second) = (sub.ended(), sub.ended());
+        let waited = tokio::time::timeout(Duration::from_millis(300), first).await;
+        assert!(waited.is_err(), "ended while running");
+        sub.task.as_ref().unwrap().abort();
+        tokio::time::timeout(Duration::from_secs(5), second)
+            .await
+            .expect("ended after the task was aborted");
+
+        let sub = VllmSubscriber::start(config(&ep), decode_ingest(5))
+            .await
+            .unwrap();
+        let ended = sub.ended();
+        sub.stop().await;
+        tokio::time::timeout(Duration::from_secs(5), ended)
+            .await
+            .expect("ended after the stop");
+    }
+
     /// Trial h39 #7: a PUB endpoint that dies after the start is reported by
     /// the subscriber itself (counted in `disconnects`, warned once, then
     /// every 10 s), and ZeroMQ's own reconnect to the engine back on the same
