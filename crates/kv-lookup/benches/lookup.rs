@@ -1,5 +1,6 @@
 //! `cargo bench -p kv-lookup --bench lookup -- [--json FILE] [--quick]
-//! [--threads T+E,...] [--seconds S] [--only single|concurrent|interference]`
+//! [--threads T+E,...] [--seconds S] [--only single|concurrent|interference]
+//! [--rounds R]`
 //!
 //! Runs the same event streams and lookups through `kv_lookup::InventoryIndex`
 //! and every dynamo-kv-router 1.6.1 indexer that takes these events (`RadixTree`,
@@ -22,7 +23,8 @@
 //! `DcCkfState` / `LocalCkfAdapter` (approximate membership, keyed by
 //! canonical hashes these workloads do not produce). `--only interference`
 //! runs neither table but `lookup/interference.rs`'s rows: each indexer's
-//! lookups under another index's event load (synthetic workload only).
+//! lookups under another index's event load (synthetic workload only), each
+//! row `R` pairs of a lone run and a loaded run (default 3).
 //!
 //! Workloads:
 //! - `synthetic`: 64 workers (32 decode publishing retained blocks, 32
@@ -86,6 +88,8 @@ struct Args {
     concurrent: bool,
     /// `--only interference` (`lookup/interference.rs`).
     interference: bool,
+    /// `--rounds R`: pairs per interference row.
+    rounds: usize,
 }
 
 fn parse_args() -> Args {
@@ -104,6 +108,7 @@ fn parse_args() -> Args {
         single: true,
         concurrent: true,
         interference: false,
+        rounds: 3,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -134,6 +139,7 @@ fn parse_args() -> Args {
                     })
                     .collect()
             }
+            "--rounds" => a.rounds = it.next().and_then(|v| v.parse().ok()).expect("--rounds R"),
             "--seconds" => a.seconds = it.next().and_then(|v| v.parse().ok()).expect("--seconds S"),
             "--only" => match it.next().as_deref() {
                 Some("single") => a.concurrent = false,
@@ -639,6 +645,7 @@ fn main() {
             &prefix,
             &args.threads,
             args.seconds,
+            args.rounds,
             stores,
             capacity,
             &s.requests,
