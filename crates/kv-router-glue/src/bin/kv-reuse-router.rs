@@ -350,7 +350,14 @@ fn env_source(err: &clap::Error, args: &[std::ffi::OsString]) -> Option<String> 
 }
 
 fn main() -> ExitCode {
-    // `KV_REUSE_*` first, through the loader that names the variable:
+    // A `KV_ROUTER_*` name the router does not read is a typo, refused
+    // like an unknown `KV_REUSE_*` one rather than silently ignored.
+    let known = env_names::known(&<Cli as clap::CommandFactory>::command());
+    if let Err(e) = env_names::check(std::env::vars_os().map(|(name, _)| name), &known) {
+        eprintln!("kv-reuse-router: {e}");
+        return ExitCode::from(2);
+    }
+    // `KV_REUSE_*` next, through the loader that names the variable:
     // clap reads them too (the flags' `env`), and its message named only
     // the flag (`invalid value '0' for '--minimum-transfer-prefix-blocks'`
     // for `KV_REUSE_MINIMUM_TRANSFER_PREFIX_BLOCKS=0`; helper-20 finding
@@ -385,7 +392,7 @@ fn main() -> ExitCode {
     // `KV_REUSE_*` value (exit 2 naming the variable), not a silent `info`:
     // an operator who asked for debug logs would otherwise never learn why
     // they do not come.
-    let filter = match std::env::var("KV_ROUTER_LOG") {
+    let filter = match std::env::var(env_names::LOG_VAR) {
         Err(std::env::VarError::NotPresent) => tracing_subscriber::EnvFilter::new(DEFAULT_LOG),
         Err(e) => {
             eprintln!("kv-reuse-router: `KV_ROUTER_LOG`: {e}");
@@ -773,6 +780,8 @@ mod stop;
 
 #[path = "router_bin/advise_subject.rs"]
 mod advise_subject;
+#[path = "router_bin/env_names.rs"]
+mod env_names;
 #[path = "router_bin/flag_values.rs"]
 mod flag_values;
 use flag_values::{bucket_name, inbox_prefix, namespace_token, NatsUrlParser};
