@@ -175,9 +175,9 @@ pub use plane::inventory::{
     MAX_SNAPSHOT_TP,
 };
 pub use plane::registry::{
-    announce_subject, AnnouncementError, Registration, WorkerAnnouncement, WorkerRegistry,
-    FORGET_AFTER_MIN_MS, FORGET_AFTER_SILENCE_WINDOWS, MAX_ANNOUNCED_GPUS, MAX_ANNOUNCEMENT_BYTES,
-    MAX_REMEMBERED,
+    announce_subject, AnnouncementError, IdentityField, Registration, WorkerAnnouncement,
+    WorkerRegistry, FORGET_AFTER_MIN_MS, FORGET_AFTER_SILENCE_WINDOWS, MAX_ANNOUNCED_GPUS,
+    MAX_ANNOUNCEMENT_BYTES, MAX_REMEMBERED,
 };
 #[cfg(feature = "qualify")]
 pub use qualify::{qualify_section, GlueQualifySection};

@@ -325,32 +325,15 @@ impl RouterError {
     }
 }
 
-/// The environment variable `err` (clap's refusal of a flag's value) came
-/// from, when it came from one: an `env`-backed flag that the message names,
-/// absent from the command line, whose variable is set. clap's own message
-/// names only the flag (trial h33, nit 6). Found from the message, because
-/// the value parsers' own errors (`--nats-url`'s) carry no context.
-fn env_source(err: &clap::Error, args: &[std::ffi::OsString]) -> Option<String> {
-    use clap::CommandFactory;
-    let shown = err.to_string();
-    let cmd = Cli::command();
-    let var = cmd.get_arguments().find_map(|arg| {
-        let long = arg.get_long()?;
-        let var = arg.get_env()?.to_str()?;
-        let flag = format!("--{long}");
-        // `'--nats-url'` or `'--nats-url <NATS_URL>'`: not a longer flag.
-        let named = shown.contains(&format!("'{flag}'")) || shown.contains(&format!("'{flag} "));
-        let on_command_line = args.iter().any(|a| {
-            a.to_str()
-                .is_some_and(|a| a == flag || a.starts_with(&format!("{flag}=")))
-        });
-        (named && !on_command_line && std::env::var_os(var).is_some()).then(|| var.to_string())
-    });
-    var
-}
-
 fn main() -> ExitCode {
-    // `KV_REUSE_*` first, through the loader that names the variable:
+    // A `KV_ROUTER_*` name the router does not read is a typo, refused
+    // like an unknown `KV_REUSE_*` one rather than silently ignored.
+    let known = env_names::known(&<Cli as clap::CommandFactory>::command());
+    if let Err(e) = env_names::check(std::env::vars_os().map(|(name, _)| name), &known) {
+        eprintln!("kv-reuse-router: {e}");
+        return ExitCode::from(2);
+    }
+    // `KV_REUSE_*` next, through the loader that names the variable:
     // clap reads them too (the flags' `env`), and its message named only
     // the flag (`invalid value '0' for '--minimum-transfer-prefix-blocks'`
     // for `KV_REUSE_MINIMUM_TRANSFER_PREFIX_BLOCKS=0`; helper-20 finding
@@ -371,21 +354,19 @@ fn main() -> ExitCode {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
-        Err(e) => {
-            if let Some(var) = env_source(&e, &args) {
-                // clap's text ("error: invalid value 'x' for '--flag'")
-                // names the flag; say the variable it was read from.
-                eprint!("kv-reuse-router: `{var}` (environment variable): {e}");
+        Err(e) => match parse_errors::explain(&e, &args) {
+            Some(text) => {
+                eprint!("{text}");
                 return ExitCode::from(2);
             }
-            e.exit()
-        }
+            None => e.exit(),
+        },
     };
     // A filter that does not parse is a configuration error like a bad
     // `KV_REUSE_*` value (exit 2 naming the variable), not a silent `info`:
     // an operator who asked for debug logs would otherwise never learn why
     // they do not come.
-    let filter = match std::env::var("KV_ROUTER_LOG") {
+    let filter = match std::env::var(env_names::LOG_VAR) {
         Err(std::env::VarError::NotPresent) => tracing_subscriber::EnvFilter::new(DEFAULT_LOG),
         Err(e) => {
             eprintln!("kv-reuse-router: `KV_ROUTER_LOG`: {e}");
@@ -774,8 +755,12 @@ mod stop;
 
 #[path = "router_bin/advise_subject.rs"]
 mod advise_subject;
+#[path = "router_bin/env_names.rs"]
+mod env_names;
 #[path = "router_bin/flag_values.rs"]
 mod flag_values;
+#[path = "router_bin/parse_errors.rs"]
+mod parse_errors;
 use flag_values::{bucket_name, inbox_prefix, namespace_token, NatsUrlParser};
 
 #[cfg(test)]

@@ -178,6 +178,9 @@ pub struct RouterInventory {
     retired_log: LogThrottle,
     /// Rate limit of the warning about an announcement under a second key.
     other_key_log: LogThrottle,
+    /// Rate limit of the warning about an announcement changing a
+    /// registered fact (role, layout, TP).
+    identity_log: LogThrottle,
     /// Rate limit of the warning about a worker the index refused.
     index_refused_log: LogThrottle,
     /// Set while the router's own connection is down (the registry is
@@ -237,6 +240,7 @@ impl RouterInventory {
             refused_log: LogThrottle::new(REFUSAL_LOG_EVERY),
             retired_log: LogThrottle::new(RETIRED_LOG_EVERY),
             other_key_log: LogThrottle::new(RETIRED_LOG_EVERY),
+            identity_log: LogThrottle::new(RETIRED_LOG_EVERY),
             index_refused_log: LogThrottle::new(RETIRED_LOG_EVERY),
             connection_down: AtomicBool::new(false),
         }
@@ -432,12 +436,40 @@ impl RouterInventory {
             }
             Registration::OtherKey { registered_under } => {
                 self.ignore_announcement(&self.other_key_log, |suppressed| {
+                    // Who keeps the key from it: a live worker, or one
+                    // dropped for silence that may come back (trial h44, 6).
+                    let holder = match st.registry.get(&a.worker_key) {
+                        Some(live) => live.engine_id.to_string(),
+                        None => st.registry.silenced_under(&a.worker_key).map_or_else(
+                            || "none".to_string(),
+                            |e| format!("{e} (dropped for silence, may come back)"),
+                        ),
+                    };
                     tracing::warn!(
                         worker = ?a.worker_key,
                         engine = %a.engine_id,
-                        registered_under = %registered_under,
+                        registered_under = ?registered_under,
+                        key_held_by = ?holder,
                         suppressed,
                         "announcement under a second worker key ignored (one engine announces one worker key: is a worker key computed twice, or a config copied?)"
+                    );
+                });
+                return None;
+            }
+            Registration::IdentityChanged { field } => {
+                self.ignore_announcement(&self.identity_log, |suppressed| {
+                    let registered = st
+                        .registry
+                        .get(&a.worker_key)
+                        .map_or_else(String::new, |r| field.value_in(r));
+                    tracing::warn!(
+                        worker = ?a.worker_key,
+                        engine = %a.engine_id,
+                        %field,
+                        registered = %registered,
+                        announced = %field.value_in(&a),
+                        suppressed,
+                        "announcement changing a registered fact ignored (an engine id is one incarnation: its role, layout and TP never change; is a publisher reusing an engine id?)"
                     );
                 });
                 return None;

@@ -374,3 +374,61 @@ async fn the_directory_forgets_the_generations_of_forgotten_incarnations() {
     assert_eq!(inv.stats().incarnations_forgotten, 1);
     assert_eq!(inv.remote.generations_known(), 1, "l1's forgotten with it");
 }
+
+/// Trial h44, 6: a prefill engine re-announcing itself as a decode worker
+/// was taken as a refresh, refused by the index at every announcement, and
+/// stayed an advise target. It is ignored (`announcements_ignored`) and
+/// not heard: dropped for silence (no target then), then taken back as
+/// what it announces.
+#[tokio::test]
+async fn an_engine_changing_its_role_is_ignored_and_dropped_for_silence() {
+    let (inv, service) = inventory();
+    let p = EngineId::fresh();
+    let subject = "kv.t.prefill.e";
+    inv.on_announcement(&announcement("p0", p, Role::Prefill, subject), 0)
+        .await;
+    let target = || {
+        let req = crate::service::AdviseRequest {
+            request_id: "r".into(),
+            target: p,
+            keys: crate::service::AdviseKeys::SequenceHashes(vec![kv_descriptor::SequenceHash(1)]),
+        };
+        !matches!(
+            service.advise(&req).result,
+            crate::service::AdviseResult::Refused(crate::service::AdviseRefusal::UnknownTarget(_))
+        )
+    };
+    let as_decode = announcement("p0", p, Role::Decode, subject);
+    inv.on_announcement(&as_decode, 1_000).await;
+    inv.on_announcement(&as_decode, 2_000).await;
+    let st = inv.stats();
+    assert_eq!(
+        (st.announcements, st.announcements_ignored),
+        (1, 2),
+        "{st:?}"
+    );
+    assert!(target(), "still the prefill target it registered as");
+    assert_eq!(
+        inv.index().worker(p).map(|(_, w)| w.role),
+        Some(Role::Prefill)
+    );
+    assert_eq!(inv.tick(3_001).await, 1, "not renewed since 0");
+    assert!(!target());
+    inv.on_announcement(&as_decode, 3_500).await;
+    assert!(!target(), "a decode worker is no target");
+    assert_eq!(
+        inv.index().worker(p).map(|(_, w)| w.role),
+        Some(Role::Decode)
+    );
+    let st = inv.stats();
+    assert_eq!(
+        (
+            st.announcements,
+            st.announcements_ignored,
+            st.workers_dropped,
+            st.workers_readmitted
+        ),
+        (2, 2, 1, 1),
+        "{st:?}"
+    );
+}

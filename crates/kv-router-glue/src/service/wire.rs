@@ -80,10 +80,14 @@ pub enum AdviseRefusal {
     },
     /// The target engine is not a prefill worker this router knows. The
     /// message says where to look: most often the target announces in
-    /// another namespace than the router's (the router then never sees it).
+    /// another namespace than the router's (the router then never sees it),
+    /// or this router answered a request meant for another namespace's
+    /// router on a shared advise subject (trial h44, 11).
     #[error(
         "unknown target engine {0} (no prefill announcement of it reached the router: is the \
-         target announcing, on `kv.<namespace>.workers.announce` of the router's --namespace?)"
+         target announcing, on `kv.<namespace>.workers.announce` of the router's --namespace? \
+         Or does a router of another namespace share this advise subject (each namespace needs \
+         its own `--advise-subject`, and its clients the same `RouterClient(subject=)`)?)"
     )]
     UnknownTarget(EngineId),
     /// The router is draining and takes no new requests.

@@ -119,6 +119,14 @@ fn refusals_are_typed_and_change_nothing() {
         "{unknown}"
     );
     assert!(unknown.contains("router's --namespace"), "{unknown}");
+    // Or a router of another namespace answering on a shared advise
+    // subject (trial h44, 11).
+    assert!(
+        unknown.contains("a router of another namespace share this advise subject")
+            && unknown.contains("`--advise-subject`")
+            && unknown.contains("`RouterClient(subject=)`"),
+        "{unknown}"
+    );
     assert_eq!(svc.refused(), 5);
     assert_eq!(
         svc.advisor().log().recent().len(),

@@ -311,7 +311,9 @@ impl Router {
                     self.index.remove_worker(*dropped);
                     self.remote.forget(*dropped);
                 }
-                Registration::Retired | Registration::OtherKey { .. } => continue,
+                Registration::Retired
+                | Registration::OtherKey { .. }
+                | Registration::IdentityChanged { .. } => continue,
                 // Time is 0 here: nothing is dropped for silence.
                 Registration::New | Registration::Refreshed | Registration::Readmitted => {}
             }

@@ -8,13 +8,15 @@
 //! the tests of start, serve, stop and configuration errors; `donors.rs`
 //! those with worker and donor processes (rebuild, outage, vLLM, TLS);
 //! `vllm_endpoint.rs` a `--vllm-events` endpoint lost after the start;
-//! `advise_subject.rs` routers of two namespaces on their own advise subjects.
+//! `advise_subject.rs` routers of two namespaces on their own advise subjects;
+//! `env_names.rs` an unknown `KV_ROUTER_*` variable refused at start.
 
 #[path = "../agents_common/mod.rs"]
 mod agents_common;
 
 mod advise_subject;
 mod donors;
+mod env_names;
 mod lifecycle;
 mod process;
 mod vllm_endpoint;

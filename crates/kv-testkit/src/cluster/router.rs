@@ -74,7 +74,9 @@ impl Router {
         let registration = reg.announce(a.clone(), unix_now_ms());
         self.forget(reg.take_forgotten());
         match registration {
-            Registration::Retired | Registration::OtherKey { .. } => return,
+            Registration::Retired
+            | Registration::OtherKey { .. }
+            | Registration::IdentityChanged { .. } => return,
             Registration::Replaced { dropped } => {
                 self.index.remove_worker(dropped);
                 self.remote.forget(dropped);

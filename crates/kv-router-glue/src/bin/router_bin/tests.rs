@@ -285,15 +285,19 @@ fn conflicting_or_incomplete_nats_flags_are_refused_naming_them() {
 
 /// Trial h42, 4: two `--vllm-events` of one endpoint or one worker name
 /// exit 2 naming both occurrences; distinct ones pass.
-#[test]
-fn vllm_streams_of_one_endpoint_or_one_worker_name_are_refused() {
+#[tokio::test]
+async fn vllm_streams_of_one_endpoint_or_one_worker_name_are_refused() {
     let spec = |s: &str| s.parse::<VllmEndpointSpec>().unwrap();
     let a = spec("tcp://127.0.0.1:15684,fingerprint=1,worker=decode-0");
     let b = spec("tcp://127.0.0.1:15694,fingerprint=1,worker=decode-0");
     let c = spec("tcp://127.0.0.1:15704,fingerprint=1,worker=decode-1");
     let d = spec("tcp://127.0.0.1:15704,fingerprint=1,worker=decode-2");
-    assert!(vllm_streams::check_distinct(&[a.clone(), c.clone()]).is_ok());
-    let e = vllm_streams::check_distinct(&[a, c.clone(), b]).unwrap_err();
+    assert!(vllm_streams::check_distinct(&[a.clone(), c.clone()])
+        .await
+        .is_ok());
+    let e = vllm_streams::check_distinct(&[a, c.clone(), b])
+        .await
+        .unwrap_err();
     assert_eq!(e.exit_code(), 2);
     let text = e.to_string();
     assert!(
@@ -303,16 +307,109 @@ fn vllm_streams_of_one_endpoint_or_one_worker_name_are_refused() {
     // One replay endpoint behind two PUB endpoints (trial h44, 1).
     let r1 = spec("tcp://127.0.0.1:15784,replay=tcp://127.0.0.1:15785,fingerprint=1,worker=a");
     let r2 = spec("tcp://127.0.0.1:15794,replay=tcp://127.0.0.1:15785,fingerprint=1,worker=b");
-    let e = vllm_streams::check_distinct(&[r1, r2]).unwrap_err();
+    let e = vllm_streams::check_distinct(&[r1, r2]).await.unwrap_err();
     assert!(
         e.to_string()
             .contains("the same replay endpoint tcp://127.0.0.1:15785"),
         "{e}"
     );
-    let e = vllm_streams::check_distinct(&[c, d]).unwrap_err();
+    let e = vllm_streams::check_distinct(&[c, d]).await.unwrap_err();
     assert!(
         e.to_string()
             .contains("occurrences 1 and 2 subscribe to the same endpoint tcp://127.0.0.1:15704"),
         "{e}"
     );
+}
+
+/// Trial h44, 1: endpoints were compared as text, so one engine written
+/// two ways (`localhost`, a leading zero in the port, an upper-case name,
+/// an IPv4-mapped IPv6 address) passed as two, every block indexed twice.
+/// They are compared by the addresses they connect to; a `replay=` naming
+/// a PUB endpoint is refused too.
+#[tokio::test]
+async fn vllm_endpoints_are_compared_by_address_not_as_written() {
+    let spec = |s: &str| s.parse::<VllmEndpointSpec>().unwrap();
+    let base = "tcp://127.0.0.1:15884,fingerprint=1,worker=a";
+    for other in [
+        "tcp://localhost:15884",
+        "tcp://LOCALHOST:15884",
+        "tcp://127.0.0.1:015884",
+        "tcp://[::ffff:127.0.0.1]:15884",
+    ] {
+        let specs = [spec(base), spec(&format!("{other},fingerprint=1,worker=b"))];
+        let e = vllm_streams::check_distinct(&specs).await.unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "`--vllm-events` occurrences 1 and 2 subscribe to the same endpoint {other} \
+                 (the same address as tcp://127.0.0.1:15884)"
+            )
+        );
+    }
+    // Another port, another loopback address, a name that never resolves
+    // (`.invalid`, RFC 6761) next to another: distinct.
+    for (x, y) in [
+        ("tcp://localhost:15884", "tcp://localhost:15885"),
+        ("tcp://127.0.0.1:15884", "tcp://127.0.0.2:15884"),
+        ("tcp://a.invalid:15884", "tcp://b.invalid:15884"),
+    ] {
+        let specs = [
+            spec(&format!("{x},fingerprint=1,worker=a")),
+            spec(&format!("{y},fingerprint=1,worker=b")),
+        ];
+        assert!(
+            vllm_streams::check_distinct(&specs).await.is_ok(),
+            "{x} {y}"
+        );
+    }
+    // Unresolved names are compared lowercased, without a trailing dot.
+    let specs = [
+        spec("tcp://a.invalid:15884,fingerprint=1,worker=a"),
+        spec("tcp://A.Invalid.:15884,fingerprint=1,worker=b"),
+    ];
+    let e = vllm_streams::check_distinct(&specs).await.unwrap_err();
+    assert!(
+        e.to_string().contains("subscribe to the same endpoint"),
+        "{e}"
+    );
+    // Replay endpoints the same way.
+    let specs = [
+        spec("tcp://127.0.0.1:15884,replay=tcp://localhost:15885,fingerprint=1,worker=a"),
+        spec("tcp://127.0.0.1:15894,replay=tcp://127.0.0.1:015885,fingerprint=1,worker=b"),
+    ];
+    let e = vllm_streams::check_distinct(&specs).await.unwrap_err();
+    assert!(
+        e.to_string().contains(
+            "name the same replay endpoint tcp://127.0.0.1:015885 (the same address as tcp://localhost:15885)"
+        ),
+        "{e}"
+    );
+    // A replay endpoint that is a PUB endpoint, its own or another's.
+    for (specs, whose, text) in [
+        (
+            vec![spec(
+                "tcp://127.0.0.1:15884,replay=tcp://localhost:15884,fingerprint=1",
+            )],
+            "occurrence 1",
+            "tcp://localhost:15884 (the same address as tcp://127.0.0.1:15884)",
+        ),
+        (
+            vec![
+                spec("tcp://127.0.0.1:15884,fingerprint=1,worker=a"),
+                spec("tcp://127.0.0.1:15894,replay=tcp://127.0.0.1:15884,fingerprint=1,worker=b"),
+            ],
+            "occurrences 1 and 2",
+            "tcp://127.0.0.1:15884",
+        ),
+    ] {
+        let e = vllm_streams::check_distinct(&specs).await.unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "`--vllm-events` {whose}: `replay={text}` is a PUB endpoint (`tcp://...` before \
+                 the first comma), not the engine's ROUTER replay endpoint"
+            )
+        );
+    }
 }

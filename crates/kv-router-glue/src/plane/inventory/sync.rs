@@ -206,7 +206,9 @@ impl InventorySync {
         registration: &Registration,
     ) -> bool {
         match registration {
-            Registration::Retired | Registration::OtherKey { .. } => return false,
+            Registration::Retired
+            | Registration::OtherKey { .. }
+            | Registration::IdentityChanged { .. } => return false,
             Registration::Replaced { dropped } => self.forget(*dropped),
             // A readmitted worker was forgotten when it was dropped.
             Registration::New | Registration::Refreshed | Registration::Readmitted => {}

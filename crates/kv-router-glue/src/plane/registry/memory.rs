@@ -94,6 +94,15 @@ impl<V> Remembered<V> {
         Some(value)
     }
 
+    /// An entry for which `matches` is true, if any (a scan: only an
+    /// incarnation back from silence under a new key asks).
+    pub(super) fn find(&self, mut matches: impl FnMut(&EngineId, &V) -> bool) -> Option<EngineId> {
+        self.entries
+            .iter()
+            .find(|(e, (_, v))| matches(e, v))
+            .map(|(e, _)| *e)
+    }
+
     /// Forgets every entry for which `take` is true; returns them.
     pub(super) fn take_where(
         &mut self,

@@ -17,8 +17,12 @@
 //! announcements cannot reach it. One engine id serves one worker key: an
 //! incarnation announcing under a key other than its own is ignored
 //! ([`Registration::OtherKey`]), except one removed for silence whose new
-//! key is free (taken back under it). Time is passed in (ms on any monotonic
-//! clock) so tests never sleep.
+//! key is free (taken back under it): free of live workers and of
+//! remembered incarnations removed for silence, which may come back under
+//! it. An incarnation announcing another `role`, `layout_fingerprint` or
+//! `tp_size` than it registered with is ignored too
+//! ([`Registration::IdentityChanged`]). Time is passed in (ms on any
+//! monotonic clock) so tests never sleep.
 //!
 //! Memory: replaced and silenced incarnations are remembered for
 //! [`FORGET_AFTER_SILENCE_WINDOWS`] silence windows after they were last
@@ -267,11 +271,82 @@ pub enum Registration {
     /// the worker under the first when that key goes silent, or let a
     /// stale process take a live worker's key (trial h42, 1). An
     /// incarnation removed for silence may come back under a new key that
-    /// is free (a key that changed while it was away).
+    /// is free (a key that changed while it was away): held neither by a
+    /// live worker nor by a remembered incarnation removed for silence
+    /// ([`WorkerRegistry::silenced_under`]), which may come back as well
+    /// and would be refused then (trial h44, 6).
     OtherKey {
         /// The key it is registered (or remembered) under.
         registered_under: String,
     },
+    /// An announcement of a live incarnation (same engine id, same key)
+    /// whose `role`, `layout_fingerprint` or `tp_size` is not what it
+    /// registered with: ignored, and its silence clock not restarted, as
+    /// for [`Registration::OtherKey`]. Engine ids are per incarnation, so
+    /// only a faulty publisher does this; accepted as a refresh, it was
+    /// refused by the kv-lookup index and stayed an advise target with the
+    /// registered facts (trial h44, 6). Should it go on announcing the new
+    /// facts, it is dropped for silence and then taken back with them
+    /// ([`Registration::Readmitted`]), as a worker whose key changed is.
+    IdentityChanged {
+        /// The first field (in the order of [`IdentityField`]) that differs.
+        field: IdentityField,
+    },
+}
+
+/// The facts an incarnation registers with that its later announcements
+/// must repeat (the kv-lookup index keys its entries by them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdentityField {
+    /// `role`.
+    Role,
+    /// `layout_fingerprint`.
+    LayoutFingerprint,
+    /// `tp_size`.
+    TpSize,
+}
+
+impl IdentityField {
+    /// The field's name in the announcement.
+    pub fn name(self) -> &'static str {
+        match self {
+            IdentityField::Role => "role",
+            IdentityField::LayoutFingerprint => "layout_fingerprint",
+            IdentityField::TpSize => "tp_size",
+        }
+    }
+
+    /// The field's value in `a`, as log lines print it.
+    pub fn value_in(self, a: &WorkerAnnouncement) -> String {
+        match self {
+            IdentityField::Role => format!("{:?}", a.role),
+            IdentityField::LayoutFingerprint => format!("{:#x}", a.layout_fingerprint.0),
+            IdentityField::TpSize => a.tp_size.to_string(),
+        }
+    }
+
+    /// The first field whose value differs between `registered` and
+    /// `announced`, if any.
+    pub fn first_change(
+        registered: &WorkerAnnouncement,
+        announced: &WorkerAnnouncement,
+    ) -> Option<IdentityField> {
+        if registered.role != announced.role {
+            Some(IdentityField::Role)
+        } else if registered.layout_fingerprint != announced.layout_fingerprint {
+            Some(IdentityField::LayoutFingerprint)
+        } else if registered.tp_size != announced.tp_size {
+            Some(IdentityField::TpSize)
+        } else {
+            None
+        }
+    }
+}
+
+impl std::fmt::Display for IdentityField {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -371,18 +446,25 @@ impl WorkerRegistry {
             return Registration::Readmitted;
         }
         if let Some(silenced_under) = self.silenced.get(&a.engine_id).cloned() {
-            if self.by_key.contains_key(&a.worker_key) {
-                // Its own key was taken by a new incarnation (which retired
-                // it from `silenced`), so this is another live worker's key:
-                // a process back from silence does not take it.
+            // Its own key was taken by a new incarnation (which retired it
+            // from `silenced`), so a live holder is another worker's: a
+            // process back from silence does not take it. Nor does it take
+            // another key held by an incarnation removed for silence: that
+            // one may come back too (a partition ending), and taking the
+            // key would retire it, refused then under its own key for as
+            // long as the mover runs (trial h44, 6).
+            let taken = self.by_key.contains_key(&a.worker_key)
+                || (a.worker_key != silenced_under && self.silenced_under(&a.worker_key).is_some());
+            if taken {
                 self.silenced.heard(&a.engine_id, now_ms);
                 return Registration::OtherKey {
                     registered_under: silenced_under,
                 };
             }
-            // Its key (or the new key it announces, free) is free: taken
-            // back. An incarnation removed for silence under that new key is
-            // replaced now, as by any new registration.
+            // Its own key, or a new key free of live and silenced
+            // incarnations: taken back. (Under its own key nobody else is
+            // silenced: a registration under a key retires its silenced
+            // incarnations.)
             self.silenced.take(&a.engine_id);
             self.retire_silenced_under(&a.worker_key, now_ms);
             self.insert_live(a, now_ms);
@@ -397,6 +479,12 @@ impl WorkerRegistry {
                 Registration::New
             }
             Some(e) if e.announcement.engine_id == a.engine_id => {
+                if let Some(field) = IdentityField::first_change(&e.announcement, &a) {
+                    // Not heard as a refresh: a publisher that goes on with
+                    // the new facts is dropped for silence, then taken back
+                    // with them, its entries rebuilt from its snapshot.
+                    return Registration::IdentityChanged { field };
+                }
                 e.announcement = a;
                 e.last_seen_ms = now_ms;
                 Registration::Refreshed
@@ -605,6 +693,13 @@ impl WorkerRegistry {
     /// records are ignored.
     pub fn is_retired(&self, engine: EngineId) -> bool {
         self.retired.contains(&engine) || self.silenced.contains(&engine)
+    }
+
+    /// An incarnation removed for silence under `worker_key` and still
+    /// remembered (it is taken back when it announces again), if any: such
+    /// a key is not free for another incarnation back from silence.
+    pub fn silenced_under(&self, worker_key: &str) -> Option<EngineId> {
+        self.silenced.find(|_, k| k == worker_key)
     }
 
     /// Whether `engine` was replaced by a newer incarnation (refused while

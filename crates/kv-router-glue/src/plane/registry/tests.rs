@@ -104,6 +104,107 @@ fn a_silenced_engine_does_not_take_a_live_workers_key() {
     assert_eq!(reg.len(), 2);
 }
 
+/// Trial h44, 6: an incarnation back from silence under another key
+/// whose own incarnation was also dropped for silence took that key and
+/// retired it; that one, back under its own key, was refused for as long
+/// as the mover ran. Such a key is not free: the mover is ignored, and
+/// both are taken back under their own keys.
+#[test]
+fn a_silenced_engine_does_not_take_the_key_of_another_silenced_incarnation() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let (x, y) = (EngineId::fresh(), EngineId::fresh());
+    reg.announce(ann("k6", x), 0);
+    reg.announce(ann("k7", y), 0);
+    let mut dropped = reg.tick(3_001);
+    dropped.sort();
+    let mut expected = vec![("k6".to_string(), x), ("k7".to_string(), y)];
+    expected.sort();
+    assert_eq!(dropped, expected);
+    assert_eq!(reg.silenced_under("k7"), Some(y));
+    assert_eq!(
+        reg.announce(ann("k7", x), 3_500),
+        Registration::OtherKey {
+            registered_under: "k6".into()
+        }
+    );
+    assert_eq!((reg.len(), reg.get("k7")), (0, None));
+    assert!(!reg.is_replaced(y), "y is not retired by the mover");
+    assert_eq!(reg.announce(ann("k7", y), 3_600), Registration::Readmitted);
+    assert_eq!(reg.get("k7").unwrap().engine_id, y);
+    assert_eq!(reg.silenced_under("k7"), None);
+    // x stays remembered as silenced under k6 and is taken back there.
+    assert_eq!(reg.silenced_under("k6"), Some(x));
+    assert_eq!(reg.announce(ann("k6", x), 3_700), Registration::Readmitted);
+    assert_eq!(reg.len(), 2);
+    // A key free of live and silenced incarnations is taken by a mover.
+    reg.announce(ann("k7", y), 6_000);
+    assert_eq!(reg.tick(6_701), vec![("k6".to_string(), x)]);
+    assert_eq!(reg.announce(ann("k8", x), 6_800), Registration::Readmitted);
+    assert_eq!(reg.get("k8").unwrap().engine_id, x);
+    assert_eq!(reg.silenced_under("k6"), None);
+}
+
+/// Trial h44, 6: an engine re-announcing another role, layout or TP was
+/// taken as a refresh (the index refused it, and it stayed an advise
+/// target with the registered facts). It is ignored, not heard: silent
+/// under its registered facts it is dropped, then taken back with the new.
+#[test]
+fn an_engine_changing_role_layout_or_tp_is_ignored_until_dropped_for_silence() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let e = EngineId::fresh();
+    assert_eq!(reg.announce(ann("k1", e), 0), Registration::New);
+    let changed = |f: &dyn Fn(&mut WorkerAnnouncement)| {
+        let mut a = ann("k1", e);
+        f(&mut a);
+        a
+    };
+    let role = changed(&|a| a.role = Role::Prefill);
+    let layout = changed(&|a| a.layout_fingerprint = LayoutFingerprint(0xF2F2));
+    let tp = changed(&|a| {
+        a.tp_size = 1;
+        a.gpus.truncate(1);
+    });
+    for (a, field, registered, announced) in [
+        (&role, IdentityField::Role, "Decode", "Prefill"),
+        (
+            &layout,
+            IdentityField::LayoutFingerprint,
+            "0xf1f1",
+            "0xf2f2",
+        ),
+        (&tp, IdentityField::TpSize, "2", "1"),
+    ] {
+        assert_eq!(
+            reg.announce(a.clone(), 1_000),
+            Registration::IdentityChanged { field }
+        );
+        assert_eq!(field.value_in(reg.get("k1").unwrap()), registered);
+        assert_eq!(field.value_in(a), announced);
+    }
+    assert_eq!(
+        IdentityField::LayoutFingerprint.to_string(),
+        "layout_fingerprint"
+    );
+    // Role first when several differ.
+    let both = changed(&|a| {
+        a.role = Role::Prefill;
+        a.tp_size = 1;
+        a.gpus.truncate(1);
+    });
+    assert_eq!(
+        reg.announce(both, 2_000),
+        Registration::IdentityChanged {
+            field: IdentityField::Role
+        }
+    );
+    assert_eq!(reg.get("k1").unwrap().role, Role::Decode);
+    // None of them renewed it: silent since 0.
+    assert_eq!(reg.tick(3_001), vec![("k1".to_string(), e)]);
+    assert_eq!(reg.announce(role.clone(), 3_500), Registration::Readmitted);
+    assert_eq!(reg.get("k1").unwrap().role, Role::Prefill);
+    assert_eq!(reg.announce(role, 4_000), Registration::Refreshed);
+}
+
 /// Trial h42, 1: a replaced incarnation took any free key as its own
 /// (`Readmitted` under a key it never had). It gets only its own key back.
 #[test]

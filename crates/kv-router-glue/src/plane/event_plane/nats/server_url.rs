@@ -65,9 +65,52 @@ fn is_scheme(s: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
 }
 
+/// Whether `authority` (an entry's text before its first `/`, `?` or
+/// `#`) is an IP address with an optional numeric port (`127.0.0.1:4222`,
+/// `[::1]`). An `@` after it then belongs to a path, query or fragment
+/// (`ws://127.0.0.1:80/p@th`, trial h42, 12), as RFC 3986 reads it, and
+/// not to user info cut by a raw `/`, `?` or `#` in a secret: that reading
+/// would make the IP address a user name or the start of a token. After a
+/// host name it stays ambiguous (`nats://admin:1234/abcd@host` is user
+/// `admin` with password `1234/abcd` as well as host `admin`, port `1234`),
+/// so the `@` is taken for a secret's: hidden, and refused.
+fn is_ip_authority(authority: &str) -> bool {
+    let host = match authority.rsplit_once(':') {
+        // `[::1]:80`, `127.0.0.1:80`; not the last group of a bare `[::1]`.
+        Some((host, port))
+            if !port.is_empty()
+                && port.bytes().all(|b| b.is_ascii_digit())
+                && (host.ends_with(']') || !host.contains(':')) =>
+        {
+            host
+        }
+        _ => authority,
+    };
+    match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => host.parse::<std::net::Ipv4Addr>().is_ok(),
+    }
+}
+
 /// Appends `span` to `out` with everything before its last `@` hidden
-/// (`user:***`, or `***` for a token).
+/// (`user:***`, or `***` for a token); an `@` in the path, query or
+/// fragment after an IP address ([`is_ip_authority`]) is no user info's.
 fn redact_span(span: &str, out: &mut String) {
+    if let Some(cut) = span.find(['/', '?', '#', ',']) {
+        if !span[cut..].starts_with(',') && is_ip_authority(&span[..cut]) {
+            redact_span(&span[..cut], out);
+            // The path runs to the next `,`, where a list's next
+            // (scheme-less) entry starts, redacted as its own.
+            match span[cut..].find(',') {
+                Some(comma) => {
+                    out.push_str(&span[cut..cut + comma + 1]);
+                    redact_span(&span[cut + comma + 1..], out);
+                }
+                None => out.push_str(&span[cut..]),
+            }
+            return;
+        }
+    }
     match span.rfind('@') {
         Some(at) => {
             // A user name is shown only when it cannot be part of a cut
@@ -148,10 +191,13 @@ pub fn nats_server_addrs(url: &str) -> Result<Vec<async_nats::ServerAddr>, Strin
             }
             let rest = one.split_once("://").map_or(one, |(_, r)| r);
             let cut = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-            if rest[cut..].contains('@') {
+            if rest[cut..].contains('@') && !is_ip_authority(&rest[..cut]) {
+                // Either reading is possible (`redact_url` hides it as a
+                // secret's); each has its percent-encoding.
                 return Err(named(
-                    "has a `/`, `?` or `#` in its user info: percent-encode it \
-                     (`%2F`, `%3F`, `%23`)"
+                    "has an `@` after a `/`, `?` or `#`: percent-encode a `/`, `?` or `#` \
+                     in a password or token (`%2F`, `%3F`, `%23`), or an `@` in a path, \
+                     query or fragment (`%40`)"
                         .into(),
                 ));
             }
@@ -331,10 +377,64 @@ mod tests {
         );
         assert!(nats_server_addrs(CUT_SECRETS[0])
             .unwrap_err()
-            .contains("percent-encode it"));
+            .contains("percent-encode a `/`, `?` or `#` in a password or token"));
         assert!(nats_server_addrs(CUT_SECRETS[6])
             .unwrap_err()
             .contains("`%2C`"));
+    }
+
+    /// Trial h42, 12: an `@` in a ws path, a query or a fragment after an
+    /// IP address was taken for user info holding a `/`, `?` or `#`: the
+    /// URL refused, and printed with its port hidden
+    /// (`ws://127.0.0.1:***@th`). After a host name it is still ambiguous
+    /// (user info or path), so it is hidden and refused, the refusal naming
+    /// both percent-encodings.
+    #[test]
+    fn an_at_in_the_path_after_an_ip_address_is_no_user_info() {
+        for (url, host, port) in [
+            ("ws://127.0.0.1:1/p@th", "127.0.0.1", 1),
+            ("ws://127.0.0.1:1/nats?x=a@b", "127.0.0.1", 1),
+            ("nats://127.0.0.1:1/#frag@x", "127.0.0.1", 1),
+            ("wss://[::1]:443/a@b", "::1", 443),
+            ("ws://10.0.0.7:80/p@th", "10.0.0.7", 80),
+            ("ws://127.0.0.1:1/p@th, nats://n2:4222", "127.0.0.1", 1),
+        ] {
+            assert_eq!(redact_url(url), url);
+            let addrs = nats_server_addrs(url).expect(url);
+            let first = &addrs[0];
+            assert_eq!(
+                (first.host().trim_matches(['[', ']']), first.port()),
+                (host, port)
+            );
+            assert_eq!(url_auth(url).unwrap(), NatsAuth::None, "{url}");
+        }
+        assert_eq!(redact_url("ws://10.0.0.7/p@th"), "ws://10.0.0.7/p@th");
+        // A secret in a later scheme-less entry stays hidden.
+        assert_eq!(
+            redact_url("ws://127.0.0.1:1/p@th,u:SECRET@h2"),
+            "ws://127.0.0.1:1/p@th,u:***@h2"
+        );
+        // The same shapes after a host name: a user `admin` with the
+        // password `1234/abcd` as well.
+        for (url, shown) in [
+            ("nats://admin:1234/abcd@h", "nats://admin:***@h"),
+            ("ws://nats.example:443/p@th", "ws://nats.example:***@th"),
+            (
+                "ws://127.0.0.1.example:1/p@th",
+                "ws://127.0.0.1.example:***@th",
+            ),
+        ] {
+            assert_eq!(redact_url(url), shown);
+            let why = nats_server_addrs(url).unwrap_err();
+            assert!(
+                why.contains("`%2F`") && why.contains("`%40`") && !why.contains("1234"),
+                "{url}: {why}"
+            );
+        }
+        assert!(is_ip_authority("[::1]") && is_ip_authority("[::1]:80"));
+        assert!(
+            !is_ip_authority("::1") && !is_ip_authority("127.0.0.1:") && !is_ip_authority("u:1")
+        );
     }
 
     #[test]
