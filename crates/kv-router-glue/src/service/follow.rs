@@ -183,6 +183,10 @@ pub struct RouterInventory {
     identity_log: LogThrottle,
     /// Rate limit of the warning about a worker the index refused.
     index_refused_log: LogThrottle,
+    /// Rate limit of the info line about a replaced incarnation: one per
+    /// restart, but a crash loop restarting many times a second wrote one
+    /// line each (trial h44: 4,999 lines for 5,000 incarnations).
+    replaced_log: LogThrottle,
     /// Set while the router's own connection is down (the registry is
     /// paused); read without the state lock by each connection poll.
     connection_down: AtomicBool,
@@ -242,6 +246,7 @@ impl RouterInventory {
             other_key_log: LogThrottle::new(RETIRED_LOG_EVERY),
             identity_log: LogThrottle::new(RETIRED_LOG_EVERY),
             index_refused_log: LogThrottle::new(RETIRED_LOG_EVERY),
+            replaced_log: LogThrottle::new(REFUSAL_LOG_EVERY),
             connection_down: AtomicBool::new(false),
         }
     }
@@ -478,12 +483,15 @@ impl RouterInventory {
                 // Visible without inferring it from a later refusal: a
                 // restart, or an incarnation the registry forgot coming back
                 // and displacing the live one (trial h42, 3).
-                tracing::info!(
-                    worker = ?a.worker_key,
-                    engine = %a.engine_id,
-                    replaced = %dropped,
-                    "worker replaced by a new incarnation"
-                );
+                if let Some(suppressed) = self.replaced_log.admit(std::time::Instant::now()) {
+                    tracing::info!(
+                        worker = ?a.worker_key,
+                        engine = %a.engine_id,
+                        replaced = %dropped,
+                        suppressed,
+                        "worker replaced by a new incarnation"
+                    );
+                }
                 self.drop_engine(st, dropped)
             }
             Registration::New | Registration::Refreshed | Registration::Readmitted => {}
