@@ -63,7 +63,9 @@
 //!   re-opened and the announcements subscribed again, after
 //!   [`REOPEN_BACKOFF_MIN`] doubling to [`REOPEN_BACKOFF_MAX`] between
 //!   failed tries, and [`RouterInventory::follower_down`] names it until
-//!   then (the router's `/healthz` answers 503 with that reason). A re-opened
+//!   then (the router's `/healthz` answers 503 with that reason); a deleted
+//!   bucket is created again by the re-open when the directory may create
+//!   it ([`crate::NatsDirectory`]'s watch). A re-opened
 //!   watch delivers every current record again (renewals change nothing);
 //!   a record deleted while no watch was open stays cached until its lease
 //!   lapses, which is when the advisor stops resolving it anyway.

@@ -8,12 +8,15 @@
 //! the tests of start, serve, stop and configuration errors; `donors.rs`
 //! those with worker and donor processes (rebuild, outage, vLLM, TLS);
 //! `vllm_endpoint.rs` a `--vllm-events` endpoint lost after the start;
-//! `advise_subject.rs` routers of two namespaces on their own advise subjects.
+//! `advise_subject.rs` routers of two namespaces on their own advise subjects;
+//! `directory_bucket.rs` the directory bucket deleted under a router, or
+//! absent at start for a router that may not create it.
 
 #[path = "../agents_common/mod.rs"]
 mod agents_common;
 
 mod advise_subject;
+mod directory_bucket;
 mod donors;
 mod lifecycle;
 mod process;

@@ -3,6 +3,15 @@
 //! [`super::DonorRecord`] wire bytes; bucket `max_age` = the lease TTL, so
 //! an entry the donor stopped re-putting expires by itself; `history` 1.
 //! The server must run with JetStream (`nats-server -js`).
+//!
+//! A bucket deleted while a directory is open ends its watches; a
+//! directory that creates its bucket when absent ([`NatsDirectory::from_client`],
+//! the router's and the donors') creates it again, with the configuration
+//! it would have created at start, when [`DirectoryPlane::watch`] finds it
+//! absent: otherwise a deleted bucket kept every router's follower at
+//! `donor directory watch down` until a restart. One without the permission
+//! (`$JS.API.STREAM.CREATE.KV_<bucket>`) gets an error, each watch, until
+//! someone who has it creates the bucket.
 
 use std::time::Duration;
 
@@ -22,8 +31,19 @@ pub const NATS_MIN_MAX_AGE: Duration = Duration::from_millis(100);
 
 /// A JetStream key-value directory.
 pub struct NatsDirectory {
+    /// Kept across a re-creation of the bucket: its puts, deletes and
+    /// watches address the bucket's subjects and its stream `KV_<bucket>`
+    /// by name, which a bucket created again keeps.
     store: kv::Store,
     bucket: String,
+    /// To create the bucket again (`create`).
+    js: jetstream::Context,
+    /// The server list, credentials shown as `***` (error messages only).
+    shown_url: String,
+    /// `max_age` the bucket is created with when absent, at open and when
+    /// a watch finds it deleted; `None` for a reader that never creates it
+    /// ([`NatsDirectory::open_existing`]).
+    create: Option<Duration>,
 }
 
 impl std::fmt::Debug for NatsDirectory {
@@ -73,7 +93,9 @@ impl NatsDirectory {
     /// absent one is created with `max_age` = `lease_ttl`, `history` 1. Why
     /// open first: under per-role permissions (docs/nats-permissions.conf)
     /// only an operator creates the bucket, and a role without
-    /// `$JS.API.STREAM.CREATE` must still be able to use it.
+    /// `$JS.API.STREAM.CREATE` must still be able to use it. A
+    /// [`DirectoryPlane::watch`] that finds the bucket deleted creates it
+    /// again the same way (module docs).
     ///
     /// # Errors
     /// [`PlaneError::InvalidBucket`] for a name NATS would refuse
@@ -123,8 +145,9 @@ impl NatsDirectory {
         bucket: &str,
         create: Option<Duration>,
     ) -> Result<Self, PlaneError> {
+        let shown_url = crate::redact_url(url);
         let bucket_err = |reason: String| PlaneError::BucketUnavailable {
-            url: crate::redact_url(url),
+            url: shown_url.clone(),
             bucket: bucket.to_string(),
             reason,
         };
@@ -141,27 +164,85 @@ impl NatsDirectory {
                 let hint = no_jetstream_hint(&js).await;
                 return Err(bucket_err(format!("{hint}{e}")));
             }
-            (Err(_), Some(lease_ttl)) => match js
-                .create_key_value(kv::Config {
-                    bucket: bucket.to_string(),
-                    history: 1,
-                    max_age: lease_ttl,
-                    ..Default::default()
-                })
-                .await
-            {
-                Ok(store) => store,
-                Err(e) => {
-                    let hint = no_jetstream_hint(&js).await;
-                    return Err(bucket_err(format!("{hint}{e}")));
+            (Err(_), Some(lease_ttl)) => {
+                match js.create_key_value(bucket_config(bucket, lease_ttl)).await {
+                    Ok(store) => store,
+                    Err(e) => {
+                        let hint = no_jetstream_hint(&js).await;
+                        return Err(bucket_err(format!("{hint}{e}")));
+                    }
                 }
-            },
+            }
         };
         Ok(Self {
             store,
             bucket: bucket.to_string(),
+            js,
+            shown_url,
+            create,
         })
     }
+
+    /// Creates the bucket again with `max_age`, as [`NatsDirectory::open`]
+    /// would have at start, after a watch found it absent; logs one warning
+    /// saying so.
+    ///
+    /// # Errors
+    /// [`PlaneError::BucketUnavailable`] when it cannot be created (no
+    /// `$JS.API.STREAM.CREATE.KV_<bucket>` permission, no JetStream, a
+    /// timeout), saying that it was deleted.
+    async fn create_again(&self, max_age: Duration) -> Result<(), PlaneError> {
+        match self
+            .js
+            .create_key_value(bucket_config(&self.bucket, max_age))
+            .await
+        {
+            Ok(_) => {
+                tracing::warn!(
+                    bucket = %self.bucket,
+                    max_age_ms = max_age.as_millis() as u64,
+                    "donor directory bucket was deleted: created it again, as at start"
+                );
+                Ok(())
+            }
+            Err(e) => {
+                let hint = no_jetstream_hint(&self.js).await;
+                Err(PlaneError::BucketUnavailable {
+                    url: self.shown_url.clone(),
+                    bucket: self.bucket.clone(),
+                    reason: format!(
+                        "{hint}it was deleted, and creating it again failed \
+                         (retried at each watch; the bucket is watched again once \
+                         anyone creates it): {e}"
+                    ),
+                })
+            }
+        }
+    }
+}
+
+/// The configuration a directory creates its bucket with: `max_age` (a
+/// record whose donor stopped re-putting expires) and one value per key.
+fn bucket_config(bucket: &str, max_age: Duration) -> kv::Config {
+    kv::Config {
+        bucket: bucket.to_string(),
+        history: 1,
+        max_age,
+        ..Default::default()
+    }
+}
+
+/// True when a watch could not start because the bucket's stream
+/// (`KV_<bucket>`) does not exist (JetStream error 10059 on its consumer's
+/// creation): the bucket was deleted.
+fn watch_stream_not_found(e: &kv::WatchError) -> bool {
+    use jetstream::stream::{ConsumerError, ConsumerErrorKind};
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<ConsumerError>())
+        .is_some_and(|c| {
+            matches!(c.kind(), ConsumerErrorKind::JetStream(j)
+                if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+        })
 }
 
 /// True when opening a bucket failed because its stream (`KV_<bucket>`)
@@ -224,16 +305,20 @@ impl DirectoryPlane for NatsDirectory {
 
     fn watch<'a>(&'a self) -> PlaneFuture<'a, DirectoryWatch> {
         Box::pin(async move {
+            let err = |e: kv::WatchError| PlaneError::Subscribe {
+                subject: self.bucket.clone(),
+                reason: e.to_string(),
+            };
             // `watch_with_history(">")` delivers the last value of every key
             // first, then every change.
-            let mut w =
-                self.store
-                    .watch_with_history(">")
-                    .await
-                    .map_err(|e| PlaneError::Subscribe {
-                        subject: self.bucket.clone(),
-                        reason: e.to_string(),
-                    })?;
+            let mut w = match (self.store.watch_with_history(">").await, self.create) {
+                (Ok(w), _) => w,
+                (Err(e), Some(max_age)) if watch_stream_not_found(&e) => {
+                    self.create_again(max_age).await?;
+                    self.store.watch_with_history(">").await.map_err(err)?
+                }
+                (Err(e), _) => return Err(err(e)),
+            };
             let (tx, rx) = mpsc::unbounded_channel();
             let task = tokio::spawn(async move {
                 while let Some(Ok(entry)) = w.next().await {
