@@ -109,14 +109,13 @@ impl DonorDirectory {
             let mut watch = rt.block_on(async {
                 let dir = within(&url, timeout, async {
                     let nats = NatsPlane::connect(&url, options).await?;
-                    let client = nats.client().clone();
                     if create {
                         // The bucket's max_age only matters if this creates
                         // it; the router and the donors create it with their own.
-                        NatsDirectory::from_client(client, &url, &watched, Duration::from_secs(30))
+                        NatsDirectory::from_plane(&nats, &url, &watched, Duration::from_secs(30))
                             .await
                     } else {
-                        NatsDirectory::open_existing(client, &url, &watched).await
+                        NatsDirectory::open_existing(nats.client().clone(), &url, &watched).await
                     }
                 })
                 .await?;

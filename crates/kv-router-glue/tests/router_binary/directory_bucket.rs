@@ -185,8 +185,8 @@ async fn admin(nats: &NatsServer) -> jetstream::Context {
 }
 
 /// The same under the documented router role, which may not create the
-/// bucket: it keeps retrying, each failure a warning that says the bucket
-/// was deleted and could not be created again, `/healthz` at 503 meanwhile;
+/// bucket: it keeps retrying, each failure a warning naming the permission
+/// the server refused, `/healthz` at 503 meanwhile;
 /// once an operator creates the bucket, it is watched again and `/healthz`
 /// is back to 200.
 #[test]
@@ -220,8 +220,16 @@ fn a_router_that_may_not_create_the_bucket_waits_for_it_with_a_clear_warning() {
         .find(|l| l.contains("cannot open follower stream"))
         .unwrap();
     assert!(warning.contains(" WARN "), "{warning}");
+    // The server's refusal, named (not the request's timeout).
     assert!(
-        warning.contains("it was deleted, and creating it again failed"),
+        warning.contains(
+            "refused to create key-value bucket `kv_donors`, which is absent: \
+             this connection's user may not publish to `$JS.API.STREAM.CREATE.KV_kv_donors`"
+        ),
+        "{warning}"
+    );
+    assert!(
+        warning.contains("Permissions Violation for Publish to"),
         "{warning}"
     );
     assert!(!text.contains("created it again"), "{text}");
@@ -232,4 +240,46 @@ fn a_router_that_may_not_create_the_bucket_waits_for_it_with_a_clear_warning() {
     let text = std::fs::read_to_string(log.path()).unwrap();
     assert!(text.contains("follower stream open again"), "{text}");
     assert_eq!(signal_and_wait(&mut router, "TERM").code(), Some(0));
+}
+
+/// Under the router role with no bucket yet, the router cannot start: it
+/// exits 1 as soon as the server refuses the creation, its last line
+/// naming the permission and the subject (it used to say `timed out`, 10 s
+/// later).
+#[test]
+fn a_router_that_may_not_create_the_absent_bucket_exits_naming_the_permission() {
+    const TEST: &str = "router_binary_bucket_create_refused";
+    if NatsServer::start_or_skip(TEST).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let conf = permissions_config(dir.path());
+    let nats = NatsServer::start_with_args(&["-c", conf.to_str().unwrap()]).unwrap();
+    let started = Instant::now();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+        .args(["--nats-url", &nats.url(), "--metrics-addr", "127.0.0.1:0"])
+        .args(ROUTER_ROLE)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(out.stdout.is_empty(), "no ready line: {err}");
+    let last = err.lines().last().unwrap();
+    assert_eq!(
+        last,
+        format!(
+            "kv-reuse-router: NATS: NATS at {} refused to create key-value bucket `kv_donors`, \
+             which is absent: this connection's user may not publish to \
+             `$JS.API.STREAM.CREATE.KV_kv_donors` (server: Permissions Violation for Publish to \
+             \"$JS.API.STREAM.CREATE.KV_kv_donors\"); allow it that subject, or create the \
+             bucket as an operator (`nats kv add kv_donors`)",
+            nats.url()
+        )
+    );
+    assert!(
+        took < Duration::from_secs(8),
+        "{took:?}: the timeout, not the refusal"
+    );
 }

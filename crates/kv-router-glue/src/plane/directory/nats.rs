@@ -21,7 +21,7 @@ use kv_descriptor::{EngineId, Wire};
 use tokio::sync::mpsc;
 
 use super::{decode_change, directory_key, DirectoryChange, DirectoryPlane, DirectoryWatch};
-use crate::event_plane::AbortOnDrop;
+use crate::event_plane::{AbortOnDrop, PermissionRefusals, Refusal};
 use crate::{NatsOptions, NatsPlane, PlaneError, PlaneFuture};
 
 /// nats-server's floor for a key-value bucket's `max_age`: it refuses to
@@ -44,6 +44,10 @@ pub struct NatsDirectory {
     /// a watch finds it deleted; `None` for a reader that never creates it
     /// ([`NatsDirectory::open_existing`]).
     create: Option<Duration>,
+    /// The permission violations the server sends the connection, when it
+    /// is a [`NatsPlane`]'s: a creation the server refuses then fails at
+    /// once naming the permission ([`PlaneError::BucketCreateRefused`]).
+    refusals: Option<PermissionRefusals>,
 }
 
 impl std::fmt::Debug for NatsDirectory {
@@ -66,15 +70,15 @@ impl NatsDirectory {
 
     /// Connects to `url` with `options` (credentials file, user and
     /// password, token, TLS: the same connect path as [`NatsPlane::connect`])
-    /// and opens bucket `bucket` ([`NatsDirectory::from_client`]).
+    /// and opens bucket `bucket` ([`NatsDirectory::from_plane`]).
     ///
     /// # Errors
     /// [`PlaneError::InvalidBucket`] before connecting, for a name NATS
     /// would refuse; [`PlaneError::TtlBelowFloor`] before connecting, for a
     /// `lease_ttl` below [`NATS_MIN_MAX_AGE`]; [`PlaneError::Connect`] naming `url` when the server is
     /// unreachable, refuses the credentials (its reason then says
-    /// `authorization violation`), demands TLS the options do not give, has
-    /// no JetStream, or the bucket can be neither opened nor created.
+    /// `authorization violation`) or demands TLS the options do not give;
+    /// as [`NatsDirectory::from_plane`] once connected.
     pub async fn connect_with(
         url: &str,
         options: NatsOptions,
@@ -84,7 +88,35 @@ impl NatsDirectory {
         check_bucket(bucket)?;
         check_ttl(lease_ttl)?;
         let plane = NatsPlane::connect(url, options).await?;
-        Self::from_client(plane.client().clone(), url, bucket, lease_ttl).await
+        Self::from_plane(&plane, url, bucket, lease_ttl).await
+    }
+
+    /// [`NatsDirectory::from_client`] on `plane`'s connection, which also
+    /// sees the server's permission violations: when the bucket is absent
+    /// and the connection's user may not create it, the error is
+    /// [`PlaneError::BucketCreateRefused`] naming the subject, as soon as
+    /// the server refuses, instead of a `timed out` 10 s later.
+    ///
+    /// # Errors
+    /// As [`NatsDirectory::from_client`], and
+    /// [`PlaneError::BucketCreateRefused`].
+    pub async fn from_plane(
+        plane: &NatsPlane,
+        url: &str,
+        bucket: &str,
+        lease_ttl: Duration,
+    ) -> Result<Self, PlaneError> {
+        check_bucket(bucket)?;
+        check_ttl(lease_ttl)?;
+        let refusals = Some(plane.refusals().clone());
+        Self::open(
+            plane.client().clone(),
+            refusals,
+            url,
+            bucket,
+            Some(lease_ttl),
+        )
+        .await
     }
 
     /// Opens bucket `bucket` on an existing connection (e.g. the process's
@@ -102,9 +134,14 @@ impl NatsDirectory {
     /// ([`crate::bucket_name_problem`]), [`PlaneError::TtlBelowFloor`] for a
     /// `lease_ttl` below [`NATS_MIN_MAX_AGE`] (whether or not the bucket
     /// exists), before any request;
-    /// [`PlaneError::Connect`] naming `url` (only used in the message) when
-    /// the server has no JetStream or the bucket can be neither opened nor
-    /// created.
+    /// [`PlaneError::BucketUnavailable`] naming `url` (only used in the
+    /// message) when the server has no JetStream or the bucket can be
+    /// neither opened nor created. A bare client does not show this
+    /// directory the server's permission violations (async-nats reports
+    /// them only to the event callback the client was made with): a
+    /// creation refused for want of `$JS.API.STREAM.CREATE.KV_<bucket>`
+    /// times out, and the error says that this is what a missing
+    /// permission looks like. [`NatsDirectory::from_plane`] names it.
     pub async fn from_client(
         client: async_nats::Client,
         url: &str,
@@ -113,7 +150,7 @@ impl NatsDirectory {
     ) -> Result<Self, PlaneError> {
         check_bucket(bucket)?;
         check_ttl(lease_ttl)?;
-        Self::open(client, url, bucket, Some(lease_ttl)).await
+        Self::open(client, None, url, bucket, Some(lease_ttl)).await
     }
 
     /// Opens bucket `bucket` on an existing connection only if it exists:
@@ -133,7 +170,7 @@ impl NatsDirectory {
         bucket: &str,
     ) -> Result<Self, PlaneError> {
         check_bucket(bucket)?;
-        Self::open(client, url, bucket, None).await
+        Self::open(client, None, url, bucket, None).await
     }
 
     /// Opens `bucket`; when it is absent, creates it with `max_age` =
@@ -141,6 +178,7 @@ impl NatsDirectory {
     /// [`PlaneError::NoSuchBucket`].
     async fn open(
         client: async_nats::Client,
+        refusals: Option<PermissionRefusals>,
         url: &str,
         bucket: &str,
         create: Option<Duration>,
@@ -165,12 +203,17 @@ impl NatsDirectory {
                 return Err(bucket_err(format!("{hint}{e}")));
             }
             (Err(_), Some(lease_ttl)) => {
-                match js.create_key_value(bucket_config(bucket, lease_ttl)).await {
+                match create_bucket(&js, refusals.as_ref(), bucket, lease_ttl).await {
                     Ok(store) => store,
-                    Err(e) => {
-                        let hint = no_jetstream_hint(&js).await;
-                        return Err(bucket_err(format!("{hint}{e}")));
+                    Err(Failed::Refused(Refusal { subject, server })) => {
+                        return Err(PlaneError::BucketCreateRefused {
+                            url: shown_url,
+                            bucket: bucket.to_string(),
+                            subject,
+                            server,
+                        })
                     }
+                    Err(Failed::Other(reason)) => return Err(bucket_err(reason)),
                 }
             }
         };
@@ -180,6 +223,7 @@ impl NatsDirectory {
             js,
             shown_url,
             create,
+            refusals,
         })
     }
 
@@ -188,15 +232,12 @@ impl NatsDirectory {
     /// saying so.
     ///
     /// # Errors
-    /// [`PlaneError::BucketUnavailable`] when it cannot be created (no
-    /// `$JS.API.STREAM.CREATE.KV_<bucket>` permission, no JetStream, a
-    /// timeout), saying that it was deleted.
+    /// [`PlaneError::BucketCreateRefused`] when the server refused it for
+    /// want of a permission, [`PlaneError::BucketUnavailable`] when it
+    /// cannot be created for another reason (no JetStream, a timeout),
+    /// saying that it was deleted.
     async fn create_again(&self, max_age: Duration) -> Result<(), PlaneError> {
-        match self
-            .js
-            .create_key_value(bucket_config(&self.bucket, max_age))
-            .await
-        {
+        match create_bucket(&self.js, self.refusals.as_ref(), &self.bucket, max_age).await {
             Ok(_) => {
                 tracing::warn!(
                     bucket = %self.bucket,
@@ -205,18 +246,78 @@ impl NatsDirectory {
                 );
                 Ok(())
             }
-            Err(e) => {
-                let hint = no_jetstream_hint(&self.js).await;
-                Err(PlaneError::BucketUnavailable {
+            Err(Failed::Refused(Refusal { subject, server })) => {
+                Err(PlaneError::BucketCreateRefused {
                     url: self.shown_url.clone(),
                     bucket: self.bucket.clone(),
-                    reason: format!(
-                        "{hint}it was deleted, and creating it again failed \
-                         (retried at each watch; the bucket is watched again once \
-                         anyone creates it): {e}"
-                    ),
+                    subject,
+                    server,
                 })
             }
+            Err(Failed::Other(reason)) => Err(PlaneError::BucketUnavailable {
+                url: self.shown_url.clone(),
+                bucket: self.bucket.clone(),
+                reason: format!(
+                    "it was deleted, and creating it again failed \
+                     (retried at each watch; the bucket is watched again once \
+                     anyone creates it): {reason}"
+                ),
+            }),
+        }
+    }
+}
+
+/// Why [`create_bucket`] failed.
+enum Failed {
+    /// The server refused one of its requests for want of a permission.
+    Refused(Refusal),
+    /// Anything else, as the reason of a [`PlaneError::BucketUnavailable`]
+    /// (the no-JetStream hint first when it applies).
+    Other(String),
+}
+
+/// Creates `bucket` with `max_age` ([`bucket_config`]). With `refusals`
+/// (the connection's permission violations) a refusal of the creation's
+/// requests ends the wait as soon as the server sends it: the server drops
+/// a request its user may not publish and says so only on the connection,
+/// so the request alone would time out.
+async fn create_bucket(
+    js: &jetstream::Context,
+    refusals: Option<&PermissionRefusals>,
+    bucket: &str,
+    max_age: Duration,
+) -> Result<kv::Store, Failed> {
+    let create_subject = format!("$JS.API.STREAM.CREATE.KV_{bucket}");
+    // `create_key_value` asks the account's limits first, then creates.
+    let subjects = ["$JS.API.INFO", create_subject.as_str()];
+    // Listening before the requests go out: the refusal comes back at once.
+    let mut listener = refusals.map(PermissionRefusals::listen);
+    let refused = async {
+        match listener.as_mut() {
+            Some(l) => l.refused(&subjects).await,
+            None => std::future::pending().await,
+        }
+    };
+    let created = tokio::select! {
+        created = js.create_key_value(bucket_config(bucket, max_age)) => created,
+        refusal = refused => return Err(Failed::Refused(refusal)),
+    };
+    match created {
+        Ok(store) => Ok(store),
+        Err(e) => {
+            let hint = no_jetstream_hint(js).await;
+            // Without the refusals (a bare client's directory), a missing
+            // permission shows only as this timeout.
+            let permission = if e.kind() == jetstream::context::CreateKeyValueErrorKind::TimedOut {
+                format!(
+                    " (a connection whose user may not publish to `{create_subject}` \
+                     times out like this: the server drops the request and reports \
+                     the permissions violation only on the connection)"
+                )
+            } else {
+                String::new()
+            };
+            Err(Failed::Other(format!("{hint}{e}{permission}")))
         }
     }
 }
