@@ -1,10 +1,11 @@
 //! `DonorDirectory`: a prefill worker's read side of the donor directory
 //! (the JetStream KV bucket of `DonorRecord`s that `WorkerPublisher.donor`
-//! puts): a kv_router_glue [`NatsDirectory`] watch feeding a [`DonorCache`]
-//! (which refuses stale generations and lapsed leases), so that a hint's
-//! donor manifest is resolved by engine id instead of being passed around.
-//! Bounded in time (`directory_memory`): an engine not heard of for 5 min
-//! without a usable record is forgotten for good.
+//! puts): a kv_router_glue [`NatsDirectory`] watch feeding a
+//! [`HeardCache`] (a `DonorCache`, which refuses stale generations and
+//! lapsed leases, bounded in time: an engine not heard of for 5 min without
+//! a usable record is forgotten for good, as in the router), so that a
+//! hint's donor manifest is resolved by engine id instead of being passed
+//! around.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -13,9 +14,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use kv_descriptor::Wire;
-use kv_router_glue::{redact_url, unix_now_ms, DirectoryPlane, NatsDirectory, NatsPlane};
+use kv_router_glue::{
+    redact_url, unix_now_ms, DirectoryPlane, HeardCache, NatsDirectory, NatsPlane,
+};
 
-use crate::directory_memory::HeardCache;
 use crate::errors::{descriptor, PublishFailed};
 use crate::nats_auth::NatsCredentials;
 use crate::nats_runtime::{check_bucket, check_nats_url, runtime, seconds_in, within};
@@ -107,14 +109,13 @@ impl DonorDirectory {
             let mut watch = rt.block_on(async {
                 let dir = within(&url, timeout, async {
                     let nats = NatsPlane::connect(&url, options).await?;
-                    let client = nats.client().clone();
                     if create {
                         // The bucket's max_age only matters if this creates
                         // it; the router and the donors create it with their own.
-                        NatsDirectory::from_client(client, &url, &watched, Duration::from_secs(30))
+                        NatsDirectory::from_plane(&nats, &url, &watched, Duration::from_secs(30))
                             .await
                     } else {
-                        NatsDirectory::open_existing(client, &url, &watched).await
+                        NatsDirectory::open_existing(nats.client().clone(), &url, &watched).await
                     }
                 })
                 .await?;

@@ -20,7 +20,6 @@
 mod advice;
 mod array;
 mod directory;
-mod directory_memory;
 mod donor;
 mod donor_imports;
 mod engine_layout;

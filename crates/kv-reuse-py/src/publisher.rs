@@ -311,12 +311,9 @@ impl WorkerPublisher {
                     within(
                         &url,
                         timeout,
-                        NatsDirectory::from_client(
-                            nats.client().clone(),
-                            &url,
-                            &bucket,
-                            record_ttl,
-                        ),
+                        // The plane's, so that a creation refused for want of
+                        // a permission names it instead of timing out.
+                        NatsDirectory::from_plane(&nats, &url, &bucket, record_ttl),
                     )
                     .await?,
                 );

@@ -271,6 +271,32 @@ def test_a_server_that_authenticates_takes_the_roles_credentials_only(layout, tm
         server.stop()
 
 
+def test_a_user_that_may_not_create_the_bucket_is_told_which_permission(layout, tmp_path):
+    """A donor, or a `create=True` directory, whose NATS user may not create
+    the absent bucket raises `PublishFailed` naming the subject the server
+    refused, as soon as it refuses: the server drops the request and says so
+    only on the connection, and the request alone used to end in `timed out`."""
+    binary = find_nats_server()
+    if binary is None:
+        skip_or_fail("nats-server", "no nats-server >= 2.10.0 at $KV_NATS_SERVER, on $PATH or in target/nats (cargo xtask install)")
+    conf = tmp_path / "nats.conf"
+    conf.write_text("authorization { users = [ { user: worker, password: s3cret, permissions: {"
+                    ' publish: { allow: [">"], deny: ["$JS.API.STREAM.CREATE.>"] } } } ] }\n')
+    server = NatsServer(binary, tmp_path / "js", ("-c", str(conf)))
+    refused = r'may not publish to `\$JS\.API\.STREAM\.CREATE\.KV_kv_donors`.*Permissions Violation'
+    try:
+        for make in (lambda: kv_reuse.WorkerPublisher.donor(server.url, "d", layout, 4, f"unix:{tmp_path}/p.sock",
+                                                            timeout_s=8.0, user="worker", password="s3cret"),
+                     lambda: kv_reuse.DonorDirectory(server.url, timeout_s=8.0, create=True, user="worker",
+                                                     password="s3cret")):
+            started = time.monotonic()
+            with pytest.raises(kv_reuse.PublishFailed, match=refused):
+                make()
+            assert time.monotonic() - started < 4.0
+    finally:
+        server.stop()
+
+
 def test_credentials_in_nats_url_log_in_and_are_refused_next_to_keywords(layout, tmp_path):
     """`nats://user:password@host` logs in as the keywords would (async-nats
     ignores a URL's user info; every other NATS client takes it), for the

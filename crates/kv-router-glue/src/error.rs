@@ -208,7 +208,9 @@ pub enum PlaneError {
     /// Connected to the NATS server, but the key-value bucket could be
     /// neither opened nor created (feature `nats`): most often a server
     /// without JetStream (`reason` then starts with what to change), else a
-    /// permission refusal or a JetStream timeout. Distinct from
+    /// JetStream timeout (on a bare client, a missing permission, which
+    /// `reason` then says: [`PlaneError::BucketCreateRefused`] where the
+    /// refusal is seen). Distinct from
     /// [`PlaneError::Connect`] so that a message never says "cannot connect"
     /// to a server the client did reach.
     #[error("NATS at {url} is reachable, but key-value bucket `{bucket}` cannot be opened or created: {reason}")]
@@ -219,6 +221,23 @@ pub enum PlaneError {
         bucket: String,
         /// Why, with the JetStream hint first when it applies.
         reason: String,
+    },
+    /// The key-value bucket is absent and the server refused this
+    /// connection's request to create it for want of a permission (feature
+    /// `nats`): it sent `-ERR 'Permissions Violation for Publish to
+    /// "<subject>"'` (`server`), and the request, which it dropped, would
+    /// only have timed out. Reported as soon as the refusal arrives.
+    #[error("NATS at {url} refused to create key-value bucket `{bucket}`, which is absent: this connection's user may not publish to `{subject}` (server: {server}); allow it that subject, or create the bucket as an operator (`nats kv add {bucket}`)")]
+    BucketCreateRefused {
+        /// Server URL (a password or token replaced by `***`).
+        url: String,
+        /// Bucket name.
+        bucket: String,
+        /// The subject refused: `$JS.API.STREAM.CREATE.KV_<bucket>`, or
+        /// `$JS.API.INFO`, asked first.
+        subject: String,
+        /// The server's error text.
+        server: String,
     },
     /// Connecting to the NATS server failed.
     #[error("cannot connect to NATS at {url}: {reason}")]

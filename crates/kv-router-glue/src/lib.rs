@@ -38,7 +38,9 @@
 //!   puts its [`DonorRecord`] (manifest, pin endpoint, NIXL agent metadata,
 //!   lease) in-process ([`InProcessDirectory`]) or in a NATS JetStream
 //!   key-value bucket ([`NatsDirectory`]); readers keep a [`DonorCache`]
-//!   that never uses a lapsed lease or an older generation, and the router
+//!   that never uses a lapsed lease or an older generation, bounded in time
+//!   by a [`HeardCache`] (an engine quiet for 5 min without a usable record
+//!   is forgotten for good), and the router
 //!   resolves hints through [`RemoteDonorDirectory`] (slots from the donor's
 //!   `Stored` events);
 //! - **worker registration** ([`WorkerAnnouncement`], [`WorkerRegistry`]): a
@@ -158,9 +160,9 @@ pub use pin_transport::{
 };
 pub use plane::directory::{
     bucket_name_problem, directory_key, CacheUpdate, DirectoryChange, DirectoryPlane,
-    DirectoryWatch, DonorCache, DonorRecord, DonorRecordError, DonorRecordParts,
-    InProcessDirectory, NixlMemKind, NixlRankRegion, MAX_DONOR_RECORD_BYTES, MAX_NAME_BYTES,
-    MAX_NIXL_AGENT_NAME_BYTES,
+    DirectoryWatch, DonorCache, DonorRecord, DonorRecordError, DonorRecordParts, HeardCache,
+    HeardUpdate, InProcessDirectory, NixlMemKind, NixlRankRegion, MAX_DONOR_RECORD_BYTES,
+    MAX_NAME_BYTES, MAX_NIXL_AGENT_NAME_BYTES,
 };
 #[cfg(feature = "nats")]
 pub use plane::directory::{NatsDirectory, NATS_MIN_MAX_AGE};

@@ -568,10 +568,11 @@ async fn run(cli: Cli, handled: Arc<AtomicBool>) -> Result<(), RouterError> {
     let plane = Arc::new(NatsPlane::connect(&cli.nats_url, options.clone()).await?);
     // The plane's own connection: the directory reads under the router's
     // credentials (a second, anonymous connection is refused by a server
-    // that requires them).
+    // that requires them), and a creation the server refuses for want of a
+    // permission fails naming it rather than timing out.
     let directory: Arc<dyn DirectoryPlane> = Arc::new(
-        NatsDirectory::from_client(
-            plane.client().clone(),
+        NatsDirectory::from_plane(
+            &plane,
             &cli.nats_url,
             &cli.directory_bucket,
             Duration::from_millis(cli.directory_ttl_ms),

@@ -8,6 +8,13 @@
 //! the event): harmless, because the donor's pin service decides every pin
 //! from its slot table and refuses a slot that no longer holds the asked
 //! sequence hash; the target then recomputes.
+//!
+//! Memory: the cache is a [`HeardCache`], so an engine not heard of in the
+//! directory for [`HeardCache::FORGET_AFTER_MS`] without a usable record is
+//! forgotten for good, its slot map with it, whether or not the worker
+//! registry ever knew it: a bucket shared by several namespaces feeds every
+//! router the other namespaces' records, which no registry forgets
+//! ([`RemoteDonorDirectory::forget_for_good`] stays the registry's path).
 
 use std::collections::HashMap;
 
@@ -15,7 +22,7 @@ use kv_descriptor::{EngineId, KvEvent, KvEventData, SequenceHash, StorageTier};
 use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
 
-use crate::plane::directory::{CacheUpdate, DirectoryChange, DonorCache};
+use crate::plane::directory::{CacheUpdate, DirectoryChange, HeardCache, HeardUpdate};
 use crate::{DonorDirectory, ResolveError, ResolvedDonor};
 
 /// Slots of one donor engine, for the generation the directory holds.
@@ -34,8 +41,28 @@ struct DonorSlots {
 
 #[derive(Debug, Default)]
 struct State {
-    cache: DonorCache,
+    cache: HeardCache,
     slots: HashMap<EngineId, DonorSlots>,
+}
+
+impl State {
+    /// Applies `change` at `now_ms` (Unix ms): the slot map of an engine
+    /// with a new generation or deleted goes (the old generation's slots
+    /// mean nothing), and so does that of every engine the cache's sweep
+    /// forgot.
+    fn apply(&mut self, change: DirectoryChange, now_ms: u64) -> CacheUpdate {
+        let HeardUpdate { update, forgotten } = self.cache.apply(change, now_ms);
+        match &update {
+            CacheUpdate::NewGeneration { engine, .. } | CacheUpdate::Deleted(engine) => {
+                self.slots.remove(engine);
+            }
+            CacheUpdate::Renewed(_) | CacheUpdate::Ignored(_) => {}
+        }
+        for engine in &forgotten {
+            self.slots.remove(engine);
+        }
+        update
+    }
 }
 
 /// Router-side directory over the [`crate::DirectoryPlane`] cache and the
@@ -50,7 +77,8 @@ impl std::fmt::Debug for RemoteDonorDirectory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let st = self.state.read();
         f.debug_struct("RemoteDonorDirectory")
-            .field("donors", &st.cache.len())
+            .field("donors", &st.cache.cache().len())
+            .field("remembered", &st.cache.remembered())
             .field("slot_maps", &st.slots.len())
             .finish()
     }
@@ -84,18 +112,14 @@ impl RemoteDonorDirectory {
         }
     }
 
-    /// Applies one watched directory change. A new generation of an engine
-    /// resets its slot map (the old generation's slots mean nothing).
+    /// Applies one watched directory change at the directory's clock. A
+    /// new generation of an engine resets its slot map (the old
+    /// generation's slots mean nothing); engines quiet for
+    /// [`HeardCache::FORGET_AFTER_MS`] without a usable record are
+    /// forgotten for good, slot maps included (module docs, "Memory").
     pub fn apply_directory(&self, change: DirectoryChange) -> CacheUpdate {
-        let mut st = self.state.write();
-        let up = st.cache.apply(change);
-        match &up {
-            CacheUpdate::NewGeneration { engine, .. } | CacheUpdate::Deleted(engine) => {
-                st.slots.remove(engine);
-            }
-            CacheUpdate::Renewed(_) | CacheUpdate::Ignored(_) => {}
-        }
-        up
+        let now = (self.clock)();
+        self.state.write().apply(change, now)
     }
 
     /// Feeds one KV event of a donor (what the router's event ingest calls
@@ -144,13 +168,14 @@ impl RemoteDonorDirectory {
     /// generation seen of it, so that a late put of an older one is still
     /// refused.
     pub fn forget(&self, engine: EngineId) {
+        let now = (self.clock)();
         let mut st = self.state.write();
-        st.cache.apply(DirectoryChange::Delete(engine));
-        st.slots.remove(&engine);
+        // The delete drops the slot map (`State::apply`).
+        st.apply(DirectoryChange::Delete(engine), now);
     }
 
     /// [`Self::forget`], and the newest generation seen of `engine` too
-    /// ([`DonorCache::forget`]): for an incarnation the router's registry
+    /// ([`HeardCache::forget`]): for an incarnation the router's registry
     /// forgot, whose puts can no longer be in flight.
     pub fn forget_for_good(&self, engine: EngineId) {
         let mut st = self.state.write();
@@ -158,10 +183,23 @@ impl RemoteDonorDirectory {
         st.slots.remove(&engine);
     }
 
+    /// Whether the directory holds a record of `engine` (lapsed or not):
+    /// one was put and neither deleted, nor dropped by [`Self::forget`],
+    /// nor forgotten for good since.
+    pub fn holds_record(&self, engine: EngineId) -> bool {
+        self.state.read().cache.cache().contains(engine)
+    }
+
     /// Engines whose newest generation the cache remembers
-    /// ([`DonorCache::generations_known`]).
+    /// ([`crate::DonorCache::generations_known`]).
     pub fn generations_known(&self) -> usize {
-        self.state.read().cache.generations_known()
+        self.state.read().cache.cache().generations_known()
+    }
+
+    /// Slot maps held (one per engine whose KV events were ingested since
+    /// its last new generation, delete or forgetting).
+    pub fn slot_maps(&self) -> usize {
+        self.state.read().slots.len()
     }
 }
 
@@ -173,7 +211,7 @@ impl DonorDirectory for RemoteDonorDirectory {
     ) -> Result<ResolvedDonor, ResolveError> {
         let now = (self.clock)();
         let st = self.state.read();
-        let record = st.cache.get(donor, now)?;
+        let record = st.cache.cache().get(donor, now)?;
         let map = st.slots.get(&donor);
         let slot_ids = hashes
             .iter()
@@ -190,3 +228,7 @@ impl DonorDirectory for RemoteDonorDirectory {
         })
     }
 }
+
+#[cfg(all(test, feature = "worker"))]
+#[path = "remote_directory_tests.rs"]
+mod tests;

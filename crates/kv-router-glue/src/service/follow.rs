@@ -63,7 +63,9 @@
 //!   re-opened and the announcements subscribed again, after
 //!   [`REOPEN_BACKOFF_MIN`] doubling to [`REOPEN_BACKOFF_MAX`] between
 //!   failed tries, and [`RouterInventory::follower_down`] names it until
-//!   then (the router's `/healthz` answers 503 with that reason). A re-opened
+//!   then (the router's `/healthz` answers 503 with that reason); a deleted
+//!   bucket is created again by the re-open when the directory may create
+//!   it ([`crate::NatsDirectory`]'s watch). A re-opened
 //!   watch delivers every current record again (renewals change nothing);
 //!   a record deleted while no watch was open stays cached until its lease
 //!   lapses, which is when the advisor stops resolving it anyway.
@@ -127,8 +129,6 @@ pub const CONNECTION_POLL: Duration = Duration::from_millis(20);
 struct Tracked {
     registry: WorkerRegistry,
     sync: InventorySync,
-    /// Engines whose directory record is applied to the remote directory.
-    recorded: HashSet<EngineId>,
     /// Event subjects named by registered workers, with their followers.
     subjects: HashMap<String, SubjectFollower>,
     /// Generation of the next subject follower.
@@ -233,7 +233,6 @@ impl RouterInventory {
             state: tokio::sync::Mutex::new(Tracked {
                 registry: WorkerRegistry::new(announce_period_ms, missed_periods),
                 sync,
-                recorded: HashSet::new(),
                 subjects: HashMap::new(),
                 next_generation: 0,
                 checked_layouts: HashSet::new(),
@@ -323,7 +322,6 @@ impl RouterInventory {
         self.remote.forget(engine);
         self.service.remove_target(engine);
         st.sync.forget(engine);
-        st.recorded.remove(&engine);
         bump(&self.counters.workers_dropped);
     }
 
@@ -530,7 +528,9 @@ impl RouterInventory {
             .subjects
             .get(subject.as_str())
             .is_some_and(|f| f.followed)
-            && st.recorded.contains(&a.engine_id);
+            // Its record applied (held by the remote directory: the state
+            // lock orders every change of it against this check).
+            && self.remote.holds_record(a.engine_id);
         if followed && st.sync.note_registration(&a, &registration) {
             drop(guard);
             let outcome = self.rebuild(a.engine_id).await;
@@ -693,22 +693,12 @@ impl RouterInventory {
         if let DirectoryChange::Put(r) = &change {
             self.check_layout(st, r);
         }
-        match self.remote.apply_directory(change) {
-            CacheUpdate::NewGeneration { engine, .. } => {
-                // The put reset the donor's slot map: a snapshot applied
-                // before it no longer stands; the next announcement asks again.
-                if st.sync.snapshot_event_id(engine).is_some() {
-                    st.sync.forget(engine);
-                }
-                st.recorded.insert(engine);
+        if let CacheUpdate::NewGeneration { engine, .. } = self.remote.apply_directory(change) {
+            // The put reset the donor's slot map: a snapshot applied
+            // before it no longer stands; the next announcement asks again.
+            if st.sync.snapshot_event_id(engine).is_some() {
+                st.sync.forget(engine);
             }
-            CacheUpdate::Renewed(engine) => {
-                st.recorded.insert(engine);
-            }
-            CacheUpdate::Deleted(engine) => {
-                st.recorded.remove(&engine);
-            }
-            CacheUpdate::Ignored(_) => {}
         }
     }
 }

@@ -341,3 +341,81 @@ async fn clients_without_credentials_or_outside_their_role_are_refused() {
         (ADVISE.into(), b"real".to_vec())
     );
 }
+
+/// The router role may not create the directory bucket: a directory on a
+/// [`crate::NatsPlane`] is refused at once, naming the subject and the
+/// server's text, instead of the `timed out` a dropped request ends in; on
+/// a bare client (which shows it no server error) the timeout says what a
+/// missing permission looks like.
+#[tokio::test]
+async fn a_role_that_may_not_create_the_bucket_is_told_which_permission() {
+    use crate::{NatsAuth, NatsDirectory, NatsOptions, NatsPlane, PlaneError};
+    const CREATE: &str = "$JS.API.STREAM.CREATE.KV_kv_donors";
+    let Some((_dir, server)) =
+        start("a_role_that_may_not_create_the_bucket_is_told_which_permission")
+    else {
+        return;
+    };
+    let options = NatsOptions {
+        auth: NatsAuth::UserPassword {
+            user: "router".into(),
+            password: "router-pw".into(),
+        },
+        inbox_prefix: Some("_INBOX_router".into()),
+        ..NatsOptions::default()
+    };
+    let plane = NatsPlane::connect(&server.url(), options).await.unwrap();
+    let ttl = Duration::from_secs(30);
+    let started = std::time::Instant::now();
+    match NatsDirectory::from_plane(&plane, &server.url(), "kv_donors", ttl).await {
+        Err(e @ PlaneError::BucketCreateRefused { .. }) => {
+            let PlaneError::BucketCreateRefused {
+                url,
+                bucket,
+                subject,
+                server: text,
+            } = &e
+            else {
+                unreachable!()
+            };
+            assert_eq!(
+                (url.as_str(), bucket.as_str(), subject.as_str()),
+                (server.url().as_str(), "kv_donors", CREATE)
+            );
+            assert_eq!(
+                text.to_lowercase(),
+                format!(
+                    "permissions violation for publish to \"{}\"",
+                    CREATE.to_lowercase()
+                )
+            );
+            let shown = e.to_string();
+            assert!(
+                shown.contains(&format!("may not publish to `{CREATE}`")),
+                "{shown}"
+            );
+        }
+        other => panic!("expected BucketCreateRefused, got {other:?}"),
+    }
+    // At once, not after the JetStream request's 10 s timeout.
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // A bare client: the timeout, saying what it may mean.
+    match NatsDirectory::from_client(plane.client().clone(), &server.url(), "kv_donors", ttl).await
+    {
+        Err(PlaneError::BucketUnavailable { reason, .. }) => {
+            assert!(reason.contains("timed out"), "{reason}");
+            assert!(
+                reason.contains(&format!(
+                    "may not publish to `{CREATE}` times out like this"
+                )),
+                "{reason}"
+            );
+        }
+        other => panic!("expected BucketUnavailable, got {other:?}"),
+    }
+}

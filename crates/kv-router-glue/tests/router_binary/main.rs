@@ -9,12 +9,15 @@
 //! those with worker and donor processes (rebuild, outage, vLLM, TLS);
 //! `vllm_endpoint.rs` a `--vllm-events` endpoint lost after the start;
 //! `advise_subject.rs` routers of two namespaces on their own advise subjects;
-//! `env_names.rs` an unknown `KV_ROUTER_*` variable refused at start.
+//! `env_names.rs` an unknown `KV_ROUTER_*` variable refused at start;
+//! `directory_bucket.rs` the directory bucket deleted under a router, or
+//! absent at start for a router that may not create it.
 
 #[path = "../agents_common/mod.rs"]
 mod agents_common;
 
 mod advise_subject;
+mod directory_bucket;
 mod donors;
 mod env_names;
 mod lifecycle;

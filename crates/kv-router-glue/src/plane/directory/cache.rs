@@ -126,6 +126,12 @@ impl DonorCache {
         Ok(r)
     }
 
+    /// Whether a record of `engine` is held, its lease lapsed or not
+    /// ([`Self::get`] says whether it is usable).
+    pub fn contains(&self, engine: EngineId) -> bool {
+        self.entries.contains_key(&engine)
+    }
+
     /// Number of entries held (lapsed ones included until deleted).
     pub fn len(&self) -> usize {
         self.entries.len()

@@ -14,12 +14,14 @@
 //! used (a typed [`ResolveError`](crate::ResolveError)).
 
 mod cache;
+mod heard_cache;
 #[cfg(feature = "nats")]
 mod nats;
 mod nixl_regions;
 mod record;
 
 pub use cache::{CacheUpdate, DonorCache};
+pub use heard_cache::{HeardCache, HeardUpdate};
 #[cfg(feature = "nats")]
 pub use nats::{NatsDirectory, NATS_MIN_MAX_AGE};
 pub use nixl_regions::{NixlMemKind, NixlRankRegion};

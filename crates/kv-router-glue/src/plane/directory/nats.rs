@@ -3,6 +3,15 @@
 //! [`super::DonorRecord`] wire bytes; bucket `max_age` = the lease TTL, so
 //! an entry the donor stopped re-putting expires by itself; `history` 1.
 //! The server must run with JetStream (`nats-server -js`).
+//!
+//! A bucket deleted while a directory is open ends its watches; a
+//! directory that creates its bucket when absent ([`NatsDirectory::from_client`],
+//! the router's and the donors') creates it again, with the configuration
+//! it would have created at start, when [`DirectoryPlane::watch`] finds it
+//! absent: otherwise a deleted bucket kept every router's follower at
+//! `donor directory watch down` until a restart. One without the permission
+//! (`$JS.API.STREAM.CREATE.KV_<bucket>`) gets an error, each watch, until
+//! someone who has it creates the bucket.
 
 use std::time::Duration;
 
@@ -12,7 +21,7 @@ use kv_descriptor::{EngineId, Wire};
 use tokio::sync::mpsc;
 
 use super::{decode_change, directory_key, DirectoryChange, DirectoryPlane, DirectoryWatch};
-use crate::event_plane::AbortOnDrop;
+use crate::event_plane::{AbortOnDrop, PermissionRefusals, Refusal};
 use crate::{NatsOptions, NatsPlane, PlaneError, PlaneFuture};
 
 /// nats-server's floor for a key-value bucket's `max_age`: it refuses to
@@ -22,8 +31,23 @@ pub const NATS_MIN_MAX_AGE: Duration = Duration::from_millis(100);
 
 /// A JetStream key-value directory.
 pub struct NatsDirectory {
+    /// Kept across a re-creation of the bucket: its puts, deletes and
+    /// watches address the bucket's subjects and its stream `KV_<bucket>`
+    /// by name, which a bucket created again keeps.
     store: kv::Store,
     bucket: String,
+    /// To create the bucket again (`create`).
+    js: jetstream::Context,
+    /// The server list, credentials shown as `***` (error messages only).
+    shown_url: String,
+    /// `max_age` the bucket is created with when absent, at open and when
+    /// a watch finds it deleted; `None` for a reader that never creates it
+    /// ([`NatsDirectory::open_existing`]).
+    create: Option<Duration>,
+    /// The permission violations the server sends the connection, when it
+    /// is a [`NatsPlane`]'s: a creation the server refuses then fails at
+    /// once naming the permission ([`PlaneError::BucketCreateRefused`]).
+    refusals: Option<PermissionRefusals>,
 }
 
 impl std::fmt::Debug for NatsDirectory {
@@ -46,15 +70,15 @@ impl NatsDirectory {
 
     /// Connects to `url` with `options` (credentials file, user and
     /// password, token, TLS: the same connect path as [`NatsPlane::connect`])
-    /// and opens bucket `bucket` ([`NatsDirectory::from_client`]).
+    /// and opens bucket `bucket` ([`NatsDirectory::from_plane`]).
     ///
     /// # Errors
     /// [`PlaneError::InvalidBucket`] before connecting, for a name NATS
     /// would refuse; [`PlaneError::TtlBelowFloor`] before connecting, for a
     /// `lease_ttl` below [`NATS_MIN_MAX_AGE`]; [`PlaneError::Connect`] naming `url` when the server is
     /// unreachable, refuses the credentials (its reason then says
-    /// `authorization violation`), demands TLS the options do not give, has
-    /// no JetStream, or the bucket can be neither opened nor created.
+    /// `authorization violation`) or demands TLS the options do not give;
+    /// as [`NatsDirectory::from_plane`] once connected.
     pub async fn connect_with(
         url: &str,
         options: NatsOptions,
@@ -64,7 +88,35 @@ impl NatsDirectory {
         check_bucket(bucket)?;
         check_ttl(lease_ttl)?;
         let plane = NatsPlane::connect(url, options).await?;
-        Self::from_client(plane.client().clone(), url, bucket, lease_ttl).await
+        Self::from_plane(&plane, url, bucket, lease_ttl).await
+    }
+
+    /// [`NatsDirectory::from_client`] on `plane`'s connection, which also
+    /// sees the server's permission violations: when the bucket is absent
+    /// and the connection's user may not create it, the error is
+    /// [`PlaneError::BucketCreateRefused`] naming the subject, as soon as
+    /// the server refuses, instead of a `timed out` 10 s later.
+    ///
+    /// # Errors
+    /// As [`NatsDirectory::from_client`], and
+    /// [`PlaneError::BucketCreateRefused`].
+    pub async fn from_plane(
+        plane: &NatsPlane,
+        url: &str,
+        bucket: &str,
+        lease_ttl: Duration,
+    ) -> Result<Self, PlaneError> {
+        check_bucket(bucket)?;
+        check_ttl(lease_ttl)?;
+        let refusals = Some(plane.refusals().clone());
+        Self::open(
+            plane.client().clone(),
+            refusals,
+            url,
+            bucket,
+            Some(lease_ttl),
+        )
+        .await
     }
 
     /// Opens bucket `bucket` on an existing connection (e.g. the process's
@@ -73,16 +125,23 @@ impl NatsDirectory {
     /// absent one is created with `max_age` = `lease_ttl`, `history` 1. Why
     /// open first: under per-role permissions (docs/nats-permissions.conf)
     /// only an operator creates the bucket, and a role without
-    /// `$JS.API.STREAM.CREATE` must still be able to use it.
+    /// `$JS.API.STREAM.CREATE` must still be able to use it. A
+    /// [`DirectoryPlane::watch`] that finds the bucket deleted creates it
+    /// again the same way (module docs).
     ///
     /// # Errors
     /// [`PlaneError::InvalidBucket`] for a name NATS would refuse
     /// ([`crate::bucket_name_problem`]), [`PlaneError::TtlBelowFloor`] for a
     /// `lease_ttl` below [`NATS_MIN_MAX_AGE`] (whether or not the bucket
     /// exists), before any request;
-    /// [`PlaneError::Connect`] naming `url` (only used in the message) when
-    /// the server has no JetStream or the bucket can be neither opened nor
-    /// created.
+    /// [`PlaneError::BucketUnavailable`] naming `url` (only used in the
+    /// message) when the server has no JetStream or the bucket can be
+    /// neither opened nor created. A bare client does not show this
+    /// directory the server's permission violations (async-nats reports
+    /// them only to the event callback the client was made with): a
+    /// creation refused for want of `$JS.API.STREAM.CREATE.KV_<bucket>`
+    /// times out, and the error says that this is what a missing
+    /// permission looks like. [`NatsDirectory::from_plane`] names it.
     pub async fn from_client(
         client: async_nats::Client,
         url: &str,
@@ -91,7 +150,7 @@ impl NatsDirectory {
     ) -> Result<Self, PlaneError> {
         check_bucket(bucket)?;
         check_ttl(lease_ttl)?;
-        Self::open(client, url, bucket, Some(lease_ttl)).await
+        Self::open(client, None, url, bucket, Some(lease_ttl)).await
     }
 
     /// Opens bucket `bucket` on an existing connection only if it exists:
@@ -111,7 +170,7 @@ impl NatsDirectory {
         bucket: &str,
     ) -> Result<Self, PlaneError> {
         check_bucket(bucket)?;
-        Self::open(client, url, bucket, None).await
+        Self::open(client, None, url, bucket, None).await
     }
 
     /// Opens `bucket`; when it is absent, creates it with `max_age` =
@@ -119,12 +178,14 @@ impl NatsDirectory {
     /// [`PlaneError::NoSuchBucket`].
     async fn open(
         client: async_nats::Client,
+        refusals: Option<PermissionRefusals>,
         url: &str,
         bucket: &str,
         create: Option<Duration>,
     ) -> Result<Self, PlaneError> {
+        let shown_url = crate::redact_url(url);
         let bucket_err = |reason: String| PlaneError::BucketUnavailable {
-            url: crate::redact_url(url),
+            url: shown_url.clone(),
             bucket: bucket.to_string(),
             reason,
         };
@@ -141,27 +202,148 @@ impl NatsDirectory {
                 let hint = no_jetstream_hint(&js).await;
                 return Err(bucket_err(format!("{hint}{e}")));
             }
-            (Err(_), Some(lease_ttl)) => match js
-                .create_key_value(kv::Config {
-                    bucket: bucket.to_string(),
-                    history: 1,
-                    max_age: lease_ttl,
-                    ..Default::default()
-                })
-                .await
-            {
-                Ok(store) => store,
-                Err(e) => {
-                    let hint = no_jetstream_hint(&js).await;
-                    return Err(bucket_err(format!("{hint}{e}")));
+            (Err(_), Some(lease_ttl)) => {
+                match create_bucket(&js, refusals.as_ref(), bucket, lease_ttl).await {
+                    Ok(store) => store,
+                    Err(Failed::Refused(Refusal { subject, server })) => {
+                        return Err(PlaneError::BucketCreateRefused {
+                            url: shown_url,
+                            bucket: bucket.to_string(),
+                            subject,
+                            server,
+                        })
+                    }
+                    Err(Failed::Other(reason)) => return Err(bucket_err(reason)),
                 }
-            },
+            }
         };
         Ok(Self {
             store,
             bucket: bucket.to_string(),
+            js,
+            shown_url,
+            create,
+            refusals,
         })
     }
+
+    /// Creates the bucket again with `max_age`, as [`NatsDirectory::open`]
+    /// would have at start, after a watch found it absent; logs one warning
+    /// saying so.
+    ///
+    /// # Errors
+    /// [`PlaneError::BucketCreateRefused`] when the server refused it for
+    /// want of a permission, [`PlaneError::BucketUnavailable`] when it
+    /// cannot be created for another reason (no JetStream, a timeout),
+    /// saying that it was deleted.
+    async fn create_again(&self, max_age: Duration) -> Result<(), PlaneError> {
+        match create_bucket(&self.js, self.refusals.as_ref(), &self.bucket, max_age).await {
+            Ok(_) => {
+                tracing::warn!(
+                    bucket = %self.bucket,
+                    max_age_ms = max_age.as_millis() as u64,
+                    "donor directory bucket was deleted: created it again, as at start"
+                );
+                Ok(())
+            }
+            Err(Failed::Refused(Refusal { subject, server })) => {
+                Err(PlaneError::BucketCreateRefused {
+                    url: self.shown_url.clone(),
+                    bucket: self.bucket.clone(),
+                    subject,
+                    server,
+                })
+            }
+            Err(Failed::Other(reason)) => Err(PlaneError::BucketUnavailable {
+                url: self.shown_url.clone(),
+                bucket: self.bucket.clone(),
+                reason: format!(
+                    "it was deleted, and creating it again failed \
+                     (retried at each watch; the bucket is watched again once \
+                     anyone creates it): {reason}"
+                ),
+            }),
+        }
+    }
+}
+
+/// Why [`create_bucket`] failed.
+enum Failed {
+    /// The server refused one of its requests for want of a permission.
+    Refused(Refusal),
+    /// Anything else, as the reason of a [`PlaneError::BucketUnavailable`]
+    /// (the no-JetStream hint first when it applies).
+    Other(String),
+}
+
+/// Creates `bucket` with `max_age` ([`bucket_config`]). With `refusals`
+/// (the connection's permission violations) a refusal of the creation's
+/// requests ends the wait as soon as the server sends it: the server drops
+/// a request its user may not publish and says so only on the connection,
+/// so the request alone would time out.
+async fn create_bucket(
+    js: &jetstream::Context,
+    refusals: Option<&PermissionRefusals>,
+    bucket: &str,
+    max_age: Duration,
+) -> Result<kv::Store, Failed> {
+    let create_subject = format!("$JS.API.STREAM.CREATE.KV_{bucket}");
+    // `create_key_value` asks the account's limits first, then creates.
+    let subjects = ["$JS.API.INFO", create_subject.as_str()];
+    // Listening before the requests go out: the refusal comes back at once.
+    let mut listener = refusals.map(PermissionRefusals::listen);
+    let refused = async {
+        match listener.as_mut() {
+            Some(l) => l.refused(&subjects).await,
+            None => std::future::pending().await,
+        }
+    };
+    let created = tokio::select! {
+        created = js.create_key_value(bucket_config(bucket, max_age)) => created,
+        refusal = refused => return Err(Failed::Refused(refusal)),
+    };
+    match created {
+        Ok(store) => Ok(store),
+        Err(e) => {
+            let hint = no_jetstream_hint(js).await;
+            // Without the refusals (a bare client's directory), a missing
+            // permission shows only as this timeout.
+            let permission = if e.kind() == jetstream::context::CreateKeyValueErrorKind::TimedOut {
+                format!(
+                    " (a connection whose user may not publish to `{create_subject}` \
+                     times out like this: the server drops the request and reports \
+                     the permissions violation only on the connection)"
+                )
+            } else {
+                String::new()
+            };
+            Err(Failed::Other(format!("{hint}{e}{permission}")))
+        }
+    }
+}
+
+/// The configuration a directory creates its bucket with: `max_age` (a
+/// record whose donor stopped re-putting expires) and one value per key.
+fn bucket_config(bucket: &str, max_age: Duration) -> kv::Config {
+    kv::Config {
+        bucket: bucket.to_string(),
+        history: 1,
+        max_age,
+        ..Default::default()
+    }
+}
+
+/// True when a watch could not start because the bucket's stream
+/// (`KV_<bucket>`) does not exist (JetStream error 10059 on its consumer's
+/// creation): the bucket was deleted.
+fn watch_stream_not_found(e: &kv::WatchError) -> bool {
+    use jetstream::stream::{ConsumerError, ConsumerErrorKind};
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<ConsumerError>())
+        .is_some_and(|c| {
+            matches!(c.kind(), ConsumerErrorKind::JetStream(j)
+                if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+        })
 }
 
 /// True when opening a bucket failed because its stream (`KV_<bucket>`)
@@ -224,16 +406,20 @@ impl DirectoryPlane for NatsDirectory {
 
     fn watch<'a>(&'a self) -> PlaneFuture<'a, DirectoryWatch> {
         Box::pin(async move {
+            let err = |e: kv::WatchError| PlaneError::Subscribe {
+                subject: self.bucket.clone(),
+                reason: e.to_string(),
+            };
             // `watch_with_history(">")` delivers the last value of every key
             // first, then every change.
-            let mut w =
-                self.store
-                    .watch_with_history(">")
-                    .await
-                    .map_err(|e| PlaneError::Subscribe {
-                        subject: self.bucket.clone(),
-                        reason: e.to_string(),
-                    })?;
+            let mut w = match (self.store.watch_with_history(">").await, self.create) {
+                (Ok(w), _) => w,
+                (Err(e), Some(max_age)) if watch_stream_not_found(&e) => {
+                    self.create_again(max_age).await?;
+                    self.store.watch_with_history(">").await.map_err(err)?
+                }
+                (Err(e), _) => return Err(err(e)),
+            };
             let (tx, rx) = mpsc::unbounded_channel();
             let task = tokio::spawn(async move {
                 while let Some(Ok(entry)) = w.next().await {

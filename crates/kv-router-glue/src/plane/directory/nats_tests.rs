@@ -194,6 +194,55 @@ async fn a_deleted_bucket_ends_the_watch_and_a_recreated_one_is_watched_again() 
     assert_eq!(next(&mut again).await, Some(DirectoryChange::Put(r2)));
 }
 
+/// A directory that creates its bucket when absent creates it again, with
+/// the same configuration, when a watch finds it deleted (a router's
+/// follower re-opening its watch); a reader that never creates it gets an
+/// error and leaves it absent.
+#[tokio::test]
+async fn a_watch_creates_a_deleted_bucket_again_unless_the_directory_never_creates() {
+    const TEST: &str = "a_watch_creates_a_deleted_bucket_again_unless_the_directory_never_creates";
+    let Some(server) = NatsServer::start_or_skip(TEST) else {
+        return;
+    };
+    let ttl = Duration::from_secs(45);
+    let router = NatsDirectory::connect(&server.url(), "kv_donors", ttl)
+        .await
+        .unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let reader = NatsDirectory::open_existing(client.clone(), &server.url(), "kv_donors")
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(client);
+    js.delete_key_value("kv_donors").await.unwrap();
+
+    // The reader's watch fails, and creates nothing.
+    match reader.watch().await {
+        Err(crate::PlaneError::Subscribe { subject, reason }) => {
+            assert_eq!(subject, "kv_donors");
+            assert!(reason.contains("stream not found"), "{reason}");
+        }
+        other => panic!("a reader watched a deleted bucket: {other:?}"),
+    }
+    assert!(js.get_key_value("kv_donors").await.is_err());
+
+    // The router's creates it again, as at start, and watches it.
+    let mut w = router.watch().await.unwrap();
+    let store = js.get_key_value("kv_donors").await.unwrap();
+    let status = store.status().await.unwrap();
+    assert_eq!((status.max_age(), status.history()), (ttl, 1));
+    let r = record(OwnerLease::fresh(Role::Decode), u64::MAX - 1);
+    router.put(&r).await.unwrap();
+    assert_eq!(next(&mut w).await, Some(DirectoryChange::Put(r.clone())));
+    // The reader's handle watches the bucket created again.
+    let mut again = reader.watch().await.unwrap();
+    assert_eq!(next(&mut again).await, Some(DirectoryChange::Put(r)));
+    // Nothing re-created it while it existed: the same stream still holds
+    // the one put.
+    // (`status` reads the info cached when the handle was opened.)
+    let fresh = js.get_key_value("kv_donors").await.unwrap();
+    assert_eq!(fresh.status().await.unwrap().values(), 1);
+}
+
 #[tokio::test]
 async fn a_server_without_jetstream_is_refused_saying_so() {
     const TEST: &str = "a_server_without_jetstream_is_refused_saying_so";

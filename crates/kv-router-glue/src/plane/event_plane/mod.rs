@@ -29,11 +29,14 @@ pub(crate) use nats::server_round_trip;
 // The advise client (service feature) connects to these too.
 #[cfg(feature = "service")]
 pub(crate) use nats::connect_addrs;
+// The directory's bucket creation waits on these.
 #[cfg(feature = "nats")]
 pub use nats::{
     inbox_prefix_problem, nats_server_addrs, nats_slow_consumer_drops, redact_url, NatsAuth,
     NatsOptions, NatsOptionsError, NatsPlane, NatsTls, FORWARD_CAPACITY,
 };
+#[cfg(feature = "nats")]
+pub(crate) use nats::{PermissionRefusals, Refusal};
 
 use crate::PlaneError;
 

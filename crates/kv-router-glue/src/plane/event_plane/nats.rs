@@ -12,7 +12,9 @@ use super::{AbortOnDrop, EventPlane, PlaneFuture, PlaneMessage, Subject, Subscri
 use crate::log_throttle::LogThrottle;
 use crate::PlaneError;
 
+mod permission_refusals;
 mod server_url;
+pub(crate) use permission_refusals::{PermissionRefusals, Refusal};
 pub(crate) use server_url::connect_addrs;
 use server_url::url_auth;
 pub use server_url::{nats_server_addrs, redact_url};
@@ -178,7 +180,10 @@ impl NatsOptions {
     /// service's advise client). It also sets the client's event callback,
     /// which logs connection changes and counts slow-consumer drops
     /// ([`nats_slow_consumer_drops`]): a caller that sets its own
-    /// `event_callback` on the result replaces it, and loses both.
+    /// `event_callback` on the result replaces it, and loses both. (A
+    /// [`NatsPlane`] also reads the server's permission violations from
+    /// it, so that a request the server dropped for want of a permission
+    /// fails naming it instead of timing out.)
     ///
     /// Credentials in `url` (`nats://user:password@host`, `nats://user:@host`
     /// for an empty password, `nats://token@host`; read as
@@ -217,6 +222,16 @@ impl NatsOptions {
         self,
         url: &str,
     ) -> Result<async_nats::ConnectOptions, NatsOptionsError> {
+        self.connect_options_reporting(url, PermissionRefusals::new())
+    }
+
+    /// [`NatsOptions::connect_options`], its event callback also passing
+    /// the server's errors to `refusals`.
+    fn connect_options_reporting(
+        self,
+        url: &str,
+        refusals: PermissionRefusals,
+    ) -> Result<async_nats::ConnectOptions, NatsOptionsError> {
         let this = self.with_url_credentials(url)?;
         let max = this.max_reconnect_delay;
         // The servers (without credentials) for the log lines: async-nats'
@@ -225,7 +240,15 @@ impl NatsOptions {
         let mut connect = async_nats::ConnectOptions::new()
             .event_callback(move |event| {
                 let servers = servers.clone();
-                async move { log_client_event(&event, &servers) }
+                let refusals = refusals.clone();
+                async move {
+                    if let async_nats::Event::ServerError(async_nats::ServerError::Other(text)) =
+                        &event
+                    {
+                        refusals.note(text);
+                    }
+                    log_client_event(&event, &servers)
+                }
             })
             .name(this.name)
             .connection_timeout(this.connect_timeout)
@@ -457,6 +480,8 @@ fn is_probe(m: &async_nats::Message) -> bool {
 #[derive(Debug, Clone)]
 pub struct NatsPlane {
     client: async_nats::Client,
+    /// The permission violations the server sends this connection.
+    refusals: PermissionRefusals,
 }
 
 impl NatsPlane {
@@ -476,8 +501,9 @@ impl NatsPlane {
         };
         let servers = server_url::connect_addrs(url).map_err(err)?;
         let tls_in_force = options.tls.in_force();
+        let refusals = PermissionRefusals::new();
         let connect = options
-            .connect_options(url)
+            .connect_options_reporting(url, refusals.clone())
             .map_err(|e| err(e.to_string()))?;
         let client = connect.connect(servers).await.map_err(|e| {
             // rustls' reasons (`received fatal alert: BadCertificate`,
@@ -492,7 +518,7 @@ impl NatsPlane {
                 e.to_string()
             })
         })?;
-        Ok(Self { client })
+        Ok(Self { client, refusals })
     }
 
     /// True while the client holds a live connection.
@@ -531,6 +557,12 @@ impl NatsPlane {
     /// reply subjects that [`EventPlane`] does not model).
     pub fn client(&self) -> &async_nats::Client {
         &self.client
+    }
+
+    /// The permission violations the server sends this connection
+    /// ([`PermissionRefusals`]).
+    pub(crate) fn refusals(&self) -> &PermissionRefusals {
+        &self.refusals
     }
 }
 
