@@ -123,6 +123,25 @@ class Replier(threading.Thread):
         self.join(timeout=5)
 
 
+def request(url, subject, payload=b"", timeout=5.0):
+    """One NATS request over the raw protocol (an inbox, a PUB with it as
+    the reply subject, the first MSG on it): e.g. a JetStream API call such
+    as `$JS.API.STREAM.DELETE.KV_<bucket>`. Returns the reply payload."""
+    host, port = url.rsplit("//", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        f = sock.makefile("rb")
+        assert f.readline().startswith(b"INFO")
+        sock.sendall(b'CONNECT {"verbose":false,"pedantic":false}\r\nSUB _INBOX.fake 1\r\n'
+                     + f"PUB {subject} _INBOX.fake {len(payload)}\r\n".encode() + payload + b"\r\n")
+        while line := f.readline():
+            if line.startswith(b"PING"):
+                sock.sendall(b"PONG\r\n")
+            elif line.startswith(b"MSG"):
+                size = int(line.split()[-1])
+                return f.read(size + 2)[:size]
+        raise AssertionError(f"no reply to {subject}")
+
+
 ROUTER_SOURCE = os.path.join(REPO, "crates", "kv-router-glue", "src", "bin", "kv-reuse-router.rs")
 
 

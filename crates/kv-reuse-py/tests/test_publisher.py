@@ -164,6 +164,33 @@ def test_a_record_ttl_shorter_than_the_announce_period_never_lapses(nats, layout
         assert missing == 0, f"the record was missing at {missing} of 30 reads"
 
 
+def test_a_deleted_bucket_is_watched_again_and_later_donors_are_seen(nats, layout, tmp_path):
+    # The directory's watch ends when its bucket is deleted. It used to stay
+    # ended: the cache kept what it had and no donor that started afterwards
+    # was ever seen. Now it is opened again (create=True: the directory
+    # creates the bucket again, as a router does).
+    from nats_fake import request
+    with kv_reuse.DonorDirectory(nats.url, bucket="kv_del", create=True) as directory:
+        with kv_reuse.WorkerPublisher.donor(nats.url, "d-before", layout, 4, f"unix:{tmp_path}/a.sock",
+                                            bucket="kv_del") as first:
+            assert directory.manifest(first.bank.engine_id, wait_s=5.0) is not None
+        reply = request(nats.url, "$JS.API.STREAM.DELETE.KV_kv_del")
+        assert b'"success":true' in reply, reply
+        # The watch notices, re-opens (creating the bucket again), and a donor
+        # starting now is seen.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                second = kv_reuse.WorkerPublisher.donor(nats.url, "d-after", layout, 4,
+                                                        f"unix:{tmp_path}/b.sock", bucket="kv_del")
+                break
+            except kv_reuse.PublishFailed:
+                assert time.monotonic() < deadline, "no donor could publish after the delete"
+                time.sleep(0.2)
+        with second:
+            assert directory.manifest(second.bank.engine_id, wait_s=30.0) is not None
+
+
 def test_close_lets_go_of_the_bank_and_its_leases(nats, layout, tmp_path):
     """close() releases the publisher's bank, so the bank's lease files (one
     per TP rank) are unmapped at close, not when the publisher is deleted."""
