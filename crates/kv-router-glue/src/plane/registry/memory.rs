@@ -87,6 +87,11 @@ impl<V> Remembered<V> {
         self.entries.get(engine).map(|(_, v)| v)
     }
 
+    /// What is remembered of `engine`, to change (its stamp stays).
+    pub(super) fn get_mut(&mut self, engine: &EngineId) -> Option<&mut V> {
+        self.entries.get_mut(engine).map(|(_, v)| v)
+    }
+
     /// Forgets `engine`, returning its value.
     pub(super) fn take(&mut self, engine: &EngineId) -> Option<V> {
         let (stamp, value) = self.entries.remove(engine)?;

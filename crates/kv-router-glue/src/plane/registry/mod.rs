@@ -355,6 +355,20 @@ struct Entry {
     last_seen_ms: u64,
 }
 
+/// What the registry keeps of an incarnation removed for silence.
+#[derive(Debug, Clone)]
+struct Silenced {
+    /// The worker key it was registered under.
+    key: String,
+    /// Heard announcing under another key since, and refused for it: a
+    /// process whose key changed, which will not come back under `key`,
+    /// so `key` is no longer kept for it (neither taken for it nor retired
+    /// by another's registration). Two silenced incarnations that swapped
+    /// keys otherwise refused each other for as long as both ran, each
+    /// refusal renewing its memory (trial h47, 4).
+    moved: bool,
+}
+
 /// The router's view of live workers.
 #[derive(Debug)]
 pub struct WorkerRegistry {
@@ -368,8 +382,8 @@ pub struct WorkerRegistry {
     retired: Remembered<String>,
     /// Incarnations removed for silence, with their worker key: taken back
     /// when they announce again, retired when another incarnation
-    /// registers under their key.
-    silenced: Remembered<String>,
+    /// registers under their key (unless they moved, [`Silenced`]).
+    silenced: Remembered<Silenced>,
     /// How long, in ms, an incarnation in `retired` or `silenced` is
     /// remembered after it was last heard of.
     retention_ms: u64,
@@ -445,7 +459,7 @@ impl WorkerRegistry {
             self.insert_live(a, now_ms);
             return Registration::Readmitted;
         }
-        if let Some(silenced_under) = self.silenced.get(&a.engine_id).cloned() {
+        if let Some(silenced_under) = self.silenced.get(&a.engine_id).map(|s| s.key.clone()) {
             // Its own key was taken by a new incarnation (which retired it
             // from `silenced`), so a live holder is another worker's: a
             // process back from silence does not take it. Nor does it take
@@ -457,6 +471,9 @@ impl WorkerRegistry {
                 || (a.worker_key != silenced_under && self.silenced_under(&a.worker_key).is_some());
             if taken {
                 self.silenced.heard(&a.engine_id, now_ms);
+                if let Some(s) = self.silenced.get_mut(&a.engine_id) {
+                    s.moved = a.worker_key != s.key;
+                }
                 return Registration::OtherKey {
                     registered_under: silenced_under,
                 };
@@ -521,8 +538,8 @@ impl WorkerRegistry {
     /// Retires every incarnation removed for silence under `key` (one that
     /// registers under it replaces them).
     fn retire_silenced_under(&mut self, key: &str, now_ms: u64) {
-        for (engine, k) in self.silenced.take_where(|_, k| k == key) {
-            self.retire(engine, k, now_ms);
+        for (engine, s) in self.silenced.take_where(|_, s| s.key == key && !s.moved) {
+            self.retire(engine, s.key, now_ms);
         }
     }
 
@@ -620,7 +637,14 @@ impl WorkerRegistry {
             if let Some(e) = self.by_key.remove(&k) {
                 let id = e.announcement.engine_id;
                 self.key_of.remove(&id);
-                let evicted = self.silenced.remember(id, k.clone(), now_ms);
+                let evicted = self.silenced.remember(
+                    id,
+                    Silenced {
+                        key: k.clone(),
+                        moved: false,
+                    },
+                    now_ms,
+                );
                 self.note_forgotten(evicted);
                 removed.push((k, id));
             }
@@ -697,9 +721,10 @@ impl WorkerRegistry {
 
     /// An incarnation removed for silence under `worker_key` and still
     /// remembered (it is taken back when it announces again), if any: such
-    /// a key is not free for another incarnation back from silence.
+    /// a key is not free for another incarnation back from silence. One
+    /// heard announcing another key since (it moved) does not count.
     pub fn silenced_under(&self, worker_key: &str) -> Option<EngineId> {
-        self.silenced.find(|_, k| k == worker_key)
+        self.silenced.find(|_, s| s.key == worker_key && !s.moved)
     }
 
     /// Whether `engine` was replaced by a newer incarnation (refused while

@@ -132,8 +132,9 @@ fn a_silenced_engine_does_not_take_the_key_of_another_silenced_incarnation() {
     assert_eq!(reg.announce(ann("k7", y), 3_600), Registration::Readmitted);
     assert_eq!(reg.get("k7").unwrap().engine_id, y);
     assert_eq!(reg.silenced_under("k7"), None);
-    // x stays remembered as silenced under k6 and is taken back there.
-    assert_eq!(reg.silenced_under("k6"), Some(x));
+    // x stays remembered as silenced, no longer keeping k6 (it announced
+    // another key), and is taken back there when it announces k6 again.
+    assert_eq!(reg.silenced_under("k6"), None);
     assert_eq!(reg.announce(ann("k6", x), 3_700), Registration::Readmitted);
     assert_eq!(reg.len(), 2);
     // A key free of live and silenced incarnations is taken by a mover.
@@ -142,6 +143,41 @@ fn a_silenced_engine_does_not_take_the_key_of_another_silenced_incarnation() {
     assert_eq!(reg.announce(ann("k8", x), 6_800), Registration::Readmitted);
     assert_eq!(reg.get("k8").unwrap().engine_id, x);
     assert_eq!(reg.silenced_under("k6"), None);
+}
+
+/// Trial h47, 4: two incarnations dropped for silence that swapped worker
+/// keys (each announcing the other's) were refused for as long as both
+/// ran: each kept its own key from the other, and each refusal renewed its
+/// memory. One heard under another key no longer keeps its own, so both
+/// are taken back under their new keys.
+#[test]
+fn two_silenced_incarnations_that_swapped_keys_are_both_taken_back() {
+    let mut reg = WorkerRegistry::new(1_000, 3);
+    let (x, y) = (EngineId::fresh(), EngineId::fresh());
+    reg.announce(ann("kx", x), 0);
+    reg.announce(ann("ky", y), 0);
+    assert_eq!(reg.tick(3_001).len(), 2);
+    // x first: ky is still kept for y, which may come back under it.
+    assert_eq!(
+        reg.announce(ann("ky", x), 3_100),
+        Registration::OtherKey {
+            registered_under: "kx".into()
+        }
+    );
+    // y, announcing kx: x moved away from kx, so kx is free for y, and x is
+    // not retired by it.
+    assert_eq!(reg.announce(ann("kx", y), 3_200), Registration::Readmitted);
+    assert!(!reg.is_replaced(x));
+    // x again, under ky: y left it, so x is taken back there.
+    assert_eq!(reg.announce(ann("ky", x), 3_300), Registration::Readmitted);
+    assert_eq!(
+        (
+            reg.get("kx").map(|a| a.engine_id),
+            reg.get("ky").map(|a| a.engine_id)
+        ),
+        (Some(y), Some(x))
+    );
+    assert_eq!(reg.len(), 2);
 }
 
 /// Trial h44, 6: an engine re-announcing another role, layout or TP was
