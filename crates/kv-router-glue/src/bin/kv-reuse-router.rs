@@ -366,8 +366,12 @@ fn main() -> ExitCode {
     // `KV_REUSE_*` value (exit 2 naming the variable), not a silent `info`:
     // an operator who asked for debug logs would otherwise never learn why
     // they do not come.
+    // Empty counts as unset: an empty filter parsed to "errors only" and
+    // hid every warning (trial h47, 7), what `KV_ROUTER_LOG=` from a
+    // template with the value left out gives.
     let filter = match std::env::var(env_names::LOG_VAR) {
         Err(std::env::VarError::NotPresent) => tracing_subscriber::EnvFilter::new(DEFAULT_LOG),
+        Ok(v) if v.is_empty() => tracing_subscriber::EnvFilter::new(DEFAULT_LOG),
         Err(e) => {
             eprintln!("kv-reuse-router: `KV_ROUTER_LOG`: {e}");
             return ExitCode::from(2);

@@ -349,6 +349,24 @@ fn a_malformed_log_filter_exits_2_naming_kv_router_log() {
     assert!(!err.contains("cannot connect"), "{err}");
 }
 
+/// An empty `KV_ROUTER_LOG` is the default filter: it parsed to "errors
+/// only" and hid every warning (trial h47, 7). The warning of a
+/// non-default namespace on the default advise subject must show.
+#[test]
+fn an_empty_log_filter_is_the_default_not_errors_only() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
+        .args(["--nats-url", NO_NATS, "--metrics-addr", "127.0.0.1:0"])
+        .args(["--namespace", "other"])
+        .env("KV_ROUTER_LOG", "")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("WARN"), "{err}");
+    assert!(err.contains("namespace=other"), "{err}");
+}
+
 #[test]
 fn bad_flags_are_refused_with_exit_code_2() {
     let out = Command::new(env!("CARGO_BIN_EXE_kv-reuse-router"))
