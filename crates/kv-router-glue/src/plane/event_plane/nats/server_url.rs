@@ -189,8 +189,20 @@ pub fn nats_server_addrs(url: &str) -> Result<Vec<async_nats::ServerAddr>, Strin
             if one.is_empty() {
                 return Err(named("is empty".into()));
             }
-            let rest = one.split_once("://").map_or(one, |(_, r)| r);
+            let (scheme, rest) = one.split_once("://").unwrap_or(("nats", one));
             let cut = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+            // The url crate reads a `\` as a `/` in a ws:// or wss:// URL (a
+            // WHATWG "special" scheme): a raw one in a secret made its first
+            // part the host, looked up in DNS and logged at debug level
+            // (trial h47, 5). Not in nats:// or tls://, where it is text.
+            let special = scheme.eq_ignore_ascii_case("ws") || scheme.eq_ignore_ascii_case("wss");
+            if special && rest[..cut].contains('\\') {
+                return Err(named(
+                    "has a `\\` before its host, which a ws:// or wss:// URL reads as a `/`: \
+                     percent-encode it in a password or token (`%5C`)"
+                        .into(),
+                ));
+            }
             if rest[cut..].contains('@') && !is_ip_authority(&rest[..cut]) {
                 // Either reading is possible (`redact_url` hides it as a
                 // secret's); each has its percent-encoding.
@@ -381,6 +393,28 @@ mod tests {
         assert!(nats_server_addrs(CUT_SECRETS[6])
             .unwrap_err()
             .contains("`%2C`"));
+    }
+
+    /// Trial h47, 5: a `\` in a ws:// secret made its first part the host
+    /// (the url crate reads it as `/` there), looked up in DNS and logged.
+    /// Refused without showing it; in nats:// it is text and stays allowed.
+    #[test]
+    fn a_backslash_in_a_ws_secret_is_refused_unseen() {
+        for url in [
+            "ws://tok\\en17@127.0.0.1:24222",
+            "wss://u:SEC\\RET123@127.0.0.1:1",
+        ] {
+            let why = nats_server_addrs(url).expect_err(url);
+            assert!(why.contains("`%5C`"), "{why}");
+            assert!(!why.contains("en17") && !why.contains("RET123"), "{why}");
+            let shown = redact_url(url);
+            assert!(
+                !shown.contains("en17") && !shown.contains("RET123"),
+                "{shown}"
+            );
+        }
+        let ok = nats_server_addrs("nats://u:p\\q@127.0.0.1:1").unwrap();
+        assert_eq!(ok[0].host(), "127.0.0.1");
     }
 
     /// Trial h42, 12: an `@` in a ws path, a query or a fragment after an
