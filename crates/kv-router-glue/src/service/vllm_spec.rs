@@ -81,6 +81,16 @@ const KEYS: [&str; 6] = ["replay", "fingerprint", "role", "tp", "block", "worker
 /// `ipc://` endpoint, which it parses, panicked at connect (trial h39, 5).
 fn zmq_endpoint(key: &'static str, value: &str) -> Result<String, VllmSpecError> {
     match zeromq::Endpoint::from_str(value) {
+        // vLLM's own endpoint setting is a bind address (`tcp://*:5557`);
+        // copied here, `*` failed at start as a DNS lookup (trial h47, 6).
+        Ok(zeromq::Endpoint::Tcp(zeromq::Host::Domain(host), _)) if host == "*" => {
+            Err(VllmSpecError::InvalidValue {
+                key,
+                value: value.to_string(),
+                expected: "the engine's host: `*` is the address vLLM binds (tcp://*:5557); \
+                           connect to where it runs (tcp://127.0.0.1:5557, tcp://decode-0:5557)",
+            })
+        }
         Ok(zeromq::Endpoint::Tcp(..)) => Ok(value.to_string()),
         _ => Err(VllmSpecError::InvalidValue {
             key,
@@ -315,6 +325,9 @@ mod tests {
             // Parsed by zeromq but not built in: it panicked at connect.
             ("ipc:///tmp/vllm.sock,fingerprint=1", "endpoint"),
             ("tcp://x:1,replay=ipc:///tmp/r.sock,fingerprint=1", "replay"),
+            // vLLM's bind address, copied (trial h47, 6).
+            ("tcp://*:5557,fingerprint=1", "endpoint"),
+            ("tcp://x:1,replay=tcp://*:5558,fingerprint=1", "replay"),
         ] {
             match spec.parse::<VllmEndpointSpec>() {
                 Err(e @ VllmSpecError::InvalidValue { key: k, .. }) => {

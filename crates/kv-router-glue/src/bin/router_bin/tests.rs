@@ -335,6 +335,8 @@ async fn vllm_endpoints_are_compared_by_address_not_as_written() {
         "tcp://LOCALHOST:15884",
         "tcp://127.0.0.1:015884",
         "tcp://[::ffff:127.0.0.1]:15884",
+        // The unspecified address: a connect reaches loopback (trial h47, 6).
+        "tcp://0.0.0.0:15884",
     ] {
         let specs = [spec(base), spec(&format!("{other},fingerprint=1,worker=b"))];
         let e = vllm_streams::check_distinct(&specs).await.unwrap_err();

@@ -46,7 +46,21 @@ impl Target {
         let zeromq::Endpoint::Tcp(host, port) = zeromq::Endpoint::from_str(endpoint).ok()? else {
             return None;
         };
-        let canonical = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
+        // A connect to the unspecified address reaches this host's
+        // loopback (Linux): `tcp://0.0.0.0:P` and `tcp://127.0.0.1:P` are
+        // one listener (trial h47, 6: both accepted, every block twice).
+        let canonical = |a: SocketAddr| {
+            let ip = match a.ip().to_canonical() {
+                std::net::IpAddr::V4(v4) if v4.is_unspecified() => {
+                    std::net::Ipv4Addr::LOCALHOST.into()
+                }
+                std::net::IpAddr::V6(v6) if v6.is_unspecified() => {
+                    std::net::Ipv6Addr::LOCALHOST.into()
+                }
+                ip => ip,
+            };
+            SocketAddr::new(ip, a.port())
+        };
         let name = match host {
             zeromq::Host::Ipv4(ip) => {
                 return Some(Target::Addrs(vec![canonical((ip, port).into())]))
