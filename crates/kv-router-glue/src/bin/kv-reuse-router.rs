@@ -328,8 +328,9 @@ impl RouterError {
 fn main() -> ExitCode {
     // A `KV_ROUTER_*` name the router does not read is a typo, refused
     // like an unknown `KV_REUSE_*` one rather than silently ignored.
-    let known = env_names::known(&<Cli as clap::CommandFactory>::command());
-    if let Err(e) = env_names::check(std::env::vars_os().map(|(name, _)| name), &known) {
+    let cmd = <Cli as clap::CommandFactory>::command();
+    let (known, flags) = (env_names::known(&cmd), env_names::flags_without_env(&cmd));
+    if let Err(e) = env_names::check(std::env::vars_os().map(|(name, _)| name), &known, &flags) {
         eprintln!("kv-reuse-router: {e}");
         return ExitCode::from(2);
     }

@@ -35,6 +35,28 @@ pub(crate) enum EnvNameError {
         /// Every `KV_ROUTER_*` variable the router reads, sorted.
         known: Vec<String>,
     },
+    /// A `KV_ROUTER_*` name made from a flag that has no variable
+    /// (`KV_ROUTER_NAMESPACE` for `--namespace`): "did you mean" pointed at
+    /// an unrelated variable (trial h47).
+    #[error(
+        "`{name}` (environment variable) is not read: `--{flag}` has no environment \
+         variable; pass the flag"
+    )]
+    FlagOnly {
+        /// The variable set.
+        name: String,
+        /// The flag's long name, without `--`.
+        flag: String,
+    },
+}
+
+/// The long names of `cmd`'s flags that have no `env` (the ones an
+/// operator may guess a `KV_ROUTER_*` name for).
+pub(crate) fn flags_without_env(cmd: &clap::Command) -> Vec<String> {
+    cmd.get_arguments()
+        .filter(|a| a.get_env().is_none())
+        .filter_map(|a| a.get_long().map(str::to_owned))
+        .collect()
 }
 
 /// Every `KV_ROUTER_*` variable the router reads: the `env` of each of
@@ -57,15 +79,25 @@ pub(crate) fn known(cmd: &clap::Command) -> Vec<String> {
 /// their order) that starts with [`PREFIX`] and is not in `known`.
 ///
 /// # Errors
-/// [`EnvNameError::Unknown`] naming it and the closest known name.
+/// [`EnvNameError::FlagOnly`] when it is a flag of `flags_without_env`
+/// spelled as a variable, else [`EnvNameError::Unknown`] naming it and the
+/// closest known name.
 pub(crate) fn check(
     names: impl IntoIterator<Item = OsString>,
     known: &[String],
+    flags_without_env: &[String],
 ) -> Result<(), EnvNameError> {
     for name in names {
         let name = name.to_string_lossy();
         if !name.starts_with(PREFIX) || known.iter().any(|k| *k == name) {
             continue;
+        }
+        let as_flag = name[PREFIX.len()..].to_ascii_lowercase().replace('_', "-");
+        if let Some(flag) = flags_without_env.iter().find(|f| **f == as_flag) {
+            return Err(EnvNameError::FlagOnly {
+                name: name.into_owned(),
+                flag: flag.clone(),
+            });
         }
         let closest = known
             .iter()
@@ -138,7 +170,7 @@ mod tests {
             "KV_ROUTERX",
             "kv_router_log",
         ]);
-        assert_eq!(check(ok, &known), Ok(()));
+        assert_eq!(check(ok, &known, &[]), Ok(()));
         for (typo, closest) in [
             ("KV_ROUTER_ADVISE_SUBJET", "KV_ROUTER_ADVISE_SUBJECT"),
             ("KV_ROUTER_NATS_PASWORD", "KV_ROUTER_NATS_PASSWORD"),
@@ -146,12 +178,15 @@ mod tests {
             ("KV_ROUTER_NATS_URLS", "KV_ROUTER_NATS_URL"),
             ("KV_ROUTER_", "KV_ROUTER_LOG"),
         ] {
-            let e = check(os(&["HOME", typo, "KV_ROUTER_ZZZ"]), &known).unwrap_err();
+            let e = check(os(&["HOME", typo, "KV_ROUTER_ZZZ"]), &known, &[]).unwrap_err();
             let EnvNameError::Unknown {
                 name,
                 closest: got,
                 known: listed,
-            } = &e;
+            } = &e
+            else {
+                panic!("{e:?}");
+            };
             assert_eq!((name.as_str(), got.as_str()), (typo, closest));
             assert_eq!(listed, &known);
             let shown = e.to_string();
@@ -161,6 +196,32 @@ mod tests {
                     && shown.contains("KV_ROUTER_NATS_INBOX_PREFIX"),
                 "{shown}"
             );
+        }
+    }
+
+    /// Trial h47: `KV_ROUTER_NAMESPACE` suggested `KV_ROUTER_NATS_URL`;
+    /// `--namespace` has no variable, and the error says so.
+    #[test]
+    fn a_flag_spelled_as_a_variable_is_named_as_a_flag_without_one() {
+        let cmd = Cli::command();
+        let flags = flags_without_env(&cmd);
+        assert!(flags.iter().any(|f| f == "namespace"), "{flags:?}");
+        assert!(!flags.iter().any(|f| f == "nats-url"), "{flags:?}");
+        for (name, flag) in [
+            ("KV_ROUTER_NAMESPACE", "namespace"),
+            ("KV_ROUTER_METRICS_ADDR", "metrics-addr"),
+        ] {
+            let e = check(os(&[name]), &known(&cmd), &flags).unwrap_err();
+            assert_eq!(
+                e,
+                EnvNameError::FlagOnly {
+                    name: name.into(),
+                    flag: flag.into()
+                }
+            );
+            assert!(e
+                .to_string()
+                .contains(&format!("`--{flag}` has no environment variable")));
         }
     }
 
