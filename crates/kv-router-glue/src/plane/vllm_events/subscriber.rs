@@ -171,7 +171,13 @@ struct Shared {
     pending_jump: Option<(u64, Vec<u8>)>,
     /// Without replay: a live batch at `next_seq` that did not decode.
     pending_undecodable: Option<u64>,
+    /// Rate limit of the undecodable-batch warnings: one per batch wrote
+    /// ~900 lines a second under garbage (trial h47).
+    undecodable_log: LogThrottle,
 }
+
+/// At most one undecodable-batch line per this long (per stream).
+const UNDECODABLE_WARN_EVERY: Duration = Duration::from_secs(1);
 
 fn digest(payload: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(payload)
@@ -208,7 +214,12 @@ impl VllmSubscriber {
         config: VllmSubscriberConfig,
         ingest: VllmIngest,
     ) -> Result<Self, VllmEventError> {
-        let mut link = Link::connect(&config).await?;
+        // Every line the stream logs names its endpoint (a restart or a
+        // loss did not say whose: trial h44, 8), the catch-up's at start
+        // too (trial h47).
+        let span = tracing::info_span!("vllm_stream", endpoint = %config.endpoint);
+        let mut link =
+            tracing::Instrument::instrument(Link::connect(&config), span.clone()).await?;
         let shared = Arc::new(Mutex::new(Shared {
             ingest,
             stats: SubscriberStats {
@@ -218,9 +229,10 @@ impl VllmSubscriber {
             recent: std::collections::VecDeque::new(),
             pending_jump: None,
             pending_undecodable: None,
+            undecodable_log: LogThrottle::new(UNDECODABLE_WARN_EVERY),
         }));
         if link.dealer.is_some() {
-            link.repair(&shared, None)
+            tracing::Instrument::instrument(link.repair(&shared, None), span.clone())
                 .await
                 .map_err(|reason| VllmEventError::Transport {
                     endpoint: config.replay_endpoint.clone().unwrap_or_default(),
@@ -228,9 +240,6 @@ impl VllmSubscriber {
                 })?;
         }
         let (stop_tx, stop_rx) = oneshot::channel();
-        // Every line the stream logs names its endpoint (a restart or a
-        // loss did not say whose: trial h44, 8).
-        let span = tracing::info_span!("vllm_stream", endpoint = %config.endpoint);
         let (ended_tx, ended) = tokio::sync::watch::channel(());
         let run = link.run(shared.clone(), stop_rx);
         let task = tokio::spawn(tracing::Instrument::instrument(
@@ -387,11 +396,16 @@ impl Shared {
             Ok(batch) => batch,
             Err(e) => {
                 self.stats.undecodable += 1;
+                let admitted = self.undecodable_log.admit(Instant::now());
                 if !replayed {
-                    tracing::warn!(seq, error = %e, "undecodable vLLM event batch: refetching");
+                    if let Some(suppressed) = admitted {
+                        tracing::warn!(seq, error = %e, suppressed, "undecodable vLLM event batch: refetching");
+                    }
                     return false;
                 }
-                tracing::warn!(seq, error = %e, "the publisher's own batch does not decode: worker needs resync");
+                if let Some(suppressed) = admitted {
+                    tracing::warn!(seq, error = %e, suppressed, "the publisher's own batch does not decode: worker needs resync");
+                }
                 if seq > self.stats.next_seq {
                     self.lose(seq);
                 }
@@ -550,6 +564,7 @@ mod tests {
             recent: std::collections::VecDeque::new(),
             pending_jump: None,
             pending_undecodable: None,
+            undecodable_log: LogThrottle::new(UNDECODABLE_WARN_EVERY),
         };
         let payload = |ts: f64| {
             let b = VllmEventBatch {
