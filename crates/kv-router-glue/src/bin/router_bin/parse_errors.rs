@@ -46,7 +46,14 @@ fn hyphen_secret(args: &[OsString]) -> Option<(&'static str, &'static str)> {
     args.windows(2).find_map(|pair| {
         let (flag, var) = SECRET_FLAGS.iter().find(|(f, _)| pair[0] == *f)?;
         let next = pair[1].to_string_lossy();
-        let number = next.parse::<f64>().is_ok();
+        // Digits with at most one `.`, as clap's negative-number check:
+        // Rust's float parser also takes `-inf`, `-nan` and `-.5`, which
+        // clap refuses, printing their first characters (trial h47).
+        let body = next.strip_prefix('-').unwrap_or("");
+        let number = body.bytes().any(|b| b.is_ascii_digit())
+            && body.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+            && body.bytes().filter(|&b| b == b'.').count() <= 1
+            && !body.starts_with('.');
         (next.starts_with('-') && !number).then_some((*flag, *var))
     })
 }
@@ -109,6 +116,22 @@ mod tests {
                 "--nats-token",
                 "KV_ROUTER_NATS_TOKEN",
             ),
+            // Numbers to Rust's float parser, not to clap (trial h47).
+            (
+                &["--nats-token", "-inf"][..],
+                "--nats-token",
+                "KV_ROUTER_NATS_TOKEN",
+            ),
+            (
+                &["--nats-token", "-nan"][..],
+                "--nats-token",
+                "KV_ROUTER_NATS_TOKEN",
+            ),
+            (
+                &["--nats-token", "-.5"][..],
+                "--nats-token",
+                "KV_ROUTER_NATS_TOKEN",
+            ),
         ] {
             let a = args(list);
             let e = Cli::try_parse_from(&a).expect_err("clap refuses it");
@@ -128,6 +151,7 @@ mod tests {
         assert_eq!(cli.nats_token.as_deref(), Some("-XsecTOK123"));
         // A negative number is a value for clap: nothing to explain.
         assert_eq!(hyphen_secret(&args(&["--nats-token", "-5"])), None);
+        assert_eq!(hyphen_secret(&args(&["--nats-token", "-2.5"])), None);
         assert_eq!(hyphen_secret(&args(&["--max-probes", "-5"])), None);
     }
 }
