@@ -6,7 +6,7 @@
 //! a usable record is forgotten for good, as in the router), so that a
 //! hint's donor manifest is resolved by engine id instead of being passed
 //! around. A watch that ends (its bucket deleted) is opened again with
-//! back-off, as the router's is.
+//! back-off (`watch_reopening`).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,7 +16,7 @@ use pyo3::types::{PyBytes, PyDict};
 
 use kv_descriptor::Wire;
 use kv_router_glue::{
-    redact_url, unix_now_ms, DirectoryPlane, HeardCache, NatsDirectory, NatsPlane,
+    redact_url, unix_now_ms, watch_reopening, HeardCache, NatsDirectory, NatsPlane,
 };
 
 use crate::errors::{descriptor, PublishFailed};
@@ -24,24 +24,6 @@ use crate::nats_auth::NatsCredentials;
 use crate::nats_runtime::{check_bucket, check_nats_url, runtime, seconds_in, within};
 use crate::process_bound::ProcessBound;
 use crate::reprs::Repr;
-
-/// Shortest and longest wait (ms) before opening an ended watch again,
-/// doubling between (as the router's follower re-opens, `REOPEN_BACKOFF_*`).
-const REOPEN_BACKOFF_MS: (u64, u64) = (100, 5_000);
-
-/// Opens `dir`'s watch again after it ended, waiting before each try
-/// ([`REOPEN_BACKOFF_MS`]) until one opens; a watch delivers every live
-/// record first, so the cache catches up with what changed meanwhile.
-async fn reopen(dir: &NatsDirectory) -> kv_router_glue::DirectoryWatch {
-    let mut wait = REOPEN_BACKOFF_MS.0;
-    loop {
-        tokio::time::sleep(Duration::from_millis(wait)).await;
-        wait = (wait * 2).min(REOPEN_BACKOFF_MS.1);
-        if let Ok(watch) = dir.watch().await {
-            return watch;
-        }
-    }
-}
 
 /// The donor directory as seen from a prefill worker (module docs).
 #[pyclass(frozen, module = "kv_reuse")]
@@ -138,23 +120,19 @@ impl DonorDirectory {
                     }
                 })
                 .await?;
-                let watch = within(&url, timeout, dir.watch()).await?;
-                Ok::<_, PyErr>((dir, watch))
+                // Opened again whenever it ends (its bucket deleted), or no
+                // donor started since would ever be seen. With `create`
+                // the directory creates a deleted bucket again; without,
+                // it waits for whoever does (a router, a donor).
+                let watch = within(&url, timeout, watch_reopening(Arc::new(dir))).await?;
+                Ok::<_, PyErr>(watch)
             })?;
             let task = rt.spawn(async move {
-                let (dir, mut watch) = watch;
-                loop {
-                    while let Some(change) = watch.next().await {
-                        feed.lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .apply(change, unix_now_ms());
-                    }
-                    // The watch ended (its bucket deleted): opened again,
-                    // as the router's follower does, or no donor that
-                    // started since would ever be seen. With `create` the
-                    // directory creates a deleted bucket again; without,
-                    // this waits for whoever does (a router, a donor).
-                    watch = reopen(&dir).await;
+                let mut watch = watch;
+                while let Some(change) = watch.next().await {
+                    feed.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .apply(change, unix_now_ms());
                 }
             });
             Ok::<_, PyErr>((rt, task))

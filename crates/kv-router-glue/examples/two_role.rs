@@ -133,7 +133,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         64,
         Arc::new(HostCopyBackend),
     )?;
-    let target = TargetAgent::connect(executor, directory.as_ref(), None).await?;
+    let target = TargetAgent::connect(executor, directory.clone(), None).await?;
     let out = target.fetch(&envelope, &hashes, &DeliveryControl::new())?;
     println!(
         "target: fetched {} blocks, {} bytes",

@@ -164,6 +164,7 @@ pub use plane::directory::{
     HeardUpdate, InProcessDirectory, NixlMemKind, NixlRankRegion, MAX_DONOR_RECORD_BYTES,
     MAX_NAME_BYTES, MAX_NIXL_AGENT_NAME_BYTES,
 };
+pub use plane::directory::{watch_reopening, REOPEN_MAX, REOPEN_MIN};
 #[cfg(feature = "nats")]
 pub use plane::directory::{NatsDirectory, NATS_MIN_MAX_AGE};
 #[cfg(feature = "nats")]

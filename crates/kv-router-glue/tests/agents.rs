@@ -25,7 +25,7 @@ fn donor_stores_router_advises_target_fetches_then_close_falls_back() {
         let p = Planes::new();
         let (plane, dir) = (&p.plane, &p.dir);
         let ep = p.endpoint("d0");
-        let (tgt, rows) = target(dir.as_ref()).await;
+        let (tgt, rows) = target(dir.clone()).await;
         let target_id = EngineId::fresh();
         let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
         let before = kv_bank::leaks::snapshot();
@@ -94,7 +94,7 @@ fn a_new_incarnation_under_the_same_worker_key_replaces_the_old_one() {
         let (plane, dir) = (&p.plane, &p.dir);
         let ep_a = p.endpoint("a");
         let ep_b = p.endpoint("b");
-        let (tgt, rows) = target(dir.as_ref()).await;
+        let (tgt, rows) = target(dir.clone()).await;
         let target_id = EngineId::fresh();
         let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
 
@@ -195,7 +195,7 @@ fn the_record_is_re_put_before_it_lapses_and_a_lapsed_one_is_refused() {
         )
         .unwrap();
         let late = renewed.lease_expires_unix_ms();
-        let tgt = TargetAgent::connect_with_clock(exec, dir.as_ref(), None, move || late)
+        let tgt = TargetAgent::connect_with_clock(exec, dir.clone(), None, move || late)
             .await
             .unwrap();
         let slots: Vec<u32> = h.iter().map(|x| donor.bank().lookup(x).unwrap()).collect();
@@ -344,7 +344,7 @@ fn pins_travel_over_tcp_with_the_key_and_a_wrong_key_is_refused_typed() {
         assert_eq!(hint.donor_control_endpoint, ep, "the record advertises TCP");
 
         // Right key: exact bytes.
-        let (tgt, rows) = target(dir.as_ref()).await;
+        let (tgt, rows) = target(dir.clone()).await;
         let tgt = tgt.with_pin_auth_key(key);
         let out = tgt.fetch(&env, &h, &DeliveryControl::new()).unwrap();
         assert_eq!(out.fetched, h);
@@ -353,9 +353,9 @@ fn pins_travel_over_tcp_with_the_key_and_a_wrong_key_is_refused_typed() {
 
         // Wrong key, and no key: refused typed, nothing pinned, the
         // destination rows back in the pool.
-        let (bad, _) = target(dir.as_ref()).await;
+        let (bad, _) = target(dir.clone()).await;
         let bad = bad.with_pin_auth_key(wrong);
-        let (none, _) = target(dir.as_ref()).await;
+        let (none, _) = target(dir.clone()).await;
         for (name, t, want_refused) in [("wrong key", &bad, true), ("no key", &none, false)] {
             let e = t.fetch(&env, &h, &DeliveryControl::new()).unwrap_err();
             let cause = match &e {

@@ -40,7 +40,7 @@ fn a_donor_publishes_its_nixl_agent_and_the_target_loads_it() {
         let (ep, dir) = (p.endpoint("d0"), &p.dir);
         let donor = p.donor("decode-0", &ep).await;
         let engine = donor.bank().owner().engine_id;
-        let (target, _rows) = target(dir.as_ref()).await;
+        let (target, _rows) = target(dir.clone()).await;
         let target_nixl = NixlAgent::new("kv-agents-nixl-target").unwrap();
 
         // No NIXL agent published yet: a typed refusal (recompute).
@@ -135,7 +135,7 @@ fn register_ranks(agent: &NixlAgent, donor: &DonorAgent) {
 /// A target executor on a NIXL backend over `agent`: TP host rows, each
 /// registered with `agent` (NIXL READs land only in registered memory).
 async fn nixl_target(
-    dir: &dyn DirectoryPlane,
+    dir: Arc<dyn DirectoryPlane>,
     agent: &Arc<NixlAgent>,
 ) -> (TargetAgent, Vec<Arc<kv_transfer::HostBuffer>>) {
     use kv_bank::{BankMemory, DestinationPool};
@@ -169,7 +169,7 @@ fn a_target_reads_the_pinned_slots_over_nixl_and_refuses_a_stale_or_unknown_dono
         let p = Planes::new();
         let (ep, plane, dir) = (p.endpoint("d0"), &p.plane, &p.dir);
         let target_nixl = Arc::new(NixlAgent::new("kv-nixl-fetch-target").unwrap());
-        let (tgt, rows) = nixl_target(dir.as_ref(), &target_nixl).await;
+        let (tgt, rows) = nixl_target(dir.clone(), &target_nixl).await;
         let target_id = kv_descriptor::EngineId::fresh();
         let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
 
@@ -262,7 +262,7 @@ fn a_registered_but_wrong_nixl_address_falls_back_at_verify() {
         let p = Planes::new();
         let (ep, plane, dir) = (p.endpoint("d0"), &p.plane, &p.dir);
         let target_nixl = Arc::new(NixlAgent::new("kv-nixl-wrong-target").unwrap());
-        let (tgt, rows) = nixl_target(dir.as_ref(), &target_nixl).await;
+        let (tgt, rows) = nixl_target(dir.clone(), &target_nixl).await;
         let target_id = kv_descriptor::EngineId::fresh();
         let mut router = Router::new(plane.clone(), dir.as_ref(), target_id).await;
         let donor = p.donor("decode-0", &ep).await;
@@ -493,7 +493,7 @@ fn checksummed_pins_complete_only_when_every_block_matches() {
                 })
             })
             .collect();
-        let (tgt, rows) = target(dir.as_ref()).await;
+        let (tgt, rows) = target(dir.clone()).await;
         let exec = tgt.executor();
         let run = |checksums: Vec<u64>, exec: &FetchExecutor| {
             let src = Checksummed {

@@ -123,7 +123,7 @@ fn read_handoff(dir: &Path) -> Handoff {
 /// A target agent resolving from `dir`, its executor on a NIXL backend over
 /// `agent` with TP host rows registered with it.
 async fn nixl_target(
-    dir: &InProcessDirectory,
+    dir: Arc<InProcessDirectory>,
     agent: &Arc<NixlAgent>,
 ) -> (TargetAgent, Vec<Arc<HostBuffer>>) {
     let rows: Vec<Arc<HostBuffer>> = (0..TP)
@@ -181,10 +181,10 @@ fn a_donor_killed_between_pin_and_nixl_read_falls_back_with_nothing_completed() 
     let Handoff { record, env } = read_handoff(files.path());
     let h = hashes(&prompt(0));
     serial(|| async {
-        let dir = InProcessDirectory::new();
+        let dir = Arc::new(InProcessDirectory::new());
         dir.put(&record).await.unwrap();
         let agent = Arc::new(NixlAgent::new("kv-two-process-target-kill").unwrap());
-        let (tgt, _rows) = nixl_target(&dir, &agent).await;
+        let (tgt, _rows) = nixl_target(dir.clone(), &agent).await;
         let name = tgt.load_donor_nixl(record.engine_id(), &agent).unwrap();
         let regions = record
             .nixl_rank_regions()
@@ -248,10 +248,10 @@ fn a_fetch_reads_another_process_over_nixl_and_falls_back_once_it_is_killed() {
     let h = hashes(&prompt(0));
 
     serial(|| async {
-        let dir = InProcessDirectory::new();
+        let dir = Arc::new(InProcessDirectory::new());
         dir.put(&record).await.unwrap();
         let agent = Arc::new(NixlAgent::new("kv-two-process-target").unwrap());
-        let (tgt, rows) = nixl_target(&dir, &agent).await;
+        let (tgt, rows) = nixl_target(dir.clone(), &agent).await;
 
         // The regions come from the donor process's own record.
         let regions = record.nixl_rank_regions().expect("published");

@@ -307,7 +307,7 @@ async fn a_donor_agent_in_another_process_serves_a_router_started_later_and_a_ta
 
     // The target, with the key, fetches exact bytes across processes.
     let (exec, rows) = target_rows();
-    let target = TargetAgent::connect(exec, dir.as_ref(), None)
+    let target = TargetAgent::connect(exec, dir.clone(), None)
         .await
         .unwrap()
         .with_pin_auth_key(PinAuthKey::from_bytes(KEY.to_vec()).unwrap());

@@ -6,12 +6,14 @@ use parking_lot::Mutex;
 
 use super::AgentError;
 use crate::{
-    check_prompt_prefix, unix_now_ms, CacheUpdate, DirectoryPlane, DirectoryWatch, DonorCache,
-    FetchError, FetchExecutor, FetchOutcome, PinAuthKey, RemoteDonor, TCP_ENDPOINT_PREFIX,
+    check_prompt_prefix, unix_now_ms, CacheUpdate, DirectoryPlane, DirectoryWatch, FetchError,
+    FetchExecutor, FetchOutcome, HeardCache, PinAuthKey, RemoteDonor, TCP_ENDPOINT_PREFIX,
 };
 
 /// A prefill worker's reuse agent: its [`FetchExecutor`] and a
-/// [`DonorCache`] fed by a directory watch.
+/// [`HeardCache`] (bounded in time) fed by a directory watch that is
+/// opened again whenever it ends ([`crate::watch_reopening`]: a deleted
+/// bucket left the agent blind to every donor started later).
 ///
 /// Donor memory is mapped per fetch (host shm, or a CUDA IPC import on the
 /// destination GPU; kv-bank's import cache shares one mapping between
@@ -30,7 +32,7 @@ pub struct TargetAgent {
 }
 
 struct State {
-    cache: DonorCache,
+    cache: HeardCache,
     watch: DirectoryWatch,
 }
 
@@ -38,7 +40,7 @@ impl std::fmt::Debug for TargetAgent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TargetAgent")
             .field("executor", &self.executor)
-            .field("donors", &self.state.lock().cache.len())
+            .field("donors", &self.state.lock().cache.cache().len())
             .finish()
     }
 }
@@ -55,7 +57,7 @@ impl TargetAgent {
     /// [`crate::RemoteDonorError::MapCount`]); [`AgentError::Plane`] when the watch cannot start.
     pub async fn connect(
         executor: FetchExecutor,
-        directory: &dyn DirectoryPlane,
+        directory: std::sync::Arc<dyn DirectoryPlane>,
         destination_gpus: Option<Vec<u32>>,
     ) -> Result<Self, AgentError> {
         Self::connect_with_clock(executor, directory, destination_gpus, unix_now_ms).await
@@ -68,7 +70,7 @@ impl TargetAgent {
     /// As [`TargetAgent::connect`].
     pub async fn connect_with_clock(
         executor: FetchExecutor,
-        directory: &dyn DirectoryPlane,
+        directory: std::sync::Arc<dyn DirectoryPlane>,
         destination_gpus: Option<Vec<u32>>,
         clock: impl Fn() -> u64 + Send + Sync + 'static,
     ) -> Result<Self, AgentError> {
@@ -78,13 +80,13 @@ impl TargetAgent {
                 reason: "empty: give one ordinal per TP rank, or None on a CPU target".into(),
             });
         }
-        let watch = directory.watch().await?;
+        let watch = crate::watch_reopening(directory).await?;
         Ok(Self {
             executor,
             destination_gpus,
             pin_auth_key: None,
             state: Mutex::new(State {
-                cache: DonorCache::new(),
+                cache: HeardCache::default(),
                 watch,
             }),
             clock: Box::new(clock),
@@ -108,9 +110,10 @@ impl TargetAgent {
     /// Applies every directory change delivered so far; returns what each did.
     pub fn refresh(&self) -> Vec<CacheUpdate> {
         let mut st = self.state.lock();
+        let now = (self.clock)();
         let mut out = Vec::new();
         while let Some(c) = st.watch.try_next() {
-            out.push(st.cache.apply(c));
+            out.push(st.cache.apply(c, now).update);
         }
         out
     }
@@ -136,7 +139,7 @@ impl TargetAgent {
         self.refresh();
         let record = {
             let st = self.state.lock();
-            st.cache.get(donor, (self.clock)())?.clone()
+            st.cache.cache().get(donor, (self.clock)())?.clone()
         };
         let (Some(published), Some(metadata)) =
             (record.nixl_agent_name(), record.nixl_agent_metadata())
@@ -286,7 +289,10 @@ impl TargetAgent {
         self.refresh();
         let record = {
             let st = self.state.lock();
-            st.cache.get(hint.donor_engine_id, (self.clock)())?.clone()
+            st.cache
+                .cache()
+                .get(hint.donor_engine_id, (self.clock)())?
+                .clone()
         };
         if record.generation() != hint.bank_generation {
             return Err(FetchError::StaleGeneration {

@@ -396,7 +396,7 @@ impl Router {
 }
 
 /// A target agent on host buffers, and those buffers to check bytes.
-pub async fn target(dir: &dyn DirectoryPlane) -> (TargetAgent, Vec<Arc<HostBuffer>>) {
+pub async fn target(dir: Arc<dyn DirectoryPlane>) -> (TargetAgent, Vec<Arc<HostBuffer>>) {
     let rows: Vec<Arc<HostBuffer>> = (0..TP)
         .map(|_| Arc::new(HostBuffer::zeroed(ROWS as usize * rbb()).unwrap()))
         .collect();

@@ -235,7 +235,7 @@ async fn serve(
                 backend,
             )
             .map_err(|e| fail("executor")(e.to_string()))?;
-            let agent = TargetAgent::connect(executor, directory.as_ref(), ordinals.clone())
+            let agent = TargetAgent::connect(executor, directory.clone(), ordinals.clone())
                 .await
                 .map_err(|e| fail("target agent")(e.to_string()))?;
             let engine = owner.engine_id;

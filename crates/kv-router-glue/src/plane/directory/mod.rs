@@ -19,6 +19,7 @@ mod heard_cache;
 mod nats;
 mod nixl_regions;
 mod record;
+mod reopening;
 
 pub use cache::{CacheUpdate, DonorCache};
 pub use heard_cache::{HeardCache, HeardUpdate};
@@ -29,6 +30,7 @@ pub use record::{
     DonorRecord, DonorRecordError, DonorRecordParts, MAX_DONOR_RECORD_BYTES, MAX_NAME_BYTES,
     MAX_NIXL_AGENT_NAME_BYTES,
 };
+pub use reopening::{watch_reopening, REOPEN_MAX, REOPEN_MIN};
 
 use kv_descriptor::{EngineId, Wire};
 use parking_lot::Mutex;
