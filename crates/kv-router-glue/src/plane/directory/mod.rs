@@ -86,6 +86,9 @@ pub struct DirectoryWatch {
     // Stops a backend's forwarding task when the watch is dropped.
     #[allow(dead_code)]
     _guard: Option<crate::event_plane::AbortOnDrop>,
+    /// How to open the backend's watch again when it ends
+    /// ([`watch_reopening`]); `None`: the watch ends with it.
+    reopen: Option<Box<reopening::Reopen>>,
 }
 
 impl std::fmt::Debug for DirectoryWatch {
@@ -95,13 +98,51 @@ impl std::fmt::Debug for DirectoryWatch {
 }
 
 impl DirectoryWatch {
-    /// The next change; `None` once the backend went away.
-    pub async fn next(&mut self) -> Option<DirectoryChange> {
-        self.rx.recv().await
+    /// A watch fed by `rx`, whose backend task (if any) `guard` stops.
+    pub(crate) fn new(
+        rx: mpsc::UnboundedReceiver<DirectoryChange>,
+        guard: Option<crate::event_plane::AbortOnDrop>,
+    ) -> Self {
+        Self {
+            rx,
+            _guard: guard,
+            reopen: None,
+        }
     }
-    /// A change already delivered, without waiting.
+
+    /// The next change; `None` once the backend went away (never, for a
+    /// [`watch_reopening`] one: it waits for the watch opened again).
+    pub async fn next(&mut self) -> Option<DirectoryChange> {
+        loop {
+            if let Some(change) = self.rx.recv().await {
+                return Some(change);
+            }
+            let fresh = self.reopen.as_mut()?.open_again().await;
+            self.adopt(fresh);
+        }
+    }
+
+    /// A change already delivered, without waiting. For a
+    /// [`watch_reopening`] one whose backend ended, each call also moves
+    /// the re-opening on (a try started in the background, taken in once
+    /// open), so a reader that only polls still gets there.
     pub fn try_next(&mut self) -> Option<DirectoryChange> {
-        self.rx.try_recv().ok()
+        loop {
+            match self.rx.try_recv() {
+                Ok(change) => return Some(change),
+                Err(mpsc::error::TryRecvError::Empty) => return None,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    let fresh = self.reopen.as_mut()?.poll_open()?;
+                    self.adopt(fresh);
+                }
+            }
+        }
+    }
+
+    /// Reads from `fresh`'s backend from now on, keeping how to re-open.
+    fn adopt(&mut self, fresh: DirectoryWatch) {
+        self.rx = fresh.rx;
+        self._guard = fresh._guard;
     }
 }
 
@@ -212,7 +253,7 @@ impl DirectoryPlane for InProcessDirectory {
                 let _ = tx.send(decode_change(k, v));
             }
             st.watchers.push(tx);
-            Ok(DirectoryWatch { rx, _guard: None })
+            Ok(DirectoryWatch::new(rx, None))
         })
     }
 }

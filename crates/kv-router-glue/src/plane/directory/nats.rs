@@ -437,10 +437,7 @@ impl DirectoryPlane for NatsDirectory {
                     }
                 }
             });
-            Ok(DirectoryWatch {
-                rx,
-                _guard: Some(AbortOnDrop(task)),
-            })
+            Ok(DirectoryWatch::new(rx, Some(AbortOnDrop(task))))
         })
     }
 }

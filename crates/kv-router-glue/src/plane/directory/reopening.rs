@@ -13,9 +13,9 @@
 //! entry deleted meanwhile, never: its lease lapses instead.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
+use tokio::sync::oneshot;
 
 use super::{DirectoryPlane, DirectoryWatch};
 use crate::PlaneError;
@@ -26,11 +26,13 @@ pub const REOPEN_MIN: Duration = Duration::from_millis(100);
 /// Longest wait between tries.
 pub const REOPEN_MAX: Duration = Duration::from_secs(5);
 
-/// Opens `directory`'s watch and keeps it open: when the backend's watch
-/// ends, it is opened again after [`REOPEN_MIN`], doubling to
-/// [`REOPEN_MAX`] between failed tries, with one warning per end. The
-/// returned watch ends only when dropped (the task behind it stops then).
-/// Must run inside a tokio runtime.
+/// Opens `directory`'s watch, and opens it again whenever the backend's
+/// watch ends: after [`REOPEN_MIN`], doubling to [`REOPEN_MAX`] between
+/// failed tries, with one warning per end. Changes are read from the
+/// backend's own watch (no task in between: an in-process put is there at
+/// once, as before). [`DirectoryWatch::next`] waits through a re-open;
+/// [`DirectoryWatch::try_next`] moves it on at each call. Must run inside
+/// a tokio runtime (re-opens started by `try_next` run on it).
 ///
 /// # Errors
 /// The first [`DirectoryPlane::watch`]'s error: a directory that cannot
@@ -48,42 +50,109 @@ pub const REOPEN_MAX: Duration = Duration::from_secs(5);
 pub async fn watch_reopening(
     directory: Arc<dyn DirectoryPlane>,
 ) -> Result<DirectoryWatch, PlaneError> {
-    let mut inner = directory.watch().await?;
-    let (tx, rx) = mpsc::unbounded_channel();
-    // What the backend already delivered is there at once, as on its own
-    // watch (an in-process directory hands every current entry over
-    // inside `watch`), not one task wake-up later.
-    while let Some(change) = inner.try_next() {
-        let _ = tx.send(change);
+    let mut watch = directory.watch().await?;
+    watch.reopen = Some(Box::new(Reopen {
+        directory,
+        runtime: tokio::runtime::Handle::current(),
+        opening: None,
+        wait: REOPEN_MIN,
+        next_try: None,
+    }));
+    Ok(watch)
+}
+
+/// The re-opening state of a [`watch_reopening`] watch.
+pub(super) struct Reopen {
+    directory: Arc<dyn DirectoryPlane>,
+    /// Where `try_next`'s background tries run.
+    runtime: tokio::runtime::Handle,
+    /// A try started by `poll_open`, its result to come.
+    opening: Option<oneshot::Receiver<Result<DirectoryWatch, PlaneError>>>,
+    /// Wait before the next try.
+    wait: Duration,
+    /// When `poll_open` may start the next try; `None` until the end is
+    /// first seen (then warned about).
+    next_try: Option<Instant>,
+}
+
+impl Reopen {
+    /// Notes a try that failed: the next waits twice as long.
+    fn failed(&mut self, why: &dyn std::fmt::Display) {
+        tracing::debug!(error = %why, retry_in_ms = self.wait.as_millis() as u64, "donor directory watch not open yet");
+        self.next_try = Some(Instant::now() + self.wait);
+        self.wait = (self.wait * 2).min(REOPEN_MAX);
     }
-    let task = tokio::spawn(async move {
+
+    /// Starts the wait after an end, with its warning; the first call per end.
+    fn ended(&mut self) -> Instant {
+        *self.next_try.get_or_insert_with(|| {
+            tracing::warn!("donor directory watch ended (a deleted bucket?): opening it again");
+            let at = Instant::now() + self.wait;
+            self.wait = (self.wait * 2).min(REOPEN_MAX);
+            at
+        })
+    }
+
+    /// A watch opened again, for the next end to start over.
+    fn opened(&mut self, watch: DirectoryWatch) -> DirectoryWatch {
+        self.wait = REOPEN_MIN;
+        self.next_try = None;
+        watch
+    }
+
+    /// Waits until the backend's watch is open again.
+    pub(super) async fn open_again(&mut self) -> DirectoryWatch {
         loop {
-            while let Some(change) = inner.next().await {
-                if tx.send(change).is_err() {
-                    return;
+            if let Some(rx) = self.opening.take() {
+                match rx.await {
+                    Ok(Ok(w)) => return self.opened(w),
+                    Ok(Err(e)) => self.failed(&e),
+                    Err(e) => self.failed(&e),
+                }
+                continue;
+            }
+            let at = self.ended();
+            tokio::time::sleep_until(at.into()).await;
+            match self.directory.watch().await {
+                Ok(w) => return self.opened(w),
+                Err(e) => self.failed(&e),
+            }
+        }
+    }
+
+    /// Without waiting: the watch opened again if a try finished with it,
+    /// else `None`, starting a try in the background when it is time.
+    pub(super) fn poll_open(&mut self) -> Option<DirectoryWatch> {
+        if let Some(rx) = self.opening.as_mut() {
+            match rx.try_recv() {
+                Err(oneshot::error::TryRecvError::Empty) => return None,
+                Ok(Ok(w)) => {
+                    self.opening = None;
+                    return Some(self.opened(w));
+                }
+                Ok(Err(e)) => {
+                    self.opening = None;
+                    self.failed(&e);
+                }
+                Err(e @ oneshot::error::TryRecvError::Closed) => {
+                    self.opening = None;
+                    self.failed(&e);
                 }
             }
-            tracing::warn!("donor directory watch ended (a deleted bucket?): opening it again");
-            let mut wait = REOPEN_MIN;
-            inner = loop {
-                tokio::time::sleep(wait).await;
-                if tx.is_closed() {
-                    return;
-                }
-                match directory.watch().await {
-                    Ok(w) => break w,
-                    Err(e) => {
-                        tracing::debug!(error = %e, retry_in_ms = wait.as_millis() as u64, "donor directory watch not open yet");
-                        wait = (wait * 2).min(REOPEN_MAX);
-                    }
-                }
-            };
         }
-    });
-    Ok(DirectoryWatch {
-        rx,
-        _guard: Some(crate::event_plane::AbortOnDrop(task)),
-    })
+        if Instant::now() < self.ended() {
+            return None;
+        }
+        let (tx, rx) = oneshot::channel();
+        let directory = self.directory.clone();
+        self.runtime.spawn(async move {
+            let _ = tx.send(directory.watch().await);
+        });
+        self.opening = Some(rx);
+        // Not yet due again: the try in flight decides.
+        self.next_try = Some(Instant::now() + REOPEN_MAX);
+        None
+    }
 }
 
 #[cfg(test)]
@@ -121,6 +190,34 @@ mod tests {
         let later = tokio::time::timeout(Duration::from_secs(2), watch.next()).await;
         match later {
             Ok(Some(DirectoryChange::Put(r))) => assert_eq!(r.engine_id(), second.engine_id),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A reader that only polls (`try_next`, as `TargetAgent::refresh`
+    /// does) gets the watch opened again too, and a put after that is
+    /// there at once, not a task hop later.
+    #[tokio::test]
+    async fn a_polling_reader_gets_the_watch_opened_again() {
+        let directory = Arc::new(InProcessDirectory::new());
+        let mut watch = watch_reopening(directory.clone()).await.unwrap();
+        let first = kv_descriptor::OwnerLease::fresh(kv_descriptor::Role::Decode);
+        directory.put(&record(first, u64::MAX - 1)).await.unwrap();
+        assert!(matches!(watch.try_next(), Some(DirectoryChange::Put(_))));
+        directory.end_watches();
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        let again = loop {
+            if let Some(c) = watch.try_next() {
+                break c;
+            }
+            assert!(std::time::Instant::now() < deadline, "not opened again");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        assert!(matches!(again, DirectoryChange::Put(r) if r.engine_id() == first.engine_id));
+        let second = kv_descriptor::OwnerLease::fresh(kv_descriptor::Role::Decode);
+        directory.put(&record(second, u64::MAX - 1)).await.unwrap();
+        match watch.try_next() {
+            Some(DirectoryChange::Put(r)) => assert_eq!(r.engine_id(), second.engine_id),
             other => panic!("{other:?}"),
         }
     }
