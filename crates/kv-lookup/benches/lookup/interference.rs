@@ -41,12 +41,16 @@ impl Pairs {
         v[v.len() / 2]
     }
 
-    /// Each pair's loss of lookups/s, percent (negative: the load costs).
+    /// Each pair's loss of lookups/s, percent (negative: the load costs),
+    /// sorted.
     fn losses(&self) -> Vec<f64> {
-        self.0
+        let mut v: Vec<f64> = self
+            .0
             .iter()
             .map(|(alone, l)| 100.0 * (l.lookups_per_s / alone.lookups_per_s - 1.0))
-            .collect()
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v
     }
 }
 
@@ -72,12 +76,8 @@ pub(crate) fn interference_rows<'a, F, I>(
         let chains = churn_chains(e, 7 + e as u64);
         let none = churn_chains(0, 0);
         let print = |reader: &str, load: &str, p: &Pairs| {
-            let losses = p.losses();
-            let (lo, hi) = losses
-                .iter()
-                .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-            let mut sorted = losses.clone();
-            sorted.sort_by(f64::total_cmp);
+            let sorted = p.losses();
+            let (lo, hi) = (sorted[0], sorted[sorted.len() - 1]);
             println!(
                 "{prefix} T{t}+E{e} interference: {reader} lookups, {load}: {:.0} lookups/s \
                  ({:+.1} % against none, median of {rounds} pairs, {lo:+.1} to {hi:+.1} %), \
